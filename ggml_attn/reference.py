@@ -1,0 +1,115 @@
+"""numpy reference of ``ggml_flash_attn_ext`` (REFERENCE.md section 2).
+
+All arrays here are in **numpy axis order** (the reverse of ggml's ``ne[0..3]``):
+
+    q     (ne3, n_head,    n_batch, D_k)      ggml q    [D_k, n_batch, n_head,    ne3]
+    k     (ne3, n_head_kv, n_kv,    D_k)      ggml k    [D_k, n_kv,    n_head_kv, ne3]
+    v     (ne3, n_head_kv, n_kv,    D_v)      ggml v    [D_v, n_kv,    n_head_kv, ne3]
+    mask  (ne33, ne32, n_rows >= n_batch, n_kv)  ggml mask [n_kv, n_rows, ne32, ne33]
+    sinks (n_head,)
+    out   (ne3, n_batch, n_head, D_v)         ggml res  [D_v, n_head,  n_batch,   ne3]
+
+K/V may be given as float arrays or, with ``kv_type``, as ggml storage arrays
+(F16 ``float16``, BF16 ``uint16`` bits). The math runs in ``dtype`` (float64 for tests).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .dtypes import GGML_TYPE_F32, to_float
+
+
+def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
+    """ALiBi slope per query head, float64 ``(n_head,)``; all ones when ``max_bias == 0``."""
+    if max_bias <= 0.0:
+        return np.ones(n_head, dtype=np.float64)
+    n_head_log2 = 1 << int(math.floor(math.log2(n_head)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
+    h = np.arange(n_head)
+    return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1))
+
+
+def flash_attn_ext(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    scale: float = 1.0,
+    max_bias: float = 0.0,
+    logit_softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
+    *,
+    kv_type: int = GGML_TYPE_F32,
+    dtype=np.float64,
+) -> np.ndarray:
+    """Attention exactly as ggml defines it; arrays in numpy order (module docstring).
+
+    Returns ``(ne3, n_batch, n_head, D_v)`` in ``dtype``. A query row whose every
+    logit is masked (and that has no sink) gives zeros.
+    """
+    if kv_type != GGML_TYPE_F32:
+        k, v = to_float(k, kv_type), to_float(v, kv_type)
+    q = np.asarray(q, dtype=dtype)
+    k = np.asarray(k, dtype=dtype)
+    v = np.asarray(v, dtype=dtype)
+    ne3, n_head, n_batch, d_k = q.shape
+    _, n_head_kv, n_kv, _ = k.shape
+    d_v = v.shape[3]
+    if k.shape[0] != ne3 or v.shape[:3] != k.shape[:3] or k.shape[3] != d_k or n_head % n_head_kv:
+        raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
+    gqa = n_head // n_head_kv
+
+    if logit_softcap != 0.0:
+        scale = scale / logit_softcap
+    slopes = alibi_slopes(n_head, max_bias).astype(dtype)
+    out = np.zeros((ne3, n_batch, n_head, d_v), dtype=dtype)
+    for s in range(ne3):
+        for hk in range(n_head_kv):
+            heads = slice(hk * gqa, (hk + 1) * gqa)
+            logits = np.matmul(q[s, heads], k[s, hk].T) * dtype(scale)  # (gqa, n_batch, n_kv)
+            if logit_softcap != 0.0:
+                logits = dtype(logit_softcap) * np.tanh(logits)
+            if mask is not None:
+                m = np.asarray(mask[s % mask.shape[0]], dtype=dtype)  # (ne32, n_rows, n_kv)
+                rows = m[np.arange(hk * gqa, (hk + 1) * gqa) % m.shape[0], :n_batch, :]
+                logits = logits + slopes[heads, None, None] * rows
+            if sinks is not None:
+                sink = np.asarray(sinks, dtype=dtype)[heads, None, None]
+                row_max = np.maximum(logits.max(axis=-1, keepdims=True), sink)
+            else:
+                row_max = logits.max(axis=-1, keepdims=True)
+            finite = np.isfinite(row_max)
+            row_max = np.where(finite, row_max, 0.0)
+            p = np.exp(logits - row_max)  # exp(-inf) = 0 for masked cells
+            denom = p.sum(axis=-1, keepdims=True)
+            if sinks is not None:
+                denom = denom + np.exp(sink - row_max)
+            acc = np.matmul(p, v[s, hk])  # (gqa, n_batch, d_v)
+            safe = np.where(denom > 0, denom, 1.0)
+            res = np.where(denom > 0, acc / safe, 0.0)
+            out[s, :, heads, :] = res.transpose(1, 0, 2)
+    return out
+
+
+def nmse(result: np.ndarray, expected: np.ndarray) -> float:
+    """Normalized mean squared error as llama.cpp's test-backend-ops computes it:
+    ``sum((result - expected)^2) / sum(expected^2)`` in float64; inf when the NaN/inf
+    patterns of the two differ."""
+    a = np.asarray(result, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch {a.shape} vs {b.shape}")
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    if not np.array_equal(fa, fb) or not np.array_equal(np.isnan(a), np.isnan(b)):
+        return math.inf
+    if not np.array_equal(a[~fa], b[~fb]):
+        return math.inf
+    a, b = a[fa], b[fb]
+    den = float(np.sum(b * b))
+    num = float(np.sum((a - b) ** 2))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
