@@ -1,4 +1,8 @@
-"""ggml-attn: batched flash attention for ggml, with a numpy reference and CUDA kernels."""
+"""ggml-attn: batched flash attention for ggml, with a numpy reference and CUDA kernels.
+
+``import ggml_attn`` needs neither CuPy nor a GPU.
+"""
+from .op import FlashAttnError, compute_graph, flash_attn_ext, raise_pending, set_backend  # noqa: F401
 from .reference import nmse  # noqa: F401
 
 __version__ = "0.1.0"

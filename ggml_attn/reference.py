@@ -32,6 +32,41 @@ def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
     return np.where(h < n_head_log2, m0 ** (h + 1), m1 ** (2 * (h - n_head_log2) + 1))
 
 
+def attend_group(q, k, v, mask_rows, slopes, sinks, scale: float, logit_softcap: float,
+                 dtype=np.float64) -> np.ndarray:
+    """Attention of ``g`` query heads that share one KV head, numpy order.
+
+    q ``(g, n_batch, D_k)``, k ``(n_kv, D_k)``, v ``(n_kv, D_v)``, mask_rows ``(g, n_batch, n_kv)``
+    or None, slopes ``(g,)``, sinks ``(g,)`` or None; ``scale`` already divided by the softcap.
+    Returns ``(g, n_batch, D_v)`` in ``dtype``.
+    """
+    logits = np.matmul(np.asarray(q, dtype=dtype), np.asarray(k, dtype=dtype).T) * dtype(scale)
+    if logit_softcap != 0.0:
+        logits = dtype(logit_softcap) * np.tanh(logits)
+    if mask_rows is not None:
+        logits = logits + np.asarray(slopes, dtype=dtype)[:, None, None] * np.asarray(mask_rows, dtype=dtype)
+    row_max = logits.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = np.asarray(sinks, dtype=dtype)[:, None, None]
+        row_max = np.maximum(row_max, sink)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    p = np.exp(logits - row_max)  # exp(-inf) = 0 for masked cells
+    denom = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(sink - row_max)
+    acc = np.matmul(p, np.asarray(v, dtype=dtype))
+    return np.where(denom > 0, acc / np.where(denom > 0, denom, 1.0), 0.0)
+
+
+def group_mask_rows(mask: np.ndarray | None, stream: int, heads: range, n_batch: int):
+    """Mask rows ``(len(heads), n_batch, n_kv)`` of ``stream`` for query ``heads``, broadcasting
+    ggml's mask (numpy order ``(ne33, ne32, rows, n_kv)``) over streams and heads."""
+    if mask is None:
+        return None
+    m = mask[stream % mask.shape[0]]
+    return m[np.asarray(heads) % m.shape[0], :n_batch, :]
+
+
 def flash_attn_ext(
     q: np.ndarray,
     k: np.ndarray,
@@ -48,49 +83,28 @@ def flash_attn_ext(
     """Attention exactly as ggml defines it; arrays in numpy order (module docstring).
 
     Returns ``(ne3, n_batch, n_head, D_v)`` in ``dtype``. A query row whose every
-    logit is masked (and that has no sink) gives zeros.
+    logit is masked gives zeros (a sink adds weight but no value).
     """
     if kv_type != GGML_TYPE_F32:
         k, v = to_float(k, kv_type), to_float(v, kv_type)
-    q = np.asarray(q, dtype=dtype)
-    k = np.asarray(k, dtype=dtype)
-    v = np.asarray(v, dtype=dtype)
     ne3, n_head, n_batch, d_k = q.shape
     _, n_head_kv, n_kv, _ = k.shape
     d_v = v.shape[3]
     if k.shape[0] != ne3 or v.shape[:3] != k.shape[:3] or k.shape[3] != d_k or n_head % n_head_kv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     gqa = n_head // n_head_kv
-
     if logit_softcap != 0.0:
         scale = scale / logit_softcap
-    slopes = alibi_slopes(n_head, max_bias).astype(dtype)
+    slopes = alibi_slopes(n_head, max_bias)
     out = np.zeros((ne3, n_batch, n_head, d_v), dtype=dtype)
     for s in range(ne3):
         for hk in range(n_head_kv):
-            heads = slice(hk * gqa, (hk + 1) * gqa)
-            logits = np.matmul(q[s, heads], k[s, hk].T) * dtype(scale)  # (gqa, n_batch, n_kv)
-            if logit_softcap != 0.0:
-                logits = dtype(logit_softcap) * np.tanh(logits)
-            if mask is not None:
-                m = np.asarray(mask[s % mask.shape[0]], dtype=dtype)  # (ne32, n_rows, n_kv)
-                rows = m[np.arange(hk * gqa, (hk + 1) * gqa) % m.shape[0], :n_batch, :]
-                logits = logits + slopes[heads, None, None] * rows
-            if sinks is not None:
-                sink = np.asarray(sinks, dtype=dtype)[heads, None, None]
-                row_max = np.maximum(logits.max(axis=-1, keepdims=True), sink)
-            else:
-                row_max = logits.max(axis=-1, keepdims=True)
-            finite = np.isfinite(row_max)
-            row_max = np.where(finite, row_max, 0.0)
-            p = np.exp(logits - row_max)  # exp(-inf) = 0 for masked cells
-            denom = p.sum(axis=-1, keepdims=True)
-            if sinks is not None:
-                denom = denom + np.exp(sink - row_max)
-            acc = np.matmul(p, v[s, hk])  # (gqa, n_batch, d_v)
-            safe = np.where(denom > 0, denom, 1.0)
-            res = np.where(denom > 0, acc / safe, 0.0)
-            out[s, :, heads, :] = res.transpose(1, 0, 2)
+            heads = range(hk * gqa, (hk + 1) * gqa)
+            res = attend_group(q[s, hk * gqa:(hk + 1) * gqa], k[s, hk], v[s, hk],
+                               group_mask_rows(mask, s, heads, n_batch), slopes[hk * gqa:(hk + 1) * gqa],
+                               None if sinks is None else np.asarray(sinks)[hk * gqa:(hk + 1) * gqa],
+                               scale, logit_softcap, dtype)
+            out[s, :, hk * gqa:(hk + 1) * gqa, :] = res.transpose(1, 0, 2)
     return out
 
 

@@ -1,0 +1,230 @@
+"""``flash_attn_ext``: a drop-in for ``ggml_flash_attn_ext`` as a ggml custom op.
+
+The op is a ``ggml_custom_4d`` node with sources ``[q, k, v, (mask), (sinks)]`` and the same
+result as ggml's: F32 ``[D_v, n_head, n_batch, ne3]`` (ggml order), i.e. permuted (0,2,1,3)
+relative to q. When the node runs it picks the backend per call:
+
+* device pointers (device-resident graphs, REFERENCE §6) -> CUDA kernels, launched by graph
+  thread 0 with raw pointers;
+* host pointers and a usable GPU -> the same kernels, staged through pinned buffers;
+* otherwise -> the numpy reference in float32, work split over the graph's threads.
+
+ggml swallows exceptions raised in callbacks (REFERENCE §6). Here every error is caught in
+the callback, logged, the output filled with NaN (never left silently unwritten), and
+recorded; :func:`compute_graph` re-raises it after compute, and :func:`raise_pending` does
+so for graphs computed some other way.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+
+import ggml
+import numpy as np
+
+from . import reference
+from .dtypes import GGML_TYPE_F32, to_float
+from .tensor import TensorDesc, as_numpy, from_ggml
+from .validate import AttnDims, check_flash_attn_args
+
+log = logging.getLogger("ggml_attn")
+
+#: backend names accepted by :func:`set_backend`
+BACKENDS = ("auto", "reference", "cuda")
+
+
+class FlashAttnError(RuntimeError):
+    """An error raised inside the op's callback during ggml compute."""
+
+
+@dataclass(frozen=True)
+class _OpParams:
+    scale: float
+    max_bias: float
+    logit_softcap: float
+    has_mask: bool
+    has_sinks: bool
+
+
+# userdata id -> params. Deduplicated: graphs with the same settings share one entry, so the
+# registry stays tiny however many graphs are built.
+_params_by_id: dict[int, _OpParams] = {}
+_id_by_params: dict[_OpParams, int] = {}
+_registry_lock = threading.Lock()
+
+_errors: list[BaseException] = []
+_errors_lock = threading.Lock()
+
+_settings = {"backend": "auto", "kernel": "auto"}
+
+
+def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
+    """Choose where the op runs: ``auto`` (CUDA when usable, else numpy), ``reference``
+    (numpy always) or ``cuda`` (error when no GPU); ``kernel`` is passed to the CUDA backend
+    (``auto``, ``prefill``, ``decode``, ``decode-tc``, ``reference``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _settings["backend"] = backend
+    _settings["kernel"] = kernel
+
+
+def _params_id(p: _OpParams) -> int:
+    with _registry_lock:
+        if p not in _id_by_params:
+            _id_by_params[p] = len(_params_by_id) + 1
+            _params_by_id[_id_by_params[p]] = p
+        return _id_by_params[p]
+
+
+def _record(exc: BaseException) -> None:
+    with _errors_lock:
+        _errors.append(exc)
+
+
+def pending_errors() -> list[BaseException]:
+    """Errors recorded by op callbacks since the last :func:`raise_pending` (not cleared)."""
+    with _errors_lock:
+        return list(_errors)
+
+
+def raise_pending() -> None:
+    """Raise :class:`FlashAttnError` for the first error recorded by an op callback, if any,
+    and clear the record."""
+    with _errors_lock:
+        errs, _errors[:] = list(_errors), []
+    if errs:
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise FlashAttnError(f"flash_attn_ext failed during compute: {errs[0]!r}{more}") from errs[0]
+
+
+def compute_graph(ctx, graph, n_threads: int = 1) -> None:
+    """``ggml_graph_compute_with_ctx`` that raises what the op's callbacks recorded."""
+    raise_pending()
+    status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
+    raise_pending()
+    if status != 0:
+        raise FlashAttnError(f"ggml_graph_compute_with_ctx returned status {status}")
+
+
+def _descs(dst_p, p: _OpParams):
+    dst = dst_p.contents
+    names = ["q", "k", "v"] + (["mask"] if p.has_mask else []) + (["sinks"] if p.has_sinks else [])
+    src = {n: from_ggml(dst.src[i], n) for i, n in enumerate(names)}
+    return (src["q"], src["k"], src["v"], src.get("mask"), src.get("sinks"), from_ggml(dst_p, "dst"))
+
+
+def _is_device_pointer(ptr: int) -> bool:
+    """True when ``ptr`` is CUDA device (or managed) memory; needs CuPy."""
+    import cupy
+    attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+    return attrs.type in (2, 3)  # cudaMemoryTypeDevice, cudaMemoryTypeManaged
+
+
+def _use_cuda(q: TensorDesc, k: TensorDesc, v: TensorDesc) -> tuple[bool, bool]:
+    """(run on CUDA, pointers are on the device) for this call."""
+    backend = _settings["backend"]
+    if backend == "reference":
+        return False, False
+    try:
+        from . import cuda_backend
+    except ImportError:
+        cuda_backend = None
+    usable = cuda_backend is not None and cuda_backend.available()
+    if not usable:
+        if backend == "cuda":
+            raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
+        return False, False
+    on_device = _is_device_pointer(q.ptr)
+    return True, on_device
+
+
+def _run_reference(q, k, v, mask, sinks, dst, p: _OpParams, dims: AttnDims, ith: int, nth: int):
+    """numpy float32 reference on host tensors; thread ``ith`` of ``nth`` takes every nth
+    (stream, KV head) group."""
+    qa = as_numpy(q)   # (ne3, n_head, n_batch, D_k)
+    ka = as_numpy(k)   # (ne3, n_head_kv, n_kv, D_k)
+    va = as_numpy(v)
+    ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
+    sa = as_numpy(sinks).reshape(-1) if sinks is not None else None
+    out = as_numpy(dst)  # (ne3, n_batch, n_head, D_v)
+    scale = p.scale / p.logit_softcap if p.logit_softcap != 0.0 else p.scale
+    slopes = reference.alibi_slopes(dims.n_head, p.max_bias)
+    g = dims.gqa_ratio
+    for pair in range(ith, dims.ne3 * dims.n_head_kv, nth):
+        s, hk = divmod(pair, dims.n_head_kv)
+        hs = slice(hk * g, (hk + 1) * g)
+        res = reference.attend_group(
+            qa[s, hs], to_float(ka[s, hk], k.type), to_float(va[s, hk], v.type),
+            reference.group_mask_rows(ma, s, range(hk * g, (hk + 1) * g), dims.n_batch),
+            slopes[hs], None if sa is None else sa[hs], scale, p.logit_softcap, np.float32)
+        out[s, :, hs, :] = res.transpose(1, 0, 2)
+
+
+def _fill_nan(dst_p) -> None:
+    try:
+        d = from_ggml(dst_p, "dst")
+        if d.ptr and not _is_device_pointer_safe(d.ptr):
+            as_numpy(d)[...] = np.nan
+        elif d.ptr:
+            import cupy
+            n = d.nbytes_span() // 4
+            mem = cupy.cuda.UnownedMemory(d.ptr, n * 4, None)
+            cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0)).fill(np.nan)
+    except Exception:  # noqa: BLE001 - best effort, the original error is what matters
+        log.exception("flash_attn_ext: could not poison the output after an error")
+
+
+def _is_device_pointer_safe(ptr: int) -> bool:
+    try:
+        return _is_device_pointer(ptr)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _callback(dst_p, ith, nth, userdata):
+    try:
+        p = _params_by_id[int(userdata or 0)]
+        q, k, v, mask, sinks, dst = _descs(dst_p, p)
+        dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
+        use_cuda, on_device = _use_cuda(q, k, v)
+        if use_cuda:
+            if ith != 0:
+                return
+            from . import cuda_backend
+            run = cuda_backend.flash_attn_ext_device if on_device else cuda_backend.flash_attn_ext_host
+            run(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap, kernel=_settings["kernel"])
+        else:
+            _run_reference(q, k, v, mask, sinks, dst, p, dims, ith, nth)
+    except BaseException as exc:  # noqa: BLE001 - ggml would swallow it; record and re-raise later
+        log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
+        _record(exc)
+        _fill_nan(dst_p)
+
+
+# One callback object for the whole process: it can never be garbage-collected while a graph
+# that uses it is alive (REFERENCE §6: dropping it segfaults).
+_CALLBACK = ggml.ggml_custom_op_t(_callback)
+_N_TASKS_ANY = -1  # GGML_N_TASKS_MAX: as many threads as the graph has
+
+
+def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
+                   logit_softcap: float = 0.0, sinks=None):
+    """Drop-in for ``ggml.ggml_flash_attn_ext`` (+ ``ggml_flash_attn_ext_add_sinks``).
+
+    Arguments are ggml-python tensors (``ggml_tensor_p``), ggml order:
+    q F32 ``[D_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 ``[D, n_kv, n_head_kv, ne3]``,
+    mask F16 ``[n_kv, >=n_batch, ne32, ne33]`` or None, sinks F32 ``[n_head]`` or None.
+    Returns the F32 result tensor ``[D_v, n_head, n_batch, ne3]``. Bad inputs raise
+    ``ValueError`` here, at graph-build time.
+    """
+    descs = [from_ggml(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
+    mask_d = from_ggml(mask, "mask") if mask is not None else None
+    sinks_d = from_ggml(sinks, "sinks") if sinks is not None else None
+    dims = check_flash_attn_args(*descs, mask_d, sinks_d, float(max_bias), float(scale), float(logit_softcap))
+    params = _OpParams(float(scale), float(max_bias), float(logit_softcap), mask is not None, sinks is not None)
+    srcs = [q, k, v] + ([mask] if mask is not None else []) + ([sinks] if sinks is not None else [])
+    args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
+    return ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, *dims.out_ne, args, len(srcs),
+                               _CALLBACK, _N_TASKS_ANY, ctypes.c_void_p(_params_id(params)))

@@ -1,0 +1,102 @@
+"""Graph-build-time checks of ``flash_attn_ext`` arguments (REFERENCE.md section 2).
+
+Works on :class:`~ggml_attn.tensor.TensorDesc` (ggml order ``ne[0..3]``), so the op, the
+CUDA backend and tests share one set of rules and messages. Every failure is a
+``ValueError`` that names the tensor, its shape and what was expected.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, TYPE_SIZES
+from .tensor import TensorDesc
+
+KV_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
+
+
+@dataclass(frozen=True)
+class AttnDims:
+    """Sizes of one flash-attention call, derived from validated inputs."""
+    d_k: int
+    d_v: int
+    n_batch: int
+    n_head: int
+    n_head_kv: int
+    n_kv: int
+    ne3: int
+    mask_heads: int = 1    # ne32 of the mask (1 when no mask)
+    mask_streams: int = 1  # ne33 of the mask
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    @property
+    def out_ne(self) -> tuple[int, int, int, int]:
+        """ggml ne of the result: [D_v, n_head, n_batch, ne3]."""
+        return (self.d_v, self.n_head, self.n_batch, self.ne3)
+
+
+def _type_name(t: int) -> str:
+    return TYPE_NAMES.get(t, f"type {t} (quantized or unsupported)")
+
+
+def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
+                          mask: TensorDesc | None = None, sinks: TensorDesc | None = None,
+                          max_bias: float = 0.0, scale: float = 1.0,
+                          logit_softcap: float = 0.0) -> AttnDims:
+    """Validate q/k/v/mask/sinks (ggml order) and return the call's :class:`AttnDims`."""
+    if q.type != GGML_TYPE_F32:
+        raise ValueError(f"q {q.shape_str}: expected type f32, got {_type_name(q.type)}")
+    for t in (k, v):
+        if t.type not in KV_TYPES:
+            raise ValueError(f"{t.name} {t.shape_str}: expected type f32, f16 or bf16, "
+                             f"got {_type_name(t.type)}")
+        if t.nb[0] != TYPE_SIZES[t.type]:
+            raise ValueError(f"{t.name} {t.shape_str}: rows must be contiguous "
+                             f"(nb[0] == {TYPE_SIZES[t.type]}), got nb={list(t.nb)}")
+    if q.nb[0] != 4:
+        raise ValueError(f"q {q.shape_str}: rows must be contiguous (nb[0] == 4), got nb={list(q.nb)}")
+    d_k, n_batch, n_head, ne3 = q.ne
+    if k.ne[0] != d_k:
+        raise ValueError(f"k {k.shape_str}: head size ne[0]={k.ne[0]} must equal q's ne[0]={d_k}")
+    n_kv, n_head_kv = k.ne[1], k.ne[2]
+    if v.ne[1] != n_kv:
+        raise ValueError(f"v {v.shape_str}: n_kv ne[1]={v.ne[1]} must equal k's ne[1]={n_kv}")
+    if v.ne[2] != n_head_kv:
+        raise ValueError(f"v {v.shape_str}: n_head_kv ne[2]={v.ne[2]} must equal k's ne[2]={n_head_kv}")
+    if v.ne[3] != k.ne[3]:
+        raise ValueError(f"v {v.shape_str}: streams ne[3]={v.ne[3]} must equal k's ne[3]={k.ne[3]}")
+    if k.ne[3] != ne3:
+        raise ValueError(f"k {k.shape_str}: streams ne[3]={k.ne[3]} must equal q's ne[3]={ne3} "
+                         "(ggml_flash_attn_ext does not broadcast K/V over streams)")
+    if min(q.ne) < 1 or min(k.ne) < 1 or min(v.ne) < 1:
+        raise ValueError(f"empty tensor: q {q.shape_str}, k {k.shape_str}, v {v.shape_str}")
+    if n_head % n_head_kv:
+        raise ValueError(f"k {k.shape_str}: q's n_head={n_head} must be a multiple of "
+                         f"n_head_kv={n_head_kv} (GQA/MQA)")
+    mask_heads = mask_streams = 1
+    if mask is not None:
+        if mask.type != GGML_TYPE_F16:
+            raise ValueError(f"mask {mask.shape_str}: expected type f16, got {_type_name(mask.type)}")
+        if not mask.is_contiguous():
+            raise ValueError(f"mask {mask.shape_str}: must be contiguous, got nb={list(mask.nb)}")
+        if mask.ne[0] != n_kv:
+            raise ValueError(f"mask {mask.shape_str}: ne[0]={mask.ne[0]} must equal n_kv={n_kv} (k's ne[1])")
+        if mask.ne[1] < n_batch:
+            raise ValueError(f"mask {mask.shape_str}: ne[1]={mask.ne[1]} rows, need at least "
+                             f"n_batch={n_batch} (q's ne[1])")
+        mask_heads, mask_streams = mask.ne[2], mask.ne[3]
+        if n_head % mask_heads:
+            raise ValueError(f"mask {mask.shape_str}: ne[2]={mask_heads} must divide n_head={n_head}")
+        if ne3 % mask_streams:
+            raise ValueError(f"mask {mask.shape_str}: ne[3]={mask_streams} must divide q's ne[3]={ne3}")
+    elif max_bias > 0.0:
+        raise ValueError(f"max_bias={max_bias} > 0 (ALiBi) requires a mask")
+    if sinks is not None:
+        if sinks.type != GGML_TYPE_F32 or sinks.ne != (n_head, 1, 1, 1):
+            raise ValueError(f"sinks {sinks.shape_str}: expected f32 [{n_head}] (one per query head)")
+    for name, val in (("scale", scale), ("max_bias", max_bias), ("logit_softcap", logit_softcap)):
+        if val != val or val in (float("inf"), float("-inf")):
+            raise ValueError(f"{name}={val} must be finite")
+    return AttnDims(d_k, v.ne[0], n_batch, n_head, n_head_kv, n_kv, ne3, mask_heads, mask_streams)
