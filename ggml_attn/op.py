@@ -122,17 +122,21 @@ def _is_device_pointer(ptr: int) -> bool:
     return attrs.type in (2, 3)  # cudaMemoryTypeDevice, cudaMemoryTypeManaged
 
 
-def _use_cuda(q: TensorDesc, k: TensorDesc, v: TensorDesc) -> tuple[bool, bool]:
+def gpu_available() -> bool:
+    """True when the CUDA backend can run here (CuPy importable and a device present)."""
+    try:
+        from . import cuda_backend
+    except ImportError:
+        return False
+    return bool(cuda_backend.available())
+
+
+def _use_cuda(q: TensorDesc) -> tuple[bool, bool]:
     """(run on CUDA, pointers are on the device) for this call."""
     backend = _settings["backend"]
     if backend == "reference":
         return False, False
-    try:
-        from . import cuda_backend
-    except ImportError:
-        cuda_backend = None
-    usable = cuda_backend is not None and cuda_backend.available()
-    if not usable:
+    if not gpu_available():
         if backend == "cuda":
             raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
         return False, False
@@ -188,7 +192,7 @@ def _callback(dst_p, ith, nth, userdata):
         p = _params_by_id[int(userdata or 0)]
         q, k, v, mask, sinks, dst = _descs(dst_p, p)
         dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
-        use_cuda, on_device = _use_cuda(q, k, v)
+        use_cuda, on_device = _use_cuda(q)
         if use_cuda:
             if ith != 0:
                 return

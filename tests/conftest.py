@@ -1,0 +1,11 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--grid-sample", type=int, default=0,
+                     help="run only a seeded sample of N FLASH_ATTN_EXT conformance cases (default: all)")
