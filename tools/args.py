@@ -1,0 +1,153 @@
+"""Argument parsing shared by ``ggml-attn-bench`` and ``ggml-attn-batched-bench``.
+
+Value lists follow llama-bench: comma lists and ranges, ``first[-last[(+|*)step]]``,
+so ``-p 128,256``, ``-p 128-512*2`` (128,256,512), ``-ub 64-256+64`` (64,128,192,256).
+Giving a flag again extends its list (``-p 128 -p 256``). The tools run one row per
+combination of all list values (:func:`combinations`).
+
+Parsing errors are :class:`~ggml_attn.cli.errors.UserError`: one line on stderr, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+
+from .errors import EXIT_USER_ERROR, UserError, fail_line
+
+# one item of a range list, as llama-bench's parse_int_range: first[-last[(+|*)step]]
+_RANGE_ITEM = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
+
+
+def parse_int_range(text: str) -> list[int]:
+    """``"1,2,8-32*2,100-300+100"`` -> ``[1, 2, 8, 16, 32, 100, 200, 300]``.
+
+    Raises UserError on bad syntax, an empty item, or a range that does not grow
+    (``a-b*1``, ``0-4*2``, ``a-b+0``). ``b < a`` gives no values, as in llama-bench.
+    """
+    text = str(text).strip()
+    if not text:
+        raise UserError("empty value list")
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        m = _RANGE_ITEM.match(item)
+        if not m:
+            raise UserError(f"invalid range format '{item}' in '{text}' "
+                            "(expected N, A-B, A-B+S or A-B*M)")
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) is not None else first
+        op = m.group(3) or "+"
+        step = int(m.group(4)) if m.group(4) is not None else 1
+        i = first
+        while i <= last:
+            out.append(i)
+            nxt = i + step if op == "+" else i * step
+            if nxt <= i:
+                raise UserError(f"invalid range '{item}': the step does not increase the value")
+            i = nxt
+    return out
+
+
+def parse_pair_list(text: str) -> list[tuple[int, int]]:
+    """``-pg`` value ``"pp,tg"`` -> ``[(pp, tg)]``; several pairs may be separated by ``;``."""
+    pairs = []
+    for chunk in str(text).split(";"):
+        parts = [p.strip() for p in chunk.split(",")]
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise UserError(f"invalid -pg value '{chunk}' (expected pp,tg, e.g. 512,128)")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+
+
+_BOOL_WORDS = {"on": True, "1": True, "true": True, "yes": True,
+               "off": False, "0": False, "false": False, "no": False}
+
+
+def parse_bool_list(text: str) -> list[bool]:
+    """``"on,off"`` / ``"1,0"`` / ``"true"`` -> list of bools."""
+    out = []
+    for item in str(text).split(","):
+        key = item.strip().lower()
+        if key not in _BOOL_WORDS:
+            raise UserError(f"invalid value '{item}' (expected on|off, 1|0 or true|false)")
+        out.append(_BOOL_WORDS[key])
+    return out
+
+
+def choice_list(choices):
+    """argparse ``type`` for a comma list whose items must be in ``choices``."""
+    choices = tuple(choices)
+
+    def parse(text: str) -> list[str]:
+        out = []
+        for item in str(text).split(","):
+            item = item.strip()
+            if item not in choices:
+                raise UserError(f"invalid value '{item}' (choose from {', '.join(choices)})")
+            out.append(item)
+        return out
+
+    parse.__name__ = "choice_list"
+    return parse
+
+
+def str_list(text: str) -> list[str]:
+    """Comma list of non-empty strings (model names or paths)."""
+    out = [s.strip() for s in str(text).split(",")]
+    if not all(out):
+        raise UserError(f"empty item in list '{text}'")
+    return out
+
+
+class ExtendList(argparse.Action):
+    """Store a parsed list; a repeated flag extends it, replacing the default on first use."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = getattr(namespace, "_explicit", None)
+        if seen is None:
+            seen = set()
+            setattr(namespace, "_explicit", seen)
+        if self.dest not in seen:
+            setattr(namespace, self.dest, [])
+            seen.add(self.dest)
+        getattr(namespace, self.dest).extend(values)
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line on stderr and exit code 2.
+
+    ``type=`` functions may raise UserError; its message is kept as is.
+    """
+
+    def error(self, message):  # noqa: D401 - argparse API
+        import sys
+        print(fail_line(self.prog, message), file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
+
+    def _get_value(self, action, arg_string):
+        try:
+            return super()._get_value(action, arg_string)
+        except UserError as e:
+            opt = "/".join(action.option_strings) or action.dest
+            self.error(f"argument {opt}: {e}")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        ns.explicit = set(getattr(ns, "_explicit", set()) or set())
+        if hasattr(ns, "_explicit"):
+            delattr(ns, "_explicit")
+        return ns
+
+
+def add_list(parser, *flags, type, default, help, metavar=None):
+    """Add a list-valued flag (comma lists, ranges, repeatable) with a default list."""
+    shown = ",".join(str(d) for d in default) if default else "none"
+    parser.add_argument(*flags, type=type, action=ExtendList, default=list(default),
+                        metavar=metavar, help=f"{help} (default: {shown})")
+
+
+def combinations(lists: dict) -> list[dict]:
+    """Cartesian product of ``{name: [values]}`` in key order, last key varying fastest."""
+    keys = list(lists)
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(lists[k] for k in keys))]

@@ -1,0 +1,36 @@
+"""User-facing errors of the command-line tools.
+
+A user mistake (unknown model, bad range, ubatch larger than batch, context overflow)
+raises :class:`UserError`; :func:`run_cli` turns it into one line on stderr and exit
+code 2, never a traceback. Ctrl-C is handled by the tools themselves (they print the
+rows finished so far) and then :func:`run_cli` exits with 130.
+"""
+from __future__ import annotations
+
+import sys
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; the message is printed as is, on one line."""
+
+
+def fail_line(prog: str, message: str) -> str:
+    """The single stderr line for an error: ``prog: error: message`` with newlines folded."""
+    return f"{prog}: error: {' '.join(str(message).split())}"
+
+
+def run_cli(prog: str, main_fn, argv=None) -> int:
+    """Run ``main_fn(argv)`` and map user errors and Ctrl-C to exit codes."""
+    try:
+        return int(main_fn(argv) or 0)
+    except UserError as e:
+        print(fail_line(prog, str(e)), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `| head`
+        return 0

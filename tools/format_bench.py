@@ -1,0 +1,242 @@
+"""Output of ``ggml-attn-bench`` in llama-bench's formats: md, csv, json, jsonl.
+
+A result row is a dict with the keys of :data:`FIELDS` plus ``samples_ns`` (one
+wall-clock or CUDA-event time per repetition). Printers stream: the header when
+created, one row per finished test, the footer at the end (also after Ctrl-C), so a
+json array stays valid when the run is interrupted.
+
+Markdown follows llama-bench's rules: model, size, params, backend, [ngl when not
+CPU], threads (CPU), the optional columns only when a flag has a non-default value or
+several values, then test and ``t/s`` as ``mean ± stddev``.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+
+# llama-bench's field order, with ours (shape, kv_unified, split, kernel, device, layer, ub)
+FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
+    "model_filename", "model_type", "model_size", "model_n_params",
+    "n_layer", "n_head", "n_head_kv", "head_dim",
+    "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
+    "flash_attn", "kv_unified", "split", "kernel", "device", "layer",
+    "n_prompt", "n_gen", "n_depth", "ub",
+    "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+]
+INT_FIELDS = {"build_number", "model_size", "model_n_params", "n_layer", "n_head", "n_head_kv",
+              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
+              "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
+BOOL_FIELDS = {"kv_unified"}
+FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
+
+# markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
+DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
+           "kv_unified": "kvu", "device": "dev"}
+WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
+          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 3, "kv_unified": 3,
+          "split": -7, "kernel": -9, "layer": -5, "device": -4, "test": 15, "t/s": 20}
+# optional markdown columns, in order, shown when non-default or several values
+OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "kv_unified", "split", "kernel", "layer"]
+FORMATS = ("md", "csv", "json", "jsonl")
+
+
+def mean(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def stdev(values):
+    """Sample standard deviation (n - 1), 0 for fewer than two values, as llama-bench."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def samples_ts(row) -> list[float]:
+    n_tokens = row["n_prompt"] + row["n_gen"]
+    return [1e9 * n_tokens / ns for ns in row["samples_ns"] if ns > 0]
+
+
+def finish_row(row: dict) -> dict:
+    """Fill avg/stddev of ns and t/s from ``samples_ns``; returns ``row``."""
+    ns = row["samples_ns"]
+    ts = samples_ts(row)
+    row["avg_ns"] = int(mean(ns))
+    row["stddev_ns"] = int(stdev(ns))
+    row["avg_ts"] = mean(ts)
+    row["stddev_ts"] = stdev(ts)
+    return row
+
+
+def test_name(n_prompt: int, n_gen: int, n_depth: int) -> str:
+    """``pp512``, ``tg128``, ``pp512+tg128``, with `` @ d4096`` for a depth."""
+    if n_prompt > 0 and n_gen == 0:
+        name = f"pp{n_prompt}"
+    elif n_gen > 0 and n_prompt == 0:
+        name = f"tg{n_gen}"
+    else:
+        name = f"pp{n_prompt}+tg{n_gen}"
+    return name + (f" @ d{n_depth}" if n_depth > 0 else "")
+
+
+def human_size(n_bytes: int) -> str:
+    if n_bytes < 1024 ** 3:
+        return f"{n_bytes / 1024 / 1024:.2f} MiB"
+    return f"{n_bytes / 1024 ** 3:.2f} GiB"
+
+
+def human_params(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1_000_000_000 else f"{n / 1e9:.2f} B"
+
+
+def _json_value(field, value):
+    if field in INT_FIELDS:
+        return int(value)
+    if field in BOOL_FIELDS:
+        return bool(value)
+    if field in FLOAT_FIELDS:
+        return float(value)
+    return "" if value is None else str(value)
+
+
+def row_json(row: dict) -> dict:
+    """The json object of a row: FIELDS typed as llama-bench types them, then the samples."""
+    out = {f: _json_value(f, row.get(f)) for f in FIELDS}
+    out["samples_ns"] = [int(x) for x in row["samples_ns"]]
+    out["samples_ts"] = samples_ts(row)
+    return out
+
+
+def _csv_value(field, value):
+    if field in BOOL_FIELDS:
+        return str(int(bool(value)))
+    if field in FLOAT_FIELDS:
+        return f"{float(value):.6f}"
+    return "" if value is None else str(value)
+
+
+class Printer:
+    """Base: ``header()``, ``row(r)`` per finished test, ``footer()``; writes to ``out``."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def header(self):
+        pass
+
+    def row(self, row: dict):
+        raise NotImplementedError
+
+    def footer(self):
+        pass
+
+    def _write(self, text):
+        self.out.write(text)
+        self.out.flush()
+
+
+class CsvPrinter(Printer):
+    def header(self):
+        self._write(",".join(FIELDS) + "\n")
+
+    def row(self, row):
+        buf = io.StringIO()
+        csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n").writerow(
+            [_csv_value(f, row.get(f)) for f in FIELDS])
+        self._write(buf.getvalue())
+
+
+class JsonPrinter(Printer):
+    def __init__(self, out):
+        super().__init__(out)
+        self.first = True
+
+    def header(self):
+        self._write("[\n")
+
+    def row(self, row):
+        body = json.dumps(row_json(row), indent=2)
+        body = "\n".join("  " + line for line in body.splitlines())
+        self._write(("" if self.first else ",\n") + body)
+        self.first = False
+
+    def footer(self):
+        self._write("\n]\n")
+
+
+class JsonlPrinter(Printer):
+    def row(self, row):
+        self._write(json.dumps(row_json(row)) + "\n")
+
+
+class MarkdownPrinter(Printer):
+    """``columns``: the optional fields to show (see :func:`markdown_columns`)."""
+
+    def __init__(self, out, columns: list[str], build: str = ""):
+        super().__init__(out)
+        self.columns = columns
+        self.build = build
+
+    @staticmethod
+    def width(field):
+        if field in WIDTHS:
+            return WIDTHS[field]
+        return -max(len(DISPLAY.get(field, field)), 10)
+
+    def _line(self, cells):
+        parts = []
+        for field, text in zip(self.columns, cells):
+            w = self.width(field)
+            parts.append(f" {text:<{-w}} |" if w < 0 else f" {text:>{w}} |")
+        return "|" + "".join(parts) + "\n"
+
+    def header(self):
+        self._write(self._line([DISPLAY.get(f, f) for f in self.columns]))
+        rule = "|" + "".join(f" {'-' * (abs(self.width(f)) - 1)}{':' if self.width(f) > 0 else '-'} |"
+                             for f in self.columns)
+        self._write(rule + "\n")
+
+    def cell(self, field, row):
+        if field == "model":
+            return row["model_type"]
+        if field == "size":
+            return human_size(row["model_size"])
+        if field == "params":
+            return human_params(row["model_n_params"])
+        if field == "backend":
+            return row["backends"]
+        if field == "test":
+            return test_name(row["n_prompt"], row["n_gen"], row["n_depth"])
+        if field == "t/s":
+            return f"{row['avg_ts']:.2f} ± {row['stddev_ts']:.2f}"
+        value = row.get(field)
+        if field in BOOL_FIELDS:
+            return str(int(bool(value)))
+        return str(value)
+
+    def row(self, row):
+        self._write(self._line([self.cell(f, row) for f in self.columns]))
+
+    def footer(self):
+        if self.build:
+            self._write(f"\nbuild: {self.build}\n")
+
+
+def markdown_columns(backend: str, optional: list[str]) -> list[str]:
+    """llama-bench's column list: ngl for a GPU backend, threads for the CPU backend."""
+    cols = ["model", "size", "params", "backend"]
+    cols.append("n_threads" if backend == "CPU" else "n_gpu_layers")
+    cols += [c for c in OPTIONAL_COLUMNS if c in optional]
+    return cols + ["test", "t/s"]
+
+
+def make_printer(fmt: str, out, *, md_columns=None, build: str = "") -> Printer:
+    if fmt == "md":
+        return MarkdownPrinter(out, md_columns or markdown_columns("CPU", []), build)
+    if fmt == "csv":
+        return CsvPrinter(out)
+    if fmt == "json":
+        return JsonPrinter(out)
+    if fmt == "jsonl":
+        return JsonlPrinter(out)
+    raise ValueError(f"unknown output format {fmt}")

@@ -1,0 +1,169 @@
+"""Model shapes for the benchmarks: presets of real families, or a ``.gguf`` header.
+
+Only the shapes matter (no weights are loaded): the attention layers need n_layer,
+n_head, n_head_kv, head_dim; ``--layer full`` also needs n_embd and n_ff for the
+projection and FFN matmuls, which run with random weights.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_embd: int
+    n_ff: int
+    n_ctx_train: int = 0          # 0: unknown (no context limit checked)
+    n_vocab: int = 0              # 0: unknown (not counted in params)
+    head_dim_v: int = 0           # 0: same as head_dim
+    logit_softcap: float = 0.0    # attention logit soft-capping (gemma-2)
+    source: str = "preset"        # "preset" or the .gguf path
+
+    @property
+    def d_v(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def gqa(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_k(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def n_embd_v(self) -> int:
+        return self.n_head_kv * self.d_v
+
+    def layer_params(self) -> int:
+        """Weights of one block: Q, K, V, O projections and a gated FFN (gate, up, down)."""
+        attn = self.n_embd * (self.n_embd_q + self.n_embd_k + self.n_embd_v) + self.n_head * self.d_v * self.n_embd
+        ffn = 3 * self.n_embd * self.n_ff
+        return attn + ffn
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the blocks plus token embedding and output head (when n_vocab is known)."""
+        return self.n_layer * self.layer_params() + 2 * self.n_vocab * self.n_embd
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the weights at F16 (the benchmarks use F16 weights and K/V)."""
+        return 2 * self.n_params
+
+    def kv_bytes_per_token(self) -> int:
+        """F16 K and V bytes per cached token over all layers."""
+        return 2 * self.n_layer * (self.n_embd_k + self.n_embd_v)
+
+    def describe(self) -> str:
+        gq = f", gqa {self.gqa}" if self.gqa > 1 else ""
+        return (f"{self.name}: {self.n_layer} layers, {self.n_head} heads / {self.n_head_kv} kv heads"
+                f"{gq}, head_dim {self.head_dim}, n_embd {self.n_embd}, n_ff {self.n_ff}")
+
+
+# Shapes from the published configs of each family.
+PRESETS: dict[str, ModelShape] = {m.name: m for m in [
+    # small and fast on a CPU: the default when no GPU is used
+    ModelShape("tiny", n_layer=2, n_head=8, n_head_kv=2, head_dim=64, n_embd=512, n_ff=1408,
+               n_ctx_train=8192),
+    ModelShape("llama-3.2-1b", 16, 32, 8, 64, 2048, 8192, 131072, 128256),
+    ModelShape("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 8192, 128256),
+    ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 8192, 128256),
+    ModelShape("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32768, 32768),
+    ModelShape("qwen2.5-0.5b", 24, 14, 2, 64, 896, 4864, 32768, 151936),
+    ModelShape("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 32768, 152064),
+    ModelShape("gemma-7b", 28, 16, 16, 256, 3072, 24576, 8192, 256000),
+    ModelShape("gemma-2-9b", 42, 16, 8, 256, 3584, 14336, 8192, 256000, logit_softcap=50.0),
+]}
+
+DEFAULT_CPU_MODEL = "tiny"
+DEFAULT_GPU_MODEL = "llama-3-8b"
+
+
+def resolve(name_or_path: str) -> ModelShape:
+    """A preset name or a ``.gguf`` path -> ModelShape; UserError if neither."""
+    key = name_or_path.strip()
+    if key.lower() in PRESETS:
+        return PRESETS[key.lower()]
+    if key.lower().endswith(".gguf") or os.path.exists(key):
+        if not os.path.isfile(key):
+            raise UserError(f"model file not found: {key}")
+        return read_gguf(key)
+    raise UserError(f"unknown model '{key}' (presets: {', '.join(PRESETS)}; or a .gguf path)")
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # older gguf: scalar in parts[data[0]]
+        return f.parts[f.data[0]][0]
+
+
+def _as_int(value):
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):  # per-layer arrays (e.g. head_count_kv): take the max
+        vals = [int(v) for v in value]
+        return max(vals) if vals else None
+    return int(value)
+
+
+def read_gguf(path: str) -> ModelShape:
+    """Attention shapes from a GGUF header (llama.cpp's key names); no tensor data is read."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover - gguf is in the test extra
+        raise UserError("reading .gguf needs the 'gguf' package (pip install gguf)") from e
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:
+        raise UserError(f"cannot read gguf '{path}': {e}") from e
+    arch = _field(reader, "general.architecture")
+    if not arch:
+        raise UserError(f"'{path}' has no general.architecture key")
+
+    def get(key, required=True):
+        v = _as_int(_field(reader, f"{arch}.{key}"))
+        if v is None and required:
+            raise UserError(f"'{path}' lacks {arch}.{key}")
+        return v
+
+    n_layer = get("block_count")
+    n_embd = get("embedding_length")
+    n_head = get("attention.head_count")
+    n_head_kv = get("attention.head_count_kv", required=False) or n_head
+    head_dim = get("attention.key_length", required=False) or (n_embd // n_head)
+    head_dim_v = get("attention.value_length", required=False) or 0
+    n_ff = get("feed_forward_length", required=False) or 4 * n_embd
+    n_ctx = get("context_length", required=False) or 0
+    n_vocab = get("vocab_size", required=False)
+    if n_vocab is None:
+        toks = reader.fields.get("tokenizer.ggml.tokens")
+        n_vocab = len(toks.data) if toks is not None else 0
+    softcap = _field(reader, f"{arch}.attn_logit_softcapping")
+    name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+        raise UserError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
+                      n_vocab, head_dim_v if head_dim_v != head_dim else 0,
+                      float(softcap or 0.0), source=path)
+
+
+def with_layers(model: ModelShape, n_layer: int | None) -> ModelShape:
+    """The same shape with a different number of layers (``--n-layer`` override)."""
+    return model if not n_layer else replace(model, n_layer=n_layer)
