@@ -1,0 +1,233 @@
+"""A batch of tokens: ids, positions and the sequence ids each token belongs to.
+
+This module knows nothing about the KV cache or kernels. It mirrors the input side of
+llama.cpp's ``llama_batch`` / ``llama_batch_allocr`` (src/llama-batch.cpp):
+
+* every token has a position and one or more sequence ids; the first id is its
+  *primary* id (llama.cpp's ``seq_id[i][0]``);
+* a token with several ids is shared by ("couples") those sequences;
+* :func:`validate_batch` runs llama.cpp's consistency checks against the state of a
+  cache (positions must continue each sequence; ids below ``n_seq_max``; coupled
+  sequences are refused when each sequence has its own KV stream).
+
+All arrays are 1-D numpy arrays indexed by the token's place in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["Batch", "validate_batch"]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Tokens in batch order.
+
+    tokens     int32 ``(n_tokens,)`` token ids (opaque to this package).
+    positions  int32 ``(n_tokens,)`` position of each token in its sequence(s).
+    seq_ids    tuple of ``n_tokens`` tuples of ints: the sequence ids of each token,
+               primary id first, no repeats.
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seq_ids: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self):
+        tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
+        positions = np.asarray(self.positions, dtype=np.int32).reshape(-1)
+        seq_ids = tuple(tuple(int(s) for s in ids) for ids in self.seq_ids)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("a batch needs at least one token (n_tokens = 0)")
+        if positions.shape[0] != n or len(seq_ids) != n:
+            raise ValueError(
+                f"tokens ({n}), positions ({positions.shape[0]}) and seq_ids ({len(seq_ids)}) "
+                "must have one entry per token")
+        for i, ids in enumerate(seq_ids):
+            if not ids:
+                raise ValueError(f"token {i} has no sequence id")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"token {i} lists a sequence id twice: seq_ids = {ids}")
+            if min(ids) < 0:
+                raise ValueError(f"token {i} has a negative sequence id: seq_ids = {ids}")
+        if positions.min() < 0:
+            i = int(np.argmin(positions))
+            raise ValueError(f"token {i} has a negative position {int(positions[i])}")
+        tokens.setflags(write=False)
+        positions.setflags(write=False)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "positions", positions)
+        object.__setattr__(self, "seq_ids", seq_ids)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def primary_seq_ids(self) -> np.ndarray:
+        """int32 ``(n_tokens,)``: the first sequence id of every token."""
+        return np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
+
+    @property
+    def seq_sets(self) -> tuple[frozenset[int], ...]:
+        """The set of sequence ids of every token (llama.cpp's ``seq_set``)."""
+        return tuple(frozenset(ids) for ids in self.seq_ids)
+
+    @property
+    def unique_seq_ids(self) -> tuple[int, ...]:
+        """Every sequence id used in the batch, ascending."""
+        return tuple(sorted({s for ids in self.seq_ids for s in ids}))
+
+    @property
+    def has_coupled(self) -> bool:
+        """True when some token belongs to more than one sequence."""
+        return any(len(ids) > 1 for ids in self.seq_ids)
+
+    def seq_token_counts(self) -> dict[int, int]:
+        """Number of tokens of each sequence id (a shared token counts for each of its ids)."""
+        out: dict[int, int] = {}
+        for ids in self.seq_ids:
+            for s in ids:
+                out[s] = out.get(s, 0) + 1
+        return out
+
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
+        """(min, max) position of ``seq_id`` in the batch; (-1, -1) when absent."""
+        pos = [int(p) for p, ids in zip(self.positions, self.seq_ids) if seq_id in ids]
+        return (min(pos), max(pos)) if pos else (-1, -1)
+
+    def __repr__(self) -> str:
+        counts = self.seq_token_counts()
+        body = ", ".join(f"{s}:{counts[s]}" for s in sorted(counts))
+        return f"Batch(n_tokens={self.n_tokens}, tokens per seq {{{body}}})"
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def from_sequences(cls, token_lists: Sequence[Sequence[int]], seq_ids: Sequence[int] | None = None,
+                       start_pos: int | Sequence[int] | Mapping[int, int] | None = None) -> "Batch":
+        """Lay out ``token_lists[j]`` (the tokens of sequence ``seq_ids[j]``) one sequence
+        after another, in the given order.
+
+        seq_ids    default ``0 .. len(token_lists)-1``; must be distinct.
+        start_pos  first position of each sequence: one int for all, one per sequence
+                   (same order as ``seq_ids``), a mapping seq id -> position, or None
+                   for 0 (use :meth:`KVCache.next_positions` to continue a cache).
+        """
+        n_seq = len(token_lists)
+        if n_seq == 0:
+            raise ValueError("from_sequences needs at least one sequence")
+        ids = list(range(n_seq)) if seq_ids is None else [int(s) for s in seq_ids]
+        if len(ids) != n_seq:
+            raise ValueError(f"got {n_seq} token lists but {len(ids)} seq_ids")
+        if len(set(ids)) != n_seq:
+            raise ValueError(f"seq_ids must be distinct, got {ids}")
+        starts = _start_positions(start_pos, ids)
+        tokens, positions, sids = [], [], []
+        for j, (toks, s) in enumerate(zip(token_lists, ids)):
+            toks = [int(t) for t in toks]
+            if not toks:
+                raise ValueError(f"sequence {s} (entry {j}) has no tokens")
+            tokens.extend(toks)
+            positions.extend(range(starts[j], starts[j] + len(toks)))
+            sids.extend([(s,)] * len(toks))
+        return cls(np.array(tokens), np.array(positions), tuple(sids))
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], seq_ids: Sequence[int] | None = None,
+                     start_pos: int | Sequence[int] | Mapping[int, int] | None = None) -> "Batch":
+        """``lengths[j]`` tokens of sequence ``seq_ids[j]``, laid out sequence by sequence
+        in the given order. Token ids are synthetic (the position modulo 32000).
+        ``seq_ids`` and ``start_pos`` as in :meth:`from_sequences`."""
+        lengths = [int(n) for n in lengths]
+        for j, n in enumerate(lengths):
+            if n <= 0:
+                raise ValueError(f"lengths[{j}] = {n}: every sequence needs at least one token")
+        ids = list(range(len(lengths))) if seq_ids is None else [int(s) for s in seq_ids]
+        if len(ids) != len(lengths):
+            raise ValueError(f"got {len(lengths)} lengths but {len(ids)} seq_ids")
+        starts = _start_positions(start_pos, ids)
+        token_lists = [[(p0 + t) % 32000 for t in range(n)] for n, p0 in zip(lengths, starts)]
+        return cls.from_sequences(token_lists, ids, start_pos)
+
+
+def _start_positions(start_pos, ids: list[int]) -> list[int]:
+    if start_pos is None:
+        return [0] * len(ids)
+    if isinstance(start_pos, (int, np.integer)):
+        return [int(start_pos)] * len(ids)
+    if isinstance(start_pos, Mapping):
+        return [int(start_pos.get(s, 0)) for s in ids]
+    starts = [int(p) for p in start_pos]
+    if len(starts) != len(ids):
+        raise ValueError(f"start_pos has {len(starts)} entries for {len(ids)} sequences")
+    return starts
+
+
+def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
+                   seq_pos_min: Callable[[int], int] | None = None,
+                   seq_pos_max: Callable[[int], int] | None = None) -> None:
+    """llama.cpp's ``llama_batch_allocr::init`` checks; raises ``ValueError`` naming the bad value.
+
+    n_seq_max    number of sequences the cache serves; ids must be below it.
+    unified      False when each sequence has its own KV stream: coupled sequences
+                 (a token with several ids) are refused there.
+    seq_pos_min/seq_pos_max  the cache's smallest / largest position of a sequence, -1 when
+                 it holds none (``KVCache.seq_pos_min/max``); None = empty cache.
+    Checks: ids in ``[0, n_seq_max)``; a sequence the cache already holds continues at
+    ``seq_pos_max + 1``; positions of a sequence are consecutive and increasing in batch
+    order; the sequence sets of a sequence's tokens shrink along the batch (a shared prompt,
+    then its own tokens: llama.cpp's "partial sequence sub-sets" rule, which its own code
+    never triggers); coupled sequences have the same positions in the cache.
+    """
+    if n_seq_max <= 0:
+        raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
+    for i, ids in enumerate(batch.seq_ids):
+        for s in ids:
+            if s >= n_seq_max:
+                raise ValueError(f"invalid seq_id[{i}] = {s} >= n_seq_max = {n_seq_max}")
+    if not unified and batch.has_coupled:
+        i = next(i for i, ids in enumerate(batch.seq_ids) if len(ids) > 1)
+        raise ValueError(
+            f"token {i} belongs to sequences {batch.seq_ids[i]}: coupled sequences need one KV "
+            "stream for all sequences; use unified KV (-kvu, KVCache(unified=True))")
+
+    pmax = seq_pos_max or (lambda s: -1)
+    pmin = seq_pos_min or (lambda s: -1)
+    seq_sets = batch.seq_sets
+    cur_set: dict[int, frozenset[int]] = {}
+    last_pos: dict[int, int] = {}
+    first_pos: dict[int, int] = {}
+    for i, (p, ids) in enumerate(zip(batch.positions.tolist(), batch.seq_ids)):
+        for s in ids:
+            prev = cur_set.get(s, seq_sets[i])
+            if not seq_sets[i] <= prev:
+                raise ValueError(
+                    f"sequence {s} belongs to incompatible sequence sets: token {i} has {sorted(seq_sets[i])} "
+                    f"after {sorted(prev)} (a sequence may only leave a shared prompt, not join another)")
+            cur_set[s] = seq_sets[i]
+            if s in last_pos and p <= last_pos[s]:
+                raise ValueError(
+                    f"sequence {s}: position {p} of token {i} does not increase (previous {last_pos[s]})")
+            if s in last_pos and p != last_pos[s] + 1:
+                raise ValueError(
+                    f"sequence {s} positions are not continuous: token {i} has {p} after {last_pos[s]}")
+            first_pos.setdefault(s, p)
+            last_pos[s] = p
+    for s, p0 in first_pos.items():
+        x = pmax(s)
+        if x >= 0 and p0 != x + 1:
+            raise ValueError(
+                f"sequence {s}: the cache ends at position X = {x} but the batch starts at Y = {p0}; "
+                "positions must continue the cache (Y = X + 1)")
+    for i, ids in enumerate(batch.seq_ids):
+        for s1 in ids[1:]:
+            s0 = ids[0]
+            if pmin(s0) != pmin(s1) or pmax(s0) != pmax(s1):
+                raise ValueError(
+                    f"sequence {s1} is coupled to {s0} in the batch (token {i}) but they have "
+                    "diverged in the cache")

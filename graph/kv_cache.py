@@ -1,0 +1,396 @@
+"""KV cache with llama.cpp's cell bookkeeping, unified (one stream) or split (one stream per
+sequence), storage in an array module chosen once (numpy on the CPU path, CuPy on the GPU).
+
+Follows ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h``:
+
+* ``n_stream = 1`` when unified, else ``n_seq_max``; sequence ``s`` lives in stream ``s``
+  (split) or 0 (unified).
+* ``n_ctx`` is padded to 256; ``kv_size = n_ctx`` (unified) or ``PAD(n_ctx / n_seq_max, 256)``
+  (split), cells per stream.
+* Storage per layer in ggml order ``K [n_embd_k_gqa, kv_size, n_stream]`` and
+  ``V [n_embd_v_gqa, kv_size, n_stream]`` (V not transposed, the flash-attention layout);
+  :attr:`KVCache.k` / :attr:`KVCache.v` hold all layers in **numpy order**
+  ``(n_layer, n_stream, kv_size, n_embd_gqa)``.
+* A cell holds a position (-1 when empty), a set of sequence ids and a pad flag. Pad cells
+  (rows of a padded ubatch) are never visible to any query (see ``mask.py``) and are freed by
+  :meth:`KVCache.free_pads` right after their ubatch.
+* ``find_slot`` scans for empty cells from each stream's head like llama.cpp's non-contiguous
+  search (no SWA cell reuse); ``n_kv`` of a ubatch is the max over its streams of the used
+  range, padded to 256.
+
+Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import Batch, validate_batch
+from .split import UBatch
+
+__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to"]
+
+KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
+
+
+class KVCacheFullError(RuntimeError):
+    """No room for a ubatch; the cache is left unchanged."""
+
+
+def pad_to(x: int, n: int) -> int:
+    """``GGML_PAD``: ``x`` rounded up to a multiple of ``n``."""
+    return (x + n - 1) // n * n
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where a ubatch's rows go.
+
+    streams  cache stream of each of the ubatch's streams (ubatch stream ``j`` holds rows
+             ``j*size .. (j+1)*size-1``); consecutive, ascending.
+    cells    per ubatch stream, int64 ``(size,)`` cell index of each row in that stream.
+    """
+
+    streams: tuple[int, ...]
+    cells: tuple[np.ndarray, ...]
+
+    @property
+    def n_stream(self) -> int:
+        return len(self.streams)
+
+    @property
+    def size(self) -> int:
+        """Rows per ubatch stream (``n_tokens / n_stream``)."""
+        return int(self.cells[0].shape[0])
+
+    @property
+    def s0(self) -> int:
+        return self.streams[0]
+
+    @property
+    def s1(self) -> int:
+        return self.streams[-1]
+
+    def row_indices(self, kv_size: int) -> np.ndarray:
+        """int64 ``(n_tokens,)``: global row ``stream * kv_size + cell`` of every ubatch row,
+        in ubatch row order: the ``idxs`` input of ``ggml_set_rows`` on the cache reshaped to
+        ``[n_embd_gqa, kv_size * n_stream]``."""
+        return np.concatenate([s * kv_size + c for s, c in zip(self.streams, self.cells)]).astype(np.int64)
+
+
+def _resolve_xp(xp):
+    if xp is None or xp == "numpy":
+        return np
+    if xp == "cupy":
+        import cupy  # noqa: PLC0415  (GPU path only)
+        return cupy
+    return xp
+
+
+class KVCache:
+    """Cells, streams and K/V storage for ``n_layer`` attention layers.
+
+    n_ctx       total context (padded to 256 as llama.cpp does).
+    n_seq_max   sequences served (ids ``0 .. n_seq_max-1``).
+    unified     True: one stream shared by all sequences; False: one stream per sequence.
+    n_head_kv, head_dim_k, head_dim_v   K/V geometry; ``n_embd_gqa = n_head_kv * head_dim``.
+    dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
+    xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
+    """
+
+    def __init__(self, n_ctx: int, n_seq_max: int = 1, *, unified: bool = True, n_layer: int = 1,
+                 n_head_kv: int = 1, head_dim_k: int = 64, head_dim_v: int | None = None,
+                 dtype=np.float16, xp=None):
+        if n_ctx <= 0 or n_seq_max <= 0 or n_layer <= 0 or n_head_kv <= 0 or head_dim_k <= 0:
+            raise ValueError(f"KVCache needs positive sizes, got n_ctx={n_ctx} n_seq_max={n_seq_max} "
+                             f"n_layer={n_layer} n_head_kv={n_head_kv} head_dim_k={head_dim_k}")
+        self.xp = _resolve_xp(xp)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+            raise ValueError(f"K/V storage dtype must be float16 or float32, got {self.dtype}")
+        self.unified = bool(unified)
+        self.n_seq_max = int(n_seq_max)
+        self.n_stream = 1 if unified else self.n_seq_max
+        n_ctx = pad_to(int(n_ctx), KV_PAD)
+        self.kv_size = n_ctx if unified else pad_to(n_ctx // self.n_seq_max, KV_PAD)
+        if self.kv_size == 0:
+            raise ValueError(f"n_ctx {n_ctx} / n_seq_max {n_seq_max} leaves no cell per stream")
+        self.n_ctx = self.kv_size * self.n_stream
+        self.n_layer = int(n_layer)
+        self.n_head_kv = int(n_head_kv)
+        self.head_dim_k = int(head_dim_k)
+        self.head_dim_v = int(head_dim_v or head_dim_k)
+        # cell metadata, numpy order (n_stream, kv_size[, n_seq_max])
+        self.pos = np.full((self.n_stream, self.kv_size), -1, dtype=np.int32)
+        self.seqs = np.zeros((self.n_stream, self.kv_size, self.n_seq_max), dtype=bool)
+        self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
+        self.head = [0] * self.n_stream
+        # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
+        xp_ = self.xp
+        self.k = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_k_gqa), dtype=self.dtype)
+        self.v = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_v_gqa), dtype=self.dtype)
+
+    # ------------------------------------------------------------ geometry
+    @property
+    def n_embd_k_gqa(self) -> int:
+        return self.n_head_kv * self.head_dim_k
+
+    @property
+    def n_embd_v_gqa(self) -> int:
+        return self.n_head_kv * self.head_dim_v
+
+    def __repr__(self) -> str:
+        mode = "unified" if self.unified else "split"
+        return (f"KVCache({mode}, {self.n_stream} stream(s) x {self.kv_size} cells, {self.n_layer} layer(s), "
+                f"K/V {self.n_head_kv}x{self.head_dim_k}/{self.head_dim_v} {self.dtype}, {self.xp.__name__})")
+
+    def seq_to_stream(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return 0 if self.unified else int(seq_id)
+
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
+
+    # ---------------------------------------------------------- cell queries
+    def is_empty(self, stream: int) -> np.ndarray:
+        """bool ``(kv_size,)``."""
+        return self.pos[stream] < 0
+
+    def used_max_p1(self, stream: int) -> int:
+        """One past the highest occupied cell of ``stream`` (0 when empty)."""
+        occ = np.flatnonzero(self.pos[stream] >= 0)
+        return int(occ[-1]) + 1 if occ.size else 0
+
+    def n_used(self, stream: int) -> int:
+        return int(np.count_nonzero(self.pos[stream] >= 0))
+
+    def _seq_cells(self, seq_id: int) -> tuple[int, np.ndarray]:
+        st = self.seq_to_stream(seq_id)
+        return st, np.flatnonzero(self.seqs[st, :, seq_id] & ~self.pad[st])
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
+        st, cells = self._seq_cells(seq_id)
+        return int(self.pos[st, cells].min()) if cells.size else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
+        st, cells = self._seq_cells(seq_id)
+        return int(self.pos[st, cells].max()) if cells.size else -1
+
+    def next_positions(self, seq_ids) -> dict[int, int]:
+        """``{seq_id: seq_pos_max + 1}``: where each sequence continues (for ``Batch.from_lengths``)."""
+        return {int(s): self.seq_pos_max(int(s)) + 1 for s in seq_ids}
+
+    def validate(self, batch: Batch) -> None:
+        """llama.cpp's batch checks against this cache (``batch.validate_batch``)."""
+        validate_batch(batch, self.n_seq_max, unified=self.unified,
+                       seq_pos_min=self.seq_pos_min, seq_pos_max=self.seq_pos_max)
+
+    # ----------------------------------------------------------------- slots
+    def _ubatch_streams(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
+        """(cache stream, ubatch rows) per ubatch stream; checks the split-mode layout."""
+        for ids in ub.token_seq_ids:
+            for s in ids:
+                self._check_seq(s)
+        if self.unified:
+            return [(0, np.arange(ub.n_tokens))]
+        seq_unq = ub.seq_ids
+        if any(len(ids) > 1 for ids in ub.token_seq_ids):
+            raise ValueError("a split (per-sequence stream) cache cannot store coupled tokens; "
+                             "use unified KV (-kvu)")
+        if ub.n_tokens % len(seq_unq):
+            raise ValueError(f"split KV needs an equal number of rows per sequence; {ub!r} has "
+                             f"{ub.n_tokens} rows for {len(seq_unq)} sequences")
+        if list(seq_unq) != list(range(seq_unq[0], seq_unq[0] + len(seq_unq))):
+            raise ValueError(f"split KV needs consecutive sequence ids in a ubatch, got {list(seq_unq)}")
+        n_tps = ub.n_tokens // len(seq_unq)
+        prim = ub.primary_seq_ids
+        out = []
+        for j, s in enumerate(seq_unq):
+            rows = np.arange(j * n_tps, (j + 1) * n_tps)
+            if not np.all(prim[rows] == s):
+                raise ValueError(f"split KV needs the rows of sequence {s} at {rows[0]}..{rows[-1]}; "
+                                 f"{ub!r} has them elsewhere (use 'equal', 'seq' or 'padded')")
+            out.append((s, rows))
+        return out
+
+    def find_slot(self, ub: UBatch) -> SlotInfo:
+        """Cells for every row of ``ub`` (llama.cpp ``find_slot(ubatch, cont=false)``); changes
+        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells."""
+        streams, cells = [], []
+        for st, rows in self._ubatch_streams(ub):
+            n = rows.shape[0]
+            head = self.head[st]
+            if head > self.n_used(st) + 2 * n:
+                head = 0
+            order = np.roll(np.arange(self.kv_size), -head)
+            free = order[self.pos[st, order] < 0]
+            if free.shape[0] < n:
+                raise KVCacheFullError(
+                    f"no room for {n} rows in KV stream {st}: {free.shape[0]} of {self.kv_size} cells "
+                    f"free ({ub!r}); raise n_ctx or free sequences")
+            streams.append(st)
+            cells.append(free[:n].astype(np.int64))
+        return SlotInfo(tuple(streams), tuple(cells))
+
+    def apply_ubatch(self, slot: SlotInfo, ub: UBatch) -> None:
+        """Occupy the slot's cells with the ubatch's positions, sequence ids and pad flags."""
+        rows_per = self._ubatch_streams(ub)
+        pad = ub.is_pad
+        for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
+            if st != st2:
+                raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
+            self.pos[st, cells] = ub.positions[rows]
+            self.seqs[st, cells] = False
+            for r, c in zip(rows.tolist(), cells.tolist()):
+                self.seqs[st, c, list(ub.token_seq_ids[r])] = True
+            self.pad[st, cells] = pad[rows]
+            self.head[st] = int(cells[-1]) + 1
+
+    def place(self, ub: UBatch) -> SlotInfo:
+        """``find_slot`` + ``apply_ubatch``; on :class:`KVCacheFullError` nothing changed."""
+        slot = self.find_slot(ub)
+        self.apply_ubatch(slot, ub)
+        return slot
+
+    def _snapshot(self):
+        return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)
+
+    def _restore(self, snap) -> None:
+        self.pos, self.seqs, self.pad, self.head = snap[0], snap[1], snap[2], list(snap[3])
+
+    def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo]:
+        """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's
+        ``prepare`` does; the cache is unchanged afterwards. Raises :class:`KVCacheFullError`
+        naming the first ubatch that does not fit."""
+        snap = self._snapshot()
+        slots = []
+        try:
+            for i, ub in enumerate(ubatches):
+                try:
+                    slot = self.place(ub)
+                except KVCacheFullError as e:
+                    raise KVCacheFullError(f"ubatch {i} of {len(ubatches)}: {e}") from None
+                self.free_pads(slot)
+                slots.append(slot)
+        finally:
+            self._restore(snap)
+        return slots
+
+    def free_pads(self, slot: SlotInfo) -> int:
+        """Free the pad cells of a slot (call right after its ubatch); returns how many."""
+        n = 0
+        for st, cells in zip(slot.streams, slot.cells):
+            padc = cells[self.pad[st, cells]]
+            if padc.size:
+                self._free(st, padc)
+                n += int(padc.size)
+        return n
+
+    def _free(self, st: int, cells: np.ndarray) -> None:
+        self.pos[st, cells] = -1
+        self.seqs[st, cells] = False
+        self.pad[st, cells] = False
+        if cells.size:
+            self.head[st] = min(self.head[st], int(cells.min()))
+
+    def n_kv(self, slot: SlotInfo) -> int:
+        """KV cells the ubatch attends over: max over its streams of the used range, padded to
+        256 and at most ``kv_size`` (llama.cpp ``get_n_kv``). Call after ``apply_ubatch``."""
+        return max(min(self.kv_size, max(KV_PAD, pad_to(self.used_max_p1(st), KV_PAD)))
+                   for st in slot.streams)
+
+    # --------------------------------------------------------- seq operations
+    @staticmethod
+    def _range(p0: int, p1: int) -> tuple[int, int]:
+        return max(p0, 0) if p0 is not None else 0, (p1 if p1 is not None and p1 >= 0 else 2**31 - 1)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove ``seq_id`` (all sequences when -1) from cells with position in ``[p0, p1)``
+        (negative bounds: open). A cell left with no sequence is freed."""
+        lo, hi = self._range(p0, p1)
+        streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
+        for st in streams:
+            inr = (self.pos[st] >= lo) & (self.pos[st] < hi)
+            if seq_id == -1:
+                self._free(st, np.flatnonzero(inr))
+                continue
+            hit = inr & self.seqs[st, :, seq_id]
+            self.seqs[st, hit, seq_id] = False
+            emptied = np.flatnonzero(hit & ~self.seqs[st].any(axis=1))
+            self._free(st, emptied)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share ``src``'s cells in ``[p0, p1)``. Across streams (split cache) the
+        whole stream is copied (K/V data included) and only full ranges are allowed, as in
+        llama.cpp."""
+        s0, s1 = self.seq_to_stream(src), self.seq_to_stream(dst)
+        if src == dst:
+            return
+        if s0 == s1:
+            lo, hi = self._range(p0, p1)
+            hit = (self.pos[s0] >= lo) & (self.pos[s0] < hi) & self.seqs[s0, :, src]
+            self.seqs[s0, hit, dst] = True
+            return
+        if (p0 is not None and p0 > 0) or (p1 is not None and p1 >= 0):
+            raise ValueError(f"seq_cp({src} -> {dst}) across KV streams supports only the full range "
+                             f"(p0 < 0, p1 < 0); got [{p0}, {p1})")
+        self._free(s1, np.arange(self.kv_size))
+        have = self.seqs[s0, :, src] & ~self.pad[s0]
+        self.pos[s1, have] = self.pos[s0, have]
+        self.seqs[s1, have, dst] = True
+        self.k[:, s1] = self.k[:, s0]
+        self.v[:, s1] = self.v[:, s0]
+        self.head[s1] = self.head[s0]
+
+    def seq_keep(self, seq_id: int) -> None:
+        """In ``seq_id``'s stream, drop every other sequence; cells left empty are freed."""
+        st = self.seq_to_stream(seq_id)
+        has = self.seqs[st, :, seq_id]
+        others = np.flatnonzero(~has & (self.pos[st] >= 0))
+        self.seqs[st, has] = False
+        self.seqs[st, has, seq_id] = True
+        self._free(st, others)
+
+    def seq_add(self, seq_id: int, p0: int = -1, p1: int = -1, shift: int = 0) -> None:
+        """Add ``shift`` to the positions of ``seq_id``'s cells in ``[p0, p1)``; a cell whose
+        position drops below 0 is freed. K is not re-rotated (this package applies no RoPE)."""
+        if shift == 0:
+            return
+        st = self.seq_to_stream(seq_id)
+        lo, hi = self._range(p0, p1)
+        if lo == hi:
+            return
+        hit = (self.pos[st] >= lo) & (self.pos[st] < hi) & self.seqs[st, :, seq_id]
+        self.pos[st, hit] += shift
+        neg = np.flatnonzero(hit & (self.pos[st] < 0))
+        self._free(st, neg)
+        self.head[st] = int(neg.min()) if neg.size else 0
+
+    # ---------------------------------------------------------------- storage
+    def write_rows(self, layer: int, slot: SlotInfo, k_rows, v_rows) -> None:
+        """Store K/V rows of a ubatch: ``k_rows (n_tokens, n_embd_k_gqa)``, ``v_rows (n_tokens,
+        n_embd_v_gqa)`` in numpy order, ubatch row order, any float dtype of ``xp`` (the
+        host path; graphs do this with ``ggml_set_rows``)."""
+        rows = slot.row_indices(self.kv_size)
+        k_flat = self.k[layer].reshape(self.n_stream * self.kv_size, self.n_embd_k_gqa)
+        v_flat = self.v[layer].reshape(self.n_stream * self.kv_size, self.n_embd_v_gqa)
+        xp = self.xp
+        k_flat[xp.asarray(rows)] = xp.asarray(k_rows).astype(self.dtype)
+        v_flat[xp.asarray(rows)] = xp.asarray(v_rows).astype(self.dtype)
+
+    def sequence_contents(self, seq_id: int, layer: int = 0):
+        """What the cache holds for ``seq_id`` (pads excluded), sorted by position:
+        ``(positions int32 (n,), K float32 (n, n_embd_k_gqa), V float32 (n, n_embd_v_gqa))``,
+        numpy arrays on the host."""
+        st, cells = self._seq_cells(seq_id)
+        order = np.argsort(self.pos[st, cells], kind="stable")
+        cells = cells[order]
+        k = self.k[layer, st][self.xp.asarray(cells)]
+        v = self.v[layer, st][self.xp.asarray(cells)]
+        if self.xp is not np:
+            k, v = k.get(), v.get()
+        return self.pos[st, cells].copy(), np.asarray(k, np.float32), np.asarray(v, np.float32)

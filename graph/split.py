@@ -1,0 +1,327 @@
+"""Splitting a batch into ubatches: llama.cpp's three splitters and a padded one.
+
+Pure functions of a :class:`~ggml_attn.graph.batch.Batch`; no tensors, no cache.
+
+* ``simple``  - llama.cpp ``split_simple``: the next ``n_ubatch`` unused tokens in batch
+  order, any sequences. What llama.cpp uses with a unified (one-stream) KV cache.
+* ``equal``   - llama.cpp ``split_equal(n_ubatch, sequential=True)``: non-overlapping
+  sequence sets with consecutive ids, one token per set per round until a set runs out
+  or ``(n_seq_tokens + 1) * n_seqs > n_ubatch``. What llama.cpp uses with one KV stream
+  per sequence. Prompts of different lengths therefore cost one ubatch per token of the
+  shortest prompt (REFERENCE section 1).
+* ``seq``     - llama.cpp ``split_seq``: one sequence set per ubatch.
+* ``padded``  - seed 000 / llama.cpp RFC #15636: the sequences of a ubatch are padded
+  to one length ``n_seq_tokens`` so per-stream KV takes prompts of different lengths
+  together. Pad tokens are flagged (``UBatch.is_pad``); the cache and mask make sure they
+  never influence a real token and the cache frees them right after the ubatch.
+
+The token order inside a ubatch is llama.cpp's: for ``equal``/``seq``/``padded`` the tokens
+of sequence set 0 first, then set 1, ... (each set contributes ``n_seq_tokens`` rows);
+for ``simple`` batch order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .batch import Batch
+
+__all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
+           "MODES", "SplitState"]
+
+MODES = ("simple", "equal", "seq", "padded", "auto")
+PADDED_KEEP_FRACTION = 0.9  # split_padded: keep more sequences while within 90% of the best score
+PADDED_PAD_WEIGHT = 0.5     # split_padded: a pad row costs half a real row in the score
+
+
+@dataclass(frozen=True, eq=False)
+class UBatch:
+    """One ubatch.
+
+    mode           the splitter that made it.
+    token_idx      int64 ``(n_tokens,)``: index of each row's token in the batch, -1 for a pad.
+    positions      int32 ``(n_tokens,)``: position of each row (pads continue their sequence).
+    token_seq_ids  ``n_tokens`` tuples: the sequence ids of each row (a pad: its row's sequence).
+    n_seqs         llama.cpp's ``n_seqs``: sequence sets in the ubatch (``equal``/``padded``),
+                   1 (``seq``), or ``n_tokens`` (``simple``: one virtual set per token).
+    equal_seqs     True when every set contributes ``n_seq_tokens`` consecutive rows.
+    reason         free text (``auto`` says why it chose this split).
+    """
+
+    mode: str
+    token_idx: np.ndarray
+    positions: np.ndarray
+    token_seq_ids: tuple[tuple[int, ...], ...]
+    n_seqs: int
+    equal_seqs: bool
+    reason: str = field(default="")
+
+    def __post_init__(self):
+        n = int(self.token_idx.shape[0])
+        if n == 0 or n % self.n_seqs:
+            raise ValueError(f"ubatch of {n} tokens cannot hold {self.n_seqs} equal sequence sets")
+        if self.positions.shape[0] != n or len(self.token_seq_ids) != n:
+            raise ValueError("token_idx, positions and token_seq_ids need one entry per row")
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_idx.shape[0])
+
+    @property
+    def n_seq_tokens(self) -> int:
+        return self.n_tokens // self.n_seqs
+
+    @property
+    def is_pad(self) -> np.ndarray:
+        """bool ``(n_tokens,)``: True for pad rows."""
+        return self.token_idx < 0
+
+    @property
+    def n_pad(self) -> int:
+        return int(np.count_nonzero(self.token_idx < 0))
+
+    @property
+    def n_real(self) -> int:
+        return self.n_tokens - self.n_pad
+
+    @property
+    def primary_seq_ids(self) -> np.ndarray:
+        """int32 ``(n_tokens,)``: first sequence id of each row."""
+        return np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """Every sequence id in the ubatch, ascending (llama.cpp's ``seq_id_unq``)."""
+        return tuple(sorted({s for ids in self.token_seq_ids for s in ids}))
+
+    @property
+    def n_seqs_unq(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def shape_str(self) -> str:
+        """``n_seqs x n_seq_tokens`` as REFERENCE section 1 writes it (``simple``: ``1xN``)."""
+        if not self.equal_seqs:
+            return f"1x{self.n_tokens}"
+        return f"{self.n_seqs}x{self.n_seq_tokens}"
+
+    def __repr__(self) -> str:
+        pad = f", {self.n_pad} pad" if self.n_pad else ""
+        return f"UBatch({self.mode} {self.shape_str}, seqs {list(self.seq_ids)}{pad})"
+
+
+class SplitState:
+    """llama.cpp's split bookkeeping for one batch: which tokens are used, and the tokens
+    of every distinct sequence set in batch order (``seq_set_map``)."""
+
+    def __init__(self, batch: Batch):
+        self.batch = batch
+        self.seq_set = batch.seq_sets
+        self.primary = [ids[0] for ids in batch.seq_ids]
+        self.seq_set_map: dict[frozenset[int], list[int]] = {}
+        for i, s in enumerate(self.seq_set):
+            self.seq_set_map.setdefault(s, []).append(i)
+        self.used = np.zeros(batch.n_tokens, dtype=bool)
+
+    @property
+    def n_used(self) -> int:
+        return int(self.used.sum())
+
+    def first_unused(self) -> int:
+        free = np.flatnonzero(~self.used)
+        return int(free[0]) if free.size else -1
+
+    def make(self, mode: str, idxs: list[int], n_seqs: int, equal_seqs: bool) -> UBatch:
+        b = self.batch
+        arr = np.array(idxs, dtype=np.int64)
+        return UBatch(mode, arr, b.positions[arr].astype(np.int32),
+                      tuple(b.seq_ids[i] for i in idxs), n_seqs, equal_seqs)
+
+
+def _refuse_coupled(state: SplitState, what: str) -> None:
+    if state.batch.has_coupled:
+        raise ValueError(f"{what} is not supported when the batch has coupled sequences "
+                         "(tokens with several sequence ids); use unified KV (-kvu) and 'simple'")
+
+
+def split_simple(state: SplitState, n_ubatch: int) -> UBatch | None:
+    """Next ``n_ubatch`` unused tokens in batch order (``llama_batch_allocr::split_simple``)."""
+    cur = state.first_unused()
+    if cur < 0:
+        return None
+    idxs = []
+    n = state.batch.n_tokens
+    while True:
+        idxs.append(cur)
+        state.used[cur] = True
+        cur += 1
+        if cur >= n or len(idxs) >= n_ubatch:
+            break
+    return state.make("simple", idxs, len(idxs), False)
+
+
+def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UBatch | None:
+    """``llama_batch_allocr::split_equal``, line for line.
+
+    Sets are collected in batch order of their first unused token; with ``sequential`` a set
+    is taken only if its primary id is the previous set's + 1. Note llama.cpp stops
+    collecting only when it holds *more* than ``n_ubatch`` sets, so a batch of more than
+    ``n_ubatch`` sequences gives a first ubatch of ``n_ubatch + 1`` tokens; this is kept.
+    """
+    if sequential:
+        _refuse_coupled(state, "the sequential equal split")
+    batch, used = state.batch, state.used
+    cur_sets: list[frozenset[int]] = []
+    last_seq_id = -1
+    for i in range(batch.n_tokens):
+        if used[i]:
+            continue
+        add = all(not (cs & state.seq_set[i]) for cs in cur_sets)
+        if sequential:
+            add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
+        if add:
+            cur_sets.append(state.seq_set[i])
+            last_seq_id = state.primary[i]
+            if len(cur_sets) > n_ubatch:
+                break
+    n_seqs = len(cur_sets)
+    if n_seqs == 0:
+        return None
+    lists = [state.seq_set_map[cs] for cs in cur_sets]
+    cur_idx = [0] * n_seqs
+    for s in range(n_seqs):
+        while used[lists[s][cur_idx[s]]]:
+            cur_idx[s] += 1
+    per_seq: list[list[int]] = [[] for _ in range(n_seqs)]
+    while True:
+        if any(cur_idx[s] >= len(lists[s]) for s in range(n_seqs)):
+            break
+        for s in range(n_seqs):
+            idx = lists[s][cur_idx[s]]
+            per_seq[s].append(idx)
+            used[idx] = True
+            cur_idx[s] += 1
+        if (len(per_seq[0]) + 1) * n_seqs > n_ubatch:
+            break
+    idxs = [i for lst in per_seq for i in lst]
+    return state.make("equal", idxs, n_seqs, True)
+
+
+def split_seq(state: SplitState, n_ubatch: int) -> UBatch | None:
+    """``llama_batch_allocr::split_seq``: tokens of the first unused token's sequence set and
+    of its subsets, in batch order, up to ``n_ubatch``."""
+    cur = state.first_unused()
+    if cur < 0:
+        return None
+    n = state.batch.n_tokens
+    cur_set = state.seq_set[cur]
+    idxs = []
+    while True:
+        idxs.append(cur)
+        state.used[cur] = True
+        if len(idxs) >= n_ubatch:
+            break
+        cur += 1
+        while cur < n and (state.used[cur] or (cur_set & state.seq_set[cur]) != state.seq_set[cur]):
+            cur += 1
+        if cur == n:
+            break
+        cur_set = state.seq_set[cur]
+    return state.make("seq", idxs, 1, True)
+
+
+def split_padded(state: SplitState, n_ubatch: int) -> UBatch | None:
+    """Equal-length rows by padding (seed 000, llama.cpp RFC #15636 "pad_equal").
+
+    Candidate sets: the single-sequence sets with unused tokens, by ascending id, starting
+    at the smallest such id and running while ids stay consecutive (streams of a ubatch
+    must be consecutive), at most ``n_ubatch`` of them. Unlike ``equal`` the batch order of
+    the sequences does not matter, only their ids. For every prefix of ``k`` candidates the
+    row length is ``L_k = min(longest remaining, n_ubatch // k)`` and it computes
+    ``real_k = sum(min(remaining_i, L_k))`` real tokens and ``pad_k = k * L_k - real_k`` pads;
+    its score is ``real_k - PADDED_PAD_WEIGHT * pad_k`` (weight 0.5). The largest ``k`` whose
+    score is at least ``PADDED_KEEP_FRACTION`` (0.9) of the best score wins: taking more
+    sequences together costs a little now and avoids ragged leftovers later (ten prompts of
+    100 with ``n_ubatch`` 512 give 10x51 + 10x49, not 8x64 + ...). Each chosen sequence
+    contributes ``min(remaining, L)`` real tokens; shorter ones are padded to ``L`` with pad
+    rows whose positions continue the sequence.
+    """
+    _refuse_coupled(state, "the padded split")
+    used = state.used
+    remaining: dict[int, list[int]] = {}
+    for cs, lst in state.seq_set_map.items():
+        rest = [i for i in lst if not used[i]]
+        if rest:
+            remaining[next(iter(cs))] = rest
+    if not remaining:
+        return None
+    s0 = min(remaining)
+    cand = []
+    while s0 + len(cand) in remaining and len(cand) < n_ubatch:
+        cand.append(s0 + len(cand))
+    rem = [len(remaining[s]) for s in cand]
+    options = []  # (k, L, real tokens, pad tokens)
+    longest = 0
+    for k in range(1, len(cand) + 1):
+        longest = max(longest, rem[k - 1])
+        L = min(longest, n_ubatch // k)
+        real = sum(min(r, L) for r in rem[:k])
+        options.append((k, L, real, k * L - real))
+    def score(o):
+        return o[2] - PADDED_PAD_WEIGHT * o[3]
+    best = max(score(o) for o in options)
+    good = [o for o in options if score(o) >= PADDED_KEEP_FRACTION * best]
+    k, L, _, _ = max(good, key=lambda o: (o[0], -o[3]))
+    b = state.batch
+    idxs: list[int] = []
+    pos: list[int] = []
+    sids: list[tuple[int, ...]] = []
+    for s in cand[:k]:
+        take = remaining[s][:L]
+        used[take] = True
+        idxs.extend(take)
+        pos.extend(int(b.positions[i]) for i in take)
+        last = int(b.positions[take[-1]])
+        n_pad = L - len(take)
+        idxs.extend([-1] * n_pad)
+        pos.extend(range(last + 1, last + 1 + n_pad))
+        sids.extend([(s,)] * L)
+    return UBatch("padded", np.array(idxs, dtype=np.int64), np.array(pos, dtype=np.int32),
+                  tuple(sids), k, True)
+
+
+_SPLITTERS = {
+    "simple": split_simple,
+    "equal": lambda st, n: split_equal(st, n, sequential=True),
+    "seq": split_seq,
+    "padded": split_padded,
+}
+
+
+def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) -> list[UBatch]:
+    """Split ``batch`` into ubatches of at most ``n_ubatch`` rows (pads included).
+
+    mode  one of ``simple``, ``equal``, ``seq``, ``padded`` (see module doc) or ``auto``
+          (``ggml_attn.graph.auto.choose_split``; extra keywords go to it).
+    Raises ``ValueError`` for an unknown mode, ``n_ubatch < 1``, coupled sequences with a
+    per-stream mode, or when the splitter cannot place every token.
+    """
+    if n_ubatch < 1:
+        raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
+    if mode == "auto":
+        from .auto import choose_split
+        return choose_split(batch, n_ubatch, **auto_kw).ubatches
+    if mode not in _SPLITTERS:
+        raise ValueError(f"unknown split mode {mode!r}; expected one of {MODES}")
+    state = SplitState(batch)
+    fn = _SPLITTERS[mode]
+    out = []
+    while True:
+        ub = fn(state, n_ubatch)
+        if ub is None:
+            break
+        out.append(ub)
+    if state.n_used < batch.n_tokens:
+        raise ValueError(f"split {mode!r} placed {state.n_used} of {batch.n_tokens} tokens")
+    return out

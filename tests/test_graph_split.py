@@ -1,0 +1,225 @@
+"""Batch validation and the ubatch splitters (llama.cpp's behaviour, REFERENCE section 1)."""
+import numpy as np
+import pytest
+
+from ggml_attn.graph import Batch, split_ubatches, validate_batch
+
+
+def shapes(ubs):
+    return [(u.n_seqs, u.n_seq_tokens) for u in ubs]
+
+
+# ------------------------------------------------------------------ Batch
+def test_from_lengths_layout_in_given_id_order():
+    b = Batch.from_lengths([2, 3], seq_ids=[5, 1], start_pos={1: 7})
+    assert b.primary_seq_ids.tolist() == [5, 5, 1, 1, 1]
+    assert b.positions.tolist() == [0, 1, 7, 8, 9]
+    assert b.unique_seq_ids == (1, 5)
+    assert b.seq_token_counts() == {5: 2, 1: 3}
+
+
+def test_from_sequences_keeps_tokens():
+    b = Batch.from_sequences([[11, 12], [13]], seq_ids=[0, 1], start_pos=[3, 0])
+    assert b.tokens.tolist() == [11, 12, 13]
+    assert b.positions.tolist() == [3, 4, 0]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(lengths=[1, 0]), "lengths\\[1\\] = 0"),
+    (dict(lengths=[1, 2], seq_ids=[3, 3]), "distinct"),
+    (dict(lengths=[1, 2], seq_ids=[0]), "2 lengths but 1 seq_ids"),
+    (dict(lengths=[1], start_pos=[0, 1]), "start_pos has 2 entries"),
+])
+def test_from_lengths_errors(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Batch.from_lengths(**kw)
+
+
+def test_batch_structure_errors():
+    with pytest.raises(ValueError, match="no sequence id"):
+        Batch(np.array([1]), np.array([0]), ((),))
+    with pytest.raises(ValueError, match="negative sequence id"):
+        Batch(np.array([1]), np.array([0]), ((-1,),))
+    with pytest.raises(ValueError, match="one entry per token"):
+        Batch(np.array([1, 2]), np.array([0]), ((0,), (0,)))
+    with pytest.raises(ValueError, match="at least one token"):
+        Batch(np.array([], dtype=np.int32), np.array([], dtype=np.int32), ())
+
+
+def test_validate_seq_id_range():
+    b = Batch.from_lengths([1, 1], seq_ids=[0, 4])
+    with pytest.raises(ValueError, match=r"seq_id\[1\] = 4 >= n_seq_max = 4"):
+        validate_batch(b, 4, unified=True)
+    validate_batch(b, 5, unified=True)
+
+
+def test_validate_positions_continue_cache():
+    b = Batch.from_lengths([2], seq_ids=[0], start_pos=5)
+    validate_batch(b, 1, unified=True, seq_pos_max=lambda s: 4)
+    with pytest.raises(ValueError, match="X = 6 .* Y = 5"):
+        validate_batch(b, 1, unified=True, seq_pos_max=lambda s: 6)
+
+
+def test_validate_positions_continuous_and_increasing():
+    gap = Batch(np.zeros(2), np.array([0, 2]), ((0,), (0,)))
+    with pytest.raises(ValueError, match="not continuous"):
+        validate_batch(gap, 1, unified=True)
+    back = Batch(np.zeros(2), np.array([1, 0]), ((0,), (0,)))
+    with pytest.raises(ValueError, match="does not increase"):
+        validate_batch(back, 1, unified=True)
+
+
+def test_validate_coupled_refused_in_split_mode_with_hint():
+    b = Batch(np.zeros(3), np.array([0, 1, 2]), ((0, 1), (0, 1), (0, 1)))
+    validate_batch(b, 2, unified=True)
+    with pytest.raises(ValueError, match=r"-kvu"):
+        validate_batch(b, 2, unified=False)
+
+
+def test_validate_incompatible_sets():
+    b = Batch(np.zeros(3), np.array([0, 1, 2]), ((0, 1, 2), (0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="sequence 1 belongs to incompatible"):
+        validate_batch(b, 3, unified=True)
+
+
+def test_validate_coupled_diverged():
+    b = Batch(np.zeros(1), np.array([5]), ((0, 1),))
+    with pytest.raises(ValueError, match="diverged"):
+        validate_batch(b, 2, unified=True, seq_pos_max=lambda s: 4,
+                       seq_pos_min=lambda s: 0 if s == 0 else 2)
+
+
+# --------------------------------------------------------------- splitters
+def test_reference_case_equal_1_to_10():
+    ubs = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "equal")
+    assert shapes(ubs) == [(n, 1) for n in range(10, 0, -1)]
+    assert sum(u.n_tokens for u in ubs) == 55
+    assert ubs[1].seq_ids == tuple(range(1, 10))
+
+
+def test_reference_case_ten_prompts_of_100():
+    ubs = split_ubatches(Batch.from_lengths([100] * 10), 512, "equal")
+    assert shapes(ubs) == [(10, 51), (10, 49)]
+
+
+def test_reference_case_reversed_ids_one_sequence_per_ubatch():
+    b = Batch.from_lengths(range(1, 11), seq_ids=range(9, -1, -1))
+    ubs = split_ubatches(b, 512, "equal")
+    assert len(ubs) == 10
+    assert all(u.n_seqs == 1 for u in ubs)
+    assert [u.seq_ids for u in ubs] == [(s,) for s in range(9, -1, -1)]
+
+
+def test_reference_case_padded_1_to_10():
+    ubs = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    assert len(ubs) == 1
+    u = ubs[0]
+    assert (u.n_seqs, u.n_seq_tokens, u.n_tokens, u.n_pad) == (10, 10, 100, 45)
+    assert u.seq_ids == tuple(range(10))
+    # row block of sequence s: its s+1 real tokens then 9-s pads with continuing positions
+    for s in range(10):
+        rows = slice(10 * s, 10 * s + 10)
+        assert u.is_pad[rows].tolist() == [False] * (s + 1) + [True] * (9 - s)
+        assert u.positions[rows].tolist() == list(range(10))
+        assert set(u.primary_seq_ids[rows].tolist()) == {s}
+
+
+def test_padded_groups_by_id_not_batch_order():
+    # equal needs 10 ubatches here; padded groups consecutive ids whatever the batch order
+    b = Batch.from_lengths(range(1, 11), seq_ids=range(9, -1, -1))
+    ubs = split_ubatches(b, 512, "padded")
+    assert len(ubs) <= 2 and ubs[0].n_seqs >= 9
+
+
+def test_padded_ten_prompts_of_100_needs_no_pads():
+    ubs = split_ubatches(Batch.from_lengths([100] * 10), 512, "padded")
+    assert shapes(ubs) == [(10, 51), (10, 49)]
+    assert sum(u.n_pad for u in ubs) == 0
+
+
+def test_padded_does_not_pad_a_long_prompt_with_many_short_ones():
+    ubs = split_ubatches(Batch.from_lengths([200] + [5] * 10), 512, "padded")
+    assert shapes(ubs) == [(1, 200), (10, 5)]
+
+
+def test_padded_respects_n_ubatch_and_covers_every_token_once():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lengths = rng.integers(1, 120, size=int(rng.integers(1, 20))).tolist()
+        n_ubatch = int(rng.integers(1, 300))
+        b = Batch.from_lengths(lengths, seq_ids=rng.permutation(len(lengths)))
+        ubs = split_ubatches(b, n_ubatch, "padded")
+        assert all(u.n_tokens <= n_ubatch for u in ubs)
+        idx = np.concatenate([u.token_idx[~u.is_pad] for u in ubs])
+        assert sorted(idx.tolist()) == list(range(b.n_tokens))
+
+
+def test_simple_is_batch_order():
+    b = Batch.from_lengths([3, 4], seq_ids=[1, 0])
+    ubs = split_ubatches(b, 5, "simple")
+    assert [u.token_idx.tolist() for u in ubs] == [[0, 1, 2, 3, 4], [5, 6]]
+    assert ubs[0].n_seqs == 5 and ubs[0].n_seq_tokens == 1 and not ubs[0].equal_seqs
+
+
+def test_seq_one_sequence_per_ubatch_in_batch_order_limited_by_n_ubatch():
+    b = Batch.from_lengths([3, 2], seq_ids=[1, 0])
+    ubs = split_ubatches(b, 2, "seq")
+    assert [(u.seq_ids, u.n_tokens) for u in ubs] == [((1,), 2), ((1,), 1), ((0,), 2)]
+
+
+def test_seq_takes_subsets_of_a_shared_prompt():
+    b = Batch(np.zeros(4), np.array([0, 1, 2, 2]), ((0, 1), (0, 1), (0,), (1,)))
+    ubs = split_ubatches(b, 10, "seq")
+    assert [u.token_idx.tolist() for u in ubs] == [[0, 1, 2], [3]]
+
+
+def test_equal_interleaved_batch_order_takes_tokens_per_sequence():
+    # tokens of seq 0 and 1 interleaved in the batch: rows come out set-major
+    b = Batch(np.zeros(4), np.array([0, 0, 1, 1]), ((0,), (1,), (0,), (1,)))
+    (u,) = split_ubatches(b, 8, "equal")
+    assert u.token_idx.tolist() == [0, 2, 1, 3]
+    assert (u.n_seqs, u.n_seq_tokens) == (2, 2)
+
+
+def test_equal_non_sequential_ids_split_apart():
+    b = Batch.from_lengths([2, 2, 2], seq_ids=[0, 2, 3])
+    assert [u.seq_ids for u in split_ubatches(b, 64, "equal")] == [(0,), (2, 3)]
+
+
+def test_equal_quirk_more_sequences_than_n_ubatch():
+    # llama.cpp collects sets until it holds more than n_ubatch of them
+    ubs = split_ubatches(Batch.from_lengths([1] * 6), 4, "equal")
+    assert shapes(ubs) == [(5, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("mode", ["equal", "padded"])
+def test_per_stream_modes_refuse_coupled(mode):
+    b = Batch(np.zeros(2), np.array([0, 1]), ((0, 1), (0, 1)))
+    with pytest.raises(ValueError, match="-kvu"):
+        split_ubatches(b, 8, mode)
+
+
+def test_split_errors():
+    b = Batch.from_lengths([1])
+    with pytest.raises(ValueError, match="unknown split mode 'fast'"):
+        split_ubatches(b, 8, "fast")
+    with pytest.raises(ValueError, match="n_ubatch must be >= 1"):
+        split_ubatches(b, 0, "simple")
+
+
+@pytest.mark.parametrize("mode", ["simple", "equal", "seq", "padded"])
+def test_every_mode_places_every_token_once_in_sequence_order(mode):
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        lengths = rng.integers(1, 40, size=int(rng.integers(1, 12))).tolist()
+        b = Batch.from_lengths(lengths, seq_ids=rng.permutation(len(lengths)))
+        ubs = split_ubatches(b, int(rng.integers(1, 100)), mode)
+        seen = np.concatenate([u.token_idx[~u.is_pad] for u in ubs])
+        assert sorted(seen.tolist()) == list(range(b.n_tokens))
+        # per sequence, tokens come in increasing position order across ubatches
+        last = {}
+        for u in ubs:
+            for i in u.token_idx[~u.is_pad].tolist():
+                s, p = b.seq_ids[i][0], int(b.positions[i])
+                assert p == last.get(s, -1) + 1
+                last[s] = p
