@@ -349,7 +349,7 @@ class KVCache:
     def seq_keep(self, seq_id: int) -> None:
         """In ``seq_id``'s stream, drop every other sequence; cells left empty are freed."""
         st = self.seq_to_stream(seq_id)
-        has = self.seqs[st, :, seq_id]
+        has = self.seqs[st, :, seq_id].copy()
         others = np.flatnonzero(~has & (self.pos[st] >= 0))
         self.seqs[st, has] = False
         self.seqs[st, has, seq_id] = True
