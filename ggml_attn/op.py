@@ -7,7 +7,8 @@ relative to q. When the node runs it picks the backend per call:
 * device pointers (device-resident graphs, REFERENCE §6) -> CUDA kernels, launched by graph
   thread 0 with raw pointers;
 * host pointers and a usable GPU -> the same kernels, staged through pinned buffers;
-* otherwise -> the numpy reference in float32, work split over the graph's threads.
+* otherwise -> numpy in float32 (:mod:`ggml_attn.cpu`: skips fully masked tiles), work
+  split over the graph's threads.
 
 ggml swallows exceptions raised in callbacks (REFERENCE §6). Here every error is caught in
 the callback, logged, the output filled with NaN (never left silently unwritten), and
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-from . import reference
-from .dtypes import GGML_TYPE_F32, to_float
+from . import cpu
+from .dtypes import GGML_TYPE_F32
 from .tensor import TensorDesc, as_numpy, from_ggml
-from .validate import AttnDims, check_flash_attn_args
+from .validate import check_flash_attn_args
 
 log = logging.getLogger("ggml_attn")
 
@@ -102,7 +103,8 @@ def raise_pending() -> None:
 def compute_graph(ctx, graph, n_threads: int = 1) -> None:
     """``ggml_graph_compute_with_ctx`` that raises what the op's callbacks recorded."""
     raise_pending()
-    status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
+    with _single_threaded_blas:  # held by this thread for the whole compute: no toggling per node
+        status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
     raise_pending()
     if status != 0:
         raise FlashAttnError(f"ggml_graph_compute_with_ctx returned status {status}")
@@ -144,26 +146,39 @@ def _use_cuda(q: TensorDesc) -> tuple[bool, bool]:
     return True, on_device
 
 
-def _run_reference(q, k, v, mask, sinks, dst, p: _OpParams, dims: AttnDims, ith: int, nth: int):
-    """numpy float32 reference on host tensors; thread ``ith`` of ``nth`` takes every nth
-    (stream, KV head) group."""
-    qa = as_numpy(q)   # (ne3, n_head, n_batch, D_k)
-    ka = as_numpy(k)   # (ne3, n_head_kv, n_kv, D_k)
-    va = as_numpy(v)
-    ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
-    sa = as_numpy(sinks).reshape(-1) if sinks is not None else None
-    out = as_numpy(dst)  # (ne3, n_batch, n_head, D_v)
-    scale = p.scale / p.logit_softcap if p.logit_softcap != 0.0 else p.scale
-    slopes = reference.alibi_slopes(dims.n_head, p.max_bias)
-    g = dims.gqa_ratio
-    for pair in range(ith, dims.ne3 * dims.n_head_kv, nth):
-        s, hk = divmod(pair, dims.n_head_kv)
-        hs = slice(hk * g, (hk + 1) * g)
-        res = reference.attend_group(
-            qa[s, hs], to_float(ka[s, hk], k.type), to_float(va[s, hk], v.type),
-            reference.group_mask_rows(ma, s, range(hk * g, (hk + 1) * g), dims.n_batch),
-            slopes[hs], None if sa is None else sa[hs], scale, p.logit_softcap, np.float32)
-        out[s, :, hs, :] = res.transpose(1, 0, 2)
+class _SingleThreadedBlas:
+    """BLAS limited to one thread while any graph thread runs the numpy path.
+
+    ggml's graph threads are OpenMP threads; OpenBLAS (pthreads build) called from inside an
+    OpenMP region warns "Detect OpenMP Loop and this application may hang". Each graph thread
+    already takes its own share of the work, so BLAS needs no threads of its own. The limit
+    is process-wide, so it is reference-counted across the threads that hold it.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._limiter = None
+        self._controller = None
+
+    def __enter__(self):
+        with self._lock:
+            if self._users == 0:
+                if self._controller is None:
+                    from threadpoolctl import ThreadpoolController
+                    self._controller = ThreadpoolController()
+                self._limiter = self._controller.limit(limits=1, user_api="blas")
+            self._users += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+
+
+_single_threaded_blas = _SingleThreadedBlas()
 
 
 def _fill_nan(dst_p) -> None:
@@ -200,7 +215,9 @@ def _callback(dst_p, ith, nth, userdata):
             run = cuda_backend.flash_attn_ext_device if on_device else cuda_backend.flash_attn_ext_host
             run(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap, kernel=_settings["kernel"])
         else:
-            _run_reference(q, k, v, mask, sinks, dst, p, dims, ith, nth)
+            with _single_threaded_blas:
+                cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,
+                                        p.logit_softcap, ith, nth)
     except BaseException as exc:  # noqa: BLE001 - ggml would swallow it; record and re-raise later
         log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
         _record(exc)

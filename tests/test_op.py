@@ -102,7 +102,7 @@ def test_backend_api_cpu():
 def test_error_in_callback_is_reraised_by_compute_graph(case_ctx, monkeypatch):
     ctx, tensors, x = case_ctx
     out = make_node(ctx, tensors)
-    monkeypatch.setattr(ggml_attn.op, "_run_reference", _boom)
+    monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host", _boom)
     with pytest.raises(ggml_attn.FlashAttnError, match="planted failure"):
         ggml_attn.compute_graph(ctx, graph_of(ctx, out), 2)
     assert np.isnan(get_data(out)).all(), "output must be poisoned, not left unwritten"
@@ -114,7 +114,7 @@ def test_plain_compute_fails_loudly(case_ctx, monkeypatch, caplog):
     raise_pending() raises it afterwards."""
     ctx, tensors, x = case_ctx
     out = make_node(ctx, tensors)
-    monkeypatch.setattr(ggml_attn.op, "_run_reference", _boom)
+    monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host", _boom)
     with caplog.at_level(logging.ERROR, logger="ggml_attn"):
         ggml.ggml_graph_compute_with_ctx(ctx, graph_of(ctx, out), 1)
     assert "planted failure" in caplog.text
