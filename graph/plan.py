@@ -1,0 +1,106 @@
+"""Per-ubatch plan: everything that depends only on the ubatch and the cache, built once and
+reused by every layer (FlashInfer's plan/run split).
+
+A plan places the ubatch in the cache (cells, ``n_kv``), builds its mask and the map of live
+(query tile, KV tile) pairs that a kernel has to visit. Shapes:
+
+* ``mask``: numpy order ``(n_stream, 1, n_tps, n_kv)`` F16 = ggml ``[n_kv, n_tps, 1, n_stream]``.
+* ``row_idx``: int64 ``(n_tokens,)`` global cache rows (``stream * kv_size + cell``) of the
+  ubatch rows, the ``ggml_set_rows`` index input.
+* ``tiles.live``: bool numpy ``(n_stream, n_q_tiles, n_kv_tiles)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .kv_cache import KVCache, SlotInfo
+from .mask import build_mask
+from .split import UBatch
+
+__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "tile_map", "Q_TILE", "KV_TILE"]
+
+Q_TILE = 64    # query rows per tile (FlashInfer's 64-row prefill tile)
+KV_TILE = 256  # KV cells per tile (llama.cpp's CUDA mask scan granularity)
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """Which (query tile, KV tile) blocks hold at least one visible cell.
+
+    live        bool ``(n_stream, n_q_tiles, n_kv_tiles)``.
+    q_tile, kv_tile   tile sizes (rows, cells).
+    """
+
+    live: np.ndarray
+    q_tile: int
+    kv_tile: int
+
+    @property
+    def n_total(self) -> int:
+        return int(self.live.size)
+
+    @property
+    def n_live(self) -> int:
+        """Tiles a kernel that skips every fully masked tile visits."""
+        return int(self.live.sum())
+
+    @property
+    def n_tail_skip(self) -> int:
+        """Tiles visited by a kernel that only skips the fully masked *tail* of each query
+        tile's KV range (llama.cpp CUDA, REFERENCE section 3)."""
+        any_live = self.live.any(axis=2)
+        last = self.live.shape[2] - np.argmax(self.live[:, :, ::-1], axis=2)
+        return int(np.where(any_live, last, 0).sum())
+
+
+def tile_map(visible: np.ndarray, q_tile: int = Q_TILE, kv_tile: int = KV_TILE) -> TileMap:
+    """Tile map of a bool visibility array ``(n_stream, n_tps, n_kv)``."""
+    ns, nq, nk = visible.shape
+    tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
+    padded = np.zeros((ns, tq * q_tile, tk * kv_tile), dtype=bool)
+    padded[:, :nq, :nk] = visible
+    live = padded.reshape(ns, tq, q_tile, tk, kv_tile).any(axis=(2, 4))
+    return TileMap(live, q_tile, kv_tile)
+
+
+@dataclass(eq=False)
+class UBatchPlan:
+    """The plan of one ubatch (see module doc); ``kernel_plan`` is free for a device backend
+    to attach its own per-ubatch data (e.g. ``cuda_backend.make_plan``)."""
+
+    ubatch: UBatch
+    slot: SlotInfo
+    n_kv: int
+    mask: np.ndarray
+    row_idx: np.ndarray
+    tiles: TileMap
+    kernel_plan: object = field(default=None)
+
+    @property
+    def n_stream(self) -> int:
+        return self.slot.n_stream
+
+    @property
+    def n_tps(self) -> int:
+        return self.ubatch.n_tokens // self.slot.n_stream
+
+    def describe(self) -> dict:
+        ub = self.ubatch
+        return {"mode": ub.mode, "shape": ub.shape_str, "n_tokens": ub.n_tokens, "n_pad": ub.n_pad,
+                "seq_ids": f"{ub.seq_ids[0]}..{ub.seq_ids[-1]}" if len(ub.seq_ids) > 1 else str(ub.seq_ids[0]),
+                "n_stream": self.n_stream, "n_kv": self.n_kv, "kv_tiles_live": self.tiles.n_live,
+                "kv_tiles_tail": self.tiles.n_tail_skip, "kv_tiles_total": self.tiles.n_total}
+
+
+def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int = 0, alibi: bool = False,
+                q_tile: int = Q_TILE, kv_tile: int = KV_TILE) -> UBatchPlan:
+    """Place ``ub`` in ``cache`` (raises ``KVCacheFullError`` with the cache unchanged when it
+    does not fit) and build its mask and tile map. Free its pads with
+    ``cache.free_pads(plan.slot)`` once every layer has run."""
+    slot = cache.place(ub)
+    n_kv = cache.n_kv(slot)
+    mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
+    tiles = tile_map(np.isfinite(mask[:, 0]), q_tile, kv_tile)
+    return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)

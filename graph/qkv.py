@@ -1,0 +1,103 @@
+"""Deterministic Q/K/V for a token, from (sequence, position, layer) only.
+
+A token's vectors do not depend on how it was batched, so every split strategy must give the
+same attention output for it; that is what makes strategies comparable (issue 3, item 6).
+Values come from a counter-based hash (splitmix64), uniform in [-1, 1). Pad rows get
+vectors from a different stream of the hash, ten times larger, so any leak of a pad into a
+real token's result is visible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+import numpy as np
+
+__all__ = ["AttnConfig", "token_vectors", "token_qkv"]
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer, elementwise on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + _M1
+        x = (x ^ (x >> np.uint64(30))) * _M2
+        x = (x ^ (x >> np.uint64(27))) * _M3
+        return x ^ (x >> np.uint64(31))
+
+
+def token_vectors(seq_ids, positions, layer: int, kind: int, n_vec: int, dim: int,
+                  seed: int = 0) -> np.ndarray:
+    """float32 ``(n_tokens, n_vec, dim)`` in [-1, 1), one value per (token, vector, element),
+    a pure function of (seed, kind, layer, seq_id, position, vector, element)."""
+    s = np.asarray(seq_ids, dtype=np.uint64).reshape(-1, 1)
+    p = np.asarray(positions, dtype=np.uint64).reshape(-1, 1)
+    with np.errstate(over="ignore"):
+        key = _mix(np.uint64(seed) * np.uint64(1_000_003) + np.uint64(kind) * np.uint64(7919)
+                   + np.uint64(layer) * np.uint64(104_729) + np.zeros_like(s))
+        key = _mix(key ^ (s * np.uint64(0x100000001B3)))
+        key = _mix(key ^ (p * np.uint64(0xC2B2AE3D27D4EB4F)))
+        elem = np.arange(n_vec * dim, dtype=np.uint64).reshape(1, -1)
+        bits = _mix(key + elem * np.uint64(0x632BE59BD9B4E019))
+    u = (bits >> np.uint64(40)).astype(np.float64) / float(1 << 24)
+    return (2.0 * u - 1.0).astype(np.float32).reshape(-1, n_vec, dim)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Geometry and attention parameters of a stack of ``n_layer`` attention layers.
+
+    scale defaults to ``1/sqrt(head_dim)``; ``max_bias > 0`` turns on ALiBi (the mask then
+    carries ``-|p_cell - p_row|``); ``n_swa > 0`` is a sliding window; ``seed`` picks the
+    Q/K/V hash.
+    """
+
+    n_layer: int = 1
+    n_head: int = 2
+    n_head_kv: int = 1
+    head_dim: int = 16
+    head_dim_v: int | None = None
+    max_bias: float = 0.0
+    logit_softcap: float = 0.0
+    n_swa: int = 0
+    seed: int = 0
+    scale_override: float | None = None
+
+    def __post_init__(self):
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
+        if min(self.n_layer, self.n_head, self.n_head_kv, self.head_dim) <= 0:
+            raise ValueError("AttnConfig sizes must be positive")
+
+    @property
+    def d_v(self) -> int:
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.scale_override if self.scale_override is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def alibi(self) -> bool:
+        return self.max_bias > 0.0
+
+
+def token_qkv(seq_ids, positions, is_pad, layer: int, cfg: AttnConfig):
+    """Q ``(n, n_head, head_dim)``, K ``(n, n_head_kv, head_dim)``, V ``(n, n_head_kv, d_v)``,
+    float32, numpy order, for rows with primary ``seq_ids`` / ``positions`` (int arrays
+    ``(n,)``); rows where ``is_pad`` get the pad stream (x10)."""
+    seq_ids = np.asarray(seq_ids)
+    positions = np.asarray(positions)
+    is_pad = np.asarray(is_pad, dtype=bool)
+    out = []
+    for kind, nv, d in ((1, cfg.n_head, cfg.head_dim), (2, cfg.n_head_kv, cfg.head_dim),
+                        (3, cfg.n_head_kv, cfg.d_v)):
+        x = token_vectors(seq_ids, positions, layer, kind, nv, d, cfg.seed)
+        if is_pad.any():
+            x[is_pad] = 10.0 * token_vectors(seq_ids[is_pad], positions[is_pad], layer, kind + 16, nv, d,
+                                             cfg.seed)
+        out.append(x)
+    return tuple(out)
