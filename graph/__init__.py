@@ -1,16 +1,31 @@
 """llama.cpp-style batching for ggml-attn: batches, ubatch splits (incl. a padded split),
-a unified / per-stream KV cache, ubatch masks, plans and ggml graphs.
+a unified / per-stream KV cache, ubatch masks, per-ubatch plans and ggml graphs.
 
 Typical use::
 
-    from ggml_attn.graph import Batch, split_ubatches, KVCache, build_mask
-    batch = Batch.from_lengths(range(1, 11))           # 10 prompts of 1..10 tokens
-    ubatches = split_ubatches(batch, 512, "padded")    # one ubatch 10x10, 45 pads
+    from ggml_attn.graph import Batch, KVCache, AttnConfig, split_ubatches, run_batch
+    batch = Batch.from_lengths(range(1, 11))           # 10 prompts of 1..10 tokens, ids 0..9
+    split_ubatches(batch, 512, "equal")                 # llama.cpp: 10 ubatches 10x1 .. 1x1
+    split_ubatches(batch, 512, "padded")                # one ubatch 10x10 with 45 pads
+    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
+    cache = KVCache(2560, 10, unified=False, n_layer=2, n_head_kv=2, head_dim_k=16)
+    result = run_batch(cache, batch, 512, "padded", cfg, compute="ggml")
+    print(format_table(compare_strategies(batch, 512)))
+
+Modules, in pipeline order: ``batch`` -> ``split`` (+ ``auto``) -> ``kv_cache`` -> ``mask`` ->
+``plan`` -> ``build`` (ggml graph) ; ``runner`` drives them; ``describe`` prints plans.
 """
 from .batch import Batch, validate_batch
 from .split import MODES, UBatch, split_ubatches
 from .kv_cache import KVCache, KVCacheFullError, SlotInfo
 from .mask import build_mask, visible_cells
+from .qkv import AttnConfig
+from .plan import UBatchPlan, dry_run_plans, plan_ubatch
+from .auto import AutoChoice, CostModel, choose_split
+from .runner import BatchResult, run_batch
+from .describe import compare_strategies, describe_plan, format_table
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
-           "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells"]
+           "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
+           "UBatchPlan", "plan_ubatch", "dry_run_plans", "AutoChoice", "CostModel", "choose_split",
+           "BatchResult", "run_batch", "compare_strategies", "describe_plan", "format_table"]

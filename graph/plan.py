@@ -19,7 +19,7 @@ from .kv_cache import KVCache, SlotInfo
 from .mask import build_mask
 from .split import UBatch
 
-__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "tile_map", "Q_TILE", "KV_TILE"]
+__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "dry_run_plans", "tile_map", "Q_TILE", "KV_TILE"]
 
 Q_TILE = 64    # query rows per tile (FlashInfer's 64-row prefill tile)
 KV_TILE = 256  # KV cells per tile (llama.cpp's CUDA mask scan granularity)
@@ -104,3 +104,19 @@ def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int =
     mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
     tiles = tile_map(np.isfinite(mask[:, 0]), q_tile, kv_tile)
     return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)
+
+
+def dry_run_plans(cache: KVCache, ubatches: list[UBatch], **plan_kw) -> list[UBatchPlan]:
+    """Plan every ubatch in turn (pads freed after each) and put the cache's cells back as they
+    were: what the batch *would* do, without touching K/V. Raises ``KVCacheFullError`` (cache
+    unchanged) when a ubatch does not fit."""
+    snap = cache._snapshot()
+    try:
+        plans = []
+        for ub in ubatches:
+            p = plan_ubatch(cache, ub, **plan_kw)
+            cache.free_pads(p.slot)
+            plans.append(p)
+        return plans
+    finally:
+        cache._restore(snap)
