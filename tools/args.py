@@ -140,11 +140,18 @@ class Parser(argparse.ArgumentParser):
         return ns
 
 
-def add_list(parser, *flags, type, default, help, metavar=None):
-    """Add a list-valued flag (comma lists, ranges, repeatable) with a default list."""
-    shown = ",".join(str(d) for d in default) if default else "none"
+def add_list(parser, *flags, type, default, help, metavar=None, **kw):
+    """Add a list-valued flag (comma lists, ranges, repeatable) with a default list.
+    Extra keywords go to ``add_argument`` (e.g. ``nargs="?", const=[True]`` for a bare flag)."""
+    shown = ",".join(_show(d) for d in default) if default else "none"
     parser.add_argument(*flags, type=type, action=ExtendList, default=list(default),
-                        metavar=metavar, help=f"{help} (default: {shown})")
+                        metavar=metavar, help=f"{help} (default: {shown})", **kw)
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    return str(value) if value != "" else "per -kvu"
 
 
 def combinations(lists: dict) -> list[dict]:

@@ -1,0 +1,236 @@
+"""``ggml-attn-bench``: llama-bench for ggml-attn's attention stack.
+
+Same flags, defaults, test names and output formats as llama-bench (``-p``, ``-n``,
+``-pg``, ``-d``, ``-b``, ``-ub``, ``-fa``, ``-r``, ``-o``, ``--progress``,
+``--no-warmup``), on a model *shape* (a preset or a ``.gguf`` header) instead of a model:
+every test runs the layers' attention (``--layer attn``) or whole blocks with random
+weights (``--layer full``) through the graph builder. Ours on top: ``-kvu``, ``--split``,
+``--kernel``, ``--device``, ``--layer``.
+
+With no arguments and no GPU it benchmarks the ``tiny`` preset on the CPU (pp512, tg128,
+5 repetitions), in well under a minute on two cores.
+"""
+from __future__ import annotations
+
+import datetime
+import sys
+
+from . import format_bench as fmt
+from .args import (Parser, add_list, choice_list, combinations, parse_bool_list, parse_int_range,
+                   parse_pair_list, str_list)
+from .common import Progress, build_info, cpu_info, default_threads, gpu_info, prefer_passive_omp
+from .errors import UserError, run_cli
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
+                     check_context, default_split, resolve_device)
+
+PROG = "ggml-attn-bench"
+FA_VALUES = {"on": 1, "off": 0, "auto": -1, "1": 1, "0": 0, "-1": -1}
+
+
+def parse_fa(text: str) -> list[int]:
+    out = []
+    for item in str(text).split(","):
+        key = item.strip().lower()
+        if key not in FA_VALUES:
+            raise UserError(f"invalid -fa value '{item}' (expected on, off or auto)")
+        out.append(FA_VALUES[key])
+    return out
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=(
+        "Benchmark batched attention like llama-bench: prompt processing (pp), token generation "
+        "(tg) and both (pp+tg) on a model shape. List flags take comma lists and ranges "
+        "(a-b, a-b+s, a-b*m) and may be repeated; one test per combination."))
+    add_list(p, "-m", "--model", type=str_list, default=["auto"], metavar="NAME|FILE.gguf",
+             help=f"model preset ({', '.join(PRESETS)}) or a .gguf whose header gives the shapes; "
+                  f"auto: {DEFAULT_CPU_MODEL} on the CPU, {DEFAULT_GPU_MODEL} on a GPU")
+    add_list(p, "-p", "--n-prompt", type=parse_int_range, default=[512], metavar="N",
+             help="prompt tokens of a pp test (0: none)")
+    add_list(p, "-n", "--n-gen", type=parse_int_range, default=[128], metavar="N",
+             help="generated tokens of a tg test, one decode step each (0: none)")
+    add_list(p, "-pg", type=parse_pair_list, default=[], metavar="PP,TG",
+             help="a pp+tg test: PP prompt tokens then TG generated tokens, timed together")
+    add_list(p, "-d", "--n-depth", type=parse_int_range, default=[0], metavar="N",
+             help="tokens already in the KV cache before each test (untimed)")
+    add_list(p, "-b", "--batch-size", type=parse_int_range, default=[2048], metavar="N",
+             help="logical batch size: tokens per decode call")
+    add_list(p, "-ub", "--ubatch-size", type=parse_int_range, default=[512], metavar="N",
+             help="physical batch size: rows per graph evaluation")
+    add_list(p, "-fa", "--flash-attn", type=parse_fa, default=[-1], metavar="on|off|auto",
+             help="on: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max path; auto: on")
+    add_list(p, "-kvu", "--kv-unified", type=parse_bool_list, default=[False], metavar="0|1",
+             help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
+                  "sequence (0)", nargs="?", const=[True])
+    add_list(p, "--split", type=choice_list(SPLITS), default=[""], metavar="MODE",
+             help="ubatch split: simple|equal|seq|padded|auto; default: simple with -kvu 1, "
+                  "equal without (as llama.cpp)")
+    add_list(p, "--kernel", type=choice_list(KERNELS), default=["auto"], metavar="KERNEL",
+             help="attention kernel on the GPU: auto|prefill|decode|decode-tc|reference; "
+                  "ggml: ggml's own flash attention (CPU baseline)")
+    add_list(p, "--layer", type=choice_list(LAYERS), default=["attn"], metavar="attn|full",
+             help="attn: attention only; full: with QKV/O projections and FFN (random weights)")
+    add_list(p, "-t", "--threads", type=parse_int_range, default=[default_threads()], metavar="N",
+             help="CPU threads")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to run: auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("--n-layer", type=int, default=0, metavar="N",
+                   help="override the model's number of layers (quick runs of big shapes)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="context limit per test; 0: the model's training context (default: 0)")
+    p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
+                   help="times to repeat each test (default: 5)")
+    p.add_argument("-o", "--output", choices=fmt.FORMATS, default="md",
+                   help="output format printed to stdout (default: md)")
+    p.add_argument("--progress", action="store_true", help="print test progress on stderr")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
+    return p
+
+
+def tests_of(ns) -> list[tuple[int, int]]:
+    """(n_prompt, n_gen) per test in llama-bench's order: pp tests, tg tests, pg pairs."""
+    out = [(p, 0) for p in ns.n_prompt if p > 0]
+    out += [(0, n) for n in ns.n_gen if n > 0]
+    out += [(pp, tg) for pp, tg in ns.pg if pp or tg]
+    return out
+
+
+def optional_columns(ns) -> list[str]:
+    """Markdown columns to show: flags with several or non-default values."""
+    defaults = {"n_batch": ("batch_size", [2048]), "n_ubatch": ("ubatch_size", [512]),
+                "flash_attn": ("flash_attn", [-1]), "kv_unified": ("kv_unified", [False]),
+                "split": ("split", [""]), "kernel": ("kernel", ["auto"]), "layer": ("layer", ["attn"])}
+    return [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
+
+
+def instances(ns, device: str) -> list[dict]:
+    models = []
+    for name in ns.model:
+        if name == "auto":
+            name = DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL
+        models.append(with_layers(resolve(name), ns.n_layer))
+    params = combinations({
+        "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
+        "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
+        "kernel": ns.kernel, "layer": ns.layer, "n_threads": ns.threads, "n_depth": ns.n_depth})
+    out = []
+    for inst in params:
+        check_batch_sizes(inst["n_batch"], inst["n_ubatch"])
+        for n_prompt, n_gen in tests_of(ns):
+            out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
+    for inst in out:
+        m = inst["model"]
+        need = inst["n_prompt"] + inst["n_gen"] + inst["n_depth"]
+        limit = ns.ctx_size or m.n_ctx_train
+        check_context(need, limit, f"test {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])} "
+                                   f"on {m.name}" + ("" if ns.ctx_size else " (training context; raise with -c)"))
+    return out
+
+
+def _runner_key(inst):
+    return tuple(inst[k] for k in ("model", "n_batch", "n_ubatch", "flash_attn", "kv_unified", "split",
+                                   "kernel", "layer", "n_threads")) + (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
+
+
+def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx: int) -> dict:
+    """llama-bench's test loop: warm-up, then per repetition clear, fill depth, time pp/tg."""
+    n_prompt, n_gen, n_depth = inst["n_prompt"], inst["n_gen"], inst["n_depth"]
+    if warmup:
+        runner.clear()
+        if n_prompt > 0:
+            progress(idx, "warmup prompt run")
+            runner.decode(runner.prompt_batch([n_prompt]))
+        if n_gen > 0:
+            progress(idx, "warmup generation run")
+            runner.decode(runner.step_batch([0]))
+    samples, n_ub = [], 0
+    for rep in range(reps):
+        runner.clear()
+        if n_depth > 0:
+            progress(idx, f"depth run {rep + 1}/{reps}")
+            runner.decode(runner.prompt_batch([n_depth]))
+        n_ub = 0
+        with runner.timer() as t:
+            if n_prompt > 0:
+                progress(idx, f"prompt run {rep + 1}/{reps}")
+                n_ub += runner.decode(runner.prompt_batch([n_prompt])).n_ubatches
+            if n_gen > 0:
+                progress(idx, f"generation run {rep + 1}/{reps}")
+                for _ in range(n_gen):
+                    n_ub += runner.decode(runner.step_batch([0])).n_ubatches
+        samples.append(max(1, t.ns))
+    return {"samples_ns": samples, "ub": n_ub}
+
+
+def make_row(inst: dict, result: dict, device: str) -> dict:
+    m = inst["model"]
+    commit, number = build_info()
+    split = inst["split"] or default_split(inst["kv_unified"])
+    row = dict(
+        build_commit=commit, build_number=number, cpu_info=cpu_info(),
+        gpu_info=gpu_info() if device == "cuda" else "", backends="CUDA" if device == "cuda" else "CPU",
+        model_filename=m.source if m.source != "preset" else m.name, model_type=m.name,
+        model_size=m.size_bytes, model_n_params=m.n_params, n_layer=m.n_layer, n_head=m.n_head,
+        n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
+        n_threads=inst["n_threads"], type_k="f16", type_v="f16",
+        n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=inst["flash_attn"],
+        kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
+        layer=inst["layer"], n_prompt=inst["n_prompt"], n_gen=inst["n_gen"], n_depth=inst["n_depth"],
+        test_time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **result)
+    return fmt.finish_row(row)
+
+
+def main(argv=None) -> int:
+    """Console-script entry: user mistakes -> one line on stderr and exit 2."""
+    prefer_passive_omp(argv)
+    return run_cli(PROG, _main, argv)
+
+
+def _main(argv=None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.list_models:
+        for m in PRESETS.values():
+            print(m.describe())
+        return 0
+    if ns.repetitions < 1:
+        raise UserError(f"-r must be at least 1, got {ns.repetitions}")
+    device = resolve_device(ns.device)
+    insts = instances(ns, device)
+    if not insts:
+        raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
+    backend = "CUDA" if device == "cuda" else "CPU"
+    commit, number = build_info()
+    printer = fmt.make_printer(ns.output, sys.stdout,
+                               md_columns=fmt.markdown_columns(backend, optional_columns(ns)),
+                               build=f"{commit} ({number})")
+    progress = Progress(PROG, ns.progress, len(insts))
+    printer.header()
+    runner, key = None, None
+    try:
+        for idx, inst in enumerate(insts, 1):
+            progress(idx, "starting")
+            if _runner_key(inst) != key:
+                if runner is not None:
+                    runner.close()
+                runner, key = None, _runner_key(inst)
+                runner = Runner(RunConfig(
+                    inst["model"], n_ctx=key[-1], n_seq=1, kv_unified=inst["kv_unified"],
+                    split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
+                    flash_attn=inst["flash_attn"] != 0, kernel=inst["kernel"], layer=inst["layer"],
+                    device=device, n_threads=inst["n_threads"], seed=ns.seed))
+            result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
+            printer.row(make_row(inst, result, device))
+    finally:
+        # after Ctrl-C too: the rows printed so far stay a complete table / valid json
+        printer.footer()
+        if runner is not None:
+            runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Small helpers both tools share: build info, CPU/GPU names, thread count, progress lines."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def build_info() -> tuple[str, int]:
+    """(short commit, number of commits) of the ggml-attn checkout; ("unknown", 0) outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=5).stdout.strip()
+        count = subprocess.run(["git", "-C", here, "rev-list", "--count", "HEAD"], capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+        return (commit or "unknown", int(count) if count.isdigit() else 0)
+    except (OSError, subprocess.SubprocessError):
+        return ("unknown", 0)
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_info() -> str:
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no GPU or no CuPy
+        return ""
+
+
+def default_threads() -> int:
+    """Cores this process may use (llama-bench uses the number of physical cores)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Progress:
+    """``--progress`` lines on stderr, in llama-bench's wording."""
+
+    def __init__(self, prog: str, enabled: bool, total: int):
+        self.prog, self.enabled, self.total = prog, enabled, total
+
+    def __call__(self, index: int, what: str) -> None:
+        if self.enabled:
+            print(f"{self.prog}: benchmark {index}/{self.total}: {what}", file=sys.stderr, flush=True)
+
+
+# Threading environment the tools want, read by libgomp and OpenBLAS when they load.
+THREAD_ENV = {
+    # ggml's CPU backend uses OpenMP; with libgomp's default (active) waiting its idle
+    # threads spin on the cores the Python side needs between ubatches and while
+    # flash_attn_ext's callbacks wait for the GIL: a decode step of the tiny preset took
+    # ~45 ms on 2 threads instead of ~2 ms.
+    "OMP_WAIT_POLICY": "passive",
+    # flash_attn_ext's CPU path calls numpy inside ggml's OpenMP threads; a multithreaded
+    # OpenBLAS there nests thread pools ("Detect OpenMP Loop and this application may hang").
+    "OPENBLAS_NUM_THREADS": "1",
+}
+
+
+def prefer_passive_omp(argv) -> None:
+    """Apply :data:`THREAD_ENV` (values already in the environment win).
+
+    The libraries read these when they are loaded (``import numpy`` / ``import ggml``).
+    When they are loaded already and this is a real command line (``argv is None``), the
+    tool re-executes itself once with the environment set; in-process calls (tests, argv
+    given) just set the variables for child processes.
+    """
+    missing = {k: v for k, v in THREAD_ENV.items() if k not in os.environ}
+    if not missing:
+        return
+    os.environ.update(missing)
+    loaded = any(m in sys.modules for m in ("numpy", "ggml"))
+    if not loaded or argv is not None:
+        return
+    main_mod = sys.modules.get("__main__")
+    spec = getattr(main_mod, "__spec__", None)
+    try:
+        sys.stdout.flush()
+        if spec is not None and spec.name:
+            os.execv(sys.executable, [sys.executable, "-m", spec.name, *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    except OSError:
+        pass  # keep going with the libraries' defaults

@@ -1,0 +1,242 @@
+"""What both benchmark tools drive: batch -> ubatches -> KV cache -> graph -> compute.
+
+The one place that talks to ``ggml_attn.graph`` (Batch, split_ubatches, KVCache,
+build_mask) and to an *engine* that computes one ubatch through all layers:
+
+* :class:`~ggml_attn.cli.host_engine.HostEngine` - a ggml graph on the CPU, attention by
+  ``ggml_attn.flash_attn_ext`` (or ggml's own kernels with ``--kernel ggml`` / ``-fa off``);
+* :class:`~ggml_attn.cli.cuda_engine.CudaEngine` - CuPy arrays on the GPU, attention by
+  ``ggml_attn.cuda_backend``, matmuls by cuBLAS (``--layer full``).
+
+:class:`Runner.decode` mirrors ``llama_decode`` as llama-batched-bench calls it: the batch
+is cut into ``n_batch`` views in token order, each view is split into ubatches with the
+configured strategy, the ubatches are checked to fit the cache, then placed, masked and
+computed one after another; pad cells are freed after their ubatch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import UserError
+from .models import ModelShape
+
+SPLITS = ("simple", "equal", "seq", "padded", "auto")
+KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference", "ggml")
+DEVICES = ("auto", "cpu", "cuda")
+LAYERS = ("attn", "full")
+
+
+def default_split(kv_unified: bool) -> str:
+    """llama.cpp's choice: ``simple`` with one KV stream, ``equal`` with one per sequence."""
+    return "simple" if kv_unified else "equal"
+
+
+def cuda_available() -> bool:
+    """True when CuPy sees a GPU and the project's CUDA backend loads."""
+    try:
+        from ggml_attn import cuda_backend  # noqa: F401 - written by the kernels helper
+        return bool(cuda_backend.available())
+    except Exception:  # noqa: BLE001 - any import/driver problem means "no GPU"
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when usable else ``cpu``; ``cuda`` without a GPU is a UserError."""
+    if device == "cpu":
+        return "cpu"
+    ok = cuda_available()
+    if device == "cuda" and not ok:
+        raise UserError("--device cuda: no usable GPU (CuPy and ggml_attn.cuda_backend are needed)")
+    return "cuda" if ok else "cpu"
+
+
+@dataclass
+class RunConfig:
+    model: ModelShape
+    n_ctx: int                      # cells of the KV cache (all streams together)
+    n_seq: int = 1                  # sequences served (streams when not unified)
+    kv_unified: bool = False
+    split: str = ""                 # "" = default_split(kv_unified)
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    flash_attn: bool = True
+    kernel: str = "auto"
+    layer: str = "attn"
+    device: str = "cpu"             # resolved: cpu or cuda
+    n_threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        self.split = self.split or default_split(self.kv_unified)
+        check_batch_sizes(self.n_batch, self.n_ubatch)
+        if self.split not in SPLITS:
+            raise UserError(f"unknown split '{self.split}' (choose from {', '.join(SPLITS)})")
+        if self.kernel not in KERNELS:
+            raise UserError(f"unknown kernel '{self.kernel}' (choose from {', '.join(KERNELS)})")
+        if self.layer not in LAYERS:
+            raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
+
+
+def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
+    if n_batch < 1 or n_ubatch < 1:
+        raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
+    if n_ubatch > n_batch:
+        raise UserError(f"n_ubatch ({n_ubatch}) is larger than n_batch ({n_batch}); "
+                        "a ubatch is a piece of a batch")
+
+
+def check_context(n_needed: int, n_ctx: int, what: str) -> None:
+    """Context overflow -> UserError (one line, exit 2)."""
+    if n_ctx and n_needed > n_ctx:
+        raise UserError(f"context overflow: {what} needs {n_needed} KV cells but the context holds {n_ctx}")
+
+
+@dataclass
+class DecodeStats:
+    """What one :meth:`Runner.decode` call did."""
+    n_ubatches: int = 0
+    n_pad: int = 0
+    n_kv_max: int = 0
+    shapes: list = field(default_factory=list)
+
+    def add(self, other: "DecodeStats") -> None:
+        self.n_ubatches += other.n_ubatches
+        self.n_pad += other.n_pad
+        self.n_kv_max = max(self.n_kv_max, other.n_kv_max)
+        self.shapes.extend(other.shapes)
+
+
+def _graph():
+    try:
+        from ggml_attn import graph
+    except ImportError as e:  # pragma: no cover - graph/ is part of the package
+        raise RuntimeError(f"ggml_attn.graph is missing: {e}") from e
+    return graph
+
+
+def make_engine(cfg: RunConfig, cache):
+    if cfg.device == "cuda":
+        from .cuda_engine import CudaEngine
+        return CudaEngine(cfg, cache)
+    from .host_engine import HostEngine
+    return HostEngine(cfg, cache)
+
+
+class Runner:
+    """A KV cache, model weights and an engine; ``decode`` batches, ``clear`` the cache."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        g = _graph()
+        m = cfg.model
+        xp = "cupy" if cfg.device == "cuda" else None
+        try:
+            self.cache = g.KVCache(cfg.n_ctx, max(1, cfg.n_seq), unified=cfg.kv_unified,
+                                   n_layer=m.n_layer, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim,
+                                   head_dim_v=m.d_v, dtype=np.float16, xp=xp)
+        except MemoryError as e:
+            raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
+                            f"({m.kv_bytes_per_token() * cfg.n_ctx / 2**30:.1f} GiB)") from e
+        self.engine = make_engine(cfg, self.cache)
+
+    # ------------------------------------------------------------ batches
+    def prompt_batch(self, lengths, seq_ids=None):
+        """Prompts of ``lengths`` tokens for ``seq_ids`` (default 0..), continuing the cache."""
+        g = _graph()
+        ids = list(range(len(lengths))) if seq_ids is None else list(seq_ids)
+        return g.Batch.from_lengths(list(lengths), ids, start_pos=self.cache.next_positions(ids))
+
+    def step_batch(self, seq_ids):
+        """One token for each of ``seq_ids`` at its next position (a decode step)."""
+        return self.prompt_batch([1] * len(seq_ids), seq_ids)
+
+    def split(self, batch):
+        """The ubatches of ``batch`` under the configured strategy (no cache change)."""
+        g = _graph()
+        out = []
+        for view in _batch_views(batch, self.cfg.n_batch):
+            out.extend(self._split_view(g, view))
+        return out
+
+    def _split_view(self, g, view):
+        try:
+            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split)
+        except ValueError as e:
+            raise UserError(f"split '{self.cfg.split}': {e}") from e
+
+    # ------------------------------------------------------------ compute
+    def decode(self, batch) -> DecodeStats:
+        """Process ``batch`` like ``llama_decode`` in n_batch views; returns what it did.
+        Returns after the device finished (synchronized)."""
+        g = _graph()
+        stats = DecodeStats()
+        cache = self.cache
+        for view in _batch_views(batch, self.cfg.n_batch):
+            try:
+                cache.validate(view)
+            except ValueError as e:
+                raise UserError(str(e)) from e
+            ubatches = self._split_view(g, view)
+            try:
+                cache.prepare(ubatches)
+            except g.KVCacheFullError as e:
+                raise UserError(f"context overflow: {e}") from e
+            except ValueError as e:  # e.g. simple split of several sequences into split KV
+                raise UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
+                                f"(use -kvu or another --split)") from e
+            for ub in ubatches:
+                slot = cache.place(ub)
+                n_kv = cache.n_kv(slot)
+                mask = g.build_mask(cache, ub, slot, n_kv)
+                self.engine.run_ubatch(ub, slot, n_kv, mask)
+                cache.free_pads(slot)
+                stats.n_ubatches += 1
+                stats.n_pad += ub.n_pad
+                stats.n_kv_max = max(stats.n_kv_max, n_kv)
+                stats.shapes.append(ub.shape_str)
+        self.engine.synchronize()
+        return stats
+
+    def clear(self) -> None:
+        """Empty the KV cache (``llama_memory_clear``)."""
+        self.cache.seq_rm(-1)
+        self.cache.head = [0] * self.cache.n_stream
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Share ``src``'s cells with ``dst`` (``-pps``: one prompt for all sequences)."""
+        self.cache.seq_cp(src, dst)
+
+    def timer(self):
+        return self.engine.timer()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _batch_views(batch, n_batch: int):
+    """Consecutive views of at most ``n_batch`` tokens (llama-batched-bench's decode_helper)."""
+    if batch.n_tokens <= n_batch:
+        yield batch
+        return
+    cls = type(batch)
+    for i in range(0, batch.n_tokens, n_batch):
+        j = min(i + n_batch, batch.n_tokens)
+        yield cls(batch.tokens[i:j], batch.positions[i:j], batch.seq_ids[i:j])
+
+
+class WallTimer:
+    """``with timer: ...`` then ``timer.ns``; wall clock (the CPU engine computes synchronously)."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc):
+        self.ns = time.perf_counter_ns() - self._t0
+        return False
