@@ -25,7 +25,8 @@ import ggml
 import numpy as np
 
 from ggml_attn import op as fa_op
-from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
+from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32, STORAGE_DTYPES
+from ggml_attn.tensor import as_numpy, from_ggml
 
 from .kv_cache import KVCache
 from .plan import UBatchPlan
@@ -66,23 +67,32 @@ _store_errors: list[BaseException] = []
 
 
 def _store_callback(dst_p, ith, nth, userdata):
-    """Custom op ``[cache2d, rows, idx] -> dummy``: cache2d[idx[i]] = rows[i] (CuPy, thread 0)."""
+    """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
+    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy)."""
     if ith != 0:
         return
     try:
-        import cupy as cp  # noqa: PLC0415
-        from ggml_attn.dtypes import STORAGE_DTYPES
         d = dst_p.contents
-        cache_t, rows_t, idx_t = d.src[0].contents, d.src[1].contents, d.src[2].contents
+        cache_t, rows_t, idx_t = d.src[0], d.src[1], d.src[2]
+        if userdata:
+            import cupy as cp  # noqa: PLC0415  (device graphs only)
 
-        def wrap(t, dtype, shape):
-            n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            mem = cp.cuda.UnownedMemory(int(t.data), n, None)
-            return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
+            def wrap(t, dtype):
+                c = t.contents
+                shape = (int(c.ne[1]), int(c.ne[0]))
+                mem = cp.cuda.UnownedMemory(int(c.data), shape[0] * shape[1] * np.dtype(dtype).itemsize, None)
+                return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
 
-        cache = wrap(cache_t, STORAGE_DTYPES[cache_t.type], (int(cache_t.ne[1]), int(cache_t.ne[0])))
-        rows = wrap(rows_t, np.float32, (int(rows_t.ne[1]), int(rows_t.ne[0])))
-        idx = wrap(idx_t, np.int64, (int(idx_t.ne[0]),))
+            cache = wrap(cache_t, STORAGE_DTYPES[cache_t.contents.type])
+            rows = wrap(rows_t, np.float32)
+            idx = wrap(idx_t, np.int64).reshape(-1)
+        else:
+            cache = as_numpy(from_ggml(cache_t))[0, 0]
+            rows = as_numpy(from_ggml(rows_t))[0, 0]
+            idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
+                                        (int(idx_t.contents.ne[0]),))
+        if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
+            raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
         cache[idx] = rows.astype(cache.dtype)
     except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
         _store_errors.append(e)
@@ -153,19 +163,26 @@ class UBatchGraph:
             pass
 
 
-def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None) -> UBatchGraph:
+def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
+                       all_custom: bool | None = None) -> UBatchGraph:
     """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers.
 
     The graph is device-resident when the cache stores K/V in CuPy (``cache.xp`` is not
-    numpy), a host graph otherwise. ``fa`` is the attention op, ``ggml_attn.flash_attn_ext``
-    by default; a host graph may use ``ggml.ggml_flash_attn_ext`` instead (a device graph
-    may not: only custom ops can run on device memory).
+    numpy), a host graph otherwise. Device graphs are *all-custom*: the K/V store is our
+    custom op instead of ``ggml_set_rows`` and the attention must be a custom op, checked by
+    :func:`check_device_graph`. ``all_custom=True`` builds a host graph the same way (to test
+    that form without a GPU). ``fa`` is the attention op, ``ggml_attn.flash_attn_ext`` by
+    default; a host graph may use ``ggml.ggml_flash_attn_ext`` instead.
     """
     xp = cache.xp
-    device = xp is not np
+    on_device = xp is not np
+    device = on_device if all_custom is None else bool(all_custom)
+    if on_device and not device:
+        raise GraphBuildError("a CuPy cache needs an all-custom graph (all_custom must not be False)")
     fa = fa or fa_op.flash_attn_ext
     if device and fa is ggml.ggml_flash_attn_ext:
-        raise GraphBuildError("a device-resident graph needs ggml_attn.flash_attn_ext, not ggml's built-in op")
+        raise GraphBuildError("an all-custom (device-resident) graph needs ggml_attn.flash_attn_ext, "
+                              "not ggml's built-in op")
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
     if (cfg.n_head_kv, cfg.head_dim, cfg.d_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
@@ -222,7 +239,8 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         for cache_t, cur in ((ck, k), (cv, v)):
             if device:
                 args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(cache_t, cur, idx)
-                st = ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1, None)
+                st = ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1,
+                                         ctypes.c_void_p(1 if on_device else 0))
                 alloc_result(st, np.float32, f"store_{ggml.ggml_get_name(cache_t).decode()}")
             else:
                 st = ggml.ggml_set_rows(ctx, cache_t, cur, idx)

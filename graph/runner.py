@@ -58,13 +58,14 @@ def _attend_numpy(cache: KVCache, plan: UBatchPlan, layer: int, q: np.ndarray, c
 
 def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig, *,
               compute: str = "numpy", fa=None, n_threads: int = 2, validate: bool = True,
-              ubatches: list[UBatch] | None = None) -> BatchResult:
+              ubatches: list[UBatch] | None = None, all_custom: bool | None = None) -> BatchResult:
     """Process ``batch`` through ``cfg.n_layer`` attention layers, updating ``cache``.
 
     The batch is validated against the cache, split (``mode``; or the given ``ubatches``), and
     checked to fit (``KVCache.prepare``: on ``KVCacheFullError`` the cache is unchanged). Each
     ubatch is planned once (cells, mask, tile map) and the plan reused by all layers; its pad
-    cells are freed right after it.
+    cells are freed right after it. ``fa`` and ``all_custom`` go to ``build.build_ubatch_graph``
+    (``compute="ggml"`` only).
     """
     if compute not in ("numpy", "ggml"):
         raise ValueError(f"compute must be 'numpy' or 'ggml', got {compute!r}")
@@ -83,7 +84,7 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
         dest = ub.token_idx[real]
         if compute == "ggml":
             from .build import build_ubatch_graph  # noqa: PLC0415
-            g = build_ubatch_graph(cache, plan, cfg, fa=fa)
+            g = build_ubatch_graph(cache, plan, cfg, fa=fa, all_custom=all_custom)
             ins = [ubatch_inputs(ub, il, cfg) for il in range(cfg.n_layer)]
             g.set_inputs(*[[cache.xp.asarray(x[j]) for x in ins] for j in range(3)])
             g.compute(n_threads)

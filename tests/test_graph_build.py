@@ -74,6 +74,31 @@ def test_host_graph_matches_numpy_path_and_ggml_builtin(unified, mode):
             assert np.array_equal(a[0], bb[0]) and np.array_equal(a[1], bb[1]) and np.array_equal(a[2], bb[2])
 
 
+@pytest.mark.parametrize("unified, mode", [(True, "simple"), (False, "padded")])
+def test_all_custom_graph_form_runs_on_host(unified, mode):
+    """The device-resident graph's form (custom store op + our FA op only), on numpy memory."""
+    b = Batch.from_lengths([5, 1, 9, 3])
+    ref = run_batch(cache_for(unified, 4, 1024), b, 16, mode, CFG)
+    c = cache_for(unified, 4, 1024)
+    (ub, *_) = split_ubatches(b, 16, mode)
+    g = build_ubatch_graph(c, plan_ubatch(c, ub), CFG, all_custom=True)
+    check_device_graph(g.graph)  # passes: no built-in compute op
+    g.free()
+    c = cache_for(unified, 4, 1024)
+    got = run_batch(c, b, 16, mode, CFG, compute="ggml", all_custom=True)
+    assert nmse(got.out, ref.out) < 1e-10
+    assert np.array_equal(c.sequence_contents(2, 1)[1], ref_cache_k(b, unified, mode, 2, 1))
+    with pytest.raises(GraphBuildError, match="needs ggml_attn.flash_attn_ext"):
+        run_batch(cache_for(unified, 4, 1024), b, 16, mode, CFG, compute="ggml", all_custom=True,
+                  fa=ggml.ggml_flash_attn_ext)
+
+
+def ref_cache_k(b, unified, mode, seq, layer):
+    c = cache_for(unified, 4, 1024)
+    run_batch(c, b, 16, mode, CFG)
+    return c.sequence_contents(seq, layer)[1]
+
+
 def test_check_device_graph_refuses_builtin_ops():
     c = cache_for(False)
     (ub,) = split_ubatches(Batch.from_lengths([2, 2]), 512, "equal")
