@@ -101,6 +101,17 @@ def _store_callback(dst_p, ith, nth, userdata):
 _STORE_CB = ggml.ggml_custom_op_t(_store_callback)
 
 
+def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: int):
+    """The CUDA backend's live-tile plan for this ubatch's device mask (``cuda_backend.make_plan``),
+    built once and kept on the ``UBatchPlan`` for every layer; None when the backend is absent."""
+    try:
+        from ggml_attn import cuda_backend  # noqa: PLC0415
+    except ImportError:
+        return None
+    return cuda_backend.make_plan(from_ggml(mask_t, "kq_mask"), n_tps, cfg.n_head, cfg.n_head_kv,
+                                  d_k=cfg.head_dim, d_v=cfg.d_v, kv_type=kv_type, ne3=n_stream)
+
+
 # ------------------------------------------------------------------- the graph
 @dataclass(eq=False)
 class UBatchGraph:
@@ -222,6 +233,8 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     arrays[id(idx)][...] = xp.asarray(plan.row_idx)
     mask = new(GGML_TYPE_F16, (n_stream, 1, n_tps, n_kv), np.float16, "kq_mask")
     arrays[id(mask)][...] = xp.asarray(plan.mask)
+    if on_device and plan.kernel_plan is None:
+        plan.kernel_plan = _kernel_plan(mask, n_tps, n_stream, cfg, kv_type)
     ds = 2 if kv_type == GGML_TYPE_F16 else 4
     q_in, k_in, v_in, outs = [], [], [], []
     for il in range(cfg.n_layer):

@@ -1,0 +1,49 @@
+"""Device-resident ubatch graphs (CuPy cache, every compute node a custom op). GPU only."""
+import numpy as np
+import pytest
+
+from ggml_attn.graph import AttnConfig, Batch, KVCache, run_batch, split_ubatches
+from ggml_attn.graph.build import build_ubatch_graph, check_device_graph
+from ggml_attn.graph.plan import plan_ubatch
+from ggml_attn.reference import nmse
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    _HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")]
+
+CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim=64)
+
+
+def cache(unified, xp, n_seq=10):
+    return KVCache(n_seq * 512, n_seq, unified=unified, n_layer=2, n_head_kv=2, head_dim_k=64, xp=xp)
+
+
+@pytest.mark.parametrize("unified, mode", [(True, "simple"), (False, "equal"), (False, "padded")])
+def test_device_graph_matches_host(unified, mode):
+    b = Batch.from_lengths(range(1, 11))
+    host_c, dev_c = cache(unified, None), cache(unified, "cupy")
+    ref = run_batch(host_c, b, 512, mode, CFG)
+    got = run_batch(dev_c, b, 512, mode, CFG, compute="ggml")
+    assert nmse(got.out, ref.out) < 5e-4
+    for s in range(10):
+        p1, k1, v1 = host_c.sequence_contents(s, 1)
+        p2, k2, v2 = dev_c.sequence_contents(s, 1)
+        assert np.array_equal(p1, p2) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
+    dec = Batch.from_lengths([1] * 10, start_pos=dev_c.next_positions(range(10)))
+    d_ref = run_batch(host_c, dec, 512, mode, CFG)
+    d_got = run_batch(dev_c, dec, 512, mode, CFG, compute="ggml")
+    assert nmse(d_got.out, d_ref.out) < 5e-4
+
+
+def test_device_graph_is_all_custom_and_plans_once():
+    c = cache(False, "cupy")
+    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    plan = plan_ubatch(c, ub)
+    g = build_ubatch_graph(c, plan, CFG)
+    assert g.device
+    check_device_graph(g.graph)
+    assert plan.kernel_plan is not None
+    g.free()
