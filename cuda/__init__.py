@@ -1,1 +1,0 @@
-"""CUDA kernel sources (*.cu, *.cuh), shipped as package data and compiled at run time by NVRTC."""
