@@ -1,0 +1,204 @@
+// Shared device code of the ggml-attn flash-attention kernels.
+//
+// Compiled at run time by NVRTC (ggml_attn/kernels.py). Everything here is header-only:
+// the parameter block every kernel takes, type conversions, mma.sync / ldmatrix / cp.async
+// wrappers, the ALiBi slope, the live-tile iteration, and the split-KV partial layout.
+//
+// Tensor layouts are ggml's (ne[0] fastest; byte strides nb[1..3]):
+//   q    [D_k, n_batch, n_head,    ne3]  f32, any byte strides (nb0 == 4)
+//   k    [D_k, n_kv,    n_head_kv, ne3]  f16/bf16, rows contiguous, 16-byte aligned rows
+//   v    [D_v, n_kv,    n_head_kv, ne3]  same type as k
+//   mask [n_kv, n_rows, ne32,      ne33] f16, broadcast over heads (h % ne32), streams (s % ne33)
+//   sinks[n_head] f32
+//   dst  [D_v, n_head,  n_batch,   ne3]  f32 contiguous
+// A "row" of the attention problem is one (stream s, token t, head h); its index in dst
+// order is  r = (s*n_batch + t)*n_head + h  and dst + r*D_v is its output row.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#define FATTN_KV_TILE 64          // KV columns per tile; the liveness plan uses the same size
+#define FATTN_NEG_INF (-__int_as_float(0x7f800000))
+#define FATTN_LOG2E 1.4426950408889634f
+
+// Kernel parameters, passed by value as one struct (mirrored by ctypes in kernels.py:
+// keep the order, types and padding in sync with _FattnParams there).
+struct FattnParams {
+    const char* q;
+    const char* k;
+    const char* v;
+    const char* mask;          // nullptr: no mask
+    const float* sinks;        // nullptr: no sinks
+    float* dst;
+    float* ws_o;               // split partials [n_splits][n_rows_total][D_v] (unnormalized)
+    float* ws_ml;              // split partials [n_splits][n_rows_total][2] (max (log2 domain), sum)
+    const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live KV tile ids; nullptr: all live
+    const int* live_cnt;       // [ne33][n_q_tiles]
+    long long q_nb1, q_nb2, q_nb3;
+    long long k_nb1, k_nb2, k_nb3;
+    long long v_nb1, v_nb2, v_nb3;
+    long long m_nb1, m_nb2, m_nb3;
+    int n_batch, n_kv, n_head, n_head_kv;
+    int ne3, ne32, ne33, gqa;
+    int pack;                  // query heads packed into one tile (divides gqa)
+    int q_tile_tokens;         // tokens per query tile (plan granularity)
+    int n_q_tiles, n_kv_tiles;
+    int n_splits, n_head_log2;
+    float scale;               // already divided by softcap when softcap != 0
+    float softcap;             // 0: off
+    float m0, m1;              // ALiBi bases; max_bias == 0 -> slope 1
+    int use_alibi;
+    int d_v;                   // V head size (combine pass)
+};
+
+// ---------------------------------------------------------------------------------------
+// type traits for the K/V element type
+template <typename T> struct KVTraits;
+template <> struct KVTraits<__half> {
+    static __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ unsigned pack2(float a, float b) {
+        __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack2(unsigned u) {
+        __half2 h = *reinterpret_cast<__half2*>(&u);
+        return __half22float2(h);
+    }
+};
+template <> struct KVTraits<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ unsigned pack2(float a, float b) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack2(unsigned u) {
+        __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&u);
+        return __bfloat1622float2(h);
+    }
+};
+
+// 8 consecutive K/V elements (one 16-byte chunk) -> 8 floats
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 u, float* f) {
+    float2 a = KVTraits<T>::unpack2(u.x), b = KVTraits<T>::unpack2(u.y);
+    float2 c = KVTraits<T>::unpack2(u.z), d = KVTraits<T>::unpack2(u.w);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+__device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
+
+// ---------------------------------------------------------------------------------------
+// ALiBi slope of query head h (REFERENCE section 2); 1 when ALiBi is off.
+__device__ __forceinline__ float alibi_slope(const FattnParams& p, int h) {
+    if (!p.use_alibi) return 1.0f;
+    return h < p.n_head_log2 ? powf(p.m0, (float)(h + 1))
+                             : powf(p.m1, (float)(2 * (h - p.n_head_log2) + 1));
+}
+
+// mask value at (kv column c, token t) for head h, stream s, as float (-inf stays -inf)
+__device__ __forceinline__ const char* mask_row(const FattnParams& p, int t, int h, int s) {
+    return p.mask + (long long)t * p.m_nb1 + (long long)(h % p.ne32) * p.m_nb2
+                  + (long long)(s % p.ne33) * p.m_nb3;
+}
+
+// ---------------------------------------------------------------------------------------
+// Live KV tiles of one query tile: count and the j-th tile id.
+struct LiveTiles {
+    const int* idx;
+    int cnt;
+    __device__ __forceinline__ int operator[](int j) const { return idx ? __ldg(idx + j) : j; }
+};
+
+__device__ __forceinline__ LiveTiles live_tiles(const FattnParams& p, int q_tile, int s) {
+    LiveTiles lt;
+    if (p.live_idx == nullptr) {
+        lt.idx = nullptr;
+        lt.cnt = p.n_kv_tiles;
+    } else {
+        const int slot = (s % p.ne33) * p.n_q_tiles + q_tile;
+        lt.idx = p.live_idx + (long long)slot * p.n_kv_tiles;
+        lt.cnt = __ldg(p.live_cnt + slot);
+    }
+    return lt;
+}
+
+// The [begin, end) range of live-list entries handled by split z of n.
+__device__ __forceinline__ void split_range(int cnt, int z, int n, int& begin, int& end) {
+    begin = (int)(((long long)cnt * z) / n);
+    end = (int)(((long long)cnt * (z + 1)) / n);
+}
+
+// ---------------------------------------------------------------------------------------
+// Final write of one row: o_unnorm is sum_j p_j v_j (p in the log2 domain with max m),
+// l the sum of p. With one split the sink is folded in and dst is written; with several,
+// the unnormalized partial goes to the workspace and the combine pass finishes it.
+// Called by the threads that own columns [c0, c0+n) of the row (any split of columns).
+__device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, float m, float l) {
+    // returns the factor to multiply o_unnorm with for the final output (1 split)
+    if (p.sinks) {
+        const float sk = __ldg(p.sinks + h) * FATTN_LOG2E;
+        const float mm = fmaxf(m, sk);
+        const float a = (m == FATTN_NEG_INF) ? 0.0f : exp2f(m - mm);
+        const float lt = l * a + exp2f(sk - mm);
+        return lt > 0.0f ? a / lt : 0.0f;
+    }
+    return l > 0.0f ? 1.0f / l : 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------
+// PTX wrappers (sm_80+)
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte async copy global -> shared; src_bytes 0 fills zeros (out-of-range rows)
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3, unsigned addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// D = A*B + D, m16n8k16, f32 accumulate
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// ---------------------------------------------------------------------------------------
+// Warp reductions
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}

@@ -1,0 +1,511 @@
+"""GPU backend of ``flash_attn_ext``: validation, launch configuration, plans, staging.
+
+Entry points (all tensor arguments are :class:`~ggml_attn.tensor.TensorDesc` in ggml order):
+
+- :func:`available` -- CuPy importable and a CUDA device present (cached, never raises).
+- :func:`flash_attn_ext_device` -- device pointers in, kernels launched directly (raw pointers,
+  one ``cuLaunchKernel`` per kernel, no CuPy arrays on the hot path).
+- :func:`flash_attn_ext_host` -- host pointers in; staged through reused pinned + device buffers.
+- :func:`make_plan` -- the per-ubatch map of live (query tile, KV tile) pairs, built on the GPU
+  once from the mask and reused by every layer.
+
+Shapes (REFERENCE section 2): q f32 [D_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
+k/v f16|bf16 [D, n_kv, n_head_kv, ne3] (rows contiguous, 16-byte aligned); mask f16
+[n_kv, n_rows >= n_batch, ne32, ne33]; sinks f32 [n_head]; dst f32 contiguous
+[D_v, n_head, n_batch, ne3].
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import dispatch
+from . import kernels as K
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, TYPE_SIZES
+from .tensor import TensorDesc, contiguous_nb
+
+__all__ = ["available", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
+           "LaunchConfig", "launch_config"]
+
+_AVAILABLE: bool | None = None
+_WARNED: set[str] = set()
+
+
+def available() -> bool:
+    """True when CuPy imports and at least one CUDA device is visible. Cached; never raises."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        try:
+            K.ensure_cuda_namespace()
+            import cupy
+            _AVAILABLE = cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            _AVAILABLE = False
+    return _AVAILABLE
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(f"ggml_attn.cuda_backend: {msg}", RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------
+# validation
+@dataclass(frozen=True)
+class Shapes:
+    d_k: int
+    d_v: int
+    n_batch: int
+    n_head: int
+    n_head_kv: int
+    ne3: int
+    n_kv: int
+    kv_type: int
+    ne32: int = 1
+    ne33: int = 1
+
+    @property
+    def gqa(self) -> int:
+        return self.n_head // self.n_head_kv
+
+
+def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
+             sinks: TensorDesc | None, dst: TensorDesc) -> Shapes:
+    """Check ggml's rules for the op; raise ValueError naming the tensor at fault."""
+    if q.type != GGML_TYPE_F32:
+        raise ValueError(f"q must be f32, got {q.shape_str}")
+    if k.type != v.type:
+        raise ValueError(f"k and v must have the same type: {k.shape_str} vs {v.shape_str}")
+    if k.type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16):
+        raise ValueError(f"k/v type {TYPE_NAMES.get(k.type, k.type)} is not supported: {k.shape_str}")
+    d_k, n_batch, n_head, ne3 = q.ne
+    if k.ne[0] != d_k:
+        raise ValueError(f"k head size {k.ne[0]} != q head size {d_k} ({k.shape_str}, {q.shape_str})")
+    n_kv, n_head_kv = k.ne[1], k.ne[2]
+    d_v = v.ne[0]
+    if v.ne[1:] != k.ne[1:]:
+        raise ValueError(f"v {v.shape_str} does not match k {k.shape_str} in n_kv/n_head_kv/ne3")
+    if k.ne[3] != ne3:
+        raise ValueError(f"k ne3 {k.ne[3]} != q ne3 {ne3}")
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    if q.nb[0] != 4 or k.nb[0] != TYPE_SIZES[k.type] or v.nb[0] != TYPE_SIZES[v.type]:
+        raise ValueError("q/k/v rows must be contiguous (nb[0] == element size)")
+    ne32 = ne33 = 1
+    if mask is not None:
+        if mask.type != GGML_TYPE_F16:
+            raise ValueError(f"mask must be f16, got {mask.shape_str}")
+        if mask.nb[0] != 2:
+            raise ValueError(f"mask rows must be contiguous: {mask.shape_str} nb={mask.nb}")
+        if mask.ne[0] != n_kv or mask.ne[1] < n_batch:
+            raise ValueError(f"mask {mask.shape_str} must be [n_kv={n_kv}, >= n_batch={n_batch}, ...]")
+        ne32, ne33 = mask.ne[2], mask.ne[3]
+        if ne32 <= 0 or n_head % ne32 or ne33 <= 0 or ne3 % ne33:
+            raise ValueError(f"mask {mask.shape_str} does not broadcast over n_head={n_head}, ne3={ne3}")
+    if sinks is not None:
+        if sinks.type != GGML_TYPE_F32 or sinks.ne[0] != n_head or sinks.nb[0] != 4:
+            raise ValueError(f"sinks must be f32 [n_head={n_head}], got {sinks.shape_str}")
+    want = (d_v, n_head, n_batch, ne3)
+    if dst.type != GGML_TYPE_F32 or tuple(dst.ne) != want or not dst.is_contiguous():
+        raise ValueError(f"dst must be contiguous f32 {list(want)}, got {dst.shape_str} nb={dst.nb}")
+    return Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, n_kv, k.type, ne32, ne33)
+
+
+def _kv_aligned(t: TensorDesc) -> bool:
+    return all(x % 16 == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
+
+
+# ---------------------------------------------------------------------------------------
+# launch configuration
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+_NUM_SMS: int | None = None
+
+
+def num_sms() -> int:
+    global _NUM_SMS
+    if _NUM_SMS is None:
+        try:
+            import cupy
+            _NUM_SMS = int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+        except Exception:
+            _NUM_SMS = 132
+    return _NUM_SMS
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    kernel: str           # prefill | decode | decode-tc
+    variant: K.Variant
+    name: str             # name expression of the instance
+    pack: int             # query heads per tile
+    q_tile_tokens: int    # tokens per query tile (plan granularity)
+    n_q_tiles: int
+    n_kv_tiles: int
+    n_splits: int
+    block: int            # threads
+    smem: int
+    grid: tuple[int, int, int]
+
+
+# resident blocks per SM assumed when choosing the split count (from register/smem use)
+_BLOCKS_PER_SM = {"prefill": 2, "decode-tc": 3, "decode": 4}
+
+
+def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> LaunchConfig:
+    """Tile shape, packing and KV split count for ``kernel`` on shapes ``sh``."""
+    gqa_p2 = _pow2_divisor(sh.gqa)
+    n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
+    if kernel == "prefill":
+        want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
+        pack = min(gqa_p2, 16, want)
+        tq = 64 // pack
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1)
+    elif kernel == "decode-tc":
+        pack = min(gqa_p2, 16)
+        tq = 16 // pack
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4)
+    elif kernel == "decode":
+        allowed = K.vec_rows_allowed(sh.d_k, sh.d_v)
+        rmax = max(allowed)
+        pack = min(gqa_p2, rmax)
+        need = pack * min(sh.n_batch, rmax // pack)
+        rows = min(r for r in allowed if r >= need)
+        tq = rows // pack
+        variant = K.vec_variant(sh.d_k, sh.d_v, sh.kv_type)
+        name = K.vec_name(sh.d_k, sh.d_v, sh.kv_type, rows)
+        block, smem = 128, K.vec_smem_bytes(sh.d_k, sh.d_v, rows)
+    else:
+        raise ValueError(f"no launch configuration for kernel {kernel!r}")
+    n_q_tiles = -(-sh.n_batch // tq)
+    base = n_q_tiles * (sh.n_head // pack) * sh.ne3
+    if n_splits is None:
+        target = num_sms() * _BLOCKS_PER_SM[kernel]
+        n_splits = 1
+        if base < target:
+            n_splits = min(-(-target // base), max(1, n_kv_tiles // 2), 64)
+    n_splits = max(1, min(int(n_splits), n_kv_tiles))
+    grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
+    return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
+                        block, smem, grid)
+
+
+# ---------------------------------------------------------------------------------------
+# plans: live (query tile, KV tile) lists built from the mask on the GPU
+def _stream_ptr(stream) -> int:
+    if stream is None:
+        import cupy
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    return int(stream.ptr)
+
+
+def _params_common(q, k, v, mask, sinks, dst, sh: Shapes, scale, max_bias, softcap) -> K.FattnParams:
+    p = K.FattnParams()
+    p.q, p.k, p.v, p.dst = q.ptr, k.ptr, v.ptr, dst.ptr
+    p.mask = mask.ptr if mask is not None else 0
+    p.sinks = sinks.ptr if sinks is not None else 0
+    p.q_nb1, p.q_nb2, p.q_nb3 = q.nb[1], q.nb[2], q.nb[3]
+    p.k_nb1, p.k_nb2, p.k_nb3 = k.nb[1], k.nb[2], k.nb[3]
+    p.v_nb1, p.v_nb2, p.v_nb3 = v.nb[1], v.nb[2], v.nb[3]
+    if mask is not None:
+        p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
+    p.n_batch, p.n_kv, p.n_head, p.n_head_kv = sh.n_batch, sh.n_kv, sh.n_head, sh.n_head_kv
+    p.ne3, p.ne32, p.ne33, p.gqa = sh.ne3, sh.ne32, sh.ne33, sh.gqa
+    if softcap != 0.0:
+        scale = scale / softcap
+    p.scale, p.softcap = float(scale), float(softcap)
+    p.use_alibi = int(max_bias > 0.0)
+    n_head_log2 = 1 << int(math.floor(math.log2(sh.n_head)))
+    p.n_head_log2 = n_head_log2
+    if max_bias > 0.0:
+        p.m0 = 2.0 ** (-max_bias / n_head_log2)
+        p.m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
+    p.d_v = sh.d_v
+    return p
+
+
+@dataclass
+class Plan:
+    """Live KV tiles per (mask stream plane, query tile), for one ubatch's mask.
+
+    Built on the GPU by :func:`make_plan` (or lazily for a tile size not built yet) and valid
+    as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
+    query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order), ``cnt`` int32
+    [ne33][n_q_tiles].
+    """
+    mask: TensorDesc
+    n_batch: int
+    n_head: int
+    n_head_kv: int
+    maps: dict = field(default_factory=dict)   # tq -> (idx cupy array, cnt cupy array)
+
+    def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
+        return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
+            and mask.nb == self.mask.nb and n_batch == self.n_batch
+
+    def live(self, tq: int, stream: int):
+        """(idx_ptr, cnt_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
+        got = self.maps.get(tq)
+        if got is None:
+            got = _build_live_map(self.mask, self.n_batch, tq, stream)
+            self.maps[tq] = got
+        return got[0].data.ptr, got[1].data.ptr
+
+    def live_counts(self, tq: int, stream: int = None) -> np.ndarray:
+        """Host copy of the live-tile counts, numpy [ne33, n_q_tiles] (for tests and stats)."""
+        self.live(tq, _stream_ptr(stream))
+        return self.maps[tq][1].get()
+
+
+def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int):
+    import cupy
+    n_kv, _, ne32, ne33 = mask.ne
+    n_q_tiles = -(-n_batch // tq)
+    n_kv_tiles = max(1, -(-n_kv // K.KV_TILE))
+    with cupy.cuda.ExternalStream(stream):
+        flags = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.uint8)
+        idx = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.int32)
+        cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
+    p = K.FattnParams()
+    p.mask = mask.ptr
+    p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
+    p.n_batch, p.n_kv, p.ne32, p.ne33 = n_batch, n_kv, ne32, ne33
+    p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
+    var = K.util_variant()
+    scan = K.get_function(var, "fattn_mask_scan")
+    compact = K.get_function(var, "fattn_mask_compact")
+    scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr))
+    compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
+                   ctypes.c_uint64(idx.data.ptr), ctypes.c_uint64(cnt.data.ptr))
+    return idx, cnt, flags
+
+
+def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
+              d_k: int = 128, d_v: int | None = None, kv_type: int = GGML_TYPE_F16,
+              ne3: int | None = None, kernel: str = "auto", stream=None) -> Plan:
+    """Build the live-tile plan of one ubatch from its device-resident ``mask``.
+
+    ``mask`` f16 [n_kv, n_rows >= n_batch, ne32, ne33] (ggml order). The map for the tile shape
+    that ``kernel`` (with "auto": dispatch) uses at these shapes is built now; other tile
+    shapes are built on first use. Reuse the plan for every layer of the ubatch.
+    """
+    if mask is None:
+        raise ValueError("make_plan needs a mask")
+    d_v = d_k if d_v is None else d_v
+    ne3 = mask.ne[3] if ne3 is None else ne3
+    plan = Plan(mask, n_batch, n_head, n_head_kv)
+    sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    kern = kernel
+    if kern == "auto":
+        kern, _ = dispatch.choose(n_batch, sh.gqa, sh.n_kv, d_k, d_v, kv_type)
+    if kern in ("prefill", "decode", "decode-tc") and dispatch.supports(kern, d_k, d_v, kv_type) is None:
+        cfg = launch_config(kern, sh)
+        plan.live(cfg.q_tile_tokens, _stream_ptr(stream))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------
+# workspace (split partials), per stream, grown as needed
+_WS: dict[int, object] = {}
+
+
+def _workspace(stream: int, nbytes: int) -> int:
+    import cupy
+    buf = _WS.get(stream)
+    if buf is None or buf.size < nbytes:
+        with cupy.cuda.ExternalStream(stream):
+            buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
+        _WS[stream] = buf
+    return buf.data.ptr
+
+
+# ---------------------------------------------------------------------------------------
+# entry points
+def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, q: TensorDesc) -> str:
+    if kernel not in dispatch.KERNELS:
+        raise ValueError(f"kernel must be one of {dispatch.KERNELS}, got {kernel!r}")
+    if kernel == "reference":
+        return kernel
+    if kernel == "auto":
+        kern, _ = dispatch.choose(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type)
+        if kern == "reference":
+            _warn_once(f"{dispatch.supports('decode', sh.d_k, sh.d_v, sh.kv_type)}; "
+                       "running the numpy reference on the host")
+            return kern
+    else:
+        why = dispatch.supports(kernel, sh.d_k, sh.d_v, sh.kv_type)
+        if why is not None:
+            raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
+        kern = kernel
+    if not (_kv_aligned(k) and _kv_aligned(v)):
+        _warn_once("k/v pointers or byte strides are not multiples of 16 bytes; "
+                   "running the numpy reference on the host")
+        return "reference"
+    return kern
+
+
+def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
+                          sinks: TensorDesc | None, dst: TensorDesc, scale: float,
+                          max_bias: float = 0.0, logit_softcap: float = 0.0, *,
+                          kernel: str = "auto", plan: Plan | None = None, stream=None,
+                          n_splits: int | None = None) -> None:
+    """Attention on device pointers; writes ``dst``. Asynchronous on ``stream`` (default:
+    CuPy's current stream). ``plan``: from :func:`make_plan` for this mask (built per call
+    when None and a mask is given). ``n_splits`` overrides the KV split count (tests)."""
+    sh = validate(q, k, v, mask, sinks, dst)
+    if max_bias > 0.0 and mask is None:
+        raise ValueError("max_bias > 0 (ALiBi) requires a mask")
+    kern = _resolve_kernel(kernel, sh, k, v, q)
+    st = _stream_ptr(stream)
+    if kern == "reference":
+        _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, st)
+        return
+    cfg = launch_config(kern, sh, n_splits)
+    p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, logit_softcap)
+    p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
+    p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
+    if mask is not None:
+        if plan is None:
+            plan = Plan(mask, sh.n_batch, sh.n_head, sh.n_head_kv)
+        elif not plan.matches(mask, sh.n_batch):
+            raise ValueError("plan was built for another mask or n_batch "
+                             f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "
+                             f"call: {mask.shape_str} n_batch={sh.n_batch})")
+        p.live_idx, p.live_cnt = plan.live(cfg.q_tile_tokens, st)
+    if cfg.n_splits > 1:
+        n_rows = sh.ne3 * sh.n_batch * sh.n_head
+        o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
+        ws = _workspace(st, o_bytes + cfg.n_splits * n_rows * 8)
+        p.ws_o, p.ws_ml = ws, ws + o_bytes
+    fn = K.get_function(cfg.variant, cfg.name, smem=cfg.smem)
+    fn.launch(cfg.grid, (cfg.block, 1, 1), st, p)
+    if cfg.n_splits > 1:
+        comb = K.get_function(K.util_variant(), "fattn_combine")
+        comb.launch((sh.ne3 * sh.n_batch * sh.n_head, 1, 1), (128, 1, 1), st, p)
+
+
+def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None:
+    """numpy reference on host descriptors, result written through dst."""
+    from .reference import flash_attn_ext
+    from .tensor import as_numpy
+    out = flash_attn_ext(as_numpy(q), as_numpy(k), as_numpy(v),
+                         as_numpy(mask) if mask is not None else None, scale, max_bias, softcap,
+                         as_numpy(sinks) if sinks is not None else None,
+                         kv_type=k.type, dtype=np.float32)
+    as_numpy(dst)[...] = out.astype(np.float32)
+
+
+def _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, softcap, stream: int) -> None:
+    import cupy
+    rt = cupy.cuda.runtime
+    rt.streamSynchronize(stream)
+    keep = []
+
+    def down(t):
+        if t is None:
+            return None
+        buf = np.empty(max(t.nbytes_span(), 1), dtype=np.uint8)
+        if t.nbytes_span():
+            rt.memcpy(buf.ctypes.data, t.ptr, t.nbytes_span(), rt.memcpyDeviceToHost)
+        keep.append(buf)
+        return replace(t, ptr=buf.ctypes.data)
+    hq, hk, hv, hm, hs = (down(t) for t in (q, k, v, mask, sinks))
+    out = np.empty(dst.nbytes_span(), dtype=np.uint8)
+    hd = replace(dst, ptr=out.ctypes.data)
+    _reference_host(hq, hk, hv, hm, hs, hd, scale, max_bias, softcap)
+    rt.memcpy(dst.ptr, out.ctypes.data, dst.nbytes_span(), rt.memcpyHostToDevice)
+
+
+class _Staging:
+    """Pinned host + device buffers per slot, grown as needed and reused."""
+
+    def __init__(self):
+        self.pinned: dict[str, object] = {}
+        self.device: dict[str, object] = {}
+
+    def get(self, slot: str, nbytes: int):
+        import cupy
+        nbytes = max(nbytes, 1)
+        pm = self.pinned.get(slot)
+        if pm is None or pm.size() < nbytes:
+            pm = cupy.cuda.alloc_pinned_memory(nbytes * 5 // 4)
+            self.pinned[slot] = pm
+        dm = self.device.get(slot)
+        if dm is None or dm.size < nbytes:
+            dm = cupy.empty(nbytes * 5 // 4, dtype=cupy.uint8)
+            self.device[slot] = dm
+        return pm.ptr, dm.data.ptr
+
+
+_STAGING = _Staging()
+
+
+def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
+                        sinks: TensorDesc | None, dst: TensorDesc, scale: float,
+                        max_bias: float = 0.0, logit_softcap: float = 0.0, *,
+                        kernel: str = "auto") -> None:
+    """Attention on host pointers: inputs staged to the GPU through pinned buffers, the result
+    copied back into ``dst``; synchronous. Without a GPU, or with kernel="reference", the numpy
+    reference runs on the host."""
+    sh = validate(q, k, v, mask, sinks, dst)
+    if kernel not in dispatch.KERNELS:
+        raise ValueError(f"kernel must be one of {dispatch.KERNELS}, got {kernel!r}")
+    if kernel == "reference" or not available():
+        if kernel != "reference":
+            _warn_once("no CUDA device or CuPy; running the numpy reference on the host")
+        _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
+        return
+    if kernel == "auto":
+        kern, _ = dispatch.choose(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type)
+        if kern == "reference":
+            _warn_once(f"{dispatch.supports('decode', sh.d_k, sh.d_v, sh.kv_type)}; "
+                       "running the numpy reference on the host")
+            _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
+            return
+    import cupy
+    rt = cupy.cuda.runtime
+    stream = cupy.cuda.get_current_stream().ptr
+
+    def up(slot, t):
+        """Copy the byte span of host tensor ``t`` to the device (keeping its address mod 16)."""
+        if t is None:
+            return None
+        off = t.ptr % 16
+        n = t.nbytes_span() + off
+        hp, dp = _STAGING.get(slot, n)
+        ctypes.memmove(hp, t.ptr - off, n)
+        rt.memcpyAsync(dp, hp, n, rt.memcpyHostToDevice, stream)
+        return replace(t, ptr=dp + off)
+    dq = up("q", q)
+    dk = up("k", k)
+    if v.ptr == k.ptr and v.nbytes_span() <= k.nbytes_span():   # V a view of K (MLA)
+        dv = replace(v, ptr=dk.ptr)
+    else:
+        dv = up("v", v)
+    dm = up("mask", mask)
+    ds = up("sinks", sinks)
+    n_out = dst.nbytes_span()
+    hp_out, dp_out = _STAGING.get("dst", n_out)
+    dd = replace(dst, ptr=dp_out)
+    flash_attn_ext_device(dq, dk, dv, dm, ds, dd, scale, max_bias, logit_softcap,
+                          kernel=kernel, stream=stream)
+    rt.memcpyAsync(hp_out, dp_out, n_out, rt.memcpyDeviceToHost, stream)
+    rt.streamSynchronize(stream)
+    ctypes.memmove(dst.ptr, hp_out, n_out)

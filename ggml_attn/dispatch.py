@@ -1,0 +1,62 @@
+"""Which implementation runs one ``flash_attn_ext`` call, and why.
+
+Inputs are plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
+heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
+``"prefill"`` (tensor-core tiles of 64 rows), ``"decode"`` (CUDA-core split-KV),
+``"decode-tc"`` (tensor-core split-KV, the query heads of one KV head as the rows of a 16-row
+tile) or ``"reference"`` (numpy, for what no kernel covers), plus a one-line reason.
+
+The crossover table below comes from ``tools/gpu_crossover.py`` run on the H200; its raw
+numbers are in ``bench/results/`` (see bench/NOTES.md). Seed 003's question ("is the prefill
+kernel always faster at decode?") is answered by the same table.
+"""
+from __future__ import annotations
+
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, TYPE_NAMES
+from .kernels import MMA_HEADS, VEC_HEADS
+
+KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference")
+
+# Crossover (H200, f16 K/V, D=128; bench/results/*crossover*.json, bench/NOTES.md):
+# the largest n_batch (query tokens per stream) for which a decode kernel beats the prefill
+# kernel, per GQA-ratio bucket; and the GQA ratio from which decode-tc beats decode.
+# Until a measurement replaces them these are the values of the first design (llama.cpp's
+# and FlashInfer's published rules: CUDA cores for 1 row, tensor cores for group size >= 4).
+DECODE_MAX_BATCH = {1: 2, 2: 2, 4: 4, 8: 4}   # gqa bucket (largest power of 2 <= gqa) -> n_batch
+DECODE_TC_MIN_GQA = 4
+CROSSOVER_SOURCE = "initial rule (not yet measured)"
+
+
+def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
+    """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot."""
+    if kernel == "reference":
+        return None
+    if kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        return (f"K/V type {TYPE_NAMES.get(kv_type, kv_type)} has no GPU kernel "
+                "(the kernels read f16/bf16 K/V)")
+    heads = VEC_HEADS if kernel == "decode" else MMA_HEADS
+    if (d_k, d_v) not in heads:
+        return f"head sizes D_k={d_k}, D_v={d_v} are not compiled for the {kernel} kernel " \
+               f"(compiled: {', '.join(f'{a}/{b}' for a, b in heads)})"
+    return None
+
+
+def _bucket(gqa: int) -> int:
+    b = 1
+    while b * 2 <= gqa and b < 8:
+        b *= 2
+    return b
+
+
+def choose(n_batch: int, gqa: int, n_kv: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
+    """Pick a kernel for one call; returns (kernel, reason)."""
+    if supports("decode", d_k, d_v, kv_type) is not None:
+        return "reference", supports("decode", d_k, d_v, kv_type)
+    mma_ok = supports("prefill", d_k, d_v, kv_type) is None
+    if not mma_ok:
+        return "decode", f"head sizes {d_k}/{d_v} have only the CUDA-core kernel"
+    if n_batch <= DECODE_MAX_BATCH[_bucket(gqa)]:
+        if gqa >= DECODE_TC_MIN_GQA:
+            return "decode-tc", f"n_batch {n_batch} <= decode limit, gqa {gqa} >= {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
+        return "decode", f"n_batch {n_batch} <= decode limit, gqa {gqa} < {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
+    return "prefill", f"n_batch {n_batch} above the decode limit ({CROSSOVER_SOURCE})"

@@ -1,0 +1,375 @@
+"""NVRTC compilation, cubin cache and raw-pointer launches of the kernels in ``cuda/``.
+
+One job: turn a *variant* (kernel family, head sizes, K/V dtype) into loaded CUDA functions
+and launch them with a packed parameter block. No tensor logic lives here.
+
+- Compilation uses the low-level NVRTC binding (``cupy_backends.cuda.libs.nvrtc``), which works
+  without a GPU or driver (CI compiles every variant for sm_80 and sm_90 this way).
+- Cubins are cached in memory and on disk (``$GGML_ATTN_CACHE_DIR`` or ``~/.cache/ggml-attn``),
+  keyed by a hash of the sources, the instance names, the options, the NVRTC version and the
+  target architecture.
+- Launches go through ``cuLaunchKernel`` with a ctypes parameter block: no CuPy array is built
+  on the hot path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+
+# ---------------------------------------------------------------------------------------
+# variants
+KV_CTYPES = {GGML_TYPE_F16: "__half", GGML_TYPE_BF16: "__nv_bfloat16"}
+KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
+
+# (D_k, D_v) pairs per family. Head sizes outside these fall back to the reference.
+MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
+             (192, 128), (192, 192), (256, 256), (320, 256))
+VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
+MMA_LAYOUTS = ((4, 1), (1, 4))   # (NWQ, NWK): prefill, decode-tc
+VEC_ROWS = (1, 4, 8)             # R: query rows per vec block
+
+
+def _chunks(d: int, lanes: int) -> int:
+    return -(-(d // 8) // lanes)
+
+
+def vec_lanes(dk: int) -> int:
+    chk = dk // 8
+    return 32 if chk >= 32 else 16 if chk > 8 else 8 if chk > 4 else 4
+
+
+def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): keep Q + accumulator registers per lane <= 160."""
+    lanes = vec_lanes(dk)
+    per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
+    return tuple(r for r in VEC_ROWS if per_row * r <= 160)
+
+
+def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int) -> int:
+    """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
+    bk, stages = KV_TILE, 2
+    dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
+    sk, sv, so = dkp + 8, dvp + 8, dvp + 4
+    bm = 16 * nwq
+    pipe = 2 * (bm * sk + stages * bk * (sk + sv))
+    epi = 4 * nwk * bm * (so + 2)
+    return max(pipe, epi)
+
+
+def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
+    """Dynamic shared memory of fattn_vec (mirror of VecCfg::SMEM in fattn_vec.cu)."""
+    ng = 4 * (32 // vec_lanes(dk))
+    return 4 * (rows * KV_TILE + 3 * rows + ng * rows * dv)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One NVRTC program: a source file and the kernel instances compiled from it."""
+    family: str            # "util" | "mma" | "vec"
+    source: str            # file name in cuda/
+    names: tuple[str, ...]  # name expressions (templates) or extern "C" names
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}:{','.join(self.names)}"
+
+
+UTIL_NAMES = ("fattn_mask_scan", "fattn_mask_compact", "fattn_combine")
+
+
+def util_variant() -> Variant:
+    return Variant("util", "fattn_util.cu", UTIL_NAMES)
+
+
+def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int) -> str:
+    return f"fattn_mma<{dk}, {dv}, {KV_CTYPES[kv_type]}, {nwq}, {nwk}>"
+
+
+def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
+    return f"fattn_vec<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
+
+
+def mma_variant(dk: int, dv: int, kv_type: int) -> Variant:
+    return Variant("mma", "fattn_mma.cu",
+                   tuple(mma_name(dk, dv, kv_type, a, b) for a, b in MMA_LAYOUTS))
+
+
+def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
+    return Variant("vec", "fattn_vec.cu",
+                   tuple(vec_name(dk, dv, kv_type, r) for r in vec_rows_allowed(dk, dv)))
+
+
+def all_variants() -> list[Variant]:
+    """Every program the backend can compile (the CI compile test walks this list)."""
+    out = [util_variant()]
+    for t in KV_CTYPES:
+        out += [mma_variant(dk, dv, t) for dk, dv in MMA_HEADS]
+        out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# sources and toolchain
+def source_dir() -> Path:
+    """Folder holding fattn_*.cu/cuh: the installed package data or the source tree."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "cuda", here.parent / "cuda"):
+        if (cand / "fattn_common.cuh").is_file():
+            return cand
+    try:
+        from importlib.resources import files
+        cand = Path(str(files("ggml_attn.cuda")))
+        if (cand / "fattn_common.cuh").is_file():
+            return cand
+    except Exception:  # pragma: no cover - depends on the install layout
+        pass
+    raise FileNotFoundError("ggml_attn CUDA sources (fattn_common.cuh) not found next to the package")
+
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h; raises with what was searched when none does."""
+    cands: list[Path] = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            cands.append(Path(os.environ[env]) / "include")
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cu12/include", "nvidia/cuda_runtime/include",
+                    "nvidia/cuda_nvrtc/include"):
+            cands.append(Path(entry) / sub)
+    cands += [Path("/usr/local/cuda/include"), Path("/opt/cuda/include")]
+    found = [str(c) for c in cands if (c / "cuda_fp16.h").is_file()]
+    if not found:
+        raise RuntimeError(
+            "CUDA headers (cuda_fp16.h) not found; searched $CUDA_PATH/include, $CUDA_HOME/include, "
+            "site-packages nvidia/cu13|cu12/include and /usr/local/cuda/include. Install the "
+            "project's 'nvrtc' extra (nvidia-cuda-runtime) or set CUDA_PATH.")
+    # cuda_fp16.h may include headers from a sibling dir (e.g. crt/); one dir is enough normally
+    return found[:1]
+
+
+def ensure_cuda_namespace() -> None:
+    """Make ``import cuda`` resolve to NVIDIA's ``cuda`` namespace (cuda.pathfinder, used by
+    CuPy), not to this repository's ``cuda/`` source folder, which is a Python package and
+    shadows it whenever the repository root is on sys.path (``python -m pytest`` from the root).
+    Call before the first CuPy import; harmless otherwise."""
+    mod = sys.modules.get("cuda")
+    if mod is not None and getattr(mod, "__file__", None) and \
+            Path(mod.__file__).resolve().parent.joinpath("fattn_common.cuh").is_file():
+        del sys.modules["cuda"]
+        mod = None
+    if mod is not None:
+        return
+    saved = sys.path[:]
+    try:
+        sys.path[:] = [p for p in saved
+                       if not (Path(p or ".").resolve() / "cuda" / "fattn_common.cuh").is_file()]
+        import cuda  # noqa: F401  (NVIDIA's namespace package, if installed)
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+def _nvrtc():
+    try:
+        ensure_cuda_namespace()
+        from cupy_backends.cuda.libs import nvrtc
+        nvrtc.getVersion()
+        return nvrtc
+    except Exception as e:  # ImportError, or libnvrtc missing
+        raise RuntimeError(f"NVRTC is not available ({type(e).__name__}: {e}); install the "
+                           "project's 'nvrtc' extra (cupy-cuda13x + nvidia-cuda-nvrtc)") from e
+
+
+def nvrtc_available() -> bool:
+    try:
+        _nvrtc()
+        return True
+    except RuntimeError:
+        return False
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("GGML_ATTN_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "ggml-attn"
+
+
+BASE_OPTIONS = ("-std=c++17", "-default-device")
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    d = source_dir()
+    for f in sorted(d.glob("fattn_*")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+_SRC_HASH: str | None = None
+
+
+@dataclass
+class Compiled:
+    cubin: bytes
+    lowered: dict[str, str]   # name expression -> mangled name
+    log: str
+
+
+_MEM_CACHE: dict[tuple, Compiled] = {}
+
+
+def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True) -> Compiled:
+    """Compile ``variant`` for ``arch`` (e.g. "sm_90") to a cubin; memory + disk cached.
+
+    Raises RuntimeError with the NVRTC log on a compile error.
+    """
+    global _SRC_HASH
+    if _SRC_HASH is None:
+        _SRC_HASH = _sources_hash()
+    nv = _nvrtc()
+    ver = tuple(nv.getVersion())
+    opts = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{source_dir()}"] + \
+        [f"-I{d}" for d in cuda_include_dirs()]
+    key_src = json.dumps([_SRC_HASH, variant.source, variant.names, BASE_OPTIONS, ver, arch])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    mk = (key,)
+    if mk in _MEM_CACHE:
+        return _MEM_CACHE[mk]
+    path = cache_dir() / f"{variant.family}-{key}.cubin"
+    meta = path.with_suffix(".json")
+    if use_disk_cache and path.is_file() and meta.is_file():
+        try:
+            c = Compiled(path.read_bytes(), json.loads(meta.read_text())["lowered"], "")
+            _MEM_CACHE[mk] = c
+            return c
+        except Exception:
+            pass
+    src_text = (source_dir() / variant.source).read_text()
+    prog = nv.createProgram(src_text, variant.source, [], [])
+    try:
+        templated = [n for n in variant.names if "<" in n]
+        for n in templated:
+            nv.addNameExpression(prog, n)
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            log = ""
+            try:
+                log = nv.getProgramLog(prog)
+            except Exception:
+                pass
+            raise RuntimeError(f"NVRTC failed to compile {variant.label} for {arch}: {e}\n{log}") from e
+        log = nv.getProgramLog(prog)
+        lowered = {n: (nv.getLoweredName(prog, n) if "<" in n else n) for n in variant.names}
+        cubin = nv.getCUBIN(prog)
+    finally:
+        nv.destroyProgram(prog)
+    c = Compiled(bytes(cubin), lowered, log)
+    _MEM_CACHE[mk] = c
+    if use_disk_cache:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(c.cubin)
+            os.replace(tmp, path)
+            meta.write_text(json.dumps({"variant": variant.label, "arch": arch, "nvrtc": ver,
+                                        "lowered": lowered}))
+        except OSError:
+            pass
+    return c
+
+
+# ---------------------------------------------------------------------------------------
+# parameter block (mirror of struct FattnParams in fattn_common.cuh)
+class FattnParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64),
+        ("mask", ctypes.c_uint64), ("sinks", ctypes.c_uint64), ("dst", ctypes.c_uint64),
+        ("ws_o", ctypes.c_uint64), ("ws_ml", ctypes.c_uint64),
+        ("live_idx", ctypes.c_uint64), ("live_cnt", ctypes.c_uint64),
+        ("q_nb1", ctypes.c_int64), ("q_nb2", ctypes.c_int64), ("q_nb3", ctypes.c_int64),
+        ("k_nb1", ctypes.c_int64), ("k_nb2", ctypes.c_int64), ("k_nb3", ctypes.c_int64),
+        ("v_nb1", ctypes.c_int64), ("v_nb2", ctypes.c_int64), ("v_nb3", ctypes.c_int64),
+        ("m_nb1", ctypes.c_int64), ("m_nb2", ctypes.c_int64), ("m_nb3", ctypes.c_int64),
+        ("n_batch", ctypes.c_int32), ("n_kv", ctypes.c_int32),
+        ("n_head", ctypes.c_int32), ("n_head_kv", ctypes.c_int32),
+        ("ne3", ctypes.c_int32), ("ne32", ctypes.c_int32), ("ne33", ctypes.c_int32),
+        ("gqa", ctypes.c_int32),
+        ("pack", ctypes.c_int32), ("q_tile_tokens", ctypes.c_int32),
+        ("n_q_tiles", ctypes.c_int32), ("n_kv_tiles", ctypes.c_int32),
+        ("n_splits", ctypes.c_int32), ("n_head_log2", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("m0", ctypes.c_float), ("m1", ctypes.c_float),
+        ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# loaded functions and launches (need a GPU)
+class Kernel:
+    """A loaded CUDA function; ``launch`` passes ctypes arguments by pointer."""
+
+    def __init__(self, func: int, name: str, smem: int):
+        self.func = func
+        self.name = name
+        self.smem = smem
+        if smem > 48 * 1024:
+            from cupy.cuda import driver
+            driver.funcSetAttribute(func, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+
+    def attribute(self, attr: str) -> int:
+        from cupy.cuda import driver
+        return driver.funcGetAttribute(getattr(driver, attr), self.func)
+
+    def launch(self, grid, block, stream: int, *args) -> None:
+        """``args``: ctypes objects (a FattnParams, c_uint64 pointers, ...) in kernel order."""
+        from cupy.cuda import driver
+        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        driver.launchKernel(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                            self.smem, stream, ctypes.addressof(ptrs), 0)
+
+
+_MODULES: dict[tuple, dict[str, int]] = {}   # (variant, arch, device) -> name -> CUfunction
+
+
+def device_arch() -> str:
+    import cupy
+    cc = cupy.cuda.Device().compute_capability  # e.g. "90"
+    return f"sm_{cc}"
+
+
+def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
+    """Compile (cached), load into the current context (once) and return ``name`` of ``variant``."""
+    import cupy
+    from cupy.cuda import driver
+    arch = device_arch()
+    dev = cupy.cuda.Device().id
+    mkey = (variant, arch, dev)
+    funcs = _MODULES.get(mkey)
+    if funcs is None:
+        comp = compile_variant(variant, arch)
+        mod = driver.moduleLoadData(comp.cubin)
+        funcs = {n: driver.moduleGetFunction(mod, comp.lowered[n]) for n in variant.names}
+        _MODULES[mkey] = funcs
+        _KERNELS.update({})
+    kkey = (mkey, name, smem)
+    k = _KERNELS.get(kkey)
+    if k is None:
+        k = Kernel(funcs[name], name, smem)
+        _KERNELS[kkey] = k
+    return k
+
+
+_KERNELS: dict[tuple, Kernel] = {}

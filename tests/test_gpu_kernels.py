@@ -1,0 +1,271 @@
+"""GPU kernels against the float64 reference (needs a CUDA GPU and CuPy; skipped otherwise).
+
+Every case: fresh random inputs, dst poisoned with NaN before each run, NMSE <= 5e-4 against
+ggml_attn.reference in float64, NaN never passes. Both entry points (device pointers, host
+pointers). The conformance grid is test-backend-ops' (ggml_attn.conformance); add
+``--grid-sample N`` to run a seeded sample of it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from ggml_attn import conformance as conf
+from ggml_attn import cuda_backend as cb
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, from_float
+from ggml_attn.reference import flash_attn_ext, nmse
+from ggml_attn.tensor import from_array
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not cb.available(), reason="no CUDA GPU / CuPy")]
+
+NMSE_MAX = 5e-4
+GPU_KERNELS = ("prefill", "decode", "decode-tc")
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def _dev(arr, permuted=False):
+    """numpy array (numpy order) -> CuPy array with the same values; permuted: the memory
+    order swaps axes 1 and 2 (ggml's permuted-input variant), the view is the same shape."""
+    cp = _cupy()
+    if arr is None:
+        return None
+    if permuted:
+        return cp.asarray(np.ascontiguousarray(arr.transpose(0, 2, 1, 3))).transpose(0, 2, 1, 3)
+    return cp.asarray(np.ascontiguousarray(arr))
+
+
+def _reference(inp, case_scale, max_bias, softcap, kv_type):
+    return flash_attn_ext(inp.q, inp.k, inp.v, inp.mask, case_scale, max_bias, softcap, inp.sinks,
+                          kv_type=kv_type, dtype=np.float64)
+
+
+def _run_device(q, k, v, mask, sinks, scale, max_bias, softcap, kernel, *, permuted=False,
+                n_splits=None, plan=None, d_v=None):
+    cp = _cupy()
+    ne3, n_head, n_batch, _ = q.shape
+    d_v = v.shape[3] if d_v is None else d_v
+    dq, dk_, dv_ = _dev(q, permuted), _dev(k, permuted), None
+    if v is not None and k is not None and v.base is not None and v.base is k:
+        dv_ = dk_[..., :v.shape[3]]   # MLA: V is a view of K
+    else:
+        dv_ = _dev(v, permuted)
+    dm, ds = _dev(mask), _dev(sinks) if sinks is not None else None
+    dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+    kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
+               np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
+    cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
+                             from_array(dm) if dm is not None else None,
+                             from_array(ds) if ds is not None else None, from_array(dst),
+                             scale, max_bias, softcap, kernel=kernel, n_splits=n_splits, plan=plan)
+    cp.cuda.get_current_stream().synchronize()
+    return dst.get()
+
+
+def _run_host(q, k, v, mask, sinks, scale, max_bias, softcap, kernel):
+    ne3, n_head, n_batch, _ = q.shape
+    dst = np.full((ne3, n_batch, n_head, v.shape[3]), np.nan, dtype=np.float32)
+    kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
+               np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
+    cb.flash_attn_ext_host(from_array(q), from_array(k, kv_type), from_array(v, kv_type),
+                           from_array(mask) if mask is not None else None,
+                           from_array(sinks) if sinks is not None else None, from_array(dst),
+                           scale, max_bias, softcap, kernel=kernel)
+    return dst
+
+
+def _check(out, ref, what):
+    assert not np.isnan(out).any(), f"{what}: NaN in output (unwritten or bad math)"
+    err = nmse(out, ref)
+    assert err <= NMSE_MAX, f"{what}: NMSE {err:.3g} > {NMSE_MAX}"
+
+
+def _kernels_for(hsk, hsv, kv_type):
+    from ggml_attn import dispatch
+    return [k for k in GPU_KERNELS if dispatch.supports(k, hsk, hsv, kv_type) is None]
+
+
+def _grid_cases(config_sample=None):
+    cases = list(conf.grid())
+    return cases
+
+
+ALL_CASES = list(conf.grid())
+
+
+def pytest_generate_tests(metafunc):  # pragma: no cover - pytest hook (module level)
+    pass
+
+
+@pytest.fixture(scope="module")
+def rng():
+    return np.random.default_rng(12345)
+
+
+def _sampled(request):
+    n = request.config.getoption("--grid-sample", default=0)
+    return n
+
+
+@pytest.mark.parametrize("idx", range(len(ALL_CASES)), ids=[c.id for c in ALL_CASES])
+def test_conformance_grid(idx, request, rng):
+    n = _sampled(request)
+    if n and idx not in set(np.random.default_rng(7).choice(len(ALL_CASES), min(n, len(ALL_CASES)), replace=False)):
+        pytest.skip("not in --grid-sample")
+    case = ALL_CASES[idx]
+    inp = conf.make_inputs(case, rng)
+    ref = _reference(inp, case.scale, case.max_bias, case.logit_softcap, case.kv_type)
+    kernels = _kernels_for(case.hsk, case.hsv, case.kv_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for kern in kernels + ["auto"]:
+            out = _run_device(inp.q, inp.k, inp.v, inp.mask, inp.sinks, case.scale, case.max_bias,
+                              case.logit_softcap, kern, permuted=case.permuted)
+            _check(out, ref, f"{case.id} device {kern}")
+        if idx % 5 == 0:
+            out = _run_host(inp.q, inp.k, inp.v, inp.mask, inp.sinks, case.scale, case.max_bias,
+                            case.logit_softcap, "auto")
+            _check(out, ref, f"{case.id} host auto")
+
+
+# ---------------------------------------------------------------------------------------
+# masks that matter for the project: ragged multi-sequence, interior holes, fully masked
+def _block_causal_mask(seq_lens, n_kv=None, pad_rows=0):
+    """Unified-KV ubatch of several sequences: token i of sequence s sees its own cells
+    0..i; numpy (1, 1, n_batch + pad_rows, n_kv) f16."""
+    n = sum(seq_lens)
+    n_kv = n if n_kv is None else n_kv
+    m = np.full((n + pad_rows, n_kv), -np.inf, dtype=np.float32)
+    off = 0
+    for L in seq_lens:
+        for i in range(L):
+            m[off + i, off:off + i + 1] = 0.0
+        off += L
+    return m[None, None].astype(np.float16)
+
+
+def _inputs(rng, ne3, n_head, n_head_kv, n_batch, n_kv, dk, dv, kv_type, sinks=False):
+    q = rng.uniform(-1, 1, (ne3, n_head, n_batch, dk)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (ne3, n_head_kv, n_kv, dk)), kv_type)
+    v = from_float(rng.uniform(-1, 1, (ne3, n_head_kv, n_kv, dv)), kv_type)
+    s = rng.uniform(-3, 3, n_head).astype(np.float32) if sinks else None
+    return q, k, v, s
+
+
+SPECIAL = [
+    # name, seq_lens, n_head, n_head_kv, dk, kv_type
+    ("ragged16", [16, 200, 33, 1, 77, 128, 5, 64, 65, 190, 17, 40, 100, 3, 150, 9], 8, 2, 128, GGML_TYPE_F16),
+    ("ragged_bf16", [100, 31, 64, 1, 200], 4, 4, 64, GGML_TYPE_BF16),
+    ("two_seqs", [300, 250], 8, 1, 128, GGML_TYPE_F16),
+    ("ragged_d256", [70, 5, 130], 4, 2, 256, GGML_TYPE_F16),
+    ("ragged_d80", [70, 5, 130], 4, 2, 80, GGML_TYPE_BF16),
+]
+
+
+@pytest.mark.parametrize("name,seq_lens,n_head,n_head_kv,dk,kv_type", SPECIAL, ids=[s[0] for s in SPECIAL])
+@pytest.mark.parametrize("kernel", GPU_KERNELS + ("auto",))
+def test_ragged_block_causal(name, seq_lens, n_head, n_head_kv, dk, kv_type, kernel, rng):
+    n = sum(seq_lens)
+    mask = _block_causal_mask(seq_lens, pad_rows=3)
+    q, k, v, s = _inputs(rng, 1, n_head, n_head_kv, n, n, dk, dk, kv_type, sinks=True)
+    ref = flash_attn_ext(q, k, v, mask, 0.125, 0.0, 0.0, s, kv_type=kv_type)
+    out = _run_device(q, k, v, mask, s, 0.125, 0.0, 0.0, kernel)
+    _check(out, ref, f"{name} {kernel}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("n_kv", [1, 113, 1000, 4097])
+@pytest.mark.parametrize("n_batch", [1, 5, 64, 130])
+def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
+    """Interior -inf holes (whole KV tiles and partial), fully masked rows and query tiles,
+    cells of -inf only in the tail; sinks on so fully masked rows must still give zeros."""
+    n_head, n_head_kv, d = 8, 2, 64
+    q, k, v, s = _inputs(rng, 2, n_head, n_head_kv, n_batch, n_kv, d, d, GGML_TYPE_F16, sinks=True)
+    m = rng.uniform(-1, 1, (2, 1, n_batch, n_kv)).astype(np.float32)
+    m[:, :, :, 64:256] = -np.inf                         # interior hole spanning whole tiles
+    m[:, :, :, n_kv // 2: n_kv // 2 + 7] = -np.inf       # partial hole
+    m[:, :, ::3, :] = -np.inf                            # fully masked rows
+    if n_batch > 64:
+        m[0, :, 0:64, :] = -np.inf                       # a fully masked query tile
+    m[1, :, :, max(0, n_kv - 70):] = -np.inf             # masked tail
+    mask = m.astype(np.float16)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    out = _run_device(q, k, v, mask, s, 0.1, 0.0, 0.0, kernel)
+    _check(out, ref, f"holes {kernel} n_kv={n_kv} n_batch={n_batch}")
+    assert np.all(out[:, ::3] == 0.0), "fully masked rows must be exactly zero"
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+def test_forced_splits(kernel, n_splits, rng):
+    q, k, v, s = _inputs(rng, 1, 16, 4, 3, 1000, 128, 128, GGML_TYPE_BF16, sinks=True)
+    mask = conf.random_kq_mask(rng, (1, 1, 3, 1000))
+    ref = flash_attn_ext(q, k, v, mask, 0.09, 8.0, 0.0, s, kv_type=GGML_TYPE_BF16)
+    out = _run_device(q, k, v, mask, s, 0.09, 8.0, 0.0, kernel, n_splits=n_splits)
+    _check(out, ref, f"{kernel} splits={n_splits}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_mask_broadcast_heads_and_streams(kernel, rng):
+    """mask ne32 = 2 (per-head planes), ne33 = 1 broadcast over ne3 = 3 streams; softcap."""
+    q, k, v, s = _inputs(rng, 3, 8, 8, 2, 300, 64, 64, GGML_TYPE_F16)
+    mask = conf.random_kq_mask(rng, (1, 2, 4, 300))
+    mask[0, 1, :, 100:200] = -np.inf
+    ref = flash_attn_ext(q, k, v, mask, 0.125, 0.0, 10.0, None, kv_type=GGML_TYPE_F16)
+    out = _run_device(q, k, v, mask, None, 0.125, 0.0, 10.0, kernel)
+    _check(out, ref, f"broadcast {kernel}")
+
+
+def test_plan_live_counts_and_reuse(rng):
+    """The plan's live-tile counts equal a numpy recount; a plan is reused across calls."""
+    seq = [100, 30, 200, 7, 64]
+    mask = _block_causal_mask(seq)
+    n = sum(seq)
+    cp = _cupy()
+    dm = cp.asarray(mask)
+    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    tq = 64 // 1
+    counts = plan.live_counts(tq)
+    m = mask[0, 0]
+    n_kv_tiles = -(-n // 64)
+    for qt in range(-(-n // tq)):
+        rows = m[qt * tq: min(n, (qt + 1) * tq)]
+        want = sum(np.isfinite(rows[:, j * 64:(j + 1) * 64]).any() for j in range(n_kv_tiles))
+        assert counts[0, qt] == want
+    assert counts.sum() < (-(-n // tq)) * n_kv_tiles, "block-diagonal mask must skip interior tiles"
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n, 128, 128, GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    for _ in range(2):
+        out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "prefill", plan=None)
+        _check(out, ref, "plan reuse")
+    with pytest.raises(ValueError):
+        _run_device(q[:, :, :5], k, v, mask[:, :, :5], None, 0.1, 0.0, 0.0, "prefill", plan=plan)
+
+
+def test_host_entry_ragged(rng):
+    seq = [50, 20, 90]
+    mask = _block_causal_mask(seq)
+    q, k, v, s = _inputs(rng, 1, 4, 1, sum(seq), sum(seq), 128, 128, GGML_TYPE_F16, sinks=True)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    for kern in GPU_KERNELS + ("auto",):
+        _check(_run_host(q, k, v, mask, s, 0.1, 0.0, 0.0, kern), ref, f"host {kern}")
+
+
+def test_errors(rng):
+    q, k, v, s = _inputs(rng, 1, 4, 1, 3, 64, 128, 128, GGML_TYPE_F16)
+    with pytest.raises(ValueError):
+        _run_device(q, k, v, None, None, 0.1, 0.0, 0.0, "nonsense")
+    q, k, v, s = _inputs(rng, 1, 4, 1, 3, 64, 576, 512, GGML_TYPE_F16)
+    with pytest.raises(ValueError):
+        _run_device(q, k, v, None, None, 0.1, 0.0, 0.0, "prefill")
+    q, k, v, s = _inputs(rng, 1, 4, 1, 3, 64, 32, 32, GGML_TYPE_F16)   # D=32: not compiled
+    with pytest.warns(RuntimeWarning, match="not compiled"):
+        out = _run_device(q, k, v, None, None, 0.1, 0.0, 0.0, "auto")
+    _check(out, flash_attn_ext(q, k, v, None, 0.1, kv_type=GGML_TYPE_F16), "fallback D=32")

@@ -1,0 +1,88 @@
+"""Every CUDA kernel variant compiles for sm_80 and sm_90 with NVRTC (no GPU needed).
+
+Skips only when the NVRTC library itself is missing (install the project's ``nvrtc`` extra).
+Also checks that the ctypes mirror of ``struct FattnParams`` matches the C layout, and the
+CPU-side launch configuration rules.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from ggml_attn import kernels as K
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+
+pytestmark = pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed "
+                                "(pip install .[nvrtc])")
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def _compile(args):
+    variant, arch = args
+    c = K.compile_variant(variant, arch, use_disk_cache=False)
+    return variant.label, arch, len(c.cubin), c.lowered
+
+
+def test_every_variant_compiles(tmp_path, monkeypatch):
+    jobs = [(v, a) for v in K.all_variants() for a in ARCHS]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as ex:
+        results = list(ex.map(_compile, jobs))
+    assert len(results) == len(jobs)
+    for label, arch, size, lowered in results:
+        assert size > 1000, f"{label} {arch}: empty cubin"
+        assert all(lowered.values()), f"{label} {arch}: missing lowered names"
+
+
+def test_variant_list_covers_required_heads():
+    for dk in (64, 80, 96, 112, 128, 256):
+        for t in (GGML_TYPE_F16, GGML_TYPE_BF16):
+            assert K.mma_variant(dk, dk, t) in K.all_variants()
+            assert K.vec_variant(dk, dk, t) in K.all_variants()
+
+
+def test_params_struct_layout_matches_c():
+    """Compile static_asserts of offsetof/sizeof against the ctypes mirror."""
+    lines = ['#include "fattn_common.cuh"']
+    for name, _ in K.FattnParams._fields_:
+        off = getattr(K.FattnParams, name).offset
+        lines.append(f"static_assert(__builtin_offsetof(FattnParams, {name}) == {off}, \"{name}\");")
+    lines.append(f"static_assert(sizeof(FattnParams) == {__import__('ctypes').sizeof(K.FattnParams)}, \"size\");")
+    lines.append('extern "C" __global__ void layout_probe(const FattnParams p) {}')
+    nv = K._nvrtc()
+    prog = nv.createProgram("\n".join(lines), "layout.cu", [], [])
+    try:
+        opts = ["-std=c++17", "-arch=sm_80", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            pytest.fail(f"FattnParams layout mismatch: {e}\n{nv.getProgramLog(prog)}")
+    finally:
+        nv.destroyProgram(prog)
+
+
+def test_smem_fits_h200():
+    for (dk, dv) in K.MMA_HEADS:
+        for a, b in K.MMA_LAYOUTS:
+            assert K.mma_smem_bytes(dk, dv, a, b) <= 227 * 1024, (dk, dv, a, b)
+    for (dk, dv) in K.VEC_HEADS:
+        for r in K.vec_rows_allowed(dk, dv):
+            assert K.vec_smem_bytes(dk, dv, r) <= 227 * 1024
+
+
+def test_launch_config_rules():
+    from ggml_attn.cuda_backend import Shapes, launch_config
+    sh = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    c = launch_config("decode", sh)
+    assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits > 1
+    c = launch_config("decode-tc", sh)
+    assert c.pack == 4 and c.q_tile_tokens == 4
+    sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
+    c = launch_config("prefill", sh)
+    assert c.pack == 1 and c.q_tile_tokens == 64 and c.n_splits == 1 and c.grid == (32, 32, 1)
+    sh = Shapes(128, 128, 3, 32, 8, 1, 113, GGML_TYPE_F16)
+    c = launch_config("prefill", sh)
+    assert c.pack == 4 and c.q_tile_tokens == 16 and c.n_kv_tiles == 2

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
+#
+#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml]
+#                      [--grid-sample N] [--only CASE] [-- extra pytest args]
+#
+# Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
+# prints a short table last. --quick: sampled conformance grid, short benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+TESTS=1; SAN=1; BENCH=1; GGML=1; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1;;
+    --no-tests) TESTS=0;;
+    --no-sanitize) SAN=0;;
+    --no-bench) BENCH=0;;
+    --no-ggml) GGML=0;;
+    --grid-sample) SAMPLE="$2"; shift;;
+    --only) ONLY="$2"; shift;;
+    --) shift; EXTRA=("$@"); break;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+  shift
+done
+export PYTHONUNBUFFERED=1
+export GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
+PY=${PYTHON:-python3}
+status=0
+t0=$(date +%s)
+echo "== install" | tee "$OUT/install.log"
+if [ $GGML = 1 ] && ls .whl/ggml_python-0.0.45.tar.gz >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/ggml_python-0.0.45.tar.gz >>"$OUT/install.log" 2>&1 \
+    || echo "ggml-python install failed (see install.log)"
+fi
+$PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
+echo "== precompile"
+$PY tools/gpu_precompile.py -j "$(nproc)" 2>&1 | tee "$OUT/precompile.log" | tail -3
+echo "   ($(( $(date +%s) - t0 ))s so far)"
+
+if [ $TESTS = 1 ]; then
+  echo "== GPU tests"
+  args=(-m gpu -q -p no:cacheprovider -n "$(nproc)" tests/)
+  [ -n "$SAMPLE" ] && args+=(--grid-sample "$SAMPLE")
+  [ $QUICK = 1 ] && [ -z "$SAMPLE" ] && args+=(--grid-sample 300)
+  $PY -m pytest "${args[@]}" "${EXTRA[@]}" > "$OUT/tests.log" 2>&1
+  rc=$?; [ $rc != 0 ] && status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+  tail -3 "$OUT/tests.log"
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
+fi
+
+if [ $SAN = 1 ]; then
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer $tool"
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    rc=$?; [ $rc != 0 ] && status=1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL|ok$" "$OUT/sanitize_$tool.log" | head -8
+    echo "   rc=$rc ($(( $(date +%s) - t0 ))s so far)"
+  done
+fi
+
+if [ $BENCH = 1 ]; then
+  echo "== benchmark"
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  name="$(date -u +%Y-%m-%d)-$commit"
+  bargs=(--out "$OUT/$name.json")
+  [ $QUICK = 1 ] && bargs+=(--quick)
+  [ -n "$ONLY" ] && bargs+=(--only "$ONLY")
+  $PY tools/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
+  tail -45 "$OUT/bench.log"
+fi
+echo "== done in $(( $(date +%s) - t0 ))s, status $status"
+exit $status

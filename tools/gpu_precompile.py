@@ -1,0 +1,41 @@
+"""Compile every kernel variant for this machine's GPU into the disk cache, in parallel.
+
+Run before the GPU tests so that test workers load cubins instead of compiling the same
+variants concurrently. Usage: python tools/gpu_precompile.py [-j N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _one(args):
+    label_idx, arch = args
+    from ggml_attn import kernels as K
+    v = K.all_variants()[label_idx]
+    t = time.time()
+    K.compile_variant(v, arch)
+    return v.label, time.time() - t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--arch", default=None)
+    a = ap.parse_args(argv)
+    from ggml_attn import kernels as K
+    arch = a.arch or K.device_arch()
+    n = len(K.all_variants())
+    t = time.time()
+    with ProcessPoolExecutor(a.j) as ex:
+        res = list(ex.map(_one, [(i, arch) for i in range(n)]))
+    slow = sorted(res, key=lambda r: -r[1])[:3]
+    print(f"precompiled {n} programs for {arch} in {time.time() - t:.1f}s "
+          f"(slowest: {', '.join(f'{l[:40]} {s:.1f}s' for l, s in slow)})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
