@@ -13,13 +13,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, from_float
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, STORAGE_DTYPES, from_float, to_float
+from .quant import dequantize_rows, quantize, type_info
+from .tensor import type_name
+
+# ggml type ids of the quantized K/V types in test-backend-ops' grid
+GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0 = 2, 3, 6, 7, 8
+GGML_TYPE_IQ4_NL, GGML_TYPE_Q1_0 = 20, 41
+FLOAT_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
+QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q5_1, GGML_TYPE_Q5_0, GGML_TYPE_Q4_1, GGML_TYPE_Q4_0, GGML_TYPE_IQ4_NL)
 
 
 @dataclass(frozen=True)
 class FACase:
-    hsk: int                # K head size (D_k)
-    hsv: int                # V head size (D_v)
+    hsk: int                # K head size before padding to the block size (see dk)
+    hsv: int                # V head size before padding (see dv)
     n_head_kv: int          # "nh" in test-backend-ops
     gqa: int                # nr2: query heads per KV head
     ne3: int                # nr3: streams
@@ -29,8 +37,22 @@ class FACase:
     sinks: bool
     max_bias: float
     logit_softcap: float
-    kv_type: int
+    kv_type: int            # K's type (and V's unless v_type is set)
     permuted: bool = False  # q/k/v created permuted (0, 2, 1, 3), i.e. non-contiguous views
+    v_type: int | None = None
+
+    @property
+    def v_kind(self) -> int:
+        return self.kv_type if self.v_type is None else self.v_type
+
+    @property
+    def dk(self) -> int:
+        """K head size as stored: hsk padded to K's block size (test-backend-ops' hsk_padded)."""
+        return _pad(self.hsk, self.kv_type)
+
+    @property
+    def dv(self) -> int:
+        return _pad(self.hsv, self.v_kind)
 
     @property
     def n_head(self) -> int:
@@ -44,11 +66,19 @@ class FACase:
     def id(self) -> str:
         return (f"hsk{self.hsk}_hsv{self.hsv}_nh{self.n_head_kv}x{self.gqa}_s{self.ne3}_kv{self.n_kv}"
                 f"_nb{self.n_batch}_m{int(self.mask)}_sk{int(self.sinks)}_ab{self.max_bias:g}"
-                f"_sc{self.logit_softcap:g}_{TYPE_NAMES[self.kv_type]}{'_perm' if self.permuted else ''}")
+                f"_sc{self.logit_softcap:g}_{type_name(self.kv_type)}"
+                + (f"-{type_name(self.v_type)}" if self.v_type is not None else "")
+                + ("_perm" if self.permuted else ""))
 
 
-def grid(kv_types=(GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)):
-    """All FLASH_ATTN_EXT cases of test-backend-ops (ggml 0.15.3) for ``kv_types``.
+def _pad(n: int, ggml_type: int) -> int:
+    blck = 1 if ggml_type in STORAGE_DTYPES else type_info(ggml_type).blck_size
+    return -(-n // blck) * blck
+
+
+def grid(kv_types=FLOAT_TYPES + QUANT_TYPES):
+    """All FLASH_ATTN_EXT cases of test-backend-ops (ggml 0.15.3) for ``kv_types``, then its
+    mixed K/V type cases.
 
     ``prec`` is not a parameter here: ggml's CPU op and ours always accumulate in F32.
     """
@@ -94,6 +124,14 @@ def grid(kv_types=(GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)):
                                                     yield case
                                                     if mask and max_bias == 0 and softcap == 0 and kv == 512:
                                                         yield FACase(**{**case.__dict__, "permuted": True})
+    mixed = [(64, 64, 128, 2, True, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0), (64, 64, 128, 2, True, GGML_TYPE_Q4_0, GGML_TYPE_F16),
+             (72, 72, 96, 2, True, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0), (64, 64, 96, 2, True, GGML_TYPE_F16, GGML_TYPE_F32),
+             (128, 128, 256, 1, False, GGML_TYPE_F16, GGML_TYPE_Q4_0), (128, 128, 96, 2, True, GGML_TYPE_Q1_0, GGML_TYPE_Q1_0),
+             (128, 64, 128, 2, True, GGML_TYPE_Q1_0, GGML_TYPE_Q4_0), (64, 128, 128, 2, True, GGML_TYPE_Q4_0, GGML_TYPE_Q1_0),
+             (128, 64, 64, 2, True, GGML_TYPE_Q1_0, GGML_TYPE_F16)]
+    for hsk, hsv, kv, nb, mask, tk, tv in mixed:
+        if tk in kv_types and tv in kv_types + (GGML_TYPE_Q1_0,) or tk == GGML_TYPE_Q1_0:
+            yield FACase(hsk, hsv, 4, 1, 1, kv, nb, mask, False, 0.0, 0.0, tk, v_type=tv)
 
 
 def random_kq_mask(rng: np.random.Generator, shape, lo=-1.0, hi=1.0) -> np.ndarray:
@@ -109,25 +147,46 @@ def random_kq_mask(rng: np.random.Generator, shape, lo=-1.0, hi=1.0) -> np.ndarr
 
 @dataclass
 class FAInputs:
-    """One case's tensors in numpy order; k/v in ggml storage dtype of ``kv_type``."""
+    """One case's tensors in numpy order; k/v in ggml storage of their types (F16 float16,
+    BF16 uint16 bits, quantized uint8 rows ``(..., row_bytes)``)."""
     q: np.ndarray                 # (ne3, n_head, n_batch, hsk) float32
     k: np.ndarray                 # (ne3, n_head_kv, n_kv, hsk)
     v: np.ndarray                 # (ne3, n_head_kv, n_kv, hsv)
     mask: np.ndarray | None       # (ne3, 1, n_batch, n_kv) float16
     sinks: np.ndarray | None      # (n_head,) float32
+    k_type: int = GGML_TYPE_F16
+    v_type: int = GGML_TYPE_F16
+
+    def kv_float(self) -> tuple[np.ndarray, np.ndarray]:
+        """K and V as float32 arrays, numpy order (quantized types dequantized by ggml)."""
+        return _as_float(self.k, self.k_type), _as_float(self.v, self.v_type)
+
+
+def _as_float(x: np.ndarray, t: int) -> np.ndarray:
+    if t in STORAGE_DTYPES:
+        return to_float(x, t)
+    x = np.ascontiguousarray(x)
+    info = type_info(t)
+    ne0 = x.shape[-1] // info.type_size * info.blck_size
+    n_rows = x.size // x.shape[-1]
+    return dequantize_rows(x.ctypes.data, t, ne0, n_rows, x.shape[-1]).reshape(x.shape[:-1] + (ne0,))
+
+
+def _storage(x: np.ndarray, t: int) -> np.ndarray:
+    return from_float(x, t) if t in STORAGE_DTYPES else quantize(x, t)
 
 
 def make_inputs(case: FACase, rng: np.random.Generator) -> FAInputs:
-    q = rng.uniform(-1, 1, (case.ne3, case.n_head, case.n_batch, case.hsk)).astype(np.float32)
-    k = from_float(rng.uniform(-1, 1, (case.ne3, case.n_head_kv, case.n_kv, case.hsk)), case.kv_type)
+    q = rng.uniform(-1, 1, (case.ne3, case.n_head, case.n_batch, case.dk)).astype(np.float32)
+    k = _storage(rng.uniform(-1, 1, (case.ne3, case.n_head_kv, case.n_kv, case.dk)), case.kv_type)
     if case.hsk == 576 and case.hsv == 512:  # MLA: V is a view of K's first 512 columns
         v = k[..., :512]
     else:
-        v = from_float(rng.uniform(-1, 1, (case.ne3, case.n_head_kv, case.n_kv, case.hsv)), case.kv_type)
+        v = _storage(rng.uniform(-1, 1, (case.ne3, case.n_head_kv, case.n_kv, case.dv)), case.v_kind)
     mask = random_kq_mask(rng, (case.ne3, 1, case.n_batch, case.n_kv)) if case.mask else None
     sinks = rng.uniform(-10, 10, case.n_head).astype(np.float32) if case.sinks else None
-    return FAInputs(q, k, v, mask, sinks)
+    return FAInputs(q, k, v, mask, sinks, case.kv_type, case.v_kind)
 
 
-__all__ = ["FACase", "FAInputs", "grid", "make_inputs", "random_kq_mask",
+__all__ = ["FACase", "FAInputs", "grid", "make_inputs", "random_kq_mask", "FLOAT_TYPES", "QUANT_TYPES",
            "GGML_TYPE_F32", "GGML_TYPE_F16", "GGML_TYPE_BF16"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
-from .dtypes import to_float
+from .dtypes import STORAGE_DTYPES, to_float
+from .quant import dequantize_rows
 from .tensor import TensorDesc, as_numpy
 from .validate import AttnDims
 
@@ -64,14 +65,22 @@ def attend_group_skipping(q, k, v, mask_rows, slopes, sinks, scale, logit_softca
     return out
 
 
+def kv_head_reader(desc: TensorDesc):
+    """``read(stream, head) -> float32 (n_kv, D)`` for host K or V of any supported type."""
+    if desc.type in STORAGE_DTYPES:
+        arr = as_numpy(desc)  # (ne3, n_head_kv, n_kv, D)
+        return lambda s, h: to_float(arr[s, h], desc.type)
+    return lambda s, h: dequantize_rows(desc.ptr + s * desc.nb[3] + h * desc.nb[2], desc.type,
+                                        desc.ne[0], desc.ne[1], desc.nb[1])
+
+
 def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
                         sinks: TensorDesc | None, dst: TensorDesc, dims: AttnDims, scale: float,
                         max_bias: float, logit_softcap: float, ith: int = 0, nth: int = 1) -> None:
     """Write attention of host tensors into ``dst`` (float32). Graph thread ``ith`` of ``nth``
     takes every nth (stream, KV head) group, so all threads together cover ``dst`` once."""
     qa = as_numpy(q)    # (ne3, n_head, n_batch, D_k)
-    ka = as_numpy(k)    # (ne3, n_head_kv, n_kv, D_k)
-    va = as_numpy(v)
+    read_k, read_v = kv_head_reader(k), kv_head_reader(v)
     ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
     sa = as_numpy(sinks).reshape(-1) if sinks is not None else None
     out = as_numpy(dst)  # (ne3, n_batch, n_head, D_v)
@@ -83,7 +92,7 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
         s, hk = divmod(pair, dims.n_head_kv)
         hs = slice(hk * g, (hk + 1) * g)
         res = attend_group_skipping(
-            qa[s, hs], to_float(ka[s, hk], k.type), to_float(va[s, hk], v.type),
+            qa[s, hs], read_k(s, hk), read_v(s, hk),
             reference.group_mask_rows(ma, s, range(hk * g, (hk + 1) * g), dims.n_batch),
             slopes[hs], None if sa is None else sa[hs], scale, logit_softcap, np.float32)
         out[s, :, hs, :] = res.transpose(1, 0, 2)

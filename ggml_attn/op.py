@@ -26,7 +26,7 @@ import ggml
 import numpy as np
 
 from . import cpu
-from .dtypes import GGML_TYPE_F32
+from .dtypes import GGML_TYPE_F32, STORAGE_DTYPES
 from .tensor import TensorDesc, as_numpy, from_ggml
 from .validate import check_flash_attn_args
 
@@ -133,7 +133,7 @@ def gpu_available() -> bool:
     return bool(cuda_backend.available())
 
 
-def _use_cuda(q: TensorDesc) -> tuple[bool, bool]:
+def _use_cuda(q: TensorDesc, k: TensorDesc, v: TensorDesc) -> tuple[bool, bool]:
     """(run on CUDA, pointers are on the device) for this call."""
     backend = _settings["backend"]
     if backend == "reference":
@@ -143,6 +143,13 @@ def _use_cuda(q: TensorDesc) -> tuple[bool, bool]:
             raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
         return False, False
     on_device = _is_device_pointer(q.ptr)
+    if k.type not in STORAGE_DTYPES or v.type not in STORAGE_DTYPES:  # quantized K/V: CPU only
+        if on_device:
+            raise ValueError(f"quantized K/V ({k.shape_str}, {v.shape_str}) are supported on the "
+                             "CPU path only; keep them on the host or use f16/bf16")
+        if backend == "cuda":
+            raise ValueError("backend 'cuda' cannot run quantized K/V; use 'auto' or 'reference'")
+        return False, False
     return True, on_device
 
 
@@ -207,7 +214,7 @@ def _callback(dst_p, ith, nth, userdata):
         p = _params_by_id[int(userdata or 0)]
         q, k, v, mask, sinks, dst = _descs(dst_p, p)
         dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
-        use_cuda, on_device = _use_cuda(q)
+        use_cuda, on_device = _use_cuda(q, k, v)
         if use_cuda:
             if ith != 0:
                 return

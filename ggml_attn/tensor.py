@@ -15,6 +15,15 @@ import numpy as np
 from .dtypes import STORAGE_DTYPES, TYPE_NAMES, TYPE_SIZES
 
 
+def type_name(ggml_type: int) -> str:
+    """Short name of a ggml type id (``f16``, ``q8_0``, ...)."""
+    if ggml_type in TYPE_NAMES:
+        return TYPE_NAMES[ggml_type]
+    from .quant import type_info
+    info = type_info(ggml_type)
+    return info.name if info else f"type {ggml_type}"
+
+
 @dataclass(frozen=True)
 class TensorDesc:
     ptr: int                      # address of element (0,0,0,0): host or device
@@ -25,22 +34,35 @@ class TensorDesc:
 
     @property
     def shape_str(self) -> str:
-        return f"{self.name or 'tensor'}[{', '.join(map(str, self.ne))}] {TYPE_NAMES.get(self.type, self.type)}"
+        return f"{self.name or 'tensor'}[{', '.join(map(str, self.ne))}] {type_name(self.type)}"
+
+    def row_bytes(self) -> int:
+        """Bytes of one contiguous row of ``ne[0]`` elements (quantized types included)."""
+        if self.type in TYPE_SIZES:
+            return TYPE_SIZES[self.type] * self.ne[0]
+        from .quant import type_info
+        return type_info(self.type).row_bytes(self.ne[0])
 
     def is_contiguous(self) -> bool:
-        size = TYPE_SIZES[self.type]
-        expect = size
-        for ne, nb in zip(self.ne, self.nb):
-            if ne > 1 and nb != expect:
+        if self.type in TYPE_SIZES:
+            expect = TYPE_SIZES[self.type]
+            dims = range(4)
+        else:  # quantized: rows are blocks; check the row strides only
+            expect = self.row_bytes()
+            dims = range(1, 4)
+        for i in dims:
+            if self.ne[i] > 1 and self.nb[i] != expect:
                 return False
-            expect *= ne
+            expect *= self.ne[i]
         return True
 
     def nbytes_span(self) -> int:
         """Bytes from ``ptr`` to one past the last element (strides assumed non-negative)."""
         if any(n == 0 for n in self.ne):
             return 0
-        return sum((n - 1) * b for n, b in zip(self.ne, self.nb)) + TYPE_SIZES[self.type]
+        if self.type in TYPE_SIZES:
+            return sum((n - 1) * b for n, b in zip(self.ne, self.nb)) + TYPE_SIZES[self.type]
+        return sum((n - 1) * b for n, b in zip(self.ne[1:], self.nb[1:])) + self.row_bytes()
 
 
 def contiguous_nb(type_: int, ne) -> tuple[int, int, int, int]:
@@ -80,11 +102,14 @@ def from_array(arr, ggml_type: int | None = None, name: str = "") -> TensorDesc:
 
 
 def as_numpy(desc: TensorDesc) -> np.ndarray:
-    """Host tensor -> numpy view in numpy order (ne reversed), storage dtype (BF16 as uint16)."""
+    """Host tensor -> numpy view in numpy order (ne reversed) of its storage: F32/F16 as such,
+    BF16 as uint16 bits, quantized types as uint8 rows ``(ne3, ne2, ne1, row_bytes)``."""
     if desc.ptr == 0:
         raise ValueError(f"{desc.shape_str} has no data")
-    dtype = np.dtype(STORAGE_DTYPES[desc.type])
     span = desc.nbytes_span()
     buf = (ctypes.c_uint8 * max(span, 1)).from_address(desc.ptr)
-    return np.ndarray(tuple(reversed(desc.ne)), dtype, buffer=buf,
+    if desc.type not in STORAGE_DTYPES:
+        shape = tuple(reversed(desc.ne[1:])) + (desc.row_bytes(),)
+        return np.ndarray(shape, np.uint8, buffer=buf, strides=tuple(reversed(desc.nb[1:])) + (1,))
+    return np.ndarray(tuple(reversed(desc.ne)), np.dtype(STORAGE_DTYPES[desc.type]), buffer=buf,
                       strides=tuple(reversed(desc.nb)))

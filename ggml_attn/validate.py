@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, TYPE_SIZES
-from .tensor import TensorDesc
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_SIZES
+from .quant import is_quantized_kv, type_info
+from .tensor import TensorDesc, type_name
 
 KV_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
 
@@ -37,24 +38,28 @@ class AttnDims:
         return (self.d_v, self.n_head, self.n_batch, self.ne3)
 
 
-def _type_name(t: int) -> str:
-    return TYPE_NAMES.get(t, f"type {t} (quantized or unsupported)")
-
-
 def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
                           mask: TensorDesc | None = None, sinks: TensorDesc | None = None,
                           max_bias: float = 0.0, scale: float = 1.0,
                           logit_softcap: float = 0.0) -> AttnDims:
     """Validate q/k/v/mask/sinks (ggml order) and return the call's :class:`AttnDims`."""
     if q.type != GGML_TYPE_F32:
-        raise ValueError(f"q {q.shape_str}: expected type f32, got {_type_name(q.type)}")
+        raise ValueError(f"q {q.shape_str}: expected type f32, got {type_name(q.type)}")
     for t in (k, v):
-        if t.type not in KV_TYPES:
-            raise ValueError(f"{t.name} {t.shape_str}: expected type f32, f16 or bf16, "
-                             f"got {_type_name(t.type)}")
-        if t.nb[0] != TYPE_SIZES[t.type]:
+        if t.type not in KV_TYPES and not is_quantized_kv(t.type):
+            raise ValueError(f"{t.name} {t.shape_str}: expected type f32, f16, bf16 or a quantized "
+                             f"type ggml can dequantize, got {type_name(t.type)}")
+        if t.type in KV_TYPES:
+            elem = TYPE_SIZES[t.type]
+        else:
+            info = type_info(t.type)
+            elem = info.type_size
+            if t.ne[0] % info.blck_size:
+                raise ValueError(f"{t.name} {t.shape_str}: head size {t.ne[0]} is not a multiple of "
+                                 f"{info.name}'s block size {info.blck_size}")
+        if t.nb[0] != elem:
             raise ValueError(f"{t.name} {t.shape_str}: rows must be contiguous "
-                             f"(nb[0] == {TYPE_SIZES[t.type]}), got nb={list(t.nb)}")
+                             f"(nb[0] == {elem}), got nb={list(t.nb)}")
     if q.nb[0] != 4:
         raise ValueError(f"q {q.shape_str}: rows must be contiguous (nb[0] == 4), got nb={list(q.nb)}")
     d_k, n_batch, n_head, ne3 = q.ne
@@ -78,7 +83,7 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
     mask_heads = mask_streams = 1
     if mask is not None:
         if mask.type != GGML_TYPE_F16:
-            raise ValueError(f"mask {mask.shape_str}: expected type f16, got {_type_name(mask.type)}")
+            raise ValueError(f"mask {mask.shape_str}: expected type f16, got {type_name(mask.type)}")
         if not mask.is_contiguous():
             raise ValueError(f"mask {mask.shape_str}: must be contiguous, got nb={list(mask.nb)}")
         if mask.ne[0] != n_kv:

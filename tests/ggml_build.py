@@ -8,7 +8,6 @@ import ggml
 import numpy as np
 
 from ggml_attn.conformance import FACase, FAInputs
-from ggml_attn.dtypes import TYPE_SIZES
 from ggml_attn.tensor import as_numpy, from_ggml
 
 
@@ -47,19 +46,19 @@ def get_data(t) -> np.ndarray:
 
 
 def case_bytes(c: FACase) -> int:
-    kv = TYPE_SIZES[c.kv_type] * 2 * c.n_kv * c.n_head_kv * c.ne3 * (c.hsk + c.hsv) * 2
-    return 4 * c.ne3 * c.n_head * c.n_batch * (c.hsk + c.hsv) * 2 + kv + 2 * c.n_kv * c.n_batch * c.ne3
+    kv = 4 * 2 * c.n_kv * c.n_head_kv * c.ne3 * (c.dk + c.dv) * 2
+    return 4 * c.ne3 * c.n_head * c.n_batch * (c.dk + c.dv) * 2 + kv + 2 * c.n_kv * c.n_batch * c.ne3
 
 
 def build_case(ctx, c: FACase, x: FAInputs):
     """q, k, v, mask, sinks ggml tensors holding ``x``; k/v are views like a KV cache's."""
-    q = tensor_4d(ctx, 0, (c.hsk, c.n_batch, c.n_head, c.ne3), c.permuted)
-    k = tensor_4d(ctx, c.kv_type, (c.hsk, c.n_kv, c.n_head_kv, c.ne3), c.permuted, True)
+    q = tensor_4d(ctx, 0, (c.dk, c.n_batch, c.n_head, c.ne3), c.permuted)
+    k = tensor_4d(ctx, c.kv_type, (c.dk, c.n_kv, c.n_head_kv, c.ne3), c.permuted, True)
     if c.hsk == 576 and c.hsv == 512:
         kc = k.contents
         v = ggml.ggml_view_4d(ctx, k, 512, c.n_kv, c.n_head_kv, c.ne3, kc.nb[1], kc.nb[2], kc.nb[3], 0)
     else:
-        v = tensor_4d(ctx, c.kv_type, (c.hsv, c.n_kv, c.n_head_kv, c.ne3), c.permuted, True)
+        v = tensor_4d(ctx, c.v_kind, (c.dv, c.n_kv, c.n_head_kv, c.ne3), c.permuted, True)
     set_data(q, x.q)
     set_data(k, x.k)
     if not (c.hsk == 576 and c.hsv == 512):

@@ -31,7 +31,7 @@ def pytest_generate_tests(metafunc):
 
 def test_grid_size():
     # the port of test-backend-ops' loops: F32/F16/BF16 cases including permuted variants
-    assert len(ALL_CASES) == 2808
+    assert len(ALL_CASES) == 2808 + 6 * 336 + 9  # float types, 6 quantized types, mixed K/V types
     print(f"conformance grid: {len(ALL_CASES)} cases")
 
 
@@ -49,8 +49,9 @@ def test_conformance(case):
     finally:
         import ggml
         ggml.ggml_free(ctx)
-    exact = reference.flash_attn_ext(x.q, x.k, x.v, x.mask, case.scale, case.max_bias,
-                                     case.logit_softcap, x.sinks, kv_type=case.kv_type)
+    kf, vf = x.kv_float()
+    exact = reference.flash_attn_ext(x.q, kf, vf, x.mask, case.scale, case.max_bias,
+                                     case.logit_softcap, x.sinks)
     assert a.shape == b.shape == exact.shape
     assert reference.nmse(a, b) <= MAX_NMSE, "ours vs ggml"
     assert reference.nmse(a, exact) <= MAX_NMSE, "ours vs float64 reference"

@@ -1,4 +1,9 @@
-"""The package installs both ways and finds its kernel sources (cuda/*.cu, *.cuh) at run time."""
+"""The package installs both ways and finds its kernel sources (cuda/*.cu, *.cuh) at run time.
+
+``cuda/`` has no ``__init__.py`` on purpose: a regular package named ``cuda`` at the repository
+root would shadow NVIDIA's ``cuda`` namespace package (``cuda.pathfinder``, which CuPy imports)
+whenever the root is on sys.path. Installed, it is package data under ``ggml_attn/cuda``;
+editable, the kernels find it next to the package."""
 import json
 import os
 import subprocess
@@ -12,11 +17,12 @@ REPO = Path(__file__).resolve().parent.parent
 KERNEL_SOURCES = sorted(p.name for p in (REPO / "cuda").iterdir() if p.suffix in (".cu", ".cuh"))
 
 PROBE = (
-    "import importlib.resources as r, json, site, sys\n"
+    "import json, site, sys\n"
     "site.addsitedir(sys.argv[1]); sys.path.append(sys.argv[2])\n"
-    "import ggml_attn, ggml_attn.graph, ggml_attn.cli, ggml_attn.cuda\n"
-    "files = sorted(p.name for p in r.files('ggml_attn.cuda').iterdir() if p.name.endswith(('.cu', '.cuh')))\n"
-    "text = {n: r.files('ggml_attn.cuda').joinpath(n).read_text() for n in files}\n"
+    "import ggml_attn, ggml_attn.graph, ggml_attn.cli, ggml_attn.kernels\n"
+    "src = ggml_attn.kernels.source_dir()\n"
+    "files = sorted(p.name for p in src.iterdir() if p.name.endswith(('.cu', '.cuh')))\n"
+    "text = {n: (src / n).read_text() for n in files}\n"
     "print(json.dumps({'file': ggml_attn.__file__, 'graph': ggml_attn.graph.__file__, 'files': files,\n"
     "                  'sizes': [len(t) for t in text.values()]}))\n"
 )
@@ -45,3 +51,8 @@ def test_kernel_sources_found_after_install(tmp_path, editable):
         assert Path(found["graph"]).resolve().is_relative_to(REPO / "graph")
     else:
         assert where.is_relative_to(target.resolve())
+
+
+def test_cuda_folder_does_not_shadow_nvidia_cuda_namespace():
+    assert not (REPO / "cuda" / "__init__.py").exists(), \
+        "cuda/__init__.py makes `import cuda.pathfinder` (CuPy) fail when the repo root is on sys.path"

@@ -34,6 +34,11 @@ def call(ctx, a):
                                     a["max_bias"], 0.0, a["sinks"])
 
 
+def test_quantized_kv_accepted(ctx):
+    out = call(ctx, good(ctx, k=t4(ctx, Q8_0, 64, 32, 2, 1), v=t4(ctx, ggml.GGML_TYPE_Q4_0, 64, 32, 2, 1)))
+    assert list(out.contents.ne[:4]) == [64, 8, 4, 1]
+
+
 def test_good_inputs_build(ctx):
     out = call(ctx, good(ctx))
     assert list(out.contents.ne[:4]) == [64, 8, 4, 1]
@@ -42,8 +47,11 @@ def test_good_inputs_build(ctx):
 
 BAD = {
     "q_type": (lambda c: {"q": t4(c, F16, 64, 4, 8, 1)}, r"q .*\[64, 4, 8, 1\].*expected type f32, got f16"),
-    "k_quantized": (lambda c: {"k": t4(c, Q8_0, 64, 32, 2, 1)}, r"k .*expected type f32, f16 or bf16, got .*quantized"),
-    "v_type": (lambda c: {"v": t4(c, ggml.GGML_TYPE_I32, 64, 32, 2, 1)}, r"v .*expected type f32, f16 or bf16"),
+    "k_quantized_partial_block": (lambda c: {"q": t4(c, F32, 40, 4, 8, 1), "k": t4(c, Q8_0, 40, 32, 2, 1),
+                                             "v": t4(c, F16, 40, 32, 2, 1)},
+                                  r"k .*q8_0: head size 40 is not a multiple of q8_0's block size 32"),
+    "v_type": (lambda c: {"v": t4(c, ggml.GGML_TYPE_I32, 64, 32, 2, 1)},
+               r"v .*i32: expected type f32, f16, bf16 or a quantized type ggml can dequantize, got i32"),
     "head_size": (lambda c: {"k": t4(c, F16, 128, 32, 2, 1), "v": t4(c, F16, 128, 32, 2, 1)},
                   r"k .*\[128, 32, 2, 1\].*head size ne\[0\]=128 must equal q's ne\[0\]=64"),
     "gqa": (lambda c: {"k": t4(c, F16, 64, 32, 3, 1), "v": t4(c, F16, 64, 32, 3, 1)},

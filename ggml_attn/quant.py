@@ -1,0 +1,79 @@
+"""Quantized ggml types (Q8_0, Q4_0, IQ4_NL, ...) for K/V on the CPU path, through ggml's own
+type traits: sizes, dequantization (``to_float``) and, for tests, quantization.
+
+Only the CPU path reads quantized K/V; the CUDA kernels take F16/BF16.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .dtypes import STORAGE_DTYPES
+
+
+@dataclass(frozen=True)
+class TypeInfo:
+    name: str
+    blck_size: int     # elements per block
+    type_size: int     # bytes per block
+    quantized: bool
+    has_to_float: bool
+
+    def row_bytes(self, ne0: int) -> int:
+        return ne0 // self.blck_size * self.type_size
+
+
+@lru_cache(maxsize=None)
+def type_info(ggml_type: int) -> TypeInfo | None:
+    """ggml's traits of ``ggml_type``; None for an id ggml does not know."""
+    import ggml
+    if not 0 <= ggml_type < ggml.GGML_TYPE_COUNT:
+        return None
+    tr = ggml.ggml_get_type_traits(ggml_type).contents
+    if not tr.type_name:
+        return None
+    return TypeInfo(tr.type_name.decode(), int(tr.blck_size), int(tr.type_size), bool(tr.is_quantized),
+                    bool(tr.to_float))
+
+
+def is_quantized_kv(ggml_type: int) -> bool:
+    """A quantized type that ggml can dequantize (usable as K/V on the CPU path)."""
+    info = type_info(ggml_type)
+    return info is not None and info.quantized and info.has_to_float
+
+
+def dequantize_rows(ptr: int, ggml_type: int, ne0: int, n_rows: int, row_stride: int) -> np.ndarray:
+    """``n_rows`` rows of ``ne0`` elements at ``ptr`` (rows ``row_stride`` bytes apart) -> float32
+    ``(n_rows, ne0)``. Works for any ggml type with ``to_float``, float types included."""
+    import ggml
+    info = type_info(ggml_type)
+    out = np.empty((n_rows, ne0), dtype=np.float32)
+    to_float = ggml.ggml_get_type_traits(ggml_type).contents.to_float
+    dst = out.ctypes.data
+    if row_stride == info.row_bytes(ne0):  # rows back to back: one call
+        to_float(ctypes.c_void_p(ptr), ctypes.cast(dst, ctypes.POINTER(ctypes.c_float)), n_rows * ne0)
+        return out
+    for r in range(n_rows):
+        to_float(ctypes.c_void_p(ptr + r * row_stride),
+                 ctypes.cast(dst + r * ne0 * 4, ctypes.POINTER(ctypes.c_float)), ne0)
+    return out
+
+
+def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """float rows ``(..., ne0)`` -> ``ggml_type`` blocks as uint8 ``(..., row_bytes)``."""
+    import ggml
+    if ggml_type in STORAGE_DTYPES:
+        raise ValueError("quantize() is for quantized types; use dtypes.from_float")
+    info = type_info(ggml_type)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    ne0 = x.shape[-1]
+    if ne0 % info.blck_size:
+        raise ValueError(f"row length {ne0} is not a multiple of {info.name}'s block size {info.blck_size}")
+    n_rows = x.size // ne0
+    out = np.empty(x.shape[:-1] + (info.row_bytes(ne0),), dtype=np.uint8)
+    src = x.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    ggml.ggml_quantize_chunk(ggml_type, src, out.ctypes.data, 0, n_rows, ne0, None)
+    return out
