@@ -60,6 +60,31 @@ _errors_lock = threading.Lock()
 
 _settings = {"backend": "auto", "kernel": "auto"}
 
+# mask data pointer -> the CUDA backend's per-ubatch plan (FlashInfer's plan/run): every layer's
+# op of a ubatch finds the plan by its mask instead of rescanning the mask.
+_active_plans: dict[int, object] = {}
+
+
+class active_plans:
+    """``with active_plans(plan, ...):`` compute -- ops whose mask is a plan's mask reuse it.
+
+    The caller owns the plans' validity: the mask contents must not change inside the block.
+    Ops with other masks (or outside the block) build their own plan per call.
+    """
+
+    def __init__(self, *plans):
+        self._plans = [p for p in plans if p is not None]
+
+    def __enter__(self):
+        for p in self._plans:
+            _active_plans[p.mask.ptr] = p
+        return self
+
+    def __exit__(self, *exc):
+        for p in self._plans:
+            if _active_plans.get(p.mask.ptr) is p:
+                del _active_plans[p.mask.ptr]
+
 
 def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
     """Choose where the op runs: ``auto`` (CUDA when usable, else numpy), ``reference``
@@ -219,8 +244,15 @@ def _callback(dst_p, ith, nth, userdata):
             if ith != 0:
                 return
             from . import cuda_backend
-            run = cuda_backend.flash_attn_ext_device if on_device else cuda_backend.flash_attn_ext_host
-            run(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap, kernel=_settings["kernel"])
+            if on_device:
+                plan = _active_plans.get(mask.ptr) if mask is not None else None
+                if plan is not None and not plan.matches(mask, dims.n_batch):
+                    plan = None
+                cuda_backend.flash_attn_ext_device(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
+                                                   p.logit_softcap, kernel=_settings["kernel"], plan=plan)
+            else:
+                cuda_backend.flash_attn_ext_host(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
+                                                 p.logit_softcap, kernel=_settings["kernel"])
         else:
             with _single_threaded_blas:
                 cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,

@@ -146,7 +146,8 @@ class UBatchGraph:
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         fa_op.raise_pending()
         _store_errors.clear()
-        status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
+        with fa_op.active_plans(self.plan.kernel_plan):  # every layer reuses the ubatch's plan
+            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
         del work
         if _store_errors:
             err = _store_errors[0]
