@@ -30,7 +30,8 @@ struct MmaCfg {
     static constexpr int STAGES = 2;
     static constexpr bool Q_REGS = DKP <= 128;
     static constexpr int SO = DVP + 4;      // epilogue row stride (floats)
-    static constexpr int PIPE_BYTES = 2 * (BM * SK + STAGES * BK * (SK + SV));
+    static constexpr int SM = BK + 8;       // mask tile row stride (halves)
+    static constexpr int PIPE_BYTES = 2 * (BM * SK + STAGES * BK * (SK + SV) + STAGES * BM * SM);
     static constexpr int EPI_BYTES = 4 * NWK * BM * (SO + 2);
     static constexpr int SMEM = PIPE_BYTES > EPI_BYTES ? PIPE_BYTES : EPI_BYTES;
     static_assert(KW % 16 == 0, "each warp needs a multiple of 16 KV columns");
@@ -48,6 +49,7 @@ fattn_mma(const FattnParams p) {
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * SK;
     T* sV = sK + STAGES * BK * SK;
+    __half* sMask = reinterpret_cast<__half*>(sV + STAGES * BK * SV);   // [STAGES][BM][SM]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wq = warp % NWQ, wk = warp / NWQ;
@@ -88,6 +90,9 @@ fattn_mma(const FattnParams p) {
         slope[rs] = alibi_slope(p, h);
     }
 
+    // mask tiles go through shared memory (cp.async with K/V) when rows are 16-byte aligned
+    const bool mask_smem = p.mask != nullptr &&
+        ((reinterpret_cast<size_t>(p.mask) | (size_t)p.m_nb1 | (size_t)p.m_nb2 | (size_t)p.m_nb3) & 15) == 0;
     const LiveTiles lt = live_tiles(p, qt, s);
     int jb, je;
     split_range(lt.cnt, split, p.n_splits, jb, je);
@@ -110,6 +115,16 @@ fattn_mma(const FattnParams p) {
             const bool in = kv0 + r < p.n_kv;
             const char* src = in ? vbase + (long long)(kv0 + r) * p.v_nb1 + ch * 16 : vbase;
             cp_async16(smem_u32(dv + r * SV + ch * 8), src, in ? 16 : 0);
+        }
+        if (mask_smem) {
+            __half* dm = sMask + stage * BM * C::SM;
+            for (int i = tid; i < BM * (BK / 8); i += NT) {
+                const int r = i / (BK / 8), ch = i % (BK / 8);
+                const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
+                const bool in = tok < p.n_batch && r / P < p.q_tile_tokens && kv0 + ch * 8 < p.n_kv;
+                const char* src = in ? mask_row(p, tok, h, s) + (long long)(kv0 + ch * 8) * 2 : p.mask;
+                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 16 : 0);
+            }
         }
     };
 
@@ -168,20 +183,27 @@ fattn_mma(const FattnParams p) {
         }
 
         // ---- scale, softcap, ALiBi * mask, KV bounds; to the log2 domain
+        const __half* sm_tile = sMask + stage * BM * C::SM + (16 * wq + g) * C::SM + wk * KW + 2 * t4;
 #pragma unroll
         for (int nt = 0; nt < KW / 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int rs = e >> 1;
-                const int col = kv0 + nt * 8 + 2 * t4 + (e & 1);
-                float x = S[nt][e] * p.scale;
-                if (p.softcap != 0.0f) x = p.softcap * tanhf(x);
-                if (col < p.n_kv) {
-                    if (mrow[rs]) x += slope[rs] * __half2float(__ldg(reinterpret_cast<const __half*>(mrow[rs]) + col));
-                } else {
-                    x = FATTN_NEG_INF;
+            for (int rs = 0; rs < 2; ++rs) {
+                float mv0 = 0.0f, mv1 = 0.0f;
+                const int col = kv0 + nt * 8 + 2 * t4;
+                if (mask_smem) {
+                    const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(sm_tile + rs * 8 * C::SM + nt * 8));
+                    mv0 = mv.x; mv1 = mv.y;
+                } else if (mrow[rs]) {
+                    const __half* mr = reinterpret_cast<const __half*>(mrow[rs]);
+                    if (col < p.n_kv) mv0 = __half2float(__ldg(mr + col));
+                    if (col + 1 < p.n_kv) mv1 = __half2float(__ldg(mr + col + 1));
                 }
-                S[nt][e] = x * FATTN_LOG2E;
+                float x0 = S[nt][2 * rs] * p.scale, x1 = S[nt][2 * rs + 1] * p.scale;
+                if (p.softcap != 0.0f) { x0 = p.softcap * tanhf(x0); x1 = p.softcap * tanhf(x1); }
+                x0 = col < p.n_kv ? (x0 + slope[rs] * mv0) * FATTN_LOG2E : FATTN_NEG_INF;
+                x1 = col + 1 < p.n_kv ? (x1 + slope[rs] * mv1) * FATTN_LOG2E : FATTN_NEG_INF;
+                S[nt][2 * rs] = x0;
+                S[nt][2 * rs + 1] = x1;
             }
         }
 

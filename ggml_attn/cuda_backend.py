@@ -159,8 +159,11 @@ class LaunchConfig:
     grid: tuple[int, int, int]
 
 
-# resident blocks per SM assumed when choosing the split count (from register/smem use)
+# resident blocks per SM assumed when choosing the split count (from register/smem use), and
+# the waves of blocks wanted: several waves for decode so that the last, partial wave costs
+# little (one wave of 512 blocks over 396 slots ran at 65% of the achievable bandwidth).
 _BLOCKS_PER_SM = {"prefill": 2, "decode-tc": 3, "decode": 4}
+_WAVES = {"prefill": 1, "decode-tc": 4, "decode": 4}
 
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> LaunchConfig:
@@ -195,10 +198,10 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> Launc
     n_q_tiles = -(-sh.n_batch // tq)
     base = n_q_tiles * (sh.n_head // pack) * sh.ne3
     if n_splits is None:
-        target = num_sms() * _BLOCKS_PER_SM[kernel]
+        target = num_sms() * _BLOCKS_PER_SM[kernel] * _WAVES[kernel]
         n_splits = 1
         if base < target:
-            n_splits = min(-(-target // base), max(1, n_kv_tiles // 2), 64)
+            n_splits = min(-(-target // base), max(1, n_kv_tiles // 2), 256)
     n_splits = max(1, min(int(n_splits), n_kv_tiles))
     grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
@@ -266,12 +269,12 @@ class Plan:
         if got is None:
             got = _build_live_map(self.mask, self.n_batch, tq, stream)
             self.maps[tq] = got
-        return got[0].data.ptr, got[1].data.ptr
+        return got[3]
 
     def live_counts(self, tq: int, stream: int = None) -> np.ndarray:
         """Host copy of the live-tile counts, numpy [ne33, n_q_tiles] (for tests and stats)."""
         self.live(tq, _stream_ptr(stream))
-        return self.maps[tq][1].get()
+        return self.maps[tq][1].get().reshape(self.mask.ne[3], -1)
 
 
 def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int):
@@ -294,7 +297,7 @@ def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int):
     scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr))
     compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
                    ctypes.c_uint64(idx.data.ptr), ctypes.c_uint64(cnt.data.ptr))
-    return idx, cnt, flags
+    return idx, cnt, flags, (idx.data.ptr, cnt.data.ptr)
 
 
 def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
@@ -361,6 +364,51 @@ def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, q: Te
     return kern
 
 
+@dataclass
+class _Prepared:
+    """Everything about a call that depends only on shapes, strides, types and scalars."""
+    kern: str
+    cfg: LaunchConfig | None = None
+    fn: K.Kernel | None = None
+    comb: K.Kernel | None = None
+    template: K.FattnParams | None = None
+    ws_o_bytes: int = 0
+    ws_bytes: int = 0
+    comb_grid: tuple = (1, 1, 1)
+
+
+_PREPARED: dict[tuple, _Prepared] = {}
+
+
+def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev):
+    return (q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16, v.type, v.ne, v.nb, v.ptr % 16,
+            None if mask is None else (mask.type, mask.ne, mask.nb),
+            None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
+            dst.type, dst.ne, dst.nb, float(scale), float(max_bias), float(softcap), kernel,
+            n_splits, dev)
+
+
+def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits) -> _Prepared:
+    sh = validate(q, k, v, mask, sinks, dst)
+    if max_bias > 0.0 and mask is None:
+        raise ValueError("max_bias > 0 (ALiBi) requires a mask")
+    kern = _resolve_kernel(kernel, sh, k, v, q)
+    if kern == "reference":
+        return _Prepared(kern)
+    cfg = launch_config(kern, sh, n_splits)
+    p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
+    p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
+    p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
+    prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p)
+    if cfg.n_splits > 1:
+        n_rows = sh.ne3 * sh.n_batch * sh.n_head
+        prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
+        prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
+        prep.comb = K.get_function(K.util_variant(), "fattn_combine")
+        prep.comb_grid = (n_rows, 1, 1)
+    return prep
+
+
 def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
                           sinks: TensorDesc | None, dst: TensorDesc, scale: float,
                           max_bias: float = 0.0, logit_softcap: float = 0.0, *,
@@ -368,37 +416,44 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
                           n_splits: int | None = None) -> None:
     """Attention on device pointers; writes ``dst``. Asynchronous on ``stream`` (default:
     CuPy's current stream). ``plan``: from :func:`make_plan` for this mask (built per call
-    when None and a mask is given). ``n_splits`` overrides the KV split count (tests)."""
-    sh = validate(q, k, v, mask, sinks, dst)
-    if max_bias > 0.0 and mask is None:
-        raise ValueError("max_bias > 0 (ALiBi) requires a mask")
-    kern = _resolve_kernel(kernel, sh, k, v, q)
+    when None and a mask is given). ``n_splits`` overrides the KV split count (tests).
+
+    Validation, dispatch and launch configuration are cached per (shapes, strides, types,
+    scalars): a repeated call costs a dict lookup, a parameter copy and the launches."""
+    import cupy
+    key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits,
+                    cupy.cuda.runtime.getDevice())
+    prep = _PREPARED.get(key)
+    if prep is None:
+        prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits)
+        if len(_PREPARED) > 4096:
+            _PREPARED.clear()
+        _PREPARED[key] = prep
     st = _stream_ptr(stream)
-    if kern == "reference":
+    if prep.kern == "reference":
         _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, st)
         return
-    cfg = launch_config(kern, sh, n_splits)
-    p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, logit_softcap)
-    p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
-    p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
+    cfg = prep.cfg
+    p = K.FattnParams.from_buffer_copy(prep.template)
+    p.q, p.k, p.v, p.dst = q.ptr, k.ptr, v.ptr, dst.ptr
+    if sinks is not None:
+        p.sinks = sinks.ptr
     if mask is not None:
+        p.mask = mask.ptr
+        n_batch = q.ne[1]
         if plan is None:
-            plan = Plan(mask, sh.n_batch, sh.n_head, sh.n_head_kv)
-        elif not plan.matches(mask, sh.n_batch):
+            plan = Plan(mask, n_batch, q.ne[2], k.ne[2])
+        elif not plan.matches(mask, n_batch):
             raise ValueError("plan was built for another mask or n_batch "
                              f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "
-                             f"call: {mask.shape_str} n_batch={sh.n_batch})")
+                             f"call: {mask.shape_str} n_batch={n_batch})")
         p.live_idx, p.live_cnt = plan.live(cfg.q_tile_tokens, st)
-    if cfg.n_splits > 1:
-        n_rows = sh.ne3 * sh.n_batch * sh.n_head
-        o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
-        ws = _workspace(st, o_bytes + cfg.n_splits * n_rows * 8)
-        p.ws_o, p.ws_ml = ws, ws + o_bytes
-    fn = K.get_function(cfg.variant, cfg.name, smem=cfg.smem)
-    fn.launch(cfg.grid, (cfg.block, 1, 1), st, p)
-    if cfg.n_splits > 1:
-        comb = K.get_function(K.util_variant(), "fattn_combine")
-        comb.launch((sh.ne3 * sh.n_batch * sh.n_head, 1, 1), (128, 1, 1), st, p)
+    if prep.ws_bytes:
+        ws = _workspace(st, prep.ws_bytes)
+        p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
+    prep.fn.launch(cfg.grid, (cfg.block, 1, 1), st, p)
+    if prep.comb is not None:
+        prep.comb.launch(prep.comb_grid, (128, 1, 1), st, p)
 
 
 def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None:
@@ -407,7 +462,7 @@ def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None
     from .tensor import as_numpy
     out = flash_attn_ext(as_numpy(q), as_numpy(k), as_numpy(v),
                          as_numpy(mask) if mask is not None else None, scale, max_bias, softcap,
-                         as_numpy(sinks) if sinks is not None else None,
+                         as_numpy(sinks).reshape(-1) if sinks is not None else None,
                          kv_type=k.type, dtype=np.float32)
     as_numpy(dst)[...] = out.astype(np.float32)
 

@@ -58,7 +58,7 @@ def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int) -> int:
     dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
     sk, sv, so = dkp + 8, dvp + 8, dvp + 4
     bm = 16 * nwq
-    pipe = 2 * (bm * sk + stages * bk * (sk + sv))
+    pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))
     epi = 4 * nwk * bm * (so + 2)
     return max(pipe, epi)
 
@@ -322,11 +322,12 @@ class Kernel:
     """A loaded CUDA function; ``launch`` passes ctypes arguments by pointer."""
 
     def __init__(self, func: int, name: str, smem: int):
+        from cupy.cuda import driver
         self.func = func
         self.name = name
         self.smem = smem
+        self._launch = driver.launchKernel
         if smem > 48 * 1024:
-            from cupy.cuda import driver
             driver.funcSetAttribute(func, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
 
     def attribute(self, attr: str) -> int:
@@ -335,10 +336,9 @@ class Kernel:
 
     def launch(self, grid, block, stream: int, *args) -> None:
         """``args``: ctypes objects (a FattnParams, c_uint64 pointers, ...) in kernel order."""
-        from cupy.cuda import driver
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        driver.launchKernel(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                            self.smem, stream, ctypes.addressof(ptrs), 0)
+        self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                     self.smem, stream, ctypes.addressof(ptrs), 0)
 
 
 _MODULES: dict[tuple, dict[str, int]] = {}   # (variant, arch, device) -> name -> CUfunction

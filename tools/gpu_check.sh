@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml]
+#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml] [--crossover]
 #                      [--grid-sample N] [--only CASE] [-- extra pytest args]
 #
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; GGML=1; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; GGML=1; XOVER=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -17,6 +17,7 @@ while [ $# -gt 0 ]; do
     --no-sanitize) SAN=0;;
     --no-bench) BENCH=0;;
     --no-ggml) GGML=0;;
+    --crossover) XOVER=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
     --) shift; EXTRA=("$@"); break;;
@@ -62,9 +63,16 @@ if [ $SAN = 1 ]; then
   done
 fi
 
+if [ $XOVER = 1 ]; then
+  echo "== crossover (prefill / decode / decode-tc)"
+  $PY tools/gpu_crossover.py --out "$OUT/crossover.json" > "$OUT/crossover.log" 2>&1 || status=1
+  grep -E "^(n_kv=|DECODE)" "$OUT/crossover.log"
+fi
+
 if [ $BENCH = 1 ]; then
   echo "== benchmark"
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  commit=${GGML_ATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export GGML_ATTN_COMMIT=$commit
   name="$(date -u +%Y-%m-%d)-$commit"
   bargs=(--out "$OUT/$name.json")
   [ $QUICK = 1 ] && bargs+=(--quick)
