@@ -100,3 +100,48 @@ def prefer_passive_omp(argv) -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
     except OSError:
         pass  # keep going with the libraries' defaults
+
+
+class _DropInterrupts:
+    """logging filter: Ctrl-C inside an op callback is not an op failure worth a traceback."""
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, KeyboardInterrupt) and "KeyboardInterrupt" not in record.getMessage()
+
+
+def quiet_interrupts() -> None:
+    """Keep ggml_attn's op from logging a traceback when the user presses Ctrl-C."""
+    import logging
+    logger = logging.getLogger("ggml_attn")
+    if not any(isinstance(f, _DropInterrupts) for f in logger.filters):
+        logger.addFilter(_DropInterrupts())
+
+
+# Ctrl-C. A KeyboardInterrupt raised while ggml runs a Python callback (the op's) is lost or
+# turned into an op error, depending on where it lands. So the tools' SIGINT handler only
+# sets a flag, and the runner raises KeyboardInterrupt between ubatches, where it is safe.
+_interrupt = {"flag": False}
+
+
+def install_sigint_flag() -> None:
+    """Ctrl-C sets a flag that :func:`check_interrupt` turns into KeyboardInterrupt; a second
+    Ctrl-C interrupts at once."""
+    import signal
+
+    def handler(signum, frame):
+        if _interrupt["flag"]:
+            raise KeyboardInterrupt
+        _interrupt["flag"] = True
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def check_interrupt() -> None:
+    """Raise KeyboardInterrupt when Ctrl-C was pressed since :func:`install_sigint_flag`."""
+    if _interrupt["flag"]:
+        _interrupt["flag"] = False
+        raise KeyboardInterrupt

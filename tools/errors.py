@@ -32,5 +32,7 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER_ERROR)
     except BrokenPipeError:  # e.g. `| head`
         return 0

@@ -134,8 +134,10 @@ class HostEngine:
         return ggml.ggml_view_4d(ctx, stored, d, n_kv, self.m.n_head_kv, ns,
                                  row, d * es, self.cache.kv_size * row, s0 * self.cache.kv_size * row)
 
-    def run_ubatch(self, ub, slot, n_kv: int, mask: np.ndarray) -> None:
+    def run_ubatch(self, plan) -> None:
+        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``: ubatch, slot, n_kv, mask, row_idx)."""
         m, cfg = self.m, self.cfg
+        ub, slot, n_kv, mask = plan.ubatch, plan.slot, plan.n_kv, plan.mask
         n_tokens = ub.n_tokens
         ns = slot.n_stream
         n_tps = n_tokens // ns
@@ -153,7 +155,7 @@ class HostEngine:
                 inputs.append((t, data))
                 return t
 
-            rows = slot.row_indices(self.cache.kv_size).astype(np.int64)
+            rows = np.asarray(plan.row_idx, dtype=np.int64)
             t_rows = new_input(ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_I64, n_tokens), rows)
             t_mask = new_input(ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, n_kv, n_tps, 1, ns),
                                mask.astype(np.float16))
@@ -210,7 +212,14 @@ class HostEngine:
         from ggml_attn import op
         op.raise_pending()
         status = ggml.ggml_backend_graph_compute(self.backend, gf)
-        op.raise_pending()
+        try:
+            op.raise_pending()
+        except op.FlashAttnError as e:
+            # Ctrl-C lands in whichever Python code runs: often the op's callback on the
+            # main thread, which records it; hand it on as the interrupt it is
+            if isinstance(e.__cause__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            raise
         if status != 0:
             raise RuntimeError(f"ggml_backend_graph_compute returned status {status}")
 

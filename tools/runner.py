@@ -1,7 +1,7 @@
 """What both benchmark tools drive: batch -> ubatches -> KV cache -> graph -> compute.
 
 The one place that talks to ``ggml_attn.graph`` (Batch, split_ubatches, KVCache,
-build_mask) and to an *engine* that computes one ubatch through all layers:
+plan_ubatch) and to an *engine* that computes one planned ubatch through all layers:
 
 * :class:`~ggml_attn.cli.host_engine.HostEngine` - a ggml graph on the CPU, attention by
   ``ggml_attn.flash_attn_ext`` (or ggml's own kernels with ``--kernel ggml`` / ``-fa off``);
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .common import check_interrupt
 from .errors import UserError
 from .models import ModelShape
 
@@ -161,9 +162,17 @@ class Runner:
             out.extend(self._split_view(g, view))
         return out
 
+    def attn_config(self):
+        """The graph package's description of the attention stack (for ``auto``'s cost model)."""
+        g, m = _graph(), self.cfg.model
+        return g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
+                            head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
+                            logit_softcap=m.logit_softcap, seed=self.cfg.seed)
+
     def _split_view(self, g, view):
+        kw = {"cache": self.cache, "cfg": self.attn_config()} if self.cfg.split == "auto" else {}
         try:
-            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split)
+            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split, **kw)
         except ValueError as e:
             raise UserError(f"split '{self.cfg.split}': {e}") from e
 
@@ -188,16 +197,17 @@ class Runner:
                 raise UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
                                 f"(use -kvu or another --split)") from e
             for ub in ubatches:
-                slot = cache.place(ub)
-                n_kv = cache.n_kv(slot)
-                mask = g.build_mask(cache, ub, slot, n_kv)
-                self.engine.run_ubatch(ub, slot, n_kv, mask)
-                cache.free_pads(slot)
+                check_interrupt()
+                # place in the cache, mask and tile map: once per ubatch, for every layer
+                plan = g.plan_ubatch(cache, ub, alibi=False)
+                self.engine.run_ubatch(plan)
+                cache.free_pads(plan.slot)
                 stats.n_ubatches += 1
                 stats.n_pad += ub.n_pad
-                stats.n_kv_max = max(stats.n_kv_max, n_kv)
+                stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
                 stats.shapes.append(ub.shape_str)
         self.engine.synchronize()
+        check_interrupt()
         return stats
 
     def clear(self) -> None:

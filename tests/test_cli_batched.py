@@ -1,0 +1,102 @@
+"""ggml-attn-batched-bench in process: ragged ubatch counts, plans, rows, errors."""
+import json
+
+import pytest
+
+from ggml_attn.cli import batched_bench
+
+FAST = ["-t", "1", "--n-layer", "1"]
+
+
+def _run(capsys, *args):
+    rc = batched_bench.main(list(args) + FAST)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_ragged_1_to_10_matches_graph_builder(capsys):
+    """Seed 000's case: 10 prompts of 1..10 tokens -> equal 10 ubatches, padded 1."""
+    rc, out, _ = _run(capsys, "--prompt-lens", "1-10", "-ntg", "1", "--split", "all", "--plan", "-o", "jsonl")
+    assert rc == 0
+    plans = {p["split"]: p for p in map(json.loads, out.splitlines())}
+    assert plans["equal"]["ub"] == 10 and plans["equal"]["shapes"][0] == "10x1"
+    assert plans["equal"]["shapes"][-1] == "1x1"
+    assert plans["padded"]["ub"] == 1 and plans["padded"]["shapes"] == ["10x10"]
+    assert plans["padded"]["n_pad"] == 45
+    assert plans["simple"]["ub"] == 1 and plans["simple"]["kv_unified"] is True
+    assert plans["seq"]["ub"] == 10
+    assert plans["auto"]["ub"] >= 1 and plans["auto"]["reason"]
+
+
+def test_plan_ten_prompts_of_100(capsys):
+    rc, out, _ = _run(capsys, "-npp", "100", "-npl", "10", "-ntg", "1", "--split", "equal", "--plan")
+    assert rc == 0
+    assert "2 ubatches" in out and "10x51 10x49" in out
+
+
+def test_ragged_rows_report_ubatches(capsys):
+    rc, out, _ = _run(capsys, "--prompt-lens", "1-10", "-ntg", "2", "--split", "equal,padded",
+                      "-o", "jsonl")
+    assert rc == 0
+    rows = [json.loads(l) for l in out.splitlines()]
+    assert [(r["split"], r["ub"]) for r in rows] == [("equal", 10), ("padded", 1)]
+    for r in rows:
+        assert r["pp"] is None and r["prompt_lens"] == list(range(1, 11)) and r["pl"] == 10
+        assert r["prompt_tokens"] == 55 and r["n_kv"] == 55 + 10 * 2
+        assert r["ub_tg"] == 2 and r["t_pp"] > 0 and r["t_tg"] > 0
+        assert abs(r["speed_pp"] - 55 / r["t_pp"]) < 1e-6 * r["speed_pp"]
+    assert rows[1]["n_pad"] == 45 and rows[0]["n_pad"] == 0
+
+
+def test_uniform_rows_order_and_markdown(capsys):
+    rc, out, _ = _run(capsys, "-npp", "8,16", "-ntg", "2", "-npl", "1,2")
+    assert rc == 0
+    table = [l for l in out.splitlines() if l.startswith("|")]
+    assert len(table) == 2 + 4
+    cells = [[c.strip() for c in l.strip("|").split("|")] for l in table[2:]]
+    # llama-batched-bench order: pp outer, then tg, then pl
+    assert [(c[0], c[2]) for c in cells] == [("8", "1"), ("8", "2"), ("16", "1"), ("16", "2")]
+    assert [c[3] for c in cells] == ["10", "20", "18", "36"]  # N_KV = pl*(pp+tg)
+    assert all(c[10] == "equal" for c in cells)
+
+
+def test_shared_prompt_and_unified(capsys):
+    rc, out, _ = _run(capsys, "-npp", "16", "-ntg", "2", "-npl", "3", "-pps", "-kvu", "-o", "jsonl")
+    assert rc == 0
+    r = json.loads(out)
+    assert r["is_pp_shared"] == 1 and r["n_kv"] == 16 + 3 * 2 and r["split"] == "simple"
+    assert r["kv_unified"] is True
+
+
+def test_prompt_dist_is_seeded(capsys):
+    a = _run(capsys, "--prompt-dist", "16-200", "-npl", "4", "-ntg", "1", "--seed", "3", "--plan", "-o", "jsonl")[1]
+    b = _run(capsys, "--prompt-dist", "16-200", "-npl", "4", "-ntg", "1", "--seed", "3", "--plan", "-o", "jsonl")[1]
+    lens = json.loads(a.splitlines()[0])["prompt_lens"]
+    assert a == b and len(lens) == 4 and all(16 <= x <= 200 for x in lens)
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-m", "nope"], "unknown model 'nope'"),
+    (["-npp", "1-"], "invalid range format"),
+    (["-b", "64", "-ub", "128"], "n_ubatch (128) is larger than n_batch (64)"),
+    (["-npp", "512", "-npl", "4", "-ntg", "1", "-c", "1024"], "context overflow"),
+    (["--prompt-dist", "200-16"], "need 1 <= MIN <= MAX"),
+    (["--split", "zigzag"], "choose from"),
+])
+def test_errors_one_line_exit_2(capsys, args, msg):
+    rc, out, err = _run(capsys, *args)
+    assert rc == 2
+    assert err.count("\n") == 1 and msg in err and "Traceback" not in err
+    assert err.startswith("ggml-attn-batched-bench: error:")
+
+
+def test_plot_needs_matplotlib_or_writes(capsys, tmp_path):
+    png = tmp_path / "cmp.png"
+    rc, _, err = _run(capsys, "--prompt-lens", "1-4", "-ntg", "1", "--split", "equal,padded",
+                      "--plot", str(png))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rc == 2 and "needs matplotlib" in err
+        return
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"

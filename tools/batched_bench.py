@@ -1,0 +1,365 @@
+"""``ggml-attn-batched-bench``: llama-batched-bench for ggml-attn's batching strategies.
+
+For every combination of prompt length (``-npp``), generated tokens (``-ntg``) and
+parallel sequences (``-npl``): ``B`` prompts are decoded together (timed: T_PP), then
+``TG`` decode steps of one token per sequence (timed: T_TG), with llama-batched-bench's
+columns, plus the split strategy and ``UB``, the number of ubatches the prompts took.
+
+Ragged prompts make seed 000's case one command::
+
+    ggml-attn-batched-bench --prompt-lens 1-10 -ntg 4 --split all
+    ggml-attn-batched-bench --prompt-dist 16-200 -npl 16,64 --seed 1 --split all --plan
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from . import format_batched as fb
+from .args import Parser, add_list, choice_list, combinations, parse_int_range, str_list
+from .common import (Progress, default_threads, install_sigint_flag, prefer_passive_omp,
+                     quiet_interrupts)
+from .errors import UserError, run_cli
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
+                     check_context, default_split, resolve_device)
+
+PROG = "ggml-attn-batched-bench"
+ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
+
+
+def parse_dist(text: str) -> tuple[int, int]:
+    parts = str(text).split("-")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise UserError(f"invalid --prompt-dist '{text}' (expected MIN-MAX, e.g. 16-200)")
+    lo, hi = int(parts[0]), int(parts[1])
+    if lo < 1 or hi < lo:
+        raise UserError(f"invalid --prompt-dist '{text}': need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=(
+        "Benchmark batched decoding like llama-batched-bench, comparing ubatch split strategies: "
+        "B prompts of PP tokens (or ragged lengths) are processed together, then TG steps of one "
+        "token per sequence. Lists take commas and ranges (a-b, a-b+s, a-b*m)."))
+    p.add_argument("-m", "--model", type=str, default="auto", metavar="NAME|FILE.gguf",
+                   help=f"model preset ({', '.join(PRESETS)}) or a .gguf (header only); auto: "
+                        f"{DEFAULT_CPU_MODEL} on the CPU, {DEFAULT_GPU_MODEL} on a GPU (default: auto)")
+    add_list(p, "-npp", type=parse_int_range, default=[128, 256, 512], metavar="N",
+             help="prompt tokens per sequence")
+    add_list(p, "-ntg", type=parse_int_range, default=[128, 256], metavar="N",
+             help="generated tokens per sequence (decode steps)")
+    add_list(p, "-npl", type=parse_int_range, default=[1, 2, 4, 8, 16, 32], metavar="N",
+             help="parallel sequences (B)")
+    p.add_argument("--prompt-lens", type=parse_int_range, default=None, metavar="LIST",
+                   help="ragged prompts: one sequence per length, e.g. 1-10 or 5,80,200 "
+                        "(replaces -npp and -npl)")
+    p.add_argument("--prompt-dist", type=parse_dist, default=None, metavar="MIN-MAX",
+                   help="ragged prompts: B lengths drawn uniformly from MIN..MAX for each -npl "
+                        "value (replaces -npp)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --prompt-dist and the inputs (default: 0)")
+    p.add_argument("-pps", action="store_true",
+                   help="one shared prompt: decode it once for sequence 0 and copy it to the others")
+    p.add_argument("-kvu", "--kv-unified", action="store_true",
+                   help="one KV buffer for all sequences (default: one stream per sequence)")
+    add_list(p, "--split", type=choice_list(ALL_SPLITS + ("all",)), default=[""], metavar="MODE",
+             help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
+                  "the same batch); simple always runs on a unified KV cache; default: simple "
+                  "with -kvu, equal without (as llama.cpp)")
+    p.add_argument("--kernel", choices=KERNELS, default="auto",
+                   help="attention kernel: auto|prefill|decode|decode-tc|reference on the GPU; "
+                        "ggml: ggml's own flash attention on the CPU (default: auto)")
+    p.add_argument("--layer", choices=LAYERS, default="attn",
+                   help="attn: attention only; full: with QKV/O projections and FFN (default: attn)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
+                   help="on/auto: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max (default: auto)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+                   help="KV cells in all; 0: just enough for the largest row (default: 0)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="logical batch size (default: 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+    p.add_argument("-t", "--threads", type=int, default=default_threads(), metavar="N",
+                   help=f"CPU threads (default: {default_threads()})")
+    p.add_argument("--n-layer", type=int, default=0, metavar="N",
+                   help="override the model's number of layers")
+    p.add_argument("-o", "--output", choices=fb.FORMATS, default="md",
+                   help="output format on stdout: md or jsonl (default: md)")
+    p.add_argument("--plan", action="store_true",
+                   help="print each strategy's ubatch plan for every row and exit (no compute)")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
+    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    return p
+
+
+def splits_of(ns) -> list[str]:
+    out = []
+    for s in ns.split:
+        for x in (ALL_SPLITS if s == "all" else [s or default_split(ns.kv_unified)]):
+            if x not in out:
+                out.append(x)
+    return out
+
+
+def rows_of(ns) -> list[dict]:
+    """One dict per (prompt set, tg) with pp, pl and prompt_lens (None when uniform)."""
+    rng = np.random.default_rng(ns.seed)
+    if ns.prompt_lens is not None:
+        lens = [x for x in ns.prompt_lens]
+        if not lens or min(lens) < 1:
+            raise UserError("--prompt-lens needs at least one length, all >= 1")
+        prompts = [dict(pp=max(lens) if min(lens) == max(lens) else None, pl=len(lens), prompt_lens=lens)]
+    elif ns.prompt_dist is not None:
+        lo, hi = ns.prompt_dist
+        prompts = []
+        for pl in ns.npl:
+            lens = [int(x) for x in rng.integers(lo, hi + 1, size=pl)]
+            prompts.append(dict(pp=None if min(lens) != max(lens) else lens[0], pl=pl, prompt_lens=lens))
+    else:
+        prompts = [dict(pp=pp, pl=pl, prompt_lens=None) for pp in ns.npp for pl in ns.npl]
+    out = []
+    for pr in prompts:
+        if pr["pl"] < 1:
+            raise UserError("-npl values must be >= 1")
+        if pr["pp"] is not None and pr["pp"] < 1 and pr["prompt_lens"] is None:
+            raise UserError("-npp values must be >= 1")
+        for tg in ns.ntg:
+            out.append(dict(pr, tg=tg))
+    # llama-batched-bench's loop order: pp, tg, pl
+    if ns.prompt_lens is None and ns.prompt_dist is None:
+        out.sort(key=lambda r: (ns.npp.index(r["pp"]), ns.ntg.index(r["tg"]), ns.npl.index(r["pl"])))
+    return out
+
+
+def lens_of(row) -> list[int]:
+    return list(row["prompt_lens"]) if row["prompt_lens"] else [row["pp"]] * row["pl"]
+
+
+def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int) -> tuple[int, int]:
+    """(llama-batched-bench's n_ctx_req, cells our cache needs for this row).
+
+    A split cache gives every stream n_ctx / n_seq cells, so it needs B times the longest
+    sequence; padded ubatches hold up to one ubatch of pad cells for a moment."""
+    lens = lens_of(row)
+    tg, pl = row["tg"], row["pl"]
+    req = (max(lens) + pl * tg) if pps else (sum(lens) + pl * tg)
+    if unified:
+        return req, req + n_ubatch
+    return req, pl * (max(lens) + tg + 1)
+
+
+def _strategy_kv(split: str, kv_unified: bool) -> bool:
+    return True if split == "simple" else kv_unified
+
+
+def print_plans(ns, runner_for, rows, splits, out) -> None:
+    seen = set()
+    for row in rows:
+        key = (tuple(lens_of(row)), ns.pps)
+        if key in seen:
+            continue
+        seen.add(key)
+        lens = lens_of(row)
+        if ns.output == "md":
+            desc = (f"{len(lens)} x {lens[0]}" if min(lens) == max(lens)
+                    else f"{len(lens)} prompts of {min(lens)}..{max(lens)} tokens")
+            out.write(f"batch: {desc} ({sum(lens)} tokens), n_batch {ns.batch_size}, "
+                      f"n_ubatch {ns.ubatch_size}\n")
+        for split in splits:
+            runner = runner_for(split, row)
+            batch = runner.prompt_batch([lens[0]] if ns.pps else lens)
+            ubs = runner.split(batch)
+            kvu = runner.cfg.kv_unified
+            shapes = [u.shape_str for u in ubs]
+            n_pad = sum(u.n_pad for u in ubs)
+            if ns.output == "jsonl":
+                import json
+                out.write(json.dumps({"split": split, "kv_unified": kvu, "pl": row["pl"],
+                                      "prompt_lens": lens, "ub": len(ubs), "n_pad": n_pad,
+                                      "shapes": shapes,
+                                      "reason": ubs[0].reason if ubs and ubs[0].reason else ""}) + "\n")
+            else:
+                pad = f", {n_pad} pad rows" if n_pad else ""
+                kv = "unified KV" if kvu else "split KV"
+                out.write(f"  {split:<7} ({kv}): {len(ubs)} ubatch{'es' if len(ubs) != 1 else ''}{pad}: "
+                          f"{' '.join(_compress(shapes))}\n")
+                if split == "auto" and ubs and ubs[0].reason:
+                    out.write(f"          {ubs[0].reason}\n")
+        out.flush()
+
+
+def _compress(shapes: list[str]) -> list[str]:
+    """``['10x1', '10x1', '9x1']`` -> ``['2*10x1', '9x1']``."""
+    out, i = [], 0
+    while i < len(shapes):
+        j = i
+        while j < len(shapes) and shapes[j] == shapes[i]:
+            j += 1
+        out.append(shapes[i] if j - i == 1 else f"{j - i}*{shapes[i]}")
+        i = j
+    return out
+
+
+def run_row(runner: Runner, row: dict, pps: bool) -> dict:
+    """llama-batched-bench's body for one row on an empty cache; returns timings and counts."""
+    lens = lens_of(row)
+    pl, tg = row["pl"], row["tg"]
+    runner.clear()
+    batch = runner.prompt_batch([lens[0]] if pps else lens)
+    with runner.timer() as t_pp:
+        st = runner.decode(batch)
+        if pps:
+            for j in range(1, pl):
+                runner.seq_cp(0, j)
+    n_ub_tg = 0
+    with runner.timer() as t_tg:
+        for _ in range(tg):
+            n_ub_tg += runner.decode(runner.step_batch(list(range(pl)))).n_ubatches
+    return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg)
+
+
+def _check_plot_available(path):
+    if path is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise UserError("--plot needs matplotlib (pip install 'ggml-attn[plot]')") from e
+
+
+def draw_plot(path: str, results: list[dict], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = []
+    for r in results:
+        lab = f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}"
+        if lab not in labels:
+            labels.append(lab)
+    splits = []
+    for r in results:
+        if r["split"] not in splits:
+            splits.append(r["split"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * len(splits) / 2), 4.5))
+    width = 0.8 / max(1, len(splits))
+    for ax, key, name in ((axes[0], "speed_pp", "S_PP t/s (prompt)"), (axes[1], "speed", "S t/s (total)")):
+        for i, sp in enumerate(splits):
+            vals = []
+            for lab in labels:
+                hit = [r[key] for r in results if r["split"] == sp
+                       and f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}" == lab]
+                vals.append(hit[0] if hit else 0.0)
+            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=sp)
+        ax.set_xticks([x + width * (len(splits) - 1) / 2 for x in range(len(labels))])
+        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(name)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """Console-script entry: user mistakes -> one line on stderr and exit 2."""
+    prefer_passive_omp(argv)
+    quiet_interrupts()
+    if argv is None:  # a real command line (not a test calling main in process)
+        install_sigint_flag()
+    return run_cli(PROG, _main, argv)
+
+
+def _main(argv=None) -> int:
+    ns = build_parser().parse_args(argv)
+    check_batch_sizes(ns.batch_size, ns.ubatch_size)
+    _check_plot_available(ns.plot)
+    device = resolve_device(ns.device)
+    name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
+    model = with_layers(resolve(name), ns.n_layer)
+    rows = rows_of(ns)
+    splits = splits_of(ns)
+    if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
+        raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
+    n_seq = max(r["pl"] for r in rows)
+    # size the caches once, for the largest row of every strategy; -c is a hard limit
+    cells = {}
+    for split in splits:
+        kvu = _strategy_kv(split, ns.kv_unified)
+        need = 0
+        for r in rows:
+            req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size)
+            if ns.ctx_size:
+                check_context(req, ns.ctx_size,
+                              f"B={r['pl']} PP={fb.pp_label(dict(r, pp=r['pp'] or 0))} TG={r['tg']}")
+            need = max(need, ours)
+        cells[split] = max(ns.ctx_size, need)
+
+    runners: dict = {}
+
+    def runner_for(split, row=None):
+        if split not in runners:
+            runners[split] = Runner(RunConfig(
+                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=_strategy_kv(split, ns.kv_unified),
+                split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+                flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
+                n_threads=ns.threads, seed=ns.seed))
+        return runners[split]
+
+    try:
+        if ns.plan:
+            print_plans(ns, runner_for, rows, splits, sys.stdout)
+            return 0
+        return _run(ns, rows, splits, runner_for, model, device, cells)
+    finally:
+        for r in runners.values():
+            r.close()
+
+
+def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
+    info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+                flash_attn=0 if ns.flash_attn == "off" else 1, is_pp_shared=int(ns.pps),
+                n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
+                n_threads_batch=ns.threads, kv_unified=ns.kv_unified, model=model.name, device=device,
+                kernel=ns.kernel, layer=ns.layer)
+    printer = fb.make_printer(ns.output, sys.stdout, info)
+    total = len(rows) * len(splits)
+    progress = Progress(PROG, ns.progress, total)
+    results = []
+    printer.header()
+    idx = 0
+    try:
+        for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens)
+            r = runner_for(split)
+            r.clear()
+            r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
+        for row in rows:
+            for split in splits:  # side by side: every strategy on the same batch
+                idx += 1
+                progress(idx, f"starting B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} "
+                              f"TG={row['tg']} split={split}")
+                runner = runner_for(split)
+                res = run_row(runner, row, ns.pps)
+                out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),
+                           split=split, kv_unified=runner.cfg.kv_unified, model=model.name,
+                           device=device, kernel=ns.kernel, layer=ns.layer, **res)
+                if row["prompt_lens"]:
+                    out["prompt_lens"] = list(row["prompt_lens"])
+                fb.finish_row(out)
+                printer.row(out)
+                results.append(out)
+    finally:
+        printer.footer()
+    if ns.plot and results:
+        draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+        print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
