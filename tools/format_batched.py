@@ -14,7 +14,7 @@ import json
 
 COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s",
            "split", "UB"]
-_W = [6, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 4]  # llama-batched-bench's widths, then ours
+_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
 FORMATS = ("md", "jsonl")
 
 # jsonl keys in order: llama-batched-bench's, then ours
