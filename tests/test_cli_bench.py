@@ -1,0 +1,66 @@
+"""ggml-attn-bench in process: every CPU compute path, markdown column rules, listing."""
+import json
+
+import pytest
+
+from ggml_attn.cli import bench, seed000
+
+FAST = ["-t", "1", "--n-layer", "1", "--device", "cpu", "-r", "1", "--no-warmup"]
+
+
+def _run(capsys, *args):
+    rc = bench.main(list(args) + FAST)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("extra", [
+    ["-fa", "on"], ["-fa", "off"], ["--kernel", "ggml"], ["--layer", "full"],
+    ["--layer", "full", "-fa", "off"], ["-kvu", "--split", "padded"], ["--split", "auto"],
+])
+def test_every_cpu_path_runs(capsys, extra):
+    rc, out, err = _run(capsys, "-p", "24", "-n", "2", "-ub", "16", "-o", "jsonl", *extra)
+    assert rc == 0, err
+    rows = [json.loads(l) for l in out.splitlines()]
+    assert [r["ub"] for r in rows] == [2, 2]  # pp24 with -ub 16: 2 ubatches; tg2: 2 steps
+    assert all(r["avg_ts"] > 0 and len(r["samples_ns"]) == 1 for r in rows)
+
+
+def test_depth_and_model_list(capsys):
+    rc, out, _ = _run(capsys, "-p", "0", "-n", "2", "-d", "64", "-o", "jsonl")
+    assert rc == 0 and json.loads(out)["n_depth"] == 64
+    rc, out, _ = _run(capsys, "--list-models")
+    assert rc == 0 and out.startswith("tiny:") and "llama-3-8b: 32 layers" in out
+
+
+def test_markdown_optional_columns_follow_flags(capsys):
+    rc, out, _ = _run(capsys, "-p", "16", "-n", "0", "-ub", "8,16", "--split", "equal,padded")
+    assert rc == 0
+    head = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
+    assert head == ["model", "size", "params", "backend", "threads", "n_ubatch", "split", "test", "t/s"]
+    body = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines()[2:6]]
+    assert [(r[5], r[6]) for r in body] == [("8", "equal"), ("8", "padded"), ("16", "equal"), ("16", "padded")]
+
+
+def test_no_tests_is_an_error(capsys):
+    rc, _, err = _run(capsys, "-p", "0", "-n", "0")
+    assert rc == 2 and "no tests to run" in err
+
+
+def test_seed000_script(tmp_path, capsys):
+    rc = seed000.main(["--out", str(tmp_path), "-ntg", "1", "--", "--device", "cpu", "--n-layer", "1",
+                       "-t", "1"])
+    assert rc == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 and files[0].endswith(".jsonl") and files[1].endswith(".md")
+    rows = [json.loads(l) for l in (tmp_path / files[0]).read_text().splitlines()]
+    # 2 layers x (1 + 2 batches) x 5 strategies
+    assert len(rows) == 30
+    tokens = {(r["case"], r["pl"]): r["prompt_tokens"] for r in rows}
+    assert tokens[("10 prompts of 1..10", 10)] == 55
+    # --seed 1 draws the same prompts as REFERENCE section 5 (1776 and 6759 tokens)
+    assert tokens[("16 and 64 prompts of 16-200", 16)] == 1776
+    assert tokens[("16 and 64 prompts of 16-200", 64)] == 6759
+    ub = {(r["case"], r["pl"], r["split"], r["layer"]): r["ub"] for r in rows}
+    assert ub[("10 prompts of 1..10", 10, "equal", "attn")] == 10
+    assert ub[("10 prompts of 1..10", 10, "padded", "full")] == 1
