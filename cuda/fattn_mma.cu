@@ -27,7 +27,8 @@ struct MmaCfg {
     static constexpr int DVP = (DV + 15) / 16 * 16;
     static constexpr int SK = DKP + 8;      // smem row stride (elements) of Q and K: +16 B breaks bank conflicts
     static constexpr int SV = DVP + 8;
-    static constexpr int STAGES = 2;
+    // K/V pipeline depth: 3 for decode-tc (latency-bound, little compute per tile) where it fits
+    static constexpr int STAGES = (NWK > 1 && DKP + DVP <= 512) ? 3 : 2;
     static constexpr bool Q_REGS = DKP <= 128;
     static constexpr int SO = DVP + 4;      // epilogue row stride (floats)
     static constexpr int SM = BK + 8;       // mask tile row stride (halves)
@@ -134,8 +135,11 @@ fattn_mma(const FattnParams p) {
     float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
     unsigned Qf[C::Q_REGS ? DKP / 16 : 1][4];
 
-    if (jb < je) {
-        load_kv(0, lt[jb]);
+    // prologue: tiles jb .. jb+STAGES-2 in flight (one commit group per tile, empty groups
+    // keep the count uniform)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (jb + i < je) load_kv(i, lt[jb + i]);
         cp_async_commit();
     }
     __syncthreads();  // Q in shared memory
@@ -149,13 +153,10 @@ fattn_mma(const FattnParams p) {
 
     for (int j = jb; j < je; ++j) {
         const int stage = (j - jb) % STAGES;
-        if (j + 1 < je) {
-            load_kv((j - jb + 1) % STAGES, lt[j + 1]);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
+        // refill the stage used by iteration j-1 (all threads passed its closing barrier)
+        if (j + STAGES - 1 < je) load_kv((j - jb + STAGES - 1) % STAGES, lt[j + STAGES - 1]);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();   // tile j has landed
         __syncthreads();
         const int kv0 = lt[j] * BK + wk * KW;
 
@@ -249,6 +250,7 @@ fattn_mma(const FattnParams p) {
         }
         __syncthreads();  // this stage may be refilled by the next iteration's prefetch
     }
+    cp_async_wait<0>();   // drain (empty) trailing groups before shared memory is reused
     __syncthreads();
 
     // ---- epilogue: per-warp states -> shared, merge the NWK column groups, write

@@ -61,31 +61,54 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
     if (lane == 0) cnt[slot] = n;
 }
 
-// Split-KV combine: one block per output row r = (s*n_batch + t)*n_head + h.
+// Split-KV combine: one block per output row r = (s*n_batch + t)*n_head + h (grid.x), any
+// block size that is a multiple of 32 (<= 1024). n_splits <= FATTN_MAX_SPLITS.
 // ws_ml[(z*n_rows + r)*2 + {0,1}] = (max in log2 domain, sum); ws_o[(z*n_rows + r)*d_v + c].
+#define FATTN_MAX_SPLITS 256
 extern "C" __global__ void fattn_combine(const FattnParams p) {
+    __shared__ float w[FATTN_MAX_SPLITS];
+    __shared__ float red[32];
     const long long r = blockIdx.x;
     const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
     const int h = (int)(r % p.n_head);
-    float M = FATTN_NEG_INF;
-    for (int z = 0; z < p.n_splits; ++z) M = fmaxf(M, p.ws_ml[(z * n_rows + r) * 2]);
-    float sk = FATTN_NEG_INF;
-    if (p.sinks) { sk = __ldg(p.sinks + h) * FATTN_LOG2E; M = fmaxf(M, sk); }
-    float L = 0.0f;
-    if (M != FATTN_NEG_INF) {
-        for (int z = 0; z < p.n_splits; ++z) {
-            const float m = p.ws_ml[(z * n_rows + r) * 2];
-            if (m != FATTN_NEG_INF) L += p.ws_ml[(z * n_rows + r) * 2 + 1] * exp2f(m - M);
-        }
-        if (p.sinks) L += exp2f(sk - M);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    // 1. global max over splits (and the sink)
+    float mx = FATTN_NEG_INF;
+    for (int z = tid; z < p.n_splits; z += blockDim.x) {
+        const float m = p.ws_ml[(z * n_rows + r) * 2];
+        w[z] = m;
+        mx = fmaxf(mx, m);
     }
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    float M = FATTN_NEG_INF;
+    for (int i = 0; i < nw; ++i) M = fmaxf(M, red[i]);
+    const float sk = p.sinks ? __ldg(p.sinks + h) * FATTN_LOG2E : FATTN_NEG_INF;
+    M = fmaxf(M, sk);
+    __syncthreads();
+    // 2. per-split factors and the total sum
+    float sum = 0.0f;
+    for (int z = tid; z < p.n_splits; z += blockDim.x) {
+        const float m = w[z];
+        const float f = (m == FATTN_NEG_INF) ? 0.0f : exp2f(m - M);
+        w[z] = f;
+        sum += f * p.ws_ml[(z * n_rows + r) * 2 + 1];
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    float L = 0.0f;
+    for (int i = 0; i < nw; ++i) L += red[i];
+    if (M != FATTN_NEG_INF && p.sinks) L += exp2f(sk - M);
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int c = threadIdx.x; c < p.d_v; c += blockDim.x) {
+    // 3. weighted sum of the partial outputs, columns across threads
+    for (int c = tid; c < p.d_v; c += blockDim.x) {
         float acc = 0.0f;
         if (inv != 0.0f) {
             for (int z = 0; z < p.n_splits; ++z) {
-                const float m = p.ws_ml[(z * n_rows + r) * 2];
-                if (m != FATTN_NEG_INF) acc += p.ws_o[(z * n_rows + r) * p.d_v + c] * exp2f(m - M);
+                const float f = w[z];
+                if (f != 0.0f) acc += p.ws_o[(z * n_rows + r) * p.d_v + c] * f;
             }
         }
         p.dst[r * p.d_v + c] = acc * inv;

@@ -162,8 +162,10 @@ class LaunchConfig:
 # resident blocks per SM assumed when choosing the split count (from register/smem use), and
 # the waves of blocks wanted: several waves for decode so that the last, partial wave costs
 # little (one wave of 512 blocks over 396 slots ran at 65% of the achievable bandwidth).
-_BLOCKS_PER_SM = {"prefill": 2, "decode-tc": 3, "decode": 4}
-_WAVES = {"prefill": 1, "decode-tc": 4, "decode": 4}
+_BLOCKS_PER_SM = {"prefill": 2, "decode-tc": 2, "decode": 4}
+_WAVES = {"prefill": 1, "decode-tc": 2, "decode": 2}
+_MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
+_MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
 
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> LaunchConfig:
@@ -201,8 +203,8 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> Launc
         target = num_sms() * _BLOCKS_PER_SM[kernel] * _WAVES[kernel]
         n_splits = 1
         if base < target:
-            n_splits = min(-(-target // base), max(1, n_kv_tiles // 2), 256)
-    n_splits = max(1, min(int(n_splits), n_kv_tiles))
+            n_splits = min(-(-target // base), max(1, n_kv_tiles // _MIN_TILES_PER_SPLIT), _MAX_SPLITS)
+    n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
     grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid)

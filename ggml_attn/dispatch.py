@@ -17,14 +17,16 @@ from .kernels import MMA_HEADS, VEC_HEADS
 
 KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference")
 
-# Crossover (H200, f16 K/V, D=128; bench/results/*crossover*.json, bench/NOTES.md):
-# the largest n_batch (query tokens per stream) for which a decode kernel beats the prefill
-# kernel, per GQA-ratio bucket; and the GQA ratio from which decode-tc beats decode.
-# Until a measurement replaces them these are the values of the first design (llama.cpp's
-# and FlashInfer's published rules: CUDA cores for 1 row, tensor cores for group size >= 4).
-DECODE_MAX_BATCH = {1: 2, 2: 2, 4: 4, 8: 4}   # gqa bucket (largest power of 2 <= gqa) -> n_batch
-DECODE_TC_MIN_GQA = 4
-CROSSOVER_SOURCE = "initial rule (not yet measured)"
+# Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
+# bench/results/*crossover*.json, discussion in bench/NOTES.md): per GQA bucket (largest
+# power of 2 <= gqa), the largest n_batch (query tokens per stream) for which a decode kernel
+# beat the prefill kernel at both n_kv = 4096 and 32768; and the smallest GQA ratio from which
+# the tensor-core decode beat the CUDA-core one. On the H200 the tensor-core decode won at
+# every GQA ratio, so the CUDA-core kernel runs only where no mma variant exists (D 512/576)
+# or when asked for explicitly.
+DECODE_MAX_BATCH = {1: 32, 2: 16, 4: 4, 8: 2}
+DECODE_TC_MIN_GQA = 1
+CROSSOVER_SOURCE = "H200 crossover 2026-11-29, n_kv 4096"
 
 
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:

@@ -54,8 +54,9 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
 
 def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int) -> int:
     """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
-    bk, stages = KV_TILE, 2
+    bk = KV_TILE
     dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
+    stages = 3 if (nwk > 1 and dkp + dvp <= 512) else 2   # MmaCfg::STAGES
     sk, sv, so = dkp + 8, dvp + 8, dvp + 4
     bm = 16 * nwq
     pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))

@@ -77,7 +77,7 @@ def test_launch_config_rules():
     from ggml_attn.cuda_backend import Shapes, launch_config
     sh = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
     c = launch_config("decode", sh)
-    assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 256
+    assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 128
     c = launch_config("decode-tc", sh)
     assert c.pack == 4 and c.q_tile_tokens == 4
     sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
