@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml] [--crossover]
+#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml] [--crossover] [--profile]
 #                      [--grid-sample N] [--only CASE] [-- extra pytest args]
 #
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; GGML=1; XOVER=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; GGML=1; XOVER=0; PROF=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -18,6 +18,7 @@ while [ $# -gt 0 ]; do
     --no-bench) BENCH=0;;
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
+    --profile) PROF=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
     --) shift; EXTRA=("$@"); break;;
@@ -61,6 +62,15 @@ if [ $SAN = 1 ]; then
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL|ok$" "$OUT/sanitize_$tool.log" | head -8
     echo "   rc=$rc ($(( $(date +%s) - t0 ))s so far)"
   done
+fi
+
+if [ $PROF = 1 ]; then
+  echo "== ncu (masked vs unmasked prefill, 2 x 1024)"
+  ncu --clock-control none -k regex:fattn_mma --launch-skip 1 --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats \
+      $PY tools/gpu_profile_case.py > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
+  grep -E "fattn_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible" "$OUT/ncu.log" | head -60
 fi
 
 if [ $XOVER = 1 ]; then
