@@ -68,15 +68,47 @@ fattn_mma(const FattnParams p) {
             for (int c = DV; c < DVP; ++c) sV[i * SV + c] = KVTraits<T>::from_f(0.0f);
         }
     }
-    // ---- Q tile -> shared (converted to T), zero for rows past n_batch and padding columns
-    for (int i = tid; i < BM * DKP; i += NT) {
-        const int r = i / DKP, c = i % DKP;
-        const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-        float x = 0.0f;
-        if (c < DK && tok < p.n_batch && r / P < p.q_tile_tokens)
-            x = *reinterpret_cast<const float*>(p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2 +
-                                                (long long)tok * p.q_nb1 + (long long)c * 4);
-        sQ[r * SK + c] = KVTraits<T>::from_f(x);
+    // ---- Q tile -> shared (converted to T), zero for rows past n_batch and padding columns.
+    // 16-byte loads issued in unrolled batches so that many are in flight (a load-then-store
+    // loop runs at one memory latency per element and dominated blocks with few KV tiles).
+    const bool q_vec = DK % 4 == 0 &&
+        ((reinterpret_cast<size_t>(p.q) | (size_t)p.q_nb1 | (size_t)p.q_nb2 | (size_t)p.q_nb3) & 15) == 0;
+    if (q_vec) {
+        constexpr int QV = DKP / 4, QITEMS = BM * QV, QB = 8;
+        for (int base = 0; base < QITEMS; base += QB * NT) {
+            float4 buf[QB];
+#pragma unroll
+            for (int u = 0; u < QB; ++u) {
+                const int i = base + u * NT + tid;
+                const int r = i / QV, c4 = i % QV;
+                const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
+                buf[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (i < QITEMS && c4 * 4 < DK && tok < p.n_batch && r / P < p.q_tile_tokens)
+                    buf[u] = __ldg(reinterpret_cast<const float4*>(p.q + (long long)s * p.q_nb3 +
+                        (long long)h * p.q_nb2 + (long long)tok * p.q_nb1) + c4);
+            }
+#pragma unroll
+            for (int u = 0; u < QB; ++u) {
+                const int i = base + u * NT + tid;
+                if (i < QITEMS) {
+                    const int r = i / QV, c4 = i % QV;
+                    uint2 w;
+                    w.x = KVTraits<T>::pack2(buf[u].x, buf[u].y);
+                    w.y = KVTraits<T>::pack2(buf[u].z, buf[u].w);
+                    *reinterpret_cast<uint2*>(sQ + r * SK + c4 * 4) = w;
+                }
+            }
+        }
+    } else {
+        for (int i = tid; i < BM * DKP; i += NT) {
+            const int r = i / DKP, c = i % DKP;
+            const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
+            float x = 0.0f;
+            if (c < DK && tok < p.n_batch && r / P < p.q_tile_tokens)
+                x = *reinterpret_cast<const float*>(p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2 +
+                                                    (long long)tok * p.q_nb1 + (long long)c * 4);
+            sQ[r * SK + c] = KVTraits<T>::from_f(x);
+        }
     }
 
     // ---- per-thread rows: g and g + 8 of this warp's 16
