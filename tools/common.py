@@ -10,7 +10,12 @@ from functools import lru_cache
 
 @lru_cache(maxsize=1)
 def build_info() -> tuple[str, int]:
-    """(short commit, number of commits) of the ggml-attn checkout; ("unknown", 0) outside git."""
+    """(short commit, number of commits) of the ggml-attn checkout; ("unknown", 0) outside git.
+    ``GGML_ATTN_COMMIT`` ("abc1234" or "abc1234:57") overrides it (copies without .git)."""
+    env = os.environ.get("GGML_ATTN_COMMIT", "")
+    if env:
+        commit, _, count = env.partition(":")
+        return commit, int(count) if count.isdigit() else 0
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -75,6 +75,26 @@ class CudaEngine:
         return [sets[0]] * m.n_layer if shared else sets
 
     # -------------------------------------------------------------- helpers
+    _scatter = None
+
+    def _scatter_kernel(self):
+        """One launch per tensor and layer: rows of ``src`` (any float) into F16 cache rows."""
+        if CudaEngine._scatter is None:
+            CudaEngine._scatter = self.cp.ElementwiseKernel(
+                "raw T src, raw int64 rows, int64 n_embd", "raw float16 dst",
+                "long long t = i / n_embd; dst[rows[t] * n_embd + (i - t * n_embd)] = (float16)src[i];",
+                "ggml_attn_cli_scatter_rows")
+        return CudaEngine._scatter
+
+    def _layer_descs(self, store, s0, ns, n_kv, d, name):
+        """TensorDesc of the ``[d, n_kv, n_head_kv, ns]`` view of every layer (layer 0 through
+        from_array, the others by pointer offset: cheap per layer)."""
+        from ggml_attn.tensor import TensorDesc
+        base = self.from_array(self._kv_view(store, 0, s0, ns, n_kv, d), name=name)
+        step = store[1].data.ptr - store[0].data.ptr if store.shape[0] > 1 else 0
+        return [TensorDesc(base.ptr + layer * step, base.type, base.ne, base.nb, name)
+                for layer in range(self.m.n_layer)]
+
     def _rms_norm(self, x):
         cp = self.cp
         return (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=-1, keepdims=True) + 1e-5))).astype(cp.float16)
@@ -98,8 +118,11 @@ class CudaEngine:
         kplan = cb.make_plan(mask_d, n_tps, m.n_head, m.n_head_kv, d_k=m.head_dim, d_v=m.d_v,
                              kernel=cfg.kernel)
         rows = cp.asarray(plan.row_idx)
-        k_flat = self.cache.k.reshape(m.n_layer, -1, m.n_embd_k)
-        v_flat = self.cache.v.reshape(m.n_layer, -1, m.n_embd_v)
+        scatter = self._scatter_kernel()
+        k_flat = self.cache.k.reshape(m.n_layer, -1)
+        v_flat = self.cache.v.reshape(m.n_layer, -1)
+        k_descs = self._layer_descs(self.cache.k, s0, ns, n_kv, m.head_dim, "k")
+        v_descs = self._layer_descs(self.cache.v, s0, ns, n_kv, m.d_v, "v")
         dst = cp.empty((ns, n_tps, m.n_head, m.d_v), dtype=cp.float32)
         dst_d = self.from_array(dst, name="dst")
         pool = self.pool
@@ -107,6 +130,7 @@ class CudaEngine:
             x = pool[: n_tok * m.n_embd].reshape(n_tok, m.n_embd).copy()
         else:
             q = pool[: n_tok * m.n_embd_q].reshape(ns, m.n_head, n_tps, m.head_dim)
+            q_d = self.from_array(q, name="q")
             k_new = pool[: n_tok * m.n_embd_k].reshape(n_tok, m.n_embd_k)
             v_new = pool[: n_tok * m.n_embd_v].reshape(n_tok, m.n_embd_v)
         for layer in range(m.n_layer):
@@ -114,22 +138,21 @@ class CudaEngine:
                 w = self.weights[layer]
                 h = self._rms_norm(x)
                 q = (h @ w["wq"]).astype(cp.float32).reshape(ns, n_tps, m.n_head, m.head_dim).transpose(0, 2, 1, 3)
+                q_d = self.from_array(q, name="q")
                 k_new = h @ w["wk"]
                 v_new = h @ w["wv"]
-            k_flat[layer, rows] = k_new.astype(cp.float16)
-            v_flat[layer, rows] = v_new.astype(cp.float16)
-            k = self._kv_view(self.cache.k, layer, s0, ns, n_kv, m.head_dim)
-            v = self._kv_view(self.cache.v, layer, s0, ns, n_kv, m.d_v)
-            cb.flash_attn_ext_device(self.from_array(q, name="q"), self.from_array(k, name="k"),
-                                     self.from_array(v, name="v"), mask_d, None, dst_d, self.scale, 0.0,
-                                     m.logit_softcap, kernel=cfg.kernel, plan=kplan)
+            scatter(k_new, rows, m.n_embd_k, k_flat[layer], size=n_tok * m.n_embd_k)
+            scatter(v_new, rows, m.n_embd_v, v_flat[layer], size=n_tok * m.n_embd_v)
+            cb.flash_attn_ext_device(q_d, k_descs[layer], v_descs[layer], mask_d, None, dst_d,
+                                     self.scale, 0.0, m.logit_softcap, kernel=cfg.kernel, plan=kplan)
             if cfg.layer == "full":
                 x += (dst.reshape(n_tok, m.n_head * m.d_v).astype(cp.float16) @ w["wo"]).astype(cp.float32)
                 h = self._rms_norm(x)
                 g = h @ w["wg"]
                 f = (g * (1.0 / (1.0 + cp.exp(-g))) * (h @ w["wu"])).astype(cp.float16)
                 x += (f @ w["wd"]).astype(cp.float32)
-        self._keep = (mask, dst, kplan)  # alive until the stream has used them
+        self._keep = (mask, dst, kplan)  # alive until the stream has used them (and for tests)
+        self._last_streams = (s0, ns)
 
     def synchronize(self) -> None:
         self.cp.cuda.get_current_stream().synchronize()
