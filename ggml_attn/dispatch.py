@@ -18,15 +18,16 @@ from .kernels import MMA_HEADS, VEC_HEADS
 KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference")
 
 # Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
-# bench/results/*crossover*.json, discussion in bench/NOTES.md): per GQA bucket (largest
-# power of 2 <= gqa), the largest n_batch (query tokens per stream) for which a decode kernel
-# beat the prefill kernel at both n_kv = 4096 and 32768; and the smallest GQA ratio from which
-# the tensor-core decode beat the CUDA-core one. On the H200 the tensor-core decode won at
-# every GQA ratio, so the CUDA-core kernel runs only where no mma variant exists (D 512/576)
-# or when asked for explicitly.
-DECODE_MAX_BATCH = {1: 32, 2: 16, 4: 4, 8: 2}
+# bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
+# bucket (largest power of 2 <= gqa), the largest n_batch (query tokens per stream) for which
+# a decode kernel beat the prefill kernel at both n_kv = 4096 and 32768 -- i.e. while the
+# packed rows per KV head (n_batch * gqa) stay <= 16, one 16-row mma tile. The tensor-core
+# decode beat the CUDA-core decode everywhere except one tie (gqa 1, n_batch 1, n_kv 32768:
+# 61.5 vs 62.0 us), so the CUDA-core kernel runs only where no mma variant exists
+# (D 512/576) or when asked for explicitly.
+DECODE_MAX_BATCH = {1: 16, 2: 8, 4: 4, 8: 2}
 DECODE_TC_MIN_GQA = 1
-CROSSOVER_SOURCE = "H200 crossover 2026-11-29, n_kv 4096"
+CROSSOVER_SOURCE = "H200 crossover 2026-11-29 (372c6bd)"
 
 
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
