@@ -95,9 +95,32 @@ class CudaEngine:
         return [TensorDesc(base.ptr + layer * step, base.type, base.ne, base.nb, name)
                 for layer in range(self.m.n_layer)]
 
+    _fused = None
+
+    def _fused_kernels(self):
+        """Fused elementwise kernels for --layer full: each is one launch instead of 2-7
+        (CuPy launches cost host time; a decode step is many small launches)."""
+        if CudaEngine._fused is None:
+            cp = self.cp
+            CudaEngine._fused = dict(
+                sumsq=cp.ReductionKernel("T x", "float32 y", "(float)x * (float)x", "a + b", "y = a", "0",
+                                         "ggml_attn_cli_sumsq"),
+                rms_cast=cp.ElementwiseKernel(
+                    "float32 x, raw float32 ss, int64 n, float32 eps", "float16 y",
+                    "y = (float16)(x * rsqrtf(ss[i / n] / (float)n + eps));", "ggml_attn_cli_rms_cast"),
+                silu_mul=cp.ElementwiseKernel(
+                    "T g, T u", "float16 f",
+                    "float gf = (float)g; f = (float16)(gf / (1.0f + expf(-gf)) * (float)u);",
+                    "ggml_attn_cli_silu_mul"),
+                add_into=cp.ElementwiseKernel("T y", "float32 x", "x += (float)y;", "ggml_attn_cli_add_into"),
+            )
+        return CudaEngine._fused
+
     def _rms_norm(self, x):
-        cp = self.cp
-        return (x * cp.reciprocal(cp.sqrt(cp.mean(x * x, axis=-1, keepdims=True) + 1e-5))).astype(cp.float16)
+        """RMS norm of F32 rows ``x (n_tok, n_embd)`` -> F16 (two launches)."""
+        f = self._fused_kernels()
+        ss = f["sumsq"](x, axis=1)
+        return f["rms_cast"](x, ss, x.shape[1], 1e-5)
 
     def _kv_view(self, store, layer, s0, ns, n_kv, d):
         """numpy order (ns, n_head_kv, n_kv, d) strided view = ggml [d, n_kv, n_head_kv, ns]."""
@@ -146,11 +169,11 @@ class CudaEngine:
             cb.flash_attn_ext_device(q_d, k_descs[layer], v_descs[layer], mask_d, None, dst_d,
                                      self.scale, 0.0, m.logit_softcap, kernel=cfg.kernel, plan=kplan)
             if cfg.layer == "full":
-                x += (dst.reshape(n_tok, m.n_head * m.d_v).astype(cp.float16) @ w["wo"]).astype(cp.float32)
+                fk = self._fused_kernels()
+                fk["add_into"](dst.reshape(n_tok, m.n_head * m.d_v).astype(cp.float16) @ w["wo"], x)
                 h = self._rms_norm(x)
-                g = h @ w["wg"]
-                f = (g * (1.0 / (1.0 + cp.exp(-g))) * (h @ w["wu"])).astype(cp.float16)
-                x += (f @ w["wd"]).astype(cp.float32)
+                f = fk["silu_mul"](h @ w["wg"], h @ w["wu"])
+                fk["add_into"](f @ w["wd"], x)
         self._keep = (mask, dst, kplan)  # alive until the stream has used them (and for tests)
         self._last_streams = (s0, ns)
 
