@@ -121,6 +121,9 @@ def raise_pending() -> None:
     with _errors_lock:
         errs, _errors[:] = list(_errors), []
     if errs:
+        for e in errs:
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C inside a callback stays a Ctrl-C
+                raise e
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
         raise FlashAttnError(f"flash_attn_ext failed during compute: {errs[0]!r}{more}") from errs[0]
 

@@ -158,3 +158,15 @@ def test_import_and_compute_without_cupy():
 
 def _boom(*args, **kwargs):
     raise RuntimeError("planted failure")
+
+
+def test_ctrl_c_inside_the_callback_stays_keyboard_interrupt(case_ctx, monkeypatch):
+    ctx, tensors, x = case_ctx
+    out = make_node(ctx, tensors)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ggml_attn.compute_graph(ctx, graph_of(ctx, out), 1)

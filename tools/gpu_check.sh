@@ -44,7 +44,7 @@ echo "   ($(( $(date +%s) - t0 ))s so far)"
 
 if [ $TESTS = 1 ]; then
   echo "== GPU tests"
-  args=(-m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_*.py)
+  args=(-m gpu -q -p no:cacheprovider -n "$(nproc)" tests/)  # every gpu-marked test: kernels, device graphs, CLI
   [ -n "$SAMPLE" ] && args+=(--grid-sample "$SAMPLE")
   [ $QUICK = 1 ] && [ -z "$SAMPLE" ] && args+=(--grid-sample 300)
   $PY -m pytest "${args[@]}" "${EXTRA[@]}" > "$OUT/tests.log" 2>&1
