@@ -15,6 +15,7 @@ All arrays are 1-D numpy arrays indexed by the token's place in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -83,7 +84,7 @@ class Batch:
         """Every sequence id used in the batch, ascending."""
         return tuple(sorted({s for ids in self.seq_ids for s in ids}))
 
-    @property
+    @cached_property
     def has_coupled(self) -> bool:
         """True when some token belongs to more than one sequence."""
         return any(len(ids) > 1 for ids in self.seq_ids)

@@ -173,15 +173,15 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
         _refuse_coupled(state, "the sequential equal split")
     batch, used = state.batch, state.used
     cur_sets: list[frozenset[int]] = []
+    taken: set[int] = set()  # union of cur_sets: "overlaps no collected set" in O(|set|)
     last_seq_id = -1
-    for i in range(batch.n_tokens):
-        if used[i]:
-            continue
-        add = all(not (cs & state.seq_set[i]) for cs in cur_sets)
+    for i in np.flatnonzero(~used).tolist():
+        add = taken.isdisjoint(state.seq_set[i])
         if sequential:
             add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
         if add:
             cur_sets.append(state.seq_set[i])
+            taken.update(state.seq_set[i])
             last_seq_id = state.primary[i]
             if len(cur_sets) > n_ubatch:
                 break
