@@ -145,6 +145,20 @@ def random_kq_mask(rng: np.random.Generator, shape, lo=-1.0, hi=1.0) -> np.ndarr
     return m.astype(np.float16)
 
 
+def block_causal_mask(lengths, n_kv: int) -> np.ndarray:
+    """F16 mask ``(n_rows, n_kv)`` (numpy order) for sequences laid out one after another in
+    one unified KV range: a token sees the earlier tokens of its own sequence (causal), every
+    other cell is -inf, cells past ``sum(lengths)`` too."""
+    n = sum(lengths)
+    m = np.full((n, n_kv), -np.inf, dtype=np.float16)
+    start = 0
+    for length in lengths:
+        m[start:start + length, start:start + length] = np.triu(
+            np.full((length, length), -np.inf, dtype=np.float16), 1)
+        start += length
+    return m
+
+
 @dataclass
 class FAInputs:
     """One case's tensors in numpy order; k/v in ggml storage of their types (F16 float16,
@@ -188,5 +202,5 @@ def make_inputs(case: FACase, rng: np.random.Generator) -> FAInputs:
     return FAInputs(q, k, v, mask, sinks, case.kv_type, case.v_kind)
 
 
-__all__ = ["FACase", "FAInputs", "grid", "make_inputs", "random_kq_mask", "FLOAT_TYPES", "QUANT_TYPES",
+__all__ = ["FACase", "FAInputs", "grid", "make_inputs", "random_kq_mask", "block_causal_mask", "FLOAT_TYPES", "QUANT_TYPES",
            "GGML_TYPE_F32", "GGML_TYPE_F16", "GGML_TYPE_BF16"]

@@ -20,22 +20,10 @@ import ggml
 import numpy as np
 
 import ggml_attn
+from ggml_attn.conformance import block_causal_mask
 from ggml_attn.tensor import as_numpy, from_ggml
 
 N_HEAD, N_HEAD_KV, D = 32, 8, 128
-
-
-def causal_blocks_mask(lengths, n_kv: int) -> np.ndarray:
-    """F16 mask (n_rows, n_kv) for sequences laid out one after another: a token sees the
-    earlier tokens of its own sequence; other cells -inf."""
-    n = sum(lengths)
-    m = np.full((n, n_kv), -np.inf, dtype=np.float16)
-    start = 0
-    for length in lengths:
-        block = np.triu(np.full((length, length), -np.inf, dtype=np.float16), 1)
-        m[start:start + length, start:start + length] = block
-        start += length
-    return m
 
 
 def shapes(seed: int):
@@ -44,9 +32,9 @@ def shapes(seed: int):
     n16 = sum(lens16)
     return [
         ("decode n_kv=4096", 1, 4096, np.zeros((1, 4096), np.float16)),
-        ("prefill 512", 512, 512, causal_blocks_mask([512], 512)),
+        ("prefill 512", 512, 512, block_causal_mask([512], 512)),
         (f"16 prompts 16-200 ({n16} tok)", n16, -(-n16 // 256) * 256,
-         causal_blocks_mask(lens16, -(-n16 // 256) * 256)),
+         block_causal_mask(lens16, -(-n16 // 256) * 256)),
     ]
 
 
@@ -91,7 +79,7 @@ def main(argv=None) -> int:
     ggml_attn.set_backend("reference")
     rng = np.random.default_rng(a.seed)
     rows = []
-    print(f"| case | ggml CPU FA ms | ggml-attn ms | ratio |\n|---|---:|---:|---:|")
+    print("| case | ggml CPU FA ms | ggml-attn ms | ratio |\n|---|---:|---:|---:|")
     for name, n_batch, n_kv, mask in shapes(a.seed):
         res = {w: statistics.median(run_case(n_batch, n_kv, mask, w, a.threads, a.repeats, rng))
                for w in ("ggml", "ggml_attn")}

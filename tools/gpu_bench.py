@@ -22,6 +22,8 @@ import sys
 
 import numpy as np
 
+from ggml_attn.conformance import block_causal_mask
+
 H, HKV, D = 32, 8, 128
 
 
@@ -62,17 +64,6 @@ def time_us(fn, reps=10, groups=9, warmup=3):
         samples.append(a.elapsed_time(b) * 1000.0 / reps)
     samples.sort()
     return samples[len(samples) // 2], samples[0], samples[-1]
-
-
-def block_causal_mask_np(seq_lens, n_kv):
-    n = sum(seq_lens)
-    m = np.full((n, n_kv), -np.inf, dtype=np.float16)
-    off = 0
-    for L in seq_lens:
-        tri = np.triu(np.full((L, L), -np.inf, dtype=np.float16), 1)
-        m[off:off + L, off:off + L] = tri
-        off += L
-    return m
 
 
 class Ours:
@@ -169,7 +160,7 @@ def run(quick=False, only=None):
         if not want(case):
             continue
         fl = 4 * H * D * n * n / 2
-        ours = Ours(1, n, n, block_causal_mask_np([n], n))
+        ours = Ours(1, n, n, block_causal_mask([n], n))
         for kern in ("prefill",):
             add(case, f"ours-{kern}", lambda: ours.call(kern), fl)
         add(case, "ours-plan-build", ours.plan_build)
@@ -201,7 +192,7 @@ def run(quick=False, only=None):
             continue
         useful = sum(4 * H * D * L * L / 2 for L in lens)
         n_kv = -(-total // 256) * 256
-        ours = Ours(1, total, n_kv, block_causal_mask_np(lens, n_kv))
+        ours = Ours(1, total, n_kv, block_causal_mask(lens, n_kv))
         add(case, "ours-unified", lambda: ours.call("auto"), useful, note=f"n_kv {n_kv}")
         add(case, "ours-plan-build", ours.plan_build)
         del ours
@@ -230,7 +221,7 @@ def run(quick=False, only=None):
         if not want(case):
             continue
         useful = 2 * 4 * H * D * L * L / 2
-        ours = Ours(1, 2 * L, 2 * L, block_causal_mask_np([L, L], 2 * L))
+        ours = Ours(1, 2 * L, 2 * L, block_causal_mask([L, L], 2 * L))
         add(case, "ours-unified", lambda: ours.call("auto"), useful)
         del ours
         q, k, v = torch_qkv(2, L, L)
