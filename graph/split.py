@@ -22,6 +22,7 @@ for ``simple`` batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -85,12 +86,14 @@ class UBatch:
     def n_real(self) -> int:
         return self.n_tokens - self.n_pad
 
-    @property
+    @cached_property
     def primary_seq_ids(self) -> np.ndarray:
-        """int32 ``(n_tokens,)``: first sequence id of each row."""
-        return np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
+        """int32 ``(n_tokens,)``: first sequence id of each row (computed once, read-only)."""
+        out = np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
+        out.setflags(write=False)
+        return out
 
-    @property
+    @cached_property
     def seq_ids(self) -> tuple[int, ...]:
         """Every sequence id in the ubatch, ascending (llama.cpp's ``seq_id_unq``)."""
         return tuple(sorted({s for ids in self.token_seq_ids for s in ids}))

@@ -223,3 +223,11 @@ def test_every_mode_places_every_token_once_in_sequence_order(mode):
                 s, p = b.seq_ids[i][0], int(b.positions[i])
                 assert p == last.get(s, -1) + 1
                 last[s] = p
+
+
+def test_ubatch_seq_ids_computed_once_and_read_only():
+    ub = split_ubatches(Batch.from_lengths([3, 2, 4], seq_ids=[2, 0, 1]), 512, "padded")[0]
+    assert ub.primary_seq_ids is ub.primary_seq_ids and ub.seq_ids is ub.seq_ids
+    assert ub.seq_ids == (0, 1, 2) and ub.primary_seq_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    with pytest.raises(ValueError):
+        ub.primary_seq_ids[0] = 5
