@@ -20,6 +20,9 @@ heads is 268 MFLOP, ~1.3 us at ~200 TFLOP/s; 10 us of fixed cost per ubatch and 
 
 Candidates: ``simple``, ``equal``, ``padded`` on a unified cache; ``equal``, ``seq``,
 ``padded`` on a split cache. Ties go to the earlier candidate (llama.cpp's choice first).
+Fast path, no dry runs: when every sequence brings the same number of tokens (consecutive
+ids, no shared tokens; e.g. every decode step) ``padded`` equals ``equal`` with no pads, so
+``simple`` (unified) or ``equal`` (split) is chosen directly.
 """
 from __future__ import annotations
 
@@ -97,10 +100,15 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     (default: 32 heads of 128)."""
     cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
     model = model or CostModel()
+    if model.skip not in ("all", "tail"):
+        raise ValueError(f"CostModel.skip must be 'all' or 'tail', got {model.skip!r}")
+    if cache is not None and unified is not None and unified != cache.unified:
+        raise ValueError(f"unified={unified} contradicts the cache (unified={cache.unified})")
+    fast = _uniform_choice(batch, n_ubatch, cache.unified if cache is not None else bool(unified))
+    if fast is not None:
+        return fast
     if cache is None:
         cache = _scratch_cache(batch, n_ubatch, bool(unified))
-    elif unified is not None and unified != cache.unified:
-        raise ValueError(f"unified={unified} contradicts the cache (unified={cache.unified})")
     costs, splits = [], {}
     for mode in candidates_for(cache.unified):
         try:
@@ -119,6 +127,27 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     reason = f"auto chose {best.line()}" + (f"; vs {others}" if others else "")
     ubs = [replace(u, reason=reason) for u in splits[best.mode]]
     return AutoChoice(best.mode, ubs, costs, reason)
+
+
+def _uniform_choice(batch: Batch, n_ubatch: int, unified: bool) -> AutoChoice | None:
+    """The choice without dry runs when the batch leaves nothing to choose (e.g. a decode step):
+    no coupled tokens, every sequence brings the same number of tokens and the ids, in batch
+    order of first appearance, are consecutive and ascending. Then ``padded`` makes the same
+    ubatches as ``equal`` with no pads and ``seq`` only more ubatches, so ``equal`` (llama.cpp's
+    split) wins on a split cache, and ``simple`` (fewest ubatches, no pads) on a unified one.
+    ``costs`` is empty (nothing was costed). None when the batch is not like that."""
+    if batch.has_coupled or batch.n_tokens == 0:
+        return None
+    counts = batch.seq_token_counts()  # dict order = order of first appearance
+    ids = list(counts)
+    n = counts[ids[0]]
+    if any(c != n for c in counts.values()) or ids != list(range(ids[0], ids[0] + len(ids))):
+        return None
+    mode = "simple" if unified else "equal"
+    reason = (f"auto chose {mode} without dry runs: {len(ids)} sequence(s) of {n} token(s) each, "
+              f"consecutive ids, no shared tokens, so padded = equal with no pads")
+    ubs = [replace(u, reason=reason) for u in split_ubatches(batch, n_ubatch, mode)]
+    return AutoChoice(mode, ubs, [], reason)
 
 
 def _scratch_cache(batch: Batch, n_ubatch: int, unified: bool) -> KVCache:

@@ -51,7 +51,7 @@ def test_auto_on_unified_cache_considers_simple():
 
 
 def test_tail_skip_cost_model_counts_interior_tiles():
-    b = Batch.from_lengths([300, 300])
+    b = Batch.from_lengths([300, 290])  # unequal lengths: costed (equal ones take the fast path)
     cache = KVCache(1024, 2, unified=True)
     all_ = {c.mode: c for c in choose_split(b, 1024, cache=cache).costs}
     tail = {c.mode: c for c in choose_split(b, 1024, cache=cache, model=CostModel(skip="tail")).costs}
@@ -82,3 +82,28 @@ def test_describe_plan_rows():
 def test_split_ubatches_auto_entry():
     ubs = split_ubatches(SEED000, 512, "auto")
     assert [u.shape_str for u in ubs] == ["10x10"]
+
+
+def test_auto_decode_step_takes_fast_path_without_dry_runs(monkeypatch):
+    """64 sequences x 1 token (a decode step): padded == equal, nothing to cost."""
+    import time
+
+    from ggml_attn.graph import auto
+
+    def boom(*a, **k):
+        raise AssertionError("dry_run_plans called")
+    monkeypatch.setattr(auto, "dry_run_plans", boom)
+    split = KVCache(64 * 256, 64, unified=False)
+    step = Batch.from_lengths([1] * 64, start_pos={s: 100 + s for s in range(64)})
+    t0 = time.perf_counter()
+    choice = choose_split(step, 512, cache=split)
+    assert time.perf_counter() - t0 < 0.05
+    assert choice.mode == "equal" and [u.shape_str for u in choice.ubatches] == ["64x1"]
+    assert "without dry runs" in choice.reason and all(u.reason == choice.reason for u in choice.ubatches)
+    assert choose_split(step, 512, cache=KVCache(64 * 256, 64, unified=True)).mode == "simple"
+    assert choose_split(Batch.from_lengths([8] * 4), 512).mode == "equal"  # equal prompts too
+    # reverse ids: padded takes them together where equal cannot -> costed (and dry-run)
+    with pytest.raises(AssertionError, match="dry_run_plans"):
+        choose_split(Batch.from_lengths([1] * 4, seq_ids=[3, 2, 1, 0]), 512, cache=split)
+    with pytest.raises(AssertionError, match="dry_run_plans"):
+        choose_split(Batch.from_lengths([1, 2]), 512, cache=split)
