@@ -57,8 +57,9 @@ class CudaEngine:
         m = self.m
         self.scale = 1.0 / float(np.sqrt(m.head_dim))
         rng = cp.random.default_rng(cfg.seed)
-        width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
-        self.pool = rng.standard_normal(width * cfg.n_ubatch, dtype=cp.float32)
+        # random inputs, sliced per ubatch; split_equal may give n_ubatch + 1 rows
+        self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
+        self.pool = rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=cp.float32)
         self.weights = self._make_weights(rng) if cfg.layer == "full" else None
 
     def _make_weights(self, rng):
@@ -149,6 +150,8 @@ class CudaEngine:
         dst = cp.empty((ns, n_tps, m.n_head, m.d_v), dtype=cp.float32)
         dst_d = self.from_array(dst, name="dst")
         pool = self.pool
+        assert n_tok * self.pool_width <= pool.size, \
+            f"{n_tok} rows overrun the input pool of {pool.size // self.pool_width} rows"
         if cfg.layer == "full":
             x = pool[: n_tok * m.n_embd].reshape(n_tok, m.n_embd).copy()
         else:

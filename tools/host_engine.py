@@ -53,6 +53,17 @@ def _copy_in(t, arr: np.ndarray) -> None:
     ctypes.memmove(_tensor_data_ptr(t), arr.ctypes.data, arr.nbytes)
 
 
+def _pad_rows_see_own_cell(mask: np.ndarray, ub, slot) -> None:
+    """For ``-fa off``: unmask each pad row's own cell in ``mask`` (numpy ``(ns, 1, n_tps,
+    n_kv)``, in place). ``soft_max_ext`` of a fully masked row is NaN (FA gives zeros); the NaN
+    would become the pad's K/V in the next layer and reach real rows as 0 * NaN. Real rows
+    never see pad cells, so this changes nothing for them."""
+    pad = ub.is_pad.reshape(slot.n_stream, -1)
+    for j, cells in enumerate(slot.cells):
+        rows = np.flatnonzero(pad[j])
+        mask[j, 0, rows, cells[rows]] = 0
+
+
 class HostEngine:
     def __init__(self, cfg, cache):
         from ggml_attn import op
@@ -80,9 +91,9 @@ class HostEngine:
             self.v_cache.append(vt)
         self._keep = []  # numpy arrays whose memory ggml tensors point at
         self.weights = self._make_weights() if cfg.layer == "full" else None
-        # random input values, sliced per ubatch
-        width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
-        self.pool = self.rng.standard_normal(width * cfg.n_ubatch, dtype=np.float32)
+        # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows
+        self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
+        self.pool = self.rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
 
     # ------------------------------------------------------------ weights
     def _weight(self, n_in: int, n_out: int):
@@ -157,9 +168,13 @@ class HostEngine:
 
             rows = np.asarray(plan.row_idx, dtype=np.int64)
             t_rows = new_input(ggml.ggml_new_tensor_1d(ctx, ggml.GGML_TYPE_I64, n_tokens), rows)
-            t_mask = new_input(ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, n_kv, n_tps, 1, ns),
-                               mask.astype(np.float16))
+            mask16 = mask.astype(np.float16)
+            if not cfg.flash_attn and ub.n_pad:
+                _pad_rows_see_own_cell(mask16, ub, slot)
+            t_mask = new_input(ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, n_kv, n_tps, 1, ns), mask16)
             pool = self.pool
+            assert n_tokens * self.pool_width <= pool.size, \
+                f"{n_tokens} rows overrun the input pool of {pool.size // self.pool_width} rows"
             if cfg.layer == "full":
                 x = new_input(ggml.ggml_new_tensor_2d(ctx, ggml.GGML_TYPE_F32, m.n_embd, n_tokens),
                               pool[: m.n_embd * n_tokens])
