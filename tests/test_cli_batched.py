@@ -82,6 +82,10 @@ def test_prompt_dist_is_seeded(capsys):
     (["-npp", "512", "-npl", "4", "-ntg", "1", "-c", "1024"], "context overflow"),
     (["--prompt-dist", "200-16"], "need 1 <= MIN <= MAX"),
     (["--split", "zigzag"], "choose from"),
+    # split KV: 2 streams of -c/2 = 200 (-> 256) cells, the 300-token prompt needs 302 in its
+    # stream; an explicit -c is a limit, not grown silently
+    (["--prompt-lens", "20,300", "-ntg", "1", "-c", "400"],
+     "split 'equal' (split KV, 2 streams of -c/2 cells) needs 604 KV cells but -c 400 holds 512"),
 ])
 def test_errors_one_line_exit_2(capsys, args, msg):
     rc, out, err = _run(capsys, *args)
@@ -100,3 +104,12 @@ def test_plot_needs_matplotlib_or_writes(capsys, tmp_path):
         assert rc == 2 and "needs matplotlib" in err
         return
     assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_split_kv_sized_for_every_row_of_the_largest_b(capsys):
+    """-npl 1,2: the cache has 2 streams, so B=1's long prompt must fit half of it."""
+    rc, out, err = _run(capsys, "--prompt-dist", "16-300", "-npl", "1,2", "-ntg", "1", "--seed", "0",
+                        "-o", "jsonl")
+    assert rc == 0, err
+    rows = [json.loads(l) for l in out.splitlines()]
+    assert [r["prompt_lens"] for r in rows] == [[258], [197, 161]]

@@ -140,17 +140,27 @@ def lens_of(row) -> list[int]:
     return list(row["prompt_lens"]) if row["prompt_lens"] else [row["pp"]] * row["pl"]
 
 
-def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int) -> tuple[int, int]:
+def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None = None,
+               pads: bool = True) -> tuple[int, int]:
     """(llama-batched-bench's n_ctx_req, cells our cache needs for this row).
 
-    A split cache gives every stream n_ctx / n_seq cells, so it needs B times the longest
-    sequence; padded ubatches hold up to one ubatch of pad cells for a moment."""
+    A split cache gives every one of its ``n_seq`` streams (default: B) n_ctx / n_seq cells, so
+    it needs n_seq times this row's longest sequence; padded ubatches of ragged prompts
+    (``pads``: a split that may pad) hold pad cells for a moment: at most one ubatch, and
+    fewer than the longest prompt for each but the longest sequence."""
     lens = lens_of(row)
     tg, pl = row["tg"], row["pl"]
     req = (max(lens) + pl * tg) if pps else (sum(lens) + pl * tg)
-    if unified:
-        return req, req + n_ubatch
-    return req, pl * (max(lens) + tg + 1)
+    if unified:  # only ragged prompts get pad rows, fewer than max(lens) per padded sequence
+        ragged = pads and not pps and min(lens) != max(lens)
+        return req, req + (min(n_ubatch, (pl - 1) * max(lens)) if ragged else 0)
+    return req, (n_seq or pl) * (max(lens) + tg + 1)
+
+
+def cache_capacity(n_ctx: int, n_seq: int, unified: bool) -> int:
+    """Cells a KVCache built with ``n_ctx`` has in all (llama.cpp pads to 256 per stream)."""
+    from ggml_attn.graph.kv_cache import KV_PAD, pad_to
+    return pad_to(n_ctx, KV_PAD) if unified else n_seq * pad_to(n_ctx // n_seq, KV_PAD)
 
 
 def _strategy_kv(split: str, kv_unified: bool) -> bool:
@@ -293,12 +303,18 @@ def _main(argv=None) -> int:
         kvu = _strategy_kv(split, ns.kv_unified)
         need = 0
         for r in rows:
-            req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size)
+            req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq,
+                                   pads=split in ("padded", "auto"))
             if ns.ctx_size:
                 check_context(req, ns.ctx_size,
                               f"B={r['pl']} PP={fb.pp_label(dict(r, pp=r['pp'] or 0))} TG={r['tg']}")
             need = max(need, ours)
-        cells[split] = max(ns.ctx_size, need)
+        if ns.ctx_size and need > cache_capacity(ns.ctx_size, n_seq, kvu):
+            kv = "unified KV" if kvu else f"split KV, {n_seq} streams of -c/{n_seq} cells"
+            raise UserError(f"context overflow: split '{split}' ({kv}) needs {need} KV cells but "
+                            f"-c {ns.ctx_size} holds {cache_capacity(ns.ctx_size, n_seq, kvu)}; "
+                            f"raise -c (or 0: sized automatically)")
+        cells[split] = ns.ctx_size or need  # an explicit -c is what the cache gets
 
     runners: dict = {}
 
