@@ -86,6 +86,13 @@ def test_prompt_dist_is_seeded(capsys):
     # stream; an explicit -c is a limit, not grown silently
     (["--prompt-lens", "20,300", "-ntg", "1", "-c", "400"],
      "split 'equal' (split KV, 2 streams of -c/2 cells) needs 604 KV cells but -c 400 holds 512"),
+    (["--prompt-dist", "1-3", "-npl", "0", "-ntg", "1"], "-npl values must be >= 1"),
+    (["--n-layer", "-1"], "argument --n-layer: must be at least 0 (0: the model's own), got -1"),
+    (["--n-layer", "-2"], "got -2"),
+    (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["-t", "0"], "argument -t/--threads: must be at least 1, got 0"),
+    (["--kernel", "decode", "--device", "cpu", "--plan"], "--kernel decode runs on the GPU only"),
+    (["-fa", "off", "--kernel", "ggml", "--device", "cpu", "--plan"], "-fa off runs ggml's mul_mat+soft_max"),
 ])
 def test_errors_one_line_exit_2(capsys, args, msg):
     rc, out, err = _run(capsys, *args)

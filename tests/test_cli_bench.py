@@ -64,3 +64,17 @@ def test_seed000_script(tmp_path, capsys):
     ub = {(r["case"], r["pl"], r["split"], r["layer"]): r["ub"] for r in rows}
     assert ub[("10 prompts of 1..10", 10, "equal", "attn")] == 10
     assert ub[("10 prompts of 1..10", 10, "padded", "full")] == 1
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--n-layer", "-1"], "argument --n-layer: must be at least 0 (0: the model's own), got -1"),
+    (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["-t", "0"], "-t must be at least 1, got 0"),
+    (["--kernel", "prefill,reference"], "--kernel prefill runs on the GPU only"),
+    (["-fa", "off", "--kernel", "ggml"], "-fa off runs ggml's mul_mat+soft_max path"),
+])
+def test_bad_input_one_line_exit_2(capsys, args, msg):
+    rc = bench.main(["-p", "8", "-n", "0", "-r", "1", "--device", "cpu"] + args)
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == ""
+    assert out.err.count("\n") == 1 and msg in out.err and out.err.startswith("ggml-attn-bench: error:")

@@ -49,6 +49,22 @@ def parse_int_range(text: str) -> list[int]:
     return out
 
 
+def int_at_least(lo: int, note: str = ""):
+    """argparse ``type``: an integer ``>= lo`` (UserError otherwise); ``note`` ends the message."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise UserError(f"invalid integer '{text}'") from None
+        if value < lo:
+            raise UserError(f"must be at least {lo}{note}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def parse_pair_list(text: str) -> list[tuple[int, int]]:
     """``-pg`` value ``"pp,tg"`` -> ``[(pp, tg)]``; several pairs may be separated by ``;``."""
     pairs = []

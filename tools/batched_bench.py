@@ -17,13 +17,13 @@ import sys
 import numpy as np
 
 from . import format_batched as fb
-from .args import Parser, add_list, choice_list, combinations, parse_int_range, str_list
+from .args import Parser, add_list, choice_list, combinations, int_at_least, parse_int_range, str_list
 from .common import (Progress, default_threads, install_sigint_flag, prefer_passive_omp,
                      quiet_interrupts)
 from .errors import UserError, run_cli
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
-                     check_context, default_split, resolve_device)
+                     check_context, check_kernel, default_split, resolve_device)
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -59,7 +59,8 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-dist", type=parse_dist, default=None, metavar="MIN-MAX",
                    help="ragged prompts: B lengths drawn uniformly from MIN..MAX for each -npl "
                         "value (replaces -npp)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --prompt-dist and the inputs (default: 0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of --prompt-dist and the inputs (default: 0)")
     p.add_argument("-pps", action="store_true",
                    help="one shared prompt: decode it once for sequence 0 and copy it to the others")
     p.add_argument("-kvu", "--kv-unified", action="store_true",
@@ -83,9 +84,9 @@ def build_parser() -> Parser:
                    help="logical batch size (default: 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch size (default: 512)")
-    p.add_argument("-t", "--threads", type=int, default=default_threads(), metavar="N",
+    p.add_argument("-t", "--threads", type=int_at_least(1), default=default_threads(), metavar="N",
                    help=f"CPU threads (default: {default_threads()})")
-    p.add_argument("--n-layer", type=int, default=0, metavar="N",
+    p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers")
     p.add_argument("-o", "--output", choices=fb.FORMATS, default="md",
                    help="output format on stdout: md or jsonl (default: md)")
@@ -118,6 +119,8 @@ def rows_of(ns) -> list[dict]:
         lo, hi = ns.prompt_dist
         prompts = []
         for pl in ns.npl:
+            if pl < 1:
+                raise UserError("-npl values must be >= 1")
             lens = [int(x) for x in rng.integers(lo, hi + 1, size=pl)]
             prompts.append(dict(pp=None if min(lens) != max(lens) else lens[0], pl=pl, prompt_lens=lens))
     else:
@@ -290,6 +293,7 @@ def _main(argv=None) -> int:
     check_batch_sizes(ns.batch_size, ns.ubatch_size)
     _check_plot_available(ns.plot)
     device = resolve_device(ns.device)
+    check_kernel(ns.kernel, ns.flash_attn != "off", device)
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
     rows = rows_of(ns)

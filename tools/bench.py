@@ -16,14 +16,14 @@ import datetime
 import sys
 
 from . import format_bench as fmt
-from .args import (Parser, add_list, choice_list, combinations, parse_bool_list, parse_int_range,
-                   parse_pair_list, str_list)
+from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
+                   parse_int_range, parse_pair_list, str_list)
 from .common import (Progress, build_info, cpu_info, default_threads, gpu_info, prefer_passive_omp,
                      quiet_interrupts, install_sigint_flag)
 from .errors import UserError, run_cli
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
-                     check_context, default_split, resolve_device)
+                     check_context, check_kernel, default_split, resolve_device)
 
 PROG = "ggml-attn-bench"
 FA_VALUES = {"on": 1, "off": 0, "auto": -1, "1": 1, "0": 0, "-1": -1}
@@ -76,7 +76,7 @@ def build_parser() -> Parser:
              help="CPU threads")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run: auto (GPU when usable), cpu or cuda (default: auto)")
-    p.add_argument("--n-layer", type=int, default=0, metavar="N",
+    p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers (quick runs of big shapes)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
                    help="context limit per test; 0: the model's training context (default: 0)")
@@ -86,7 +86,7 @@ def build_parser() -> Parser:
                    help="output format printed to stdout (default: md)")
     p.add_argument("--progress", action="store_true", help="print test progress on stderr")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     return p
 
@@ -120,6 +120,9 @@ def instances(ns, device: str) -> list[dict]:
     out = []
     for inst in params:
         check_batch_sizes(inst["n_batch"], inst["n_ubatch"])
+        if inst["n_threads"] < 1:
+            raise UserError(f"-t must be at least 1, got {inst['n_threads']}")
+        check_kernel(inst["kernel"], inst["flash_attn"] != 0, device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
     for inst in out:

@@ -165,5 +165,8 @@ def read_gguf(path: str) -> ModelShape:
 
 
 def with_layers(model: ModelShape, n_layer: int | None) -> ModelShape:
-    """The same shape with a different number of layers (``--n-layer`` override)."""
+    """The same shape with a different number of layers (``--n-layer`` override; 0 or None:
+    the model's own)."""
+    if n_layer is not None and n_layer < 0:
+        raise UserError(f"--n-layer must be at least 1 (0: the model's own), got {n_layer}")
     return model if not n_layer else replace(model, n_layer=n_layer)

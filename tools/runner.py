@@ -81,6 +81,21 @@ class RunConfig:
             raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
 
 
+GPU_KERNELS = ("prefill", "decode", "decode-tc")
+
+
+def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
+    """A row must not carry the name of a kernel that does not run: GPU-only kernels on the
+    CPU (which runs ggml_attn's numpy path) and any kernel with ``-fa off`` (ggml's
+    mul_mat+soft_max path) are UserErrors."""
+    if not flash_attn and kernel != "auto":
+        raise UserError(f"-fa off runs ggml's mul_mat+soft_max path, not the flash-attention "
+                        f"kernel '{kernel}'; use -fa on with --kernel {kernel}, or -fa off alone")
+    if device == "cpu" and kernel in GPU_KERNELS:
+        raise UserError(f"--kernel {kernel} runs on the GPU only (the CPU runs ggml_attn's numpy "
+                        f"path); on the CPU use --kernel auto, reference or ggml")
+
+
 def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
     if n_batch < 1 or n_ubatch < 1:
         raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
