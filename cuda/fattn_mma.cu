@@ -154,9 +154,12 @@ fattn_mma(const FattnParams p) {
             for (int i = tid; i < BM * (BK / 8); i += NT) {
                 const int r = i / (BK / 8), ch = i % (BK / 8);
                 const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-                const bool in = tok < p.n_batch && r / P < p.q_tile_tokens && kv0 + ch * 8 < p.n_kv;
+                const int left = p.n_kv - (kv0 + ch * 8);   // mask columns left from this chunk
+                const bool in = tok < p.n_batch && r / P < p.q_tile_tokens && left > 0;
                 const char* src = in ? mask_row(p, tok, h, s) + (long long)(kv0 + ch * 8) * 2 : p.mask;
-                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 16 : 0);
+                // a chunk that ends past n_kv (padded mask rows, n_kv % 8 != 0) reads only the
+                // columns < n_kv; cp.async zero-fills the rest (masked by the KV bound below)
+                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 2 * min(8, left) : 0);
             }
         }
     };

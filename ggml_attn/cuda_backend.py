@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 
@@ -254,12 +255,23 @@ class Plan:
     as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
     query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order), ``cnt`` int32
     [ne33][n_q_tiles].
+
+    Invariant: a plan is only used with the mask it was built from -- the op and
+    :func:`flash_attn_ext_device` use it only when ``mask.ptr`` (and shape, strides, n_batch)
+    equal the call's (:meth:`matches`), so a tile map built lazily by :meth:`live` reads the
+    same mask as the maps built by :func:`make_plan`. Whoever keeps a plan across graphs must
+    rebuild it when the mask tensor moves (graph/build.py does).
+
+    Streams: each tile map is built on some stream and a CUDA event is recorded after it;
+    :meth:`live` on another stream makes that stream wait for the event (nothing is added
+    when the streams are the same).
     """
     mask: TensorDesc
     n_batch: int
     n_head: int
     n_head_kv: int
-    maps: dict = field(default_factory=dict)   # tq -> (idx cupy array, cnt cupy array)
+    # tq -> (idx cupy array, cnt cupy array, flags, (idx_ptr, cnt_ptr), built-on stream, event)
+    maps: dict = field(default_factory=dict)
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
         return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
@@ -269,8 +281,15 @@ class Plan:
         """(idx_ptr, cnt_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
         got = self.maps.get(tq)
         if got is None:
+            import cupy
             got = _build_live_map(self.mask, self.n_batch, tq, stream)
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            cupy.cuda.runtime.eventRecord(ev.ptr, stream)
+            got = tuple(got[:4]) + (stream, ev)
             self.maps[tq] = got
+        elif got[4] != stream:   # built on another stream: order this one after it
+            import cupy
+            cupy.cuda.runtime.streamWaitEvent(stream, got[5].ptr, 0)
         return got[3]
 
     def live_counts(self, tq: int, stream: int = None) -> np.ndarray:
@@ -327,17 +346,19 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
 
 
 # ---------------------------------------------------------------------------------------
-# workspace (split partials), per stream, grown as needed
-_WS: dict[int, object] = {}
+# workspace (split partials), per (device, stream, thread), grown as needed: the null stream
+# is 0 on every device and in every thread, so the stream alone must not pick the buffer
+_WS: dict[tuple, object] = {}
 
 
-def _workspace(stream: int, nbytes: int) -> int:
+def _workspace(dev: int, stream: int, nbytes: int) -> int:
     import cupy
-    buf = _WS.get(stream)
+    key = (dev, stream, threading.get_ident())
+    buf = _WS.get(key)
     if buf is None or buf.size < nbytes:
         with cupy.cuda.ExternalStream(stream):
             buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
-        _WS[stream] = buf
+        _WS[key] = buf
     return buf.data.ptr
 
 
@@ -423,8 +444,8 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
     Validation, dispatch and launch configuration are cached per (shapes, strides, types,
     scalars): a repeated call costs a dict lookup, a parameter copy and the launches."""
     import cupy
-    key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits,
-                    cupy.cuda.runtime.getDevice())
+    dev = cupy.cuda.runtime.getDevice()
+    key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev)
     prep = _PREPARED.get(key)
     if prep is None:
         prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits)
@@ -451,7 +472,7 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
                              f"call: {mask.shape_str} n_batch={n_batch})")
         p.live_idx, p.live_cnt = plan.live(cfg.q_tile_tokens, st)
     if prep.ws_bytes:
-        ws = _workspace(st, prep.ws_bytes)
+        ws = _workspace(dev, st, prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
     prep.fn.launch(cfg.grid, (cfg.block, 1, 1), st, p)
     if prep.comb is not None:
@@ -491,7 +512,10 @@ def _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, softcap, strea
 
 
 class _Staging:
-    """Pinned host + device buffers per slot, grown as needed and reused."""
+    """Pinned host + device buffers per slot, grown as needed and reused. One per (thread,
+    device) (:func:`_staging`): a call synchronizes its stream before returning, so a buffer
+    freed when its slot grows has no copy of this thread in flight, and no other thread
+    ever sees it."""
 
     def __init__(self):
         self.pinned: dict[str, object] = {}
@@ -511,7 +535,17 @@ class _Staging:
         return pm.ptr, dm.data.ptr
 
 
-_STAGING = _Staging()
+_STAGING = threading.local()   # .by_dev: device id -> _Staging of this thread
+
+
+def _staging(dev: int) -> _Staging:
+    by_dev = getattr(_STAGING, "by_dev", None)
+    if by_dev is None:
+        by_dev = _STAGING.by_dev = {}
+    st = by_dev.get(dev)
+    if st is None:
+        st = by_dev[dev] = _Staging()
+    return st
 
 
 def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
@@ -539,6 +573,7 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     import cupy
     rt = cupy.cuda.runtime
     stream = cupy.cuda.get_current_stream().ptr
+    staging = _staging(cupy.cuda.runtime.getDevice())
 
     def up(slot, t):
         """Copy the byte span of host tensor ``t`` to the device (keeping its address mod 16)."""
@@ -546,7 +581,7 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
             return None
         off = t.ptr % 16
         n = t.nbytes_span() + off
-        hp, dp = _STAGING.get(slot, n)
+        hp, dp = staging.get(slot, n)
         ctypes.memmove(hp, t.ptr - off, n)
         rt.memcpyAsync(dp, hp, n, rt.memcpyHostToDevice, stream)
         return replace(t, ptr=dp + off)
@@ -559,7 +594,7 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     dm = up("mask", mask)
     ds = up("sinks", sinks)
     n_out = dst.nbytes_span()
-    hp_out, dp_out = _STAGING.get("dst", n_out)
+    hp_out, dp_out = staging.get("dst", n_out)
     dd = replace(dst, ptr=dp_out)
     flash_attn_ext_device(dq, dk, dv, dm, ds, dd, scale, max_bias, logit_softcap,
                           kernel=kernel, stream=stream)

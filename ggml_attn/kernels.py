@@ -6,8 +6,9 @@ and launch them with a packed parameter block. No tensor logic lives here.
 - Compilation uses the low-level NVRTC binding (``cupy_backends.cuda.libs.nvrtc``), which works
   without a GPU or driver (CI compiles every variant for sm_80 and sm_90 this way).
 - Cubins are cached in memory and on disk (``$GGML_ATTN_CACHE_DIR`` or ``~/.cache/ggml-attn``),
-  keyed by a hash of the sources, the instance names, the options, the NVRTC version and the
-  target architecture.
+  keyed by a hash of the sources, the instance names, the full option list (include
+  directories too), the content of the CUDA headers' cuda_fp16.h, the NVRTC version and the
+  target architecture. A cached cubin the driver refuses to load is recompiled.
 - Launches go through ``cuLaunchKernel`` with a ctypes parameter block: no CuPy array is built
   on the hot path.
 """
@@ -219,6 +220,27 @@ def _sources_hash() -> str:
 
 
 _SRC_HASH: str | None = None
+_HDR_HASH: dict[str, str] = {}   # include dir -> sha256 of its cuda_fp16.h
+
+
+def _header_hash(inc_dir: str) -> str:
+    h = _HDR_HASH.get(inc_dir)
+    if h is None:
+        try:
+            h = hashlib.sha256((Path(inc_dir) / "cuda_fp16.h").read_bytes()).hexdigest()
+        except OSError:
+            h = ""
+        _HDR_HASH[inc_dir] = h
+    return h
+
+
+def cache_key(variant: Variant, arch: str, opts: list[str], ver: tuple) -> str:
+    """Cache key of one compilation: sources, names, every option (include dirs included),
+    the cuda_fp16.h content of each include dir, NVRTC version, arch."""
+    hdrs = [_header_hash(o[2:]) for o in opts if o.startswith("-I")]
+    key_src = json.dumps([_SRC_HASH, variant.source, list(variant.names), list(opts), hdrs,
+                          list(ver), arch])
+    return hashlib.sha256(key_src.encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -231,8 +253,10 @@ class Compiled:
 _MEM_CACHE: dict[tuple, Compiled] = {}
 
 
-def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True) -> Compiled:
+def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
+                    refresh: bool = False) -> Compiled:
     """Compile ``variant`` for ``arch`` (e.g. "sm_90") to a cubin; memory + disk cached.
+    ``refresh``: ignore both caches and compile (the result replaces the cached cubin).
 
     Raises RuntimeError with the NVRTC log on a compile error.
     """
@@ -243,14 +267,13 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True)
     ver = tuple(nv.getVersion())
     opts = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{source_dir()}"] + \
         [f"-I{d}" for d in cuda_include_dirs()]
-    key_src = json.dumps([_SRC_HASH, variant.source, variant.names, BASE_OPTIONS, ver, arch])
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    key = cache_key(variant, arch, opts, ver)
     mk = (key,)
-    if mk in _MEM_CACHE:
+    if mk in _MEM_CACHE and not refresh:
         return _MEM_CACHE[mk]
     path = cache_dir() / f"{variant.family}-{key}.cubin"
     meta = path.with_suffix(".json")
-    if use_disk_cache and path.is_file() and meta.is_file():
+    if use_disk_cache and not refresh and path.is_file() and meta.is_file():
         try:
             c = Compiled(path.read_bytes(), json.loads(meta.read_text())["lowered"], "")
             _MEM_CACHE[mk] = c
@@ -354,17 +377,13 @@ def device_arch() -> str:
 def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
     """Compile (cached), load into the current context (once) and return ``name`` of ``variant``."""
     import cupy
-    from cupy.cuda import driver
     arch = device_arch()
     dev = cupy.cuda.Device().id
     mkey = (variant, arch, dev)
     funcs = _MODULES.get(mkey)
     if funcs is None:
-        comp = compile_variant(variant, arch)
-        mod = driver.moduleLoadData(comp.cubin)
-        funcs = {n: driver.moduleGetFunction(mod, comp.lowered[n]) for n in variant.names}
+        funcs = _load_module(variant, arch)
         _MODULES[mkey] = funcs
-        _KERNELS.update({})
     kkey = (mkey, name, smem)
     k = _KERNELS.get(kkey)
     if k is None:
@@ -374,3 +393,16 @@ def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
 
 
 _KERNELS: dict[tuple, Kernel] = {}
+
+
+def _load_module(variant: Variant, arch: str) -> dict[str, int]:
+    """Load ``variant``'s cubin into the current context: name -> CUfunction. A cached cubin
+    that fails to load (stale or corrupt cache file) is recompiled once, ignoring the caches."""
+    from cupy.cuda import driver
+    comp = compile_variant(variant, arch)
+    try:
+        mod = driver.moduleLoadData(comp.cubin)
+    except Exception:
+        comp = compile_variant(variant, arch, refresh=True)
+        mod = driver.moduleLoadData(comp.cubin)
+    return {n: driver.moduleGetFunction(mod, comp.lowered[n]) for n in variant.names}

@@ -234,7 +234,10 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     arrays[id(idx)][...] = xp.asarray(plan.row_idx)
     mask = new(GGML_TYPE_F16, (n_stream, 1, n_tps, n_kv), np.float16, "kq_mask")
     arrays[id(mask)][...] = xp.asarray(plan.mask)
-    if on_device and plan.kernel_plan is None:
+    # the kernel plan reads the mask through its pointer: a plan kept on the UBatchPlan from an
+    # earlier graph points at that graph's mask tensor, so rebuild it for this graph's mask
+    kp_mask = getattr(plan.kernel_plan, "mask", None)
+    if on_device and (kp_mask is None or kp_mask.ptr != _ptr(arrays[id(mask)])):
         plan.kernel_plan = _kernel_plan(mask, n_tps, n_stream, cfg, kv_type)
     ds = 2 if kv_type == GGML_TYPE_F16 else 4
     q_in, k_in, v_in, outs = [], [], [], []

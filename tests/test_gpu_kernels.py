@@ -264,3 +264,144 @@ def test_errors(rng):
     with pytest.warns(RuntimeWarning, match="not compiled"):
         out = _run_device(q, k, v, None, None, 0.1, 0.0, 0.0, "auto")
     _check(out, flash_attn_ext(q, k, v, None, 0.1, kv_type=GGML_TYPE_F16), "fallback D=32")
+
+
+# ---------------------------------------------------------------------------------------
+# paths the cases above do not reach
+def _launch(q_d, k_d, v_d, mask_desc, sinks_d, n_batch, n_head, d_v, ne3, kernel, kv_type, *,
+            plan=None, stream=None, n_splits=None):
+    """flash_attn_ext_device on CuPy arrays / a ready mask TensorDesc; dst NaN-poisoned."""
+    cp = _cupy()
+    if isinstance(stream, cp.cuda.Stream):
+        with stream:
+            dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+    else:
+        dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+    cb.flash_attn_ext_device(from_array(q_d), from_array(k_d, kv_type), from_array(v_d, kv_type),
+                             mask_desc, from_array(sinks_d) if sinks_d is not None else None,
+                             from_array(dst), 0.1, 0.0, 0.0, kernel=kernel, plan=plan,
+                             stream=stream, n_splits=n_splits)
+    return dst
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_q_view_at_4_byte_offset(kernel, rng):
+    """Q at a pointer that is 4 mod 16: the kernels' scalar Q load path."""
+    cp = _cupy()
+    q, k, v, s = _inputs(rng, 1, 8, 2, 5, 200, 128, 128, GGML_TYPE_F16, sinks=True)
+    mask = conf.random_kq_mask(rng, (1, 1, 5, 200))
+    buf = cp.zeros(q.size + 1, dtype=cp.float32)
+    dq = buf[1:].reshape(q.shape)
+    dq[...] = cp.asarray(q)
+    assert dq.data.ptr % 16 == 4
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    out = _launch(dq, _dev(k), _dev(v), from_array(_dev(mask)), _dev(s), 5, 8, 128, 1, kernel,
+                  GGML_TYPE_F16)
+    cp.cuda.get_current_stream().synchronize()
+    _check(out.get(), ref, f"q offset 4 {kernel}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("n_batch", [1, 3, 40])
+def test_mask_head_planes_gqa4_smem(kernel, n_batch, rng):
+    """mask ne32 = 2 with gqa = 4 at n_kv = 512 (rows 16-byte aligned: the shared-memory mask
+    path, packed heads of one tile reading different mask planes)."""
+    q, k, v, s = _inputs(rng, 1, 8, 2, n_batch, 512, 64, 64, GGML_TYPE_F16)
+    mask = conf.random_kq_mask(rng, (1, 2, n_batch, 512))
+    mask[0, 0, :, 64:192] = -np.inf
+    mask[0, 1, :, 256:448] = -np.inf
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, kernel)
+    _check(out, ref, f"ne32=2 gqa=4 {kernel} n_batch={n_batch}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_ne3_4_mask_ne33_2(kernel, rng):
+    """ne3 = 4 streams over a mask with ne33 = 2 planes (stream s reads plane s % 2)."""
+    q, k, v, s = _inputs(rng, 4, 8, 2, 6, 300, 128, 128, GGML_TYPE_BF16, sinks=True)
+    mask = conf.random_kq_mask(rng, (2, 1, 6, 300))
+    mask[1, :, :, :128] = -np.inf
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_BF16)
+    out = _run_device(q, k, v, mask, s, 0.1, 0.0, 0.0, kernel)
+    _check(out, ref, f"ne3=4 ne33=2 {kernel}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("n_batch", [1, 20])
+def test_padded_mask_rows(kernel, n_batch, rng):
+    """Mask rows padded to 2*align16(n_kv) bytes with n_kv = 113 (a view of a wider mask, NaN
+    in the padding): rows are 16-byte aligned, so the shared-memory path loads the last,
+    partial 8-column chunk of each row."""
+    cp = _cupy()
+    n_kv, width = 113, 128
+    q, k, v, s = _inputs(rng, 1, 8, 2, n_batch, n_kv, 64, 64, GGML_TYPE_F16, sinks=True)
+    mask = conf.random_kq_mask(rng, (1, 1, n_batch, n_kv))
+    wide = cp.full((1, 1, n_batch, width), cp.nan, dtype=cp.float16)
+    wide[..., :n_kv] = cp.asarray(mask)
+    md = from_array(wide[..., :n_kv])
+    assert md.nb[1] == 2 * width and md.ne[0] == n_kv
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    out = _launch(_dev(q), _dev(k), _dev(v), md, _dev(s), n_batch, 8, 64, 1, kernel, GGML_TYPE_F16)
+    cp.cuda.get_current_stream().synchronize()
+    _check(out.get(), ref, f"padded mask {kernel} n_batch={n_batch}")
+
+
+def test_plan_built_on_another_stream(rng):
+    """make_plan on stream A, attention on stream B: B waits for A's tile map (event)."""
+    cp = _cupy()
+    seq = [100, 30, 200]
+    n = sum(seq)
+    mask = _block_causal_mask(seq)
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n, 128, 128, GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    dq, dk_, dv_ = _dev(q), _dev(k), _dev(v)
+    cp.cuda.Device().synchronize()
+    sa, sb = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with sa:   # mask upload + scan + compact on A; the event after them orders B
+        dm = cp.asarray(mask)
+        plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16,
+                            kernel="prefill", stream=sa)
+    assert all(m[4] == sa.ptr for m in plan.maps.values())
+    for kern in ("prefill", "decode-tc"):
+        out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kern, GGML_TYPE_F16,
+                      plan=plan, stream=sb)
+        sb.synchronize()
+        _check(out.get(), ref, f"plan from another stream {kern}")
+
+
+def test_host_entry_concurrent_threads(rng):
+    """flash_attn_ext_host from several threads at once: staging buffers are per thread."""
+    from concurrent.futures import ThreadPoolExecutor
+    cases = []
+    for i in range(4):
+        n_batch, n_kv = 3 + 17 * i, 200 + 150 * i
+        q, k, v, s = _inputs(rng, 1, 8, 2, n_batch, n_kv, 64, 64, GGML_TYPE_F16, sinks=True)
+        mask = conf.random_kq_mask(rng, (1, 1, n_batch, n_kv))
+        cases.append((q, k, v, mask, s,
+                      flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)))
+
+    def work(c):
+        q, k, v, mask, s, ref = c
+        for _ in range(5):
+            _check(_run_host(q, k, v, mask, s, 0.1, 0.0, 0.0, "auto"), ref, "host threaded")
+        return True
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, cases))
+
+
+def test_split_workspace_two_devices_null_stream(rng):
+    """Split-KV partials on the null stream of two devices: separate workspaces."""
+    cp = _cupy()
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v, s = _inputs(rng, 1, 16, 4, 1, 4000, 128, 128, GGML_TYPE_F16, sinks=True)
+    ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    outs = []
+    for dev in (0, 1, 0, 1):
+        with cp.cuda.Device(dev):
+            outs.append(_launch(_dev(q), _dev(k), _dev(v), None, _dev(s), 1, 16, 128, 1, "decode",
+                                GGML_TYPE_F16, stream=0, n_splits=8))
+    for dev, out in zip((0, 1, 0, 1), outs):
+        with cp.cuda.Device(dev):
+            cp.cuda.runtime.deviceSynchronize()
+            _check(out.get(), ref, f"splits on device {dev}")

@@ -47,3 +47,21 @@ def test_device_graph_is_all_custom_and_plans_once():
     check_device_graph(g.graph)
     assert plan.kernel_plan is not None
     g.free()
+
+
+def test_kernel_plan_follows_the_mask_of_a_rebuilt_graph():
+    """A UBatchPlan built into a second graph gets a kernel plan for that graph's mask."""
+    from ggml_attn.graph.build import _ptr
+    c = cache(False, "cupy")
+    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    plan = plan_ubatch(c, ub)
+    g1 = build_ubatch_graph(c, plan, CFG)
+    kp1 = plan.kernel_plan
+
+    def mask_ptr(g):
+        return next(_ptr(a) for a in g._arrays.values() if a.dtype == np.float16 and a.ndim == 4)
+    assert kp1.mask.ptr == mask_ptr(g1)
+    g2 = build_ubatch_graph(c, plan, CFG)
+    assert plan.kernel_plan is not kp1 and plan.kernel_plan.mask.ptr == mask_ptr(g2)
+    g2.free()
+    g1.free()

@@ -1,0 +1,186 @@
+"""Host-side bookkeeping of the CUDA backend, checked without a GPU.
+
+A fake ``cupy`` module stands in for the allocations, events and stream calls, so these run
+anywhere: split-KV workspaces per (device, stream, thread), staging buffers per (thread,
+device), plan tile maps ordered across streams, and the cubin cache (key and stale-cubin
+recompile; the latter needs NVRTC).
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from ggml_attn import cuda_backend as cb
+from ggml_attn import kernels as K
+from ggml_attn.tensor import from_array
+
+
+class _Buf:
+    _next = 0x1000
+
+    def __init__(self, n):
+        self.size = n
+        _Buf._next += 0x1000000
+        self.data = types.SimpleNamespace(ptr=_Buf._next)
+
+
+class _Pinned:
+    def __init__(self, n):
+        self._n = n
+        _Buf._next += 0x1000000
+        self.ptr = _Buf._next
+
+    def size(self):
+        return self._n
+
+
+class _Event:
+    n = 0
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        _Event.n += 1
+        self.ptr = 0xE000 + _Event.n
+
+
+class _ExternalStream:
+    def __init__(self, ptr, device_id=-1):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    calls = []
+    rt = types.SimpleNamespace(
+        getDevice=lambda: 0,
+        eventRecord=lambda ev, st: calls.append(("record", ev, st)),
+        streamWaitEvent=lambda st, ev, flags: calls.append(("wait", st, ev, flags)),
+    )
+    cuda = types.SimpleNamespace(ExternalStream=_ExternalStream, Event=_Event, runtime=rt,
+                                 alloc_pinned_memory=lambda n: _Pinned(n))
+    mod = types.ModuleType("cupy")
+    mod.cuda = cuda
+    mod.uint8, mod.int32 = np.uint8, np.int32
+    mod.empty = lambda n, dtype=None: _Buf(n)
+    monkeypatch.setitem(__import__("sys").modules, "cupy", mod)
+    mod.calls = calls
+    return mod
+
+
+def _in_thread(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+# ---------------------------------------------------------------------------------------
+# C1: split-KV workspace
+def test_workspace_per_device_stream_thread(fake_cupy, monkeypatch):
+    monkeypatch.setattr(cb, "_WS", {})
+    a = cb._workspace(0, 0, 4096)
+    assert cb._workspace(0, 0, 4096) == a, "same device/stream/thread reuses its buffer"
+    assert cb._workspace(1, 0, 4096) != a, "null stream of another device: another buffer"
+    assert cb._workspace(0, 7, 4096) != a, "another stream: another buffer"
+    assert _in_thread(lambda: cb._workspace(0, 0, 4096)) != a, "another thread: another buffer"
+    big = cb._workspace(0, 0, 64 << 20)
+    assert big != a and cb._WS[(0, 0, threading.get_ident())].size >= 64 << 20
+
+
+# ---------------------------------------------------------------------------------------
+# C2: staging buffers of flash_attn_ext_host
+def test_staging_per_thread_and_device(fake_cupy):
+    s0 = cb._staging(0)
+    assert cb._staging(0) is s0
+    assert cb._staging(1) is not s0
+    other = _in_thread(lambda: cb._staging(0))
+    assert other is not s0
+    hp, dp = s0.get("q", 100)
+    assert s0.get("q", 100) == (hp, dp), "a slot is reused while it is large enough"
+    assert other.get("q", 100) != (hp, dp), "threads never share staging memory"
+
+
+# ---------------------------------------------------------------------------------------
+# C3: tile maps built on one stream, read on another
+def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
+    builds = []
+
+    def fake_build(mask, n_batch, tq, stream):
+        builds.append((tq, stream))
+        return ("idx", "cnt", "flags", (0x100 + tq, 0x200 + tq))
+    monkeypatch.setattr(cb, "_build_live_map", fake_build)
+    mask = from_array(np.zeros((1, 1, 8, 128), dtype=np.float16))
+    plan = cb.Plan(mask, 8, 4, 1)
+    calls = fake_cupy.calls
+
+    assert plan.live(64, 5) == (0x140, 0x240)
+    assert builds == [(64, 5)]
+    assert [c[0] for c in calls] == ["record"] and calls[0][2] == 5
+    ev = calls[0][1]
+    plan.live(64, 5)                       # same stream: nothing added
+    assert len(calls) == 1 and builds == [(64, 5)]
+    plan.live(64, 9)                       # another stream waits for the build's event
+    assert calls[1] == ("wait", 9, ev, 0) and builds == [(64, 5)]
+    plan.live(16, 9)                       # lazily built map: on the calling stream, own event
+    assert builds[-1] == (16, 9) and calls[2][0] == "record" and calls[2][2] == 9
+    plan.live(16, 9)
+    assert len(calls) == 3
+
+
+# ---------------------------------------------------------------------------------------
+# H1: cubin cache
+def test_cache_key_covers_include_dirs_and_header(tmp_path, monkeypatch):
+    v = K.util_variant()
+    monkeypatch.setattr(K, "_HDR_HASH", {})
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, text in ((a, "// fp16 v1\n"), (b, "// fp16 v1\n")):
+        d.mkdir()
+        (d / "cuda_fp16.h").write_text(text)
+    base = ["-std=c++17", "-arch=sm_90"]
+    ka = K.cache_key(v, "sm_90", base + [f"-I{a}"], (13, 0))
+    assert K.cache_key(v, "sm_90", base + [f"-I{a}"], (13, 0)) == ka
+    assert K.cache_key(v, "sm_90", base + [f"-I{b}"], (13, 0)) != ka, "include dir is in the key"
+    assert K.cache_key(v, "sm_90", base + ["-O3", f"-I{a}"], (13, 0)) != ka, "every option is"
+    c = tmp_path / "c"
+    c.mkdir()
+    (c / "cuda_fp16.h").write_text("// fp16 v2\n")
+    kc = K.cache_key(v, "sm_90", base + [f"-I{c}"], (13, 0))
+    monkeypatch.setattr(K, "_HDR_HASH", {})
+    (c / "cuda_fp16.h").write_text("// fp16 v1\n")
+    assert K.cache_key(v, "sm_90", base + [f"-I{c}"], (13, 0)) != kc, "header content is in the key"
+
+
+@pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed")
+def test_unloadable_cached_cubin_is_recompiled(tmp_path, monkeypatch):
+    K.ensure_cuda_namespace()
+    pytest.importorskip("cupy")
+    from cupy.cuda import driver
+    monkeypatch.setenv("GGML_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(K, "_MEM_CACHE", {})
+    v = K.util_variant()
+    good = K.compile_variant(v, "sm_90")
+    (cubin,) = tmp_path.glob("util-*.cubin")
+    assert cubin.read_bytes() == good.cubin
+    cubin.write_bytes(b"not a cubin")          # stale / corrupt cache entry
+    monkeypatch.setattr(K, "_MEM_CACHE", {})
+    loaded = []
+
+    def load(data):
+        if not bytes(data).startswith(b"\x7fELF"):
+            raise RuntimeError("CUDA_ERROR_INVALID_IMAGE")
+        loaded.append(data)
+        return 1
+    monkeypatch.setattr(driver, "moduleLoadData", load)
+    monkeypatch.setattr(driver, "moduleGetFunction", lambda mod, name: name)
+    funcs = K._load_module(v, "sm_90")
+    assert len(loaded) == 1 and set(funcs) == set(v.names)
+    assert cubin.read_bytes().startswith(b"\x7fELF"), "the recompiled cubin replaces the bad one"
