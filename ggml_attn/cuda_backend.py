@@ -27,7 +27,7 @@ import numpy as np
 from . import dispatch
 from . import kernels as K
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, TYPE_SIZES
-from .tensor import TensorDesc, contiguous_nb
+from .tensor import TensorDesc
 
 __all__ = ["available", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
            "LaunchConfig", "launch_config"]
@@ -432,6 +432,28 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     return prep
 
 
+def q_needs_aligned_copy(q: TensorDesc) -> bool:
+    """True when Q's pointer or a byte stride is not a multiple of 16.
+
+    The kernels load Q rows with 16-byte vector loads; their scalar fallback for other
+    alignments gave wrong results on the H200 (tests/test_gpu_kernels.py::
+    test_q_view_at_4_byte_offset, 2026-11-29), so such a Q is copied to an aligned,
+    contiguous buffer first (Q is small next to K/V: one row per query token)."""
+    return q.ptr % 16 != 0 or any(nb % 16 for n, nb in zip(q.ne[1:], q.nb[1:]) if n > 1)
+
+
+def _aligned_q_copy(q: TensorDesc, stream: int):
+    """Contiguous copy of device f32 ``q`` (ggml order) on ``stream``: (its desc, the CuPy array)."""
+    import cupy
+    from .tensor import from_array
+    src_mem = cupy.cuda.UnownedMemory(q.ptr, q.nbytes_span(), None)
+    src = cupy.ndarray(tuple(reversed(q.ne)), cupy.float32, cupy.cuda.MemoryPointer(src_mem, 0),
+                       strides=tuple(reversed(q.nb)))
+    with cupy.cuda.ExternalStream(stream):
+        copy = cupy.ascontiguousarray(src)
+    return from_array(copy, GGML_TYPE_F32, q.name), copy
+
+
 def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
                           sinks: TensorDesc | None, dst: TensorDesc, scale: float,
                           max_bias: float = 0.0, logit_softcap: float = 0.0, *,
@@ -444,6 +466,9 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
     Validation, dispatch and launch configuration are cached per (shapes, strides, types,
     scalars): a repeated call costs a dict lookup, a parameter copy and the launches."""
     import cupy
+    q_copy = None
+    if q_needs_aligned_copy(q):
+        q, q_copy = _aligned_q_copy(q, _stream_ptr(stream))  # q_copy: alive until launched
     dev = cupy.cuda.runtime.getDevice()
     key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev)
     prep = _PREPARED.get(key)

@@ -184,3 +184,17 @@ def test_unloadable_cached_cubin_is_recompiled(tmp_path, monkeypatch):
     funcs = K._load_module(v, "sm_90")
     assert len(loaded) == 1 and set(funcs) == set(v.names)
     assert cubin.read_bytes().startswith(b"\x7fELF"), "the recompiled cubin replaces the bad one"
+
+
+def test_unaligned_q_is_copied_before_launch():
+    """Q views whose pointer or strides are not 16-byte multiples take an aligned copy."""
+    from ggml_attn.cuda_backend import q_needs_aligned_copy
+    from ggml_attn.tensor import TensorDesc
+    D, nb = 128, 5
+    aligned = TensorDesc(1 << 20, 0, (D, nb, 8, 1), (4, 4 * D, 4 * D * nb, 4 * D * nb * 8), "q")
+    assert not q_needs_aligned_copy(aligned)
+    assert q_needs_aligned_copy(TensorDesc(aligned.ptr + 4, 0, aligned.ne, aligned.nb, "q"))
+    odd_rows = TensorDesc(aligned.ptr, 0, (D, nb, 8, 1), (4, 4 * D + 4, (4 * D + 4) * nb, 0), "q")
+    assert q_needs_aligned_copy(odd_rows)
+    one_row = TensorDesc(aligned.ptr, 0, (D, 1, 8, 1), (4, 4 * D + 4, 4 * D * 2, 4 * D * 16), "q")
+    assert not q_needs_aligned_copy(one_row)  # the stride of a 1-long dim is never used

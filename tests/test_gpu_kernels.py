@@ -339,7 +339,7 @@ def test_padded_mask_rows(kernel, n_batch, rng):
     wide = cp.full((1, 1, n_batch, width), cp.nan, dtype=cp.float16)
     wide[..., :n_kv] = cp.asarray(mask)
     md = from_array(wide[..., :n_kv])
-    assert md.nb[1] == 2 * width and md.ne[0] == n_kv
+    assert md.ne[0] == n_kv and (n_batch == 1 or md.nb[1] == 2 * width)  # a 1-row dim's stride is moot
     ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
     out = _launch(_dev(q), _dev(k), _dev(v), md, _dev(s), n_batch, 8, 64, 1, kernel, GGML_TYPE_F16)
     cp.cuda.get_current_stream().synchronize()
