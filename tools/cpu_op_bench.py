@@ -10,9 +10,12 @@ graph; the time is the median wall time of ``--repeats`` computes after one warm
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -69,6 +72,15 @@ def run_case(n_batch: int, n_kv: int, mask_np: np.ndarray, which: str, threads: 
         ggml.ggml_free(ctx)
 
 
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2, help="ggml graph threads (default 2)")
@@ -89,7 +101,9 @@ def main(argv=None) -> int:
               f"{res['ggml_attn'] / res['ggml']:.2f} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"machine": platform.machine(), "python": sys.version.split()[0],
+            json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                       "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "command": "python tools/cpu_op_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                        "threads": a.threads, "repeats": a.repeats, "rows": rows}, f, indent=1)
     return 0
 
