@@ -450,7 +450,8 @@ def _aligned_q_copy(q: TensorDesc, stream: int):
     src = cupy.ndarray(tuple(reversed(q.ne)), cupy.float32, cupy.cuda.MemoryPointer(src_mem, 0),
                        strides=tuple(reversed(q.nb)))
     with cupy.cuda.ExternalStream(stream):
-        copy = cupy.ascontiguousarray(src)
+        copy = src.copy(order="C")  # always a new, pool-aligned buffer (ascontiguousarray would
+        # hand back an already-contiguous view at the same misaligned pointer)
     return from_array(copy, GGML_TYPE_F32, q.name), copy
 
 
