@@ -277,7 +277,8 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     """Drop-in for ``ggml.ggml_flash_attn_ext`` (+ ``ggml_flash_attn_ext_add_sinks``).
 
     Arguments are ggml-python tensors (``ggml_tensor_p``), ggml order:
-    q F32 ``[D_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 ``[D, n_kv, n_head_kv, ne3]``,
+    q F32 ``[D_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 (or a quantized type ggml can
+    dequantize, CPU path only) ``[D, n_kv, n_head_kv, ne3]``,
     mask F16 ``[n_kv, >=n_batch, ne32, ne33]`` or None, sinks F32 ``[n_head]`` or None.
     Returns the F32 result tensor ``[D_v, n_head, n_batch, ne3]``. Bad inputs raise
     ``ValueError`` here, at graph-build time.
