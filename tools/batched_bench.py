@@ -17,12 +17,11 @@ import sys
 import numpy as np
 
 from . import format_batched as fb
-from .args import Parser, add_list, choice_list, combinations, int_at_least, parse_int_range, str_list
-from .common import (Progress, default_threads, install_sigint_flag, prefer_passive_omp,
-                     quiet_interrupts)
-from .errors import UserError, run_cli
+from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
+from .common import Progress, console_main, default_threads
+from .errors import UserError
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
                      check_context, check_kernel, default_split, resolve_device)
 
 PROG = "ggml-attn-batched-bench"
@@ -281,11 +280,7 @@ def draw_plot(path: str, results: list[dict], title: str) -> None:
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    prefer_passive_omp(argv)
-    quiet_interrupts()
-    if argv is None:  # a real command line (not a test calling main in process)
-        install_sigint_flag()
-    return run_cli(PROG, _main, argv)
+    return console_main(PROG, _main, argv)
 
 
 def _main(argv=None) -> int:

@@ -18,9 +18,8 @@ import sys
 from . import format_bench as fmt
 from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
                    parse_int_range, parse_pair_list, str_list)
-from .common import (Progress, build_info, cpu_info, default_threads, gpu_info, prefer_passive_omp,
-                     quiet_interrupts, install_sigint_flag)
-from .errors import UserError, run_cli
+from .common import Progress, build_info, console_main, cpu_info, default_threads, gpu_info
+from .errors import UserError
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
                      check_context, check_kernel, default_split, resolve_device)
@@ -190,11 +189,7 @@ def make_row(inst: dict, result: dict, device: str) -> dict:
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    prefer_passive_omp(argv)
-    quiet_interrupts()
-    if argv is None:  # a real command line (not a test calling main in process)
-        install_sigint_flag()
-    return run_cli(PROG, _main, argv)
+    return console_main(PROG, _main, argv)
 
 
 def _main(argv=None) -> int:

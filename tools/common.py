@@ -150,3 +150,15 @@ def check_interrupt() -> None:
     if _interrupt["flag"]:
         _interrupt["flag"] = False
         raise KeyboardInterrupt
+
+
+def console_main(prog: str, main_fn, argv=None) -> int:
+    """What both console scripts do around ``main_fn(argv)``: thread environment, quiet
+    Ctrl-C inside op callbacks, a SIGINT flag on real command lines (not for tests calling in
+    process), and user errors as one stderr line with exit 2 (:func:`errors.run_cli`)."""
+    from .errors import run_cli
+    prefer_passive_omp(argv)
+    quiet_interrupts()
+    if argv is None:
+        install_sigint_flag()
+    return run_cli(prog, main_fn, argv)
