@@ -349,10 +349,11 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     printer.header()
     idx = 0
     try:
-        for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens)
-            r = runner_for(split)
+        for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens), and
+            r = runner_for(split)  # one decode step, so decode-shaped kernels load untimed too
             r.clear()
             r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
+            r.decode(r.step_batch([0]))
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1
