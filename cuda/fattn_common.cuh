@@ -33,8 +33,10 @@ struct FattnParams {
     float* dst;
     float* ws_o;               // split partials [n_splits][n_rows_total][D_v] (unnormalized)
     float* ws_ml;              // split partials [n_splits][n_rows_total][2] (max (log2 domain), sum)
-    const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live KV tile ids; nullptr: all live
+    const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live-tile entries (below); nullptr: all live
     const int* live_cnt;       // [ne33][n_q_tiles]
+    const int2* row_lohi;      // [ne33][ne32][n_batch] visible cells [lo, hi) of each mask row, or
+                               // (-1, -1) when the row is not one interval of zeros; nullptr: [0, n_kv)
     long long q_nb1, q_nb2, q_nb3;
     long long k_nb1, k_nb2, k_nb3;
     long long v_nb1, v_nb2, v_nb3;
@@ -89,6 +91,14 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 }
 
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
+__device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
+
+// 2^x, flush-to-zero, one MUFU op (2^-inf = +0)
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 // ---------------------------------------------------------------------------------------
 // ALiBi slope of query head h (REFERENCE section 2); 1 when ALiBi is off.
@@ -105,15 +115,33 @@ __device__ __forceinline__ const char* mask_row(const FattnParams& p, int t, int
 }
 
 // ---------------------------------------------------------------------------------------
-// Live KV tiles of one query tile: count and the j-th tile id.
+// Live KV tiles of one query tile. An entry of the plan's list is a KV tile id plus class bits
+// (fattn_util.cu sets them):
+//   FULL     (no bit): every mask cell of the tile is +-0 for every row of the query tile and the
+//            tile ends before n_kv -- no mask load, no bounds check;
+//   PARTIAL:  some cell is -inf or past n_kv; every row is one interval [lo, hi) of zeros
+//            (row_lohi), so the kernel compares indices instead of loading mask bytes;
+//   PARTIAL|MASKED: some row is not an interval of zeros (ALiBi distances, random masks,
+//            holes): the mask tile is loaded.
+#define FATTN_TILE_PARTIAL (1 << 30)
+#define FATTN_TILE_MASKED (1 << 29)
+#define FATTN_TILE_ID_MASK ((1 << 29) - 1)
+
 struct LiveTiles {
     const int* idx;
     int cnt;
-    __device__ __forceinline__ int operator[](int j) const { return idx ? __ldg(idx + j) : j; }
+    int tail_entry;   // without a plan: the entry of the last tile (PARTIAL when n_kv % 64 != 0)
+    // the j-th entry (tile id | class bits)
+    __device__ __forceinline__ int entry(int j) const {
+        return idx ? __ldg(idx + j) : (j == cnt - 1 ? tail_entry : j);
+    }
+    // the j-th tile id
+    __device__ __forceinline__ int operator[](int j) const { return entry(j) & FATTN_TILE_ID_MASK; }
 };
 
 __device__ __forceinline__ LiveTiles live_tiles(const FattnParams& p, int q_tile, int s) {
     LiveTiles lt;
+    lt.tail_entry = (p.n_kv_tiles - 1) | (p.n_kv % FATTN_KV_TILE ? FATTN_TILE_PARTIAL : 0);
     if (p.live_idx == nullptr) {
         lt.idx = nullptr;
         lt.cnt = p.n_kv_tiles;
@@ -141,11 +169,11 @@ __device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, 
     if (p.sinks) {
         const float sk = __ldg(p.sinks + h) * FATTN_LOG2E;
         const float mm = fmaxf(m, sk);
-        const float a = (m == FATTN_NEG_INF) ? 0.0f : exp2f(m - mm);
-        const float lt = l * a + exp2f(sk - mm);
-        return lt > 0.0f ? a / lt : 0.0f;
+        const float a = (m == FATTN_NEG_INF) ? 0.0f : fast_exp2(m - mm);
+        const float lt = l * a + fast_exp2(sk - mm);
+        return lt > 0.0f ? __fdividef(a, lt) : 0.0f;
     }
-    return l > 0.0f ? 1.0f / l : 0.0f;
+    return l > 0.0f ? __fdividef(1.0f, l) : 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------

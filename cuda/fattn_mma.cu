@@ -1,27 +1,32 @@
 // Tensor-core flash attention (prefill, and decode for grouped-query attention).
 //
-// mma.sync m16n8k16 (f16 or bf16 operands, f32 accumulate), ldmatrix, and a two-stage
-// cp.async K/V pipeline. Q (f32 in global) is converted to the K/V type on load.
+// mma.sync m16n8k16 (f16 or bf16 operands, f32 accumulate), ldmatrix, and a cp.async K/V
+// pipeline. Q (f32 in global) is converted to the K/V type on load; without softcap and ALiBi
+// (EXT = false) it is pre-multiplied by scale * log2(e), so scores come out in the log2 domain.
 //
-// Block = NWQ x NWK warps. The block's BM = 16*NWQ query rows are (token, head) pairs of one
-// KV head: row i -> head hg*pack + i % pack, token qt*q_tile_tokens + i / pack. Warp (wq, wk)
-// owns rows [16 wq, 16 wq + 16) and the KV columns [wk*KW, wk*KW + KW) of every 64-column KV
-// tile (KW = 64 / NWK), running its own online softmax; the NWK partial states are merged
-// in shared memory at the end.
-//   prefill:   NWQ = 4, NWK = 1 (64 rows, all warps share each K/V tile)
+// Block = NWQ x NWK warps. The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
+// KV head: row i -> head hg*pack + i % pack, token qt*q_tile_tokens + i / pack (pack is a power
+// of two). Warp (wq, wk) owns rows [16 MT wq, 16 MT (wq + 1)) and the KV columns
+// [wk*KW, wk*KW + KW) of every 64-column KV tile (KW = 64 / NWK), running its own online
+// softmax; with NWK > 1 the partial states are merged in shared memory at the end.
+//   prefill:   NWQ = 4, NWK = 1 (all warps share each K/V tile)
 //   decode-tc: NWQ = 1, NWK = 4 (16 rows = packed query heads, the KV tile split over warps)
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
-// otherwise partials that fattn_combine merges.
-// Grid (n_q_tiles, n_head / pack, ne3 * n_splits). Dynamic shared memory: fattn_mma_smem()
-// below (mirrored in ggml_attn/kernels.py).
+// otherwise partials that fattn_combine merges. A tile's class (fattn_common.cuh) decides how
+// it is masked: FULL tiles load no mask and check no bounds, PARTIAL tiles compare each row's
+// [lo, hi) interval, PARTIAL|MASKED tiles load the mask tile with K and V.
+// Grid (n_head / pack, n_q_tiles, ne3 * n_splits), query tiles in reverse order so that the
+// heaviest tiles of a causal mask start first. Dynamic shared memory: MmaCfg::SMEM (mirrored
+// in ggml_attn/kernels.py). The mask must have 16-byte aligned rows (the backend copies one
+// that does not).
 #include "fattn_common.cuh"
 
-template <int DK, int DV, int NWQ, int NWK>
+template <int DK, int DV, int NWQ, int NWK, int MT>
 struct MmaCfg {
     static constexpr int BK = FATTN_KV_TILE;
     static constexpr int KW = BK / NWK;
-    static constexpr int BM = 16 * NWQ;
+    static constexpr int BM = 16 * MT * NWQ;
     static constexpr int NT = 32 * NWQ * NWK;
     static constexpr int DKP = (DK + 15) / 16 * 16;
     static constexpr int DVP = (DV + 15) / 16 * 16;
@@ -29,20 +34,47 @@ struct MmaCfg {
     static constexpr int SV = DVP + 8;
     // K/V pipeline depth: 3 for decode-tc (latency-bound, little compute per tile) where it fits
     static constexpr int STAGES = (NWK > 1 && DKP + DVP <= 512) ? 3 : 2;
-    static constexpr bool Q_REGS = DKP <= 128;
+    static constexpr bool Q_REGS = MT == 1 && DKP <= 128;
     static constexpr int SO = DVP + 4;      // epilogue row stride (floats)
     static constexpr int SM = BK + 8;       // mask tile row stride (halves)
     static constexpr int PIPE_BYTES = 2 * (BM * SK + STAGES * BK * (SK + SV) + STAGES * BM * SM);
-    static constexpr int EPI_BYTES = 4 * NWK * BM * (SO + 2);
+    static constexpr int EPI_BYTES = NWK > 1 ? 4 * NWK * BM * (SO + 2) : 0;
     static constexpr int SMEM = PIPE_BYTES > EPI_BYTES ? PIPE_BYTES : EPI_BYTES;
     static_assert(KW % 16 == 0, "each warp needs a multiple of 16 KV columns");
     static_assert(DK % 8 == 0 && DV % 8 == 0, "head sizes must be multiples of 8 (16-byte rows)");
 };
 
-template <int DK, int DV, typename T, int NWQ, int NWK>
-__global__ void __launch_bounds__(32 * NWQ * NWK)
+// ---------------------------------------------------------------------------------------
+// Step: ROWS rows of CHUNKS 16-byte chunks, global -> shared (cp.async); rows >= rows_left
+// are zero-filled (the n_kv tail: never NaN garbage under a zero probability).
+template <int ROWS, int CHUNKS, int NT>
+__device__ __forceinline__ void load_rows_async(unsigned sdst, int sstride_bytes, const char* gsrc,
+                                                long long gstride, int rows_left, int tid) {
+    if constexpr (NT % CHUNKS == 0 && ROWS % (NT / CHUNKS) == 0) {
+        constexpr int RS = NT / CHUNKS;   // rows per pass
+        const int r0 = tid / CHUNKS, ch = tid % CHUNKS;
+        const char* src = gsrc + r0 * gstride + ch * 16;
+        const unsigned dst = sdst + r0 * sstride_bytes + ch * 16;
+        const long long gstep = RS * gstride;
+#pragma unroll
+        for (int it = 0; it < ROWS / RS; ++it) {
+            const bool in = r0 + it * RS < rows_left;
+            cp_async16(dst + it * RS * sstride_bytes, in ? src + it * gstep : gsrc, in ? 16 : 0);
+        }
+    } else {
+#pragma unroll 4
+        for (int i = tid; i < ROWS * CHUNKS; i += NT) {
+            const int r = i / CHUNKS, ch = i % CHUNKS;
+            const bool in = r < rows_left;
+            cp_async16(sdst + r * sstride_bytes + ch * 16, in ? gsrc + r * gstride + ch * 16 : gsrc, in ? 16 : 0);
+        }
+    }
+}
+
+template <int DK, int DV, typename T, int NWQ, int NWK, int MT, bool EXT>
+__global__ void __launch_bounds__(32 * NWQ * NWK, 2)
 fattn_mma(const FattnParams p) {
-    using C = MmaCfg<DK, DV, NWQ, NWK>;
+    using C = MmaCfg<DK, DV, NWQ, NWK, MT>;
     constexpr int BK = C::BK, KW = C::KW, BM = C::BM, NT = C::NT;
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
 
@@ -55,25 +87,25 @@ fattn_mma(const FattnParams p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wq = warp % NWQ, wk = warp / NWQ;
     const int g = lane >> 2, t4 = lane & 3;
-    const int qt = blockIdx.x, hg = blockIdx.y;
+    const int hg = blockIdx.x, qt = p.n_q_tiles - 1 - blockIdx.y;
     const int s = blockIdx.z / p.n_splits, split = blockIdx.z % p.n_splits;
-    const int P = p.pack;
+    const int P = p.pack, pshift = __ffs(P) - 1;
+    const int tq = p.q_tile_tokens, tok0 = qt * tq;
     const int hk = (hg * P) / p.gqa;
-    const long long n_rows_total = (long long)p.ne3 * p.n_batch * p.n_head;
 
     // ---- zero the padding columns of K/V stages (head sizes not a multiple of 16)
-    if (DKP != DK || DVP != DV) {
+    if constexpr (DKP != DK || DVP != DV) {
         for (int i = tid; i < STAGES * BK; i += NT) {
             for (int c = DK; c < DKP; ++c) sK[i * SK + c] = KVTraits<T>::from_f(0.0f);
             for (int c = DV; c < DVP; ++c) sV[i * SV + c] = KVTraits<T>::from_f(0.0f);
         }
     }
-    // ---- Q tile -> shared (converted to T), zero for rows past n_batch and padding columns.
-    // 16-byte loads issued in unrolled batches so that many are in flight (a load-then-store
-    // loop runs at one memory latency per element and dominated blocks with few KV tiles).
-    const bool q_vec = DK % 4 == 0 &&
-        ((reinterpret_cast<size_t>(p.q) | (size_t)p.q_nb1 | (size_t)p.q_nb2 | (size_t)p.q_nb3) & 15) == 0;
-    if (q_vec) {
+
+    // ---- step: Q tile -> shared (converted to T; pre-scaled unless EXT), zero rows past the
+    // tile. 16-byte loads issued in unrolled batches so that many are in flight.
+    {
+        const float qs = EXT ? 1.0f : p.scale * FATTN_LOG2E;
+        const char* qbase = p.q + (long long)s * p.q_nb3;
         constexpr int QV = DKP / 4, QITEMS = BM * QV, QB = 8;
         for (int base = 0; base < QITEMS; base += QB * NT) {
             float4 buf[QB];
@@ -81,11 +113,11 @@ fattn_mma(const FattnParams p) {
             for (int u = 0; u < QB; ++u) {
                 const int i = base + u * NT + tid;
                 const int r = i / QV, c4 = i % QV;
-                const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
+                const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
                 buf[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                if (i < QITEMS && c4 * 4 < DK && tok < p.n_batch && r / P < p.q_tile_tokens)
-                    buf[u] = __ldg(reinterpret_cast<const float4*>(p.q + (long long)s * p.q_nb3 +
-                        (long long)h * p.q_nb2 + (long long)tok * p.q_nb1) + c4);
+                if (i < QITEMS && c4 * 4 < DK && tok < p.n_batch && tr < tq)
+                    buf[u] = __ldg(reinterpret_cast<const float4*>(qbase + (long long)h * p.q_nb2 +
+                                                                   (long long)tok * p.q_nb1) + c4);
             }
 #pragma unroll
             for (int u = 0; u < QB; ++u) {
@@ -93,244 +125,316 @@ fattn_mma(const FattnParams p) {
                 if (i < QITEMS) {
                     const int r = i / QV, c4 = i % QV;
                     uint2 w;
-                    w.x = KVTraits<T>::pack2(buf[u].x, buf[u].y);
-                    w.y = KVTraits<T>::pack2(buf[u].z, buf[u].w);
+                    w.x = KVTraits<T>::pack2(buf[u].x * qs, buf[u].y * qs);
+                    w.y = KVTraits<T>::pack2(buf[u].z * qs, buf[u].w * qs);
                     *reinterpret_cast<uint2*>(sQ + r * SK + c4 * 4) = w;
                 }
             }
         }
-    } else {
-        for (int i = tid; i < BM * DKP; i += NT) {
-            const int r = i / DKP, c = i % DKP;
-            const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-            float x = 0.0f;
-            if (c < DK && tok < p.n_batch && r / P < p.q_tile_tokens)
-                x = *reinterpret_cast<const float*>(p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2 +
-                                                    (long long)tok * p.q_nb1 + (long long)c * 4);
-            sQ[r * SK + c] = KVTraits<T>::from_f(x);
+    }
+
+    // ---- per-thread rows: g and g + 8 of each of this warp's MT m-tiles
+    int lo[MT][2], hi[MT][2];
+    float slope[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            const int r = 16 * (MT * wq + mt) + g + 8 * rs;
+            const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
+            lo[mt][rs] = 0;
+            hi[mt][rs] = p.n_kv;
+            if (p.row_lohi && tok < p.n_batch && tr < tq) {
+                const int2 v = __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 + h % p.ne32) * p.n_batch + tok);
+                lo[mt][rs] = v.x;
+                hi[mt][rs] = v.y;
+            }
+            slope[mt][rs] = EXT ? alibi_slope(p, h) : 1.0f;
         }
     }
 
-    // ---- per-thread rows: g and g + 8 of this warp's 16
-    const char* mrow[2];
-    float slope[2];
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-        const int r = 16 * wq + g + 8 * rs;
-        const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-        const bool valid = tok < p.n_batch && r / P < p.q_tile_tokens;
-        mrow[rs] = (p.mask && valid) ? mask_row(p, tok, h, s) : nullptr;
-        slope[rs] = alibi_slope(p, h);
-    }
-
-    // mask tiles go through shared memory (cp.async with K/V) when rows are 16-byte aligned
-    const bool mask_smem = p.mask != nullptr &&
-        ((reinterpret_cast<size_t>(p.mask) | (size_t)p.m_nb1 | (size_t)p.m_nb2 | (size_t)p.m_nb3) & 15) == 0;
     const LiveTiles lt = live_tiles(p, qt, s);
     int jb, je;
     split_range(lt.cnt, split, p.n_splits, jb, je);
 
     const char* kbase = p.k + (long long)hk * p.k_nb2 + (long long)s * p.k_nb3;
     const char* vbase = p.v + (long long)hk * p.v_nb2 + (long long)s * p.v_nb3;
-    auto load_kv = [&](int stage, int tile) {
-        const int kv0 = tile * BK;
-        T* dk = sK + stage * BK * SK;
-        T* dv = sV + stage * BK * SV;
-        constexpr int CK = DK / 8, CV = DV / 8;
-        for (int i = tid; i < BK * CK; i += NT) {
-            const int r = i / CK, ch = i % CK;
-            const bool in = kv0 + r < p.n_kv;
-            const char* src = in ? kbase + (long long)(kv0 + r) * p.k_nb1 + ch * 16 : kbase;
-            cp_async16(smem_u32(dk + r * SK + ch * 8), src, in ? 16 : 0);
-        }
-        for (int i = tid; i < BK * CV; i += NT) {
-            const int r = i / CV, ch = i % CV;
-            const bool in = kv0 + r < p.n_kv;
-            const char* src = in ? vbase + (long long)(kv0 + r) * p.v_nb1 + ch * 16 : vbase;
-            cp_async16(smem_u32(dv + r * SV + ch * 8), src, in ? 16 : 0);
-        }
-        if (mask_smem) {
+    const char* mbase = p.mask ? p.mask + (long long)(s % p.ne33) * p.m_nb3 : nullptr;
+
+    // ---- step: K/V tile (and the mask tile of a MASKED tile) -> stage
+    auto load_tile = [&](int stage, int e) {
+        const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
+        const int left = p.n_kv - kv0;
+        load_rows_async<BK, DK / 8, NT>(smem_u32(sK + stage * BK * SK), SK * 2,
+                                        kbase + (long long)kv0 * p.k_nb1, p.k_nb1, left, tid);
+        load_rows_async<BK, DV / 8, NT>(smem_u32(sV + stage * BK * SV), SV * 2,
+                                        vbase + (long long)kv0 * p.v_nb1, p.v_nb1, left, tid);
+        if (e & FATTN_TILE_MASKED) {
             __half* dm = sMask + stage * BM * C::SM;
             for (int i = tid; i < BM * (BK / 8); i += NT) {
                 const int r = i / (BK / 8), ch = i % (BK / 8);
-                const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-                const int left = p.n_kv - (kv0 + ch * 8);   // mask columns left from this chunk
-                const bool in = tok < p.n_batch && r / P < p.q_tile_tokens && left > 0;
-                const char* src = in ? mask_row(p, tok, h, s) + (long long)(kv0 + ch * 8) * 2 : p.mask;
-                // a chunk that ends past n_kv (padded mask rows, n_kv % 8 != 0) reads only the
-                // columns < n_kv; cp.async zero-fills the rest (masked by the KV bound below)
-                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 2 * min(8, left) : 0);
+                const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
+                const int cl = left - ch * 8;   // mask columns left from this chunk
+                const bool in = tok < p.n_batch && tr < tq && cl > 0;
+                const char* src = in ? mbase + (long long)tok * p.m_nb1 + (long long)(h % p.ne32) * p.m_nb2 +
+                                       (long long)(kv0 + ch * 8) * 2 : p.mask;
+                // a chunk that ends past n_kv reads only the columns < n_kv; cp.async zero-fills
+                // the rest (masked by the KV bound in the score step)
+                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 2 * min(8, cl) : 0);
             }
         }
     };
 
-    float O[DVP / 8][4];
+    float O[MT][DVP / 8][4];
 #pragma unroll
-    for (int i = 0; i < DVP / 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
-    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < DVP / 8; ++i) O[mt][i][0] = O[mt][i][1] = O[mt][i][2] = O[mt][i][3] = 0.0f;
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) { m[mt][0] = m[mt][1] = FATTN_NEG_INF; l[mt][0] = l[mt][1] = 0.0f; }
     unsigned Qf[C::Q_REGS ? DKP / 16 : 1][4];
 
     // prologue: tiles jb .. jb+STAGES-2 in flight (one commit group per tile, empty groups
     // keep the count uniform)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (jb + i < je) load_kv(i, lt[jb + i]);
+        if (jb + i < je) load_tile(i, lt.entry(jb + i));
         cp_async_commit();
     }
     __syncthreads();  // Q in shared memory
     const int lr = lane & 7, lm = lane >> 3;
-    const unsigned q_addr = smem_u32(sQ + (16 * wq + lr + (lm & 1) * 8) * SK + (lm >> 1) * 8);
-    if (C::Q_REGS) {
+    const unsigned q_addr = smem_u32(sQ + (16 * MT * wq + lr + (lm & 1) * 8) * SK + (lm >> 1) * 8);
+    if constexpr (C::Q_REGS) {
 #pragma unroll
-        for (int ks = 0; ks < (C::Q_REGS ? DKP / 16 : 0); ++ks)
+        for (int ks = 0; ks < DKP / 16; ++ks)
             ldmatrix_x4(Qf[ks][0], Qf[ks][1], Qf[ks][2], Qf[ks][3], q_addr + ks * 32);
     }
 
+    int e_next = jb + STAGES - 1 < je ? lt.entry(jb + STAGES - 1) : 0;
+    int e_cur = jb < je ? lt.entry(jb) : 0;
     for (int j = jb; j < je; ++j) {
         const int stage = (j - jb) % STAGES;
+        const int e = e_cur;
         // refill the stage used by iteration j-1 (all threads passed its closing barrier)
-        if (j + STAGES - 1 < je) load_kv((j - jb + STAGES - 1) % STAGES, lt[j + STAGES - 1]);
+        if (j + STAGES - 1 < je) load_tile((j - jb + STAGES - 1) % STAGES, e_next);
         cp_async_commit();
+        // next entries: loaded now, used next iteration (hides the list's load latency)
+        e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
+        e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
         cp_async_wait<STAGES - 1>();   // tile j has landed
         __syncthreads();
-        const int kv0 = lt[j] * BK + wk * KW;
+        const int kv0 = (e & FATTN_TILE_ID_MASK) * BK + wk * KW;
 
-        // ---- S = Q K^T for 16 rows x KW columns
-        float S[KW / 8][4];
+        // ---- step: S = Q K^T for 16*MT rows x KW columns
+        float S[MT][KW / 8][4];
 #pragma unroll
-        for (int i = 0; i < KW / 8; ++i) S[i][0] = S[i][1] = S[i][2] = S[i][3] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < KW / 8; ++i) S[mt][i][0] = S[mt][i][1] = S[mt][i][2] = S[mt][i][3] = 0.0f;
         const unsigned k_addr = smem_u32(sK + stage * BK * SK + (wk * KW + lr + (lm >> 1) * 8) * SK + (lm & 1) * 8);
 #pragma unroll
         for (int ks = 0; ks < DKP / 16; ++ks) {
-            unsigned a[4];
-            if (C::Q_REGS) {
-                a[0] = Qf[C::Q_REGS ? ks : 0][0]; a[1] = Qf[C::Q_REGS ? ks : 0][1];
-                a[2] = Qf[C::Q_REGS ? ks : 0][2]; a[3] = Qf[C::Q_REGS ? ks : 0][3];
-            } else {
-                ldmatrix_x4(a[0], a[1], a[2], a[3], q_addr + ks * 32);
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (C::Q_REGS) {
+                    a[mt][0] = Qf[C::Q_REGS ? ks : 0][0]; a[mt][1] = Qf[C::Q_REGS ? ks : 0][1];
+                    a[mt][2] = Qf[C::Q_REGS ? ks : 0][2]; a[mt][3] = Qf[C::Q_REGS ? ks : 0][3];
+                } else {
+                    ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], q_addr + (mt * 16 * SK + ks * 16) * 2);
+                }
             }
 #pragma unroll
             for (int np = 0; np < KW / 16; ++np) {
                 unsigned b0, b1, b2, b3;
                 ldmatrix_x4(b0, b1, b2, b3, k_addr + (np * 16 * SK + ks * 16) * 2);
-                Mma<T>::run(S[2 * np], a, b0, b1);
-                Mma<T>::run(S[2 * np + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(S[mt][2 * np], a[mt], b0, b1);
+                    Mma<T>::run(S[mt][2 * np + 1], a[mt], b2, b3);
+                }
             }
         }
 
-        // ---- scale, softcap, ALiBi * mask, KV bounds; to the log2 domain
-        const __half* sm_tile = sMask + stage * BM * C::SM + (16 * wq + g) * C::SM + wk * KW + 2 * t4;
+        // ---- step: scores to the log2 domain with the tile's masking
+        if constexpr (EXT) {   // scale, softcap; ALiBi slope * mask below
 #pragma unroll
-        for (int nt = 0; nt < KW / 8; ++nt) {
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) {
+                        float x = S[mt][nt][c] * p.scale;
+                        if (p.softcap != 0.0f) x = p.softcap * tanhf(x);
+                        S[mt][nt][c] = x * FATTN_LOG2E;
+                    }
+        }
+        if (e & FATTN_TILE_PARTIAL) {
+            if (e & FATTN_TILE_MASKED) {
+                const __half* sm_tile = sMask + stage * BM * C::SM + (16 * MT * wq + g) * C::SM + wk * KW + 2 * t4;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+                        for (int rs = 0; rs < 2; ++rs) {
+                            const int col = kv0 + nt * 8 + 2 * t4;
+                            const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(
+                                sm_tile + (mt * 16 + rs * 8) * C::SM + nt * 8));
+                            const float sl = slope[mt][rs] * FATTN_LOG2E;
+                            float x0 = S[mt][nt][2 * rs] + sl * mv.x, x1 = S[mt][nt][2 * rs + 1] + sl * mv.y;
+                            S[mt][nt][2 * rs] = col < p.n_kv ? x0 : FATTN_NEG_INF;
+                            S[mt][nt][2 * rs + 1] = col + 1 < p.n_kv ? x1 : FATTN_NEG_INF;
+                        }
+            } else {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < KW / 8; ++nt)
+#pragma unroll
+                        for (int rs = 0; rs < 2; ++rs) {
+                            const int col = kv0 + nt * 8 + 2 * t4;
+                            if (col < lo[mt][rs] || col >= hi[mt][rs]) S[mt][nt][2 * rs] = FATTN_NEG_INF;
+                            if (col + 1 < lo[mt][rs] || col + 1 >= hi[mt][rs]) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
+                        }
+            }
+        }
+
+        // ---- step: online softmax (rows g and g+8 of each m-tile; 4 lanes share a row)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int rs = 0; rs < 2; ++rs) {
-                float mv0 = 0.0f, mv1 = 0.0f;
-                const int col = kv0 + nt * 8 + 2 * t4;
-                if (mask_smem) {
-                    const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(sm_tile + rs * 8 * C::SM + nt * 8));
-                    mv0 = mv.x; mv1 = mv.y;
-                } else if (mrow[rs]) {
-                    const __half* mr = reinterpret_cast<const __half*>(mrow[rs]);
-                    if (col < p.n_kv) mv0 = __half2float(__ldg(mr + col));
-                    if (col + 1 < p.n_kv) mv1 = __half2float(__ldg(mr + col + 1));
+                float mx = FATTN_NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < KW / 8; ++nt) mx = fmaxf(mx, fmaxf(S[mt][nt][2 * rs], S[mt][nt][2 * rs + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][rs], mx);
+                const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+                if (__any_sync(0xffffffffu, m_new != m[mt][rs])) {   // skip the rescale when no max moved
+                    const float alpha = fast_exp2(m[mt][rs] - m_use);  // m == -inf -> 0
+                    l[mt][rs] *= alpha;
+#pragma unroll
+                    for (int i = 0; i < DVP / 8; ++i) { O[mt][i][2 * rs] *= alpha; O[mt][i][2 * rs + 1] *= alpha; }
                 }
-                float x0 = S[nt][2 * rs] * p.scale, x1 = S[nt][2 * rs + 1] * p.scale;
-                if (p.softcap != 0.0f) { x0 = p.softcap * tanhf(x0); x1 = p.softcap * tanhf(x1); }
-                x0 = col < p.n_kv ? (x0 + slope[rs] * mv0) * FATTN_LOG2E : FATTN_NEG_INF;
-                x1 = col + 1 < p.n_kv ? (x1 + slope[rs] * mv1) * FATTN_LOG2E : FATTN_NEG_INF;
-                S[nt][2 * rs] = x0;
-                S[nt][2 * rs + 1] = x1;
+                m[mt][rs] = m_new;
+#pragma unroll
+                for (int nt = 0; nt < KW / 8; ++nt) {
+                    S[mt][nt][2 * rs] = fast_exp2(S[mt][nt][2 * rs] - m_use);
+                    S[mt][nt][2 * rs + 1] = fast_exp2(S[mt][nt][2 * rs + 1] - m_use);
+                    l[mt][rs] += S[mt][nt][2 * rs] + S[mt][nt][2 * rs + 1];
+                }
             }
         }
 
-        // ---- online softmax (rows g and g+8; 4 lanes share a row)
-#pragma unroll
-        for (int rs = 0; rs < 2; ++rs) {
-            float mx = FATTN_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < KW / 8; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * rs], S[nt][2 * rs + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[rs], mx);
-            const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
-            const float alpha = exp2f(m[rs] - m_use);  // m == -inf -> 0
-            m[rs] = m_new;
-            l[rs] *= alpha;
-#pragma unroll
-            for (int i = 0; i < DVP / 8; ++i) { O[i][2 * rs] *= alpha; O[i][2 * rs + 1] *= alpha; }
-#pragma unroll
-            for (int nt = 0; nt < KW / 8; ++nt) {
-                S[nt][2 * rs] = exp2f(S[nt][2 * rs] - m_use);
-                S[nt][2 * rs + 1] = exp2f(S[nt][2 * rs + 1] - m_use);
-                l[rs] += S[nt][2 * rs] + S[nt][2 * rs + 1];
-            }
-        }
-
-        // ---- O += P V
+        // ---- step: O += P V
         const unsigned v_addr = smem_u32(sV + stage * BK * SV + (wk * KW + lr + (lm & 1) * 8) * SV + (lm >> 1) * 8);
 #pragma unroll
         for (int kk = 0; kk < KW / 16; ++kk) {
-            unsigned a[4];
-            a[0] = KVTraits<T>::pack2(S[2 * kk][0], S[2 * kk][1]);
-            a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
-            a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-            a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = KVTraits<T>::pack2(S[mt][2 * kk][0], S[mt][2 * kk][1]);
+                a[mt][1] = KVTraits<T>::pack2(S[mt][2 * kk][2], S[mt][2 * kk][3]);
+                a[mt][2] = KVTraits<T>::pack2(S[mt][2 * kk + 1][0], S[mt][2 * kk + 1][1]);
+                a[mt][3] = KVTraits<T>::pack2(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < DVP / 16; ++dp) {
                 unsigned b0, b1, b2, b3;
                 ldmatrix_x4_trans(b0, b1, b2, b3, v_addr + (kk * 16 * SV + dp * 16) * 2);
-                Mma<T>::run(O[2 * dp], a, b0, b1);
-                Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    Mma<T>::run(O[mt][2 * dp], a[mt], b0, b1);
+                    Mma<T>::run(O[mt][2 * dp + 1], a[mt], b2, b3);
+                }
             }
         }
         __syncthreads();  // this stage may be refilled by the next iteration's prefetch
     }
     cp_async_wait<0>();   // drain (empty) trailing groups before shared memory is reused
-    __syncthreads();
 
-    // ---- epilogue: per-warp states -> shared, merge the NWK column groups, write
+    // ---- step: output
 #pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-        l[rs] += __shfl_xor_sync(0xffffffffu, l[rs], 1);
-        l[rs] += __shfl_xor_sync(0xffffffffu, l[rs], 2);
-    }
-    float* sO = reinterpret_cast<float*>(smem_raw);
-    float* sML = sO + NWK * BM * C::SO;
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-        const int r = 16 * wq + g + 8 * rs;
-        float* orow = sO + (wk * BM + r) * C::SO;
-#pragma unroll
-        for (int i = 0; i < DVP / 8; ++i)
-            *reinterpret_cast<float2*>(orow + i * 8 + 2 * t4) = make_float2(O[i][2 * rs], O[i][2 * rs + 1]);
-        if (t4 == 0) {
-            sML[(wk * BM + r) * 2] = m[rs];
-            sML[(wk * BM + r) * 2 + 1] = l[rs];
+        for (int rs = 0; rs < 2; ++rs) {
+            l[mt][rs] += __shfl_xor_sync(0xffffffffu, l[mt][rs], 1);
+            l[mt][rs] += __shfl_xor_sync(0xffffffffu, l[mt][rs], 2);
         }
-    }
-    __syncthreads();
-    for (int i = tid; i < BM * DV; i += NT) {
-        const int r = i / DV, c = i % DV;
-        const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-        if (tok >= p.n_batch || r / P >= p.q_tile_tokens) continue;
-        float M = FATTN_NEG_INF;
+    const long long n_rows_total = (long long)p.ne3 * p.n_batch * p.n_head;
+    if constexpr (NWK == 1) {
+        // each thread writes its own columns of its rows straight from registers
 #pragma unroll
-        for (int w = 0; w < NWK; ++w) M = fmaxf(M, sML[(w * BM + r) * 2]);
-        float L = 0.0f, o = 0.0f;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int w = 0; w < NWK; ++w) {
-            const float mw = sML[(w * BM + r) * 2];
-            const float f = (mw == FATTN_NEG_INF) ? 0.0f : exp2f(mw - M);
-            L += sML[(w * BM + r) * 2 + 1] * f;
-            o += sO[(w * BM + r) * C::SO + c] * f;
-        }
-        const long long row = ((long long)s * p.n_batch + tok) * p.n_head + h;
-        if (p.n_splits == 1) {
-            p.dst[row * DV + c] = o * row_finish_factor(p, h, M, L);
-        } else {
-            const long long wr = (long long)split * n_rows_total + row;
-            p.ws_o[wr * DV + c] = o;
-            if (c == 0) { p.ws_ml[wr * 2] = M; p.ws_ml[wr * 2 + 1] = L; }
+            for (int rs = 0; rs < 2; ++rs) {
+                const int r = 16 * (MT * wq + mt) + g + 8 * rs;
+                const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
+                if (tok >= p.n_batch || tr >= tq) continue;
+                const long long row = ((long long)s * p.n_batch + tok) * p.n_head + h;
+                float* out;
+                float f;
+                if (p.n_splits == 1) {
+                    out = p.dst + row * DV;
+                    f = row_finish_factor(p, h, m[mt][rs], l[mt][rs]);
+                } else {
+                    const long long wr = (long long)split * n_rows_total + row;
+                    out = p.ws_o + wr * DV;
+                    f = 1.0f;
+                    if (t4 == 0) { p.ws_ml[wr * 2] = m[mt][rs]; p.ws_ml[wr * 2 + 1] = l[mt][rs]; }
+                }
+#pragma unroll
+                for (int i = 0; i < DVP / 8; ++i)
+                    if (i * 8 < DV)
+                        *reinterpret_cast<float2*>(out + i * 8 + 2 * t4) =
+                            make_float2(O[mt][i][2 * rs] * f, O[mt][i][2 * rs + 1] * f);
+            }
+    } else {
+        // merge the NWK column groups through shared memory, then write
+        __syncthreads();
+        float* sO = reinterpret_cast<float*>(smem_raw);
+        float* sML = sO + NWK * BM * C::SO;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                const int r = 16 * (MT * wq + mt) + g + 8 * rs;
+                float* orow = sO + (wk * BM + r) * C::SO;
+#pragma unroll
+                for (int i = 0; i < DVP / 8; ++i)
+                    *reinterpret_cast<float2*>(orow + i * 8 + 2 * t4) = make_float2(O[mt][i][2 * rs], O[mt][i][2 * rs + 1]);
+                if (t4 == 0) {
+                    sML[(wk * BM + r) * 2] = m[mt][rs];
+                    sML[(wk * BM + r) * 2 + 1] = l[mt][rs];
+                }
+            }
+        __syncthreads();
+        for (int i = tid; i < BM * DV; i += NT) {
+            const int r = i / DV, c = i % DV;
+            const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
+            if (tok >= p.n_batch || tr >= tq) continue;
+            float M = FATTN_NEG_INF;
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) M = fmaxf(M, sML[(w * BM + r) * 2]);
+            float L = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) {
+                const float mw = sML[(w * BM + r) * 2];
+                const float f = (mw == FATTN_NEG_INF) ? 0.0f : fast_exp2(mw - M);
+                L += sML[(w * BM + r) * 2 + 1] * f;
+                o += sO[(w * BM + r) * C::SO + c] * f;
+            }
+            const long long row = ((long long)s * p.n_batch + tok) * p.n_head + h;
+            if (p.n_splits == 1) {
+                p.dst[row * DV + c] = o * row_finish_factor(p, h, M, L);
+            } else {
+                const long long wr = (long long)split * n_rows_total + row;
+                p.ws_o[wr * DV + c] = o;
+                if (c == 0) { p.ws_ml[wr * 2] = M; p.ws_ml[wr * 2 + 1] = L; }
+            }
         }
     }
 }

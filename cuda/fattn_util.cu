@@ -1,11 +1,69 @@
-// Small kernels around the attention kernels: the mask liveness pre-pass (scan + compact)
-// and the split-KV combine pass. See fattn_common.cuh for the parameter block and layouts.
+// Small kernels around the attention kernels: the mask pre-pass (row intervals, tile classes,
+// compaction into live-tile lists) and the split-KV combine pass. See fattn_common.cuh for the parameter block and layouts.
 #include "fattn_common.cuh"
 
-// Pass 1: flags[(i33*n_q_tiles + qt)*n_kv_tiles + kt] = 1 when any mask cell of
-// (tokens of query tile qt, any head plane i32 < ne32, stream plane i33, KV columns of tile kt)
-// is not -inf. Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32).
-extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* __restrict__ flags) {
+// Pass 0: the visible interval of each mask row. lohi[(i33*ne32 + i32)*n_batch + t] = (lo, hi)
+// when the cells of row t of plane (i32, i33) that are not -inf are exactly [lo, hi) and all
+// +-0 (causal, block-diagonal, sliding window, padding); (0, 0) for a fully masked row;
+// (-1, -1) otherwise (ALiBi distances, random values, holes, NaN or +inf cells).
+// Grid (n_batch, ne32, ne33); block 128 threads.
+extern "C" __global__ void fattn_mask_rows(const FattnParams p, int2* __restrict__ lohi) {
+    __shared__ int red[3][4];
+    const int t = blockIdx.x, i32 = blockIdx.y, i33 = blockIdx.z;
+    const unsigned short* row = reinterpret_cast<const unsigned short*>(
+        p.mask + (long long)t * p.m_nb1 + (long long)i32 * p.m_nb2 + (long long)i33 * p.m_nb3);
+    int lo = 0x7fffffff, hi = -1, nfin = 0, bad = 0;
+    auto cell = [&](int c, unsigned short b) {
+        if (!f16_bits_is_neg_inf(b)) {
+            lo = min(lo, c); hi = max(hi, c); ++nfin;
+            bad |= !f16_bits_is_zero(b);
+        }
+    };
+    if (((reinterpret_cast<size_t>(row)) & 15) == 0) {
+        const int n8 = p.n_kv / 8;
+        for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(row) + i);
+            const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                cell(8 * i + 2 * j, (unsigned short)(w[j] & 0xffffu));
+                cell(8 * i + 2 * j + 1, (unsigned short)(w[j] >> 16));
+            }
+        }
+        for (int c = 8 * n8 + threadIdx.x; c < p.n_kv; c += blockDim.x) cell(c, __ldg(row + c));
+    } else {
+        for (int c = threadIdx.x; c < p.n_kv; c += blockDim.x) cell(c, __ldg(row + c));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+        nfin += __shfl_xor_sync(0xffffffffu, nfin, o);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    bad = __syncthreads_or(bad);
+    if ((threadIdx.x & 31) == 0) { red[0][warp] = lo; red[1][warp] = hi; red[2][warp] = nfin; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; ++w) {
+            lo = min(lo, red[0][w]); hi = max(hi, red[1][w]); nfin += red[2][w];
+        }
+        int2 r;
+        if (nfin == 0) r = make_int2(0, 0);
+        else if (bad || nfin != hi - lo + 1) r = make_int2(-1, -1);
+        else r = make_int2(lo, hi + 1);
+        lohi[((long long)i33 * p.ne32 + i32) * p.n_batch + t] = r;
+    }
+}
+
+// Pass 1: the class of each (stream plane i33, query tile qt, KV tile kt), over the tokens of
+// qt and every head plane i32 < ne32: flags[(i33*n_q_tiles + qt)*n_kv_tiles + kt] =
+//   0 dead (every cell -inf), 1 FULL (every cell +-0, the tile ends before n_kv),
+//   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not).
+// Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32). Needs pass 0's lohi.
+extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* __restrict__ flags,
+                                           const int2* __restrict__ lohi) {
     const int kt = blockIdx.x, qt = blockIdx.y, i33 = blockIdx.z;
     const int t0 = qt * p.q_tile_tokens;
     const int nrows = min(p.q_tile_tokens, p.n_batch - t0);
@@ -13,37 +71,49 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
     const int ncols = min(FATTN_KV_TILE, p.n_kv - c0);
     const char* base = p.mask + (long long)i33 * p.m_nb3 + (long long)t0 * p.m_nb1 + (long long)c0 * 2;
     const bool vec = ncols == FATTN_KV_TILE && ((reinterpret_cast<size_t>(base) | (size_t)p.m_nb1 | (size_t)p.m_nb2) & 15) == 0;
-    int live = 0;
+    int live = 0, nonzero = ncols < FATTN_KV_TILE;
     if (vec) {
         const int items = nrows * p.ne32 * (FATTN_KV_TILE / 8);
-        for (int i = threadIdx.x; i < items && !live; i += blockDim.x) {
+        for (int i = threadIdx.x; i < items && !(live && nonzero); i += blockDim.x) {
             const int chunk = i & 7, rp = i >> 3;
             const int r = rp % nrows, pl = rp / nrows;
             const uint4 u = __ldg(reinterpret_cast<const uint4*>(base + (long long)r * p.m_nb1 + (long long)pl * p.m_nb2) + chunk);
             const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                live |= !f16_bits_is_neg_inf((unsigned short)(w[j] & 0xffffu));
-                live |= !f16_bits_is_neg_inf((unsigned short)(w[j] >> 16));
+                const unsigned short b0 = (unsigned short)(w[j] & 0xffffu), b1 = (unsigned short)(w[j] >> 16);
+                live |= !f16_bits_is_neg_inf(b0) | !f16_bits_is_neg_inf(b1);
+                nonzero |= !f16_bits_is_zero(b0) | !f16_bits_is_zero(b1);
             }
         }
     } else {
         const int items = nrows * p.ne32 * ncols;
-        for (int i = threadIdx.x; i < items && !live; i += blockDim.x) {
+        for (int i = threadIdx.x; i < items && !(live && nonzero); i += blockDim.x) {
             const int c = i % ncols, rp = i / ncols;
             const int r = rp % nrows, pl = rp / nrows;
             const unsigned short b = __ldg(reinterpret_cast<const unsigned short*>(
                 base + (long long)r * p.m_nb1 + (long long)pl * p.m_nb2) + c);
             live |= !f16_bits_is_neg_inf(b);
+            nonzero |= !f16_bits_is_zero(b);
         }
     }
     live = __syncthreads_or(live);
+    nonzero = __syncthreads_or(nonzero);
+    int masked = 0;
+    if (live && nonzero) {
+        for (int i = threadIdx.x; i < nrows * p.ne32; i += blockDim.x) {
+            const int r = i % nrows, pl = i / nrows;
+            masked |= __ldg(lohi + ((long long)i33 * p.ne32 + pl) * p.n_batch + t0 + r).x < 0;
+        }
+    }
+    masked = __syncthreads_or(masked);
     if (threadIdx.x == 0)
-        flags[((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt] = (unsigned char)(live != 0);
+        flags[((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt] =
+            (unsigned char)(!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7);
 }
 
-// Pass 2: compact the flags of each (i33, qt) into the ordered list of live KV tile ids.
-// Grid (n_q_tiles, ne33), one warp per block.
+// Pass 2: compact the flags of each (i33, qt) into the ordered list of live-tile entries
+// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED). Grid (n_q_tiles, ne33), one warp per block.
 extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigned char* __restrict__ flags,
                                               int* __restrict__ idx, int* __restrict__ cnt) {
     const int qt = blockIdx.x, i33 = blockIdx.y, lane = threadIdx.x;
@@ -53,9 +123,12 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
     int n = 0;
     for (int base = 0; base < p.n_kv_tiles; base += 32) {
         const int kt = base + lane;
-        const bool live = kt < p.n_kv_tiles && f[kt];
+        const int fl = kt < p.n_kv_tiles ? f[kt] : 0;
+        const bool live = fl != 0;
         const unsigned b = __ballot_sync(0xffffffffu, live);
-        if (live) out[n + __popc(b & ((1u << lane) - 1u))] = kt;
+        if (live)
+            out[n + __popc(b & ((1u << lane) - 1u))] =
+                kt | (fl & 2 ? FATTN_TILE_PARTIAL : 0) | (fl & 4 ? FATTN_TILE_MASKED : 0);
         n += __popc(b);
     }
     if (lane == 0) cnt[slot] = n;
@@ -91,7 +164,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     float sum = 0.0f;
     for (int z = tid; z < p.n_splits; z += blockDim.x) {
         const float m = w[z];
-        const float f = (m == FATTN_NEG_INF) ? 0.0f : exp2f(m - M);
+        const float f = (m == FATTN_NEG_INF) ? 0.0f : fast_exp2(m - M);
         w[z] = f;
         sum += f * p.ws_ml[(z * n_rows + r) * 2 + 1];
     }
@@ -100,7 +173,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     __syncthreads();
     float L = 0.0f;
     for (int i = 0; i < nw; ++i) L += red[i];
-    if (M != FATTN_NEG_INF && p.sinks) L += exp2f(sk - M);
+    if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     // 3. weighted sum of the partial outputs, columns across threads
     for (int c = tid; c < p.d_v; c += blockDim.x) {

@@ -160,31 +160,52 @@ class LaunchConfig:
     grid: tuple[int, int, int]
 
 
-# resident blocks per SM assumed when choosing the split count (from register/smem use), and
-# the waves of blocks wanted: several waves for decode so that the last, partial wave costs
-# little (one wave of 512 blocks over 396 slots ran at 65% of the achievable bandwidth).
-_BLOCKS_PER_SM = {"prefill": 2, "decode-tc": 2, "decode": 4}
+# Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
+# until the grid covers this many waves of resident blocks (the occupancy API's count for the
+# kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 2, "decode": 2}
 _MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
 _MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
+_MAX_GRID_Y = 65535
 
 
-def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> LaunchConfig:
-    """Tile shape, packing and KV split count for ``kernel`` on shapes ``sh``."""
+def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
+    """KV splits for ``base`` blocks on ``slots`` resident-block slots: the smallest count that
+    reaches ``waves`` waves, raised to the count whose last wave is fullest among those up to
+    twice that (wave quantisation: 528 blocks on 264 slots run as 2 full waves, 530 as 3)."""
+    if base >= slots * waves:
+        return 1
+    cap = max(1, min(_MAX_SPLITS, n_kv_tiles // _MIN_TILES_PER_SPLIT))
+    want = min(-(-slots * waves // base), cap)
+    best, best_eff = want, 0.0
+    for n in range(want, min(2 * want, cap) + 1):
+        blocks = base * n
+        eff = blocks / (-(-blocks // slots) * slots)   # fraction of the last wave's slots used
+        if eff > best_eff + 1e-9:
+            best, best_eff = n, eff
+    return best
+
+
+def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
+                  blocks_per_sm: int | None = None) -> LaunchConfig:
+    """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
+    ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
+    ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
+    device, 2 without one)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, want)
         tq = 64 // pack
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, 1, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1)
     elif kernel == "decode-tc":
         pack = min(gqa_p2, 16)
         tq = 16 // pack
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4)
     elif kernel == "decode":
         allowed = K.vec_rows_allowed(sh.d_k, sh.d_v)
@@ -201,14 +222,35 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None) -> Launc
     n_q_tiles = -(-sh.n_batch // tq)
     base = n_q_tiles * (sh.n_head // pack) * sh.ne3
     if n_splits is None:
-        target = num_sms() * _BLOCKS_PER_SM[kernel] * _WAVES[kernel]
-        n_splits = 1
-        if base < target:
-            n_splits = min(-(-target // base), max(1, n_kv_tiles // _MIN_TILES_PER_SPLIT), _MAX_SPLITS)
+        if blocks_per_sm is None:
+            blocks_per_sm = _occupancy(variant, name, block, smem)
+        n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], n_kv_tiles)
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
-    grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
+    if kernel == "decode":
+        grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
+    else:   # tensor-core kernels: heads fastest, query tiles (reversed in the kernel) second
+        if n_q_tiles > _MAX_GRID_Y:
+            raise ValueError(f"n_batch {sh.n_batch} needs {n_q_tiles} query tiles of {tq} tokens "
+                             f"for kernel {kernel!r}; at most {_MAX_GRID_Y}")
+        grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid)
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _occupancy(variant: K.Variant, name: str, block: int, smem: int) -> int:
+    """Resident blocks per SM of one kernel instance (occupancy API; 2 without a GPU)."""
+    if not available():
+        return 2
+    import cupy
+    key = (variant, name, block, smem, cupy.cuda.runtime.getDevice())
+    n = _OCCUPANCY.get(key)
+    if n is None:
+        n = max(1, K.get_function(variant, name, smem=smem).occupancy(block))
+        _OCCUPANCY[key] = n
+    return n
 
 
 # ---------------------------------------------------------------------------------------
@@ -253,8 +295,11 @@ class Plan:
 
     Built on the GPU by :func:`make_plan` (or lazily for a tile size not built yet) and valid
     as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
-    query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order), ``cnt`` int32
-    [ne33][n_q_tiles].
+    query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order) of entries
+    ``tile id | class bits`` (FULL / PARTIAL / PARTIAL|MASKED, cuda/fattn_common.cuh),
+    ``cnt`` int32 [ne33][n_q_tiles]. Shared by every tile size: ``lohi`` int32
+    [ne33][ne32][n_batch][2], each mask row's visible interval [lo, hi), or (-1, -1) when the
+    row is not one interval of zeros.
 
     Invariant: a plan is only used with the mask it was built from -- the op and
     :func:`flash_attn_ext_device` use it only when ``mask.ptr`` (and shape, strides, n_batch)
@@ -270,19 +315,23 @@ class Plan:
     n_batch: int
     n_head: int
     n_head_kv: int
-    # tq -> (idx cupy array, cnt cupy array, flags, (idx_ptr, cnt_ptr), built-on stream, event)
+    # tq -> (idx cupy array, cnt cupy array, flags, (idx_ptr, cnt_ptr, lohi_ptr), built-on stream, event)
     maps: dict = field(default_factory=dict)
+    lohi: object = None            # cupy int32 array (see above), built with the first map
+    aligned_mask: tuple | None = None   # (TensorDesc, cupy array): 16-byte aligned copy of mask
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
         return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
             and mask.nb == self.mask.nb and n_batch == self.n_batch
 
     def live(self, tq: int, stream: int):
-        """(idx_ptr, cnt_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
+        """(idx_ptr, cnt_ptr, lohi_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
         got = self.maps.get(tq)
         if got is None:
             import cupy
-            got = _build_live_map(self.mask, self.n_batch, tq, stream)
+            if self.lohi is None:
+                self.lohi = _build_row_intervals(self.mask, self.n_batch, stream)
+            got = _build_live_map(self.mask, self.n_batch, tq, stream, self.lohi)
             ev = cupy.cuda.Event(block=False, disable_timing=True)
             cupy.cuda.runtime.eventRecord(ev.ptr, stream)
             got = tuple(got[:4]) + (stream, ev)
@@ -297,8 +346,46 @@ class Plan:
         self.live(tq, _stream_ptr(stream))
         return self.maps[tq][1].get().reshape(self.mask.ne[3], -1)
 
+    def tile_classes(self, tq: int, stream: int = None) -> dict[str, int]:
+        """Host count of live tiles per class over all (plane, query tile): FULL, PARTIAL
+        (index comparisons) and MASKED (mask tile loaded) -- for tests and benchmarks."""
+        self.live(tq, _stream_ptr(stream))
+        idx, cnt = self.maps[tq][0].get(), self.maps[tq][1].get()
+        n_kv_tiles = idx.size // max(cnt.size, 1)
+        ent = np.concatenate([idx[i * n_kv_tiles:i * n_kv_tiles + c] for i, c in enumerate(cnt)]) \
+            if cnt.size else np.zeros(0, np.int32)
+        partial, masked = (ent & (1 << 30)) != 0, (ent & (1 << 29)) != 0
+        return {"FULL": int((~partial).sum()), "PARTIAL": int((partial & ~masked).sum()),
+                "MASKED": int(masked.sum())}
 
-def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int):
+    def aligned(self, stream: int) -> TensorDesc:
+        """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
+        if self.aligned_mask is None:
+            self.aligned_mask = _aligned_mask_copy(self.mask, self.n_batch, stream)
+        return self.aligned_mask[0]
+
+
+def _mask_params(mask: TensorDesc, n_batch: int) -> K.FattnParams:
+    p = K.FattnParams()
+    p.mask = mask.ptr
+    p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
+    p.n_batch, p.n_kv, p.ne32, p.ne33 = n_batch, mask.ne[0], mask.ne[2], mask.ne[3]
+    return p
+
+
+def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int):
+    """Pass 0 of the plan: each row's visible interval, cupy int32 [ne33][ne32][n_batch][2]."""
+    import cupy
+    _, _, ne32, ne33 = mask.ne
+    with cupy.cuda.ExternalStream(stream):
+        lohi = cupy.empty((ne33, ne32, n_batch, 2), dtype=cupy.int32)
+    fn = K.get_function(K.util_variant(), "fattn_mask_rows")
+    fn.launch((n_batch, ne32, ne33), (128, 1, 1), stream, _mask_params(mask, n_batch),
+              ctypes.c_uint64(lohi.data.ptr))
+    return lohi
+
+
+def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi):
     import cupy
     n_kv, _, ne32, ne33 = mask.ne
     n_q_tiles = -(-n_batch // tq)
@@ -307,18 +394,38 @@ def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int):
         flags = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.uint8)
         idx = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.int32)
         cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
-    p = K.FattnParams()
-    p.mask = mask.ptr
-    p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
-    p.n_batch, p.n_kv, p.ne32, p.ne33 = n_batch, n_kv, ne32, ne33
+    p = _mask_params(mask, n_batch)
     p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
     var = K.util_variant()
     scan = K.get_function(var, "fattn_mask_scan")
     compact = K.get_function(var, "fattn_mask_compact")
-    scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr))
+    scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
+                ctypes.c_uint64(lohi.data.ptr))
     compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
                    ctypes.c_uint64(idx.data.ptr), ctypes.c_uint64(cnt.data.ptr))
-    return idx, cnt, flags, (idx.data.ptr, cnt.data.ptr)
+    return idx, cnt, flags, (idx.data.ptr, cnt.data.ptr, lohi.data.ptr)
+
+
+def mask_needs_aligned_copy(mask: TensorDesc) -> bool:
+    """True when the mask's pointer or a byte stride is not a multiple of 16: the tensor-core
+    kernels load mask tiles with 16-byte cp.async."""
+    return mask.ptr % 16 != 0 or any(nb % 16 for n, nb in zip(mask.ne[1:], mask.nb[1:]) if n > 1)
+
+
+def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int):
+    """f16 copy of the first n_batch rows of ``mask`` (ggml order [n_kv, rows, ne32, ne33])
+    with rows padded to a multiple of 8 cells: (its desc, the CuPy array)."""
+    import cupy
+    from .tensor import from_array
+    n_kv, _, ne32, ne33 = mask.ne
+    src_mem = cupy.cuda.UnownedMemory(mask.ptr, mask.nbytes_span(), None)
+    src = cupy.ndarray((ne33, ne32, n_batch, n_kv), cupy.float16, cupy.cuda.MemoryPointer(src_mem, 0),
+                       strides=tuple(reversed(mask.nb)))
+    with cupy.cuda.ExternalStream(stream):
+        buf = cupy.empty((ne33, ne32, n_batch, -(-n_kv // 8) * 8), dtype=cupy.float16)
+        view = buf[..., :n_kv]
+        view[...] = src
+    return from_array(view, GGML_TYPE_F16, mask.name), buf
 
 
 def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
@@ -341,7 +448,10 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         kern, _ = dispatch.choose(n_batch, sh.gqa, sh.n_kv, d_k, d_v, kv_type)
     if kern in ("prefill", "decode", "decode-tc") and dispatch.supports(kern, d_k, d_v, kv_type) is None:
         cfg = launch_config(kern, sh)
-        plan.live(cfg.q_tile_tokens, _stream_ptr(stream))
+        st = _stream_ptr(stream)
+        plan.live(cfg.q_tile_tokens, st)
+        if kern != "decode" and mask_needs_aligned_copy(mask):
+            plan.aligned(st)
     return plan
 
 
@@ -418,7 +528,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     kern = _resolve_kernel(kernel, sh, k, v, q)
     if kern == "reference":
         return _Prepared(kern)
-    cfg = launch_config(kern, sh, n_splits)
+    cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0)
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
@@ -488,7 +598,6 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
     if sinks is not None:
         p.sinks = sinks.ptr
     if mask is not None:
-        p.mask = mask.ptr
         n_batch = q.ne[1]
         if plan is None:
             plan = Plan(mask, n_batch, q.ne[2], k.ne[2])
@@ -496,7 +605,11 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
             raise ValueError("plan was built for another mask or n_batch "
                              f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "
                              f"call: {mask.shape_str} n_batch={n_batch})")
-        p.live_idx, p.live_cnt = plan.live(cfg.q_tile_tokens, st)
+        p.live_idx, p.live_cnt, p.row_lohi = plan.live(cfg.q_tile_tokens, st)
+        if prep.kern != "decode" and mask_needs_aligned_copy(mask):
+            mask = plan.aligned(st)
+            p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
+        p.mask = mask.ptr
     if prep.ws_bytes:
         ws = _workspace(dev, st, prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes

@@ -33,7 +33,7 @@ KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
 MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
-MMA_LAYOUTS = ((4, 1), (1, 4))   # (NWQ, NWK): prefill, decode-tc
+MMA_LAYOUTS = ((4, 1, 1), (1, 4, 1))   # (NWQ, NWK, MT): prefill, decode-tc
 VEC_ROWS = (1, 4, 8)             # R: query rows per vec block
 
 
@@ -53,15 +53,15 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
     return tuple(r for r in VEC_ROWS if per_row * r <= 160)
 
 
-def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int) -> int:
+def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1) -> int:
     """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
     bk = KV_TILE
     dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
     stages = 3 if (nwk > 1 and dkp + dvp <= 512) else 2   # MmaCfg::STAGES
     sk, sv, so = dkp + 8, dvp + 8, dvp + 4
-    bm = 16 * nwq
+    bm = 16 * mt * nwq
     pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))
-    epi = 4 * nwk * bm * (so + 2)
+    epi = 4 * nwk * bm * (so + 2) if nwk > 1 else 0
     return max(pipe, epi)
 
 
@@ -83,24 +83,27 @@ class Variant:
         return f"{self.family}:{','.join(self.names)}"
 
 
-UTIL_NAMES = ("fattn_mask_scan", "fattn_mask_compact", "fattn_combine")
+UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine")
 
 
 def util_variant() -> Variant:
     return Variant("util", "fattn_util.cu", UTIL_NAMES)
 
 
-def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int) -> str:
-    return f"fattn_mma<{dk}, {dv}, {KV_CTYPES[kv_type]}, {nwq}, {nwk}>"
+def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1,
+             ext: bool = False) -> str:
+    """``ext``: the instance with softcap and ALiBi (the plain one folds the scale into Q)."""
+    return f"fattn_mma<{dk}, {dv}, {KV_CTYPES[kv_type]}, {nwq}, {nwk}, {mt}, {'true' if ext else 'false'}>"
 
 
 def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
     return f"fattn_vec<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
 
 
-def mma_variant(dk: int, dv: int, kv_type: int) -> Variant:
-    return Variant("mma", "fattn_mma.cu",
-                   tuple(mma_name(dk, dv, kv_type, a, b) for a, b in MMA_LAYOUTS))
+def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
+    """One program per (head sizes, K/V type, ext): plain calls never compile the ext code."""
+    return Variant("mma-ext" if ext else "mma", "fattn_mma.cu",
+                   tuple(mma_name(dk, dv, kv_type, a, b, m, ext) for a, b, m in MMA_LAYOUTS))
 
 
 def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
@@ -112,7 +115,7 @@ def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant()]
     for t in KV_CTYPES:
-        out += [mma_variant(dk, dv, t) for dk, dv in MMA_HEADS]
+        out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
     return out
 
@@ -322,7 +325,7 @@ class FattnParams(ctypes.Structure):
         ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64),
         ("mask", ctypes.c_uint64), ("sinks", ctypes.c_uint64), ("dst", ctypes.c_uint64),
         ("ws_o", ctypes.c_uint64), ("ws_ml", ctypes.c_uint64),
-        ("live_idx", ctypes.c_uint64), ("live_cnt", ctypes.c_uint64),
+        ("live_idx", ctypes.c_uint64), ("live_cnt", ctypes.c_uint64), ("row_lohi", ctypes.c_uint64),
         ("q_nb1", ctypes.c_int64), ("q_nb2", ctypes.c_int64), ("q_nb3", ctypes.c_int64),
         ("k_nb1", ctypes.c_int64), ("k_nb2", ctypes.c_int64), ("k_nb3", ctypes.c_int64),
         ("v_nb1", ctypes.c_int64), ("v_nb2", ctypes.c_int64), ("v_nb3", ctypes.c_int64),
@@ -357,6 +360,11 @@ class Kernel:
     def attribute(self, attr: str) -> int:
         from cupy.cuda import driver
         return driver.funcGetAttribute(getattr(driver, attr), self.func)
+
+    def occupancy(self, block: int) -> int:
+        """Resident blocks per SM at ``block`` threads and this kernel's dynamic shared memory."""
+        from cupy.cuda import driver
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(self.func, block, self.smem)
 
     def launch(self, grid, block, stream: int, *args) -> None:
         """``args``: ctypes objects (a FattnParams, c_uint64 pointers, ...) in kernel order."""

@@ -114,16 +114,24 @@ def test_staging_per_thread_and_device(fake_cupy):
 def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
     builds = []
 
-    def fake_build(mask, n_batch, tq, stream):
+    rows = []
+
+    def fake_rows(mask, n_batch, stream):
+        rows.append(stream)
+        return "lohi"
+
+    def fake_build(mask, n_batch, tq, stream, lohi):
+        assert lohi == "lohi"
         builds.append((tq, stream))
-        return ("idx", "cnt", "flags", (0x100 + tq, 0x200 + tq))
+        return ("idx", "cnt", "flags", (0x100 + tq, 0x200 + tq, 0x300))
+    monkeypatch.setattr(cb, "_build_row_intervals", fake_rows)
     monkeypatch.setattr(cb, "_build_live_map", fake_build)
     mask = from_array(np.zeros((1, 1, 8, 128), dtype=np.float16))
     plan = cb.Plan(mask, 8, 4, 1)
     calls = fake_cupy.calls
 
-    assert plan.live(64, 5) == (0x140, 0x240)
-    assert builds == [(64, 5)]
+    assert plan.live(64, 5) == (0x140, 0x240, 0x300)
+    assert builds == [(64, 5)] and rows == [5]
     assert [c[0] for c in calls] == ["record"] and calls[0][2] == 5
     ev = calls[0][1]
     plan.live(64, 5)                       # same stream: nothing added
@@ -134,6 +142,7 @@ def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
     assert builds[-1] == (16, 9) and calls[2][0] == "record" and calls[2][2] == 9
     plan.live(16, 9)
     assert len(calls) == 3
+    assert rows == [5], "row intervals are built once per plan, shared by every tile size"
 
 
 # ---------------------------------------------------------------------------------------

@@ -66,22 +66,39 @@ def test_params_struct_layout_matches_c():
 
 def test_smem_fits_h200():
     for (dk, dv) in K.MMA_HEADS:
-        for a, b in K.MMA_LAYOUTS:
-            assert K.mma_smem_bytes(dk, dv, a, b) <= 227 * 1024, (dk, dv, a, b)
+        for a, b, m in K.MMA_LAYOUTS:
+            assert K.mma_smem_bytes(dk, dv, a, b, m) <= 227 * 1024, (dk, dv, a, b, m)
     for (dk, dv) in K.VEC_HEADS:
         for r in K.vec_rows_allowed(dk, dv):
             assert K.vec_smem_bytes(dk, dv, r) <= 227 * 1024
 
 
+def test_split_count_fills_whole_waves():
+    from ggml_attn.cuda_backend import _split_count
+    for base in (1, 3, 8, 16, 40, 100):
+        for slots in (132, 264, 396):
+            n = _split_count(base, slots, 2, 512)
+            assert base * n >= min(2 * slots, base * 128)          # at least two waves (or the cap)
+            blocks = base * n
+            last = blocks - (-(-blocks // slots) - 1) * slots
+            # the last wave is at least as full as with the plain ceil(2 waves / base) count
+            n0 = min(-(-2 * slots // base), 128)
+            last0 = base * n0 - (-(-(base * n0) // slots) - 1) * slots
+            assert last / slots >= last0 / slots - 1e-9 or blocks % slots == 0
+    assert _split_count(1000, 264, 2, 512) == 1
+
+
 def test_launch_config_rules():
     from ggml_attn.cuda_backend import Shapes, launch_config
     sh = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
-    c = launch_config("decode", sh)
-    assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 128
-    c = launch_config("decode-tc", sh)
-    assert c.pack == 4 and c.q_tile_tokens == 4
+    c = launch_config("decode", sh, blocks_per_sm=2)
+    # 8 head groups; splits for 2 whole waves of 132 SMs x 2 slots: 8 * 66 = 528 = 2 * 264
+    assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 66
+    c = launch_config("decode-tc", sh, blocks_per_sm=1)
+    assert c.pack == 4 and c.q_tile_tokens == 4 and c.grid == (8, 1, 33)   # 264 blocks: 2 waves
     sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
-    c = launch_config("prefill", sh)
+    c = launch_config("prefill", sh, blocks_per_sm=2)
+    # tensor-core grid: (head groups, query tiles, streams * splits)
     assert c.pack == 1 and c.q_tile_tokens == 64 and c.n_splits == 1 and c.grid == (32, 32, 1)
     sh = Shapes(128, 128, 3, 32, 8, 1, 113, GGML_TYPE_F16)
     c = launch_config("prefill", sh)
