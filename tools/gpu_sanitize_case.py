@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from ggml_attn import cuda_backend as cb
+from ggml_attn.conformance import block_causal_mask
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
 from ggml_attn.reference import flash_attn_ext, nmse
 from ggml_attn.tensor import from_array
@@ -18,32 +19,44 @@ def main():
     import cupy as cp
     rng = np.random.default_rng(0)
     bad = 0
-    for kernel, dk, kv_type, nb, splits, softcap, bias in [
-        ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0),
-        ("prefill", 80, GGML_TYPE_BF16, 70, 2, 10.0, 8.0),
-        ("decode", 128, GGML_TYPE_F16, 1, 3, 0.0, 0.0),
-        ("decode-tc", 64, GGML_TYPE_BF16, 2, 3, 0.0, 8.0),
+    # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
+    # sequences: FULL tiles and PARTIAL tiles from row intervals), None (tail tile only)
+    for kernel, dk, kv_type, nb, splits, softcap, bias, kind in [
+        ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "random"),
+        ("prefill", 80, GGML_TYPE_BF16, 70, 2, 10.0, 8.0, "random"),
+        ("prefill", 128, GGML_TYPE_F16, 333, None, 0.0, 0.0, "causal"),
+        ("prefill", 64, GGML_TYPE_BF16, 100, 2, 0.0, 0.0, None),
+        ("decode", 128, GGML_TYPE_F16, 1, 3, 0.0, 0.0, "random"),
+        ("decode-tc", 64, GGML_TYPE_BF16, 2, 3, 0.0, 8.0, "random"),
+        ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, None),
     ]:
         n_kv, nh, nkv = 333, 8, 2
         q = rng.uniform(-1, 1, (1, nh, nb, dk)).astype(np.float32)
         k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, dk)), kv_type)
         v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, dk)), kv_type)
-        m = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float32)
-        m[..., 64:200] = -np.inf
-        m[:, :, ::4, :] = -np.inf
-        mask = m.astype(np.float16)
+        if kind == "random":
+            m = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float32)
+            m[..., 64:200] = -np.inf
+            m[:, :, ::4, :] = -np.inf
+            mask = m.astype(np.float16)
+        elif kind == "causal":
+            mask = block_causal_mask([150, nb - 150], n_kv).reshape(1, 1, nb, n_kv)
+        else:
+            mask = None
         sinks = rng.uniform(-2, 2, nh).astype(np.float32)
         ref = flash_attn_ext(q, k, v, mask, 0.1, bias, softcap, sinks, kv_type=kv_type)
-        dq, dk_, dv_, dm, ds = (cp.asarray(x) for x in (q, k, v, mask, sinks))
+        dq, dk_, dv_, ds = (cp.asarray(x) for x in (q, k, v, sinks))
+        dm = cp.asarray(mask) if mask is not None else None
         dst = cp.full((1, nb, nh, dk), cp.nan, dtype=cp.float32)
         cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
-                                 from_array(dm), from_array(ds), from_array(dst), 0.1, bias, softcap,
+                                 from_array(dm) if dm is not None else None, from_array(ds),
+                                 from_array(dst), 0.1, bias, softcap,
                                  kernel=kernel, n_splits=splits)
         out = dst.get()
         err = nmse(out, ref)
         ok = err <= 5e-4 and not np.isnan(out).any()
         bad += not ok
-        print(f"{kernel:10s} D={dk} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        print(f"{kernel:10s} D={dk} mask={kind} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     sys.exit(1 if bad else 0)
 
 
