@@ -4,12 +4,12 @@
 // pipeline. Q (f32 in global) is converted to the K/V type on load; without softcap and ALiBi
 // (EXT = false) it is pre-multiplied by scale * log2(e), so scores come out in the log2 domain.
 //
-// Block = NWQ x NWK warps. The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
+// Block = NWQ x NWK warps (MT m16 tiles of rows per warp). The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
 // KV head: row i -> head hg*pack + i % pack, token qt*q_tile_tokens + i / pack (pack is a power
 // of two). Warp (wq, wk) owns rows [16 MT wq, 16 MT (wq + 1)) and the KV columns
 // [wk*KW, wk*KW + KW) of every 64-column KV tile (KW = 64 / NWK), running its own online
 // softmax; with NWK > 1 the partial states are merged in shared memory at the end.
-//   prefill:   NWQ = 4, NWK = 1 (all warps share each K/V tile)
+//   prefill:   NWQ = 4, NWK = 1, MT = 1 (64 rows) or MT = 2 (128 rows, FA2 order; long batches)
 //   decode-tc: NWQ = 1, NWK = 4 (16 rows = packed query heads, the KV tile split over warps)
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
@@ -32,8 +32,11 @@ struct MmaCfg {
     static constexpr int DVP = (DV + 15) / 16 * 16;
     static constexpr int SK = DKP + 8;      // smem row stride (elements) of Q and K: +16 B breaks bank conflicts
     static constexpr int SV = DVP + 8;
-    // K/V pipeline depth: 3 for decode-tc (latency-bound, little compute per tile) where it fits
-    static constexpr int STAGES = (NWK > 1 && DKP + DVP <= 512) ? 3 : 2;
+    // FA2 order (MT > 1): one K, one V and one mask buffer; V(j) loads during S(j) and the
+    // softmax, K(j+1) and its mask during P(j)V(j). Otherwise a ring of STAGES K/V(/mask) tiles:
+    // 3 for decode-tc (latency-bound, little compute per tile) where it fits.
+    static constexpr bool FA2 = MT > 1;
+    static constexpr int STAGES = FA2 ? 1 : (NWK > 1 && DKP + DVP <= 512) ? 3 : 2;
     static constexpr bool Q_REGS = MT == 1 && DKP <= 128;
     static constexpr int SO = DVP + 4;      // epilogue row stride (floats)
     static constexpr int SM = BK + 8;       // mask tile row stride (halves)
@@ -133,23 +136,23 @@ fattn_mma(const FattnParams p) {
         }
     }
 
-    // ---- per-thread rows: g and g + 8 of each of this warp's MT m-tiles
-    int lo[MT][2], hi[MT][2];
+    // ---- per-thread rows: g and g + 8 of each of this warp's MT m-tiles. A row's visible
+    // interval [lo, hi) (PARTIAL tiles) is read when needed: registers are short with MT = 2.
+    const int2* lohi_rows = p.row_lohi ? p.row_lohi + (long long)(s % p.ne33) * p.ne32 * p.n_batch : nullptr;
+    auto row_range = [&](int mt, int rs) -> int2 {
+        const int r = 16 * (MT * wq + mt) + g + 8 * rs;
+        const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
+        if (lohi_rows && tok < p.n_batch && tr < tq)
+            return __ldg(lohi_rows + (long long)(h % p.ne32) * p.n_batch + tok);
+        return make_int2(0, p.n_kv);
+    };
     float slope[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int rs = 0; rs < 2; ++rs) {
             const int r = 16 * (MT * wq + mt) + g + 8 * rs;
-            const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
-            lo[mt][rs] = 0;
-            hi[mt][rs] = p.n_kv;
-            if (p.row_lohi && tok < p.n_batch && tr < tq) {
-                const int2 v = __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 + h % p.ne32) * p.n_batch + tok);
-                lo[mt][rs] = v.x;
-                hi[mt][rs] = v.y;
-            }
-            slope[mt][rs] = EXT ? alibi_slope(p, h) : 1.0f;
+            slope[mt][rs] = EXT ? alibi_slope(p, hg * P + (r & (P - 1))) : 1.0f;
         }
     }
 
@@ -161,14 +164,12 @@ fattn_mma(const FattnParams p) {
     const char* vbase = p.v + (long long)hk * p.v_nb2 + (long long)s * p.v_nb3;
     const char* mbase = p.mask ? p.mask + (long long)(s % p.ne33) * p.m_nb3 : nullptr;
 
-    // ---- step: K/V tile (and the mask tile of a MASKED tile) -> stage
-    auto load_tile = [&](int stage, int e) {
+    // ---- step: K tile (and the mask tile of a MASKED tile) -> stage; V tile -> stage
+    auto load_k = [&](int stage, int e) {
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
         const int left = p.n_kv - kv0;
         load_rows_async<BK, DK / 8, NT>(smem_u32(sK + stage * BK * SK), SK * 2,
                                         kbase + (long long)kv0 * p.k_nb1, p.k_nb1, left, tid);
-        load_rows_async<BK, DV / 8, NT>(smem_u32(sV + stage * BK * SV), SV * 2,
-                                        vbase + (long long)kv0 * p.v_nb1, p.v_nb1, left, tid);
         if (e & FATTN_TILE_MASKED) {
             __half* dm = sMask + stage * BM * C::SM;
             for (int i = tid; i < BM * (BK / 8); i += NT) {
@@ -184,6 +185,11 @@ fattn_mma(const FattnParams p) {
             }
         }
     };
+    auto load_v = [&](int stage, int e) {
+        const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
+        load_rows_async<BK, DV / 8, NT>(smem_u32(sV + stage * BK * SV), SV * 2,
+                                        vbase + (long long)kv0 * p.v_nb1, p.v_nb1, p.n_kv - kv0, tid);
+    };
 
     float O[MT][DVP / 8][4];
 #pragma unroll
@@ -195,12 +201,17 @@ fattn_mma(const FattnParams p) {
     for (int mt = 0; mt < MT; ++mt) { m[mt][0] = m[mt][1] = FATTN_NEG_INF; l[mt][0] = l[mt][1] = 0.0f; }
     unsigned Qf[C::Q_REGS ? DKP / 16 : 1][4];
 
-    // prologue: tiles jb .. jb+STAGES-2 in flight (one commit group per tile, empty groups
-    // keep the count uniform)
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (jb + i < je) load_tile(i, lt.entry(jb + i));
+    // prologue: ring -- tiles jb .. jb+STAGES-2 in flight (one commit group per tile, empty
+    // groups keep the count uniform); FA2 order -- K (and mask) of tile jb
+    if constexpr (C::FA2) {
+        if (jb < je) load_k(0, lt.entry(jb));
         cp_async_commit();
+    } else {
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            if (jb + i < je) { const int e0 = lt.entry(jb + i); load_k(i, e0); load_v(i, e0); }
+            cp_async_commit();
+        }
     }
     __syncthreads();  // Q in shared memory
     const int lr = lane & 7, lm = lane >> 3;
@@ -211,19 +222,33 @@ fattn_mma(const FattnParams p) {
             ldmatrix_x4(Qf[ks][0], Qf[ks][1], Qf[ks][2], Qf[ks][3], q_addr + ks * 32);
     }
 
-    int e_next = jb + STAGES - 1 < je ? lt.entry(jb + STAGES - 1) : 0;
+    const int ahead = C::FA2 ? 1 : STAGES - 1;
+    int e_next = jb + ahead < je ? lt.entry(jb + ahead) : 0;
     int e_cur = jb < je ? lt.entry(jb) : 0;
     for (int j = jb; j < je; ++j) {
-        const int stage = (j - jb) % STAGES;
+        const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
         const int e = e_cur;
-        // refill the stage used by iteration j-1 (all threads passed its closing barrier)
-        if (j + STAGES - 1 < je) load_tile((j - jb + STAGES - 1) % STAGES, e_next);
-        cp_async_commit();
-        // next entries: loaded now, used next iteration (hides the list's load latency)
-        e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
-        e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
-        cp_async_wait<STAGES - 1>();   // tile j has landed
-        __syncthreads();
+        if constexpr (C::FA2) {
+            cp_async_wait<0>();   // K(j) and its mask have landed
+            __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
+            load_v(0, e);
+            cp_async_commit();
+            e_cur = e_next;
+            e_next = j + 2 < je ? lt.entry(j + 2) : 0;
+        } else {
+            // refill the stage used by iteration j-1 (all threads passed its closing barrier)
+            if (j + STAGES - 1 < je) {
+                const int st = (j - jb + STAGES - 1) % STAGES;
+                load_k(st, e_next);
+                load_v(st, e_next);
+            }
+            cp_async_commit();
+            // next entries: loaded now, used next iteration (hides the list's load latency)
+            e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
+            e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
+            cp_async_wait<STAGES - 1>();   // tile j has landed
+            __syncthreads();
+        }
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK + wk * KW;
 
         // ---- step: S = Q K^T for 16*MT rows x KW columns
@@ -291,13 +316,15 @@ fattn_mma(const FattnParams p) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < KW / 8; ++nt)
+                    for (int rs = 0; rs < 2; ++rs) {
+                        const int2 lh = row_range(mt, rs);
 #pragma unroll
-                        for (int rs = 0; rs < 2; ++rs) {
+                        for (int nt = 0; nt < KW / 8; ++nt) {
                             const int col = kv0 + nt * 8 + 2 * t4;
-                            if (col < lo[mt][rs] || col >= hi[mt][rs]) S[mt][nt][2 * rs] = FATTN_NEG_INF;
-                            if (col + 1 < lo[mt][rs] || col + 1 >= hi[mt][rs]) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
+                            if (col < lh.x || col >= lh.y) S[mt][nt][2 * rs] = FATTN_NEG_INF;
+                            if (col + 1 < lh.x || col + 1 >= lh.y) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
                         }
+                    }
             }
         }
 
@@ -329,6 +356,13 @@ fattn_mma(const FattnParams p) {
             }
         }
 
+        if constexpr (C::FA2) {
+            cp_async_wait<0>();   // V(j) has landed
+            __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
+            if (j + 1 < je) load_k(0, e_cur);
+            cp_async_commit();
+        }
+
         // ---- step: O += P V
         const unsigned v_addr = smem_u32(sV + stage * BK * SV + (wk * KW + lr + (lm & 1) * 8) * SV + (lm >> 1) * 8);
 #pragma unroll
@@ -352,7 +386,7 @@ fattn_mma(const FattnParams p) {
                 }
             }
         }
-        __syncthreads();  // this stage may be refilled by the next iteration's prefetch
+        if constexpr (!C::FA2) __syncthreads();  // this stage may be refilled by the next iteration's prefetch
     }
     cp_async_wait<0>();   // drain (empty) trailing groups before shared memory is reused
 

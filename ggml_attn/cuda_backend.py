@@ -167,6 +167,9 @@ _WAVES = {"prefill": 1, "decode-tc": 2, "decode": 2}
 _MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
 _MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
 _MAX_GRID_Y = 65535
+# prefill switches to 128-row query tiles (MT = 2: 32 rows per warp, FA2 load order) from this
+# many query tokens per stream on: half the shared-memory traffic per MMA of 64-row tiles
+PREFILL_WIDE_MIN_BATCH = 256
 
 
 def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
@@ -197,10 +200,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, want)
-        tq = 64 // pack
+        mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH
+                   and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
+        tq = 64 * mt // pack
         variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, 1, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt)
     elif kernel == "decode-tc":
         pack = min(gqa_p2, 16)
         tq = 16 // pack

@@ -23,7 +23,28 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cb.available(), reason="no CUDA GPU / CuPy")]
 
 NMSE_MAX = 5e-4
-GPU_KERNELS = ("prefill", "decode", "decode-tc")
+# "prefill-wide": the prefill kernel with 128-row query tiles (MT = 2, FA2 load order) forced
+# at every batch size (the backend picks it from cuda_backend.PREFILL_WIDE_MIN_BATCH tokens on)
+GPU_KERNELS = ("prefill", "prefill-wide", "decode", "decode-tc")
+
+
+class _Kernel:
+    """Context: the backend kernel name of a test kernel name (entering forces the wide tiles)."""
+
+    def __init__(self, kernel):
+        self.name = "prefill" if kernel == "prefill-wide" else kernel
+        self.wide = kernel == "prefill-wide"
+
+    def __enter__(self):
+        if self.wide:
+            self.saved, cb.PREFILL_WIDE_MIN_BATCH = cb.PREFILL_WIDE_MIN_BATCH, 1
+            cb._PREPARED.clear()
+        return self.name
+
+    def __exit__(self, *exc):
+        if self.wide:
+            cb.PREFILL_WIDE_MIN_BATCH = self.saved
+            cb._PREPARED.clear()
 
 
 def _cupy():
@@ -61,10 +82,11 @@ def _run_device(q, k, v, mask, sinks, scale, max_bias, softcap, kernel, *, permu
     dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
     kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
                np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
-    cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
-                             from_array(dm) if dm is not None else None,
-                             from_array(ds) if ds is not None else None, from_array(dst),
-                             scale, max_bias, softcap, kernel=kernel, n_splits=n_splits, plan=plan)
+    with _Kernel(kernel) as kern:
+        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
+                                 from_array(dm) if dm is not None else None,
+                                 from_array(ds) if ds is not None else None, from_array(dst),
+                                 scale, max_bias, softcap, kernel=kern, n_splits=n_splits, plan=plan)
     cp.cuda.get_current_stream().synchronize()
     return dst.get()
 
@@ -74,10 +96,11 @@ def _run_host(q, k, v, mask, sinks, scale, max_bias, softcap, kernel):
     dst = np.full((ne3, n_batch, n_head, v.shape[3]), np.nan, dtype=np.float32)
     kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
                np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
-    cb.flash_attn_ext_host(from_array(q), from_array(k, kv_type), from_array(v, kv_type),
-                           from_array(mask) if mask is not None else None,
-                           from_array(sinks) if sinks is not None else None, from_array(dst),
-                           scale, max_bias, softcap, kernel=kernel)
+    with _Kernel(kernel) as kern:
+        cb.flash_attn_ext_host(from_array(q), from_array(k, kv_type), from_array(v, kv_type),
+                               from_array(mask) if mask is not None else None,
+                               from_array(sinks) if sinks is not None else None, from_array(dst),
+                               scale, max_bias, softcap, kernel=kern)
     return dst
 
 
@@ -89,7 +112,7 @@ def _check(out, ref, what):
 
 def _kernels_for(hsk, hsv, kv_type):
     from ggml_attn import dispatch
-    return [k for k in GPU_KERNELS if dispatch.supports(k, hsk, hsv, kv_type) is None]
+    return [k for k in GPU_KERNELS if dispatch.supports(_Kernel(k).name, hsk, hsv, kv_type) is None]
 
 
 # float K/V only: quantized K/V types are served by the CPU path (the GPU kernels read f16/bf16;
@@ -244,6 +267,56 @@ def test_plan_live_counts_and_reuse(rng):
         _run_device(q[:, :, :5], k, v, mask[:, :, :5], None, 0.1, 0.0, 0.0, "prefill", plan=plan)
 
 
+def _tile_classes_numpy(mask2d, tq, n_batch):
+    """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule)."""
+    n_kv = mask2d.shape[1]
+    bits = mask2d.view(np.uint16)
+    neg_inf, zero = bits == 0xFC00, (bits & 0x7FFF) == 0
+    fin = ~neg_inf
+    interval = []
+    for t in range(n_batch):
+        idx = np.flatnonzero(fin[t])
+        interval.append(idx.size == 0 or (zero[t, idx].all() and idx[-1] - idx[0] + 1 == idx.size))
+    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0}
+    for qt in range(-(-n_batch // tq)):
+        r = slice(qt * tq, min(n_batch, (qt + 1) * tq))
+        for kt in range(-(-n_kv // 64)):
+            c = slice(kt * 64, min(n_kv, (kt + 1) * 64))
+            if not fin[r, c].any():
+                continue
+            if zero[r, c].all() and c.stop - c.start == 64:
+                out["FULL"] += 1
+            elif all(interval[r]):
+                out["PARTIAL"] += 1
+            else:
+                out["MASKED"] += 1
+    return out
+
+
+def test_plan_tile_classes(rng):
+    """The plan's tile classes equal a numpy recount: block-causal rows are intervals (PARTIAL
+    tiles compare indices), a block of rows with random values makes its tiles MASKED, and
+    the n_kv tail tile is never FULL."""
+    seq = [100, 30, 200, 7, 64]
+    n = sum(seq)
+    n_kv = n + 13
+    mask = _block_causal_mask(seq)[0, 0]
+    mask = np.concatenate([mask, np.full((n, n_kv - n), -np.inf, np.float16)], axis=1)
+    mask[130:140, 130:140] = rng.uniform(-1, 1, (10, 10)).astype(np.float16)   # not intervals
+    mask[300:302, :] = 0.0                                                     # see the tail
+    cp = _cupy()
+    dm = cp.asarray(np.ascontiguousarray(mask[None, None]))
+    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    for tq in (16, 64, 128):
+        got = plan.tile_classes(tq)
+        assert got == _tile_classes_numpy(mask, tq, n), tq
+    assert plan.tile_classes(64)["MASKED"] > 0 and plan.tile_classes(64)["PARTIAL"] > 0
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
+    ref = flash_attn_ext(q, k, v, mask[None, None], 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    for kern in GPU_KERNELS:
+        _check(_run_device(q, k, v, mask[None, None], s, 0.1, 0.0, 0.0, kern), ref, f"classes {kern}")
+
+
 def test_host_entry_ragged(rng):
     seq = [50, 20, 90]
     mask = _block_causal_mask(seq)
@@ -277,10 +350,11 @@ def _launch(q_d, k_d, v_d, mask_desc, sinks_d, n_batch, n_head, d_v, ne3, kernel
             dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
     else:
         dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
-    cb.flash_attn_ext_device(from_array(q_d), from_array(k_d, kv_type), from_array(v_d, kv_type),
-                             mask_desc, from_array(sinks_d) if sinks_d is not None else None,
-                             from_array(dst), 0.1, 0.0, 0.0, kernel=kernel, plan=plan,
-                             stream=stream, n_splits=n_splits)
+    with _Kernel(kernel) as kern:
+        cb.flash_attn_ext_device(from_array(q_d), from_array(k_d, kv_type), from_array(v_d, kv_type),
+                                 mask_desc, from_array(sinks_d) if sinks_d is not None else None,
+                                 from_array(dst), 0.1, 0.0, 0.0, kernel=kern, plan=plan,
+                                 stream=stream, n_splits=n_splits)
     return dst
 
 

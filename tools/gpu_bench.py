@@ -204,6 +204,20 @@ def window_mask(n, window):
     return m
 
 
+class narrow_prefill:
+    """Context: prefill with 64-row query tiles only (to compare with the 128-row tiles)."""
+
+    def __enter__(self):
+        from ggml_attn import cuda_backend as cb
+        self.saved, cb.PREFILL_WIDE_MIN_BATCH = cb.PREFILL_WIDE_MIN_BATCH, 1 << 62
+        cb._PREPARED.clear()
+
+    def __exit__(self, *exc):
+        from ggml_attn import cuda_backend as cb
+        cb.PREFILL_WIDE_MIN_BATCH = self.saved
+        cb._PREPARED.clear()
+
+
 def copies_for(nbytes):
     return max(1, -(-L2_ROTATE_BYTES // max(nbytes, 1)))
 
@@ -248,6 +262,8 @@ def run(quick=False, only=None, log=print):
             fl = 4 * H * D * n * n / 2
             ours = Ours(1, n, n, block_causal_mask([n], n))
             add(case, "ours", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
+            with narrow_prefill():
+                add(case, "ours-64row", ours.fns("prefill"), fl)
             add(case, "ours-plan-build", [ours.plan_build])
             q, kv = torch_qkv(1, n, n)
             add(case, "cudnn", sdpa_fns(q, kv, causal=True), fl, ctx=cudnn())
@@ -259,6 +275,8 @@ def run(quick=False, only=None, log=print):
         fl = 4 * H * D * n * n
         ours = Ours(1, n, n)
         t_nomask = add(case, "ours", ours.fns("prefill"), fl)
+        with narrow_prefill():
+            add(case, "ours-64row", ours.fns("prefill"), fl)
         q, kv = torch_qkv(1, n, n)
         add(case, "cudnn", sdpa_fns(q, kv), fl, ctx=cudnn())
         add(case, "fa2", sdpa_fns(q, kv), fl, ctx=fa2())
@@ -295,6 +313,8 @@ def run(quick=False, only=None, log=print):
         n_kv = -(-total // 256) * 256
         ours = Ours(1, total, n_kv, block_causal_mask(lens, n_kv))
         add(case, "ours-unified", ours.fns(), useful, note=f"n_kv {n_kv}", tiles=ours.tile_classes())
+        with narrow_prefill():
+            add(case, "ours-unified-64row", ours.fns(), useful)
         add(case, "ours-plan-build", [ours.plan_build])
         add(case, "fa2-varlen", varlen_fns(lens), useful)
         Lmax = max(lens)

@@ -23,6 +23,7 @@ def main():
     # sequences: FULL tiles and PARTIAL tiles from row intervals), None (tail tile only)
     for kernel, dk, kv_type, nb, splits, softcap, bias, kind in [
         ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "random"),
+        ("prefill", 128, GGML_TYPE_F16, 300, 2, 10.0, 0.0, "random"),   # 128-row tiles
         ("prefill", 80, GGML_TYPE_BF16, 70, 2, 10.0, 8.0, "random"),
         ("prefill", 128, GGML_TYPE_F16, 333, None, 0.0, 0.0, "causal"),
         ("prefill", 64, GGML_TYPE_BF16, 100, 2, 0.0, 0.0, None),
