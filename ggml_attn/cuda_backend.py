@@ -170,6 +170,10 @@ _MAX_GRID_Y = 65535
 # prefill switches to 128-row query tiles (MT = 2: 32 rows per warp, FA2 load order) from this
 # many query tokens per stream on: half the shared-memory traffic per MMA of 64-row tiles
 PREFILL_WIDE_MIN_BATCH = 256
+# ... unless the plan finds fewer live KV tiles than this per 64-row query tile on average:
+# ragged batches of short prompts (2-3 live tiles per query tile) ran 1.1-1.3x slower on the
+# wide tiles on the H200 (bench/NOTES.md, v5), long causal prompts (8-130) 1.15-1.2x faster
+PREFILL_WIDE_MIN_LIVE = 6.0
 
 
 def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
@@ -190,17 +194,20 @@ def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
 
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
-                  blocks_per_sm: int | None = None) -> LaunchConfig:
+                  blocks_per_sm: int | None = None, wide: bool | None = None,
+                  max_live: dict | None = None) -> LaunchConfig:
     """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
     ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
     ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
-    device, 2 without one)."""
+    device, 2 without one). ``wide``: the plan's verdict on 128-row prefill tiles (None: by
+    n_batch alone). ``max_live``: the plan's most live KV tiles of any query tile, per tile
+    size (the split count is sized from it instead of n_kv)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, want)
-        mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH
+        mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH and wide is not False
                    and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
         variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
@@ -229,7 +236,8 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     if n_splits is None:
         if blocks_per_sm is None:
             blocks_per_sm = _occupancy(variant, name, block, smem)
-        n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], n_kv_tiles)
+        live = (max_live or {}).get(tq, n_kv_tiles)
+        n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
     if kernel == "decode":
         grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
@@ -324,6 +332,23 @@ class Plan:
     maps: dict = field(default_factory=dict)
     lohi: object = None            # cupy int32 array (see above), built with the first map
     aligned_mask: tuple | None = None   # (TensorDesc, cupy array): 16-byte aligned copy of mask
+    # host statistics read once by make_plan (one synchronization per ubatch):
+    wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
+    max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
+
+    def hint(self) -> tuple:
+        """What the launch configuration takes from the plan (part of the call cache key)."""
+        return self.wide, tuple(sorted(self.max_live.items()))
+
+    def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
+        """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
+        import cupy
+        self.live(tq, stream)
+        with cupy.cuda.ExternalStream(stream):
+            cnt = self.maps[tq][1].get()
+        mx = int(cnt.max()) if cnt.size else 0
+        self.max_live[tq] = mx
+        return mx, float(cnt.mean()) if cnt.size else 0.0
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
         return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
@@ -440,7 +465,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
 
     ``mask`` f16 [n_kv, n_rows >= n_batch, ne32, ne33] (ggml order). The map for the tile shape
     that ``kernel`` (with "auto": dispatch) uses at these shapes is built now; other tile
-    shapes are built on first use. Reuse the plan for every layer of the ubatch.
+    shapes are built on first use. Reuse the plan for every layer of the ubatch. Reads the
+    live-tile counts back to the host once (one synchronization of ``stream``): the prefill
+    tile height and the decode split count follow the live tiles, not n_kv.
     """
     if mask is None:
         raise ValueError("make_plan needs a mask")
@@ -452,9 +479,13 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     if kern == "auto":
         kern, _ = dispatch.choose(n_batch, sh.gqa, sh.n_kv, d_k, d_v, kv_type)
     if kern in ("prefill", "decode", "decode-tc") and dispatch.supports(kern, d_k, d_v, kv_type) is None:
-        cfg = launch_config(kern, sh)
         st = _stream_ptr(stream)
-        plan.live(cfg.q_tile_tokens, st)
+        cfg = launch_config(kern, sh, wide=False)
+        _, mean = plan.read_stats(cfg.q_tile_tokens, st)
+        if kern == "prefill":
+            plan.wide = mean >= PREFILL_WIDE_MIN_LIVE
+            cfg = launch_config(kern, sh, wide=plan.wide)
+            plan.live(cfg.q_tile_tokens, st)
         if kern != "decode" and mask_needs_aligned_copy(mask):
             plan.aligned(st)
     return plan
@@ -518,22 +549,25 @@ class _Prepared:
 _PREPARED: dict[tuple, _Prepared] = {}
 
 
-def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev):
-    return (q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16, v.type, v.ne, v.nb, v.ptr % 16,
+def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
+    return (hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16, v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
             dst.type, dst.ne, dst.nb, float(scale), float(max_bias), float(softcap), kernel,
             n_splits, dev)
 
 
-def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits) -> _Prepared:
+def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
+             plan: Plan | None = None) -> _Prepared:
     sh = validate(q, k, v, mask, sinks, dst)
     if max_bias > 0.0 and mask is None:
         raise ValueError("max_bias > 0 (ALiBi) requires a mask")
     kern = _resolve_kernel(kernel, sh, k, v, q)
     if kern == "reference":
         return _Prepared(kern)
-    cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0)
+    cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
+                        wide=plan.wide if plan is not None else None,
+                        max_live=plan.max_live if plan is not None else None)
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
@@ -586,10 +620,11 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
     if q_needs_aligned_copy(q):
         q, q_copy = _aligned_q_copy(q, _stream_ptr(stream))  # q_copy: alive until launched
     dev = cupy.cuda.runtime.getDevice()
-    key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev)
+    key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev,
+                    plan.hint() if plan is not None else None)
     prep = _PREPARED.get(key)
     if prep is None:
-        prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits)
+        prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, plan)
         if len(_PREPARED) > 4096:
             _PREPARED.clear()
         _PREPARED[key] = prep

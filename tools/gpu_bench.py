@@ -218,6 +218,24 @@ class narrow_prefill:
         cb._PREPARED.clear()
 
 
+class waves:
+    """Context: decode split counts sized for ``n`` waves of blocks instead of the default."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        from ggml_attn import cuda_backend as cb
+        self.saved = dict(cb._WAVES)
+        cb._WAVES.update({"decode-tc": self.n, "decode": self.n})
+        cb._PREPARED.clear()
+
+    def __exit__(self, *exc):
+        from ggml_attn import cuda_backend as cb
+        cb._WAVES.update(self.saved)
+        cb._PREPARED.clear()
+
+
 def copies_for(nbytes):
     return max(1, -(-L2_ROTATE_BYTES // max(nbytes, 1)))
 
@@ -352,6 +370,9 @@ def run(quick=False, only=None, log=print):
         ours = Ours(B, 1, S, copies=c)
         for kern in ("auto", "decode-tc", "decode"):
             add(case, f"ours-{kern}", ours.fns(kern), None, nbytes, note=f"{c} K/V copies")
+        for w in (1, 4):   # split counts for other numbers of waves (the default is 2)
+            with waves(w):
+                add(case, f"ours-decode-tc-{w}waves", ours.fns("decode-tc"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
