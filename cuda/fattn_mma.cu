@@ -4,7 +4,7 @@
 // pipeline. Q (f32 in global) is converted to the K/V type on load; without softcap and ALiBi
 // (EXT = false) it is pre-multiplied by scale * log2(e), so scores come out in the log2 domain.
 //
-// Block = NWQ x NWK warps (MT m16 tiles of rows per warp). The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
+// Block = NWQ x NWK warps (MT m16 tiles of rows per warp; ST K/V stages in the ring). The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
 // KV head: row i -> head hg*pack + i % pack, token qt*q_tile_tokens + i / pack (pack is a power
 // of two). Warp (wq, wk) owns rows [16 MT wq, 16 MT (wq + 1)) and the KV columns
 // [wk*KW, wk*KW + KW) of every 64-column KV tile (KW = 64 / NWK), running its own online
@@ -22,7 +22,7 @@
 // that does not).
 #include "fattn_common.cuh"
 
-template <int DK, int DV, int NWQ, int NWK, int MT>
+template <int DK, int DV, int NWQ, int NWK, int MT, int ST>
 struct MmaCfg {
     static constexpr int BK = FATTN_KV_TILE;
     static constexpr int KW = BK / NWK;
@@ -33,10 +33,10 @@ struct MmaCfg {
     static constexpr int SK = DKP + 8;      // smem row stride (elements) of Q and K: +16 B breaks bank conflicts
     static constexpr int SV = DVP + 8;
     // FA2 order (MT > 1): one K, one V and one mask buffer; V(j) loads during S(j) and the
-    // softmax, K(j+1) and its mask during P(j)V(j). Otherwise a ring of STAGES K/V(/mask) tiles:
-    // 3 for decode-tc (latency-bound, little compute per tile) where it fits.
+    // softmax, K(j+1) and its mask during P(j)V(j). Otherwise a ring of ST K/V(/mask) tiles
+    // (2 where ST > 2 does not fit).
     static constexpr bool FA2 = MT > 1;
-    static constexpr int STAGES = FA2 ? 1 : (NWK > 1 && DKP + DVP <= 512) ? 3 : 2;
+    static constexpr int STAGES = FA2 ? 1 : (DKP + DVP <= 512 ? ST : 2);
     static constexpr bool Q_REGS = MT == 1 && DKP <= 128;
     static constexpr int SO = DVP + 4;      // epilogue row stride (floats)
     static constexpr int SM = BK + 8;       // mask tile row stride (halves)
@@ -74,10 +74,10 @@ __device__ __forceinline__ void load_rows_async(unsigned sdst, int sstride_bytes
     }
 }
 
-template <int DK, int DV, typename T, int NWQ, int NWK, int MT, bool EXT>
+template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
 __global__ void __launch_bounds__(32 * NWQ * NWK, 2)
 fattn_mma(const FattnParams p) {
-    using C = MmaCfg<DK, DV, NWQ, NWK, MT>;
+    using C = MmaCfg<DK, DV, NWQ, NWK, MT, ST>;
     constexpr int BK = C::BK, KW = C::KW, BM = C::BM, NT = C::NT;
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
 
@@ -172,7 +172,11 @@ fattn_mma(const FattnParams p) {
                                         kbase + (long long)kv0 * p.k_nb1, p.k_nb1, left, tid);
         if (e & FATTN_TILE_MASKED) {
             __half* dm = sMask + stage * BM * C::SM;
-            for (int i = tid; i < BM * (BK / 8); i += NT) {
+            if (P == 1 && left >= BK) {   // rows = tokens of one head: a strided copy like K's
+                load_rows_async<BM, BK / 8, NT>(smem_u32(dm), C::SM * 2,
+                                                mbase + (long long)tok0 * p.m_nb1 + (long long)(hg % p.ne32) * p.m_nb2 +
+                                                (long long)kv0 * 2, p.m_nb1, min(tq, p.n_batch - tok0), tid);
+            } else for (int i = tid; i < BM * (BK / 8); i += NT) {
                 const int r = i / (BK / 8), ch = i % (BK / 8);
                 const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
                 const int cl = left - ch * 8;   // mask columns left from this chunk
@@ -297,6 +301,7 @@ fattn_mma(const FattnParams p) {
         }
         if (e & FATTN_TILE_PARTIAL) {
             if (e & FATTN_TILE_MASKED) {
+                const bool tail = (e & FATTN_TILE_ID_MASK) * BK + BK > p.n_kv;
                 const __half* sm_tile = sMask + stage * BM * C::SM + (16 * MT * wq + g) * C::SM + wk * KW + 2 * t4;
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -308,9 +313,12 @@ fattn_mma(const FattnParams p) {
                             const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(
                                 sm_tile + (mt * 16 + rs * 8) * C::SM + nt * 8));
                             const float sl = slope[mt][rs] * FATTN_LOG2E;
-                            float x0 = S[mt][nt][2 * rs] + sl * mv.x, x1 = S[mt][nt][2 * rs + 1] + sl * mv.y;
-                            S[mt][nt][2 * rs] = col < p.n_kv ? x0 : FATTN_NEG_INF;
-                            S[mt][nt][2 * rs + 1] = col + 1 < p.n_kv ? x1 : FATTN_NEG_INF;
+                            S[mt][nt][2 * rs] += sl * mv.x;
+                            S[mt][nt][2 * rs + 1] += sl * mv.y;
+                            if (tail) {
+                                if (col >= p.n_kv) S[mt][nt][2 * rs] = FATTN_NEG_INF;
+                                if (col + 1 >= p.n_kv) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
+                            }
                         }
             } else {
 #pragma unroll

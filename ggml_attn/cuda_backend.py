@@ -163,7 +163,12 @@ class LaunchConfig:
 # Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
-_WAVES = {"prefill": 1, "decode-tc": 2, "decode": 2}
+_WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2}
+# K/V ring depth of decode-tc: 3 stages (115.7 KB at D 128: one block per SM) or 2 (two blocks)
+DECODE_TC_STAGES = 3
+# query heads of one KV head packed into the rows of a 64-row prefill tile when the plan found
+# a ragged batch (wide is False): K/V tiles shared by the packed heads, finer token granularity
+PREFILL_PACK = 1
 _MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
 _MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
 _MAX_GRID_Y = 65535
@@ -206,19 +211,20 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
-        pack = min(gqa_p2, 16, want)
+        pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
         mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH and wide is not False
                    and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
+        st = 1 if mt == 2 else 2
         variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
         pack = min(gqa_p2, 16)
         tq = 16 // pack
         variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
     elif kernel == "decode":
         allowed = K.vec_rows_allowed(sh.d_k, sh.d_v)
         rmax = max(allowed)
@@ -480,12 +486,11 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         kern, _ = dispatch.choose(n_batch, sh.gqa, sh.n_kv, d_k, d_v, kv_type)
     if kern in ("prefill", "decode", "decode-tc") and dispatch.supports(kern, d_k, d_v, kv_type) is None:
         st = _stream_ptr(stream)
-        cfg = launch_config(kern, sh, wide=False)
-        _, mean = plan.read_stats(cfg.q_tile_tokens, st)
-        if kern == "prefill":
+        if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
+            _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
             plan.wide = mean >= PREFILL_WIDE_MIN_LIVE
-            cfg = launch_config(kern, sh, wide=plan.wide)
-            plan.live(cfg.q_tile_tokens, st)
+        cfg = launch_config(kern, sh, wide=plan.wide)
+        plan.read_stats(cfg.q_tile_tokens, st)
         if kern != "decode" and mask_needs_aligned_copy(mask):
             plan.aligned(st)
     return plan

@@ -33,12 +33,14 @@ KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
 MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
-MMA_LAYOUTS = ((4, 1, 1), (4, 1, 2), (1, 4, 1))   # (NWQ, NWK, MT): prefill 64 / 128 rows, decode-tc
+# (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
+# 3-stage ring (one block per SM at D 128) or a 2-stage ring (two blocks per SM)
+MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 3), (1, 4, 1, 2))
 WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for D_k, D_v <= this (registers)
 
 
-def mma_layouts(dk: int, dv: int) -> tuple[tuple[int, int, int], ...]:
-    """The (NWQ, NWK, MT) instances compiled for head sizes (dk, dv)."""
+def mma_layouts(dk: int, dv: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The (NWQ, NWK, MT, ST) instances compiled for head sizes (dk, dv)."""
     return tuple(l for l in MMA_LAYOUTS if l[2] == 1 or max(dk, dv) <= WIDE_MAX_HEAD)
 VEC_ROWS = (1, 4, 8)             # R: query rows per vec block
 
@@ -59,11 +61,11 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
     return tuple(r for r in VEC_ROWS if per_row * r <= 160)
 
 
-def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1) -> int:
+def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1, st: int = 2) -> int:
     """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
     bk = KV_TILE
     dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
-    stages = 1 if mt > 1 else 3 if (nwk > 1 and dkp + dvp <= 512) else 2   # MmaCfg::STAGES
+    stages = 1 if mt > 1 else st if dkp + dvp <= 512 else 2   # MmaCfg::STAGES
     sk, sv, so = dkp + 8, dvp + 8, dvp + 4
     bm = 16 * mt * nwq
     pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))
@@ -96,10 +98,10 @@ def util_variant() -> Variant:
     return Variant("util", "fattn_util.cu", UTIL_NAMES)
 
 
-def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1,
+def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
              ext: bool = False) -> str:
     """``ext``: the instance with softcap and ALiBi (the plain one folds the scale into Q)."""
-    return f"fattn_mma<{dk}, {dv}, {KV_CTYPES[kv_type]}, {nwq}, {nwk}, {mt}, {'true' if ext else 'false'}>"
+    return f"fattn_mma<{dk}, {dv}, {KV_CTYPES[kv_type]}, {nwq}, {nwk}, {mt}, {st}, {'true' if ext else 'false'}>"
 
 
 def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
@@ -109,7 +111,7 @@ def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
 def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
     """One program per (head sizes, K/V type, ext): plain calls never compile the ext code."""
     return Variant("mma-ext" if ext else "mma", "fattn_mma.cu",
-                   tuple(mma_name(dk, dv, kv_type, a, b, m, ext) for a, b, m in mma_layouts(dk, dv)))
+                   tuple(mma_name(dk, dv, kv_type, *lay, ext=ext) for lay in mma_layouts(dk, dv)))
 
 
 def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:

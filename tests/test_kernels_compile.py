@@ -66,8 +66,8 @@ def test_params_struct_layout_matches_c():
 
 def test_smem_fits_h200():
     for (dk, dv) in K.MMA_HEADS:
-        for a, b, m in K.MMA_LAYOUTS:
-            assert K.mma_smem_bytes(dk, dv, a, b, m) <= 227 * 1024, (dk, dv, a, b, m)
+        for lay in K.mma_layouts(dk, dv):
+            assert K.mma_smem_bytes(dk, dv, *lay) <= 227 * 1024, (dk, dv, lay)
     for (dk, dv) in K.VEC_HEADS:
         for r in K.vec_rows_allowed(dk, dv):
             assert K.vec_smem_bytes(dk, dv, r) <= 227 * 1024
@@ -95,7 +95,7 @@ def test_launch_config_rules():
     # 8 head groups; splits for 2 whole waves of 132 SMs x 2 slots: 8 * 66 = 528 = 2 * 264
     assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 66
     c = launch_config("decode-tc", sh, blocks_per_sm=1)
-    assert c.pack == 4 and c.q_tile_tokens == 4 and c.grid == (8, 1, 33)   # 264 blocks: 2 waves
+    assert c.pack == 4 and c.q_tile_tokens == 4 and c.grid == (8, 1, 33)   # 264 blocks: 2 full waves
     sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
     c = launch_config("prefill", sh, blocks_per_sm=2)
     # tensor-core grid: (head groups, query tiles, streams * splits)

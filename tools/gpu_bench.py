@@ -204,36 +204,52 @@ def window_mask(n, window):
     return m
 
 
-class narrow_prefill:
-    """Context: prefill with 64-row query tiles only (to compare with the 128-row tiles)."""
+class knobs:
+    """Context: cuda_backend module settings changed for a comparison row (launch cache cleared)."""
+
+    def __init__(self, **kw):
+        self.kw = kw
 
     def __enter__(self):
         from ggml_attn import cuda_backend as cb
-        self.saved, cb.PREFILL_WIDE_MIN_BATCH = cb.PREFILL_WIDE_MIN_BATCH, 1 << 62
+        self.saved = {}
+        for k, v in self.kw.items():
+            cur = getattr(cb, k)
+            self.saved[k] = dict(cur) if isinstance(cur, dict) else cur
+            if isinstance(cur, dict):
+                cur.update(v)
+            else:
+                setattr(cb, k, v)
         cb._PREPARED.clear()
 
     def __exit__(self, *exc):
         from ggml_attn import cuda_backend as cb
-        cb.PREFILL_WIDE_MIN_BATCH = self.saved
+        for k, v in self.saved.items():
+            if isinstance(v, dict):
+                getattr(cb, k).update(v)
+            else:
+                setattr(cb, k, v)
         cb._PREPARED.clear()
 
 
-class waves:
-    """Context: decode split counts sized for ``n`` waves of blocks instead of the default."""
+def narrow_prefill():
+    return knobs(PREFILL_WIDE_MIN_BATCH=1 << 62)
 
-    def __init__(self, n):
-        self.n = n
 
-    def __enter__(self):
-        from ggml_attn import cuda_backend as cb
-        self.saved = dict(cb._WAVES)
-        cb._WAVES.update({"decode-tc": self.n, "decode": self.n})
-        cb._PREPARED.clear()
+def waves(n):
+    return knobs(_WAVES={"decode-tc": n, "decode": n})
 
-    def __exit__(self, *exc):
-        from ggml_attn import cuda_backend as cb
-        cb._WAVES.update(self.saved)
-        cb._PREPARED.clear()
+
+def wall_us(fn, calls=20):
+    """Host wall time (us) of ``fn`` including a device synchronization (per-ubatch work)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def copies_for(nbytes):
@@ -282,7 +298,8 @@ def run(quick=False, only=None, log=print):
             add(case, "ours", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
             with narrow_prefill():
                 add(case, "ours-64row", ours.fns("prefill"), fl)
-            add(case, "ours-plan-build", [ours.plan_build])
+            rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
+                             note="wall time of make_plan (once per ubatch), synchronized"))
             q, kv = torch_qkv(1, n, n)
             add(case, "cudnn", sdpa_fns(q, kv, causal=True), fl, ctx=cudnn())
             add(case, "fa2", sdpa_fns(q, kv, causal=True), fl, ctx=fa2())
@@ -333,7 +350,10 @@ def run(quick=False, only=None, log=print):
         add(case, "ours-unified", ours.fns(), useful, note=f"n_kv {n_kv}", tiles=ours.tile_classes())
         with narrow_prefill():
             add(case, "ours-unified-64row", ours.fns(), useful)
-        add(case, "ours-plan-build", [ours.plan_build])
+        rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
+                         note="wall time of make_plan (once per ubatch), synchronized"))
+        with knobs(PREFILL_PACK=4):
+            add(case, "ours-unified-pack4", ours.fns(), useful)
         add(case, "fa2-varlen", varlen_fns(lens), useful)
         Lmax = max(lens)
         q, kv = torch_qkv(n_prompts, Lmax, Lmax)
@@ -370,9 +390,13 @@ def run(quick=False, only=None, log=print):
         ours = Ours(B, 1, S, copies=c)
         for kern in ("auto", "decode-tc", "decode"):
             add(case, f"ours-{kern}", ours.fns(kern), None, nbytes, note=f"{c} K/V copies")
-        for w in (1, 4):   # split counts for other numbers of waves (the default is 2)
+        for w in (2, 4):   # split counts for other numbers of waves (the default is 1)
             with waves(w):
                 add(case, f"ours-decode-tc-{w}waves", ours.fns("decode-tc"), None, nbytes)
+        with knobs(DECODE_TC_STAGES=2):
+            add(case, "ours-decode-tc-2stages", ours.fns("decode-tc"), None, nbytes)
+            with waves(2):
+                add(case, "ours-decode-tc-2stages-2waves", ours.fns("decode-tc"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -425,7 +449,7 @@ def summary(rows):
         if "ratio" in r:
             lines.append(f"{r['case']:60s} {r['ratio']:.3f}" + (f" (target <= {r['target']})" if "target" in r else ""))
         if "host_us" in r:
-            lines.append(f"{r['case']:44s} host {r['host_us']:.1f} us per call")
+            lines.append(f"{r['case']:44s} {r['impl']} host {r['host_us']:.1f} us")
     return "\n".join(lines)
 
 
