@@ -164,11 +164,13 @@ class LaunchConfig:
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2}
-# K/V ring depth of decode-tc: 3 stages (115.7 KB at D 128: one block per SM) or 2 (two blocks)
-DECODE_TC_STAGES = 3
+# K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
+# block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
+DECODE_TC_STAGES = 2
 # query heads of one KV head packed into the rows of a 64-row prefill tile when the plan found
-# a ragged batch (wide is False): K/V tiles shared by the packed heads, finer token granularity
-PREFILL_PACK = 1
+# a ragged batch (wide is False): K/V tiles shared by the packed heads and 16-token tiles that
+# straddle fewer prompts; 4 took 16 / 64 short prompts from 42.9 / 173.4 to 39.5 / 158.0 us (v7)
+PREFILL_PACK = 4
 _MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
 _MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
 _MAX_GRID_Y = 65535

@@ -34,8 +34,8 @@ MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128,
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
 # (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
-# 3-stage ring (one block per SM at D 128) or a 2-stage ring (two blocks per SM)
-MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 3), (1, 4, 1, 2))
+# 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower)
+MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2))
 WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for D_k, D_v <= this (registers)
 
 

@@ -317,6 +317,32 @@ def test_plan_tile_classes(rng):
         _check(_run_device(q, k, v, mask[None, None], s, 0.1, 0.0, 0.0, kern), ref, f"classes {kern}")
 
 
+@pytest.mark.parametrize("kv_type", [GGML_TYPE_F16, GGML_TYPE_BF16])
+@pytest.mark.parametrize("seq,want_wide", [
+    ([16, 200, 33, 1, 77, 128, 5, 64, 65, 190, 17, 40, 100, 3, 150, 9], False),   # short prompts
+    ([1500, 600], True),                                                          # long causal
+])
+def test_plan_chosen_tiles(seq, want_wide, kv_type, rng):
+    """make_plan picks the prefill tile height from the live tiles (ragged batches of short
+    prompts: 64-row tiles with GQA heads packed; long prompts: 128-row tiles), and the call
+    that uses the plan is right either way."""
+    cp = _cupy()
+    n = sum(seq)
+    mask = _block_causal_mask(seq, pad_rows=5)
+    q, k, v, s = _inputs(rng, 1, 16, 4, n, n, 128, 128, kv_type, sinks=True)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=kv_type)
+    dq, dk_, dv_, dm, ds = (cp.asarray(np.ascontiguousarray(x)) for x in (q, k, v, mask, s))
+    md = from_array(dm)
+    plan = cb.make_plan(md, n, 16, 4, d_k=128, kv_type=kv_type, kernel="prefill")
+    assert plan.wide is want_wide
+    cfg = cb.launch_config("prefill", cb.Shapes(128, 128, n, 16, 4, 1, n, kv_type), wide=plan.wide)
+    assert (cfg.q_tile_tokens, cfg.pack) == ((128, 1) if want_wide else (64 // cb.PREFILL_PACK, cb.PREFILL_PACK))
+    for kern in ("prefill", "auto"):
+        out = _launch(dq, dk_, dv_, md, ds, n, 16, 128, 1, kern, kv_type, plan=plan)
+        cp.cuda.get_current_stream().synchronize()
+        _check(out.get(), ref, f"plan-chosen tiles {kern} wide={want_wide}")
+
+
 def test_host_entry_ragged(rng):
     seq = [50, 20, 90]
     mask = _block_causal_mask(seq)

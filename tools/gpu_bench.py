@@ -331,6 +331,8 @@ def run(quick=False, only=None, log=print):
         ours_w = Ours(1, n, n, wm)
         t_win = add(f"prefill N={n} window {w}", "ours", ours_w.fns("prefill"), 4 * H * D * n * n * f,
                     note=f"live fraction {f:.3f}", tiles=ours_w.tile_classes("prefill"))
+        with narrow_prefill():
+            add(f"prefill N={n} window {w}", "ours-64row", ours_w.fns("prefill"), 4 * H * D * n * n * f)
         add(f"prefill N={n} window {w}", "fa2-varlen-window", varlen_fns([n], window=w), 4 * H * D * n * n * f)
         if t_nomask and t_win:
             rows.append(dict(case=f"prefill N={n} window {w}: time / all-live time", impl="ours",
@@ -352,8 +354,9 @@ def run(quick=False, only=None, log=print):
             add(case, "ours-unified-64row", ours.fns(), useful)
         rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
                          note="wall time of make_plan (once per ubatch), synchronized"))
-        with knobs(PREFILL_PACK=4):
-            add(case, "ours-unified-pack4", ours.fns(), useful)
+        for pk in (1, 8):
+            with knobs(PREFILL_PACK=pk):
+                add(case, f"ours-unified-pack{pk}", ours.fns(), useful)
         add(case, "fa2-varlen", varlen_fns(lens), useful)
         Lmax = max(lens)
         q, kv = torch_qkv(n_prompts, Lmax, Lmax)
@@ -393,10 +396,9 @@ def run(quick=False, only=None, log=print):
         for w in (2, 4):   # split counts for other numbers of waves (the default is 1)
             with waves(w):
                 add(case, f"ours-decode-tc-{w}waves", ours.fns("decode-tc"), None, nbytes)
-        with knobs(DECODE_TC_STAGES=2):
-            add(case, "ours-decode-tc-2stages", ours.fns("decode-tc"), None, nbytes)
-            with waves(2):
-                add(case, "ours-decode-tc-2stages-2waves", ours.fns("decode-tc"), None, nbytes)
+        for mt in (1, 2):   # fewer KV tiles per split than the default 4
+            with knobs(_MIN_TILES_PER_SPLIT=mt):
+                add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -419,6 +421,9 @@ def run(quick=False, only=None, log=print):
         part = Ours(1, 1, S, m, copies=c)
         t_all = add(f"decode B=1 kv={S}, all live (zero mask)", "ours-auto", full.fns(), None, nbytes)
         t_part = add(case, "ours-auto", part.fns(), None, nbytes * f)
+        for mt in (1, 2):
+            with knobs(_MIN_TILES_PER_SPLIT=mt):
+                add(case, f"ours-min{mt}tiles", part.fns(), None, nbytes * f)
         if t_all and t_part:
             rows.append(dict(case=f"{case}: time / all-live time", impl="ours",
                              ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))
