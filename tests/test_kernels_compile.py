@@ -98,8 +98,16 @@ def test_launch_config_rules():
     assert c.pack == 4 and c.q_tile_tokens == 4 and c.grid == (8, 1, 33)   # 264 blocks: 2 full waves
     sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
     c = launch_config("prefill", sh, blocks_per_sm=2)
-    # tensor-core grid: (head groups, query tiles, streams * splits)
-    assert c.pack == 1 and c.q_tile_tokens == 64 and c.n_splits == 1 and c.grid == (32, 32, 1)
+    # tensor-core grid: (head groups, query tiles, streams * splits); 128-row tiles from 256 tokens
+    assert c.pack == 1 and c.q_tile_tokens == 128 and c.n_splits == 1 and c.grid == (32, 16, 1)
+    assert c.name.endswith(", 4, 1, 2, 1, false>")
+    c = launch_config("prefill", sh, blocks_per_sm=2, wide=False)   # the plan found a ragged batch
+    assert c.pack == 4 and c.q_tile_tokens == 16 and c.grid == (8, 128, 1)
+    c = launch_config("prefill", sh, blocks_per_sm=2, ext=True)
+    assert c.name.endswith(", 4, 1, 2, 1, true>") and c.variant.family == "mma-ext"
+    sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    few = launch_config("decode-tc", sh1, blocks_per_sm=2, max_live={4: 64}).n_splits
+    assert few < launch_config("decode-tc", sh1, blocks_per_sm=2).n_splits and few <= 64 // 4
     sh = Shapes(128, 128, 3, 32, 8, 1, 113, GGML_TYPE_F16)
     c = launch_config("prefill", sh)
     assert c.pack == 4 and c.q_tile_tokens == 16 and c.n_kv_tiles == 2
