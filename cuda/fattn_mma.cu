@@ -138,12 +138,11 @@ fattn_mma(const FattnParams p) {
 
     // ---- per-thread rows: g and g + 8 of each of this warp's MT m-tiles. A row's visible
     // interval [lo, hi) (PARTIAL tiles) is read when needed: registers are short with MT = 2.
-    const int2* lohi_rows = p.row_lohi ? p.row_lohi + (long long)(s % p.ne33) * p.ne32 * p.n_batch : nullptr;
     auto row_range = [&](int mt, int rs) -> int2 {
         const int r = 16 * (MT * wq + mt) + g + 8 * rs;
         const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
-        if (lohi_rows && tok < p.n_batch && tr < tq)
-            return __ldg(lohi_rows + (long long)(h % p.ne32) * p.n_batch + tok);
+        if (p.row_lohi && tok < p.n_batch && tr < tq)
+            return __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 + (p.ne32 == 1 ? 0 : h % p.ne32)) * p.n_batch + tok);
         return make_int2(0, p.n_kv);
     };
     float slope[MT][2];

@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,11 +264,37 @@ class Compiled:
 
 _MEM_CACHE: dict[tuple, Compiled] = {}
 
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def resource_usage(log: str) -> dict[str, dict[str, int]]:
+    """Per kernel (mangled name) of a ``-Xptxas=-v`` compile log: registers, stack frame and
+    spill bytes, as ptxas reports them."""
+    out: dict[str, dict[str, int]] = {}
+    cur = None
+    for line in log.splitlines():
+        m = _PTXAS_ENTRY.search(line)
+        if m:
+            cur = out.setdefault(m.group(1), {})
+            continue
+        if cur is None:
+            continue
+        m = _PTXAS_FRAME.search(line)
+        if m:
+            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = _PTXAS_REGS.search(line)
+        if m:
+            cur["registers"] = int(m.group(1))
+    return out
+
 
 def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
-                    refresh: bool = False) -> Compiled:
+                    refresh: bool = False, extra_options: tuple = ()) -> Compiled:
     """Compile ``variant`` for ``arch`` (e.g. "sm_90") to a cubin; memory + disk cached.
     ``refresh``: ignore both caches and compile (the result replaces the cached cubin).
+    ``extra_options``: more NVRTC options (e.g. "-Xptxas=-v" for :func:`resource_usage`).
 
     Raises RuntimeError with the NVRTC log on a compile error.
     """
@@ -276,7 +303,7 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
         _SRC_HASH = _sources_hash()
     nv = _nvrtc()
     ver = tuple(nv.getVersion())
-    opts = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{source_dir()}"] + \
+    opts = list(BASE_OPTIONS) + list(extra_options) + [f"-arch={arch}", f"-I{source_dir()}"] + \
         [f"-I{d}" for d in cuda_include_dirs()]
     key = cache_key(variant, arch, opts, ver)
     mk = (key,)
