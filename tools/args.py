@@ -133,8 +133,18 @@ class ExtendList(argparse.Action):
 class Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line on stderr and exit code 2.
 
-    ``type=`` functions may raise UserError; its message is kept as is.
+    ``type=`` functions may raise UserError; its message is kept as is. Flags match exactly:
+    no abbreviations (``--rep`` is not ``--repetitions``) and no value glued to a short flag
+    (``-ngl`` is not ``-n gl``), so a llama-bench flag we lack is reported by its own name.
     """
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def _get_option_tuples(self, option_string):
+        # argparse's prefix matching: for "-ngl" it offers "-n" with the value "gl"
+        return []
 
     def error(self, message):  # noqa: D401 - argparse API
         import sys

@@ -22,7 +22,7 @@ from .common import Progress, console_main, default_threads
 from .errors import UserError
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, default_split, resolve_device)
+                     check_context, check_kernel, check_threads, default_split, resolve_device)
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -286,6 +286,7 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     check_batch_sizes(ns.batch_size, ns.ubatch_size)
+    check_threads(ns.threads)
     _check_plot_available(ns.plot)
     device = resolve_device(ns.device)
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
@@ -338,7 +339,7 @@ def _main(argv=None) -> int:
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
-                flash_attn=0 if ns.flash_attn == "off" else 1, is_pp_shared=int(ns.pps),
+                flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
                 n_threads_batch=ns.threads, kv_unified=ns.kv_unified, model=model.name, device=device,
                 kernel=ns.kernel, layer=ns.layer)

@@ -22,13 +22,14 @@ from .common import Progress, build_info, console_main, cpu_info, default_thread
 from .errors import UserError
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, default_split, resolve_device)
+                     check_context, check_kernel, check_threads, default_split, resolve_device)
 
 PROG = "ggml-attn-bench"
-FA_VALUES = {"on": 1, "off": 0, "auto": -1, "1": 1, "0": 0, "-1": -1}
+# llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
+FA_VALUES = {"on": "on", "off": "off", "auto": "auto", "1": "on", "0": "off", "-1": "auto"}
 
 
-def parse_fa(text: str) -> list[int]:
+def parse_fa(text: str) -> list[str]:
     out = []
     for item in str(text).split(","):
         key = item.strip().lower()
@@ -58,7 +59,7 @@ def build_parser() -> Parser:
              help="logical batch size: tokens per decode call")
     add_list(p, "-ub", "--ubatch-size", type=parse_int_range, default=[512], metavar="N",
              help="physical batch size: rows per graph evaluation")
-    add_list(p, "-fa", "--flash-attn", type=parse_fa, default=[-1], metavar="on|off|auto",
+    add_list(p, "-fa", "--flash-attn", type=parse_fa, default=["auto"], metavar="on|off|auto",
              help="on: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max path; auto: on")
     add_list(p, "-kvu", "--kv-unified", type=parse_bool_list, default=[False], metavar="0|1",
              help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
@@ -101,7 +102,7 @@ def tests_of(ns) -> list[tuple[int, int]]:
 def optional_columns(ns) -> list[str]:
     """Markdown columns to show: flags with several or non-default values."""
     defaults = {"n_batch": ("batch_size", [2048]), "n_ubatch": ("ubatch_size", [512]),
-                "flash_attn": ("flash_attn", [-1]), "kv_unified": ("kv_unified", [False]),
+                "flash_attn": ("flash_attn", ["auto"]), "kv_unified": ("kv_unified", [False]),
                 "split": ("split", [""]), "kernel": ("kernel", ["auto"]), "layer": ("layer", ["attn"])}
     return [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
 
@@ -119,9 +120,8 @@ def instances(ns, device: str) -> list[dict]:
     out = []
     for inst in params:
         check_batch_sizes(inst["n_batch"], inst["n_ubatch"])
-        if inst["n_threads"] < 1:
-            raise UserError(f"-t must be at least 1, got {inst['n_threads']}")
-        check_kernel(inst["kernel"], inst["flash_attn"] != 0, device)
+        check_threads(inst["n_threads"])
+        check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
     for inst in out:
@@ -222,7 +222,7 @@ def _main(argv=None) -> int:
                 runner = Runner(RunConfig(
                     inst["model"], n_ctx=key[-1], n_seq=1, kv_unified=inst["kv_unified"],
                     split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
-                    flash_attn=inst["flash_attn"] != 0, kernel=inst["kernel"], layer=inst["layer"],
+                    flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
                     device=device, n_threads=inst["n_threads"], seed=ns.seed))
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             printer.row(make_row(inst, result, device))

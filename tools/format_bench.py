@@ -27,7 +27,7 @@ FIELDS = [
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
 INT_FIELDS = {"build_number", "model_size", "model_n_params", "n_layer", "n_head", "n_head_kv",
-              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
+              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers",
               "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
 BOOL_FIELDS = {"kv_unified"}
 FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
@@ -36,7 +36,7 @@ FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
            "kv_unified": "kvu", "device": "dev"}
 WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
-          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 3, "kv_unified": 3,
+          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 4, "kv_unified": 3,
           "split": -7, "kernel": -9, "layer": -5, "device": -4, "test": 15, "t/s": 20}
 # optional markdown columns, in order, shown when non-default or several values
 OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "kv_unified", "split", "kernel", "layer"]

@@ -96,6 +96,22 @@ def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
                         f"path); on the CPU use --kernel auto, reference or ggml")
 
 
+# ggml's CPU backend keeps per-thread state in arrays of GGML_MAX_N_THREADS (ggml.h); more
+# threads hang, abort in libgomp or crash instead of failing cleanly
+MAX_THREADS = 512
+
+
+def check_threads(n_threads: int) -> None:
+    """``-t`` must be 1..MAX_THREADS; a UserError (one line, exit 2) otherwise."""
+    if n_threads < 1:
+        raise UserError(f"-t must be at least 1, got {n_threads}")
+    if n_threads > MAX_THREADS:
+        from .common import default_threads
+        raise UserError(f"-t {n_threads} is more threads than ggml's CPU backend can run "
+                        f"(at most {MAX_THREADS}, GGML_MAX_N_THREADS); this machine has "
+                        f"{default_threads()} cores")
+
+
 def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
     if n_batch < 1 or n_ubatch < 1:
         raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
