@@ -20,6 +20,7 @@ from . import format_batched as fb
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
 from .common import Progress, console_main, default_threads
 from .errors import UserError
+from .output import SafeWriter, check_plot_path, save_error
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
                      check_context, check_kernel, check_threads, default_split, resolve_device)
@@ -238,6 +239,7 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
 def _check_plot_available(path):
     if path is None:
         return
+    check_plot_path(path)
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
@@ -329,7 +331,7 @@ def _main(argv=None) -> int:
 
     try:
         if ns.plan:
-            print_plans(ns, runner_for, rows, splits, sys.stdout)
+            print_plans(ns, runner_for, rows, splits, SafeWriter(sys.stdout))
             return 0
         return _run(ns, rows, splits, runner_for, model, device, cells)
     finally:
@@ -343,7 +345,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
                 n_threads_batch=ns.threads, kv_unified=ns.kv_unified, model=model.name, device=device,
                 kernel=ns.kernel, layer=ns.layer)
-    printer = fb.make_printer(ns.output, sys.stdout, info)
+    printer = fb.make_printer(ns.output, SafeWriter(sys.stdout), info)
     total = len(rows) * len(splits)
     progress = Progress(PROG, ns.progress, total)
     results = []
@@ -373,7 +375,10 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     finally:
         printer.footer()
     if ns.plot and results:
-        draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+        try:
+            draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+        except OSError as e:
+            raise save_error(ns.plot, e) from None
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     return 0
 

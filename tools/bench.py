@@ -20,6 +20,7 @@ from .args import (Parser, add_list, choice_list, combinations, int_at_least, pa
                    parse_int_range, parse_pair_list, str_list)
 from .common import Progress, build_info, console_main, cpu_info, default_threads, gpu_info
 from .errors import UserError
+from .output import SafeWriter
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
                      check_context, check_kernel, check_threads, default_split, resolve_device)
@@ -195,8 +196,10 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.list_models:
+        out = SafeWriter(sys.stdout)
         for m in PRESETS.values():
-            print(m.describe())
+            out.write(m.describe() + "\n")
+        out.flush()
         return 0
     if ns.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {ns.repetitions}")
@@ -206,7 +209,7 @@ def _main(argv=None) -> int:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
     backend = "CUDA" if device == "cuda" else "CPU"
     commit, number = build_info()
-    printer = fmt.make_printer(ns.output, sys.stdout,
+    printer = fmt.make_printer(ns.output, SafeWriter(sys.stdout),
                                md_columns=fmt.markdown_columns(backend, optional_columns(ns)),
                                build=f"{commit} ({number})")
     progress = Progress(PROG, ns.progress, len(insts))
