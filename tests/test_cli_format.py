@@ -88,7 +88,7 @@ def test_json_and_jsonl_parse_with_samples():
 
 def _brow(**kw):
     row = dict(pp=128, tg=16, pl=4, is_pp_shared=0, t_pp=0.5, t_tg=0.25, split="equal", ub=2,
-               ub_tg=16, n_pad=0)
+               ub_tg=16, n_pad=0, kv_unified=False)
     row.update(kw)
     return fb.finish_row(row)
 
@@ -123,11 +123,11 @@ def test_batched_markdown_columns():
     lines = [l for l in text.splitlines() if l.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s",
-                    "S t/s", "split", "UB"]
+                    "S t/s", "split", "KVU", "UB"]
     assert set(lines[1]) <= {"|", "-"}
     assert len({len(l) for l in lines}) == 1
     last = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert last[0] == "1-10" and last[2] == "10" and last[-2:] == ["padded", "1"]
+    assert last[0] == "1-10" and last[2] == "10" and last[-3:] == ["padded", "0", "1"]
     assert "main: n_kv_max = 4096" in text
 
 

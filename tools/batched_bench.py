@@ -23,7 +23,8 @@ from .errors import UserError
 from .output import SafeWriter, check_plot_path, save_error
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, check_threads, default_split, resolve_device)
+                     check_context, check_kernel, check_threads, default_split, resolve_device,
+                     ubatch_shape)
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -95,6 +96,7 @@ def build_parser() -> Parser:
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
     p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.epilog = fb.TERMS
     return p
 
 
@@ -107,8 +109,24 @@ def splits_of(ns) -> list[str]:
     return out
 
 
+def check_ragged_flags(ns) -> None:
+    """--prompt-lens sets every length and B; --prompt-dist sets the lengths of each -npl.
+    A flag they replace, given too, would be dropped silently: a UserError instead."""
+    given = ns.explicit
+    if ns.prompt_lens is not None:
+        if ns.prompt_dist is not None:
+            raise UserError("--prompt-lens and --prompt-dist both set the prompt lengths; give one")
+        for flag in ("npp", "npl"):
+            if flag in given:
+                raise UserError(f"--prompt-lens gives one sequence per length (B = {len(ns.prompt_lens)}) "
+                                f"and replaces -npp and -npl; drop -{flag}")
+    elif ns.prompt_dist is not None and "npp" in given:
+        raise UserError("--prompt-dist draws each prompt's length and replaces -npp; drop -npp")
+
+
 def rows_of(ns) -> list[dict]:
     """One dict per (prompt set, tg) with pp, pl and prompt_lens (None when uniform)."""
+    check_ragged_flags(ns)
     rng = np.random.default_rng(ns.seed)
     if ns.prompt_lens is not None:
         lens = [x for x in ns.prompt_lens]
@@ -188,7 +206,7 @@ def print_plans(ns, runner_for, rows, splits, out) -> None:
             batch = runner.prompt_batch([lens[0]] if ns.pps else lens)
             ubs = runner.split(batch)
             kvu = runner.cfg.kv_unified
-            shapes = [u.shape_str for u in ubs]
+            shapes = [ubatch_shape(u) for u in ubs]
             n_pad = sum(u.n_pad for u in ubs)
             if ns.output == "jsonl":
                 import json
@@ -340,10 +358,11 @@ def _main(argv=None) -> int:
 
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
+    kvus = {_strategy_kv(split, ns.kv_unified) for split in splits}
     info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
-                n_threads_batch=ns.threads, kv_unified=ns.kv_unified, model=model.name, device=device,
+                n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name, device=device,
                 kernel=ns.kernel, layer=ns.layer)
     printer = fb.make_printer(ns.output, SafeWriter(sys.stdout), info)
     total = len(rows) * len(splits)

@@ -1,8 +1,8 @@
 """Output of ``ggml-attn-batched-bench`` in llama-batched-bench's formats: md and jsonl.
 
 Columns are llama-batched-bench's (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s,
-T s, S t/s) plus ``split`` (the batching strategy) and ``UB`` (ubatches the prompt
-phase used). jsonl keeps llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp,
+T s, S t/s) plus ``split`` (the batching strategy), ``KVU`` (unified KV or not) and
+``UB`` (ubatches the prompt phase used); :data:`TERMS` defines them. jsonl keeps llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp,
 t_tg, speed_tg, t, speed) and adds ``split``, ``ub`` and the rest of ours.
 
 With ragged prompts PP is the range of prompt lengths (``1-10``) in md, and ``pp`` is
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s",
-           "split", "UB"]
-_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
+           "split", "KVU", "UB"]
+_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 3, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
 FORMATS = ("md", "jsonl")
 
 # jsonl keys in order: llama-batched-bench's, then ours
@@ -23,6 +23,22 @@ JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "
               "t_tg", "speed_tg", "t", "speed",
               "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified", "model", "device",
               "kernel", "layer"]
+
+
+# what ours mean; --help prints this, README repeats it
+TERMS = (
+    "Ours, beyond llama-batched-bench's columns and keys. split: the ubatch split strategy of "
+    "the row. KVU: (jsonl kv_unified) 1 when the row ran on one KV buffer for all sequences, "
+    "0 with one stream per sequence; simple always runs unified. UB: (jsonl ub) ubatches the "
+    "prompt phase was cut into, one graph evaluation each. ub_tg: ubatches of all TG decode "
+    "steps together. n_pad: pad rows the prompt's ubatches carried (padded and auto splits; "
+    "computed, then dropped). prompt_tokens: prompt tokens of the row. --plan shows each ubatch "
+    "as n_seqs x n_seq_tokens, llama.cpp's ubatch shape: simple, N tokens -> Nx1; equal or "
+    "padded, B sequences of T tokens -> BxT; seq -> 1xT; 2*10x1 is two 10x1 ubatches.")
+
+
+def _kvu(value) -> str:
+    return "per row (KVU)" if value is None else str(int(bool(value)))
 
 
 def pp_label(row) -> str:
@@ -36,7 +52,7 @@ def _cells(row):
     return [pp_label(row), str(row["tg"]), str(row["pl"]), str(row["n_kv"]),
             f"{row['t_pp']:.3f}", f"{row['speed_pp']:.2f}", f"{row['t_tg']:.3f}",
             f"{row['speed_tg']:.2f}", f"{row['t']:.3f}", f"{row['speed']:.2f}",
-            str(row["split"]), str(row["ub"])]
+            str(row["split"]), str(int(bool(row["kv_unified"]))), str(row["ub"])]
 
 
 def _md_line(cells):
@@ -79,7 +95,7 @@ class MarkdownPrinter:
             "\n"
             f"main: n_kv_max = {i['n_kv_max']}, n_batch = {i['n_batch']}, n_ubatch = {i['n_ubatch']}, "
             f"flash_attn = {i['flash_attn']}, is_pp_shared = {i['is_pp_shared']}, "
-            f"kv_unified = {int(i['kv_unified'])}, n_threads = {i['n_threads']}, "
+            f"kv_unified = {_kvu(i['kv_unified'])}, n_threads = {i['n_threads']}, "
             f"model = {i['model']}, device = {i['device']}, kernel = {i['kernel']}, layer = {i['layer']}\n"
             "\n")
         self.out.write(_md_line(COLUMNS))

@@ -141,6 +141,15 @@ class DecodeStats:
         self.shapes.extend(other.shapes)
 
 
+def ubatch_shape(ub) -> str:
+    """``n_seqs x n_seq_tokens`` of a ubatch as llama.cpp's ``llama_ubatch`` holds them: a
+    ``simple`` ubatch of N tokens is Nx1 (``split_simple`` adds every token as its own
+    sequence row), an ``equal``/``padded`` one is sequences x tokens each, ``seq`` is 1xN."""
+    if not ub.equal_seqs:
+        return f"{ub.n_tokens}x1"
+    return f"{ub.n_seqs}x{ub.n_seq_tokens}"
+
+
 def _graph():
     try:
         from ggml_attn import graph
@@ -236,7 +245,7 @@ class Runner:
                 stats.n_ubatches += 1
                 stats.n_pad += ub.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
-                stats.shapes.append(ub.shape_str)
+                stats.shapes.append(ubatch_shape(ub))
         self.engine.synchronize()
         check_interrupt()
         return stats
