@@ -35,10 +35,10 @@ def test_bench_default_runs_tiny_on_cpu_within_a_minute():
     assert took < 60
     lines = out.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:4]]
-    assert [r[5] for r in rows] == ["pp512", "tg128"]
-    assert all(r[0] == "tiny" and r[3] == "CPU" for r in rows)
+    assert [r[7] for r in rows] == ["pp512", "tg128"]
+    assert all(r[0] == "tiny" and r[1] == "CPU" and r[3] == "numpy" for r in rows)
     assert lines[-1].startswith("build: ")
 
 

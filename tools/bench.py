@@ -103,9 +103,20 @@ def tests_of(ns) -> list[tuple[int, int]]:
 def optional_columns(ns) -> list[str]:
     """Markdown columns to show: flags with several or non-default values."""
     defaults = {"n_batch": ("batch_size", [2048]), "n_ubatch": ("ubatch_size", [512]),
-                "flash_attn": ("flash_attn", ["auto"]), "kv_unified": ("kv_unified", [False]),
-                "split": ("split", [""]), "kernel": ("kernel", ["auto"]), "layer": ("layer", ["attn"])}
+                "flash_attn": ("flash_attn", ["auto"]), "kernel": ("kernel", ["auto"])}
     return [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
+
+
+def md_columns(ns, insts, backend: str) -> list[str]:
+    """The markdown columns of this run (see format_bench.markdown_columns)."""
+    weights = any(inst["layer"] == "full" for inst in insts)
+    n_layer = any(inst["model"].n_layer != _own_layers(inst["model"]) for inst in insts)
+    return fmt.markdown_columns(backend, optional_columns(ns), weights=weights, n_layer=n_layer)
+
+
+def _own_layers(model) -> int:
+    """Layers of the preset or .gguf the shape came from (before --n-layer)."""
+    return resolve(model.source if model.source != "preset" else model.name).n_layer
 
 
 def instances(ns, device: str) -> list[dict]:
@@ -182,6 +193,7 @@ def make_row(inst: dict, result: dict, device: str) -> dict:
         n_threads=inst["n_threads"], type_k="f16", type_v="f16",
         n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=inst["flash_attn"],
         kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
+        path=fmt.attention_path(device, inst["flash_attn"], inst["kernel"]),
         layer=inst["layer"], n_prompt=inst["n_prompt"], n_gen=inst["n_gen"], n_depth=inst["n_depth"],
         test_time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         **result)
@@ -210,7 +222,7 @@ def _main(argv=None) -> int:
     backend = "CUDA" if device == "cuda" else "CPU"
     commit, number = build_info()
     printer = fmt.make_printer(ns.output, SafeWriter(sys.stdout),
-                               md_columns=fmt.markdown_columns(backend, optional_columns(ns)),
+                               md_columns=md_columns(ns, insts, backend),
                                build=f"{commit} ({number})")
     progress = Progress(PROG, ns.progress, len(insts))
     printer.header()

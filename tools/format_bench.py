@@ -5,9 +5,11 @@ wall-clock or CUDA-event time per repetition). Printers stream: the header when
 created, one row per finished test, the footer at the end (also after Ctrl-C), so a
 json array stays valid when the run is interrupted.
 
-Markdown follows llama-bench's rules: model, size, params, backend, [ngl when not
-CPU], threads (CPU), the optional columns only when a flag has a non-default value or
-several values, then test and ``t/s`` as ``mean ± stddev``.
+Markdown follows llama-bench's rules: model, backend, [ngl when not CPU], threads (CPU),
+the optional columns only when a flag has a non-default value or several values, then test
+and ``t/s`` as ``mean ± stddev``; and says what was measured (:func:`markdown_columns`):
+path, layer, kvu and split always, n_layer when overridden, the weights' size and params
+only with ``--layer full`` (an attention-only run never touches weights).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ FIELDS = [
     "model_filename", "model_type", "model_size", "model_n_params",
     "n_layer", "n_head", "n_head_kv", "head_dim",
     "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
-    "flash_attn", "kv_unified", "split", "kernel", "device", "layer",
+    "flash_attn", "kv_unified", "split", "kernel", "path", "device", "layer",
     "n_prompt", "n_gen", "n_depth", "ub",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
@@ -35,11 +37,15 @@ FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
 # markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
            "kv_unified": "kvu", "device": "dev"}
-WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
+WIDTHS = {"model": -30, "n_layer": 7, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
           "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 4, "kv_unified": 3,
-          "split": -7, "kernel": -9, "layer": -5, "device": -4, "test": 15, "t/s": 20}
-# optional markdown columns, in order, shown when non-default or several values
-OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "kv_unified", "split", "kernel", "layer"]
+          "split": -7, "kernel": -9, "layer": -5, "device": -4, "path": -12, "test": 15, "t/s": 20}
+# optional markdown columns shown when non-default or several values, before "path" ...
+OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "type_k", "type_v"]
+# ... and after it
+OPTIONAL_AFTER_PATH = ["kernel"]
+# what the attention computed with; always shown
+ALWAYS_COLUMNS = ["layer", "kv_unified", "split"]
 FORMATS = ("md", "csv", "json", "jsonl")
 
 
@@ -199,6 +205,8 @@ class MarkdownPrinter(Printer):
     def cell(self, field, row):
         if field == "model":
             return row["model_type"]
+        if field in ("size", "params") and row.get("layer") != "full":
+            return "-"  # attention only: no weights touched
         if field == "size":
             return human_size(row["model_size"])
         if field == "params":
@@ -222,12 +230,30 @@ class MarkdownPrinter(Printer):
             self._write(f"\nbuild: {self.build}\n")
 
 
-def markdown_columns(backend: str, optional: list[str]) -> list[str]:
-    """llama-bench's column list: ngl for a GPU backend, threads for the CPU backend."""
-    cols = ["model", "size", "params", "backend"]
-    cols.append("n_threads" if backend == "CPU" else "n_gpu_layers")
-    cols += [c for c in OPTIONAL_COLUMNS if c in optional]
+def markdown_columns(backend: str, optional: list[str], *, weights: bool = False,
+                     n_layer: bool = False) -> list[str]:
+    """llama-bench's column list (ngl for a GPU backend, threads for the CPU backend), plus
+    what an attention benchmark must show: ``path`` (what computed attention), ``layer``,
+    ``kvu`` and ``split`` always; ``n_layer`` when it differs from the model's (``n_layer``);
+    the weights' ``size`` and ``params`` only when a row runs them (``weights``: --layer full)."""
+    cols = ["model"] + (["n_layer"] if n_layer else []) + (["size", "params"] if weights else [])
+    cols += ["backend", "n_threads" if backend == "CPU" else "n_gpu_layers"]
+    cols += [c for c in OPTIONAL_COLUMNS if c in optional] + ["path"]
+    cols += [c for c in OPTIONAL_AFTER_PATH if c in optional] + ALWAYS_COLUMNS
     return cols + ["test", "t/s"]
+
+
+def attention_path(device: str, flash_attn: str, kernel: str) -> str:
+    """What computed attention in a row: ggml_attn's ``CUDA kernels`` or ``numpy`` path,
+    ggml's own CPU flash attention (``ggml FA``, --kernel ggml), or ggml's mul_mat + soft_max
+    (``ggml mul_mat``, -fa off)."""
+    if flash_attn == "off":
+        return "ggml mul_mat"
+    if kernel == "ggml":
+        return "ggml FA"
+    if kernel == "reference" or device != "cuda":
+        return "numpy"
+    return "CUDA kernels"
 
 
 def make_printer(fmt: str, out, *, md_columns=None, build: str = "") -> Printer:
