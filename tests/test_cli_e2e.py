@@ -94,7 +94,8 @@ def test_batched_bench_end_to_end():
 @pytest.mark.parametrize("name, args, msg", [
     ("ggml-attn-bench", ["-m", "llama-9"], "unknown model"),
     ("ggml-attn-bench", ["-p", "5-1*x"], "invalid range format"),
-    ("ggml-attn-bench", ["-b", "128", "-ub", "256"], "larger than n_batch"),
+    ("ggml-attn-bench", ["-b", "0"], "batch sizes must be positive"),
+    ("ggml-attn-bench", ["-ngl", "99", "--device", "cpu"], "--device cpu keeps them on the CPU"),
     ("ggml-attn-bench", ["-p", "512", "-c", "100"], "context overflow"),
     ("ggml-attn-batched-bench", ["-npp", "64", "-npl", "8", "-c", "256"], "context overflow"),
 ])

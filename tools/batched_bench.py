@@ -20,11 +20,13 @@ from . import format_batched as fb
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
 from .common import Progress, console_main, default_threads
 from .errors import UserError
+from .kv_types import CACHE_TYPES, check_cache_types
+from .placement import check_ngl, device_for_ngl
 from .output import SafeWriter, check_plot_path, save_error
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, check_threads, default_split, resolve_device,
-                     ubatch_shape)
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner,
+                     check_context, check_kernel, check_threads, compress_shapes, default_split,
+                     effective_ubatch, resolve_device, ubatch_shape)
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -85,6 +87,14 @@ def build_parser() -> Parser:
                    help="logical batch size (default: 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch size (default: 512)")
+    p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU "
+                        f"(default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help="V cache type, as -ctk; a quantized V needs flash attention (default: f16)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_at_least(0), default=None, metavar="N",
+                   help="llama.cpp's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
+                        "all layers on the GPU; a partial offload is an error (default: per --device)")
     p.add_argument("-t", "--threads", type=int_at_least(1), default=default_threads(), metavar="N",
                    help=f"CPU threads (default: {default_threads()})")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
@@ -218,22 +228,10 @@ def print_plans(ns, runner_for, rows, splits, out) -> None:
                 pad = f", {n_pad} pad rows" if n_pad else ""
                 kv = "unified KV" if kvu else "split KV"
                 out.write(f"  {split:<7} ({kv}): {len(ubs)} ubatch{'es' if len(ubs) != 1 else ''}{pad}: "
-                          f"{' '.join(_compress(shapes))}\n")
+                          f"{' '.join(compress_shapes(shapes))}\n")
                 if split == "auto" and ubs and ubs[0].reason:
                     out.write(f"          {ubs[0].reason}\n")
         out.flush()
-
-
-def _compress(shapes: list[str]) -> list[str]:
-    """``['10x1', '10x1', '9x1']`` -> ``['2*10x1', '9x1']``."""
-    out, i = [], 0
-    while i < len(shapes):
-        j = i
-        while j < len(shapes) and shapes[j] == shapes[i]:
-            j += 1
-        out.append(shapes[i] if j - i == 1 else f"{j - i}*{shapes[i]}")
-        i = j
-    return out
 
 
 def run_row(runner: Runner, row: dict, pps: bool) -> dict:
@@ -305,13 +303,17 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
-    check_batch_sizes(ns.batch_size, ns.ubatch_size)
+    ns.ubatch_size = effective_ubatch(ns.batch_size, ns.ubatch_size)
     check_threads(ns.threads)
     _check_plot_available(ns.plot)
-    device = resolve_device(ns.device)
+    ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
+    device = resolve_device(device_for_ngl(ngl, ns.device))
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
+    check_ngl(ngl, model)
+    check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
+                      head_dim_k=model.head_dim, head_dim_v=model.d_v)
     rows = rows_of(ns)
     splits = splits_of(ns)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
@@ -344,7 +346,7 @@ def _main(argv=None) -> int:
                 model, n_ctx=cells[split], n_seq=n_seq, kv_unified=_strategy_kv(split, ns.kv_unified),
                 split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
-                n_threads=ns.threads, seed=ns.seed))
+                n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v))
         return runners[split]
 
     try:
@@ -363,7 +365,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
                 n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name, device=device,
-                kernel=ns.kernel, layer=ns.layer)
+                kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v)
     printer = fb.make_printer(ns.output, SafeWriter(sys.stdout), info)
     total = len(rows) * len(splits)
     progress = Progress(PROG, ns.progress, total)

@@ -21,8 +21,8 @@ FORMATS = ("md", "jsonl")
 JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_gpu_layers",
               "n_threads", "n_threads_batch", "pp", "tg", "pl", "n_kv", "t_pp", "speed_pp",
               "t_tg", "speed_tg", "t", "speed",
-              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified", "model", "device",
-              "kernel", "layer"]
+              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified", "type_k", "type_v", "model",
+              "device", "kernel", "layer"]
 
 
 # what ours mean; --help prints this, README repeats it
@@ -95,7 +95,8 @@ class MarkdownPrinter:
             "\n"
             f"main: n_kv_max = {i['n_kv_max']}, n_batch = {i['n_batch']}, n_ubatch = {i['n_ubatch']}, "
             f"flash_attn = {i['flash_attn']}, is_pp_shared = {i['is_pp_shared']}, "
-            f"kv_unified = {_kvu(i['kv_unified'])}, n_threads = {i['n_threads']}, "
+            f"kv_unified = {_kvu(i['kv_unified'])}, type_k = {i.get('type_k', 'f16')}, "
+            f"type_v = {i.get('type_v', 'f16')}, n_threads = {i['n_threads']}, "
             f"model = {i['model']}, device = {i['device']}, kernel = {i['kernel']}, layer = {i['layer']}\n"
             "\n")
         self.out.write(_md_line(COLUMNS))

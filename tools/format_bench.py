@@ -1,4 +1,4 @@
-"""Output of ``ggml-attn-bench`` in llama-bench's formats: md, csv, json, jsonl.
+"""Output of ``ggml-attn-bench`` in llama-bench's formats: md, csv, json, jsonl, sql.
 
 A result row is a dict with the keys of :data:`FIELDS` plus ``samples_ns`` (one
 wall-clock or CUDA-event time per repetition). Printers stream: the header when
@@ -46,7 +46,7 @@ OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "type_k", "type_v"]
 OPTIONAL_AFTER_PATH = ["kernel"]
 # what the attention computed with; always shown
 ALWAYS_COLUMNS = ["layer", "kv_unified", "split"]
-FORMATS = ("md", "csv", "json", "jsonl")
+FORMATS = ("md", "csv", "json", "jsonl", "sql")
 
 
 def mean(values):
@@ -175,6 +175,44 @@ class JsonlPrinter(Printer):
         self._write(json.dumps(row_json(row)) + "\n")
 
 
+class SqlPrinter(Printer):
+    """llama-bench's ``-o sql``: a CREATE TABLE for FIELDS, then one INSERT per test."""
+
+    @staticmethod
+    def sql_type(field) -> str:
+        if field in INT_FIELDS or field in BOOL_FIELDS:
+            return "INTEGER"
+        return "REAL" if field in FLOAT_FIELDS else "TEXT"
+
+    def header(self):
+        cols = ",\n".join(f"  {f} {self.sql_type(f)}" for f in FIELDS)
+        self._write(f"CREATE TABLE IF NOT EXISTS test (\n{cols}\n);\n\n")
+
+    def row(self, row):
+        values = ", ".join("'" + _csv_value(f, row.get(f)).replace("'", "''") + "'" for f in FIELDS)
+        self._write(f"INSERT INTO test ({', '.join(FIELDS)}) VALUES ({values});\n")
+
+
+class Tee(Printer):
+    """Several printers fed the same rows (``-o`` on stdout and ``-oe`` on stderr)."""
+
+    def __init__(self, *printers):
+        super().__init__(None)
+        self.printers = printers
+
+    def header(self):
+        for p in self.printers:
+            p.header()
+
+    def row(self, row):
+        for p in self.printers:
+            p.row(row)
+
+    def footer(self):
+        for p in self.printers:
+            p.footer()
+
+
 class MarkdownPrinter(Printer):
     """``columns``: the optional fields to show (see :func:`markdown_columns`)."""
 
@@ -265,4 +303,6 @@ def make_printer(fmt: str, out, *, md_columns=None, build: str = "") -> Printer:
         return JsonPrinter(out)
     if fmt == "jsonl":
         return JsonlPrinter(out)
+    if fmt == "sql":
+        return SqlPrinter(out)
     raise ValueError(f"unknown output format {fmt}")

@@ -69,6 +69,8 @@ class RunConfig:
     device: str = "cpu"             # resolved: cpu or cuda
     n_threads: int = 1
     seed: int = 0
+    type_k: str = "f16"             # K/V cache types (kv_types.CACHE_TYPES)
+    type_v: str = "f16"
 
     def __post_init__(self):
         self.split = self.split or default_split(self.kv_unified)
@@ -79,6 +81,9 @@ class RunConfig:
             raise UserError(f"unknown kernel '{self.kernel}' (choose from {', '.join(KERNELS)})")
         if self.layer not in LAYERS:
             raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
+        from .kv_types import check_cache_types
+        check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
+                          head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
 
 
 GPU_KERNELS = ("prefill", "decode", "decode-tc")
@@ -120,6 +125,14 @@ def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
                         "a ubatch is a piece of a batch")
 
 
+def effective_ubatch(n_batch: int, n_ubatch: int) -> int:
+    """llama.cpp's ``llama_context``: ``n_ubatch = min(n_batch, n_ubatch)``, so ``-b 16 -ub 64``
+    runs ubatches of 16 (and the rows report 16)."""
+    if n_batch < 1 or n_ubatch < 1:
+        raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
+    return min(n_batch, n_ubatch)
+
+
 def check_context(n_needed: int, n_ctx: int, what: str) -> None:
     """Context overflow -> UserError (one line, exit 2)."""
     if n_ctx and n_needed > n_ctx:
@@ -148,6 +161,18 @@ def ubatch_shape(ub) -> str:
     if not ub.equal_seqs:
         return f"{ub.n_tokens}x1"
     return f"{ub.n_seqs}x{ub.n_seq_tokens}"
+
+
+def compress_shapes(shapes: list[str]) -> list[str]:
+    """``['10x1', '10x1', '9x1']`` -> ``['2*10x1', '9x1']``."""
+    out, i = [], 0
+    while i < len(shapes):
+        j = i
+        while j < len(shapes) and shapes[j] == shapes[i]:
+            j += 1
+        out.append(shapes[i] if j - i == 1 else f"{j - i}*{shapes[i]}")
+        i = j
+    return out
 
 
 def _graph():
