@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ggml_attn.cli import batched_bench, bench
+from ggml_attn.cli import batched_bench, bench, plot
 
 BIN = os.path.dirname(sys.executable)
 BATCHED = ["-npp", "8", "-npl", "1", "-ntg", "1", "-t", "1", "--n-layer", "1", "--device", "cpu"]
@@ -40,8 +40,8 @@ def test_plot_path_checked_before_running(tmp_path, capsys, monkeypatch, name, m
 def test_plot_write_error_is_one_line(tmp_path, capsys, monkeypatch):
     def fail(path, results, title):
         raise PermissionError(13, "Permission denied", path)
-    monkeypatch.setattr(batched_bench, "draw_plot", fail)
-    monkeypatch.setattr(batched_bench, "_check_plot_available", lambda path: None)
+    monkeypatch.setattr(plot, "draw_plot", fail)
+    monkeypatch.setattr(plot, "check_plot_available", lambda path: None)
     rc, out, err = _batched(capsys, "--plot", str(tmp_path / "p.png"))
     _one_line(rc, err)
     assert "Permission denied" in err and "p.png" in err and "|" in out  # the table came first

@@ -17,12 +17,14 @@ import sys
 import numpy as np
 
 from . import format_batched as fb
+from . import plot
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
 from .common import Progress, console_main, default_threads
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .placement import check_ngl, device_for_ngl
-from .output import SafeWriter, check_plot_path, save_error
+from .output import SafeWriter, save_error
+from .progress import ProgressBar
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, compress_shapes, default_split,
@@ -105,7 +107,12 @@ def build_parser() -> Parser:
                    help="print each strategy's ubatch plan for every row and exit (no compute)")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
-    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("-r", "--repetitions", type=int_at_least(1), default=1, metavar="N",
+                   help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
+                        "(default: 1)")
+    p.add_argument("--progress", action="store_true",
+                   help="print llama-bench's progress lines on stderr (without it a progress bar "
+                        "shows when stderr is a terminal)")
     p.epilog = fb.TERMS
     return p
 
@@ -252,50 +259,6 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
     return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg)
 
 
-def _check_plot_available(path):
-    if path is None:
-        return
-    check_plot_path(path)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise UserError("--plot needs matplotlib (pip install 'ggml-attn[plot]')") from e
-
-
-def draw_plot(path: str, results: list[dict], title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = []
-    for r in results:
-        lab = f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}"
-        if lab not in labels:
-            labels.append(lab)
-    splits = []
-    for r in results:
-        if r["split"] not in splits:
-            splits.append(r["split"])
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * len(splits) / 2), 4.5))
-    width = 0.8 / max(1, len(splits))
-    for ax, key, name in ((axes[0], "speed_pp", "S_PP t/s (prompt)"), (axes[1], "speed", "S t/s (total)")):
-        for i, sp in enumerate(splits):
-            vals = []
-            for lab in labels:
-                hit = [r[key] for r in results if r["split"] == sp
-                       and f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}" == lab]
-                vals.append(hit[0] if hit else 0.0)
-            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=sp)
-        ax.set_xticks([x + width * (len(splits) - 1) / 2 for x in range(len(labels))])
-        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel(name)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
     return console_main(PROG, _main, argv)
@@ -305,7 +268,7 @@ def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     ns.ubatch_size = effective_ubatch(ns.batch_size, ns.ubatch_size)
     check_threads(ns.threads)
-    _check_plot_available(ns.plot)
+    plot.check_plot_available(ns.plot)
     ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
     device = resolve_device(device_for_ngl(ngl, ns.device))
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
@@ -366,8 +329,11 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
                 n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name, device=device,
                 kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v)
-    printer = fb.make_printer(ns.output, SafeWriter(sys.stdout), info)
+    reps = ns.repetitions
+    info["repetitions"] = reps
     total = len(rows) * len(splits)
+    bar = ProgressBar(total * reps, PROG, enabled=False if ns.progress else None)
+    printer = fb.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), info)
     progress = Progress(PROG, ns.progress, total)
     results = []
     printer.header()
@@ -381,23 +347,29 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1
-                progress(idx, f"starting B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} "
-                              f"TG={row['tg']} split={split}")
+                what = f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']} split={split}"
+                progress(idx, f"starting {what}")
                 runner = runner_for(split)
-                res = run_row(runner, row, ns.pps)
+                samples = []
+                for _ in range(reps):
+                    samples.append(run_row(runner, row, ns.pps))
+                    bar.update(what)
+                res = dict(samples[0], t_pp_samples=[x["t_pp"] for x in samples],
+                           t_tg_samples=[x["t_tg"] for x in samples])
                 out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),
                            split=split, kv_unified=runner.cfg.kv_unified, model=model.name,
-                           device=device, kernel=ns.kernel, layer=ns.layer, **res)
+                           device=device, kernel=ns.kernel, layer=ns.layer, repetitions=reps, **res)
                 if row["prompt_lens"]:
                     out["prompt_lens"] = list(row["prompt_lens"])
                 fb.finish_row(out)
                 printer.row(out)
                 results.append(out)
     finally:
+        bar.close()
         printer.footer()
     if ns.plot and results:
         try:
-            draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+            plot.draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
         except OSError as e:
             raise save_error(ns.plot, e) from None
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)

@@ -23,6 +23,7 @@ from .common import Progress, build_info, console_main, cpu_info, default_thread
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .output import SafeWriter
+from .progress import ProgressBar
 from .placement import check_ngl, device_for_ngl
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
@@ -102,7 +103,9 @@ def build_parser() -> Parser:
                    help="describe each run on stderr: model shape, KV cache, ubatch shapes")
     p.add_argument("--delay", type=int_at_least(0), default=0, metavar="S",
                    help="seconds to wait before each test, e.g. to let a GPU cool (default: 0)")
-    p.add_argument("--progress", action="store_true", help="print test progress on stderr")
+    p.add_argument("--progress", action="store_true",
+                   help="print llama-bench's progress lines on stderr (without it a progress bar "
+                        "shows when stderr is a terminal)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
@@ -271,9 +274,10 @@ def _main(argv=None) -> int:
     backend = "CUDA" if device == "cuda" else "CPU"
     commit, number = build_info()
     columns, build = md_columns(ns, insts, backend), f"{commit} ({number})"
-    printer = fmt.make_printer(ns.output, SafeWriter(sys.stdout), md_columns=columns, build=build)
+    bar = ProgressBar(len(insts), PROG, enabled=False if ns.progress else None)
+    printer = fmt.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), md_columns=columns, build=build)
     if ns.output_err != "none":
-        printer = fmt.Tee(printer, fmt.make_printer(ns.output_err, SafeWriter(sys.stderr, "stderr"),
+        printer = fmt.Tee(printer, fmt.make_printer(ns.output_err, SafeWriter(bar.writer(sys.stderr), "stderr"),
                                                     md_columns=columns, build=build))
     verbose = _Verbose(ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
@@ -298,7 +302,9 @@ def _main(argv=None) -> int:
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.test(idx, inst, result)
             printer.row(make_row(inst, result, device))
+            bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
+        bar.close()
         # after Ctrl-C too: the rows printed so far stay a complete table / valid json
         printer.footer()
         if runner is not None:
