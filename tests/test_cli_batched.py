@@ -15,7 +15,7 @@ def _run(capsys, *args):
 
 
 def test_plan_ragged_1_to_10_matches_graph_builder(capsys):
-    """Seed 000's case: 10 prompts of 1..10 tokens -> equal 10 ubatches, padded 1."""
+    """10 prompts of 1..10 tokens on split KV -> equal 10 ubatches, padded 1."""
     rc, out, _ = _run(capsys, "--prompt-lens", "1-10", "-ntg", "1", "--split", "all", "--plan", "-o", "jsonl")
     assert rc == 0
     plans = {p["split"]: p for p in map(json.loads, out.splitlines())}

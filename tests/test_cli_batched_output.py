@@ -1,5 +1,5 @@
 """ggml-attn-batched-bench says what ran: kv_unified per row, UB / ub / ub_tg / n_pad defined,
-plans in n_seqs x n_seq_tokens, ragged flags that conflict (issue 11 items 2 and 6)."""
+plans in n_seqs x n_seq_tokens, ragged flags that conflict."""
 import json
 
 import pytest

@@ -1,4 +1,4 @@
-"""ggml-attn-bench's markdown table says what was measured (issue 11 item 1)."""
+"""ggml-attn-bench's markdown table says what was measured."""
 import io
 import json
 

@@ -1,5 +1,5 @@
-"""llama-bench users' flags: exact parsing, -fa auto, -t limit, new flags (issue 11 items 3-6,
-issue 9 item 10)."""
+"""llama-bench users' flags: exact parsing, -fa auto, -t limit, -ctk/-ctv, -o sql, -oe, -v,
+--delay, -ngl, -b < -ub."""
 import json
 
 import pytest
@@ -26,7 +26,7 @@ def _one_line_exit_2(rc, out, err, prog):
     assert err.count("\n") == 1 and err.startswith(f"{prog}: error:") and "Traceback" not in err
 
 
-# ---- item 4: no abbreviations; an unknown flag names itself
+# ---- no abbreviations; an unknown flag names itself
 @pytest.mark.parametrize("main, prog, args, named", [
     (_bench, "ggml-attn-bench", ["-xyz", "99"], "-xyz"),
     (_bench, "ggml-attn-bench", ["-ctx", "q8_0"], "-ctx"),
@@ -42,7 +42,7 @@ def test_unknown_flags_name_themselves(capsys, main, prog, args, named):
     assert named in err and "invalid range" not in err
 
 
-# ---- item 3: -fa shows auto
+# ---- -fa shows auto
 def test_fa_default_is_auto_in_help_and_json(capsys):
     rc, out, _ = _bench(capsys, "--help")
     assert rc == 0
@@ -57,7 +57,7 @@ def test_fa_default_is_auto_in_help_and_json(capsys):
     assert [json.loads(l)["flash_attn"] for l in out.splitlines()] == ["on", "off"]
 
 
-# ---- issue 9 item 10: -t beyond what ggml can start
+# ---- -t beyond what ggml can start
 @pytest.mark.parametrize("value", ["513", "10000", "32768", "65536"])
 def test_threads_capped_with_a_sentence(capsys, value):
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--device", "cpu", "-t", value)
@@ -77,7 +77,7 @@ def test_batched_fa_is_a_word(capsys):
     assert "flash_attn = auto" in out
 
 
-# ---- item 5: -b < -ub as llama.cpp (n_ubatch clamped to n_batch)
+# ---- -b < -ub as llama.cpp (n_ubatch clamped to n_batch)
 def test_ubatch_clamped_to_batch(capsys):
     rc, out, err = _bench(capsys, "-p", "32", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl",
                           "-b", "16", "-ub", "64", *FAST)
@@ -91,7 +91,7 @@ def test_ubatch_clamped_to_batch(capsys):
     assert (row["n_batch"], row["n_ubatch"], row["ub"]) == (16, 16, 2)
 
 
-# ---- item 5: -ctk / -ctv
+# ---- -ctk / -ctv
 @pytest.mark.parametrize("ctk, ctv, extra", [
     ("q8_0", "q8_0", []), ("q4_0", "f16", []), ("bf16", "bf16", []), ("f32", "q5_1", []),
     ("q8_0", "q4_0", ["--kernel", "ggml"]), ("q8_0", "f16", ["-fa", "off"]), ("bf16", "bf16", ["-fa", "off"]),
@@ -144,7 +144,7 @@ def test_cache_types_on_the_cuda_engine_are_f16_only():
         check_cache_types("q8_0", "f16", device="cpu", flash_attn=True, head_dim_k=48, head_dim_v=48)
 
 
-# ---- item 5: -o sql, -oe
+# ---- -o sql, -oe
 def test_sql_output_loads_into_sqlite(capsys):
     import sqlite3
     rc, out, err = _bench(capsys, "-p", "8,16", "-n", "0", "-r", "2", "--no-warmup", "-o", "sql", *FAST)
@@ -164,7 +164,7 @@ def test_second_format_on_stderr(capsys):
     assert out.startswith("| model") and json.loads(err)["n_prompt"] == 8
 
 
-# ---- item 5: -v, --delay
+# ---- -v, --delay
 def test_verbose_describes_the_run_on_stderr(capsys):
     rc, out, err = _bench(capsys, "-p", "24", "-n", "0", "-ub", "16", "-r", "1", "--no-warmup", "-v", *FAST)
     assert rc == 0
@@ -183,7 +183,7 @@ def test_delay_sleeps_between_tests(capsys, monkeypatch):
     assert rc == 2 and "--delay" in err
 
 
-# ---- item 5: -ngl
+# ---- -ngl
 def test_ngl_zero_is_the_cpu_path(capsys):
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", "-ngl", "0",
                           "-t", "1", "--n-layer", "1")

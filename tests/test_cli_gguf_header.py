@@ -1,4 +1,4 @@
-"""A .gguf header with shape values no model has: one line on stderr, exit 2 (issue 9 item 9)."""
+"""A .gguf header with shape values no model has: one line on stderr, exit 2."""
 import pytest
 
 from ggml_attn.cli import batched_bench, bench, models

@@ -1,4 +1,4 @@
-"""The licence pyproject.toml names is in the repository (issue 11 item 11)."""
+"""The licence pyproject.toml names is in the repository."""
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent

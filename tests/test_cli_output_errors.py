@@ -1,5 +1,5 @@
 """Output that cannot be written: one line on stderr, exit 2, checked before the run where it
-can be (issue 9 item 11)."""
+can be."""
 import os
 import subprocess
 import sys

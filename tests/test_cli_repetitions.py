@@ -1,5 +1,5 @@
 """ggml-attn-batched-bench -r (mean ± stddev as llama-bench) and the progress bar: count done,
-elapsed, estimate left, only when stderr is a terminal (issue 11 item 7)."""
+elapsed, estimate left, only when stderr is a terminal."""
 import io
 import json
 import statistics

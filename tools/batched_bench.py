@@ -5,7 +5,9 @@ parallel sequences (``-npl``): ``B`` prompts are decoded together (timed: T_PP),
 ``TG`` decode steps of one token per sequence (timed: T_TG), with llama-batched-bench's
 columns, plus the split strategy and ``UB``, the number of ubatches the prompts took.
 
-Ragged prompts make seed 000's case one command::
+Ragged prompts on a split KV cache (where llama.cpp's ``equal`` split must give every
+sequence of a ubatch the same number of tokens, so prompts of different lengths become many
+small ubatches, and ``padded`` pads them to one length instead) are one command::
 
     ggml-attn-batched-bench --prompt-lens 1-10 -ntg 4 --split all
     ggml-attn-batched-bench --prompt-dist 16-200 -npl 16,64 --seed 1 --split all --plan
