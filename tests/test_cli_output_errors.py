@@ -78,3 +78,18 @@ def test_stdout_on_a_full_device(name, args):
                            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     _one_line(p.returncode, p.stderr)
     assert "No space left on device" in p.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("name, args", [
+    ("ggml-attn-bench", ["--help"]),
+    ("ggml-attn-batched-bench", ["--help"]),
+    ("ggml-attn-bench", ["--list-models"]),
+    ("ggml-attn-batched-bench", ["--plan", "-npp", "8", "-npl", "1", "-ntg", "1"]),
+])
+def test_help_and_listings_on_a_full_device(name, args):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([os.path.join(BIN, name), *args], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    _one_line(p.returncode, p.stderr)
+    assert "No space left on device" in p.stderr

@@ -151,6 +151,16 @@ class Parser(argparse.ArgumentParser):
         print(fail_line(self.prog, message), file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR)
 
+    def _print_message(self, message, file=None):
+        # --help and usage text: a failed write is one line and exit 2 (output.SafeWriter)
+        import sys
+        from .output import SafeWriter
+        if message:
+            name = "stderr" if file is sys.stderr else "stdout"
+            out = SafeWriter(file or sys.stderr, name)
+            out.write(message)
+            out.flush()
+
     def _get_value(self, action, arg_string):
         try:
             return super()._get_value(action, arg_string)
