@@ -168,7 +168,7 @@ def test_second_format_on_stderr(capsys):
 def test_verbose_describes_the_run_on_stderr(capsys):
     rc, out, err = _bench(capsys, "-p", "24", "-n", "0", "-ub", "16", "-r", "1", "--no-warmup", "-v", *FAST)
     assert rc == 0
-    assert "tiny: 1 layers" in err and "KV cache" in err and "ubatches 1x16 1x8" in err
+    assert "tiny: 1 layers" in err and "KV cache" in err and "per repetition: ubatches 1x16 1x8" in err
     rc, _, err = _bench(capsys, "-p", "24", "-n", "0", "-r", "1", "--no-warmup", *FAST)
     assert rc == 0 and err == ""
 
@@ -202,3 +202,12 @@ def test_ngl_rejects_what_cannot_run(capsys, args, msg):
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-t", "1", *args)
     _one_line_exit_2(rc, out, err, "ggml-attn-bench")
     assert msg in err
+
+
+def test_batched_verbose_describes_runs_on_stderr(capsys):
+    rc, out, err = _batched(capsys, "--prompt-lens", "1-3", "-ntg", "1", "--split", "equal,padded", "-v", *FAST)
+    assert rc == 0, err
+    assert "tiny: 1 layers" in err and "KV cache" in err
+    assert "split=equal: prompt: ubatches 3x1 2x1 1x1" in err and "split=padded: prompt: ubatches 3x3" in err
+    rc, _, err = _batched(capsys, "--prompt-lens", "1-3", "-ntg", "1", *FAST)
+    assert rc == 0 and err == ""

@@ -27,6 +27,7 @@ from .kv_types import CACHE_TYPES, check_cache_types
 from .placement import check_ngl, device_for_ngl
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
+from .verbose import Verbose
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, compress_shapes, default_split,
@@ -109,6 +110,8 @@ def build_parser() -> Parser:
                    help="print each strategy's ubatch plan for every row and exit (no compute)")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="describe each run on stderr: model shape, KV caches, each row's prompt ubatches")
     p.add_argument("-r", "--repetitions", type=int_at_least(1), default=1, metavar="N",
                    help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
                         "(default: 1)")
@@ -258,7 +261,8 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
     with runner.timer() as t_tg:
         for _ in range(tg):
             n_ub_tg += runner.decode(runner.step_batch(list(range(pl)))).n_ubatches
-    return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg)
+    return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg,
+                _shapes=st.shapes)
 
 
 def main(argv=None) -> int:
@@ -337,12 +341,14 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     bar = ProgressBar(total * reps, PROG, enabled=False if ns.progress else None)
     printer = fb.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), info)
     progress = Progress(PROG, ns.progress, total)
+    verbose = Verbose(PROG, ns.verbose)
     results = []
     printer.header()
     idx = 0
     try:
         for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens), and
             r = runner_for(split)  # one decode step, so decode-shaped kernels load untimed too
+            verbose.runner(r)
             r.clear()
             r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
             r.decode(r.step_batch([0]))
@@ -356,6 +362,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 for _ in range(reps):
                     samples.append(run_row(runner, row, ns.pps))
                     bar.update(what)
+                verbose.shapes(f"{what}: prompt", samples[0].pop("_shapes"))
                 res = dict(samples[0], t_pp_samples=[x["t_pp"] for x in samples],
                            t_tg_samples=[x["t_tg"] for x in samples])
                 out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),

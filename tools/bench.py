@@ -24,11 +24,12 @@ from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .output import SafeWriter
 from .progress import ProgressBar
+from .verbose import Verbose
 from .placement import check_ngl, device_for_ngl
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
-                     check_context, check_kernel, check_threads, compress_shapes, default_split,
-                     effective_ubatch, resolve_device)
+                     check_context, check_kernel, check_threads, default_split, effective_ubatch,
+                     resolve_device)
 
 PROG = "ggml-attn-bench"
 # llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
@@ -230,28 +231,6 @@ def make_row(inst: dict, result: dict, device: str) -> dict:
     return fmt.finish_row(row)
 
 
-class _Verbose:
-    """``-v``: what each run builds and does, on stderr."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-
-    def say(self, text: str) -> None:
-        if self.enabled:
-            print(f"{PROG}: {text}", file=sys.stderr, flush=True)
-
-    def runner(self, runner) -> None:
-        cfg = runner.cfg
-        self.say(f"{cfg.model.describe()}")
-        self.say(f"KV cache {runner.cache!r}, K {cfg.type_k}, V {cfg.type_v}, split {cfg.split}, "
-                 f"n_batch {cfg.n_batch}, n_ubatch {cfg.n_ubatch}, {cfg.n_threads} threads, device {cfg.device}")
-
-    def test(self, idx: int, inst: dict, result: dict) -> None:
-        name = fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"])
-        self.say(f"test {idx} {name}: {result['ub']} ubatches per repetition: "
-                 f"ubatches {' '.join(compress_shapes(result['_shapes']))}")
-
-
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
     return console_main(PROG, _main, argv)
@@ -279,7 +258,7 @@ def _main(argv=None) -> int:
     if ns.output_err != "none":
         printer = fmt.Tee(printer, fmt.make_printer(ns.output_err, SafeWriter(bar.writer(sys.stderr), "stderr"),
                                                     md_columns=columns, build=build))
-    verbose = _Verbose(ns.verbose)
+    verbose = Verbose(PROG, ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
     printer.header()
     runner, key = None, None
@@ -300,7 +279,8 @@ def _main(argv=None) -> int:
                     type_v=inst["type_v"]))
                 verbose.runner(runner)
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
-            verbose.test(idx, inst, result)
+            verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "
+                           f"{result['ub']} ubatches per repetition", result["_shapes"])
             printer.row(make_row(inst, result, device))
             bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
