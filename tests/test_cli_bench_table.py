@@ -1,5 +1,4 @@
 """ggml-attn-bench's markdown table says what was measured."""
-import io
 import json
 
 import pytest

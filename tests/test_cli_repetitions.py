@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from ggml_attn.cli import batched_bench, bench
-from ggml_attn.cli import format_batched as fb
 from ggml_attn.cli.progress import ProgressBar
 
 FAST = ["-t", "1", "--n-layer", "1", "--device", "cpu"]

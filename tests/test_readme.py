@@ -47,7 +47,6 @@ def test_readme_examples_run(capsys):
 
 # ---- docs point only at what the repository has
 import re
-import subprocess
 
 OWNED = ["README.md", "pyproject.toml", "tests/test_readme.py"]
 

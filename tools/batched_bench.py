@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from . import format_batched as fb
 from . import plot
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
+from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
-from .placement import check_ngl, device_for_ngl
-from .output import SafeWriter, save_error
-from .progress import ProgressBar
-from .verbose import Verbose
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner,
-                     check_context, check_kernel, check_threads, compress_shapes, default_split,
-                     effective_ubatch, resolve_device, ubatch_shape)
+from .output import SafeWriter, save_error
+from .placement import check_ngl, device_for_ngl
+from .plans import print_plans
+from .progress import ProgressBar
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_context, check_kernel,
+                     check_threads, default_split, effective_ubatch, resolve_device)
+from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -131,121 +130,6 @@ def splits_of(ns) -> list[str]:
     return out
 
 
-def check_ragged_flags(ns) -> None:
-    """--prompt-lens sets every length and B; --prompt-dist sets the lengths of each -npl.
-    A flag they replace, given too, would be dropped silently: a UserError instead."""
-    given = ns.explicit
-    if ns.prompt_lens is not None:
-        if ns.prompt_dist is not None:
-            raise UserError("--prompt-lens and --prompt-dist both set the prompt lengths; give one")
-        for flag in ("npp", "npl"):
-            if flag in given:
-                raise UserError(f"--prompt-lens gives one sequence per length (B = {len(ns.prompt_lens)}) "
-                                f"and replaces -npp and -npl; drop -{flag}")
-    elif ns.prompt_dist is not None and "npp" in given:
-        raise UserError("--prompt-dist draws each prompt's length and replaces -npp; drop -npp")
-
-
-def rows_of(ns) -> list[dict]:
-    """One dict per (prompt set, tg) with pp, pl and prompt_lens (None when uniform)."""
-    check_ragged_flags(ns)
-    rng = np.random.default_rng(ns.seed)
-    if ns.prompt_lens is not None:
-        lens = [x for x in ns.prompt_lens]
-        if not lens or min(lens) < 1:
-            raise UserError("--prompt-lens needs at least one length, all >= 1")
-        prompts = [dict(pp=max(lens) if min(lens) == max(lens) else None, pl=len(lens), prompt_lens=lens)]
-    elif ns.prompt_dist is not None:
-        lo, hi = ns.prompt_dist
-        prompts = []
-        for pl in ns.npl:
-            if pl < 1:
-                raise UserError("-npl values must be >= 1")
-            lens = [int(x) for x in rng.integers(lo, hi + 1, size=pl)]
-            prompts.append(dict(pp=None if min(lens) != max(lens) else lens[0], pl=pl, prompt_lens=lens))
-    else:
-        prompts = [dict(pp=pp, pl=pl, prompt_lens=None) for pp in ns.npp for pl in ns.npl]
-    out = []
-    for pr in prompts:
-        if pr["pl"] < 1:
-            raise UserError("-npl values must be >= 1")
-        if pr["pp"] is not None and pr["pp"] < 1 and pr["prompt_lens"] is None:
-            raise UserError("-npp values must be >= 1")
-        for tg in ns.ntg:
-            out.append(dict(pr, tg=tg))
-    # llama-batched-bench's loop order: pp, tg, pl
-    if ns.prompt_lens is None and ns.prompt_dist is None:
-        out.sort(key=lambda r: (ns.npp.index(r["pp"]), ns.ntg.index(r["tg"]), ns.npl.index(r["pl"])))
-    return out
-
-
-def lens_of(row) -> list[int]:
-    return list(row["prompt_lens"]) if row["prompt_lens"] else [row["pp"]] * row["pl"]
-
-
-def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None = None,
-               pads: bool = True) -> tuple[int, int]:
-    """(llama-batched-bench's n_ctx_req, cells our cache needs for this row).
-
-    A split cache gives every one of its ``n_seq`` streams (default: B) n_ctx / n_seq cells, so
-    it needs n_seq times this row's longest sequence; padded ubatches of ragged prompts
-    (``pads``: a split that may pad) hold pad cells for a moment: at most one ubatch, and
-    fewer than the longest prompt for each but the longest sequence."""
-    lens = lens_of(row)
-    tg, pl = row["tg"], row["pl"]
-    req = (max(lens) + pl * tg) if pps else (sum(lens) + pl * tg)
-    if unified:  # only ragged prompts get pad rows, fewer than max(lens) per padded sequence
-        ragged = pads and not pps and min(lens) != max(lens)
-        return req, req + (min(n_ubatch, (pl - 1) * max(lens)) if ragged else 0)
-    return req, (n_seq or pl) * (max(lens) + tg + 1)
-
-
-def cache_capacity(n_ctx: int, n_seq: int, unified: bool) -> int:
-    """Cells a KVCache built with ``n_ctx`` has in all (llama.cpp pads to 256 per stream)."""
-    from ggml_attn.graph.kv_cache import KV_PAD, pad_to
-    return pad_to(n_ctx, KV_PAD) if unified else n_seq * pad_to(n_ctx // n_seq, KV_PAD)
-
-
-def _strategy_kv(split: str, kv_unified: bool) -> bool:
-    return True if split == "simple" else kv_unified
-
-
-def print_plans(ns, runner_for, rows, splits, out) -> None:
-    seen = set()
-    for row in rows:
-        key = (tuple(lens_of(row)), ns.pps)
-        if key in seen:
-            continue
-        seen.add(key)
-        lens = lens_of(row)
-        if ns.output == "md":
-            desc = (f"{len(lens)} x {lens[0]}" if min(lens) == max(lens)
-                    else f"{len(lens)} prompts of {min(lens)}..{max(lens)} tokens")
-            out.write(f"batch: {desc} ({sum(lens)} tokens), n_batch {ns.batch_size}, "
-                      f"n_ubatch {ns.ubatch_size}\n")
-        for split in splits:
-            runner = runner_for(split, row)
-            batch = runner.prompt_batch([lens[0]] if ns.pps else lens)
-            ubs = runner.split(batch)
-            kvu = runner.cfg.kv_unified
-            shapes = [ubatch_shape(u) for u in ubs]
-            n_pad = sum(u.n_pad for u in ubs)
-            if ns.output == "jsonl":
-                import json
-                out.write(json.dumps({"split": split, "kv_unified": kvu, "pl": row["pl"],
-                                      "prompt_lens": lens, "ub": len(ubs), "n_pad": n_pad,
-                                      "shapes": shapes,
-                                      "reason": ubs[0].reason if ubs and ubs[0].reason else ""}) + "\n")
-            else:
-                pad = f", {n_pad} pad rows" if n_pad else ""
-                kv = "unified KV" if kvu else "split KV"
-                out.write(f"  {split:<7} ({kv}): {len(ubs)} ubatch{'es' if len(ubs) != 1 else ''}{pad}: "
-                          f"{' '.join(compress_shapes(shapes))}\n")
-                if split == "auto" and ubs and ubs[0].reason:
-                    out.write(f"          {ubs[0].reason}\n")
-        out.flush()
-
-
 def run_row(runner: Runner, row: dict, pps: bool) -> dict:
     """llama-batched-bench's body for one row on an empty cache; returns timings and counts."""
     lens = lens_of(row)
@@ -291,7 +175,7 @@ def _main(argv=None) -> int:
     # size the caches once, for the largest row of every strategy; -c is a hard limit
     cells = {}
     for split in splits:
-        kvu = _strategy_kv(split, ns.kv_unified)
+        kvu = strategy_kv(split, ns.kv_unified)
         need = 0
         for r in rows:
             req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq,
@@ -312,7 +196,7 @@ def _main(argv=None) -> int:
     def runner_for(split, row=None):
         if split not in runners:
             runners[split] = Runner(RunConfig(
-                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=_strategy_kv(split, ns.kv_unified),
+                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
                 split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
                 n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v))
@@ -329,7 +213,7 @@ def _main(argv=None) -> int:
 
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
-    kvus = {_strategy_kv(split, ns.kv_unified) for split in splits}
+    kvus = {strategy_kv(split, ns.kv_unified) for split in splits}
     info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
