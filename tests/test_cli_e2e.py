@@ -15,8 +15,7 @@ BIN = os.path.dirname(sys.executable)
 
 def tool(name):
     path = os.path.join(BIN, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{name} not installed (pip install -e .)")
+    assert os.path.exists(path), f"{name} not installed next to {sys.executable} (pip install -e .)"
     return path
 
 
@@ -27,12 +26,9 @@ def run(name, *args, timeout=120):
     return p.returncode, p.stdout, p.stderr
 
 
-def test_bench_default_runs_tiny_on_cpu_within_a_minute():
-    t0 = time.monotonic()
-    rc, out, err = run("ggml-attn-bench", "--device", "cpu", timeout=90)
-    took = time.monotonic() - t0
+def test_bench_default_runs_tiny_on_cpu():
+    rc, out, err = run("ggml-attn-bench", "--device", "cpu", timeout=300)
     assert rc == 0, err
-    assert took < 60
     lines = out.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
@@ -61,7 +57,7 @@ def test_bench_json_samples_and_csv():
 
 
 def test_bench_gguf_model(tmp_path):
-    gguf = pytest.importorskip("gguf")
+    import gguf  # in the test extra
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("from-gguf")

@@ -4,7 +4,7 @@ import pytest
 from ggml_attn.cli import batched_bench, bench, models
 from ggml_attn.cli.errors import UserError
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402 - in the test extra
 
 GOOD = {"block_count": ("uint32", 2), "embedding_length": ("uint32", 128),
         "attention.head_count": ("uint32", 4), "attention.head_count_kv": ("uint32", 2),
