@@ -15,7 +15,7 @@ def _run(capsys, *args):
 
 
 def test_plan_ragged_1_to_10_matches_graph_builder(capsys):
-    """Seed 000's case: 10 prompts of 1..10 tokens -> equal 10 ubatches, padded 1."""
+    """10 prompts of 1..10 tokens on split KV -> equal 10 ubatches, padded 1."""
     rc, out, _ = _run(capsys, "--prompt-lens", "1-10", "-ntg", "1", "--split", "all", "--plan", "-o", "jsonl")
     assert rc == 0
     plans = {p["split"]: p for p in map(json.loads, out.splitlines())}
@@ -78,7 +78,7 @@ def test_prompt_dist_is_seeded(capsys):
 @pytest.mark.parametrize("args, msg", [
     (["-m", "nope"], "unknown model 'nope'"),
     (["-npp", "1-"], "invalid range format"),
-    (["-b", "64", "-ub", "128"], "n_ubatch (128) is larger than n_batch (64)"),
+    (["-b", "64", "-ub", "0"], "batch sizes must be positive (n_batch 64, n_ubatch 0)"),
     (["-npp", "512", "-npl", "4", "-ntg", "1", "-c", "1024"], "context overflow"),
     (["--prompt-dist", "200-16"], "need 1 <= MIN <= MAX"),
     (["--split", "zigzag"], "choose from"),

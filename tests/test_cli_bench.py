@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ggml_attn.cli import bench, seed000
+from ggml_attn.cli import bench, ragged_experiment
 
 FAST = ["-t", "1", "--n-layer", "1", "--device", "cpu", "-r", "1", "--no-warmup"]
 
@@ -37,9 +37,10 @@ def test_markdown_optional_columns_follow_flags(capsys):
     rc, out, _ = _run(capsys, "-p", "16", "-n", "0", "-ub", "8,16", "--split", "equal,padded")
     assert rc == 0
     head = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
-    assert head == ["model", "size", "params", "backend", "threads", "n_ubatch", "split", "test", "t/s"]
+    assert head == ["model", "n_layer", "backend", "threads", "n_ubatch", "path", "layer", "kvu", "split",
+                    "test", "t/s"]
     body = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines()[2:6]]
-    assert [(r[5], r[6]) for r in body] == [("8", "equal"), ("8", "padded"), ("16", "equal"), ("16", "padded")]
+    assert [(r[4], r[8]) for r in body] == [("8", "equal"), ("8", "padded"), ("16", "equal"), ("16", "padded")]
 
 
 def test_no_tests_is_an_error(capsys):
@@ -47,18 +48,19 @@ def test_no_tests_is_an_error(capsys):
     assert rc == 2 and "no tests to run" in err
 
 
-def test_seed000_script(tmp_path, capsys):
-    rc = seed000.main(["--out", str(tmp_path), "-ntg", "1", "--", "--device", "cpu", "--n-layer", "1",
+def test_ragged_experiment_script(tmp_path, capsys):
+    rc = ragged_experiment.main(["--out", str(tmp_path), "-ntg", "1", "--", "--device", "cpu", "--n-layer", "1",
                        "-t", "1"])
     assert rc == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 2 and files[0].endswith(".jsonl") and files[1].endswith(".md")
+    assert files[0].startswith("ragged-cpu-")
     rows = [json.loads(l) for l in (tmp_path / files[0]).read_text().splitlines()]
     # 2 layers x (1 + 2 batches) x 5 strategies
     assert len(rows) == 30
     tokens = {(r["case"], r["pl"]): r["prompt_tokens"] for r in rows}
     assert tokens[("10 prompts of 1..10", 10)] == 55
-    # --seed 1 draws the same prompts as REFERENCE section 5 (1776 and 6759 tokens)
+    # --seed 1 draws the prompts of README's H200 table (1776 and 6759 tokens)
     assert tokens[("16 and 64 prompts of 16-200", 16)] == 1776
     assert tokens[("16 and 64 prompts of 16-200", 64)] == 6759
     ub = {(r["case"], r["pl"], r["split"], r["layer"]): r["ub"] for r in rows}

@@ -15,8 +15,7 @@ BIN = os.path.dirname(sys.executable)
 
 def tool(name):
     path = os.path.join(BIN, name)
-    if not os.path.exists(path):
-        pytest.skip(f"{name} not installed (pip install -e .)")
+    assert os.path.exists(path), f"{name} not installed next to {sys.executable} (pip install -e .)"
     return path
 
 
@@ -27,18 +26,15 @@ def run(name, *args, timeout=120):
     return p.returncode, p.stdout, p.stderr
 
 
-def test_bench_default_runs_tiny_on_cpu_within_a_minute():
-    t0 = time.monotonic()
-    rc, out, err = run("ggml-attn-bench", "--device", "cpu", timeout=90)
-    took = time.monotonic() - t0
+def test_bench_default_runs_tiny_on_cpu():
+    rc, out, err = run("ggml-attn-bench", "--device", "cpu", timeout=300)
     assert rc == 0, err
-    assert took < 60
     lines = out.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:4]]
-    assert [r[5] for r in rows] == ["pp512", "tg128"]
-    assert all(r[0] == "tiny" and r[3] == "CPU" for r in rows)
+    assert [r[7] for r in rows] == ["pp512", "tg128"]
+    assert all(r[0] == "tiny" and r[1] == "CPU" and r[3] == "numpy" for r in rows)
     assert lines[-1].startswith("build: ")
 
 
@@ -61,7 +57,7 @@ def test_bench_json_samples_and_csv():
 
 
 def test_bench_gguf_model(tmp_path):
-    gguf = pytest.importorskip("gguf")
+    import gguf  # in the test extra
     path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("from-gguf")
@@ -94,7 +90,8 @@ def test_batched_bench_end_to_end():
 @pytest.mark.parametrize("name, args, msg", [
     ("ggml-attn-bench", ["-m", "llama-9"], "unknown model"),
     ("ggml-attn-bench", ["-p", "5-1*x"], "invalid range format"),
-    ("ggml-attn-bench", ["-b", "128", "-ub", "256"], "larger than n_batch"),
+    ("ggml-attn-bench", ["-b", "0"], "batch sizes must be positive"),
+    ("ggml-attn-bench", ["-ngl", "99", "--device", "cpu"], "--device cpu keeps them on the CPU"),
     ("ggml-attn-bench", ["-p", "512", "-c", "100"], "context overflow"),
     ("ggml-attn-batched-bench", ["-npp", "64", "-npl", "8", "-c", "256"], "context overflow"),
 ])

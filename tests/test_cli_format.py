@@ -12,7 +12,8 @@ def _row(**kw):
     row.update(build_commit="abc1234", cpu_info="cpu", gpu_info="", backends="CPU",
                model_filename="tiny", model_type="tiny", model_size=25 * 2**20,
                model_n_params=13_000_000, n_batch=2048, n_ubatch=512, n_threads=2,
-               type_k="f16", type_v="f16", flash_attn=-1, kv_unified=False, split="equal",
+               type_k="f16", type_v="f16", flash_attn="auto", kv_unified=False, split="equal",
+               path="numpy",
                kernel="auto", device="cpu", layer="attn", n_prompt=512, n_gen=0, n_depth=0,
                ub=1, test_time="2026-01-01T00:00:00Z", samples_ns=[1_000_000, 1_100_000, 900_000])
     row.update(kw)
@@ -49,22 +50,26 @@ def test_markdown_anchors_and_optional_columns():
     text = _render("md", [_row(), _row(n_prompt=0, n_gen=16)], build="x")
     lines = text.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
     assert lines[1].startswith("| :") is False and lines[1].startswith("| -")
     assert lines[1].split("|")[-2].strip().endswith(":")  # t/s right-aligned
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[0] == "tiny" and cells[1] == "25.00 MiB" and cells[2] == "13.00 M"
-    assert cells[5] == "pp512" and " ± " in cells[6]
-    assert [c.strip() for c in lines[3].strip("|").split("|")][5] == "tg16"
+    assert cells[0] == "tiny" and cells[3] == "numpy" and cells[4:7] == ["attn", "0", "equal"]
+    assert cells[7] == "pp512" and " ± " in cells[8]
+    assert [c.strip() for c in lines[3].strip("|").split("|")][7] == "tg16"
     # every row as wide as the header (llama-bench pads to fixed widths)
     assert len({len(l) for l in lines[:4]}) == 1
-    cols = fmt.markdown_columns("CUDA", ["n_ubatch", "split", "kernel"])
-    assert cols == ["model", "size", "params", "backend", "n_gpu_layers", "n_ubatch", "split",
-                    "kernel", "test", "t/s"]
-    text = _render("md", [_row(backends="CUDA", n_gpu_layers=2)], md_columns=cols)
-    head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
-    assert head == ["model", "size", "params", "backend", "ngl", "n_ubatch", "split", "kernel",
-                    "test", "t/s"]
+    cols = fmt.markdown_columns("CUDA", ["n_ubatch", "kernel"], weights=True, n_layer=True)
+    assert cols == ["model", "n_layer", "size", "params", "backend", "n_gpu_layers", "n_ubatch", "path",
+                    "kernel", "layer", "kv_unified", "split", "test", "t/s"]
+    text = _render("md", [_row(backends="CUDA", n_gpu_layers=2, path="CUDA kernels", layer="full")],
+                   md_columns=cols)
+    lines = text.splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["model", "n_layer", "size", "params", "backend", "ngl", "n_ubatch", "path", "kernel",
+                    "layer", "kvu", "split", "test", "t/s"]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[2] == "25.00 MiB" and cells[3] == "13.00 M" and cells[7] == "CUDA kernels"
 
 
 def test_csv_parses():
@@ -88,7 +93,7 @@ def test_json_and_jsonl_parse_with_samples():
 
 def _brow(**kw):
     row = dict(pp=128, tg=16, pl=4, is_pp_shared=0, t_pp=0.5, t_tg=0.25, split="equal", ub=2,
-               ub_tg=16, n_pad=0)
+               ub_tg=16, n_pad=0, kv_unified=False)
     row.update(kw)
     return fb.finish_row(row)
 
@@ -123,11 +128,11 @@ def test_batched_markdown_columns():
     lines = [l for l in text.splitlines() if l.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s",
-                    "S t/s", "split", "UB"]
+                    "S t/s", "split", "KVU", "UB"]
     assert set(lines[1]) <= {"|", "-"}
     assert len({len(l) for l in lines}) == 1
     last = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert last[0] == "1-10" and last[2] == "10" and last[-2:] == ["padded", "1"]
+    assert last[0] == "1-10" and last[2] == "10" and last[-3:] == ["padded", "0", "1"]
     assert "main: n_kv_max = 4096" in text
 
 

@@ -4,7 +4,7 @@ import pytest
 from ggml_attn.cli import models
 from ggml_attn.cli.errors import UserError
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402 - in the test extra
 
 
 def test_presets_are_consistent():

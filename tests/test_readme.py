@@ -21,3 +21,65 @@ def test_readme_opens_with_the_two_commands():
     text = (REPO / "README.md").read_text()
     assert text.index("<!-- main-command -->") < text.index("<!-- test-command -->") < text.index("## ")
     assert "ggml-attn-bench" in _command_after("main-command")
+
+
+# ---- README's python examples run: every ```python block after a
+# <!-- tested --> marker is executed, in order, each in a fresh namespace
+def _tested_blocks() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    return [part.split("```python\n", 1)[1].split("```", 1)[0]
+            for part in text.split("<!-- tested -->")[1:]]
+
+
+def test_readme_has_tested_examples_for_the_op_and_a_batch():
+    blocks = _tested_blocks()
+    assert len(blocks) >= 3
+    joined = "\n".join(blocks)
+    for name in ("ggml_init", "to_numpy", "flash_attn_ext", "KVCache", "AttnConfig", "run_batch",
+                 "describe_plan"):
+        assert name in joined, name
+
+
+def test_readme_examples_run(capsys):
+    for i, code in enumerate(_tested_blocks()):
+        exec(compile(code, f"README.md tested block {i}", "exec"), {"__name__": f"readme_{i}"})
+
+
+# ---- docs point only at what the repository has
+import re
+
+OWNED = ["README.md", "pyproject.toml", "tests/test_readme.py"]
+
+
+def _owned_files():
+    tools = [p for p in (REPO / "tools").glob("*.py") if not p.name.startswith("gpu_")]
+    tests = list((REPO / "tests").glob("test_cli_*.py"))
+    return [REPO / p for p in OWNED] + tools + tests
+
+
+def test_no_citations_of_documents_outside_the_repository():
+    bad = re.compile(r"REFERENCE|[Ss]eed ?0\d\d|[Ii]ssue \d")
+    hits = []
+    for path in _owned_files():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            line = re.sub(r"bench/results/[^` ]*", "", line)  # committed result files keep their names
+            if bad.search(line) and "bad = re.compile" not in line:
+                hits.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_readme_paths_exist():
+    text = (REPO / "README.md").read_text()
+    paths = set(re.findall(r"`((?:bench|tools|tests|graph|ggml_attn|cuda|\.ci)/[^` ]*)`", text))
+    assert paths
+    missing = []
+    for p in paths:
+        p = p.split("::")[0].rstrip(".,:")
+        if "<" in p or "*" in p:
+            continue
+        options = [p]
+        m = re.match(r"(.*)\{(.*)\}(.*)", p)
+        if m:
+            options = [m.group(1) + x + m.group(3) for x in m.group(2).split(",")]
+        missing += [o for o in options if not (REPO / o).exists()]
+    assert not missing, missing

@@ -133,13 +133,33 @@ class ExtendList(argparse.Action):
 class Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line on stderr and exit code 2.
 
-    ``type=`` functions may raise UserError; its message is kept as is.
+    ``type=`` functions may raise UserError; its message is kept as is. Flags match exactly:
+    no abbreviations (``--rep`` is not ``--repetitions``) and no value glued to a short flag
+    (``-ngl`` is not ``-n gl``), so a llama-bench flag we lack is reported by its own name.
     """
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
+
+    def _get_option_tuples(self, option_string):
+        # argparse's prefix matching: for "-ngl" it offers "-n" with the value "gl"
+        return []
 
     def error(self, message):  # noqa: D401 - argparse API
         import sys
         print(fail_line(self.prog, message), file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR)
+
+    def _print_message(self, message, file=None):
+        # --help and usage text: a failed write is one line and exit 2 (output.SafeWriter)
+        import sys
+        from .output import SafeWriter
+        if message:
+            name = "stderr" if file is sys.stderr else "stdout"
+            out = SafeWriter(file or sys.stderr, name)
+            out.write(message)
+            out.flush()
 
     def _get_value(self, action, arg_string):
         try:

@@ -5,7 +5,9 @@ parallel sequences (``-npl``): ``B`` prompts are decoded together (timed: T_PP),
 ``TG`` decode steps of one token per sequence (timed: T_TG), with llama-batched-bench's
 columns, plus the split strategy and ``UB``, the number of ubatches the prompts took.
 
-Ragged prompts make seed 000's case one command::
+Ragged prompts on a split KV cache (where llama.cpp's ``equal`` split must give every
+sequence of a ubatch the same number of tokens, so prompts of different lengths become many
+small ubatches, and ``padded`` pads them to one length instead) are one command::
 
     ggml-attn-batched-bench --prompt-lens 1-10 -ntg 4 --split all
     ggml-attn-batched-bench --prompt-dist 16-200 -npl 16,64 --seed 1 --split all --plan
@@ -14,15 +16,21 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
-
 from . import format_batched as fb
+from . import plot
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
+from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from .errors import UserError
+from .kv_types import CACHE_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, default_split, resolve_device)
+from .output import SafeWriter, save_error
+from .placement import check_ngl, device_for_ngl
+from .plans import print_plans
+from .progress import ProgressBar
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_context, check_kernel,
+                     check_threads, default_split, effective_ubatch, resolve_device)
+from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -83,6 +91,14 @@ def build_parser() -> Parser:
                    help="logical batch size (default: 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch size (default: 512)")
+    p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU "
+                        f"(default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help="V cache type, as -ctk; a quantized V needs flash attention (default: f16)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int_at_least(0), default=None, metavar="N",
+                   help="llama.cpp's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
+                        "all layers on the GPU; a partial offload is an error (default: per --device)")
     p.add_argument("-t", "--threads", type=int_at_least(1), default=default_threads(), metavar="N",
                    help=f"CPU threads (default: {default_threads()})")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
@@ -93,7 +109,15 @@ def build_parser() -> Parser:
                    help="print each strategy's ubatch plan for every row and exit (no compute)")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
-    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="describe each run on stderr: model shape, KV caches, each row's prompt ubatches")
+    p.add_argument("-r", "--repetitions", type=int_at_least(1), default=1, metavar="N",
+                   help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
+                        "(default: 1)")
+    p.add_argument("--progress", action="store_true",
+                   help="print llama-bench's progress lines on stderr (without it a progress bar "
+                        "shows when stderr is a terminal)")
+    p.epilog = fb.TERMS
     return p
 
 
@@ -103,117 +127,6 @@ def splits_of(ns) -> list[str]:
         for x in (ALL_SPLITS if s == "all" else [s or default_split(ns.kv_unified)]):
             if x not in out:
                 out.append(x)
-    return out
-
-
-def rows_of(ns) -> list[dict]:
-    """One dict per (prompt set, tg) with pp, pl and prompt_lens (None when uniform)."""
-    rng = np.random.default_rng(ns.seed)
-    if ns.prompt_lens is not None:
-        lens = [x for x in ns.prompt_lens]
-        if not lens or min(lens) < 1:
-            raise UserError("--prompt-lens needs at least one length, all >= 1")
-        prompts = [dict(pp=max(lens) if min(lens) == max(lens) else None, pl=len(lens), prompt_lens=lens)]
-    elif ns.prompt_dist is not None:
-        lo, hi = ns.prompt_dist
-        prompts = []
-        for pl in ns.npl:
-            if pl < 1:
-                raise UserError("-npl values must be >= 1")
-            lens = [int(x) for x in rng.integers(lo, hi + 1, size=pl)]
-            prompts.append(dict(pp=None if min(lens) != max(lens) else lens[0], pl=pl, prompt_lens=lens))
-    else:
-        prompts = [dict(pp=pp, pl=pl, prompt_lens=None) for pp in ns.npp for pl in ns.npl]
-    out = []
-    for pr in prompts:
-        if pr["pl"] < 1:
-            raise UserError("-npl values must be >= 1")
-        if pr["pp"] is not None and pr["pp"] < 1 and pr["prompt_lens"] is None:
-            raise UserError("-npp values must be >= 1")
-        for tg in ns.ntg:
-            out.append(dict(pr, tg=tg))
-    # llama-batched-bench's loop order: pp, tg, pl
-    if ns.prompt_lens is None and ns.prompt_dist is None:
-        out.sort(key=lambda r: (ns.npp.index(r["pp"]), ns.ntg.index(r["tg"]), ns.npl.index(r["pl"])))
-    return out
-
-
-def lens_of(row) -> list[int]:
-    return list(row["prompt_lens"]) if row["prompt_lens"] else [row["pp"]] * row["pl"]
-
-
-def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None = None,
-               pads: bool = True) -> tuple[int, int]:
-    """(llama-batched-bench's n_ctx_req, cells our cache needs for this row).
-
-    A split cache gives every one of its ``n_seq`` streams (default: B) n_ctx / n_seq cells, so
-    it needs n_seq times this row's longest sequence; padded ubatches of ragged prompts
-    (``pads``: a split that may pad) hold pad cells for a moment: at most one ubatch, and
-    fewer than the longest prompt for each but the longest sequence."""
-    lens = lens_of(row)
-    tg, pl = row["tg"], row["pl"]
-    req = (max(lens) + pl * tg) if pps else (sum(lens) + pl * tg)
-    if unified:  # only ragged prompts get pad rows, fewer than max(lens) per padded sequence
-        ragged = pads and not pps and min(lens) != max(lens)
-        return req, req + (min(n_ubatch, (pl - 1) * max(lens)) if ragged else 0)
-    return req, (n_seq or pl) * (max(lens) + tg + 1)
-
-
-def cache_capacity(n_ctx: int, n_seq: int, unified: bool) -> int:
-    """Cells a KVCache built with ``n_ctx`` has in all (llama.cpp pads to 256 per stream)."""
-    from ggml_attn.graph.kv_cache import KV_PAD, pad_to
-    return pad_to(n_ctx, KV_PAD) if unified else n_seq * pad_to(n_ctx // n_seq, KV_PAD)
-
-
-def _strategy_kv(split: str, kv_unified: bool) -> bool:
-    return True if split == "simple" else kv_unified
-
-
-def print_plans(ns, runner_for, rows, splits, out) -> None:
-    seen = set()
-    for row in rows:
-        key = (tuple(lens_of(row)), ns.pps)
-        if key in seen:
-            continue
-        seen.add(key)
-        lens = lens_of(row)
-        if ns.output == "md":
-            desc = (f"{len(lens)} x {lens[0]}" if min(lens) == max(lens)
-                    else f"{len(lens)} prompts of {min(lens)}..{max(lens)} tokens")
-            out.write(f"batch: {desc} ({sum(lens)} tokens), n_batch {ns.batch_size}, "
-                      f"n_ubatch {ns.ubatch_size}\n")
-        for split in splits:
-            runner = runner_for(split, row)
-            batch = runner.prompt_batch([lens[0]] if ns.pps else lens)
-            ubs = runner.split(batch)
-            kvu = runner.cfg.kv_unified
-            shapes = [u.shape_str for u in ubs]
-            n_pad = sum(u.n_pad for u in ubs)
-            if ns.output == "jsonl":
-                import json
-                out.write(json.dumps({"split": split, "kv_unified": kvu, "pl": row["pl"],
-                                      "prompt_lens": lens, "ub": len(ubs), "n_pad": n_pad,
-                                      "shapes": shapes,
-                                      "reason": ubs[0].reason if ubs and ubs[0].reason else ""}) + "\n")
-            else:
-                pad = f", {n_pad} pad rows" if n_pad else ""
-                kv = "unified KV" if kvu else "split KV"
-                out.write(f"  {split:<7} ({kv}): {len(ubs)} ubatch{'es' if len(ubs) != 1 else ''}{pad}: "
-                          f"{' '.join(_compress(shapes))}\n")
-                if split == "auto" and ubs and ubs[0].reason:
-                    out.write(f"          {ubs[0].reason}\n")
-        out.flush()
-
-
-def _compress(shapes: list[str]) -> list[str]:
-    """``['10x1', '10x1', '9x1']`` -> ``['2*10x1', '9x1']``."""
-    out, i = [], 0
-    while i < len(shapes):
-        j = i
-        while j < len(shapes) and shapes[j] == shapes[i]:
-            j += 1
-        out.append(shapes[i] if j - i == 1 else f"{j - i}*{shapes[i]}")
-        i = j
     return out
 
 
@@ -232,50 +145,8 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
     with runner.timer() as t_tg:
         for _ in range(tg):
             n_ub_tg += runner.decode(runner.step_batch(list(range(pl)))).n_ubatches
-    return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg)
-
-
-def _check_plot_available(path):
-    if path is None:
-        return
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as e:
-        raise UserError("--plot needs matplotlib (pip install 'ggml-attn[plot]')") from e
-
-
-def draw_plot(path: str, results: list[dict], title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = []
-    for r in results:
-        lab = f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}"
-        if lab not in labels:
-            labels.append(lab)
-    splits = []
-    for r in results:
-        if r["split"] not in splits:
-            splits.append(r["split"])
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * len(splits) / 2), 4.5))
-    width = 0.8 / max(1, len(splits))
-    for ax, key, name in ((axes[0], "speed_pp", "S_PP t/s (prompt)"), (axes[1], "speed", "S t/s (total)")):
-        for i, sp in enumerate(splits):
-            vals = []
-            for lab in labels:
-                hit = [r[key] for r in results if r["split"] == sp
-                       and f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}" == lab]
-                vals.append(hit[0] if hit else 0.0)
-            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=sp)
-        ax.set_xticks([x + width * (len(splits) - 1) / 2 for x in range(len(labels))])
-        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel(name)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg,
+                _shapes=st.shapes)
 
 
 def main(argv=None) -> int:
@@ -285,12 +156,17 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
-    check_batch_sizes(ns.batch_size, ns.ubatch_size)
-    _check_plot_available(ns.plot)
-    device = resolve_device(ns.device)
+    ns.ubatch_size = effective_ubatch(ns.batch_size, ns.ubatch_size)
+    check_threads(ns.threads)
+    plot.check_plot_available(ns.plot)
+    ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
+    device = resolve_device(device_for_ngl(ngl, ns.device))
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
+    check_ngl(ngl, model)
+    check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
+                      head_dim_k=model.head_dim, head_dim_v=model.d_v)
     rows = rows_of(ns)
     splits = splits_of(ns)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
@@ -299,7 +175,7 @@ def _main(argv=None) -> int:
     # size the caches once, for the largest row of every strategy; -c is a hard limit
     cells = {}
     for split in splits:
-        kvu = _strategy_kv(split, ns.kv_unified)
+        kvu = strategy_kv(split, ns.kv_unified)
         need = 0
         for r in rows:
             req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq,
@@ -320,15 +196,15 @@ def _main(argv=None) -> int:
     def runner_for(split, row=None):
         if split not in runners:
             runners[split] = Runner(RunConfig(
-                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=_strategy_kv(split, ns.kv_unified),
+                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
                 split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
-                n_threads=ns.threads, seed=ns.seed))
+                n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v))
         return runners[split]
 
     try:
         if ns.plan:
-            print_plans(ns, runner_for, rows, splits, sys.stdout)
+            print_plans(ns, runner_for, rows, splits, SafeWriter(sys.stdout))
             return 0
         return _run(ns, rows, splits, runner_for, model, device, cells)
     finally:
@@ -337,42 +213,58 @@ def _main(argv=None) -> int:
 
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
+    kvus = {strategy_kv(split, ns.kv_unified) for split in splits}
     info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
-                flash_attn=0 if ns.flash_attn == "off" else 1, is_pp_shared=int(ns.pps),
+                flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
-                n_threads_batch=ns.threads, kv_unified=ns.kv_unified, model=model.name, device=device,
-                kernel=ns.kernel, layer=ns.layer)
-    printer = fb.make_printer(ns.output, sys.stdout, info)
+                n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name, device=device,
+                kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v)
+    reps = ns.repetitions
+    info["repetitions"] = reps
     total = len(rows) * len(splits)
+    bar = ProgressBar(total * reps, PROG, enabled=False if ns.progress else None)
+    printer = fb.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), info)
     progress = Progress(PROG, ns.progress, total)
+    verbose = Verbose(PROG, ns.verbose)
     results = []
     printer.header()
     idx = 0
     try:
         for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens), and
             r = runner_for(split)  # one decode step, so decode-shaped kernels load untimed too
+            verbose.runner(r)
             r.clear()
             r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
             r.decode(r.step_batch([0]))
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1
-                progress(idx, f"starting B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} "
-                              f"TG={row['tg']} split={split}")
+                what = f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']} split={split}"
+                progress(idx, f"starting {what}")
                 runner = runner_for(split)
-                res = run_row(runner, row, ns.pps)
+                samples = []
+                for _ in range(reps):
+                    samples.append(run_row(runner, row, ns.pps))
+                    bar.update(what)
+                verbose.shapes(f"{what}: prompt", samples[0].pop("_shapes"))
+                res = dict(samples[0], t_pp_samples=[x["t_pp"] for x in samples],
+                           t_tg_samples=[x["t_tg"] for x in samples])
                 out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),
                            split=split, kv_unified=runner.cfg.kv_unified, model=model.name,
-                           device=device, kernel=ns.kernel, layer=ns.layer, **res)
+                           device=device, kernel=ns.kernel, layer=ns.layer, repetitions=reps, **res)
                 if row["prompt_lens"]:
                     out["prompt_lens"] = list(row["prompt_lens"])
                 fb.finish_row(out)
                 printer.row(out)
                 results.append(out)
     finally:
+        bar.close()
         printer.footer()
     if ns.plot and results:
-        draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+        try:
+            plot.draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
+        except OSError as e:
+            raise save_error(ns.plot, e) from None
         print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
     return 0
 

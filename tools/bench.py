@@ -14,21 +14,29 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 
 from . import format_bench as fmt
 from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
                    parse_int_range, parse_pair_list, str_list)
 from .common import Progress, build_info, console_main, cpu_info, default_threads, gpu_info
 from .errors import UserError
+from .kv_types import CACHE_TYPES, check_cache_types
+from .output import SafeWriter
+from .progress import ProgressBar
+from .verbose import Verbose
+from .placement import check_ngl, device_for_ngl
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_batch_sizes,
-                     check_context, check_kernel, default_split, resolve_device)
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
+                     check_context, check_kernel, check_threads, default_split, effective_ubatch,
+                     resolve_device)
 
 PROG = "ggml-attn-bench"
-FA_VALUES = {"on": 1, "off": 0, "auto": -1, "1": 1, "0": 0, "-1": -1}
+# llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
+FA_VALUES = {"on": "on", "off": "off", "auto": "auto", "1": "on", "0": "off", "-1": "auto"}
 
 
-def parse_fa(text: str) -> list[int]:
+def parse_fa(text: str) -> list[str]:
     out = []
     for item in str(text).split(","):
         key = item.strip().lower()
@@ -58,7 +66,7 @@ def build_parser() -> Parser:
              help="logical batch size: tokens per decode call")
     add_list(p, "-ub", "--ubatch-size", type=parse_int_range, default=[512], metavar="N",
              help="physical batch size: rows per graph evaluation")
-    add_list(p, "-fa", "--flash-attn", type=parse_fa, default=[-1], metavar="on|off|auto",
+    add_list(p, "-fa", "--flash-attn", type=parse_fa, default=["auto"], metavar="on|off|auto",
              help="on: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max path; auto: on")
     add_list(p, "-kvu", "--kv-unified", type=parse_bool_list, default=[False], metavar="0|1",
              help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
@@ -71,6 +79,13 @@ def build_parser() -> Parser:
                   "ggml: ggml's own flash attention (CPU baseline)")
     add_list(p, "--layer", type=choice_list(LAYERS), default=["attn"], metavar="attn|full",
              help="attn: attention only; full: with QKV/O projections and FFN (random weights)")
+    add_list(p, "-ctk", "--cache-type-k", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
+             help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU")
+    add_list(p, "-ctv", "--cache-type-v", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
+             help="V cache type, as -ctk; a quantized V needs flash attention (as llama.cpp)")
+    add_list(p, "-ngl", "--n-gpu-layers", type=parse_int_range, default=[], metavar="N",
+             help="llama-bench's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
+                  "all layers on the GPU; a partial offload is an error (default: per --device)")
     add_list(p, "-t", "--threads", type=parse_int_range, default=[default_threads()], metavar="N",
              help="CPU threads")
     p.add_argument("--device", choices=DEVICES, default="auto",
@@ -83,7 +98,15 @@ def build_parser() -> Parser:
                    help="times to repeat each test (default: 5)")
     p.add_argument("-o", "--output", choices=fmt.FORMATS, default="md",
                    help="output format printed to stdout (default: md)")
-    p.add_argument("--progress", action="store_true", help="print test progress on stderr")
+    p.add_argument("-oe", "--output-err", choices=fmt.FORMATS + ("none",), default="none",
+                   help="a second output format printed to stderr (default: none)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="describe each run on stderr: model shape, KV cache, ubatch shapes")
+    p.add_argument("--delay", type=int_at_least(0), default=0, metavar="S",
+                   help="seconds to wait before each test, e.g. to let a GPU cool (default: 0)")
+    p.add_argument("--progress", action="store_true",
+                   help="print llama-bench's progress lines on stderr (without it a progress bar "
+                        "shows when stderr is a terminal)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
@@ -101,9 +124,21 @@ def tests_of(ns) -> list[tuple[int, int]]:
 def optional_columns(ns) -> list[str]:
     """Markdown columns to show: flags with several or non-default values."""
     defaults = {"n_batch": ("batch_size", [2048]), "n_ubatch": ("ubatch_size", [512]),
-                "flash_attn": ("flash_attn", [-1]), "kv_unified": ("kv_unified", [False]),
-                "split": ("split", [""]), "kernel": ("kernel", ["auto"]), "layer": ("layer", ["attn"])}
+                "flash_attn": ("flash_attn", ["auto"]), "kernel": ("kernel", ["auto"]),
+                "type_k": ("cache_type_k", ["f16"]), "type_v": ("cache_type_v", ["f16"])}
     return [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
+
+
+def md_columns(ns, insts, backend: str) -> list[str]:
+    """The markdown columns of this run (see format_bench.markdown_columns)."""
+    weights = any(inst["layer"] == "full" for inst in insts)
+    n_layer = any(inst["model"].n_layer != _own_layers(inst["model"]) for inst in insts)
+    return fmt.markdown_columns(backend, optional_columns(ns), weights=weights, n_layer=n_layer)
+
+
+def _own_layers(model) -> int:
+    """Layers of the preset or .gguf the shape came from (before --n-layer)."""
+    return resolve(model.source if model.source != "preset" else model.name).n_layer
 
 
 def instances(ns, device: str) -> list[dict]:
@@ -115,13 +150,16 @@ def instances(ns, device: str) -> list[dict]:
     params = combinations({
         "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
         "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
-        "kernel": ns.kernel, "layer": ns.layer, "n_threads": ns.threads, "n_depth": ns.n_depth})
+        "kernel": ns.kernel, "layer": ns.layer, "type_k": ns.cache_type_k, "type_v": ns.cache_type_v,
+        "n_threads": ns.threads, "n_depth": ns.n_depth})
     out = []
     for inst in params:
-        check_batch_sizes(inst["n_batch"], inst["n_ubatch"])
-        if inst["n_threads"] < 1:
-            raise UserError(f"-t must be at least 1, got {inst['n_threads']}")
-        check_kernel(inst["kernel"], inst["flash_attn"] != 0, device)
+        inst["n_ubatch"] = effective_ubatch(inst["n_batch"], inst["n_ubatch"])
+        check_threads(inst["n_threads"])
+        check_ngl(ns.n_gpu_layers, inst["model"])
+        check_cache_types(inst["type_k"], inst["type_v"], device=device, flash_attn=inst["flash_attn"] != "off",
+                          head_dim_k=inst["model"].head_dim, head_dim_v=inst["model"].d_v)
+        check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
     for inst in out:
@@ -135,7 +173,7 @@ def instances(ns, device: str) -> list[dict]:
 
 def _runner_key(inst):
     return tuple(inst[k] for k in ("model", "n_batch", "n_ubatch", "flash_attn", "kv_unified", "split",
-                                   "kernel", "layer", "n_threads")) + (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
+                                   "kernel", "layer", "type_k", "type_v", "n_threads")) + (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
 
 
 def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx: int) -> dict:
@@ -157,15 +195,20 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
             runner.decode(runner.prompt_batch([n_depth]))
         n_ub = 0
         with runner.timer() as t:
+            shapes = []
             if n_prompt > 0:
                 progress(idx, f"prompt run {rep + 1}/{reps}")
-                n_ub += runner.decode(runner.prompt_batch([n_prompt])).n_ubatches
+                st = runner.decode(runner.prompt_batch([n_prompt]))
+                n_ub += st.n_ubatches
+                shapes += st.shapes
             if n_gen > 0:
                 progress(idx, f"generation run {rep + 1}/{reps}")
                 for _ in range(n_gen):
-                    n_ub += runner.decode(runner.step_batch([0])).n_ubatches
+                    st = runner.decode(runner.step_batch([0]))
+                    n_ub += st.n_ubatches
+                    shapes += st.shapes
         samples.append(max(1, t.ns))
-    return {"samples_ns": samples, "ub": n_ub}
+    return {"samples_ns": samples, "ub": n_ub, "_shapes": shapes}
 
 
 def make_row(inst: dict, result: dict, device: str) -> dict:
@@ -178,12 +221,13 @@ def make_row(inst: dict, result: dict, device: str) -> dict:
         model_filename=m.source if m.source != "preset" else m.name, model_type=m.name,
         model_size=m.size_bytes, model_n_params=m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
-        n_threads=inst["n_threads"], type_k="f16", type_v="f16",
+        n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
         n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=inst["flash_attn"],
         kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
+        path=fmt.attention_path(device, inst["flash_attn"], inst["kernel"]),
         layer=inst["layer"], n_prompt=inst["n_prompt"], n_gen=inst["n_gen"], n_depth=inst["n_depth"],
         test_time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        **result)
+        **{k: v for k, v in result.items() if not k.startswith("_")})
     return fmt.finish_row(row)
 
 
@@ -195,25 +239,33 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.list_models:
+        out = SafeWriter(sys.stdout)
         for m in PRESETS.values():
-            print(m.describe())
+            out.write(m.describe() + "\n")
+        out.flush()
         return 0
     if ns.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {ns.repetitions}")
-    device = resolve_device(ns.device)
+    device = resolve_device(device_for_ngl(ns.n_gpu_layers, ns.device))
     insts = instances(ns, device)
     if not insts:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
     backend = "CUDA" if device == "cuda" else "CPU"
     commit, number = build_info()
-    printer = fmt.make_printer(ns.output, sys.stdout,
-                               md_columns=fmt.markdown_columns(backend, optional_columns(ns)),
-                               build=f"{commit} ({number})")
+    columns, build = md_columns(ns, insts, backend), f"{commit} ({number})"
+    bar = ProgressBar(len(insts), PROG, enabled=False if ns.progress else None)
+    printer = fmt.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), md_columns=columns, build=build)
+    if ns.output_err != "none":
+        printer = fmt.Tee(printer, fmt.make_printer(ns.output_err, SafeWriter(bar.writer(sys.stderr), "stderr"),
+                                                    md_columns=columns, build=build))
+    verbose = Verbose(PROG, ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
     printer.header()
     runner, key = None, None
     try:
         for idx, inst in enumerate(insts, 1):
+            if ns.delay:
+                time.sleep(ns.delay)
             progress(idx, "starting")
             if _runner_key(inst) != key:
                 if runner is not None:
@@ -222,11 +274,17 @@ def _main(argv=None) -> int:
                 runner = Runner(RunConfig(
                     inst["model"], n_ctx=key[-1], n_seq=1, kv_unified=inst["kv_unified"],
                     split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
-                    flash_attn=inst["flash_attn"] != 0, kernel=inst["kernel"], layer=inst["layer"],
-                    device=device, n_threads=inst["n_threads"], seed=ns.seed))
+                    flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
+                    device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
+                    type_v=inst["type_v"]))
+                verbose.runner(runner)
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
+            verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "
+                           f"{result['ub']} ubatches per repetition", result["_shapes"])
             printer.row(make_row(inst, result, device))
+            bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
+        bar.close()
         # after Ctrl-C too: the rows printed so far stay a complete table / valid json
         printer.footer()
         if runner is not None:

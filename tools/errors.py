@@ -28,6 +28,7 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
         return int(main_fn(argv) or 0)
     except UserError as e:
         print(fail_line(prog, str(e)), file=sys.stderr)
+        _drop_stdout()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -35,4 +36,26 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER_ERROR)
     except BrokenPipeError:  # e.g. `| head`
+        _drop_stdout()
         return 0
+
+
+def _drop_stdout() -> None:
+    """When stdout cannot take what is buffered, point it at /dev/null, so the interpreter's
+    final flush does not print a second error (the recipe of Python's signal docs). Only for
+    the real stdout: tests that replaced ``sys.stdout`` keep theirs."""
+    import os
+    if sys.stdout is not sys.__stdout__ or sys.stdout is None:
+        return
+    try:
+        sys.stdout.flush()
+        return
+    except OSError:
+        pass
+    try:
+        fd = sys.stdout.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

@@ -1,8 +1,8 @@
 """Output of ``ggml-attn-batched-bench`` in llama-batched-bench's formats: md and jsonl.
 
 Columns are llama-batched-bench's (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s,
-T s, S t/s) plus ``split`` (the batching strategy) and ``UB`` (ubatches the prompt
-phase used). jsonl keeps llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp,
+T s, S t/s) plus ``split`` (the batching strategy), ``KVU`` (unified KV or not) and
+``UB`` (ubatches the prompt phase used); :data:`TERMS` defines them. jsonl keeps llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp,
 t_tg, speed_tg, t, speed) and adds ``split``, ``ub`` and the rest of ours.
 
 With ragged prompts PP is the range of prompt lengths (``1-10``) in md, and ``pp`` is
@@ -11,18 +11,37 @@ null in jsonl; ``prompt_tokens`` always holds the number of prompt tokens of the
 from __future__ import annotations
 
 import json
+import statistics
 
 COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s",
-           "split", "UB"]
-_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
+           "split", "KVU", "UB"]
+_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 3, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
 FORMATS = ("md", "jsonl")
 
 # jsonl keys in order: llama-batched-bench's, then ours
 JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_gpu_layers",
               "n_threads", "n_threads_batch", "pp", "tg", "pl", "n_kv", "t_pp", "speed_pp",
               "t_tg", "speed_tg", "t", "speed",
-              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified", "model", "device",
-              "kernel", "layer"]
+              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified",
+              "repetitions", "speed_pp_stddev", "speed_tg_stddev", "speed_stddev", "t_pp_samples",
+              "t_tg_samples", "type_k", "type_v", "model",
+              "device", "kernel", "layer"]
+
+
+# what ours mean; --help prints this, README repeats it
+TERMS = (
+    "Ours, beyond llama-batched-bench's columns and keys. split: the ubatch split strategy of "
+    "the row. KVU: (jsonl kv_unified) 1 when the row ran on one KV buffer for all sequences, "
+    "0 with one stream per sequence; simple always runs unified. UB: (jsonl ub) ubatches the "
+    "prompt phase was cut into, one graph evaluation each. ub_tg: ubatches of all TG decode "
+    "steps together. n_pad: pad rows the prompt's ubatches carried (padded and auto splits; "
+    "computed, then dropped). prompt_tokens: prompt tokens of the row. --plan shows each ubatch "
+    "as n_seqs x n_seq_tokens, llama.cpp's ubatch shape: simple, N tokens -> Nx1; equal or "
+    "padded, B sequences of T tokens -> BxT; seq -> 1xT; 2*10x1 is two 10x1 ubatches.")
+
+
+def _kvu(value) -> str:
+    return "per row (KVU)" if value is None else str(int(bool(value)))
 
 
 def pp_label(row) -> str:
@@ -32,25 +51,51 @@ def pp_label(row) -> str:
     return str(row["pp"])
 
 
-def _cells(row):
+def _speed(row, key, reps: int) -> str:
+    if reps > 1:
+        return f"{row[key]:.2f} ± {row[key + '_stddev']:.2f}"
+    return f"{row[key]:.2f}"
+
+
+def _cells(row, reps: int = 1):
     return [pp_label(row), str(row["tg"]), str(row["pl"]), str(row["n_kv"]),
-            f"{row['t_pp']:.3f}", f"{row['speed_pp']:.2f}", f"{row['t_tg']:.3f}",
-            f"{row['speed_tg']:.2f}", f"{row['t']:.3f}", f"{row['speed']:.2f}",
-            str(row["split"]), str(row["ub"])]
+            f"{row['t_pp']:.3f}", _speed(row, "speed_pp", reps), f"{row['t_tg']:.3f}",
+            _speed(row, "speed_tg", reps), f"{row['t']:.3f}", _speed(row, "speed", reps),
+            str(row["split"]), str(int(bool(row["kv_unified"]))), str(row["ub"])]
 
 
-def _md_line(cells):
+_SPEED_COLUMNS = (5, 7, 9)
+
+
+def _widths(reps: int) -> list[int]:
+    """Column widths; with -r the t/s columns hold ``mean ± stddev`` (llama-bench's 20)."""
+    return [20 if (reps > 1 and i in _SPEED_COLUMNS) else w for i, w in enumerate(_W)]
+
+
+def _md_line(cells, widths=_W):
     out = []
-    for i, (text, w) in enumerate(zip(cells, _W)):
+    for i, (text, w) in enumerate(zip(cells, widths)):
         cell = f"{text:<{-w}}" if w < 0 else f"{text:>{w}}"
         out.append(("|" if i == 0 else " | ") + cell)
     return "".join(out) + " |\n"
 
 
+def _mean(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def _stdev(values):
+    """Sample standard deviation (n - 1), 0 for fewer than two values, as llama-bench."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def finish_row(row: dict) -> dict:
     """Derive n_kv, speeds and totals as llama-batched-bench does; returns ``row``.
 
-    Needs pp (or prompt_lens), tg, pl, is_pp_shared, t_pp, t_tg (seconds).
+    Needs pp (or prompt_lens), tg, pl, is_pp_shared, and t_pp, t_tg (seconds) or, with ``-r``,
+    ``t_pp_samples`` / ``t_tg_samples`` (one per repetition): times are then means, and each
+    speed is the mean of the per-repetition speeds with its sample stddev (``*_stddev``), as
+    llama-bench computes t/s.
     """
     lens = row.get("prompt_lens")
     if lens:
@@ -60,11 +105,19 @@ def finish_row(row: dict) -> dict:
     row["prompt_tokens"] = prompt_tokens
     # llama-batched-bench: is_pp_shared ? pp + pl*tg : pl*(pp + tg)
     row["n_kv"] = prompt_tokens + row["pl"] * row["tg"]
-    t_pp, t_tg = row["t_pp"], row["t_tg"]
-    row["t"] = t_pp + t_tg
-    row["speed_pp"] = prompt_tokens / t_pp if t_pp > 0 else 0.0
-    row["speed_tg"] = row["pl"] * row["tg"] / t_tg if t_tg > 0 else 0.0
-    row["speed"] = row["n_kv"] / row["t"] if row["t"] > 0 else 0.0
+    tp = list(row.get("t_pp_samples") or [row["t_pp"]])
+    tt = list(row.get("t_tg_samples") or [row["t_tg"]])
+    row["t_pp_samples"], row["t_tg_samples"] = tp, tt
+    row["t_pp"], row["t_tg"] = _mean(tp), _mean(tt)
+    row["t"] = row["t_pp"] + row["t_tg"]
+    speeds = {
+        "speed_pp": [prompt_tokens / t if t > 0 else 0.0 for t in tp],
+        "speed_tg": [row["pl"] * row["tg"] / t if t > 0 else 0.0 for t in tt],
+        "speed": [row["n_kv"] / (a + b) if a + b > 0 else 0.0 for a, b in zip(tp, tt)],
+    }
+    for key, values in speeds.items():
+        row[key] = _mean(values)
+        row[f"{key}_stddev"] = _stdev(values)
     return row
 
 
@@ -72,6 +125,8 @@ class MarkdownPrinter:
     def __init__(self, out, info: dict):
         self.out = out
         self.info = info
+        self.reps = int(info.get("repetitions", 1))
+        self.widths = _widths(self.reps)
 
     def header(self):
         i = self.info
@@ -79,15 +134,17 @@ class MarkdownPrinter:
             "\n"
             f"main: n_kv_max = {i['n_kv_max']}, n_batch = {i['n_batch']}, n_ubatch = {i['n_ubatch']}, "
             f"flash_attn = {i['flash_attn']}, is_pp_shared = {i['is_pp_shared']}, "
-            f"kv_unified = {int(i['kv_unified'])}, n_threads = {i['n_threads']}, "
-            f"model = {i['model']}, device = {i['device']}, kernel = {i['kernel']}, layer = {i['layer']}\n"
+            f"kv_unified = {_kvu(i['kv_unified'])}, type_k = {i.get('type_k', 'f16')}, "
+            f"type_v = {i.get('type_v', 'f16')}, n_threads = {i['n_threads']}, "
+            f"model = {i['model']}, device = {i['device']}, kernel = {i['kernel']}, layer = {i['layer']}"
+            + (f", repetitions = {self.reps}" if self.reps > 1 else "") + "\n"
             "\n")
-        self.out.write(_md_line(COLUMNS))
-        self.out.write("|" + "-|-".join("-" * abs(w) for w in _W) + "-|\n")
+        self.out.write(_md_line(COLUMNS, self.widths))
+        self.out.write("|" + "-|-".join("-" * abs(w) for w in self.widths) + "-|\n")
         self.out.flush()
 
     def row(self, row):
-        self.out.write(_md_line(_cells(row)))
+        self.out.write(_md_line(_cells(row, self.reps), self.widths))
         self.out.flush()
 
     def footer(self):

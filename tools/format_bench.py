@@ -1,13 +1,15 @@
-"""Output of ``ggml-attn-bench`` in llama-bench's formats: md, csv, json, jsonl.
+"""Output of ``ggml-attn-bench`` in llama-bench's formats: md, csv, json, jsonl, sql.
 
 A result row is a dict with the keys of :data:`FIELDS` plus ``samples_ns`` (one
 wall-clock or CUDA-event time per repetition). Printers stream: the header when
 created, one row per finished test, the footer at the end (also after Ctrl-C), so a
 json array stays valid when the run is interrupted.
 
-Markdown follows llama-bench's rules: model, size, params, backend, [ngl when not
-CPU], threads (CPU), the optional columns only when a flag has a non-default value or
-several values, then test and ``t/s`` as ``mean ± stddev``.
+Markdown follows llama-bench's rules: model, backend, [ngl when not CPU], threads (CPU),
+the optional columns only when a flag has a non-default value or several values, then test
+and ``t/s`` as ``mean ± stddev``; and says what was measured (:func:`markdown_columns`):
+path, layer, kvu and split always, n_layer when overridden, the weights' size and params
+only with ``--layer full`` (an attention-only run never touches weights).
 """
 from __future__ import annotations
 
@@ -22,12 +24,12 @@ FIELDS = [
     "model_filename", "model_type", "model_size", "model_n_params",
     "n_layer", "n_head", "n_head_kv", "head_dim",
     "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
-    "flash_attn", "kv_unified", "split", "kernel", "device", "layer",
+    "flash_attn", "kv_unified", "split", "kernel", "path", "device", "layer",
     "n_prompt", "n_gen", "n_depth", "ub",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
 INT_FIELDS = {"build_number", "model_size", "model_n_params", "n_layer", "n_head", "n_head_kv",
-              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers", "flash_attn",
+              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers",
               "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
 BOOL_FIELDS = {"kv_unified"}
 FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
@@ -35,12 +37,16 @@ FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
 # markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
            "kv_unified": "kvu", "device": "dev"}
-WIDTHS = {"model": -30, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
-          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 3, "kv_unified": 3,
-          "split": -7, "kernel": -9, "layer": -5, "device": -4, "test": 15, "t/s": 20}
-# optional markdown columns, in order, shown when non-default or several values
-OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "kv_unified", "split", "kernel", "layer"]
-FORMATS = ("md", "csv", "json", "jsonl")
+WIDTHS = {"model": -30, "n_layer": 7, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
+          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 4, "kv_unified": 3,
+          "split": -7, "kernel": -9, "layer": -5, "device": -4, "path": -12, "test": 15, "t/s": 20}
+# optional markdown columns shown when non-default or several values, before "path" ...
+OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "type_k", "type_v"]
+# ... and after it
+OPTIONAL_AFTER_PATH = ["kernel"]
+# what the attention computed with; always shown
+ALWAYS_COLUMNS = ["layer", "kv_unified", "split"]
+FORMATS = ("md", "csv", "json", "jsonl", "sql")
 
 
 def mean(values):
@@ -169,6 +175,44 @@ class JsonlPrinter(Printer):
         self._write(json.dumps(row_json(row)) + "\n")
 
 
+class SqlPrinter(Printer):
+    """llama-bench's ``-o sql``: a CREATE TABLE for FIELDS, then one INSERT per test."""
+
+    @staticmethod
+    def sql_type(field) -> str:
+        if field in INT_FIELDS or field in BOOL_FIELDS:
+            return "INTEGER"
+        return "REAL" if field in FLOAT_FIELDS else "TEXT"
+
+    def header(self):
+        cols = ",\n".join(f"  {f} {self.sql_type(f)}" for f in FIELDS)
+        self._write(f"CREATE TABLE IF NOT EXISTS test (\n{cols}\n);\n\n")
+
+    def row(self, row):
+        values = ", ".join("'" + _csv_value(f, row.get(f)).replace("'", "''") + "'" for f in FIELDS)
+        self._write(f"INSERT INTO test ({', '.join(FIELDS)}) VALUES ({values});\n")
+
+
+class Tee(Printer):
+    """Several printers fed the same rows (``-o`` on stdout and ``-oe`` on stderr)."""
+
+    def __init__(self, *printers):
+        super().__init__(None)
+        self.printers = printers
+
+    def header(self):
+        for p in self.printers:
+            p.header()
+
+    def row(self, row):
+        for p in self.printers:
+            p.row(row)
+
+    def footer(self):
+        for p in self.printers:
+            p.footer()
+
+
 class MarkdownPrinter(Printer):
     """``columns``: the optional fields to show (see :func:`markdown_columns`)."""
 
@@ -199,6 +243,8 @@ class MarkdownPrinter(Printer):
     def cell(self, field, row):
         if field == "model":
             return row["model_type"]
+        if field in ("size", "params") and row.get("layer") != "full":
+            return "-"  # attention only: no weights touched
         if field == "size":
             return human_size(row["model_size"])
         if field == "params":
@@ -222,12 +268,30 @@ class MarkdownPrinter(Printer):
             self._write(f"\nbuild: {self.build}\n")
 
 
-def markdown_columns(backend: str, optional: list[str]) -> list[str]:
-    """llama-bench's column list: ngl for a GPU backend, threads for the CPU backend."""
-    cols = ["model", "size", "params", "backend"]
-    cols.append("n_threads" if backend == "CPU" else "n_gpu_layers")
-    cols += [c for c in OPTIONAL_COLUMNS if c in optional]
+def markdown_columns(backend: str, optional: list[str], *, weights: bool = False,
+                     n_layer: bool = False) -> list[str]:
+    """llama-bench's column list (ngl for a GPU backend, threads for the CPU backend), plus
+    what an attention benchmark must show: ``path`` (what computed attention), ``layer``,
+    ``kvu`` and ``split`` always; ``n_layer`` when it differs from the model's (``n_layer``);
+    the weights' ``size`` and ``params`` only when a row runs them (``weights``: --layer full)."""
+    cols = ["model"] + (["n_layer"] if n_layer else []) + (["size", "params"] if weights else [])
+    cols += ["backend", "n_threads" if backend == "CPU" else "n_gpu_layers"]
+    cols += [c for c in OPTIONAL_COLUMNS if c in optional] + ["path"]
+    cols += [c for c in OPTIONAL_AFTER_PATH if c in optional] + ALWAYS_COLUMNS
     return cols + ["test", "t/s"]
+
+
+def attention_path(device: str, flash_attn: str, kernel: str) -> str:
+    """What computed attention in a row: ggml_attn's ``CUDA kernels`` or ``numpy`` path,
+    ggml's own CPU flash attention (``ggml FA``, --kernel ggml), or ggml's mul_mat + soft_max
+    (``ggml mul_mat``, -fa off)."""
+    if flash_attn == "off":
+        return "ggml mul_mat"
+    if kernel == "ggml":
+        return "ggml FA"
+    if kernel == "reference" or device != "cuda":
+        return "numpy"
+    return "CUDA kernels"
 
 
 def make_printer(fmt: str, out, *, md_columns=None, build: str = "") -> Printer:
@@ -239,4 +303,6 @@ def make_printer(fmt: str, out, *, md_columns=None, build: str = "") -> Printer:
         return JsonPrinter(out)
     if fmt == "jsonl":
         return JsonlPrinter(out)
+    if fmt == "sql":
+        return SqlPrinter(out)
     raise ValueError(f"unknown output format {fmt}")

@@ -7,8 +7,9 @@ Per layer (ggml order):
 * ``--layer full``: RMS norm, Q/K/V projections from the residual stream, attention,
   O projection, RMS norm and a gated FFN (gate, up, SiLU, down) with random F16 weights;
 
-then the K/V rows go into the cache with ``ggml_set_rows`` (the cache tensors point at
-the ``KVCache`` storage, so the cache really fills) and attention reads a
+then the K/V rows go into the cache with ``ggml_set_rows`` (F16 cache tensors point at
+the ``KVCache`` storage, so the cache really fills; other ``-ctk``/``-ctv`` types live in
+byte buffers of the engine, quantized by ``ggml_set_rows``) and attention reads a
 ``[D, n_kv, n_head_kv, n_stream]`` view of it with the ubatch mask:
 
 * ``-fa on`` (default): ``ggml_attn.flash_attn_ext`` (the project's op; its CPU path);
@@ -26,6 +27,7 @@ import ctypes
 import ggml
 import numpy as np
 
+from .kv_types import ggml_type
 from .runner import WallTimer
 
 _SHARED_WEIGHTS_ABOVE = 1 << 30
@@ -81,19 +83,28 @@ class HostEngine:
         self.pctx = ggml.ggml_init(ggml.ggml_init_params(
             mem_size=ggml.ggml_tensor_overhead() * n_persist, mem_buffer=None, no_alloc=True))
         rows = cache.n_stream * cache.kv_size
-        self.k_cache, self.v_cache = [], []
-        for layer in range(m.n_layer):
-            kt = ggml.ggml_new_tensor_2d(self.pctx, ggml.GGML_TYPE_F16, m.n_embd_k, rows)
-            vt = ggml.ggml_new_tensor_2d(self.pctx, ggml.GGML_TYPE_F16, m.n_embd_v, rows)
-            kt.contents.data = ctypes.c_void_p(cache.k[layer].ctypes.data)
-            vt.contents.data = ctypes.c_void_p(cache.v[layer].ctypes.data)
-            self.k_cache.append(kt)
-            self.v_cache.append(vt)
         self._keep = []  # numpy arrays whose memory ggml tensors point at
+        self.type_k, self.type_v = ggml_type(cfg.type_k), ggml_type(cfg.type_v)
+        self.k_cache = [self._cache_tensor(self.type_k, m.n_embd_k, rows, cache.k[layer])
+                        for layer in range(m.n_layer)]
+        self.v_cache = [self._cache_tensor(self.type_v, m.n_embd_v, rows, cache.v[layer])
+                        for layer in range(m.n_layer)]
         self.weights = self._make_weights() if cfg.layer == "full" else None
         # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows
         self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
         self.pool = self.rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
+
+    def _cache_tensor(self, gtype: int, n_embd: int, rows: int, f16_storage: np.ndarray):
+        """One layer's K or V cache ``[n_embd, rows]`` of ``gtype``: F16 lives in the KVCache's
+        own arrays; other types (-ctk/-ctv) in a byte buffer of this engine."""
+        t = ggml.ggml_new_tensor_2d(self.pctx, gtype, n_embd, rows)
+        if gtype == ggml.GGML_TYPE_F16:
+            data = f16_storage
+        else:
+            data = np.zeros(int(ggml.ggml_nbytes(t)), dtype=np.uint8)
+            self._keep.append(data)
+        t.contents.data = ctypes.c_void_p(data.ctypes.data)
+        return t
 
     # ------------------------------------------------------------ weights
     def _weight(self, n_in: int, n_out: int):
@@ -138,12 +149,12 @@ class HostEngine:
         kqv = ggml.ggml_mul_mat(ctx, vt, kq)                    # [D_v, n_tps, n_head, ns]
         return ggml.ggml_cont(ctx, ggml.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # [D_v, n_head, n_tps, ns]
 
-    def _kv_view(self, ctx, stored, n_embd, d, n_kv, s0, ns):
+    def _kv_view(self, ctx, stored, gtype, n_embd, d, n_kv, s0, ns):
         """``[d, n_kv, n_head_kv, ns]`` view of a cache tensor, after its set_rows node."""
-        es = 2  # F16
-        row = n_embd * es
+        row = int(ggml.ggml_row_size(gtype, n_embd))
+        head = int(ggml.ggml_row_size(gtype, d))
         return ggml.ggml_view_4d(ctx, stored, d, n_kv, self.m.n_head_kv, ns,
-                                 row, d * es, self.cache.kv_size * row, s0 * self.cache.kv_size * row)
+                                 row, head, self.cache.kv_size * row, s0 * self.cache.kv_size * row)
 
     def run_ubatch(self, plan) -> None:
         """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``: ubatch, slot, n_kv, mask, row_idx)."""
@@ -199,8 +210,8 @@ class HostEngine:
                     q, k_new, v_new = q_in, k_in, v_in
                 k_st = ggml.ggml_set_rows(ctx, self.k_cache[layer], k_new, t_rows)
                 v_st = ggml.ggml_set_rows(ctx, self.v_cache[layer], v_new, t_rows)
-                k = self._kv_view(ctx, k_st, m.n_embd_k, m.head_dim, n_kv, s0, ns)
-                v = self._kv_view(ctx, v_st, m.n_embd_v, m.d_v, n_kv, s0, ns)
+                k = self._kv_view(ctx, k_st, self.type_k, m.n_embd_k, m.head_dim, n_kv, s0, ns)
+                v = self._kv_view(ctx, v_st, self.type_v, m.n_embd_v, m.d_v, n_kv, s0, ns)
                 att = self._attention(ctx, q, k, v, t_mask)     # [D_v, n_head, n_tps, ns]
                 if cfg.layer == "full":
                     att = ggml.ggml_reshape_2d(ctx, att, m.n_head * m.d_v, n_tokens)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from .errors import UserError
 
 
@@ -114,13 +116,24 @@ def _field(reader, key):
         return f.parts[f.data[0]][0]
 
 
-def _as_int(value):
+# llama.cpp reads these hparams as uint32; a shape value outside 1..U32_MAX is no model's
+U32_MAX = 2**32 - 1
+
+
+def _as_int(value, where: str):
+    """A shape value from the header -> int in 1..U32_MAX, or UserError naming ``where``.
+    Per-layer arrays (e.g. head_count_kv) give their largest value, each entry checked."""
     if value is None:
         return None
-    if isinstance(value, (list, tuple)):  # per-layer arrays (e.g. head_count_kv): take the max
-        vals = [int(v) for v in value]
+    if isinstance(value, (list, tuple)):
+        vals = [_as_int(v, where) for v in value]
         return max(vals) if vals else None
-    return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UserError(f"{where} is {value!r} ({type(value).__name__}); expected a positive integer")
+    value = int(value)
+    if not 1 <= value <= U32_MAX:
+        raise UserError(f"{where} is {value}; expected 1..{U32_MAX}")
+    return value
 
 
 def read_gguf(path: str) -> ModelShape:
@@ -138,7 +151,7 @@ def read_gguf(path: str) -> ModelShape:
         raise UserError(f"'{path}' has no general.architecture key")
 
     def get(key, required=True):
-        v = _as_int(_field(reader, f"{arch}.{key}"))
+        v = _as_int(_field(reader, f"{arch}.{key}"), f"'{path}': {arch}.{key}")
         if v is None and required:
             raise UserError(f"'{path}' lacks {arch}.{key}")
         return v
@@ -156,8 +169,14 @@ def read_gguf(path: str) -> ModelShape:
         toks = reader.fields.get("tokenizer.ggml.tokens")
         n_vocab = len(toks.data) if toks is not None else 0
     softcap = _field(reader, f"{arch}.attn_logit_softcapping")
+    if softcap is not None and (isinstance(softcap, (bool, str, list, tuple))
+                                or not np.isfinite(float(softcap)) or float(softcap) < 0):
+        raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
     name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
-    if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+    if head_dim < 1:
+        raise UserError(f"'{path}': head_dim = embedding_length {n_embd} // head_count {n_head} is 0; "
+                        f"set {arch}.attention.key_length")
+    if n_head % n_head_kv:
         raise UserError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
                       n_vocab, head_dim_v if head_dim_v != head_dim else 0,

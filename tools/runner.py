@@ -69,6 +69,8 @@ class RunConfig:
     device: str = "cpu"             # resolved: cpu or cuda
     n_threads: int = 1
     seed: int = 0
+    type_k: str = "f16"             # K/V cache types (kv_types.CACHE_TYPES)
+    type_v: str = "f16"
 
     def __post_init__(self):
         self.split = self.split or default_split(self.kv_unified)
@@ -79,6 +81,9 @@ class RunConfig:
             raise UserError(f"unknown kernel '{self.kernel}' (choose from {', '.join(KERNELS)})")
         if self.layer not in LAYERS:
             raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
+        from .kv_types import check_cache_types
+        check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
+                          head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
 
 
 GPU_KERNELS = ("prefill", "decode", "decode-tc")
@@ -96,12 +101,36 @@ def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
                         f"path); on the CPU use --kernel auto, reference or ggml")
 
 
+# ggml's CPU backend keeps per-thread state in arrays of GGML_MAX_N_THREADS (ggml.h); more
+# threads hang, abort in libgomp or crash instead of failing cleanly
+MAX_THREADS = 512
+
+
+def check_threads(n_threads: int) -> None:
+    """``-t`` must be 1..MAX_THREADS; a UserError (one line, exit 2) otherwise."""
+    if n_threads < 1:
+        raise UserError(f"-t must be at least 1, got {n_threads}")
+    if n_threads > MAX_THREADS:
+        from .common import default_threads
+        raise UserError(f"-t {n_threads} is more threads than ggml's CPU backend can run "
+                        f"(at most {MAX_THREADS}, GGML_MAX_N_THREADS); this machine has "
+                        f"{default_threads()} cores")
+
+
 def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
     if n_batch < 1 or n_ubatch < 1:
         raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
     if n_ubatch > n_batch:
         raise UserError(f"n_ubatch ({n_ubatch}) is larger than n_batch ({n_batch}); "
                         "a ubatch is a piece of a batch")
+
+
+def effective_ubatch(n_batch: int, n_ubatch: int) -> int:
+    """llama.cpp's ``llama_context``: ``n_ubatch = min(n_batch, n_ubatch)``, so ``-b 16 -ub 64``
+    runs ubatches of 16 (and the rows report 16)."""
+    if n_batch < 1 or n_ubatch < 1:
+        raise UserError(f"batch sizes must be positive (n_batch {n_batch}, n_ubatch {n_ubatch})")
+    return min(n_batch, n_ubatch)
 
 
 def check_context(n_needed: int, n_ctx: int, what: str) -> None:
@@ -123,6 +152,27 @@ class DecodeStats:
         self.n_pad += other.n_pad
         self.n_kv_max = max(self.n_kv_max, other.n_kv_max)
         self.shapes.extend(other.shapes)
+
+
+def ubatch_shape(ub) -> str:
+    """``n_seqs x n_seq_tokens`` of a ubatch as llama.cpp's ``llama_ubatch`` holds them: a
+    ``simple`` ubatch of N tokens is Nx1 (``split_simple`` adds every token as its own
+    sequence row), an ``equal``/``padded`` one is sequences x tokens each, ``seq`` is 1xN."""
+    if not ub.equal_seqs:
+        return f"{ub.n_tokens}x1"
+    return f"{ub.n_seqs}x{ub.n_seq_tokens}"
+
+
+def compress_shapes(shapes: list[str]) -> list[str]:
+    """``['10x1', '10x1', '9x1']`` -> ``['2*10x1', '9x1']``."""
+    out, i = [], 0
+    while i < len(shapes):
+        j = i
+        while j < len(shapes) and shapes[j] == shapes[i]:
+            j += 1
+        out.append(shapes[i] if j - i == 1 else f"{j - i}*{shapes[i]}")
+        i = j
+    return out
 
 
 def _graph():
@@ -220,7 +270,7 @@ class Runner:
                 stats.n_ubatches += 1
                 stats.n_pad += ub.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
-                stats.shapes.append(ub.shape_str)
+                stats.shapes.append(ubatch_shape(ub))
         self.engine.synchronize()
         check_interrupt()
         return stats

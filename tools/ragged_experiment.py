@@ -1,13 +1,17 @@
-"""Seed 000's experiment with ggml-attn-batched-bench, into one committed results file.
+"""Ragged prompts on a split KV cache, every split strategy, into one results file.
 
-Cases (issue 5, item 6): 10 prompts of 1..10 tokens; 16 and 64 prompts of 16-200 tokens
+The question: with split KV (one stream per sequence, llama.cpp's ``kv_unified = false``)
+llama.cpp's ``equal`` split needs every sequence in a ubatch to bring the same number of
+tokens, so prompts of different lengths break into many small ubatches; padding the prompts
+of a ubatch to one length and dropping the pad cells from the cache afterwards (``padded``)
+keeps them in one. Cases: 10 prompts of 1..10 tokens; 16 and 64 prompts of 16-200 tokens
 (uniform, ``--seed``); every split strategy side by side; ``--layer attn`` and
-``--layer full``. Writes ``<out>/seed000-<device>-<commit>.jsonl`` (every row, as the tool
-prints it with ``-o jsonl``, plus ``case`` and the command line) and a markdown summary
+``--layer full``. Writes ``<out>/ragged-<device>-<date>-<commit>.jsonl`` (every row, as the
+tool prints it with ``-o jsonl``, plus ``case`` and the command line) and a markdown summary
 beside it, and prints the summary.
 
-    python -m ggml_attn.cli.seed000 --out bench/results            # GPU when present
-    python -m ggml_attn.cli.seed000 --out /tmp -- --device cpu -m tiny   # extra tool flags
+    python -m ggml_attn.cli.ragged_experiment --out bench/results            # GPU when present
+    python -m ggml_attn.cli.ragged_experiment --out /tmp -- --device cpu -m tiny   # extra tool flags
 """
 from __future__ import annotations
 
@@ -49,7 +53,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ggml_attn.cli.seed000", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ggml_attn.cli.ragged_experiment", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for the results (default: bench/results)")
     p.add_argument("-ntg", default="32", help="decode steps per case (default: 32)")
     p.add_argument("--seed", default="1", help="seed of the 16-200 prompt lengths (default: 1)")
@@ -68,13 +72,13 @@ def main(argv=None) -> int:
     device = rows[0]["device"] if rows else "none"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     os.makedirs(ns.out, exist_ok=True)
-    base = os.path.join(ns.out, f"seed000-{device}-{stamp}-{commit}")
+    base = os.path.join(ns.out, f"ragged-{device}-{stamp}-{commit}")
     with open(base + ".jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     text = summary(rows)
     with open(base + ".md", "w") as f:
-        f.write(f"# Seed 000 on {device} ({rows[0]['model'] if rows else ''}, commit {commit}, {stamp})\n\n")
+        f.write(f"# Ragged prompts, every split strategy, on {device} ({rows[0]['model'] if rows else ''}, commit {commit}, {stamp})\n\n")
         f.write(text)
     print(text)
     print(f"wrote {base}.jsonl and .md", file=sys.stderr)

@@ -1,0 +1,213 @@
+"""llama-bench users' flags: exact parsing, -fa auto, -t limit, -ctk/-ctv, -o sql, -oe, -v,
+--delay, -ngl, -b < -ub."""
+import json
+
+import pytest
+
+from ggml_attn.cli import batched_bench, bench
+
+FAST = ["-t", "1", "--n-layer", "1", "--device", "cpu"]
+
+
+def _bench(capsys, *args):
+    rc = bench.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _batched(capsys, *args):
+    rc = batched_bench.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _one_line_exit_2(rc, out, err, prog):
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error:") and "Traceback" not in err
+
+
+# ---- no abbreviations; an unknown flag names itself
+@pytest.mark.parametrize("main, prog, args, named", [
+    (_bench, "ggml-attn-bench", ["-xyz", "99"], "-xyz"),
+    (_bench, "ggml-attn-bench", ["-ctx", "q8_0"], "-ctx"),
+    (_bench, "ggml-attn-bench", ["-nx", "4"], "-nx"),        # not -n with value "x"
+    (_bench, "ggml-attn-bench", ["--rep", "2"], "--rep"),     # not --repetitions
+    (_bench, "ggml-attn-bench", ["--n-pro", "8"], "--n-pro"),  # not --n-prompt
+    (_batched, "ggml-attn-batched-bench", ["-nplx", "4"], "-nplx"),
+    (_batched, "ggml-attn-batched-bench", ["--prompt", "1-3"], "--prompt"),
+])
+def test_unknown_flags_name_themselves(capsys, main, prog, args, named):
+    rc, out, err = main(capsys, *args, "--device", "cpu")
+    _one_line_exit_2(rc, out, err, prog)
+    assert named in err and "invalid range" not in err
+
+
+# ---- -fa shows auto
+def test_fa_default_is_auto_in_help_and_json(capsys):
+    rc, out, _ = _bench(capsys, "--help")
+    assert rc == 0
+    fa_help = " ".join(out.split("-fa on|off|auto, --flash-attn on|off|auto", 1)[1].split())
+    assert "(default: auto)" in fa_help.split(" -kvu")[0] and "default: -1" not in out
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", *FAST)
+    assert rc == 0, err
+    assert json.loads(out)["flash_attn"] == "auto"
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl",
+                          "-fa", "on,off", *FAST)
+    assert rc == 0, err
+    assert [json.loads(l)["flash_attn"] for l in out.splitlines()] == ["on", "off"]
+
+
+# ---- -t beyond what ggml can start
+@pytest.mark.parametrize("value", ["513", "10000", "32768", "65536"])
+def test_threads_capped_with_a_sentence(capsys, value):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--device", "cpu", "-t", value)
+    _one_line_exit_2(rc, out, err, "ggml-attn-bench")
+    assert f"-t {value}" in err and "512" in err
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "--device", "cpu", "-t", value)
+    _one_line_exit_2(rc, out, err, "ggml-attn-batched-bench")
+    assert f"-t {value}" in err and "512" in err
+
+
+def test_batched_fa_is_a_word(capsys):
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "-o", "jsonl", *FAST)
+    assert rc == 0, err
+    assert json.loads(out)["flash_attn"] == "auto"
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *FAST)
+    assert rc == 0, err
+    assert "flash_attn = auto" in out
+
+
+# ---- -b < -ub as llama.cpp (n_ubatch clamped to n_batch)
+def test_ubatch_clamped_to_batch(capsys):
+    rc, out, err = _bench(capsys, "-p", "32", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl",
+                          "-b", "16", "-ub", "64", *FAST)
+    assert rc == 0, err
+    row = json.loads(out)
+    assert (row["n_batch"], row["n_ubatch"], row["ub"]) == (16, 16, 2)
+    rc, out, err = _batched(capsys, "-npp", "32", "-npl", "1", "-ntg", "1", "-o", "jsonl",
+                            "-b", "16", "-ub", "64", *FAST)
+    assert rc == 0, err
+    row = json.loads(out)
+    assert (row["n_batch"], row["n_ubatch"], row["ub"]) == (16, 16, 2)
+
+
+# ---- -ctk / -ctv
+@pytest.mark.parametrize("ctk, ctv, extra", [
+    ("q8_0", "q8_0", []), ("q4_0", "f16", []), ("bf16", "bf16", []), ("f32", "q5_1", []),
+    ("q8_0", "q4_0", ["--kernel", "ggml"]), ("q8_0", "f16", ["-fa", "off"]), ("bf16", "bf16", ["-fa", "off"]),
+    ("iq4_nl", "q8_0", ["--layer", "full"]),
+])
+def test_cache_types_run_on_the_cpu_path(capsys, ctk, ctv, extra):
+    rc, out, err = _bench(capsys, "-p", "40", "-n", "2", "-ub", "16", "-r", "1", "--no-warmup", "-o", "jsonl",
+                          "-ctk", ctk, "-ctv", ctv, *extra, *FAST)
+    assert rc == 0, err
+    rows = [json.loads(l) for l in out.splitlines()]
+    assert [(r["type_k"], r["type_v"]) for r in rows] == [(ctk, ctv)] * 2
+    assert all(r["avg_ts"] > 0 for r in rows)
+
+
+def test_cache_types_in_markdown_and_batched(capsys):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-ctk", "f16,q8_0", *FAST)
+    assert rc == 0, err
+    lines = [l for l in out.splitlines() if l.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert "type_k" in head and "type_v" not in head
+    i = head.index("type_k")
+    assert [l.strip("|").split("|")[i].strip() for l in lines[2:]] == ["f16", "q8_0"]
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "2", "-ntg", "2", "-ctk", "q8_0", "-ctv", "q4_0",
+                            "-o", "jsonl", *FAST)
+    assert rc == 0, err
+    row = json.loads(out)
+    assert (row["type_k"], row["type_v"]) == ("q8_0", "q4_0") and row["speed"] > 0
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-ctv", "q8_0", "-fa", "off"], "quantized V cache needs flash attention"),
+    (["-ctk", "q3_k"], "choose from"),
+])
+def test_cache_type_errors(capsys, args, msg):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", *args, *FAST)
+    _one_line_exit_2(rc, out, err, "ggml-attn-bench")
+    assert msg in err
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *FAST)
+    _one_line_exit_2(rc, out, err, "ggml-attn-batched-bench")
+    assert msg in err
+
+
+def test_cache_types_on_the_cuda_engine_are_f16_only():
+    from ggml_attn.cli.errors import UserError
+    from ggml_attn.cli.kv_types import check_cache_types
+    check_cache_types("f16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+    with pytest.raises(UserError, match="f16 only.*--device cpu"):
+        check_cache_types("bf16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+    with pytest.raises(UserError, match="head size 48.*multiple of 32"):
+        check_cache_types("q8_0", "f16", device="cpu", flash_attn=True, head_dim_k=48, head_dim_v=48)
+
+
+# ---- -o sql, -oe
+def test_sql_output_loads_into_sqlite(capsys):
+    import sqlite3
+    rc, out, err = _bench(capsys, "-p", "8,16", "-n", "0", "-r", "2", "--no-warmup", "-o", "sql", *FAST)
+    assert rc == 0, err
+    db = sqlite3.connect(":memory:")
+    db.executescript(out)
+    rows = db.execute("SELECT n_prompt, avg_ts, flash_attn, path FROM test ORDER BY n_prompt").fetchall()
+    assert [r[0] for r in rows] == [8, 16] and all(r[1] > 0 for r in rows)
+    assert rows[0][2:] == ("auto", "numpy")
+    types = {r[1]: r[2] for r in db.execute("PRAGMA table_info(test)")}
+    assert types["n_prompt"] == "INTEGER" and types["avg_ts"] == "REAL" and types["model_type"] == "TEXT"
+
+
+def test_second_format_on_stderr(capsys):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "md", "-oe", "jsonl", *FAST)
+    assert rc == 0, err
+    assert out.startswith("| model") and json.loads(err)["n_prompt"] == 8
+
+
+# ---- -v, --delay
+def test_verbose_describes_the_run_on_stderr(capsys):
+    rc, out, err = _bench(capsys, "-p", "24", "-n", "0", "-ub", "16", "-r", "1", "--no-warmup", "-v", *FAST)
+    assert rc == 0
+    assert "tiny: 1 layers" in err and "KV cache" in err and "per repetition: ubatches 1x16 1x8" in err
+    rc, _, err = _bench(capsys, "-p", "24", "-n", "0", "-r", "1", "--no-warmup", *FAST)
+    assert rc == 0 and err == ""
+
+
+def test_delay_sleeps_between_tests(capsys, monkeypatch):
+    slept = []
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    rc, _, err = _bench(capsys, "-p", "8,16", "-n", "0", "-r", "1", "--no-warmup", "--delay", "3", *FAST)
+    assert rc == 0, err
+    assert slept == [3, 3]
+    rc, _, err = _bench(capsys, "-p", "8", "-n", "0", "--delay", "-1", *FAST)
+    assert rc == 2 and "--delay" in err
+
+
+# ---- -ngl
+def test_ngl_zero_is_the_cpu_path(capsys):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", "-ngl", "0",
+                          "-t", "1", "--n-layer", "1")
+    assert rc == 0, err
+    row = json.loads(out)
+    assert row["n_gpu_layers"] == 0 and row["backends"] == "CPU"
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-ngl", "1", "--n-layer", "2"], "all layers"),
+    (["-ngl", "0,99"], "one -ngl value"),
+    (["-ngl", "99", "--device", "cpu"], "--device cpu"),
+    (["-ngl", "0", "--device", "cuda"], "--device cuda"),
+])
+def test_ngl_rejects_what_cannot_run(capsys, args, msg):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-t", "1", *args)
+    _one_line_exit_2(rc, out, err, "ggml-attn-bench")
+    assert msg in err
+
+
+def test_batched_verbose_describes_runs_on_stderr(capsys):
+    rc, out, err = _batched(capsys, "--prompt-lens", "1-3", "-ntg", "1", "--split", "equal,padded", "-v", *FAST)
+    assert rc == 0, err
+    assert "tiny: 1 layers" in err and "KV cache" in err
+    assert "split=equal: prompt: ubatches 3x1 2x1 1x1" in err and "split=padded: prompt: ubatches 3x3" in err
+    rc, _, err = _batched(capsys, "--prompt-lens", "1-3", "-ntg", "1", *FAST)
+    assert rc == 0 and err == ""

@@ -1,0 +1,38 @@
+"""K/V cache types (``-ctk`` / ``-ctv``): llama.cpp's names and where each can run.
+
+llama.cpp's cache types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 and q5_1. Here:
+
+* the CPU path (``--device cpu``: ggml_attn's numpy path, ``--kernel ggml``, ``-fa off``)
+  stores K/V in ggml tensors of that type, written by ``ggml_set_rows``, so all of them run;
+  as in llama.cpp, a quantized V cache needs flash attention (``-fa off`` transposes V,
+  which ggml cannot do for quantized blocks);
+* the CLI's CUDA engine keeps an f16 cache (CuPy has no bf16 or block types), so f16 only.
+
+A quantized type packs 32 values per block, so each head must be a multiple of 32 wide.
+"""
+from __future__ import annotations
+
+from .errors import UserError
+
+CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+QUANTIZED = frozenset(CACHE_TYPES[3:])
+
+
+def ggml_type(name: str) -> int:
+    """ggml type id of a cache type name (``"q8_0"`` -> ``GGML_TYPE_Q8_0``)."""
+    import ggml
+    return int(getattr(ggml, f"GGML_TYPE_{name.upper()}"))
+
+
+def check_cache_types(type_k: str, type_v: str, *, device: str, flash_attn: bool,
+                      head_dim_k: int, head_dim_v: int) -> None:
+    """UserError (one line) when the chosen path cannot run these cache types."""
+    if device == "cuda" and (type_k, type_v) != ("f16", "f16"):
+        raise UserError(f"-ctk {type_k} -ctv {type_v}: the GPU engine keeps an f16 KV cache "
+                        f"(f16 only); other cache types run on the CPU path (--device cpu)")
+    if not flash_attn and type_v in QUANTIZED:
+        raise UserError(f"-ctv {type_v}: a quantized V cache needs flash attention (-fa on or auto), "
+                        f"as in llama.cpp: -fa off transposes V, which ggml cannot do for {type_v} blocks")
+    for flag, name, d in (("-ctk", type_k, head_dim_k), ("-ctv", type_v, head_dim_v)):
+        if name in QUANTIZED and d % 32:
+            raise UserError(f"{flag} {name}: head size {d} is not a multiple of 32, the {name} block size")

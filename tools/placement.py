@@ -1,0 +1,36 @@
+"""``-ngl`` as llama-bench users type it, mapped onto where ggml-attn runs.
+
+llama-bench's ``-ngl N`` offloads N layers to the GPU (99: all of them). ggml-attn runs a
+whole test on one device, so ``-ngl 0`` means the CPU path and ``-ngl N`` with N at least
+the model's layer count means all layers on the GPU (when there is one, as ``--device
+auto``); a partial offload, or several values in one run, is a UserError that says so.
+"""
+from __future__ import annotations
+
+from .errors import UserError
+
+
+def device_for_ngl(ngl: list[int] | None, device: str) -> str:
+    """The ``--device`` value that ``-ngl`` (None or empty: not given) asks for."""
+    if not ngl:
+        return device
+    values = sorted(set(ngl))
+    if len(values) > 1:
+        raise UserError(f"-ngl {','.join(map(str, values))}: one -ngl value per run here (a test runs "
+                        f"on one device); run -ngl 0 (CPU path) and -ngl 99 (GPU) separately")
+    n = values[0]
+    if n == 0 and device == "cuda":
+        raise UserError("-ngl 0 asks for the CPU path but --device cuda for the GPU; give one of them")
+    if n > 0 and device == "cpu":
+        raise UserError(f"-ngl {n} offloads layers to the GPU but --device cpu keeps them on the CPU; "
+                        f"give one of them (-ngl 0 is the CPU path)")
+    return "cpu" if n == 0 else device
+
+
+def check_ngl(ngl: list[int] | None, model) -> None:
+    """A partial offload (0 < N < the model's layers) cannot run here: UserError."""
+    for n in ngl or ():
+        if 0 < n < model.n_layer:
+            raise UserError(f"-ngl {n}: ggml-attn runs all layers on one device, so partial offload "
+                            f"has no meaning here; -ngl 0 (CPU path) or -ngl {model.n_layer} or more "
+                            f"(all {model.n_layer} layers of {model.name} on the GPU)")

@@ -1,0 +1,50 @@
+"""``ggml-attn-batched-bench --plot``: S_PP and S t/s per strategy as grouped bars (matplotlib)."""
+from __future__ import annotations
+
+from . import format_batched as fb
+from .errors import UserError
+from .output import check_plot_path
+
+
+def check_plot_available(path):
+    if path is None:
+        return
+    check_plot_path(path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise UserError("--plot needs matplotlib (pip install 'ggml-attn[plot]')") from e
+
+
+def draw_plot(path: str, results: list[dict], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = []
+    for r in results:
+        lab = f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}"
+        if lab not in labels:
+            labels.append(lab)
+    splits = []
+    for r in results:
+        if r["split"] not in splits:
+            splits.append(r["split"])
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels) * len(splits) / 2), 4.5))
+    width = 0.8 / max(1, len(splits))
+    for ax, key, name in ((axes[0], "speed_pp", "S_PP t/s (prompt)"), (axes[1], "speed", "S t/s (total)")):
+        for i, sp in enumerate(splits):
+            vals = []
+            for lab in labels:
+                hit = [r[key] for r in results if r["split"] == sp
+                       and f"B={r['pl']} PP={fb.pp_label(r)} TG={r['tg']}" == lab]
+                vals.append(hit[0] if hit else 0.0)
+            ax.bar([x + i * width for x in range(len(labels))], vals, width, label=sp)
+        ax.set_xticks([x + width * (len(splits) - 1) / 2 for x in range(len(labels))])
+        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(name)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,29 @@
+"""``-v``: what each run builds and does, as lines on stderr (off: nothing)."""
+from __future__ import annotations
+
+import sys
+
+from .runner import compress_shapes
+
+
+class Verbose:
+    def __init__(self, prog: str, enabled: bool):
+        self.prog, self.enabled = prog, enabled
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            print(f"{self.prog}: {text}", file=sys.stderr, flush=True)
+
+    def runner(self, runner) -> None:
+        """The model shape and the KV cache / split / batch sizes a Runner was built with."""
+        if not self.enabled:
+            return
+        cfg = runner.cfg
+        self.say(cfg.model.describe())
+        self.say(f"KV cache {runner.cache!r}, K {cfg.type_k}, V {cfg.type_v}, split {cfg.split}, "
+                 f"n_batch {cfg.n_batch}, n_ubatch {cfg.n_ubatch}, {cfg.n_threads} threads, "
+                 f"device {cfg.device}")
+
+    def shapes(self, what: str, shapes: list[str]) -> None:
+        """The ubatches (``n_seqs x n_seq_tokens``) that ``what`` was cut into."""
+        self.say(f"{what}: ubatches {' '.join(compress_shapes(shapes))}")
