@@ -101,7 +101,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // ---------------------------------------------------------------------------------------
-// ALiBi slope of query head h (REFERENCE section 2); 1 when ALiBi is off.
+// ALiBi slope of query head h (ggml: m0^(h+1) below n_head_log2, else m1^(2(h-n_head_log2)+1));
+// 1 when ALiBi is off.
 __device__ __forceinline__ float alibi_slope(const FattnParams& p, int h) {
     if (!p.use_alibi) return 1.0f;
     return h < p.n_head_log2 ? powf(p.m0, (float)(h + 1))

@@ -9,7 +9,7 @@ Entry points (all tensor arguments are :class:`~ggml_attn.tensor.TensorDesc` in 
 - :func:`make_plan` -- the per-ubatch map of live (query tile, KV tile) pairs, built on the GPU
   once from the mask and reused by every layer.
 
-Shapes (REFERENCE section 2): q f32 [D_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
+Shapes (ggml_flash_attn_ext's, ggml order): q f32 [D_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
 k/v f16|bf16 [D, n_kv, n_head_kv, ne3] (rows contiguous, 16-byte aligned); mask f16
 [n_kv, n_rows >= n_batch, ne32, ne33]; sinks f32 [n_head]; dst f32 contiguous
 [D_v, n_head, n_batch, ne3].

@@ -7,8 +7,9 @@ heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
 tile) or ``"reference"`` (numpy, for what no kernel covers), plus a one-line reason.
 
 The crossover table below comes from ``tools/gpu_crossover.py`` run on the H200; its raw
-numbers are in ``bench/results/`` (see bench/NOTES.md). Seed 003's question ("is the prefill
-kernel always faster at decode?") is answered by the same table.
+numbers are in ``bench/results/`` (see bench/NOTES.md). The same table answers the question
+FlashInfer users asked of its kernels -- prefill kernels use tensor cores, decode kernels CUDA
+cores; is the prefill kernel always faster at decode? -- for this project's kernels.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Measure the prefill / decode / decode-tc crossover on this GPU (seed 003's question).
+"""Measure the prefill / decode / decode-tc crossover on this GPU (is a tensor-core prefill-style kernel faster than a CUDA-core decode kernel at decode?).
 
 For D=128 f16 K/V, 8 KV heads, GQA ratios {1, 2, 4, 8}, query tokens per stream n_batch in
 {1, 2, 3, 4, 6, 8, 12, 16, 32}, n_kv {4096, 32768} (no mask, one stream), times each kernel
