@@ -68,6 +68,10 @@ template <> struct KVTraits<__half> {
         __half2 h = *reinterpret_cast<__half2*>(&u);
         return __half22float2(h);
     }
+    // true when either of the two packed values is NaN or +-inf (exponent all ones)
+    static __device__ __forceinline__ bool nonfinite2(unsigned u) {
+        return (u & 0x7C00u) == 0x7C00u || (u & 0x7C000000u) == 0x7C000000u;
+    }
 };
 template <> struct KVTraits<__nv_bfloat16> {
     static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -79,6 +83,9 @@ template <> struct KVTraits<__nv_bfloat16> {
     static __device__ __forceinline__ float2 unpack2(unsigned u) {
         __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&u);
         return __bfloat1622float2(h);
+    }
+    static __device__ __forceinline__ bool nonfinite2(unsigned u) {
+        return (u & 0x7F80u) == 0x7F80u || (u & 0x7F800000u) == 0x7F800000u;
     }
 };
 

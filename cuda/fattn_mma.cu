@@ -74,6 +74,54 @@ __device__ __forceinline__ void load_rows_async(unsigned sdst, int sstride_bytes
     }
 }
 
+// Step: does any of the V chunks this thread copied into a stage hold NaN/inf? (its own
+// cp.async data is visible to it after the wait; the same index pattern as load_rows_async)
+template <typename T, int ROWS, int CHUNKS, int NT>
+__device__ __forceinline__ bool own_chunks_nonfinite(const T* stage, int stride, int tid) {
+    bool bad = false;
+#pragma unroll 1
+    for (int i = tid; i < ROWS * CHUNKS; i += NT) {
+        const uint4 u = *reinterpret_cast<const uint4*>(stage + (i / CHUNKS) * stride + (i % CHUNKS) * 8);
+        bad |= KVTraits<T>::nonfinite2(u.x) | KVTraits<T>::nonfinite2(u.y) |
+               KVTraits<T>::nonfinite2(u.z) | KVTraits<T>::nonfinite2(u.w);
+    }
+    return bad;
+}
+
+// Rare step: NaN/inf in the V of a PARTIAL tile. A cell hidden from every row of the block
+// must not turn 0 * NaN into NaN in P V: zero the V rows of those cells (visibility from the
+// row intervals or the mask tile). Block-wide: every thread calls it. Not inlined, so that its
+// temporaries cost the main loop no registers (the spills around the call run only here).
+template <typename T, int BM, int BK, int DV, int NT, int SM, int SV>
+__device__ __noinline__ void zero_hidden_v_rows_fn(const __half* smask, T* sv, unsigned long long* vis_word,
+                                                   int e, const int2* row_lohi, int n_batch, int n_kv,
+                                                   int ne32, int plane0, int tok0, int tq, int pshift,
+                                                   int h0, int tid) {
+    const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
+    const int c = tid % BK;
+    bool vis = false;
+    for (int r = tid / BK; r < BM; r += NT / BK) {
+        const int tr = r >> pshift, tok = tok0 + tr, h = h0 + (r & ((1 << pshift) - 1));
+        if (tok >= n_batch || tr >= tq || kv0 + c >= n_kv) continue;
+        if (e & FATTN_TILE_MASKED) {
+            vis |= !(__half2float(smask[r * SM + c]) == FATTN_NEG_INF);
+        } else {
+            int2 lh = make_int2(0, n_kv);
+            if (row_lohi) lh = row_lohi[(long long)(plane0 + h % ne32) * n_batch + tok];
+            vis |= kv0 + c >= lh.x && kv0 + c < lh.y;
+        }
+    }
+    if (vis) atomicOr(vis_word, 1ull << c);
+    __syncthreads();
+    const unsigned long long bits = *vis_word;
+    for (int i = tid; i < BK * (DV / 8); i += NT) {
+        const int r = i / (DV / 8), ch = i % (DV / 8);
+        if (!((bits >> r) & 1ull)) *reinterpret_cast<uint4*>(sv + r * SV + ch * 8) = make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    if (tid == 0) *vis_word = 0ull;   // every thread read it before the barrier above
+}
+
 template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
 __global__ void __launch_bounds__(32 * NWQ * NWK, 2)
 fattn_mma(const FattnParams p) {
@@ -82,6 +130,7 @@ fattn_mma(const FattnParams p) {
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
 
     extern __shared__ uint4 smem_raw[];
+    __shared__ unsigned long long s_vis;   // cells of the current tile visible to some row (rare path)
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * SK;
     T* sV = sK + STAGES * BK * SK;
@@ -96,6 +145,7 @@ fattn_mma(const FattnParams p) {
     const int tq = p.q_tile_tokens, tok0 = qt * tq;
     const int hk = (hg * P) / p.gqa;
 
+    if (tid == 0) s_vis = 0ull;
     // ---- zero the padding columns of K/V stages (head sizes not a multiple of 16)
     if constexpr (DKP != DK || DVP != DV) {
         for (int i = tid; i < STAGES * BK; i += NT) {
@@ -194,6 +244,12 @@ fattn_mma(const FattnParams p) {
                                         vbase + (long long)kv0 * p.v_nb1, p.v_nb1, p.n_kv - kv0, tid);
     };
 
+    auto zero_hidden_v_rows = [&](int e, int stage) {
+        zero_hidden_v_rows_fn<T, BM, BK, DV, NT, C::SM, SV>(p.mask ? sMask + stage * BM * C::SM : nullptr,
+            sV + stage * BK * SV, &s_vis, e, p.row_lohi, p.n_batch, p.n_kv, p.ne32,
+            (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
+    };
+
     float O[MT][DVP / 8][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -231,6 +287,7 @@ fattn_mma(const FattnParams p) {
     for (int j = jb; j < je; ++j) {
         const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
         const int e = e_cur;
+        int v_bad;   // V of this PARTIAL tile holds NaN/inf somewhere
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // K(j) and its mask have landed
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
@@ -250,7 +307,10 @@ fattn_mma(const FattnParams p) {
             e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
             e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
             cp_async_wait<STAGES - 1>();   // tile j has landed
-            __syncthreads();
+            // ... for every thread; a PARTIAL tile's V is checked for NaN/inf on the way
+            v_bad = __syncthreads_or((e & FATTN_TILE_PARTIAL) &&
+                                     own_chunks_nonfinite<T, BK, DV / 8, NT>(sV + stage * BK * SV, SV, tid));
+            if (v_bad) zero_hidden_v_rows(e, stage);
         }
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK + wk * KW;
 
@@ -311,9 +371,10 @@ fattn_mma(const FattnParams p) {
                             const int col = kv0 + nt * 8 + 2 * t4;
                             const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(
                                 sm_tile + (mt * 16 + rs * 8) * C::SM + nt * 8));
+                            // a -inf cell is -inf whatever K holds there (NaN + -inf would be NaN)
                             const float sl = slope[mt][rs] * FATTN_LOG2E;
-                            S[mt][nt][2 * rs] += sl * mv.x;
-                            S[mt][nt][2 * rs + 1] += sl * mv.y;
+                            S[mt][nt][2 * rs] = mv.x == FATTN_NEG_INF ? FATTN_NEG_INF : S[mt][nt][2 * rs] + sl * mv.x;
+                            S[mt][nt][2 * rs + 1] = mv.y == FATTN_NEG_INF ? FATTN_NEG_INF : S[mt][nt][2 * rs + 1] + sl * mv.y;
                             if (tail) {
                                 if (col >= p.n_kv) S[mt][nt][2 * rs] = FATTN_NEG_INF;
                                 if (col + 1 >= p.n_kv) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
@@ -365,7 +426,11 @@ fattn_mma(const FattnParams p) {
 
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // V(j) has landed
-            __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
+            // ... for every thread (V of a PARTIAL tile checked for NaN/inf); and every warp is
+            // done with K(j), mask(j)
+            v_bad = __syncthreads_or((e & FATTN_TILE_PARTIAL) &&
+                                     own_chunks_nonfinite<T, BK, DV / 8, NT>(sV, SV, tid));
+            if (v_bad) zero_hidden_v_rows(e, stage);   // reads mask(j): before K(j+1) is issued
             if (j + 1 < je) load_k(0, e_cur);
             cp_async_commit();
         }

@@ -120,7 +120,10 @@ fattn_vec(const FattnParams p) {
                     float x = dot[r] * p.scale;
                     if (p.softcap != 0.0f) x = p.softcap * tanhf(x);
                     if (in) {
-                        if (mrow[r]) x += slope[r] * __half2float(__ldg(reinterpret_cast<const __half*>(mrow[r]) + kv));
+                        if (mrow[r]) {   // a -inf cell is -inf whatever K holds there
+                            const float mv = __half2float(__ldg(reinterpret_cast<const __half*>(mrow[r]) + kv));
+                            x = mv == FATTN_NEG_INF ? FATTN_NEG_INF : x + slope[r] * mv;
+                        }
                     } else {
                         x = FATTN_NEG_INF;
                     }
@@ -166,6 +169,7 @@ fattn_vec(const FattnParams p) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const float pr = sS[r * BK + kl];
+                    if (pr == 0.0f) continue;   // a masked cell adds nothing, even when V holds NaN/inf
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[r][i * 8 + e] = fmaf(pr, vf[e], acc[r][i * 8 + e]);
                 }

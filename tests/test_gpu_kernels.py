@@ -343,6 +343,42 @@ def test_plan_chosen_tiles(seq, want_wide, kv_type, rng):
         _check(out.get(), ref, f"plan-chosen tiles {kern} wide={want_wide}")
 
 
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("mask_kind", ["block_causal", "random"])
+def test_garbage_in_masked_cells(kernel, mask_kind, rng):
+    """NaN / inf in K at cells the mask hides (-inf) for a row change nothing for that row;
+    NaN / inf in V at cells hidden from every row of a 64-cell tile (uninitialised cache
+    cells: a dead tile, the cells past the last sequence) change nothing either. Expected:
+    the reference on the same inputs with those cells zeroed."""
+    seq = [90, 40, 130]
+    n = sum(seq)
+    n_kv = 448   # 7 tiles; cells n..447 belong to no sequence
+    mask = _block_causal_mask(seq)[0, 0]
+    mask = np.concatenate([mask, np.full((n, n_kv - n), -np.inf, np.float16)], axis=1)
+    if mask_kind == "random":   # MASKED tiles: the mask tile is loaded and added
+        vis = np.isfinite(mask)
+        mask[vis] = rng.uniform(-1, 1, vis.sum()).astype(np.float16)
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 64, 64, GGML_TYPE_F16, sinks=True)
+    ref = flash_attn_ext(q, k, v, mask[None, None], 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    kd, vd = k.copy(), v.copy()
+    nan, inf = np.float16(np.nan), np.float16(np.inf)
+    kd[0, :, 10, 3] = nan            # row 10 of seq 0 is visible to rows >= 10 of seq 0 only
+    kd[0, :, 95, :] = inf            # a cell of seq 1 (hidden from seq 0 and seq 2)
+    kd[0, :, n + 5, :] = nan         # no sequence's cell
+    ref_k = flash_attn_ext(q, np.where(np.isfinite(kd), kd, 0).astype(np.float16), v, mask[None, None],
+                           0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    # K: the rows that see a poisoned cell are NaN in ggml too; compare the others
+    seen = np.zeros(n, bool)
+    for c in (10, 95, n + 5):
+        seen |= np.isfinite(mask[:, c])
+    out = _run_device(q, kd, v, mask[None, None], s, 0.1, 0.0, 0.0, kernel)
+    _check(out[:, ~seen], ref_k[:, ~seen], f"K garbage {kernel} {mask_kind}")
+    vd[0, :, 400:, :] = nan          # a dead tile (384..447) and the cells past the sequences
+    vd[0, :, n:n + 3, 0] = inf       # cells of the last live tile hidden from every row
+    out = _run_device(q, k, vd, mask[None, None], s, 0.1, 0.0, 0.0, kernel)
+    _check(out, ref, f"V garbage in unowned cells {kernel} {mask_kind}")
+
+
 def test_host_entry_ragged(rng):
     seq = [50, 20, 90]
     mask = _block_causal_mask(seq)
