@@ -262,32 +262,39 @@ class Compiled:
     log: str
 
 
-_MEM_CACHE: dict[tuple, Compiled] = {}
-
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_PROPS = re.compile(r"Function properties for (\S+)")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
 def resource_usage(log: str) -> dict[str, dict[str, int]]:
     """Per kernel (mangled name) of a ``-Xptxas=-v`` compile log: registers, stack frame and
-    spill bytes, as ptxas reports them."""
+    spill bytes, as ptxas reports them. Properties of non-inlined device functions, which
+    ptxas lists after the kernels that call them, are not attributed to any kernel."""
     out: dict[str, dict[str, int]] = {}
-    cur = None
+    entry = props = None
     for line in log.splitlines():
         m = _PTXAS_ENTRY.search(line)
         if m:
-            cur = out.setdefault(m.group(1), {})
+            entry = m.group(1)
+            out.setdefault(entry, {})
             continue
-        if cur is None:
+        m = _PTXAS_PROPS.search(line)
+        if m:
+            props = m.group(1) if m.group(1) in out else None
             continue
         m = _PTXAS_FRAME.search(line)
-        if m:
-            cur.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        if m and props is not None:
+            out[props].update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                              spill_loads=int(m.group(3)))
         m = _PTXAS_REGS.search(line)
-        if m:
-            cur["registers"] = int(m.group(1))
+        if m and entry is not None:
+            out[entry]["registers"] = int(m.group(1))
     return out
+
+
+_MEM_CACHE: dict[tuple, Compiled] = {}
 
 
 def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,

@@ -32,12 +32,12 @@ def _compile(args):
 # Spill bytes ptxas reports for the instances that spill at all (sm_90, NVRTC 13.0,
 # 2026-11-30; f16 and bf16 alike), with the allowance each may not exceed: the 128-row
 # prefill tiles (MT = 2) of D 96-128 hold 128-row accumulators at the 255-register limit;
-# D 320/256 with softcap/ALiBi; the CUDA-core decode kernel's 4-row instance at D 512/576.
+# D 320/256 with softcap/ALiBi; the CUDA-core decode kernel's 4-row instance at D 320-576.
 # Every other instance must not spill. Keys: ("mma", DK, DV, MT, EXT) / ("vec", DK, DV, R).
-SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 16, ("mma", 112, 112, 2, False): 32,
-                   ("mma", 112, 112, 2, True): 32, ("mma", 128, 128, 2, False): 8,
-                   ("mma", 128, 128, 2, True): 32, ("mma", 320, 256, 1, True): 16,
-                   ("vec", 512, 512, 4): 96, ("vec", 576, 512, 4): 96}
+SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 8, ("mma", 112, 112, 2, True): 28,
+                   ("mma", 128, 128, 2, False): 24, ("mma", 128, 128, 2, True): 48,
+                   ("mma", 320, 256, 1, True): 16, ("vec", 320, 256, 4): 8,
+                   ("vec", 512, 512, 4): 28, ("vec", 576, 512, 4): 16}
 
 
 def _allowance_key(name):
@@ -78,6 +78,9 @@ def test_resource_usage_parser():
            "ptxas info    : Function properties for _Z3fooILi1EEvv\n"
            "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads\n"
            "ptxas info    : Used 255 registers, used 1 barriers\n")
+    # a non-inlined device function's properties follow the kernel's and are not the kernel's
+    log += ("ptxas info    : Function properties for _Z3barv\n"
+            "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
     assert K.resource_usage(log) == {"_Z3fooILi1EEvv": dict(stack=8, spill_stores=4, spill_loads=8,
                                                            registers=255)}
 
