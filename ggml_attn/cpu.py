@@ -1,7 +1,10 @@
 """The op's CPU backend: numpy attention that skips fully masked (query tile, KV tile) pairs.
 
 Same math as :mod:`ggml_attn.reference` (it calls :func:`reference.attend_group` on the live
-part of each query tile), so the float64 oracle and this backend cannot drift apart. Arrays
+part of each query tile), so the float64 oracle and this backend cannot drift apart -- NaN/inf
+included: a masked (-inf) cell never matters whatever K/V hold there, visible non-finite values
+propagate as in ggml (see :func:`reference.attend_group`). A skipped tile holds no visible cell,
+so skipping cannot change a result. Arrays
 are numpy views of host ggml tensors (numpy order; see :func:`ggml_attn.tensor.as_numpy`).
 """
 from __future__ import annotations
@@ -19,11 +22,13 @@ COL_TILE = 64   # KV cells per tile
 
 
 def live_tiles(mask_rows: np.ndarray) -> np.ndarray:
-    """``(n_row_tiles, n_col_tiles)`` bool: does any cell of the tile have a finite mask value?
+    """``(n_row_tiles, n_col_tiles)`` bool: does any cell of the tile have a visible cell, i.e.
+    a mask value other than -inf (NaN and +inf cells are visible: they reach the output as in
+    ggml)?
 
     mask_rows: ``(g, n_batch, n_kv)`` (numpy order), the mask of every head of one group.
     """
-    finite = np.isfinite(mask_rows).any(axis=0)  # (n_batch, n_kv)
+    finite = (mask_rows != -np.inf).any(axis=0)  # (n_batch, n_kv)
     n_b, n_kv = finite.shape
     pr, pc = -n_b % ROW_TILE, -n_kv % COL_TILE
     finite = np.pad(finite, ((0, pr), (0, pc)))
