@@ -22,6 +22,7 @@ Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp`
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,6 +127,7 @@ class KVCache:
         self.seqs = np.zeros((self.n_stream, self.kv_size, self.n_seq_max), dtype=bool)
         self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
         self.head = [0] * self.n_stream
+        self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         xp_ = self.xp
         self.k = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_k_gqa), dtype=self.dtype)
@@ -243,6 +245,8 @@ class KVCache:
         for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
+        for (st, rows), cells in zip(rows_per, slot.cells):
+            self._touch(st, cells)
             self.pos[st, cells] = ub.positions[rows]
             self.seqs[st, cells] = False
             for r, c in zip(rows.tolist(), cells.tolist()):
@@ -255,6 +259,42 @@ class KVCache:
         slot = self.find_slot(ub)
         self.apply_ubatch(slot, ub)
         return slot
+
+    # ----------------------------------------------------------- transactions
+    @contextmanager
+    def transaction(self):
+        """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
+        included), every cell it changed gets back its position, sequence set and pad flag,
+        and every stream its head, before the exception propagates. K/V data written in the
+        block stays, but only in cells that are free again (never visible to a query).
+        Transactions nest: a failed inner block undoes only itself."""
+        journal: list = []
+        heads = list(self.head)
+        self._journals.append(journal)
+        try:
+            yield self
+        except BaseException:
+            self._journals.pop()
+            for st, cells, pos, seqs, pad in reversed(journal):
+                self.pos[st, cells] = pos
+                self.seqs[st, cells] = seqs
+                self.pad[st, cells] = pad
+            self.head = heads
+            raise
+        else:
+            self._journals.pop()
+            if self._journals:  # the outer transaction can still undo this one
+                self._journals[-1].extend(journal)
+
+    def _touch(self, st: int, cells) -> None:
+        """Record the cells' current state in the open transaction, before they change."""
+        if self._journals:
+            cells = np.asarray(cells)
+            if cells.dtype == bool:
+                cells = np.flatnonzero(cells)
+            cells = cells.astype(np.int64, copy=True)
+            self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
+                                       self.pad[st, cells].copy()))
 
     def _snapshot(self):
         return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)
@@ -291,6 +331,7 @@ class KVCache:
         return n
 
     def _free(self, st: int, cells: np.ndarray) -> None:
+        self._touch(st, cells)
         self.pos[st, cells] = -1
         self.seqs[st, cells] = False
         self.pad[st, cells] = False
@@ -319,6 +360,7 @@ class KVCache:
                 self._free(st, np.flatnonzero(inr))
                 continue
             hit = inr & self.seqs[st, :, seq_id]
+            self._touch(st, hit)
             self.seqs[st, hit, seq_id] = False
             emptied = np.flatnonzero(hit & ~self.seqs[st].any(axis=1))
             self._free(st, emptied)
@@ -333,6 +375,7 @@ class KVCache:
         if s0 == s1:
             lo, hi = self._range(p0, p1)
             hit = (self.pos[s0] >= lo) & (self.pos[s0] < hi) & self.seqs[s0, :, src]
+            self._touch(s0, hit)
             self.seqs[s0, hit, dst] = True
             return
         if (p0 is not None and p0 > 0) or (p1 is not None and p1 >= 0):
@@ -340,6 +383,7 @@ class KVCache:
                              f"(p0 < 0, p1 < 0); got [{p0}, {p1})")
         self._free(s1, np.arange(self.kv_size))
         have = self.seqs[s0, :, src] & ~self.pad[s0]
+        self._touch(s1, have)
         self.pos[s1, have] = self.pos[s0, have]
         self.seqs[s1, have, dst] = True
         self.k[:, s1] = self.k[:, s0]
@@ -351,6 +395,7 @@ class KVCache:
         st = self.seq_to_stream(seq_id)
         has = self.seqs[st, :, seq_id].copy()
         others = np.flatnonzero(~has & (self.pos[st] >= 0))
+        self._touch(st, has)
         self.seqs[st, has] = False
         self.seqs[st, has, seq_id] = True
         self._free(st, others)
@@ -365,6 +410,7 @@ class KVCache:
         if lo == hi:
             return
         hit = (self.pos[st] >= lo) & (self.pos[st] < hi) & self.seqs[st, :, seq_id]
+        self._touch(st, hit)
         self.pos[st, hit] += shift
         neg = np.flatnonzero(hit & (self.pos[st] < 0))
         self._free(st, neg)
