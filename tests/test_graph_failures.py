@@ -204,3 +204,24 @@ def test_transaction_restores_cells_and_heads_and_nests():
                 c.seq_rm(-1)
                 raise RuntimeError
         assert_state(c, mid)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("planted failure"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_cli_runner_decode_rolls_back_a_failed_ubatch(monkeypatch, exc):
+    """The CLI's pipeline (``ggml_attn.cli.runner.Runner.decode``) uses the same transaction."""
+    from ggml_attn.cli.models import PRESETS
+    from ggml_attn.cli.runner import RunConfig, Runner
+    r = Runner(RunConfig(model=PRESETS["tiny"], n_ctx=1024, n_seq=2, kv_unified=False, split="padded"))
+    try:
+        r.decode(r.prompt_batch([5, 3]))
+        before = state(r.cache)
+        monkeypatch.setattr(r.engine, "run_ubatch", FailOn(r.engine.run_ubatch, 0, exc))
+        with pytest.raises(type(exc)):
+            r.decode(r.prompt_batch([2, 4]))
+        assert_state(r.cache, before)
+        monkeypatch.undo()
+        r.decode(r.prompt_batch([2, 4]))  # the same batch again
+        assert [r.cache.seq_pos_max(s) for s in (0, 1)] == [6, 6]
+        assert r.cache.pad.sum() == 0
+    finally:
+        r.close()

@@ -213,10 +213,11 @@ class Runner:
                                 f"(use -kvu or another --split)") from e
             for ub in ubatches:
                 check_interrupt()
-                # place in the cache, mask and tile map: once per ubatch, for every layer
-                plan = g.plan_ubatch(cache, ub, alibi=False)
-                self.engine.run_ubatch(plan)
-                cache.free_pads(plan.slot)
+                with cache.transaction():  # a failed ubatch leaves its cells as they were
+                    # place in the cache, mask and tile map: once per ubatch, for every layer
+                    plan = g.plan_ubatch(cache, ub, alibi=False)
+                    self.engine.run_ubatch(plan)
+                    cache.free_pads(plan.slot)
                 stats.n_ubatches += 1
                 stats.n_pad += ub.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
