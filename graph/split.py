@@ -26,7 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .batch import Batch
+from .batch import INT32_MAX, Batch
 
 __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
            "MODES", "SplitState"]
@@ -287,6 +287,9 @@ def split_padded(state: SplitState, n_ubatch: int) -> UBatch | None:
         pos.extend(int(b.positions[i]) for i in take)
         last = int(b.positions[take[-1]])
         n_pad = L - len(take)
+        if last + n_pad > INT32_MAX:
+            raise ValueError(f"padded split: sequence {s} ends at position {last}; {n_pad} pad rows after it "
+                             f"would pass the int32 maximum position {INT32_MAX} (use another split)")
         idxs.extend([-1] * n_pad)
         pos.extend(range(last + 1, last + 1 + n_pad))
         sids.extend([(s,)] * L)
