@@ -81,9 +81,11 @@ def kv_head_reader(desc: TensorDesc):
 
 def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
                         sinks: TensorDesc | None, dst: TensorDesc, dims: AttnDims, scale: float,
-                        max_bias: float, logit_softcap: float, ith: int = 0, nth: int = 1) -> None:
+                        max_bias: float, logit_softcap: float, ith: int = 0, nth: int = 1,
+                        stop=None) -> None:
     """Write attention of host tensors into ``dst`` (float32). Graph thread ``ith`` of ``nth``
-    takes every nth (stream, KV head) group, so all threads together cover ``dst`` once."""
+    takes every nth (stream, KV head) group, so all threads together cover ``dst`` once.
+    ``stop()`` (optional) is asked before each group: True returns at once (Ctrl-C)."""
     qa = as_numpy(q)    # (ne3, n_head, n_batch, D_k)
     read_k, read_v = kv_head_reader(k), kv_head_reader(v)
     ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
@@ -94,6 +96,8 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     slopes = reference.alibi_slopes(dims.n_head, max_bias)
     g = dims.gqa_ratio
     for pair in range(ith, dims.ne3 * dims.n_head_kv, nth):
+        if stop is not None and stop():
+            return
         s, hk = divmod(pair, dims.n_head_kv)
         hs = slice(hk * g, (hk + 1) * g)
         res = attend_group_skipping(

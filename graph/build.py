@@ -64,13 +64,15 @@ def check_device_graph(graph) -> None:
 
 
 # --------------------------------------------------------------- device store op
-_store_errors: list[BaseException] = []
-
-
 def _store_callback(dst_p, ith, nth, userdata):
     """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
-    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy)."""
+    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy). Errors are
+    recorded for this node like the attention op's (``ggml_attn.op.record_error``)."""
     if ith != 0:
+        return
+    node = ctypes.addressof(dst_p.contents)
+    fa_op.register_node(node, ith)
+    if fa_op.interrupted(node):
         return
     try:
         d = dst_p.contents
@@ -96,7 +98,7 @@ def _store_callback(dst_p, ith, nth, userdata):
             raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
         cache[idx] = rows.astype(cache.dtype)
     except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
-        _store_errors.append(e)
+        fa_op.record_error(node, e, what="KV store op")
 
 
 _STORE_CB = ggml.ggml_custom_op_t(_store_callback)
@@ -145,16 +147,10 @@ class UBatchGraph:
         if cplan.work_size:
             work = np.empty(cplan.work_size, dtype=np.uint8)
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-        fa_op.raise_pending()
-        _store_errors.clear()
-        with fa_op.active_plans(self.plan.kernel_plan):  # every layer reuses the ubatch's plan
-            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
+        # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
+        with fa_op.computing(self.graph), fa_op.active_plans(self.plan.kernel_plan):
+            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # plan reused by every layer
         del work
-        if _store_errors:
-            err = _store_errors[0]
-            _store_errors.clear()
-            raise GraphBuildError(f"KV store op failed during compute: {err!r}") from err
-        fa_op.raise_pending()
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 
