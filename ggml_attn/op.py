@@ -150,7 +150,7 @@ def register_node(node: int, ith: int) -> int | None:
         if _node_owner.get(node) != me:
             if len(_node_owner) >= _MAX_OWNERS:  # plain computes only; compute_graph cleans up
                 with _errors_lock:
-                    for n in [n for n in _node_owner if n not in _node_errors]:
+                    for n in [n for n in list(_node_owner) if n not in _node_errors]:  # list(): atomic copy
                         del _node_owner[n]
             _node_owner[node] = me
         return me
@@ -176,6 +176,7 @@ def interrupted(node: int) -> bool:
 def _select(graph) -> list[int]:
     """Nodes with errors: those of ``graph``, or (None) those computed by this thread."""
     if graph is not None:
+        _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
         return [n for n in _graph_nodes(graph) if n in _node_errors]
     me = threading.get_ident()
     return [n for n in _node_errors if _node_owner.get(n, me) == me]
@@ -215,6 +216,7 @@ class computing:
     compute functions (``ggml_backend_graph_compute``, ``ggml_graph_compute``)."""
 
     def __init__(self, graph):
+        _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
         self.graph = graph
 
     def __enter__(self):

@@ -228,6 +228,16 @@ def test_compute_graph_names_a_bad_argument(gs, which, bad):
         ggml_attn.compute_graph(kw["ctx"], kw["graph"], kw["n_threads"])
 
 
+@pytest.mark.parametrize("bad", [0, "g", ctypes.POINTER(ggml.ggml_cgraph)()])
+def test_raise_pending_and_computing_check_the_graph(bad):
+    with pytest.raises(ValueError, match="graph"):
+        ggml_attn.raise_pending(bad)
+    with pytest.raises(ValueError, match="graph"):
+        op.pending_errors(bad)
+    with pytest.raises(ValueError, match="graph"):
+        op.computing(bad)
+
+
 def test_set_backend_rejects_unknown_kernels():
     with pytest.raises(ValueError, match=r"kernel.*'nonsense'"):
         ggml_attn.set_backend("auto", kernel="nonsense")
