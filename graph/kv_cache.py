@@ -281,8 +281,10 @@ class KVCache:
         """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
         included), every cell it changed gets back its position, sequence set and pad flag,
         and every stream its head, before the exception propagates. K/V data written in the
-        block stays, but only in cells that are free again (never visible to a query).
-        Transactions nest: a failed inner block undoes only itself."""
+        block stays, but only in cells that are free again (never visible to a query); the one
+        operation that overwrites K/V of occupied cells, ``seq_cp`` across streams, has its
+        destination stream's K/V restored too. Transactions nest: a failed inner block undoes
+        only itself."""
         journal: list = []
         heads = list(self.head)
         self._journals.append(journal)
@@ -290,7 +292,13 @@ class KVCache:
             yield self
         except BaseException:
             self._journals.pop()
-            for st, cells, pos, seqs, pad in reversed(journal):
+            for entry in reversed(journal):
+                if entry[0] == "kv":  # K/V of a whole stream (seq_cp across streams)
+                    _, st, k, v = entry
+                    self.k[:, st] = k
+                    self.v[:, st] = v
+                    continue
+                st, cells, pos, seqs, pad = entry
                 self.pos[st, cells] = pos
                 self.seqs[st, cells] = seqs
                 self.pad[st, cells] = pad
@@ -406,6 +414,8 @@ class KVCache:
         if (p0 is not None and p0 > 0) or (p1 is not None and p1 >= 0):
             raise ValueError(f"seq_cp({src} -> {dst}) across KV streams supports only the full range "
                              f"(p0 < 0, p1 < 0); got [{p0}, {p1})")
+        if self._journals:
+            self._journals[-1].append(("kv", s1, self.k[:, s1].copy(), self.v[:, s1].copy()))
         self._free(s1, np.arange(self.kv_size))
         have = self.seqs[s0, :, src] & ~self.pad[s0]
         self._touch(s1, have)

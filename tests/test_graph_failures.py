@@ -225,3 +225,18 @@ def test_cli_runner_decode_rolls_back_a_failed_ubatch(monkeypatch, exc):
         assert r.cache.pad.sum() == 0
     finally:
         r.close()
+
+
+def test_transaction_restores_kv_copied_across_streams():
+    """seq_cp across streams (split cache) copies K/V data too: a failed transaction puts the
+    destination stream's K/V back as well, not only its cells."""
+    c = prefilled(False, "equal")
+    before = state(c)
+    k1, v1 = c.k[:, 1].copy(), c.v[:, 1].copy()
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            c.seq_cp(0, 1)
+            raise RuntimeError
+    assert_state(c, before)
+    assert np.array_equal(c.k[:, 1], k1) and np.array_equal(c.v[:, 1], v1)
+    assert c.sequence_contents(1)[0].tolist() == [0, 1]
