@@ -18,14 +18,16 @@ and only those; :func:`raise_pending` does so for a graph computed some other wa
 graph, or without it: the errors of the graphs this thread computed). An error never travels
 to another graph or thread.
 
-Ctrl-C: Python raises ``KeyboardInterrupt`` inside whichever op callback runs on the main
-thread; from then on every op node of that thread's compute returns at once (output NaN), and
-the interrupt is raised as ``KeyboardInterrupt`` when the compute returns.
+Ctrl-C: from the moment it is seen (by :class:`computing`'s SIGINT handler, or as a
+``KeyboardInterrupt`` inside an op callback on the main thread) every remaining op node of that
+thread's compute returns at once (output NaN), and ``KeyboardInterrupt`` is raised when the
+compute returns.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 
@@ -213,11 +215,41 @@ class computing:
     and on a normal exit raises what this compute's op callbacks recorded
     (:func:`raise_pending` with the graph). A Ctrl-C left pending by an earlier compute of
     this thread is raised on entry. :func:`compute_graph` uses it; so can callers of other
-    compute functions (``ggml_backend_graph_compute``, ``ggml_graph_compute``)."""
+    compute functions (``ggml_backend_graph_compute``, ``ggml_graph_compute``).
+
+    On the main thread, while Python's default SIGINT handler is installed, a Ctrl-C during
+    the compute does not raise inside an op callback: ctypes drops an exception raised as a
+    callback is entered (before its ``try``), so the interrupt could be lost. Instead the
+    first Ctrl-C marks the compute interrupted (the remaining op nodes return at once) and
+    ``KeyboardInterrupt`` is raised when the compute returns; a second one raises at once. A
+    handler someone else installed is left alone."""
 
     def __init__(self, graph):
         _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
         self.graph = graph
+        self._sigint = False
+        self._old_handler = None
+
+    def _on_sigint(self, signum, frame):
+        if self._sigint:  # a second Ctrl-C: now
+            raise KeyboardInterrupt
+        self._sigint = True
+        _interrupted.add(threading.get_ident())  # no lock: this runs between any two bytecodes
+
+    def _take_sigint(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self._old_handler = signal.default_int_handler
+        except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
+            self._old_handler = None
+
+    def _give_back_sigint(self) -> None:
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
+            self._old_handler = None
 
     def __enter__(self):
         me = threading.get_ident()
@@ -236,11 +268,20 @@ class computing:
             for n in self.nodes:
                 _node_errors.pop(n, None)
                 _node_owner[n] = me
+        self._sigint = False
+        self._take_sigint()
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        self._give_back_sigint()
         try:
             if exc_type is None:
+                if self._sigint:
+                    with _errors_lock:
+                        _interrupted.discard(threading.get_ident())
+                        for n in self.nodes:
+                            _node_errors.pop(n, None)
+                    raise KeyboardInterrupt
                 raise_pending(self.graph)
             else:  # an exception already propagates (e.g. Ctrl-C outside a callback): it wins
                 with _errors_lock:
