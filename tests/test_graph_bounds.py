@@ -145,3 +145,11 @@ def test_cache_sizes_must_be_integers(kw):
     args.update(kw)
     with pytest.raises(ValueError, match=next(iter(kw))):
         KVCache(args.pop("n_ctx"), args.pop("n_seq_max"), **args)
+
+
+def test_cli_more_sequences_than_the_cap_is_one_line(capsys):
+    """-npl past 256: the CLI says so on one line (exit 2), no traceback."""
+    from ggml_attn.cli import batched_bench
+    rc = batched_bench.main(["-npp", "1", "-ntg", "1", "-npl", "300", "-t", "1", "--n-layer", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "256" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
