@@ -120,18 +120,19 @@ def test_cell_masked_for_some_rows(kv_type, n_batch, n_kv, where):
         assert nan_rows[1::2, 2:].all()
 
 
-def test_masked_garbage_in_the_ggml_graph_path():
-    """The batching graph path (cache views, cells never written): garbage in unused cache
-    cells does not reach the outputs."""
+@pytest.mark.parametrize("compute", ["ggml", "numpy"])
+def test_masked_garbage_in_the_batching_path(compute):
+    """The batching path (cache views, cells never written): garbage in unused cache cells does
+    not reach the outputs, in the ggml graph and in the numpy (reference) path."""
     from ggml_attn.graph import AttnConfig, Batch, KVCache, run_batch
     cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=64)
     batch = Batch.from_lengths([5, 3, 9])
     ref = run_batch(KVCache(512, 3, n_layer=1, n_head_kv=2, head_dim_k=64), batch, 512, "simple", cfg,
-                    compute="ggml").out
+                    compute=compute).out
     cache = KVCache(512, 3, n_layer=1, n_head_kv=2, head_dim_k=64)
     cache.k[...] = np.nan
     cache.v[...] = np.inf
-    out = run_batch(cache, batch, 512, "simple", cfg, compute="ggml").out
+    out = run_batch(cache, batch, 512, "simple", cfg, compute=compute).out
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=0, atol=0)
 
