@@ -21,6 +21,17 @@ ROW_TILE = 64   # query rows per tile
 COL_TILE = 64   # KV cells per tile
 
 
+F16_NEG_INF = 0xFC00  # bit pattern of -inf in float16
+
+
+def visible_cells(mask: np.ndarray) -> np.ndarray:
+    """bool, same shape: mask value other than -inf. An F16 mask is compared as its bits (10x
+    faster than a float16 comparison, which numpy converts element by element)."""
+    if mask.dtype == np.float16:
+        return mask.view(np.uint16) != F16_NEG_INF
+    return mask != -np.inf
+
+
 def live_tiles(mask_rows: np.ndarray) -> np.ndarray:
     """``(n_row_tiles, n_col_tiles)`` bool: does any cell of the tile have a visible cell, i.e.
     a mask value other than -inf (NaN and +inf cells are visible: they reach the output as in
@@ -28,7 +39,7 @@ def live_tiles(mask_rows: np.ndarray) -> np.ndarray:
 
     mask_rows: ``(g, n_batch, n_kv)`` (numpy order), the mask of every head of one group.
     """
-    finite = (mask_rows != -np.inf).any(axis=0)  # (n_batch, n_kv)
+    finite = visible_cells(mask_rows).any(axis=0)  # (n_batch, n_kv)
     n_b, n_kv = finite.shape
     pr, pc = -n_b % ROW_TILE, -n_kv % COL_TILE
     finite = np.pad(finite, ((0, pr), (0, pc)))
