@@ -1,10 +1,11 @@
-"""llama.cpp's ``test-backend-ops`` FLASH_ATTN_EXT cases, ported (REFERENCE.md section 2).
+"""llama.cpp's ``test-backend-ops`` FLASH_ATTN_EXT cases, ported.
 
-:func:`grid` yields the evaluation grid of ggml 0.15.3's ``test-backend-ops.cpp``
-restricted to F32/F16/BF16 K/V (quantized types are out of scope); :func:`make_inputs`
-draws one case's tensors the way that test does (uniform [-1, 1], sinks in [-10, 10], a
-random mask in [-1, 1] with about 20% of 128x64 blocks set to -inf or 0). Arrays come in
-**numpy order** and in ggml storage dtypes (F16 ``float16``, BF16 ``uint16`` bits).
+:func:`grid` yields the evaluation grid of ggml 0.15.3's ``test-backend-ops.cpp`` for
+F32/F16/BF16 and quantized K/V, plus cases of our own with garbage (NaN, inf, random bytes)
+in masked KV cells (``FACase.nonfinite``); :func:`make_inputs` draws one case's tensors the
+way that test does (uniform [-1, 1], sinks in [-10, 10], a random mask in [-1, 1] with about
+20% of 128x64 blocks set to -inf or 0). Arrays come in **numpy order** and in ggml storage
+dtypes (F16 ``float16``, BF16 ``uint16`` bits, quantized ``uint8`` rows).
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ class FACase:
     kv_type: int            # K's type (and V's unless v_type is set)
     permuted: bool = False  # q/k/v created permuted (0, 2, 1, 3), i.e. non-contiguous views
     v_type: int | None = None
+    # not in test-backend-ops: a quarter of the KV cells are masked for every row and hold
+    # garbage in K and V (random bytes, NaN, +-inf), as the unused cells of a ggml KV cache
+    # (uninitialised memory) do. The output must be that of the clean inputs.
+    nonfinite: bool = False
 
     @property
     def v_kind(self) -> int:
@@ -68,7 +73,7 @@ class FACase:
                 f"_nb{self.n_batch}_m{int(self.mask)}_sk{int(self.sinks)}_ab{self.max_bias:g}"
                 f"_sc{self.logit_softcap:g}_{type_name(self.kv_type)}"
                 + (f"-{type_name(self.v_type)}" if self.v_type is not None else "")
-                + ("_perm" if self.permuted else ""))
+                + ("_perm" if self.permuted else "") + ("_garbage" if self.nonfinite else ""))
 
 
 def _pad(n: int, ggml_type: int) -> int:
@@ -124,6 +129,8 @@ def grid(kv_types=FLOAT_TYPES + QUANT_TYPES):
                                                     yield case
                                                     if mask and max_bias == 0 and softcap == 0 and kv == 512:
                                                         yield FACase(**{**case.__dict__, "permuted": True})
+                                                    if mask and kv == 113 and sinks == (nb in (3, 75)):
+                                                        yield FACase(**{**case.__dict__, "nonfinite": True})
     mixed = [(64, 64, 128, 2, True, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0), (64, 64, 128, 2, True, GGML_TYPE_Q4_0, GGML_TYPE_F16),
              (72, 72, 96, 2, True, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0), (64, 64, 96, 2, True, GGML_TYPE_F16, GGML_TYPE_F32),
              (128, 128, 256, 1, False, GGML_TYPE_F16, GGML_TYPE_Q4_0), (128, 128, 96, 2, True, GGML_TYPE_Q1_0, GGML_TYPE_Q1_0),
@@ -170,6 +177,7 @@ class FAInputs:
     sinks: np.ndarray | None      # (n_head,) float32
     k_type: int = GGML_TYPE_F16
     v_type: int = GGML_TYPE_F16
+    clean: "FAInputs | None" = None  # nonfinite cases: the same inputs without the garbage
 
     def kv_float(self) -> tuple[np.ndarray, np.ndarray]:
         """K and V as float32 arrays, numpy order (quantized types dequantized by ggml)."""
@@ -199,7 +207,35 @@ def make_inputs(case: FACase, rng: np.random.Generator) -> FAInputs:
         v = _storage(rng.uniform(-1, 1, (case.ne3, case.n_head_kv, case.n_kv, case.dv)), case.v_kind)
     mask = random_kq_mask(rng, (case.ne3, 1, case.n_batch, case.n_kv)) if case.mask else None
     sinks = rng.uniform(-10, 10, case.n_head).astype(np.float32) if case.sinks else None
-    return FAInputs(q, k, v, mask, sinks, case.kv_type, case.v_kind)
+    x = FAInputs(q, k, v, mask, sinks, case.kv_type, case.v_kind)
+    return _with_garbage(case, x, rng) if case.nonfinite else x
+
+
+def _with_garbage(case: FACase, x: FAInputs, rng: np.random.Generator) -> FAInputs:
+    """Hide a quarter of the KV cells of each stream from every row and fill K and V there with
+    garbage: random bytes, then NaN, +inf and -inf in the first elements (float types) or a NaN
+    / inf scale in the first block (quantized types). ``clean`` keeps the mask change only."""
+    mask = x.mask.copy()
+    k, v = x.k.copy(), (None if np.shares_memory(x.v, x.k) else x.v.copy())
+    cells = [np.sort(rng.choice(case.n_kv, case.n_kv // 4, replace=False)) for _ in range(case.ne3)]
+    for s, cs in enumerate(cells):
+        mask[s, :, :, cs] = -np.inf
+    clean = FAInputs(x.q, x.k, x.v, mask, x.sinks, x.k_type, x.v_type)
+    for arr, t in ((k, x.k_type), (v, x.v_type)):
+        if arr is None:
+            continue
+        raw = arr.view(np.uint8).reshape(arr.shape[:3] + (-1,))  # (ne3, n_head_kv, n_kv, row bytes)
+        for s, cs in enumerate(cells):
+            raw[s][:, cs] = rng.integers(0, 256, raw[s][:, cs].shape, dtype=np.uint8)
+            if t in STORAGE_DTYPES:
+                vals = from_float(np.array([np.nan, np.inf, -np.inf], np.float32), t)
+                arr[s][:, cs, :3] = vals
+            else:  # quantized: every type here starts its block with an f16 scale
+                f16 = np.array([np.nan, np.inf, -np.inf], np.float16).view(np.uint8).reshape(3, 2)
+                raw[s][:, cs, 0:2] = f16[np.arange(len(cs)) % 3][None]
+    if v is None:  # MLA: V is a view of K
+        v = k[..., :x.v.shape[-1]]
+    return FAInputs(x.q, k, v, mask, x.sinks, x.k_type, x.v_type, clean)
 
 
 __all__ = ["FACase", "FAInputs", "grid", "make_inputs", "random_kq_mask", "block_causal_mask", "FLOAT_TYPES", "QUANT_TYPES",

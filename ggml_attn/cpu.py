@@ -1,7 +1,10 @@
 """The op's CPU backend: numpy attention that skips fully masked (query tile, KV tile) pairs.
 
 Same math as :mod:`ggml_attn.reference` (it calls :func:`reference.attend_group` on the live
-part of each query tile), so the float64 oracle and this backend cannot drift apart. Arrays
+part of each query tile), so the float64 oracle and this backend cannot drift apart -- NaN/inf
+included: a masked (-inf) cell never matters whatever K/V hold there, visible non-finite values
+propagate as in ggml (see :func:`reference.attend_group`). A skipped tile holds no visible cell,
+so skipping cannot change a result. Arrays
 are numpy views of host ggml tensors (numpy order; see :func:`ggml_attn.tensor.as_numpy`).
 """
 from __future__ import annotations
@@ -18,12 +21,25 @@ ROW_TILE = 64   # query rows per tile
 COL_TILE = 64   # KV cells per tile
 
 
+F16_NEG_INF = 0xFC00  # bit pattern of -inf in float16
+
+
+def visible_cells(mask: np.ndarray) -> np.ndarray:
+    """bool, same shape: mask value other than -inf. An F16 mask is compared as its bits (10x
+    faster than a float16 comparison, which numpy converts element by element)."""
+    if mask.dtype == np.float16:
+        return mask.view(np.uint16) != F16_NEG_INF
+    return mask != -np.inf
+
+
 def live_tiles(mask_rows: np.ndarray) -> np.ndarray:
-    """``(n_row_tiles, n_col_tiles)`` bool: does any cell of the tile have a finite mask value?
+    """``(n_row_tiles, n_col_tiles)`` bool: does any cell of the tile have a visible cell, i.e.
+    a mask value other than -inf (NaN and +inf cells are visible: they reach the output as in
+    ggml)?
 
     mask_rows: ``(g, n_batch, n_kv)`` (numpy order), the mask of every head of one group.
     """
-    finite = np.isfinite(mask_rows).any(axis=0)  # (n_batch, n_kv)
+    finite = visible_cells(mask_rows).any(axis=0)  # (n_batch, n_kv)
     n_b, n_kv = finite.shape
     pr, pc = -n_b % ROW_TILE, -n_kv % COL_TILE
     finite = np.pad(finite, ((0, pr), (0, pc)))
@@ -76,9 +92,11 @@ def kv_head_reader(desc: TensorDesc):
 
 def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
                         sinks: TensorDesc | None, dst: TensorDesc, dims: AttnDims, scale: float,
-                        max_bias: float, logit_softcap: float, ith: int = 0, nth: int = 1) -> None:
+                        max_bias: float, logit_softcap: float, ith: int = 0, nth: int = 1,
+                        stop=None) -> None:
     """Write attention of host tensors into ``dst`` (float32). Graph thread ``ith`` of ``nth``
-    takes every nth (stream, KV head) group, so all threads together cover ``dst`` once."""
+    takes every nth (stream, KV head) group, so all threads together cover ``dst`` once.
+    ``stop()`` (optional) is asked before each group: True returns at once (Ctrl-C)."""
     qa = as_numpy(q)    # (ne3, n_head, n_batch, D_k)
     read_k, read_v = kv_head_reader(k), kv_head_reader(v)
     ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
@@ -89,6 +107,8 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     slopes = reference.alibi_slopes(dims.n_head, max_bias)
     g = dims.gqa_ratio
     for pair in range(ith, dims.ne3 * dims.n_head_kv, nth):
+        if stop is not None and stop():
+            return
         s, hk = divmod(pair, dims.n_head_kv)
         hs = slice(hk * g, (hk + 1) * g)
         res = attend_group_skipping(

@@ -4,21 +4,30 @@ The op is a ``ggml_custom_4d`` node with sources ``[q, k, v, (mask), (sinks)]`` 
 result as ggml's: F32 ``[D_v, n_head, n_batch, ne3]`` (ggml order), i.e. permuted (0,2,1,3)
 relative to q. When the node runs it picks the backend per call:
 
-* device pointers (device-resident graphs, REFERENCE §6) -> CUDA kernels, launched by graph
-  thread 0 with raw pointers;
+* device pointers (device-resident graphs: every tensor in GPU memory) -> CUDA kernels,
+  launched by graph thread 0 with raw pointers;
 * host pointers and a usable GPU -> the same kernels, staged through pinned buffers;
 * otherwise -> numpy in float32 (:mod:`ggml_attn.cpu`: skips fully masked tiles), work
   split over the graph's threads.
 
-ggml swallows exceptions raised in callbacks (REFERENCE §6). Here every error is caught in
-the callback, logged, the output filled with NaN (never left silently unwritten), and
-recorded; :func:`compute_graph` re-raises it after compute, and :func:`raise_pending` does
-so for graphs computed some other way.
+ggml ignores what a custom-op callback raises. Here every error is caught in the callback,
+logged, the output filled with NaN (never left silently unwritten), and recorded **for that
+op node** together with the thread that computes the graph (ggml's graph thread 0 is the
+thread that called compute). :func:`compute_graph` raises the errors of the graph it computed,
+and only those; :func:`raise_pending` does so for a graph computed some other way (given the
+graph, or without it: the errors of the graphs this thread computed). An error never travels
+to another graph or thread.
+
+Ctrl-C: from the moment it is seen (by :class:`computing`'s SIGINT handler, or as a
+``KeyboardInterrupt`` inside an op callback on the main thread) every remaining op node of that
+thread's compute returns at once (output NaN), and ``KeyboardInterrupt`` is raised when the
+compute returns.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 
@@ -55,8 +64,15 @@ _params_by_id: dict[int, _OpParams] = {}
 _id_by_params: dict[_OpParams, int] = {}
 _registry_lock = threading.Lock()
 
-_errors: list[BaseException] = []
+# Errors recorded by op callbacks, per op node (the node tensor's address), and the thread that
+# computes each node (its graph thread 0 is the thread that called ggml's compute).
 _errors_lock = threading.Lock()
+_node_errors: dict[int, list[tuple[str, BaseException]]] = {}
+_node_owner: dict[int, int] = {}
+_MAX_OWNERS = 1 << 16  # node -> thread entries kept for plain computes before they are pruned
+# threads whose current compute was interrupted (Ctrl-C): their op nodes return at once until
+# the interrupt is raised to them
+_interrupted: set[int] = set()
 
 _settings = {"backend": "auto", "kernel": "auto"}
 
@@ -88,12 +104,28 @@ class active_plans:
 
 def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
     """Choose where the op runs: ``auto`` (CUDA when usable, else numpy), ``reference``
-    (numpy always) or ``cuda`` (error when no GPU); ``kernel`` is passed to the CUDA backend
-    (``auto``, ``prefill``, ``decode``, ``decode-tc``, ``reference``)."""
-    if backend not in BACKENDS:
+    (numpy always) or ``cuda`` (a usable GPU is checked here: ``RuntimeError`` when there is
+    none); ``kernel`` is passed to the CUDA backend (``auto``, ``prefill``, ``decode``,
+    ``decode-tc``, ``reference``). Invalid names raise ``ValueError``; on any error the
+    settings stay as they were."""
+    from .dispatch import KERNELS  # noqa: PLC0415
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(kernel, str) or kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if backend == "cuda" and not gpu_available():
+        raise RuntimeError(f"set_backend(backend='cuda'): no usable CUDA device/CuPy here ({_why_no_gpu()}); "
+                           "use 'auto' or 'reference'")
     _settings["backend"] = backend
     _settings["kernel"] = kernel
+
+
+def _why_no_gpu() -> str:
+    try:
+        from . import cuda_backend  # noqa: F401, PLC0415
+    except ImportError as e:
+        return f"the CUDA backend does not import: {e}"
+    return "no CUDA device visible to CuPy"
 
 
 def _params_id(p: _OpParams) -> int:
@@ -104,36 +136,195 @@ def _params_id(p: _OpParams) -> int:
         return _id_by_params[p]
 
 
-def _record(exc: BaseException) -> None:
+def _node_addr(tensor_p) -> int:
+    return ctypes.addressof(tensor_p.contents)
+
+
+def _graph_nodes(graph) -> list[int]:
+    return [_node_addr(ggml.ggml_graph_node(graph, i)) for i in range(ggml.ggml_graph_n_nodes(graph))]
+
+
+def register_node(node: int, ith: int) -> int | None:
+    """Called first by an op callback: graph thread 0 records itself as the node's owner (the
+    thread computing the graph); returns the owner (None when not known yet)."""
+    if ith == 0:
+        me = threading.get_ident()
+        if _node_owner.get(node) != me:
+            if len(_node_owner) >= _MAX_OWNERS:  # plain computes only; compute_graph cleans up
+                with _errors_lock:
+                    for n in [n for n in list(_node_owner) if n not in _node_errors]:  # list(): atomic copy
+                        del _node_owner[n]
+            _node_owner[node] = me
+        return me
+    return _node_owner.get(node)
+
+
+def record_error(node: int, exc: BaseException, what: str = "flash_attn_ext") -> None:
+    """Record ``exc`` for op node ``node`` (its tensor's address); a ``KeyboardInterrupt``
+    also stops the owner thread's remaining op nodes."""
     with _errors_lock:
-        _errors.append(exc)
+        _node_errors.setdefault(node, []).append((what, exc))
+        if isinstance(exc, KeyboardInterrupt):
+            owner = _node_owner.get(node)
+            _interrupted.add(owner if owner is not None else threading.get_ident())
 
 
-def pending_errors() -> list[BaseException]:
-    """Errors recorded by op callbacks since the last :func:`raise_pending` (not cleared)."""
+def interrupted(node: int) -> bool:
+    """True when the compute that runs ``node`` was interrupted (Ctrl-C)."""
+    owner = _node_owner.get(node)
+    return owner is not None and owner in _interrupted
+
+
+def _select(graph) -> list[int]:
+    """Nodes with errors: those of ``graph``, or (None) those computed by this thread."""
+    if graph is not None:
+        _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
+        return [n for n in _graph_nodes(graph) if n in _node_errors]
+    me = threading.get_ident()
+    return [n for n in _node_errors if _node_owner.get(n, me) == me]
+
+
+def pending_errors(graph=None) -> list[BaseException]:
+    """Errors recorded by op callbacks and not raised yet: those of ``graph``'s op nodes, or
+    (no graph) those of the graphs this thread computed. Not cleared."""
     with _errors_lock:
-        return list(_errors)
+        return [e for n in _select(graph) for _, e in _node_errors[n]]
 
 
-def raise_pending() -> None:
-    """Raise :class:`FlashAttnError` for the first error recorded by an op callback, if any,
-    and clear the record."""
+def raise_pending(graph=None) -> None:
+    """Raise what op callbacks recorded and clear it: the errors of ``graph``'s op nodes, or
+    (no graph) of the graphs this thread computed. ``KeyboardInterrupt`` when one of them was
+    a Ctrl-C, else :class:`FlashAttnError` for the first error (``+N more``)."""
+    me = threading.get_ident()
     with _errors_lock:
-        errs, _errors[:] = list(_errors), []
+        errs = [pair for n in _select(graph) for pair in _node_errors.pop(n)]
+        if any(isinstance(e, KeyboardInterrupt) for _, e in errs):
+            _interrupted.discard(me)  # the interrupt is delivered now
     if errs:
-        for e in errs:
+        for _, e in errs:
             if isinstance(e, KeyboardInterrupt):  # Ctrl-C inside a callback stays a Ctrl-C
                 raise e
+        what, first = errs[0]
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise FlashAttnError(f"flash_attn_ext failed during compute: {errs[0]!r}{more}") from errs[0]
+        raise FlashAttnError(f"{what} failed during compute: {first!r}{more}") from first
+
+
+class computing:
+    """``with computing(graph): <any ggml compute of graph in this thread>`` -- drops errors
+    left on the graph's op nodes by an earlier compute, registers the nodes to this thread,
+    and on a normal exit raises what this compute's op callbacks recorded
+    (:func:`raise_pending` with the graph). A Ctrl-C left pending by an earlier compute of
+    this thread is raised on entry. :func:`compute_graph` uses it; so can callers of other
+    compute functions (``ggml_backend_graph_compute``, ``ggml_graph_compute``).
+
+    On the main thread, while Python's default SIGINT handler is installed, a Ctrl-C during
+    the compute does not raise inside an op callback: ctypes drops an exception raised as a
+    callback is entered (before its ``try``), so the interrupt could be lost. Instead the
+    first Ctrl-C marks the compute interrupted (the remaining op nodes return at once) and
+    ``KeyboardInterrupt`` is raised when the compute returns; a second one raises at once. A
+    handler someone else installed is left alone."""
+
+    def __init__(self, graph):
+        _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
+        self.graph = graph
+        self._sigint = False
+        self._old_handler = None
+
+    def _on_sigint(self, signum, frame):
+        if self._sigint:  # a second Ctrl-C: now
+            raise KeyboardInterrupt
+        self._sigint = True
+        _interrupted.add(threading.get_ident())  # no lock: this runs between any two bytecodes
+
+    def _take_sigint(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._on_sigint)
+                self._old_handler = signal.default_int_handler
+        except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
+            self._old_handler = None
+
+    def _give_back_sigint(self) -> None:
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
+            self._old_handler = None
+
+    def __enter__(self):
+        me = threading.get_ident()
+        if me in _interrupted:
+            with _errors_lock:
+                _interrupted.discard(me)
+                for n in [n for n in _node_errors if _node_owner.get(n) == me]:
+                    kept = [(w, e) for w, e in _node_errors[n] if not isinstance(e, KeyboardInterrupt)]
+                    if kept:
+                        _node_errors[n] = kept
+                    else:
+                        del _node_errors[n]
+            raise KeyboardInterrupt
+        self.nodes = _graph_nodes(self.graph)
+        with _errors_lock:
+            for n in self.nodes:
+                _node_errors.pop(n, None)
+                _node_owner[n] = me
+        self._sigint = False
+        self._take_sigint()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._give_back_sigint()
+        try:
+            if exc_type is None:
+                if self._sigint:
+                    with _errors_lock:
+                        _interrupted.discard(threading.get_ident())
+                        for n in self.nodes:
+                            _node_errors.pop(n, None)
+                    raise KeyboardInterrupt
+                raise_pending(self.graph)
+            else:  # an exception already propagates (e.g. Ctrl-C outside a callback): it wins
+                with _errors_lock:
+                    for n in self.nodes:
+                        _node_errors.pop(n, None)
+                    if issubclass(exc_type, KeyboardInterrupt):
+                        _interrupted.discard(threading.get_ident())
+        finally:
+            with _errors_lock:
+                for n in self.nodes:
+                    if n not in _node_errors:
+                        _node_owner.pop(n, None)
+        return False
+
+
+def _check_ptr(value, name: str, ctype, what: str):
+    """ValueError naming ``name`` unless ``value`` is a non-null ctypes pointer to ``ctype``."""
+    if not isinstance(value, ctypes._Pointer) or (ctype is not None and value._type_ is not ctype):
+        raise ValueError(f"{name} must be a {what}, got {value!r}")
+    if not value:
+        raise ValueError(f"{name} is a NULL {what}")
+
+
+def _check_ctx(ctx, fn: str) -> None:
+    if isinstance(ctx, bool) or not isinstance(ctx, (int, ctypes.c_void_p)) or not (
+            ctx.value if isinstance(ctx, ctypes.c_void_p) else ctx):
+        raise ValueError(f"{fn}: ctx must be a ggml context (from ggml_init), got {ctx!r}")
 
 
 def compute_graph(ctx, graph, n_threads: int = 1) -> None:
-    """``ggml_graph_compute_with_ctx`` that raises what the op's callbacks recorded."""
-    raise_pending()
-    with _single_threaded_blas:  # held by this thread for the whole compute: no toggling per node
-        status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
-    raise_pending()
+    """``ggml_graph_compute_with_ctx`` that raises what the op's callbacks recorded for this
+    graph: ``FlashAttnError`` (or ``KeyboardInterrupt`` after a Ctrl-C). ``ctx`` is the graph's
+    ggml context, ``graph`` a ``ggml_cgraph`` pointer, ``n_threads`` >= 1."""
+    _check_ctx(ctx, "compute_graph")
+    try:
+        _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
+    except ValueError as e:
+        raise ValueError(f"compute_graph: {e}") from None
+    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)) or n_threads < 1:
+        raise ValueError(f"compute_graph: n_threads must be an integer >= 1, got {n_threads!r}")
+    with computing(graph):
+        with _single_threaded_blas:  # held by this thread for the whole compute: no toggling per node
+            status = ggml.ggml_graph_compute_with_ctx(ctx, graph, int(n_threads))
     if status != 0:
         raise FlashAttnError(f"ggml_graph_compute_with_ctx returned status {status}")
 
@@ -182,35 +373,60 @@ def _use_cuda(q: TensorDesc, k: TensorDesc, v: TensorDesc) -> tuple[bool, bool]:
 
 
 class _SingleThreadedBlas:
-    """BLAS limited to one thread while any graph thread runs the numpy path.
+    """BLAS limited to one thread while any graph thread runs the numpy path, whichever Python
+    thread computes the graph.
 
     ggml's graph threads are OpenMP threads; OpenBLAS (pthreads build) called from inside an
-    OpenMP region warns "Detect OpenMP Loop and this application may hang". Each graph thread
-    already takes its own share of the work, so BLAS needs no threads of its own. The limit
-    is process-wide, so it is reference-counted across the threads that hold it.
+    OpenMP region warns "Detect OpenMP Loop and this application may hang", and runs its own
+    threads on top of ggml's. Each graph thread already takes its own share of the work, so
+    BLAS needs no threads of its own. The limit is process-wide, so it is reference-counted
+    across the threads that hold it.
+
+    threadpoolctl's ``limit()`` is not used for setting it: since threadpoolctl 3.6 a
+    pthreads OpenBLAS only takes limits from the first thread that set one ("controlling
+    thread") and silently ignores every other thread, so a graph computed from a worker thread
+    after the main thread had computed one ran BLAS threaded (about 22x slower). The library's
+    own set-threads function is called instead (threadpoolctl's unguarded
+    ``_real_set_num_threads`` where it exists, else ``set_num_threads``), from any thread.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._users = 0
-        self._limiter = None
-        self._controller = None
+        self._libs = None
+        self._saved: list = []
+
+    def _blas_libs(self) -> list:
+        if self._libs is None:
+            from threadpoolctl import ThreadpoolController  # noqa: PLC0415
+            self._libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+        return self._libs
+
+    @staticmethod
+    def _set(lib, n: int) -> None:
+        setter = getattr(lib, "_real_set_num_threads", None) or lib.set_num_threads
+        setter(n)
 
     def __enter__(self):
         with self._lock:
             if self._users == 0:
-                if self._controller is None:
-                    from threadpoolctl import ThreadpoolController
-                    self._controller = ThreadpoolController()
-                self._limiter = self._controller.limit(limits=1, user_api="blas")
+                self._saved = []
+                for lib in self._blas_libs():
+                    n = lib.get_num_threads()
+                    if n is not None:
+                        self._saved.append((lib, n))
+                        if n != 1:
+                            self._set(lib, 1)
             self._users += 1
 
     def __exit__(self, *exc):
         with self._lock:
             self._users -= 1
             if self._users == 0:
-                self._limiter.restore_original_limits()
-                self._limiter = None
+                for lib, n in self._saved:
+                    if n != 1:
+                        self._set(lib, n)
+                self._saved = []
 
 
 _single_threaded_blas = _SingleThreadedBlas()
@@ -238,6 +454,12 @@ def _is_device_pointer_safe(ptr: int) -> bool:
 
 
 def _callback(dst_p, ith, nth, userdata):
+    node = _node_addr(dst_p)
+    register_node(node, ith)
+    if interrupted(node):  # Ctrl-C earlier in this compute: the remaining op nodes return at once
+        if ith == 0:
+            _fill_nan(dst_p)
+        return
     try:
         p = _params_by_id[int(userdata or 0)]
         q, k, v, mask, sinks, dst = _descs(dst_p, p)
@@ -259,15 +481,19 @@ def _callback(dst_p, ith, nth, userdata):
         else:
             with _single_threaded_blas:
                 cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,
-                                        p.logit_softcap, ith, nth)
+                                        p.logit_softcap, ith, nth, stop=lambda: interrupted(node))
     except BaseException as exc:  # noqa: BLE001 - ggml would swallow it; record and re-raise later
-        log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
-        _record(exc)
+        if isinstance(exc, KeyboardInterrupt):
+            log.warning("flash_attn_ext: interrupted (Ctrl-C) in graph thread %d; the remaining op nodes "
+                        "of this compute return at once", ith)
+        else:
+            log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
+        record_error(node, exc)
         _fill_nan(dst_p)
 
 
 # One callback object for the whole process: it can never be garbage-collected while a graph
-# that uses it is alive (REFERENCE §6: dropping it segfaults).
+# that uses it is alive (ggml keeps only the raw function pointer: dropping it segfaults).
 _CALLBACK = ggml.ggml_custom_op_t(_callback)
 _N_TASKS_ANY = -1  # GGML_N_TASKS_MAX: as many threads as the graph has
 
@@ -281,13 +507,28 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     dequantize, CPU path only) ``[D, n_kv, n_head_kv, ne3]``,
     mask F16 ``[n_kv, >=n_batch, ne32, ne33]`` or None, sinks F32 ``[n_head]`` or None.
     Returns the F32 result tensor ``[D_v, n_head, n_batch, ne3]``. Bad inputs raise
-    ``ValueError`` here, at graph-build time.
+    ``ValueError`` here, at graph-build time, naming the argument (a missing/NULL tensor or
+    context, a non-number scale, shapes and types).
     """
+    _check_ctx(ctx, "flash_attn_ext")
+    for t, n in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (sinks, "sinks")):
+        if t is None and n in ("mask", "sinks"):
+            continue
+        try:
+            _check_ptr(t, n, ggml.ggml_tensor, "ggml tensor (ggml_tensor_p)")
+        except ValueError as e:
+            raise ValueError(f"flash_attn_ext: {e}") from None
+    nums = {}
+    for name, val in (("scale", scale), ("max_bias", max_bias), ("logit_softcap", logit_softcap)):
+        if isinstance(val, bool) or not isinstance(val, (int, float, np.integer, np.floating)):
+            raise ValueError(f"flash_attn_ext: {name} must be a number, got {val!r}")
+        nums[name] = float(val)
+    scale, max_bias, logit_softcap = nums["scale"], nums["max_bias"], nums["logit_softcap"]
     descs = [from_ggml(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_d = from_ggml(mask, "mask") if mask is not None else None
     sinks_d = from_ggml(sinks, "sinks") if sinks is not None else None
-    dims = check_flash_attn_args(*descs, mask_d, sinks_d, float(max_bias), float(scale), float(logit_softcap))
-    params = _OpParams(float(scale), float(max_bias), float(logit_softcap), mask is not None, sinks is not None)
+    dims = check_flash_attn_args(*descs, mask_d, sinks_d, max_bias, scale, logit_softcap)
+    params = _OpParams(scale, max_bias, logit_softcap, mask is not None, sinks is not None)
     srcs = [q, k, v] + ([mask] if mask is not None else []) + ([sinks] if sinks is not None else [])
     args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
     return ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, *dims.out_ne, args, len(srcs),

@@ -1,4 +1,4 @@
-"""numpy reference of ``ggml_flash_attn_ext`` (REFERENCE.md section 2).
+"""numpy reference of ``ggml_flash_attn_ext``.
 
 All arrays here are in **numpy axis order** (the reverse of ggml's ``ne[0..3]``):
 
@@ -39,23 +39,97 @@ def attend_group(q, k, v, mask_rows, slopes, sinks, scale: float, logit_softcap:
     q ``(g, n_batch, D_k)``, k ``(n_kv, D_k)``, v ``(n_kv, D_v)``, mask_rows ``(g, n_batch, n_kv)``
     or None, slopes ``(g,)``, sinks ``(g,)`` or None; ``scale`` already divided by the softcap.
     Returns ``(g, n_batch, D_v)`` in ``dtype``.
+
+    Non-finite values behave as in ggml's scalar CPU kernel, which walks the cells of a row with
+    a running max that starts at -inf (its online softmax, here in closed form):
+
+    * a cell whose mask is -inf is skipped: nothing K or V hold there reaches the output
+      (NaN, inf: a KV cache's unused cells are uninitialised memory);
+    * a NaN logit at a visible cell (NaN in q, k or the mask, ``inf * 0`` in q.k) -> NaN row;
+    * one +inf logit (a +inf mask cell, inf in q or k) -> that cell's V, every other weight 0;
+      two or more -> NaN row;
+    * a -inf logit at a visible cell weighs 0, except at the row's first visible cell -> NaN;
+    * non-finite V at a visible cell enters as ``weight * v`` (``0 * inf`` = NaN);
+    * a sink is folded in after the cells as ggml does (NaN sink -> NaN row);
+    * a row with no visible cell gives zeros.
     """
-    logits = np.matmul(np.asarray(q, dtype=dtype), np.asarray(k, dtype=dtype).T) * dtype(scale)
-    if logit_softcap != 0.0:
-        logits = dtype(logit_softcap) * np.tanh(logits)
-    if mask_rows is not None:
-        logits = logits + np.asarray(slopes, dtype=dtype)[:, None, None] * np.asarray(mask_rows, dtype=dtype)
-    row_max = logits.max(axis=-1, keepdims=True)
+    with np.errstate(all="ignore"):  # inf - inf, 0 * inf: handled below, no warnings
+        v = np.asarray(v, dtype=dtype)
+        logits = np.matmul(np.asarray(q, dtype=dtype), np.asarray(k, dtype=dtype).T) * dtype(scale)
+        if logit_softcap != 0.0:
+            logits = dtype(logit_softcap) * np.tanh(logits)
+        m = None if mask_rows is None else np.asarray(mask_rows, dtype=dtype)
+        if np.isfinite(logits.sum()):  # every q.k finite: the common case, fast path
+            if m is not None:
+                logits = logits + np.asarray(slopes, dtype=dtype)[:, None, None] * m  # masked: -inf
+            row_max = logits.max(axis=-1, keepdims=True)
+            if not (np.isnan(row_max).any() or (row_max == np.inf).any()):  # no NaN/+inf mask cell
+                p = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))  # masked: 0
+                acc = np.matmul(p, v)
+                if not np.isfinite(acc).all():  # non-finite V somewhere (0 * NaN at a masked cell)
+                    acc = _weighted_values(p, v, None if m is None else m != -np.inf)
+                return _normalize(acc, p.sum(axis=-1, keepdims=True), row_max, sinks, None, dtype)
+            logits = np.matmul(np.asarray(q, dtype=dtype), np.asarray(k, dtype=dtype).T) * dtype(scale)
+            if logit_softcap != 0.0:
+                logits = dtype(logit_softcap) * np.tanh(logits)
+        visible = None
+        if m is not None:
+            visible = m != -np.inf
+            logits = logits + np.asarray(slopes, dtype=dtype)[:, None, None] * m
+            # a masked cell is skipped: whatever q.k gave there (NaN from garbage K) is dropped
+            logits = np.where(visible, logits, -np.inf)
+        row_max = logits.max(axis=-1, keepdims=True)  # NaN when a visible logit is NaN
+        nan_row = np.isnan(row_max)
+        plus = row_max == np.inf
+        if plus.any():
+            is_inf = logits == np.inf
+            nan_row |= plus & (is_inf.sum(axis=-1, keepdims=True) > 1)
+        # the first visible cell: its logit -inf -> exp(-inf - (-inf)) = NaN in ggml's running max
+        if visible is None:
+            first = logits[..., :1]
+            has_visible = np.ones_like(nan_row)
+        else:
+            idx = np.argmax(visible, axis=-1)[..., None]
+            first = np.take_along_axis(logits, idx, axis=-1)
+            has_visible = np.take_along_axis(visible, idx, axis=-1)
+        nan_row |= has_visible & (first == -np.inf)
+        p = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))  # masked cells: 0
+        if plus.any():
+            p = np.where(plus, is_inf.astype(dtype), p)
+        acc = _weighted_values(p, v, visible)
+        return _normalize(acc, p.sum(axis=-1, keepdims=True), row_max, sinks, nan_row, dtype)
+
+
+def _normalize(acc, denom, row_max, sinks, nan_row, dtype):
+    """Fold in the sinks as ggml does after the cells, divide by the weight sum (0 -> zeros),
+    NaN where ``nan_row``. Shapes ``(g, n_batch, D_v)`` / ``(g, n_batch, 1)``."""
     if sinks is not None:
         sink = np.asarray(sinks, dtype=dtype)[:, None, None]
-        row_max = np.maximum(row_max, sink)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    p = np.exp(logits - row_max)  # exp(-inf) = 0 for masked cells
-    denom = p.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + np.exp(sink - row_max)
-    acc = np.matmul(p, np.asarray(v, dtype=dtype))
-    return np.where(denom > 0, acc / np.where(denom > 0, denom, 1.0), 0.0)
+        above = sink > row_max  # comparisons with NaN are False, as in C
+        ms = np.where(above, np.exp(row_max - sink), 1.0)
+        acc = np.where(above, acc * ms, acc)
+        denom = denom * ms + np.where(above, 1.0, np.exp(sink - row_max))
+    out = np.where(denom == 0, 0.0, acc / np.where(denom == 0, 1.0, denom))
+    if nan_row is not None:
+        out = np.where(nan_row, np.nan, out)
+    return out.astype(dtype, copy=False)
+
+
+def _weighted_values(p, v, visible):
+    """``p @ v`` where a cell a row does not see contributes exactly 0 even if V is NaN/inf there
+    (``0 * NaN`` would be NaN); a visible non-finite V enters as ``p * v``.
+    p ``(g, n_batch, n_kv)``, v ``(n_kv, D_v)``, visible bool like p or None (all visible)."""
+    finite = np.isfinite(v)
+    if finite.all():
+        return np.matmul(p, v)
+    acc = np.matmul(p, np.where(finite, v, 0.0))
+    bad = np.flatnonzero(~finite.all(axis=1))
+    if visible is not None:
+        bad = bad[visible[..., bad].any(axis=(0, 1))]
+    for j in bad:  # rare: non-finite V in a cell some row sees
+        extra = p[..., j, None] * np.where(finite[j], 0.0, v[j])
+        acc = acc + (extra if visible is None else np.where(visible[..., j, None], extra, 0.0))
+    return acc
 
 
 def group_mask_rows(mask: np.ndarray | None, stream: int, heads: range, n_batch: int):
@@ -83,7 +157,8 @@ def flash_attn_ext(
     """Attention exactly as ggml defines it; arrays in numpy order (module docstring).
 
     Returns ``(ne3, n_batch, n_head, D_v)`` in ``dtype``. A query row whose every
-    logit is masked gives zeros (a sink adds weight but no value).
+    logit is masked gives zeros (a sink adds weight but no value). NaN/inf: a masked (-inf)
+    cell never matters, visible non-finite values propagate as in ggml (:func:`attend_group`).
     """
     if kv_type != GGML_TYPE_F32:
         k, v = to_float(k, kv_type), to_float(v, kv_type)
@@ -119,7 +194,7 @@ def nmse(result: np.ndarray, expected: np.ndarray) -> float:
     fa, fb = np.isfinite(a), np.isfinite(b)
     if not np.array_equal(fa, fb) or not np.array_equal(np.isnan(a), np.isnan(b)):
         return math.inf
-    if not np.array_equal(a[~fa], b[~fb]):
+    if not np.array_equal(a[~fa], b[~fb], equal_nan=True):  # same NaN/inf at the same places
         return math.inf
     a, b = a[fa], b[fb]
     den = float(np.sum(b * b))

@@ -1,4 +1,4 @@
-"""Graph-build-time checks of ``flash_attn_ext`` arguments (REFERENCE.md section 2).
+"""Graph-build-time checks of ``flash_attn_ext`` arguments.
 
 Works on :class:`~ggml_attn.tensor.TensorDesc` (ggml order ``ne[0..3]``), so the op, the
 CUDA backend and tests share one set of rules and messages. Every failure is a

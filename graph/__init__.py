@@ -22,10 +22,10 @@ from .mask import build_mask, visible_cells
 from .qkv import AttnConfig
 from .plan import UBatchPlan, dry_run_plans, plan_ubatch
 from .auto import AutoChoice, CostModel, choose_split
-from .runner import BatchResult, run_batch
+from .runner import BatchError, BatchInterrupted, BatchResult, run_batch
 from .describe import compare_strategies, describe_plan, format_table
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
            "UBatchPlan", "plan_ubatch", "dry_run_plans", "AutoChoice", "CostModel", "choose_split",
-           "BatchResult", "run_batch", "compare_strategies", "describe_plan", "format_table"]
+           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "compare_strategies", "describe_plan", "format_table"]

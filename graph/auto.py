@@ -10,11 +10,11 @@ and tile maps, the cache left untouched) and costed per layer as
 * ``kv_tiles``: (64-row query tile, 256-cell KV tile) pairs the attention kernel visits after
   masking: every live tile when the kernel skips all fully masked tiles (``skip="all"``,
   FlashInfer-style plans, the default), or everything up to the last live tile of each query
-  tile (``skip="tail"``, llama.cpp's CUDA kernels, REFERENCE section 3);
+  tile (``skip="tail"``, as llama.cpp's CUDA kernels do);
 * ``n_ubatches``: graph evaluations (launches, plan, and in a whole model one pass over the
   weights each).
 
-The constants are estimates for one H200 (REFERENCE section 5): a 64x256 tile of D=128 with 32
+The constants are estimates for one H200: a 64x256 tile of D=128 with 32
 heads is 268 MFLOP, ~1.3 us at ~200 TFLOP/s; 10 us of fixed cost per ubatch and layer;
 0.02 us per row and layer. Change them through :class:`CostModel`.
 

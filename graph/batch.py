@@ -11,16 +11,62 @@ llama.cpp's ``llama_batch`` / ``llama_batch_allocr`` (src/llama-batch.cpp):
   sequences are refused when each sequence has its own KV stream).
 
 All arrays are 1-D numpy arrays indexed by the token's place in the batch.
+
+Bounds, as llama.cpp's types: token ids and positions are int32 (``llama_token``,
+``llama_pos``): 0 .. 2**31-1; sequence ids are below :data:`MAX_SEQ` = 256 (LLAMA_MAX_SEQ) in
+any cache. A value outside these bounds, or one that is not an integer (a float with a
+fraction, NaN, a bool, a string), raises ``ValueError`` naming the argument -- never truncated
+or wrapped.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Batch", "validate_batch"]
+__all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_array"]
+
+MAX_SEQ = 256            # llama.cpp's LLAMA_MAX_SEQ: sequences a cache may serve
+INT32_MAX = 2**31 - 1    # largest token id / position (llama_token and llama_pos are int32)
+
+
+def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as a Python int. ValueError naming ``name`` when it is not an integer (Python
+    or numpy int; bools, floats and strings are refused) or outside ``[lo, hi]``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} = {v} is outside [{lo if lo is not None else '-inf'}, "
+                         f"{hi if hi is not None else 'inf'}]")
+    return v
+
+
+def int32_array(values, name: str, lo: int = 0, hi: int = INT32_MAX) -> np.ndarray:
+    """1-D int32 array of ``values`` (ints, or floats with integral values: converted exactly).
+    ValueError naming ``name[i]`` for the first value that is not an integer or is outside
+    ``[lo, hi]``."""
+    a = np.asarray(values)
+    if a.dtype == object:  # Python ints beyond 64 bits, mixed types
+        return np.array([as_int(x, f"{name}[{i}]", lo, hi) for i, x in enumerate(a.reshape(-1))],
+                        dtype=np.int32)
+    a = a.reshape(-1)
+    if a.dtype == bool or a.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (np.floor(a) != a)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {a[i]!r} is not an integer")
+    out_of = (a < lo) | (a > hi)
+    if out_of.any():
+        i = int(np.argmax(out_of))
+        v = int(a[i]) if a.dtype.kind != "f" else a[i]
+        raise ValueError(f"{name}[{i}] = {v} is outside [{lo}, {hi}] (int32, as llama.cpp)")
+    return a.astype(np.int32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,9 +84,13 @@ class Batch:
     seq_ids: tuple[tuple[int, ...], ...]
 
     def __post_init__(self):
-        tokens = np.asarray(self.tokens, dtype=np.int32).reshape(-1)
-        positions = np.asarray(self.positions, dtype=np.int32).reshape(-1)
-        seq_ids = tuple(tuple(int(s) for s in ids) for ids in self.seq_ids)
+        tokens = int32_array(self.tokens, "tokens")
+        positions = np.asarray(self.positions)
+        if positions.dtype.kind in "iu" and positions.size and positions.min() < 0:
+            i = int(np.argmin(positions))
+            raise ValueError(f"positions[{i}] = {int(positions[i])}: token {i} has a negative position")
+        positions = int32_array(positions, "positions")
+        seq_ids = tuple(tuple(as_int(s, f"seq_ids[{i}]") for s in ids) for i, ids in enumerate(self.seq_ids))
         n = tokens.shape[0]
         if n == 0:
             raise ValueError("a batch needs at least one token (n_tokens = 0)")
@@ -55,9 +105,6 @@ class Batch:
                 raise ValueError(f"token {i} lists a sequence id twice: seq_ids = {ids}")
             if min(ids) < 0:
                 raise ValueError(f"token {i} has a negative sequence id: seq_ids = {ids}")
-        if positions.min() < 0:
-            i = int(np.argmin(positions))
-            raise ValueError(f"token {i} has a negative position {int(positions[i])}")
         tokens.setflags(write=False)
         positions.setflags(write=False)
         object.__setattr__(self, "tokens", tokens)
@@ -122,7 +169,7 @@ class Batch:
         n_seq = len(token_lists)
         if n_seq == 0:
             raise ValueError("from_sequences needs at least one sequence")
-        ids = list(range(n_seq)) if seq_ids is None else [int(s) for s in seq_ids]
+        ids = list(range(n_seq)) if seq_ids is None else [as_int(s, f"seq_ids[{j}]", 0) for j, s in enumerate(seq_ids)]
         if len(ids) != n_seq:
             raise ValueError(f"got {n_seq} token lists but {len(ids)} seq_ids")
         if len(set(ids)) != n_seq:
@@ -130,9 +177,12 @@ class Batch:
         starts = _start_positions(start_pos, ids)
         tokens, positions, sids = [], [], []
         for j, (toks, s) in enumerate(zip(token_lists, ids)):
-            toks = [int(t) for t in toks]
+            toks = list(toks)
             if not toks:
                 raise ValueError(f"sequence {s} (entry {j}) has no tokens")
+            if starts[j] + len(toks) - 1 > INT32_MAX:
+                raise ValueError(f"start_pos {starts[j]} of sequence {s} + {len(toks)} tokens passes the int32 "
+                                 f"maximum position {INT32_MAX}")
             tokens.extend(toks)
             positions.extend(range(starts[j], starts[j] + len(toks)))
             sids.extend([(s,)] * len(toks))
@@ -144,11 +194,11 @@ class Batch:
         """``lengths[j]`` tokens of sequence ``seq_ids[j]``, laid out sequence by sequence
         in the given order. Token ids are synthetic (the position modulo 32000).
         ``seq_ids`` and ``start_pos`` as in :meth:`from_sequences`."""
-        lengths = [int(n) for n in lengths]
+        lengths = [as_int(n, f"lengths[{j}]") for j, n in enumerate(lengths)]
         for j, n in enumerate(lengths):
             if n <= 0:
                 raise ValueError(f"lengths[{j}] = {n}: every sequence needs at least one token")
-        ids = list(range(len(lengths))) if seq_ids is None else [int(s) for s in seq_ids]
+        ids = list(range(len(lengths))) if seq_ids is None else [as_int(s, f"seq_ids[{j}]", 0) for j, s in enumerate(seq_ids)]
         if len(ids) != len(lengths):
             raise ValueError(f"got {len(lengths)} lengths but {len(ids)} seq_ids")
         starts = _start_positions(start_pos, ids)
@@ -159,11 +209,11 @@ class Batch:
 def _start_positions(start_pos, ids: list[int]) -> list[int]:
     if start_pos is None:
         return [0] * len(ids)
-    if isinstance(start_pos, (int, np.integer)):
-        return [int(start_pos)] * len(ids)
+    if isinstance(start_pos, (int, np.integer, bool, np.bool_, float, np.floating, str)):
+        return [as_int(start_pos, "start_pos", 0, INT32_MAX)] * len(ids)
     if isinstance(start_pos, Mapping):
-        return [int(start_pos.get(s, 0)) for s in ids]
-    starts = [int(p) for p in start_pos]
+        return [as_int(start_pos.get(s, 0), f"start_pos[seq {s}]", 0, INT32_MAX) for s in ids]
+    starts = [as_int(p, f"start_pos[{j}]", 0, INT32_MAX) for j, p in enumerate(start_pos)]
     if len(starts) != len(ids):
         raise ValueError(f"start_pos has {len(starts)} entries for {len(ids)} sequences")
     return starts
@@ -185,8 +235,9 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
     then its own tokens: llama.cpp's "partial sequence sub-sets" rule, which its own code
     never triggers); coupled sequences have the same positions in the cache.
     """
-    if n_seq_max <= 0:
-        raise ValueError(f"n_seq_max must be positive, got {n_seq_max}")
+    n_seq_max = as_int(n_seq_max, "n_seq_max")
+    if not 0 < n_seq_max <= MAX_SEQ:
+        raise ValueError(f"n_seq_max={n_seq_max} must be in [1, {MAX_SEQ}] (llama.cpp's LLAMA_MAX_SEQ)")
     for i, ids in enumerate(batch.seq_ids):
         for s in ids:
             if s >= n_seq_max:

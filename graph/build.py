@@ -13,7 +13,7 @@ Per layer, as llama.cpp's ``build_attn`` with a KV cache does (ggml order throug
 
 One builder serves both kinds of graph. The context is ``no_alloc``: every tensor's data is an
 array of the cache's array module (numpy: host graph, computed by ggml's CPU backend; CuPy:
-device-resident graph, REFERENCE section 6). Device graphs may contain only custom ops and
+device-resident graph: K/V and every tensor in GPU memory). Device graphs may contain only custom ops and
 views; :func:`check_device_graph` enforces that before compute.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ from .kv_cache import KVCache
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
-__all__ = ["UBatchGraph", "build_ubatch_graph", "check_device_graph", "GraphBuildError"]
+__all__ = ["UBatchGraph", "build_ubatch_graph", "check_device_graph", "check_build_args", "check_geometry",
+           "GraphBuildError"]
 
 GGML_TYPE_I64 = 27
 _NO_COMPUTE_OPS = {ggml.GGML_OP_NONE, ggml.GGML_OP_VIEW, ggml.GGML_OP_RESHAPE, ggml.GGML_OP_PERMUTE,
@@ -63,13 +64,15 @@ def check_device_graph(graph) -> None:
 
 
 # --------------------------------------------------------------- device store op
-_store_errors: list[BaseException] = []
-
-
 def _store_callback(dst_p, ith, nth, userdata):
     """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
-    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy)."""
+    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy). Errors are
+    recorded for this node like the attention op's (``ggml_attn.op.record_error``)."""
     if ith != 0:
+        return
+    node = ctypes.addressof(dst_p.contents)
+    fa_op.register_node(node, ith)
+    if fa_op.interrupted(node):
         return
     try:
         d = dst_p.contents
@@ -95,7 +98,7 @@ def _store_callback(dst_p, ith, nth, userdata):
             raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
         cache[idx] = rows.astype(cache.dtype)
     except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
-        _store_errors.append(e)
+        fa_op.record_error(node, e, what="KV store op")
 
 
 _STORE_CB = ggml.ggml_custom_op_t(_store_callback)
@@ -144,16 +147,10 @@ class UBatchGraph:
         if cplan.work_size:
             work = np.empty(cplan.work_size, dtype=np.uint8)
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-        fa_op.raise_pending()
-        _store_errors.clear()
-        with fa_op.active_plans(self.plan.kernel_plan):  # every layer reuses the ubatch's plan
-            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
+        # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
+        with fa_op.computing(self.graph), fa_op.active_plans(self.plan.kernel_plan):
+            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # plan reused by every layer
         del work
-        if _store_errors:
-            err = _store_errors[0]
-            _store_errors.clear()
-            raise GraphBuildError(f"KV store op failed during compute: {err!r}") from err
-        fa_op.raise_pending()
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 
@@ -175,6 +172,30 @@ class UBatchGraph:
             pass
 
 
+def check_geometry(cache: KVCache, cfg: AttnConfig) -> None:
+    """ValueError when ``cfg``'s layers or K/V geometry do not fit ``cache``."""
+    if (cfg.n_head_kv, cfg.head_dim, cfg.d_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
+        raise ValueError(f"AttnConfig K/V geometry {cfg.n_head_kv}x{cfg.head_dim}/{cfg.d_v} (n_head_kv x "
+                         f"head_dim/d_v) does not match the cache's {cache.n_head_kv}x{cache.head_dim_k}/"
+                         f"{cache.head_dim_v}")
+    if cfg.n_layer > cache.n_layer:
+        raise ValueError(f"AttnConfig n_layer={cfg.n_layer} but the cache holds {cache.n_layer} layer(s)")
+
+
+def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bool | None = None) -> bool:
+    """Everything :func:`build_ubatch_graph` refuses, checked without a plan (so a caller can
+    check before claiming cache cells). Returns True when the graph will be all-custom."""
+    check_geometry(cache, cfg)
+    on_device = cache.xp is not np
+    device = on_device if all_custom is None else bool(all_custom)
+    if on_device and not device:
+        raise GraphBuildError("a CuPy cache needs an all-custom graph (all_custom must not be False)")
+    if device and (fa or fa_op.flash_attn_ext) is ggml.ggml_flash_attn_ext:
+        raise GraphBuildError("an all-custom (device-resident) graph needs ggml_attn.flash_attn_ext, "
+                              "not ggml's built-in op")
+    return device
+
+
 def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
                        all_custom: bool | None = None) -> UBatchGraph:
     """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers.
@@ -188,20 +209,10 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     """
     xp = cache.xp
     on_device = xp is not np
-    device = on_device if all_custom is None else bool(all_custom)
-    if on_device and not device:
-        raise GraphBuildError("a CuPy cache needs an all-custom graph (all_custom must not be False)")
+    device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom)
     fa = fa or fa_op.flash_attn_ext
-    if device and fa is ggml.ggml_flash_attn_ext:
-        raise GraphBuildError("an all-custom (device-resident) graph needs ggml_attn.flash_attn_ext, "
-                              "not ggml's built-in op")
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
-    if (cfg.n_head_kv, cfg.head_dim, cfg.d_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
-        raise ValueError(f"AttnConfig K/V geometry {cfg.n_head_kv}x{cfg.head_dim}/{cfg.d_v} does not match "
-                         f"the cache's {cache.n_head_kv}x{cache.head_dim_k}/{cache.head_dim_v}")
-    if cfg.n_layer > cache.n_layer:
-        raise ValueError(f"{cfg.n_layer} layers but the cache holds {cache.n_layer}")
     kv_type = GGML_TYPE_F16 if cache.dtype == np.float16 else GGML_TYPE_F32
     n_rows_all = cache.kv_size * cache.n_stream
     n_tensors = 32 * cfg.n_layer + 16

@@ -18,15 +18,20 @@ Follows ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h``:
   search (no SWA cell reuse); ``n_kv`` of a ubatch is the max over its streams of the used
   range, padded to 256.
 
-Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``.
+Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. The
+cell-to-sequence table is dense (``n_stream x kv_size x n_seq_max`` bools), so ``n_seq_max``
+is capped at 256 (:data:`batch.MAX_SEQ`, llama.cpp's LLAMA_MAX_SEQ). Positions are int32:
+``seq_add`` refuses a shift that would move one past 2**31-1 (ValueError, cache unchanged).
+Sequence ids, positions and shifts must be integers (ValueError naming the argument).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import Batch, validate_batch
+from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
 from .split import UBatch
 
 __all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to"]
@@ -102,9 +107,18 @@ class KVCache:
     def __init__(self, n_ctx: int, n_seq_max: int = 1, *, unified: bool = True, n_layer: int = 1,
                  n_head_kv: int = 1, head_dim_k: int = 64, head_dim_v: int | None = None,
                  dtype=np.float16, xp=None):
-        if n_ctx <= 0 or n_seq_max <= 0 or n_layer <= 0 or n_head_kv <= 0 or head_dim_k <= 0:
+        n_ctx, n_seq_max, n_layer, n_head_kv, head_dim_k = (
+            as_int(x, name) for x, name in ((n_ctx, "n_ctx"), (n_seq_max, "n_seq_max"), (n_layer, "n_layer"),
+                                            (n_head_kv, "n_head_kv"), (head_dim_k, "head_dim_k")))
+        head_dim_v = None if head_dim_v is None else as_int(head_dim_v, "head_dim_v")
+        if n_ctx <= 0 or n_seq_max <= 0 or n_layer <= 0 or n_head_kv <= 0 or head_dim_k <= 0 \
+                or (head_dim_v is not None and head_dim_v <= 0):
             raise ValueError(f"KVCache needs positive sizes, got n_ctx={n_ctx} n_seq_max={n_seq_max} "
-                             f"n_layer={n_layer} n_head_kv={n_head_kv} head_dim_k={head_dim_k}")
+                             f"n_layer={n_layer} n_head_kv={n_head_kv} head_dim_k={head_dim_k} "
+                             f"head_dim_v={head_dim_v}")
+        if n_seq_max > MAX_SEQ:
+            raise ValueError(f"n_seq_max={n_seq_max} exceeds {MAX_SEQ} sequences (llama.cpp's LLAMA_MAX_SEQ; "
+                             f"the cell-to-sequence table here is dense: n_stream x kv_size x n_seq_max)")
         self.xp = _resolve_xp(xp)
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
@@ -126,6 +140,7 @@ class KVCache:
         self.seqs = np.zeros((self.n_stream, self.kv_size, self.n_seq_max), dtype=bool)
         self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
         self.head = [0] * self.n_stream
+        self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         xp_ = self.xp
         self.k = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_k_gqa), dtype=self.dtype)
@@ -146,12 +161,14 @@ class KVCache:
                 f"K/V {self.n_head_kv}x{self.head_dim_k}/{self.head_dim_v} {self.dtype}, {self.xp.__name__})")
 
     def seq_to_stream(self, seq_id: int) -> int:
-        self._check_seq(seq_id)
-        return 0 if self.unified else int(seq_id)
+        seq_id = self._check_seq(seq_id)
+        return 0 if self.unified else seq_id
 
-    def _check_seq(self, seq_id: int) -> None:
+    def _check_seq(self, seq_id: int) -> int:
+        seq_id = as_int(seq_id, "seq_id")
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
+        return seq_id
 
     # ---------------------------------------------------------- cell queries
     def is_empty(self, stream: int) -> np.ndarray:
@@ -243,6 +260,8 @@ class KVCache:
         for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
+        for (st, rows), cells in zip(rows_per, slot.cells):
+            self._touch(st, cells)
             self.pos[st, cells] = ub.positions[rows]
             self.seqs[st, cells] = False
             for r, c in zip(rows.tolist(), cells.tolist()):
@@ -255,6 +274,50 @@ class KVCache:
         slot = self.find_slot(ub)
         self.apply_ubatch(slot, ub)
         return slot
+
+    # ----------------------------------------------------------- transactions
+    @contextmanager
+    def transaction(self):
+        """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
+        included), every cell it changed gets back its position, sequence set and pad flag,
+        and every stream its head, before the exception propagates. K/V data written in the
+        block stays, but only in cells that are free again (never visible to a query); the one
+        operation that overwrites K/V of occupied cells, ``seq_cp`` across streams, has its
+        destination stream's K/V restored too. Transactions nest: a failed inner block undoes
+        only itself."""
+        journal: list = []
+        heads = list(self.head)
+        self._journals.append(journal)
+        try:
+            yield self
+        except BaseException:
+            self._journals.pop()
+            for entry in reversed(journal):
+                if entry[0] == "kv":  # K/V of a whole stream (seq_cp across streams)
+                    _, st, k, v = entry
+                    self.k[:, st] = k
+                    self.v[:, st] = v
+                    continue
+                st, cells, pos, seqs, pad = entry
+                self.pos[st, cells] = pos
+                self.seqs[st, cells] = seqs
+                self.pad[st, cells] = pad
+            self.head = heads
+            raise
+        else:
+            self._journals.pop()
+            if self._journals:  # the outer transaction can still undo this one
+                self._journals[-1].extend(journal)
+
+    def _touch(self, st: int, cells) -> None:
+        """Record the cells' current state in the open transaction, before they change."""
+        if self._journals:
+            cells = np.asarray(cells)
+            if cells.dtype == bool:
+                cells = np.flatnonzero(cells)
+            cells = cells.astype(np.int64, copy=True)
+            self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
+                                       self.pad[st, cells].copy()))
 
     def _snapshot(self):
         return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)
@@ -291,6 +354,7 @@ class KVCache:
         return n
 
     def _free(self, st: int, cells: np.ndarray) -> None:
+        self._touch(st, cells)
         self.pos[st, cells] = -1
         self.seqs[st, cells] = False
         self.pad[st, cells] = False
@@ -305,20 +369,30 @@ class KVCache:
 
     # --------------------------------------------------------- seq operations
     @staticmethod
-    def _range(p0: int, p1: int) -> tuple[int, int]:
-        return max(p0, 0) if p0 is not None else 0, (p1 if p1 is not None and p1 >= 0 else 2**31 - 1)
+    def _range(p0: int | None, p1: int | None) -> tuple[int, int]:
+        """``[p0, p1)`` as int64-safe bounds: negative or None = open; past int32 = open."""
+        lo = 0 if p0 is None else max(as_int(p0, "p0"), 0)
+        hi = INT32_MAX + 1 if p1 is None or as_int(p1, "p1") < 0 else min(int(p1), INT32_MAX + 1)
+        return min(lo, INT32_MAX + 1), hi
+
+    def _in_range(self, st: int, lo: int, hi: int) -> np.ndarray:
+        """bool ``(kv_size,)``: cells of stream ``st`` with position in ``[lo, hi)`` (int64 compare)."""
+        p = self.pos[st].astype(np.int64)
+        return (p >= lo) & (p < hi)
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` (all sequences when -1) from cells with position in ``[p0, p1)``
         (negative bounds: open). A cell left with no sequence is freed."""
+        seq_id = as_int(seq_id, "seq_id")
         lo, hi = self._range(p0, p1)
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
         for st in streams:
-            inr = (self.pos[st] >= lo) & (self.pos[st] < hi)
+            inr = self._in_range(st, lo, hi)
             if seq_id == -1:
                 self._free(st, np.flatnonzero(inr))
                 continue
             hit = inr & self.seqs[st, :, seq_id]
+            self._touch(st, hit)
             self.seqs[st, hit, seq_id] = False
             emptied = np.flatnonzero(hit & ~self.seqs[st].any(axis=1))
             self._free(st, emptied)
@@ -328,18 +402,23 @@ class KVCache:
         whole stream is copied (K/V data included) and only full ranges are allowed, as in
         llama.cpp."""
         s0, s1 = self.seq_to_stream(src), self.seq_to_stream(dst)
+        src, dst = int(src), int(dst)
+        lo, hi = self._range(p0, p1)
         if src == dst:
             return
         if s0 == s1:
-            lo, hi = self._range(p0, p1)
-            hit = (self.pos[s0] >= lo) & (self.pos[s0] < hi) & self.seqs[s0, :, src]
+            hit = self._in_range(s0, lo, hi) & self.seqs[s0, :, src]
+            self._touch(s0, hit)
             self.seqs[s0, hit, dst] = True
             return
         if (p0 is not None and p0 > 0) or (p1 is not None and p1 >= 0):
             raise ValueError(f"seq_cp({src} -> {dst}) across KV streams supports only the full range "
                              f"(p0 < 0, p1 < 0); got [{p0}, {p1})")
+        if self._journals:
+            self._journals[-1].append(("kv", s1, self.k[:, s1].copy(), self.v[:, s1].copy()))
         self._free(s1, np.arange(self.kv_size))
         have = self.seqs[s0, :, src] & ~self.pad[s0]
+        self._touch(s1, have)
         self.pos[s1, have] = self.pos[s0, have]
         self.seqs[s1, have, dst] = True
         self.k[:, s1] = self.k[:, s0]
@@ -349,8 +428,10 @@ class KVCache:
     def seq_keep(self, seq_id: int) -> None:
         """In ``seq_id``'s stream, drop every other sequence; cells left empty are freed."""
         st = self.seq_to_stream(seq_id)
+        seq_id = int(seq_id)
         has = self.seqs[st, :, seq_id].copy()
         others = np.flatnonzero(~has & (self.pos[st] >= 0))
+        self._touch(st, has)
         self.seqs[st, has] = False
         self.seqs[st, has, seq_id] = True
         self._free(st, others)
@@ -358,14 +439,22 @@ class KVCache:
     def seq_add(self, seq_id: int, p0: int = -1, p1: int = -1, shift: int = 0) -> None:
         """Add ``shift`` to the positions of ``seq_id``'s cells in ``[p0, p1)``; a cell whose
         position drops below 0 is freed. K is not re-rotated (this package applies no RoPE)."""
-        if shift == 0:
-            return
+        shift = as_int(shift, "shift")
         st = self.seq_to_stream(seq_id)
+        seq_id = int(seq_id)
         lo, hi = self._range(p0, p1)
-        if lo == hi:
+        if shift > INT32_MAX:
+            raise ValueError(f"seq_add(seq_id={seq_id}): shift={shift} moves positions past the int32 "
+                             f"maximum {INT32_MAX}")
+        if shift == 0 or lo >= hi:
             return
-        hit = (self.pos[st] >= lo) & (self.pos[st] < hi) & self.seqs[st, :, seq_id]
-        self.pos[st, hit] += shift
+        hit = self._in_range(st, lo, hi) & self.seqs[st, :, seq_id]
+        new = self.pos[st, hit].astype(np.int64) + max(shift, -2 * (INT32_MAX + 1))
+        if new.size and new.max() > INT32_MAX:
+            raise ValueError(f"seq_add(seq_id={seq_id}): shift={shift} moves position {int(new.max()) - shift} "
+                             f"to {int(new.max())}, past the int32 maximum {INT32_MAX}; nothing changed")
+        self._touch(st, hit)
+        self.pos[st, hit] = np.maximum(new, -1).astype(np.int32)
         neg = np.flatnonzero(hit & (self.pos[st] < 0))
         self._free(st, neg)
         self.head[st] = int(neg.min()) if neg.size else 0

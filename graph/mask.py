@@ -9,7 +9,7 @@ row's (primary) sequence, in the row's future (``p_cell > p_row``, when causal) 
 the sliding window (``p_row - p_cell >= n_swa``, when ``n_swa > 0``); a pad row is ``-inf``
 everywhere. Visible cells are 0, or ``-|p_cell - p_row|`` with ALiBi.
 
-No padding of rows (current ggml takes the mask unpadded, REFERENCE section 2).
+No padding of rows (current ggml takes the mask unpadded).
 """
 from __future__ import annotations
 

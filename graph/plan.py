@@ -49,7 +49,7 @@ class TileMap:
     @property
     def n_tail_skip(self) -> int:
         """Tiles visited by a kernel that only skips the fully masked *tail* of each query
-        tile's KV range (llama.cpp CUDA, REFERENCE section 3)."""
+        tile's KV range (llama.cpp's CUDA kernels)."""
         any_live = self.live.any(axis=2)
         last = self.live.shape[2] - np.argmax(self.live[:, :, ::-1], axis=2)
         return int(np.where(any_live, last, 0).sum())
@@ -96,14 +96,15 @@ class UBatchPlan:
 
 def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int = 0, alibi: bool = False,
                 q_tile: int = Q_TILE, kv_tile: int = KV_TILE) -> UBatchPlan:
-    """Place ``ub`` in ``cache`` (raises ``KVCacheFullError`` with the cache unchanged when it
-    does not fit) and build its mask and tile map. Free its pads with
-    ``cache.free_pads(plan.slot)`` once every layer has run."""
-    slot = cache.place(ub)
-    n_kv = cache.n_kv(slot)
-    mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
-    tiles = tile_map(np.isfinite(mask[:, 0]), q_tile, kv_tile)
-    return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)
+    """Place ``ub`` in ``cache`` and build its mask and tile map. Atomic: when anything fails
+    (``KVCacheFullError`` when it does not fit, or any later error) the cache is unchanged.
+    Free its pads with ``cache.free_pads(plan.slot)`` once every layer has run."""
+    with cache.transaction():
+        slot = cache.place(ub)
+        n_kv = cache.n_kv(slot)
+        mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
+        tiles = tile_map(mask[:, 0] != -np.inf, q_tile, kv_tile)
+        return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)
 
 
 def dry_run_plans(cache: KVCache, ubatches: list[UBatch], **plan_kw) -> list[UBatchPlan]:

@@ -8,9 +8,9 @@ Pure functions of a :class:`~ggml_attn.graph.batch.Batch`; no tensors, no cache.
   sequence sets with consecutive ids, one token per set per round until a set runs out
   or ``(n_seq_tokens + 1) * n_seqs > n_ubatch``. What llama.cpp uses with one KV stream
   per sequence. Prompts of different lengths therefore cost one ubatch per token of the
-  shortest prompt (REFERENCE section 1).
+  shortest prompt.
 * ``seq``     - llama.cpp ``split_seq``: one sequence set per ubatch.
-* ``padded``  - seed 000 / llama.cpp RFC #15636: the sequences of a ubatch are padded
+* ``padded``  - llama.cpp RFC #15636: the sequences of a ubatch are padded
   to one length ``n_seq_tokens`` so per-stream KV takes prompts of different lengths
   together. Pad tokens are flagged (``UBatch.is_pad``); the cache and mask make sure they
   never influence a real token and the cache frees them right after the ubatch.
@@ -26,7 +26,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .batch import Batch
+from .batch import INT32_MAX, Batch
 
 __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
            "MODES", "SplitState"]
@@ -104,7 +104,7 @@ class UBatch:
 
     @property
     def shape_str(self) -> str:
-        """``n_seqs x n_seq_tokens`` as REFERENCE section 1 writes it (``simple``: ``1xN``)."""
+        """``n_seqs x n_seq_tokens`` as llama.cpp writes it (``simple``: ``1xN``)."""
         if not self.equal_seqs:
             return f"1x{self.n_tokens}"
         return f"{self.n_seqs}x{self.n_seq_tokens}"
@@ -235,7 +235,7 @@ def split_seq(state: SplitState, n_ubatch: int) -> UBatch | None:
 
 
 def split_padded(state: SplitState, n_ubatch: int) -> UBatch | None:
-    """Equal-length rows by padding (seed 000, llama.cpp RFC #15636 "pad_equal").
+    """Equal-length rows by padding (llama.cpp RFC #15636 "pad_equal").
 
     Candidate sets: the single-sequence sets with unused tokens, by ascending id, starting
     at the smallest such id and running while ids stay consecutive (streams of a ubatch
@@ -287,6 +287,9 @@ def split_padded(state: SplitState, n_ubatch: int) -> UBatch | None:
         pos.extend(int(b.positions[i]) for i in take)
         last = int(b.positions[take[-1]])
         n_pad = L - len(take)
+        if last + n_pad > INT32_MAX:
+            raise ValueError(f"padded split: sequence {s} ends at position {last}; {n_pad} pad rows after it "
+                             f"would pass the int32 maximum position {INT32_MAX} (use another split)")
         idxs.extend([-1] * n_pad)
         pos.extend(range(last + 1, last + 1 + n_pad))
         sids.extend([(s,)] * L)

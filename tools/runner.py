@@ -206,6 +206,8 @@ class Runner:
         except MemoryError as e:
             raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
                             f"({m.kv_bytes_per_token() * cfg.n_ctx / 2**30:.1f} GiB)") from e
+        except ValueError as e:  # e.g. more than 256 sequences (LLAMA_MAX_SEQ)
+            raise UserError(f"KV cache: {e}") from e
         self.engine = make_engine(cfg, self.cache)
 
     # ------------------------------------------------------------ batches
@@ -263,10 +265,11 @@ class Runner:
                                 f"(use -kvu or another --split)") from e
             for ub in ubatches:
                 check_interrupt()
-                # place in the cache, mask and tile map: once per ubatch, for every layer
-                plan = g.plan_ubatch(cache, ub, alibi=False)
-                self.engine.run_ubatch(plan)
-                cache.free_pads(plan.slot)
+                with cache.transaction():  # a failed ubatch leaves its cells as they were
+                    # place in the cache, mask and tile map: once per ubatch, for every layer
+                    plan = g.plan_ubatch(cache, ub, alibi=False)
+                    self.engine.run_ubatch(plan)
+                    cache.free_pads(plan.slot)
                 stats.n_ubatches += 1
                 stats.n_pad += ub.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
