@@ -93,7 +93,7 @@ __device__ __forceinline__ bool own_chunks_nonfinite(const T* stage, int stride,
 // row intervals or the mask tile). Block-wide: every thread calls it. Not inlined, so that its
 // temporaries cost the main loop no registers (the spills around the call run only here).
 template <typename T, int BM, int BK, int DV, int NT, int SM, int SV>
-__device__ __noinline__ void zero_hidden_v_rows_fn(const __half* smask, T* sv, unsigned long long* vis_word,
+__device__ __forceinline__ void zero_hidden_v_rows_body(const __half* smask, T* sv, unsigned long long* vis_word,
                                                    int e, const int2* row_lohi, int n_batch, int n_kv,
                                                    int ne32, int plane0, int tok0, int tq, int pshift,
                                                    int h0, int tid) {
@@ -120,6 +120,17 @@ __device__ __noinline__ void zero_hidden_v_rows_fn(const __half* smask, T* sv, u
     }
     __syncthreads();
     if (tid == 0) *vis_word = 0ull;   // every thread read it before the barrier above
+}
+
+// the same, out of line: the 128-row tiles run at the register limit, and an inlined copy
+// made ptxas spill in the main loop
+template <typename T, int BM, int BK, int DV, int NT, int SM, int SV>
+__device__ __noinline__ void zero_hidden_v_rows_fn(const __half* smask, T* sv, unsigned long long* vis_word,
+                                                   int e, const int2* row_lohi, int n_batch, int n_kv,
+                                                   int ne32, int plane0, int tok0, int tq, int pshift,
+                                                   int h0, int tid) {
+    zero_hidden_v_rows_body<T, BM, BK, DV, NT, SM, SV>(smask, sv, vis_word, e, row_lohi, n_batch, n_kv,
+                                                       ne32, plane0, tok0, tq, pshift, h0, tid);
 }
 
 template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
@@ -245,9 +256,13 @@ fattn_mma(const FattnParams p) {
     };
 
     auto zero_hidden_v_rows = [&](int e, int stage) {
-        zero_hidden_v_rows_fn<T, BM, BK, DV, NT, C::SM, SV>(p.mask ? sMask + stage * BM * C::SM : nullptr,
-            sV + stage * BK * SV, &s_vis, e, p.row_lohi, p.n_batch, p.n_kv, p.ne32,
-            (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
+        const __half* sm = p.mask ? sMask + stage * BM * C::SM : nullptr;
+        if constexpr (MT == 1)
+            zero_hidden_v_rows_body<T, BM, BK, DV, NT, C::SM, SV>(sm, sV + stage * BK * SV, &s_vis, e,
+                p.row_lohi, p.n_batch, p.n_kv, p.ne32, (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
+        else
+            zero_hidden_v_rows_fn<T, BM, BK, DV, NT, C::SM, SV>(sm, sV + stage * BK * SV, &s_vis, e,
+                p.row_lohi, p.n_batch, p.n_kv, p.ne32, (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
     };
 
     float O[MT][DVP / 8][4];

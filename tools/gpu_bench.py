@@ -263,7 +263,7 @@ def run(quick=False, only=None, log=print):
     rows = []
 
     def want(case):
-        return not only or only in case
+        return not only or any(o in case for o in only.split(","))
 
     def add(case, impl, fns, flops=None, nbytes=None, note="", ctx=None, **extra):
         try:
@@ -462,7 +462,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default=None, help="run only cases whose name contains this")
+    ap.add_argument("--only", default=None,
+                    help="run only cases whose name contains this (a comma-separated list: any of them)")
     a = ap.parse_args(argv)
     import torch
     from ggml_attn import kernels as K
