@@ -2,7 +2,11 @@
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml] [--crossover] [--profile]
-#                      [--grid-sample N] [--only CASE] [-- extra pytest args]
+#                      [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#
+# Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
+# ggml-python==0.0.45; gguf's wheel) with the device tool. Set GGML_ATTN_COMMIT: the device's
+# copy of the tree may not know the commit.
 #
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
 # prints a short table last. --quick: sampled conformance grid, short benchmark.
@@ -35,6 +39,11 @@ echo "== install" | tee "$OUT/install.log"
 if [ $GGML = 1 ] && ls .whl/ggml_python-0.0.45.tar.gz >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/ggml_python-0.0.45.tar.gz >>"$OUT/install.log" 2>&1 \
     || echo "ggml-python install failed (see install.log)"
+fi
+# other wheels the device image lacks (e.g. gguf for the CLI test modules), carried in .whl/:
+#   pip download --no-deps --only-binary=:all: -d .whl gguf
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
