@@ -1,7 +1,8 @@
 """Deterministic Q/K/V for a token, from (sequence, position, layer) only.
 
 A token's vectors do not depend on how it was batched, so every split strategy must give the
-same attention output for it; that is what makes strategies comparable (issue 3, item 6).
+same attention output for it; that is what makes strategies comparable
+(tests/test_graph_equivalence.py).
 Values come from a counter-based hash (splitmix64), uniform in [-1, 1). Pad rows get
 vectors from a different stream of the hash, ten times larger, so any leak of a pad into a
 real token's result is visible.

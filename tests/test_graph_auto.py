@@ -5,11 +5,12 @@ from ggml_attn.graph import (AttnConfig, Batch, CostModel, KVCache, choose_split
                              describe_plan, format_table, run_batch, split_ubatches)
 from ggml_attn.reference import nmse
 
-SEED000 = Batch.from_lengths(range(1, 11))
+# ten prompts of 1..10 tokens: with split KV, llama.cpp cuts them into ten ubatches (10x1, 9x1, ...)
+TEN_RAGGED = Batch.from_lengths(range(1, 11))
 
 
-def test_seed000_table_ubatch_counts():
-    rows = {r["strategy"]: r for r in compare_strategies(SEED000, 512)}
+def test_ten_ragged_prompts_table_ubatch_counts():
+    rows = {r["strategy"]: r for r in compare_strategies(TEN_RAGGED, 512)}
     assert {k: r["n_ubatches"] for k, r in rows.items()} == {
         "simple": 1, "equal": 10, "seq": 10, "padded": 1, "auto": 1}
     assert rows["equal"]["shapes"] == "10x1, 9x1, 8x1, ... 1x1"
@@ -19,8 +20,8 @@ def test_seed000_table_ubatch_counts():
     assert table.splitlines()[0].startswith("| strategy") and len(table.splitlines()) == 7
 
 
-def test_auto_picks_padded_for_seed000_and_says_why():
-    choice = choose_split(SEED000, 512)
+def test_auto_picks_padded_for_ten_ragged_prompts_and_says_why():
+    choice = choose_split(TEN_RAGGED, 512)
     assert choice.mode == "padded"
     assert "padded: 1 ubatch(es), 100 rows (45 pad)" in choice.reason and "equal: 10 ubatch(es)" in choice.reason
     assert all(u.reason == choice.reason for u in choice.ubatches)
@@ -42,12 +43,12 @@ def test_auto_avoids_padding_when_a_long_prompt_dominates():
 
 def test_auto_on_unified_cache_considers_simple():
     cache = KVCache(1024, 10, unified=True)
-    choice = choose_split(SEED000, 512, cache=cache)
+    choice = choose_split(TEN_RAGGED, 512, cache=cache)
     assert {c.mode for c in choice.costs} == {"simple", "equal", "padded"}
     assert choice.mode == "simple"
     assert cache.pos.max() == -1  # dry run left the cache untouched
     with pytest.raises(ValueError, match="contradicts"):
-        choose_split(SEED000, 512, cache=cache, unified=False)
+        choose_split(TEN_RAGGED, 512, cache=cache, unified=False)
 
 
 def test_tail_skip_cost_model_counts_interior_tiles():
@@ -63,24 +64,24 @@ def test_tail_skip_cost_model_counts_interior_tiles():
 def test_run_batch_auto_matches_simple():
     cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=8)
     kw = dict(n_layer=1, n_head_kv=1, head_dim_k=8)
-    ref = run_batch(KVCache(256, 10, unified=True, **kw), SEED000, 512, "simple", cfg)
-    got = run_batch(KVCache(2560, 10, unified=False, **kw), SEED000, 512, "auto", cfg)
+    ref = run_batch(KVCache(256, 10, unified=True, **kw), TEN_RAGGED, 512, "simple", cfg)
+    got = run_batch(KVCache(2560, 10, unified=False, **kw), TEN_RAGGED, 512, "auto", cfg)
     assert [p.ubatch.mode for p in got.plans] == ["padded"]
     assert nmse(got.out, ref.out) < 1e-12
 
 
 def test_describe_plan_rows():
-    rows = describe_plan(SEED000, 512, "equal")
+    rows = describe_plan(TEN_RAGGED, 512, "equal")
     assert [r["shape"] for r in rows] == [f"{n}x1" for n in range(10, 0, -1)]
     assert rows[0]["n_stream"] == 10 and rows[0]["n_kv"] == 256 and rows[0]["seq_ids"] == "0..9"
-    rows = describe_plan(SEED000, 512, "simple")
+    rows = describe_plan(TEN_RAGGED, 512, "simple")
     assert len(rows) == 1 and rows[0]["n_stream"] == 1 and rows[0]["shape"] == "1x55"
-    rows = describe_plan(SEED000, 512, "auto")
+    rows = describe_plan(TEN_RAGGED, 512, "auto")
     assert "auto chose padded" in rows[0]["reason"]
 
 
 def test_split_ubatches_auto_entry():
-    ubs = split_ubatches(SEED000, 512, "auto")
+    ubs = split_ubatches(TEN_RAGGED, 512, "auto")
     assert [u.shape_str for u in ubs] == ["10x10"]
 
 

@@ -1,4 +1,4 @@
-"""Strategy equivalence (issue 3, item 7), by property test.
+"""Strategy equivalence (every split strategy gives the same outputs and caches), by property test.
 
 For random batches - 1..64 sequences of 1..300 tokens, ids in random order, then a few
 decode steps - ``simple`` on a unified cache and ``equal``, ``seq``, ``padded`` on a split

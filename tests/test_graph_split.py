@@ -1,4 +1,4 @@
-"""Batch validation and the ubatch splitters (llama.cpp's behaviour, REFERENCE section 1)."""
+"""Batch validation and the ubatch splitters (llama.cpp's behaviour: llama_batch_allocr's split_simple / split_equal / split_seq)."""
 import numpy as np
 import pytest
 
