@@ -184,6 +184,20 @@ __device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, 
     return l > 0.0f ? __fdividef(1.0f, l) : 0.0f;
 }
 
+// One output value (row, column c) of a block that reduced its partial states in shared
+// memory: the final value to dst with one split, else the unnormalized partial (and the row's
+// max and sum, once) to the split workspace for fattn_combine.
+__device__ __forceinline__ void store_row_value(const FattnParams& p, long long row, int h, int c, int d_v,
+                                                int split, float o, float m, float l) {
+    if (p.n_splits == 1) {
+        p.dst[row * d_v + c] = o * row_finish_factor(p, h, m, l);
+    } else {
+        const long long wr = (long long)split * p.ne3 * p.n_batch * p.n_head + row;
+        p.ws_o[wr * d_v + c] = o;
+        if (c == 0) { p.ws_ml[wr * 2] = m; p.ws_ml[wr * 2 + 1] = l; }
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // PTX wrappers (sm_80+)
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {

@@ -548,14 +548,7 @@ fattn_mma(const FattnParams p) {
                 L += sML[(w * BM + r) * 2 + 1] * f;
                 o += sO[(w * BM + r) * C::SO + c] * f;
             }
-            const long long row = ((long long)s * p.n_batch + tok) * p.n_head + h;
-            if (p.n_splits == 1) {
-                p.dst[row * DV + c] = o * row_finish_factor(p, h, M, L);
-            } else {
-                const long long wr = (long long)split * n_rows_total + row;
-                p.ws_o[wr * DV + c] = o;
-                if (c == 0) { p.ws_ml[wr * 2] = M; p.ws_ml[wr * 2 + 1] = L; }
-            }
+            store_row_value(p, ((long long)s * p.n_batch + tok) * p.n_head + h, h, c, DV, split, o, M, L);
         }
     }
 }

@@ -51,7 +51,6 @@ fattn_vec(const FattnParams p) {
     const int s = blockIdx.z / p.n_splits, split = blockIdx.z % p.n_splits;
     const int P = p.pack;
     const int hk = (hg * P) / p.gqa;
-    const long long n_rows_total = (long long)p.ne3 * p.n_batch * p.n_head;
 
     // ---- Q rows (f32) -> registers: this lane's chunks of each row
     float q[R][NCK * 8];
@@ -198,13 +197,6 @@ fattn_vec(const FattnParams p) {
 #pragma unroll
         for (int gi = 0; gi < NG; ++gi) o += sAcc[(gi * R + r) * DV + c];
         const float M = sM[r], Ls = sL[r];
-        const long long row = ((long long)s * p.n_batch + tok) * p.n_head + h;
-        if (p.n_splits == 1) {
-            p.dst[row * DV + c] = o * row_finish_factor(p, h, M, Ls);
-        } else {
-            const long long wr = (long long)split * n_rows_total + row;
-            p.ws_o[wr * DV + c] = o;
-            if (c == 0) { p.ws_ml[wr * 2] = M; p.ws_ml[wr * 2 + 1] = Ls; }
-        }
+        store_row_value(p, ((long long)s * p.n_batch + tok) * p.n_head + h, h, c, DV, split, o, M, Ls);
     }
 }
