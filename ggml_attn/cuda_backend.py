@@ -328,18 +328,18 @@ class Plan:
     same mask as the maps built by :func:`make_plan`. Whoever keeps a plan across graphs must
     rebuild it when the mask tensor moves (graph/build.py does).
 
-    Streams: each tile map is built on some stream and a CUDA event is recorded after it;
-    :meth:`live` on another stream makes that stream wait for the event (nothing is added
-    when the streams are the same).
+    Streams: each thing the plan builds (row intervals, each tile map, the aligned mask) is
+    built on some stream and a CUDA event is recorded after it; using it on another stream
+    makes that stream wait for the event (nothing is added when the streams are the same).
     """
     mask: TensorDesc
     n_batch: int
     n_head: int
     n_head_kv: int
-    # tq -> (idx cupy array, cnt cupy array, flags, (idx_ptr, cnt_ptr, lohi_ptr), built-on stream, event)
-    maps: dict = field(default_factory=dict)
-    lohi: object = None            # cupy int32 array (see above), built with the first map
-    aligned_mask: tuple | None = None   # (TensorDesc, cupy array): 16-byte aligned copy of mask
+    # what the plan built on the GPU, each as (value, built-on stream, event recorded after it):
+    #   "lohi" -> the row intervals; ("map", tq) -> (idx, cnt, flags, (idx_ptr, cnt_ptr, lohi_ptr));
+    #   "aligned" -> (TensorDesc, cupy array), the 16-byte aligned copy of the mask
+    items: dict = field(default_factory=dict)
     # host statistics read once by make_plan (one synchronization per ubatch):
     wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
     max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
@@ -351,9 +351,9 @@ class Plan:
     def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
         """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
         import cupy
-        self.live(tq, stream)
+        cnt_d = self._map(tq, stream)[1]
         with cupy.cuda.ExternalStream(stream):
-            cnt = self.maps[tq][1].get()
+            cnt = cnt_d.get()
         mx = int(cnt.max()) if cnt.size else 0
         self.max_live[tq] = mx
         return mx, float(cnt.mean()) if cnt.size else 0.0
@@ -362,33 +362,40 @@ class Plan:
         return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
             and mask.nb == self.mask.nb and n_batch == self.n_batch
 
-    def live(self, tq: int, stream: int):
-        """(idx_ptr, cnt_ptr, lohi_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
-        got = self.maps.get(tq)
+    def _get(self, key, stream: int, build):
+        """The plan's item ``key``, built by ``build(stream)`` on first use with an event recorded
+        after it; a stream other than the one it was built on waits for that event first."""
+        got = self.items.get(key)
         if got is None:
             import cupy
-            if self.lohi is None:
-                self.lohi = _build_row_intervals(self.mask, self.n_batch, stream)
-            got = _build_live_map(self.mask, self.n_batch, tq, stream, self.lohi)
+            value = build(stream)
             ev = cupy.cuda.Event(block=False, disable_timing=True)
             cupy.cuda.runtime.eventRecord(ev.ptr, stream)
-            got = tuple(got[:4]) + (stream, ev)
-            self.maps[tq] = got
-        elif got[4] != stream:   # built on another stream: order this one after it
+            self.items[key] = got = (value, stream, ev)
+        elif got[1] != stream:   # built on another stream: order this one after it
             import cupy
-            cupy.cuda.runtime.streamWaitEvent(stream, got[5].ptr, 0)
-        return got[3]
+            cupy.cuda.runtime.streamWaitEvent(stream, got[2].ptr, 0)
+        return got[0]
+
+    def _map(self, tq: int, stream: int):
+        def build(st):   # the map's event covers the row intervals it read
+            lohi = self._get("lohi", st, lambda s2: _build_row_intervals(self.mask, self.n_batch, s2))
+            return _build_live_map(self.mask, self.n_batch, tq, st, lohi)
+        return self._get(("map", tq), stream, build)
+
+    def live(self, tq: int, stream: int):
+        """(idx_ptr, cnt_ptr, lohi_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
+        return self._map(tq, stream)[3]
 
     def live_counts(self, tq: int, stream: int = None) -> np.ndarray:
         """Host copy of the live-tile counts, numpy [ne33, n_q_tiles] (for tests and stats)."""
-        self.live(tq, _stream_ptr(stream))
-        return self.maps[tq][1].get().reshape(self.mask.ne[3], -1)
+        return self._map(tq, _stream_ptr(stream))[1].get().reshape(self.mask.ne[3], -1)
 
     def tile_classes(self, tq: int, stream: int = None) -> dict[str, int]:
         """Host count of live tiles per class over all (plane, query tile): FULL, PARTIAL
         (index comparisons) and MASKED (mask tile loaded) -- for tests and benchmarks."""
-        self.live(tq, _stream_ptr(stream))
-        idx, cnt = self.maps[tq][0].get(), self.maps[tq][1].get()
+        idx_d, cnt_d = self._map(tq, _stream_ptr(stream))[:2]
+        idx, cnt = idx_d.get(), cnt_d.get()
         n_kv_tiles = idx.size // max(cnt.size, 1)
         ent = np.concatenate([idx[i * n_kv_tiles:i * n_kv_tiles + c] for i, c in enumerate(cnt)]) \
             if cnt.size else np.zeros(0, np.int32)
@@ -398,9 +405,7 @@ class Plan:
 
     def aligned(self, stream: int) -> TensorDesc:
         """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
-        if self.aligned_mask is None:
-            self.aligned_mask = _aligned_mask_copy(self.mask, self.n_batch, stream)
-        return self.aligned_mask[0]
+        return self._get("aligned", stream, lambda st: _aligned_mask_copy(self.mask, self.n_batch, st))[0]
 
 
 def _mask_params(mask: TensorDesc, n_batch: int) -> K.FattnParams:

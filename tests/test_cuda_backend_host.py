@@ -110,11 +110,9 @@ def test_staging_per_thread_and_device(fake_cupy):
 
 
 # ---------------------------------------------------------------------------------------
-# C3: tile maps built on one stream, read on another
+# C3: what a plan builds on one stream (row intervals, tile maps, the aligned mask), used on another
 def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
-    builds = []
-
-    rows = []
+    builds, rows, copies = [], [], []
 
     def fake_rows(mask, n_batch, stream):
         rows.append(stream)
@@ -124,25 +122,37 @@ def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
         assert lohi == "lohi"
         builds.append((tq, stream))
         return ("idx", "cnt", "flags", (0x100 + tq, 0x200 + tq, 0x300))
+
+    def fake_copy(mask, n_batch, stream):
+        copies.append(stream)
+        return ("aligned-desc", "buffer")
     monkeypatch.setattr(cb, "_build_row_intervals", fake_rows)
     monkeypatch.setattr(cb, "_build_live_map", fake_build)
+    monkeypatch.setattr(cb, "_aligned_mask_copy", fake_copy)
     mask = from_array(np.zeros((1, 1, 8, 128), dtype=np.float16))
     plan = cb.Plan(mask, 8, 4, 1)
     calls = fake_cupy.calls
 
     assert plan.live(64, 5) == (0x140, 0x240, 0x300)
     assert builds == [(64, 5)] and rows == [5]
-    assert [c[0] for c in calls] == ["record"] and calls[0][2] == 5
-    ev = calls[0][1]
+    assert [c[0] for c in calls] == ["record", "record"] and calls[0][2] == calls[1][2] == 5
+    ev_rows, ev_map = calls[0][1], calls[1][1]
     plan.live(64, 5)                       # same stream: nothing added
-    assert len(calls) == 1 and builds == [(64, 5)]
-    plan.live(64, 9)                       # another stream waits for the build's event
-    assert calls[1] == ("wait", 9, ev, 0) and builds == [(64, 5)]
-    plan.live(16, 9)                       # lazily built map: on the calling stream, own event
-    assert builds[-1] == (16, 9) and calls[2][0] == "record" and calls[2][2] == 9
-    plan.live(16, 9)
-    assert len(calls) == 3
+    assert len(calls) == 2 and builds == [(64, 5)]
+    plan.live(64, 9)                       # another stream waits for the map's event (recorded
+    assert calls[2:] == [("wait", 9, ev_map, 0)] and builds == [(64, 5)]   # after the intervals)
+    del calls[:]
+    plan.live(16, 7)                       # lazily built map on a third stream: it reads the row
+    assert calls[0] == ("wait", 7, ev_rows, 0)   # intervals, so it waits for them first
+    assert builds[-1] == (16, 7) and calls[1][0] == "record" and calls[1][2] == 7
+    plan.live(16, 7)
+    assert len(calls) == 2
     assert rows == [5], "row intervals are built once per plan, shared by every tile size"
+    del calls[:]
+    assert plan.aligned(5) == "aligned-desc" and copies == [5] and calls[0][0] == "record"
+    ev_copy = calls[0][1]
+    assert plan.aligned(9) == "aligned-desc" and copies == [5], "the aligned mask is copied once"
+    assert calls[1] == ("wait", 9, ev_copy, 0)
 
 
 # ---------------------------------------------------------------------------------------
