@@ -36,7 +36,7 @@ def _compile(args):
 # Every other instance must not spill. Keys: ("mma", DK, DV, MT, EXT) / ("vec", DK, DV, R).
 SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 8, ("mma", 112, 112, 2, True): 28,
                    ("mma", 128, 128, 2, False): 24, ("mma", 128, 128, 2, True): 48,
-                   ("mma", 320, 256, 1, True): 16, ("vec", 320, 256, 4): 8,
+                   ("mma", 320, 256, 1, True): 24, ("vec", 320, 256, 4): 8,
                    ("vec", 512, 512, 4): 28, ("vec", 576, 512, 4): 16}
 
 
