@@ -4,13 +4,15 @@
 // pipeline. Q (f32 in global) is converted to the K/V type on load; without softcap and ALiBi
 // (EXT = false) it is pre-multiplied by scale * log2(e), so scores come out in the log2 domain.
 //
-// Block = NWQ x NWK warps (MT m16 tiles of rows per warp; ST K/V stages in the ring). The block's BM = 16*MT*NWQ query rows are (token, head) pairs of one
-// KV head: row i -> head hg*pack + i % pack, token qt*q_tile_tokens + i / pack (pack is a power
-// of two). Warp (wq, wk) owns rows [16 MT wq, 16 MT (wq + 1)) and the KV columns
+// Block = NWQ x NWK warps, MT m16 tiles of rows per warp, ST K/V stages in the ring. The
+// block's BM = 16*MT*NWQ query rows are (token, head) pairs of one KV head: row i -> head
+// hg*pack + i % pack, token qt*q_tile_tokens + i / pack (pack is a power of two). Warp (wq, wk) owns rows [16 MT wq, 16 MT (wq + 1)) and the KV columns
 // [wk*KW, wk*KW + KW) of every 64-column KV tile (KW = 64 / NWK), running its own online
 // softmax; with NWK > 1 the partial states are merged in shared memory at the end.
 //   prefill:   NWQ = 4, NWK = 1, MT = 1 (64 rows) or MT = 2 (128 rows, FA2 order; long batches)
-//   decode-tc: NWQ = 1, NWK = 4 (16 rows = packed query heads, the KV tile split over warps)
+//   decode-tc: NWQ = 1, NWK = 4, MT = 1 (16 rows = packed query heads, the KV tile split over warps)
+// With softcap or ALiBi the EXT instance runs. NaN/inf in the V of a PARTIAL tile is found at a
+// barrier the loop already has; the V rows of cells no row of the block sees are then zeroed.
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
 // otherwise partials that fattn_combine merges. A tile's class (fattn_common.cuh) decides how
