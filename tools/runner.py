@@ -15,7 +15,6 @@ computed one after another; pad cells are freed after their ubatch.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -303,18 +302,3 @@ def _batch_views(batch, n_batch: int):
     for i in range(0, batch.n_tokens, n_batch):
         j = min(i + n_batch, batch.n_tokens)
         yield cls(batch.tokens[i:j], batch.positions[i:j], batch.seq_ids[i:j])
-
-
-class WallTimer:
-    """``with timer: ...`` then ``timer.ns``; wall clock (the CPU engine computes synchronously)."""
-
-    def __init__(self):
-        self.ns = 0
-
-    def __enter__(self):
-        self._t0 = time.perf_counter_ns()
-        return self
-
-    def __exit__(self, *exc):
-        self.ns = time.perf_counter_ns() - self._t0
-        return False
