@@ -305,19 +305,21 @@ _SPLITTERS = {
 }
 
 
-def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) -> list[UBatch]:
+def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBatch]:
     """Split ``batch`` into ubatches of at most ``n_ubatch`` rows (pads included).
 
-    mode  one of ``simple``, ``equal``, ``seq``, ``padded`` (see module doc) or ``auto``
-          (``ggml_attn.graph.auto.choose_split``; extra keywords go to it).
-    Raises ``ValueError`` for an unknown mode, ``n_ubatch < 1``, coupled sequences with a
-    per-stream mode, or when the splitter cannot place every token.
+    mode  one of ``simple``, ``equal``, ``seq``, ``padded`` (see module doc). ``auto`` is
+          decided per batch one layer up, by ``auto.py`` (``choose_split``, or its
+          ``split_ubatches``, which takes every mode and is what ``ggml_attn.graph`` exports);
+          this module knows nothing of it.
+    Raises ``ValueError`` for ``auto``, an unknown mode, ``n_ubatch < 1``, coupled sequences
+    with a per-stream mode, or when the splitter cannot place every token.
     """
     if n_ubatch < 1:
         raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
     if mode == "auto":
-        from .auto import choose_split
-        return choose_split(batch, n_ubatch, **auto_kw).ubatches
+        raise ValueError("split mode 'auto' is chosen per batch by ggml_attn.graph.auto "
+                         "(choose_split or auto.split_ubatches), not by split.split_ubatches")
     if mode not in _SPLITTERS:
         raise ValueError(f"unknown split mode {mode!r}; expected one of {MODES}")
     state = SplitState(batch)
