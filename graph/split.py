@@ -126,10 +126,17 @@ class SplitState:
         for i, s in enumerate(self.seq_set):
             self.seq_set_map.setdefault(s, []).append(i)
         self.used = np.zeros(batch.n_tokens, dtype=bool)
+        self._set_arrays: dict[frozenset[int], np.ndarray] = {}
 
     @property
     def n_used(self) -> int:
         return int(self.used.sum())
+
+    def set_tokens(self, seq_set: frozenset[int]) -> np.ndarray:
+        """int64 token indices of ``seq_set`` in batch order (``seq_set_map`` as an array, cached)."""
+        if seq_set not in self._set_arrays:
+            self._set_arrays[seq_set] = np.array(self.seq_set_map[seq_set], dtype=np.int64)
+        return self._set_arrays[seq_set]
 
     def first_unused(self) -> int:
         free = np.flatnonzero(~self.used)
@@ -217,6 +224,14 @@ def split_seq(state: SplitState, n_ubatch: int) -> UBatch | None:
     cur = state.first_unused()
     if cur < 0:
         return None
+    if not state.batch.has_coupled:
+        # every set is one sequence and its own only subset: the loop below takes the set's
+        # unused tokens in batch order (none before ``cur``, the first unused token), up to
+        # n_ubatch; the same without scanning the rest of the batch token by token
+        toks = state.set_tokens(state.seq_set[cur])
+        take = toks[~state.used[toks]][:n_ubatch]
+        state.used[take] = True
+        return state.make("seq", take.tolist(), 1, True)
     n = state.batch.n_tokens
     cur_set = state.seq_set[cur]
     idxs = []

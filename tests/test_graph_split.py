@@ -231,3 +231,27 @@ def test_ubatch_seq_ids_computed_once_and_read_only():
     assert ub.seq_ids == (0, 1, 2) and ub.primary_seq_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     with pytest.raises(ValueError):
         ub.primary_seq_ids[0] = 5
+
+
+def test_split_seq_without_coupled_tokens_matches_the_token_scan():
+    """split_seq takes a sequence's unused tokens directly when no token is coupled; the result
+    is the one of llama.cpp's token-by-token scan (forced here by flagging the batch coupled)."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        lens = rng.integers(1, 40, int(rng.integers(1, 12)))
+        order = np.repeat(np.arange(len(lens)), lens)
+        rng.shuffle(order)  # interleaved sequences, any order
+        seen: dict[int, int] = {}
+        pos = []
+        for s in order.tolist():
+            pos.append(seen.get(s, 0))
+            seen[s] = pos[-1] + 1
+        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32),
+                      tuple((s,) for s in order.tolist()))
+        n_ubatch = int(rng.integers(1, 64))
+        direct = split_ubatches(batch, n_ubatch, "seq")
+        batch.__dict__["has_coupled"] = True  # the general scan
+        scanned = split_ubatches(batch, n_ubatch, "seq")
+        assert [u.token_idx.tolist() for u in direct] == [u.token_idx.tolist() for u in scanned]
+        assert [u.positions.tolist() for u in direct] == [u.positions.tolist() for u in scanned]
+        assert [u.token_seq_ids for u in direct] == [u.token_seq_ids for u in scanned]
