@@ -178,23 +178,13 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
     is taken only if its primary id is the previous set's + 1. Note llama.cpp stops
     collecting only when it holds *more* than ``n_ubatch`` sets, so a batch of more than
     ``n_ubatch`` sequences gives a first ubatch of ``n_ubatch + 1`` tokens; this is kept.
+    With ``sequential`` the sets come from :func:`_equal_sets_chain` (the same sets as the
+    pass over every token, :func:`_equal_sets_scan`, in a few lookups).
     """
     if sequential:
         _refuse_coupled(state, "the sequential equal split")
-    batch, used = state.batch, state.used
-    cur_sets: list[frozenset[int]] = []
-    taken: set[int] = set()  # union of cur_sets: "overlaps no collected set" in O(|set|)
-    last_seq_id = -1
-    for i in np.flatnonzero(~used).tolist():
-        add = taken.isdisjoint(state.seq_set[i])
-        if sequential:
-            add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
-        if add:
-            cur_sets.append(state.seq_set[i])
-            taken.update(state.seq_set[i])
-            last_seq_id = state.primary[i]
-            if len(cur_sets) > n_ubatch:
-                break
+    used = state.used
+    cur_sets = _equal_sets_chain(state, n_ubatch) if sequential else _equal_sets_scan(state, n_ubatch, False)
     n_seqs = len(cur_sets)
     if n_seqs == 0:
         return None
@@ -216,6 +206,50 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
             break
     idxs = [i for lst in per_seq for i in lst]
     return state.make("equal", idxs, n_seqs, True)
+
+
+def _equal_sets_scan(state: SplitState, n_ubatch: int, sequential: bool) -> list[frozenset[int]]:
+    """split_equal's sets, collected as llama.cpp does: one pass over the unused tokens."""
+    cur_sets: list[frozenset[int]] = []
+    taken: set[int] = set()  # union of cur_sets: "overlaps no collected set" in O(|set|)
+    last_seq_id = -1
+    for i in np.flatnonzero(~state.used).tolist():
+        add = taken.isdisjoint(state.seq_set[i])
+        if sequential:
+            add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
+        if add:
+            cur_sets.append(state.seq_set[i])
+            taken.update(state.seq_set[i])
+            last_seq_id = state.primary[i]
+            if len(cur_sets) > n_ubatch:
+                break
+    return cur_sets
+
+
+def _equal_sets_chain(state: SplitState, n_ubatch: int) -> list[frozenset[int]]:
+    """The sets of :func:`_equal_sets_scan` with ``sequential`` on a batch without coupled
+    tokens, without visiting every token: the pass takes the first unused token, then the
+    first unused token after it of the next sequence id, and so on (any other token fails
+    the ``primary == last + 1`` test), so each step looks up one sequence's tokens."""
+    free = np.flatnonzero(~state.used)
+    if not free.size:
+        return []
+    i = int(free[0])
+    cur_sets = [state.seq_set[i]]
+    nxt = state.primary[i] + 1
+    while len(cur_sets) <= n_ubatch:
+        key = frozenset((nxt,))
+        if key not in state.seq_set_map:
+            break
+        toks = state.set_tokens(key)
+        after = toks[np.searchsorted(toks, i, side="right"):]
+        after = after[~state.used[after]]
+        if not after.size:
+            break
+        i = int(after[0])
+        cur_sets.append(key)
+        nxt += 1
+    return cur_sets
 
 
 def split_seq(state: SplitState, n_ubatch: int) -> UBatch | None:
