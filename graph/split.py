@@ -120,11 +120,9 @@ class SplitState:
 
     def __init__(self, batch: Batch):
         self.batch = batch
-        self.seq_set = batch.seq_sets
+        self.seq_set = batch.seq_sets  # (cached by the batch, like seq_set_map: read-only here)
         self.primary = [ids[0] for ids in batch.seq_ids]
-        self.seq_set_map: dict[frozenset[int], list[int]] = {}
-        for i, s in enumerate(self.seq_set):
-            self.seq_set_map.setdefault(s, []).append(i)
+        self.seq_set_map: dict[frozenset[int], tuple[int, ...]] = batch.seq_set_tokens
         self.used = np.zeros(batch.n_tokens, dtype=bool)
         self._set_arrays: dict[frozenset[int], np.ndarray] = {}
 
