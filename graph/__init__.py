@@ -12,20 +12,22 @@ Typical use::
     result = run_batch(cache, batch, 512, "padded", cfg, compute="ggml")
     print(format_table(compare_strategies(batch, 512)))
 
-Modules, in pipeline order: ``batch`` -> ``split`` (+ ``auto``) -> ``kv_cache`` -> ``mask`` ->
-``plan`` -> ``build`` (ggml graph) ; ``runner`` drives them; ``describe`` prints plans.
+Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -> ``plan`` ->
+``auto`` (chooses a split by dry-running plans; ``split`` knows nothing of it) -> ``build``
+(ggml graph); ``runner`` drives them; ``describe`` prints plans. ``split_ubatches`` here is
+``auto.split_ubatches``: every mode, ``auto`` included.
 """
 from .batch import Batch, validate_batch
-from .split import MODES, UBatch, split_ubatches
+from .split import MODES, UBatch
 from .kv_cache import KVCache, KVCacheFullError, SlotInfo
 from .mask import build_mask, visible_cells
 from .qkv import AttnConfig
-from .plan import UBatchPlan, dry_run_plans, plan_ubatch
-from .auto import AutoChoice, CostModel, choose_split
+from .plan import UBatchPlan, apply_plan, dry_run_plans, plan_ubatch
+from .auto import AutoChoice, CostModel, choose_split, split_ubatches
 from .runner import BatchError, BatchInterrupted, BatchResult, run_batch
 from .describe import compare_strategies, describe_plan, format_table
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
-           "UBatchPlan", "plan_ubatch", "dry_run_plans", "AutoChoice", "CostModel", "choose_split",
+           "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "AutoChoice", "CostModel", "choose_split",
            "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "compare_strategies", "describe_plan", "format_table"]

@@ -20,6 +20,16 @@ heads is 268 MFLOP, ~1.3 us at ~200 TFLOP/s; 10 us of fixed cost per ubatch and 
 
 Candidates: ``simple``, ``equal``, ``padded`` on a unified cache; ``equal``, ``seq``,
 ``padded`` on a split cache. Ties go to the earlier candidate (llama.cpp's choice first).
+
+Only candidates that can still win are dry-run: every candidate is split (cheap), and its
+``n_ubatches``, ``rows`` and a floor of its ``kv_tiles`` -- every (stream, query tile) holding a
+real row visits at least one tile, the one with the row's own cell -- give a lower bound of
+its cost without placing anything. Candidates are dry-run in order of that bound; one whose
+bound already exceeds the best exact cost (or equals it and comes later) is not planned, its
+cost is reported as the bound (``StrategyCost.exact`` False). The choice is the same as when
+everything is dry-run. With a ``cache``, the chosen split's dry-run plans come back in
+``AutoChoice.plans``: placed, masked and tiled on exactly the cache state the batch will run
+on, so a driver applies them (``plan.apply_plan``) instead of planning the ubatches again.
 Fast path, no dry runs: when every sequence brings the same number of tokens (consecutive
 ids, no shared tokens; e.g. every decode step) ``padded`` equals ``equal`` with no pads, so
 ``simple`` (unified) or ``equal`` (split) is chosen directly.
@@ -28,13 +38,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
+from . import split as _split
 from .batch import Batch
 from .kv_cache import KVCache
 from .plan import Q_TILE, KV_TILE, UBatchPlan, dry_run_plans
 from .qkv import AttnConfig
-from .split import UBatch, split_ubatches
+from .split import UBatch
 
-__all__ = ["CostModel", "StrategyCost", "AutoChoice", "choose_split", "candidates_for", "cost_of"]
+__all__ = ["CostModel", "StrategyCost", "AutoChoice", "choose_split", "candidates_for", "cost_of",
+           "cost_floor", "split_ubatches"]
 
 
 @dataclass(frozen=True)
@@ -59,24 +73,34 @@ class StrategyCost:
     n_pad: int
     kv_tiles: int
     est_us: float
+    exact: bool = True  # False: not dry-run; kv_tiles and est_us are lower bounds (cost_floor)
 
     def line(self) -> str:
+        ge = "" if self.exact else ">= "
         return (f"{self.mode}: {self.n_ubatches} ubatch(es), {self.rows} rows ({self.n_pad} pad), "
-                f"{self.kv_tiles} KV tiles -> {self.est_us:.1f} us")
+                f"{ge}{self.kv_tiles} KV tiles -> {ge}{self.est_us:.1f} us")
 
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """The chosen ``mode``, its ubatches (each carrying ``reason``), every candidate's cost."""
+    """The chosen ``mode``, its ubatches (each carrying ``reason``), every candidate's cost;
+    ``plans``: the ubatches' dry-run plans on the given cache (None without a cache, or when
+    the fast path chose without dry runs), for ``plan.apply_plan`` in order."""
 
     mode: str
     ubatches: list[UBatch]
     costs: list[StrategyCost]
     reason: str
+    plans: list[UBatchPlan] | None = None
 
 
 def candidates_for(unified: bool) -> tuple[str, ...]:
     return ("simple", "equal", "padded") if unified else ("equal", "seq", "padded")
+
+
+def _est_us(n_ubatches: int, rows: int, tiles: int, cfg: AttnConfig, model: CostModel) -> float:
+    """The cost model (module doc); non-decreasing in ``tiles``, so a tile floor gives a floor."""
+    return cfg.n_layer * (n_ubatches * model.ubatch_us + rows * model.row_us + tiles * model.tile_us(cfg))
 
 
 def cost_of(mode: str, plans: list[UBatchPlan], cfg: AttnConfig, model: CostModel) -> StrategyCost:
@@ -88,16 +112,40 @@ def cost_of(mode: str, plans: list[UBatchPlan], cfg: AttnConfig, model: CostMode
         tiles = sum(p.tiles.n_tail_skip for p in plans)
     else:
         raise ValueError(f"CostModel.skip must be 'all' or 'tail', got {model.skip!r}")
-    est = cfg.n_layer * (len(plans) * model.ubatch_us + rows * model.row_us + tiles * model.tile_us(cfg))
-    return StrategyCost(mode, len(plans), rows, n_pad, tiles, est)
+    return StrategyCost(mode, len(plans), rows, n_pad, tiles, _est_us(len(plans), rows, tiles, cfg, model))
+
+
+def _tile_floor(ub: UBatch, unified: bool) -> int:
+    """(stream, query tile) pairs of ``ub`` that hold a real row. A real row always sees its own
+    cell (placed with its position and sequence, causal, inside any window), so each such pair
+    visits at least one KV tile, under ``skip="all"`` and ``"tail"`` alike."""
+    ns = 1 if unified else ub.n_seqs_unq
+    if ub.n_tokens % ns:
+        return 0  # a layout the cache refuses; the dry run says so
+    real = ~ub.is_pad.reshape(ns, -1)
+    n_tps = real.shape[1]
+    n_q = -(-n_tps // Q_TILE)
+    padded = np.zeros((ns, n_q * Q_TILE), dtype=bool)
+    padded[:, :n_tps] = real
+    return int(padded.reshape(ns, n_q, Q_TILE).any(axis=2).sum())
+
+
+def cost_floor(mode: str, ubs: list[UBatch], unified: bool, cfg: AttnConfig, model: CostModel) -> StrategyCost:
+    """A lower bound of ``cost_of`` for ``ubs`` without placing or masking anything
+    (``exact`` False): exact ubatch and row counts, the tile floor of :func:`_tile_floor`."""
+    rows = sum(u.n_tokens for u in ubs)
+    n_pad = sum(u.n_pad for u in ubs)
+    tiles = sum(_tile_floor(u, unified) for u in ubs)
+    return StrategyCost(mode, len(ubs), rows, n_pad, tiles, _est_us(len(ubs), rows, tiles, cfg, model), False)
 
 
 def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, cfg: AttnConfig | None = None,
                  model: CostModel | None = None, unified: bool | None = None) -> AutoChoice:
     """Cost every candidate strategy for ``batch`` on ``cache`` (left unchanged) and pick the
-    cheapest. Without a cache a fresh one is assumed: split (llama.cpp's default) unless
-    ``unified``, with room for the batch. ``cfg`` gives head sizes for the tile cost
-    (default: 32 heads of 128)."""
+    cheapest; candidates that cannot win are costed by their floor only (module doc). Without
+    a cache a fresh one is assumed: split (llama.cpp's default) unless ``unified``, with room
+    for the batch. ``cfg`` gives head sizes for the tile cost (default: 32 heads of 128).
+    With a cache, ``plans`` of the result are the chosen ubatches' dry-run plans on it."""
     cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
     model = model or CostModel()
     if model.skip not in ("all", "tail"):
@@ -107,26 +155,57 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     fast = _uniform_choice(batch, n_ubatch, cache.unified if cache is not None else bool(unified))
     if fast is not None:
         return fast
+    given = cache is not None
     if cache is None:
         cache = _scratch_cache(batch, n_ubatch, bool(unified))
-    costs, splits = [], {}
-    for mode in candidates_for(cache.unified):
+    modes = candidates_for(cache.unified)
+    splits: dict[str, list[UBatch] | Exception] = {}
+    costs: dict[str, StrategyCost] = {}
+    for mode in modes:
         try:
-            ubs = split_ubatches(batch, n_ubatch, mode)
-            plans = dry_run_plans(cache, ubs, n_swa=cfg.n_swa, alibi=cfg.alibi)
-        except (ValueError, RuntimeError) as e:  # e.g. coupled sequences, no room
-            costs.append(StrategyCost(mode, 0, 0, 0, 0, float("inf")))
+            splits[mode] = _split.split_ubatches(batch, n_ubatch, mode)
+        except (ValueError, RuntimeError) as e:  # e.g. coupled sequences
             splits[mode] = e
+            costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
             continue
-        costs.append(cost_of(mode, plans, cfg, model))
-        splits[mode] = ubs
-    best = min(costs, key=lambda c: c.est_us)
-    if best.est_us == float("inf"):
+        costs[mode] = cost_floor(mode, splits[mode], cache.unified, cfg, model)
+    plans: dict[str, list[UBatchPlan]] = {}
+    best: tuple[float, int] | None = None  # (exact cost, candidate index) of the best so far
+    feasible = [m for m in modes if not isinstance(splits[m], Exception)]
+    for mode in sorted(feasible, key=lambda m: (costs[m].est_us, modes.index(m))):
+        if best is not None and (costs[mode].est_us, modes.index(mode)) > best:
+            continue  # even its floor loses (or ties and comes later): no dry run
+        try:
+            plans[mode] = dry_run_plans(cache, splits[mode], n_swa=cfg.n_swa, alibi=cfg.alibi)
+        except (ValueError, RuntimeError) as e:  # e.g. no room
+            splits[mode] = e
+            costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
+            continue
+        costs[mode] = cost_of(mode, plans[mode], cfg, model)
+        rank = (costs[mode].est_us, modes.index(mode))
+        if best is None or rank < best:
+            best = rank
+    if best is None:
         raise ValueError(f"no strategy can run this batch: {splits}")
-    others = "; ".join(c.line() for c in costs if c is not best and c.est_us != float("inf"))
-    reason = f"auto chose {best.line()}" + (f"; vs {others}" if others else "")
-    ubs = [replace(u, reason=reason) for u in splits[best.mode]]
-    return AutoChoice(best.mode, ubs, costs, reason)
+    chosen = modes[best[1]]
+    listed = [costs[m] for m in modes]
+    top = costs[chosen]
+    others = "; ".join(c.line() for c in listed if c is not top and c.est_us != float("inf"))
+    reason = f"auto chose {top.line()}" + (f"; vs {others}" if others else "")
+    ubs = [replace(u, reason=reason) for u in splits[chosen]]
+    kept = [replace(p, ubatch=u) for p, u in zip(plans[chosen], ubs)] if given else None
+    return AutoChoice(chosen, ubs, listed, reason, kept)
+
+
+def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) -> list[UBatch]:
+    """Every split mode behind one call: ``auto`` asks :func:`choose_split` (extra keywords go
+    to it), the others ``split.split_ubatches`` (extra keywords ignored). This is the
+    ``split_ubatches`` that ``ggml_attn.graph`` exports."""
+    if mode == "auto":
+        if n_ubatch < 1:
+            raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
+        return choose_split(batch, n_ubatch, **auto_kw).ubatches
+    return _split.split_ubatches(batch, n_ubatch, mode)
 
 
 def _uniform_choice(batch: Batch, n_ubatch: int, unified: bool) -> AutoChoice | None:
@@ -146,7 +225,7 @@ def _uniform_choice(batch: Batch, n_ubatch: int, unified: bool) -> AutoChoice | 
     mode = "simple" if unified else "equal"
     reason = (f"auto chose {mode} without dry runs: {len(ids)} sequence(s) of {n} token(s) each, "
               f"consecutive ids, no shared tokens, so padded = equal with no pads")
-    ubs = [replace(u, reason=reason) for u in split_ubatches(batch, n_ubatch, mode)]
+    ubs = [replace(u, reason=reason) for u in _split.split_ubatches(batch, n_ubatch, mode)]
     return AutoChoice(mode, ubs, [], reason)
 
 

@@ -121,10 +121,20 @@ class Batch:
         """int32 ``(n_tokens,)``: the first sequence id of every token."""
         return np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
 
-    @property
+    @cached_property
     def seq_sets(self) -> tuple[frozenset[int], ...]:
-        """The set of sequence ids of every token (llama.cpp's ``seq_set``)."""
+        """The set of sequence ids of every token (llama.cpp's ``seq_set``; computed once)."""
         return tuple(frozenset(ids) for ids in self.seq_ids)
+
+    @cached_property
+    def seq_set_tokens(self) -> dict[frozenset[int], tuple[int, ...]]:
+        """Token indices of every distinct sequence set, in batch order, sets in order of first
+        appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
+        batch -- do not modify)."""
+        out: dict[frozenset[int], list[int]] = {}
+        for i, s in enumerate(self.seq_sets):
+            out.setdefault(s, []).append(i)
+        return {s: tuple(v) for s, v in out.items()}
 
     @property
     def unique_seq_ids(self) -> tuple[int, ...]:

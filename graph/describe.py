@@ -16,7 +16,7 @@ from .batch import Batch
 from .kv_cache import KVCache
 from .plan import dry_run_plans
 from .qkv import AttnConfig
-from .split import split_ubatches
+from .split import split_ubatches  # fixed modes; auto goes through choose_split
 
 __all__ = ["describe_plan", "compare_strategies", "format_table", "STRATEGIES"]
 
@@ -31,6 +31,13 @@ def _split(batch, n_ubatch, mode, cache, cfg, model):
     return split_ubatches(batch, n_ubatch, mode), None
 
 
+def _plans(cache, ubs, choice, cfg):
+    """The dry-run plans of ``ubs`` on ``cache``: ``auto``'s own when its choice made them."""
+    if choice is not None and choice.plans is not None:
+        return choice.plans
+    return dry_run_plans(cache, ubs, n_swa=cfg.n_swa, alibi=cfg.alibi)
+
+
 def describe_plan(batch: Batch, n_ubatch: int, mode: str, *, unified: bool | None = None,
                   cache: KVCache | None = None, cfg: AttnConfig | None = None) -> list[dict]:
     """One row per ubatch: ``ubatch, mode, shape (n_seqs x n_seq_tokens), n_tokens, n_pad,
@@ -41,7 +48,7 @@ def describe_plan(batch: Batch, n_ubatch: int, mode: str, *, unified: bool | Non
         cache = _scratch_cache(batch, n_ubatch, (mode == "simple") if unified is None else unified)
     ubs, choice = _split(batch, n_ubatch, mode, cache, cfg, None)
     rows = []
-    for i, p in enumerate(dry_run_plans(cache, ubs, n_swa=cfg.n_swa, alibi=cfg.alibi)):
+    for i, p in enumerate(_plans(cache, ubs, choice, cfg)):
         row = {"ubatch": i, **p.describe()}
         if choice is not None:
             row["reason"] = choice.reason
@@ -59,7 +66,7 @@ def compare_strategies(batch: Batch, n_ubatch: int, strategies=STRATEGIES, *, cf
     for mode, unified in strategies:
         cache = _scratch_cache(batch, n_ubatch, unified)
         ubs, choice = _split(batch, n_ubatch, mode, cache, cfg, model)
-        plans = dry_run_plans(cache, ubs, n_swa=cfg.n_swa, alibi=cfg.alibi)
+        plans = _plans(cache, ubs, choice, cfg)
         c = cost_of(mode, plans, cfg, model)
         shapes = [u.shape_str for u in ubs]
         out.append({"strategy": mode, "kv": "unified" if unified else "split",

@@ -19,7 +19,8 @@ from .kv_cache import KVCache, SlotInfo
 from .mask import build_mask
 from .split import UBatch
 
-__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "dry_run_plans", "tile_map", "Q_TILE", "KV_TILE"]
+__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "tile_map", "Q_TILE",
+           "KV_TILE"]
 
 Q_TILE = 64    # query rows per tile (FlashInfer's 64-row prefill tile)
 KV_TILE = 256  # KV cells per tile (llama.cpp's CUDA mask scan granularity)
@@ -121,3 +122,19 @@ def dry_run_plans(cache: KVCache, ubatches: list[UBatch], **plan_kw) -> list[UBa
         return plans
     finally:
         cache._restore(snap)
+
+
+def apply_plan(cache: KVCache, plan: UBatchPlan) -> UBatchPlan:
+    """Put a dry-run plan into ``cache`` instead of planning its ubatch again: the ubatch occupies
+    the plan's cells; its mask, tile map and ``n_kv`` are reused as they are. Valid only on the
+    cell state the plan was made on: ``dry_run_plans`` (or ``auto.choose_split``) on this cache,
+    nothing changed since but the plans before it, applied in order with their pads freed --
+    then ``plan_ubatch`` would place the ubatch in the same cells and build the same mask.
+    A cell of the plan that is occupied (a stale plan) raises ``ValueError``. Atomic like
+    ``plan_ubatch``; free the pads with ``cache.free_pads(plan.slot)`` as usual."""
+    for st, cells in zip(plan.slot.streams, plan.slot.cells):
+        if (cache.pos[st, cells] >= 0).any():
+            raise ValueError(f"stale plan for {plan.ubatch!r}: its cells in KV stream {st} are occupied")
+    with cache.transaction():
+        cache.apply_ubatch(plan.slot, plan.ubatch)
+    return plan

@@ -27,9 +27,10 @@ import numpy as np
 
 from ggml_attn import reference
 
+from .auto import choose_split
 from .batch import Batch
 from .kv_cache import KVCache
-from .plan import UBatchPlan, plan_ubatch
+from .plan import UBatchPlan, apply_plan, plan_ubatch
 from .qkv import AttnConfig, token_qkv
 from .split import UBatch, split_ubatches
 
@@ -114,7 +115,8 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
     (``mode``; or the given ``ubatches``), and checked to fit (``KVCache.prepare``); any of
     these errors (``ValueError``, ``KVCacheFullError``, ``GraphBuildError``) leaves the cache
     unchanged. Each ubatch is planned once (cells, mask, tile map) and the plan reused by all
-    layers; its pad cells are freed right after it. A ubatch that fails raises
+    layers (with ``auto``, the plans its choice dry-ran are applied, not made again); its pad
+    cells are freed right after it. A ubatch that fails raises
     :class:`BatchError` / :class:`BatchInterrupted` with the cache holding exactly the ubatches
     before it (module docstring). ``fa`` and ``all_custom`` go to ``build.build_ubatch_graph``
     (``compute="ggml"`` only).
@@ -128,17 +130,22 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
         check_build_args(cache, cfg, fa=fa, all_custom=all_custom)
     if validate:
         cache.validate(batch)
-    ubs = ubatches
-    if ubs is None:
-        auto_kw = {"cache": cache, "cfg": cfg} if mode == "auto" else {}
-        ubs = split_ubatches(batch, n_ubatch, mode, **auto_kw)
-    cache.prepare(ubs)
+    ubs, made = ubatches, None
+    if ubs is None and mode == "auto":
+        # auto dry-ran its choice on this cache: its plans are the ones to run (no second planning)
+        choice = choose_split(batch, n_ubatch, cache=cache, cfg=cfg)
+        ubs, made = choice.ubatches, choice.plans
+    elif ubs is None:
+        ubs = split_ubatches(batch, n_ubatch, mode)
+    if made is None:
+        cache.prepare(ubs)  # (auto's dry run already placed every ubatch one after another)
     out = np.zeros((cfg.n_layer, batch.n_tokens, cfg.n_head, cfg.d_v), dtype=np.float32)
     plans: list[UBatchPlan] = []
-    for ub in ubs:
+    for i, ub in enumerate(ubs):
         try:
             with cache.transaction():  # a failure puts this ubatch's cells back as they were
-                plan = _run_ubatch(cache, ub, cfg, out, compute, fa, n_threads, all_custom)
+                plan = _run_ubatch(cache, ub, cfg, out, compute, fa, n_threads, all_custom,
+                                   made[i] if made is not None else None)
         except BaseException as e:  # noqa: BLE001 - Ctrl-C included: it is re-raised as BatchInterrupted
             raise _failure(e, batch, ubs, plans, out) from e
         plans.append(plan)
@@ -146,9 +153,10 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
 
 
 def _run_ubatch(cache: KVCache, ub: UBatch, cfg: AttnConfig, out: np.ndarray, compute: str, fa,
-                n_threads: int, all_custom) -> UBatchPlan:
-    """Plan, compute every layer into ``out`` (batch order), free the pads."""
-    plan = plan_ubatch(cache, ub, n_swa=cfg.n_swa, alibi=cfg.alibi)
+                n_threads: int, all_custom, made: UBatchPlan | None = None) -> UBatchPlan:
+    """Plan (or apply ``made``, a dry-run plan of ``ub``), compute every layer into ``out``
+    (batch order), free the pads."""
+    plan = apply_plan(cache, made) if made is not None else plan_ubatch(cache, ub, n_swa=cfg.n_swa, alibi=cfg.alibi)
     real = ~ub.is_pad
     dest = ub.token_idx[real]
     res = np.zeros((cfg.n_layer, int(real.sum()), cfg.n_head, cfg.d_v), dtype=np.float32)

@@ -120,16 +120,21 @@ class SplitState:
 
     def __init__(self, batch: Batch):
         self.batch = batch
-        self.seq_set = batch.seq_sets
+        self.seq_set = batch.seq_sets  # (cached by the batch, like seq_set_map: read-only here)
         self.primary = [ids[0] for ids in batch.seq_ids]
-        self.seq_set_map: dict[frozenset[int], list[int]] = {}
-        for i, s in enumerate(self.seq_set):
-            self.seq_set_map.setdefault(s, []).append(i)
+        self.seq_set_map: dict[frozenset[int], tuple[int, ...]] = batch.seq_set_tokens
         self.used = np.zeros(batch.n_tokens, dtype=bool)
+        self._set_arrays: dict[frozenset[int], np.ndarray] = {}
 
     @property
     def n_used(self) -> int:
         return int(self.used.sum())
+
+    def set_tokens(self, seq_set: frozenset[int]) -> np.ndarray:
+        """int64 token indices of ``seq_set`` in batch order (``seq_set_map`` as an array, cached)."""
+        if seq_set not in self._set_arrays:
+            self._set_arrays[seq_set] = np.array(self.seq_set_map[seq_set], dtype=np.int64)
+        return self._set_arrays[seq_set]
 
     def first_unused(self) -> int:
         free = np.flatnonzero(~self.used)
@@ -171,23 +176,13 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
     is taken only if its primary id is the previous set's + 1. Note llama.cpp stops
     collecting only when it holds *more* than ``n_ubatch`` sets, so a batch of more than
     ``n_ubatch`` sequences gives a first ubatch of ``n_ubatch + 1`` tokens; this is kept.
+    With ``sequential`` the sets come from :func:`_equal_sets_chain` (the same sets as the
+    pass over every token, :func:`_equal_sets_scan`, in a few lookups).
     """
     if sequential:
         _refuse_coupled(state, "the sequential equal split")
-    batch, used = state.batch, state.used
-    cur_sets: list[frozenset[int]] = []
-    taken: set[int] = set()  # union of cur_sets: "overlaps no collected set" in O(|set|)
-    last_seq_id = -1
-    for i in np.flatnonzero(~used).tolist():
-        add = taken.isdisjoint(state.seq_set[i])
-        if sequential:
-            add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
-        if add:
-            cur_sets.append(state.seq_set[i])
-            taken.update(state.seq_set[i])
-            last_seq_id = state.primary[i]
-            if len(cur_sets) > n_ubatch:
-                break
+    used = state.used
+    cur_sets = _equal_sets_chain(state, n_ubatch) if sequential else _equal_sets_scan(state, n_ubatch, False)
     n_seqs = len(cur_sets)
     if n_seqs == 0:
         return None
@@ -211,12 +206,64 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
     return state.make("equal", idxs, n_seqs, True)
 
 
+def _equal_sets_scan(state: SplitState, n_ubatch: int, sequential: bool) -> list[frozenset[int]]:
+    """split_equal's sets, collected as llama.cpp does: one pass over the unused tokens."""
+    cur_sets: list[frozenset[int]] = []
+    taken: set[int] = set()  # union of cur_sets: "overlaps no collected set" in O(|set|)
+    last_seq_id = -1
+    for i in np.flatnonzero(~state.used).tolist():
+        add = taken.isdisjoint(state.seq_set[i])
+        if sequential:
+            add = add and (not cur_sets or state.primary[i] == last_seq_id + 1)
+        if add:
+            cur_sets.append(state.seq_set[i])
+            taken.update(state.seq_set[i])
+            last_seq_id = state.primary[i]
+            if len(cur_sets) > n_ubatch:
+                break
+    return cur_sets
+
+
+def _equal_sets_chain(state: SplitState, n_ubatch: int) -> list[frozenset[int]]:
+    """The sets of :func:`_equal_sets_scan` with ``sequential`` on a batch without coupled
+    tokens, without visiting every token: the pass takes the first unused token, then the
+    first unused token after it of the next sequence id, and so on (any other token fails
+    the ``primary == last + 1`` test), so each step looks up one sequence's tokens."""
+    free = np.flatnonzero(~state.used)
+    if not free.size:
+        return []
+    i = int(free[0])
+    cur_sets = [state.seq_set[i]]
+    nxt = state.primary[i] + 1
+    while len(cur_sets) <= n_ubatch:
+        key = frozenset((nxt,))
+        if key not in state.seq_set_map:
+            break
+        toks = state.set_tokens(key)
+        after = toks[np.searchsorted(toks, i, side="right"):]
+        after = after[~state.used[after]]
+        if not after.size:
+            break
+        i = int(after[0])
+        cur_sets.append(key)
+        nxt += 1
+    return cur_sets
+
+
 def split_seq(state: SplitState, n_ubatch: int) -> UBatch | None:
     """``llama_batch_allocr::split_seq``: tokens of the first unused token's sequence set and
     of its subsets, in batch order, up to ``n_ubatch``."""
     cur = state.first_unused()
     if cur < 0:
         return None
+    if not state.batch.has_coupled:
+        # every set is one sequence and its own only subset: the loop below takes the set's
+        # unused tokens in batch order (none before ``cur``, the first unused token), up to
+        # n_ubatch; the same without scanning the rest of the batch token by token
+        toks = state.set_tokens(state.seq_set[cur])
+        take = toks[~state.used[toks]][:n_ubatch]
+        state.used[take] = True
+        return state.make("seq", take.tolist(), 1, True)
     n = state.batch.n_tokens
     cur_set = state.seq_set[cur]
     idxs = []
@@ -305,19 +352,21 @@ _SPLITTERS = {
 }
 
 
-def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) -> list[UBatch]:
+def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBatch]:
     """Split ``batch`` into ubatches of at most ``n_ubatch`` rows (pads included).
 
-    mode  one of ``simple``, ``equal``, ``seq``, ``padded`` (see module doc) or ``auto``
-          (``ggml_attn.graph.auto.choose_split``; extra keywords go to it).
-    Raises ``ValueError`` for an unknown mode, ``n_ubatch < 1``, coupled sequences with a
-    per-stream mode, or when the splitter cannot place every token.
+    mode  one of ``simple``, ``equal``, ``seq``, ``padded`` (see module doc). ``auto`` is
+          decided per batch one layer up, by ``auto.py`` (``choose_split``, or its
+          ``split_ubatches``, which takes every mode and is what ``ggml_attn.graph`` exports);
+          this module knows nothing of it.
+    Raises ``ValueError`` for ``auto``, an unknown mode, ``n_ubatch < 1``, coupled sequences
+    with a per-stream mode, or when the splitter cannot place every token.
     """
     if n_ubatch < 1:
         raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
     if mode == "auto":
-        from .auto import choose_split
-        return choose_split(batch, n_ubatch, **auto_kw).ubatches
+        raise ValueError("split mode 'auto' is chosen per batch by ggml_attn.graph.auto "
+                         "(choose_split or auto.split_ubatches), not by split.split_ubatches")
     if mode not in _SPLITTERS:
         raise ValueError(f"unknown split mode {mode!r}; expected one of {MODES}")
     state = SplitState(batch)

@@ -1,4 +1,5 @@
 """auto (cost model) and the plan descriptions used by the CLI / README."""
+import numpy as np
 import pytest
 
 from ggml_attn.graph import (AttnConfig, Batch, CostModel, KVCache, choose_split, compare_strategies,
@@ -108,3 +109,121 @@ def test_auto_decode_step_takes_fast_path_without_dry_runs(monkeypatch):
         choose_split(Batch.from_lengths([1] * 4, seq_ids=[3, 2, 1, 0]), 512, cache=split)
     with pytest.raises(AssertionError, match="dry_run_plans"):
         choose_split(Batch.from_lengths([1, 2]), 512, cache=split)
+
+
+# ----------------------------------------------------------------- auto's own cost
+# 48 ragged prompts of 16..200 tokens (the benchmark's --prompt-dist 16-200, smaller): auto
+# picks padded; it must not plan more than padded itself does (no timing, call counts only)
+RAGGED_48 = Batch.from_lengths([int(x) for x in np.random.default_rng(5).integers(16, 201, 48)])
+
+
+class _Counts:
+    """Counts the planning work: placement searches (``KVCache.find_slot``), masks
+    (``build_mask`` as the plan calls it), tile maps, and splitter calls per mode."""
+
+    def __init__(self, monkeypatch):
+        from ggml_attn.graph import plan as plan_mod
+        from ggml_attn.graph import split as split_mod
+        self.n = {"find_slot": 0, "build_mask": 0, "tile_map": 0}
+        self.splits = {m: 0 for m in split_mod._SPLITTERS}
+
+        def counted(key, fn):
+            def wrapper(*a, **k):
+                self.n[key] += 1
+                return fn(*a, **k)
+            return wrapper
+
+        monkeypatch.setattr(KVCache, "find_slot", counted("find_slot", KVCache.find_slot))
+        monkeypatch.setattr(plan_mod, "build_mask", counted("build_mask", plan_mod.build_mask))
+        monkeypatch.setattr(plan_mod, "tile_map", counted("tile_map", plan_mod.tile_map))
+        for mode, fn in list(split_mod._SPLITTERS.items()):
+            def splitter(state, n, _fn=fn, _mode=mode):
+                ub = _fn(state, n)
+                self.splits[_mode] += ub is not None
+                return ub
+            monkeypatch.setitem(split_mod._SPLITTERS, mode, splitter)
+
+    def take(self):
+        out = dict(self.n, splits=dict(self.splits))
+        for k in self.n:
+            self.n[k] = 0
+        for k in self.splits:
+            self.splits[k] = 0
+        return out
+
+
+def test_auto_plans_no_more_than_the_split_it_picks(monkeypatch):
+    """run_batch with auto: the chosen split's dry-run plans are the ones run (no second
+    planning, no second fit check), and candidates whose cost floor loses are never dry-run."""
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=8)
+    kw = dict(n_layer=1, n_head_kv=1, head_dim_k=8)
+    counts = _Counts(monkeypatch)
+    ref = run_batch(KVCache(48 * 512, 48, unified=False, **kw), RAGGED_48, 512, "padded", cfg)
+    padded = counts.take()
+    got = run_batch(KVCache(48 * 512, 48, unified=False, **kw), RAGGED_48, 512, "auto", cfg)
+    auto = counts.take()
+    assert [p.ubatch.mode for p in got.plans] == ["padded"] * len(ref.plans)
+    n_ub = len(ref.plans)
+    assert padded["build_mask"] == padded["tile_map"] == n_ub
+    assert auto["build_mask"] <= padded["build_mask"] and auto["tile_map"] <= padded["tile_map"]
+    assert auto["find_slot"] <= padded["find_slot"]  # padded: prepare + plan; auto: its dry run
+    assert auto["splits"]["padded"] == padded["splits"]["padded"] == n_ub  # the winner is split once
+    assert nmse(got.out, ref.out) == 0.0
+
+
+def test_cli_runner_auto_plans_no_more_than_the_split_it_picks(monkeypatch):
+    """The same through the benchmarks' Runner.decode (the CPU engine)."""
+    from ggml_attn.cli.models import resolve, with_layers
+    from ggml_attn.cli.runner import RunConfig, Runner
+
+    counts = _Counts(monkeypatch)
+    model = with_layers(resolve("tiny"), 1)
+    seen = {}
+    for split in ("padded", "auto"):
+        r = Runner(RunConfig(model, n_ctx=48 * 512, n_seq=48, split=split, device="cpu", n_threads=1))
+        try:
+            batch = r.prompt_batch(RAGGED_48.seq_token_counts().values())
+            counts.take()
+            st = r.decode(batch)
+            seen[split] = (counts.take(), st.shapes)
+        finally:
+            r.close()
+    (padded, shapes_p), (auto, shapes_a) = seen["padded"], seen["auto"]
+    assert shapes_a == shapes_p
+    assert auto["build_mask"] <= padded["build_mask"] and auto["tile_map"] <= padded["tile_map"]
+    assert auto["find_slot"] <= padded["find_slot"]
+    assert auto["splits"]["padded"] == padded["splits"]["padded"]
+
+
+def test_auto_floor_pruning_keeps_the_choice(monkeypatch):
+    """Dry-running every candidate (no floors) picks the same split, with the same cost."""
+    from ggml_attn.graph import auto
+
+    for batch, unified in ((RAGGED_48, False), (TEN_RAGGED, False), (TEN_RAGGED, True),
+                           (Batch.from_lengths([500] + [1] * 9), False), (Batch.from_lengths([300, 290]), True)):
+        cache = KVCache(48 * 1024, 48, unified=unified)
+        for model in (CostModel(), CostModel(skip="tail"), CostModel(ubatch_us=0.0, row_us=1.0)):
+            fast = choose_split(batch, 512, cache=cache, model=model)
+            with monkeypatch.context() as m:
+                m.setattr(auto, "cost_floor", lambda mode, ubs, *a: auto.StrategyCost(mode, 0, 0, 0, 0, 0.0, False))
+                full = choose_split(batch, 512, cache=cache, model=model)
+            assert all(c.exact for c in full.costs)
+            assert fast.mode == full.mode
+            exact = {c.mode: c for c in full.costs}
+            for c in fast.costs:  # a floor is never above the exact cost
+                assert c.est_us <= exact[c.mode].est_us and c.kv_tiles <= exact[c.mode].kv_tiles
+                if c.exact:
+                    assert c == exact[c.mode]
+            assert cache.pos.max() == -1
+
+
+def test_auto_plans_apply_only_to_the_cache_state_they_were_made_on():
+    from ggml_attn.graph import apply_plan
+
+    cache = KVCache(48 * 512, 48, unified=False)
+    choice = choose_split(RAGGED_48, 512, cache=cache)
+    assert choice.plans is not None and [p.ubatch for p in choice.plans] == choice.ubatches
+    assert choose_split(RAGGED_48, 512).plans is None  # no cache given: nothing to apply
+    cache.place(choice.ubatches[0])  # the cache moved on: the first plan's cells are taken
+    with pytest.raises(ValueError, match="stale plan"):
+        apply_plan(cache, choice.plans[0])

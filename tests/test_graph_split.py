@@ -231,3 +231,56 @@ def test_ubatch_seq_ids_computed_once_and_read_only():
     assert ub.seq_ids == (0, 1, 2) and ub.primary_seq_ids.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     with pytest.raises(ValueError):
         ub.primary_seq_ids[0] = 5
+
+
+def test_split_seq_without_coupled_tokens_matches_the_token_scan():
+    """split_seq takes a sequence's unused tokens directly when no token is coupled; the result
+    is the one of llama.cpp's token-by-token scan (forced here by flagging the batch coupled)."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        lens = rng.integers(1, 40, int(rng.integers(1, 12)))
+        order = np.repeat(np.arange(len(lens)), lens)
+        rng.shuffle(order)  # interleaved sequences, any order
+        seen: dict[int, int] = {}
+        pos = []
+        for s in order.tolist():
+            pos.append(seen.get(s, 0))
+            seen[s] = pos[-1] + 1
+        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32),
+                      tuple((s,) for s in order.tolist()))
+        n_ubatch = int(rng.integers(1, 64))
+        direct = split_ubatches(batch, n_ubatch, "seq")
+        batch.__dict__["has_coupled"] = True  # the general scan
+        scanned = split_ubatches(batch, n_ubatch, "seq")
+        assert [u.token_idx.tolist() for u in direct] == [u.token_idx.tolist() for u in scanned]
+        assert [u.positions.tolist() for u in direct] == [u.positions.tolist() for u in scanned]
+        assert [u.token_seq_ids for u in direct] == [u.token_seq_ids for u in scanned]
+
+
+def test_split_equal_set_chain_matches_the_token_scan(monkeypatch):
+    """split_equal (sequential) collects its sets by lookups per sequence id; the ubatches are
+    those of llama.cpp's pass over every unused token."""
+    from ggml_attn.graph import split as split_mod
+
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        lens = rng.integers(1, 30, int(rng.integers(1, 14)))
+        ids = rng.permutation(len(lens)) + int(rng.integers(0, 3))  # any id order, maybe not from 0
+        order = np.repeat(np.arange(len(lens)), lens)
+        if rng.random() < 0.7:
+            rng.shuffle(order)
+        seen: dict[int, int] = {}
+        pos, sids = [], []
+        for j in order.tolist():
+            s = int(ids[j])
+            pos.append(seen.get(s, 0))
+            seen[s] = pos[-1] + 1
+            sids.append((s,))
+        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32), tuple(sids))
+        n_ubatch = int(rng.integers(1, 48))
+        chained = split_ubatches(batch, n_ubatch, "equal")
+        with monkeypatch.context() as m:
+            m.setattr(split_mod, "_equal_sets_chain", lambda st, n: split_mod._equal_sets_scan(st, n, True))
+            scanned = split_ubatches(batch, n_ubatch, "equal")
+        assert [u.token_idx.tolist() for u in chained] == [u.token_idx.tolist() for u in scanned]
+        assert [(u.n_seqs, u.token_seq_ids) for u in chained] == [(u.n_seqs, u.token_seq_ids) for u in scanned]

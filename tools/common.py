@@ -1,10 +1,12 @@
-"""Small helpers both tools share: build info, CPU/GPU names, thread count, progress lines."""
+"""Small helpers both tools share: build info, CPU/GPU names, thread count, progress lines,
+the wall-clock timer of the CPU engine."""
 from __future__ import annotations
 
 import os
 import platform
 import subprocess
 import sys
+import time
 from functools import lru_cache
 
 
@@ -162,3 +164,18 @@ def console_main(prog: str, main_fn, argv=None) -> int:
     if argv is None:
         install_sigint_flag()
     return run_cli(prog, main_fn, argv)
+
+
+class WallTimer:
+    """``with timer: ...`` then ``timer.ns``; wall clock (the CPU engine computes synchronously)."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def __enter__(self):
+        self._t0 = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc):
+        self.ns = time.perf_counter_ns() - self._t0
+        return False

@@ -27,8 +27,8 @@ import ctypes
 import ggml
 import numpy as np
 
+from .common import WallTimer
 from .kv_types import ggml_type
-from .runner import WallTimer
 
 _SHARED_WEIGHTS_ABOVE = 1 << 30
 

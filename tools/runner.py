@@ -1,7 +1,8 @@
 """What both benchmark tools drive: batch -> ubatches -> KV cache -> graph -> compute.
 
-The one place that talks to ``ggml_attn.graph`` (Batch, split_ubatches, KVCache,
-plan_ubatch) and to an *engine* that computes one planned ubatch through all layers:
+The one place that talks to ``ggml_attn.graph`` (Batch, split_ubatches, choose_split,
+KVCache, plan_ubatch, apply_plan) and to an *engine* that computes one planned ubatch through
+all layers:
 
 * :class:`~ggml_attn.cli.host_engine.HostEngine` - a ggml graph on the CPU, attention by
   ``ggml_attn.flash_attn_ext`` (or ggml's own kernels with ``--kernel ggml`` / ``-fa off``);
@@ -11,11 +12,12 @@ plan_ubatch) and to an *engine* that computes one planned ubatch through all lay
 :class:`Runner.decode` mirrors ``llama_decode`` as llama-batched-bench calls it: the batch
 is cut into ``n_batch`` views in token order, each view is split into ubatches with the
 configured strategy, the ubatches are checked to fit the cache, then placed, masked and
-computed one after another; pad cells are freed after their ubatch.
+computed one after another; pad cells are freed after their ubatch. With ``auto`` the
+ubatches and their plans are the ones its choice dry-ran (``choose_split``), applied as they
+are: nothing is split, checked or planned twice.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -226,7 +228,7 @@ class Runner:
         g = _graph()
         out = []
         for view in _batch_views(batch, self.cfg.n_batch):
-            out.extend(self._split_view(g, view))
+            out.extend(self._split_view(g, view)[0])
         return out
 
     def attn_config(self):
@@ -237,9 +239,14 @@ class Runner:
                             logit_softcap=m.logit_softcap, seed=self.cfg.seed)
 
     def _split_view(self, g, view):
-        kw = {"cache": self.cache, "cfg": self.attn_config()} if self.cfg.split == "auto" else {}
+        """``(ubatches, plans)`` of ``view`` on the cache as it is now: ``auto`` is asked for its
+        choice and hands back the plans it dry-ran (None when it chose without dry runs); the
+        other strategies split only (plans None: planned one ubatch at a time)."""
         try:
-            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split, **kw)
+            if self.cfg.split == "auto":
+                choice = g.choose_split(view, self.cfg.n_ubatch, cache=self.cache, cfg=self.attn_config())
+                return choice.ubatches, choice.plans
+            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split), None
         except ValueError as e:
             raise UserError(f"split '{self.cfg.split}': {e}") from e
 
@@ -255,19 +262,24 @@ class Runner:
                 cache.validate(view)
             except ValueError as e:
                 raise UserError(str(e)) from e
-            ubatches = self._split_view(g, view)
-            try:
-                cache.prepare(ubatches)
-            except g.KVCacheFullError as e:
-                raise UserError(f"context overflow: {e}") from e
-            except ValueError as e:  # e.g. simple split of several sequences into split KV
-                raise UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
-                                f"(use -kvu or another --split)") from e
-            for ub in ubatches:
+            ubatches, made = self._split_view(g, view)
+            if made is None:  # (auto's dry run already placed every ubatch one after another)
+                try:
+                    cache.prepare(ubatches)
+                except g.KVCacheFullError as e:
+                    raise UserError(f"context overflow: {e}") from e
+                except ValueError as e:  # e.g. simple split of several sequences into split KV
+                    raise UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
+                                    f"(use -kvu or another --split)") from e
+            for i, ub in enumerate(ubatches):
                 check_interrupt()
                 with cache.transaction():  # a failed ubatch leaves its cells as they were
-                    # place in the cache, mask and tile map: once per ubatch, for every layer
-                    plan = g.plan_ubatch(cache, ub, alibi=False)
+                    # place in the cache, mask and tile map: once per ubatch, for every layer;
+                    # auto's dry-run plans were made on exactly this cell state, so applied as is
+                    if made is None:
+                        plan = g.plan_ubatch(cache, ub, alibi=False)
+                    else:
+                        plan = g.apply_plan(cache, made[i])
                     self.engine.run_ubatch(plan)
                     cache.free_pads(plan.slot)
                 stats.n_ubatches += 1
@@ -303,18 +315,3 @@ def _batch_views(batch, n_batch: int):
     for i in range(0, batch.n_tokens, n_batch):
         j = min(i + n_batch, batch.n_tokens)
         yield cls(batch.tokens[i:j], batch.positions[i:j], batch.seq_ids[i:j])
-
-
-class WallTimer:
-    """``with timer: ...`` then ``timer.ns``; wall clock (the CPU engine computes synchronously)."""
-
-    def __init__(self):
-        self.ns = 0
-
-    def __enter__(self):
-        self._t0 = time.perf_counter_ns()
-        return self
-
-    def __exit__(self, *exc):
-        self.ns = time.perf_counter_ns() - self._t0
-        return False
