@@ -343,10 +343,12 @@ class Plan:
     # host statistics read once by make_plan (one synchronization per ubatch):
     wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
     max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
+    _live_key: tuple = ()                          # max_live as a sorted tuple (kept by read_stats)
 
     def hint(self) -> tuple:
-        """What the launch configuration takes from the plan (part of the call cache key)."""
-        return self.wide, tuple(sorted(self.max_live.items()))
+        """What the launch configuration takes from the plan (part of the call cache key; read
+        on every call, so nothing is computed here)."""
+        return self.wide, self._live_key
 
     def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
         """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
@@ -356,6 +358,7 @@ class Plan:
             cnt = cnt_d.get()
         mx = int(cnt.max()) if cnt.size else 0
         self.max_live[tq] = mx
+        self._live_key = tuple(sorted(self.max_live.items()))
         return mx, float(cnt.mean()) if cnt.size else 0.0
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
