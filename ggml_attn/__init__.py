@@ -9,7 +9,7 @@ import os as _os
 # numpy path about 20x slower on 2 cores. Passive waiting, unless the user chose otherwise
 # (it only takes effect when OpenMP is not loaded yet, i.e. ggml_attn is imported first).
 _os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-from .op import (FlashAttnError, active_plans, compute_graph, flash_attn_ext,  # noqa: F401
+from .op import (FlashAttnError, compute_graph, flash_attn_ext,  # noqa: F401
                  gpu_available, raise_pending, set_backend)
 from .reference import nmse  # noqa: F401
 

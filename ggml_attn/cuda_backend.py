@@ -28,8 +28,9 @@ from . import dispatch
 from . import kernels as K
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES, TYPE_SIZES
 from .tensor import TensorDesc
+from .validate import check_flash_attn_args
 
-__all__ = ["available", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
+__all__ = ["available", "bind", "BoundCall", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
            "LaunchConfig", "launch_config"]
 
 _AVAILABLE: bool | None = None
@@ -76,45 +77,27 @@ class Shapes:
 
 
 def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
-             sinks: TensorDesc | None, dst: TensorDesc) -> Shapes:
-    """Check ggml's rules for the op; raise ValueError naming the tensor at fault."""
-    if q.type != GGML_TYPE_F32:
-        raise ValueError(f"q must be f32, got {q.shape_str}")
+             sinks: TensorDesc | None, dst: TensorDesc, scale: float = 1.0, max_bias: float = 0.0,
+             logit_softcap: float = 0.0) -> Shapes:
+    """ggml's rules for the op (:func:`ggml_attn.validate.check_flash_attn_args`, the one set of
+    rules and messages) plus what the GPU entry points add: K and V of one float type, a
+    contiguous f32 ``dst`` of the result's shape. ValueError naming the tensor at fault."""
+    dims = check_flash_attn_args(q, k, v, mask, sinks, max_bias, scale, logit_softcap, mask_rows_only=True)
     if k.type != v.type:
         raise ValueError(f"k and v must have the same type: {k.shape_str} vs {v.shape_str}")
     if k.type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16):
-        raise ValueError(f"k/v type {TYPE_NAMES.get(k.type, k.type)} is not supported: {k.shape_str}")
-    d_k, n_batch, n_head, ne3 = q.ne
-    if k.ne[0] != d_k:
-        raise ValueError(f"k head size {k.ne[0]} != q head size {d_k} ({k.shape_str}, {q.shape_str})")
-    n_kv, n_head_kv = k.ne[1], k.ne[2]
-    d_v = v.ne[0]
-    if v.ne[1:] != k.ne[1:]:
-        raise ValueError(f"v {v.shape_str} does not match k {k.shape_str} in n_kv/n_head_kv/ne3")
-    if k.ne[3] != ne3:
-        raise ValueError(f"k ne3 {k.ne[3]} != q ne3 {ne3}")
-    if n_head_kv <= 0 or n_head % n_head_kv:
-        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
-    if q.nb[0] != 4 or k.nb[0] != TYPE_SIZES[k.type] or v.nb[0] != TYPE_SIZES[v.type]:
-        raise ValueError("q/k/v rows must be contiguous (nb[0] == element size)")
-    ne32 = ne33 = 1
-    if mask is not None:
-        if mask.type != GGML_TYPE_F16:
-            raise ValueError(f"mask must be f16, got {mask.shape_str}")
-        if mask.nb[0] != 2:
-            raise ValueError(f"mask rows must be contiguous: {mask.shape_str} nb={mask.nb}")
-        if mask.ne[0] != n_kv or mask.ne[1] < n_batch:
-            raise ValueError(f"mask {mask.shape_str} must be [n_kv={n_kv}, >= n_batch={n_batch}, ...]")
-        ne32, ne33 = mask.ne[2], mask.ne[3]
-        if ne32 <= 0 or n_head % ne32 or ne33 <= 0 or ne3 % ne33:
-            raise ValueError(f"mask {mask.shape_str} does not broadcast over n_head={n_head}, ne3={ne3}")
-    if sinks is not None:
-        if sinks.type != GGML_TYPE_F32 or sinks.ne[0] != n_head or sinks.nb[0] != 4:
-            raise ValueError(f"sinks must be f32 [n_head={n_head}], got {sinks.shape_str}")
-    want = (d_v, n_head, n_batch, ne3)
+        raise ValueError(f"k/v type {TYPE_NAMES.get(k.type, k.type)} is not supported by the GPU "
+                         f"entry points: {k.shape_str}")
+    want = dims.out_ne
     if dst.type != GGML_TYPE_F32 or tuple(dst.ne) != want or not dst.is_contiguous():
         raise ValueError(f"dst must be contiguous f32 {list(want)}, got {dst.shape_str} nb={dst.nb}")
-    return Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, n_kv, k.type, ne32, ne33)
+    return Shapes(dims.d_k, dims.d_v, dims.n_batch, dims.n_head, dims.n_head_kv, dims.ne3, dims.n_kv,
+                  k.type, dims.mask_heads, dims.mask_streams)
+
+
+def facts(sh: Shapes, kv_aligned: bool = True) -> dispatch.CallFacts:
+    """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes."""
+    return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned)
 
 
 def _kv_aligned(t: TensorDesc) -> bool:
@@ -491,10 +474,8 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
     sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
-    kern = kernel
-    if kern == "auto":
-        kern, _ = dispatch.choose(n_batch, sh.gqa, sh.n_kv, d_k, d_v, kv_type)
-    if kern in ("prefill", "decode", "decode-tc") and dispatch.supports(kern, d_k, d_v, kv_type) is None:
+    kern = dispatch.best_kernel(kernel, facts(sh)).kernel
+    if kern in dispatch.GPU_KERNELS:
         st = _stream_ptr(stream)
         if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
             _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
@@ -525,27 +506,13 @@ def _workspace(dev: int, stream: int, nbytes: int) -> int:
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, q: TensorDesc) -> str:
-    if kernel not in dispatch.KERNELS:
-        raise ValueError(f"kernel must be one of {dispatch.KERNELS}, got {kernel!r}")
-    if kernel == "reference":
-        return kernel
-    if kernel == "auto":
-        kern, _ = dispatch.choose(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type)
-        if kern == "reference":
-            _warn_once(f"{dispatch.supports('decode', sh.d_k, sh.d_v, sh.kv_type)}; "
-                       "running the numpy reference on the host")
-            return kern
-    else:
-        why = dispatch.supports(kernel, sh.d_k, sh.d_v, sh.kv_type)
-        if why is not None:
-            raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
-        kern = kernel
-    if not (_kv_aligned(k) and _kv_aligned(v)):
-        _warn_once("k/v pointers or byte strides are not multiples of 16 bytes; "
-                   "running the numpy reference on the host")
-        return "reference"
-    return kern
+def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc) -> str:
+    """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`); warns once when it
+    falls back to the numpy reference."""
+    choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v)))
+    if choice.kernel == "reference" and kernel != "reference":
+        _warn_once(choice.reason)
+    return choice.kernel
 
 
 @dataclass
@@ -574,10 +541,8 @@ def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spl
 
 def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
              plan: Plan | None = None) -> _Prepared:
-    sh = validate(q, k, v, mask, sinks, dst)
-    if max_bias > 0.0 and mask is None:
-        raise ValueError("max_bias > 0 (ALiBi) requires a mask")
-    kern = _resolve_kernel(kernel, sh, k, v, q)
+    sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, softcap)
+    kern = _resolve_kernel(kernel, sh, k, v)
     if kern == "reference":
         return _Prepared(kern)
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
@@ -619,21 +584,41 @@ def _aligned_q_copy(q: TensorDesc, stream: int):
     return from_array(copy, GGML_TYPE_F32, q.name), copy
 
 
-def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
-                          sinks: TensorDesc | None, dst: TensorDesc, scale: float,
-                          max_bias: float = 0.0, logit_softcap: float = 0.0, *,
-                          kernel: str = "auto", plan: Plan | None = None, stream=None,
-                          n_splits: int | None = None) -> None:
-    """Attention on device pointers; writes ``dst``. Asynchronous on ``stream`` (default:
-    CuPy's current stream). ``plan``: from :func:`make_plan` for this mask (built per call
-    when None and a mask is given). ``n_splits`` overrides the KV split count (tests).
+class BoundCall:
+    """One call with everything filled in -- kernel, grid, parameter block, plan buffers,
+    workspace, stream -- so that repeating it is one or two ``cuLaunchKernel``.
 
-    Validation, dispatch and launch configuration are cached per (shapes, strides, types,
-    scalars): a repeated call costs a dict lookup, a parameter copy and the launches."""
+    ``ptrs`` are the six data pointers (q, k, v, mask, sinks, dst; 0 when absent) and ``stream``
+    the stream it was bound for: the op's callback replays the call while both are unchanged
+    (:meth:`launch`), and binds again otherwise. ``replayable`` is False when the call copies
+    its inputs (a misaligned Q) or runs the numpy reference: those do per-call work."""
+
+    __slots__ = ("ptrs", "stream", "kern", "replayable", "_fn", "_comb", "_grid", "_block", "_comb_grid",
+                 "_params", "_args", "_keep", "_ref")
+
+    def launch(self) -> None:
+        if self._ref is not None:
+            _reference_device(*self._ref, self.stream)
+            return
+        self._fn.launch_raw(self._grid, self._block, self.stream, self._args)
+        if self._comb is not None:
+            self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
+
+
+def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, sinks: TensorDesc | None,
+         dst: TensorDesc, scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0, *,
+         kernel: str = "auto", plan: Plan | None = None, stream=None, n_splits: int | None = None) -> BoundCall:
+    """Validate, choose, configure and fill in one call on device pointers (the work of
+    :func:`flash_attn_ext_device` short of launching). Validation, dispatch and launch
+    configuration are cached per (shapes, strides, types, scalars, plan statistics)."""
     import cupy
-    q_copy = None
+    st = _stream_ptr(stream)
+    b = BoundCall()
+    b.ptrs = tuple(t.ptr if t is not None else 0 for t in (q, k, v, mask, sinks, dst))
+    b.stream, b._keep, b._ref, b.replayable = st, None, None, True
     if q_needs_aligned_copy(q):
-        q, q_copy = _aligned_q_copy(q, _stream_ptr(stream))  # q_copy: alive until launched
+        q, b._keep = _aligned_q_copy(q, st)  # the copy: alive until launched
+        b.replayable = False
     dev = cupy.cuda.runtime.getDevice()
     key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev,
                     plan.hint() if plan is not None else None)
@@ -643,10 +628,10 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
         if len(_PREPARED) > 4096:
             _PREPARED.clear()
         _PREPARED[key] = prep
-    st = _stream_ptr(stream)
+    b.kern = prep.kern
     if prep.kern == "reference":
-        _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, st)
-        return
+        b._ref, b.replayable = (q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap), False
+        return b
     cfg = prep.cfg
     p = K.FattnParams.from_buffer_copy(prep.template)
     p.q, p.k, p.v, p.dst = q.ptr, k.ptr, v.ptr, dst.ptr
@@ -656,6 +641,7 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
         n_batch = q.ne[1]
         if plan is None:
             plan = Plan(mask, n_batch, q.ne[2], k.ne[2])
+            b._keep = (b._keep, plan)   # its tile map: alive as long as the call
         elif not plan.matches(mask, n_batch):
             raise ValueError("plan was built for another mask or n_batch "
                              f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "
@@ -668,9 +654,25 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
     if prep.ws_bytes:
         ws = _workspace(dev, st, prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
-    prep.fn.launch(cfg.grid, (cfg.block, 1, 1), st, p)
-    if prep.comb is not None:
-        prep.comb.launch(prep.comb_grid, (128, 1, 1), st, p)
+    b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
+    b._params = p
+    arr = K.arg_block(p)
+    b._args, b._keep = ctypes.addressof(arr), (b._keep, arr)
+    return b
+
+
+def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
+                          sinks: TensorDesc | None, dst: TensorDesc, scale: float,
+                          max_bias: float = 0.0, logit_softcap: float = 0.0, *,
+                          kernel: str = "auto", plan: Plan | None = None, stream=None,
+                          n_splits: int | None = None) -> None:
+    """Attention on device pointers; writes ``dst``. Asynchronous on ``stream`` (default:
+    CuPy's current stream). ``plan``: from :func:`make_plan` for this mask (built per call
+    when None and a mask is given). ``n_splits`` overrides the KV split count (tests).
+    A repeated call costs a cache lookup, a parameter copy and the launches; the op's callback
+    keeps the :func:`bind` result per node and replays it instead."""
+    bind(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel=kernel, plan=plan,
+         stream=stream, n_splits=n_splits).launch()
 
 
 def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None:
@@ -749,21 +751,13 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     """Attention on host pointers: inputs staged to the GPU through pinned buffers, the result
     copied back into ``dst``; synchronous. Without a GPU, or with kernel="reference", the numpy
     reference runs on the host."""
-    sh = validate(q, k, v, mask, sinks, dst)
-    if kernel not in dispatch.KERNELS:
-        raise ValueError(f"kernel must be one of {dispatch.KERNELS}, got {kernel!r}")
-    if kernel == "reference" or not available():
+    sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
+    choice = dispatch.best_kernel(kernel, facts(sh), gpu=available(), backend="auto", on_device=False)
+    if not choice.on_gpu:   # host data, no kernel for it: the numpy reference on the host
         if kernel != "reference":
-            _warn_once("no CUDA device or CuPy; running the numpy reference on the host")
+            _warn_once(f"{choice.reason}; running the numpy reference on the host")
         _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
         return
-    if kernel == "auto":
-        kern, _ = dispatch.choose(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type)
-        if kern == "reference":
-            _warn_once(f"{dispatch.supports('decode', sh.d_k, sh.d_v, sh.kv_type)}; "
-                       "running the numpy reference on the host")
-            _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
-            return
     import cupy
     rt = cupy.cuda.runtime
     stream = cupy.cuda.get_current_stream().ptr

@@ -1,10 +1,13 @@
 """Which implementation runs one ``flash_attn_ext`` call, and why.
 
-Inputs are plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
+:func:`best_kernel` is the one place that decides (as llama.cpp's
+``ggml_cuda_get_best_fattn_kernel`` answers both "can it run?" and "what runs?"): the op, the
+CUDA backend's entry points, the plan builder and the CLI all ask it. Inputs are plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
 heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
 ``"prefill"`` (tensor-core tiles of 64 rows), ``"decode"`` (CUDA-core split-KV),
 ``"decode-tc"`` (tensor-core split-KV, the query heads of one KV head as the rows of a 16-row
-tile) or ``"reference"`` (numpy, for what no kernel covers), plus a one-line reason.
+tile), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
+host memory), plus a one-line reason.
 
 The crossover table below comes from ``tools/gpu_crossover.py`` run on the H200; its raw
 numbers are in ``bench/results/`` (see bench/NOTES.md). The same table answers the question
@@ -13,10 +16,13 @@ cores; is the prefill kernel always faster at decode? -- for this project's kern
 """
 from __future__ import annotations
 
-from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, TYPE_NAMES
+from dataclasses import dataclass
+
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .kernels import MMA_HEADS, VEC_HEADS
 
 KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference")
+GPU_KERNELS = ("prefill", "decode", "decode-tc")
 
 # Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
 # bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
@@ -52,15 +58,94 @@ def _bucket(gqa: int) -> int:
     return b
 
 
-def choose(n_batch: int, gqa: int, n_kv: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
-    """Pick a kernel for one call; returns (kernel, reason)."""
-    if supports("decode", d_k, d_v, kv_type) is not None:
-        return "reference", supports("decode", d_k, d_v, kv_type)
-    mma_ok = supports("prefill", d_k, d_v, kv_type) is None
-    if not mma_ok:
+def _choose_gpu(n_batch: int, gqa: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
+    """The GPU kernel for one call when ``auto`` is asked: (kernel, reason); "reference" when no
+    kernel covers these head sizes / K/V type."""
+    why = supports("decode", d_k, d_v, kv_type)
+    if why is not None:
+        return "reference", why
+    if supports("prefill", d_k, d_v, kv_type) is not None:
         return "decode", f"head sizes {d_k}/{d_v} have only the CUDA-core kernel"
     if n_batch <= DECODE_MAX_BATCH[_bucket(gqa)]:
         if gqa >= DECODE_TC_MIN_GQA:
             return "decode-tc", f"n_batch {n_batch} <= decode limit, gqa {gqa} >= {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
         return "decode", f"n_batch {n_batch} <= decode limit, gqa {gqa} < {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
     return "prefill", f"n_batch {n_batch} above the decode limit ({CROSSOVER_SOURCE})"
+
+
+def choose(n_batch: int, gqa: int, n_kv: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
+    """The GPU kernel ``auto`` picks for device data: (kernel, reason). Same answer as
+    :func:`best_kernel` for ``kernel="auto"`` with aligned K/V."""
+    c = best_kernel("auto", CallFacts(n_batch, gqa, n_kv, d_k, d_v, kv_type))
+    return c.kernel, c.reason
+
+
+@dataclass(frozen=True)
+class CallFacts:
+    """What the choice depends on, for one call (ggml meaning): query tokens per stream, query
+    heads per KV head, KV cells, head sizes, K/V type, and whether K/V pointers and byte
+    strides are multiples of 16 (the tensor-core kernels load 16-byte chunks)."""
+    n_batch: int
+    gqa: int
+    n_kv: int
+    d_k: int
+    d_v: int
+    kv_type: int
+    kv_aligned: bool = True
+
+
+@dataclass(frozen=True)
+class Choice:
+    """``kernel``: "prefill" | "decode" | "decode-tc" (CUDA kernels), "reference" (numpy, on host
+    copies when the data is on the device) or "cpu" (the op's threaded numpy path on host
+    memory); ``reason``: one line saying why."""
+    kernel: str
+    reason: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kernel in GPU_KERNELS
+
+
+def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool = True,
+                on_device: bool = True) -> Choice:
+    """The one place that answers both "can this call run?" and "what runs?".
+
+    ``kernel``: the request (``auto`` or a name from :data:`KERNELS`); ``backend``: the op's
+    setting (``auto``, ``reference``, ``cuda``; the CUDA backend's own entry points pass
+    ``cuda``); ``gpu``: a usable GPU is present; ``on_device``: the call's data is in GPU
+    memory. Raises ``ValueError`` (or ``RuntimeError`` for ``backend="cuda"`` without a GPU)
+    when the request cannot run, naming why; never returns a choice that cannot run."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    quantized = f.kv_type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
+    if backend == "reference":
+        if on_device:
+            return Choice("reference", "backend 'reference' (data copied to the host)")
+        return Choice("cpu", "backend 'reference'")
+    if not gpu:
+        if backend == "cuda":
+            raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
+        return Choice("cpu", "no usable GPU")
+    if quantized:
+        what = f"quantized K/V ({TYPE_NAMES.get(f.kv_type, f.kv_type)}) are supported on the CPU path only"
+        if on_device:
+            raise ValueError(f"{what}; keep them on the host or use f16/bf16")
+        if backend == "cuda":
+            raise ValueError(f"{what}: backend 'cuda' cannot run them; use 'auto' or 'reference'")
+        return Choice("cpu", what)
+    if kernel == "reference":
+        return Choice("reference", "kernel 'reference' requested")
+    if kernel == "auto":
+        kern, why = _choose_gpu(f.n_batch, f.gqa, f.d_k, f.d_v, f.kv_type)
+        if kern == "reference":
+            return Choice("reference", f"{why}; running the numpy reference on the host")
+    else:
+        why = supports(kernel, f.d_k, f.d_v, f.kv_type)
+        if why is not None:
+            raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
+        kern, why = kernel, f"kernel {kernel!r} requested"
+    if not f.kv_aligned:
+        return Choice("reference", "k/v pointers or byte strides are not multiples of 16 bytes; "
+                                   "running the numpy reference on the host")
+    return Choice(kern, why)

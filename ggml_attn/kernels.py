@@ -410,9 +410,19 @@ class Kernel:
 
     def launch(self, grid, block, stream: int, *args) -> None:
         """``args``: ctypes objects (a FattnParams, c_uint64 pointers, ...) in kernel order."""
-        ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self.launch_raw(grid, block, stream, ctypes.addressof(arg_block(*args)))
+
+    def launch_raw(self, grid, block, stream: int, args_addr: int) -> None:
+        """Launch with a prebuilt argument block (the address of :func:`arg_block`'s array; the
+        caller keeps it and the objects it points at alive)."""
         self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                     self.smem, stream, ctypes.addressof(ptrs), 0)
+                     self.smem, stream, args_addr, 0)
+
+
+def arg_block(*args):
+    """The ``void*[]`` array of kernel argument addresses cuLaunchKernel takes, for ctypes
+    objects ``args`` in kernel order (keep it and them alive while launching with it)."""
+    return (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
 
 
 _MODULES: dict[tuple, dict[str, int]] = {}   # (variant, arch, device) -> name -> CUfunction

@@ -26,16 +26,18 @@ compute returns.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import signal
 import threading
+import weakref
 from dataclasses import dataclass
 
 import ggml
 import numpy as np
 
 from . import cpu
-from .dtypes import GGML_TYPE_F32, STORAGE_DTYPES
+from .dtypes import GGML_TYPE_F32
 from .tensor import TensorDesc, as_numpy, from_ggml
 from .validate import check_flash_attn_args
 
@@ -58,11 +60,25 @@ class _OpParams:
     has_sinks: bool
 
 
-# userdata id -> params. Deduplicated: graphs with the same settings share one entry, so the
-# registry stays tiny however many graphs are built.
-_params_by_id: dict[int, _OpParams] = {}
-_id_by_params: dict[_OpParams, int] = {}
+@dataclass(eq=False)
+class _Spec:
+    """What an op node carries from graph-build time (its ``userdata`` is the spec's id).
+
+    Nodes built without a plan share one spec per parameter set (the registry stays tiny
+    however many graphs are built). A node built with ``plan=`` gets a spec of its own that
+    holds the plan weakly (the caller owns the plan, as with FlashInfer's ``plan()``/``run()``)
+    and the node's last bound CUDA call (``cuda_backend.BoundCall``), replayed while the data
+    pointers and the stream stay the same: the fast path of the callback."""
+    params: _OpParams
+    plan_ref: object = None      # weakref.ref to the build-time plan, or None
+    bound: object = None         # the node's last BoundCall (per-node specs only)
+
+
+_specs: dict[int, _Spec] = {}
+_shared_spec_ids: dict[_OpParams, int] = {}
+_next_spec_id = itertools.count(1)
 _registry_lock = threading.Lock()
+_prune_at = [1024]   # per-node specs are pruned (dead plans) when the registry reaches this size
 
 # Errors recorded by op callbacks, per op node (the node tensor's address), and the thread that
 # computes each node (its graph thread 0 is the thread that called ggml's compute).
@@ -75,31 +91,7 @@ _MAX_OWNERS = 1 << 16  # node -> thread entries kept for plain computes before t
 _interrupted: set[int] = set()
 
 _settings = {"backend": "auto", "kernel": "auto"}
-
-# mask data pointer -> the CUDA backend's per-ubatch plan (FlashInfer's plan/run): every layer's
-# op of a ubatch finds the plan by its mask instead of rescanning the mask.
-_active_plans: dict[int, object] = {}
-
-
-class active_plans:
-    """``with active_plans(plan, ...):`` compute -- ops whose mask is a plan's mask reuse it.
-
-    The caller owns the plans' validity: the mask contents must not change inside the block.
-    Ops with other masks (or outside the block) build their own plan per call.
-    """
-
-    def __init__(self, *plans):
-        self._plans = [p for p in plans if p is not None]
-
-    def __enter__(self):
-        for p in self._plans:
-            _active_plans[p.mask.ptr] = p
-        return self
-
-    def __exit__(self, *exc):
-        for p in self._plans:
-            if _active_plans.get(p.mask.ptr) is p:
-                del _active_plans[p.mask.ptr]
+_settings_gen = [0]   # bumped by set_backend: bound calls of older settings are not replayed
 
 
 def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
@@ -118,6 +110,7 @@ def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
                            "use 'auto' or 'reference'")
     _settings["backend"] = backend
     _settings["kernel"] = kernel
+    _settings_gen[0] += 1
 
 
 def _why_no_gpu() -> str:
@@ -128,12 +121,22 @@ def _why_no_gpu() -> str:
     return "no CUDA device visible to CuPy"
 
 
-def _params_id(p: _OpParams) -> int:
+def _spec_id(params: _OpParams, plan) -> int:
+    """Register the build-time state of a new op node; returns its ``userdata`` id."""
     with _registry_lock:
-        if p not in _id_by_params:
-            _id_by_params[p] = len(_params_by_id) + 1
-            _params_by_id[_id_by_params[p]] = p
-        return _id_by_params[p]
+        if plan is None:
+            sid = _shared_spec_ids.get(params)
+            if sid is None:
+                sid = _shared_spec_ids[params] = next(_next_spec_id)
+                _specs[sid] = _Spec(params)
+            return sid
+        if len(_specs) >= _prune_at[0]:   # drop the specs of plans that are gone
+            for i in [i for i, sp in _specs.items() if sp.plan_ref is not None and sp.plan_ref() is None]:
+                del _specs[i]
+            _prune_at[0] = max(1024, 2 * len(_specs))
+        sid = next(_next_spec_id)
+        _specs[sid] = _Spec(params, weakref.ref(plan))
+        return sid
 
 
 def _node_addr(tensor_p) -> int:
@@ -352,24 +355,15 @@ def gpu_available() -> bool:
     return bool(cuda_backend.available())
 
 
-def _use_cuda(q: TensorDesc, k: TensorDesc, v: TensorDesc) -> tuple[bool, bool]:
-    """(run on CUDA, pointers are on the device) for this call."""
+def _choose(q: TensorDesc, k: TensorDesc, dims):
+    """(``dispatch.Choice``, data on the device) for this call: ``dispatch.best_kernel`` with
+    the op's settings."""
+    from .dispatch import CallFacts, best_kernel  # noqa: PLC0415
     backend = _settings["backend"]
-    if backend == "reference":
-        return False, False
-    if not gpu_available():
-        if backend == "cuda":
-            raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
-        return False, False
-    on_device = _is_device_pointer(q.ptr)
-    if k.type not in STORAGE_DTYPES or v.type not in STORAGE_DTYPES:  # quantized K/V: CPU only
-        if on_device:
-            raise ValueError(f"quantized K/V ({k.shape_str}, {v.shape_str}) are supported on the "
-                             "CPU path only; keep them on the host or use f16/bf16")
-        if backend == "cuda":
-            raise ValueError("backend 'cuda' cannot run quantized K/V; use 'auto' or 'reference'")
-        return False, False
-    return True, on_device
+    gpu = backend != "reference" and gpu_available()
+    on_device = gpu and _is_device_pointer(q.ptr)
+    f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type)
+    return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
 
 
 class _SingleThreadedBlas:
@@ -453,29 +447,53 @@ def _is_device_pointer_safe(ptr: int) -> bool:
         return False
 
 
+_stream_ptr = None   # () -> CuPy's current stream (set when the first call is bound)
+
+
+def _src_ptrs(d, n_src: int) -> tuple:
+    """Data pointers of an op node's sources and result (ints; None when unset)."""
+    src = d.src
+    return tuple(src[i].contents.data for i in range(n_src)) + (d.data,)
+
+
 def _callback(dst_p, ith, nth, userdata):
-    node = _node_addr(dst_p)
+    d = dst_p.contents
+    node = ctypes.addressof(d)
     register_node(node, ith)
     if interrupted(node):  # Ctrl-C earlier in this compute: the remaining op nodes return at once
         if ith == 0:
             _fill_nan(dst_p)
         return
     try:
-        p = _params_by_id[int(userdata or 0)]
-        q, k, v, mask, sinks, dst = _descs(dst_p, p)
-        dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
-        use_cuda, on_device = _use_cuda(q, k, v)
-        if use_cuda:
+        spec = _specs.get(userdata or 0)
+        if spec is None:
+            raise RuntimeError("this op node's build-time state is gone: the plan passed to "
+                               "flash_attn_ext(plan=...) was freed while its graph lived")
+        bound = spec.bound
+        if bound is not None:   # fast path: same pointers and stream as the bound call -> launch
             if ith != 0:
                 return
-            from . import cuda_backend
+            if (_src_ptrs(d, bound[0]) == bound[1] and _stream_ptr() == bound[2].stream
+                    and bound[3] == _settings_gen[0]):
+                bound[2].launch()
+                return
+        p = spec.params
+        plan = None
+        if spec.plan_ref is not None:
+            plan = spec.plan_ref()
+            if plan is None:
+                raise RuntimeError("the plan passed to flash_attn_ext(plan=...) at graph-build time "
+                                   "was freed; keep it alive while the graph is computed")
+        q, k, v, mask, sinks, dst = _descs(dst_p, p)
+        dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
+        choice, on_device = _choose(q, k, dims)
+        if choice.kernel != "cpu":
+            if ith != 0:
+                return
             if on_device:
-                plan = _active_plans.get(mask.ptr) if mask is not None else None
-                if plan is not None and not plan.matches(mask, dims.n_batch):
-                    plan = None
-                cuda_backend.flash_attn_ext_device(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
-                                                   p.logit_softcap, kernel=_settings["kernel"], plan=plan)
+                _bind_and_launch(spec, d, plan, q, k, v, mask, sinks, dst)
             else:
+                from . import cuda_backend  # noqa: PLC0415
                 cuda_backend.flash_attn_ext_host(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
                                                  p.logit_softcap, kernel=_settings["kernel"])
         else:
@@ -492,6 +510,29 @@ def _callback(dst_p, ith, nth, userdata):
         _fill_nan(dst_p)
 
 
+def _bind_and_launch(spec: _Spec, d, plan, q, k, v, mask, sinks, dst) -> None:
+    """Device pointers: bind the call (``cuda_backend.bind``) and launch it. A node with its
+    own spec keeps the bound call for the fast path. A plan given at build time that does not
+    fit the call's mask is an error; without one the backend builds a tile map per call."""
+    global _stream_ptr
+    from . import cuda_backend  # noqa: PLC0415
+    if _stream_ptr is None:
+        import cupy  # noqa: PLC0415
+        _stream_ptr = lambda: cupy.cuda.get_current_stream().ptr  # noqa: E731
+    p = spec.params
+    if plan is not None and not plan.matches(mask, q.ne[1]):
+        raise ValueError(f"the plan given to flash_attn_ext at graph-build time was made for another "
+                         f"mask or n_batch (plan: {plan.mask.shape_str} at {plan.mask.ptr:#x}, "
+                         f"n_batch={plan.n_batch}; call: {mask.shape_str if mask else None} at "
+                         f"{mask.ptr if mask else 0:#x}, n_batch={q.ne[1]})")
+    b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
+                          kernel=_settings["kernel"], plan=plan, stream=_stream_ptr())
+    if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
+        n_src = 3 + p.has_mask + p.has_sinks
+        spec.bound = (n_src, _src_ptrs(d, n_src), b, _settings_gen[0]) if b.replayable else None
+    b.launch()
+
+
 # One callback object for the whole process: it can never be garbage-collected while a graph
 # that uses it is alive (ggml keeps only the raw function pointer: dropping it segfaults).
 _CALLBACK = ggml.ggml_custom_op_t(_callback)
@@ -499,8 +540,14 @@ _N_TASKS_ANY = -1  # GGML_N_TASKS_MAX: as many threads as the graph has
 
 
 def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
-                   logit_softcap: float = 0.0, sinks=None):
+                   logit_softcap: float = 0.0, sinks=None, *, plan=None):
     """Drop-in for ``ggml.ggml_flash_attn_ext`` (+ ``ggml_flash_attn_ext_add_sinks``).
+
+    ``plan``: optional ``cuda_backend.Plan`` of this mask (``cuda_backend.make_plan``, once per
+    ubatch, shared by every layer's op). The node holds it weakly -- keep it alive while the
+    graph is computed -- and, on device pointers, keeps its bound launch: a repeated compute
+    with the same data pointers and stream relaunches it without re-validating or re-planning.
+    Without a plan each device call builds its own tile map.
 
     Arguments are ggml-python tensors (``ggml_tensor_p``), ggml order:
     q F32 ``[D_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 (or a quantized type ggml can
@@ -529,7 +576,13 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     sinks_d = from_ggml(sinks, "sinks") if sinks is not None else None
     dims = check_flash_attn_args(*descs, mask_d, sinks_d, max_bias, scale, logit_softcap)
     params = _OpParams(scale, max_bias, logit_softcap, mask is not None, sinks is not None)
+    if plan is not None:
+        if mask is None:
+            raise ValueError("flash_attn_ext: plan= needs a mask (a plan is the tile map of a mask)")
+        if not hasattr(plan, "matches") or (mask_d.ptr and not plan.matches(mask_d, dims.n_batch)):
+            raise ValueError(f"flash_attn_ext: plan {plan!r:.80} was not made for this mask "
+                             f"{mask_d.shape_str} with n_batch={dims.n_batch} (cuda_backend.make_plan)")
     srcs = [q, k, v] + ([mask] if mask is not None else []) + ([sinks] if sinks is not None else [])
     args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
     return ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, *dims.out_ne, args, len(srcs),
-                               _CALLBACK, _N_TASKS_ANY, ctypes.c_void_p(_params_id(params)))
+                               _CALLBACK, _N_TASKS_ANY, ctypes.c_void_p(_spec_id(params, plan)))

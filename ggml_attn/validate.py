@@ -41,8 +41,10 @@ class AttnDims:
 def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
                           mask: TensorDesc | None = None, sinks: TensorDesc | None = None,
                           max_bias: float = 0.0, scale: float = 1.0,
-                          logit_softcap: float = 0.0) -> AttnDims:
-    """Validate q/k/v/mask/sinks (ggml order) and return the call's :class:`AttnDims`."""
+                          logit_softcap: float = 0.0, *, mask_rows_only: bool = False) -> AttnDims:
+    """Validate q/k/v/mask/sinks (ggml order) and return the call's :class:`AttnDims`.
+    ``mask_rows_only``: the mask needs contiguous rows only (the CUDA backend's direct entry
+    points take strided mask views; the op, like ggml's, wants a contiguous mask)."""
     if q.type != GGML_TYPE_F32:
         raise ValueError(f"q {q.shape_str}: expected type f32, got {type_name(q.type)}")
     for t in (k, v):
@@ -84,8 +86,9 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
     if mask is not None:
         if mask.type != GGML_TYPE_F16:
             raise ValueError(f"mask {mask.shape_str}: expected type f16, got {type_name(mask.type)}")
-        if not mask.is_contiguous():
-            raise ValueError(f"mask {mask.shape_str}: must be contiguous, got nb={list(mask.nb)}")
+        if not mask.is_contiguous() and (not mask_rows_only or mask.nb[0] != 2):
+            raise ValueError(f"mask {mask.shape_str}: must be {'rows-' if mask_rows_only else ''}contiguous, "
+                             f"got nb={list(mask.nb)}")
         if mask.ne[0] != n_kv:
             raise ValueError(f"mask {mask.shape_str}: ne[0]={mask.ne[0]} must equal n_kv={n_kv} (k's ne[1])")
         if mask.ne[1] < n_batch:

@@ -130,6 +130,7 @@ class UBatchGraph:
     v_in: list
     out: list
     _arrays: dict = field(default_factory=dict)  # tensor name -> backing array (kept alive)
+    kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
 
     def set_inputs(self, q, k, v) -> None:
         """``q[l] (n_tokens, n_head, D)``, ``k[l] (n_tokens, n_head_kv, D)``, ``v[l] (n_tokens,
@@ -148,7 +149,7 @@ class UBatchGraph:
             work = np.empty(cplan.work_size, dtype=np.uint8)
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
-        with fa_op.computing(self.graph), fa_op.active_plans(self.plan.kernel_plan):
+        with fa_op.computing(self.graph):
             status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # plan reused by every layer
         del work
         if status != 0:
@@ -164,6 +165,7 @@ class UBatchGraph:
             ggml.ggml_free(self.ctx)
             self.ctx = None
             self._arrays.clear()
+            self.kernel_plan = None
 
     def __del__(self):
         try:
@@ -250,6 +252,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     kp_mask = getattr(plan.kernel_plan, "mask", None)
     if on_device and (kp_mask is None or kp_mask.ptr != _ptr(arrays[id(mask)])):
         plan.kernel_plan = _kernel_plan(mask, n_tps, n_stream, cfg, kv_type)
+    kplan = plan.kernel_plan if on_device else None
     ds = 2 if kv_type == GGML_TYPE_F16 else 4
     q_in, k_in, v_in, outs = [], [], [], []
     for il in range(cfg.n_layer):
@@ -286,13 +289,17 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
                                   row * cache.kv_size, row * cache.kv_size * plan.slot.s0)
             views.append(ggml.ggml_permute(ctx, t, 0, 2, 1, 3))
         # 4. attention
-        out = fa(ctx, q4, views[0], views[1], mask, cfg.scale, cfg.max_bias, cfg.logit_softcap)
+        if fa is fa_op.flash_attn_ext:   # the ubatch's tile map, made once above, shared by every layer
+            out = fa(ctx, q4, views[0], views[1], mask, cfg.scale, cfg.max_bias, cfg.logit_softcap,
+                     plan=kplan)
+        else:
+            out = fa(ctx, q4, views[0], views[1], mask, cfg.scale, cfg.max_bias, cfg.logit_softcap)
         if fa is ggml.ggml_flash_attn_ext:
             ggml.ggml_flash_attn_ext_set_prec(out, 10)  # GGML_PREC_F32
         alloc_result(out, np.float32, f"attn_out_l{il}")
         outs.append(out)
         ggml.ggml_build_forward_expand(gf, out)
-    g = UBatchGraph(plan, device, ctx, gf, q_in, k_in, v_in, outs, arrays)
+    g = UBatchGraph(plan, device, ctx, gf, q_in, k_in, v_in, outs, arrays, kplan)
     if device:
         check_device_graph(gf)
     return g

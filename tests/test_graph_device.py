@@ -65,3 +65,38 @@ def test_kernel_plan_follows_the_mask_of_a_rebuilt_graph():
     assert plan.kernel_plan is not kp1 and plan.kernel_plan.mask.ptr == mask_ptr(g2)
     g2.free()
     g1.free()
+
+
+def test_op_replays_its_bound_call_until_pointers_stream_or_settings_change(monkeypatch):
+    """Ops built with the ubatch's plan keep their bound launch: a second compute launches it
+    again without binding (no validation, no planning); a new stream or set_backend binds
+    again; results stay the same."""
+    import ggml_attn
+    from ggml_attn import cuda_backend
+    from ggml_attn.graph.runner import ubatch_inputs
+    c = cache(False, "cupy")
+    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    plan = plan_ubatch(c, ub)
+    g = build_ubatch_graph(c, plan, CFG)
+    ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
+    g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+    binds = []
+    real_bind = cuda_backend.bind
+    monkeypatch.setattr(cuda_backend, "bind", lambda *a, **kw: binds.append(1) or real_bind(*a, **kw))
+    g.compute(1)
+    first = [o.get() for o in g.outputs()]
+    assert len(binds) == CFG.n_layer
+    g.compute(1)
+    assert len(binds) == CFG.n_layer, "the second compute must replay the bound calls"
+    for a, b in zip(first, [o.get() for o in g.outputs()]):
+        assert np.array_equal(a, b)
+    with cupy.cuda.Stream(non_blocking=True) as s:
+        g.compute(1)
+        s.synchronize()
+    assert len(binds) == 2 * CFG.n_layer, "another stream binds again"
+    ggml_attn.set_backend("auto")
+    g.compute(1)
+    assert len(binds) == 3 * CFG.n_layer, "set_backend invalidates the bound calls"
+    for a, b in zip(first, [o.get() for o in g.outputs()]):
+        assert np.array_equal(a, b)
+    g.free()

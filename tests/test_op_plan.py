@@ -1,0 +1,122 @@
+"""The op's build-time state: plans as arguments (held weakly), the spec registry, and the one
+place that chooses what runs (``dispatch.best_kernel``). CPU-only; the fast path's replay on
+device pointers is in tests/test_graph_device.py."""
+import gc
+
+import ggml
+import numpy as np
+import pytest
+
+import ggml_attn
+from ggml_attn import dispatch, op
+from ggml_attn.conformance import FACase, make_inputs
+from ggml_attn.dispatch import CallFacts, best_kernel
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
+from ggml_build import build_case, case_bytes, get_data, graph_of, new_context
+
+CASE = FACase(hsk=64, hsv=64, n_head_kv=2, gqa=4, ne3=1, n_kv=96, n_batch=5, mask=True, sinks=False,
+              max_bias=0.0, logit_softcap=0.0, kv_type=ggml.GGML_TYPE_F16)
+GGML_TYPE_Q8_0 = 8
+
+
+class FakePlan:
+    """Stands in for cuda_backend.Plan on the CPU: the op only asks it ``matches``."""
+
+    def __init__(self, ok=True):
+        self.ok = ok
+
+    def matches(self, mask, n_batch):
+        return self.ok
+
+
+@pytest.fixture
+def case_ctx():
+    x = make_inputs(CASE, np.random.default_rng(3))
+    ctx = new_context(case_bytes(CASE))
+    tensors = build_case(ctx, CASE, x)
+    yield ctx, tensors, x
+    ggml_attn.set_backend("auto")
+    ggml.ggml_free(ctx)
+
+
+def _node(ctx, tensors, **kw):
+    q, k, v, mask, _ = tensors
+    return ggml_attn.flash_attn_ext(ctx, q, k, v, mask, CASE.scale, 0.0, 0.0, **kw)
+
+
+def test_plan_needs_a_mask_and_must_fit_it(case_ctx):
+    ctx, (q, k, v, mask, _), _ = case_ctx
+    with pytest.raises(ValueError, match="needs a mask"):
+        ggml_attn.flash_attn_ext(ctx, q, k, v, None, CASE.scale, plan=FakePlan())
+    with pytest.raises(ValueError, match="not made for this mask"):
+        _node(ctx, (q, k, v, mask, None), plan=FakePlan(ok=False))
+    with pytest.raises(ValueError, match="not made for this mask"):
+        _node(ctx, (q, k, v, mask, None), plan=object())
+
+
+def test_a_plan_freed_before_compute_is_a_clear_error(case_ctx):
+    ctx, tensors, _ = case_ctx
+    plan = FakePlan()
+    out = _node(ctx, tensors, plan=plan)
+    gf = graph_of(ctx, out)
+    ggml_attn.compute_graph(ctx, gf, 1)          # alive: computes (CPU path ignores the plan)
+    assert np.isfinite(get_data(out)).all()
+    del plan
+    gc.collect()
+    with pytest.raises(ggml_attn.FlashAttnError, match="plan .* was freed"):
+        ggml_attn.compute_graph(ctx, gf, 1)
+    assert np.isnan(get_data(out)).all()
+
+
+def test_specs_are_shared_without_a_plan_and_pruned_with_dead_plans(case_ctx):
+    ctx, tensors, _ = case_ctx
+    before = len(op._specs)
+    for _ in range(50):
+        _node(ctx, tensors)
+    assert len(op._specs) <= before + 1, "nodes without a plan share one spec per parameter set"
+    plans = [FakePlan() for _ in range(3000)]
+    for p in plans:
+        _node(ctx, tensors, plan=p)
+    assert len(op._specs) >= 3000
+    del plans, p
+    gc.collect()
+    keep = FakePlan()
+    for _ in range(3000):    # registering more prunes the specs whose plan is gone
+        _node(ctx, tensors, plan=keep)
+    assert len(op._specs) < before + 1 + 3000 + 1200
+
+
+FACTS = CallFacts(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16)
+
+
+def test_best_kernel_answers_can_it_run_and_what_runs():
+    assert best_kernel("auto", FACTS).kernel == "decode-tc"
+    assert best_kernel("auto", CallFacts(512, 4, 4096, 128, 128, GGML_TYPE_BF16)).kernel == "prefill"
+    assert best_kernel("auto", CallFacts(1, 4, 4096, 512, 512, GGML_TYPE_F16)).kernel == "decode"
+    assert best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_F32)).kernel == "reference"
+    assert best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_F16, kv_aligned=False)).kernel \
+        == "reference"
+    assert best_kernel("decode", FACTS).kernel == "decode"
+    with pytest.raises(ValueError, match="cannot run this call"):
+        best_kernel("prefill", CallFacts(1, 4, 4096, 512, 512, GGML_TYPE_F16))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        best_kernel("fast", FACTS)
+    # where: backend settings, GPU presence, data location, quantized K/V
+    assert best_kernel("auto", FACTS, backend="reference", on_device=False).kernel == "cpu"
+    assert best_kernel("auto", FACTS, backend="reference", on_device=True).kernel == "reference"
+    assert best_kernel("auto", FACTS, backend="auto", gpu=False, on_device=False).kernel == "cpu"
+    with pytest.raises(RuntimeError, match="no usable CUDA"):
+        best_kernel("auto", FACTS, backend="cuda", gpu=False)
+    q8 = CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q8_0)
+    assert best_kernel("auto", q8, backend="auto", on_device=False).kernel == "cpu"
+    with pytest.raises(ValueError, match="CPU path only"):
+        best_kernel("auto", q8, backend="auto", on_device=True)
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+        best_kernel("auto", q8, backend="cuda", on_device=False)
+
+
+def test_choose_is_best_kernel_for_auto():
+    for n_batch in (1, 2, 4, 8, 16, 64):
+        for gqa in (1, 2, 4, 8):
+            k, _ = dispatch.choose(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)
+            assert k == best_kernel("auto", CallFacts(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)).kernel
