@@ -493,7 +493,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
 _WS: dict[tuple, object] = {}
 
 
-def _workspace(dev: int, stream: int, nbytes: int) -> int:
+def _workspace(dev: int, stream: int, nbytes: int):
+    """(pointer, buffer) of at least ``nbytes``; a bound call keeps the buffer, so growing it
+    for a later call never frees memory an earlier bound call still launches with."""
     import cupy
     key = (dev, stream, threading.get_ident())
     buf = _WS.get(key)
@@ -501,7 +503,7 @@ def _workspace(dev: int, stream: int, nbytes: int) -> int:
         with cupy.cuda.ExternalStream(stream):
             buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
         _WS[key] = buf
-    return buf.data.ptr
+    return buf.data.ptr, buf
 
 
 # ---------------------------------------------------------------------------------------
@@ -652,8 +654,9 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
             p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
         p.mask = mask.ptr
     if prep.ws_bytes:
-        ws = _workspace(dev, st, prep.ws_bytes)
+        ws, buf = _workspace(dev, st, prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
+        b._keep = (b._keep, buf)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     arr = K.arg_block(p)

@@ -87,13 +87,14 @@ def _in_thread(fn):
 # C1: split-KV workspace
 def test_workspace_per_device_stream_thread(fake_cupy, monkeypatch):
     monkeypatch.setattr(cb, "_WS", {})
-    a = cb._workspace(0, 0, 4096)
-    assert cb._workspace(0, 0, 4096) == a, "same device/stream/thread reuses its buffer"
-    assert cb._workspace(1, 0, 4096) != a, "null stream of another device: another buffer"
-    assert cb._workspace(0, 7, 4096) != a, "another stream: another buffer"
-    assert _in_thread(lambda: cb._workspace(0, 0, 4096)) != a, "another thread: another buffer"
-    big = cb._workspace(0, 0, 64 << 20)
+    a, a_buf = cb._workspace(0, 0, 4096)
+    assert cb._workspace(0, 0, 4096)[0] == a, "same device/stream/thread reuses its buffer"
+    assert cb._workspace(1, 0, 4096)[0] != a, "null stream of another device: another buffer"
+    assert cb._workspace(0, 7, 4096)[0] != a, "another stream: another buffer"
+    assert _in_thread(lambda: cb._workspace(0, 0, 4096)[0]) != a, "another thread: another buffer"
+    big, big_buf = cb._workspace(0, 0, 64 << 20)
     assert big != a and cb._WS[(0, 0, threading.get_ident())].size >= 64 << 20
+    assert a_buf.data.ptr == a, "the old buffer stays valid for whoever holds it (bound calls)"
 
 
 # ---------------------------------------------------------------------------------------

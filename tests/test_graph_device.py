@@ -100,3 +100,30 @@ def test_op_replays_its_bound_call_until_pointers_stream_or_settings_change(monk
     for a, b in zip(first, [o.get() for o in g.outputs()]):
         assert np.array_equal(a, b)
     g.free()
+
+
+def test_captured_ubatch_graph_replays_the_same_results():
+    """graph.capture: warm-up + capture of a device ubatch graph's compute; replaying the CUDA
+    graph gives what a plain compute gives."""
+    from ggml_attn.graph.capture import capture
+    from ggml_attn.graph.runner import ubatch_inputs
+    c = cache(False, "cupy")
+    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    plan = plan_ubatch(c, ub)
+    g = build_ubatch_graph(c, plan, CFG)
+    ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
+    g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+    g.compute(1)
+    want = [o.get() for o in g.outputs()]
+    for o in g.outputs():
+        o.fill(np.nan)
+    s = cupy.cuda.Stream(non_blocking=True)
+    cg = capture(lambda: g.compute(1), s)
+    for o in g.outputs():
+        o.fill(np.nan)
+    cupy.cuda.runtime.deviceSynchronize()
+    cg.launch(s)
+    s.synchronize()
+    for a, b in zip(want, [o.get() for o in g.outputs()]):
+        assert np.array_equal(a, b)
+    g.free()

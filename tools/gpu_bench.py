@@ -409,6 +409,16 @@ def run(quick=False, only=None, log=print):
         del q, kv
         torch.cuda.empty_cache()
 
+    # ---- host path: the op in a device-resident ggml graph, plain and replayed as a CUDA graph
+    if want("graph:"):
+        from ggml_attn.cli import gpu_graph_bench  # noqa: PLC0415 (run as a script too)
+        try:
+            rows.extend(gpu_graph_bench.run(log=log))
+        except Exception as e:  # noqa: BLE001 - report, keep the other rows
+            rows.append(dict(case="graph: 32 decode ops", impl="ours", us=None,
+                             note=f"n/a: {type(e).__name__}: {str(e)[:160]}"))
+            log(f"graph bench failed: {e!r}")
+
     # ---- decode with a fraction of the KV live
     S, f = 32768, 1 / 8
     case = f"decode B=1 kv={S}, first {f:.3f} live"

@@ -1,0 +1,115 @@
+"""Host cost of the op inside a device-resident ggml graph: ``n_layer`` decode ops (B=1, one
+query token, 32 q / 8 KV heads, D 128, f16 K/V of ``n_kv`` cells, a distinct K/V per layer) in
+one ggml graph, computed by ggml's CPU graph loop with every tensor in GPU memory.
+
+Rows (per op): the kernels' device time (direct calls queued behind a sleep kernel), the host
+time of a compute (enqueue only: the GPU runs behind), the wall time of a compute including its
+synchronization, and the wall time of replaying the compute captured as a CUDA graph
+(``ggml_attn.graph.capture``). Wall / device is the figure of merit: 1.0 is GPU-bound.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+H, HKV, D = 32, 8, 128
+
+
+def _graph(n_layer: int, n_kv: int):
+    """(ctx, graph, keep, direct calls) for the n_layer decode ops; every tensor a CuPy array."""
+    import cupy as cp
+    import ggml
+
+    import ggml_attn
+    from ggml_attn import cuda_backend as cb
+    from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
+    from ggml_attn.tensor import from_array
+    n = 8 * n_layer + 8
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=n * ggml.ggml_tensor_overhead()
+                                               + ggml.ggml_graph_overhead_custom(n, False) + 4096,
+                                               mem_buffer=None, no_alloc=True))
+    keep = []
+    rng = cp.random.default_rng(0)
+
+    def tensor(type_, arr, name):
+        ne = list(reversed(arr.shape)) + [1] * (4 - arr.ndim)
+        t = ggml.ggml_new_tensor(ctx, type_, 4, (ctypes.c_int64 * 4)(*ne))
+        ggml.ggml_set_name(t, name.encode())
+        t.contents.data = ctypes.c_void_p(int(arr.data.ptr))
+        keep.append(arr)
+        return t
+    mask_a = cp.zeros((1, 1, 1, n_kv), dtype=cp.float16)
+    mask = tensor(GGML_TYPE_F16, mask_a, "mask")
+    plan = cb.make_plan(from_array(mask_a), 1, H, HKV, d_k=D, kv_type=GGML_TYPE_F16)
+    keep.append(plan)
+    gf = ggml.ggml_new_graph_custom(ctx, n, False)
+    direct = []
+    for il in range(n_layer):
+        qa = rng.standard_normal((1, H, 1, D), dtype=cp.float32)
+        ka = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
+        va = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
+        q, k, v = tensor(GGML_TYPE_F32, qa, f"q{il}"), tensor(GGML_TYPE_F16, ka, f"k{il}"), \
+            tensor(GGML_TYPE_F16, va, f"v{il}")
+        out = ggml_attn.flash_attn_ext(ctx, q, k, v, mask, 1.0 / np.sqrt(D), plan=plan)
+        da = cp.empty((1, 1, H, D), dtype=cp.float32)
+        out.contents.data = ctypes.c_void_p(int(da.data.ptr))
+        keep.append(da)
+        ggml.ggml_build_forward_expand(gf, out)
+        descs = [from_array(a) for a in (qa, ka, va, mask_a, da)]
+        direct.append(lambda d=descs: cb.flash_attn_ext_device(d[0], d[1], d[2], d[3], None, d[4],
+                                                               1.0 / np.sqrt(D), plan=plan))
+    return ctx, gf, keep, direct
+
+
+def run(n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print) -> list[dict]:
+    import cupy as cp
+    import ggml
+
+    from ggml_attn import op
+    from ggml_attn.graph.capture import capture
+
+    from ggml_attn.cli.gpu_bench import device_us  # noqa: PLC0415
+    ctx, gf, keep, direct = _graph(n_layer, n_kv)
+    case = f"graph: {n_layer} decode ops B=1 kv={n_kv}"
+
+    def compute():
+        with op.computing(gf):
+            ggml.ggml_graph_compute_with_ctx(ctx, gf, 1)
+    try:
+        dev = device_us(direct)[0]
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            compute()
+            stream.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                compute()
+            host = (time.perf_counter() - t) / reps / n_layer * 1e6
+            stream.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                compute()
+                stream.synchronize()
+            wall = (time.perf_counter() - t) / reps / n_layer * 1e6
+        g = capture(compute, stream)
+        g.launch(stream)
+        stream.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            g.launch(stream)
+        stream.synchronize()
+        replay = (time.perf_counter() - t) / reps / n_layer * 1e6
+    finally:
+        ggml.ggml_free(ctx)
+    rows = [dict(case=case, impl="ours-device", us=round(dev, 2), note="kernels' device time per op"),
+            dict(case=case, impl="ours-graph-host", host_us=round(host, 2),
+                 note="host time per op of a ggml compute (enqueue only)"),
+            dict(case=case, impl="ours-graph-wall", host_us=round(wall, 2), ratio=round(wall / dev, 2),
+                 target=1.2, note="wall per op of a compute + sync; ratio = wall / device"),
+            dict(case=case + " (CUDA graph replay)", impl="ours-replay-wall", host_us=round(replay, 2),
+                 ratio=round(replay / dev, 2), target=1.2, note="wall per op of graph replays")]
+    for r in rows:
+        log(f"{r['case']:44s} {r['impl']:18s} {r.get('us', r.get('host_us'))} {r.get('ratio', '')}")
+    return rows
