@@ -413,7 +413,7 @@ def run(quick=False, only=None, log=print):
     if want("graph:"):
         from ggml_attn.cli import gpu_graph_bench  # noqa: PLC0415 (run as a script too)
         try:
-            rows.extend(gpu_graph_bench.run(log=log))
+            rows.extend(gpu_graph_bench.run(device_us, log=log))
         except Exception as e:  # noqa: BLE001 - report, keep the other rows
             rows.append(dict(case="graph: 32 decode ops", impl="ours", us=None,
                              note=f"n/a: {type(e).__name__}: {str(e)[:160]}"))

@@ -63,14 +63,14 @@ def _graph(n_layer: int, n_kv: int):
     return ctx, gf, keep, direct
 
 
-def run(n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print) -> list[dict]:
+def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print) -> list[dict]:
+    """The rows; ``device_us(fns)`` is the benchmark's device timer (median, min, max in us)."""
     import cupy as cp
     import ggml
 
     from ggml_attn import op
     from ggml_attn.graph.capture import capture
 
-    from ggml_attn.cli.gpu_bench import device_us  # noqa: PLC0415
     ctx, gf, keep, direct = _graph(n_layer, n_kv)
     case = f"graph: {n_layer} decode ops B=1 kv={n_kv}"
 
