@@ -410,7 +410,8 @@ class Kernel:
 
     def launch(self, grid, block, stream: int, *args) -> None:
         """``args``: ctypes objects (a FattnParams, c_uint64 pointers, ...) in kernel order."""
-        self.launch_raw(grid, block, stream, ctypes.addressof(arg_block(*args)))
+        arr = arg_block(*args)   # a local: the array must outlive the launch call
+        self.launch_raw(grid, block, stream, ctypes.addressof(arr))
 
     def launch_raw(self, grid, block, stream: int, args_addr: int) -> None:
         """Launch with a prebuilt argument block (the address of :func:`arg_block`'s array; the

@@ -144,7 +144,12 @@ def _node_addr(tensor_p) -> int:
 
 
 def _graph_nodes(graph) -> list[int]:
-    return [_node_addr(ggml.ggml_graph_node(graph, i)) for i in range(ggml.ggml_graph_n_nodes(graph))]
+    """Addresses of the graph's nodes, read as one array (two ctypes calls, not one per node)."""
+    n = ggml.ggml_graph_n_nodes(graph)
+    if n <= 0:
+        return []
+    arr = ctypes.cast(ggml.ggml_graph_nodes(graph), ctypes.c_void_p).value
+    return list((ctypes.c_void_p * n).from_address(arr))
 
 
 def register_node(node: int, ith: int) -> int | None:
@@ -448,15 +453,47 @@ def _is_device_pointer_safe(ptr: int) -> bool:
 
 
 _stream_ptr = None   # () -> CuPy's current stream (set when the first call is bound)
+_DATA_OFF = ggml.ggml_tensor.data.offset
+_SRC_OFF = ggml.ggml_tensor.src.offset
 
 
-def _src_ptrs(d, n_src: int) -> tuple:
-    """Data pointers of an op node's sources and result (ints; None when unset)."""
-    src = d.src
-    return tuple(src[i].contents.data for i in range(n_src)) + (d.data,)
+def _data_cells(node: int, n_src: int) -> list:
+    """Live views of the ``data`` fields of an op node's sources and result: reading
+    ``.value`` reads the pointer as it is now (a node's sources never change after build)."""
+    srcs = (ctypes.c_void_p * n_src).from_address(node + _SRC_OFF)
+    return [ctypes.c_void_p.from_address(a + _DATA_OFF) for a in srcs] + \
+        [ctypes.c_void_p.from_address(node + _DATA_OFF)]
 
 
 def _callback(dst_p, ith, nth, userdata):
+    spec = _specs.get(userdata or 0)
+    bound = spec.bound if spec is not None else None
+    if bound is not None and not _interrupted:
+        # fast path: this node's bound call, while its data pointers, the stream and the
+        # settings are the ones it was bound with -> launch (no validation, no planning)
+        if ith != 0:
+            return
+        cells, ptrs, b, gen = bound
+        if gen == _settings_gen[0] and [c.value for c in cells] == ptrs and _stream_ptr() == b.stream:
+            try:
+                b.launch()
+            except BaseException as exc:  # noqa: BLE001 - recorded like any callback error
+                _failed(dst_p, ith, exc)
+            return
+    _callback_slow(dst_p, ith, nth, spec)
+
+
+def _failed(dst_p, ith: int, exc: BaseException) -> None:
+    if isinstance(exc, KeyboardInterrupt):
+        log.warning("flash_attn_ext: interrupted (Ctrl-C) in graph thread %d; the remaining op nodes "
+                    "of this compute return at once", ith)
+    else:
+        log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
+    record_error(_node_addr(dst_p), exc)
+    _fill_nan(dst_p)
+
+
+def _callback_slow(dst_p, ith, nth, spec):
     d = dst_p.contents
     node = ctypes.addressof(d)
     register_node(node, ith)
@@ -465,18 +502,9 @@ def _callback(dst_p, ith, nth, userdata):
             _fill_nan(dst_p)
         return
     try:
-        spec = _specs.get(userdata or 0)
         if spec is None:
             raise RuntimeError("this op node's build-time state is gone: the plan passed to "
                                "flash_attn_ext(plan=...) was freed while its graph lived")
-        bound = spec.bound
-        if bound is not None:   # fast path: same pointers and stream as the bound call -> launch
-            if ith != 0:
-                return
-            if (_src_ptrs(d, bound[0]) == bound[1] and _stream_ptr() == bound[2].stream
-                    and bound[3] == _settings_gen[0]):
-                bound[2].launch()
-                return
         p = spec.params
         plan = None
         if spec.plan_ref is not None:
@@ -491,7 +519,7 @@ def _callback(dst_p, ith, nth, userdata):
             if ith != 0:
                 return
             if on_device:
-                _bind_and_launch(spec, d, plan, q, k, v, mask, sinks, dst)
+                _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst)
             else:
                 from . import cuda_backend  # noqa: PLC0415
                 cuda_backend.flash_attn_ext_host(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
@@ -501,16 +529,10 @@ def _callback(dst_p, ith, nth, userdata):
                 cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,
                                         p.logit_softcap, ith, nth, stop=lambda: interrupted(node))
     except BaseException as exc:  # noqa: BLE001 - ggml would swallow it; record and re-raise later
-        if isinstance(exc, KeyboardInterrupt):
-            log.warning("flash_attn_ext: interrupted (Ctrl-C) in graph thread %d; the remaining op nodes "
-                        "of this compute return at once", ith)
-        else:
-            log.error("flash_attn_ext failed in graph thread %d: %r", ith, exc, exc_info=True)
-        record_error(node, exc)
-        _fill_nan(dst_p)
+        _failed(dst_p, ith, exc)
 
 
-def _bind_and_launch(spec: _Spec, d, plan, q, k, v, mask, sinks, dst) -> None:
+def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) -> None:
     """Device pointers: bind the call (``cuda_backend.bind``) and launch it. A node with its
     own spec keeps the bound call for the fast path. A plan given at build time that does not
     fit the call's mask is an error; without one the backend builds a tile map per call."""
@@ -528,8 +550,8 @@ def _bind_and_launch(spec: _Spec, d, plan, q, k, v, mask, sinks, dst) -> None:
     b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
                           kernel=_settings["kernel"], plan=plan, stream=_stream_ptr())
     if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
-        n_src = 3 + p.has_mask + p.has_sinks
-        spec.bound = (n_src, _src_ptrs(d, n_src), b, _settings_gen[0]) if b.replayable else None
+        cells = _data_cells(node, 3 + p.has_mask + p.has_sinks)
+        spec.bound = (cells, [c.value for c in cells], b, _settings_gen[0]) if b.replayable else None
     b.launch()
 
 
