@@ -502,7 +502,8 @@ def test_plan_built_on_another_stream(rng):
         dm = cp.asarray(mask)
         plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16,
                             kernel="prefill", stream=sa)
-    assert all(m[4] == sa.ptr for m in plan.maps.values())
+    assert plan.items and all(st == sa.ptr for _, st, _ in plan.items.values()), \
+        "every item of the plan was built on stream A"
     for kern in ("prefill", "decode-tc"):
         out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kern, GGML_TYPE_F16,
                       plan=plan, stream=sb)
