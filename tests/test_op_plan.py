@@ -120,3 +120,12 @@ def test_choose_is_best_kernel_for_auto():
         for gqa in (1, 2, 4, 8):
             k, _ = dispatch.choose(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)
             assert k == best_kernel("auto", CallFacts(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)).kernel
+
+
+def test_bound_nodes_take_the_fast_path_and_rebind_after_set_backend():
+    """tools/op_overhead_bench.py's graph: every node bound to a (no-op) launch is relaunched by
+    the callback without descriptors or validation (its run() asserts one launch per node and
+    compute)."""
+    from ggml_attn.cli import op_overhead_bench
+    res = op_overhead_bench.run(n=4, reps=3)
+    assert set(res) == {"plain", "computing"} and all(v > 0 for v in res.values())
