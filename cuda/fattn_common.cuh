@@ -94,6 +94,11 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
 __device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
 
+// L1 prefetch hint (no register result)
+__device__ __forceinline__ void prefetch_l1(const void* ptr) {
+    asm volatile("prefetch.global.L1 [%0];\n" :: "l"(ptr));
+}
+
 // 2^x, flush-to-zero, one MUFU op (2^-inf = +0)
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -147,9 +152,17 @@ __device__ __forceinline__ unsigned long long* live_hidden(I* live_idx, const Fa
     return reinterpret_cast<unsigned long long*>(const_cast<int*>(live_idx) + ((n + 1) & ~1ll));
 }
 
+// The AND over the mask planes of heads h0 .. h0+P-1 of one tile's ne32 hidden words at w.
+__device__ __forceinline__ unsigned long long block_hidden(const unsigned long long* w, int ne32, int h0, int P) {
+    if (ne32 == 1) return __ldg(w);
+    unsigned long long r = ~0ull;
+    const int n = min(P, ne32);   // P consecutive heads: every plane once when P >= ne32
+    for (int i = 0; i < n; ++i) r &= __ldg(w + (h0 + i) % ne32);
+    return r;
+}
+
 struct LiveTiles {
     const int* idx;
-    const unsigned long long* hid;   // this list's hidden-column words (nullptr without a plan)
     int cnt;
     int tail_entry;   // without a plan: the entry of the last tile (PARTIAL when n_kv % 64 != 0)
     // the j-th entry (tile id | class bits)
@@ -158,21 +171,19 @@ struct LiveTiles {
     }
     // the j-th tile id
     __device__ __forceinline__ int operator[](int j) const { return entry(j) & FATTN_TILE_ID_MASK; }
-    // the columns of the j-th tile that no row of a block sees, the block's rows being the
-    // tokens of the query tile x the heads h0 .. h0+P-1 (the AND over their mask planes);
-    // 0 for j outside the list or without a plan. Loads nothing that depends on the entry.
-    __device__ __forceinline__ unsigned long long hidden(int j, int ne32, int h0, int P) const {
-        if (hid == nullptr || j >= cnt) return 0ull;
-        const unsigned long long* w = hid + (long long)j * ne32;
-        if (ne32 == 1) return __ldg(w);
-        unsigned long long r = ~0ull;
-        const int n = min(P, ne32);   // P consecutive heads: every plane once when P >= ne32
-        for (int i = 0; i < n; ++i) r &= __ldg(w + (h0 + i) % ne32);
-        return r;
+    // the hidden words of the j-th entry (plan present: idx != nullptr), found from idx so
+    // that no second pointer stays live in the kernels' loops
+    __device__ __forceinline__ const unsigned long long* hidden_words(const FattnParams& p, int j) const {
+        return live_hidden(p.live_idx, p) + ((idx - p.live_idx) + j) * (long long)p.ne32;
     }
-    // the address of the j-th tile's first hidden word (an L1 prefetch target)
-    __device__ __forceinline__ const void* hidden_addr(int j, int ne32, int h0) const {
-        return hid + (long long)j * ne32 + (ne32 == 1 ? 0 : h0 % ne32);
+    // the columns of the j-th tile (j < cnt) that no row of a block sees, the block's rows being
+    // the tokens of the query tile x the heads h0 .. h0+P-1; 0 without a plan
+    __device__ __forceinline__ unsigned long long hidden(const FattnParams& p, int j, int h0, int P) const {
+        return idx ? block_hidden(hidden_words(p, j), p.ne32, h0, P) : 0ull;
+    }
+    // an L1 prefetch of the j-th tile's first hidden word (j < cnt)
+    __device__ __forceinline__ void prefetch_hidden(const FattnParams& p, int j, int h0) const {
+        if (idx) prefetch_l1(hidden_words(p, j) + (p.ne32 == 1 ? 0 : h0 % p.ne32));
     }
 };
 
@@ -181,12 +192,10 @@ __device__ __forceinline__ LiveTiles live_tiles(const FattnParams& p, int q_tile
     lt.tail_entry = (p.n_kv_tiles - 1) | (p.n_kv % FATTN_KV_TILE ? FATTN_TILE_PARTIAL : 0);
     if (p.live_idx == nullptr) {
         lt.idx = nullptr;
-        lt.hid = nullptr;
         lt.cnt = p.n_kv_tiles;
     } else {
         const int slot = (s % p.ne33) * p.n_q_tiles + q_tile;
         lt.idx = p.live_idx + (long long)slot * p.n_kv_tiles;
-        lt.hid = live_hidden(p.live_idx, p) + (long long)slot * p.n_kv_tiles * p.ne32;
         lt.cnt = __ldg(p.live_cnt + slot);
     }
     return lt;
@@ -238,9 +247,6 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
 // 16-byte async copy global -> shared; src_bytes 0 fills zeros (out-of-range rows)
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void prefetch_l1(const void* ptr) {
-    asm volatile("prefetch.global.L1 [%0];\n" :: "l"(ptr));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

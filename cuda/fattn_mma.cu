@@ -102,10 +102,7 @@ __device__ __forceinline__ void zero_own_rows(T* stage, int stride, unsigned lon
 template <typename T, int CHUNKS, int NT, int SV>
 __device__ __noinline__ void zero_hidden_v_fa2(const unsigned long long* w, int ne32, int h0, int P,
                                                T* sv, int tid) {
-    LiveTiles lt;
-    lt.hid = w;
-    lt.cnt = 1;
-    zero_own_rows<T, FATTN_KV_TILE, CHUNKS, NT>(sv, SV, lt.hidden(0, ne32, h0, P), tid);
+    zero_own_rows<T, FATTN_KV_TILE, CHUNKS, NT>(sv, SV, block_hidden(w, ne32, h0, P), tid);
 }
 
 template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
@@ -190,7 +187,6 @@ fattn_mma(const FattnParams p) {
     }
 
     const LiveTiles lt = live_tiles(p, qt, s);
-    const long long slot = (long long)(s % p.ne33) * p.n_q_tiles + qt;   // the plan's list (FA2 order)
     int jb, je;
     split_range(lt.cnt, split, p.n_splits, jb, je);
 
@@ -251,7 +247,7 @@ fattn_mma(const FattnParams p) {
             if (jb + i < je) {
                 const int e0 = lt.entry(jb + i);
                 load_k(i, e0);
-                load_v(i, e0, lt.hidden(jb + i, p.ne32, hg * P, P));
+                load_v(i, e0, e0 & FATTN_TILE_HIDDEN ? lt.hidden(p, jb + i, hg * P, P) : 0ull);
             }
             cp_async_commit();
         }
@@ -268,8 +264,7 @@ fattn_mma(const FattnParams p) {
     const int ahead = C::FA2 ? 1 : STAGES - 1;
     int e_next = jb + ahead < je ? lt.entry(jb + ahead) : 0;
     int e_cur = jb < je ? lt.entry(jb) : 0;
-    // ring: the hidden cells of the tile e_next names (loaded with it, independent of it)
-    unsigned long long h_next = !C::FA2 && jb + ahead < je ? lt.hidden(jb + ahead, p.ne32, hg * P, P) : 0ull;
+    if (!C::FA2 && jb + ahead < je) lt.prefetch_hidden(p, jb + ahead, hg * P);
     for (int j = jb; j < je; ++j) {
         const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
         const int e = e_cur;
@@ -278,8 +273,7 @@ fattn_mma(const FattnParams p) {
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
             load_v(0, e, 0ull);   // hidden rows are zeroed after the wait below
             cp_async_commit();
-            if (e & FATTN_TILE_HIDDEN)   // the word zero_hidden_v_fa2 reads below
-                prefetch_l1(live_hidden(p.live_idx, p) + (slot * p.n_kv_tiles + j) * p.ne32 + (hg * P) % p.ne32);
+            if (e & FATTN_TILE_HIDDEN) lt.prefetch_hidden(p, j, hg * P);   // read after the softmax
             e_cur = e_next;
             e_next = j + 2 < je ? lt.entry(j + 2) : 0;
         } else {
@@ -287,13 +281,17 @@ fattn_mma(const FattnParams p) {
             if (j + STAGES - 1 < je) {
                 const int st = (j - jb + STAGES - 1) % STAGES;
                 load_k(st, e_next);
-                load_v(st, e_next, h_next);
+                // the hidden word was prefetched to L1 an iteration ago (a register kept across
+                // the loop instead cost occupancy at small head sizes)
+                load_v(st, e_next, e_next & FATTN_TILE_HIDDEN ? lt.hidden(p, j + STAGES - 1, hg * P, P) : 0ull);
             }
             cp_async_commit();
             // next entries: loaded now, used next iteration (hides the list's load latency)
             e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
             e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
-            h_next = j + STAGES < je ? lt.hidden(j + STAGES, p.ne32, hg * P, P) : 0ull;
+#ifndef FATTN_NO_HID_PREFETCH
+            if (j + STAGES < je) lt.prefetch_hidden(p, j + STAGES, hg * P);
+#endif
             cp_async_wait<STAGES - 1>();   // tile j has landed
             __syncthreads();               // ... for every thread
         }
@@ -412,8 +410,7 @@ fattn_mma(const FattnParams p) {
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // V(j) has landed (this thread's chunks)
             if (e & FATTN_TILE_HIDDEN)   // zero this thread's chunks of the hidden cells' rows
-                zero_hidden_v_fa2<T, DV / 8, NT, SV>(live_hidden(p.live_idx, p) + (slot * p.n_kv_tiles + j) * p.ne32,
-                                                     p.ne32, hg * P, P, sV, tid);
+                zero_hidden_v_fa2<T, DV / 8, NT, SV>(lt.hidden_words(p, j), p.ne32, hg * P, P, sV, tid);
             __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
             if (j + 1 < je) load_k(0, e_cur);
             cp_async_commit();
