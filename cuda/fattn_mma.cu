@@ -12,9 +12,9 @@
 //   prefill:   NWQ = 4, NWK = 1, MT = 1 (64 rows) or MT = 2 (128 rows, FA2 order; long batches)
 //   decode-tc: NWQ = 1, NWK = 4, MT = 1 (16 rows = packed query heads, the KV tile split over warps)
 // With softcap or ALiBi the EXT instance runs. On a HIDDEN tile (fattn_common.cuh) the V rows of
-// the cells no row of the block sees are zero-filled, never loaded: NaN/inf garbage there cannot
-// reach P V (0 * NaN). The ring fills them by cp.async with no source bytes; the FA2 order, whose
-// V load cannot wait for the word, zeroes each thread's own chunks of them after its wait.
+// the cells no row of the block sees are zero-filled by cp.async (no source bytes), never
+// loaded: NaN/inf garbage there cannot reach P V (0 * NaN). The plan's word for the tile is
+// prefetched to L1 an iteration before the V load that reads it.
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
 // otherwise partials that fattn_combine merges. A tile's class (fattn_common.cuh) decides how
@@ -80,29 +80,6 @@ __device__ __forceinline__ void load_rows_async(unsigned sdst, int sstride_bytes
             cp_async16(sdst + r * sstride_bytes + ch * 16, in ? gsrc + r * gstride + ch * 16 : gsrc, in ? 16 : 0);
         }
     }
-}
-
-// Step: zero the chunks this thread copied (load_rows_async's pattern) into the rows r whose
-// bit (rows >> r) & 1 is set. Its own cp.async writes are complete after its wait, so these
-// stores land after them; a barrier publishes them to the other threads.
-template <typename T, int ROWS, int CHUNKS, int NT>
-__device__ __forceinline__ void zero_own_rows(T* stage, int stride, unsigned long long rows, int tid) {
-    static_assert(ROWS <= 64, "a 64-bit row set");
-#pragma unroll
-    for (int i = tid; i < ROWS * CHUNKS; i += NT) {
-        const int r = i / CHUNKS;
-        if ((rows >> r) & 1ull)
-            *reinterpret_cast<uint4*>(stage + r * stride + (i % CHUNKS) * 8) = make_uint4(0, 0, 0, 0);
-    }
-}
-
-// The same for the FA2 order, out of line (the 128-row tiles run at the register limit: an
-// inlined copy would keep its pointers live in the main loop): zero this thread's chunks of the
-// V rows of the hidden cells of a tile, whose ne32 words start at w (heads h0 .. h0+P-1).
-template <typename T, int CHUNKS, int NT, int SV>
-__device__ __noinline__ void zero_hidden_v_fa2(const unsigned long long* w, int ne32, int h0, int P,
-                                               T* sv, int tid) {
-    zero_own_rows<T, FATTN_KV_TILE, CHUNKS, NT>(sv, SV, block_hidden(w, ne32, h0, P), tid);
 }
 
 template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
@@ -264,16 +241,17 @@ fattn_mma(const FattnParams p) {
     const int ahead = C::FA2 ? 1 : STAGES - 1;
     int e_next = jb + ahead < je ? lt.entry(jb + ahead) : 0;
     int e_cur = jb < je ? lt.entry(jb) : 0;
-    if (!C::FA2 && jb + ahead < je) lt.prefetch_hidden(p, jb + ahead, hg * P);
+    if (C::FA2 ? jb < je : jb + ahead < je) lt.prefetch_hidden(p, C::FA2 ? jb : jb + ahead, hg * P);
     for (int j = jb; j < je; ++j) {
         const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
         const int e = e_cur;
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // K(j) and its mask have landed
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
-            load_v(0, e, 0ull);   // hidden rows are zeroed after the wait below
+            // the hidden word (prefetched to L1 an iteration ago) is read only for a HIDDEN tile
+            load_v(0, e, e & FATTN_TILE_HIDDEN ? lt.hidden(p, j, hg * P, P) : 0ull);
             cp_async_commit();
-            if (e & FATTN_TILE_HIDDEN) lt.prefetch_hidden(p, j, hg * P);   // read after the softmax
+            if (j + 1 < je) lt.prefetch_hidden(p, j + 1, hg * P);
             e_cur = e_next;
             e_next = j + 2 < je ? lt.entry(j + 2) : 0;
         } else {
@@ -408,9 +386,7 @@ fattn_mma(const FattnParams p) {
         }
 
         if constexpr (C::FA2) {
-            cp_async_wait<0>();   // V(j) has landed (this thread's chunks)
-            if (e & FATTN_TILE_HIDDEN)   // zero this thread's chunks of the hidden cells' rows
-                zero_hidden_v_fa2<T, DV / 8, NT, SV>(lt.hidden_words(p, j), p.ne32, hg * P, P, sV, tid);
+            cp_async_wait<0>();   // V(j) has landed
             __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
             if (j + 1 < je) load_k(0, e_cur);
             cp_async_commit();
