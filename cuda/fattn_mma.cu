@@ -90,6 +90,9 @@ fattn_mma(const FattnParams p) {
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
 
     extern __shared__ uint4 smem_raw[];
+    // FA2 order: the hidden words of this block's live list (nullptr without a plan), read from
+    // shared memory where used (a register would stay live across the loop at the limit)
+    __shared__ const unsigned long long* s_hid;
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * SK;
     T* sV = sK + STAGES * BK * SK;
@@ -164,6 +167,7 @@ fattn_mma(const FattnParams p) {
     }
 
     const LiveTiles lt = live_tiles(p, qt, s);
+    if (C::FA2 && tid == 0) s_hid = lt.idx ? lt.hidden_words(p, 0) : nullptr;   // published by the barrier after the prologue
     int jb, je;
     split_range(lt.cnt, split, p.n_splits, jb, je);
 
@@ -249,9 +253,9 @@ fattn_mma(const FattnParams p) {
             cp_async_wait<0>();   // K(j) and its mask have landed
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
             // the hidden word (prefetched to L1 an iteration ago) is read only for a HIDDEN tile
-            load_v(0, e, e & FATTN_TILE_HIDDEN ? lt.hidden(p, j, hg * P, P) : 0ull);
+            load_v(0, e, 0ull);
             cp_async_commit();
-            if (j + 1 < je) lt.prefetch_hidden(p, j + 1, hg * P);
+            if (j + 1 < je && s_hid) prefetch_l1(s_hid + (long long)(j + 1) * p.ne32 + (p.ne32 == 1 ? 0 : (hg * P) % p.ne32));
             e_cur = e_next;
             e_next = j + 2 < je ? lt.entry(j + 2) : 0;
         } else {
@@ -386,7 +390,15 @@ fattn_mma(const FattnParams p) {
         }
 
         if constexpr (C::FA2) {
-            cp_async_wait<0>();   // V(j) has landed
+            cp_async_wait<0>();   // V(j) has landed (this thread's chunks)
+            if (e & FATTN_TILE_HIDDEN) {   // zero this thread's chunks of the hidden cells' V rows
+                const unsigned long long hid = block_hidden(s_hid + (long long)j * p.ne32, p.ne32, hg * P, P);
+                constexpr int CH = DV / 8;
+#pragma unroll
+                for (int i = tid; i < BK * CH; i += NT)
+                    if ((hid >> (i / CH)) & 1ull)
+                        *reinterpret_cast<uint4*>(sV + (i / CH) * SV + (i % CH) * 8) = make_uint4(0, 0, 0, 0);
+            }
             __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
             if (j + 1 < je) load_k(0, e_cur);
             cp_async_commit();
