@@ -471,22 +471,24 @@ HIDDEN_LAYOUTS = [("prefill", True), ("prefill-narrow", False), ("prefill-wide",
 @pytest.mark.parametrize("kernel,use_plan", HIDDEN_LAYOUTS, ids=[f"{k}{'-plan' if u else ''}" for k, u in HIDDEN_LAYOUTS])
 def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
     """NaN in K and V at every unowned cell (between sequences, past the last) and at the last
-    cell of each sequence (seen by one row only): every row of a block that sees none of them
-    must be right, whatever the block layout (tokens x packed heads x mask head planes). A
-    hidden-column set computed over more rows than a block holds leaves a poisoned V row in
+    cell of three sequences (in plane 0 seen by one row only; with ne32 = 2, plane 1 merges
+    pairs of sequences, so the last cell of sequence 0 is seen by every plane-1 row of
+    sequence 1): every row of a block that sees none of them must be right, whatever the block
+    layout (tokens x packed heads x mask head planes). A hidden-column set computed over more
+    rows than a block holds (a larger query tile, all head planes) leaves a poisoned V row in
     place and NaN reaches that block's rows (0 * NaN); one over fewer rows zeroes V rows some
     row sees (wrong values)."""
     cp = _cupy()
     pos, sid, n_kv = _gapped_layout([16, 200, 33, 1, 77, 5, 64, 65, 17, 40, 3, 9], gap=5, n_tail=30)
     n = len(pos)
     planes = [_gapped_mask(pos, sid, n_kv)]
-    if ne32 == 2:   # plane 1: the same cells, other sequence bounds
-        planes.append(_gapped_mask(pos, np.repeat(np.arange(5), [100, 100, 100, 100, n - 400]), n_kv))
+    if ne32 == 2:   # plane 1: the same cells, sequences 2i and 2i+1 merged
+        planes.append(_gapped_mask(pos, sid // 2, n_kv))
     mask = np.stack(planes)[None].astype(np.float16)            # [1, ne32, n, n_kv]
     q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
     owned = np.zeros(n_kv, bool)
     owned[pos] = True
-    last = [pos[np.flatnonzero(sid == i)[-1]] for i in np.unique(sid)]
+    last = [pos[np.flatnonzero(sid == i)[-1]] for i in (0, 1, 4)]
     poison = np.flatnonzero(~owned).tolist() + last
     k[:, :, poison, 5] = np.float16(np.nan)
     v[:, :, poison, :] = np.float16(np.nan)
@@ -524,7 +526,7 @@ def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
             heads = range(hg * pack, hg * pack + pack)
             if any(sees[h % ne32, r].any() for h in heads):
                 ok[r, hg * pack:(hg + 1) * pack] = False
-    assert ok.sum() > n * 8 // 4, "too few rows checked for the test to mean anything"
+    assert ok.mean() > 0.2, "too few rows checked for the test to mean anything"
     o, rf = out[0][ok], ref[0][ok]
     _check(o, rf, f"NaN V in hidden cells {kernel} plan={use_plan} ne32={ne32}")
 
