@@ -12,9 +12,11 @@
 //   prefill:   NWQ = 4, NWK = 1, MT = 1 (64 rows) or MT = 2 (128 rows, FA2 order; long batches)
 //   decode-tc: NWQ = 1, NWK = 4, MT = 1 (16 rows = packed query heads, the KV tile split over warps)
 // With softcap or ALiBi the EXT instance runs. On a HIDDEN tile (fattn_common.cuh) the V rows of
-// the cells no row of the block sees are zero-filled by cp.async (no source bytes), never
-// loaded: NaN/inf garbage there cannot reach P V (0 * NaN). The plan's word for the tile is
-// prefetched to L1 an iteration before the V load that reads it.
+// the cells no row of the block sees (the plan's word for the tile, prefetched to L1 an
+// iteration ahead) are zeroed, so NaN/inf garbage there cannot reach P V (0 * NaN): the ring
+// zero-fills them by cp.async (no source bytes) instead of loading them; the FA2 order, where
+// that predicate at the V issue made ptxas spill the 128-row tiles, lets each thread overwrite
+// its own chunks of them with zeros after its wait, before the barrier that precedes P V.
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
 // otherwise partials that fattn_combine merges. A tile's class (fattn_common.cuh) decides how
@@ -245,6 +247,7 @@ fattn_mma(const FattnParams p) {
     const int ahead = C::FA2 ? 1 : STAGES - 1;
     int e_next = jb + ahead < je ? lt.entry(jb + ahead) : 0;
     int e_cur = jb < je ? lt.entry(jb) : 0;
+    // the hidden word the loop's first V load (ring) / first zeroing (FA2) reads
     if (C::FA2 ? jb < je : jb + ahead < je) lt.prefetch_hidden(p, C::FA2 ? jb : jb + ahead, hg * P);
     for (int j = jb; j < je; ++j) {
         const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
@@ -252,12 +255,12 @@ fattn_mma(const FattnParams p) {
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // K(j) and its mask have landed
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
-            // the hidden word (prefetched to L1 an iteration ago) is read only for a HIDDEN tile
-            load_v(0, e, 0ull);
+            load_v(0, e, 0ull);   // a HIDDEN tile's hidden rows are zeroed after the wait below
             cp_async_commit();
-            if (j + 1 < je && s_hid) prefetch_l1(s_hid + (long long)(j + 1) * p.ne32 + (p.ne32 == 1 ? 0 : (hg * P) % p.ne32));
             e_cur = e_next;
             e_next = j + 2 < je ? lt.entry(j + 2) : 0;
+            if (e_cur & FATTN_TILE_HIDDEN)   // tile j+1's word, read an iteration from now
+                prefetch_l1(s_hid + (long long)(j + 1) * p.ne32 + (p.ne32 == 1 ? 0 : (hg * P) % p.ne32));
         } else {
             // refill the stage used by iteration j-1 (all threads passed its closing barrier)
             if (j + STAGES - 1 < je) {
@@ -271,9 +274,7 @@ fattn_mma(const FattnParams p) {
             // next entries: loaded now, used next iteration (hides the list's load latency)
             e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
             e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
-#ifndef FATTN_NO_HID_PREFETCH
             if (j + STAGES < je) lt.prefetch_hidden(p, j + STAGES, hg * P);
-#endif
             cp_async_wait<STAGES - 1>();   // tile j has landed
             __syncthreads();               // ... for every thread
         }
