@@ -268,7 +268,8 @@ def test_plan_live_counts_and_reuse(rng):
 
 
 def _tile_classes_numpy(mask2d, tq, n_batch):
-    """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule)."""
+    """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule),
+    and HIDDEN: PARTIAL or MASKED tiles with a column < n_kv that no row of the query tile sees."""
     n_kv = mask2d.shape[1]
     bits = mask2d.view(np.uint16)
     neg_inf, zero = bits == 0xFC00, (bits & 0x7FFF) == 0
@@ -277,7 +278,7 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
     for t in range(n_batch):
         idx = np.flatnonzero(fin[t])
         interval.append(idx.size == 0 or (zero[t, idx].all() and idx[-1] - idx[0] + 1 == idx.size))
-    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0}
+    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0, "HIDDEN": 0}
     for qt in range(-(-n_batch // tq)):
         r = slice(qt * tq, min(n_batch, (qt + 1) * tq))
         for kt in range(-(-n_kv // 64)):
@@ -286,10 +287,12 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
                 continue
             if zero[r, c].all() and c.stop - c.start == 64:
                 out["FULL"] += 1
+                continue
             elif all(interval[r]):
                 out["PARTIAL"] += 1
             else:
                 out["MASKED"] += 1
+            out["HIDDEN"] += int(not fin[r, c].any(axis=0).all())
     return out
 
 
