@@ -33,7 +33,8 @@ struct FattnParams {
     float* dst;
     float* ws_o;               // split partials [n_splits][n_rows_total][D_v] (unnormalized)
     float* ws_ml;              // split partials [n_splits][n_rows_total][2] (max (log2 domain), sum)
-    const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live-tile entries (below); nullptr: all live
+    const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live-tile entries (below), followed in
+                               // the same buffer by their hidden-column words (live_hidden); nullptr: all live
     const int* live_cnt;       // [ne33][n_q_tiles]
     const int2* row_lohi;      // [ne33][ne32][n_batch] visible cells [lo, hi) of each mask row, or
                                // (-1, -1) when the row is not one interval of zeros; nullptr: [0, n_kv)
@@ -68,10 +69,6 @@ template <> struct KVTraits<__half> {
         __half2 h = *reinterpret_cast<__half2*>(&u);
         return __half22float2(h);
     }
-    // true when either of the two packed values is NaN or +-inf (exponent all ones)
-    static __device__ __forceinline__ bool nonfinite2(unsigned u) {
-        return (u & 0x7C00u) == 0x7C00u || (u & 0x7C000000u) == 0x7C000000u;
-    }
 };
 template <> struct KVTraits<__nv_bfloat16> {
     static __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -83,9 +80,6 @@ template <> struct KVTraits<__nv_bfloat16> {
     static __device__ __forceinline__ float2 unpack2(unsigned u) {
         __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&u);
         return __bfloat1622float2(h);
-    }
-    static __device__ __forceinline__ bool nonfinite2(unsigned u) {
-        return (u & 0x7F80u) == 0x7F80u || (u & 0x7F800000u) == 0x7F800000u;
     }
 };
 
@@ -99,6 +93,11 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
 __device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
+
+// L1 prefetch hint (no register result)
+__device__ __forceinline__ void prefetch_l1(const void* ptr) {
+    asm volatile("prefetch.global.L1 [%0];\n" :: "l"(ptr));
+}
 
 // 2^x, flush-to-zero, one MUFU op (2^-inf = +0)
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -131,9 +130,36 @@ __device__ __forceinline__ const char* mask_row(const FattnParams& p, int t, int
 //            (row_lohi), so the kernel compares indices instead of loading mask bytes;
 //   PARTIAL|MASKED: some row is not an interval of zeros (ALiBi distances, random masks,
 //            holes): the mask tile is loaded.
+//   HIDDEN (with PARTIAL): some column < n_kv of the tile is -inf for every token of the query
+//            tile in some head plane. A block zero-fills the V rows of the columns none of its
+//            rows sees (LiveTiles::hidden) instead of loading them: 0 * NaN/inf garbage there
+//            (uninitialised cache cells, other sequences' cells) would otherwise reach P V.
+//            Columns >= n_kv need nothing: the V loader zero-fills them on every tile.
 #define FATTN_TILE_PARTIAL (1 << 30)
 #define FATTN_TILE_MASKED (1 << 29)
-#define FATTN_TILE_ID_MASK ((1 << 29) - 1)
+#define FATTN_TILE_HIDDEN (1 << 28)
+#define FATTN_TILE_ID_MASK ((1 << 28) - 1)
+
+// The hidden-column words of a plan's live lists, after its entries in the live_idx buffer
+// (ggml_attn/cuda_backend.py allocates it; fattn_mask_compact writes it): u64
+// [ne33][n_q_tiles][n_kv_tiles][ne32], list order. Word (slot, j, i32): the columns of the j-th
+// live tile that are -inf for every token of the query tile in head plane i32 (bit c: column
+// c of the tile); 0 for a tile without FATTN_TILE_HIDDEN. The entries take ne33*n_q_tiles*
+// n_kv_tiles ints, rounded up to an even count (8-byte alignment).
+template <typename I>
+__device__ __forceinline__ unsigned long long* live_hidden(I* live_idx, const FattnParams& p) {
+    const long long n = (long long)p.ne33 * p.n_q_tiles * p.n_kv_tiles;
+    return reinterpret_cast<unsigned long long*>(const_cast<int*>(live_idx) + ((n + 1) & ~1ll));
+}
+
+// The AND over the mask planes of heads h0 .. h0+P-1 of one tile's ne32 hidden words at w.
+__device__ __forceinline__ unsigned long long block_hidden(const unsigned long long* w, int ne32, int h0, int P) {
+    if (ne32 == 1) return __ldg(w);
+    unsigned long long r = ~0ull;
+    const int n = min(P, ne32);   // P consecutive heads: every plane once when P >= ne32
+    for (int i = 0; i < n; ++i) r &= __ldg(w + (h0 + i) % ne32);
+    return r;
+}
 
 struct LiveTiles {
     const int* idx;
@@ -145,6 +171,20 @@ struct LiveTiles {
     }
     // the j-th tile id
     __device__ __forceinline__ int operator[](int j) const { return entry(j) & FATTN_TILE_ID_MASK; }
+    // the hidden words of the j-th entry (plan present: idx != nullptr), found from idx so
+    // that no second pointer stays live in the kernels' loops
+    __device__ __forceinline__ const unsigned long long* hidden_words(const FattnParams& p, int j) const {
+        return live_hidden(p.live_idx, p) + ((idx - p.live_idx) + j) * (long long)p.ne32;
+    }
+    // the columns of the j-th tile (j < cnt) that no row of a block sees, the block's rows being
+    // the tokens of the query tile x the heads h0 .. h0+P-1; 0 without a plan
+    __device__ __forceinline__ unsigned long long hidden(const FattnParams& p, int j, int h0, int P) const {
+        return idx ? block_hidden(hidden_words(p, j), p.ne32, h0, P) : 0ull;
+    }
+    // an L1 prefetch of the j-th tile's first hidden word (j < cnt)
+    __device__ __forceinline__ void prefetch_hidden(const FattnParams& p, int j, int h0) const {
+        if (idx) prefetch_l1(hidden_words(p, j) + (p.ne32 == 1 ? 0 : h0 % p.ne32));
+    }
 };
 
 __device__ __forceinline__ LiveTiles live_tiles(const FattnParams& p, int q_tile, int s) {

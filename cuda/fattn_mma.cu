@@ -11,8 +11,12 @@
 // softmax; with NWK > 1 the partial states are merged in shared memory at the end.
 //   prefill:   NWQ = 4, NWK = 1, MT = 1 (64 rows) or MT = 2 (128 rows, FA2 order; long batches)
 //   decode-tc: NWQ = 1, NWK = 4, MT = 1 (16 rows = packed query heads, the KV tile split over warps)
-// With softcap or ALiBi the EXT instance runs. NaN/inf in the V of a PARTIAL tile is found at a
-// barrier the loop already has; the V rows of cells no row of the block sees are then zeroed.
+// With softcap or ALiBi the EXT instance runs. On a HIDDEN tile (fattn_common.cuh) the V rows of
+// the cells no row of the block sees (the plan's word for the tile, prefetched to L1 an
+// iteration ahead) are zeroed, so NaN/inf garbage there cannot reach P V (0 * NaN): the ring
+// zero-fills them by cp.async (no source bytes) instead of loading them; the FA2 order, where
+// that predicate at the V issue made ptxas spill the 128-row tiles, lets each thread overwrite
+// its own chunks of them with zeros after its wait, before the barrier that precedes P V.
 // Each block walks only the live KV tiles of its query tile (fattn_util.cu builds the list),
 // split over gridDim.z / ne3 KV splits (flash-decoding); with one split it writes dst,
 // otherwise partials that fattn_combine merges. A tile's class (fattn_common.cuh) decides how
@@ -51,88 +55,33 @@ struct MmaCfg {
 
 // ---------------------------------------------------------------------------------------
 // Step: ROWS rows of CHUNKS 16-byte chunks, global -> shared (cp.async); rows >= rows_left
-// are zero-filled (the n_kv tail: never NaN garbage under a zero probability).
+// are zero-filled (the n_kv tail: never NaN garbage under a zero probability), and so are the
+// rows r < 64 whose bit (skip >> r) & 1 is set (the hidden cells of a V tile). Thread tid
+// copies chunks i = tid, tid + NT, ... (row i / CHUNKS) on either path.
 template <int ROWS, int CHUNKS, int NT>
 __device__ __forceinline__ void load_rows_async(unsigned sdst, int sstride_bytes, const char* gsrc,
-                                                long long gstride, int rows_left, int tid) {
+                                                long long gstride, int rows_left, int tid,
+                                                unsigned long long skip = 0ull) {
     if constexpr (NT % CHUNKS == 0 && ROWS % (NT / CHUNKS) == 0) {
         constexpr int RS = NT / CHUNKS;   // rows per pass
         const int r0 = tid / CHUNKS, ch = tid % CHUNKS;
         const char* src = gsrc + r0 * gstride + ch * 16;
         const unsigned dst = sdst + r0 * sstride_bytes + ch * 16;
         const long long gstep = RS * gstride;
+        const unsigned long long sk = ROWS <= 64 ? skip >> (r0 & 63) : 0ull;   // bit it*RS: row r0 + it*RS
 #pragma unroll
         for (int it = 0; it < ROWS / RS; ++it) {
-            const bool in = r0 + it * RS < rows_left;
+            const bool in = r0 + it * RS < rows_left && !(it * RS < 64 && ((sk >> (it * RS & 63)) & 1ull));
             cp_async16(dst + it * RS * sstride_bytes, in ? src + it * gstep : gsrc, in ? 16 : 0);
         }
     } else {
 #pragma unroll 4
         for (int i = tid; i < ROWS * CHUNKS; i += NT) {
             const int r = i / CHUNKS, ch = i % CHUNKS;
-            const bool in = r < rows_left;
+            const bool in = r < rows_left && !(ROWS <= 64 && ((skip >> (r & 63)) & 1ull));
             cp_async16(sdst + r * sstride_bytes + ch * 16, in ? gsrc + r * gstride + ch * 16 : gsrc, in ? 16 : 0);
         }
     }
-}
-
-// Step: does any of the V chunks this thread copied into a stage hold NaN/inf? (its own
-// cp.async data is visible to it after the wait; the same index pattern as load_rows_async)
-template <typename T, int ROWS, int CHUNKS, int NT>
-__device__ __forceinline__ bool own_chunks_nonfinite(const T* stage, int stride, int tid) {
-    bool bad = false;
-#pragma unroll 1
-    for (int i = tid; i < ROWS * CHUNKS; i += NT) {
-        const uint4 u = *reinterpret_cast<const uint4*>(stage + (i / CHUNKS) * stride + (i % CHUNKS) * 8);
-        bad |= KVTraits<T>::nonfinite2(u.x) | KVTraits<T>::nonfinite2(u.y) |
-               KVTraits<T>::nonfinite2(u.z) | KVTraits<T>::nonfinite2(u.w);
-    }
-    return bad;
-}
-
-// Rare step: NaN/inf in the V of a PARTIAL tile. A cell hidden from every row of the block
-// must not turn 0 * NaN into NaN in P V: zero the V rows of those cells (visibility from the
-// row intervals or the mask tile). Block-wide: every thread calls it. Not inlined, so that its
-// temporaries cost the main loop no registers (the spills around the call run only here).
-template <typename T, int BM, int BK, int DV, int NT, int SM, int SV>
-__device__ __forceinline__ void zero_hidden_v_rows_body(const __half* smask, T* sv, unsigned long long* vis_word,
-                                                   int e, const int2* row_lohi, int n_batch, int n_kv,
-                                                   int ne32, int plane0, int tok0, int tq, int pshift,
-                                                   int h0, int tid) {
-    const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
-    const int c = tid % BK;
-    bool vis = false;
-    for (int r = tid / BK; r < BM; r += NT / BK) {
-        const int tr = r >> pshift, tok = tok0 + tr, h = h0 + (r & ((1 << pshift) - 1));
-        if (tok >= n_batch || tr >= tq || kv0 + c >= n_kv) continue;
-        if (e & FATTN_TILE_MASKED) {
-            vis |= !(__half2float(smask[r * SM + c]) == FATTN_NEG_INF);
-        } else {
-            int2 lh = make_int2(0, n_kv);
-            if (row_lohi) lh = row_lohi[(long long)(plane0 + h % ne32) * n_batch + tok];
-            vis |= kv0 + c >= lh.x && kv0 + c < lh.y;
-        }
-    }
-    if (vis) atomicOr(vis_word, 1ull << c);
-    __syncthreads();
-    const unsigned long long bits = *vis_word;
-    for (int i = tid; i < BK * (DV / 8); i += NT) {
-        const int r = i / (DV / 8), ch = i % (DV / 8);
-        if (!((bits >> r) & 1ull)) *reinterpret_cast<uint4*>(sv + r * SV + ch * 8) = make_uint4(0, 0, 0, 0);
-    }
-    __syncthreads();
-    if (tid == 0) *vis_word = 0ull;   // every thread read it before the barrier above
-}
-
-// the same, out of line: the 128-row tiles run at the register limit, and an inlined copy
-// made ptxas spill in the main loop
-template <typename T, int BM, int BK, int DV, int NT, int SM, int SV>
-__device__ __noinline__ void zero_hidden_v_rows_fn(const __half* smask, T* sv, unsigned long long* vis_word,
-                                                   int e, const int2* row_lohi, int n_batch, int n_kv,
-                                                   int ne32, int plane0, int tok0, int tq, int pshift,
-                                                   int h0, int tid) {
-    zero_hidden_v_rows_body<T, BM, BK, DV, NT, SM, SV>(smask, sv, vis_word, e, row_lohi, n_batch, n_kv,
-                                                       ne32, plane0, tok0, tq, pshift, h0, tid);
 }
 
 template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
@@ -143,7 +92,9 @@ fattn_mma(const FattnParams p) {
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
 
     extern __shared__ uint4 smem_raw[];
-    __shared__ unsigned long long s_vis;   // cells of the current tile visible to some row (rare path)
+    // FA2 order: the hidden words of this block's live list (nullptr without a plan), read from
+    // shared memory where used (a register would stay live across the loop at the limit)
+    __shared__ const unsigned long long* s_hid;
     T* sQ = reinterpret_cast<T*>(smem_raw);
     T* sK = sQ + BM * SK;
     T* sV = sK + STAGES * BK * SK;
@@ -158,7 +109,6 @@ fattn_mma(const FattnParams p) {
     const int tq = p.q_tile_tokens, tok0 = qt * tq;
     const int hk = (hg * P) / p.gqa;
 
-    if (tid == 0) s_vis = 0ull;
     // ---- zero the padding columns of K/V stages (head sizes not a multiple of 16)
     if constexpr (DKP != DK || DVP != DV) {
         for (int i = tid; i < STAGES * BK; i += NT) {
@@ -219,6 +169,7 @@ fattn_mma(const FattnParams p) {
     }
 
     const LiveTiles lt = live_tiles(p, qt, s);
+    if (C::FA2 && tid == 0) s_hid = lt.idx ? lt.hidden_words(p, 0) : nullptr;   // published by the barrier after the prologue
     int jb, je;
     split_range(lt.cnt, split, p.n_splits, jb, je);
 
@@ -251,20 +202,11 @@ fattn_mma(const FattnParams p) {
             }
         }
     };
-    auto load_v = [&](int stage, int e) {
+    // hid: the tile's cells no row of the block sees (their V rows are zero-filled, not loaded)
+    auto load_v = [&](int stage, int e, unsigned long long hid) {
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK;
         load_rows_async<BK, DV / 8, NT>(smem_u32(sV + stage * BK * SV), SV * 2,
-                                        vbase + (long long)kv0 * p.v_nb1, p.v_nb1, p.n_kv - kv0, tid);
-    };
-
-    auto zero_hidden_v_rows = [&](int e, int stage) {
-        const __half* sm = p.mask ? sMask + stage * BM * C::SM : nullptr;
-        if constexpr (MT == 1)
-            zero_hidden_v_rows_body<T, BM, BK, DV, NT, C::SM, SV>(sm, sV + stage * BK * SV, &s_vis, e,
-                p.row_lohi, p.n_batch, p.n_kv, p.ne32, (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
-        else
-            zero_hidden_v_rows_fn<T, BM, BK, DV, NT, C::SM, SV>(sm, sV + stage * BK * SV, &s_vis, e,
-                p.row_lohi, p.n_batch, p.n_kv, p.ne32, (s % p.ne33) * p.ne32, tok0, tq, pshift, hg * P, tid);
+                                        vbase + (long long)kv0 * p.v_nb1, p.v_nb1, p.n_kv - kv0, tid, hid);
     };
 
     float O[MT][DVP / 8][4];
@@ -285,7 +227,11 @@ fattn_mma(const FattnParams p) {
     } else {
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
-            if (jb + i < je) { const int e0 = lt.entry(jb + i); load_k(i, e0); load_v(i, e0); }
+            if (jb + i < je) {
+                const int e0 = lt.entry(jb + i);
+                load_k(i, e0);
+                load_v(i, e0, e0 & FATTN_TILE_HIDDEN ? lt.hidden(p, jb + i, hg * P, P) : 0ull);
+            }
             cp_async_commit();
         }
     }
@@ -301,33 +247,36 @@ fattn_mma(const FattnParams p) {
     const int ahead = C::FA2 ? 1 : STAGES - 1;
     int e_next = jb + ahead < je ? lt.entry(jb + ahead) : 0;
     int e_cur = jb < je ? lt.entry(jb) : 0;
+    // the hidden word the loop's first V load (ring) / first zeroing (FA2) reads
+    if (C::FA2 ? jb < je : jb + ahead < je) lt.prefetch_hidden(p, C::FA2 ? jb : jb + ahead, hg * P);
     for (int j = jb; j < je; ++j) {
         const int stage = C::FA2 ? 0 : (j - jb) % STAGES;
         const int e = e_cur;
-        int v_bad;   // V of this PARTIAL tile holds NaN/inf somewhere
         if constexpr (C::FA2) {
             cp_async_wait<0>();   // K(j) and its mask have landed
             __syncthreads();      // ... for every thread; and every warp is done with V(j-1)
-            load_v(0, e);
+            load_v(0, e, 0ull);   // a HIDDEN tile's hidden rows are zeroed after the wait below
             cp_async_commit();
             e_cur = e_next;
             e_next = j + 2 < je ? lt.entry(j + 2) : 0;
+            if (e_cur & FATTN_TILE_HIDDEN)   // tile j+1's word, read an iteration from now
+                prefetch_l1(s_hid + (long long)(j + 1) * p.ne32 + (p.ne32 == 1 ? 0 : (hg * P) % p.ne32));
         } else {
             // refill the stage used by iteration j-1 (all threads passed its closing barrier)
             if (j + STAGES - 1 < je) {
                 const int st = (j - jb + STAGES - 1) % STAGES;
                 load_k(st, e_next);
-                load_v(st, e_next);
+                // the hidden word was prefetched to L1 an iteration ago (a register kept across
+                // the loop instead cost occupancy at small head sizes)
+                load_v(st, e_next, e_next & FATTN_TILE_HIDDEN ? lt.hidden(p, j + STAGES - 1, hg * P, P) : 0ull);
             }
             cp_async_commit();
             // next entries: loaded now, used next iteration (hides the list's load latency)
             e_cur = STAGES == 2 ? e_next : (j + 1 < je ? lt.entry(j + 1) : 0);
             e_next = j + STAGES < je ? lt.entry(j + STAGES) : 0;
+            if (j + STAGES < je) lt.prefetch_hidden(p, j + STAGES, hg * P);
             cp_async_wait<STAGES - 1>();   // tile j has landed
-            // ... for every thread; a PARTIAL tile's V is checked for NaN/inf on the way
-            v_bad = __syncthreads_or((e & FATTN_TILE_PARTIAL) &&
-                                     own_chunks_nonfinite<T, BK, DV / 8, NT>(sV + stage * BK * SV, SV, tid));
-            if (v_bad) zero_hidden_v_rows(e, stage);
+            __syncthreads();               // ... for every thread
         }
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK + wk * KW;
 
@@ -442,12 +391,16 @@ fattn_mma(const FattnParams p) {
         }
 
         if constexpr (C::FA2) {
-            cp_async_wait<0>();   // V(j) has landed
-            // ... for every thread (V of a PARTIAL tile checked for NaN/inf); and every warp is
-            // done with K(j), mask(j)
-            v_bad = __syncthreads_or((e & FATTN_TILE_PARTIAL) &&
-                                     own_chunks_nonfinite<T, BK, DV / 8, NT>(sV, SV, tid));
-            if (v_bad) zero_hidden_v_rows(e, stage);   // reads mask(j): before K(j+1) is issued
+            cp_async_wait<0>();   // V(j) has landed (this thread's chunks)
+            if (e & FATTN_TILE_HIDDEN) {   // zero this thread's chunks of the hidden cells' V rows
+                const unsigned long long hid = block_hidden(s_hid + (long long)j * p.ne32, p.ne32, hg * P, P);
+                constexpr int CH = DV / 8;
+#pragma unroll
+                for (int i = tid; i < BK * CH; i += NT)
+                    if ((hid >> (i / CH)) & 1ull)
+                        *reinterpret_cast<uint4*>(sV + (i / CH) * SV + (i % CH) * 8) = make_uint4(0, 0, 0, 0);
+            }
+            __syncthreads();      // ... for every thread; and every warp is done with K(j), mask(j)
             if (j + 1 < je) load_k(0, e_cur);
             cp_async_commit();
         }

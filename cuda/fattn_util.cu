@@ -57,13 +57,29 @@ extern "C" __global__ void fattn_mask_rows(const FattnParams p, int2* __restrict
     }
 }
 
+// The 64-bit set of columns [c0, c0 + 64) inside the row interval [lo, hi).
+__device__ __forceinline__ unsigned long long interval_bits(int lo, int hi, int c0) {
+    const int a = min(max(lo - c0, 0), FATTN_KV_TILE), b = min(max(hi - c0, 0), FATTN_KV_TILE);
+    if (b <= a) return 0ull;
+    const unsigned long long below_b = b >= 64 ? ~0ull : (1ull << b) - 1ull;
+    return below_b & ~((1ull << a) - 1ull);
+}
+
 // Pass 1: the class of each (stream plane i33, query tile qt, KV tile kt), over the tokens of
 // qt and every head plane i32 < ne32: flags[(i33*n_q_tiles + qt)*n_kv_tiles + kt] =
 //   0 dead (every cell -inf), 1 FULL (every cell +-0, the tile ends before n_kv),
-//   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not).
+//   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not),
+//   | 8 HIDDEN (PARTIAL only): some column < n_kv of the tile is -inf for every token of qt in
+//   some head plane. Then, for each plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32
+//   + i32] = the columns of the tile that are -inf for every token of qt in plane i32 (bit c:
+//   column kt*64 + c; columns >= n_kv set too); written for every PARTIAL tile. A kernel block
+//   covers the tokens of qt and the heads of some planes: the AND of their words is the set of
+//   cells no row of the block sees (fattn_mask_compact moves the words into list order).
 // Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32). Needs pass 0's lohi.
 extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* __restrict__ flags,
-                                           const int2* __restrict__ lohi) {
+                                           const int2* __restrict__ lohi,
+                                           unsigned long long* __restrict__ hidden) {
+    __shared__ unsigned long long s_vis;
     const int kt = blockIdx.x, qt = blockIdx.y, i33 = blockIdx.z;
     const int t0 = qt * p.q_tile_tokens;
     const int nrows = min(p.q_tile_tokens, p.n_batch - t0);
@@ -107,28 +123,81 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
         }
     }
     masked = __syncthreads_or(masked);
+    const long long tile = ((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt;
+    int any_hidden = 0;
+    if (live && nonzero && hidden) {
+        // columns seen by some token of qt, per head plane: a row that is an interval from
+        // its lohi, any other row from its mask cells (visible: not -inf, NaN included)
+        const unsigned long long valid = ncols >= 64 ? ~0ull : (1ull << ncols) - 1ull;
+        for (int pl = 0; pl < p.ne32; ++pl) {
+            if (threadIdx.x == 0) s_vis = 0ull;
+            __syncthreads();
+            unsigned long long vis = 0ull;
+            for (int i = threadIdx.x; i < nrows * 8; i += blockDim.x) {
+                const int r = i >> 3, ch = i & 7;
+                const int2 lh = __ldg(lohi + ((long long)i33 * p.ne32 + pl) * p.n_batch + t0 + r);
+                if (lh.x >= 0) {
+                    vis |= interval_bits(lh.x, lh.y, c0) & (0xFFull << (8 * ch));
+                } else {
+                    const unsigned short* row = reinterpret_cast<const unsigned short*>(
+                        base + (long long)r * p.m_nb1 + (long long)pl * p.m_nb2);
+                    unsigned bits = 0;
+                    if (vec) {
+                        const uint4 u = __ldg(reinterpret_cast<const uint4*>(row) + ch);
+                        const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            bits |= (unsigned)!f16_bits_is_neg_inf((unsigned short)(w[j] & 0xffffu)) << (2 * j);
+                            bits |= (unsigned)!f16_bits_is_neg_inf((unsigned short)(w[j] >> 16)) << (2 * j + 1);
+                        }
+                    } else {
+                        for (int c = 8 * ch; c < min(8 * ch + 8, ncols); ++c)
+                            bits |= (unsigned)!f16_bits_is_neg_inf(__ldg(row + c)) << (c - 8 * ch);
+                    }
+                    vis |= (unsigned long long)bits << (8 * ch);
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) vis |= __shfl_xor_sync(0xffffffffu, vis, o);
+            if ((threadIdx.x & 31) == 0 && vis) atomicOr(&s_vis, vis);
+            __syncthreads();
+            const unsigned long long hid = ~(s_vis & valid);
+            any_hidden |= (hid & valid) != 0ull;
+            if (threadIdx.x == 0) hidden[tile * p.ne32 + pl] = hid;
+            __syncthreads();   // s_vis read by every thread before the next plane resets it
+        }
+    }
     if (threadIdx.x == 0)
-        flags[((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt] =
-            (unsigned char)(!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7);
+        flags[tile] = (unsigned char)((!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7) | (any_hidden ? 8 : 0));
 }
 
 // Pass 2: compact the flags of each (i33, qt) into the ordered list of live-tile entries
-// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED). Grid (n_q_tiles, ne33), one warp per block.
+// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED | FATTN_TILE_HIDDEN), and the hidden-column
+// words of pass 1 into the same order (live_hidden, fattn_common.cuh: 0 unless HIDDEN).
+// idx holds fattn_live_words(...) ints (the entries, then the words). Grid (n_q_tiles, ne33),
+// one warp per block.
 extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigned char* __restrict__ flags,
-                                              int* __restrict__ idx, int* __restrict__ cnt) {
+                                              int* __restrict__ idx, int* __restrict__ cnt,
+                                              const unsigned long long* __restrict__ hidden) {
     const int qt = blockIdx.x, i33 = blockIdx.y, lane = threadIdx.x;
     const long long slot = (long long)i33 * p.n_q_tiles + qt;
     const unsigned char* f = flags + slot * p.n_kv_tiles;
     int* out = idx + slot * p.n_kv_tiles;
+    unsigned long long* hout = live_hidden(idx, p) + slot * p.n_kv_tiles * p.ne32;
+    const unsigned long long* hin = hidden + slot * p.n_kv_tiles * p.ne32;
     int n = 0;
     for (int base = 0; base < p.n_kv_tiles; base += 32) {
         const int kt = base + lane;
         const int fl = kt < p.n_kv_tiles ? f[kt] : 0;
         const bool live = fl != 0;
         const unsigned b = __ballot_sync(0xffffffffu, live);
-        if (live)
-            out[n + __popc(b & ((1u << lane) - 1u))] =
-                kt | (fl & 2 ? FATTN_TILE_PARTIAL : 0) | (fl & 4 ? FATTN_TILE_MASKED : 0);
+        if (live) {
+            const int pos = n + __popc(b & ((1u << lane) - 1u));
+            out[pos] = kt | (fl & 2 ? FATTN_TILE_PARTIAL : 0) | (fl & 4 ? FATTN_TILE_MASKED : 0) |
+                       (fl & 8 ? FATTN_TILE_HIDDEN : 0);
+            for (int pl = 0; pl < p.ne32; ++pl)
+                hout[(long long)pos * p.ne32 + pl] = fl & 8 ? hin[(long long)kt * p.ne32 + pl] : 0ull;
+        }
         n += __popc(b);
     }
     if (lane == 0) cnt[slot] = n;

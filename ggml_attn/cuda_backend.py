@@ -301,7 +301,10 @@ class Plan:
     as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
     query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order) of entries
     ``tile id | class bits`` (FULL / PARTIAL / PARTIAL|MASKED, cuda/fattn_common.cuh),
-    ``cnt`` int32 [ne33][n_q_tiles]. Shared by every tile size: ``lohi`` int32
+    ``cnt`` int32 [ne33][n_q_tiles]; after the entries, in the same buffer (:func:`live_words`),
+    u64 [ne33][n_q_tiles][n_kv_tiles][ne32] hidden-column words in list order (a HIDDEN tile's
+    columns that no token of the query tile sees, per mask head plane: the kernels zero-fill
+    their V rows). Shared by every tile size: ``lohi`` int32
     [ne33][ne32][n_batch][2], each mask row's visible interval [lo, hi), or (-1, -1) when the
     row is not one interval of zeros.
 
@@ -320,7 +323,8 @@ class Plan:
     n_head: int
     n_head_kv: int
     # what the plan built on the GPU, each as (value, built-on stream, event recorded after it):
-    #   "lohi" -> the row intervals; ("map", tq) -> (idx, cnt, flags, (idx_ptr, cnt_ptr, lohi_ptr));
+    #   "lohi" -> the row intervals; ("map", tq) -> (idx, cnt, flags, (idx_ptr, cnt_ptr, lohi_ptr),
+    #   buf, hidden) (_build_live_map);
     #   "aligned" -> (TensorDesc, cupy array), the 16-byte aligned copy of the mask
     items: dict = field(default_factory=dict)
     # host statistics read once by make_plan (one synchronization per ubatch):
@@ -387,7 +391,28 @@ class Plan:
             if cnt.size else np.zeros(0, np.int32)
         partial, masked = (ent & (1 << 30)) != 0, (ent & (1 << 29)) != 0
         return {"FULL": int((~partial).sum()), "PARTIAL": int((partial & ~masked).sum()),
-                "MASKED": int(masked.sum())}
+                "MASKED": int(masked.sum()), "HIDDEN": int(((ent & (1 << 28)) != 0).sum())}
+
+    def hidden_columns(self, tq: int, stream: int = None) -> dict:
+        """Host copy of the hidden-column words of the HIDDEN tiles (for tests):
+        {(i33, query tile, KV tile): [word per mask head plane]}, bit c of a word = column c of
+        the tile is -inf for every token of the query tile in that plane (or past n_kv)."""
+        m = self._map(tq, _stream_ptr(stream))
+        idx, cnt, buf = m[0].get(), m[1].get(), m[4]
+        ne32, ne33 = self.mask.ne[2], self.mask.ne[3]
+        n_q_tiles = cnt.size // ne33
+        n_kv_tiles = idx.size // max(cnt.size, 1)
+        off, _ = live_words(ne33, n_q_tiles, n_kv_tiles, ne32)
+        words = buf[off:].get().view(np.uint64).reshape(ne33, n_q_tiles, n_kv_tiles, ne32)
+        out = {}
+        for i33 in range(ne33):
+            for qt in range(n_q_tiles):
+                slot = i33 * n_q_tiles + qt
+                for j in range(int(cnt[slot])):
+                    e = int(idx[slot * n_kv_tiles + j])
+                    if e & (1 << 28):
+                        out[(i33, qt, e & ((1 << 28) - 1))] = [int(w) for w in words[i33, qt, j]]
+        return out
 
     def aligned(self, stream: int) -> TensorDesc:
         """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
@@ -414,25 +439,43 @@ def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int):
     return lohi
 
 
+def live_words(ne33: int, n_q_tiles: int, n_kv_tiles: int, ne32: int) -> tuple[int, int]:
+    """int32 words of a tile map's live_idx buffer: (offset of the hidden-column words, total).
+    The entries [ne33][n_q_tiles][n_kv_tiles] come first, rounded up to an even count, then one
+    u64 per (entry, mask head plane): live_hidden() in cuda/fattn_common.cuh reads the same."""
+    n = ne33 * n_q_tiles * n_kv_tiles
+    off = n + (n & 1)
+    return off, off + 2 * n * ne32
+
+
 def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi):
+    """Passes 1-2 of the plan for query tiles of ``tq`` tokens: (idx, cnt, flags, (idx_ptr,
+    cnt_ptr, lohi_ptr), buf, hidden). ``idx`` is a view of the first entries of ``buf``, whose
+    tail holds the hidden-column words in list order (:func:`live_words`); ``hidden`` the
+    scan's words in tile order (kept alive with the map, read by the compaction)."""
     import cupy
     n_kv, _, ne32, ne33 = mask.ne
     n_q_tiles = -(-n_batch // tq)
     n_kv_tiles = max(1, -(-n_kv // K.KV_TILE))
+    n = ne33 * n_q_tiles * n_kv_tiles
+    off, total = live_words(ne33, n_q_tiles, n_kv_tiles, ne32)
     with cupy.cuda.ExternalStream(stream):
-        flags = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.uint8)
-        idx = cupy.empty(ne33 * n_q_tiles * n_kv_tiles, dtype=cupy.int32)
+        flags = cupy.empty(n, dtype=cupy.uint8)
+        buf = cupy.empty(total, dtype=cupy.int32)
+        hidden = cupy.empty(n * ne32, dtype=cupy.uint64)
         cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
+    idx = buf[:n]
     p = _mask_params(mask, n_batch)
     p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
     var = K.util_variant()
     scan = K.get_function(var, "fattn_mask_scan")
     compact = K.get_function(var, "fattn_mask_compact")
     scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
-                ctypes.c_uint64(lohi.data.ptr))
+                ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr))
     compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
-                   ctypes.c_uint64(idx.data.ptr), ctypes.c_uint64(cnt.data.ptr))
-    return idx, cnt, flags, (idx.data.ptr, cnt.data.ptr, lohi.data.ptr)
+                   ctypes.c_uint64(buf.data.ptr), ctypes.c_uint64(cnt.data.ptr),
+                   ctypes.c_uint64(hidden.data.ptr))
+    return idx, cnt, flags, (buf.data.ptr, cnt.data.ptr, lohi.data.ptr), buf, hidden
 
 
 def mask_needs_aligned_copy(mask: TensorDesc) -> bool:

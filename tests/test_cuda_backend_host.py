@@ -157,6 +157,61 @@ def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
+# C4: a tile map's buffers: the hidden-column words after the live entries, in one buffer
+def test_live_words_layout():
+    for ne33, nq, nk, ne32 in [(1, 1, 1, 1), (1, 3, 5, 1), (2, 7, 9, 2), (1, 4, 4, 3)]:
+        off, total = cb.live_words(ne33, nq, nk, ne32)
+        n = ne33 * nq * nk
+        assert off >= n and off % 2 == 0 and off - n <= 1, "entries, then 8-byte aligned words"
+        assert total == off + 2 * n * ne32, "one u64 per (entry, mask head plane)"
+
+
+class _Arr:
+    """A device array of the fake cupy: a size, a dtype and a base pointer (views keep it)."""
+    _next = 0x10000000
+
+    def __init__(self, n, dtype, ptr=None):
+        self.size, self.dtype = n, np.dtype(dtype)
+        if ptr is None:
+            _Arr._next += 0x1000000
+            ptr = _Arr._next
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+    def __getitem__(self, sl):
+        start, stop, _ = sl.indices(self.size)
+        return _Arr(stop - start, self.dtype, self.data.ptr + start * self.dtype.itemsize)
+
+
+def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(fake_cupy, monkeypatch):
+    fake_cupy.uint64 = np.uint64
+    fake_cupy.empty = lambda n, dtype=None: _Arr(n, dtype)
+    launches = []
+
+    class _Fn:
+        def __init__(self, name):
+            self.name = name
+
+        def launch(self, grid, block, stream, p, *ptrs):
+            launches.append((self.name, grid, stream, p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles,
+                             [x.value for x in ptrs]))
+    monkeypatch.setattr(K, "get_function", lambda var, name, smem=0: _Fn(name))
+    mask = from_array(np.zeros((1, 2, 40, 200), dtype=np.float16))   # n_kv 200, ne32 2
+    lohi = _Arr(2 * 40 * 2, np.int32)
+    idx, cnt, flags, ptrs, buf, hidden = cb._build_live_map(mask, 37, 16, 5, lohi)
+    n_q, n_kv = 3, 4
+    n = n_q * n_kv
+    off, total = cb.live_words(1, n_q, n_kv, 2)
+    assert idx.size == n and idx.data.ptr == buf.data.ptr and buf.size == total
+    assert hidden.size == n * 2 and hidden.dtype == np.uint64
+    assert ptrs == (buf.data.ptr, cnt.data.ptr, lohi.data.ptr)
+    (scan, sgrid, sst, tq, nq, nk, sargs), (comp, cgrid, cst, *_, cargs) = launches
+    assert (scan, comp) == ("fattn_mask_scan", "fattn_mask_compact") and sst == cst == 5
+    assert (sgrid, cgrid, tq, nq, nk) == ((n_kv, n_q, 1), (n_q, 1, 1), 16, n_q, n_kv)
+    assert sargs == [flags.data.ptr, lohi.data.ptr, hidden.data.ptr]
+    assert cargs == [flags.data.ptr, buf.data.ptr, cnt.data.ptr, hidden.data.ptr]
+
+
+# ---------------------------------------------------------------------------------------
 # H1: cubin cache
 def test_cache_key_covers_include_dirs_and_header(tmp_path, monkeypatch):
     v = K.util_variant()

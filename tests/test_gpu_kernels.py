@@ -268,7 +268,8 @@ def test_plan_live_counts_and_reuse(rng):
 
 
 def _tile_classes_numpy(mask2d, tq, n_batch):
-    """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule)."""
+    """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule),
+    and HIDDEN: PARTIAL or MASKED tiles with a column < n_kv that no row of the query tile sees."""
     n_kv = mask2d.shape[1]
     bits = mask2d.view(np.uint16)
     neg_inf, zero = bits == 0xFC00, (bits & 0x7FFF) == 0
@@ -277,7 +278,7 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
     for t in range(n_batch):
         idx = np.flatnonzero(fin[t])
         interval.append(idx.size == 0 or (zero[t, idx].all() and idx[-1] - idx[0] + 1 == idx.size))
-    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0}
+    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0, "HIDDEN": 0}
     for qt in range(-(-n_batch // tq)):
         r = slice(qt * tq, min(n_batch, (qt + 1) * tq))
         for kt in range(-(-n_kv // 64)):
@@ -286,10 +287,12 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
                 continue
             if zero[r, c].all() and c.stop - c.start == 64:
                 out["FULL"] += 1
+                continue
             elif all(interval[r]):
                 out["PARTIAL"] += 1
             else:
                 out["MASKED"] += 1
+            out["HIDDEN"] += int(not fin[r, c].any(axis=0).all())
     return out
 
 
@@ -377,6 +380,158 @@ def test_garbage_in_masked_cells(kernel, mask_kind, rng):
     vd[0, :, n:n + 3, 0] = inf       # cells of the last live tile hidden from every row
     out = _run_device(q, k, vd, mask[None, None], s, 0.1, 0.0, 0.0, kernel)
     _check(out, ref, f"V garbage in unowned cells {kernel} {mask_kind}")
+
+
+# ---------------------------------------------------------------------------------------
+# hidden-column bitmaps of the plan: V rows of cells no row of a block sees are zero-filled
+def _gapped_layout(seq_lens, gap, n_tail):
+    """Cells of a unified KV cache with ``gap`` unowned cells after each sequence and
+    ``n_tail`` past the last: (cell of each token, sequence id of each token, n_kv)."""
+    pos, sid, c = [], [], 0
+    for i, L in enumerate(seq_lens):
+        pos += range(c, c + L)
+        sid += [i] * L
+        c += L + gap
+    return np.array(pos), np.array(sid), c + n_tail
+
+
+def _gapped_mask(pos, sid, n_kv):
+    """Token t sees the cells of its own sequence up to its own cell (f32 [n_batch, n_kv])."""
+    m = np.full((len(pos), n_kv), -np.inf, dtype=np.float32)
+    for t in range(len(pos)):
+        own = pos[(sid == sid[t]) & (pos <= pos[t])]
+        m[t, own] = 0.0
+    return m
+
+
+def _hidden_columns_numpy(mask, tq, n_batch):
+    """The plan's HIDDEN tiles and words (Plan.hidden_columns) recounted from an f16 mask
+    [ne33, ne32, n_rows, n_kv] (numpy order)."""
+    ne33, ne32, _, n_kv = mask.shape
+    bits = mask.view(np.uint16)
+    vis, zero = bits != 0xFC00, (bits & 0x7FFF) == 0
+    out = {}
+    for i33 in range(ne33):
+        for qt in range(-(-n_batch // tq)):
+            r = slice(qt * tq, min(n_batch, (qt + 1) * tq))
+            for kt in range(-(-n_kv // 64)):
+                c0, c1 = kt * 64, min(n_kv, kt * 64 + 64)
+                if not vis[i33, :, r, c0:c1].any():
+                    continue                                  # dead
+                if zero[i33, :, r, c0:c1].all() and c1 - c0 == 64:
+                    continue                                  # FULL
+                words, hidden = [], False
+                for pl in range(ne32):
+                    seen = vis[i33, pl, r, c0:c1].any(axis=0)
+                    w = 0
+                    for c in range(64):
+                        if c >= c1 - c0 or not seen[c]:
+                            w |= 1 << c
+                    hidden |= (w & ((1 << (c1 - c0)) - 1)) != 0
+                    words.append(w)
+                if hidden:
+                    out[(i33, qt, kt)] = words
+    return out
+
+
+def test_plan_hidden_columns(rng):
+    """The plan's hidden-column words equal a numpy recount for every tile size a kernel
+    uses: ragged sequences with unowned cells between them, two head planes with different
+    sequences, two stream planes, a block of random (MASKED) rows, n_kv not a multiple of 64."""
+    cp = _cupy()
+    pos, sid, n_kv = _gapped_layout([37, 5, 90, 1, 64, 20], gap=3, n_tail=21)
+    n = len(pos)
+    m0 = _gapped_mask(pos, sid, n_kv)
+    sid1 = np.repeat(np.arange(4), [60, 60, 60, n - 180])   # plane 1: other sequence bounds
+    m1 = _gapped_mask(pos, sid1, n_kv)
+    m1[100:110] = np.where(np.isfinite(m1[100:110]), rng.uniform(-1, 1, (10, n_kv)), -np.inf)
+    mask = np.stack([np.stack([m0, m1]), np.stack([m1, m0])]).astype(np.float16)   # [2, 2, n, n_kv]
+    dm = cp.asarray(mask)
+    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    for tq in (1, 4, 16, 64, 128):
+        want = _hidden_columns_numpy(mask, tq, n)
+        assert want, tq
+        assert plan.hidden_columns(tq) == want, tq
+        assert plan.tile_classes(tq)["HIDDEN"] == len(want)
+
+
+def _layout_cfg(kernel, n_batch, plan):
+    """(query tile tokens, packed heads) of the launch the test's call makes (n_head 8, kv 2)."""
+    with _Kernel(kernel) as kern:
+        sh = cb.Shapes(128, 128, n_batch, 8, 2, 1, 1, GGML_TYPE_F16)
+        cfg = cb.launch_config(kern, sh, wide=plan.wide if plan is not None else None)
+    return cfg.q_tile_tokens, cfg.pack
+
+
+# layouts: 64-row tiles with 4 heads packed (the plan's verdict on short ragged prompts),
+# 64-row unpacked (128-row tiles switched off), 128-row (FA2 order), decode-tc (packed heads,
+# 16 rows), the CUDA-core kernel
+HIDDEN_LAYOUTS = [("prefill", True), ("prefill-narrow", False), ("prefill-wide", False),
+                  ("decode-tc", False), ("decode", False)]
+
+
+@pytest.mark.parametrize("ne32", [1, 2])
+@pytest.mark.parametrize("kernel,use_plan", HIDDEN_LAYOUTS, ids=[f"{k}{'-plan' if u else ''}" for k, u in HIDDEN_LAYOUTS])
+def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
+    """NaN in K and V at every unowned cell (between sequences, past the last) and at the last
+    cell of three sequences (in plane 0 seen by one row only; with ne32 = 2, plane 1 merges
+    pairs of sequences, so the last cell of sequence 0 is seen by every plane-1 row of
+    sequence 1): every row of a block that sees none of them must be right, whatever the block
+    layout (tokens x packed heads x mask head planes). A hidden-column set computed over more
+    rows than a block holds (a larger query tile, all head planes) leaves a poisoned V row in
+    place and NaN reaches that block's rows (0 * NaN); one over fewer rows zeroes V rows some
+    row sees (wrong values)."""
+    cp = _cupy()
+    pos, sid, n_kv = _gapped_layout([16, 200, 33, 1, 77, 5, 64, 65, 17, 40, 3, 9], gap=5, n_tail=30)
+    n = len(pos)
+    planes = [_gapped_mask(pos, sid, n_kv)]
+    if ne32 == 2:   # plane 1: the same cells, sequences 2i and 2i+1 merged
+        planes.append(_gapped_mask(pos, sid // 2, n_kv))
+    mask = np.stack(planes)[None].astype(np.float16)            # [1, ne32, n, n_kv]
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
+    owned = np.zeros(n_kv, bool)
+    owned[pos] = True
+    last = [pos[np.flatnonzero(sid == i)[-1]] for i in (0, 1, 4)]
+    poison = np.flatnonzero(~owned).tolist() + last
+    k[:, :, poison, 5] = np.float16(np.nan)
+    v[:, :, poison, :] = np.float16(np.nan)
+    v[:, :, poison[::2], 1] = np.float16(np.inf)
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+    if kernel == "prefill-narrow":   # 64-row tiles, one head per tile
+        kernel = "prefill"
+        monkeypatch.setattr(cb, "PREFILL_WIDE_MIN_BATCH", 1 << 30)
+        monkeypatch.setattr(cb, "_PREPARED", {})
+    dm = cp.asarray(mask)
+    plan = None
+    if use_plan:
+        plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16,
+                            kernel=_Kernel(kernel).name)
+        assert plan.wide is False
+    tq, pack = _layout_cfg(kernel, n, plan)
+    want = {("prefill", True): (64 // cb.PREFILL_PACK, cb.PREFILL_PACK), ("prefill", False): (64, 1),
+            ("prefill-wide", False): (128, 1), ("decode-tc", False): (4, 4)}.get((kernel, use_plan))
+    assert want is None or (tq, pack) == want, (kernel, tq, pack)
+    with _Kernel(kernel) as kern:
+        dst = cp.full((1, n, 8, 128), cp.nan, dtype=cp.float32)
+        cb.flash_attn_ext_device(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
+                                 from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dm),
+                                 from_array(cp.asarray(s)), from_array(dst), 0.1, 0.0, 0.0,
+                                 kernel=kern, plan=plan)
+        out = dst.get()
+    # the rows of every block (query tile x head group) whose rows see no poisoned cell
+    bad_cells = np.zeros(n_kv, bool)
+    bad_cells[poison] = True
+    sees = np.isfinite(mask[0])[:, :, bad_cells].any(axis=-1)   # [ne32, n]
+    ok = np.ones((n, 8), bool)
+    for qt in range(-(-n // tq)):
+        r = slice(qt * tq, min(n, (qt + 1) * tq))
+        for hg in range(8 // pack):
+            heads = range(hg * pack, hg * pack + pack)
+            if any(sees[h % ne32, r].any() for h in heads):
+                ok[r, hg * pack:(hg + 1) * pack] = False
+    assert ok.mean() > 0.2, "too few rows checked for the test to mean anything"
+    o, rf = out[0][ok], ref[0][ok]
+    _check(o, rf, f"NaN V in hidden cells {kernel} plan={use_plan} ne32={ne32}")
 
 
 def test_host_entry_ragged(rng):
