@@ -511,11 +511,13 @@ def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
     want = {("prefill", True): (64 // cb.PREFILL_PACK, cb.PREFILL_PACK), ("prefill", False): (64, 1),
             ("prefill-wide", False): (128, 1), ("decode-tc", False): (4, 4)}.get((kernel, use_plan))
     assert want is None or (tq, pack) == want, (kernel, tq, pack)
+    # device arrays held in locals until the result is read: a TensorDesc is a raw pointer, and
+    # an array dropped after from_array() goes back to CuPy's pool (test_q_view_at_4_byte_offset)
+    dq, dk_, dv_, ds = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(s)
     with _Kernel(kernel) as kern:
         dst = cp.full((1, n, 8, 128), cp.nan, dtype=cp.float32)
-        cb.flash_attn_ext_device(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
-                                 from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dm),
-                                 from_array(cp.asarray(s)), from_array(dst), 0.1, 0.0, 0.0,
+        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                 from_array(dm), from_array(ds), from_array(dst), 0.1, 0.0, 0.0,
                                  kernel=kern, plan=plan)
         out = dst.get()
     # the rows of every block (query tile x head group) whose rows see no poisoned cell
