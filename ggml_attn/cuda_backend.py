@@ -414,6 +414,24 @@ class Plan:
                         out[(i33, qt, e & ((1 << 28) - 1))] = [int(w) for w in words[i33, qt, j]]
         return out
 
+    def refresh(self, stream=None) -> None:
+        """The mask's contents changed (same tensor, same shape): rebuild everything this plan
+        built -- row intervals, each tile map, the aligned copy -- into the same buffers, on
+        ``stream``, launches only (no allocation, no synchronization: a CUDA graph captures
+        it). The statistics read at build time (tile height, split counts) are kept; the
+        kernels stay right whatever they are (they only size the work)."""
+        st = _stream_ptr(stream)
+        got = self.items.get("lohi")
+        if got is None:
+            return
+        lohi = _build_row_intervals(self.mask, self.n_batch, st, into=got[0])
+        for key, (val, _, _) in list(self.items.items()):
+            if isinstance(key, tuple) and key[0] == "map":
+                _build_live_map(self.mask, self.n_batch, key[1], st, lohi, into=val)
+        got = self.items.get("aligned")
+        if got is not None:
+            _aligned_mask_copy(self.mask, self.n_batch, st, into=got[0])
+
     def aligned(self, stream: int) -> TensorDesc:
         """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
         return self._get("aligned", stream, lambda st: _aligned_mask_copy(self.mask, self.n_batch, st))[0]
@@ -427,12 +445,15 @@ def _mask_params(mask: TensorDesc, n_batch: int) -> K.FattnParams:
     return p
 
 
-def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int):
-    """Pass 0 of the plan: each row's visible interval, cupy int32 [ne33][ne32][n_batch][2]."""
+def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int, into=None):
+    """Pass 0 of the plan: each row's visible interval, cupy int32 [ne33][ne32][n_batch][2]
+    (written into ``into``, the array of an earlier build, when given: nothing allocated)."""
     import cupy
     _, _, ne32, ne33 = mask.ne
-    with cupy.cuda.ExternalStream(stream):
-        lohi = cupy.empty((ne33, ne32, n_batch, 2), dtype=cupy.int32)
+    lohi = into
+    if lohi is None:
+        with cupy.cuda.ExternalStream(stream):
+            lohi = cupy.empty((ne33, ne32, n_batch, 2), dtype=cupy.int32)
     fn = K.get_function(K.util_variant(), "fattn_mask_rows")
     fn.launch((n_batch, ne32, ne33), (128, 1, 1), stream, _mask_params(mask, n_batch),
               ctypes.c_uint64(lohi.data.ptr))
@@ -448,22 +469,26 @@ def live_words(ne33: int, n_q_tiles: int, n_kv_tiles: int, ne32: int) -> tuple[i
     return off, off + 2 * n * ne32
 
 
-def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi):
+def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, into=None):
     """Passes 1-2 of the plan for query tiles of ``tq`` tokens: (idx, cnt, flags, (idx_ptr,
     cnt_ptr, lohi_ptr), buf, hidden). ``idx`` is a view of the first entries of ``buf``, whose
     tail holds the hidden-column words in list order (:func:`live_words`); ``hidden`` the
-    scan's words in tile order (kept alive with the map, read by the compaction)."""
+    scan's words in tile order (kept alive with the map, read by the compaction). ``into``: the
+    tuple of an earlier build, whose buffers are written again (nothing allocated)."""
     import cupy
     n_kv, _, ne32, ne33 = mask.ne
     n_q_tiles = -(-n_batch // tq)
     n_kv_tiles = max(1, -(-n_kv // K.KV_TILE))
     n = ne33 * n_q_tiles * n_kv_tiles
     off, total = live_words(ne33, n_q_tiles, n_kv_tiles, ne32)
-    with cupy.cuda.ExternalStream(stream):
-        flags = cupy.empty(n, dtype=cupy.uint8)
-        buf = cupy.empty(total, dtype=cupy.int32)
-        hidden = cupy.empty(n * ne32, dtype=cupy.uint64)
-        cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
+    if into is not None:
+        _, cnt, flags, _, buf, hidden = into
+    else:
+        with cupy.cuda.ExternalStream(stream):
+            flags = cupy.empty(n, dtype=cupy.uint8)
+            buf = cupy.empty(total, dtype=cupy.int32)
+            hidden = cupy.empty(n * ne32, dtype=cupy.uint64)
+            cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
     idx = buf[:n]
     p = _mask_params(mask, n_batch)
     p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
@@ -484,9 +509,10 @@ def mask_needs_aligned_copy(mask: TensorDesc) -> bool:
     return mask.ptr % 16 != 0 or any(nb % 16 for n, nb in zip(mask.ne[1:], mask.nb[1:]) if n > 1)
 
 
-def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int):
+def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int, into=None):
     """f16 copy of the first n_batch rows of ``mask`` (ggml order [n_kv, rows, ne32, ne33])
-    with rows padded to a multiple of 8 cells: (its desc, the CuPy array)."""
+    with rows padded to a multiple of 8 cells: (its desc, the CuPy array); ``into``: the result
+    of an earlier copy, written again."""
     import cupy
     from .tensor import from_array
     n_kv, _, ne32, ne33 = mask.ne
@@ -494,9 +520,10 @@ def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int):
     src = cupy.ndarray((ne33, ne32, n_batch, n_kv), cupy.float16, cupy.cuda.MemoryPointer(src_mem, 0),
                        strides=tuple(reversed(mask.nb)))
     with cupy.cuda.ExternalStream(stream):
-        buf = cupy.empty((ne33, ne32, n_batch, -(-n_kv // 8) * 8), dtype=cupy.float16)
+        buf = into[1] if into is not None else cupy.empty((ne33, ne32, n_batch, -(-n_kv // 8) * 8),
+                                                          dtype=cupy.float16)
         view = buf[..., :n_kv]
-        view[...] = src
+        cupy.copyto(view, src)
     return from_array(view, GGML_TYPE_F16, mask.name), buf
 
 

@@ -704,3 +704,29 @@ def test_split_workspace_two_devices_null_stream(rng):
         with cp.cuda.Device(dev):
             cp.cuda.runtime.deviceSynchronize()
             _check(out.get(), ref, f"splits on device {dev}")
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode-tc"])
+def test_plan_refresh_follows_new_mask_contents(kernel, rng):
+    """Plan.refresh: the mask tensor keeps its place and shape but its contents change (a decode
+    step of a captured graph): the row intervals, tile maps and aligned copy are rebuilt in the
+    same buffers and the kernels read the new mask. The mask rows are not 16-byte aligned (the
+    aligned copy is refreshed too)."""
+    cp = _cupy()
+    n_kv, seq_a, seq_b = 300, [40, 90, 20], [100, 50]
+    n = sum(seq_a)
+    q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16)
+    ma = _block_causal_mask(seq_a, n_kv=n_kv)
+    mb = _block_causal_mask(seq_b + [n - sum(seq_b)], n_kv=n_kv)
+    dm = cp.asarray(ma)
+    dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
+    ptrs = plan.live(_layout_cfg(kernel, n, plan)[0], cp.cuda.get_current_stream().ptr)
+    out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kernel, GGML_TYPE_F16, plan=plan)
+    _check(out.get(), flash_attn_ext(q, k, v, ma, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "before")
+    dm[...] = cp.asarray(mb)
+    plan.refresh()
+    assert plan.live(_layout_cfg(kernel, n, plan)[0], cp.cuda.get_current_stream().ptr) == ptrs, \
+        "refresh must reuse the buffers"
+    out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kernel, GGML_TYPE_F16, plan=plan)
+    _check(out.get(), flash_attn_ext(q, k, v, mb, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "after refresh")
