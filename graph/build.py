@@ -112,6 +112,7 @@ class UBatchGraph:
     out: list
     _arrays: dict = field(default_factory=dict)  # tensor address -> backing array (kept alive)
     x_in: object = None
+    mask_t: object = None
     layer: str = "attn"
     _op_keys: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
@@ -217,15 +218,16 @@ class GraphBuilder:
         return self.attach(t, self.xp.zeros(shape_np, dtype=dtype))
 
     def result(self, t, name: str | None = None):
-        """Give an op's result tensor its memory (F32/F16), unless it has some (a view)."""
+        """Give an op's result tensor its memory (an F32/F16 array of its shape, bytes for other
+        types), unless it has some (a view)."""
         if name:
             ggml.ggml_set_name(t, name.encode())
         if not t.contents.data:
             dtype = _NP_DTYPES.get(t.contents.type)
-            if dtype is None:
-                raise GraphBuildError(f"no array type for ggml type {t.contents.type} of "
-                                      f"{ggml.ggml_get_name(t).decode()}")
-            self.attach(t, self.xp.empty(_np_shape(t), dtype=dtype))
+            if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
+                self.attach(t, self.xp.empty(int(ggml.ggml_nbytes(t)), dtype=np.uint8))
+            else:
+                self.attach(t, self.xp.empty(_np_shape(t), dtype=dtype))
         return t
 
     def call(self, fn, *args):
@@ -298,8 +300,8 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
     if device and not cache.float_storage:
         raise ValueError(f"an all-custom (device-resident) graph needs an f16/f32 KV cache; this one is "
                          f"K {cache.type_k} / V {cache.type_v}")
-    if not flash_attn and cache.type_v not in ("f16", "f32"):
-        raise ValueError(f"-fa off transposes V, which ggml cannot do for a {cache.type_v} V cache; "
+    if not flash_attn and cache.type_v not in ("f16", "f32", "bf16"):
+        raise ValueError(f"-fa off transposes V, which ggml cannot do for a {cache.type_v} (block) V cache; "
                          f"use flash attention")
     if isinstance(layer, str) and layer not in LAYERS:
         raise ValueError(f"layer must be one of {LAYERS} or a layer function, got {layer!r}")
@@ -373,7 +375,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         ggml.ggml_free(b.ctx)
         xp_ops.release(b.op_keys)
         raise
-    g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in,
+    g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
                     layer="full" if layer == "full" else "attn", _op_keys=b.op_keys, _keep=b.kept)
     if device:
         check_device_graph(b.gf)
