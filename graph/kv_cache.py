@@ -506,11 +506,11 @@ class KVCache:
         """Store K/V rows of a ubatch: ``k_rows (n_tokens, n_embd_k_gqa)``, ``v_rows (n_tokens,
         n_embd_v_gqa)`` in numpy order, ubatch row order, any float dtype of ``xp`` (the
         host path; graphs do this with ``ggml_set_rows``)."""
+        self._need_float("KVCache.write_rows")
         rows = slot.row_indices(self.kv_size)
         k_flat = self.k[layer].reshape(self.n_stream * self.kv_size, self.n_embd_k_gqa)
         v_flat = self.v[layer].reshape(self.n_stream * self.kv_size, self.n_embd_v_gqa)
         xp = self.xp
-        self._need_float("KVCache.write_rows")
         k_flat[xp.asarray(rows)] = xp.asarray(k_rows).astype(self.k.dtype)
         v_flat[xp.asarray(rows)] = xp.asarray(v_rows).astype(self.v.dtype)
 

@@ -110,6 +110,9 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
     check_geometry(cache, cfg)
     if compute == "ggml":
         check_build_args(cache, cfg, fa=fa, all_custom=all_custom)
+    elif not cache.float_storage:
+        raise ValueError(f"compute='numpy' needs an f16/f32 KV cache; this one is K {cache.type_k} / "
+                         f"V {cache.type_v} (compute='ggml' runs it)")
     out = np.zeros((cfg.n_layer, batch.n_tokens, cfg.n_head, cfg.d_v), dtype=np.float32)
 
     def done(plan: UBatchPlan, res: np.ndarray) -> None:

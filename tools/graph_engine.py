@@ -33,6 +33,7 @@ class GraphEngine:
     """``run_ubatch(plan)``, ``synchronize()``, ``timer()``, ``close()`` (``graph.driver``'s engine)."""
 
     flavour = "host"
+    all_custom = None  # None: as the flavour (device: all-custom); True: all-custom host graph (tests)
 
     def __init__(self, cfg, cache):
         import ggml
@@ -93,7 +94,7 @@ class GraphEngine:
         cfg = self.cfg
         g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
                                      weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
-                                     all_custom=self.device)
+                                     all_custom=self.device if self.all_custom is None else self.all_custom)
         try:
             ins = self.inputs(plan)
             if cfg.layer == "full":
