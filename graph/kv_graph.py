@@ -73,12 +73,27 @@ def store_callback(dst_p, ith, nth, userdata):
                                         (int(idx_t.contents.ne[0]),))
         if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
             raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
-        cache[idx] = rows.astype(cache.dtype)
+        if userdata:  # one launch on the current stream, nothing allocated
+            _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
+        else:
+            cache[idx] = rows  # cast to the cache's dtype on assignment
     except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
         fa_op.record_error(node, e, what="KV store op")
 
 
 _STORE_CB = ggml.ggml_custom_op_t(store_callback)
+_SCATTER = []
+
+
+def _scatter_kernel():
+    """CuPy kernel ``dst[rows[t]] = (dst type) src[t]`` over F32 rows (compiled once)."""
+    if not _SCATTER:
+        import cupy as cp  # noqa: PLC0415  (device graphs only)
+        _SCATTER.append(cp.ElementwiseKernel(
+            "raw T src, raw int64 rows, int64 n_embd", "raw U dst",
+            "long long t = i / n_embd; dst[rows[t] * n_embd + (i - t * n_embd)] = (U)src[i];",
+            "ggml_attn_kv_store_rows"))
+    return _SCATTER[0]
 
 
 # ------------------------------------------------------------------ KV in a graph
