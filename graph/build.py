@@ -182,10 +182,11 @@ class GraphBuilder:
     Every tensor with memory of its own gets an ``xp`` array here, at build time."""
 
     def __init__(self, cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, device: bool, attention,
-                 weights=None, shared_inputs: bool = False, n_tensors: int = 256):
+                 weights=None, shared_inputs: bool = False, reuse: bool = False, n_tensors: int = 256):
         self.cache, self.plan, self.cfg, self.xp = cache, plan, cfg, cache.xp
         self.device, self.attention, self.weights = device, attention, weights
-        self.shared_inputs = shared_inputs
+        self.shared_inputs, self.reuse = shared_inputs, reuse
+        self._step, self._scratch = 0, {}
         params = ggml.ggml_init_params(mem_size=n_tensors * ggml.ggml_tensor_overhead()
                                        + ggml.ggml_graph_overhead_custom(n_tensors, False) + 4096,
                                        mem_buffer=None, no_alloc=True)
@@ -206,6 +207,25 @@ class GraphBuilder:
         t.contents.data = ctypes.c_void_p(_ptr(arr))
         return t
 
+    def begin_layer(self, il: int) -> None:
+        """Layer ``il`` starts: its results may reuse the previous layer's (``reuse``)."""
+        self._step = 0
+
+    def scratch(self, shape, dtype):
+        """A new array for a result, made now. With ``reuse`` (layers whose intermediates do not
+        outlive the layer: the full block), the k-th array a layer asks for is the one the
+        layer before got as its k-th: the graph computes layer by layer (one stream on the
+        device), so every reader of the earlier one has run before the later one is written;
+        memory stays at one layer's intermediates."""
+        if not self.reuse:
+            return self.xp.empty(shape, dtype=dtype)
+        key = (self._step, tuple(shape), np.dtype(dtype).str)
+        self._step += 1
+        arr = self._scratch.get(key)
+        if arr is None:
+            arr = self._scratch[key] = self.xp.empty(shape, dtype=dtype)
+        return arr
+
     def keep(self, *arrs) -> None:
         """Keep arrays alive as long as the graph (scratch of custom ops)."""
         self.kept.extend(arrs)
@@ -225,9 +245,9 @@ class GraphBuilder:
         if not t.contents.data:
             dtype = _NP_DTYPES.get(t.contents.type)
             if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
-                self.attach(t, self.xp.empty(int(ggml.ggml_nbytes(t)), dtype=np.uint8))
+                self.attach(t, self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8))
             else:
-                self.attach(t, self.xp.empty(_np_shape(t), dtype=dtype))
+                self.attach(t, self.scratch(_np_shape(t), dtype))
         return t
 
     def call(self, fn, *args):
@@ -341,7 +361,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
     b = GraphBuilder(cache, plan, cfg, device=device, attention=attention, weights=weights,
-                     shared_inputs=shared_inputs, n_tensors=(64 if layer == "full" else 32) * cfg.n_layer + 16)
+                     shared_inputs=shared_inputs, reuse=layer == "full", n_tensors=(64 if layer == "full" else 32) * cfg.n_layer + 16)
     try:
         b.row_idx = b.new(GGML_TYPE_I64, (n_tok,), np.int64, "row_idx")
         b.arrays[_addr(b.row_idx)][...] = b.xp.asarray(plan.row_idx)
@@ -363,6 +383,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
             n_embd = int(weights[0]["wq"].shape[1])
             x_in = cur = b.new(GGML_TYPE_F32, (n_tok, n_embd), np.float32, "x")
         for il in range(cfg.n_layer):
+            b.begin_layer(il)
             cur = fn(b, il, cur)
             if layer != "full":
                 b.result(cur)

@@ -1,7 +1,7 @@
 """The full block's dense ops as ggml custom ops over an array module ``xp`` (numpy or CuPy,
 the same code), for all-custom (device-resident) graphs.
 
-Every op's result memory and scratch is an array made at build time; the callback only runs
+Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
 ``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
 graph computes, nothing synchronizes (on CuPy each op launches work on the current stream).
 Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0)``:
@@ -78,9 +78,9 @@ def mul_mat(b, w: np.ndarray, h, name: str):
     xp = b.xp
     x = b.array(h)                                  # (n_tokens, n_in) F32
     n_tok, n_out = x.shape[0], w.shape[0]
-    x16 = xp.empty(x.shape, dtype=np.float16)
-    o16 = xp.empty((n_tok, n_out), dtype=np.float16)
-    out = xp.empty((n_tok, n_out), dtype=np.float32)
+    x16 = b.scratch(x.shape, np.float16)
+    o16 = b.scratch((n_tok, n_out), np.float16)
+    out = b.scratch((n_tok, n_out), np.float32)
     wt = w.T
 
     def run():
@@ -94,8 +94,8 @@ def mul_mat(b, w: np.ndarray, h, name: str):
 def rms_norm(b, x_t, eps: float, name: str):
     xp = b.xp
     x = b.array(x_t)
-    ms = xp.empty((x.shape[0], 1), dtype=np.float32)
-    out = xp.empty(x.shape, dtype=np.float32)
+    ms = b.scratch((x.shape[0], 1), np.float32)
+    out = b.scratch(x.shape, np.float32)
     inv_n = np.float32(1.0 / x.shape[1])
 
     def run():
@@ -112,7 +112,7 @@ def rms_norm(b, x_t, eps: float, name: str):
 def silu_mul(b, g_t, u_t, name: str):
     xp = b.xp
     g, u = b.array(g_t), b.array(u_t)
-    out = xp.empty(g.shape, dtype=np.float32)
+    out = b.scratch(g.shape, np.float32)
 
     def run():
         xp.negative(g, out=out)

@@ -133,3 +133,21 @@ def test_unknown_cache_type_and_block_types_on_cupy_are_refused():
         cache(False, type_k="q2_k")
     with pytest.raises(ValueError, match="multiple of its block"):
         KVCache(512, 1, n_head_kv=1, head_dim_k=16, type_k="q8_0")
+
+
+@pytest.mark.parametrize("all_custom", [False, True])
+def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
+    """The full block's results reuse the previous layer's arrays: 2 or 4 layers hold the same
+    result arrays (besides each layer's cache tensors and weights)."""
+    from ggml_attn.graph.kv_graph import data_ptr
+
+    def n_result_arrays(n_layer):
+        cfg = AttnConfig(n_layer=n_layer, n_head=4, n_head_kv=2, head_dim=32)
+        c = KVCache(512, 2, unified=False, n_layer=n_layer, n_head_kv=2, head_dim_k=32)
+        (ub,) = split_ubatches(Batch.from_lengths([3, 5]), 512, "padded")
+        g = build_ubatch_graph(c, plan_ubatch(c, ub), cfg, layer="full", weights=weights(n_layer=n_layer),
+                               all_custom=all_custom)
+        n = len({data_ptr(a) for a in list(g._arrays.values()) + g._keep}) - 9 * n_layer
+        g.free()
+        return n
+    assert n_result_arrays(4) == n_result_arrays(2) > 0
