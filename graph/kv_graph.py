@@ -37,7 +37,9 @@ def ggml_type_of(name: str) -> int:
 
 def data_ptr(arr) -> int:
     """Address of an array's data (numpy or CuPy)."""
-    return int(arr.data.ptr) if hasattr(arr.data, "ptr") else int(arr.ctypes.data)
+    if isinstance(arr, np.ndarray):
+        return arr.__array_interface__["data"][0]
+    return int(arr.data.ptr)
 
 
 # --------------------------------------------------------------- the custom store op

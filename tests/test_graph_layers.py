@@ -151,3 +151,25 @@ def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
         g.free()
         return n
     assert n_result_arrays(4) == n_result_arrays(2) > 0
+
+
+def test_an_error_inside_a_custom_op_is_raised_after_compute_and_a_custom_layer_runs():
+    from ggml_attn.graph import layers, xp_ops
+    from ggml_attn.op import FlashAttnError
+    calls = []
+
+    def layer(b, il, cur):
+        out = layers.attn_layer(b, il, cur)
+
+        def boom():
+            calls.append(il)
+            if il == 1:
+                raise ZeroDivisionError("planted")
+        return xp_ops._custom(b, boom, [out], b.array(out), f"after_l{il}")
+    c = cache(False)
+    (ub,) = split_ubatches(Batch.from_lengths([3, 5]), 512, "padded")
+    g = build_ubatch_graph(c, plan_ubatch(c, ub), CFG, layer=layer, all_custom=True)
+    with pytest.raises(FlashAttnError, match="planted"):
+        g.compute(2)
+    assert calls == [0, 1]
+    g.free()
