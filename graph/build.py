@@ -36,7 +36,7 @@ from ggml_attn.tensor import from_ggml
 from . import layers as layer_fns
 from . import xp_ops
 from .kv_cache import KVCache
-from .kv_graph import KVTensors, data_ptr
+from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
@@ -144,7 +144,7 @@ class UBatchGraph:
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
         with fa_op.computing(self.graph), fa_op.active_plans(self.plan.kernel_plan):
-            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # plan reused by every layer
+            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # kernel plan reused by every layer
         del work
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
@@ -177,7 +177,7 @@ class UBatchGraph:
 class GraphBuilder:
     """What a layer function builds with: the ``no_alloc`` context and graph of one ubatch,
     ``plan``/``cfg``, the mask and row index inputs, the cache's tensors (``kv``:
-    :class:`~ggml_attn.graph.kv_graph.KVTensors`), the attention step (``attention``),
+    :class:`~ggml_attn.graph.kv_graph.KVTensors`, kept alive with the graph), the attention step (``attention``),
     ``weights`` (per layer, see ``layers.full_layer``) and ``device`` (all-custom graph).
     Every tensor with memory of its own gets an ``xp`` array here, at build time."""
 
@@ -199,7 +199,7 @@ class GraphBuilder:
         self.kept: list = []
         self.q_in, self.k_in, self.v_in = [], [], []
         self._weights: dict = {}
-        self.kv = KVTensors(cache, self.ctx, self.attach, all_custom=device)
+        self.kv = kv_tensors(cache)
 
     # -- memory
     def attach(self, t, arr):
@@ -396,6 +396,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         ggml.ggml_free(b.ctx)
         xp_ops.release(b.op_keys)
         raise
+    b.keep(b.kv)
     g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
                     layer="full" if layer == "full" else "attn", _op_keys=b.op_keys, _keep=b.kept)
     if device:

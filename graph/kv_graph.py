@@ -1,9 +1,10 @@
 """The KV cache inside one ggml graph: its K/V views and its store op (llama.cpp's
 ``llama_kv_cache::get_k`` / ``get_v`` / ``cpy_k`` / ``cpy_v``).
 
-:class:`KVTensors` wraps a :class:`~ggml_attn.graph.kv_cache.KVCache` for one graph context.
-Per layer it makes the cache tensors, ggml order ``K [n_embd_k_gqa, kv_size * n_stream]`` of
-the cache's type (``KVCache.type_k``), data pointing at the cache's storage (no copy), and:
+:class:`KVTensors` (one per :class:`~ggml_attn.graph.kv_cache.KVCache`, :func:`kv_tensors`)
+holds the cache tensors of every layer in a context of its own, ggml order
+``K [n_embd_k_gqa, kv_size * n_stream]`` of the cache's type (``KVCache.type_k``), data pointing
+at the cache's storage (no copy); in a graph's context it makes:
 
 * :meth:`KVTensors.cpy_k` / :meth:`KVTensors.cpy_v`: the node that writes
   ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``, the plan's
@@ -11,8 +12,8 @@ the cache's type (``KVCache.type_k``), data pointing at the cache's storage (no 
   custom store op :func:`store_callback` on all-custom graphs (F16/F32 caches only: a
   ``ValueError`` otherwise);
 * :meth:`KVTensors.get_k` / :meth:`KVTensors.get_v`: the ``[D, n_kv, n_head_kv, n_stream]``
-  view (ggml order) of the ubatch's streams ``s0 .. s0 + n_stream - 1``, taken of the store
-  node so that attention runs after the store.
+  view (ggml order) of the ubatch's streams ``s0 .. s0 + n_stream - 1``, taken of the
+  ``ggml_set_rows`` node so that attention runs after the store.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ggml_attn.tensor import as_numpy, from_ggml
 
 from .kv_cache import KVCache
 
-__all__ = ["KVTensors", "store_callback", "ggml_type_of"]
+__all__ = ["KVTensors", "kv_tensors", "store_callback", "ggml_type_of", "data_ptr"]
 
 
 def ggml_type_of(name: str) -> int:
@@ -100,66 +101,82 @@ def _scatter_kernel():
 
 # ------------------------------------------------------------------ KV in a graph
 class KVTensors:
-    """``cache``'s K/V in graph context ``ctx``. ``attach(t, arr)`` points a tensor at an array
-    and keeps the array alive with the graph; ``all_custom``: store with the custom op."""
+    """``cache``'s K/V as ggml tensors: a small context of its own holds one tensor per layer and
+    kind, ggml order ``[n_embd_gqa, kv_size * n_stream]`` of the cache's type, data pointing at
+    the cache's storage; graphs take their views and store nodes in their own context. Get it
+    with :func:`kv_tensors` (one per cache)."""
 
-    def __init__(self, cache: KVCache, ctx, attach, *, all_custom: bool):
-        self.cache, self.ctx, self.attach, self.all_custom = cache, ctx, attach, bool(all_custom)
-        self.type_k, self.type_v = ggml_type_of(cache.type_k), ggml_type_of(cache.type_v)
-        if self.all_custom and not cache.float_storage:
+    def __init__(self, cache: KVCache):
+        self.storage = (cache.k, cache.v)  # (kept alive; the tensors point into them)
+        self.float_storage = cache.float_storage
+        self.types = (cache.type_k, cache.type_v)
+        self.on_device = cache.xp is not np
+        self.kv_size, self.n_head_kv = cache.kv_size, cache.n_head_kv
+        self.geom = {"k": (ggml_type_of(cache.type_k), cache.n_embd_k_gqa, cache.head_dim_k),
+                     "v": (ggml_type_of(cache.type_v), cache.n_embd_v_gqa, cache.head_dim_v)}
+        n = 2 * cache.n_layer
+        self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=n * ggml.ggml_tensor_overhead() + 1024,
+                                                        mem_buffer=None, no_alloc=True))
+        self.tensors = {}
+        for kind, store in (("k", cache.k), ("v", cache.v)):
+            gtype, n_embd, _ = self.geom[kind]
+            for il in range(cache.n_layer):
+                t = ggml.ggml_new_tensor_2d(self.ctx, gtype, n_embd, cache.kv_size * cache.n_stream)
+                ggml.ggml_set_name(t, f"cache_{kind}_l{il}".encode())
+                t.contents.data = ctypes.c_void_p(data_ptr(store[il]))
+                self.tensors[(kind, il)] = t
+
+    def __del__(self):
+        if getattr(self, "ctx", None):
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+    def _cpy(self, ctx, kind: str, il: int, cur, row_idx, all_custom: bool, out_alloc):
+        cache_t = self.tensors[(kind, il)]
+        if not all_custom:
+            return ggml.ggml_set_rows(ctx, cache_t, cur, row_idx)  # a view of the cache tensor
+        if not self.float_storage:
             raise ValueError(f"an all-custom (device) graph stores K/V with its own op, which writes "
-                             f"f16/f32 caches only; this cache is K {cache.type_k} / V {cache.type_v}")
-        self._tensors: dict[tuple[str, int], object] = {}
-        self._stored: dict[tuple[str, int], object] = {}
-
-    def _tensor(self, kind: str, il: int):
-        t = self._tensors.get((kind, il))
-        if t is None:
-            c = self.cache
-            gtype, n_embd, store = ((self.type_k, c.n_embd_k_gqa, c.k) if kind == "k"
-                                    else (self.type_v, c.n_embd_v_gqa, c.v))
-            t = ggml.ggml_new_tensor_2d(self.ctx, gtype, n_embd, c.kv_size * c.n_stream)
-            ggml.ggml_set_name(t, f"cache_{kind}_l{il}".encode())
-            self.attach(t, store[il])
-            self._tensors[(kind, il)] = t
-        return t
-
-    def _cpy(self, kind: str, il: int, cur, row_idx, out_alloc):
-        cache_t = self._tensor(kind, il)
-        if self.all_custom:
-            args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(cache_t, cur, row_idx)
-            on_device = self.cache.xp is not np
-            st = ggml.ggml_custom_4d(self.ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1,
-                                     ctypes.c_void_p(1 if on_device else 0))
-            out_alloc(st, f"store_{kind}_l{il}")
-            self._stored[(kind, il)] = cache_t  # ordered by the graph's node order
-        else:
-            st = ggml.ggml_set_rows(self.ctx, cache_t, cur, row_idx)  # a view of the cache tensor
-            self._stored[(kind, il)] = st
+                             f"f16/f32 caches only; this cache is K {self.types[0]} / V {self.types[1]}")
+        args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(cache_t, cur, row_idx)
+        st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1,
+                                 ctypes.c_void_p(1 if self.on_device else 0))
+        out_alloc(st, f"store_{kind}_l{il}")
         return st
 
-    def cpy_k(self, il: int, k_cur, row_idx, out_alloc):
-        """Store node of ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at ``row_idx``; ``out_alloc(t,
-        name)`` gives the custom op's (dummy) result memory."""
-        return self._cpy("k", il, k_cur, row_idx, out_alloc)
+    def cpy_k(self, ctx, il: int, k_cur, row_idx, *, all_custom: bool, out_alloc):
+        """Node of graph context ``ctx`` storing ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows
+        ``row_idx`` (I64): ``ggml_set_rows``, or with ``all_custom`` the custom store op, whose
+        (dummy) result gets its memory from ``out_alloc(t, name)``."""
+        return self._cpy(ctx, "k", il, k_cur, row_idx, all_custom, out_alloc)
 
-    def cpy_v(self, il: int, v_cur, row_idx, out_alloc):
-        return self._cpy("v", il, v_cur, row_idx, out_alloc)
+    def cpy_v(self, ctx, il: int, v_cur, row_idx, *, all_custom: bool, out_alloc):
+        return self._cpy(ctx, "v", il, v_cur, row_idx, all_custom, out_alloc)
 
-    def _get(self, kind: str, il: int, s0: int, n_kv: int, n_stream: int):
-        c = self.cache
-        gtype, n_embd, d = ((self.type_k, c.n_embd_k_gqa, c.head_dim_k) if kind == "k"
-                            else (self.type_v, c.n_embd_v_gqa, c.head_dim_v))
-        src = self._stored.get((kind, il)) or self._tensor(kind, il)
+    def _get(self, ctx, kind: str, il: int, s0: int, n_kv: int, n_stream: int, after):
+        gtype, n_embd, d = self.geom[kind]
+        # a view of the set_rows node orders attention after the store; the custom store node
+        # is not a view, so that order is the graph's node order (the store is expanded first)
+        src = after if after is not None and after.contents.op == ggml.GGML_OP_SET_ROWS \
+            else self.tensors[(kind, il)]
         row = int(ggml.ggml_row_size(gtype, n_embd))
         head = int(ggml.ggml_row_size(gtype, d))
-        return ggml.ggml_view_4d(self.ctx, src, d, n_kv, c.n_head_kv, n_stream,
-                                 row, head, row * c.kv_size, row * c.kv_size * s0)
+        return ggml.ggml_view_4d(ctx, src, d, n_kv, self.n_head_kv, n_stream,
+                                 row, head, row * self.kv_size, row * self.kv_size * s0)
 
-    def get_k(self, il: int, s0: int, n_kv: int, n_stream: int):
-        """``[head_dim_k, n_kv, n_head_kv, n_stream]`` view of layer ``il``'s K, streams from ``s0``."""
-        return self._get("k", il, s0, n_kv, n_stream)
+    def get_k(self, ctx, il: int, s0: int, n_kv: int, n_stream: int, *, after=None):
+        """``[head_dim_k, n_kv, n_head_kv, n_stream]`` view (graph context ``ctx``) of layer
+        ``il``'s K, streams ``s0 .. s0 + n_stream - 1``; ``after``: the store node to follow."""
+        return self._get(ctx, "k", il, s0, n_kv, n_stream, after)
 
-    def get_v(self, il: int, s0: int, n_kv: int, n_stream: int):
+    def get_v(self, ctx, il: int, s0: int, n_kv: int, n_stream: int, *, after=None):
         """``[head_dim_v, n_kv, n_head_kv, n_stream]`` view of layer ``il``'s V (not transposed)."""
-        return self._get("v", il, s0, n_kv, n_stream)
+        return self._get(ctx, "v", il, s0, n_kv, n_stream, after)
+
+
+def kv_tensors(cache: KVCache) -> KVTensors:
+    """The cache's :class:`KVTensors`, made once and kept on the cache."""
+    kv = cache.__dict__.get("_kv_tensors")
+    if kv is None or kv.storage[0] is not cache.k or kv.storage[1] is not cache.v:
+        kv = cache.__dict__["_kv_tensors"] = KVTensors(cache)
+    return kv

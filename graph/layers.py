@@ -79,14 +79,16 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     ubatch's K/V; returns ``[D_v, n_head, n_tps, n_stream]`` F32."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
-    b.expand(b.kv.cpy_k(il, k_cur, b.row_idx, b.result))
-    b.expand(b.kv.cpy_v(il, v_cur, b.row_idx, b.result))
+    st_k = b.kv.cpy_k(b.ctx, il, k_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
+    st_v = b.kv.cpy_v(b.ctx, il, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
+    b.expand(st_k)
+    b.expand(st_v)
     qc = q_cur.contents
     q4 = ggml.ggml_view_4d(b.ctx, q_cur, cfg.head_dim, cfg.n_head, n_tps, ns,
                            qc.nb[1], qc.nb[2], qc.nb[2] * n_tps, 0)
     q4 = ggml.ggml_permute(b.ctx, q4, 0, 2, 1, 3)               # [D, n_tps, n_head, ns]
-    k = b.kv.get_k(il, s0, n_kv, ns)                            # [D, n_kv, n_head_kv, ns]
-    v = b.kv.get_v(il, s0, n_kv, ns)
+    k = b.kv.get_k(b.ctx, il, s0, n_kv, ns, after=st_k)         # [D, n_kv, n_head_kv, ns]
+    v = b.kv.get_v(b.ctx, il, s0, n_kv, ns, after=st_v)
     out = b.attention(b, q4, k, v, b.mask)
     ggml.ggml_set_name(out, f"attn_out_l{il}".encode())
     return out

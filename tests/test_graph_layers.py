@@ -138,7 +138,7 @@ def test_unknown_cache_type_and_block_types_on_cupy_are_refused():
 @pytest.mark.parametrize("all_custom", [False, True])
 def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
     """The full block's results reuse the previous layer's arrays: 2 or 4 layers hold the same
-    result arrays (besides each layer's cache tensors and weights)."""
+    result arrays (besides each layer's weights)."""
     from ggml_attn.graph.kv_graph import data_ptr
 
     def n_result_arrays(n_layer):
@@ -147,7 +147,8 @@ def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
         (ub,) = split_ubatches(Batch.from_lengths([3, 5]), 512, "padded")
         g = build_ubatch_graph(c, plan_ubatch(c, ub), cfg, layer="full", weights=weights(n_layer=n_layer),
                                all_custom=all_custom)
-        n = len({data_ptr(a) for a in list(g._arrays.values()) + g._keep}) - 9 * n_layer
+        arrays = [a for a in list(g._arrays.values()) + g._keep if hasattr(a, "dtype")]
+        n = len({data_ptr(a) for a in arrays}) - 7 * n_layer  # less each layer's weights
         g.free()
         return n
     assert n_result_arrays(4) == n_result_arrays(2) > 0
