@@ -52,20 +52,19 @@ class GraphEngine:
                                    head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
                                    logit_softcap=m.logit_softcap)
         self.n_threads = 1 if self.device else max(1, int(cfg.n_threads))
-        rng = np.random.default_rng(cfg.seed)
+        rng = self.xp.random.default_rng(cfg.seed)  # on the device for the device flavour (fast)
         self.weights = self._make_weights(rng) if cfg.layer == "full" else None
         # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows
         self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
-        self.pool = self.xp.asarray(rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32))
+        self.pool = rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
         self._keep = None
         self._last_streams = None
 
     def _make_weights(self, rng):
-        m, xp = self.m, self.xp
+        m = self.m
 
         def w(n_in, n_out):  # numpy (n_out, n_in) = ggml [n_in, n_out], N(0, 1/n_in)
-            return xp.asarray((rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in))
-                              .astype(np.float16))
+            return (rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16)
 
         shared = m.n_layer * m.layer_params() * 2 > SHARED_WEIGHTS_ABOVE[self.flavour]
         sets = [dict(wq=w(m.n_embd, m.n_embd_q), wk=w(m.n_embd, m.n_embd_k), wv=w(m.n_embd, m.n_embd_v),
