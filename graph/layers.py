@@ -52,7 +52,6 @@ def flash_attention(fa):
         if fa is ggml.ggml_flash_attn_ext:
             ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
         return b.result(out)
-    run.custom = fa is not ggml.ggml_flash_attn_ext
     return run
 
 
@@ -70,8 +69,6 @@ def softmax_attention(b, q, k, v, mask):
     kqv = b.call(ggml.ggml_mul_mat, vt, kq)                     # [D_v, n_tps, n_head, ns]
     return b.call(ggml.ggml_cont, b.call(ggml.ggml_permute, kqv, 0, 2, 1, 3))  # [D_v, n_head, n_tps, ns]
 
-
-softmax_attention.custom = False
 
 
 def attention(b, il: int, q_cur, k_cur, v_cur):
