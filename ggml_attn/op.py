@@ -113,6 +113,11 @@ def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
     _settings_gen[0] += 1
 
 
+def settings() -> tuple[str, str]:
+    """The op's current (backend, kernel) settings (:func:`set_backend`)."""
+    return _settings["backend"], _settings["kernel"]
+
+
 def _why_no_gpu() -> str:
     try:
         from . import cuda_backend  # noqa: F401, PLC0415

@@ -14,7 +14,9 @@ Typical use::
 
 Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -> ``plan`` ->
 ``auto`` (chooses a split by dry-running plans; ``split`` knows nothing of it) -> ``build``
-(ggml graph); ``runner`` drives them; ``describe`` prints plans. ``split_ubatches`` here is
+(ggml graph: ``kv_graph`` the cache's views and store op, ``layers`` the layer functions,
+``xp_ops`` the full block's custom ops); ``driver`` is the decode loop over an engine,
+``runner.run_batch`` drives it with deterministic Q/K/V; ``describe`` prints plans. ``split_ubatches`` here is
 ``auto.split_ubatches``: every mode, ``auto`` included.
 """
 from .batch import Batch, validate_batch
@@ -24,10 +26,12 @@ from .mask import build_mask, visible_cells
 from .qkv import AttnConfig
 from .plan import UBatchPlan, apply_plan, dry_run_plans, plan_ubatch
 from .auto import AutoChoice, CostModel, choose_split, split_ubatches
-from .runner import BatchError, BatchInterrupted, BatchResult, run_batch
+from . import driver
+from .driver import BatchError, BatchInterrupted, BatchResult
+from .runner import run_batch
 from .describe import compare_strategies, describe_plan, format_table
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
            "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "AutoChoice", "CostModel", "choose_split",
-           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "compare_strategies", "describe_plan", "format_table"]
+           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan", "format_table"]

@@ -1,20 +1,25 @@
-"""The ggml graph of one ubatch through a stack of attention layers.
+"""The ggml graph of one ubatch through a stack of layers: one builder, a per-layer hook.
 
-Per layer, as llama.cpp's ``build_attn`` with a KV cache does (ggml order throughout):
+Per layer, as llama.cpp's ``build_attn`` with a KV cache does (ggml order throughout; the
+layer functions are in ``layers.py``):
 
-1. store the ubatch's K/V rows into the cache: ``k_cur [n_embd_k_gqa, n_tokens]`` F32 into the
-   cache ``[n_embd_k_gqa, kv_size * n_stream]`` at rows ``row_idx`` (I64 ``[n_tokens]``);
-   ``ggml_set_rows`` on host graphs, a custom op on device-resident graphs;
+1. store the ubatch's K/V rows into the cache (``kv_graph.KVTensors.cpy_k/cpy_v``):
+   ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``);
+   ``ggml_set_rows`` on host graphs, a custom op on all-custom graphs;
 2. view Q per stream: ``q_cur [D, n_head, n_tokens]`` -> ``[D, n_tps, n_head, n_stream]``;
-3. view K/V of the ubatch's streams ``s0..s1``: ``[D, n_kv, n_head_kv, n_stream]``;
-4. flash attention with the plan's mask ``[n_kv, n_tps, 1, n_stream]`` F16 ->
+3. view K/V of the ubatch's streams (``get_k/get_v``): ``[D, n_kv, n_head_kv, n_stream]``;
+4. attention with the plan's mask ``[n_kv, n_tps, 1, n_stream]`` F16 ->
    ``[D_v, n_head, n_tps, n_stream]`` F32, i.e. numpy ``(n_tokens, n_head, D_v)`` in ubatch
-   row order.
+   row order: flash attention (our op or ggml's), or ``-fa off``'s ``mul_mat`` + ``soft_max_ext``.
+
+``layer="attn"`` runs steps 1-4 on Q/K/V inputs per layer; ``layer="full"`` runs the whole
+block (norms, projections, attention, FFN) on the residual stream ``x [n_embd, n_tokens]``;
+any ``layer(b, il, cur) -> cur`` function of a :class:`GraphBuilder` works the same way.
 
 One builder serves both kinds of graph. The context is ``no_alloc``: every tensor's data is an
-array of the cache's array module (numpy: host graph, computed by ggml's CPU backend; CuPy:
-device-resident graph: K/V and every tensor in GPU memory). Device graphs may contain only custom ops and
-views; :func:`check_device_graph` enforces that before compute.
+array of the cache's array module, made at build time (numpy: host graph, computed by ggml's
+CPU backend; CuPy: device-resident graph: K/V and every tensor in GPU memory). Device graphs
+may contain only custom ops and views; :func:`check_device_graph` enforces that before compute.
 """
 from __future__ import annotations
 
@@ -25,15 +30,20 @@ import ggml
 import numpy as np
 
 from ggml_attn import op as fa_op
-from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32, STORAGE_DTYPES
-from ggml_attn.tensor import as_numpy, from_ggml
+from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
+from ggml_attn.tensor import from_ggml
 
+from . import layers as layer_fns
+from . import xp_ops
 from .kv_cache import KVCache
+from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
-__all__ = ["UBatchGraph", "build_ubatch_graph", "check_device_graph", "check_build_args", "check_geometry",
-           "GraphBuildError"]
+__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "check_device_graph", "check_build_args",
+           "check_geometry", "GraphBuildError", "LAYERS"]
+
+LAYERS = ("attn", "full")
 
 GGML_TYPE_I64 = 27
 _NO_COMPUTE_OPS = {ggml.GGML_OP_NONE, ggml.GGML_OP_VIEW, ggml.GGML_OP_RESHAPE, ggml.GGML_OP_PERMUTE,
@@ -45,8 +55,8 @@ class GraphBuildError(RuntimeError):
     """A graph that must not be computed (e.g. a built-in op on device memory)."""
 
 
-def _ptr(arr) -> int:
-    return int(arr.data.ptr) if hasattr(arr.data, "ptr") else int(arr.ctypes.data)
+_ptr = data_ptr
+_NP_DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}
 
 
 def check_device_graph(graph) -> None:
@@ -63,47 +73,6 @@ def check_device_graph(graph) -> None:
                               f"memory: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
 
 
-# --------------------------------------------------------------- device store op
-def _store_callback(dst_p, ith, nth, userdata):
-    """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
-    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy). Errors are
-    recorded for this node like the attention op's (``ggml_attn.op.record_error``)."""
-    if ith != 0:
-        return
-    node = ctypes.addressof(dst_p.contents)
-    fa_op.register_node(node, ith)
-    if fa_op.interrupted(node):
-        return
-    try:
-        d = dst_p.contents
-        cache_t, rows_t, idx_t = d.src[0], d.src[1], d.src[2]
-        if userdata:
-            import cupy as cp  # noqa: PLC0415  (device graphs only)
-
-            def wrap(t, dtype):
-                c = t.contents
-                shape = (int(c.ne[1]), int(c.ne[0]))
-                mem = cp.cuda.UnownedMemory(int(c.data), shape[0] * shape[1] * np.dtype(dtype).itemsize, None)
-                return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
-
-            cache = wrap(cache_t, STORAGE_DTYPES[cache_t.contents.type])
-            rows = wrap(rows_t, np.float32)
-            idx = wrap(idx_t, np.int64).reshape(-1)
-        else:
-            cache = as_numpy(from_ggml(cache_t))[0, 0]
-            rows = as_numpy(from_ggml(rows_t))[0, 0]
-            idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
-                                        (int(idx_t.contents.ne[0]),))
-        if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
-            raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
-        cache[idx] = rows.astype(cache.dtype)
-    except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
-        fa_op.record_error(node, e, what="KV store op")
-
-
-_STORE_CB = ggml.ggml_custom_op_t(_store_callback)
-
-
 def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: int):
     """The CUDA backend's live-tile plan for this ubatch's device mask (``cuda_backend.make_plan``),
     built once and kept on the ``UBatchPlan`` for every layer; None when the backend is absent."""
@@ -112,14 +81,27 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
     except ImportError:
         return None
     return cuda_backend.make_plan(from_ggml(mask_t, "kq_mask"), n_tps, cfg.n_head, cfg.n_head_kv,
-                                  d_k=cfg.head_dim, d_v=cfg.d_v, kv_type=kv_type, ne3=n_stream)
+                                  d_k=cfg.head_dim, d_v=cfg.d_v, kv_type=kv_type, ne3=n_stream,
+                                  kernel=fa_op.settings()[1])
 
 
 # ------------------------------------------------------------------- the graph
+def _np_shape(t) -> tuple[int, ...]:
+    """numpy shape of a tensor: its ``ne`` reversed, at least 2-D (``[n, n_tokens]`` ->
+    ``(n_tokens, n)``)."""
+    nd = max(int(ggml.ggml_n_dims(t)), 2)
+    return tuple(int(t.contents.ne[i]) for i in range(nd - 1, -1, -1))
+
+
+def _addr(t) -> int:
+    return ctypes.addressof(t.contents)
+
+
 @dataclass(eq=False)
 class UBatchGraph:
-    """A built ubatch graph. Inputs are written with :meth:`set_inputs`, results read with
-    :meth:`outputs`; arrays are of the cache's array module, numpy order."""
+    """A built ubatch graph. Inputs are written with :meth:`set_inputs` (``layer="attn"``) or
+    :meth:`set_x` (``layer="full"``), results read with :meth:`outputs`; arrays are of the
+    cache's array module, numpy order."""
 
     plan: UBatchPlan
     device: bool
@@ -129,16 +111,30 @@ class UBatchGraph:
     k_in: list
     v_in: list
     out: list
-    _arrays: dict = field(default_factory=dict)  # tensor name -> backing array (kept alive)
+    _arrays: dict = field(default_factory=dict)  # tensor address -> backing array (kept alive)
+    x_in: object = None
+    mask_t: object = None
+    layer: str = "attn"
+    _op_keys: list = field(default_factory=list)
+    _keep: list = field(default_factory=list)
     kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
+
+    def array(self, t):
+        return self._arrays[_addr(t)]
 
     def set_inputs(self, q, k, v) -> None:
         """``q[l] (n_tokens, n_head, D)``, ``k[l] (n_tokens, n_head_kv, D)``, ``v[l] (n_tokens,
-        n_head_kv, D_v)`` per layer ``l``, numpy order, ubatch row order."""
+        n_head_kv, D_v)`` per layer ``l`` (one set when the inputs are shared by all layers),
+        numpy order, ubatch row order."""
         for name_list, vals in ((self.q_in, q), (self.k_in, k), (self.v_in, v)):
             for t, x in zip(name_list, vals):
-                arr = self._arrays[id(t)]
+                arr = self.array(t)
                 arr[...] = x.reshape(arr.shape)
+
+    def set_x(self, x) -> None:
+        """The residual stream ``x (n_tokens, n_embd)`` F32, numpy order (``layer="full"``)."""
+        arr = self.array(self.x_in)
+        arr[...] = x.reshape(arr.shape)
 
     def compute(self, n_threads: int = 2) -> None:
         if self.device:
@@ -150,21 +146,28 @@ class UBatchGraph:
             cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
         with fa_op.computing(self.graph):
-            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))  # plan reused by every layer
+            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
         del work
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 
     def outputs(self) -> list:
-        """Per layer, float32 ``(n_tokens, n_head, D_v)`` in ubatch row order (views)."""
-        return [self._arrays[id(t)].reshape(self.plan.ubatch.n_tokens, *self._arrays[id(t)].shape[-2:])
-                for t in self.out]
+        """``layer="attn"``: per layer, float32 ``(n_tokens, n_head, D_v)``; ``layer="full"``:
+        ``[x (n_tokens, n_embd)]``, the residual stream after the last layer. Ubatch row order
+        (views)."""
+        n = self.plan.ubatch.n_tokens
+        if self.layer == "full":
+            return [self.array(t).reshape(n, -1) for t in self.out]
+        return [self.array(t).reshape(n, *self.array(t).shape[-2:]) for t in self.out]
 
     def free(self) -> None:
         if self.ctx is not None:
             ggml.ggml_free(self.ctx)
             self.ctx = None
             self._arrays.clear()
+            xp_ops.release(self._op_keys)
+            self._op_keys.clear()
+            self._keep.clear()
             self.kernel_plan = None
 
     def __del__(self):
@@ -172,6 +175,124 @@ class UBatchGraph:
             self.free()
         except Exception:  # noqa: BLE001
             pass
+
+
+class GraphBuilder:
+    """What a layer function builds with: the ``no_alloc`` context and graph of one ubatch,
+    ``plan``/``cfg``, the mask and row index inputs, the cache's tensors (``kv``:
+    :class:`~ggml_attn.graph.kv_graph.KVTensors`, kept alive with the graph), the attention step (``attention``),
+    ``weights`` (per layer, see ``layers.full_layer``) and ``device`` (all-custom graph).
+    Every tensor with memory of its own gets an ``xp`` array here, at build time."""
+
+    def __init__(self, cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, device: bool, attention,
+                 weights=None, shared_inputs: bool = False, reuse: bool = False, n_tensors: int = 256):
+        self.cache, self.plan, self.cfg, self.xp = cache, plan, cfg, cache.xp
+        self.device, self.attention, self.weights = device, attention, weights
+        self.shared_inputs, self.reuse = shared_inputs, reuse
+        self._step, self._scratch = 0, {}
+        params = ggml.ggml_init_params(mem_size=n_tensors * ggml.ggml_tensor_overhead()
+                                       + ggml.ggml_graph_overhead_custom(n_tensors, False) + 4096,
+                                       mem_buffer=None, no_alloc=True)
+        self.ctx = ggml.ggml_init(params)
+        if not self.ctx:
+            raise GraphBuildError("ggml_init failed")
+        self.gf = ggml.ggml_new_graph_custom(self.ctx, n_tensors, False)
+        self.arrays: dict = {}
+        self.op_keys: list = []
+        self.kept: list = []
+        self.q_in, self.k_in, self.v_in = [], [], []
+        self._weights: dict = {}
+        self.kv = kv_tensors(cache)
+
+    # -- memory
+    def attach(self, t, arr):
+        self.arrays[_addr(t)] = arr
+        t.contents.data = ctypes.c_void_p(_ptr(arr))
+        return t
+
+    def begin_layer(self, il: int) -> None:
+        """Layer ``il`` starts: its results may reuse the previous layer's (``reuse``)."""
+        self._step = 0
+
+    def scratch(self, shape, dtype):
+        """A new array for a result, made now. With ``reuse`` (layers whose intermediates do not
+        outlive the layer: the full block), the k-th array a layer asks for is the one the
+        layer before got as its k-th: the graph computes layer by layer (one stream on the
+        device), so every reader of the earlier one has run before the later one is written;
+        memory stays at one layer's intermediates."""
+        if not self.reuse:
+            return self.xp.empty(shape, dtype=dtype)
+        key = (self._step, tuple(shape), np.dtype(dtype).str)
+        self._step += 1
+        arr = self._scratch.get(key)
+        if arr is None:
+            arr = self._scratch[key] = self.xp.empty(shape, dtype=dtype)
+        return arr
+
+    def keep(self, *arrs) -> None:
+        """Keep arrays alive as long as the graph (scratch of custom ops)."""
+        self.kept.extend(arrs)
+
+    def new(self, type_, shape_np, dtype, name):
+        """A zeroed input tensor of numpy shape ``shape_np``."""
+        ne = list(reversed(shape_np)) + [1] * (4 - len(shape_np))
+        t = ggml.ggml_new_tensor(self.ctx, type_, len(shape_np), (ctypes.c_int64 * 4)(*ne))
+        ggml.ggml_set_name(t, name.encode())
+        return self.attach(t, self.xp.zeros(shape_np, dtype=dtype))
+
+    def result(self, t, name: str | None = None):
+        """Give an op's result tensor its memory (an F32/F16 array of its shape, bytes for other
+        types), unless it has some (a view)."""
+        if name:
+            ggml.ggml_set_name(t, name.encode())
+        if not t.contents.data:
+            dtype = _NP_DTYPES.get(t.contents.type)
+            if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
+                self.attach(t, self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8))
+            else:
+                self.attach(t, self.scratch(_np_shape(t), dtype))
+        return t
+
+    def call(self, fn, *args):
+        """``fn(ctx, *args)`` (a ggml op), its result given memory."""
+        return self.result(fn(self.ctx, *args))
+
+    def array(self, t):
+        """The ``xp`` array of a tensor with memory, or of a contiguous view at offset 0 of one
+        (reshaped), numpy order (at least 2-D)."""
+        arr = self.arrays.get(_addr(t))
+        if arr is not None:
+            return arr.reshape(_np_shape(t))
+        c = t.contents
+        if c.view_src and int(c.view_offs) == 0 and ggml.ggml_is_contiguous(t):
+            return self.arrays[_addr(c.view_src)].reshape(_np_shape(t))
+        raise GraphBuildError(f"tensor {ggml.ggml_get_name(t).decode()!r} has no array of its own")
+
+    def expand(self, t) -> None:
+        ggml.ggml_build_forward_expand(self.gf, t)
+
+    # -- inputs
+    def qkv_inputs(self, il: int):
+        """Q/K/V input tensors of layer ``il`` (attention-only layers): ``q_cur [D, n_head,
+        n_tokens]``, ``k_cur [n_embd_k_gqa, n_tokens]``, ``v_cur [n_embd_v_gqa, n_tokens]`` F32."""
+        if self.shared_inputs and self.q_in:
+            return self.q_in[0], self.k_in[0], self.v_in[0]
+        cfg, n_tok = self.cfg, self.plan.ubatch.n_tokens
+        q = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head, cfg.head_dim), np.float32, f"q_l{il}")
+        k = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.head_dim), np.float32, f"k_l{il}")
+        v = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.d_v), np.float32, f"v_l{il}")
+        self.q_in.append(q), self.k_in.append(k), self.v_in.append(v)
+        return q, k, v
+
+    def weight_tensor(self, il: int, key: str):
+        """Host graphs: F16 tensor ``[n_in, n_out]`` over ``weights[il][key]`` (numpy ``(n_out, n_in)``)."""
+        w = self.weights[il][key]
+        t = self._weights.get(id(w))
+        if t is None:
+            t = ggml.ggml_new_tensor_2d(self.ctx, GGML_TYPE_F16, int(w.shape[1]), int(w.shape[0]))
+            self.attach(t, w)
+            self._weights[id(w)] = t
+        return t
 
 
 def check_geometry(cache: KVCache, cfg: AttnConfig) -> None:
@@ -184,7 +305,8 @@ def check_geometry(cache: KVCache, cfg: AttnConfig) -> None:
         raise ValueError(f"AttnConfig n_layer={cfg.n_layer} but the cache holds {cache.n_layer} layer(s)")
 
 
-def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bool | None = None) -> bool:
+def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bool | None = None,
+                     layer="attn", flash_attn: bool = True, weights=None) -> bool:
     """Everything :func:`build_ubatch_graph` refuses, checked without a plan (so a caller can
     check before claiming cache cells). Returns True when the graph will be all-custom."""
     check_geometry(cache, cfg)
@@ -192,114 +314,95 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
     device = on_device if all_custom is None else bool(all_custom)
     if on_device and not device:
         raise GraphBuildError("a CuPy cache needs an all-custom graph (all_custom must not be False)")
-    if device and (fa or fa_op.flash_attn_ext) is ggml.ggml_flash_attn_ext:
+    if device and flash_attn and (fa or fa_op.flash_attn_ext) is ggml.ggml_flash_attn_ext:
         raise GraphBuildError("an all-custom (device-resident) graph needs ggml_attn.flash_attn_ext, "
                               "not ggml's built-in op")
+    if device and not flash_attn:
+        raise GraphBuildError("-fa off (ggml's mul_mat + soft_max_ext) builds host graphs only; an "
+                              "all-custom (device-resident) graph needs flash attention")
+    if device and not cache.float_storage:
+        raise ValueError(f"an all-custom (device-resident) graph needs an f16/f32 KV cache; this one is "
+                         f"K {cache.type_k} / V {cache.type_v}")
+    if not flash_attn and cache.type_v not in ("f16", "f32", "bf16"):
+        raise ValueError(f"-fa off transposes V, which ggml cannot do for a {cache.type_v} (block) V cache; "
+                         f"use flash attention")
+    if isinstance(layer, str) and layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS} or a layer function, got {layer!r}")
+    if layer == "full":
+        if weights is None or len(weights) < cfg.n_layer:
+            raise ValueError(f"layer='full' needs weights for each of the {cfg.n_layer} layers")
+        if cfg.n_head * cfg.head_dim != weights[0]["wq"].shape[0]:
+            raise ValueError(f"wq has {weights[0]['wq'].shape[0]} outputs, the config "
+                             f"n_head x head_dim = {cfg.n_head * cfg.head_dim}")
     return device
 
 
 def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
-                       all_custom: bool | None = None) -> UBatchGraph:
+                       all_custom: bool | None = None, layer="attn", weights=None,
+                       flash_attn: bool = True, shared_inputs: bool = False) -> UBatchGraph:
     """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers.
 
     The graph is device-resident when the cache stores K/V in CuPy (``cache.xp`` is not
     numpy), a host graph otherwise. Device graphs are *all-custom*: the K/V store is our
-    custom op instead of ``ggml_set_rows`` and the attention must be a custom op, checked by
-    :func:`check_device_graph`. ``all_custom=True`` builds a host graph the same way (to test
-    that form without a GPU). ``fa`` is the attention op, ``ggml_attn.flash_attn_ext`` by
-    default; a host graph may use ``ggml.ggml_flash_attn_ext`` instead.
+    custom op instead of ``ggml_set_rows``, the attention must be a custom op and the full
+    block's dense ops are ``xp_ops``' custom ops, checked by :func:`check_device_graph`.
+    ``all_custom=True`` builds a host graph the same way (to test that form without a GPU).
+
+    ``layer``: ``"attn"`` (inputs with :meth:`UBatchGraph.set_inputs`; per layer, or one set
+    for all layers with ``shared_inputs``), ``"full"`` (input ``x`` with
+    :meth:`UBatchGraph.set_x`; ``weights[il]`` as ``layers.full_layer`` describes) or a
+    function ``layer(b, il, cur) -> cur`` (each result is an output). ``fa`` is the attention
+    op, ``ggml_attn.flash_attn_ext`` by default; a host graph may use ``ggml.ggml_flash_attn_ext``
+    instead, or ``flash_attn=False``: ggml's ``mul_mat`` + ``soft_max_ext`` (llama.cpp's ``-fa off``).
     """
-    xp = cache.xp
-    on_device = xp is not np
-    device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom)
-    fa = fa or fa_op.flash_attn_ext
+    on_device = cache.xp is not np
+    device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom, layer=layer,
+                              flash_attn=flash_attn, weights=weights)
+    attention = layer_fns.flash_attention(fa or fa_op.flash_attn_ext) if flash_attn else layer_fns.softmax_attention
+    fn = {"attn": layer_fns.attn_layer, "full": layer_fns.full_layer}.get(layer, layer) \
+        if isinstance(layer, str) else layer
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
-    kv_type = GGML_TYPE_F16 if cache.dtype == np.float16 else GGML_TYPE_F32
-    n_rows_all = cache.kv_size * cache.n_stream
-    n_tensors = 32 * cfg.n_layer + 16
-    params = ggml.ggml_init_params(mem_size=n_tensors * ggml.ggml_tensor_overhead()
-                                   + ggml.ggml_graph_overhead_custom(n_tensors, False) + 4096,
-                                   mem_buffer=None, no_alloc=True)
-    ctx = ggml.ggml_init(params)
-    if not ctx:
-        raise GraphBuildError("ggml_init failed")
-    arrays: dict = {}
-
-    def attach(t, arr):
-        arrays[id(t)] = arr
-        t.contents.data = ctypes.c_void_p(_ptr(arr))
-        return t
-
-    def new(type_, shape_np, dtype, name):
-        ne = list(reversed(shape_np)) + [1] * (4 - len(shape_np))
-        t = ggml.ggml_new_tensor(ctx, type_, len(shape_np), (ctypes.c_int64 * 4)(*ne))
-        ggml.ggml_set_name(t, name.encode())
-        return attach(t, xp.zeros(shape_np, dtype=dtype))
-
-    def alloc_result(t, dtype, name):
-        ggml.ggml_set_name(t, name.encode())
-        shape = tuple(int(t.contents.ne[i]) for i in range(3, -1, -1))
-        return attach(t, xp.zeros(shape, dtype=dtype))
-
-    gf = ggml.ggml_new_graph_custom(ctx, n_tensors, False)
-    idx = new(GGML_TYPE_I64, (n_tok,), np.int64, "row_idx")
-    arrays[id(idx)][...] = xp.asarray(plan.row_idx)
-    mask = new(GGML_TYPE_F16, (n_stream, 1, n_tps, n_kv), np.float16, "kq_mask")
-    arrays[id(mask)][...] = xp.asarray(plan.mask)
-    # the kernel plan reads the mask through its pointer: a plan kept on the UBatchPlan from an
-    # earlier graph points at that graph's mask tensor, so rebuild it for this graph's mask
-    kp_mask = getattr(plan.kernel_plan, "mask", None)
-    if on_device and (kp_mask is None or kp_mask.ptr != _ptr(arrays[id(mask)])):
-        plan.kernel_plan = _kernel_plan(mask, n_tps, n_stream, cfg, kv_type)
-    kplan = plan.kernel_plan if on_device else None
-    ds = 2 if kv_type == GGML_TYPE_F16 else 4
-    q_in, k_in, v_in, outs = [], [], [], []
-    for il in range(cfg.n_layer):
-        ck = ggml.ggml_new_tensor_2d(ctx, kv_type, cache.n_embd_k_gqa, n_rows_all)
-        cv = ggml.ggml_new_tensor_2d(ctx, kv_type, cache.n_embd_v_gqa, n_rows_all)
-        ggml.ggml_set_name(ck, f"cache_k_l{il}".encode())
-        ggml.ggml_set_name(cv, f"cache_v_l{il}".encode())
-        attach(ck, cache.k[il])
-        attach(cv, cache.v[il])
-        q = new(GGML_TYPE_F32, (n_tok, cfg.n_head, cfg.head_dim), np.float32, f"q_l{il}")
-        k = new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.head_dim), np.float32, f"k_l{il}")
-        v = new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.d_v), np.float32, f"v_l{il}")
-        q_in.append(q), k_in.append(k), v_in.append(v)
-        # 1. store K/V rows
-        for cache_t, cur in ((ck, k), (cv, v)):
-            if device:
-                args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(cache_t, cur, idx)
-                st = ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1,
-                                         ctypes.c_void_p(1 if on_device else 0))
-                alloc_result(st, np.float32, f"store_{ggml.ggml_get_name(cache_t).decode()}")
-            else:
-                st = ggml.ggml_set_rows(ctx, cache_t, cur, idx)
-            ggml.ggml_build_forward_expand(gf, st)
-        # 2. Q per stream [D, n_head, n_tps, n_stream] -> [D, n_tps, n_head, n_stream]
-        qc = q.contents
-        q4 = ggml.ggml_view_4d(ctx, q, cfg.head_dim, cfg.n_head, n_tps, n_stream,
-                               qc.nb[1], qc.nb[2], qc.nb[2] * n_tps, 0)
-        q4 = ggml.ggml_permute(ctx, q4, 0, 2, 1, 3)
-        # 3. K/V of streams s0..s1: [D, n_head_kv, n_kv, ns] -> [D, n_kv, n_head_kv, ns]
-        views = []
-        for cache_t, d, n_embd in ((ck, cfg.head_dim, cache.n_embd_k_gqa), (cv, cfg.d_v, cache.n_embd_v_gqa)):
-            row = n_embd * ds
-            t = ggml.ggml_view_4d(ctx, cache_t, d, cfg.n_head_kv, n_kv, n_stream, d * ds, row,
-                                  row * cache.kv_size, row * cache.kv_size * plan.slot.s0)
-            views.append(ggml.ggml_permute(ctx, t, 0, 2, 1, 3))
-        # 4. attention
-        if fa is fa_op.flash_attn_ext:   # the ubatch's tile map, made once above, shared by every layer
-            out = fa(ctx, q4, views[0], views[1], mask, cfg.scale, cfg.max_bias, cfg.logit_softcap,
-                     plan=kplan)
-        else:
-            out = fa(ctx, q4, views[0], views[1], mask, cfg.scale, cfg.max_bias, cfg.logit_softcap)
-        if fa is ggml.ggml_flash_attn_ext:
-            ggml.ggml_flash_attn_ext_set_prec(out, 10)  # GGML_PREC_F32
-        alloc_result(out, np.float32, f"attn_out_l{il}")
-        outs.append(out)
-        ggml.ggml_build_forward_expand(gf, out)
-    g = UBatchGraph(plan, device, ctx, gf, q_in, k_in, v_in, outs, arrays, kplan)
+    b = GraphBuilder(cache, plan, cfg, device=device, attention=attention, weights=weights,
+                     shared_inputs=shared_inputs, reuse=layer == "full", n_tensors=(64 if layer == "full" else 32) * cfg.n_layer + 16)
+    try:
+        b.row_idx = b.new(GGML_TYPE_I64, (n_tok,), np.int64, "row_idx")
+        b.arrays[_addr(b.row_idx)][...] = b.xp.asarray(plan.row_idx)
+        b.mask = b.new(GGML_TYPE_F16, (n_stream, 1, n_tps, n_kv), np.float16, "kq_mask")
+        mask = plan.mask
+        if not flash_attn and ub.n_pad:
+            mask = mask.astype(np.float16, copy=True)
+            layer_fns.pad_rows_see_own_cell(mask, ub, plan.slot)
+        b.arrays[_addr(b.mask)][...] = b.xp.asarray(mask)
+        # the kernel plan reads the mask through its pointer: a plan kept on the UBatchPlan from an
+        # earlier graph points at that graph's mask tensor, so rebuild it for this graph's mask
+        kp_mask = getattr(plan.kernel_plan, "mask", None)
+        if on_device and (kp_mask is None or kp_mask.ptr != _ptr(b.arrays[_addr(b.mask)])):
+            kv_type = GGML_TYPE_F16 if cache.type_k == "f16" else GGML_TYPE_F32
+            plan.kernel_plan = _kernel_plan(b.mask, n_tps, n_stream, cfg, kv_type)
+        x_in, outs = None, []
+        cur = None
+        if layer == "full":
+            n_embd = int(weights[0]["wq"].shape[1])
+            x_in = cur = b.new(GGML_TYPE_F32, (n_tok, n_embd), np.float32, "x")
+        for il in range(cfg.n_layer):
+            b.begin_layer(il)
+            cur = fn(b, il, cur)
+            if layer != "full":
+                b.result(cur)
+                outs.append(cur)
+                b.expand(cur)
+        if layer == "full":
+            outs.append(cur)
+            b.expand(cur)
+    except BaseException:
+        ggml.ggml_free(b.ctx)
+        xp_ops.release(b.op_keys)
+        raise
+    b.keep(b.kv)
+    g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
+                    layer="full" if layer == "full" else "attn", _op_keys=b.op_keys, _keep=b.kept,
+                    kernel_plan=plan.kernel_plan if on_device else None)
     if device:
-        check_device_graph(gf)
+        check_device_graph(b.gf)
     return g

@@ -18,6 +18,12 @@ Follows ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h``:
   search (no SWA cell reuse); ``n_kv`` of a ubatch is the max over its streams of the used
   range, padded to 256.
 
+Cache types: ``type_k`` / ``type_v`` name a ggml type (llama.cpp's ``-ctk`` / ``-ctv``: f16, f32,
+bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1). F16 and F32 are float arrays of ``xp``; the other
+types are host byte arrays ``(n_layer, n_stream, kv_size, row_bytes)`` that only ggml reads and
+writes (``kv_graph.KVTensors``: ``ggml_set_rows`` on host graphs); the numpy paths
+(:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) raise ``ValueError`` for them.
+
 Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. The
 cell-to-sequence table is dense (``n_stream x kv_size x n_seq_max`` bools), so ``n_seq_max``
 is capped at 256 (:data:`batch.MAX_SEQ`, llama.cpp's LLAMA_MAX_SEQ). Positions are int32:
@@ -34,7 +40,10 @@ import numpy as np
 from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
 from .split import UBatch
 
-__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to"]
+__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "CACHE_TYPES"]
+
+CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+_FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
 
@@ -101,12 +110,13 @@ class KVCache:
     unified     True: one stream shared by all sequences; False: one stream per sequence.
     n_head_kv, head_dim_k, head_dim_v   K/V geometry; ``n_embd_gqa = n_head_kv * head_dim``.
     dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
+    type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V.
     xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
     """
 
     def __init__(self, n_ctx: int, n_seq_max: int = 1, *, unified: bool = True, n_layer: int = 1,
                  n_head_kv: int = 1, head_dim_k: int = 64, head_dim_v: int | None = None,
-                 dtype=np.float16, xp=None):
+                 dtype=np.float16, xp=None, type_k: str | None = None, type_v: str | None = None):
         n_ctx, n_seq_max, n_layer, n_head_kv, head_dim_k = (
             as_int(x, name) for x, name in ((n_ctx, "n_ctx"), (n_seq_max, "n_seq_max"), (n_layer, "n_layer"),
                                             (n_head_kv, "n_head_kv"), (head_dim_k, "head_dim_k")))
@@ -123,6 +133,14 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             raise ValueError(f"K/V storage dtype must be float16 or float32, got {self.dtype}")
+        default = "f16" if self.dtype == np.float16 else "f32"
+        self.type_k, self.type_v = type_k or default, type_v or default
+        for flag, t in (("type_k", self.type_k), ("type_v", self.type_v)):
+            if t not in CACHE_TYPES:
+                raise ValueError(f"{flag} {t!r} is not a cache type ({', '.join(CACHE_TYPES)})")
+            if t not in _FLOAT_TYPES and self.xp is not np:
+                raise ValueError(f"{flag} {t}: a {self.xp.__name__} cache holds f16 or f32 only "
+                                 f"(block types live in host byte arrays)")
         self.unified = bool(unified)
         self.n_seq_max = int(n_seq_max)
         self.n_stream = 1 if unified else self.n_seq_max
@@ -142,9 +160,32 @@ class KVCache:
         self.head = [0] * self.n_stream
         self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
-        xp_ = self.xp
-        self.k = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_k_gqa), dtype=self.dtype)
-        self.v = xp_.zeros((self.n_layer, self.n_stream, self.kv_size, self.n_embd_v_gqa), dtype=self.dtype)
+        self.k = self._storage(self.type_k, self.n_embd_k_gqa)
+        self.v = self._storage(self.type_v, self.n_embd_v_gqa)
+
+    def _storage(self, type_name: str, n_embd: int):
+        """All layers of K or V, numpy order ``(n_layer, n_stream, kv_size, n_embd)`` of the
+        float dtype, or ``(..., row_bytes)`` uint8 for the other ggml types."""
+        shape = (self.n_layer, self.n_stream, self.kv_size)
+        if type_name in _FLOAT_TYPES:
+            return self.xp.zeros(shape + (n_embd,), dtype=_FLOAT_TYPES[type_name])
+        import ggml  # noqa: PLC0415
+        gtype = getattr(ggml, f"GGML_TYPE_{type_name.upper()}")
+        blck = int(ggml.ggml_blck_size(gtype))
+        if n_embd % blck:
+            raise ValueError(f"{type_name}: K/V row of {n_embd} values is not a multiple of its block "
+                             f"size {blck}")
+        return np.zeros(shape + (int(ggml.ggml_row_size(gtype, n_embd)),), dtype=np.uint8)
+
+    @property
+    def float_storage(self) -> bool:
+        """True when K and V are float arrays (f16/f32), readable and writable without ggml."""
+        return self.type_k in _FLOAT_TYPES and self.type_v in _FLOAT_TYPES
+
+    def _need_float(self, what: str) -> None:
+        if not self.float_storage:
+            raise ValueError(f"{what} needs an f16/f32 cache; this one is K {self.type_k} / V "
+                             f"{self.type_v} (ggml graphs read and write those)")
 
     # ------------------------------------------------------------ geometry
     @property
@@ -158,7 +199,8 @@ class KVCache:
     def __repr__(self) -> str:
         mode = "unified" if self.unified else "split"
         return (f"KVCache({mode}, {self.n_stream} stream(s) x {self.kv_size} cells, {self.n_layer} layer(s), "
-                f"K/V {self.n_head_kv}x{self.head_dim_k}/{self.head_dim_v} {self.dtype}, {self.xp.__name__})")
+                f"K/V {self.n_head_kv}x{self.head_dim_k}/{self.head_dim_v} {self.type_k}/{self.type_v}, "
+                f"{self.xp.__name__})")
 
     def seq_to_stream(self, seq_id: int) -> int:
         seq_id = self._check_seq(seq_id)
@@ -464,17 +506,19 @@ class KVCache:
         """Store K/V rows of a ubatch: ``k_rows (n_tokens, n_embd_k_gqa)``, ``v_rows (n_tokens,
         n_embd_v_gqa)`` in numpy order, ubatch row order, any float dtype of ``xp`` (the
         host path; graphs do this with ``ggml_set_rows``)."""
+        self._need_float("KVCache.write_rows")
         rows = slot.row_indices(self.kv_size)
         k_flat = self.k[layer].reshape(self.n_stream * self.kv_size, self.n_embd_k_gqa)
         v_flat = self.v[layer].reshape(self.n_stream * self.kv_size, self.n_embd_v_gqa)
         xp = self.xp
-        k_flat[xp.asarray(rows)] = xp.asarray(k_rows).astype(self.dtype)
-        v_flat[xp.asarray(rows)] = xp.asarray(v_rows).astype(self.dtype)
+        k_flat[xp.asarray(rows)] = xp.asarray(k_rows).astype(self.k.dtype)
+        v_flat[xp.asarray(rows)] = xp.asarray(v_rows).astype(self.v.dtype)
 
     def sequence_contents(self, seq_id: int, layer: int = 0):
         """What the cache holds for ``seq_id`` (pads excluded), sorted by position:
         ``(positions int32 (n,), K float32 (n, n_embd_k_gqa), V float32 (n, n_embd_v_gqa))``,
         numpy arrays on the host."""
+        self._need_float("KVCache.sequence_contents")
         st, cells = self._seq_cells(seq_id)
         order = np.argsort(self.pos[st, cells], kind="stable")
         cells = cells[order]

@@ -74,3 +74,43 @@ def test_strategies_agree(work):
                 pos, k, v = caches[mode].sequence_contents(s, il)
                 assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), (mode, s)
     assert all(c.pad.sum() == 0 for c in caches.values())
+
+
+# the graph the CLI's engines build (``build.build_ubatch_graph``): host graph and all-custom
+# (the device form, over numpy), each strategy against the numpy path of ``simple``
+GRAPH_RUNS = [("simple", True, None), ("equal", False, True), ("seq", False, False), ("padded", False, True),
+              ("padded", False, False), ("auto", False, None)]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_strategies_agree_through_the_graph_builder(work):
+    lengths, order, n_ubatch, decode_sets = work
+    lengths = [min(x, max(1, 400 // len(lengths))) for x in lengths]
+    n_seq = len(lengths)
+    per_stream = pad_to(2 * max(lengths) + len(decode_sets), 256)
+
+    def new_cache(unified):
+        n_ctx = pad_to(sum(lengths) + n_seq * len(decode_sets), 256) if unified else per_stream * n_seq
+        return KVCache(n_ctx, n_seq, unified=unified, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
+                       head_dim_k=CFG.head_dim)
+    ref_cache = new_cache(True)
+    caches = [new_cache(unified) for _, unified, _ in GRAPH_RUNS]
+    batches = [Batch.from_lengths([lengths[s] for s in order], seq_ids=order)]
+    true_len = dict(zip(range(n_seq), lengths))
+    for ids in decode_sets:
+        batches.append(Batch.from_lengths([1] * len(ids), seq_ids=ids, start_pos={s: true_len[s] for s in ids}))
+        for s in ids:
+            true_len[s] += 1
+    for step, b in enumerate(batches):
+        ref = run_batch(ref_cache, b, n_ubatch, "simple", CFG).out
+        for (mode, _, all_custom), c in zip(GRAPH_RUNS, caches):
+            got = run_batch(c, b, n_ubatch, mode, CFG, compute="ggml", all_custom=all_custom).out
+            err = per_token_nmse(got, ref)
+            assert err.max() <= 1e-6, (mode, all_custom, step, int(err.argmax()), float(err.max()))
+    for s in range(n_seq):
+        ref_pos, ref_k, ref_v = ref_cache.sequence_contents(s, CFG.n_layer - 1)
+        for (mode, _, all_custom), c in zip(GRAPH_RUNS, caches):
+            pos, k, v = c.sequence_contents(s, CFG.n_layer - 1)
+            assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), \
+                (mode, all_custom, s)

@@ -1,5 +1,5 @@
 """Small helpers both tools share: build info, CPU/GPU names, thread count, progress lines,
-the wall-clock timer of the CPU engine."""
+the wall-clock timer of the CPU engine and the CUDA-event timer of the GPU engine."""
 from __future__ import annotations
 
 import os
@@ -178,4 +178,26 @@ class WallTimer:
 
     def __exit__(self, *exc):
         self.ns = time.perf_counter_ns() - self._t0
+        return False
+
+
+class CudaTimer:
+    """``with timer: ...`` then ``timer.ns``: CUDA events on the current stream, synchronized."""
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.ns = 0
+
+    def __enter__(self):
+        cp = self.cupy
+        cp.cuda.get_current_stream().synchronize()
+        self.start, self.end = cp.cuda.Event(), cp.cuda.Event()
+        self.start.record()
+        return self
+
+    def __exit__(self, *exc):
+        self.end.record()
+        self.end.synchronize()
+        self.ns = int(self.cupy.cuda.get_elapsed_time(self.start, self.end) * 1e6)
         return False

@@ -3,7 +3,8 @@
 llama.cpp's cache types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 and q5_1. Here:
 
 * the CPU path (``--device cpu``: ggml_attn's numpy path, ``--kernel ggml``, ``-fa off``)
-  stores K/V in ggml tensors of that type, written by ``ggml_set_rows``, so all of them run;
+  keeps K/V of that type in the ``KVCache`` (``type_k``/``type_v``), written by the host
+  graph's ``ggml_set_rows``, so all of them run;
   as in llama.cpp, a quantized V cache needs flash attention (``-fa off`` transposes V,
   which ggml cannot do for quantized blocks);
 * the CLI's CUDA engine keeps an f16 cache (CuPy has no bf16 or block types), so f16 only.
@@ -14,14 +15,9 @@ from __future__ import annotations
 
 from .errors import UserError
 
-CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+from ggml_attn.graph.kv_cache import CACHE_TYPES
+
 QUANTIZED = frozenset(CACHE_TYPES[3:])
-
-
-def ggml_type(name: str) -> int:
-    """ggml type id of a cache type name (``"q8_0"`` -> ``GGML_TYPE_Q8_0``)."""
-    import ggml
-    return int(getattr(ggml, f"GGML_TYPE_{name.upper()}"))
 
 
 def check_cache_types(type_k: str, type_v: str, *, device: str, flash_attn: bool,

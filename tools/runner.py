@@ -1,20 +1,20 @@
 """What both benchmark tools drive: batch -> ubatches -> KV cache -> graph -> compute.
 
-The one place that talks to ``ggml_attn.graph`` (Batch, split_ubatches, choose_split,
-KVCache, plan_ubatch, apply_plan) and to an *engine* that computes one planned ubatch through
-all layers:
+The one place that talks to ``ggml_attn.graph`` (Batch, KVCache, the decode loop
+``driver.decode``) and makes the *engine* that computes one planned ubatch through all layers
+with the graph builder's ubatch graph (``graph_engine.GraphEngine``):
 
-* :class:`~ggml_attn.cli.host_engine.HostEngine` - a ggml graph on the CPU, attention by
-  ``ggml_attn.flash_attn_ext`` (or ggml's own kernels with ``--kernel ggml`` / ``-fa off``);
-* :class:`~ggml_attn.cli.cuda_engine.CudaEngine` - CuPy arrays on the GPU, attention by
-  ``ggml_attn.cuda_backend``, matmuls by cuBLAS (``--layer full``).
+* :class:`~ggml_attn.cli.host_engine.HostEngine` - a host graph on ggml's CPU backend, attention
+  by ``ggml_attn.flash_attn_ext`` (or ggml's own kernels with ``--kernel ggml`` / ``-fa off``);
+* :class:`~ggml_attn.cli.cuda_engine.CudaEngine` - an all-custom graph over a CuPy KV cache,
+  attention by ``ggml_attn.flash_attn_ext`` on the CUDA backend.
 
 :class:`Runner.decode` mirrors ``llama_decode`` as llama-batched-bench calls it: the batch
-is cut into ``n_batch`` views in token order, each view is split into ubatches with the
-configured strategy, the ubatches are checked to fit the cache, then placed, masked and
-computed one after another; pad cells are freed after their ubatch. With ``auto`` the
-ubatches and their plans are the ones its choice dry-ran (``choose_split``), applied as they
-are: nothing is split, checked or planned twice.
+is cut into ``n_batch`` views in token order, each view goes through ``driver.decode``
+(validate, split with the configured strategy, check that the ubatches fit the cache, then
+place, mask and compute them one after another; pad cells freed after their ubatch). With
+``auto`` the ubatches and their plans are the ones its choice dry-ran (``choose_split``),
+applied as they are: nothing is split, checked or planned twice.
 """
 from __future__ import annotations
 
@@ -204,7 +204,8 @@ class Runner:
         try:
             self.cache = g.KVCache(cfg.n_ctx, max(1, cfg.n_seq), unified=cfg.kv_unified,
                                    n_layer=m.n_layer, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim,
-                                   head_dim_v=m.d_v, dtype=np.float16, xp=xp)
+                                   head_dim_v=m.d_v, dtype=np.float16, xp=xp,
+                                   type_k=cfg.type_k, type_v=cfg.type_v)
         except MemoryError as e:
             raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
                             f"({m.kv_bytes_per_token() * cfg.n_ctx / 2**30:.1f} GiB)") from e
@@ -239,53 +240,44 @@ class Runner:
                             logit_softcap=m.logit_softcap, seed=self.cfg.seed)
 
     def _split_view(self, g, view):
-        """``(ubatches, plans)`` of ``view`` on the cache as it is now: ``auto`` is asked for its
-        choice and hands back the plans it dry-ran (None when it chose without dry runs); the
-        other strategies split only (plans None: planned one ubatch at a time)."""
+        """``(ubatches, plans)`` of ``view`` on the cache as it is now (``driver.split_batch``):
+        ``auto`` hands back the plans it dry-ran; the other strategies split only."""
         try:
-            if self.cfg.split == "auto":
-                choice = g.choose_split(view, self.cfg.n_ubatch, cache=self.cache, cfg=self.attn_config())
-                return choice.ubatches, choice.plans
-            return g.split_ubatches(view, self.cfg.n_ubatch, self.cfg.split), None
+            return g.driver.split_batch(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.attn_config())
         except ValueError as e:
             raise UserError(f"split '{self.cfg.split}': {e}") from e
 
+    def _user_error(self, stage: str, e: Exception) -> UserError:
+        """The driver's checks before the first cell is claimed, as one-line UserErrors."""
+        if stage == "validate":
+            return UserError(str(e))
+        if stage == "split":
+            return UserError(f"split '{self.cfg.split}': {e}")
+        if isinstance(e, _graph().KVCacheFullError):
+            return UserError(f"context overflow: {e}")
+        # e.g. simple split of several sequences into split KV
+        return UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
+                         f"(use -kvu or another --split)")
+
     # ------------------------------------------------------------ compute
     def decode(self, batch) -> DecodeStats:
-        """Process ``batch`` like ``llama_decode`` in n_batch views; returns what it did.
-        Returns after the device finished (synchronized)."""
+        """Process ``batch`` like ``llama_decode`` in n_batch views (``graph.driver.decode``);
+        returns what it did. Returns after the device finished (synchronized). A failed ubatch
+        is rolled back and its cause raised (Ctrl-C as ``graph.driver.BatchInterrupted``)."""
         g = _graph()
         stats = DecodeStats()
-        cache = self.cache
+        acfg = self.attn_config()
         for view in _batch_views(batch, self.cfg.n_batch):
             try:
-                cache.validate(view)
-            except ValueError as e:
-                raise UserError(str(e)) from e
-            ubatches, made = self._split_view(g, view)
-            if made is None:  # (auto's dry run already placed every ubatch one after another)
-                try:
-                    cache.prepare(ubatches)
-                except g.KVCacheFullError as e:
-                    raise UserError(f"context overflow: {e}") from e
-                except ValueError as e:  # e.g. simple split of several sequences into split KV
-                    raise UserError(f"split '{self.cfg.split}' does not fit this KV cache: {e} "
-                                    f"(use -kvu or another --split)") from e
-            for i, ub in enumerate(ubatches):
-                check_interrupt()
-                with cache.transaction():  # a failed ubatch leaves its cells as they were
-                    # place in the cache, mask and tile map: once per ubatch, for every layer;
-                    # auto's dry-run plans were made on exactly this cell state, so applied as is
-                    if made is None:
-                        plan = g.plan_ubatch(cache, ub, alibi=False)
-                    else:
-                        plan = g.apply_plan(cache, made[i])
-                    self.engine.run_ubatch(plan)
-                    cache.free_pads(plan.slot)
+                plans = g.driver.decode(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.engine, acfg,
+                                        on_error=self._user_error, before_ubatch=check_interrupt)
+            except g.BatchError as e:  # the cache holds the ubatches before it; report the cause
+                raise e.__cause__ from None
+            for plan in plans:
                 stats.n_ubatches += 1
-                stats.n_pad += ub.n_pad
+                stats.n_pad += plan.ubatch.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
-                stats.shapes.append(ubatch_shape(ub))
+                stats.shapes.append(ubatch_shape(plan.ubatch))
         self.engine.synchronize()
         check_interrupt()
         return stats

@@ -1,0 +1,141 @@
+"""The decode loop: one batch through the KV cache, one planned ubatch at a time, on an engine.
+
+:func:`decode` is what ``runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
+llama.cpp's ``llama_decode`` does: validate the batch against the cache -> split it into
+ubatches (``auto`` included: its dry-run plans are applied as they are, nothing is planned
+twice) -> check that every ubatch fits (``KVCache.prepare``) -> per ubatch, in a cache
+transaction: plan (``plan_ubatch`` with the config's ``n_swa`` and ALiBi), ``engine.run_ubatch``,
+free the pads.
+
+An *engine* has ``run_ubatch(plan)`` (computes every layer of the planned ubatch; may return a
+result, handed to ``on_done``), ``synchronize()``, ``timer()`` and ``close()``.
+
+Failures: everything that can be checked without touching the cache (validation, split, room)
+raises before the first cell is claimed (``on_error(stage, exc)`` may turn it into another
+exception; stages ``"validate"``, ``"split"``, ``"prepare"``). A ubatch that fails -- planning,
+compute, reading results, Ctrl-C -- has its cells (positions, sequence sets, pad flags) and
+the stream heads put back as they were; the ubatches before it stay in the cache (as
+llama.cpp's decode keeps them), and :class:`BatchError` (or :class:`BatchInterrupted`, still a
+``KeyboardInterrupt``) says which ubatches were applied and which tokens were not
+(``.remaining``, a batch that continues the cache).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .auto import choose_split, split_ubatches
+from .batch import Batch
+from .kv_cache import KVCache, KVCacheFullError
+from .plan import UBatchPlan, apply_plan, plan_ubatch
+from .qkv import AttnConfig
+from .split import UBatch
+
+__all__ = ["BatchResult", "BatchError", "BatchInterrupted", "decode", "split_batch"]
+
+
+@dataclass(eq=False)
+class BatchResult:
+    """out: float32 numpy ``(n_layer, n_tokens, n_head, D_v)``, batch order (real tokens only;
+    None when the engine returns no outputs); plans: the plan of every ubatch, in order."""
+
+    out: np.ndarray | None
+    plans: list[UBatchPlan]
+
+    @property
+    def ubatches(self) -> list[UBatch]:
+        return [p.ubatch for p in self.plans]
+
+
+class _BatchFailure:
+    """What a failed batch left: ``failed`` (index of the ubatch that failed), ``applied``
+    (the plans of the ubatches before it, all in the cache), ``ubatches`` (every ubatch of the
+    batch), ``remaining`` (a :class:`Batch` of the tokens not in the cache, batch order, or None
+    when there are none), ``result`` (:class:`BatchResult` with the outputs of the applied
+    ubatches' tokens; zeros elsewhere). The cause is ``__cause__``."""
+
+    def _fill(self, failed, applied, ubatches, remaining, result):
+        self.failed, self.applied, self.ubatches = failed, applied, ubatches
+        self.remaining, self.result = remaining, result
+
+
+class BatchError(_BatchFailure, RuntimeError):
+    """A ubatch failed; the cache holds the ubatches before it and nothing of the failed one."""
+
+
+class BatchInterrupted(_BatchFailure, KeyboardInterrupt):
+    """Ctrl-C during a ubatch; the cache holds the ubatches before it and nothing of that one."""
+
+
+def _failure(exc: BaseException, batch: Batch, ubs: list[UBatch], plans: list[UBatchPlan], out) -> BaseException:
+    i = len(plans)
+    done = np.zeros(batch.n_tokens, dtype=bool)
+    for p in plans:
+        idx = p.ubatch.token_idx
+        done[idx[idx >= 0]] = True
+    rest = np.flatnonzero(~done)
+    remaining = None
+    if rest.size:
+        remaining = Batch(batch.tokens[rest], batch.positions[rest], tuple(batch.seq_ids[j] for j in rest))
+    applied = f"ubatches 0..{i - 1} ({int(done.sum())} tokens)" if i else "no ubatch"
+    cls = BatchInterrupted if isinstance(exc, KeyboardInterrupt) else BatchError
+    what = "interrupted" if cls is BatchInterrupted else f"failed: {exc!r}"
+    err = cls(f"ubatch {i} of {len(ubs)} {what}; the KV cache holds {applied} of this batch and nothing "
+              f"of ubatch {i} (its cells are free again); {rest.size} token(s) not applied (.remaining)")
+    err._fill(i, list(plans), list(ubs), remaining, BatchResult(out, list(plans)))
+    return err
+
+
+def _stage(stage: str, on_error, fn):
+    try:
+        return fn()
+    except (ValueError, KVCacheFullError) as e:
+        mapped = on_error(stage, e) if on_error is not None else None
+        if mapped is None:
+            raise
+        raise mapped from e
+
+
+def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None):
+    """``(ubatches, plans)``: ``auto`` on a cache asks for its choice and hands back the plans it
+    dry-ran on the cache as it is now (None when it chose without dry runs); the other modes
+    split only (plans None). Changes nothing."""
+    if mode == "auto":
+        choice = choose_split(batch, n_ubatch, cache=cache, cfg=cfg)
+        return choice.ubatches, choice.plans
+    return split_ubatches(batch, n_ubatch, mode), None
+
+
+def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: AttnConfig, *,
+           ubatches: list[UBatch] | None = None, validate: bool = True, on_error=None,
+           before_ubatch=None, on_done=None, out=None) -> list[UBatchPlan]:
+    """Run ``batch`` through ``engine``, updating ``cache`` (module docstring); returns the plan
+    of every ubatch, in order. ``ubatches``: a split to use instead of ``mode``'s.
+    ``before_ubatch()`` runs before each ubatch's transaction (e.g. a Ctrl-C check);
+    ``on_done(plan, result)`` after a ubatch went through (its cells committed); ``out`` is
+    what a :class:`BatchError`'s ``.result`` carries."""
+    if validate:
+        _stage("validate", on_error, lambda: cache.validate(batch))
+    made = None
+    if ubatches is None:
+        ubatches, made = _stage("split", on_error, lambda: split_batch(cache, batch, n_ubatch, mode, cfg))
+    if made is None:  # (auto's dry run already placed every ubatch one after another)
+        _stage("prepare", on_error, lambda: cache.prepare(ubatches))
+    plans: list[UBatchPlan] = []
+    for i, ub in enumerate(ubatches):
+        try:
+            if before_ubatch is not None:
+                before_ubatch()
+            with cache.transaction():  # a failure puts this ubatch's cells back as they were
+                # place in the cache, mask and tile map: once per ubatch, for every layer
+                plan = (apply_plan(cache, made[i]) if made is not None
+                        else plan_ubatch(cache, ub, n_swa=cfg.n_swa, alibi=cfg.alibi))
+                res = engine.run_ubatch(plan)
+                cache.free_pads(plan.slot)
+                if on_done is not None:
+                    on_done(plan, res)
+        except BaseException as e:  # noqa: BLE001 - Ctrl-C included: it is re-raised as BatchInterrupted
+            raise _failure(e, batch, ubatches, plans, out) from e
+        plans.append(plan)
+    return plans

@@ -1,0 +1,123 @@
+"""The benchmarks' engine: one ubatch graph of ``ggml_attn.graph.build`` per planned ubatch.
+
+Both flavours build the same graph (``build.build_ubatch_graph``) through every layer:
+
+* ``--layer attn``: Q ``q_cur [D, n_head, n_tokens]`` and the new K/V rows
+  ``[n_embd_kv, n_tokens]`` are random inputs, one set shared by every layer;
+* ``--layer full``: the block of ``graph/layers.py`` (RMS norm, Q/K/V projections from the
+  residual stream, attention, O projection, RMS norm, gated FFN) with random F16 weights,
+  numpy order ``(n_out, n_in)`` = ggml ``[n_in, n_out]``, kept here and handed to the builder;
+
+K/V rows go into the ``KVCache`` (the graph's store node) and attention reads its views:
+
+* host (``--device cpu``): a host graph computed by ggml's CPU backend on ``-t`` threads;
+  ``-fa on``: ``ggml_attn.flash_attn_ext`` (its numpy path), ``--kernel ggml``: ggml's
+  ``ggml_flash_attn_ext``, ``-fa off``: ggml's ``mul_mat`` + ``soft_max_ext``. Every cache type
+  of ``kv_types`` runs (quantized ones live in the cache's byte arrays, written by ``ggml_set_rows``);
+* device (``--device cuda``): an all-custom graph over the CuPy cache and CuPy inputs/weights,
+  ``ggml_attn.flash_attn_ext`` on the CUDA backend (``op.set_backend("cuda", kernel)``; the
+  builder's per-ubatch kernel plan is reused by every layer), computed on one graph thread:
+  the callbacks launch work on the current CuPy stream.
+
+Weights: one set per layer while all layers' weights fit the flavour's limit, else one set
+shared by all layers (the same matmul cost, less memory).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SHARED_WEIGHTS_ABOVE = {"host": 1 << 30, "device": 16 << 30}
+
+
+class GraphEngine:
+    """``run_ubatch(plan)``, ``synchronize()``, ``timer()``, ``close()`` (``graph.driver``'s engine)."""
+
+    flavour = "host"
+    all_custom = None  # None: as the flavour (device: all-custom); True: all-custom host graph (tests)
+
+    def __init__(self, cfg, cache):
+        import ggml
+        from ggml_attn import op
+        from ggml_attn.graph import AttnConfig
+        self.cfg, self.cache, self.m = cfg, cache, cfg.model
+        m = self.m
+        self.device = self.flavour == "device"
+        self.xp = cache.xp
+        if self.device:
+            op.set_backend("cuda", cfg.kernel)
+        else:
+            op.set_backend("reference", cfg.kernel if cfg.kernel != "ggml" else "auto")
+        self.fa = ggml.ggml_flash_attn_ext if cfg.kernel == "ggml" else None
+        self.attn_cfg = AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
+                                   head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
+                                   logit_softcap=m.logit_softcap)
+        self.n_threads = 1 if self.device else max(1, int(cfg.n_threads))
+        rng = self.xp.random.default_rng(cfg.seed)  # on the device for the device flavour (fast)
+        self.weights = self._make_weights(rng) if cfg.layer == "full" else None
+        # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows
+        self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
+        self.pool = rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
+        self._keep = None
+        self._last_streams = None
+
+    def _make_weights(self, rng):
+        m = self.m
+
+        def w(n_in, n_out):  # numpy (n_out, n_in) = ggml [n_in, n_out], N(0, 1/n_in)
+            return (rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16)
+
+        shared = m.n_layer * m.layer_params() * 2 > SHARED_WEIGHTS_ABOVE[self.flavour]
+        sets = [dict(wq=w(m.n_embd, m.n_embd_q), wk=w(m.n_embd, m.n_embd_k), wv=w(m.n_embd, m.n_embd_v),
+                     wo=w(m.n_head * m.d_v, m.n_embd), wg=w(m.n_embd, m.n_ff), wu=w(m.n_embd, m.n_ff),
+                     wd=w(m.n_ff, m.n_embd))
+                for _ in range(1 if shared else m.n_layer)]
+        return [sets[0]] * m.n_layer if shared else sets
+
+    def inputs(self, plan):
+        """This ubatch's inputs from the pool, numpy order: ``x (n_tokens, n_embd)`` (full) or
+        ``q (n_tokens, n_head, D)``, ``k (n_tokens, n_embd_k)``, ``v (n_tokens, n_embd_v)``; Q
+        is read from the pool as ggml ``[D, n_tps, n_head, n_stream]``."""
+        m, pool = self.m, self.pool
+        n_tok, ns = plan.ubatch.n_tokens, plan.n_stream
+        assert n_tok * self.pool_width <= pool.size, \
+            f"{n_tok} rows overrun the input pool of {pool.size // self.pool_width} rows"
+        if self.cfg.layer == "full":
+            return (pool[: m.n_embd * n_tok].reshape(n_tok, m.n_embd),)
+        q = pool[: m.n_embd_q * n_tok].reshape(ns, m.n_head, plan.n_tps, m.head_dim).transpose(0, 2, 1, 3)
+        return (q.reshape(n_tok, m.n_head, m.head_dim), pool[: m.n_embd_k * n_tok].reshape(n_tok, m.n_embd_k),
+                pool[: m.n_embd_v * n_tok].reshape(n_tok, m.n_embd_v))
+
+    def run_ubatch(self, plan) -> None:
+        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer."""
+        from ggml_attn.graph import build
+        cfg = self.cfg
+        g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
+                                     weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
+                                     all_custom=self.device if self.all_custom is None else self.all_custom)
+        try:
+            ins = self.inputs(plan)
+            if cfg.layer == "full":
+                g.set_x(ins[0])
+            else:
+                g.set_inputs(*[[x] for x in ins])
+            g.compute(self.n_threads)
+            # alive until the stream has used them (and for tests): mask, last output, kernel plan
+            m, last = self.m, g.outputs()[-1]
+            if cfg.layer != "full":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
+                last = last.reshape(plan.n_stream, plan.n_tps, m.n_head, m.d_v)
+            self._keep = (g.array(g.mask_t), last, plan.kernel_plan)
+            self._last_streams = (plan.slot.s0, plan.n_stream)
+        finally:
+            g.free()
+
+    def synchronize(self) -> None:
+        if self.device:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def timer(self):
+        from .common import CudaTimer, WallTimer
+        return CudaTimer() if self.device else WallTimer()
+
+    def close(self) -> None:
+        self._keep = None
+        self.weights = None
