@@ -40,7 +40,7 @@ from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
-__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "check_device_graph", "check_build_args",
+__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
            "check_geometry", "GraphBuildError", "LAYERS"]
 
 LAYERS = ("attn", "full")
@@ -86,6 +86,12 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
 
 
 # ------------------------------------------------------------------- the graph
+def graph_key(plan: UBatchPlan) -> tuple:
+    """The structure of a ubatch plan's graph: tokens, streams (first stream and count), KV
+    cells viewed. Plans with equal keys differ only in mask and row-index contents."""
+    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0)
+
+
 def _np_shape(t) -> tuple[int, ...]:
     """numpy shape of a tensor: its ``ne`` reversed, at least 2-D (``[n, n_tokens]`` ->
     ``(n_tokens, n)``)."""
@@ -114,6 +120,9 @@ class UBatchGraph:
     _arrays: dict = field(default_factory=dict)  # tensor address -> backing array (kept alive)
     x_in: object = None
     mask_t: object = None
+    row_idx_t: object = None
+    xp: object = np          # the array module of the graph's arrays
+    _checked: bool = False   # check_device_graph passed
     layer: str = "attn"
     _op_keys: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
@@ -131,14 +140,39 @@ class UBatchGraph:
                 arr = self.array(t)
                 arr[...] = x.reshape(arr.shape)
 
+    def key(self) -> tuple:
+        """What the graph's structure depends on (views, shapes): two ubatch plans with the same
+        :func:`graph_key` can share one built graph, loading their contents (:meth:`load_plan`)."""
+        return graph_key(self.plan)
+
+    def load_plan(self, plan: UBatchPlan) -> None:
+        """Make this built graph compute ``plan``, a ubatch plan with the same :func:`graph_key`:
+        its mask and row indices are copied into the graph's inputs and the kernel plan is
+        rebuilt in place on the current stream (``Plan.refresh``; a captured CUDA graph replays
+        the same launches). Nothing is allocated on the device."""
+        if graph_key(plan) != graph_key(self.plan):
+            raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
+        m = self.array(self.mask_t)
+        m[...] = self.xp.asarray(plan.mask).reshape(m.shape)
+        r = self.array(self.row_idx_t)
+        r[...] = self.xp.asarray(plan.row_idx).reshape(r.shape)
+        self.plan = plan
+        plan.kernel_plan = self.kernel_plan
+
+    def refresh_kernel_plan(self) -> None:
+        """Rebuild the kernel plan from the graph's mask as it is now (device graphs)."""
+        if self.kernel_plan is not None:
+            self.kernel_plan.refresh()
+
     def set_x(self, x) -> None:
         """The residual stream ``x (n_tokens, n_embd)`` F32, numpy order (``layer="full"``)."""
         arr = self.array(self.x_in)
         arr[...] = x.reshape(arr.shape)
 
     def compute(self, n_threads: int = 2) -> None:
-        if self.device:
+        if self.device and not self._checked:   # the nodes never change after build: once
             check_device_graph(self.graph)
+            self._checked = True
         cplan = ggml.ggml_graph_plan(self.graph, n_threads, None)
         work = None
         if cplan.work_size:
@@ -401,6 +435,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         raise
     b.keep(b.kv)
     g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
+                    row_idx_t=b.row_idx, xp=b.xp,
                     layer="full" if layer == "full" else "attn", _op_keys=b.op_keys, _keep=b.kept,
                     kernel_plan=plan.kernel_plan if on_device else None)
     if device:

@@ -83,6 +83,9 @@ def build_parser() -> Parser:
                    help="attn: attention only; full: with QKV/O projections and FFN (default: attn)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
+                   help="on the GPU, capture a ubatch's launches as a CUDA graph the second time its "
+                        "shape comes and replay it after; off: ggml's graph loop every time (default: on)")
     p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
                    help="on/auto: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max (default: auto)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
@@ -199,7 +202,8 @@ def _main(argv=None) -> int:
                 model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
                 split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
-                n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v))
+                n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
+                cuda_graph=ns.cuda_graph == "on"))
         return runners[split]
 
     try:
@@ -217,7 +221,8 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
-                n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name, device=device,
+                n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name,
+                device=device + ("+graphs" if device == "cuda" and ns.cuda_graph == "on" else ""),
                 kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v)
     reps = ns.repetitions
     info["repetitions"] = reps

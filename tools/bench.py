@@ -90,6 +90,10 @@ def build_parser() -> Parser:
              help="CPU threads")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to run: auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
+                   help="on the GPU, capture a ubatch's launches as a CUDA graph the second time its "
+                        "shape comes and replay it after (backends column: CUDA+graphs); off: every "
+                        "ubatch through ggml's graph loop and the op's callbacks (default: on)")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers (quick runs of big shapes)")
     p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
@@ -211,13 +215,14 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
     return {"samples_ns": samples, "ub": n_ub, "_shapes": shapes}
 
 
-def make_row(inst: dict, result: dict, device: str) -> dict:
+def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) -> dict:
     m = inst["model"]
     commit, number = build_info()
     split = inst["split"] or default_split(inst["kv_unified"])
     row = dict(
         build_commit=commit, build_number=number, cpu_info=cpu_info(),
-        gpu_info=gpu_info() if device == "cuda" else "", backends="CUDA" if device == "cuda" else "CPU",
+        gpu_info=gpu_info() if device == "cuda" else "",
+        backends=("CUDA+graphs" if cuda_graph else "CUDA") if device == "cuda" else "CPU",
         model_filename=m.source if m.source != "preset" else m.name, model_type=m.name,
         model_size=m.size_bytes, model_n_params=m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
@@ -276,12 +281,12 @@ def _main(argv=None) -> int:
                     split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
                     flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
                     device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
-                    type_v=inst["type_v"]))
+                    type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on"))
                 verbose.runner(runner)
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "
                            f"{result['ub']} ubatches per repetition", result["_shapes"])
-            printer.row(make_row(inst, result, device))
+            printer.row(make_row(inst, result, device, ns.cuda_graph == "on"))
             bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
         bar.close()

@@ -29,6 +29,14 @@ import numpy as np
 SHARED_WEIGHTS_ABOVE = {"host": 1 << 30, "device": 16 << 30}
 
 
+class _Cached:
+    """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.replay = None
+
+
 class GraphEngine:
     """``run_ubatch(plan)``, ``synchronize()``, ``timer()``, ``close()`` (``graph.driver``'s engine)."""
 
@@ -59,6 +67,17 @@ class GraphEngine:
         self.pool = rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
         self._keep = None
         self._last_streams = None
+        # built graphs by structure (LRU), and the stream the device flavour computes on: a
+        # non-default stream of its own (CUDA graphs are captured on it), made current here
+        self._graphs: dict = {}
+        self.max_graphs = 4
+        self.cuda_graph = bool(getattr(cfg, "cuda_graph", True))
+        self.captures = self.replays = 0
+        self.stream = None
+        if self.device:
+            self.stream = self.xp.cuda.Stream(non_blocking=True)
+            self.xp.cuda.Device().synchronize()   # weights, inputs, cache: made on the default stream
+            self.stream.use()
 
     def _make_weights(self, rng):
         m = self.m
@@ -88,27 +107,62 @@ class GraphEngine:
                 pool[: m.n_embd_v * n_tok].reshape(n_tok, m.n_embd_v))
 
     def run_ubatch(self, plan) -> None:
-        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer."""
+        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer.
+
+        Built graphs are kept per structure (``build.graph_key``: tokens, streams, KV cells
+        viewed) and reused by later ubatches of the same structure -- decode steps, until
+        ``n_kv`` crosses its next multiple of 256 -- with only the mask and row indices
+        loaded. On the device, a structure seen twice is captured as a CUDA graph
+        (``graph.capture``) and replayed from then on (``cuda_graph``, on by default)."""
         from ggml_attn.graph import build
         cfg = self.cfg
-        g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
-                                     weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
-                                     all_custom=self.device if self.all_custom is None else self.all_custom)
+        key = build.graph_key(plan)
+        entry = self._graphs.pop(key, None) if cfg.flash_attn else None
+        if entry is None:
+            g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
+                                         weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
+                                         all_custom=self.device if self.all_custom is None else self.all_custom)
+            entry = _Cached(g)
+            fresh = True
+        else:
+            entry.graph.load_plan(plan)
+            fresh = False
+        g = entry.graph
         try:
             ins = self.inputs(plan)
             if cfg.layer == "full":
                 g.set_x(ins[0])
             else:
                 g.set_inputs(*[[x] for x in ins])
-            g.compute(self.n_threads)
+            if entry.replay is not None:
+                entry.replay.launch(self.stream)
+                self.replays += 1
+            elif self.device and self.cuda_graph and not fresh:
+                from ggml_attn.graph.capture import capture   # this step computes in the warm-up
+                entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
+                self.captures += 1
+            else:
+                self._compute(g, refresh=not fresh)
             # alive until the stream has used them (and for tests): mask, last output, kernel plan
             m, last = self.m, g.outputs()[-1]
             if cfg.layer != "full":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
                 last = last.reshape(plan.n_stream, plan.n_tps, m.n_head, m.d_v)
-            self._keep = (g.array(g.mask_t), last, plan.kernel_plan)
+            self._keep = (g.array(g.mask_t), last, g.kernel_plan)
             self._last_streams = (plan.slot.s0, plan.n_stream)
-        finally:
+        except BaseException:
             g.free()
+            raise
+        if not cfg.flash_attn:
+            g.free()
+            return
+        self._graphs[key] = entry            # most recently used last
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs))).graph.free()
+
+    def _compute(self, g, refresh: bool) -> None:
+        if refresh:
+            g.refresh_kernel_plan()
+        g.compute(self.n_threads)
 
     def synchronize(self) -> None:
         if self.device:
@@ -119,5 +173,12 @@ class GraphEngine:
         return CudaTimer() if self.device else WallTimer()
 
     def close(self) -> None:
+        for entry in self._graphs.values():
+            entry.graph.free()
+        self._graphs.clear()
         self._keep = None
         self.weights = None
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.xp.cuda.Stream.null.use()
+            self.stream = None

@@ -73,6 +73,7 @@ class RunConfig:
     seed: int = 0
     type_k: str = "f16"             # K/V cache types (kv_types.CACHE_TYPES)
     type_v: str = "f16"
+    cuda_graph: bool = True         # device engine: capture repeated ubatch shapes, replay them
 
     def __post_init__(self):
         self.split = self.split or default_split(self.kv_unified)
