@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-ggml] [--crossover] [--profile]
+#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--crossover] [--profile]
 #                      [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
 #
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
@@ -13,13 +13,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; GGML=1; XOVER=0; PROF=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
     --no-tests) TESTS=0;;
     --no-sanitize) SAN=0;;
     --no-bench) BENCH=0;;
+    --no-cli) CLI=0;;
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
     --profile) PROF=1;;
@@ -98,6 +99,20 @@ if [ $BENCH = 1 ]; then
   [ -n "$ONLY" ] && bargs+=(--only "$ONLY")
   $PY tools/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
   tail -45 "$OUT/bench.log"
+fi
+if [ $CLI = 1 ]; then
+  # the CLI on the GPU (llama-3-8B shapes): tg128, attention only and the full block, with and
+  # without CUDA-graph replay; one JSON row per run in $OUT/cli-<layer>-graphs-<on|off>.json
+  echo "== CLI (ggml-attn-bench tg128, llama-3-8B shapes)"
+  for layer in attn full; do
+    for cg in on off; do
+      $PY -m ggml_attn.cli.bench --device cuda -p 0 -n 128 -r 3 --layer $layer --cuda-graph $cg -o json \
+        > "$OUT/cli-$layer-graphs-$cg.json" 2> "$OUT/cli-$layer-graphs-$cg.log" || status=1
+      $PY -c "import json,sys; r=json.load(open(sys.argv[1]))[0]; print(f\"{sys.argv[2]:5s} graphs {sys.argv[3]:3s} {r['backends']:12s} tg128 {r['avg_ts']:9.1f} t/s\")" \
+        "$OUT/cli-$layer-graphs-$cg.json" $layer $cg 2>/dev/null || { echo "$layer graphs $cg: failed"; tail -5 "$OUT/cli-$layer-graphs-$cg.log"; }
+    done
+  done
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 echo "== done in $(( $(date +%s) - t0 ))s, status $status"
 exit $status
