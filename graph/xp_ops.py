@@ -1,5 +1,8 @@
-"""The full block's dense ops as ggml custom ops over an array module ``xp`` (numpy or CuPy,
-the same code), for all-custom (device-resident) graphs.
+"""The full block's dense ops as ggml custom ops over an array module ``xp`` (numpy or CuPy),
+for all-custom (device-resident) graphs. On numpy each op is a few numpy calls (the CPU tests
+check them against ggml's own ops); on CuPy the same math is fused into fewer launches -- one
+cuBLAS GEMM per ``mul_mat`` (f16 in, f32 accumulate and out), two kernels per ``rms_norm``, one
+per ``silu_mul`` -- checked against the host graph by tests/test_graph_device.py.
 
 Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
 ``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
@@ -8,8 +11,8 @@ Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0
 
 * :func:`mul_mat`: weight F16 numpy ``(n_out, n_in)`` = ggml ``[n_in, n_out]`` times
   ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_out, n_tokens]``; ``h`` is rounded to F16 first
-  and the products summed in F32, as ggml's CPU ``mul_mat`` with an F16 weight does; the
-  F16 GEMM output is widened to F32;
+  and the products summed in F32, as ggml's CPU ``mul_mat`` with an F16 weight does (numpy:
+  the F16 product widened to F32; CuPy: F32 out of the GEMM);
 * :func:`rms_norm`: F32 ``[n, n_tokens]`` -> F32, ``x / sqrt(mean(x^2) + eps)`` per token;
 * :func:`silu_mul`: ``silu(g) * u``, F32 ``[n_ff, n_tokens]``;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
@@ -82,13 +85,61 @@ def mul_mat(b, w: np.ndarray, h, name: str):
     o16 = b.scratch((n_tok, n_out), np.float16)
     out = b.scratch((n_tok, n_out), np.float32)
     wt = w.T
+    if xp is np:
+        def run():
+            xp.copyto(x16, x, casting="same_kind")
+            xp.matmul(x16, wt, out=o16)
+            xp.copyto(out, o16)
+    else:   # one cuBLAS GEMM, f16 in, f32 out (CuPy's matmul refuses to run inside a CUDA-graph capture)
+        gemm = _CublasGemm(w, x16, out)
 
-    def run():
-        xp.copyto(x16, x, casting="same_kind")
-        xp.matmul(x16, wt, out=o16)
-        xp.copyto(out, o16)
+        def run():
+            xp.copyto(x16, x, casting="same_kind")
+            gemm()
     b.keep(x16, o16, w)
     return _custom(b, run, [h], out, name)
+
+
+class _CublasGemm:
+    """``out (n_tok, n_out) F32 = x16 (n_tok, n_in) F16 @ w (n_out, n_in) F16ᵀ`` (numpy order,
+    C-contiguous CuPy arrays) as one ``cublasGemmEx`` on the current stream, F32 accumulation.
+    Column-major view: ``outᵀ (n_out x n_tok) = wᵀᵀ · x16ᵀ``, i.e. op(A)=Aᵀ with A = w as an
+    (n_in x n_out) matrix, B = x16 as (n_in x n_tok). cuBLAS gets a workspace of its own
+    (``_cublas_workspace``) so that nothing allocates while a CUDA graph is captured."""
+
+    def __init__(self, w, x16, out):
+        from cupy_backends.cuda.libs import cublas  # noqa: PLC0415 (device graphs only)
+        from cupy.cuda import device  # noqa: PLC0415
+        self.cublas = cublas
+        self.handle = device.get_cublas_handle()
+        _cublas_workspace(self.handle)
+        self.n_out, self.n_in = w.shape
+        self.n_tok = x16.shape[0]
+        assert x16.shape[1] == self.n_in and out.shape == (self.n_tok, self.n_out)
+        assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
+        self.ptrs = (w.data.ptr, x16.data.ptr, out.data.ptr)
+        self.scal = np.array([1.0, 0.0], dtype=np.float32)   # alpha, beta (host pointer mode)
+        self.compute = getattr(cublas, "CUBLAS_COMPUTE_32F", 68)
+
+    def __call__(self):
+        c, (a, bx, o) = self.cublas, self.ptrs
+        al = self.scal.ctypes.data
+        c.gemmEx(self.handle, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2, self.n_in,
+                 al + 4, o, 0, self.n_out, self.compute, -1)   # 2: CUDA_R_16F, 0: CUDA_R_32F, -1: default algo
+
+
+_WORKSPACES: dict = {}
+
+
+def _cublas_workspace(handle: int, nbytes: int = 32 << 20) -> None:
+    """Give the cuBLAS handle a workspace once (kept for the process)."""
+    if handle in _WORKSPACES:
+        return
+    import cupy  # noqa: PLC0415
+    from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
+    buf = cupy.empty(nbytes, dtype=cupy.uint8)
+    cublas.setWorkspace(handle, buf.data.ptr, nbytes)
+    _WORKSPACES[handle] = buf
 
 
 def rms_norm(b, x_t, eps: float, name: str):
@@ -97,16 +148,43 @@ def rms_norm(b, x_t, eps: float, name: str):
     ms = b.scratch((x.shape[0], 1), np.float32)
     out = b.scratch(x.shape, np.float32)
     inv_n = np.float32(1.0 / x.shape[1])
+    if xp is np:
+        def run():
+            xp.multiply(x, x, out=out)
+            xp.sum(out, axis=1, keepdims=True, out=ms)
+            xp.multiply(ms, inv_n, out=ms)
+            xp.add(ms, np.float32(eps), out=ms)
+            xp.sqrt(ms, out=ms)
+            xp.divide(x, ms, out=out)
+    else:   # two launches: the row sums of squares, then the scaling
+        k = _fused()
+        n, ms1 = x.shape[1], ms.reshape(-1)
 
-    def run():
-        xp.multiply(x, x, out=out)
-        xp.sum(out, axis=1, keepdims=True, out=ms)
-        xp.multiply(ms, inv_n, out=ms)
-        xp.add(ms, np.float32(eps), out=ms)
-        xp.sqrt(ms, out=ms)
-        xp.divide(x, ms, out=out)
+        def run():
+            k["sumsq"](x, axis=1, out=ms1)
+            k["rms_scale"](x, ms1, n, inv_n, np.float32(eps), out)
     b.keep(ms)
     return _custom(b, run, [x_t], out, name)
+
+
+_FUSED: dict = {}
+
+
+def _fused() -> dict:
+    """CuPy kernels that fuse the numpy steps of :func:`rms_norm` and :func:`silu_mul` (one or
+    two launches instead of five or six; same math in F32)."""
+    if not _FUSED:
+        import cupy  # noqa: PLC0415
+        _FUSED.update(
+            sumsq=cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
+                                       "ggml_attn_xp_sumsq"),
+            rms_scale=cupy.ElementwiseKernel(
+                "float32 x, raw float32 ss, int64 n, float32 inv_n, float32 eps", "float32 y",
+                "y = x / sqrtf(ss[i / n] * inv_n + eps);", "ggml_attn_xp_rms_scale"),
+            silu_mul=cupy.ElementwiseKernel(
+                "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"),
+        )
+    return _FUSED
 
 
 def silu_mul(b, g_t, u_t, name: str):
@@ -114,12 +192,18 @@ def silu_mul(b, g_t, u_t, name: str):
     g, u = b.array(g_t), b.array(u_t)
     out = b.scratch(g.shape, np.float32)
 
-    def run():
-        xp.negative(g, out=out)
-        xp.exp(out, out=out)
-        xp.add(out, np.float32(1.0), out=out)
-        xp.divide(g, out, out=out)
-        xp.multiply(out, u, out=out)
+    if xp is np:
+        def run():
+            xp.negative(g, out=out)
+            xp.exp(out, out=out)
+            xp.add(out, np.float32(1.0), out=out)
+            xp.divide(g, out, out=out)
+            xp.multiply(out, u, out=out)
+    else:
+        fused = _fused()["silu_mul"]
+
+        def run():
+            fused(g, u, out)
     return _custom(b, run, [g_t, u_t], out, name)
 
 
