@@ -20,17 +20,21 @@ class CaptureError(RuntimeError):
 def capture(compute, stream):
     """Warm up ``compute()`` on ``stream`` (a non-default ``cupy.cuda.Stream``), then capture a
     second call into a CUDA graph and return it (``cupy.cuda.Graph``: ``.launch(stream)``).
-    The warm-up run's results are real results (the graph repeats the same work)."""
+    The warm-up run's results are real results (the graph repeats the same work); an error of
+    the warm-up propagates as it is, one of the captured run (something in the compute cannot
+    be captured) as :class:`CaptureError`, after which the warm-up's results still stand."""
     with stream:
         compute()
         stream.begin_capture()
         try:
             compute()
-        except BaseException:
+        except BaseException as e:
             try:
                 stream.end_capture()
             except Exception:  # noqa: BLE001 - the capture is invalid anyway; the first error wins
                 pass
+            if isinstance(e, Exception):   # the warm-up ran: this is about capturing, not the math
+                raise CaptureError(f"CUDA graph capture failed: {e}") from e
             raise
         try:
             return stream.end_capture()

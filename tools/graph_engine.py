@@ -24,6 +24,8 @@ shared by all layers (the same matmul cost, less memory).
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 SHARED_WEIGHTS_ABOVE = {"host": 1 << 30, "device": 16 << 30}
@@ -138,9 +140,13 @@ class GraphEngine:
                 entry.replay.launch(self.stream)
                 self.replays += 1
             elif self.device and self.cuda_graph and not fresh:
-                from ggml_attn.graph.capture import capture   # this step computes in the warm-up
-                entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
-                self.captures += 1
+                from ggml_attn.graph.capture import CaptureError, capture  # this step computes in the warm-up
+                try:
+                    entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
+                    self.captures += 1
+                except CaptureError as e:   # the warm-up's results stand; go on without graphs
+                    self.cuda_graph = False
+                    warnings.warn(f"{e}; running without CUDA graphs from here on", RuntimeWarning, stacklevel=2)
             else:
                 self._compute(g, refresh=not fresh)
             # alive until the stream has used them (and for tests): mask, last output, kernel plan
