@@ -152,10 +152,12 @@ class UBatchGraph:
         the same launches). Nothing is allocated on the device."""
         if graph_key(plan) != graph_key(self.plan):
             raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
-        m = self.array(self.mask_t)
-        m[...] = self.xp.asarray(plan.mask).reshape(m.shape)
-        r = self.array(self.row_idx_t)
-        r[...] = self.xp.asarray(plan.row_idx).reshape(r.shape)
+        for arr, host in ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx)):
+            host = np.ascontiguousarray(host, dtype=arr.dtype).reshape(arr.shape)
+            if self.xp is np:
+                arr[...] = host
+            else:
+                arr.set(host)   # one host-to-device copy on the current stream
         self.plan = plan
         plan.kernel_plan = self.kernel_plan
 

@@ -133,9 +133,9 @@ class GraphEngine:
         try:
             ins = self.inputs(plan)
             if cfg.layer == "full":
-                g.set_x(ins[0])
-            else:
-                g.set_inputs(*[[x] for x in ins])
+                g.set_x(ins[0])          # every time: the graph adds into x in place
+            elif fresh:
+                g.set_inputs(*[[x] for x in ins])   # the pool's rows: the same for every reuse
             if entry.replay is not None:
                 entry.replay.launch(self.stream)
                 self.replays += 1
