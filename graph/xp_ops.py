@@ -138,7 +138,22 @@ def _cublas_workspace(handle: int, nbytes: int = 32 << 20) -> None:
     import cupy  # noqa: PLC0415
     from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
     buf = cupy.empty(nbytes, dtype=cupy.uint8)
-    cublas.setWorkspace(handle, buf.data.ptr, nbytes)
+    set_ws = getattr(cublas, "setWorkspace", None)
+    if set_ws is not None:
+        set_ws(handle, buf.data.ptr, nbytes)
+    else:   # older CuPy: the C entry point of the cuBLAS that CuPy loaded (same soname)
+        for name in ("libcublas.so.13", "libcublas.so.12"):
+            try:
+                lib = ctypes.CDLL(name)
+            except OSError:
+                continue
+            fn = lib.cublasSetWorkspace_v2
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            if fn(ctypes.c_void_p(handle), ctypes.c_void_p(buf.data.ptr), ctypes.c_size_t(nbytes)) != 0:
+                raise RuntimeError("cublasSetWorkspace failed")
+            break
+        else:
+            return   # no way to set it: cuBLAS keeps its own (a capture may then fail, and say so)
     _WORKSPACES[handle] = buf
 
 
