@@ -103,57 +103,71 @@ def mul_mat(b, w: np.ndarray, h, name: str):
 class _CublasGemm:
     """``out (n_tok, n_out) F32 = x16 (n_tok, n_in) F16 @ w (n_out, n_in) F16ᵀ`` (numpy order,
     C-contiguous CuPy arrays) as one ``cublasGemmEx`` on the current stream, F32 accumulation.
-    Column-major view: ``outᵀ (n_out x n_tok) = wᵀᵀ · x16ᵀ``, i.e. op(A)=Aᵀ with A = w as an
-    (n_in x n_out) matrix, B = x16 as (n_in x n_tok). cuBLAS gets a workspace of its own
-    (``_cublas_workspace``) so that nothing allocates while a CUDA graph is captured."""
+    Column-major view: ``outᵀ (n_out x n_tok) = Aᵀ · B`` with A = w as an (n_in x n_out) matrix
+    and B = x16 as (n_in x n_tok). Called through the C library (``_libcublas``): CuPy's own
+    wrappers refuse to run while a CUDA graph is captured. The handle is CuPy's, with a
+    workspace of its own (``_cublas_workspace``) so that nothing allocates during a capture."""
 
     def __init__(self, w, x16, out):
-        from cupy_backends.cuda.libs import cublas  # noqa: PLC0415 (device graphs only)
-        from cupy.cuda import device  # noqa: PLC0415
-        self.cublas = cublas
+        from cupy.cuda import device  # noqa: PLC0415 (device graphs only)
+        self.lib = _libcublas()
         self.handle = device.get_cublas_handle()
-        _cublas_workspace(self.handle)
+        _cublas_workspace(self.lib, self.handle)
         self.n_out, self.n_in = w.shape
         self.n_tok = x16.shape[0]
         assert x16.shape[1] == self.n_in and out.shape == (self.n_tok, self.n_out)
         assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
         self.ptrs = (w.data.ptr, x16.data.ptr, out.data.ptr)
         self.scal = np.array([1.0, 0.0], dtype=np.float32)   # alpha, beta (host pointer mode)
-        self.compute = getattr(cublas, "CUBLAS_COMPUTE_32F", 68)
 
     def __call__(self):
-        c, (a, bx, o) = self.cublas, self.ptrs
+        import cupy  # noqa: PLC0415
+        lib, h, (a, bx, o) = self.lib, self.handle, self.ptrs
+        _check(lib.cublasSetStream_v2(h, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
         al = self.scal.ctypes.data
-        c.gemmEx(self.handle, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2, self.n_in,
-                 al + 4, o, 0, self.n_out, self.compute, -1)   # 2: CUDA_R_16F, 0: CUDA_R_32F, -1: default algo
+        _check(lib.cublasGemmEx(h, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2,
+                                self.n_in, al + 4, o, 0, self.n_out, 68, -1), "cublasGemmEx")
+        # 1/0: transpose A / not B; 2: CUDA_R_16F, 0: CUDA_R_32F; 68: CUBLAS_COMPUTE_32F; -1: default algo
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+_LIB: list = []
+
+
+def _libcublas():
+    """The cuBLAS C library CuPy loaded (same soname), with the prototypes used here."""
+    if not _LIB:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401, PLC0415 (loads the library)
+        for name in ("libcublas.so.13", "libcublas.so.12"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError("libcublas.so.13/.12 not found (the one CuPy uses)")
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        _LIB.append(lib)
+    return _LIB[0]
 
 
 _WORKSPACES: dict = {}
 
 
-def _cublas_workspace(handle: int, nbytes: int = 32 << 20) -> None:
+def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
     """Give the cuBLAS handle a workspace once (kept for the process)."""
     if handle in _WORKSPACES:
         return
     import cupy  # noqa: PLC0415
-    from cupy_backends.cuda.libs import cublas  # noqa: PLC0415
     buf = cupy.empty(nbytes, dtype=cupy.uint8)
-    set_ws = getattr(cublas, "setWorkspace", None)
-    if set_ws is not None:
-        set_ws(handle, buf.data.ptr, nbytes)
-    else:   # older CuPy: the C entry point of the cuBLAS that CuPy loaded (same soname)
-        for name in ("libcublas.so.13", "libcublas.so.12"):
-            try:
-                lib = ctypes.CDLL(name)
-            except OSError:
-                continue
-            fn = lib.cublasSetWorkspace_v2
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            if fn(ctypes.c_void_p(handle), ctypes.c_void_p(buf.data.ptr), ctypes.c_size_t(nbytes)) != 0:
-                raise RuntimeError("cublasSetWorkspace failed")
-            break
-        else:
-            return   # no way to set it: cuBLAS keeps its own (a capture may then fail, and say so)
+    _check(lib.cublasSetWorkspace_v2(handle, buf.data.ptr, nbytes), "cublasSetWorkspace")
     _WORKSPACES[handle] = buf
 
 
