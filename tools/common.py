@@ -182,22 +182,26 @@ class WallTimer:
 
 
 class CudaTimer:
-    """``with timer: ...`` then ``timer.ns``: CUDA events on the current stream, synchronized."""
+    """``with timer: ...`` then ``timer.ns``: CUDA events on ``stream`` (default: the current
+    stream), synchronized."""
 
-    def __init__(self):
+    def __init__(self, stream=None):
         import cupy
         self.cupy = cupy
+        self.stream = stream   # None: the current stream when entered
         self.ns = 0
 
     def __enter__(self):
         cp = self.cupy
-        cp.cuda.get_current_stream().synchronize()
+        if self.stream is None:
+            self.stream = cp.cuda.get_current_stream()
+        self.stream.synchronize()
         self.start, self.end = cp.cuda.Event(), cp.cuda.Event()
-        self.start.record()
+        self.start.record(self.stream)
         return self
 
     def __exit__(self, *exc):
-        self.end.record()
+        self.end.record(self.stream)
         self.end.synchronize()
         self.ns = int(self.cupy.cuda.get_elapsed_time(self.start, self.end) * 1e6)
         return False

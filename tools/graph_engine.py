@@ -31,6 +31,16 @@ import numpy as np
 SHARED_WEIGHTS_ABOVE = {"host": 1 << 30, "device": 16 << 30}
 
 
+class _NoStream:
+    """``with``-able nothing (the host flavour has no stream)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 class _Cached:
     """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
 
@@ -70,7 +80,8 @@ class GraphEngine:
         self._keep = None
         self._last_streams = None
         # built graphs by structure (LRU), and the stream the device flavour computes on: a
-        # non-default stream of its own (CUDA graphs are captured on it), made current here
+        # non-default stream of its own (CUDA graphs are captured on it; the timer and
+        # synchronize() use it)
         self._graphs: dict = {}
         self.max_graphs = 4
         self.cuda_graph = bool(getattr(cfg, "cuda_graph", True))
@@ -79,7 +90,6 @@ class GraphEngine:
         if self.device:
             self.stream = self.xp.cuda.Stream(non_blocking=True)
             self.xp.cuda.Device().synchronize()   # weights, inputs, cache: made on the default stream
-            self.stream.use()
 
     def _make_weights(self, rng):
         m = self.m
@@ -116,6 +126,10 @@ class GraphEngine:
         ``n_kv`` crosses its next multiple of 256 -- with only the mask and row indices
         loaded. On the device, a structure seen twice is captured as a CUDA graph
         (``graph.capture``) and replayed from then on (``cuda_graph``, on by default)."""
+        with self.stream if self.device else _NoStream():   # building, loading, computing: one stream
+            self._run_ubatch(plan)
+
+    def _run_ubatch(self, plan) -> None:
         from ggml_attn.graph import build
         cfg = self.cfg
         key = build.graph_key(plan)
@@ -130,6 +144,17 @@ class GraphEngine:
             entry.graph.load_plan(plan)
             fresh = False
         g = entry.graph
+        self._run(entry, g, plan, fresh)
+        if not cfg.flash_attn:
+            g.free()
+            return
+        self._graphs[key] = entry            # most recently used last
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs))).graph.free()
+
+    def _run(self, entry, g, plan, fresh: bool) -> None:
+        """Inputs, then a replay, a capture or a plain compute (on the engine's stream)."""
+        cfg = self.cfg
         try:
             ins = self.inputs(plan)
             if cfg.layer == "full":
@@ -158,12 +183,6 @@ class GraphEngine:
         except BaseException:
             g.free()
             raise
-        if not cfg.flash_attn:
-            g.free()
-            return
-        self._graphs[key] = entry            # most recently used last
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.pop(next(iter(self._graphs))).graph.free()
 
     def _compute(self, g, refresh: bool) -> None:
         if refresh:
@@ -172,11 +191,11 @@ class GraphEngine:
 
     def synchronize(self) -> None:
         if self.device:
-            self.xp.cuda.get_current_stream().synchronize()
+            self.stream.synchronize()
 
     def timer(self):
         from .common import CudaTimer, WallTimer
-        return CudaTimer() if self.device else WallTimer()
+        return CudaTimer(self.stream) if self.device else WallTimer()
 
     def close(self) -> None:
         for entry in self._graphs.values():
@@ -186,5 +205,4 @@ class GraphEngine:
         self.weights = None
         if self.stream is not None:
             self.stream.synchronize()
-            self.xp.cuda.Stream.null.use()
             self.stream = None
