@@ -38,10 +38,11 @@ def default_split(kv_unified: bool) -> str:
 
 
 def cuda_available() -> bool:
-    """True when CuPy sees a GPU and the project's CUDA backend loads."""
+    """True when CuPy sees a GPU and the project's CUDA backend loads (the op's own probe,
+    ``ggml_attn.gpu_available``)."""
+    from ggml_attn import gpu_available
     try:
-        from ggml_attn import cuda_backend  # noqa: F401 - written by the kernels helper
-        return bool(cuda_backend.available())
+        return bool(gpu_available())
     except Exception:  # noqa: BLE001 - any import/driver problem means "no GPU"
         return False
 
