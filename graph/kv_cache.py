@@ -285,8 +285,9 @@ class KVCache:
             head = self.head[st]
             if head > self.n_used(st) + 2 * n:
                 head = 0
-            order = np.roll(np.arange(self.kv_size), -head)
-            free = order[self.pos[st, order] < 0]
+            empty = np.flatnonzero(self.pos[st] < 0)           # ascending cell ids
+            k = int(np.searchsorted(empty, head))
+            free = np.concatenate((empty[k:], empty[:k]))   # from head on, then wrapped
             if free.shape[0] < n:
                 raise KVCacheFullError(
                     f"no room for {n} rows in KV stream {st}: {free.shape[0]} of {self.kv_size} cells "
