@@ -102,16 +102,17 @@ if [ $BENCH = 1 ]; then
 fi
 if [ $CLI = 1 ]; then
   # the CLI on the GPU (llama-3-8B shapes): tg128, attention only and the full block, with and
-  # without CUDA-graph replay; one JSON row per run in $OUT/cli-<layer>-graphs-<on|off>.json
+  # without CUDA-graph replay; one JSON row per run appended to $OUT/cli.jsonl (one file: the
+  # device tool brings a limited number of files back), stderr to $OUT/cli.log
   echo "== CLI (ggml-attn-bench tg128, llama-3-8B shapes)"
+  : > "$OUT/cli.jsonl"
   for layer in attn full; do
     for cg in on off; do
-      $PY -m ggml_attn.cli.bench --device cuda -p 0 -n 128 -r 3 --layer $layer --cuda-graph $cg -o json \
-        > "$OUT/cli-$layer-graphs-$cg.json" 2> "$OUT/cli-$layer-graphs-$cg.log" || status=1
-      $PY -c "import json,sys; r=json.load(open(sys.argv[1]))[0]; print(f\"{sys.argv[2]:5s} graphs {sys.argv[3]:3s} {r['backends']:12s} tg128 {r['avg_ts']:9.1f} t/s\")" \
-        "$OUT/cli-$layer-graphs-$cg.json" $layer $cg 2>/dev/null || { echo "$layer graphs $cg: failed"; tail -5 "$OUT/cli-$layer-graphs-$cg.log"; }
+      $PY -m ggml_attn.cli.bench --device cuda -p 0 -n 128 -r 3 --layer $layer --cuda-graph $cg -o jsonl \
+        >> "$OUT/cli.jsonl" 2>> "$OUT/cli.log" || { status=1; echo "$layer graphs $cg: failed"; tail -5 "$OUT/cli.log"; }
     done
   done
+  $PY -c "import json,sys; [print(f\"{r['layer']:5s} {r['backends']:12s} tg128 {r['avg_ts']:9.1f} t/s\") for r in map(json.loads, open(sys.argv[1]))]" "$OUT/cli.jsonl"
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 echo "== done in $(( $(date +%s) - t0 ))s, status $status"
