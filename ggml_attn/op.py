@@ -182,6 +182,22 @@ def record_error(node: int, exc: BaseException, what: str = "flash_attn_ext") ->
             _interrupted.add(owner if owner is not None else threading.get_ident())
 
 
+def run_custom_node(dst_p, ith: int, fn, what: str) -> None:
+    """The body the project's other custom-op callbacks share (KV store, dense ops): graph
+    thread 0 runs ``fn(dst_p)`` unless this compute was interrupted; an error is recorded for
+    the node as the attention op's are (raised by :func:`computing` / :func:`raise_pending`)."""
+    if ith != 0:
+        return
+    node = ctypes.addressof(dst_p.contents)
+    register_node(node, ith)
+    if interrupted(node):
+        return
+    try:
+        fn(dst_p)
+    except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
+        record_error(node, e, what=what)
+
+
 def interrupted(node: int) -> bool:
     """True when the compute that runs ``node`` was interrupted (Ctrl-C)."""
     owner = _node_owner.get(node)

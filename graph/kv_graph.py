@@ -48,40 +48,36 @@ def store_callback(dst_p, ith, nth, userdata):
     """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
     ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy). Errors are
     recorded for this node like the attention op's (``ggml_attn.op.record_error``)."""
-    if ith != 0:
-        return
-    node = ctypes.addressof(dst_p.contents)
-    fa_op.register_node(node, ith)
-    if fa_op.interrupted(node):
-        return
-    try:
-        d = dst_p.contents
-        cache_t, rows_t, idx_t = d.src[0], d.src[1], d.src[2]
-        if userdata:
-            import cupy as cp  # noqa: PLC0415  (device graphs only)
+    fa_op.run_custom_node(dst_p, ith, lambda d: _store(d, userdata), "KV store op")
 
-            def wrap(t, dtype):
-                c = t.contents
-                shape = (int(c.ne[1]), int(c.ne[0]))
-                mem = cp.cuda.UnownedMemory(int(c.data), shape[0] * shape[1] * np.dtype(dtype).itemsize, None)
-                return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
 
-            cache = wrap(cache_t, STORAGE_DTYPES[cache_t.contents.type])
-            rows = wrap(rows_t, np.float32)
-            idx = wrap(idx_t, np.int64).reshape(-1)
-        else:
-            cache = as_numpy(from_ggml(cache_t))[0, 0]
-            rows = as_numpy(from_ggml(rows_t))[0, 0]
-            idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
-                                        (int(idx_t.contents.ne[0]),))
-        if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
-            raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
-        if userdata:  # one launch on the current stream, nothing allocated
-            _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
-        else:
-            cache[idx] = rows  # cast to the cache's dtype on assignment
-    except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
-        fa_op.record_error(node, e, what="KV store op")
+def _store(dst_p, userdata) -> None:
+    """The store itself (``store_callback``): device rows by one scatter launch, host rows by numpy."""
+    d = dst_p.contents
+    cache_t, rows_t, idx_t = d.src[0], d.src[1], d.src[2]
+    if userdata:
+        import cupy as cp  # noqa: PLC0415  (device graphs only)
+
+        def wrap(t, dtype):
+            c = t.contents
+            shape = (int(c.ne[1]), int(c.ne[0]))
+            mem = cp.cuda.UnownedMemory(int(c.data), shape[0] * shape[1] * np.dtype(dtype).itemsize, None)
+            return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
+
+        cache = wrap(cache_t, STORAGE_DTYPES[cache_t.contents.type])
+        rows = wrap(rows_t, np.float32)
+        idx = wrap(idx_t, np.int64).reshape(-1)
+    else:
+        cache = as_numpy(from_ggml(cache_t))[0, 0]
+        rows = as_numpy(from_ggml(rows_t))[0, 0]
+        idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
+                                    (int(idx_t.contents.ne[0]),))
+    if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
+        raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
+    if userdata:  # one launch on the current stream, nothing allocated
+        _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
+    else:
+        cache[idx] = rows  # cast to the cache's dtype on assignment
 
 
 _STORE_CB = ggml.ggml_custom_op_t(store_callback)

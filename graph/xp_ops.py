@@ -40,16 +40,7 @@ _lock = threading.Lock()
 
 
 def _callback(dst_p, ith, nth, userdata):
-    if ith != 0:
-        return
-    node = ctypes.addressof(dst_p.contents)
-    fa_op.register_node(node, ith)
-    if fa_op.interrupted(node):
-        return
-    try:
-        _calls[int(userdata or 0)]()
-    except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
-        fa_op.record_error(node, e, what="xp op")
+    fa_op.run_custom_node(dst_p, ith, lambda d: _calls[int(userdata or 0)](), "xp op")
 
 
 _CB = ggml.ggml_custom_op_t(_callback)

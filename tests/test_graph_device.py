@@ -67,19 +67,24 @@ def test_kernel_plan_follows_the_mask_of_a_rebuilt_graph():
     g1.free()
 
 
+def _attn_graph_with_inputs():
+    """(graph, its cache): a device ubatch graph (10 prompts, padded split) with its Q/K/V inputs set."""
+    from ggml_attn.graph.runner import ubatch_inputs
+    c = cache(False, "cupy")
+    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
+    g = build_ubatch_graph(c, plan_ubatch(c, ub), CFG)
+    ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
+    g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+    return g, c
+
+
 def test_op_replays_its_bound_call_until_pointers_stream_or_settings_change(monkeypatch):
     """Ops built with the ubatch's plan keep their bound launch: a second compute launches it
     again without binding (no validation, no planning); a new stream or set_backend binds
     again; results stay the same."""
     import ggml_attn
     from ggml_attn import cuda_backend
-    from ggml_attn.graph.runner import ubatch_inputs
-    c = cache(False, "cupy")
-    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
-    plan = plan_ubatch(c, ub)
-    g = build_ubatch_graph(c, plan, CFG)
-    ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
-    g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+    g, _cache = _attn_graph_with_inputs()
     binds = []
     real_bind = cuda_backend.bind
     monkeypatch.setattr(cuda_backend, "bind", lambda *a, **kw: binds.append(1) or real_bind(*a, **kw))
@@ -106,13 +111,7 @@ def test_captured_ubatch_graph_replays_the_same_results():
     """graph.capture: warm-up + capture of a device ubatch graph's compute; replaying the CUDA
     graph gives what a plain compute gives."""
     from ggml_attn.graph.capture import capture
-    from ggml_attn.graph.runner import ubatch_inputs
-    c = cache(False, "cupy")
-    (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
-    plan = plan_ubatch(c, ub)
-    g = build_ubatch_graph(c, plan, CFG)
-    ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
-    g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+    g, _cache = _attn_graph_with_inputs()
     g.compute(1)
     want = [o.get() for o in g.outputs()]
     for o in g.outputs():
