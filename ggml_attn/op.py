@@ -495,7 +495,8 @@ def _callback(dst_p, ith, nth, userdata):
         if ith != 0:
             return
         cells, ptrs, b, gen = bound
-        if gen == _settings_gen[0] and [c.value for c in cells] == ptrs and _stream_ptr() == b.stream:
+        if (gen == _settings_gen[0] and [c.value for c in cells] == ptrs and _stream_ptr() == b.stream
+                and spec.plan_ref() is not None):   # the plan's buffers are what the call reads
             try:
                 b.launch()
             except BaseException as exc:  # noqa: BLE001 - recorded like any callback error

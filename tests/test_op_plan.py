@@ -129,3 +129,31 @@ def test_bound_nodes_take_the_fast_path():
     from ggml_attn.cli import op_overhead_bench
     res = op_overhead_bench.run(n=4, reps=3)
     assert set(res) == {"plain", "computing"} and all(v > 0 for v in res.values())
+
+
+def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch):
+    """The fast path relaunches a bound call only while the build-time plan lives (the call
+    reads the plan's buffers): after the plan is freed the node fails clearly instead."""
+    import ctypes
+    ctx, tensors, _ = case_ctx
+    plan = FakePlan()
+    out = _node(ctx, tensors, plan=plan)
+    gf = graph_of(ctx, out)
+    launches = []
+
+    class Bound:
+        stream = 0
+
+        def launch(self):
+            launches.append(1)
+    spec = op._specs[max(op._specs)]
+    cells = op._data_cells(ctypes.addressof(out.contents), 3 + CASE.mask + CASE.sinks)
+    spec.bound = (cells, [c.value for c in cells], Bound(), op._settings_gen[0])
+    monkeypatch.setattr(op, "_stream_ptr", lambda: 0)
+    ggml_attn.compute_graph(ctx, gf, 1)
+    assert launches == [1], "a live plan: the bound call is relaunched"
+    del plan
+    gc.collect()
+    with pytest.raises(ggml_attn.FlashAttnError, match="freed"):
+        ggml_attn.compute_graph(ctx, gf, 1)
+    assert launches == [1]
