@@ -290,8 +290,14 @@ class Runner:
         self.cache.head = [0] * self.cache.n_stream
 
     def seq_cp(self, src: int, dst: int) -> None:
-        """Share ``src``'s cells with ``dst`` (``-pps``: one prompt for all sequences)."""
-        self.cache.seq_cp(src, dst)
+        """Share ``src``'s cells with ``dst`` (``-pps``: one prompt for all sequences). Across
+        split-KV streams this copies K/V: on the GPU engine's stream, ordered with its work."""
+        stream = getattr(self.engine, "stream", None)
+        if stream is None:
+            self.cache.seq_cp(src, dst)
+            return
+        with stream:
+            self.cache.seq_cp(src, dst)
 
     def timer(self):
         return self.engine.timer()
