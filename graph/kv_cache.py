@@ -372,6 +372,11 @@ class KVCache:
         """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's
         ``prepare`` does; the cache is unchanged afterwards. Raises :class:`KVCacheFullError`
         naming the first ubatch that does not fit."""
+        if len(ubatches) == 1:   # one ubatch (every decode step): finding its cells is the check
+            try:
+                return [self.find_slot(ubatches[0])]
+            except KVCacheFullError as e:
+                raise KVCacheFullError(f"ubatch 0 of 1: {e}") from None
         snap = self._snapshot()
         slots = []
         try:
