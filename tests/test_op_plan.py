@@ -157,3 +157,8 @@ def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch
     with pytest.raises(ggml_attn.FlashAttnError, match="freed"):
         ggml_attn.compute_graph(ctx, gf, 1)
     assert launches == [1]
+
+
+def test_decode_host_bench_runs_the_driver_without_compute():
+    from ggml_attn.cli import decode_host_bench
+    assert decode_host_bench.run(steps=3, reps=1) > 0
