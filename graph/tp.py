@@ -43,7 +43,7 @@ from .layers import RMS_EPS, attention
 from .shard import HeadShard, rank_config, shard_layer_weights, shard_rows
 
 __all__ = ["LocalGroup", "LocalComm", "NcclComm", "nccl_available", "nccl_unique_id", "allreduce_node",
-           "tp_full_layer", "build_rank_graph", "LockstepEngine", "CommError"]
+           "tp_full_layer", "build_rank_graph", "RankEngine", "LockstepEngine", "CommError"]
 
 
 class CommError(RuntimeError):
@@ -239,57 +239,93 @@ def _echo(e: BaseException) -> bool:
     return False
 
 
+class RankEngine:
+    """One head-parallel rank as ``graph.driver``'s engine: builds and computes the rank's graph of
+    each planned ubatch (:func:`build_rank_graph`) over ``comm``; ``run_ubatch`` returns host
+    arrays (see :class:`LockstepEngine`, which runs ``N`` of these on threads; on GPUs one per
+    process with :class:`NcclComm`).
+
+    ``cache``: the rank's cache (``shard.rank_cache``); ``cfg``: the full config; ``inputs(plan)``:
+    the full inputs of a ubatch, numpy order -- ``layer="attn"``: per layer ``(q, k, v)``
+    ``(n_tokens, n_head, D)``, ``(n_tokens, n_head_kv, D)``, ``(n_tokens, n_head_kv, D_v)``, of
+    which the rank takes its heads; ``layer="full"``: ``x (n_tokens, n_embd)``. ``weights``: the
+    full per-layer weights (``layer="full"``), sliced here (arrays of the cache's ``xp``)."""
+
+    def __init__(self, cache, cfg, rank: int, n_rank: int, comm, inputs, *, layer: str = "attn", weights=None,
+                 all_custom=None, n_threads: int = 1, fa=None):
+        self.cache, self.cfg, self.comm, self.inputs, self.layer = cache, cfg, comm, inputs, layer
+        self.shard = HeadShard(rank, n_rank)
+        self.rank_cfg = rank_config(cfg, n_rank)
+        self.xp = cache.xp
+        self.weights = shard_layer_weights(weights, self.shard, cfg, xp=self.xp) if layer == "full" else None
+        self.all_custom, self.n_threads, self.fa = all_custom, n_threads, fa
+
+    def rank_inputs(self, ins):
+        if self.layer == "full":
+            return ins
+        s, c = self.shard, self.cfg
+        return [(shard_rows(q, s, c.n_head, c.head_dim),
+                 shard_rows(k, s, c.n_head_kv, c.head_dim).reshape(k.shape[0], -1),
+                 shard_rows(v, s, c.n_head_kv, c.d_v).reshape(v.shape[0], -1)) for q, k, v in ins]
+
+    def run_ubatch(self, plan, ins=None):
+        """``layer="attn"``: per layer the rank's heads' attention output ``(n_tokens, n_head/N,
+        D_v)``; ``"full"``: ``[x (n_tokens, n_embd)]`` after the last layer. numpy arrays."""
+        xp = self.xp
+        mine = self.rank_inputs(self.inputs(plan) if ins is None else ins)
+        g = build_rank_graph(self.cache, plan, self.rank_cfg, self.comm, layer=self.layer, weights=self.weights,
+                             all_custom=self.all_custom, fa=self.fa)
+        try:
+            if self.layer == "full":
+                g.set_x(xp.asarray(np.asarray(mine, dtype=np.float32)))
+            else:
+                g.set_inputs(*[[xp.asarray(np.ascontiguousarray(x[j])) for x in mine] for j in range(3)])
+            g.compute(self.n_threads)
+            outs = g.outputs()[-1:] if self.layer == "full" else g.outputs()
+            return [o.get() if hasattr(o, "get") else np.array(o, copy=True) for o in outs]
+        finally:
+            g.free()
+
+    def synchronize(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def timer(self):
+        raise NotImplementedError("RankEngine is not timed")
+
+    def close(self) -> None:
+        pass
+
+
 class LockstepEngine:
     """``N`` head-parallel ranks in one process (``graph.driver``'s engine interface): one plan
-    per ubatch, run through every rank's graph, the graphs computed on one thread per rank and
-    meeting in :class:`LocalGroup`'s all-reduces.
+    per ubatch, run through every rank's :class:`RankEngine`, the graphs computed on one thread
+    per rank and meeting in :class:`LocalGroup`'s all-reduces.
 
     ``caches[r]``: rank ``r``'s cache (``shard.rank_cache``; the driver plans on ``caches[0]``,
-    the other caches' cells are not consulted). ``cfg``: the full config. ``inputs(plan)``:
-    the full inputs of a ubatch, numpy order -- ``layer="attn"``: per layer ``(q, k, v)``
-    ``(n_tokens, n_head, D)``, ``(n_tokens, n_head_kv, D)``, ``(n_tokens, n_head_kv, D_v)``;
-    ``layer="full"``: ``x (n_tokens, n_embd)``. ``weights``: the full per-layer weights
-    (``layer="full"``), sliced here. ``run_ubatch`` returns, per layer, the attention output of
-    every head (rank outputs concatenated, ``(n_tokens, n_head, D_v)``), or for ``"full"`` the
+    the other caches' cells are not consulted); ``cfg``, ``inputs``, ``layer``, ``weights`` as
+    :class:`RankEngine`. ``run_ubatch`` returns, per layer, the attention output of every head
+    (the ranks' outputs concatenated, ``(n_tokens, n_head, D_v)``), or for ``"full"`` the
     residual stream of each rank ``[x_rank0, x_rank1, ...]`` (all equal after the all-reduce)."""
 
     def __init__(self, caches, cfg, inputs, *, layer: str = "attn", weights=None, all_custom=True,
                  n_threads: int = 1, fa=None, timeout: float = 120.0):
         self.n_rank = len(caches)
-        self.caches, self.cfg, self.inputs, self.layer = caches, cfg, inputs, layer
-        self.rank_cfg = rank_config(cfg, self.n_rank)
-        self.shards = [HeadShard(r, self.n_rank) for r in range(self.n_rank)]
+        self.cfg, self.inputs, self.layer = cfg, inputs, layer
         self.group = LocalGroup(self.n_rank, timeout=timeout)
-        self.weights = [shard_layer_weights(weights, s, cfg, xp=caches[0].xp) for s in self.shards] \
-            if layer == "full" else [None] * self.n_rank
-        self.all_custom, self.n_threads, self.fa = all_custom, n_threads, fa
+        self.ranks = [RankEngine(c, cfg, r, self.n_rank, self.group.comms[r], inputs, layer=layer, weights=weights,
+                                 all_custom=all_custom, n_threads=n_threads, fa=fa) for r, c in enumerate(caches)]
 
-    def _rank_inputs(self, r: int, ins):
-        if self.layer == "full":
-            return ins
-        s, c = self.shards[r], self.cfg
-        return [(shard_rows(q, s, c.n_head, c.head_dim),
-                 shard_rows(k, s, c.n_head_kv, c.head_dim).reshape(k.shape[0], -1),
-                 shard_rows(v, s, c.n_head_kv, c.d_v).reshape(v.shape[0], -1)) for q, k, v in ins]
+    @property
+    def weights(self):
+        return [r.weights for r in self.ranks]
 
     def _run_rank(self, r: int, plan, ins, results: list, errors: list) -> None:
-        g = None
         try:
-            g = build_rank_graph(self.caches[r], plan, self.rank_cfg, self.group.comms[r], layer=self.layer,
-                                 weights=self.weights[r], all_custom=self.all_custom, fa=self.fa)
-            mine = self._rank_inputs(r, ins)
-            if self.layer == "full":
-                g.set_x(np.asarray(mine, dtype=np.float32))
-            else:
-                g.set_inputs(*[[np.ascontiguousarray(x[j]) for x in mine] for j in range(3)])
-            g.compute(self.n_threads)
-            results[r] = [np.array(o, copy=True) for o in g.outputs()]
+            results[r] = self.ranks[r].run_ubatch(plan, ins)
         except BaseException as e:  # noqa: BLE001 - reported by run_ubatch
             errors.append((r, e))
             self.group.abort()
-        finally:
-            if g is not None:
-                g.free()
 
     def run_ubatch(self, plan):
         ins = self.inputs(plan)
@@ -307,7 +343,7 @@ class LockstepEngine:
             r, e = errors[0]
             raise CommError(f"rank {r} failed: {e!r}") from e
         if self.layer == "full":
-            return [res[-1] for res in results]
+            return [res[0] for res in results]
         return [np.concatenate([res[il] for res in results], axis=1) for il in range(self.cfg.n_layer)]
 
     def synchronize(self) -> None:

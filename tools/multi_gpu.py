@@ -74,7 +74,7 @@ def current() -> RankContext | None:
 
 def _pre_parse(argv):
     import argparse
-    p = argparse.ArgumentParser(add_help=False)
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--cuda-graph", default=None)
