@@ -156,7 +156,7 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    return console_main(PROG, multi_gpu.wrap(_main, __name__), argv)
+    return console_main(PROG, multi_gpu.wrap(_main, __name__, build_parser), argv)
 
 
 def _main(argv=None) -> int:

@@ -240,7 +240,7 @@ def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) ->
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    return console_main(PROG, multi_gpu.wrap(_main, __name__), argv)
+    return console_main(PROG, multi_gpu.wrap(_main, __name__, build_parser), argv)
 
 
 def _main(argv=None) -> int:

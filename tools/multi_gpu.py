@@ -72,14 +72,8 @@ def current() -> RankContext | None:
     return CURRENT
 
 
-def _pre_parse(argv):
-    import argparse
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_args(p)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--cuda-graph", default=None)
-    ns, _ = p.parse_known_args(argv)
-    return ns
+def _explicit(argv, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
 def gpu_count() -> int:
@@ -102,9 +96,8 @@ def parse_shares(text: str, n: int) -> list[float]:
     return vals
 
 
-def plan_ranks(argv) -> tuple[int, list[int]]:
-    """``(n_rank, devices)`` that the flags in ``argv`` ask for; UserError for what cannot run."""
-    ns = _pre_parse(argv)
+def plan_ranks(ns) -> tuple[int, list[int]]:
+    """``(n_rank, devices)`` that the parsed flags ``ns`` ask for; UserError for what cannot run."""
     if ns.split_mode == "layer":
         raise UserError("-sm layer (contiguous layer ranges per GPU) is not implemented yet; "
                         "use -sm row (head-parallel) or -sm none")
@@ -165,8 +158,9 @@ def _worker(modname: str, argv: list, ctx: RankContext) -> None:
     sys.exit(int(rc or 0))
 
 
-def wrap(main_fn, modname: str):
-    """``run(argv)``: ``main_fn(argv)`` on the GPU(s) the flags ask for (module doc)."""
+def wrap(main_fn, modname: str, build_parser):
+    """``run(argv)``: ``main_fn(argv)`` on the GPU(s) the flags ask for (module doc); the flags
+    are read with the tool's ``build_parser()``."""
 
     if modname == "__main__":   # python -m ...: the workers import the module by its real name
         modname = sys.modules["__main__"].__spec__.name
@@ -176,7 +170,11 @@ def wrap(main_fn, modname: str):
         args = list(sys.argv[1:] if argv is None else argv)
         if CURRENT is not None:          # a worker, or already inside a launched run
             return main_fn(argv)
-        n, devices = plan_ranks(args)
+        try:
+            ns = build_parser().parse_args(args)
+        except SystemExit:   # --help, a usage error: the tool itself says it
+            return main_fn(argv)
+        n, devices = plan_ranks(ns)
         if n == 1:
             if devices[0] != 0:
                 if not 0 <= devices[0] < gpu_count():
@@ -184,7 +182,7 @@ def wrap(main_fn, modname: str):
                 import cupy
                 cupy.cuda.Device(devices[0]).use()
             return main_fn(argv)
-        if _pre_parse(args).cuda_graph is None:
+        if not _explicit(args, "--cuda-graph"):
             args += ["--cuda-graph", "off"]
         import multiprocessing as mp
         import cupy
