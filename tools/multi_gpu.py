@@ -170,9 +170,12 @@ def wrap(main_fn, modname: str, build_parser):
         args = list(sys.argv[1:] if argv is None else argv)
         if CURRENT is not None:          # a worker, or already inside a launched run
             return main_fn(argv)
+        import contextlib
+        import io
         try:
-            ns = build_parser().parse_args(args)
-        except SystemExit:   # --help, a usage error: the tool itself says it
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ns = build_parser().parse_args(args)
+        except (SystemExit, UserError):   # --help, a usage error: the tool itself says it
             return main_fn(argv)
         n, devices = plan_ranks(ns)
         if n == 1:
