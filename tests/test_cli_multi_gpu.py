@@ -61,6 +61,17 @@ def test_plan_ranks(monkeypatch):
         multi_gpu.plan_ranks(_ns(split_mode="row", n_gpu=2))
 
 
+def test_heads_checked_before_any_process_starts(monkeypatch):
+    monkeypatch.setattr(multi_gpu, "gpu_count", lambda: 4)
+    monkeypatch.setattr(tp, "nccl_available", lambda: True)
+    monkeypatch.setattr(tp, "nccl_unique_id", lambda: pytest.fail("no process may start"))
+    run = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
+    with pytest.raises(UserError, match="n_head_kv 2 is not divisible by 4"):
+        run(["-m", "tiny", "-sm", "row", "--n-gpu", "4"])
+    with pytest.raises(UserError, match="tiny: head-parallel split: n_head_kv 2"):   # any model of the list
+        run(["-m", "llama-3-70b,tiny", "--layer", "full", "-sm", "row", "--n-gpu", "4"])
+
+
 def test_check_model_heads():
     multi_gpu.check_model(PRESETS["llama-3-70b"], 8, "full")
     with pytest.raises(UserError, match="n_head_kv 2 is not divisible by 4"):

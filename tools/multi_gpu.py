@@ -143,6 +143,20 @@ def check_model(model, n_rank: int, layer: str) -> None:
         raise UserError(f"-sm row over {n_rank} GPUs, {model.name}: {e}") from None
 
 
+def _check_models(ns, n_rank: int) -> None:
+    """Before any process starts: the models' heads must split over ``n_rank`` (the ranks'
+    Runners check again; a model that does not resolve is left to the tool to report)."""
+    from .models import DEFAULT_GPU_MODEL, resolve
+    names = ns.model if isinstance(ns.model, list) else [ns.model]
+    layers = ns.layer if isinstance(ns.layer, list) else [ns.layer]
+    for name in names:
+        try:
+            model = resolve(DEFAULT_GPU_MODEL if name == "auto" else name)
+        except Exception:  # noqa: BLE001
+            continue
+        check_model(model, n_rank, "full" if "full" in layers else "attn")
+
+
 def _worker(modname: str, argv: list, ctx: RankContext) -> None:
     """Rank ``ctx.rank``: the tool's ``_main(argv)``, quiet."""
     global CURRENT
@@ -185,6 +199,7 @@ def wrap(main_fn, modname: str, build_parser):
                 import cupy
                 cupy.cuda.Device(devices[0]).use()
             return main_fn(argv)
+        _check_models(ns, n)
         if not _explicit(args, "--cuda-graph"):
             args += ["--cuda-graph", "off"]
         import multiprocessing as mp
