@@ -157,6 +157,19 @@ def _check_models(ns, n_rank: int) -> None:
         check_model(model, n_rank, "full" if "full" in layers else "attn")
 
 
+class _NotATerminal:
+    """A stream that says it is not a terminal (the tools draw a progress bar on terminals)."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 def _worker(modname: str, argv: list, ctx: RankContext) -> None:
     """Rank ``ctx.rank``: the tool's ``_main(argv)``, quiet."""
     global CURRENT
@@ -165,6 +178,7 @@ def _worker(modname: str, argv: list, ctx: RankContext) -> None:
     cupy.cuda.Device(ctx.device).use()
     CURRENT = ctx
     sys.stdout = open(os.devnull, "w")
+    sys.stderr = _NotATerminal(sys.stderr)   # errors still show; no second progress bar
     try:
         rc = importlib.import_module(modname)._main(argv)
     except UserError:   # rank 0 reports the same mistake
