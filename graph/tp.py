@@ -24,6 +24,8 @@ Communicators (``allreduce(arr)``, ``rank``, ``n_rank``, ``calls``, ``seconds``)
   ``allReduce`` on the current CuPy stream; ``seconds`` is the GPU time between CUDA events
   around the calls (when ``timing`` is on and the stream is not being captured).
 
+Engines (``graph.driver``'s interface): :class:`RankEngine`, one rank (on GPUs: one per process
+with :class:`NcclComm`); :class:`LockstepEngine`, ``N`` of them on threads over a :class:`LocalGroup`.
 The plan (split, cells, mask, row indices) is the same on every rank: :class:`LockstepEngine`
 runs one plan through every rank's graph; separate processes plan on their own copy of the cell
 metadata, which goes through the same steps and so makes the same plans.
@@ -35,8 +37,6 @@ import time
 
 import ggml
 import numpy as np
-
-from ggml_attn.dtypes import GGML_TYPE_F32
 
 from . import build, xp_ops
 from .layers import RMS_EPS, attention
