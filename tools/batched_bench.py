@@ -267,7 +267,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     finally:
         bar.close()
         printer.footer()
-    if ns.plot and results:
+    if ns.plot and results and getattr(multi_gpu.current(), "rank", 0) == 0:   # -sm row: rank 0 draws
         try:
             plot.draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
         except OSError as e:

@@ -4,7 +4,8 @@
 #
 #   tools/gpu_multi_check.sh [N_GPU]      (default 2; writes under $OUT, default ./gpu_out)
 #
-# Install first as tools/gpu_check.sh does (or run it once with --no-tests --no-bench).
+# Install first as tools/gpu_check.sh does (or run it once with --no-tests --no-bench); CuPy needs
+# NCCL (carry the nvidia-nccl-cu13 wheel in .whl/ when cupy.cuda.nccl.available is False).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"

@@ -127,7 +127,7 @@ def plan_ranks(ns) -> tuple[int, list[int]]:
         from ggml_attn.graph.tp import nccl_available
         if not nccl_available():
             raise UserError("-sm row on several GPUs needs NCCL: cupy.cuda.nccl is not available "
-                            "(install CuPy with NCCL, e.g. the nvidia-nccl wheel)")
+                            "(install NCCL for CuPy's CUDA, e.g. the nvidia-nccl-cu13 wheel for cupy-cuda13x)")
     devices = [ns.main_gpu] + [d for d in range(n_vis) if d != ns.main_gpu][: n - 1]
     return n, devices
 
