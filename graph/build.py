@@ -375,7 +375,7 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
 
 def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
                        all_custom: bool | None = None, layer="attn", weights=None,
-                       flash_attn: bool = True, shared_inputs: bool = False) -> UBatchGraph:
+                       flash_attn: bool = True, shared_inputs: bool = False, full_layer=None) -> UBatchGraph:
     """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers.
 
     The graph is device-resident when the cache stores K/V in CuPy (``cache.xp`` is not
@@ -390,12 +390,14 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     function ``layer(b, il, cur) -> cur`` (each result is an output). ``fa`` is the attention
     op, ``ggml_attn.flash_attn_ext`` by default; a host graph may use ``ggml.ggml_flash_attn_ext``
     instead, or ``flash_attn=False``: ggml's ``mul_mat`` + ``soft_max_ext`` (llama.cpp's ``-fa off``).
+    ``full_layer``: the layer function ``layer="full"`` runs instead of ``layers.full_layer``
+    (same input ``x``, weights and memory reuse; e.g. ``tp.tp_full_layer``, a head-parallel rank).
     """
     on_device = cache.xp is not np
     device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom, layer=layer,
                               flash_attn=flash_attn, weights=weights)
     attention = layer_fns.flash_attention(fa or fa_op.flash_attn_ext) if flash_attn else layer_fns.softmax_attention
-    fn = {"attn": layer_fns.attn_layer, "full": layer_fns.full_layer}.get(layer, layer) \
+    fn = {"attn": layer_fns.attn_layer, "full": full_layer or layer_fns.full_layer}.get(layer, layer) \
         if isinstance(layer, str) else layer
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv

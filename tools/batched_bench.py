@@ -21,6 +21,7 @@ from . import plot
 from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
+from . import multi_gpu
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
@@ -121,6 +122,7 @@ def build_parser() -> Parser:
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")
     p.epilog = fb.TERMS
+    multi_gpu.add_args(p)
     return p
 
 
@@ -154,7 +156,7 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    return console_main(PROG, _main, argv)
+    return console_main(PROG, multi_gpu.wrap(_main, __name__, build_parser), argv)
 
 
 def _main(argv=None) -> int:
@@ -203,7 +205,7 @@ def _main(argv=None) -> int:
                 split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                 flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
                 n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
-                cuda_graph=ns.cuda_graph == "on"))
+                cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
         return runners[split]
 
     try:
@@ -265,7 +267,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     finally:
         bar.close()
         printer.footer()
-    if ns.plot and results:
+    if ns.plot and results and getattr(multi_gpu.current(), "rank", 0) == 0:   # -sm row: rank 0 draws
         try:
             plot.draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
         except OSError as e:

@@ -20,6 +20,7 @@ from . import format_bench as fmt
 from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
                    parse_int_range, parse_pair_list, str_list)
 from .common import Progress, build_info, console_main, cpu_info, default_threads, gpu_info
+from . import multi_gpu
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .output import SafeWriter
@@ -114,6 +115,7 @@ def build_parser() -> Parser:
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
+    multi_gpu.add_args(p)
     return p
 
 
@@ -238,7 +240,7 @@ def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) ->
 
 def main(argv=None) -> int:
     """Console-script entry: user mistakes -> one line on stderr and exit 2."""
-    return console_main(PROG, _main, argv)
+    return console_main(PROG, multi_gpu.wrap(_main, __name__, build_parser), argv)
 
 
 def _main(argv=None) -> int:
@@ -281,7 +283,7 @@ def _main(argv=None) -> int:
                     split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
                     flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
                     device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
-                    type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on"))
+                    type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
                 verbose.runner(runner)
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "

@@ -1,0 +1,356 @@
+"""Head-parallel ranks in the ubatch graph: communicators, the all-reduce node, the per-rank
+full block, and an engine that runs ``N`` ranks in lockstep in one process.
+
+What each rank owns is ``shard.py``'s. A rank's graph is ``build.build_ubatch_graph`` on the
+rank's cache (``shard.rank_cache``) with the rank's config (``shard.rank_config``):
+
+* ``layer="attn"``: the plain attention layer; the rank's Q/K/V inputs are its heads' slices;
+  no communication;
+* ``layer="full"``: :func:`tp_full_layer` -- ``layers.full_layer`` with the rank's weight slices
+  (``shard.shard_weights``) and one all-reduce node after the O projection and one after the
+  FFN down projection (the row-parallel products are partial sums of the residual update).
+
+The all-reduce node (:func:`allreduce_node`) is a custom op whose result is its source's memory:
+it calls ``comm.allreduce(array)``, which must replace ``array`` in place with the sum of every
+rank's array (the same result on every rank), as NCCL's ``ncclAllReduce`` with ``ncclSum`` does.
+
+Communicators (``allreduce(arr)``, ``rank``, ``n_rank``, ``calls``, ``seconds``):
+
+* :class:`LocalGroup` / :class:`LocalComm`: ``N`` ranks of one process, each computing its graph
+  on a thread of its own (:class:`LockstepEngine`); a call blocks until every rank arrived, then
+  every rank writes the sum taken in rank order (bitwise the same on every rank). For tests on
+  the CPU (numpy graphs, all-custom or host).
+* :class:`NcclComm`: one rank per process and GPU over ``cupy.cuda.nccl``, in-place
+  ``allReduce`` on the current CuPy stream; ``seconds`` is the GPU time between CUDA events
+  around the calls (when ``timing`` is on and the stream is not being captured).
+
+Engines (``graph.driver``'s interface): :class:`RankEngine`, one rank (on GPUs: one per process
+with :class:`NcclComm`); :class:`LockstepEngine`, ``N`` of them on threads over a :class:`LocalGroup`.
+The plan (split, cells, mask, row indices) is the same on every rank: :class:`LockstepEngine`
+runs one plan through every rank's graph; separate processes plan on their own copy of the cell
+metadata, which goes through the same steps and so makes the same plans.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import ggml
+import numpy as np
+
+from . import build, xp_ops
+from .layers import RMS_EPS, attention
+from .shard import HeadShard, rank_config, shard_layer_weights, shard_rows
+
+__all__ = ["LocalGroup", "LocalComm", "NcclComm", "nccl_available", "nccl_unique_id", "allreduce_node",
+           "tp_full_layer", "build_rank_graph", "RankEngine", "LockstepEngine", "CommError"]
+
+
+class CommError(RuntimeError):
+    """A collective that cannot complete (a rank failed, a timeout)."""
+
+
+# ------------------------------------------------------------------ communicators
+class LocalGroup:
+    """``n_rank`` in-process ranks that all-reduce by meeting at a barrier (one thread per rank)."""
+
+    def __init__(self, n_rank: int, timeout: float = 120.0):
+        if n_rank < 1:
+            raise ValueError(f"n_rank must be at least 1, got {n_rank}")
+        self.n_rank = n_rank
+        self._barrier = threading.Barrier(n_rank, timeout=timeout)
+        self._bufs: list = [None] * n_rank
+        self.comms = [LocalComm(self, r) for r in range(n_rank)]
+
+    def _wait(self) -> None:
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise CommError("local all-reduce: another rank failed or timed out") from None
+
+    def abort(self) -> None:
+        """Release every rank waiting in a collective (they raise :class:`CommError`)."""
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._barrier.reset()
+
+    def allreduce(self, rank: int, arr):
+        self._bufs[rank] = arr
+        self._wait()                       # every rank's partial is there
+        total = self._bufs[0].astype(arr.dtype, copy=True)
+        for r in range(1, self.n_rank):    # rank order: the same sum, bit for bit, on every rank
+            total += self._bufs[r]
+        self._wait()                       # everyone has read every partial before anyone writes
+        arr[...] = total
+        return arr
+
+
+class LocalComm:
+    """Rank ``rank``'s handle on a :class:`LocalGroup` (``allreduce(arr)``: sum in place)."""
+
+    def __init__(self, group: LocalGroup, rank: int):
+        self.group, self.rank, self.n_rank = group, rank, group.n_rank
+        self.calls, self.seconds = 0, 0.0
+
+    def allreduce(self, arr):
+        t0 = time.perf_counter()
+        self.group.allreduce(self.rank, arr)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return arr
+
+
+def nccl_available() -> bool:
+    """True when CuPy is importable and built with NCCL (``cupy.cuda.nccl.available``)."""
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - no CuPy, no driver: no NCCL
+        return False
+    return bool(getattr(nccl, "available", False))
+
+
+def nccl_unique_id():
+    """A new NCCL unique id (rank 0 makes it and hands it to every rank; picklable)."""
+    from cupy.cuda import nccl  # noqa: PLC0415
+    return nccl.get_unique_id()
+
+
+class NcclComm:
+    """One rank of an NCCL communicator (this process's current CuPy device).
+
+    ``allreduce(arr)``: in-place sum of a contiguous float32/float16 CuPy array over every rank,
+    on the current stream (asynchronous, like any launch). With ``timing``, CUDA events around each
+    call (skipped while the stream is captured); :meth:`nccl_seconds` synchronizes and sums them."""
+
+    def __init__(self, rank: int, n_rank: int, uid, *, timing: bool = True):
+        from cupy.cuda import nccl  # noqa: PLC0415
+        self.nccl = nccl
+        self.rank, self.n_rank = rank, n_rank
+        self.comm = nccl.NcclCommunicator(n_rank, uid, rank)
+        self.timing = timing
+        self.calls = 0
+        self._events: list = []
+        self._seconds = 0.0
+
+    def allreduce(self, arr):
+        import cupy  # noqa: PLC0415
+        if not arr.flags.c_contiguous:
+            raise CommError("NCCL all-reduce needs a contiguous array")
+        dtype = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32,
+                 np.dtype(np.float16): self.nccl.NCCL_FLOAT16}[np.dtype(arr.dtype)]
+        stream = cupy.cuda.get_current_stream()
+        timed = self.timing and not _capturing(stream)
+        if timed:
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record(stream)
+        self.comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, dtype, self.nccl.NCCL_SUM, stream.ptr)
+        if timed:
+            e1.record(stream)
+            self._events.append((e0, e1))
+        self.calls += 1
+        return arr
+
+    @property
+    def seconds(self) -> float:
+        """GPU seconds spent in the timed all-reduces so far (synchronizes on their events)."""
+        import cupy  # noqa: PLC0415
+        for e0, e1 in self._events:
+            e1.synchronize()
+            self._seconds += cupy.cuda.get_elapsed_time(e0, e1) / 1e3
+        self._events.clear()
+        return self._seconds
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.destroy()
+            self.comm = None
+
+
+def _capturing(stream) -> bool:
+    try:
+        from cupy.cuda import runtime  # noqa: PLC0415
+        return bool(runtime.streamIsCapturing(stream.ptr))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ------------------------------------------------------------------ graph pieces
+def allreduce_node(b, t, comm, name: str):
+    """A custom node after ``t`` (a tensor with an array of its own, F32): ``comm.allreduce`` of
+    that array in place; the node's result is ``t``'s memory, summed over the ranks."""
+    arr = b.array(t)
+
+    def run():
+        comm.allreduce(arr)
+    return xp_ops._custom(b, run, [t], arr, name)
+
+
+def tp_full_layer(comm):
+    """The full block of one rank (``layers.full_layer`` with the rank's heads and FFN columns),
+    all-reducing the O projection's and the FFN down projection's partial sums. For
+    ``build.build_ubatch_graph(..., layer="full", full_layer=tp_full_layer(comm))`` with the
+    rank's ``cfg`` (``shard.rank_config``) and weights (``shard.shard_weights``)."""
+
+    def layer(b, il: int, x):
+        cfg, w = b.cfg, b.weights[il]
+        n_tok = b.plan.ubatch.n_tokens
+        if b.device:
+            mm = lambda name, h: xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}")  # noqa: E731
+            h = xp_ops.rms_norm(b, x, RMS_EPS, f"attn_norm_l{il}")
+        else:
+            wt = {k: b.weight_tensor(il, k) for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")}
+            mm = lambda name, h: b.call(ggml.ggml_mul_mat, wt[name], h)  # noqa: E731
+            h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
+        q = ggml.ggml_reshape_3d(b.ctx, mm("wq", h), cfg.head_dim, cfg.n_head, n_tok)
+        att = attention(b, il, q, mm("wk", h), mm("wv", h))
+        att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
+        o = allreduce_node(b, mm("wo", att), comm, f"attn_allreduce_l{il}")
+        if b.device:
+            x = xp_ops.add_into(b, x, o, f"attn_res_l{il}")
+            h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
+            f = xp_ops.silu_mul(b, mm("wg", h), mm("wu", h), f"ffn_act_l{il}")
+            d = allreduce_node(b, mm("wd", f), comm, f"ffn_allreduce_l{il}")
+            return xp_ops.add_into(b, x, d, f"ffn_res_l{il}")
+        x = b.call(ggml.ggml_add, x, o)
+        h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
+        f = b.call(ggml.ggml_mul, b.call(ggml.ggml_silu, mm("wg", h)), mm("wu", h))
+        d = allreduce_node(b, mm("wd", f), comm, f"ffn_allreduce_l{il}")
+        return b.call(ggml.ggml_add, x, d)
+
+    return layer
+
+
+def build_rank_graph(cache, plan, rank_cfg, comm, *, layer: str = "attn", weights=None, **kw):
+    """One rank's ubatch graph: ``build.build_ubatch_graph`` on the rank's cache and config;
+    ``layer="full"`` uses :func:`tp_full_layer` over ``comm`` and the rank's weight slices."""
+    if layer == "full":
+        kw["full_layer"] = tp_full_layer(comm)
+    return build.build_ubatch_graph(cache, plan, rank_cfg, layer=layer, weights=weights, **kw)
+
+
+# ------------------------------------------------------------------ in-process ranks
+def _echo(e: BaseException) -> bool:
+    """True for a rank's failure that only echoes another rank's (an aborted collective)."""
+    while e is not None:
+        if isinstance(e, CommError):
+            return True
+        e = e.__cause__
+    return False
+
+
+class RankEngine:
+    """One head-parallel rank as ``graph.driver``'s engine: builds and computes the rank's graph of
+    each planned ubatch (:func:`build_rank_graph`) over ``comm``; ``run_ubatch`` returns host
+    arrays (see :class:`LockstepEngine`, which runs ``N`` of these on threads; on GPUs one per
+    process with :class:`NcclComm`).
+
+    ``cache``: the rank's cache (``shard.rank_cache``); ``cfg``: the full config; ``inputs(plan)``:
+    the full inputs of a ubatch, numpy order -- ``layer="attn"``: per layer ``(q, k, v)``
+    ``(n_tokens, n_head, D)``, ``(n_tokens, n_head_kv, D)``, ``(n_tokens, n_head_kv, D_v)``, of
+    which the rank takes its heads; ``layer="full"``: ``x (n_tokens, n_embd)``. ``weights``: the
+    full per-layer weights (``layer="full"``), sliced here (arrays of the cache's ``xp``)."""
+
+    def __init__(self, cache, cfg, rank: int, n_rank: int, comm, inputs, *, layer: str = "attn", weights=None,
+                 all_custom=None, n_threads: int = 1, fa=None):
+        self.cache, self.cfg, self.comm, self.inputs, self.layer = cache, cfg, comm, inputs, layer
+        self.shard = HeadShard(rank, n_rank)
+        self.rank_cfg = rank_config(cfg, n_rank)
+        self.xp = cache.xp
+        self.weights = shard_layer_weights(weights, self.shard, cfg, xp=self.xp) if layer == "full" else None
+        self.all_custom, self.n_threads, self.fa = all_custom, n_threads, fa
+
+    def rank_inputs(self, ins):
+        if self.layer == "full":
+            return ins
+        s, c = self.shard, self.cfg
+        return [(shard_rows(q, s, c.n_head, c.head_dim),
+                 shard_rows(k, s, c.n_head_kv, c.head_dim).reshape(k.shape[0], -1),
+                 shard_rows(v, s, c.n_head_kv, c.d_v).reshape(v.shape[0], -1)) for q, k, v in ins]
+
+    def run_ubatch(self, plan, ins=None):
+        """``layer="attn"``: per layer the rank's heads' attention output ``(n_tokens, n_head/N,
+        D_v)``; ``"full"``: ``[x (n_tokens, n_embd)]`` after the last layer. numpy arrays."""
+        xp = self.xp
+        mine = self.rank_inputs(self.inputs(plan) if ins is None else ins)
+        g = build_rank_graph(self.cache, plan, self.rank_cfg, self.comm, layer=self.layer, weights=self.weights,
+                             all_custom=self.all_custom, fa=self.fa)
+        try:
+            if self.layer == "full":
+                g.set_x(xp.asarray(np.asarray(mine, dtype=np.float32)))
+            else:
+                g.set_inputs(*[[xp.asarray(np.ascontiguousarray(x[j])) for x in mine] for j in range(3)])
+            g.compute(self.n_threads)
+            outs = g.outputs()[-1:] if self.layer == "full" else g.outputs()
+            return [o.get() if hasattr(o, "get") else np.array(o, copy=True) for o in outs]
+        finally:
+            g.free()
+
+    def synchronize(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def timer(self):
+        raise NotImplementedError("RankEngine is not timed")
+
+    def close(self) -> None:
+        pass
+
+
+class LockstepEngine:
+    """``N`` head-parallel ranks in one process (``graph.driver``'s engine interface): one plan
+    per ubatch, run through every rank's :class:`RankEngine`, the graphs computed on one thread
+    per rank and meeting in :class:`LocalGroup`'s all-reduces.
+
+    ``caches[r]``: rank ``r``'s cache (``shard.rank_cache``; the driver plans on ``caches[0]``,
+    the other caches' cells are not consulted); ``cfg``, ``inputs``, ``layer``, ``weights`` as
+    :class:`RankEngine`. ``run_ubatch`` returns, per layer, the attention output of every head
+    (the ranks' outputs concatenated, ``(n_tokens, n_head, D_v)``), or for ``"full"`` the
+    residual stream of each rank ``[x_rank0, x_rank1, ...]`` (all equal after the all-reduce)."""
+
+    def __init__(self, caches, cfg, inputs, *, layer: str = "attn", weights=None, all_custom=True,
+                 n_threads: int = 1, fa=None, timeout: float = 120.0):
+        self.n_rank = len(caches)
+        self.cfg, self.inputs, self.layer = cfg, inputs, layer
+        self.group = LocalGroup(self.n_rank, timeout=timeout)
+        self.ranks = [RankEngine(c, cfg, r, self.n_rank, self.group.comms[r], inputs, layer=layer, weights=weights,
+                                 all_custom=all_custom, n_threads=n_threads, fa=fa) for r, c in enumerate(caches)]
+
+    @property
+    def weights(self):
+        return [r.weights for r in self.ranks]
+
+    def _run_rank(self, r: int, plan, ins, results: list, errors: list) -> None:
+        try:
+            results[r] = self.ranks[r].run_ubatch(plan, ins)
+        except BaseException as e:  # noqa: BLE001 - reported by run_ubatch
+            errors.append((r, e))
+            self.group.abort()
+
+    def run_ubatch(self, plan):
+        ins = self.inputs(plan)
+        results: list = [None] * self.n_rank
+        errors: list = []
+        threads = [threading.Thread(target=self._run_rank, args=(r, plan, ins, results, errors),
+                                    name=f"tp-rank{r}", daemon=True) for r in range(self.n_rank)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.group.reset()
+            errors.sort(key=lambda e: _echo(e[1]))   # the first cause, not the other ranks' echoes of it
+            r, e = errors[0]
+            raise CommError(f"rank {r} failed: {e!r}") from e
+        if self.layer == "full":
+            return [res[0] for res in results]
+        return [np.concatenate([res[il] for res in results], axis=1) for il in range(self.cfg.n_layer)]
+
+    def synchronize(self) -> None:
+        pass
+
+    def timer(self):
+        raise NotImplementedError("the lockstep engine is not timed")
+
+    def close(self) -> None:
+        pass

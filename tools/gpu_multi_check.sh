@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Multi-GPU check in one call: the 2-GPU tests, the N-GPU vs 1-GPU comparison (JSON), and
+# ggml-attn-bench -sm row against -sm none on llama-3-70b-shaped layers.
+#
+#   tools/gpu_multi_check.sh [N_GPU]      (default 2; writes under $OUT, default ./gpu_out)
+#
+# Install first as tools/gpu_check.sh does (or run it once with --no-tests --no-bench); CuPy needs
+# NCCL (carry the nvidia-nccl-cu13 wheel in .whl/ when cupy.cuda.nccl.available is False).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+N=${1:-2}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+status=0
+nvidia-smi topo -m > "$OUT/multi_topo.txt" 2>&1
+echo "== multi-GPU tests"
+$PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multi.py -s > "$OUT/multi_tests.log" 2>&1 || status=1
+tail -3 "$OUT/multi_tests.log"
+echo "== $N GPUs vs 1 GPU (NMSE, K/V slices, decode t/s)"
+$PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
+tail -30 "$OUT/multi_check.log"
+echo "== ggml-attn-bench llama-3-70b shape (8 layers), --layer full: -sm none vs -sm row"
+B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl)
+$PY -m ggml_attn.cli.bench "${B[@]}" -sm none > "$OUT/multi_bench_1gpu.jsonl" 2> "$OUT/multi_bench_1gpu.err" || status=1
+$PY -m ggml_attn.cli.bench "${B[@]}" -sm row --n-gpu "$N" > "$OUT/multi_bench_${N}gpu.jsonl" 2> "$OUT/multi_bench_${N}gpu.err" || status=1
+$PY - "$OUT" "$N" <<'PY' | tee "$OUT/multi_bench.json"
+import json, sys, pathlib
+out, n = pathlib.Path(sys.argv[1]), sys.argv[2]
+res = {}
+for tag in ("1gpu", f"{n}gpu"):
+    rows = [json.loads(l) for l in (out / f"multi_bench_{tag}.jsonl").read_text().splitlines() if l.startswith("{")]
+    res[tag] = {f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}": round(r["avg_ts"], 2) for r in rows}
+    err = (out / f"multi_bench_{tag}.err").read_text().strip().splitlines()
+    res[tag + "_nccl"] = [l for l in err if "NCCL" in l]
+print(json.dumps(res, indent=1))
+PY
+exit $status

@@ -1,0 +1,266 @@
+"""llama-bench's multi-GPU flags for both tools, and the launcher of one process per GPU.
+
+Flags (:func:`add_args`): ``-sm/--split-mode none|layer|row``, ``-ts/--tensor-split``
+(proportions, e.g. ``1,1``), ``-mg/--main-gpu``, ``--n-gpu N``.
+
+* ``-sm none`` (default): one GPU, ``-mg`` picks it.
+* ``-sm row``: head-parallel over ``--n-gpu`` GPUs (default: every visible GPU). Rank ``r``
+  holds its share of KV heads, query heads and FFN columns (``graph/shard.py``) and all-reduces
+  the O / FFN-down partial sums over NCCL (``graph/tp.py``). ``-ts`` must give equal shares (the
+  heads split evenly); ``-mg`` is the GPU of rank 0, the others take the next GPUs in order.
+* ``-sm layer``: not implemented (a ``UserError`` says so).
+
+:func:`wrap` runs a tool's ``_main(argv)`` as rank 0 in this process and starts ranks
+``1..N-1`` as processes of their own (multiprocessing ``spawn``; the NCCL unique id made here is
+handed to each). Every rank runs the same tool loop with the same arguments, so every rank
+makes the same batches, splits and plans; only rank 0 prints (the others' stdout goes to
+``os.devnull``). A rank that dies ends the run: rank 0 stops the others and exits non-zero.
+CUDA graphs are off with several GPUs unless ``--cuda-graph on`` is given (NCCL inside
+captured graphs is not verified here). The CPU (``--device cpu``) runs one rank only; the
+in-process ranks of ``graph/tp.py`` (``LockstepEngine``) are the CPU form of ``-sm row``, used
+by the tests.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from .errors import UserError
+
+SPLIT_MODES = ("none", "layer", "row")
+
+
+def add_args(p) -> None:
+    p.add_argument("-sm", "--split-mode", choices=SPLIT_MODES, default="none",
+                   help="several GPUs: none (one GPU, -mg), row (head-parallel over --n-gpu GPUs, "
+                        "NCCL all-reduce), layer (not implemented) (default: none)")
+    p.add_argument("-ts", "--tensor-split", default="", metavar="P0,P1,...",
+                   help="share of each GPU; -sm row needs equal shares (default: equal)")
+    p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I",
+                   help="the GPU of -sm none, rank 0's GPU with -sm row (default: 0)")
+    p.add_argument("--n-gpu", type=int, default=0, metavar="N",
+                   help="GPUs of -sm row (default: every visible GPU)")
+
+
+@dataclass
+class RankContext:
+    """This process's place among the ranks: ``rank`` of ``n_rank`` on CUDA ``device``,
+    ``uid`` the NCCL unique id of the run. :meth:`comm` makes the communicator once."""
+
+    rank: int
+    n_rank: int
+    device: int
+    uid: object = None
+    timed_ns: int = 0          # rank 0's timed runs (the tools' timers), nanoseconds
+    nccl_s: float = 0.0        # GPU time inside all-reduces during those runs
+    _comm: object = field(default=None, repr=False)
+
+    def comm(self):
+        if self._comm is None:
+            from ggml_attn.graph.tp import NcclComm
+            self._comm = NcclComm(self.rank, self.n_rank, self.uid)
+        return self._comm
+
+
+CURRENT: RankContext | None = None
+
+
+def current() -> RankContext | None:
+    """The rank context of this process (None: a one-GPU or CPU run)."""
+    return CURRENT
+
+
+def _explicit(argv, flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def gpu_count() -> int:
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no CuPy or no driver: no GPU
+        return 0
+
+
+def parse_shares(text: str, n: int) -> list[float]:
+    if not text:
+        return [1.0] * n
+    try:
+        vals = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"-ts {text}: expected proportions such as 1,1") from None
+    if any(v < 0 for v in vals) or not any(vals):
+        raise UserError(f"-ts {text}: proportions must be non-negative and not all zero")
+    return vals
+
+
+def plan_ranks(ns) -> tuple[int, list[int]]:
+    """``(n_rank, devices)`` that the parsed flags ``ns`` ask for; UserError for what cannot run."""
+    if ns.split_mode == "layer":
+        raise UserError("-sm layer (contiguous layer ranges per GPU) is not implemented yet; "
+                        "use -sm row (head-parallel) or -sm none")
+    if ns.split_mode == "none":
+        if ns.n_gpu > 1:
+            raise UserError(f"--n-gpu {ns.n_gpu} needs -sm row (head-parallel); -sm none runs on one GPU")
+        if ns.tensor_split:
+            raise UserError("-ts splits tensors over several GPUs; it needs -sm row")
+        return 1, [ns.main_gpu]
+    # row
+    if ns.device == "cpu":
+        raise UserError("-sm row runs on GPUs (one process each, NCCL); --device cpu runs one rank "
+                        "(the in-process CPU ranks of ggml_attn.graph.tp are for tests)")
+    n_vis = gpu_count()
+    n = ns.n_gpu or len([s for s in parse_shares(ns.tensor_split, 0) if s > 0]) or n_vis
+    if n < 1:
+        raise UserError("-sm row: no GPU visible")
+    shares = parse_shares(ns.tensor_split, n)
+    if len(shares) != n or len(set(shares)) != 1:
+        raise UserError(f"-sm row splits heads evenly: -ts {ns.tensor_split} must give {n} equal shares "
+                        f"(e.g. {','.join(['1'] * n)})")
+    if n_vis < n:
+        raise UserError(f"-sm row on {n} GPUs: only {n_vis} GPU(s) visible")
+    if not 0 <= ns.main_gpu < n_vis:
+        raise UserError(f"-mg {ns.main_gpu}: GPUs are 0..{n_vis - 1}")
+    if n > 1:
+        from ggml_attn.graph.tp import nccl_available
+        if not nccl_available():
+            raise UserError("-sm row on several GPUs needs NCCL: cupy.cuda.nccl is not available "
+                            "(install NCCL for CuPy's CUDA, e.g. the nvidia-nccl-cu13 wheel for cupy-cuda13x)")
+    devices = [ns.main_gpu] + [d for d in range(n_vis) if d != ns.main_gpu][: n - 1]
+    return n, devices
+
+
+def check_model(model, n_rank: int, layer: str) -> None:
+    """UserError unless the model's heads (and FFN columns, ``--layer full``) split over ``n_rank``."""
+    if n_rank <= 1:
+        return
+    from ggml_attn.graph.shard import ShardError, check_shardable
+    try:
+        check_shardable(model.n_head, model.n_head_kv, n_rank, n_ff=model.n_ff if layer == "full" else None)
+    except ShardError as e:
+        raise UserError(f"-sm row over {n_rank} GPUs, {model.name}: {e}") from None
+
+
+def _check_models(ns, n_rank: int) -> None:
+    """Before any process starts: the models' heads must split over ``n_rank`` (the ranks'
+    Runners check again; a model that does not resolve is left to the tool to report)."""
+    from .models import DEFAULT_GPU_MODEL, resolve
+    names = ns.model if isinstance(ns.model, list) else [ns.model]
+    layers = ns.layer if isinstance(ns.layer, list) else [ns.layer]
+    for name in names:
+        try:
+            model = resolve(DEFAULT_GPU_MODEL if name == "auto" else name)
+        except Exception:  # noqa: BLE001
+            continue
+        check_model(model, n_rank, "full" if "full" in layers else "attn")
+
+
+class _NotATerminal:
+    """A stream that says it is not a terminal (the tools draw a progress bar on terminals)."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _worker(modname: str, argv: list, ctx: RankContext) -> None:
+    """Rank ``ctx.rank``: the tool's ``_main(argv)``, quiet."""
+    global CURRENT
+    import importlib
+    import cupy
+    cupy.cuda.Device(ctx.device).use()
+    CURRENT = ctx
+    sys.stdout = open(os.devnull, "w")
+    sys.stderr = _NotATerminal(sys.stderr)   # errors still show; no second progress bar
+    try:
+        rc = importlib.import_module(modname)._main(argv)
+    except UserError:   # rank 0 reports the same mistake
+        sys.exit(2)
+    sys.exit(int(rc or 0))
+
+
+def wrap(main_fn, modname: str, build_parser):
+    """``run(argv)``: ``main_fn(argv)`` on the GPU(s) the flags ask for (module doc); the flags
+    are read with the tool's ``build_parser()``."""
+
+    if modname == "__main__":   # python -m ...: the workers import the module by its real name
+        modname = sys.modules["__main__"].__spec__.name
+
+    def run(argv=None):
+        global CURRENT
+        args = list(sys.argv[1:] if argv is None else argv)
+        if CURRENT is not None:          # a worker, or already inside a launched run
+            return main_fn(argv)
+        import contextlib
+        import io
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                ns = build_parser().parse_args(args)
+        except (SystemExit, UserError):   # --help, a usage error: the tool itself says it
+            return main_fn(argv)
+        n, devices = plan_ranks(ns)
+        if n == 1:
+            if devices[0] != 0:
+                if not 0 <= devices[0] < gpu_count():
+                    raise UserError(f"-mg {devices[0]}: {gpu_count()} GPU(s) visible")
+                import cupy
+                cupy.cuda.Device(devices[0]).use()
+            return main_fn(argv)
+        _check_models(ns, n)
+        if not _explicit(args, "--cuda-graph"):
+            args += ["--cuda-graph", "off"]
+        import multiprocessing as mp
+        import cupy
+        from ggml_attn.graph.tp import nccl_unique_id
+        uid = nccl_unique_id()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(modname, args, RankContext(r, n, devices[r], uid)),
+                             name=f"ggml-attn-rank{r}", daemon=True) for r in range(1, n)]
+        for p in procs:
+            p.start()
+        stop = threading.Event()
+        threading.Thread(target=_watch, args=(procs, stop), daemon=True).start()
+        cupy.cuda.Device(devices[0]).use()
+        CURRENT = RankContext(0, n, devices[0], uid)
+        ok = False
+        try:
+            rc = main_fn(args)
+            ok = True
+            return rc
+        finally:
+            me, comm = CURRENT, CURRENT._comm
+            CURRENT = None
+            stop.set()
+            for p in procs:
+                p.join(timeout=60 if ok else 1)
+                if p.is_alive():
+                    p.terminate()
+            if comm is not None and ok:
+                share = f" ({100 * me.nccl_s * 1e9 / me.timed_ns:.1f}%)" if me.timed_ns else ""
+                print(f"multi-GPU: -sm row on {n} GPUs {devices}: rank 0 spent {me.nccl_s * 1e3:.1f} ms inside "
+                      f"NCCL all-reduces of {me.timed_ns / 1e6:.1f} ms timed{share}; {comm.calls} calls in all",
+                      file=sys.stderr)
+
+    return run
+
+
+def _watch(procs, stop) -> None:
+    """A rank that exits with an error ends the run (the others would wait in NCCL for ever)."""
+    while not stop.wait(0.5):
+        for p in procs:
+            if p.exitcode not in (None, 0):
+                if stop.wait(5):     # rank 0 is ending on its own (the same error)
+                    return
+                print(f"multi-GPU: {p.name} exited with code {p.exitcode}; stopping", file=sys.stderr)
+                for q in procs:
+                    if q.is_alive():
+                        q.terminate()
+                sys.stderr.flush()
+                os._exit(p.exitcode if p.exitcode > 0 else 1)
