@@ -103,8 +103,13 @@ def attn_layer(b, il: int, cur):
     return attention(b, il, q, k, v)
 
 
-def full_layer(b, il: int, x):
-    """One block over the residual stream ``x [n_embd, n_tokens]`` F32; returns the new ``x``."""
+def full_layer(b, il: int, x, reduce=None):
+    """One block over the residual stream ``x [n_embd, n_tokens]`` F32; returns the new ``x``.
+    ``reduce(b, t, name) -> t``: applied to the O projection's and the FFN down projection's
+    outputs before they are added to ``x`` (a head-parallel rank all-reduces its partial sums
+    there, ``tp.tp_full_layer``); None: nothing."""
+    if reduce is None:
+        reduce = _no_reduce
     cfg, w = b.cfg, b.weights[il]
     n_tok = b.plan.ubatch.n_tokens
     if b.device:
@@ -118,12 +123,17 @@ def full_layer(b, il: int, x):
     q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
     att = attention(b, il, q, mm("wk", h), mm("wv", h))
     att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
+    o = reduce(b, mm("wo", att), f"attn_allreduce_l{il}")
     if b.device:
-        x = xp_ops.add_into(b, x, mm("wo", att), f"attn_res_l{il}")
+        x = xp_ops.add_into(b, x, o, f"attn_res_l{il}")
         h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
         f = xp_ops.silu_mul(b, mm("wg", h), mm("wu", h), f"ffn_act_l{il}")
-        return xp_ops.add_into(b, x, mm("wd", f), f"ffn_res_l{il}")
-    x = b.call(ggml.ggml_add, x, mm("wo", att))
+        return xp_ops.add_into(b, x, reduce(b, mm("wd", f), f"ffn_allreduce_l{il}"), f"ffn_res_l{il}")
+    x = b.call(ggml.ggml_add, x, o)
     h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
     f = b.call(ggml.ggml_mul, b.call(ggml.ggml_silu, mm("wg", h)), mm("wu", h))
-    return b.call(ggml.ggml_add, x, mm("wd", f))
+    return b.call(ggml.ggml_add, x, reduce(b, mm("wd", f), f"ffn_allreduce_l{il}"))
+
+
+def _no_reduce(b, t, name):
+    return t

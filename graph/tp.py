@@ -35,11 +35,10 @@ from __future__ import annotations
 import threading
 import time
 
-import ggml
 import numpy as np
 
 from . import build, xp_ops
-from .layers import RMS_EPS, attention
+from .layers import full_layer
 from .shard import HeadShard, rank_config, shard_layer_weights, shard_rows
 
 __all__ = ["LocalGroup", "LocalComm", "NcclComm", "nccl_available", "nccl_unique_id", "allreduce_node",
@@ -193,30 +192,7 @@ def tp_full_layer(comm):
     rank's ``cfg`` (``shard.rank_config``) and weights (``shard.shard_weights``)."""
 
     def layer(b, il: int, x):
-        cfg, w = b.cfg, b.weights[il]
-        n_tok = b.plan.ubatch.n_tokens
-        if b.device:
-            mm = lambda name, h: xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}")  # noqa: E731
-            h = xp_ops.rms_norm(b, x, RMS_EPS, f"attn_norm_l{il}")
-        else:
-            wt = {k: b.weight_tensor(il, k) for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")}
-            mm = lambda name, h: b.call(ggml.ggml_mul_mat, wt[name], h)  # noqa: E731
-            h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
-        q = ggml.ggml_reshape_3d(b.ctx, mm("wq", h), cfg.head_dim, cfg.n_head, n_tok)
-        att = attention(b, il, q, mm("wk", h), mm("wv", h))
-        att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
-        o = allreduce_node(b, mm("wo", att), comm, f"attn_allreduce_l{il}")
-        if b.device:
-            x = xp_ops.add_into(b, x, o, f"attn_res_l{il}")
-            h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
-            f = xp_ops.silu_mul(b, mm("wg", h), mm("wu", h), f"ffn_act_l{il}")
-            d = allreduce_node(b, mm("wd", f), comm, f"ffn_allreduce_l{il}")
-            return xp_ops.add_into(b, x, d, f"ffn_res_l{il}")
-        x = b.call(ggml.ggml_add, x, o)
-        h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
-        f = b.call(ggml.ggml_mul, b.call(ggml.ggml_silu, mm("wg", h)), mm("wu", h))
-        d = allreduce_node(b, mm("wd", f), comm, f"ffn_allreduce_l{il}")
-        return b.call(ggml.ggml_add, x, d)
+        return full_layer(b, il, x, reduce=lambda b_, t, name: allreduce_node(b_, t, comm, name))
 
     return layer
 
