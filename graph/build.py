@@ -140,11 +140,6 @@ class UBatchGraph:
                 arr = self.array(t)
                 arr[...] = x.reshape(arr.shape)
 
-    def key(self) -> tuple:
-        """What the graph's structure depends on (views, shapes): two ubatch plans with the same
-        :func:`graph_key` can share one built graph, loading their contents (:meth:`load_plan`)."""
-        return graph_key(self.plan)
-
     def load_plan(self, plan: UBatchPlan) -> None:
         """Make this built graph compute ``plan``, a ubatch plan with the same :func:`graph_key`:
         its mask and row indices are copied into the graph's inputs and the kernel plan is

@@ -73,10 +73,12 @@ def mul_mat(b, w: np.ndarray, h, name: str):
     x = b.array(h)                                  # (n_tokens, n_in) F32
     n_tok, n_out = x.shape[0], w.shape[0]
     x16 = b.scratch(x.shape, np.float16)
-    o16 = b.scratch((n_tok, n_out), np.float16)
     out = b.scratch((n_tok, n_out), np.float32)
     wt = w.T
     if xp is np:
+        o16 = b.scratch((n_tok, n_out), np.float16)
+        b.keep(o16)
+
         def run():
             xp.copyto(x16, x, casting="same_kind")
             xp.matmul(x16, wt, out=o16)
@@ -87,7 +89,7 @@ def mul_mat(b, w: np.ndarray, h, name: str):
         def run():
             xp.copyto(x16, x, casting="same_kind")
             gemm()
-    b.keep(x16, o16, w)
+    b.keep(x16, w)
     return _custom(b, run, [h], out, name)
 
 

@@ -26,6 +26,18 @@ def per_token_nmse(a, b):
     return num / np.maximum(den, 1e-300)
 
 
+def _prompt_then_steps(lengths, order, decode_sets) -> list:
+    """The prompts (ids in ``order``, sequence j has ``lengths[j]`` tokens), then one decode
+    step per set of ids, each continuing its sequences."""
+    batches = [Batch.from_lengths([lengths[s] for s in order], seq_ids=order)]
+    true_len = dict(zip(range(len(lengths)), lengths))
+    for ids in decode_sets:
+        batches.append(Batch.from_lengths([1] * len(ids), seq_ids=ids, start_pos={s: true_len[s] for s in ids}))
+        for s in ids:
+            true_len[s] += 1
+    return batches
+
+
 @st.composite
 def workloads(draw):
     n_seq = draw(st.integers(1, 64))
@@ -52,13 +64,7 @@ def test_strategies_agree(work):
         caches[mode] = KVCache(n_ctx, n_seq, unified=unified, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
                                head_dim_k=CFG.head_dim)
     # prefill: ids in random order, sequence j has lengths[j] tokens
-    prompt = Batch.from_lengths([lengths[s] for s in order], seq_ids=order)
-    batches = [prompt]
-    true_len = dict(zip(range(n_seq), lengths))
-    for ids in decode_sets:
-        batches.append(Batch.from_lengths([1] * len(ids), seq_ids=ids, start_pos={s: true_len[s] for s in ids}))
-        for s in ids:
-            true_len[s] += 1
+    batches = _prompt_then_steps(lengths, order, decode_sets)
     for step, b in enumerate(batches):
         outs = {mode: run_batch(caches[mode], b, n_ubatch, mode, CFG) for mode, _ in STRATEGIES}
         ref = outs["simple"].out
@@ -69,7 +75,7 @@ def test_strategies_agree(work):
     for s in range(n_seq):
         for il in range(CFG.n_layer):
             ref_pos, ref_k, ref_v = caches["simple"].sequence_contents(s, il)
-            assert ref_pos.tolist() == list(range(true_len[s]))
+            assert ref_pos.tolist() == list(range(lengths[s] + sum(s in ids for ids in decode_sets)))
             for mode in ("equal", "seq", "padded"):
                 pos, k, v = caches[mode].sequence_contents(s, il)
                 assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), (mode, s)
@@ -96,12 +102,7 @@ def test_strategies_agree_through_the_graph_builder(work):
                        head_dim_k=CFG.head_dim)
     ref_cache = new_cache(True)
     caches = [new_cache(unified) for _, unified, _ in GRAPH_RUNS]
-    batches = [Batch.from_lengths([lengths[s] for s in order], seq_ids=order)]
-    true_len = dict(zip(range(n_seq), lengths))
-    for ids in decode_sets:
-        batches.append(Batch.from_lengths([1] * len(ids), seq_ids=ids, start_pos={s: true_len[s] for s in ids}))
-        for s in ids:
-            true_len[s] += 1
+    batches = _prompt_then_steps(lengths, order, decode_sets)
     for step, b in enumerate(batches):
         ref = run_batch(ref_cache, b, n_ubatch, "simple", CFG).out
         for (mode, _, all_custom), c in zip(GRAPH_RUNS, caches):
