@@ -99,6 +99,16 @@ def util_variant() -> Variant:
     return Variant("util", "fattn_util.cu", UTIL_NAMES)
 
 
+DENSE_NAMES = tuple(f"dense_gemv<{nt}>" for nt in (1, 2, 3, 4)) + ("dense_rms_norm", "dense_kv_store")
+GEMV_MAX_TOKENS = 4   # dense_gemv instances: 1..4 tokens
+GEMV_WARPS = 4        # rows per dense_gemv block (one warp each; GEMV_WARPS in dense.cu)
+
+
+def dense_variant() -> Variant:
+    """The full block's dense ops (``cuda/dense.cu``, used by ``graph/xp_ops.py``)."""
+    return Variant("dense", "dense.cu", DENSE_NAMES)
+
+
 def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
              ext: bool = False) -> str:
     """``ext``: the instance with softcap and ALiBi (the plain one folds the scale into Q)."""
@@ -122,7 +132,7 @@ def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
 
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
-    out = [util_variant()]
+    out = [util_variant(), dense_variant()]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
@@ -225,7 +235,7 @@ BASE_OPTIONS = ("-std=c++17", "-default-device")
 def _sources_hash() -> str:
     h = hashlib.sha256()
     d = source_dir()
-    for f in sorted(d.glob("fattn_*")):
+    for f in sorted(d.glob("*.cu*")):
         h.update(f.name.encode())
         h.update(f.read_bytes())
     return h.hexdigest()
@@ -383,6 +393,26 @@ class FattnParams(ctypes.Structure):
         ("m0", ctypes.c_float), ("m1", ctypes.c_float),
         ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
     ]
+
+
+class GemvSeg(ctypes.Structure):
+    """Mirror of ``struct GemvSeg`` (dense.cu)."""
+    _fields_ = [("w", ctypes.c_uint64), ("out", ctypes.c_uint64), ("rows", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
+
+
+class GemvParams(ctypes.Structure):
+    """Mirror of ``struct GemvParams`` (dense.cu)."""
+    _fields_ = [("seg", GemvSeg * 3), ("x", ctypes.c_uint64), ("x_stride", ctypes.c_int64),
+                ("n_in", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
+
+
+class KVStoreParams(ctypes.Structure):
+    """Mirror of ``struct KVStoreParams`` (dense.cu)."""
+    _fields_ = [("src", ctypes.c_uint64 * 2), ("dst", ctypes.c_uint64 * 2), ("rows", ctypes.c_uint64),
+                ("n", ctypes.c_int32 * 2), ("f16", ctypes.c_int32 * 2), ("n_tok", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ at the cache's storage (no copy); in a graph's context it makes:
   ``row_idx``): ``ggml_set_rows`` on host graphs (any cache type, quantized ones included), the
   custom store op :func:`store_callback` on all-custom graphs (F16/F32 caches only: a
   ``ValueError`` otherwise);
+* :meth:`KVTensors.cpy_kv`: both stores of a layer; on all-custom graphs one node (one launch
+  on the device, ``dense_kv_store`` of ``cuda/dense.cu``);
 * :meth:`KVTensors.get_k` / :meth:`KVTensors.get_v`: the ``[D, n_kv, n_head_kv, n_stream]``
   view (ggml order) of the ubatch's streams ``s0 .. s0 + n_stream - 1``, taken of the
   ``ggml_set_rows`` node so that attention runs after the store.
@@ -45,39 +47,101 @@ def data_ptr(arr) -> int:
 
 # --------------------------------------------------------------- the custom store op
 def store_callback(dst_p, ith, nth, userdata):
-    """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0).
-    ``userdata`` 1: the tensors are CuPy device memory; 0: host memory (numpy). Errors are
-    recorded for this node like the attention op's (``ggml_attn.op.record_error``)."""
+    """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0),
+    or ``[cache_k, k_rows, cache_v, v_rows, idx]``: both stores. ``userdata`` 1: the tensors are
+    CuPy device memory; 0: host memory (numpy). Errors are recorded for this node like the
+    attention op's (``ggml_attn.op.record_error``)."""
     fa_op.run_custom_node(dst_p, ith, lambda d: _store(d, userdata), "KV store op")
 
 
+def _src_key(d, n: int) -> tuple:
+    """Data pointer, type and shape of the node's first ``n`` sources: what a bound store
+    depends on."""
+    out = []
+    for i in range(n):
+        c = d.src[i].contents
+        out += (int(c.data or 0), int(c.type), int(c.ne[0]), int(c.ne[1]), int(c.nb[1]))
+    return tuple(out)
+
+
 def _store(dst_p, userdata) -> None:
-    """The store itself (``store_callback``): device rows by one scatter launch, host rows by numpy."""
+    """The store itself (``store_callback``): device rows by one launch (both K and V, a float
+    cache: ``dense_kv_store``; else one scatter per pair), host rows by numpy."""
     d = dst_p.contents
-    cache_t, rows_t, idx_t = d.src[0], d.src[1], d.src[2]
+    n_src = 5 if d.src[4] else 3
+    pairs = [(d.src[0], d.src[1])] + ([(d.src[2], d.src[3])] if n_src == 5 else [])
+    idx_t = d.src[n_src - 1]
     if userdata:
-        import cupy as cp  # noqa: PLC0415  (device graphs only)
-
-        def wrap(t, dtype):
-            c = t.contents
-            shape = (int(c.ne[1]), int(c.ne[0]))
-            mem = cp.cuda.UnownedMemory(int(c.data), shape[0] * shape[1] * np.dtype(dtype).itemsize, None)
-            return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
-
-        cache = wrap(cache_t, STORAGE_DTYPES[cache_t.contents.type])
-        rows = wrap(rows_t, np.float32)
-        idx = wrap(idx_t, np.int64).reshape(-1)
-    else:
+        node = ctypes.addressof(d)
+        key = _src_key(d, n_src)
+        bound = _BOUND_STORES.get(node)
+        if bound is None or bound[0] != key:
+            if len(_BOUND_STORES) > 4096:
+                _BOUND_STORES.clear()
+            bound = _BOUND_STORES[node] = (key, _bind_device_store(pairs, idx_t))
+        bound[1]()
+        return
+    idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
+                                (int(idx_t.contents.ne[0]),))
+    for cache_t, rows_t in pairs:
         cache = as_numpy(from_ggml(cache_t))[0, 0]
         rows = as_numpy(from_ggml(rows_t))[0, 0]
-        idx = np.ctypeslib.as_array(ctypes.cast(idx_t.contents.data, ctypes.POINTER(ctypes.c_int64)),
-                                    (int(idx_t.contents.ne[0]),))
-    if rows.shape[1] != cache.shape[1] or idx.shape[0] != rows.shape[0]:
-        raise ValueError(f"store: rows {rows.shape} / idx {idx.shape} do not fit cache {cache.shape}")
-    if userdata:  # one launch on the current stream, nothing allocated
-        _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
-    else:
+        _check_store(cache.shape, rows.shape, idx.shape)
         cache[idx] = rows  # cast to the cache's dtype on assignment
+
+
+def _check_store(cache_shape, rows_shape, idx_shape) -> None:
+    if rows_shape[1] != cache_shape[1] or idx_shape[0] != rows_shape[0]:
+        raise ValueError(f"store: rows {rows_shape} / idx {idx_shape} do not fit cache {cache_shape}")
+
+
+_BOUND_STORES: dict = {}   # store node address -> (_src_key, launch), see _store
+
+
+def _bind_device_store(pairs, idx_t):
+    """A function of no arguments that stores every ``(cache, rows)`` pair of device tensors at
+    the rows ``idx_t`` names, on the current stream: one ``dense_kv_store`` launch for a K/V pair
+    of F16/F32 caches with contiguous F32 rows, else one CuPy scatter per pair."""
+    import cupy as cp  # noqa: PLC0415  (device graphs only)
+    from ggml_attn import kernels as K  # noqa: PLC0415
+
+    def shape(t):
+        c = t.contents
+        return int(c.ne[1]), int(c.ne[0])
+    n_tok = int(idx_t.contents.ne[0])
+    for cache_t, rows_t in pairs:
+        _check_store(shape(cache_t), shape(rows_t), (n_tok,))
+        c = rows_t.contents
+        if c.type != ggml.GGML_TYPE_F32 or int(c.nb[1]) != 4 * int(c.ne[0]):
+            raise ValueError("store: the rows must be contiguous F32")
+    types = [int(p[0].contents.type) for p in pairs]
+    if len(pairs) == 2 and all(t in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32) for t in types):
+        p = K.KVStoreParams()
+        for i, (cache_t, rows_t) in enumerate(pairs):
+            p.src[i], p.dst[i] = int(rows_t.contents.data), int(cache_t.contents.data)
+            p.n[i], p.f16[i] = int(rows_t.contents.ne[0]), int(types[i] == ggml.GGML_TYPE_F16)
+        p.rows, p.n_tok = int(idx_t.contents.data), n_tok
+        fn = K.get_function(K.dense_variant(), "dense_kv_store")
+        args = K.arg_block(p)
+
+        def launch():
+            fn.launch_raw((n_tok, 2, 1), (128, 1, 1), cp.cuda.get_current_stream().ptr,
+                          ctypes.addressof(args))
+        launch.keep = (p, args)
+        return launch
+
+    def wrap(t, dtype):
+        c = t.contents
+        rows, cols = shape(t)
+        mem = cp.cuda.UnownedMemory(int(c.data), rows * cols * np.dtype(dtype).itemsize, None)
+        return cp.ndarray((rows, cols), dtype, cp.cuda.MemoryPointer(mem, 0))
+    idx = wrap(idx_t, np.int64).reshape(-1)
+    jobs = [(wrap(r, np.float32), wrap(c, STORAGE_DTYPES[c.contents.type])) for c, r in pairs]
+
+    def scatter():
+        for rows, cache in jobs:
+            _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
+    return scatter
 
 
 _STORE_CB = ggml.ggml_custom_op_t(store_callback)
@@ -127,18 +191,35 @@ class KVTensors:
             ggml.ggml_free(self.ctx)
             self.ctx = None
 
+    def _check_custom(self) -> None:
+        if not self.float_storage:
+            raise ValueError(f"an all-custom (device) graph stores K/V with its own op, which writes "
+                             f"f16/f32 caches only; this cache is K {self.types[0]} / V {self.types[1]}")
+
+    def _custom_store(self, ctx, srcs, name: str, out_alloc):
+        args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
+        st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, len(srcs), _STORE_CB, 1,
+                                 ctypes.c_void_p(1 if self.on_device else 0))
+        out_alloc(st, name)
+        return st
+
     def _cpy(self, ctx, kind: str, il: int, cur, row_idx, all_custom: bool, out_alloc):
         cache_t = self.tensors[(kind, il)]
         if not all_custom:
             return ggml.ggml_set_rows(ctx, cache_t, cur, row_idx)  # a view of the cache tensor
-        if not self.float_storage:
-            raise ValueError(f"an all-custom (device) graph stores K/V with its own op, which writes "
-                             f"f16/f32 caches only; this cache is K {self.types[0]} / V {self.types[1]}")
-        args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(cache_t, cur, row_idx)
-        st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, 3, _STORE_CB, 1,
-                                 ctypes.c_void_p(1 if self.on_device else 0))
-        out_alloc(st, f"store_{kind}_l{il}")
-        return st
+        self._check_custom()
+        return self._custom_store(ctx, (cache_t, cur, row_idx), f"store_{kind}_l{il}", out_alloc)
+
+    def cpy_kv(self, ctx, il: int, k_cur, v_cur, row_idx, *, all_custom: bool, out_alloc):
+        """``(node storing K, node storing V)`` of layer ``il`` (see :meth:`cpy_k`); on all-custom
+        graphs both are one node (one launch on the device)."""
+        if not all_custom:
+            return (self._cpy(ctx, "k", il, k_cur, row_idx, False, out_alloc),
+                    self._cpy(ctx, "v", il, v_cur, row_idx, False, out_alloc))
+        self._check_custom()
+        st = self._custom_store(ctx, (self.tensors[("k", il)], k_cur, self.tensors[("v", il)], v_cur, row_idx),
+                                f"store_kv_l{il}", out_alloc)
+        return st, st
 
     def cpy_k(self, ctx, il: int, k_cur, row_idx, *, all_custom: bool, out_alloc):
         """Node of graph context ``ctx`` storing ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows

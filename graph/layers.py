@@ -14,7 +14,7 @@ A layer function is ``layer(b, il, cur) -> cur``: ``b`` the graph builder
   ``[n_in, n_out]``, keys ``wq wk wv wo wg wu wd``. Host graphs use ggml's ops, all-custom
   graphs the ops of ``xp_ops``.
 
-The attention step (:func:`attention`) is shared: store K/V (``KVTensors.cpy_k/cpy_v``), view
+The attention step (:func:`attention`) is shared: store K/V (``KVTensors.cpy_kv``), view
 Q per stream, view K/V (``get_k/get_v``), then ``b.attention``: flash attention (our op or
 ggml's) or, for ``-fa off``, :func:`softmax_attention` (llama.cpp's ``mul_mat`` +
 ``soft_max_ext`` path, host graphs only). Output ``[D_v, n_head, n_tps, n_stream]`` F32.
@@ -82,8 +82,7 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     ubatch's K/V; returns ``[D_v, n_head, n_tps, n_stream]`` F32."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
-    st_k = b.kv.cpy_k(b.ctx, il, k_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
-    st_v = b.kv.cpy_v(b.ctx, il, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
+    st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
     b.expand(st_k)
     b.expand(st_v)
     qc = q_cur.contents
@@ -110,29 +109,42 @@ def full_layer(b, il: int, x, reduce=None):
     there, ``tp.tp_full_layer``); None: nothing."""
     if reduce is None:
         reduce = _no_reduce
-    cfg, w = b.cfg, b.weights[il]
-    n_tok = b.plan.ubatch.n_tokens
     if b.device:
-        mm = lambda name, h: xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}")  # noqa: E731
-        h = xp_ops.rms_norm(b, x, RMS_EPS, f"attn_norm_l{il}")
-    else:
-        wt = {k: b.weight_tensor(il, k) for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")}
-        mm = lambda name, h: b.call(ggml.ggml_mul_mat, wt[name], h)  # noqa: E731
-        h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
-    q = mm("wq", h)
-    q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
+        return _full_layer_custom(b, il, x, reduce)
+    cfg, n_tok = b.cfg, b.plan.ubatch.n_tokens
+    wt = {k: b.weight_tensor(il, k) for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")}
+    mm = lambda name, h: b.call(ggml.ggml_mul_mat, wt[name], h)  # noqa: E731
+    h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
+    q = ggml.ggml_reshape_3d(b.ctx, mm("wq", h), cfg.head_dim, cfg.n_head, n_tok)
     att = attention(b, il, q, mm("wk", h), mm("wv", h))
     att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
-    o = reduce(b, mm("wo", att), f"attn_allreduce_l{il}")
-    if b.device:
-        x = xp_ops.add_into(b, x, o, f"attn_res_l{il}")
-        h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
-        f = xp_ops.silu_mul(b, mm("wg", h), mm("wu", h), f"ffn_act_l{il}")
-        return xp_ops.add_into(b, x, reduce(b, mm("wd", f), f"ffn_allreduce_l{il}"), f"ffn_res_l{il}")
-    x = b.call(ggml.ggml_add, x, o)
+    x = b.call(ggml.ggml_add, x, reduce(b, mm("wo", att), f"attn_allreduce_l{il}"))
     h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
     f = b.call(ggml.ggml_mul, b.call(ggml.ggml_silu, mm("wg", h)), mm("wu", h))
     return b.call(ggml.ggml_add, x, reduce(b, mm("wd", f), f"ffn_allreduce_l{il}"))
+
+
+def _full_layer_custom(b, il: int, x, reduce):
+    """:func:`full_layer` on an all-custom graph (``xp_ops``): Q/K/V in one node, gate/up/SiLU in
+    one, the O and down projections added into ``x`` by their own nodes (or, with a ``reduce``
+    hook, reduced first and then added)."""
+    cfg, w = b.cfg, b.weights[il]
+    n_tok = b.plan.ubatch.n_tokens
+    h = xp_ops.rms_norm(b, x, RMS_EPS, f"attn_norm_l{il}")
+    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], h, f"qkv_l{il}")
+    q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
+    att = attention(b, il, q, k, v)
+    att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
+
+    def project_add(x, name, h, what):
+        if reduce is _no_reduce:
+            return xp_ops.mul_mat_add(b, w[name], h, x, f"{name}_res_l{il}")
+        o = reduce(b, xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}"), f"{what}_allreduce_l{il}")
+        return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
+    x = project_add(x, "wo", att, "attn")
+    h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
+    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], h, f"ffn_act_l{il}")
+    return project_add(x, "wd", f, "ffn")
 
 
 def _no_reduce(b, t, name):

@@ -1,8 +1,13 @@
 """The full block's dense ops as ggml custom ops over an array module ``xp`` (numpy or CuPy),
 for all-custom (device-resident) graphs. On numpy each op is a few numpy calls (the CPU tests
-check them against ggml's own ops); on CuPy the same math is fused into fewer launches -- one
-cuBLAS GEMM per ``mul_mat`` (f16 in, f32 accumulate and out), two kernels per ``rms_norm``, one
-per ``silu_mul`` -- checked against the host graph by tests/test_graph_device.py.
+check them against ggml's own ops); on CuPy the same math is fused into fewer launches and
+checked against the host graph by tests/test_graph_device.py: for up to
+``kernels.GEMV_MAX_TOKENS`` tokens (decode) one ``dense_gemv`` launch per :func:`mul_mat_group`
+(Q, K and V together), :func:`mul_mat_gated` (gate, up and SiLU) and :func:`mul_mat_add` (a
+projection added into the residual stream), reading the F16 weights once; for more tokens
+one F16 cast of the input and one cuBLAS GEMM per weight (f16 in, f32 accumulate and out;
+:func:`mul_mat_add` accumulates through the GEMM's beta); ``rms_norm`` is one launch
+(``dense_rms_norm``, ``cuda/dense.cu``).
 
 Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
 ``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
@@ -13,6 +18,11 @@ Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0
   ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_out, n_tokens]``; ``h`` is rounded to F16 first
   and the products summed in F32, as ggml's CPU ``mul_mat`` with an F16 weight does (numpy:
   the F16 product widened to F32; CuPy: F32 out of the GEMM);
+* :func:`mul_mat_group`: several weights times the same ``h``: a list of F32
+  ``[n_out_i, n_tokens]`` tensors, views of one result node;
+* :func:`mul_mat_gated`: ``silu(wg·h) * (wu·h)``, F32 ``[n_ff, n_tokens]``;
+* :func:`mul_mat_add`: ``x += w·h`` in place (``x`` F32 ``[n_out, n_tokens]``); the node's
+  result is ``x``'s memory;
 * :func:`rms_norm`: F32 ``[n, n_tokens]`` -> F32, ``x / sqrt(mean(x^2) + eps)`` per token;
 * :func:`silu_mul`: ``silu(g) * u``, F32 ``[n_ff, n_tokens]``;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
@@ -32,7 +42,8 @@ import numpy as np
 
 from ggml_attn import op as fa_op
 
-__all__ = ["mul_mat", "rms_norm", "silu_mul", "add_into", "release"]
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "silu_mul",
+           "add_into", "release"]
 
 _calls: dict[int, object] = {}
 _keys = itertools.count(1)
@@ -69,39 +80,134 @@ def _custom(b, fn, srcs, out_arr, name: str, *, alias=None):
 
 def mul_mat(b, w: np.ndarray, h, name: str):
     """``w`` (xp F16 ``(n_out, n_in)``) x ``h`` (tensor F32 ``[n_in, n_tokens]``)."""
-    xp = b.xp
+    return mul_mat_group(b, [w], h, name)[0]
+
+
+def mul_mat_group(b, ws: list, h, name: str) -> list:
+    """``[w·h for w in ws]``: each ``w`` xp F16 ``(n_out_i, n_in)``, ``h`` tensor F32 ``[n_in,
+    n_tokens]``; returns F32 tensors ``[n_out_i, n_tokens]``, views of one node whose memory
+    holds them one after another (numpy ``(n_tokens, n_out_i)`` each, contiguous)."""
     x = b.array(h)                                  # (n_tokens, n_in) F32
-    n_tok, n_out = x.shape[0], w.shape[0]
-    x16 = b.scratch(x.shape, np.float16)
-    out = b.scratch((n_tok, n_out), np.float32)
-    wt = w.T
-    if xp is np:
-        o16 = b.scratch((n_tok, n_out), np.float16)
-        b.keep(o16)
+    n_tok = x.shape[0]
+    sizes = [n_tok * int(w.shape[0]) for w in ws]
+    flat = b.scratch((sum(sizes),), np.float32)
+    outs, off = [], 0
+    for w, n in zip(ws, sizes):
+        outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
+        off += n
+    run = _gemv(b, ws, x, outs, mode=0) or _matmuls(b, ws, x, outs)
+    node = _custom(b, run, [h], flat.reshape(1, -1), name)
+    views, off = [], 0
+    for w, o in zip(ws, outs):
+        v = ggml.ggml_view_2d(b.ctx, node, int(w.shape[0]), n_tok, int(w.shape[0]) * 4, off * 4)
+        ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
+        views.append(b.attach(v, o))
+        off += o.size
+    return views
+
+
+def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str):
+    """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)``, ``h`` F32 ``[n_in,
+    n_tokens]`` -> F32 ``[n_ff, n_tokens]``."""
+    x = b.array(h)
+    out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
+    run = _gemv(b, [wg, wu], x, [out], mode=2)
+    if run is None:
+        g = b.scratch(out.shape, np.float32)
+        u = b.scratch(out.shape, np.float32)
+        both = _matmuls(b, [wg, wu], x, [g, u])
+        act = _silu_mul_fn(b.xp, g, u, out)
+        b.keep(g, u)
 
         def run():
-            xp.copyto(x16, x, casting="same_kind")
-            xp.matmul(x16, wt, out=o16)
-            xp.copyto(out, o16)
-    else:   # one cuBLAS GEMM, f16 in, f32 out (CuPy's matmul refuses to run inside a CUDA-graph capture)
-        gemm = _CublasGemm(w, x16, out)
-
-        def run():
-            xp.copyto(x16, x, casting="same_kind")
-            gemm()
-    b.keep(x16, w)
+            both()
+            act()
     return _custom(b, run, [h], out, name)
 
 
+def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
+    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)``, ``h`` F32 ``[n_in, n_tokens]``, ``x_t`` F32
+    ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
+    x_in, x = b.array(h), b.array(x_t)
+    run = _gemv(b, [w], x_in, [x], mode=1) or _matmuls(b, [w], x_in, [x], accumulate=True)
+    return _custom(b, run, [h, x_t], x, name)
+
+
+def _gemv(b, ws: list, x, outs: list, *, mode: int):
+    """On CuPy, for at most ``GEMV_MAX_TOKENS`` tokens: one ``dense_gemv`` launch (``mode`` 0:
+    ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) * (ws[1]·x)``);
+    None when the arrays do not fit the kernel (numpy, more tokens, unaligned or strided)."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if b.xp is np or x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3:
+        return None
+    n_in = x.shape[1]
+    arrays = list(ws) + [x] + list(outs)
+    if n_in % 8 or not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays) \
+            or any(w.shape[1] != n_in for w in ws):
+        return None
+    p = K.GemvParams()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.data.ptr, o.data.ptr, int(w.shape[0])
+    p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    fn = K.get_function(K.dense_variant(), f"dense_gemv<{x.shape[0]}>")
+    b.keep(*arrays)
+    return _Launch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+
+
+class _Launch:
+    """One dense.cu kernel with its parameter struct filled in at build time, launched on the
+    current stream (nothing allocated, nothing looked up per call)."""
+
+    def __init__(self, fn, grid, block, *params):
+        from ggml_attn import kernels as K  # noqa: PLC0415
+        self.fn, self.grid, self.block, self.params = fn, grid, block, params
+        self.args = K.arg_block(*params)
+
+    def __call__(self):
+        import cupy  # noqa: PLC0415
+        self.fn.launch_raw(self.grid, self.block, cupy.cuda.get_current_stream().ptr,
+                           ctypes.addressof(self.args))
+
+
+def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` with ``x`` rounded to F16 once: numpy matmuls, or one cuBLAS
+    GEMM per weight on CuPy (``accumulate`` through beta = 1)."""
+    xp = b.xp
+    x16 = b.scratch(x.shape, np.float16)
+    b.keep(x16, *ws)
+    if xp is np:
+        o16 = [b.scratch(o.shape, np.float16) for o in outs]
+        b.keep(*o16)
+
+        def run():
+            xp.copyto(x16, x, casting="same_kind")
+            for w, o, t in zip(ws, outs, o16):
+                xp.matmul(x16, w.T, out=t)
+                if accumulate:
+                    xp.add(o, t, out=o)
+                else:
+                    xp.copyto(o, t)
+        return run
+    gemms = [_CublasGemm(w, x16, o, beta=1.0 if accumulate else 0.0) for w, o in zip(ws, outs)]
+
+    def run():
+        xp.copyto(x16, x, casting="same_kind")
+        for g in gemms:
+            g()
+    return run
+
+
 class _CublasGemm:
-    """``out (n_tok, n_out) F32 = x16 (n_tok, n_in) F16 @ w (n_out, n_in) F16ᵀ`` (numpy order,
+    """``out (n_tok, n_out) F32 (+)= x16 (n_tok, n_in) F16 @ w (n_out, n_in) F16ᵀ`` (numpy order,
     C-contiguous CuPy arrays) as one ``cublasGemmEx`` on the current stream, F32 accumulation.
     Column-major view: ``outᵀ (n_out x n_tok) = Aᵀ · B`` with A = w as an (n_in x n_out) matrix
     and B = x16 as (n_in x n_tok). Called through the C library (``_libcublas``): CuPy's own
     wrappers refuse to run while a CUDA graph is captured. The handle is CuPy's, with a
     workspace of its own (``_cublas_workspace``) so that nothing allocates during a capture."""
 
-    def __init__(self, w, x16, out):
+    def __init__(self, w, x16, out, beta: float = 0.0):
         from cupy.cuda import device  # noqa: PLC0415 (device graphs only)
         self.lib = _libcublas()
         self.handle = device.get_cublas_handle()
@@ -111,7 +217,7 @@ class _CublasGemm:
         assert x16.shape[1] == self.n_in and out.shape == (self.n_tok, self.n_out)
         assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
         self.ptrs = (w.data.ptr, x16.data.ptr, out.data.ptr)
-        self.scal = np.array([1.0, 0.0], dtype=np.float32)   # alpha, beta (host pointer mode)
+        self.scal = np.array([1.0, beta], dtype=np.float32)   # alpha, beta (host pointer mode)
 
     def __call__(self):
         import cupy  # noqa: PLC0415
@@ -165,12 +271,15 @@ def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
 
 
 def rms_norm(b, x_t, eps: float, name: str):
+    """``x / sqrt(mean(x^2) + eps)`` per token: ``x_t`` F32 ``[n, n_tokens]`` -> F32."""
     xp = b.xp
     x = b.array(x_t)
-    ms = b.scratch((x.shape[0], 1), np.float32)
     out = b.scratch(x.shape, np.float32)
-    inv_n = np.float32(1.0 / x.shape[1])
     if xp is np:
+        ms = b.scratch((x.shape[0], 1), np.float32)
+        inv_n = np.float32(1.0 / x.shape[1])
+        b.keep(ms)
+
         def run():
             xp.multiply(x, x, out=out)
             xp.sum(out, axis=1, keepdims=True, out=ms)
@@ -178,42 +287,23 @@ def rms_norm(b, x_t, eps: float, name: str):
             xp.add(ms, np.float32(eps), out=ms)
             xp.sqrt(ms, out=ms)
             xp.divide(x, ms, out=out)
-    else:   # two launches: the row sums of squares, then the scaling
-        k = _fused()
-        n, ms1 = x.shape[1], ms.reshape(-1)
-
-        def run():
-            k["sumsq"](x, axis=1, out=ms1)
-            k["rms_scale"](x, ms1, n, inv_n, np.float32(eps), out)
-    b.keep(ms)
+    else:   # one launch: a block per token
+        from ggml_attn import kernels as K  # noqa: PLC0415
+        if not (x.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError(f"{name}: rms_norm needs contiguous rows")
+        fn = K.get_function(K.dense_variant(), "dense_rms_norm")
+        b.keep(x, out)
+        run = _Launch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
+                      ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps))
     return _custom(b, run, [x_t], out, name)
 
 
-_FUSED: dict = {}
+_SILU: list = []
 
 
-def _fused() -> dict:
-    """CuPy kernels that fuse the numpy steps of :func:`rms_norm` and :func:`silu_mul` (one or
-    two launches instead of five or six; same math in F32)."""
-    if not _FUSED:
-        import cupy  # noqa: PLC0415
-        _FUSED.update(
-            sumsq=cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
-                                       "ggml_attn_xp_sumsq"),
-            rms_scale=cupy.ElementwiseKernel(
-                "float32 x, raw float32 ss, int64 n, float32 inv_n, float32 eps", "float32 y",
-                "y = x / sqrtf(ss[i / n] * inv_n + eps);", "ggml_attn_xp_rms_scale"),
-            silu_mul=cupy.ElementwiseKernel(
-                "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"),
-        )
-    return _FUSED
-
-
-def silu_mul(b, g_t, u_t, name: str):
-    xp = b.xp
-    g, u = b.array(g_t), b.array(u_t)
-    out = b.scratch(g.shape, np.float32)
-
+def _silu_mul_fn(xp, g, u, out):
+    """``out = silu(g) * u`` (F32 arrays of one shape) as a function of no arguments: numpy
+    steps, or one fused CuPy kernel."""
     if xp is np:
         def run():
             xp.negative(g, out=out)
@@ -221,12 +311,20 @@ def silu_mul(b, g_t, u_t, name: str):
             xp.add(out, np.float32(1.0), out=out)
             xp.divide(g, out, out=out)
             xp.multiply(out, u, out=out)
-    else:
-        fused = _fused()["silu_mul"]
+        return run
+    if not _SILU:
+        import cupy  # noqa: PLC0415
+        _SILU.append(cupy.ElementwiseKernel("float32 g, float32 u", "float32 y",
+                                            "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"))
+    fused = _SILU[0]
+    return lambda: fused(g, u, out)
 
-        def run():
-            fused(g, u, out)
-    return _custom(b, run, [g_t, u_t], out, name)
+
+def silu_mul(b, g_t, u_t, name: str):
+    """``silu(g) * u``, F32 ``[n_ff, n_tokens]``."""
+    g, u = b.array(g_t), b.array(u_t)
+    out = b.scratch(g.shape, np.float32)
+    return _custom(b, _silu_mul_fn(b.xp, g, u, out), [g_t, u_t], out, name)
 
 
 def add_into(b, x_t, y_t, name: str):

@@ -44,7 +44,7 @@ SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 12,
 
 def _allowance_key(name):
     """fattn_mma<DK, DV, T, NWQ, NWK, MT, ST, EXT> / fattn_vec<DK, DV, T, R> -> SPILL_ALLOWANCE key"""
-    if "<" not in name:
+    if not name.startswith(("fattn_mma<", "fattn_vec<")):
         return None
     a = [x.strip() for x in name[name.index("<") + 1:-1].split(",")]
     if name.startswith("fattn_mma<"):
@@ -110,6 +110,46 @@ def test_params_struct_layout_matches_c():
             nv.compileProgram(prog, opts)
         except Exception as e:
             pytest.fail(f"FattnParams layout mismatch: {e}\n{nv.getProgramLog(prog)}")
+    finally:
+        nv.destroyProgram(prog)
+
+
+def _flat_fields(struct, prefix=""):
+    """(C member path, offset) of a ctypes structure's scalar and array members (nested
+    structure arrays expanded element by element)."""
+    import ctypes
+    out = []
+    for name, typ in struct._fields_:
+        off = getattr(struct, name).offset
+        if isinstance(typ, type) and issubclass(typ, ctypes.Array) and issubclass(typ._type_, ctypes.Structure):
+            for i in range(typ._length_):
+                base = off + i * ctypes.sizeof(typ._type_)
+                out += [(f"{prefix}{name}[{i}].{n}", base + o) for n, o in _flat_fields(typ._type_)]
+        else:
+            out.append((f"{prefix}{name}", off))
+    return out
+
+
+@pytest.mark.parametrize("struct", ["GemvParams", "KVStoreParams"])
+def test_dense_struct_layouts_match_c(struct):
+    """The ctypes mirrors of dense.cu's parameter structs have the C layout."""
+    import ctypes
+    cls = getattr(K, struct)
+    src = (K.source_dir() / "dense.cu").read_text()
+    lines = [src, f"__device__ {struct} probe_;"]
+    for path, off in _flat_fields(cls):
+        member = path.replace("[", "__IDX").split("__IDX")[0]
+        lines.append(f"static_assert(__builtin_offsetof({struct}, {path}) == {off}, \"{path}\");")
+        assert member
+    lines.append(f"static_assert(sizeof({struct}) == {ctypes.sizeof(cls)}, \"size\");")
+    nv = K._nvrtc()
+    prog = nv.createProgram("\n".join(lines), "dense_layout.cu", [], [])
+    try:
+        opts = ["-std=c++17", "-arch=sm_80"] + [f"-I{d}" for d in K.cuda_include_dirs()]
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            pytest.fail(f"{struct} layout mismatch: {e}\n{nv.getProgramLog(prog)}")
     finally:
         nv.destroyProgram(prog)
 

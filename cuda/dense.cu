@@ -1,0 +1,163 @@
+// Dense ops of the full transformer block for device-resident graphs (graph/xp_ops.py), in as
+// few launches as a decode step allows:
+//   dense_gemv<NT>   y = W·x for NT <= 4 tokens (F16 weights, F32 activations rounded to F16,
+//                    F32 accumulation), up to three weight matrices in one launch, optionally
+//                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x));
+//   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) per token, one launch;
+//   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32), one launch.
+// Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
+// x (n_tok, n_in) F32 with row stride x_stride, y (n_tok, rows) F32.
+#include <cuda_fp16.h>
+
+struct GemvSeg {
+    const __half* w;   // (rows, n_in), 16-byte aligned rows
+    float* out;        // (n_tok, rows)
+    int rows;
+    int pad_;
+};
+
+struct GemvParams {
+    GemvSeg seg[3];
+    const float* x;       // (n_tok, n_in), rows x_stride floats apart, 16-byte aligned
+    long long x_stride;
+    int n_in;             // multiple of 8
+    int n_seg;            // 1..3 (mode 2: 2)
+    int mode;             // 0: store; 1: accumulate (out += W·x); 2: gated, seg[0].out = silu(W0·x) * (W1·x)
+    int pad_;
+};
+
+#define GEMV_WARPS 4
+#define GEMV_UNROLL 4
+
+__device__ __forceinline__ uint4 ld_stream(const __half* p) {
+    // weights are read once per step: do not let them displace the activations in L1
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+// The 8 activations x[k .. k+8) rounded to F16 (as ggml rounds src1 for an F16 weight).
+__device__ __forceinline__ void load_x8(const float* x, float2 (&o)[4]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 1);
+    o[0] = __half22float2(__floats2half2_rn(a.x, a.y));
+    o[1] = __half22float2(__floats2half2_rn(a.z, a.w));
+    o[2] = __half22float2(__floats2half2_rn(b.x, b.y));
+    o[3] = __half22float2(__floats2half2_rn(b.z, b.w));
+}
+
+template <int NT>
+__device__ __forceinline__ void dot8(const uint4 w, const float* x, long long xs, int k, float (&acc)[NT]) {
+    const unsigned u[4] = {w.x, w.y, w.z, w.w};
+    float2 wf[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wf[j] = __half22float2(*reinterpret_cast<const __half2*>(&u[j]));
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        float2 xf[4];
+        load_x8(x + t * xs + k, xf);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[t] = fmaf(wf[j].y, xf[j].y, fmaf(wf[j].x, xf[j].x, acc[t]));
+    }
+}
+
+// Row r of W (n_in halves) dotted with every token's x: acc[t] (full sums in every lane).
+template <int NT>
+__device__ __forceinline__ void row_dot(const __half* w, const float* x, long long xs, int n_in, float (&acc)[NT]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+    int k = lane * 8;
+    // main loop: GEMV_UNROLL 16-byte loads in flight per lane before any math
+    for (; k + (GEMV_UNROLL - 1) * 256 < n_in; k += GEMV_UNROLL * 256) {
+        uint4 wv[GEMV_UNROLL];
+#pragma unroll
+        for (int i = 0; i < GEMV_UNROLL; ++i) wv[i] = ld_stream(w + k + i * 256);
+#pragma unroll
+        for (int i = 0; i < GEMV_UNROLL; ++i) dot8<NT>(wv[i], x, xs, k + i * 256, acc);
+    }
+    for (; k < n_in; k += 256) dot8<NT>(ld_stream(w + k), x, xs, k, acc);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+    }
+}
+
+// One warp per output row (of the segments' rows concatenated); block GEMV_WARPS warps.
+template <int NT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv(const GemvParams p) {
+    int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    // segment by constant indices (a runtime index would copy the parameters to local memory)
+    GemvSeg g = p.seg[0];
+    if (r >= g.rows) {
+        if (p.mode == 2 || p.n_seg < 2) return;
+        r -= g.rows;
+        g = p.seg[1];
+        if (r >= g.rows) {
+            r -= g.rows;
+            g = p.seg[2];
+            if (p.n_seg < 3 || r >= g.rows) return;
+        }
+    }
+    float acc[NT];
+    row_dot<NT>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, acc);
+    if (p.mode == 2) {
+        float up[NT];
+        row_dot<NT>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, up);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * up[t];
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (lane == t) {
+            float* o = g.out + (long long)t * g.rows + r;
+            *o = p.mode == 1 ? *o + acc[t] : acc[t];
+        }
+    }
+}
+
+// One block per token (x and y rows n floats apart).
+extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __restrict__ x,
+                                                                 float* __restrict__ y, int n, float eps) {
+    __shared__ float red[8];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    ss = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
+    const float d = sqrtf(ss / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
+}
+
+struct KVStoreParams {
+    const float* src[2];      // K rows (n_tok, n[0]) F32, V rows (n_tok, n[1]) F32, contiguous
+    void* dst[2];             // cache (kv_size * n_stream, n[i]) of F16 (f16[i]) or F32
+    const long long* rows;    // (n_tok,) destination row of each token
+    int n[2];
+    int f16[2];
+    int n_tok;
+    int pad_;
+};
+
+// Grid (n_tok, 2): block y = 0 stores K, 1 stores V.
+extern "C" __global__ void __launch_bounds__(128) dense_kv_store(const KVStoreParams p) {
+    const int t = blockIdx.x, kind = blockIdx.y, n = kind ? p.n[1] : p.n[0];
+    const float* src = (kind ? p.src[1] : p.src[0]) + (long long)t * n;
+    void* dst_base = kind ? p.dst[1] : p.dst[0];
+    const long long row = p.rows[t];
+    if (kind ? p.f16[1] : p.f16[0]) {
+        __half* dst = static_cast<__half*>(dst_base) + row * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __float2half_rn(src[i]);
+    } else {
+        float* dst = static_cast<float*>(dst_base) + row * n;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+}
