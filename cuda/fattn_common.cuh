@@ -53,6 +53,8 @@ struct FattnParams {
     float m0, m1;              // ALiBi bases; max_bias == 0 -> slope 1
     int use_alibi;
     int d_v;                   // V head size (combine pass)
+    int* split_cnt;            // n_splits > 1: one zeroed counter per row group (split_finish);
+                               // nullptr: fattn_combine finishes in a launch of its own
 };
 
 // ---------------------------------------------------------------------------------------
@@ -236,6 +238,62 @@ __device__ __forceinline__ void store_row_value(const FattnParams& p, long long 
         p.ws_o[wr * d_v + c] = o;
         if (c == 0) { p.ws_ml[wr * 2] = m; p.ws_ml[wr * 2 + 1] = l; }
     }
+}
+
+// Split-KV finish inside the attention kernel, instead of a fattn_combine launch: each block
+// of a row group (the blocks with the same blockIdx.x/y and stream, splits z = 0 .. n_splits-1)
+// counts itself in p.split_cnt[group] once its partials are written; the last one merges the
+// n_splits partials of its rows into dst, as fattn_combine does, and sets the counter back to
+// 0 for the next launch. Every thread of the block calls it. row_of(r): the output row of the
+// block's local row r (0 <= r < n_r) or -1; scratch: >= 2 * n_r + 1 floats of shared memory
+// the block no longer uses.
+template <typename RowOf>
+__device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int d_v,
+                                             float* scratch) {
+    int* last = reinterpret_cast<int*>(scratch + 2 * n_r);
+    const int group = ((blockIdx.z / p.n_splits) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    __threadfence();            // this thread's partials are visible before the block is counted
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(p.split_cnt + group, 1) == p.n_splits - 1;
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
+    for (int r = threadIdx.x; r < n_r; r += blockDim.x) {   // each row's max and 1 / sum
+        const long long row = row_of(r);
+        float M = FATTN_NEG_INF, inv = 0.0f;
+        if (row >= 0) {
+            for (int z = 0; z < p.n_splits; ++z) M = fmaxf(M, __ldcg(p.ws_ml + (z * n_rows + row) * 2));
+            const float sk = p.sinks ? __ldg(p.sinks + row % p.n_head) * FATTN_LOG2E : FATTN_NEG_INF;
+            M = fmaxf(M, sk);
+            float L = 0.0f;
+            for (int z = 0; z < p.n_splits; ++z) {
+                const float m = __ldcg(p.ws_ml + (z * n_rows + row) * 2);
+                if (m != FATTN_NEG_INF) L += fast_exp2(m - M) * __ldcg(p.ws_ml + (z * n_rows + row) * 2 + 1);
+            }
+            if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
+            inv = L > 0.0f ? 1.0f / L : 0.0f;
+        }
+        scratch[2 * r] = M;
+        scratch[2 * r + 1] = inv;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_r * d_v; i += blockDim.x) {   // columns across threads
+        const int r = i / d_v, c = i - r * d_v;
+        const long long row = row_of(r);
+        if (row < 0) continue;
+        const float M = scratch[2 * r], inv = scratch[2 * r + 1];
+        float acc = 0.0f;
+        if (inv != 0.0f) {
+            for (int z = 0; z < p.n_splits; ++z) {
+                const float m = __ldcg(p.ws_ml + (z * n_rows + row) * 2);
+                const float f = m == FATTN_NEG_INF ? 0.0f : fast_exp2(m - M);
+                if (f != 0.0f) acc += __ldcg(p.ws_o + (z * n_rows + row) * d_v + c) * f;
+            }
+        }
+        p.dst[row * d_v + c] = acc * inv;
+    }
+    if (threadIdx.x == 0) p.split_cnt[group] = 0;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -141,6 +141,8 @@ class LaunchConfig:
     block: int            # threads
     smem: int
     grid: tuple[int, int, int]
+    fused_finish: bool = True   # the instance merges its own splits (split_finish); the 128-row
+    # prefill tiles do not (their epilogue is at the register limit: fattn_combine finishes them)
 
 
 # Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
@@ -238,7 +240,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                              f"for kernel {kernel!r}; at most {_MAX_GRID_Y}")
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
-                        block, smem, grid)
+                        block, smem, grid, fused_finish=not (kernel == "prefill" and mt == 2))
 
 
 _OCCUPANCY: dict[tuple, int] = {}
@@ -576,6 +578,27 @@ def _workspace(dev: int, stream: int, nbytes: int):
     return buf.data.ptr, buf
 
 
+# Split-KV finish: True -- the attention kernel's last block of each row group merges the
+# splits (one launch per call; LaunchConfig.fused_finish says which instances can); False -- a
+# fattn_combine launch after the kernel (kept for the tests that compare the two).
+FUSED_SPLIT_FINISH = True
+_CNT: dict[tuple, object] = {}
+
+
+def _split_counters(dev: int, stream: int, n: int):
+    """(pointer, buffer) of at least ``n`` int32 counters, zero between launches: made zeroed,
+    and every kernel that counts in them sets its counters back to 0 (``split_finish``). Per
+    (device, stream, thread) like the workspace; calls on one stream run one after another."""
+    import cupy
+    key = (dev, stream, threading.get_ident())
+    buf = _CNT.get(key)
+    if buf is None or buf.size < n:
+        with cupy.cuda.ExternalStream(stream):
+            buf = cupy.zeros(max(n, 4096), dtype=cupy.int32)
+        _CNT[key] = buf
+    return buf.data.ptr, buf
+
+
 # ---------------------------------------------------------------------------------------
 # entry points
 def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc) -> str:
@@ -598,13 +621,14 @@ class _Prepared:
     ws_o_bytes: int = 0
     ws_bytes: int = 0
     comb_grid: tuple = (1, 1, 1)
+    n_groups: int = 0          # split counters the kernel needs (fused split finish), 0: none
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16, v.type, v.ne, v.nb, v.ptr % 16,
+    return (FUSED_SPLIT_FINISH, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16, v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
             dst.type, dst.ne, dst.nb, float(scale), float(max_bias), float(softcap), kernel,
@@ -628,8 +652,11 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
         prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
-        prep.comb = K.get_function(K.util_variant(), "fattn_combine")
-        prep.comb_grid = (n_rows, 1, 1)
+        if FUSED_SPLIT_FINISH and cfg.fused_finish:   # the last block of each row group merges
+            prep.n_groups = cfg.grid[0] * cfg.grid[1] * sh.ne3
+        else:
+            prep.comb = K.get_function(K.util_variant(), "fattn_combine")
+            prep.comb_grid = (n_rows, 1, 1)
     return prep
 
 
@@ -727,6 +754,9 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
         ws, buf = _workspace(dev, st, prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
         b._keep = (b._keep, buf)
+    if prep.n_groups:
+        p.split_cnt, cnt = _split_counters(dev, st, prep.n_groups)
+        b._keep = (b._keep, cnt)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     arr = K.arg_block(p)

@@ -392,6 +392,7 @@ class FattnParams(ctypes.Structure):
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("m0", ctypes.c_float), ("m1", ctypes.c_float),
         ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
+        ("split_cnt", ctypes.c_uint64),
     ]
 
 

@@ -222,12 +222,29 @@ def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
-def test_forced_splits(kernel, n_splits, rng):
+@pytest.mark.parametrize("fused", [True, False])
+def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
+    """Split-KV, finished by the kernel's last block of each row group (fused) or by the
+    fattn_combine launch."""
+    monkeypatch.setattr(cb, "FUSED_SPLIT_FINISH", fused)
     q, k, v, s = _inputs(rng, 1, 16, 4, 3, 1000, 128, 128, GGML_TYPE_BF16, sinks=True)
     mask = conf.random_kq_mask(rng, (1, 1, 3, 1000))
     ref = flash_attn_ext(q, k, v, mask, 0.09, 8.0, 0.0, s, kv_type=GGML_TYPE_BF16)
     out = _run_device(q, k, v, mask, s, 0.09, 8.0, 0.0, kernel, n_splits=n_splits)
-    _check(out, ref, f"{kernel} splits={n_splits}")
+    _check(out, ref, f"{kernel} splits={n_splits} fused={fused}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_fused_split_counters_reset_between_launches(kernel, rng):
+    """Back-to-back split launches on one stream share the counters: each must leave them at 0
+    (else the next launch's last block is miscounted and rows stay unwritten)."""
+    cases = []
+    for n_splits in (5, 3, 5, 8, 2):
+        q, k, v, s = _inputs(rng, 2, 8, 2, 2, 700, 128, 128, GGML_TYPE_F16, sinks=True)
+        ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
+        cases.append((ref, _run_device(q, k, v, None, s, 0.1, 0.0, 0.0, kernel, n_splits=n_splits)))
+    for i, (ref, out) in enumerate(cases):
+        _check(out, ref, f"{kernel} launch {i}")
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)

@@ -129,8 +129,9 @@ def test_captured_ubatch_graph_replays_the_same_results():
 
 
 def test_full_block_on_device_matches_host_graph():
-    """The full block as a device graph (CuPy: cuBLAS GEMMs, fused norm and SiLU kernels) against
-    the host graph of ggml's own ops, prompt and decode step, outputs and cache."""
+    """The full block as a device graph (CuPy: cuBLAS GEMMs for the prompt, dense.cu's GEMV for
+    decode steps, one-launch norm and K/V store) against the host graph of ggml's own ops,
+    prompt and decode steps, outputs and cache."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
@@ -141,9 +142,10 @@ def test_full_block_on_device_matches_host_graph():
     for xp, w in ((None, w_host), ("cupy", w_dev)):
         c = lcache(True, xp=xp)
         outs = []
-        for b in (Batch.from_lengths([3, 5, 8, 2]), None):
-            if b is None:
-                b = Batch.from_lengths([1] * 4, start_pos=c.next_positions(range(4)))
+        # a prompt (cuBLAS GEMMs), then decode steps of 4, 1 and 3 tokens (dense_gemv<4>, <1>, <3>)
+        for b in (Batch.from_lengths([3, 5, 8, 2]), 4, 1, 3):
+            if isinstance(b, int):
+                b = Batch.from_lengths([1] * b, start_pos=c.next_positions(range(b)))
             for ub in split_ubatches(b, 512, "simple"):
                 plan = plan_ubatch(c, ub)
                 g = build_ubatch_graph(c, plan, LCFG, layer="full", weights=w)

@@ -1,0 +1,103 @@
+"""cuda/dense.cu against float64 numpy on fresh random inputs, outputs poisoned first. GPU only.
+
+dense_gemv in its three modes (store, accumulate, gated) for 1-4 tokens, one to three weight
+segments, row counts that do not fill a block and inner sizes that are not a multiple of the
+main loop's stride; dense_rms_norm; dense_kv_store into F16 and F32 caches."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from ggml_attn import kernels as K
+from ggml_attn.reference import nmse
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    _HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")]
+
+
+def _launch(name, grid, block, *params):
+    fn = K.get_function(K.dense_variant(), name)
+    args = K.arg_block(*params)
+    fn.launch_raw(grid, block, cupy.cuda.get_current_stream().ptr, ctypes.addressof(args))
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def _x16(x):
+    """x rounded to F16 (what the kernel multiplies), as float64."""
+    return x.astype(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows, n_in", [((7, 13, 5), 296), ((64, 32, 32), 4096), ((130,), 1032)])
+def test_gemv_matches_float64(n_tok, mode, rows, n_in):
+    rng = np.random.default_rng(hash((n_tok, mode, rows, n_in)) % 2**32)
+    if mode == 1:
+        rows = rows[:1]
+    if mode == 2:
+        rows = (rows[0], rows[0])
+    ws = [rng.standard_normal((r, n_in)).astype(np.float16) for r in rows]
+    x = rng.standard_normal((n_tok, n_in)).astype(np.float32)
+    n_out = 1 if mode else len(rows)
+    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(n_out)]
+    d_ws = [cupy.asarray(w) for w in ws]
+    d_x = cupy.asarray(x)
+    d_out = [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+    p = K.GemvParams()
+    for i, w in enumerate(d_ws):
+        p.seg[i].w, p.seg[i].rows = w.data.ptr, w.shape[0]
+        p.seg[i].out = d_out[0 if mode == 2 else i].data.ptr
+    p.x, p.x_stride, p.n_in, p.n_seg, p.mode = d_x.data.ptr, n_in, n_in, len(ws), mode
+    total = rows[0] if mode == 2 else sum(rows)
+    _launch(f"dense_gemv<{n_tok}>", (-(-total // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+    prods = [_x16(x) @ w.astype(np.float64).T for w in ws]
+    if mode == 0:
+        want = prods
+    elif mode == 1:
+        want = [init[0] + prods[0]]
+    else:
+        g = prods[0]
+        want = [g / (1.0 + np.exp(-g)) * prods[1]]
+    for got, ref in zip(d_out, want):
+        got = got.get()
+        assert np.isfinite(got).all()
+        assert nmse(got, ref) < 1e-9
+
+
+@pytest.mark.parametrize("n_tok, n", [(1, 4096), (5, 1000), (3, 33)])
+def test_rms_norm_matches_float64(n_tok, n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
+    d_x, d_y = cupy.asarray(x), cupy.full((n_tok, n), np.nan, np.float32)
+    _launch("dense_rms_norm", (n_tok, 1, 1), (256, 1, 1), ctypes.c_uint64(d_x.data.ptr),
+            ctypes.c_uint64(d_y.data.ptr), ctypes.c_int32(n), ctypes.c_float(1e-5))
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    assert nmse(d_y.get(), want) < 1e-12
+
+
+@pytest.mark.parametrize("k_dtype, v_dtype", [(np.float16, np.float16), (np.float32, np.float16),
+                                              (np.float32, np.float32)])
+def test_kv_store_writes_only_its_rows(k_dtype, v_dtype):
+    rng = np.random.default_rng(7)
+    n_tok, n_k, n_v, n_rows = 5, 256, 200, 40
+    rows = rng.choice(n_rows, n_tok, replace=False).astype(np.int64)
+    k = rng.standard_normal((n_tok, n_k)).astype(np.float32)
+    v = rng.standard_normal((n_tok, n_v)).astype(np.float32)
+    ck = rng.standard_normal((n_rows, n_k)).astype(k_dtype)
+    cv = rng.standard_normal((n_rows, n_v)).astype(v_dtype)
+    d = {n: cupy.asarray(a) for n, a in dict(k=k, v=v, ck=ck, cv=cv, rows=rows).items()}
+    p = K.KVStoreParams()
+    p.src[0], p.src[1] = d["k"].data.ptr, d["v"].data.ptr
+    p.dst[0], p.dst[1] = d["ck"].data.ptr, d["cv"].data.ptr
+    p.n[0], p.n[1] = n_k, n_v
+    p.f16[0], p.f16[1] = int(k_dtype == np.float16), int(v_dtype == np.float16)
+    p.rows, p.n_tok = d["rows"].data.ptr, n_tok
+    _launch("dense_kv_store", (n_tok, 2, 1), (128, 1, 1), p)
+    want_k, want_v = ck.copy(), cv.copy()
+    want_k[rows], want_v[rows] = k, v     # cast on assignment, as the numpy store does
+    assert np.array_equal(d["ck"].get(), want_k) and np.array_equal(d["cv"].get(), want_v)
