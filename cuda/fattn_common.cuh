@@ -240,62 +240,6 @@ __device__ __forceinline__ void store_row_value(const FattnParams& p, long long 
     }
 }
 
-// Split-KV finish inside the attention kernel, instead of a fattn_combine launch: each block
-// of a row group (the blocks with the same blockIdx.x/y and stream, splits z = 0 .. n_splits-1)
-// counts itself in p.split_cnt[group] once its partials are written; the last one merges the
-// n_splits partials of its rows into dst, as fattn_combine does, and sets the counter back to
-// 0 for the next launch. Every thread of the block calls it. row_of(r): the output row of the
-// block's local row r (0 <= r < n_r) or -1; scratch: >= 2 * n_r + 1 floats of shared memory
-// the block no longer uses.
-template <typename RowOf>
-__device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int d_v,
-                                             float* scratch) {
-    int* last = reinterpret_cast<int*>(scratch + 2 * n_r);
-    const int group = ((blockIdx.z / p.n_splits) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    __threadfence();            // this thread's partials are visible before the block is counted
-    __syncthreads();
-    if (threadIdx.x == 0) *last = atomicAdd(p.split_cnt + group, 1) == p.n_splits - 1;
-    __syncthreads();
-    if (!*last) return;
-    __threadfence();
-    const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
-    for (int r = threadIdx.x; r < n_r; r += blockDim.x) {   // each row's max and 1 / sum
-        const long long row = row_of(r);
-        float M = FATTN_NEG_INF, inv = 0.0f;
-        if (row >= 0) {
-            for (int z = 0; z < p.n_splits; ++z) M = fmaxf(M, __ldcg(p.ws_ml + (z * n_rows + row) * 2));
-            const float sk = p.sinks ? __ldg(p.sinks + row % p.n_head) * FATTN_LOG2E : FATTN_NEG_INF;
-            M = fmaxf(M, sk);
-            float L = 0.0f;
-            for (int z = 0; z < p.n_splits; ++z) {
-                const float m = __ldcg(p.ws_ml + (z * n_rows + row) * 2);
-                if (m != FATTN_NEG_INF) L += fast_exp2(m - M) * __ldcg(p.ws_ml + (z * n_rows + row) * 2 + 1);
-            }
-            if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
-            inv = L > 0.0f ? 1.0f / L : 0.0f;
-        }
-        scratch[2 * r] = M;
-        scratch[2 * r + 1] = inv;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < n_r * d_v; i += blockDim.x) {   // columns across threads
-        const int r = i / d_v, c = i - r * d_v;
-        const long long row = row_of(r);
-        if (row < 0) continue;
-        const float M = scratch[2 * r], inv = scratch[2 * r + 1];
-        float acc = 0.0f;
-        if (inv != 0.0f) {
-            for (int z = 0; z < p.n_splits; ++z) {
-                const float m = __ldcg(p.ws_ml + (z * n_rows + row) * 2);
-                const float f = m == FATTN_NEG_INF ? 0.0f : fast_exp2(m - M);
-                if (f != 0.0f) acc += __ldcg(p.ws_o + (z * n_rows + row) * d_v + c) * f;
-            }
-        }
-        p.dst[row * d_v + c] = acc * inv;
-    }
-    if (threadIdx.x == 0) p.split_cnt[group] = 0;
-}
-
 // ---------------------------------------------------------------------------------------
 // PTX wrappers (sm_80+)
 __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
@@ -349,4 +293,77 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     return x;
+}
+
+// Split-KV finish inside the attention kernel, instead of a fattn_combine launch: each block
+// of a row group (the blocks with the same blockIdx.x/y and stream, splits z = 0 .. n_splits-1)
+// counts itself in p.split_cnt[group] once its partials are written; the last one merges the
+// n_splits partials of its rows into dst, as fattn_combine does, and sets the counter back to
+// 0 for the next launch. Every thread of the block calls it. row_of(r): the output row of the
+// block's local row r (0 <= r < n_r) or -1; scratch: split_finish_floats(n_r, n_splits) floats
+// of shared memory the block no longer uses (the host checks that the kernel has them).
+// Three passes, each with independent loads: the splits' maxima into shared memory; per row
+// (a warp each) the max, the split weights and 1 / sum; the weighted sum of the partial
+// outputs, columns across threads.
+__host__ __device__ constexpr int split_finish_floats(int n_r, int n_splits) {
+    return n_r * n_splits + n_r + 1;
+}
+
+template <typename RowOf>
+__device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int d_v,
+                                             float* scratch) {
+    const int ns = p.n_splits;
+    float* fz = scratch;                 // [n_r][ns]: split maxima, then weights
+    float* inv = scratch + n_r * ns;     // [n_r]
+    int* last = reinterpret_cast<int*>(inv + n_r);
+    const int group = ((blockIdx.z / ns) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    __threadfence();            // this thread's partials are visible before the block is counted
+    __syncthreads();
+    if (threadIdx.x == 0) *last = atomicAdd(p.split_cnt + group, 1) == ns - 1;
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
+    for (int i = threadIdx.x; i < n_r * ns; i += blockDim.x) {
+        const int r = i / ns, z = i - r * ns;
+        const long long row = row_of(r);
+        fz[i] = row < 0 ? FATTN_NEG_INF : __ldcg(p.ws_ml + (z * n_rows + row) * 2);
+    }
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < n_r; r += blockDim.x >> 5) {
+        const long long row = row_of(r);
+        float M = FATTN_NEG_INF;
+        for (int z = lane; z < ns; z += 32) M = fmaxf(M, fz[r * ns + z]);
+        M = warp_max(M);
+        const float sk = (p.sinks && row >= 0) ? __ldg(p.sinks + row % p.n_head) * FATTN_LOG2E : FATTN_NEG_INF;
+        M = fmaxf(M, sk);
+        float L = 0.0f;
+        for (int z = lane; z < ns; z += 32) {
+            const float m = fz[r * ns + z];
+            const float f = m == FATTN_NEG_INF ? 0.0f : fast_exp2(m - M);
+            if (f != 0.0f) L += f * __ldcg(p.ws_ml + (z * n_rows + row) * 2 + 1);
+            fz[r * ns + z] = f;
+        }
+        L = warp_sum(L);
+        if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
+        if (lane == 0) inv[r] = L > 0.0f ? 1.0f / L : 0.0f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_r * d_v; i += blockDim.x) {
+        const int r = i / d_v, c = i - r * d_v;
+        const long long row = row_of(r);
+        if (row < 0) continue;
+        const float* f = fz + r * ns;
+        const float* o = p.ws_o + row * d_v + c;
+        const long long zs = n_rows * d_v;
+        float acc = 0.0f;
+        if (inv[r] != 0.0f) {
+#pragma unroll 4
+            for (int z = 0; z < ns; ++z)
+                if (f[z] != 0.0f) acc += __ldcg(o + z * zs) * f[z];
+        }
+        p.dst[row * d_v + c] = acc * inv[r];
+    }
+    if (threadIdx.x == 0) p.split_cnt[group] = 0;
 }

@@ -141,8 +141,14 @@ class LaunchConfig:
     block: int            # threads
     smem: int
     grid: tuple[int, int, int]
+    rows: int = 0               # query rows (token, head) of one block
     fused_finish: bool = True   # the instance merges its own splits (split_finish); the 128-row
     # prefill tiles do not (their epilogue is at the register limit: fattn_combine finishes them)
+
+    def finishes_splits(self) -> bool:
+        """True when this launch's kernel merges its splits itself: an instance that can, and
+        shared memory for the merge's per-split weights (``split_finish_floats``)."""
+        return self.fused_finish and 4 * (self.rows * self.n_splits + self.rows + 1) <= self.smem
 
 
 # Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
@@ -240,7 +246,8 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                              f"for kernel {kernel!r}; at most {_MAX_GRID_Y}")
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
-                        block, smem, grid, fused_finish=not (kernel == "prefill" and mt == 2))
+                        block, smem, grid, rows=tq * pack,
+                        fused_finish=not (kernel == "prefill" and mt == 2))
 
 
 _OCCUPANCY: dict[tuple, int] = {}
@@ -652,7 +659,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
         prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
-        if FUSED_SPLIT_FINISH and cfg.fused_finish:   # the last block of each row group merges
+        if FUSED_SPLIT_FINISH and cfg.finishes_splits():   # the last block of each row group merges
             prep.n_groups = cfg.grid[0] * cfg.grid[1] * sh.ne3
         else:
             prep.comb = K.get_function(K.util_variant(), "fattn_combine")

@@ -399,6 +399,8 @@ def run(quick=False, only=None, log=print):
         for mt in (1, 2):   # fewer KV tiles per split than the default 4
             with knobs(_MIN_TILES_PER_SPLIT=mt):
                 add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
+        with knobs(FUSED_SPLIT_FINISH=False):   # the splits merged by a fattn_combine launch
+            add(case, "ours-auto-combine-launch", ours.fns(), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -434,6 +436,8 @@ def run(quick=False, only=None, log=print):
         for mt in (1, 2):
             with knobs(_MIN_TILES_PER_SPLIT=mt):
                 add(case, f"ours-min{mt}tiles", part.fns(), None, nbytes * f)
+        with knobs(FUSED_SPLIT_FINISH=False):
+            add(case, "ours-auto-combine-launch", part.fns(), None, nbytes * f)
         if t_all and t_part:
             rows.append(dict(case=f"{case}: time / all-live time", impl="ours",
                              ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))
