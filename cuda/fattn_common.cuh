@@ -306,43 +306,52 @@ __device__ __forceinline__ float warp_sum(float x) {
 // (a warp each) the max, the split weights and 1 / sum; the weighted sum of the partial
 // outputs, columns across threads.
 __host__ __device__ constexpr int split_finish_floats(int n_r, int n_splits) {
-    return n_r * n_splits + n_r + 1;
+    return n_r * n_splits + 2 * n_r + 2;
 }
 
-template <typename RowOf>
+template <int EPT, typename RowOf>   // EPT: output values per thread in flight in the last pass
 __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int d_v,
                                              float* scratch) {
     const int ns = p.n_splits;
     float* fz = scratch;                 // [n_r][ns]: split maxima, then weights
     float* inv = scratch + n_r * ns;     // [n_r]
-    int* last = reinterpret_cast<int*>(inv + n_r);
+    int* vr = reinterpret_cast<int*>(inv + n_r);   // [n_r] local rows with an output row, then
+    int* nv = vr + n_r;                            // their count (also the "last block" flag)
     const int group = ((blockIdx.z / ns) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     __threadfence();            // this thread's partials are visible before the block is counted
     __syncthreads();
-    if (threadIdx.x == 0) *last = atomicAdd(p.split_cnt + group, 1) == ns - 1;
+    if (threadIdx.x == 0) {
+        const bool last = atomicAdd(p.split_cnt + group, 1) == ns - 1;
+        int n = 0;
+        if (last)
+            for (int r = 0; r < n_r; ++r)
+                if (row_of(r) >= 0) vr[n++] = r;
+        *nv = last ? n : -1;
+    }
     __syncthreads();
-    if (!*last) return;
+    const int n_valid = *nv;
+    if (n_valid < 0) return;
     __threadfence();
     const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
-    for (int i = threadIdx.x; i < n_r * ns; i += blockDim.x) {
-        const int r = i / ns, z = i - r * ns;
-        const long long row = row_of(r);
-        fz[i] = row < 0 ? FATTN_NEG_INF : __ldcg(p.ws_ml + (z * n_rows + row) * 2);
+    for (int i = threadIdx.x; i < n_valid * ns; i += blockDim.x) {
+        const int k = i / ns, z = i - k * ns;
+        fz[vr[k] * ns + z] = __ldcg(p.ws_ml + (z * n_rows + row_of(vr[k])) * 2);
     }
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    for (int r = threadIdx.x >> 5; r < n_r; r += blockDim.x >> 5) {
+    for (int k = threadIdx.x >> 5; k < n_valid; k += blockDim.x >> 5) {   // a warp per row
+        const int r = vr[k];
         const long long row = row_of(r);
         float M = FATTN_NEG_INF;
         for (int z = lane; z < ns; z += 32) M = fmaxf(M, fz[r * ns + z]);
         M = warp_max(M);
-        const float sk = (p.sinks && row >= 0) ? __ldg(p.sinks + row % p.n_head) * FATTN_LOG2E : FATTN_NEG_INF;
+        const float sk = p.sinks ? __ldg(p.sinks + row % p.n_head) * FATTN_LOG2E : FATTN_NEG_INF;
         M = fmaxf(M, sk);
         float L = 0.0f;
         for (int z = lane; z < ns; z += 32) {
             const float m = fz[r * ns + z];
             const float f = m == FATTN_NEG_INF ? 0.0f : fast_exp2(m - M);
-            if (f != 0.0f) L += f * __ldcg(p.ws_ml + (z * n_rows + row) * 2 + 1);
+            L += f * __ldcg(p.ws_ml + (z * n_rows + row) * 2 + 1);
             fz[r * ns + z] = f;
         }
         L = warp_sum(L);
@@ -350,20 +359,40 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
         if (lane == 0) inv[r] = L > 0.0f ? 1.0f / L : 0.0f;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n_r * d_v; i += blockDim.x) {
-        const int r = i / d_v, c = i - r * d_v;
-        const long long row = row_of(r);
-        if (row < 0) continue;
-        const float* f = fz + r * ns;
-        const float* o = p.ws_o + row * d_v + c;
-        const long long zs = n_rows * d_v;
-        float acc = 0.0f;
-        if (inv[r] != 0.0f) {
-#pragma unroll 4
-            for (int z = 0; z < ns; ++z)
-                if (f[z] != 0.0f) acc += __ldcg(o + z * zs) * f[z];
+    // sum_z f_z * partial_z for EPT values per thread at once: loads issued back to back
+    const int n_e = n_valid * d_v;
+    const long long zs = n_rows * d_v;
+    for (int e0 = threadIdx.x; e0 < n_e; e0 += EPT * blockDim.x) {
+        const float* o[EPT];
+        const float* f[EPT];
+        float acc[EPT];
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) {
+            const int e = min(e0 + j * (int)blockDim.x, n_e - 1);
+            const int k = e / d_v, r = vr[k];
+            o[j] = p.ws_o + row_of(r) * d_v + (e - k * d_v);
+            f[j] = fz + r * ns;
+            acc[j] = 0.0f;
         }
-        p.dst[row * d_v + c] = acc * inv[r];
+#pragma unroll 2
+        for (int z = 0; z < ns; ++z) {
+            float v[EPT];
+#pragma unroll
+            for (int j = 0; j < EPT; ++j) v[j] = __ldcg(o[j] + z * zs);
+#pragma unroll
+            for (int j = 0; j < EPT; ++j) {
+                const float w = f[j][z];
+                acc[j] += w != 0.0f ? v[j] * w : 0.0f;   // (a split with no visible cell adds nothing)
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < EPT; ++j) {
+            const int e = e0 + j * (int)blockDim.x;
+            if (e < n_e) {
+                const int k = e / d_v, r = vr[k];
+                p.dst[row_of(r) * d_v + (e - k * d_v)] = acc[j] * inv[r];
+            }
+        }
     }
     if (threadIdx.x == 0) p.split_cnt[group] = 0;
 }

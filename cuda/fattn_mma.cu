@@ -508,7 +508,7 @@ fattn_mma(const FattnParams p) {
     }
     if constexpr (MT == 1) {   // (128-row tiles: fattn_combine; their epilogue is at the register limit)
       if (p.n_splits > 1 && p.split_cnt) {
-        split_finish(p, BM, [&](int r) -> long long {
+        split_finish<4>(p, BM, [&](int r) -> long long {
             const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
             if (tok >= p.n_batch || tr >= tq) return -1;
             return ((long long)s * p.n_batch + tok) * p.n_head + h;

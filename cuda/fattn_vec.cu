@@ -199,11 +199,4 @@ fattn_vec(const FattnParams p) {
         const float M = sM[r], Ls = sL[r];
         store_row_value(p, ((long long)s * p.n_batch + tok) * p.n_head + h, h, c, DV, split, o, M, Ls);
     }
-    if (p.n_splits > 1 && p.split_cnt) {
-        split_finish(p, R, [&](int r) -> long long {
-            const int tok = qt * p.q_tile_tokens + r / P, h = hg * P + r % P;
-            if (tok >= p.n_batch || r / P >= p.q_tile_tokens) return -1;
-            return ((long long)s * p.n_batch + tok) * p.n_head + h;
-        }, DV, reinterpret_cast<float*>(smem_raw));
-    }
 }

@@ -142,13 +142,15 @@ class LaunchConfig:
     smem: int
     grid: tuple[int, int, int]
     rows: int = 0               # query rows (token, head) of one block
-    fused_finish: bool = True   # the instance merges its own splits (split_finish); the 128-row
-    # prefill tiles do not (their epilogue is at the register limit: fattn_combine finishes them)
+    fused_finish: bool = True   # the instance merges its own splits (split_finish): the tensor-core
+    # kernels' 64-row and decode tiles; not the 128-row prefill tiles (their epilogue is at the
+    # register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
+    # spills): fattn_combine finishes those
 
     def finishes_splits(self) -> bool:
         """True when this launch's kernel merges its splits itself: an instance that can, and
         shared memory for the merge's per-split weights (``split_finish_floats``)."""
-        return self.fused_finish and 4 * (self.rows * self.n_splits + self.rows + 1) <= self.smem
+        return self.fused_finish and 4 * (self.rows * (self.n_splits + 2) + 2) <= self.smem
 
 
 # Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
@@ -247,7 +249,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid, rows=tq * pack,
-                        fused_finish=not (kernel == "prefill" and mt == 2))
+                        fused_finish=kernel == "decode-tc" or (kernel == "prefill" and mt == 1))
 
 
 _OCCUPANCY: dict[tuple, int] = {}

@@ -205,13 +205,13 @@ def test_launch_config_rules():
 
 def test_fused_split_finish_needs_its_shared_memory():
     """A kernel merges its own splits only when it can (not the 128-row tiles) and its shared
-    memory holds the merge's weights: rows * n_splits + rows + 1 floats."""
+    memory holds the merge's weights: rows * (n_splits + 2) + 2 floats."""
     from ggml_attn.cuda_backend import LaunchConfig
     v = K.util_variant()
 
     def cfg(rows, n_splits, smem, fused=True):
         return LaunchConfig("decode", v, "x", 1, rows, 1, 64, n_splits, 128, smem, (1, 1, n_splits),
                             rows=rows, fused_finish=fused)
-    assert cfg(16, 64, 4 * (16 * 64 + 17)).finishes_splits()
-    assert not cfg(16, 64, 4 * (16 * 64 + 17) - 4).finishes_splits()
+    assert cfg(16, 64, 4 * (16 * 66 + 2)).finishes_splits()
+    assert not cfg(16, 64, 4 * (16 * 66 + 2) - 4).finishes_splits()
     assert not cfg(16, 2, 1 << 16, fused=False).finishes_splits()
