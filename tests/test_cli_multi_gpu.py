@@ -259,3 +259,49 @@ def test_layer_rank_engines_equal_one_device(layer, n, shares):
     # per synchronize: the drain token from the last rank to rank 0
     want = [(r < n - 1) * n_ub + (r > 0) * n_ub + (r in (0, n - 1)) * n_ub for r in range(n)]
     assert [c.calls for c in group.comms] == want
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
+    """tools/gpu_multi_check.py's per-rank cases, joining of outputs and comparison, with numpy
+    ranks on threads over the in-process communicator instead of processes over NCCL: both
+    modes must match one rank; its table shows both."""
+    from ggml_attn.cli import gpu_multi_check as gmc
+    from ggml_attn.graph import AttnConfig
+    monkeypatch.setattr(gmc, "LENS", [5, 3, 9])
+    monkeypatch.setattr(gmc, "N_STEPS", 2)
+    monkeypatch.setattr(gmc, "N_EMBD", 32)
+    monkeypatch.setattr(gmc, "N_FF", 48)
+    monkeypatch.setattr(gmc, "_cfg", lambda n_gpu: AttnConfig(n_layer=max(4, n_gpu), n_head=6, n_head_kv=3,
+                                                               head_dim=16) if n_gpu == 3 else
+                        AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim=16))
+    cfg = gmc._cfg(n)
+    weights = gmc._weights(cfg, np)
+    group = tp.LocalGroup(n, timeout=60)
+    got, errors = {}, []
+
+    def go(r):
+        try:
+            got[r] = gmc.rank_cases(r, n, group.comms[r], cfg, weights, xp=np, sync=lambda: None)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            group.abort()
+    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors, errors
+    refs = {}
+    for layer, unified in sorted({(c[1], c[2]) for c in gmc.CASES}):
+        cache = gmc._caches(cfg, 1, unified, xp=np)
+        eng = tp.RankEngine(cache, cfg, 0, 1, gmc._NoComm(), gmc._inputs(cfg, layer), layer=layer, weights=weights)
+        ref, t1 = gmc._run_case(cache, eng, cfg, unified, sync=lambda: None)
+        refs[(layer, unified)] = (ref, t1, cache.k.copy(), cache.v.copy())
+    report = gmc.compare(cfg, n, got, refs)
+    assert len(report["cases"]) == 8
+    for c in report["cases"]:
+        assert c["out_nmse"] <= 1e-5 and c["kv_nmse"] <= 1e-5, c
+        if c["mode"] == "layer" or c["layer"] == "attn":
+            assert c["out_nmse"] == 0.0 and c["kv_nmse"] == 0.0, c   # the same math, no sums across ranks
+        assert c["comm_calls"] > 0 or (c["mode"], c["layer"]) == ("row", "attn")
+    text = gmc.table(report)
+    assert text.count("\nrow ") == 4 and text.count("\nlayer ") == 4
