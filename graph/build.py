@@ -41,7 +41,7 @@ from .plan import UBatchPlan
 from .qkv import AttnConfig
 
 __all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
-           "check_geometry", "GraphBuildError", "LAYERS"]
+           "check_geometry", "check_layers", "GraphBuildError", "LAYERS"]
 
 LAYERS = ("attn", "full")
 
@@ -215,6 +215,8 @@ class GraphBuilder:
     ``weights`` (per layer, see ``layers.full_layer``) and ``device`` (all-custom graph).
     Every tensor with memory of its own gets an ``xp`` array here, at build time."""
 
+    layers: range | None = None   # the global layers of the graph (build_ubatch_graph's ``layers``)
+
     def __init__(self, cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, device: bool, attention,
                  weights=None, shared_inputs: bool = False, reuse: bool = False, n_tensors: int = 256):
         self.cache, self.plan, self.cfg, self.xp = cache, plan, cfg, cache.xp
@@ -326,21 +328,36 @@ class GraphBuilder:
         return t
 
 
-def check_geometry(cache: KVCache, cfg: AttnConfig) -> None:
-    """ValueError when ``cfg``'s layers or K/V geometry do not fit ``cache``."""
+def check_layers(cfg: AttnConfig, layers) -> range:
+    """``layers`` (None: every layer of ``cfg``) as a non-empty step-1 range inside
+    ``range(cfg.n_layer)``; ValueError otherwise."""
+    if layers is None:
+        return range(cfg.n_layer)
+    if not isinstance(layers, range) or layers.step != 1 or not len(layers) \
+            or layers.start < 0 or layers.stop > cfg.n_layer:
+        raise ValueError(f"layers must be a non-empty range inside range({cfg.n_layer}), got {layers!r}")
+    return layers
+
+
+def check_geometry(cache: KVCache, cfg: AttnConfig, layers=None) -> None:
+    """ValueError when ``cfg``'s layers (or the ``layers`` range of them) or K/V geometry do not
+    fit ``cache``."""
     if (cfg.n_head_kv, cfg.head_dim, cfg.d_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
         raise ValueError(f"AttnConfig K/V geometry {cfg.n_head_kv}x{cfg.head_dim}/{cfg.d_v} (n_head_kv x "
                          f"head_dim/d_v) does not match the cache's {cache.n_head_kv}x{cache.head_dim_k}/"
                          f"{cache.head_dim_v}")
-    if cfg.n_layer > cache.n_layer:
-        raise ValueError(f"AttnConfig n_layer={cfg.n_layer} but the cache holds {cache.n_layer} layer(s)")
+    n = len(check_layers(cfg, layers))
+    if n > cache.n_layer:
+        what = f"AttnConfig n_layer={cfg.n_layer}" if layers is None else f"layers {layers.start}..{layers.stop - 1}"
+        raise ValueError(f"{what} need {n} layer(s) but the cache holds {cache.n_layer} layer(s)")
 
 
 def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bool | None = None,
-                     layer="attn", flash_attn: bool = True, weights=None) -> bool:
+                     layer="attn", flash_attn: bool = True, weights=None, layers=None) -> bool:
     """Everything :func:`build_ubatch_graph` refuses, checked without a plan (so a caller can
     check before claiming cache cells). Returns True when the graph will be all-custom."""
-    check_geometry(cache, cfg)
+    check_geometry(cache, cfg, layers)
+    n_layer = len(check_layers(cfg, layers))
     on_device = cache.xp is not np
     device = on_device if all_custom is None else bool(all_custom)
     if on_device and not device:
@@ -360,8 +377,8 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
     if isinstance(layer, str) and layer not in LAYERS:
         raise ValueError(f"layer must be one of {LAYERS} or a layer function, got {layer!r}")
     if layer == "full":
-        if weights is None or len(weights) < cfg.n_layer:
-            raise ValueError(f"layer='full' needs weights for each of the {cfg.n_layer} layers")
+        if weights is None or len(weights) < n_layer:
+            raise ValueError(f"layer='full' needs weights for each of the {n_layer} layers")
         if cfg.n_head * cfg.head_dim != weights[0]["wq"].shape[0]:
             raise ValueError(f"wq has {weights[0]['wq'].shape[0]} outputs, the config "
                              f"n_head x head_dim = {cfg.n_head * cfg.head_dim}")
@@ -370,8 +387,10 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
 
 def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
                        all_custom: bool | None = None, layer="attn", weights=None,
-                       flash_attn: bool = True, shared_inputs: bool = False, full_layer=None) -> UBatchGraph:
-    """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers.
+                       flash_attn: bool = True, shared_inputs: bool = False, full_layer=None,
+                       layers=None) -> UBatchGraph:
+    """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers, or through the
+    contiguous ``layers`` range of them (a layer-parallel rank, ``graph/pipe.py``).
 
     The graph is device-resident when the cache stores K/V in CuPy (``cache.xp`` is not
     numpy), a host graph otherwise. Device graphs are *all-custom*: the K/V store is our
@@ -387,17 +406,24 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     instead, or ``flash_attn=False``: ggml's ``mul_mat`` + ``soft_max_ext`` (llama.cpp's ``-fa off``).
     ``full_layer``: the layer function ``layer="full"`` runs instead of ``layers.full_layer``
     (same input ``x``, weights and memory reuse; e.g. ``tp.tp_full_layer``, a head-parallel rank).
+    ``layers``: ``range(a, b)`` inside ``range(cfg.n_layer)`` (None: all): the graph runs global
+    layers ``a..b-1`` only; the cache holds those layers (cache layer ``il - a``), ``weights`` are
+    theirs (``weights[il - a]``), and the layer functions see these local indices
+    (``GraphBuilder.layers`` is the global range). ``layer="full"`` takes ``x`` as the input of
+    layer ``a`` and gives the output of layer ``b-1``; ``"attn"`` gives one output per layer.
     """
     on_device = cache.xp is not np
     device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom, layer=layer,
-                              flash_attn=flash_attn, weights=weights)
+                              flash_attn=flash_attn, weights=weights, layers=layers)
+    layers = check_layers(cfg, layers)
     attention = layer_fns.flash_attention(fa or fa_op.flash_attn_ext) if flash_attn else layer_fns.softmax_attention
     fn = {"attn": layer_fns.attn_layer, "full": full_layer or layer_fns.full_layer}.get(layer, layer) \
         if isinstance(layer, str) else layer
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
     b = GraphBuilder(cache, plan, cfg, device=device, attention=attention, weights=weights,
-                     shared_inputs=shared_inputs, reuse=layer == "full", n_tensors=(64 if layer == "full" else 32) * cfg.n_layer + 16)
+                     shared_inputs=shared_inputs, reuse=layer == "full", n_tensors=(64 if layer == "full" else 32) * len(layers) + 16)
+    b.layers = layers
     try:
         b.row_idx = b.new(GGML_TYPE_I64, (n_tok,), np.int64, "row_idx")
         b.arrays[_addr(b.row_idx)][...] = b.xp.asarray(plan.row_idx)
@@ -418,7 +444,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         if layer == "full":
             n_embd = int(weights[0]["wq"].shape[1])
             x_in = cur = b.new(GGML_TYPE_F32, (n_tok, n_embd), np.float32, "x")
-        for il in range(cfg.n_layer):
+        for il in range(len(layers)):   # local: the cache's and the weights' index
             b.begin_layer(il)
             cur = fn(b, il, cur)
             if layer != "full":

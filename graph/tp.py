@@ -14,7 +14,10 @@ The all-reduce node (:func:`allreduce_node`) is a custom op whose result is its 
 it calls ``comm.allreduce(array)``, which must replace ``array`` in place with the sum of every
 rank's array (the same result on every rank), as NCCL's ``ncclAllReduce`` with ``ncclSum`` does.
 
-Communicators (``allreduce(arr)``, ``rank``, ``n_rank``, ``calls``, ``seconds``):
+Communicators (``allreduce(arr)``, ``rank``, ``n_rank``, ``calls``, ``seconds``; and the
+point-to-point ``send(arr, peer)`` / ``recv(arr, peer)`` of the layer-parallel handover,
+``graph/pipe.py``: ``recv`` fills ``arr`` in place with what ``peer`` sent, messages between two
+ranks arrive in the order they were sent):
 
 * :class:`LocalGroup` / :class:`LocalComm`: ``N`` ranks of one process, each computing its graph
   on a thread of its own (:class:`LockstepEngine`); a call blocks until every rank arrived, then
@@ -32,6 +35,7 @@ metadata, which goes through the same steps and so makes the same plans.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -58,7 +62,10 @@ class LocalGroup:
             raise ValueError(f"n_rank must be at least 1, got {n_rank}")
         self.n_rank = n_rank
         self._barrier = threading.Barrier(n_rank, timeout=timeout)
+        self.timeout = timeout
         self._bufs: list = [None] * n_rank
+        self._mail: dict = {}                 # (src, dst) -> queue of sent copies, in order
+        self._aborted = threading.Event()
         self.comms = [LocalComm(self, r) for r in range(n_rank)]
 
     def _wait(self) -> None:
@@ -68,11 +75,38 @@ class LocalGroup:
             raise CommError("local all-reduce: another rank failed or timed out") from None
 
     def abort(self) -> None:
-        """Release every rank waiting in a collective (they raise :class:`CommError`)."""
+        """Release every rank waiting in a collective or a receive (they raise :class:`CommError`)."""
+        self._aborted.set()
         self._barrier.abort()
 
     def reset(self) -> None:
         self._barrier.reset()
+        self._mail.clear()
+        self._aborted.clear()
+
+    def _box(self, src: int, dst: int) -> queue.Queue:
+        return self._mail.setdefault((src, dst), queue.Queue())
+
+    def send(self, src: int, dst: int, arr) -> None:
+        """A copy of ``arr`` for ``dst`` (the sender may overwrite ``arr`` at once)."""
+        self._box(src, dst).put(np.array(arr, copy=True))
+
+    def recv(self, dst: int, src: int, arr):
+        """``arr[...]`` = the next array ``src`` sent to ``dst`` (waits for it)."""
+        box, t_end = self._box(src, dst), time.monotonic() + self.timeout
+        while True:
+            if self._aborted.is_set():
+                raise CommError(f"local recv from rank {src}: another rank failed")
+            try:
+                got = box.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if time.monotonic() > t_end:
+                    raise CommError(f"local recv from rank {src}: timed out") from None
+        if got.shape != arr.shape:
+            raise CommError(f"local recv from rank {src}: got shape {got.shape}, expected {arr.shape}")
+        arr[...] = got
+        return arr
 
     def allreduce(self, rank: int, arr):
         self._bufs[rank] = arr
@@ -99,6 +133,20 @@ class LocalComm:
         self.calls += 1
         return arr
 
+    def send(self, arr, peer: int):
+        t0 = time.perf_counter()
+        self.group.send(self.rank, peer, arr)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return arr
+
+    def recv(self, arr, peer: int):
+        t0 = time.perf_counter()
+        self.group.recv(self.rank, peer, arr)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return arr
+
 
 def nccl_available() -> bool:
     """True when CuPy is importable and built with NCCL (``cupy.cuda.nccl.available``)."""
@@ -118,7 +166,8 @@ def nccl_unique_id():
 class NcclComm:
     """One rank of an NCCL communicator (this process's current CuPy device).
 
-    ``allreduce(arr)``: in-place sum of a contiguous float32/float16 CuPy array over every rank,
+    ``send(arr, peer)`` / ``recv(arr, peer)``: ``ncclSend`` / ``ncclRecv`` (NCCL 2.7+) on the
+    current stream, the layer-parallel handover. ``allreduce(arr)``: in-place sum of a contiguous float32/float16 CuPy array over every rank,
     on the current stream (asynchronous, like any launch). With ``timing``, CUDA events around each
     call (skipped while the stream is captured); :meth:`nccl_seconds` synchronizes and sums them."""
 
@@ -132,10 +181,11 @@ class NcclComm:
         self._events: list = []
         self._seconds = 0.0
 
-    def allreduce(self, arr):
+    def _call(self, what: str, arr, launch):
+        """``launch(dtype, stream_ptr)`` on the current stream, timed with events (``timing``)."""
         import cupy  # noqa: PLC0415
         if not arr.flags.c_contiguous:
-            raise CommError("NCCL all-reduce needs a contiguous array")
+            raise CommError(f"NCCL {what} needs a contiguous array")
         dtype = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32,
                  np.dtype(np.float16): self.nccl.NCCL_FLOAT16}[np.dtype(arr.dtype)]
         stream = cupy.cuda.get_current_stream()
@@ -143,12 +193,25 @@ class NcclComm:
         if timed:
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
             e0.record(stream)
-        self.comm.allReduce(arr.data.ptr, arr.data.ptr, arr.size, dtype, self.nccl.NCCL_SUM, stream.ptr)
+        launch(dtype, stream.ptr)
         if timed:
             e1.record(stream)
             self._events.append((e0, e1))
         self.calls += 1
         return arr
+
+    def allreduce(self, arr):
+        return self._call("all-reduce", arr, lambda dt, s: self.comm.allReduce(
+            arr.data.ptr, arr.data.ptr, arr.size, dt, self.nccl.NCCL_SUM, s))
+
+    def send(self, arr, peer: int):
+        """``ncclSend`` of ``arr`` to rank ``peer`` on the current stream (stream-ordered: later
+        work on the stream may overwrite ``arr``). The time includes waiting for ``peer``'s recv."""
+        return self._call("send", arr, lambda dt, s: self.comm.send(arr.data.ptr, arr.size, dt, peer, s))
+
+    def recv(self, arr, peer: int):
+        """``ncclRecv`` from rank ``peer`` into ``arr`` on the current stream."""
+        return self._call("recv", arr, lambda dt, s: self.comm.recv(arr.data.ptr, arr.size, dt, peer, s))
 
     @property
     def seconds(self) -> float:
@@ -318,6 +381,10 @@ class LockstepEngine:
             errors.sort(key=lambda e: _echo(e[1]))   # the first cause, not the other ranks' echoes of it
             r, e = errors[0]
             raise CommError(f"rank {r} failed: {e!r}") from e
+        return self._combine(results)
+
+    def _combine(self, results: list):
+        """The ranks' results of one ubatch -> what ``run_ubatch`` returns."""
         if self.layer == "full":
             return [res[0] for res in results]
         return [np.concatenate([res[il] for res in results], axis=1) for il in range(self.cfg.n_layer)]

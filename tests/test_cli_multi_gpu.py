@@ -1,6 +1,6 @@
-"""-sm / -ts / -mg / --n-gpu of both tools (tools/multi_gpu.py) and the -sm row rank engine
-(tools/tp_engine.py) on the CPU: two ranks as threads over the in-process communicator against
-the one-device engine."""
+"""-sm / -ts / -mg / --n-gpu of both tools (tools/multi_gpu.py) and the -sm row and -sm layer
+rank engines (tools/tp_engine.py, tools/layer_engine.py) on the CPU: ranks as threads over the
+in-process communicator against the one-device engine."""
 import threading
 
 import numpy as np
@@ -9,6 +9,7 @@ import pytest
 from ggml_attn.cli import batched_bench, bench, multi_gpu
 from ggml_attn.cli.errors import UserError
 from ggml_attn.cli.graph_engine import GraphEngine
+from ggml_attn.cli.layer_engine import LayerCudaEngine
 from ggml_attn.cli.models import PRESETS
 from ggml_attn.cli.runner import RunConfig
 from ggml_attn.cli.tp_engine import TPCudaEngine
@@ -24,8 +25,10 @@ def _err(capsys, tool, *args):
 
 @pytest.mark.parametrize("tool", [bench, batched_bench])
 @pytest.mark.parametrize("args,msg", [
-    (["-sm", "layer"], "-sm layer (contiguous layer ranges per GPU) is not implemented"),
+    (["-sm", "layer", "--device", "cpu"], "ggml_attn.graph.pipe are for tests"),
     (["-sm", "row", "--device", "cpu"], "--device cpu runs one rank"),
+    (["-sm", "layer", "--n-gpu", "64"], "-sm layer on 64 GPUs: only"),
+    (["-sm", "layer", "-ts", "1,x"], "expected proportions"),
     (["-sm", "none", "--n-gpu", "2"], "needs -sm row"),
     (["-sm", "none", "-ts", "1,1"], "it needs -sm row"),
     (["-sm", "row", "--n-gpu", "64"], "only"),
@@ -59,6 +62,46 @@ def test_plan_ranks(monkeypatch):
     monkeypatch.setattr(tp, "nccl_available", lambda: False)
     with pytest.raises(UserError, match="needs NCCL"):
         multi_gpu.plan_ranks(_ns(split_mode="row", n_gpu=2))
+    with pytest.raises(UserError, match="-sm layer on several GPUs needs NCCL"):
+        multi_gpu.plan_ranks(_ns(split_mode="layer", n_gpu=2))
+
+
+def test_plan_ranks_layer(monkeypatch):
+    monkeypatch.setattr(multi_gpu, "gpu_count", lambda: 4)
+    monkeypatch.setattr(tp, "nccl_available", lambda: True)
+    assert multi_gpu.plan_ranks(_ns(split_mode="layer")) == (4, [0, 1, 2, 3])
+    assert multi_gpu.plan_ranks(_ns(split_mode="layer", n_gpu=2, main_gpu=1)) == (2, [1, 0])
+    assert multi_gpu.plan_ranks(_ns(split_mode="layer", tensor_split="3,1")) == (2, [0, 1])   # unequal: fine
+    assert multi_gpu.plan_ranks(_ns(split_mode="layer", tensor_split="1,0,1")) == (3, [0, 1, 2])   # the split says
+    with pytest.raises(UserError, match="gives 3 share"):
+        multi_gpu.plan_ranks(_ns(split_mode="layer", n_gpu=2, tensor_split="1,1,1"))
+    with pytest.raises(UserError, match="on 5 GPUs: only 4"):
+        multi_gpu.plan_ranks(_ns(split_mode="layer", tensor_split="1,1,1,1,1"))
+    with pytest.raises(UserError, match="non-negative"):
+        multi_gpu.plan_ranks(_ns(split_mode="layer", tensor_split="1,-1"))
+
+
+def test_rank_context_layers():
+    ctx = multi_gpu.RankContext(1, 2, 1, mode="layer")
+    assert ctx.layers(32) == range(16, 32)
+    assert multi_gpu.RankContext(0, 2, 0, mode="layer", shares=(3.0, 1.0)).layers(32) == range(0, 24)
+
+
+def test_layers_checked_before_any_process_starts(monkeypatch):
+    monkeypatch.setattr(multi_gpu, "gpu_count", lambda: 4)
+    monkeypatch.setattr(tp, "nccl_available", lambda: True)
+    monkeypatch.setattr(tp, "nccl_unique_id", lambda: pytest.fail("no process may start"))
+    run = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
+    with pytest.raises(UserError, match="-sm layer over 4 GPUs, tiny: layer split: 4 ranks but only 2 layer"):
+        run(["-m", "tiny", "-sm", "layer", "--n-gpu", "4"])
+    with pytest.raises(UserError, match="3 ranks but only 2 layer"):   # --n-layer counts
+        run(["-m", "llama-3-8b", "--n-layer", "2", "-sm", "layer", "--n-gpu", "3"])
+    with pytest.raises(UserError, match=r"rank\(s\) \[1\] get no layer"):
+        run(["-m", "llama-3-8b", "-sm", "layer", "-ts", "1,0"])
+    run_b = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.batched_bench",
+                           batched_bench.build_parser)
+    with pytest.raises(UserError, match="4 ranks but only 2 layer"):
+        run_b(["-m", "tiny", "-sm", "layer", "--n-gpu", "4"])
 
 
 def test_heads_checked_before_any_process_starts(monkeypatch):
@@ -70,6 +113,13 @@ def test_heads_checked_before_any_process_starts(monkeypatch):
         run(["-m", "tiny", "-sm", "row", "--n-gpu", "4"])
     with pytest.raises(UserError, match="tiny: head-parallel split: n_head_kv 2"):   # any model of the list
         run(["-m", "llama-3-70b,tiny", "--layer", "full", "-sm", "row", "--n-gpu", "4"])
+
+
+def test_check_model_layers():
+    multi_gpu.check_model(PRESETS["tiny"], 2, "full", "layer")
+    multi_gpu.check_model(PRESETS["tiny"], 1, "full", "layer", (1.0, 0.0))   # one rank: nothing to split
+    with pytest.raises(UserError, match="-sm layer over 2 GPUs, tiny: .*get no layer"):
+        multi_gpu.check_model(PRESETS["tiny"], 2, "attn", "layer", (5.0, 1.0))
 
 
 def test_check_model_heads():
@@ -143,3 +193,115 @@ def test_rank_engines_equal_one_device(layer):
         d = m.head_dim * m.n_head_kv // n
         np.testing.assert_array_equal(caches[r].k[0][..., :], ref_cache.k[0][..., r * d:(r + 1) * d])
     assert [c.calls for c in group.comms] == ([2 * m.n_layer * 3] * n if layer == "full" else [0] * n)
+
+
+class _HostLayer(LayerCudaEngine):
+    """The -sm layer rank engine on the CPU: all-custom numpy graphs, the in-process communicator."""
+    flavour = "host"
+    all_custom = True
+
+
+@pytest.mark.parametrize("layer", ["attn", "full"])
+@pytest.mark.parametrize("n,shares", [(2, ()), (3, (1.0, 2.0, 1.0))])
+def test_layer_rank_engines_equal_one_device(layer, n, shares):
+    from dataclasses import replace
+    m = replace(PRESETS["tiny"], n_layer=5)
+    group = tp.LocalGroup(n)
+
+    def cfg(ctx=None):
+        return RunConfig(m, n_ctx=256, device="cpu", layer=layer, n_ubatch=64, n_batch=64, tp=ctx)
+
+    def cache(n_layer):
+        return KVCache(256, 1, n_layer=n_layer, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim, dtype=np.float16)
+
+    ref_cache = cache(m.n_layer)
+    ref = _Host(cfg(), ref_cache)
+    engines, caches = [], []
+    for r in range(n):
+        ctx = multi_gpu.RankContext(r, n, device=0, mode="layer", shares=shares)
+        ctx._comm = group.comms[r]
+        caches.append(cache(len(ctx.layers(m.n_layer))))
+        engines.append(_HostLayer(cfg(ctx), caches[-1]))
+    ranges = [e.layers for e in engines]
+    assert [il for rg in ranges for il in rg] == list(range(m.n_layer))
+    if layer == "full":   # each rank keeps its layers' weights: the one-device engine's
+        for e in engines:
+            assert len(e.weights) == len(e.layers)
+            np.testing.assert_array_equal(e.weights[0]["wq"], ref.weights[e.layers.start]["wq"])
+    n_ub = 0
+    for lens in ([37], [1], [1]):
+        batch = Batch.from_lengths(lens, [0], start_pos=ref_cache.next_positions([0]))
+        ub = split_ubatches(batch, 64, "simple")[0]
+        ref_plan = plan_ubatch(ref_cache, ub)
+        plans = [plan_ubatch(c, ub) for c in caches]   # every rank plans on its own cells, the same way
+        ref.run_ubatch(ref_plan)
+        ref.synchronize()
+        n_ub += 1
+        errors = []
+
+        def go(r):
+            try:
+                engines[r].run_ubatch(plans[r])
+                engines[r].synchronize()   # the pipeline drain: the last rank's token to rank 0
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                group.abort()
+        ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        assert not errors, errors
+        # the last rank's last output: the model's output (full) / the last layer's attention
+        np.testing.assert_array_equal(np.asarray(engines[-1]._keep[1]), np.asarray(ref._keep[1]))
+    for c, rg in zip(caches, ranges):   # each rank's K/V: its layers of the one-device cache
+        np.testing.assert_array_equal(c.k, ref_cache.k[rg.start:rg.stop])
+        np.testing.assert_array_equal(c.v, ref_cache.v[rg.start:rg.stop])
+    # per ubatch: a send from every rank but the last, a receive on every rank but the first;
+    # per synchronize: the drain token from the last rank to rank 0
+    want = [(r < n - 1) * n_ub + (r > 0) * n_ub + (r in (0, n - 1)) * n_ub for r in range(n)]
+    assert [c.calls for c in group.comms] == want
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
+    """tools/gpu_multi_check.py's per-rank cases, joining of outputs and comparison, with numpy
+    ranks on threads over the in-process communicator instead of processes over NCCL: both
+    modes must match one rank; its table shows both."""
+    from ggml_attn.cli import gpu_multi_check as gmc
+    from ggml_attn.graph import AttnConfig
+    monkeypatch.setattr(gmc, "LENS", [5, 3, 9])
+    monkeypatch.setattr(gmc, "N_STEPS", 2)
+    monkeypatch.setattr(gmc, "N_EMBD", 32)
+    monkeypatch.setattr(gmc, "N_FF", 48)
+    monkeypatch.setattr(gmc, "_cfg", lambda n_gpu: AttnConfig(n_layer=max(4, n_gpu), n_head=6, n_head_kv=3,
+                                                               head_dim=16) if n_gpu == 3 else
+                        AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim=16))
+    cfg = gmc._cfg(n)
+    weights = gmc._weights(cfg, np)
+    group = tp.LocalGroup(n, timeout=60)
+    got, errors = {}, []
+
+    def go(r):
+        try:
+            got[r] = gmc.rank_cases(r, n, group.comms[r], cfg, weights, xp=np, sync=lambda: None)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            group.abort()
+    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors, errors
+    refs = {}
+    for layer, unified in sorted({(c[1], c[2]) for c in gmc.CASES}):
+        cache = gmc._caches(cfg, 1, unified, xp=np)
+        eng = tp.RankEngine(cache, cfg, 0, 1, gmc._NoComm(), gmc._inputs(cfg, layer), layer=layer, weights=weights)
+        ref, t1 = gmc._run_case(cache, eng, cfg, unified, sync=lambda: None)
+        refs[(layer, unified)] = (ref, t1, cache.k.copy(), cache.v.copy())
+    report = gmc.compare(cfg, n, got, refs)
+    assert len(report["cases"]) == 8
+    for c in report["cases"]:
+        assert c["out_nmse"] <= 1e-5 and c["kv_nmse"] <= 1e-5, c
+        if c["mode"] == "layer" or c["layer"] == "attn":
+            assert c["out_nmse"] == 0.0 and c["kv_nmse"] == 0.0, c   # the same math, no sums across ranks
+        assert c["comm_calls"] > 0 or (c["mode"], c["layer"]) == ("row", "attn")
+    text = gmc.table(report)
+    assert text.count("\nrow ") == 4 and text.count("\nlayer ") == 4

@@ -1,5 +1,6 @@
-"""Head-parallel ranks on 2 GPUs over NCCL against one GPU (tools/gpu_multi_check.py), and the
-CLI's -sm row on 2 GPUs. GPU-only: skipped without 2 GPUs and NCCL."""
+"""Head-parallel (-sm row) and layer-parallel (-sm layer) ranks on 2 GPUs over NCCL against one
+GPU (tools/gpu_multi_check.py), and the CLI's -sm row / -sm layer on 2 GPUs. GPU-only: skipped
+without 2 GPUs and NCCL."""
 import json
 
 import pytest
@@ -24,15 +25,19 @@ def test_two_gpus_equal_one_gpu():
     from ggml_attn.cli import gpu_multi_check
     report = gpu_multi_check.run(2)
     print(json.dumps(report, indent=1))
-    assert len(report["cases"]) == 4
+    print(gpu_multi_check.table(report))
+    assert len(report["cases"]) == 8
+    assert {c["mode"] for c in report["cases"]} == {"row", "layer"}
     for c in report["cases"]:
         assert c["out_nmse"] <= 5e-4, c
         assert c["kv_nmse"] <= 5e-4, c
-        if c["layer"] == "attn":
+        if c["mode"] == "row" and c["layer"] == "attn":
             assert c["kv_nmse"] == 0.0, c            # no communication: the same rows stored
-            assert c["allreduce_calls"] == 0, c
-        else:
-            assert c["allreduce_calls"] > 0 and c["nccl_ms"] > 0, c
+            assert c["comm_calls"] == 0, c
+        else:   # row/full: all-reduces; layer: a send per ubatch, the drain per batch
+            assert c["comm_calls"] > 0 and c["nccl_ms"] > 0, c
+        if c["mode"] == "layer":
+            assert c["kv_nmse"] == 0.0, c            # each layer computed as on one GPU, from the same x
         assert c["tg_ts_n_gpu"] > 0 and c["tg_ts_1_gpu"] > 0
 
 
@@ -41,12 +46,14 @@ def test_two_gpus_equal_one_gpu():
     ("bench", ["-m", "llama-3-8b", "--n-layer", "2", "-p", "64", "-n", "4", "-r", "1", "--layer", "full"]),
     ("batched_bench", ["-m", "llama-3-8b", "--n-layer", "2", "-npp", "32", "-ntg", "4", "-npl", "2", "--layer", "full"]),
 ])
-def test_cli_row_two_gpus(tool, args, capfd):
+@pytest.mark.parametrize("sm", ["row", "layer"])
+def test_cli_two_gpus(tool, args, sm, capfd):
     import importlib
     mod = importlib.import_module(f"ggml_attn.cli.{tool}")
-    rc = mod.main(args + ["-sm", "row", "--n-gpu", "2", "-o", "jsonl"])
+    rc = mod.main(args + ["-sm", sm, "--n-gpu", "2", "-o", "jsonl"])
     out, err = capfd.readouterr()
     assert rc == 0, err
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert rows                                  # one table: rank 0's rows only
-    assert "NCCL all-reduces" in err
+    assert all(r["avg_ts" if tool == "bench" else "speed"] > 0 for r in rows)
+    assert ("NCCL all-reduces" if sm == "row" else "NCCL send/recv") in err

@@ -55,6 +55,7 @@ class GraphEngine:
     flavour = "host"
     all_custom = None  # None: as the flavour (device: all-custom); True: all-custom host graph (tests)
     full_layer = None  # the layer function of --layer full (None: graph/layers.py's full_layer)
+    layers = None      # the global layers of the graph (None: all; a -sm layer rank: its range)
 
     def __init__(self, cfg, cache):
         import ggml
@@ -138,7 +139,7 @@ class GraphEngine:
         if entry is None:
             g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
                                          weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
-                                         full_layer=self.full_layer,
+                                         full_layer=self.full_layer, layers=self.layers,
                                          all_custom=self.device if self.all_custom is None else self.all_custom)
             entry = _Cached(g)
             fresh = True

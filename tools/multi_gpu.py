@@ -8,7 +8,11 @@ Flags (:func:`add_args`): ``-sm/--split-mode none|layer|row``, ``-ts/--tensor-sp
   holds its share of KV heads, query heads and FFN columns (``graph/shard.py``) and all-reduces
   the O / FFN-down partial sums over NCCL (``graph/tp.py``). ``-ts`` must give equal shares (the
   heads split evenly); ``-mg`` is the GPU of rank 0, the others take the next GPUs in order.
-* ``-sm layer``: not implemented (a ``UserError`` says so).
+* ``-sm layer``: layer-parallel over ``--n-gpu`` GPUs (default: one per ``-ts`` share, else
+  every visible GPU). Rank ``r`` holds a contiguous range of layers, in proportion to the ``-ts``
+  shares as llama.cpp splits them (``graph/pipe.py``: 32 layers, ``-ts 1,1`` -> 0-15 and 16-31),
+  and the KV cache of those layers; per ubatch it receives the activations from rank ``r - 1``
+  and sends its output to rank ``r + 1`` (NCCL send/recv). ``-mg`` as for ``-sm row``.
 
 :func:`wrap` runs a tool's ``_main(argv)`` as rank 0 in this process and starts ranks
 ``1..N-1`` as processes of their own (multiprocessing ``spawn``; the NCCL unique id made here is
@@ -18,7 +22,7 @@ makes the same batches, splits and plans; only rank 0 prints (the others' stdout
 CUDA graphs are off with several GPUs unless ``--cuda-graph on`` is given (NCCL inside
 captured graphs is not verified here). The CPU (``--device cpu``) runs one rank only; the
 in-process ranks of ``graph/tp.py`` (``LockstepEngine``) are the CPU form of ``-sm row``, used
-by the tests.
+by the tests, and ``graph/pipe.py``'s ``PipelineEngine`` the CPU form of ``-sm layer``.
 """
 from __future__ import annotations
 
@@ -35,24 +39,30 @@ SPLIT_MODES = ("none", "layer", "row")
 def add_args(p) -> None:
     p.add_argument("-sm", "--split-mode", choices=SPLIT_MODES, default="none",
                    help="several GPUs: none (one GPU, -mg), row (head-parallel over --n-gpu GPUs, "
-                        "NCCL all-reduce), layer (not implemented) (default: none)")
+                        "NCCL all-reduce), layer (contiguous layer ranges per GPU, activations handed "
+                        "on by NCCL send/recv) (default: none)")
     p.add_argument("-ts", "--tensor-split", default="", metavar="P0,P1,...",
-                   help="share of each GPU; -sm row needs equal shares (default: equal)")
+                   help="share of each GPU: of the layers with -sm layer (as llama.cpp), of the heads "
+                        "with -sm row, which needs equal shares (default: equal)")
     p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I",
-                   help="the GPU of -sm none, rank 0's GPU with -sm row (default: 0)")
+                   help="the GPU of -sm none, rank 0's GPU with -sm row/layer (default: 0)")
     p.add_argument("--n-gpu", type=int, default=0, metavar="N",
-                   help="GPUs of -sm row (default: every visible GPU)")
+                   help="GPUs of -sm row/layer (default: one per -ts share, else every visible GPU)")
 
 
 @dataclass
 class RankContext:
     """This process's place among the ranks: ``rank`` of ``n_rank`` on CUDA ``device``,
-    ``uid`` the NCCL unique id of the run. :meth:`comm` makes the communicator once."""
+    ``uid`` the NCCL unique id of the run, ``mode`` ``"row"`` or ``"layer"`` (``-sm``),
+    ``shares`` the ``-ts`` proportions (layer mode; empty: equal). :meth:`comm` makes the
+    communicator once; :meth:`layers` is the rank's layer range (layer mode)."""
 
     rank: int
     n_rank: int
     device: int
     uid: object = None
+    mode: str = "row"
+    shares: tuple = ()
     timed_ns: int = 0          # rank 0's timed runs (the tools' timers), nanoseconds
     nccl_s: float = 0.0        # GPU time inside all-reduces during those runs
     _comm: object = field(default=None, repr=False)
@@ -62,6 +72,11 @@ class RankContext:
             from ggml_attn.graph.tp import NcclComm
             self._comm = NcclComm(self.rank, self.n_rank, self.uid)
         return self._comm
+
+    def layers(self, n_layer: int) -> range:
+        """This rank's global layers of a model of ``n_layer`` layers (``-sm layer``)."""
+        from ggml_attn.graph.pipe import layer_ranges
+        return layer_ranges(n_layer, self.n_rank, list(self.shares) or None)[self.rank]
 
 
 CURRENT: RankContext | None = None
@@ -98,63 +113,80 @@ def parse_shares(text: str, n: int) -> list[float]:
 
 def plan_ranks(ns) -> tuple[int, list[int]]:
     """``(n_rank, devices)`` that the parsed flags ``ns`` ask for; UserError for what cannot run."""
-    if ns.split_mode == "layer":
-        raise UserError("-sm layer (contiguous layer ranges per GPU) is not implemented yet; "
-                        "use -sm row (head-parallel) or -sm none")
-    if ns.split_mode == "none":
+    sm = ns.split_mode
+    if sm == "none":
         if ns.n_gpu > 1:
-            raise UserError(f"--n-gpu {ns.n_gpu} needs -sm row (head-parallel); -sm none runs on one GPU")
+            raise UserError(f"--n-gpu {ns.n_gpu} needs -sm row (head-parallel) or -sm layer; -sm none runs on one GPU")
         if ns.tensor_split:
-            raise UserError("-ts splits tensors over several GPUs; it needs -sm row")
+            raise UserError("-ts splits tensors over several GPUs; it needs -sm row or -sm layer")
         return 1, [ns.main_gpu]
-    # row
     if ns.device == "cpu":
-        raise UserError("-sm row runs on GPUs (one process each, NCCL); --device cpu runs one rank "
-                        "(the in-process CPU ranks of ggml_attn.graph.tp are for tests)")
+        mod = "tp" if sm == "row" else "pipe"
+        raise UserError(f"-sm {sm} runs on GPUs (one process each, NCCL); --device cpu runs one rank "
+                        f"(the in-process CPU ranks of ggml_attn.graph.{mod} are for tests)")
+    if ns.n_gpu < 0:
+        raise UserError(f"--n-gpu must be at least 1, got {ns.n_gpu}")
     n_vis = gpu_count()
-    n = ns.n_gpu or len([s for s in parse_shares(ns.tensor_split, 0) if s > 0]) or n_vis
+    given = parse_shares(ns.tensor_split, 0)
+    if sm == "row":
+        n = ns.n_gpu or len([s for s in given if s > 0]) or n_vis
+    else:   # layer: one rank per share (a zero share is refused by the layer split, not dropped)
+        n = ns.n_gpu or len(given) or n_vis
     if n < 1:
-        raise UserError("-sm row: no GPU visible")
+        raise UserError(f"-sm {sm}: no GPU visible")
     shares = parse_shares(ns.tensor_split, n)
-    if len(shares) != n or len(set(shares)) != 1:
+    if sm == "row" and (len(shares) != n or len(set(shares)) != 1):
         raise UserError(f"-sm row splits heads evenly: -ts {ns.tensor_split} must give {n} equal shares "
                         f"(e.g. {','.join(['1'] * n)})")
+    if sm == "layer" and len(shares) != n:
+        raise UserError(f"-sm layer on {n} GPUs: -ts {ns.tensor_split} gives {len(shares)} share(s), "
+                        f"one per GPU is needed (e.g. {','.join(['1'] * n)})")
     if n_vis < n:
-        raise UserError(f"-sm row on {n} GPUs: only {n_vis} GPU(s) visible")
+        raise UserError(f"-sm {sm} on {n} GPUs: only {n_vis} GPU(s) visible")
     if not 0 <= ns.main_gpu < n_vis:
         raise UserError(f"-mg {ns.main_gpu}: GPUs are 0..{n_vis - 1}")
     if n > 1:
         from ggml_attn.graph.tp import nccl_available
         if not nccl_available():
-            raise UserError("-sm row on several GPUs needs NCCL: cupy.cuda.nccl is not available "
+            raise UserError(f"-sm {sm} on several GPUs needs NCCL: cupy.cuda.nccl is not available "
                             "(install NCCL for CuPy's CUDA, e.g. the nvidia-nccl-cu13 wheel for cupy-cuda13x)")
     devices = [ns.main_gpu] + [d for d in range(n_vis) if d != ns.main_gpu][: n - 1]
     return n, devices
 
 
-def check_model(model, n_rank: int, layer: str) -> None:
-    """UserError unless the model's heads (and FFN columns, ``--layer full``) split over ``n_rank``."""
+def check_model(model, n_rank: int, layer: str, mode: str = "row", shares=None) -> None:
+    """UserError unless the model splits over ``n_rank`` ranks: ``mode="row"``: its heads (and
+    FFN columns, ``--layer full``); ``"layer"``: its layers, in proportion to ``shares``."""
     if n_rank <= 1:
         return
     from ggml_attn.graph.shard import ShardError, check_shardable
     try:
-        check_shardable(model.n_head, model.n_head_kv, n_rank, n_ff=model.n_ff if layer == "full" else None)
+        if mode == "layer":
+            from ggml_attn.graph.pipe import check_layer_split
+            check_layer_split(model.n_layer, n_rank, list(shares) if shares else None)
+        else:
+            check_shardable(model.n_head, model.n_head_kv, n_rank, n_ff=model.n_ff if layer == "full" else None)
     except ShardError as e:
-        raise UserError(f"-sm row over {n_rank} GPUs, {model.name}: {e}") from None
+        raise UserError(f"-sm {mode} over {n_rank} GPUs, {model.name}: {e}") from None
+
+
+def _shares(ns, n: int) -> tuple:
+    return tuple(parse_shares(ns.tensor_split, n)) if ns.split_mode == "layer" and ns.tensor_split else ()
 
 
 def _check_models(ns, n_rank: int) -> None:
-    """Before any process starts: the models' heads must split over ``n_rank`` (the ranks'
-    Runners check again; a model that does not resolve is left to the tool to report)."""
-    from .models import DEFAULT_GPU_MODEL, resolve
+    """Before any process starts: the models' heads (``-sm row``) or layers (``-sm layer``, after
+    ``--n-layer``) must split over ``n_rank`` (the ranks' Runners check again; a model that does
+    not resolve is left to the tool to report)."""
+    from .models import DEFAULT_GPU_MODEL, resolve, with_layers
     names = ns.model if isinstance(ns.model, list) else [ns.model]
     layers = ns.layer if isinstance(ns.layer, list) else [ns.layer]
     for name in names:
         try:
-            model = resolve(DEFAULT_GPU_MODEL if name == "auto" else name)
+            model = with_layers(resolve(DEFAULT_GPU_MODEL if name == "auto" else name), ns.n_layer)
         except Exception:  # noqa: BLE001
             continue
-        check_model(model, n_rank, "full" if "full" in layers else "attn")
+        check_model(model, n_rank, "full" if "full" in layers else "attn", ns.split_mode, _shares(ns, n_rank))
 
 
 class _NotATerminal:
@@ -221,14 +253,15 @@ def wrap(main_fn, modname: str, build_parser):
         from ggml_attn.graph.tp import nccl_unique_id
         uid = nccl_unique_id()
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker, args=(modname, args, RankContext(r, n, devices[r], uid)),
+        mode, shares = ns.split_mode, _shares(ns, n)
+        procs = [ctx.Process(target=_worker, args=(modname, args, RankContext(r, n, devices[r], uid, mode, shares)),
                              name=f"ggml-attn-rank{r}", daemon=True) for r in range(1, n)]
         for p in procs:
             p.start()
         stop = threading.Event()
         threading.Thread(target=_watch, args=(procs, stop), daemon=True).start()
         cupy.cuda.Device(devices[0]).use()
-        CURRENT = RankContext(0, n, devices[0], uid)
+        CURRENT = RankContext(0, n, devices[0], uid, mode, shares)
         ok = False
         try:
             rc = main_fn(args)
@@ -244,8 +277,11 @@ def wrap(main_fn, modname: str, build_parser):
                     p.terminate()
             if comm is not None and ok:
                 share = f" ({100 * me.nccl_s * 1e9 / me.timed_ns:.1f}%)" if me.timed_ns else ""
-                print(f"multi-GPU: -sm row on {n} GPUs {devices}: rank 0 spent {me.nccl_s * 1e3:.1f} ms inside "
-                      f"NCCL all-reduces of {me.timed_ns / 1e6:.1f} ms timed{share}; {comm.calls} calls in all",
+                what = ("NCCL all-reduces" if mode == "row" else
+                        "NCCL send/recv (handovers to rank 1 and the pipeline drain; includes waiting for the "
+                        "other ranks)")
+                print(f"multi-GPU: -sm {mode} on {n} GPUs {devices}: rank 0 spent {me.nccl_s * 1e3:.1f} ms inside "
+                      f"{what} of {me.timed_ns / 1e6:.1f} ms timed{share}; {comm.calls} calls in all",
                       file=sys.stderr)
 
     return run

@@ -75,7 +75,7 @@ class RunConfig:
     type_k: str = "f16"             # K/V cache types (kv_types.CACHE_TYPES)
     type_v: str = "f16"
     cuda_graph: bool = True         # device engine: capture repeated ubatch shapes, replay them
-    tp: object = None               # multi_gpu.RankContext of a -sm row rank (None: one device)
+    tp: object = None               # multi_gpu.RankContext of a -sm row/layer rank (None: one device)
 
     def __post_init__(self):
         self.split = self.split or default_split(self.kv_unified)
@@ -192,7 +192,15 @@ def n_rank(cfg: RunConfig) -> int:
     return cfg.tp.n_rank if cfg.tp is not None else 1
 
 
+def split_mode(cfg: RunConfig) -> str:
+    """``none`` (one device), ``row`` or ``layer``."""
+    return cfg.tp.mode if n_rank(cfg) > 1 else "none"
+
+
 def make_engine(cfg: RunConfig, cache):
+    if cfg.device == "cuda" and split_mode(cfg) == "layer":
+        from .layer_engine import LayerCudaEngine
+        return LayerCudaEngine(cfg, cache)
     if cfg.device == "cuda" and n_rank(cfg) > 1:
         from .tp_engine import TPCudaEngine
         return TPCudaEngine(cfg, cache)
@@ -211,14 +219,19 @@ class Runner:
         g = _graph()
         m = cfg.model
         xp = "cupy" if cfg.device == "cuda" else None
-        if n_rank(cfg) > 1:
+        sm, n_layer, n_head_kv = split_mode(cfg), m.n_layer, m.n_head_kv
+        if sm != "none":
             if cfg.device != "cuda":
-                raise UserError("-sm row ranks run on GPUs (--device cuda)")
+                raise UserError(f"-sm {sm} ranks run on GPUs (--device cuda)")
             from .multi_gpu import check_model
-            check_model(m, n_rank(cfg), cfg.layer)
-        try:   # a -sm row rank holds n_head_kv / N heads of every cell (graph/shard.py)
+            check_model(m, n_rank(cfg), cfg.layer, sm, cfg.tp.shares)
+        if sm == "row":      # a -sm row rank holds n_head_kv / N heads of every cell (graph/shard.py)
+            n_head_kv //= n_rank(cfg)
+        elif sm == "layer":  # a -sm layer rank holds every head of its layers (graph/pipe.py)
+            n_layer = len(cfg.tp.layers(m.n_layer))
+        try:
             self.cache = g.KVCache(cfg.n_ctx, max(1, cfg.n_seq), unified=cfg.kv_unified,
-                                   n_layer=m.n_layer, n_head_kv=m.n_head_kv // n_rank(cfg), head_dim_k=m.head_dim,
+                                   n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=m.head_dim,
                                    head_dim_v=m.d_v, dtype=np.float16, xp=xp,
                                    type_k=cfg.type_k, type_v=cfg.type_v)
         except MemoryError as e:

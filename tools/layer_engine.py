@@ -1,0 +1,73 @@
+"""The GPU engine of one layer-parallel rank (``-sm layer``): ``cuda_engine.CudaEngine`` with the
+rank's contiguous range of layers, their weights and KV cache (``graph/pipe.py``), the
+activations received from rank ``r - 1`` and sent to rank ``r + 1`` per ubatch (NCCL send/recv
+on the engine's stream).
+
+The weights are made as the one-GPU engine makes them (same generator, same seed), then the
+rank keeps its layers' and drops the rest, so N ranks compute the one-GPU model. Rank 0 takes
+the one-GPU engine's inputs; with ``--layer full`` rank ``r > 0`` takes the residual stream
+received from rank ``r - 1`` instead; with ``--layer attn`` every rank reads the shared random
+Q/K/V and the handover only keeps the pipeline order (``graph/pipe.py``). ``synchronize()``
+drains the pipeline first (the last rank's token to rank 0), so rank 0's timers cover every
+rank's work. The tool's timer is rank 0's stream; NCCL time goes to the rank context as
+``tp_engine``'s timer does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .cuda_engine import CudaEngine
+from .graph_engine import _NoStream
+from .tp_engine import _RankTimer
+
+
+class LayerCudaEngine(CudaEngine):
+    """Rank ``cfg.tp.rank`` of ``cfg.tp.n_rank`` (``multi_gpu.RankContext``, ``mode="layer"``);
+    ``cache`` holds the rank's layers only."""
+
+    def __init__(self, cfg, cache):
+        from ggml_attn.graph.pipe import LayerShard
+        self.tp = cfg.tp
+        self.layers = self.tp.layers(cfg.model.n_layer)
+        self.shard = LayerShard(self.tp.rank, self.tp.n_rank, self.layers)
+        self.comm = self.tp.comm()   # collective: every rank builds its engine at the same point
+        self._token = None
+        super().__init__(cfg, cache)
+
+    def _make_weights(self, rng):
+        full = super()._make_weights(rng)
+        return full[self.layers.start:self.layers.stop]
+
+    def inputs(self, plan):
+        """Rank 0: the one-GPU inputs. Rank ``r > 0``: receives rank ``r - 1``'s output first
+        (full: it is the input ``x``; attn: the previous rank's last attention output, waited for
+        and not used)."""
+        ins = super().inputs(plan)
+        if self.shard.first:
+            return ins
+        n_tok = plan.ubatch.n_tokens
+        width = self.m.n_embd if self.cfg.layer == "full" else self.m.n_head * self.m.d_v
+        buf = self.xp.empty((n_tok, width), dtype=np.float32)
+        self.comm.recv(buf, self.shard.rank - 1)
+        return (buf,) if self.cfg.layer == "full" else ins
+
+    def _run(self, entry, g, plan, fresh: bool) -> None:
+        super()._run(entry, g, plan, fresh)
+        if not self.shard.last:   # on the engine's stream, after the compute
+            out = g.outputs()[-1].reshape(plan.ubatch.n_tokens, -1)
+            self.comm.send(self.xp.ascontiguousarray(out), self.shard.rank + 1)
+
+    def synchronize(self) -> None:
+        s = self.shard
+        if s.n_rank > 1 and (s.first or s.last):
+            with self.stream if self.device else _NoStream():
+                if self._token is None:
+                    self._token = self.xp.zeros(1, dtype=np.float32)
+                if s.last:
+                    self.comm.send(self._token, 0)
+                else:
+                    self.comm.recv(self._token, s.n_rank - 1)
+        super().synchronize()
+
+    def timer(self):
+        return _RankTimer(super().timer(), self.comm, self.tp)
