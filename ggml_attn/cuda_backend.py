@@ -589,8 +589,10 @@ def _workspace(dev: int, stream: int, nbytes: int):
 
 # Split-KV finish: True -- the attention kernel's last block of each row group merges the
 # splits (one launch per call; LaunchConfig.fused_finish says which instances can); False -- a
-# fattn_combine launch after the kernel (kept for the tests that compare the two).
-FUSED_SPLIT_FINISH = True
+# fattn_combine launch after the kernel. The launch is the default: on the H200 the fused merge,
+# done by one block per row group, costs 0.6-3 us more device time than a combine kernel spread
+# over one block per row (bench/NOTES.md, "Split finish"); it saves one launch of host time.
+FUSED_SPLIT_FINISH = False
 _CNT: dict[tuple, object] = {}
 
 
