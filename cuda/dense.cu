@@ -1,6 +1,6 @@
 // Dense ops of the full transformer block for device-resident graphs (graph/xp_ops.py), in as
 // few launches as a decode step allows:
-//   dense_gemv<NT>   y = W·x for NT <= 4 tokens (F16 weights, F32 activations rounded to F16,
+//   dense_gemv<NT,U> y = W·x for NT <= 4 tokens (F16 weights, F32 activations rounded to F16,
 //                    F32 accumulation), up to three weight matrices in one launch, optionally
 //                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x));
 //   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) per token, one launch;
@@ -27,7 +27,6 @@ struct GemvParams {
 };
 
 #define GEMV_WARPS 4
-#define GEMV_UNROLL 4
 
 __device__ __forceinline__ uint4 ld_stream(const __half* p) {
     // weights are read once per step: do not let them displace the activations in L1
@@ -63,19 +62,19 @@ __device__ __forceinline__ void dot8(const uint4 w, const float* x, long long xs
 }
 
 // Row r of W (n_in halves) dotted with every token's x: acc[t] (full sums in every lane).
-template <int NT>
+// U: 16-byte weight loads in flight per lane before any math.
+template <int NT, int U>
 __device__ __forceinline__ void row_dot(const __half* w, const float* x, long long xs, int n_in, float (&acc)[NT]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
     int k = lane * 8;
-    // main loop: GEMV_UNROLL 16-byte loads in flight per lane before any math
-    for (; k + (GEMV_UNROLL - 1) * 256 < n_in; k += GEMV_UNROLL * 256) {
-        uint4 wv[GEMV_UNROLL];
+    for (; k + (U - 1) * 256 < n_in; k += U * 256) {
+        uint4 wv[U];
 #pragma unroll
-        for (int i = 0; i < GEMV_UNROLL; ++i) wv[i] = ld_stream(w + k + i * 256);
+        for (int i = 0; i < U; ++i) wv[i] = ld_stream(w + k + i * 256);
 #pragma unroll
-        for (int i = 0; i < GEMV_UNROLL; ++i) dot8<NT>(wv[i], x, xs, k + i * 256, acc);
+        for (int i = 0; i < U; ++i) dot8<NT>(wv[i], x, xs, k + i * 256, acc);
     }
     for (; k < n_in; k += 256) dot8<NT>(ld_stream(w + k), x, xs, k, acc);
 #pragma unroll
@@ -86,7 +85,7 @@ __device__ __forceinline__ void row_dot(const __half* w, const float* x, long lo
 }
 
 // One warp per output row (of the segments' rows concatenated); block GEMV_WARPS warps.
-template <int NT>
+template <int NT, int U>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv(const GemvParams p) {
     int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -103,10 +102,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv(const GemvParams p
         }
     }
     float acc[NT];
-    row_dot<NT>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, acc);
+    row_dot<NT, U>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, acc);
     if (p.mode == 2) {
         float up[NT];
-        row_dot<NT>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, up);
+        row_dot<NT, U>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, up);
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * up[t];
     }

@@ -99,9 +99,18 @@ def util_variant() -> Variant:
     return Variant("util", "fattn_util.cu", UTIL_NAMES)
 
 
-DENSE_NAMES = tuple(f"dense_gemv<{nt}>" for nt in (1, 2, 3, 4)) + ("dense_rms_norm", "dense_kv_store")
 GEMV_MAX_TOKENS = 4   # dense_gemv instances: 1..4 tokens
 GEMV_WARPS = 4        # rows per dense_gemv block (one warp each; GEMV_WARPS in dense.cu)
+GEMV_UNROLLS = (4, 8)  # 16-byte weight loads in flight per lane (instances)
+GEMV_UNROLL = 4       # the one the graphs use (bench/NOTES.md, "dense")
+
+
+def gemv_name(n_tok: int, unroll: int = GEMV_UNROLL) -> str:
+    return f"dense_gemv<{n_tok}, {unroll}>"
+
+
+DENSE_NAMES = tuple(gemv_name(nt, u) for nt in range(1, GEMV_MAX_TOKENS + 1) for u in GEMV_UNROLLS) + \
+    ("dense_rms_norm", "dense_kv_store")
 
 
 def dense_variant() -> Variant:

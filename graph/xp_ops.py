@@ -151,7 +151,7 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int):
         p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.data.ptr, o.data.ptr, int(w.shape[0])
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    fn = K.get_function(K.dense_variant(), f"dense_gemv<{x.shape[0]}>")
+    fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0]))
     b.keep(*arrays)
     return _Launch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
 

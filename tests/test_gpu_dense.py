@@ -1,6 +1,6 @@
 """cuda/dense.cu against float64 numpy on fresh random inputs, outputs poisoned first. GPU only.
 
-dense_gemv in its three modes (store, accumulate, gated) for 1-4 tokens, one to three weight
+dense_gemv in its three modes (store, accumulate, gated) for 1-4 tokens and each unroll, one to three weight
 segments, row counts that do not fill a block and inner sizes that are not a multiple of the
 main loop's stride; dense_rms_norm; dense_kv_store into F16 and F32 caches."""
 import ctypes
@@ -32,9 +32,10 @@ def _x16(x):
 
 
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("unroll", K.GEMV_UNROLLS)
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows, n_in", [((7, 13, 5), 296), ((64, 32, 32), 4096), ((130,), 1032)])
-def test_gemv_matches_float64(n_tok, mode, rows, n_in):
+def test_gemv_matches_float64(n_tok, unroll, mode, rows, n_in):
     rng = np.random.default_rng(hash((n_tok, mode, rows, n_in)) % 2**32)
     if mode == 1:
         rows = rows[:1]
@@ -53,7 +54,7 @@ def test_gemv_matches_float64(n_tok, mode, rows, n_in):
         p.seg[i].out = d_out[0 if mode == 2 else i].data.ptr
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = d_x.data.ptr, n_in, n_in, len(ws), mode
     total = rows[0] if mode == 2 else sum(rows)
-    _launch(f"dense_gemv<{n_tok}>", (-(-total // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+    _launch(K.gemv_name(n_tok, unroll), (-(-total // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
     prods = [_x16(x) @ w.astype(np.float64).T for w in ws]
     if mode == 0:
         want = prods

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU check in one call: the 2-GPU tests, the N-GPU vs 1-GPU comparison of both modes
 # (-sm row and -sm layer; JSON and a table), and ggml-attn-bench -sm row and -sm layer against
-# -sm none on llama-3-70b-shaped layers (JSON and a table).
+# -sm none on llama-3-70b-shaped layers (JSON and a table), and the llama-3-8B batched run of 64
+# ragged prompts and their decode steps on 1 vs N GPUs, CUDA graphs on and off (multi_8b.json/.txt).
 #
 #   tools/gpu_multi_check.sh [N_GPU]      (default 2; writes under $OUT, default ./gpu_out:
 #   multi_check.json / .log (both modes vs 1 GPU), multi_bench.json / .txt (t/s of none/row/layer))
@@ -23,12 +24,47 @@ echo "== $N GPUs vs 1 GPU, -sm row and -sm layer (NMSE, K/V slices, decode t/s)"
 $PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
 tail -14 "$OUT/multi_check.log"
 echo "== ggml-attn-bench llama-3-70b shape (8 layers), --layer full: -sm none vs -sm row vs -sm layer"
-B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl)
+B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl --cuda-graph off)  # same setting on both sides
 $PY -m ggml_attn.cli.bench "${B[@]}" -sm none > "$OUT/multi_bench_1gpu.jsonl" 2> "$OUT/multi_bench_1gpu.err" || status=1
 for SM in row layer; do
   $PY -m ggml_attn.cli.bench "${B[@]}" -sm $SM --n-gpu "$N" > "$OUT/multi_bench_${N}gpu_$SM.jsonl" \
     2> "$OUT/multi_bench_${N}gpu_$SM.err" || status=1
 done
+# llama-3-70B shapes, all 80 layers, on N GPUs (head-parallel): t/s and the time in NCCL
+$PY -m ggml_attn.cli.bench -m llama-3-70b --layer full -p 512 -n 32 -r 1 -o jsonl -sm row --n-gpu "$N" \
+  > "$OUT/multi_70b80_${N}gpu_row.jsonl" 2> "$OUT/multi_70b80_${N}gpu_row.err" || status=1
+grep -h "avg_ts\|NCCL" "$OUT/multi_70b80_${N}gpu_row.jsonl" "$OUT/multi_70b80_${N}gpu_row.err" | cut -c1-400
+# issue targets: llama-3-8B --layer full, 64 ragged prompts (prompt phase) and their decode steps,
+# 1 GPU vs N GPUs, with and without CUDA graphs (the same setting on both sides)
+BB=(-m llama-3-8b --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 2 -o jsonl)
+for G in on off; do
+  $PY -m ggml_attn.cli.batched_bench "${BB[@]}" --cuda-graph $G -sm none > "$OUT/multi_8b_1gpu_g$G.jsonl" \
+    2> "$OUT/multi_8b_1gpu_g$G.err" || status=1
+  for SM in row layer; do
+    $PY -m ggml_attn.cli.batched_bench "${BB[@]}" --cuda-graph $G -sm $SM --n-gpu "$N" \
+      > "$OUT/multi_8b_${N}gpu_${SM}_g$G.jsonl" 2> "$OUT/multi_8b_${N}gpu_${SM}_g$G.err" || status=1
+  done
+done
+$PY - "$OUT" "$N" <<'PY' | tee "$OUT/multi_8b.txt"
+import json, sys, pathlib
+out, n = pathlib.Path(sys.argv[1]), sys.argv[2]
+res = {}
+for g in ("on", "off"):
+    for tag in ("1gpu", f"{n}gpu_row", f"{n}gpu_layer"):
+        f = out / f"multi_8b_{tag}_g{g}.jsonl"
+        rows = [json.loads(l) for l in f.read_text().splitlines() if l.startswith("{")] if f.exists() else []
+        e = out / f"multi_8b_{tag}_g{g}.err"
+        nccl = [l for l in (e.read_text().splitlines() if e.exists() else []) if "NCCL" in l]
+        res[f"{tag} graphs {g}"] = dict(s_pp=round(rows[0]["speed_pp"], 1) if rows else None,
+                                        s_tg=round(rows[0]["speed_tg"], 1) if rows else None, nccl=nccl)
+(out / "multi_8b.json").write_text(json.dumps(res, indent=1) + "\n")
+print(f"{'llama-3-8B, 64 prompts 16-200 + 32 steps':<28} {'S_PP t/s':>10} {'x1':>5} {'S_TG t/s':>10} {'x1':>5}")
+for k, r in res.items():
+    base = res[f"1gpu graphs {k.split()[-1]}"]
+    f = lambda a, b: (a or 0) / b if b else 0  # noqa: E731
+    print(f"{k:<28} {r['s_pp'] or 0:>10.1f} {f(r['s_pp'], base['s_pp']):>5.2f} {r['s_tg'] or 0:>10.1f} "
+          f"{f(r['s_tg'], base['s_tg']):>5.2f}")
+PY
 $PY - "$OUT" "$N" <<'PY' | tee "$OUT/multi_bench.txt"
 import json, sys, pathlib
 out, n = pathlib.Path(sys.argv[1]), sys.argv[2]
