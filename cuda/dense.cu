@@ -31,7 +31,7 @@ struct GemvParams {
 __device__ __forceinline__ uint4 ld_stream(const __half* p) {
     // weights are read once per step: do not let them displace the activations in L1
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }

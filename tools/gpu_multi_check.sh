@@ -4,7 +4,7 @@
 # -sm none on llama-3-70b-shaped layers (JSON and a table), and the llama-3-8B batched run of 64
 # ragged prompts and their decode steps on 1 vs N GPUs, CUDA graphs on and off (multi_8b.json/.txt).
 #
-#   tools/gpu_multi_check.sh [N_GPU]      (default 2; writes under $OUT, default ./gpu_out:
+#   [MULTI_BENCH_ONLY=1] tools/gpu_multi_check.sh [N_GPU]   (default 2; writes under $OUT, default ./gpu_out:
 #   multi_check.json / .log (both modes vs 1 GPU), multi_bench.json / .txt (t/s of none/row/layer))
 #
 # Install first as tools/gpu_check.sh does (or run it once with --no-tests --no-bench); CuPy needs
@@ -17,12 +17,14 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 status=0
 nvidia-smi topo -m > "$OUT/multi_topo.txt" 2>&1
-echo "== multi-GPU tests"
-$PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multi.py -s > "$OUT/multi_tests.log" 2>&1 || status=1
-tail -3 "$OUT/multi_tests.log"
-echo "== $N GPUs vs 1 GPU, -sm row and -sm layer (NMSE, K/V slices, decode t/s)"
-$PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
-tail -14 "$OUT/multi_check.log"
+if [ "${MULTI_BENCH_ONLY:-0}" != 1 ]; then   # MULTI_BENCH_ONLY=1: the benchmarks only
+  echo "== multi-GPU tests"
+  $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multi.py -s > "$OUT/multi_tests.log" 2>&1 || status=1
+  tail -3 "$OUT/multi_tests.log"
+  echo "== $N GPUs vs 1 GPU, -sm row and -sm layer (NMSE, K/V slices, decode t/s)"
+  $PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
+  tail -14 "$OUT/multi_check.log"
+fi
 echo "== ggml-attn-bench llama-3-70b shape (8 layers), --layer full: -sm none vs -sm row vs -sm layer"
 B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl --cuda-graph off)  # same setting on both sides
 $PY -m ggml_attn.cli.bench "${B[@]}" -sm none > "$OUT/multi_bench_1gpu.jsonl" 2> "$OUT/multi_bench_1gpu.err" || status=1
