@@ -24,7 +24,10 @@ types are host byte arrays ``(n_layer, n_stream, kv_size, row_bytes)`` that only
 writes (``kv_graph.KVTensors``: ``ggml_set_rows`` on host graphs); the numpy paths
 (:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) raise ``ValueError`` for them.
 
-Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. The
+Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. It changes
+only through the methods here (each records the cells it changes, :meth:`KVCache._touch`):
+queries that scan a whole stream (``find_slot``, ``seq_pos_min/max``, ``used_max_p1``,
+``n_used``) remember their answer until the next change, so a decode step asks each once. The
 cell-to-sequence table is dense (``n_stream x kv_size x n_seq_max`` bools), so ``n_seq_max``
 is capped at 256 (:data:`batch.MAX_SEQ`, llama.cpp's LLAMA_MAX_SEQ). Positions are int32:
 ``seq_add`` refuses a shift that would move one past 2**31-1 (ValueError, cache unchanged).
@@ -159,6 +162,7 @@ class KVCache:
         self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
         self.head = [0] * self.n_stream
         self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
+        self._memo: dict = {}  # answers of whole-stream queries; emptied by every cell change
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         self.k = self._storage(self.type_k, self.n_embd_k_gqa)
         self.v = self._storage(self.type_v, self.n_embd_v_gqa)
@@ -219,25 +223,49 @@ class KVCache:
 
     def used_max_p1(self, stream: int) -> int:
         """One past the highest occupied cell of ``stream`` (0 when empty)."""
-        occ = np.flatnonzero(self.pos[stream] >= 0)
-        return int(occ[-1]) + 1 if occ.size else 0
+        key = ("used_max_p1", stream)
+        got = self._memo.get(key)
+        if got is None:
+            occ = self.pos[stream] >= 0
+            last = occ.shape[0] - 1 - int(np.argmax(occ[::-1]))  # the highest True, if any
+            got = self._memo[key] = last + 1 if occ[last] else 0
+        return got
 
     def n_used(self, stream: int) -> int:
-        return int(np.count_nonzero(self.pos[stream] >= 0))
+        key = ("n_used", stream)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = int(np.count_nonzero(self.pos[stream] >= 0))
+        return got
 
     def _seq_cells(self, seq_id: int) -> tuple[int, np.ndarray]:
         st = self.seq_to_stream(seq_id)
         return st, np.flatnonzero(self.seqs[st, :, seq_id] & ~self.pad[st])
 
+    def _seq_pos(self, seq_id: int, largest: bool) -> int:
+        """seq_pos_max (``largest``) or seq_pos_min: one masked reduction over the stream,
+        remembered until the cache changes."""
+        st = self.seq_to_stream(seq_id)
+        key = ("seq_pos", int(seq_id), largest)
+        got = self._memo.get(key)
+        if got is None:
+            has = self.seqs[st, :, seq_id] & ~self.pad[st]
+            if largest:  # occupied cells hold positions >= 0, so -1 is "none"
+                got = int(self.pos[st].max(where=has, initial=-1))
+            else:
+                got = int(self.pos[st].min(where=has, initial=INT32_MAX))
+                if got == INT32_MAX and not has.any():
+                    got = -1
+            self._memo[key] = got
+        return got
+
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
-        st, cells = self._seq_cells(seq_id)
-        return int(self.pos[st, cells].min()) if cells.size else -1
+        return self._seq_pos(seq_id, False)
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
-        st, cells = self._seq_cells(seq_id)
-        return int(self.pos[st, cells].max()) if cells.size else -1
+        return self._seq_pos(seq_id, True)
 
     def next_positions(self, seq_ids) -> dict[int, int]:
         """``{seq_id: seq_pos_max + 1}``: where each sequence continues (for ``Batch.from_lengths``)."""
@@ -250,7 +278,18 @@ class KVCache:
 
     # ----------------------------------------------------------------- slots
     def _ubatch_streams(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
-        """(cache stream, ubatch rows) per ubatch stream; checks the split-mode layout."""
+        """(cache stream, ubatch rows) per ubatch stream; checks the split-mode layout.
+        Depends on nothing but ``ub`` and the cache's geometry: remembered (``find_slot`` and
+        ``apply_ubatch`` of one ubatch ask for it in turn; do not modify the rows)."""
+        key = ("streams", id(ub))
+        got = self._memo.get(key)
+        if got is not None and got[0] is ub:
+            return got[1]
+        out = self._ubatch_streams_of(ub)
+        self._memo[key] = (ub, out)
+        return out
+
+    def _ubatch_streams_of(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
         for ids in ub.token_seq_ids:
             for s in ids:
                 self._check_seq(s)
@@ -278,13 +317,26 @@ class KVCache:
 
     def find_slot(self, ub: UBatch) -> SlotInfo:
         """Cells for every row of ``ub`` (llama.cpp ``find_slot(ubatch, cont=false)``); changes
-        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells."""
+        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells.
+        The answer is remembered until the cells or heads change (``prepare`` then ``place``
+        of the one ubatch of a decode step search once)."""
+        key, heads = ("find_slot", id(ub)), tuple(self.head)
+        got = self._memo.get(key)
+        if got is not None and got[0] is ub and got[1] == heads:
+            return got[2]
         streams, cells = [], []
         for st, rows in self._ubatch_streams(ub):
             n = rows.shape[0]
             head = self.head[st]
             if head > self.n_used(st) + 2 * n:
                 head = 0
+            # the first n empty cells from head on, when the next cells hold them (the usual
+            # case: the cells after the last ubatch); else the whole stream, wrapping around
+            near = np.flatnonzero(self.pos[st, head:head + max(KV_PAD, 2 * n)] < 0)
+            if near.shape[0] >= n:
+                streams.append(st)
+                cells.append((near[:n] + head).astype(np.int64))
+                continue
             empty = np.flatnonzero(self.pos[st] < 0)           # ascending cell ids
             k = int(np.searchsorted(empty, head))
             free = np.concatenate((empty[k:], empty[:k]))   # from head on, then wrapped
@@ -294,7 +346,9 @@ class KVCache:
                     f"free ({ub!r}); raise n_ctx or free sequences")
             streams.append(st)
             cells.append(free[:n].astype(np.int64))
-        return SlotInfo(tuple(streams), tuple(cells))
+        slot = SlotInfo(tuple(streams), tuple(cells))
+        self._memo[key] = (ub, heads, slot)
+        return slot
 
     def apply_ubatch(self, slot: SlotInfo, ub: UBatch) -> None:
         """Occupy the slot's cells with the ubatch's positions, sequence ids and pad flags."""
@@ -303,12 +357,16 @@ class KVCache:
         for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
+        coupled = any(len(ids) > 1 for ids in ub.token_seq_ids)
         for (st, rows), cells in zip(rows_per, slot.cells):
             self._touch(st, cells)
             self.pos[st, cells] = ub.positions[rows]
             self.seqs[st, cells] = False
-            for r, c in zip(rows.tolist(), cells.tolist()):
-                self.seqs[st, c, list(ub.token_seq_ids[r])] = True
+            if coupled:
+                for r, c in zip(rows.tolist(), cells.tolist()):
+                    self.seqs[st, c, list(ub.token_seq_ids[r])] = True
+            else:  # one sequence per row: one scatter
+                self.seqs[st, cells, ub.primary_seq_ids[rows]] = True
             self.pad[st, cells] = pad[rows]
             self.head[st] = int(cells[-1]) + 1
 
@@ -335,6 +393,7 @@ class KVCache:
             yield self
         except BaseException:
             self._journals.pop()
+            self._memo.clear()
             for entry in reversed(journal):
                 if entry[0] == "kv":  # K/V of a whole stream (seq_cp across streams)
                     _, st, k, v = entry
@@ -353,7 +412,9 @@ class KVCache:
                 self._journals[-1].extend(journal)
 
     def _touch(self, st: int, cells) -> None:
-        """Record the cells' current state in the open transaction, before they change."""
+        """Record the cells' current state in the open transaction, before they change, and
+        forget every remembered query answer (every change of cell metadata comes here first)."""
+        self._memo.clear()
         if self._journals:
             cells = np.asarray(cells)
             if cells.dtype == bool:
@@ -367,6 +428,7 @@ class KVCache:
 
     def _restore(self, snap) -> None:
         self.pos, self.seqs, self.pad, self.head = snap[0], snap[1], snap[2], list(snap[3])
+        self._memo.clear()
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo]:
         """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's
