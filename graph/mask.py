@@ -24,27 +24,29 @@ __all__ = ["build_mask", "visible_cells"]
 def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, causal: bool = True,
                   n_swa: int = 0) -> np.ndarray:
     """bool numpy ``(n_stream, n_tps, n_kv)``: True where row may attend to cell.
-    Call after ``cache.apply_ubatch(slot, ub)``."""
+    Call after ``cache.apply_ubatch(slot, ub)``. All streams at once (a few array operations
+    per ubatch, whatever its number of streams and rows)."""
     if n_kv > cache.kv_size:
         raise ValueError(f"n_kv {n_kv} exceeds kv_size {cache.kv_size}")
     n_stream = slot.n_stream
     if ub.n_tokens % n_stream:
         raise ValueError(f"{ub!r} has {ub.n_tokens} rows for {n_stream} streams")
     n_tps = ub.n_tokens // n_stream
-    prim = ub.primary_seq_ids.reshape(n_stream, n_tps)
-    prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps)
-    pad_row = ub.is_pad.reshape(n_stream, n_tps)
-    out = np.zeros((n_stream, n_tps, n_kv), dtype=bool)
-    for j, st in enumerate(slot.streams):
-        pos_c = cache.pos[st, :n_kv].astype(np.int64)
-        ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv]
-        same_seq = cache.seqs[st, :n_kv][:, prim[j]].T  # (n_tps, n_kv)
-        vis = ok_c[None, :] & same_seq & ~pad_row[j][:, None]
-        if causal:
-            vis &= pos_c[None, :] <= prow[j][:, None]
-        if n_swa > 0:
-            vis &= (prow[j][:, None] - pos_c[None, :]) < n_swa
-        out[j] = vis
+    st = np.asarray(slot.streams, dtype=np.intp)
+    prim = ub.primary_seq_ids.reshape(n_stream, n_tps, 1)
+    prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps, 1)
+    pos_c = cache.pos[st, :n_kv][:, None, :]                        # (n_stream, 1, n_kv) int32
+    ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv][:, None, :]         # occupied, not a pad
+    # row (j, i) and cell c are of one sequence: seqs[streams[j], c, prim[j, i]]
+    out = cache.seqs[st[:, None, None], np.arange(n_kv)[None, None, :], prim]  # (n_stream, n_tps, n_kv)
+    out &= ok_c
+    pad_row = ub.is_pad
+    if pad_row.any():
+        out &= ~pad_row.reshape(n_stream, n_tps, 1)
+    if causal:
+        out &= pos_c <= prow
+    if n_swa > 0:
+        out &= (prow - pos_c) < n_swa
     return out
 
 
@@ -57,12 +59,15 @@ def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = No
     if n_kv is None:
         n_kv = cache.n_kv(slot)
     vis = visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
+    dtype = np.dtype(dtype)
     if alibi:
         n_stream, n_tps = vis.shape[:2]
         prow = ub.positions.astype(np.float64).reshape(n_stream, n_tps)
         pos_c = np.stack([cache.pos[st, :n_kv] for st in slot.streams]).astype(np.float64)
         val = -np.abs(pos_c[:, None, :] - prow[:, :, None])
+        mask = np.where(vis, val, -np.inf).astype(dtype)
+    elif dtype.kind == "f":  # 0 and -inf straight in ``dtype`` (the same values)
+        mask = np.where(vis, dtype.type(0.0), dtype.type(-np.inf))
     else:
-        val = 0.0
-    mask = np.where(vis, val, -np.inf).astype(dtype)
+        mask = np.where(vis, 0.0, -np.inf).astype(dtype)
     return mask[:, None, :, :]

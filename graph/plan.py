@@ -60,9 +60,15 @@ def tile_map(visible: np.ndarray, q_tile: int = Q_TILE, kv_tile: int = KV_TILE) 
     """Tile map of a bool visibility array ``(n_stream, n_tps, n_kv)``."""
     ns, nq, nk = visible.shape
     tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
-    padded = np.zeros((ns, tq * q_tile, tk * kv_tile), dtype=bool)
-    padded[:, :nq, :nk] = visible
-    live = padded.reshape(ns, tq, q_tile, tk, kv_tile).any(axis=(2, 4))
+    if nk != tk * kv_tile:  # pad the cells to whole KV tiles (never visible)
+        visible = np.concatenate([visible, np.zeros((ns, nq, tk * kv_tile - nk), dtype=bool)], axis=2)
+    rows = visible.reshape(ns, nq, tk, kv_tile).any(axis=3)  # (ns, nq, tk): row sees the KV tile
+    if tq == 1:  # one query tile (every decode step)
+        live = rows.any(axis=1, keepdims=True)
+    else:
+        if nq != tq * q_tile:
+            rows = np.concatenate([rows, np.zeros((ns, tq * q_tile - nq, tk), dtype=bool)], axis=1)
+        live = rows.reshape(ns, tq, q_tile, tk).any(axis=2)
     return TileMap(live, q_tile, kv_tile)
 
 

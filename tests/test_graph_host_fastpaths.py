@@ -1,0 +1,314 @@
+"""The decode step's host fast paths give what the plain computations give.
+
+``KVCache`` remembers its whole-stream query answers until the cells change and searches free
+cells from the head first; masks and tile maps are built for all streams at once; one-token
+batches are split without the splitters' machinery. Here every answer is checked against the
+straightforward computation (the code these replaced, kept below as the reference) on the cache
+as it is at that moment, over long random runs: several sequences, unified and split KV,
+every split mode, prompts and decode steps, sequence removal / copy / keep / shift, a cache
+that fills up and wraps, sliding windows, ALiBi, pads, and ubatches that fail and roll back.
+"""
+import numpy as np
+import pytest
+
+from ggml_attn.graph import Batch, KVCache, KVCacheFullError, split_ubatches
+from ggml_attn.graph import driver
+from ggml_attn.graph import kv_cache as kv_mod
+from ggml_attn.graph import mask as mask_mod
+from ggml_attn.graph import plan as plan_mod
+from ggml_attn.graph import split as split_mod
+from ggml_attn.graph.kv_cache import SlotInfo
+from ggml_attn.graph.qkv import AttnConfig
+
+
+# ------------------------------------------------------------------ the references
+def ref_visible_cells(cache, ub, slot, n_kv, *, causal=True, n_swa=0):
+    n_stream = slot.n_stream
+    n_tps = ub.n_tokens // n_stream
+    prim = ub.primary_seq_ids.reshape(n_stream, n_tps)
+    prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps)
+    pad_row = ub.is_pad.reshape(n_stream, n_tps)
+    out = np.zeros((n_stream, n_tps, n_kv), dtype=bool)
+    for j, st in enumerate(slot.streams):
+        pos_c = cache.pos[st, :n_kv].astype(np.int64)
+        ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv]
+        same_seq = cache.seqs[st, :n_kv][:, prim[j]].T
+        vis = ok_c[None, :] & same_seq & ~pad_row[j][:, None]
+        if causal:
+            vis &= pos_c[None, :] <= prow[j][:, None]
+        if n_swa > 0:
+            vis &= (prow[j][:, None] - pos_c[None, :]) < n_swa
+        out[j] = vis
+    return out
+
+
+def ref_build_mask(cache, ub, slot, n_kv, *, causal=True, n_swa=0, alibi=False, dtype=np.float16):
+    vis = ref_visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
+    if alibi:
+        n_stream, n_tps = vis.shape[:2]
+        prow = ub.positions.astype(np.float64).reshape(n_stream, n_tps)
+        pos_c = np.stack([cache.pos[st, :n_kv] for st in slot.streams]).astype(np.float64)
+        val = -np.abs(pos_c[:, None, :] - prow[:, :, None])
+    else:
+        val = 0.0
+    return np.where(vis, val, -np.inf).astype(dtype)[:, None, :, :]
+
+
+def ref_tile_map(visible, q_tile=plan_mod.Q_TILE, kv_tile=plan_mod.KV_TILE):
+    ns, nq, nk = visible.shape
+    tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
+    padded = np.zeros((ns, tq * q_tile, tk * kv_tile), dtype=bool)
+    padded[:, :nq, :nk] = visible
+    return padded.reshape(ns, tq, q_tile, tk, kv_tile).any(axis=(2, 4))
+
+
+def ref_find_slot(cache, ub):
+    streams, cells = [], []
+    for st, rows in cache._ubatch_streams_of(ub):
+        n = rows.shape[0]
+        head = cache.head[st]
+        if head > int(np.count_nonzero(cache.pos[st] >= 0)) + 2 * n:
+            head = 0
+        empty = np.flatnonzero(cache.pos[st] < 0)
+        k = int(np.searchsorted(empty, head))
+        free = np.concatenate((empty[k:], empty[:k]))
+        if free.shape[0] < n:
+            raise KVCacheFullError("full")
+        streams.append(st)
+        cells.append(free[:n].astype(np.int64))
+    return SlotInfo(tuple(streams), tuple(cells))
+
+
+def ref_seq_pos(cache, seq_id, largest):
+    st = cache.seq_to_stream(seq_id)
+    cells = np.flatnonzero(cache.seqs[st, :, seq_id] & ~cache.pad[st])
+    if not cells.size:
+        return -1
+    p = cache.pos[st, cells]
+    return int(p.max() if largest else p.min())
+
+
+def ref_used_max_p1(cache, st):
+    occ = np.flatnonzero(cache.pos[st] >= 0)
+    return int(occ[-1]) + 1 if occ.size else 0
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
+def same_slot(a, b):
+    return a.streams == b.streams and len(a.cells) == len(b.cells) and all(
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.cells, b.cells))
+
+
+# ------------------------------------------------------------------ checked cache
+class Checks:
+    """Wraps the cache's queries and the plan's mask / tile map so that every answer given
+    during a run is compared with the reference on the cache as it is then."""
+
+    def __init__(self, monkeypatch):
+        self.n = {"find_slot": 0, "seq_pos": 0, "used_max_p1": 0, "n_used": 0, "mask": 0, "tiles": 0}
+        find_slot, seq_pos = KVCache.find_slot, KVCache._seq_pos
+        used_max_p1, n_used = KVCache.used_max_p1, KVCache.n_used
+        build_mask, tile_map = plan_mod.build_mask, plan_mod.tile_map
+        checks = self
+
+        def find_slot_checked(cache, ub):
+            try:
+                want = ref_find_slot(cache, ub)
+            except KVCacheFullError:
+                with pytest.raises(KVCacheFullError):
+                    find_slot(cache, ub)
+                raise
+            got = find_slot(cache, ub)
+            assert same_slot(got, want), (got, want)
+            checks.n["find_slot"] += 1
+            return got
+
+        def seq_pos_checked(cache, seq_id, largest):
+            got = seq_pos(cache, seq_id, largest)
+            assert got == ref_seq_pos(cache, seq_id, largest)
+            checks.n["seq_pos"] += 1
+            return got
+
+        def used_checked(cache, st):
+            got = used_max_p1(cache, st)
+            assert got == ref_used_max_p1(cache, st)
+            checks.n["used_max_p1"] += 1
+            return got
+
+        def n_used_checked(cache, st):
+            got = n_used(cache, st)
+            assert got == int(np.count_nonzero(cache.pos[st] >= 0))
+            checks.n["n_used"] += 1
+            return got
+
+        def mask_checked(cache, ub, slot, n_kv=None, **kw):
+            got = build_mask(cache, ub, slot, n_kv, **kw)
+            want = ref_build_mask(cache, ub, slot, n_kv if n_kv is not None else cache.n_kv(slot), **kw)
+            assert same_bits(got, want)
+            checks.n["mask"] += 1
+            return got
+
+        def tiles_checked(visible, q_tile=plan_mod.Q_TILE, kv_tile=plan_mod.KV_TILE):
+            got = tile_map(visible, q_tile, kv_tile)
+            assert np.array_equal(got.live, ref_tile_map(visible, q_tile, kv_tile))
+            assert got.live.dtype == bool
+            checks.n["tiles"] += 1
+            return got
+
+        monkeypatch.setattr(KVCache, "find_slot", find_slot_checked)
+        monkeypatch.setattr(KVCache, "_seq_pos", seq_pos_checked)
+        monkeypatch.setattr(KVCache, "used_max_p1", used_checked)
+        monkeypatch.setattr(KVCache, "n_used", n_used_checked)
+        monkeypatch.setattr(plan_mod, "build_mask", mask_checked)
+        monkeypatch.setattr(plan_mod, "tile_map", tiles_checked)
+
+
+class _Engine:
+    """Computes nothing; fails now and then (the ubatch must roll back)."""
+
+    def __init__(self, rng, p_fail):
+        self.rng, self.p_fail = rng, p_fail
+
+    def run_ubatch(self, plan):
+        if self.rng.random() < self.p_fail:
+            raise RuntimeError("engine failure")
+
+
+def _random_run(rng, unified, n_seq, n_ctx, cfg, steps):
+    c = KVCache(n_ctx, n_seq, unified=unified, n_head_kv=1, head_dim_k=4)
+    eng = _Engine(rng, 0.05)
+    modes = ("simple", "equal", "seq", "padded", "auto") if unified else ("equal", "seq", "padded", "auto")
+    done = 0
+    for _ in range(steps):
+        r = rng.random()
+        if r < 0.08:
+            c.seq_rm(int(rng.integers(-1, n_seq)))
+        elif r < 0.14:
+            s = int(rng.integers(0, n_seq))
+            c.seq_rm(s, int(max(c.seq_pos_max(s) - rng.integers(0, 6), 0)), -1)
+        elif r < 0.18 and n_seq > 1:
+            src, dst = (int(x) for x in rng.choice(n_seq, 2, replace=False))
+            c.seq_rm(dst)
+            c.seq_cp(src, dst)
+        elif r < 0.20:
+            c.seq_keep(int(rng.integers(0, n_seq)))
+        elif r < 0.23:
+            s = int(rng.integers(0, n_seq))
+            c.seq_add(s, 0, -1, int(rng.integers(-4, 5)))
+        else:
+            k = int(rng.integers(1, n_seq + 1))
+            seqs = sorted(int(x) for x in rng.choice(n_seq, k, replace=False))
+            lengths = [1] * k if rng.random() < 0.7 else [int(x) for x in rng.integers(1, 20, k)]
+            batch = Batch.from_lengths(lengths, seqs, start_pos=c.next_positions(seqs))
+            mode = modes[int(rng.integers(0, len(modes)))]
+            try:
+                driver.decode(c, batch, int(rng.choice([1, 4, 64])), mode, eng, cfg)
+                done += 1
+            except (driver.BatchError, KVCacheFullError, ValueError):
+                pass
+    return done
+
+
+@pytest.mark.parametrize("unified", [True, False])
+@pytest.mark.parametrize("n_swa,max_bias", [(0, 0.0), (5, 0.0), (0, 1.0), (7, 1.0)])
+def test_fast_paths_match_the_reference_over_random_runs(monkeypatch, unified, n_swa, max_bias):
+    checks = Checks(monkeypatch)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4, n_swa=n_swa, max_bias=max_bias)
+    rng = np.random.default_rng(hash((unified, n_swa, max_bias)) % 2**32)
+    done = 0
+    for n_seq, n_ctx in ((1, 256), (3, 512), (4, 1024)):
+        done += _random_run(rng, unified, n_seq, n_ctx, cfg, 150)
+    assert done > 100
+    assert min(checks.n.values()) > 50, checks.n
+
+
+def test_decode_steps_through_a_full_and_wrapping_cache(monkeypatch):
+    """One sequence stepping through a 256-cell cache, its oldest cells dropped now and then:
+    the free cells are found after the head, then again from cell 0."""
+    checks = Checks(monkeypatch)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4, n_swa=32)
+    for unified in (True, False):
+        c = KVCache(256, 2, unified=unified, n_head_kv=1, head_dim_k=4)
+        eng = _Engine(np.random.default_rng(0), 0.0)
+        full = 0
+        for step in range(700):
+            for s in (0, 1):
+                b = Batch.from_lengths([1], [s], start_pos=c.next_positions([s]))
+                try:
+                    driver.decode(c, b, 512, "equal", eng, cfg)
+                except (KVCacheFullError, ValueError):
+                    full += 1
+                    c.seq_rm(s, 0, c.seq_pos_max(s) - 40)
+        assert full > 0
+    assert checks.n["find_slot"] > 1000
+
+
+def test_query_answers_forget_every_change():
+    """Every way the cells change (and a rolled-back transaction) is seen by the next query."""
+    c = KVCache(512, 2, unified=True, n_head_kv=1, head_dim_k=4)
+
+    def check():
+        for s in (0, 1):
+            assert c.seq_pos_max(s) == ref_seq_pos(c, s, True)
+            assert c.seq_pos_min(s) == ref_seq_pos(c, s, False)
+        assert c.used_max_p1(0) == ref_used_max_p1(c, 0)
+        assert c.n_used(0) == int(np.count_nonzero(c.pos[0] >= 0))
+
+    ub = split_ubatches(Batch.from_lengths([10, 4], [0, 1]), 512, "simple")[0]
+    check()
+    slot = c.place(ub)
+    check()
+    c.seq_add(0, 2, -1, 3)
+    check()
+    c.seq_cp(0, 1, 0, 5)
+    check()
+    c.seq_rm(1, 3, -1)
+    check()
+    c.seq_keep(0)
+    check()
+    snap = c._snapshot()
+    c.seq_rm(-1)
+    check()
+    c._restore(snap)
+    check()
+    with pytest.raises(RuntimeError):
+        with c.transaction():
+            c.seq_rm(0)
+            check()
+            raise RuntimeError("undo")
+    check()
+    ub2 = split_ubatches(Batch.from_lengths([3], [1], start_pos=c.next_positions([1])), 512, "simple")[0]
+    slot2 = c.find_slot(ub2)
+    assert same_slot(slot2, ref_find_slot(c, ub2))
+    c.head = [0]   # a new head list (Runner.clear): searched again
+    assert same_slot(c.find_slot(ub2), ref_find_slot(c, ub2))
+    c.head[0] = 7  # changed in place
+    assert same_slot(c.find_slot(ub2), ref_find_slot(c, ub2))
+    c.free_pads(slot)
+    check()
+
+
+def test_tile_map_odd_sizes():
+    rng = np.random.default_rng(3)
+    for shape in ((1, 1, 1), (2, 1, 300), (3, 70, 256), (1, 64, 512), (2, 129, 513), (1, 0, 256), (1, 5, 0)):
+        vis = rng.random(shape) < 0.01
+        for q_tile, kv_tile in ((64, 256), (16, 32), (1, 1), (7, 5)):
+            got = plan_mod.tile_map(vis, q_tile, kv_tile).live
+            assert got.dtype == bool and np.array_equal(got, ref_tile_map(vis, q_tile, kv_tile)), shape
+
+
+def test_mask_dtypes_and_no_causal():
+    c = KVCache(512, 3, unified=True, n_head_kv=1, head_dim_k=4)
+    for lengths in ([5, 3, 9], [1, 1, 1]):
+        b = Batch.from_lengths(lengths, [0, 1, 2], start_pos=c.next_positions([0, 1, 2]))
+        for ub in split_ubatches(b, 4, "padded"):
+            slot = c.place(ub)
+            for kw in ({}, {"causal": False}, {"dtype": np.float32}, {"alibi": True, "n_swa": 2},
+                       {"dtype": np.float32, "alibi": True}):
+                n_kv = c.n_kv(slot)
+                assert same_bits(mask_mod.build_mask(c, ub, slot, n_kv, **kw), ref_build_mask(c, ub, slot, n_kv, **kw))
+            c.free_pads(slot)
