@@ -32,15 +32,23 @@ def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, caus
     if ub.n_tokens % n_stream:
         raise ValueError(f"{ub!r} has {ub.n_tokens} rows for {n_stream} streams")
     n_tps = ub.n_tokens // n_stream
-    st = np.asarray(slot.streams, dtype=np.intp)
+    s0 = slot.streams[0]
     prim = ub.primary_seq_ids.reshape(n_stream, n_tps, 1)
     prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps, 1)
+    if slot.streams == tuple(range(s0, s0 + n_stream)):  # consecutive streams (always, from find_slot)
+        st = slice(s0, s0 + n_stream)
+    else:
+        st = np.asarray(slot.streams, dtype=np.intp)
     pos_c = cache.pos[st, :n_kv][:, None, :]                        # (n_stream, 1, n_kv) int32
     ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv][:, None, :]         # occupied, not a pad
     # row (j, i) and cell c are of one sequence: seqs[streams[j], c, prim[j, i]]
-    out = cache.seqs[st[:, None, None], np.arange(n_kv)[None, None, :], prim]  # (n_stream, n_tps, n_kv)
+    if n_stream == 1:
+        out = cache.seqs[s0, :n_kv][:, prim[0, :, 0]].T[None]       # (1, n_tps, n_kv)
+    else:
+        out = cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None],
+                         np.arange(n_kv)[None, None, :], prim]      # (n_stream, n_tps, n_kv)
     out &= ok_c
-    pad_row = ub.is_pad
+    pad_row = ub.token_idx < 0
     if pad_row.any():
         out &= ~pad_row.reshape(n_stream, n_tps, 1)
     if causal:

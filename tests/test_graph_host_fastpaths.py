@@ -167,6 +167,10 @@ class Checks:
         monkeypatch.setattr(plan_mod, "tile_map", tiles_checked)
 
 
+class _EngineFailure(RuntimeError):
+    pass
+
+
 class _Engine:
     """Computes nothing; fails now and then (the ubatch must roll back)."""
 
@@ -175,7 +179,7 @@ class _Engine:
 
     def run_ubatch(self, plan):
         if self.rng.random() < self.p_fail:
-            raise RuntimeError("engine failure")
+            raise _EngineFailure("engine failure")
 
 
 def _random_run(rng, unified, n_seq, n_ctx, cfg, steps):
@@ -208,7 +212,9 @@ def _random_run(rng, unified, n_seq, n_ctx, cfg, steps):
             try:
                 driver.decode(c, batch, int(rng.choice([1, 4, 64])), mode, eng, cfg)
                 done += 1
-            except (driver.BatchError, KVCacheFullError, ValueError):
+            except driver.BatchError as e:  # only the engine may fail a ubatch here
+                assert isinstance(e.__cause__, _EngineFailure), repr(e.__cause__)
+            except (KVCacheFullError, ValueError):  # no room, or a split that does not fit the cache
                 pass
     return done
 
