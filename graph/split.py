@@ -34,6 +34,7 @@ __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq
 MODES = ("simple", "equal", "seq", "padded", "auto")
 PADDED_KEEP_FRACTION = 0.9  # split_padded: keep more sequences while within 90% of the best score
 PADDED_PAD_WEIGHT = 0.5     # split_padded: a pad row costs half a real row in the score
+_REFUSE_COUPLED = ("equal", "padded")  # the splitters that refuse coupled tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -369,6 +370,20 @@ def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBa
                          "(choose_split or auto.split_ubatches), not by split.split_ubatches")
     if mode not in _SPLITTERS:
         raise ValueError(f"unknown split mode {mode!r}; expected one of {MODES}")
+    if batch.n_tokens == 1 and not (batch.has_coupled and mode in _REFUSE_COUPLED):
+        return [_one_token(batch, mode)]
+    return _split_all(batch, n_ubatch, mode)
+
+
+def _one_token(batch: Batch, mode: str) -> UBatch:
+    """The one ubatch every splitter makes of a one-token batch (a decode step of one
+    sequence), without their bookkeeping: row 0 is token 0; one sequence set of one row."""
+    return UBatch(mode, np.zeros(1, dtype=np.int64), batch.positions[:1].astype(np.int32),
+                  batch.seq_ids[:1], 1, mode != "simple")
+
+
+def _split_all(batch: Batch, n_ubatch: int, mode: str) -> list[UBatch]:
+    """``mode``'s splitter, called until every token is placed."""
     state = SplitState(batch)
     fn = _SPLITTERS[mode]
     out = []

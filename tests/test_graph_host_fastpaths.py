@@ -318,3 +318,25 @@ def test_mask_dtypes_and_no_causal():
                 n_kv = c.n_kv(slot)
                 assert same_bits(mask_mod.build_mask(c, ub, slot, n_kv, **kw), ref_build_mask(c, ub, slot, n_kv, **kw))
             c.free_pads(slot)
+
+
+def _ubatch_fields(ub):
+    return (ub.mode, ub.token_idx.dtype, ub.token_idx.tolist(), ub.positions.dtype, ub.positions.tolist(),
+            ub.token_seq_ids, ub.n_seqs, ub.equal_seqs, ub.reason)
+
+
+@pytest.mark.parametrize("mode", ["simple", "equal", "seq", "padded"])
+def test_one_token_split_is_the_splitters_split(mode):
+    """A one-token batch skips the splitters; they would make the same ubatch (or refuse it)."""
+    for seq_ids in ((0,), (3,), (2, 0), (1, 5, 4)):
+        for pos in (0, 7, 2**31 - 1):
+            b = Batch(np.array([pos % 32000]), np.array([pos]), (seq_ids,))
+            for n_ubatch in (1, 512):
+                try:
+                    want = split_mod._split_all(b, n_ubatch, mode)
+                except ValueError as e:
+                    with pytest.raises(ValueError, match=str(e)[:30]):
+                        split_mod.split_ubatches(b, n_ubatch, mode)
+                    continue
+                got = split_mod.split_ubatches(b, n_ubatch, mode)
+                assert [_ubatch_fields(u) for u in got] == [_ubatch_fields(u) for u in want]
