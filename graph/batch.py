@@ -31,6 +31,7 @@ __all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_a
 
 MAX_SEQ = 256            # llama.cpp's LLAMA_MAX_SEQ: sequences a cache may serve
 INT32_MAX = 2**31 - 1    # largest token id / position (llama_token and llama_pos are int32)
+_SMALL = 16              # arrays up to this size are checked in Python (cheaper than numpy's reductions)
 
 
 def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -43,6 +44,11 @@ def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> in
         raise ValueError(f"{name} = {v} is outside [{lo if lo is not None else '-inf'}, "
                          f"{hi if hi is not None else 'inf'}]")
     return v
+
+
+def _min(a: np.ndarray):
+    """``a.min()`` of a non-empty array; in Python for a few values."""
+    return min(a.reshape(-1).tolist()) if a.size <= _SMALL else a.min()
 
 
 def int32_array(values, name: str, lo: int = 0, hi: int = INT32_MAX) -> np.ndarray:
@@ -61,6 +67,10 @@ def int32_array(values, name: str, lo: int = 0, hi: int = INT32_MAX) -> np.ndarr
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{name}[{i}] = {a[i]!r} is not an integer")
+    if a.dtype.kind != "f" and a.shape[0] <= _SMALL:  # a few values (a decode step): Python's min/max
+        v = a.tolist()
+        if not v or (lo <= min(v) and max(v) <= hi):
+            return a.astype(np.int32)
     out_of = (a < lo) | (a > hi)
     if out_of.any():
         i = int(np.argmax(out_of))
@@ -86,7 +96,7 @@ class Batch:
     def __post_init__(self):
         tokens = int32_array(self.tokens, "tokens")
         positions = np.asarray(self.positions)
-        if positions.dtype.kind in "iu" and positions.size and positions.min() < 0:
+        if positions.dtype.kind in "iu" and positions.size and _min(positions) < 0:
             i = int(np.argmin(positions))
             raise ValueError(f"positions[{i}] = {int(positions[i])}: token {i} has a negative position")
         positions = int32_array(positions, "positions")
@@ -213,7 +223,7 @@ class Batch:
             raise ValueError(f"got {len(lengths)} lengths but {len(ids)} seq_ids")
         starts = _start_positions(start_pos, ids)
         token_lists = [[(p0 + t) % 32000 for t in range(n)] for n, p0 in zip(lengths, starts)]
-        return cls.from_sequences(token_lists, ids, start_pos)
+        return cls.from_sequences(token_lists, ids, starts)
 
 
 def _start_positions(start_pos, ids: list[int]) -> list[int]:

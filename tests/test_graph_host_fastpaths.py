@@ -340,3 +340,50 @@ def test_one_token_split_is_the_splitters_split(mode):
                     continue
                 got = split_mod.split_ubatches(b, n_ubatch, mode)
                 assert [_ubatch_fields(u) for u in got] == [_ubatch_fields(u) for u in want]
+
+
+def ref_int32_array(values, name, lo=0, hi=2**31 - 1):
+    from ggml_attn.graph.batch import as_int
+    a = np.asarray(values)
+    if a.dtype == object:
+        return np.array([as_int(x, f"{name}[{i}]", lo, hi) for i, x in enumerate(a.reshape(-1))], dtype=np.int32)
+    a = a.reshape(-1)
+    if a.dtype == bool or a.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    if a.dtype.kind == "f":
+        bad = ~np.isfinite(a) | (np.floor(a) != a)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {a[i]!r} is not an integer")
+    out_of = (a < lo) | (a > hi)
+    if out_of.any():
+        i = int(np.argmax(out_of))
+        v = int(a[i]) if a.dtype.kind != "f" else a[i]
+        raise ValueError(f"{name}[{i}] = {v} is outside [{lo}, {hi}] (int32, as llama.cpp)")
+    return a.astype(np.int32)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (a float32 cast at the int32 edge, both versions)
+def test_int32_array_small_inputs_as_before():
+    from ggml_attn.graph.batch import int32_array
+    cases = [[], [0], [5], [-1], [2**31 - 1], [2**31], [3, -2, 7], [[1, 2], [3, 4]], list(range(16)),
+             list(range(-1, 16)), [2**63 - 1], [1.0, 2.0], [1.5], [True], ["a"], [2**70]]
+    dtypes = [None, np.int8, np.int32, np.int64, np.uint32, np.uint64, np.float32]
+    for vals in cases:
+        for dt in dtypes:
+            for lo, hi in ((0, 2**31 - 1), (1, 10), (-5, 5)):
+                try:
+                    a = np.array(vals, dtype=dt)
+                except (ValueError, OverflowError, TypeError):
+                    continue
+                try:
+                    want = ref_int32_array(a, "x", lo, hi)
+                except ValueError as e:
+                    with pytest.raises(ValueError) as got:
+                        int32_array(a, "x", lo, hi)
+                    assert str(got.value) == str(e)
+                    continue
+                got = int32_array(a, "x", lo, hi)
+                assert got.dtype == want.dtype and np.array_equal(got, want)
+    with pytest.raises(ValueError, match="negative position"):
+        Batch(np.array([1, 2]), np.array([4, -3]), ((0,), (0,)))
