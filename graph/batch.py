@@ -21,6 +21,7 @@ or wrapped.
 from __future__ import annotations
 
 import math
+from collections import abc
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping, Sequence
@@ -37,9 +38,12 @@ _SMALL = 16              # arrays up to this size are checked in Python (cheaper
 def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
     """``value`` as a Python int. ValueError naming ``name`` when it is not an integer (Python
     or numpy int; bools, floats and strings are refused) or outside ``[lo, hi]``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if type(value) is int:  # the usual case, first (bool is not int here)
+        v = value
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    v = int(value)
+    else:
+        v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} = {v} is outside [{lo if lo is not None else '-inf'}, "
                          f"{hi if hi is not None else 'inf'}]")
@@ -231,7 +235,7 @@ def _start_positions(start_pos, ids: list[int]) -> list[int]:
         return [0] * len(ids)
     if isinstance(start_pos, (int, np.integer, bool, np.bool_, float, np.floating, str)):
         return [as_int(start_pos, "start_pos", 0, INT32_MAX)] * len(ids)
-    if isinstance(start_pos, Mapping):
+    if isinstance(start_pos, abc.Mapping):  # (typing.Mapping's isinstance is the same, slower)
         return [as_int(start_pos.get(s, 0), f"start_pos[seq {s}]", 0, INT32_MAX) for s in ids]
     starts = [as_int(p, f"start_pos[{j}]", 0, INT32_MAX) for j, p in enumerate(start_pos)]
     if len(starts) != len(ids):
