@@ -49,6 +49,7 @@ CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "
 _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
+_SMALL = 16   # ubatches up to this many rows are checked and accounted in Python
 
 
 class KVCacheFullError(RuntimeError):
@@ -93,6 +94,8 @@ class SlotInfo:
         """int64 ``(n_tokens,)``: global row ``stream * kv_size + cell`` of every ubatch row,
         in ubatch row order: the ``idxs`` input of ``ggml_set_rows`` on the cache reshaped to
         ``[n_embd_gqa, kv_size * n_stream]``."""
+        if len(self.streams) == 1:
+            return (self.cells[0] + self.streams[0] * kv_size).astype(np.int64, copy=False)
         return np.concatenate([s * kv_size + c for s, c in zip(self.streams, self.cells)]).astype(np.int64)
 
 
@@ -290,9 +293,15 @@ class KVCache:
         return out
 
     def _ubatch_streams_of(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
-        for ids in ub.token_seq_ids:
-            for s in ids:
-                self._check_seq(s)
+        try:  # every id a plain int in range: nothing to report (else the loop names the first bad one)
+            ids = ub.seq_ids
+            ok = all(type(s) is int for s in ids) and 0 <= ids[0] and ids[-1] < self.n_seq_max
+        except TypeError:
+            ok = False
+        if not ok:
+            for ids in ub.token_seq_ids:
+                for s in ids:
+                    self._check_seq(s)
         if self.unified:
             return [(0, np.arange(ub.n_tokens))]
         seq_unq = ub.seq_ids
@@ -306,10 +315,14 @@ class KVCache:
             raise ValueError(f"split KV needs consecutive sequence ids in a ubatch, got {list(seq_unq)}")
         n_tps = ub.n_tokens // len(seq_unq)
         prim = ub.primary_seq_ids
+        if ub.n_tokens <= _SMALL:  # rows j*n_tps .. (j+1)*n_tps-1 are sequence seq_unq[j]
+            ok = prim.tolist() == [s for s in seq_unq for _ in range(n_tps)]
+        else:
+            ok = np.array_equal(prim, np.repeat(np.asarray(seq_unq), n_tps))
         out = []
         for j, s in enumerate(seq_unq):
             rows = np.arange(j * n_tps, (j + 1) * n_tps)
-            if not np.all(prim[rows] == s):
+            if not ok and not np.all(prim[rows] == s):
                 raise ValueError(f"split KV needs the rows of sequence {s} at {rows[0]}..{rows[-1]}; "
                                  f"{ub!r} has them elsewhere (use 'equal', 'seq' or 'padded')")
             out.append((s, rows))
@@ -358,6 +371,7 @@ class KVCache:
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
         coupled = any(len(ids) > 1 for ids in ub.token_seq_ids)
+        still_true = self._answers_after_fill(rows_per, slot, ub)
         for (st, rows), cells in zip(rows_per, slot.cells):
             self._touch(st, cells)
             self.pos[st, cells] = ub.positions[rows]
@@ -369,6 +383,39 @@ class KVCache:
                 self.seqs[st, cells, ub.primary_seq_ids[rows]] = True
             self.pad[st, cells] = pad[rows]
             self.head[st] = int(cells[-1]) + 1
+        self._memo.update(still_true)
+
+    def _answers_after_fill(self, rows_per, slot: SlotInfo, ub: UBatch) -> dict:
+        """The remembered query answers as they will be once ``ub`` occupies ``slot``, when
+        that is cheap to know: a small ubatch whose cells are all empty now (so no sequence
+        loses a cell) and whose rows all have positions. Then each stream's used count grows
+        by its cells, its used range reaches past its highest cell, and each sequence's
+        position range takes in its non-pad rows' positions. Otherwise nothing (asked again)."""
+        if not self._memo or ub.n_tokens > _SMALL:
+            return {}
+        positions, token_idx = ub.positions.tolist(), ub.token_idx.tolist()
+        if min(positions) < 0:
+            return {}
+        out = {k: v for k, v in self._memo.items() if k[0] != "find_slot"}
+        for (st, rows), cells in zip(rows_per, slot.cells):
+            cl = cells.tolist()
+            if len(set(cl)) != len(cl) or max(self.pos[st, cells].tolist()) >= 0:
+                return {}
+            if ("n_used", st) in out:
+                out[("n_used", st)] += len(cl)
+            if ("used_max_p1", st) in out:
+                out[("used_max_p1", st)] = max(out[("used_max_p1", st)], max(cl) + 1)
+            for r in rows.tolist():
+                if token_idx[r] < 0:  # a pad row: in no sequence's range
+                    continue
+                p = positions[r]
+                for s in ub.token_seq_ids[r]:
+                    hi, lo = ("seq_pos", int(s), True), ("seq_pos", int(s), False)
+                    if hi in out:
+                        out[hi] = max(out[hi], p)
+                    if lo in out:
+                        out[lo] = p if out[lo] == -1 else min(out[lo], p)
+        return out
 
     def place(self, ub: UBatch) -> SlotInfo:
         """``find_slot`` + ``apply_ubatch``; on :class:`KVCacheFullError` nothing changed."""

@@ -48,9 +48,8 @@ def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, caus
         out = cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None],
                          np.arange(n_kv)[None, None, :], prim]      # (n_stream, n_tps, n_kv)
     out &= ok_c
-    pad_row = ub.token_idx < 0
-    if pad_row.any():
-        out &= ~pad_row.reshape(n_stream, n_tps, 1)
+    if ub.n_pad:
+        out &= ~ub.is_pad.reshape(n_stream, n_tps, 1)
     if causal:
         out &= pos_c <= prow
     if n_swa > 0:

@@ -79,8 +79,9 @@ class UBatch:
         """bool ``(n_tokens,)``: True for pad rows."""
         return self.token_idx < 0
 
-    @property
+    @cached_property
     def n_pad(self) -> int:
+        """Pad rows (computed once)."""
         return int(np.count_nonzero(self.token_idx < 0))
 
     @property

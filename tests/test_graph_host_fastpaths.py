@@ -298,6 +298,38 @@ def test_query_answers_forget_every_change():
     check()
 
 
+def test_query_answers_carried_through_a_fill():
+    """A small ubatch into empty cells updates the remembered answers instead of forgetting
+    them; pad rows (in no sequence's range) and occupied target cells included."""
+    for unified in (True, False):
+        c = KVCache(512, 3, unified=unified, n_head_kv=1, head_dim_k=4)
+
+        def warm_and_check():
+            for s in range(3):
+                assert c.seq_pos_max(s) == ref_seq_pos(c, s, True)
+                assert c.seq_pos_min(s) == ref_seq_pos(c, s, False)
+            for st in range(c.n_stream):
+                assert c.used_max_p1(st) == ref_used_max_p1(c, st)
+                assert c.n_used(st) == int(np.count_nonzero(c.pos[st] >= 0))
+
+        warm_and_check()
+        for lengths in ([3, 1, 2], [1, 1, 1], [2, 2, 5], [1, 1, 1]):
+            b = Batch.from_lengths(lengths, [0, 1, 2], start_pos=c.next_positions([0, 1, 2]))
+            for ub in split_ubatches(b, 6, "padded"):
+                warm_and_check()
+                slot = c.place(ub)
+                warm_and_check()   # pads still in place
+                c.free_pads(slot)
+                warm_and_check()
+        # a slot over occupied cells (not what find_slot gives): answers asked again
+        ub = split_ubatches(Batch.from_lengths([1], [0], start_pos=c.next_positions([0])), 4, "equal")[0]
+        slot = c.find_slot(ub)
+        occupied = SlotInfo(slot.streams, (np.array([0], dtype=np.int64),))
+        warm_and_check()
+        c.apply_ubatch(occupied, ub)
+        warm_and_check()
+
+
 def test_tile_map_odd_sizes():
     rng = np.random.default_rng(3)
     for shape in ((1, 1, 1), (2, 1, 300), (3, 70, 256), (1, 64, 512), (2, 129, 513), (1, 0, 256), (1, 5, 0)):
