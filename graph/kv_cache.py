@@ -396,7 +396,7 @@ class KVCache:
         positions, token_idx = ub.positions.tolist(), ub.token_idx.tolist()
         if min(positions) < 0:
             return {}
-        out = {k: v for k, v in self._memo.items() if k[0] != "find_slot"}
+        out = {k: v for k, v in self._memo.items() if k[0] in ("n_used", "used_max_p1", "seq_pos")}
         for (st, rows), cells in zip(rows_per, slot.cells):
             cl = cells.tolist()
             if len(set(cl)) != len(cl) or max(self.pos[st, cells].tolist()) >= 0:
