@@ -210,7 +210,24 @@ class Batch:
             tokens.extend(toks)
             positions.extend(range(starts[j], starts[j] + len(toks)))
             sids.extend([(s,)] * len(toks))
-        return cls(np.array(tokens), np.array(positions), tuple(sids))
+        if cls is not Batch:
+            return cls(np.array(tokens), np.array(positions), tuple(sids))
+        # what __post_init__ would check of positions (0 .. INT32_MAX) and sequence ids (one
+        # per token, an int >= 0) holds by construction; the token ids are checked as it would
+        return cls._checked(int32_array(np.array(tokens), "tokens"), np.array(positions, dtype=np.int32),
+                            tuple(sids))
+
+    @classmethod
+    def _checked(cls, tokens: np.ndarray, positions: np.ndarray, seq_ids: tuple) -> "Batch":
+        """The batch of arrays that passed every check of ``__post_init__`` (int32, one entry
+        per token, ids tuples of ints), without checking them again (taken, made read-only)."""
+        b = object.__new__(cls)
+        tokens.setflags(write=False)
+        positions.setflags(write=False)
+        object.__setattr__(b, "tokens", tokens)
+        object.__setattr__(b, "positions", positions)
+        object.__setattr__(b, "seq_ids", seq_ids)
+        return b
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], seq_ids: Sequence[int] | None = None,

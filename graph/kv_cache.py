@@ -467,8 +467,11 @@ class KVCache:
             if cells.dtype == bool:
                 cells = np.flatnonzero(cells)
             cells = cells.astype(np.int64, copy=True)
-            self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
-                                       self.pad[st, cells].copy()))
+            if cells.ndim == 1:  # an index array: the gathers are copies already
+                self._journals[-1].append((st, cells, self.pos[st, cells], self.seqs[st, cells], self.pad[st, cells]))
+            else:
+                self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
+                                           self.pad[st, cells].copy()))
 
     def _snapshot(self):
         return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)

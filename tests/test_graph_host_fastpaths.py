@@ -419,3 +419,32 @@ def test_int32_array_small_inputs_as_before():
                 assert got.dtype == want.dtype and np.array_equal(got, want)
     with pytest.raises(ValueError, match="negative position"):
         Batch(np.array([1, 2]), np.array([4, -3]), ((0,), (0,)))
+
+
+def test_batch_constructors_as_through_post_init():
+    """from_sequences / from_lengths skip __post_init__'s checks of what they built; the batch
+    (or the error) is the one the checked constructor gives."""
+    class Checked(Batch):  # a subclass takes the checked path
+        pass
+
+    def fields(b):
+        return (b.tokens.dtype, b.tokens.tolist(), b.tokens.flags.writeable, b.positions.dtype,
+                b.positions.tolist(), b.positions.flags.writeable, b.seq_ids,
+                [type(s) for ids in b.seq_ids for s in ids])
+
+    rng = np.random.default_rng(9)
+    for _ in range(200):
+        k = int(rng.integers(1, 5))
+        ids = [int(x) for x in rng.choice(8, k, replace=False)]
+        lengths = [int(x) for x in rng.integers(1, 6, k)]
+        start = [int(x) for x in rng.integers(0, 2**31 - 6, k)] if rng.random() < 0.5 else None
+        assert fields(Batch.from_lengths(lengths, ids, start)) == fields(Checked.from_lengths(lengths, ids, start))
+        toks = [[int(x) for x in rng.integers(0, 1000, n)] for n in lengths]
+        assert fields(Batch.from_sequences(toks, ids, start)) == fields(Checked.from_sequences(toks, ids, start))
+        assert fields(Batch.from_sequences(toks)) == fields(Checked.from_sequences(toks))
+    for bad in ([[1, -2]], [[2**31]], [[1.5]], [["a"]], [[True]]):
+        with pytest.raises(ValueError) as want:
+            Checked.from_sequences(bad)
+        with pytest.raises(ValueError) as got:
+            Batch.from_sequences(bad)
+        assert str(got.value) == str(want.value)
