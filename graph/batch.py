@@ -196,9 +196,14 @@ class Batch:
         ids = list(range(n_seq)) if seq_ids is None else [as_int(s, f"seq_ids[{j}]", 0) for j, s in enumerate(seq_ids)]
         if len(ids) != n_seq:
             raise ValueError(f"got {n_seq} token lists but {len(ids)} seq_ids")
-        if len(set(ids)) != n_seq:
-            raise ValueError(f"seq_ids must be distinct, got {ids}")
-        starts = _start_positions(start_pos, ids)
+        _distinct(ids)
+        return cls._laid_out(token_lists, ids, _start_positions(start_pos, ids), True)
+
+    @classmethod
+    def _laid_out(cls, token_lists, ids: list[int], starts: list[int], check_tokens: bool) -> "Batch":
+        """from_sequences' layout of checked ``ids`` (distinct ints >= 0, one per list) and
+        ``starts`` (ints in 0 .. INT32_MAX); the token ids are checked as __post_init__ would
+        when ``check_tokens`` (else they are known int32 values)."""
         tokens, positions, sids = [], [], []
         for j, (toks, s) in enumerate(zip(token_lists, ids)):
             toks = list(toks)
@@ -213,9 +218,9 @@ class Batch:
         if cls is not Batch:
             return cls(np.array(tokens), np.array(positions), tuple(sids))
         # what __post_init__ would check of positions (0 .. INT32_MAX) and sequence ids (one
-        # per token, an int >= 0) holds by construction; the token ids are checked as it would
-        return cls._checked(int32_array(np.array(tokens), "tokens"), np.array(positions, dtype=np.int32),
-                            tuple(sids))
+        # per token, an int >= 0) holds by construction
+        tokens = int32_array(np.array(tokens), "tokens") if check_tokens else np.array(tokens, dtype=np.int32)
+        return cls._checked(tokens, np.array(positions, dtype=np.int32), tuple(sids))
 
     @classmethod
     def _checked(cls, tokens: np.ndarray, positions: np.ndarray, seq_ids: tuple) -> "Batch":
@@ -243,8 +248,16 @@ class Batch:
         if len(ids) != len(lengths):
             raise ValueError(f"got {len(lengths)} lengths but {len(ids)} seq_ids")
         starts = _start_positions(start_pos, ids)
+        if not lengths:
+            raise ValueError("from_sequences needs at least one sequence")
+        _distinct(ids)
         token_lists = [[(p0 + t) % 32000 for t in range(n)] for n, p0 in zip(lengths, starts)]
-        return cls.from_sequences(token_lists, ids, starts)
+        return cls._laid_out(token_lists, ids, starts, False)
+
+
+def _distinct(ids: list[int]) -> None:
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"seq_ids must be distinct, got {ids}")
 
 
 def _start_positions(start_pos, ids: list[int]) -> list[int]:

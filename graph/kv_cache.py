@@ -345,6 +345,12 @@ class KVCache:
                 head = 0
             # the first n empty cells from head on, when the next cells hold them (the usual
             # case: the cells after the last ubatch); else the whole stream, wrapping around
+            if n <= _SMALL:  # the n cells at head, all empty: a decode step's cells
+                run = self.pos[st, head:head + n].tolist()
+                if len(run) == n and max(run) < 0:
+                    streams.append(st)
+                    cells.append(np.arange(head, head + n, dtype=np.int64))
+                    continue
             near = np.flatnonzero(self.pos[st, head:head + max(KV_PAD, 2 * n)] < 0)
             if near.shape[0] >= n:
                 streams.append(st)
@@ -507,7 +513,10 @@ class KVCache:
         """Free the pad cells of a slot (call right after its ubatch); returns how many."""
         n = 0
         for st, cells in zip(slot.streams, slot.cells):
-            padc = cells[self.pad[st, cells]]
+            is_pad = self.pad[st, cells]
+            if cells.shape[0] <= _SMALL and not any(is_pad.tolist()):
+                continue
+            padc = cells[is_pad]
             if padc.size:
                 self._free(st, padc)
                 n += int(padc.size)

@@ -448,3 +448,14 @@ def test_batch_constructors_as_through_post_init():
         with pytest.raises(ValueError) as got:
             Batch.from_sequences(bad)
         assert str(got.value) == str(want.value)
+    # argument errors: the message of the check that comes first
+    for args, kw in ((([], []), {}), (([1, 1], [0, 0]), {"start_pos": [0]}), (([1, 1], [0, 0]), {}),
+                     (([1], [0]), {"start_pos": 2**31 - 1}), (([2], [0]), {"start_pos": 2**31 - 1}),
+                     (([0], [0]), {}), (([1], [-1]), {}), (([1, 2], [0]), {}), (([1], [0]), {"start_pos": [-1]})):
+        outcomes = []
+        for cls in (Checked, Batch):
+            try:
+                outcomes.append(fields(cls.from_lengths(*args, **kw)))
+            except ValueError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], (args, kw, outcomes)
