@@ -378,8 +378,12 @@ class KVCache:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
         coupled = any(len(ids) > 1 for ids in ub.token_seq_ids)
         still_true = self._answers_after_fill(rows_per, slot, ub)
+        small = ub.n_tokens <= _SMALL
         for (st, rows), cells in zip(rows_per, slot.cells):
             self._touch(st, cells)
+            if small and cells.ndim == 1 and cells.shape[0] == rows.shape[0]:
+                self._fill_cells(st, rows.tolist(), cells.tolist(), ub)
+                continue
             self.pos[st, cells] = ub.positions[rows]
             self.seqs[st, cells] = False
             if coupled:
@@ -390,6 +394,23 @@ class KVCache:
             self.pad[st, cells] = pad[rows]
             self.head[st] = int(cells[-1]) + 1
         self._memo.update(still_true)
+
+    def _fill_cells(self, st: int, rows: list[int], cells: list[int], ub: UBatch) -> None:
+        """``apply_ubatch``'s writes for a few rows, one cell at a time (cheaper than numpy's
+        scatters for a handful of cells), in the same order: positions, sequence sets cleared,
+        then set, pad flags; the stream head past the last cell."""
+        pos, seqs, pad = self.pos, self.seqs, self.pad
+        positions, token_idx, seq_ids = ub.positions.tolist(), ub.token_idx.tolist(), ub.token_seq_ids
+        for r, c in zip(rows, cells):
+            pos[st, c] = positions[r]
+        for c in cells:
+            seqs[st, c] = False
+        for r, c in zip(rows, cells):
+            for s in seq_ids[r]:
+                seqs[st, c, s] = True
+        for r, c in zip(rows, cells):
+            pad[st, c] = token_idx[r] < 0
+        self.head[st] = int(cells[-1]) + 1
 
     def _answers_after_fill(self, rows_per, slot: SlotInfo, ub: UBatch) -> dict:
         """The remembered query answers as they will be once ``ub`` occupies ``slot``, when
