@@ -33,28 +33,55 @@ def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, caus
         raise ValueError(f"{ub!r} has {ub.n_tokens} rows for {n_stream} streams")
     n_tps = ub.n_tokens // n_stream
     s0 = slot.streams[0]
-    prim = ub.primary_seq_ids.reshape(n_stream, n_tps, 1)
-    prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps, 1)
-    if slot.streams == tuple(range(s0, s0 + n_stream)):  # consecutive streams (always, from find_slot)
-        st = slice(s0, s0 + n_stream)
-    else:
-        st = np.asarray(slot.streams, dtype=np.intp)
+    consecutive = slot.streams == tuple(range(s0, s0 + n_stream))  # (always, from find_slot)
+    st = slice(s0, s0 + n_stream) if consecutive else np.asarray(slot.streams, dtype=np.intp)
     pos_c = cache.pos[st, :n_kv][:, None, :]                        # (n_stream, 1, n_kv) int32
-    ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv][:, None, :]         # occupied, not a pad
-    # row (j, i) and cell c are of one sequence: seqs[streams[j], c, prim[j, i]]
-    if n_stream == 1:
-        out = cache.seqs[s0, :n_kv][:, prim[0, :, 0]].T[None]       # (1, n_tps, n_kv)
+    row_pos = ub.positions.reshape(n_stream, n_tps, 1)
+    # occupied (pos >= 0) and, when causal, not after the row (pos <= row position)
+    if causal and pos_c.dtype == np.int32 and row_pos.dtype == np.int32 and _min(row_pos) >= 0:
+        # both in one unsigned compare: an empty cell's -1 reads 2**32-1, past every row
+        out = pos_c.view(np.uint32) <= row_pos.view(np.uint32)     # (n_stream, n_tps, n_kv)
     else:
-        out = cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None],
-                         np.arange(n_kv)[None, None, :], prim]      # (n_stream, n_tps, n_kv)
-    out &= ok_c
+        out = pos_c >= 0
+        if causal:
+            out = out & (pos_c <= row_pos)
+    out = out & ~cache.pad[st, :n_kv][:, None, :]                   # not a pad cell
+    out = out & _same_sequence(cache, ub, slot, st, n_tps, n_kv)
+    if out.shape[1] != n_tps:  # (no causal term and one sequence per stream)
+        out = np.repeat(out, n_tps, axis=1)
     if ub.n_pad:
         out &= ~ub.is_pad.reshape(n_stream, n_tps, 1)
-    if causal:
-        out &= pos_c <= prow
     if n_swa > 0:
-        out &= (prow - pos_c) < n_swa
+        out &= (ub.positions.astype(np.int64).reshape(n_stream, n_tps, 1) - pos_c) < n_swa
     return out
+
+
+def _same_sequence(cache: KVCache, ub: UBatch, slot: SlotInfo, st, n_tps: int, n_kv: int) -> np.ndarray:
+    """bool, True where row (j, i) and cell c are of one sequence: ``seqs[streams[j], c,
+    prim[j, i]]``; ``(n_stream, 1, n_kv)`` when every stream's rows share one primary id (a
+    decode step, a split cache), else ``(n_stream, n_tps, n_kv)``."""
+    n_stream = slot.n_stream
+    prim = ub.primary_seq_ids.reshape(n_stream, n_tps)
+    if ub.n_tokens <= _SMALL:
+        one = all(len(set(row)) == 1 for row in prim.tolist())
+    else:
+        one = bool((prim == prim[:, :1]).all())
+    if one:
+        if n_stream == 1:
+            return cache.seqs[slot.streams[0], :n_kv, int(prim[0, 0])][None, None, :]
+        return cache.seqs[np.asarray(slot.streams, dtype=np.intp), :n_kv, prim[:, 0]][:, None, :]
+    if n_stream == 1:
+        return cache.seqs[slot.streams[0], :n_kv][:, prim[0]].T[None]
+    return cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None], np.arange(n_kv)[None, None, :],
+                      prim[:, :, None]]
+
+
+def _min(a: np.ndarray) -> int:
+    return min(a.reshape(-1).tolist()) if a.size <= _SMALL else int(a.min())
+
+
+_SMALL = 16  # arrays up to this size are looked at in Python (cheaper than numpy's reductions)
+_MASK_VALUES: dict = {}  # dtype -> [-inf, 0] in that dtype
 
 
 def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = None, *,
@@ -73,8 +100,11 @@ def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = No
         pos_c = np.stack([cache.pos[st, :n_kv] for st in slot.streams]).astype(np.float64)
         val = -np.abs(pos_c[:, None, :] - prow[:, :, None])
         mask = np.where(vis, val, -np.inf).astype(dtype)
-    elif dtype.kind == "f":  # 0 and -inf straight in ``dtype`` (the same values)
-        mask = np.where(vis, dtype.type(0.0), dtype.type(-np.inf))
+    elif dtype.kind == "f":  # -inf / 0 picked by the bool as an index (the values np.where gives)
+        lut = _MASK_VALUES.get(dtype)
+        if lut is None:
+            lut = _MASK_VALUES[dtype] = np.array([-np.inf, 0.0], dtype=dtype)
+        mask = lut.take(vis.view(np.uint8))
     else:
         mask = np.where(vis, 0.0, -np.inf).astype(dtype)
     return mask[:, None, :, :]

@@ -339,17 +339,26 @@ def test_tile_map_odd_sizes():
             assert got.dtype == bool and np.array_equal(got, ref_tile_map(vis, q_tile, kv_tile)), shape
 
 
-def test_mask_dtypes_and_no_causal():
-    c = KVCache(512, 3, unified=True, n_head_kv=1, head_dim_k=4)
-    for lengths in ([5, 3, 9], [1, 1, 1]):
-        b = Batch.from_lengths(lengths, [0, 1, 2], start_pos=c.next_positions([0, 1, 2]))
-        for ub in split_ubatches(b, 4, "padded"):
-            slot = c.place(ub)
-            for kw in ({}, {"causal": False}, {"dtype": np.float32}, {"alibi": True, "n_swa": 2},
-                       {"dtype": np.float32, "alibi": True}):
-                n_kv = c.n_kv(slot)
-                assert same_bits(mask_mod.build_mask(c, ub, slot, n_kv, **kw), ref_build_mask(c, ub, slot, n_kv, **kw))
-            c.free_pads(slot)
+@pytest.mark.parametrize("unified", [True, False])
+def test_mask_dtypes_and_no_causal(unified):
+    c = KVCache(1024, 3, unified=unified, n_head_kv=1, head_dim_k=4)
+    for lengths, seqs in (([5, 3, 9], [0, 1, 2]), ([1, 1, 1], [0, 1, 2]), ([7], [1]), ([1], [2]), ([20, 20], [0, 1])):
+        b = Batch.from_lengths(lengths, seqs, start_pos=c.next_positions(seqs))
+        for mode in ("padded", "equal", "seq"):
+            for ub in split_ubatches(b, 4, mode):
+                with pytest.raises(KeyError), c.transaction():  # cells put back: the next mode places them again
+                    slot = c.place(ub)
+                    n_kv = c.n_kv(slot)
+                    for kw in ({}, {"causal": False}, {"dtype": np.float32}, {"alibi": True, "n_swa": 2},
+                               {"dtype": np.float32, "alibi": True}, {"causal": False, "n_swa": 3},
+                               {"dtype": np.float64}, {"n_kv": min(c.kv_size, n_kv + 256)}):
+                        kw = dict(kw)
+                        nk = kw.pop("n_kv", n_kv)
+                        assert same_bits(mask_mod.build_mask(c, ub, slot, nk, **kw),
+                                         ref_build_mask(c, ub, slot, nk, **kw)), (lengths, mode, kw)
+                    raise KeyError
+        for ub in split_ubatches(b, 4, "equal"):
+            c.free_pads(c.place(ub))
 
 
 def _ubatch_fields(ub):
