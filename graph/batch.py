@@ -23,16 +23,33 @@ from __future__ import annotations
 import math
 from collections import abc
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_array"]
+__all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_array", "computed_once"]
 
 MAX_SEQ = 256            # llama.cpp's LLAMA_MAX_SEQ: sequences a cache may serve
 INT32_MAX = 2**31 - 1    # largest token id / position (llama_token and llama_pos are int32)
 _SMALL = 16              # arrays up to this size are checked in Python (cheaper than numpy's reductions)
+
+
+class computed_once:
+    """``functools.cached_property`` without its lock (Python 3.11 takes one on every first
+    access, a few microseconds per decode step): the value goes to the instance's
+    ``__dict__`` (frozen dataclasses included), which later reads find first."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
@@ -135,12 +152,12 @@ class Batch:
         """int32 ``(n_tokens,)``: the first sequence id of every token."""
         return np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
 
-    @cached_property
+    @computed_once
     def seq_sets(self) -> tuple[frozenset[int], ...]:
         """The set of sequence ids of every token (llama.cpp's ``seq_set``; computed once)."""
         return tuple(frozenset(ids) for ids in self.seq_ids)
 
-    @cached_property
+    @computed_once
     def seq_set_tokens(self) -> dict[frozenset[int], tuple[int, ...]]:
         """Token indices of every distinct sequence set, in batch order, sets in order of first
         appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
@@ -155,7 +172,7 @@ class Batch:
         """Every sequence id used in the batch, ascending."""
         return tuple(sorted({s for ids in self.seq_ids for s in ids}))
 
-    @cached_property
+    @computed_once
     def has_coupled(self) -> bool:
         """True when some token belongs to more than one sequence."""
         return any(len(ids) > 1 for ids in self.seq_ids)

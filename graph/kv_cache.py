@@ -293,6 +293,10 @@ class KVCache:
         return out
 
     def _ubatch_streams_of(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
+        if ub.n_tokens == 1:  # one row of valid ids (a decode step): its stream, nothing to check
+            ids = ub.token_seq_ids[0]
+            if all(type(s) is int and 0 <= s < self.n_seq_max for s in ids) and (self.unified or len(ids) == 1):
+                return [(0 if self.unified else ids[0], np.arange(1))]
         try:  # every id a plain int in range: nothing to report (else the loop names the first bad one)
             ids = ub.seq_ids
             ok = all(type(s) is int for s in ids) and 0 <= ids[0] and ids[-1] < self.n_seq_max
@@ -424,9 +428,10 @@ class KVCache:
         if min(positions) < 0:
             return {}
         out = {k: v for k, v in self._memo.items() if k[0] in ("n_used", "used_max_p1", "seq_pos")}
+        pos = self.pos
         for (st, rows), cells in zip(rows_per, slot.cells):
             cl = cells.tolist()
-            if len(set(cl)) != len(cl) or max(self.pos[st, cells].tolist()) >= 0:
+            if len(set(cl)) != len(cl) or any(pos[st, c] >= 0 for c in cl):
                 return {}
             if ("n_used", st) in out:
                 out[("n_used", st)] += len(cl)

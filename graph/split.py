@@ -22,11 +22,10 @@ for ``simple`` batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
-from .batch import INT32_MAX, Batch
+from .batch import INT32_MAX, Batch, computed_once
 
 __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
            "MODES", "SplitState"]
@@ -79,7 +78,7 @@ class UBatch:
         """bool ``(n_tokens,)``: True for pad rows."""
         return self.token_idx < 0
 
-    @cached_property
+    @computed_once
     def n_pad(self) -> int:
         """Pad rows (computed once)."""
         if self.token_idx.shape[0] <= 16:  # a few rows: counted in Python
@@ -90,14 +89,14 @@ class UBatch:
     def n_real(self) -> int:
         return self.n_tokens - self.n_pad
 
-    @cached_property
+    @computed_once
     def primary_seq_ids(self) -> np.ndarray:
         """int32 ``(n_tokens,)``: first sequence id of each row (computed once, read-only)."""
         out = np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
         out.setflags(write=False)
         return out
 
-    @cached_property
+    @computed_once
     def seq_ids(self) -> tuple[int, ...]:
         """Every sequence id in the ubatch, ascending (llama.cpp's ``seq_id_unq``)."""
         return tuple(sorted({s for ids in self.token_seq_ids for s in ids}))

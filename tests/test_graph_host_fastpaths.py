@@ -468,3 +468,50 @@ def test_batch_constructors_as_through_post_init():
             except ValueError as e:
                 outcomes.append(str(e))
         assert outcomes[0] == outcomes[1], (args, kw, outcomes)
+
+
+def ref_ubatch_streams(cache, ub):
+    for ids in ub.token_seq_ids:
+        for s in ids:
+            cache._check_seq(s)
+    if cache.unified:
+        return [(0, np.arange(ub.n_tokens))]
+    seq_unq = ub.seq_ids
+    if any(len(ids) > 1 for ids in ub.token_seq_ids):
+        raise ValueError("coupled")
+    if ub.n_tokens % len(seq_unq):
+        raise ValueError("equal")
+    if list(seq_unq) != list(range(seq_unq[0], seq_unq[0] + len(seq_unq))):
+        raise ValueError("consecutive")
+    n_tps = ub.n_tokens // len(seq_unq)
+    prim = ub.primary_seq_ids
+    out = []
+    for j, s in enumerate(seq_unq):
+        rows = np.arange(j * n_tps, (j + 1) * n_tps)
+        if not np.all(prim[rows] == s):
+            raise ValueError("elsewhere")
+        out.append((s, rows))
+    return out
+
+
+def test_ubatch_streams_as_before():
+    """The stream layout of a ubatch (and whether it is refused) as the per-row checks give it."""
+    from ggml_attn.graph.split import UBatch
+    rows = [[(0,)], [(3,)], [(2, 1)], [(4,)], [(-1,)], [(np.int64(1),)], [(True,)], [(1.0,)],
+            [(0,), (1,)], [(1,), (0,)], [(0,), (2,)], [(0,), (0,), (1,)], [(0,), (1,), (1,), (0,)],
+            [(0,), (0,), (1,), (1,)], [(0, 1), (1,)], [(2,)] * 20, [(0,)] * 10 + [(1,)] * 10,
+            [(0,)] * 10 + [(1,)] * 9 + [(0,)]]
+    for unified in (True, False):
+        c = KVCache(1024, 4, unified=unified, n_head_kv=1, head_dim_k=4)
+        for sids in rows:
+            n = len(sids)
+            ub = UBatch("equal", np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int32), tuple(sids), 1, True)
+            try:
+                want = ref_ubatch_streams(c, ub)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    c._ubatch_streams_of(ub)
+                continue
+            got = c._ubatch_streams_of(ub)
+            assert [(s, r.tolist()) for s, r in got] == [(s, r.tolist()) for s, r in want], (unified, sids)
+            assert [type(s) for s, _ in got] == [type(s) for s, _ in want]
