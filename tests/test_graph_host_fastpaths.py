@@ -515,3 +515,15 @@ def test_ubatch_streams_as_before():
             got = c._ubatch_streams_of(ub)
             assert [(s, r.tolist()) for s, r in got] == [(s, r.tolist()) for s, r in want], (unified, sids)
             assert [type(s) for s, _ in got] == [type(s) for s, _ in want]
+
+
+def test_remembered_answers_do_not_pile_up():
+    """Decode steps keep a handful of remembered answers, not one per ubatch ever planned."""
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4)
+    for unified in (True, False):
+        c = KVCache(4096, 2, unified=unified, n_head_kv=1, head_dim_k=4)
+        eng = _Engine(np.random.default_rng(0), 0.0)
+        for _ in range(300):
+            for s in (0, 1):
+                driver.decode(c, Batch.from_lengths([1], [s], start_pos=c.next_positions([s])), 512, "equal", eng, cfg)
+        assert len(c._memo) <= 8, sorted(c._memo, key=str)
