@@ -21,28 +21,55 @@ or wrapped.
 from __future__ import annotations
 
 import math
+from collections import abc
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_array"]
+__all__ = ["Batch", "validate_batch", "MAX_SEQ", "INT32_MAX", "as_int", "int32_array", "computed_once"]
 
 MAX_SEQ = 256            # llama.cpp's LLAMA_MAX_SEQ: sequences a cache may serve
 INT32_MAX = 2**31 - 1    # largest token id / position (llama_token and llama_pos are int32)
+_SMALL = 16              # arrays up to this size are checked in Python (cheaper than numpy's reductions)
+
+
+class computed_once:
+    """``functools.cached_property`` without its lock (Python 3.11 takes one on every first
+    access, a few microseconds per decode step): the value goes to the instance's
+    ``__dict__`` (frozen dataclasses included), which later reads find first."""
+
+    def __init__(self, fn):
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
     """``value`` as a Python int. ValueError naming ``name`` when it is not an integer (Python
     or numpy int; bools, floats and strings are refused) or outside ``[lo, hi]``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if type(value) is int:  # the usual case, first (bool is not int here)
+        v = value
+    elif isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    v = int(value)
+    else:
+        v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise ValueError(f"{name} = {v} is outside [{lo if lo is not None else '-inf'}, "
                          f"{hi if hi is not None else 'inf'}]")
     return v
+
+
+def _min(a: np.ndarray):
+    """``a.min()`` of a non-empty array; in Python for a few values."""
+    return min(a.reshape(-1).tolist()) if a.size <= _SMALL else a.min()
 
 
 def int32_array(values, name: str, lo: int = 0, hi: int = INT32_MAX) -> np.ndarray:
@@ -61,6 +88,10 @@ def int32_array(values, name: str, lo: int = 0, hi: int = INT32_MAX) -> np.ndarr
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"{name}[{i}] = {a[i]!r} is not an integer")
+    if a.dtype.kind != "f" and a.shape[0] <= _SMALL:  # a few values (a decode step): Python's min/max
+        v = a.tolist()
+        if not v or (lo <= min(v) and max(v) <= hi):
+            return a.astype(np.int32)
     out_of = (a < lo) | (a > hi)
     if out_of.any():
         i = int(np.argmax(out_of))
@@ -86,7 +117,7 @@ class Batch:
     def __post_init__(self):
         tokens = int32_array(self.tokens, "tokens")
         positions = np.asarray(self.positions)
-        if positions.dtype.kind in "iu" and positions.size and positions.min() < 0:
+        if positions.dtype.kind in "iu" and positions.size and _min(positions) < 0:
             i = int(np.argmin(positions))
             raise ValueError(f"positions[{i}] = {int(positions[i])}: token {i} has a negative position")
         positions = int32_array(positions, "positions")
@@ -121,12 +152,12 @@ class Batch:
         """int32 ``(n_tokens,)``: the first sequence id of every token."""
         return np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
 
-    @cached_property
+    @computed_once
     def seq_sets(self) -> tuple[frozenset[int], ...]:
         """The set of sequence ids of every token (llama.cpp's ``seq_set``; computed once)."""
         return tuple(frozenset(ids) for ids in self.seq_ids)
 
-    @cached_property
+    @computed_once
     def seq_set_tokens(self) -> dict[frozenset[int], tuple[int, ...]]:
         """Token indices of every distinct sequence set, in batch order, sets in order of first
         appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
@@ -141,7 +172,7 @@ class Batch:
         """Every sequence id used in the batch, ascending."""
         return tuple(sorted({s for ids in self.seq_ids for s in ids}))
 
-    @cached_property
+    @computed_once
     def has_coupled(self) -> bool:
         """True when some token belongs to more than one sequence."""
         return any(len(ids) > 1 for ids in self.seq_ids)
@@ -182,9 +213,14 @@ class Batch:
         ids = list(range(n_seq)) if seq_ids is None else [as_int(s, f"seq_ids[{j}]", 0) for j, s in enumerate(seq_ids)]
         if len(ids) != n_seq:
             raise ValueError(f"got {n_seq} token lists but {len(ids)} seq_ids")
-        if len(set(ids)) != n_seq:
-            raise ValueError(f"seq_ids must be distinct, got {ids}")
-        starts = _start_positions(start_pos, ids)
+        _distinct(ids)
+        return cls._laid_out(token_lists, ids, _start_positions(start_pos, ids), True)
+
+    @classmethod
+    def _laid_out(cls, token_lists, ids: list[int], starts: list[int], check_tokens: bool) -> "Batch":
+        """from_sequences' layout of checked ``ids`` (distinct ints >= 0, one per list) and
+        ``starts`` (ints in 0 .. INT32_MAX); the token ids are checked as __post_init__ would
+        when ``check_tokens`` (else they are known int32 values)."""
         tokens, positions, sids = [], [], []
         for j, (toks, s) in enumerate(zip(token_lists, ids)):
             toks = list(toks)
@@ -196,7 +232,24 @@ class Batch:
             tokens.extend(toks)
             positions.extend(range(starts[j], starts[j] + len(toks)))
             sids.extend([(s,)] * len(toks))
-        return cls(np.array(tokens), np.array(positions), tuple(sids))
+        if cls is not Batch:
+            return cls(np.array(tokens), np.array(positions), tuple(sids))
+        # what __post_init__ would check of positions (0 .. INT32_MAX) and sequence ids (one
+        # per token, an int >= 0) holds by construction
+        tokens = int32_array(np.array(tokens), "tokens") if check_tokens else np.array(tokens, dtype=np.int32)
+        return cls._checked(tokens, np.array(positions, dtype=np.int32), tuple(sids))
+
+    @classmethod
+    def _checked(cls, tokens: np.ndarray, positions: np.ndarray, seq_ids: tuple) -> "Batch":
+        """The batch of arrays that passed every check of ``__post_init__`` (int32, one entry
+        per token, ids tuples of ints), without checking them again (taken, made read-only)."""
+        b = object.__new__(cls)
+        tokens.setflags(write=False)
+        positions.setflags(write=False)
+        object.__setattr__(b, "tokens", tokens)
+        object.__setattr__(b, "positions", positions)
+        object.__setattr__(b, "seq_ids", seq_ids)
+        return b
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], seq_ids: Sequence[int] | None = None,
@@ -212,8 +265,16 @@ class Batch:
         if len(ids) != len(lengths):
             raise ValueError(f"got {len(lengths)} lengths but {len(ids)} seq_ids")
         starts = _start_positions(start_pos, ids)
+        if not lengths:
+            raise ValueError("from_sequences needs at least one sequence")
+        _distinct(ids)
         token_lists = [[(p0 + t) % 32000 for t in range(n)] for n, p0 in zip(lengths, starts)]
-        return cls.from_sequences(token_lists, ids, start_pos)
+        return cls._laid_out(token_lists, ids, starts, False)
+
+
+def _distinct(ids: list[int]) -> None:
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"seq_ids must be distinct, got {ids}")
 
 
 def _start_positions(start_pos, ids: list[int]) -> list[int]:
@@ -221,7 +282,7 @@ def _start_positions(start_pos, ids: list[int]) -> list[int]:
         return [0] * len(ids)
     if isinstance(start_pos, (int, np.integer, bool, np.bool_, float, np.floating, str)):
         return [as_int(start_pos, "start_pos", 0, INT32_MAX)] * len(ids)
-    if isinstance(start_pos, Mapping):
+    if isinstance(start_pos, abc.Mapping):  # (typing.Mapping's isinstance is the same, slower)
         return [as_int(start_pos.get(s, 0), f"start_pos[seq {s}]", 0, INT32_MAX) for s in ids]
     starts = [as_int(p, f"start_pos[{j}]", 0, INT32_MAX) for j, p in enumerate(start_pos)]
     if len(starts) != len(ids):

@@ -24,7 +24,10 @@ types are host byte arrays ``(n_layer, n_stream, kv_size, row_bytes)`` that only
 writes (``kv_graph.KVTensors``: ``ggml_set_rows`` on host graphs); the numpy paths
 (:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) raise ``ValueError`` for them.
 
-Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. The
+Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. It changes
+only through the methods here (each records the cells it changes, :meth:`KVCache._touch`):
+queries that scan a whole stream (``find_slot``, ``seq_pos_min/max``, ``used_max_p1``,
+``n_used``) remember their answer until the next change, so a decode step asks each once. The
 cell-to-sequence table is dense (``n_stream x kv_size x n_seq_max`` bools), so ``n_seq_max``
 is capped at 256 (:data:`batch.MAX_SEQ`, llama.cpp's LLAMA_MAX_SEQ). Positions are int32:
 ``seq_add`` refuses a shift that would move one past 2**31-1 (ValueError, cache unchanged).
@@ -46,6 +49,7 @@ CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "
 _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
+_SMALL = 16   # ubatches up to this many rows are checked and accounted in Python
 
 
 class KVCacheFullError(RuntimeError):
@@ -90,6 +94,8 @@ class SlotInfo:
         """int64 ``(n_tokens,)``: global row ``stream * kv_size + cell`` of every ubatch row,
         in ubatch row order: the ``idxs`` input of ``ggml_set_rows`` on the cache reshaped to
         ``[n_embd_gqa, kv_size * n_stream]``."""
+        if len(self.streams) == 1:
+            return (self.cells[0] + self.streams[0] * kv_size).astype(np.int64, copy=False)
         return np.concatenate([s * kv_size + c for s, c in zip(self.streams, self.cells)]).astype(np.int64)
 
 
@@ -159,6 +165,7 @@ class KVCache:
         self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
         self.head = [0] * self.n_stream
         self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
+        self._memo: dict = {}  # answers of whole-stream queries; emptied by every cell change
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         self.k = self._storage(self.type_k, self.n_embd_k_gqa)
         self.v = self._storage(self.type_v, self.n_embd_v_gqa)
@@ -219,25 +226,49 @@ class KVCache:
 
     def used_max_p1(self, stream: int) -> int:
         """One past the highest occupied cell of ``stream`` (0 when empty)."""
-        occ = np.flatnonzero(self.pos[stream] >= 0)
-        return int(occ[-1]) + 1 if occ.size else 0
+        key = ("used_max_p1", stream)
+        got = self._memo.get(key)
+        if got is None:
+            occ = self.pos[stream] >= 0
+            last = occ.shape[0] - 1 - int(np.argmax(occ[::-1]))  # the highest True, if any
+            got = self._memo[key] = last + 1 if occ[last] else 0
+        return got
 
     def n_used(self, stream: int) -> int:
-        return int(np.count_nonzero(self.pos[stream] >= 0))
+        key = ("n_used", stream)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = int(np.count_nonzero(self.pos[stream] >= 0))
+        return got
 
     def _seq_cells(self, seq_id: int) -> tuple[int, np.ndarray]:
         st = self.seq_to_stream(seq_id)
         return st, np.flatnonzero(self.seqs[st, :, seq_id] & ~self.pad[st])
 
+    def _seq_pos(self, seq_id: int, largest: bool) -> int:
+        """seq_pos_max (``largest``) or seq_pos_min: one masked reduction over the stream,
+        remembered until the cache changes."""
+        st = self.seq_to_stream(seq_id)
+        key = ("seq_pos", int(seq_id), largest)
+        got = self._memo.get(key)
+        if got is None:
+            has = self.seqs[st, :, seq_id] & ~self.pad[st]
+            if largest:  # occupied cells hold positions >= 0, so -1 is "none"
+                got = int(self.pos[st].max(where=has, initial=-1))
+            else:
+                got = int(self.pos[st].min(where=has, initial=INT32_MAX))
+                if got == INT32_MAX and not has.any():
+                    got = -1
+            self._memo[key] = got
+        return got
+
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
-        st, cells = self._seq_cells(seq_id)
-        return int(self.pos[st, cells].min()) if cells.size else -1
+        return self._seq_pos(seq_id, False)
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
-        st, cells = self._seq_cells(seq_id)
-        return int(self.pos[st, cells].max()) if cells.size else -1
+        return self._seq_pos(seq_id, True)
 
     def next_positions(self, seq_ids) -> dict[int, int]:
         """``{seq_id: seq_pos_max + 1}``: where each sequence continues (for ``Batch.from_lengths``)."""
@@ -250,10 +281,31 @@ class KVCache:
 
     # ----------------------------------------------------------------- slots
     def _ubatch_streams(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
-        """(cache stream, ubatch rows) per ubatch stream; checks the split-mode layout."""
-        for ids in ub.token_seq_ids:
-            for s in ids:
-                self._check_seq(s)
+        """(cache stream, ubatch rows) per ubatch stream; checks the split-mode layout.
+        Depends on nothing but ``ub`` and the cache's geometry: remembered (``find_slot`` and
+        ``apply_ubatch`` of one ubatch ask for it in turn; do not modify the rows)."""
+        key = ("streams", id(ub))
+        got = self._memo.get(key)
+        if got is not None and got[0] is ub:
+            return got[1]
+        out = self._ubatch_streams_of(ub)
+        self._memo[key] = (ub, out)
+        return out
+
+    def _ubatch_streams_of(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
+        if ub.n_tokens == 1:  # one row of valid ids (a decode step): its stream, nothing to check
+            ids = ub.token_seq_ids[0]
+            if all(type(s) is int and 0 <= s < self.n_seq_max for s in ids) and (self.unified or len(ids) == 1):
+                return [(0 if self.unified else ids[0], np.arange(1))]
+        try:  # every id a plain int in range: nothing to report (else the loop names the first bad one)
+            ids = ub.seq_ids
+            ok = all(type(s) is int for s in ids) and 0 <= ids[0] and ids[-1] < self.n_seq_max
+        except TypeError:
+            ok = False
+        if not ok:
+            for ids in ub.token_seq_ids:
+                for s in ids:
+                    self._check_seq(s)
         if self.unified:
             return [(0, np.arange(ub.n_tokens))]
         seq_unq = ub.seq_ids
@@ -267,10 +319,14 @@ class KVCache:
             raise ValueError(f"split KV needs consecutive sequence ids in a ubatch, got {list(seq_unq)}")
         n_tps = ub.n_tokens // len(seq_unq)
         prim = ub.primary_seq_ids
+        if ub.n_tokens <= _SMALL:  # rows j*n_tps .. (j+1)*n_tps-1 are sequence seq_unq[j]
+            ok = prim.tolist() == [s for s in seq_unq for _ in range(n_tps)]
+        else:
+            ok = np.array_equal(prim, np.repeat(np.asarray(seq_unq), n_tps))
         out = []
         for j, s in enumerate(seq_unq):
             rows = np.arange(j * n_tps, (j + 1) * n_tps)
-            if not np.all(prim[rows] == s):
+            if not ok and not np.all(prim[rows] == s):
                 raise ValueError(f"split KV needs the rows of sequence {s} at {rows[0]}..{rows[-1]}; "
                                  f"{ub!r} has them elsewhere (use 'equal', 'seq' or 'padded')")
             out.append((s, rows))
@@ -278,13 +334,32 @@ class KVCache:
 
     def find_slot(self, ub: UBatch) -> SlotInfo:
         """Cells for every row of ``ub`` (llama.cpp ``find_slot(ubatch, cont=false)``); changes
-        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells."""
+        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells.
+        The answer is remembered until the cells or heads change (``prepare`` then ``place``
+        of the one ubatch of a decode step search once)."""
+        key, heads = ("find_slot", id(ub)), tuple(self.head)
+        got = self._memo.get(key)
+        if got is not None and got[0] is ub and got[1] == heads:
+            return got[2]
         streams, cells = [], []
         for st, rows in self._ubatch_streams(ub):
             n = rows.shape[0]
             head = self.head[st]
             if head > self.n_used(st) + 2 * n:
                 head = 0
+            # the first n empty cells from head on, when the next cells hold them (the usual
+            # case: the cells after the last ubatch); else the whole stream, wrapping around
+            if n <= _SMALL:  # the n cells at head, all empty: a decode step's cells
+                run = self.pos[st, head:head + n].tolist()
+                if len(run) == n and max(run) < 0:
+                    streams.append(st)
+                    cells.append(np.arange(head, head + n, dtype=np.int64))
+                    continue
+            near = np.flatnonzero(self.pos[st, head:head + max(KV_PAD, 2 * n)] < 0)
+            if near.shape[0] >= n:
+                streams.append(st)
+                cells.append((near[:n] + head).astype(np.int64))
+                continue
             empty = np.flatnonzero(self.pos[st] < 0)           # ascending cell ids
             k = int(np.searchsorted(empty, head))
             free = np.concatenate((empty[k:], empty[:k]))   # from head on, then wrapped
@@ -294,7 +369,9 @@ class KVCache:
                     f"free ({ub!r}); raise n_ctx or free sequences")
             streams.append(st)
             cells.append(free[:n].astype(np.int64))
-        return SlotInfo(tuple(streams), tuple(cells))
+        slot = SlotInfo(tuple(streams), tuple(cells))
+        self._memo[key] = (ub, heads, slot)
+        return slot
 
     def apply_ubatch(self, slot: SlotInfo, ub: UBatch) -> None:
         """Occupy the slot's cells with the ubatch's positions, sequence ids and pad flags."""
@@ -303,14 +380,74 @@ class KVCache:
         for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
+        coupled = any(len(ids) > 1 for ids in ub.token_seq_ids)
+        still_true = self._answers_after_fill(rows_per, slot, ub)
+        small = ub.n_tokens <= _SMALL
         for (st, rows), cells in zip(rows_per, slot.cells):
             self._touch(st, cells)
+            if small and cells.ndim == 1 and cells.shape[0] == rows.shape[0]:
+                self._fill_cells(st, rows.tolist(), cells.tolist(), ub)
+                continue
             self.pos[st, cells] = ub.positions[rows]
             self.seqs[st, cells] = False
-            for r, c in zip(rows.tolist(), cells.tolist()):
-                self.seqs[st, c, list(ub.token_seq_ids[r])] = True
+            if coupled:
+                for r, c in zip(rows.tolist(), cells.tolist()):
+                    self.seqs[st, c, list(ub.token_seq_ids[r])] = True
+            else:  # one sequence per row: one scatter
+                self.seqs[st, cells, ub.primary_seq_ids[rows]] = True
             self.pad[st, cells] = pad[rows]
             self.head[st] = int(cells[-1]) + 1
+        self._memo.update(still_true)
+
+    def _fill_cells(self, st: int, rows: list[int], cells: list[int], ub: UBatch) -> None:
+        """``apply_ubatch``'s writes for a few rows, one cell at a time (cheaper than numpy's
+        scatters for a handful of cells), in the same order: positions, sequence sets cleared,
+        then set, pad flags; the stream head past the last cell."""
+        pos, seqs, pad = self.pos, self.seqs, self.pad
+        positions, token_idx, seq_ids = ub.positions.tolist(), ub.token_idx.tolist(), ub.token_seq_ids
+        for r, c in zip(rows, cells):
+            pos[st, c] = positions[r]
+        for c in cells:
+            seqs[st, c] = False
+        for r, c in zip(rows, cells):
+            for s in seq_ids[r]:
+                seqs[st, c, s] = True
+        for r, c in zip(rows, cells):
+            pad[st, c] = token_idx[r] < 0
+        self.head[st] = int(cells[-1]) + 1
+
+    def _answers_after_fill(self, rows_per, slot: SlotInfo, ub: UBatch) -> dict:
+        """The remembered query answers as they will be once ``ub`` occupies ``slot``, when
+        that is cheap to know: a small ubatch whose cells are all empty now (so no sequence
+        loses a cell) and whose rows all have positions. Then each stream's used count grows
+        by its cells, its used range reaches past its highest cell, and each sequence's
+        position range takes in its non-pad rows' positions. Otherwise nothing (asked again)."""
+        if not self._memo or ub.n_tokens > _SMALL:
+            return {}
+        positions, token_idx = ub.positions.tolist(), ub.token_idx.tolist()
+        if min(positions) < 0:
+            return {}
+        out = {k: v for k, v in self._memo.items() if k[0] in ("n_used", "used_max_p1", "seq_pos")}
+        pos = self.pos
+        for (st, rows), cells in zip(rows_per, slot.cells):
+            cl = cells.tolist()
+            if len(set(cl)) != len(cl) or any(pos[st, c] >= 0 for c in cl):
+                return {}
+            if ("n_used", st) in out:
+                out[("n_used", st)] += len(cl)
+            if ("used_max_p1", st) in out:
+                out[("used_max_p1", st)] = max(out[("used_max_p1", st)], max(cl) + 1)
+            for r in rows.tolist():
+                if token_idx[r] < 0:  # a pad row: in no sequence's range
+                    continue
+                p = positions[r]
+                for s in ub.token_seq_ids[r]:
+                    hi, lo = ("seq_pos", int(s), True), ("seq_pos", int(s), False)
+                    if hi in out:
+                        out[hi] = max(out[hi], p)
+                    if lo in out:
+                        out[lo] = p if out[lo] == -1 else min(out[lo], p)
+        return out
 
     def place(self, ub: UBatch) -> SlotInfo:
         """``find_slot`` + ``apply_ubatch``; on :class:`KVCacheFullError` nothing changed."""
@@ -335,6 +472,7 @@ class KVCache:
             yield self
         except BaseException:
             self._journals.pop()
+            self._memo.clear()
             for entry in reversed(journal):
                 if entry[0] == "kv":  # K/V of a whole stream (seq_cp across streams)
                     _, st, k, v = entry
@@ -353,20 +491,26 @@ class KVCache:
                 self._journals[-1].extend(journal)
 
     def _touch(self, st: int, cells) -> None:
-        """Record the cells' current state in the open transaction, before they change."""
+        """Record the cells' current state in the open transaction, before they change, and
+        forget every remembered query answer (every change of cell metadata comes here first)."""
+        self._memo.clear()
         if self._journals:
             cells = np.asarray(cells)
             if cells.dtype == bool:
                 cells = np.flatnonzero(cells)
             cells = cells.astype(np.int64, copy=True)
-            self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
-                                       self.pad[st, cells].copy()))
+            if cells.ndim == 1:  # an index array: the gathers are copies already
+                self._journals[-1].append((st, cells, self.pos[st, cells], self.seqs[st, cells], self.pad[st, cells]))
+            else:
+                self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
+                                           self.pad[st, cells].copy()))
 
     def _snapshot(self):
         return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)
 
     def _restore(self, snap) -> None:
         self.pos, self.seqs, self.pad, self.head = snap[0], snap[1], snap[2], list(snap[3])
+        self._memo.clear()
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo]:
         """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's
@@ -395,7 +539,10 @@ class KVCache:
         """Free the pad cells of a slot (call right after its ubatch); returns how many."""
         n = 0
         for st, cells in zip(slot.streams, slot.cells):
-            padc = cells[self.pad[st, cells]]
+            is_pad = self.pad[st, cells]
+            if cells.shape[0] <= _SMALL and not any(is_pad.tolist()):
+                continue
+            padc = cells[is_pad]
             if padc.size:
                 self._free(st, padc)
                 n += int(padc.size)

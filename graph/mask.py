@@ -24,28 +24,64 @@ __all__ = ["build_mask", "visible_cells"]
 def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, causal: bool = True,
                   n_swa: int = 0) -> np.ndarray:
     """bool numpy ``(n_stream, n_tps, n_kv)``: True where row may attend to cell.
-    Call after ``cache.apply_ubatch(slot, ub)``."""
+    Call after ``cache.apply_ubatch(slot, ub)``. All streams at once (a few array operations
+    per ubatch, whatever its number of streams and rows)."""
     if n_kv > cache.kv_size:
         raise ValueError(f"n_kv {n_kv} exceeds kv_size {cache.kv_size}")
     n_stream = slot.n_stream
     if ub.n_tokens % n_stream:
         raise ValueError(f"{ub!r} has {ub.n_tokens} rows for {n_stream} streams")
     n_tps = ub.n_tokens // n_stream
-    prim = ub.primary_seq_ids.reshape(n_stream, n_tps)
-    prow = ub.positions.astype(np.int64).reshape(n_stream, n_tps)
-    pad_row = ub.is_pad.reshape(n_stream, n_tps)
-    out = np.zeros((n_stream, n_tps, n_kv), dtype=bool)
-    for j, st in enumerate(slot.streams):
-        pos_c = cache.pos[st, :n_kv].astype(np.int64)
-        ok_c = (pos_c >= 0) & ~cache.pad[st, :n_kv]
-        same_seq = cache.seqs[st, :n_kv][:, prim[j]].T  # (n_tps, n_kv)
-        vis = ok_c[None, :] & same_seq & ~pad_row[j][:, None]
+    s0 = slot.streams[0]
+    consecutive = slot.streams == tuple(range(s0, s0 + n_stream))  # (always, from find_slot)
+    st = slice(s0, s0 + n_stream) if consecutive else np.asarray(slot.streams, dtype=np.intp)
+    pos_c = cache.pos[st, :n_kv][:, None, :]                        # (n_stream, 1, n_kv) int32
+    row_pos = ub.positions.reshape(n_stream, n_tps, 1)
+    # occupied (pos >= 0) and, when causal, not after the row (pos <= row position)
+    if causal and pos_c.dtype == np.int32 and row_pos.dtype == np.int32 and _min(row_pos) >= 0:
+        # both in one unsigned compare: an empty cell's -1 reads 2**32-1, past every row
+        out = pos_c.view(np.uint32) <= row_pos.view(np.uint32)     # (n_stream, n_tps, n_kv)
+    else:
+        out = pos_c >= 0
         if causal:
-            vis &= pos_c[None, :] <= prow[j][:, None]
-        if n_swa > 0:
-            vis &= (prow[j][:, None] - pos_c[None, :]) < n_swa
-        out[j] = vis
+            out = out & (pos_c <= row_pos)
+    out = out & ~cache.pad[st, :n_kv][:, None, :]                   # not a pad cell
+    out = out & _same_sequence(cache, ub, slot, st, n_tps, n_kv)
+    if out.shape[1] != n_tps:  # (no causal term and one sequence per stream)
+        out = np.repeat(out, n_tps, axis=1)
+    if ub.n_pad:
+        out &= ~ub.is_pad.reshape(n_stream, n_tps, 1)
+    if n_swa > 0:
+        out &= (ub.positions.astype(np.int64).reshape(n_stream, n_tps, 1) - pos_c) < n_swa
     return out
+
+
+def _same_sequence(cache: KVCache, ub: UBatch, slot: SlotInfo, st, n_tps: int, n_kv: int) -> np.ndarray:
+    """bool, True where row (j, i) and cell c are of one sequence: ``seqs[streams[j], c,
+    prim[j, i]]``; ``(n_stream, 1, n_kv)`` when every stream's rows share one primary id (a
+    decode step, a split cache), else ``(n_stream, n_tps, n_kv)``."""
+    n_stream = slot.n_stream
+    prim = ub.primary_seq_ids.reshape(n_stream, n_tps)
+    if ub.n_tokens <= _SMALL:
+        one = all(len(set(row)) == 1 for row in prim.tolist())
+    else:
+        one = bool((prim == prim[:, :1]).all())
+    if one:
+        if n_stream == 1:
+            return cache.seqs[slot.streams[0], :n_kv, int(prim[0, 0])][None, None, :]
+        return cache.seqs[np.asarray(slot.streams, dtype=np.intp), :n_kv, prim[:, 0]][:, None, :]
+    if n_stream == 1:
+        return cache.seqs[slot.streams[0], :n_kv][:, prim[0]].T[None]
+    return cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None], np.arange(n_kv)[None, None, :],
+                      prim[:, :, None]]
+
+
+def _min(a: np.ndarray) -> int:
+    return min(a.reshape(-1).tolist()) if a.size <= _SMALL else int(a.min())
+
+
+_SMALL = 16  # arrays up to this size are looked at in Python (cheaper than numpy's reductions)
+_MASK_VALUES: dict = {}  # dtype -> [-inf, 0] in that dtype
 
 
 def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = None, *,
@@ -57,12 +93,18 @@ def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = No
     if n_kv is None:
         n_kv = cache.n_kv(slot)
     vis = visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
+    dtype = np.dtype(dtype)
     if alibi:
         n_stream, n_tps = vis.shape[:2]
         prow = ub.positions.astype(np.float64).reshape(n_stream, n_tps)
         pos_c = np.stack([cache.pos[st, :n_kv] for st in slot.streams]).astype(np.float64)
         val = -np.abs(pos_c[:, None, :] - prow[:, :, None])
+        mask = np.where(vis, val, -np.inf).astype(dtype)
+    elif dtype.kind == "f":  # -inf / 0 picked by the bool as an index (the values np.where gives)
+        lut = _MASK_VALUES.get(dtype)
+        if lut is None:
+            lut = _MASK_VALUES[dtype] = np.array([-np.inf, 0.0], dtype=dtype)
+        mask = lut.take(vis.view(np.uint8))
     else:
-        val = 0.0
-    mask = np.where(vis, val, -np.inf).astype(dtype)
+        mask = np.where(vis, 0.0, -np.inf).astype(dtype)
     return mask[:, None, :, :]

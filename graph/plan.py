@@ -60,9 +60,17 @@ def tile_map(visible: np.ndarray, q_tile: int = Q_TILE, kv_tile: int = KV_TILE) 
     """Tile map of a bool visibility array ``(n_stream, n_tps, n_kv)``."""
     ns, nq, nk = visible.shape
     tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
-    padded = np.zeros((ns, tq * q_tile, tk * kv_tile), dtype=bool)
-    padded[:, :nq, :nk] = visible
-    live = padded.reshape(ns, tq, q_tile, tk, kv_tile).any(axis=(2, 4))
+    if nk != tk * kv_tile:  # pad the cells to whole KV tiles (never visible)
+        visible = np.concatenate([visible, np.zeros((ns, nq, tk * kv_tile - nk), dtype=bool)], axis=2)
+    rows = visible.reshape(ns, nq, tk, kv_tile).any(axis=3)  # (ns, nq, tk): row sees the KV tile
+    if nq == 1:  # one row per stream (a decode step)
+        live = rows
+    elif tq == 1:  # one query tile
+        live = rows.any(axis=1, keepdims=True)
+    else:
+        if nq != tq * q_tile:
+            rows = np.concatenate([rows, np.zeros((ns, tq * q_tile - nq, tk), dtype=bool)], axis=1)
+        live = rows.reshape(ns, tq, q_tile, tk).any(axis=2)
     return TileMap(live, q_tile, kv_tile)
 
 
@@ -104,7 +112,7 @@ def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int =
         slot = cache.place(ub)
         n_kv = cache.n_kv(slot)
         mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
-        tiles = tile_map(mask[:, 0] != -np.inf, q_tile, kv_tile)
+        tiles = tile_map(np.isfinite(mask[:, 0]), q_tile, kv_tile)  # (values: finite or -inf)
         return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)
 
 

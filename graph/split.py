@@ -22,11 +22,10 @@ for ``simple`` batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
-from .batch import INT32_MAX, Batch
+from .batch import INT32_MAX, Batch, computed_once
 
 __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
            "MODES", "SplitState"]
@@ -34,6 +33,7 @@ __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq
 MODES = ("simple", "equal", "seq", "padded", "auto")
 PADDED_KEEP_FRACTION = 0.9  # split_padded: keep more sequences while within 90% of the best score
 PADDED_PAD_WEIGHT = 0.5     # split_padded: a pad row costs half a real row in the score
+_REFUSE_COUPLED = ("equal", "padded")  # the splitters that refuse coupled tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,22 +78,25 @@ class UBatch:
         """bool ``(n_tokens,)``: True for pad rows."""
         return self.token_idx < 0
 
-    @property
+    @computed_once
     def n_pad(self) -> int:
+        """Pad rows (computed once)."""
+        if self.token_idx.shape[0] <= 16:  # a few rows: counted in Python
+            return sum(i < 0 for i in self.token_idx.tolist())
         return int(np.count_nonzero(self.token_idx < 0))
 
     @property
     def n_real(self) -> int:
         return self.n_tokens - self.n_pad
 
-    @cached_property
+    @computed_once
     def primary_seq_ids(self) -> np.ndarray:
         """int32 ``(n_tokens,)``: first sequence id of each row (computed once, read-only)."""
         out = np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
         out.setflags(write=False)
         return out
 
-    @cached_property
+    @computed_once
     def seq_ids(self) -> tuple[int, ...]:
         """Every sequence id in the ubatch, ascending (llama.cpp's ``seq_id_unq``)."""
         return tuple(sorted({s for ids in self.token_seq_ids for s in ids}))
@@ -369,6 +372,20 @@ def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBa
                          "(choose_split or auto.split_ubatches), not by split.split_ubatches")
     if mode not in _SPLITTERS:
         raise ValueError(f"unknown split mode {mode!r}; expected one of {MODES}")
+    if batch.n_tokens == 1 and not (batch.has_coupled and mode in _REFUSE_COUPLED):
+        return [_one_token(batch, mode)]
+    return _split_all(batch, n_ubatch, mode)
+
+
+def _one_token(batch: Batch, mode: str) -> UBatch:
+    """The one ubatch every splitter makes of a one-token batch (a decode step of one
+    sequence), without their bookkeeping: row 0 is token 0; one sequence set of one row."""
+    return UBatch(mode, np.zeros(1, dtype=np.int64), batch.positions[:1].astype(np.int32),
+                  batch.seq_ids[:1], 1, mode != "simple")
+
+
+def _split_all(batch: Batch, n_ubatch: int, mode: str) -> list[UBatch]:
+    """``mode``'s splitter, called until every token is placed."""
     state = SplitState(batch)
     fn = _SPLITTERS[mode]
     out = []

@@ -261,11 +261,18 @@ class Runner:
         return out
 
     def attn_config(self):
-        """The graph package's description of the attention stack (for ``auto``'s cost model)."""
-        g, m = _graph(), self.cfg.model
-        return g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
+        """The graph package's description of the attention stack (for ``auto``'s cost model);
+        made once per model and seed (every decode step asks)."""
+        m, seed = self.cfg.model, self.cfg.seed
+        got = getattr(self, "_attn_config", None)  # (model, seed, config)
+        if got is not None and got[0] is m and got[1] == seed:
+            return got[2]
+        g = _graph()
+        acfg = g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
                             head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
                             logit_softcap=m.logit_softcap, seed=self.cfg.seed)
+        self._attn_config = (m, seed, acfg)
+        return acfg
 
     def _split_view(self, g, view):
         """``(ubatches, plans)`` of ``view`` on the cache as it is now (``driver.split_batch``):
