@@ -43,7 +43,7 @@ import numpy as np
 from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
 from .split import UBatch
 
-__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "CACHE_TYPES"]
+__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES"]
 
 CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
@@ -54,6 +54,14 @@ _SMALL = 16   # ubatches up to this many rows are checked and accounted in Pytho
 
 class KVCacheFullError(RuntimeError):
     """No room for a ubatch; the cache is left unchanged."""
+
+
+def coarse_pad(n: int) -> int:
+    """``n`` rounded up to a multiple of a quarter of its power of two, at least 256: 300 ->
+    512, 1100 -> 1280, 7424 -> 8192, 8448 -> 10240 (at most 25% more cells, and a new value
+    only every 1/8 to 1/4 of the way to the next power of two)."""
+    q = max(KV_PAD, (1 << max(int(n).bit_length() - 1, 0)) // 4)
+    return pad_to(int(n), q)
 
 
 def pad_to(x: int, n: int) -> int:
@@ -118,11 +126,17 @@ class KVCache:
     dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
     type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V.
     xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
+    coarse_n_kv  True: ``n_kv`` rounded up further, to a quarter of its power of two
+                (:func:`coarse_pad`), so that decode steps keep one graph structure for longer
+                (graphs are reused and replayed per structure); for engines whose attention
+                skips masked KV tiles (the CUDA kernels), where the extra cells cost only their
+                mask bytes. False: llama.cpp's padding to 256.
     """
 
     def __init__(self, n_ctx: int, n_seq_max: int = 1, *, unified: bool = True, n_layer: int = 1,
                  n_head_kv: int = 1, head_dim_k: int = 64, head_dim_v: int | None = None,
-                 dtype=np.float16, xp=None, type_k: str | None = None, type_v: str | None = None):
+                 dtype=np.float16, xp=None, type_k: str | None = None, type_v: str | None = None,
+                 coarse_n_kv: bool = False):
         n_ctx, n_seq_max, n_layer, n_head_kv, head_dim_k = (
             as_int(x, name) for x, name in ((n_ctx, "n_ctx"), (n_seq_max, "n_seq_max"), (n_layer, "n_layer"),
                                             (n_head_kv, "n_head_kv"), (head_dim_k, "head_dim_k")))
@@ -159,6 +173,7 @@ class KVCache:
         self.n_head_kv = int(n_head_kv)
         self.head_dim_k = int(head_dim_k)
         self.head_dim_v = int(head_dim_v or head_dim_k)
+        self.coarse_n_kv = bool(coarse_n_kv)
         # cell metadata, numpy order (n_stream, kv_size[, n_seq_max])
         self.pos = np.full((self.n_stream, self.kv_size), -1, dtype=np.int32)
         self.seqs = np.zeros((self.n_stream, self.kv_size, self.n_seq_max), dtype=bool)
@@ -558,9 +573,10 @@ class KVCache:
 
     def n_kv(self, slot: SlotInfo) -> int:
         """KV cells the ubatch attends over: max over its streams of the used range, padded to
-        256 and at most ``kv_size`` (llama.cpp ``get_n_kv``). Call after ``apply_ubatch``."""
-        return max(min(self.kv_size, max(KV_PAD, pad_to(self.used_max_p1(st), KV_PAD)))
-                   for st in slot.streams)
+        256 (:func:`coarse_pad` with ``coarse_n_kv``) and at most ``kv_size`` (llama.cpp
+        ``get_n_kv``). Call after ``apply_ubatch``."""
+        pad = coarse_pad if self.coarse_n_kv else (lambda n: pad_to(n, KV_PAD))
+        return max(min(self.kv_size, max(KV_PAD, pad(self.used_max_p1(st)))) for st in slot.streams)
 
     # --------------------------------------------------------- seq operations
     @staticmethod

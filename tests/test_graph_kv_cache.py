@@ -189,3 +189,35 @@ def test_mask_after_seq_rm_hides_removed_cells():
     vis = np.isfinite(build_mask(c, ub, slot)[0, 0, 0])
     assert np.flatnonzero(vis).tolist() == [0, 1, 2, 3]  # cell 3 reused for the new position 3
     assert c.pos[0, 3] == 3
+
+
+def test_coarse_pad_values():
+    from ggml_attn.graph.kv_cache import coarse_pad
+    assert [coarse_pad(n) for n in (1, 256, 300, 1024, 1100, 7424, 8192, 8448)] == \
+        [256, 256, 512, 1024, 1280, 8192, 8192, 10240]
+    for n in range(1, 40000, 37):
+        p = coarse_pad(n)
+        assert n <= p <= max(256, n * 1.25 + 256) and p % 256 == 0
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_coarse_n_kv_changes_n_kv_not_results(unified):
+    """A cache with coarse_n_kv attends over more (masked) cells and computes the same outputs,
+    and keeps one n_kv over more decode steps."""
+    from ggml_attn.graph import AttnConfig, run_batch
+    from ggml_attn.graph.kv_cache import coarse_pad
+    cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=16)
+    caches = [KVCache(4096, 3, unified=unified, n_layer=1, n_head_kv=2, head_dim_k=16, coarse_n_kv=c)
+              for c in (False, True)]
+    outs, n_kvs = [], []
+    for c in caches:
+        res = [run_batch(c, Batch.from_lengths([500, 300, 41]), 512, "simple" if unified else "equal", cfg)]
+        for _ in range(40):
+            b = Batch.from_lengths([1, 1, 1], start_pos=c.next_positions(range(3)))
+            res.append(run_batch(c, b, 512, "simple" if unified else "equal", cfg))
+        outs.append([r.out for r in res])
+        n_kvs.append([p.n_kv for r in res for p in r.plans])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+    assert all(c >= f and c == coarse_pad(c) for f, c in zip(*n_kvs))
+    assert len(set(n_kvs[1])) <= len(set(n_kvs[0]))

@@ -233,7 +233,9 @@ class Runner:
             self.cache = g.KVCache(cfg.n_ctx, max(1, cfg.n_seq), unified=cfg.kv_unified,
                                    n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=m.head_dim,
                                    head_dim_v=m.d_v, dtype=np.float16, xp=xp,
-                                   type_k=cfg.type_k, type_v=cfg.type_v)
+                                   type_k=cfg.type_k, type_v=cfg.type_v,
+                                   # the CUDA kernels skip masked KV tiles: coarser n_kv, fewer graph shapes
+                                   coarse_n_kv=cfg.device == "cuda" and cfg.flash_attn)
         except MemoryError as e:
             raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
                             f"({m.kv_bytes_per_token() * cfg.n_ctx / 2**30:.1f} GiB)") from e
