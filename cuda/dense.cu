@@ -2,7 +2,8 @@
 // few launches as a decode step allows:
 //   dense_gemv<NT,U> y = W·x for NT <= 4 tokens (F16 weights, F32 activations rounded to F16,
 //                    F32 accumulation), up to three weight matrices in one launch, optionally
-//                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x));
+//                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x)),
+//                    optionally of the RMS-normalized x (the norm computed by every block);
 //   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) per token, one launch;
 //   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32), one launch.
 // Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
@@ -23,7 +24,7 @@ struct GemvParams {
     int n_in;             // multiple of 8
     int n_seg;            // 1..3 (mode 2: 2)
     int mode;             // 0: store; 1: accumulate (out += W·x); 2: gated, seg[0].out = silu(W0·x) * (W1·x)
-    int pad_;
+    float norm_eps;       // > 0: x is RMS-normalized first (x / sqrt(mean(x^2) + norm_eps), per token)
 };
 
 #define GEMV_WARPS 4
@@ -36,18 +37,19 @@ __device__ __forceinline__ uint4 ld_stream(const __half* p) {
     return r;
 }
 
-// The 8 activations x[k .. k+8) rounded to F16 (as ggml rounds src1 for an F16 weight).
-__device__ __forceinline__ void load_x8(const float* x, float2 (&o)[4]) {
+// The 8 activations x[k .. k+8) times s rounded to F16 (as ggml rounds src1 for an F16 weight).
+__device__ __forceinline__ void load_x8(const float* x, float s, float2 (&o)[4]) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(x));
     const float4 b = __ldg(reinterpret_cast<const float4*>(x) + 1);
-    o[0] = __half22float2(__floats2half2_rn(a.x, a.y));
-    o[1] = __half22float2(__floats2half2_rn(a.z, a.w));
-    o[2] = __half22float2(__floats2half2_rn(b.x, b.y));
-    o[3] = __half22float2(__floats2half2_rn(b.z, b.w));
+    o[0] = __half22float2(__floats2half2_rn(a.x * s, a.y * s));
+    o[1] = __half22float2(__floats2half2_rn(a.z * s, a.w * s));
+    o[2] = __half22float2(__floats2half2_rn(b.x * s, b.y * s));
+    o[3] = __half22float2(__floats2half2_rn(b.z * s, b.w * s));
 }
 
 template <int NT>
-__device__ __forceinline__ void dot8(const uint4 w, const float* x, long long xs, int k, float (&acc)[NT]) {
+__device__ __forceinline__ void dot8(const uint4 w, const float* x, long long xs, int k, const float (&s)[NT],
+                                     float (&acc)[NT]) {
     const unsigned u[4] = {w.x, w.y, w.z, w.w};
     float2 wf[4];
 #pragma unroll
@@ -55,16 +57,17 @@ __device__ __forceinline__ void dot8(const uint4 w, const float* x, long long xs
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         float2 xf[4];
-        load_x8(x + t * xs + k, xf);
+        load_x8(x + t * xs + k, s[t], xf);
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc[t] = fmaf(wf[j].y, xf[j].y, fmaf(wf[j].x, xf[j].x, acc[t]));
     }
 }
 
-// Row r of W (n_in halves) dotted with every token's x: acc[t] (full sums in every lane).
-// U: 16-byte weight loads in flight per lane before any math.
+// Row r of W (n_in halves) dotted with every token's x times s[t]: acc[t] (full sums in every
+// lane). U: 16-byte weight loads in flight per lane before any math.
 template <int NT, int U>
-__device__ __forceinline__ void row_dot(const __half* w, const float* x, long long xs, int n_in, float (&acc)[NT]) {
+__device__ __forceinline__ void row_dot(const __half* w, const float* x, long long xs, int n_in,
+                                        const float (&s)[NT], float (&acc)[NT]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
@@ -74,9 +77,9 @@ __device__ __forceinline__ void row_dot(const __half* w, const float* x, long lo
 #pragma unroll
         for (int i = 0; i < U; ++i) wv[i] = ld_stream(w + k + i * 256);
 #pragma unroll
-        for (int i = 0; i < U; ++i) dot8<NT>(wv[i], x, xs, k + i * 256, acc);
+        for (int i = 0; i < U; ++i) dot8<NT>(wv[i], x, xs, k + i * 256, s, acc);
     }
-    for (; k < n_in; k += 256) dot8<NT>(ld_stream(w + k), x, xs, k, acc);
+    for (; k < n_in; k += 256) dot8<NT>(ld_stream(w + k), x, xs, k, s, acc);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
 #pragma unroll
@@ -86,9 +89,37 @@ __device__ __forceinline__ void row_dot(const __half* w, const float* x, long lo
 
 // One warp per output row (of the segments' rows concatenated); block GEMV_WARPS warps.
 template <int NT, int U>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv(const GemvParams p) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParams p) {
     int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
+    // the RMS norm's scale of each token (every thread of the block takes part, then rows past
+    // the end leave)
+    float s[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) s[t] = 1.0f;
+    if (p.norm_eps > 0.0f) {
+        __shared__ float red[NT][GEMV_WARPS];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            const float4* xr = reinterpret_cast<const float4*>(p.x + t * p.x_stride);
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < p.n_in / 4; i += blockDim.x) {
+                const float4 v = __ldg(xr + i);
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) red[t][threadIdx.x >> 5] = ss;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int w = 0; w < GEMV_WARPS; ++w) ss += red[t][w];
+            s[t] = 1.0f / sqrtf(ss / (float)p.n_in + p.norm_eps);
+        }
+    }
     // segment by constant indices (a runtime index would copy the parameters to local memory)
     GemvSeg g = p.seg[0];
     if (r >= g.rows) {
@@ -102,10 +133,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) dense_gemv(const GemvParams p
         }
     }
     float acc[NT];
-    row_dot<NT, U>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, acc);
+    row_dot<NT, U>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, acc);
     if (p.mode == 2) {
         float up[NT];
-        row_dot<NT, U>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, up);
+        row_dot<NT, U>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, up);
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * up[t];
     }

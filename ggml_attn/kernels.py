@@ -415,7 +415,7 @@ class GemvParams(ctypes.Structure):
     """Mirror of ``struct GemvParams`` (dense.cu)."""
     _fields_ = [("seg", GemvSeg * 3), ("x", ctypes.c_uint64), ("x_stride", ctypes.c_int64),
                 ("n_in", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
-                ("pad_", ctypes.c_int32)]
+                ("norm_eps", ctypes.c_float)]
 
 
 class KVStoreParams(ctypes.Structure):

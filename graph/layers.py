@@ -125,13 +125,12 @@ def full_layer(b, il: int, x, reduce=None):
 
 
 def _full_layer_custom(b, il: int, x, reduce):
-    """:func:`full_layer` on an all-custom graph (``xp_ops``): Q/K/V in one node, gate/up/SiLU in
-    one, the O and down projections added into ``x`` by their own nodes (or, with a ``reduce``
-    hook, reduced first and then added)."""
+    """:func:`full_layer` on an all-custom graph (``xp_ops``): the attention norm and Q/K/V in one
+    node, the FFN norm and gate/up/SiLU in one, the O and down projections added into ``x`` by
+    their own nodes (or, with a ``reduce`` hook, reduced first and then added)."""
     cfg, w = b.cfg, b.weights[il]
     n_tok = b.plan.ubatch.n_tokens
-    h = xp_ops.rms_norm(b, x, RMS_EPS, f"attn_norm_l{il}")
-    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], h, f"qkv_l{il}")
+    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=RMS_EPS)
     q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
     att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
@@ -142,8 +141,7 @@ def _full_layer_custom(b, il: int, x, reduce):
         o = reduce(b, xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}"), f"{what}_allreduce_l{il}")
         return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
     x = project_add(x, "wo", att, "attn")
-    h = xp_ops.rms_norm(b, x, RMS_EPS, f"ffn_norm_l{il}")
-    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], h, f"ffn_act_l{il}")
+    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=RMS_EPS)
     return project_add(x, "wd", f, "ffn")
 
 

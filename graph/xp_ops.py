@@ -83,10 +83,11 @@ def mul_mat(b, w: np.ndarray, h, name: str):
     return mul_mat_group(b, [w], h, name)[0]
 
 
-def mul_mat_group(b, ws: list, h, name: str) -> list:
+def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -> list:
     """``[w·h for w in ws]``: each ``w`` xp F16 ``(n_out_i, n_in)``, ``h`` tensor F32 ``[n_in,
     n_tokens]``; returns F32 tensors ``[n_out_i, n_tokens]``, views of one node whose memory
-    holds them one after another (numpy ``(n_tokens, n_out_i)`` each, contiguous)."""
+    holds them one after another (numpy ``(n_tokens, n_out_i)`` each, contiguous).
+    ``norm_eps``: ``h`` is RMS-normalized first (:func:`rms_norm`), inside this node."""
     x = b.array(h)                                  # (n_tokens, n_in) F32
     n_tok = x.shape[0]
     sizes = [n_tok * int(w.shape[0]) for w in ws]
@@ -95,7 +96,10 @@ def mul_mat_group(b, ws: list, h, name: str) -> list:
     for w, n in zip(ws, sizes):
         outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
         off += n
-    run = _gemv(b, ws, x, outs, mode=0) or _matmuls(b, ws, x, outs)
+    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps)
+    if run is None:
+        norm, xn = _normed(b, x, norm_eps, name)
+        run = _then(norm, _matmuls(b, ws, xn, outs))
     node = _custom(b, run, [h], flat.reshape(1, -1), name)
     views, off = [], 0
     for w, o in zip(ws, outs):
@@ -106,16 +110,17 @@ def mul_mat_group(b, ws: list, h, name: str) -> list:
     return views
 
 
-def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str):
+def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str, *, norm_eps: float | None = None):
     """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)``, ``h`` F32 ``[n_in,
-    n_tokens]`` -> F32 ``[n_ff, n_tokens]``."""
+    n_tokens]`` -> F32 ``[n_ff, n_tokens]``; ``norm_eps``: of the RMS-normalized ``h``."""
     x = b.array(h)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
-    run = _gemv(b, [wg, wu], x, [out], mode=2)
+    run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps)
     if run is None:
+        norm, xn = _normed(b, x, norm_eps, name)
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
-        both = _matmuls(b, [wg, wu], x, [g, u])
+        both = _then(norm, _matmuls(b, [wg, wu], xn, [g, u]))
         act = _silu_mul_fn(b.xp, g, u, out)
         b.keep(g, u)
 
@@ -133,9 +138,10 @@ def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
     return _custom(b, run, [h, x_t], x, name)
 
 
-def _gemv(b, ws: list, x, outs: list, *, mode: int):
+def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None):
     """On CuPy, for at most ``GEMV_MAX_TOKENS`` tokens: one ``dense_gemv`` launch (``mode`` 0:
-    ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) * (ws[1]·x)``);
+    ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) * (ws[1]·x)``;
+    with ``norm_eps``, of the RMS-normalized ``x``, each block computing the norm);
     None when the arrays do not fit the kernel (numpy, more tokens, unaligned or strided)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     if b.xp is np or x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3:
@@ -150,6 +156,9 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int):
         o = outs[0] if mode == 2 else outs[i]
         p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.data.ptr, o.data.ptr, int(w.shape[0])
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
+    p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
+    if norm_eps is not None and not norm_eps > 0.0:
+        return None   # (the kernel reads eps <= 0 as "no norm")
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0]))
     b.keep(*arrays)
@@ -272,8 +281,14 @@ def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
 
 def rms_norm(b, x_t, eps: float, name: str):
     """``x / sqrt(mean(x^2) + eps)`` per token: ``x_t`` F32 ``[n, n_tokens]`` -> F32."""
+    run, out = _rms_fn(b, b.array(x_t), eps, name)
+    return _custom(b, run, [x_t], out, name)
+
+
+def _rms_fn(b, x, eps: float, name: str):
+    """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32) into
+    ``out``, a new scratch array: numpy steps, or one ``dense_rms_norm`` launch (a block per token)."""
     xp = b.xp
-    x = b.array(x_t)
     out = b.scratch(x.shape, np.float32)
     if xp is np:
         ms = b.scratch((x.shape[0], 1), np.float32)
@@ -287,15 +302,32 @@ def rms_norm(b, x_t, eps: float, name: str):
             xp.add(ms, np.float32(eps), out=ms)
             xp.sqrt(ms, out=ms)
             xp.divide(x, ms, out=out)
-    else:   # one launch: a block per token
-        from ggml_attn import kernels as K  # noqa: PLC0415
-        if not (x.flags.c_contiguous and out.flags.c_contiguous):
-            raise ValueError(f"{name}: rms_norm needs contiguous rows")
-        fn = K.get_function(K.dense_variant(), "dense_rms_norm")
-        b.keep(x, out)
-        run = _Launch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
-                      ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps))
-    return _custom(b, run, [x_t], out, name)
+        return run, out
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError(f"{name}: rms_norm needs contiguous rows")
+    fn = K.get_function(K.dense_variant(), "dense_rms_norm")
+    b.keep(x, out)
+    return _Launch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
+                   ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps)), out
+
+
+def _normed(b, x, norm_eps, name):
+    """``(fn or None, array)``: with ``norm_eps`` the RMS-normalized copy of ``x`` and the function
+    that makes it; else ``(None, x)``."""
+    if norm_eps is None:
+        return None, x
+    return _rms_fn(b, x, norm_eps, name)
+
+
+def _then(first, second):
+    if first is None:
+        return second
+
+    def run():
+        first()
+        second()
+    return run
 
 
 _SILU: list = []

@@ -1,7 +1,8 @@
 """Device time of the full block's weight reads at decode: one layer's projections for 1 token,
 llama-3-8B shapes (n_embd 4096, 1024 K/V, n_ff 14336; 436 MB of F16 weights per layer, well
 over the L2), as ``cuda/dense.cu`` runs them (three ``dense_gemv`` launches: Q/K/V, gate/up
-with SiLU, and the O and down projections added into the residual; each unroll instance) against cuBLAS (torch
+with SiLU, both with the RMS norm fused, and the O and down projections added into the
+residual; each unroll instance) against cuBLAS (torch
 ``F.linear`` in F16, one GEMM per weight). A row group of ``tools/gpu_bench.py`` (case
 ``dense:``); floor: the bytes over 4.2 TB/s.
 """
@@ -19,13 +20,14 @@ def _layer_weights(cp, rng_seed: int):
     return {k: (rs.standard_normal(s, dtype=cp.float32) * 0.02).astype(cp.float16) for k, s in shapes.items()}
 
 
-def _gemv(K, ws, x, outs, mode, unroll):
+def _gemv(K, ws, x, outs, mode, unroll, norm_eps=0.0):
     """A launch closure of dense_gemv (numpy-order arrays: ws (rows, n_in) F16, x (1, n_in) F32)."""
     p = K.GemvParams()
     for i, w in enumerate(ws):
         p.seg[i].w, p.seg[i].rows = w.data.ptr, w.shape[0]
         p.seg[i].out = outs[0 if mode == 2 else i].data.ptr
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, x.shape[1], x.shape[1], len(ws), mode
+    p.norm_eps = norm_eps
     rows = ws[0].shape[0] if mode == 2 else sum(w.shape[0] for w in ws)
     fn = K.get_function(K.dense_variant(), K.gemv_name(1, unroll))
     args = K.arg_block(p)
@@ -52,8 +54,8 @@ def run(device_us, log=print) -> list[dict]:
     act, res = cp.empty((1, N_FF), cp.float32), cp.zeros((1, N_EMBD), cp.float32)
 
     def ours(w, u):
-        steps = [_gemv(K, [w["wq"], w["wk"], w["wv"]], x, qkv, 0, u), _gemv(K, [w["wo"]], x, [res], 1, u),
-                 _gemv(K, [w["wg"], w["wu"]], x, [act], 2, u), _gemv(K, [w["wd"]], xf, [res], 1, u)]
+        steps = [_gemv(K, [w["wq"], w["wk"], w["wv"]], x, qkv, 0, u, 1e-5), _gemv(K, [w["wo"]], x, [res], 1, u),
+                 _gemv(K, [w["wg"], w["wu"]], x, [act], 2, u, 1e-5), _gemv(K, [w["wd"]], xf, [res], 1, u)]
 
         def layer():
             for s in steps:
