@@ -506,7 +506,7 @@ fattn_mma(const FattnParams p) {
             store_row_value(p, ((long long)s * p.n_batch + tok) * p.n_head + h, h, c, DV, split, o, M, L);
         }
     }
-    if constexpr (MT == 1) {   // (128-row tiles: fattn_combine; their epilogue is at the register limit)
+    if constexpr (MT == 1 && DK <= 256) {   // (128-row tiles and DK 320-576: fattn_combine; at the register limit)
       if (p.n_splits > 1 && p.split_cnt) {
         split_finish<4>(p, BM, [&](int r) -> long long {
             const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));

@@ -143,8 +143,8 @@ class LaunchConfig:
     grid: tuple[int, int, int]
     rows: int = 0               # query rows (token, head) of one block
     fused_finish: bool = True   # the instance merges its own splits (split_finish): the tensor-core
-    # kernels' 64-row and decode tiles; not the 128-row prefill tiles (their epilogue is at the
-    # register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
+    # kernels' 64-row and decode tiles up to D_K 256; not the 128-row prefill tiles or larger
+    # heads (at the register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
     # spills): fattn_combine finishes those
 
     def finishes_splits(self) -> bool:
@@ -249,7 +249,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid, rows=tq * pack,
-                        fused_finish=kernel == "decode-tc" or (kernel == "prefill" and mt == 1))
+                        fused_finish=sh.d_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
 
 
 _OCCUPANCY: dict[tuple, int] = {}

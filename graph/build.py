@@ -186,10 +186,13 @@ class UBatchGraph:
         """``layer="attn"``: per layer, float32 ``(n_tokens, n_head, D_v)``; ``layer="full"``:
         ``[x (n_tokens, n_embd)]``, the residual stream after the last layer. Ubatch row order
         (views)."""
+        return [self.output(i) for i in range(len(self.out))]
+
+    def output(self, i: int):
+        """Output ``i`` of :meth:`outputs` alone (a view)."""
+        a = self.array(self.out[i])
         n = self.plan.ubatch.n_tokens
-        if self.layer == "full":
-            return [self.array(t).reshape(n, -1) for t in self.out]
-        return [self.array(t).reshape(n, *self.array(t).shape[-2:]) for t in self.out]
+        return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
     def free(self) -> None:
         if self.ctx is not None:

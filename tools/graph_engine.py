@@ -159,11 +159,10 @@ class GraphEngine:
         """Inputs, then a replay, a capture or a plain compute (on the engine's stream)."""
         cfg = self.cfg
         try:
-            ins = self.inputs(plan)
             if cfg.layer == "full":
-                g.set_x(ins[0])          # every time: the graph adds into x in place
+                g.set_x(self.inputs(plan)[0])          # every time: the graph adds into x in place
             elif fresh:
-                g.set_inputs(*[[x] for x in ins])   # the pool's rows: the same for every reuse
+                g.set_inputs(*[[x] for x in self.inputs(plan)])   # the pool's rows: the same for every reuse
             if entry.replay is not None:
                 entry.replay.launch(self.stream)
                 self.replays += 1
@@ -178,7 +177,7 @@ class GraphEngine:
             else:
                 self._compute(g, refresh=not fresh)
             # alive until the stream has used them (and for tests): mask, last output, kernel plan
-            m, last = self.m, g.outputs()[-1]
+            m, last = self.m, g.output(-1)
             if cfg.layer != "full":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
                 last = last.reshape(plan.n_stream, plan.n_tps, m.n_head, m.d_v)
             self._keep = (g.array(g.mask_t), last, g.kernel_plan)
