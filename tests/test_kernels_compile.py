@@ -6,6 +6,7 @@ CPU-side launch configuration rules.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -94,30 +95,9 @@ def test_variant_list_covers_required_heads():
             assert K.vec_variant(dk, dk, t) in K.all_variants()
 
 
-def test_params_struct_layout_matches_c():
-    """Compile static_asserts of offsetof/sizeof against the ctypes mirror."""
-    lines = ['#include "fattn_common.cuh"']
-    for name, _ in K.FattnParams._fields_:
-        off = getattr(K.FattnParams, name).offset
-        lines.append(f"static_assert(__builtin_offsetof(FattnParams, {name}) == {off}, \"{name}\");")
-    lines.append(f"static_assert(sizeof(FattnParams) == {__import__('ctypes').sizeof(K.FattnParams)}, \"size\");")
-    lines.append('extern "C" __global__ void layout_probe(const FattnParams p) {}')
-    nv = K._nvrtc()
-    prog = nv.createProgram("\n".join(lines), "layout.cu", [], [])
-    try:
-        opts = ["-std=c++17", "-arch=sm_80", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
-        try:
-            nv.compileProgram(prog, opts)
-        except Exception as e:
-            pytest.fail(f"FattnParams layout mismatch: {e}\n{nv.getProgramLog(prog)}")
-    finally:
-        nv.destroyProgram(prog)
-
-
 def _flat_fields(struct, prefix=""):
     """(C member path, offset) of a ctypes structure's scalar and array members (nested
     structure arrays expanded element by element)."""
-    import ctypes
     out = []
     for name, typ in struct._fields_:
         off = getattr(struct, name).offset
@@ -130,22 +110,20 @@ def _flat_fields(struct, prefix=""):
     return out
 
 
-@pytest.mark.parametrize("struct", ["GemvParams", "KVStoreParams"])
-def test_dense_struct_layouts_match_c(struct):
-    """The ctypes mirrors of dense.cu's parameter structs have the C layout."""
-    import ctypes
+@pytest.mark.parametrize("struct, source", [("FattnParams", "fattn_common.cuh"), ("GemvParams", "dense.cu"),
+                                            ("KVStoreParams", "dense.cu")])
+def test_params_struct_layouts_match_c(struct, source):
+    """The ctypes mirror of each kernel parameter struct has the C layout: static_asserts of
+    every member's offset and the size, compiled by NVRTC."""
     cls = getattr(K, struct)
-    src = (K.source_dir() / "dense.cu").read_text()
-    lines = [src, f"__device__ {struct} probe_;"]
+    lines = [f'#include "{source}"', f"__device__ {struct} probe_;"]
     for path, off in _flat_fields(cls):
-        member = path.replace("[", "__IDX").split("__IDX")[0]
         lines.append(f"static_assert(__builtin_offsetof({struct}, {path}) == {off}, \"{path}\");")
-        assert member
     lines.append(f"static_assert(sizeof({struct}) == {ctypes.sizeof(cls)}, \"size\");")
     nv = K._nvrtc()
-    prog = nv.createProgram("\n".join(lines), "dense_layout.cu", [], [])
+    prog = nv.createProgram("\n".join(lines), "layout.cu", [], [])
     try:
-        opts = ["-std=c++17", "-arch=sm_80"] + [f"-I{d}" for d in K.cuda_include_dirs()]
+        opts = ["-std=c++17", "-arch=sm_80", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
         try:
             nv.compileProgram(prog, opts)
         except Exception as e:
