@@ -32,6 +32,7 @@ class LayerCudaEngine(CudaEngine):
         self.shard = LayerShard(self.tp.rank, self.tp.n_rank, self.layers)
         self.comm = self.tp.comm()   # collective: every rank builds its engine at the same point
         self._token = None
+        self._received = None   # this ubatch's input from rank r - 1 (rank r > 0)
         super().__init__(cfg, cache)
 
     def _make_weights(self, rng):
@@ -39,22 +40,26 @@ class LayerCudaEngine(CudaEngine):
         return full[self.layers.start:self.layers.stop]
 
     def inputs(self, plan):
-        """Rank 0: the one-GPU inputs. Rank ``r > 0``: receives rank ``r - 1``'s output first
-        (full: it is the input ``x``; attn: the previous rank's last attention output, waited for
-        and not used)."""
-        ins = super().inputs(plan)
-        if self.shard.first:
-            return ins
-        n_tok = plan.ubatch.n_tokens
-        width = self.m.n_embd if self.cfg.layer == "full" else self.m.n_head * self.m.d_v
-        buf = self.xp.empty((n_tok, width), dtype=np.float32)
-        self.comm.recv(buf, self.shard.rank - 1)
-        return (buf,) if self.cfg.layer == "full" else ins
+        """Rank 0 (and ``--layer attn``): the one-GPU inputs. ``--layer full`` on rank ``r > 0``:
+        rank ``r - 1``'s output, received by :meth:`_run`."""
+        if self._received is not None and self.cfg.layer == "full":
+            return (self._received,)
+        return super().inputs(plan)
 
     def _run(self, entry, g, plan, fresh: bool) -> None:
+        """Every ubatch, in pipeline order on the engine's stream: rank ``r > 0`` first receives
+        rank ``r - 1``'s output (full: its input ``x``; attn: the previous rank's last attention
+        output, waited for and not used), then computes; every rank but the last sends its
+        output on."""
+        self._received = None
+        if not self.shard.first:
+            n_tok = plan.ubatch.n_tokens
+            width = self.m.n_embd if self.cfg.layer == "full" else self.m.n_head * self.m.d_v
+            self._received = self.xp.empty((n_tok, width), dtype=np.float32)
+            self.comm.recv(self._received, self.shard.rank - 1)
         super()._run(entry, g, plan, fresh)
         if not self.shard.last:   # on the engine's stream, after the compute
-            out = g.outputs()[-1].reshape(plan.ubatch.n_tokens, -1)
+            out = g.output(-1).reshape(plan.ubatch.n_tokens, -1)
             self.comm.send(self.xp.ascontiguousarray(out), self.shard.rank + 1)
 
     def synchronize(self) -> None:
