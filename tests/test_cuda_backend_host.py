@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from ggml_attn import cuda_backend as cb
+from ggml_attn import cuda_plan
+from ggml_attn import cuda_workspace
 from ggml_attn import kernels as K
 from ggml_attn.tensor import from_array
 
@@ -85,25 +87,51 @@ def _in_thread(fn):
 
 # ---------------------------------------------------------------------------------------
 # C1: split-KV workspace
-def test_workspace_per_device_stream_thread(fake_cupy, monkeypatch):
-    monkeypatch.setattr(cb, "_WS", {})
-    a, a_buf = cb._workspace(0, 0, 4096)
-    assert cb._workspace(0, 0, 4096)[0] == a, "same device/stream/thread reuses its buffer"
-    assert cb._workspace(1, 0, 4096)[0] != a, "null stream of another device: another buffer"
-    assert cb._workspace(0, 7, 4096)[0] != a, "another stream: another buffer"
-    assert _in_thread(lambda: cb._workspace(0, 0, 4096)[0]) != a, "another thread: another buffer"
-    big, big_buf = cb._workspace(0, 0, 64 << 20)
-    assert big != a and cb._WS[(0, 0, threading.get_ident())].size >= 64 << 20
+def test_workspace_per_device_stream_thread(fake_cupy):
+    reg = cuda_workspace.Workspaces()
+    a, a_buf = reg.workspace(0, 0).partials(4096)
+    assert reg.workspace(0, 0).partials(4096)[0] == a, "same device/stream/thread reuses its buffer"
+    assert reg.workspace(1, 0).partials(4096)[0] != a, "null stream of another device: another buffer"
+    assert reg.workspace(0, 7).partials(4096)[0] != a, "another stream: another buffer"
+    assert _in_thread(lambda: reg.workspace(0, 0).partials(4096)[0]) != a, "another thread: another buffer"
+    big, big_buf = reg.workspace(0, 0).partials(64 << 20)
+    assert big != a and reg.workspaces()[(0, 0, threading.get_ident())]._partials.size >= 64 << 20
     assert a_buf.data.ptr == a, "the old buffer stays valid for whoever holds it (bound calls)"
+
+
+def test_workspace_lifetime(fake_cupy, monkeypatch):
+    """Made on first use, owned by the registry; release()/clear() drop the registry's buffers
+    (whoever holds one keeps it) and the next use makes new ones. The backend reads the
+    registry from ``cuda_workspace.WORKSPACES`` at call time."""
+    fake_cupy.zeros = lambda n, dtype=None: _Buf(n)
+    reg = cuda_workspace.Workspaces()
+    monkeypatch.setattr(cuda_workspace, "WORKSPACES", reg)
+    assert reg.workspaces() == {}
+    ws = cuda_workspace.WORKSPACES.workspace(0, 5)
+    assert ws.dev == 0 and ws.stream == 5 and list(reg.workspaces()) == [(0, 5, threading.get_ident())]
+    p, buf = ws.partials(100)
+    c, cnt = ws.counters(10)
+    assert ws.partials(100)[0] == p and ws.counters(10)[0] == c
+    ws.release()
+    assert ws.partials(100)[0] != p and ws.counters(10)[0] != c, "released: new buffers"
+    assert buf.data.ptr == p and cnt.data.ptr == c, "held buffers stay valid"
+    st = reg.staging(0)
+    st.get("q", 10)
+    reg.clear()
+    assert reg.workspaces() == {} and reg.workspace(0, 5) is not ws
+    assert reg.staging(0) is not st, "clear() drops every thread's staging"
+    st.release()
+    assert st.pinned == {} and st.device == {}
 
 
 # ---------------------------------------------------------------------------------------
 # C2: staging buffers of flash_attn_ext_host
 def test_staging_per_thread_and_device(fake_cupy):
-    s0 = cb._staging(0)
-    assert cb._staging(0) is s0
-    assert cb._staging(1) is not s0
-    other = _in_thread(lambda: cb._staging(0))
+    reg = cuda_workspace.Workspaces()
+    s0 = reg.staging(0)
+    assert reg.staging(0) is s0
+    assert reg.staging(1) is not s0
+    other = _in_thread(lambda: reg.staging(0))
     assert other is not s0
     hp, dp = s0.get("q", 100)
     assert s0.get("q", 100) == (hp, dp), "a slot is reused while it is large enough"
@@ -127,9 +155,9 @@ def test_plan_orders_other_streams_after_the_build(fake_cupy, monkeypatch):
     def fake_copy(mask, n_batch, stream):
         copies.append(stream)
         return ("aligned-desc", "buffer")
-    monkeypatch.setattr(cb, "_build_row_intervals", fake_rows)
-    monkeypatch.setattr(cb, "_build_live_map", fake_build)
-    monkeypatch.setattr(cb, "_aligned_mask_copy", fake_copy)
+    monkeypatch.setattr(cuda_plan, "_build_row_intervals", fake_rows)
+    monkeypatch.setattr(cuda_plan, "_build_live_map", fake_build)
+    monkeypatch.setattr(cuda_plan, "_aligned_mask_copy", fake_copy)
     mask = from_array(np.zeros((1, 1, 8, 128), dtype=np.float16))
     plan = cb.Plan(mask, 8, 4, 1)
     calls = fake_cupy.calls
@@ -197,7 +225,7 @@ def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(fake_cupy, mo
     monkeypatch.setattr(K, "get_function", lambda var, name, smem=0: _Fn(name))
     mask = from_array(np.zeros((1, 2, 40, 200), dtype=np.float16))   # n_kv 200, ne32 2
     lohi = _Arr(2 * 40 * 2, np.int32)
-    idx, cnt, flags, ptrs, buf, hidden = cb._build_live_map(mask, 37, 16, 5, lohi)
+    idx, cnt, flags, ptrs, buf, hidden = cuda_plan._build_live_map(mask, 37, 16, 5, lohi)
     n_q, n_kv = 3, 4
     n = n_q * n_kv
     off, total = cb.live_words(1, n_q, n_kv, 2)

@@ -15,6 +15,7 @@ import pytest
 
 from ggml_attn import conformance as conf
 from ggml_attn import cuda_backend as cb
+from ggml_attn import cuda_launch
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, from_float
 from ggml_attn.reference import flash_attn_ext, nmse
 from ggml_attn.tensor import from_array
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.gpu,
 
 NMSE_MAX = 5e-4
 # "prefill-wide": the prefill kernel with 128-row query tiles (MT = 2, FA2 load order) forced
-# at every batch size (the backend picks it from cuda_backend.PREFILL_WIDE_MIN_BATCH tokens on)
+# at every batch size (the backend picks it from cuda_launch.PREFILL_WIDE_MIN_BATCH tokens on)
 GPU_KERNELS = ("prefill", "prefill-wide", "decode", "decode-tc")
 
 
@@ -37,13 +38,13 @@ class _Kernel:
 
     def __enter__(self):
         if self.wide:
-            self.saved, cb.PREFILL_WIDE_MIN_BATCH = cb.PREFILL_WIDE_MIN_BATCH, 1
+            self.saved, cuda_launch.PREFILL_WIDE_MIN_BATCH = cuda_launch.PREFILL_WIDE_MIN_BATCH, 1
             cb._PREPARED.clear()
         return self.name
 
     def __exit__(self, *exc):
         if self.wide:
-            cb.PREFILL_WIDE_MIN_BATCH = self.saved
+            cuda_launch.PREFILL_WIDE_MIN_BATCH = self.saved
             cb._PREPARED.clear()
 
 
@@ -226,7 +227,7 @@ def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
 def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
     """Split-KV, finished by the kernel's last block of each row group (fused) or by the
     fattn_combine launch."""
-    monkeypatch.setattr(cb, "FUSED_SPLIT_FINISH", fused)
+    monkeypatch.setattr(cuda_launch, "FUSED_SPLIT_FINISH", fused)
     q, k, v, s = _inputs(rng, 1, 16, 4, 3, 1000, 128, 128, GGML_TYPE_BF16, sinks=True)
     mask = conf.random_kq_mask(rng, (1, 1, 3, 1000))
     ref = flash_attn_ext(q, k, v, mask, 0.09, 8.0, 0.0, s, kv_type=GGML_TYPE_BF16)
@@ -356,7 +357,7 @@ def test_plan_chosen_tiles(seq, want_wide, kv_type, rng):
     plan = cb.make_plan(md, n, 16, 4, d_k=128, kv_type=kv_type, kernel="prefill")
     assert plan.wide is want_wide
     cfg = cb.launch_config("prefill", cb.Shapes(128, 128, n, 16, 4, 1, n, kv_type), wide=plan.wide)
-    assert (cfg.q_tile_tokens, cfg.pack) == ((128, 1) if want_wide else (64 // cb.PREFILL_PACK, cb.PREFILL_PACK))
+    assert (cfg.q_tile_tokens, cfg.pack) == ((128, 1) if want_wide else (64 // cuda_launch.PREFILL_PACK, cuda_launch.PREFILL_PACK))
     for kern in ("prefill", "auto"):
         out = _launch(dq, dk_, dv_, md, ds, n, 16, 128, 1, kern, kv_type, plan=plan)
         cp.cuda.get_current_stream().synchronize()
@@ -516,7 +517,7 @@ def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
     ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
     if kernel == "prefill-narrow":   # 64-row tiles, one head per tile
         kernel = "prefill"
-        monkeypatch.setattr(cb, "PREFILL_WIDE_MIN_BATCH", 1 << 30)
+        monkeypatch.setattr(cuda_launch, "PREFILL_WIDE_MIN_BATCH", 1 << 30)
         monkeypatch.setattr(cb, "_PREPARED", {})
     dm = cp.asarray(mask)
     plan = None
@@ -525,7 +526,7 @@ def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
                             kernel=_Kernel(kernel).name)
         assert plan.wide is False
     tq, pack = _layout_cfg(kernel, n, plan)
-    want = {("prefill", True): (64 // cb.PREFILL_PACK, cb.PREFILL_PACK), ("prefill", False): (64, 1),
+    want = {("prefill", True): (64 // cuda_launch.PREFILL_PACK, cuda_launch.PREFILL_PACK), ("prefill", False): (64, 1),
             ("prefill-wide", False): (128, 1), ("decode-tc", False): (4, 4)}.get((kernel, use_plan))
     assert want is None or (tq, pack) == want, (kernel, tq, pack)
     # device arrays held in locals until the result is read: a TensorDesc is a raw pointer, and

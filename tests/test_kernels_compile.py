@@ -142,7 +142,7 @@ def test_smem_fits_h200():
 
 
 def test_split_count_fills_whole_waves():
-    from ggml_attn.cuda_backend import _split_count
+    from ggml_attn.cuda_launch import _split_count
     for base in (1, 3, 8, 16, 40, 100):
         for slots in (132, 264, 396):
             n = _split_count(base, slots, 2, 512)

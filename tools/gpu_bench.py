@@ -205,30 +205,33 @@ def window_mask(n, window):
 
 
 class knobs:
-    """Context: cuda_backend module settings changed for a comparison row (launch cache cleared)."""
+    """Context: tuning knobs of ggml_attn.cuda_launch changed for a comparison row (the call
+    cache ggml_attn.cuda_backend._PREPARED cleared on entry and exit)."""
 
     def __init__(self, **kw):
         self.kw = kw
 
     def __enter__(self):
         from ggml_attn import cuda_backend as cb
+        from ggml_attn import cuda_launch as knob
         self.saved = {}
         for k, v in self.kw.items():
-            cur = getattr(cb, k)
+            cur = getattr(knob, k)
             self.saved[k] = dict(cur) if isinstance(cur, dict) else cur
             if isinstance(cur, dict):
                 cur.update(v)
             else:
-                setattr(cb, k, v)
+                setattr(knob, k, v)
         cb._PREPARED.clear()
 
     def __exit__(self, *exc):
         from ggml_attn import cuda_backend as cb
+        from ggml_attn import cuda_launch as knob
         for k, v in self.saved.items():
             if isinstance(v, dict):
-                getattr(cb, k).update(v)
+                getattr(knob, k).update(v)
             else:
-                setattr(cb, k, v)
+                setattr(knob, k, v)
         cb._PREPARED.clear()
 
 

@@ -1,0 +1,197 @@
+"""Launch configuration of the CUDA kernels: tile shape, packing, grid and KV split count per
+call, from the validated shapes and the occupancy of the kernel instance.
+
+Every tuning knob of the backend lives here as a module global, read at call time: set
+``ggml_attn.cuda_launch.<KNOB>`` (tools/gpu_bench.py ``knobs``, tests) and clear the call cache
+``ggml_attn.cuda_backend._PREPARED`` so that calls configured before are configured again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import dispatch
+from . import kernels as K
+from .cuda_device import available, num_sms
+
+# ---------------------------------------------------------------------------------------
+# tuning knobs
+# Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
+# until the grid covers this many waves of resident blocks (the occupancy API's count for the
+# kernel, block size and shared memory), so that the last, partial wave costs little.
+_WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2}
+# K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
+# block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
+DECODE_TC_STAGES = 2
+# query heads of one KV head packed into the rows of a 64-row prefill tile when the plan found
+# a ragged batch (wide is False): K/V tiles shared by the packed heads and 16-token tiles that
+# straddle fewer prompts; 4 took 16 / 64 short prompts from 42.9 / 173.4 to 39.5 / 158.0 us (v7)
+PREFILL_PACK = 4
+_MIN_TILES_PER_SPLIT = 4     # 256 KV cells: fewer makes the combine pass dominate
+_MAX_SPLITS = 128            # <= FATTN_MAX_SPLITS in fattn_util.cu
+_MAX_GRID_Y = 65535
+# prefill switches to 128-row query tiles (MT = 2: 32 rows per warp, FA2 load order) from this
+# many query tokens per stream on: half the shared-memory traffic per MMA of 64-row tiles
+PREFILL_WIDE_MIN_BATCH = 256
+# ... unless the plan finds fewer live KV tiles than this per 64-row query tile on average:
+# ragged batches of short prompts (2-3 live tiles per query tile) ran 1.1-1.3x slower on the
+# wide tiles on the H200 (bench/NOTES.md, v5), long causal prompts (8-130) 1.15-1.2x faster
+PREFILL_WIDE_MIN_LIVE = 6.0
+
+# Split-KV finish: True -- the attention kernel's last block of each row group merges the
+# splits (one launch per call; LaunchConfig.fused_finish says which instances can); False -- a
+# fattn_combine launch after the kernel. The launch is the default: on the H200 the fused merge,
+# done by one block per row group, costs 0.6-3 us more device time than a combine kernel spread
+# over one block per row (bench/NOTES.md, "Split finish"); it saves one launch of host time.
+FUSED_SPLIT_FINISH = False
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Dimensions of one validated call (:func:`ggml_attn.cuda_backend.validate`): q [d_k,
+    n_batch, n_head, ne3], k/v [d_k|d_v, n_kv, n_head_kv, ne3] of ``kv_type``, mask planes
+    [.., .., ne32, ne33]."""
+    d_k: int
+    d_v: int
+    n_batch: int
+    n_head: int
+    n_head_kv: int
+    ne3: int
+    n_kv: int
+    kv_type: int
+    ne32: int = 1
+    ne33: int = 1
+
+    @property
+    def gqa(self) -> int:
+        return self.n_head // self.n_head_kv
+
+
+def facts(sh: Shapes, kv_aligned: bool = True) -> dispatch.CallFacts:
+    """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes."""
+    return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned)
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    kernel: str           # prefill | decode | decode-tc
+    variant: K.Variant
+    name: str             # name expression of the instance
+    pack: int             # query heads per tile
+    q_tile_tokens: int    # tokens per query tile (plan granularity)
+    n_q_tiles: int
+    n_kv_tiles: int
+    n_splits: int
+    block: int            # threads
+    smem: int
+    grid: tuple[int, int, int]
+    rows: int = 0               # query rows (token, head) of one block
+    fused_finish: bool = True   # the instance merges its own splits (split_finish): the tensor-core
+    # kernels' 64-row and decode tiles up to D_K 256; not the 128-row prefill tiles or larger
+    # heads (at the register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
+    # spills): fattn_combine finishes those
+
+    def finishes_splits(self) -> bool:
+        """True when this launch's kernel merges its splits itself: an instance that can, and
+        shared memory for the merge's per-split weights (``split_finish_floats``)."""
+        return self.fused_finish and 4 * (self.rows * (self.n_splits + 2) + 2) <= self.smem
+
+
+
+def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
+    """KV splits for ``base`` blocks on ``slots`` resident-block slots: the smallest count that
+    reaches ``waves`` waves, raised to the count whose last wave is fullest among those up to
+    twice that (wave quantisation: 528 blocks on 264 slots run as 2 full waves, 530 as 3)."""
+    if base >= slots * waves:
+        return 1
+    cap = max(1, min(_MAX_SPLITS, n_kv_tiles // _MIN_TILES_PER_SPLIT))
+    want = min(-(-slots * waves // base), cap)
+    best, best_eff = want, 0.0
+    for n in range(want, min(2 * want, cap) + 1):
+        blocks = base * n
+        eff = blocks / (-(-blocks // slots) * slots)   # fraction of the last wave's slots used
+        if eff > best_eff + 1e-9:
+            best, best_eff = n, eff
+    return best
+
+
+def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
+                  blocks_per_sm: int | None = None, wide: bool | None = None,
+                  max_live: dict | None = None) -> LaunchConfig:
+    """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
+    ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
+    ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
+    device, 2 without one). ``wide``: the plan's verdict on 128-row prefill tiles (None: by
+    n_batch alone). ``max_live``: the plan's most live KV tiles of any query tile, per tile
+    size (the split count is sized from it instead of n_kv)."""
+    gqa_p2 = _pow2_divisor(sh.gqa)
+    n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
+    if kernel == "prefill":
+        want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
+        pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
+        mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH and wide is not False
+                   and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
+        tq = 64 * mt // pack
+        st = 1 if mt == 2 else 2
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
+    elif kernel == "decode-tc":
+        pack = min(gqa_p2, 16)
+        tq = 16 // pack
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
+    elif kernel == "decode":
+        allowed = K.vec_rows_allowed(sh.d_k, sh.d_v)
+        rmax = max(allowed)
+        pack = min(gqa_p2, rmax)
+        need = pack * min(sh.n_batch, rmax // pack)
+        rows = min(r for r in allowed if r >= need)
+        tq = rows // pack
+        variant = K.vec_variant(sh.d_k, sh.d_v, sh.kv_type)
+        name = K.vec_name(sh.d_k, sh.d_v, sh.kv_type, rows)
+        block, smem = 128, K.vec_smem_bytes(sh.d_k, sh.d_v, rows)
+    else:
+        raise ValueError(f"no launch configuration for kernel {kernel!r}")
+    n_q_tiles = -(-sh.n_batch // tq)
+    base = n_q_tiles * (sh.n_head // pack) * sh.ne3
+    if n_splits is None:
+        if blocks_per_sm is None:
+            blocks_per_sm = _occupancy(variant, name, block, smem)
+        live = (max_live or {}).get(tq, n_kv_tiles)
+        n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
+    n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
+    if kernel == "decode":
+        grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
+    else:   # tensor-core kernels: heads fastest, query tiles (reversed in the kernel) second
+        if n_q_tiles > _MAX_GRID_Y:
+            raise ValueError(f"n_batch {sh.n_batch} needs {n_q_tiles} query tiles of {tq} tokens "
+                             f"for kernel {kernel!r}; at most {_MAX_GRID_Y}")
+        grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
+    return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
+                        block, smem, grid, rows=tq * pack,
+                        fused_finish=sh.d_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def _occupancy(variant: K.Variant, name: str, block: int, smem: int) -> int:
+    """Resident blocks per SM of one kernel instance (occupancy API; 2 without a GPU)."""
+    if not available():
+        return 2
+    import cupy
+    key = (variant, name, block, smem, cupy.cuda.runtime.getDevice())
+    n = _OCCUPANCY.get(key)
+    if n is None:
+        n = max(1, K.get_function(variant, name, smem=smem).occupancy(block))
+        _OCCUPANCY[key] = n
+    return n

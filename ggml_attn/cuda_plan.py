@@ -1,0 +1,286 @@
+"""Live-tile plans: per ubatch, the (query tile, KV tile) pairs that the mask leaves visible,
+built on the GPU once from the mask and reused by every layer; and the 16-byte aligned mask
+copy the tensor-core kernels need.
+
+Shapes (ggml order): mask f16 [n_kv, n_rows >= n_batch, ne32, ne33].
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import cuda_launch as L
+from . import dispatch
+from . import kernels as K
+from .cuda_device import stream_ptr
+from .cuda_launch import Shapes, facts, launch_config
+from .dtypes import GGML_TYPE_F16
+from .tensor import TensorDesc
+
+
+@dataclass
+class Plan:
+    """Live KV tiles per (mask stream plane, query tile), for one ubatch's mask.
+
+    Built on the GPU by :func:`make_plan` (or lazily for a tile size not built yet) and valid
+    as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
+    query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order) of entries
+    ``tile id | class bits`` (FULL / PARTIAL / PARTIAL|MASKED, cuda/fattn_common.cuh),
+    ``cnt`` int32 [ne33][n_q_tiles]; after the entries, in the same buffer (:func:`live_words`),
+    u64 [ne33][n_q_tiles][n_kv_tiles][ne32] hidden-column words in list order (a HIDDEN tile's
+    columns that no token of the query tile sees, per mask head plane: the kernels zero-fill
+    their V rows). Shared by every tile size: ``lohi`` int32
+    [ne33][ne32][n_batch][2], each mask row's visible interval [lo, hi), or (-1, -1) when the
+    row is not one interval of zeros.
+
+    Invariant: a plan is only used with the mask it was built from -- the op and
+    :func:`ggml_attn.cuda_backend.flash_attn_ext_device` use it only when ``mask.ptr`` (and
+    shape, strides, n_batch) equal the call's (:meth:`matches`), so a tile map built lazily by
+    :meth:`live` reads the same mask as the maps built by :func:`make_plan`. Whoever keeps a
+    plan across graphs must rebuild it when the mask tensor moves (graph/build.py does).
+
+    Streams: each thing the plan builds (row intervals, each tile map, the aligned mask) is
+    built on some stream and a CUDA event is recorded after it; using it on another stream
+    makes that stream wait for the event (nothing is added when the streams are the same).
+    """
+    mask: TensorDesc
+    n_batch: int
+    n_head: int
+    n_head_kv: int
+    # what the plan built on the GPU, each as (value, built-on stream, event recorded after it):
+    #   "lohi" -> the row intervals; ("map", tq) -> (idx, cnt, flags, (idx_ptr, cnt_ptr, lohi_ptr),
+    #   buf, hidden) (_build_live_map);
+    #   "aligned" -> (TensorDesc, cupy array), the 16-byte aligned copy of the mask
+    items: dict = field(default_factory=dict)
+    # host statistics read once by make_plan (one synchronization per ubatch):
+    wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
+    max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
+    _live_key: tuple = ()                          # max_live as a sorted tuple (kept by read_stats)
+
+    def hint(self) -> tuple:
+        """What the launch configuration takes from the plan (part of the call cache key; read
+        on every call, so nothing is computed here)."""
+        return self.wide, self._live_key
+
+    def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
+        """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
+        import cupy
+        cnt_d = self._map(tq, stream)[1]
+        with cupy.cuda.ExternalStream(stream):
+            cnt = cnt_d.get()
+        mx = int(cnt.max()) if cnt.size else 0
+        self.max_live[tq] = mx
+        self._live_key = tuple(sorted(self.max_live.items()))
+        return mx, float(cnt.mean()) if cnt.size else 0.0
+
+    def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
+        return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \
+            and mask.nb == self.mask.nb and n_batch == self.n_batch
+
+    def _get(self, key, stream: int, build):
+        """The plan's item ``key``, built by ``build(stream)`` on first use with an event recorded
+        after it; a stream other than the one it was built on waits for that event first."""
+        got = self.items.get(key)
+        if got is None:
+            import cupy
+            value = build(stream)
+            ev = cupy.cuda.Event(block=False, disable_timing=True)
+            cupy.cuda.runtime.eventRecord(ev.ptr, stream)
+            self.items[key] = got = (value, stream, ev)
+        elif got[1] != stream:   # built on another stream: order this one after it
+            import cupy
+            cupy.cuda.runtime.streamWaitEvent(stream, got[2].ptr, 0)
+        return got[0]
+
+    def _map(self, tq: int, stream: int):
+        def build(st):   # the map's event covers the row intervals it read
+            lohi = self._get("lohi", st, lambda s2: _build_row_intervals(self.mask, self.n_batch, s2))
+            return _build_live_map(self.mask, self.n_batch, tq, st, lohi)
+        return self._get(("map", tq), stream, build)
+
+    def live(self, tq: int, stream: int):
+        """(idx_ptr, cnt_ptr, lohi_ptr) for query tiles of ``tq`` tokens; builds the map if missing."""
+        return self._map(tq, stream)[3]
+
+    def live_counts(self, tq: int, stream: int = None) -> np.ndarray:
+        """Host copy of the live-tile counts, numpy [ne33, n_q_tiles] (for tests and stats)."""
+        return self._map(tq, stream_ptr(stream))[1].get().reshape(self.mask.ne[3], -1)
+
+    def tile_classes(self, tq: int, stream: int = None) -> dict[str, int]:
+        """Host count of live tiles per class over all (plane, query tile): FULL, PARTIAL
+        (index comparisons) and MASKED (mask tile loaded) -- for tests and benchmarks."""
+        idx_d, cnt_d = self._map(tq, stream_ptr(stream))[:2]
+        idx, cnt = idx_d.get(), cnt_d.get()
+        n_kv_tiles = idx.size // max(cnt.size, 1)
+        ent = np.concatenate([idx[i * n_kv_tiles:i * n_kv_tiles + c] for i, c in enumerate(cnt)]) \
+            if cnt.size else np.zeros(0, np.int32)
+        partial, masked = (ent & (1 << 30)) != 0, (ent & (1 << 29)) != 0
+        return {"FULL": int((~partial).sum()), "PARTIAL": int((partial & ~masked).sum()),
+                "MASKED": int(masked.sum()), "HIDDEN": int(((ent & (1 << 28)) != 0).sum())}
+
+    def hidden_columns(self, tq: int, stream: int = None) -> dict:
+        """Host copy of the hidden-column words of the HIDDEN tiles (for tests):
+        {(i33, query tile, KV tile): [word per mask head plane]}, bit c of a word = column c of
+        the tile is -inf for every token of the query tile in that plane (or past n_kv)."""
+        m = self._map(tq, stream_ptr(stream))
+        idx, cnt, buf = m[0].get(), m[1].get(), m[4]
+        ne32, ne33 = self.mask.ne[2], self.mask.ne[3]
+        n_q_tiles = cnt.size // ne33
+        n_kv_tiles = idx.size // max(cnt.size, 1)
+        off, _ = live_words(ne33, n_q_tiles, n_kv_tiles, ne32)
+        words = buf[off:].get().view(np.uint64).reshape(ne33, n_q_tiles, n_kv_tiles, ne32)
+        out = {}
+        for i33 in range(ne33):
+            for qt in range(n_q_tiles):
+                slot = i33 * n_q_tiles + qt
+                for j in range(int(cnt[slot])):
+                    e = int(idx[slot * n_kv_tiles + j])
+                    if e & (1 << 28):
+                        out[(i33, qt, e & ((1 << 28) - 1))] = [int(w) for w in words[i33, qt, j]]
+        return out
+
+    def refresh(self, stream=None) -> None:
+        """The mask's contents changed (same tensor, same shape): rebuild everything this plan
+        built -- row intervals, each tile map, the aligned copy -- into the same buffers, on
+        ``stream``, launches only (no allocation, no synchronization: a CUDA graph captures
+        it). The statistics read at build time (tile height, split counts) are kept; the
+        kernels stay right whatever they are (they only size the work)."""
+        st = stream_ptr(stream)
+        got = self.items.get("lohi")
+        if got is None:
+            return
+        lohi = _build_row_intervals(self.mask, self.n_batch, st, into=got[0])
+        for key, (val, _, _) in list(self.items.items()):
+            if isinstance(key, tuple) and key[0] == "map":
+                _build_live_map(self.mask, self.n_batch, key[1], st, lohi, into=val)
+        got = self.items.get("aligned")
+        if got is not None:
+            _aligned_mask_copy(self.mask, self.n_batch, st, into=got[0])
+
+    def aligned(self, stream: int) -> TensorDesc:
+        """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
+        return self._get("aligned", stream, lambda st: _aligned_mask_copy(self.mask, self.n_batch, st))[0]
+
+
+def _mask_params(mask: TensorDesc, n_batch: int) -> K.FattnParams:
+    p = K.FattnParams()
+    p.mask = mask.ptr
+    p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
+    p.n_batch, p.n_kv, p.ne32, p.ne33 = n_batch, mask.ne[0], mask.ne[2], mask.ne[3]
+    return p
+
+
+def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int, into=None):
+    """Pass 0 of the plan: each row's visible interval, cupy int32 [ne33][ne32][n_batch][2]
+    (written into ``into``, the array of an earlier build, when given: nothing allocated)."""
+    import cupy
+    _, _, ne32, ne33 = mask.ne
+    lohi = into
+    if lohi is None:
+        with cupy.cuda.ExternalStream(stream):
+            lohi = cupy.empty((ne33, ne32, n_batch, 2), dtype=cupy.int32)
+    fn = K.get_function(K.util_variant(), "fattn_mask_rows")
+    fn.launch((n_batch, ne32, ne33), (128, 1, 1), stream, _mask_params(mask, n_batch),
+              ctypes.c_uint64(lohi.data.ptr))
+    return lohi
+
+
+def live_words(ne33: int, n_q_tiles: int, n_kv_tiles: int, ne32: int) -> tuple[int, int]:
+    """int32 words of a tile map's live_idx buffer: (offset of the hidden-column words, total).
+    The entries [ne33][n_q_tiles][n_kv_tiles] come first, rounded up to an even count, then one
+    u64 per (entry, mask head plane): live_hidden() in cuda/fattn_common.cuh reads the same."""
+    n = ne33 * n_q_tiles * n_kv_tiles
+    off = n + (n & 1)
+    return off, off + 2 * n * ne32
+
+
+def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, into=None):
+    """Passes 1-2 of the plan for query tiles of ``tq`` tokens: (idx, cnt, flags, (idx_ptr,
+    cnt_ptr, lohi_ptr), buf, hidden). ``idx`` is a view of the first entries of ``buf``, whose
+    tail holds the hidden-column words in list order (:func:`live_words`); ``hidden`` the
+    scan's words in tile order (kept alive with the map, read by the compaction). ``into``: the
+    tuple of an earlier build, whose buffers are written again (nothing allocated)."""
+    import cupy
+    n_kv, _, ne32, ne33 = mask.ne
+    n_q_tiles = -(-n_batch // tq)
+    n_kv_tiles = max(1, -(-n_kv // K.KV_TILE))
+    n = ne33 * n_q_tiles * n_kv_tiles
+    off, total = live_words(ne33, n_q_tiles, n_kv_tiles, ne32)
+    if into is not None:
+        _, cnt, flags, _, buf, hidden = into
+    else:
+        with cupy.cuda.ExternalStream(stream):
+            flags = cupy.empty(n, dtype=cupy.uint8)
+            buf = cupy.empty(total, dtype=cupy.int32)
+            hidden = cupy.empty(n * ne32, dtype=cupy.uint64)
+            cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
+    idx = buf[:n]
+    p = _mask_params(mask, n_batch)
+    p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
+    var = K.util_variant()
+    scan = K.get_function(var, "fattn_mask_scan")
+    compact = K.get_function(var, "fattn_mask_compact")
+    scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
+                ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr))
+    compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
+                   ctypes.c_uint64(buf.data.ptr), ctypes.c_uint64(cnt.data.ptr),
+                   ctypes.c_uint64(hidden.data.ptr))
+    return idx, cnt, flags, (buf.data.ptr, cnt.data.ptr, lohi.data.ptr), buf, hidden
+
+
+def mask_needs_aligned_copy(mask: TensorDesc) -> bool:
+    """True when the mask's pointer or a byte stride is not a multiple of 16: the tensor-core
+    kernels load mask tiles with 16-byte cp.async."""
+    return mask.ptr % 16 != 0 or any(nb % 16 for n, nb in zip(mask.ne[1:], mask.nb[1:]) if n > 1)
+
+
+def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int, into=None):
+    """f16 copy of the first n_batch rows of ``mask`` (ggml order [n_kv, rows, ne32, ne33])
+    with rows padded to a multiple of 8 cells: (its desc, the CuPy array); ``into``: the result
+    of an earlier copy, written again."""
+    import cupy
+    from .tensor import from_array
+    n_kv, _, ne32, ne33 = mask.ne
+    src_mem = cupy.cuda.UnownedMemory(mask.ptr, mask.nbytes_span(), None)
+    src = cupy.ndarray((ne33, ne32, n_batch, n_kv), cupy.float16, cupy.cuda.MemoryPointer(src_mem, 0),
+                       strides=tuple(reversed(mask.nb)))
+    with cupy.cuda.ExternalStream(stream):
+        buf = into[1] if into is not None else cupy.empty((ne33, ne32, n_batch, -(-n_kv // 8) * 8),
+                                                          dtype=cupy.float16)
+        view = buf[..., :n_kv]
+        cupy.copyto(view, src)
+    return from_array(view, GGML_TYPE_F16, mask.name), buf
+
+
+def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
+              d_k: int = 128, d_v: int | None = None, kv_type: int = GGML_TYPE_F16,
+              ne3: int | None = None, kernel: str = "auto", stream=None) -> Plan:
+    """Build the live-tile plan of one ubatch from its device-resident ``mask``.
+
+    ``mask`` f16 [n_kv, n_rows >= n_batch, ne32, ne33] (ggml order). The map for the tile shape
+    that ``kernel`` (with "auto": dispatch) uses at these shapes is built now; other tile
+    shapes are built on first use. Reuse the plan for every layer of the ubatch. Reads the
+    live-tile counts back to the host once (one synchronization of ``stream``): the prefill
+    tile height and the decode split count follow the live tiles, not n_kv.
+    """
+    if mask is None:
+        raise ValueError("make_plan needs a mask")
+    d_v = d_k if d_v is None else d_v
+    ne3 = mask.ne[3] if ne3 is None else ne3
+    plan = Plan(mask, n_batch, n_head, n_head_kv)
+    sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    kern = dispatch.best_kernel(kernel, facts(sh)).kernel
+    if kern in dispatch.GPU_KERNELS:
+        st = stream_ptr(stream)
+        if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
+            _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
+            plan.wide = mean >= L.PREFILL_WIDE_MIN_LIVE
+        cfg = launch_config(kern, sh, wide=plan.wide)
+        plan.read_stats(cfg.q_tile_tokens, st)
+        if kern != "decode" and mask_needs_aligned_copy(mask):
+            plan.aligned(st)
+    return plan
+
+
