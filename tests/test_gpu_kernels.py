@@ -236,9 +236,11 @@ def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
-def test_fused_split_counters_reset_between_launches(kernel, rng):
-    """Back-to-back split launches on one stream share the counters: each must leave them at 0
-    (else the next launch's last block is miscounted and rows stay unwritten)."""
+def test_fused_split_counters_reset_between_launches(kernel, rng, monkeypatch):
+    """Back-to-back split launches on one stream share the counters (fused split finish): each
+    must leave them at 0 (else the next launch's last block is miscounted and rows stay
+    unwritten)."""
+    monkeypatch.setattr(cuda_launch, "FUSED_SPLIT_FINISH", True)
     cases = []
     for n_splits in (5, 3, 5, 8, 2):
         q, k, v, s = _inputs(rng, 2, 8, 2, 2, 700, 128, 128, GGML_TYPE_F16, sinks=True)
