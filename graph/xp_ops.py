@@ -144,7 +144,8 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     with ``norm_eps``, of the RMS-normalized ``x``, each block computing the norm);
     None when the arrays do not fit the kernel (numpy, more tokens, unaligned or strided)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    if b.xp is np or x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3:
+    if b.xp is np or x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3 or \
+            (norm_eps is not None and not norm_eps > 0.0):   # (the kernel reads eps <= 0 as "no norm")
         return None
     n_in = x.shape[1]
     arrays = list(ws) + [x] + list(outs)
@@ -157,8 +158,6 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
         p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.data.ptr, o.data.ptr, int(w.shape[0])
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
     p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
-    if norm_eps is not None and not norm_eps > 0.0:
-        return None   # (the kernel reads eps <= 0 as "no norm")
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0]))
     b.keep(*arrays)
