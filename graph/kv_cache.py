@@ -50,6 +50,7 @@ _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
 _SMALL = 16   # ubatches up to this many rows are checked and accounted in Python
+_FILL_UPDATE_MAX = 256   # ubatches up to this many rows update the remembered answers (_answers_after_fill)
 
 
 class KVCacheFullError(RuntimeError):
@@ -433,11 +434,12 @@ class KVCache:
 
     def _answers_after_fill(self, rows_per, slot: SlotInfo, ub: UBatch) -> dict:
         """The remembered query answers as they will be once ``ub`` occupies ``slot``, when
-        that is cheap to know: a small ubatch whose cells are all empty now (so no sequence
-        loses a cell) and whose rows all have positions. Then each stream's used count grows
-        by its cells, its used range reaches past its highest cell, and each sequence's
-        position range takes in its non-pad rows' positions. Otherwise nothing (asked again)."""
-        if not self._memo or ub.n_tokens > _SMALL:
+        that is cheap to know: a ubatch of at most ``_FILL_UPDATE_MAX`` rows (a decode step of
+        many sequences included) whose cells are all empty now (so no sequence loses a cell)
+        and whose rows all have positions. Then each stream's used count grows by its cells,
+        its used range reaches past its highest cell, and each sequence's position range takes
+        in its non-pad rows' positions. Otherwise nothing (asked again)."""
+        if not self._memo or ub.n_tokens > _FILL_UPDATE_MAX:
             return {}
         positions, token_idx = ub.positions.tolist(), ub.token_idx.tolist()
         if min(positions) < 0:
@@ -446,7 +448,12 @@ class KVCache:
         pos = self.pos
         for (st, rows), cells in zip(rows_per, slot.cells):
             cl = cells.tolist()
-            if len(set(cl)) != len(cl) or any(pos[st, c] >= 0 for c in cl):
+            if len(set(cl)) != len(cl):
+                return {}
+            if len(cl) <= _SMALL:
+                if any(pos[st, c] >= 0 for c in cl):
+                    return {}
+            elif bool((pos[st, cells] >= 0).any()):
                 return {}
             if ("n_used", st) in out:
                 out[("n_used", st)] += len(cl)

@@ -330,6 +330,46 @@ def test_query_answers_carried_through_a_fill():
         warm_and_check()
 
 
+def test_query_answers_carried_through_large_fills():
+    """Decode steps of many sequences (more rows than the per-cell Python path handles) and
+    prompts up to and past the update limit into empty cells: the remembered answers after each
+    fill equal fresh ones, and a decode step's next positions come from them."""
+    from ggml_attn.graph import kv_cache as kvc
+    n_seq = 40
+    for unified in (True, False):
+        c = KVCache(16384, n_seq, unified=unified, n_head_kv=1, head_dim_k=4)
+        seqs = list(range(n_seq))
+
+        def warm_and_check():
+            for s in seqs:
+                assert c.seq_pos_max(s) == ref_seq_pos(c, s, True)
+                assert c.seq_pos_min(s) == ref_seq_pos(c, s, False)
+            for st in range(c.n_stream):
+                assert c.used_max_p1(st) == ref_used_max_p1(c, st)
+                assert c.n_used(st) == int(np.count_nonzero(c.pos[st] >= 0))
+
+        rng = np.random.default_rng(3)
+        lengths = [int(x) for x in rng.integers(1, 20, n_seq)]
+        big = [kvc._FILL_UPDATE_MAX + 9] + [1] * (n_seq - 1)   # one ubatch past the limit (unified)
+        for lens in (lengths, [1] * n_seq, big, [1] * n_seq, [1] * n_seq):
+            b = Batch.from_lengths(lens, seqs, start_pos=c.next_positions(seqs))
+            for ub in split_ubatches(b, 512, "simple" if unified else "equal"):
+                warm_and_check()
+                slot = c.place(ub)
+                warm_and_check()
+                c.free_pads(slot)
+                warm_and_check()
+        # a large ubatch over occupied cells (not what find_slot gives): answers asked again
+        b = Batch.from_lengths([24], [0], start_pos=c.next_positions([0]))
+        ub = split_ubatches(b, 512, "simple" if unified else "equal")[0]
+        slot = c.find_slot(ub)
+        st = slot.streams[0]
+        occupied = SlotInfo(slot.streams, (np.flatnonzero(c.pos[st] >= 0)[-24:].astype(np.int64),))
+        warm_and_check()
+        c.apply_ubatch(occupied, ub)
+        warm_and_check()
+
+
 def test_tile_map_odd_sizes():
     rng = np.random.default_rng(3)
     for shape in ((1, 1, 1), (2, 1, 300), (3, 70, 256), (1, 64, 512), (2, 129, 513), (1, 0, 256), (1, 5, 0)):

@@ -162,3 +162,4 @@ def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch
 def test_decode_host_bench_runs_the_driver_without_compute():
     from ggml_attn.cli import decode_host_bench
     assert decode_host_bench.run(steps=3, reps=1) > 0
+    assert decode_host_bench.run(steps=2, reps=1, seqs=8) > 0   # a step of 8 sequences
