@@ -18,7 +18,7 @@ import numpy as np
 from .kv_cache import KVCache, SlotInfo
 from .split import UBatch
 
-__all__ = ["build_mask", "visible_cells"]
+__all__ = ["build_mask", "mask_values", "visible_cells"]
 
 
 def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, causal: bool = True,
@@ -86,13 +86,23 @@ _NEG_INF_BITS: dict = {}  # float dtype -> the unsigned bits of -inf in it
 
 def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = None, *,
                causal: bool = True, n_swa: int = 0, alibi: bool = False,
-               dtype=np.float16) -> np.ndarray:
+               dtype=np.float16, return_visible: bool = False):
     """The ubatch mask, numpy order ``(n_stream, 1, n_tps, n_kv)`` (= ggml
-    ``[n_kv, n_tps, 1, n_stream]``), ``dtype`` (F16 by default). ``n_kv`` defaults to
+    ``[n_kv, n_tps, 1, n_stream]``), ``dtype`` (F16 by default); with ``return_visible``,
+    ``(mask, visible)`` with :func:`visible_cells`' bool array. ``n_kv`` defaults to
     ``cache.n_kv(slot)``. Call after ``cache.apply_ubatch(slot, ub)``."""
     if n_kv is None:
         n_kv = cache.n_kv(slot)
     vis = visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
+    mask = mask_values(cache, ub, slot, vis, alibi=alibi, dtype=dtype)
+    return (mask, vis) if return_visible else mask
+
+
+def mask_values(cache: KVCache, ub: UBatch, slot: SlotInfo, vis: np.ndarray, *, alibi: bool = False,
+                dtype=np.float16) -> np.ndarray:
+    """The mask (numpy ``(n_stream, 1, n_tps, n_kv)``, ``dtype``) of the visibility ``vis``
+    (:func:`visible_cells`): 0 (or ALiBi's ``-|p_cell - p_row|``) where visible, else -inf."""
+    n_kv = vis.shape[2]
     dtype = np.dtype(dtype)
     if alibi:
         n_stream, n_tps = vis.shape[:2]

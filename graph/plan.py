@@ -7,7 +7,9 @@ A plan places the ubatch in the cache (cells, ``n_kv``), builds its mask and the
 * ``mask``: numpy order ``(n_stream, 1, n_tps, n_kv)`` F16 = ggml ``[n_kv, n_tps, 1, n_stream]``.
 * ``row_idx``: int64 ``(n_tokens,)`` global cache rows (``stream * kv_size + cell``) of the
   ubatch rows, the ``ggml_set_rows`` index input.
-* ``tiles.live``: bool numpy ``(n_stream, n_q_tiles, n_kv_tiles)``.
+* ``visible``: bool numpy ``(n_stream, n_tps, n_kv)``, the mask's finite cells;
+* ``tiles.live``: bool numpy ``(n_stream, n_q_tiles, n_kv_tiles)`` (built from ``visible`` on
+  first use).
 """
 from __future__ import annotations
 
@@ -84,8 +86,19 @@ class UBatchPlan:
     n_kv: int
     mask: np.ndarray
     row_idx: np.ndarray
-    tiles: TileMap
+    visible: np.ndarray          # bool (n_stream, n_tps, n_kv): the mask's finite cells
+    q_tile: int = Q_TILE
+    kv_tile: int = KV_TILE
     kernel_plan: object = field(default=None)
+
+    @property
+    def tiles(self) -> TileMap:
+        """The host tile map of :attr:`visible` (built on first use: only ``auto``'s cost model
+        and :meth:`describe` read it; device kernels build their own from the mask)."""
+        t = self.__dict__.get("_tiles")
+        if t is None:
+            t = self.__dict__["_tiles"] = tile_map(self.visible, self.q_tile, self.kv_tile)
+        return t
 
     @property
     def n_stream(self) -> int:
@@ -111,9 +124,9 @@ def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int =
     with cache.transaction():
         slot = cache.place(ub)
         n_kv = cache.n_kv(slot)
-        mask = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi)
-        tiles = tile_map(np.isfinite(mask[:, 0]), q_tile, kv_tile)  # (values: finite or -inf)
-        return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), tiles)
+        mask, vis = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi,
+                               return_visible=True)
+        return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), vis, q_tile, kv_tile)
 
 
 def dry_run_plans(cache: KVCache, ubatches: list[UBatch], **plan_kw) -> list[UBatchPlan]:

@@ -145,12 +145,20 @@ class Checks:
             checks.n["n_used"] += 1
             return got
 
-        def mask_checked(cache, ub, slot, n_kv=None, **kw):
-            got = build_mask(cache, ub, slot, n_kv, **kw)
-            want = ref_build_mask(cache, ub, slot, n_kv if n_kv is not None else cache.n_kv(slot), **kw)
+        def mask_checked(cache, ub, slot, n_kv=None, return_visible=False, **kw):
+            got = build_mask(cache, ub, slot, n_kv, return_visible=return_visible, **kw)
+            n_kv = n_kv if n_kv is not None else cache.n_kv(slot)
+            want = ref_build_mask(cache, ub, slot, n_kv, **kw)
+            if return_visible:
+                got, vis = got
+                assert np.array_equal(vis, ref_visible_cells(cache, ub, slot, n_kv, causal=kw.get("causal", True),
+                                                             n_swa=kw.get("n_swa", 0)))
+                got_all = (got, vis)
+            else:
+                got_all = got
             assert same_bits(got, want)
             checks.n["mask"] += 1
-            return got
+            return got_all
 
         def tiles_checked(visible, q_tile=plan_mod.Q_TILE, kv_tile=plan_mod.KV_TILE):
             got = tile_map(visible, q_tile, kv_tile)
@@ -178,6 +186,7 @@ class _Engine:
         self.rng, self.p_fail = rng, p_fail
 
     def run_ubatch(self, plan):
+        plan.tiles   # (built on first use: checked against the reference by Checks)
         if self.rng.random() < self.p_fail:
             raise _EngineFailure("engine failure")
 
