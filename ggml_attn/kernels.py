@@ -460,6 +460,21 @@ class Kernel:
                      self.smem, stream, args_addr, 0)
 
 
+class BoundLaunch:
+    """Kernel ``fn`` with its grid, block and ctypes parameters fixed (the parameters copied into
+    an argument block once); calling it launches on CuPy's current stream, nothing looked up
+    or allocated per call (a CUDA-graph capture records it as it is)."""
+
+    def __init__(self, fn: "Kernel", grid, block, *params):
+        import cupy
+        self.fn, self.grid, self.block, self.params = fn, grid, block, params
+        self.args = arg_block(*params)
+        self._stream = cupy.cuda.get_current_stream
+
+    def __call__(self) -> None:
+        self.fn.launch_raw(self.grid, self.block, self._stream().ptr, ctypes.addressof(self.args))
+
+
 def arg_block(*args):
     """The ``void*[]`` array of kernel argument addresses cuLaunchKernel takes, for ctypes
     objects ``args`` in kernel order (keep it and them alive while launching with it)."""

@@ -3,7 +3,7 @@
 Per layer, as llama.cpp's ``build_attn`` with a KV cache does (ggml order throughout; the
 layer functions are in ``layers.py``):
 
-1. store the ubatch's K/V rows into the cache (``kv_graph.KVTensors.cpy_k/cpy_v``):
+1. store the ubatch's K/V rows into the cache (``kv_graph.KVTensors.cpy_kv``):
    ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``);
    ``ggml_set_rows`` on host graphs, a custom op on all-custom graphs;
 2. view Q per stream: ``q_cur [D, n_head, n_tokens]`` -> ``[D, n_tps, n_head, n_stream]``;

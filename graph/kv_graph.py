@@ -1,18 +1,17 @@
 """The KV cache inside one ggml graph: its K/V views and its store op (llama.cpp's
-``llama_kv_cache::get_k`` / ``get_v`` / ``cpy_k`` / ``cpy_v``).
+``llama_kv_cache::get_k`` / ``get_v`` / ``cpy_k`` / ``cpy_v``, the two stores of a layer in one).
 
 :class:`KVTensors` (one per :class:`~ggml_attn.graph.kv_cache.KVCache`, :func:`kv_tensors`)
 holds the cache tensors of every layer in a context of its own, ggml order
 ``K [n_embd_k_gqa, kv_size * n_stream]`` of the cache's type (``KVCache.type_k``), data pointing
 at the cache's storage (no copy); in a graph's context it makes:
 
-* :meth:`KVTensors.cpy_k` / :meth:`KVTensors.cpy_v`: the node that writes
-  ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``, the plan's
-  ``row_idx``): ``ggml_set_rows`` on host graphs (any cache type, quantized ones included), the
-  custom store op :func:`store_callback` on all-custom graphs (F16/F32 caches only: a
-  ``ValueError`` otherwise);
-* :meth:`KVTensors.cpy_kv`: both stores of a layer; on all-custom graphs one node (one launch
-  on the device, ``dense_kv_store`` of ``cuda/dense.cu``);
+* :meth:`KVTensors.cpy_kv`: the nodes that write layer ``il``'s ``k_cur [n_embd_k_gqa,
+  n_tokens]`` and ``v_cur [n_embd_v_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``,
+  the plan's ``row_idx``): two ``ggml_set_rows`` on host graphs (any cache type, quantized ones
+  included), one custom store op (:func:`store_callback`) on all-custom graphs (F16/F32 caches
+  only: a ``ValueError`` otherwise; one ``dense_kv_store`` launch of ``cuda/dense.cu`` on the
+  device);
 * :meth:`KVTensors.get_k` / :meth:`KVTensors.get_v`: the ``[D, n_kv, n_head_kv, n_stream]``
   view (ggml order) of the ubatch's streams ``s0 .. s0 + n_stream - 1``, taken of the
   ``ggml_set_rows`` node so that attention runs after the store.
@@ -25,7 +24,6 @@ import ggml
 import numpy as np
 
 from ggml_attn import op as fa_op
-from ggml_attn.dtypes import STORAGE_DTYPES
 from ggml_attn.tensor import as_numpy, from_ggml
 
 from .kv_cache import KVCache
@@ -47,33 +45,31 @@ def data_ptr(arr) -> int:
 
 # --------------------------------------------------------------- the custom store op
 def store_callback(dst_p, ith, nth, userdata):
-    """Custom op ``[cache2d, rows, idx] -> dummy``: ``cache2d[idx[i]] = rows[i]`` (graph thread 0),
-    or ``[cache_k, k_rows, cache_v, v_rows, idx]``: both stores. ``userdata`` 1: the tensors are
-    CuPy device memory; 0: host memory (numpy). Errors are recorded for this node like the
-    attention op's (``ggml_attn.op.record_error``)."""
+    """Custom op ``[cache_k, k_rows, cache_v, v_rows, idx] -> dummy``: ``cache_k[idx[i]] =
+    k_rows[i]`` and the same for V (graph thread 0). ``userdata`` 1: the tensors are CuPy device
+    memory; 0: host memory (numpy). Errors are recorded for this node like the attention op's
+    (``ggml_attn.op.record_error``)."""
     fa_op.run_custom_node(dst_p, ith, lambda d: _store(d, userdata), "KV store op")
 
 
-def _src_key(d, n: int) -> tuple:
-    """Data pointer, type and shape of the node's first ``n`` sources: what a bound store
-    depends on."""
+def _src_key(d) -> tuple:
+    """Data pointer, type and shape of the node's sources: what a bound store depends on."""
     out = []
-    for i in range(n):
+    for i in range(5):
         c = d.src[i].contents
         out += (int(c.data or 0), int(c.type), int(c.ne[0]), int(c.ne[1]), int(c.nb[1]))
     return tuple(out)
 
 
 def _store(dst_p, userdata) -> None:
-    """The store itself (``store_callback``): device rows by one launch (both K and V, a float
-    cache: ``dense_kv_store``; else one scatter per pair), host rows by numpy."""
+    """The store itself (``store_callback``): device rows by one ``dense_kv_store`` launch, bound
+    once per node and its sources; host rows by numpy."""
     d = dst_p.contents
-    n_src = 5 if d.src[4] else 3
-    pairs = [(d.src[0], d.src[1])] + ([(d.src[2], d.src[3])] if n_src == 5 else [])
-    idx_t = d.src[n_src - 1]
+    pairs = [(d.src[0], d.src[1]), (d.src[2], d.src[3])]
+    idx_t = d.src[4]
     if userdata:
         node = ctypes.addressof(d)
-        key = _src_key(d, n_src)
+        key = _src_key(d)
         bound = _BOUND_STORES.get(node)
         if bound is None or bound[0] != key:
             if len(_BOUND_STORES) > 4096:
@@ -99,64 +95,26 @@ _BOUND_STORES: dict = {}   # store node address -> (_src_key, launch), see _stor
 
 
 def _bind_device_store(pairs, idx_t):
-    """A function of no arguments that stores every ``(cache, rows)`` pair of device tensors at
-    the rows ``idx_t`` names, on the current stream: one ``dense_kv_store`` launch for a K/V pair
-    of F16/F32 caches with contiguous F32 rows, else one CuPy scatter per pair."""
-    import cupy as cp  # noqa: PLC0415  (device graphs only)
-    from ggml_attn import kernels as K  # noqa: PLC0415
-
-    def shape(t):
-        c = t.contents
-        return int(c.ne[1]), int(c.ne[0])
+    """A function of no arguments that stores the K and V rows of device tensors ``pairs``
+    (``(cache, rows)``: F16/F32 cache, contiguous F32 rows) at the rows ``idx_t`` names: one
+    ``dense_kv_store`` launch on the current stream."""
+    from ggml_attn import kernels as K  # noqa: PLC0415  (device graphs only)
     n_tok = int(idx_t.contents.ne[0])
-    for cache_t, rows_t in pairs:
-        _check_store(shape(cache_t), shape(rows_t), (n_tok,))
-        c = rows_t.contents
-        if c.type != ggml.GGML_TYPE_F32 or int(c.nb[1]) != 4 * int(c.ne[0]):
+    p = K.KVStoreParams()
+    for i, (cache_t, rows_t) in enumerate(pairs):
+        c, r = cache_t.contents, rows_t.contents
+        _check_store((int(c.ne[1]), int(c.ne[0])), (int(r.ne[1]), int(r.ne[0])), (n_tok,))
+        if r.type != ggml.GGML_TYPE_F32 or int(r.nb[1]) != 4 * int(r.ne[0]):
             raise ValueError("store: the rows must be contiguous F32")
-    types = [int(p[0].contents.type) for p in pairs]
-    if len(pairs) == 2 and all(t in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32) for t in types):
-        p = K.KVStoreParams()
-        for i, (cache_t, rows_t) in enumerate(pairs):
-            p.src[i], p.dst[i] = int(rows_t.contents.data), int(cache_t.contents.data)
-            p.n[i], p.f16[i] = int(rows_t.contents.ne[0]), int(types[i] == ggml.GGML_TYPE_F16)
-        p.rows, p.n_tok = int(idx_t.contents.data), n_tok
-        fn = K.get_function(K.dense_variant(), "dense_kv_store")
-        args = K.arg_block(p)
-
-        def launch():
-            fn.launch_raw((n_tok, 2, 1), (128, 1, 1), cp.cuda.get_current_stream().ptr,
-                          ctypes.addressof(args))
-        launch.keep = (p, args)
-        return launch
-
-    def wrap(t, dtype):
-        c = t.contents
-        rows, cols = shape(t)
-        mem = cp.cuda.UnownedMemory(int(c.data), rows * cols * np.dtype(dtype).itemsize, None)
-        return cp.ndarray((rows, cols), dtype, cp.cuda.MemoryPointer(mem, 0))
-    idx = wrap(idx_t, np.int64).reshape(-1)
-    jobs = [(wrap(r, np.float32), wrap(c, STORAGE_DTYPES[c.contents.type])) for c, r in pairs]
-
-    def scatter():
-        for rows, cache in jobs:
-            _scatter_kernel()(rows, idx, rows.shape[1], cache, size=rows.size)
-    return scatter
+        if c.type not in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32):
+            raise ValueError("store: the device store writes F16/F32 caches only")
+        p.src[i], p.dst[i] = int(r.data), int(c.data)
+        p.n[i], p.f16[i] = int(r.ne[0]), int(c.type == ggml.GGML_TYPE_F16)
+    p.rows, p.n_tok = int(idx_t.contents.data), n_tok
+    return K.BoundLaunch(K.get_function(K.dense_variant(), "dense_kv_store"), (n_tok, 2, 1), (128, 1, 1), p)
 
 
 _STORE_CB = ggml.ggml_custom_op_t(store_callback)
-_SCATTER = []
-
-
-def _scatter_kernel():
-    """CuPy kernel ``dst[rows[t]] = (dst type) src[t]`` over F32 rows (compiled once)."""
-    if not _SCATTER:
-        import cupy as cp  # noqa: PLC0415  (device graphs only)
-        _SCATTER.append(cp.ElementwiseKernel(
-            "raw T src, raw int64 rows, int64 n_embd", "raw U dst",
-            "long long t = i / n_embd; dst[rows[t] * n_embd + (i - t * n_embd)] = (U)src[i];",
-            "ggml_attn_kv_store_rows"))
-    return _SCATTER[0]
 
 
 # ------------------------------------------------------------------ KV in a graph
@@ -196,39 +154,19 @@ class KVTensors:
             raise ValueError(f"an all-custom (device) graph stores K/V with its own op, which writes "
                              f"f16/f32 caches only; this cache is K {self.types[0]} / V {self.types[1]}")
 
-    def _custom_store(self, ctx, srcs, name: str, out_alloc):
-        args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
-        st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, len(srcs), _STORE_CB, 1,
-                                 ctypes.c_void_p(1 if self.on_device else 0))
-        out_alloc(st, name)
-        return st
-
-    def _cpy(self, ctx, kind: str, il: int, cur, row_idx, all_custom: bool, out_alloc):
-        cache_t = self.tensors[(kind, il)]
-        if not all_custom:
-            return ggml.ggml_set_rows(ctx, cache_t, cur, row_idx)  # a view of the cache tensor
-        self._check_custom()
-        return self._custom_store(ctx, (cache_t, cur, row_idx), f"store_{kind}_l{il}", out_alloc)
-
     def cpy_kv(self, ctx, il: int, k_cur, v_cur, row_idx, *, all_custom: bool, out_alloc):
-        """``(node storing K, node storing V)`` of layer ``il`` (see :meth:`cpy_k`); on all-custom
-        graphs both are one node (one launch on the device)."""
-        if not all_custom:
-            return (self._cpy(ctx, "k", il, k_cur, row_idx, False, out_alloc),
-                    self._cpy(ctx, "v", il, v_cur, row_idx, False, out_alloc))
-        self._check_custom()
-        st = self._custom_store(ctx, (self.tensors[("k", il)], k_cur, self.tensors[("v", il)], v_cur, row_idx),
-                                f"store_kv_l{il}", out_alloc)
-        return st, st
-
-    def cpy_k(self, ctx, il: int, k_cur, row_idx, *, all_custom: bool, out_alloc):
-        """Node of graph context ``ctx`` storing ``k_cur [n_embd_k_gqa, n_tokens]`` F32 at rows
-        ``row_idx`` (I64): ``ggml_set_rows``, or with ``all_custom`` the custom store op, whose
+        """``(node storing K, node storing V)`` of layer ``il`` in graph context ``ctx`` (module
+        doc): two ``ggml_set_rows``, or with ``all_custom`` one custom store node for both, whose
         (dummy) result gets its memory from ``out_alloc(t, name)``."""
-        return self._cpy(ctx, "k", il, k_cur, row_idx, all_custom, out_alloc)
-
-    def cpy_v(self, ctx, il: int, v_cur, row_idx, *, all_custom: bool, out_alloc):
-        return self._cpy(ctx, "v", il, v_cur, row_idx, all_custom, out_alloc)
+        ck, cv = self.tensors[("k", il)], self.tensors[("v", il)]
+        if not all_custom:   # views of the cache tensors
+            return ggml.ggml_set_rows(ctx, ck, k_cur, row_idx), ggml.ggml_set_rows(ctx, cv, v_cur, row_idx)
+        self._check_custom()
+        args = (ctypes.POINTER(ggml.ggml_tensor) * 5)(ck, k_cur, cv, v_cur, row_idx)
+        st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, 5, _STORE_CB, 1,
+                                 ctypes.c_void_p(1 if self.on_device else 0))
+        out_alloc(st, f"store_kv_l{il}")
+        return st, st
 
     def _get(self, ctx, kind: str, il: int, s0: int, n_kv: int, n_stream: int, after):
         gtype, n_embd, d = self.geom[kind]

@@ -126,26 +126,21 @@ class LocalComm:
         self.group, self.rank, self.n_rank = group, rank, group.n_rank
         self.calls, self.seconds = 0, 0.0
 
-    def allreduce(self, arr):
+    def _timed(self, arr, fn, *args):
         t0 = time.perf_counter()
-        self.group.allreduce(self.rank, arr)
+        fn(self.rank, *args)
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return arr
+
+    def allreduce(self, arr):
+        return self._timed(arr, self.group.allreduce, arr)
 
     def send(self, arr, peer: int):
-        t0 = time.perf_counter()
-        self.group.send(self.rank, peer, arr)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        return arr
+        return self._timed(arr, self.group.send, peer, arr)
 
     def recv(self, arr, peer: int):
-        t0 = time.perf_counter()
-        self.group.recv(self.rank, peer, arr)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        return arr
+        return self._timed(arr, self.group.recv, peer, arr)
 
 
 def nccl_available() -> bool:

@@ -6,8 +6,9 @@ checked against the host graph by tests/test_graph_device.py: for up to
 (Q, K and V together), :func:`mul_mat_gated` (gate, up and SiLU) and :func:`mul_mat_add` (a
 projection added into the residual stream), reading the F16 weights once; for more tokens
 one F16 cast of the input and one cuBLAS GEMM per weight (f16 in, f32 accumulate and out;
-:func:`mul_mat_add` accumulates through the GEMM's beta); ``rms_norm`` is one launch
-(``dense_rms_norm``, ``cuda/dense.cu``).
+:func:`mul_mat_add` accumulates through the GEMM's beta). The group and gated ops take the
+block's RMS norm too (``norm_eps``): inside the GEMV on the first path, one ``dense_rms_norm``
+launch (``cuda/dense.cu``) before the cast on the second.
 
 Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
 ``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
@@ -18,13 +19,12 @@ Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0
   ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_out, n_tokens]``; ``h`` is rounded to F16 first
   and the products summed in F32, as ggml's CPU ``mul_mat`` with an F16 weight does (numpy:
   the F16 product widened to F32; CuPy: F32 out of the GEMM);
-* :func:`mul_mat_group`: several weights times the same ``h``: a list of F32
-  ``[n_out_i, n_tokens]`` tensors, views of one result node;
-* :func:`mul_mat_gated`: ``silu(wg·h) * (wu·h)``, F32 ``[n_ff, n_tokens]``;
+* :func:`mul_mat_group`: several weights times the same ``h`` (RMS-normalized first with
+  ``norm_eps``: ``h / sqrt(mean(h^2) + eps)`` per token): a list of F32 ``[n_out_i, n_tokens]``
+  tensors, views of one result node;
+* :func:`mul_mat_gated`: ``silu(wg·h) * (wu·h)`` (``norm_eps`` as above), F32 ``[n_ff, n_tokens]``;
 * :func:`mul_mat_add`: ``x += w·h`` in place (``x`` F32 ``[n_out, n_tokens]``); the node's
   result is ``x``'s memory;
-* :func:`rms_norm`: F32 ``[n, n_tokens]`` -> F32, ``x / sqrt(mean(x^2) + eps)`` per token;
-* :func:`silu_mul`: ``silu(g) * u``, F32 ``[n_ff, n_tokens]``;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
 
 Each function takes the graph builder ``b`` (``build.GraphBuilder``) and tensors made by it,
@@ -42,8 +42,7 @@ import numpy as np
 
 from ggml_attn import op as fa_op
 
-__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "silu_mul",
-           "add_into", "release"]
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "add_into", "gemv_launch", "release"]
 
 _calls: dict[int, object] = {}
 _keys = itertools.count(1)
@@ -139,17 +138,30 @@ def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
 
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None):
-    """On CuPy, for at most ``GEMV_MAX_TOKENS`` tokens: one ``dense_gemv`` launch (``mode`` 0:
-    ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) * (ws[1]·x)``;
-    with ``norm_eps``, of the RMS-normalized ``x``, each block computing the norm);
-    None when the arrays do not fit the kernel (numpy, more tokens, unaligned or strided)."""
+    """:func:`gemv_launch` for graph builder ``b`` (None on numpy); the arrays are kept with
+    the graph."""
+    if b.xp is np:
+        return None
+    run = gemv_launch(ws, x, outs, mode=mode, norm_eps=norm_eps, unroll=None)
+    if run is not None:
+        b.keep(*ws, x, *outs)
+    return run
+
+
+def gemv_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, unroll: int | None = None):
+    """One ``dense_gemv`` launch over CuPy arrays (numpy order), for at most
+    ``GEMV_MAX_TOKENS`` tokens: ``ws`` F16 ``(rows_i, n_in)``, ``x`` F32 ``(n_tokens, n_in)``;
+    ``mode`` 0: ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) *
+    (ws[1]·x)``; with ``norm_eps``, of the RMS-normalized ``x`` (each block computing the norm).
+    ``unroll``: the instance (default ``kernels.GEMV_UNROLL``). Returns a function of no
+    arguments launching on the current stream, or None when the arrays do not fit the kernel
+    (more tokens, unaligned or strided); the caller keeps the arrays alive."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    if b.xp is np or x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3 or \
+    if x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3 or \
             (norm_eps is not None and not norm_eps > 0.0):   # (the kernel reads eps <= 0 as "no norm")
         return None
     n_in = x.shape[1]
-    arrays = list(ws) + [x] + list(outs)
-    if n_in % 8 or not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in arrays) \
+    if n_in % 8 or not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (*ws, x, *outs)) \
             or any(w.shape[1] != n_in for w in ws):
         return None
     p = K.GemvParams()
@@ -159,24 +171,8 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
     p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0]))
-    b.keep(*arrays)
-    return _Launch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
-
-
-class _Launch:
-    """One dense.cu kernel with its parameter struct filled in at build time, launched on the
-    current stream (nothing allocated, nothing looked up per call)."""
-
-    def __init__(self, fn, grid, block, *params):
-        from ggml_attn import kernels as K  # noqa: PLC0415
-        self.fn, self.grid, self.block, self.params = fn, grid, block, params
-        self.args = K.arg_block(*params)
-
-    def __call__(self):
-        import cupy  # noqa: PLC0415
-        self.fn.launch_raw(self.grid, self.block, cupy.cuda.get_current_stream().ptr,
-                           ctypes.addressof(self.args))
+    fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0], unroll or K.GEMV_UNROLL))
+    return K.BoundLaunch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
 
 
 def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
@@ -278,12 +274,6 @@ def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
     _WORKSPACES[handle] = buf
 
 
-def rms_norm(b, x_t, eps: float, name: str):
-    """``x / sqrt(mean(x^2) + eps)`` per token: ``x_t`` F32 ``[n, n_tokens]`` -> F32."""
-    run, out = _rms_fn(b, b.array(x_t), eps, name)
-    return _custom(b, run, [x_t], out, name)
-
-
 def _rms_fn(b, x, eps: float, name: str):
     """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32) into
     ``out``, a new scratch array: numpy steps, or one ``dense_rms_norm`` launch (a block per token)."""
@@ -307,7 +297,7 @@ def _rms_fn(b, x, eps: float, name: str):
         raise ValueError(f"{name}: rms_norm needs contiguous rows")
     fn = K.get_function(K.dense_variant(), "dense_rms_norm")
     b.keep(x, out)
-    return _Launch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
+    return K.BoundLaunch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
                    ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps)), out
 
 
@@ -349,13 +339,6 @@ def _silu_mul_fn(xp, g, u, out):
                                             "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"))
     fused = _SILU[0]
     return lambda: fused(g, u, out)
-
-
-def silu_mul(b, g_t, u_t, name: str):
-    """``silu(g) * u``, F32 ``[n_ff, n_tokens]``."""
-    g, u = b.array(g_t), b.array(u_t)
-    out = b.scratch(g.shape, np.float32)
-    return _custom(b, _silu_mul_fn(b.xp, g, u, out), [g_t, u_t], out, name)
 
 
 def add_into(b, x_t, y_t, name: str):

@@ -1,14 +1,12 @@
 """Device time of the full block's weight reads at decode: one layer's projections for 1 token,
 llama-3-8B shapes (n_embd 4096, 1024 K/V, n_ff 14336; 436 MB of F16 weights per layer, well
-over the L2), as ``cuda/dense.cu`` runs them (three ``dense_gemv`` launches: Q/K/V, gate/up
+over the L2), as ``cuda/dense.cu`` runs them (four ``dense_gemv`` launches: Q/K/V, gate/up
 with SiLU, both with the RMS norm fused, and the O and down projections added into the
 residual; each unroll instance) against cuBLAS (torch
 ``F.linear`` in F16, one GEMM per weight). A row group of ``tools/gpu_bench.py`` (case
 ``dense:``); floor: the bytes over 4.2 TB/s.
 """
 from __future__ import annotations
-
-import ctypes
 
 N_EMBD, N_KV, N_FF = 4096, 1024, 14336
 
@@ -20,30 +18,12 @@ def _layer_weights(cp, rng_seed: int):
     return {k: (rs.standard_normal(s, dtype=cp.float32) * 0.02).astype(cp.float16) for k, s in shapes.items()}
 
 
-def _gemv(K, ws, x, outs, mode, unroll, norm_eps=0.0):
-    """A launch closure of dense_gemv (numpy-order arrays: ws (rows, n_in) F16, x (1, n_in) F32)."""
-    p = K.GemvParams()
-    for i, w in enumerate(ws):
-        p.seg[i].w, p.seg[i].rows = w.data.ptr, w.shape[0]
-        p.seg[i].out = outs[0 if mode == 2 else i].data.ptr
-    p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, x.shape[1], x.shape[1], len(ws), mode
-    p.norm_eps = norm_eps
-    rows = ws[0].shape[0] if mode == 2 else sum(w.shape[0] for w in ws)
-    fn = K.get_function(K.dense_variant(), K.gemv_name(1, unroll))
-    args = K.arg_block(p)
-    grid, block = (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1)
-
-    def launch():
-        fn.launch_raw(grid, block, 0, ctypes.addressof(args))
-    launch.keep = (p, args, ws, x, outs)
-    return launch
-
-
 def run(device_us, log=print) -> list[dict]:
     import cupy as cp
     import torch
     import torch.nn.functional as F
     from ggml_attn import kernels as K
+    from ggml_attn.graph.xp_ops import gemv_launch
 
     case = "dense: llama-3-8B layer projections, 1 token"
     layers = [_layer_weights(cp, s) for s in range(2)]     # two layers: 872 MB rotated
@@ -53,9 +33,12 @@ def run(device_us, log=print) -> list[dict]:
     qkv = [cp.empty((1, n), cp.float32) for n in (N_EMBD, N_KV, N_KV)]
     act, res = cp.empty((1, N_FF), cp.float32), cp.zeros((1, N_EMBD), cp.float32)
 
-    def ours(w, u):
-        steps = [_gemv(K, [w["wq"], w["wk"], w["wv"]], x, qkv, 0, u, 1e-5), _gemv(K, [w["wo"]], x, [res], 1, u),
-                 _gemv(K, [w["wg"], w["wu"]], x, [act], 2, u, 1e-5), _gemv(K, [w["wd"]], xf, [res], 1, u)]
+    def ours(w, u):   # (the arrays stay alive in `layers`, x, xf, qkv, act, res)
+        steps = [gemv_launch([w["wq"], w["wk"], w["wv"]], x, qkv, mode=0, norm_eps=1e-5, unroll=u),
+                 gemv_launch([w["wo"]], x, [res], mode=1, unroll=u),
+                 gemv_launch([w["wg"], w["wu"]], x, [act], mode=2, norm_eps=1e-5, unroll=u),
+                 gemv_launch([w["wd"]], xf, [res], mode=1, unroll=u)]
+        assert all(steps), "the llama-3-8B shapes fit dense_gemv"
 
         def layer():
             for s in steps:
