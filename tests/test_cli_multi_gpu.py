@@ -87,11 +87,18 @@ def test_rank_context_layers():
     assert multi_gpu.RankContext(0, 2, 0, mode="layer", shares=(3.0, 1.0)).layers(32) == range(0, 24)
 
 
-def test_layers_checked_before_any_process_starts(monkeypatch):
+@pytest.fixture
+def checked_run(monkeypatch):
+    """``wrap``'s bench entry on 4 visible GPUs with NCCL, failing the test if a rank process
+    would start or a rank would run: what it raises was decided before any of them."""
     monkeypatch.setattr(multi_gpu, "gpu_count", lambda: 4)
     monkeypatch.setattr(tp, "nccl_available", lambda: True)
     monkeypatch.setattr(tp, "nccl_unique_id", lambda: pytest.fail("no process may start"))
-    run = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
+    return multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
+
+
+def test_layers_checked_before_any_process_starts(checked_run):
+    run = checked_run
     with pytest.raises(UserError, match="-sm layer over 4 GPUs, tiny: layer split: 4 ranks but only 2 layer"):
         run(["-m", "tiny", "-sm", "layer", "--n-gpu", "4"])
     with pytest.raises(UserError, match="3 ranks but only 2 layer"):   # --n-layer counts
@@ -104,11 +111,8 @@ def test_layers_checked_before_any_process_starts(monkeypatch):
         run_b(["-m", "tiny", "-sm", "layer", "--n-gpu", "4"])
 
 
-def test_heads_checked_before_any_process_starts(monkeypatch):
-    monkeypatch.setattr(multi_gpu, "gpu_count", lambda: 4)
-    monkeypatch.setattr(tp, "nccl_available", lambda: True)
-    monkeypatch.setattr(tp, "nccl_unique_id", lambda: pytest.fail("no process may start"))
-    run = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
+def test_heads_checked_before_any_process_starts(checked_run):
+    run = checked_run
     with pytest.raises(UserError, match="n_head_kv 2 is not divisible by 4"):
         run(["-m", "tiny", "-sm", "row", "--n-gpu", "4"])
     with pytest.raises(UserError, match="tiny: head-parallel split: n_head_kv 2"):   # any model of the list
