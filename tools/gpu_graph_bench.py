@@ -68,6 +68,54 @@ def _graph(n_layer: int, n_kv: int):
     return ctx, gf, keep, direct
 
 
+_PART_NOTES = {
+    "nolaunch": "the same compute with every bound launch a no-op: ggml's loop + the callbacks",
+    "main-only": "the same compute launching the attention kernel only (no split combine): "
+                 "what a one-launch op would cost (its results are not used)",
+    "launch": "host time of one bound call's launch()s alone (attention + combine), per op",
+}
+
+
+def _host_parts(compute, stream, spin, n_layer: int) -> dict:
+    """Where a compute's host time goes (median of 7 each, us per op): callbacks without
+    launches, with the attention kernel only, and the bound launches alone."""
+    from ggml_attn import cuda_backend as cb
+    real = cb.BoundCall.launch
+
+    def main_only(self):
+        if self._ref is not None:
+            return real(self)
+        self._fn.launch_raw(self._grid, self._block, self.stream, self._args)
+    bound = []
+
+    def spy(self):
+        bound.append(self)
+        real(self)
+
+    def timed(fn, n):
+        ts = []
+        for _ in range(7):
+            spin((1,), (1,), (np.int64(20_000_000),))
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) / n * 1e6)
+            stream.synchronize()
+        return sorted(ts)[3]
+    out = {}
+    try:
+        for name, impl in (("nolaunch", lambda self: None), ("main-only", main_only)):
+            cb.BoundCall.launch = impl
+            out[name] = timed(compute, n_layer)
+        cb.BoundCall.launch = spy
+        compute()
+        stream.synchronize()
+    finally:
+        cb.BoundCall.launch = real
+    calls = bound[:n_layer]
+    out["launch"] = timed(lambda: [b.launch() for b in calls], len(calls))
+    return out
+
+
 def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print) -> list[dict]:
     """The rows; ``device_us(fns)`` is the benchmark's device timer (median, min, max in us)."""
     import cupy as cp
@@ -97,6 +145,7 @@ def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=prin
                 hosts.append((time.perf_counter() - t) / n_layer * 1e6)
                 stream.synchronize()
             host = sorted(hosts)[3]
+            parts = _host_parts(compute, stream, spin, n_layer)
             t = time.perf_counter()
             for _ in range(reps):
                 compute()
@@ -115,6 +164,8 @@ def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=prin
     rows = [dict(case=case, impl="ours-device", us=round(dev, 2), note="kernels' device time per op"),
             dict(case=case, impl="ours-graph-host", host_us=round(host, 2),
                  note="host time per op of one ggml compute queued behind a busy GPU (median of 7)"),
+            *[dict(case=case, impl=f"ours-graph-host-{k}", host_us=round(v, 2), note=_PART_NOTES[k])
+              for k, v in parts.items()],
             dict(case=case, impl="ours-graph-wall", host_us=round(wall, 2), ratio=round(wall / dev, 2),
                  target=1.2, note="wall per op of a compute + sync; ratio = wall / device"),
             dict(case=case + " (CUDA graph replay)", impl="ours-replay-wall", host_us=round(replay, 2),
