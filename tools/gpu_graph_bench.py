@@ -73,6 +73,9 @@ _PART_NOTES = {
     "main-only": "the same compute launching the attention kernel only (no split combine): "
                  "what a one-launch op would cost (its results are not used)",
     "launch": "host time of one bound call's launch()s alone (attention + combine), per op",
+    "launch-empty": "one cuLaunchKernel of an empty kernel (CuPy's driver binding), 256 in a row",
+    "launch-attn": "one launch of the attention kernel alone, 256 in a row",
+    "launch-combine": "one launch of the split combine alone, 256 in a row",
 }
 
 
@@ -113,6 +116,23 @@ def _host_parts(compute, stream, spin, n_layer: int) -> dict:
         cb.BoundCall.launch = real
     calls = bound[:n_layer]
     out["launch"] = timed(lambda: [b.launch() for b in calls], len(calls))
+    # one cuLaunchKernel (through CuPy's driver binding, as the bound calls launch) of an empty
+    # kernel, of the attention kernel and of the split combine, 256 in a row: the platform's cost
+    import cupy as cp
+    from cupy.cuda import driver
+    empty = cp.RawKernel('extern "C" __global__ void ggml_attn_empty() {}', "ggml_attn_empty")
+    empty((1,), (32,), ())
+    fn = empty.kernel.ptr
+    args = (ctypes.c_void_p * 1)()
+    b = calls[0]
+    reps = 256
+    out["launch-empty"] = timed(lambda: [driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream.ptr,
+                                                            ctypes.addressof(args), 0) for _ in range(reps)], reps)
+    out["launch-attn"] = timed(lambda: [b._fn.launch_raw(b._grid, b._block, b.stream, b._args)
+                                        for _ in range(reps)], reps)
+    if b._comb is not None:
+        out["launch-combine"] = timed(lambda: [b._comb.launch_raw(b._comb_grid, (128, 1, 1), b.stream, b._args)
+                                               for _ in range(reps)], reps)
     return out
 
 
