@@ -244,6 +244,21 @@ class BoundCall:
         if self._comb is not None:
             self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
 
+    def launcher(self):
+        """:meth:`launch` as the cheapest callable of no arguments: the driver's launch
+        function with every argument fixed (``functools.partial``, no Python frame), or a
+        closure over two of them (attention + split combine). Replayable calls only."""
+        assert self.replayable and self._ref is None, "only a replayable call has a fixed launch"
+        first = self._fn.partial(self._grid, self._block, self.stream, self._args)
+        if self._comb is None:
+            return first
+        second = self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args)
+
+        def both():
+            first()
+            second()
+        return both
+
 
 def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, sinks: TensorDesc | None,
          dst: TensorDesc, scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0, *,

@@ -15,6 +15,7 @@ and launch them with a packed parameter block. No tensor logic lives here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -458,6 +459,12 @@ class Kernel:
         caller keeps it and the objects it points at alive)."""
         self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                      self.smem, stream, args_addr, 0)
+
+    def partial(self, grid, block, stream: int, args_addr: int):
+        """:meth:`launch_raw` with every argument fixed, as a callable of none (a
+        ``functools.partial`` of the driver's launch: no Python frame per call)."""
+        return functools.partial(self._launch, self.func, grid[0], grid[1], grid[2], block[0], block[1],
+                                 block[2], self.smem, stream, args_addr, 0)
 
 
 class BoundLaunch:

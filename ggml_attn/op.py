@@ -25,9 +25,11 @@ compute returns.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import logging
+import operator
 import signal
 import threading
 import weakref
@@ -40,6 +42,11 @@ from . import cpu
 from .dtypes import GGML_TYPE_F32
 from .tensor import TensorDesc, as_numpy, from_ggml
 from .validate import check_flash_attn_args
+
+try:   # the C functions under the signal module: no enum conversions (~3 us a call less)
+    from _signal import getsignal as _getsignal, signal as _setsignal
+except ImportError:  # pragma: no cover - other Pythons
+    _getsignal, _setsignal = signal.getsignal, signal.signal
 
 log = logging.getLogger("ggml_attn")
 
@@ -71,7 +78,7 @@ class _Spec:
     pointers and the stream stay the same: the fast path of the callback."""
     params: _OpParams
     plan_ref: object = None      # weakref.ref to the build-time plan, or None
-    bound: object = None         # the node's last BoundCall (per-node specs only)
+    bound: object = None         # the fast path's record of the node's last bound call, see _bind_and_launch
 
 
 _specs: dict[int, _Spec] = {}
@@ -153,8 +160,8 @@ def _graph_nodes(graph) -> list[int]:
     n = ggml.ggml_graph_n_nodes(graph)
     if n <= 0:
         return []
-    arr = ctypes.cast(ggml.ggml_graph_nodes(graph), ctypes.c_void_p).value
-    return list((ctypes.c_void_p * n).from_address(arr))
+    arr = ctypes.c_void_p.from_buffer(ggml.ggml_graph_nodes(graph)).value   # the pointer's value
+    return memoryview(ctypes.string_at(arr, 8 * n)).cast("Q").tolist()
 
 
 def register_node(node: int, ith: int) -> int | None:
@@ -182,20 +189,35 @@ def record_error(node: int, exc: BaseException, what: str = "flash_attn_ext") ->
             _interrupted.add(owner if owner is not None else threading.get_ident())
 
 
-def run_custom_node(dst_p, ith: int, fn, what: str) -> None:
-    """The body the project's other custom-op callbacks share (KV store, dense ops): graph
-    thread 0 runs ``fn(dst_p)`` unless this compute was interrupted; an error is recorded for
-    the node as the attention op's are (raised by :func:`computing` / :func:`raise_pending`)."""
+def run_custom_node(node: int, ith: int, fn, what: str) -> None:
+    """The body the project's other custom-op callbacks share (KV store, dense ops), for the
+    node tensor at address ``node``: graph thread 0 runs ``fn()`` unless this compute was
+    interrupted; an error is recorded for the node as the attention op's are (raised by
+    :func:`computing` / :func:`raise_pending`)."""
     if ith != 0:
         return
-    node = ctypes.addressof(dst_p.contents)
     register_node(node, ith)
     if interrupted(node):
         return
     try:
-        fn(dst_p)
+        fn()
     except BaseException as e:  # noqa: BLE001  (ggml would swallow it)
         record_error(node, e, what=what)
+
+
+def c_callback(fn):
+    """``fn(node, ith, nth, userdata)`` as a ggml custom-op callback (``ggml_custom_op_t``)
+    whose node and userdata arguments arrive as plain ints (``c_void_p``; userdata None when
+    0): ctypes makes no pointer object per call. The callback object is kept for the life of
+    the process: ggml holds only its raw address, and a collected one would crash the next
+    compute of a graph that uses it."""
+    raw = _C_CALLBACK_T(fn)
+    _C_CALLBACKS.append(raw)
+    return ctypes.cast(raw, ggml.ggml_custom_op_t)
+
+
+_C_CALLBACK_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
+_C_CALLBACKS: list = []
 
 
 def interrupted(node: int) -> bool:
@@ -269,15 +291,15 @@ class computing:
         if threading.current_thread() is not threading.main_thread():
             return
         try:
-            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-                signal.signal(signal.SIGINT, self._on_sigint)
+            if _getsignal(signal.SIGINT) is signal.default_int_handler:
+                _setsignal(signal.SIGINT, self._on_sigint)
                 self._old_handler = signal.default_int_handler
         except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
             self._old_handler = None
 
     def _give_back_sigint(self) -> None:
         if self._old_handler is not None:
-            signal.signal(signal.SIGINT, self._old_handler)
+            _setsignal(signal.SIGINT, self._old_handler)
             self._old_handler = None
 
     def __enter__(self):
@@ -292,11 +314,12 @@ class computing:
                     else:
                         del _node_errors[n]
             raise KeyboardInterrupt
-        self.nodes = _graph_nodes(self.graph)
+        self.nodes = nodes = _graph_nodes(self.graph)
         with _errors_lock:
-            for n in self.nodes:
-                _node_errors.pop(n, None)
-                _node_owner[n] = me
+            if _node_errors:
+                for n in nodes:
+                    _node_errors.pop(n, None)
+            _node_owner.update(dict.fromkeys(nodes, me))
         self._sigint = False
         self._take_sigint()
         return self
@@ -311,7 +334,8 @@ class computing:
                         for n in self.nodes:
                             _node_errors.pop(n, None)
                     raise KeyboardInterrupt
-                raise_pending(self.graph)
+                if _node_errors:
+                    raise_pending(self.graph)
             else:  # an exception already propagates (e.g. Ctrl-C outside a callback): it wins
                 with _errors_lock:
                     for n in self.nodes:
@@ -320,9 +344,12 @@ class computing:
                         _interrupted.discard(threading.get_ident())
         finally:
             with _errors_lock:
-                for n in self.nodes:
-                    if n not in _node_errors:
-                        _node_owner.pop(n, None)
+                if _node_errors:
+                    for n in self.nodes:
+                        if n not in _node_errors:
+                            _node_owner.pop(n, None)
+                else:   # the common case, in one C-level loop
+                    collections.deque(map(_node_owner.pop, self.nodes, itertools.repeat(None)), maxlen=0)
         return False
 
 
@@ -473,7 +500,9 @@ def _is_device_pointer_safe(ptr: int) -> bool:
         return False
 
 
-_stream_ptr = None   # () -> CuPy's current stream (set when the first call is bound)
+_current_stream = None   # () -> CuPy's current stream (cupy.cuda.get_current_stream, set when
+#                          the first call is bound)
+_value = operator.attrgetter("value")
 _DATA_OFF = ggml.ggml_tensor.data.offset
 _SRC_OFF = ggml.ggml_tensor.src.offset
 
@@ -486,23 +515,32 @@ def _data_cells(node: int, n_src: int) -> list:
         [ctypes.c_void_p.from_address(node + _DATA_OFF)]
 
 
-def _callback(dst_p, ith, nth, userdata):
-    spec = _specs.get(userdata or 0)
-    bound = spec.bound if spec is not None else None
-    if bound is not None and not _interrupted:
-        # fast path: this node's bound call, while its data pointers, the stream and the
-        # settings are the ones it was bound with -> launch (no validation, no planning)
-        if ith != 0:
-            return
-        cells, ptrs, b, gen = bound
-        if (gen == _settings_gen[0] and [c.value for c in cells] == ptrs and _stream_ptr() == b.stream
-                and spec.plan_ref() is not None):   # the plan's buffers are what the call reads
-            try:
-                b.launch()
-            except BaseException as exc:  # noqa: BLE001 - recorded like any callback error
-                _failed(dst_p, ith, exc)
-            return
-    _callback_slow(dst_p, ith, nth, spec)
+def _tensor_p(addr: int):
+    return ctypes.cast(addr, _TENSOR_P)
+
+
+_TENSOR_P = ctypes.POINTER(ggml.ggml_tensor)
+
+
+def _callback(dst, ith, nth, userdata):
+    """The node's callback; ``dst`` is the node tensor's address (int), ``userdata`` its spec id."""
+    spec = _specs.get(userdata)
+    if spec is not None:
+        fast = spec.bound
+        if fast is not None and not _interrupted:
+            # fast path: this node's bound call, while its data pointers, the stream and the
+            # settings are the ones it was bound with -> launch (no validation, no planning)
+            if ith:
+                return
+            cells, ptrs, launch, stream, gen = fast
+            if (gen == _settings_gen[0] and stream == _current_stream().ptr and list(map(_value, cells)) == ptrs
+                    and spec.plan_ref() is not None):   # the plan's buffers are what the call reads
+                try:
+                    launch()
+                except BaseException as exc:  # noqa: BLE001 - recorded like any callback error
+                    _failed(_tensor_p(dst), ith, exc)
+                return
+    _callback_slow(_tensor_p(dst), ith, nth, spec)
 
 
 def _failed(dst_p, ith: int, exc: BaseException) -> None:
@@ -558,11 +596,11 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) ->
     """Device pointers: bind the call (``cuda_backend.bind``) and launch it. A node with its
     own spec keeps the bound call for the fast path. A plan given at build time that does not
     fit the call's mask is an error; without one the backend builds a tile map per call."""
-    global _stream_ptr
+    global _current_stream
     from . import cuda_backend  # noqa: PLC0415
-    if _stream_ptr is None:
+    if _current_stream is None:
         import cupy  # noqa: PLC0415
-        _stream_ptr = lambda: cupy.cuda.get_current_stream().ptr  # noqa: E731
+        _current_stream = cupy.cuda.get_current_stream
     p = spec.params
     if plan is not None and not plan.matches(mask, q.ne[1]):
         raise ValueError(f"the plan given to flash_attn_ext at graph-build time was made for another "
@@ -570,16 +608,22 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) ->
                          f"n_batch={plan.n_batch}; call: {mask.shape_str if mask else None} at "
                          f"{mask.ptr if mask else 0:#x}, n_batch={q.ne[1]})")
     b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
-                          kernel=_settings["kernel"], plan=plan, stream=_stream_ptr())
+                          kernel=_settings["kernel"], plan=plan, stream=_current_stream().ptr)
     if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
-        cells = _data_cells(node, 3 + p.has_mask + p.has_sinks)
-        spec.bound = (cells, [c.value for c in cells], b, _settings_gen[0]) if b.replayable else None
+        spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
+            if b.replayable else None
     b.launch()
 
 
-# One callback object for the whole process: it can never be garbage-collected while a graph
-# that uses it is alive (ggml keeps only the raw function pointer: dropping it segfaults).
-_CALLBACK = ggml.ggml_custom_op_t(_callback)
+def fast_record(node: int, n_src: int, launch, stream: int) -> tuple:
+    """What the callback's fast path checks and runs for op node ``node`` (address) with
+    ``n_src`` sources: live views of the data pointers, their values now, ``launch()`` (no
+    arguments), the stream it launches on and the settings generation."""
+    cells = _data_cells(node, n_src)
+    return (cells, list(map(_value, cells)), launch, stream, _settings_gen[0])
+
+
+_CALLBACK = c_callback(_callback)   # one for the whole process
 _N_TASKS_ANY = -1  # GGML_N_TASKS_MAX: as many threads as the graph has
 
 

@@ -44,12 +44,15 @@ def data_ptr(arr) -> int:
 
 
 # --------------------------------------------------------------- the custom store op
-def store_callback(dst_p, ith, nth, userdata):
-    """Custom op ``[cache_k, k_rows, cache_v, v_rows, idx] -> dummy``: ``cache_k[idx[i]] =
-    k_rows[i]`` and the same for V (graph thread 0). ``userdata`` 1: the tensors are CuPy device
-    memory; 0: host memory (numpy). Errors are recorded for this node like the attention op's
-    (``ggml_attn.op.record_error``)."""
-    fa_op.run_custom_node(dst_p, ith, lambda d: _store(d, userdata), "KV store op")
+def store_callback(node, ith, nth, userdata):
+    """Custom op ``[cache_k, k_rows, cache_v, v_rows, idx] -> dummy`` (node: the node tensor's
+    address): ``cache_k[idx[i]] = k_rows[i]`` and the same for V (graph thread 0). ``userdata``
+    1: the tensors are CuPy device memory; 0 (None): host memory (numpy). Errors are recorded
+    for this node like the attention op's (``ggml_attn.op.record_error``)."""
+    fa_op.run_custom_node(node, ith, lambda: _store(ctypes.cast(node, _TENSOR_P), userdata), "KV store op")
+
+
+_TENSOR_P = ctypes.POINTER(ggml.ggml_tensor)
 
 
 def _src_key(d) -> tuple:
@@ -114,7 +117,7 @@ def _bind_device_store(pairs, idx_t):
     return K.BoundLaunch(K.get_function(K.dense_variant(), "dense_kv_store"), (n_tok, 2, 1), (128, 1, 1), p)
 
 
-_STORE_CB = ggml.ggml_custom_op_t(store_callback)
+_STORE_CB = fa_op.c_callback(store_callback)
 
 
 # ------------------------------------------------------------------ KV in a graph

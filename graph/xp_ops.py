@@ -49,11 +49,15 @@ _keys = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _callback(dst_p, ith, nth, userdata):
-    fa_op.run_custom_node(dst_p, ith, lambda d: _calls[int(userdata or 0)](), "xp op")
+def _callback(node, ith, nth, userdata):
+    fa_op.run_custom_node(node, ith, _calls.get(userdata) or _gone, "xp op")
 
 
-_CB = ggml.ggml_custom_op_t(_callback)
+def _gone():
+    raise RuntimeError("this dense op's build-time state is gone (its graph was freed)")
+
+
+_CB = fa_op.c_callback(_callback)
 
 
 def release(keys) -> None:

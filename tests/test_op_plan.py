@@ -141,15 +141,12 @@ def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch
     gf = graph_of(ctx, out)
     launches = []
 
-    class Bound:
-        stream = 0
-
-        def launch(self):
-            launches.append(1)
+    class Stream:
+        ptr = 0
     spec = op._specs[max(op._specs)]
-    cells = op._data_cells(ctypes.addressof(out.contents), 3 + CASE.mask + CASE.sinks)
-    spec.bound = (cells, [c.value for c in cells], Bound(), op._settings_gen[0])
-    monkeypatch.setattr(op, "_stream_ptr", lambda: 0)
+    spec.bound = op.fast_record(ctypes.addressof(out.contents), 3 + CASE.mask + CASE.sinks,
+                                lambda: launches.append(1), 0)
+    monkeypatch.setattr(op, "_current_stream", Stream)
     ggml_attn.compute_graph(ctx, gf, 1)
     assert launches == [1], "a live plan: the bound call is relaunched"
     del plan

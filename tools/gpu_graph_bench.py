@@ -80,7 +80,7 @@ _PART_NOTES = {
 
 
 def _host_parts(compute, stream, spin, n_layer: int) -> dict:
-    """Where a compute's host time goes (median of 7 each, us per op): callbacks without
+    """Where a compute's host time goes (median of 15 each, us per op): callbacks without
     launches, with the attention kernel only, and the bound launches alone."""
     from ggml_attn import cuda_backend as cb
     real = cb.BoundCall.launch
@@ -97,13 +97,13 @@ def _host_parts(compute, stream, spin, n_layer: int) -> dict:
 
     def timed(fn, n):
         ts = []
-        for _ in range(7):
+        for _ in range(15):
             spin((1,), (1,), (np.int64(20_000_000),))
             t = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t) / n * 1e6)
             stream.synchronize()
-        return sorted(ts)[3]
+        return sorted(ts)[7]
     out = {}
     try:
         for name, impl in (("nolaunch", lambda self: None), ("main-only", main_only)):
@@ -158,13 +158,13 @@ def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=prin
             compute()
             stream.synchronize()
             hosts = []
-            for _ in range(7):   # host time of one compute while the GPU is busy (enqueue only,
+            for _ in range(15):   # host time of one compute while the GPU is busy (enqueue only,
                 spin((1,), (1,), (np.int64(20_000_000),))   # far from filling the launch queue)
                 t = time.perf_counter()
                 compute()
                 hosts.append((time.perf_counter() - t) / n_layer * 1e6)
                 stream.synchronize()
-            host = sorted(hosts)[3]
+            host = sorted(hosts)[7]
             parts = _host_parts(compute, stream, spin, n_layer)
             t = time.perf_counter()
             for _ in range(reps):
@@ -183,7 +183,7 @@ def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=prin
         ggml.ggml_free(ctx)
     rows = [dict(case=case, impl="ours-device", us=round(dev, 2), note="kernels' device time per op"),
             dict(case=case, impl="ours-graph-host", host_us=round(host, 2),
-                 note="host time per op of one ggml compute queued behind a busy GPU (median of 7)"),
+                 note="host time per op of one ggml compute queued behind a busy GPU (median of 15)"),
             *[dict(case=case, impl=f"ours-graph-host-{k}", host_us=round(v, 2), note=_PART_NOTES[k])
               for k, v in parts.items()],
             dict(case=case, impl="ours-graph-wall", host_us=round(wall, 2), ratio=round(wall / dev, 2),
