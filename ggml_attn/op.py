@@ -79,6 +79,7 @@ class _Spec:
     params: _OpParams
     plan_ref: object = None      # weakref.ref to the build-time plan, or None
     bound: object = None         # the fast path's record of the node's last bound call, see _bind_and_launch
+    call: object = None          # that call (cuda_backend.BoundCall), for inspection
 
 
 _specs: dict[int, _Spec] = {}
@@ -612,6 +613,7 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) ->
     if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
         spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
             if b.replayable else None
+        spec.call = b if b.replayable else None
     b.launch()
 
 
