@@ -204,13 +204,13 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
             shapes = []
             if n_prompt > 0:
                 progress(idx, f"prompt run {rep + 1}/{reps}")
-                st = runner.decode(runner.prompt_batch([n_prompt]))
+                st = runner.decode(runner.prompt_batch([n_prompt]), sync=False)   # the timer waits
                 n_ub += st.n_ubatches
                 shapes += st.shapes
             if n_gen > 0:
                 progress(idx, f"generation run {rep + 1}/{reps}")
                 for _ in range(n_gen):
-                    st = runner.decode(runner.step_batch([0]))
+                    st = runner.decode(runner.step_batch([0]), sync=False)
                     n_ub += st.n_ubatches
                     shapes += st.shapes
         samples.append(max(1, t.ns))

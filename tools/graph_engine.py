@@ -85,7 +85,10 @@ class GraphEngine:
         # non-default stream of its own (CUDA graphs are captured on it; the timer and
         # synchronize() use it)
         self._graphs: dict = {}
-        self.max_graphs = 4
+        # built graphs kept: a prompt phase of many ubatch shapes must not evict the decode
+        # steps' graphs (each rebuilt, computed and captured again); host graphs are cheap to
+        # build and hold their activations in host memory, so keep fewer
+        self.max_graphs = 16 if self.device else 4
         self.cuda_graph = bool(getattr(cfg, "cuda_graph", True))
         self.captures = self.replays = 0
         self.stream = None

@@ -297,10 +297,12 @@ class Runner:
                          f"(use -kvu or another --split)")
 
     # ------------------------------------------------------------ compute
-    def decode(self, batch) -> DecodeStats:
+    def decode(self, batch, *, sync: bool = True) -> DecodeStats:
         """Process ``batch`` like ``llama_decode`` in n_batch views (``graph.driver.decode``);
-        returns what it did. Returns after the device finished (synchronized). A failed ubatch
-        is rolled back and its cause raised (Ctrl-C as ``graph.driver.BatchInterrupted``)."""
+        returns what it did. A failed ubatch is rolled back and its cause raised (Ctrl-C as
+        ``graph.driver.BatchInterrupted``). ``sync``: return after the device finished; with
+        False the device may still be computing (the next step's host work overlaps it, as
+        llama.cpp's decode does; a timer or :meth:`synchronize` waits for it)."""
         g = _graph()
         stats = DecodeStats()
         acfg = self.attn_config()
@@ -315,9 +317,14 @@ class Runner:
                 stats.n_pad += plan.ubatch.n_pad
                 stats.n_kv_max = max(stats.n_kv_max, plan.n_kv)
                 stats.shapes.append(ubatch_shape(plan.ubatch))
-        self.engine.synchronize()
+        if sync:
+            self.engine.synchronize()
         check_interrupt()
         return stats
+
+    def synchronize(self) -> None:
+        """Wait until the device finished everything decoded so far."""
+        self.engine.synchronize()
 
     def clear(self) -> None:
         """Empty the KV cache (``llama_memory_clear``)."""
