@@ -41,6 +41,14 @@ class _NoStream:
         return False
 
 
+def _decode_step(plan) -> bool:
+    """True when every row of the ubatch is a sequence set of its own (one token per
+    sequence): a decode step, whose structure the next steps repeat -- captured at once.
+    Other new structures (prompt ubatches) are captured when seen a second time."""
+    ids = plan.ubatch.token_seq_ids
+    return len(set(ids)) == len(ids)
+
+
 class _Cached:
     """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
 
@@ -129,8 +137,9 @@ class GraphEngine:
         Built graphs are kept per structure (``build.graph_key``: tokens, streams, KV cells
         viewed) and reused by later ubatches of the same structure -- decode steps, until
         ``n_kv`` crosses its next multiple of 256 -- with only the mask and row indices
-        loaded. On the device, a structure seen twice is captured as a CUDA graph
-        (``graph.capture``) and replayed from then on (``cuda_graph``, on by default)."""
+        loaded. On the device, a structure seen twice -- a decode step's at once -- is
+        captured as a CUDA graph (``graph.capture``) and replayed from then on
+        (``cuda_graph``, on by default)."""
         with self.stream if self.device else _NoStream():   # building, loading, computing: one stream
             self._run_ubatch(plan)
 
@@ -169,7 +178,7 @@ class GraphEngine:
             if entry.replay is not None:
                 entry.replay.launch(self.stream)
                 self.replays += 1
-            elif self.device and self.cuda_graph and not fresh:
+            elif self.device and self.cuda_graph and (not fresh or _decode_step(plan)):
                 from ggml_attn.graph.capture import CaptureError, capture  # this step computes in the warm-up
                 try:
                     entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
