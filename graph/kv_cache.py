@@ -57,12 +57,17 @@ class KVCacheFullError(RuntimeError):
     """No room for a ubatch; the cache is left unchanged."""
 
 
-def coarse_pad(n: int) -> int:
+def coarse_pad(n: int, kv_size: int | None = None) -> int:
     """``n`` rounded up to a multiple of a quarter of its power of two, at least 256: 300 ->
     512, 1100 -> 1280, 7424 -> 8192, 8448 -> 10240 (at most 25% more cells, and a new value
-    only every 1/8 to 1/4 of the way to the next power of two)."""
+    only every 1/8 to 1/4 of the way to the next power of two). With ``kv_size``: a value
+    past three quarters of the cache becomes the whole cache (near the end the quarter steps
+    would be few, each a new graph structure: 7536 -> 9072 for a 9072-cell cache)."""
     q = max(KV_PAD, (1 << max(int(n).bit_length() - 1, 0)) // 4)
-    return pad_to(int(n), q)
+    p = pad_to(int(n), q)
+    if kv_size is not None and 4 * p >= 3 * int(kv_size):
+        return max(int(kv_size), int(n))
+    return p
 
 
 def pad_to(x: int, n: int) -> int:
@@ -127,8 +132,9 @@ class KVCache:
     dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
     type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V.
     xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
-    coarse_n_kv  True: ``n_kv`` rounded up further, to a quarter of its power of two
-                (:func:`coarse_pad`), so that decode steps keep one graph structure for longer
+    coarse_n_kv  True: ``n_kv`` rounded up further, to a quarter of its power of two, the
+                whole cache past three quarters of it (:func:`coarse_pad`), so that decode
+                steps keep one graph structure for longer
                 (graphs are reused and replayed per structure); for engines whose attention
                 skips masked KV tiles (the CUDA kernels), where the extra cells cost only their
                 mask bytes. False: llama.cpp's padding to 256.
@@ -582,7 +588,7 @@ class KVCache:
         """KV cells the ubatch attends over: max over its streams of the used range, padded to
         256 (:func:`coarse_pad` with ``coarse_n_kv``) and at most ``kv_size`` (llama.cpp
         ``get_n_kv``). Call after ``apply_ubatch``."""
-        pad = coarse_pad if self.coarse_n_kv else (lambda n: pad_to(n, KV_PAD))
+        pad = (lambda n: coarse_pad(n, self.kv_size)) if self.coarse_n_kv else (lambda n: pad_to(n, KV_PAD))
         return max(min(self.kv_size, max(KV_PAD, pad(self.used_max_p1(st)))) for st in slot.streams)
 
     # --------------------------------------------------------- seq operations

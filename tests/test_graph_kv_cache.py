@@ -200,6 +200,16 @@ def test_coarse_pad_values():
         assert n <= p <= max(256, n * 1.25 + 256) and p % 256 == 0
 
 
+def test_coarse_pad_takes_the_whole_cache_past_three_quarters():
+    from ggml_attn.graph.kv_cache import coarse_pad
+    assert [coarse_pad(n, 9072) for n in (300, 5000, 6000, 6804, 7536, 9000, 9072)] == \
+        [512, 5120, 6144, 9072, 9072, 9072, 9072]
+    for kv in (256, 1000, 4096, 9072, 40000):
+        for n in range(1, kv + 1, 41):
+            p = coarse_pad(n, kv)
+            assert n <= p and (p == max(kv, n) or (p == coarse_pad(n) and 4 * p < 3 * kv))
+
+
 @pytest.mark.parametrize("unified", [True, False])
 def test_coarse_n_kv_changes_n_kv_not_results(unified):
     """A cache with coarse_n_kv attends over more (masked) cells and computes the same outputs,
@@ -219,5 +229,5 @@ def test_coarse_n_kv_changes_n_kv_not_results(unified):
         n_kvs.append([p.n_kv for r in res for p in r.plans])
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
-    assert all(c >= f and c == coarse_pad(c) for f, c in zip(*n_kvs))
+    assert all(c >= f and c == coarse_pad(c, caches[1].kv_size) for f, c in zip(*n_kvs))
     assert len(set(n_kvs[1])) <= len(set(n_kvs[0]))
