@@ -57,6 +57,15 @@ class GraphBuildError(RuntimeError):
 
 _ptr = data_ptr
 _NP_DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}
+_DTYPE_STRS: dict = {}
+
+
+def _dtype_str(dtype) -> str:
+    """``np.dtype(dtype).str``, remembered per ``dtype`` object."""
+    s = _DTYPE_STRS.get(dtype)
+    if s is None:
+        s = _DTYPE_STRS[dtype] = np.dtype(dtype).str
+    return s
 
 
 def check_device_graph(graph) -> None:
@@ -94,9 +103,9 @@ def graph_key(plan: UBatchPlan) -> tuple:
 
 def _np_shape(t) -> tuple[int, ...]:
     """numpy shape of a tensor: its ``ne`` reversed, at least 2-D (``[n, n_tokens]`` ->
-    ``(n_tokens, n)``)."""
-    nd = max(int(ggml.ggml_n_dims(t)), 2)
-    return tuple(int(t.contents.ne[i]) for i in range(nd - 1, -1, -1))
+    ``(n_tokens, n)``); trailing size-1 dims of ``ne`` dropped, as ``ggml_n_dims`` counts them."""
+    ne = t.contents.ne[:]
+    return tuple(ne[::-1]) if ne[3] > 1 else (ne[2], ne[1], ne[0]) if ne[2] > 1 else (ne[1], ne[0])
 
 
 def _addr(t) -> int:
@@ -241,9 +250,12 @@ class GraphBuilder:
         self.kv = kv_tensors(cache)
 
     # -- memory
-    def attach(self, t, arr):
-        self.arrays[_addr(t)] = arr
-        t.contents.data = ctypes.c_void_p(_ptr(arr))
+    def attach(self, t, arr, ptr: int | None = None):
+        """Make ``arr`` (an ``xp`` array) the memory of tensor ``t``; ``ptr``: its data address
+        when the caller knows it (else read off the array)."""
+        c = t.contents
+        self.arrays[ctypes.addressof(c)] = arr
+        c.data = _ptr(arr) if ptr is None else ptr
         return t
 
     def begin_layer(self, il: int) -> None:
@@ -258,7 +270,7 @@ class GraphBuilder:
         memory stays at one layer's intermediates."""
         if not self.reuse:
             return self.xp.empty(shape, dtype=dtype)
-        key = (self._step, tuple(shape), np.dtype(dtype).str)
+        key = (self._step, tuple(shape), _dtype_str(dtype))
         self._step += 1
         arr = self._scratch.get(key)
         if arr is None:
@@ -281,8 +293,9 @@ class GraphBuilder:
         types), unless it has some (a view)."""
         if name:
             ggml.ggml_set_name(t, name.encode())
-        if not t.contents.data:
-            dtype = _NP_DTYPES.get(t.contents.type)
+        c = t.contents
+        if not c.data:
+            dtype = _NP_DTYPES.get(c.type)
             if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
                 self.attach(t, self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8))
             else:
@@ -296,10 +309,10 @@ class GraphBuilder:
     def array(self, t):
         """The ``xp`` array of a tensor with memory, or of a contiguous view at offset 0 of one
         (reshaped), numpy order (at least 2-D)."""
-        arr = self.arrays.get(_addr(t))
+        c = t.contents
+        arr = self.arrays.get(ctypes.addressof(c))
         if arr is not None:
             return arr.reshape(_np_shape(t))
-        c = t.contents
         if c.view_src and int(c.view_offs) == 0 and ggml.ggml_is_contiguous(t):
             return self.arrays[_addr(c.view_src)].reshape(_np_shape(t))
         raise GraphBuildError(f"tensor {ggml.ggml_get_name(t).decode()!r} has no array of its own")

@@ -63,18 +63,25 @@ def release(keys) -> None:
             _calls.pop(k, None)
 
 
-def _custom(b, fn, srcs, out_arr, name: str, *, alias=None):
+_SRC_ARRAYS = [ctypes.POINTER(ggml.ggml_tensor) * n for n in range(11)]   # by source count
+_F32 = ggml.GGML_TYPE_F32
+
+
+def _custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
     """A one-thread custom node with sources ``srcs`` (graph order), running ``fn()``; its result
-    is ``out_arr`` (F32), or the memory of tensor ``alias`` when given."""
+    is ``out_arr`` (F32, numpy order, at most 4-D), whose data address is ``ptr`` when the caller
+    knows it."""
     with _lock:
         key = next(_keys)
         _calls[key] = fn
     b.op_keys.append(key)
-    ne = list(reversed(out_arr.shape)) + [1] * (4 - out_arr.ndim)
-    args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
-    t = ggml.ggml_custom_4d(b.ctx, ggml.GGML_TYPE_F32, *ne, args, len(srcs), _CB, 1, ctypes.c_void_p(key))
+    shape = out_arr.shape
+    nd = len(shape)
+    ne = shape[::-1] + (1,) * (4 - nd)
+    t = ggml.ggml_custom_4d(b.ctx, _F32, ne[0], ne[1], ne[2], ne[3], _SRC_ARRAYS[len(srcs)](*srcs), len(srcs),
+                            _CB, 1, key)
     ggml.ggml_set_name(t, name.encode())
-    return b.attach(t, out_arr)
+    return b.attach(t, out_arr, ptr)
 
 
 def mul_mat(b, w: np.ndarray, h, name: str):
