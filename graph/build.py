@@ -68,13 +68,21 @@ def _dtype_str(dtype) -> str:
     return s
 
 
+_OP_OFFSET = ggml.ggml_tensor.op.offset   # byte offset of ``op`` (an enum, C int) in a ggml_tensor
+
+
 def check_device_graph(graph) -> None:
     """Raise :class:`GraphBuildError` if a node of ``graph`` is a built-in compute op: on a
     device-resident graph ggml's CPU backend would read device memory."""
+    n = ggml.ggml_graph_n_nodes(graph)
+    if not n:
+        return
+    addrs = ctypes.cast(ggml.ggml_graph_nodes(graph), ctypes.POINTER(ctypes.c_void_p * n)).contents[:]
+    read_op = ctypes.c_int.from_address
     bad = []
-    for i in range(ggml.ggml_graph_n_nodes(graph)):
-        node = ggml.ggml_graph_node(graph, i)
-        if node.contents.op not in _DEVICE_OK_OPS:
+    for a in addrs:
+        if read_op(a + _OP_OFFSET).value not in _DEVICE_OK_OPS:
+            node = ctypes.cast(a, ctypes.POINTER(ggml.ggml_tensor))
             bad.append(f"{node.contents.name.decode(errors='replace') or '?'} "
                        f"({ggml.ggml_op_name(node.contents.op).decode()})")
     if bad:
@@ -247,6 +255,7 @@ class GraphBuilder:
         self.kept: list = []
         self.q_in, self.k_in, self.v_in = [], [], []
         self._weights: dict = {}
+        self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
         self.kv = kv_tensors(cache)
 
     # -- memory
@@ -257,6 +266,14 @@ class GraphBuilder:
         self.arrays[ctypes.addressof(c)] = arr
         c.data = _ptr(arr) if ptr is None else ptr
         return t
+
+    def ptr(self, arr) -> int:
+        """Data address of ``arr``, remembered (with the array) for arrays asked again: the
+        scratch arrays every layer reuses."""
+        e = self._ptrs.get(id(arr))
+        if e is None:
+            e = self._ptrs[id(arr)] = (arr, _ptr(arr))
+        return e[1]
 
     def begin_layer(self, il: int) -> None:
         """Layer ``il`` starts: its results may reuse the previous layer's (``reuse``)."""
@@ -297,9 +314,10 @@ class GraphBuilder:
         if not c.data:
             dtype = _NP_DTYPES.get(c.type)
             if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
-                self.attach(t, self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8))
+                arr = self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8)
             else:
-                self.attach(t, self.scratch(_np_shape(t), dtype))
+                arr = self.scratch(_np_shape(t), dtype)
+            self.attach(t, arr, self.ptr(arr))
         return t
 
     def call(self, fn, *args):

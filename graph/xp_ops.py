@@ -106,12 +106,13 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -
     if run is None:
         norm, xn = _normed(b, x, norm_eps, name)
         run = _then(norm, _matmuls(b, ws, xn, outs))
-    node = _custom(b, run, [h], flat.reshape(1, -1), name)
+    base = b.ptr(flat)
+    node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
     views, off = [], 0
     for w, o in zip(ws, outs):
         v = ggml.ggml_view_2d(b.ctx, node, int(w.shape[0]), n_tok, int(w.shape[0]) * 4, off * 4)
         ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
-        views.append(b.attach(v, o))
+        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
         off += o.size
     return views
 
@@ -133,7 +134,7 @@ def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str, *, norm_eps: 
         def run():
             both()
             act()
-    return _custom(b, run, [h], out, name)
+    return _custom(b, run, [h], out, name, ptr=b.ptr(out))
 
 
 def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
@@ -141,7 +142,7 @@ def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
     ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
     x_in, x = b.array(h), b.array(x_t)
     run = _gemv(b, [w], x_in, [x], mode=1) or _matmuls(b, [w], x_in, [x], accumulate=True)
-    return _custom(b, run, [h, x_t], x, name)
+    return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
 
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None):
@@ -355,4 +356,4 @@ def add_into(b, x_t, y_t, name: str):
 
     def run():
         xp.add(x, y, out=x)
-    return _custom(b, run, [x_t, y_t], x, name)
+    return _custom(b, run, [x_t, y_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
