@@ -256,6 +256,7 @@ class GraphBuilder:
         self.q_in, self.k_in, self.v_in = [], [], []
         self._weights: dict = {}
         self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
+        self._inputs: list = []   # [q, k, v] zeroed arrays of the layers still to come (qkv_inputs)
         self.kv = kv_tensors(cache)
 
     # -- memory
@@ -298,12 +299,28 @@ class GraphBuilder:
         """Keep arrays alive as long as the graph (scratch of custom ops)."""
         self.kept.extend(arrs)
 
-    def new(self, type_, shape_np, dtype, name):
-        """A zeroed input tensor of numpy shape ``shape_np``."""
+    def new(self, type_, shape_np, dtype, name, arr=None):
+        """A zeroed input tensor of numpy shape ``shape_np``; ``arr``: the zeroed ``xp`` array of
+        that shape and dtype to use (else a new one)."""
         ne = list(reversed(shape_np)) + [1] * (4 - len(shape_np))
         t = ggml.ggml_new_tensor(self.ctx, type_, len(shape_np), (ctypes.c_int64 * 4)(*ne))
         ggml.ggml_set_name(t, name.encode())
-        return self.attach(t, self.xp.zeros(shape_np, dtype=dtype))
+        return self.attach(t, self.xp.zeros(shape_np, dtype=dtype) if arr is None else arr)
+
+    def _zeroed_f32(self, shapes: list, n_sets: int) -> list:
+        """``n_sets`` sets of zeroed F32 ``xp`` arrays of numpy ``shapes``, all views of one
+        allocation (each starting 256-byte aligned): the per-layer inputs in one ``zeros``."""
+        sizes = [int(np.prod(sh)) for sh in shapes]
+        spans = [-(-n // 64) * 64 for n in sizes]   # floats, rounded up to 256 bytes
+        block = self.xp.zeros(n_sets * sum(spans), dtype=np.float32)
+        out, off = [], 0
+        for _ in range(n_sets):
+            arrs = []
+            for sh, n, span in zip(shapes, sizes, spans):
+                arrs.append(block[off:off + n].reshape(sh))
+                off += span
+            out.append(arrs)
+        return out
 
     def result(self, t, name: str | None = None):
         """Give an op's result tensor its memory (an F32/F16 array of its shape, bytes for other
@@ -345,9 +362,15 @@ class GraphBuilder:
         if self.shared_inputs and self.q_in:
             return self.q_in[0], self.k_in[0], self.v_in[0]
         cfg, n_tok = self.cfg, self.plan.ubatch.n_tokens
-        q = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head, cfg.head_dim), np.float32, f"q_l{il}")
-        k = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.head_dim), np.float32, f"k_l{il}")
-        v = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.d_v), np.float32, f"v_l{il}")
+        shapes = [(n_tok, cfg.n_head, cfg.head_dim), (n_tok, cfg.n_head_kv * cfg.head_dim),
+                  (n_tok, cfg.n_head_kv * cfg.d_v)]
+        if not self._inputs:   # every layer's Q/K/V at once: one allocation
+            n_sets = 1 if self.shared_inputs else len(self.layers or range(cfg.n_layer))
+            self._inputs = self._zeroed_f32(shapes, n_sets)[::-1]
+        qa, ka, va = self._inputs.pop() if self._inputs else (None, None, None)
+        q = self.new(GGML_TYPE_F32, shapes[0], np.float32, f"q_l{il}", qa)
+        k = self.new(GGML_TYPE_F32, shapes[1], np.float32, f"k_l{il}", ka)
+        v = self.new(GGML_TYPE_F32, shapes[2], np.float32, f"v_l{il}", va)
         self.q_in.append(q), self.k_in.append(k), self.v_in.append(v)
         return q, k, v
 
