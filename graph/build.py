@@ -288,7 +288,8 @@ class GraphBuilder:
         memory stays at one layer's intermediates."""
         if not self.reuse:
             return self.xp.empty(shape, dtype=dtype)
-        key = (self._step, tuple(shape), _dtype_str(dtype))
+        key = (self._step, shape if type(shape) is tuple else tuple(shape),
+               _DTYPE_STRS.get(dtype) or _dtype_str(dtype))
         self._step += 1
         arr = self._scratch.get(key)
         if arr is None:
