@@ -69,9 +69,10 @@ def dump_graph(gf) -> list[dict]:
                "mem": None if not d else ptrs.setdefault(int(d), len(ptrs))}
         params = list(c.op_params)
         if c.op == ggml.GGML_OP_CUSTOM:
-            raw = bytes(bytearray(ctypes.string_at(ctypes.addressof(c.op_params), 24)))
-            fun, n_tasks, userdata = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:12], "little", signed=True), \
-                int.from_bytes(raw[16:24], "little")
+            # ggml's ggml_custom_op_params: fun (8 bytes), n_tasks (int), userdata (8 bytes, aligned)
+            raw = ctypes.string_at(ctypes.addressof(c.op_params), 24)
+            fun, userdata = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[16:24], "little")
+            n_tasks = int.from_bytes(raw[8:12], "little", signed=True)
             kind = cbs.get(fun, "?")
             row["custom"] = {"fun": kind, "n_tasks": n_tasks, "userdata": userdata if kind == "kv_store" else None}
         else:
