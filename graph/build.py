@@ -57,15 +57,32 @@ class GraphBuildError(RuntimeError):
 
 _ptr = data_ptr
 _NP_DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16}
+_DTYPE_STRS: dict = {}
+
+
+def _dtype_str(dtype) -> str:
+    """``np.dtype(dtype).str``, remembered per ``dtype`` object."""
+    s = _DTYPE_STRS.get(dtype)
+    if s is None:
+        s = _DTYPE_STRS[dtype] = np.dtype(dtype).str
+    return s
+
+
+_OP_OFFSET = ggml.ggml_tensor.op.offset   # byte offset of ``op`` (an enum, C int) in a ggml_tensor
 
 
 def check_device_graph(graph) -> None:
     """Raise :class:`GraphBuildError` if a node of ``graph`` is a built-in compute op: on a
     device-resident graph ggml's CPU backend would read device memory."""
+    n = ggml.ggml_graph_n_nodes(graph)
+    if not n:
+        return
+    addrs = ctypes.cast(ggml.ggml_graph_nodes(graph), ctypes.POINTER(ctypes.c_void_p * n)).contents[:]
+    read_op = ctypes.c_int.from_address
     bad = []
-    for i in range(ggml.ggml_graph_n_nodes(graph)):
-        node = ggml.ggml_graph_node(graph, i)
-        if node.contents.op not in _DEVICE_OK_OPS:
+    for a in addrs:
+        if read_op(a + _OP_OFFSET).value not in _DEVICE_OK_OPS:
+            node = ctypes.cast(a, ctypes.POINTER(ggml.ggml_tensor))
             bad.append(f"{node.contents.name.decode(errors='replace') or '?'} "
                        f"({ggml.ggml_op_name(node.contents.op).decode()})")
     if bad:
@@ -94,9 +111,9 @@ def graph_key(plan: UBatchPlan) -> tuple:
 
 def _np_shape(t) -> tuple[int, ...]:
     """numpy shape of a tensor: its ``ne`` reversed, at least 2-D (``[n, n_tokens]`` ->
-    ``(n_tokens, n)``)."""
-    nd = max(int(ggml.ggml_n_dims(t)), 2)
-    return tuple(int(t.contents.ne[i]) for i in range(nd - 1, -1, -1))
+    ``(n_tokens, n)``); trailing size-1 dims of ``ne`` dropped, as ``ggml_n_dims`` counts them."""
+    ne = t.contents.ne[:]
+    return tuple(ne[::-1]) if ne[3] > 1 else (ne[2], ne[1], ne[0]) if ne[2] > 1 else (ne[1], ne[0])
 
 
 def _addr(t) -> int:
@@ -257,13 +274,26 @@ class GraphBuilder:
         self.kept: list = []
         self.q_in, self.k_in, self.v_in = [], [], []
         self._weights: dict = {}
+        self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
+        self._inputs: list = []   # [q, k, v] zeroed arrays of the layers still to come (qkv_inputs)
         self.kv = kv_tensors(cache)
 
     # -- memory
-    def attach(self, t, arr):
-        self.arrays[_addr(t)] = arr
-        t.contents.data = ctypes.c_void_p(_ptr(arr))
+    def attach(self, t, arr, ptr: int | None = None):
+        """Make ``arr`` (an ``xp`` array) the memory of tensor ``t``; ``ptr``: its data address
+        when the caller knows it (else read off the array)."""
+        c = t.contents
+        self.arrays[ctypes.addressof(c)] = arr
+        c.data = _ptr(arr) if ptr is None else ptr
         return t
+
+    def ptr(self, arr) -> int:
+        """Data address of ``arr``, remembered (with the array) for arrays asked again: the
+        scratch arrays every layer reuses."""
+        e = self._ptrs.get(id(arr))
+        if e is None:
+            e = self._ptrs[id(arr)] = (arr, _ptr(arr))
+        return e[1]
 
     def begin_layer(self, il: int) -> None:
         """Layer ``il`` starts: its results may reuse the previous layer's (``reuse``)."""
@@ -277,7 +307,8 @@ class GraphBuilder:
         memory stays at one layer's intermediates."""
         if not self.reuse:
             return self.xp.empty(shape, dtype=dtype)
-        key = (self._step, tuple(shape), np.dtype(dtype).str)
+        key = (self._step, shape if type(shape) is tuple else tuple(shape),
+               _DTYPE_STRS.get(dtype) or _dtype_str(dtype))
         self._step += 1
         arr = self._scratch.get(key)
         if arr is None:
@@ -288,24 +319,42 @@ class GraphBuilder:
         """Keep arrays alive as long as the graph (scratch of custom ops)."""
         self.kept.extend(arrs)
 
-    def new(self, type_, shape_np, dtype, name):
-        """A zeroed input tensor of numpy shape ``shape_np``."""
+    def new(self, type_, shape_np, dtype, name, arr=None):
+        """A zeroed input tensor of numpy shape ``shape_np``; ``arr``: the zeroed ``xp`` array of
+        that shape and dtype to use (else a new one)."""
         ne = list(reversed(shape_np)) + [1] * (4 - len(shape_np))
         t = ggml.ggml_new_tensor(self.ctx, type_, len(shape_np), (ctypes.c_int64 * 4)(*ne))
         ggml.ggml_set_name(t, name.encode())
-        return self.attach(t, self.xp.zeros(shape_np, dtype=dtype))
+        return self.attach(t, self.xp.zeros(shape_np, dtype=dtype) if arr is None else arr)
+
+    def _zeroed_f32(self, shapes: list, n_sets: int) -> list:
+        """``n_sets`` sets of zeroed F32 ``xp`` arrays of numpy ``shapes``, all views of one
+        allocation (each starting 256-byte aligned): the per-layer inputs in one ``zeros``."""
+        sizes = [int(np.prod(sh)) for sh in shapes]
+        spans = [-(-n // 64) * 64 for n in sizes]   # floats, rounded up to 256 bytes
+        block = self.xp.zeros(n_sets * sum(spans), dtype=np.float32)
+        out, off = [], 0
+        for _ in range(n_sets):
+            arrs = []
+            for sh, n, span in zip(shapes, sizes, spans):
+                arrs.append(block[off:off + n].reshape(sh))
+                off += span
+            out.append(arrs)
+        return out
 
     def result(self, t, name: str | None = None):
         """Give an op's result tensor its memory (an F32/F16 array of its shape, bytes for other
         types), unless it has some (a view)."""
         if name:
             ggml.ggml_set_name(t, name.encode())
-        if not t.contents.data:
-            dtype = _NP_DTYPES.get(t.contents.type)
+        c = t.contents
+        if not c.data:
+            dtype = _NP_DTYPES.get(c.type)
             if dtype is None:  # bf16 / block types: bytes (host graphs only read them through ggml)
-                self.attach(t, self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8))
+                arr = self.scratch((int(ggml.ggml_nbytes(t)),), np.uint8)
             else:
-                self.attach(t, self.scratch(_np_shape(t), dtype))
+                arr = self.scratch(_np_shape(t), dtype)
+            self.attach(t, arr, self.ptr(arr))
         return t
 
     def call(self, fn, *args):
@@ -315,10 +364,10 @@ class GraphBuilder:
     def array(self, t):
         """The ``xp`` array of a tensor with memory, or of a contiguous view at offset 0 of one
         (reshaped), numpy order (at least 2-D)."""
-        arr = self.arrays.get(_addr(t))
+        c = t.contents
+        arr = self.arrays.get(ctypes.addressof(c))
         if arr is not None:
             return arr.reshape(_np_shape(t))
-        c = t.contents
         if c.view_src and int(c.view_offs) == 0 and ggml.ggml_is_contiguous(t):
             return self.arrays[_addr(c.view_src)].reshape(_np_shape(t))
         raise GraphBuildError(f"tensor {ggml.ggml_get_name(t).decode()!r} has no array of its own")
@@ -333,9 +382,15 @@ class GraphBuilder:
         if self.shared_inputs and self.q_in:
             return self.q_in[0], self.k_in[0], self.v_in[0]
         cfg, n_tok = self.cfg, self.plan.ubatch.n_tokens
-        q = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head, cfg.head_dim), np.float32, f"q_l{il}")
-        k = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.head_dim), np.float32, f"k_l{il}")
-        v = self.new(GGML_TYPE_F32, (n_tok, cfg.n_head_kv * cfg.d_v), np.float32, f"v_l{il}")
+        shapes = [(n_tok, cfg.n_head, cfg.head_dim), (n_tok, cfg.n_head_kv * cfg.head_dim),
+                  (n_tok, cfg.n_head_kv * cfg.d_v)]
+        if not self._inputs:   # every layer's Q/K/V at once: one allocation
+            n_sets = 1 if self.shared_inputs else len(self.layers or range(cfg.n_layer))
+            self._inputs = self._zeroed_f32(shapes, n_sets)[::-1]
+        qa, ka, va = self._inputs.pop() if self._inputs else (None, None, None)
+        q = self.new(GGML_TYPE_F32, shapes[0], np.float32, f"q_l{il}", qa)
+        k = self.new(GGML_TYPE_F32, shapes[1], np.float32, f"k_l{il}", ka)
+        v = self.new(GGML_TYPE_F32, shapes[2], np.float32, f"v_l{il}", va)
         self.q_in.append(q), self.k_in.append(k), self.v_in.append(v)
         return q, k, v
 

@@ -118,6 +118,7 @@ def _bind_device_store(pairs, idx_t):
 
 
 _STORE_CB = fa_op.c_callback(store_callback)
+_FIVE_SRCS = ctypes.POINTER(ggml.ggml_tensor) * 5
 
 
 # ------------------------------------------------------------------ KV in a graph
@@ -135,6 +136,9 @@ class KVTensors:
         self.kv_size, self.n_head_kv = cache.kv_size, cache.n_head_kv
         self.geom = {"k": (ggml_type_of(cache.type_k), cache.n_embd_k_gqa, cache.head_dim_k),
                      "v": (ggml_type_of(cache.type_v), cache.n_embd_v_gqa, cache.head_dim_v)}
+        # per kind: bytes of one cell's row (all heads) and of one head's row
+        self.row_bytes = {kind: (int(ggml.ggml_row_size(gtype, n_embd)), int(ggml.ggml_row_size(gtype, d)))
+                          for kind, (gtype, n_embd, d) in self.geom.items()}
         n = 2 * cache.n_layer
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=n * ggml.ggml_tensor_overhead() + 1024,
                                                         mem_buffer=None, no_alloc=True))
@@ -165,20 +169,19 @@ class KVTensors:
         if not all_custom:   # views of the cache tensors
             return ggml.ggml_set_rows(ctx, ck, k_cur, row_idx), ggml.ggml_set_rows(ctx, cv, v_cur, row_idx)
         self._check_custom()
-        args = (ctypes.POINTER(ggml.ggml_tensor) * 5)(ck, k_cur, cv, v_cur, row_idx)
+        args = _FIVE_SRCS(ck, k_cur, cv, v_cur, row_idx)
         st = ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, 1, 1, 1, 1, args, 5, _STORE_CB, 1,
-                                 ctypes.c_void_p(1 if self.on_device else 0))
+                                 1 if self.on_device else None)   # userdata: the device flag (NULL: host)
         out_alloc(st, f"store_kv_l{il}")
         return st, st
 
     def _get(self, ctx, kind: str, il: int, s0: int, n_kv: int, n_stream: int, after):
-        gtype, n_embd, d = self.geom[kind]
+        d = self.geom[kind][2]
         # a view of the set_rows node orders attention after the store; the custom store node
         # is not a view, so that order is the graph's node order (the store is expanded first)
         src = after if after is not None and after.contents.op == ggml.GGML_OP_SET_ROWS \
             else self.tensors[(kind, il)]
-        row = int(ggml.ggml_row_size(gtype, n_embd))
-        head = int(ggml.ggml_row_size(gtype, d))
+        row, head = self.row_bytes[kind]
         return ggml.ggml_view_4d(ctx, src, d, n_kv, self.n_head_kv, n_stream,
                                  row, head, row * self.kv_size, row * self.kv_size * s0)
 

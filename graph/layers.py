@@ -84,7 +84,8 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
     st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
     b.expand(st_k)
-    b.expand(st_v)
+    if st_v is not st_k:   # (all-custom: one store node for both; expanding it again adds nothing)
+        b.expand(st_v)
     qc = q_cur.contents
     q4 = ggml.ggml_view_4d(b.ctx, q_cur, cfg.head_dim, cfg.n_head, n_tps, ns,
                            qc.nb[1], qc.nb[2], qc.nb[2] * n_tps, 0)

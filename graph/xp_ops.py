@@ -67,18 +67,25 @@ def release(keys) -> None:
             _calls.pop(k, None)
 
 
-def _custom(b, fn, srcs, out_arr, name: str, *, alias=None):
+_SRC_ARRAYS = [ctypes.POINTER(ggml.ggml_tensor) * n for n in range(11)]   # by source count
+_F32 = ggml.GGML_TYPE_F32
+
+
+def _custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
     """A one-thread custom node with sources ``srcs`` (graph order), running ``fn()``; its result
-    is ``out_arr`` (F32), or the memory of tensor ``alias`` when given."""
+    is ``out_arr`` (F32, numpy order, at most 4-D), whose data address is ``ptr`` when the caller
+    knows it."""
     with _lock:
         key = next(_keys)
         _calls[key] = fn
     b.op_keys.append(key)
-    ne = list(reversed(out_arr.shape)) + [1] * (4 - out_arr.ndim)
-    args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
-    t = ggml.ggml_custom_4d(b.ctx, ggml.GGML_TYPE_F32, *ne, args, len(srcs), _CB, 1, ctypes.c_void_p(key))
+    shape = out_arr.shape
+    nd = len(shape)
+    ne = shape[::-1] + (1,) * (4 - nd)
+    t = ggml.ggml_custom_4d(b.ctx, _F32, ne[0], ne[1], ne[2], ne[3], _SRC_ARRAYS[len(srcs)](*srcs), len(srcs),
+                            _CB, 1, key)
     ggml.ggml_set_name(t, name.encode())
-    return b.attach(t, out_arr)
+    return b.attach(t, out_arr, ptr)
 
 
 def mul_mat(b, w: np.ndarray, h, name: str):
@@ -103,12 +110,13 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -
     if run is None:
         norm, xn = _normed(b, x, norm_eps, name)
         run = _then(norm, _matmuls(b, ws, xn, outs))
-    node = _custom(b, run, [h], flat.reshape(1, -1), name)
+    base = b.ptr(flat)
+    node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
     views, off = [], 0
     for w, o in zip(ws, outs):
         v = ggml.ggml_view_2d(b.ctx, node, int(w.shape[0]), n_tok, int(w.shape[0]) * 4, off * 4)
         ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
-        views.append(b.attach(v, o))
+        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
         off += o.size
     return views
 
@@ -130,7 +138,7 @@ def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str, *, norm_eps: 
         def run():
             both()
             act()
-    return _custom(b, run, [h], out, name)
+    return _custom(b, run, [h], out, name, ptr=b.ptr(out))
 
 
 def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
@@ -138,7 +146,7 @@ def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
     ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
     x_in, x = b.array(h), b.array(x_t)
     run = _gemv(b, [w], x_in, [x], mode=1) or _matmuls(b, [w], x_in, [x], accumulate=True)
-    return _custom(b, run, [h, x_t], x, name)
+    return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
 
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None):
@@ -352,4 +360,4 @@ def add_into(b, x_t, y_t, name: str):
 
     def run():
         xp.add(x, y, out=x)
-    return _custom(b, run, [x_t, y_t], x, name)
+    return _custom(b, run, [x_t, y_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's

@@ -1,0 +1,28 @@
+"""The ubatch graph builder (``graph/build.py``) makes the same graphs as the reference dump
+``tests/data/graph_structure.json``, written by ``tests/graph_dump.py`` from the builder before
+its host-speed changes: same nodes in the same order (op, type, shapes, strides, views, names,
+sources, op parameters, callbacks, memory aliasing) and the same results."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from graph_dump import CASES, dump_case
+
+_REF = os.path.join(os.path.dirname(__file__), "data", "graph_structure.json")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with open(_REF) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_graph_structure_matches_reference(reference, name):
+    got, ref = dump_case(name), reference[name]
+    assert len(got["nodes"]) == len(ref["nodes"])
+    for i, (a, b) in enumerate(zip(got["nodes"], ref["nodes"])):
+        assert a == b, f"{name}: tensor {i} differs:\n got {a}\n ref {b}"
+    np.testing.assert_allclose(got["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
