@@ -266,6 +266,10 @@ class KVCache:
     def _seq_pos(self, seq_id: int, largest: bool) -> int:
         """seq_pos_max (``largest``) or seq_pos_min: one masked reduction over the stream,
         remembered until the cache changes."""
+        if type(seq_id) is int:   # a remembered answer: its id was checked when it was computed
+            got = self._memo.get(("seq_pos", seq_id, largest))
+            if got is not None:
+                return got
         st = self.seq_to_stream(seq_id)
         key = ("seq_pos", int(seq_id), largest)
         got = self._memo.get(key)
