@@ -106,15 +106,16 @@ def next_step(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.d
     prim, row_pad, row_pos = _rows(ub, slot)
     if not (np.array_equal(prim, prev.prim) and np.array_equal(row_pad, prev.row_pad)):
         return None
-    real = ~row_pad
     # no unchanged cell of a row's sequence may lie in (p_prev, p_row]
     if not bool(((row_pos >= prev.row_pos) & (np.minimum(row_pos, prev.bound) <= prev.row_pos) | row_pad).all()):
         return None
     n_old = min(prev.vis.shape[2], n_kv)
     wanted = set(slot.streams)
     parts = [c for st, c in changed if st in wanted]
-    dirty = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-    dirty = dirty[dirty < n_old]
+    # (repeats are harmless: a repeated cell's pairs are written twice with the same values)
+    dirty = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if dirty.shape[0] and dirty.max() >= n_old:
+        dirty = dirty[dirty < n_old]
     if dirty.shape[0] * _MAX_DIRTY_FRACTION > n_old:
         return None
     n_tps = prim.shape[1]
@@ -136,25 +137,24 @@ def next_step(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.d
         vis.reshape(-1)[at] = val
         mask.reshape(-1)[at] = _bits(val, dtype)
         bound = np.maximum(bound, top)
-    bound = np.where(real, bound, prev.bound)
-    remember(cache, ub, slot, mask, vis, bound)
+    mask.setflags(write=False)
+    vis.setflags(write=False)
+    _STATE[cache] = _Step(cache.changes.mark(), prev.streams, prev.dtype, prev.prim, prev.row_pad, row_pos,
+                          bound, vis, mask)
     return mask, vis
 
 
-def remember(cache: KVCache, ub: UBatch, slot: SlotInfo, mask: np.ndarray, vis: np.ndarray,
-             bound: np.ndarray | None = None) -> None:
-    """Keep ``(mask, vis)`` of ``ub`` (just built, from :func:`eligible` settings) for the
-    next step; ``bound`` (int64 ``(n_stream, n_tps)``, module doc) defaults to each row's
-    sequence's largest position in the cache (``KVCache.seq_pos_max``). Makes both arrays
-    read-only."""
+def remember(cache: KVCache, ub: UBatch, slot: SlotInfo, mask: np.ndarray, vis: np.ndarray) -> None:
+    """Keep ``(mask, vis)`` of ``ub`` (just built from scratch, :func:`eligible` settings) for
+    the next step, each row's ``bound`` (module doc) its sequence's largest position in the
+    cache (``KVCache.seq_pos_max``). Makes both arrays read-only."""
     prim, row_pad, row_pos = _rows(ub, slot)
-    if bound is None:
-        if not cache.unified and any(cache.seq_to_stream(int(s)) != st
-                                     for st, row in zip(slot.streams, prim) for s in set(row.tolist())):
-            forget(cache)   # (never: a split cache's rows are in their sequence's stream)
-            return
-        top = {s: cache.seq_pos_max(s) for s in set(prim.reshape(-1).tolist())}
-        bound = np.array([top[s] for s in prim.reshape(-1).tolist()], dtype=np.int64).reshape(prim.shape)
+    if not cache.unified and any(cache.seq_to_stream(int(s)) != st
+                                 for st, row in zip(slot.streams, prim) for s in set(row.tolist())):
+        forget(cache)   # (never: a split cache's rows are in their sequence's stream)
+        return
+    top = {s: cache.seq_pos_max(s) for s in set(prim.reshape(-1).tolist())}
+    bound = np.array([top[s] for s in prim.reshape(-1).tolist()], dtype=np.int64).reshape(prim.shape)
     mask.setflags(write=False)
     vis.setflags(write=False)
     _STATE[cache] = _Step(cache.changes.mark(), tuple(slot.streams), np.dtype(mask.dtype), prim.copy(),
