@@ -284,6 +284,10 @@ class KVCache:
             self._memo[key] = got
         return got
 
+    def known_seq_pos_max(self, seq_id: int) -> int | None:
+        """``seq_pos_max(seq_id)`` when it is remembered (no scan), else None."""
+        return self._memo.get(("seq_pos", seq_id, True))
+
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
         return self._seq_pos(seq_id, False)

@@ -31,6 +31,8 @@ __all__ = ["eligible", "next_step", "remember", "forget"]
 
 _MAX_DIRTY_FRACTION = 4   # more than 1 / this of the kept columns changed: building from scratch is as cheap
 
+_UNKNOWN = np.iinfo(np.int64).max  # a bound not known without a scan of the stream
+
 _STATE: "weakref.WeakKeyDictionary[KVCache, _Step]" = weakref.WeakKeyDictionary()
 
 
@@ -147,14 +149,17 @@ def next_step(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.d
 def remember(cache: KVCache, ub: UBatch, slot: SlotInfo, mask: np.ndarray, vis: np.ndarray) -> None:
     """Keep ``(mask, vis)`` of ``ub`` (just built from scratch, :func:`eligible` settings) for
     the next step, each row's ``bound`` (module doc) its sequence's largest position in the
-    cache (``KVCache.seq_pos_max``). Makes both arrays read-only."""
+    cache when the cache remembers it (``KVCache.known_seq_pos_max``: the driver's batch checks
+    asked for it), else unknown (that row may then step only in place). Makes both arrays
+    read-only."""
     prim, row_pad, row_pos = _rows(ub, slot)
     if not cache.unified and any(cache.seq_to_stream(int(s)) != st
                                  for st, row in zip(slot.streams, prim) for s in set(row.tolist())):
         forget(cache)   # (never: a split cache's rows are in their sequence's stream)
         return
-    top = {s: cache.seq_pos_max(s) for s in set(prim.reshape(-1).tolist())}
-    bound = np.array([top[s] for s in prim.reshape(-1).tolist()], dtype=np.int64).reshape(prim.shape)
+    top = {s: cache.known_seq_pos_max(s) for s in set(prim.reshape(-1).tolist())}
+    bound = np.array([_UNKNOWN if top[s] is None else top[s] for s in prim.reshape(-1).tolist()],
+                     dtype=np.int64).reshape(prim.shape)
     mask.setflags(write=False)
     vis.setflags(write=False)
     _STATE[cache] = _Step(cache.changes.mark(), tuple(slot.streams), np.dtype(mask.dtype), prim.copy(),
