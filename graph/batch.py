@@ -268,6 +268,9 @@ class Batch:
         if not lengths:
             raise ValueError("from_sequences needs at least one sequence")
         _distinct(ids)
+        if cls is Batch and all(n == 1 for n in lengths):  # a decode step: what _laid_out makes of it
+            return cls._checked(np.array([p % 32000 for p in starts], dtype=np.int32),
+                                np.array(starts, dtype=np.int32), tuple((s,) for s in ids))
         token_lists = [[(p0 + t) % 32000 for t in range(n)] for n, p0 in zip(lengths, starts)]
         return cls._laid_out(token_lists, ids, starts, False)
 
@@ -309,6 +312,16 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
     n_seq_max = as_int(n_seq_max, "n_seq_max")
     if not 0 < n_seq_max <= MAX_SEQ:
         raise ValueError(f"n_seq_max={n_seq_max} must be in [1, {MAX_SEQ}] (llama.cpp's LLAMA_MAX_SEQ)")
+    pmax = seq_pos_max or (lambda s: -1)
+    one = _one_token_per_sequence(batch)
+    if one is not None and max(one) < n_seq_max:
+        # a decode step: one token per sequence, no coupled tokens: only the continuation
+        # check can fail (the loops below find nothing else), in the same order
+        for s, p0 in zip(one, batch.positions.tolist()):
+            x = pmax(s)
+            if x >= 0 and p0 != x + 1:
+                raise _not_continued(s, x, p0)
+        return
     for i, ids in enumerate(batch.seq_ids):
         for s in ids:
             if s >= n_seq_max:
@@ -319,7 +332,6 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
             f"token {i} belongs to sequences {batch.seq_ids[i]}: coupled sequences need one KV "
             "stream for all sequences; use unified KV (-kvu, KVCache(unified=True))")
 
-    pmax = seq_pos_max or (lambda s: -1)
     pmin = seq_pos_min or (lambda s: -1)
     seq_sets = batch.seq_sets
     cur_set: dict[int, frozenset[int]] = {}
@@ -344,9 +356,7 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
     for s, p0 in first_pos.items():
         x = pmax(s)
         if x >= 0 and p0 != x + 1:
-            raise ValueError(
-                f"sequence {s}: the cache ends at position X = {x} but the batch starts at Y = {p0}; "
-                "positions must continue the cache (Y = X + 1)")
+            raise _not_continued(s, x, p0)
     for i, ids in enumerate(batch.seq_ids):
         for s1 in ids[1:]:
             s0 = ids[0]
@@ -354,3 +364,18 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
                 raise ValueError(
                     f"sequence {s1} is coupled to {s0} in the batch (token {i}) but they have "
                     "diverged in the cache")
+
+
+def _one_token_per_sequence(batch: Batch) -> list[int] | None:
+    """The sequence id of every token when each token has one id and no id repeats (a decode
+    step), else None."""
+    ids = batch.seq_ids
+    if not all(len(x) == 1 for x in ids):
+        return None
+    one = [x[0] for x in ids]
+    return one if len(set(one)) == len(one) else None
+
+
+def _not_continued(s: int, x: int, p0: int) -> ValueError:
+    return ValueError(f"sequence {s}: the cache ends at position X = {x} but the batch starts at Y = {p0}; "
+                      "positions must continue the cache (Y = X + 1)")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
+from .kv_changes import CellChanges
 from .split import UBatch
 
 __all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES"]
@@ -188,6 +189,7 @@ class KVCache:
         self.head = [0] * self.n_stream
         self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
         self._memo: dict = {}  # answers of whole-stream queries; emptied by every cell change
+        self.changes = CellChanges()  # every cell change, for readers that keep derived data (mask_step.py)
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         self.k = self._storage(self.type_k, self.n_embd_k_gqa)
         self.v = self._storage(self.type_v, self.n_embd_v_gqa)
@@ -270,6 +272,10 @@ class KVCache:
     def _seq_pos(self, seq_id: int, largest: bool) -> int:
         """seq_pos_max (``largest``) or seq_pos_min: one masked reduction over the stream,
         remembered until the cache changes."""
+        if type(seq_id) is int:   # a remembered answer: its id was checked when it was computed
+            got = self._memo.get(("seq_pos", seq_id, largest))
+            if got is not None:
+                return got
         st = self.seq_to_stream(seq_id)
         key = ("seq_pos", int(seq_id), largest)
         got = self._memo.get(key)
@@ -283,6 +289,10 @@ class KVCache:
                     got = -1
             self._memo[key] = got
         return got
+
+    def known_seq_pos_max(self, seq_id: int) -> int | None:
+        """``seq_pos_max(seq_id)`` when it is remembered (no scan), else None."""
+        return self._memo.get(("seq_pos", seq_id, True))
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
@@ -508,6 +518,7 @@ class KVCache:
                     self.v[:, st] = v
                     continue
                 st, cells, pos, seqs, pad = entry
+                self.changes.add(st, cells)
                 self.pos[st, cells] = pos
                 self.seqs[st, cells] = seqs
                 self.pad[st, cells] = pad
@@ -520,8 +531,10 @@ class KVCache:
 
     def _touch(self, st: int, cells) -> None:
         """Record the cells' current state in the open transaction, before they change, and
-        forget every remembered query answer (every change of cell metadata comes here first)."""
+        forget every remembered query answer (every change of cell metadata comes here first),
+        and log them (:attr:`changes`)."""
         self._memo.clear()
+        self.changes.add(st, cells)
         if self._journals:
             cells = np.asarray(cells)
             if cells.dtype == bool:
@@ -539,6 +552,7 @@ class KVCache:
     def _restore(self, snap) -> None:
         self.pos, self.seqs, self.pad, self.head = snap[0], snap[1], snap[2], list(snap[3])
         self._memo.clear()
+        self.changes.reset()
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo]:
         """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import mask_step
 from .kv_cache import KVCache, SlotInfo
 from .split import UBatch
 
@@ -90,11 +91,23 @@ def build_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int | None = No
     """The ubatch mask, numpy order ``(n_stream, 1, n_tps, n_kv)`` (= ggml
     ``[n_kv, n_tps, 1, n_stream]``), ``dtype`` (F16 by default); with ``return_visible``,
     ``(mask, visible)`` with :func:`visible_cells`' bool array. ``n_kv`` defaults to
-    ``cache.n_kv(slot)``. Call after ``cache.apply_ubatch(slot, ub)``."""
+    ``cache.n_kv(slot)``. Call after ``cache.apply_ubatch(slot, ub)``.
+
+    Causal masks without SWA or ALiBi are kept for the next call on this cache, which
+    recomputes only the cells that changed since when it can (``mask_step.py``); such masks
+    (and their visibility) are handed out read-only."""
     if n_kv is None:
         n_kv = cache.n_kv(slot)
-    vis = visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
-    mask = mask_values(cache, ub, slot, vis, alibi=alibi, dtype=dtype)
+    dtype = np.dtype(dtype)
+    step = mask_step.eligible(causal, n_swa, alibi, dtype)
+    got = mask_step.next_step(cache, ub, slot, n_kv, dtype) if step else None
+    if got is not None:
+        mask, vis = got
+    else:
+        vis = visible_cells(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa)
+        mask = mask_values(cache, ub, slot, vis, alibi=alibi, dtype=dtype)
+        if step:
+            mask_step.remember(cache, ub, slot, mask, vis)
     return (mask, vis) if return_visible else mask
 
 

@@ -1,0 +1,97 @@
+"""A decode step's batch fast paths (graph/batch.py: ``Batch.from_lengths`` of one token per
+sequence, ``validate_batch`` of one token per sequence; graph/kv_cache.py: remembered
+``seq_pos_min/max`` answers) give what the general code gives: the same batch, or the same
+error message, on random inputs."""
+import numpy as np
+import pytest
+
+from ggml_attn.graph import Batch, KVCache
+from ggml_attn.graph import batch as batch_mod
+
+
+class Checked(Batch):  # a subclass takes the general, checked path
+    pass
+
+
+def fields(b):
+    return (b.tokens.dtype, b.tokens.tolist(), b.tokens.flags.writeable, b.positions.dtype,
+            b.positions.tolist(), b.positions.flags.writeable, b.seq_ids,
+            [type(s) for ids in b.seq_ids for s in ids], type(b.tokens), type(b.positions))
+
+
+def outcome(fn):
+    try:
+        return fields(fn())
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_token_per_sequence_from_lengths_as_the_general_path(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        k = int(rng.integers(1, 70))
+        ids = [int(x) for x in rng.choice(256, k, replace=False)]
+        if rng.random() < 0.1:
+            ids[-1] = ids[0]            # repeated id: refused
+        if rng.random() < 0.05:
+            ids[0] = -1
+        kind = rng.integers(0, 4)
+        start = (None if kind == 0 else int(rng.integers(0, 2**31)) if kind == 1
+                 else {s: int(rng.integers(0, 2**31)) for s in ids} if kind == 2
+                 else [int(rng.integers(0, 2**31)) for _ in ids])
+        lengths = [1] * k
+        assert outcome(lambda: Batch.from_lengths(lengths, ids, start)) == \
+            outcome(lambda: Checked.from_lengths(lengths, ids, start))
+
+
+def _general(monkeypatch):
+    monkeypatch.setattr(batch_mod, "_one_token_per_sequence", lambda b: None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_step_validation_as_the_general_path(monkeypatch, seed):
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(400):
+        n_seq_max = int(rng.integers(1, 257))
+        k = int(rng.integers(1, 20))
+        ids = [int(x) for x in rng.choice(300, k, replace=False)]
+        if rng.random() < 0.5:
+            ids = [s % n_seq_max for s in ids]
+        seq_ids = [(s,) for s in ids]
+        if rng.random() < 0.1:   # a repeated id, or a coupled token: the general path
+            seq_ids[-1] = seq_ids[0] if rng.random() < 0.5 else (ids[-1], ids[0])
+            seq_ids = [tuple(dict.fromkeys(x)) for x in seq_ids]
+        top = {s: int(rng.integers(-1, 50)) for s in range(300)}
+        pos = [top[x[0]] + 1 + int(rng.random() < 0.1) * int(rng.integers(-3, 4)) for x in seq_ids]
+        pos = [max(p, 0) for p in pos]
+        b = Batch(np.zeros(k, np.int32), np.array(pos), tuple(seq_ids))
+        unified = bool(rng.random() < 0.7)
+        cases.append((b, n_seq_max, unified, top))
+
+    def run():
+        out = []
+        for b, n_seq_max, unified, top in cases:
+            try:
+                batch_mod.validate_batch(b, n_seq_max, unified=unified, seq_pos_min=lambda s: top[s] - 5,
+                                         seq_pos_max=lambda s: top[s])
+                out.append("ok")
+            except ValueError as e:
+                out.append(str(e))
+        return out
+
+    fast = run()
+    _general(monkeypatch)
+    slow = run()
+    assert fast == slow
+    assert 50 < fast.count("ok") < len(fast) - 50
+
+
+def test_remembered_sequence_positions_and_bad_ids():
+    c = KVCache(256, 4, unified=True, n_head_kv=1, head_dim_k=4)
+    assert c.seq_pos_max(1) == -1 and c.seq_pos_min(1) == -1
+    for bad in (4, -1, 1.0, True, np.int64(7)):
+        with pytest.raises(ValueError):
+            c.seq_pos_max(bad)
+    assert c.seq_pos_max(np.int64(1)) == -1
