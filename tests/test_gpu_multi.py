@@ -57,3 +57,20 @@ def test_cli_two_gpus(tool, args, sm, capfd):
     assert rows                                  # one table: rank 0's rows only
     assert all(r["avg_ts" if tool == "bench" else "speed"] > 0 for r in rows)
     assert ("NCCL all-reduces" if sm == "row" else "NCCL send/recv") in err
+
+
+@needs_two
+def test_cli_rank_engines_with_cuda_graphs_equal_without():
+    """The CLI's -sm row / -sm layer rank engines (NCCL calls inside captured graphs, decode steps
+    without a sync between them) leave the same outputs and K/V as without CUDA graphs, and
+    match one GPU (tools/gpu_multi_graphs_check.py)."""
+    from ggml_attn.cli import gpu_multi_graphs_check
+    rep = gpu_multi_graphs_check.run(2, steps=8)
+    print(json.dumps(rep, indent=1))
+    for mode in ("row", "layer"):
+        m = rep["modes"][mode]
+        assert m["out_nmse_vs_one_gpu"] <= 5e-4, (mode, m)
+        for r in m["ranks"]:
+            assert max(r["out_nmse"], r["k_nmse"], r["v_nmse"]) <= 5e-4, (mode, r)
+            assert r["captures"] >= 1 and r["replays"] >= 1, (mode, r)
+    assert rep["ok"]

@@ -25,6 +25,9 @@ if [ "${MULTI_BENCH_ONLY:-0}" != 1 ]; then   # MULTI_BENCH_ONLY=1: the benchmark
   $PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
   tail -14 "$OUT/multi_check.log"
 fi
+echo "== the CLI's rank engines with CUDA graphs vs without, and vs one GPU"
+$PY tools/gpu_multi_graphs_check.py --n-gpu "$N" > "$OUT/multi_graphs_check.json" 2> "$OUT/multi_graphs_check.err" || status=1
+$PY -c "import json,sys; r=json.load(open(sys.argv[1])); print('ok' if r['ok'] else 'MISMATCH', {m: round(v['out_nmse_vs_one_gpu'], 9) for m, v in r['modes'].items()})" "$OUT/multi_graphs_check.json" || tail -5 "$OUT/multi_graphs_check.err"
 echo "== ggml-attn-bench llama-3-70b shape (8 layers), --layer full: -sm none vs -sm row vs -sm layer"
 B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl --cuda-graph off)  # same setting on both sides
 $PY -m ggml_attn.cli.bench "${B[@]}" -sm none > "$OUT/multi_bench_1gpu.jsonl" 2> "$OUT/multi_bench_1gpu.err" || status=1
