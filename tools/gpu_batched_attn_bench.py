@@ -1,0 +1,106 @@
+"""Attention of one batched decode step over a unified KV cache, per kernel (device time).
+
+The cache is filled as ``ggml-attn-batched-bench -m llama-3-8b -npl 64 --prompt-dist 16-200 -kvu``
+fills it (64 ragged prompts in one stream, then decode steps of one token per sequence, whose
+cells interleave), with the driver on the host (nothing computed); the step's mask comes from
+the driver's plan. One layer's attention (32 q / 8 KV heads, D 128, f16 K/V of random values)
+is timed for each GPU kernel the op can run at these shapes, queued calls between two events
+(device time per call).
+
+Usage: python tools/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--calls 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+H, HKV, D = 32, 8, 128
+
+
+class _NoCompute:
+    def run_ubatch(self, plan):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def step_plan(seqs: int, steps: int):
+    """The plan (``UBatchPlan``) of decode step ``steps + 1`` after ``seqs`` ragged prompts."""
+    from ggml_attn.cli.models import PRESETS
+    from ggml_attn.cli.runner import RunConfig, Runner
+    from ggml_attn.graph import driver
+    lens = [int(x) for x in np.random.default_rng(1).integers(16, 201, seqs)]
+    r = Runner(RunConfig(PRESETS["llama-3-8b"], n_ctx=sum(lens) + seqs * (steps + 1) + 256, n_seq=seqs,
+                         device="cpu", layer="attn", kv_unified=True))
+    try:
+        r.engine.close()
+        r.engine = _NoCompute()
+        r.decode(r.prompt_batch(lens))
+        for _ in range(steps):
+            r.decode(r.step_batch(list(range(seqs))))
+        plans = driver.decode(r.cache, r.step_batch(list(range(seqs))), 512, r.cfg.split, r.engine, r.attn_config())
+        return plans[0], sum(lens)
+    finally:
+        r.close()
+
+
+def run(seqs: int = 64, steps: int = 32, calls: int = 50) -> dict:
+    import cupy as cp
+
+    from ggml_attn import cuda_backend as cb
+    from ggml_attn.tensor import from_array
+    plan, n_prompt = step_plan(seqs, steps)
+    mask_np = np.ascontiguousarray(plan.mask).reshape(1, 1, plan.mask.shape[-2], plan.mask.shape[-1])
+    n_kv, n_tok = mask_np.shape[-1], plan.ubatch.n_tokens
+    live = float((mask_np[0, 0, :n_tok] == 0).mean())
+    rng = cp.random.default_rng(0)
+    q = rng.standard_normal((1, H, n_tok, D), dtype=cp.float32)
+    k = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
+    v = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
+    mask = cp.asarray(mask_np)
+    out = cp.empty((1, n_tok, H, D), dtype=cp.float32)
+    descs = [from_array(a) for a in (q, k, v, mask, out)]
+    rows = []
+    for kernel in ("auto", "prefill", "decode", "decode-tc"):
+        try:
+            kp = cb.make_plan(descs[3], n_tok, H, HKV, d_k=D, kernel=kernel)
+
+            def call():
+                cb.flash_attn_ext_device(descs[0], descs[1], descs[2], descs[3], None, descs[4], 1 / np.sqrt(D),
+                                         kernel=kernel, plan=kp)
+            for _ in range(3):
+                call()
+            cp.cuda.Device().synchronize()
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            for _ in range(calls):
+                call()
+            e1.record()
+            e1.synchronize()
+            us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / calls
+            rows.append(dict(kernel=kernel, us=round(us, 1)))
+        except Exception as e:  # noqa: BLE001 - a kernel that does not take these shapes
+            rows.append(dict(kernel=kernel, error=repr(e)[:200]))
+    kv_bytes = 2 * HKV * n_kv * D * 2
+    return dict(case=f"batched decode step: {seqs} seqs unified KV, n_kv {n_kv}", n_tok=n_tok, n_kv=n_kv,
+                n_prompt_cells=n_prompt, live_fraction=round(live, 4), kv_mb=round(kv_bytes / 1e6, 1),
+                floor_us_kv_once=round(kv_bytes / 4.2e12 * 1e6, 1), rows=rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--calls", type=int, default=50)
+    a = ap.parse_args(argv)
+    print(json.dumps(run(a.seqs, a.steps, a.calls), indent=1))
+
+
+if __name__ == "__main__":
+    main()
