@@ -167,6 +167,21 @@ extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
 }
 
+// y[i] = (half) x[i], round to nearest (the GEMMs' F16 input), i < n; a grid-stride loop.
+extern "C" __global__ void __launch_bounds__(256) dense_cast_f16(const float* __restrict__ x,
+                                                                 __half* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = __float2half_rn(x[i]);
+}
+
+// y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, F32, i < n; a grid-stride loop.
+extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __restrict__ g,
+                                                                 const float* __restrict__ u,
+                                                                 float* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 struct KVStoreParams {
     const float* src[2];      // K rows (n_tok, n[0]) F32, V rows (n_tok, n[1]) F32, contiguous
     void* dst[2];             // cache (kv_size * n_stream, n[i]) of F16 (f16[i]) or F32

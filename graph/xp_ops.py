@@ -207,12 +207,30 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
                     xp.copyto(o, t)
         return run
     gemms = [_CublasGemm(w, x16, o, beta=1.0 if accumulate else 0.0) for w, o in zip(ws, outs)]
+    cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
+    if cast is None:   # a strided x: CuPy's copy
+        def cast():
+            xp.copyto(x16, x, casting="same_kind")
 
     def run():
-        xp.copyto(x16, x, casting="same_kind")
+        cast()
         for g in gemms:
             g()
     return run
+
+
+def _elementwise_launch(name: str, arrays, n: int):
+    """One launch of ``dense.cu``'s elementwise kernel ``name(arrays..., n)`` over C-contiguous
+    CuPy ``arrays`` of ``n`` elements (a grid-stride loop, enough blocks to fill the GPU), as a
+    function of no arguments on the current stream -- a few us of host time where a CuPy
+    elementwise call costs tens; None when an array is not contiguous."""
+    from ggml_attn import kernels as K  # noqa: PLC0415 (device graphs only)
+    if not all(a.flags.c_contiguous for a in arrays):
+        return None
+    fn = K.get_function(K.dense_variant(), name)
+    blocks = max(1, min(-(-n // 256), 1024))
+    return K.BoundLaunch(fn, (blocks, 1, 1), (256, 1, 1), *[ctypes.c_uint64(a.data.ptr) for a in arrays],
+                         ctypes.c_int64(n))
 
 
 class _CublasGemm:
@@ -336,7 +354,7 @@ _SILU: list = []
 
 def _silu_mul_fn(xp, g, u, out):
     """``out = silu(g) * u`` (F32 arrays of one shape) as a function of no arguments: numpy
-    steps, or one fused CuPy kernel."""
+    steps, or one ``dense_silu_mul`` launch (a fused CuPy kernel for strided arrays)."""
     if xp is np:
         def run():
             xp.negative(g, out=out)
@@ -345,6 +363,9 @@ def _silu_mul_fn(xp, g, u, out):
             xp.divide(g, out, out=out)
             xp.multiply(out, u, out=out)
         return run
+    launch = _elementwise_launch("dense_silu_mul", (g, u, out), out.size)
+    if launch is not None:
+        return launch
     if not _SILU:
         import cupy  # noqa: PLC0415
         _SILU.append(cupy.ElementwiseKernel("float32 g, float32 u", "float32 y",
