@@ -187,10 +187,12 @@ class UBatchGraph:
         elif self._staged_event is not None:
             self._staged_event.synchronize()   # the previous copies out of these buffers are done
         stream = self.xp.cuda.get_current_stream()
-        for (arr, host), buf in zip(pairs, self._staged):
-            np.copyto(buf, np.asarray(host).reshape(arr.shape), casting="same_kind")
-            arr.set(buf, stream=stream)
-        self._staged_event = stream.record()
+        try:
+            for (arr, host), buf in zip(pairs, self._staged):
+                np.copyto(buf, np.asarray(host).reshape(arr.shape), casting="same_kind")
+                arr.set(buf, stream=stream)
+        finally:   # after whatever was queued, also when a copy failed
+            self._staged_event = stream.record()
 
     def refresh_kernel_plan(self) -> None:
         """Rebuild the kernel plan from the graph's mask as it is now (device graphs)."""
@@ -231,6 +233,9 @@ class UBatchGraph:
         return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
     def free(self) -> None:
+        if self._staged_event is not None:   # a queued copy may still read the pinned buffers,
+            self._staged_event.synchronize()  # which go back to CuPy's pool with this graph
+        self._staged = self._staged_event = None
         if self.ctx is not None:
             ggml.ggml_free(self.ctx)
             self.ctx = None

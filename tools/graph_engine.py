@@ -55,6 +55,7 @@ class _Cached:
     def __init__(self, graph):
         self.graph = graph
         self.replay = None
+        self.decode = False   # a decode step's structure (_decode_step)
 
 
 class GraphEngine:
@@ -94,9 +95,10 @@ class GraphEngine:
         # synchronize() use it)
         self._graphs: dict = {}
         # built graphs kept: a prompt phase of many ubatch shapes must not evict the decode
-        # steps' graphs (each rebuilt, computed and captured again); host graphs are cheap to
-        # build and hold their activations in host memory, so keep fewer
+        # steps' graphs (each rebuilt and captured again), so decode-step structures get room
+        # of their own; other (prompt) graphs hold large activations and rarely repeat
         self.max_graphs = 16 if self.device else 4
+        self.max_other_graphs = 4
         self.cuda_graph = bool(getattr(cfg, "cuda_graph", True))
         self.captures = self.replays = 0
         self.stream = None
@@ -164,6 +166,11 @@ class GraphEngine:
             g.free()
             return
         self._graphs[key] = entry            # most recently used last
+        if fresh:
+            entry.decode = _decode_step(plan)
+        others = [k for k, e in self._graphs.items() if not e.decode]
+        while len(others) > self.max_other_graphs:   # oldest first
+            self._graphs.pop(others.pop(0)).graph.free()
         while len(self._graphs) > self.max_graphs:
             self._graphs.pop(next(iter(self._graphs))).graph.free()
 

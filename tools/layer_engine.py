@@ -8,8 +8,8 @@ rank keeps its layers' and drops the rest, so N ranks compute the one-GPU model.
 the one-GPU engine's inputs; with ``--layer full`` rank ``r > 0`` takes the residual stream
 received from rank ``r - 1`` instead; with ``--layer attn`` every rank reads the shared random
 Q/K/V and the handover only keeps the pipeline order (``graph/pipe.py``). ``synchronize()``
-drains the pipeline first (the last rank's token to rank 0), so rank 0's timers cover every
-rank's work. The tool's timer is rank 0's stream; NCCL time goes to the rank context as
+and the timer's end drain the pipeline first (the last rank's token to rank 0), so rank 0's
+timers cover every rank's work. The tool's timer is rank 0's stream; NCCL time goes to the rank context as
 ``tp_engine``'s timer does.
 """
 from __future__ import annotations
@@ -62,7 +62,11 @@ class LayerCudaEngine(CudaEngine):
             out = g.output(-1).reshape(plan.ubatch.n_tokens, -1)
             self.comm.send(self.xp.ascontiguousarray(out), self.shard.rank + 1)
 
-    def synchronize(self) -> None:
+    def drain(self) -> None:
+        """The pipeline drain, queued on the engine's stream (no host wait): the last rank sends
+        a token to rank 0, whose stream then waits for it -- so work queued on rank 0 after
+        this (a timer's end event) follows every rank's work so far. Collective: every rank
+        calls it at the same point."""
         s = self.shard
         if s.n_rank > 1 and (s.first or s.last):
             with self.stream if self.device else _NoStream():
@@ -72,7 +76,12 @@ class LayerCudaEngine(CudaEngine):
                     self.comm.send(self._token, 0)
                 else:
                     self.comm.recv(self._token, s.n_rank - 1)
+
+    def synchronize(self) -> None:
+        self.drain()
         super().synchronize()
 
     def timer(self):
-        return _RankTimer(super().timer(), self.comm, self.tp)
+        # the drain before the end event: decode steps do not synchronize (Runner.decode(sync=
+        # False)), so without it rank 0's timer would stop before the later ranks' layers ran
+        return _RankTimer(super().timer(), self.comm, self.tp, before_end=self.drain)

@@ -302,7 +302,8 @@ class Runner:
         returns what it did. A failed ubatch is rolled back and its cause raised (Ctrl-C as
         ``graph.driver.BatchInterrupted``). ``sync``: return after the device finished; with
         False the device may still be computing (the next step's host work overlaps it, as
-        llama.cpp's decode does; a timer or :meth:`synchronize` waits for it)."""
+        llama.cpp's decode does; a timer or :meth:`synchronize` waits for it): read nothing
+        the device writes (cache, outputs) before :meth:`synchronize`."""
         g = _graph()
         stats = DecodeStats()
         acfg = self.attn_config()

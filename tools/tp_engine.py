@@ -58,10 +58,12 @@ class TPCudaEngine(CudaEngine):
 
 
 class _RankTimer:
-    """The engine's timer, also adding the all-reduce GPU time of the timed region to the rank."""
+    """The engine's timer, also adding the all-reduce GPU time of the timed region to the rank;
+    ``before_end()`` runs (on a normal exit) before the end event is recorded."""
 
-    def __init__(self, timer, comm, tp):
+    def __init__(self, timer, comm, tp, before_end=None):
         self.timer, self.comm, self.tp = timer, comm, tp
+        self.before_end = before_end   # queued before the end event (-sm layer: the pipeline drain)
         self.ns = 0
         self.nccl_s = 0.0
 
@@ -71,6 +73,8 @@ class _RankTimer:
         return self
 
     def __exit__(self, *exc):
+        if exc[0] is None and self.before_end is not None:
+            self.before_end()
         r = self.timer.__exit__(*exc)
         self.ns = self.timer.ns
         self.nccl_s = self.comm.seconds - self._s0
