@@ -309,3 +309,36 @@ def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
         assert c["comm_calls"] > 0 or (c["mode"], c["layer"]) == ("row", "attn")
     text = gmc.table(report)
     assert text.count("\nrow ") == 4 and text.count("\nlayer ") == 4
+
+
+def test_rank_timer_queues_the_drain_before_its_end_event():
+    """-sm layer: decode steps do not synchronize, so the timer itself must queue the pipeline
+    drain before recording its end (else rank 0's timer stops before the later ranks' layers
+    ran); not when the timed region raised (the ranks stop instead)."""
+    from ggml_attn.cli.tp_engine import _RankTimer
+
+    class Timer:
+        ns = 7
+
+        def __enter__(self):
+            order.append("start")
+
+        def __exit__(self, *exc):
+            order.append("end")
+            return False
+
+    class Comm:
+        seconds = 0.0
+
+    class Ctx:
+        timed_ns = 0
+        nccl_s = 0.0
+    order = []
+    with _RankTimer(Timer(), Comm(), Ctx(), before_end=lambda: order.append("drain")):
+        order.append("work")
+    assert order == ["start", "work", "drain", "end"]
+    order.clear()
+    with pytest.raises(RuntimeError):
+        with _RankTimer(Timer(), Comm(), Ctx(), before_end=lambda: order.append("drain")):
+            raise RuntimeError("boom")
+    assert order == ["start", "end"]
