@@ -144,8 +144,6 @@ class UBatchGraph:
     _op_keys: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
     kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
-    _staged: list = None         # pinned host buffers of load_plan's copies (device graphs)
-    _staged_event: object = None  # recorded after their last copies
 
     def array(self, t):
         return self._arrays[_addr(t)]
@@ -166,33 +164,18 @@ class UBatchGraph:
         the same launches). Nothing is allocated on the device."""
         if graph_key(plan) != graph_key(self.plan):
             raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
-        pairs = ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx))
-        if self.xp is np:
-            for arr, host in pairs:
-                arr[...] = np.asarray(host, dtype=arr.dtype).reshape(arr.shape)
-        else:
-            self._stage_device(pairs)
+        for arr, host in ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx)):
+            host = np.ascontiguousarray(host, dtype=arr.dtype).reshape(arr.shape)
+            if self.xp is np:
+                arr[...] = host
+            else:
+                # one host-to-device copy on the current stream; the driver stages pageable
+                # memory at once, so the host neither waits for the device nor must keep
+                # `host` (a pinned buffer of the graph's own, waited on by an event, measured
+                # slower: bench/NOTES.md, fourth session)
+                arr.set(host)
         self.plan = plan
         plan.kernel_plan = self.kernel_plan
-
-    def _stage_device(self, pairs) -> None:
-        """Host arrays -> the graph's device inputs through pinned buffers of this graph, each
-        copy asynchronous on the current stream: the host never waits for the device here
-        except for this graph's previous copies (the buffers are reused), so the next ubatch's
-        host work overlaps the device's work on this one. (A copy from pageable memory may
-        wait for the stream.)"""
-        import cupyx  # noqa: PLC0415 (device graphs only)
-        if self._staged is None:
-            self._staged = [cupyx.empty_pinned(arr.shape, arr.dtype) for arr, _ in pairs]
-        elif self._staged_event is not None:
-            self._staged_event.synchronize()   # the previous copies out of these buffers are done
-        stream = self.xp.cuda.get_current_stream()
-        try:
-            for (arr, host), buf in zip(pairs, self._staged):
-                np.copyto(buf, np.asarray(host).reshape(arr.shape), casting="same_kind")
-                arr.set(buf, stream=stream)
-        finally:   # after whatever was queued, also when a copy failed
-            self._staged_event = stream.record()
 
     def refresh_kernel_plan(self) -> None:
         """Rebuild the kernel plan from the graph's mask as it is now (device graphs)."""
@@ -233,9 +216,6 @@ class UBatchGraph:
         return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
     def free(self) -> None:
-        if self._staged_event is not None:   # a queued copy may still read the pinned buffers,
-            self._staged_event.synchronize()  # which go back to CuPy's pool with this graph
-        self._staged = self._staged_event = None
         if self.ctx is not None:
             ggml.ggml_free(self.ctx)
             self.ctx = None
