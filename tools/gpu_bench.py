@@ -433,6 +433,21 @@ def run(quick=False, only=None, log=print):
                              note=f"n/a: {type(e).__name__}: {str(e)[:160]}"))
             log(f"graph bench failed: {e!r}")
 
+    # ---- one layer's attention of a 64-sequence decode step over a unified cache, per kernel
+    if want("batched decode"):
+        from ggml_attn.cli import gpu_batched_attn_bench  # noqa: PLC0415 (run as a script too)
+        try:
+            res = gpu_batched_attn_bench.run()
+            for r in res["rows"]:
+                rows.append(dict(case=res["case"], impl=f"ours-{r['kernel']}", us=r.get("us"),
+                                 note=r.get("error", f"floor {res['floor_us_kv_once']} us (K/V read once); "
+                                                     f"live fraction {res['live_fraction']}")))
+                log(f"{res['case']:44s} ours-{r['kernel']:14s} {r.get('us', r.get('error'))}")
+        except Exception as e:  # noqa: BLE001 - report, keep the other rows
+            rows.append(dict(case="batched decode step", impl="ours", us=None,
+                             note=f"n/a: {type(e).__name__}: {str(e)[:160]}"))
+            log(f"batched decode bench failed: {e!r}")
+
     # ---- decode with a fraction of the KV live
     S, f = 32768, 1 / 8
     case = f"decode B=1 kv={S}, first {f:.3f} live"
