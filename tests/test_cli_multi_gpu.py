@@ -18,6 +18,23 @@ from ggml_attn.graph import Batch, KVCache, plan_ubatch, split_ubatches, tp
 FAST = ["-t", "1", "--n-layer", "1", "-r", "1"]
 
 
+def _on_rank_threads(n: int, group, body) -> None:
+    """``body(r)`` for ranks 0..n-1, each on a thread of its own over ``group`` (a
+    ``tp.LocalGroup``); a failing rank aborts the group's collectives; asserts none failed."""
+    errors = []
+
+    def go(r):
+        try:
+            body(r)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            group.abort()
+    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors, errors
+
+
 def _err(capsys, tool, *args):
     rc = tool.main(list(args))
     return rc, capsys.readouterr().err
@@ -171,18 +188,7 @@ def test_rank_engines_equal_one_device(layer):
         ref_plan = plan_ubatch(ref_cache, ub)
         plan = plan_ubatch(caches[0], ub)
         ref.run_ubatch(ref_plan)
-        errors = []
-
-        def go(r):
-            try:
-                engines[r].run_ubatch(plan)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                group.abort()
-        ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
-        assert not errors, errors
+        _on_rank_threads(n, group, lambda r: engines[r].run_ubatch(plan))
         want = np.asarray(ref._keep[1], np.float64)
         if layer == "full":
             outs = [np.asarray(e._keep[1]) for e in engines]
@@ -241,19 +247,10 @@ def test_layer_rank_engines_equal_one_device(layer, n, shares):
         ref.run_ubatch(ref_plan)
         ref.synchronize()
         n_ub += 1
-        errors = []
-
         def go(r):
-            try:
-                engines[r].run_ubatch(plans[r])
-                engines[r].synchronize()   # the pipeline drain: the last rank's token to rank 0
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                group.abort()
-        ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-        [t.start() for t in ts]
-        [t.join() for t in ts]
-        assert not errors, errors
+            engines[r].run_ubatch(plans[r])
+            engines[r].synchronize()   # the pipeline drain: the last rank's token to rank 0
+        _on_rank_threads(n, group, go)
         # the last rank's last output: the model's output (full) / the last layer's attention
         np.testing.assert_array_equal(np.asarray(engines[-1]._keep[1]), np.asarray(ref._keep[1]))
     for c, rg in zip(caches, ranges):   # each rank's K/V: its layers of the one-device cache
@@ -282,18 +279,11 @@ def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
     cfg = gmc._cfg(n)
     weights = gmc._weights(cfg, np)
     group = tp.LocalGroup(n, timeout=60)
-    got, errors = {}, []
+    got = {}
 
     def go(r):
-        try:
-            got[r] = gmc.rank_cases(r, n, group.comms[r], cfg, weights, xp=np, sync=lambda: None)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-            group.abort()
-    ts = [threading.Thread(target=go, args=(r,)) for r in range(n)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert not errors, errors
+        got[r] = gmc.rank_cases(r, n, group.comms[r], cfg, weights, xp=np, sync=lambda: None)
+    _on_rank_threads(n, group, go)
     refs = {}
     for layer, unified in sorted({(c[1], c[2]) for c in gmc.CASES}):
         cache = gmc._caches(cfg, 1, unified, xp=np)

@@ -19,22 +19,12 @@ import numpy as np
 H, HKV, D = 32, 8, 128
 
 
-class _NoCompute:
-    def run_ubatch(self, plan):
-        return None
-
-    def synchronize(self):
-        pass
-
-    def close(self):
-        pass
-
-
 def step_plan(seqs: int, steps: int):
     """The plan (``UBatchPlan``) of decode step ``steps + 1`` after ``seqs`` ragged prompts."""
     from ggml_attn.cli.models import PRESETS
     from ggml_attn.cli.runner import RunConfig, Runner
     from ggml_attn.graph import driver
+    from ggml_attn.cli.decode_host_bench import _NoCompute
     lens = [int(x) for x in np.random.default_rng(1).integers(16, 201, seqs)]
     r = Runner(RunConfig(PRESETS["llama-3-8b"], n_ctx=sum(lens) + seqs * (steps + 1) + 256, n_seq=seqs,
                          device="cpu", layer="attn", kv_unified=True))

@@ -166,37 +166,47 @@ def nmse(a, b) -> float:
     return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
 
 
-def run(n_gpu: int = 2, timeout: float = 540.0) -> dict:
-    """Every case on ``n_gpu`` GPUs and on GPU 0 alone; the report (module doc)."""
+def spawn_ranks(target, n: int, timeout: float, *args, what: str = "") -> dict:
+    """Run ``target(rank, n, uid, q, *args)`` in ``n`` spawned processes sharing one NCCL unique
+    id; each puts ``(rank, result)`` on ``q`` (a string: its traceback). Returns ``{rank:
+    result}``; RuntimeError (prefixed ``what``) when a rank fails or does not report within
+    ``timeout`` seconds. The processes are joined (or terminated) before returning."""
     import multiprocessing as mp
     import queue as queue_mod
-    import cupy
-    from ggml_attn import op
     from ggml_attn.graph import tp
-    if cupy.cuda.runtime.getDeviceCount() < n_gpu or not tp.nccl_available():
-        raise RuntimeError(f"needs {n_gpu} GPUs and NCCL")
     uid = tp.nccl_unique_id()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, n_gpu, uid, q), daemon=True) for r in range(n_gpu)]
+    procs = [ctx.Process(target=target, args=(r, n, uid, q, *args), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
     got = {}
     try:
         deadline = time.time() + timeout
-        while len(got) < n_gpu:
+        while len(got) < n:
             try:
                 r, res = q.get(timeout=max(1.0, deadline - time.time()))
             except queue_mod.Empty:
-                raise RuntimeError(f"ranks {sorted(set(range(n_gpu)) - set(got))} did not finish") from None
+                raise RuntimeError(f"{what}ranks {sorted(set(range(n)) - set(got))} did not finish") from None
             if isinstance(res, str):
-                raise RuntimeError(f"rank {r} failed: {res}")
+                raise RuntimeError(f"{what}rank {r} failed: {res}")
             got[r] = res
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+    return got
+
+
+def run(n_gpu: int = 2, timeout: float = 540.0) -> dict:
+    """Every case on ``n_gpu`` GPUs and on GPU 0 alone; the report (module doc)."""
+    import cupy
+    from ggml_attn import op
+    from ggml_attn.graph import tp
+    if cupy.cuda.runtime.getDeviceCount() < n_gpu or not tp.nccl_available():
+        raise RuntimeError(f"needs {n_gpu} GPUs and NCCL")
+    got = spawn_ranks(_rank, n_gpu, timeout)
     # the one-GPU reference, in this process on GPU 0
     cupy.cuda.Device(0).use()
     op.set_backend("cuda", "auto")

@@ -48,7 +48,7 @@ def _run(cfg, steps: int) -> dict:
         r.close()
 
 
-def _rank(rank: int, n: int, mode: str, uid, steps: int, q) -> None:
+def _rank(rank: int, n: int, uid, q, mode: str, steps: int) -> None:
     try:
         import cupy
         cupy.cuda.Device(rank).use()
@@ -63,44 +63,11 @@ def _rank(rank: int, n: int, mode: str, uid, steps: int, q) -> None:
         q.put((rank, f"{e!r}\n{traceback.format_exc()}"))
 
 
-def nmse(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
-
-
-def _ranks(n: int, mode: str, steps: int, timeout: float) -> dict:
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    from ggml_attn.graph.tp import nccl_unique_id
-    uid = nccl_unique_id()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, n, mode, uid, steps, q), daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < n:
-            try:
-                r, res = q.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise RuntimeError(f"{mode}: ranks {sorted(set(range(n)) - set(got))} did not finish") from None
-            if isinstance(res, str):
-                raise RuntimeError(f"{mode}: rank {r} failed: {res}")
-            got[r] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    return got
-
-
 def run(n_gpu: int = 2, steps: int = 12, timeout: float = 300.0) -> dict:
     """The report: per mode and rank, NMSE of graphs on vs off (output, K, V), capture counts,
     and the NMSE of the final output against one GPU; ``ok`` when all are within 5e-4."""
     import cupy
+    from ggml_attn.cli.gpu_multi_check import nmse, spawn_ranks
     from ggml_attn.graph.tp import nccl_available
     if cupy.cuda.runtime.getDeviceCount() < n_gpu or not nccl_available():
         raise RuntimeError(f"needs {n_gpu} GPUs and NCCL")
@@ -109,7 +76,7 @@ def run(n_gpu: int = 2, steps: int = 12, timeout: float = 300.0) -> dict:
     report = {"n_gpu": n_gpu, "steps": steps, "lens": LENS, "n_layer": N_LAYER, "modes": {}}
     ok = True
     for mode in ("row", "layer"):
-        got = _ranks(n_gpu, mode, steps, timeout)
+        got = spawn_ranks(_rank, n_gpu, timeout, mode, steps, what=f"{mode}: ")
         last = 0 if mode == "row" else n_gpu - 1    # the rank whose output is the model's
         ranks = []
         for r in range(n_gpu):

@@ -52,10 +52,10 @@ def _decode_step(plan) -> bool:
 class _Cached:
     """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
 
-    def __init__(self, graph):
+    def __init__(self, graph, decode: bool):
         self.graph = graph
         self.replay = None
-        self.decode = False   # a decode step's structure (_decode_step)
+        self.decode = decode   # a decode step's structure (_decode_step)
 
 
 class GraphEngine:
@@ -155,7 +155,7 @@ class GraphEngine:
                                          weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
                                          full_layer=self.full_layer, layers=self.layers,
                                          all_custom=self.device if self.all_custom is None else self.all_custom)
-            entry = _Cached(g)
+            entry = _Cached(g, _decode_step(plan))
             fresh = True
         else:
             entry.graph.load_plan(plan)
@@ -166,8 +166,6 @@ class GraphEngine:
             g.free()
             return
         self._graphs[key] = entry            # most recently used last
-        if fresh:
-            entry.decode = _decode_step(plan)
         others = [k for k, e in self._graphs.items() if not e.decode]
         while len(others) > self.max_other_graphs:   # oldest first
             self._graphs.pop(others.pop(0)).graph.free()
@@ -185,7 +183,7 @@ class GraphEngine:
             if entry.replay is not None:
                 entry.replay.launch(self.stream)
                 self.replays += 1
-            elif self.device and self.cuda_graph and (not fresh or _decode_step(plan)):
+            elif self.device and self.cuda_graph and (not fresh or entry.decode):
                 from ggml_attn.graph.capture import CaptureError, capture  # this step computes in the warm-up
                 try:
                     entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
