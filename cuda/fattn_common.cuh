@@ -55,6 +55,10 @@ struct FattnParams {
     int d_v;                   // V head size (combine pass)
     int* split_cnt;            // n_splits > 1: one zeroed counter per row group (split_finish);
                                // nullptr: fattn_combine finishes in a launch of its own
+    const int2* cells;         // cell lists (fattn_cell_lists, fattn_cells.cu): [ne33][ne32][n_batch]
+                               // lists of capacity n_kv, entries (cell, float bits of its mask value)
+                               // in ascending cell order; nullptr: every cell [0, n_kv), value 0
+    const int* cell_cnt;       // [ne33][ne32][n_batch] entries per list
 };
 
 // ---------------------------------------------------------------------------------------

@@ -256,3 +256,73 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
         p.dst[r * p.d_v + c] = acc * inv;
     }
 }
+
+// Cell lists for the cell-list decode kernel (fattn_cells.cu): for each mask row (stream plane
+// i33, head plane i32, token t), the cells whose mask value is not -inf, in ascending order, as
+// int2 (cell, __float_as_int(mask value)) at cells[slot * n_kv ...] (capacity n_kv per row, so
+// that a refresh never needs more room: no host synchronization, CUDA-graph replays stay valid),
+// and their number at cnt[slot], slot = (i33*ne32 + i32)*n_batch + t. NaN and +inf cells are
+// listed (visible, as everywhere else). Each thread takes 8 consecutive cells per pass (one
+// 16-byte load when the row is aligned), a block-wide exclusive scan of the per-thread counts
+// places them. ggml_attn/cuda_plan.py's cell_lists_host mirrors this on the host.
+// Grid (n_batch, ne32, ne33); block FATTN_CELL_THREADS threads.
+#define FATTN_CELL_THREADS 256
+extern "C" __global__ void __launch_bounds__(FATTN_CELL_THREADS)
+fattn_cell_lists(const FattnParams p, int2* __restrict__ cells, int* __restrict__ cnt) {
+    constexpr int NW = FATTN_CELL_THREADS / 32;
+    __shared__ int warp_sum_s[NW];
+    const int t = blockIdx.x, i32 = blockIdx.y, i33 = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long long slot = ((long long)i33 * p.ne32 + i32) * p.n_batch + t;
+    const unsigned short* row = reinterpret_cast<const unsigned short*>(
+        p.mask + (long long)t * p.m_nb1 + (long long)i32 * p.m_nb2 + (long long)i33 * p.m_nb3);
+    int2* out = cells + slot * p.n_kv;
+    const bool vec = (reinterpret_cast<size_t>(row) & 15) == 0;
+    int base = 0;
+    for (int c0 = 0; c0 < p.n_kv; c0 += 8 * FATTN_CELL_THREADS) {
+        // ---- 1. this thread's 8 cells: which are visible
+        const int c = c0 + 8 * threadIdx.x;
+        unsigned short b[8];
+        if (vec && c + 8 <= p.n_kv) {
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(row + c));
+            const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) { b[2 * j] = (unsigned short)(w[j] & 0xffffu); b[2 * j + 1] = (unsigned short)(w[j] >> 16); }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) b[e] = c + e < p.n_kv ? __ldg(row + c + e) : (unsigned short)0xFC00u;
+        }
+        unsigned bits = 0;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) bits |= (unsigned)!f16_bits_is_neg_inf(b[e]) << e;
+        const int n = __popc(bits);
+        // ---- 2. block-wide exclusive scan of the counts
+        int incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int x = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += x;
+        }
+        if (lane == 31) warp_sum_s[warp] = incl;
+        __syncthreads();
+        int before = 0, total = 0;
+#pragma unroll
+        for (int w2 = 0; w2 < NW; ++w2) {
+            const int x = warp_sum_s[w2];
+            before += w2 < warp ? x : 0;
+            total += x;
+        }
+        // ---- 3. write the entries in cell order
+        int pos = base + before + incl - n;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (bits & (1u << e)) {
+                __half hv = __ushort_as_half(b[e]);
+                out[pos++] = make_int2(c + e, __float_as_int(__half2float(hv)));
+            }
+        }
+        base += total;
+        __syncthreads();   // warp_sum_s read by every thread before the next pass writes it
+    }
+    if (threadIdx.x == 0) cnt[slot] = base;
+}

@@ -63,6 +63,25 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
     return tuple(r for r in VEC_ROWS if per_row * r <= 160)
 
 
+# Cell-list decode (fattn_cells.cu): head sizes and query heads per block (R, a power of 2 that
+# divides gqa; the GQA group of one KV head, or part of it)
+CELLS_HEADS = ((64, 64), (128, 128), (256, 256))
+CELLS_ROWS = (1, 2, 4, 8)
+
+
+def cells_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec."""
+    lanes = vec_lanes(dk)
+    per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
+    return tuple(r for r in CELLS_ROWS if per_row * r <= 160)
+
+
+def cells_smem_bytes(dk: int, dv: int, rows: int) -> int:
+    """Dynamic shared memory of fattn_cells (mirror of CellsCfg::SMEM in fattn_cells.cu)."""
+    ng = 4 * (32 // vec_lanes(dk))
+    return 4 * ng * rows * (dv + 3)
+
+
 def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1, st: int = 2) -> int:
     """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
     bk = KV_TILE
@@ -84,7 +103,7 @@ def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
 @dataclass(frozen=True)
 class Variant:
     """One NVRTC program: a source file and the kernel instances compiled from it."""
-    family: str            # "util" | "mma" | "vec"
+    family: str            # "util" | "mma" | "mma-ext" | "vec" | "cells" | "dense"
     source: str            # file name in cuda/
     names: tuple[str, ...]  # name expressions (templates) or extern "C" names
 
@@ -93,7 +112,8 @@ class Variant:
         return f"{self.family}:{','.join(self.names)}"
 
 
-UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine")
+UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists")
+CELL_LIST_THREADS = 256   # FATTN_CELL_THREADS in fattn_util.cu (fattn_cell_lists' block)
 
 
 def util_variant() -> Variant:
@@ -129,6 +149,15 @@ def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
     return f"fattn_vec<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
 
 
+def cells_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
+    return f"fattn_cells<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
+
+
+def cells_variant(dk: int, dv: int, kv_type: int) -> Variant:
+    return Variant("cells", "fattn_cells.cu",
+                   tuple(cells_name(dk, dv, kv_type, r) for r in cells_rows_allowed(dk, dv)))
+
+
 def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
     """One program per (head sizes, K/V type, ext): plain calls never compile the ext code."""
     return Variant("mma-ext" if ext else "mma", "fattn_mma.cu",
@@ -146,6 +175,7 @@ def all_variants() -> list[Variant]:
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
+        out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
     return out
 
 
@@ -403,6 +433,7 @@ class FattnParams(ctypes.Structure):
         ("m0", ctypes.c_float), ("m1", ctypes.c_float),
         ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
         ("split_cnt", ctypes.c_uint64),
+        ("cells", ctypes.c_uint64), ("cell_cnt", ctypes.c_uint64),
     ]
 
 

@@ -1,0 +1,245 @@
+// Cell-list decode: CUDA-core flash-decoding over each query row's own list of visible KV cells.
+//
+// For decode steps over a unified KV cache, where the cells of many sequences interleave (every
+// 64-cell tile holds a cell of every sequence): every KV tile is live for every query tile, so
+// the tile kernels read the whole cache per query tile although each row sees ~1/n_seq of it.
+// This kernel reads only the row's cells, from the plan's cell lists (fattn_cell_lists,
+// fattn_util.cu: per mask row the cells whose mask is not -inf, with their mask values).
+//
+// Block = 4 warps; it owns R query heads of one KV head (heads h0 .. h0+R-1, h0 = blockIdx.y*R,
+// R divides gqa) for one token (blockIdx.x) of stream s, and the range [jb, je) of the row's
+// cell list given to split z (blockIdx.z = s*n_splits + z). The heads share one list: the host
+// launches R = 1 when the mask has several head planes (ne32 > 1). L lanes (a "group") share
+// one cell, each lane 16-byte chunks of its K and V rows; a group walks U consecutive list
+// entries per step (all U K and V rows loaded before any is used: several cells in flight per
+// group, 32/L groups per warp), the groups of the block taking steps in turn. Each group keeps
+// its own online-softmax state (f32, log2 domain, exp2) in registers -- no barrier in the loop;
+// the groups' states are merged once, in shared memory, at the end, then dst is written (one
+// split) or the split workspace (fattn_combine finishes, as for the other kernels).
+// Grid (n_batch, n_head / R, ne3 * n_splits); 128 threads; dynamic shared memory CellsCfg::SMEM,
+// mirrored by cells_smem_bytes() in ggml_attn/kernels.py.
+#include "fattn_common.cuh"
+
+template <int DK, int DV, int R>
+struct CellsCfg {
+    static constexpr int NW = 4;
+    static constexpr int NT = 32 * NW;
+    static constexpr int CHK = DK / 8, CHV = DV / 8;            // 16-byte chunks per K / V row
+    static constexpr int L = CHK >= 32 ? 32 : CHK > 8 ? 16 : CHK > 4 ? 8 : 4;  // lanes per cell
+    static constexpr int RPW = 32 / L;                          // groups (cells) per warp
+    static constexpr int NG = NW * RPW;                         // groups per block
+    static constexpr int NCK = (CHK + L - 1) / L, NCV = (CHV + L - 1) / L;  // chunks per lane
+    static constexpr int U = 4;                                 // list entries per group and step
+    static constexpr int SMEM = 4 * NG * R * (DV + 3);          // epilogue: acc, m, l, weights
+    static_assert(DK % 8 == 0 && DV % 8 == 0, "head sizes must be multiples of 8");
+};
+
+// The list of visible cells of one mask row: entries (cell, mask value); without a plan (no
+// mask) every cell of [0, n_kv) with value 0.
+struct CellList {
+    const int2* e;
+    int cnt;
+    __device__ __forceinline__ int2 operator[](int j) const { return e ? __ldg(e + j) : make_int2(j, 0); }
+};
+
+__device__ __forceinline__ CellList cell_list(const FattnParams& p, int t, int h, int s) {
+    CellList cl;
+    if (p.cells == nullptr) {
+        cl.e = nullptr;
+        cl.cnt = p.n_kv;
+    } else {
+        const long long slot = ((long long)(s % p.ne33) * p.ne32 + h % p.ne32) * p.n_batch + t;
+        cl.e = p.cells + slot * p.n_kv;
+        cl.cnt = __ldg(p.cell_cnt + slot);
+    }
+    return cl;
+}
+
+template <int DK, int DV, typename T, int R>
+__global__ void __launch_bounds__(128)
+fattn_cells(const FattnParams p) {
+    using C = CellsCfg<DK, DV, R>;
+    constexpr int L = C::L, RPW = C::RPW, NG = C::NG, U = C::U;
+    constexpr int NCK = C::NCK, NCV = C::NCV, CHK = C::CHK, CHV = C::CHV, NT = C::NT;
+
+    extern __shared__ uint4 smem_raw[];
+    float* sAcc = reinterpret_cast<float*>(smem_raw);   // [NG][R][DV] groups' unnormalized outputs
+    float* sM = sAcc + NG * R * DV;                      // [NG][R] groups' maxima (log2 domain)
+    float* sL = sM + NG * R;                             // [NG][R] groups' sums
+    float* sW = sL + NG * R;                             // [NG][R] merge weights
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int li = lane % L, grp = warp * RPW + lane / L;
+    const int t = blockIdx.x, h0 = blockIdx.y * R;
+    const int s = blockIdx.z / p.n_splits, split = blockIdx.z % p.n_splits;
+    const int hk = h0 / p.gqa;
+
+    // ---- the row's cell list and this split's part of it
+    const CellList cl = cell_list(p, t, h0, s);
+    int jb, je;
+    split_range(cl.cnt, split, p.n_splits, jb, je);
+
+    // ---- Q rows (f32) -> registers: this lane's chunks of each head's row
+    float q[R][NCK * 8];
+    float slope[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int h = h0 + r;
+        slope[r] = alibi_slope(p, h);
+        const float* qr = reinterpret_cast<const float*>(p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2 +
+                                                         (long long)t * p.q_nb1);
+#pragma unroll
+        for (int i = 0; i < NCK; ++i) {
+            const int ch = li + i * L;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) q[r][i * 8 + e] = ch < CHK ? qr[ch * 8 + e] : 0.0f;
+        }
+    }
+    const char* kbase = p.k + (long long)hk * p.k_nb2 + (long long)s * p.k_nb3;
+    const char* vbase = p.v + (long long)hk * p.v_nb2 + (long long)s * p.v_nb3;
+
+    // ---- this group's online-softmax state
+    float m[R], l[R], acc[R][NCV * 8];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        m[r] = FATTN_NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NCV * 8; ++i) acc[r][i] = 0.0f;
+    }
+
+    for (int j0 = jb + grp * U; j0 < je; j0 += NG * U) {
+        // ---- 1. list entries of this step (past je: no cell, weight 0)
+        int cell[U];
+        float mv[U];
+        bool ok[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            ok[u] = j0 + u < je;
+            const int2 en = ok[u] ? cl[j0 + u] : make_int2(0, 0);
+            cell[u] = en.x;
+            mv[u] = __int_as_float(en.y);
+        }
+        // ---- 2. gather the K and V chunks of all U cells (loads in flight together)
+        uint4 kc[U][NCK], vc[U][NCV];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long long)cell[u] * p.k_nb1);
+            const uint4* vr = reinterpret_cast<const uint4*>(vbase + (long long)cell[u] * p.v_nb1);
+#pragma unroll
+            for (int i = 0; i < NCK; ++i) {
+                const int ch = li + i * L;
+                kc[u][i] = (ok[u] && ch < CHK) ? __ldg(kr + ch) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int i = 0; i < NCV; ++i) {
+                const int ch = li + i * L;
+                vc[u][i] = (ok[u] && ch < CHV) ? __ldg(vr + ch) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        // ---- 3. scores: dot products over the group's lanes, scale, softcap, mask value, log2
+        float sc[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float dot[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) dot[r] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NCK; ++i) {
+                float kf[8];
+                unpack8<T>(kc[u][i], kf);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) dot[r] = fmaf(q[r][i * 8 + e], kf[e], dot[r]);
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+#pragma unroll
+                for (int o = L / 2; o > 0; o >>= 1) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], o);
+                float x = dot[r] * p.scale;
+                if (p.softcap != 0.0f) x = p.softcap * tanhf(x);
+                x += slope[r] * mv[u];   // listed cells are never -inf
+                sc[u][r] = ok[u] ? x * FATTN_LOG2E : FATTN_NEG_INF;
+            }
+        }
+        // ---- 4. online softmax: new max, rescale, probabilities (every lane of the group alike)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float mx = sc[0][r];
+#pragma unroll
+            for (int u = 1; u < U; ++u) mx = fmaxf(mx, sc[u][r]);
+            const float m_new = fmaxf(m[r], mx);
+            const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+            const float alpha = fast_exp2(m[r] - m_use);
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                sc[u][r] = fast_exp2(sc[u][r] - m_use);
+                sum += sc[u][r];
+            }
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+#pragma unroll
+            for (int i = 0; i < NCV * 8; ++i) acc[r][i] *= alpha;
+        }
+        // ---- 5. acc += P V (an empty slot has weight 0 and a zero V row)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int i = 0; i < NCV; ++i) {
+                float vf[8];
+                unpack8<T>(vc[u][i], vf);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[r][i * 8 + e] = fmaf(sc[u][r], vf[e], acc[r][i * 8 + e]);
+            }
+        }
+    }
+
+    // ---- epilogue 1: the groups' states to shared memory
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int i = 0; i < NCV; ++i) {
+            const int ch = li + i * L;
+            if (ch < CHV) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sAcc[(grp * R + r) * DV + ch * 8 + e] = acc[r][i * 8 + e];
+            }
+        }
+        if (li == 0) { sM[grp * R + r] = m[r]; sL[grp * R + r] = l[r]; }
+    }
+    __syncthreads();
+    // ---- epilogue 2: per head, the block's max and each group's weight; the max and sum kept
+    //      in sM[r] / sL[r] (group 0's slots, read by every thread below)
+    if (tid < R) {
+        const int r = tid;
+        float M = FATTN_NEG_INF;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) M = fmaxf(M, sM[g * R + r]);
+        float Ls = 0.0f;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            const float mg = sM[g * R + r];
+            const float w = mg == FATTN_NEG_INF ? 0.0f : fast_exp2(mg - M);
+            sW[g * R + r] = w;
+            Ls += w * sL[g * R + r];
+        }
+        sM[r] = M;   // group 0's own entry, already read (weight in sW)
+        sL[r] = Ls;
+    }
+    __syncthreads();
+    // ---- epilogue 3: merged row values to dst (one split) or the split workspace
+    for (int i = tid; i < R * DV; i += NT) {
+        const int r = i / DV, c = i % DV, h = h0 + r;
+        float o = 0.0f;
+#pragma unroll
+        for (int g = 0; g < NG; ++g) {
+            const float w = sW[g * R + r];
+            o += w != 0.0f ? w * sAcc[(g * R + r) * DV + c] : 0.0f;
+        }
+        store_row_value(p, ((long long)s * p.n_batch + t) * p.n_head + h, h, c, DV, split, o, sM[r], sL[r]);
+    }
+}
