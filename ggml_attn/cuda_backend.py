@@ -6,8 +6,9 @@ Entry points (all tensor arguments are :class:`~ggml_attn.tensor.TensorDesc` in 
 - :func:`flash_attn_ext_device` -- device pointers in, kernels launched directly (raw pointers,
   one ``cuLaunchKernel`` per kernel, no CuPy arrays on the hot path).
 - :func:`flash_attn_ext_host` -- host pointers in; staged through reused pinned + device buffers.
-- :func:`make_plan` -- the per-ubatch map of live (query tile, KV tile) pairs, built on the GPU
-  once from the mask and reused by every layer.
+- :func:`make_plan` -- the per-ubatch map of live (query tile, KV tile) pairs (and, for the
+  cell-list decode kernel, each row's list of visible cells), built on the GPU once from the
+  mask and reused by every layer.
 
 Shapes (ggml_flash_attn_ext's, ggml order): q f32 [D_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
 k/v f16|bf16 [D, n_kv, n_head_kv, ne3] (rows contiguous, 16-byte aligned); mask f16
@@ -141,10 +142,11 @@ def _params_common(q, k, v, mask, sinks, dst, sh: Shapes, scale, max_bias, softc
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc) -> str:
-    """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`); warns once when it
-    falls back to the numpy reference."""
-    choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v)))
+def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan: Plan | None = None) -> str:
+    """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`, with the plan's
+    measured reads when it has them); warns once when it falls back to the numpy reference."""
+    choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v),
+                                                plan.reads if plan is not None else None))
     if choice.kernel == "reference" and kernel != "reference":
         _warn_once(choice.reason)
     return choice.kernel
@@ -179,12 +181,13 @@ def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spl
 def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
              plan: Plan | None = None) -> _Prepared:
     sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, softcap)
-    kern = _resolve_kernel(kernel, sh, k, v)
+    kern = _resolve_kernel(kernel, sh, k, v, plan)
     if kern == "reference":
         return _Prepared(kern)
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
                         wide=plan.wide if plan is not None else None,
-                        max_live=plan.max_live if plan is not None else None)
+                        max_live=plan.max_live if plan is not None else None,
+                        max_cells=plan.max_cells if plan is not None else None)
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
@@ -301,8 +304,11 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
             raise ValueError("plan was built for another mask or n_batch "
                              f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "
                              f"call: {mask.shape_str} n_batch={n_batch})")
-        p.live_idx, p.live_cnt, p.row_lohi = plan.live(cfg.q_tile_tokens, st)
-        if prep.kern != "decode" and mask_needs_aligned_copy(mask):
+        if prep.kern == "cells":   # the rows' cell lists (mask values included) replace the tile map
+            p.cells, p.cell_cnt = plan.cell_lists(st)
+        else:
+            p.live_idx, p.live_cnt, p.row_lohi = plan.live(cfg.q_tile_tokens, st)
+        if prep.kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
             mask = plan.aligned(st)
             p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
         p.mask = mask.ptr

@@ -18,7 +18,9 @@ from .cuda_device import available, num_sms
 # Waves of blocks wanted when the grid alone does not fill the GPU: decode splits the KV range
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
-_WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2}
+_WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
+# cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
+CELLS_MIN_PER_SPLIT = 256
 # K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
 # block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
 DECODE_TC_STAGES = 2
@@ -66,9 +68,12 @@ class Shapes:
         return self.n_head // self.n_head_kv
 
 
-def facts(sh: Shapes, kv_aligned: bool = True) -> dispatch.CallFacts:
-    """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes."""
-    return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned)
+def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None) -> dispatch.CallFacts:
+    """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
+    ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan."""
+    cr, tr = reads if reads is not None else (None, None)
+    return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
+                              sh.ne32 * sh.ne33, cr, tr)
 
 
 def _pow2_divisor(n: int) -> int:
@@ -81,7 +86,7 @@ def _pow2_ceil(n: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    kernel: str           # prefill | decode | decode-tc
+    kernel: str           # prefill | decode | decode-tc | cells
     variant: K.Variant
     name: str             # name expression of the instance
     pack: int             # query heads per tile
@@ -124,13 +129,14 @@ def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
                   blocks_per_sm: int | None = None, wide: bool | None = None,
-                  max_live: dict | None = None) -> LaunchConfig:
+                  max_live: dict | None = None, max_cells: int | None = None) -> LaunchConfig:
     """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
     ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
     ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
     device, 2 without one). ``wide``: the plan's verdict on 128-row prefill tiles (None: by
     n_batch alone). ``max_live``: the plan's most live KV tiles of any query tile, per tile
-    size (the split count is sized from it instead of n_kv)."""
+    size (the split count is sized from it instead of n_kv); ``max_cells``: the plan's longest
+    cell list (kernel "cells": its split count is sized from it)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill":
@@ -159,6 +165,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         variant = K.vec_variant(sh.d_k, sh.d_v, sh.kv_type)
         name = K.vec_name(sh.d_k, sh.d_v, sh.kv_type, rows)
         block, smem = 128, K.vec_smem_bytes(sh.d_k, sh.d_v, rows)
+    elif kernel == "cells":   # one token per block, R heads of one KV head sharing its cell list
+        pack = min(gqa_p2, max(K.cells_rows_allowed(sh.d_k, sh.d_v))) if sh.ne32 == 1 else 1
+        tq = 1
+        variant = K.cells_variant(sh.d_k, sh.d_v, sh.kv_type)
+        name = K.cells_name(sh.d_k, sh.d_v, sh.kv_type, pack)
+        block, smem = 128, K.cells_smem_bytes(sh.d_k, sh.d_v, pack)
     else:
         raise ValueError(f"no launch configuration for kernel {kernel!r}")
     n_q_tiles = -(-sh.n_batch // tq)
@@ -166,10 +178,14 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     if n_splits is None:
         if blocks_per_sm is None:
             blocks_per_sm = _occupancy(variant, name, block, smem)
-        live = (max_live or {}).get(tq, n_kv_tiles)
+        if kernel == "cells":   # list entries in units of 1/_MIN_TILES_PER_SPLIT of a split's minimum
+            cells = sh.n_kv if max_cells is None else max_cells
+            live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
+        else:
+            live = (max_live or {}).get(tq, n_kv_tiles)
         n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
-    if kernel == "decode":
+    if kernel in ("decode", "cells"):
         grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
     else:   # tensor-core kernels: heads fastest, query tiles (reversed in the kernel) second
         if n_q_tiles > _MAX_GRID_Y:

@@ -52,17 +52,23 @@ class Plan:
     # what the plan built on the GPU, each as (value, built-on stream, event recorded after it):
     #   "lohi" -> the row intervals; ("map", tq) -> (idx, cnt, flags, (idx_ptr, cnt_ptr, lohi_ptr),
     #   buf, hidden) (_build_live_map);
-    #   "aligned" -> (TensorDesc, cupy array), the 16-byte aligned copy of the mask
+    #   "aligned" -> (TensorDesc, cupy array), the 16-byte aligned copy of the mask;
+    #   "cells" -> (cells, cnt), the cell lists (_build_cell_lists)
     items: dict = field(default_factory=dict)
     # host statistics read once by make_plan (one synchronization per ubatch):
     wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
     max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
     _live_key: tuple = ()                          # max_live as a sorted tuple (kept by read_stats)
+    max_cells: int | None = None   # longest cell list (read_cell_stats; sizes the "cells" splits)
+    # (cell_reads, tile_reads) for dispatch.best_kernel (make_plan): K/V cells per query token and
+    # KV head that the cell-list kernel and the tile kernel auto would otherwise run read; None:
+    # not measured (no cell lists built)
+    reads: tuple | None = None
 
     def hint(self) -> tuple:
         """What the launch configuration takes from the plan (part of the call cache key; read
         on every call, so nothing is computed here)."""
-        return self.wide, self._live_key
+        return self.wide, self._live_key, self.max_cells, self.reads
 
     def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
         """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
@@ -141,23 +147,52 @@ class Plan:
                         out[(i33, qt, e & ((1 << 28) - 1))] = [int(w) for w in words[i33, qt, j]]
         return out
 
+    def cell_lists(self, stream: int) -> tuple[int, int]:
+        """(cells_ptr, cnt_ptr) of the per-row cell lists (FattnParams.cells / cell_cnt); builds
+        them if missing."""
+        cells, cnt = self._get("cells", stream, lambda st: _build_cell_lists(self.mask, self.n_batch, st))
+        return cells.data.ptr, cnt.data.ptr
+
+    def cell_counts(self, stream: int = None) -> np.ndarray:
+        """Host copy of the cell-list lengths, numpy [ne33, ne32, n_batch] (tests and stats)."""
+        self.cell_lists(stream_ptr(stream))
+        return self.items["cells"][0][1].get().reshape(self.mask.ne[3], self.mask.ne[2], self.n_batch)
+
+    def cell_entries(self, stream: int = None) -> np.ndarray:
+        """Host copy of the cell lists, int32 [ne33, ne32, n_batch, n_kv, 2] (cell, float bits of
+        the mask value); entries past a row's count are unspecified (tests)."""
+        self.cell_lists(stream_ptr(stream))
+        n_kv, _, ne32, ne33 = self.mask.ne
+        return self.items["cells"][0][0].get().reshape(ne33, ne32, self.n_batch, n_kv, 2)
+
+    def read_cell_stats(self, stream: int) -> tuple[int, float]:
+        """(longest, mean) cell list over the mask rows; synchronizes ``stream``."""
+        import cupy
+        self.cell_lists(stream)
+        with cupy.cuda.ExternalStream(stream):
+            cnt = self.items["cells"][0][1].get()
+        self.max_cells = int(cnt.max()) if cnt.size else 0
+        return self.max_cells, float(cnt.mean()) if cnt.size else 0.0
+
     def refresh(self, stream=None) -> None:
         """The mask's contents changed (same tensor, same shape): rebuild everything this plan
-        built -- row intervals, each tile map, the aligned copy -- into the same buffers, on
+        built -- row intervals, each tile map, the aligned copy, the cell lists (capacity n_kv
+        per row: they always fit) -- into the same buffers, on
         ``stream``, launches only (no allocation, no synchronization: a CUDA graph captures
         it). The statistics read at build time (tile height, split counts) are kept; the
         kernels stay right whatever they are (they only size the work)."""
         st = stream_ptr(stream)
         got = self.items.get("lohi")
-        if got is None:
-            return
-        lohi = _build_row_intervals(self.mask, self.n_batch, st, into=got[0])
+        lohi = _build_row_intervals(self.mask, self.n_batch, st, into=got[0]) if got is not None else None
         for key, (val, _, _) in list(self.items.items()):
             if isinstance(key, tuple) and key[0] == "map":
                 _build_live_map(self.mask, self.n_batch, key[1], st, lohi, into=val)
         got = self.items.get("aligned")
         if got is not None:
             _aligned_mask_copy(self.mask, self.n_batch, st, into=got[0])
+        got = self.items.get("cells")
+        if got is not None:
+            _build_cell_lists(self.mask, self.n_batch, st, into=got[0])
 
     def aligned(self, stream: int) -> TensorDesc:
         """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
@@ -230,6 +265,57 @@ def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, 
     return idx, cnt, flags, (buf.data.ptr, cnt.data.ptr, lohi.data.ptr), buf, hidden
 
 
+def _build_cell_lists(mask: TensorDesc, n_batch: int, stream: int, into=None):
+    """Each mask row's visible cells (fattn_cell_lists, fattn_util.cu): (cells, cnt), cupy int32
+    [ne33][ne32][n_batch][n_kv][2] entries (cell, float bits of the mask value) in ascending cell
+    order, and int32 [ne33][ne32][n_batch] counts. Capacity n_kv per row, fixed by the shapes:
+    ``into`` (an earlier build's pair) is written again, nothing allocated, nothing read back."""
+    import cupy
+    n_kv, _, ne32, ne33 = mask.ne
+    if into is None:
+        with cupy.cuda.ExternalStream(stream):
+            into = (cupy.empty((ne33, ne32, n_batch, n_kv, 2), dtype=cupy.int32),
+                    cupy.empty((ne33, ne32, n_batch), dtype=cupy.int32))
+    cells, cnt = into
+    fn = K.get_function(K.util_variant(), "fattn_cell_lists")
+    fn.launch((n_batch, ne32, ne33), (K.CELL_LIST_THREADS, 1, 1), stream, _mask_params(mask, n_batch),
+              ctypes.c_uint64(cells.data.ptr), ctypes.c_uint64(cnt.data.ptr))
+    return into
+
+
+def cell_lists_host(mask: np.ndarray, n_batch: int | None = None, *, aligned: bool = True,
+                    threads: int = K.CELL_LIST_THREADS) -> tuple[np.ndarray, np.ndarray]:
+    """Host mirror of fattn_cell_lists, step for step (passes of ``threads`` x 8 cells, each
+    thread's 8-cell visibility bits, the block's exclusive scan, writes in cell order), on a
+    numpy f16 mask [ne33, ne32, rows, n_kv] (numpy order): (cells int32 [ne33, ne32, n_batch,
+    n_kv, 2] with -1 past each count, cnt int32 [ne33, ne32, n_batch]). ``aligned`` only picks
+    the kernel's load path (16-byte loads or single cells); the result is the same."""
+    m = np.asarray(mask, dtype=np.float16)
+    ne33, ne32, rows, n_kv = m.shape
+    n_batch = rows if n_batch is None else n_batch
+    bits16 = m.view(np.uint16)
+    cells = np.full((ne33, ne32, n_batch, n_kv, 2), -1, dtype=np.int32)
+    cnt = np.zeros((ne33, ne32, n_batch), dtype=np.int32)
+    for i33 in range(ne33):
+        for i32 in range(ne32):
+            for t in range(n_batch):
+                row, out, base = bits16[i33, i32, t], cells[i33, i32, t], 0
+                for c0 in range(0, n_kv, 8 * threads):
+                    c = c0 + 8 * np.arange(threads)[:, None] + np.arange(8)[None, :]   # [thread, e]
+                    b = np.where(c < n_kv, row[np.minimum(c, n_kv - 1)], np.uint16(0xFC00))
+                    vis = b != 0xFC00                                                     # bits
+                    n = vis.sum(axis=1)
+                    start = base + np.cumsum(n) - n                                       # exclusive scan
+                    for th in np.flatnonzero(n):
+                        e = np.flatnonzero(vis[th])
+                        pos = start[th] + np.arange(len(e))
+                        out[pos, 0] = c[th, e]
+                        out[pos, 1] = b[th, e].view(np.float16).astype(np.float32).view(np.int32)
+                    base += int(n.sum())
+                cnt[i33, i32, t] = base
+    return cells, cnt
+
+
 def mask_needs_aligned_copy(mask: TensorDesc) -> bool:
     """True when the mask's pointer or a byte stride is not a multiple of 16: the tensor-core
     kernels load mask tiles with 16-byte cp.async."""
@@ -263,7 +349,10 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     that ``kernel`` (with "auto": dispatch) uses at these shapes is built now; other tile
     shapes are built on first use. Reuse the plan for every layer of the ubatch. Reads the
     live-tile counts back to the host once (one synchronization of ``stream``): the prefill
-    tile height and the decode split count follow the live tiles, not n_kv.
+    tile height and the decode split count follow the live tiles, not n_kv. With ``auto`` on a
+    decode-shaped call (dispatch.cells_why_not) the per-row cell lists are built as well and
+    their lengths read back with the tile counts: ``Plan.reads`` then lets best_kernel choose
+    the cell-list kernel when the rows see few, interleaved cells.
     """
     if mask is None:
         raise ValueError("make_plan needs a mask")
@@ -272,15 +361,30 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     plan = Plan(mask, n_batch, n_head, n_head_kv)
     sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
     kern = dispatch.best_kernel(kernel, facts(sh)).kernel
-    if kern in dispatch.GPU_KERNELS:
-        st = stream_ptr(stream)
-        if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
-            _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
-            plan.wide = mean >= L.PREFILL_WIDE_MIN_LIVE
-        cfg = launch_config(kern, sh, wide=plan.wide)
-        plan.read_stats(cfg.q_tile_tokens, st)
-        if kern != "decode" and mask_needs_aligned_copy(mask):
-            plan.aligned(st)
+    if kern not in dispatch.GPU_KERNELS:
+        return plan
+    st = stream_ptr(stream)
+    if kern == "cells":   # asked for by name: only its lists
+        plan.read_cell_stats(st)
+        return plan
+    # auto on a decode-shaped call: the cell lists too, queued before the first read-back, and
+    # what each kernel would read (Plan.reads) for best_kernel's choice
+    cells = kernel == "auto" and dispatch.cells_why_not(facts(sh)) is None
+    if cells:
+        plan.cell_lists(st)
+    if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
+        _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
+        plan.wide = mean >= L.PREFILL_WIDE_MIN_LIVE
+    cfg = launch_config(kern, sh, wide=plan.wide)
+    _, mean_tiles = plan.read_stats(cfg.q_tile_tokens, st)
+    if cells:
+        _, mean_cells = plan.read_cell_stats(st)
+        pack_cells = launch_config("cells", sh, blocks_per_sm=1, max_cells=plan.max_cells).pack
+        tile_reads = mean_tiles * K.KV_TILE * cfg.n_q_tiles * (sh.gqa // cfg.pack) / max(1, n_batch)
+        plan.reads = (mean_cells * sh.gqa / pack_cells, tile_reads)
+        kern = dispatch.best_kernel(kernel, facts(sh, reads=plan.reads)).kernel
+    if kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
+        plan.aligned(st)
     return plan
 
 

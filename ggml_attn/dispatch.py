@@ -6,7 +6,8 @@ CUDA backend's entry points, the plan builder and the CLI all ask it. Inputs are
 heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
 ``"prefill"`` (tensor-core tiles of 64 rows), ``"decode"`` (CUDA-core split-KV),
 ``"decode-tc"`` (tensor-core split-KV, the query heads of one KV head as the rows of a 16-row
-tile), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
+tile), ``"cells"`` (CUDA-core split-KV over each row's own list of visible cells, for decode
+steps whose rows see few, interleaved cells: the plan's cell lists), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
 host memory), plus a one-line reason.
 
 The crossover table below comes from ``tools/gpu_crossover.py`` run on the H200; its raw
@@ -19,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
-from .kernels import MMA_HEADS, VEC_HEADS
+from .kernels import CELLS_HEADS, MMA_HEADS, VEC_HEADS
 
-KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference")
-GPU_KERNELS = ("prefill", "decode", "decode-tc")
+KERNELS = ("auto", "prefill", "decode", "decode-tc", "cells", "reference")
+GPU_KERNELS = ("prefill", "decode", "decode-tc", "cells")
 
 # Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
 # bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
@@ -36,6 +37,38 @@ DECODE_MAX_BATCH = {1: 16, 2: 8, 4: 4, 8: 2}
 DECODE_TC_MIN_GQA = 1
 CROSSOVER_SOURCE = "H200 crossover 2026-11-29 (372c6bd)"
 
+# Cell-list decode ("cells"): auto picks it when the plan measured that the tile kernel it would
+# otherwise run reads at least CELLS_MIN_GAIN times the K/V cells (per token and KV head) that
+# walking each row's own visible cells reads -- decode steps over a unified cache whose
+# sequences' cells interleave (every KV tile live, each row seeing ~1/n_seq of the cells). Only
+# for decode-shaped calls: at most CELLS_MAX_BATCH query tokens per stream, and cell lists
+# (capacity n_kv per mask row, 8 bytes an entry) of at most CELLS_MAX_LIST_BYTES. The gain
+# threshold is a guess to be measured (tools/gpu_batched_attn_bench.py): the cell kernel gathers
+# single K/V rows on CUDA cores and reuses nothing across tokens, the tile kernels read whole
+# tiles through tensor cores and share them over a query tile.
+CELLS_MIN_GAIN = 2.0
+CELLS_MAX_BATCH = 256
+CELLS_MAX_LIST_BYTES = 256 << 20
+
+
+def cell_list_bytes(n_batch: int, n_kv: int, mask_planes: int = 1) -> int:
+    """Bytes of a plan's cell lists: (int2 entries, capacity n_kv) + one count per mask row."""
+    return mask_planes * n_batch * (8 * n_kv + 4)
+
+
+def cells_why_not(f: "CallFacts") -> str | None:
+    """None when the cell-list kernel can run this call, else why not (head sizes, K/V type,
+    too many tokens per stream for per-row lists)."""
+    why = supports("cells", f.d_k, f.d_v, f.kv_type)
+    if why is not None:
+        return why
+    if f.n_batch > CELLS_MAX_BATCH:
+        return f"n_batch {f.n_batch} > {CELLS_MAX_BATCH}: per-row cell lists are for decode-shaped calls"
+    nbytes = cell_list_bytes(f.n_batch, f.n_kv, f.mask_planes)
+    if nbytes > CELLS_MAX_LIST_BYTES:
+        return f"cell lists of {nbytes >> 20} MiB > {CELLS_MAX_LIST_BYTES >> 20} MiB"
+    return None
+
 
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
     """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot."""
@@ -44,7 +77,7 @@ def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
     if kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
         return (f"K/V type {TYPE_NAMES.get(kv_type, kv_type)} has no GPU kernel "
                 "(the kernels read f16/bf16 K/V)")
-    heads = VEC_HEADS if kernel == "decode" else MMA_HEADS
+    heads = VEC_HEADS if kernel == "decode" else CELLS_HEADS if kernel == "cells" else MMA_HEADS
     if (d_k, d_v) not in heads:
         return f"head sizes D_k={d_k}, D_v={d_v} are not compiled for the {kernel} kernel " \
                f"(compiled: {', '.join(f'{a}/{b}' for a, b in heads)})"
@@ -92,11 +125,16 @@ class CallFacts:
     d_v: int
     kv_type: int
     kv_aligned: bool = True
+    mask_planes: int = 1               # ne32 * ne33 of the mask (cell lists: one per plane and token)
+    # from the plan (None without one, or when it built no cell lists): K/V cells read per query
+    # token and KV head by the cell-list kernel, and by the tile kernel auto would otherwise run
+    cell_reads: float | None = None
+    tile_reads: float | None = None
 
 
 @dataclass(frozen=True)
 class Choice:
-    """``kernel``: "prefill" | "decode" | "decode-tc" (CUDA kernels), "reference" (numpy, on host
+    """``kernel``: "prefill" | "decode" | "decode-tc" | "cells" (CUDA kernels), "reference" (numpy, on host
     copies when the data is on the device) or "cpu" (the op's threaded numpy path on host
     memory); ``reason``: one line saying why."""
     kernel: str
@@ -140,8 +178,13 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
         kern, why = _choose_gpu(f.n_batch, f.gqa, f.d_k, f.d_v, f.kv_type)
         if kern == "reference":
             return Choice("reference", f"{why}; running the numpy reference on the host")
+        if f.cell_reads is not None and f.tile_reads is not None and cells_why_not(f) is None \
+                and f.cell_reads * CELLS_MIN_GAIN <= f.tile_reads:
+            kern, why = "cells", (f"rows see few cells: {f.cell_reads:.0f} K/V cells per token and KV head "
+                                  f"on their cell lists against {f.tile_reads:.0f} for {kern} "
+                                  f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
     else:
-        why = supports(kernel, f.d_k, f.d_v, f.kv_type)
+        why = cells_why_not(f) if kernel == "cells" else supports(kernel, f.d_k, f.d_v, f.kv_type)
         if why is not None:
             raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
         kern, why = kernel, f"kernel {kernel!r} requested"

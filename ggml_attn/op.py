@@ -106,7 +106,7 @@ def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
     """Choose where the op runs: ``auto`` (CUDA when usable, else numpy), ``reference``
     (numpy always) or ``cuda`` (a usable GPU is checked here: ``RuntimeError`` when there is
     none); ``kernel`` is passed to the CUDA backend (``auto``, ``prefill``, ``decode``,
-    ``decode-tc``, ``reference``). Invalid names raise ``ValueError``; on any error the
+    ``decode-tc``, ``cells``, ``reference``). Invalid names raise ``ValueError``; on any error the
     settings stay as they were."""
     from .dispatch import KERNELS  # noqa: PLC0415
     if not isinstance(backend, str) or backend not in BACKENDS:

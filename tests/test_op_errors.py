@@ -257,7 +257,7 @@ def test_set_backend_rejects_unknown_kernels():
     with pytest.raises(ValueError, match="backend"):
         ggml_attn.set_backend(None)
     assert op._settings == {"backend": "auto", "kernel": "auto"}  # unchanged by the failures
-    for k in ("auto", "prefill", "decode", "decode-tc", "reference"):
+    for k in ("auto", "prefill", "decode", "decode-tc", "cells", "reference"):
         ggml_attn.set_backend("reference", kernel=k)
     ggml_attn.set_backend("auto")
 

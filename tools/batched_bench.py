@@ -78,7 +78,7 @@ def build_parser() -> Parser:
                   "the same batch); simple always runs on a unified KV cache; default: simple "
                   "with -kvu, equal without (as llama.cpp)")
     p.add_argument("--kernel", choices=KERNELS, default="auto",
-                   help="attention kernel: auto|prefill|decode|decode-tc|reference on the GPU; "
+                   help="attention kernel: auto|prefill|decode|decode-tc|cells|reference on the GPU; "
                         "ggml: ggml's own flash attention on the CPU (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default="attn",
                    help="attn: attention only; full: with QKV/O projections and FFN (default: attn)")

@@ -76,7 +76,7 @@ def build_parser() -> Parser:
              help="ubatch split: simple|equal|seq|padded|auto; default: simple with -kvu 1, "
                   "equal without (as llama.cpp)")
     add_list(p, "--kernel", type=choice_list(KERNELS), default=["auto"], metavar="KERNEL",
-             help="attention kernel on the GPU: auto|prefill|decode|decode-tc|reference; "
+             help="attention kernel on the GPU: auto|prefill|decode|decode-tc|cells|reference; "
                   "ggml: ggml's own flash attention (CPU baseline)")
     add_list(p, "--layer", type=choice_list(LAYERS), default=["attn"], metavar="attn|full",
              help="attn: attention only; full: with QKV/O projections and FFN (random weights)")

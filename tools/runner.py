@@ -27,7 +27,7 @@ from .errors import UserError
 from .models import ModelShape
 
 SPLITS = ("simple", "equal", "seq", "padded", "auto")
-KERNELS = ("auto", "prefill", "decode", "decode-tc", "reference", "ggml")
+KERNELS = ("auto", "prefill", "decode", "decode-tc", "cells", "reference", "ggml")
 DEVICES = ("auto", "cpu", "cuda")
 LAYERS = ("attn", "full")
 
@@ -91,7 +91,7 @@ class RunConfig:
                           head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
 
 
-GPU_KERNELS = ("prefill", "decode", "decode-tc")
+GPU_KERNELS = ("prefill", "decode", "decode-tc", "cells")
 
 
 def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
