@@ -26,7 +26,15 @@ pytestmark = [pytest.mark.gpu,
 NMSE_MAX = 5e-4
 # "prefill-wide": the prefill kernel with 128-row query tiles (MT = 2, FA2 load order) forced
 # at every batch size (the backend picks it from cuda_launch.PREFILL_WIDE_MIN_BATCH tokens on)
-GPU_KERNELS = ("prefill", "prefill-wide", "decode", "decode-tc")
+# "cells": the cell-list decode kernel (per-row lists of visible cells), run by name on every
+# case it takes (decode-shaped: n_batch <= dispatch.CELLS_MAX_BATCH; larger cases skip it)
+GPU_KERNELS = ("prefill", "prefill-wide", "decode", "decode-tc", "cells")
+
+
+def _skip_cells_if_large(kernel, n_batch):
+    from ggml_attn import dispatch
+    if kernel == "cells" and n_batch > dispatch.CELLS_MAX_BATCH:
+        pytest.skip(f"cells takes n_batch <= {dispatch.CELLS_MAX_BATCH} (decode-shaped calls)")
 
 
 class _Kernel:
@@ -73,6 +81,7 @@ def _run_device(q, k, v, mask, sinks, scale, max_bias, softcap, kernel, *, permu
                 n_splits=None, plan=None, d_v=None):
     cp = _cupy()
     ne3, n_head, n_batch, _ = q.shape
+    _skip_cells_if_large(kernel, n_batch)
     d_v = v.shape[3] if d_v is None else d_v
     dq, dk_, dv_ = _dev(q, permuted), _dev(k, permuted), None
     if v is not None and k is not None and v.base is not None and v.base is k:
@@ -94,6 +103,7 @@ def _run_device(q, k, v, mask, sinks, scale, max_bias, softcap, kernel, *, permu
 
 def _run_host(q, k, v, mask, sinks, scale, max_bias, softcap, kernel):
     ne3, n_head, n_batch, _ = q.shape
+    _skip_cells_if_large(kernel, n_batch)
     dst = np.full((ne3, n_batch, n_head, v.shape[3]), np.nan, dtype=np.float32)
     kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
                np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
@@ -584,6 +594,7 @@ def _launch(q_d, k_d, v_d, mask_desc, sinks_d, n_batch, n_head, d_v, ne3, kernel
             plan=None, stream=None, n_splits=None):
     """flash_attn_ext_device on CuPy arrays / a ready mask TensorDesc; dst NaN-poisoned."""
     cp = _cupy()
+    _skip_cells_if_large(kernel, n_batch)
     if isinstance(stream, cp.cuda.Stream):
         with stream:
             dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
@@ -749,4 +760,121 @@ def test_plan_refresh_follows_new_mask_contents(kernel, rng):
     assert plan.live(_layout_cfg(kernel, n, plan)[0], cp.cuda.get_current_stream().ptr) == ptrs, \
         "refresh must reuse the buffers"
     out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kernel, GGML_TYPE_F16, plan=plan)
+    _check(out.get(), flash_attn_ext(q, k, v, mb, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "after refresh")
+
+
+# ---------------------------------------------------------------------------------------
+# cell-list decode ("cells"): lists built on the device, the kernel on sparse and interleaved
+# masks, fully masked rows, splits, refresh in place, auto's choice on a batched decode step
+def _sparse_mask(rng, shape, live=0.05):
+    m = np.where(rng.random(shape) < live, rng.uniform(-1, 1, shape), -np.inf)
+    return m.astype(np.float16)
+
+
+@pytest.mark.parametrize("n_kv", [1, 113, 2049, 9000])
+def test_cells_lists_match_host_mirror(n_kv, rng):
+    """The device cell lists equal cell_lists_host (and the mask): odd n_kv (unaligned rows, the
+    single-cell load path), two head and two stream planes, padded mask rows, NaN cells."""
+    from ggml_attn.cuda_plan import cell_lists_host
+    cp = _cupy()
+    n_batch = 5
+    m = _sparse_mask(rng, (2, 2, n_batch + 2, n_kv), 0.1)
+    m[0, 0, 0] = -np.inf
+    m[1, 1, 1, ::7] = np.nan
+    dm = cp.asarray(m)
+    plan = cb.make_plan(from_array(dm), n_batch, 4, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    want_cells, want_cnt = cell_lists_host(m, n_batch)
+    cnt = plan.cell_counts()
+    assert np.array_equal(cnt, want_cnt)
+    got = plan.cell_entries()
+    for idx in np.ndindex(*cnt.shape):
+        n = int(cnt[idx])
+        assert np.array_equal(got[idx][:n], want_cells[idx][:n]), idx
+    assert plan.max_cells == int(want_cnt.max())
+
+
+@pytest.mark.parametrize("d,gqa,kv_type", [(64, 1, GGML_TYPE_F16), (128, 4, GGML_TYPE_F16),
+                                            (128, 8, GGML_TYPE_BF16), (256, 2, GGML_TYPE_BF16),
+                                            (128, 3, GGML_TYPE_F16)])
+@pytest.mark.parametrize("n_splits", [None, 1, 3])
+@pytest.mark.parametrize("n_batch", [1, 7, 64])
+def test_cells_random_sparse(d, gqa, kv_type, n_splits, n_batch, rng):
+    """Random sparse masks (5% of cells visible, random values), fully masked rows (exact
+    zeros, sinks on), splits on and off."""
+    n_kv, n_head_kv = 3001, 2
+    q, k, v, s = _inputs(rng, 1, n_head_kv * gqa, n_head_kv, n_batch, n_kv, d, d, kv_type, sinks=True)
+    mask = _sparse_mask(rng, (1, 1, n_batch, n_kv))
+    mask[:, :, ::4] = -np.inf
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=kv_type)
+    out = _run_device(q, k, v, mask, s, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
+    _check(out, ref, f"cells d={d} gqa={gqa} splits={n_splits} n_batch={n_batch}")
+    assert np.all(out[:, ::4] == 0.0), "fully masked rows must be exactly zero"
+
+
+@pytest.mark.parametrize("softcap,max_bias", [(10.0, 0.0), (0.0, 8.0), (20.0, 4.0)])
+def test_cells_softcap_alibi(softcap, max_bias, rng):
+    q, k, v, s = _inputs(rng, 2, 8, 2, 3, 700, 128, 128, GGML_TYPE_F16, sinks=True)
+    mask = conf.random_kq_mask(rng, (2, 1, 3, 700))
+    mask[..., 100:500] = -np.inf
+    ref = flash_attn_ext(q, k, v, mask, 0.09, max_bias, softcap, s, kv_type=GGML_TYPE_F16)
+    for n_splits in (1, 2):
+        out = _run_device(q, k, v, mask, s, 0.09, max_bias, softcap, "cells", n_splits=n_splits)
+        _check(out, ref, f"cells softcap={softcap} alibi={max_bias} splits={n_splits}")
+
+
+def _decode_step_mask(seqs, steps):
+    from tools.gpu_batched_attn_bench import step_plan
+    plan, _ = step_plan(seqs, steps)
+    m = np.ascontiguousarray(plan.mask)
+    m = m.reshape(1, 1, m.shape[-2], m.shape[-1])
+    return m, plan.ubatch.n_tokens
+
+
+@pytest.mark.parametrize("kernel", ["cells", "auto"])
+@pytest.mark.parametrize("n_splits", [None, 1, 4])
+def test_cells_interleaved_decode_step(kernel, n_splits, rng):
+    """A batched decode step over a unified cache (tools/gpu_batched_attn_bench.step_plan: 64
+    ragged prompts, then decode steps whose cells interleave), 32 q / 8 KV heads, D 128;
+    auto must choose the cell lists here."""
+    cp = _cupy()
+    mask, n_tok = _decode_step_mask(64, 8)
+    n_kv = mask.shape[-1]
+    q, k, v, _ = _inputs(rng, 1, 32, 8, n_tok, n_kv, 128, 128, GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, mask, 1 / math.sqrt(128), 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    dm = cp.asarray(mask)
+    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
+    if kernel == "auto":
+        assert plan.reads is not None and plan.reads[0] * 2 <= plan.reads[1], plan.reads
+        b = cb.bind(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
+                    from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dm, GGML_TYPE_F16), None,
+                    from_array(cp.empty((1, n_tok, 32, 128), cp.float32)), 0.1, plan=plan)
+        assert b.kern == "cells"
+    dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dst = cp.full((1, n_tok, 32, 128), cp.nan, dtype=cp.float32)
+    cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                             from_array(dm, GGML_TYPE_F16), None, from_array(dst), 1 / math.sqrt(128),
+                             kernel=kernel, plan=plan, n_splits=n_splits)
+    cp.cuda.get_current_stream().synchronize()
+    _check(dst.get(), ref, f"decode step {kernel} splits={n_splits}")
+
+
+def test_cells_refresh_follows_new_mask_contents(rng):
+    """Plan.refresh rebuilds the cell lists in the same buffers (a captured decode step): the
+    kernel reads the new mask's cells."""
+    cp = _cupy()
+    n_batch, n_kv = 16, 1500
+    q, k, v, _ = _inputs(rng, 1, 8, 2, n_batch, n_kv, 128, 128, GGML_TYPE_F16)
+    ma = _sparse_mask(rng, (1, 1, n_batch, n_kv), 0.05)
+    mb = _sparse_mask(rng, (1, 1, n_batch, n_kv), 0.3)
+    dm = cp.asarray(ma)
+    plan = cb.make_plan(from_array(dm), n_batch, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    st = cp.cuda.get_current_stream().ptr
+    ptrs = plan.cell_lists(st)
+    dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    out = _launch(dq, dk_, dv_, from_array(dm), None, n_batch, 8, 128, 1, "cells", GGML_TYPE_F16, plan=plan)
+    _check(out.get(), flash_attn_ext(q, k, v, ma, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "before")
+    dm[...] = cp.asarray(mb)
+    plan.refresh()
+    assert plan.cell_lists(st) == ptrs, "refresh must reuse the buffers"
+    out = _launch(dq, dk_, dv_, from_array(dm), None, n_batch, 8, 128, 1, "cells", GGML_TYPE_F16, plan=plan)
     _check(out.get(), flash_attn_ext(q, k, v, mb, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "after refresh")

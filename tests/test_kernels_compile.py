@@ -93,6 +93,8 @@ def test_variant_list_covers_required_heads():
         for t in (GGML_TYPE_F16, GGML_TYPE_BF16):
             assert K.mma_variant(dk, dk, t) in K.all_variants()
             assert K.vec_variant(dk, dk, t) in K.all_variants()
+            if (dk, dk) in K.CELLS_HEADS:
+                assert K.cells_variant(dk, dk, t) in K.all_variants()
 
 
 def _flat_fields(struct, prefix=""):
@@ -139,6 +141,9 @@ def test_smem_fits_h200():
     for (dk, dv) in K.VEC_HEADS:
         for r in K.vec_rows_allowed(dk, dv):
             assert K.vec_smem_bytes(dk, dv, r) <= 227 * 1024
+    for (dk, dv) in K.CELLS_HEADS:
+        for r in K.cells_rows_allowed(dk, dv):
+            assert K.cells_smem_bytes(dk, dv, r) <= 48 * 1024   # no opt-in attribute needed
 
 
 def test_split_count_fills_whole_waves():

@@ -5,7 +5,8 @@ fills it (64 ragged prompts in one stream, then decode steps of one token per se
 cells interleave), with the driver on the host (nothing computed); the step's mask comes from
 the driver's plan. One layer's attention (32 q / 8 KV heads, D 128, f16 K/V of random values)
 is timed for each GPU kernel the op can run at these shapes, queued calls between two events
-(device time per call).
+(device time per call); each row says which kernel ran (``auto``'s choice), the plan's
+wall time and, for ``cells``, the device time of rebuilding the cell lists (a plan refresh).
 
 Usage: python tools/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--calls 50]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
 
@@ -57,9 +59,12 @@ def run(seqs: int = 64, steps: int = 32, calls: int = 50) -> dict:
     out = cp.empty((1, n_tok, H, D), dtype=cp.float32)
     descs = [from_array(a) for a in (q, k, v, mask, out)]
     rows = []
-    for kernel in ("auto", "prefill", "decode", "decode-tc"):
+    for kernel in ("auto", "prefill", "decode", "decode-tc", "cells"):
         try:
+            t0 = time.perf_counter()
             kp = cb.make_plan(descs[3], n_tok, H, HKV, d_k=D, kernel=kernel)
+            plan_ms = (time.perf_counter() - t0) * 1e3
+            chosen = cb.bind(*descs[:4], None, descs[4], 1 / np.sqrt(D), kernel=kernel, plan=kp).kern
 
             def call():
                 cb.flash_attn_ext_device(descs[0], descs[1], descs[2], descs[3], None, descs[4], 1 / np.sqrt(D),
@@ -74,7 +79,20 @@ def run(seqs: int = 64, steps: int = 32, calls: int = 50) -> dict:
             e1.record()
             e1.synchronize()
             us = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / calls
-            rows.append(dict(kernel=kernel, us=round(us, 1)))
+            row = dict(kernel=kernel, us=round(us, 1), ran=chosen, make_plan_ms=round(plan_ms, 2))
+            if kp.reads is not None:   # auto: K/V cells per token and KV head, cell lists vs tiles
+                row["reads_cells_tiles"] = [round(x, 1) for x in kp.reads]
+            if kp.max_cells is not None:
+                row["max_cells"] = kp.max_cells
+            if kernel == "cells":   # the cell-list build alone (a plan refresh), device time
+                e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                e0.record()
+                for _ in range(calls):
+                    kp.refresh()
+                e1.record()
+                e1.synchronize()
+                row["refresh_us"] = round(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / calls, 1)
+            rows.append(row)
         except Exception as e:  # noqa: BLE001 - a kernel that does not take these shapes
             rows.append(dict(kernel=kernel, error=repr(e)[:200]))
     kv_bytes = 2 * HKV * n_kv * D * 2

@@ -1,6 +1,7 @@
 """A small representative run for compute-sanitizer (memcheck, racecheck): the mask plan,
 prefill with a ragged block-causal mask and a tail tile (n_kv = 333), decode and decode-tc
-with forced KV splits + combine, BF16, D=80 (padded head size) and sinks/ALiBi/softcap.
+with forced KV splits + combine, the cell-list decode (its list builder, splits, D 64/128/256),
+BF16, D=80 (padded head size) and sinks/ALiBi/softcap.
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def main():
         ("decode", 128, GGML_TYPE_F16, 1, 3, 0.0, 0.0, "random"),
         ("decode-tc", 64, GGML_TYPE_BF16, 2, 3, 0.0, 8.0, "random"),
         ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, None),
+        # cell-list decode: lists from the random mask (unaligned rows: n_kv 333), splits and
+        # combine, no mask (every cell), ALiBi + softcap, D 64 / 256
+        ("cells", 128, GGML_TYPE_F16, 3, None, 0.0, 0.0, "random"),
+        ("cells", 128, GGML_TYPE_F16, 2, 3, 0.0, 0.0, "random"),
+        ("cells", 64, GGML_TYPE_BF16, 1, 2, 10.0, 8.0, "random"),
+        ("cells", 256, GGML_TYPE_F16, 2, None, 0.0, 0.0, None),
     ]:
         n_kv, nh, nkv = 333, 8, 2
         q = rng.uniform(-1, 1, (1, nh, nb, dk)).astype(np.float32)

@@ -1,0 +1,139 @@
+"""Cell-list decode ("cells") without a GPU: the host mirror of the cell-list builder against
+the mask, the dispatch rule, the launch configuration and the kernel name lists. The device
+side is checked in tests/test_gpu_kernels.py (marked gpu)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ggml_attn import dispatch
+from ggml_attn import kernels as K
+from ggml_attn.cuda_launch import Shapes, facts, launch_config
+from ggml_attn.cuda_plan import cell_lists_host
+from ggml_attn.dispatch import CallFacts, best_kernel
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
+
+
+def _check_lists(mask, cells, cnt, n_batch):
+    for idx in np.ndindex(mask.shape[0], mask.shape[1], n_batch):
+        row = mask[idx]
+        vis = np.flatnonzero(row.view(np.uint16) != 0xFC00)   # not -inf (NaN, +inf, -0 listed)
+        n = int(cnt[idx])
+        assert n == len(vis), idx
+        assert (cells[idx][:n, 0] == vis).all(), idx
+        want = row[vis].astype(np.float32)
+        got = cells[idx][:n, 1].view(np.float32)
+        assert np.array_equal(got, want, equal_nan=True), idx
+
+
+@pytest.mark.parametrize("n_kv", [1, 7, 8, 9, 2047, 2048, 2049, 4100])
+def test_cell_lists_host_match_mask(n_kv):
+    rng = np.random.default_rng(n_kv)
+    ne33, ne32, rows, n_batch = 2, 3, 5, 4
+    m = np.where(rng.random((ne33, ne32, rows, n_kv)) < 0.2,
+                 rng.uniform(-2, 2, (ne33, ne32, rows, n_kv)), -np.inf).astype(np.float16)
+    m[0, 0, 0] = -np.inf                    # a fully masked row: empty list
+    m[0, 1, 1] = 0.0                        # a fully visible row
+    m[1, 2, 2, :: 3] = np.nan               # NaN cells are visible
+    m[1, 0, 3, -1:] = np.float16(-0.0)
+    m[1, 1, 0, : n_kv // 2] = np.inf
+    cells, cnt = cell_lists_host(m, n_batch)
+    assert cells.shape == (ne33, ne32, n_batch, n_kv, 2) and cnt.shape == (ne33, ne32, n_batch)
+    _check_lists(m, cells, cnt, n_batch)
+    assert cnt[0, 0, 0] == 0 and cnt[0, 1, 1] == n_kv
+
+
+def test_cell_lists_host_small_blocks_interleaved_decode():
+    """Interleaved decode cells (cell c belongs to sequence c % 64) and a builder block of a
+    few threads (many passes): every row lists exactly its sequence's cells, in order."""
+    n_seq, n_kv = 64, 64 * 40 + 13
+    seq_of = np.arange(n_kv) % n_seq
+    m = np.where(seq_of[None, :] == np.arange(n_seq)[:, None], 0.0, -np.inf).astype(np.float16)
+    m = m.reshape(1, 1, n_seq, n_kv)
+    for threads in (1, 3, 32, K.CELL_LIST_THREADS):
+        cells, cnt = cell_lists_host(m, threads=threads)
+        _check_lists(m, cells, cnt, n_seq)
+        assert (cells[0, 0, 5, :cnt[0, 0, 5], 0] % n_seq == 5).all()
+
+
+def test_dispatch_names_and_support():
+    assert "cells" in dispatch.KERNELS and "cells" in dispatch.GPU_KERNELS
+    for dk in (64, 128, 256):
+        for t in (GGML_TYPE_F16, GGML_TYPE_BF16):
+            assert dispatch.supports("cells", dk, dk, t) is None
+            assert K.cells_variant(dk, dk, t) in K.all_variants()
+    assert "not compiled" in dispatch.supports("cells", 80, 80, GGML_TYPE_F16)
+    assert "has no GPU kernel" in dispatch.supports("cells", 128, 128, GGML_TYPE_F32)
+    from tools import runner
+    assert "cells" in runner.KERNELS and "cells" in runner.GPU_KERNELS
+
+
+def _facts(n_batch=64, gqa=4, n_kv=13056, d=128, kv=GGML_TYPE_F16, planes=1, reads=None):
+    cr, tr = reads or (None, None)
+    return CallFacts(n_batch, gqa, n_kv, d, d, kv, True, planes, cr, tr)
+
+
+def test_auto_picks_cells_only_from_plan_reads():
+    # without the plan's counts: the tile kernels as before
+    assert best_kernel("auto", _facts()).kernel == "prefill"
+    assert best_kernel("auto", _facts(n_batch=1)).kernel == "decode-tc"
+    # the batched bench's case: ~150 cells per row, the prefill kernel reads every tile
+    c = best_kernel("auto", _facts(reads=(150.0, 816.0)))
+    assert c.kernel == "cells" and "150" in c.reason and "816" in c.reason and "prefill" in c.reason
+    # gain below the threshold, or rows that see everything (B=1 causal): not cells
+    assert best_kernel("auto", _facts(reads=(500.0, 816.0))).kernel == "prefill"
+    assert best_kernel("auto", _facts(n_batch=1, reads=(4096.0, 4096.0))).kernel == "decode-tc"
+    # not decode-shaped, too large lists, head size or type without an instance
+    assert best_kernel("auto", _facts(n_batch=dispatch.CELLS_MAX_BATCH + 1, reads=(1, 1000))).kernel == "prefill"
+    assert best_kernel("auto", _facts(n_kv=1 << 20, n_batch=64, reads=(1, 1000))).kernel == "prefill"
+    assert best_kernel("auto", _facts(d=80, reads=(1, 1000))).kernel == "prefill"
+    assert best_kernel("auto", _facts(kv=GGML_TYPE_F32, reads=(1, 1000))).kernel == "reference"
+    # unaligned K/V: the reference, as for every kernel
+    f = CallFacts(64, 4, 13056, 128, 128, GGML_TYPE_F16, False, 1, 150.0, 816.0)
+    assert best_kernel("auto", f).kernel == "reference"
+
+
+def test_cells_by_name():
+    assert best_kernel("cells", _facts()).kernel == "cells"
+    assert best_kernel("cells", _facts(n_batch=1)).reason == "kernel 'cells' requested"
+    with pytest.raises(ValueError, match="decode-shaped"):
+        best_kernel("cells", _facts(n_batch=4096))
+    with pytest.raises(ValueError, match="MiB"):
+        best_kernel("cells", _facts(n_batch=256, n_kv=1 << 20))
+    with pytest.raises(ValueError, match="not compiled"):
+        best_kernel("cells", _facts(d=96))
+
+
+def test_facts_carry_mask_planes_and_reads():
+    sh = Shapes(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16, 2, 3)
+    f = facts(sh, True, (1.0, 2.0))
+    assert f.mask_planes == 6 and (f.cell_reads, f.tile_reads) == (1.0, 2.0)
+    assert facts(sh).cell_reads is None
+
+
+def test_launch_config_cells():
+    sh = Shapes(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16)
+    c = launch_config("cells", sh, blocks_per_sm=3, max_cells=200)
+    # one block per (token, KV head): the 4 heads of a GQA group share the token's list
+    assert c.pack == 4 and c.q_tile_tokens == 1 and c.grid == (64, 8, 1) and c.n_splits == 1
+    assert c.name == "fattn_cells<128, 128, __half, 4>" and c.variant.family == "cells"
+    assert c.smem == K.cells_smem_bytes(128, 128, 4) and not c.finishes_splits()
+    # one row with a long list: splits of >= 256 list entries to fill the GPU
+    sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    c1 = launch_config("cells", sh1, blocks_per_sm=3, max_cells=32768)
+    assert c1.grid[:2] == (1, 8) and 1 < c1.n_splits <= 32768 // 256
+    assert launch_config("cells", sh1, blocks_per_sm=3, max_cells=300).n_splits == 1
+    # mask head planes: one head per block (each head may have its own list)
+    shp = Shapes(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1)
+    assert launch_config("cells", shp, blocks_per_sm=2).pack == 1
+    # gqa 8 (70B-like), D 64 and 256
+    assert launch_config("cells", Shapes(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2).pack == 8
+    assert launch_config("cells", Shapes(64, 64, 3, 6, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 1
+    assert launch_config("cells", Shapes(256, 256, 3, 8, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 4
+
+
+def test_cells_smem_mirror():
+    for dk, dv in K.CELLS_HEADS:
+        for r in K.cells_rows_allowed(dk, dv):
+            lanes = K.vec_lanes(dk)
+            assert K.cells_smem_bytes(dk, dv, r) == 4 * 4 * (32 // lanes) * r * (dv + 3) <= 48 * 1024
