@@ -31,6 +31,12 @@ NMSE_MAX = 5e-4
 GPU_KERNELS = ("prefill", "prefill-wide", "decode", "decode-tc", "cells")
 
 
+def _kernels_taking(n_batch):
+    """GPU_KERNELS that take n_batch query tokens per stream (for loops: no skip midway)."""
+    from ggml_attn import dispatch
+    return [k for k in GPU_KERNELS if k != "cells" or n_batch <= dispatch.CELLS_MAX_BATCH]
+
+
 def _skip_cells_if_large(kernel, n_batch):
     from ggml_attn import dispatch
     if kernel == "cells" and n_batch > dispatch.CELLS_MAX_BATCH:
@@ -346,7 +352,7 @@ def test_plan_tile_classes(rng):
     assert plan.tile_classes(64)["MASKED"] > 0 and plan.tile_classes(64)["PARTIAL"] > 0
     q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
     ref = flash_attn_ext(q, k, v, mask[None, None], 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
-    for kern in GPU_KERNELS:
+    for kern in _kernels_taking(n):
         _check(_run_device(q, k, v, mask[None, None], s, 0.1, 0.0, 0.0, kern), ref, f"classes {kern}")
 
 
@@ -878,3 +884,24 @@ def test_cells_refresh_follows_new_mask_contents(rng):
     assert plan.cell_lists(st) == ptrs, "refresh must reuse the buffers"
     out = _launch(dq, dk_, dv_, from_array(dm), None, n_batch, 8, 128, 1, "cells", GGML_TYPE_F16, plan=plan)
     _check(out.get(), flash_attn_ext(q, k, v, mb, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "after refresh")
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_cells_garbage_in_hidden_cells(n_splits, rng):
+    """NaN / inf in K and V at cells no row sees (interleaved cells of 9 owners, one row per
+    owner for 8 of them; the 9th owner's cells and a tail past the owners hold garbage): the
+    cell lists never name them, so the output equals the reference with them zeroed."""
+    n_own, n_kv = 9, 9 * 200 + 40
+    owner = np.arange(n_kv) % n_own
+    owner[-40:] = -1
+    mask = np.where(owner[None, :] == np.arange(8)[:, None], 0.0, -np.inf).astype(np.float16)[None, None]
+    q, k, v, _ = _inputs(rng, 1, 8, 2, 8, n_kv, 128, 128, GGML_TYPE_F16)
+    hidden = (owner == 8) | (owner < 0)
+    k0, v0 = k.copy(), v.copy()
+    k0[:, :, hidden] = 0
+    v0[:, :, hidden] = 0
+    ref = flash_attn_ext(q, k0, v0, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    k[:, :, hidden] = np.float16(np.nan)
+    v[:, :, hidden] = np.float16(np.inf)
+    out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
+    _check(out, ref, f"cells garbage splits={n_splits}")
