@@ -63,9 +63,9 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
     return tuple(r for r in VEC_ROWS if per_row * r <= 160)
 
 
-# Cell-list decode (fattn_cells.cu): head sizes and query heads per block (R, a power of 2 that
-# divides gqa; the GQA group of one KV head, or part of it)
-CELLS_HEADS = ((64, 64), (128, 128), (256, 256))
+# Cell-list decode (fattn_cells.cu): head sizes (every pair the CUDA-core decode kernel takes) and
+# query heads per block (R, a power of 2 that divides gqa; the GQA group of one KV head, or part of it)
+CELLS_HEADS = VEC_HEADS
 CELLS_ROWS = (1, 2, 4, 8)
 
 
