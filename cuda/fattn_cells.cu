@@ -108,7 +108,11 @@ fattn_cells(const FattnParams p) {
         for (int i = 0; i < NCV * 8; ++i) acc[r][i] = 0.0f;
     }
 
-    for (int j0 = jb + grp * U; j0 < je; j0 += NG * U) {
+    // The loop runs warp-uniformly (the warp's first entry decides): the groups of one warp
+    // reduce their dot products with full-warp shuffles, so no lane may leave the loop while
+    // another group of its warp is still in it (a deadlock at the shuffle otherwise).
+    for (int jw = jb + warp * RPW * U; jw < je; jw += NG * U) {
+        const int j0 = jw + (lane / L) * U;   // this group's entries: j0 .. j0 + U - 1
         // ---- 1. list entries of this step (past je: no cell, weight 0)
         int cell[U];
         float mv[U];

@@ -63,9 +63,10 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
     return tuple(r for r in VEC_ROWS if per_row * r <= 160)
 
 
-# Cell-list decode (fattn_cells.cu): head sizes (every pair the CUDA-core decode kernel takes) and
-# query heads per block (R, a power of 2 that divides gqa; the GQA group of one KV head, or part of it)
-CELLS_HEADS = VEC_HEADS
+# Cell-list decode (fattn_cells.cu): head sizes (the pairs the CUDA-core decode kernel takes up to
+# D_k 256; larger ones spill with 4 cells in flight per group) and query heads per block (R, a
+# power of 2 that divides gqa; the GQA group of one KV head, or part of it)
+CELLS_HEADS = tuple(h for h in VEC_HEADS if h[0] <= 256)
 CELLS_ROWS = (1, 2, 4, 8)
 
 
