@@ -62,7 +62,7 @@ def test_dispatch_names_and_support():
         for t in (GGML_TYPE_F16, GGML_TYPE_BF16):
             assert dispatch.supports("cells", dk, dk, t) is None
             assert K.cells_variant(dk, dk, t) in K.all_variants()
-    assert "not compiled" in dispatch.supports("cells", 80, 80, GGML_TYPE_F16)
+    assert "not compiled" in dispatch.supports("cells", 512, 512, GGML_TYPE_F16)
     assert "has no GPU kernel" in dispatch.supports("cells", 128, 128, GGML_TYPE_F32)
     from tools import runner
     assert "cells" in runner.KERNELS and "cells" in runner.GPU_KERNELS
@@ -86,7 +86,7 @@ def test_auto_picks_cells_only_from_plan_reads():
     # not decode-shaped, too large lists, head size or type without an instance
     assert best_kernel("auto", _facts(n_batch=dispatch.CELLS_MAX_BATCH + 1, reads=(1, 1000))).kernel == "prefill"
     assert best_kernel("auto", _facts(n_kv=1 << 20, n_batch=64, reads=(1, 1000))).kernel == "prefill"
-    assert best_kernel("auto", _facts(d=80, reads=(1, 1000))).kernel == "prefill"
+    assert best_kernel("auto", _facts(d=512, reads=(1, 1000))).kernel != "cells"
     assert best_kernel("auto", _facts(kv=GGML_TYPE_F32, reads=(1, 1000))).kernel == "reference"
     # unaligned K/V: the reference, as for every kernel
     f = CallFacts(64, 4, 13056, 128, 128, GGML_TYPE_F16, False, 1, 150.0, 816.0)
@@ -101,7 +101,7 @@ def test_cells_by_name():
     with pytest.raises(ValueError, match="MiB"):
         best_kernel("cells", _facts(n_batch=256, n_kv=1 << 20))
     with pytest.raises(ValueError, match="not compiled"):
-        best_kernel("cells", _facts(d=96))
+        best_kernel("cells", _facts(d=512))
 
 
 def test_facts_carry_mask_planes_and_reads():

@@ -437,7 +437,7 @@ def run(quick=False, only=None, log=print):
     if want("batched decode"):
         from ggml_attn.cli import gpu_batched_attn_bench  # noqa: PLC0415 (run as a script too)
         try:
-            res = gpu_batched_attn_bench.run()
+            res = gpu_batched_attn_bench.run(timer=device_us)
             for r in res["rows"]:
                 rows.append(dict(case=res["case"], impl=f"ours-{r['kernel']}", us=r.get("us"),
                                  note=r.get("error", f"floor {res['floor_us_kv_once']} us (K/V read once); "
