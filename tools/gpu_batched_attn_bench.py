@@ -46,15 +46,15 @@ def step_plan(seqs: int, steps: int):
 
 def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8)) -> dict:
     """One row per kernel (and per forced split count of ``cells``): device time per call from
-    ``timer`` (default ``gpu_bench.device_us``: calls queued behind a sleep kernel, K/V rotated
+    ``timer`` (default ``gpu_timing.device_us``: calls queued behind a sleep kernel, K/V rotated
     over copies larger than L2, as each layer of a model reads its own cache)."""
     import cupy as cp
 
     from ggml_attn import cuda_backend as cb
     from ggml_attn.tensor import from_array
     if timer is None:
-        from ggml_attn.cli.gpu_bench import device_us as timer  # noqa: PLC0415
-    from ggml_attn.cli.gpu_bench import copies_for  # noqa: PLC0415
+        from ggml_attn.cli.gpu_timing import device_us as timer  # noqa: PLC0415
+    from ggml_attn.cli.gpu_timing import copies_for  # noqa: PLC0415
     plan, n_prompt = step_plan(seqs, steps)
     mask_np = np.ascontiguousarray(plan.mask).reshape(1, 1, plan.mask.shape[-2], plan.mask.shape[-1])
     n_kv, n_tok = mask_np.shape[-1], plan.ubatch.n_tokens

@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 
+from ggml_attn.cli.gpu_timing import L2_ROTATE_BYTES, copies_for, device_us, host_us, wall_us  # noqa: F401
 from ggml_attn.conformance import block_causal_mask
 
 H, HKV, D = 32, 8, 128
 SCALE = 1.0 / math.sqrt(D)
-L2_ROTATE_BYTES = 256 << 20
 
 
 def _git_commit():
@@ -60,49 +60,10 @@ def _desc(t, ggml_type):
 
 # ---------------------------------------------------------------------------------------
 # timing
-def device_us(fns, calls=30, batches=3):
-    """Median device time (us) of one call; ``fns`` are used in rotation (call i: fns[i % n])."""
-    import torch
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(calls):
-        fns[i % len(fns)]()
-    torch.cuda.synchronize()
-    host_ms = (time.perf_counter() - t) * 1e3
-    sleep_ms = max(5.0, 3.0 * host_ms)
-    out = []
-    while len(out) < batches:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(sleep_ms * 2.0e6))   # ~2 GHz SM clock; longer if the clock is lower
-        a.record()
-        for i in range(calls):
-            fns[i % len(fns)]()
-        b.record()
-        if a.query():          # the GPU was idle before we finished enqueuing: host-bound batch
-            b.synchronize()
-            sleep_ms *= 2
-            if sleep_ms > 2000:
-                raise RuntimeError("host cannot enqueue the batch within 2 s of sleep")
-            continue
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3 / calls)
-    out.sort()
-    return out[len(out) // 2], out[0], out[-1]
 
 
-def host_us(fn, calls=300):
-    """Host time (us) of one call of ``fn`` (enqueue only; the GPU runs behind)."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return dt
+
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,20 +204,10 @@ def waves(n):
     return knobs(_WAVES={"decode-tc": n, "decode": n})
 
 
-def wall_us(fn, calls=20):
-    """Host wall time (us) of ``fn`` including a device synchronization (per-ubatch work)."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
 
 
-def copies_for(nbytes):
-    return max(1, -(-L2_ROTATE_BYTES // max(nbytes, 1)))
+
+
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""Device and host timing of GPU calls, as every GPU benchmark here times them.
+
+- :func:`device_us`: device time per call -- each batch of calls queued behind a long sleep
+  kernel, so that the host has enqueued every call before the GPU reaches the first one; CUDA
+  events around the batch time the GPU alone (a batch whose first event had already fired when
+  the host finished enqueuing is re-run with a longer sleep); median of 3 batches.
+- :func:`host_us` / :func:`wall_us`: host time per call (enqueue only / with a synchronization).
+- :func:`copies_for`: copies of an input to rotate over so that they exceed the L2 cache
+  (decode K/V: each layer of a model reads its own).
+Needs torch with CUDA (its sleep kernel and events).
+"""
+from __future__ import annotations
+
+import time
+
+L2_ROTATE_BYTES = 256 << 20   # >= 4x the H200's 60 MB L2
+
+
+def device_us(fns, calls=30, batches=3):
+    """Median device time (us) of one call; ``fns`` are used in rotation (call i: fns[i % n])."""
+    import torch
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(calls):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    host_ms = (time.perf_counter() - t) * 1e3
+    sleep_ms = max(5.0, 3.0 * host_ms)
+    out = []
+    while len(out) < batches:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(sleep_ms * 2.0e6))   # ~2 GHz SM clock; longer if the clock is lower
+        a.record()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        b.record()
+        if a.query():          # the GPU was idle before we finished enqueuing: host-bound batch
+            b.synchronize()
+            sleep_ms *= 2
+            if sleep_ms > 2000:
+                raise RuntimeError("host cannot enqueue the batch within 2 s of sleep")
+            continue
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / calls)
+    out.sort()
+    return out[len(out) // 2], out[0], out[-1]
+
+
+def host_us(fn, calls=300):
+    """Host time (us) of one call of ``fn`` (enqueue only; the GPU runs behind)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+def wall_us(fn, calls=20):
+    """Host wall time (us) of ``fn`` including a device synchronization (per-ubatch work)."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def copies_for(nbytes):
+    return max(1, -(-L2_ROTATE_BYTES // max(nbytes, 1)))
