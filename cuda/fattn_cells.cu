@@ -226,10 +226,12 @@ fattn_cells(const FattnParams p) {
         float Ls = 0.0f;
 #pragma unroll
         for (int g = 0; g < NG; ++g) {
-            const float mg = sM[g * R + r];
-            const float w = mg == FATTN_NEG_INF ? 0.0f : fast_exp2(mg - M);
+            // a group whose max stayed -inf saw no finite score: weight 0, unless its sum is
+            // NaN (a visible NaN mask cell: fmaxf skipped it) -- then NaN, so the row is NaN
+            const float mg = sM[g * R + r], lg = sL[g * R + r];
+            const float w = mg != FATTN_NEG_INF ? fast_exp2(mg - M) : lg == lg ? 0.0f : lg;
             sW[g * R + r] = w;
-            Ls += w * sL[g * R + r];
+            Ls += w * lg;
         }
         sM[r] = M;   // group 0's own entry, already read (weight in sW)
         sL[r] = Ls;

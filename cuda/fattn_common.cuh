@@ -218,6 +218,12 @@ __device__ __forceinline__ void split_range(int cnt, int z, int n, int& begin, i
 // l the sum of p. With one split the sink is folded in and dst is written; with several,
 // the unnormalized partial goes to the workspace and the combine pass finishes it.
 // Called by the threads that own columns [c0, c0+n) of the row (any split of columns).
+// 1 / L for a row's softmax sum: 0 for an empty row (L = 0: the row sees no cell, its output
+// is zeros), NaN when L is NaN (a visible NaN logit: the row is NaN, as in the reference)
+__device__ __forceinline__ float inv_row_sum(float L) {
+    return L > 0.0f ? 1.0f / L : (L == L ? 0.0f : L);
+}
+
 __device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, float m, float l) {
     // returns the factor to multiply o_unnorm with for the final output (1 split)
     if (p.sinks) {
@@ -360,7 +366,7 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
         }
         L = warp_sum(L);
         if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
-        if (lane == 0) inv[r] = L > 0.0f ? 1.0f / L : 0.0f;
+        if (lane == 0) inv[r] = inv_row_sum(L);
     }
     __syncthreads();
     // sum_z f_z * partial_z for EPT values per thread at once: loads issued back to back

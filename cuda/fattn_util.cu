@@ -243,7 +243,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     float L = 0.0f;
     for (int i = 0; i < nw; ++i) L += red[i];
     if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    const float inv = inv_row_sum(L);   // NaN stays NaN (see fattn_common.cuh)
     // 3. weighted sum of the partial outputs, columns across threads
     for (int c = tid; c < p.d_v; c += blockDim.x) {
         float acc = 0.0f;

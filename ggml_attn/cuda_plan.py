@@ -174,6 +174,16 @@ class Plan:
         self.max_cells = int(cnt.max()) if cnt.size else 0
         return self.max_cells, float(cnt.mean()) if cnt.size else 0.0
 
+    def keep_only(self, kern: str) -> None:
+        """Drop what ``kern`` does not read -- the cell lists for a tile kernel, the row
+        intervals and tile maps for "cells" -- so that :meth:`refresh` (every captured decode
+        step) rebuilds only what runs; a later call that needs a dropped item builds it again."""
+        for key in list(self.items):
+            is_cells = key == "cells"
+            is_tiles = key == "lohi" or (isinstance(key, tuple) and key[0] == "map")
+            if (kern == "cells" and is_tiles) or (kern != "cells" and is_cells):
+                del self.items[key]
+
     def refresh(self, stream=None) -> None:
         """The mask's contents changed (same tensor, same shape): rebuild everything this plan
         built -- row intervals, each tile map, the aligned copy, the cell lists (capacity n_kv
@@ -351,8 +361,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     live-tile counts back to the host once (one synchronization of ``stream``): the prefill
     tile height and the decode split count follow the live tiles, not n_kv. With ``auto`` on a
     decode-shaped call (dispatch.cells_why_not) the per-row cell lists are built as well and
-    their lengths read back with the tile counts: ``Plan.reads`` then lets best_kernel choose
-    the cell-list kernel when the rows see few, interleaved cells.
+    their lengths read back after the tile counts (a second copy to the host): ``Plan.reads``
+    then lets best_kernel choose the cell-list kernel when the rows see few, interleaved cells,
+    and the plan keeps only what the chosen kernel reads (:meth:`Plan.keep_only`).
     """
     if mask is None:
         raise ValueError("make_plan needs a mask")
@@ -383,6 +394,7 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         tile_reads = mean_tiles * K.KV_TILE * cfg.n_q_tiles * (sh.gqa // cfg.pack) / max(1, n_batch)
         plan.reads = (mean_cells * sh.gqa / pack_cells, tile_reads)
         kern = dispatch.best_kernel(kernel, facts(sh, reads=plan.reads)).kernel
+        plan.keep_only(kern)
     if kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
         plan.aligned(st)
     return plan

@@ -56,13 +56,15 @@ def cell_list_bytes(n_batch: int, n_kv: int, mask_planes: int = 1) -> int:
     return mask_planes * n_batch * (8 * n_kv + 4)
 
 
-def cells_why_not(f: "CallFacts") -> str | None:
+def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     """None when the cell-list kernel can run this call, else why not (head sizes, K/V type,
-    too many tokens per stream for per-row lists)."""
+    lists over CELLS_MAX_LIST_BYTES; for ``auto``'s choice also more than CELLS_MAX_BATCH
+    tokens per stream: a prompt's rows share their cells, which tiles reuse and cell lists do
+    not -- asked for by name, such calls run, slowly)."""
     why = supports("cells", f.d_k, f.d_v, f.kv_type)
     if why is not None:
         return why
-    if f.n_batch > CELLS_MAX_BATCH:
+    if auto and f.n_batch > CELLS_MAX_BATCH:
         return f"n_batch {f.n_batch} > {CELLS_MAX_BATCH}: per-row cell lists are for decode-shaped calls"
     nbytes = cell_list_bytes(f.n_batch, f.n_kv, f.mask_planes)
     if nbytes > CELLS_MAX_LIST_BYTES:
@@ -184,7 +186,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"on their cell lists against {f.tile_reads:.0f} for {kern} "
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
     else:
-        why = cells_why_not(f) if kernel == "cells" else supports(kernel, f.d_k, f.d_v, f.kv_type)
+        why = cells_why_not(f, auto=False) if kernel == "cells" else supports(kernel, f.d_k, f.d_v, f.kv_type)
         if why is not None:
             raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
         kern, why = kernel, f"kernel {kernel!r} requested"

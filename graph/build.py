@@ -40,7 +40,7 @@ from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
-__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
+__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "is_decode_step", "check_device_graph", "check_build_args",
            "check_geometry", "check_layers", "GraphBuildError", "LAYERS"]
 
 LAYERS = ("attn", "full")
@@ -103,10 +103,20 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
 
 
 # ------------------------------------------------------------------- the graph
+def is_decode_step(plan: UBatchPlan) -> bool:
+    """True when every row of the ubatch is a sequence set of its own (one token per sequence):
+    a decode step. Its kernel plan may choose the cell-list kernel, which a prompt chunk of the
+    same size must not inherit (``graph_key``)."""
+    ids = plan.ubatch.token_seq_ids
+    return len(set(ids)) == len(ids)
+
+
 def graph_key(plan: UBatchPlan) -> tuple:
     """The structure of a ubatch plan's graph: tokens, streams (first stream and count), KV
-    cells viewed. Plans with equal keys differ only in mask and row-index contents."""
-    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0)
+    cells viewed, decode step or not (:func:`is_decode_step`: the kernel plan's choice made at
+    build time follows the kind of ubatch). Plans with equal keys differ only in mask and
+    row-index contents."""
+    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0, is_decode_step(plan))
 
 
 def _np_shape(t) -> tuple[int, ...]:

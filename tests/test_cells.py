@@ -96,8 +96,9 @@ def test_auto_picks_cells_only_from_plan_reads():
 def test_cells_by_name():
     assert best_kernel("cells", _facts()).kernel == "cells"
     assert best_kernel("cells", _facts(n_batch=1)).reason == "kernel 'cells' requested"
-    with pytest.raises(ValueError, match="decode-shaped"):
-        best_kernel("cells", _facts(n_batch=4096))
+    # asked for by name, a prompt-sized call runs (auto never picks it there: decode-shaped only)
+    assert best_kernel("cells", _facts(n_batch=4096, n_kv=4096)).kernel == "cells"
+    assert best_kernel("auto", _facts(n_batch=4096, n_kv=4096, reads=(1, 1000))).kernel != "cells"
     with pytest.raises(ValueError, match="MiB"):
         best_kernel("cells", _facts(n_batch=256, n_kv=1 << 20))
     with pytest.raises(ValueError, match="not compiled"):

@@ -907,3 +907,24 @@ def test_cells_garbage_in_hidden_cells(n_splits, rng):
     v[:, :, hidden] = np.float16(np.inf)
     out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
     _check(out, ref, f"cells garbage splits={n_splits}")
+
+
+@pytest.mark.parametrize("kernel", ["cells", "decode"])
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_nan_mask_cell_makes_its_row_nan(kernel, n_splits, rng):
+    """A visible NaN mask cell makes its row NaN (as the reference): also when the NaN cell is
+    the only visible one of its row (the cell-list kernel's group then never saw a finite
+    score) and when the splits are merged by fattn_combine; other rows are unaffected."""
+    n_batch, n_kv = 6, 900
+    q, k, v, _ = _inputs(rng, 1, 8, 2, n_batch, n_kv, 128, 128, GGML_TYPE_F16)
+    mask = _sparse_mask(rng, (1, 1, n_batch, n_kv), 0.1)
+    mask[0, 0, 1, 37] = np.nan                  # among other visible cells
+    mask[0, 0, 3] = -np.inf
+    mask[0, 0, 3, 500] = np.nan                 # the row's only visible cell
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    nan_rows = [1, 3]
+    assert np.isnan(ref[:, nan_rows]).all(), "reference: a visible NaN mask cell makes the row NaN"
+    out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, kernel, n_splits=n_splits)
+    assert np.isnan(out[:, nan_rows]).all(), f"{kernel} splits={n_splits}: NaN rows lost their NaN"
+    keep = [r for r in range(n_batch) if r not in nan_rows]
+    _check(out[:, keep], ref[:, keep], f"{kernel} splits={n_splits} other rows")

@@ -41,21 +41,13 @@ class _NoStream:
         return False
 
 
-def _decode_step(plan) -> bool:
-    """True when every row of the ubatch is a sequence set of its own (one token per
-    sequence): a decode step, whose structure the next steps repeat -- captured at once.
-    Other new structures (prompt ubatches) are captured when seen a second time."""
-    ids = plan.ubatch.token_seq_ids
-    return len(set(ids)) == len(ids)
-
-
 class _Cached:
     """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
 
     def __init__(self, graph, decode: bool):
         self.graph = graph
         self.replay = None
-        self.decode = decode   # a decode step's structure (_decode_step)
+        self.decode = decode   # a decode step's structure (build.is_decode_step)
 
 
 class GraphEngine:
@@ -137,7 +129,7 @@ class GraphEngine:
         """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer.
 
         Built graphs are kept per structure (``build.graph_key``: tokens, streams, KV cells
-        viewed) and reused by later ubatches of the same structure -- decode steps, until
+        viewed, decode step or not) and reused by later ubatches of the same structure -- decode steps, until
         ``n_kv`` crosses its next multiple of 256 -- with only the mask and row indices
         loaded. On the device, a structure seen twice -- a decode step's at once -- is
         captured as a CUDA graph (``graph.capture``) and replayed from then on
@@ -155,7 +147,7 @@ class GraphEngine:
                                          weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
                                          full_layer=self.full_layer, layers=self.layers,
                                          all_custom=self.device if self.all_custom is None else self.all_custom)
-            entry = _Cached(g, _decode_step(plan))
+            entry = _Cached(g, key[-1])   # graph_key ends with build.is_decode_step
             fresh = True
         else:
             entry.graph.load_plan(plan)
