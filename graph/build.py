@@ -104,11 +104,10 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
 
 # ------------------------------------------------------------------- the graph
 def is_decode_step(plan: UBatchPlan) -> bool:
-    """True when every row of the ubatch is a sequence set of its own (one token per sequence):
-    a decode step. Its kernel plan may choose the cell-list kernel, which a prompt chunk of the
-    same size must not inherit (``graph_key``)."""
-    ids = plan.ubatch.token_seq_ids
-    return len(set(ids)) == len(ids)
+    """``UBatch.decode_step`` of the plan's ubatch (one token per sequence). A decode step's
+    kernel plan may choose the cell-list kernel, which a prompt chunk of the same size must not
+    inherit (``graph_key``)."""
+    return plan.ubatch.decode_step
 
 
 def graph_key(plan: UBatchPlan) -> tuple:

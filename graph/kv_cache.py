@@ -71,6 +71,11 @@ def coarse_pad(n: int, kv_size: int | None = None) -> int:
     return p
 
 
+# coarse_n_kv: the largest f16 mask (n_tokens x kv_size x 2 bytes) for which a prompt ubatch
+# attends over the whole cache (KVCache.n_kv); 0 turns that off (A/B runs)
+PROMPT_WHOLE_CACHE_MASK_BYTES = 16 << 20
+
+
 def pad_to(x: int, n: int) -> int:
     """``GGML_PAD``: ``x`` rounded up to a multiple of ``n``."""
     return (x + n - 1) // n * n
@@ -135,7 +140,8 @@ class KVCache:
     xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
     coarse_n_kv  True: ``n_kv`` rounded up further, to a quarter of its power of two, the
                 whole cache past three quarters of it (:func:`coarse_pad`), so that decode
-                steps keep one graph structure for longer
+                steps keep one graph structure for longer, and the whole cache for prompt
+                ubatches whose mask stays small (:meth:`n_kv`)
                 (graphs are reused and replayed per structure); for engines whose attention
                 skips masked KV tiles (the CUDA kernels), where the extra cells cost only their
                 mask bytes. False: llama.cpp's padding to 256.
@@ -598,10 +604,17 @@ class KVCache:
         if cells.size:
             self.head[st] = min(self.head[st], int(cells.min()))
 
-    def n_kv(self, slot: SlotInfo) -> int:
+    def n_kv(self, slot: SlotInfo, ub=None) -> int:
         """KV cells the ubatch attends over: max over its streams of the used range, padded to
         256 (:func:`coarse_pad` with ``coarse_n_kv``) and at most ``kv_size`` (llama.cpp
-        ``get_n_kv``). Call after ``apply_ubatch``."""
+        ``get_n_kv``). With ``coarse_n_kv``, a prompt ubatch ``ub`` (not a decode step) whose
+        mask over the whole cache takes at most :data:`PROMPT_WHOLE_CACHE_MASK_BYTES` attends
+        over the whole cache: every prompt ubatch of one size is then one graph structure
+        (built once, then replayed) instead of one per coarse ``n_kv`` value, for a larger mask
+        whose extra cells the kernels skip. Call after ``apply_ubatch``."""
+        if self.coarse_n_kv and ub is not None and not ub.decode_step \
+                and 2 * ub.n_tokens * self.kv_size <= PROMPT_WHOLE_CACHE_MASK_BYTES:
+            return self.kv_size
         pad = (lambda n: coarse_pad(n, self.kv_size)) if self.coarse_n_kv else (lambda n: pad_to(n, KV_PAD))
         return max(min(self.kv_size, max(KV_PAD, pad(self.used_max_p1(st)))) for st in slot.streams)
 

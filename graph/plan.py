@@ -123,7 +123,7 @@ def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int =
     Free its pads with ``cache.free_pads(plan.slot)`` once every layer has run."""
     with cache.transaction():
         slot = cache.place(ub)
-        n_kv = cache.n_kv(slot)
+        n_kv = cache.n_kv(slot, ub)
         mask, vis = build_mask(cache, ub, slot, n_kv, causal=causal, n_swa=n_swa, alibi=alibi,
                                return_visible=True)
         return UBatchPlan(ub, slot, n_kv, mask, slot.row_indices(cache.kv_size), vis, q_tile, kv_tile)

@@ -97,6 +97,13 @@ class UBatch:
         return out
 
     @computed_once
+    def decode_step(self) -> bool:
+        """True when every row is a sequence set of its own (one token per sequence): a decode
+        step, not a prompt chunk (computed once)."""
+        ids = self.token_seq_ids
+        return len(set(ids)) == len(ids)
+
+    @computed_once
     def seq_ids(self) -> tuple[int, ...]:
         """Every sequence id in the ubatch, ascending (llama.cpp's ``seq_id_unq``)."""
         return tuple(sorted({s for ids in self.token_seq_ids for s in ids}))

@@ -212,8 +212,9 @@ def test_coarse_pad_takes_the_whole_cache_past_three_quarters():
 
 @pytest.mark.parametrize("unified", [True, False])
 def test_coarse_n_kv_changes_n_kv_not_results(unified):
-    """A cache with coarse_n_kv attends over more (masked) cells and computes the same outputs,
-    and keeps one n_kv over more decode steps."""
+    """A cache with coarse_n_kv attends over more (masked) cells and computes the same outputs
+    (to f32 rounding: the prompt attends over the whole cache, which changes the numpy path's
+    summation order), and keeps one n_kv over more decode steps."""
     from ggml_attn.graph import AttnConfig, run_batch
     from ggml_attn.graph.kv_cache import coarse_pad
     cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=16)
@@ -228,6 +229,6 @@ def test_coarse_n_kv_changes_n_kv_not_results(unified):
         outs.append([r.out for r in res])
         n_kvs.append([p.n_kv for r in res for p in r.plans])
     for a, b in zip(*outs):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert all(c >= f and c == coarse_pad(c, caches[1].kv_size) for f, c in zip(*n_kvs))
     assert len(set(n_kvs[1])) <= len(set(n_kvs[0]))
