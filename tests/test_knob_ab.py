@@ -1,0 +1,41 @@
+"""tools/knob_ab.py: variants parsed and checked up front, knobs set in the child before the
+benchmark runs, rows read back per variant and round."""
+import pytest
+
+from ggml_attn.cli import knob_ab
+
+
+def test_parse_variant_checks_modules_attributes_and_values():
+    v = knob_ab.parse_variant("coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0,dispatch.CELLS_MIN_GAIN=1e9")
+    assert v.name == "coarse"
+    assert v.knobs == [("ggml_attn.graph.kv_cache", "PROMPT_WHOLE_CACHE_MASK_BYTES", 0),
+                       ("ggml_attn.dispatch", "CELLS_MIN_GAIN", 1e9)]
+    assert knob_ab.parse_variant("base").knobs == []
+    for bad, what in (("x:graph.kv_cache.NOPE=1", "no attribute"), ("x:nomodule.A=1", "no module"),
+                      ("x:dispatch.CELLS_MIN_GAIN=abc", "not a Python literal"), ("x:dispatch=1", "MODULE.ATTR"),
+                      (":dispatch.CELLS_MIN_GAIN=1", "no name")):
+        with pytest.raises(ValueError, match=what):
+            knob_ab.parse_variant(bad)
+
+
+def test_knobs_are_set_in_the_child_before_the_benchmark():
+    # an empty preset table makes the benchmark refuse "-m tiny": the knob took effect
+    v = knob_ab.parse_variant("nopresets:cli.models.PRESETS={}")
+    with pytest.raises(RuntimeError, match="nopresets"):
+        knob_ab.run_once(v, "bench", ["-m", "tiny", "-p", "0", "-n", "2", "-r", "1"])
+
+
+def test_two_variants_two_rounds_one_table(capsys):
+    rc = knob_ab.main(["--rounds", "2", "--variant", "a", "--variant", "b:dispatch.CELLS_MIN_GAIN=3.0",
+                       "bench", "-m", "tiny", "-p", "0", "-n", "2", "-r", "1", "--device", "cpu"])
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["variant", "row", "avg_ts"]
+    rows = [line.split() for line in out[1:]]
+    assert [r[0] for r in rows] == ["a", "b"]
+    assert all(r[3].count("/") == 1 for r in rows), "each variant: both rounds' numbers"
+
+
+def test_output_flag_is_refused():
+    with pytest.raises(SystemExit):
+        knob_ab.main(["--variant", "a", "bench", "-o", "json"])
