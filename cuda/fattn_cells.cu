@@ -18,9 +18,19 @@
 // split) or the split workspace (fattn_combine finishes, as for the other kernels).
 // Grid (n_batch, n_head / R, ne3 * n_splits); 128 threads; dynamic shared memory CellsCfg::SMEM,
 // mirrored by cells_smem_bytes() in ggml_attn/kernels.py.
+// Instances fattn_cells<DK, DV, T, R, U, PF, MINB>: U list entries per group and step, PF the
+// prefetch depth (0: a step's list entries, then their K/V gathers, then math -- two dependent
+// load latencies per step; 1: the next step's entries are loaded before this step's math; 2: the
+// next step's K/V rows too, entries two steps ahead), MINB the __launch_bounds__ minimum blocks
+// per SM (0: no hint). The default (4, 0, 0) and the sweep: kernels.CellsTune / CELLS_SWEEP.
 #include "fattn_common.cuh"
 
-template <int DK, int DV, int R>
+// Compile-time tuning (the sweep of bench/NOTES.md "cells v2 sweep"; kernels.CellsTune mirrors
+// it): U list entries per group and step; PF prefetch depth (0: a step loads its list entries,
+// then gathers their K/V rows, then computes; 1: the next step's list entries are loaded before
+// this step's math; 2: the next step's K/V rows too (double-buffered registers), list entries two
+// steps ahead); MINB the minimum blocks per SM of __launch_bounds__ (1: no register cap below 255).
+template <int DK, int DV, int R, int U_ = 4>
 struct CellsCfg {
     static constexpr int NW = 4;
     static constexpr int NT = 32 * NW;
@@ -29,9 +39,10 @@ struct CellsCfg {
     static constexpr int RPW = 32 / L;                          // groups (cells) per warp
     static constexpr int NG = NW * RPW;                         // groups per block
     static constexpr int NCK = (CHK + L - 1) / L, NCV = (CHV + L - 1) / L;  // chunks per lane
-    static constexpr int U = 4;                                 // list entries per group and step
+    static constexpr int U = U_;                                // list entries per group and step
     static constexpr int SMEM = 4 * NG * R * (DV + 3);          // epilogue: acc, m, l, weights
     static_assert(DK % 8 == 0 && DV % 8 == 0, "head sizes must be multiples of 8");
+    static_assert(U >= 1 && U <= 16, "U: 1..16 list entries per group and step");
 };
 
 // The list of visible cells of one mask row: entries (cell, mask value); without a plan (no
@@ -55,12 +66,49 @@ __device__ __forceinline__ CellList cell_list(const FattnParams& p, int t, int h
     return cl;
 }
 
-template <int DK, int DV, typename T, int R>
-__global__ void __launch_bounds__(128)
+// One step's list entries of a group: j0 .. j0 + U - 1 (past je: no cell, weight 0, no load).
+template <int U>
+__device__ __forceinline__ void cells_entries(const CellList& cl, int j0, int je, int (&cell)[U], float (&mv)[U],
+                                              bool (&ok)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        ok[u] = j0 + u < je;
+        const int2 en = ok[u] ? cl[j0 + u] : make_int2(0, 0);
+        cell[u] = en.x;
+        mv[u] = __int_as_float(en.y);
+    }
+}
+
+// The K and V chunks of a group's U cells, this lane's share (all loads issued before any use).
+template <int U, int NCK, int NCV, int L, int CHK, int CHV>
+__device__ __forceinline__ void cells_gather(const char* kbase, const char* vbase, long long k_nb1, long long v_nb1,
+                                             int li, const int (&cell)[U], const bool (&ok)[U],
+                                             uint4 (&kc)[U][NCK], uint4 (&vc)[U][NCV]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long long)cell[u] * k_nb1);
+        const uint4* vr = reinterpret_cast<const uint4*>(vbase + (long long)cell[u] * v_nb1);
+#pragma unroll
+        for (int i = 0; i < NCK; ++i) {
+            const int ch = li + i * L;
+            kc[u][i] = (ok[u] && ch < CHK) ? __ldg(kr + ch) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < NCV; ++i) {
+            const int ch = li + i * L;
+            vc[u][i] = (ok[u] && ch < CHV) ? __ldg(vr + ch) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+template <int DK, int DV, typename T, int R, int U, int PF, int MINB>
+__global__ void __launch_bounds__(128, MINB)
 fattn_cells(const FattnParams p) {
-    using C = CellsCfg<DK, DV, R>;
-    constexpr int L = C::L, RPW = C::RPW, NG = C::NG, U = C::U;
+    using C = CellsCfg<DK, DV, R, U>;
+    constexpr int L = C::L, RPW = C::RPW, NG = C::NG;
     constexpr int NCK = C::NCK, NCV = C::NCV, CHK = C::CHK, CHV = C::CHV, NT = C::NT;
+    static_assert(PF >= 0 && PF <= 2, "PF: prefetch depth 0, 1 or 2");
+    static_assert(MINB >= 0 && MINB <= 8, "MINB: 0 (no hint) .. 8 blocks per SM");
 
     extern __shared__ uint4 smem_raw[];
     float* sAcc = reinterpret_cast<float*>(smem_raw);   // [NG][R][DV] groups' unnormalized outputs
@@ -108,38 +156,41 @@ fattn_cells(const FattnParams p) {
         for (int i = 0; i < NCV * 8; ++i) acc[r][i] = 0.0f;
     }
 
-    // The loop runs warp-uniformly (the warp's first entry decides): the groups of one warp
-    // reduce their dot products with full-warp shuffles, so no lane may leave the loop while
-    // another group of its warp is still in it (a deadlock at the shuffle otherwise).
-    for (int jw = jb + warp * RPW * U; jw < je; jw += NG * U) {
-        const int j0 = jw + (lane / L) * U;   // this group's entries: j0 .. j0 + U - 1
-        // ---- 1. list entries of this step (past je: no cell, weight 0)
-        int cell[U];
-        float mv[U];
-        bool ok[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            ok[u] = j0 + u < je;
-            const int2 en = ok[u] ? cl[j0 + u] : make_int2(0, 0);
-            cell[u] = en.x;
-            mv[u] = __int_as_float(en.y);
-        }
-        // ---- 2. gather the K and V chunks of all U cells (loads in flight together)
-        uint4 kc[U][NCK], vc[U][NCV];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint4* kr = reinterpret_cast<const uint4*>(kbase + (long long)cell[u] * p.k_nb1);
-            const uint4* vr = reinterpret_cast<const uint4*>(vbase + (long long)cell[u] * p.v_nb1);
-#pragma unroll
-            for (int i = 0; i < NCK; ++i) {
-                const int ch = li + i * L;
-                kc[u][i] = (ok[u] && ch < CHK) ? __ldg(kr + ch) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int i = 0; i < NCV; ++i) {
-                const int ch = li + i * L;
-                vc[u][i] = (ok[u] && ch < CHV) ? __ldg(vr + ch) : make_uint4(0, 0, 0, 0);
-            }
+    // The loop runs warp-uniformly (jw is the warp's; the warp's first entry decides): the groups
+    // of one warp reduce their dot products with full-warp shuffles, so no lane may leave the loop
+    // while another group of its warp is still in it (a deadlock at the shuffle otherwise). The
+    // prefetches below are predicated loads only (entries past je load nothing), no shuffle.
+    constexpr int JS = NG * U;                 // list entries per block and step
+    const int jg = (lane / L) * U;             // this group's first entry within its warp's step
+    int jw = jb + warp * RPW * U;
+    // current step: entries (cell, mask value, in range) and, with PF 2, its K/V chunks
+    int cell[U];
+    float mv[U];
+    bool ok[U];
+    uint4 kc[U][NCK], vc[U][NCV];
+    // PF 2: the next step's entries (their K/V gathered during this step)
+    int cell1[PF >= 2 ? U : 1];
+    float mv1[PF >= 2 ? U : 1];
+    bool ok1[PF >= 2 ? U : 1];
+    if constexpr (PF >= 1) cells_entries<U>(cl, jw + jg, je, cell, mv, ok);
+    if constexpr (PF >= 2) {
+        cells_gather<U, NCK, NCV, L, CHK, CHV>(kbase, vbase, p.k_nb1, p.v_nb1, li, cell, ok, kc, vc);
+        cells_entries<U>(cl, jw + JS + jg, je, cell1, mv1, ok1);
+    }
+    for (; jw < je; jw += JS) {
+        // ---- 1. this step's list entries (PF 0) and K/V chunks (PF 0-1): loads in flight together
+        if constexpr (PF == 0) cells_entries<U>(cl, jw + jg, je, cell, mv, ok);
+        if constexpr (PF <= 1)
+            cells_gather<U, NCK, NCV, L, CHK, CHV>(kbase, vbase, p.k_nb1, p.v_nb1, li, cell, ok, kc, vc);
+        // ---- 2. prefetch: the next step's entries (PF 1), or its K/V and the entries after (PF 2)
+        int ncell[PF >= 1 ? U : 1];
+        float nmv[PF >= 1 ? U : 1];
+        bool nok[PF >= 1 ? U : 1];
+        uint4 nkc[PF >= 2 ? U : 1][NCK], nvc[PF >= 2 ? U : 1][NCV];
+        if constexpr (PF == 1) cells_entries<U>(cl, jw + JS + jg, je, ncell, nmv, nok);
+        if constexpr (PF >= 2) {
+            cells_gather<U, NCK, NCV, L, CHK, CHV>(kbase, vbase, p.k_nb1, p.v_nb1, li, cell1, ok1, nkc, nvc);
+            cells_entries<U>(cl, jw + 2 * JS + jg, je, ncell, nmv, nok);
         }
         // ---- 3. scores: dot products over the group's lanes, scale, softcap, mask value, log2
         float sc[U][R];
@@ -198,6 +249,25 @@ fattn_cells(const FattnParams p) {
                 for (int r = 0; r < R; ++r)
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[r][i * 8 + e] = fmaf(sc[u][r], vf[e], acc[r][i * 8 + e]);
+            }
+        }
+        // ---- 6. the prefetched step becomes the current one
+        if constexpr (PF == 1) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) { cell[u] = ncell[u]; mv[u] = nmv[u]; ok[u] = nok[u]; }
+        }
+        if constexpr (PF >= 2) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                mv[u] = mv1[u];
+                ok[u] = ok1[u];
+                cell1[u] = ncell[u];
+                mv1[u] = nmv[u];
+                ok1[u] = nok[u];
+#pragma unroll
+                for (int i = 0; i < NCK; ++i) kc[u][i] = nkc[u][i];
+#pragma unroll
+                for (int i = 0; i < NCV; ++i) vc[u][i] = nvc[u][i];
             }
         }
     }

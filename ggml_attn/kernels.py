@@ -70,11 +70,70 @@ CELLS_HEADS = tuple(h for h in VEC_HEADS if h[0] <= 256)
 CELLS_ROWS = (1, 2, 4, 8)
 
 
-def cells_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
-    """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec."""
+@dataclass(frozen=True)
+class CellsTune:
+    """Compile-time tuning of fattn_cells (its template parameters after R; bench/NOTES.md, "cells
+    v2 sweep"): ``u`` list entries per group and step (cells in flight per group), ``pf`` prefetch
+    depth (0: none; 1: the next step's list entries loaded before this step's math; 2: the next
+    step's K/V rows too, list entries two steps ahead), ``minb`` the minimum resident blocks per
+    SM of ``__launch_bounds__`` (caps registers at 64K / (128 minb); 0: no hint), ``rmax`` the
+    most query heads per block (R)."""
+    u: int = 4
+    pf: int = 0
+    minb: int = 0
+    rmax: int = 8
+
+    @property
+    def label(self) -> str:
+        """Short name: "" for the default, else e.g. "u8-pf1-minb3-r2" (non-default fields)."""
+        d = CellsTune()
+        parts = [f"{k}{getattr(self, k)}" for k in ("u", "pf", "minb")
+                 if getattr(self, k) != getattr(d, k)]
+        if self.rmax != d.rmax:
+            parts.append(f"r{self.rmax}")
+        return "-".join(parts)
+
+    @classmethod
+    def parse(cls, label: str) -> "CellsTune":
+        """The tune of a :attr:`label` ("" or "default": the default; "cells-" prefix allowed)."""
+        label = label.strip()
+        label = label[len("cells"):].lstrip("-") if label.startswith("cells") else label
+        kw = {}
+        for part in filter(None, ("" if label == "default" else label).split("-")):
+            m = re.fullmatch(r"(u|pf|minb|r)(\d+)", part)
+            if not m:
+                raise ValueError(f"bad cells tune {label!r}: parts are u<N>, pf<N>, minb<N>, r<N>")
+            kw["rmax" if m.group(1) == "r" else m.group(1)] = int(m.group(2))
+        t = cls(**kw)
+        if t.u not in (1, 2, 4, 8, 16) or t.pf not in (0, 1, 2) or not 0 <= t.minb <= 8 or t.rmax not in CELLS_ROWS:
+            raise ValueError(f"bad cells tune {label!r}: u 1/2/4/8/16, pf 0-2, minb 0-8, r 1/2/4/8")
+        return t
+
+
+CELLS_DEFAULT = CellsTune()
+# The variants tools/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
+# (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
+# all_variants() (the CI compile); tests/test_cells.py compiles these. Tunes with more registers
+# per cell (u8, pf2) stop at R 4 (R 8 would spill).
+CELLS_SWEEP = (
+    CELLS_DEFAULT,                                        # R 4 at gqa 4: 156 registers, 3 blocks/SM
+    CellsTune(u=2), CellsTune(u=8, rmax=4),               # cells in flight per group
+    CellsTune(pf=1), CellsTune(pf=2, rmax=4),             # prefetch depth
+    CellsTune(u=2, pf=1), CellsTune(u=2, pf=2, rmax=4), CellsTune(u=8, pf=1, rmax=4),
+    CellsTune(rmax=2), CellsTune(pf=1, rmax=2), CellsTune(pf=2, rmax=2),   # 2 heads per block
+    CellsTune(u=2, pf=1, rmax=2), CellsTune(u=8, pf=1, rmax=2),
+    CellsTune(u=2, pf=1, minb=6, rmax=2),                 # 80 registers: 6 blocks/SM
+    CellsTune(u=2, pf=2, minb=8, rmax=1),                 # one head per block, 64 registers
+)
+
+
+def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec,
+    and R <= ``tune.rmax``."""
     lanes = vec_lanes(dk)
     per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
-    return tuple(r for r in CELLS_ROWS if per_row * r <= 160)
+    rmax = (tune or CELLS_DEFAULT).rmax
+    return tuple(r for r in CELLS_ROWS if per_row * r <= 160 and r <= rmax) or (1,)
 
 
 def cells_smem_bytes(dk: int, dv: int, rows: int) -> int:
@@ -150,13 +209,16 @@ def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
     return f"fattn_vec<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
 
 
-def cells_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
-    return f"fattn_cells<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
+def cells_name(dk: int, dv: int, kv_type: int, rows: int, tune: CellsTune | None = None) -> str:
+    t = tune or CELLS_DEFAULT
+    return f"fattn_cells<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}, {t.u}, {t.pf}, {t.minb}>"
 
 
-def cells_variant(dk: int, dv: int, kv_type: int) -> Variant:
-    return Variant("cells", "fattn_cells.cu",
-                   tuple(cells_name(dk, dv, kv_type, r) for r in cells_rows_allowed(dk, dv)))
+def cells_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None) -> Variant:
+    """One program per (head sizes, K/V type, tuning): its R instances (cells_rows_allowed)."""
+    t = tune or CELLS_DEFAULT
+    return Variant("cells" if t == CELLS_DEFAULT else "cells-x", "fattn_cells.cu",
+                   tuple(cells_name(dk, dv, kv_type, r, t) for r in cells_rows_allowed(dk, dv, t)))
 
 
 def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
