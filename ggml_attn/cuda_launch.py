@@ -7,6 +7,7 @@ Every tuning knob of the backend lives here as a module global, read at call tim
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from . import dispatch
@@ -21,6 +22,16 @@ from .cuda_device import available, num_sms
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
+# cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
+# depth, launch-bounds minimum blocks per SM, most heads per block); the default until the sweep
+# of tools/gpu_batched_attn_bench.py (kernels.CELLS_SWEEP) is measured (bench/NOTES.md, "cells v2
+# sweep"). $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u2-pf1").
+def cells_tune_from_env() -> K.CellsTune:
+    """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset)."""
+    return K.CellsTune.parse(os.environ.get("GGML_ATTN_CELLS_TUNE", ""))
+
+
+CELLS_TUNE = cells_tune_from_env()
 # K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
 # block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
 DECODE_TC_STAGES = 2
@@ -166,10 +177,11 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         name = K.vec_name(sh.d_k, sh.d_v, sh.kv_type, rows)
         block, smem = 128, K.vec_smem_bytes(sh.d_k, sh.d_v, rows)
     elif kernel == "cells":   # one token per block, R heads of one KV head sharing its cell list
-        pack = min(gqa_p2, max(K.cells_rows_allowed(sh.d_k, sh.d_v))) if sh.ne32 == 1 else 1
+        tune = CELLS_TUNE
+        pack = min(gqa_p2, max(K.cells_rows_allowed(sh.d_k, sh.d_v, tune))) if sh.ne32 == 1 else 1
         tq = 1
-        variant = K.cells_variant(sh.d_k, sh.d_v, sh.kv_type)
-        name = K.cells_name(sh.d_k, sh.d_v, sh.kv_type, pack)
+        variant = K.cells_variant(sh.d_k, sh.d_v, sh.kv_type, tune)
+        name = K.cells_name(sh.d_k, sh.d_v, sh.kv_type, pack, tune)
         block, smem = 128, K.cells_smem_bytes(sh.d_k, sh.d_v, pack)
     else:
         raise ValueError(f"no launch configuration for kernel {kernel!r}")

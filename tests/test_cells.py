@@ -117,7 +117,7 @@ def test_launch_config_cells():
     c = launch_config("cells", sh, blocks_per_sm=3, max_cells=200)
     # one block per (token, KV head): the 4 heads of a GQA group share the token's list
     assert c.pack == 4 and c.q_tile_tokens == 1 and c.grid == (64, 8, 1) and c.n_splits == 1
-    assert c.name == "fattn_cells<128, 128, __half, 4>" and c.variant.family == "cells"
+    assert c.name == "fattn_cells<128, 128, __half, 4, 4, 0, 0>" and c.variant.family == "cells"
     assert c.smem == K.cells_smem_bytes(128, 128, 4) and not c.finishes_splits()
     # one row with a long list: splits of >= 256 list entries to fill the GPU
     sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
@@ -138,3 +138,90 @@ def test_cells_smem_mirror():
         for r in K.cells_rows_allowed(dk, dv):
             lanes = K.vec_lanes(dk)
             assert K.cells_smem_bytes(dk, dv, r) == 4 * 4 * (32 // lanes) * r * (dv + 3) <= 48 * 1024
+
+
+# ---------------------------------------------------------------------------------------
+# the v2 sweep (kernels.CELLS_SWEEP, selected by cuda_launch.CELLS_TUNE): launch configuration,
+# names, labels, and every sweep instance compiled (they are not in all_variants())
+def test_cells_tune_labels_round_trip():
+    labels = [t.label for t in K.CELLS_SWEEP]
+    assert labels[0] == "" and K.CELLS_SWEEP[0] == K.CELLS_DEFAULT
+    assert len(set(labels)) == len(labels) and len(set(K.CELLS_SWEEP)) == len(K.CELLS_SWEEP)
+    for t in K.CELLS_SWEEP:
+        assert K.CellsTune.parse(t.label) == t == K.CellsTune.parse("cells-" + t.label)
+    assert K.CellsTune.parse("default") == K.CellsTune.parse("cells") == K.CELLS_DEFAULT
+    assert K.CellsTune.parse("u8-pf1-minb3-r2") == K.CellsTune(u=8, pf=1, minb=3, rmax=2)
+    for bad in ("u3", "pf3", "x1", "r3", "minb9", "u2pf1"):
+        with pytest.raises(ValueError):
+            K.CellsTune.parse(bad)
+
+
+def test_cells_tune_from_environment(monkeypatch):
+    from ggml_attn import cuda_launch
+    monkeypatch.setenv("GGML_ATTN_CELLS_TUNE", "u2-pf1")
+    assert cuda_launch.cells_tune_from_env() == K.CellsTune(u=2, pf=1)
+    monkeypatch.delenv("GGML_ATTN_CELLS_TUNE")
+    assert cuda_launch.cells_tune_from_env() == K.CELLS_DEFAULT
+
+
+def test_cells_default_program_unchanged():
+    """The default tune is the only cells program in all_variants() (CI compile time), with the
+    instances the kernel had before the sweep: R 1, 2, 4, 8 at D 128, U 4, no prefetch, no hint."""
+    v = K.cells_variant(128, 128, GGML_TYPE_F16)
+    assert v == K.cells_variant(128, 128, GGML_TYPE_F16, K.CELLS_DEFAULT) and v.family == "cells"
+    assert v.names == tuple(f"fattn_cells<128, 128, __half, {r}, 4, 0, 0>" for r in (1, 2, 4, 8))
+    fams = [x.family for x in K.all_variants()]
+    assert "cells-x" not in fams and fams.count("cells") == 2 * len(K.CELLS_HEADS)
+
+
+@pytest.mark.parametrize("tune", K.CELLS_SWEEP, ids=lambda t: t.label or "default")
+def test_launch_config_cells_tune(tune, monkeypatch):
+    """Each sweep variant at the batched bench's shapes (64 tokens, 32 q / 8 KV heads, D 128):
+    R = min(gqa 4, rmax) heads per block, grid (tokens, heads / R, splits), the tune's instance
+    name in its own program, the R-dependent shared memory, one split when the grid fills the GPU."""
+    from ggml_attn import cuda_launch
+    monkeypatch.setattr(cuda_launch, "CELLS_TUNE", tune)
+    sh = Shapes(128, 128, 64, 32, 8, 1, 8960, GGML_TYPE_F16)
+    c = launch_config("cells", sh, blocks_per_sm=3, max_cells=230)
+    r = min(4, tune.rmax)
+    assert c.pack == r and c.rows == r and c.q_tile_tokens == 1
+    assert c.grid == (64, 32 // r, 1) and c.n_splits == 1 and c.block == 128
+    assert c.name == f"fattn_cells<128, 128, __half, {r}, {tune.u}, {tune.pf}, {tune.minb}>"
+    assert c.name in c.variant.names and c.variant.source == "fattn_cells.cu"
+    assert c.variant.family == ("cells" if tune == K.CELLS_DEFAULT else "cells-x")
+    assert c.smem == K.cells_smem_bytes(128, 128, r) == 4 * 8 * r * 131 and not c.finishes_splits()
+    assert all(int(n.split(",")[3]) <= tune.rmax for n in c.variant.names)
+    # gqa 8 (bf16): R capped by the tune; mask head planes: R 1
+    c8 = launch_config("cells", Shapes(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2)
+    assert c8.pack == min(8, tune.rmax) and c8.name.startswith("fattn_cells<128, 128, __nv_bfloat16, ")
+    assert launch_config("cells", Shapes(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1), blocks_per_sm=2).pack == 1
+    # one long row: splits of >= CELLS_MIN_PER_SPLIT entries as before
+    c1 = launch_config("cells", Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16), blocks_per_sm=3,
+                       max_cells=32768)
+    assert c1.grid[:2] == (1, 32 // r) and 1 < c1.n_splits <= 32768 // 256
+
+
+def _compile_tune(args):
+    tune, dk, kv_type = args
+    v = K.cells_variant(dk, dk, kv_type, tune)
+    c = K.compile_variant(v, "sm_90", use_disk_cache=False, extra_options=("-Xptxas=-v",))
+    inv = {m: n for n, m in c.lowered.items()}
+    return v.names, {inv.get(k, k): u for k, u in K.resource_usage(c.log).items()}
+
+
+@pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed (pip install .[nvrtc])")
+def test_cells_sweep_compiles():
+    """Every sweep variant compiles for sm_90 at D 64, 128 (f16, bf16) and 256 (the heads the GPU
+    tests run it on), <= 255 registers; at D 128 (the sweep's case) without spills."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+    jobs = [(t, dk, ty) for t in K.CELLS_SWEEP if t != K.CELLS_DEFAULT
+            for dk, ty in ((128, GGML_TYPE_F16), (128, GGML_TYPE_BF16), (64, GGML_TYPE_F16), (256, GGML_TYPE_F16))]
+    with ProcessPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as ex:
+        results = list(ex.map(_compile_tune, jobs))
+    for (tune, dk, _), (names, usage) in zip(jobs, results):
+        assert set(usage) == set(names), (tune, dk)
+        for name, u in usage.items():
+            assert u["registers"] <= 255, (name, u)
+            if dk == 128:
+                assert u["spill_stores"] == 0 and u["spill_loads"] == 0, (name, u)
