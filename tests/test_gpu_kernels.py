@@ -7,6 +7,7 @@ pointers). The conformance grid is test-backend-ops' (ggml_attn.conformance); ad
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -928,3 +929,82 @@ def test_nan_mask_cell_makes_its_row_nan(kernel, n_splits, rng):
     assert np.isnan(out[:, nan_rows]).all(), f"{kernel} splits={n_splits}: NaN rows lost their NaN"
     keep = [r for r in range(n_batch) if r not in nan_rows]
     _check(out[:, keep], ref[:, keep], f"{kernel} splits={n_splits} other rows")
+
+
+# ---------------------------------------------------------------------------------------
+# the cells v2 sweep (kernels.CELLS_SWEEP: cells in flight per group, prefetch depth, launch-bounds
+# blocks per SM, heads per block), each variant selected through cuda_launch.CELLS_TUNE on the
+# cell-kernel cases above: ragged list lengths (tails shorter than a step), empty rows, splits,
+# an interleaved decode step, garbage in cells no list names (prefetches must stay inside [jb, je))
+def _sweep_tunes():
+    from ggml_attn import kernels as K
+    return [t for t in K.CELLS_SWEEP if t != K.CELLS_DEFAULT]
+
+
+@pytest.fixture(params=_sweep_tunes(), ids=lambda t: t.label)
+def cells_tune(request, monkeypatch):
+    monkeypatch.setattr(cuda_launch, "CELLS_TUNE", request.param)
+    cb._PREPARED.clear()
+    yield request.param
+    cb._PREPARED.clear()
+
+
+@pytest.mark.parametrize("d,gqa,kv_type", [(64, 1, GGML_TYPE_F16), (128, 4, GGML_TYPE_F16),
+                                            (128, 8, GGML_TYPE_BF16), (256, 2, GGML_TYPE_BF16)])
+@pytest.mark.parametrize("n_splits", [None, 3])
+@pytest.mark.parametrize("n_batch", [7, 64])
+def test_cells_sweep_random_sparse(cells_tune, d, gqa, kv_type, n_splits, n_batch, rng):
+    n_kv, n_head_kv = 3001, 2
+    q, k, v, s = _inputs(rng, 1, n_head_kv * gqa, n_head_kv, n_batch, n_kv, d, d, kv_type, sinks=True)
+    mask = _sparse_mask(rng, (1, 1, n_batch, n_kv))
+    mask[:, :, ::4] = -np.inf
+    mask[:, :, 1, :] = -np.inf
+    mask[:, :, 1, 5:8] = 0.5     # a list of 3 entries: shorter than one group's step
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=kv_type)
+    out = _run_device(q, k, v, mask, s, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
+    _check(out, ref, f"cells-{cells_tune.label} d={d} gqa={gqa} splits={n_splits} n_batch={n_batch}")
+    assert np.all(out[:, ::4] == 0.0), "fully masked rows must be exactly zero"
+    cfg = next(p.cfg for p in cb._PREPARED.values() if p.cfg is not None and p.kern == "cells")
+    assert cfg.name.endswith(f", {cells_tune.u}, {cells_tune.pf}, {cells_tune.minb}>"), cfg.name
+
+
+@functools.lru_cache(maxsize=1)
+def _sweep_decode_step_case():
+    """The interleaved decode step's inputs and float64 reference, once for every variant."""
+    mask, n_tok = _decode_step_mask(64, 8)
+    q, k, v, _ = _inputs(np.random.default_rng(7), 1, 32, 8, n_tok, mask.shape[-1], 128, 128, GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, mask, 1 / math.sqrt(128), 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    return mask, n_tok, q, k, v, ref
+
+
+def test_cells_sweep_interleaved_decode_step(cells_tune):
+    cp = _cupy()
+    mask, n_tok, q, k, v, ref = _sweep_decode_step_case()
+    dm = cp.asarray(mask)
+    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    for n_splits in (None, 2):
+        dst = cp.full((1, n_tok, 32, 128), cp.nan, dtype=cp.float32)
+        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                 from_array(dm, GGML_TYPE_F16), None, from_array(dst), 1 / math.sqrt(128),
+                                 kernel="cells", plan=plan, n_splits=n_splits)
+        cp.cuda.get_current_stream().synchronize()
+        _check(dst.get(), ref, f"decode step cells-{cells_tune.label} splits={n_splits}")
+
+
+def test_cells_sweep_garbage_in_hidden_cells(cells_tune, rng):
+    n_own, n_kv = 9, 9 * 200 + 40
+    owner = np.arange(n_kv) % n_own
+    owner[-40:] = -1
+    mask = np.where(owner[None, :] == np.arange(8)[:, None], 0.0, -np.inf).astype(np.float16)[None, None]
+    q, k, v, _ = _inputs(rng, 1, 8, 2, 8, n_kv, 128, 128, GGML_TYPE_F16)
+    hidden = (owner == 8) | (owner < 0)
+    k0, v0 = k.copy(), v.copy()
+    k0[:, :, hidden] = 0
+    v0[:, :, hidden] = 0
+    ref = flash_attn_ext(q, k0, v0, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    k[:, :, hidden] = np.float16(np.nan)
+    v[:, :, hidden] = np.float16(np.inf)
+    for n_splits in (1, 3):
+        out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
+        _check(out, ref, f"cells-{cells_tune.label} garbage splits={n_splits}")
