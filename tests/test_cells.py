@@ -211,12 +211,12 @@ def _compile_tune(args):
 
 @pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed (pip install .[nvrtc])")
 def test_cells_sweep_compiles():
-    """Every sweep variant compiles for sm_90 at D 64, 128 (f16, bf16) and 256 (the heads the GPU
-    tests run it on), <= 255 registers; at D 128 (the sweep's case) without spills."""
+    """Every sweep variant compiles for sm_90 at D 128 (f16, bf16: the sweep's case) without
+    spills (the GPU tests compile D 64 and 256 too; those may spill a little, bench/NOTES.md)."""
     import os
     from concurrent.futures import ProcessPoolExecutor
     jobs = [(t, dk, ty) for t in K.CELLS_SWEEP if t != K.CELLS_DEFAULT
-            for dk, ty in ((128, GGML_TYPE_F16), (128, GGML_TYPE_BF16), (64, GGML_TYPE_F16), (256, GGML_TYPE_F16))]
+            for dk, ty in ((128, GGML_TYPE_F16), (128, GGML_TYPE_BF16))]
     with ProcessPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as ex:
         results = list(ex.map(_compile_tune, jobs))
     for (tune, dk, _), (names, usage) in zip(jobs, results):
