@@ -154,8 +154,9 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
     ``kernel``: the request (``auto`` or a name from :data:`KERNELS`); ``backend``: the op's
     setting (``auto``, ``reference``, ``cuda``; the CUDA backend's own entry points pass
     ``cuda``); ``gpu``: a usable GPU is present; ``on_device``: the call's data is in GPU
-    memory. Raises ``ValueError`` (or ``RuntimeError`` for ``backend="cuda"`` without a GPU)
-    when the request cannot run, naming why; never returns a choice that cannot run."""
+    memory. Raises ``ValueError`` (or ``RuntimeError`` without a GPU: for ``backend="cuda"``, or
+    for data on the device unless ``backend="reference"``) when the request cannot run, naming
+    why; never returns a choice that cannot run (``"cpu"`` only for host data)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     quantized = f.kv_type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
@@ -166,6 +167,9 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
     if not gpu:
         if backend == "cuda":
             raise RuntimeError("backend 'cuda' requested but no usable CUDA device/CuPy")
+        if on_device:   # the numpy path reads host memory only: device pointers there are a segfault
+            raise RuntimeError("the data is in GPU memory but there is no usable CUDA device/CuPy backend "
+                               "(ggml_attn.gpu_available() is False); the numpy path reads host memory only")
         return Choice("cpu", "no usable GPU")
     if quantized:
         what = f"quantized K/V ({TYPE_NAMES.get(f.kv_type, f.kv_type)}) are supported on the CPU path only"

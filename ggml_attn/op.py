@@ -31,6 +31,7 @@ import itertools
 import logging
 import operator
 import signal
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -409,13 +410,24 @@ def gpu_available() -> bool:
     return bool(cuda_backend.available())
 
 
+def _maybe_device_pointer(ptr: int) -> bool:
+    """:func:`_is_device_pointer` where no usable GPU backend is known (backend 'reference', or
+    ``gpu_available()`` False): False without CuPy loaded (no CuPy array can exist then, and
+    CuPy is not imported to ask) or when CUDA cannot answer."""
+    if sys.modules.get("cupy") is None:
+        return False
+    return _is_device_pointer_safe(ptr)
+
+
 def _choose(q: TensorDesc, k: TensorDesc, dims):
     """(``dispatch.Choice``, data on the device) for this call: ``dispatch.best_kernel`` with
-    the op's settings."""
+    the op's settings. Where the data is is asked whatever the settings: the numpy path reads
+    host pointers, and device memory handed to it is a segfault (a device graph computed with
+    backend 'reference', or while ``gpu_available()`` says no)."""
     from .dispatch import CallFacts, best_kernel  # noqa: PLC0415
     backend = _settings["backend"]
     gpu = backend != "reference" and gpu_available()
-    on_device = gpu and _is_device_pointer(q.ptr)
+    on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
     f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type)
     return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
 
@@ -579,8 +591,9 @@ def _callback_slow(dst_p, ith, nth, spec):
         if choice.kernel != "cpu":
             if ith != 0:
                 return
-            if on_device:
-                _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst)
+            if on_device:   # backend 'reference': the reference on host copies, whatever the kernel setting
+                _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst,
+                                 kernel="reference" if _settings["backend"] == "reference" else _settings["kernel"])
             else:
                 from . import cuda_backend  # noqa: PLC0415
                 cuda_backend.flash_attn_ext_host(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
@@ -593,7 +606,7 @@ def _callback_slow(dst_p, ith, nth, spec):
         _failed(dst_p, ith, exc)
 
 
-def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) -> None:
+def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst, *, kernel: str) -> None:
     """Device pointers: bind the call (``cuda_backend.bind``) and launch it. A node with its
     own spec keeps the bound call for the fast path. A plan given at build time that does not
     fit the call's mask is an error; without one the backend builds a tile map per call."""
@@ -609,7 +622,7 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst) ->
                          f"n_batch={plan.n_batch}; call: {mask.shape_str if mask else None} at "
                          f"{mask.ptr if mask else 0:#x}, n_batch={q.ne[1]})")
     b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
-                          kernel=_settings["kernel"], plan=plan, stream=_current_stream().ptr)
+                          kernel=kernel, plan=plan, stream=_current_stream().ptr)
     if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
         spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
             if b.replayable else None

@@ -38,6 +38,22 @@ def test_device_graph_matches_host(unified, mode):
     assert nmse(d_got.out, d_ref.out) < 5e-4
 
 
+def test_device_graph_with_backend_reference_matches_host():
+    """backend 'reference' on a device graph: the numpy reference on host copies of the device
+    data. The op's numpy path reads host pointers only; it was chosen here (and whenever the op
+    saw no usable GPU) and segfaulted reading K (tests/test_op.py checks the choice on the CPU)."""
+    import ggml_attn
+    b = Batch.from_lengths(range(1, 11))
+    host_c, dev_c = cache(False, None), cache(False, "cupy")
+    ref = run_batch(host_c, b, 512, "padded", CFG)
+    ggml_attn.set_backend("reference")
+    try:
+        got = run_batch(dev_c, b, 512, "padded", CFG, compute="ggml")
+    finally:
+        ggml_attn.set_backend("auto")
+    assert nmse(got.out, ref.out) < 5e-4
+
+
 def test_device_graph_is_all_custom_and_plans_once():
     c = cache(False, "cupy")
     (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")

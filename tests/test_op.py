@@ -3,6 +3,7 @@ import gc
 import logging
 import subprocess
 import sys
+import types
 
 import ggml
 import numpy as np
@@ -133,6 +134,31 @@ def test_cuda_backend_requested_without_gpu_fails_clearly(case_ctx, monkeypatch)
     monkeypatch.setitem(ggml_attn.op._settings, "backend", "cuda")
     with pytest.raises(ggml_attn.FlashAttnError, match="no usable CUDA"):
         ggml_attn.compute_graph(ctx, graph_of(ctx, out), 1)
+
+
+def test_device_data_never_reaches_the_numpy_path(case_ctx, monkeypatch):
+    """The numpy path reads its tensors through host pointers; handed a device graph's pointers
+    it segfaults (seen once on the GPU host: a device graph's op took the numpy path, which the
+    op chose whenever it did not consider a GPU: backend 'reference', or gpu_available() False).
+    Data on the device goes to the reference on host copies (backend 'reference', through
+    _bind_and_launch) or fails clearly. No GPU needed: the op is told that q is device memory."""
+    ctx, tensors, x = case_ctx
+    out = make_node(ctx, tensors)
+    gf = graph_of(ctx, out)
+    q_ptr = int(tensors[0].contents.data)
+    monkeypatch.setitem(sys.modules, "cupy", sys.modules.get("cupy") or types.ModuleType("cupy"))
+    monkeypatch.setattr(ggml_attn.op, "_is_device_pointer", lambda ptr: ptr == q_ptr)
+    monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host", _boom)   # the numpy path must not run
+    bound = []
+    monkeypatch.setattr(ggml_attn.op, "_bind_and_launch", lambda *a, **kw: bound.append(kw["kernel"]))
+    ggml_attn.set_backend("reference", kernel="prefill")
+    ggml_attn.compute_graph(ctx, gf, 2)
+    assert bound == ["reference"], "one call (graph thread 0), the reference on host copies"
+    ggml_attn.set_backend("auto")
+    monkeypatch.setattr(ggml_attn.op, "gpu_available", lambda: False)
+    with pytest.raises(ggml_attn.FlashAttnError, match="in GPU memory but there is no usable CUDA"):
+        ggml_attn.compute_graph(ctx, gf, 2)
+    assert bound == ["reference"]
 
 
 def test_set_backend_rejects_unknown():

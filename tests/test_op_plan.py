@@ -105,6 +105,8 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
     assert best_kernel("auto", FACTS, backend="reference", on_device=False).kernel == "cpu"
     assert best_kernel("auto", FACTS, backend="reference", on_device=True).kernel == "reference"
     assert best_kernel("auto", FACTS, backend="auto", gpu=False, on_device=False).kernel == "cpu"
+    with pytest.raises(RuntimeError, match="in GPU memory but there is no usable CUDA"):
+        best_kernel("auto", FACTS, backend="auto", gpu=False, on_device=True)   # never "cpu" on device data
     with pytest.raises(RuntimeError, match="no usable CUDA"):
         best_kernel("auto", FACTS, backend="cuda", gpu=False)
     q8 = CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q8_0)
