@@ -83,3 +83,19 @@ def test_cli_cpu_engine_full_block_matches_all_custom_graph(split, unified):
     for key, (pos, k, v) in host_kv.items():
         assert pos.tolist() == cust_kv[key][0].tolist()
         assert reference.nmse(cust_kv[key][1], k) < 1e-6 and reference.nmse(cust_kv[key][2], v) < 1e-6
+
+
+def test_engine_puts_the_op_settings_back_on_close():
+    """The CPU engine sets the op's process-wide backend to "reference"; closing it puts back
+    what was set before (a device graph computed later in the process must not meet the numpy
+    path)."""
+    from ggml_attn import op
+    before = op.settings()
+    op.set_backend("auto", "decode")
+    try:
+        r = Runner(RunConfig(MODEL, n_ctx=256, n_seq=1, device="cpu", n_threads=1))
+        assert op.settings()[0] == "reference"
+        r.close()
+        assert op.settings() == ("auto", "decode")
+    finally:
+        op.set_backend(*before)

@@ -66,6 +66,7 @@ class GraphEngine:
         m = self.m
         self.device = self.flavour == "device"
         self.xp = cache.xp
+        self._saved_settings = op.settings()   # the op's process-wide settings, put back by close()
         if self.device:
             op.set_backend("cuda", cfg.kernel)
         else:
@@ -209,9 +210,13 @@ class GraphEngine:
         return CudaTimer(self.stream) if self.device else WallTimer()
 
     def close(self) -> None:
+        from ggml_attn import op
         for entry in self._graphs.values():
             entry.graph.free()
         self._graphs.clear()
+        saved, self._saved_settings = getattr(self, "_saved_settings", None), None
+        if saved is not None:   # a CPU engine's "reference" must not outlive it (device graphs after it)
+            op.set_backend(*saved)
         self._keep = None
         self.weights = None
         if self.stream is not None:
