@@ -167,19 +167,22 @@ def mask_values(cache: KVCache, ub: UBatch, slot: SlotInfo, vis: np.ndarray, *, 
 
 _ROW_BLOCK = 128     # rows per block (the staircase of a causal block is about this wide)
 _MAX_BLOCKS = 256    # (row block, cell run) pairs of a group past which it is written by fancy indexing
-_GROUP_COST = 16384  # cost of a row group on the sparse path, in (row, cell) pairs of the dense path
+# the cost of a row group on the sparse path, in (row, cell) pairs of the dense path: a fixed
+# part, and per cell of n_kv (the scan of the sequence's column of the cell-to-sequence table)
+_GROUP_COST = 8192
+_GROUP_SCAN = 4
 
 
 def _fast_applies(ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.dtype) -> bool:
     """Whether :func:`_fast_mask` builds this mask: float masks (f16/f32/f64) whose row groups
     (runs of rows of one sequence: the prompt chunks) cost less there than the dense
     ``(n_tokens, n_kv)`` pairs of :func:`_general_mask` (not a decode step's rows, one per
-    sequence, over few cells)."""
+    sequence, nor a few rows per sequence: ``tools/mask_host_bench.py`` measured the costs)."""
     if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):
         return False
     prim = ub.primary_seq_ids
     n_groups = int(np.count_nonzero(prim[1:] != prim[:-1])) + slot.n_stream   # (at most)
-    return n_groups * _GROUP_COST < ub.n_tokens * n_kv
+    return n_groups * (_GROUP_COST + _GROUP_SCAN * n_kv) < ub.n_tokens * n_kv
 
 
 def _checked_shape(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int) -> tuple[int, int]:
@@ -218,26 +221,17 @@ def _fast_mask(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, causal:
 
 def _row_groups(prim: np.ndarray, real: np.ndarray | None) -> list[tuple[int, np.ndarray]]:
     """``[(seq, rows)]``: one stream's rows (``prim`` int ``(n_tps,)`` primary ids; ``real``
-    bool ``(n_tps,)`` not a pad, None: no pads) by sequence, rows int64 ascending; pad rows
-    in none (they see nothing)."""
-    rows = None if real is None else np.flatnonzero(real)
-    ids = prim if rows is None else prim[rows]
+    bool ``(n_tps,)`` not a pad, None: no pads) in runs of one sequence (a sequence whose rows
+    come in several runs has several groups), rows int64 ascending; pad rows in none (they
+    see nothing)."""
+    rows = np.arange(prim.shape[0]) if real is None else np.flatnonzero(real)
+    ids = prim if real is None else prim[rows]
     n = ids.shape[0]
     if n == 0:
         return []
     cut = (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()
     starts, ends = [0] + cut, cut + [n]
-    seg = ids[starts].tolist()
-    if len(set(seg)) == len(seg):   # each sequence's rows in one piece (prompt chunks)
-        if rows is None:
-            return [(s, np.arange(a, b)) for s, a, b in zip(seg, starts, ends)]
-        return [(s, rows[a:b]) for s, a, b in zip(seg, starts, ends)]
-    order = np.argsort(ids, kind="stable")
-    if rows is None:
-        rows = np.arange(n)
-    ids = ids[order]
-    cut = (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()
-    return [(int(ids[a]), rows[order[a:b]]) for a, b in zip([0] + cut, cut + [n])]
+    return list(zip(ids[starts].tolist(), (rows[a:b] for a, b in zip(starts, ends))))
 
 
 def _seq_cells(cache: KVCache, st: int, seq: int, n_kv: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,9 +8,12 @@ of 128), split into ``--ubatch``-token ubatches (``simple``); each ubatch is pla
 of ``build_mask`` alone (timed inside the plan), and with ``--general`` the same with the general path forced (``mask.py``
 ``_general_mask``), for comparison. ``--n-kv-all`` builds every mask over the whole cache
 instead of the cache's ``n_kv`` (a cache whose prompt ubatches attend over every cell).
+``--chunk R`` times instead, after the prompts, one ubatch of ``R`` tokens of every sequence
+(``R`` = 1: a decode step built from scratch), the sparse (``_fast_mask``) and the dense
+(``_general_mask``) path each, whichever ``_fast_applies`` picks: the data of its cost rule.
 
 Usage: python tools/mask_host_bench.py [--prompts 64] [--ubatch 512] [--reps 5] [--seed 1]
-           [--n-kv-all] [--general] [--swa N] [--alibi] [--f32] [--no-causal]
+           [--n-kv-all] [--general] [--swa N] [--alibi] [--f32] [--no-causal] [--chunk R]
 """
 from __future__ import annotations
 
@@ -79,6 +82,37 @@ def run(prompts: int = 64, ubatch: int = 512, reps: int = 5, seed: int = 1, gene
     return {"n_ubatch": n, "plan_ms": plan_ms, "mask_ms": mask_ms, "n_kv": runs[0][2]}
 
 
+def chunk(rows: int, prompts: int = 64, ubatch: int = 512, reps: int = 5, seed: int = 1,
+          n_kv_all: bool = False, **mask_kw) -> dict:
+    """ms of the sparse and of the dense path for one ubatch of ``rows`` tokens of each of the
+    ``prompts`` sequences after their prompts (best of ``reps``), and which one is picked."""
+    import numpy as np
+    from ggml_attn.graph import Batch, split_ubatches
+    from ggml_attn.graph import mask as mask_mod
+    from ggml_attn.graph import plan as plan_mod
+    make_cache, ubatches = case(prompts, ubatch, seed)
+    cache = make_cache()
+    for ub in ubatches:
+        cache.free_pads(plan_mod.plan_ubatch(cache, ub).slot)
+    b = Batch.from_lengths([rows] * prompts, list(range(prompts)), start_pos=cache.next_positions(range(prompts)))
+    (ub,) = split_ubatches(b, rows * prompts, "simple")
+    slot = cache.place(ub)
+    n_kv = cache.kv_size if n_kv_all else cache.n_kv(slot)
+    kw = dict(causal=True, n_swa=0, alibi=False, dtype=np.float16)
+    kw.update(mask_kw)
+    kw["dtype"] = np.dtype(kw["dtype"])
+    out = {"n_kv": n_kv, "picked": "sparse" if mask_mod._fast_applies(ub, slot, n_kv, kw["dtype"]) else "dense"}
+    for name, fn in (("sparse", mask_mod._fast_mask), ("dense", mask_mod._general_mask)):
+        best = None
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn(cache, ub, slot, n_kv, **kw)
+            dt = time.perf_counter() - t
+            best = dt if best is None else min(best, dt)
+        out[name] = best * 1e3
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=64, help="prompts of 16-200 tokens (default 64)")
@@ -91,6 +125,8 @@ def main(argv=None) -> None:
     ap.add_argument("--alibi", action="store_true", help="ALiBi mask values")
     ap.add_argument("--no-causal", action="store_true", help="non-causal masks")
     ap.add_argument("--f32", action="store_true", help="float32 masks (default float16)")
+    ap.add_argument("--chunk", type=int, default=0, metavar="R",
+                    help="time one ubatch of R tokens per sequence after the prompts, both paths")
     a = ap.parse_args(argv)
     if min(a.prompts, a.ubatch, a.reps) < 1 or a.swa < 0:
         ap.error("--prompts, --ubatch and --reps must be positive, --swa not negative")
@@ -98,6 +134,11 @@ def main(argv=None) -> None:
     if a.f32:
         import numpy as np
         kw["dtype"] = np.float32
+    if a.chunk > 0:
+        r = chunk(a.chunk, a.prompts, a.ubatch, a.reps, a.seed, a.n_kv_all, **kw)
+        print(f"{a.chunk} token(s) x {a.prompts} sequences, n_kv {r['n_kv']}: sparse {r['sparse']:.2f} ms, "
+              f"dense {r['dense']:.2f} ms; picked: {r['picked']}")
+        return
     for general in ((False, True) if a.general else (False,)):
         r = run(a.prompts, a.ubatch, a.reps, a.seed, general, a.n_kv_all, **kw)
         print(f"{'general' if general else 'default'} path: {r['n_ubatch']} ubatches, n_kv up to {r['n_kv']}: "
