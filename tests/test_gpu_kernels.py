@@ -889,11 +889,10 @@ def test_cells_refresh_follows_new_mask_contents(rng):
     _check(out.get(), flash_attn_ext(q, k, v, mb, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "after refresh")
 
 
-@pytest.mark.parametrize("n_splits", [1, 3])
-def test_cells_garbage_in_hidden_cells(n_splits, rng):
-    """NaN / inf in K and V at cells no row sees (interleaved cells of 9 owners, one row per
-    owner for 8 of them; the 9th owner's cells and a tail past the owners hold garbage): the
-    cell lists never name them, so the output equals the reference with them zeroed."""
+def _garbage_in_hidden_cells_case(rng):
+    """(q, k, v, mask, ref): interleaved cells of 9 owners, one row per owner for 8 of them; the
+    9th owner's cells and a tail past the owners hold NaN (K) / inf (V), which no cell list
+    names; ref is the reference with them zeroed."""
     n_own, n_kv = 9, 9 * 200 + 40
     owner = np.arange(n_kv) % n_own
     owner[-40:] = -1
@@ -906,6 +905,15 @@ def test_cells_garbage_in_hidden_cells(n_splits, rng):
     ref = flash_attn_ext(q, k0, v0, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
     k[:, :, hidden] = np.float16(np.nan)
     v[:, :, hidden] = np.float16(np.inf)
+    return q, k, v, mask, ref
+
+
+@pytest.mark.parametrize("n_splits", [1, 3])
+def test_cells_garbage_in_hidden_cells(n_splits, rng):
+    """NaN / inf in K and V at cells no row sees (interleaved cells of 9 owners, one row per
+    owner for 8 of them; the 9th owner's cells and a tail past the owners hold garbage): the
+    cell lists never name them, so the output equals the reference with them zeroed."""
+    q, k, v, mask, ref = _garbage_in_hidden_cells_case(rng)
     out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
     _check(out, ref, f"cells garbage splits={n_splits}")
 
@@ -993,18 +1001,7 @@ def test_cells_sweep_interleaved_decode_step(cells_tune):
 
 
 def test_cells_sweep_garbage_in_hidden_cells(cells_tune, rng):
-    n_own, n_kv = 9, 9 * 200 + 40
-    owner = np.arange(n_kv) % n_own
-    owner[-40:] = -1
-    mask = np.where(owner[None, :] == np.arange(8)[:, None], 0.0, -np.inf).astype(np.float16)[None, None]
-    q, k, v, _ = _inputs(rng, 1, 8, 2, 8, n_kv, 128, 128, GGML_TYPE_F16)
-    hidden = (owner == 8) | (owner < 0)
-    k0, v0 = k.copy(), v.copy()
-    k0[:, :, hidden] = 0
-    v0[:, :, hidden] = 0
-    ref = flash_attn_ext(q, k0, v0, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
-    k[:, :, hidden] = np.float16(np.nan)
-    v[:, :, hidden] = np.float16(np.inf)
+    q, k, v, mask, ref = _garbage_in_hidden_cells_case(rng)
     for n_splits in (1, 3):
         out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, "cells", n_splits=n_splits)
         _check(out, ref, f"cells-{cells_tune.label} garbage splits={n_splits}")
