@@ -2,7 +2,10 @@
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--crossover] [--profile]
-#                      [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#                      [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#
+# --ab-prompt: the 8B batched bench's prompt phase with whole-cache prompt ubatches against the
+# coarse n_kv of before (tools/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
 #
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
 # ggml-python==0.0.45; gguf's wheel) with the device tool. Set GGML_ATTN_COMMIT: the device's
@@ -13,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; QUICK=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -24,6 +27,7 @@ while [ $# -gt 0 ]; do
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
     --profile) PROF=1;;
+    --ab-prompt) ABP=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
     --) shift; EXTRA=("$@"); break;;
@@ -114,6 +118,13 @@ if [ $CLI = 1 ]; then
   done
   $PY -c "import json,sys; [print(f\"{r['layer']:5s} {r['backends']:12s} tg128 {r['avg_ts']:9.1f} t/s\") for r in map(json.loads, open(sys.argv[1]))]" "$OUT/cli.jsonl"
   echo "   ($(( $(date +%s) - t0 ))s so far)"
+fi
+if [ $ABP = 1 ]; then
+  echo "== A/B: whole-cache prompt ubatches vs coarse n_kv (llama-3-8B --layer full, 64 prompts)"
+  $PY tools/knob_ab.py --rounds 2 --out "$OUT/ab-prompt.json" --variant whole \
+      --variant coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0 batched-bench -m llama-3-8b \
+      --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 1 --cuda-graph on 2> "$OUT/ab-prompt.log" \
+    || { status=1; echo "A/B failed"; tail -5 "$OUT/ab-prompt.log"; }
 fi
 echo "== done in $(( $(date +%s) - t0 ))s, status $status"
 exit $status
