@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_bench import _desc, time_us  # noqa: E402
+from ggml_attn.cli.gpu_bench import _desc
+from ggml_attn.cli.gpu_timing import device_us
 
 HKV, D = 8, 128
 KERNELS = ("prefill", "decode", "decode-tc")
@@ -35,7 +34,7 @@ def measure(gqa, n_batch, n_kv, reps):
     out = {}
     for kern in KERNELS:
         fn = lambda: cb.flash_attn_ext_device(dq, dk, dv, None, None, dd, 1 / math.sqrt(D), kernel=kern, stream=st)
-        out[kern] = time_us(fn, reps=reps, groups=5, warmup=2)[0]
+        out[kern] = device_us([fn], calls=reps, batches=5)[0]
     return out
 
 
