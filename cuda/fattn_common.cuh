@@ -213,17 +213,17 @@ __device__ __forceinline__ void split_range(int cnt, int z, int n, int& begin, i
     end = (int)(((long long)cnt * (z + 1)) / n);
 }
 
-// ---------------------------------------------------------------------------------------
-// Final write of one row: o_unnorm is sum_j p_j v_j (p in the log2 domain with max m),
-// l the sum of p. With one split the sink is folded in and dst is written; with several,
-// the unnormalized partial goes to the workspace and the combine pass finishes it.
-// Called by the threads that own columns [c0, c0+n) of the row (any split of columns).
 // 1 / L for a row's softmax sum: 0 for an empty row (L = 0: the row sees no cell, its output
 // is zeros), NaN when L is NaN (a visible NaN logit: the row is NaN, as in the reference)
 __device__ __forceinline__ float inv_row_sum(float L) {
     return L > 0.0f ? 1.0f / L : (L == L ? 0.0f : L);
 }
 
+// ---------------------------------------------------------------------------------------
+// Final write of one row: o_unnorm is sum_j p_j v_j (p in the log2 domain with max m),
+// l the sum of p. With one split the sink is folded in and dst is written; with several,
+// the unnormalized partial goes to the workspace and the combine pass finishes it.
+// Called by the threads that own columns [c0, c0+n) of the row (any split of columns).
 __device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, float m, float l) {
     // returns the factor to multiply o_unnorm with for the final output (1 split)
     if (p.sinks) {

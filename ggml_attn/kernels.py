@@ -56,11 +56,17 @@ def vec_lanes(dk: int) -> int:
     return 32 if chk >= 32 else 16 if chk > 8 else 8 if chk > 4 else 4
 
 
-def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
-    """R values compiled for (dk, dv): keep Q + accumulator registers per lane <= 160."""
+def _rows_fit(dk: int, dv: int, rows) -> tuple[int, ...]:
+    """The R of ``rows`` whose Q + accumulator registers per lane stay <= 160 (the CUDA-core
+    kernels fattn_vec and fattn_cells: 8 floats per 16-byte chunk of a lane, per query row)."""
     lanes = vec_lanes(dk)
     per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
-    return tuple(r for r in VEC_ROWS if per_row * r <= 160)
+    return tuple(r for r in rows if per_row * r <= 160)
+
+
+def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): keep Q + accumulator registers per lane <= 160."""
+    return _rows_fit(dk, dv, VEC_ROWS)
 
 
 # Cell-list decode (fattn_cells.cu): head sizes (the pairs the CUDA-core decode kernel takes up to
@@ -130,10 +136,8 @@ CELLS_SWEEP = (
 def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple[int, ...]:
     """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec,
     and R <= ``tune.rmax``."""
-    lanes = vec_lanes(dk)
-    per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
     rmax = (tune or CELLS_DEFAULT).rmax
-    return tuple(r for r in CELLS_ROWS if per_row * r <= 160 and r <= rmax) or (1,)
+    return _rows_fit(dk, dv, (r for r in CELLS_ROWS if r <= rmax)) or (1,)
 
 
 def cells_smem_bytes(dk: int, dv: int, rows: int) -> int:

@@ -40,7 +40,7 @@ from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
-__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "is_decode_step", "check_device_graph", "check_build_args",
+__all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
            "check_geometry", "check_layers", "GraphBuildError", "LAYERS"]
 
 LAYERS = ("attn", "full")
@@ -103,19 +103,12 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
 
 
 # ------------------------------------------------------------------- the graph
-def is_decode_step(plan: UBatchPlan) -> bool:
-    """``UBatch.decode_step`` of the plan's ubatch (one token per sequence). A decode step's
-    kernel plan may choose the cell-list kernel, which a prompt chunk of the same size must not
-    inherit (``graph_key``)."""
-    return plan.ubatch.decode_step
-
-
 def graph_key(plan: UBatchPlan) -> tuple:
     """The structure of a ubatch plan's graph: tokens, streams (first stream and count), KV
-    cells viewed, decode step or not (:func:`is_decode_step`: the kernel plan's choice made at
-    build time follows the kind of ubatch). Plans with equal keys differ only in mask and
-    row-index contents."""
-    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0, is_decode_step(plan))
+    cells viewed, decode step or not (``UBatch.decode_step``: a decode step's kernel plan may
+    choose the cell-list kernel, which a prompt chunk of the same size must not inherit). Plans
+    with equal keys differ only in mask and row-index contents."""
+    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0, plan.ubatch.decode_step)
 
 
 def _np_shape(t) -> tuple[int, ...]:

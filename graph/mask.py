@@ -27,12 +27,7 @@ def visible_cells(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int, *, caus
     """bool numpy ``(n_stream, n_tps, n_kv)``: True where row may attend to cell.
     Call after ``cache.apply_ubatch(slot, ub)``. All streams at once (a few array operations
     per ubatch, whatever its number of streams and rows)."""
-    if n_kv > cache.kv_size:
-        raise ValueError(f"n_kv {n_kv} exceeds kv_size {cache.kv_size}")
-    n_stream = slot.n_stream
-    if ub.n_tokens % n_stream:
-        raise ValueError(f"{ub!r} has {ub.n_tokens} rows for {n_stream} streams")
-    n_tps = ub.n_tokens // n_stream
+    n_stream, n_tps = _checked_shape(cache, ub, slot, n_kv)
     s0 = slot.streams[0]
     consecutive = slot.streams == tuple(range(s0, s0 + n_stream))  # (always, from find_slot)
     st = slice(s0, s0 + n_stream) if consecutive else np.asarray(slot.streams, dtype=np.intp)
@@ -186,7 +181,8 @@ def _fast_applies(ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.dtype) -> boo
 
 
 def _checked_shape(cache: KVCache, ub: UBatch, slot: SlotInfo, n_kv: int) -> tuple[int, int]:
-    """``(n_stream, n_tps)`` of the mask, after :func:`visible_cells`' checks."""
+    """``(n_stream, n_tps)`` of the mask; ValueError when ``n_kv`` exceeds the cache or the
+    rows do not divide over the streams."""
     if n_kv > cache.kv_size:
         raise ValueError(f"n_kv {n_kv} exceeds kv_size {cache.kv_size}")
     n_stream = slot.n_stream

@@ -4,7 +4,7 @@ built for: the cell-list kernel for decode steps over a unified cache, tiles for
 import pytest
 
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
-from ggml_attn.graph.build import build_ubatch_graph, graph_key, is_decode_step
+from ggml_attn.graph.build import build_ubatch_graph, graph_key
 from ggml_attn.graph.plan import plan_ubatch
 
 CFG = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=16)
@@ -20,7 +20,7 @@ def test_decode_step_and_prompt_chunk_of_one_shape_have_different_keys():
     cache = KVCache(512, 4, unified=True, n_layer=1, n_head_kv=2, head_dim_k=16)
     prompt = _plan(cache, Batch.from_lengths([2]))           # 2 tokens of sequence 0
     step = _plan(cache, Batch.from_lengths([1, 1]))          # 1 token of sequences 0 and 1
-    assert not is_decode_step(prompt) and is_decode_step(step)
+    assert not prompt.ubatch.decode_step and step.ubatch.decode_step
     assert graph_key(prompt)[:-1] == graph_key(step)[:-1], "same shapes: only the kind differs"
     assert graph_key(prompt) != graph_key(step)
     g = build_ubatch_graph(cache, prompt, CFG)
@@ -33,8 +33,8 @@ def test_decode_step_and_prompt_chunk_of_one_shape_have_different_keys():
 
 def test_single_token_ubatch_is_a_decode_step():
     cache = KVCache(512, 4, unified=True, n_layer=1, n_head_kv=2, head_dim_k=16)
-    assert is_decode_step(_plan(cache, Batch.from_lengths([1])))
-    assert not is_decode_step(_plan(cache, Batch.from_lengths([3, 1])))
+    assert _plan(cache, Batch.from_lengths([1])).ubatch.decode_step
+    assert not _plan(cache, Batch.from_lengths([3, 1])).ubatch.decode_step
 
 
 def _prompt_plans(coarse, lens=(40, 90, 7, 130, 60, 200, 33, 120), n_ubatch=128):
@@ -68,7 +68,7 @@ def test_whole_cache_needs_a_small_mask_and_a_prompt(monkeypatch):
     cache.free_pads(prompt.slot)
     assert prompt.n_kv == cache.kv_size
     step = _plan(cache, Batch.from_lengths([1] * 4, start_pos=cache.next_positions(range(4))))
-    assert is_decode_step(step) and step.n_kv < cache.kv_size, "decode steps keep coarse padding"
+    assert step.ubatch.decode_step and step.n_kv < cache.kv_size, "decode steps keep coarse padding"
 
 
 def test_whole_cache_prompts_give_the_same_outputs():

@@ -36,22 +36,6 @@ REF_TOKENS = 16         # tokens of the default's output checked against the flo
 KEEP_GAIN = 0.03        # a variant replaces the default only when this much faster
 
 
-@contextlib.contextmanager
-def cells_tune(tune):
-    """cuda_launch.CELLS_TUNE set to ``tune`` (a kernels.CellsTune) inside, the call cache cleared
-    on entry and exit (as tools/gpu_bench.py's ``knobs``; not imported: gpu_bench imports this)."""
-    from ggml_attn import cuda_backend as cb
-    from ggml_attn import cuda_launch
-    saved = cuda_launch.CELLS_TUNE
-    cuda_launch.CELLS_TUNE = tune
-    cb._PREPARED.clear()
-    try:
-        yield
-    finally:
-        cuda_launch.CELLS_TUNE = saved
-        cb._PREPARED.clear()
-
-
 def step_plan(seqs: int, steps: int):
     """The plan (``UBatchPlan``) of decode step ``steps + 1`` after ``seqs`` ragged prompts."""
     from ggml_attn.cli.models import PRESETS
@@ -87,7 +71,7 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
     from ggml_attn.tensor import from_array
     if timer is None:
         from ggml_attn.cli.gpu_timing import device_us as timer  # noqa: PLC0415
-    from ggml_attn.cli.gpu_timing import copies_for  # noqa: PLC0415
+    from ggml_attn.cli.gpu_timing import copies_for, knobs  # noqa: PLC0415
     if sweep is None:
         sweep = K.CELLS_SWEEP
     plan, n_prompt = step_plan(seqs, steps)
@@ -118,7 +102,7 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
         if tune is not None:
             name = f"cells-{tune.label}"
         try:
-            with cells_tune(tune) if tune is not None else contextlib.nullcontext():
+            with knobs(CELLS_TUNE=tune) if tune is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 kp = cb.make_plan(dm, n_tok, H, HKV, d_k=D, kernel=kernel)
                 plan_ms = (time.perf_counter() - t0) * 1e3

@@ -23,11 +23,10 @@ import math
 import os
 import platform
 import subprocess
-import time
 
 import numpy as np
 
-from ggml_attn.cli.gpu_timing import L2_ROTATE_BYTES, copies_for, device_us, host_us, wall_us  # noqa: F401
+from ggml_attn.cli.gpu_timing import copies_for, device_us, host_us, knobs, wall_us
 from ggml_attn.conformance import block_causal_mask
 
 H, HKV, D = 32, 8, 128
@@ -163,37 +162,6 @@ def window_mask(n, window):
     for i in range(n):
         m[i, max(0, i - window + 1):i + 1] = 0
     return m
-
-
-class knobs:
-    """Context: tuning knobs of ggml_attn.cuda_launch changed for a comparison row (the call
-    cache ggml_attn.cuda_backend._PREPARED cleared on entry and exit)."""
-
-    def __init__(self, **kw):
-        self.kw = kw
-
-    def __enter__(self):
-        from ggml_attn import cuda_backend as cb
-        from ggml_attn import cuda_launch as knob
-        self.saved = {}
-        for k, v in self.kw.items():
-            cur = getattr(knob, k)
-            self.saved[k] = dict(cur) if isinstance(cur, dict) else cur
-            if isinstance(cur, dict):
-                cur.update(v)
-            else:
-                setattr(knob, k, v)
-        cb._PREPARED.clear()
-
-    def __exit__(self, *exc):
-        from ggml_attn import cuda_backend as cb
-        from ggml_attn import cuda_launch as knob
-        for k, v in self.saved.items():
-            if isinstance(v, dict):
-                getattr(knob, k).update(v)
-            else:
-                setattr(knob, k, v)
-        cb._PREPARED.clear()
 
 
 def narrow_prefill():

@@ -1,10 +1,11 @@
-"""Device and host timing of GPU calls, as every GPU benchmark here times them.
+"""Device and host timing of GPU calls, as every GPU benchmark here times them, and the
+backend's tuning knobs set for a comparison row (:class:`knobs`).
 
 - :func:`device_us`: device time per call -- each batch of calls queued behind a long sleep
   kernel, so that the host has enqueued every call before the GPU reaches the first one; CUDA
   events around the batch time the GPU alone (a batch whose first event had already fired when
   the host finished enqueuing is re-run with a longer sleep); median of 3 batches.
-- :func:`host_us` / :func:`wall_us`: host time per call (enqueue only / with a synchronization).
+- :func:`host_us` / :func:`wall_us`: host time per call (enqueue only / with the device's work).
 - :func:`copies_for`: copies of an input to rotate over so that they exceed the L2 cache
   (decode K/V: each layer of a model reads its own).
 Needs torch with CUDA (its sleep kernel and events).
@@ -48,30 +49,57 @@ def device_us(fns, calls=30, batches=3):
     return out[len(out) // 2], out[0], out[-1]
 
 
-def host_us(fn, calls=300):
-    """Host time (us) of one call of ``fn`` (enqueue only; the GPU runs behind)."""
+def host_us(fn, calls=300, *, wait: bool = False):
+    """Host time (us) of one call of ``fn``: enqueue only (the GPU runs behind), or with
+    ``wait`` until the device finished them (wall time, for per-ubatch work)."""
     import torch
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(calls):
         fn()
+    if wait:
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / calls * 1e6
     torch.cuda.synchronize()
     return dt
 
 
 def wall_us(fn, calls=20):
-    """Host wall time (us) of ``fn`` including a device synchronization (per-ubatch work)."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    """:func:`host_us` with ``wait``: host wall time including the device's work."""
+    return host_us(fn, calls, wait=True)
 
 
 def copies_for(nbytes):
     return max(1, -(-L2_ROTATE_BYTES // max(nbytes, 1)))
+
+
+class knobs:
+    """Context: tuning knobs of ggml_attn.cuda_launch changed for a comparison row (the call
+    cache ggml_attn.cuda_backend._PREPARED cleared on entry and exit)."""
+
+    def __init__(self, **kw):
+        self.kw = kw
+
+    def __enter__(self):
+        from ggml_attn import cuda_backend as cb
+        from ggml_attn import cuda_launch as knob
+        self.saved = {}
+        for k, v in self.kw.items():
+            cur = getattr(knob, k)
+            self.saved[k] = dict(cur) if isinstance(cur, dict) else cur
+            if isinstance(cur, dict):
+                cur.update(v)
+            else:
+                setattr(knob, k, v)
+        cb._PREPARED.clear()
+
+    def __exit__(self, *exc):
+        from ggml_attn import cuda_backend as cb
+        from ggml_attn import cuda_launch as knob
+        for k, v in self.saved.items():
+            if isinstance(v, dict):
+                getattr(knob, k).update(v)
+            else:
+                setattr(knob, k, v)
+        cb._PREPARED.clear()

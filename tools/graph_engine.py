@@ -47,7 +47,7 @@ class _Cached:
     def __init__(self, graph, decode: bool):
         self.graph = graph
         self.replay = None
-        self.decode = decode   # a decode step's structure (build.is_decode_step)
+        self.decode = decode   # a decode step's structure (UBatch.decode_step)
 
 
 class GraphEngine:
@@ -148,7 +148,7 @@ class GraphEngine:
                                          weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
                                          full_layer=self.full_layer, layers=self.layers,
                                          all_custom=self.device if self.all_custom is None else self.all_custom)
-            entry = _Cached(g, key[-1])   # graph_key ends with build.is_decode_step
+            entry = _Cached(g, plan.ubatch.decode_step)
             fresh = True
         else:
             entry.graph.load_plan(plan)

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ggml_attn import dispatch
+
 from .common import check_interrupt
 from .errors import UserError
 from .models import ModelShape
 
 SPLITS = ("simple", "equal", "seq", "padded", "auto")
-KERNELS = ("auto", "prefill", "decode", "decode-tc", "cells", "reference", "ggml")
+KERNELS = dispatch.KERNELS + ("ggml",)   # ggml: ggml's own flash attention (CPU)
 DEVICES = ("auto", "cpu", "cuda")
 LAYERS = ("attn", "full")
 
@@ -91,7 +93,7 @@ class RunConfig:
                           head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
 
 
-GPU_KERNELS = ("prefill", "decode", "decode-tc", "cells")
+GPU_KERNELS = dispatch.GPU_KERNELS
 
 
 def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
