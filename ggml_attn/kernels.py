@@ -84,8 +84,8 @@ class CellsTune:
     step's K/V rows too, list entries two steps ahead), ``minb`` the minimum resident blocks per
     SM of ``__launch_bounds__`` (caps registers at 64K / (128 minb); 0: no hint), ``rmax`` the
     most query heads per block (R)."""
-    u: int = 4
-    pf: int = 0
+    u: int = 2
+    pf: int = 1
     minb: int = 0
     rmax: int = 8
 
@@ -119,17 +119,17 @@ class CellsTune:
 CELLS_DEFAULT = CellsTune()
 # The variants tools/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
 # (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
-# all_variants() (the CI compile); tests/test_cells.py compiles these. Tunes with more registers
-# per cell (u8, pf2) stop at R 4 (R 8 would spill).
+# all_variants() (the CI compile); tests/test_cells.py compiles these. Device time of the batched
+# bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the
+# default (then labelled u2-pf1) 30.1 us; the sweep's other rows 31.0-61.9.
 CELLS_SWEEP = (
-    CELLS_DEFAULT,                                        # R 4 at gqa 4: 156 registers, 3 blocks/SM
-    CellsTune(u=2), CellsTune(u=8, rmax=4),               # cells in flight per group
-    CellsTune(pf=1), CellsTune(pf=2, rmax=4),             # prefetch depth
-    CellsTune(u=2, pf=1), CellsTune(u=2, pf=2, rmax=4), CellsTune(u=8, pf=1, rmax=4),
-    CellsTune(rmax=2), CellsTune(pf=1, rmax=2), CellsTune(pf=2, rmax=2),   # 2 heads per block
-    CellsTune(u=2, pf=1, rmax=2), CellsTune(u=8, pf=1, rmax=2),
-    CellsTune(u=2, pf=1, minb=6, rmax=2),                 # 80 registers: 6 blocks/SM
-    CellsTune(u=2, pf=2, minb=8, rmax=1),                 # one head per block, 64 registers
+    CELLS_DEFAULT,                                        # U 2, PF 1, R 4 at gqa 4: 128 registers, 4 blocks/SM
+    CellsTune(u=4, pf=0),                                 # the first default: 35.2 us
+    CellsTune(pf=0),                                      # no prefetch: 32.4
+    CellsTune(pf=2, rmax=4),                              # K/V rows a step ahead: 33.4
+    CellsTune(u=4, pf=0, rmax=2),                         # 2 heads per block: 31.0
+    CellsTune(minb=6, rmax=2),                            # 80 registers, 6 blocks/SM: 31.5
+    CellsTune(pf=2, minb=8, rmax=1),                      # one head per block, 64 registers: 35.1
 )
 
 

@@ -92,27 +92,27 @@ def _fake_backend(monkeypatch, bad_label):
 def test_bench_run_sweep_rows_checks_and_verdict(monkeypatch):
     from ggml_attn import cuda_launch
     from ggml_attn import kernels as K
-    sweep = (K.CELLS_DEFAULT, K.CellsTune(u=2, pf=1), K.CellsTune(pf=2, rmax=4), K.CellsTune(rmax=2))
+    sweep = (K.CELLS_DEFAULT, K.CellsTune(u=4, pf=0), K.CellsTune(pf=2, rmax=4), K.CellsTune(rmax=2))
     calls = _fake_backend(monkeypatch, bad_label="pf2-r4")
-    times = {"": 30.0, "u2-pf1": 20.0, "pf2-r4": 10.0, "r2": 29.5}
+    times = {"": 30.0, "u4-pf0": 20.0, "pf2-r4": 10.0, "r2": 29.5}
 
     def timer(fns):
         assert len(fns) in (1, 2)   # the K/V copies (1: the cell-list refresh)
         return times.get(cuda_launch.CELLS_TUNE.label, 50.0), 1.0, 2.0
     res = b.run(seqs=4, steps=2, timer=timer, splits=(2,), sweep=sweep)
     rows = {r["kernel"]: r for r in res["rows"]}
-    assert list(rows) == ["auto", "prefill", "decode", "decode-tc", "cells", "cells-s2", "cells-u2-pf1",
+    assert list(rows) == ["auto", "prefill", "decode", "decode-tc", "cells", "cells-s2", "cells-u4-pf0",
                           "cells-pf2-r4", "cells-r2"], rows
     assert not any("error" in r for r in rows.values()), rows
     assert rows["cells"]["nmse_ref"] <= 1e-12 and rows["cells"]["ok"] and "refresh_us" in rows["cells"]
-    assert rows["cells-u2-pf1"]["nmse_vs_default"] == 0.0 and rows["cells-u2-pf1"]["ok"]
+    assert rows["cells-u4-pf0"]["nmse_vs_default"] == 0.0 and rows["cells-u4-pf0"]["ok"]
     assert not rows["cells-pf2-r4"]["ok"], "a variant off the default's output fails its check"
     assert rows["cells-r2"]["registers"] == 128 and rows["cells-r2"]["blocks_per_sm"] == 4
     # the variants ran under their tune, the default after them is restored
     assert {t for k, n, t in calls if k == "cells" and n is None} == set(sweep)
     assert cuda_launch.CELLS_TUNE == K.CELLS_DEFAULT
     v = res["sweep"]
-    assert v["keep"] == "cells-u2-pf1" and v["failed_check"] == ["cells-pf2-r4"] and not v["errors"]
+    assert v["keep"] == "cells-u4-pf0" and v["failed_check"] == ["cells-pf2-r4"] and not v["errors"]
     assert v["by_time"][0] == ["cells-pf2-r4", 10.0]
 
 

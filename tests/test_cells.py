@@ -117,7 +117,7 @@ def test_launch_config_cells():
     c = launch_config("cells", sh, blocks_per_sm=3, max_cells=200)
     # one block per (token, KV head): the 4 heads of a GQA group share the token's list
     assert c.pack == 4 and c.q_tile_tokens == 1 and c.grid == (64, 8, 1) and c.n_splits == 1
-    assert c.name == "fattn_cells<128, 128, __half, 4, 4, 0, 0>" and c.variant.family == "cells"
+    assert c.name == "fattn_cells<128, 128, __half, 4, 2, 1, 0>" and c.variant.family == "cells"
     assert c.smem == K.cells_smem_bytes(128, 128, 4) and not c.finishes_splits()
     # one row with a long list: splits of >= 256 list entries to fill the GPU
     sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
@@ -158,18 +158,18 @@ def test_cells_tune_labels_round_trip():
 
 def test_cells_tune_from_environment(monkeypatch):
     from ggml_attn import cuda_launch
-    monkeypatch.setenv("GGML_ATTN_CELLS_TUNE", "u2-pf1")
-    assert cuda_launch.cells_tune_from_env() == K.CellsTune(u=2, pf=1)
+    monkeypatch.setenv("GGML_ATTN_CELLS_TUNE", "u4-pf0")
+    assert cuda_launch.cells_tune_from_env() == K.CellsTune(u=4, pf=0)
     monkeypatch.delenv("GGML_ATTN_CELLS_TUNE")
     assert cuda_launch.cells_tune_from_env() == K.CELLS_DEFAULT
 
 
 def test_cells_default_program_unchanged():
     """The default tune is the only cells program in all_variants() (CI compile time), with the
-    instances the kernel had before the sweep: R 1, 2, 4, 8 at D 128, U 4, no prefetch, no hint."""
+    instances R 1, 2, 4, 8 at D 128, U 2, prefetch depth 1, no hint (the sweep's keeper)."""
     v = K.cells_variant(128, 128, GGML_TYPE_F16)
     assert v == K.cells_variant(128, 128, GGML_TYPE_F16, K.CELLS_DEFAULT) and v.family == "cells"
-    assert v.names == tuple(f"fattn_cells<128, 128, __half, {r}, 4, 0, 0>" for r in (1, 2, 4, 8))
+    assert v.names == tuple(f"fattn_cells<128, 128, __half, {r}, 2, 1, 0>" for r in (1, 2, 4, 8))
     fams = [x.family for x in K.all_variants()]
     assert "cells-x" not in fams and fams.count("cells") == 2 * len(K.CELLS_HEADS)
 

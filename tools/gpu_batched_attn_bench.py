@@ -19,7 +19,7 @@ gives the instance's registers and resident blocks per SM. ``sweep`` at the end:
 by time and the variant to keep (``keep``: the fastest correct one if it beats the default by
 more than 3%, else the default).
 
-Usage: python tools/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--no-sweep] [--tunes u2-pf1,pf1]
+Usage: python tools/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--no-sweep] [--tunes u4-pf0,pf0]
 """
 from __future__ import annotations
 
