@@ -146,6 +146,7 @@ class UBatchGraph:
     _op_keys: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
     kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
+    _stager: object = None       # load_plan's host-to-device copies (device graphs; staging.py)
 
     def array(self, t):
         return self._arrays[_addr(t)]
@@ -166,16 +167,17 @@ class UBatchGraph:
         the same launches). Nothing is allocated on the device."""
         if graph_key(plan) != graph_key(self.plan):
             raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
-        for arr, host in ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx)):
-            host = np.ascontiguousarray(host, dtype=arr.dtype).reshape(arr.shape)
-            if self.xp is np:
-                arr[...] = host
-            else:
-                # one host-to-device copy on the current stream; the driver stages pageable
-                # memory at once, so the host neither waits for the device nor must keep
-                # `host` (a pinned buffer of the graph's own, waited on by an event, measured
-                # slower: bench/NOTES.md, fourth session)
-                arr.set(host)
+        pairs = ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx))
+        if self.xp is np:
+            for arr, host in pairs:
+                arr[...] = np.asarray(host, dtype=arr.dtype).reshape(arr.shape)
+        else:
+            # asynchronous on the current stream: the host goes on to the next ubatch while
+            # the device computes this one (staging.py)
+            if self._stager is None:
+                from .staging import Stager  # noqa: PLC0415 (device graphs only)
+                self._stager = Stager(self.xp)
+            self._stager.copy(pairs)
         self.plan = plan
         plan.kernel_plan = self.kernel_plan
 
@@ -218,6 +220,9 @@ class UBatchGraph:
         return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
     def free(self) -> None:
+        if self._stager is not None:   # the stream may still copy out of its pinned buffers
+            self._stager.wait()
+            self._stager = None
         if self.ctx is not None:
             ggml.ggml_free(self.ctx)
             self.ctx = None

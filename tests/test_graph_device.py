@@ -180,3 +180,36 @@ def test_full_block_on_device_matches_host_graph():
         p1, k1, v1 = h_c.sequence_contents(s, 1)
         p2, k2, v2 = d_c.sequence_contents(s, 1)
         assert p1.tolist() == p2.tolist() and nmse(k2, k1) < 1e-5 and nmse(v2, v1) < 1e-5
+
+
+def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
+    """load_plan's copies through the pinned ring (graph/staging.py; every copy pinned here),
+    five ubatches of one structure queued on the stream without a sync between them: each
+    ubatch's outputs match the host reference of its own batch."""
+    from ggml_attn.graph import staging
+    from ggml_attn.graph.runner import ubatch_inputs
+    monkeypatch.setattr(staging, "PINNED_MIN_BYTES", 0)
+    layouts = ([5, 5], [3, 7], [9, 1], [2, 8], [1, 9])
+    c = cache(True, "cupy")
+    g, got = None, []
+    for lens in layouts:
+        for s in range(10):
+            c.seq_rm(s)
+        (ub,) = split_ubatches(Batch.from_lengths(lens), 512, "simple")
+        plan = plan_ubatch(c, ub)
+        if g is None:
+            g = build_ubatch_graph(c, plan, CFG)
+        else:
+            g.load_plan(plan)
+            g.refresh_kernel_plan()
+        ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
+        g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+        g.compute(1)
+        got.append((plan.ubatch.token_idx, [o.copy() for o in g.outputs()]))   # copies queued too
+    assert g._stager is not None and g._stager.waits == len(layouts) - 1 - 2, "slots reused after 2"
+    for lens, (idx, outs) in zip(layouts, got):
+        ref = run_batch(cache(True, None), Batch.from_lengths(lens), 512, "simple", CFG)
+        for il in range(CFG.n_layer):   # (n_tokens, n_head, D_v): ubatch rows -> batch rows
+            assert nmse(cupy.asnumpy(outs[il]), ref.out[il][idx]) < 5e-4, (lens, il)
+    g.free()
+    assert g._stager is None

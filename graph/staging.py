@@ -1,0 +1,66 @@
+"""Host-to-device copies of a built graph's per-ubatch inputs (mask, row indices).
+
+A copy from pageable host memory is staged by the driver; a large one waits until the stream
+has reached it, i.e. until the device finished the previous ubatch, so the host cannot prepare
+the next ubatch while the device computes this one (a 512-token prompt ubatch over a 7k-cell
+cache: a 9.4 MB mask, 11 ms of host waiting per ubatch on the H200, bench/NOTES.md, "sixth
+session"). Large copies therefore go through a ring of pinned buffers: the host copies into a
+buffer, the stream copies out of it asynchronously, and the host waits only when the buffer
+comes round again (an event recorded after its last copy), which lets it run ``depth - 1``
+ubatches ahead. Small copies stay pageable: the driver takes them at once, and the pinned path
+measured slower for one-token decode steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# copies of at least this many bytes in all go through the pinned ring
+PINNED_MIN_BYTES = 256 * 1024
+RING_DEPTH = 2
+
+
+class Stager:
+    """Copies ``host -> dev`` pairs on the current stream of ``xp`` (CuPy), asynchronously.
+
+    ``pinned(shape, dtype)`` allocates a page-locked numpy array (``cupyx.empty_pinned``);
+    tests pass fakes for it and for ``xp``. Each :meth:`copy` call is one ubatch's inputs; the
+    shapes and dtypes of the device arrays never change for one graph."""
+
+    def __init__(self, xp, pinned=None, min_bytes: int | None = None, depth: int = RING_DEPTH):
+        if pinned is None:
+            import cupyx  # noqa: PLC0415 (device graphs only)
+            pinned = cupyx.empty_pinned
+        self.xp, self.pinned, self.depth = xp, pinned, depth
+        self.min_bytes = PINNED_MIN_BYTES if min_bytes is None else min_bytes
+        self._ring: list[list] = []      # per slot: pinned buffers, one per device array
+        self._events: list = []          # per slot: recorded after its copies (None: never used)
+        self._next = 0
+        self.waits = 0                   # how often a slot's event was waited on (tests, probes)
+
+    def copy(self, pairs) -> None:
+        """``pairs``: ``(dev, host)`` with ``dev`` a device array and ``host`` anything numpy
+        reshapes to ``dev.shape`` and casts to ``dev.dtype`` (numpy order, both)."""
+        hosts = [np.ascontiguousarray(h, dtype=d.dtype).reshape(d.shape) for d, h in pairs]
+        stream = self.xp.cuda.get_current_stream()
+        if sum(h.nbytes for h in hosts) < self.min_bytes:
+            for (dev, _), h in zip(pairs, hosts):
+                dev.set(h, stream=stream)
+            return
+        k = self._next
+        self._next = (k + 1) % self.depth
+        if k == len(self._ring):
+            self._ring.append([self.pinned(d.shape, d.dtype) for d, _ in pairs])
+            self._events.append(None)
+        elif self._events[k] is not None:
+            self._events[k].synchronize()   # the stream copied out of this slot already
+            self.waits += 1
+        for (dev, _), h, buf in zip(pairs, hosts, self._ring[k]):
+            np.copyto(buf, h)
+            dev.set(buf, stream=stream)
+        self._events[k] = stream.record()
+
+    def wait(self) -> None:
+        """Until the stream copied out of every pinned buffer (before they are dropped)."""
+        for ev in self._events:
+            if ev is not None:
+                ev.synchronize()
