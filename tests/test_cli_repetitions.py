@@ -96,3 +96,22 @@ def test_tqdm_is_a_dependency():
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
     assert '"tqdm' in deps
+
+
+def test_warmup_runs_each_row_once_untimed(capsys, monkeypatch):
+    """--warmup: one untimed run of each row before its repetitions (the samples stay -r's)."""
+    calls = []
+    real = batched_bench.run_row
+
+    def counting(runner, row, pps):
+        calls.append(row["pl"])
+        return real(runner, row, pps)
+    monkeypatch.setattr(batched_bench, "run_row", counting)
+    rc = batched_bench.main(["-npp", "8", "-npl", "1,2", "-ntg", "2", "-r", "2", "-o", "jsonl", "--warmup"] + FAST)
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert calls == [1, 1, 1, 2, 2, 2]
+    assert all(len(json.loads(l)["t_pp_samples"]) == 2 for l in out.out.splitlines())
+    calls.clear()
+    assert batched_bench.main(["-npp", "8", "-npl", "1", "-ntg", "2", "-o", "jsonl"] + FAST) == 0
+    assert calls == [1], "no row warm-up by default"

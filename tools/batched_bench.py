@@ -118,6 +118,11 @@ def build_parser() -> Parser:
     p.add_argument("-r", "--repetitions", type=int_at_least(1), default=1, metavar="N",
                    help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
                         "(default: 1)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run each row once untimed before its repetitions, so that its ubatch "
+                        "shapes' graphs are built (and captured) as in a server that has seen them; "
+                        "default: only llama-batched-bench's 16-token warm-up, the first repetition "
+                        "pays for them")
     p.add_argument("--progress", action="store_true",
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")
@@ -249,6 +254,9 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 what = f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']} split={split}"
                 progress(idx, f"starting {what}")
                 runner = runner_for(split)
+                if ns.warmup:
+                    progress(idx, f"warm-up run of {what}")
+                    run_row(runner, row, ns.pps)
                 samples = []
                 for _ in range(reps):
                     samples.append(run_row(runner, row, ns.pps))

@@ -40,8 +40,9 @@ $PY -m ggml_attn.cli.bench -m llama-3-70b --layer full -p 512 -n 32 -r 1 -o json
   > "$OUT/multi_70b80_${N}gpu_row.jsonl" 2> "$OUT/multi_70b80_${N}gpu_row.err" || status=1
 grep -h "avg_ts\|NCCL" "$OUT/multi_70b80_${N}gpu_row.jsonl" "$OUT/multi_70b80_${N}gpu_row.err" | cut -c1-400
 # issue targets: llama-3-8B --layer full, 64 ragged prompts (prompt phase) and their decode steps,
-# 1 GPU vs N GPUs, with and without CUDA graphs (the same setting on both sides)
-BB=(-m llama-3-8b --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 2 -o jsonl)
+# 1 GPU vs N GPUs, with and without CUDA graphs (the same setting on both sides); each row run once
+# untimed first (--warmup: graph structures built and captured), then 3 timed repetitions
+BB=(-m llama-3-8b --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 3 --warmup -o jsonl)
 for G in on off; do
   $PY -m ggml_attn.cli.batched_bench "${BB[@]}" --cuda-graph $G -sm none > "$OUT/multi_8b_1gpu_g$G.jsonl" \
     2> "$OUT/multi_8b_1gpu_g$G.err" || status=1
