@@ -35,12 +35,6 @@ CELLS_TUNE = cells_tune_from_env()
 # K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
 # block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
 DECODE_TC_STAGES = 2
-# ... but a launch whose blocks fit one per SM at 2 stages (a one-token decode: 8 KV heads x 16
-# splits) gets nothing from the second block slot; there a 4-stage ring keeps 3 tiles in flight
-# per block instead of 1 (a block's 4 tiles then wait for about one memory latency, not four;
-# ncu: the 2-stage kernel took 10.9 us for 16.8 MB at B=1, 4k; bench/NOTES.md, sixth session).
-# None: no deep ring.
-DECODE_TC_DEEP_STAGES: int | None = 4
 # query heads of one KV head packed into the rows of a 64-row prefill tile when the plan found
 # a ragged batch (wide is False): K/V tiles shared by the packed heads and 16-token tiles that
 # straddle fewer prompts; 4 took 16 / 64 short prompts from 42.9 / 173.4 to 39.5 / 158.0 us (v7)
@@ -203,10 +197,6 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = (max_live or {}).get(tq, n_kv_tiles)
         n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
-    if kernel == "decode-tc" and DECODE_TC_DEEP_STAGES and base * n_splits <= num_sms() \
-            and (1, 4, 1, DECODE_TC_DEEP_STAGES) in K.mma_layouts(sh.d_k, sh.d_v):
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_DEEP_STAGES, ext)
-        smem = K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_DEEP_STAGES)
     if kernel in ("decode", "cells"):
         grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
     else:   # tensor-core kernels: heads fastest, query tiles (reversed in the kernel) second

@@ -186,26 +186,6 @@ def test_launch_config_rules():
     assert c.pack == 4 and c.q_tile_tokens == 16 and c.n_kv_tiles == 2
 
 
-def test_decode_tc_deep_ring_only_where_blocks_fit_one_per_sm(monkeypatch):
-    """decode-tc runs its 4-stage ring when the launch has at most one block per SM at 2 stages
-    (a one-token decode), keeps 2 stages otherwise, for heads above DEEP_RING_MAX_HEAD, and when
-    the knob is None."""
-    from ggml_attn import cuda_launch
-    from ggml_attn.cuda_backend import Shapes, launch_config
-    monkeypatch.setattr(cuda_launch, "num_sms", lambda: 132)
-    b1 = Shapes(128, 128, 1, 32, 8, 1, 4096, GGML_TYPE_F16)
-    c = launch_config("decode-tc", b1, blocks_per_sm=2)
-    assert c.grid == (8, 1, 16) and c.name.endswith(", 1, 4, 1, 4, false>") and c.name in c.variant.names
-    assert c.smem == K.mma_smem_bytes(128, 128, 1, 4, 1, 4) == 152832
-    b16 = Shapes(128, 128, 16, 32, 8, 1, 4096, GGML_TYPE_F16)
-    c = launch_config("decode-tc", b16, blocks_per_sm=2)
-    assert c.grid[0] * c.grid[1] * c.grid[2] > 132 and c.name.endswith(", 1, 4, 1, 2, false>")
-    c = launch_config("decode-tc", Shapes(256, 256, 1, 32, 8, 1, 4096, GGML_TYPE_F16), blocks_per_sm=1)
-    assert c.name.endswith(", 1, 4, 1, 2, false>") and (1, 4, 1, 4) not in K.mma_layouts(256, 256)
-    monkeypatch.setattr(cuda_launch, "DECODE_TC_DEEP_STAGES", None)
-    assert launch_config("decode-tc", b1, blocks_per_sm=2).name.endswith(", 1, 4, 1, 2, false>")
-
-
 def test_fused_split_finish_needs_its_shared_memory():
     """A kernel merges its own splits only when it can (not the 128-row tiles) and its shared
     memory holds the merge's weights: rows * (n_splits + 2) + 2 floats."""

@@ -323,8 +323,6 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
         with knobs(FUSED_SPLIT_FINISH=True):   # the splits merged by the kernel's last block
             add(case, "ours-auto-fused-finish", ours.fns(), None, nbytes)
-        with knobs(DECODE_TC_DEEP_STAGES=None):   # decode-tc's 2-stage ring everywhere
-            add(case, "ours-auto-ring2", ours.fns(), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -386,8 +384,6 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-min{mt}tiles", part.fns(), None, nbytes * f)
         with knobs(FUSED_SPLIT_FINISH=True):
             add(case, "ours-auto-fused-finish", part.fns(), None, nbytes * f)
-        with knobs(DECODE_TC_DEEP_STAGES=None):
-            add(case, "ours-auto-ring2", part.fns(), None, nbytes * f)
         if t_all and t_part:
             rows.append(dict(case=f"{case}: time / all-live time", impl="ours",
                              ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))
