@@ -173,6 +173,7 @@ class NcclComm:
         self.comm = nccl.NcclCommunicator(n_rank, uid, rank)
         self.timing = timing
         self.calls = 0
+        self.captured = 0   # calls made while the stream was captured: their replays are not timed
         self._events: list = []
         self._seconds = 0.0
 
@@ -184,7 +185,9 @@ class NcclComm:
         dtype = {np.dtype(np.float32): self.nccl.NCCL_FLOAT32,
                  np.dtype(np.float16): self.nccl.NCCL_FLOAT16}[np.dtype(arr.dtype)]
         stream = cupy.cuda.get_current_stream()
-        timed = self.timing and not _capturing(stream)
+        capturing = _capturing(stream)
+        timed = self.timing and not capturing
+        self.captured += capturing
         if timed:
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
             e0.record(stream)

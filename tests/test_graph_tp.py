@@ -280,3 +280,22 @@ def test_shard_ranges_and_weight_orders():
     assert (rc.n_head, rc.n_head_kv, rc.scale) == (4, 1, cfg.scale)
     with pytest.raises(shard.ShardError):
         shard.HeadShard(2, 2)
+
+
+def test_nccl_comm_counts_calls_made_during_a_capture(monkeypatch):
+    """NcclComm takes no timing events while its stream is captured (a CUDA graph's replays run
+    the calls later), and counts those calls apart, so the tools can say the NCCL time printed
+    leaves them out. No GPU: the stream and the capture state are faked."""
+    import types
+    cupy = pytest.importorskip("cupy")
+    from ggml_attn.graph import tp
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=1))
+    c = object.__new__(tp.NcclComm)
+    c.nccl = types.SimpleNamespace(NCCL_FLOAT32=7, NCCL_FLOAT16=6)
+    c.timing, c.calls, c.captured, c._events = True, 0, 0, []
+    arr = types.SimpleNamespace(flags=types.SimpleNamespace(c_contiguous=True), dtype=np.float32)
+    seen = []
+    monkeypatch.setattr(tp, "_capturing", lambda s: True)
+    c._call("all-reduce", arr, lambda dt, s: seen.append((dt, s)))
+    c._call("all-reduce", arr, lambda dt, s: seen.append((dt, s)))
+    assert seen == [(7, 1), (7, 1)] and c.calls == 2 and c.captured == 2 and c._events == []

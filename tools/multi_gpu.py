@@ -281,7 +281,9 @@ def wrap(main_fn, modname: str, build_parser):
                         "NCCL send/recv (handovers to rank 1 and the pipeline drain; includes waiting for the "
                         "other ranks)")
                 print(f"multi-GPU: -sm {mode} on {n} GPUs {devices}: rank 0 spent {me.nccl_s * 1e3:.1f} ms inside "
-                      f"{what} of {me.timed_ns / 1e6:.1f} ms timed{share}; {comm.calls} calls in all",
+                      f"{what} of {me.timed_ns / 1e6:.1f} ms timed{share}; {comm.calls} calls in all"
+                      + (f"; {comm.captured} of them captured in CUDA graphs, whose replays are not in that time"
+                         if comm.captured else ""),
                       file=sys.stderr)
 
     return run
