@@ -1,0 +1,29 @@
+"""tools/stage_profile.py on the CPU: per phase, one plan and one engine step per ubatch, a build
+per new structure, one report per run of a row, and every patch undone afterwards."""
+import json
+
+from ggml_attn.cli import batched_bench, runner, stage_profile
+from ggml_attn.graph import build, driver
+
+FAST = ["-m", "tiny", "-t", "1", "--device", "cpu", "--prompt-lens", "5,9,3", "-ntg", "3", "-kvu"]
+
+
+def test_stage_tables_per_run(tmp_path, capsys):
+    orig = (driver.plan_ubatch, build.build_ubatch_graph, runner.Runner.step_batch, batched_bench.run_row)
+    out = tmp_path / "s.json"
+    assert stage_profile.main(["--json", str(out), "batched-bench", *FAST, "-r", "2", "--warmup"]) == 0
+    err = capsys.readouterr().err
+    rep = json.loads(out.read_text())
+    assert len(rep["rows"]) == 3 and err.count("stage_profile: B=3:") == 3   # warm-up + 2 repetitions
+    for row in rep["rows"]:
+        st = {(s["phase"], s["stage"]): s for s in row["stages"]}
+        assert st["prompt", "plan"]["calls"] == row["ubatches"] == st["prompt", "run"]["calls"]
+        assert st["decode", "plan"]["calls"] == 3 == st["decode", "run"]["calls"]   # one ubatch per step
+        assert all(s["ms"] >= 0 for s in row["stages"])
+    first = {(s["phase"], s["stage"]) for s in rep["rows"][0]["stages"]}
+    later = {(s["phase"], s["stage"]) for s in rep["rows"][-1]["stages"]}
+    assert ("prompt", "build") in first   # the warm-up run builds; later runs may reuse
+    assert ("prompt", "load_plan") in later or ("prompt", "build") in later
+    assert rep["replays"] == {}            # CPU: nothing captured
+    assert (driver.plan_ubatch, build.build_ubatch_graph, runner.Runner.step_batch,
+            batched_bench.run_row) == orig
