@@ -261,12 +261,12 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
 #pragma unroll
                 for (int j = 0; j < FATTN_COMBINE_BATCH; ++j) {
                     const float f = w[z + j];
-                    acc += f != 0.0f ? v[j] * f : 0.0f;
+                    acc = f != 0.0f ? fmaf(v[j], f, acc) : acc;   // as the remainder loop rounds
                 }
             }
             for (; z < p.n_splits; ++z) {
                 const float f = w[z];
-                if (f != 0.0f) acc += __ldcg(o + z * zs) * f;
+                if (f != 0.0f) acc = fmaf(__ldcg(o + z * zs), f, acc);
             }
         }
         p.dst[r * p.d_v + c] = acc * inv;

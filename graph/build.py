@@ -220,9 +220,14 @@ class UBatchGraph:
         return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
     def free(self) -> None:
-        if self._stager is not None:   # the stream may still copy out of its pinned buffers
-            self._stager.wait()
+        try:
+            if self._stager is not None:   # the stream may still copy out of its pinned buffers
+                self._stager.wait()
+        finally:
             self._stager = None
+            self._free_graph()
+
+    def _free_graph(self) -> None:
         if self.ctx is not None:
             ggml.ggml_free(self.ctx)
             self.ctx = None

@@ -40,24 +40,24 @@ class Stager:
     def copy(self, pairs) -> None:
         """``pairs``: ``(dev, host)`` with ``dev`` a device array and ``host`` anything numpy
         reshapes to ``dev.shape`` and casts to ``dev.dtype`` (numpy order, both)."""
-        hosts = [np.ascontiguousarray(h, dtype=d.dtype).reshape(d.shape) for d, h in pairs]
+        hosts = [np.asarray(h).reshape(d.shape) for d, h in pairs]
         stream = self.xp.cuda.get_current_stream()
-        if sum(h.nbytes for h in hosts) < self.min_bytes:
+        if sum(d.nbytes for d, _ in pairs) < self.min_bytes:
             for (dev, _), h in zip(pairs, hosts):
-                dev.set(h, stream=stream)
+                dev.set(np.ascontiguousarray(h, dtype=dev.dtype), stream=stream)
             return
         k = self._next
-        self._next = (k + 1) % self.depth
-        if k == len(self._ring):
+        if k == len(self._ring):   # (a failed allocation leaves the ring as it was)
             self._ring.append([self.pinned(d.shape, d.dtype) for d, _ in pairs])
             self._events.append(None)
         elif self._events[k] is not None:
             self._events[k].synchronize()   # the stream copied out of this slot already
             self.waits += 1
         for (dev, _), h, buf in zip(pairs, hosts, self._ring[k]):
-            np.copyto(buf, h)
+            np.copyto(buf, h, casting="unsafe")   # the cast to the device dtype, in place
             dev.set(buf, stream=stream)
         self._events[k] = stream.record()
+        self._next = (k + 1) % self.depth
 
     def wait(self) -> None:
         """Until the stream copied out of every pinned buffer (before they are dropped)."""

@@ -239,7 +239,7 @@ def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
-@pytest.mark.parametrize("n_splits", [1, 2, 3, 7])
+@pytest.mark.parametrize("n_splits", [1, 2, 3, 7, 8, 9, 16])   # fattn_combine: batches of 8 + rest
 @pytest.mark.parametrize("fused", [True, False])
 def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
     """Split-KV, finished by the kernel's last block of each row group (fused) or by the
@@ -250,6 +250,24 @@ def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
     ref = flash_attn_ext(q, k, v, mask, 0.09, 8.0, 0.0, s, kv_type=GGML_TYPE_BF16)
     out = _run_device(q, k, v, mask, s, 0.09, 8.0, 0.0, kernel, n_splits=n_splits)
     _check(out, ref, f"{kernel} splits={n_splits} fused={fused}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_of_masked_cells_ignores_stale_partials(kernel, fused, rng, monkeypatch):
+    """A split whose cells are all masked weighs 0 in the merge; whatever its slot of the
+    workspace holds (NaN partials of the previous call on the stream, left by a NaN Q) never
+    reaches the output."""
+    monkeypatch.setattr(cuda_launch, "FUSED_SPLIT_FINISH", fused)
+    q, k, v, _ = _inputs(rng, 1, 16, 4, 3, 1024, 128, 128, GGML_TYPE_F16)
+    zero = np.zeros((1, 1, 3, 1024), np.float16)
+    bad = _run_device(np.full_like(q, np.nan), k, v, zero, None, 0.1, 0.0, 0.0, kernel, n_splits=16)
+    assert np.isnan(bad).all()
+    mask = zero.copy()
+    mask[..., 512:] = -np.inf   # splits 8-15 see no cell
+    ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, kernel, n_splits=16)
+    _check(out, ref, f"{kernel} stale partials fused={fused}")
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)

@@ -184,26 +184,34 @@ def test_full_block_on_device_matches_host_graph():
 
 def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
     """load_plan's copies through the pinned ring (graph/staging.py; every copy pinned here),
-    five ubatches of one structure queued on the stream without a sync between them: each
-    ubatch's outputs match the host reference of its own batch."""
+    five ubatches of one structure queued on the stream without a sync between them, the stream
+    held back by a spin kernel before each (the host is ahead, so a reused buffer must wait for
+    its copy): each ubatch's outputs match the host reference of its own batch."""
+    spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
     from ggml_attn.graph import staging
     from ggml_attn.graph.runner import ubatch_inputs
     monkeypatch.setattr(staging, "PINNED_MIN_BYTES", 0)
     layouts = ([5, 5], [3, 7], [9, 1], [2, 8], [1, 9])
     c = cache(True, "cupy")
+    ubs = [split_ubatches(Batch.from_lengths(lens), 512, "simple")[0] for lens in layouts]
+    # every ubatch's Q/K/V on the device first: a host-to-device copy in the loop would wait
+    # for the spin and let the stream catch up
+    dev_ins = [[[cupy.asarray(x[j]) for x in [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]]
+                for j in range(3)] for ub in ubs]
+    cupy.cuda.get_current_stream().synchronize()
     g, got = None, []
-    for lens in layouts:
+    for ub, ins in zip(ubs, dev_ins):
         for s in range(10):
             c.seq_rm(s)
-        (ub,) = split_ubatches(Batch.from_lengths(lens), 512, "simple")
         plan = plan_ubatch(c, ub)
+        spin((1,), (1,), (np.int64(4_000_000),))   # ~2 ms of GPU time before this ubatch's copies
         if g is None:
             g = build_ubatch_graph(c, plan, CFG)
         else:
             g.load_plan(plan)
             g.refresh_kernel_plan()
-        ins = [ubatch_inputs(ub, il, CFG) for il in range(CFG.n_layer)]
-        g.set_inputs(*[[cupy.asarray(x[j]) for x in ins] for j in range(3)])
+        g.set_inputs(*ins)
         g.compute(1)
         got.append((plan.ubatch.token_idx, [o.copy() for o in g.outputs()]))   # copies queued too
     assert g._stager is not None and g._stager.waits == len(layouts) - 1 - 2, "slots reused after 2"

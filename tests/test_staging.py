@@ -1,45 +1,61 @@
 """graph/staging.py: the pinned ring of load_plan's host-to-device copies, with fake CuPy parts
-(no GPU): small copies stay pageable, large ones alternate between the ring's buffers and
-wait only for the copies out of the buffer they reuse, and the device arrays get the data."""
+(no GPU). The fake stream is lazy, like a real one that is behind the host: a copy reads its
+source only when an event recorded after it is waited on (or at the end), so a pinned buffer
+overwritten before its copy ran would deliver the wrong ubatch's data."""
 import numpy as np
 import pytest
 
 from ggml_attn.graph.staging import Stager
 
 
-class FakeEvent:
-    def __init__(self, log, n):
-        self.log, self.n, self.done = log, n, False
-
-    def synchronize(self):
-        self.log.append(("wait", self.n))
-        self.done = True
-
-
 class FakeStream:
     def __init__(self):
-        self.log, self.n = [], 0
+        self.pending = []     # (dev, source array) copies queued and not yet run, in order
+        self.done = 0         # copies run so far
+        self.log = []         # ("set", id(source)) / ("wait", event number)
+        self.n = 0
+
+    def run_until(self, total):
+        """The stream catches up until ``total`` copies in all have run."""
+        while self.done < total and self.pending:
+            dev, src = self.pending.pop(0)
+            dev.history.append(src.copy())
+            self.done += 1
 
     def record(self):
         self.n += 1
-        return FakeEvent(self.log, self.n)
+        return FakeEvent(self, self.n, self.done + len(self.pending))
+
+
+class FakeEvent:
+    def __init__(self, stream, n, upto):
+        self.stream, self.n, self.upto = stream, n, upto
+
+    def synchronize(self):
+        self.stream.log.append(("wait", self.n))
+        self.stream.run_until(self.upto)
 
 
 class FakeDev:
-    """A device array: ``set`` records the source object (the pinned buffer or pageable host)."""
     def __init__(self, stream, shape, dtype):
-        self.stream, self.data = stream, np.zeros(shape, dtype)
-        self.shape, self.dtype = self.data.shape, self.data.dtype
+        self.stream = stream
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        self.history = []     # what each executed copy delivered
 
     def set(self, host, stream=None):
-        assert stream is self.stream
+        assert stream is self.stream and host.dtype == self.dtype and host.shape == self.shape
         self.stream.log.append(("set", id(host)))
-        self.data[...] = host   # the fake stream copies at once
+        self.stream.pending.append((self, host))
 
 
 class FakeXp:
     def __init__(self, stream):
         self.cuda = type("cuda", (), {"get_current_stream": staticmethod(lambda: stream)})
+
+
+def flush(stream):
+    stream.run_until(stream.done + len(stream.pending))
 
 
 @pytest.fixture
@@ -51,30 +67,29 @@ def parts():
         a = np.empty(shape, dtype)
         allocated.append(a)
         return a
-    mask = FakeDev(stream, (64, 2048), np.float16)      # 256 KiB
-    rows = FakeDev(stream, (64,), np.int32)
-    return stream, pinned, allocated, mask, rows
+    return stream, pinned, allocated, FakeDev(stream, (64, 2048), np.float16), FakeDev(stream, (64,), np.int32)
 
 
-def test_large_copies_alternate_pinned_buffers_and_wait_for_reuse(parts):
+def test_pinned_ring_delivers_every_ubatch_and_reuses_a_slot_after_its_wait(parts):
     stream, pinned, allocated, mask, rows = parts
     st = Stager(FakeXp(stream), pinned=pinned, min_bytes=1024, depth=2)
     rng = np.random.default_rng(0)
+    sent = []
     for i in range(5):
         m = rng.standard_normal((64, 2048)).astype(np.float32)   # cast to the device dtype
-        r = np.arange(64) + i
-        st.copy([(mask, m), (rows, r)])
-        np.testing.assert_array_equal(mask.data, m.astype(np.float16))
-        np.testing.assert_array_equal(rows.data, r)
+        sent.append((m.astype(np.float16), np.arange(64) + i))
+        st.copy([(mask, m), (rows, np.arange(64) + i)])
+    flush(stream)
+    assert len(mask.history) == len(rows.history) == 5
+    for (m, r), got_m, got_r in zip(sent, mask.history, rows.history):
+        np.testing.assert_array_equal(got_m, m)
+        np.testing.assert_array_equal(got_r, r)
     assert len(allocated) == 4, "two slots of two pinned buffers, allocated once"
     sources = [x for k, x in stream.log if k == "set"]
     slot0, slot1 = {id(a) for a in allocated[:2]}, {id(a) for a in allocated[2:]}
     assert set(sources[0:2]) == slot0 and set(sources[2:4]) == slot1 and set(sources[4:6]) == slot0
-    # ubatch 3 reuses slot 0: waits for event 1 (ubatch 1's copies); ubatch 4 for event 2 ...
     waits = [n for k, n in stream.log if k == "wait"]
-    assert waits == [1, 2, 3] and st.waits == 3
-    sets = [i for i, (k, _) in enumerate(stream.log) if k == "set"]
-    assert stream.log.index(("wait", 1)) < sets[4], "the wait comes before the slot is overwritten"
+    assert waits == [1, 2, 3] and st.waits == 3   # ubatch 2 waits for ubatch 0's copies, ...
     st.wait()
     assert sorted(n for k, n in stream.log if k == "wait")[-2:] == [4, 5]
 
@@ -82,11 +97,30 @@ def test_large_copies_alternate_pinned_buffers_and_wait_for_reuse(parts):
 def test_small_copies_stay_pageable(parts):
     stream, pinned, allocated, mask, rows = parts
     st = Stager(FakeXp(stream), pinned=pinned, min_bytes=10 ** 9)
-    m = np.ones((64, 2048), np.float16)
-    st.copy([(mask, m), (rows, np.arange(64))])
+    for i in range(3):
+        st.copy([(mask, np.full((64, 2048), i, np.float16)), (rows, np.arange(64))])
+    flush(stream)
     assert not allocated and stream.n == 0 and st.waits == 0
-    np.testing.assert_array_equal(mask.data, m)
+    assert [h[0, 0] for h in mask.history] == [0, 1, 2]
     st.wait()   # nothing to wait for
+
+
+def test_a_failed_allocation_leaves_the_ring_usable(parts):
+    stream, pinned, allocated, mask, rows = parts
+    calls = {"n": 0}
+
+    def flaky(shape, dtype):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("pinned memory")
+        return pinned(shape, dtype)
+    st = Stager(FakeXp(stream), pinned=flaky, min_bytes=0)
+    with pytest.raises(MemoryError):
+        st.copy([(mask, np.zeros((64, 2048))), (rows, np.arange(64))])
+    for i in range(3):
+        st.copy([(mask, np.full((64, 2048), i)), (rows, np.arange(64))])
+    flush(stream)
+    assert [h[0, 0] for h in mask.history] == [0, 1, 2]
 
 
 def test_shape_mismatch_is_an_error(parts):
