@@ -23,9 +23,9 @@ _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
-# depth, launch-bounds minimum blocks per SM, most heads per block); the default until the sweep
-# of tools/gpu_batched_attn_bench.py (kernels.CELLS_SWEEP) is measured (bench/NOTES.md, "cells v2
-# sweep"). $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u4-pf0").
+# depth, launch-bounds minimum blocks per SM, most heads per block): the sweep's keeper by default
+# (tools/gpu_batched_attn_bench.py, kernels.CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
+# $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u4-pf0").
 def cells_tune_from_env() -> K.CellsTune:
     """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset)."""
     return K.CellsTune.parse(os.environ.get("GGML_ATTN_CELLS_TUNE", ""))

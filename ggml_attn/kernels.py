@@ -121,7 +121,8 @@ CELLS_DEFAULT = CellsTune()
 # (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
 # all_variants() (the CI compile); tests/test_cells.py compiles these. Device time of the batched
 # bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the
-# default (then labelled u2-pf1) 30.1 us; the sweep's other rows 31.0-61.9.
+# default (then labelled u2-pf1) 30.1 us, the other variants 31.0-43.5. Labels name the fields
+# that differ from the default, so that run's labels (default U 4, PF 0) read differently now.
 CELLS_SWEEP = (
     CELLS_DEFAULT,                                        # U 2, PF 1, R 4 at gqa 4: 128 registers, 4 blocks/SM
     CellsTune(u=4, pf=0),                                 # the first default: 35.2 us
