@@ -21,6 +21,10 @@
 #define FATTN_KV_TILE 64          // KV columns per tile; the liveness plan uses the same size
 #define FATTN_NEG_INF (-__int_as_float(0x7f800000))
 #define FATTN_LOG2E 1.4426950408889634f
+// split merges (fattn_combine, split_finish): the splits' partial outputs a thread loads back to
+// back before it sums them in split order (one L2 round trip per batch, not per split)
+#define FATTN_SPLIT_BATCH 8
+#define FATTN_FINISH_BATCH 4   // split_finish: x EPT values per thread (registers of the attention kernel)
 
 // Kernel parameters, passed by value as one struct (mirrored by ctypes in kernels.py:
 // keep the order, types and padding in sync with _FattnParams there).
@@ -369,7 +373,7 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
         if (lane == 0) inv[r] = inv_row_sum(L);
     }
     __syncthreads();
-    // sum_z f_z * partial_z for EPT values per thread at once: loads issued back to back
+    // sum_z f_z * partial_z for EPT values per thread at once, FATTN_FINISH_BATCH splits per batch of loads
     const int n_e = n_valid * d_v;
     const long long zs = n_rows * d_v;
     for (int e0 = threadIdx.x; e0 < n_e; e0 += EPT * blockDim.x) {
@@ -384,15 +388,27 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
             f[j] = fz + r * ns;
             acc[j] = 0.0f;
         }
-#pragma unroll 2
-        for (int z = 0; z < ns; ++z) {
-            float v[EPT];
+        // (a split with no visible cell adds nothing: its partials may be stale)
+        int z = 0;
+        for (; z + FATTN_FINISH_BATCH <= ns; z += FATTN_FINISH_BATCH) {
+            float v[FATTN_FINISH_BATCH][EPT];
 #pragma unroll
-            for (int j = 0; j < EPT; ++j) v[j] = __ldcg(o[j] + z * zs);
+            for (int b = 0; b < FATTN_FINISH_BATCH; ++b)
+#pragma unroll
+                for (int j = 0; j < EPT; ++j) v[b][j] = __ldcg(o[j] + (z + b) * zs);
+#pragma unroll
+            for (int b = 0; b < FATTN_FINISH_BATCH; ++b)
+#pragma unroll
+                for (int j = 0; j < EPT; ++j) {
+                    const float w = f[j][z + b];
+                    acc[j] = w != 0.0f ? fmaf(v[b][j], w, acc[j]) : acc[j];
+                }
+        }
+        for (; z < ns; ++z) {
 #pragma unroll
             for (int j = 0; j < EPT; ++j) {
                 const float w = f[j][z];
-                acc[j] += w != 0.0f ? v[j] * w : 0.0f;   // (a split with no visible cell adds nothing)
+                if (w != 0.0f) acc[j] = fmaf(__ldcg(o[j] + z * zs), w, acc[j]);
             }
         }
 #pragma unroll

@@ -207,7 +207,6 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
 // block size that is a multiple of 32 (<= 1024). n_splits <= FATTN_MAX_SPLITS.
 // ws_ml[(z*n_rows + r)*2 + {0,1}] = (max in log2 domain, sum); ws_o[(z*n_rows + r)*d_v + c].
 #define FATTN_MAX_SPLITS 256
-#define FATTN_COMBINE_BATCH 8   // partial outputs in flight per thread (one L2 round trip each before)
 extern "C" __global__ void fattn_combine(const FattnParams p) {
     __shared__ float w[FATTN_MAX_SPLITS];
     __shared__ float red[32];
@@ -246,7 +245,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
     const float inv = inv_row_sum(L);   // NaN stays NaN (see fattn_common.cuh)
     // 3. weighted sum of the partial outputs, columns across threads; the loads of one column's
-    //    splits are issued FATTN_COMBINE_BATCH at a time, then summed in split order. A split
+    //    splits are issued FATTN_SPLIT_BATCH at a time, then summed in split order. A split
     //    with weight 0 (every cell of it masked) adds 0: its partial output may be stale.
     const long long zs = n_rows * p.d_v;
     for (int c = tid; c < p.d_v; c += blockDim.x) {
@@ -254,12 +253,12 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
         if (inv != 0.0f) {
             const float* o = p.ws_o + r * p.d_v + c;
             int z = 0;
-            for (; z + FATTN_COMBINE_BATCH <= p.n_splits; z += FATTN_COMBINE_BATCH) {
-                float v[FATTN_COMBINE_BATCH];
+            for (; z + FATTN_SPLIT_BATCH <= p.n_splits; z += FATTN_SPLIT_BATCH) {
+                float v[FATTN_SPLIT_BATCH];
 #pragma unroll
-                for (int j = 0; j < FATTN_COMBINE_BATCH; ++j) v[j] = __ldcg(o + (z + j) * zs);
+                for (int j = 0; j < FATTN_SPLIT_BATCH; ++j) v[j] = __ldcg(o + (z + j) * zs);
 #pragma unroll
-                for (int j = 0; j < FATTN_COMBINE_BATCH; ++j) {
+                for (int j = 0; j < FATTN_SPLIT_BATCH; ++j) {
                     const float f = w[z + j];
                     acc = f != 0.0f ? fmaf(v[j], f, acc) : acc;   // as the remainder loop rounds
                 }
