@@ -36,6 +36,7 @@ class Stager:
         self._events: list = []          # per slot: recorded after its copies (None: never used)
         self._next = 0
         self.waits = 0                   # how often a slot's event was waited on (tests, probes)
+        self.blocked = 0                 # ... of which the copies out of the slot had not run yet
 
     def copy(self, pairs) -> None:
         """``pairs``: ``(dev, host)`` with ``dev`` a device array and ``host`` anything numpy
@@ -51,13 +52,20 @@ class Stager:
             self._ring.append([self.pinned(d.shape, d.dtype) for d, _ in pairs])
             self._events.append(None)
         elif self._events[k] is not None:
-            self._events[k].synchronize()   # the stream copied out of this slot already
+            ev = self._events[k]
+            self.blocked += not ev.done
+            ev.synchronize()   # the stream copied out of this slot already
             self.waits += 1
-        for (dev, _), h, buf in zip(pairs, hosts, self._ring[k]):
-            np.copyto(buf, h, casting="unsafe")   # the cast to the device dtype, in place
-            dev.set(buf, stream=stream)
-        self._events[k] = stream.record()
-        self._next = (k + 1) % self.depth
+        issued = False
+        try:
+            for (dev, _), h, buf in zip(pairs, hosts, self._ring[k]):
+                np.copyto(buf, h, casting="unsafe")   # the cast to the device dtype, in place
+                dev.set(buf, stream=stream)
+                issued = True
+        finally:
+            if issued:   # also when a later copy failed: the slot is in use until its event
+                self._events[k] = stream.record()
+                self._next = (k + 1) % self.depth
 
     def wait(self) -> None:
         """Until the stream copied out of every pinned buffer (before they are dropped)."""

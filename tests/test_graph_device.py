@@ -185,8 +185,9 @@ def test_full_block_on_device_matches_host_graph():
 def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
     """load_plan's copies through the pinned ring (graph/staging.py; every copy pinned here),
     five ubatches of one structure queued on the stream without a sync between them, the stream
-    held back by a spin kernel before each (the host is ahead, so a reused buffer must wait for
-    its copy): each ubatch's outputs match the host reference of its own batch."""
+    held back by a ~100 ms spin kernel before each after the first (the host, a few ms per
+    ubatch, is ahead, so a reused buffer must wait for its copy, and at least one wait finds the
+    copy not yet run): each ubatch's outputs match the host reference of its own batch."""
     spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
         const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
     from ggml_attn.graph import staging
@@ -205,7 +206,8 @@ def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
         for s in range(10):
             c.seq_rm(s)
         plan = plan_ubatch(c, ub)
-        spin((1,), (1,), (np.int64(4_000_000),))   # ~2 ms of GPU time before this ubatch's copies
+        if g is not None:   # (the first ubatch builds the graph: host time no spin would cover)
+            spin((1,), (1,), (np.int64(200_000_000),))   # ~100 ms of GPU time before the copies
         if g is None:
             g = build_ubatch_graph(c, plan, CFG)
         else:
@@ -215,6 +217,7 @@ def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
         g.compute(1)
         got.append((plan.ubatch.token_idx, [o.copy() for o in g.outputs()]))   # copies queued too
     assert g._stager is not None and g._stager.waits == len(layouts) - 1 - 2, "slots reused after 2"
+    assert g._stager.blocked >= 1, "no reuse found its copy pending: the test did not test the wait"
     for lens, (idx, outs) in zip(layouts, got):
         ref = run_batch(cache(True, None), Batch.from_lengths(lens), 512, "simple", CFG)
         for il in range(CFG.n_layer):   # (n_tokens, n_head, D_v): ubatch rows -> batch rows

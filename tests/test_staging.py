@@ -31,6 +31,10 @@ class FakeEvent:
     def __init__(self, stream, n, upto):
         self.stream, self.n, self.upto = stream, n, upto
 
+    @property
+    def done(self):
+        return self.stream.done >= self.upto
+
     def synchronize(self):
         self.stream.log.append(("wait", self.n))
         self.stream.run_until(self.upto)
@@ -43,7 +47,11 @@ class FakeDev:
         self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
         self.history = []     # what each executed copy delivered
 
+    fail = False   # a set that raises (tests of a copy that fails midway)
+
     def set(self, host, stream=None):
+        if self.fail:
+            raise RuntimeError("copy failed")
         assert stream is self.stream and host.dtype == self.dtype and host.shape == self.shape
         self.stream.log.append(("set", id(host)))
         self.stream.pending.append((self, host))
@@ -128,3 +136,21 @@ def test_shape_mismatch_is_an_error(parts):
     st = Stager(FakeXp(stream), pinned=pinned, min_bytes=0)
     with pytest.raises(ValueError):
         st.copy([(mask, np.zeros((63, 2048))), (rows, np.arange(64))])
+
+
+def test_a_copy_failing_midway_still_guards_its_slot(parts):
+    """The second array's copy raises after the first was queued out of the slot: the slot's
+    event covers that queued copy, so the next use of the slot waits for it."""
+    stream, pinned, allocated, mask, rows = parts
+    st = Stager(FakeXp(stream), pinned=pinned, min_bytes=1024, depth=2)
+    rows.fail = True
+    m0 = np.full((64, 2048), 1, np.float16)
+    with pytest.raises(RuntimeError):
+        st.copy([(mask, m0), (rows, np.arange(64))])
+    rows.fail = False
+    st.copy([(mask, np.full((64, 2048), 2, np.float16)), (rows, np.arange(64))])
+    assert st.waits == 0 and st.blocked == 0   # slot 1: new
+    st.copy([(mask, np.full((64, 2048), 3, np.float16)), (rows, np.arange(64))])   # slot 0 again
+    assert st.waits == 1 and st.blocked == 1, "the slot of the failed copy was reused unguarded"
+    flush(stream)
+    assert [int(h[0, 0]) for h in mask.history] == [1, 2, 3]
