@@ -104,6 +104,16 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
 __device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
 
+// Two scores plus the slope times their mask cells m = (m.x, m.y). With sel, a -inf cell gives
+// -inf whatever the score holds (a masked cell's K may be NaN/inf garbage: NaN + -inf would be
+// NaN); without (no cell is -inf), the add alone.
+__device__ __forceinline__ void add_mask_pair(float& s0, float& s1, __half2 m, float slope, bool sel) {
+    const float2 mv = __half22float2(m);
+    const float r0 = fmaf(slope, mv.x, s0), r1 = fmaf(slope, mv.y, s1);
+    s0 = sel && mv.x == FATTN_NEG_INF ? FATTN_NEG_INF : r0;
+    s1 = sel && mv.y == FATTN_NEG_INF ? FATTN_NEG_INF : r1;
+}
+
 // L1 prefetch hint (no register result)
 __device__ __forceinline__ void prefetch_l1(const void* ptr) {
     asm volatile("prefetch.global.L1 [%0];\n" :: "l"(ptr));
@@ -145,10 +155,14 @@ __device__ __forceinline__ const char* mask_row(const FattnParams& p, int t, int
 //            rows sees (LiveTiles::hidden) instead of loading them: 0 * NaN/inf garbage there
 //            (uninitialised cache cells, other sequences' cells) would otherwise reach P V.
 //            Columns >= n_kv need nothing: the V loader zero-fills them on every tile.
+//   FINITE (with MASKED, only where the plan was asked to mark it): no mask cell < n_kv of the
+//            tile is -inf for any token of the query tile in any head plane (a bias mask), so
+//            the mask is added with no -inf select.
 #define FATTN_TILE_PARTIAL (1 << 30)
 #define FATTN_TILE_MASKED (1 << 29)
 #define FATTN_TILE_HIDDEN (1 << 28)
-#define FATTN_TILE_ID_MASK ((1 << 28) - 1)
+#define FATTN_TILE_FINITE (1 << 27)
+#define FATTN_TILE_ID_MASK ((1 << 27) - 1)
 
 // The hidden-column words of a plan's live lists, after its entries in the live_idx buffer
 // (ggml_attn/cuda_backend.py allocates it; fattn_mask_compact writes it): u64
@@ -263,6 +277,12 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
 // 16-byte async copy global -> shared; src_bytes 0 fills zeros (out-of-range rows)
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// A 4-byte shared-memory load that the compiler neither merges with another nor moves.
+__device__ __forceinline__ __half2 lds_half2(unsigned addr) {
+    unsigned u;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(addr));
+    return *reinterpret_cast<const __half2*>(&u);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

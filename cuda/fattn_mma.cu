@@ -193,12 +193,23 @@ fattn_mma(const FattnParams p) {
                 const int r = i / (BK / 8), ch = i % (BK / 8);
                 const int tr = r >> pshift, tok = tok0 + tr, h = hg * P + (r & (P - 1));
                 const int cl = left - ch * 8;   // mask columns left from this chunk
-                const bool in = tok < p.n_batch && tr < tq && cl > 0;
-                const char* src = in ? mbase + (long long)tok * p.m_nb1 + (long long)(h % p.ne32) * p.m_nb2 +
-                                       (long long)(kv0 + ch * 8) * 2 : p.mask;
-                // a chunk that ends past n_kv reads only the columns < n_kv; cp.async zero-fills
-                // the rest (masked by the KV bound in the score step)
-                cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, in ? 2 * min(8, cl) : 0);
+                const bool row = tok < p.n_batch && tr < tq;
+                const char* src = row ? mbase + (long long)tok * p.m_nb1 + (long long)(h % p.ne32) * p.m_nb2 +
+                                        (long long)(kv0 + ch * 8) * 2 : p.mask;
+                if (!row || cl >= 8) {   // rows past the batch: zeros (their outputs are not written)
+                    cp_async16(smem_u32(dm + r * C::SM + ch * 8), src, row ? 16 : 0);
+                } else {
+                    // the n_kv tail: the cells past n_kv read as -inf (their K rows are zeros), so
+                    // the score step checks no bounds; plain loads and a store (one chunk per row)
+                    const unsigned short* sh = reinterpret_cast<const unsigned short*>(src);
+                    uint4 u;
+                    unsigned* w = reinterpret_cast<unsigned*>(&u);
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        w[k] = (2 * k < cl ? (unsigned)__ldg(sh + 2 * k) : 0xFC00u) |
+                               (2 * k + 1 < cl ? (unsigned)__ldg(sh + 2 * k + 1) : 0xFC00u) << 16;
+                    *reinterpret_cast<uint4*>(dm + r * C::SM + ch * 8) = u;
+                }
             }
         }
     };
@@ -326,26 +337,25 @@ fattn_mma(const FattnParams p) {
         }
         if (e & FATTN_TILE_PARTIAL) {
             if (e & FATTN_TILE_MASKED) {
-                const bool tail = (e & FATTN_TILE_ID_MASK) * BK + BK > p.n_kv;
-                const __half* sm_tile = sMask + stage * BM * C::SM + (16 * MT * wq + g) * C::SM + wk * KW + 2 * t4;
+                // The n_kv tail's mask tile reads -inf past n_kv (load_k): no bounds check here.
+                // sel: a -inf cell gives -inf (add_mask_pair); a FINITE tile has none (a bias
+                // mask), so it is added with no select. Volatile loads: with plain ones ptxas
+                // hoists both loops' loads above the branch and the 128-row tiles spill.
+                const unsigned sm_tile = smem_u32(sMask + stage * BM * C::SM + (16 * MT * wq + g) * C::SM + wk * KW + 2 * t4);
+                auto add_mask = [&](const bool sel) {
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
+                    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int nt = 0; nt < KW / 8; ++nt)
+                        for (int nt = 0; nt < KW / 8; ++nt)
 #pragma unroll
-                        for (int rs = 0; rs < 2; ++rs) {
-                            const int col = kv0 + nt * 8 + 2 * t4;
-                            const float2 mv = __half22float2(*reinterpret_cast<const __half2*>(
-                                sm_tile + (mt * 16 + rs * 8) * C::SM + nt * 8));
-                            // a -inf cell is -inf whatever K holds there (NaN + -inf would be NaN)
-                            const float sl = slope[mt][rs] * FATTN_LOG2E;
-                            S[mt][nt][2 * rs] = mv.x == FATTN_NEG_INF ? FATTN_NEG_INF : S[mt][nt][2 * rs] + sl * mv.x;
-                            S[mt][nt][2 * rs + 1] = mv.y == FATTN_NEG_INF ? FATTN_NEG_INF : S[mt][nt][2 * rs + 1] + sl * mv.y;
-                            if (tail) {
-                                if (col >= p.n_kv) S[mt][nt][2 * rs] = FATTN_NEG_INF;
-                                if (col + 1 >= p.n_kv) S[mt][nt][2 * rs + 1] = FATTN_NEG_INF;
-                            }
-                        }
+                            for (int rs = 0; rs < 2; ++rs)
+                                add_mask_pair(S[mt][nt][2 * rs], S[mt][nt][2 * rs + 1],
+                                              lds_half2(sm_tile + ((mt * 16 + rs * 8) * C::SM + nt * 8) * 2),
+                                              slope[mt][rs] * FATTN_LOG2E, sel);
+                };
+                if (EXT) add_mask(!(e & FATTN_TILE_FINITE));   // one loop: EXT's registers are at the limit
+                else if (e & FATTN_TILE_FINITE) add_mask(false);
+                else add_mask(true);
             } else {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)

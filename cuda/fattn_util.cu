@@ -70,15 +70,18 @@ __device__ __forceinline__ unsigned long long interval_bits(int lo, int hi, int 
 //   0 dead (every cell -inf), 1 FULL (every cell +-0, the tile ends before n_kv),
 //   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not),
 //   | 8 HIDDEN (PARTIAL only): some column < n_kv of the tile is -inf for every token of qt in
-//   some head plane. Then, for each plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32
+//   some head plane, | 16 FINITE (MASKED only, and only when mark_finite != 0): no cell < n_kv
+//   of the tile is -inf for any token of qt in any head plane (a bias mask). Then, for each plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32
 //   + i32] = the columns of the tile that are -inf for every token of qt in plane i32 (bit c:
 //   column kt*64 + c; columns >= n_kv set too); written for every PARTIAL tile. A kernel block
 //   covers the tokens of qt and the heads of some planes: the AND of their words is the set of
 //   cells no row of the block sees (fattn_mask_compact moves the words into list order).
 // Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32). Needs pass 0's lohi.
+// FINITE needs the hidden words' pass (hidden != nullptr), which reads every row of the tile.
 extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* __restrict__ flags,
                                            const int2* __restrict__ lohi,
-                                           unsigned long long* __restrict__ hidden) {
+                                           unsigned long long* __restrict__ hidden,
+                                           const int mark_finite) {
     __shared__ unsigned long long s_vis;
     const int kt = blockIdx.x, qt = blockIdx.y, i33 = blockIdx.z;
     const int t0 = qt * p.q_tile_tokens;
@@ -124,7 +127,7 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
     }
     masked = __syncthreads_or(masked);
     const long long tile = ((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt;
-    int any_hidden = 0;
+    int any_hidden = 0, any_neg_inf = 0;
     if (live && nonzero && hidden) {
         // columns seen by some token of qt, per head plane: a row that is an interval from
         // its lohi, any other row from its mask cells (visible: not -inf, NaN included)
@@ -136,8 +139,11 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
             for (int i = threadIdx.x; i < nrows * 8; i += blockDim.x) {
                 const int r = i >> 3, ch = i & 7;
                 const int2 lh = __ldg(lohi + ((long long)i33 * p.ne32 + pl) * p.n_batch + t0 + r);
+                const unsigned long long chunk = valid & (0xFFull << (8 * ch));   // columns < n_kv
                 if (lh.x >= 0) {
-                    vis |= interval_bits(lh.x, lh.y, c0) & (0xFFull << (8 * ch));
+                    const unsigned long long iv = interval_bits(lh.x, lh.y, c0) & chunk;
+                    vis |= iv;
+                    any_neg_inf |= iv != chunk;
                 } else {
                     const unsigned short* row = reinterpret_cast<const unsigned short*>(
                         base + (long long)r * p.m_nb1 + (long long)pl * p.m_nb2);
@@ -155,6 +161,7 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
                             bits |= (unsigned)!f16_bits_is_neg_inf(__ldg(row + c)) << (c - 8 * ch);
                     }
                     vis |= (unsigned long long)bits << (8 * ch);
+                    any_neg_inf |= (((unsigned long long)bits << (8 * ch)) & chunk) != chunk;
                 }
             }
 #pragma unroll
@@ -166,13 +173,18 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
             if (threadIdx.x == 0) hidden[tile * p.ne32 + pl] = hid;
             __syncthreads();   // s_vis read by every thread before the next plane resets it
         }
+        any_neg_inf = __syncthreads_or(any_neg_inf);
+    } else {
+        any_neg_inf = 1;
     }
+    const bool finite = mark_finite && masked && !any_neg_inf;
     if (threadIdx.x == 0)
-        flags[tile] = (unsigned char)((!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7) | (any_hidden ? 8 : 0));
+        flags[tile] = (unsigned char)((!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7) | (any_hidden ? 8 : 0) |
+                                      (finite ? 16 : 0));
 }
 
 // Pass 2: compact the flags of each (i33, qt) into the ordered list of live-tile entries
-// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED | FATTN_TILE_HIDDEN), and the hidden-column
+// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED | FATTN_TILE_HIDDEN | FATTN_TILE_FINITE), and the hidden-column
 // words of pass 1 into the same order (live_hidden, fattn_common.cuh: 0 unless HIDDEN).
 // idx holds fattn_live_words(...) ints (the entries, then the words). Grid (n_q_tiles, ne33),
 // one warp per block.
@@ -194,7 +206,7 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
         if (live) {
             const int pos = n + __popc(b & ((1u << lane) - 1u));
             out[pos] = kt | (fl & 2 ? FATTN_TILE_PARTIAL : 0) | (fl & 4 ? FATTN_TILE_MASKED : 0) |
-                       (fl & 8 ? FATTN_TILE_HIDDEN : 0);
+                       (fl & 8 ? FATTN_TILE_HIDDEN : 0) | (fl & 16 ? FATTN_TILE_FINITE : 0);
             for (int pl = 0; pl < p.ne32; ++pl)
                 hout[(long long)pos * p.ne32 + pl] = fl & 8 ? hin[(long long)kt * p.ne32 + pl] : 0ull;
         }

@@ -19,6 +19,10 @@ from .cuda_launch import Shapes, facts, launch_config
 from .dtypes import GGML_TYPE_F16
 from .tensor import TensorDesc
 
+# class bits of a live-tile entry (FATTN_TILE_* in cuda/fattn_common.cuh)
+TILE_PARTIAL, TILE_MASKED, TILE_HIDDEN, TILE_FINITE = 1 << 30, 1 << 29, 1 << 28, 1 << 27
+TILE_ID_MASK = (1 << 27) - 1
+
 
 @dataclass
 class Plan:
@@ -27,7 +31,8 @@ class Plan:
     Built on the GPU by :func:`make_plan` (or lazily for a tile size not built yet) and valid
     as long as the mask's contents do not change. Layout per tile size ``tq`` (tokens per
     query tile): ``idx`` int32 [ne33][n_q_tiles][n_kv_tiles] (numpy order) of entries
-    ``tile id | class bits`` (FULL / PARTIAL / PARTIAL|MASKED, cuda/fattn_common.cuh),
+    ``tile id | class bits`` (FULL / PARTIAL / PARTIAL|MASKED, with HIDDEN or FINITE;
+    cuda/fattn_common.cuh),
     ``cnt`` int32 [ne33][n_q_tiles]; after the entries, in the same buffer (:func:`live_words`),
     u64 [ne33][n_q_tiles][n_kv_tiles][ne32] hidden-column words in list order (a HIDDEN tile's
     columns that no token of the query tile sees, per mask head plane: the kernels zero-fill
@@ -116,15 +121,17 @@ class Plan:
 
     def tile_classes(self, tq: int, stream: int = None) -> dict[str, int]:
         """Host count of live tiles per class over all (plane, query tile): FULL, PARTIAL
-        (index comparisons) and MASKED (mask tile loaded) -- for tests and benchmarks."""
+        (index comparisons) and MASKED (mask tile loaded); of those, HIDDEN (V rows zeroed) and
+        FINITE (MASKED with no -inf cell: added with no select) -- for tests and benchmarks."""
         idx_d, cnt_d = self._map(tq, stream_ptr(stream))[:2]
         idx, cnt = idx_d.get(), cnt_d.get()
         n_kv_tiles = idx.size // max(cnt.size, 1)
         ent = np.concatenate([idx[i * n_kv_tiles:i * n_kv_tiles + c] for i, c in enumerate(cnt)]) \
             if cnt.size else np.zeros(0, np.int32)
-        partial, masked = (ent & (1 << 30)) != 0, (ent & (1 << 29)) != 0
+        partial, masked = (ent & TILE_PARTIAL) != 0, (ent & TILE_MASKED) != 0
         return {"FULL": int((~partial).sum()), "PARTIAL": int((partial & ~masked).sum()),
-                "MASKED": int(masked.sum()), "HIDDEN": int(((ent & (1 << 28)) != 0).sum())}
+                "MASKED": int(masked.sum()), "HIDDEN": int(((ent & TILE_HIDDEN) != 0).sum()),
+                "FINITE": int(((ent & TILE_FINITE) != 0).sum())}
 
     def hidden_columns(self, tq: int, stream: int = None) -> dict:
         """Host copy of the hidden-column words of the HIDDEN tiles (for tests):
@@ -143,8 +150,8 @@ class Plan:
                 slot = i33 * n_q_tiles + qt
                 for j in range(int(cnt[slot])):
                     e = int(idx[slot * n_kv_tiles + j])
-                    if e & (1 << 28):
-                        out[(i33, qt, e & ((1 << 28) - 1))] = [int(w) for w in words[i33, qt, j]]
+                    if e & TILE_HIDDEN:
+                        out[(i33, qt, e & TILE_ID_MASK)] = [int(w) for w in words[i33, qt, j]]
         return out
 
     def cell_lists(self, stream: int) -> tuple[int, int]:
@@ -268,7 +275,8 @@ def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, 
     scan = K.get_function(var, "fattn_mask_scan")
     compact = K.get_function(var, "fattn_mask_compact")
     scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
-                ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr))
+                ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr),
+                ctypes.c_int32(1 if L.FINITE_MASK_TILES else 0))
     compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
                    ctypes.c_uint64(buf.data.ptr), ctypes.c_uint64(cnt.data.ptr),
                    ctypes.c_uint64(hidden.data.ptr))

@@ -210,7 +210,12 @@ class _Arr:
         return _Arr(stop - start, self.dtype, self.data.ptr + start * self.dtype.itemsize)
 
 
-def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(fake_cupy, monkeypatch):
+@pytest.mark.parametrize("finite", [False, True])
+def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(finite, fake_cupy, monkeypatch):
+    """The scan gets the flags, row intervals and hidden words, and whether to mark FINITE tiles
+    (cuda_launch.FINITE_MASK_TILES, read at the build); the compaction the same buffers."""
+    from ggml_attn import cuda_launch
+    monkeypatch.setattr(cuda_launch, "FINITE_MASK_TILES", finite)
     fake_cupy.uint64 = np.uint64
     fake_cupy.empty = lambda n, dtype=None: _Arr(n, dtype)
     launches = []
@@ -235,7 +240,7 @@ def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(fake_cupy, mo
     (scan, sgrid, sst, tq, nq, nk, sargs), (comp, cgrid, cst, *_, cargs) = launches
     assert (scan, comp) == ("fattn_mask_scan", "fattn_mask_compact") and sst == cst == 5
     assert (sgrid, cgrid, tq, nq, nk) == ((n_kv, n_q, 1), (n_q, 1, 1), 16, n_q, n_kv)
-    assert sargs == [flags.data.ptr, lohi.data.ptr, hidden.data.ptr]
+    assert sargs == [flags.data.ptr, lohi.data.ptr, hidden.data.ptr, int(finite)]
     assert cargs == [flags.data.ptr, buf.data.ptr, cnt.data.ptr, hidden.data.ptr]
 
 

@@ -239,6 +239,43 @@ def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("n_batch,n_kv", [(3, 1000), (3, 1024), (300, 1000), (300, 1024)])
+@pytest.mark.parametrize("ext", [False, True], ids=["plain", "softcap-alibi"])
+def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, rng, monkeypatch):
+    """With the plan marking FINITE tiles (cuda_launch.FINITE_MASK_TILES):
+    - a bias mask of values in [-10, -6] (no -inf: every MASKED tile FINITE, added with no
+      select); the scores are so low that cells past n_kv scored 0 instead of -inf would
+      outweigh the real ones, so the n_kv tail (its mask tile reads -inf past n_kv) is checked;
+    - test-backend-ops' random mask (-inf blocks among finite values): the scan's classes equal
+      a numpy recount (aligned rows: the scan's 16-byte path);
+    - a mask hiding a block of cells from the even rows only, NaN in K there: those tiles are
+      not FINITE and their -inf select must keep the NaN from the even rows.
+    With softcap and ALiBi and without."""
+    monkeypatch.setattr(cuda_launch, "FINITE_MASK_TILES", True)
+    max_bias, softcap = (8.0, 30.0) if ext else (0.0, 0.0)
+    q, k, v, s = _inputs(rng, 1, 16, 4, n_batch, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
+    bias = rng.uniform(-10, -6, (1, 1, n_batch, n_kv)).astype(np.float16)
+    rand = conf.random_kq_mask(rng, (1, 1, n_batch, n_kv))
+    for name, mask in (("bias", bias), ("random", rand)):
+        dm = _dev(mask)
+        classes = cb.make_plan(from_array(dm), n_batch, 16, 4, d_k=128, kv_type=GGML_TYPE_F16,
+                               kernel="prefill").tile_classes(64)
+        assert classes == _tile_classes_numpy(mask[0, 0], 64, n_batch, True), (name, classes)
+        if name == "bias":
+            assert classes["FINITE"] == classes["MASKED"] > 0, classes
+        ref = flash_attn_ext(q, k, v, mask, 0.1, max_bias, softcap, s, kv_type=GGML_TYPE_F16)
+        out = _run_device(q, k, v, mask, s, 0.1, max_bias, softcap, kernel)
+        _check(out, ref, f"{kernel} {name} mask, FINITE tiles marked, n_kv={n_kv} ext={ext}")
+    holes = rng.uniform(-1, 1, (1, 1, n_batch, n_kv)).astype(np.float16)
+    holes[0, 0, ::2, 64:200] = -np.inf
+    kd = k.copy()
+    kd[0, :, 64:200:7, 5] = np.float16(np.nan)
+    ref = flash_attn_ext(q, k, v, holes, 0.1, max_bias, softcap, s, kv_type=GGML_TYPE_F16)
+    out = _run_device(q, kd, v, holes, s, 0.1, max_bias, softcap, kernel)
+    _check(out[:, ::2], ref[:, ::2], f"{kernel} NaN K under -inf cells, FINITE tiles marked, ext={ext}")
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 7, 8, 9, 16])   # fattn_combine: batches of 8 + rest
 @pytest.mark.parametrize("fused", [True, False])
 def test_forced_splits(kernel, n_splits, fused, rng, monkeypatch):
@@ -264,10 +301,56 @@ def test_split_of_masked_cells_ignores_stale_partials(kernel, fused, rng, monkey
     bad = _run_device(np.full_like(q, np.nan), k, v, zero, None, 0.1, 0.0, 0.0, kernel, n_splits=16)
     assert np.isnan(bad).all()
     mask = zero.copy()
-    mask[..., 512:] = -np.inf   # splits 8-15 see no cell
+    mask[..., 512:] = -np.inf   # half the cells hidden: with live-tile lists, some splits get none
     ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
     out = _run_device(q, k, v, mask, None, 0.1, 0.0, 0.0, kernel, n_splits=16)
     _check(out, ref, f"{kernel} stale partials fused={fused}")
+
+
+@pytest.mark.parametrize("n_splits", [3, 8, 9, 16, 17])
+@pytest.mark.parametrize("sink", [False, True])
+def test_combine_skips_weightless_splits(n_splits, sink, rng):
+    """fattn_combine on a hand-made workspace: splits whose max is -inf (no visible cell) hold
+    NaN partial outputs, as a stale or a 0 * NaN slot would; they must add exactly nothing, in
+    the batches of FATTN_SPLIT_BATCH loads and in the remainder. Expected: the float64 merge of
+    the other splits."""
+    from ggml_attn import kernels as K
+    cp = _cupy()
+    n_head, n_batch, d_v = 4, 3, 136
+    n_rows = n_batch * n_head
+    m = rng.uniform(-4, 4, (n_splits, n_rows)).astype(np.float32)
+    lsum = rng.uniform(0.5, 30, (n_splits, n_rows)).astype(np.float32)
+    o = rng.uniform(-1, 1, (n_splits, n_rows, d_v)).astype(np.float32)
+    dead = rng.random((n_splits, n_rows)) < 0.4
+    dead[:, 0] = True           # row 0: every split dead -> zeros (no sink) / 0 (sink only)
+    dead[n_splits - 1, 1] = True   # the remainder loop's last split
+    dead[0, 2] = True           # the first batch's first split
+    m[dead], lsum[dead] = -np.inf, 0.0
+    o[dead] = np.nan
+    sinks = rng.uniform(-2, 2, n_head).astype(np.float32) if sink else None
+    ml = np.stack([m, lsum], axis=-1)
+    d_ml, d_o = cp.asarray(ml), cp.asarray(o)
+    d_dst = cp.full((n_rows, d_v), cp.nan, dtype=cp.float32)
+    d_sk = cp.asarray(sinks) if sink else None
+    p = K.FattnParams()
+    p.ws_ml, p.ws_o, p.dst = d_ml.data.ptr, d_o.data.ptr, d_dst.data.ptr
+    p.sinks = d_sk.data.ptr if sink else 0
+    p.ne3, p.n_batch, p.n_head, p.n_splits, p.d_v = 1, n_batch, n_head, n_splits, d_v
+    fn = K.get_function(K.util_variant(), "fattn_combine")
+    fn.launch((n_rows, 1, 1), (128, 1, 1), cp.cuda.get_current_stream().ptr, p)
+    cp.cuda.get_current_stream().synchronize()
+    got = d_dst.get()
+    # float64 merge of the live splits; the maxima are in the log2 domain
+    m64 = np.where(dead, -np.inf, m.astype(np.float64))
+    sk = (np.log2(np.e) * sinks[np.arange(n_rows) % n_head]) if sink else np.full(n_rows, -np.inf)
+    big = np.maximum(m64.max(axis=0), sk)
+    with np.errstate(invalid="ignore"):
+        f = np.where(dead, 0.0, np.exp2(m64 - big))
+        total = (f * np.where(dead, 0.0, lsum)).sum(axis=0) + np.where(np.isfinite(big), np.exp2(sk - big), 0.0)
+        num = np.einsum("zr,zrc->rc", f, np.where(dead[..., None], 0.0, o.astype(np.float64)))
+        want = np.where(total[:, None] > 0, num / np.where(total > 0, total, 1.0)[:, None], 0.0)
+    assert np.isfinite(got).all(), "a weightless split's NaN reached the output"
+    assert np.allclose(got, want, rtol=2e-5, atol=2e-6), np.abs(got - want).max()
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
@@ -322,9 +405,10 @@ def test_plan_live_counts_and_reuse(rng):
         _run_device(q[:, :, :5], k, v, mask[:, :, :5], None, 0.1, 0.0, 0.0, "prefill", plan=plan)
 
 
-def _tile_classes_numpy(mask2d, tq, n_batch):
+def _tile_classes_numpy(mask2d, tq, n_batch, finite=False):
     """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule),
-    and HIDDEN: PARTIAL or MASKED tiles with a column < n_kv that no row of the query tile sees."""
+    HIDDEN: PARTIAL or MASKED tiles with a column < n_kv that no row of the query tile sees, and
+    FINITE (only when the plan marks them, ``finite``): MASKED tiles with no -inf cell < n_kv."""
     n_kv = mask2d.shape[1]
     bits = mask2d.view(np.uint16)
     neg_inf, zero = bits == 0xFC00, (bits & 0x7FFF) == 0
@@ -333,7 +417,7 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
     for t in range(n_batch):
         idx = np.flatnonzero(fin[t])
         interval.append(idx.size == 0 or (zero[t, idx].all() and idx[-1] - idx[0] + 1 == idx.size))
-    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0, "HIDDEN": 0}
+    out = {"FULL": 0, "PARTIAL": 0, "MASKED": 0, "HIDDEN": 0, "FINITE": 0}
     for qt in range(-(-n_batch // tq)):
         r = slice(qt * tq, min(n_batch, (qt + 1) * tq))
         for kt in range(-(-n_kv // 64)):
@@ -347,14 +431,18 @@ def _tile_classes_numpy(mask2d, tq, n_batch):
                 out["PARTIAL"] += 1
             else:
                 out["MASKED"] += 1
+                out["FINITE"] += int(finite and fin[r, c].all())
             out["HIDDEN"] += int(not fin[r, c].any(axis=0).all())
     return out
 
 
-def test_plan_tile_classes(rng):
+@pytest.mark.parametrize("finite", [False, True])
+def test_plan_tile_classes(finite, rng, monkeypatch):
     """The plan's tile classes equal a numpy recount: block-causal rows are intervals (PARTIAL
-    tiles compare indices), a block of rows with random values makes its tiles MASKED, and
-    the n_kv tail tile is never FULL."""
+    tiles compare indices), a block of rows with random values makes its tiles MASKED (FINITE
+    where no cell of the tile is -inf, when the plan marks them), and the n_kv tail tile is
+    never FULL."""
+    monkeypatch.setattr(cuda_launch, "FINITE_MASK_TILES", finite)
     seq = [100, 30, 200, 7, 64]
     n = sum(seq)
     n_kv = n + 13
@@ -362,13 +450,16 @@ def test_plan_tile_classes(rng):
     mask = np.concatenate([mask, np.full((n, n_kv - n), -np.inf, np.float16)], axis=1)
     mask[130:140, 130:140] = rng.uniform(-1, 1, (10, 10)).astype(np.float16)   # not intervals
     mask[300:302, :] = 0.0                                                     # see the tail
+    mask[0:64, 0:192] = rng.uniform(-1, 1, (64, 192)).astype(np.float16)       # FINITE tiles
+    mask[64:128, 384:] = rng.uniform(-1, 1, (64, n_kv - 384)).astype(np.float16)  # a finite tail tile
     cp = _cupy()
     dm = cp.asarray(np.ascontiguousarray(mask[None, None]))
     plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
     for tq in (16, 64, 128):
         got = plan.tile_classes(tq)
-        assert got == _tile_classes_numpy(mask, tq, n), tq
+        assert got == _tile_classes_numpy(mask, tq, n, finite), tq
     assert plan.tile_classes(64)["MASKED"] > 0 and plan.tile_classes(64)["PARTIAL"] > 0
+    assert (plan.tile_classes(64)["FINITE"] > 0) == finite
     q, k, v, s = _inputs(rng, 1, 8, 2, n, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
     ref = flash_attn_ext(q, k, v, mask[None, None], 0.1, 0.0, 0.0, s, kv_type=GGML_TYPE_F16)
     for kern in _kernels_taking(n):

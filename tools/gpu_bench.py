@@ -239,13 +239,29 @@ def run(quick=False, only=None, log=print):
         add(case, "fa2", sdpa_fns(q, kv), fl, ctx=fa2())
         # every tile MASKED (random finite values): the cost of loading and applying mask tiles
         rng = np.random.default_rng(7)
-        ours_r = Ours(1, n, n, rng.uniform(-1, 1, (n, n)).astype(np.float16))
+        rand = rng.uniform(-1, 1, (n, n)).astype(np.float16)
+        ours_r = Ours(1, n, n, rand)
         t_rand = add(f"prefill N={n} random mask (every tile MASKED)", "ours", ours_r.fns("prefill"), fl,
                      tiles=ours_r.tile_classes("prefill"))
         if t_nomask and t_rand:
             rows.append(dict(case="mask tile cost: random-mask / no-mask time, same tiles", impl="ours",
                              ratio=round(t_rand / t_nomask, 3)))
         del ours_r
+        # the same bias mask with its tiles marked FINITE (added with no -inf select), and one
+        # -inf cell in 64 at random (every tile MASKED, none FINITE: the select stays)
+        holes = rand.copy()
+        holes[rng.random((n, n)) < 1 / 64] = -np.inf
+        for case, ratio_case, m, impl in (
+                (f"prefill N={n} random mask (every tile MASKED)",
+                 "mask tile cost: random-mask / no-mask time, same tiles", rand, "ours-finite-tiles"),
+                (f"prefill N={n} random mask, 1/64 cells -inf (every tile MASKED)",
+                 "mask tile cost: random-mask with -inf cells / no-mask time, same tiles", holes, "ours")):
+            with knobs(FINITE_MASK_TILES=True):
+                ours_r = Ours(1, n, n, m)
+                t = add(case, impl, ours_r.fns("prefill"), fl, tiles=ours_r.tile_classes("prefill"))
+                del ours_r
+            if t_nomask and t:
+                rows.append(dict(case=ratio_case, impl=impl, ratio=round(t / t_nomask, 3)))
         # sliding window 512, causal: live fraction f of the cells
         w = 512
         wm = window_mask(n, w)

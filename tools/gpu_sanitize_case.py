@@ -1,7 +1,8 @@
 """A small representative run for compute-sanitizer (memcheck, racecheck): the mask plan,
 prefill with a ragged block-causal mask and a tail tile (n_kv = 333), decode and decode-tc
 with forced KV splits + combine, the cell-list decode (its list builder, splits, D 64/128/256),
-BF16, D=80 (padded head size) and sinks/ALiBi/softcap.
+BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
+marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES).
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import numpy as np
 
 from ggml_attn import cuda_backend as cb
+from ggml_attn import cuda_launch
 from ggml_attn.conformance import block_causal_mask
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
 from ggml_attn.reference import flash_attn_ext, nmse
@@ -21,7 +23,8 @@ def main():
     rng = np.random.default_rng(0)
     bad = 0
     # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
-    # sequences: FULL tiles and PARTIAL tiles from row intervals), None (tail tile only)
+    # sequences: FULL tiles and PARTIAL tiles from row intervals), "finite" (MASKED tiles marked
+    # FINITE, the tail's mask tile read -inf past n_kv), None (tail tile only)
     for kernel, dk, kv_type, nb, splits, softcap, bias, kind in [
         ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "random"),
         ("prefill", 128, GGML_TYPE_F16, 300, 2, 10.0, 0.0, "random"),   # 128-row tiles
@@ -31,6 +34,9 @@ def main():
         ("decode", 128, GGML_TYPE_F16, 1, 3, 0.0, 0.0, "random"),
         ("decode-tc", 64, GGML_TYPE_BF16, 2, 3, 0.0, 8.0, "random"),
         ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, None),
+        ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "finite"),
+        ("prefill", 128, GGML_TYPE_F16, 300, 2, 10.0, 8.0, "finite"),   # 128-row tiles, EXT
+        ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, "finite"),
         # cell-list decode: lists from the random mask (unaligned rows: n_kv 333), splits and
         # combine, no mask (every cell), ALiBi + softcap, D 64 / 256
         ("cells", 128, GGML_TYPE_F16, 3, None, 0.0, 0.0, "random"),
@@ -47,6 +53,8 @@ def main():
             m[..., 64:200] = -np.inf
             m[:, :, ::4, :] = -np.inf
             mask = m.astype(np.float16)
+        elif kind == "finite":
+            mask = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float16)
         elif kind == "causal":
             mask = block_causal_mask([150, nb - 150], n_kv).reshape(1, 1, nb, n_kv)
         else:
@@ -55,6 +63,7 @@ def main():
         ref = flash_attn_ext(q, k, v, mask, 0.1, bias, softcap, sinks, kv_type=kv_type)
         dq, dk_, dv_, ds = (cp.asarray(x) for x in (q, k, v, sinks))
         dm = cp.asarray(mask) if mask is not None else None
+        cuda_launch.FINITE_MASK_TILES = kind == "finite"   # read when the call's plan is built
         dst = cp.full((1, nb, nh, dk), cp.nan, dtype=cp.float32)
         cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
                                  from_array(dm) if dm is not None else None, from_array(ds),
