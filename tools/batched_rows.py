@@ -25,6 +25,9 @@ def check_ragged_flags(ns) -> None:
 def rows_of(ns) -> list[dict]:
     """One dict per (prompt set, tg) with pp, pl and prompt_lens (None when uniform)."""
     check_ragged_flags(ns)
+    for flag in ("npp", "ntg", "npl"):
+        if not getattr(ns, flag):   # a range A-B with B < A gives no values
+            raise UserError(f"-{flag} gives no values (a range A-B with B < A is empty)")
     rng = np.random.default_rng(ns.seed)
     if ns.prompt_lens is not None:
         lens = [x for x in ns.prompt_lens]
