@@ -74,6 +74,11 @@ def test_ragged_experiment_script(tmp_path, capsys):
     (["-t", "0"], "-t must be at least 1, got 0"),
     (["--kernel", "prefill,reference"], "--kernel prefill runs on the GPU only"),
     (["-fa", "off", "--kernel", "ggml"], "-fa off runs ggml's mul_mat+soft_max path"),
+    (["-b", "200-16"], "-b gives no values (a range A-B with B < A is empty)"),
+    (["-ub", "64-8"], "-ub gives no values"),
+    (["-d", "9-1"], "-d gives no values"),
+    (["-t", "4-2"], "-t gives no values"),
+    (["-ngl", "99-1"], "-ngl gives no values"),
 ])
 def test_bad_input_one_line_exit_2(capsys, args, msg):
     rc = bench.main(["-p", "8", "-n", "0", "-r", "1", "--device", "cpu"] + args)

@@ -253,6 +253,10 @@ def _main(argv=None) -> int:
         return 0
     if ns.repetitions < 1:
         raise UserError(f"-r must be at least 1, got {ns.repetitions}")
+    for dest, flag in (("n_depth", "-d"), ("batch_size", "-b"), ("ubatch_size", "-ub"), ("threads", "-t"),
+                       ("n_gpu_layers", "-ngl")):
+        if dest in ns.explicit and not getattr(ns, dest):   # a range A-B with B < A gives no values
+            raise UserError(f"{flag} gives no values (a range A-B with B < A is empty)")
     device = resolve_device(device_for_ngl(ns.n_gpu_layers, ns.device))
     insts = instances(ns, device)
     if not insts:
