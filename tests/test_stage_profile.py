@@ -1,6 +1,9 @@
 """tools/stage_profile.py on the CPU: per phase, one plan and one engine step per ubatch, a build
 per new structure, one report per run of a row, and every patch undone afterwards."""
 import json
+import os
+
+import pytest
 
 from ggml_attn.cli import batched_bench, runner, stage_profile
 from ggml_attn.graph import build, driver
@@ -27,3 +30,25 @@ def test_stage_tables_per_run(tmp_path, capsys):
     assert rep["replays"] == {}            # CPU: nothing captured
     assert (driver.plan_ubatch, build.build_ubatch_graph, runner.Runner.step_batch,
             batched_bench.run_row) == orig
+
+
+def test_json_path_checked_before_running(tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(batched_bench, "main", lambda argv: ran.append(argv) or 0)
+    for bad in (tmp_path / "no" / "s.json", tmp_path):
+        with pytest.raises(SystemExit) as e:
+            stage_profile.main(["--json", str(bad), "batched-bench", *FAST])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--json" in err and "Traceback" not in err
+    assert ran == []
+
+
+def test_json_write_error_is_one_line(capsys, monkeypatch):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    monkeypatch.setattr(batched_bench, "main", lambda argv: 0)
+    with pytest.raises(SystemExit) as e:
+        stage_profile.main(["--json", "/dev/full", "batched-bench", *FAST])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("stage_profile: error: --json: cannot write /dev/full")

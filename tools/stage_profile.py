@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -125,6 +126,11 @@ def main(argv=None) -> int:
     p.add_argument("tool", choices=("batched-bench",), help="the benchmark to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
+    if a.json is not None:   # checked before the run, not after it
+        folder = os.path.dirname(os.path.abspath(a.json))
+        target = a.json if os.path.exists(a.json) else folder
+        if os.path.isdir(a.json) or not os.path.isdir(folder) or not os.access(target, os.W_OK):
+            p.error(f"--json '{a.json}': not a writable file path")
     from ggml_attn.cli import batched_bench as bb
     from ggml_attn.cli import runner as rn
     timer = StageTimer()
@@ -161,8 +167,11 @@ def main(argv=None) -> int:
     finally:
         bb.run_row, rn.Runner.close = orig_row, orig_close
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+        try:
+            with open(a.json, "w") as f:
+                json.dump(report, f, indent=1)
+        except OSError as e:
+            p.exit(2, f"stage_profile: error: --json: cannot write {a.json}: {e.strerror or e}\n")
     return rc or 0
 
 
