@@ -89,7 +89,7 @@ def build_parser() -> Parser:
                         "shape comes and replay it after; off: ggml's graph loop every time (default: on)")
     p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
                    help="on/auto: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max (default: auto)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: sized automatically)"), default=0, metavar="N",
                    help="KV cells in all; 0: just enough for the largest row (default: 0)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
                    help="logical batch size (default: 2048)")

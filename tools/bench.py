@@ -97,7 +97,7 @@ def build_parser() -> Parser:
                         "ubatch through ggml's graph loop and the op's callbacks (default: on)")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers (quick runs of big shapes)")
-    p.add_argument("-c", "--ctx-size", type=int, default=0, metavar="N",
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: the model's training context)"), default=0, metavar="N",
                    help="context limit per test; 0: the model's training context (default: 0)")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
                    help="times to repeat each test (default: 5)")
