@@ -91,3 +91,15 @@ def test_help_and_listings_on_a_full_device(name, args):
                            text=True, timeout=120)
     _one_line(p.returncode, p.stderr)
     assert "No space left on device" in p.stderr
+
+
+@pytest.mark.parametrize("name, args", [
+    ("ggml-attn-bench", ["-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-oe", "csv"]),
+    ("ggml-attn-bench", ["-m", "nope"]),
+    ("ggml-attn-batched-bench", ["-m", "nope"]),
+])
+def test_stderr_on_a_full_device_keeps_exit_2(name, args):
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([os.path.join(BIN, name), *args, "-t", "1", "--device", "cpu"],
+                           stdout=subprocess.PIPE, stderr=full, text=True, timeout=120)
+    assert p.returncode == 2

@@ -27,17 +27,26 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
     try:
         return int(main_fn(argv) or 0)
     except UserError as e:
-        print(fail_line(prog, str(e)), file=sys.stderr)
+        _say(fail_line(prog, str(e)))
         _drop_stdout()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        _say(f"{prog}: interrupted")
         return EXIT_INTERRUPTED
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER_ERROR)
     except BrokenPipeError:  # e.g. `| head`
         _drop_stdout()
         return 0
+
+
+def _say(line: str) -> None:
+    """The error line on stderr; a stderr that cannot take it (a full disk, e.g. ``-oe`` to it)
+    must not turn the exit code into a traceback's 1."""
+    try:
+        print(line, file=sys.stderr)
+    except OSError:
+        pass
 
 
 def _drop_stdout() -> None:
