@@ -91,6 +91,20 @@ def test_ubatch_clamped_to_batch(capsys):
     assert (row["n_batch"], row["n_ubatch"], row["ub"]) == (16, 16, 2)
 
 
+# ---- a -b/-ub far beyond the test's tokens: rows report it, nothing sized by it is allocated
+def test_huge_ubatch_runs_small_tests(capsys):
+    big = "100000000"
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "1", "-r", "1", "--no-warmup", "-o", "jsonl",
+                          "-b", big, "-ub", big, *FAST)
+    assert rc == 0 and "Traceback" not in err, err
+    assert [(json.loads(l)["n_batch"], json.loads(l)["n_ubatch"]) for l in out.splitlines()] == \
+        [(int(big), int(big))] * 2
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "2", "-ntg", "1", "-o", "jsonl",
+                            "-b", big, "-ub", big, *FAST)
+    assert rc == 0 and "Traceback" not in err, err
+    assert json.loads(out)["n_ubatch"] == int(big)
+
+
 # ---- -ctk / -ctv
 @pytest.mark.parametrize("ctk, ctv, extra", [
     ("q8_0", "q8_0", []), ("q4_0", "f16", []), ("bf16", "bf16", []), ("f32", "q5_1", []),

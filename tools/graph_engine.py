@@ -78,9 +78,10 @@ class GraphEngine:
         self.n_threads = 1 if self.device else max(1, int(cfg.n_threads))
         rng = self.xp.random.default_rng(cfg.seed)  # on the device for the device flavour (fast)
         self.weights = self._make_weights(rng) if cfg.layer == "full" else None
-        # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows
+        # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows, and no
+        # ubatch has more rows than the cache has cells (a -ub of 100000000 must not allocate them)
         self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
-        self.pool = rng.standard_normal(width * (cfg.n_ubatch + 1), dtype=np.float32)
+        self.pool = rng.standard_normal(width * (min(cfg.n_ubatch, cache.n_ctx) + 1), dtype=np.float32)
         self._keep = None
         self._last_streams = None
         # built graphs by structure (LRU), and the stream the device flavour computes on: a
