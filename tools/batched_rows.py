@@ -28,6 +28,12 @@ def rows_of(ns) -> list[dict]:
     for flag in ("npp", "ntg", "npl"):
         if not getattr(ns, flag):   # a range A-B with B < A gives no values
             raise UserError(f"-{flag} gives no values (a range A-B with B < A is empty)")
+    # checked before any prompt is drawn or sized (-npl 99999999999999999999 overflowed there)
+    from ggml_attn.graph.batch import MAX_SEQ
+    n_seq = len(ns.prompt_lens) if ns.prompt_lens is not None else max(ns.npl)
+    if n_seq > MAX_SEQ:
+        what = f"--prompt-lens gives {n_seq} sequences" if ns.prompt_lens is not None else f"-npl {n_seq}"
+        raise UserError(f"{what}: at most {MAX_SEQ} sequences run together (llama.cpp's LLAMA_MAX_SEQ)")
     rng = np.random.default_rng(ns.seed)
     if ns.prompt_lens is not None:
         lens = [x for x in ns.prompt_lens]
