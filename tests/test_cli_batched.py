@@ -81,6 +81,7 @@ def test_prompt_dist_is_seeded(capsys):
     (["-b", "64", "-ub", "0"], "batch sizes must be positive (n_batch 64, n_ubatch 0)"),
     (["-npp", "512", "-npl", "4", "-ntg", "1", "-c", "1024"], "context overflow"),
     (["--prompt-dist", "200-16"], "need 1 <= MIN <= MAX"),
+    (["--prompt-dist", "1-99999999999999999999"], "need 1 <= MIN <= MAX <= 2147483647"),
     (["--split", "zigzag"], "choose from"),
     # split KV: 2 streams of -c/2 = 200 (-> 256) cells, the 300-token prompt needs 302 in its
     # stream; an explicit -c is a limit, not grown silently

@@ -34,6 +34,7 @@ from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_context,
 from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
+INT32_MAX = 2**31 - 1
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
 
 
@@ -42,8 +43,8 @@ def parse_dist(text: str) -> tuple[int, int]:
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
         raise UserError(f"invalid --prompt-dist '{text}' (expected MIN-MAX, e.g. 16-200)")
     lo, hi = int(parts[0]), int(parts[1])
-    if lo < 1 or hi < lo:
-        raise UserError(f"invalid --prompt-dist '{text}': need 1 <= MIN <= MAX")
+    if lo < 1 or hi < lo or hi > INT32_MAX:   # positions are int32
+        raise UserError(f"invalid --prompt-dist '{text}': need 1 <= MIN <= MAX <= {INT32_MAX}")
     return lo, hi
 
 
