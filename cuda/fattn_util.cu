@@ -71,9 +71,10 @@ __device__ __forceinline__ unsigned long long interval_bits(int lo, int hi, int 
 //   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not),
 //   | 8 HIDDEN (PARTIAL only): some column < n_kv of the tile is -inf for every token of qt in
 //   some head plane, | 16 FINITE (MASKED only, and only when mark_finite != 0): no cell < n_kv
-//   of the tile is -inf for any token of qt in any head plane (a bias mask). Then, for each plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32
-//   + i32] = the columns of the tile that are -inf for every token of qt in plane i32 (bit c:
-//   column kt*64 + c; columns >= n_kv set too); written for every PARTIAL tile. A kernel block
+//   of the tile is -inf for any token of qt in any head plane (a bias mask). Then, for each
+//   plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32 + i32] = the columns of the
+//   tile that are -inf for every token of qt in plane i32 (bit c: column kt*64 + c; columns
+//   >= n_kv set too); written for every PARTIAL tile. A kernel block
 //   covers the tokens of qt and the heads of some planes: the AND of their words is the set of
 //   cells no row of the block sees (fattn_mask_compact moves the words into list order).
 // Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32). Needs pass 0's lohi.
@@ -184,8 +185,8 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
 }
 
 // Pass 2: compact the flags of each (i33, qt) into the ordered list of live-tile entries
-// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED | FATTN_TILE_HIDDEN | FATTN_TILE_FINITE), and the hidden-column
-// words of pass 1 into the same order (live_hidden, fattn_common.cuh: 0 unless HIDDEN).
+// (tile id | FATTN_TILE_PARTIAL | FATTN_TILE_MASKED | FATTN_TILE_HIDDEN | FATTN_TILE_FINITE), and
+// the hidden-column words of pass 1 into the same order (live_hidden, fattn_common.cuh: 0 unless HIDDEN).
 // idx holds fattn_live_words(...) ints (the entries, then the words). Grid (n_q_tiles, ne33),
 // one warp per block.
 extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigned char* __restrict__ flags,

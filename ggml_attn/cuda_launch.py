@@ -61,7 +61,7 @@ FUSED_SPLIT_FINISH = False
 # is -inf (a bias mask: ALiBi distances, relative-position or random values), and the tensor-
 # core kernels add its mask with no -inf select (cuda/fattn_mma.cu); False -- every MASKED tile
 # takes the select. Read when a plan's tile map is built. Off until a GPU run has checked it
-# (bench/NOTES.md, "FINITE mask tiles").
+# (bench/NOTES.md, "seventh session").
 FINITE_MASK_TILES = False
 
 
