@@ -64,6 +64,13 @@ FUSED_SPLIT_FINISH = False
 # (bench/NOTES.md, "seventh session").
 FINITE_MASK_TILES = False
 
+# Scores in natural units in the plain (no softcap/ALiBi) tensor-core instances: True -- Q is
+# scaled by `scale` alone and the softmax takes exp2 through one fma with log2(e), so a FINITE
+# tile's mask initialises the MMA accumulators (no add at all); False -- Q also carries log2(e)
+# and scores come out in the log2 domain. A compile-time variant (FATTN_NAT_SCORES, family
+# "mma-nat"). Off until a GPU run has checked it (bench/NOTES.md, "seventh session").
+NAT_SCORES = False
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -164,13 +171,13 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                    and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
         st = 1 if mt == 2 else 2
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=NAT_SCORES and not ext)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
         pack = min(gqa_p2, 16)
         tq = 16 // pack
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=NAT_SCORES and not ext)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
     elif kernel == "decode":

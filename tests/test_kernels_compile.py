@@ -199,3 +199,24 @@ def test_fused_split_finish_needs_its_shared_memory():
     assert cfg(16, 64, 4 * (16 * 66 + 2)).finishes_splits()
     assert not cfg(16, 64, 4 * (16 * 66 + 2) - 4).finishes_splits()
     assert not cfg(16, 2, 1 << 16, fused=False).finishes_splits()
+
+
+def test_nat_scores_pick_their_own_program(monkeypatch):
+    """cuda_launch.NAT_SCORES: plain tensor-core calls run the "mma-nat" program (compiled with
+    FATTN_NAT_SCORES=1, which changes the code), softcap/ALiBi calls keep the log2-domain one."""
+    from ggml_attn import cuda_launch
+    from ggml_attn.cuda_launch import Shapes, launch_config
+    f16 = GGML_TYPE_F16
+    prefill, decode = Shapes(64, 64, 300, 32, 8, 1, 4096, f16), Shapes(64, 64, 1, 32, 8, 1, 4096, f16)
+    monkeypatch.setattr(cuda_launch, "NAT_SCORES", True)
+    for kernel, sh in (("prefill", prefill), ("decode-tc", decode)):
+        v = launch_config(kernel, sh, blocks_per_sm=2).variant
+        assert v.family == "mma-nat" and v.options == ("-DFATTN_NAT_SCORES=1",), v
+        assert launch_config(kernel, sh, ext=True, blocks_per_sm=2).variant.family == "mma-ext"
+    monkeypatch.setattr(cuda_launch, "NAT_SCORES", False)
+    assert launch_config("prefill", prefill, blocks_per_sm=2).variant.family == "mma"
+    with pytest.raises(ValueError):
+        K.mma_variant(64, 64, f16, ext=True, nat=True)
+    plain, nat = (K.compile_variant(K.mma_variant(64, 64, f16, nat=n), "sm_90", use_disk_cache=False)
+                  for n in (False, True))
+    assert plain.cubin != nat.cubin, "FATTN_NAT_SCORES did not reach the compiler"
