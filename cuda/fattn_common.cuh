@@ -103,6 +103,11 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
 __device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
+// |x| < 256 (f16 exponent field below 15 + 8): false for infinities and NaN. The bound on a
+// FINITE tile's cells (below): with natural-unit scores its mask starts the MMA accumulators,
+// whose rounding is relative to their magnitude -- Q K^T added onto -65504 (a mask's stand-in
+// for -inf) would lose most of its bits, onto values below 256 at most ~DK/16 ulp of 256.
+__device__ __forceinline__ bool f16_bits_below_finite_max(unsigned short b) { return (b & 0x7FFFu) < 0x5C00u; }
 
 // Two scores plus the slope times their mask cells m = (m.x, m.y). With sel, a -inf cell gives
 // -inf whatever the score holds (a masked cell's K may be NaN/inf garbage: NaN + -inf would be
@@ -155,9 +160,10 @@ __device__ __forceinline__ const char* mask_row(const FattnParams& p, int t, int
 //            rows sees (LiveTiles::hidden) instead of loading them: 0 * NaN/inf garbage there
 //            (uninitialised cache cells, other sequences' cells) would otherwise reach P V.
 //            Columns >= n_kv need nothing: the V loader zero-fills them on every tile.
-//   FINITE (with MASKED, only where the plan was asked to mark it): no mask cell < n_kv of the
-//            tile is -inf for any token of the query tile in any head plane (a bias mask), so
-//            the mask is added with no -inf select.
+//   FINITE (with MASKED, only where the plan was asked to mark it): every mask cell < n_kv of
+//            the tile is finite and below 256 in magnitude, for every token of the
+//            query tile in every head plane (a bias mask), so the mask is added with no -inf
+//            select (natural-unit scores: it starts the MMA accumulators).
 #define FATTN_TILE_PARTIAL (1 << 30)
 #define FATTN_TILE_MASKED (1 << 29)
 #define FATTN_TILE_HIDDEN (1 << 28)

@@ -352,7 +352,8 @@ fattn_mma(const FattnParams p) {
             }
         }
 
-        // ---- step: scores to the log2 domain with the tile's masking
+        // ---- step: the tile's masking (and, EXT, scale and softcap; scores in the log2 domain,
+        // NAT: in natural units)
         if constexpr (EXT) {   // scale, softcap; ALiBi slope * mask below
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -413,14 +414,16 @@ fattn_mma(const FattnParams p) {
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float m_new = fmaxf(m[mt][rs], mx);
                 const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+                // p = exp2(S SL + mb); NAT: -mb the rounded max the previous tiles' p were taken
+                // against, so alpha rescales them exactly onto this one's (SL = 1: m - m_use)
+                const float mb = -m_use * SL;
                 if (__any_sync(0xffffffffu, m_new != m[mt][rs])) {   // skip the rescale when no max moved
-                    const float alpha = fast_exp2((m[mt][rs] - m_use) * SL);  // m == -inf -> 0
+                    const float alpha = fast_exp2(NAT ? __fmul_rn(m[mt][rs], SL) + mb : m[mt][rs] - m_use);  // m == -inf -> 0
                     l[mt][rs] *= alpha;
 #pragma unroll
                     for (int i = 0; i < DVP / 8; ++i) { O[mt][i][2 * rs] *= alpha; O[mt][i][2 * rs + 1] *= alpha; }
                 }
                 m[mt][rs] = m_new;
-                const float mb = -m_use * SL;
                 auto p_of = [&](float x) { return fast_exp2(NAT ? fmaf(x, SL, mb) : x - m_use); };
 #pragma unroll
                 for (int nt = 0; nt < KW / 8; ++nt) {

@@ -70,12 +70,13 @@ __device__ __forceinline__ unsigned long long interval_bits(int lo, int hi, int 
 //   0 dead (every cell -inf), 1 FULL (every cell +-0, the tile ends before n_kv),
 //   3 PARTIAL (rows are intervals: lohi), 7 PARTIAL|MASKED (some row of qt is not),
 //   | 8 HIDDEN (PARTIAL only): some column < n_kv of the tile is -inf for every token of qt in
-//   some head plane, | 16 FINITE (MASKED only, and only when mark_finite != 0): no cell < n_kv
-//   of the tile is -inf for any token of qt in any head plane (a bias mask). Then, for each
-//   plane i32, hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32 + i32] = the columns of the
-//   tile that are -inf for every token of qt in plane i32 (bit c: column kt*64 + c; columns
-//   >= n_kv set too); written for every PARTIAL tile. A kernel block
-//   covers the tokens of qt and the heads of some planes: the AND of their words is the set of
+//   some head plane, | 16 FINITE (MASKED only, and only when mark_finite != 0): every cell < n_kv
+//   of the tile, for every token of qt in every head plane, is finite and of magnitude below
+//   256 (f16_bits_below_finite_max; a bias mask: no -inf select, and small enough to start
+//   the MMA accumulators from, fattn_mma.cu's natural-unit scores). Then, for each plane i32,
+//   hidden[((i33*n_q_tiles + qt)*n_kv_tiles + kt)*ne32 + i32] = the columns of the tile that
+//   are -inf for every token of qt in plane i32 (bit c: column kt*64 + c; columns >= n_kv set
+//   too); written for every PARTIAL tile. A kernel block covers the tokens of qt and the heads of some planes: the AND of their words is the set of
 //   cells no row of the block sees (fattn_mask_compact moves the words into list order).
 // Grid (n_kv_tiles, n_q_tiles, ne33); any block size (multiple of 32). Needs pass 0's lohi.
 // FINITE needs the hidden words' pass (hidden != nullptr), which reads every row of the tile.
@@ -128,7 +129,7 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
     }
     masked = __syncthreads_or(masked);
     const long long tile = ((long long)i33 * p.n_q_tiles + qt) * p.n_kv_tiles + kt;
-    int any_hidden = 0, any_neg_inf = 0;
+    int any_hidden = 0, not_finite = 0;
     if (live && nonzero && hidden) {
         // columns seen by some token of qt, per head plane: a row that is an interval from
         // its lohi, any other row from its mask cells (visible: not -inf, NaN included)
@@ -144,25 +145,31 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
                 if (lh.x >= 0) {
                     const unsigned long long iv = interval_bits(lh.x, lh.y, c0) & chunk;
                     vis |= iv;
-                    any_neg_inf |= iv != chunk;
+                    not_finite |= iv != chunk;   // a -inf cell in the chunk (the rest are zeros)
                 } else {
                     const unsigned short* row = reinterpret_cast<const unsigned short*>(
                         base + (long long)r * p.m_nb1 + (long long)pl * p.m_nb2);
                     unsigned bits = 0;
+                    int big = 0;   // a cell of magnitude >= 256 (-inf, +inf, NaN too)
                     if (vec) {
                         const uint4 u = __ldg(reinterpret_cast<const uint4*>(row) + ch);
                         const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
                         for (int j = 0; j < 4; ++j) {
-                            bits |= (unsigned)!f16_bits_is_neg_inf((unsigned short)(w[j] & 0xffffu)) << (2 * j);
-                            bits |= (unsigned)!f16_bits_is_neg_inf((unsigned short)(w[j] >> 16)) << (2 * j + 1);
+                            const unsigned short b0 = (unsigned short)(w[j] & 0xffffu), b1 = (unsigned short)(w[j] >> 16);
+                            bits |= (unsigned)!f16_bits_is_neg_inf(b0) << (2 * j);
+                            bits |= (unsigned)!f16_bits_is_neg_inf(b1) << (2 * j + 1);
+                            big |= !f16_bits_below_finite_max(b0) | !f16_bits_below_finite_max(b1);
                         }
                     } else {
-                        for (int c = 8 * ch; c < min(8 * ch + 8, ncols); ++c)
-                            bits |= (unsigned)!f16_bits_is_neg_inf(__ldg(row + c)) << (c - 8 * ch);
+                        for (int c = 8 * ch; c < min(8 * ch + 8, ncols); ++c) {
+                            const unsigned short b = __ldg(row + c);
+                            bits |= (unsigned)!f16_bits_is_neg_inf(b) << (c - 8 * ch);
+                            big |= !f16_bits_below_finite_max(b);
+                        }
                     }
                     vis |= (unsigned long long)bits << (8 * ch);
-                    any_neg_inf |= (((unsigned long long)bits << (8 * ch)) & chunk) != chunk;
+                    not_finite |= big;
                 }
             }
 #pragma unroll
@@ -174,11 +181,11 @@ extern "C" __global__ void fattn_mask_scan(const FattnParams p, unsigned char* _
             if (threadIdx.x == 0) hidden[tile * p.ne32 + pl] = hid;
             __syncthreads();   // s_vis read by every thread before the next plane resets it
         }
-        any_neg_inf = __syncthreads_or(any_neg_inf);
+        not_finite = __syncthreads_or(not_finite);
     } else {
-        any_neg_inf = 1;
+        not_finite = 1;
     }
-    const bool finite = mark_finite && masked && !any_neg_inf;
+    const bool finite = mark_finite && masked && !not_finite;
     if (threadIdx.x == 0)
         flags[tile] = (unsigned char)((!live ? 0 : !nonzero ? 1 : !masked ? 3 : 7) | (any_hidden ? 8 : 0) |
                                       (finite ? 16 : 0));

@@ -57,10 +57,10 @@ PREFILL_WIDE_MIN_LIVE = 6.0
 # over one block per row (bench/NOTES.md, "Split finish"); it saves one launch of host time.
 FUSED_SPLIT_FINISH = False
 
-# Mask tiles without -inf: True -- the plan marks a MASKED tile FINITE when no cell < n_kv of it
-# is -inf (a bias mask: ALiBi distances, relative-position or random values), and the tensor-
-# core kernels add its mask with no -inf select (cuda/fattn_mma.cu); False -- every MASKED tile
-# takes the select. Read when a plan's tile map is built. Off until a GPU run has checked it
+# Mask tiles without -inf: True -- the plan marks a MASKED tile FINITE when every cell < n_kv of
+# it is finite and below 256 in magnitude (a bias mask: relative-position or random values), and
+# the tensor-core kernels add its mask with no -inf select (cuda/fattn_mma.cu); False -- every
+# MASKED tile takes the select. Read when a plan's tile map is built. Off until a GPU run has checked it
 # (bench/NOTES.md, "seventh session").
 FINITE_MASK_TILES = False
 

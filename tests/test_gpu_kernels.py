@@ -247,8 +247,9 @@ def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, nat, rng, monkeypatch):
     - a bias mask of values in [-10, -6] (no -inf: every MASKED tile FINITE, added with no
       select); the scores are so low that cells past n_kv scored 0 instead of -inf would
       outweigh the real ones, so the n_kv tail (its mask tile reads -inf past n_kv) is checked;
-    - test-backend-ops' random mask (-inf blocks among finite values): the scan's classes equal
-      a numpy recount (aligned rows: the scan's 16-byte path);
+    - test-backend-ops' random mask (-inf blocks among finite values), and a bias mask with a
+      block of -60000 (finite, but too large to start the accumulators from: not FINITE): the
+      scan's classes equal a numpy recount (aligned rows: the scan's 16-byte path);
     - a mask hiding a block of cells from the even rows only, NaN in K there: those tiles are
       not FINITE and their -inf select must keep the NaN from the even rows.
     With softcap and ALiBi and without; plain instances with scores in the log2 domain and in
@@ -259,13 +260,17 @@ def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, nat, rng, monkeypatch):
     q, k, v, s = _inputs(rng, 1, 16, 4, n_batch, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
     bias = rng.uniform(-10, -6, (1, 1, n_batch, n_kv)).astype(np.float16)
     rand = conf.random_kq_mask(rng, (1, 1, n_batch, n_kv))
-    for name, mask in (("bias", bias), ("random", rand)):
+    big = rng.uniform(-1, 1, (1, 1, n_batch, n_kv)).astype(np.float16)
+    big[0, 0, :, 100:180] = -60000.0
+    for name, mask in (("bias", bias), ("random", rand), ("big", big)):
         dm = _dev(mask)
         classes = cb.make_plan(from_array(dm), n_batch, 16, 4, d_k=128, kv_type=GGML_TYPE_F16,
                                kernel="prefill").tile_classes(64)
         assert classes == _tile_classes_numpy(mask[0, 0], 64, n_batch, True), (name, classes)
         if name == "bias":
             assert classes["FINITE"] == classes["MASKED"] > 0, classes
+        if name == "big":
+            assert 0 < classes["FINITE"] < classes["MASKED"], classes
         ref = flash_attn_ext(q, k, v, mask, 0.1, max_bias, softcap, s, kv_type=GGML_TYPE_F16)
         out = _run_device(q, k, v, mask, s, 0.1, max_bias, softcap, kernel)
         _check(out, ref, f"{kernel} {name} mask, FINITE tiles marked, n_kv={n_kv} ext={ext}")
@@ -300,9 +305,11 @@ def test_nat_scores(kernel, kv_type, d, mask_kind, n_splits, fused, rng, monkeyp
             "causal": _block_causal_mask([n_batch // 2, n_batch - n_batch // 2], n_kv) if n_batch > 2
             else conf.random_kq_mask(rng, (1, 1, n_batch, n_kv)),
             "random": conf.random_kq_mask(rng, (1, 1, n_batch, n_kv)),
-            "bias": rng.uniform(-3, 3, (1, 1, n_batch, n_kv)).astype(np.float16)}[mask_kind]
-    ref = flash_attn_ext(q, k, v, mask, 0.08, 0.0, 0.0, s, kv_type=kv_type)
-    out = _run_device(q, k, v, mask, s, 0.08, 0.0, 0.0, kernel, n_splits=n_splits)
+            "bias": rng.uniform(0, 6, (1, 1, n_batch, n_kv)).astype(np.float16)}[mask_kind]
+    # scores of a few units (scale 0.3, a positive bias): row maxima far from the log2-domain
+    # value they must be converted to before the sinks and the split merges
+    ref = flash_attn_ext(q, k, v, mask, 0.3, 0.0, 0.0, s, kv_type=kv_type)
+    out = _run_device(q, k, v, mask, s, 0.3, 0.0, 0.0, kernel, n_splits=n_splits)
     _check(out, ref, f"nat {kernel} D={d} {mask_kind} splits={n_splits} fused={fused}")
 
 
@@ -439,7 +446,8 @@ def test_plan_live_counts_and_reuse(rng):
 def _tile_classes_numpy(mask2d, tq, n_batch, finite=False):
     """FULL / PARTIAL / MASKED counts of a [n_rows, n_kv] f16 mask, numpy order (the plan's rule),
     HIDDEN: PARTIAL or MASKED tiles with a column < n_kv that no row of the query tile sees, and
-    FINITE (only when the plan marks them, ``finite``): MASKED tiles with no -inf cell < n_kv."""
+    FINITE (only when the plan marks them, ``finite``): MASKED tiles whose cells < n_kv are all
+    finite and below 256 in magnitude."""
     n_kv = mask2d.shape[1]
     bits = mask2d.view(np.uint16)
     neg_inf, zero = bits == 0xFC00, (bits & 0x7FFF) == 0
@@ -462,7 +470,7 @@ def _tile_classes_numpy(mask2d, tq, n_batch, finite=False):
                 out["PARTIAL"] += 1
             else:
                 out["MASKED"] += 1
-                out["FINITE"] += int(finite and fin[r, c].all())
+                out["FINITE"] += int(finite and ((bits[r, c] & 0x7FFF) < 0x5C00).all())
             out["HIDDEN"] += int(not fin[r, c].any(axis=0).all())
     return out
 
