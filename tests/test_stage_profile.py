@@ -52,3 +52,12 @@ def test_json_write_error_is_one_line(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("stage_profile: error: --json: cannot write /dev/full")
+
+
+def test_negative_replays_is_a_usage_error(capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr(batched_bench, "main", lambda argv: ran.append(argv) or 0)
+    with pytest.raises(SystemExit) as e:
+        stage_profile.main(["--replays", "-1", "batched-bench", *FAST])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--replays must be at least 0" in err and ran == []

@@ -49,8 +49,9 @@ def parse_int_range(text: str) -> list[int]:
     return out
 
 
-def int_at_least(lo: int, note: str = ""):
-    """argparse ``type``: an integer ``>= lo`` (UserError otherwise); ``note`` ends the message."""
+def int_at_least(lo: int, note: str = "", hi: int | None = None):
+    """argparse ``type``: an integer ``>= lo`` (and ``<= hi`` if given; UserError otherwise);
+    ``note`` ends the message."""
 
     def parse(text: str) -> int:
         try:
@@ -59,6 +60,8 @@ def int_at_least(lo: int, note: str = ""):
             raise UserError(f"invalid integer '{text}'") from None
         if value < lo:
             raise UserError(f"must be at least {lo}{note}, got {value}")
+        if hi is not None and value > hi:
+            raise UserError(f"must be at most {hi}{note}, got {value}")
         return value
 
     parse.__name__ = "int"

@@ -107,8 +107,8 @@ def build_parser() -> Parser:
                    help="a second output format printed to stderr (default: none)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="describe each run on stderr: model shape, KV cache, ubatch shapes")
-    p.add_argument("--delay", type=int_at_least(0), default=0, metavar="S",
-                   help="seconds to wait before each test, e.g. to let a GPU cool (default: 0)")
+    p.add_argument("--delay", type=int_at_least(0, hi=86400), default=0, metavar="S",
+                   help="seconds to wait before each test, e.g. to let a GPU cool; at most 86400 (default: 0)")
     p.add_argument("--progress", action="store_true",
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")

@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("tool", choices=("batched-bench",), help="the benchmark to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
+    if a.replays < 0:
+        p.error(f"--replays must be at least 0 (0: none), got {a.replays}")
     if a.json is not None:   # checked before the run, not after it
         folder = os.path.dirname(os.path.abspath(a.json))
         target = a.json if os.path.exists(a.json) else folder
