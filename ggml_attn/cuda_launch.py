@@ -164,6 +164,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     cell list (kernel "cells": its split count is sized from it)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
+    nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
@@ -171,13 +172,13 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                    and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
         st = 1 if mt == 2 else 2
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=NAT_SCORES and not ext)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=nat)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
         pack = min(gqa_p2, 16)
         tq = 16 // pack
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=NAT_SCORES and not ext)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=nat)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
     elif kernel == "decode":
