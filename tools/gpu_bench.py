@@ -95,11 +95,11 @@ class Ours:
             self.plan = cb.make_plan(self.dm, n_batch, H, HKV, d_k=D, kv_type=GGML_TYPE_F16,
                                      ne3=ne3, stream=self.stream)
 
-    def fns(self, kernel="auto"):
+    def fns(self, kernel="auto", n_splits=None):
         def make(dk, dv):
             return lambda: self.cb.flash_attn_ext_device(
                 self.dq, dk, dv, self.dm, None, self.dd, SCALE, kernel=kernel, plan=self.plan,
-                stream=self.stream)
+                stream=self.stream, n_splits=n_splits)
         return [make(dk, dv) for dk, dv in self.dkv]
 
     def tile_classes(self, kernel="auto"):
@@ -273,6 +273,8 @@ def run(quick=False, only=None, log=print):
         if t_nat0 and t_nat:
             rows.append(dict(case="mask tile cost: random-mask / no-mask time, same tiles",
                              impl="ours-finite-tiles-nat", ratio=round(t_nat / t_nat0, 3)))
+        add(f"prefill N={n} no mask", "ours-again", ours.fns("prefill"), fl,
+            note="the first row again, after the others: run-to-run spread")
         # sliding window 512, causal: live fraction f of the cells
         w = 512
         wm = window_mask(n, w)
@@ -350,6 +352,9 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
         with knobs(FUSED_SPLIT_FINISH=True):   # the splits merged by the kernel's last block
             add(case, "ours-auto-fused-finish", ours.fns(), None, nbytes)
+        if B > 1:   # split counts around the default's (waves of 2 blocks per SM)
+            for ns in (1, 2, 3, 6):
+                add(case, f"ours-decode-tc-s{ns}", ours.fns("decode-tc", n_splits=ns), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
