@@ -130,10 +130,8 @@ fattn_mma(const FattnParams p) {
     }
 
     // ---- step: Q tile -> shared (converted to T; pre-scaled unless EXT), zero rows past the
-    // tile. 16-byte loads issued in unrolled batches so that many are in flight; in the ring
-    // order after the prologue's K/V copies are issued (their latency and the live list's overlap
-    // it); in the FA2 order first (there the other order costs the 128-row tiles registers).
-    auto load_q = [&]() {
+    // tile. 16-byte loads issued in unrolled batches so that many are in flight.
+    {
         const float qs = EXT ? 1.0f : NAT ? p.scale : p.scale * FATTN_LOG2E;
         const char* qbase = p.q + (long long)s * p.q_nb3;
         constexpr int QV = DKP / 4, QITEMS = BM * QV, QB = 8;
@@ -161,8 +159,7 @@ fattn_mma(const FattnParams p) {
                 }
             }
         }
-    };
-    if constexpr (C::FA2) load_q();
+    }
 
     // ---- per-thread rows: g and g + 8 of each of this warp's MT m-tiles. A row's visible
     // interval [lo, hi) (PARTIAL tiles) is read when needed: registers are short with MT = 2.
@@ -261,7 +258,6 @@ fattn_mma(const FattnParams p) {
             cp_async_commit();
         }
     }
-    if constexpr (!C::FA2) load_q();
     __syncthreads();  // Q in shared memory
     const int lr = lane & 7, lm = lane >> 3;
     const unsigned q_addr = smem_u32(sQ + (16 * MT * wq + lr + (lm & 1) * 8) * SK + (lm >> 1) * 8);

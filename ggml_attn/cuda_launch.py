@@ -20,6 +20,11 @@ from .cuda_device import available, num_sms
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
+# ... except that a decode-tc grid of at least this fraction of one block per SM is not split:
+# at B=16, 4k (128 blocks on 132 SMs) it took 70.2 us unsplit against 76.4 / 86.9 / 78.0 us
+# with 2 / 3 / 4 splits (a combine pass and the workspace traffic, for 3% more SMs;
+# bench/NOTES.md, "eighth session")
+_NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
@@ -60,15 +65,17 @@ FUSED_SPLIT_FINISH = False
 # Mask tiles without -inf: True -- the plan marks a MASKED tile FINITE when every cell < n_kv of
 # it is finite and below 256 in magnitude (a bias mask: relative-position or random values), and
 # the tensor-core kernels add its mask with no -inf select (cuda/fattn_mma.cu); False -- every
-# MASKED tile takes the select. Read when a plan's tile map is built. Off until a GPU run has checked it
-# (bench/NOTES.md, "seventh session").
-FINITE_MASK_TILES = False
+# MASKED tile takes the select. Read when a plan's tile map is built. On: a 4096-token prefill
+# whose every tile is MASKED with such a mask took 952-958 us instead of 992-998 us on the H200
+# (bench/NOTES.md, "eighth session"); other masks' tiles are never FINITE.
+FINITE_MASK_TILES = True
 
 # Scores in natural units in the plain (no softcap/ALiBi) tensor-core instances: True -- Q is
 # scaled by `scale` alone and the softmax takes exp2 through one fma with log2(e), so a FINITE
 # tile's mask initialises the MMA accumulators (no add at all); False -- Q also carries log2(e)
 # and scores come out in the log2 domain. A compile-time variant (FATTN_NAT_SCORES, family
-# "mma-nat"). Off until a GPU run has checked it (bench/NOTES.md, "seventh session").
+# "mma-nat"). Off: on the H200 it took FINITE-tile prefill from 952-958 to 937-942 us but
+# unmasked prefill from 814-815 to 822-826 us, the common case (bench/NOTES.md, "eighth session").
 NAT_SCORES = False
 
 
@@ -158,10 +165,11 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
     ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
     ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
-    device, 2 without one). ``wide``: the plan's verdict on 128-row prefill tiles (None: by
-    n_batch alone). ``max_live``: the plan's most live KV tiles of any query tile, per tile
-    size (the split count is sized from it instead of n_kv); ``max_cells``: the plan's longest
-    cell list (kernel "cells": its split count is sized from it)."""
+    device, 2 without one; _NO_SPLIT_SM_FILL says when decode-tc is not split). ``wide``:
+    the plan's verdict on 128-row prefill tiles (None: by n_batch alone). ``max_live``: the
+    plan's most live KV tiles of any query tile, per tile size (the split count is sized from
+    it instead of n_kv); ``max_cells``: the plan's longest cell list (kernel "cells": its split
+    count is sized from it)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
@@ -210,7 +218,10 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
+        if base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
+            n_splits = 1
+        else:
+            n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
     if kernel in ("decode", "cells"):
         grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)

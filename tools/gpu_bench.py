@@ -240,26 +240,26 @@ def run(quick=False, only=None, log=print):
         # every tile MASKED (random finite values): the cost of loading and applying mask tiles
         rng = np.random.default_rng(7)
         rand = rng.uniform(-1, 1, (n, n)).astype(np.float16)
-        ours_r = Ours(1, n, n, rand)
-        t_rand = add(f"prefill N={n} random mask (every tile MASKED)", "ours", ours_r.fns("prefill"), fl,
+        with knobs(FINITE_MASK_TILES=False):   # every MASKED tile through the -inf select
+            ours_r = Ours(1, n, n, rand)
+        t_rand = add(f"prefill N={n} random mask (every tile MASKED)", "ours-select", ours_r.fns("prefill"), fl,
                      tiles=ours_r.tile_classes("prefill"))
         if t_nomask and t_rand:
-            rows.append(dict(case="mask tile cost: random-mask / no-mask time, same tiles", impl="ours",
+            rows.append(dict(case="mask tile cost: random-mask / no-mask time, same tiles", impl="ours-select",
                              ratio=round(t_rand / t_nomask, 3)))
         del ours_r
-        # the same bias mask with its tiles marked FINITE (added with no -inf select), and one
-        # -inf cell in 64 at random (every tile MASKED, none FINITE: the select stays)
+        # the same bias mask with its tiles marked FINITE (the default: added with no -inf
+        # select), and one -inf cell in 64 at random (every tile MASKED, none FINITE)
         holes = rand.copy()
         holes[rng.random((n, n)) < 1 / 64] = -np.inf
         for case, ratio_case, m, impl in (
                 (f"prefill N={n} random mask (every tile MASKED)",
-                 "mask tile cost: random-mask / no-mask time, same tiles", rand, "ours-finite-tiles"),
+                 "mask tile cost: random-mask / no-mask time, same tiles", rand, "ours"),
                 (f"prefill N={n} random mask, 1/64 cells -inf (every tile MASKED)",
                  "mask tile cost: random-mask with -inf cells / no-mask time, same tiles", holes, "ours")):
-            with knobs(FINITE_MASK_TILES=True):
-                ours_r = Ours(1, n, n, m)
-                t = add(case, impl, ours_r.fns("prefill"), fl, tiles=ours_r.tile_classes("prefill"))
-                del ours_r
+            ours_r = Ours(1, n, n, m)
+            t = add(case, impl, ours_r.fns("prefill"), fl, tiles=ours_r.tile_classes("prefill"))
+            del ours_r
             if t_nomask and t:
                 rows.append(dict(case=ratio_case, impl=impl, ratio=round(t / t_nomask, 3)))
         # scores in natural units (the FINITE tiles' mask initialises the accumulators): the
@@ -352,9 +352,9 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
         with knobs(FUSED_SPLIT_FINISH=True):   # the splits merged by the kernel's last block
             add(case, "ours-auto-fused-finish", ours.fns(), None, nbytes)
-        if B > 1:   # split counts around the default's (waves of 2 blocks per SM)
-            for ns in (1, 2, 3, 6):
-                add(case, f"ours-decode-tc-s{ns}", ours.fns("decode-tc", n_splits=ns), None, nbytes)
+        # split counts around the default's (B=16 runs unsplit: cuda_launch._NO_SPLIT_SM_FILL)
+        for ns in {1: (8, 15, 33), 16: (2, 4)}.get(B, ()):
+            add(case, f"ours-decode-tc-s{ns}", ours.fns("decode-tc", n_splits=ns), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
