@@ -40,11 +40,6 @@ CELLS_TUNE = cells_tune_from_env()
 # K/V ring depth of decode-tc: 2 stages (two blocks per SM at D 128) beat 3 (115.7 KB: one
 # block per SM) at every decode size on the H200 (bench/NOTES.md, v7)
 DECODE_TC_STAGES = 2
-# ... and a 4-stage ring (kernels.DEEP_MAX_HEAD) when the grid, splits included, is at most one
-# block per SM (B=1 at 4k: 8 x 16 blocks of 4 tiles each; B=16 unsplit): True -- every block
-# has three tiles in flight instead of one; False -- the 2-stage ring everywhere
-DECODE_TC_DEEP = False
-DECODE_TC_DEEP_STAGES = 4
 # query heads of one KV head packed into the rows of a 64-row prefill tile when the plan found
 # a ragged batch (wide is False): K/V tiles shared by the packed heads and 16-token tiles that
 # straddle fewer prompts; 4 took 16 / 64 short prompts from 42.9 / 173.4 to 39.5 / 158.0 us (v7)
@@ -228,10 +223,6 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         else:
             n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))
     n_splits = max(1, min(int(n_splits), n_kv_tiles, 256))
-    if (kernel == "decode-tc" and DECODE_TC_DEEP and base * n_splits <= num_sms()
-            and max(sh.d_k, sh.d_v) <= K.DEEP_MAX_HEAD):
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_DEEP_STAGES, ext)
-        smem = K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_DEEP_STAGES)
     if kernel in ("decode", "cells"):
         grid = (n_q_tiles, sh.n_head // pack, sh.ne3 * n_splits)
     else:   # tensor-core kernels: heads fastest, query tiles (reversed in the kernel) second

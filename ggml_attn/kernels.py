@@ -36,19 +36,14 @@ MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128,
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
 # (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
-# 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower when the grid
-# needs two per SM) and with a 4-stage ring (one block per SM: grids of at most one block per SM,
-# cuda_launch.DECODE_TC_DEEP)
-MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2), (1, 4, 1, 4))
+# 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower)
+MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2))
 WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for D_k, D_v <= this (registers)
-DEEP_MAX_HEAD = 128   # the 4-stage decode-tc ring for D_k, D_v <= this (shared memory: 149 KB at 128)
 
 
 def mma_layouts(dk: int, dv: int) -> tuple[tuple[int, int, int, int], ...]:
     """The (NWQ, NWK, MT, ST) instances compiled for head sizes (dk, dv)."""
-    big = max(dk, dv)
-    return tuple(l for l in MMA_LAYOUTS if (l[2] == 1 or big <= WIDE_MAX_HEAD)
-                 and (l[3] <= 2 or big <= DEEP_MAX_HEAD))
+    return tuple(l for l in MMA_LAYOUTS if l[2] == 1 or max(dk, dv) <= WIDE_MAX_HEAD)
 VEC_ROWS = (1, 4, 8)             # R: query rows per vec block
 
 

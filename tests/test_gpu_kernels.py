@@ -313,30 +313,6 @@ def test_nat_scores(kernel, kv_type, d, mask_kind, n_splits, fused, rng, monkeyp
     _check(out, ref, f"nat {kernel} D={d} {mask_kind} splits={n_splits} fused={fused}")
 
 
-@pytest.mark.parametrize("kv_type,d", [(GGML_TYPE_F16, 64), (GGML_TYPE_BF16, 80), (GGML_TYPE_F16, 128),
-                                        (GGML_TYPE_BF16, 128), (GGML_TYPE_F16, 256)])
-@pytest.mark.parametrize("mask_kind", ["none", "random", "bias"])
-@pytest.mark.parametrize("ne3,n_kv,n_splits", [(1, 100, None), (1, 4100, None), (3, 700, 5), (2, 1000, 1)])
-@pytest.mark.parametrize("ext", [False, True])
-def test_decode_tc_deep_ring(kv_type, d, mask_kind, ne3, n_kv, n_splits, ext, rng, monkeypatch):
-    """decode-tc with the 4-stage K/V ring (cuda_launch.DECODE_TC_DEEP: grids of at most one
-    block per SM, head sizes <= kernels.DEEP_MAX_HEAD; D 256 keeps the 2-stage ring): tails of
-    the KV range, MASKED / FINITE tiles, streams, splits merged by fattn_combine, softcap/ALiBi."""
-    monkeypatch.setattr(cuda_launch, "DECODE_TC_DEEP", True)
-    from ggml_attn import kernels as K
-    sh = cb.Shapes(d, d, 2, 8, 2, ne3, n_kv, kv_type)
-    cfg = cuda_launch.launch_config("decode-tc", sh, n_splits, ext=ext)
-    deep = d <= K.DEEP_MAX_HEAD and cfg.grid[0] * cfg.grid[1] * cfg.grid[2] <= cuda_launch.num_sms()
-    assert (", 1, 4, 1, 4, " in cfg.name) == deep, cfg.name
-    q, k, v, s = _inputs(rng, ne3, 8, 2, 2, n_kv, d, d, kv_type, sinks=True)
-    mask = {"none": None, "random": conf.random_kq_mask(rng, (1, 1, 2, n_kv)),
-            "bias": rng.uniform(-4, 4, (1, 1, 2, n_kv)).astype(np.float16)}[mask_kind]
-    max_bias, softcap = (8.0, 20.0) if ext else (0.0, 0.0)
-    ref = flash_attn_ext(q, k, v, mask, 0.2, max_bias, softcap, s, kv_type=kv_type)
-    out = _run_device(q, k, v, mask, s, 0.2, max_bias, softcap, "decode-tc", n_splits=n_splits)
-    _check(out, ref, f"deep decode-tc D={d} {mask_kind} ne3={ne3} n_kv={n_kv} splits={n_splits} ext={ext}")
-
-
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("n_splits", [1, 2, 3, 7, 8, 9, 16])   # fattn_combine: batches of 8 + rest
 @pytest.mark.parametrize("fused", [True, False])

@@ -238,25 +238,3 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     assert splits("decode-tc", 16, sms=144) > 1                             # 128 < 129.6 on 144 SMs
     assert splits("decode-tc", 1) == 16                                     # B=1: up to the cap
     assert splits("decode", 16) > 1 and splits("prefill", 16) > 1           # their rules as before
-
-
-def test_decode_tc_deep_ring_where_the_grid_fits_one_block_per_sm(monkeypatch):
-    """cuda_launch.DECODE_TC_DEEP: the 4-stage decode-tc instance when blocks (splits included)
-    <= SMs and the head size <= kernels.DEEP_MAX_HEAD; the 2-stage one otherwise or when off."""
-    from ggml_attn import cuda_launch
-    from ggml_attn.cuda_backend import Shapes, launch_config
-    monkeypatch.setattr(cuda_launch, "num_sms", lambda: 132)
-
-    def stages(ne3, n_kv, d=128, deep=True, n_splits=None):
-        monkeypatch.setattr(cuda_launch, "DECODE_TC_DEEP", deep)
-        c = launch_config("decode-tc", Shapes(d, d, 1, 32, 8, ne3, n_kv, GGML_TYPE_F16), n_splits,
-                          blocks_per_sm=2)
-        assert c.smem == K.mma_smem_bytes(d, d, 1, 4, 1, int(c.name.split(",")[-2])), c
-        return int(c.name.split(",")[-2])
-    assert stages(1, 4096) == 4              # 8 x 16 splits = 128 blocks
-    assert stages(16, 4096) == 4             # 128 blocks, unsplit
-    assert stages(1, 32768) == 2             # 8 x 33 = 264 blocks: two per SM
-    assert stages(1, 32768, n_splits=16) == 4
-    assert stages(1, 4096, d=256) == 2       # 4 stages do not fit at D 256
-    assert stages(1, 4096, deep=False) == 2
-    assert (1, 4, 1, 4) in K.mma_layouts(128, 128) and (1, 4, 1, 4) not in K.mma_layouts(192, 192)

@@ -353,12 +353,8 @@ def run(quick=False, only=None, log=print):
         with knobs(FUSED_SPLIT_FINISH=True):   # the splits merged by the kernel's last block
             add(case, "ours-auto-fused-finish", ours.fns(), None, nbytes)
         # split counts around the default's (B=16 runs unsplit: cuda_launch._NO_SPLIT_SM_FILL)
-        for ns in {1: (15, 33), 16: (2, 4)}.get(B, ()):
+        for ns in {1: (8, 15, 33), 16: (2, 4)}.get(B, ()):
             add(case, f"ours-decode-tc-s{ns}", ours.fns("decode-tc", n_splits=ns), None, nbytes)
-        with knobs(DECODE_TC_DEEP=True):   # the 4-stage ring where the grid is <= 1 block per SM
-            add(case, "ours-deep", ours.fns(), None, nbytes)
-            if B == 1 and S > 4096:   # 16 splits: 128 blocks, one per SM, with the deep ring
-                add(case, "ours-deep-s16", ours.fns("decode-tc", n_splits=16), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -420,12 +416,6 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-min{mt}tiles", part.fns(), None, nbytes * f)
         with knobs(FUSED_SPLIT_FINISH=True):
             add(case, "ours-auto-fused-finish", part.fns(), None, nbytes * f)
-        with knobs(DECODE_TC_DEEP=True):
-            t_deep = add(case, "ours-deep", part.fns(), None, nbytes * f)
-            t_deep_all = add(f"decode B=1 kv={S}, all live (zero mask)", "ours-deep", full.fns(), None, nbytes)
-        if t_deep and t_deep_all:
-            rows.append(dict(case=f"{case}: time / all-live time", impl="ours-deep",
-                             ratio=round(t_deep / t_deep_all, 3), target=round(f + 0.1, 3)))
         if t_all and t_part:
             rows.append(dict(case=f"{case}: time / all-live time", impl="ours",
                              ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))

@@ -41,10 +41,6 @@ def main():
         ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, "finite"),
         ("prefill", 128, GGML_TYPE_F16, 300, 2, 0.0, 0.0, "finite-nat"),   # 128-row tiles
         ("decode-tc", 64, GGML_TYPE_BF16, 3, 2, 0.0, 0.0, "finite-nat"),
-        # decode-tc with the 4-stage K/V ring (cuda_launch.DECODE_TC_DEEP)
-        ("decode-tc-deep", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, "random"),
-        ("decode-tc-deep", 64, GGML_TYPE_BF16, 2, None, 10.0, 8.0, None),
-        ("decode-tc-deep", 128, GGML_TYPE_F16, 1, 1, 0.0, 0.0, "finite"),
         # cell-list decode: lists from the random mask (unaligned rows: n_kv 333), splits and
         # combine, no mask (every cell), ALiBi + softcap, D 64 / 256
         ("cells", 128, GGML_TYPE_F16, 3, None, 0.0, 0.0, "random"),
@@ -73,12 +69,11 @@ def main():
         dm = cp.asarray(mask) if mask is not None else None
         cuda_launch.FINITE_MASK_TILES = kind in ("finite", "finite-nat")   # read when the plan is built
         cuda_launch.NAT_SCORES = kind == "finite-nat"   # part of the call cache's key
-        cuda_launch.DECODE_TC_DEEP = kernel.endswith("-deep")   # likewise
         dst = cp.full((1, nb, nh, dk), cp.nan, dtype=cp.float32)
         cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
                                  from_array(dm) if dm is not None else None, from_array(ds),
                                  from_array(dst), 0.1, bias, softcap,
-                                 kernel=kernel.removesuffix("-deep"), n_splits=splits)
+                                 kernel=kernel, n_splits=splits)
         out = dst.get()
         err = nmse(out, ref)
         ok = err <= 5e-4 and not np.isnan(out).any()
