@@ -172,6 +172,9 @@ class Variant:
     source: str            # file name in cuda/
     names: tuple[str, ...]  # name expressions (templates) or extern "C" names
     options: tuple[str, ...] = ()   # NVRTC options of this program (e.g. "-DNAME=1")
+    # "a": compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg), which
+    # loads on that compute capability only; "": the portable sm_XY target
+    arch_suffix: str = ""
 
     @property
     def label(self) -> str:
@@ -240,6 +243,15 @@ def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False, nat: bool = F
 def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
     return Variant("vec", "fattn_vec.cu",
                    tuple(vec_name(dk, dv, kv_type, r) for r in vec_rows_allowed(dk, dv)))
+
+
+def hopper_probe_variant() -> Variant:
+    """The checks of cuda/hopper_common.cuh's building blocks (tests/test_gpu_hopper.py), for
+    sm_90a only; not part of :func:`all_variants` (sm_80/sm_90 cannot compile it)."""
+    return Variant("hopper-probe", "hopper_probe.cu", ("hopper_probe_gemm",), arch_suffix="a")
+
+
+HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)
 
 
 def all_variants() -> list[Variant]:
@@ -605,7 +617,9 @@ def device_arch() -> str:
 def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
     """Compile (cached), load into the current context (once) and return ``name`` of ``variant``."""
     import cupy
-    arch = device_arch()
+    arch = device_arch() + variant.arch_suffix
+    if variant.arch_suffix and arch != HOPPER_ARCH:
+        raise RuntimeError(f"{variant.label} is built for {HOPPER_ARCH} only; this GPU is {device_arch()}")
     dev = cupy.cuda.Device().id
     mkey = (variant, arch, dev)
     funcs = _MODULES.get(mkey)

@@ -1,0 +1,64 @@
+// Device helpers for the Hopper (sm_90a) kernels: warpgroup MMA (wgmma) on operands in shared
+// memory. Compiled only into programs built for -arch=sm_90a (ggml_attn/kernels.py,
+// Variant.arch_suffix "a"): NVRTC rejects wgmma for plain sm_90.
+//
+// Operand layout without swizzle ("interleaved"): a K-major tile of R rows x K halves is stored
+// as 8 x 8 core matrices (8 rows of 16 bytes, 128 contiguous bytes each); the descriptor gives
+// the byte distance between core matrices that are neighbours along K (the leading dimension
+// byte offset) and along the rows (the stride dimension byte offset).
+#pragma once
+#include <cuda_fp16.h>
+
+// shared-memory address of a generic pointer to shared memory
+__device__ __forceinline__ unsigned hopper_smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Matrix descriptor of a shared-memory operand, no swizzle: bits 0-13 start address >> 4,
+// 16-29 leading dimension byte offset >> 4, 32-45 stride dimension byte offset >> 4,
+// 49-51 base offset (0), 62-63 swizzle mode (0: none).
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr, unsigned lead_bytes,
+                                                         unsigned stride_bytes) {
+    return (unsigned long long)((smem_addr & 0x3FFFFu) >> 4) |
+           ((unsigned long long)((lead_bytes >> 4) & 0x3FFFu) << 16) |
+           ((unsigned long long)((stride_bytes >> 4) & 0x3FFFu) << 32);
+}
+
+// Index (in halves) of element (row, k) of a K-major tile of kt halves per row (kt a multiple
+// of 8) stored as core matrices [row / 8][k / 8][row % 8][k % 8]: K-neighbour core matrices
+// 128 bytes apart, row-neighbour ones kt / 8 * 128 bytes apart (the descriptor's lead and
+// stride byte offsets).
+__device__ __forceinline__ int core_matrix_index(int row, int k, int kt) {
+    return ((row >> 3) * (kt >> 3) + (k >> 3)) * 64 + (row & 7) * 8 + (k & 7);
+}
+
+// Generic-proxy writes to shared memory (st.shared) made visible to the async proxy that
+// wgmma reads its descriptors' operands through; every writing thread runs it before the
+// barrier that precedes the wgmma.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// D[64 x 64] (+)= A[64 x 16] B[64 x 16]^T, f16 operands in shared memory (both K-major),
+// f32 accumulators: the warpgroup's 128 threads hold 32 each -- thread t of warp w holds, for
+// column block i (0..7), d[4i + {0, 1}] at row 16w + t/4, columns 8i + 2(t%4) + {0, 1}, and
+// d[4i + {2, 3}] at row 16w + 8 + t/4 (mma.sync's m16n8 accumulator layout, 8 times over).
+// accumulate = false: D = A B^T (the accumulators' values are ignored).
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned long long desc_a,
+                                                    unsigned long long desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
