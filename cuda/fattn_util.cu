@@ -226,39 +226,27 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
 // Split-KV combine: one block per output row r = (s*n_batch + t)*n_head + h (grid.x), any
 // block size that is a multiple of 32 (<= 1024). n_splits <= FATTN_MAX_SPLITS.
 // ws_ml[(z*n_rows + r)*2 + {0,1}] = (max in log2 domain, sum); ws_o[(z*n_rows + r)*d_v + c].
-// Latency-bound (a few KB per row): every load that does not depend on the merge weights is
-// issued at the start -- each split's (max, sum) pair in one 8-byte load, the sink, and this
-// thread's first column's first FATTN_SPLIT_BATCH partials -- so that the row costs two
-// round trips to memory for up to FATTN_SPLIT_BATCH splits, not five.
 #define FATTN_MAX_SPLITS 256
 extern "C" __global__ void fattn_combine(const FattnParams p) {
     __shared__ float w[FATTN_MAX_SPLITS];
-    __shared__ float ls[FATTN_MAX_SPLITS];
     __shared__ float red[32];
     const long long r = blockIdx.x;
     const long long n_rows = (long long)p.ne3 * p.n_batch * p.n_head;
     const int h = (int)(r % p.n_head);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    const long long zs = n_rows * p.d_v;
-    const float sk = p.sinks ? __ldg(p.sinks + h) * FATTN_LOG2E : FATTN_NEG_INF;
-    // the first batch of the first column's partials, in flight during steps 1-2
-    float v0[FATTN_SPLIT_BATCH];
-#pragma unroll
-    for (int j = 0; j < FATTN_SPLIT_BATCH; ++j)
-        v0[j] = tid < p.d_v && j < p.n_splits ? __ldcg(p.ws_o + r * p.d_v + tid + j * zs) : 0.0f;
-    // 1. global max over splits (and the sink); the sums kept for step 2
+    // 1. global max over splits (and the sink)
     float mx = FATTN_NEG_INF;
     for (int z = tid; z < p.n_splits; z += blockDim.x) {
-        const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.ws_ml) + z * n_rows + r);
-        w[z] = ml.x;
-        ls[z] = ml.y;
-        mx = fmaxf(mx, ml.x);
+        const float m = p.ws_ml[(z * n_rows + r) * 2];
+        w[z] = m;
+        mx = fmaxf(mx, m);
     }
     mx = warp_max(mx);
     if (lane == 0) red[warp] = mx;
     __syncthreads();
     float M = FATTN_NEG_INF;
     for (int i = 0; i < nw; ++i) M = fmaxf(M, red[i]);
+    const float sk = p.sinks ? __ldg(p.sinks + h) * FATTN_LOG2E : FATTN_NEG_INF;
     M = fmaxf(M, sk);
     __syncthreads();
     // 2. per-split factors and the total sum
@@ -267,7 +255,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
         const float m = w[z];
         const float f = (m == FATTN_NEG_INF) ? 0.0f : fast_exp2(m - M);
         w[z] = f;
-        sum += f * ls[z];
+        sum += f * p.ws_ml[(z * n_rows + r) * 2 + 1];
     }
     sum = warp_sum(sum);
     if (lane == 0) red[warp] = sum;
@@ -277,24 +265,27 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     if (M != FATTN_NEG_INF && p.sinks) L += fast_exp2(sk - M);
     const float inv = inv_row_sum(L);   // NaN stays NaN (see fattn_common.cuh)
     // 3. weighted sum of the partial outputs, columns across threads; the loads of one column's
-    //    splits are issued FATTN_SPLIT_BATCH at a time (the first batch of the first column
-    //    above), then summed in split order. A split with weight 0 (every cell of it masked)
-    //    adds 0: its partial output may be stale.
+    //    splits are issued FATTN_SPLIT_BATCH at a time, then summed in split order. A split
+    //    with weight 0 (every cell of it masked) adds 0: its partial output may be stale.
+    const long long zs = n_rows * p.d_v;
     for (int c = tid; c < p.d_v; c += blockDim.x) {
         float acc = 0.0f;
         if (inv != 0.0f) {
             const float* o = p.ws_o + r * p.d_v + c;
-            for (int z = 0; z < p.n_splits; z += FATTN_SPLIT_BATCH) {
-                const bool first = c == tid && z == 0;   // this batch was loaded at the start
+            int z = 0;
+            for (; z + FATTN_SPLIT_BATCH <= p.n_splits; z += FATTN_SPLIT_BATCH) {
                 float v[FATTN_SPLIT_BATCH];
 #pragma unroll
-                for (int j = 0; j < FATTN_SPLIT_BATCH; ++j)
-                    v[j] = first ? v0[j] : z + j < p.n_splits ? __ldcg(o + (z + j) * zs) : 0.0f;
+                for (int j = 0; j < FATTN_SPLIT_BATCH; ++j) v[j] = __ldcg(o + (z + j) * zs);
 #pragma unroll
                 for (int j = 0; j < FATTN_SPLIT_BATCH; ++j) {
-                    const float f = z + j < p.n_splits ? w[z + j] : 0.0f;
-                    acc = f != 0.0f ? fmaf(v[j], f, acc) : acc;
+                    const float f = w[z + j];
+                    acc = f != 0.0f ? fmaf(v[j], f, acc) : acc;   // as the remainder loop rounds
                 }
+            }
+            for (; z < p.n_splits; ++z) {
+                const float f = w[z];
+                if (f != 0.0f) acc = fmaf(__ldcg(o + z * zs), f, acc);
             }
         }
         p.dst[r * p.d_v + c] = acc * inv;
