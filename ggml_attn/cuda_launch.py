@@ -21,8 +21,8 @@ from .cuda_device import available, num_sms
 # kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
 # ... except that a decode-tc grid of at least this fraction of one block per SM is not split
-# when its blocks have even work (no plan: every tile; a plan: its mean live KV tiles per query
-# tile at least _EVEN_WORK of the most, where it has read them): at B=16, 4k (128 blocks on 132 SMs) it took
+# when its blocks have even work (the plan's mean live KV tiles per query tile at least
+# _EVEN_WORK of the most; no plan: every tile): at B=16, 4k (128 blocks on 132 SMs) it took
 # 70.2 us unsplit against 76.4 / 86.9 / 78.0 us with 2 / 3 / 4 splits (a combine pass and the
 # workspace traffic, for 3% more SMs); a 64-sequence step over a unified cache (uneven live
 # tiles) took 68.8 us unsplit against 56.0 split (bench/NOTES.md, "eighth session")
@@ -222,10 +222,8 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        # even: no plan (every tile live), or a plan whose statistics for tq say so (a tile map
-        # built lazily, without statistics, is not known to be even)
         mx, mean = (max_live or {}).get(tq), (mean_live or {}).get(tq)
-        even = max_live is None or (mx is not None and mean is not None and mean >= _EVEN_WORK * mx)
+        even = mx is None or mean is None or mean >= _EVEN_WORK * mx
         if even and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
             n_splits = 1
         else:

@@ -242,7 +242,6 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     # (a unified cache's decode step: the longest list sets the time)
     assert splits("decode-tc", 16, max_live={4: 64}, mean_live={4: 60.0}) == 1
     assert splits("decode-tc", 16, max_live={4: 64}, mean_live={4: 30.0}) > 1
-    assert splits("decode-tc", 16, max_live={}, mean_live={}) > 1   # a plan without statistics
 
 
 def test_hopper_programs_compile_for_sm_90a_only():
