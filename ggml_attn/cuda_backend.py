@@ -187,7 +187,6 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
                         wide=plan.wide if plan is not None else None,
                         max_live=plan.max_live if plan is not None else None,
-                        mean_live=plan.mean_live if plan is not None else None,
                         max_cells=plan.max_cells if plan is not None else None)
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens

@@ -20,14 +20,11 @@ from .cuda_device import available, num_sms
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
-# ... except that a decode-tc grid of at least this fraction of one block per SM is not split
-# when its blocks have even work (the plan's mean live KV tiles per query tile at least
-# _EVEN_WORK of the most; no plan: every tile): at B=16, 4k (128 blocks on 132 SMs) it took
-# 70.2 us unsplit against 76.4 / 86.9 / 78.0 us with 2 / 3 / 4 splits (a combine pass and the
-# workspace traffic, for 3% more SMs); a 64-sequence step over a unified cache (uneven live
-# tiles) took 68.8 us unsplit against 56.0 split (bench/NOTES.md, "eighth session")
+# ... except that a decode-tc grid of at least this fraction of one block per SM is not split:
+# at B=16, 4k (128 blocks on 132 SMs) it took 70.2 us unsplit against 76.4 / 86.9 / 78.0 us
+# with 2 / 3 / 4 splits (a combine pass and the workspace traffic, for 3% more SMs;
+# bench/NOTES.md, "eighth session")
 _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
-_EVEN_WORK = 0.9
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
@@ -164,16 +161,15 @@ def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
                   blocks_per_sm: int | None = None, wide: bool | None = None,
-                  max_live: dict | None = None, max_cells: int | None = None,
-                  mean_live: dict | None = None) -> LaunchConfig:
+                  max_live: dict | None = None, max_cells: int | None = None) -> LaunchConfig:
     """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
     ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
     ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
     device, 2 without one; _NO_SPLIT_SM_FILL says when decode-tc is not split). ``wide``:
     the plan's verdict on 128-row prefill tiles (None: by n_batch alone). ``max_live``: the
     plan's most live KV tiles of any query tile, per tile size (the split count is sized from
-    it instead of n_kv), ``mean_live`` their mean; ``max_cells``: the plan's longest cell list
-    (kernel "cells": its split count is sized from it)."""
+    it instead of n_kv); ``max_cells``: the plan's longest cell list (kernel "cells": its split
+    count is sized from it)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
@@ -222,9 +218,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        mx, mean = (max_live or {}).get(tq), (mean_live or {}).get(tq)
-        even = mx is None or mean is None or mean >= _EVEN_WORK * mx
-        if even and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
+        if base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
             n_splits = 1
         else:
             n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))

@@ -63,8 +63,7 @@ class Plan:
     # host statistics read once by make_plan (one synchronization per ubatch):
     wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
     max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
-    mean_live: dict = field(default_factory=dict)  # tq -> mean live KV tiles per query tile
-    _live_key: tuple = ()                          # both as a sorted tuple (kept by read_stats)
+    _live_key: tuple = ()                          # max_live as a sorted tuple (kept by read_stats)
     max_cells: int | None = None   # longest cell list (read_cell_stats; sizes the "cells" splits)
     # (cell_reads, tile_reads) for dispatch.best_kernel (make_plan): K/V cells per query token and
     # KV head that the cell-list kernel and the tile kernel auto would otherwise run read; None:
@@ -83,11 +82,9 @@ class Plan:
         with cupy.cuda.ExternalStream(stream):
             cnt = cnt_d.get()
         mx = int(cnt.max()) if cnt.size else 0
-        mean = float(cnt.mean()) if cnt.size else 0.0
         self.max_live[tq] = mx
-        self.mean_live[tq] = mean
-        self._live_key = tuple(sorted((t, m, self.mean_live[t]) for t, m in self.max_live.items()))
-        return mx, mean
+        self._live_key = tuple(sorted(self.max_live.items()))
+        return mx, float(cnt.mean()) if cnt.size else 0.0
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
         return mask is not None and mask.ptr == self.mask.ptr and mask.ne == self.mask.ne \

@@ -229,19 +229,15 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     from ggml_attn import cuda_launch
     from ggml_attn.cuda_backend import Shapes, launch_config
 
-    def splits(kernel, ne3, sms=132, **plan):
+    def splits(kernel, ne3, sms=132):
         monkeypatch.setattr(cuda_launch, "num_sms", lambda: sms)
         return launch_config(kernel, Shapes(128, 128, 1, 32, 8, ne3, 4096, GGML_TYPE_F16),
-                             blocks_per_sm=2, **plan).n_splits
+                             blocks_per_sm=2).n_splits
     assert splits("decode-tc", 16) == 1 and splits("decode-tc", 15) == 1   # 120 >= 118.8 blocks
     assert splits("decode-tc", 14) > 1                                      # 112 < 118.8
     assert splits("decode-tc", 16, sms=144) > 1                             # 128 < 129.6 on 144 SMs
     assert splits("decode-tc", 1) == 16                                     # B=1: up to the cap
     assert splits("decode", 16) > 1 and splits("prefill", 16) > 1           # their rules as before
-    # with a plan: unsplit when the query tiles' live KV tiles are even, split when they are not
-    # (a unified cache's decode step: the longest list sets the time)
-    assert splits("decode-tc", 16, max_live={4: 64}, mean_live={4: 60.0}) == 1
-    assert splits("decode-tc", 16, max_live={4: 64}, mean_live={4: 30.0}) > 1
 
 
 def test_hopper_programs_compile_for_sm_90a_only():
