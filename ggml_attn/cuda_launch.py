@@ -20,10 +20,13 @@ from .cuda_device import available, num_sms
 # until the grid covers this many waves of resident blocks (the occupancy API's count for the
 # kernel, block size and shared memory), so that the last, partial wave costs little.
 _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
-# ... except that a decode-tc grid of at least this fraction of one block per SM is not split:
-# at B=16, 4k (128 blocks on 132 SMs) it took 70.2 us unsplit against 76.4 / 86.9 / 78.0 us
-# with 2 / 3 / 4 splits (a combine pass and the workspace traffic, for 3% more SMs;
-# bench/NOTES.md, "eighth session")
+# ... except that a decode-tc call without a mask plan (every KV tile live and FULL) whose grid
+# fills at least this fraction of one block per SM is not split: at B=16, 4k (128 blocks on
+# 132 SMs) it took 70.2 us unsplit against 76.4 / 86.9 / 78.0 us with 2 / 3 / 4 splits (a
+# combine pass and the workspace traffic, for 3% more SMs). With a plan the splits stay: a
+# 64-sequence step over a unified cache (MASKED tiles, mask loads) ran 68 us unsplit against
+# 56 split, and per-stream decode under a mask is not measured yet (bench/NOTES.md, "eighth
+# session")
 _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
@@ -218,7 +221,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        if base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
+        if max_live is None and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
             n_splits = 1
         else:
             n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))

@@ -224,20 +224,22 @@ def test_nat_scores_pick_their_own_program(monkeypatch):
 
 
 def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
-    """A decode-tc grid of >= 0.9 blocks per SM runs unsplit (B=16, 4k: 128 blocks on 132 SMs);
-    a smaller one keeps the wave-filling split count; the other kernels are unchanged."""
+    """A decode-tc grid of >= 0.9 blocks per SM without a mask plan runs unsplit (B=16, 4k: 128
+    blocks on 132 SMs); a smaller one, or one with a plan, keeps the wave-filling split count;
+    the other kernels are unchanged."""
     from ggml_attn import cuda_launch
     from ggml_attn.cuda_backend import Shapes, launch_config
 
-    def splits(kernel, ne3, sms=132):
+    def splits(kernel, ne3, sms=132, **plan):
         monkeypatch.setattr(cuda_launch, "num_sms", lambda: sms)
         return launch_config(kernel, Shapes(128, 128, 1, 32, 8, ne3, 4096, GGML_TYPE_F16),
-                             blocks_per_sm=2).n_splits
+                             blocks_per_sm=2, **plan).n_splits
     assert splits("decode-tc", 16) == 1 and splits("decode-tc", 15) == 1   # 120 >= 118.8 blocks
     assert splits("decode-tc", 14) > 1                                      # 112 < 118.8
     assert splits("decode-tc", 16, sms=144) > 1                             # 128 < 129.6 on 144 SMs
     assert splits("decode-tc", 1) == 16                                     # B=1: up to the cap
     assert splits("decode", 16) > 1 and splits("prefill", 16) > 1           # their rules as before
+    assert splits("decode-tc", 16, max_live={4: 64}) > 1                    # a mask plan: split
 
 
 def test_hopper_programs_compile_for_sm_90a_only():
