@@ -62,3 +62,59 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned lon
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
 }
+
+// D[64 x 64] (+)= A[64 x 16] B, A from registers (the mma.sync m16n8k16 A fragment of each warp's
+// 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows g+8, k 8+2t..),
+// B [16 x 64] from shared memory through its descriptor; trans_b = 1: B stored MN-major (N
+// contiguous: V as ggml stores it, keys x D), 0: K-major. Accumulators as in wgmma_m64n64k16_f16.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const unsigned (&a)[4],
+                                                       unsigned long long desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
+}
+
+// ---- TMA (bulk tensor copies) and the mbarrier that counts their bytes
+// The tensor map: 128 opaque bytes from cuTensorMapEncodeTiled (ggml_attn/tma.py), passed by
+// value as a `const __grid_constant__` kernel parameter.
+struct alignas(64) TmaMap {
+    unsigned long long words[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(hopper_smem_u32(bar)), "r"(count) : "memory");
+}
+// the initialised barrier made visible to the async proxy (the TMA unit) before first use
+__device__ __forceinline__ void fence_mbar_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// one arrival that also announces `bytes` of transactions the copies will complete
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(hopper_smem_u32(bar)), "r"(bytes) : "memory");
+}
+// spin until the barrier's phase `parity` has completed
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" :: "r"(hopper_smem_u32(bar)), "r"(parity) : "memory");
+}
+// box at element coordinates (x innermost, y) of a 2-D tensor map -> shared memory (dst 128-byte
+// aligned); out-of-range elements are written as zeros; completes its bytes on `bar`
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int x, int y,
+                                            unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+        :: "r"(hopper_smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y),
+           "r"(hopper_smem_u32(bar)) : "memory");
+}

@@ -44,3 +44,66 @@ hopper_probe_gemm(const __half* A, const __half* B, float* C, int K, unsigned le
         C[(r0 + 8) * 64 + c + 1] = d[4 * i + 3];
     }
 }
+
+// C[64 x 64] f32 = A[64 x K] B[K x 64]: A f16 row-major in global memory, loaded into
+// registers as mma.sync A fragments; B f16 row-major (N contiguous: MN-major, like V) staged as
+// core matrices [n / 8][k / 8][k % 8][n % 8] (16 contiguous bytes along N); K / 16 steps of
+// wgmma with A from registers and trans-b = 1. lead_bytes / stride_bytes as in
+// hopper_probe_gemm (the test tells which field is which for this layout).
+extern "C" __global__ void __launch_bounds__(128)
+hopper_probe_gemm_rs(const __half* A, const __half* B, float* C, int K, unsigned lead_bytes, unsigned stride_bytes) {
+    __shared__ __align__(128) __half sB[64 * 64];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    for (int i = tid; i < K * 64; i += 128) {
+        const int k = i / 64, n = i % 64;
+        sB[((n >> 3) * (K >> 3) + (k >> 3)) * 64 + (k & 7) * 8 + (n & 7)] = B[i];
+    }
+    fence_proxy_async_shared();
+    __syncthreads();
+    float d[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    const unsigned b0 = hopper_smem_u32(sB);
+    const int r0 = 16 * warp + g;
+    auto pair = [&](int r, int k) {   // A[r][k], A[r][k + 1] as one f16x2 register
+        __half2 h = __halves2half2(A[r * K + k], A[r * K + k + 1]);
+        return *reinterpret_cast<unsigned*>(&h);
+    };
+    for (int ks = 0; ks < K / 16; ++ks) {
+        const int k0 = 16 * ks + 2 * t4;
+        const unsigned a[4] = {pair(r0, k0), pair(r0 + 8, k0), pair(r0, k0 + 8), pair(r0 + 8, k0 + 8)};
+        wgmma_fence();   // registers an earlier wgmma may read were written: fence before each
+        // step ks: K rows 16ks .. 16ks+15 = K-neighbour core matrices 2ks, 2ks+1
+        wgmma_m64n64k16_f16_rs<1>(d, a, wgmma_desc(b0 + ks * 2 * 128, lead_bytes, stride_bytes), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int c = 8 * i + 2 * t4;
+        C[r0 * 64 + c] = d[4 * i];
+        C[r0 * 64 + c + 1] = d[4 * i + 1];
+        C[(r0 + 8) * 64 + c] = d[4 * i + 2];
+        C[(r0 + 8) * 64 + c + 1] = d[4 * i + 3];
+    }
+}
+
+// One TMA box (box_x x box_y f16, the map's box) at element coordinates (x, y) of a 2-D tensor
+// -> shared memory -> out[box_y][box_x]: the map's encoding, the mbarrier's byte count and the
+// zero fill past the tensor's edges. One block of 128 threads; box at most 64 x 64.
+extern "C" __global__ void __launch_bounds__(128)
+hopper_probe_tma(const __grid_constant__ TmaMap map, __half* out, int x, int y, int box_x, int box_y) {
+    __shared__ __align__(128) __half tile[64 * 64];
+    __shared__ __align__(8) unsigned long long bar;
+    if (threadIdx.x == 0) {
+        mbar_init(&bar, 1);
+        fence_mbar_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_arrive_expect_tx(&bar, box_x * box_y * 2);
+        tma_load_2d(tile, &map, x, y, &bar);
+    }
+    mbar_wait(&bar, 0);
+    for (int i = threadIdx.x; i < box_x * box_y; i += blockDim.x) out[i] = tile[i];
+}

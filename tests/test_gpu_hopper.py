@@ -62,3 +62,60 @@ def test_hopper_program_refused_elsewhere(monkeypatch):
     monkeypatch.setattr(K, "device_arch", lambda: "sm_80")
     with pytest.raises(RuntimeError, match="sm_90a only"):
         K.get_function(K.hopper_probe_variant(), "hopper_probe_gemm")
+
+
+def _probe_gemm_rs(a: np.ndarray, b: np.ndarray, lead: int, stride: int) -> np.ndarray:
+    """C = A B through hopper_probe_gemm_rs: a f16 [64, K], b f16 [K, 64] (numpy order)."""
+    import cupy as cp
+    da, db = cp.asarray(a), cp.asarray(b)
+    dc = cp.full((64, 64), cp.nan, dtype=cp.float32)
+    fn = K.get_function(K.hopper_probe_variant(), "hopper_probe_gemm_rs")
+    stream = cp.cuda.get_current_stream()
+    fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, ctypes.c_uint64(da.data.ptr), ctypes.c_uint64(db.data.ptr),
+              ctypes.c_uint64(dc.data.ptr), ctypes.c_int32(a.shape[1]), ctypes.c_uint32(lead),
+              ctypes.c_uint32(stride))
+    stream.synchronize()
+    return dc.get()
+
+
+@pytest.mark.parametrize("k", [16, 64])
+def test_wgmma_a_from_registers_b_mn_major(k):
+    """P V's shape of wgmma: A (P) from registers in mma.sync's fragment layout, B (V as stored:
+    keys x D, D contiguous) MN-major (trans-b) in core matrices [n/8][k/8][k%8][n%8], with the
+    offsets the probe documents (K-neighbour core matrices 128 bytes apart, N-neighbour ones
+    K / 8 x 128). On a mismatch the message says whether the swapped offsets match."""
+    rng = np.random.default_rng(100 + k)
+    a = rng.integers(-4, 5, (64, k)).astype(np.float16)
+    b = rng.integers(-4, 5, (k, 64)).astype(np.float16)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    lead, stride = 128, k * 16
+    got = _probe_gemm_rs(a, b, lead, stride)
+    if not np.array_equal(got, want):
+        swapped = _probe_gemm_rs(a, b, stride, lead)
+        pytest.fail(f"K={k}: {int((got != want).sum())} of 4096 wrong with lead={lead}, stride={stride}; "
+                    f"swapped offsets {'match' if np.array_equal(swapped, want) else 'do not match either'}")
+
+
+@pytest.mark.parametrize("x,y", [(0, 0), (64, 32), (96, 70)])
+def test_tma_box_load(x, y):
+    """A 64 x 32 box of a 100 x 160 f16 tensor (rows 512 bytes apart, like a strided ggml
+    view) through cuTensorMapEncodeTiled (ggml_attn/tma.py), cp.async.bulk.tensor and an
+    mbarrier: the box's elements, zeros past the tensor's edges."""
+    import cupy as cp
+    from ggml_attn import tma
+    rows, cols, pitch = 100, 160, 256   # elements; rows 512 bytes apart: a strided view
+    full = np.random.default_rng(7).standard_normal((rows, pitch)).astype(np.float16)
+    d = cp.asarray(full)
+    bx, by = 64, 32
+    m = tma.encode_tiled(tma.DTYPE_F16, d.data.ptr, (cols, rows), (pitch * 2,), (bx, by))
+    out = cp.full((by, bx), cp.nan, dtype=cp.float16)
+    fn = K.get_function(K.hopper_probe_variant(), "hopper_probe_tma")
+    stream = cp.cuda.get_current_stream()
+    fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, m, ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x),
+              ctypes.c_int32(y), ctypes.c_int32(bx), ctypes.c_int32(by))
+    stream.synchronize()
+    want = np.zeros((by, bx), np.float16)
+    view = full[:, :cols]
+    blk = view[y:y + by, x:x + bx]
+    want[:blk.shape[0], :blk.shape[1]] = blk
+    np.testing.assert_array_equal(out.get(), want)

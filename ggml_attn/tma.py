@@ -1,0 +1,89 @@
+"""TMA tensor maps (Hopper bulk tensor copies): ``cuTensorMapEncodeTiled`` through ctypes on
+the driver library (CuPy has no binding). A map is 128 opaque bytes that a kernel takes by
+value as a ``const __grid_constant__ TmaMap`` parameter (cuda/hopper_common.cuh) and hands to
+``cp.async.bulk.tensor``.
+
+Shapes are given innermost first, as ggml's ``ne`` (``dims[0]`` is the contiguous one);
+``strides`` are the byte strides of dims 1.. (ggml's ``nb[1:]``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+# CUtensorMapDataType
+DTYPE_F16, DTYPE_F32, DTYPE_BF16 = 6, 7, 9
+_ELEM_BYTES = {DTYPE_F16: 2, DTYPE_F32: 4, DTYPE_BF16: 2}
+# CUtensorMapSwizzle
+SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_64B, SWIZZLE_128B = 0, 1, 2, 3
+
+
+class TmaMap(ctypes.Structure):
+    """CUtensorMap: 128 bytes, 64-byte aligned (ctypes copies it into the kernel's parameters)."""
+    _fields_ = [("words", ctypes.c_uint64 * 16)]
+
+
+def check_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZLE_NONE) -> None:
+    """The driver's rules for a tiled map, as errors that say which (the driver answers only
+    CUDA_ERROR_INVALID_VALUE): rank 1-5, address 16-byte aligned, strides multiples of 16 and
+    at least the row they step over, box sides 1-256, the box's inner side a multiple of 16
+    bytes (at most the swizzle span when swizzled)."""
+    if dtype not in _ELEM_BYTES:
+        raise ValueError(f"unsupported TMA element type {dtype}")
+    rank = len(dims)
+    if not 1 <= rank <= 5 or len(strides) != rank - 1 or len(box) != rank:
+        raise ValueError(f"rank {rank}: need {rank - 1} strides and {rank} box sides, "
+                         f"got {len(strides)} and {len(box)}")
+    if addr % 16:
+        raise ValueError(f"global address {addr:#x} is not 16-byte aligned")
+    eb = _ELEM_BYTES[dtype]
+    if any(d < 1 or d > 1 << 32 for d in dims):
+        raise ValueError(f"dims {tuple(dims)} out of range 1..2^32")
+    span = dims[0] * eb
+    for i, st in enumerate(strides):
+        if st % 16 or st < span:
+            raise ValueError(f"stride of dim {i + 1} is {st} bytes: must be a multiple of 16 and "
+                             f">= {span} (the dims below it)")
+        span = st * dims[i + 1]
+    if any(b < 1 or b > 256 for b in box):
+        raise ValueError(f"box {tuple(box)}: sides must be 1..256")
+    inner = box[0] * eb
+    if inner % 16:
+        raise ValueError(f"box inner side {box[0]} x {eb} bytes is not a multiple of 16")
+    limit = {SWIZZLE_32B: 32, SWIZZLE_64B: 64, SWIZZLE_128B: 128}.get(swizzle)
+    if limit is not None and inner > limit:
+        raise ValueError(f"box inner side {inner} bytes exceeds the {limit}-byte swizzle span")
+
+
+def encode_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZLE_NONE) -> TmaMap:
+    """A tiled tensor map over the tensor at device address ``addr``: ``dims`` elements per
+    dimension (innermost first), ``strides`` bytes for dims 1.., ``box`` the elements one copy
+    moves per dimension. Out-of-range elements of a box read as zeros."""
+    check_tiled(dtype, addr, dims, strides, box, swizzle)
+    rank = len(dims)
+    fn = _driver().cuTensorMapEncodeTiled
+    raw = ctypes.create_string_buffer(128 + 64)   # the driver wants the map 64-byte aligned
+    at = (ctypes.addressof(raw) + 63) & ~63
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    rc = fn(ctypes.c_void_p(at), ctypes.c_int(dtype), u32(rank), ctypes.c_void_p(addr),
+            (u64 * rank)(*dims), (u64 * max(1, rank - 1))(*strides), (u32 * rank)(*box),
+            (u32 * rank)(*([1] * rank)), ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(0),
+            ctypes.c_int(0))
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tuple(dims)}, "
+                           f"strides {tuple(strides)}, box {tuple(box)}")
+    out = TmaMap()
+    ctypes.memmove(ctypes.addressof(out), at, 128)
+    return out
+
+
+_LIB = None
+
+
+def _driver():
+    """libcuda (the driver the GPU's processes already load), its encode entry point typed."""
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
