@@ -248,8 +248,8 @@ def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
 def hopper_probe_variant() -> Variant:
     """The checks of cuda/hopper_common.cuh's building blocks (tests/test_gpu_hopper.py), for
     sm_90a only; not part of :func:`all_variants` (sm_80/sm_90 cannot compile it)."""
-    return Variant("hopper-probe", "hopper_probe.cu", ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma"),
-                   arch_suffix="a")
+    return Variant("hopper-probe", "hopper_probe.cu",
+                   ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma"), arch_suffix="a")
 
 
 HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)

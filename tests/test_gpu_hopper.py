@@ -23,12 +23,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _is_sm90(), reason="needs a compute capability 9.0 GPU (sm_90a programs)")]
 
 
-def _probe_gemm(a: np.ndarray, b: np.ndarray, lead: int, stride: int) -> np.ndarray:
-    """C = A B^T through hopper_probe_gemm: a, b f16 [64, K] row-major (numpy order)."""
+def _probe_gemm(a: np.ndarray, b: np.ndarray, lead: int, stride: int, kernel: str = "hopper_probe_gemm") -> np.ndarray:
+    """The 64 x 64 f32 product of a probe kernel: ``hopper_probe_gemm`` C = A B^T (a, b f16
+    [64, K]), ``hopper_probe_gemm_rs`` C = A B (a [64, K], b [K, 64]); numpy order."""
     import cupy as cp
     da, db = cp.asarray(a), cp.asarray(b)
     dc = cp.full((64, 64), cp.nan, dtype=cp.float32)
-    fn = K.get_function(K.hopper_probe_variant(), "hopper_probe_gemm")
+    fn = K.get_function(K.hopper_probe_variant(), kernel)
     stream = cp.cuda.get_current_stream()
     fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, ctypes.c_uint64(da.data.ptr), ctypes.c_uint64(db.data.ptr),
               ctypes.c_uint64(dc.data.ptr), ctypes.c_int32(a.shape[1]), ctypes.c_uint32(lead),
@@ -64,20 +65,6 @@ def test_hopper_program_refused_elsewhere(monkeypatch):
         K.get_function(K.hopper_probe_variant(), "hopper_probe_gemm")
 
 
-def _probe_gemm_rs(a: np.ndarray, b: np.ndarray, lead: int, stride: int) -> np.ndarray:
-    """C = A B through hopper_probe_gemm_rs: a f16 [64, K], b f16 [K, 64] (numpy order)."""
-    import cupy as cp
-    da, db = cp.asarray(a), cp.asarray(b)
-    dc = cp.full((64, 64), cp.nan, dtype=cp.float32)
-    fn = K.get_function(K.hopper_probe_variant(), "hopper_probe_gemm_rs")
-    stream = cp.cuda.get_current_stream()
-    fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, ctypes.c_uint64(da.data.ptr), ctypes.c_uint64(db.data.ptr),
-              ctypes.c_uint64(dc.data.ptr), ctypes.c_int32(a.shape[1]), ctypes.c_uint32(lead),
-              ctypes.c_uint32(stride))
-    stream.synchronize()
-    return dc.get()
-
-
 @pytest.mark.parametrize("k", [16, 64])
 def test_wgmma_a_from_registers_b_mn_major(k):
     """P V's shape of wgmma: A (P) from registers in mma.sync's fragment layout, B (V as stored:
@@ -89,9 +76,9 @@ def test_wgmma_a_from_registers_b_mn_major(k):
     b = rng.integers(-4, 5, (k, 64)).astype(np.float16)
     want = a.astype(np.float64) @ b.astype(np.float64)
     lead, stride = 128, k * 16
-    got = _probe_gemm_rs(a, b, lead, stride)
+    got = _probe_gemm(a, b, lead, stride, "hopper_probe_gemm_rs")
     if not np.array_equal(got, want):
-        swapped = _probe_gemm_rs(a, b, stride, lead)
+        swapped = _probe_gemm(a, b, stride, lead, "hopper_probe_gemm_rs")
         pytest.fail(f"K={k}: {int((got != want).sum())} of 4096 wrong with lead={lead}, stride={stride}; "
                     f"swapped offsets {'match' if np.array_equal(swapped, want) else 'do not match either'}")
 

@@ -222,7 +222,6 @@ def test_nat_scores_pick_their_own_program(monkeypatch):
     assert plain.cubin != nat.cubin, "FATTN_NAT_SCORES did not reach the compiler"
 
 
-
 def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     """A decode-tc grid of >= 0.9 blocks per SM without a mask plan runs unsplit (B=16, 4k: 128
     blocks on 132 SMs); a smaller one, or one with a plan, keeps the wave-filling split count;
