@@ -103,12 +103,21 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, u
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
                  :: "r"(hopper_smem_u32(bar)), "r"(bytes) : "memory");
 }
-// spin until the barrier's phase `parity` has completed
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+// true once the barrier's phase `parity` has completed (the instruction may wait a while first)
+__device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
     asm volatile(
-        "{\n.reg .pred done;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" :: "r"(hopper_smem_u32(bar)), "r"(parity) : "memory");
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(hopper_smem_u32(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+// wait for phase `parity`; a barrier still open after ~2^32 cycles (~2 s: a wrong byte count,
+// a copy that never issued) traps instead of hanging the GPU
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    const long long t0 = clock64();
+    while (!mbar_try_wait(bar, parity))
+        if (clock64() - t0 > (1ll << 32)) __trap();
 }
 // box at element coordinates (x innermost, y) of a 2-D tensor map -> shared memory (dst 128-byte
 // aligned); out-of-range elements are written as zeros; completes its bytes on `bar`

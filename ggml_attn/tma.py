@@ -24,9 +24,9 @@ class TmaMap(ctypes.Structure):
 
 def check_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZLE_NONE) -> None:
     """The driver's rules for a tiled map, as errors that say which (the driver answers only
-    CUDA_ERROR_INVALID_VALUE): rank 1-5, address 16-byte aligned, strides multiples of 16 and
-    at least the row they step over, box sides 1-256, the box's inner side a multiple of 16
-    bytes (at most the swizzle span when swizzled)."""
+    CUDA_ERROR_INVALID_VALUE): rank 1-5, address 16-byte aligned, strides multiples of 16
+    below 2^40 (in any order: a permuted view's strides need not grow), box sides 1-256, the
+    box's inner side a multiple of 16 bytes (at most the swizzle span when swizzled)."""
     if dtype not in _ELEM_BYTES:
         raise ValueError(f"unsupported TMA element type {dtype}")
     rank = len(dims)
@@ -38,12 +38,9 @@ def check_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZL
     eb = _ELEM_BYTES[dtype]
     if any(d < 1 or d > 1 << 32 for d in dims):
         raise ValueError(f"dims {tuple(dims)} out of range 1..2^32")
-    span = dims[0] * eb
-    for i, st in enumerate(strides):
-        if st % 16 or st < span:
-            raise ValueError(f"stride of dim {i + 1} is {st} bytes: must be a multiple of 16 and "
-                             f">= {span} (the dims below it)")
-        span = st * dims[i + 1]
+    for i, st in enumerate(strides):   # any order of the dims (ggml's permuted views) is fine
+        if st % 16 or not 0 < st < 1 << 40:
+            raise ValueError(f"stride of dim {i + 1} is {st} bytes: must be a multiple of 16 in (0, 2^40)")
     if any(b < 1 or b > 256 for b in box):
         raise ValueError(f"box {tuple(box)}: sides must be 1..256")
     inner = box[0] * eb
@@ -61,8 +58,8 @@ def encode_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZ
     check_tiled(dtype, addr, dims, strides, box, swizzle)
     rank = len(dims)
     fn = _driver().cuTensorMapEncodeTiled
-    raw = ctypes.create_string_buffer(128 + 64)   # the driver wants the map 64-byte aligned
-    at = (ctypes.addressof(raw) + 63) & ~63
+    raw = ctypes.create_string_buffer(128 + 128)   # 64-byte aligned for the driver (cuda.h 13: 128)
+    at = (ctypes.addressof(raw) + 127) & ~127
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rc = fn(ctypes.c_void_p(at), ctypes.c_int(dtype), u32(rank), ctypes.c_void_p(addr),
             (u64 * rank)(*dims), (u64 * max(1, rank - 1))(*strides), (u32 * rank)(*box),
