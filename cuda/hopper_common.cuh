@@ -67,6 +67,31 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned lon
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
 }
 
+// the 64 f32 accumulators of an m64n128 wgmma as read-write asm operands %0..%63
+#define WGMMA_D64_OUTPUTS(d) WGMMA_D32_OUTPUTS(d), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (as in wgmma_m64n64k16_f16_rs), B
+// through its descriptor (TRANS_B 1: MN-major); accumulators as in wgmma_m64n64k16_f16 with 16
+// column blocks of 8: d[4i + {0, 1}] row 16w + t/4, d[4i + {2, 3}] row 16w + 8 + t/4.
+template <int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4],
+                                                        unsigned long long desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
+        : WGMMA_D64_OUTPUTS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
+}
+
 // D[64 x 64] (+)= A[64 x 16] B, A from registers (the mma.sync m16n8k16 A fragment of each warp's
 // 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows g+8, k 8+2t..),
 // B [16 x 64] from shared memory through its descriptor; trans_b = 1: B stored MN-major (N

@@ -252,6 +252,16 @@ def hopper_probe_variant() -> Variant:
                    ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma"), arch_suffix="a")
 
 
+def wgmma_v0_variant() -> Variant:
+    """The first sm_90a prefill kernel (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py)."""
+    return Variant("wgmma", "fattn_wgmma.cu", ("fattn_wgmma_v0_d128",), arch_suffix="a")
+
+
+def hopper_variants() -> list[Variant]:
+    """Every sm_90a program (the CI compile test walks this list for sm_90a)."""
+    return [hopper_probe_variant(), wgmma_v0_variant()]
+
+
 HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)
 
 

@@ -106,3 +106,42 @@ def test_tma_box_load(x, y):
     blk = view[y:y + by, x:x + bx]
     want[:blk.shape[0], :blk.shape[1]] = blk
     np.testing.assert_array_equal(out.get(), want)
+
+
+@pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 1, 64), (1, 64, 100), (2, 100, 1000), (1, 300, 4097)])
+def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
+    """cuda/fattn_wgmma.cu (version 0: no mask, D 128, f16 K/V) against the float64 reference:
+    query rows past a 64-row tile, cells past n_kv (a partial last tile), GQA 4, streams; dst
+    poisoned with NaN first."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    rng = np.random.default_rng(n_batch * 7 + n_kv)
+    nh, nkv, d = 8, 2, 128
+    q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    hp.run_v0(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr)
+    out = dst.get()
+    assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"
+
+
+def test_wgmma_prefill_v0_refuses_what_it_does_not_take():
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_BF16
+    from ggml_attn.tensor import from_array
+    q = cp.zeros((1, 4, 8, 128), cp.float32)
+    kv = cp.zeros((1, 1, 64, 128), cp.uint16)   # bf16 bits
+    dst = cp.zeros((1, 8, 4, 128), cp.float32)
+    with pytest.raises(ValueError, match="f16"):
+        hp.run_v0(from_array(q), from_array(kv, GGML_TYPE_BF16), from_array(kv, GGML_TYPE_BF16),
+                  from_array(dst), 0.1)

@@ -237,6 +237,11 @@ def run(quick=False, only=None, log=print):
         q, kv = torch_qkv(1, n, n)
         add(case, "cudnn", sdpa_fns(q, kv), fl, ctx=cudnn())
         add(case, "fa2", sdpa_fns(q, kv), fl, ctx=fa2())
+        # the first sm_90a kernel (wgmma, one warpgroup per 64 rows; not dispatched yet)
+        from ggml_attn import hopper_prefill   # noqa: PLC0415
+        v0 = [lambda dk=dk, dv=dv: hopper_prefill.run_v0(ours.dq, dk, dv, ours.dd, SCALE, ours.stream)
+              for dk, dv in ours.dkv]
+        add(case, "ours-wgmma-v0", v0, fl)   # "n/a" off compute capability 9.0
         # every tile MASKED (random finite values): the cost of loading and applying mask tiles
         rng = np.random.default_rng(7)
         rand = rng.uniform(-1, 1, (n, n)).astype(np.float16)

@@ -1,0 +1,154 @@
+// Stage-2 prefill, version 0 (sm_90a): wgmma instead of mma.sync, nothing else yet. Not
+// dispatched by the op: tests/test_gpu_hopper.py checks it against the reference and
+// tools/gpu_bench.py times it ("ours-wgmma-v0"), so that the next steps (a TMA producer, two
+// consumer warpgroups, masks and tile classes) start from a measured kernel.
+//
+// One warpgroup (128 threads) per 64 query rows of one head; K/V tiles of 64 cells through a
+// 2-stage cp.async ring, staged as wgmma core matrices (K: K-major [cell/8][d/8][cell%8][8];
+// V: MN-major [d/8][cell/8][cell%8][8]; every 16-byte chunk of a K or V row is one core-matrix
+// row); S = Q K^T by 8 shared-memory wgmma steps (m64n64k16), online softmax in registers
+// (scores in the log2 domain: Q carries scale * log2(e)), O += P V by 4 register-A steps
+// (m64n128k16, P converted from S's accumulators in place). No mask, softcap, ALiBi or sinks;
+// D = 128, f16 K/V; cells past n_kv score -inf. Grid (n_q_tiles, n_head, ne3); dynamic shared
+// memory: Q + 2 K + 2 V tiles of 64 x 128 halves, 80 KB (ggml_attn/hopper_prefill.py SMEM_V0).
+#include "fattn_common.cuh"
+#include "hopper_common.cuh"
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+fattn_wgmma_v0_d128(const FattnParams p) {
+    constexpr int D = 128, BQ = 64, BK = 64;
+    extern __shared__ __align__(128) unsigned char smem_v0[];
+    __half* sQ = reinterpret_cast<__half*>(smem_v0);   // BQ x D, K-major core matrices
+    __half* sK = sQ + BQ * D;                           // 2 stages of BK x D, K-major
+    __half* sV = sK + 2 * BK * D;                       // 2 stages of BK x D, MN-major
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const int qt = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    const int tok0 = qt * BQ, hk = h / p.gqa;
+
+    // ---- step: Q tile -> shared (f16, times scale * log2 e), rows past n_batch zero
+    {
+        const float qs = p.scale * FATTN_LOG2E;
+        const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
+        for (int i = tid; i < BQ * (D / 4); i += 128) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (tok0 + r < p.n_batch)
+                x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
+            uint2 w;
+            w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
+            w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
+            *reinterpret_cast<uint2*>(sQ + core_matrix_index(r, c, D)) = w;
+        }
+    }
+
+    // ---- step: K and V tile j -> stage (cells past n_kv zero-filled)
+    const char* kb = p.k + (long long)hk * p.k_nb2 + (long long)s * p.k_nb3;
+    const char* vb = p.v + (long long)hk * p.v_nb2 + (long long)s * p.v_nb3;
+    auto load_kv = [&](int stage, int j) {
+        const int kv0 = j * BK, left = p.n_kv - kv0;
+        __half* dk = sK + stage * BK * D;
+        __half* dv = sV + stage * BK * D;
+        for (int i = tid; i < BK * (D / 8); i += 128) {
+            const int r = i / (D / 8), ch = i % (D / 8);
+            const bool in = r < left;
+            cp_async16(smem_u32(dk + ((r >> 3) * (D / 8) + ch) * 64 + (r & 7) * 8),
+                       in ? kb + (long long)(kv0 + r) * p.k_nb1 + ch * 16 : kb, in ? 16 : 0);
+            cp_async16(smem_u32(dv + (ch * (BK / 8) + (r >> 3)) * 64 + (r & 7) * 8),
+                       in ? vb + (long long)(kv0 + r) * p.v_nb1 + ch * 16 : vb, in ? 16 : 0);
+        }
+    };
+
+    float O[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) O[i] = 0.0f;
+    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
+    const int n_tiles = (p.n_kv + BK - 1) / BK;
+    const unsigned q_addr = smem_u32(sQ);
+    load_kv(0, 0);
+    cp_async_commit();
+    for (int j = 0; j < n_tiles; ++j) {
+        const int st = j & 1;
+        if (j + 1 < n_tiles) load_kv(st ^ 1, j + 1);   // its stage was released at the end of j-1
+        cp_async_commit();
+        cp_async_wait<1>();            // tile j (and Q, stored before) has landed for this thread
+        fence_proxy_async_shared();    // ... visible to wgmma's async proxy
+        __syncthreads();               // ... for every thread
+
+        // ---- step: S = Q K^T (64 x 64), 8 steps of 16 along D
+        float S[32];
+        const unsigned k_addr = smem_u32(sK + st * BK * D), v_addr = smem_u32(sV + st * BK * D);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+            wgmma_m64n64k16_f16(S, wgmma_desc(q_addr + ks * 256, 128, (D / 8) * 128),
+                                wgmma_desc(k_addr + ks * 256, 128, (D / 8) * 128), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+
+        // ---- step: cells past n_kv -> -inf (the last tile only)
+        const int kv0 = j * BK;
+        if (kv0 + BK > p.n_kv) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (kv0 + 8 * i + 2 * t4 + c >= p.n_kv) S[4 * i + c] = S[4 * i + 2 + c] = FATTN_NEG_INF;
+        }
+
+        // ---- step: online softmax, rows g (rs 0) and g + 8 (rs 1) of this warp's 16
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            float mx = FATTN_NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) mx = fmaxf(mx, fmaxf(S[4 * i + 2 * rs], S[4 * i + 2 * rs + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[rs], mx);
+            const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+            const float alpha = fast_exp2(m[rs] - m_use);   // m == -inf -> 0
+            l[rs] *= alpha;
+#pragma unroll
+            for (int i = 0; i < 16; ++i) { O[4 * i + 2 * rs] *= alpha; O[4 * i + 2 * rs + 1] *= alpha; }
+            m[rs] = m_new;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                S[4 * i + 2 * rs] = fast_exp2(S[4 * i + 2 * rs] - m_use);
+                S[4 * i + 2 * rs + 1] = fast_exp2(S[4 * i + 2 * rs + 1] - m_use);
+                l[rs] += S[4 * i + 2 * rs] + S[4 * i + 2 * rs + 1];
+            }
+        }
+
+        // ---- step: O += P V, P's A fragments for all 4 steps built before the first is issued
+        unsigned a[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            a[kk][0] = KVTraits<__half>::pack2(S[8 * kk + 0], S[8 * kk + 1]);
+            a[kk][1] = KVTraits<__half>::pack2(S[8 * kk + 2], S[8 * kk + 3]);
+            a[kk][2] = KVTraits<__half>::pack2(S[8 * kk + 4], S[8 * kk + 5]);
+            a[kk][3] = KVTraits<__half>::pack2(S[8 * kk + 6], S[8 * kk + 7]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+            wgmma_m64n128k16_f16_rs<1>(O, a[kk], wgmma_desc(v_addr + kk * 256, 128, (BK / 8) * 128), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        __syncthreads();   // every warp is done with stage st: the next iteration refills it
+    }
+    cp_async_wait<0>();
+
+    // ---- step: output rows (1 / l each), f32, dst row ((s * n_batch + tok) * n_head + h)
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        float L = l[rs];
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const int tok = tok0 + 16 * warp + g + 8 * rs;
+        if (tok >= p.n_batch) continue;
+        const float f = inv_row_sum(L);
+        float* out = p.dst + (((long long)s * p.n_batch + tok) * p.n_head + h) * D;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
+    }
+}

@@ -1,0 +1,20 @@
+"""ggml_attn.hopper_prefill's checks, without a GPU: what version 0 of the sm_90a prefill takes."""
+from __future__ import annotations
+
+from ggml_attn import hopper_prefill as hp
+from ggml_attn.cuda_backend import Shapes
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from ggml_attn.tensor import TensorDesc
+
+
+def _t(ptr=256, nb1=256):
+    return TensorDesc(ptr, GGML_TYPE_F16, (128, 64, 2, 1), (2, nb1, nb1 * 64, nb1 * 128))
+
+
+def test_v0_takes_d128_f16_aligned():
+    sh = Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_F16)
+    assert hp.why_not_v0(sh, _t(), _t(), _t()) is None
+    assert "D 128" in hp.why_not_v0(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
+    assert "f16" in hp.why_not_v0(Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
+    assert "aligned" in hp.why_not_v0(sh, _t(ptr=260), _t(), _t())
+    assert "aligned" in hp.why_not_v0(sh, _t(), _t(nb1=264), _t())
