@@ -17,6 +17,7 @@
 extern "C" __global__ void __launch_bounds__(128, 1)
 fattn_wgmma_v0_d128(const FattnParams p) {
     constexpr int D = 128, BQ = 64, BK = 64;
+    static_assert(D / 8 == 16 && BK * (D / 8) % 128 == 0, "load_kv's chunk mapping: 16 chunks per row");
     extern __shared__ __align__(128) unsigned char smem_v0[];
     __half* sQ = reinterpret_cast<__half*>(smem_v0);   // BQ x D, K-major core matrices
     __half* sK = sQ + BQ * D;                           // 2 stages of BK x D, K-major
@@ -49,7 +50,9 @@ fattn_wgmma_v0_d128(const FattnParams p) {
         __half* dk = sK + stage * BK * D;
         __half* dv = sV + stage * BK * D;
         for (int i = tid; i < BK * (D / 8); i += 128) {
-            const int r = i / (D / 8), ch = i % (D / 8);
+            // 8 consecutive threads: one chunk column of 8 rows = one core matrix (128 contiguous
+            // bytes: no shared-memory bank conflicts; row-major order would be 16-way)
+            const int r = (i & 7) + 8 * (i >> 7), ch = (i >> 3) & 15;
             const bool in = r < left;
             cp_async16(smem_u32(dk + ((r >> 3) * (D / 8) + ch) * 64 + (r & 7) * 8),
                        in ? kb + (long long)(kv0 + r) * p.k_nb1 + ch * 16 : kb, in ? 16 : 0);

@@ -16,14 +16,18 @@ SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves (cuda/fat
 NAME_V0 = "fattn_wgmma_v0_d128"
 
 
-def why_not_v0(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc) -> str | None:
-    """None when version 0 runs these shapes, else why not (D 128, f16 K/V, 16-byte rows)."""
+def why_not_v0(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
+               dst: TensorDesc | None = None) -> str | None:
+    """None when version 0 runs these shapes, else why not (D 128, f16 K/V, 16-byte rows, an
+    8-byte aligned dst)."""
     if (sh.d_k, sh.d_v) != (128, 128):
         return f"head sizes {sh.d_k}/{sh.d_v}: version 0 is D 128 only"
     if sh.kv_type != GGML_TYPE_F16:
         return "K/V must be f16"
     if any(x % 16 for t in (q, k, v) for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3])):
         return "Q, K and V rows must be 16-byte aligned"
+    if dst is not None and dst.ptr % 8:
+        return "dst must be 8-byte aligned"
     return None
 
 
@@ -32,7 +36,7 @@ def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     """dst = softmax(scale Q K^T) V on the GPU (no mask), on ``stream``; ValueError for what
     version 0 does not take."""
     sh = cb.validate(q, k, v, None, None, dst, scale)
-    reason = why_not_v0(sh, q, k, v)
+    reason = why_not_v0(sh, q, k, v, dst)
     if reason:
         raise ValueError(f"wgmma prefill v0: {reason}")
     p = cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)

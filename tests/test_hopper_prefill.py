@@ -18,3 +18,4 @@ def test_v0_takes_d128_f16_aligned():
     assert "f16" in hp.why_not_v0(Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
     assert "aligned" in hp.why_not_v0(sh, _t(ptr=260), _t(), _t())
     assert "aligned" in hp.why_not_v0(sh, _t(), _t(nb1=264), _t())
+    assert "dst" in hp.why_not_v0(sh, _t(), _t(), _t(), TensorDesc(4, 0, (128, 2, 64, 1), (4, 512, 1024, 65536)))
