@@ -1,6 +1,7 @@
-// Device helpers for the Hopper (sm_90a) kernels: warpgroup MMA (wgmma) on operands in shared
-// memory. Compiled only into programs built for -arch=sm_90a (ggml_attn/kernels.py,
-// Variant.arch_suffix "a"): NVRTC rejects wgmma for plain sm_90.
+// Device helpers for the Hopper (sm_90a) kernels: warpgroup MMA (wgmma) with operands in shared
+// memory or A in registers, the shared-memory operand layout, mbarriers and TMA box loads.
+// Compiled only into programs built for -arch=sm_90a (ggml_attn/kernels.py, Variant.arch_suffix
+// "a"): NVRTC rejects wgmma for plain sm_90.
 //
 // Operand layout without swizzle ("interleaved"): a K-major tile of R rows x K halves is stored
 // as 8 x 8 core matrices (8 rows of 16 bytes, 128 contiguous bytes each); the descriptor gives
