@@ -28,6 +28,9 @@ _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
 # 56 split, and per-stream decode under a mask is not measured yet (bench/NOTES.md, "eighth
 # session")
 _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
+# True: the rule above for calls with a mask plan too (per-stream decode under a causal mask:
+# FULL tiles and a PARTIAL tail); an A/B knob for the benchmark's masked B=16 row until measured
+NO_SPLIT_WITH_PLAN = False
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
@@ -221,7 +224,8 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        if max_live is None and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
+        if ((max_live is None or NO_SPLIT_WITH_PLAN)
+                and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms()):
             n_splits = 1
         else:
             n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))

@@ -370,6 +370,20 @@ def run(quick=False, only=None, log=print):
         del q, kv
         torch.cuda.empty_cache()
 
+    # ---- per-stream decode under a mask (a plan: FULL tiles, a PARTIAL tail): split as the plan
+    # rule says, and unsplit as calls without a plan are (cuda_launch.NO_SPLIT_WITH_PLAN)
+    B, S = 16, 4096
+    case = f"decode B={B} kv={S}, causal mask (plan)"
+    if want(case):
+        nbytes = 2 * B * HKV * S * D * 2
+        m = np.zeros((1, S), np.float16)
+        m[:, S - 100:] = -np.inf   # the last cells not yet written: a PARTIAL tail tile
+        ours = Ours(B, 1, S, m, copies=copies_for(nbytes))
+        add(case, "ours-auto", ours.fns(), None, nbytes)
+        with knobs(NO_SPLIT_WITH_PLAN=True):
+            add(case, "ours-no-split-with-plan", ours.fns(), None, nbytes)
+        del ours
+
     # ---- the full block's weight reads at decode (dense.cu's GEMV vs cuBLAS)
     if want("dense:"):
         from ggml_attn.cli import gpu_dense_bench  # noqa: PLC0415
