@@ -11,7 +11,6 @@
 // (m64n128k16, P converted from S's accumulators in place). No mask, softcap, ALiBi or sinks;
 // D = 128, f16 K/V; cells past n_kv score -inf. Grid (n_q_tiles, n_head, ne3); dynamic shared
 // memory: Q + 2 K + 2 V tiles of 64 x 128 halves, 80 KB (ggml_attn/hopper_prefill.py SMEM_V0).
-#include "fattn_common.cuh"
 #include "hopper_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(128, 1)
@@ -54,9 +53,9 @@ fattn_wgmma_v0_d128(const FattnParams p) {
             // bytes: no shared-memory bank conflicts; row-major order would be 16-way)
             const int r = (i & 7) + 8 * (i >> 7), ch = (i >> 3) & 15;
             const bool in = r < left;
-            cp_async16(smem_u32(dk + ((r >> 3) * (D / 8) + ch) * 64 + (r & 7) * 8),
+            cp_async16(smem_u32(dk + core_matrix_index(r, 8 * ch, D)),
                        in ? kb + (long long)(kv0 + r) * p.k_nb1 + ch * 16 : kb, in ? 16 : 0);
-            cp_async16(smem_u32(dv + (ch * (BK / 8) + (r >> 3)) * 64 + (r & 7) * 8),
+            cp_async16(smem_u32(dv + core_matrix_index_mn(r, 8 * ch, BK)),
                        in ? vb + (long long)(kv0 + r) * p.v_nb1 + ch * 16 : vb, in ? 16 : 0);
         }
     };

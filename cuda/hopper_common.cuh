@@ -8,12 +8,7 @@
 // the byte distance between core matrices that are neighbours along K (the leading dimension
 // byte offset) and along the rows (the stride dimension byte offset).
 #pragma once
-#include <cuda_fp16.h>
-
-// shared-memory address of a generic pointer to shared memory
-__device__ __forceinline__ unsigned hopper_smem_u32(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
+#include "fattn_common.cuh"   // smem_u32, the cp.async wrappers, FattnParams
 
 // Matrix descriptor of a shared-memory operand, no swizzle: bits 0-13 start address >> 4,
 // 16-29 leading dimension byte offset >> 4, 32-45 stride dimension byte offset >> 4,
@@ -31,6 +26,14 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr, uns
 // stride byte offsets).
 __device__ __forceinline__ int core_matrix_index(int row, int k, int kt) {
     return ((row >> 3) * (kt >> 3) + (k >> 3)) * 64 + (row & 7) * 8 + (k & 7);
+}
+
+// Index (in halves) of element (k, n) of an MN-major operand of kt rows along K (a multiple of
+// 8; N contiguous, as V is stored: cells x D) stored as core matrices [n / 8][k / 8][k % 8][n % 8]
+// (16 contiguous bytes along N): K-neighbour core matrices 128 bytes apart (the lead byte
+// offset), N-neighbour ones kt / 8 * 128 apart (the stride byte offset).
+__device__ __forceinline__ int core_matrix_index_mn(int k, int n, int kt) {
+    return ((n >> 3) * (kt >> 3) + (k >> 3)) * 64 + (k & 7) * 8 + (n & 7);
 }
 
 // Generic-proxy writes to shared memory (st.shared) made visible to the async proxy that
@@ -75,9 +78,11 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned lon
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (as in wgmma_m64n64k16_f16_rs), B
-// through its descriptor (TRANS_B 1: MN-major); accumulators as in wgmma_m64n64k16_f16 with 16
-// column blocks of 8: d[4i + {0, 1}] row 16w + t/4, d[4i + {2, 3}] row 16w + 8 + t/4.
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (the mma.sync m16n8k16 A fragment of
+// each warp's 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows
+// g+8, k 8+2t..), B through its descriptor (TRANS_B 1: MN-major, N contiguous: V as ggml stores
+// it; 0: K-major); accumulators as in wgmma_m64n64k16_f16 with 16 column blocks of 8:
+// d[4i + {0, 1}] row 16w + t/4, d[4i + {2, 3}] row 16w + 8 + t/4.
 template <int TRANS_B>
 __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4],
                                                         unsigned long long desc_b, bool accumulate) {
@@ -93,23 +98,6 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const un
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
 }
 
-// D[64 x 64] (+)= A[64 x 16] B, A from registers (the mma.sync m16n8k16 A fragment of each warp's
-// 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows g+8, k 8+2t..),
-// B [16 x 64] from shared memory through its descriptor; trans_b = 1: B stored MN-major (N
-// contiguous: V as ggml stores it, keys x D), 0: K-major. Accumulators as in wgmma_m64n64k16_f16.
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n64k16_f16_rs(float (&d)[32], const unsigned (&a)[4],
-                                                       unsigned long long desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
-        : WGMMA_D32_OUTPUTS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
-}
-
 // ---- TMA (bulk tensor copies) and the mbarrier that counts their bytes
 // The tensor map: 128 opaque bytes from cuTensorMapEncodeTiled (ggml_attn/tma.py), passed by
 // value as a `const __grid_constant__` kernel parameter.
@@ -118,7 +106,7 @@ struct alignas(64) TmaMap {
 };
 
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(hopper_smem_u32(bar)), "r"(count) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(count) : "memory");
 }
 // the initialised barrier made visible to the async proxy (the TMA unit) before first use
 __device__ __forceinline__ void fence_mbar_init() {
@@ -127,7 +115,7 @@ __device__ __forceinline__ void fence_mbar_init() {
 // one arrival that also announces `bytes` of transactions the copies will complete
 __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(hopper_smem_u32(bar)), "r"(bytes) : "memory");
+                 :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // true once the barrier's phase `parity` has completed (the instruction may wait a while first)
 __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned parity) {
@@ -135,7 +123,7 @@ __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned 
     asm volatile(
         "{\n.reg .pred p;\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(hopper_smem_u32(bar)), "r"(parity) : "memory");
+        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     return done != 0;
 }
 // wait for phase `parity`; a barrier still open after ~2^32 cycles (~2 s: a wrong byte count,
@@ -151,6 +139,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int x,
                                             unsigned long long* bar) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-        :: "r"(hopper_smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y),
-           "r"(hopper_smem_u32(bar)) : "memory");
+        :: "r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y),
+           "r"(smem_u32(bar)) : "memory");
 }

@@ -2,6 +2,21 @@
 // tests/test_gpu_hopper.py; compiled for sm_90a only). Not used by the op.
 #include "hopper_common.cuh"
 
+// C[64 x 8 NB] (row-major) = a warpgroup's accumulators of NB column blocks of 8
+template <int NB>
+__device__ __forceinline__ void store_accumulators(float* C, const float (&d)[4 * NB]) {
+    const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, t4 = threadIdx.x & 3;
+    const int r0 = 16 * warp + g, ld = 8 * NB;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+        const int c = 8 * i + 2 * t4;
+        C[r0 * ld + c] = d[4 * i];
+        C[r0 * ld + c + 1] = d[4 * i + 1];
+        C[(r0 + 8) * ld + c] = d[4 * i + 2];
+        C[(r0 + 8) * ld + c + 1] = d[4 * i + 3];
+    }
+}
+
 // C[64 x 64] f32 = A[64 x K] B[64 x K]^T, A and B f16 row-major in global memory, K a multiple
 // of 16 up to 64: the tiles are staged into shared memory as core matrices, then K / 16
 // wgmma m64n64k16 steps accumulate (the first one overwrites), one commit and one wait.
@@ -24,7 +39,7 @@ hopper_probe_gemm(const __half* A, const __half* B, float* C, int K, unsigned le
     float d[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-    const unsigned a0 = hopper_smem_u32(sA), b0 = hopper_smem_u32(sB);
+    const unsigned a0 = smem_u32(sA), b0 = smem_u32(sB);
     wgmma_fence();
     for (int ks = 0; ks < K / 16; ++ks) {
         // step ks: the two K-neighbour core-matrix columns 2ks, 2ks+1 of every row group
@@ -34,36 +49,25 @@ hopper_probe_gemm(const __half* A, const __half* B, float* C, int K, unsigned le
     }
     wgmma_commit();
     wgmma_wait<0>();
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int r0 = 16 * warp + g, c = 8 * i + 2 * t4;
-        C[r0 * 64 + c] = d[4 * i];
-        C[r0 * 64 + c + 1] = d[4 * i + 1];
-        C[(r0 + 8) * 64 + c] = d[4 * i + 2];
-        C[(r0 + 8) * 64 + c + 1] = d[4 * i + 3];
-    }
+    store_accumulators<8>(C, d);
 }
 
-// C[64 x 64] f32 = A[64 x K] B[K x 64]: A f16 row-major in global memory, loaded into
-// registers as mma.sync A fragments; B f16 row-major (N contiguous: MN-major, like V) staged as
-// core matrices [n / 8][k / 8][k % 8][n % 8] (16 contiguous bytes along N); K / 16 steps of
-// wgmma with A from registers and trans-b = 1. lead_bytes / stride_bytes as in
-// hopper_probe_gemm (the test tells which field is which for this layout).
+// C[64 x 128] f32 = A[64 x K] B[K x 128] through wgmma_m64n128k16_f16_rs (the P V step of
+// cuda/fattn_wgmma.cu): A f16 row-major in global memory, loaded into registers as mma.sync A
+// fragments; B f16 row-major (N contiguous: MN-major, like V) staged by core_matrix_index_mn;
+// K / 16 steps with trans-b = 1. lead_bytes / stride_bytes as in hopper_probe_gemm (the test
+// tells which field is which for this layout).
 extern "C" __global__ void __launch_bounds__(128)
 hopper_probe_gemm_rs(const __half* A, const __half* B, float* C, int K, unsigned lead_bytes, unsigned stride_bytes) {
-    __shared__ __align__(128) __half sB[64 * 64];
+    __shared__ __align__(128) __half sB[64 * 128];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    for (int i = tid; i < K * 64; i += 128) {
-        const int k = i / 64, n = i % 64;
-        sB[((n >> 3) * (K >> 3) + (k >> 3)) * 64 + (k & 7) * 8 + (n & 7)] = B[i];
-    }
+    for (int i = tid; i < K * 128; i += 128) sB[core_matrix_index_mn(i / 128, i % 128, K)] = B[i];
     fence_proxy_async_shared();
     __syncthreads();
-    float d[32];
+    float d[64];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
-    const unsigned b0 = hopper_smem_u32(sB);
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    const unsigned b0 = smem_u32(sB);
     const int r0 = 16 * warp + g;
     auto pair = [&](int r, int k) {   // A[r][k], A[r][k + 1] as one f16x2 register
         __half2 h = __halves2half2(A[r * K + k], A[r * K + k + 1]);
@@ -74,18 +78,11 @@ hopper_probe_gemm_rs(const __half* A, const __half* B, float* C, int K, unsigned
         const unsigned a[4] = {pair(r0, k0), pair(r0 + 8, k0), pair(r0, k0 + 8), pair(r0 + 8, k0 + 8)};
         wgmma_fence();   // registers an earlier wgmma may read were written: fence before each
         // step ks: K rows 16ks .. 16ks+15 = K-neighbour core matrices 2ks, 2ks+1
-        wgmma_m64n64k16_f16_rs<1>(d, a, wgmma_desc(b0 + ks * 2 * 128, lead_bytes, stride_bytes), ks > 0);
+        wgmma_m64n128k16_f16_rs<1>(d, a, wgmma_desc(b0 + ks * 2 * 128, lead_bytes, stride_bytes), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int c = 8 * i + 2 * t4;
-        C[r0 * 64 + c] = d[4 * i];
-        C[r0 * 64 + c + 1] = d[4 * i + 1];
-        C[(r0 + 8) * 64 + c] = d[4 * i + 2];
-        C[(r0 + 8) * 64 + c + 1] = d[4 * i + 3];
-    }
+    store_accumulators<16>(C, d);
 }
 
 // One TMA box (box_x x box_y f16, the map's box) at element coordinates (x, y) of a 2-D tensor

@@ -24,7 +24,7 @@ def why_not_v0(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
         return f"head sizes {sh.d_k}/{sh.d_v}: version 0 is D 128 only"
     if sh.kv_type != GGML_TYPE_F16:
         return "K/V must be f16"
-    if any(x % 16 for t in (q, k, v) for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3])):
+    if not all(cb._kv_aligned(t) for t in (q, k, v)):
         return "Q, K and V rows must be 16-byte aligned"
     if dst is not None and dst.ptr % 8:
         return "dst must be 8-byte aligned"

@@ -24,11 +24,11 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _probe_gemm(a: np.ndarray, b: np.ndarray, lead: int, stride: int, kernel: str = "hopper_probe_gemm") -> np.ndarray:
-    """The 64 x 64 f32 product of a probe kernel: ``hopper_probe_gemm`` C = A B^T (a, b f16
-    [64, K]), ``hopper_probe_gemm_rs`` C = A B (a [64, K], b [K, 64]); numpy order."""
+    """The f32 product of a probe kernel: ``hopper_probe_gemm`` C [64, 64] = A B^T (a, b f16
+    [64, K]), ``hopper_probe_gemm_rs`` C [64, 128] = A B (a [64, K], b [K, 128]); numpy order."""
     import cupy as cp
     da, db = cp.asarray(a), cp.asarray(b)
-    dc = cp.full((64, 64), cp.nan, dtype=cp.float32)
+    dc = cp.full((64, 64 if kernel == "hopper_probe_gemm" else 128), cp.nan, dtype=cp.float32)
     fn = K.get_function(K.hopper_probe_variant(), kernel)
     stream = cp.cuda.get_current_stream()
     fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, ctypes.c_uint64(da.data.ptr), ctypes.c_uint64(db.data.ptr),
@@ -67,19 +67,20 @@ def test_hopper_program_refused_elsewhere(monkeypatch):
 
 @pytest.mark.parametrize("k", [16, 64])
 def test_wgmma_a_from_registers_b_mn_major(k):
-    """P V's shape of wgmma: A (P) from registers in mma.sync's fragment layout, B (V as stored:
-    keys x D, D contiguous) MN-major (trans-b) in core matrices [n/8][k/8][k%8][n%8], with the
-    offsets the probe documents (K-neighbour core matrices 128 bytes apart, N-neighbour ones
-    K / 8 x 128). On a mismatch the message says whether the swapped offsets match."""
+    """P V's wgmma (wgmma_m64n128k16_f16_rs, as cuda/fattn_wgmma.cu issues it): A (P) from
+    registers in mma.sync's fragment layout, B (V as stored: keys x D, D contiguous) MN-major
+    (trans-b) in core matrices [n/8][k/8][k%8][n%8], with the offsets the probe documents
+    (K-neighbour core matrices 128 bytes apart, N-neighbour ones K / 8 x 128). On a mismatch
+    the message says whether the swapped offsets match."""
     rng = np.random.default_rng(100 + k)
     a = rng.integers(-4, 5, (64, k)).astype(np.float16)
-    b = rng.integers(-4, 5, (k, 64)).astype(np.float16)
+    b = rng.integers(-4, 5, (k, 128)).astype(np.float16)
     want = a.astype(np.float64) @ b.astype(np.float64)
     lead, stride = 128, k * 16
     got = _probe_gemm(a, b, lead, stride, "hopper_probe_gemm_rs")
     if not np.array_equal(got, want):
         swapped = _probe_gemm(a, b, stride, lead, "hopper_probe_gemm_rs")
-        pytest.fail(f"K={k}: {int((got != want).sum())} of 4096 wrong with lead={lead}, stride={stride}; "
+        pytest.fail(f"K={k}: {int((got != want).sum())} of {got.size} wrong with lead={lead}, stride={stride}; "
                     f"swapped offsets {'match' if np.array_equal(swapped, want) else 'do not match either'}")
 
 
