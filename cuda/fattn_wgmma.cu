@@ -1,5 +1,7 @@
-// Stage-2 prefill, version 0 (sm_90a): wgmma instead of mma.sync, nothing else yet. Not
-// dispatched by the op: tests/test_gpu_hopper.py checks it against the reference and
+// Stage-2 prefill kernels (sm_90a). Not dispatched by the op yet (ggml_attn/hopper_prefill.py
+// runs them; tests/test_gpu_hopper.py and tools/gpu_bench.py call that).
+//
+// ---- Version 0: wgmma instead of mma.sync, nothing else. tests/test_gpu_hopper.py checks it against the reference and
 // tools/gpu_bench.py times it ("ours-wgmma-v0"), so that the next steps (a TMA producer, two
 // consumer warpgroups, masks and tile classes) start from a measured kernel.
 //
@@ -11,7 +13,7 @@
 // (m64n128k16, P converted from S's accumulators in place). No mask, softcap, ALiBi or sinks;
 // D = 128, f16 K/V; cells past n_kv score -inf. Grid (n_q_tiles, n_head, ne3); dynamic shared
 // memory: Q + 2 K + 2 V tiles of 64 x 128 halves, 80 KB (ggml_attn/hopper_prefill.py SMEM_V0).
-#include "hopper_common.cuh"
+#include "fattn_wgmma.cuh"
 
 extern "C" __global__ void __launch_bounds__(128, 1)
 fattn_wgmma_v0_d128(const FattnParams p) {
@@ -153,4 +155,179 @@ fattn_wgmma_v0_d128(const FattnParams p) {
         for (int i = 0; i < 16; ++i)
             *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
     }
+}
+
+// ---- Version 1: warp-specialised (the FlashAttention-3 shape, no mask yet)
+// 288 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
+// block), warp 8 the producer, whose lane 0 issues TMA box copies of K and V tiles (64 cells x
+// 128 halves, two 64 x 64 boxes each, 128-byte swizzle) into a STAGES-deep ring: full_k /
+// full_v count the bytes in, empty counts the 8 consumer warps out. Consumers: S = Q K^T with
+// Q in shared memory (core matrices, no swizzle) and K through its swizzled descriptor, online
+// softmax in registers, O += P V with P in registers and V through an MN-major swizzled
+// descriptor. OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are issued together and tile
+// j's softmax runs while P V is on the tensor cores (FA3's intra-warpgroup pipelining); off:
+// each GEMM is waited for before the next step. D = 128, f16 K/V, no mask; cells past n_kv
+// are zero-filled by TMA and score -inf. Grid (ceil(n_batch / 128), n_head, ne3); dynamic shared
+// memory WS_SMEM (ggml_attn/hopper_prefill.py SMEM_WS).
+template <bool OVERLAP>
+__device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
+    using namespace ws;
+    extern __shared__ unsigned char smem_ws[];
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
+    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 boxes of 64 x 64), swizzled
+    __half* sV = sK + STAGES * BK * D;                  // the same for V
+    __half* sQ = sV + STAGES * BK * D;                  // 2 x (64 rows x 128), core matrices
+    unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
+    unsigned long long* full_v = full_k + STAGES;
+    unsigned long long* empty = full_v + STAGES;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qt = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = h / p.gqa;
+    const int n_tiles = (p.n_kv + BK - 1) / BK;
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < STAGES; ++i) {
+            mbar_init(&full_k[i], 1);
+            mbar_init(&full_v[i], 1);
+            mbar_init(&empty[i], 8);   // lane 0 of each consumer warp
+        }
+        fence_mbar_init();
+    }
+    __syncthreads();
+
+    // ---- producer: one thread keeps the ring full
+    if (warp == 8) {
+        if (lane == 0) {
+            for (int j = 0; j < n_tiles; ++j) {
+                const int st = j % STAGES;
+                if (j >= STAGES) mbar_wait(&empty[st], ((j / STAGES) - 1) & 1);
+                __half* dk = sK + st * BK * D;
+                __half* dv = sV + st * BK * D;
+                mbar_arrive_expect_tx(&full_k[st], TILE_BYTES);
+                tma_load_4d(dk, mk, 0, j * BK, hk, s, &full_k[st]);
+                tma_load_4d(dk + BOX_HALVES, mk, 64, j * BK, hk, s, &full_k[st]);
+                mbar_arrive_expect_tx(&full_v[st], TILE_BYTES);
+                tma_load_4d(dv, mv, 0, j * BK, hk, s, &full_v[st]);
+                tma_load_4d(dv + BOX_HALVES, mv, 64, j * BK, hk, s, &full_v[st]);
+            }
+        }
+        return;
+    }
+
+    // ---- consumers: warpgroup wg owns query rows row0 .. row0 + 63
+    const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
+    const int row0 = qt * BQ + wg * 64;
+    __half* sQw = sQ + wg * 64 * D;
+    {   // Q rows -> shared (f16, times scale * log2 e), rows past n_batch zero
+        const float qs = p.scale * FATTN_LOG2E;
+        const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
+        for (int i = tid; i < 64 * (D / 4); i += 128) {
+            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (row0 + r < p.n_batch)
+                x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(row0 + r) * p.q_nb1) + c / 4);
+            uint2 w;
+            w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
+            w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
+            *reinterpret_cast<uint2*>(sQw + core_matrix_index(r, c, D)) = w;
+        }
+        fence_proxy_async_shared();
+        named_barrier_sync(1 + wg, 128);
+    }
+    const unsigned q_addr = smem_u32(sQw);
+    auto k_addr = [&](int st) { return smem_u32(sK + st * BK * D); };
+    auto v_addr = [&](int st) { return smem_u32(sV + st * BK * D); };
+
+    float O[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) O[i] = 0.0f;
+    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+    float S[32];
+    unsigned a[16];
+
+    if (OVERLAP) {
+        // tile 0: S alone; then per tile j: S_j and P_{j-1} V_{j-1} in flight together, softmax of
+        // S_j under P V, O rescaled once P V is done
+        mbar_wait(&full_k[0], 0);
+        wgmma_fence();
+        ws_issue_s(S, q_addr, k_addr(0));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(S);
+        ws_mask_tail(S, 0, p.n_kv, t4);
+        ws_softmax(S, m, l, alpha);
+        ws_pack_p(S, a);
+        for (int j = 1; j < n_tiles; ++j) {
+            const int st = j % STAGES, pst = (j - 1) % STAGES;
+            mbar_wait(&full_k[st], (j / STAGES) & 1);
+            wgmma_fence();
+            ws_issue_s(S, q_addr, k_addr(st));
+            wgmma_commit();
+            mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
+            ws_issue_pv(O, a, v_addr(pst));
+            wgmma_commit();
+            wgmma_wait<1>();   // S_j is in
+            wgmma_pin(S);
+            ws_mask_tail(S, j * BK, p.n_kv, t4);
+            ws_softmax(S, m, l, alpha);
+            wgmma_wait<0>();   // P V of tile j-1 is in: its K/V stage and P's registers are free
+            wgmma_pin(O);
+            wgmma_pin(a);
+            if (lane == 0) mbar_arrive(&empty[pst]);
+            ws_rescale(O, alpha);
+            ws_pack_p(S, a);
+        }
+        const int lst = (n_tiles - 1) % STAGES;
+        mbar_wait(&full_v[lst], ((n_tiles - 1) / STAGES) & 1);
+        wgmma_fence();
+        ws_issue_pv(O, a, v_addr(lst));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(O);
+    } else {
+        for (int j = 0; j < n_tiles; ++j) {
+            const int st = j % STAGES, ph = (j / STAGES) & 1;
+            mbar_wait(&full_k[st], ph);
+            wgmma_fence();
+            ws_issue_s(S, q_addr, k_addr(st));
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(S);
+            ws_mask_tail(S, j * BK, p.n_kv, t4);
+            ws_softmax(S, m, l, alpha);
+            ws_rescale(O, alpha);
+            ws_pack_p(S, a);
+            mbar_wait(&full_v[st], ph);
+            wgmma_fence();
+            ws_issue_pv(O, a, v_addr(st));
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(O);
+            wgmma_pin(a);
+            if (lane == 0) mbar_arrive(&empty[st]);
+        }
+    }
+
+    // ---- output rows (1 / l each), f32, dst row ((s * n_batch + tok) * n_head + h)
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        float L = l[rs];
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const int tok = row0 + 16 * w4 + g + 8 * rs;
+        if (tok >= p.n_batch) continue;
+        const float f = inv_row_sum(L);
+        float* out = p.dst + (((long long)s * p.n_batch + tok) * p.n_head + h) * D;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)
+fattn_wgmma_ws_d128(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
+    fattn_wgmma_ws_body<true>(p, &mk, &mv);
+}
+extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)
+fattn_wgmma_ws_serial_d128(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
+    fattn_wgmma_ws_body<false>(p, &mk, &mv);
 }

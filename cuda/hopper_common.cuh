@@ -20,6 +20,19 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr, uns
            ((unsigned long long)((stride_bytes >> 4) & 0x3FFFu) << 32);
 }
 
+// The same descriptor for an operand in the 128-byte swizzled layout that TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B (bits 62-63: 1). The layout's atom is 8 rows of 128 bytes (1024
+// bytes, 1024-byte aligned), the 16-byte chunks of row r XOR-ed with r % 8.
+//  - K-major (K of Q K^T: a row = 64 halves of D): lead_bytes unused (16), stride_bytes = 1024
+//    (the next 8 rows); a k16 step inside the atom advances the start address by 32 bytes.
+//  - MN-major (V of P V: a row = 64 halves of D for one cell, N = D): lead_bytes = the distance
+//    between 64-wide blocks along N, stride_bytes = 1024 (the next 8 cells along K); a k16
+//    step (16 cells) advances the start address by 2048 bytes.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128(unsigned smem_addr, unsigned lead_bytes,
+                                                               unsigned stride_bytes) {
+    return wgmma_desc(smem_addr, lead_bytes, stride_bytes) | (1ull << 62);
+}
+
 // Index (in halves) of element (row, k) of a K-major tile of kt halves per row (kt a multiple
 // of 8) stored as core matrices [row / 8][k / 8][row % 8][k % 8]: K-neighbour core matrices
 // 128 bytes apart, row-neighbour ones kt / 8 * 128 bytes apart (the descriptor's lead and
@@ -69,6 +82,20 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned lon
         "%32, %33, p, 1, 1, 0, 0;\n}\n"
         : WGMMA_D32_OUTPUTS(d)
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
+// Accumulators pinned in place: an empty asm that reads and writes each register, placed
+// after wgmma.wait so that no use of them is scheduled above the wait (the compiler does not
+// know that wgmma writes its outputs asynchronously) and before an issue for the same reason.
+template <int N>
+__device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_pin(unsigned (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i]) :: "memory");
 }
 
 // the 64 f32 accumulators of an m64n128 wgmma as read-write asm operands %0..%63
@@ -133,6 +160,14 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned pari
     while (!mbar_try_wait(bar, parity))
         if (clock64() - t0 > (1ll << 32)) __trap();
 }
+// one plain arrival (the consumers' "stage free" signal)
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(bar)) : "memory");
+}
+// barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32)
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 // box at element coordinates (x innermost, y) of a 2-D tensor map -> shared memory (dst 128-byte
 // aligned); out-of-range elements are written as zeros; completes its bytes on `bar`
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int x, int y,
@@ -141,4 +176,12 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int x,
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
         :: "r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y),
            "r"(smem_u32(bar)) : "memory");
+}
+// the same for a 4-D map (x innermost, y, z, w): K/V as ggml stores them, [D, n_kv, head, stream]
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, int x, int y, int z, int w,
+                                            unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        :: "r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z),
+           "r"(w), "r"(smem_u32(bar)) : "memory");
 }

@@ -1,6 +1,6 @@
 // Checks of the Hopper building blocks in hopper_common.cuh against the host (GPU tests in
 // tests/test_gpu_hopper.py; compiled for sm_90a only). Not used by the op.
-#include "hopper_common.cuh"
+#include "fattn_wgmma.cuh"   // hopper_common.cuh and version 1's tile steps
 
 // C[64 x 8 NB] (row-major) = a warpgroup's accumulators of NB column blocks of 8
 template <int NB>
@@ -103,4 +103,65 @@ hopper_probe_tma(const __grid_constant__ TmaMap map, __half* out, int x, int y, 
     }
     mbar_wait(&bar, 0);
     for (int i = threadIdx.x; i < box_x * box_y; i += blockDim.x) out[i] = tile[i];
+}
+
+// The operand path of cuda/fattn_wgmma.cu's version 1: K and V tiles (64 rows x 128 halves,
+// row-major in global memory) copied by TMA as two 64 x 64 boxes each with the 128-byte swizzle
+// (maps from ggml_attn/tma.py), then S[64 x 64] = Q K^T by ws_issue_s (Q f16 row-major from
+// global, staged as core matrices) and O[64 x 128] = P V by ws_issue_pv (P f16 64 x 64 row-major
+// from global, as A fragments). One block of 128 threads.
+extern "C" __global__ void __launch_bounds__(128)
+hopper_probe_sw128(const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv, const __half* Q,
+                   const __half* P, float* S_out, float* O_out) {
+    extern __shared__ unsigned char smem_probe[];
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_probe) + 1023) & ~size_t(1023));
+    __half* sK = reinterpret_cast<__half*>(base);
+    __half* sV = sK + 64 * 128;
+    __half* sQ = sV + 64 * 128;
+    __shared__ __align__(8) unsigned long long bar;
+    const int tid = threadIdx.x, warp = tid >> 5, g = (tid & 31) >> 2, t4 = tid & 3;
+    if (tid == 0) {
+        mbar_init(&bar, 1);
+        fence_mbar_init();
+    }
+    for (int i = tid; i < 64 * 128; i += 128) sQ[core_matrix_index(i / 128, i % 128, 128)] = Q[i];
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (tid == 0) {
+        mbar_arrive_expect_tx(&bar, 4 * 64 * 64 * 2);
+        tma_load_2d(sK, &mk, 0, 0, &bar);
+        tma_load_2d(sK + 64 * 64, &mk, 64, 0, &bar);
+        tma_load_2d(sV, &mv, 0, 0, &bar);
+        tma_load_2d(sV + 64 * 64, &mv, 64, 0, &bar);
+    }
+    mbar_wait(&bar, 0);
+    float S[32], O[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) O[i] = 0.0f;
+    wgmma_fence();
+    ws_issue_s(S, smem_u32(sQ), smem_u32(sK));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(S);
+    unsigned a[16];
+    const int r0 = 16 * warp + g;
+    auto pair = [&](int r, int k) {
+        __half2 h = __halves2half2(P[r * 64 + k], P[r * 64 + k + 1]);
+        return *reinterpret_cast<unsigned*>(&h);
+    };
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const int k0 = 16 * kk + 2 * t4;
+        a[4 * kk] = pair(r0, k0);
+        a[4 * kk + 1] = pair(r0 + 8, k0);
+        a[4 * kk + 2] = pair(r0, k0 + 8);
+        a[4 * kk + 3] = pair(r0 + 8, k0 + 8);
+    }
+    wgmma_fence();
+    ws_issue_pv(O, a, smem_u32(sV));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_pin(O);
+    store_accumulators<8>(S_out, S);
+    store_accumulators<16>(O_out, O);
 }

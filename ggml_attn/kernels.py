@@ -249,12 +249,15 @@ def hopper_probe_variant() -> Variant:
     """The checks of cuda/hopper_common.cuh's building blocks (tests/test_gpu_hopper.py), for
     sm_90a only; not part of :func:`all_variants` (sm_80/sm_90 cannot compile it)."""
     return Variant("hopper-probe", "hopper_probe.cu",
-                   ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma"), arch_suffix="a")
+                   ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma", "hopper_probe_sw128"),
+                   arch_suffix="a")
 
 
 def wgmma_v0_variant() -> Variant:
-    """The first sm_90a prefill kernel (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py)."""
-    return Variant("wgmma", "fattn_wgmma.cu", ("fattn_wgmma_v0_d128",), arch_suffix="a")
+    """The sm_90a prefill kernels (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py): version 0
+    and version 1 (warp-specialised, with and without the intra-warpgroup overlap)."""
+    return Variant("wgmma", "fattn_wgmma.cu",
+                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_serial_d128"), arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:

@@ -109,26 +109,93 @@ def test_tma_box_load(x, y):
     np.testing.assert_array_equal(out.get(), want)
 
 
-@pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 1, 64), (1, 64, 100), (2, 100, 1000), (1, 300, 4097)])
-def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
-    """cuda/fattn_wgmma.cu (version 0: no mask, D 128, f16 K/V) against the float64 reference:
-    query rows past a 64-row tile, cells past n_kv (a partial last tile), GQA 4, streams; dst
-    poisoned with NaN first."""
+def test_sw128_operand_path():
+    """Version 1's operand path (hopper_probe_sw128): K and V tiles copied by TMA as 64 x 64
+    boxes with the 128-byte swizzle, S = Q K^T through ws_issue_s (K-major swizzled descriptor,
+    32-byte steps inside the atom, the second box for d 64-127) and O = P V through ws_issue_pv
+    (MN-major swizzled descriptor, lead byte offset one box): exact on small integers."""
     import cupy as cp
-    from ggml_attn import hopper_prefill as hp
+    from ggml_attn import tma
+    rng = np.random.default_rng(128)
+    q, k, v, pm = (rng.integers(-3, 4, shp).astype(np.float16)
+                   for shp in ((64, 128), (64, 128), (64, 128), (64, 64)))
+    dq, dk, dv, dp = (cp.asarray(x) for x in (q, k, v, pm))
+    mk, mv = (tma.encode_tiled(tma.DTYPE_F16, d.data.ptr, (128, 64), (256,), (64, 64), tma.SWIZZLE_128B)
+              for d in (dk, dv))
+    s_out = cp.full((64, 64), cp.nan, dtype=cp.float32)
+    o_out = cp.full((64, 128), cp.nan, dtype=cp.float32)
+    fn = K.get_function(K.hopper_probe_variant(), "hopper_probe_sw128", smem=1024 + 3 * 64 * 128 * 2)
+    stream = cp.cuda.get_current_stream()
+    fn.launch((1, 1, 1), (128, 1, 1), stream.ptr, mk, mv, *(ctypes.c_uint64(x.data.ptr) for x in (dq, dp, s_out, o_out)))
+    stream.synchronize()
+    want_s = q.astype(np.float64) @ k.astype(np.float64).T
+    want_o = pm.astype(np.float64) @ v.astype(np.float64)
+    got_s, got_o = s_out.get(), o_out.get()
+    assert np.array_equal(got_s, want_s), f"S: {int((got_s != want_s).sum())} of 4096 wrong"
+    assert np.array_equal(got_o, want_o), f"P V: {int((got_o != want_o).sum())} of 8192 wrong"
+
+
+def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0):
+    """Random Q (f32), K, V (f16; rows ``kv_pitch`` cells apart per head when given: a view of a
+    larger cache), the float64 reference and a NaN-poisoned dst: numpy order throughout
+    ([ne3, heads, rows, 128])."""
+    import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
-    from ggml_attn.reference import flash_attn_ext, nmse
-    from ggml_attn.tensor import from_array
-    rng = np.random.default_rng(n_batch * 7 + n_kv)
+    from ggml_attn.reference import flash_attn_ext
+    rng = np.random.default_rng(seed)
     nh, nkv, d = 8, 2, 128
     q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
     v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
     ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
-    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dk, dv = cp.asarray(k), cp.asarray(v)
+    if kv_pitch:
+        big_k = cp.zeros((ne3, nkv, kv_pitch, d), dtype=k.dtype)
+        big_v = cp.zeros((ne3, nkv, kv_pitch, d), dtype=v.dtype)
+        big_k[:, :, :n_kv] = dk
+        big_v[:, :, :n_kv] = dv
+        dk, dv = big_k[:, :, :n_kv], big_v[:, :, :n_kv]
     dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    return cp.asarray(q), dk, dv, dst, ref
+
+
+@pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 1, 64), (1, 64, 100), (2, 100, 1000), (1, 300, 4097),
+                                              (1, 100, 333)])
+def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
+    """cuda/fattn_wgmma.cu (version 0: no mask, D 128, f16 K/V) against the float64 reference:
+    query rows past a 64-row tile, cells past n_kv (a partial last tile), GQA 4, streams; dst
+    poisoned with NaN first. (1, 100, 333) is the sanitizer run's case."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_F16
+    from ggml_attn.reference import nmse
+    from ggml_attn.tensor import from_array
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, seed=n_batch * 7 + n_kv)
     hp.run_v0(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
               from_array(dst), 0.125, cp.cuda.get_current_stream().ptr)
+    out = dst.get()
+    assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
+                                                    (1, 300, 4097, None), (1, 129, 333, None),
+                                                    (2, 200, 700, 1024), (1, 128, 16, None)])
+def test_wgmma_prefill_ws(overlap, ne3, n_batch, n_kv, pitch):
+    """Version 1 (TMA producer, two consumer warpgroups; with and without the intra-warpgroup
+    overlap) against the float64 reference: one tile and fewer cells than a tile, a partial
+    last tile, a second 128-row block, GQA 4, streams, K/V as views of a larger cache (the TMA
+    map's strides); dst poisoned with NaN first."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_F16
+    from ggml_attn.reference import nmse
+    from ggml_attn.tensor import from_array
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=n_batch * 3 + n_kv)
+    hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, overlap=overlap)
     out = dst.get()
     assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
     err = nmse(out, ref)
