@@ -158,25 +158,28 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 }
 
 // ---- Version 1: warp-specialised (the FlashAttention-3 shape, no mask yet)
-// 288 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
-// block), warp 8 the producer, whose lane 0 issues TMA box copies of K and V tiles (64 cells x
-// 128 halves, two 64 x 64 boxes each, 128-byte swizzle) into a STAGES-deep ring: full_k /
-// full_v count the bytes in, empty counts the 8 consumer warps out. Consumers: S = Q K^T with
-// Q in shared memory (core matrices, no swizzle) and K through its swizzled descriptor, online
+// 384 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
+// block), warps 8-11 the producer warpgroup (24 registers each, the consumers 240: setmaxnreg),
+// whose first thread issues TMA box copies of K and V tiles (BK cells x
+// 128 halves, two BK x 64 boxes each, 128-byte swizzle) into a STAGES-deep ring: full_k / full_v
+// count the bytes in, empty counts the 8 consumer warps out. Consumers: S = Q K^T with Q in
+// shared memory (core matrices, no swizzle) and K through its swizzled descriptor, online
 // softmax in registers, O += P V with P in registers and V through an MN-major swizzled
-// descriptor. OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are issued together and tile
-// j's softmax runs while P V is on the tensor cores (FA3's intra-warpgroup pipelining); off:
-// each GEMM is waited for before the next step. D = 128, f16 K/V, no mask; cells past n_kv
-// are zero-filled by TMA and score -inf. Grid (ceil(n_batch / 128), n_head, ne3); dynamic shared
-// memory WS_SMEM (ggml_attn/hopper_prefill.py SMEM_WS).
-template <bool OVERLAP>
+// descriptor (cuda/fattn_wgmma.cuh). OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are
+// issued together and tile j's softmax runs while P V is on the tensor cores (FA3's
+// intra-warpgroup pipelining); off: each GEMM is waited for before the next step. D = 128, f16
+// K/V, no mask; cells past n_kv are zero-filled by TMA and score -inf. Grid (ceil(n_batch /
+// 128), n_head, ne3); dynamic shared memory ws::smem_bytes<BK, STAGES>().
+template <int BK, int STAGES, bool OVERLAP>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
+    static_assert(smem_bytes<BK, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
+    constexpr int TILE = BK * D;   // halves per K or V tile
     extern __shared__ unsigned char smem_ws[];
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
-    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 boxes of 64 x 64), swizzled
-    __half* sV = sK + STAGES * BK * D;                  // the same for V
-    __half* sQ = sV + STAGES * BK * D;                  // 2 x (64 rows x 128), core matrices
+    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 boxes of BK x 64), swizzled
+    __half* sV = sK + STAGES * TILE;                    // the same for V
+    __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x 128), core matrices
     unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
     unsigned long long* full_v = full_k + STAGES;
     unsigned long long* empty = full_v + STAGES;
@@ -194,26 +197,28 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
     __syncthreads();
 
-    // ---- producer: one thread keeps the ring full
-    if (warp == 8) {
-        if (lane == 0) {
+    // ---- producer warpgroup: its registers go to the consumers; one thread keeps the ring full
+    if (warp >= 8) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (warp == 8 && lane == 0) {
             for (int j = 0; j < n_tiles; ++j) {
                 const int st = j % STAGES;
                 if (j >= STAGES) mbar_wait(&empty[st], ((j / STAGES) - 1) & 1);
-                __half* dk = sK + st * BK * D;
-                __half* dv = sV + st * BK * D;
-                mbar_arrive_expect_tx(&full_k[st], TILE_BYTES);
+                __half* dk = sK + st * TILE;
+                __half* dv = sV + st * TILE;
+                mbar_arrive_expect_tx(&full_k[st], tile_bytes<BK>());
                 tma_load_4d(dk, mk, 0, j * BK, hk, s, &full_k[st]);
-                tma_load_4d(dk + BOX_HALVES, mk, 64, j * BK, hk, s, &full_k[st]);
-                mbar_arrive_expect_tx(&full_v[st], TILE_BYTES);
+                tma_load_4d(dk + TILE / 2, mk, 64, j * BK, hk, s, &full_k[st]);
+                mbar_arrive_expect_tx(&full_v[st], tile_bytes<BK>());
                 tma_load_4d(dv, mv, 0, j * BK, hk, s, &full_v[st]);
-                tma_load_4d(dv + BOX_HALVES, mv, 64, j * BK, hk, s, &full_v[st]);
+                tma_load_4d(dv + TILE / 2, mv, 64, j * BK, hk, s, &full_v[st]);
             }
         }
         return;
     }
 
     // ---- consumers: warpgroup wg owns query rows row0 .. row0 + 63
+    setmaxnreg_inc<CONSUMER_REGS>();
     const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
     const int row0 = qt * BQ + wg * 64;
     __half* sQw = sQ + wg * 64 * D;
@@ -234,52 +239,52 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         named_barrier_sync(1 + wg, 128);
     }
     const unsigned q_addr = smem_u32(sQw);
-    auto k_addr = [&](int st) { return smem_u32(sK + st * BK * D); };
-    auto v_addr = [&](int st) { return smem_u32(sV + st * BK * D); };
+    auto k_addr = [&](int st) { return smem_u32(sK + st * TILE); };
+    auto v_addr = [&](int st) { return smem_u32(sV + st * TILE); };
 
     float O[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) O[i] = 0.0f;
     float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
-    float S[32];
-    unsigned a[16];
+    float S[BK / 2];
+    unsigned a[BK / 4];
 
     if (OVERLAP) {
         // tile 0: S alone; then per tile j: S_j and P_{j-1} V_{j-1} in flight together, softmax of
         // S_j under P V, O rescaled once P V is done
         mbar_wait(&full_k[0], 0);
         wgmma_fence();
-        ws_issue_s(S, q_addr, k_addr(0));
+        ws_issue_s<BK>(S, q_addr, k_addr(0));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S);
-        ws_mask_tail(S, 0, p.n_kv, t4);
-        ws_softmax(S, m, l, alpha);
-        ws_pack_p(S, a);
+        ws_mask_tail<BK>(S, 0, p.n_kv, t4);
+        ws_softmax<BK>(S, m, l, alpha);
+        ws_pack_p<BK>(S, a);
         for (int j = 1; j < n_tiles; ++j) {
             const int st = j % STAGES, pst = (j - 1) % STAGES;
             mbar_wait(&full_k[st], (j / STAGES) & 1);
             wgmma_fence();
-            ws_issue_s(S, q_addr, k_addr(st));
+            ws_issue_s<BK>(S, q_addr, k_addr(st));
             wgmma_commit();
             mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
-            ws_issue_pv(O, a, v_addr(pst));
+            ws_issue_pv<BK>(O, a, v_addr(pst));
             wgmma_commit();
             wgmma_wait<1>();   // S_j is in
             wgmma_pin(S);
-            ws_mask_tail(S, j * BK, p.n_kv, t4);
-            ws_softmax(S, m, l, alpha);
+            ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
+            ws_softmax<BK>(S, m, l, alpha);
             wgmma_wait<0>();   // P V of tile j-1 is in: its K/V stage and P's registers are free
             wgmma_pin(O);
             wgmma_pin(a);
             if (lane == 0) mbar_arrive(&empty[pst]);
             ws_rescale(O, alpha);
-            ws_pack_p(S, a);
+            ws_pack_p<BK>(S, a);
         }
         const int lst = (n_tiles - 1) % STAGES;
         mbar_wait(&full_v[lst], ((n_tiles - 1) / STAGES) & 1);
         wgmma_fence();
-        ws_issue_pv(O, a, v_addr(lst));
+        ws_issue_pv<BK>(O, a, v_addr(lst));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(O);
@@ -288,17 +293,17 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             const int st = j % STAGES, ph = (j / STAGES) & 1;
             mbar_wait(&full_k[st], ph);
             wgmma_fence();
-            ws_issue_s(S, q_addr, k_addr(st));
+            ws_issue_s<BK>(S, q_addr, k_addr(st));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(S);
-            ws_mask_tail(S, j * BK, p.n_kv, t4);
-            ws_softmax(S, m, l, alpha);
+            ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
+            ws_softmax<BK>(S, m, l, alpha);
             ws_rescale(O, alpha);
-            ws_pack_p(S, a);
+            ws_pack_p<BK>(S, a);
             mbar_wait(&full_v[st], ph);
             wgmma_fence();
-            ws_issue_pv(O, a, v_addr(st));
+            ws_issue_pv<BK>(O, a, v_addr(st));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(O);
@@ -323,11 +328,13 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)
-fattn_wgmma_ws_d128(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
-    fattn_wgmma_ws_body<true>(p, &mk, &mv);
-}
-extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)
-fattn_wgmma_ws_serial_d128(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
-    fattn_wgmma_ws_body<false>(p, &mk, &mv);
-}
+// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS): KV tile, ring depth, overlap
+#define FATTN_WS_INSTANCE(NAME, BK, STAGES, OVERLAP)                                                 \
+    extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
+    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
+        fattn_wgmma_ws_body<BK, STAGES, OVERLAP>(p, &mk, &mv);                                      \
+    }
+FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 128, 2, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s3_d128, 128, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_serial_d128, 128, 2, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_bk64_d128, 64, 4, true)

@@ -105,6 +105,22 @@ __device__ __forceinline__ void wgmma_pin(unsigned (&a)[N]) {
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+// D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, both in shared memory (K-major), accumulators as
+// in wgmma_m64n64k16_f16 with 16 column blocks of 8
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned long long desc_a,
+                                                     unsigned long long desc_b, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : WGMMA_D64_OUTPUTS(d)
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+}
+
 // D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (the mma.sync m16n8k16 A fragment of
 // each warp's 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows
 // g+8, k 8+2t..), B through its descriptor (TRANS_B 1: MN-major, N contiguous: V as ggml stores
@@ -124,6 +140,14 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const un
         : WGMMA_D64_OUTPUTS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
 }
+
+// Register reallocation between warpgroups (every thread of the warpgroup runs it): a producer
+// warpgroup gives registers back (dec) so that the consumers can take them (inc); N a multiple
+// of 8 in 24..256.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
 
 // ---- TMA (bulk tensor copies) and the mbarrier that counts their bytes
 // The tensor map: 128 opaque bytes from cuTensorMapEncodeTiled (ggml_attn/tma.py), passed by
@@ -153,12 +177,15 @@ __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned 
         "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     return done != 0;
 }
+// the trap of a barrier that never completes, out of line: an inlined trap makes ptxas ignore
+// setmaxnreg's larger register budget for the whole kernel (it then spills the consumers)
+__device__ __noinline__ void mbar_timeout_trap() { __trap(); }
 // wait for phase `parity`; a barrier still open after ~2^32 cycles (~2 s: a wrong byte count,
 // a copy that never issued) traps instead of hanging the GPU
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     const long long t0 = clock64();
     while (!mbar_try_wait(bar, parity))
-        if (clock64() - t0 > (1ll << 32)) __trap();
+        if (clock64() - t0 > (1ll << 32)) mbar_timeout_trap();
 }
 // one plain arrival (the consumers' "stage free" signal)
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {

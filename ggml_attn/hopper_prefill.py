@@ -2,9 +2,10 @@
 
 - version 0 (``run_v0``): wgmma in place of mma.sync and nothing else; one warpgroup per 64
   query rows, cp.async loads.
-- version 1 (``run_ws``): warp-specialised -- a TMA producer warp feeding a 4-stage ring of
-  swizzled K/V tiles to two consumer warpgroups (128 query rows per block); ``overlap`` picks
-  the intra-warpgroup pipelining (S of tile j under P V of tile j-1) or the serial order.
+- version 1 (``run_ws``): warp-specialised -- a TMA producer warpgroup feeding a ring of
+  swizzled K/V tiles to two consumer warpgroups (128 query rows per block), with the
+  intra-warpgroup pipelining (S of tile j under P V of tile j-1); ``WS_CONFIGS`` names the
+  instances (KV tile 128 or 64 cells, ring depth, the serial order for comparison).
 
 Both take the op's device tensors (ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16
 [128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]) with no mask, sinks, softcap
@@ -20,12 +21,21 @@ from .tensor import TensorDesc
 
 SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
 NAME_V0 = "fattn_wgmma_v0_d128"
-# WS_SMEM in cuda/fattn_wgmma.cuh: alignment slack, 4 stages of K and V (16 KB each), Q (128 x
-# 128 halves), 12 mbarriers
-STAGES_WS = 4
-SMEM_WS = 1024 + 2 * STAGES_WS * 64 * 128 * 2 + 128 * 128 * 2 + 3 * STAGES_WS * 8
-THREADS_WS = 288   # two consumer warpgroups and the producer warp
-NAMES_WS = {True: "fattn_wgmma_ws_d128", False: "fattn_wgmma_ws_serial_d128"}
+THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
+# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, KV tile cells, ring
+# stages; "bk128" is the default, the others are its A/B rows in tools/gpu_bench.py
+WS_CONFIGS = {
+    "bk128": ("fattn_wgmma_ws_d128", 128, 2),
+    "bk128-s3": ("fattn_wgmma_ws_s3_d128", 128, 3),
+    "bk128-serial": ("fattn_wgmma_ws_serial_d128", 128, 2),
+    "bk64": ("fattn_wgmma_ws_bk64_d128", 64, 4),
+}
+
+
+def smem_ws(bk: int, stages: int) -> int:
+    """ws::smem_bytes<BK, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
+    (128 x 128 halves), 3 mbarriers per stage."""
+    return 1024 + 2 * stages * bk * 128 * 2 + 128 * 128 * 2 + 3 * stages * 8
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
@@ -60,17 +70,19 @@ def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     fn.launch((-(-sh.n_batch // 64), sh.n_head, sh.ne3), (128, 1, 1), stream, p)
 
 
-def kv_map(t: TensorDesc) -> tma.TmaMap:
+def kv_map(t: TensorDesc, bk: int) -> tma.TmaMap:
     """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16) that version
-    1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
-    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1),
+    1's producer reads bk x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
+    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, bk, 1, 1),
                             tma.SWIZZLE_128B)
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
-           stream: int = 0, overlap: bool = True) -> None:
-    """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``; ValueError for what it
-    does not take."""
+           stream: int = 0, config: str = "bk128") -> None:
+    """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS;
+    ValueError for what it does not take."""
     sh, p = _checked(q, k, v, dst, scale, "v1")
-    fn = K.get_function(K.wgmma_v0_variant(), NAMES_WS[overlap], smem=SMEM_WS)
-    fn.launch((-(-sh.n_batch // 128), sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))
+    name, bk, stages = WS_CONFIGS[config]
+    fn = K.get_function(K.wgmma_v0_variant(), name, smem=smem_ws(bk, stages))
+    fn.launch((-(-sh.n_batch // 128), sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p,
+              kv_map(k, bk), kv_map(v, bk))

@@ -179,13 +179,14 @@ def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("config", ["bk128", "bk128-s3", "bk128-serial", "bk64"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
-                                                    (2, 200, 700, 1024), (1, 128, 16, None)])
-def test_wgmma_prefill_ws(overlap, ne3, n_batch, n_kv, pitch):
-    """Version 1 (TMA producer, two consumer warpgroups; with and without the intra-warpgroup
-    overlap) against the float64 reference: one tile and fewer cells than a tile, a partial
+                                                    (2, 200, 700, 1024), (1, 128, 16, None),
+                                                    (1, 256, 640, None)])
+def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
+    """Version 1 (TMA producer, two consumer warpgroups) in each configuration (KV tiles of 128
+    or 64 cells, ring depths, with and without the intra-warpgroup overlap) against the float64 reference: one tile and fewer cells than a tile, a partial
     last tile, a second 128-row block, GQA 4, streams, K/V as views of a larger cache (the TMA
     map's strides); dst poisoned with NaN first."""
     import cupy as cp
@@ -195,7 +196,7 @@ def test_wgmma_prefill_ws(overlap, ne3, n_batch, n_kv, pitch):
     from ggml_attn.tensor import from_array
     dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=n_batch * 3 + n_kv)
     hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
-              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, overlap=overlap)
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config=config)
     out = dst.get()
     assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
     err = nmse(out, ref)

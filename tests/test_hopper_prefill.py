@@ -26,4 +26,10 @@ def test_kv_map_rejects_strides_tma_cannot_take():
     naming it (before the driver, which answers only "invalid value")."""
     import pytest
     with pytest.raises(ValueError, match="stride of dim 2"):
-        hp.kv_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 2, 1), (2, 256, 256 * 64 + 8, 256 * 128 + 16)))
+        hp.kv_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 2, 1), (2, 256, 256 * 64 + 8, 256 * 128 + 16)), 128)
+
+
+def test_ws_configs_fit_shared_memory():
+    """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
+    for name, bk, stages in hp.WS_CONFIGS.values():
+        assert hp.smem_ws(bk, stages) <= 227 * 1024, name

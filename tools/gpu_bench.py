@@ -242,11 +242,11 @@ def run(quick=False, only=None, log=print):
         v0 = [lambda dk=dk, dv=dv: hopper_prefill.run_v0(ours.dq, dk, dv, ours.dd, SCALE, ours.stream)
               for dk, dv in ours.dkv]
         add(case, "ours-wgmma-v0", v0, fl)   # "n/a" off compute capability 9.0
-        for overlap, impl in ((True, "ours-wgmma-ws"), (False, "ours-wgmma-ws-serial")):
-            ws = [lambda dk=dk, dv=dv, o=overlap: hopper_prefill.run_ws(ours.dq, dk, dv, ours.dd, SCALE,
-                                                                        ours.stream, overlap=o)
+        for config in hopper_prefill.WS_CONFIGS:   # version 1 (warp-specialised), each instance
+            ws = [lambda dk=dk, dv=dv, c=config: hopper_prefill.run_ws(ours.dq, dk, dv, ours.dd, SCALE,
+                                                                       ours.stream, config=c)
                   for dk, dv in ours.dkv]
-            add(case, impl, ws, fl)
+            add(case, f"ours-wgmma-ws-{config}", ws, fl)
         # every tile MASKED (random finite values): the cost of loading and applying mask tiles
         rng = np.random.default_rng(7)
         rand = rng.uniform(-1, 1, (n, n)).astype(np.float16)

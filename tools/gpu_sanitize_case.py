@@ -87,13 +87,15 @@ def main():
         k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
         v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
         ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
-        runs = (("wgmma-v0", hopper_prefill.run_v0, {}), ("wgmma-ws", hopper_prefill.run_ws, {}),
-                ("wgmma-ws-serial", hopper_prefill.run_ws, {"overlap": False}))
+        runs = [("wgmma-v0", hopper_prefill.run_v0, {})] + [
+            (f"ws-{c}", hopper_prefill.run_ws, {"config": c}) for c in hopper_prefill.WS_CONFIGS]
+        # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's pool
+        # hands a freed temporary's memory to the next array (K's buffer would become V's)
+        dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
         for label, run, kw in runs:
             dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
-            run(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
-                from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dst), 0.1,
-                cp.cuda.get_current_stream().ptr, **kw)
+            run(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, **kw)
             out = dst.get()
             err = nmse(out, ref)
             ok = err <= 5e-4 and not np.isnan(out).any()
