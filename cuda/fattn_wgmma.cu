@@ -159,22 +159,28 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 
 // ---- Version 1: warp-specialised (the FlashAttention-3 shape, no mask yet)
 // 384 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
-// block), warps 8-11 the producer warpgroup (24 registers each, the consumers 240: setmaxnreg),
-// whose first thread issues TMA box copies of K and V tiles (BK cells x
-// 128 halves, two BK x 64 boxes each, 128-byte swizzle) into a STAGES-deep ring: full_k / full_v
-// count the bytes in, empty counts the 8 consumer warps out. Consumers: S = Q K^T with Q in
-// shared memory (core matrices, no swizzle) and K through its swizzled descriptor, online
-// softmax in registers, O += P V with P in registers and V through an MN-major swizzled
-// descriptor (cuda/fattn_wgmma.cuh). OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are
-// issued together and tile j's softmax runs while P V is on the tensor cores (FA3's
-// intra-warpgroup pipelining); off: each GEMM is waited for before the next step. D = 128, f16
-// K/V, no mask; cells past n_kv are zero-filled by TMA and score -inf. Grid (ceil(n_batch /
-// 128), n_head, ne3); dynamic shared memory ws::smem_bytes<BK, STAGES>().
-template <int BK, int STAGES, bool OVERLAP>
+// block), warps 8-11 the producer warpgroup (40 registers each, the consumers 232: setmaxnreg),
+// whose first thread issues TMA box copies of K and V tiles (BK cells x 128 halves, two BK x 64
+// boxes each, 128-byte swizzle) into a STAGES-deep ring. Per stage, full_k / full_v count the
+// bytes in and empty_k / empty_v the 8 consumer warps out: a K tile is released as soon as its S
+// GEMM is done, a V tile once its P V GEMM is. Consumers: S = Q K^T with Q in shared memory
+// (core matrices, no swizzle) and K through its swizzled descriptor, online softmax in
+// registers, O += P V with P in registers and V through an MN-major swizzled descriptor
+// (cuda/fattn_wgmma.cuh).
+// OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are issued together and tile j's softmax runs
+// while P V is on the tensor cores (FA3's intra-warpgroup pipelining); off: each GEMM is waited
+// for before the next step.
+// PINGPONG (with OVERLAP): the two warpgroups take turns issuing their GEMMs (named barriers
+// SCHED0 / SCHED1), so that one's softmax runs under the other's GEMMs.
+// D = 128, f16 K/V, no mask; cells past n_kv are zero-filled by TMA and score -inf. Grid
+// (ceil(n_batch / 128), n_head, ne3); dynamic shared memory ws::smem_bytes<BK, STAGES>().
+template <int BK, int STAGES, bool OVERLAP, bool PINGPONG>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
     static_assert(smem_bytes<BK, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
+    static_assert(OVERLAP || !PINGPONG, "the ping-pong schedule is built on the overlapped loop");
     constexpr int TILE = BK * D;   // halves per K or V tile
+    constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
     __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 boxes of BK x 64), swizzled
@@ -182,7 +188,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x 128), core matrices
     unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
     unsigned long long* full_v = full_k + STAGES;
-    unsigned long long* empty = full_v + STAGES;
+    unsigned long long* empty_k = full_v + STAGES;
+    unsigned long long* empty_v = empty_k + STAGES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qt = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = h / p.gqa;
     const int n_tiles = (p.n_kv + BK - 1) / BK;
@@ -191,7 +198,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);
-            mbar_init(&empty[i], 8);   // lane 0 of each consumer warp
+            mbar_init(&empty_k[i], 8);   // lane 0 of each consumer warp
+            mbar_init(&empty_v[i], 8);
         }
         fence_mbar_init();
     }
@@ -202,13 +210,14 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         setmaxnreg_dec<PRODUCER_REGS>();
         if (warp == 8 && lane == 0) {
             for (int j = 0; j < n_tiles; ++j) {
-                const int st = j % STAGES;
-                if (j >= STAGES) mbar_wait(&empty[st], ((j / STAGES) - 1) & 1);
+                const int st = j % STAGES, release = ((j / STAGES) - 1) & 1;
                 __half* dk = sK + st * TILE;
                 __half* dv = sV + st * TILE;
+                if (j >= STAGES) mbar_wait(&empty_k[st], release);
                 mbar_arrive_expect_tx(&full_k[st], tile_bytes<BK>());
                 tma_load_4d(dk, mk, 0, j * BK, hk, s, &full_k[st]);
                 tma_load_4d(dk + TILE / 2, mk, 64, j * BK, hk, s, &full_k[st]);
+                if (j >= STAGES) mbar_wait(&empty_v[st], release);
                 mbar_arrive_expect_tx(&full_v[st], tile_bytes<BK>());
                 tma_load_4d(dv, mv, 0, j * BK, hk, s, &full_v[st]);
                 tma_load_4d(dv + TILE / 2, mv, 64, j * BK, hk, s, &full_v[st]);
@@ -236,11 +245,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             *reinterpret_cast<uint2*>(sQw + core_matrix_index(r, c, D)) = w;
         }
         fence_proxy_async_shared();
-        named_barrier_sync(1 + wg, 128);
+        named_barrier_sync(BAR_Q + wg, 128);
     }
     const unsigned q_addr = smem_u32(sQw);
     auto k_addr = [&](int st) { return smem_u32(sK + st * TILE); };
     auto v_addr = [&](int st) { return smem_u32(sV + st * TILE); };
+    auto release = [&](unsigned long long* bar) { if (lane == 0) mbar_arrive(bar); };
+    // ping-pong: wait for this warpgroup's turn to issue GEMMs / hand the turn to the other
+    auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
+    auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
 
     float O[64];
 #pragma unroll
@@ -258,34 +271,41 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S);
+        release(&empty_k[0]);
         ws_mask_tail<BK>(S, 0, p.n_kv, t4);
         ws_softmax<BK>(S, m, l, alpha);
         ws_pack_p<BK>(S, a);
+        if (wg == 1) their_turn();   // warpgroup 0 issues first
         for (int j = 1; j < n_tiles; ++j) {
             const int st = j % STAGES, pst = (j - 1) % STAGES;
             mbar_wait(&full_k[st], (j / STAGES) & 1);
+            my_turn();
             wgmma_fence();
             ws_issue_s<BK>(S, q_addr, k_addr(st));
             wgmma_commit();
             mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
             ws_issue_pv<BK>(O, a, v_addr(pst));
             wgmma_commit();
-            wgmma_wait<1>();   // S_j is in
+            their_turn();
+            wgmma_wait<1>();   // S_j is in: K_j's stage is free
             wgmma_pin(S);
+            release(&empty_k[st]);
             ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
             ws_softmax<BK>(S, m, l, alpha);
-            wgmma_wait<0>();   // P V of tile j-1 is in: its K/V stage and P's registers are free
+            wgmma_wait<0>();   // P V of tile j-1 is in: V_{j-1}'s stage and P's registers are free
             wgmma_pin(O);
             wgmma_pin(a);
-            if (lane == 0) mbar_arrive(&empty[pst]);
+            release(&empty_v[pst]);
             ws_rescale(O, alpha);
             ws_pack_p<BK>(S, a);
         }
         const int lst = (n_tiles - 1) % STAGES;
         mbar_wait(&full_v[lst], ((n_tiles - 1) / STAGES) & 1);
+        my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
         wgmma_fence();
         ws_issue_pv<BK>(O, a, v_addr(lst));
         wgmma_commit();
+        if (wg == 0) their_turn();
         wgmma_wait<0>();
         wgmma_pin(O);
     } else {
@@ -297,6 +317,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(S);
+            release(&empty_k[st]);
             ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
             ws_softmax<BK>(S, m, l, alpha);
             ws_rescale(O, alpha);
@@ -308,7 +329,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_wait<0>();
             wgmma_pin(O);
             wgmma_pin(a);
-            if (lane == 0) mbar_arrive(&empty[st]);
+            release(&empty_v[st]);
         }
     }
 
@@ -328,13 +349,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
 }
 
-// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS): KV tile, ring depth, overlap
-#define FATTN_WS_INSTANCE(NAME, BK, STAGES, OVERLAP)                                                 \
+// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS): KV tile, ring depth,
+// overlap, ping-pong
+#define FATTN_WS_INSTANCE(NAME, BK, STAGES, OVERLAP, PINGPONG)                                      \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_wgmma_ws_body<BK, STAGES, OVERLAP>(p, &mk, &mv);                                      \
+        fattn_wgmma_ws_body<BK, STAGES, OVERLAP, PINGPONG>(p, &mk, &mv);                            \
     }
-FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 128, 2, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s3_d128, 128, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_serial_d128, 128, 2, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_bk64_d128, 64, 4, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 128, 3, true, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_pp_d128, 128, 3, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, 128, 2, true, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s2pp_d128, 128, 2, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_serial_d128, 128, 3, false, false)

@@ -16,10 +16,10 @@ constexpr int D = 128, BQ = 128, THREADS = 384;   // two consumer warpgroups, on
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 template <int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }    // one K or V tile
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }    // one of its two boxes
-// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 halves), 3 mbarriers
+// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 halves), 4 mbarriers
 // per stage (ggml_attn/hopper_prefill.py smem_ws)
 template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 3 * STAGES * 8;
+    return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 4 * STAGES * 8;
 }
 }
 

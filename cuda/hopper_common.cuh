@@ -195,6 +195,10 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+// one arrival on barrier `id` without waiting (the producer side of a named-barrier handoff)
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 // box at element coordinates (x innermost, y) of a 2-D tensor map -> shared memory (dst 128-byte
 // aligned); out-of-range elements are written as zeros; completes its bytes on `bar`
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int x, int y,

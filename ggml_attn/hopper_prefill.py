@@ -5,7 +5,8 @@
 - version 1 (``run_ws``): warp-specialised -- a TMA producer warpgroup feeding a ring of
   swizzled K/V tiles to two consumer warpgroups (128 query rows per block), with the
   intra-warpgroup pipelining (S of tile j under P V of tile j-1); ``WS_CONFIGS`` names the
-  instances (KV tile 128 or 64 cells, ring depth, the serial order for comparison).
+  instances (ring depth, the two warpgroups' ping-pong schedule, the serial order for
+  comparison).
 
 Both take the op's device tensors (ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16
 [128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]) with no mask, sinks, softcap
@@ -25,17 +26,18 @@ THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fa
 # version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, KV tile cells, ring
 # stages; "bk128" is the default, the others are its A/B rows in tools/gpu_bench.py
 WS_CONFIGS = {
-    "bk128": ("fattn_wgmma_ws_d128", 128, 2),
-    "bk128-s3": ("fattn_wgmma_ws_s3_d128", 128, 3),
-    "bk128-serial": ("fattn_wgmma_ws_serial_d128", 128, 2),
-    "bk64": ("fattn_wgmma_ws_bk64_d128", 64, 4),
+    "bk128": ("fattn_wgmma_ws_d128", 128, 3),
+    "bk128-pp": ("fattn_wgmma_ws_pp_d128", 128, 3),
+    "bk128-s2": ("fattn_wgmma_ws_s2_d128", 128, 2),
+    "bk128-s2pp": ("fattn_wgmma_ws_s2pp_d128", 128, 2),
+    "bk128-serial": ("fattn_wgmma_ws_serial_d128", 128, 3),
 }
 
 
 def smem_ws(bk: int, stages: int) -> int:
     """ws::smem_bytes<BK, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
-    (128 x 128 halves), 3 mbarriers per stage."""
-    return 1024 + 2 * stages * bk * 128 * 2 + 128 * 128 * 2 + 3 * stages * 8
+    (128 x 128 halves), 4 mbarriers per stage."""
+    return 1024 + 2 * stages * bk * 128 * 2 + 128 * 128 * 2 + 4 * stages * 8
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,

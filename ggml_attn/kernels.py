@@ -257,8 +257,9 @@ def wgmma_v0_variant() -> Variant:
     """The sm_90a prefill kernels (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py): version 0
     and version 1's instances (hopper_prefill.WS_CONFIGS)."""
     return Variant("wgmma", "fattn_wgmma.cu",
-                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_s3_d128",
-                    "fattn_wgmma_ws_serial_d128", "fattn_wgmma_ws_bk64_d128"), arch_suffix="a")
+                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_pp_d128",
+                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_s2pp_d128", "fattn_wgmma_ws_serial_d128"),
+                   arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:
