@@ -2,7 +2,10 @@
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--crossover] [--profile]
-#                      [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#                      [--profile-case CASE] [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#
+# --profile: ncu on tools/gpu_profile_case.py's "masked" case (the mma.sync prefill);
+# --profile-case CASE: on another of its cases ("wgmma": the sm_90a prefill; WGMMA_CONFIG).
 #
 # --ab-prompt: the 8B batched bench's prompt phase with whole-cache prompt ubatches against the
 # coarse n_kv of before (tools/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
@@ -16,7 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -27,6 +30,7 @@ while [ $# -gt 0 ]; do
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
     --profile) PROF=1;;
+    --profile-case) PROF=1; PCASE="$2"; shift;;
     --ab-prompt) ABP=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
@@ -79,12 +83,18 @@ if [ $SAN = 1 ]; then
 fi
 
 if [ $PROF = 1 ]; then
-  echo "== ncu (masked vs unmasked prefill, 2 x 1024)"
-  ncu --clock-control none -k regex:fattn_mma --launch-skip 1 --launch-count 3 \
+  # each case's kernels: the first call of each shape builds it, --launch-skip passes over that
+  case "$PCASE" in
+    wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
+    *) kre=regex:fattn_mma; skip=1; count=3;;
+  esac
+  echo "== ncu ($PCASE)"
+  ncu --clock-control none -k $kre --launch-skip $skip --launch-count $count \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-      --section MemoryWorkloadAnalysis --section SchedulerStats \
-      $PY tools/gpu_profile_case.py > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
-  grep -E "fattn_mma|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible" "$OUT/ncu.log" | head -60
+      --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section InstructionStats \
+      $PY tools/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
+  grep -E "fattn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
 fi
 
 if [ $XOVER = 1 ]; then

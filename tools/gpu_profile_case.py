@@ -6,6 +6,8 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode   one token, 4096 KV cells (decode-tc and its split combine), then the same at 32768
            cells with the first 1/8 live (a mask)
   window   a 4096-token prefill with a 512-cell sliding window
+  wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
+           configuration WGMMA_CONFIG, default bk128-pp)
 
 Usage: ncu --clock-control none -k regex:fattn python tools/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -17,9 +19,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gpu_bench import Ours, block_causal_mask, window_mask  # noqa: E402
+from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
-CASES = ("masked", "decode", "window")
+CASES = ("masked", "decode", "window", "wgmma")
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -38,9 +40,24 @@ def problems(case: str) -> list[tuple[Ours, str]]:
     raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
 
 
+def wgmma_fn(config: str):
+    """One call of the sm_90a prefill (4096 tokens, no mask) in ``config``."""
+    from ggml_attn import hopper_prefill
+    o = Ours(1, 4096, 4096)
+    dk, dv = o.dkv[0]
+    return lambda: hopper_prefill.run_ws(o.dq, dk, dv, o.dd, SCALE, o.stream, config=config)
+
+
 def main(argv=None):
+    import os
+
     import torch
     for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
+        if case == "wgmma":
+            f = wgmma_fn(os.environ.get("WGMMA_CONFIG", "bk128-pp"))
+            f()
+            f()
+            continue
         for o, kernel in problems(case):
             f = o.fns(kernel)[0]
             f()
