@@ -264,7 +264,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
 
     if (OVERLAP) {
         // tile 0: S alone; then per tile j: S_j and P_{j-1} V_{j-1} in flight together, softmax of
-        // S_j under P V, O rescaled once P V is done
+        // S_j under P V; O is rescaled to tile j-1's maximum while S_j runs, before P_{j-1} V_{j-1}
+        // adds to it (alpha of tile 0 multiplies zeros)
         mbar_wait(&full_k[0], 0);
         wgmma_fence();
         ws_issue_s<BK>(S, q_addr, k_addr(0));
@@ -283,23 +284,28 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_fence();
             ws_issue_s<BK>(S, q_addr, k_addr(st));
             wgmma_commit();
+            ws_rescale(O, alpha);   // to tile j-1's maximum, under the S GEMM, before P V adds to O
             mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
+            wgmma_fence();          // O's registers were just written
             ws_issue_pv<BK>(O, a, v_addr(pst));
             wgmma_commit();
             their_turn();
-            wgmma_wait<1>();   // S_j is in: K_j's stage is free
+            wgmma_wait<1>();   // S_j is in
             wgmma_pin(S);
-            release(&empty_k[st]);
             ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
             ws_softmax<BK>(S, m, l, alpha);
+            // K_j's stage is free. The arrival's predicate reads the row sums: without that data
+            // dependence ptxas hoists the wait below above the whole softmax (it schedules
+            // WARPGROUP.DEPBAR as early as it can), and P V would no longer hide the softmax.
+            if (lane == 0 && !(l[0] + l[1] < 0.0f)) mbar_arrive(&empty_k[st]);   // l >= 0 or NaN: always
             wgmma_wait<0>();   // P V of tile j-1 is in: V_{j-1}'s stage and P's registers are free
             wgmma_pin(O);
             wgmma_pin(a);
             release(&empty_v[pst]);
-            ws_rescale(O, alpha);
             ws_pack_p<BK>(S, a);
         }
         const int lst = (n_tiles - 1) % STAGES;
+        ws_rescale(O, alpha);
         mbar_wait(&full_v[lst], ((n_tiles - 1) / STAGES) & 1);
         my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
         wgmma_fence();
