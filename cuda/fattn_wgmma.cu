@@ -174,7 +174,10 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 // SCHED0 / SCHED1), so that one's softmax runs under the other's GEMMs.
 // D = 128, f16 K/V, no mask; cells past n_kv are zero-filled by TMA and score -inf. Grid
 // (ceil(n_batch / 128), n_head, ne3); dynamic shared memory ws::smem_bytes<BK, STAGES>().
-template <int BK, int STAGES, bool OVERLAP, bool PINGPONG>
+// QSW: Q stored with the 128-byte swizzle (as K) instead of plain core matrices.
+// DIAG (speed-of-light probes for tools/gpu_bench.py, wrong results by design): 1 skips the
+// softmax (P = S), 2 loads only the first STAGES tiles (later tiles reuse their stages).
+template <int BK, int STAGES, bool OVERLAP, bool PINGPONG, bool QSW = false, int DIAG = 0>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
     static_assert(smem_bytes<BK, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
@@ -214,6 +217,12 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 __half* dk = sK + st * TILE;
                 __half* dv = sV + st * TILE;
                 if (j >= STAGES) mbar_wait(&empty_k[st], release);
+                if (DIAG == 2 && j >= STAGES) {
+                    mbar_wait(&empty_v[st], release);
+                    mbar_arrive(&full_k[st]);
+                    mbar_arrive(&full_v[st]);
+                    continue;
+                }
                 mbar_arrive_expect_tx(&full_k[st], tile_bytes<BK>());
                 tma_load_4d(dk, mk, 0, j * BK, hk, s, &full_k[st]);
                 tma_load_4d(dk + TILE / 2, mk, 64, j * BK, hk, s, &full_k[st]);
@@ -242,7 +251,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             uint2 w;
             w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
             w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
-            *reinterpret_cast<uint2*>(sQw + core_matrix_index(r, c, D)) = w;
+            *reinterpret_cast<uint2*>(sQw + (QSW ? sw128_index(r, c, 64) : core_matrix_index(r, c, D))) = w;
         }
         fence_proxy_async_shared();
         named_barrier_sync(BAR_Q + wg, 128);
@@ -268,7 +277,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         // adds to it (alpha of tile 0 multiplies zeros)
         mbar_wait(&full_k[0], 0);
         wgmma_fence();
-        ws_issue_s<BK>(S, q_addr, k_addr(0));
+        ws_issue_s<BK, QSW>(S, q_addr, k_addr(0));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S);
@@ -282,7 +291,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_wait(&full_k[st], (j / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            ws_issue_s<BK>(S, q_addr, k_addr(st));
+            ws_issue_s<BK, QSW>(S, q_addr, k_addr(st));
             wgmma_commit();
             ws_rescale(O, alpha);   // to tile j-1's maximum, under the S GEMM, before P V adds to O
             mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
@@ -293,7 +302,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_wait<1>();   // S_j is in
             wgmma_pin(S);
             ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
-            ws_softmax<BK>(S, m, l, alpha);
+            if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
+            else ws_softmax<BK>(S, m, l, alpha);
             // K_j's stage is free. The arrival's predicate reads the row sums: without that data
             // dependence ptxas hoists the wait below above the whole softmax (it schedules
             // WARPGROUP.DEPBAR as early as it can), and P V would no longer hide the softmax.
@@ -319,7 +329,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             const int st = j % STAGES, ph = (j / STAGES) & 1;
             mbar_wait(&full_k[st], ph);
             wgmma_fence();
-            ws_issue_s<BK>(S, q_addr, k_addr(st));
+            ws_issue_s<BK, QSW>(S, q_addr, k_addr(st));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(S);
@@ -355,15 +365,17 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
 }
 
-// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS): KV tile, ring depth,
-// overlap, ping-pong
-#define FATTN_WS_INSTANCE(NAME, BK, STAGES, OVERLAP, PINGPONG)                                      \
+// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS and WS_DIAG): KV tile, ring
+// depth, overlap, ping-pong, Q swizzle, diagnostic mode
+#define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_wgmma_ws_body<BK, STAGES, OVERLAP, PINGPONG>(p, &mk, &mv);                            \
+        fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv);                                              \
     }
 FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 128, 3, true, false)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_pp_d128, 128, 3, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, 128, 2, true, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_qsw_d128, 128, 3, true, true, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_s2pp_d128, 128, 2, true, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_serial_d128, 128, 3, false, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, 128, 3, true, true, false, 1)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_noload_d128, 128, 3, true, true, false, 2)

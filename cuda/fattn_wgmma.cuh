@@ -83,12 +83,21 @@ __device__ __forceinline__ unsigned long long ws_k_desc(unsigned k_addr, int ks)
     return wgmma_desc_sw128(k_addr + (ks >> 2) * ws::box_bytes<BK>() + (ks & 3) * 32, 16, 1024);
 }
 
-// S = Q K^T for one tile: 8 k16 steps; Q no-swizzle core matrices (64 rows x 128)
-template <int BK>
+// Index (in halves) of element (row, k) of a K-major tile of `rows` rows x 128 halves stored as
+// TMA writes it with the 128-byte swizzle: two boxes of rows x 64 (k 0-63, k 64-127), row r's
+// 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte line
+__device__ __forceinline__ int sw128_index(int row, int k, int rows) {
+    return (k >> 6) * rows * 64 + row * 64 + ((((k & 63) >> 3) ^ (row & 7)) << 3) + (k & 7);
+}
+
+// S = Q K^T for one tile: 8 k16 steps; Q (64 rows x 128) in plain core matrices, or with
+// QSW in the swizzled layout of a K tile of 64 rows (sw128_index)
+template <int BK, bool QSW = false>
 __device__ __forceinline__ void ws_issue_s(float (&S)[BK / 2], unsigned q_addr, unsigned k_addr) {
 #pragma unroll
     for (int ks = 0; ks < ws::D / 16; ++ks) {
-        const unsigned long long da = wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
+        const unsigned long long da = QSW ? ws_k_desc<64>(q_addr, ks)
+                                          : wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
         if constexpr (BK == 64) wgmma_m64n64k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
         else wgmma_m64n128k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
     }

@@ -28,9 +28,15 @@ THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fa
 WS_CONFIGS = {
     "bk128": ("fattn_wgmma_ws_d128", 128, 3),
     "bk128-pp": ("fattn_wgmma_ws_pp_d128", 128, 3),
-    "bk128-s2": ("fattn_wgmma_ws_s2_d128", 128, 2),
+    "bk128-pp-qsw": ("fattn_wgmma_ws_qsw_d128", 128, 3),
     "bk128-s2pp": ("fattn_wgmma_ws_s2pp_d128", 128, 2),
     "bk128-serial": ("fattn_wgmma_ws_serial_d128", 128, 3),
+}
+# speed-of-light probes of bk128-pp for tools/gpu_bench.py (wrong results by design): without
+# the softmax (GEMMs and the pipeline only), without loads past the ring's first fill
+WS_DIAG = {
+    "diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 128, 3),
+    "diag-noload": ("fattn_wgmma_ws_diag_noload_d128", 128, 3),
 }
 
 
@@ -81,10 +87,10 @@ def kv_map(t: TensorDesc, bk: int) -> tma.TmaMap:
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
            stream: int = 0, config: str = "bk128") -> None:
-    """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS;
-    ValueError for what it does not take."""
+    """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
+    (or a WS_DIAG probe: timing only); ValueError for what it does not take."""
     sh, p = _checked(q, k, v, dst, scale, "v1")
-    name, bk, stages = WS_CONFIGS[config]
+    name, bk, stages = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
     fn = K.get_function(K.wgmma_v0_variant(), name, smem=smem_ws(bk, stages))
     fn.launch((-(-sh.n_batch // 128), sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p,
               kv_map(k, bk), kv_map(v, bk))

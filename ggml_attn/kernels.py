@@ -258,7 +258,8 @@ def wgmma_v0_variant() -> Variant:
     and version 1's instances (hopper_prefill.WS_CONFIGS)."""
     return Variant("wgmma", "fattn_wgmma.cu",
                    ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_pp_d128",
-                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_s2pp_d128", "fattn_wgmma_ws_serial_d128"),
+                    "fattn_wgmma_ws_qsw_d128", "fattn_wgmma_ws_s2pp_d128", "fattn_wgmma_ws_serial_d128",
+                    "fattn_wgmma_ws_diag_nosoftmax_d128", "fattn_wgmma_ws_diag_noload_d128"),
                    arch_suffix="a")
 
 

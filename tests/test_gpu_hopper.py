@@ -179,7 +179,7 @@ def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("config", ["bk128", "bk128-pp", "bk128-s2", "bk128-s2pp", "bk128-serial"])
+@pytest.mark.parametrize("config", ["bk128", "bk128-pp", "bk128-pp-qsw", "bk128-s2pp", "bk128-serial"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),

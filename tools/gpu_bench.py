@@ -242,7 +242,9 @@ def run(quick=False, only=None, log=print):
         v0 = [lambda dk=dk, dv=dv: hopper_prefill.run_v0(ours.dq, dk, dv, ours.dd, SCALE, ours.stream)
               for dk, dv in ours.dkv]
         add(case, "ours-wgmma-v0", v0, fl)   # "n/a" off compute capability 9.0
-        for config in hopper_prefill.WS_CONFIGS:   # version 1 (warp-specialised), each instance
+        # version 1 (warp-specialised), each instance, then its speed-of-light probes (wrong
+        # results by design: the time without the softmax, without loads past the first ring)
+        for config in (*hopper_prefill.WS_CONFIGS, *hopper_prefill.WS_DIAG):
             ws = [lambda dk=dk, dv=dv, c=config: hopper_prefill.run_ws(ours.dq, dk, dv, ours.dd, SCALE,
                                                                        ours.stream, config=c)
                   for dk, dv in ours.dkv]
