@@ -157,45 +157,49 @@ fattn_wgmma_v0_d128(const FattnParams p) {
     }
 }
 
-// ---- Version 1: warp-specialised (the FlashAttention-3 shape, no mask yet)
+// ---- Version 1: warp-specialised (the FlashAttention-3 shape), masks through the plan
 // 384 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
 // block), warps 8-11 the producer warpgroup (40 registers each, the consumers 232: setmaxnreg),
-// whose first thread issues TMA box copies of K and V tiles (BK cells x 128 halves, two BK x 64
-// boxes each, 128-byte swizzle) into a STAGES-deep ring. Per stage, full_k / full_v count the
-// bytes in and empty_k / empty_v the 8 consumer warps out: a K tile is released as soon as its S
-// GEMM is done, a V tile once its P V GEMM is. Consumers: S = Q K^T with Q in shared memory
-// (core matrices, no swizzle) and K through its swizzled descriptor, online softmax in
-// registers, O += P V with P in registers and V through an MN-major swizzled descriptor
-// (cuda/fattn_wgmma.cuh).
-// OVERLAP: tile j's S GEMM and tile j-1's P V GEMM are issued together and tile j's softmax runs
-// while P V is on the tensor cores (FA3's intra-warpgroup pipelining); off: each GEMM is waited
-// for before the next step.
-// PINGPONG (with OVERLAP): the two warpgroups take turns issuing their GEMMs (named barriers
-// SCHED0 / SCHED1), so that one's softmax runs under the other's GEMMs.
-// D = 128, f16 K/V, no mask; cells past n_kv are zero-filled by TMA and score -inf. Grid
-// (ceil(n_batch / 128), n_head, ne3); dynamic shared memory ws::smem_bytes<BK, STAGES>().
-// QSW: Q stored with the 128-byte swizzle (as K) instead of plain core matrices.
-// DIAG (speed-of-light probes for tools/gpu_bench.py, wrong results by design): 1 skips the
-// softmax (P = S), 2 loads only the first STAGES tiles (later tiles reuse their stages).
-template <int BK, int STAGES, bool OVERLAP, bool PINGPONG, bool QSW = false, int DIAG = 0>
+// whose first thread issues TMA box copies of K and V chunks (128 cells x 128 halves as four
+// 64 x 64 boxes, 128-byte swizzle) into a STAGES-deep ring. Per stage, full_k / full_v count
+// the bytes in and empty_k / empty_v the 8 consumer warps out. Consumers, per chunk j: S = Q K^T
+// (Q in shared memory as core matrices, K through its swizzled descriptor), the chunk's mask
+// (ws_mask_chunk), online softmax in registers, O += P V (P in registers, V through an MN-major
+// swizzled descriptor; cuda/fattn_wgmma.cuh). S of chunk j and P V of chunk j-1 are issued
+// together and chunk j's softmax runs while P V is on the tensor cores (FA3's intra-warpgroup
+// pipelining); O is rescaled to chunk j-1's maximum under the S GEMM.
+// PINGPONG: the two warpgroups take turns issuing their GEMMs (named barriers 3 / 4), so that
+// one's softmax runs under the other's GEMMs.
+// Chunks: with a plan (p.live_idx: 128-token query tiles), the live 64-cell tiles of the query
+// tile paired into 128-cell chunks (ws_next_chunk); each half FULL, ABSENT (not live: loaded
+// from past n_kv, i.e. zeros, and scored -inf), PARTIAL (every row one interval of zeros:
+// p.row_lohi) or MASKED (the mask's values read from global memory: correct, not fast --
+// ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A HIDDEN half's
+// unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V. Without a
+// plan every chunk is live and cells past n_kv score -inf. D = 128, f16 K/V, no sinks, softcap or ALiBi. Grid (n_head, ceil(n_batch / 128), ne3),
+// query tiles in reverse order (the longest causal rows first); dynamic shared memory
+// ws::smem_bytes<128, STAGES>().
+// DIAG 1 (a speed-of-light probe for tools/gpu_bench.py, wrong results by design): no softmax.
+template <int STAGES, bool PINGPONG, int DIAG = 0>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
+    constexpr int BK = CHUNK;
     static_assert(smem_bytes<BK, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
-    static_assert(OVERLAP || !PINGPONG, "the ping-pong schedule is built on the overlapped loop");
-    constexpr int TILE = BK * D;   // halves per K or V tile
+    constexpr int TILE = BK * D;   // halves per K or V chunk
     constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
-    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 boxes of BK x 64), swizzled
+    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 d-halves x 128 cells x 64), swizzled
     __half* sV = sK + STAGES * TILE;                    // the same for V
     __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x 128), core matrices
     unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
     unsigned long long* full_v = full_k + STAGES;
     unsigned long long* empty_k = full_v + STAGES;
     unsigned long long* empty_v = empty_k + STAGES;
+    unsigned long long* v_ready = empty_v + STAGES;   // a HIDDEN chunk's V after its hidden rows are zeroed
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int qt = blockIdx.x, h = blockIdx.y, s = blockIdx.z, hk = h / p.gqa;
-    const int n_tiles = (p.n_kv + BK - 1) / BK;
+    const int h = blockIdx.x, qt = gridDim.y - 1 - blockIdx.y, s = blockIdx.z, hk = h / p.gqa;
+    const WsChunks chunks = ws_chunks(p, qt, s);
 
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; ++i) {
@@ -203,6 +207,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_init(&full_v[i], 1);
             mbar_init(&empty_k[i], 8);   // lane 0 of each consumer warp
             mbar_init(&empty_v[i], 8);
+            mbar_init(&v_ready[i], 1);
         }
         fence_mbar_init();
     }
@@ -212,24 +217,43 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     if (warp >= 8) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (warp == 8 && lane == 0) {
-            for (int j = 0; j < n_tiles; ++j) {
+            int pos = 0;
+            WsChunk c;
+            for (int j = 0; ws_next_chunk(chunks, pos, c); ++j) {
                 const int st = j % STAGES, release = ((j / STAGES) - 1) & 1;
+                // an ABSENT half is read from past n_kv: TMA writes zeros (no stale cache cells)
+                const int y0 = (c.cls & 3) == WS_ABSENT ? chunks.oob : c.kv0;
+                const int y1 = (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
                 __half* dk = sK + st * TILE;
                 __half* dv = sV + st * TILE;
                 if (j >= STAGES) mbar_wait(&empty_k[st], release);
-                if (DIAG == 2 && j >= STAGES) {
-                    mbar_wait(&empty_v[st], release);
-                    mbar_arrive(&full_k[st]);
-                    mbar_arrive(&full_v[st]);
-                    continue;
-                }
                 mbar_arrive_expect_tx(&full_k[st], tile_bytes<BK>());
-                tma_load_4d(dk, mk, 0, j * BK, hk, s, &full_k[st]);
-                tma_load_4d(dk + TILE / 2, mk, 64, j * BK, hk, s, &full_k[st]);
+                tma_load_4d(dk, mk, 0, y0, hk, s, &full_k[st]);
+                tma_load_4d(dk + 64 * 64, mk, 0, y1, hk, s, &full_k[st]);
+                tma_load_4d(dk + TILE / 2, mk, 64, y0, hk, s, &full_k[st]);
+                tma_load_4d(dk + TILE / 2 + 64 * 64, mk, 64, y1, hk, s, &full_k[st]);
                 if (j >= STAGES) mbar_wait(&empty_v[st], release);
                 mbar_arrive_expect_tx(&full_v[st], tile_bytes<BK>());
-                tma_load_4d(dv, mv, 0, j * BK, hk, s, &full_v[st]);
-                tma_load_4d(dv + TILE / 2, mv, 64, j * BK, hk, s, &full_v[st]);
+                tma_load_4d(dv, mv, 0, y0, hk, s, &full_v[st]);
+                tma_load_4d(dv + 64 * 64, mv, 0, y1, hk, s, &full_v[st]);
+                tma_load_4d(dv + TILE / 2, mv, 64, y0, hk, s, &full_v[st]);
+                tma_load_4d(dv + TILE / 2 + 64 * 64, mv, 64, y1, hk, s, &full_v[st]);
+            }
+        } else if (warp == 9 && chunks.idx != nullptr) {
+            // the fixer: once a chunk's V has landed, zero the rows of its hidden columns and
+            // hand it over on v_ready (the consumers wait there for HIDDEN chunks only; a stage
+            // cannot be refilled before they release it, so v_ready runs at most one phase ahead)
+            const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
+            int pos = 0;
+            WsChunk c;
+            for (int j = 0; ws_next_chunk(chunks, pos, c); ++j) {
+                if (!c.hid) continue;
+                const int st = j % STAGES;
+                mbar_wait(&full_v[st], (j / STAGES) & 1);
+                ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
+                fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&v_ready[st]);
             }
         }
         return;
@@ -251,7 +275,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             uint2 w;
             w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
             w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
-            *reinterpret_cast<uint2*>(sQw + (QSW ? sw128_index(r, c, 64) : core_matrix_index(r, c, D))) = w;
+            *reinterpret_cast<uint2*>(sQw + core_matrix_index(r, c, D)) = w;
         }
         fence_proxy_async_shared();
         named_barrier_sync(BAR_Q + wg, 128);
@@ -259,64 +283,74 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     const unsigned q_addr = smem_u32(sQw);
     auto k_addr = [&](int st) { return smem_u32(sK + st * TILE); };
     auto v_addr = [&](int st) { return smem_u32(sV + st * TILE); };
-    auto release = [&](unsigned long long* bar) { if (lane == 0) mbar_arrive(bar); };
+    // chunk j's V in stage st: from TMA, or from the fixer when the chunk hides columns
+    auto wait_v = [&](int st, int j, const WsChunk& c) {
+        mbar_wait(c.hid ? &v_ready[st] : &full_v[st], (j / STAGES) & 1);
+    };
     // ping-pong: wait for this warpgroup's turn to issue GEMMs / hand the turn to the other
     auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
+    // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
+    const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);
 
     float O[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) O[i] = 0.0f;
-    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2];
+    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
     float S[BK / 2];
     unsigned a[BK / 4];
+    auto softmax = [&](const WsChunk& c) {
+        ws_mask_chunk(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
+        if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
+        else ws_softmax<BK>(S, m, l, alpha);
+    };
 
-    if (OVERLAP) {
-        // tile 0: S alone; then per tile j: S_j and P_{j-1} V_{j-1} in flight together, softmax of
-        // S_j under P V; O is rescaled to tile j-1's maximum while S_j runs, before P_{j-1} V_{j-1}
-        // adds to it (alpha of tile 0 multiplies zeros)
+    int pos = 0;
+    WsChunk cur, prev;
+    if (ws_next_chunk(chunks, pos, cur)) {
+        // chunk 0: S alone; then per chunk j: S_j and P_{j-1} V_{j-1} in flight together, softmax
+        // of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs, before
+        // P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
         mbar_wait(&full_k[0], 0);
         wgmma_fence();
-        ws_issue_s<BK, QSW>(S, q_addr, k_addr(0));
+        ws_issue_s<BK>(S, q_addr, k_addr(0));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S);
-        release(&empty_k[0]);
-        ws_mask_tail<BK>(S, 0, p.n_kv, t4);
-        ws_softmax<BK>(S, m, l, alpha);
+        if (lane == 0) mbar_arrive(&empty_k[0]);
+        softmax(cur);
         ws_pack_p<BK>(S, a);
         if (wg == 1) their_turn();   // warpgroup 0 issues first
-        for (int j = 1; j < n_tiles; ++j) {
+        int j = 1;
+        for (prev = cur; ws_next_chunk(chunks, pos, cur); prev = cur, ++j) {
             const int st = j % STAGES, pst = (j - 1) % STAGES;
             mbar_wait(&full_k[st], (j / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            ws_issue_s<BK, QSW>(S, q_addr, k_addr(st));
+            ws_issue_s<BK>(S, q_addr, k_addr(st));
             wgmma_commit();
-            ws_rescale(O, alpha);   // to tile j-1's maximum, under the S GEMM, before P V adds to O
-            mbar_wait(&full_v[pst], ((j - 1) / STAGES) & 1);
+            ws_rescale(O, alpha);
+            wait_v(pst, j - 1, prev);
             wgmma_fence();          // O's registers were just written
             ws_issue_pv<BK>(O, a, v_addr(pst));
             wgmma_commit();
             their_turn();
             wgmma_wait<1>();   // S_j is in
             wgmma_pin(S);
-            ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
-            if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
-            else ws_softmax<BK>(S, m, l, alpha);
+            softmax(cur);
             // K_j's stage is free. The arrival's predicate reads the row sums: without that data
             // dependence ptxas hoists the wait below above the whole softmax (it schedules
             // WARPGROUP.DEPBAR as early as it can), and P V would no longer hide the softmax.
             if (lane == 0 && !(l[0] + l[1] < 0.0f)) mbar_arrive(&empty_k[st]);   // l >= 0 or NaN: always
-            wgmma_wait<0>();   // P V of tile j-1 is in: V_{j-1}'s stage and P's registers are free
+            wgmma_wait<0>();   // P V of chunk j-1 is in: V_{j-1}'s stage and P's registers are free
             wgmma_pin(O);
             wgmma_pin(a);
-            release(&empty_v[pst]);
+            if (lane == 0) mbar_arrive(&empty_v[pst]);
             ws_pack_p<BK>(S, a);
         }
-        const int lst = (n_tiles - 1) % STAGES;
+        const int lst = (j - 1) % STAGES;
         ws_rescale(O, alpha);
-        mbar_wait(&full_v[lst], ((n_tiles - 1) / STAGES) & 1);
+        wait_v(lst, j - 1, prev);
         my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
         wgmma_fence();
         ws_issue_pv<BK>(O, a, v_addr(lst));
@@ -324,32 +358,10 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         if (wg == 0) their_turn();
         wgmma_wait<0>();
         wgmma_pin(O);
-    } else {
-        for (int j = 0; j < n_tiles; ++j) {
-            const int st = j % STAGES, ph = (j / STAGES) & 1;
-            mbar_wait(&full_k[st], ph);
-            wgmma_fence();
-            ws_issue_s<BK, QSW>(S, q_addr, k_addr(st));
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(S);
-            release(&empty_k[st]);
-            ws_mask_tail<BK>(S, j * BK, p.n_kv, t4);
-            ws_softmax<BK>(S, m, l, alpha);
-            ws_rescale(O, alpha);
-            ws_pack_p<BK>(S, a);
-            mbar_wait(&full_v[st], ph);
-            wgmma_fence();
-            ws_issue_pv<BK>(O, a, v_addr(st));
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(O);
-            wgmma_pin(a);
-            release(&empty_v[st]);
-        }
     }
 
-    // ---- output rows (1 / l each), f32, dst row ((s * n_batch + tok) * n_head + h)
+    // ---- output rows (1 / l each: 0 for a row that sees no cell), f32, dst row
+    // ((s * n_batch + tok) * n_head + h)
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
         float L = l[rs];
@@ -365,17 +377,14 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
 }
 
-// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS and WS_DIAG): KV tile, ring
-// depth, overlap, ping-pong, Q swizzle, diagnostic mode
+// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS, WS_DIAG): ring depth,
+// ping-pong, diagnostic mode
 #define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
         fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv);                                              \
     }
-FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 128, 3, true, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_pp_d128, 128, 3, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_qsw_d128, 128, 3, true, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s2pp_d128, 128, 2, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_serial_d128, 128, 3, false, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, 128, 3, true, true, false, 1)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_noload_d128, 128, 3, true, true, false, 2)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, 3, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, 2, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, 3, true, 1)

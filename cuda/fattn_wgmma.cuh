@@ -11,15 +11,15 @@
 #include "hopper_common.cuh"
 
 namespace ws {
-constexpr int D = 128, BQ = 128, THREADS = 384;   // two consumer warpgroups, one producer
+constexpr int D = 128, BQ = 128, CHUNK = 128, THREADS = 384;   // CHUNK: KV cells per step (two plan tiles)   // two consumer warpgroups, one producer
 // registers per thread after reallocation: 128 x (40 + 2 x 232) = 384 x 168 (the launch's share)
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 template <int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }    // one K or V tile
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }    // one of its two boxes
-// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 halves), 4 mbarriers
+// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 halves), 5 mbarriers
 // per stage (ggml_attn/hopper_prefill.py smem_ws)
 template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 4 * STAGES * 8;
+    return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 5 * STAGES * 8;
 }
 }
 
@@ -65,17 +65,6 @@ __device__ __forceinline__ void ws_pack_p(const float (&S)[BK / 2], unsigned (&a
     for (int i = 0; i < BK / 4; ++i) a[i] = KVTraits<__half>::pack2(S[2 * i], S[2 * i + 1]);
 }
 
-// cells of the tile starting at kv0 that lie at or past n_kv -> -inf (the last tile only)
-template <int BK>
-__device__ __forceinline__ void ws_mask_tail(float (&S)[BK / 2], int kv0, int n_kv, int t4) {
-    if (kv0 + BK <= n_kv) return;
-#pragma unroll
-    for (int i = 0; i < BK / 8; ++i)
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-            if (kv0 + 8 * i + 2 * t4 + c >= n_kv) S[4 * i + c] = S[4 * i + 2 + c] = FATTN_NEG_INF;
-}
-
 // the K-major swizzled descriptor of k16 step ks (of 8 along D) of a K tile: 32-byte steps
 // inside a box's 128-byte rows, the second box for d 64-127
 template <int BK>
@@ -83,21 +72,12 @@ __device__ __forceinline__ unsigned long long ws_k_desc(unsigned k_addr, int ks)
     return wgmma_desc_sw128(k_addr + (ks >> 2) * ws::box_bytes<BK>() + (ks & 3) * 32, 16, 1024);
 }
 
-// Index (in halves) of element (row, k) of a K-major tile of `rows` rows x 128 halves stored as
-// TMA writes it with the 128-byte swizzle: two boxes of rows x 64 (k 0-63, k 64-127), row r's
-// 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte line
-__device__ __forceinline__ int sw128_index(int row, int k, int rows) {
-    return (k >> 6) * rows * 64 + row * 64 + ((((k & 63) >> 3) ^ (row & 7)) << 3) + (k & 7);
-}
-
-// S = Q K^T for one tile: 8 k16 steps; Q (64 rows x 128) in plain core matrices, or with
-// QSW in the swizzled layout of a K tile of 64 rows (sw128_index)
-template <int BK, bool QSW = false>
+// S = Q K^T for one tile: 8 k16 steps; Q (64 rows x 128) in plain core matrices
+template <int BK>
 __device__ __forceinline__ void ws_issue_s(float (&S)[BK / 2], unsigned q_addr, unsigned k_addr) {
 #pragma unroll
     for (int ks = 0; ks < ws::D / 16; ++ks) {
-        const unsigned long long da = QSW ? ws_k_desc<64>(q_addr, ks)
-                                          : wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
+        const unsigned long long da = wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
         if constexpr (BK == 64) wgmma_m64n64k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
         else wgmma_m64n128k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
     }
@@ -111,5 +91,171 @@ __device__ __forceinline__ void ws_issue_pv(float (&O)[64], const unsigned (&a)[
     for (int kk = 0; kk < BK / 16; ++kk) {
         const unsigned ak[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
         wgmma_m64n128k16_f16_rs<1>(O, ak, wgmma_desc_sw128(v_addr + kk * 2048, ws::box_bytes<BK>(), 1024), true);
+    }
+}
+
+// ---- the KV chunks of one query tile (128 cells each = two 64-cell plan tiles) and their masks
+// a half's class (2 bits per half, half 0 in bits 0-1): FULL (no mask), ABSENT (no cell visible:
+// not live in the plan, or past n_kv), PARTIAL (every row one interval of zeros: p.row_lohi),
+// MASKED (the mask's values are read)
+#define WS_FULL 0
+#define WS_ABSENT 1
+#define WS_PARTIAL 2
+#define WS_MASKED 3
+
+struct WsChunks {
+    const int* idx;                  // the plan's live list of the query tile (nullptr: every chunk, no mask)
+    const unsigned long long* hid;   // its hidden-column words, ne32 per entry (list order)
+    int cnt;                         // its entries (without a plan: the chunks covering n_kv)
+    int n_kv;
+    int oob;                         // a cell index past n_kv: TMA boxes there read as zeros
+};
+struct WsChunk {
+    int kv0;     // first cell
+    int cls;     // the halves' classes
+    int hid;     // bit hf: half hf has columns no row of the query tile sees (the plan's HIDDEN)
+    int pos0;    // list positions of the halves' entries (their hidden words), -1: none
+    int pos1;
+};
+
+__device__ __forceinline__ WsChunks ws_chunks(const FattnParams& p, int q_tile, int s) {
+    WsChunks c;
+    c.n_kv = c.oob = p.n_kv;
+    c.hid = nullptr;
+    if (p.live_idx == nullptr) {
+        c.idx = nullptr;
+        c.cnt = (p.n_kv + ws::CHUNK - 1) / ws::CHUNK;
+    } else {
+        const long long slot = (long long)(s % p.ne33) * p.n_q_tiles + q_tile;
+        c.idx = p.live_idx + slot * p.n_kv_tiles;
+        c.hid = live_hidden(p.live_idx, p) + slot * p.n_kv_tiles * p.ne32;
+        c.cnt = __ldg(p.live_cnt + slot);
+    }
+    return c;
+}
+
+__device__ __forceinline__ int ws_class(int e) {
+    return !(e & FATTN_TILE_PARTIAL) ? WS_FULL : (e & FATTN_TILE_MASKED) ? WS_MASKED : WS_PARTIAL;
+}
+
+// the next chunk from list position pos (advanced past the entries it used); false at the end.
+// With a plan: its entries are ascending 64-cell tile ids, paired by id / 2; a tile missing from
+// a pair is ABSENT. Without one: chunk pos, halves past n_kv ABSENT, a half that n_kv cuts PARTIAL.
+__device__ __forceinline__ bool ws_next_chunk(const WsChunks& c, int& pos, WsChunk& out) {
+    if (pos >= c.cnt) return false;
+    out.hid = 0;
+    out.pos0 = out.pos1 = -1;
+    if (c.idx == nullptr) {
+        out.kv0 = pos++ * ws::CHUNK;
+        const int left = c.n_kv - out.kv0;
+        const int h0 = left >= 64 ? WS_FULL : WS_PARTIAL;
+        const int h1 = left <= 64 ? WS_ABSENT : left >= 128 ? WS_FULL : WS_PARTIAL;
+        out.cls = h0 | (h1 << 2);
+        return true;
+    }
+    const int e0 = __ldg(c.idx + pos), t0 = e0 & FATTN_TILE_ID_MASK;
+    out.kv0 = (t0 >> 1) * ws::CHUNK;
+    const int here = pos++;
+    if (t0 & 1) {   // the chunk's first tile is not live
+        out.cls = WS_ABSENT | (ws_class(e0) << 2);
+        out.hid = e0 & FATTN_TILE_HIDDEN ? 2 : 0;
+        out.pos1 = here;
+        return true;
+    }
+    out.pos0 = here;
+    out.hid = e0 & FATTN_TILE_HIDDEN ? 1 : 0;
+    int k1 = WS_ABSENT;
+    if (pos < c.cnt) {
+        const int e1 = __ldg(c.idx + pos);
+        if ((e1 & FATTN_TILE_ID_MASK) == t0 + 1) {
+            k1 = ws_class(e1);
+            out.hid |= e1 & FATTN_TILE_HIDDEN ? 2 : 0;
+            out.pos1 = pos++;
+        }
+    }
+    out.cls = ws_class(e0) | (k1 << 2);
+    return true;
+}
+
+// the visible cells [lo, hi) of a thread's two rows (tok and tok + 8): the plan's row intervals
+// (valid in every row of a query tile that has a PARTIAL tile), [0, n_kv) without a plan, empty
+// past n_batch
+struct RowIntervals {
+    int lo[2], hi[2];
+};
+__device__ __forceinline__ RowIntervals ws_row_intervals(const FattnParams& p, int tok, int h, int s) {
+    RowIntervals r;
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        const int t = tok + 8 * rs;
+        int2 v = make_int2(0, p.n_kv);
+        if (t >= p.n_batch) v = make_int2(0, 0);
+        else if (p.row_lohi)
+            v = __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 + (p.ne32 == 1 ? 0 : h % p.ne32)) * p.n_batch + t);
+        r.lo[rs] = v.x;
+        r.hi[rs] = v.y;
+    }
+    return r;
+}
+
+// the chunk's mask on S (64 rows x 128 columns of the warpgroup, accumulator layout; scores in
+// the log2 domain): ABSENT halves -inf, PARTIAL halves -inf outside each row's interval, MASKED
+// halves plus the mask's values (read from p.mask, times log2 e; rows past n_batch -inf), FULL
+// halves untouched. tok: the thread's first row (the second is tok + 8).
+__device__ __forceinline__ void ws_mask_chunk(float (&S)[ws::CHUNK / 2], const WsChunk& c, const RowIntervals& r,
+                                              const FattnParams& p, int tok, int h, int s, int t4) {
+    if (c.cls == (WS_FULL | (WS_FULL << 2))) return;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int k = (c.cls >> (2 * hf)) & 3;
+        if (k == WS_FULL) continue;
+        if (k == WS_MASKED) {
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                const bool in = tok + 8 * rs < p.n_batch;
+                const __half* mrow = reinterpret_cast<const __half*>(mask_row(p, in ? tok + 8 * rs : 0, h, s));
+#pragma unroll
+                for (int i = 8 * hf; i < 8 * hf + 8; ++i) {
+                    const int col = c.kv0 + 8 * i + 2 * t4;
+                    float m0 = FATTN_NEG_INF, m1 = FATTN_NEG_INF;
+                    if (in && col < p.n_kv) m0 = __half2float(__ldg(mrow + col));
+                    if (in && col + 1 < p.n_kv) m1 = __half2float(__ldg(mrow + col + 1));
+                    S[4 * i + 2 * rs] += m0 * FATTN_LOG2E;
+                    S[4 * i + 2 * rs + 1] += m1 * FATTN_LOG2E;
+                }
+            }
+            continue;
+        }
+#pragma unroll
+        for (int i = 8 * hf; i < 8 * hf + 8; ++i)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const int col = c.kv0 + 8 * i + 2 * t4 + cc;
+                if (k == WS_ABSENT || col < r.lo[0] || col >= r.hi[0]) S[4 * i + cc] = FATTN_NEG_INF;
+                if (k == WS_ABSENT || col < r.lo[1] || col >= r.hi[1]) S[4 * i + 2 + cc] = FATTN_NEG_INF;
+            }
+    }
+}
+
+// zero the V rows (cells) of a stage that no row of the query tile sees in head plane `plane`:
+// the hidden columns of each HIDDEN half (one warp; every lane). A hidden cell's P is 0, but
+// 0 x NaN or inf left in an unused cache cell would still reach O. V's stage: two d-halves of
+// 128 cells x 128 bytes (sv: its shared-memory address), cell r of d-half dh at dh * 16 KB +
+// r * 128 (the swizzle permutes 16-byte chunks within a row only).
+__device__ __forceinline__ void ws_zero_hidden_v(unsigned sv, const WsChunk& c, const WsChunks& cs, int ne32,
+                                                 int plane, int lane) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        if (!(c.hid >> hf & 1)) continue;
+        const int pos = hf ? c.pos1 : c.pos0;
+        unsigned long long w = __ldg(cs.hid + (long long)pos * ne32 + plane);
+        while (w) {   // one cell per step: 2 d-halves x 8 chunks of 16 bytes = 16 lanes
+            const int r = 64 * hf + __ffsll((long long)w) - 1;
+            w &= w - 1;
+            if (lane < 16) {
+                const unsigned a = sv + (lane >> 3) * (ws::CHUNK * 128) + r * 128 + (lane & 7) * 16;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(a), "r"(0u) : "memory");
+            }
+        }
     }
 }

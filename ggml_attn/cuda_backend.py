@@ -142,11 +142,15 @@ def _params_common(q, k, v, mask, sinks, dst, sh: Shapes, scale, max_bias, softc
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan: Plan | None = None) -> str:
+def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan: Plan | None = None, *,
+                    plain: bool = True, masked: bool = False) -> str:
     """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`, with the plan's
-    measured reads when it has them); warns once when it falls back to the numpy reference."""
+    measured reads and mask verdict when it has them); ``plain``: no sinks, softcap or ALiBi;
+    ``masked``: the call has a mask. Warns once when it falls back to the numpy reference."""
+    tiles = "none" if not masked else (plan.wgmma_tiles if plan is not None and plan.wgmma_tiles else "masked")
     choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v),
-                                                plan.reads if plan is not None else None))
+                                                plan.reads if plan is not None else None,
+                                                arch=K.device_arch(), plain=plain, mask_tiles=tiles))
     if choice.kernel == "reference" and kernel != "reference":
         _warn_once(choice.reason)
     return choice.kernel
@@ -181,7 +185,8 @@ def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spl
 def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
              plan: Plan | None = None) -> _Prepared:
     sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, softcap)
-    kern = _resolve_kernel(kernel, sh, k, v, plan)
+    kern = _resolve_kernel(kernel, sh, k, v, plan, plain=sinks is None and softcap == 0.0 and max_bias == 0.0,
+                           masked=mask is not None)
     if kern == "reference":
         return _Prepared(kern)
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
@@ -323,7 +328,13 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
         b._keep = (b._keep, cnt)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
-    arr = K.arg_block(p)
+    if prep.kern == "prefill-wgmma":   # K and V's TMA maps follow the params (kernel order)
+        from .hopper_prefill import kv_map
+        maps = (kv_map(k), kv_map(v))
+        arr = K.arg_block(p, *maps)
+        b._keep = (b._keep, maps)
+    else:
+        arr = K.arg_block(p)
     b._args, b._keep = ctypes.addressof(arr), (b._keep, arr)
     return b
 

@@ -106,12 +106,15 @@ class Shapes:
         return self.n_head // self.n_head_kv
 
 
-def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None) -> dispatch.CallFacts:
+def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
+          plain: bool = True, mask_tiles: str = "none") -> dispatch.CallFacts:
     """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
-    ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan."""
+    ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan;
+    ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
+    the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``)."""
     cr, tr = reads if reads is not None else (None, None)
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr)
+                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles)
 
 
 def _pow2_divisor(n: int) -> int:
@@ -124,7 +127,7 @@ def _pow2_ceil(n: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    kernel: str           # prefill | decode | decode-tc | cells
+    kernel: str           # prefill | prefill-wgmma | decode | decode-tc | cells
     variant: K.Variant
     name: str             # name expression of the instance
     pack: int             # query heads per tile
@@ -178,6 +181,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     count is sized from it)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
+    if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
+        from . import hopper_prefill as hp
+        name, stages = hp.WS_CONFIGS[hp.WS_DEFAULT]
+        grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3)
+        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, grid[1], n_kv_tiles, 1,
+                            hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))

@@ -69,11 +69,26 @@ class Plan:
     # KV head that the cell-list kernel and the tile kernel auto would otherwise run read; None:
     # not measured (no cell lists built)
     reads: tuple | None = None
+    # the mask for the sm_90a prefill (read_wgmma_tiles): "plain" when the 128-token tile map has
+    # no MASKED tile, "masked" otherwise; None: not measured. A verdict only on speed: the kernel
+    # is right on every tile class (a refreshed mask may change it)
+    wgmma_tiles: str | None = None
 
     def hint(self) -> tuple:
         """What the launch configuration takes from the plan (part of the call cache key; read
         on every call, so nothing is computed here)."""
-        return self.wide, self._live_key, self.max_cells, self.reads
+        return self.wide, self._live_key, self.max_cells, self.reads, self.wgmma_tiles
+
+    def read_wgmma_tiles(self, stream: int) -> str:
+        """Whether the sm_90a prefill suits this mask: its 128-token tile map (built if missing)
+        checked for MASKED tiles on the device, the verdict read back (synchronizes ``stream``)
+        into ``wgmma_tiles``."""
+        import cupy
+        flags = self._map(128, stream)[2]   # fattn_mask_scan's per-tile flags: 4 MASKED
+        with cupy.cuda.ExternalStream(stream):
+            bad = int((flags & 4).max()) if flags.size else 0
+        self.wgmma_tiles = "masked" if bad else "plain"
+        return self.wgmma_tiles
 
     def read_stats(self, tq: int, stream: int) -> tuple[int, float]:
         """(most, mean) live KV tiles per query tile of ``tq`` tokens; synchronizes ``stream``."""
@@ -394,6 +409,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
         _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
         plan.wide = mean >= L.PREFILL_WIDE_MIN_LIVE
+    if kern == "prefill" and kernel == "auto" and \
+            dispatch.wgmma_why_not(facts(sh, arch=K.device_arch(), mask_tiles="plain")) is None:
+        plan.read_wgmma_tiles(st)   # the sm_90a prefill runs it if the mask's tiles are plain
     cfg = launch_config(kern, sh, wide=plan.wide)
     _, mean_tiles = plan.read_stats(cfg.q_tile_tokens, st)
     if cells:

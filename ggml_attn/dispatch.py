@@ -4,7 +4,8 @@
 ``ggml_cuda_get_best_fattn_kernel`` answers both "can it run?" and "what runs?"): the op, the
 CUDA backend's entry points, the plan builder and the CLI all ask it. Inputs are plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
 heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
-``"prefill"`` (tensor-core tiles of 64 rows), ``"decode"`` (CUDA-core split-KV),
+``"prefill"`` (tensor-core tiles of 64 rows), ``"prefill-wgmma"`` (the sm_90a warp-specialised
+prefill of ggml_attn/hopper_prefill.py: where it takes the call, auto prefers it to "prefill"), ``"decode"`` (CUDA-core split-KV),
 ``"decode-tc"`` (tensor-core split-KV, the query heads of one KV head as the rows of a 16-row
 tile), ``"cells"`` (CUDA-core split-KV over each row's own list of visible cells, for decode
 steps whose rows see few, interleaved cells: the plan's cell lists), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
@@ -22,8 +23,8 @@ from dataclasses import dataclass
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .kernels import CELLS_HEADS, MMA_HEADS, VEC_HEADS
 
-KERNELS = ("auto", "prefill", "decode", "decode-tc", "cells", "reference")
-GPU_KERNELS = ("prefill", "decode", "decode-tc", "cells")
+KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "cells", "reference")
+GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "cells")
 
 # Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
 # bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
@@ -49,6 +50,35 @@ CROSSOVER_SOURCE = "H200 crossover 2026-11-29 (372c6bd)"
 CELLS_MIN_GAIN = 2.0
 CELLS_MAX_BATCH = 256
 CELLS_MAX_LIST_BYTES = 256 << 20
+
+
+# The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
+# "prefill" on compute capability 9.0 for D 128 f16 K/V without sinks, softcap or ALiBi, when
+# the mask (if any) has no MASKED tiles in the plan's 128-token tile map (the kernel reads such
+# tiles' mask values from global memory: right, but slow), and for at least WGMMA_MIN_BATCH
+# tokens per stream (a guess: its blocks take 128 query rows;
+# below that the 64-row mma.sync tiles waste less). H200, 4096 tokens, no mask: 500 us against
+# 815 for "prefill" (bench/results/2026-12-01-2cd5694.json).
+WGMMA_ARCH = "sm_90"
+WGMMA_MIN_BATCH = 128
+
+
+def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
+    """None when the sm_90a prefill can run this call, else why not; for ``auto``'s choice also
+    a mask with MASKED tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens per
+    stream."""
+    if f.arch != WGMMA_ARCH:
+        return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
+    if (f.d_k, f.d_v) != (128, 128) or f.kv_type != GGML_TYPE_F16:
+        return f"D 128 with f16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
+    if not f.plain:
+        return "no sinks, softcap or ALiBi in this kernel"
+    if auto and f.mask_tiles == "masked":
+        return ("the mask has tiles whose rows are not intervals of visible cells (or no plan measured it): "
+                "the mma.sync kernel loads such masks faster")
+    if auto and f.n_batch < WGMMA_MIN_BATCH:
+        return f"n_batch {f.n_batch} < {WGMMA_MIN_BATCH}: 128-row blocks would run mostly empty"
+    return None
 
 
 def cell_list_bytes(n_batch: int, n_kv: int, mask_planes: int = 1) -> int:
@@ -132,6 +162,12 @@ class CallFacts:
     # token and KV head by the cell-list kernel, and by the tile kernel auto would otherwise run
     cell_reads: float | None = None
     tile_reads: float | None = None
+    arch: str = ""                     # the device's architecture ("sm_90"); "" when not known
+    plain: bool = True                 # no sinks, softcap or ALiBi
+    # the mask as the plan's 128-token tile map saw it: "none" (no mask), "plain" (no MASKED
+    # tile: FULL and PARTIAL-interval tiles, HIDDEN columns allowed), "masked" (MASKED tiles, or
+    # not measured)
+    mask_tiles: str = "none"
 
 
 @dataclass(frozen=True)
@@ -189,8 +225,15 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
             kern, why = "cells", (f"rows see few cells: {f.cell_reads:.0f} K/V cells per token and KV head "
                                   f"on their cell lists against {f.tile_reads:.0f} for {kern} "
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
+        if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
+            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, no MASKED tiles)"
     else:
-        why = cells_why_not(f, auto=False) if kernel == "cells" else supports(kernel, f.d_k, f.d_v, f.kv_type)
+        if kernel == "prefill-wgmma":
+            why = wgmma_why_not(f, auto=False)
+        elif kernel == "cells":
+            why = cells_why_not(f, auto=False)
+        else:
+            why = supports(kernel, f.d_k, f.d_v, f.kv_type)
         if why is not None:
             raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
         kern, why = kernel, f"kernel {kernel!r} requested"

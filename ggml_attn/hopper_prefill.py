@@ -1,16 +1,17 @@
-"""Stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu), not dispatched by the op yet.
+"""Stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu).
 
 - version 0 (``run_v0``): wgmma in place of mma.sync and nothing else; one warpgroup per 64
-  query rows, cp.async loads.
-- version 1 (``run_ws``): warp-specialised -- a TMA producer warpgroup feeding a ring of
-  swizzled K/V tiles to two consumer warpgroups (128 query rows per block), with the
-  intra-warpgroup pipelining (S of tile j under P V of tile j-1); ``WS_CONFIGS`` names the
-  instances (ring depth, the two warpgroups' ping-pong schedule, the serial order for
-  comparison).
+  query rows, cp.async loads. A measured starting point, not dispatched.
+- version 1: warp-specialised -- a TMA producer warpgroup feeding a ring of swizzled K/V
+  chunks (128 cells) to two consumer warpgroups (128 query rows per block), the softmax of one
+  chunk under the P V GEMM of the one before, the two warpgroups in ping-pong. The op runs it
+  as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py decides; cuda_backend.bind launches it
+  with :func:`kv_map`'s tensor maps), masks through the plan's 128-token tile map.
+  ``run_ws`` launches it directly without a mask in one of ``WS_CONFIGS`` (tests, benchmarks).
 
-Both take the op's device tensors (ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16
-[128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]) with no mask, sinks, softcap
-or ALiBi; ``why_not`` says what they do not take.
+Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 [128, n_kv, n_head_kv, ne3],
+dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap or ALiBi. ``why_not`` says what the
+kernels do not take.
 """
 from __future__ import annotations
 
@@ -23,27 +24,30 @@ from .tensor import TensorDesc
 SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
 NAME_V0 = "fattn_wgmma_v0_d128"
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
-# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, KV tile cells, ring
-# stages; "bk128" is the default, the others are its A/B rows in tools/gpu_bench.py
+Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
+CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
+# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages; "pp"
+# is the one the op runs, the others are its A/B rows in tools/gpu_bench.py
 WS_CONFIGS = {
-    "bk128": ("fattn_wgmma_ws_d128", 128, 3),
-    "bk128-pp": ("fattn_wgmma_ws_pp_d128", 128, 3),
-    "bk128-pp-qsw": ("fattn_wgmma_ws_qsw_d128", 128, 3),
-    "bk128-s2pp": ("fattn_wgmma_ws_s2pp_d128", 128, 2),
-    "bk128-serial": ("fattn_wgmma_ws_serial_d128", 128, 3),
+    "pp": ("fattn_wgmma_ws_d128", 3),
+    "nopp": ("fattn_wgmma_ws_nopp_d128", 3),
+    "s2": ("fattn_wgmma_ws_s2_d128", 2),
 }
-# speed-of-light probes of bk128-pp for tools/gpu_bench.py (wrong results by design): without
-# the softmax (GEMMs and the pipeline only), without loads past the ring's first fill
-WS_DIAG = {
-    "diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 128, 3),
-    "diag-noload": ("fattn_wgmma_ws_diag_noload_d128", 128, 3),
-}
+WS_DEFAULT = "pp"
+# a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
+WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3)}
 
 
-def smem_ws(bk: int, stages: int) -> int:
-    """ws::smem_bytes<BK, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
+def smem_ws(stages: int) -> int:
+    """ws::smem_bytes<128, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
     (128 x 128 halves), 4 mbarriers per stage."""
-    return 1024 + 2 * stages * bk * 128 * 2 + 128 * 128 * 2 + 4 * stages * 8
+    return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 4 * stages * 8
+
+
+def ws_grid(n_batch: int, n_head: int, ne3: int) -> tuple[int, int, int]:
+    """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
+    reverse: the longest causal rows first), streams."""
+    return (n_head, -(-n_batch // Q_TILE_WS), ne3)
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
@@ -74,23 +78,22 @@ def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     """dst = softmax(scale Q K^T) V on the GPU (no mask), on ``stream``; ValueError for what
     version 0 does not take."""
     sh, p = _checked(q, k, v, dst, scale, "v0")
-    fn = K.get_function(K.wgmma_v0_variant(), NAME_V0, smem=SMEM_V0)
+    fn = K.get_function(K.wgmma_variant(), NAME_V0, smem=SMEM_V0)
     fn.launch((-(-sh.n_batch // 64), sh.n_head, sh.ne3), (128, 1, 1), stream, p)
 
 
-def kv_map(t: TensorDesc, bk: int) -> tma.TmaMap:
+def kv_map(t: TensorDesc) -> tma.TmaMap:
     """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16) that version
-    1's producer reads bk x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
-    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, bk, 1, 1),
+    1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
+    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1),
                             tma.SWIZZLE_128B)
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
-           stream: int = 0, config: str = "bk128") -> None:
+           stream: int = 0, config: str = WS_DEFAULT) -> None:
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
     (or a WS_DIAG probe: timing only); ValueError for what it does not take."""
     sh, p = _checked(q, k, v, dst, scale, "v1")
-    name, bk, stages = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
-    fn = K.get_function(K.wgmma_v0_variant(), name, smem=smem_ws(bk, stages))
-    fn.launch((-(-sh.n_batch // 128), sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p,
-              kv_map(k, bk), kv_map(v, bk))
+    name, stages = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
+    fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
+    fn.launch(ws_grid(sh.n_batch, sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

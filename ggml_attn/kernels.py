@@ -253,19 +253,17 @@ def hopper_probe_variant() -> Variant:
                    arch_suffix="a")
 
 
-def wgmma_v0_variant() -> Variant:
+def wgmma_variant() -> Variant:
     """The sm_90a prefill kernels (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py): version 0
-    and version 1's instances (hopper_prefill.WS_CONFIGS)."""
+    and version 1's instances (hopper_prefill.WS_CONFIGS, WS_DIAG)."""
     return Variant("wgmma", "fattn_wgmma.cu",
-                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_pp_d128",
-                    "fattn_wgmma_ws_qsw_d128", "fattn_wgmma_ws_s2pp_d128", "fattn_wgmma_ws_serial_d128",
-                    "fattn_wgmma_ws_diag_nosoftmax_d128", "fattn_wgmma_ws_diag_noload_d128"),
-                   arch_suffix="a")
+                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_nopp_d128",
+                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128"), arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:
     """Every sm_90a program (the CI compile test walks this list for sm_90a)."""
-    return [hopper_probe_variant(), wgmma_v0_variant()]
+    return [hopper_probe_variant(), wgmma_variant()]
 
 
 HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)

@@ -26,10 +26,58 @@ def test_kv_map_rejects_strides_tma_cannot_take():
     naming it (before the driver, which answers only "invalid value")."""
     import pytest
     with pytest.raises(ValueError, match="stride of dim 2"):
-        hp.kv_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 2, 1), (2, 256, 256 * 64 + 8, 256 * 128 + 16)), 128)
+        hp.kv_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 2, 1), (2, 256, 256 * 64 + 8, 256 * 128 + 16)))
 
 
 def test_ws_configs_fit_shared_memory():
     """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
-    for name, bk, stages in hp.WS_CONFIGS.values():
-        assert hp.smem_ws(bk, stages) <= 227 * 1024, name
+    for name, stages in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
+        assert hp.smem_ws(stages) <= 227 * 1024, name
+
+
+# ---- dispatch: when auto runs the sm_90a prefill ("prefill-wgmma") -- without a GPU
+def _f(**kw):
+    from ggml_attn.dispatch import CallFacts
+    base = dict(n_batch=4096, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90")
+    base.update(kw)
+    return CallFacts(**base)
+
+
+def test_auto_prefers_wgmma_on_sm90_for_plain_calls():
+    from ggml_attn.dispatch import best_kernel
+    c = best_kernel("auto", _f())
+    assert c.kernel == "prefill-wgmma" and "wgmma" in c.reason
+    assert best_kernel("auto", _f(mask_tiles="plain")).kernel == "prefill-wgmma"
+
+
+def test_auto_keeps_mma_where_wgmma_does_not_apply():
+    """Another architecture, other head sizes or K/V type, sinks/softcap/ALiBi, a mask with
+    MASKED/HIDDEN tiles (or not measured), few tokens, decode shapes, unaligned K/V."""
+    from ggml_attn.dispatch import WGMMA_MIN_BATCH, best_kernel
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(kv_type=GGML_TYPE_BF16),
+               dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
+        assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
+    assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tc"
+    assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
+
+
+def test_wgmma_by_name_says_why_not():
+    import pytest
+
+    from ggml_attn.dispatch import best_kernel
+    # asked for by name: any size, any mask (MASKED tiles are read from the mask: slow, right)
+    assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
+    assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
+    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=64, d_v=64), "D 128"),
+                      (dict(kv_type=GGML_TYPE_BF16), "f16"), (dict(plain=False), "sinks")):
+        with pytest.raises(ValueError, match=words):
+            best_kernel("prefill-wgmma", _f(**kw))
+
+
+def test_wgmma_launch_config():
+    """One fixed shape: 384 threads, 128-token blocks (the plan's tile map for them), heads
+    fastest in the grid, 64-cell plan tiles counted for the live lists, no split."""
+    from ggml_attn.cuda_launch import Shapes, launch_config
+    cfg = launch_config("prefill-wgmma", Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
+    assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
+    assert cfg.grid == (32, 3, 2) and cfg.smem == hp.smem_ws(hp.WS_CONFIGS[hp.WS_DEFAULT][1])

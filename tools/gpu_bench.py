@@ -102,6 +102,12 @@ class Ours:
                 stream=self.stream, n_splits=n_splits)
         return [make(dk, dv) for dk, dv in self.dkv]
 
+    def kernel(self, kernel="auto"):
+        """The kernel a call of this problem runs (cuda_backend.bind's choice)."""
+        k, v = self.dkv[0]
+        return self.cb.bind(self.dq, k, v, self.dm, None, self.dd, SCALE, kernel=kernel, plan=self.plan,
+                            stream=self.stream).kern
+
     def tile_classes(self, kernel="auto"):
         if self.plan is None:
             return None
@@ -217,7 +223,9 @@ def run(quick=False, only=None, log=print):
         if want(case):
             fl = 4 * H * D * n * n / 2
             ours = Ours(1, n, n, block_causal_mask([n], n))
-            add(case, "ours", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
+            # "ours": what auto runs (the sm_90a wgmma prefill on an H200); "ours-mma": mma.sync
+            add(case, "ours", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
+            add(case, "ours-mma", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
             with narrow_prefill():
                 add(case, "ours-64row", ours.fns("prefill"), fl)
             rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
@@ -231,7 +239,8 @@ def run(quick=False, only=None, log=print):
     if want(case) or want("mask tile") or want("window"):
         fl = 4 * H * D * n * n
         ours = Ours(1, n, n)
-        t_nomask = add(case, "ours", ours.fns("prefill"), fl)
+        t_nomask = add(case, "ours", ours.fns("prefill"), fl)   # mma.sync: the mask tile ratios below
+        add(case, "ours-auto", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
         with narrow_prefill():
             add(case, "ours-64row", ours.fns("prefill"), fl)
         q, kv = torch_qkv(1, n, n)
@@ -244,7 +253,7 @@ def run(quick=False, only=None, log=print):
         add(case, "ours-wgmma-v0", v0, fl)   # "n/a" off compute capability 9.0
         # version 1 (warp-specialised), each instance, then its speed-of-light probes (wrong
         # results by design: the time without the softmax, without loads past the first ring)
-        for config in (*hopper_prefill.WS_CONFIGS, *hopper_prefill.WS_DIAG):
+        for config in (*hopper_prefill.WS_CONFIGS, *hopper_prefill.WS_DIAG):   # no mask: run_ws
             ws = [lambda dk=dk, dv=dv, c=config: hopper_prefill.run_ws(ours.dq, dk, dv, ours.dd, SCALE,
                                                                        ours.stream, config=c)
                   for dk, dv in ours.dkv]

@@ -3,7 +3,8 @@ prefill with a ragged block-causal mask and a tail tile (n_kv = 333), decode and
 with forced KV splits + combine, the cell-list decode (its list builder, splits, D 64/128/256),
 BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
 marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also with scores in natural units
-(cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefill's version 0 as well.
+(cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefills as well (versions 0
+and 1 directly, version 1 through the op with a mask of every tile class).
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -101,6 +102,26 @@ def main():
             ok = err <= 5e-4 and not np.isnan(out).any()
             bad += not ok
             print(f"{label:10s} D=128 mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        # through the op's entry with a causal mask after 100 cells: PARTIAL and ABSENT halves,
+        # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile)
+        nb, n_kv = 200, 300
+        m = np.full((1, 1, nb, n_kv), -np.inf, np.float16)
+        for t in range(nb):
+            m[0, 0, t, :100 + t + 1] = 0
+        m[0, 0, 5, 3:9] = -np.inf
+        q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
+        k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
+        v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
+        ref = flash_attn_ext(q, k, v, m, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+        dq, dk_, dv_, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m)
+        dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
+        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                 from_array(dm, GGML_TYPE_F16), None, from_array(dst), 0.1, kernel="prefill-wgmma")
+        out = dst.get()
+        err = nmse(out, ref)
+        ok = err <= 5e-4 and not np.isnan(out).any()
+        bad += not ok
+        print(f"wgmma-op   D=128 mask=causal+hole nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     sys.exit(1 if bad else 0)
 
 
