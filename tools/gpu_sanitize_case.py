@@ -81,7 +81,7 @@ def main():
         bad += not ok
         print(f"{kernel:10s} D={dk} mask={kind} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     from ggml_attn import kernels as K
-    if K.device_arch() == "sm_90":   # the sm_90a prefills (not dispatched): tail tiles, GQA 4
+    if K.device_arch() == "sm_90":   # the sm_90a prefills: tail tiles, GQA 4, every tile class
         from ggml_attn import hopper_prefill
         nb, n_kv, nh, nkv = 100, 333, 8, 2
         q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
