@@ -240,18 +240,20 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 tma_load_4d(dv + TILE / 2 + 64 * 64, mv, 64, y1, hk, s, &full_v[st]);
             }
         } else if (warp == 9 && chunks.idx != nullptr) {
-            // the fixer: once a chunk's V has landed, zero the rows of its hidden columns and
-            // hand it over on v_ready (the consumers wait there for HIDDEN chunks only; a stage
-            // cannot be refilled before they release it, so v_ready runs at most one phase ahead)
+            // the fixer: once a chunk's V has landed, zero the rows of its hidden columns, then
+            // arrive on v_ready -- for every chunk, so that v_ready's phases count the stage's
+            // uses as full_v's do (the consumers wait there for HIDDEN chunks only; a stage
+            // cannot be refilled before they release it, so v_ready never runs a phase ahead)
             const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
             int pos = 0;
             WsChunk c;
             for (int j = 0; ws_next_chunk(chunks, pos, c); ++j) {
-                if (!c.hid) continue;
                 const int st = j % STAGES;
                 mbar_wait(&full_v[st], (j / STAGES) & 1);
-                ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
-                fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
+                if (c.hid) {
+                    ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
+                    fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
+                }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&v_ready[st]);
             }

@@ -233,7 +233,7 @@ def _masks():
         "no mask": (300, 1000, None, "prefill-wgmma"),
         "causal": (300, 300, _causal(300, 300, 0), "prefill-wgmma"),
         "causal after 256 cells": (300, 556, _causal(300, 556, 256), "prefill-wgmma"),
-        "causal, 8 tokens": (8, 300, _causal(8, 300, 292), "decode-tc"),
+        "causal, 8 tokens": (8, 300, _causal(8, 300, 292), "prefill"),   # < WGMMA_MIN_BATCH
         # the second prompt's third query tile cannot see the first's cells in a live tile:
         # HIDDEN columns (their V rows zeroed by the fixer warp)
         "two prompts": (400, 400, block_causal_mask([150, 250], 400).reshape(400, 400), "prefill-wgmma"),
