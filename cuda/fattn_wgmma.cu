@@ -206,7 +206,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);
             mbar_init(&empty_k[i], 8);   // lane 0 of each consumer warp
-            mbar_init(&empty_v[i], 8);
+            mbar_init(&empty_v[i], chunks.idx ? 9 : 8);   // and the fixer when there is a plan
             mbar_init(&v_ready[i], 1);
         }
         fence_mbar_init();
@@ -242,8 +242,9 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         } else if (warp == 9 && chunks.idx != nullptr) {
             // the fixer: once a chunk's V has landed, zero the rows of its hidden columns, then
             // arrive on v_ready -- for every chunk, so that v_ready's phases count the stage's
-            // uses as full_v's do (the consumers wait there for HIDDEN chunks only; a stage
-            // cannot be refilled before they release it, so v_ready never runs a phase ahead)
+            // uses as full_v's do (the consumers wait there for HIDDEN chunks only) -- and on
+            // empty_v: a stage is not refilled before the fixer is done with it either, so
+            // neither full_v nor v_ready ever runs a phase ahead of it
             const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
             int pos = 0;
             WsChunk c;
@@ -255,7 +256,10 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                     fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
                 }
                 __syncwarp();
-                if (lane == 0) mbar_arrive(&v_ready[st]);
+                if (lane == 0) {
+                    mbar_arrive(&v_ready[st]);
+                    mbar_arrive(&empty_v[st]);
+                }
             }
         }
         return;
