@@ -202,6 +202,9 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     const WsChunks chunks = ws_chunks(p, qt, s);
 
     if (threadIdx.x == 0) {
+        unsigned dyn;   // the launch's dynamic shared memory must cover this layout
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (unsigned)smem_bytes<BK, STAGES>()) trap_out_of_line();
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);

@@ -177,15 +177,15 @@ __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned 
         "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
     return done != 0;
 }
-// the trap of a barrier that never completes, out of line: an inlined trap makes ptxas ignore
+// a trap kept out of line (a barrier that never completes, a bad launch): an inlined trap makes ptxas ignore
 // setmaxnreg's larger register budget for the whole kernel (it then spills the consumers)
-__device__ __noinline__ void mbar_timeout_trap() { __trap(); }
+__device__ __noinline__ void trap_out_of_line() { __trap(); }
 // wait for phase `parity`; a barrier still open after ~2^32 cycles (~2 s: a wrong byte count,
 // a copy that never issued) traps instead of hanging the GPU
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     const long long t0 = clock64();
     while (!mbar_try_wait(bar, parity))
-        if (clock64() - t0 > (1ll << 32)) mbar_timeout_trap();
+        if (clock64() - t0 > (1ll << 32)) trap_out_of_line();
 }
 // one plain arrival (the consumers' "stage free" signal)
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {

@@ -329,7 +329,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     if prep.kern == "prefill-wgmma":   # K and V's TMA maps follow the params (kernel order)
-        from .hopper_prefill import kv_map
+        from .wgmma_shape import kv_map
         maps = (kv_map(k), kv_map(v))
         arr = K.arg_block(p, *maps)
         b._keep = (b._keep, maps)

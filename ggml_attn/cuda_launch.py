@@ -182,7 +182,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
-        from . import hopper_prefill as hp
+        from . import wgmma_shape as hp
         name, stages = hp.WS_CONFIGS[hp.WS_DEFAULT]
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3)
         return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, grid[1], n_kv_tiles, 1,

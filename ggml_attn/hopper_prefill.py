@@ -6,7 +6,7 @@
   chunks (128 cells) to two consumer warpgroups (128 query rows per block), the softmax of one
   chunk under the P V GEMM of the one before, the two warpgroups in ping-pong. The op runs it
   as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py decides; cuda_backend.bind launches it
-  with :func:`kv_map`'s tensor maps), masks through the plan's 128-token tile map.
+  with the tensor maps of ggml_attn/wgmma_shape.py), masks through the plan's 128-token tile map.
   ``run_ws`` launches it directly without a mask in one of ``WS_CONFIGS`` (tests, benchmarks).
 
 Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 [128, n_kv, n_head_kv, ne3],
@@ -17,39 +17,15 @@ from __future__ import annotations
 
 from . import cuda_backend as cb
 from . import kernels as K
-from . import tma
 from .dtypes import GGML_TYPE_F16
 from .tensor import TensorDesc
+from .wgmma_shape import THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
+
+__all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not",
+           "run_v0", "run_ws"]
 
 SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
 NAME_V0 = "fattn_wgmma_v0_d128"
-THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
-Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
-CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
-# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages; "pp"
-# is the one the op runs, the others are its A/B rows in tools/gpu_bench.py
-WS_CONFIGS = {
-    "pp": ("fattn_wgmma_ws_d128", 3),
-    "nopp": ("fattn_wgmma_ws_nopp_d128", 3),
-    "s2": ("fattn_wgmma_ws_s2_d128", 2),
-}
-WS_DEFAULT = "pp"
-# a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
-WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3)}
-
-
-def smem_ws(stages: int) -> int:
-    """ws::smem_bytes<128, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
-    (128 x 128 halves), 4 mbarriers per stage."""
-    return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 4 * stages * 8
-
-
-def ws_grid(n_batch: int, n_head: int, ne3: int) -> tuple[int, int, int]:
-    """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
-    reverse: the longest causal rows first), streams."""
-    return (n_head, -(-n_batch // Q_TILE_WS), ne3)
-
-
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None) -> str | None:
     """None when versions 0 and 1 run these shapes, else why not (D 128, f16 K/V, 16-byte
@@ -80,13 +56,6 @@ def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     sh, p = _checked(q, k, v, dst, scale, "v0")
     fn = K.get_function(K.wgmma_variant(), NAME_V0, smem=SMEM_V0)
     fn.launch((-(-sh.n_batch // 64), sh.n_head, sh.ne3), (128, 1, 1), stream, p)
-
-
-def kv_map(t: TensorDesc) -> tma.TmaMap:
-    """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16) that version
-    1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
-    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1),
-                            tma.SWIZZLE_128B)
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,

@@ -1,0 +1,42 @@
+"""The sm_90a prefill's launch shape (cuda/fattn_wgmma.cu, version 1) and the TMA maps its
+producer reads K and V through: what the launch configuration (cuda_launch.py) and the call
+binder (cuda_backend.py) need, apart from ggml_attn/hopper_prefill.py's direct launches (which
+import the backend: this module must not).
+"""
+from __future__ import annotations
+
+from . import tma
+from .tensor import TensorDesc
+
+THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
+Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
+CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
+# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages; "pp"
+# is the one the op runs, the others are its A/B rows in tools/gpu_bench.py
+WS_CONFIGS = {
+    "pp": ("fattn_wgmma_ws_d128", 3),
+    "nopp": ("fattn_wgmma_ws_nopp_d128", 3),
+    "s2": ("fattn_wgmma_ws_s2_d128", 2),
+}
+WS_DEFAULT = "pp"
+# a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
+WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3)}
+
+
+def smem_ws(stages: int) -> int:
+    """ws::smem_bytes<128, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
+    (128 x 128 halves), 5 mbarriers per stage (full and empty for K and V, V ready)."""
+    return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 5 * stages * 8
+
+
+def ws_grid(n_batch: int, n_head: int, ne3: int) -> tuple[int, int, int]:
+    """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
+    reverse: the longest causal rows first), streams."""
+    return (n_head, -(-n_batch // Q_TILE_WS), ne3)
+
+
+def kv_map(t: TensorDesc) -> tma.TmaMap:
+    """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16) that version
+    1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
+    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1),
+                            tma.SWIZZLE_128B)
