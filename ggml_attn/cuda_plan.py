@@ -70,8 +70,8 @@ class Plan:
     # not measured (no cell lists built)
     reads: tuple | None = None
     # the mask for the sm_90a prefill (read_wgmma_tiles): "plain" when the 128-token tile map has
-    # no MASKED tile, "masked" otherwise; None: not measured. A verdict only on speed: the kernel
-    # is right on every tile class (a refreshed mask may change it)
+    # neither MASKED nor HIDDEN tiles, "masked" otherwise; None: not measured. A verdict only on
+    # speed: the kernel is right on every tile class (a refreshed mask may change it)
     wgmma_tiles: str | None = None
 
     def hint(self) -> tuple:
@@ -81,12 +81,12 @@ class Plan:
 
     def read_wgmma_tiles(self, stream: int) -> str:
         """Whether the sm_90a prefill suits this mask: its 128-token tile map (built if missing)
-        checked for MASKED tiles on the device, the verdict read back (synchronizes ``stream``)
-        into ``wgmma_tiles``."""
+        checked for MASKED and HIDDEN tiles on the device, the verdict read back (synchronizes
+        ``stream``) into ``wgmma_tiles``."""
         import cupy
-        flags = self._map(128, stream)[2]   # fattn_mask_scan's per-tile flags: 4 MASKED
+        flags = self._map(128, stream)[2]   # fattn_mask_scan's per-tile flags: 4 MASKED, 8 HIDDEN
         with cupy.cuda.ExternalStream(stream):
-            bad = int((flags & 4).max()) if flags.size else 0
+            bad = int((flags & 12).max()) if flags.size else 0
         self.wgmma_tiles = "masked" if bad else "plain"
         return self.wgmma_tiles
 

@@ -54,19 +54,22 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 
 # The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
 # "prefill" on compute capability 9.0 for D 128 f16 K/V without sinks, softcap or ALiBi, when
-# the mask (if any) has no MASKED tiles in the plan's 128-token tile map (the kernel reads such
-# tiles' mask values from global memory: right, but slow), and for at least WGMMA_MIN_BATCH
-# tokens per stream (a guess: its blocks take 128 query rows;
-# below that the 64-row mma.sync tiles waste less). H200, 4096 tokens, no mask: 500 us against
-# 815 for "prefill" (bench/results/2026-12-01-2cd5694.json).
+# the mask (if any) has neither MASKED nor HIDDEN tiles in the plan's 128-token tile map, and
+# for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
+# below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class
+# (MASKED tiles' values read from global memory, HIDDEN columns' V rows zeroed), but only the
+# plain layouts are measured: H200, causal 8192 1050 us against 1628 for "prefill", causal
+# 2048 111 against 137, 4096 without a mask 507 against 816 (bench/results/2026-12-01-ecc8487.json,
+# -7940c8e.json). HIDDEN tiles come with ragged prompts and unaligned prefixes: there the
+# mma.sync kernel's head-packed 64-row tiles are measured (0.91-0.96x FA2 varlen), this one not.
 WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
 
 def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     """None when the sm_90a prefill can run this call, else why not; for ``auto``'s choice also
-    a mask with MASKED tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens per
-    stream."""
+    a mask with MASKED or HIDDEN tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens
+    per stream."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
     if (f.d_k, f.d_v) != (128, 128) or f.kv_type != GGML_TYPE_F16:
@@ -74,8 +77,8 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
     if auto and f.mask_tiles == "masked":
-        return ("the mask has tiles whose rows are not intervals of visible cells (or no plan measured it): "
-                "the mma.sync kernel loads such masks faster")
+        return ("the mask has tiles whose rows are not intervals of visible cells, or columns no row sees "
+                "(or no plan measured it): the mma.sync kernel's measured path")
     if auto and f.n_batch < WGMMA_MIN_BATCH:
         return f"n_batch {f.n_batch} < {WGMMA_MIN_BATCH}: 128-row blocks would run mostly empty"
     return None
@@ -164,9 +167,8 @@ class CallFacts:
     tile_reads: float | None = None
     arch: str = ""                     # the device's architecture ("sm_90"); "" when not known
     plain: bool = True                 # no sinks, softcap or ALiBi
-    # the mask as the plan's 128-token tile map saw it: "none" (no mask), "plain" (no MASKED
-    # tile: FULL and PARTIAL-interval tiles, HIDDEN columns allowed), "masked" (MASKED tiles, or
-    # not measured)
+    # the mask as the plan's 128-token tile map saw it: "none" (no mask), "plain" (FULL and
+    # PARTIAL-interval tiles only), "masked" (MASKED or HIDDEN tiles, or not measured)
     mask_tiles: str = "none"
 
 
@@ -226,7 +228,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"on their cell lists against {f.tile_reads:.0f} for {kern} "
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
-            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, no MASKED tiles)"
+            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
     else:
         if kernel == "prefill-wgmma":
             why = wgmma_why_not(f, auto=False)

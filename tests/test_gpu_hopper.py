@@ -224,8 +224,13 @@ def _causal(n_batch: int, n_kv: int, past: int) -> np.ndarray:
     return m
 
 
-def _masks():
+def _two_prompts() -> np.ndarray:
+    """f16 [400, 400]: prompts of 150 and 250 tokens in one unified ubatch (block-causal)."""
     from ggml_attn.conformance import block_causal_mask
+    return block_causal_mask([150, 250], 400).reshape(400, 400)
+
+
+def _masks():
     rng = np.random.default_rng(5)
     rand = rng.uniform(-1, 1, (300, 300)).astype(np.float16)
     return {
@@ -235,10 +240,10 @@ def _masks():
         "causal after 256 cells": (300, 556, _causal(300, 556, 256), "prefill-wgmma"),
         "causal, 8 tokens": (8, 300, _causal(8, 300, 292), "prefill"),   # < WGMMA_MIN_BATCH
         # the second prompt's third query tile cannot see the first's cells in a live tile:
-        # HIDDEN columns (their V rows zeroed by the fixer warp)
-        "two prompts": (400, 400, block_causal_mask([150, 250], 400).reshape(400, 400), "prefill-wgmma"),
-        "causal after 100 cells": (300, 400, _causal(300, 400, 100), "prefill-wgmma"),   # HIDDEN
-        "random bias": (300, 300, rand, "prefill"),   # MASKED tiles: mma.sync
+        # HIDDEN columns -- auto keeps those on mma.sync (measured there); by name: below
+        "two prompts": (400, 400, _two_prompts(), "prefill"),
+        "causal after 100 cells": (300, 400, _causal(300, 400, 100), "prefill"),   # HIDDEN
+        "random bias": (300, 300, rand, "prefill"),   # MASKED tiles
     }
 
 
@@ -246,8 +251,8 @@ def _masks():
 def test_op_runs_wgmma_prefill_where_it_applies(name):
     """Through the op's device entry (make_plan, bind, launch): auto picks the sm_90a prefill for
     no mask and for masks whose 128-token tile map has only FULL and PARTIAL-interval tiles
-    (causal, with a prefix, ragged prompts: HIDDEN columns too), the mma.sync prefill for MASKED
-    tiles; either way the result matches the float64 reference (dst poisoned with NaN first)."""
+    (causal, with an aligned prefix), the mma.sync prefill for MASKED or HIDDEN tiles; either
+    way the result matches the float64 reference (dst poisoned with NaN first)."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
@@ -276,22 +281,25 @@ def test_op_runs_wgmma_prefill_where_it_applies(name):
     assert err <= 5e-4, f"{name}: NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("kind", ["random bias", "holes", "nan in hidden cells"])
+@pytest.mark.parametrize("kind", ["random bias", "holes", "nan in hidden cells", "two prompts"])
 def test_wgmma_prefill_by_name_takes_every_tile_class(kind):
     """kernel="prefill-wgmma" asked for by name on masks auto would not give it: MASKED tiles
-    (a random bias; -inf holes inside causal rows) read from the mask, and NaN in the K/V cells
-    no row sees (HIDDEN columns, ABSENT halves) must not reach the output."""
+    (a random bias; -inf holes inside causal rows) read from the mask, NaN in the K/V cells no
+    row sees (HIDDEN columns, ABSENT halves) must not reach the output, ragged prompts in one
+    ubatch (HIDDEN columns)."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
     rng = np.random.default_rng(3)
-    n_batch, n_kv, nh, nkv, d = 300, 420, 8, 2, 128
+    n_batch, n_kv, nh, nkv, d = (400, 400, 8, 2, 128) if kind == "two prompts" else (300, 420, 8, 2, 128)
     q = rng.uniform(-1, 1, (1, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
     v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
     if kind == "random bias":
         m = rng.uniform(-2, 2, (n_batch, n_kv)).astype(np.float16)
+    elif kind == "two prompts":
+        m = _two_prompts()
     elif kind == "holes":
         m = _causal(n_batch, n_kv, 100)
         m[rng.random((n_batch, n_kv)) < 0.05] = -np.inf
