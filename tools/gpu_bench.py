@@ -321,9 +321,12 @@ def run(quick=False, only=None, log=print):
         useful = sum(4 * H * D * L * L / 2 for L in lens)
         n_kv = -(-total // 256) * 256
         ours = Ours(1, total, n_kv, block_causal_mask(lens, n_kv))
-        add(case, "ours-unified", ours.fns(), useful, note=f"n_kv {n_kv}", tiles=ours.tile_classes())
+        add(case, "ours-unified", ours.fns(), useful, note=f"n_kv {n_kv}; auto: {ours.kernel()}",
+            tiles=ours.tile_classes())
         with narrow_prefill():
             add(case, "ours-unified-64row", ours.fns(), useful)
+        # the sm_90a prefill by name (auto keeps HIDDEN tiles on mma.sync until this row says)
+        add(case, "ours-unified-wgmma", ours.fns("prefill-wgmma"), useful)
         rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
                          note="wall time of make_plan (once per ubatch), synchronized"))
         for pk in (1, 8):
@@ -346,7 +349,8 @@ def run(quick=False, only=None, log=print):
             continue
         useful = 2 * 4 * H * D * L * L / 2
         ours = Ours(1, 2 * L, 2 * L, block_causal_mask([L, L], 2 * L))
-        add(case, "ours-unified", ours.fns(), useful, tiles=ours.tile_classes())
+        add(case, "ours-unified", ours.fns(), useful, tiles=ours.tile_classes(), note=f"auto: {ours.kernel()}")
+        add(case, "ours-unified-mma", ours.fns("prefill"), useful)
         add(case, "fa2-varlen", varlen_fns([L, L]), useful)
         q, kv = torch_qkv(2, L, L)
         add(case, "cudnn-batch2", sdpa_fns(q, kv, causal=True), useful, ctx=cudnn())
