@@ -13,7 +13,7 @@
 // (m64n128k16, P converted from S's accumulators in place). No mask, softcap, ALiBi or sinks;
 // D = 128, f16 K/V; cells past n_kv score -inf. Grid (n_q_tiles, n_head, ne3); dynamic shared
 // memory: Q + 2 K + 2 V tiles of 64 x 128 halves, 80 KB (ggml_attn/hopper_prefill.py SMEM_V0).
-#include "fattn_wgmma.cuh"
+#include "fattn_wgmma.cuh"   // hopper_common.cuh, the tile steps, Q staging and row stores
 
 extern "C" __global__ void __launch_bounds__(128, 1)
 fattn_wgmma_v0_d128(const FattnParams p) {
@@ -28,20 +28,7 @@ fattn_wgmma_v0_d128(const FattnParams p) {
     const int tok0 = qt * BQ, hk = h / p.gqa;
 
     // ---- step: Q tile -> shared (f16, times scale * log2 e), rows past n_batch zero
-    {
-        const float qs = p.scale * FATTN_LOG2E;
-        const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
-        for (int i = tid; i < BQ * (D / 4); i += 128) {
-            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (tok0 + r < p.n_batch)
-                x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
-            uint2 w;
-            w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
-            w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
-            *reinterpret_cast<uint2*>(sQ + core_matrix_index(r, c, D)) = w;
-        }
-    }
+    wg_stage_q(p, sQ, tok0, h, s, tid);
 
     // ---- step: K and V tile j -> stage (cells past n_kv zero-filled)
     const char* kb = p.k + (long long)hk * p.k_nb2 + (long long)s * p.k_nb3;
@@ -141,20 +128,8 @@ fattn_wgmma_v0_d128(const FattnParams p) {
     }
     cp_async_wait<0>();
 
-    // ---- step: output rows (1 / l each), f32, dst row ((s * n_batch + tok) * n_head + h)
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-        float L = l[rs];
-        L += __shfl_xor_sync(0xffffffffu, L, 1);
-        L += __shfl_xor_sync(0xffffffffu, L, 2);
-        const int tok = tok0 + 16 * warp + g + 8 * rs;
-        if (tok >= p.n_batch) continue;
-        const float f = inv_row_sum(L);
-        float* out = p.dst + (((long long)s * p.n_batch + tok) * p.n_head + h) * D;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
-    }
+    // ---- step: output rows
+    wg_store_rows(p, O, l, tok0 + 16 * warp + g, h, s, t4);
 }
 
 // ---- Version 1: warp-specialised (the FlashAttention-3 shape), masks through the plan
@@ -227,20 +202,19 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 // an ABSENT half is read from past n_kv: TMA writes zeros (no stale cache cells)
                 const int y0 = (c.cls & 3) == WS_ABSENT ? chunks.oob : c.kv0;
                 const int y1 = (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
-                __half* dk = sK + st * TILE;
-                __half* dv = sV + st * TILE;
-                if (j >= STAGES) mbar_wait(&empty_k[st], release);
-                mbar_arrive_expect_tx(&full_k[st], tile_bytes<BK>());
-                tma_load_4d(dk, mk, 0, y0, hk, s, &full_k[st]);
-                tma_load_4d(dk + 64 * 64, mk, 0, y1, hk, s, &full_k[st]);
-                tma_load_4d(dk + TILE / 2, mk, 64, y0, hk, s, &full_k[st]);
-                tma_load_4d(dk + TILE / 2 + 64 * 64, mk, 64, y1, hk, s, &full_k[st]);
-                if (j >= STAGES) mbar_wait(&empty_v[st], release);
-                mbar_arrive_expect_tx(&full_v[st], tile_bytes<BK>());
-                tma_load_4d(dv, mv, 0, y0, hk, s, &full_v[st]);
-                tma_load_4d(dv + 64 * 64, mv, 0, y1, hk, s, &full_v[st]);
-                tma_load_4d(dv + TILE / 2, mv, 64, y0, hk, s, &full_v[st]);
-                tma_load_4d(dv + TILE / 2 + 64 * 64, mv, 64, y1, hk, s, &full_v[st]);
+                // one chunk of K or V into stage st once the consumers freed it: four 64 x 64
+                // boxes (d 0-63 then 64-127, each as cells 0-63 and 64-127)
+                auto load = [&](__half* dst, const TmaMap* map, unsigned long long* empty,
+                                unsigned long long* full) {
+                    if (j >= STAGES) mbar_wait(empty, release);
+                    mbar_arrive_expect_tx(full, tile_bytes<BK>());
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        tma_load_4d(dst + (b >> 1) * (TILE / 2) + (b & 1) * 64 * 64, map, 64 * (b >> 1),
+                                    b & 1 ? y1 : y0, hk, s, full);
+                };
+                load(sK + st * TILE, mk, &empty_k[st], &full_k[st]);
+                load(sV + st * TILE, mv, &empty_v[st], &full_v[st]);
             }
         } else if (warp == 9 && chunks.idx != nullptr) {
             // the fixer: once a chunk's V has landed, zero the rows of its hidden columns, then
@@ -273,22 +247,9 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
     const int row0 = qt * BQ + wg * 64;
     __half* sQw = sQ + wg * 64 * D;
-    {   // Q rows -> shared (f16, times scale * log2 e), rows past n_batch zero
-        const float qs = p.scale * FATTN_LOG2E;
-        const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
-        for (int i = tid; i < 64 * (D / 4); i += 128) {
-            const int r = i / (D / 4), c = (i % (D / 4)) * 4;
-            float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (row0 + r < p.n_batch)
-                x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(row0 + r) * p.q_nb1) + c / 4);
-            uint2 w;
-            w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
-            w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
-            *reinterpret_cast<uint2*>(sQw + core_matrix_index(r, c, D)) = w;
-        }
-        fence_proxy_async_shared();
-        named_barrier_sync(BAR_Q + wg, 128);
-    }
+    wg_stage_q(p, sQw, row0, h, s, tid);   // Q rows -> shared, then visible to wgmma
+    fence_proxy_async_shared();
+    named_barrier_sync(BAR_Q + wg, 128);
     const unsigned q_addr = smem_u32(sQw);
     auto k_addr = [&](int st) { return smem_u32(sK + st * TILE); };
     auto v_addr = [&](int st) { return smem_u32(sV + st * TILE); };
@@ -369,21 +330,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         wgmma_pin(O);
     }
 
-    // ---- output rows (1 / l each: 0 for a row that sees no cell), f32, dst row
-    // ((s * n_batch + tok) * n_head + h)
-#pragma unroll
-    for (int rs = 0; rs < 2; ++rs) {
-        float L = l[rs];
-        L += __shfl_xor_sync(0xffffffffu, L, 1);
-        L += __shfl_xor_sync(0xffffffffu, L, 2);
-        const int tok = row0 + 16 * w4 + g + 8 * rs;
-        if (tok >= p.n_batch) continue;
-        const float f = inv_row_sum(L);
-        float* out = p.dst + (((long long)s * p.n_batch + tok) * p.n_head + h) * D;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-            *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
-    }
+    // ---- output rows
+    wg_store_rows(p, O, l, row0 + 16 * w4 + g, h, s, t4);
 }
 
 // the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS, WS_DIAG): ring depth,

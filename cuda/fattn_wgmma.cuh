@@ -23,6 +23,46 @@ template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
 }
 }
 
+// A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x 128
+// halves as core matrices, K-major): f16 of q * scale * log2 e (scores then come out in the log2
+// domain), rows past n_batch zero. tid: the thread's index in the warpgroup (0..127).
+__device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int tok0, int h, int s, int tid) {
+    constexpr int D = ws::D;
+    const float qs = p.scale * FATTN_LOG2E;
+    const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
+    for (int i = tid; i < 64 * (D / 4); i += 128) {
+        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (tok0 + r < p.n_batch)
+            x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
+        uint2 w;
+        w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
+        w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
+        *reinterpret_cast<uint2*>(sq + core_matrix_index(r, c, D)) = w;
+    }
+}
+
+// A thread's two output rows (tok, tok + 8: rows g and g + 8 of its warp's 16) from the P V
+// accumulators: O / l (0 for a row that sees no cell), f32, dst row ((s * n_batch + tok) *
+// n_head + h); rows past n_batch are not written. l: the thread's partial row sums (a row's
+// sum is spread over the 4 threads of a quad).
+__device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float (&O)[64], const float (&l)[2],
+                                              int tok, int h, int s, int t4) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        float L = l[rs];
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const int t = tok + 8 * rs;
+        if (t >= p.n_batch) continue;
+        const float f = inv_row_sum(L);
+        float* out = p.dst + (((long long)s * p.n_batch + t) * p.n_head + h) * ws::D;
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
+    }
+}
+
 // S (log2 domain) -> P = 2^(S - m_new) in place; m and l updated, alpha[rs] = 2^(m_old - m_new)
 // returned for the caller to rescale O with. Rows g (rs 0) and g + 8 (rs 1) of each warp's 16;
 // a row's BK values live in the 4 threads of a quad.
