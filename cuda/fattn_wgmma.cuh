@@ -240,8 +240,9 @@ __device__ __forceinline__ RowIntervals ws_row_intervals(const FattnParams& p, i
 
 // the chunk's mask on S (64 rows x 128 columns of the warpgroup, accumulator layout; scores in
 // the log2 domain): ABSENT halves -inf, PARTIAL halves -inf outside each row's interval, MASKED
-// halves plus the mask's values (read from p.mask, times log2 e; rows past n_batch -inf), FULL
-// halves untouched. tok: the thread's first row (the second is tok + 8).
+// halves plus the mask's values (read from p.mask, times log2 e; -inf cells and rows past
+// n_batch set to -inf, not added: NaN in an unseen cell's K stays out), FULL halves untouched.
+// tok: the thread's first row (the second is tok + 8).
 __device__ __forceinline__ void ws_mask_chunk(float (&S)[ws::CHUNK / 2], const WsChunk& c, const RowIntervals& r,
                                               const FattnParams& p, int tok, int h, int s, int t4) {
     if (c.cls == (WS_FULL | (WS_FULL << 2))) return;
@@ -260,8 +261,9 @@ __device__ __forceinline__ void ws_mask_chunk(float (&S)[ws::CHUNK / 2], const W
                     float m0 = FATTN_NEG_INF, m1 = FATTN_NEG_INF;
                     if (in && col < p.n_kv) m0 = __half2float(__ldg(mrow + col));
                     if (in && col + 1 < p.n_kv) m1 = __half2float(__ldg(mrow + col + 1));
-                    S[4 * i + 2 * rs] += m0 * FATTN_LOG2E;
-                    S[4 * i + 2 * rs + 1] += m1 * FATTN_LOG2E;
+                    // a -inf cell scores -inf whatever its K holds (NaN + -inf would be NaN)
+                    S[4 * i + 2 * rs] = m0 == FATTN_NEG_INF ? FATTN_NEG_INF : S[4 * i + 2 * rs] + m0 * FATTN_LOG2E;
+                    S[4 * i + 2 * rs + 1] = m1 == FATTN_NEG_INF ? FATTN_NEG_INF : S[4 * i + 2 * rs + 1] + m1 * FATTN_LOG2E;
                 }
             }
             continue;

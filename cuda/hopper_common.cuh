@@ -180,12 +180,13 @@ __device__ __forceinline__ bool mbar_try_wait(unsigned long long* bar, unsigned 
 // a trap kept out of line (a barrier that never completes, a bad launch): an inlined trap makes ptxas ignore
 // setmaxnreg's larger register budget for the whole kernel (it then spills the consumers)
 __device__ __noinline__ void trap_out_of_line() { __trap(); }
-// wait for phase `parity`; a barrier still open after ~2^32 cycles (~2 s: a wrong byte count,
-// a copy that never issued) traps instead of hanging the GPU
+// wait for phase `parity`; a barrier still open after 2^36 cycles (~40 s: a wrong byte count,
+// a copy that never issued) traps instead of hanging the GPU -- long enough that preemption,
+// time slicing or a sanitizer's slowdown do not trip it
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     const long long t0 = clock64();
     while (!mbar_try_wait(bar, parity))
-        if (clock64() - t0 > (1ll << 32)) trap_out_of_line();
+        if (clock64() - t0 > (1ll << 36)) trap_out_of_line();
 }
 // one plain arrival (the consumers' "stage free" signal)
 __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
