@@ -303,9 +303,9 @@ def test_wgmma_prefill_by_name_takes_every_tile_class(kind):
     elif kind == "holes":
         m = _causal(n_batch, n_kv, 100)
         m[rng.random((n_batch, n_kv)) < 0.05] = -np.inf
-    else:   # causal after 100 cells; cells no row sees hold NaN (garbage in an unused cache),
-        m = _causal(n_batch, n_kv, 100)   # and a hole makes some tiles MASKED
-        m[7, 20:30] = -np.inf
+    else:   # causal after 100 cells; cells no row sees hold NaN (garbage in an unused cache);
+        m = _causal(n_batch, n_kv, 100)   # a hole in row 290 makes their tile MASKED for rows 256-299
+        m[290, 385] = -np.inf
         k[:, :, 100 + n_batch:] = np.nan
         v[:, :, 100 + n_batch:] = np.nan
     m4 = m.reshape(1, 1, n_batch, n_kv)
