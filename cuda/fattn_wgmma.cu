@@ -71,7 +71,7 @@ fattn_wgmma_v0_d128(const FattnParams p) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-            wgmma_m64n64k16_f16(S, wgmma_desc(q_addr + ks * 256, 128, (D / 8) * 128),
+            wgmma_m64n64k16(S, wgmma_desc(q_addr + ks * 256, 128, (D / 8) * 128),
                                 wgmma_desc(k_addr + ks * 256, 128, (D / 8) * 128), ks > 0);
         wgmma_commit();
         wgmma_wait<0>();
@@ -121,7 +121,7 @@ fattn_wgmma_v0_d128(const FattnParams p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk)
-            wgmma_m64n128k16_f16_rs<1>(O, a[kk], wgmma_desc(v_addr + kk * 256, 128, (BK / 8) * 128), true);
+            wgmma_m64n128k16_rs<1>(O, a[kk], wgmma_desc(v_addr + kk * 256, 128, (BK / 8) * 128), true);
         wgmma_commit();
         wgmma_wait<0>();
         __syncthreads();   // every warp is done with stage st: the next iteration refills it
@@ -151,11 +151,12 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 // p.row_lohi) or MASKED (the mask's values read from global memory: correct, not fast --
 // ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A HIDDEN half's
 // unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V. Without a
-// plan every chunk is live and cells past n_kv score -inf. D = 128, f16 K/V, no sinks, softcap or ALiBi. Grid (n_head, ceil(n_batch / 128), ne3),
+// plan every chunk is live and cells past n_kv score -inf. D = 128, f16 or bf16 K/V (T: Q and P
+// staged in the same type), no sinks, softcap or ALiBi. Grid (n_head, ceil(n_batch / 128), ne3),
 // query tiles in reverse order (the longest causal rows first); dynamic shared memory
 // ws::smem_bytes<128, STAGES>().
 // DIAG 1 (a speed-of-light probe for tools/gpu_bench.py, wrong results by design): no softmax.
-template <int STAGES, bool PINGPONG, int DIAG = 0>
+template <typename T, int STAGES, bool PINGPONG, int DIAG = 0>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
     constexpr int BK = CHUNK;
@@ -247,7 +248,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
     const int row0 = qt * BQ + wg * 64;
     __half* sQw = sQ + wg * 64 * D;
-    wg_stage_q(p, sQw, row0, h, s, tid);   // Q rows -> shared, then visible to wgmma
+    wg_stage_q<T>(p, sQw, row0, h, s, tid);   // Q rows -> shared, then visible to wgmma
     fence_proxy_async_shared();
     named_barrier_sync(BAR_Q + wg, 128);
     const unsigned q_addr = smem_u32(sQw);
@@ -283,13 +284,13 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         // P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
         mbar_wait(&full_k[0], 0);
         wgmma_fence();
-        ws_issue_s<BK>(S, q_addr, k_addr(0));
+        ws_issue_s<BK, T>(S, q_addr, k_addr(0));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(S);
         if (lane == 0) mbar_arrive(&empty_k[0]);
         softmax(cur);
-        ws_pack_p<BK>(S, a);
+        ws_pack_p<BK, T>(S, a);
         if (wg == 1) their_turn();   // warpgroup 0 issues first
         int j = 1;
         for (prev = cur; ws_next_chunk(chunks, pos, cur); prev = cur, ++j) {
@@ -297,12 +298,12 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_wait(&full_k[st], (j / STAGES) & 1);
             my_turn();
             wgmma_fence();
-            ws_issue_s<BK>(S, q_addr, k_addr(st));
+            ws_issue_s<BK, T>(S, q_addr, k_addr(st));
             wgmma_commit();
             ws_rescale(O, alpha);
             wait_v(pst, j - 1, prev);
             wgmma_fence();          // O's registers were just written
-            ws_issue_pv<BK>(O, a, v_addr(pst));
+            ws_issue_pv<BK, T>(O, a, v_addr(pst));
             wgmma_commit();
             their_turn();
             wgmma_wait<1>();   // S_j is in
@@ -316,14 +317,14 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_pin(O);
             wgmma_pin(a);
             if (lane == 0) mbar_arrive(&empty_v[pst]);
-            ws_pack_p<BK>(S, a);
+            ws_pack_p<BK, T>(S, a);
         }
         const int lst = (j - 1) % STAGES;
         ws_rescale(O, alpha);
         wait_v(lst, j - 1, prev);
         my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
         wgmma_fence();
-        ws_issue_pv<BK>(O, a, v_addr(lst));
+        ws_issue_pv<BK, T>(O, a, v_addr(lst));
         wgmma_commit();
         if (wg == 0) their_turn();
         wgmma_wait<0>();
@@ -334,14 +335,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     wg_store_rows(p, O, l, row0 + 16 * w4 + g, h, s, t4);
 }
 
-// the configurations ggml_attn/hopper_prefill.py names (WS_CONFIGS, WS_DIAG): ring depth,
-// ping-pong, diagnostic mode
+// the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, ring
+// depth, ping-pong, diagnostic mode
 #define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
         fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv);                                              \
     }
-FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, 3, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, 2, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, 3, true, 1)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, __half, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 3, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 2, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 3, true, 1)

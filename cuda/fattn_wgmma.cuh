@@ -10,6 +10,11 @@
 #pragma once
 #include "hopper_common.cuh"
 
+// the element type of Q (as staged), K, V and P: f16 or bf16 (wgmma's operand type)
+template <typename T> struct WgType;
+template <> struct WgType<__half> { static constexpr bool BF16 = false; };
+template <> struct WgType<__nv_bfloat16> { static constexpr bool BF16 = true; };
+
 namespace ws {
 constexpr int D = 128, BQ = 128, CHUNK = 128, THREADS = 384;   // CHUNK: KV cells per step (two plan tiles)   // two consumer warpgroups, one producer
 // registers per thread after reallocation: 128 x (40 + 2 x 232) = 384 x 168 (the launch's share)
@@ -24,8 +29,10 @@ template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
 }
 
 // A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x 128
-// halves as core matrices, K-major): f16 of q * scale * log2 e (scores then come out in the log2
-// domain), rows past n_batch zero. tid: the thread's index in the warpgroup (0..127).
+// 16-bit values as core matrices, K-major): T (f16 or bf16, K/V's type) of q * scale * log2 e
+// (scores then come out in the log2 domain), rows past n_batch zero. tid: the thread's index in
+// the warpgroup (0..127).
+template <typename T = __half>
 __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int tok0, int h, int s, int tid) {
     constexpr int D = ws::D;
     const float qs = p.scale * FATTN_LOG2E;
@@ -36,8 +43,8 @@ __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int
         if (tok0 + r < p.n_batch)
             x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
         uint2 w;
-        w.x = KVTraits<__half>::pack2(x.x * qs, x.y * qs);
-        w.y = KVTraits<__half>::pack2(x.z * qs, x.w * qs);
+        w.x = KVTraits<T>::pack2(x.x * qs, x.y * qs);
+        w.y = KVTraits<T>::pack2(x.z * qs, x.w * qs);
         *reinterpret_cast<uint2*>(sq + core_matrix_index(r, c, D)) = w;
     }
 }
@@ -98,11 +105,11 @@ __device__ __forceinline__ void ws_rescale(float (&O)[64], const float (&alpha)[
     }
 }
 
-// P (S's accumulators after ws_softmax) -> the A fragments of the BK / 16 k16 steps of P V
-template <int BK>
+// P (S's accumulators after ws_softmax) -> the A fragments (type T) of the BK / 16 k16 steps of P V
+template <int BK, typename T = __half>
 __device__ __forceinline__ void ws_pack_p(const float (&S)[BK / 2], unsigned (&a)[BK / 4]) {
 #pragma unroll
-    for (int i = 0; i < BK / 4; ++i) a[i] = KVTraits<__half>::pack2(S[2 * i], S[2 * i + 1]);
+    for (int i = 0; i < BK / 4; ++i) a[i] = KVTraits<T>::pack2(S[2 * i], S[2 * i + 1]);
 }
 
 // the K-major swizzled descriptor of k16 step ks (of 8 along D) of a K tile: 32-byte steps
@@ -113,24 +120,25 @@ __device__ __forceinline__ unsigned long long ws_k_desc(unsigned k_addr, int ks)
 }
 
 // S = Q K^T for one tile: 8 k16 steps; Q (64 rows x 128) in plain core matrices
-template <int BK>
+template <int BK, typename T = __half>
 __device__ __forceinline__ void ws_issue_s(float (&S)[BK / 2], unsigned q_addr, unsigned k_addr) {
+    constexpr bool BF16 = WgType<T>::BF16;
 #pragma unroll
     for (int ks = 0; ks < ws::D / 16; ++ks) {
         const unsigned long long da = wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
-        if constexpr (BK == 64) wgmma_m64n64k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
-        else wgmma_m64n128k16_f16(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
+        if constexpr (BK == 64) wgmma_m64n64k16<BF16>(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
+        else wgmma_m64n128k16<BF16>(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
     }
 }
 
 // O += P V for one tile: BK / 16 k16 steps of 16 cells (2048 bytes of the swizzled boxes
 // each); N = 128 spans both boxes (the lead byte offset: one box)
-template <int BK>
+template <int BK, typename T = __half>
 __device__ __forceinline__ void ws_issue_pv(float (&O)[64], const unsigned (&a)[BK / 4], unsigned v_addr) {
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
         const unsigned ak[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
-        wgmma_m64n128k16_f16_rs<1>(O, ak, wgmma_desc_sw128(v_addr + kk * 2048, ws::box_bytes<BK>(), 1024), true);
+        wgmma_m64n128k16_rs<1, WgType<T>::BF16>(O, ak, wgmma_desc_sw128(v_addr + kk * 2048, ws::box_bytes<BK>(), 1024), true);
     }
 }
 

@@ -67,21 +67,25 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-// D[64 x 64] (+)= A[64 x 16] B[64 x 16]^T, f16 operands in shared memory (both K-major),
-// f32 accumulators: the warpgroup's 128 threads hold 32 each -- thread t of warp w holds, for
-// column block i (0..7), d[4i + {0, 1}] at row 16w + t/4, columns 8i + 2(t%4) + {0, 1}, and
-// d[4i + {2, 3}] at row 16w + 8 + t/4 (mma.sync's m16n8 accumulator layout, 8 times over).
-// accumulate = false: D = A B^T (the accumulators' values are ignored).
-__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], unsigned long long desc_a,
-                                                    unsigned long long desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_D32_OUTPUTS(d)
-        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+// D[64 x 64] (+)= A[64 x 16] B[64 x 16]^T, f16 (BF16: bf16) operands in shared memory (both
+// K-major), f32 accumulators: the warpgroup's 128 threads hold 32 each -- thread t of warp w
+// holds, for column block i (0..7), d[4i + {0, 1}] at row 16w + t/4, columns 8i + 2(t%4) +
+// {0, 1}, and d[4i + {2, 3}] at row 16w + 8 + t/4 (mma.sync's m16n8 accumulator layout, 8 times
+// over). accumulate = false: D = A B^T (the accumulators' values are ignored).
+#define WGMMA_M64N64_SS(TY)                                                                            \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                    \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                \
+        : WGMMA_D32_OUTPUTS(d)                                                                         \
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate))
+template <bool BF16 = false>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], unsigned long long desc_a,
+                                                unsigned long long desc_b, bool accumulate) {
+    if constexpr (BF16) WGMMA_M64N64_SS("bf16");
+    else WGMMA_M64N64_SS("f16");
 }
 
 // Accumulators pinned in place: an empty asm that reads and writes each register, placed
@@ -106,39 +110,46 @@ __device__ __forceinline__ void wgmma_pin(unsigned (&a)[N]) {
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 // D[64 x 128] (+)= A[64 x 16] B[128 x 16]^T, both in shared memory (K-major), accumulators as
-// in wgmma_m64n64k16_f16 with 16 column blocks of 8
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned long long desc_a,
-                                                     unsigned long long desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "%64, %65, p, 1, 1, 0, 0;\n}\n"
-        : WGMMA_D64_OUTPUTS(d)
-        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+// in wgmma_m64n64k16 with 16 column blocks of 8
+#define WGMMA_M64N128_SS(TY)                                                                           \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                   \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                \
+        : WGMMA_D64_OUTPUTS(d)                                                                         \
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate))
+template <bool BF16 = false>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a,
+                                                 unsigned long long desc_b, bool accumulate) {
+    if constexpr (BF16) WGMMA_M64N128_SS("bf16");
+    else WGMMA_M64N128_SS("f16");
 }
 
 // D[64 x 128] (+)= A[64 x 16] B[16 x 128], A from registers (the mma.sync m16n8k16 A fragment of
 // each warp's 16 rows: a[0] rows g, k 2t..2t+1; a[1] rows g+8; a[2] rows g, k 8+2t..; a[3] rows
 // g+8, k 8+2t..), B through its descriptor (TRANS_B 1: MN-major, N contiguous: V as ggml stores
-// it; 0: K-major); accumulators as in wgmma_m64n64k16_f16 with 16 column blocks of 8:
-// d[4i + {0, 1}] row 16w + t/4, d[4i + {2, 3}] row 16w + 8 + t/4.
-template <int TRANS_B>
-__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const unsigned (&a)[4],
-                                                        unsigned long long desc_b, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"
-        : WGMMA_D64_OUTPUTS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate));
+// it; 0: K-major); f16 (BF16: bf16) operands; accumulators as in wgmma_m64n64k16 with 16 column
+// blocks of 8: d[4i + {0, 1}] row 16w + t/4, d[4i + {2, 3}] row 16w + 8 + t/4.
+#define WGMMA_M64N128_RS(TY)                                                                           \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                   \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
+        "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"                                               \
+        : WGMMA_D64_OUTPUTS(d)                                                                         \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate))
+template <int TRANS_B, bool BF16 = false>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsigned (&a)[4],
+                                                    unsigned long long desc_b, bool accumulate) {
+    if constexpr (BF16) WGMMA_M64N128_RS("bf16");
+    else WGMMA_M64N128_RS("f16");
 }
 
 // Register reallocation between warpgroups (every thread of the warpgroup runs it): a producer

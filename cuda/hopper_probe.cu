@@ -44,7 +44,7 @@ hopper_probe_gemm(const __half* A, const __half* B, float* C, int K, unsigned le
     for (int ks = 0; ks < K / 16; ++ks) {
         // step ks: the two K-neighbour core-matrix columns 2ks, 2ks+1 of every row group
         const unsigned off = ks * 2 * 128;
-        wgmma_m64n64k16_f16(d, wgmma_desc(a0 + off, lead_bytes, stride_bytes),
+        wgmma_m64n64k16(d, wgmma_desc(a0 + off, lead_bytes, stride_bytes),
                             wgmma_desc(b0 + off, lead_bytes, stride_bytes), ks > 0);
     }
     wgmma_commit();
@@ -52,7 +52,7 @@ hopper_probe_gemm(const __half* A, const __half* B, float* C, int K, unsigned le
     store_accumulators<8>(C, d);
 }
 
-// C[64 x 128] f32 = A[64 x K] B[K x 128] through wgmma_m64n128k16_f16_rs (the P V step of
+// C[64 x 128] f32 = A[64 x K] B[K x 128] through wgmma_m64n128k16_rs (the P V step of
 // cuda/fattn_wgmma.cu): A f16 row-major in global memory, loaded into registers as mma.sync A
 // fragments; B f16 row-major (N contiguous: MN-major, like V) staged by core_matrix_index_mn;
 // K / 16 steps with trans-b = 1. lead_bytes / stride_bytes as in hopper_probe_gemm (the test
@@ -78,7 +78,7 @@ hopper_probe_gemm_rs(const __half* A, const __half* B, float* C, int K, unsigned
         const unsigned a[4] = {pair(r0, k0), pair(r0 + 8, k0), pair(r0, k0 + 8), pair(r0 + 8, k0 + 8)};
         wgmma_fence();   // registers an earlier wgmma may read were written: fence before each
         // step ks: K rows 16ks .. 16ks+15 = K-neighbour core matrices 2ks, 2ks+1
-        wgmma_m64n128k16_f16_rs<1>(d, a, wgmma_desc(b0 + ks * 2 * 128, lead_bytes, stride_bytes), ks > 0);
+        wgmma_m64n128k16_rs<1>(d, a, wgmma_desc(b0 + ks * 2 * 128, lead_bytes, stride_bytes), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import cuda_backend as cb
 from . import kernels as K
-from .dtypes import GGML_TYPE_F16
+from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
 from .wgmma_shape import THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
 
@@ -27,13 +27,13 @@ __all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map"
 SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
 NAME_V0 = "fattn_wgmma_v0_d128"
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
-            dst: TensorDesc | None = None) -> str | None:
-    """None when versions 0 and 1 run these shapes, else why not (D 128, f16 K/V, 16-byte
-    aligned addresses and strides, an 8-byte aligned dst)."""
+            dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16) -> str | None:
+    """None when versions 0 and 1 run these shapes, else why not (D 128, K/V of ``kv_type``
+    (the instance's), 16-byte aligned addresses and strides, an 8-byte aligned dst)."""
     if (sh.d_k, sh.d_v) != (128, 128):
         return f"head sizes {sh.d_k}/{sh.d_v}: D 128 only"
-    if sh.kv_type != GGML_TYPE_F16:
-        return "K/V must be f16"
+    if sh.kv_type != kv_type:
+        return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
     if not all(cb._kv_aligned(t) for t in (q, k, v)):   # cp.async's 16-byte copies, TMA's strides
         return "Q, K and V rows must be 16-byte aligned"
     if dst is not None and dst.ptr % 8:
@@ -41,9 +41,9 @@ def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
     return None
 
 
-def _checked(q, k, v, dst, scale, what: str):
+def _checked(q, k, v, dst, scale, what: str, kv_type: int = GGML_TYPE_F16):
     sh = cb.validate(q, k, v, None, None, dst, scale)
-    reason = why_not(sh, q, k, v, dst)
+    reason = why_not(sh, q, k, v, dst, kv_type)
     if reason:
         raise ValueError(f"wgmma prefill {what}: {reason}")
     return sh, cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
@@ -62,7 +62,7 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
            stream: int = 0, config: str = WS_DEFAULT) -> None:
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
     (or a WS_DIAG probe: timing only); ValueError for what it does not take."""
-    sh, p = _checked(q, k, v, dst, scale, "v1")
-    name, stages = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
+    name, stages, kv_type = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
+    sh, p = _checked(q, k, v, dst, scale, "v1", kv_type)
     fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
     fn.launch(ws_grid(sh.n_batch, sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

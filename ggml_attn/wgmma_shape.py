@@ -6,21 +6,24 @@ import the backend: this module must not).
 from __future__ import annotations
 
 from . import tma
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
 from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
 Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
 CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
-# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages; "pp"
-# is the one the op runs, the others are its A/B rows in tools/gpu_bench.py
+# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages, K/V
+# type; "pp" is the one the op runs, the others are its A/B rows in tools/gpu_bench.py and
+# "pp-bf16" its bf16 twin (run by ``hopper_prefill.run_ws``; not dispatched until measured)
 WS_CONFIGS = {
-    "pp": ("fattn_wgmma_ws_d128", 3),
-    "nopp": ("fattn_wgmma_ws_nopp_d128", 3),
-    "s2": ("fattn_wgmma_ws_s2_d128", 2),
+    "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16),
+    "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16),
+    "nopp": ("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16),
+    "s2": ("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16),
 }
 WS_DEFAULT = "pp"
 # a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
-WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3)}
+WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16)}
 
 
 def smem_ws(stages: int) -> int:
@@ -36,7 +39,9 @@ def ws_grid(n_batch: int, n_head: int, ne3: int) -> tuple[int, int, int]:
 
 
 def kv_map(t: TensorDesc) -> tma.TmaMap:
-    """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16) that version
-    1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
-    return tma.encode_tiled(tma.DTYPE_F16, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1),
-                            tma.SWIZZLE_128B)
+    """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16 or bf16) that
+    version 1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
+    dtype = {GGML_TYPE_F16: tma.DTYPE_F16, GGML_TYPE_BF16: tma.DTYPE_BF16}.get(t.type)
+    if dtype is None:
+        raise ValueError(f"TMA map for K/V: f16 or bf16 only, got type {t.type}")
+    return tma.encode_tiled(dtype, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1), tma.SWIZZLE_128B)

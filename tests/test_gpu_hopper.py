@@ -203,6 +203,33 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
+def test_wgmma_prefill_ws_bf16(ne3, n_batch, n_kv):
+    """Version 1's bf16 instance ("pp-bf16": bf16 wgmma, Q and P staged in bf16, the TMA map's
+    element type bf16) against the float64 reference on the same bf16 K/V values."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    rng = np.random.default_rng(n_batch + n_kv)
+    nh, nkv, d = 8, 2, 128
+    q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_BF16)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_BF16)
+    ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=GGML_TYPE_BF16)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_BF16), from_array(dv, GGML_TYPE_BF16),
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config="pp-bf16")
+    out = dst.get()
+    assert not np.isnan(out).any()
+    assert nmse(out, ref) <= 5e-4
+    with pytest.raises(ValueError, match="bf16"):   # f16 K/V through the bf16 instance: refused
+        hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), from_array(dst),
+                  0.125, config="pp-bf16")
+
+
 def test_wgmma_prefill_v0_refuses_what_it_does_not_take():
     import cupy as cp
     from ggml_attn import hopper_prefill as hp

@@ -25,13 +25,15 @@ def test_kv_map_rejects_strides_tma_cannot_take():
     """kv_map's tensor map: a stride that is not a multiple of 16 bytes is refused with a message
     naming it (before the driver, which answers only "invalid value")."""
     import pytest
+    with pytest.raises(ValueError, match="f16 or bf16"):
+        hp.kv_map(TensorDesc(256, 0, (128, 64, 2, 1), (4, 512, 512 * 64, 512 * 128)))   # f32
     with pytest.raises(ValueError, match="stride of dim 2"):
         hp.kv_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 2, 1), (2, 256, 256 * 64 + 8, 256 * 128 + 16)))
 
 
 def test_ws_configs_fit_shared_memory():
     """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
-    for name, stages in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
+    for name, stages, _ in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
         assert hp.smem_ws(stages) <= 227 * 1024, name
 
 
@@ -81,3 +83,4 @@ def test_wgmma_launch_config():
     cfg = launch_config("prefill-wgmma", Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
     assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
     assert cfg.grid == (32, 3, 2) and cfg.smem == hp.smem_ws(hp.WS_CONFIGS[hp.WS_DEFAULT][1])
+    assert hp.WS_CONFIGS[hp.WS_DEFAULT][2] == GGML_TYPE_F16   # the op's instance: what dispatch allows

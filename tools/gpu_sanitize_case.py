@@ -85,17 +85,18 @@ def main():
         from ggml_attn import hopper_prefill
         nb, n_kv, nh, nkv = 100, 333, 8, 2
         q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
-        k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
-        v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
-        ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
-        runs = [("wgmma-v0", hopper_prefill.run_v0, {})] + [
-            (f"ws-{c}", hopper_prefill.run_ws, {"config": c}) for c in hopper_prefill.WS_CONFIGS]
-        # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's pool
-        # hands a freed temporary's memory to the next array (K's buffer would become V's)
-        dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-        for label, run, kw in runs:
+        kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, 128))
+        runs = [("wgmma-v0", hopper_prefill.run_v0, {}, GGML_TYPE_F16)] + [
+            (f"ws-{c}", hopper_prefill.run_ws, {"config": c}, t)
+            for c, (_, _, t) in hopper_prefill.WS_CONFIGS.items()]
+        for label, run, kw, kv_type in runs:
+            k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
+            ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
+            # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's
+            # pool hands a freed temporary's memory to the next array (K's buffer would become V's)
+            dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
             dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
-            run(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+            run(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
                 from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, **kw)
             out = dst.get()
             err = nmse(out, ref)
