@@ -156,7 +156,7 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 // query tiles in reverse order (the longest causal rows first); dynamic shared memory
 // ws::smem_bytes<128, STAGES>().
 // DIAG 1 (a speed-of-light probe for tools/gpu_bench.py, wrong results by design): no softmax.
-template <typename T, int STAGES, bool PINGPONG, int DIAG = 0>
+template <typename T, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
     constexpr int BK = CHUNK;
@@ -174,8 +174,19 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     unsigned long long* empty_v = empty_k + STAGES;
     unsigned long long* v_ready = empty_v + STAGES;   // a HIDDEN chunk's V after its hidden rows are zeroed
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h = blockIdx.x, qt = gridDim.y - 1 - blockIdx.y, s = blockIdx.z, hk = h / p.gqa;
-    const WsChunks chunks = ws_chunks(p, qt, s);
+    // the query tiles this block computes: its grid coordinates, or (PERSISTENT) every
+    // gridDim.x-th tile of the heaviest-first list (heads fastest, then streams, query tiles last
+    // to first). Every role walks the same tiles and chunks; J counts the chunks walked before
+    // the current tile (the ring's stage and phase run on across tiles).
+    const int n_iter = PERSISTENT ? ws_tiles_of_block(p) : 1;
+    auto tile_of = [&](int it, int& h, int& qt, int& s) {
+        if (!PERSISTENT) {
+            h = blockIdx.x, qt = gridDim.y - 1 - blockIdx.y, s = blockIdx.z;
+        } else {
+            const int t = blockIdx.x + it * gridDim.x, r = t / p.n_head;
+            h = t % p.n_head, s = r % p.ne3, qt = p.n_q_tiles - 1 - r / p.ne3;
+        }
+    };
 
     if (threadIdx.x == 0) {
         unsigned dyn;   // the launch's dynamic shared memory must cover this layout
@@ -185,7 +196,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);
             mbar_init(&empty_k[i], 8);   // lane 0 of each consumer warp
-            mbar_init(&empty_v[i], chunks.idx ? 9 : 8);   // and the fixer when there is a plan
+            mbar_init(&empty_v[i], p.live_idx ? 9 : 8);   // and the fixer when there is a plan
             mbar_init(&v_ready[i], 1);
         }
         fence_mbar_init();
@@ -196,147 +207,174 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     if (warp >= 8) {
         setmaxnreg_dec<PRODUCER_REGS>();
         if (warp == 8 && lane == 0) {
-            int pos = 0;
-            WsChunk c;
-            for (int j = 0; ws_next_chunk(chunks, pos, c); ++j) {
-                const int st = j % STAGES, release = ((j / STAGES) - 1) & 1;
-                // an ABSENT half is read from past n_kv: TMA writes zeros (no stale cache cells)
-                const int y0 = (c.cls & 3) == WS_ABSENT ? chunks.oob : c.kv0;
-                const int y1 = (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
-                // one chunk of K or V into stage st once the consumers freed it: four 64 x 64
-                // boxes (d 0-63 then 64-127, each as cells 0-63 and 64-127)
-                auto load = [&](__half* dst, const TmaMap* map, unsigned long long* empty,
-                                unsigned long long* full) {
-                    if (j >= STAGES) mbar_wait(empty, release);
-                    mbar_arrive_expect_tx(full, tile_bytes<BK>());
+            int J = 0;
+            for (int it = 0; it < n_iter; ++it) {
+                int h, qt, s;
+                tile_of(it, h, qt, s);
+                const int hk = h / p.gqa;
+                const WsChunks chunks = ws_chunks(p, qt, s);
+                int pos = 0, j = 0;
+                WsChunk c;
+                for (; ws_next_chunk(chunks, pos, c); ++j) {
+                    const int n = J + j, st = n % STAGES, release = ((n / STAGES) - 1) & 1;
+                    // an ABSENT half is read from past n_kv: TMA writes zeros (no stale cache cells)
+                    const int y0 = (c.cls & 3) == WS_ABSENT ? chunks.oob : c.kv0;
+                    const int y1 = (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
+                    // one chunk of K or V into stage st once the consumers freed it: four 64 x 64
+                    // boxes (d 0-63 then 64-127, each as cells 0-63 and 64-127)
+                    auto load = [&](__half* dst, const TmaMap* map, unsigned long long* empty,
+                                    unsigned long long* full) {
+                        if (n >= STAGES) mbar_wait(empty, release);
+                        mbar_arrive_expect_tx(full, tile_bytes<BK>());
 #pragma unroll
-                    for (int b = 0; b < 4; ++b)
-                        tma_load_4d(dst + (b >> 1) * (TILE / 2) + (b & 1) * 64 * 64, map, 64 * (b >> 1),
-                                    b & 1 ? y1 : y0, hk, s, full);
-                };
-                load(sK + st * TILE, mk, &empty_k[st], &full_k[st]);
-                load(sV + st * TILE, mv, &empty_v[st], &full_v[st]);
+                        for (int b = 0; b < 4; ++b)
+                            tma_load_4d(dst + (b >> 1) * (TILE / 2) + (b & 1) * 64 * 64, map, 64 * (b >> 1),
+                                        b & 1 ? y1 : y0, hk, s, full);
+                    };
+                    load(sK + st * TILE, mk, &empty_k[st], &full_k[st]);
+                    load(sV + st * TILE, mv, &empty_v[st], &full_v[st]);
+                }
+                J += j;
             }
-        } else if (warp == 9 && chunks.idx != nullptr) {
+        } else if (warp == 9 && p.live_idx != nullptr) {
             // the fixer: once a chunk's V has landed, zero the rows of its hidden columns, then
             // arrive on v_ready -- for every chunk, so that v_ready's phases count the stage's
             // uses as full_v's do (the consumers wait there for HIDDEN chunks only) -- and on
             // empty_v: a stage is not refilled before the fixer is done with it either, so
             // neither full_v nor v_ready ever runs a phase ahead of it
-            const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
-            int pos = 0;
-            WsChunk c;
-            for (int j = 0; ws_next_chunk(chunks, pos, c); ++j) {
-                const int st = j % STAGES;
-                mbar_wait(&full_v[st], (j / STAGES) & 1);
-                if (c.hid) {
-                    ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
-                    fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
+            int J = 0;
+            for (int it = 0; it < n_iter; ++it) {
+                int h, qt, s;
+                tile_of(it, h, qt, s);
+                const WsChunks chunks = ws_chunks(p, qt, s);
+                const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
+                int pos = 0, j = 0;
+                WsChunk c;
+                for (; ws_next_chunk(chunks, pos, c); ++j) {
+                    const int n = J + j, st = n % STAGES;
+                    mbar_wait(&full_v[st], (n / STAGES) & 1);
+                    if (c.hid) {
+                        ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
+                        fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
+                    }
+                    __syncwarp();
+                    if (lane == 0) {
+                        mbar_arrive(&v_ready[st]);
+                        mbar_arrive(&empty_v[st]);
+                    }
                 }
-                __syncwarp();
-                if (lane == 0) {
-                    mbar_arrive(&v_ready[st]);
-                    mbar_arrive(&empty_v[st]);
-                }
+                J += j;
             }
         }
         return;
     }
 
-    // ---- consumers: warpgroup wg owns query rows row0 .. row0 + 63
+    // ---- consumers: warpgroup wg owns query rows row0 .. row0 + 63 of each tile
     setmaxnreg_inc<CONSUMER_REGS>();
     const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
-    const int row0 = qt * BQ + wg * 64;
     __half* sQw = sQ + wg * 64 * D;
-    wg_stage_q<T>(p, sQw, row0, h, s, tid);   // Q rows -> shared, then visible to wgmma
-    fence_proxy_async_shared();
-    named_barrier_sync(BAR_Q + wg, 128);
     const unsigned q_addr = smem_u32(sQw);
     auto k_addr = [&](int st) { return smem_u32(sK + st * TILE); };
     auto v_addr = [&](int st) { return smem_u32(sV + st * TILE); };
-    // chunk j's V in stage st: from TMA, or from the fixer when the chunk hides columns
-    auto wait_v = [&](int st, int j, const WsChunk& c) {
-        mbar_wait(c.hid ? &v_ready[st] : &full_v[st], (j / STAGES) & 1);
-    };
     // ping-pong: wait for this warpgroup's turn to issue GEMMs / hand the turn to the other
     auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
-    // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
-    const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);
+    int J = 0;
+    for (int it = 0; it < n_iter; ++it) {
+        int h, qt, s;
+        tile_of(it, h, qt, s);
+        const WsChunks chunks = ws_chunks(p, qt, s);
+        const int row0 = qt * BQ + wg * 64;
+        // Q rows -> shared, then visible to wgmma (the previous tile's S GEMMs, the only readers
+        // of this warpgroup's Q, were waited for)
+        wg_stage_q<T>(p, sQw, row0, h, s, tid);
+        fence_proxy_async_shared();
+        named_barrier_sync(BAR_Q + wg, 128);
+        // chunk n's V in stage st: from TMA, or from the fixer when the chunk hides columns
+        auto wait_v = [&](int st, int n, const WsChunk& c) {
+            mbar_wait(c.hid ? &v_ready[st] : &full_v[st], (n / STAGES) & 1);
+        };
+        // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
+        const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);
 
-    float O[64];
+        float O[64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) O[i] = 0.0f;
-    float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
-    float S[BK / 2];
-    unsigned a[BK / 4];
-    auto softmax = [&](const WsChunk& c) {
-        ws_mask_chunk(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
-        if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
-        else ws_softmax<BK>(S, m, l, alpha);
-    };
+        for (int i = 0; i < 64; ++i) O[i] = 0.0f;
+        float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
+        float S[BK / 2];
+        unsigned a[BK / 4];
+        auto softmax = [&](const WsChunk& c) {
+            ws_mask_chunk(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
+            if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
+            else ws_softmax<BK>(S, m, l, alpha);
+        };
 
-    int pos = 0;
-    WsChunk cur, prev;
-    if (ws_next_chunk(chunks, pos, cur)) {
-        // chunk 0: S alone; then per chunk j: S_j and P_{j-1} V_{j-1} in flight together, softmax
-        // of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs, before
-        // P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
-        mbar_wait(&full_k[0], 0);
-        wgmma_fence();
-        ws_issue_s<BK, T>(S, q_addr, k_addr(0));
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(S);
-        if (lane == 0) mbar_arrive(&empty_k[0]);
-        softmax(cur);
-        ws_pack_p<BK, T>(S, a);
-        if (wg == 1) their_turn();   // warpgroup 0 issues first
-        int j = 1;
-        for (prev = cur; ws_next_chunk(chunks, pos, cur); prev = cur, ++j) {
-            const int st = j % STAGES, pst = (j - 1) % STAGES;
-            mbar_wait(&full_k[st], (j / STAGES) & 1);
-            my_turn();
+        int pos = 0, j = 0;
+        WsChunk cur, prev;
+        if (ws_next_chunk(chunks, pos, cur)) {
+            // chunk 0: S alone; then per chunk j: S_j and P_{j-1} V_{j-1} in flight together,
+            // softmax of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs,
+            // before P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
+            const int st0 = J % STAGES;
+            mbar_wait(&full_k[st0], (J / STAGES) & 1);
             wgmma_fence();
-            ws_issue_s<BK, T>(S, q_addr, k_addr(st));
+            ws_issue_s<BK, T>(S, q_addr, k_addr(st0));
             wgmma_commit();
-            ws_rescale(O, alpha);
-            wait_v(pst, j - 1, prev);
-            wgmma_fence();          // O's registers were just written
-            ws_issue_pv<BK, T>(O, a, v_addr(pst));
-            wgmma_commit();
-            their_turn();
-            wgmma_wait<1>();   // S_j is in
+            wgmma_wait<0>();
             wgmma_pin(S);
+            if (lane == 0) mbar_arrive(&empty_k[st0]);
             softmax(cur);
-            // K_j's stage is free. The arrival's predicate reads the row sums: without that data
-            // dependence ptxas hoists the wait below above the whole softmax (it schedules
-            // WARPGROUP.DEPBAR as early as it can), and P V would no longer hide the softmax.
-            if (lane == 0 && !(l[0] + l[1] < 0.0f)) mbar_arrive(&empty_k[st]);   // l >= 0 or NaN: always
-            wgmma_wait<0>();   // P V of chunk j-1 is in: V_{j-1}'s stage and P's registers are free
-            wgmma_pin(O);
-            wgmma_pin(a);
-            if (lane == 0) mbar_arrive(&empty_v[pst]);
             ws_pack_p<BK, T>(S, a);
+            if (wg == 1) their_turn();   // warpgroup 0 issues first
+            for (j = 1, prev = cur; ws_next_chunk(chunks, pos, cur); prev = cur, ++j) {
+                const int n = J + j, st = n % STAGES, pst = (n - 1) % STAGES;
+                mbar_wait(&full_k[st], (n / STAGES) & 1);
+                my_turn();
+                wgmma_fence();
+                ws_issue_s<BK, T>(S, q_addr, k_addr(st));
+                wgmma_commit();
+                ws_rescale(O, alpha);
+                wait_v(pst, n - 1, prev);
+                wgmma_fence();          // O's registers were just written
+                ws_issue_pv<BK, T>(O, a, v_addr(pst));
+                wgmma_commit();
+                their_turn();
+                wgmma_wait<1>();   // S_j is in
+                wgmma_pin(S);
+                softmax(cur);
+                // K_j's stage is free. The arrival's predicate reads the row sums: without that
+                // data dependence ptxas hoists the wait below above the whole softmax (it
+                // schedules WARPGROUP.DEPBAR as early as it can), and P V would no longer hide
+                // the softmax.
+                if (lane == 0 && !(l[0] + l[1] < 0.0f)) mbar_arrive(&empty_k[st]);   // l >= 0 or NaN: always
+                wgmma_wait<0>();   // P V of chunk j-1 is in: V_{j-1}'s stage and P's registers are free
+                wgmma_pin(O);
+                wgmma_pin(a);
+                if (lane == 0) mbar_arrive(&empty_v[pst]);
+                ws_pack_p<BK, T>(S, a);
+            }
+            const int lst = (J + j - 1) % STAGES;
+            ws_rescale(O, alpha);
+            wait_v(lst, J + j - 1, prev);
+            my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
+            wgmma_fence();
+            ws_issue_pv<BK, T>(O, a, v_addr(lst));
+            wgmma_commit();
+            if (wg == 0) their_turn();
+            wgmma_wait<0>();
+            wgmma_pin(O);
+            // the last V stage: released too when a later tile of this block refills the ring
+            if (PERSISTENT && lane == 0) mbar_arrive(&empty_v[lst]);
         }
-        const int lst = (j - 1) % STAGES;
-        ws_rescale(O, alpha);
-        wait_v(lst, j - 1, prev);
-        my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
-        wgmma_fence();
-        ws_issue_pv<BK, T>(O, a, v_addr(lst));
-        wgmma_commit();
-        if (wg == 0) their_turn();
-        wgmma_wait<0>();
-        wgmma_pin(O);
-    }
 
-    // ---- output rows
-    wg_store_rows(p, O, l, row0 + 16 * w4 + g, h, s, t4);
+        // ---- output rows
+        wg_store_rows(p, O, l, row0 + 16 * w4 + g, h, s, t4);
+        J += j;
+    }
 }
 
 // the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, ring
-// depth, ping-pong, diagnostic mode
+// depth, ping-pong, diagnostic mode, persistent blocks
 #define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
@@ -347,3 +385,4 @@ FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 3, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 3, false)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 2, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 3, true, 1)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d128, __half, 3, true, 0, true)

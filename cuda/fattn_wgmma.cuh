@@ -166,6 +166,13 @@ struct WsChunk {
     int pos1;
 };
 
+// the query tiles a persistent block computes: every gridDim.x-th of n_head x ne3 x n_q_tiles,
+// starting at blockIdx.x
+__device__ __forceinline__ int ws_tiles_of_block(const FattnParams& p) {
+    const int total = p.n_head * p.ne3 * p.n_q_tiles;
+    return total > (int)blockIdx.x ? (total - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+}
+
 __device__ __forceinline__ WsChunks ws_chunks(const FattnParams& p, int q_tile, int s) {
     WsChunks c;
     c.n_kv = c.oob = p.n_kv;

@@ -183,7 +183,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        name, stages, _ = hp.WS_CONFIGS[hp.WS_DEFAULT]
+        name, stages, _, _ = hp.WS_CONFIGS[hp.WS_DEFAULT]
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3)
         return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, grid[1], n_kv_tiles, 1,
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)

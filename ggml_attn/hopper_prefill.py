@@ -19,7 +19,8 @@ from . import cuda_backend as cb
 from . import kernels as K
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
+from .cuda_device import num_sms
+from .wgmma_shape import Q_TILE_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
 
 __all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not",
            "run_v0", "run_ws"]
@@ -62,7 +63,9 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
            stream: int = 0, config: str = WS_DEFAULT) -> None:
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
     (or a WS_DIAG probe: timing only); ValueError for what it does not take."""
-    name, stages, kv_type = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
+    name, stages, kv_type, persistent = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
     sh, p = _checked(q, k, v, dst, scale, "v1", kv_type)
+    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, num_sms() if persistent else 0)
+    p.n_q_tiles = -(-sh.n_batch // Q_TILE_WS)   # the persistent blocks' tile list
     fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
-    fn.launch(ws_grid(sh.n_batch, sh.n_head, sh.ne3), (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))
+    fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

@@ -13,17 +13,19 @@ THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fa
 Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
 CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
 # version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages, K/V
-# type; "pp" is the one the op runs, the others are its A/B rows in tools/gpu_bench.py and
-# "pp-bf16" its bf16 twin (run by ``hopper_prefill.run_ws``; not dispatched until measured)
+# type, persistent blocks; "pp" is the one the op runs, the others are its A/B rows in
+# tools/gpu_bench.py, "pp-bf16" its bf16 twin and "pp-persistent" one block per SM walking the
+# tiles heaviest first (run by ``hopper_prefill.run_ws``; not dispatched until measured)
 WS_CONFIGS = {
-    "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16),
-    "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16),
-    "nopp": ("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16),
-    "s2": ("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16),
+    "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
+    "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
+    "pp-persistent": ("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
+    "nopp": ("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
+    "s2": ("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
 }
 WS_DEFAULT = "pp"
 # a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
-WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16)}
+WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
 
 
 def smem_ws(stages: int) -> int:
@@ -32,10 +34,14 @@ def smem_ws(stages: int) -> int:
     return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 5 * stages * 8
 
 
-def ws_grid(n_batch: int, n_head: int, ne3: int) -> tuple[int, int, int]:
+def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0) -> tuple[int, int, int]:
     """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
-    reverse: the longest causal rows first), streams."""
-    return (n_head, -(-n_batch // Q_TILE_WS), ne3)
+    reverse: the longest causal rows first), streams; with ``persistent_blocks`` (the SM count)
+    that many blocks at most, each walking every gridDim.x-th tile."""
+    n_q_tiles = -(-n_batch // Q_TILE_WS)
+    if persistent_blocks:
+        return (max(1, min(persistent_blocks, n_head * n_q_tiles * ne3)), 1, 1)
+    return (n_head, n_q_tiles, ne3)
 
 
 def kv_map(t: TensorDesc) -> tma.TmaMap:

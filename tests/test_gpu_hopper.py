@@ -179,14 +179,15 @@ def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("config", ["pp", "nopp", "s2"])
+@pytest.mark.parametrize("config", ["pp", "pp-persistent", "nopp", "s2"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),
                                                     (1, 256, 640, None)])
 def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
-    """Version 1 (TMA producer, two consumer warpgroups) in each configuration (ring depths, with
-    and without the ping-pong schedule), launched directly without a mask, against the float64 reference: one tile and fewer cells than a tile, a partial
+    """Version 1 (TMA producer, two consumer warpgroups) in each f16 configuration (ring depths,
+    with and without the ping-pong schedule, persistent blocks), launched directly without a
+    mask, against the float64 reference: one tile and fewer cells than a tile, a partial
     last tile, a second 128-row block, GQA 4, streams, K/V as views of a larger cache (the TMA
     map's strides); dst poisoned with NaN first."""
     import cupy as cp

@@ -33,7 +33,7 @@ def test_kv_map_rejects_strides_tma_cannot_take():
 
 def test_ws_configs_fit_shared_memory():
     """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
-    for name, stages, _ in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
+    for name, stages, _, _ in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
         assert hp.smem_ws(stages) <= 227 * 1024, name
 
 
@@ -84,3 +84,11 @@ def test_wgmma_launch_config():
     assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
     assert cfg.grid == (32, 3, 2) and cfg.smem == hp.smem_ws(hp.WS_CONFIGS[hp.WS_DEFAULT][1])
     assert hp.WS_CONFIGS[hp.WS_DEFAULT][2] == GGML_TYPE_F16   # the op's instance: what dispatch allows
+
+
+def test_persistent_grid():
+    """Persistent blocks: at most one per SM, never more than the tiles; the plain grid otherwise."""
+    from ggml_attn.wgmma_shape import ws_grid
+    assert ws_grid(4096, 32, 1, 132) == (132, 1, 1)
+    assert ws_grid(100, 2, 1, 132) == (2, 1, 1)
+    assert ws_grid(300, 32, 2) == (32, 3, 2)

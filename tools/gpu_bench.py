@@ -254,7 +254,7 @@ def run(quick=False, only=None, log=print):
         # version 1 (warp-specialised), each instance, then its speed-of-light probes (wrong
         # results by design: the time without the softmax, without loads past the first ring)
         from ggml_attn.dtypes import GGML_TYPE_F16   # noqa: PLC0415
-        f16_configs = [c for c, (_, _, t) in hopper_prefill.WS_CONFIGS.items() if t == GGML_TYPE_F16]
+        f16_configs = [c for c, (_, _, t, _) in hopper_prefill.WS_CONFIGS.items() if t == GGML_TYPE_F16]
         for config in (*f16_configs, *hopper_prefill.WS_DIAG):   # no mask: run_ws on f16 K/V
             ws = [lambda dk=dk, dv=dv, c=config: hopper_prefill.run_ws(ours.dq, dk, dv, ours.dd, SCALE,
                                                                        ours.stream, config=c)

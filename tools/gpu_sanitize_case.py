@@ -88,7 +88,7 @@ def main():
         kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, 128))
         runs = [("wgmma-v0", hopper_prefill.run_v0, {}, GGML_TYPE_F16)] + [
             (f"ws-{c}", hopper_prefill.run_ws, {"config": c}, t)
-            for c, (_, _, t) in hopper_prefill.WS_CONFIGS.items()]
+            for c, (_, _, t, _) in hopper_prefill.WS_CONFIGS.items()]
         for label, run, kw, kv_type in runs:
             k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
             ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
