@@ -83,6 +83,9 @@ FINITE_MASK_TILES = True
 # "mma-nat"). Off: on the H200 it took FINITE-tile prefill from 952-958 to 937-942 us but
 # unmasked prefill from 814-815 to 822-826 us, the common case (bench/NOTES.md, "eighth session").
 NAT_SCORES = False
+# The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS with f16 K/V): "pp";
+# an A/B knob for the benchmark's "pp-persistent" rows until measured. Part of the call key.
+WGMMA_CONFIG = "pp"
 
 
 @dataclass(frozen=True)
@@ -183,9 +186,10 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        name, stages, _, _ = hp.WS_CONFIGS[hp.WS_DEFAULT]
-        grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3)
-        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, grid[1], n_kv_tiles, 1,
+        name, stages, _, persistent = hp.WS_CONFIGS[WGMMA_CONFIG]
+        n_q_tiles = -(-sh.n_batch // hp.Q_TILE_WS)
+        grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3, num_sms() if persistent else 0)
+        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, n_q_tiles, n_kv_tiles, 1,
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":

@@ -368,3 +368,35 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
     out = dst.get()
     assert not np.isnan(out).any()
     assert nmse(out, ref) <= 5e-4
+
+
+@pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
+def test_persistent_wgmma_prefill_through_the_op(name, monkeypatch):
+    """The persistent instance (cuda_launch.WGMMA_CONFIG = "pp-persistent": one block per SM,
+    the ring running on across tiles) by name through the op, against the float64 reference:
+    tiles with different chunk counts in one block, a mask's every class, ne3 = 2."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    from ggml_attn.dtypes import GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
+    cb._PREPARED.clear()
+    n_batch, n_kv, mask, _ = _masks()[name]
+    rng = np.random.default_rng(17)
+    ne3, nh, nkv, d = 2, 8, 2, 128
+    q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    m4 = None if mask is None else mask.reshape(1, 1, n_batch, n_kv)
+    ref = flash_attn_ext(q, k, v, m4, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dm = None if m4 is None else cp.asarray(m4)
+    dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    cb.flash_attn_ext_device(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
+                             None if dm is None else from_array(dm, GGML_TYPE_F16), None, from_array(dst), 0.1,
+                             kernel="prefill-wgmma")
+    out = dst.get()
+    cb._PREPARED.clear()
+    assert not np.isnan(out).any()
+    assert nmse(out, ref) <= 5e-4, name

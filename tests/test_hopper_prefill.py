@@ -92,3 +92,13 @@ def test_persistent_grid():
     assert ws_grid(4096, 32, 1, 132) == (132, 1, 1)
     assert ws_grid(100, 2, 1, 132) == (2, 1, 1)
     assert ws_grid(300, 32, 2) == (32, 3, 2)
+
+
+def test_wgmma_config_knob_picks_the_persistent_grid(monkeypatch):
+    """cuda_launch.WGMMA_CONFIG="pp-persistent": the op's launch takes the persistent instance and
+    one block per SM (at most one per tile); n_q_tiles stays the 128-token tile count."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16))
+    assert cfg.name == "fattn_wgmma_ws_persistent_d128" and cfg.grid == (132, 1, 1) and cfg.n_q_tiles == 32

@@ -225,6 +225,8 @@ def run(quick=False, only=None, log=print):
             ours = Ours(1, n, n, block_causal_mask([n], n))
             # "ours": what auto runs (the sm_90a wgmma prefill on an H200); "ours-mma": mma.sync
             add(case, "ours", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
+            with knobs(WGMMA_CONFIG="pp-persistent"):   # the wgmma prefill with persistent blocks
+                add(case, "ours-wgmma-persistent", ours.fns("prefill-wgmma"), fl)
             add(case, "ours-mma", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
             with narrow_prefill():
                 add(case, "ours-64row", ours.fns("prefill"), fl)
