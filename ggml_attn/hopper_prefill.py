@@ -7,9 +7,11 @@
   chunk under the P V GEMM of the one before, the two warpgroups in ping-pong. The op runs it
   as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py decides; cuda_backend.bind launches it
   with the tensor maps of ggml_attn/wgmma_shape.py), masks through the plan's 128-token tile map.
-  ``run_ws`` launches it directly without a mask in one of ``WS_CONFIGS`` (tests, benchmarks).
+  ``run_ws`` launches it directly without a mask in one of ``WS_CONFIGS`` (tests, benchmarks):
+  also its bf16 and persistent instances, not dispatched yet.
 
-Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 [128, n_kv, n_head_kv, ne3],
+Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
+instance) [128, n_kv, n_head_kv, ne3],
 dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap or ALiBi. ``why_not`` says what the
 kernels do not take.
 """
@@ -17,9 +19,9 @@ from __future__ import annotations
 
 from . import cuda_backend as cb
 from . import kernels as K
+from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .cuda_device import num_sms
 from .wgmma_shape import Q_TILE_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
 
 __all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not",
@@ -27,6 +29,8 @@ __all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map"
 
 SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
 NAME_V0 = "fattn_wgmma_v0_d128"
+
+
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16) -> str | None:
     """None when versions 0 and 1 run these shapes, else why not (D 128, K/V of ``kv_type``

@@ -255,7 +255,7 @@ def hopper_probe_variant() -> Variant:
 
 def wgmma_variant() -> Variant:
     """The sm_90a prefill kernels (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py): version 0
-    and version 1's instances (hopper_prefill.WS_CONFIGS, WS_DIAG)."""
+    and version 1's instances (wgmma_shape.WS_CONFIGS, WS_DIAG)."""
     return Variant("wgmma", "fattn_wgmma.cu",
                    ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
                     "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_nopp_d128",
