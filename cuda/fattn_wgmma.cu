@@ -137,7 +137,8 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 // block), warps 8-11 the producer warpgroup (40 registers each, the consumers 232: setmaxnreg),
 // whose first thread issues TMA box copies of K and V chunks (128 cells x 128 halves as four
 // 64 x 64 boxes, 128-byte swizzle) into a STAGES-deep ring. Per stage, full_k / full_v count
-// the bytes in and empty_k / empty_v the 8 consumer warps out. Consumers, per chunk j: S = Q K^T
+// the bytes in, empty_k the 8 consumer warps out, empty_v those and (with a plan) the fixer
+// warp, v_ready the fixer's hand-over of a HIDDEN chunk's V. Consumers, per chunk j: S = Q K^T
 // (Q in shared memory as core matrices, K through its swizzled descriptor), the chunk's mask
 // (ws_mask_chunk), online softmax in registers, O += P V (P in registers, V through an MN-major
 // swizzled descriptor; cuda/fattn_wgmma.cuh). S of chunk j and P V of chunk j-1 are issued
@@ -153,8 +154,9 @@ fattn_wgmma_v0_d128(const FattnParams p) {
 // unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V. Without a
 // plan every chunk is live and cells past n_kv score -inf. D = 128, f16 or bf16 K/V (T: Q and P
 // staged in the same type), no sinks, softcap or ALiBi. Grid (n_head, ceil(n_batch / 128), ne3),
-// query tiles in reverse order (the longest causal rows first); dynamic shared memory
-// ws::smem_bytes<128, STAGES>().
+// query tiles in reverse order (the longest causal rows first), or with PERSISTENT (gridDim.x
+// blocks, gridDim.y = z = 1) every block walks every gridDim.x-th tile of that order;
+// dynamic shared memory ws::smem_bytes<128, STAGES>().
 // DIAG 1 (a speed-of-light probe for tools/gpu_bench.py, wrong results by design): no softmax.
 template <typename T, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
@@ -285,14 +287,19 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         tile_of(it, h, qt, s);
         const WsChunks chunks = ws_chunks(p, qt, s);
         const int row0 = qt * BQ + wg * 64;
-        // Q rows -> shared, then visible to wgmma (the previous tile's S GEMMs, the only readers
-        // of this warpgroup's Q, were waited for)
+        // Q rows -> shared, then visible to wgmma; a later tile's only after every warp of the
+        // warpgroup has waited for the previous tile's S GEMMs (the only readers of this Q)
+        if (it > 0) named_barrier_sync(BAR_Q + wg, 128);
         wg_stage_q<T>(p, sQw, row0, h, s, tid);
         fence_proxy_async_shared();
         named_barrier_sync(BAR_Q + wg, 128);
-        // chunk n's V in stage st: from TMA, or from the fixer when the chunk hides columns
+        // chunk n's V in stage st: from TMA, and from the fixer when the chunk hides columns.
+        // full_v first: its completion means the producer saw the stage's previous use released
+        // (the fixer's arrival included), so v_ready is then at most one phase behind and its
+        // parity wait cannot pass on a phase two uses old.
         auto wait_v = [&](int st, int n, const WsChunk& c) {
-            mbar_wait(c.hid ? &v_ready[st] : &full_v[st], (n / STAGES) & 1);
+            mbar_wait(&full_v[st], (n / STAGES) & 1);
+            if (c.hid) mbar_wait(&v_ready[st], (n / STAGES) & 1);
         };
         // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
         const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);

@@ -86,6 +86,9 @@ NAT_SCORES = False
 # The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS with f16 K/V): "pp";
 # an A/B knob for the benchmark's "pp-persistent" rows until measured. Part of the call key.
 WGMMA_CONFIG = "pp"
+# Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
+# tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
+WGMMA_PERSISTENT_BLOCKS = 0
 
 
 @dataclass(frozen=True)
@@ -186,9 +189,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        name, stages, _, persistent = hp.WS_CONFIGS[WGMMA_CONFIG]
+        name, stages, kv_type, persistent = hp.WS_CONFIGS[WGMMA_CONFIG]
+        if kv_type != sh.kv_type:
+            raise ValueError(f"WGMMA_CONFIG {WGMMA_CONFIG!r} is for another K/V type than this call's")
         n_q_tiles = -(-sh.n_batch // hp.Q_TILE_WS)
-        grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3, num_sms() if persistent else 0)
+        grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
+                          (WGMMA_PERSISTENT_BLOCKS or num_sms()) if persistent else 0)
         return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, n_q_tiles, n_kv_tiles, 1,
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)

@@ -64,12 +64,13 @@ def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
-           stream: int = 0, config: str = WS_DEFAULT) -> None:
+           stream: int = 0, config: str = WS_DEFAULT, blocks: int = 0) -> None:
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
-    (or a WS_DIAG probe: timing only); ValueError for what it does not take."""
+    (or a WS_DIAG probe: timing only); ``blocks``: a persistent instance's block count (0: one
+    per SM). ValueError for what it does not take."""
     name, stages, kv_type, persistent = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
     sh, p = _checked(q, k, v, dst, scale, "v1", kv_type)
-    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, num_sms() if persistent else 0)
+    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if persistent else 0)
     p.n_q_tiles = -(-sh.n_batch // Q_TILE_WS)   # the persistent blocks' tile list
     fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
     fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

@@ -179,7 +179,7 @@ def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("config", ["pp", "pp-persistent", "nopp", "s2"])
+@pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),
@@ -196,8 +196,10 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
     from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
     dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=n_batch * 3 + n_kv)
+    blocks = 3 if config == "pp-persistent-3" else 0   # 3 blocks: each walks many tiles
     hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
-              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config=config)
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr,
+              config=config.replace("-3", ""), blocks=blocks)
     out = dst.get()
     assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
     err = nmse(out, ref)
@@ -370,17 +372,20 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
     assert nmse(out, ref) <= 5e-4
 
 
+@pytest.mark.parametrize("blocks", [0, 5])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
-def test_persistent_wgmma_prefill_through_the_op(name, monkeypatch):
-    """The persistent instance (cuda_launch.WGMMA_CONFIG = "pp-persistent": one block per SM,
-    the ring running on across tiles) by name through the op, against the float64 reference:
-    tiles with different chunk counts in one block, a mask's every class, ne3 = 2."""
+def test_persistent_wgmma_prefill_through_the_op(name, blocks, monkeypatch):
+    """The persistent instance (cuda_launch.WGMMA_CONFIG = "pp-persistent"; blocks: one per SM,
+    or 5 so that each block walks many tiles with different chunk counts, the ring running on
+    across them) by name through the op, against the float64 reference: a mask's every class
+    (causal tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
+    monkeypatch.setattr(L, "WGMMA_PERSISTENT_BLOCKS", blocks)
     cb._PREPARED.clear()
     n_batch, n_kv, mask, _ = _masks()[name]
     rng = np.random.default_rng(17)

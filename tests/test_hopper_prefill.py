@@ -102,3 +102,18 @@ def test_wgmma_config_knob_picks_the_persistent_grid(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16))
     assert cfg.name == "fattn_wgmma_ws_persistent_d128" and cfg.grid == (132, 1, 1) and cfg.n_q_tiles == 32
+
+
+def test_wgmma_config_knob_checks_the_kv_type(monkeypatch):
+    """A WGMMA_CONFIG for bf16 on an f16 call is refused (it would run bf16 wgmma on f16 bits);
+    WGMMA_PERSISTENT_BLOCKS caps a persistent grid."""
+    import pytest
+
+    from ggml_attn import cuda_launch as L
+    sh = L.Shapes(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16)
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-bf16")
+    with pytest.raises(ValueError, match="K/V type"):
+        L.launch_config("prefill-wgmma", sh)
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
+    monkeypatch.setattr(L, "WGMMA_PERSISTENT_BLOCKS", 5)
+    assert L.launch_config("prefill-wgmma", sh).grid == (5, 1, 1)
