@@ -67,7 +67,7 @@ def test_hopper_program_refused_elsewhere(monkeypatch):
 
 @pytest.mark.parametrize("k", [16, 64])
 def test_wgmma_a_from_registers_b_mn_major(k):
-    """P V's wgmma (wgmma_m64n128k16_f16_rs, as cuda/fattn_wgmma.cu issues it): A (P) from
+    """P V's wgmma (wgmma_m64n128k16_rs, as cuda/fattn_wgmma.cu version 0 issues it): A (P) from
     registers in mma.sync's fragment layout, B (V as stored: keys x D, D contiguous) MN-major
     (trans-b) in core matrices [n/8][k/8][k%8][n%8], with the offsets the probe documents
     (K-neighbour core matrices 128 bytes apart, N-neighbour ones K / 8 x 128). On a mismatch
