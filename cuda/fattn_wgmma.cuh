@@ -1,10 +1,11 @@
 // Tile steps of the warp-specialised wgmma prefill (cuda/fattn_wgmma.cu, version 1), shared
 // with its operand probe (cuda/hopper_probe.cu): the S and P V GEMMs on the TMA-swizzled K/V
-// stages, the online softmax, the P fragments and the n_kv tail, for KV tiles of BK = 64 or
-// 128 cells. sm_90a only.
+// stages (KV tiles of BK = 64 cells in the probe, 128 in the kernel), the online softmax, the P
+// fragments, Q staging and row stores (versions 0 and 1), the chunk walk over the plan's live
+// tiles and its masks, the HIDDEN rows' zeroing. sm_90a only.
 //
-// A stage holds one K and one V tile of BK cells x 128 halves as two TMA boxes of BK x 64
-// (d 0-63, then d 64-127), each written with the 128-byte swizzle (cuda/hopper_common.cuh,
+// A stage holds one K and one V tile of BK cells x 128 16-bit values as two TMA-written halves
+// of BK x 64 (d 0-63, then d 64-127), each with the 128-byte swizzle (cuda/hopper_common.cuh,
 // wgmma_desc_sw128). A warpgroup's S = Q K^T is 64 x BK: thread (warp w, lane 4g + t4) holds
 // S[4i + {0, 1}] at row 16w + g, columns 8i + 2t4 + {0, 1} and S[4i + {2, 3}] at row 16w + g + 8.
 #pragma once
@@ -16,13 +17,14 @@ template <> struct WgType<__half> { static constexpr bool BF16 = false; };
 template <> struct WgType<__nv_bfloat16> { static constexpr bool BF16 = true; };
 
 namespace ws {
-constexpr int D = 128, BQ = 128, CHUNK = 128, THREADS = 384;   // CHUNK: KV cells per step (two plan tiles)   // two consumer warpgroups, one producer
+// CHUNK: KV cells per step (two plan tiles); THREADS: two consumer warpgroups and the producer
+constexpr int D = 128, BQ = 128, CHUNK = 128, THREADS = 384;
 // registers per thread after reallocation: 128 x (40 + 2 x 232) = 384 x 168 (the launch's share)
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 template <int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }    // one K or V tile
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }    // one of its two boxes
-// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 halves), 5 mbarriers
-// per stage (ggml_attn/hopper_prefill.py smem_ws)
+// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 values), 5 mbarriers
+// per stage (ggml_attn/wgmma_shape.py smem_ws)
 template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
     return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 5 * STAGES * 8;
 }
