@@ -1,7 +1,7 @@
-// Tile steps of the warp-specialised wgmma prefill (cuda/fattn_wgmma.cu, version 1), shared
+// Tile steps of the warp-specialised wgmma prefill (cuda/fattn_wgmma.cu), shared
 // with its operand probe (cuda/hopper_probe.cu): the S and P V GEMMs on the TMA-swizzled K/V
 // stages (KV tiles of BK = 64 cells in the probe, 128 in the kernel), the online softmax, the P
-// fragments, Q staging and row stores (versions 0 and 1), the chunk walk over the plan's live
+// fragments, Q staging and row stores, the chunk walk over the plan's live
 // tiles and its masks, the HIDDEN rows' zeroing. sm_90a only.
 //
 // A stage holds one K and one V tile of BK cells x 128 16-bit values as two TMA-written halves

@@ -60,6 +60,14 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 
+// the accumulator registers' places in a wgmma's asm text: %0..%31 (m64n64), %0..%63 (m64n128)
+#define WGMMA_ACC32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_ACC64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
 // the 32 f32 accumulators of an m64n64 wgmma as read-write asm operands %0..%31
 #define WGMMA_D32_OUTPUTS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
@@ -76,8 +84,7 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
     asm volatile(                                                                                      \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                   \
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                    \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "            \
+        WGMMA_ACC32 ", "                                                                               \
         "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                \
         : WGMMA_D32_OUTPUTS(d)                                                                         \
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate))
@@ -115,10 +122,7 @@ __device__ __forceinline__ void wgmma_pin(unsigned (&a)[N]) {
     asm volatile(                                                                                      \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                   \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
+        WGMMA_ACC64 ", "                                                                               \
         "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                \
         : WGMMA_D64_OUTPUTS(d)                                                                         \
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate))
@@ -138,10 +142,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long l
     asm volatile(                                                                                      \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"                                                   \
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                   \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "             \
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "            \
+        WGMMA_ACC64 ", "                                                                               \
         "{%64, %65, %66, %67}, %68, p, 1, 1, %69;\n}\n"                                               \
         : WGMMA_D64_OUTPUTS(d)                                                                         \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate))

@@ -25,12 +25,9 @@ _WAVES = {"prefill": 1, "decode-tc": 1, "decode": 2, "cells": 1}
 # 132 SMs) it took 70.2 us unsplit against 76.4 / 86.9 / 78.0 us with 2 / 3 / 4 splits (a
 # combine pass and the workspace traffic, for 3% more SMs). With a plan the splits stay: a
 # 64-sequence step over a unified cache (MASKED tiles, mask loads) ran 68 us unsplit against
-# 56 split, and per-stream decode under a mask is not measured yet (bench/NOTES.md, "eighth
-# session")
+# 56 split, and B=16 4k under a causal-style mask 95.6 unsplit against 80.2 split
+# (bench/NOTES.md, "eighth session", "ninth session")
 _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
-# True: the rule above for calls with a mask plan too (per-stream decode under a causal mask:
-# FULL tiles and a PARTIAL tail); an A/B knob for the benchmark's masked B=16 row until measured
-NO_SPLIT_WITH_PLAN = False
 # cell-list decode: at least this many list entries per KV split (fewer: the combine dominates)
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
@@ -192,10 +189,9 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         name, stages, kv_type, persistent = hp.WS_CONFIGS[WGMMA_CONFIG]
         if kv_type != sh.kv_type:
             raise ValueError(f"WGMMA_CONFIG {WGMMA_CONFIG!r} is for another K/V type than this call's")
-        n_q_tiles = -(-sh.n_batch // hp.Q_TILE_WS)
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if persistent else 0)
-        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, n_q_tiles, n_kv_tiles, 1,
+        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles, 1,
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
@@ -243,8 +239,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
         else:
             live = (max_live or {}).get(tq, n_kv_tiles)
-        if ((max_live is None or NO_SPLIT_WITH_PLAN)
-                and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms()):
+        if max_live is None and base >= _NO_SPLIT_SM_FILL.get(kernel, float("inf")) * num_sms():
             n_splits = 1
         else:
             n_splits = _split_count(base, num_sms() * blocks_per_sm, _WAVES[kernel], max(1, live))

@@ -1,19 +1,15 @@
-"""Stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu).
-
-- version 0 (``run_v0``): wgmma in place of mma.sync and nothing else; one warpgroup per 64
-  query rows, cp.async loads. A measured starting point, not dispatched.
-- version 1: warp-specialised -- a TMA producer warpgroup feeding a ring of swizzled K/V
-  chunks (128 cells) to two consumer warpgroups (128 query rows per block), the softmax of one
-  chunk under the P V GEMM of the one before, the two warpgroups in ping-pong. The op runs it
-  as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py decides; cuda_backend.bind launches it
-  with the tensor maps of ggml_attn/wgmma_shape.py), masks through the plan's 128-token tile map.
-  ``run_ws`` launches it directly without a mask in one of ``WS_CONFIGS`` (tests, benchmarks):
-  also its bf16 and persistent instances, not dispatched yet.
+"""The stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu), launched directly: a TMA producer
+warpgroup feeding a ring of swizzled K/V chunks (128 cells) to two consumer warpgroups (128
+query rows per block), the softmax of one chunk under the P V GEMM of the one before, the two
+warpgroups in ping-pong. The op runs it as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py
+decides; cuda_backend.bind launches it with the tensor maps of ggml_attn/wgmma_shape.py), masks
+through the plan's 128-token tile map. ``run_ws`` launches it without a mask in one of
+``WS_CONFIGS`` (tests, benchmarks), the bf16 and persistent instances included, which are not
+dispatched yet.
 
 Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
-instance) [128, n_kv, n_head_kv, ne3],
-dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap or ALiBi. ``why_not`` says what the
-kernels do not take.
+instance) [128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap
+or ALiBi. ``why_not`` says what the kernels do not take.
 """
 from __future__ import annotations
 
@@ -22,45 +18,24 @@ from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import Q_TILE_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid
+from .wgmma_shape import THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid, ws_q_tiles
 
-__all__ = ["SMEM_V0", "NAME_V0", "WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not",
-           "run_v0", "run_ws"]
-
-SMEM_V0 = 5 * 64 * 128 * 2   # Q, 2 K and 2 V tiles of 64 x 128 halves
-NAME_V0 = "fattn_wgmma_v0_d128"
+__all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not", "run_ws"]
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16) -> str | None:
-    """None when versions 0 and 1 run these shapes, else why not (D 128, K/V of ``kv_type``
-    (the instance's), 16-byte aligned addresses and strides, an 8-byte aligned dst)."""
+    """None when an instance for K/V of ``kv_type`` runs these shapes, else why not (D 128, that
+    K/V type, 16-byte aligned addresses and strides, an 8-byte aligned dst)."""
     if (sh.d_k, sh.d_v) != (128, 128):
         return f"head sizes {sh.d_k}/{sh.d_v}: D 128 only"
     if sh.kv_type != kv_type:
         return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
-    if not all(cb._kv_aligned(t) for t in (q, k, v)):   # cp.async's 16-byte copies, TMA's strides
+    if not all(cb._kv_aligned(t) for t in (q, k, v)):   # Q's 16-byte loads, TMA's strides
         return "Q, K and V rows must be 16-byte aligned"
     if dst is not None and dst.ptr % 8:
         return "dst must be 8-byte aligned"
     return None
-
-
-def _checked(q, k, v, dst, scale, what: str, kv_type: int = GGML_TYPE_F16):
-    sh = cb.validate(q, k, v, None, None, dst, scale)
-    reason = why_not(sh, q, k, v, dst, kv_type)
-    if reason:
-        raise ValueError(f"wgmma prefill {what}: {reason}")
-    return sh, cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
-
-
-def run_v0(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
-           stream: int = 0) -> None:
-    """dst = softmax(scale Q K^T) V on the GPU (no mask), on ``stream``; ValueError for what
-    version 0 does not take."""
-    sh, p = _checked(q, k, v, dst, scale, "v0")
-    fn = K.get_function(K.wgmma_variant(), NAME_V0, smem=SMEM_V0)
-    fn.launch((-(-sh.n_batch // 64), sh.n_head, sh.ne3), (128, 1, 1), stream, p)
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
@@ -69,8 +44,12 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     (or a WS_DIAG probe: timing only); ``blocks``: a persistent instance's block count (0: one
     per SM). ValueError for what it does not take."""
     name, stages, kv_type, persistent = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
-    sh, p = _checked(q, k, v, dst, scale, "v1", kv_type)
+    sh = cb.validate(q, k, v, None, None, dst, scale)
+    reason = why_not(sh, q, k, v, dst, kv_type)
+    if reason:
+        raise ValueError(f"wgmma prefill {config}: {reason}")
+    p = cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
     grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if persistent else 0)
-    p.n_q_tiles = -(-sh.n_batch // Q_TILE_WS)   # the persistent blocks' tile list
+    p.n_q_tiles = ws_q_tiles(sh.n_batch)   # the persistent blocks' tile list
     fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
     fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

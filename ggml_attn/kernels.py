@@ -254,10 +254,10 @@ def hopper_probe_variant() -> Variant:
 
 
 def wgmma_variant() -> Variant:
-    """The sm_90a prefill kernels (cuda/fattn_wgmma.cu; ggml_attn/hopper_prefill.py): version 0
-    and version 1's instances (wgmma_shape.WS_CONFIGS, WS_DIAG)."""
+    """The sm_90a prefill kernels (cuda/fattn_wgmma.cu): the instances of wgmma_shape.WS_CONFIGS
+    and WS_DIAG."""
     return Variant("wgmma", "fattn_wgmma.cu",
-                   ("fattn_wgmma_v0_d128", "fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
+                   ("fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
                     "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_nopp_d128",
                     "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128"), arch_suffix="a")
 

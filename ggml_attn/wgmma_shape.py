@@ -34,11 +34,16 @@ def smem_ws(stages: int) -> int:
     return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 5 * stages * 8
 
 
+def ws_q_tiles(n_batch: int) -> int:
+    """Query tiles of Q_TILE_WS tokens per stream (the plan's tile map for them)."""
+    return -(-n_batch // Q_TILE_WS)
+
+
 def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0) -> tuple[int, int, int]:
     """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
     reverse: the longest causal rows first), streams; with ``persistent_blocks`` (the SM count)
     that many blocks at most, each walking every gridDim.x-th tile."""
-    n_q_tiles = -(-n_batch // Q_TILE_WS)
+    n_q_tiles = ws_q_tiles(n_batch)
     if persistent_blocks:
         return (max(1, min(persistent_blocks, n_head * n_q_tiles * ne3)), 1, 1)
     return (n_head, n_q_tiles, ne3)

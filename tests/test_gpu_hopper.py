@@ -67,7 +67,7 @@ def test_hopper_program_refused_elsewhere(monkeypatch):
 
 @pytest.mark.parametrize("k", [16, 64])
 def test_wgmma_a_from_registers_b_mn_major(k):
-    """P V's wgmma (wgmma_m64n128k16_rs, as cuda/fattn_wgmma.cu version 0 issues it): A (P) from
+    """The register-A wgmma (wgmma_m64n128k16_rs, P V's in cuda/fattn_wgmma.cu): A (P) from
     registers in mma.sync's fragment layout, B (V as stored: keys x D, D contiguous) MN-major
     (trans-b) in core matrices [n/8][k/8][k%8][n%8], with the offsets the probe documents
     (K-neighbour core matrices 128 bytes apart, N-neighbour ones K / 8 x 128). On a mismatch
@@ -159,26 +159,6 @@ def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0):
     return cp.asarray(q), dk, dv, dst, ref
 
 
-@pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 1, 64), (1, 64, 100), (2, 100, 1000), (1, 300, 4097),
-                                              (1, 100, 333)])
-def test_wgmma_prefill_v0(ne3, n_batch, n_kv):
-    """cuda/fattn_wgmma.cu (version 0: no mask, D 128, f16 K/V) against the float64 reference:
-    query rows past a 64-row tile, cells past n_kv (a partial last tile), GQA 4, streams; dst
-    poisoned with NaN first. (1, 100, 333) is the sanitizer run's case."""
-    import cupy as cp
-    from ggml_attn import hopper_prefill as hp
-    from ggml_attn.dtypes import GGML_TYPE_F16
-    from ggml_attn.reference import nmse
-    from ggml_attn.tensor import from_array
-    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, seed=n_batch * 7 + n_kv)
-    hp.run_v0(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
-              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr)
-    out = dst.get()
-    assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
-    err = nmse(out, ref)
-    assert err <= 5e-4, f"NMSE {err:.3g}"
-
-
 @pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
@@ -233,7 +213,8 @@ def test_wgmma_prefill_ws_bf16(ne3, n_batch, n_kv):
                   0.125, config="pp-bf16")
 
 
-def test_wgmma_prefill_v0_refuses_what_it_does_not_take():
+def test_wgmma_prefill_refuses_what_it_does_not_take():
+    """The f16 instance refuses bf16 K/V (and says which type it takes)."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_BF16
@@ -242,7 +223,7 @@ def test_wgmma_prefill_v0_refuses_what_it_does_not_take():
     kv = cp.zeros((1, 1, 64, 128), cp.uint16)   # bf16 bits
     dst = cp.zeros((1, 8, 4, 128), cp.float32)
     with pytest.raises(ValueError, match="f16"):
-        hp.run_v0(from_array(q), from_array(kv, GGML_TYPE_BF16), from_array(kv, GGML_TYPE_BF16),
+        hp.run_ws(from_array(q), from_array(kv, GGML_TYPE_BF16), from_array(kv, GGML_TYPE_BF16),
                   from_array(dst), 0.1)
 
 

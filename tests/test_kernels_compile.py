@@ -239,8 +239,6 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     assert splits("decode-tc", 1) == 16                                     # B=1: up to the cap
     assert splits("decode", 16) > 1 and splits("prefill", 16) > 1           # their rules as before
     assert splits("decode-tc", 16, max_live={4: 64}) > 1                    # a mask plan: split
-    monkeypatch.setattr(cuda_launch, "NO_SPLIT_WITH_PLAN", True)            # the A/B knob
-    assert splits("decode-tc", 16, max_live={4: 64}) == 1
 
 
 def test_hopper_programs_compile_for_sm_90a_only():

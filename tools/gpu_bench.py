@@ -248,13 +248,9 @@ def run(quick=False, only=None, log=print):
         q, kv = torch_qkv(1, n, n)
         add(case, "cudnn", sdpa_fns(q, kv), fl, ctx=cudnn())
         add(case, "fa2", sdpa_fns(q, kv), fl, ctx=fa2())
-        # the first sm_90a kernel (wgmma, one warpgroup per 64 rows; not dispatched yet)
+        # the sm_90a prefill ("n/a" off compute capability 9.0), each f16 instance, then its
+        # speed-of-light probe (wrong results by design: the time without the softmax)
         from ggml_attn import hopper_prefill   # noqa: PLC0415
-        v0 = [lambda dk=dk, dv=dv: hopper_prefill.run_v0(ours.dq, dk, dv, ours.dd, SCALE, ours.stream)
-              for dk, dv in ours.dkv]
-        add(case, "ours-wgmma-v0", v0, fl)   # "n/a" off compute capability 9.0
-        # version 1 (warp-specialised), each instance, then its speed-of-light probes (wrong
-        # results by design: the time without the softmax, without loads past the first ring)
         from ggml_attn.dtypes import GGML_TYPE_F16   # noqa: PLC0415
         f16_configs = [c for c, (_, _, t, _) in hopper_prefill.WS_CONFIGS.items() if t == GGML_TYPE_F16]
         for config in (*f16_configs, *hopper_prefill.WS_DIAG):   # no mask: run_ws on f16 K/V
@@ -394,8 +390,8 @@ def run(quick=False, only=None, log=print):
         del q, kv
         torch.cuda.empty_cache()
 
-    # ---- per-stream decode under a mask (a plan: FULL tiles, a PARTIAL tail): split as the plan
-    # rule says, and unsplit as calls without a plan are (cuda_launch.NO_SPLIT_WITH_PLAN)
+    # ---- per-stream decode under a mask (a plan: FULL tiles, a PARTIAL tail; split by the plan
+    # rule: unsplit was 95.6 us against 80.2, bench/NOTES.md "ninth session")
     B, S = 16, 4096
     case = f"decode B={B} kv={S}, causal mask (plan)"
     if want(case):
@@ -404,8 +400,6 @@ def run(quick=False, only=None, log=print):
         m[:, S - 100:] = -np.inf   # the last cells not yet written: a PARTIAL tail tile
         ours = Ours(B, 1, S, m, copies=copies_for(nbytes))
         add(case, "ours-auto", ours.fns(), None, nbytes)
-        with knobs(NO_SPLIT_WITH_PLAN=True):
-            add(case, "ours-no-split-with-plan", ours.fns(), None, nbytes)
         del ours
 
     # ---- the full block's weight reads at decode (dense.cu's GEMV vs cuBLAS)

@@ -3,8 +3,8 @@ prefill with a ragged block-causal mask and a tail tile (n_kv = 333), decode and
 with forced KV splits + combine, the cell-list decode (its list builder, splits, D 64/128/256),
 BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
 marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also with scores in natural units
-(cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefills as well (versions 0
-and 1 directly, version 1 through the op with a mask of every tile class).
+(cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefill as well (every instance
+directly, the op's through the op with a mask of every tile class).
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -81,28 +81,25 @@ def main():
         bad += not ok
         print(f"{kernel:10s} D={dk} mask={kind} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     from ggml_attn import kernels as K
-    if K.device_arch() == "sm_90":   # the sm_90a prefills: tail tiles, GQA 4, every tile class
+    if K.device_arch() == "sm_90":   # the sm_90a prefill: tail tiles, GQA 4, every tile class
         from ggml_attn import hopper_prefill
         nb, n_kv, nh, nkv = 100, 333, 8, 2
         q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
         kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, 128))
-        runs = [("wgmma-v0", hopper_prefill.run_v0, {}, GGML_TYPE_F16)] + [
-            (f"ws-{c}", hopper_prefill.run_ws, {"config": c}, t)
-            for c, (_, _, t, _) in hopper_prefill.WS_CONFIGS.items()]
-        for label, run, kw, kv_type in runs:
+        for c, (_, _, kv_type, _) in hopper_prefill.WS_CONFIGS.items():   # every instance, directly
             k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
             ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
             # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's
             # pool hands a freed temporary's memory to the next array (K's buffer would become V's)
             dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
             dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
-            run(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
-                from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, **kw)
+            hopper_prefill.run_ws(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
+                                  from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, config=c)
             out = dst.get()
             err = nmse(out, ref)
             ok = err <= 5e-4 and not np.isnan(out).any()
             bad += not ok
-            print(f"{label:10s} D=128 mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+            print(f"{'ws-' + c:10s} D=128 mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # through the op's entry with a causal mask after 100 cells: PARTIAL and ABSENT halves,
         # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile)
         nb, n_kv = 200, 300
