@@ -80,9 +80,10 @@ FINITE_MASK_TILES = True
 # "mma-nat"). Off: on the H200 it took FINITE-tile prefill from 952-958 to 937-942 us but
 # unmasked prefill from 814-815 to 822-826 us, the common case (bench/NOTES.md, "eighth session").
 NAT_SCORES = False
-# The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS with f16 K/V): "pp";
-# an A/B knob for the benchmark's "pp-persistent" rows until measured. Part of the call key.
-WGMMA_CONFIG = "pp"
+# The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS for the call's K/V
+# type): "" -- wgmma_shape.WS_FOR_TYPE's (persistent blocks); an A/B knob for the benchmark's
+# rows of one-block-per-tile instances. Part of the call key.
+WGMMA_CONFIG = ""
 # Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
 # tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
 WGMMA_PERSISTENT_BLOCKS = 0
@@ -186,9 +187,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        name, stages, kv_type, persistent = hp.WS_CONFIGS[WGMMA_CONFIG]
-        if kv_type != sh.kv_type:
-            raise ValueError(f"WGMMA_CONFIG {WGMMA_CONFIG!r} is for another K/V type than this call's")
+        name, stages, kv_type, persistent = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG)]
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if persistent else 0)
         return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles, 1,

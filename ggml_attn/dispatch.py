@@ -53,15 +53,15 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 
 
 # The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
-# "prefill" on compute capability 9.0 for D 128 f16 K/V without sinks, softcap or ALiBi, when
+# "prefill" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or ALiBi, when
 # the mask (if any) has neither MASKED nor HIDDEN tiles in the plan's 128-token tile map, and
 # for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
 # below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class
 # (MASKED tiles' values read from global memory, HIDDEN columns' V rows zeroed), but only the
-# plain layouts are measured: H200, causal 8192 1050 us against 1628 for "prefill", causal
-# 2048 111 against 137, 4096 without a mask 507 against 816 (bench/results/2026-12-01-ecc8487.json,
-# -7940c8e.json). HIDDEN tiles come with ragged prompts and unaligned prefixes: there the
-# mma.sync kernel's head-packed 64-row tiles are measured (0.91-0.96x FA2 varlen), this one not.
+# plain layouts win: H200, causal 8192 1048 us against 1628 for "prefill", causal 2048 101
+# against 137, 4096 without a mask 480 against 823; with HIDDEN tiles (ragged prompts) 63.6 us
+# against 40.7 (16 prompts) and 241 against 165 (64 prompts): the mma.sync kernel's head-packed
+# 64-row tiles waste less there (bench/results/2026-12-01-b69ab2e.json).
 WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
@@ -72,8 +72,8 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     per stream."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
-    if (f.d_k, f.d_v) != (128, 128) or f.kv_type != GGML_TYPE_F16:
-        return f"D 128 with f16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
+    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        return f"D 128 with f16 or bf16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
     if auto and f.mask_tiles == "masked":

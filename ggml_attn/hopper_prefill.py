@@ -4,8 +4,7 @@ query rows per block), the softmax of one chunk under the P V GEMM of the one be
 warpgroups in ping-pong. The op runs it as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py
 decides; cuda_backend.bind launches it with the tensor maps of ggml_attn/wgmma_shape.py), masks
 through the plan's 128-token tile map. ``run_ws`` launches it without a mask in one of
-``WS_CONFIGS`` (tests, benchmarks), the bf16 and persistent instances included, which are not
-dispatched yet.
+``WS_CONFIGS`` (tests, benchmarks).
 
 Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
 instance) [128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap

@@ -258,7 +258,8 @@ def wgmma_variant() -> Variant:
     and WS_DIAG."""
     return Variant("wgmma", "fattn_wgmma.cu",
                    ("fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
-                    "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_nopp_d128",
+                    "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_persistent_bf16_d128",
+                    "fattn_wgmma_ws_nopp_d128",
                     "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128"), arch_suffix="a")
 
 

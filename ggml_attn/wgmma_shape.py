@@ -13,19 +13,34 @@ THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fa
 Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
 CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
 # version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages, K/V
-# type, persistent blocks; "pp" is the one the op runs, the others are its A/B rows in
-# tools/gpu_bench.py, "pp-bf16" its bf16 twin and "pp-persistent" one block per SM walking the
-# tiles heaviest first (run by ``hopper_prefill.run_ws``; not dispatched until measured)
+# type, persistent blocks. The op runs WS_FOR_TYPE's (one block per SM walking the tiles
+# heaviest first: on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per
+# tile, causal 8192 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
+# bench/results/2026-12-01-b69ab2e.json); the others are A/B rows of tools/gpu_bench.py.
 WS_CONFIGS = {
     "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
     "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
     "pp-persistent": ("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
+    "pp-persistent-bf16": ("fattn_wgmma_ws_persistent_bf16_d128", 3, GGML_TYPE_BF16, True),
     "nopp": ("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
     "s2": ("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
 }
-WS_DEFAULT = "pp"
+WS_FOR_TYPE = {GGML_TYPE_F16: "pp-persistent", GGML_TYPE_BF16: "pp-persistent-bf16"}
+WS_DEFAULT = WS_FOR_TYPE[GGML_TYPE_F16]
 # a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
 WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
+
+
+def ws_config(kv_type: int, override: str = "") -> str:
+    """The WS_CONFIGS key the op runs for K/V of ``kv_type``: ``override`` (cuda_launch's
+    WGMMA_CONFIG knob) when set, else WS_FOR_TYPE's. ValueError when that instance is for another
+    K/V type (it would run bf16 wgmma on f16 bits) or none exists."""
+    name = override or WS_FOR_TYPE.get(kv_type)
+    if name is None or name not in WS_CONFIGS:
+        raise ValueError(f"no wgmma prefill instance {name!r} for K/V type {kv_type}")
+    if WS_CONFIGS[name][2] != kv_type:
+        raise ValueError(f"WGMMA_CONFIG {name!r} is for another K/V type than this call's")
+    return name
 
 
 def smem_ws(stages: int) -> int:

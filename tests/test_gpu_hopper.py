@@ -353,35 +353,42 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
     assert nmse(out, ref) <= 5e-4
 
 
-@pytest.mark.parametrize("blocks", [0, 5])
+@pytest.mark.parametrize("config,blocks,bf16", [("", 0, False), ("", 5, False), ("pp", 0, False),
+                                                ("", 0, True), ("", 5, True)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
-def test_persistent_wgmma_prefill_through_the_op(name, blocks, monkeypatch):
-    """The persistent instance (cuda_launch.WGMMA_CONFIG = "pp-persistent"; blocks: one per SM,
-    or 5 so that each block walks many tiles with different chunk counts, the ring running on
-    across them) by name through the op, against the float64 reference: a mask's every class
-    (causal tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
+def test_wgmma_instances_through_the_op(name, config, blocks, bf16, monkeypatch):
+    """The op's instance (cuda_launch.WGMMA_CONFIG "": the persistent one of the K/V type, f16 or
+    bf16; blocks: one per SM, or 5 so that each block walks many tiles with different chunk
+    counts, the ring running on across them) and the one-block-per-tile "pp", by name through
+    the op against the float64 reference on the same K/V values: a mask's every class (causal
+    tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
-    from ggml_attn.dtypes import GGML_TYPE_F16, from_float
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
-    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
+    monkeypatch.setattr(L, "WGMMA_CONFIG", config)
     monkeypatch.setattr(L, "WGMMA_PERSISTENT_BLOCKS", blocks)
     cb._PREPARED.clear()
     n_batch, n_kv, mask, _ = _masks()[name]
+    kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
     rng = np.random.default_rng(17)
     ne3, nh, nkv, d = 2, 8, 2, 128
     q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
-    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
-    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
     m4 = None if mask is None else mask.reshape(1, 1, n_batch, n_kv)
-    ref = flash_attn_ext(q, k, v, m4, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, m4, 0.1, 0.0, 0.0, None, kv_type=kv_type)
     dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     dm = None if m4 is None else cp.asarray(m4)
     dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
-    cb.flash_attn_ext_device(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
-                             None if dm is None else from_array(dm, GGML_TYPE_F16), None, from_array(dst), 0.1,
-                             kernel="prefill-wgmma")
+    tq, tk, tv, td = from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), from_array(dst)
+    tm = None if dm is None else from_array(dm, GGML_TYPE_F16)
+    st = cp.cuda.get_current_stream().ptr
+    if mask is None:   # what auto picks for a plain call, bf16 K/V included
+        assert cb.bind(tq, tk, tv, None, None, td, 0.1, stream=st).kern == "prefill-wgmma"
+    call = cb.bind(tq, tk, tv, tm, None, td, 0.1, kernel="prefill-wgmma", stream=st)
+    call.launch()
     out = dst.get()
     cb._PREPARED.clear()
     assert not np.isnan(out).any()

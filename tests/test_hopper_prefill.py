@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from ggml_attn import hopper_prefill as hp
+from ggml_attn import wgmma_shape as ws
 from ggml_attn.cuda_backend import Shapes
-from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 from ggml_attn.tensor import TensorDesc
 
 
@@ -50,15 +51,17 @@ def test_auto_prefers_wgmma_on_sm90_for_plain_calls():
     c = best_kernel("auto", _f())
     assert c.kernel == "prefill-wgmma" and "wgmma" in c.reason
     assert best_kernel("auto", _f(mask_tiles="plain")).kernel == "prefill-wgmma"
+    assert best_kernel("auto", _f(kv_type=GGML_TYPE_BF16)).kernel == "prefill-wgmma"
 
 
 def test_auto_keeps_mma_where_wgmma_does_not_apply():
     """Another architecture, other head sizes or K/V type, sinks/softcap/ALiBi, a mask with
     MASKED/HIDDEN tiles (or not measured), few tokens, decode shapes, unaligned K/V."""
     from ggml_attn.dispatch import WGMMA_MIN_BATCH, best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(kv_type=GGML_TYPE_BF16),
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64),
                dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
         assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
+    assert best_kernel("auto", _f(kv_type=GGML_TYPE_F32)).kernel != "prefill-wgmma"
     assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tc"
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
 
@@ -71,19 +74,40 @@ def test_wgmma_by_name_says_why_not():
     assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
     assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
     for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=64, d_v=64), "D 128"),
-                      (dict(kv_type=GGML_TYPE_BF16), "f16"), (dict(plain=False), "sinks")):
+                      (dict(kv_type=GGML_TYPE_F32), "f16 or bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             best_kernel("prefill-wgmma", _f(**kw))
 
 
-def test_wgmma_launch_config():
-    """One fixed shape: 384 threads, 128-token blocks (the plan's tile map for them), heads
-    fastest in the grid, 64-cell plan tiles counted for the live lists, no split."""
-    from ggml_attn.cuda_launch import Shapes, launch_config
-    cfg = launch_config("prefill-wgmma", Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
-    assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
-    assert cfg.grid == (32, 3, 2) and cfg.smem == hp.smem_ws(hp.WS_CONFIGS[hp.WS_DEFAULT][1])
-    assert hp.WS_CONFIGS[hp.WS_DEFAULT][2] == GGML_TYPE_F16   # the op's instance: what dispatch allows
+def test_wgmma_launch_config(monkeypatch):
+    """One fixed shape: 384 threads, 128-token blocks (the plan's tile map for them), 64-cell plan
+    tiles counted for the live lists, no split; by default the persistent instance of the call's
+    K/V type with one block per SM (at most one per tile); WGMMA_CONFIG="pp": one block per tile,
+    heads fastest in the grid."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d128"),
+                          (GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d128")):
+        cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, kv_type))
+        assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
+        assert cfg.name == name and cfg.grid == (132, 1, 1)
+        assert cfg.smem == hp.smem_ws(hp.WS_CONFIGS[ws.ws_config(kv_type)][1])
+    assert L.launch_config("prefill-wgmma", L.Shapes(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
+    cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
+    assert cfg.name == "fattn_wgmma_ws_d128" and cfg.grid == (32, 3, 2)
+
+
+def test_ws_config_matches_the_kv_type():
+    """Every K/V type dispatch lets through has an instance of its own type; an override for
+    another type, or an unknown one, is refused."""
+    import pytest
+    for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        assert hp.WS_CONFIGS[ws.ws_config(kv_type)][2] == kv_type
+    with pytest.raises(ValueError, match="another K/V type"):
+        ws.ws_config(GGML_TYPE_F16, "pp-bf16")
+    with pytest.raises(ValueError, match="no wgmma prefill instance"):
+        ws.ws_config(GGML_TYPE_F32)
 
 
 def test_persistent_grid():
@@ -92,16 +116,6 @@ def test_persistent_grid():
     assert ws_grid(4096, 32, 1, 132) == (132, 1, 1)
     assert ws_grid(100, 2, 1, 132) == (2, 1, 1)
     assert ws_grid(300, 32, 2) == (32, 3, 2)
-
-
-def test_wgmma_config_knob_picks_the_persistent_grid(monkeypatch):
-    """cuda_launch.WGMMA_CONFIG="pp-persistent": the op's launch takes the persistent instance and
-    one block per SM (at most one per tile); n_q_tiles stays the 128-token tile count."""
-    from ggml_attn import cuda_launch as L
-    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
-    monkeypatch.setattr(L, "num_sms", lambda: 132)
-    cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16))
-    assert cfg.name == "fattn_wgmma_ws_persistent_d128" and cfg.grid == (132, 1, 1) and cfg.n_q_tiles == 32
 
 
 def test_wgmma_config_knob_checks_the_kv_type(monkeypatch):

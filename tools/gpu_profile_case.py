@@ -7,7 +7,7 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            cells with the first 1/8 live (a mask)
   window   a 4096-token prefill with a 512-cell sliding window
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
-           configuration $WGMMA_CONFIG, default pp: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
+           configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
 
 Usage: ncu --clock-control none -k regex:fattn python tools/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -54,7 +54,7 @@ def main(argv=None):
     import torch
     for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
         if case == "wgmma":
-            f = wgmma_fn(os.environ.get("WGMMA_CONFIG", "pp"))
+            f = wgmma_fn(os.environ.get("WGMMA_CONFIG", "pp-persistent"))
             f()
             f()
             continue
