@@ -174,7 +174,8 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
+            L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
@@ -197,7 +198,11 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p)
-    if cfg.n_splits > 1:
+    if kern == "decode-tma":   # two partial slots per block, a counter per row group
+        from . import decode_tma_shape as dt
+        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.d_v)
+        prep.n_groups = dt.n_groups(sh.n_head, cfg.pack, cfg.n_q_tiles, sh.ne3)
+    elif cfg.n_splits > 1:
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
         prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
@@ -328,7 +333,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
         b._keep = (b._keep, cnt)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
-    if prep.kern == "prefill-wgmma":   # K and V's TMA maps follow the params (kernel order)
+    if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps follow the params (kernel order)
         from .wgmma_shape import kv_map
         maps = (kv_map(k), kv_map(v))
         arr = K.arg_block(p, *maps)

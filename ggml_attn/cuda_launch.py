@@ -87,6 +87,12 @@ WGMMA_CONFIG = ""
 # Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
 # tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
 WGMMA_PERSISTENT_BLOCKS = 0
+# The sm_90a decode's instance (a key of decode_tma_shape.CONFIGS for the call's K/V type): "" --
+# decode_tma_shape.FOR_TYPE's; A/B rows of the benchmark otherwise. Part of the call key.
+DECODE_TMA_CONFIG = ""
+# The sm_90a decode's block count: 0 = one wave (occupancy x SMs); a small count makes blocks
+# take parts of many groups (the GPU tests' way to reach the cross-block merges). Part of the call key.
+DECODE_TMA_BLOCKS = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,15 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if persistent else 0)
         return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles, 1,
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
+    if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
+        from . import decode_tma_shape as dt
+        name, d, stages, _ = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
+        pack = min(gqa_p2, 16)
+        tq = dt.ROWS // pack
+        variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
+        blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
+        return LaunchConfig(kernel, variant, name, pack, tq, -(-sh.n_batch // tq), n_kv_tiles, 1,
+                            dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))

@@ -394,7 +394,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
     sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
-    kern = dispatch.best_kernel(kernel, facts(sh)).kernel
+    # (the sm_90a kernels asked for by name check the device's architecture)
+    arch = K.device_arch() if kernel in ("prefill-wgmma", "decode-tma") else ""
+    kern = dispatch.best_kernel(kernel, facts(sh, arch=arch)).kernel
     if kern not in dispatch.GPU_KERNELS:
         return plan
     st = stream_ptr(stream)

@@ -7,7 +7,9 @@ heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
 ``"prefill"`` (tensor-core tiles of 64 rows), ``"prefill-wgmma"`` (the sm_90a warp-specialised
 prefill of ggml_attn/hopper_prefill.py: where it takes the call, auto prefers it to "prefill"), ``"decode"`` (CUDA-core split-KV),
 ``"decode-tc"`` (tensor-core split-KV, the query heads of one KV head as the rows of a 16-row
-tile), ``"cells"`` (CUDA-core split-KV over each row's own list of visible cells, for decode
+tile), ``"decode-tma"`` (the sm_90a persistent decode of cuda/fattn_decode_tma.cu: decode-tc's
+rows, one balanced wave over every live tile, TMA loads; where it takes the call, auto prefers
+it to "decode-tc"), ``"cells"`` (CUDA-core split-KV over each row's own list of visible cells, for decode
 steps whose rows see few, interleaved cells: the plan's cell lists), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
 host memory), plus a one-line reason.
 
@@ -23,8 +25,8 @@ from dataclasses import dataclass
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .kernels import CELLS_HEADS, MMA_HEADS, VEC_HEADS
 
-KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "cells", "reference")
-GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "cells")
+KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells", "reference")
+GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells")
 
 # Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
 # bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
@@ -81,6 +83,24 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
                 "(or no plan measured it): the mma.sync kernel's measured path")
     if auto and f.n_batch < WGMMA_MIN_BATCH:
         return f"n_batch {f.n_batch} < {WGMMA_MIN_BATCH}: 128-row blocks would run mostly empty"
+    return None
+
+
+# The sm_90a decode ("decode-tma", cuda/fattn_decode_tma.cu): auto runs it in place of
+# "decode-tc" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or
+# ALiBi (any mask: its tiles are classed by the plan as decode-tc's are). DECODE_TMA_AUTO off:
+# by name only.
+DECODE_TMA_AUTO = True
+
+
+def decode_tma_why_not(f: "CallFacts") -> str | None:
+    """None when the sm_90a decode can run this call, else why not."""
+    if f.arch != WGMMA_ARCH:
+        return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
+    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        return f"D 128 with f16 or bf16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
+    if not f.plain:
+        return "no sinks, softcap or ALiBi in this kernel"
     return None
 
 
@@ -174,7 +194,7 @@ class CallFacts:
 
 @dataclass(frozen=True)
 class Choice:
-    """``kernel``: "prefill" | "decode" | "decode-tc" | "cells" (CUDA kernels), "reference" (numpy, on host
+    """``kernel``: "prefill" | "prefill-wgmma" | "decode" | "decode-tc" | "decode-tma" | "cells" (CUDA kernels), "reference" (numpy, on host
     copies when the data is on the device) or "cpu" (the op's threaded numpy path on host
     memory); ``reason``: one line saying why."""
     kernel: str
@@ -229,9 +249,13 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
             kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
+        if kern == "decode-tc" and DECODE_TMA_AUTO and f.kv_aligned and decode_tma_why_not(f) is None:
+            kern, why = "decode-tma", f"{why}; sm_90a persistent decode (D 128, plain)"
     else:
         if kernel == "prefill-wgmma":
             why = wgmma_why_not(f, auto=False)
+        elif kernel == "decode-tma":
+            why = decode_tma_why_not(f)
         elif kernel == "cells":
             why = cells_why_not(f, auto=False)
         else:

@@ -263,9 +263,16 @@ def wgmma_variant() -> Variant:
                     "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128"), arch_suffix="a")
 
 
+def decode_tma_variant() -> Variant:
+    """The sm_90a decode (cuda/fattn_decode_tma.cu): the instances of decode_tma_shape.CONFIGS."""
+    return Variant("decode-tma", "fattn_decode_tma.cu",
+                   ("fattn_decode_tma_d128", "fattn_decode_tma_bf16_d128", "fattn_decode_tma_s6_d128",
+                    "fattn_decode_tma_s2_d128"), arch_suffix="a")
+
+
 def hopper_variants() -> list[Variant]:
     """Every sm_90a program (the CI compile test walks this list for sm_90a)."""
-    return [hopper_probe_variant(), wgmma_variant()]
+    return [hopper_probe_variant(), wgmma_variant(), decode_tma_variant()]
 
 
 HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)

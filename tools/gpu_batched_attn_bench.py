@@ -93,7 +93,7 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
     dq, dm, do = from_array(q), from_array(mask), from_array(out)
     scale = 1 / np.sqrt(D)
     rows = []
-    cases = [(k, None, None) for k in ("auto", "prefill", "decode", "decode-tc", "cells")]
+    cases = [(k, None, None) for k in ("auto", "prefill", "decode", "decode-tc", "decode-tma", "cells")]
     cases += [("cells", n, None) for n in splits]
     cases += [("cells", None, t) for t in sweep if t != K.CELLS_DEFAULT]
     base = None   # the default cells output (the sweep's check)

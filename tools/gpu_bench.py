@@ -385,19 +385,13 @@ def run(quick=False, only=None, log=print):
         nbytes = 2 * B * HKV * S * D * 2
         c = copies_for(nbytes)
         ours = Ours(B, 1, S, copies=c)
-        for kern in ("auto", "decode-tc", "decode"):
+        # "ours-auto" (on an H200 the sm_90a decode, decode-tma), the stage-1 kernels by name
+        # (their split-count sweeps: bench/results of 2026-11-30 and before), decode-tma's ring depths
+        for kern in ("auto", "decode-tc", "decode-tma", "decode"):
             add(case, f"ours-{kern}", ours.fns(kern), None, nbytes, note=f"{c} K/V copies")
-        for w in (2, 4):   # split counts for other numbers of waves (the default is 1)
-            with waves(w):
-                add(case, f"ours-decode-tc-{w}waves", ours.fns("decode-tc"), None, nbytes)
-        for mt in (1, 2):   # fewer KV tiles per split than the default 4
-            with knobs(_MIN_TILES_PER_SPLIT=mt):
-                add(case, f"ours-decode-tc-min{mt}tiles", ours.fns("decode-tc"), None, nbytes)
-        with knobs(FUSED_SPLIT_FINISH=True):   # the splits merged by the kernel's last block
-            add(case, "ours-auto-fused-finish", ours.fns(), None, nbytes)
-        # split counts around the default's (B=16 runs unsplit: cuda_launch._NO_SPLIT_SM_FILL)
-        for ns in {1: (8, 15, 33), 16: (2, 4)}.get(B, ()):
-            add(case, f"ours-decode-tc-s{ns}", ours.fns("decode-tc", n_splits=ns), None, nbytes)
+        for cfg in ("s2", "s6"):
+            with knobs(DECODE_TMA_CONFIG=cfg):
+                add(case, f"ours-decode-tma-{cfg}", ours.fns("decode-tma"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
@@ -417,7 +411,8 @@ def run(quick=False, only=None, log=print):
         m = np.zeros((1, S), np.float16)
         m[:, S - 100:] = -np.inf   # the last cells not yet written: a PARTIAL tail tile
         ours = Ours(B, 1, S, m, copies=copies_for(nbytes))
-        add(case, "ours-auto", ours.fns(), None, nbytes)
+        add(case, "ours-auto", ours.fns(), None, nbytes, note=f"auto: {ours.kernel()}")
+        add(case, "ours-decode-tc", ours.fns("decode-tc"), None, nbytes)
         del ours
 
     # ---- the full block's weight reads at decode (dense.cu's GEMV vs cuBLAS)
@@ -464,16 +459,13 @@ def run(quick=False, only=None, log=print):
         m[:, :int(S * f)] = 0
         full = Ours(1, 1, S, np.zeros((1, S), np.float16), copies=c)
         part = Ours(1, 1, S, m, copies=c)
-        t_all = add(f"decode B=1 kv={S}, all live (zero mask)", "ours-auto", full.fns(), None, nbytes)
-        t_part = add(case, "ours-auto", part.fns(), None, nbytes * f)
-        for mt in (1, 2):
-            with knobs(_MIN_TILES_PER_SPLIT=mt):
-                add(case, f"ours-min{mt}tiles", part.fns(), None, nbytes * f)
-        with knobs(FUSED_SPLIT_FINISH=True):
-            add(case, "ours-auto-fused-finish", part.fns(), None, nbytes * f)
-        if t_all and t_part:
-            rows.append(dict(case=f"{case}: time / all-live time", impl="ours",
-                             ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))
+        for impl, kern in (("ours-auto", "auto"), ("ours-decode-tc", "decode-tc")):
+            t_all = add(f"decode B=1 kv={S}, all live (zero mask)", impl, full.fns(kern), None, nbytes,
+                        note=f"auto: {full.kernel()}" if kern == "auto" else "")
+            t_part = add(case, impl, part.fns(kern), None, nbytes * f)
+            if t_all and t_part:
+                rows.append(dict(case=f"{case}: time / all-live time ({impl})", impl=impl,
+                                 ratio=round(t_part / t_all, 3), target=round(f + 0.1, 3)))
         del full, part
     return rows
 

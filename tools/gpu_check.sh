@@ -77,7 +77,7 @@ if [ $SAN = 1 ]; then
     echo "== compute-sanitizer $tool"
     compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?; [ $rc != 0 ] && status=1
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL|ok$" "$OUT/sanitize_$tool.log" | head -8
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL" "$OUT/sanitize_$tool.log" | head -8; echo "   $(grep -c "ok$" "$OUT/sanitize_$tool.log") cases ok"
     echo "   rc=$rc ($(( $(date +%s) - t0 ))s so far)"
   done
 fi

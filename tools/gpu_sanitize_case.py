@@ -4,7 +4,7 @@ with forced KV splits + combine, the cell-list decode (its list builder, splits,
 BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
 marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also with scores in natural units
 (cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefill as well (every instance
-directly, the op's through the op with a mask of every tile class).
+directly, the op's through the op with a mask of every tile class) and the sm_90a decode.
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -120,6 +120,32 @@ def main():
         ok = err <= 5e-4 and not np.isnan(out).any()
         bad += not ok
         print(f"wgmma-op   D=128 mask=causal+hole nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        # the sm_90a decode: no mask and a random mask with -inf holes (MASKED, HIDDEN tiles),
+        # one wave of blocks and 3 blocks (parts of groups merged by the last block)
+        nb, n_kv, nh, nkv = 3, 333, 32, 8
+        q = rng.uniform(-1, 1, (2, nh, nb, 128)).astype(np.float32)
+        k = from_float(rng.uniform(-1, 1, (2, nkv, n_kv, 128)), GGML_TYPE_F16)
+        v = from_float(rng.uniform(-1, 1, (2, nkv, n_kv, 128)), GGML_TYPE_F16)
+        m = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float32)
+        m[..., 64:200] = -np.inf
+        m[rng.random(m.shape) < 0.1] = -np.inf
+        m = m.astype(np.float16)
+        for mask, blocks in ((None, 0), (m, 0), (m, 3)):
+            cuda_launch.DECODE_TMA_BLOCKS = blocks
+            ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+            dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+            dm = None if mask is None else cp.asarray(mask)
+            dst = cp.full((2, nb, nh, 128), cp.nan, dtype=cp.float32)
+            cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                     None if dm is None else from_array(dm, GGML_TYPE_F16), None, from_array(dst),
+                                     0.1, kernel="decode-tma")
+            out = dst.get()
+            err = nmse(out, ref)
+            ok = err <= 5e-4 and not np.isnan(out).any()
+            bad += not ok
+            print(f"decode-tma D=128 mask={'random' if mask is not None else None} blocks={blocks} "
+                  f"nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        cuda_launch.DECODE_TMA_BLOCKS = 0
     sys.exit(1 if bad else 0)
 
 

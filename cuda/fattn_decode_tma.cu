@@ -1,0 +1,500 @@
+// The Hopper (sm_90a) decode: a persistent, streaming split-KV kernel.
+//
+// Work: the flattened list of (row group, live KV tile). A row group is what one decode-tc
+// block takes (cuda/fattn_mma.cu): 16 rows = the P query heads of one KV head x the tq = 16 / P
+// tokens of one query tile of one stream. Groups are ordered (stream, query tile, head group),
+// head groups fastest; a group has the live tiles of its query tile's list (the plan's, or every
+// tile without one), and at least one work unit (an empty list still writes its zero rows).
+// Block b of gridDim.x takes units [b W / B, (b + 1) W / B): one balanced wave whatever the
+// mix of sequence lengths and live fractions.
+//
+// Block: a producer warp and four consumer warps, no block-wide barrier in the loop.
+//   - step produce: lane 0 of the producer walks the block's units and issues, per tile, TMA
+//     copies of its K and V rows (the 128-byte swizzled 64 x 64 boxes of ggml_attn/wgmma_shape.py's
+//     kv_map; the n_kv tail reads zeros) into a ring of STAGES stages, each with a "full"
+//     mbarrier (transaction bytes) and an "empty" one (one arrival per consumer warp).
+//   - step process tile: consumer warp w takes the cells [16 w, 16 w + 16) of every tile with
+//     mma.sync m16n8k16 (Q in registers, K and V by ldmatrix from the swizzled boxes), masks a
+//     PARTIAL tile by its rows' intervals or mask values (no bounds check on FULL tiles), zeroes
+//     the V rows of its HIDDEN cells, runs its online softmax and releases the stage.
+//   - step segment end: where the block's units leave a row group, the four warps merge their
+//     states in shared memory. A group the block took whole is written to dst; a part of one
+//     goes to the block's partial slot (2 b for its first group, 2 b + 1 for its last), and the
+//     last block to count itself in p.split_cnt[group] merges the group's slots into dst and
+//     sets the counter back to 0.
+// Plain calls only (no softcap, no ALiBi; sinks are folded in at the end). Scores in the log2
+// domain: Q is pre-multiplied by scale * log2(e).
+#include "hopper_common.cuh"
+
+namespace dtma {
+constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
+constexpr int CONSUMERS = 4;            // warps; each takes 16 cells of every tile
+constexpr int THREADS = 32 * (CONSUMERS + 1);
+constexpr int ROWS = 16;                // rows of a group: one m16 tile
+constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byte rows
+
+// Dynamic shared memory of an instance: 1024-byte alignment slack, the ring (K boxes then V
+// boxes per stage), the merge buffer (ROWS x D floats), the warps' row maxima and sums, the
+// ring's barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
+template <int D, int STAGES>
+__host__ __device__ constexpr int smem_bytes() {
+    return 1024 + STAGES * 2 * (D / 64) * BOX_BYTES + ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+}
+
+// Live tiles of pair i = (stream, query tile) in stream-major order; every tile without a plan.
+__device__ __forceinline__ int pair_cnt(const FattnParams& p, int i) {
+    if (!p.live_idx) return p.n_kv_tiles;
+    const int s = i / p.n_q_tiles, qt = i - s * p.n_q_tiles;
+    return __ldg(p.live_cnt + (s % p.ne33) * p.n_q_tiles + qt);
+}
+
+// Work units of a pair's groups: its live tiles, at least one.
+__device__ __forceinline__ long long pair_units(const FattnParams& p, int i) {
+    return (long long)max(pair_cnt(p, i), 1) * (p.n_head / p.pack);
+}
+
+// The block whose units contain unit w: the largest b with floor(b W / B) <= w.
+__device__ __forceinline__ int block_of(long long w, long long W, int B) {
+    return (int)(((w + 1) * B - 1) / W);
+}
+
+// One warp's view of the block's walk over its units (every warp computes the same).
+struct Walk {
+    long long W;        // units of the whole call
+    long long w, end;   // the block's next unit and its end
+    int pair, hg;       // the current group: (stream, query tile) pair and head group
+    int cnt;            // live tiles of the pair's list (0: one empty unit)
+    int t;              // the current unit's index in the group
+
+    // Units of the call and where block b starts: a warp-wide scan of the pairs' counts
+    // (32 at a time) without a plan, in closed form with one.
+    __device__ __forceinline__ bool start(const FattnParams& p, int b, int B, int lane) {
+        const int n_hg = p.n_head / p.pack, NP = p.ne3 * p.n_q_tiles;
+        if (!p.live_idx) {
+            const long long per = (long long)max(p.n_kv_tiles, 1);
+            W = per * n_hg * NP;
+            w = W * b / B;
+            end = W * (b + 1) / B;
+            if (w >= end) return false;
+            const long long g = w / per;
+            pair = (int)(g / n_hg);
+            hg = (int)(g - (long long)pair * n_hg);
+            cnt = p.n_kv_tiles;
+            t = (int)(w - g * per);
+            return true;
+        }
+        long long tot = 0;
+        for (int i = lane; i < NP; i += 32) tot += pair_units(p, i);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        W = tot;
+        w = W * b / B;
+        end = W * (b + 1) / B;
+        if (w >= end) return false;
+        long long acc = 0;   // units before this chunk of 32 pairs
+        for (int base = 0; base < NP; base += 32) {
+            const int i = base + lane;
+            const long long c = i < NP ? pair_units(p, i) : 0;
+            long long incl = c;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
+            }
+            const unsigned hit = __ballot_sync(0xffffffffu, acc + incl > w);
+            if (hit) {
+                const int L = __ffs(hit) - 1;
+                pair = base + L;
+                const long long before = acc + __shfl_sync(0xffffffffu, incl - c, L);
+                cnt = pair_cnt(p, pair);
+                const long long per = max(cnt, 1);
+                hg = (int)((w - before) / per);
+                t = (int)(w - before - (long long)hg * per);
+                return true;
+            }
+            acc += __shfl_sync(0xffffffffu, incl, 31);
+        }
+        return false;   // not reached: w < W
+    }
+    // the group's units and its first unit's index in the call
+    __device__ __forceinline__ int units() const { return max(cnt, 1); }
+    __device__ __forceinline__ long long group_begin() const { return w - t; }
+    // the units [t, seg_end) of the current group that the block takes
+    __device__ __forceinline__ int seg_end() const {
+        return (int)min((long long)units(), t + (end - w));
+    }
+    // move past the current segment to the next group's first unit
+    __device__ __forceinline__ void next(const FattnParams& p) {
+        w += seg_end() - t;
+        t = 0;
+        if (++hg == p.n_head / p.pack) {
+            hg = 0;
+            ++pair;
+            if (w < end) cnt = pair_cnt(p, pair);
+        }
+    }
+};
+
+// The live-list entry (tile id | class bits) of tile j of pair i.
+__device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
+    if (!p.live_idx) return j == p.n_kv_tiles - 1 && p.n_kv % BK ? j | FATTN_TILE_PARTIAL : j;
+    const int s = i / p.n_q_tiles, qt = i - s * p.n_q_tiles;
+    return __ldg(p.live_idx + ((long long)(s % p.ne33) * p.n_q_tiles + qt) * p.n_kv_tiles + j);
+}
+}  // namespace dtma
+
+template <typename T, int D, int STAGES>
+__device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
+    using namespace dtma;
+    constexpr int BOXES = D / 64;
+    constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one K (or V) tile
+    constexpr int STAGE_BYTES = 2 * KV_BYTES;
+    static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    float* sO = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);   // [ROWS][D]
+    float* sML = sO + ROWS * D;                                          // [CONSUMERS][ROWS][2]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + CONSUMERS * ROWS * 2);
+    unsigned long long* empty = full + STAGES;
+    int* s_last = reinterpret_cast<int*>(empty + STAGES);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) {
+        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS); }
+        fence_mbar_init();
+    }
+    for (int i = tid; i < ROWS * D; i += THREADS) sO[i] = 0.0f;
+    __syncthreads();
+
+    Walk wk;
+    if (!wk.start(p, blockIdx.x, gridDim.x, lane)) return;
+    const int P = p.pack, pshift = __ffs(P) - 1, tq = p.q_tile_tokens;
+
+    // ---- step produce (one lane of the producer warp)
+    if (warp == CONSUMERS) {
+        if (lane != 0) return;
+        int it = 0;
+        for (; wk.w < wk.end; wk.next(p)) {
+            const int s = wk.pair / p.n_q_tiles;
+            const int hk = (wk.hg * P) / p.gqa;
+            const int te = min(wk.seg_end(), wk.cnt);
+            for (int j = wk.t; j < te; ++j, ++it) {
+                const int stage = it % STAGES;
+                if (it >= STAGES) mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
+                const int kv0 = (tile_entry(p, wk.pair, j) & FATTN_TILE_ID_MASK) * BK;
+                unsigned char* dst = ring + stage * STAGE_BYTES;
+                mbar_arrive_expect_tx(full + stage, STAGE_BYTES);
+#pragma unroll
+                for (int b = 0; b < BOXES; ++b) {
+                    tma_load_4d(dst + b * BOX_BYTES, mk, 64 * b, kv0, hk, s, full + stage);
+                    tma_load_4d(dst + KV_BYTES + b * BOX_BYTES, mv, 64 * b, kv0, hk, s, full + stage);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers: warp w's fragment rows g, g + 8 and cells 16 w + [2 t4, 2 t4 + 1] (+ 8)
+    const int g = lane >> 2, t4 = lane & 3, lr = lane & 7, lm = lane >> 3;
+    // ldmatrix lanes: K rows (cells) 16 w + lr + 8 (lm >> 1), 16-byte chunk (lm & 1) of each k16
+    // step; V rows 16 w + lr + 8 (lm & 1), chunk (lm >> 1). The 128-byte swizzle puts chunk c of
+    // row r at c ^ (r & 7) = c ^ lr.
+    const unsigned ring_u32 = smem_u32(ring);
+    const unsigned k_lane = ring_u32 + (16 * warp + lr + 8 * (lm >> 1)) * 128;
+    const unsigned v_lane = ring_u32 + KV_BYTES + (16 * warp + lr + 8 * (lm & 1)) * 128;
+    const int k_x = (lm & 1) ^ lr, v_x = (lm >> 1) ^ lr;
+    const long long b_start = wk.w;
+    const float qs = p.scale * FATTN_LOG2E;
+    int it = 0;
+
+    for (; wk.w < wk.end; wk.next(p)) {
+        const int s = wk.pair / p.n_q_tiles, qt = wk.pair - s * p.n_q_tiles;
+        const int tok0 = qt * tq, h0 = wk.hg * P;
+        // a fragment row's token and head (valid: inside the batch and the query tile)
+        auto row_tok = [&](int r) { return tok0 + (r >> pshift); };
+        auto row_head = [&](int r) { return h0 + (r & (P - 1)); };
+        auto row_valid = [&](int r) { return (r >> pshift) < tq && row_tok(r) < p.n_batch; };
+
+        // ---- step load Q: the A fragments of the 16 x D tile, scaled, in registers
+        unsigned Qf[D / 16][4];
+        {
+            const char* qb = p.q + (long long)s * p.q_nb3;
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                const int r = g + 8 * rs;
+                const bool ok = row_valid(r);
+                const float* qrow = reinterpret_cast<const float*>(
+                    qb + (long long)row_head(ok ? r : 0) * p.q_nb2 + (long long)row_tok(ok ? r : 0) * p.q_nb1);
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+                    for (int hi = 0; hi < 2; ++hi) {
+                        const float2 x = ok ? __ldg(reinterpret_cast<const float2*>(qrow + ks * 16 + 8 * hi + 2 * t4))
+                                            : make_float2(0.0f, 0.0f);
+                        Qf[ks][rs + 2 * hi] = KVTraits<T>::pack2(x.x * qs, x.y * qs);
+                    }
+            }
+        }
+        float O[D / 8][4];
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
+        float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
+        const char* mrow[2];   // this thread's rows of the mask (nullptr: no mask or invalid row)
+        int2 lohi[2];
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            const int r = g + 8 * rs;
+            const bool ok = row_valid(r);
+            mrow[rs] = p.mask && ok ? p.mask + (long long)(s % p.ne33) * p.m_nb3 +
+                                      (long long)(row_head(r) % p.ne32) * p.m_nb2 + (long long)row_tok(r) * p.m_nb1
+                                    : nullptr;
+            lohi[rs] = !ok ? make_int2(0, 0)
+                     : p.row_lohi ? __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 +
+                                                       (p.ne32 == 1 ? 0 : row_head(r) % p.ne32)) * p.n_batch + row_tok(r))
+                                  : make_int2(0, p.n_kv);
+        }
+
+        const int te = min(wk.seg_end(), wk.cnt);
+        for (int j = wk.t; j < te; ++j, ++it) {
+            const int stage = it % STAGES;
+            const int e = tile_entry(p, wk.pair, j);
+            const int c0 = (e & FATTN_TILE_ID_MASK) * BK + 16 * warp + 2 * t4;   // this thread's first cell
+            mbar_wait(full + stage, (it / STAGES) & 1);
+            const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
+
+            // ---- step S = Q K^T (16 rows x this warp's 16 cells)
+            float S[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, kb + (ks >> 2) * BOX_BYTES + (((ks & 3) * 2) ^ k_x) * 16);
+                Mma<T>::run(S[0], Qf[ks], b0, b1);
+                Mma<T>::run(S[1], Qf[ks], b2, b3);
+            }
+
+            // ---- step mask a PARTIAL tile: mask values (MASKED; -inf selected unless FINITE)
+            // or the rows' intervals; cells past n_kv and invalid rows give -inf
+            if (e & FATTN_TILE_PARTIAL) {
+                const bool sel = !(e & FATTN_TILE_FINITE);
+#pragma unroll
+                for (int rs = 0; rs < 2; ++rs)
+#pragma unroll
+                    for (int nt = 0; nt < 2; ++nt) {
+                        const int c = c0 + 8 * nt;
+                        float& s0 = S[nt][2 * rs];
+                        float& s1 = S[nt][2 * rs + 1];
+                        if ((e & FATTN_TILE_MASKED) && mrow[rs]) {
+                            if (c + 1 < p.n_kv) {
+                                add_mask_pair(s0, s1, __ldg(reinterpret_cast<const __half2*>(mrow[rs]) + (c >> 1)),
+                                              FATTN_LOG2E, sel);
+                            } else {
+                                if (c < p.n_kv) add_mask_pair(s0, s1, __halves2half2(__ldg(reinterpret_cast<const __half*>(mrow[rs]) + c),
+                                                                                     __float2half(0.0f)), FATTN_LOG2E, sel);
+                                else s0 = FATTN_NEG_INF;
+                                s1 = FATTN_NEG_INF;
+                            }
+                        } else {
+                            const int2 lh = (e & FATTN_TILE_MASKED) ? make_int2(0, 0) : lohi[rs];
+                            if (c < lh.x || c >= lh.y || c >= p.n_kv) s0 = FATTN_NEG_INF;
+                            if (c + 1 < lh.x || c + 1 >= lh.y || c + 1 >= p.n_kv) s1 = FATTN_NEG_INF;
+                        }
+                    }
+            }
+
+            // ---- step online softmax (rows g, g + 8; the 4 lanes of a quad share a row)
+#pragma unroll
+            for (int rs = 0; rs < 2; ++rs) {
+                float mx = fmaxf(fmaxf(S[0][2 * rs], S[0][2 * rs + 1]), fmaxf(S[1][2 * rs], S[1][2 * rs + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[rs], mx);
+                const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+                if (__any_sync(0xffffffffu, m_new != m[rs])) {   // skip the rescale when no max moved
+                    const float alpha = fast_exp2(m[rs] - m_use);   // m == -inf -> 0
+                    l[rs] *= alpha;
+#pragma unroll
+                    for (int i = 0; i < D / 8; ++i) { O[i][2 * rs] *= alpha; O[i][2 * rs + 1] *= alpha; }
+                }
+                m[rs] = m_new;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    S[nt][2 * rs] = fast_exp2(S[nt][2 * rs] - m_use);
+                    S[nt][2 * rs + 1] = fast_exp2(S[nt][2 * rs + 1] - m_use);
+                    l[rs] += S[nt][2 * rs] + S[nt][2 * rs + 1];
+                }
+            }
+
+            // ---- step zero the V rows of this warp's HIDDEN cells (no row sees them: NaN
+            // garbage there must not meet a zero probability)
+            bool zeroed = false;
+            if (e & FATTN_TILE_HIDDEN) {
+                const LiveTiles lt = live_tiles(p, qt, s);
+                const unsigned hid = (unsigned)(lt.hidden(p, j, h0, P) >> (16 * warp)) & 0xFFFFu;
+                if (hid) {
+                    unsigned char* vs = ring + stage * STAGE_BYTES + KV_BYTES + 16 * warp * 128;
+#pragma unroll
+                    for (int i = lane; i < 16 * BOXES * 8; i += 32) {   // (cell, box, 16-byte chunk)
+                        const int c = i / (BOXES * 8), b = (i / 8) % BOXES, ch = i % 8;
+                        if ((hid >> c) & 1u)
+                            *reinterpret_cast<uint4*>(vs + b * BOX_BYTES + c * 128 + ch * 16) = make_uint4(0, 0, 0, 0);
+                    }
+                    __syncwarp();
+                    zeroed = true;
+                }
+            }
+
+            // ---- step O += P V
+            unsigned a[4];
+            a[0] = KVTraits<T>::pack2(S[0][0], S[0][1]);
+            a[1] = KVTraits<T>::pack2(S[0][2], S[0][3]);
+            a[2] = KVTraits<T>::pack2(S[1][0], S[1][1]);
+            a[3] = KVTraits<T>::pack2(S[1][2], S[1][3]);
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                unsigned b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, vb + (dp >> 2) * BOX_BYTES + (((dp & 3) * 2) ^ v_x) * 16);
+                Mma<T>::run(O[2 * dp], a, b0, b1);
+                Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+            }
+            // release the stage (generic-proxy writes ordered before the next TMA fill)
+            if (zeroed) fence_proxy_async_shared();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + stage);
+        }
+
+        // ---- step segment end: merge the four warps' states (rows g, g + 8 of each)
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            l[rs] += __shfl_xor_sync(0xffffffffu, l[rs], 1);
+            l[rs] += __shfl_xor_sync(0xffffffffu, l[rs], 2);
+            if (t4 == 0) {
+                sML[(warp * ROWS + g + 8 * rs) * 2] = m[rs];
+                sML[(warp * ROWS + g + 8 * rs) * 2 + 1] = l[rs];
+            }
+        }
+        named_barrier_sync(1, 32 * CONSUMERS);
+        float f[2];
+#pragma unroll
+        for (int rs = 0; rs < 2; ++rs) {
+            float M = FATTN_NEG_INF;
+#pragma unroll
+            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + g + 8 * rs) * 2]);
+            f[rs] = m[rs] == FATTN_NEG_INF ? 0.0f : fast_exp2(m[rs] - M);
+        }
+#pragma unroll
+        for (int w = 0; w < CONSUMERS; ++w) {   // one warp at a time adds its scaled O
+            if (warp == w) {
+#pragma unroll
+                for (int rs = 0; rs < 2; ++rs)
+#pragma unroll
+                    for (int i = 0; i < D / 8; ++i) {
+                        float2* o = reinterpret_cast<float2*>(sO + (g + 8 * rs) * D + 8 * i + 2 * t4);
+                        const float2 x = *o;
+                        *o = make_float2(x.x + f[rs] * O[i][2 * rs], x.y + f[rs] * O[i][2 * rs + 1]);
+                    }
+            }
+            named_barrier_sync(1, 32 * CONSUMERS);
+        }
+        // write: thread -> row r = tid / 8, columns [cw * (tid % 8), + cw)
+        const bool whole = wk.t == 0 && wk.seg_end() == wk.units();
+        const int slot = 2 * blockIdx.x + (wk.w == b_start ? 0 : 1);   // the block's first group, or its last
+        constexpr int CW = D / 8;
+        {
+            const int r = tid >> 3, cb = (tid & 7) * CW;
+            float M = FATTN_NEG_INF, L = 0.0f;
+#pragma unroll
+            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+#pragma unroll
+            for (int w = 0; w < CONSUMERS; ++w) {
+                const float mw = sML[(w * ROWS + r) * 2];
+                L += mw == FATTN_NEG_INF ? 0.0f : sML[(w * ROWS + r) * 2 + 1] * fast_exp2(mw - M);
+            }
+            if (row_valid(r)) {
+                const int h = row_head(r);
+                const long long row = ((long long)s * p.n_batch + row_tok(r)) * p.n_head + h;
+                const float fac = whole ? row_finish_factor(p, h, M, L) : 1.0f;
+                float* out = whole ? p.dst + row * D : p.ws_o + ((long long)slot * ROWS + r) * D;
+#pragma unroll
+                for (int c = 0; c < CW; c += 4) {
+                    const float4 x = *reinterpret_cast<const float4*>(sO + r * D + cb + c);
+                    *reinterpret_cast<float4*>(out + cb + c) = make_float4(x.x * fac, x.y * fac, x.z * fac, x.w * fac);
+                }
+                if (!whole && (tid & 7) == 0) {
+                    p.ws_ml[((long long)slot * ROWS + r) * 2] = M;
+                    p.ws_ml[((long long)slot * ROWS + r) * 2 + 1] = L;
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < CW; c += 4) *reinterpret_cast<float4*>(sO + r * D + cb + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+
+        // ---- step merge a group's parts: the last block to finish one merges every part
+        if (!whole) {
+            const long long gb = wk.group_begin(), ge = gb + wk.units();
+            const int b_first = block_of(gb, wk.W, gridDim.x), b_last = block_of(ge - 1, wk.W, gridDim.x);
+            // the blocks with units of the group (with fewer units than blocks, some have none)
+            auto has_units = [&](int b) { return wk.W * (b + 1) / gridDim.x > wk.W * b / gridDim.x; };
+            int n_part = b_last - b_first + 1;
+            if (wk.W < gridDim.x)
+                for (int b = b_first; b <= b_last; ++b) n_part -= has_units(b) ? 0 : 1;
+            const int group = wk.pair * (p.n_head / P) + wk.hg;
+            __threadfence();
+            named_barrier_sync(1, 32 * CONSUMERS);
+            if (tid == 0) {
+                const bool last = atomicAdd(p.split_cnt + group, 1) == n_part - 1;
+                if (last) p.split_cnt[group] = 0;   // for the next launch (no other block counts now)
+                *s_last = last;
+            }
+            named_barrier_sync(1, 32 * CONSUMERS);
+            if (*s_last) {
+                __threadfence();
+                const int r = tid >> 3, cb = (tid & 7) * CW;
+                if (row_valid(r)) {
+                    auto slot_of = [&](int b) {   // block b's slot of this group
+                        return 2 * b + (b == b_first && (long long)wk.W * b / gridDim.x < gb ? 1 : 0);
+                    };
+                    float M = FATTN_NEG_INF;
+                    for (int b = b_first; b <= b_last; ++b)
+                        if (has_units(b)) M = fmaxf(M, __ldcg(p.ws_ml + ((long long)slot_of(b) * ROWS + r) * 2));
+                    float L = 0.0f;
+                    float acc[CW];
+#pragma unroll
+                    for (int c = 0; c < CW; ++c) acc[c] = 0.0f;
+                    for (int b = b_first; b <= b_last; ++b) {
+                        if (!has_units(b)) continue;
+                        const long long z = (long long)slot_of(b) * ROWS + r;
+                        const float mz = __ldcg(p.ws_ml + z * 2);
+                        if (mz == FATTN_NEG_INF) continue;   // a part with no visible cell adds nothing
+                        const float fz = fast_exp2(mz - M);
+                        L += fz * __ldcg(p.ws_ml + z * 2 + 1);
+#pragma unroll
+                        for (int c = 0; c < CW; c += 4) {
+                            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.ws_o + z * D + cb + c));
+                            acc[c] += fz * x.x; acc[c + 1] += fz * x.y; acc[c + 2] += fz * x.z; acc[c + 3] += fz * x.w;
+                        }
+                    }
+                    const int h = row_head(r);
+                    const float fac = row_finish_factor(p, h, M, L);
+                    float* out = p.dst + (((long long)s * p.n_batch + row_tok(r)) * p.n_head + h) * D;
+#pragma unroll
+                    for (int c = 0; c < CW; c += 4)
+                        *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac,
+                                                                               acc[c + 2] * fac, acc[c + 3] * fac);
+                }
+            }
+        }
+        named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment
+    }
+}
+
+// the configurations ggml_attn/decode_tma_shape.py names: K/V type, head size, ring depth
+#define FATTN_DECODE_TMA_INSTANCE(NAME, T, D, STAGES)                                                  \
+    extern "C" __global__ void __launch_bounds__(dtma::THREADS)                                        \
+    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
+        fattn_decode_tma_body<T, D, STAGES>(p, &mk, &mv);                                              \
+    }
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 4)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 4)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s6_d128, __half, 128, 6)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s2_d128, __half, 128, 2)
