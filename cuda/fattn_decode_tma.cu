@@ -143,6 +143,76 @@ __device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
 }
 }  // namespace dtma
 
+// Merge the n_part partial states (slot part_slot(k), k < n_part: ROWS x D outputs and each row's
+// (max, sum)) of row r into out (nullptr: an invalid row, nothing written). The 8 threads of a
+// row (j = 0..7, consecutive lanes) take parts j, j + 8, ... for the row's max and sum (an online
+// merge), then columns [j D / 8, (j + 1) D / 8) of the output, 8 parts' loads in flight at a time:
+// the merge is on the kernel's critical path, and a serial walk was one L2 round trip per part.
+template <int D, typename SlotOf>
+__device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, int n_part, SlotOf part_slot,
+                                            float* out, int h) {
+    constexpr int ROWS = dtma::ROWS, CW = D / 8, U = 8;
+    float M = FATTN_NEG_INF, L = 0.0f;
+    for (int k0 = j; k0 < n_part; k0 += 8 * 4) {
+        float mz[4], lz[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int k = k0 + 8 * u;
+            const long long z = (long long)part_slot(k < n_part ? k : 0) * ROWS + r;
+            mz[u] = k < n_part ? __ldcg(p.ws_ml + z * 2) : FATTN_NEG_INF;
+            lz[u] = k < n_part ? __ldcg(p.ws_ml + z * 2 + 1) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            if (mz[u] == FATTN_NEG_INF) continue;   // a part with no visible cell adds nothing
+            const float Mn = fmaxf(M, mz[u]);
+            L = L * fast_exp2(M - Mn) + lz[u] * fast_exp2(mz[u] - Mn);   // M == -inf: L is 0
+            M = Mn;
+        }
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {   // the row's 8 threads
+        const float M2 = __shfl_xor_sync(0xffffffffu, M, o), L2 = __shfl_xor_sync(0xffffffffu, L, o);
+        const float Mn = fmaxf(M, M2);
+        if (Mn != FATTN_NEG_INF) L = L * fast_exp2(M - Mn) + L2 * fast_exp2(M2 - Mn);
+        M = Mn;
+    }
+    float acc[CW];
+#pragma unroll
+    for (int c = 0; c < CW; ++c) acc[c] = 0.0f;
+    const int cb = j * CW;
+    for (int k0 = 0; k0 < n_part; k0 += U) {
+        float mz[U];
+        float4 o[U][CW / 4];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = k0 + u;
+            const long long z = (long long)part_slot(k < n_part ? k : 0) * ROWS + r;
+            mz[u] = k < n_part ? __ldcg(p.ws_ml + z * 2) : FATTN_NEG_INF;
+#pragma unroll
+            for (int c = 0; c < CW / 4; ++c)
+                o[u][c] = __ldcg(reinterpret_cast<const float4*>(p.ws_o + z * D + cb) + c);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (mz[u] == FATTN_NEG_INF) continue;
+            const float f = fast_exp2(mz[u] - M);
+#pragma unroll
+            for (int c = 0; c < CW / 4; ++c) {
+                acc[4 * c] = fmaf(f, o[u][c].x, acc[4 * c]);
+                acc[4 * c + 1] = fmaf(f, o[u][c].y, acc[4 * c + 1]);
+                acc[4 * c + 2] = fmaf(f, o[u][c].z, acc[4 * c + 2]);
+                acc[4 * c + 3] = fmaf(f, o[u][c].w, acc[4 * c + 3]);
+            }
+        }
+    }
+    if (out == nullptr) return;
+    const float fac = row_finish_factor(p, h, M, L);
+#pragma unroll
+    for (int c = 0; c < CW; c += 4)
+        *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
+}
+
 template <typename T, int D, int STAGES>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
@@ -432,12 +502,15 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         // ---- step merge a group's parts: the last block to finish one merges every part
         if (!whole) {
             const long long gb = wk.group_begin(), ge = gb + wk.units();
-            const int b_first = block_of(gb, wk.W, gridDim.x), b_last = block_of(ge - 1, wk.W, gridDim.x);
-            // the blocks with units of the group (with fewer units than blocks, some have none)
-            auto has_units = [&](int b) { return wk.W * (b + 1) / gridDim.x > wk.W * b / gridDim.x; };
-            int n_part = b_last - b_first + 1;
-            if (wk.W < gridDim.x)
-                for (int b = b_first; b <= b_last; ++b) n_part -= has_units(b) ? 0 : 1;
+            const int b_first = block_of(gb, wk.W, gridDim.x);
+            // part k's block: with at least as many units as blocks every block has some, so the
+            // group's are b_first, b_first + 1, ...; with fewer, each has one unit at most
+            const bool dense = wk.W >= gridDim.x;
+            const int n_part = dense ? block_of(ge - 1, wk.W, gridDim.x) - b_first + 1 : (int)(ge - gb);
+            auto part_slot = [&](int k) {   // block b's slot of this group: 2 b + 1 when it is b's last group
+                const int b = dense ? b_first + k : block_of(gb + k, wk.W, gridDim.x);
+                return 2 * b + (k == 0 && wk.W * b / gridDim.x < gb ? 1 : 0);
+            };
             const int group = wk.pair * (p.n_head / P) + wk.hg;
             __threadfence();
             named_barrier_sync(1, 32 * CONSUMERS);
@@ -449,39 +522,10 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             named_barrier_sync(1, 32 * CONSUMERS);
             if (*s_last) {
                 __threadfence();
-                const int r = tid >> 3, cb = (tid & 7) * CW;
-                if (row_valid(r)) {
-                    auto slot_of = [&](int b) {   // block b's slot of this group
-                        return 2 * b + (b == b_first && (long long)wk.W * b / gridDim.x < gb ? 1 : 0);
-                    };
-                    float M = FATTN_NEG_INF;
-                    for (int b = b_first; b <= b_last; ++b)
-                        if (has_units(b)) M = fmaxf(M, __ldcg(p.ws_ml + ((long long)slot_of(b) * ROWS + r) * 2));
-                    float L = 0.0f;
-                    float acc[CW];
-#pragma unroll
-                    for (int c = 0; c < CW; ++c) acc[c] = 0.0f;
-                    for (int b = b_first; b <= b_last; ++b) {
-                        if (!has_units(b)) continue;
-                        const long long z = (long long)slot_of(b) * ROWS + r;
-                        const float mz = __ldcg(p.ws_ml + z * 2);
-                        if (mz == FATTN_NEG_INF) continue;   // a part with no visible cell adds nothing
-                        const float fz = fast_exp2(mz - M);
-                        L += fz * __ldcg(p.ws_ml + z * 2 + 1);
-#pragma unroll
-                        for (int c = 0; c < CW; c += 4) {
-                            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.ws_o + z * D + cb + c));
-                            acc[c] += fz * x.x; acc[c + 1] += fz * x.y; acc[c + 2] += fz * x.z; acc[c + 3] += fz * x.w;
-                        }
-                    }
-                    const int h = row_head(r);
-                    const float fac = row_finish_factor(p, h, M, L);
-                    float* out = p.dst + (((long long)s * p.n_batch + row_tok(r)) * p.n_head + h) * D;
-#pragma unroll
-                    for (int c = 0; c < CW; c += 4)
-                        *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac,
-                                                                               acc[c + 2] * fac, acc[c + 3] * fac);
-                }
+                const int r = tid >> 3;
+                const int h = row_head(r);
+                float* out = row_valid(r) ? p.dst + (((long long)s * p.n_batch + row_tok(r)) * p.n_head + h) * D : nullptr;
+                merge_parts<D>(p, r, tid & 7, n_part, part_slot, out, h);
             }
         }
         named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment

@@ -335,7 +335,8 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     b._params = p
     if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps follow the params (kernel order)
         from .wgmma_shape import kv_map
-        maps = (kv_map(k), kv_map(v))
+        promo = L.DECODE_TMA_L2_PROMOTION if prep.kern == "decode-tma" else 0
+        maps = (kv_map(k, promo), kv_map(v, promo))
         arr = K.arg_block(p, *maps)
         b._keep = (b._keep, maps)
     else:

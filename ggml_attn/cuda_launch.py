@@ -93,6 +93,9 @@ DECODE_TMA_CONFIG = ""
 # The sm_90a decode's block count: 0 = one wave (occupancy x SMs); a small count makes blocks
 # take parts of many groups (the GPU tests' way to reach the cross-block merges). Part of the call key.
 DECODE_TMA_BLOCKS = 0
+# The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): an
+# A/B knob of the benchmark until measured.
+DECODE_TMA_L2_PROMOTION = 3
 
 
 @dataclass(frozen=True)

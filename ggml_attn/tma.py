@@ -15,6 +15,8 @@ DTYPE_F16, DTYPE_F32, DTYPE_BF16 = 6, 7, 9
 _ELEM_BYTES = {DTYPE_F16: 2, DTYPE_F32: 4, DTYPE_BF16: 2}
 # CUtensorMapSwizzle
 SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_64B, SWIZZLE_128B = 0, 1, 2, 3
+# CUtensorMapL2promotion: the L2 sector promotion of the copies' DRAM reads
+L2_PROMOTION_NONE, L2_PROMOTION_64B, L2_PROMOTION_128B, L2_PROMOTION_256B = 0, 1, 2, 3
 
 
 class TmaMap(ctypes.Structure):
@@ -51,7 +53,8 @@ def check_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZL
         raise ValueError(f"box inner side {inner} bytes exceeds the {limit}-byte swizzle span")
 
 
-def encode_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZLE_NONE) -> TmaMap:
+def encode_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZLE_NONE,
+                 l2_promotion: int = L2_PROMOTION_NONE) -> TmaMap:
     """A tiled tensor map over the tensor at device address ``addr``: ``dims`` elements per
     dimension (innermost first), ``strides`` bytes for dims 1.., ``box`` the elements one copy
     moves per dimension. Out-of-range elements of a box read as zeros."""
@@ -63,7 +66,7 @@ def encode_tiled(dtype: int, addr: int, dims, strides, box, swizzle: int = SWIZZ
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     rc = fn(ctypes.c_void_p(at), ctypes.c_int(dtype), u32(rank), ctypes.c_void_p(addr),
             (u64 * rank)(*dims), (u64 * max(1, rank - 1))(*strides), (u32 * rank)(*box),
-            (u32 * rank)(*([1] * rank)), ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(0),
+            (u32 * rank)(*([1] * rank)), ctypes.c_int(0), ctypes.c_int(swizzle), ctypes.c_int(l2_promotion),
             ctypes.c_int(0))
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for dims {tuple(dims)}, "

@@ -64,10 +64,12 @@ def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0) -> 
     return (n_head, n_q_tiles, ne3)
 
 
-def kv_map(t: TensorDesc) -> tma.TmaMap:
-    """The TMA map of a K or V tensor (ggml order [128, n_kv, n_head_kv, ne3], f16 or bf16) that
-    version 1's producer reads 64 x 64 boxes through, 128-byte swizzled; cells past n_kv read as 0."""
+def kv_map(t: TensorDesc, l2_promotion: int = tma.L2_PROMOTION_NONE) -> tma.TmaMap:
+    """The TMA map of a K or V tensor (ggml order [D, n_kv, n_head_kv, ne3], f16 or bf16) that
+    the sm_90a kernels' producers read 64 x 64 boxes through, 128-byte swizzled; cells past n_kv
+    read as 0. ``l2_promotion``: tma.L2_PROMOTION_* of its DRAM reads."""
     dtype = {GGML_TYPE_F16: tma.DTYPE_F16, GGML_TYPE_BF16: tma.DTYPE_BF16}.get(t.type)
     if dtype is None:
         raise ValueError(f"TMA map for K/V: f16 or bf16 only, got type {t.type}")
-    return tma.encode_tiled(dtype, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1), tma.SWIZZLE_128B)
+    return tma.encode_tiled(dtype, t.ptr, tuple(t.ne), tuple(t.nb[1:]), (64, 64, 1, 1), tma.SWIZZLE_128B,
+                            l2_promotion)

@@ -106,8 +106,12 @@ def test_work_split_covers_each_group_once_and_merges_find_every_part(units, B):
         b_first, b_last = _block_of(begin[g], W, B), _block_of(begin[g] + units[g] - 1, W, B)
         owners = [b for b in range(b_first, b_last + 1) if W * (b + 1) // B > W * b // B]   # blocks with units
         assert sorted(b for b, *_ in ps) == owners
-        if len(ps) > 1:   # the merger's slot of each block
-            want = {2 * b + (1 if b == b_first and W * b // B < begin[g] else 0) for b in owners}
+        if len(ps) > 1:   # the merger's slot of each part, as merge_parts' part_slot finds them
+            dense = W >= B
+            n_part = _block_of(begin[g] + units[g] - 1, W, B) - b_first + 1 if dense else units[g]
+            blocks = [b_first + k if dense else _block_of(begin[g] + k, W, B) for k in range(n_part)]
+            assert blocks == owners
+            want = {2 * b + (1 if k == 0 and W * b // B < begin[g] else 0) for k, b in enumerate(blocks)}
             assert want == {s for _, s, _, _ in ps}
             assert not slots & want
             slots |= want

@@ -392,6 +392,8 @@ def run(quick=False, only=None, log=print):
         for cfg in ("s2", "s6"):
             with knobs(DECODE_TMA_CONFIG=cfg):
                 add(case, f"ours-decode-tma-{cfg}", ours.fns("decode-tma"), None, nbytes)
+        with knobs(DECODE_TMA_L2_PROMOTION=0):   # the TMA maps without L2 promotion
+            add(case, "ours-decode-tma-l2none", ours.fns("decode-tma"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))

@@ -86,6 +86,7 @@ if [ $PROF = 1 ]; then
   # each case's kernels: the first call of each shape builds it, --launch-skip passes over that
   case "$PCASE" in
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
+    decode-tma) kre=regex:fattn_decode_tma; skip=1; count=1;;
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"

@@ -6,6 +6,7 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode   one token, 4096 KV cells (decode-tc and its split combine), then the same at 32768
            cells with the first 1/8 live (a mask)
   window   a 4096-token prefill with a 512-cell sliding window
+  decode-tma  one token, 32768 KV cells through the sm_90a decode (kernel "decode-tma")
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
 
@@ -21,7 +22,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
-CASES = ("masked", "decode", "window", "wgmma")
+CASES = ("masked", "decode", "window", "wgmma", "decode-tma")
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -35,6 +36,8 @@ def problems(case: str) -> list[tuple[Ours, str]]:
         m = np.full((1, S), -np.inf, dtype=np.float16)
         m[:, :S // 8] = 0
         return [(Ours(1, 1, 4096), "auto"), (Ours(1, 1, S, m), "auto")]
+    if case == "decode-tma":
+        return [(Ours(1, 1, 32768), "decode-tma")]
     if case == "window":
         return [(Ours(1, 4096, 4096, window_mask(4096, 512)), "prefill")]
     raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
