@@ -12,8 +12,10 @@
 //   - step produce: lane 0 of the producer walks the block's units and issues, per tile, TMA
 //     copies of its K and V rows (the 128-byte swizzled 64 x 64 boxes of ggml_attn/wgmma_shape.py's
 //     kv_map; the n_kv tail reads zeros) into a ring of STAGES stages, each with a "full"
-//     mbarrier (transaction bytes) and an "empty" one (one arrival per consumer warp).
-//   - step process tile: consumer warp w takes the cells [16 w, 16 w + 16) of every tile with
+//     mbarrier (transaction bytes) and an "empty" one (one arrival per consumer warp that reads it).
+//   - step process tile: consumer warp w takes every 4th tile of the block's sequence whole
+//     (WHOLE; or, the "split" instance, the cells [16 w, 16 w + 16) of every tile: a quarter of
+//     the MMAs per warp in two dependent chains, latency-bound -- 2.6 TB/s at B=1 32k) with
 //     mma.sync m16n8k16 (Q in registers, K and V by ldmatrix from the swizzled boxes), masks a
 //     PARTIAL tile by its rows' intervals or mask values (no bounds check on FULL tiles), zeroes
 //     the V rows of its HIDDEN cells, runs its online softmax and releases the stage.
@@ -146,12 +148,12 @@ __device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
 // Merge the n_part partial states (slot part_slot(k), k < n_part: ROWS x D outputs and each row's
 // (max, sum)) of row r into out (nullptr: an invalid row, nothing written). The 8 threads of a
 // row (j = 0..7, consecutive lanes) take parts j, j + 8, ... for the row's max and sum (an online
-// merge), then columns [j D / 8, (j + 1) D / 8) of the output, 8 parts' loads in flight at a time:
+// merge), then columns [j D / 8, (j + 1) D / 8) of the output, 4 parts' loads in flight at a time:
 // the merge is on the kernel's critical path, and a serial walk was one L2 round trip per part.
 template <int D, typename SlotOf>
 __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, int n_part, SlotOf part_slot,
                                             float* out, int h) {
-    constexpr int ROWS = dtma::ROWS, CW = D / 8, U = 8;
+    constexpr int ROWS = dtma::ROWS, CW = D / 8, U = 4;
     float M = FATTN_NEG_INF, L = 0.0f;
     for (int k0 = j; k0 < n_part; k0 += 8 * 4) {
         float mz[4], lz[4];
@@ -213,10 +215,11 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
         *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
 }
 
-template <typename T, int D, int STAGES>
+template <typename T, int D, int STAGES, bool WHOLE>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
     constexpr int BOXES = D / 64;
+    constexpr int NC = WHOLE ? BK : BK / CONSUMERS;   // cells of a tile one warp takes
     constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one K (or V) tile
     constexpr int STAGE_BYTES = 2 * KV_BYTES;
     static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
@@ -231,7 +234,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, CONSUMERS); }
+        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : CONSUMERS); }
         fence_mbar_init();
     }
     for (int i = tid; i < ROWS * D; i += THREADS) sO[i] = 0.0f;
@@ -265,14 +268,17 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         return;
     }
 
-    // ---- consumers: warp w's fragment rows g, g + 8 and cells 16 w + [2 t4, 2 t4 + 1] (+ 8)
+    // ---- consumers: WHOLE -- warp w takes every 4th tile of the block's sequence, all its
+    // cells; otherwise every tile, cells [16 w, 16 w + 16). Fragment rows g, g + 8, cells
+    // w0 + 8 nt + [2 t4, 2 t4 + 1] of its NC (w0 = 0 or 16 w).
     const int g = lane >> 2, t4 = lane & 3, lr = lane & 7, lm = lane >> 3;
-    // ldmatrix lanes: K rows (cells) 16 w + lr + 8 (lm >> 1), 16-byte chunk (lm & 1) of each k16
-    // step; V rows 16 w + lr + 8 (lm & 1), chunk (lm >> 1). The 128-byte swizzle puts chunk c of
-    // row r at c ^ (r & 7) = c ^ lr.
+    const int w0 = WHOLE ? 0 : 16 * warp;
+    // ldmatrix lanes: K rows (cells) w0 + 16 np + lr + 8 (lm >> 1), 16-byte chunk (lm & 1) of
+    // each k16 step; V rows w0 + 16 kk + lr + 8 (lm & 1), chunk (lm >> 1). The 128-byte swizzle
+    // puts chunk c of row r at c ^ (r & 7) = c ^ lr.
     const unsigned ring_u32 = smem_u32(ring);
-    const unsigned k_lane = ring_u32 + (16 * warp + lr + 8 * (lm >> 1)) * 128;
-    const unsigned v_lane = ring_u32 + KV_BYTES + (16 * warp + lr + 8 * (lm & 1)) * 128;
+    const unsigned k_lane = ring_u32 + (w0 + lr + 8 * (lm >> 1)) * 128;
+    const unsigned v_lane = ring_u32 + KV_BYTES + (w0 + lr + 8 * (lm & 1)) * 128;
     const int k_x = (lm & 1) ^ lr, v_x = (lm >> 1) ^ lr;
     const long long b_start = wk.w;
     const float qs = p.scale * FATTN_LOG2E;
@@ -326,21 +332,30 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         }
 
         const int te = min(wk.seg_end(), wk.cnt);
-        for (int j = wk.t; j < te; ++j, ++it) {
-            const int stage = it % STAGES;
+        // WHOLE: this warp's tiles of the segment are those whose place in the block's sequence
+        // (it + j - t) is warp modulo 4
+        const int j0 = WHOLE ? wk.t + ((warp - it) % CONSUMERS + CONSUMERS) % CONSUMERS : wk.t;
+        for (int j = j0; j < te; j += WHOLE ? CONSUMERS : 1) {
+            const int itj = it + (j - wk.t);
+            const int stage = itj % STAGES;
             const int e = tile_entry(p, wk.pair, j);
-            const int c0 = (e & FATTN_TILE_ID_MASK) * BK + 16 * warp + 2 * t4;   // this thread's first cell
-            mbar_wait(full + stage, (it / STAGES) & 1);
+            const int c0 = (e & FATTN_TILE_ID_MASK) * BK + w0 + 2 * t4;   // this thread's first cell
+            mbar_wait(full + stage, (itj / STAGES) & 1);
             const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
 
-            // ---- step S = Q K^T (16 rows x this warp's 16 cells)
-            float S[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            // ---- step S = Q K^T (16 rows x this warp's NC cells)
+            float S[NC / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < NC / 8; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) {
-                unsigned b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, kb + (ks >> 2) * BOX_BYTES + (((ks & 3) * 2) ^ k_x) * 16);
-                Mma<T>::run(S[0], Qf[ks], b0, b1);
-                Mma<T>::run(S[1], Qf[ks], b2, b3);
+#pragma unroll
+                for (int np = 0; np < NC / 16; ++np) {
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4(b0, b1, b2, b3, kb + np * 16 * 128 + (ks >> 2) * BOX_BYTES + (((ks & 3) * 2) ^ k_x) * 16);
+                    Mma<T>::run(S[2 * np], Qf[ks], b0, b1);
+                    Mma<T>::run(S[2 * np + 1], Qf[ks], b2, b3);
+                }
             }
 
             // ---- step mask a PARTIAL tile: mask values (MASKED; -inf selected unless FINITE)
@@ -350,7 +365,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 #pragma unroll
                 for (int rs = 0; rs < 2; ++rs)
 #pragma unroll
-                    for (int nt = 0; nt < 2; ++nt) {
+                    for (int nt = 0; nt < NC / 8; ++nt) {
                         const int c = c0 + 8 * nt;
                         float& s0 = S[nt][2 * rs];
                         float& s1 = S[nt][2 * rs + 1];
@@ -375,7 +390,9 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             // ---- step online softmax (rows g, g + 8; the 4 lanes of a quad share a row)
 #pragma unroll
             for (int rs = 0; rs < 2; ++rs) {
-                float mx = fmaxf(fmaxf(S[0][2 * rs], S[0][2 * rs + 1]), fmaxf(S[1][2 * rs], S[1][2 * rs + 1]));
+                float mx = FATTN_NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < NC / 8; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * rs], S[nt][2 * rs + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float m_new = fmaxf(m[rs], mx);
@@ -388,7 +405,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 }
                 m[rs] = m_new;
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt) {
+                for (int nt = 0; nt < NC / 8; ++nt) {
                     S[nt][2 * rs] = fast_exp2(S[nt][2 * rs] - m_use);
                     S[nt][2 * rs + 1] = fast_exp2(S[nt][2 * rs + 1] - m_use);
                     l[rs] += S[nt][2 * rs] + S[nt][2 * rs + 1];
@@ -400,13 +417,13 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             bool zeroed = false;
             if (e & FATTN_TILE_HIDDEN) {
                 const LiveTiles lt = live_tiles(p, qt, s);
-                const unsigned hid = (unsigned)(lt.hidden(p, j, h0, P) >> (16 * warp)) & 0xFFFFu;
+                const unsigned long long hid = (lt.hidden(p, j, h0, P) >> w0) & (NC == 64 ? ~0ull : (1ull << NC) - 1);
                 if (hid) {
-                    unsigned char* vs = ring + stage * STAGE_BYTES + KV_BYTES + 16 * warp * 128;
+                    unsigned char* vs = ring + stage * STAGE_BYTES + KV_BYTES + w0 * 128;
 #pragma unroll
-                    for (int i = lane; i < 16 * BOXES * 8; i += 32) {   // (cell, box, 16-byte chunk)
+                    for (int i = lane; i < NC * BOXES * 8; i += 32) {   // (cell, box, 16-byte chunk)
                         const int c = i / (BOXES * 8), b = (i / 8) % BOXES, ch = i % 8;
-                        if ((hid >> c) & 1u)
+                        if ((hid >> c) & 1ull)
                             *reinterpret_cast<uint4*>(vs + b * BOX_BYTES + c * 128 + ch * 16) = make_uint4(0, 0, 0, 0);
                     }
                     __syncwarp();
@@ -415,23 +432,28 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             }
 
             // ---- step O += P V
-            unsigned a[4];
-            a[0] = KVTraits<T>::pack2(S[0][0], S[0][1]);
-            a[1] = KVTraits<T>::pack2(S[0][2], S[0][3]);
-            a[2] = KVTraits<T>::pack2(S[1][0], S[1][1]);
-            a[3] = KVTraits<T>::pack2(S[1][2], S[1][3]);
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                unsigned b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, vb + (dp >> 2) * BOX_BYTES + (((dp & 3) * 2) ^ v_x) * 16);
-                Mma<T>::run(O[2 * dp], a, b0, b1);
-                Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+            for (int kk = 0; kk < NC / 16; ++kk) {
+                unsigned a[4];
+                a[0] = KVTraits<T>::pack2(S[2 * kk][0], S[2 * kk][1]);
+                a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
+                a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+                a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4_trans(b0, b1, b2, b3, vb + kk * 16 * 128 + (dp >> 2) * BOX_BYTES + (((dp & 3) * 2) ^ v_x) * 16);
+                    Mma<T>::run(O[2 * dp], a, b0, b1);
+                    Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+                }
             }
             // release the stage (generic-proxy writes ordered before the next TMA fill)
             if (zeroed) fence_proxy_async_shared();
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + stage);
         }
+
+        it += te - wk.t;
 
         // ---- step segment end: merge the four warps' states (rows g, g + 8 of each)
 #pragma unroll
@@ -532,13 +554,15 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     }
 }
 
-// the configurations ggml_attn/decode_tma_shape.py names: K/V type, head size, ring depth
-#define FATTN_DECODE_TMA_INSTANCE(NAME, T, D, STAGES)                                                  \
-    extern "C" __global__ void __launch_bounds__(dtma::THREADS)                                        \
+// the configurations ggml_attn/decode_tma_shape.py names: K/V type, head size, ring depth, a
+// warp per tile (WHOLE) or four warps per tile, blocks per SM the registers must allow (one:
+// with two, 168 registers, the warp-per-tile loop spills)
+#define FATTN_DECODE_TMA_INSTANCE(NAME, T, D, STAGES, WHOLE, MINB)                                     \
+    extern "C" __global__ void __launch_bounds__(dtma::THREADS, MINB)                                  \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_decode_tma_body<T, D, STAGES>(p, &mk, &mv);                                              \
+        fattn_decode_tma_body<T, D, STAGES, WHOLE>(p, &mk, &mv);                                       \
     }
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 4)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 4)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s6_d128, __half, 128, 6)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s2_d128, __half, 128, 2)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 1)

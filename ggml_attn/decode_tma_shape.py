@@ -16,14 +16,15 @@ ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
-# stages, K/V type. The op runs FOR_TYPE's; the others are A/B rows of tools/gpu_bench.py.
+# stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
+# of tools/gpu_bench.py ("split-s4": four warps on every tile, 16 cells each).
 CONFIGS = {
-    "s4": ("fattn_decode_tma_d128", 128, 4, GGML_TYPE_F16),
-    "s4-bf16": ("fattn_decode_tma_bf16_d128", 128, 4, GGML_TYPE_BF16),
-    "s6": ("fattn_decode_tma_s6_d128", 128, 6, GGML_TYPE_F16),
-    "s2": ("fattn_decode_tma_s2_d128", 128, 2, GGML_TYPE_F16),
+    "s6": ("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
+    "s6-bf16": ("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
+    "s4": ("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
+    "split-s4": ("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
 }
-FOR_TYPE = {GGML_TYPE_F16: "s4", GGML_TYPE_BF16: "s4-bf16"}
+FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16"}
 HEADS = (128,)
 
 

@@ -54,10 +54,10 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
         cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (132, 1, 1)
         assert (cfg.pack, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (4, 4, 1, 16, 1)
-        assert cfg.smem == dt.smem_bytes(128, 4) <= 227 * 1024
+        assert cfg.smem == dt.smem_bytes(128, 6) <= 227 * 1024
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", 3)
     assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16)).grid == (3, 1, 1)
-    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s4-bf16")
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
         L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
 

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=None, seed=0,
-         monkeypatch=None, kernel="decode-tma"):
+         monkeypatch=None, kernel="decode-tma", config=""):
     """(kernel that ran, NMSE against the reference, NaN in the output) for one call; ``mask``
     numpy f16 [ne33, ne32, n_batch, n_kv]; ``kv_nan``: cells of K and V set to NaN (a cache's
     garbage the mask hides)."""
@@ -34,6 +34,7 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
     from ggml_attn.tensor import from_array
     kv_type = GGML_TYPE_F16 if kv_type is None else kv_type
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", blocks)
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", config)
     cb._PREPARED.clear()
     rng = np.random.default_rng(seed)
     d = 128
@@ -73,6 +74,20 @@ def test_no_mask(ne3, n_batch, n_kv, nh, nkv, blocks, monkeypatch):
     kern, err, nan = _run(ne3, n_batch, n_kv, nh, nkv, blocks=blocks, monkeypatch=monkeypatch)
     assert kern == "decode-tma"
     assert not nan and err <= 5e-4, err
+
+
+@pytest.mark.parametrize("config", ["s4", "split-s4"])
+@pytest.mark.parametrize("blocks", [0, 3])
+def test_other_instances(config, blocks, monkeypatch):
+    """The benchmark's A/B instances (4 stages; four warps on every tile), with and without a
+    mask of MASKED and HIDDEN tiles."""
+    m = _decode_causal(3, 1500)
+    m[:, 600:700] = -np.inf
+    m[np.random.default_rng(1).random(m.shape) < 0.05] = -np.inf
+    for mask, nan in ((None, None), (m[None, None], slice(600, 700))):
+        kern, err, bad = _run(2, 3, 1500, 32, 8, mask=mask, blocks=blocks, kv_nan=nan, config=config,
+                              monkeypatch=monkeypatch)
+        assert not bad and err <= 5e-4, (config, err)
 
 
 def test_bf16_and_auto(monkeypatch):
