@@ -223,6 +223,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one K (or V) tile
     constexpr int STAGE_BYTES = 2 * KV_BYTES;
     static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
+    static_assert(!WHOLE || (2 * STAGES) % CONSUMERS == 0, "a warp's own tile two ring turns back (see the full wait)");
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
@@ -340,6 +341,11 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             const int stage = itj % STAGES;
             const int e = tile_entry(p, wk.pair, j);
             const int c0 = (e & FATTN_TILE_ID_MASK) * BK + w0 + 2 * t4;   // this thread's first cell
+            // WHOLE: the stage's previous tile (itj - STAGES) may be another warp's, whose fill
+            // may not have landed yet: waiting on "full" now could pass on the parity of the
+            // phase before (a stale tile). Its release comes first (the one before that is this
+            // warp's own: STAGES is even), then the fill is this tile's.
+            if (WHOLE && itj >= STAGES) mbar_wait(empty + stage, ((itj / STAGES) & 1) ^ 1);
             mbar_wait(full + stage, (itj / STAGES) & 1);
             const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
 

@@ -65,6 +65,7 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
 @pytest.mark.parametrize("blocks", [0, 1, 3, 7])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,nh,nkv", [
     (1, 1, 4096, 32, 8),      # decode B=1: 8 groups of 64 tiles
+    (1, 1, 32768, 32, 8),     # ... of 512: one wave's blocks turn the ring many times, warps race
     (1, 1, 100, 32, 8),       # 2 tiles (the second a tail): fewer units than blocks
     (3, 2, 1000, 32, 8),      # streams, 2 tokens of a 4-token tile, the tail
     (2, 2, 777, 16, 2),       # GQA 8: pack 8, 2 tokens per group
