@@ -86,14 +86,14 @@ if [ $PROF = 1 ]; then
   # each case's kernels: the first call of each shape builds it, --launch-skip passes over that
   case "$PCASE" in
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
-    decode-tma) kre=regex:fattn_decode_tma; skip=1; count=1;;
+    decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"
   ncu --clock-control none -k $kre --launch-skip $skip --launch-count $count \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
-      --section InstructionStats \
+      --section InstructionStats ${NCU_EXTRA:-} \
       $PY tools/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
   grep -E "fattn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
 fi

@@ -6,7 +6,7 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode   one token, 4096 KV cells (decode-tc and its split combine), then the same at 32768
            cells with the first 1/8 live (a mask)
   window   a 4096-token prefill with a 512-cell sliding window
-  decode-tma  one token, 32768 KV cells through the sm_90a decode (kernel "decode-tma")
+  decode-tma  one token, 4096 then 32768 KV cells through the sm_90a decode (kernel "decode-tma")
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
 
@@ -37,7 +37,7 @@ def problems(case: str) -> list[tuple[Ours, str]]:
         m[:, :S // 8] = 0
         return [(Ours(1, 1, 4096), "auto"), (Ours(1, 1, S, m), "auto")]
     if case == "decode-tma":
-        return [(Ours(1, 1, 32768), "decode-tma")]
+        return [(Ours(1, 1, 4096), "decode-tma"), (Ours(1, 1, 32768), "decode-tma")]
     if case == "window":
         return [(Ours(1, 4096, 4096, window_mask(4096, 512)), "prefill")]
     raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
