@@ -28,6 +28,16 @@
 // domain: Q is pre-multiplied by scale * log2(e).
 #include "hopper_common.cuh"
 
+// DTMA_TRACE (tools/gpu_decode_tma_trace.py): block timeline in %globaltimer ns, written by
+// thread 0 to ((u64*)p.cells)[block * 8 + event] (the kernel reads no cell lists)
+#ifdef DTMA_TRACE
+#define DTMA_MARK(ev) do { if (threadIdx.x == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); \
+    reinterpret_cast<unsigned long long*>(const_cast<int2*>(p.cells))[blockIdx.x * 8 + (ev)] = t_; } } while (0)
+#else
+#define DTMA_MARK(ev) do { } while (0)
+#endif
+
 namespace dtma {
 constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
 constexpr int CONSUMERS = 4;            // warps; each takes 16 cells of every tile
@@ -240,6 +250,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     }
     for (int i = tid; i < ROWS * D; i += THREADS) sO[i] = 0.0f;
     __syncthreads();
+    DTMA_MARK(0);
 
     Walk wk;
     if (!wk.start(p, blockIdx.x, gridDim.x, lane)) return;
@@ -347,6 +358,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             // warp's own: STAGES is even), then the fill is this tile's.
             if (WHOLE && itj >= STAGES) mbar_wait(empty + stage, ((itj / STAGES) & 1) ^ 1);
             mbar_wait(full + stage, (itj / STAGES) & 1);
+            if (itj == 0) DTMA_MARK(1);
             const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
 
             // ---- step S = Q K^T (16 rows x this warp's NC cells)
@@ -460,6 +472,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         }
 
         it += te - wk.t;
+        DTMA_MARK(2);
 
         // ---- step segment end: merge the four warps' states (rows g, g + 8 of each)
 #pragma unroll
@@ -527,6 +540,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             for (int c = 0; c < CW; c += 4) *reinterpret_cast<float4*>(sO + r * D + cb + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 
+        DTMA_MARK(3);
         // ---- step merge a group's parts: the last block to finish one merges every part
         if (!whole) {
             const long long gb = wk.group_begin(), ge = gb + wk.units();
@@ -548,16 +562,19 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 *s_last = last;
             }
             named_barrier_sync(1, 32 * CONSUMERS);
+            DTMA_MARK(4);
             if (*s_last) {
                 __threadfence();
                 const int r = tid >> 3;
                 const int h = row_head(r);
                 float* out = row_valid(r) ? p.dst + (((long long)s * p.n_batch + row_tok(r)) * p.n_head + h) * D : nullptr;
                 merge_parts<D>(p, r, tid & 7, n_part, part_slot, out, h);
+                DTMA_MARK(5);
             }
         }
         named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment
     }
+    DTMA_MARK(6);
 }
 
 // the configurations ggml_attn/decode_tma_shape.py names: K/V type, head size, ring depth, a
