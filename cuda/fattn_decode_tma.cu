@@ -156,7 +156,8 @@ __device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
 }  // namespace dtma
 
 // Merge the n_part partial states (slot part_slot(k), k < n_part: ROWS x D outputs and each row's
-// (max, sum)) of row r into out (nullptr: an invalid row, nothing written). The 8 threads of a
+// (max, sum)) of row r into out (nullptr: an invalid row -- nothing read, nothing written: at
+// B=1 12 of 16 rows). The 8 threads of a
 // row (j = 0..7, consecutive lanes) take parts j, j + 8, ... for the row's max and sum (an online
 // merge), then columns [j D / 8, (j + 1) D / 8) of the output, 4 parts' loads in flight at a time:
 // the merge is on the kernel's critical path, and a serial walk was one L2 round trip per part.
@@ -164,6 +165,8 @@ template <int D, typename SlotOf>
 __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, int n_part, SlotOf part_slot,
                                             float* out, int h) {
     constexpr int ROWS = dtma::ROWS, CW = D / 8, U = 4;
+    if (out == nullptr) return;   // an invalid row: its 8 threads leave together (no loads)
+    const unsigned row_lanes = 0xFFu << (threadIdx.x & 24);   // the row's 8 lanes of the warp
     float M = FATTN_NEG_INF, L = 0.0f;
     for (int k0 = j; k0 < n_part; k0 += 8 * 4) {
         float mz[4], lz[4];
@@ -184,7 +187,7 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
     }
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) {   // the row's 8 threads
-        const float M2 = __shfl_xor_sync(0xffffffffu, M, o), L2 = __shfl_xor_sync(0xffffffffu, L, o);
+        const float M2 = __shfl_xor_sync(row_lanes, M, o), L2 = __shfl_xor_sync(row_lanes, L, o);
         const float Mn = fmaxf(M, M2);
         if (Mn != FATTN_NEG_INF) L = L * fast_exp2(M - Mn) + L2 * fast_exp2(M2 - Mn);
         M = Mn;
@@ -218,7 +221,6 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
             }
         }
     }
-    if (out == nullptr) return;
     const float fac = row_finish_factor(p, h, M, L);
 #pragma unroll
     for (int c = 0; c < CW; c += 4)

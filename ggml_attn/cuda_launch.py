@@ -127,8 +127,10 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
     the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``)."""
     cr, tr = reads if reads is not None else (None, None)
+    pack = min(_pow2_divisor(sh.gqa), 16)   # decode-tc's (and decode-tma's) 16-row groups
+    work = sh.ne3 * -(-sh.n_batch // (16 // pack)) * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles)
+                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work)
 
 
 def _pow2_divisor(n: int) -> int:

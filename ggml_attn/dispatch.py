@@ -88,9 +88,14 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 
 # The sm_90a decode ("decode-tma", cuda/fattn_decode_tma.cu): auto runs it in place of
 # "decode-tc" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or
-# ALiBi (any mask: its tiles are classed by the plan as decode-tc's are). DECODE_TMA_AUTO off:
-# by name only.
+# ALiBi (any mask: its tiles are classed by the plan as decode-tc's are), for calls of at least
+# DECODE_TMA_MIN_WORK (group, KV tile) pairs. Measured on the H200 (bench/results/
+# 2026-12-01-e44093d.json): B=64 32k (262144 pairs) 1885 us against 2045 for decode-tc (cuDNN
+# 1894); B=16 4k (8192) 75.9 against 70.5; B=1 32k (4096) 53.3 against 45.4 -- its static
+# one-wave split leaves a 10-17 us spread between blocks' ends plus a merge, which long calls
+# hide (tools/gpu_decode_tma_trace.py). DECODE_TMA_AUTO off: by name only.
 DECODE_TMA_AUTO = True
+DECODE_TMA_MIN_WORK = 32768
 
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
@@ -190,6 +195,9 @@ class CallFacts:
     # the mask as the plan's 128-token tile map saw it: "none" (no mask), "plain" (FULL and
     # PARTIAL-interval tiles only), "masked" (MASKED or HIDDEN tiles, or not measured)
     mask_tiles: str = "none"
+    # (16-row group, KV tile) pairs of decode-tc's layout over every KV tile: the work a decode
+    # call streams (0: not known)
+    work_tiles: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,8 +257,10 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
             kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
-        if kern == "decode-tc" and DECODE_TMA_AUTO and f.kv_aligned and decode_tma_why_not(f) is None:
-            kern, why = "decode-tma", f"{why}; sm_90a persistent decode (D 128, plain)"
+        if kern == "decode-tc" and DECODE_TMA_AUTO and f.work_tiles >= DECODE_TMA_MIN_WORK \
+                and f.kv_aligned and decode_tma_why_not(f) is None:
+            kern, why = "decode-tma", (f"{why}; sm_90a persistent decode (D 128, plain, "
+                                       f"{f.work_tiles} >= {DECODE_TMA_MIN_WORK} group tiles)")
     else:
         if kernel == "prefill-wgmma":
             why = wgmma_why_not(f, auto=False)

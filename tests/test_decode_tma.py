@@ -10,8 +10,9 @@ from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 
 
 def _f(**kw):
-    from ggml_attn.dispatch import CallFacts
-    base = dict(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90")
+    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, CallFacts
+    base = dict(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90",
+                work_tiles=DECODE_TMA_MIN_WORK)
     base.update(kw)
     return CallFacts(**base)
 
@@ -24,10 +25,11 @@ def test_auto_runs_it_where_decode_tc_would_on_sm90():
 
 
 def test_auto_keeps_decode_tc_elsewhere():
-    """Another architecture, other head sizes, sinks/softcap/ALiBi, unaligned K/V; prefill
-    shapes stay prefill kernels."""
-    from ggml_attn.dispatch import best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False)):
+    """Another architecture, other head sizes, sinks/softcap/ALiBi, calls with less work than
+    DECODE_TMA_MIN_WORK (or not known), unaligned K/V; prefill shapes stay prefill kernels."""
+    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, best_kernel
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False),
+               dict(work_tiles=DECODE_TMA_MIN_WORK - 1), dict(work_tiles=0)):
         assert best_kernel("auto", _f(**kw)).kernel == "decode-tc", kw
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
     assert best_kernel("auto", _f(n_batch=512)).kernel.startswith("prefill")
@@ -42,6 +44,14 @@ def test_by_name_says_why_not(monkeypatch):
             dispatch.best_kernel("decode-tma", _f(**kw))
     monkeypatch.setattr(dispatch, "DECODE_TMA_AUTO", False)
     assert dispatch.best_kernel("auto", _f()).kernel == "decode-tc"
+
+
+def test_facts_count_the_work_of_decode_tc_groups():
+    """work_tiles: streams x query tiles of 16 / pack tokens x head groups x KV tiles."""
+    from ggml_attn.cuda_launch import Shapes, facts
+    assert facts(Shapes(128, 128, 1, 32, 8, 64, 32768, GGML_TYPE_F16)).work_tiles == 64 * 1 * 8 * 512
+    assert facts(Shapes(128, 128, 5, 32, 8, 2, 100, GGML_TYPE_F16)).work_tiles == 2 * 2 * 8 * 2
+    assert facts(Shapes(128, 128, 1, 4, 4, 1, 64, GGML_TYPE_F16)).work_tiles == 1 * 1 * 4 * 1   # GQA 1: pack 1
 
 
 def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):

@@ -62,7 +62,7 @@ def test_auto_keeps_mma_where_wgmma_does_not_apply():
                dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
         assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
     assert best_kernel("auto", _f(kv_type=GGML_TYPE_F32)).kernel != "prefill-wgmma"
-    assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tma"   # the sm_90a decode (tests/test_decode_tma.py)
+    assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tc"   # (the sm_90a decode: tests/test_decode_tma.py)
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
 
 

@@ -375,7 +375,7 @@ def run(quick=False, only=None, log=print):
         del ours, q, kv
 
     # ---- decode (K/V rotated over copies larger than L2)
-    decode_cases = [(1, 4096), (1, 32768), (16, 4096), (64, 32768)]
+    decode_cases = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (16, 32768), (64, 32768)]
     if quick:
         decode_cases = [(1, 32768), (16, 4096)]
     for B, S in decode_cases:
