@@ -60,10 +60,11 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 # for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
 # below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class
 # (MASKED tiles' values read from global memory, HIDDEN columns' V rows zeroed), but only the
-# plain layouts win: H200, causal 8192 1048 us against 1628 for "prefill", causal 2048 101
-# against 137, 4096 without a mask 480 against 823; with HIDDEN tiles (ragged prompts) 63.6 us
-# against 40.7 (16 prompts) and 241 against 165 (64 prompts): the mma.sync kernel's head-packed
-# 64-row tiles waste less there (bench/results/2026-12-01-b69ab2e.json).
+# plain layouts win: H200, causal 8192 1043 us against 1641 for "prefill", causal 2048 100
+# against 136, 4096 without a mask 478 against 821; with HIDDEN tiles (ragged prompts) 43.9 us
+# against 40.3 (16 prompts) and 166.8 against 163.8 (64 prompts): the mma.sync kernel's
+# head-packed 64-row tiles waste less there (bench/results/2026-12-01-2783807.json; one block
+# per tile instead of persistent blocks took 63.6 and 241 there, -b69ab2e.json).
 WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
