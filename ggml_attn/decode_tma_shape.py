@@ -18,8 +18,8 @@ BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
 # stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
 # of tools/gpu_bench.py ("split-s4": four warps on every tile, 16 cells each). On the H200 the
-# three were within 1% of each other from B=16 32k on, "split-s4" 3-5% slower at B=1 32k
-# (bench/results/2026-12-01-2783807.json).
+# three were within 1% of each other from B=64 4k on (where auto runs the kernel); below, "s4"
+# was 1-3% faster than "s6" and "split-s4" mixed (bench/results/2026-12-01-2783807.json).
 CONFIGS = {
     "s6": ("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
     "s6-bf16": ("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
