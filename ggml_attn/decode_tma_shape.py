@@ -10,6 +10,7 @@ slots per block (its first and its last group), and one counter per group.
 from __future__ import annotations
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from .instances import pick
 
 THREADS = 160      # four consumer warps and the producer warp
 ROWS = 16          # rows of a group (one m16 tile)
@@ -33,12 +34,7 @@ HEADS = (128,)
 def config(kv_type: int, override: str = "") -> str:
     """The CONFIGS key for K/V of ``kv_type``: ``override`` (cuda_launch.DECODE_TMA_CONFIG) when
     set, else FOR_TYPE's. ValueError for an unknown key or one of another K/V type."""
-    name = override or FOR_TYPE.get(kv_type)
-    if name is None or name not in CONFIGS:
-        raise ValueError(f"no sm_90a decode instance {name!r} for K/V type {kv_type}")
-    if CONFIGS[name][3] != kv_type:
-        raise ValueError(f"DECODE_TMA_CONFIG {name!r} is for another K/V type than this call's")
-    return name
+    return pick(CONFIGS, FOR_TYPE, kv_type, override, lambda c: c[3], "sm_90a decode", "DECODE_TMA_CONFIG")
 
 
 def smem_bytes(d: int, stages: int) -> int:

@@ -69,16 +69,25 @@ WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
 
-def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
-    """None when the sm_90a prefill can run this call, else why not; for ``auto``'s choice also
-    a mask with MASKED or HIDDEN tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens
-    per stream."""
+def _sm90a_why_not(f: "CallFacts") -> str | None:
+    """What both sm_90a kernels need: compute capability 9.0, D 128, f16 or bf16 K/V, no sinks,
+    softcap or ALiBi."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
     if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
         return f"D 128 with f16 or bf16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
+    return None
+
+
+def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
+    """None when the sm_90a prefill can run this call, else why not; for ``auto``'s choice also
+    a mask with MASKED or HIDDEN tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens
+    per stream."""
+    why = _sm90a_why_not(f)
+    if why is not None:
+        return why
     if auto and f.mask_tiles == "masked":
         return ("the mask has tiles whose rows are not intervals of visible cells, or columns no row sees "
                 "(or no plan measured it): the mma.sync kernel's measured path")
@@ -101,13 +110,7 @@ DECODE_TMA_MIN_WORK = 32768
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
     """None when the sm_90a decode can run this call, else why not."""
-    if f.arch != WGMMA_ARCH:
-        return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
-    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
-        return f"D 128 with f16 or bf16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
-    if not f.plain:
-        return "no sinks, softcap or ALiBi in this kernel"
-    return None
+    return _sm90a_why_not(f)
 
 
 def cell_list_bytes(n_batch: int, n_kv: int, mask_planes: int = 1) -> int:

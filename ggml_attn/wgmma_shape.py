@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from . import tma
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from .instances import pick
 from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
@@ -34,13 +35,8 @@ WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE
 def ws_config(kv_type: int, override: str = "") -> str:
     """The WS_CONFIGS key the op runs for K/V of ``kv_type``: ``override`` (cuda_launch's
     WGMMA_CONFIG knob) when set, else WS_FOR_TYPE's. ValueError when that instance is for another
-    K/V type (it would run bf16 wgmma on f16 bits) or none exists."""
-    name = override or WS_FOR_TYPE.get(kv_type)
-    if name is None or name not in WS_CONFIGS:
-        raise ValueError(f"no wgmma prefill instance {name!r} for K/V type {kv_type}")
-    if WS_CONFIGS[name][2] != kv_type:
-        raise ValueError(f"WGMMA_CONFIG {name!r} is for another K/V type than this call's")
-    return name
+    K/V type or none exists."""
+    return pick(WS_CONFIGS, WS_FOR_TYPE, kv_type, override, lambda c: c[2], "wgmma prefill", "WGMMA_CONFIG")
 
 
 def smem_ws(stages: int) -> int:
