@@ -40,7 +40,7 @@
 
 namespace dtma {
 constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
-constexpr int CONSUMERS = 4;            // warps; each takes 16 cells of every tile
+constexpr int CONSUMERS = 4;            // warps: each takes every 4th tile (WHOLE) or 16 cells of every tile
 constexpr int THREADS = 32 * (CONSUMERS + 1);
 constexpr int ROWS = 16;                // rows of a group: one m16 tile
 constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byte rows
@@ -78,8 +78,8 @@ struct Walk {
     int cnt;            // live tiles of the pair's list (0: one empty unit)
     int t;              // the current unit's index in the group
 
-    // Units of the call and where block b starts: a warp-wide scan of the pairs' counts
-    // (32 at a time) without a plan, in closed form with one.
+    // Units of the call and where block b starts: in closed form without a plan, with one a
+    // warp-wide scan of the pairs' live counts, 32 at a time.
     __device__ __forceinline__ bool start(const FattnParams& p, int b, int B, int lane) {
         const int n_hg = p.n_head / p.pack, NP = p.ne3 * p.n_q_tiles;
         if (!p.live_idx) {
