@@ -24,8 +24,11 @@
 //     goes to the block's partial slot (2 b for its first group, 2 b + 1 for its last), and the
 //     last block to count itself in p.split_cnt[group] merges the group's slots into dst and
 //     sets the counter back to 0.
-// Plain calls only (no softcap, no ALiBi; sinks are folded in at the end). Scores in the log2
-// domain: Q is pre-multiplied by scale * log2(e).
+// No softcap, no ALiBi; the final row factor would fold sinks in, but dispatch sends only calls
+// without them (not tested with sinks). Scores in the log2 domain: Q is pre-multiplied by
+// scale * log2(e). As in decode-tc, only V rows of cells no row of the group sees are zeroed: a
+// cell hidden from one row but seen by another keeps its V, so non-finite V there reaches the
+// hidden row as 0 * inf.
 #include "hopper_common.cuh"
 
 // DTMA_TRACE (tools/gpu_decode_tma_trace.py): block timeline in %globaltimer ns, written by
@@ -360,6 +363,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             // warp's own: STAGES is even), then the fill is this tile's.
             if (WHOLE && itj >= STAGES) mbar_wait(empty + stage, ((itj / STAGES) & 1) ^ 1);
             mbar_wait(full + stage, (itj / STAGES) & 1);
+            __syncwarp();   // lanes leave the spin apart; ldmatrix and mma are .aligned
             if (itj == 0) DTMA_MARK(1);
             const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
 
@@ -574,6 +578,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 DTMA_MARK(5);
             }
         }
+        __syncwarp();   // (merge_parts' invalid rows returned early) bar.sync is .aligned
         named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment
     }
     DTMA_MARK(6);
