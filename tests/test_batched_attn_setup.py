@@ -101,7 +101,7 @@ def test_bench_run_sweep_rows_checks_and_verdict(monkeypatch):
         return times.get(cuda_launch.CELLS_TUNE.label, 50.0), 1.0, 2.0
     res = b.run(seqs=4, steps=2, timer=timer, splits=(2,), sweep=sweep)
     rows = {r["kernel"]: r for r in res["rows"]}
-    assert list(rows) == ["auto", "prefill", "decode", "decode-tc", "cells", "cells-s2", "cells-u4-pf0",
+    assert list(rows) == ["auto", "prefill", "decode", "decode-tc", "decode-tma", "cells", "cells-s2", "cells-u4-pf0",
                           "cells-pf2-r4", "cells-r2"], rows
     assert not any("error" in r for r in rows.values()), rows
     assert rows["cells"]["nmse_ref"] <= 1e-12 and rows["cells"]["ok"] and "refresh_us" in rows["cells"]
