@@ -127,14 +127,20 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
     the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``)."""
     cr, tr = reads if reads is not None else (None, None)
-    pack = min(_pow2_divisor(sh.gqa), 16)   # decode-tc's (and decode-tma's) 16-row groups
-    work = sh.ne3 * -(-sh.n_batch // (16 // pack)) * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
+    pack, tq = _group_rows(sh.gqa)
+    work = sh.ne3 * -(-sh.n_batch // tq) * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
                               sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work)
 
 
 def _pow2_divisor(n: int) -> int:
     return n & -n
+
+
+def _group_rows(gqa: int) -> tuple[int, int]:
+    """decode-tc's and decode-tma's 16-row groups: (query heads of one KV head packed, tokens)."""
+    pack = min(_pow2_divisor(gqa), 16)
+    return pack, 16 // pack
 
 
 def _pow2_ceil(n: int) -> int:
@@ -207,8 +213,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
         name, d, stages, _ = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
-        pack = min(gqa_p2, 16)
-        tq = dt.ROWS // pack
+        pack, tq = _group_rows(sh.gqa)
         variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
         return LaunchConfig(kernel, variant, name, pack, tq, -(-sh.n_batch // tq), n_kv_tiles, 1,
@@ -225,8 +230,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
-        pack = min(gqa_p2, 16)
-        tq = 16 // pack
+        pack, tq = _group_rows(sh.gqa)
         variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=nat)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)

@@ -28,7 +28,6 @@ CONFIGS = {
     "split-s4": ("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16"}
-HEADS = (128,)
 
 
 def config(kv_type: int, override: str = "") -> str:

@@ -103,8 +103,7 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 # 2026-12-01-e44093d.json): B=64 32k (262144 pairs) 1885 us against 2045 for decode-tc (cuDNN
 # 1894); B=16 4k (8192) 75.9 against 70.5; B=1 32k (4096) 53.3 against 45.4 -- its static
 # one-wave split leaves a 10-17 us spread between blocks' ends plus a merge, which long calls
-# hide (tools/gpu_decode_tma_trace.py). DECODE_TMA_AUTO off: by name only.
-DECODE_TMA_AUTO = True
+# hide (tools/gpu_decode_tma_trace.py).
 DECODE_TMA_MIN_WORK = 32768
 
 
@@ -261,7 +260,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
             kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
-        if kern == "decode-tc" and DECODE_TMA_AUTO and f.work_tiles >= DECODE_TMA_MIN_WORK \
+        if kern == "decode-tc" and f.work_tiles >= DECODE_TMA_MIN_WORK \
                 and f.kv_aligned and decode_tma_why_not(f) is None:
             kern, why = "decode-tma", (f"{why}; sm_90a persistent decode (D 128, plain, "
                                        f"{f.work_tiles} >= {DECODE_TMA_MIN_WORK} group tiles)")

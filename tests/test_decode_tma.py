@@ -42,8 +42,9 @@ def test_by_name_says_why_not(monkeypatch):
                       (dict(kv_type=GGML_TYPE_F32), "f16 or bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             dispatch.best_kernel("decode-tma", _f(**kw))
-    monkeypatch.setattr(dispatch, "DECODE_TMA_AUTO", False)
-    assert dispatch.best_kernel("auto", _f()).kernel == "decode-tc"
+    work = dispatch.DECODE_TMA_MIN_WORK
+    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK", 1 << 62)   # by name only
+    assert dispatch.best_kernel("auto", _f(work_tiles=work)).kernel == "decode-tc"
 
 
 def test_facts_count_the_work_of_decode_tc_groups():

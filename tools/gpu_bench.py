@@ -176,8 +176,6 @@ def narrow_prefill():
     return knobs(PREFILL_WIDE_MIN_BATCH=1 << 62)
 
 
-def waves(n):
-    return knobs(_WAVES={"decode-tc": n, "decode": n})
 
 
 

@@ -57,7 +57,8 @@ def main(argv=None):
     import torch
     for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
         if case == "wgmma":
-            f = wgmma_fn(os.environ.get("WGMMA_CONFIG", "pp-persistent"))
+            from ggml_attn.wgmma_shape import WS_DEFAULT
+            f = wgmma_fn(os.environ.get("WGMMA_CONFIG", WS_DEFAULT))
             f()
             f()
             continue
