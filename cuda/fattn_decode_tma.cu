@@ -8,9 +8,9 @@
 // A group's units are cut into chunks of C tiles (C = W / (4 B) clamped to [1, MAX_CHUNK]: W
 // units, B blocks); the call's N chunks, group-major, are split into B equal regions.
 //
-// Schedule (one persistent wave): block b owns region b. It takes the first half of it without
-// asking, then the rest a chunk at a time from the front (the low half of the region's 64-bit
-// counter, p.split_cnt); with p.steal, a block out of work takes chunks from the back of the
+// Schedule (one persistent wave): block b owns region b. It takes the first quarter of it
+// without asking, then the rest a chunk at a time from the front (the low half of the region's
+// 64-bit counter, p.split_cnt); with p.steal, a block out of work takes chunks from the back of the
 // region with the most left (the high half) -- a region is shared only at its end, so a block's
 // own chunks stay contiguous and it writes few partial states. The H200's SMs stream the same
 // bytes up to 1.7x apart in time (tools/gpu_decode_tma_trace.py); a static split waits for the
@@ -66,6 +66,8 @@ constexpr int SLOTS = 8;                // partial slots per block: its region n
                                         // last group), the others hold runs taken from other regions
 constexpr int EVENTS = 16;              // the producer -> consumers event ring
 constexpr int MAX_CHUNK = 4;            // tiles per chunk, at most
+constexpr int UNASKED_DIV = 4;          // an owner takes 1 / UNASKED_DIV of its region without asking
+constexpr int SCAN = 8;                 // region counters a producer lane loads at once when it looks for work
 constexpr int MERGE_BATCH = 512;        // a group's part slots staged in shared memory per merge round
 constexpr int MERGE_U = 16;             // parts whose loads a merging thread has in flight
 
@@ -205,9 +207,10 @@ struct Chunks {
         }
         set_units(r, 0);
     }
-    // region v of B: chunks [N v / B, N (v + 1) / B); its owner takes the first half unasked
+    // region v of B: chunks [N v / B, N (v + 1) / B); its owner takes the first quarter unasked
     __device__ __forceinline__ long long begin(int v, int B) const { return N * v / B; }
     __device__ __forceinline__ long long size(int v, int B) const { return N * (v + 1) / B - N * v / B; }
+    static __device__ __forceinline__ long long unasked(long long k) { return k / UNASKED_DIV; }
 };
 
 __device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long long* a) {
@@ -324,7 +327,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     if (warp == CONSUMERS) {
         Chunks ch;
         ch.init(p, B, lane);
-        const long long R0 = ch.begin(b, B), k = ch.size(b, B), n0 = k / 2;
+        const long long R0 = ch.begin(b, B), k = ch.size(b, B), n0 = Chunks::unasked(k);
         int it = 0, ev = 0, ns = 0, steals = 0;
         bool active = false;                            // a run (chunks of one group) is open
         int r_pair = 0, r_hg = 0, r_units = 0, g_units = 0;
@@ -372,7 +375,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             if (c.t1 == g_units) flush();   // the group's last chunk: no chunk of this run can follow
         };
 
-        // own region: the first half unasked, then a chunk at a time from the front; the
+        // own region: the first quarter unasked, then a chunk at a time from the front; the
         // request for the next chunk goes out while this one is issued (its answer is read,
         // from lane 0, only when the chunk is needed)
         if (k > 0) {
@@ -398,15 +401,26 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             }
         }
         // then chunks from the back of the region with the most left, while a slot is free
-        // for this block's open run and a new one
+        // for a new run. The open run is flushed first: the consumers need not wait for the
+        // search (loads of every region's counter, slow while the memory is saturated).
+        flush();
         while (p.steal && ns + (active ? 1 : 0) + 1 <= SLOTS) {
             long long best = 0;
             int bv = -1;
-            for (int v = lane; v < B; v += 32) {
-                const long long vk = ch.size(v, B);
-                const unsigned long long x = ld_relaxed(ctr.region + v);
-                const long long left = vk - vk / 2 - (long long)(unsigned)x - (long long)(x >> 32);
-                if (left > best) { best = left; bv = v; }
+            for (int v0 = 0; v0 < B; v0 += 32 * SCAN) {
+                unsigned long long xs[SCAN];
+#pragma unroll
+                for (int i = 0; i < SCAN; ++i) {   // the loads first, all in flight together
+                    const int v = v0 + lane + 32 * i;
+                    xs[i] = v < B ? ld_relaxed(ctr.region + v) : 0ull;
+                }
+#pragma unroll
+                for (int i = 0; i < SCAN; ++i) {
+                    const int v = v0 + lane + 32 * i;
+                    const long long vk = v < B ? ch.size(v, B) : 0;
+                    const long long left = vk - Chunks::unasked(vk) - (long long)(unsigned)xs[i] - (long long)(xs[i] >> 32);
+                    if (left > best) { best = left; bv = v; }
+                }
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
@@ -419,7 +433,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             if (lane == 0) x = atomicAdd(ctr.region + bv, 1ull << 32);
             x = __shfl_sync(0xffffffffu, x, 0);
             const long long vk = ch.size(bv, B), t = (long long)(x >> 32);
-            if (vk / 2 + (long long)(unsigned)x + t >= vk) continue;   // taken meanwhile: look again
+            if (Chunks::unasked(vk) + (long long)(unsigned)x + t >= vk) continue;   // taken meanwhile: look again
             take(ch.locate(p, ch.begin(bv, B) + vk - 1 - t, lane));
             ++steals;
         }

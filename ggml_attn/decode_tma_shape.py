@@ -18,6 +18,7 @@ ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
 SLOTS = 8          # partial slots per block (dtma::SLOTS)
 EVENTS = 16        # the producer -> consumers event ring (dtma::EVENTS, 32-byte events)
+UNASKED_DIV = 4    # an owner takes 1 / UNASKED_DIV of its region without asking (dtma::UNASKED_DIV)
 MERGE_BATCH = 512  # part slots the merge stages in shared memory (dtma::MERGE_BATCH)
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring

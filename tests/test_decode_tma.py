@@ -88,6 +88,17 @@ def test_every_instance_fits_shared_memory():
 SLOTS, MAX_CHUNK = dt.SLOTS, 4
 
 
+def test_constants_mirror_the_kernel():
+    """decode_tma_shape's copies (and this file's MAX_CHUNK) of cuda/fattn_decode_tma.cu's constants."""
+    import re
+    from pathlib import Path
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
+    cu = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int (\w+) = (\d+);", src)}
+    mine = {"SLOTS": dt.SLOTS, "EVENTS": dt.EVENTS, "MERGE_BATCH": dt.MERGE_BATCH, "UNASKED_DIV": dt.UNASKED_DIV,
+            "ROWS": dt.ROWS, "CONSUMERS": dt.CONSUMERS, "MAX_CHUNK": MAX_CHUNK}
+    assert {k: cu.get(k) for k in mine} == mine
+
+
 def _chunks(units, B):
     """[(group, t0, t1)] of the call, group-major, and C."""
     C = min(MAX_CHUNK, max(1, sum(units) // (4 * B)))
@@ -98,7 +109,7 @@ def _block(b, B, chunks, ctr, out, steal, stats):
     N = len(chunks)
     size = lambda v: N * (v + 1) // B - N * v // B
     R0, k = N * b // B, size(b)
-    n0, ns, run = k // 2, 0, None   # run: [group, units]
+    n0, ns, run = k // dt.UNASKED_DIV, 0, None   # run: [group, units]
 
     def flush():
         nonlocal ns, run
@@ -136,9 +147,10 @@ def _block(b, B, chunks, ctr, out, steal, stats):
         c += 1
         if c == R0 + k:
             break
+    flush()   # the kernel flushes its own region's run before it looks for other work
     while steal and ns + (run is not None) + 1 <= SLOTS:
         yield
-        left = [size(v) - size(v) // 2 - ctr[v][0] - ctr[v][1] for v in range(B)]
+        left = [size(v) - size(v) // dt.UNASKED_DIV - ctr[v][0] - ctr[v][1] for v in range(B)]
         best = max(left)
         if best <= 0:
             break
@@ -146,7 +158,7 @@ def _block(b, B, chunks, ctr, out, steal, stats):
         yield
         x = ctr[v]
         ctr[v] = (x[0], x[1] + 1)
-        if size(v) // 2 + x[0] + x[1] >= size(v):
+        if size(v) // dt.UNASKED_DIV + x[0] + x[1] >= size(v):
             continue
         take(N * v // B + size(v) - 1 - x[1])
     flush()
@@ -192,7 +204,7 @@ def test_schedule_takes_each_chunk_once_and_bounds_the_parts(units, B, steal):
 
 def test_slow_blocks_lose_chunks_to_the_others():
     """A third of the blocks slow: the others take chunks from the backs of their regions (none
-    from the owner's unasked first half); with steal off every block takes its own region."""
+    from the owner's unasked first quarter); with steal off every block takes its own region."""
     units, B = [512] * 8, 132
     for steal in (True, False):
         _, stats, chunks = _simulate(units, B, steal, 0, slow=set(range(0, B, 3)))
@@ -201,7 +213,7 @@ def test_slow_blocks_lose_chunks_to_the_others():
         foreign = [(b, c) for b, c in stats["by"] if region(c) != b]
         if steal:
             assert len(foreign) > N // 20
-            assert all(c - N * region(c) // B >= (N * (region(c) + 1) // B - N * region(c) // B) // 2 for _, c in foreign)
+            assert all(c - N * region(c) // B >= (N * (region(c) + 1) // B - N * region(c) // B) // dt.UNASKED_DIV for _, c in foreign)
             assert all(region(c) % 3 == 0 for _, c in foreign[: len(foreign) // 2]), "mostly from the slow"
         else:
             assert not foreign
