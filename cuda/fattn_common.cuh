@@ -63,9 +63,6 @@ struct FattnParams {
                                // lists of capacity n_kv, entries (cell, float bits of its mask value)
                                // in ascending cell order; nullptr: every cell [0, n_kv), value 0
     const int* cell_cnt;       // [ne33][ne32][n_batch] entries per list
-    int steal;                 // decode-tma (fattn_decode_tma.cu): 1 -- a block out of work takes
-                               // chunks of other blocks' regions; 0 -- each block its own (a fixed split)
-    int pad_;
 };
 
 // ---------------------------------------------------------------------------------------

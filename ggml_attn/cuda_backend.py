@@ -167,7 +167,7 @@ class _Prepared:
     ws_o_bytes: int = 0
     ws_bytes: int = 0
     comb_grid: tuple = (1, 1, 1)
-    n_counters: int = 0        # int32 counters the kernel needs (fused split finish, decode-tma), 0: none
+    n_groups: int = 0          # split counters the kernel needs (fused split finish), 0: none
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -175,7 +175,7 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
     return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
-            L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_STEAL, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+            L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
@@ -198,18 +198,16 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p)
-    if kern == "decode-tma":   # partial slots per block, part lists and counters per group and region
+    if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
-        groups = dt.n_groups(sh.n_head, cfg.pack, cfg.n_q_tiles, sh.ne3)
-        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.d_v, groups, cfg.n_kv_tiles)
-        prep.n_counters = dt.counter_ints(groups, cfg.grid[0])
-        p.steal = int(bool(L.DECODE_TMA_STEAL))
+        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.d_v)
+        prep.n_groups = dt.n_groups(sh.n_head, cfg.pack, cfg.n_q_tiles, sh.ne3)
     elif cfg.n_splits > 1:
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
         prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
         if L.FUSED_SPLIT_FINISH and cfg.finishes_splits():   # the last block of each row group merges
-            prep.n_counters = cfg.grid[0] * cfg.grid[1] * sh.ne3
+            prep.n_groups = cfg.grid[0] * cfg.grid[1] * sh.ne3
         else:
             prep.comb = K.get_function(K.util_variant(), "fattn_combine")
             prep.comb_grid = (n_rows, 1, 1)
@@ -324,14 +322,14 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
             mask = plan.aligned(st)
             p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
         p.mask = mask.ptr
-    if prep.ws_bytes or prep.n_counters:   # split-KV scratch of (device, stream, this thread)
+    if prep.ws_bytes or prep.n_groups:   # split-KV scratch of (device, stream, this thread)
         work = cuda_workspace.WORKSPACES.workspace(dev, st)
     if prep.ws_bytes:
         ws, buf = work.partials(prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
         b._keep = (b._keep, buf)
-    if prep.n_counters:
-        p.split_cnt, cnt = work.counters(prep.n_counters)
+    if prep.n_groups:
+        p.split_cnt, cnt = work.counters(prep.n_groups)
         b._keep = (b._keep, cnt)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p

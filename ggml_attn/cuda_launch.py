@@ -93,10 +93,6 @@ DECODE_TMA_CONFIG = ""
 # The sm_90a decode's block count: 0 = one wave (occupancy x SMs); a small count makes blocks
 # take parts of many groups (the GPU tests' way to reach the cross-block merges). Part of the call key.
 DECODE_TMA_BLOCKS = 0
-# The sm_90a decode's schedule: 1 = a block out of work takes chunks from the back of other
-# blocks' regions (the H200's SMs stream equal work up to 1.7x apart in time); 0 = every block
-# its own region, a fixed split: the same bits every launch. Part of the call key.
-DECODE_TMA_STEAL = 1
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
 # against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).

@@ -3,10 +3,9 @@
 
 Rows: the decode-tc layout -- 16 rows per group, the ``pack`` query heads of one KV head x
 16 / pack tokens of one query tile of one stream (the plan's tile map for that query tile
-size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs). The
-call's (group, live KV tile) work is cut into chunks and split into one region per block; a
-block out of work takes chunks from the back of others' regions. Workspace: SLOTS partial
-slots per block and a part list per group; counters: per group, per region, one in all.
+size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs),
+each taking an equal share of the flattened (group, live KV tile) work. Workspace: two partial
+slots per block (its first and its last group), and one counter per group.
 """
 from __future__ import annotations
 
@@ -16,10 +15,6 @@ from .instances import pick
 THREADS = 160      # four consumer warps and the producer warp
 ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
-SLOTS = 8          # partial slots per block (dtma::SLOTS)
-EVENTS = 16        # the producer -> consumers event ring (dtma::EVENTS, 32-byte events)
-UNASKED_DIV = 4    # an owner takes 1 / UNASKED_DIV of its region without asking (dtma::UNASKED_DIV)
-MERGE_BATCH = 512  # part slots the merge stages in shared memory (dtma::MERGE_BATCH)
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
 # stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
@@ -43,28 +38,17 @@ def config(kv_type: int, override: str = "") -> str:
 
 def smem_bytes(d: int, stages: int) -> int:
     """dtma::smem_bytes<D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V ring,
-    the merge buffer, the warps' row maxima and sums, the ring's barriers, the event ring's
-    barriers and events, the merge's staged slots, a flag."""
-    return (1024 + stages * 2 * (d // 64) * BOX_BYTES + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * stages * 8
-            + 2 * EVENTS * 8 + EVENTS * 32 + MERGE_BATCH * 4 + 16)
+    the merge buffer, the warps' row maxima and sums, the ring's barriers, the flag."""
+    return 1024 + stages * 2 * (d // 64) * BOX_BYTES + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * stages * 8 + 16
 
 
-def workspace_bytes(blocks: int, d: int, n_groups: int, n_kv_tiles: int) -> tuple[int, int]:
-    """(bytes of the partial outputs, bytes in all): SLOTS slots of ROWS x d f32 per block
-    (FattnParams.ws_o), their (max, sum) pairs (ws_ml), then each group's list of its parts'
-    slots (int32; a part holds one chunk at least, so a group has at most max(n_kv_tiles, 1))."""
-    slots = SLOTS * blocks
-    o = slots * ROWS * d * 4
-    return o, o + slots * ROWS * 8 + n_groups * max(n_kv_tiles, 1) * 4
-
-
-def counter_ints(n_groups: int, blocks: int) -> int:
-    """int32 counters of a call (dtma::Counters, FattnParams.split_cnt): per group the units done
-    and the parts listed, the blocks that left and a pad, then one 8-byte word per region (at
-    an even index: 8-byte aligned)."""
-    return 2 * n_groups + 2 + 2 * blocks
+def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:
+    """(bytes of the partial outputs, bytes in all): two slots of ROWS x d f32 per block, then
+    their (max, sum) pairs (FattnParams.ws_o / ws_ml)."""
+    o = 2 * blocks * ROWS * d * 4
+    return o, o + 2 * blocks * ROWS * 8
 
 
 def n_groups(n_head: int, pack: int, n_q_tiles: int, ne3: int) -> int:
-    """Row groups of a call (stream, query tile, head group)."""
+    """Row groups of a call: the split counters the kernel counts in."""
     return ne3 * n_q_tiles * (n_head // pack)

@@ -1,9 +1,8 @@
 """The sm_90a decode (cuda/fattn_decode_tma.cu, kernel "decode-tma") without a GPU: when auto
-runs it, its launch shape and workspace, and its schedule (the kernel's protocol, mirrored
-here). Its results on the device: tests/test_gpu_decode_tma.py."""
+runs it, its launch shape and workspace, and its work split (the kernel's arithmetic, mirrored
+here). Its results on the device: tests/test_gpu_hopper.py."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ggml_attn import decode_tma_shape as dt
@@ -16,6 +15,17 @@ def _f(**kw):
                 work_tiles=DECODE_TMA_MIN_WORK)
     base.update(kw)
     return CallFacts(**base)
+
+
+def test_constants_mirror_the_kernel():
+    """decode_tma_shape's copies of cuda/fattn_decode_tma.cu's constants."""
+    import re
+    from pathlib import Path
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
+    cu = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int (\w+) = (\d+);", src)}
+    mine = {"ROWS": dt.ROWS, "CONSUMERS": dt.CONSUMERS}
+    assert {k: cu.get(k) for k in mine} == mine
+    assert dt.THREADS == 32 * (dt.CONSUMERS + 1)
 
 
 def test_auto_runs_it_where_decode_tc_would_on_sm90():
@@ -79,149 +89,58 @@ def test_every_instance_fits_shared_memory():
         assert dt.smem_bytes(d, stages) <= 227 * 1024, name
 
 
-# ---- the kernel's schedule, mirrored (cuda/fattn_decode_tma.cu, step produce): the call's
-# units cut into chunks of C tiles per group, one region of chunks per block; the owner takes
-# the first half of its region unasked, then one chunk at a time from the front (the low half
-# of the region's counter); a block out of work takes from the back (the high half) of the
-# region with the most left while it has a slot for its open run and a new one. Blocks run as
-# generators stepped in a random order, one atomic operation per step.
-SLOTS, MAX_CHUNK = dt.SLOTS, 4
+# ---- the kernel's work split, mirrored: block b takes units [b W / B, (b + 1) W / B) of the
+# flattened (group, unit) list; a group with no live tile has one unit; a part of a group goes
+# to slot 2 b (the block's first group) or 2 b + 1 (its last), and the merging block reads
+# the slots of blocks block_of(first unit) .. block_of(last unit)
+def _block_of(w, W, B):
+    return ((w + 1) * B - 1) // W
 
 
-def test_constants_mirror_the_kernel():
-    """decode_tma_shape's copies (and this file's MAX_CHUNK) of cuda/fattn_decode_tma.cu's constants."""
-    import re
-    from pathlib import Path
-    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
-    cu = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int (\w+) = (\d+);", src)}
-    mine = {"SLOTS": dt.SLOTS, "EVENTS": dt.EVENTS, "MERGE_BATCH": dt.MERGE_BATCH, "UNASKED_DIV": dt.UNASKED_DIV,
-            "ROWS": dt.ROWS, "CONSUMERS": dt.CONSUMERS, "MAX_CHUNK": MAX_CHUNK}
-    assert {k: cu.get(k) for k in mine} == mine
+def _walk(units, B):
+    """{group: [(block, slot, first unit, end)]} as the kernel's blocks write them."""
+    W = sum(units)
+    begin = [sum(units[:g]) for g in range(len(units))]
+    parts = {}
+    for b in range(B):
+        w, end = W * b // B, W * (b + 1) // B
+        while w < end:
+            g = max(i for i in range(len(units)) if begin[i] <= w)
+            t = w - begin[g]
+            e = min(units[g], t + end - w)
+            slot = 2 * b + (0 if w == W * b // B else 1)
+            parts.setdefault(g, []).append((b, slot, t, e))
+            w += e - t
+    return parts
 
 
-def _chunks(units, B):
-    """[(group, t0, t1)] of the call, group-major, and C."""
-    C = min(MAX_CHUNK, max(1, sum(units) // (4 * B)))
-    return [(g, t0, min(t0 + C, u)) for g, u in enumerate(units) for t0 in range(0, u, C)], C
-
-
-def _block(b, B, chunks, ctr, out, steal, stats):
-    N = len(chunks)
-    size = lambda v: N * (v + 1) // B - N * v // B
-    R0, k = N * b // B, size(b)
-    n0, ns, run = k // dt.UNASKED_DIV, 0, None   # run: [group, units]
-
-    def flush():
-        nonlocal ns, run
-        if run is not None:
-            g, n = run
-            whole = n == units_of[g]
-            out.append((b, g, n, None if whole else b * SLOTS + ns))
-            ns += not whole
-            run = None
-
-    def take(c):
-        nonlocal run
-        g, t0, t1 = chunks[c]
-        stats["taken"].append(c)
-        stats["by"].append((b, c))
-        if run is not None and run[0] != g:
-            flush()
-        if run is None:
-            run = [g, 0]
-        run[1] += t1 - t0
-        if t1 == units_of[g]:
-            flush()
-
-    units_of = stats["units"]
-    c, lim = R0, R0 + n0
-    while k > 0:
-        if c == lim:
-            yield
-            x = ctr[b]
-            ctr[b] = (x[0] + 1, x[1])
-            if n0 + x[0] + x[1] >= k:
-                break
-            lim += 1
-        take(c)
-        c += 1
-        if c == R0 + k:
-            break
-    flush()   # the kernel flushes its own region's run before it looks for other work
-    while steal and ns + (run is not None) + 1 <= SLOTS:
-        yield
-        left = [size(v) - size(v) // dt.UNASKED_DIV - ctr[v][0] - ctr[v][1] for v in range(B)]
-        best = max(left)
-        if best <= 0:
-            break
-        v = max(i for i in range(B) if left[i] == best)   # the kernel's ties: the higher region
-        yield
-        x = ctr[v]
-        ctr[v] = (x[0], x[1] + 1)
-        if size(v) // dt.UNASKED_DIV + x[0] + x[1] >= size(v):
-            continue
-        take(N * v // B + size(v) - 1 - x[1])
-    flush()
-
-
-def _simulate(units, B, steal=True, seed=0, slow=()):
-    """[(block, group, units, slot or None: whole)] of one launch; ``slow``: blocks stepped a
-    tenth as often (slow SMs, whose regions the others empty)."""
-    rng = np.random.default_rng(seed)
-    chunks, C = _chunks(units, B)
-    ctr = [(0, 0)] * B
-    out, stats = [], {"taken": [], "by": [], "units": units}
-    live = {b: _block(b, B, chunks, ctr, out, steal, stats) for b in range(B)}
-    while live:
-        ids = list(live)
-        w = np.array([0.1 if b in slow else 1.0 for b in ids])
-        b = ids[rng.choice(len(ids), p=w / w.sum())]
-        try:
-            next(live[b])
-        except StopIteration:
-            del live[b]
-    return out, stats, chunks
-
-
-@pytest.mark.parametrize("units,B", [([512] * 8, 132), ([64] * 8, 132), ([16] * 8, 5), ([3, 1, 1, 40, 2, 7], 4),
-                                     ([1] * 50, 7), ([64] * 3, 2), ([5], 9), ([64] * 128, 132)])
-@pytest.mark.parametrize("steal", [True, False])
-def test_schedule_takes_each_chunk_once_and_bounds_the_parts(units, B, steal):
-    for seed in range(3):
-        out, stats, chunks = _simulate(units, B, steal, seed, slow=set(range(0, B, 3)))
-        assert sorted(stats["taken"]) == list(range(len(chunks))), "every chunk once"
-        for g, u in enumerate(units):
-            runs = [(n, slot) for _, gg, n, slot in out if gg == g]
-            assert sum(n for n, _ in runs) == u, "a group's runs cover its units"
-            assert all(slot is None for _, slot in runs) == (len(runs) == 1), "whole iff alone"
-            assert len(runs) <= max(u, 1), "the part list's capacity (max(n_kv_tiles, 1) >= chunks)"
-        slots = [slot for *_, slot in out if slot is not None]
-        assert len(slots) == len(set(slots)), "a slot holds one part"
-        assert all(b * SLOTS <= sl < (b + 1) * SLOTS for b, _, _, sl in out if sl is not None), "the block's own slots"
-        if not steal:   # the fixed split: a block's parts are those of its region's first and last group
-            assert all(sum(1 for bb, *_, sl in out if bb == b and sl is not None) <= 2 for b in range(B))
-
-
-def test_slow_blocks_lose_chunks_to_the_others():
-    """A third of the blocks slow: the others take chunks from the backs of their regions (none
-    from the owner's unasked first quarter); with steal off every block takes its own region."""
-    units, B = [512] * 8, 132
-    for steal in (True, False):
-        _, stats, chunks = _simulate(units, B, steal, 0, slow=set(range(0, B, 3)))
-        N = len(chunks)
-        region = lambda c: max(v for v in range(B) if N * v // B <= c)
-        foreign = [(b, c) for b, c in stats["by"] if region(c) != b]
-        if steal:
-            assert len(foreign) > N // 20
-            assert all(c - N * region(c) // B >= (N * (region(c) + 1) // B - N * region(c) // B) // dt.UNASKED_DIV for _, c in foreign)
-            assert all(region(c) % 3 == 0 for _, c in foreign[: len(foreign) // 2]), "mostly from the slow"
-        else:
-            assert not foreign
+@pytest.mark.parametrize("units,B", [([16] * 8, 132), ([16] * 8, 5), ([3, 1, 1, 40, 2, 7], 4),
+                                     ([1] * 50, 7), ([64] * 3, 2), ([5], 9)])
+def test_work_split_covers_each_group_once_and_merges_find_every_part(units, B):
+    W = sum(units)
+    parts = _walk(units, B)
+    begin = [sum(units[:g]) for g in range(len(units))]
+    slots = set()
+    for g, ps in parts.items():
+        covered = sorted((t, e) for _, _, t, e in ps)
+        assert covered[0][0] == 0 and covered[-1][1] == units[g]
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))   # no gap, no overlap
+        b_first, b_last = _block_of(begin[g], W, B), _block_of(begin[g] + units[g] - 1, W, B)
+        owners = [b for b in range(b_first, b_last + 1) if W * (b + 1) // B > W * b // B]   # blocks with units
+        assert sorted(b for b, *_ in ps) == owners
+        if len(ps) > 1:   # the merger's slot of each part, as merge_parts' part_slot finds them
+            dense = W >= B
+            n_part = _block_of(begin[g] + units[g] - 1, W, B) - b_first + 1 if dense else units[g]
+            blocks = [b_first + k if dense else _block_of(begin[g] + k, W, B) for k in range(n_part)]
+            assert blocks == owners
+            want = {2 * b + (1 if k == 0 and W * b // B < begin[g] else 0) for k, b in enumerate(blocks)}
+            assert want == {s for _, s, _, _ in ps}
+            assert not slots & want
+            slots |= want
+    assert set(parts) == set(range(len(units)))
 
 
 def test_workspace_and_counters():
-    o, total = dt.workspace_bytes(132, 128, 8, 512)
-    assert o == 8 * 132 * 16 * 128 * 4 and total == o + 8 * 132 * 16 * 8 + 8 * 512 * 4
-    assert dt.workspace_bytes(5, 128, 3, 0)[1] == 8 * 5 * 16 * (128 * 4 + 8) + 3 * 4
+    o, total = dt.workspace_bytes(132, 128)
+    assert o == 2 * 132 * 16 * 128 * 4 and total == o + 2 * 132 * 16 * 8
     assert dt.n_groups(32, 4, 1, 16) == 128
-    assert dt.counter_ints(128, 132) == 258 + 264 and dt.counter_ints(3, 5) == 8 + 10   # regions at an even index

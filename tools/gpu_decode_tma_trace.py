@@ -1,8 +1,7 @@
 """Block timeline of the sm_90a decode (kernel "decode-tma") on the GPU: the kernel compiled with
 DTMA_TRACE writes %globaltimer stamps per block (cuda/fattn_decode_tma.cu, DTMA_MARK); this prints
-their spread -- when blocks start, see their first tile, end their last chunk, write their
-last run, count it, finish a merge and exit -- and the chunks blocks took from other regions,
-for one decode call (B=1, 32 q / 8 KV heads, D 128).
+their spread -- when blocks start, see their first tile, end their last segment, count
+themselves, finish a merge and exit -- for one decode call (B=1, 32 q / 8 KV heads, D 128).
 
 Usage: python tools/gpu_decode_tma_trace.py [n_kv ...]   (default 4096 32768)
 """
@@ -12,7 +11,7 @@ import sys
 
 import numpy as np
 
-EVENTS = ("start", "first tile", "last chunk", "written", "counted", "merged", "exit")
+EVENTS = ("start", "first tile", "segment end", "written", "counted", "merged", "exit")
 
 
 def trace(n_kv: int, reps: int = 3) -> dict:
@@ -44,8 +43,8 @@ def trace(n_kv: int, reps: int = 3) -> dict:
         cp.cuda.get_current_stream().synchronize()
         out = buf.get().astype(np.int64)
     t0 = out[:, 0][out[:, 0] > 0].min()
-    rel = np.where(out[:, :7] > 0, out[:, :7] - t0, -1)
-    res = {"n_kv": n_kv, "blocks": n_blocks, "stolen": out[:, 7].tolist()}
+    rel = np.where(out > 0, out - t0, -1)
+    res = {"n_kv": n_kv, "blocks": n_blocks}
     for i, name in enumerate(EVENTS):
         col = rel[:, i][rel[:, i] >= 0]
         if col.size:
@@ -62,8 +61,6 @@ def main(argv=None):
             if name in r:
                 lo, med, hi, cnt = r[name]
                 print(f"  {name:12s} {lo:8d} {med:8d} {hi:8d}  ({cnt})")
-        st = np.array(r["stolen"])
-        print(f"  chunks taken from other regions: {int(st.sum())} by {int((st > 0).sum())} blocks (most {int(st.max())})")
 
 
 if __name__ == "__main__":
