@@ -384,14 +384,15 @@ def run(quick=False, only=None, log=print):
         c = copies_for(nbytes)
         ours = Ours(B, 1, S, copies=c)
         # "ours-auto" (on an H200 the sm_90a decode, decode-tma), the stage-1 kernels by name
-        # (their split-count sweeps: bench/results of 2026-11-30 and before), decode-tma's ring depths
+        # (their split-count sweeps: bench/results of 2026-11-30 and before), decode-tma's ring depths and block counts
         for kern in ("auto", "decode-tc", "decode-tma", "decode"):
             add(case, f"ours-{kern}", ours.fns(kern), None, nbytes, note=f"{c} K/V copies")
         for cfg in ("s4", "split-s4"):
             with knobs(DECODE_TMA_CONFIG=cfg):
                 add(case, f"ours-decode-tma-{cfg}", ours.fns("decode-tma"), None, nbytes)
-        with knobs(DECODE_TMA_L2_PROMOTION=3):   # the TMA maps with 256-byte L2 promotion
-            add(case, "ours-decode-tma-l2-256", ours.fns("decode-tma"), None, nbytes)
+        for nb in (66, 99):   # fewer persistent blocks than SMs: fewer, longer parts, a shorter merge
+            with knobs(DECODE_TMA_BLOCKS=nb):
+                add(case, f"ours-decode-tma-b{nb}", ours.fns("decode-tma"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
