@@ -92,6 +92,9 @@ WGMMA_PERSISTENT_BLOCKS = 0
 DECODE_TMA_CONFIG = ""
 # The sm_90a decode's block count: 0 = one wave (occupancy x SMs); a small count makes blocks
 # take parts of many groups (the GPU tests' way to reach the cross-block merges). Part of the call key.
+# Fewer than one per SM did not pay on the H200 (bench/results/2026-12-02-e2ae076.json): 66
+# blocks B=1 32k 47.9 us against 49.5, but B=64 4k 265 against 253 and B=64 32k 1909 against
+# 1885; 99 blocks slower everywhere from B=16 (B=64 32k 2088).
 DECODE_TMA_BLOCKS = 0
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
