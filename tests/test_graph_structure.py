@@ -25,4 +25,10 @@ def test_graph_structure_matches_reference(reference, name):
     assert len(got["nodes"]) == len(ref["nodes"])
     for i, (a, b) in enumerate(zip(got["nodes"], ref["nodes"])):
         assert a == b, f"{name}: tensor {i} differs:\n got {a}\n ref {b}"
-    np.testing.assert_allclose(got["outputs"], ref["outputs"], rtol=1e-5, atol=1e-6)
+    # the results: each output's sum and sum of squares. ggml's CPU kernels differ in the last
+    # f16 bits between machines (AVX512-FP16 against F16C conversions, other summation orders;
+    # 1.6e-4 relative seen), so 1e-3 relative, the sum also within 1e-3 of the output's norm
+    # (it can cancel to near 0); a wrong graph is off by O(1).
+    for (s, ss), (rs, rss) in zip(got["outputs"], ref["outputs"]):
+        assert ss == pytest.approx(rss, rel=1e-3), name
+        assert s == pytest.approx(rs, rel=1e-3, abs=1e-3 * np.sqrt(rss)), name
