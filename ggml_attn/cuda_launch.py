@@ -96,6 +96,9 @@ DECODE_TMA_CONFIG = ""
 # blocks B=1 32k 47.9 us against 49.5, but B=64 4k 265 against 253 and B=64 32k 1909 against
 # 1885; 99 blocks slower everywhere from B=16 (B=64 32k 2088).
 DECODE_TMA_BLOCKS = 0
+# Without a plan (every group the same work), the sm_90a decode's block count is aligned to the
+# groups (decode_tma_shape.aligned_blocks: down to 0.9 of the slots). Part of the call key.
+DECODE_TMA_ALIGN = 1
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
 # against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).
@@ -218,8 +221,11 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         name, d, stages, _ = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
         pack, tq = _group_rows(sh.gqa)
         variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
+        n_q_tiles = -(-sh.n_batch // tq)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
-        return LaunchConfig(kernel, variant, name, pack, tq, -(-sh.n_batch // tq), n_kv_tiles, 1,
+        if DECODE_TMA_ALIGN and not DECODE_TMA_BLOCKS and max_live is None:   # equal work per group
+            blocks = dt.aligned_blocks(blocks, dt.n_groups(sh.n_head, pack, n_q_tiles, sh.ne3))
+        return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
                             dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":

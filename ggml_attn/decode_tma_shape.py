@@ -3,8 +3,9 @@
 
 Rows: the decode-tc layout -- 16 rows per group, the ``pack`` query heads of one KV head x
 16 / pack tokens of one query tile of one stream (the plan's tile map for that query tile
-size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs),
-each taking an equal share of the flattened (group, live KV tile) work. Workspace: two partial
+size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs;
+without a plan aligned to the row groups, ``aligned_blocks``), each taking an equal share of
+the flattened (group, live KV tile) work. Workspace: two partial
 slots per block (its first and its last group), and one counter per group.
 """
 from __future__ import annotations
@@ -52,3 +53,15 @@ def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:
 def n_groups(n_head: int, pack: int, n_q_tiles: int, ne3: int) -> int:
     """Row groups of a call: the split counters the kernel counts in."""
     return ne3 * n_q_tiles * (n_head // pack)
+
+
+def aligned_blocks(slots: int, groups: int, min_fill: float = 0.9) -> int:
+    """Persistent blocks for ``groups`` row groups of equal work (no plan) on ``slots``
+    resident-block slots: the largest count >= ``min_fill`` x slots that ``groups`` divides or
+    that divides ``groups`` -- block ranges then start and end on group boundaries or cut every
+    group into the same number of parts (no block holds two parts, no group is split in two
+    where it fits one block) -- else ``slots``. B=16 4k on 132 SMs: 128 groups, 128 blocks."""
+    for b in range(slots, max(1, int(slots * min_fill + 0.999)) - 1, -1):
+        if groups % b == 0 or b % groups == 0:
+            return b
+    return slots

@@ -74,14 +74,36 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
     for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma_d128"), (GGML_TYPE_BF16, "fattn_decode_tma_bf16_d128")):
         cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type))
-        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (132, 1, 1)
+        # 2 streams x 8 KV heads = 16 groups of equal work: 128 blocks (8 parts each), not 132
+        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)
+        assert L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type),
+                               max_live={4: 16}).grid == (132, 1, 1), "with a plan: one per slot"
         assert (cfg.pack, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (4, 4, 1, 16, 1)
         assert cfg.smem == dt.smem_bytes(128, 6) <= 227 * 1024
+    monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
+    assert L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, GGML_TYPE_F16)).grid == (132, 1, 1)
+    monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 1)
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", 3)
     assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16)).grid == (3, 1, 1)
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
         L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
+
+
+@pytest.mark.parametrize("slots,groups,want", [
+    (132, 8, 128), (132, 128, 128), (132, 512, 128), (132, 32, 128), (132, 136, 132), (132, 264, 132),
+    (132, 1, 132), (132, 7, 126), (132, 97, 132), (264, 128, 256), (10, 3, 9), (1, 5, 1), (132, 131, 131)])
+def test_aligned_blocks(slots, groups, want):
+    """The largest count within 0.9 of the slots that the groups divide or that divides them;
+    else the slots. Block b's units [b W / B, (b + 1) W / B) then end on group boundaries or cut
+    each group into equal parts."""
+    b = dt.aligned_blocks(slots, groups)
+    assert b == want and slots * 0.9 <= b <= slots
+    if b != slots:
+        W = groups * 64   # 64 tiles per group
+        cuts = {b_ * W // b for b_ in range(b + 1)}
+        per = W // groups
+        assert all(c % per == 0 for c in cuts) or all(g * per in cuts for g in range(groups + 1))
 
 
 def test_every_instance_fits_shared_memory():

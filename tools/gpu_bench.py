@@ -390,9 +390,8 @@ def run(quick=False, only=None, log=print):
         for cfg in ("s4", "split-s4"):
             with knobs(DECODE_TMA_CONFIG=cfg):
                 add(case, f"ours-decode-tma-{cfg}", ours.fns("decode-tma"), None, nbytes)
-        for nb in (66, 99):   # fewer persistent blocks than SMs: fewer, longer parts, a shorter merge
-            with knobs(DECODE_TMA_BLOCKS=nb):
-                add(case, f"ours-decode-tma-b{nb}", ours.fns("decode-tma"), None, nbytes)
+        with knobs(DECODE_TMA_ALIGN=0):   # one block per slot, not aligned to the row groups
+            add(case, "ours-decode-tma-sms", ours.fns("decode-tma"), None, nbytes)
         if (B, S) == (1, 4096):
             rows.append(dict(case=case, impl="ours-host", host_us=round(host_us(ours.fns()[0]), 2),
                              note="host time of one flash_attn_ext_device call"))
