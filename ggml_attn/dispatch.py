@@ -99,12 +99,18 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 # The sm_90a decode ("decode-tma", cuda/fattn_decode_tma.cu): auto runs it in place of
 # "decode-tc" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or
 # ALiBi (any mask: its tiles are classed by the plan as decode-tc's are), for calls of at least
-# DECODE_TMA_MIN_WORK (group, KV tile) pairs. Measured on the H200 (bench/results/
-# 2026-12-01-e44093d.json): B=64 32k (262144 pairs) 1885 us against 2045 for decode-tc (cuDNN
-# 1894); B=16 4k (8192) 75.9 against 70.5; B=1 32k (4096) 53.3 against 45.4 -- its static
-# one-wave split leaves a 10-17 us spread between blocks' ends plus a merge, which long calls
-# hide (tools/gpu_decode_tma_trace.py).
+# DECODE_TMA_MIN_WORK (group, KV tile) pairs, or DECODE_TMA_MIN_WORK_UNMASKED without a mask:
+# then every group has the same work and the block count is aligned to the groups
+# (decode_tma_shape.aligned_blocks), so no block holds parts of two groups. Measured on the
+# H200 (bench/results/2026-12-02-44509ed.json, decode-tma against decode-tc, us): B=1 4k (512
+# pairs) 17.4 against 14.9; B=1 32k (4096) 43.8 against 45.1; B=16 4k (8192) 67.7 against
+# 70.4; B=64 4k 249.7 against 264.7; B=64 32k 1878.8 against 2046.0 (cuDNN 13.5 / 40.0 / 65.4
+# / 243.5 / 1894.0). With a mask (a plan: groups of different work, one block per slot) the
+# static one-wave split leaves a 10-17 us spread between blocks' ends plus a merge, which only
+# long calls hide (2026-12-01-e44093d.json: B=16 4k 75.9 against 70.5;
+# tools/gpu_decode_tma_trace.py).
 DECODE_TMA_MIN_WORK = 32768
+DECODE_TMA_MIN_WORK_UNMASKED = 4096
 
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
@@ -260,10 +266,12 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
             kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
-        if kern == "decode-tc" and f.work_tiles >= DECODE_TMA_MIN_WORK \
+        min_work = DECODE_TMA_MIN_WORK_UNMASKED if f.mask_tiles == "none" else DECODE_TMA_MIN_WORK
+        if kern == "decode-tc" and f.work_tiles >= min_work \
                 and f.kv_aligned and decode_tma_why_not(f) is None:
             kern, why = "decode-tma", (f"{why}; sm_90a persistent decode (D 128, plain, "
-                                       f"{f.work_tiles} >= {DECODE_TMA_MIN_WORK} group tiles)")
+                                       f"{f.work_tiles} >= {min_work} group tiles"
+                                       f"{', no mask' if f.mask_tiles == 'none' else ''})")
     else:
         if kernel == "prefill-wgmma":
             why = wgmma_why_not(f, auto=False)

@@ -38,10 +38,16 @@ def test_auto_runs_it_where_decode_tc_would_on_sm90():
 def test_auto_keeps_decode_tc_elsewhere():
     """Another architecture, other head sizes, sinks/softcap/ALiBi, calls with less work than
     DECODE_TMA_MIN_WORK (or not known), unaligned K/V; prefill shapes stay prefill kernels."""
-    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, best_kernel
+    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, DECODE_TMA_MIN_WORK_UNMASKED, best_kernel
     for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False),
-               dict(work_tiles=DECODE_TMA_MIN_WORK - 1), dict(work_tiles=0)):
+               dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="plain"),
+               dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="masked"),
+               dict(work_tiles=DECODE_TMA_MIN_WORK_UNMASKED - 1), dict(work_tiles=0)):
         assert best_kernel("auto", _f(**kw)).kernel == "decode-tc", kw
+    # without a mask (groups of equal work, blocks aligned to them) from the lower threshold on
+    c = best_kernel("auto", _f(work_tiles=DECODE_TMA_MIN_WORK_UNMASKED))
+    assert c.kernel == "decode-tma" and "no mask" in c.reason
+    assert DECODE_TMA_MIN_WORK_UNMASKED < DECODE_TMA_MIN_WORK
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
     assert best_kernel("auto", _f(n_batch=512)).kernel.startswith("prefill")
 
@@ -55,6 +61,7 @@ def test_by_name_says_why_not(monkeypatch):
             dispatch.best_kernel("decode-tma", _f(**kw))
     work = dispatch.DECODE_TMA_MIN_WORK
     monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK", 1 << 62)   # by name only
+    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_UNMASKED", 1 << 62)
     assert dispatch.best_kernel("auto", _f(work_tiles=work)).kernel == "decode-tc"
 
 

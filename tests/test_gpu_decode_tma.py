@@ -100,6 +100,7 @@ def test_bf16_and_auto(monkeypatch):
         assert not nan and err <= 5e-4, err
     from ggml_attn import dispatch
     monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK", 0)   # a small call stands for a long one
+    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_UNMASKED", 0)
     kern, err, nan = _run(1, 1, 3000, 32, 8, kernel="auto", monkeypatch=monkeypatch)
     assert kern == "decode-tma" and not nan and err <= 5e-4
 
