@@ -10,6 +10,8 @@ slots per block (its first and its last group), and one counter per group.
 """
 from __future__ import annotations
 
+import math
+
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
 from .instances import pick
 
@@ -61,7 +63,7 @@ def aligned_blocks(slots: int, groups: int, min_fill: float = 0.9) -> int:
     that divides ``groups`` -- block ranges then start and end on group boundaries or cut every
     group into the same number of parts (no block holds two parts, no group is split in two
     where it fits one block) -- else ``slots``. B=16 4k on 132 SMs: 128 groups, 128 blocks."""
-    for b in range(slots, max(1, int(slots * min_fill + 0.999)) - 1, -1):
+    for b in range(slots, max(1, math.ceil(slots * min_fill)) - 1, -1):
         if groups % b == 0 or b % groups == 0:
             return b
     return slots

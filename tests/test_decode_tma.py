@@ -37,7 +37,8 @@ def test_auto_runs_it_where_decode_tc_would_on_sm90():
 
 def test_auto_keeps_decode_tc_elsewhere():
     """Another architecture, other head sizes, sinks/softcap/ALiBi, calls with less work than
-    DECODE_TMA_MIN_WORK (or not known), unaligned K/V; prefill shapes stay prefill kernels."""
+    DECODE_TMA_MIN_WORK with a mask or DECODE_TMA_MIN_WORK_UNMASKED without (or not known),
+    unaligned K/V; prefill shapes stay prefill kernels."""
     from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, DECODE_TMA_MIN_WORK_UNMASKED, best_kernel
     for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False),
                dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="plain"),
@@ -75,7 +76,8 @@ def test_facts_count_the_work_of_decode_tc_groups():
 
 def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     """16 rows per group (pack heads x 16 / pack tokens), 160 threads, one block per SM times
-    the occupancy (or DECODE_TMA_BLOCKS), no split; the instance of the call's K/V type."""
+    the occupancy (without a plan aligned to the groups; or DECODE_TMA_BLOCKS), no split; the
+    instance of the call's K/V type."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)

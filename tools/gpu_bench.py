@@ -384,7 +384,8 @@ def run(quick=False, only=None, log=print):
         c = copies_for(nbytes)
         ours = Ours(B, 1, S, copies=c)
         # "ours-auto" (on an H200 the sm_90a decode, decode-tma), the stage-1 kernels by name
-        # (their split-count sweeps: bench/results of 2026-11-30 and before), decode-tma's ring depths and block counts
+        # (their split-count sweeps: bench/results of 2026-11-30 and before), decode-tma's ring
+        # depths and its block count
         for kern in ("auto", "decode-tc", "decode-tma", "decode"):
             add(case, f"ours-{kern}", ours.fns(kern), None, nbytes, note=f"{c} K/V copies")
         for cfg in ("s4", "split-s4"):
