@@ -63,6 +63,9 @@ struct FattnParams {
                                // lists of capacity n_kv, entries (cell, float bits of its mask value)
                                // in ascending cell order; nullptr: every cell [0, n_kv), value 0
     const int* cell_cnt;       // [ne33][ne32][n_batch] entries per list
+    int work_cap;              // decode-tma: the most units a block takes when groups are cut on their
+                               // boundaries (cuda/fattn_decode_tma.cu Walk::start); 0: equal shares
+    int pad_;
 };
 
 // ---------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@
 // tokens of one query tile of one stream. Groups are ordered (stream, query tile, head group),
 // head groups fastest; a group has the live tiles of its query tile's list (the plan's, or every
 // tile without one), and at least one work unit (an empty list still writes its zero rows).
-// Block b of gridDim.x takes units [b W / B, (b + 1) W / B): one balanced wave whatever the
-// mix of sequence lengths and live fractions.
+// The split over the gridDim.x blocks (Walk::start): with a cap (p.work_cap, chosen on the host
+// by ggml_attn/decode_tma_shape.py work_cap when it balances the blocks), on the groups' own
+// boundaries -- a large group in equal parts, one block each, small groups packed whole -- so
+// that few groups are merged and no block holds two parts; else block b takes units
+// [b W / B, (b + 1) W / B): one balanced wave whatever the mix of lengths, groups cut anywhere.
 //
 // Block: a producer warp and four consumer warps, no block-wide barrier in the loop.
 //   - step produce: lane 0 of the producer walks the block's units and issues, per tile, TMA
@@ -68,9 +71,16 @@ __device__ __forceinline__ long long pair_units(const FattnParams& p, int i) {
     return (long long)max(pair_cnt(p, i), 1) * (p.n_head / p.pack);
 }
 
-// The block whose units contain unit w: the largest b with floor(b W / B) <= w.
+// The block whose units contain unit w under the equal share: the largest b with floor(b W / B) <= w.
 __device__ __forceinline__ int block_of(long long w, long long W, int B) {
     return (int)(((w + 1) * B - 1) / W);
+}
+
+// Blocks a pair's n_hg groups of u units each (u >= 1) take under the cap (>= 1): ceil(u / cap)
+// equal parts per group when u >= cap, else the groups packed floor(cap / u) to a block
+// (ggml_attn/decode_tma_shape.py capped_blocks).
+__device__ __forceinline__ long long capped_blocks(long long u, long long n_hg, long long cap) {
+    return u >= cap ? n_hg * ((u + cap - 1) / cap) : (n_hg + cap / u - 1) / (cap / u);
 }
 
 // One warp's view of the block's walk over its units (every warp computes the same).
@@ -80,17 +90,100 @@ struct Walk {
     int pair, hg;       // the current group: (stream, query tile) pair and head group
     int cnt;            // live tiles of the pair's list (0: one empty unit)
     int t;              // the current unit's index in the group
+    int b0, n_part;     // cut by the cap: the block holds part (b - b0) of n_part parts of its one
+                        // group, in blocks b0 .. b0 + n_part - 1 (b0 -1: whole groups, or the equal share)
 
-    // Units of the call and where block b starts: in closed form without a plan, with one a
-    // warp-wide scan of the pairs' live counts, 32 at a time.
+    // Units of the call and the block's share. The split (decode_tma_shape.py block_ranges):
+    // with p.work_cap > 0 and the call's blocks under it fitting the grid, groups are cut on
+    // their own boundaries -- every pair's groups as one list when all pairs have the same
+    // units (then packed across pairs), else pair by pair (the blocks located by a warp-wide
+    // scan of the pairs' live counts); otherwise block b takes the equal share
+    // [b W / B, (b + 1) W / B). The cap only sizes the work: any cap gives a right split of
+    // the current counts (a refreshed plan's included). False: the block has no units.
     __device__ __forceinline__ bool start(const FattnParams& p, int b, int B, int lane) {
         const int n_hg = p.n_head / p.pack, NP = p.ne3 * p.n_q_tiles;
+        const long long cap = p.work_cap;
+        b0 = -1, n_part = 0;
+        // pass 1: units, blocks under the cap, and whether every pair has the same units
+        long long tot = 0, blocks = 0;
+        int umin = 0x7fffffff, umax = 0;
         if (!p.live_idx) {
-            const long long per = (long long)max(p.n_kv_tiles, 1);
-            W = per * n_hg * NP;
-            w = W * b / B;
-            end = W * (b + 1) / B;
-            if (w >= end) return false;
+            umin = umax = max(p.n_kv_tiles, 1);
+            tot = (long long)umin * n_hg * NP;
+        } else {
+            for (int i = lane; i < NP; i += 32) {
+                const int u = max(pair_cnt(p, i), 1);
+                tot += (long long)u * n_hg;
+                if (cap > 0) blocks += capped_blocks(u, n_hg, cap);
+                umin = min(umin, u), umax = max(umax, u);
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                tot += __shfl_xor_sync(0xffffffffu, tot, o);
+                blocks += __shfl_xor_sync(0xffffffffu, blocks, o);
+                umin = min(umin, __shfl_xor_sync(0xffffffffu, umin, o));
+                umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
+            }
+        }
+        W = tot;
+        const bool equal = umin == umax;
+        if (cap > 0 && equal) blocks = capped_blocks(umin, (long long)n_hg * NP, cap);
+        if (cap > 0 && blocks <= B) {
+            if (b >= blocks) return false;
+            long long k = b, U = 0;   // the block's index in its run of groups cut alike, units before it
+            int u = umin, groups = n_hg * NP, first = 0;   // the run: units per group, groups, its first pair
+            if (!equal) {             // the pair whose blocks hold b: a scan of capped_blocks
+                long long bacc = 0, uacc = 0;
+                for (int base = 0; base < NP; base += 32) {
+                    const int i = base + lane;
+                    const int ui = i < NP ? max(pair_cnt(p, i), 1) : 1;
+                    const long long c = i < NP ? capped_blocks(ui, n_hg, cap) : 0;
+                    const long long cu = i < NP ? (long long)ui * n_hg : 0;
+                    long long incl = c, uincl = cu;
+#pragma unroll
+                    for (int o = 1; o < 32; o <<= 1) {
+                        const long long y = __shfl_up_sync(0xffffffffu, incl, o);
+                        const long long z = __shfl_up_sync(0xffffffffu, uincl, o);
+                        if (lane >= o) incl += y, uincl += z;
+                    }
+                    const unsigned hit = __ballot_sync(0xffffffffu, bacc + incl > b);
+                    if (hit) {
+                        const int L = __ffs(hit) - 1;
+                        first = base + L;
+                        k = b - (bacc + __shfl_sync(0xffffffffu, incl - c, L));
+                        U = uacc + __shfl_sync(0xffffffffu, uincl - cu, L);
+                        u = __shfl_sync(0xffffffffu, ui, L);
+                        groups = n_hg;
+                        break;
+                    }
+                    bacc += __shfl_sync(0xffffffffu, incl, 31);
+                    uacc += __shfl_sync(0xffffffffu, uincl, 31);
+                }
+            }
+            long long g;              // the block's first group in the run
+            if (u >= cap) {
+                const long long q = (u + cap - 1) / cap, j = k % q;
+                g = k / q;
+                w = U + g * u + u * j / q;
+                end = U + g * u + u * (j + 1) / q;
+                if (q > 1) b0 = b - (int)j, n_part = (int)q;
+            } else {
+                const long long per = cap / u;
+                g = k * per;
+                w = U + g * u;
+                end = U + min(g + per, (long long)groups) * u;
+            }
+            pair = first + (int)(g / n_hg);
+            hg = (int)(g % n_hg);
+            cnt = pair_cnt(p, pair);
+            t = (int)(w - U - g * u);
+            return true;
+        }
+        w = W * b / B;
+        end = W * (b + 1) / B;
+        if (w >= end) return false;
+        if (!p.live_idx) {
+            const long long per = umin;
             const long long g = w / per;
             pair = (int)(g / n_hg);
             hg = (int)(g - (long long)pair * n_hg);
@@ -98,14 +191,6 @@ struct Walk {
             t = (int)(w - g * per);
             return true;
         }
-        long long tot = 0;
-        for (int i = lane; i < NP; i += 32) tot += pair_units(p, i);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-        W = tot;
-        w = W * b / B;
-        end = W * (b + 1) / B;
-        if (w >= end) return false;
         long long acc = 0;   // units before this chunk of 32 pairs
         for (int base = 0; base < NP; base += 32) {
             const int i = base + lane;
@@ -550,12 +635,17 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         // ---- step merge a group's parts: the last block to finish one merges every part
         if (!whole) {
             const long long gb = wk.group_begin(), ge = gb + wk.units();
-            const int b_first = block_of(gb, wk.W, gridDim.x);
-            // part k's block: with at least as many units as blocks every block has some, so the
-            // group's are b_first, b_first + 1, ...; with fewer, each has one unit at most
+            // cut by the cap: the parts are in blocks b0, b0 + 1, ..., each its block's one group
+            // (slot 2 b). The equal share: part k's block -- with at least as many units as
+            // blocks every block has some, so the group's are b_first, b_first + 1, ...; with
+            // fewer, each has one unit at most -- and its slot, 2 b + 1 when it is b's last group
+            const bool capped = wk.b0 >= 0;
+            const int b_first = capped ? wk.b0 : block_of(gb, wk.W, gridDim.x);
             const bool dense = wk.W >= gridDim.x;
-            const int n_part = dense ? block_of(ge - 1, wk.W, gridDim.x) - b_first + 1 : (int)(ge - gb);
-            auto part_slot = [&](int k) {   // block b's slot of this group: 2 b + 1 when it is b's last group
+            const int n_part = capped ? wk.n_part
+                             : dense ? block_of(ge - 1, wk.W, gridDim.x) - b_first + 1 : (int)(ge - gb);
+            auto part_slot = [&](int k) {
+                if (capped) return 2 * (b_first + k);
                 const int b = dense ? b_first + k : block_of(gb + k, wk.W, gridDim.x);
                 return 2 * b + (k == 0 && wk.W * b / gridDim.x < gb ? 1 : 0);
             };

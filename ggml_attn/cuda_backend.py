@@ -150,7 +150,9 @@ def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan:
     tiles = "none" if not masked else (plan.wgmma_tiles if plan is not None and plan.wgmma_tiles else "masked")
     choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v),
                                                 plan.reads if plan is not None else None,
-                                                arch=K.device_arch(), plain=plain, mask_tiles=tiles))
+                                                arch=K.device_arch(), plain=plain, mask_tiles=tiles,
+                                                live_counts=plan.live_host if plan is not None else None,
+                                                masked=masked))
     if choice.kernel == "reference" and kernel != "reference":
         _warn_once(choice.reason)
     return choice.kernel
@@ -193,9 +195,10 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
                         wide=plan.wide if plan is not None else None,
                         max_live=plan.max_live if plan is not None else None,
-                        max_cells=plan.max_cells if plan is not None else None)
+                        max_cells=plan.max_cells if plan is not None else None,
+                        live_counts=plan.live_host if plan is not None else None)
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
-    p.pack, p.q_tile_tokens = cfg.pack, cfg.q_tile_tokens
+    p.pack, p.q_tile_tokens, p.work_cap = cfg.pack, cfg.q_tile_tokens, cfg.work_cap
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p)
     if kern == "decode-tma":   # two partial slots per block, a counter per row group

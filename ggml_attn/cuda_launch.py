@@ -96,9 +96,18 @@ DECODE_TMA_CONFIG = ""
 # blocks B=1 32k 47.9 us against 49.5, but B=64 4k 265 against 253 and B=64 32k 1909 against
 # 1885; 99 blocks slower everywhere from B=16 (B=64 32k 2088).
 DECODE_TMA_BLOCKS = 0
-# Without a plan (every group the same work), the sm_90a decode's block count is aligned to the
-# groups (decode_tma_shape.aligned_blocks: down to 0.9 of the slots). Part of the call key.
+# The sm_90a decode's split: 1 -- groups cut on their own boundaries under a cap (equal parts
+# of a large group, one block each; small groups packed whole) when that balances the blocks
+# within DECODE_TMA_CAP_SLACK of an equal share (decode_tma_shape.work_cap, from the plan's
+# live counts or, without a plan, the shapes); 0 -- always equal shares, groups cut anywhere and
+# merged. Part of the call key. Without a plan (groups of equal work), cutting on the groups'
+# boundaries took B=16 4k from 78.5 to 67.7 us and B=1 32k from 49.9 to 43.8
+# (bench/results/2026-12-02-44509ed.json: the same split as this cap's, then from a block count).
 DECODE_TMA_ALIGN = 1
+# ... the most a block's load may exceed the equal share W / blocks by, as a factor: a cut on
+# group boundaries saves the merge of the cut groups (~10 us at B=16 4k), an uneven load costs
+# its excess. A guess from the one measured pair above (1.03x the load, 0.86x the time).
+DECODE_TMA_CAP_SLACK = 1.15
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
 # against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).
@@ -127,16 +136,42 @@ class Shapes:
 
 
 def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
-          plain: bool = True, mask_tiles: str = "none") -> dispatch.CallFacts:
+          plain: bool = True, mask_tiles: str = "none", live_counts: dict | None = None,
+          masked: bool | None = None) -> dispatch.CallFacts:
     """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
     ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan;
     ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
-    the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``)."""
+    the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``);
+    ``live_counts``: the plan's live-tile counts per query tile size (``Plan.live_host``), and
+    ``masked``: whether the call has a mask (default: ``mask_tiles != "none"``) -- with a mask
+    and no counts, the decode's groups count as unequal."""
     cr, tr = reads if reads is not None else (None, None)
     pack, tq = _group_rows(sh.gqa)
-    work = sh.ne3 * -(-sh.n_batch // tq) * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
+    n_q_tiles = -(-sh.n_batch // tq)
+    work = sh.ne3 * n_q_tiles * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
+    masked = mask_tiles != "none" if masked is None else masked
+    counts = (live_counts or {}).get(tq)
+    even = (counts is not None or not masked) and \
+        decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts) > 0
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work)
+                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even)
+
+
+def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=None) -> int:
+    """FattnParams.work_cap of a decode-tma call on ``blocks`` blocks (decode_tma_shape.work_cap):
+    the pairs' units from the plan's live counts (numpy [ne33 * n_q_tiles]; pair (s, qt) reads
+    plane s % ne33), or every KV tile without a plan; 0 with DECODE_TMA_ALIGN off."""
+    if not DECODE_TMA_ALIGN:
+        return 0
+    from . import decode_tma_shape as dt
+    n_hg = sh.n_head // pack
+    if counts is None:
+        return dt.work_cap_equal(max(1, -(-sh.n_kv // K.KV_TILE)), sh.ne3 * n_q_tiles * n_hg, blocks,
+                                 DECODE_TMA_CAP_SLACK)
+    import numpy as np
+    c = np.asarray(counts).reshape(-1, n_q_tiles)
+    units = c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
+    return dt.work_cap(units, n_hg, blocks, DECODE_TMA_CAP_SLACK)
 
 
 def _pow2_divisor(n: int) -> int:
@@ -167,6 +202,7 @@ class LaunchConfig:
     smem: int
     grid: tuple[int, int, int]
     rows: int = 0               # query rows (token, head) of one block
+    work_cap: int = 0           # decode-tma: FattnParams.work_cap (decode_tma_cap)
     fused_finish: bool = True   # the instance merges its own splits (split_finish): the tensor-core
     # kernels' 64-row and decode tiles up to D_K 256; not the 128-row prefill tiles or larger
     # heads (at the register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
@@ -198,7 +234,8 @@ def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
 
 def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
                   blocks_per_sm: int | None = None, wide: bool | None = None,
-                  max_live: dict | None = None, max_cells: int | None = None) -> LaunchConfig:
+                  max_live: dict | None = None, max_cells: int | None = None,
+                  live_counts: dict | None = None) -> LaunchConfig:
     """Tile shape, packing, grid and KV split count for ``kernel`` on shapes ``sh``.
     ``ext``: softcap or ALiBi in use (the tensor-core kernels' EXT instance).
     ``blocks_per_sm``: resident blocks per SM (default: the occupancy API on the current
@@ -206,7 +243,9 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     the plan's verdict on 128-row prefill tiles (None: by n_batch alone). ``max_live``: the
     plan's most live KV tiles of any query tile, per tile size (the split count is sized from
     it instead of n_kv); ``max_cells``: the plan's longest cell list (kernel "cells": its split
-    count is sized from it)."""
+    count is sized from it); ``live_counts``: the plan's live-tile counts per tile size
+    (``Plan.live_host``: decode-tma's split follows them; a plan without them, i.e. ``max_live``
+    given alone, gets equal shares)."""
     gqa_p2 = _pow2_divisor(sh.gqa)
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
@@ -223,10 +262,11 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
         n_q_tiles = -(-sh.n_batch // tq)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
-        if DECODE_TMA_ALIGN and not DECODE_TMA_BLOCKS and max_live is None:   # equal work per group
-            blocks = dt.aligned_blocks(blocks, dt.n_groups(sh.n_head, pack, n_q_tiles, sh.ne3))
+        counts = (live_counts or {}).get(tq)
+        cap = 0 if max_live is not None and counts is None else \
+            decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
-                            dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False)
+                            dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))

@@ -63,7 +63,11 @@ class Plan:
     # host statistics read once by make_plan (one synchronization per ubatch):
     wide: bool | None = None       # 128-row prefill tiles pay off (enough live tiles per row tile)
     max_live: dict = field(default_factory=dict)   # tq -> most live KV tiles of any query tile
-    _live_key: tuple = ()                          # max_live as a sorted tuple (kept by read_stats)
+    # tq -> the live-tile counts read back, numpy int32 [ne33 * n_q_tiles] (decode-tma's split
+    # follows them: cuda_launch.decode_tma_cap)
+    live_host: dict = field(default_factory=dict)
+    _digests: dict = field(default_factory=dict)   # tq -> hash of live_host[tq]
+    _live_key: tuple = ()                          # (tq, most, digest of the counts) per tq (kept by read_stats)
     max_cells: int | None = None   # longest cell list (read_cell_stats; sizes the "cells" splits)
     # (cell_reads, tile_reads) for dispatch.best_kernel (make_plan): K/V cells per query token and
     # KV head that the cell-list kernel and the tile kernel auto would otherwise run read; None:
@@ -98,7 +102,9 @@ class Plan:
             cnt = cnt_d.get()
         mx = int(cnt.max()) if cnt.size else 0
         self.max_live[tq] = mx
-        self._live_key = tuple(sorted(self.max_live.items()))
+        self.live_host[tq] = cnt
+        self._digests[tq] = hash(cnt.tobytes())
+        self._live_key = tuple((t, m, self._digests[t]) for t, m in sorted(self.max_live.items()))
         return mx, float(cnt.mean()) if cnt.size else 0.0
 
     def matches(self, mask: TensorDesc | None, n_batch: int) -> bool:
@@ -421,7 +427,8 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         pack_cells = launch_config("cells", sh, blocks_per_sm=1, max_cells=plan.max_cells).pack
         tile_reads = mean_tiles * K.KV_TILE * cfg.n_q_tiles * (sh.gqa // cfg.pack) / max(1, n_batch)
         plan.reads = (mean_cells * sh.gqa / pack_cells, tile_reads)
-        kern = dispatch.best_kernel(kernel, facts(sh, reads=plan.reads)).kernel
+        kern = dispatch.best_kernel(kernel, facts(sh, reads=plan.reads, live_counts=plan.live_host,
+                                                  masked=True)).kernel
         plan.keep_only(kern)
     if kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
         plan.aligned(st)

@@ -1,16 +1,23 @@
 """The sm_90a decode's launch shape (cuda/fattn_decode_tma.cu): what the launch configuration
-(cuda_launch.py) and the call binder (cuda_backend.py) need.
+(cuda_launch.py) and the call binder (cuda_backend.py) need, and the kernel's work split
+mirrored in Python (:func:`block_ranges`, for the tests).
 
 Rows: the decode-tc layout -- 16 rows per group, the ``pack`` query heads of one KV head x
 16 / pack tokens of one query tile of one stream (the plan's tile map for that query tile
-size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs;
-without a plan aligned to the row groups, ``aligned_blocks``), each taking an equal share of
-the flattened (group, live KV tile) work. Workspace: two partial
-slots per block (its first and its last group), and one counter per group.
+size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs).
+Work: the flattened (group, live KV tile) units, a group's units its pair's live tiles (at
+least one; a pair is a (stream, query tile), its ``n_hg`` head groups have the same work).
+Split: with a cap (FattnParams.work_cap, :func:`work_cap`) the groups are cut on their own
+boundaries -- a group of at least ``cap`` units into ceil(units / cap) equal parts, one block
+each, smaller groups packed floor(cap / units) to a block -- else block b takes an equal share
+[b W / B, (b + 1) W / B) that cuts groups anywhere. Workspace: two partial slots per block (its
+first and its last group), and one counter per group.
 """
 from __future__ import annotations
 
-import math
+import bisect
+
+import numpy as np
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
 from .instances import pick
@@ -57,13 +64,114 @@ def n_groups(n_head: int, pack: int, n_q_tiles: int, ne3: int) -> int:
     return ne3 * n_q_tiles * (n_head // pack)
 
 
-def aligned_blocks(slots: int, groups: int, min_fill: float = 0.9) -> int:
-    """Persistent blocks for ``groups`` row groups of equal work (no plan) on ``slots``
-    resident-block slots: the largest count >= ``min_fill`` x slots that ``groups`` divides or
-    that divides ``groups`` -- block ranges then start and end on group boundaries or cut every
-    group into the same number of parts (no block holds two parts, no group is split in two
-    where it fits one block) -- else ``slots``. B=16 4k on 132 SMs: 128 groups, 128 blocks."""
-    for b in range(slots, max(1, math.ceil(slots * min_fill)) - 1, -1):
-        if groups % b == 0 or b % groups == 0:
-            return b
-    return slots
+def capped_blocks(units, n_hg, cap):
+    """Blocks one pair's ``n_hg`` groups of ``units`` units each (>= 1; an int or a numpy array,
+    elementwise) take under ``cap`` (>= 1): ceil(units / cap) parts per group when units >= cap,
+    else the groups packed floor(cap / units) to a block. The kernel's ``capped_blocks``."""
+    u = np.maximum(np.asarray(units, dtype=np.int64), 1)
+    per = np.maximum(cap // u, 1)
+    return np.where(u >= cap, n_hg * -(-u // cap), -(-n_hg // per))
+
+
+def _layout(units: np.ndarray, n_hg: int):
+    """(u, equal): each pair's units per group (>= 1, int64) and whether every pair's are the same
+    (the kernel then cuts the call's groups as one list, across pairs)."""
+    u = np.maximum(np.asarray(units, dtype=np.int64).reshape(-1), 1)
+    return u, bool(u.size) and bool((u == u[0]).all())
+
+
+def blocks_needed(units, n_hg: int, cap: int) -> int:
+    """Blocks the call's work takes under ``cap``: every pair's groups as one list of equal groups
+    when the pairs' units are equal (packed across pairs), else pair by pair."""
+    u, equal = _layout(units, n_hg)
+    if not u.size:
+        return 0
+    if equal:
+        return int(capped_blocks(u[0], u.size * n_hg, cap))
+    return int(capped_blocks(u, n_hg, cap).sum())
+
+
+def max_load(units, n_hg: int, cap: int) -> int:
+    """The most units one block takes under ``cap`` (its time, in units)."""
+    u, equal = _layout(units, n_hg)
+    if not u.size:
+        return 0
+    groups = u.size * n_hg if equal else n_hg
+    per = np.minimum(np.maximum(cap // u, 1), groups)
+    return int(np.where(u >= cap, -(-u // -(-u // cap)), per * u).max())
+
+
+def work_cap(units, n_hg: int, slots: int, slack: float) -> int:
+    """The cap for FattnParams.work_cap: the smallest whose blocks fit ``slots`` (the least load
+    a block then takes), when that load is within ``slack`` times the equal share W / slots;
+    else 0 (the equal share: when the pairs are too many to take a block each, or too unequal).
+    ``units``: the live tiles of each pair (stream-major, query tiles fastest; numpy or list)."""
+    u, equal = _layout(units, n_hg)
+    if not u.size or slots < 1:
+        return 0
+    W = int(u.sum()) * n_hg
+    hi = W if equal else int(u.max()) * n_hg   # one block for all, or one per pair
+    if blocks_needed(u, n_hg, hi) > slots:
+        return 0
+    lo = max(1, -(-W // slots))
+    while lo < hi:                           # blocks_needed does not grow with the cap
+        mid = (lo + hi) // 2
+        if blocks_needed(u, n_hg, mid) <= slots:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo if max_load(u, n_hg, lo) <= slack * W / slots else 0
+
+
+def work_cap_equal(units: int, groups: int, slots: int, slack: float) -> int:
+    """:func:`work_cap` for ``groups`` groups of ``units`` units each (every pair alike: no plan,
+    or a plan whose pairs have the same live counts), in closed form: the cap is the units of
+    one part of a group cut in q (q the most parts per group that fit: groups x q <= slots), or
+    of ``per`` whole groups (per the fewest per block that fit)."""
+    u = max(1, int(units))
+    if groups < 1 or slots < 1:
+        return 0
+    q = slots // groups
+    cap = -(-u // q) if q >= 1 else u * -(-groups // slots)
+    cap = min(cap, u) if q >= 1 else cap
+    W = u * groups
+    load = -(-u // -(-u // cap)) if u >= cap else min(cap // u, groups) * u
+    return cap if load <= slack * W / slots else 0
+
+
+def block_ranges(units, n_hg: int, B: int, cap: int) -> list[tuple[int, int, int, int]]:
+    """The kernel's split (Walk::start in cuda/fattn_decode_tma.cu), block by block: (first unit,
+    end, b0, n_part) -- b0 >= 0: the block holds part b - b0 of one group cut in n_part parts
+    whose blocks are b0 .. b0 + n_part - 1; -1: whole groups, or the equal share (cap 0, or a
+    cap whose blocks do not fit B), where the merging block finds the parts by block_of."""
+    u, equal = _layout(units, n_hg)
+    W = int(u.sum()) * n_hg
+    need = blocks_needed(u, n_hg, cap) if cap > 0 else B + 1
+    out = []
+    if need > B:
+        return [(W * b // B, W * (b + 1) // B, -1, 0) for b in range(B)]
+    # (units per group, groups, units before, blocks before) of each run cut alike
+    runs = [(int(u[0]), u.size * n_hg, 0, 0)] if equal else []
+    if not equal:
+        ub = bb = 0
+        for x in u:
+            runs.append((int(x), n_hg, ub, bb))
+            ub += int(x) * n_hg
+            bb += int(capped_blocks(x, n_hg, cap))
+    starts = [r[3] for r in runs]
+    for b in range(B):
+        if b >= need:
+            out.append((W, W, -1, 0))
+            continue
+        x, groups, U, bb = runs[bisect.bisect_right(starts, b) - 1]
+        k = b - bb
+        if x >= cap:
+            q = -(-x // cap)
+            g, j = divmod(k, q)
+            w0 = U + g * x
+            out.append((w0 + x * j // q, w0 + x * (j + 1) // q, b - j if q > 1 else -1, q if q > 1 else 0))
+        else:
+            per = cap // x
+            g0 = k * per
+            out.append((U + g0 * x, U + min(g0 + per, groups) * x, -1, 0))
+    return out

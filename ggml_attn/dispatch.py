@@ -99,18 +99,18 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 # The sm_90a decode ("decode-tma", cuda/fattn_decode_tma.cu): auto runs it in place of
 # "decode-tc" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or
 # ALiBi (any mask: its tiles are classed by the plan as decode-tc's are), for calls of at least
-# DECODE_TMA_MIN_WORK (group, KV tile) pairs, or DECODE_TMA_MIN_WORK_UNMASKED without a mask:
-# then every group has the same work and the block count is aligned to the groups
-# (decode_tma_shape.aligned_blocks), so no block holds parts of two groups. Measured on the
-# H200 (bench/results/2026-12-02-44509ed.json, decode-tma against decode-tc, us): B=1 4k (512
+# DECODE_TMA_MIN_WORK (group, KV tile) pairs, or DECODE_TMA_MIN_WORK_EVEN when its split can
+# cut the groups on their own boundaries with balanced blocks (CallFacts.work_even: no mask, or
+# a plan whose live counts allow it; cuda_launch.decode_tma_cap), so that few groups are merged
+# and no block holds two parts. Measured on the H200 without a mask
+# (bench/results/2026-12-02-44509ed.json, decode-tma against decode-tc, us): B=1 4k (512
 # pairs) 17.4 against 14.9; B=1 32k (4096) 43.8 against 45.1; B=16 4k (8192) 67.7 against
 # 70.4; B=64 4k 249.7 against 264.7; B=64 32k 1878.8 against 2046.0 (cuDNN 13.5 / 40.0 / 65.4
-# / 243.5 / 1894.0). With a mask (a plan: groups of different work, one block per slot) the
-# static one-wave split leaves a 10-17 us spread between blocks' ends plus a merge, which only
-# long calls hide (2026-12-01-e44093d.json: B=16 4k 75.9 against 70.5;
-# tools/gpu_decode_tma_trace.py).
+# / 243.5 / 1894.0). With groups of unequal work the equal shares cut groups anywhere, leave a
+# 10-17 us spread between blocks' ends plus merges, which only long calls hide
+# (2026-12-01-e44093d.json: B=16 4k 75.9 against 70.5; tools/gpu_decode_tma_trace.py).
 DECODE_TMA_MIN_WORK = 32768
-DECODE_TMA_MIN_WORK_UNMASKED = 4096
+DECODE_TMA_MIN_WORK_EVEN = 4096
 
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
@@ -207,6 +207,9 @@ class CallFacts:
     # (16-row group, KV tile) pairs of decode-tc's layout over every KV tile: the work a decode
     # call streams (0: not known)
     work_tiles: int = 0
+    # decode-tma's split would cut the groups on their own boundaries, blocks balanced
+    # (cuda_launch.decode_tma_cap > 0: no mask, or a plan's live counts that allow it)
+    work_even: bool = False
 
 
 @dataclass(frozen=True)
@@ -266,12 +269,12 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
             kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
-        min_work = DECODE_TMA_MIN_WORK_UNMASKED if f.mask_tiles == "none" else DECODE_TMA_MIN_WORK
+        min_work = DECODE_TMA_MIN_WORK_EVEN if f.work_even else DECODE_TMA_MIN_WORK
         if kern == "decode-tc" and f.work_tiles >= min_work \
                 and f.kv_aligned and decode_tma_why_not(f) is None:
             kern, why = "decode-tma", (f"{why}; sm_90a persistent decode (D 128, plain, "
                                        f"{f.work_tiles} >= {min_work} group tiles"
-                                       f"{', no mask' if f.mask_tiles == 'none' else ''})")
+                                       f"{', groups cut on their boundaries' if f.work_even else ''})")
     else:
         if kernel == "prefill-wgmma":
             why = wgmma_why_not(f, auto=False)

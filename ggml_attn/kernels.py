@@ -544,6 +544,7 @@ class FattnParams(ctypes.Structure):
         ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
         ("split_cnt", ctypes.c_uint64),
         ("cells", ctypes.c_uint64), ("cell_cnt", ctypes.c_uint64),
+        ("work_cap", ctypes.c_int32), ("pad_", ctypes.c_int32),
     ]
 
 

@@ -12,7 +12,7 @@ from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 def _f(**kw):
     from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, CallFacts
     base = dict(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90",
-                work_tiles=DECODE_TMA_MIN_WORK)
+                work_tiles=DECODE_TMA_MIN_WORK, mask_tiles="masked")
     base.update(kw)
     return CallFacts(**base)
 
@@ -37,20 +37,38 @@ def test_auto_runs_it_where_decode_tc_would_on_sm90():
 
 def test_auto_keeps_decode_tc_elsewhere():
     """Another architecture, other head sizes, sinks/softcap/ALiBi, calls with less work than
-    DECODE_TMA_MIN_WORK with a mask or DECODE_TMA_MIN_WORK_UNMASKED without (or not known),
-    unaligned K/V; prefill shapes stay prefill kernels."""
-    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, DECODE_TMA_MIN_WORK_UNMASKED, best_kernel
+    DECODE_TMA_MIN_WORK, or than DECODE_TMA_MIN_WORK_EVEN when the split cuts the groups on
+    their boundaries (or not known), unaligned K/V; prefill shapes stay prefill kernels."""
+    from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, DECODE_TMA_MIN_WORK_EVEN, best_kernel
     for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False),
                dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="plain"),
-               dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="masked"),
-               dict(work_tiles=DECODE_TMA_MIN_WORK_UNMASKED - 1), dict(work_tiles=0)):
+               dict(work_tiles=DECODE_TMA_MIN_WORK - 1),
+               dict(work_tiles=DECODE_TMA_MIN_WORK_EVEN - 1, work_even=True), dict(work_tiles=0)):
         assert best_kernel("auto", _f(**kw)).kernel == "decode-tc", kw
-    # without a mask (groups of equal work, blocks aligned to them) from the lower threshold on
-    c = best_kernel("auto", _f(work_tiles=DECODE_TMA_MIN_WORK_UNMASKED))
-    assert c.kernel == "decode-tma" and "no mask" in c.reason
-    assert DECODE_TMA_MIN_WORK_UNMASKED < DECODE_TMA_MIN_WORK
+    # groups cut on their boundaries (no mask, or a plan whose counts allow it): from the lower threshold on
+    for mt in ("none", "masked"):
+        c = best_kernel("auto", _f(work_tiles=DECODE_TMA_MIN_WORK_EVEN, work_even=True, mask_tiles=mt))
+        assert c.kernel == "decode-tma" and "boundaries" in c.reason
+    assert DECODE_TMA_MIN_WORK_EVEN < DECODE_TMA_MIN_WORK
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
     assert best_kernel("auto", _f(n_batch=512)).kernel.startswith("prefill")
+
+
+def test_facts_say_when_the_split_is_even(monkeypatch):
+    """CallFacts.work_even: without a mask (every group alike) unless the groups are too many
+    for the blocks; with a mask only from the plan's live counts, and only when they balance."""
+    import numpy as np
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    sh = L.Shapes(128, 128, 1, 32, 8, 16, 4096, GGML_TYPE_F16, 1, 16)
+    assert L.facts(sh).work_even
+    assert not L.facts(sh, mask_tiles="masked").work_even, "a mask without counts: not known"
+    assert L.facts(sh, mask_tiles="masked", live_counts={4: np.full(16, 64)}).work_even
+    ragged = np.array([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70])
+    assert not L.facts(sh, mask_tiles="masked", live_counts={4: ragged}).work_even
+    assert not L.facts(sh, mask_tiles="masked", live_counts={64: np.full(16, 64)}).work_even, "another tile size"
+    monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
+    assert not L.facts(sh).work_even
 
 
 def test_by_name_says_why_not(monkeypatch):
@@ -62,7 +80,7 @@ def test_by_name_says_why_not(monkeypatch):
             dispatch.best_kernel("decode-tma", _f(**kw))
     work = dispatch.DECODE_TMA_MIN_WORK
     monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK", 1 << 62)   # by name only
-    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_UNMASKED", 1 << 62)
+    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_EVEN", 1 << 62)
     assert dispatch.best_kernel("auto", _f(work_tiles=work)).kernel == "decode-tc"
 
 
@@ -76,43 +94,109 @@ def test_facts_count_the_work_of_decode_tc_groups():
 
 def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     """16 rows per group (pack heads x 16 / pack tokens), 160 threads, one block per SM times
-    the occupancy (without a plan aligned to the groups; or DECODE_TMA_BLOCKS), no split; the
-    instance of the call's K/V type."""
+    the occupancy (or DECODE_TMA_BLOCKS), no split; the instance of the call's K/V type; the
+    work cap from the shapes, from the plan's counts, or 0 (equal shares)."""
+    import numpy as np
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
+    sh = lambda kv_type=GGML_TYPE_F16: L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
     for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma_d128"), (GGML_TYPE_BF16, "fattn_decode_tma_bf16_d128")):
-        cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type))
-        # 2 streams x 8 KV heads = 16 groups of equal work: 128 blocks (8 parts each), not 132
-        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)
-        assert L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type),
-                               max_live={4: 16}).grid == (132, 1, 1), "with a plan: one per slot"
+        cfg = L.launch_config("decode-tma", sh(kv_type))
+        # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks busy
+        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (132, 1, 1)
+        assert cfg.work_cap == 2 and dt.blocks_needed([16, 16], 8, 2) == 128
         assert (cfg.pack, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (4, 4, 1, 16, 1)
         assert cfg.smem == dt.smem_bytes(128, 6) <= 227 * 1024
+    assert L.launch_config("decode-tma", sh(), max_live={4: 16}).work_cap == 0, "a plan without counts"
+    # a plan's counts (one mask plane for both streams: plane s % ne33)
+    assert L.launch_config("decode-tma", sh(), max_live={4: 16}, live_counts={4: np.array([16])}).work_cap == 2
+    # a short and a long stream (a mask plane each): the long one's groups in 15 parts of 7, the
+    # short one's packed 7 to a block (122 blocks); too unequal for 16 streams: equal shares
+    assert L.launch_config("decode-tma", sh(), max_live={4: 100}, live_counts={4: np.array([1, 100])}).work_cap == 7
+    ragged = np.array([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70])
+    assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 16, 8192, GGML_TYPE_F16, 1, 16),
+                           max_live={4: 128}, live_counts={4: ragged}).work_cap == 0
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
-    assert L.launch_config("decode-tma", L.Shapes(128, 128, 3, 32, 8, 2, 1000, GGML_TYPE_F16)).grid == (132, 1, 1)
+    assert L.launch_config("decode-tma", sh()).work_cap == 0
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 1)
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", 3)
-    assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16)).grid == (3, 1, 1)
+    cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
+    assert cfg.grid == (3, 1, 1) and dt.blocks_needed([16], 8, cfg.work_cap) <= 3
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
         L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
 
 
-@pytest.mark.parametrize("slots,groups,want", [
-    (132, 8, 128), (132, 128, 128), (132, 512, 128), (132, 32, 128), (132, 136, 132), (132, 264, 132),
-    (132, 1, 132), (132, 7, 126), (132, 97, 132), (264, 128, 256), (10, 3, 9), (1, 5, 1), (132, 131, 131)])
-def test_aligned_blocks(slots, groups, want):
-    """The largest count within 0.9 of the slots that the groups divide or that divides them;
-    else the slots. Block b's units [b W / B, (b + 1) W / B) then end on group boundaries or cut
-    each group into equal parts."""
-    b = dt.aligned_blocks(slots, groups)
-    assert b == want and slots * 0.9 <= b <= slots
-    if b != slots:
-        W = groups * 64   # 64 tiles per group
-        cuts = {b_ * W // b for b_ in range(b + 1)}
-        per = W // groups
-        assert all(c % per == 0 for c in cuts) or all(g * per in cuts for g in range(groups + 1))
+@pytest.mark.parametrize("units,n_hg,slots,cap", [
+    ([64] * 16, 8, 132, 64),      # B=16 4k: one group per block, 128 blocks
+    ([512], 8, 132, 32),          # B=1 32k: 16 parts of 32 tiles per group
+    ([64], 8, 132, 4),            # B=1 4k: 16 parts of 4
+    ([64] * 64, 8, 132, 256),     # B=64 4k: four groups per block
+    ([64] * 256, 8, 132, 1024),   # B=256 4k: sixteen, across pairs
+    ([64, 128], 8, 132, 13),      # two streams of 4k and 8k: 5 and 10 parts of 13
+    ([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70], 8, 132, 0),   # ragged: equal shares
+    ([5, 9], 1, 1, 0),            # unequal pairs, more than the blocks: equal shares
+])
+def test_work_cap(units, n_hg, slots, cap):
+    assert dt.work_cap(units, n_hg, slots, 1.15) == cap
+    if cap:
+        assert dt.blocks_needed(units, n_hg, cap) <= slots
+        assert dt.blocks_needed(units, n_hg, cap - 1) > slots or cap == 1
+        assert dt.max_load(units, n_hg, cap) <= 1.15 * sum(units) * n_hg / slots
+
+
+def test_work_cap_equal_is_the_search_in_closed_form():
+    import numpy as np
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        u, n_pairs, n_hg, slots = (int(rng.integers(1, 600)), int(rng.integers(1, 300)),
+                                   int(rng.choice([1, 2, 4, 8])), int(rng.integers(1, 300)))
+        assert dt.work_cap([u] * n_pairs, n_hg, slots, 1.15) == dt.work_cap_equal(u, n_pairs * n_hg, slots, 1.15)
+
+
+def _check_ranges(units, n_hg, B, cap):
+    """block_ranges partitions [0, W) in block order; under a cap whose blocks fit, each block
+    holds whole groups or one part of one group, and a cut group's parts are the blocks b0 ..
+    b0 + n_part - 1, in order, covering it."""
+    import numpy as np
+    u = [max(1, int(x)) for x in units]
+    bounds = np.cumsum([0] + [x for x in u for _ in range(n_hg)])
+    W = int(bounds[-1])
+    r = dt.block_ranges(units, n_hg, B, cap)
+    assert len(r) == B and r[0][0] == 0 and r[-1][1] == W
+    assert all(a[1] == b[0] for a, b in zip(r, r[1:])) and all(w <= e for w, e, *_ in r)
+    if cap <= 0 or dt.blocks_needed(units, n_hg, cap) > B:
+        assert all(b0 == -1 for _, _, b0, _ in r), "equal shares"
+        return
+    on_bound = set(int(x) for x in bounds)
+    for b, (w, e, b0, n_part) in enumerate(r):
+        if w == e:
+            continue
+        if b0 < 0:
+            assert w in on_bound and e in on_bound, (b, w, e)
+            assert e - w <= max(cap, max(u)), "whole groups: at most the cap, or one group"
+        else:
+            g = int(np.searchsorted(bounds, w, side="right")) - 1
+            gb, ge = int(bounds[g]), int(bounds[g + 1])
+            assert gb <= w < e <= ge and n_part > 1 and b0 <= b < b0 + n_part
+            parts = r[b0:b0 + n_part]
+            assert parts[0][0] == gb and parts[-1][1] == ge and all(x[2] == b0 and x[3] == n_part for x in parts)
+            assert e - w <= cap
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_block_ranges_split_right_under_any_cap(seed):
+    """Whatever the cap (the host's, or a stale one after a plan's refresh changed the counts),
+    the split is right; with the host's cap the blocks fit."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    n_pairs = int(rng.integers(1, 40))
+    units = rng.integers(0, 200, n_pairs) if seed % 3 else np.full(n_pairs, int(rng.integers(0, 200)))
+    n_hg, B = int(rng.choice([1, 2, 4, 8])), int(rng.integers(1, 140))
+    for cap in (dt.work_cap(units, n_hg, B, 1.15), dt.work_cap(units, n_hg, B, 100.0), 0,
+                int(rng.integers(1, 300)), 1):
+        _check_ranges(units, n_hg, B, cap)
 
 
 def test_every_instance_fits_shared_memory():

@@ -23,10 +23,12 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=None, seed=0,
-         monkeypatch=None, kernel="decode-tma", config=""):
+         monkeypatch=None, kernel="decode-tma", config="", align=1, slack=None, info=None):
     """(kernel that ran, NMSE against the reference, NaN in the output) for one call; ``mask``
     numpy f16 [ne33, ne32, n_batch, n_kv]; ``kv_nan``: cells of K and V set to NaN (a cache's
-    garbage the mask hides)."""
+    garbage the mask hides); ``align``: cuda_launch.DECODE_TMA_ALIGN (1: groups cut on their
+    boundaries when that balances, 0: equal shares), ``slack``: DECODE_TMA_CAP_SLACK; ``info``:
+    a dict that receives the launch's work cap and block count."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
@@ -35,6 +37,9 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
     kv_type = GGML_TYPE_F16 if kv_type is None else kv_type
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", blocks)
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", config)
+    monkeypatch.setattr(L, "DECODE_TMA_ALIGN", align)
+    if slack is not None:
+        monkeypatch.setattr(L, "DECODE_TMA_CAP_SLACK", slack)
     cb._PREPARED.clear()
     rng = np.random.default_rng(seed)
     d = 128
@@ -59,6 +64,8 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
     call.launch()
     out = dst.get()
     cb._PREPARED.clear()
+    if info is not None:
+        info.update(work_cap=call._params.work_cap, blocks=call._grid[0])
     return call.kern, nmse(np.nan_to_num(out, nan=1e6), ref), bool(np.isnan(out).any())
 
 
@@ -71,8 +78,9 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
     (2, 2, 777, 16, 2),       # GQA 8: pack 8, 2 tokens per group
     (1, 5, 300, 4, 4),        # GQA 1: 16 tokens of one head per group
 ])
-def test_no_mask(ne3, n_batch, n_kv, nh, nkv, blocks, monkeypatch):
-    kern, err, nan = _run(ne3, n_batch, n_kv, nh, nkv, blocks=blocks, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("align", [1, 0])
+def test_no_mask(ne3, n_batch, n_kv, nh, nkv, blocks, align, monkeypatch):
+    kern, err, nan = _run(ne3, n_batch, n_kv, nh, nkv, blocks=blocks, align=align, monkeypatch=monkeypatch)
     assert kern == "decode-tma"
     assert not nan and err <= 5e-4, err
 
@@ -100,7 +108,7 @@ def test_bf16_and_auto(monkeypatch):
         assert not nan and err <= 5e-4, err
     from ggml_attn import dispatch
     monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK", 0)   # a small call stands for a long one
-    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_UNMASKED", 0)
+    monkeypatch.setattr(dispatch, "DECODE_TMA_MIN_WORK_EVEN", 0)
     kern, err, nan = _run(1, 1, 3000, 32, 8, kernel="auto", monkeypatch=monkeypatch)
     assert kern == "decode-tma" and not nan and err <= 5e-4
 
@@ -113,9 +121,10 @@ def _decode_causal(n_batch, n_kv):
     return m
 
 
+@pytest.mark.parametrize("align", [1, 0])
 @pytest.mark.parametrize("blocks", [0, 4])
 @pytest.mark.parametrize("kind", ["causal", "window", "holes", "bias", "hidden nan", "empty rows", "planes"])
-def test_masks(kind, blocks, monkeypatch):
+def test_masks(kind, blocks, align, monkeypatch):
     rng = np.random.default_rng(7)
     ne3, n_batch, n_kv, nh, nkv = 2, 3, 1500, 32, 8
     kv_nan = None
@@ -145,7 +154,7 @@ def test_masks(kind, blocks, monkeypatch):
         m = np.stack([np.stack([np.pad(_decode_causal(n_batch, n_kv - 64 * i - 32 * j), ((0, 0), (0, 64 * i + 32 * j)),
                                        constant_values=-np.inf) for j in range(2)]) for i in range(2)])
     kern, err, nan = _run(ne3, n_batch, n_kv, nh, nkv, mask=m.astype(np.float16), blocks=blocks, kv_nan=kv_nan,
-                          monkeypatch=monkeypatch)
+                          align=align, monkeypatch=monkeypatch)
     assert kern == "decode-tma"
     assert not nan, "NaN in the output"
     assert err <= 5e-4, err
@@ -186,3 +195,67 @@ def test_repeated_launches_reset_the_counters(monkeypatch):
     cb._PREPARED.clear()
     assert not np.isnan(first).any()
     np.testing.assert_array_equal(dst.get(), first)
+
+
+def _stream_lengths(lens, n_kv):
+    """One mask plane per stream (ne33 = len(lens)), one token each: stream s sees its first lens[s] cells."""
+    m = np.full((len(lens), 1, 1, n_kv), -np.inf, np.float16)
+    for s_, L_ in enumerate(lens):
+        m[s_, 0, 0, :L_] = 0
+    return m
+
+
+@pytest.mark.parametrize("lens,slack,blocks", [
+    ([4096] * 8, None, 0),                          # equal streams under a plan: one list of groups
+    ([200, 3000, 64, 1500, 900, 2500], 100.0, 0),   # unequal: cut pair by pair
+    ([200, 3000, 64, 1500, 900, 2500], 100.0, 40),  # ... on fewer blocks (long groups in parts)
+    ([200, 3000, 64, 1500, 900, 2500], 1.0, 0),     # too unequal for the slack: equal shares
+    ([1, 0, 4000], 100.0, 9),                       # a stream that sees nothing
+])
+def test_plan_split_on_group_boundaries(lens, slack, blocks, monkeypatch):
+    """Per-stream decode under a plan whose streams have different live lengths: the split the
+    plan's counts give (cuda_launch.decode_tma_cap) is right, capped or not."""
+    n_kv = 4096
+    info = {}
+    kern, err, nan = _run(len(lens), 1, n_kv, 32, 8, mask=_stream_lengths(lens, n_kv), blocks=blocks, slack=slack,
+                          monkeypatch=monkeypatch, info=info)
+    assert kern == "decode-tma" and not nan and err <= 5e-4, (err, info)
+    assert (info["work_cap"] > 0) == (slack != 1.0), info
+
+
+def test_a_refreshed_plan_keeps_the_split_right(monkeypatch):
+    """The work cap comes from the counts make_plan read; a refreshed mask (new contents, same
+    tensor: a captured decode step) changes the counts under the bound call. The kernel derives
+    its split from the counts it reads, so the output stays right whether the cap still fits
+    (fewer live tiles) or not (more: equal shares)."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    from ggml_attn.dtypes import GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    monkeypatch.setattr(L, "DECODE_TMA_CAP_SLACK", 100.0)
+    cb._PREPARED.clear()
+    rng = np.random.default_rng(5)
+    ne3, n_kv = 4, 4096
+    q = rng.uniform(-1, 1, (ne3, 32, 1, 128)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (ne3, 8, n_kv, 128)), GGML_TYPE_F16)
+    v = from_float(rng.uniform(-1, 1, (ne3, 8, n_kv, 128)), GGML_TYPE_F16)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    dst = cp.full((ne3, 1, 32, 128), cp.nan, dtype=cp.float32)
+    st = cp.cuda.get_current_stream().ptr
+    dm = cp.asarray(_stream_lengths([1000, 2000, 300, 1500], n_kv))
+    tm = from_array(dm, GGML_TYPE_F16)
+    plan = cb.make_plan(tm, 1, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, ne3=ne3, stream=st)
+    call = cb.bind(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), tm, None,
+                   from_array(dst), 0.09, kernel="decode-tma", plan=plan, stream=st)
+    assert call._params.work_cap > 0
+    for lens in ([1000, 2000, 300, 1500], [900, 1000, 64, 1400], [4096, 4000, 3000, 4096], [0, 1, 2, 3]):
+        m = _stream_lengths(lens, n_kv)
+        dm[...] = cp.asarray(m)
+        plan.refresh(st)
+        dst.fill(cp.nan)
+        call.launch()
+        out = dst.get()
+        ref = flash_attn_ext(q, k, v, m, 0.09, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+        assert not np.isnan(out).any() and nmse(out, ref) <= 5e-4, lens
+    cb._PREPARED.clear()
