@@ -83,9 +83,9 @@ class Ours:
                    for _ in range(copies)]
         self.dst = torch.empty((ne3, n_batch, H, D), device="cuda")
         self.mask = None
-        if mask_np is not None:
+        if mask_np is not None:   # numpy order: [rows, n_kv], or [ne33, ne32, rows, n_kv] (planes)
             m = torch.from_numpy(np.ascontiguousarray(mask_np)).cuda()
-            self.mask = m.reshape(1, 1, m.shape[-2], m.shape[-1])
+            self.mask = m if m.dim() == 4 else m.reshape(1, 1, m.shape[-2], m.shape[-1])
         self.dq, self.dd = _desc(self.q, GGML_TYPE_F32), _desc(self.dst, GGML_TYPE_F32)
         self.dkv = [(_desc(k, kv_type), _desc(v, kv_type)) for k, v in self.kv]
         self.dm = _desc(self.mask, GGML_TYPE_F16) if self.mask is not None else None
@@ -158,6 +158,29 @@ def varlen_fns(lens, window=None, seed=2):
     kw = {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
     op = torch.ops.aten._flash_attention_forward
     return [lambda: op(q, k, v, cu, cu, mx, mx, 0.0, True, False, scale=SCALE, **kw)]
+
+
+def varlen_decode_fns(lens, seed=3):
+    """FA2 varlen for one decode token per sequence: q [B, H, D], packed K/V [sum(lens), HKV, D]
+    (cu_seqlens_q 0..B, cu_seqlens_k the lengths' prefix sums), not causal."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, T = len(lens), sum(lens)
+    q = (torch.rand((B, H, D), device="cuda", generator=g) * 2 - 1).half()
+    k = (torch.rand((T, HKV, D), device="cuda", generator=g) * 2 - 1).half()
+    v = (torch.rand((T, HKV, D), device="cuda", generator=g) * 2 - 1).half()
+    cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int32, device="cuda")
+    op = torch.ops.aten._flash_attention_forward
+    return [lambda: op(q, k, v, cu_q, cu_k, 1, max(lens), 0.0, False, False, scale=SCALE)]
+
+
+def stream_lengths_mask(lens, n_kv):
+    """Per-stream decode masks, numpy [ne33 = len(lens), 1, 1, n_kv]: stream s sees its first lens[s] cells."""
+    m = np.full((len(lens), 1, 1, n_kv), -np.inf, np.float16)
+    for s, n in enumerate(lens):
+        m[s, 0, 0, :n] = 0
+    return m
 
 
 def prompt_lengths(n, seed):
@@ -318,10 +341,13 @@ def run(quick=False, only=None, log=print):
                     note=f"live fraction {f:.3f}", tiles=ours_w.tile_classes("prefill"))
         t_win_auto = add(f"prefill N={n} window {w}", "ours", ours_w.fns("auto"), 4 * H * D * n * n * f,
                          note=f"auto: {ours_w.kernel()}")
+        t_win_ws = add(f"prefill N={n} window {w}", "ours-wgmma", ours_w.fns("prefill-wgmma"), 4 * H * D * n * n * f,
+                       note="the sm_90a prefill by name (HIDDEN tiles: auto keeps mma.sync)")
         with narrow_prefill():
             add(f"prefill N={n} window {w}", "ours-64row", ours_w.fns("prefill"), 4 * H * D * n * n * f)
         add(f"prefill N={n} window {w}", "fa2-varlen-window", varlen_fns([n], window=w), 4 * H * D * n * n * f)
-        for impl, t_w, t_all in (("ours-mma", t_win, t_nomask), ("ours", t_win_auto, t_auto)):
+        for impl, t_w, t_all in (("ours-mma", t_win, t_nomask), ("ours", t_win_auto, t_auto),
+                                 ("ours-wgmma", t_win_ws, t_auto)):
             if t_all and t_w:
                 rows.append(dict(case=f"prefill N={n} window {w}: time / all-live time ({impl})", impl=impl,
                                  ratio=round(t_w / t_all, 3), target=round(f + 0.1, 3)))
@@ -414,7 +440,39 @@ def run(quick=False, only=None, log=print):
         ours = Ours(B, 1, S, m, copies=copies_for(nbytes))
         add(case, "ours-auto", ours.fns(), None, nbytes, note=f"auto: {ours.kernel()}")
         add(case, "ours-decode-tc", ours.fns("decode-tc"), None, nbytes)
+        add(case, "ours-decode-tma", ours.fns("decode-tma"), None, nbytes)
+        with knobs(DECODE_TMA_ALIGN=0):   # equal shares, groups cut anywhere
+            add(case, "ours-decode-tma-shares", ours.fns("decode-tma"), None, nbytes)
+        add(case, "ours-decode-tc-again", ours.fns("decode-tc"), None, nbytes,
+            note="after the others: run-to-run spread")
         del ours
+
+    # ---- ragged decode: B streams of different lengths (per-stream KV, one mask plane each),
+    # against FA2 varlen on the packed K/V (one query token per sequence) and cuDNN padded
+    for B in (16, 64):
+        S = 8192
+        case = f"decode B={B} ragged 512-{S} (per-stream plan)"
+        if not want(case):
+            continue
+        lens = [int(x) for x in np.random.default_rng(B).integers(512, S + 1, B)]
+        nbytes = 2 * HKV * sum(lens) * D * 2
+        m = stream_lengths_mask(lens, S)
+        ours = Ours(B, 1, S, m, copies=copies_for(2 * B * HKV * S * D * 2))
+        note = f"{sum(lens)} cells live of {B * S}"
+        add(case, "ours-auto", ours.fns(), None, nbytes, note=f"auto: {ours.kernel()}; {note}")
+        add(case, "ours-decode-tc", ours.fns("decode-tc"), None, nbytes)
+        add(case, "ours-decode-tma", ours.fns("decode-tma"), None, nbytes)
+        with knobs(DECODE_TMA_ALIGN=0):
+            add(case, "ours-decode-tma-shares", ours.fns("decode-tma"), None, nbytes)
+        with knobs(DECODE_TMA_CAP_SLACK=100.0):   # cut on group boundaries whenever the blocks fit
+            add(case, "ours-decode-tma-capped", ours.fns("decode-tma"), None, nbytes)
+        del ours
+        add(case, "fa2-varlen", varlen_decode_fns(lens), None, nbytes)
+        q, kv = torch_qkv(B, 1, S)
+        pm = torch.from_numpy(m).cuda()
+        add(case, "cudnn-padded", sdpa_fns(q, kv, mask=pm), None, nbytes, ctx=cudnn())
+        del q, kv, pm
+        torch.cuda.empty_cache()
 
     # ---- the full block's weight reads at decode (dense.cu's GEMV vs cuBLAS)
     if want("dense:"):
