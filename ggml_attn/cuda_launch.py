@@ -105,9 +105,13 @@ DECODE_TMA_BLOCKS = 0
 # (bench/results/2026-12-02-44509ed.json: the same split as this cap's, then from a block count).
 DECODE_TMA_ALIGN = 1
 # ... the most a block's load may exceed the equal share W / blocks by, as a factor: a cut on
-# group boundaries saves the merge of the cut groups (~10 us at B=16 4k), an uneven load costs
-# its excess. A guess from the one measured pair above (1.03x the load, 0.86x the time).
-DECODE_TMA_CAP_SLACK = 1.15
+# group boundaries saves the merges and the extra segments of the cut groups, an uneven load
+# costs less than its excess while the GPU is bandwidth-bound (the blocks still streaming get
+# the bandwidth of those done). Measured on the H200 (bench/results/2026-12-02-4ac7672.json,
+# us, cut on boundaries / equal shares): B=16 4k under a causal-style plan, 1.03x the load,
+# 72.0 / 76.6; 64 streams of 512-8192 cells, 1.33x, 315.6 / 346.8; 16 such streams, 1.43x
+# (about one group per block), 122.5 / 102.0. Two points either side: a guess between them.
+DECODE_TMA_CAP_SLACK = 1.35
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
 # against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).
@@ -152,26 +156,29 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     masked = mask_tiles != "none" if masked is None else masked
     counts = (live_counts or {}).get(tq)
     even = (counts is not None or not masked) and \
-        decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts) > 0
+        decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts)[0] > 0
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
                               sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even)
 
 
-def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=None) -> int:
-    """FattnParams.work_cap of a decode-tma call on ``blocks`` blocks (decode_tma_shape.work_cap):
-    the pairs' units from the plan's live counts (numpy [ne33 * n_q_tiles]; pair (s, qt) reads
-    plane s % ne33), or every KV tile without a plan; 0 with DECODE_TMA_ALIGN off."""
+def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=None) -> tuple[int, int]:
+    """(FattnParams.work_cap, blocks it keeps busy) of a decode-tma call on ``blocks`` blocks
+    (decode_tma_shape.work_cap): the pairs' units from the plan's live counts (numpy
+    [ne33 * n_q_tiles]; pair (s, qt) reads plane s % ne33), or every KV tile without a plan;
+    (0, blocks) -- equal shares -- with DECODE_TMA_ALIGN off or when no cap balances."""
     if not DECODE_TMA_ALIGN:
-        return 0
+        return 0, blocks
     from . import decode_tma_shape as dt
     n_hg = sh.n_head // pack
     if counts is None:
-        return dt.work_cap_equal(max(1, -(-sh.n_kv // K.KV_TILE)), sh.ne3 * n_q_tiles * n_hg, blocks,
-                                 DECODE_TMA_CAP_SLACK)
+        u, groups = max(1, -(-sh.n_kv // K.KV_TILE)), sh.ne3 * n_q_tiles * n_hg
+        cap = dt.work_cap_equal(u, groups, blocks, DECODE_TMA_CAP_SLACK)
+        return (cap, int(dt.capped_blocks(u, groups, cap))) if cap else (0, blocks)
     import numpy as np
     c = np.asarray(counts).reshape(-1, n_q_tiles)
     units = c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
-    return dt.work_cap(units, n_hg, blocks, DECODE_TMA_CAP_SLACK)
+    cap = dt.work_cap(units, n_hg, blocks, DECODE_TMA_CAP_SLACK)
+    return (cap, dt.blocks_needed(units, n_hg, cap)) if cap else (0, blocks)
 
 
 def _pow2_divisor(n: int) -> int:
@@ -262,8 +269,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
         n_q_tiles = -(-sh.n_batch // tq)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
+        # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the
+        # busy ones unevenly spread over the GPCs (132 blocks, 4 idle: B=64 32k 1877.6 us
+        # against 1832.5 on 128; B=16 32k 476.4 against 466.1). A plan refreshed to more work
+        # than these blocks fit under the cap runs on them in equal shares (the kernel's check).
         counts = (live_counts or {}).get(tq)
-        cap = 0 if max_live is not None and counts is None else \
+        cap, blocks = (0, blocks) if max_live is not None and counts is None else \
             decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
                             dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)

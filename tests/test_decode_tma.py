@@ -103,26 +103,28 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     sh = lambda kv_type=GGML_TYPE_F16: L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
     for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma_d128"), (GGML_TYPE_BF16, "fattn_decode_tma_bf16_d128")):
         cfg = L.launch_config("decode-tma", sh(kv_type))
-        # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks busy
-        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (132, 1, 1)
+        # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks
+        assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)
         assert cfg.work_cap == 2 and dt.blocks_needed([16, 16], 8, 2) == 128
         assert (cfg.pack, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (4, 4, 1, 16, 1)
         assert cfg.smem == dt.smem_bytes(128, 6) <= 227 * 1024
-    assert L.launch_config("decode-tma", sh(), max_live={4: 16}).work_cap == 0, "a plan without counts"
+    cfg = L.launch_config("decode-tma", sh(), max_live={4: 16})
+    assert cfg.work_cap == 0 and cfg.grid == (132, 1, 1), "a plan without counts: equal shares, one per slot"
     # a plan's counts (one mask plane for both streams: plane s % ne33)
     assert L.launch_config("decode-tma", sh(), max_live={4: 16}, live_counts={4: np.array([16])}).work_cap == 2
     # a short and a long stream (a mask plane each): the long one's groups in 15 parts of 7, the
     # short one's packed 7 to a block (122 blocks); too unequal for 16 streams: equal shares
-    assert L.launch_config("decode-tma", sh(), max_live={4: 100}, live_counts={4: np.array([1, 100])}).work_cap == 7
+    cfg = L.launch_config("decode-tma", sh(), max_live={4: 100}, live_counts={4: np.array([1, 100])})
+    assert (cfg.work_cap, cfg.grid) == (7, (122, 1, 1))
     ragged = np.array([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70])
     assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 16, 8192, GGML_TYPE_F16, 1, 16),
                            max_live={4: 128}, live_counts={4: ragged}).work_cap == 0
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
-    assert L.launch_config("decode-tma", sh()).work_cap == 0
+    assert L.launch_config("decode-tma", sh()).work_cap == 0 and L.launch_config("decode-tma", sh()).grid == (132, 1, 1)
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 1)
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", 3)
     cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
-    assert cfg.grid == (3, 1, 1) and dt.blocks_needed([16], 8, cfg.work_cap) <= 3
+    assert cfg.grid[0] == dt.blocks_needed([16], 8, cfg.work_cap) <= 3
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
         L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))

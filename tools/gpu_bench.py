@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 
 import numpy as np
 
@@ -216,7 +217,12 @@ def run(quick=False, only=None, log=print):
     def want(case):
         return not only or any(o in case for o in only.split(","))
 
+    last = [None]
+
     def add(case, impl, fns, flops=None, nbytes=None, note="", ctx=None, **extra):
+        if case != last[0]:   # a pause before each case: the GPU's clocks settle after the heavy rows
+            time.sleep(1.0)   # before (a first row after B=64 32k read up to 10% slow once)
+            last[0] = case
         try:
             if ctx is not None:
                 with ctx:
