@@ -148,17 +148,30 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``);
     ``live_counts``: the plan's live-tile counts per query tile size (``Plan.live_host``), and
     ``masked``: whether the call has a mask (default: ``mask_tiles != "none"``) -- with a mask
-    and no counts, the decode's groups count as unequal."""
+    and no counts, the decode's groups count as unequal; with counts, ``work_tiles`` counts the
+    live tiles, not every tile of n_kv."""
     cr, tr = reads if reads is not None else (None, None)
     pack, tq = _group_rows(sh.gqa)
     n_q_tiles = -(-sh.n_batch // tq)
-    work = sh.ne3 * n_q_tiles * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
     masked = mask_tiles != "none" if masked is None else masked
     counts = (live_counts or {}).get(tq)
+    if counts is None:
+        work = sh.ne3 * n_q_tiles * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
+    else:   # the live tiles the plan counted (an empty list still one unit)
+        work = int(_pair_units(sh, n_q_tiles, counts).sum()) * (sh.n_head // pack)
     even = (counts is not None or not masked) and \
         decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts)[0] > 0
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
                               sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even)
+
+
+def _pair_units(sh: Shapes, n_q_tiles: int, counts):
+    """Work units (live tiles, at least one) of each (stream, query tile) pair, numpy int64
+    [ne3 * n_q_tiles] stream-major, from the plan's counts [ne33 * n_q_tiles] (pair (s, qt)
+    reads plane s % ne33)."""
+    import numpy as np
+    c = np.maximum(np.asarray(counts, dtype=np.int64).reshape(-1, n_q_tiles), 1)
+    return c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
 
 
 def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=None) -> tuple[int, int]:
@@ -174,9 +187,7 @@ def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=No
         u, groups = max(1, -(-sh.n_kv // K.KV_TILE)), sh.ne3 * n_q_tiles * n_hg
         cap = dt.work_cap_equal(u, groups, blocks, DECODE_TMA_CAP_SLACK)
         return (cap, int(dt.capped_blocks(u, groups, cap))) if cap else (0, blocks)
-    import numpy as np
-    c = np.asarray(counts).reshape(-1, n_q_tiles)
-    units = c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
+    units = _pair_units(sh, n_q_tiles, counts)
     cap = dt.work_cap(units, n_hg, blocks, DECODE_TMA_CAP_SLACK)
     return (cap, dt.blocks_needed(units, n_hg, cap)) if cap else (0, blocks)
 

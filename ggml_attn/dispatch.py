@@ -56,7 +56,9 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 
 # The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
 # "prefill" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or ALiBi, when
-# the mask (if any) has neither MASKED nor HIDDEN tiles in the plan's 128-token tile map, and
+# the mask (if any) has no MASKED tiles in the plan's 128-token tile map and no HIDDEN ones
+# unless its query tiles see many KV tiles (Plan.read_wgmma_tiles: a 512 window over 4096
+# tokens 134.4 us against 182.4, bench/results/2026-12-02-ab8bee5.json), and
 # for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
 # below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class
 # (MASKED tiles' values read from global memory, HIDDEN columns' V rows zeroed), but only the
@@ -90,7 +92,7 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
         return why
     if auto and f.mask_tiles == "masked":
         return ("the mask has tiles whose rows are not intervals of visible cells, or columns no row sees "
-                "(or no plan measured it): the mma.sync kernel's measured path")
+                "in short query rows (or no plan measured it): the mma.sync kernel's measured path")
     if auto and f.n_batch < WGMMA_MIN_BATCH:
         return f"n_batch {f.n_batch} < {WGMMA_MIN_BATCH}: 128-row blocks would run mostly empty"
     return None

@@ -71,6 +71,22 @@ def test_facts_say_when_the_split_is_even(monkeypatch):
     assert not L.facts(sh).work_even
 
 
+def test_facts_count_the_live_tiles_of_a_plan(monkeypatch):
+    """With the plan's counts, work_tiles is the live work: a 32k decode whose first 1/8 is live
+    is a 4k decode's work (decode-tc's), not a 32k one's."""
+    import numpy as np
+    from ggml_attn import cuda_launch as L
+    from ggml_attn.dispatch import best_kernel
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    sh = L.Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    assert L.facts(sh, mask_tiles="masked").work_tiles == 8 * 512
+    f = L.facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([64])})
+    assert f.work_tiles == 8 * 64 and best_kernel("auto", f).kernel == "decode-tc"
+    f = L.facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([512])})
+    assert f.work_tiles == 8 * 512 and best_kernel("auto", f).kernel == "decode-tma"
+    assert L.facts(sh, live_counts={4: np.array([0])}).work_tiles == 8, "an empty list is one unit"
+
+
 def test_by_name_says_why_not(monkeypatch):
     from ggml_attn import dispatch
     assert dispatch.best_kernel("decode-tma", _f(n_batch=64)).kernel == "decode-tma"

@@ -255,14 +255,25 @@ def _masks():
         "two prompts": (400, 400, _two_prompts(), "prefill"),
         "causal after 100 cells": (300, 400, _causal(300, 400, 100), "prefill"),   # HIDDEN
         "random bias": (300, 300, rand, "prefill"),   # MASKED tiles
+        # HIDDEN columns at each window's left edge, but ~8 live KV tiles per query tile (the
+        # plan's "wide"): the sm_90a prefill
+        "window 512": (2048, 2048, _window(2048, 512), "prefill-wgmma"),
     }
+
+
+def _window(n, w):
+    m = _causal(n, n, 0)
+    for i in range(n):
+        m[i, :max(0, i - w + 1)] = -np.inf
+    return m
 
 
 @pytest.mark.parametrize("name", list(_masks()))
 def test_op_runs_wgmma_prefill_where_it_applies(name):
     """Through the op's device entry (make_plan, bind, launch): auto picks the sm_90a prefill for
     no mask and for masks whose 128-token tile map has only FULL and PARTIAL-interval tiles
-    (causal, with an aligned prefix), the mma.sync prefill for MASKED or HIDDEN tiles; either
+    (causal, with an aligned prefix) or also HIDDEN tiles when the query tiles see many KV tiles
+    (a window), the mma.sync prefill for MASKED tiles or short rows with HIDDEN ones; either
     way the result matches the float64 reference (dst poisoned with NaN first)."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float

@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import subprocess
-import time
 
 import numpy as np
 
@@ -217,12 +216,7 @@ def run(quick=False, only=None, log=print):
     def want(case):
         return not only or any(o in case for o in only.split(","))
 
-    last = [None]
-
     def add(case, impl, fns, flops=None, nbytes=None, note="", ctx=None, **extra):
-        if case != last[0]:   # a pause before each case: the GPU's clocks settle after the heavy rows
-            time.sleep(1.0)   # before (a first row after B=64 32k read up to 10% slow once)
-            last[0] = case
         try:
             if ctx is not None:
                 with ctx:
@@ -399,6 +393,7 @@ def run(quick=False, only=None, log=print):
         ours = Ours(1, 2 * L, 2 * L, block_causal_mask([L, L], 2 * L))
         add(case, "ours-unified", ours.fns(), useful, tiles=ours.tile_classes(), note=f"auto: {ours.kernel()}")
         add(case, "ours-unified-mma", ours.fns("prefill"), useful)
+        add(case, "ours-unified-wgmma", ours.fns("prefill-wgmma"), useful)
         add(case, "fa2-varlen", varlen_fns([L, L]), useful)
         q, kv = torch_qkv(2, L, L)
         add(case, "cudnn-batch2", sdpa_fns(q, kv, causal=True), useful, ctx=cudnn())
