@@ -111,7 +111,7 @@ DECODE_TMA_ALIGN = 1
 # us, cut on boundaries / equal shares): B=16 4k under a causal-style plan, 1.03x the load,
 # 72.0 / 76.6; 64 streams of 512-8192 cells, 1.33x, 315.6 / 346.8; 16 such streams, 1.43x
 # (about one group per block), 122.5 / 102.0. Two points either side: a guess between them.
-DECODE_TMA_CAP_SLACK = 1.35
+DECODE_TMA_CAP_SLACK = 1.35   # part of the call key
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
 # against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).
