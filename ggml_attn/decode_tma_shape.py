@@ -133,7 +133,6 @@ def work_cap_equal(units: int, groups: int, slots: int, slack: float) -> int:
         return 0
     q = slots // groups
     cap = -(-u // q) if q >= 1 else u * -(-groups // slots)
-    cap = min(cap, u) if q >= 1 else cap
     W = u * groups
     load = -(-u // -(-u // cap)) if u >= cap else min(cap // u, groups) * u
     return cap if load <= slack * W / slots else 0

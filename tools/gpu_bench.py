@@ -342,7 +342,7 @@ def run(quick=False, only=None, log=print):
         t_win_auto = add(f"prefill N={n} window {w}", "ours", ours_w.fns("auto"), 4 * H * D * n * n * f,
                          note=f"auto: {ours_w.kernel()}")
         t_win_ws = add(f"prefill N={n} window {w}", "ours-wgmma", ours_w.fns("prefill-wgmma"), 4 * H * D * n * n * f,
-                       note="the sm_90a prefill by name (HIDDEN tiles: auto keeps mma.sync)")
+                       note="the sm_90a prefill by name (auto runs it when the plan is wide)")
         with narrow_prefill():
             add(f"prefill N={n} window {w}", "ours-64row", ours_w.fns("prefill"), 4 * H * D * n * n * f)
         add(f"prefill N={n} window {w}", "fa2-varlen-window", varlen_fns([n], window=w), 4 * H * D * n * n * f)
