@@ -369,20 +369,42 @@ def _check_ctx(ctx, fn: str) -> None:
         raise ValueError(f"{fn}: ctx must be a ggml context (from ggml_init), got {ctx!r}")
 
 
+# ggml's CPU backend keeps per-thread state in arrays of GGML_MAX_N_THREADS (ggml.h); more
+# threads crash (100000) or abort in libgomp (32768) instead of failing cleanly
+MAX_THREADS = 512
+
+
+def check_n_threads(n_threads, name: str = "n_threads") -> int:
+    """The one rule for a thread count (``compute_graph`` and the CLIs' ``-t``): an integer
+    (bool refused) in ``1 .. MAX_THREADS``; ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= 1, got {n_threads!r}")
+    n = int(n_threads)
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1, got {n}")
+    if n > MAX_THREADS:
+        raise ValueError(f"{name} {n} is more threads than ggml's CPU backend can run "
+                         f"(at most {MAX_THREADS}, GGML_MAX_N_THREADS)")
+    return n
+
+
 def compute_graph(ctx, graph, n_threads: int = 1) -> None:
     """``ggml_graph_compute_with_ctx`` that raises what the op's callbacks recorded for this
     graph: ``FlashAttnError`` (or ``KeyboardInterrupt`` after a Ctrl-C). ``ctx`` is the graph's
-    ggml context, ``graph`` a ``ggml_cgraph`` pointer, ``n_threads`` >= 1."""
+    ggml context, ``graph`` a ``ggml_cgraph`` pointer, ``n_threads`` 1..:data:`MAX_THREADS`
+    (:func:`check_n_threads`)."""
     _check_ctx(ctx, "compute_graph")
     try:
         _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
     except ValueError as e:
         raise ValueError(f"compute_graph: {e}") from None
-    if isinstance(n_threads, bool) or not isinstance(n_threads, (int, np.integer)) or n_threads < 1:
-        raise ValueError(f"compute_graph: n_threads must be an integer >= 1, got {n_threads!r}")
+    try:
+        n_threads = check_n_threads(n_threads)
+    except ValueError as e:
+        raise ValueError(f"compute_graph: {e}") from None
     with computing(graph):
         with _single_threaded_blas:  # held by this thread for the whole compute: no toggling per node
-            status = ggml.ggml_graph_compute_with_ctx(ctx, graph, int(n_threads))
+            status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
     if status != 0:
         raise FlashAttnError(f"ggml_graph_compute_with_ctx returned status {status}")
 

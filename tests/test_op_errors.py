@@ -233,12 +233,26 @@ def test_scale_must_be_a_finite_number(gs, scale):
 
 
 @pytest.mark.parametrize("which,bad", [("ctx", None), ("ctx", 0), ("graph", None), ("graph", 0),
-                                        ("n_threads", 0), ("n_threads", -2), ("n_threads", 1.5)])
+                                        ("n_threads", 0), ("n_threads", -2), ("n_threads", 1.5),
+                                        ("n_threads", True), ("n_threads", "2"), ("n_threads", 513),
+                                        ("n_threads", 32768), ("n_threads", 100000)])
 def test_compute_graph_names_a_bad_argument(gs, which, bad):
     kw = dict(ctx=gs.ctx, graph=gs.graph(gs.node()), n_threads=1)
     kw[which] = bad
     with pytest.raises(ValueError, match=which):
         ggml_attn.compute_graph(kw["ctx"], kw["graph"], kw["n_threads"])
+
+
+def test_compute_graph_thread_limit_is_the_clis(gs, capsys):
+    """One rule for compute_graph's n_threads and the CLIs' -t: ggml's GGML_MAX_N_THREADS (more
+    crashed ggml: 100000 segfaulted, 32768 aborted in libgomp)."""
+    from ggml_attn.cli import bench
+    assert op.MAX_THREADS == ggml.GGML_MAX_N_THREADS
+    with pytest.raises(ValueError, match=rf"n_threads {op.MAX_THREADS + 1} .*at most {op.MAX_THREADS}"):
+        ggml_attn.compute_graph(gs.ctx, gs.graph(gs.node()), op.MAX_THREADS + 1)
+    assert bench.main(["-p", "8", "-n", "0", "--device", "cpu", "-t", str(op.MAX_THREADS + 1)]) == 2
+    assert f"at most {op.MAX_THREADS}" in capsys.readouterr().err
+    ggml_attn.compute_graph(gs.ctx, gs.graph(gs.node()), np.int64(2))   # numpy integers are integers
 
 
 @pytest.mark.parametrize("bad", [0, "g", ctypes.POINTER(ggml.ggml_cgraph)()])

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggml_attn import dispatch
+from ggml_attn import dispatch, op
 
 from .common import check_interrupt
 from .errors import UserError
@@ -108,20 +108,20 @@ def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
                         f"path); on the CPU use --kernel auto, reference or ggml")
 
 
-# ggml's CPU backend keeps per-thread state in arrays of GGML_MAX_N_THREADS (ggml.h); more
-# threads hang, abort in libgomp or crash instead of failing cleanly
-MAX_THREADS = 512
+MAX_THREADS = op.MAX_THREADS   # the op's rule (op.check_n_threads), shared with compute_graph
 
 
 def check_threads(n_threads: int) -> None:
-    """``-t`` must be 1..MAX_THREADS; a UserError (one line, exit 2) otherwise."""
-    if n_threads < 1:
-        raise UserError(f"-t must be at least 1, got {n_threads}")
-    if n_threads > MAX_THREADS:
-        from .common import default_threads
-        raise UserError(f"-t {n_threads} is more threads than ggml's CPU backend can run "
-                        f"(at most {MAX_THREADS}, GGML_MAX_N_THREADS); this machine has "
-                        f"{default_threads()} cores")
+    """``-t``: :func:`ggml_attn.op.check_n_threads`'s rule (1..MAX_THREADS), as a UserError
+    (one line, exit 2)."""
+    try:
+        op.check_n_threads(n_threads, "-t")
+    except ValueError as e:
+        note = ""
+        if isinstance(n_threads, int) and n_threads > MAX_THREADS:
+            from .common import default_threads
+            note = f"; this machine has {default_threads()} cores"
+        raise UserError(f"{e}{note}") from None
 
 
 def check_batch_sizes(n_batch: int, n_ubatch: int) -> None:
