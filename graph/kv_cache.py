@@ -44,7 +44,8 @@ from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
 from .kv_changes import CellChanges
 from .split import UBatch
 
-__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES"]
+__all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES", "block_size",
+           "check_head_blocks"]
 
 CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
@@ -74,6 +75,31 @@ def coarse_pad(n: int, kv_size: int | None = None) -> int:
 # coarse_n_kv: the largest f16 mask (n_tokens x kv_size x 2 bytes) for which a prompt ubatch
 # attends over the whole cache (KVCache.n_kv); 0 turns that off (A/B runs)
 PROMPT_WHOLE_CACHE_MASK_BYTES = 16 << 20
+
+
+def block_size(type_name: str) -> int:
+    """Values per block of cache type ``type_name`` (1 for f16/bf16/f32, 32 for q8_0, q4_0, q4_1,
+    q5_0, q5_1 and iq4_nl: ggml's ``ggml_blck_size``)."""
+    if type_name not in CACHE_TYPES:
+        raise ValueError(f"{type_name!r} is not a cache type ({', '.join(CACHE_TYPES)})")
+    if type_name in ("f16", "bf16", "f32"):
+        return 1
+    import ggml  # noqa: PLC0415
+    return int(ggml.ggml_blck_size(getattr(ggml, f"GGML_TYPE_{type_name.upper()}")))
+
+
+def check_head_blocks(name: str, type_name, head_dim: int) -> None:
+    """The one rule for a K or V cache type (``name``: ``type_k`` / ``type_v``): one of
+    :data:`CACHE_TYPES`, and each head's row (``head_dim`` values) a whole number of the type's
+    blocks, since attention reads K/V per head (a q8_0 row of two 48-wide heads holds three
+    blocks, but the second head starts in the middle of one: ggml's op gave NaN rows).
+    ``ValueError`` naming the argument, the type, the head size and the block size."""
+    if not isinstance(type_name, str) or type_name not in CACHE_TYPES:
+        raise ValueError(f"{name} {type_name!r} is not a cache type (allowed: {', '.join(CACHE_TYPES)})")
+    blck = block_size(type_name)
+    if head_dim % blck:
+        raise ValueError(f"{name} {type_name}: head size {head_dim} is not a multiple of {blck}, the "
+                         f"{type_name} block size (each head's row must be whole blocks)")
 
 
 def pad_to(x: int, n: int) -> int:
@@ -136,7 +162,9 @@ class KVCache:
     unified     True: one stream shared by all sequences; False: one stream per sequence.
     n_head_kv, head_dim_k, head_dim_v   K/V geometry; ``n_embd_gqa = n_head_kv * head_dim``.
     dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
-    type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V.
+    type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V
+                (None: ``dtype``'s); a block type needs ``head_dim_k`` / ``head_dim_v`` to be
+                whole blocks (:func:`check_head_blocks`).
     xp          array module for K/V: ``numpy`` (default), ``"cupy"`` or a module.
     coarse_n_kv  True: ``n_kv`` rounded up further, to a quarter of its power of two, the
                 whole cache past three quarters of it (:func:`coarse_pad`), so that decode
@@ -168,10 +196,11 @@ class KVCache:
         if self.dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             raise ValueError(f"K/V storage dtype must be float16 or float32, got {self.dtype}")
         default = "f16" if self.dtype == np.float16 else "f32"
-        self.type_k, self.type_v = type_k or default, type_v or default
-        for flag, t in (("type_k", self.type_k), ("type_v", self.type_v)):
-            if t not in CACHE_TYPES:
-                raise ValueError(f"{flag} {t!r} is not a cache type ({', '.join(CACHE_TYPES)})")
+        # None: the dtype's type; anything else must name a cache type ('' is not None)
+        self.type_k = default if type_k is None else type_k
+        self.type_v = default if type_v is None else type_v
+        for flag, t, d in (("type_k", self.type_k, head_dim_k), ("type_v", self.type_v, head_dim_v or head_dim_k)):
+            check_head_blocks(flag, t, d)
             if t not in _FLOAT_TYPES and self.xp is not np:
                 raise ValueError(f"{flag} {t}: a {self.xp.__name__} cache holds f16 or f32 only "
                                  f"(block types live in host byte arrays)")
@@ -206,12 +235,8 @@ class KVCache:
         shape = (self.n_layer, self.n_stream, self.kv_size)
         if type_name in _FLOAT_TYPES:
             return self.xp.zeros(shape + (n_embd,), dtype=_FLOAT_TYPES[type_name])
-        import ggml  # noqa: PLC0415
+        import ggml  # noqa: PLC0415   (whole blocks per head: check_head_blocks, in __init__)
         gtype = getattr(ggml, f"GGML_TYPE_{type_name.upper()}")
-        blck = int(ggml.ggml_blck_size(gtype))
-        if n_embd % blck:
-            raise ValueError(f"{type_name}: K/V row of {n_embd} values is not a multiple of its block "
-                             f"size {blck}")
         return np.zeros(shape + (int(ggml.ggml_row_size(gtype, n_embd)),), dtype=np.uint8)
 
     @property
