@@ -34,7 +34,7 @@ from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
 from ggml_attn.tensor import from_ggml
 
 from . import layers as layer_fns
-from . import xp_ops
+from . import model_graph, xp_ops
 from .kv_cache import KVCache
 from .kv_graph import data_ptr, kv_tensors
 from .plan import UBatchPlan
@@ -43,7 +43,7 @@ from .qkv import AttnConfig
 __all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
            "check_geometry", "check_layers", "GraphBuildError", "LAYERS"]
 
-LAYERS = ("attn", "full")
+LAYERS = ("attn", "full", "model")
 
 GGML_TYPE_I64 = 27
 _NO_COMPUTE_OPS = {ggml.GGML_OP_NONE, ggml.GGML_OP_VIEW, ggml.GGML_OP_RESHAPE, ggml.GGML_OP_PERMUTE,
@@ -146,6 +146,7 @@ class UBatchGraph:
     _op_keys: list = field(default_factory=list)
     _keep: list = field(default_factory=list)
     kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
+    n_out: int = 0               # layer="model": rows with logits
     _stager: object = None       # load_plan's host-to-device copies (device graphs; staging.py)
 
     def array(self, t):
@@ -209,13 +210,16 @@ class UBatchGraph:
 
     def outputs(self) -> list:
         """``layer="attn"``: per layer, float32 ``(n_tokens, n_head, D_v)``; ``layer="full"``:
-        ``[x (n_tokens, n_embd)]``, the residual stream after the last layer. Ubatch row order
+        ``[x (n_tokens, n_embd)]``, the residual stream after the last layer; ``layer="model"``:
+        ``[logits (n_out, n_vocab)]`` of the output rows (``out_rows`` order). Ubatch row order
         (views)."""
         return [self.output(i) for i in range(len(self.out))]
 
     def output(self, i: int):
         """Output ``i`` of :meth:`outputs` alone (a view)."""
         a = self.array(self.out[i])
+        if self.layer == "model":
+            return a[:self.n_out]
         n = self.plan.ubatch.n_tokens
         return a.reshape(n, -1) if self.layer == "full" else a.reshape(n, *a.shape[-2:])
 
@@ -252,6 +256,10 @@ class GraphBuilder:
     Every tensor with memory of its own gets an ``xp`` array here, at build time."""
 
     layers: range | None = None   # the global layers of the graph (build_ubatch_graph's ``layers``)
+
+    model = None            # layer="model": the graph.model.Model, its inputs and the batch's token ids
+    model_inputs = None
+    batch_tokens = None
 
     def __init__(self, cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, device: bool, attention,
                  weights=None, shared_inputs: bool = False, reuse: bool = False, n_tensors: int = 256):
@@ -427,7 +435,7 @@ def check_geometry(cache: KVCache, cfg: AttnConfig, layers=None) -> None:
 
 
 def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bool | None = None,
-                     layer="attn", flash_attn: bool = True, weights=None, layers=None) -> bool:
+                     layer="attn", flash_attn: bool = True, weights=None, layers=None, model=None) -> bool:
     """Everything :func:`build_ubatch_graph` refuses, checked without a plan (so a caller can
     check before claiming cache cells). Returns True when the graph will be all-custom."""
     check_geometry(cache, cfg, layers)
@@ -450,6 +458,12 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
                          f"use flash attention")
     if isinstance(layer, str) and layer not in LAYERS:
         raise ValueError(f"layer must be one of {LAYERS} or a layer function, got {layer!r}")
+    if layer == "model":
+        if model is None:
+            raise ValueError("layer='model' needs model= (graph.model.load_gguf)")
+        if cfg != model.attn_config():
+            raise ValueError(f"layer='model': cfg {cfg} is not the model's {model.attn_config()}")
+        model_graph.check_model(model, cache, device)
     if layer == "full":
         if weights is None or len(weights) < n_layer:
             raise ValueError(f"layer='full' needs weights for each of the {n_layer} layers")
@@ -462,7 +476,7 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
 def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=None,
                        all_custom: bool | None = None, layer="attn", weights=None,
                        flash_attn: bool = True, shared_inputs: bool = False, full_layer=None,
-                       layers=None) -> UBatchGraph:
+                       layers=None, model=None, tokens=None, out_rows=None) -> UBatchGraph:
     """Build the graph of ``plan``'s ubatch through ``cfg.n_layer`` layers, or through the
     contiguous ``layers`` range of them (a layer-parallel rank, ``graph/pipe.py``).
 
@@ -485,18 +499,24 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     theirs (``weights[il - a]``), and the layer functions see these local indices
     (``GraphBuilder.layers`` is the global range). ``layer="full"`` takes ``x`` as the input of
     layer ``a`` and gives the output of layer ``b-1``; ``"attn"`` gives one output per layer.
+    ``layer="model"``: a real model (``model``, a ``graph.model.Model``; ``cfg`` its
+    ``attn_config()``) from token ids to logits (``model_graph.py``): ``tokens`` int32 ``(n,)``
+    the batch's token ids (read through ``plan.ubatch.token_idx``), ``out_rows`` int32 the
+    ubatch rows that need logits (``model_graph.output_rows``); one output, the logits.
     """
     on_device = cache.xp is not np
     device = check_build_args(cache, cfg, fa=fa, all_custom=all_custom, layer=layer,
-                              flash_attn=flash_attn, weights=weights, layers=layers)
+                              flash_attn=flash_attn, weights=weights, layers=layers, model=model)
     layers = check_layers(cfg, layers)
     attention = layer_fns.flash_attention(fa or fa_op.flash_attn_ext) if flash_attn else layer_fns.softmax_attention
-    fn = {"attn": layer_fns.attn_layer, "full": full_layer or layer_fns.full_layer}.get(layer, layer) \
-        if isinstance(layer, str) else layer
+    fn = {"attn": layer_fns.attn_layer, "full": full_layer or layer_fns.full_layer,
+          "model": model_graph.model_layer}.get(layer, layer) if isinstance(layer, str) else layer
+    residual = layer in ("full", "model")   # one residual stream through the layers
     ub = plan.ubatch
     n_tok, n_stream, n_tps, n_kv = ub.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv
     b = GraphBuilder(cache, plan, cfg, device=device, attention=attention, weights=weights,
-                     shared_inputs=shared_inputs, reuse=layer == "full", n_tensors=(64 if layer == "full" else 32) * len(layers) + 16)
+                     shared_inputs=shared_inputs, reuse=residual,
+                     n_tensors=(64 if residual else 32) * len(layers) + (64 if layer == "model" else 16))
     b.layers = layers
     try:
         b.row_idx = b.new(GGML_TYPE_I64, (n_tok,), np.int64, "row_idx")
@@ -518,14 +538,20 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         if layer == "full":
             n_embd = int(weights[0]["wq"].shape[1])
             x_in = cur = b.new(GGML_TYPE_F32, (n_tok, n_embd), np.float32, "x")
+        elif layer == "model":
+            b.model, b.batch_tokens = model, np.asarray(tokens, dtype=np.int32)
+            b.model_inputs = model_graph.model_inputs(b, ub, np.asarray(out_rows, dtype=np.int32))
+            cur = model_graph.embed(b, b.model_inputs)
         for il in range(len(layers)):   # local: the cache's and the weights' index
             b.begin_layer(il)
             cur = fn(b, il, cur)
-            if layer != "full":
+            if not residual:
                 b.result(cur)
                 outs.append(cur)
                 b.expand(cur)
-        if layer == "full":
+        if layer == "model":
+            cur = model_graph.head(b, cur, b.model_inputs)
+        if residual:
             outs.append(cur)
             b.expand(cur)
     except BaseException:
@@ -535,7 +561,8 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     b.keep(b.kv)
     g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
                     row_idx_t=b.row_idx, xp=b.xp,
-                    layer="full" if layer == "full" else "attn", _op_keys=b.op_keys, _keep=b.kept,
+                    layer=layer if layer in ("full", "model") else "attn", _op_keys=b.op_keys, _keep=b.kept,
+                    n_out=len(out_rows) if layer == "model" else 0,
                     kernel_plan=plan.kernel_plan if on_device else None)
     if device:
         check_device_graph(b.gf)

@@ -1,0 +1,316 @@
+"""A llama-family model from a GGUF file: hyper-parameters and weights, memory-mapped.
+
+:func:`load_gguf` reads a file as llama.cpp's loader does (``src/llama-model.cpp`` key and
+tensor names) for the architectures in :data:`ARCHS`:
+
+* ``llama`` (and ``mistral``, which llama.cpp runs through the same block): RMS norm with a
+  weight, Q/K/V without bias, RoPE in the normal (interleaved-pair) layout, SwiGLU FFN;
+* ``qwen2``: the same block with Q/K/V biases and RoPE in the NEOX (half-split) layout.
+
+Weights stay in their file type and in the file (``numpy.memmap``, read-only): a host graph
+hands their bytes to ggml's own ``mul_mat`` / ``get_rows``; :meth:`Weight.to_float` dequantizes
+through ggml's type traits (what a GPU engine does once at load). Tensors are validated
+against the hyper-parameters: a missing tensor, a wrong shape or a type ggml's CPU matmul
+cannot run raises :class:`ModelError` naming it.
+
+Shapes: a :class:`Weight` has ggml order ``ne`` (``[n_in, n_out]`` for a matrix); its numpy
+shape ``(n_out, n_in)`` is the reverse.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .qkv import AttnConfig
+
+__all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL",
+           "ROPE_NEOX"]
+
+ROPE_NORMAL, ROPE_NEOX = 0, 2   # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / _NEOX)
+
+
+class ModelError(ValueError):
+    """A model file this package cannot run: the message names the file and what is missing."""
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    rope_mode: int      # ROPE_NORMAL or ROPE_NEOX
+    qkv_bias: bool      # attn_q/k/v carry a bias (required)
+
+
+ARCHS: dict[str, ArchInfo] = {
+    "llama": ArchInfo(ROPE_NORMAL, False),
+    "mistral": ArchInfo(ROPE_NORMAL, False),
+    "qwen2": ArchInfo(ROPE_NEOX, True),
+}
+
+# ggml types whose weights ggml's CPU mul_mat and get_rows take (and which dequantize)
+_TYPE_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
+               "Q5_K", "Q6_K", "IQ4_NL")
+
+
+def _weight_types() -> dict[int, str]:
+    import ggml  # noqa: PLC0415
+    return {int(getattr(ggml, f"GGML_TYPE_{n}")): n for n in _TYPE_NAMES}
+
+
+WEIGHT_TYPES: dict[int, str] = _weight_types()
+
+# per-layer tensors: key -> (GGUF name, required); biases only where the architecture has them
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm.weight", "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+    "wo": "attn_output.weight", "ffn_norm": "ffn_norm.weight", "wg": "ffn_gate.weight",
+    "wu": "ffn_up.weight", "wd": "ffn_down.weight",
+}
+_BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+
+
+@dataclass(frozen=True, eq=False)
+class Weight:
+    """One tensor of the file. ``type``: ggml type id; ``ne``: ggml order, trailing 1s dropped;
+    ``data``: its bytes, read-only, rows back to back (``ggml_row_size(type, ne[0])`` bytes each)."""
+
+    name: str
+    type: int
+    ne: tuple[int, ...]
+    data: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        return WEIGHT_TYPES.get(self.type, str(self.type))
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.ne[1:], dtype=np.int64)) if len(self.ne) > 1 else 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def ptr(self) -> int:
+        return int(self.data.ctypes.data)
+
+    def to_float(self, dtype=np.float32) -> np.ndarray:
+        """All values, numpy order (``ne`` reversed), as ``dtype`` (dequantized by ggml)."""
+        from ggml_attn.quant import dequantize_rows  # noqa: PLC0415
+        from ggml_attn.dtypes import STORAGE_DTYPES  # noqa: PLC0415
+        shape = tuple(reversed(self.ne))
+        np_dtype = STORAGE_DTYPES.get(self.type)
+        if np_dtype is not None and np_dtype is not np.uint16:   # F32 / F16: a plain view
+            return self.data.view(np_dtype).reshape(shape).astype(dtype)
+        ne0 = self.ne[0]
+        out = dequantize_rows(self.ptr, self.type, ne0, self.n_rows, self.nbytes // self.n_rows)
+        return out.reshape(shape).astype(dtype, copy=False)
+
+
+@dataclass(frozen=True)
+class HParams:
+    """What the graph needs of the model, from the GGUF keys ``{arch}.*`` (llama.cpp's names)."""
+
+    arch: str
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dim: int          # rotated dimensions per head (rope.dimension_count)
+    rope_mode: int         # ROPE_NORMAL or ROPE_NEOX
+    rope_freq_scale: float  # 1 / rope.scaling.factor (linear scaling), else 1
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded model. ``layers[il]``: dict of :class:`Weight` by key (``attn_norm wq wk wv wo
+    ffn_norm wg wu wd``, plus ``bq bk bv`` for qwen2). ``output`` is ``tok_embd`` when the file
+    has no ``output.weight`` (tied embeddings). ``rope_freqs``: F32 ``[rope_dim / 2]`` frequency
+    factors, or None."""
+
+    path: str
+    hp: HParams
+    tok_embd: Weight
+    output_norm: Weight
+    output: Weight
+    layers: list[dict[str, Weight]]
+    rope_freqs: Weight | None = None
+    _reader: object = field(default=None, repr=False)   # keeps the memory map open
+
+    @property
+    def tied_output(self) -> bool:
+        return self.output is self.tok_embd
+
+    def weights(self):
+        """Every distinct weight, once."""
+        seen = {}
+        for w in [self.tok_embd, self.output_norm, self.output, self.rope_freqs,
+                  *(w for lw in self.layers for w in lw.values())]:
+            if w is not None:
+                seen[id(w)] = w
+        return list(seen.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights())
+
+    @property
+    def n_params(self) -> int:
+        return sum(int(np.prod(w.ne, dtype=np.int64)) for w in self.weights())
+
+    def attn_config(self) -> AttnConfig:
+        hp = self.hp
+        return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim)
+
+    def type_summary(self) -> str:
+        """The matrices' types, most common first (``"Q4_K"``, ``"Q4_K+Q6_K"``...)."""
+        count: dict[str, int] = {}
+        for w in self.weights():
+            if len(w.ne) > 1:
+                count[w.type_name] = count.get(w.type_name, 0) + w.nbytes
+        return "+".join(sorted(count, key=lambda k: -count[k]))
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001 - older gguf: scalar in parts[data[0]]
+        return f.parts[f.data[0]][0]
+
+
+def load_gguf(path: str | os.PathLike) -> Model:
+    """Read ``path`` (memory-mapped); :class:`ModelError` if it is not a model this package runs."""
+    path = os.fspath(path)
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise ModelError("reading .gguf needs the 'gguf' package (pip install gguf)") from e
+    if not os.path.isfile(path):
+        raise ModelError(f"model file not found: {path}")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot read gguf '{path}': {e}") from e
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ModelError(f"'{path}': architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    hp = _hparams(reader, path, arch)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(name: str, ne: tuple[int, ...] | None, *, required: bool = True, float_only: bool = False):
+        t = tensors.get(name)
+        if t is None:
+            if required:
+                raise ModelError(f"'{path}' ({arch}) lacks tensor {name}")
+            return None
+        gtype = int(t.tensor_type)
+        t_ne = tuple(int(x) for x in t.shape)
+        while len(t_ne) > 1 and t_ne[-1] == 1:
+            t_ne = t_ne[:-1]
+        if gtype not in WEIGHT_TYPES or (float_only and WEIGHT_TYPES[gtype] not in ("F32", "F16", "BF16")):
+            tname = getattr(t.tensor_type, "name", str(gtype))
+            allowed = "F32, F16, BF16" if float_only else ", ".join(_TYPE_NAMES)
+            raise ModelError(f"'{path}': tensor {name} has type {tname}, which this package cannot run "
+                             f"(supported: {allowed})")
+        if ne is not None and t_ne != ne:
+            raise ModelError(f"'{path}': tensor {name} has shape {list(t_ne)} (ggml order), expected {list(ne)}")
+        data = np.asarray(t.data).reshape(-1).view(np.uint8)
+        return Weight(name, gtype, t_ne, data)
+
+    E, V = hp.n_embd, hp.n_vocab
+    tok_embd = get("token_embd.weight", (E, V))
+    output = get("output.weight", (E, V), required=False) or tok_embd
+    layers = []
+    for il in range(hp.n_layer):
+        shapes = {"attn_norm": (E,), "wq": (E, hp.n_embd_q), "wk": (E, hp.n_embd_kv), "wv": (E, hp.n_embd_kv),
+                  "wo": (hp.n_embd_q, E), "ffn_norm": (E,), "wg": (E, hp.n_ff), "wu": (E, hp.n_ff),
+                  "wd": (hp.n_ff, E)}
+        lw = {k: get(f"blk.{il}.{n}", shapes[k], float_only=len(shapes[k]) == 1) for k, n in _LAYER_TENSORS.items()}
+        if ARCHS[arch].qkv_bias:
+            for k, n, d in (("bq", "attn_q.bias", hp.n_embd_q), ("bk", "attn_k.bias", hp.n_embd_kv),
+                            ("bv", "attn_v.bias", hp.n_embd_kv)):
+                lw[k] = get(f"blk.{il}.{n}", (d,), float_only=True)
+        layers.append(lw)
+    rope_freqs = get("rope_freqs.weight", (hp.rope_dim // 2,), required=False, float_only=True)
+    if rope_freqs is not None and rope_freqs.type != _f32():
+        raise ModelError(f"'{path}': rope_freqs.weight must be F32 (ggml_rope_ext reads it as float)")
+    return Model(path, hp, tok_embd, get("output_norm.weight", (E,), float_only=True), output, layers,
+                 rope_freqs, reader)
+
+
+def _f32() -> int:
+    return next(k for k, v in WEIGHT_TYPES.items() if v == "F32")
+
+
+def _hparams(reader, path: str, arch: str) -> HParams:
+    def num(key, default=None, kind=int):
+        v = _field(reader, f"{arch}.{key}")
+        if v is None:
+            if default is None:
+                raise ModelError(f"'{path}' lacks {arch}.{key}")
+            return default
+        if isinstance(v, (list, tuple)):   # per-layer arrays (head_count_kv): llama.cpp's block is uniform
+            vals = {kind(x) for x in v}
+            if len(vals) != 1:
+                raise ModelError(f"'{path}': {arch}.{key} differs between layers ({sorted(vals)}); "
+                                 f"not supported")
+            v = vals.pop()
+        if isinstance(v, (bool, str)):
+            raise ModelError(f"'{path}': {arch}.{key} is {v!r}; expected a number")
+        v = kind(v)
+        if kind is int and not 1 <= v <= 2**31 - 1:
+            raise ModelError(f"'{path}': {arch}.{key} = {v}; expected 1..2^31-1")
+        if kind is float and not (math.isfinite(v) and v > 0):
+            raise ModelError(f"'{path}': {arch}.{key} = {v}; expected a positive number")
+        return v
+
+    n_embd = num("embedding_length")
+    n_head = num("attention.head_count")
+    n_head_kv = num("attention.head_count_kv", n_head)
+    head_dim = num("attention.key_length", n_embd // n_head if n_embd >= n_head else None)
+    head_dim_v = num("attention.value_length", head_dim)
+    if head_dim_v != head_dim:
+        raise ModelError(f"'{path}': key_length {head_dim} != value_length {head_dim_v}; not supported")
+    if n_head % n_head_kv:
+        raise ModelError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    n_vocab = _field(reader, f"{arch}.vocab_size")
+    if n_vocab is None:
+        toks = reader.fields.get("tokenizer.ggml.tokens")
+        n_vocab = len(toks.data) if toks is not None else None
+    if n_vocab is None:
+        raise ModelError(f"'{path}' has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
+    rope_dim = num("rope.dimension_count", head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} must be even and at most head size {head_dim}")
+    scaling = _field(reader, f"{arch}.rope.scaling.type") or "none"
+    freq_scale = 1.0
+    if scaling == "linear":
+        freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
+    elif scaling != "none":
+        raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
+    name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    return HParams(arch=arch, name=str(name), n_layer=num("block_count"), n_embd=n_embd, n_head=n_head,
+                   n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
+                   n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,
+                   rms_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
+                   rope_base=num("rope.freq_base", 10000.0, float), rope_dim=rope_dim,
+                   rope_mode=ARCHS[arch].rope_mode, rope_freq_scale=freq_scale)

@@ -1,0 +1,161 @@
+"""A real model's ubatch graph pieces (``graph/model.py`` weights): token embedding, the llama
+block with RoPE, the output head -- what ``build.build_ubatch_graph(..., model=...)`` runs.
+
+Per ubatch (ggml order throughout; numpy order is the reverse):
+
+* inputs (:class:`ModelInputs`): ``tokens`` I32 ``[n_tokens]`` (a pad row: token 0),
+  ``positions`` I32 ``[n_tokens]`` (the ubatch's positions, as the cache assigns them),
+  ``out_ids`` I32 ``[n_out]`` (the rows that need logits: llama.cpp's ``inp_out_ids``);
+* :func:`embed`: ``x = get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``;
+* :func:`model_layer` per layer, as llama.cpp's llama/qwen2 graph builds it:
+  ``h = rms_norm(x) * attn_norm``; ``q = wq h (+ bq)``, ``k = wk h (+ bk)``, ``v = wv h (+ bv)``;
+  ``q``, ``k`` rotated by ``rope_ext`` on the positions (normal or NEOX layout, ``rope_freqs``
+  as frequency factors); attention through the KV cache (``layers.attention``: store, views,
+  our flash-attention op); ``x += wo att``; ``h = rms_norm(x) * ffn_norm``;
+  ``x += wd (silu(wg h) * (wu h))``;
+* :func:`head`: ``logits = output(rms_norm(get_rows(x, out_ids)) * output_norm)`` -> F32
+  ``[n_vocab, n_out]``.
+
+Host graphs run ggml's own ops on the weights in their file type (quantized ones included);
+an all-custom (device-resident) graph is not built for a model yet: :func:`check_model` says so.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import ggml
+import numpy as np
+
+from .layers import attention
+from .model import Model, Weight
+
+__all__ = ["ModelInputs", "model_inputs", "embed", "model_layer", "head", "check_model", "output_rows"]
+
+GGML_TYPE_I32 = 26
+
+
+@dataclass
+class ModelInputs:
+    tokens: object      # I32 [n_tokens]
+    positions: object   # I32 [n_tokens]
+    out_ids: object     # I32 [n_out]
+
+
+def output_rows(ub, want: np.ndarray) -> np.ndarray:
+    """int32 ubatch rows that need logits: real rows whose batch token is flagged in ``want``
+    (bool ``(batch.n_tokens,)``), ubatch order."""
+    idx = ub.token_idx
+    rows = np.flatnonzero(idx >= 0)
+    return rows[want[idx[rows]]].astype(np.int32)
+
+
+def check_model(model: Model, cache, device: bool) -> None:
+    """ValueError when ``model`` cannot run on ``cache`` in this kind of graph."""
+    hp = model.hp
+    if (hp.n_head_kv, hp.head_dim, hp.head_dim) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
+        raise ValueError(f"model {hp.name!r} has K/V {hp.n_head_kv}x{hp.head_dim}, the cache "
+                         f"{cache.n_head_kv}x{cache.head_dim_k}/{cache.head_dim_v}")
+    if hp.n_layer > cache.n_layer:
+        raise ValueError(f"model {hp.name!r} has {hp.n_layer} layers, the cache holds {cache.n_layer}")
+    if device:
+        raise ValueError("a real model runs on host graphs only so far (a numpy KV cache); the "
+                         "device-resident model graph is not built yet")
+
+
+def model_inputs(b, ub, out_rows: np.ndarray) -> ModelInputs:
+    """The ubatch's input tensors, filled: token ids (batch ``tokens`` through ``ub.token_idx``;
+    pads 0), positions, output rows."""
+    n, xp = ub.n_tokens, b.xp
+    tok = np.zeros(n, dtype=np.int32)
+    real = ub.token_idx >= 0
+    tok[real] = b.batch_tokens[ub.token_idx[real]]
+    out = np.zeros(max(len(out_rows), 1), dtype=np.int32)
+    out[:len(out_rows)] = out_rows
+    new = lambda a, name: b.new(GGML_TYPE_I32, a.shape, np.int32, name, xp.asarray(a))  # noqa: E731
+    return ModelInputs(new(tok, "tokens"), new(np.asarray(ub.positions, dtype=np.int32), "positions"),
+                       new(out, "out_ids"))
+
+
+def _weight(b, w: Weight):
+    """A ggml tensor over the weight's bytes (its file type); 1-D weights as F32 (ggml's
+    binary ops broadcast an F32 row)."""
+    t = b._weights.get(id(w))
+    if t is not None:
+        return t
+    if len(w.ne) == 1 and w.type_name != "F32":
+        arr = w.to_float(np.float32)
+        t = ggml.ggml_new_tensor_1d(b.ctx, ggml.GGML_TYPE_F32, w.ne[0])
+        b.attach(t, arr)
+    else:
+        ne = (ctypes.c_int64 * 4)(*(list(w.ne) + [1] * (4 - len(w.ne))))
+        t = ggml.ggml_new_tensor(b.ctx, w.type, len(w.ne), ne)
+        b.attach(t, w.data, w.ptr)
+    ggml.ggml_set_name(t, w.name.encode())
+    b._weights[id(w)] = t
+    return t
+
+
+def _norm(b, x, w: Weight, eps: float):
+    return b.call(ggml.ggml_mul, b.call(ggml.ggml_rms_norm, x, eps), _weight(b, w))
+
+
+def embed(b, inp: ModelInputs):
+    """``get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``, memory of its own (the
+    layers' scratch arrays may not alias it)."""
+    t = ggml.ggml_get_rows(b.ctx, _weight(b, b.model.tok_embd), inp.tokens)
+    ne = t.contents.ne
+    b.attach(t, b.xp.empty((ne[1], ne[0]), dtype=np.float32))
+    ggml.ggml_set_name(t, b"inp_embd")
+    return t
+
+
+def _rope(b, t, inp: ModelInputs):
+    hp, m = b.model.hp, b.model
+    ff = _weight(b, m.rope_freqs) if m.rope_freqs is not None else None
+    return b.call(ggml.ggml_rope_ext, t, inp.positions, ff, hp.rope_dim, hp.rope_mode, hp.n_ctx_train,
+                  hp.rope_base, hp.rope_freq_scale, 0.0, 1.0, 32.0, 1.0)
+
+
+def model_layer(b, il: int, x):
+    """One block over the residual stream ``x [n_embd, n_tokens]`` F32; returns the new ``x``
+    (module docstring). ``il``: the cache's (local) layer index."""
+    hp, lw, inp = b.model.hp, b.model.layers[il], b.model_inputs
+    n_tok = b.plan.ubatch.n_tokens
+
+    def proj(key, h):
+        y = b.call(ggml.ggml_mul_mat, _weight(b, lw[key]), h)
+        bias = lw.get("b" + key[1])
+        return y if bias is None else b.call(ggml.ggml_add, y, _weight(b, bias))
+
+    h = _norm(b, x, lw["attn_norm"], hp.rms_eps)
+    q = ggml.ggml_reshape_3d(b.ctx, proj("wq", h), hp.head_dim, hp.n_head, n_tok)
+    k = ggml.ggml_reshape_3d(b.ctx, proj("wk", h), hp.head_dim, hp.n_head_kv, n_tok)
+    q, k = _rope(b, q, inp), _rope(b, k, inp)
+    k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
+    att = attention(b, il, q, k, proj("wv", h))
+    att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
+    x = b.call(ggml.ggml_add, x, b.call(ggml.ggml_mul_mat, _weight(b, lw["wo"]), att))
+    h = _norm(b, x, lw["ffn_norm"], hp.rms_eps)
+    g = b.call(ggml.ggml_silu, b.call(ggml.ggml_mul_mat, _weight(b, lw["wg"]), h))
+    f = b.call(ggml.ggml_mul, g, b.call(ggml.ggml_mul_mat, _weight(b, lw["wu"]), h))
+    return b.call(ggml.ggml_add, x, b.call(ggml.ggml_mul_mat, _weight(b, lw["wd"]), f))
+
+
+def head(b, x, inp: ModelInputs):
+    """Logits of the output rows: F32 ``[n_vocab, n_out]``, memory of its own."""
+    m = b.model
+    xo = ggml.ggml_get_rows(b.ctx, x, inp.out_ids)
+    xo = _fresh(b, xo)
+    h = _fresh(b, ggml.ggml_mul(b.ctx, _fresh(b, ggml.ggml_rms_norm(b.ctx, xo, m.hp.rms_eps)),
+                                _weight(b, m.output_norm)))
+    logits = _fresh(b, ggml.ggml_mul_mat(b.ctx, _weight(b, m.output), h))
+    ggml.ggml_set_name(logits, b"logits")
+    return logits
+
+
+def _fresh(b, t):
+    """``t`` with a new F32 array of its own (not a scratch array a layer may reuse)."""
+    ne = t.contents.ne
+    b.attach(t, b.xp.empty((ne[1], ne[0]), dtype=np.float32))
+    return t

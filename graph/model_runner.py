@@ -1,0 +1,148 @@
+"""A real model through the decode loop: token ids in, logits out (``driver.decode`` on
+:class:`ModelEngine`), and greedy generation on top.
+
+Which tokens get logits (llama.cpp's ``batch.logits`` / output ids): :func:`output_flags` --
+by default the last token of each sequence in the batch (a prompt's last token; every token of
+a decode step), ``"all"`` for every token, or a bool array per batch token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import driver
+from .batch import Batch
+from .kv_cache import KVCache
+from .model import Model
+from .model_graph import output_rows
+from .plan import UBatchPlan
+
+__all__ = ["ModelEngine", "ModelResult", "output_flags", "run_model_batch", "greedy"]
+
+
+def output_flags(batch: Batch, logits="last") -> np.ndarray:
+    """bool ``(batch.n_tokens,)``: the tokens that get logits. ``"last"``: the last token of each
+    sequence (its largest position; a token shared by several sequences counts for each);
+    ``"all"``; or a bool array of one flag per token."""
+    if isinstance(logits, str):
+        if logits == "all":
+            return np.ones(batch.n_tokens, dtype=bool)
+        if logits != "last":
+            raise ValueError(f"logits must be 'last', 'all' or one bool per token, got {logits!r}")
+        last: dict[int, tuple[int, int]] = {}
+        for i, (p, ids) in enumerate(zip(batch.positions.tolist(), batch.seq_ids)):
+            for s in ids:
+                if s not in last or p >= last[s][0]:
+                    last[s] = (p, i)
+        want = np.zeros(batch.n_tokens, dtype=bool)
+        want[[i for _, i in last.values()]] = True
+        return want
+    want = np.asarray(logits)
+    if want.dtype != bool or want.shape != (batch.n_tokens,):
+        raise ValueError(f"logits flags must be a bool array of shape ({batch.n_tokens},), got "
+                         f"{want.dtype} {want.shape}")
+    return want
+
+
+@dataclass(eq=False)
+class ModelResult:
+    """``logits`` float32 ``(n_out, n_vocab)`` in batch order of ``token_idx`` (int64 ``(n_out,)``,
+    the batch tokens that asked for logits); ``plans``: every ubatch's plan."""
+
+    logits: np.ndarray
+    token_idx: np.ndarray
+    plans: list[UBatchPlan]
+
+    def by_seq(self, batch: Batch) -> dict[int, np.ndarray]:
+        """The logits of each sequence's last flagged token (primary sequence id -> ``(n_vocab,)``)."""
+        out = {}
+        for row, i in enumerate(self.token_idx.tolist()):
+            out[batch.seq_ids[i][0]] = self.logits[row]
+        return out
+
+
+class ModelEngine:
+    """Engine of :func:`run_model_batch`: one host graph per ubatch (``build.build_ubatch_graph``
+    with ``layer="model"``); ``run_ubatch`` returns ``(token_idx, logits)`` of the ubatch's
+    output rows."""
+
+    def __init__(self, cache: KVCache, model: Model, batch: Batch, want: np.ndarray, n_threads: int, fa=None):
+        self.cache, self.model, self.batch, self.want = cache, model, batch, want
+        self.n_threads, self.fa = n_threads, fa
+        self.cfg = model.attn_config()
+
+    def run_ubatch(self, plan: UBatchPlan):
+        from . import build  # noqa: PLC0415
+        ub = plan.ubatch
+        rows = output_rows(ub, self.want)
+        g = build.build_ubatch_graph(self.cache, plan, self.cfg, fa=self.fa, layer="model", model=self.model,
+                                     tokens=self.batch.tokens, out_rows=rows)
+        try:
+            g.compute(self.n_threads)
+            logits = np.array(g.outputs()[0], dtype=np.float32)
+        finally:
+            g.free()
+        return ub.token_idx[rows], logits
+
+    def synchronize(self) -> None:
+        pass
+
+    def timer(self):
+        raise NotImplementedError("the model engine is not timed")
+
+    def close(self) -> None:
+        pass
+
+
+def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 512, mode: str = "auto", *,
+                    logits="last", n_threads: int = 2, fa=None, validate: bool = True) -> ModelResult:
+    """``batch`` (token ids, positions, sequences) through ``model`` with ``cache``, split by
+    ``mode`` into ubatches of at most ``n_ubatch`` tokens; logits of the flagged tokens
+    (:func:`output_flags`). Failures as ``driver.decode``: nothing is claimed before every check
+    passed; a failed ubatch is rolled back (:class:`~ggml_attn.graph.driver.BatchError`)."""
+    from .build import check_build_args  # noqa: PLC0415
+    cfg = model.attn_config()
+    check_build_args(cache, cfg, fa=fa, layer="model", model=model)
+    if batch.tokens.size and int(batch.tokens.max()) >= model.hp.n_vocab:
+        i = int(np.argmax(batch.tokens >= model.hp.n_vocab))
+        raise ValueError(f"tokens[{i}] = {int(batch.tokens[i])} is not in the model's vocabulary "
+                         f"(n_vocab {model.hp.n_vocab})")
+    want = output_flags(batch, logits)
+    n_out = int(want.sum())
+    out = np.zeros((n_out, model.hp.n_vocab), dtype=np.float32)
+    where = np.full(batch.n_tokens, -1, dtype=np.int64)
+    where[want] = np.arange(n_out)
+
+    def done(plan: UBatchPlan, res) -> None:
+        idx, lg = res
+        out[where[idx]] = lg
+
+    engine = ModelEngine(cache, model, batch, want, n_threads, fa)
+    plans = driver.decode(cache, batch, n_ubatch, mode, engine, cfg, validate=validate, on_done=done)
+    return ModelResult(out, np.flatnonzero(want), plans)
+
+
+def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=None, n_ubatch: int = 512,
+           mode: str = "auto", n_threads: int = 2, fa=None) -> list[list[int]]:
+    """Greedy decoding: ``prompts`` (lists of token ids) continue sequences ``seq_ids`` (default
+    ``0..n-1``) from where the cache has them; then ``n_predict`` steps, one token per sequence
+    each (the argmax of its last logits), all sequences in one batch per step. Returns the
+    generated tokens of each sequence."""
+    ids = list(range(len(prompts))) if seq_ids is None else [int(s) for s in seq_ids]
+    batch = Batch.from_sequences(prompts, ids, start_pos=cache.next_positions(ids))
+    res = run_model_batch(cache, batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa)
+    last = res.by_seq(batch)
+    gen: list[list[int]] = [[] for _ in ids]
+    for step in range(n_predict):
+        toks = [int(np.argmax(last[s])) for s in ids]
+        for g, t in zip(gen, toks):
+            g.append(t)
+        if step == n_predict - 1:
+            break
+        pos = cache.next_positions(ids)
+        step_batch = Batch(np.array(toks, dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
+                           tuple((s,) for s in ids))
+        res = run_model_batch(cache, step_batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa)
+        last = res.by_seq(step_batch)
+    return gen
