@@ -694,7 +694,11 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     for name, val in (("scale", scale), ("max_bias", max_bias), ("logit_softcap", logit_softcap)):
         if isinstance(val, bool) or not isinstance(val, (int, float, np.integer, np.floating)):
             raise ValueError(f"flash_attn_ext: {name} must be a number, got {val!r}")
-        nums[name] = float(val)
+        try:
+            nums[name] = float(val)
+        except OverflowError:   # an int past the float range (10**400)
+            raise ValueError(f"flash_attn_ext: {name} must be a finite float, got {val!r:.40} "
+                             f"(too large for a float)") from None
     scale, max_bias, logit_softcap = nums["scale"], nums["max_bias"], nums["logit_softcap"]
     descs = [from_ggml(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))]
     mask_d = from_ggml(mask, "mask") if mask is not None else None

@@ -146,6 +146,7 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     a cache a fresh one is assumed: split (llama.cpp's default) unless ``unified``, with room
     for the batch. ``cfg`` gives head sizes for the tile cost (default: 32 heads of 128).
     With a cache, ``plans`` of the result are the chosen ubatches' dry-run plans on it."""
+    n_ubatch = _split.check_n_ubatch(n_ubatch)
     cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
     model = model or CostModel()
     if model.skip not in ("all", "tail"):
@@ -202,8 +203,6 @@ def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) 
     to it), the others ``split.split_ubatches`` (extra keywords ignored). This is the
     ``split_ubatches`` that ``ggml_attn.graph`` exports."""
     if mode == "auto":
-        if n_ubatch < 1:
-            raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
         return choose_split(batch, n_ubatch, **auto_kw).ubatches
     return _split.split_ubatches(batch, n_ubatch, mode)
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .batch import INT32_MAX, Batch, computed_once
+from .batch import INT32_MAX, Batch, as_int, computed_once
 
 __all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
-           "MODES", "SplitState"]
+           "MODES", "SplitState", "check_n_ubatch"]
 
 MODES = ("simple", "equal", "seq", "padded", "auto")
 PADDED_KEEP_FRACTION = 0.9  # split_padded: keep more sequences while within 90% of the best score
@@ -362,6 +362,15 @@ _SPLITTERS = {
 }
 
 
+def check_n_ubatch(n_ubatch) -> int:
+    """``n_ubatch`` as an int >= 1: a Python or numpy integer (``True`` and ``2.0`` are not
+    ubatch sizes); ``ValueError`` naming it otherwise. Every splitter entry point checks with it."""
+    n = as_int(n_ubatch, "n_ubatch")
+    if n < 1:
+        raise ValueError(f"n_ubatch must be >= 1, got {n}")
+    return n
+
+
 def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBatch]:
     """Split ``batch`` into ubatches of at most ``n_ubatch`` rows (pads included).
 
@@ -369,11 +378,11 @@ def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal") -> list[UBa
           decided per batch one layer up, by ``auto.py`` (``choose_split``, or its
           ``split_ubatches``, which takes every mode and is what ``ggml_attn.graph`` exports);
           this module knows nothing of it.
-    Raises ``ValueError`` for ``auto``, an unknown mode, ``n_ubatch < 1``, coupled sequences
+    Raises ``ValueError`` for ``auto``, an unknown mode, an ``n_ubatch`` that is not an integer
+    >= 1 (:func:`check_n_ubatch`), coupled sequences
     with a per-stream mode, or when the splitter cannot place every token.
     """
-    if n_ubatch < 1:
-        raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
+    n_ubatch = check_n_ubatch(n_ubatch)
     if mode == "auto":
         raise ValueError("split mode 'auto' is chosen per batch by ggml_attn.graph.auto "
                          "(choose_split or auto.split_ubatches), not by split.split_ubatches")

@@ -207,6 +207,16 @@ def test_split_errors():
         split_ubatches(b, 0, "simple")
 
 
+@pytest.mark.parametrize("mode", ["simple", "equal", "seq", "padded", "auto"])
+@pytest.mark.parametrize("bad", [True, False, 2.0, 8.5, "8", None])
+def test_n_ubatch_must_be_a_real_int(mode, bad):
+    """True is not 1 and 2.0 is not 2 (both were accepted), in every mode and batch size."""
+    for b in (Batch.from_lengths([1]), Batch.from_lengths([3, 5])):
+        with pytest.raises(ValueError, match="n_ubatch must be an integer"):
+            split_ubatches(b, bad, mode)
+    assert len(split_ubatches(Batch.from_lengths([3, 5]), np.int64(8), mode)) >= 1
+
+
 @pytest.mark.parametrize("mode", ["simple", "equal", "seq", "padded"])
 def test_every_mode_places_every_token_once_in_sequence_order(mode):
     rng = np.random.default_rng(1)

@@ -225,11 +225,19 @@ def test_null_tensor_pointer_is_refused(gs):
         ggml_attn.flash_attn_ext(gs.ctx, q, null, v, mask, CASE.scale)
 
 
-@pytest.mark.parametrize("scale", [None, "0.1", float("nan")])
+@pytest.mark.parametrize("scale", [None, "0.1", float("nan"), 10**400, -10**400])
 def test_scale_must_be_a_finite_number(gs, scale):
     q, k, v, mask, _ = gs.ins
     with pytest.raises(ValueError, match="scale"):
         ggml_attn.flash_attn_ext(gs.ctx, q, k, v, mask, scale)
+
+
+@pytest.mark.parametrize("arg", ["max_bias", "logit_softcap"])
+def test_huge_int_parameters_are_value_errors_naming_them(gs, arg):
+    """An int past the float range was an OverflowError from float()."""
+    q, k, v, mask, _ = gs.ins
+    with pytest.raises(ValueError, match=arg):
+        ggml_attn.flash_attn_ext(gs.ctx, q, k, v, mask, CASE.scale, **{arg: 10**400})
 
 
 @pytest.mark.parametrize("which,bad", [("ctx", None), ("ctx", 0), ("graph", None), ("graph", 0),
