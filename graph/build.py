@@ -147,6 +147,7 @@ class UBatchGraph:
     _keep: list = field(default_factory=list)
     kernel_plan: object = None   # the tile map every layer's op uses; the ops hold it weakly
     n_out: int = 0               # layer="model": rows with logits
+    model_in: object = None      # layer="model": model_graph.ModelInputs (tokens, positions, out_ids)
     _stager: object = None       # load_plan's host-to-device copies (device graphs; staging.py)
 
     def array(self, t):
@@ -161,14 +162,21 @@ class UBatchGraph:
                 arr = self.array(t)
                 arr[...] = x.reshape(arr.shape)
 
-    def load_plan(self, plan: UBatchPlan) -> None:
+    def load_plan(self, plan: UBatchPlan, tokens=None, out_rows=None) -> None:
         """Make this built graph compute ``plan``, a ubatch plan with the same :func:`graph_key`:
         its mask and row indices are copied into the graph's inputs and the kernel plan is
         rebuilt in place on the current stream (``Plan.refresh``; a captured CUDA graph replays
-        the same launches). Nothing is allocated on the device."""
+        the same launches). Nothing is allocated on the device. ``layer="model"``: also the
+        token ids (``tokens``: the batch's) and positions of the ubatch and its output rows
+        (``out_rows``, as many as the graph was built for)."""
         if graph_key(plan) != graph_key(self.plan):
             raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
         pairs = ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx))
+        if self.model_in is not None:
+            if out_rows is None or len(out_rows) != self.n_out:
+                raise ValueError(f"a model graph built for {self.n_out} output rows needs as many out_rows")
+            pairs += tuple(zip((self.array(t) for t in self.model_in.tensors()),
+                               model_graph.input_values(plan.ubatch, tokens, out_rows)))
         if self.xp is np:
             for arr, host in pairs:
                 arr[...] = np.asarray(host, dtype=arr.dtype).reshape(arr.shape)
@@ -562,7 +570,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,
                     row_idx_t=b.row_idx, xp=b.xp,
                     layer=layer if layer in ("full", "model") else "attn", _op_keys=b.op_keys, _keep=b.kept,
-                    n_out=len(out_rows) if layer == "model" else 0,
+                    n_out=len(out_rows) if layer == "model" else 0, model_in=b.model_inputs,
                     kernel_plan=plan.kernel_plan if on_device else None)
     if device:
         check_device_graph(b.gf)

@@ -30,7 +30,7 @@ import numpy as np
 from .layers import attention
 from .model import Model, Weight
 
-__all__ = ["ModelInputs", "model_inputs", "embed", "model_layer", "head", "check_model", "output_rows"]
+__all__ = ["ModelInputs", "input_values", "model_inputs", "embed", "model_layer", "head", "check_model", "output_rows"]
 
 GGML_TYPE_I32 = 26
 
@@ -40,6 +40,21 @@ class ModelInputs:
     tokens: object      # I32 [n_tokens]
     positions: object   # I32 [n_tokens]
     out_ids: object     # I32 [n_out]
+
+    def tensors(self) -> tuple:
+        return self.tokens, self.positions, self.out_ids
+
+
+def input_values(ub, tokens: np.ndarray, out_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host values of :class:`ModelInputs`, numpy int32: the ubatch's token ids (``tokens``: the
+    batch's, read through ``ub.token_idx``; a pad row gets token 0), its positions, its output
+    rows (at least one entry: an empty list reads row 0, whose logits nobody takes)."""
+    tok = np.zeros(ub.n_tokens, dtype=np.int32)
+    real = ub.token_idx >= 0
+    tok[real] = np.asarray(tokens)[ub.token_idx[real]]
+    out = np.zeros(max(len(out_rows), 1), dtype=np.int32)
+    out[:len(out_rows)] = out_rows
+    return tok, np.asarray(ub.positions, dtype=np.int32), out
 
 
 def output_rows(ub, want: np.ndarray) -> np.ndarray:
@@ -64,17 +79,10 @@ def check_model(model: Model, cache, device: bool) -> None:
 
 
 def model_inputs(b, ub, out_rows: np.ndarray) -> ModelInputs:
-    """The ubatch's input tensors, filled: token ids (batch ``tokens`` through ``ub.token_idx``;
-    pads 0), positions, output rows."""
-    n, xp = ub.n_tokens, b.xp
-    tok = np.zeros(n, dtype=np.int32)
-    real = ub.token_idx >= 0
-    tok[real] = b.batch_tokens[ub.token_idx[real]]
-    out = np.zeros(max(len(out_rows), 1), dtype=np.int32)
-    out[:len(out_rows)] = out_rows
-    new = lambda a, name: b.new(GGML_TYPE_I32, a.shape, np.int32, name, xp.asarray(a))  # noqa: E731
-    return ModelInputs(new(tok, "tokens"), new(np.asarray(ub.positions, dtype=np.int32), "positions"),
-                       new(out, "out_ids"))
+    """The ubatch's input tensors, filled (:func:`input_values`)."""
+    vals = input_values(ub, b.batch_tokens, out_rows)
+    return ModelInputs(*(b.new(GGML_TYPE_I32, a.shape, np.int32, name, b.xp.array(a))
+                         for a, name in zip(vals, ("tokens", "positions", "out_ids"))))
 
 
 def _weight(b, w: Weight):

@@ -88,10 +88,16 @@ class _QKVEngine:
         pass
 
 
-def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig, *,
+def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None, *,
               compute: str = "numpy", fa=None, n_threads: int = 2, validate: bool = True,
-              ubatches: list[UBatch] | None = None, all_custom: bool | None = None) -> BatchResult:
+              ubatches: list[UBatch] | None = None, all_custom: bool | None = None, model=None,
+              logits="last"):
     """Process ``batch`` through ``cfg.n_layer`` attention layers, updating ``cache``.
+
+    With ``model`` (a ``graph.model.Model``, from ``graph.model.load_gguf``): the batch's token
+    ids go through the real model instead (``model_runner.run_model_batch``; ``cfg`` is the
+    model's, ``compute`` ggml graphs) and the result is a ``model_runner.ModelResult``: logits
+    of the tokens ``logits`` asks for (``"last"``: each sequence's last token; ``"all"``).
 
     The config is checked against the cache, the batch validated against the cache, split
     (``mode``; or the given ``ubatches``), and checked to fit (``KVCache.prepare``); any of
@@ -103,6 +109,14 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
     before it (``driver.py``). ``fa`` and ``all_custom`` go to ``build.build_ubatch_graph``
     (``compute="ggml"`` only).
     """
+    if model is not None:
+        if ubatches is not None:
+            raise ValueError("run_batch(model=...) splits the batch itself (mode); ubatches= is for Q/K/V runs")
+        from .model_runner import run_model_batch  # noqa: PLC0415
+        return run_model_batch(cache, batch, model, n_ubatch, mode, logits=logits, n_threads=n_threads, fa=fa,
+                               validate=validate)
+    if cfg is None:
+        raise ValueError("run_batch needs cfg (an AttnConfig) or model")
     if compute not in ("numpy", "ggml"):
         raise ValueError(f"compute must be 'numpy' or 'ggml', got {compute!r}")
     # everything that can fail without touching the cache, before the first cell is claimed
