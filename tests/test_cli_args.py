@@ -1,7 +1,9 @@
 """Parsing of llama-bench style lists and ranges, and the one-line error contract."""
+import re
+
 import pytest
 
-from ggml_attn.cli.args import (Parser, add_list, choice_list, combinations, parse_bool_list,
+from ggml_attn.cli.args import (Parser, add_list, choice_list, combinations, int_range, parse_bool_list,
                                 parse_int_range, parse_pair_list)
 from ggml_attn.cli.errors import UserError, run_cli
 
@@ -25,6 +27,32 @@ def test_int_range(text, expected):
 def test_int_range_rejects(text):
     with pytest.raises(UserError):
         parse_int_range(text)
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("1-10001", "'1-10001' gives 10001 values; a list holds at most 10000"),
+    ("0-2000000000+100000", "gives 20001 values"),
+    ("5,1-10000", "'1-10000' gives 10000 values (after 1)"),
+    ("2147483648", "2147483648 is more than 2147483647"),
+    ("1-2147483648", "2147483648 is more than 2147483647"),
+    ("3-4000000000*2", "3221225472 is more than 2147483647"),
+])
+def test_int_range_sizes_checked_before_expanding(text, msg):
+    """Counted from the bounds and refused above the limits; the old parser built every value
+    first (-p 1-100000000: minutes and GBs before an error)."""
+    with pytest.raises(UserError, match=re.escape(msg)):
+        parse_int_range(text)
+    assert len(parse_int_range("1-10000")) == 10000 and parse_int_range("2147483647") == [2147483647]
+    assert parse_int_range("1-2147483647*2")[-1] == 2**30
+
+
+def test_int_range_limit_of_a_flag(capsys):
+    p = Parser(prog="t")
+    add_list(p, "-npl", type=int_range(256, ": at most 256 sequences"), default=[1], help="B")
+    assert p.parse_args(["-npl", "1-256*2"]).npl == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    with pytest.raises(SystemExit):
+        p.parse_args(["-npl", "1-2000000000"])
+    assert "argument -npl: 2000000000 is more than 256: at most 256 sequences" in capsys.readouterr().err
 
 
 def test_pairs_and_bools():

@@ -94,8 +94,11 @@ def test_prompt_dist_is_seeded(capsys):
     (["-npl", "8-2"], "-npl gives no values"),
     (["--prompt-dist", "1-3", "-npl", "8-2"], "-npl gives no values"),
     (["--prompt-lens", "3,5", "-ntg", "4-2"], "-ntg gives no values"),
-    (["-npl", "257"], "-npl 257: at most 256 sequences run together"),
+    (["-npl", "257"], "argument -npl: 257 is more than 256: at most 256 sequences run together"),
     (["-npl", "99999999999999999999"], "at most 256 sequences run together"),
+    (["-npl", "1-2000000000"], "argument -npl: 2000000000 is more than 256"),   # refused before expanding
+    (["-npp", "1-100000000"], "argument -npp: '1-100000000' gives 100000000 values; a list holds at most 10000"),
+    (["--prompt-lens", "1-2000000000"], "argument --prompt-lens: '1-2000000000' gives 2000000000 values"),
     (["--prompt-dist", "1-3", "-npl", "99999999999999999999"], "at most 256 sequences run together"),
     (["--prompt-lens", "1-300", "-ntg", "1"], "--prompt-lens gives 300 sequences: at most 256"),
     (["--n-layer", "-1"], "argument --n-layer: must be at least 0 (0: the model's own), got -1"),

@@ -81,6 +81,9 @@ def test_ragged_experiment_script(tmp_path, capsys):
     (["-d", "9-1"], "-d gives no values"),
     (["-t", "4-2"], "-t gives no values"),
     (["-ngl", "99-1"], "-ngl gives no values"),
+    (["-p", "1-100000000"], "argument -p/--n-prompt: '1-100000000' gives 100000000 values; a list holds at most 10000"),
+    (["-n", "5000000000"], "argument -n/--n-gen: 5000000000 is more than 2147483647"),
+    (["-t", "1-10000000000*10"], "argument -t/--threads: 10000000000 is more than 2147483647"),
 ])
 def test_bad_input_one_line_exit_2(capsys, args, msg):
     rc = bench.main(["-p", "8", "-n", "0", "-r", "1", "--device", "cpu"] + args)

@@ -18,12 +18,59 @@ from .errors import EXIT_USER_ERROR, UserError, fail_line
 # one item of a range list, as llama-bench's parse_int_range: first[-last[(+|*)step]]
 _RANGE_ITEM = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
 
+INT32_MAX = 2**31 - 1     # token counts, positions and sizes are int32 in llama.cpp
+MAX_LIST_VALUES = 10000   # values one list flag may expand to (each is at least one test)
 
-def parse_int_range(text: str) -> list[int]:
+
+def int_range(hi: int = INT32_MAX, note: str = " (int32, as llama.cpp)", max_count: int = MAX_LIST_VALUES):
+    """argparse ``type`` of a llama-bench value list (:func:`parse_int_range`) whose values are
+    at most ``hi`` (``note`` says why) and that expands to at most ``max_count`` values. Both
+    are checked on the range's bounds and arithmetic count, before any list is built: ``-p
+    1-100000000`` is refused at once instead of after minutes and GBs."""
+
+    def parse(text: str) -> list[int]:
+        return parse_int_range(text, hi=hi, note=note, max_count=max_count)
+
+    parse.__name__ = "int_range"
+    return parse
+
+
+def _range_values(item: str, first: int, last: int, op: str, step: int, hi: int, note: str,
+                  have: int, max_count: int):
+    """The values of one range item, after checking (arithmetically) that none is above ``hi``
+    and that with the ``have`` values before it the list holds at most ``max_count``."""
+    if last < first:
+        return []  # b < a: no values, as llama-bench
+    if op == "+":
+        if step <= 0:
+            raise UserError(f"invalid range '{item}': the step does not increase the value")
+        count = (last - first) // step + 1
+        top = first + (count - 1) * step
+    else:
+        if first <= 0 or step <= 1:
+            raise UserError(f"invalid range '{item}': the step does not increase the value")
+        count, top = 1, first
+        while top * step <= last and top <= hi:   # a geometric range: at most log2(hi) steps
+            top *= step
+            count += 1
+    if top > hi:
+        raise UserError(f"{top} is more than {hi}{note}")
+    if have + count > max_count:
+        raise UserError(f"'{item}' gives {count} values" + (f" (after {have})" if have else "")
+                        + f"; a list holds at most {max_count}")
+    if op == "+":
+        return list(range(first, top + 1, step))
+    return [first * step ** j for j in range(count)]
+
+
+def parse_int_range(text: str, *, hi: int = INT32_MAX, note: str = " (int32, as llama.cpp)",
+                    max_count: int = MAX_LIST_VALUES) -> list[int]:
     """``"1,2,8-32*2,100-300+100"`` -> ``[1, 2, 8, 16, 32, 100, 200, 300]``.
 
-    Raises UserError on bad syntax, an empty item, or a range that does not grow
-    (``a-b*1``, ``0-4*2``, ``a-b+0``). ``b < a`` gives no values, as in llama-bench.
+    Raises UserError on bad syntax, an empty item, a range that does not grow (``a-b*1``,
+    ``0-4*2``, ``a-b+0``), a value above ``hi`` or more than ``max_count`` values in all; the
+    last two are found from the bounds, before anything is expanded. ``b < a`` gives no
+    values, as in llama-bench.
     """
     text = str(text).strip()
     if not text:
@@ -39,13 +86,7 @@ def parse_int_range(text: str) -> list[int]:
         last = int(m.group(2)) if m.group(2) is not None else first
         op = m.group(3) or "+"
         step = int(m.group(4)) if m.group(4) is not None else 1
-        i = first
-        while i <= last:
-            out.append(i)
-            nxt = i + step if op == "+" else i * step
-            if nxt <= i:
-                raise UserError(f"invalid range '{item}': the step does not increase the value")
-            i = nxt
+        out += _range_values(item, first, last, op, step, hi, note, len(out), max_count)
     return out
 
 

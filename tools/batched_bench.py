@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import sys
 
+from ggml_attn.graph.batch import MAX_SEQ
+
 from . import format_batched as fb
 from . import plot
-from .args import Parser, add_list, choice_list, int_at_least, parse_int_range
+from .args import Parser, add_list, choice_list, int_at_least, int_range, parse_int_range
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
@@ -60,8 +62,9 @@ def build_parser() -> Parser:
              help="prompt tokens per sequence")
     add_list(p, "-ntg", type=parse_int_range, default=[128, 256], metavar="N",
              help="generated tokens per sequence (decode steps)")
-    add_list(p, "-npl", type=parse_int_range, default=[1, 2, 4, 8, 16, 32], metavar="N",
-             help="parallel sequences (B)")
+    add_list(p, "-npl", type=int_range(MAX_SEQ, f": at most {MAX_SEQ} sequences run together "
+                                                "(llama.cpp's LLAMA_MAX_SEQ)"),
+             default=[1, 2, 4, 8, 16, 32], metavar="N", help=f"parallel sequences (B), at most {MAX_SEQ}")
     p.add_argument("--prompt-lens", type=parse_int_range, default=None, metavar="LIST",
                    help="ragged prompts: one sequence per length, e.g. 1-10 or 5,80,200 "
                         "(replaces -npp and -npl)")
