@@ -343,7 +343,11 @@ class LockstepEngine:
     the other caches' cells are not consulted); ``cfg``, ``inputs``, ``layer``, ``weights`` as
     :class:`RankEngine`. ``run_ubatch`` returns, per layer, the attention output of every head
     (the ranks' outputs concatenated, ``(n_tokens, n_head, D_v)``), or for ``"full"`` the
-    residual stream of each rank ``[x_rank0, x_rank1, ...]`` (all equal after the all-reduce)."""
+    residual stream of each rank ``[x_rank0, x_rank1, ...]`` (all equal after the all-reduce).
+
+    A rank still running ``timeout`` seconds after another rank ended is *stuck*: ``run_ubatch``
+    raises :class:`CommError` naming it (instead of waiting for it) and the engine refuses new
+    ubatches until that rank's thread has ended."""
 
     def __init__(self, caches, cfg, inputs, *, layer: str = "attn", weights=None, all_custom=True,
                  n_threads: int = 1, fa=None, timeout: float = 120.0):
@@ -365,21 +369,57 @@ class LockstepEngine:
             self.group.abort()
 
     def run_ubatch(self, plan):
+        self._check_stuck()
         ins = self.inputs(plan)
         results: list = [None] * self.n_rank
         errors: list = []
         threads = [threading.Thread(target=self._run_rank, args=(r, plan, ins, results, errors),
-                                    name=f"tp-rank{r}", daemon=True) for r in range(self.n_rank)]
+                                    name=f"{type(self).__name__}-rank{r}", daemon=True) for r in range(self.n_rank)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        stuck = self._join(threads)
+        if stuck:
+            self.group.abort()   # nobody may wait for the stuck rank in a collective or a receive
+            self._stuck = {r: threads[r] for r in stuck}
+            names = ", ".join(f"rank {r}" for r in stuck)
+            raise CommError(f"{names} did not finish the ubatch within the group timeout "
+                            f"({self.group.timeout:g} s) after the other ranks ended: stuck; the ubatch "
+                            f"is abandoned (this engine runs no other until it ends)")
         if errors:
             self.group.reset()
             errors.sort(key=lambda e: _echo(e[1]))   # the first cause, not the other ranks' echoes of it
             r, e = errors[0]
             raise CommError(f"rank {r} failed: {e!r}") from e
         return self._combine(results)
+
+    def _join(self, threads) -> list[int]:
+        """Wait for the ranks' threads; a rank still running ``group.timeout`` seconds after
+        another rank ended (finished or failed) is stuck: the ranks of a lockstep ubatch end
+        together, as a collective waits at most that long. Returns the stuck ranks' indices."""
+        deadline = None
+        while True:
+            alive = [t for t in threads if t.is_alive()]
+            if not alive:
+                return []
+            if deadline is None and len(alive) < len(threads):
+                deadline = time.monotonic() + self.group.timeout
+            if deadline is not None and time.monotonic() >= deadline:
+                return [r for r, t in enumerate(threads) if t.is_alive()]
+            wait = 0.1 if deadline is None else min(0.1, max(0.0, deadline - time.monotonic()))
+            alive[0].join(wait)
+
+    def _check_stuck(self) -> None:
+        """A rank left stuck by an earlier ubatch may still write into its cache or meet the
+        group: no new ubatch until it has ended (then the group is reset)."""
+        stuck = getattr(self, "_stuck", None)
+        if not stuck:
+            return
+        still = [r for r, t in stuck.items() if t.is_alive()]
+        if still:
+            raise CommError(f"{', '.join(f'rank {r}' for r in still)} is still stuck in an earlier ubatch; "
+                            f"this engine cannot run another")
+        self._stuck = {}
+        self.group.reset()
 
     def _combine(self, results: list):
         """The ranks' results of one ubatch -> what ``run_ubatch`` returns."""

@@ -15,7 +15,7 @@ import pytest
 
 from ggml_attn.graph import AttnConfig, Batch, KVCache, build, driver, pipe, plan_ubatch, split_ubatches, tp
 from ggml_attn.graph.shard import ShardError
-from test_graph_tp import OneRankAttn, OneRankFull, make_weights, nmse, qkv_inputs, run, x_inputs
+from test_graph_tp import OneRankAttn, OneRankFull, make_weights, nmse, qkv_inputs, run, stall, x_inputs
 
 
 def caches(cfg, ranges, unified, n_seq):
@@ -159,6 +159,25 @@ def test_rank_failure_raises_without_hanging():
         driver.decode(ranks[0], Batch.from_lengths([4], [0]), 8, "simple", eng, cfg)
     assert "rank 0" in str(ei.value.__cause__)     # the cause, not rank 1's aborted receive
     assert (ranks[0].pos >= 0).sum() == 0
+
+
+def test_stuck_rank_is_named_not_waited_for():
+    """Rank 0 stalls: rank 1's receive times out (an echo), and rank 0, still running a group
+    timeout later, is named as the stuck one instead of holding the batch for its whole stall."""
+    cfg = CFG
+    ranges = pipe.layer_ranges(cfg.n_layer, 2)
+    full, ranks = caches(cfg, ranges, True, 1)
+    eng = pipe.PipelineEngine(ranks, cfg, x_inputs, layer="full", weights=make_weights(cfg), ranges=ranges,
+                              timeout=0.5)
+    release = threading.Event()
+    stall(eng, 0, release)
+    try:
+        with pytest.raises(driver.BatchError) as ei:
+            driver.decode(ranks[0], Batch.from_lengths([4], [0]), 8, "simple", eng, cfg)
+        assert isinstance(ei.value.__cause__, tp.CommError)
+        assert "rank 0 did not finish" in str(ei.value.__cause__)
+    finally:
+        release.set()
 
 
 def test_local_send_recv_order_and_drain():

@@ -252,6 +252,49 @@ def test_rank_failure_raises_without_hanging():
     assert (ranks[0].pos >= 0).sum() == 0   # the failed ubatch was rolled back
 
 
+def stall(engine, rank: int, release: threading.Event):
+    """Rank ``rank`` of ``engine`` stalls in its next ubatch until ``release`` is set (at most
+    30 s), then computes it as usual."""
+    real = engine.ranks[rank].run_ubatch
+
+    def stalled(plan, ins=None):
+        release.wait(30)
+        return real(plan, ins)
+    engine.ranks[rank].run_ubatch = stalled
+    return real
+
+
+@pytest.mark.parametrize("layer", ["attn", "full"])
+def test_stuck_rank_is_named_after_the_group_timeout_and_the_engine_recovers(layer):
+    """A rank that stalls (not failing) held the batch for its whole stall: the threads were
+    joined without the group timeout. Now the batch fails naming the rank once it is that far
+    behind the others; the engine refuses new work while the rank is stuck and runs again after."""
+    cfg = CFG
+    full, ranks = caches(cfg, 2, True, 1)
+    kw = dict(layer="full", weights=make_weights(cfg)) if layer == "full" else {}
+    eng = tp.LockstepEngine(ranks, cfg, x_inputs if layer == "full" else qkv_inputs(cfg), timeout=0.5, **kw)
+    release = threading.Event()
+    real = stall(eng, 1, release)
+    try:
+        with pytest.raises(driver.BatchError) as ei:
+            driver.decode(ranks[0], Batch.from_lengths([4], [0]), 8, "simple", eng, cfg)
+        cause = ei.value.__cause__
+        assert isinstance(cause, tp.CommError) and "rank 1 did not finish" in str(cause) and "stuck" in str(cause)
+        assert "rank 0" not in str(cause)
+        assert (ranks[0].pos >= 0).sum() == 0   # rolled back
+        with pytest.raises(driver.BatchError) as ei:   # rank 1 still stalls: no new ubatch
+            driver.decode(ranks[0], Batch.from_lengths([4], [0]), 8, "simple", eng, cfg)
+        assert "rank 1 is still stuck" in str(ei.value.__cause__)
+    finally:
+        release.set()
+    eng.ranks[1].run_ubatch = real
+    for t in threading.enumerate():
+        if t.name.endswith("rank1"):
+            t.join(30)
+    plans = driver.decode(ranks[0], Batch.from_lengths([4], [0]), 8, "simple", eng, cfg)
+    assert len(plans) == 1 and (ranks[0].pos >= 0).sum() == 4
+
+
 @pytest.mark.parametrize("n_head,n_head_kv,n_rank,msg", [
     (8, 4, 3, "not divisible by 3"), (8, 2, 4, "not divisible by 4")])
 def test_shard_errors(n_head, n_head_kv, n_rank, msg):
