@@ -84,8 +84,10 @@ def build_parser() -> Parser:
     p.add_argument("--kernel", choices=KERNELS, default="auto",
                    help="attention kernel: auto|prefill|decode|decode-tc|cells|reference on the GPU; "
                         "ggml: ggml's own flash attention on the CPU (default: auto)")
-    p.add_argument("--layer", choices=LAYERS, default="attn",
-                   help="attn: attention only; full: with QKV/O projections and FFN (default: attn)")
+    p.add_argument("--layer", choices=LAYERS, default=None,
+                   help="attn: attention only; full: with QKV/O projections and FFN (random weights of "
+                        "the shape); model: a .gguf's own weights, token ids to logits (default: model "
+                        "with -m FILE.gguf, else attn)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (GPU when usable), cpu or cuda (default: auto)")
     p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
@@ -178,6 +180,8 @@ def _main(argv=None) -> int:
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
+    if ns.layer is None:   # llama-batched-bench's meaning of -m FILE.gguf: the file's own weights
+        ns.layer = "model" if model.source.lower().endswith(".gguf") else "attn"
     check_ngl(ngl, model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v)

@@ -78,8 +78,10 @@ def build_parser() -> Parser:
     add_list(p, "--kernel", type=choice_list(KERNELS), default=["auto"], metavar="KERNEL",
              help="attention kernel on the GPU: auto|prefill|decode|decode-tc|cells|reference; "
                   "ggml: ggml's own flash attention (CPU baseline)")
-    add_list(p, "--layer", type=choice_list(LAYERS), default=["attn"], metavar="attn|full",
-             help="attn: attention only; full: with QKV/O projections and FFN (random weights)")
+    add_list(p, "--layer", type=choice_list(LAYERS), default=[], metavar="attn|full|model",
+             help="attn: attention only; full: with QKV/O projections and FFN (random weights of the "
+                  "shape); model: a .gguf's own weights, token ids to logits (default: model with "
+                  "-m FILE.gguf, else attn)")
     add_list(p, "-ctk", "--cache-type-k", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
              help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU")
     add_list(p, "-ctv", "--cache-type-v", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
@@ -137,7 +139,7 @@ def optional_columns(ns) -> list[str]:
 
 def md_columns(ns, insts, backend: str) -> list[str]:
     """The markdown columns of this run (see format_bench.markdown_columns)."""
-    weights = any(inst["layer"] == "full" for inst in insts)
+    weights = any(inst["layer"] in ("full", "model") for inst in insts)
     n_layer = any(inst["model"].n_layer != _own_layers(inst["model"]) for inst in insts)
     return fmt.markdown_columns(backend, optional_columns(ns), weights=weights, n_layer=n_layer)
 
@@ -153,6 +155,8 @@ def instances(ns, device: str) -> list[dict]:
         if name == "auto":
             name = DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL
         models.append(with_layers(resolve(name), ns.n_layer))
+    if not ns.layer:   # llama-bench's meaning of -m FILE.gguf: the file's own weights
+        ns.layer = ["model"] if all(m.source.lower().endswith(".gguf") for m in models) else ["attn"]
     params = combinations({
         "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
         "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
@@ -225,8 +229,10 @@ def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) ->
         build_commit=commit, build_number=number, cpu_info=cpu_info(),
         gpu_info=gpu_info() if device == "cuda" else "",
         backends=("CUDA+graphs" if cuda_graph else "CUDA") if device == "cuda" else "CPU",
-        model_filename=m.source if m.source != "preset" else m.name, model_type=m.name,
-        model_size=m.size_bytes, model_n_params=m.n_params, n_layer=m.n_layer, n_head=m.n_head,
+        model_filename=m.source if m.source != "preset" else m.name,
+        model_type=f"{m.name} {m.file_type}" if inst["layer"] == "model" else m.name,
+        model_size=m.file_bytes if inst["layer"] == "model" else m.size_bytes,
+        model_n_params=m.file_params if inst["layer"] == "model" else m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
         n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
         n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=inst["flash_attn"],

@@ -9,7 +9,8 @@ Markdown follows llama-bench's rules: model, backend, [ngl when not CPU], thread
 the optional columns only when a flag has a non-default value or several values, then test
 and ``t/s`` as ``mean ± stddev``; and says what was measured (:func:`markdown_columns`):
 path, layer, kvu and split always, n_layer when overridden, the weights' size and params
-only with ``--layer full`` (an attention-only run never touches weights).
+only with ``--layer full`` (random F16 weights of the shape) or ``--layer model`` (the file's own
+weights; the model column adds their type); an attention-only run never touches weights.
 """
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ class MarkdownPrinter(Printer):
     def cell(self, field, row):
         if field == "model":
             return row["model_type"]
-        if field in ("size", "params") and row.get("layer") != "full":
+        if field in ("size", "params") and row.get("layer") not in ("full", "model"):
             return "-"  # attention only: no weights touched
         if field == "size":
             return human_size(row["model_size"])

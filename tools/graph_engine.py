@@ -7,6 +7,10 @@ Both flavours build the same graph (``build.build_ubatch_graph``) through every 
 * ``--layer full``: the block of ``graph/layers.py`` (RMS norm, Q/K/V projections from the
   residual stream, attention, O projection, RMS norm, gated FFN) with random F16 weights,
   numpy order ``(n_out, n_in)`` = ggml ``[n_in, n_out]``, kept here and handed to the builder;
+* ``--layer model``: the model of a ``.gguf`` file with its own weights (``graph/model.py``,
+  ``graph/model_graph.py``): token ids of the batch in, embedding, every block with RoPE, the
+  output head on the rows llama.cpp computes logits for (each sequence's last token of the
+  batch: ``model_runner.output_flags``); the runner hands the batch over (:attr:`batch`);
 
 K/V rows go into the ``KVCache`` (the graph's store node) and attention reads its views:
 
@@ -78,6 +82,9 @@ class GraphEngine:
         self.n_threads = 1 if self.device else max(1, int(cfg.n_threads))
         rng = self.xp.random.default_rng(cfg.seed)  # on the device for the device flavour (fast)
         self.weights = self._make_weights(rng) if cfg.layer == "full" else None
+        self.model = self._load_model() if cfg.layer == "model" else None
+        self.batch = None       # --layer model: the batch being decoded (its token ids); set by the runner
+        self._want = (None, None)
         # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows, and no
         # ubatch has more rows than the cache has cells (a -ub of 100000000 must not allocate them)
         self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
@@ -113,6 +120,28 @@ class GraphEngine:
                 for _ in range(1 if shared else m.n_layer)]
         return [sets[0]] * m.n_layer if shared else sets
 
+    def _load_model(self):
+        from ggml_attn.graph.model import ModelError, load_gguf
+        from .errors import UserError
+        try:
+            model = load_gguf(self.m.source)
+        except ModelError as e:
+            raise UserError(str(e)) from e
+        if model.hp.n_layer != self.m.n_layer:
+            raise UserError(f"--layer model runs the file's {model.hp.n_layer} layers; --n-layer "
+                            f"{self.m.n_layer} cannot drop layers of a real model")
+        return model
+
+    def _model_rows(self, plan):
+        """``(batch token ids, output rows of the ubatch)`` for ``--layer model``."""
+        from ggml_attn.graph.model_runner import output_flags, output_rows
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError("--layer model: the engine was not handed the batch (engine.batch)")
+        if self._want[0] is not batch:
+            self._want = (batch, output_flags(batch))
+        return batch.tokens, output_rows(plan.ubatch, self._want[1])
+
     def inputs(self, plan):
         """This ubatch's inputs from the pool, numpy order: ``x (n_tokens, n_embd)`` (full) or
         ``q (n_tokens, n_head, D)``, ``k (n_tokens, n_embd_k)``, ``v (n_tokens, n_embd_v)``; Q
@@ -143,16 +172,22 @@ class GraphEngine:
         from ggml_attn.graph import build
         cfg = self.cfg
         key = build.graph_key(plan)
+        tokens = out_rows = None
+        if self.model is not None:
+            tokens, out_rows = self._model_rows(plan)
+            key += (len(out_rows),)
         entry = self._graphs.pop(key, None) if cfg.flash_attn else None
         if entry is None:
-            g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=cfg.layer,
+            kw = dict(model=self.model, tokens=tokens, out_rows=out_rows) if self.model is not None else {}
+            cfg_attn = self.model.attn_config() if self.model is not None else self.attn_cfg
+            g = build.build_ubatch_graph(self.cache, plan, cfg_attn, fa=self.fa, layer=cfg.layer,
                                          weights=self.weights, flash_attn=cfg.flash_attn, shared_inputs=True,
                                          full_layer=self.full_layer, layers=self.layers,
-                                         all_custom=self.device if self.all_custom is None else self.all_custom)
+                                         all_custom=self.device if self.all_custom is None else self.all_custom, **kw)
             entry = _Cached(g, plan.ubatch.decode_step)
             fresh = True
         else:
-            entry.graph.load_plan(plan)
+            entry.graph.load_plan(plan, tokens, out_rows)
             fresh = False
         g = entry.graph
         self._run(entry, g, plan, fresh)
@@ -189,7 +224,7 @@ class GraphEngine:
                 self._compute(g, refresh=not fresh)
             # alive until the stream has used them (and for tests): mask, last output, kernel plan
             m, last = self.m, g.output(-1)
-            if cfg.layer != "full":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
+            if cfg.layer == "attn":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
                 last = last.reshape(plan.n_stream, plan.n_tps, m.n_head, m.d_v)
             self._keep = (g.array(g.mask_t), last, g.kernel_plan)
             self._last_streams = (plan.slot.s0, plan.n_stream)
@@ -219,7 +254,7 @@ class GraphEngine:
         if saved is not None:   # a CPU engine's "reference" must not outlive it (device graphs after it)
             op.set_backend(*saved)
         self._keep = None
-        self.weights = None
+        self.weights = self.model = self.batch = None
         if self.stream is not None:
             self.stream.synchronize()
             self.stream = None

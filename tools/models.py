@@ -28,6 +28,9 @@ class ModelShape:
     head_dim_v: int = 0           # 0: same as head_dim
     logit_softcap: float = 0.0    # attention logit soft-capping (gemma-2)
     source: str = "preset"        # "preset" or the .gguf path
+    file_bytes: int = 0           # a .gguf's tensor bytes and parameters (its own weights, --layer model)
+    file_params: int = 0
+    file_type: str = ""           # the matrices' ggml types, most bytes first ("F16", "Q4_K+Q6_K")
 
     @property
     def d_v(self) -> int:
@@ -173,6 +176,13 @@ def read_gguf(path: str) -> ModelShape:
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
     name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    by_type: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) > 1:
+            tname = getattr(t.tensor_type, "name", str(t.tensor_type))
+            by_type[tname] = by_type.get(tname, 0) + int(t.n_bytes)
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    file_params = sum(int(t.n_elements) for t in reader.tensors)
     if head_dim < 1:
         raise UserError(f"'{path}': head_dim = embedding_length {n_embd} // head_count {n_head} is 0; "
                         f"set {arch}.attention.key_length")
@@ -180,7 +190,8 @@ def read_gguf(path: str) -> ModelShape:
         raise UserError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
                       n_vocab, head_dim_v if head_dim_v != head_dim else 0,
-                      float(softcap or 0.0), source=path)
+                      float(softcap or 0.0), source=path, file_bytes=file_bytes, file_params=file_params,
+                      file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])))
 
 
 def with_layers(model: ModelShape, n_layer: int | None) -> ModelShape:

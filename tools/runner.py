@@ -31,7 +31,7 @@ from .models import ModelShape
 SPLITS = ("simple", "equal", "seq", "padded", "auto")
 KERNELS = dispatch.KERNELS + ("ggml",)   # ggml: ggml's own flash attention (CPU)
 DEVICES = ("auto", "cpu", "cuda")
-LAYERS = ("attn", "full")
+LAYERS = ("attn", "full", "model")   # model: a .gguf file's own weights (graph/model.py)
 
 
 def default_split(kv_unified: bool) -> str:
@@ -88,6 +88,9 @@ class RunConfig:
             raise UserError(f"unknown kernel '{self.kernel}' (choose from {', '.join(KERNELS)})")
         if self.layer not in LAYERS:
             raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
+        if self.layer == "model" and not self.model.source.lower().endswith(".gguf"):
+            raise UserError(f"--layer model runs a model file's own weights: give -m FILE.gguf "
+                            f"('{self.model.name}' is a preset: shapes only, random weights)")
         from .kv_types import check_cache_types
         check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
                           head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
@@ -250,7 +253,11 @@ class Runner:
         """Prompts of ``lengths`` tokens for ``seq_ids`` (default 0..), continuing the cache."""
         g = _graph()
         ids = list(range(len(lengths))) if seq_ids is None else list(seq_ids)
-        return g.Batch.from_lengths(list(lengths), ids, start_pos=self.cache.next_positions(ids))
+        b = g.Batch.from_lengths(list(lengths), ids, start_pos=self.cache.next_positions(ids))
+        if self.cfg.layer == "model":   # token ids inside the vocabulary (fixed pseudo-random, as llama-bench's)
+            toks = (b.positions.astype(np.int64) * 7919 + b.primary_seq_ids * 104729 + 17) % self.cfg.model.n_vocab
+            b = g.Batch(toks, b.positions, b.seq_ids)
+        return b
 
     def step_batch(self, seq_ids):
         """One token for each of ``seq_ids`` at its next position (a decode step)."""
@@ -310,6 +317,7 @@ class Runner:
         stats = DecodeStats()
         acfg = self.attn_config()
         for view in _batch_views(batch, self.cfg.n_batch):
+            self.engine.batch = view   # --layer model: the token ids and which rows get logits
             try:
                 plans = g.driver.decode(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.engine, acfg,
                                         on_error=self._user_error, before_ubatch=check_interrupt)
