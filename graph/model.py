@@ -3,8 +3,9 @@
 :func:`load_gguf` reads a file as llama.cpp's loader does (``src/llama-model.cpp`` key and
 tensor names) for the architectures in :data:`ARCHS`:
 
-* ``llama`` (and ``mistral``, which llama.cpp runs through the same block): RMS norm with a
-  weight, Q/K/V without bias, RoPE in the normal (interleaved-pair) layout, SwiGLU FFN;
+* ``llama`` (Mistral-7B-style models too: llama.cpp's converter writes them as ``llama``; it has
+  no plain ``mistral`` architecture): RMS norm with a weight, Q/K/V without bias, RoPE in the
+  normal (adjacent-pair) layout, SwiGLU FFN;
 * ``qwen2``: the same block with Q/K/V biases and RoPE in the NEOX (half-split) layout.
 
 Weights stay in their file type and in the file (``numpy.memmap``, read-only): a host graph
@@ -44,7 +45,6 @@ class ArchInfo:
 
 ARCHS: dict[str, ArchInfo] = {
     "llama": ArchInfo(ROPE_NORMAL, False),
-    "mistral": ArchInfo(ROPE_NORMAL, False),
     "qwen2": ArchInfo(ROPE_NEOX, True),
 }
 
@@ -177,6 +177,20 @@ class Model:
     def attn_config(self) -> AttnConfig:
         hp = self.hp
         return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim)
+
+    def device_weights(self, xp=np):
+        """The weights as all-custom (device-resident) graphs read them
+        (``model_device.DeviceWeights``: F16 matrices of ``xp`` with the RMS-norm weights folded
+        in), built on the first call per array module and device and kept on the model."""
+        from .model_device import DeviceWeights  # noqa: PLC0415
+        key = (xp.__name__,)
+        if xp is not np:
+            key += (int(xp.cuda.Device().id),)
+        cache = self.__dict__.setdefault("_device_weights", {})
+        dw = cache.get(key)
+        if dw is None:
+            dw = cache[key] = DeviceWeights.from_model(self, xp)
+        return dw
 
     def type_summary(self) -> str:
         """The matrices' types, most common first (``"Q4_K"``, ``"Q4_K+Q6_K"``...)."""

@@ -1,0 +1,229 @@
+"""llama.cpp and ggml-attn side by side on one GPU and one GGUF file (a GPU-machine script).
+
+    python tools/llamacpp_side_by_side.py --src .lcpp/src.tar.gz --out $OUT [--gguf F] [--build-only]
+
+Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdown table last):
+
+1. build llama.cpp's ``llama-bench`` and ``llama-batched-bench`` with CUDA (one architecture,
+   ``-DCMAKE_CUDA_ARCHITECTURES=90``) from a source tarball of its ``CMakeLists.txt cmake common
+   ggml include src tools vendor`` (the ``vendor/llama.cpp`` of the llama-cpp-python sdist on
+   PyPI is one), into ``--build`` (kept between calls on a warm machine: built once);
+2. write an 8B-shaped F16 GGUF (llama-3-8B shapes, random weights, a dummy vocab of 32000:
+   ``tests/fixtures_gguf.py --preset llama-3-8b``) unless ``--gguf`` names one;
+3. run, on that file: llama-bench ``-p 512 -n 128 -fa 1 -ngl 99`` and ``ggml-attn-bench`` (the
+   file's own weights, ``--layer model``); llama-batched-bench ``-npp 128 -ntg 32 -npl 1,16,64``
+   with and without ``-kvu`` and ours with the same flags; 64 ragged prompts of 16-200 tokens
+   (ours, unified KV, ``auto`` split) against llama.cpp's equal-length rows that hold at least
+   as many prompt tokens (``-npp`` = the ragged total / 64, rounded up; with and without
+   ``-kvu``: its best S_PP counts); the load time of each (wall time of a one-token run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def sh(cmd: list[str], log: str, timeout: int, env=None) -> tuple[int, str, float]:
+    """Run ``cmd``, output to ``log``; (returncode, output, seconds)."""
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                           env=env)
+        rc, out = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, out = 124, (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    dt = time.time() - t0
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + f"\n# rc={rc} {dt:.1f}s\n" + out)
+    print(f"  {os.path.basename(log)}: rc={rc} {dt:.1f}s", flush=True)
+    return rc, out, dt
+
+
+def build(src: str, bdir: str, out: str, jobs: int) -> str:
+    bin_dir = os.path.join(bdir, "build", "bin")
+    if all(os.path.exists(os.path.join(bin_dir, t)) for t in ("llama-bench", "llama-batched-bench")):
+        print("llama.cpp: built already", flush=True)
+        return bin_dir
+    os.makedirs(bdir, exist_ok=True)
+    subprocess.run(["tar", "xzf", os.path.abspath(src)], cwd=bdir, check=True)
+    cfg = ["cmake", "-S", bdir, "-B", os.path.join(bdir, "build"), "-DGGML_CUDA=ON",
+           "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+    rc, _, _ = sh(cfg, os.path.join(out, "lc_cmake.log"), 300)
+    if rc:
+        raise SystemExit("llama.cpp cmake failed (lc_cmake.log)")
+    rc, _, _ = sh(["cmake", "--build", os.path.join(bdir, "build"), "-j", str(jobs), "--target", "llama-bench",
+                   "llama-batched-bench"], os.path.join(out, "lc_build.log"), 1500)
+    if rc:
+        raise SystemExit("llama.cpp build failed (lc_build.log)")
+    return bin_dir
+
+
+def jsonl(text: str) -> list[dict]:
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def json_block(text: str) -> list[dict]:
+    """The JSON array llama-bench ``-o json`` prints (other lines around it ignored)."""
+    i, j = text.find("["), text.rfind("]")
+    try:
+        return json.loads(text[i:j + 1]) if 0 <= i < j else []
+    except json.JSONDecodeError:
+        return []
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", default=os.path.join(ROOT, ".lcpp", "src.tar.gz"), help="llama.cpp source tarball")
+    ap.add_argument("--build", default="/tmp/lc", help="llama.cpp build folder (kept: built once)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "side_by_side_out"))
+    ap.add_argument("--gguf", default="/tmp/m8b.gguf", help="the file both run (written if missing)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load")
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    skip = set(filter(None, a.skip.split(",")))
+    jobs = os.cpu_count() or 8
+    writer = None
+    if not os.path.exists(a.gguf):   # written while llama.cpp builds
+        writer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fixtures_gguf.py"), a.gguf,
+                                   "--preset", "llama-3-8b", "--vocab", "32000"],
+                                  stdout=open(os.path.join(a.out, "gguf.log"), "w"), stderr=subprocess.STDOUT)
+    t0 = time.time()
+    bins = build(a.src, a.build, a.out, jobs)
+    print(f"build: {time.time() - t0:.0f}s", flush=True)
+    if writer is not None and writer.wait() != 0:
+        raise SystemExit("writing the GGUF failed (gguf.log)")
+    if a.build_only:
+        return 0
+    lb, lbb = os.path.join(bins, "llama-bench"), os.path.join(bins, "llama-batched-bench")
+    ours_b, ours_bb = shutil.which("ggml-attn-bench"), shutil.which("ggml-attn-batched-bench")
+    res: dict = {"gguf": a.gguf, "gpu": _gpu(), "date": time.strftime("%Y-%m-%d"),
+                 "commit": os.environ.get("GGML_ATTN_COMMIT", ""), "rows": []}
+    rows = res["rows"]
+    out = a.out
+    if "bench" not in skip:
+        _, t, _ = sh([lb, "-m", a.gguf, "-ngl", "99", "-fa", "1", "-p", "512", "-n", "128", "-r", str(a.reps),
+                      "-o", "json"], os.path.join(out, "lc_bench.log"), 300)
+        for r in json_block(t):
+            rows.append(dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
+                             ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
+        _, t, _ = sh([ours_b, "--device", "cuda", "-m", a.gguf, "-p", "512", "-n", "128", "-r", str(a.reps),
+                      "-o", "json"], os.path.join(out, "ours_bench.log"), 400)
+        for r in json_block(t):
+            rows.append(dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
+                             ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
+    if "batched" not in skip:
+        for kvu in (False, True):
+            flag = ["-kvu"] if kvu else []
+            _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
+                          "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"] + flag,
+                         os.path.join(out, f"lc_batched{'_kvu' if kvu else ''}.log"), 300)
+            rows += [dict(tool="llama.cpp", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
+            _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", "128", "-ntg", "32", "-npl", "1,16,64",
+                          "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
+                         os.path.join(out, f"ours_batched{'_kvu' if kvu else ''}.log"), 400)
+            rows += [dict(tool="ggml-attn", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
+    if "ragged" not in skip:
+        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "--prompt-dist", "16-200", "-npl", "64", "-ntg", "32",
+                      "-kvu", "--split", "auto", "--warmup", "-r", str(a.reps), "-o", "jsonl"],
+                     os.path.join(out, "ours_ragged.log"), 400)
+        ours = [dict(tool="ggml-attn", case="ragged", kvu=True, **_bb(r)) for r in jsonl(t)]
+        rows += ours
+        total = sum(ours[0].get("prompt_lens") or []) if ours else 64 * 108
+        npp = max(1, math.ceil(total / 64))
+        for kvu in (False, True):
+            _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
+                          "-npp", str(npp), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
+                         + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300)
+            rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
+    if "load" not in skip:
+        _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
+                      os.path.join(out, "lc_load.log"), 300)
+        rows.append(dict(tool="llama.cpp", case="load", seconds=dt))
+        _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
+                      os.path.join(out, "ours_load.log"), 300)
+        rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
+    with open(os.path.join(out, "side_by_side.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(table(rows))
+    return 0
+
+
+def _bb(r: dict) -> dict:
+    keys = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "prompt_lens", "split")
+    return {k: r[k] for k in keys if k in r}
+
+
+def _gpu() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def table(rows: list[dict]) -> str:
+    """One markdown table: each case with llama.cpp's number, ours, and ours / theirs."""
+    def key(r):
+        if r["case"] == "bench":
+            return ("bench", f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")
+        if r["case"] in ("batched",):
+            return ("batched", f"B={r.get('pl')}{' -kvu' if r.get('kvu') else ''}")
+        if r["case"].startswith("ragged"):
+            return ("ragged", "64 x 16-200")
+        return (r["case"], "")
+    best: dict = {}
+    for r in rows:
+        k = key(r)
+        slot = best.setdefault(k, {})
+        if r["case"] == "load":
+            slot[r["tool"]] = (r["seconds"], None)
+        elif r["case"] == "bench":
+            slot[r["tool"]] = (r["ts"], None)
+        else:
+            old = slot.get(r["tool"])
+            if old is None or (r.get("speed_pp") or 0) > old[0]:
+                slot[r["tool"]] = (r.get("speed_pp"), r.get("speed_tg"))
+    lines = ["| case | llama.cpp | ggml-attn | ours / theirs |", "|---|---:|---:|---:|"]
+    for (case, what), slot in best.items():
+        lc, us = slot.get("llama.cpp"), slot.get("ggml-attn")
+        if case == "load":
+            lines.append(f"| load time (s) | {_f(lc and lc[0])} | {_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
+        elif case == "bench":
+            lines.append(f"| llama-bench {what} t/s | {_f(lc and lc[0])} | {_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
+        else:
+            for i, name in ((0, "S_PP"), (1, "S_TG")):
+                a, b = lc and lc[i], us and us[i]
+                lines.append(f"| {case} {what} {name} | {_f(a)} | {_f(b)} | {_r(b, a)} |")
+    return "\n".join(lines)
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def _r(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
