@@ -16,8 +16,23 @@ Per ubatch (ggml order throughout; numpy order is the reverse):
 * :func:`head`: ``logits = output(rms_norm(get_rows(x, out_ids)) * output_norm)`` -> F32
   ``[n_vocab, n_out]``.
 
-Host graphs run ggml's own ops on the weights in their file type (quantized ones included);
-an all-custom (device-resident) graph is not built for a model yet: :func:`check_model` says so.
+Host graphs run ggml's own ops on the weights in their file type (quantized ones included).
+All-custom (device-resident) graphs (``b.device``) run the same block on ``xp_ops``' custom ops
+over ``model.device_weights(xp)`` (``model_device.py``: every matrix F16, the RMS-norm weights
+folded into the matrices that read the normalized vector):
+
+* :func:`embed`: ``xp_ops.get_rows`` of the F16 embedding (an array of its own: the residual
+  stream, updated in place by the layers);
+* :func:`model_layer`: ``q, k, v = mul_mat_group([wq', wk', wv'], x, norm_eps)``; ``q``, ``k``
+  through ``xp_ops.rope`` (bias added first); ``v += bv``; attention as on host graphs;
+  ``x += wo att`` (``mul_mat_add``); ``f = mul_mat_gated(wg', wu', x, norm_eps)``;
+  ``x += wd f``;
+* :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output'], ., norm_eps)``.
+
+Rounding differs from the host form in two places only: the norm weight ``g`` multiplies the
+F16-rounded weight in float32 before rounding ``W * g`` to F16 (host: ``x̂ * g`` is rounded to
+F16 as ``mul_mat``'s activation), and quantized weights are dequantized to F16 once (host:
+ggml's quantized dot products against a quantized activation). Sums are F32 in both.
 """
 from __future__ import annotations
 
@@ -27,6 +42,7 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
+from . import xp_ops
 from .layers import attention
 from .model import Model, Weight
 
@@ -73,9 +89,6 @@ def check_model(model: Model, cache, device: bool) -> None:
                          f"{cache.n_head_kv}x{cache.head_dim_k}/{cache.head_dim_v}")
     if hp.n_layer > cache.n_layer:
         raise ValueError(f"model {hp.name!r} has {hp.n_layer} layers, the cache holds {cache.n_layer}")
-    if device:
-        raise ValueError("a real model runs on host graphs only so far (a numpy KV cache); the "
-                         "device-resident model graph is not built yet")
 
 
 def model_inputs(b, ub, out_rows: np.ndarray) -> ModelInputs:
@@ -111,6 +124,9 @@ def _norm(b, x, w: Weight, eps: float):
 def embed(b, inp: ModelInputs):
     """``get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``, memory of its own (the
     layers' scratch arrays may not alias it)."""
+    if b.device:
+        t = xp_ops.get_rows(b, _dw(b).tok_embd, inp.tokens, "inp_embd", own=True)
+        return t
     t = ggml.ggml_get_rows(b.ctx, _weight(b, b.model.tok_embd), inp.tokens)
     ne = t.contents.ne
     b.attach(t, b.xp.empty((ne[1], ne[0]), dtype=np.float32))
@@ -128,6 +144,8 @@ def _rope(b, t, inp: ModelInputs):
 def model_layer(b, il: int, x):
     """One block over the residual stream ``x [n_embd, n_tokens]`` F32; returns the new ``x``
     (module docstring). ``il``: the cache's (local) layer index."""
+    if b.device:
+        return _model_layer_custom(b, il, x)
     hp, lw, inp = b.model.hp, b.model.layers[il], b.model_inputs
     n_tok = b.plan.ubatch.n_tokens
 
@@ -153,6 +171,11 @@ def model_layer(b, il: int, x):
 def head(b, x, inp: ModelInputs):
     """Logits of the output rows: F32 ``[n_vocab, n_out]``, memory of its own."""
     m = b.model
+    if b.device:
+        xo = xp_ops.get_rows(b, x, inp.out_ids, "x_out")
+        (logits,) = xp_ops.mul_mat_group(b, [_dw(b).output], xo, "result_output", norm_eps=m.hp.rms_eps)
+        ggml.ggml_set_name(logits, b"logits")
+        return logits
     xo = ggml.ggml_get_rows(b.ctx, x, inp.out_ids)
     xo = _fresh(b, xo)
     h = _fresh(b, ggml.ggml_mul(b.ctx, _fresh(b, ggml.ggml_rms_norm(b.ctx, xo, m.hp.rms_eps)),
@@ -167,3 +190,28 @@ def _fresh(b, t):
     ne = t.contents.ne
     b.attach(t, b.xp.empty((ne[1], ne[0]), dtype=np.float32))
     return t
+
+
+# ----------------------------------------------------------------- all-custom (device) form
+def _dw(b):
+    """The model's device weights in the graph's array module (built once per model)."""
+    return b.model.device_weights(b.xp)
+
+
+def _model_layer_custom(b, il: int, x):
+    """:func:`model_layer` on an all-custom graph (module docstring): seven custom nodes plus the
+    K/V store and attention; ``x``'s memory is updated in place by the two residual adds."""
+    hp, inp, w = b.model.hp, b.model_inputs, _dw(b).layers[il]
+    n_tok = b.plan.ubatch.n_tokens
+    ff = _dw(b).rope_freqs
+    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps)
+    q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
+    k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
+    k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
+    if "bv" in w:
+        v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
+    att = attention(b, il, q, k, v)
+    att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
+    x = xp_ops.mul_mat_add(b, w["wo"], att, x, f"wo_res_l{il}")
+    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps)
+    return xp_ops.mul_mat_add(b, w["wd"], f, x, f"ffn_res_l{il}")

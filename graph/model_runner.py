@@ -63,13 +63,14 @@ class ModelResult:
 
 
 class ModelEngine:
-    """Engine of :func:`run_model_batch`: one host graph per ubatch (``build.build_ubatch_graph``
-    with ``layer="model"``); ``run_ubatch`` returns ``(token_idx, logits)`` of the ubatch's
-    output rows."""
+    """Engine of :func:`run_model_batch`: one graph per ubatch (``build.build_ubatch_graph``
+    with ``layer="model"``; host or all-custom, ``all_custom``); ``run_ubatch`` returns
+    ``(token_idx, logits)`` of the ubatch's output rows."""
 
-    def __init__(self, cache: KVCache, model: Model, batch: Batch, want: np.ndarray, n_threads: int, fa=None):
+    def __init__(self, cache: KVCache, model: Model, batch: Batch, want: np.ndarray, n_threads: int, fa=None,
+                 all_custom: bool | None = None):
         self.cache, self.model, self.batch, self.want = cache, model, batch, want
-        self.n_threads, self.fa = n_threads, fa
+        self.n_threads, self.fa, self.all_custom = n_threads, fa, all_custom
         self.cfg = model.attn_config()
 
     def run_ubatch(self, plan: UBatchPlan):
@@ -77,10 +78,11 @@ class ModelEngine:
         ub = plan.ubatch
         rows = output_rows(ub, self.want)
         g = build.build_ubatch_graph(self.cache, plan, self.cfg, fa=self.fa, layer="model", model=self.model,
-                                     tokens=self.batch.tokens, out_rows=rows)
+                                     tokens=self.batch.tokens, out_rows=rows, all_custom=self.all_custom)
         try:
             g.compute(self.n_threads)
-            logits = np.array(g.outputs()[0], dtype=np.float32)
+            out = g.outputs()[0]
+            logits = np.array(out if g.xp is np else g.xp.asnumpy(out), dtype=np.float32)
         finally:
             g.free()
         return ub.token_idx[rows], logits
@@ -96,14 +98,17 @@ class ModelEngine:
 
 
 def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 512, mode: str = "auto", *,
-                    logits="last", n_threads: int = 2, fa=None, validate: bool = True) -> ModelResult:
+                    logits="last", n_threads: int = 2, fa=None, validate: bool = True,
+                    all_custom: bool | None = None) -> ModelResult:
     """``batch`` (token ids, positions, sequences) through ``model`` with ``cache``, split by
     ``mode`` into ubatches of at most ``n_ubatch`` tokens; logits of the flagged tokens
     (:func:`output_flags`). Failures as ``driver.decode``: nothing is claimed before every check
-    passed; a failed ubatch is rolled back (:class:`~ggml_attn.graph.driver.BatchError`)."""
+    passed; a failed ubatch is rolled back (:class:`~ggml_attn.graph.driver.BatchError`).
+    ``all_custom``: as ``build.build_ubatch_graph``'s (None: all-custom exactly when the cache is
+    CuPy's; True on a numpy cache: the device form of the model graph, computed with numpy)."""
     from .build import check_build_args  # noqa: PLC0415
     cfg = model.attn_config()
-    check_build_args(cache, cfg, fa=fa, layer="model", model=model)
+    check_build_args(cache, cfg, fa=fa, layer="model", model=model, all_custom=all_custom)
     if batch.tokens.size and int(batch.tokens.max()) >= model.hp.n_vocab:
         i = int(np.argmax(batch.tokens >= model.hp.n_vocab))
         raise ValueError(f"tokens[{i}] = {int(batch.tokens[i])} is not in the model's vocabulary "
@@ -118,20 +123,21 @@ def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 
         idx, lg = res
         out[where[idx]] = lg
 
-    engine = ModelEngine(cache, model, batch, want, n_threads, fa)
+    engine = ModelEngine(cache, model, batch, want, n_threads, fa, all_custom)
     plans = driver.decode(cache, batch, n_ubatch, mode, engine, cfg, validate=validate, on_done=done)
     return ModelResult(out, np.flatnonzero(want), plans)
 
 
 def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=None, n_ubatch: int = 512,
-           mode: str = "auto", n_threads: int = 2, fa=None) -> list[list[int]]:
+           mode: str = "auto", n_threads: int = 2, fa=None, all_custom: bool | None = None) -> list[list[int]]:
     """Greedy decoding: ``prompts`` (lists of token ids) continue sequences ``seq_ids`` (default
     ``0..n-1``) from where the cache has them; then ``n_predict`` steps, one token per sequence
     each (the argmax of its last logits), all sequences in one batch per step. Returns the
-    generated tokens of each sequence."""
+    generated tokens of each sequence. ``all_custom``: as :func:`run_model_batch`'s."""
     ids = list(range(len(prompts))) if seq_ids is None else [int(s) for s in seq_ids]
     batch = Batch.from_sequences(prompts, ids, start_pos=cache.next_positions(ids))
-    res = run_model_batch(cache, batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa)
+    res = run_model_batch(cache, batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
+                          all_custom=all_custom)
     last = res.by_seq(batch)
     gen: list[list[int]] = [[] for _ in ids]
     for step in range(n_predict):
@@ -143,6 +149,7 @@ def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=Non
         pos = cache.next_positions(ids)
         step_batch = Batch(np.array(toks, dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
                            tuple((s,) for s in ids))
-        res = run_model_batch(cache, step_batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa)
+        res = run_model_batch(cache, step_batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
+                          all_custom=all_custom)
         last = res.by_seq(step_batch)
     return gen

@@ -27,6 +27,15 @@ Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0
   result is ``x``'s memory;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
 
+A real model's graph (``model_graph.py``'s device form) adds three, each one launch of a kernel
+of :data:`MODEL_OPS_SRC` on CuPy (compiled with NVRTC when first built, not while computing):
+
+* :func:`get_rows`: rows ``ids`` of an F16/F32 table (the embedding, or the residual stream's
+  output rows) -> F32 ``[n, n_ids]``;
+* :func:`rope`: an optional bias add, then ggml's ``rope_ext`` (normal or NEOX pairs, frequency
+  factors, linear scaling; no YaRN) -> F32 ``[head_dim, n_head, n_tokens]``;
+* :func:`add_bias`: ``t += bias`` in place.
+
 Each function takes the graph builder ``b`` (``build.GraphBuilder``) and tensors made by it,
 and returns the result tensor. Errors inside a callback are recorded for the node like the
 attention op's (``ggml_attn.op.record_error``) and raised after compute.
@@ -42,7 +51,8 @@ import numpy as np
 
 from ggml_attn import op as fa_op
 
-__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "add_into", "gemv_launch", "release"]
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "add_into", "gemv_launch", "release",
+           "get_rows", "rope", "add_bias", "compile_model_ops", "MODEL_OPS_SRC"]
 
 _calls: dict[int, object] = {}
 _keys = itertools.count(1)
@@ -382,3 +392,275 @@ def add_into(b, x_t, y_t, name: str):
     def run():
         xp.add(x, y, out=x)
     return _custom(b, run, [x_t, y_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
+
+
+# ----------------------------------------------------------------- a real model's ops
+# (graph/model_graph.py's device form): token/row selection, RoPE with the Q/K bias, V bias.
+# On CuPy each is one launch of a kernel of MODEL_OPS_SRC (compiled with NVRTC and loaded once
+# per device, at build time), its arguments bound at build time (kernels.BoundLaunch).
+
+MODEL_OPS_SRC = r"""
+#include <cuda_fp16.h>
+
+// out[r, c] = table[ids[r], c] (F16 or F32 table, C-contiguous, n_cols per row) as F32; n = n_ids * n_cols.
+extern "C" __global__ void __launch_bounds__(256) xp_get_rows_f16(const __half* __restrict__ table,
+        const int* __restrict__ ids, float* __restrict__ out, long long n_cols, long long n) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / n_cols;
+        out[e] = __half2float(table[(long long)ids[r] * n_cols + (e - r * n_cols)]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) xp_get_rows_f32(const float* __restrict__ table,
+        const int* __restrict__ ids, float* __restrict__ out, long long n_cols, long long n) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / n_cols;
+        out[e] = table[(long long)ids[r] * n_cols + (e - r * n_cols)];
+    }
+}
+
+// x[r, c] += bias[c], in place; n = n_rows * n_cols.
+extern "C" __global__ void __launch_bounds__(256) xp_add_bias(float* __restrict__ x,
+        const float* __restrict__ bias, long long n_cols, long long n) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
+        x[e] += bias[e % n_cols];
+}
+
+// ggml_rope_ext (ext_factor 0, attn_factor 1) of x (n_tok, n_head, head_dim) F32 into y, after
+// adding bias (n_head * head_dim, or null); one element per thread. Pair j of a head (j <
+// n_dims / 2): dims (2j, 2j + 1) (normal) or (j, j + n_dims / 2) (neox), rotated by
+// theta_j = freq_scale * (pos * theta_scale^j) / ff[j], theta_scale^j applied as ggml's CPU
+// op does (j float products); dims from n_dims on are copied.
+extern "C" __global__ void __launch_bounds__(256) xp_rope(const float* __restrict__ x, float* __restrict__ y,
+        const int* __restrict__ pos, const float* __restrict__ ff, const float* __restrict__ bias,
+        int n_head, int head_dim, int n_dims, int neox, float theta_scale, float freq_scale, long long n) {
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const int d = (int)(e % head_dim);
+        const long long row = e / head_dim;               // token * n_head + head
+        const int hb = (int)(row % n_head) * head_dim;     // the head's bias offset
+        if (d >= n_dims) {
+            y[e] = x[e] + (bias ? bias[hb + d] : 0.0f);
+            continue;
+        }
+        const int half = n_dims / 2;
+        int j, d0;
+        bool first;
+        if (neox) { first = d < half; j = first ? d : d - half; d0 = j; }
+        else      { first = (d & 1) == 0; j = d >> 1; d0 = 2 * j; }
+        const int d1 = neox ? d0 + half : d0 + 1;
+        const long long base = e - d;
+        float x0 = x[base + d0], x1 = x[base + d1];
+        if (bias) { x0 += bias[hb + d0]; x1 += bias[hb + d1]; }
+        float theta = (float)pos[row / n_head];
+        for (int i = 0; i < j; ++i) theta *= theta_scale;
+        if (ff) theta = theta / ff[j];
+        theta = freq_scale * theta;
+        float s, c;
+        sincosf(theta, &s, &c);
+        y[e] = first ? x0 * c - x1 * s : x0 * s + x1 * c;
+    }
+}
+"""
+MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")
+
+
+def compile_model_ops(arch: str, extra_options: tuple = ()) -> tuple[bytes, str]:
+    """``(cubin, log)`` of :data:`MODEL_OPS_SRC` for ``arch`` (e.g. ``"sm_90"``) with NVRTC; no GPU
+    needed. RuntimeError with NVRTC's log on a compile error."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    nv = K._nvrtc()
+    opts = list(K.BASE_OPTIONS) + list(extra_options) + [f"-arch={arch}"] + \
+        [f"-I{d}" for d in K.cuda_include_dirs()]
+    prog = nv.createProgram(MODEL_OPS_SRC, "xp_model_ops.cu", [], [])
+    try:
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            try:
+                log = nv.getProgramLog(prog)
+            except Exception:  # noqa: BLE001
+                log = ""
+            raise RuntimeError(f"NVRTC failed to compile the model ops for {arch}: {e}\n{log}") from e
+        return bytes(nv.getCUBIN(prog)), nv.getProgramLog(prog)
+    finally:
+        nv.destroyProgram(prog)
+
+
+_MODEL_FUNCS: dict = {}   # (device id, name) -> kernels.Kernel
+
+
+def _model_fn(name: str):
+    """Kernel ``name`` of :data:`MODEL_OPS_SRC` on the current device (compiled and loaded on the
+    first call: at build time, never while a graph computes)."""
+    import cupy  # noqa: PLC0415
+    from cupy.cuda import driver  # noqa: PLC0415
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    dev = cupy.cuda.Device().id
+    fn = _MODEL_FUNCS.get((dev, name))
+    if fn is None:
+        with _lock:
+            if (dev, name) not in _MODEL_FUNCS:
+                cubin, _ = compile_model_ops(K.device_arch())
+                mod = driver.moduleLoadData(cubin)
+                for n in MODEL_OPS_NAMES:
+                    _MODEL_FUNCS[(dev, n)] = K.Kernel(driver.moduleGetFunction(mod, n), n, 0)
+                _MODEL_FUNCS[(dev, "_module")] = mod   # kept loaded for the process
+        fn = _MODEL_FUNCS[(dev, name)]
+    return fn
+
+
+def _model_launch(name: str, n: int, *params):
+    """A bound grid-stride launch of model kernel ``name`` over ``n`` elements (ctypes params)."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    blocks = max(1, min(-(-n // 256), 4096))
+    return K.BoundLaunch(_model_fn(name), (blocks, 1, 1), (256, 1, 1), *params)
+
+
+def _dptr(a) -> ctypes.c_uint64:
+    """Device pointer of CuPy array ``a`` (None: a null pointer) as a kernel argument."""
+    return ctypes.c_uint64(0 if a is None else a.data.ptr)
+
+
+def _contig(name: str, *arrays) -> None:
+    for a in arrays:
+        if a is not None and not a.flags.c_contiguous:
+            raise ValueError(f"{name}: needs C-contiguous arrays (got strides {a.strides} for shape {a.shape})")
+
+
+def get_rows(b, table, ids_t, name: str, *, own: bool = False):
+    """Rows ``ids`` of ``table`` as F32 ``[n, n_ids]`` (ggml's ``get_rows``): ``table`` an xp
+    array F16/F32 ``(n_rows, n)`` (a weight: the token embedding) or an F32 tensor ``[n,
+    n_rows]`` of the graph (a source of the node: the residual stream's output rows); ``ids_t``
+    an I32 tensor ``[n_ids]`` (values in range: the caller checked them). ``own``: the result
+    gets an array of its own (not a reused scratch array: the residual stream)."""
+    xp = b.xp
+    srcs = [ids_t]
+    if hasattr(table, "contents"):       # a tensor of the graph
+        srcs.insert(0, table)
+        table = b.array(table)
+    ids = b.array(ids_t).reshape(-1)
+    n_ids, n = ids.shape[0], int(table.shape[1])
+    out = xp.empty((n_ids, n), dtype=np.float32) if own else b.scratch((n_ids, n), np.float32)
+    b.keep(table, ids)
+    if xp is np:
+        if table.dtype == np.float32:
+            def run():
+                xp.take(table, ids, axis=0, out=out, mode="clip")
+        else:
+            tmp = b.scratch((n_ids, n), table.dtype)
+            b.keep(tmp)
+
+            def run():
+                xp.take(table, ids, axis=0, out=tmp, mode="clip")
+                xp.copyto(out, tmp, casting="same_kind")
+    else:
+        if table.dtype not in (np.float16, np.float32):
+            raise ValueError(f"{name}: get_rows takes an F16 or F32 table, not {table.dtype}")
+        _contig(name, table, ids, out)
+        kern = "xp_get_rows_f16" if table.dtype == np.float16 else "xp_get_rows_f32"
+        run = _model_launch(kern, out.size, _dptr(table), _dptr(ids), _dptr(out), ctypes.c_int64(n),
+                            ctypes.c_int64(out.size))
+    return _custom(b, run, srcs, out, name, ptr=b.ptr(out) if not own else None)
+
+
+def rope_theta_scale(hp) -> np.float32:
+    """ggml's ``theta_scale = powf(freq_base, -2.0f / n_dims)``, in float32."""
+    return np.float32(np.power(np.float32(hp.rope_base), np.float32(-2.0) / np.float32(hp.rope_dim)))
+
+
+def rope(b, t, positions, hp, freq_factors=None, bias=None, name: str = "rope"):
+    """``t`` (F32 ``[head_dim, n_head, n_tok]``, or ``[n_head * head_dim, n_tok]``) plus ``bias``
+    (xp F32 ``(n_head * head_dim,)``, or None), rotated as ggml's ``rope_ext`` with ext_factor 0
+    and attn_factor 1 (no YaRN): ``hp.rope_mode`` NORMAL (pairs ``(2i, 2i+1)``) or NEOX (pairs
+    ``(i, i + n_dims/2)``), ``n_dims = hp.rope_dim`` (the dims after are copied), pair ``i``
+    turned by ``theta_i = freq_scale * pos * base^(-2i/n_dims) / freq_factors[i]`` (xp F32
+    ``(>= n_dims/2,)`` or None) at the token's ``positions`` (I32 tensor ``[n_tok]``); the power
+    is taken as ggml's CPU op does, ``i`` float32 products of ``powf(base, -2/n_dims)``. Returns
+    a new F32 tensor ``[head_dim, n_head, n_tok]`` (``t``'s array must be readable with
+    ``b.array``: a tensor with an array of its own, e.g. a view of :func:`mul_mat_group`)."""
+    from .model import ROPE_NEOX  # noqa: PLC0415
+    xp = b.xp
+    x = b.array(t)
+    D, n_dims = int(hp.head_dim), int(hp.rope_dim)
+    n_tok = x.shape[0]
+    if x.size % (n_tok * D) or n_dims % 2 or n_dims > D:
+        raise ValueError(f"{name}: rope of shape {x.shape} with head_dim {D}, rope_dim {n_dims}")
+    nh = x.size // (n_tok * D)
+    neox = int(hp.rope_mode) == ROPE_NEOX
+    if bias is not None and bias.shape != (nh * D,):
+        raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({nh * D},)")
+    if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
+        raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
+    pos = b.array(positions).reshape(-1)
+    out = b.scratch((n_tok, nh, D), np.float32)
+    ts, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
+    b.keep(*(a for a in (x, pos, freq_factors, bias) if a is not None))
+    if xp is not np:
+        _contig(name, x, out, pos, freq_factors, bias)
+        run = _model_launch("xp_rope", out.size, _dptr(x), _dptr(out), _dptr(pos), _dptr(freq_factors),
+                            _dptr(bias), ctypes.c_int32(nh), ctypes.c_int32(D), ctypes.c_int32(n_dims),
+                            ctypes.c_int32(int(neox)), ctypes.c_float(ts), ctypes.c_float(fs),
+                            ctypes.c_int64(out.size))
+    else:
+        run = _rope_numpy(b, x.reshape(n_tok, nh, D), out, pos, n_dims, neox, ts, fs,
+                          freq_factors, None if bias is None else bias.reshape(nh, D))
+    return _custom(b, run, [t, positions], out, name, ptr=b.ptr(out))
+
+
+def _rope_numpy(b, x3, o3, pos, n_dims: int, neox: bool, ts, fs, ff, bias2):
+    """The numpy steps of :func:`rope` over ``x3`` -> ``o3`` (``(n_tok, n_head, D)`` views)."""
+    n_tok, nh, _ = x3.shape
+    half = n_dims // 2
+    seed = b.scratch((n_tok, half), np.float32)     # [pos, ts, ts, ...]: a running product gives theta
+    theta = b.scratch((n_tok, half), np.float32)
+    cos = b.scratch((n_tok, 1, half), np.float32)
+    sin = b.scratch((n_tok, 1, half), np.float32)
+    t0, t1, t2 = (b.scratch((n_tok, nh, half), np.float32) for _ in range(3))
+    b.keep(seed, theta, cos, sin, t0, t1, t2)
+    ffh = None if ff is None else ff[:half]
+    if neox:
+        x0, x1 = o3[..., :half], o3[..., half:n_dims]
+    else:
+        x0, x1 = o3[..., 0:n_dims:2], o3[..., 1:n_dims:2]
+    c2, s2 = cos.reshape(n_tok, half), sin.reshape(n_tok, half)
+
+    def run():
+        seed[:, 1:] = ts
+        np.copyto(seed[:, 0], pos, casting="unsafe")
+        np.multiply.accumulate(seed, axis=1, dtype=np.float32, out=theta)
+        if ffh is not None:
+            np.divide(theta, ffh, out=theta)
+        np.multiply(theta, fs, out=theta)
+        np.cos(theta, out=c2)
+        np.sin(theta, out=s2)
+        if bias2 is None:
+            np.copyto(o3, x3)
+        else:
+            np.add(x3, bias2, out=o3)
+        np.multiply(x0, cos, out=t0)        # x0 c - x1 s
+        np.multiply(x1, sin, out=t1)
+        np.subtract(t0, t1, out=t0)
+        np.multiply(x0, sin, out=t1)        # x0 s + x1 c
+        np.multiply(x1, cos, out=t2)
+        np.add(t1, t2, out=t1)
+        np.copyto(x0, t0)
+        np.copyto(x1, t1)
+    return run
+
+
+def add_bias(b, t, bias, name: str):
+    """``t += bias`` in place: ``t`` F32 ``[n, n_tok]``, ``bias`` xp F32 ``(n,)``; returns a node
+    whose memory is ``t``'s."""
+    xp = b.xp
+    x = b.array(t)
+    if bias.shape != (x.shape[-1],):
+        raise ValueError(f"{name}: bias of shape {bias.shape} for rows of {x.shape[-1]}")
+    b.keep(bias)
+    if xp is np:
+        def run():
+            xp.add(x, bias, out=x)
+    else:
+        _contig(name, x, bias)
+        run = _model_launch("xp_add_bias", x.size, _dptr(x), _dptr(bias), ctypes.c_int64(x.shape[-1]),
+                            ctypes.c_int64(x.size))
+    return _custom(b, run, [t], x, name, ptr=t.contents.data)   # t's memory

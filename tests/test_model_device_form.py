@@ -1,0 +1,330 @@
+"""The model graph's device form (all-custom graphs over ``Model.device_weights``), on the CPU.
+
+``all_custom=True`` on a numpy cache builds the graph a CuPy cache gets -- every compute node a
+custom op of ``xp_ops`` -- and runs the ops' numpy paths. It must give the host graph's logits
+(NMSE <= 5e-4, same argmax) for small random llama / qwen2 GGUF files written here, under
+several splits and both KV modes. ``xp_ops.rope`` and ``xp_ops.get_rows`` are checked against
+ggml's own ``rope_ext`` / ``get_rows``; the CUDA source of the model ops compiles with NVRTC.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import ggml
+import numpy as np
+import pytest
+
+from ggml_attn import op as fa_op
+from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
+from ggml_attn.graph import xp_ops
+from ggml_attn.graph.build import GraphBuilder, build_ubatch_graph, check_device_graph
+from ggml_attn.graph.model import ROPE_NEOX, ROPE_NORMAL, HParams, load_gguf
+from ggml_attn.graph.model_device import DeviceWeights
+from ggml_attn.graph.model_graph import output_rows
+from ggml_attn.graph.model_runner import run_model_batch
+from ggml_attn.graph.plan import plan_ubatch
+
+GGML_TYPE_I32 = 26
+
+
+# ------------------------------------------------------------------ small GGUF files
+@dataclass(frozen=True)
+class Spec:
+    arch: str = "llama"
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 256
+    n_layer: int = 2
+    n_vocab: int = 256
+    tied: bool = False
+    rope_dim: int | None = None       # None: head_dim
+    rope_freqs: bool = False
+    rope_base: float = 10000.0
+    linear_scale: float | None = None
+    seed: int = 0
+
+
+SPECS = {
+    "llama": Spec(),
+    "qwen2-tied": Spec(arch="qwen2", tied=True, rope_base=1e6, seed=1),
+    "llama-freqs": Spec(rope_dim=32, rope_freqs=True, rope_base=5e5, linear_scale=2.0, seed=2),
+}
+
+
+def write_gguf(path: str, s: Spec) -> str:
+    import gguf
+    rng = np.random.default_rng(s.seed)
+    E, H, HKV, FF, V = s.n_embd, s.n_head, s.n_head_kv, s.n_ff, s.n_vocab
+    D = E // H
+    w = gguf.GGUFWriter(path, s.arch)
+    w.add_name(f"test-{s.arch}")
+    w.add_context_length(4096), w.add_embedding_length(E), w.add_block_count(s.n_layer)
+    w.add_feed_forward_length(FF), w.add_head_count(H), w.add_head_count_kv(HKV)
+    w.add_rope_freq_base(s.rope_base), w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(s.rope_dim or D)
+    if s.linear_scale:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(s.linear_scale)
+    w.add_file_type(1)
+    w.add_vocab_size(V)
+
+    def mat(n_out, n_in):   # numpy (n_out, n_in) = ggml [n_in, n_out]; unit-ish outputs
+        return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float16)
+
+    def norm(n):            # spread around 1
+        return rng.uniform(0.5, 1.6, n).astype(np.float32)
+
+    def bias(n):
+        return (rng.standard_normal(n) * 0.5).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", mat(V, E) * np.float16(4))
+    for il in range(s.n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", norm(E))
+        w.add_tensor(p + "attn_q.weight", mat(H * D, E) * np.float16(2))
+        w.add_tensor(p + "attn_k.weight", mat(HKV * D, E) * np.float16(2))
+        w.add_tensor(p + "attn_v.weight", mat(HKV * D, E))
+        if s.arch == "qwen2":
+            w.add_tensor(p + "attn_q.bias", bias(H * D))
+            w.add_tensor(p + "attn_k.bias", bias(HKV * D))
+            w.add_tensor(p + "attn_v.bias", bias(HKV * D))
+        w.add_tensor(p + "attn_output.weight", mat(E, H * D))
+        w.add_tensor(p + "ffn_norm.weight", norm(E))
+        w.add_tensor(p + "ffn_gate.weight", mat(FF, E))
+        w.add_tensor(p + "ffn_up.weight", mat(FF, E))
+        w.add_tensor(p + "ffn_down.weight", mat(E, FF))
+    w.add_tensor("output_norm.weight", norm(E))
+    if not s.tied:
+        w.add_tensor("output.weight", mat(V, E) * np.float16(3))
+    if s.rope_freqs:
+        w.add_tensor("rope_freqs.weight", rng.uniform(1.0, 8.0, (s.rope_dim or D) // 2).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("gguf_device_form"))
+
+
+_models: dict = {}
+
+
+def model_of(name: str, gguf_dir: str):
+    key = (name, gguf_dir)
+    if key not in _models:
+        _models[key] = load_gguf(write_gguf(os.path.join(gguf_dir, f"{name}.gguf"), SPECS[name]))
+    return _models[key]
+
+
+def nmse(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(((a - b) ** 2).sum() / (b ** 2).sum())
+
+
+def cache_for(model, unified: bool, n_seq: int = 4, n_ctx: int = 256) -> KVCache:
+    hp = model.hp
+    return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
+                   head_dim_k=hp.head_dim)
+
+
+# ------------------------------------------------------------------ the whole model
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode, unified", [("simple", True), ("equal", True), ("equal", False),
+                                           ("padded", True), ("padded", False)])
+def test_device_form_matches_host(gguf_dir, name, mode, unified):
+    m = model_of(name, gguf_dir)
+    rng = np.random.default_rng(7)
+    lens = [5, 1, 12, 7]
+    prompts = [rng.integers(0, m.hp.n_vocab, n).astype(np.int32) for n in lens]
+    host_c, dev_c = cache_for(m, unified), cache_for(m, unified)
+    batch = Batch.from_sequences(prompts, list(range(len(lens))))
+    ref = run_model_batch(host_c, batch, m, 8, mode, logits="all")
+    got = run_model_batch(dev_c, batch, m, 8, mode, logits="all", all_custom=True)
+    _check(got.logits, ref.logits, name)
+    # the caches hold the same K/V (store and RoPE agree), then a decode step from them
+    for s in range(len(lens)):
+        p1, k1, v1 = host_c.sequence_contents(s, 1)
+        p2, k2, v2 = dev_c.sequence_contents(s, 1)
+        assert np.array_equal(p1, p2)
+        assert nmse(k2, k1) < 5e-4 and nmse(v2, v1) < 5e-4
+    ids = list(range(len(lens)))
+    step = Batch(np.array([3, 17, 250, 64], dtype=np.int32),
+                 np.array([host_c.next_positions(ids)[s] for s in ids], dtype=np.int32), tuple((s,) for s in ids))
+    ref = run_model_batch(host_c, step, m, 8, mode)
+    got = run_model_batch(dev_c, step, m, 8, mode, all_custom=True)
+    _check(got.logits, ref.logits, name)
+
+
+# The numpy path of xp_ops' matmuls rounds each product to F16 (numpy's half matmul; the CUDA
+# path keeps F32), so logits differ from the host's by up to ~0.04 here (std ~3.5): a row whose
+# two largest host logits are closer than this margin may pick the other one.
+ARGMAX_MARGIN = 0.1
+
+
+def _check(got, ref, what):
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    e = nmse(got, ref)
+    assert e <= 5e-4, (what, e)
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > ARGMAX_MARGIN
+    assert clear.sum() >= len(ref) // 2, (what, "too few rows with a clear argmax to check")
+    bad = np.flatnonzero(clear & (got.argmax(-1) != ref.argmax(-1)))
+    assert not bad.size, (what, bad)
+
+
+def test_device_graph_is_all_custom(gguf_dir):
+    m = model_of("qwen2-tied", gguf_dir)
+    c = cache_for(m, False)
+    b = Batch.from_sequences([np.arange(6, dtype=np.int32), np.arange(3, dtype=np.int32)], [0, 1])
+    (ub, *_) = split_ubatches(b, 16, "padded")
+    plan = plan_ubatch(c, ub)
+    want = np.ones(b.n_tokens, dtype=bool)
+    g = build_ubatch_graph(c, plan, m.attn_config(), layer="model", model=m, tokens=b.tokens,
+                           out_rows=output_rows(ub, want), all_custom=True)
+    try:
+        assert g.device
+        check_device_graph(g.graph)
+        names = {ggml.ggml_get_name(ggml.ggml_graph_node(g.graph, i)).decode()
+                 for i in range(ggml.ggml_graph_n_nodes(g.graph))}
+        assert {"inp_embd", "q_rope_l0", "k_rope_l1", "v_bias_l0", "x_out"} <= names
+    finally:
+        g.free()
+
+
+# ------------------------------------------------------------------ device weights
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_device_weights_fold_and_size(gguf_dir, name):
+    m = model_of(name, gguf_dir)
+    dw = m.device_weights(np)
+    assert m.device_weights(np) is dw                  # built once
+    assert dw.nbytes == DeviceWeights.expected_nbytes(m)
+    assert dw.tied_copy == SPECS[name].tied
+    lw, dl = m.layers[1], dw.layers[1]
+    g = lw["attn_norm"].to_float()
+    assert np.array_equal(dl["wk"], (lw["wk"].to_float() * g[None, :]).astype(np.float16))
+    assert np.array_equal(dl["wd"], lw["wd"].to_float(np.float16))
+    assert all(a.dtype == np.float16 for d in dw.layers for k, a in d.items() if k.startswith("w"))
+    assert np.array_equal(dw.tok_embd, m.tok_embd.to_float(np.float16))
+    head = (m.output.to_float() * m.output_norm.to_float()[None, :]).astype(np.float16)
+    assert np.array_equal(dw.output, head)
+    if SPECS[name].tied:
+        assert not np.shares_memory(dw.output, dw.tok_embd)
+    assert set(dl) == set(k for k in lw if k not in ("attn_norm", "ffn_norm"))
+
+
+# ------------------------------------------------------------------ ops against ggml's
+def _builder(D=64, n_head_kv=2):
+    c = KVCache(16, 1, n_layer=1, n_head_kv=n_head_kv, head_dim_k=D)
+    return GraphBuilder(c, None, AttnConfig(n_layer=1, n_head=n_head_kv, n_head_kv=n_head_kv, head_dim=D),
+                        device=True, attention=None)
+
+
+def _compute(b):
+    cplan = ggml.ggml_graph_plan(b.gf, 2, None)
+    work = None
+    if cplan.work_size:
+        work = np.empty(cplan.work_size, dtype=np.uint8)
+        cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+    with fa_op.computing(b.gf):
+        assert ggml.ggml_graph_compute(b.gf, ctypes.byref(cplan)) == 0
+
+
+def _free(b):
+    ggml.ggml_free(b.ctx)
+    xp_ops.release(b.op_keys)
+
+
+def _hp(D, rope_dim, mode, base, freq_scale):
+    return HParams(arch="llama", name="t", n_layer=1, n_embd=D * 4, n_head=4, n_head_kv=4, head_dim=D, n_ff=1,
+                   n_vocab=1, n_ctx_train=4096, rms_eps=1e-5, rope_base=base, rope_dim=rope_dim, rope_mode=mode,
+                   rope_freq_scale=freq_scale)
+
+
+@pytest.mark.parametrize("mode", [ROPE_NORMAL, ROPE_NEOX])
+@pytest.mark.parametrize("rope_dim, freqs, bias, base, freq_scale", [
+    (64, False, False, 10000.0, 1.0), (64, True, False, 500000.0, 1.0), (32, False, True, 10000.0, 0.25),
+    (48, True, True, 1e6, 0.5)])
+def test_rope_matches_ggml(mode, rope_dim, freqs, bias, base, freq_scale):
+    D, nh, n_tok = 64, 3, 9
+    rng = np.random.default_rng(rope_dim + mode)
+    x = rng.standard_normal((n_tok, nh, D)).astype(np.float32)
+    pos = np.array([0, 1, 2, 7, 100, 4095, 31, 5, 60000], dtype=np.int32)
+    ff = rng.uniform(1.0, 16.0, rope_dim // 2).astype(np.float32) if freqs else None
+    bv = rng.standard_normal(nh * D).astype(np.float32) if bias else None
+    hp = _hp(D, rope_dim, mode, base, freq_scale)
+    b = _builder()
+    try:
+        xt = b.new(ggml.GGML_TYPE_F32, x.shape, np.float32, "x", x.copy())
+        pt = b.new(GGML_TYPE_I32, pos.shape, np.int32, "pos", pos.copy())
+        got = xp_ops.rope(b, xt, pt, hp, ff, bv, "rope")
+        src = xt
+        if bias:
+            bt = b.new(ggml.GGML_TYPE_F32, bv.shape, np.float32, "bias", bv.copy())
+            src = b.call(ggml.ggml_add, ggml.ggml_reshape_2d(b.ctx, xt, nh * D, n_tok), bt)
+            src = ggml.ggml_reshape_3d(b.ctx, src, D, nh, n_tok)
+        ft = b.new(ggml.GGML_TYPE_F32, ff.shape, np.float32, "ff", ff.copy()) if freqs else None
+        ref = b.call(ggml.ggml_rope_ext, src, pt, ft, rope_dim, mode, 4096, base, freq_scale, 0.0, 1.0, 32.0, 1.0)
+        b.expand(got), b.expand(ref)
+        _compute(b)
+        g, r = b.array(got), b.array(ref)
+        assert g.shape == r.shape == (n_tok, nh, D)
+        np.testing.assert_allclose(g, r, rtol=0, atol=2e-6)   # (a float32 ulp or two: cosf vs numpy)
+        np.testing.assert_array_equal(g[..., rope_dim:], r[..., rope_dim:])
+        assert not np.allclose(g[1:, :, :rope_dim], (x + (bv.reshape(nh, D) if bias else 0))[1:, :, :rope_dim])
+    finally:
+        _free(b)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_get_rows_matches_ggml(dtype):
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((50, 40)).astype(dtype)
+    ids = np.array([3, 0, 49, 3, 17], dtype=np.int32)
+    b = _builder()
+    try:
+        it = b.new(GGML_TYPE_I32, ids.shape, np.int32, "ids", ids.copy())
+        gtype = ggml.GGML_TYPE_F16 if dtype == np.float16 else ggml.GGML_TYPE_F32
+        tt = b.new(gtype, table.shape, dtype, "table", table.copy())
+        # an F32 table is a graph tensor (the residual stream), an F16 one an array (a weight)
+        got = xp_ops.get_rows(b, tt if dtype == np.float32 else table, it, "rows")
+        ref = b.call(ggml.ggml_get_rows, tt, it)
+        b.expand(got), b.expand(ref)
+        _compute(b)
+        assert b.array(got).dtype == np.float32
+        np.testing.assert_array_equal(b.array(got), b.array(ref))
+    finally:
+        _free(b)
+
+
+def test_add_bias_in_place():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    bias = rng.standard_normal(24).astype(np.float32)
+    b = _builder()
+    try:
+        xt = b.new(ggml.GGML_TYPE_F32, x.shape, np.float32, "x", x.copy())
+        y = xp_ops.add_bias(b, xt, bias, "vb")
+        b.expand(y)
+        _compute(b)
+        np.testing.assert_array_equal(b.array(y), x + bias)
+        assert y.contents.data == xt.contents.data
+    finally:
+        _free(b)
+
+
+# ------------------------------------------------------------------ the CUDA source compiles
+def test_model_ops_compile_with_nvrtc():
+    from ggml_attn import kernels as K
+    if not K.nvrtc_available():
+        pytest.skip("NVRTC library not installed")
+    for arch in ("sm_80", "sm_90"):
+        cubin, log = xp_ops.compile_model_ops(arch, extra_options=("-Xptxas=-v",))
+        assert len(cubin) > 1000
+        usage = K.resource_usage(log)
+        assert set(usage) >= set(xp_ops.MODEL_OPS_NAMES), usage
+        for name, u in usage.items():
+            assert u.get("spill_stores", 0) == 0, (arch, name, u)
