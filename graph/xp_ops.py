@@ -563,9 +563,26 @@ def get_rows(b, table, ids_t, name: str, *, own: bool = False):
     return _custom(b, run, srcs, out, name, ptr=b.ptr(out) if not own else None)
 
 
+_POWF: list = []
+
+
 def rope_theta_scale(hp) -> np.float32:
-    """ggml's ``theta_scale = powf(freq_base, -2.0f / n_dims)``, in float32."""
-    return np.float32(np.power(np.float32(hp.rope_base), np.float32(-2.0) / np.float32(hp.rope_dim)))
+    """ggml's ``theta_scale = powf(freq_base, -2.0f / n_dims)``: the C library's ``powf`` (numpy's
+    float32 power may be a SIMD approximation an ulp off, which the running product over the
+    pairs would carry into every angle); without one, the float64 power rounded to float32."""
+    expo = np.float32(-2.0) / np.float32(hp.rope_dim)
+    if not _POWF:
+        import ctypes.util  # noqa: PLC0415
+        try:
+            libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+            libm.powf.argtypes, libm.powf.restype = [ctypes.c_float, ctypes.c_float], ctypes.c_float
+            _POWF.append(libm.powf)
+        except (OSError, AttributeError):
+            _POWF.append(None)
+    powf = _POWF[0]
+    if powf is not None:
+        return np.float32(powf(float(np.float32(hp.rope_base)), float(expo)))
+    return np.float32(np.float64(np.float32(hp.rope_base)) ** np.float64(expo))
 
 
 def rope(b, t, positions, hp, freq_factors=None, bias=None, name: str = "rope"):

@@ -272,7 +272,7 @@ def test_rope_matches_ggml(mode, rope_dim, freqs, bias, base, freq_scale):
         _compute(b)
         g, r = b.array(got), b.array(ref)
         assert g.shape == r.shape == (n_tok, nh, D)
-        np.testing.assert_allclose(g, r, rtol=0, atol=2e-6)   # (a float32 ulp or two: cosf vs numpy)
+        np.testing.assert_allclose(g, r, rtol=0, atol=4e-6)   # (float32 ulps: cosf vs numpy's cos)
         np.testing.assert_array_equal(g[..., rope_dim:], r[..., rope_dim:])
         assert not np.allclose(g[1:, :, :rope_dim], (x + (bv.reshape(nh, D) if bias else 0))[1:, :, :rope_dim])
     finally:
@@ -328,3 +328,48 @@ def test_model_ops_compile_with_nvrtc():
         assert set(usage) >= set(xp_ops.MODEL_OPS_NAMES), usage
         for name, u in usage.items():
             assert u.get("spill_stores", 0) == 0, (arch, name, u)
+
+
+# ------------------------------------------------------------------ on a GPU (CuPy cache)
+def _gpu_or_skip():
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except Exception:  # noqa: BLE001
+        pass
+    pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen2-tied", "llama-freqs"])
+@pytest.mark.parametrize("mode, unified", [("simple", True), ("padded", False)])
+def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
+    """The CuPy kernels (get_rows, rope, bias; the dense ops' GEMV for the decode step, cuBLAS
+    for the prompt) against the host graph."""
+    cupy = _gpu_or_skip()
+    m = model_of(name, gguf_dir)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, m.hp.n_vocab, n).astype(np.int32) for n in (5, 1, 12, 7)]
+    hp = m.hp
+    host_c = cache_for(m, unified)
+    dev_c = KVCache(256, 4, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
+                    head_dim_k=hp.head_dim, xp="cupy")
+    batch = Batch.from_sequences(prompts, [0, 1, 2, 3])
+    ref = run_model_batch(host_c, batch, m, 8, mode, logits="all")
+    got = run_model_batch(dev_c, batch, m, 8, mode, logits="all")
+    cupy.cuda.get_current_stream().synchronize()
+    _check(got.logits, ref.logits, name)
+    ids = [0, 1, 2, 3]
+    for s in ids:   # RoPE'd K and biased V as stored (F16)
+        p1, k1, v1 = host_c.sequence_contents(s, 1)
+        p2, k2, v2 = dev_c.sequence_contents(s, 1)
+        assert np.array_equal(p1, p2)
+        assert nmse(k2, k1) < 1e-5 and nmse(v2, v1) < 1e-5, (s, nmse(k2, k1), nmse(v2, v1))
+    pos = host_c.next_positions(ids)
+    step = Batch(np.array([3, 17, 250, 64], dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
+                 tuple((s,) for s in ids))
+    ref = run_model_batch(host_c, step, m, 8, mode)
+    got = run_model_batch(dev_c, step, m, 8, mode)
+    _check(got.logits, ref.logits, name)
+    print(f"{name} {mode} unified={unified}: decode NMSE {nmse(got.logits, ref.logits):.3g}")
