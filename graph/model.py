@@ -96,13 +96,14 @@ class Weight:
         return int(self.data.ctypes.data)
 
     def to_float(self, dtype=np.float32) -> np.ndarray:
-        """All values, numpy order (``ne`` reversed), as ``dtype`` (dequantized by ggml)."""
+        """All values, numpy order (``ne`` reversed), as ``dtype`` (dequantized by ggml); an F32 or
+        F16 weight asked for in its own type is the file's memory, read-only."""
         from ggml_attn.quant import dequantize_rows  # noqa: PLC0415
         from ggml_attn.dtypes import STORAGE_DTYPES  # noqa: PLC0415
         shape = tuple(reversed(self.ne))
         np_dtype = STORAGE_DTYPES.get(self.type)
-        if np_dtype is not None and np_dtype is not np.uint16:   # F32 / F16: a plain view
-            return self.data.view(np_dtype).reshape(shape).astype(dtype)
+        if np_dtype is not None and np_dtype is not np.uint16:   # F32 / F16: a view (read-only) when no cast
+            return self.data.view(np_dtype).reshape(shape).astype(dtype, copy=False)
         ne0 = self.ne[0]
         out = dequantize_rows(self.ptr, self.type, ne0, self.n_rows, self.nbytes // self.n_rows)
         return out.reshape(shape).astype(dtype, copy=False)

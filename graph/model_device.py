@@ -28,13 +28,14 @@ __all__ = ["DeviceWeights", "fold_norm"]
 _QKV, _FFN = ("wq", "wk", "wv"), ("wg", "wu")
 
 
-def fold_norm(w: np.ndarray, g: np.ndarray, name: str) -> np.ndarray:
-    """F16 ``w * g[None, :]`` (``w`` float32 ``(n_out, n_in)``, ``g`` float32 ``(n_in,)``);
-    ValueError when a product leaves F16's range."""
-    out = (w * g[None, :]).astype(np.float16)
-    if not np.isfinite(out).all():
-        raise ValueError(f"{name}: the matrix times its RMS norm weight overflows F16 "
-                         f"(max |w * g| = {float(np.abs(w * g[None, :]).max()):.4g})")
+def fold_norm(w, g, name: str):
+    """F16 ``w * g[None, :]``, computed in float32 in ``w``'s array module (``w`` ``(n_out,
+    n_in)`` of any float type, ``g`` float32 ``(n_in,)``, both numpy or both CuPy); ValueError
+    when a product leaves F16's range."""
+    out = (w.astype(np.float32) * g[None, :]).astype(np.float16)
+    if not bool(np.isfinite(out).all()):
+        big = float(np.abs(w.astype(np.float32) * g[None, :]).max())
+        raise ValueError(f"{name}: the matrix times its RMS norm weight overflows F16 (max |w * g| = {big:.4g})")
     return out
 
 
@@ -56,13 +57,17 @@ class DeviceWeights:
 
     @classmethod
     def from_model(cls, model, xp=np) -> "DeviceWeights":
-        """Dequantize, fold and copy every weight of ``model`` to ``xp`` (one matrix at a time in
-        host float32 memory). Build it once per model and array module (``Model.device_weights``)."""
+        """Dequantize, copy and fold every weight of ``model`` to ``xp`` (one matrix at a time: an
+        F16 file's matrices go up as they are and are folded in ``xp``, others are dequantized to
+        float32 on the host first). Build it once per model and array module (``Model.device_weights``)."""
         def to_xp(a):
             return xp.asarray(np.ascontiguousarray(a))
 
         def f32(w):
-            return w.to_float(np.float32)
+            return to_xp(w.to_float(np.float32))
+
+        def to_fold(w):   # an F16 file's matrix uploads as it is (no float32 copy on the host)
+            return to_xp(w.to_float(np.float16 if w.type_name == "F16" else np.float32))
 
         layers = []
         for il, lw in enumerate(model.layers):
@@ -70,15 +75,15 @@ class DeviceWeights:
             for keys, norm in ((_QKV, "attn_norm"), (_FFN, "ffn_norm")):
                 g = f32(lw[norm])
                 for k in keys:
-                    d[k] = to_xp(fold_norm(f32(lw[k]), g, lw[k].name))
+                    d[k] = fold_norm(to_fold(lw[k]), g, lw[k].name)   # on the device for CuPy
             for k in ("wo", "wd"):
                 d[k] = to_xp(lw[k].to_float(np.float16))
             for k in ("bq", "bk", "bv"):
                 if k in lw:
-                    d[k] = to_xp(f32(lw[k]))
+                    d[k] = f32(lw[k])
             layers.append(d)
-        out = to_xp(fold_norm(f32(model.output), f32(model.output_norm), model.output.name))
-        ff = None if model.rope_freqs is None else to_xp(f32(model.rope_freqs))
+        out = fold_norm(to_fold(model.output), f32(model.output_norm), model.output.name)
+        ff = None if model.rope_freqs is None else f32(model.rope_freqs)
         return cls(xp, to_xp(model.tok_embd.to_float(np.float16)), out, layers, ff, model.tied_output)
 
     def arrays(self) -> list:
