@@ -15,7 +15,9 @@ Typical use::
 Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -> ``plan`` ->
 ``auto`` (chooses a split by dry-running plans; ``split`` knows nothing of it) -> ``build``
 (ggml graph: ``kv_graph`` the cache's views and store op, ``layers`` the layer functions,
-``xp_ops`` the full block's custom ops); ``driver`` is the decode loop over an engine,
+``xp_ops`` the full block's custom ops); ``model`` loads a GGUF model, ``model_graph`` builds its
+block (RoPE, norms, embedding, head), ``model_runner`` runs token ids to logits
+(``run_model_batch``, ``greedy``); ``driver`` is the decode loop over an engine,
 ``runner.run_batch`` drives it with deterministic Q/K/V; ``describe`` prints plans. ``split_ubatches`` here is
 ``auto.split_ubatches``: every mode, ``auto`` included.
 """
@@ -30,8 +32,11 @@ from . import driver
 from .driver import BatchError, BatchInterrupted, BatchResult
 from .runner import run_batch
 from .describe import compare_strategies, describe_plan, format_table
+from .model import Model, ModelError, load_gguf
+from .model_runner import ModelResult, greedy, run_model_batch
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
            "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "AutoChoice", "CostModel", "choose_split",
-           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan", "format_table"]
+           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan", "format_table",
+           "Model", "ModelError", "load_gguf", "ModelResult", "run_model_batch", "greedy"]
