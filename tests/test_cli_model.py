@@ -1,0 +1,83 @@
+"""``-m FILE.gguf`` in the CLIs runs the file's own weights (``--layer model``): the engine's
+graphs (built once per structure and output count, then reused with ``load_plan``) give the
+logits ``run_model_batch`` gives for the same batches, on host graphs and on all-custom graphs
+(the GPU engine's form, over numpy arrays)."""
+import numpy as np
+import pytest
+
+import fixtures_gguf
+from ggml_attn import reference
+from ggml_attn.cli.errors import UserError
+from ggml_attn.cli.host_engine import HostEngine
+from ggml_attn.cli.models import resolve
+from ggml_attn.cli.runner import RunConfig, Runner
+from ggml_attn.graph import KVCache
+from ggml_attn.graph.model import load_gguf
+from ggml_attn.graph.model_runner import run_model_batch
+
+LENGTHS = [3, 9, 5, 12]
+
+
+class AllCustomHostEngine(HostEngine):
+    all_custom = True
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return fixtures_gguf.fixture_path("llama-f16", str(tmp_path_factory.mktemp("gguf")))
+
+
+def cli_logits(path, split, unified, engine_cls=HostEngine):
+    """Prompts then three decode steps through the CLI's runner: the batches and, per ubatch,
+    the logits of its output rows."""
+    r = Runner(RunConfig(resolve(path), n_ctx=len(LENGTHS) * 256, n_seq=len(LENGTHS), kv_unified=unified,
+                         split=split, layer="model", n_ubatch=8, device="cpu", n_threads=2))
+    if engine_cls is not HostEngine:
+        r.engine.close()
+        r.engine = engine_cls(r.cfg, r.cache)
+    eng, got, run = r.engine, [], r.engine.run_ubatch
+
+    def run_ubatch(plan):
+        run(plan)
+        got.append(np.array(eng._keep[1]))
+    eng.run_ubatch = run_ubatch
+    batches = [r.prompt_batch(LENGTHS)] + [None] * 3
+    try:
+        r.decode(batches[0])
+        for i in range(1, 4):
+            batches[i] = r.step_batch(list(range(len(LENGTHS))))
+            r.decode(batches[i])
+        return batches, got, eng
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("split, unified", [("simple", True), ("equal", False), ("padded", False),
+                                            ("auto", True)])
+def test_cli_model_engine_matches_run_model_batch(gguf, split, unified):
+    batches, got, _ = cli_logits(gguf, split, unified)
+    model = load_gguf(gguf)
+    hp = model.hp
+    cache = KVCache(len(LENGTHS) * 256, len(LENGTHS), unified=unified, n_layer=hp.n_layer,
+                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+    want = [run_model_batch(cache, b, model, 8, split).logits for b in batches]
+    # the prompt's output rows come in ubatch order, a sequence's last token where it lands
+    n_prompt_ub = len(got) - 3
+    prompt = np.concatenate(got[:n_prompt_ub])
+    assert prompt.shape == want[0].shape
+    assert reference.nmse(np.sort(prompt, axis=0), np.sort(want[0], axis=0)) < 1e-10   # the same rows
+    for g, w in zip(got[n_prompt_ub:], want[1:]):    # a decode step: one ubatch, batch order
+        assert reference.nmse(g, w) < 1e-10
+
+
+def test_cli_model_engine_all_custom_form(gguf):
+    _, host, _ = cli_logits(gguf, "equal", False)
+    _, cust, eng = cli_logits(gguf, "equal", False, AllCustomHostEngine)
+    assert len(host) == len(cust) >= 4
+    for a, b in zip(host, cust):
+        assert np.isfinite(b).all() and reference.nmse(b, a) < 5e-4
+
+
+def test_cli_model_needs_a_gguf():
+    with pytest.raises(UserError, match="needs|give -m FILE.gguf"):
+        RunConfig(resolve("tiny"), n_ctx=256, layer="model", device="cpu")
