@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--crossover] [--profile]
+#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
 #                      [--profile-case CASE] [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
 #
 # --profile: ncu on tools/gpu_profile_case.py's "masked" case (the mma.sync prefill);
 # --profile-case CASE: on another of its cases ("wgmma": the sm_90a prefill; WGMMA_CONFIG).
+#
+# --llamacpp: llama.cpp and ours on one 8B-shaped F16 GGUF (tools/llamacpp_side_by_side.py; carry
+# .lcpp/src.tar.gz, llama.cpp's source tree: the vendor/llama.cpp of the llama-cpp-python sdist);
+# $OUT/side_by_side.json and a table. The GPU tests include the model's logits against llama.cpp's
+# (tests/test_model.py, gpu-marked).
 #
 # --ab-prompt: the 8B batched bench's prompt phase with whole-cache prompt ubatches against the
 # coarse n_kv of before (tools/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
@@ -19,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -27,6 +32,7 @@ while [ $# -gt 0 ]; do
     --no-sanitize) SAN=0;;
     --no-bench) BENCH=0;;
     --no-cli) CLI=0;;
+    --llamacpp) LCPP=1;;
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
     --profile) PROF=1;;
@@ -115,6 +121,12 @@ if [ $BENCH = 1 ]; then
   $PY tools/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
   tail -45 "$OUT/bench.log"
 fi
+if [ $LCPP = 1 ]; then
+  echo "== llama.cpp side by side (8B-shaped F16 GGUF)"
+  $PY tools/llamacpp_side_by_side.py --out "$OUT" || status=1
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
+fi
+
 if [ $CLI = 1 ]; then
   # the CLI on the GPU (llama-3-8B shapes): tg128, attention only and the full block, with and
   # without CUDA-graph replay; one JSON row per run appended to $OUT/cli.jsonl (one file: the
