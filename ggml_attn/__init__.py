@@ -4,6 +4,10 @@
 """
 import os as _os
 
+from . import _cli_start
+
+_cli_start.early_setup()   # the console scripts only: Ctrl-C and thread settings before the imports
+
 # ggml's graph threads are OpenMP threads. With OpenMP's default active waiting, the threads
 # that finished a node spin while another runs the op's Python callback, which made the
 # numpy path about 20x slower on 2 cores. Passive waiting, unless the user chose otherwise

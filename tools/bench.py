@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import datetime
 import sys
-import time
 
 from . import format_bench as fmt
 from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
                    parse_int_range, parse_pair_list, str_list)
-from .common import Progress, build_info, console_main, cpu_info, default_threads, gpu_info
+from .common import (Progress, build_info, console_main, cpu_info, default_threads, gpu_info,
+                     interruptible_sleep)
 from . import multi_gpu
 from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
@@ -282,7 +282,7 @@ def _main(argv=None) -> int:
     try:
         for idx, inst in enumerate(insts, 1):
             if ns.delay:
-                time.sleep(ns.delay)
+                interruptible_sleep(ns.delay)
             progress(idx, "starting")
             if _runner_key(inst) != key:
                 if runner is not None:

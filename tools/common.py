@@ -9,6 +9,8 @@ import sys
 import time
 from functools import lru_cache
 
+from .errors import EXIT_USER_ERROR
+
 
 @lru_cache(maxsize=1)
 def build_info() -> tuple[str, int]:
@@ -70,17 +72,9 @@ class Progress:
             print(f"{self.prog}: benchmark {index}/{self.total}: {what}", file=sys.stderr, flush=True)
 
 
-# Threading environment the tools want, read by libgomp and OpenBLAS when they load.
-THREAD_ENV = {
-    # ggml's CPU backend uses OpenMP; with libgomp's default (active) waiting its idle
-    # threads spin on the cores the Python side needs between ubatches and while
-    # flash_attn_ext's callbacks wait for the GIL: a decode step of the tiny preset took
-    # ~45 ms on 2 threads instead of ~2 ms.
-    "OMP_WAIT_POLICY": "passive",
-    # flash_attn_ext's CPU path calls numpy inside ggml's OpenMP threads; a multithreaded
-    # OpenBLAS there nests thread pools ("Detect OpenMP Loop and this application may hang").
-    "OPENBLAS_NUM_THREADS": "1",
-}
+# Threading environment the tools want (read by libgomp and OpenBLAS when they load); the
+# console scripts set it before those load (ggml_attn._cli_start), in-process callers here
+from ggml_attn._cli_start import THREAD_ENV  # noqa: E402
 
 
 def prefer_passive_omp(argv) -> None:
@@ -147,6 +141,18 @@ def install_sigint_flag() -> None:
         pass
 
 
+def interruptible_sleep(seconds: float) -> None:
+    """``time.sleep`` that a Ctrl-C ends at once: the SIGINT flag's handler does not raise, and
+    a plain sleep resumes after it (PEP 475), so ``--delay 30`` ran on for 28 s after Ctrl-C."""
+    end = time.monotonic() + seconds
+    while True:
+        check_interrupt()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(0.1, left))
+
+
 def check_interrupt() -> None:
     """Raise KeyboardInterrupt when Ctrl-C was pressed since :func:`install_sigint_flag`."""
     if _interrupt["flag"]:
@@ -157,8 +163,15 @@ def check_interrupt() -> None:
 def console_main(prog: str, main_fn, argv=None) -> int:
     """What both console scripts do around ``main_fn(argv)``: thread environment, quiet
     Ctrl-C inside op callbacks, a SIGINT flag on real command lines (not for tests calling in
-    process), and user errors as one stderr line with exit 2 (:func:`errors.run_cli`)."""
-    from .errors import run_cli
+    process), and user errors as one stderr line with exit 2 (:func:`errors.run_cli`); a
+    stdout closed from the start is one such line too."""
+    from .errors import UserError, fail_line, run_cli
+    if sys.stdout is None:   # started with stdout closed (`>&-`): nowhere to print the rows
+        try:
+            print(fail_line(prog, str(UserError("cannot write to stdout: it is closed"))), file=sys.stderr)
+        except (OSError, AttributeError):
+            pass
+        return EXIT_USER_ERROR
     prefer_passive_omp(argv)
     quiet_interrupts()
     if argv is None:
