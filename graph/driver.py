@@ -3,7 +3,8 @@
 :func:`decode` is what ``runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
 llama.cpp's ``llama_decode`` does: validate the batch against the cache -> split it into
 ubatches (``auto`` included: its dry-run plans are applied as they are, nothing is planned
-twice) -> check that every ubatch fits (``KVCache.prepare``) -> per ubatch, in a cache
+twice) -> check that every ubatch fits (``KVCache.prepare``; a ``padded`` split whose pads alone
+do not fit runs as ``equal``, :func:`_fit`) -> per ubatch, in a cache
 transaction: plan (``plan_ubatch`` with the config's ``n_swa`` and ALiBi), ``engine.run_ubatch``,
 free the pads.
 
@@ -21,7 +22,7 @@ llama.cpp's decode keeps them), and :class:`BatchError` (or :class:`BatchInterru
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -100,11 +101,42 @@ def _stage(stage: str, on_error, fn):
 def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None):
     """``(ubatches, plans)``: ``auto`` on a cache asks for its choice and hands back the plans it
     dry-ran on the cache as it is now (None when it chose without dry runs); the other modes
-    split only (plans None). Changes nothing."""
+    split only (plans None); ``padded`` on a cache whose room its pads exceed gives the split
+    :func:`decode` runs instead (:func:`_fit`). Changes nothing."""
+    ubs, plans = _split(cache, batch, n_ubatch, mode, cfg)
+    if mode == "padded" and cache is not None:
+        try:
+            ubs = _fit(cache, batch, ubs, n_ubatch, mode)
+        except KVCacheFullError:
+            pass   # decode's prepare stage reports it
+    return ubs, plans
+
+
+def _split(cache, batch, n_ubatch, mode, cfg):
     if mode == "auto":
         choice = choose_split(batch, n_ubatch, cache=cache, cfg=cfg)
         return choice.ubatches, choice.plans
     return split_ubatches(batch, n_ubatch, mode), None
+
+
+def _fit(cache: KVCache, batch: Batch, ubs: list[UBatch], n_ubatch: int, mode: str) -> list[UBatch]:
+    """``ubs`` once they are found to fit the cache one after another (``KVCache.prepare``),
+    the one place where a split meets the cache's room. A ``padded`` split whose pad rows do not
+    fit (a padded ubatch holds its pad cells until it is done, so a cache with room for the real
+    tokens can be short of them) gives way to the ``equal`` split of the same batch, which has no
+    pads: a batch whose real tokens fit is never refused for its pads. Raises
+    :class:`KVCacheFullError` when the real tokens do not fit."""
+    try:
+        cache.prepare(ubs)
+        return ubs
+    except KVCacheFullError as e:
+        if mode != "padded" or not any(u.n_pad for u in ubs):
+            raise
+        why = e
+    equal = split_ubatches(batch, n_ubatch, "equal")
+    cache.prepare(equal)   # KVCacheFullError: the real tokens do not fit either
+    note = f"padded: the pad rows do not fit the cache ({why}); the equal split instead, no pads"
+    return [replace(u, reason=note) for u in equal]
 
 
 def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: AttnConfig, *,
@@ -117,11 +149,12 @@ def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: 
     what a :class:`BatchError`'s ``.result`` carries."""
     if validate:
         _stage("validate", on_error, lambda: cache.validate(batch))
-    made = None
-    if ubatches is None:
-        ubatches, made = _stage("split", on_error, lambda: split_batch(cache, batch, n_ubatch, mode, cfg))
+    made, given = None, ubatches is not None
+    if not given:
+        ubatches, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))
     if made is None:  # (auto's dry run already placed every ubatch one after another)
-        _stage("prepare", on_error, lambda: cache.prepare(ubatches))
+        fit_mode = mode if not given else "given"   # a split the caller made is run as it is
+        ubatches = _stage("prepare", on_error, lambda: _fit(cache, batch, ubatches, n_ubatch, fit_mode))
     plans: list[UBatchPlan] = []
     for i, ub in enumerate(ubatches):
         try:

@@ -89,6 +89,41 @@ def test_prepare_accounts_for_freed_pads():
     assert len(slots) == 1 and c.pos.max() == -1  # unchanged
 
 
+@pytest.mark.parametrize("unified", [True, False])
+def test_padded_runs_when_only_its_pads_do_not_fit(unified):
+    """run_batch with a cache just large enough for the real tokens: the padded ubatch (2x200,
+    197 pad rows; or 240 cells of sequence 0 plus 16 rows in its stream) does not fit, the batch
+    still goes through (as the equal split, the same outputs), and the reason says so. A batch
+    whose real tokens do not fit is still refused."""
+    from ggml_attn.graph import AttnConfig, run_batch
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=32)
+    if unified:   # 256 cells: 203 real tokens fit, 400 padded rows do not
+        first, batch = None, Batch.from_lengths([3, 200])
+    else:         # 2 streams of 256: sequence 0 holds 250, gets 3 more (real 253) padded to 16 (266)
+        first = Batch.from_lengths([250], seq_ids=[0])
+        batch = Batch.from_lengths([3, 16], start_pos={0: 250})
+
+    def cache():
+        c = KVCache(256 if unified else 512, 2, unified=unified, n_head_kv=1, head_dim_k=32)
+        if first is not None:
+            run_batch(c, first, 512, "equal", cfg)
+        return c
+    c = cache()
+    padded = split_ubatches(batch, 512, "padded")
+    assert len(padded) == 1 and padded[0].n_pad > 0
+    with pytest.raises(KVCacheFullError):
+        c.prepare(padded)              # the pads are what does not fit
+    got = run_batch(c, batch, 512, "padded", cfg)
+    assert sum(p.ubatch.n_pad for p in got.plans) == 0
+    assert all("pad rows do not fit" in p.ubatch.reason for p in got.plans)
+    assert c.n_used(0) + (c.n_used(1) if not unified else 0) == batch.n_tokens + (250 if first else 0)
+    ref = run_batch(cache(), batch, 512, "equal", cfg)
+    np.testing.assert_array_equal(got.out, ref.out)
+    too_many = Batch.from_lengths([60, 200]) if unified else Batch.from_lengths([7, 16], start_pos={0: 250})
+    with pytest.raises(KVCacheFullError):
+        run_batch(cache(), too_many, 512, "padded", cfg)
+
+
 def test_seq_rm_cp_keep_add_unified():
     c = KVCache(256, 3, unified=True)
     place_all(c, Batch.from_lengths([4], seq_ids=[0]), 64, "simple")
