@@ -134,3 +134,30 @@ def test_split_kv_sized_for_every_row_of_the_largest_b(capsys):
     assert rc == 0, err
     rows = [json.loads(l) for l in out.splitlines()]
     assert [r["prompt_lens"] for r in rows] == [[258], [197, 161]]
+
+
+def test_rows_over_c_are_skipped_like_llama_batched_bench(capsys):
+    """llama-batched-bench's own usage line (-c 2048 -npl 1,2,4,8,16,32) has rows whose N_KV
+    exceeds -c: it skips them; the first one aborted the run here. One stderr line names them."""
+    rc, out, err = _run(capsys, "-c", "256", "-npp", "16", "-ntg", "16", "-npl", "1,2,4,8,16", "-kvu",
+                        "--device", "cpu", "-o", "jsonl")
+    assert rc == 0, err
+    assert [json.loads(line)["pl"] for line in out.splitlines()] == [1, 2, 4, 8]
+    assert err.count("\n") == 1 and "skipping 1 row(s) that do not fit -c 256: B=16 PP=16 TG=16 (N_KV 512)" in err
+    # split KV: 8 streams of 256 cells are short of 8 x 257; 4 streams of 512 hold B <= 4
+    rc, out, err = _run(capsys, "-c", "2048", "-npp", "128", "-ntg", "128", "-npl", "1,2,4,8,16,32",
+                        "--device", "cpu", "--plan", "-o", "jsonl")
+    assert rc == 0, err
+    assert [json.loads(line)["pl"] for line in out.splitlines()] == [1, 2, 4]
+    assert err.count("\n") == 1 and "skipping 3 row(s)" in err
+    assert "B=16 PP=128 TG=128 (N_KV 4096)" in err and "B=8 PP=128 TG=128 (split 'equal' needs 2056 cells in 8 streams)" in err
+
+
+def test_padded_with_c_for_the_real_tokens_runs(capsys):
+    """-c holds the real tokens (205 cells of 256) but not the padded ubatch (2x200): the row
+    runs (as the equal split, no pads) instead of a context overflow before the run."""
+    rc, out, err = _run(capsys, "--prompt-lens", "3,200", "-ntg", "1", "--split", "padded", "-kvu", "-c", "256",
+                        "--device", "cpu", "-o", "jsonl")
+    assert rc == 0 and err == "", err
+    row = json.loads(out)
+    assert row["split"] == "padded" and row["n_pad"] == 0 and row["n_kv"] == 205

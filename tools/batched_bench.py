@@ -31,7 +31,7 @@ from .output import SafeWriter, save_error
 from .placement import check_ngl, device_for_ngl
 from .plans import print_plans
 from .progress import ProgressBar
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_context, check_kernel,
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel,
                      check_threads, default_split, effective_ubatch, resolve_device)
 from .verbose import Verbose
 
@@ -146,6 +146,62 @@ def splits_of(ns) -> list[str]:
     return out
 
 
+def row_label(row) -> str:
+    return f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']}"
+
+
+def rows_that_fit(ns, rows: list[dict], splits: list[str]) -> list[dict]:
+    """With ``-c``, the rows that fit it, as llama-batched-bench runs them: a row whose N_KV
+    (its n_ctx_req) exceeds the context is skipped (llama-batched-bench's usage line, ``-c 2048
+    -npl 1,2,4,8,16,32``, has such rows), and so is one whose sequences do not fit the streams
+    of a split KV cache (each of B streams holds -c/B cells). One line on stderr names the
+    skipped rows; when none is left, the first one's overflow is the UserError."""
+    if not ns.ctx_size:
+        return rows
+    c, skipped, first = ns.ctx_size, [], None
+    fits = []
+    for r in rows:
+        req = ctx_needed(r, ns.pps, True, ns.ubatch_size)[0]
+        if req > c:
+            skipped.append(f"{row_label(r)} (N_KV {req})")
+            first = first or f"context overflow: {row_label(r)} needs {req} KV cells but the context holds {c}"
+        else:
+            fits.append(r)
+    def layout_miss(r, n_seq):
+        """(split, cells needed, cells held) when ``r`` does not fit ``n_seq`` streams, else None."""
+        for split in splits:
+            kvu = strategy_kv(split, ns.kv_unified)
+            ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq, pads=False)[1]
+            if ours > cache_capacity(c, n_seq, kvu):
+                return split, kvu, ours
+        return None
+
+    # the cache has as many streams as the largest B it serves; fewer streams are larger, so
+    # keep the stream count that lets the most rows run (ties: the larger B)
+    best = []
+    for n_seq in sorted({r["pl"] for r in fits}, reverse=True):
+        kept = [r for r in fits if r["pl"] <= n_seq and layout_miss(r, n_seq) is None]
+        if len(kept) > len(best):
+            best = kept
+    kept = best
+    n_seq = max((r["pl"] for r in kept), default=max((r["pl"] for r in fits), default=1))
+    for r in fits:
+        if r in kept:
+            continue
+        split, kvu, ours = layout_miss(r, max(n_seq, r["pl"])) or ("", True, 0)
+        n = max(n_seq, r["pl"])
+        skipped.append(f"{row_label(r)} (split '{split}' needs {ours} cells in {n} streams)")
+        kv = "unified KV" if kvu else f"split KV, {n} streams of -c/{n} cells"
+        first = first or (f"context overflow: split '{split}' ({kv}) needs {ours} KV cells but "
+                          f"-c {c} holds {cache_capacity(c, n, kvu)}; raise -c (or 0: sized automatically)")
+    if not kept:
+        raise UserError(first)
+    if skipped:
+        print(f"{PROG}: skipping {len(skipped)} row(s) that do not fit -c {c}: {', '.join(skipped)}",
+              file=sys.stderr, flush=True)
+    return kept
+
+
 def run_row(runner: Runner, row: dict, pps: bool) -> dict:
     """llama-batched-bench's body for one row on an empty cache; returns timings and counts."""
     lens = lens_of(row)
@@ -189,24 +245,15 @@ def _main(argv=None) -> int:
     splits = splits_of(ns)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
         raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
+    rows = rows_that_fit(ns, rows, splits)
     n_seq = max(r["pl"] for r in rows)
-    # size the caches once, for the largest row of every strategy; -c is a hard limit
+    # size the caches once, for the largest row of every strategy; -c is a hard limit (a padded
+    # ubatch whose pads do not fit it runs as equal: graph.driver), 0 leaves room for the pads
     cells = {}
     for split in splits:
         kvu = strategy_kv(split, ns.kv_unified)
-        need = 0
-        for r in rows:
-            req, ours = ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq,
-                                   pads=split in ("padded", "auto"))
-            if ns.ctx_size:
-                check_context(req, ns.ctx_size,
-                              f"B={r['pl']} PP={fb.pp_label(dict(r, pp=r['pp'] or 0))} TG={r['tg']}")
-            need = max(need, ours)
-        if ns.ctx_size and need > cache_capacity(ns.ctx_size, n_seq, kvu):
-            kv = "unified KV" if kvu else f"split KV, {n_seq} streams of -c/{n_seq} cells"
-            raise UserError(f"context overflow: split '{split}' ({kv}) needs {need} KV cells but "
-                            f"-c {ns.ctx_size} holds {cache_capacity(ns.ctx_size, n_seq, kvu)}; "
-                            f"raise -c (or 0: sized automatically)")
+        need = max(ctx_needed(r, ns.pps, kvu, ns.ubatch_size, n_seq=n_seq,
+                              pads=split in ("padded", "auto"))[1] for r in rows)
         cells[split] = ns.ctx_size or need  # an explicit -c is what the cache gets
 
     runners: dict = {}
@@ -259,7 +306,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1
-                what = f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']} split={split}"
+                what = f"{row_label(row)} split={split}"
                 progress(idx, f"starting {what}")
                 runner = runner_for(split)
                 if ns.warmup:
