@@ -225,3 +225,21 @@ def test_batched_verbose_describes_runs_on_stderr(capsys):
     assert "split=equal: prompt: ubatches 3x1 2x1 1x1" in err and "split=padded: prompt: ubatches 3x3" in err
     rc, _, err = _batched(capsys, "--prompt-lens", "1-3", "-ntg", "1", *FAST)
     assert rc == 0 and err == ""
+
+
+@pytest.mark.parametrize("tool", ["bench", "batched"])
+def test_ngl_without_a_gpu_says_it_runs_on_the_cpu(capsys, monkeypatch, tool):
+    """-ngl 99 and no GPU: the CPU, as llama-bench, but no longer silently."""
+    from ggml_attn.cli import runner
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    if tool == "bench":
+        rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", "-ngl", "99",
+                              "-t", "1", "--n-layer", "1")
+        prog = "ggml-attn-bench"
+    else:
+        rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "-o", "jsonl", "-ngl", "99",
+                                "-t", "1", "--n-layer", "1")
+        prog = "ggml-attn-batched-bench"
+    assert rc == 0, err
+    assert json.loads(out)["n_gpu_layers"] == 0
+    assert err == f"{prog}: -ngl 99: no GPU is available (CuPy and a CUDA device are needed), so it runs on the CPU (n_gpu_layers 0)\n"

@@ -28,11 +28,11 @@ from .errors import UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .output import SafeWriter, save_error
-from .placement import check_ngl, device_for_ngl
+from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
 from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel,
-                     check_threads, default_split, effective_ubatch, resolve_device)
+                     check_threads, default_split, effective_ubatch)
 from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
@@ -188,8 +188,12 @@ def rows_that_fit(ns, rows: list[dict], splits: list[str]) -> list[dict]:
     for r in fits:
         if r in kept:
             continue
-        split, kvu, ours = layout_miss(r, max(n_seq, r["pl"])) or ("", True, 0)
         n = max(n_seq, r["pl"])
+        miss = layout_miss(r, n)
+        if miss is None:   # it fits its own streams, but fewer rows fit those
+            skipped.append(f"{row_label(r)} (its {n} streams would leave out more rows)")
+            continue
+        split, kvu, ours = miss
         skipped.append(f"{row_label(r)} (split '{split}' needs {ours} cells in {n} streams)")
         kv = "unified KV" if kvu else f"split KV, {n} streams of -c/{n} cells"
         first = first or (f"context overflow: split '{split}' ({kv}) needs {ours} KV cells but "
@@ -232,7 +236,7 @@ def _main(argv=None) -> int:
     check_threads(ns.threads)
     plot.check_plot_available(ns.plot)
     ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
-    device = resolve_device(device_for_ngl(ngl, ns.device))
+    device = resolve_ngl_device(ngl, ns.device)
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
@@ -246,6 +250,7 @@ def _main(argv=None) -> int:
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
         raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
     rows = rows_that_fit(ns, rows, splits)
+    note_cpu_fallback(ngl, device, PROG)
     n_seq = max(r["pl"] for r in rows)
     # size the caches once, for the largest row of every strategy; -c is a hard limit (a padded
     # ubatch whose pads do not fit it runs as equal: graph.driver), 0 leaves room for the pads

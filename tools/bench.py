@@ -26,11 +26,10 @@ from .kv_types import CACHE_TYPES, check_cache_types
 from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
-from .placement import check_ngl, device_for_ngl
+from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
-                     check_context, check_kernel, check_threads, default_split, effective_ubatch,
-                     resolve_device)
+                     check_context, check_kernel, check_threads, default_split, effective_ubatch)
 
 PROG = "ggml-attn-bench"
 # llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
@@ -263,10 +262,11 @@ def _main(argv=None) -> int:
                        ("n_gpu_layers", "-ngl")):
         if dest in ns.explicit and not getattr(ns, dest):   # a range A-B with B < A gives no values
             raise UserError(f"{flag} gives no values (a range A-B with B < A is empty)")
-    device = resolve_device(device_for_ngl(ns.n_gpu_layers, ns.device))
+    device = resolve_ngl_device(ns.n_gpu_layers, ns.device)
     insts = instances(ns, device)
     if not insts:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
+    note_cpu_fallback(ns.n_gpu_layers, device, PROG)
     backend = "CUDA" if device == "cuda" else "CPU"
     commit, number = build_info()
     columns, build = md_columns(ns, insts, backend), f"{commit} ({number})"

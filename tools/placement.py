@@ -7,6 +7,8 @@ auto``); a partial offload, or several values in one run, is a UserError that sa
 """
 from __future__ import annotations
 
+import sys
+
 from .errors import UserError
 
 
@@ -34,3 +36,19 @@ def check_ngl(ngl: list[int] | None, model) -> None:
             raise UserError(f"-ngl {n}: ggml-attn runs all layers on one device, so partial offload "
                             f"has no meaning here; -ngl 0 (CPU path) or -ngl {model.n_layer} or more "
                             f"(all {model.n_layer} layers of {model.name} on the GPU)")
+
+
+def resolve_ngl_device(ngl: list[int] | None, device: str) -> str:
+    """``cpu`` or ``cuda`` for ``-ngl`` and ``--device`` (``runner.resolve_device`` of
+    :func:`device_for_ngl`); ``-ngl N > 0`` with ``--device auto`` and no usable GPU is the CPU,
+    as in llama-bench, and :func:`note_cpu_fallback` says so."""
+    from .runner import resolve_device
+    return resolve_device(device_for_ngl(ngl, device))
+
+
+def note_cpu_fallback(ngl: list[int] | None, device: str, prog: str) -> None:
+    """One stderr line when ``-ngl N > 0`` runs on the CPU for want of a GPU (the rows record
+    n_gpu_layers 0); the tools call it once their arguments are checked, before running."""
+    if device == "cpu" and ngl and max(ngl) > 0:
+        print(f"{prog}: -ngl {max(ngl)}: no GPU is available (CuPy and a CUDA device are needed), "
+              f"so it runs on the CPU (n_gpu_layers 0)", file=sys.stderr, flush=True)
