@@ -189,7 +189,7 @@ def test_verbose_describes_the_run_on_stderr(capsys):
 
 def test_delay_sleeps_between_tests(capsys, monkeypatch):
     slept = []
-    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    monkeypatch.setattr(bench, "interruptible_sleep", slept.append)
     rc, _, err = _bench(capsys, "-p", "8,16", "-n", "0", "-r", "1", "--no-warmup", "--delay", "3", *FAST)
     assert rc == 0, err
     assert slept == [3, 3]
@@ -243,3 +243,33 @@ def test_ngl_without_a_gpu_says_it_runs_on_the_cpu(capsys, monkeypatch, tool):
     assert rc == 0, err
     assert json.loads(out)["n_gpu_layers"] == 0
     assert err == f"{prog}: -ngl 99: no GPU is available (CuPy and a CUDA device are needed), so it runs on the CPU (n_gpu_layers 0)\n"
+
+
+# ---- the two tools take the same spellings (llama-bench's and llama-batched-bench's)
+@pytest.mark.parametrize("fa, word", [("1", "on"), ("0", "off"), ("-1", "auto"), ("on", "on"), ("auto", "auto")])
+@pytest.mark.parametrize("kvu, unified", [(["-kvu"], True), (["-kvu", "1"], True), (["-kvu", "0"], False), ([], False)])
+def test_both_tools_take_fa_and_kvu_as_llama_cpp(capsys, fa, word, kvu, unified):
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "--output-format", "jsonl",
+                          "-fa", fa, *kvu, *FAST)
+    assert rc == 0, err
+    row = json.loads(out)
+    assert row["flash_attn"] == word and row["kv_unified"] is unified
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "2", "-ntg", "1", "--output-format", "jsonl",
+                            "-fa", fa, *kvu, *FAST)
+    assert rc == 0, err
+    row = json.loads(out)
+    assert row["flash_attn"] == word and row["kv_unified"] is unified
+
+
+@pytest.mark.parametrize("args, flag", [(["-fa", "maybe"], "-fa/--flash-attn"), (["-kvu", "2"], "-kvu/--kv-unified"),
+                                        (["--output-format", "xml"], "-o/--output/--output-format")])
+@pytest.mark.parametrize("tool", ["bench", "batched"])
+def test_flag_errors_name_the_flag(capsys, args, flag, tool):
+    if tool == "bench":
+        rc, out, err = _bench(capsys, "-p", "8", "-n", "0", *args, *FAST)
+        prog = "ggml-attn-bench"
+    else:
+        rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *FAST)
+        prog = "ggml-attn-batched-bench"
+    _one_line_exit_2(rc, out, err, prog)
+    assert f"argument {flag}:" in err

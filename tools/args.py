@@ -135,6 +135,37 @@ def parse_bool_list(text: str) -> list[bool]:
     return out
 
 
+def parse_bool(text: str) -> bool:
+    """One 0|1 (on|off, true|false) value: ``-kvu 1`` as llama.cpp takes it."""
+    values = parse_bool_list(text)
+    if len(values) != 1:
+        raise UserError(f"one value expected, got '{text}'")
+    return values[0]
+
+
+# llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
+FA_VALUES = {"on": "on", "off": "off", "auto": "auto", "1": "on", "0": "off", "-1": "auto"}
+
+
+def parse_fa(text: str) -> list[str]:
+    """``-fa`` values, llama.cpp's spellings (on|off|auto, 1|0|-1) -> words; a comma list."""
+    out = []
+    for item in str(text).split(","):
+        key = item.strip().lower()
+        if key not in FA_VALUES:
+            raise UserError(f"invalid value '{item}' (expected on, off or auto; 1, 0 or -1)")
+        out.append(FA_VALUES[key])
+    return out
+
+
+def parse_fa_one(text: str) -> str:
+    """One ``-fa`` value (ggml-attn-batched-bench, as llama-batched-bench takes one)."""
+    values = parse_fa(text)
+    if len(values) != 1:
+        raise UserError(f"one value expected, got '{text}'")
+    return values[0]
+
+
 def choice_list(choices):
     """argparse ``type`` for a comma list whose items must be in ``choices``."""
     choices = tuple(choices)

@@ -20,7 +20,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_batched as fb
 from . import plot
-from .args import Parser, add_list, choice_list, int_at_least, int_range, parse_int_range
+from .args import (Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
+                   parse_int_range)
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
@@ -75,8 +76,9 @@ def build_parser() -> Parser:
                    help="seed of --prompt-dist and the inputs (default: 0)")
     p.add_argument("-pps", action="store_true",
                    help="one shared prompt: decode it once for sequence 0 and copy it to the others")
-    p.add_argument("-kvu", "--kv-unified", action="store_true",
-                   help="one KV buffer for all sequences (default: one stream per sequence)")
+    p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                   help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
+                        "sequence (0) (default: 0)")
     add_list(p, "--split", type=choice_list(ALL_SPLITS + ("all",)), default=[""], metavar="MODE",
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
                   "the same batch); simple always runs on a unified KV cache; default: simple "
@@ -93,8 +95,9 @@ def build_parser() -> Parser:
     p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
                    help="on the GPU, capture a ubatch's launches as a CUDA graph the second time its "
                         "shape comes and replay it after; off: ggml's graph loop every time (default: on)")
-    p.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto",
-                   help="on/auto: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max (default: auto)")
+    p.add_argument("-fa", "--flash-attn", type=parse_fa_one, default="auto", metavar="on|off|auto",
+                   help="on/auto (1/-1): ggml_attn.flash_attn_ext; off (0): ggml's mul_mat+soft_max "
+                        "(default: auto)")
     p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: sized automatically)"), default=0, metavar="N",
                    help="KV cells in all; 0: just enough for the largest row (default: 0)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
@@ -113,7 +116,7 @@ def build_parser() -> Parser:
                    help=f"CPU threads (default: {default_threads()})")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers")
-    p.add_argument("-o", "--output", choices=fb.FORMATS, default="md",
+    p.add_argument("-o", "--output", "--output-format", choices=fb.FORMATS, default="md",
                    help="output format on stdout: md or jsonl (default: md)")
     p.add_argument("--plan", action="store_true",
                    help="print each strategy's ubatch plan for every row and exit (no compute)")

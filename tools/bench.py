@@ -16,7 +16,7 @@ import datetime
 import sys
 
 from . import format_bench as fmt
-from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list,
+from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list, parse_fa,
                    parse_int_range, parse_pair_list, str_list)
 from .common import (Progress, build_info, console_main, cpu_info, default_threads, gpu_info,
                      interruptible_sleep)
@@ -32,20 +32,6 @@ from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, default_split, effective_ubatch)
 
 PROG = "ggml-attn-bench"
-# llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
-FA_VALUES = {"on": "on", "off": "off", "auto": "auto", "1": "on", "0": "off", "-1": "auto"}
-
-
-def parse_fa(text: str) -> list[str]:
-    out = []
-    for item in str(text).split(","):
-        key = item.strip().lower()
-        if key not in FA_VALUES:
-            raise UserError(f"invalid -fa value '{item}' (expected on, off or auto)")
-        out.append(FA_VALUES[key])
-    return out
-
-
 def build_parser() -> Parser:
     p = Parser(prog=PROG, description=(
         "Benchmark batched attention like llama-bench: prompt processing (pp), token generation "
@@ -102,7 +88,7 @@ def build_parser() -> Parser:
                    help="context limit per test; 0: the model's training context (default: 0)")
     p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
                    help="times to repeat each test (default: 5)")
-    p.add_argument("-o", "--output", choices=fmt.FORMATS, default="md",
+    p.add_argument("-o", "--output", "--output-format", choices=fmt.FORMATS, default="md",
                    help="output format printed to stdout (default: md)")
     p.add_argument("-oe", "--output-err", choices=fmt.FORMATS + ("none",), default="none",
                    help="a second output format printed to stderr (default: none)")
