@@ -41,7 +41,8 @@ def test_ragged_rows_report_ubatches(capsys):
     rows = [json.loads(l) for l in out.splitlines()]
     assert [(r["split"], r["ub"]) for r in rows] == [("equal", 10), ("padded", 1)]
     for r in rows:
-        assert r["pp"] is None and r["prompt_lens"] == list(range(1, 11)) and r["pl"] == 10
+        assert r["pp"] == 5.5 and r["prompt_lens"] == list(range(1, 11)) and r["pl"] == 10
+        assert r["path"] == "numpy" and (r["pp_min"], r["pp_max"]) == (1, 10)
         assert r["prompt_tokens"] == 55 and r["n_kv"] == 55 + 10 * 2
         assert r["ub_tg"] == 2 and r["t_pp"] > 0 and r["t_tg"] > 0
         assert abs(r["speed_pp"] - 55 / r["t_pp"]) < 1e-6 * r["speed_pp"]
@@ -161,3 +162,17 @@ def test_padded_with_c_for_the_real_tokens_runs(capsys):
     assert rc == 0 and err == "", err
     row = json.loads(out)
     assert row["split"] == "padded" and row["n_pad"] == 0 and row["n_kv"] == 205
+
+
+@pytest.mark.parametrize("tool", ["bench", "batched"])
+def test_kernel_help_lists_what_dispatch_lists(capsys, tool):
+    """The sm_90a kernels (prefill-wgmma, decode-tma) were missing from ggml-attn-bench's help."""
+    from ggml_attn import dispatch
+    from ggml_attn.cli import bench
+    rc = (bench if tool == "bench" else batched_bench).main(["--help"])
+    assert rc == 0
+    text = " ".join(capsys.readouterr().out.split())
+    kernel = text.split("--kernel", 2)[-1].replace("- ", "-")   # the help line, unwrapped
+    for k in dispatch.KERNELS + ("ggml",):
+        assert k in kernel, k
+    assert "prefill-wgmma" in kernel and "decode-tma" in kernel

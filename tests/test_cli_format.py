@@ -123,16 +123,17 @@ def _brender(form, rows):
 
 
 def test_batched_markdown_columns():
-    text = _brender("md", [_brow(), _brow(pp=None, pl=10, prompt_lens=list(range(1, 11)),
-                                          split="padded", ub=1)])
+    text = _brender("md", [_brow(path="numpy"), _brow(pp=None, pl=10, prompt_lens=list(range(1, 11)),
+                                                       split="padded", ub=1, n_pad=45, path="CUDA kernels")])
     lines = [l for l in text.splitlines() if l.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     assert head == ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s",
-                    "S t/s", "split", "KVU", "UB"]
+                    "S t/s", "split", "KVU", "UB", "PAD", "path"]
     assert set(lines[1]) <= {"|", "-"}
     assert len({len(l) for l in lines}) == 1
     last = [c.strip() for c in lines[3].strip("|").split("|")]
-    assert last[0] == "1-10" and last[2] == "10" and last[-3:] == ["padded", "0", "1"]
+    assert last[0] == "1-10" and last[2] == "10" and last[-5:] == ["padded", "0", "1", "45", "CUDA kernels"]
+    assert [c.strip() for c in lines[2].strip("|").split("|")][-2:] == ["0", "numpy"]   # the path that ran, pads
     assert "main: n_kv_max = 4096" in text
 
 
@@ -143,4 +144,7 @@ def test_batched_jsonl_fields():
                 "split", "ub"):
         assert key in objs[0]
     assert objs[0]["split"] == "equal" and objs[0]["ub"] == 2 and objs[0]["n_kv_max"] == 4096
-    assert objs[1]["pp"] is None and objs[1]["prompt_lens"] == list(range(1, 11))
+    # ragged: pp is the mean prompt length (pl * pp = prompt tokens), the distribution beside it
+    assert objs[1]["pp"] == 5.5 and objs[1]["prompt_lens"] == list(range(1, 11))
+    assert (objs[1]["pp_min"], objs[1]["pp_max"], objs[1]["prompt_tokens"]) == (1, 10, 55)
+    assert (objs[0]["pp"], objs[0]["pp_min"], objs[0]["pp_max"]) == (128, 128, 128)

@@ -32,7 +32,8 @@ from .output import SafeWriter, save_error
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel,
+from .format_bench import attention_path
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel, kernel_help,
                      check_threads, default_split, effective_ubatch)
 from .verbose import Verbose
 
@@ -83,9 +84,7 @@ def build_parser() -> Parser:
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
                   "the same batch); simple always runs on a unified KV cache; default: simple "
                   "with -kvu, equal without (as llama.cpp)")
-    p.add_argument("--kernel", choices=KERNELS, default="auto",
-                   help="attention kernel: auto|prefill|decode|decode-tc|cells|reference on the GPU; "
-                        "ggml: ggml's own flash attention on the CPU (default: auto)")
+    p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
                    help="attn: attention only; full: with QKV/O projections and FFN (random weights of "
                         "the shape); model: a .gguf's own weights, token ids to logits (default: model "
@@ -293,7 +292,8 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
                 n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name,
                 device=device + ("+graphs" if device == "cuda" and ns.cuda_graph == "on" else ""),
-                kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v)
+                kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
+                path=attention_path(device, ns.flash_attn, ns.kernel))
     reps = ns.repetitions
     info["repetitions"] = reps
     total = len(rows) * len(splits)
@@ -329,7 +329,8 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                            t_tg_samples=[x["t_tg"] for x in samples])
                 out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),
                            split=split, kv_unified=runner.cfg.kv_unified, model=model.name,
-                           device=device, kernel=ns.kernel, layer=ns.layer, repetitions=reps, **res)
+                           device=device, path=info["path"], kernel=ns.kernel, layer=ns.layer,
+                           repetitions=reps, **res)
                 if row["prompt_lens"]:
                     out["prompt_lens"] = list(row["prompt_lens"])
                 fb.finish_row(out)

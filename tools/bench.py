@@ -29,7 +29,8 @@ from .verbose import Verbose
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
-                     check_context, check_kernel, check_threads, default_split, effective_ubatch)
+                     check_context, check_kernel, check_threads, default_split, effective_ubatch,
+                     kernel_help)
 
 PROG = "ggml-attn-bench"
 def build_parser() -> Parser:
@@ -60,9 +61,7 @@ def build_parser() -> Parser:
     add_list(p, "--split", type=choice_list(SPLITS), default=[""], metavar="MODE",
              help="ubatch split: simple|equal|seq|padded|auto; default: simple with -kvu 1, "
                   "equal without (as llama.cpp)")
-    add_list(p, "--kernel", type=choice_list(KERNELS), default=["auto"], metavar="KERNEL",
-             help="attention kernel on the GPU: auto|prefill|decode|decode-tc|cells|reference; "
-                  "ggml: ggml's own flash attention (CPU baseline)")
+    add_list(p, "--kernel", type=choice_list(KERNELS), default=["auto"], metavar="KERNEL", help=kernel_help())
     add_list(p, "--layer", type=choice_list(LAYERS), default=[], metavar="attn|full|model",
              help="attn: attention only; full: with QKV/O projections and FFN (random weights of the "
                   "shape); model: a .gguf's own weights, token ids to logits (default: model with "

@@ -1,12 +1,16 @@
 """Output of ``ggml-attn-batched-bench`` in llama-batched-bench's formats: md and jsonl.
 
 Columns are llama-batched-bench's (PP, TG, B, N_KV, T_PP s, S_PP t/s, T_TG s, S_TG t/s,
-T s, S t/s) plus ``split`` (the batching strategy), ``KVU`` (unified KV or not) and
-``UB`` (ubatches the prompt phase used); :data:`TERMS` defines them. jsonl keeps llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp,
-t_tg, speed_tg, t, speed) and adds ``split``, ``ub`` and the rest of ours.
+T s, S t/s) plus ``split`` (the batching strategy), ``KVU`` (unified KV or not), ``UB``
+(ubatches the prompt phase used), ``PAD`` (pad rows they carried) and ``path`` (what computed
+attention: numpy, CUDA kernels, ggml FA, ggml mul_mat); :data:`TERMS` defines them. jsonl keeps
+llama-batched-bench's keys (pp, tg, pl, n_kv, t_pp, speed_pp, t_tg, speed_tg, t, speed) and adds
+``split``, ``ub`` and the rest of ours.
 
-With ragged prompts PP is the range of prompt lengths (``1-10``) in md, and ``pp`` is
-null in jsonl; ``prompt_tokens`` always holds the number of prompt tokens of the row.
+With ragged prompts PP is the range of prompt lengths (``1-10``) in md; in jsonl ``pp`` is the
+mean prompt length (``prompt_tokens / pl``, so ``pl * pp`` is the prompt tokens as with uniform
+prompts, what llama-batched-bench's own S_PP divides), with ``pp_min``, ``pp_max`` and
+``prompt_lens`` for the distribution; ``prompt_tokens`` always holds the row's prompt tokens.
 """
 from __future__ import annotations
 
@@ -14,18 +18,18 @@ import json
 import statistics
 
 COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s",
-           "split", "KVU", "UB"]
-_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 3, 4]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
+           "split", "KVU", "UB", "PAD", "path"]
+_W = [7, 6, 4, 6, 8, 8, 8, 8, 8, 8, -7, 3, 4, 5, -12]  # llama-batched-bench's widths (PP one wider for ragged ranges), then ours
 FORMATS = ("md", "jsonl")
 
 # jsonl keys in order: llama-batched-bench's, then ours
 JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_gpu_layers",
               "n_threads", "n_threads_batch", "pp", "tg", "pl", "n_kv", "t_pp", "speed_pp",
               "t_tg", "speed_tg", "t", "speed",
-              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "kv_unified",
+              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "pp_min", "pp_max", "kv_unified",
               "repetitions", "speed_pp_stddev", "speed_tg_stddev", "speed_stddev", "t_pp_samples",
               "t_tg_samples", "type_k", "type_v", "model",
-              "device", "kernel", "layer"]
+              "device", "path", "kernel", "layer"]
 
 
 # what ours mean; --help prints this, README repeats it
@@ -35,7 +39,12 @@ TERMS = (
     "0 with one stream per sequence; simple always runs unified. UB: (jsonl ub) ubatches the "
     "prompt phase was cut into, one graph evaluation each. ub_tg: ubatches of all TG decode "
     "steps together. n_pad: pad rows the prompt's ubatches carried (padded and auto splits; "
-    "computed, then dropped). prompt_tokens: prompt tokens of the row. --plan shows each ubatch "
+    "computed, then dropped); PAD in md. path: what computed attention (numpy: ggml_attn's CPU "
+    "path; CUDA kernels; ggml FA: ggml's own flash attention, --kernel ggml; ggml mul_mat: -fa off). "
+    "prompt_tokens: prompt tokens of the row. pp in jsonl, ragged prompts (--prompt-lens, "
+    "--prompt-dist): the mean prompt length, prompt_tokens / pl (so pl * pp is the prompt tokens, "
+    "as with uniform prompts); pp_min, pp_max and prompt_lens give the distribution; md's PP shows "
+    "MIN-MAX. --plan shows each ubatch "
     "as n_seqs x n_seq_tokens, llama.cpp's ubatch shape: simple, N tokens -> Nx1; equal or "
     "padded, B sequences of T tokens -> BxT; seq -> 1xT; 2*10x1 is two 10x1 ubatches.")
 
@@ -61,7 +70,8 @@ def _cells(row, reps: int = 1):
     return [pp_label(row), str(row["tg"]), str(row["pl"]), str(row["n_kv"]),
             f"{row['t_pp']:.3f}", _speed(row, "speed_pp", reps), f"{row['t_tg']:.3f}",
             _speed(row, "speed_tg", reps), f"{row['t']:.3f}", _speed(row, "speed", reps),
-            str(row["split"]), str(int(bool(row["kv_unified"]))), str(row["ub"])]
+            str(row["split"]), str(int(bool(row["kv_unified"]))), str(row["ub"]), str(row.get("n_pad", 0)),
+            str(row.get("path", ""))]
 
 
 _SPEED_COLUMNS = (5, 7, 9)
@@ -103,6 +113,7 @@ def finish_row(row: dict) -> dict:
     else:
         prompt_tokens = row["pp"] if row["is_pp_shared"] else row["pl"] * row["pp"]
     row["prompt_tokens"] = prompt_tokens
+    row["pp_min"], row["pp_max"] = (min(lens), max(lens)) if lens else (row["pp"], row["pp"])
     # llama-batched-bench: is_pp_shared ? pp + pl*tg : pl*(pp + tg)
     row["n_kv"] = prompt_tokens + row["pl"] * row["tg"]
     tp = list(row.get("t_pp_samples") or [row["t_pp"]])
@@ -165,7 +176,7 @@ class JsonlPrinter:
         for k in JSONL_KEYS:
             v = row.get(k, self.info.get(k))
             if k == "pp" and row.get("prompt_lens") and min(row["prompt_lens"]) != max(row["prompt_lens"]):
-                v = None
+                v = row["prompt_tokens"] / row["pl"]   # the mean prompt length (module doc)
             obj[k] = v
         if row.get("prompt_lens"):
             obj["prompt_lens"] = list(row["prompt_lens"])

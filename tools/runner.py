@@ -99,6 +99,14 @@ class RunConfig:
 GPU_KERNELS = dispatch.GPU_KERNELS
 
 
+def kernel_help() -> str:
+    """``--kernel``'s help in both tools, from ``ggml_attn.dispatch``'s lists (never hard-coded:
+    new kernels, e.g. sm_90a's prefill-wgmma and decode-tma, show up by themselves)."""
+    return (f"attention kernel: {'|'.join(KERNELS)}; {', '.join(GPU_KERNELS)} run on the GPU only "
+            f"(auto picks per call there, reference is ggml_attn's numpy path); ggml: ggml's own "
+            f"flash attention (CPU baseline)")
+
+
 def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
     """A row must not carry the name of a kernel that does not run: GPU-only kernels on the
     CPU (which runs ggml_attn's numpy path) and any kernel with ``-fa off`` (ggml's
