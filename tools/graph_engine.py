@@ -98,8 +98,10 @@ class GraphEngine:
         # built graphs kept: a prompt phase of many ubatch shapes must not evict the decode
         # steps' graphs (each rebuilt and captured again), so decode-step structures get room
         # of their own; other (prompt) graphs hold large activations and rarely repeat
-        self.max_graphs = 16 if self.device else 4
-        self.max_other_graphs = 4
+        self.max_graphs = 32 if self.device else 4
+        # a prompt phase over per-stream KV walks through one structure per n_kv step (64
+        # sequences of 128 tokens: 8); fewer kept than that rebuilt every prompt ubatch
+        self.max_other_graphs = 16 if self.device else 4
         self.cuda_graph = bool(getattr(cfg, "cuda_graph", True))
         self.captures = self.replays = 0
         self.stream = None

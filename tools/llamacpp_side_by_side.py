@@ -120,6 +120,10 @@ def main(argv=None) -> int:
                  "commit": os.environ.get("GGML_ATTN_COMMIT", ""), "rows": []}
     rows = res["rows"]
     out = a.out
+
+    def save():   # after every step: a run cut short keeps what it measured
+        with open(os.path.join(out, "side_by_side.json"), "w") as f:
+            json.dump(res, f, indent=1)
     if "bench" not in skip:
         _, t, _ = sh([lb, "-m", a.gguf, "-ngl", "99", "-fa", "1", "-p", "512", "-n", "128", "-r", str(a.reps),
                       "-o", "json"], os.path.join(out, "lc_bench.log"), 300)
@@ -131,6 +135,7 @@ def main(argv=None) -> int:
         for r in json_block(t):
             rows.append(dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                              ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
+    save()
     if "batched" not in skip:
         for kvu in (False, True):
             flag = ["-kvu"] if kvu else []
@@ -142,6 +147,7 @@ def main(argv=None) -> int:
                           "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
                          os.path.join(out, f"ours_batched{'_kvu' if kvu else ''}.log"), 400)
             rows += [dict(tool="ggml-attn", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
+    save()
     if "ragged" not in skip:
         _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "--prompt-dist", "16-200", "-npl", "64", "-ntg", "32",
                       "-kvu", "--split", "auto", "--warmup", "-r", str(a.reps), "-o", "jsonl"],
@@ -155,6 +161,7 @@ def main(argv=None) -> int:
                           "-npp", str(npp), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
                          + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300)
             rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
+    save()
     if "load" not in skip:
         _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
                       os.path.join(out, "lc_load.log"), 300)
@@ -162,8 +169,7 @@ def main(argv=None) -> int:
         _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
                       os.path.join(out, "ours_load.log"), 300)
         rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
-    with open(os.path.join(out, "side_by_side.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save()
     print(table(rows))
     return 0
 
