@@ -205,10 +205,9 @@ def table(rows: list[dict]) -> str:
             slot[r["tool"]] = (r["seconds"], None)
         elif r["case"] == "bench":
             slot[r["tool"]] = (r["ts"], None)
-        else:
-            old = slot.get(r["tool"])
-            if old is None or (r.get("speed_pp") or 0) > old[0]:
-                slot[r["tool"]] = (r.get("speed_pp"), r.get("speed_tg"))
+        else:   # each column's best row (llama.cpp's equal-length rows with and without -kvu)
+            old = slot.get(r["tool"], (0.0, 0.0))
+            slot[r["tool"]] = (max(old[0], r.get("speed_pp") or 0.0), max(old[1], r.get("speed_tg") or 0.0))
     lines = ["| case | llama.cpp | ggml-attn | ours / theirs |", "|---|---:|---:|---:|"]
     for (case, what), slot in best.items():
         lc, us = slot.get("llama.cpp"), slot.get("ggml-attn")
