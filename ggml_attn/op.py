@@ -106,9 +106,13 @@ _settings_gen = [0]   # bumped by set_backend: bound calls of older settings are
 def set_backend(backend: str = "auto", kernel: str = "auto") -> None:
     """Choose where the op runs: ``auto`` (CUDA when usable, else numpy), ``reference``
     (numpy always) or ``cuda`` (a usable GPU is checked here: ``RuntimeError`` when there is
-    none); ``kernel`` is passed to the CUDA backend (``auto``, ``prefill``, ``decode``,
-    ``decode-tc``, ``cells``, ``reference``). Invalid names raise ``ValueError``; on any error the
-    settings stay as they were."""
+    none); ``kernel`` is passed to the CUDA backend: ``auto`` (``dispatch.best_kernel`` picks),
+    or one forced: ``prefill`` (tensor cores, mma.sync), ``prefill-wgmma`` (Hopper's wgmma and
+    TMA: compute capability 9.0, D 128), ``decode`` (CUDA cores, split KV), ``decode-tc``
+    (tensor-core GQA decode), ``decode-tma`` (Hopper's TMA decode: compute capability 9.0),
+    ``cells`` (cell lists), ``reference`` (numpy on host copies) -- :data:`dispatch.KERNELS`. A
+    forced kernel that cannot run a call is a ``ValueError`` at graph-build time naming why.
+    Invalid names raise ``ValueError``; on any error the settings stay as they were."""
     from .dispatch import KERNELS  # noqa: PLC0415
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -450,8 +454,27 @@ def _choose(q: TensorDesc, k: TensorDesc, dims):
     backend = _settings["backend"]
     gpu = backend != "reference" and gpu_available()
     on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
-    f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type)
+    # the device's architecture: a forced sm_90a kernel (prefill-wgmma, decode-tma) can run only there
+    f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type,
+                  arch=_device_arch() if gpu else "")
     return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
+
+
+_ARCHS: dict[int, str] = {}
+
+
+def _device_arch() -> str:
+    """``sm_XY`` of the current CUDA device, asked once per device ("" when CUDA cannot say)."""
+    try:
+        import cupy  # noqa: PLC0415
+        dev = cupy.cuda.runtime.getDevice()
+        arch = _ARCHS.get(dev)
+        if arch is None:
+            from . import kernels  # noqa: PLC0415
+            arch = _ARCHS[dev] = kernels.device_arch()
+        return arch
+    except Exception:  # noqa: BLE001 - no device to ask: the kernels that need one are refused, named
+        return ""
 
 
 class _SingleThreadedBlas:

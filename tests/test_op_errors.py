@@ -319,3 +319,35 @@ def test_blas_is_single_threaded_inside_the_op_in_any_thread(gs, monkeypatch):
         t.join()
     assert main and all(n == [1] for n in main)
     assert seen and all(n == [1] for n in seen), f"BLAS threads inside the op from a worker thread: {seen}"
+
+
+def test_forced_sm90a_kernels_see_the_device_architecture(monkeypatch):
+    """The op asks the device for its architecture when a GPU is usable: a forced prefill-wgmma
+    or decode-tma runs on an sm_90 device (it was refused there as "this GPU is unknown") and is
+    refused, naming the architecture, elsewhere."""
+    import ggml
+    from ggml_attn.tensor import from_ggml
+    from ggml_attn.validate import check_flash_attn_args
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=8 << 20, mem_buffer=None))
+    try:
+        q = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, 128, 256, 8, 1)
+        k = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, 128, 512, 2, 1)
+        v = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, 128, 512, 2, 1)
+        qd, kd, vd = (from_ggml(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        dims = check_flash_attn_args(qd, kd, vd, None, None, 0.0, 0.088, 0.0)
+        monkeypatch.setattr(op, "gpu_available", lambda: True)
+        monkeypatch.setattr(op, "_is_device_pointer", lambda ptr: True)
+        saved = op.settings()
+        try:
+            for kernel in ("prefill-wgmma", "decode-tma"):
+                op._settings.update(backend="cuda", kernel=kernel)
+                monkeypatch.setattr(op, "_device_arch", lambda: "sm_90")
+                choice, on_device = op._choose(qd, kd, dims)
+                assert on_device and choice.kernel == kernel, choice
+                monkeypatch.setattr(op, "_device_arch", lambda: "sm_89")
+                with pytest.raises(ValueError, match="sm_89"):
+                    op._choose(qd, kd, dims)
+        finally:
+            op._settings.update(backend=saved[0], kernel=saved[1])
+    finally:
+        ggml.ggml_free(ctx)
