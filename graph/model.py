@@ -266,14 +266,10 @@ def load_gguf(path: str | os.PathLike) -> Model:
                 lw[k] = get(f"blk.{il}.{n}", (d,), float_only=True)
         layers.append(lw)
     rope_freqs = get("rope_freqs.weight", (hp.rope_dim // 2,), required=False, float_only=True)
-    if rope_freqs is not None and rope_freqs.type != _f32():
+    if rope_freqs is not None and rope_freqs.type_name != "F32":
         raise ModelError(f"'{path}': rope_freqs.weight must be F32 (ggml_rope_ext reads it as float)")
     return Model(path, hp, tok_embd, get("output_norm.weight", (E,), float_only=True), output, layers,
                  rope_freqs, reader)
-
-
-def _f32() -> int:
-    return next(k for k, v in WEIGHT_TYPES.items() if v == "F32")
 
 
 def _hparams(reader, path: str, arch: str) -> HParams:

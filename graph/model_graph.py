@@ -125,11 +125,8 @@ def embed(b, inp: ModelInputs):
     """``get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``, memory of its own (the
     layers' scratch arrays may not alias it)."""
     if b.device:
-        t = xp_ops.get_rows(b, _dw(b).tok_embd, inp.tokens, "inp_embd", own=True)
-        return t
-    t = ggml.ggml_get_rows(b.ctx, _weight(b, b.model.tok_embd), inp.tokens)
-    ne = t.contents.ne
-    b.attach(t, b.xp.empty((ne[1], ne[0]), dtype=np.float32))
+        return xp_ops.get_rows(b, _dw(b).tok_embd, inp.tokens, "inp_embd", own=True)
+    t = _fresh(b, ggml.ggml_get_rows(b.ctx, _weight(b, b.model.tok_embd), inp.tokens))
     ggml.ggml_set_name(t, b"inp_embd")
     return t
 
