@@ -225,6 +225,9 @@ class KVCache:
         self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
         self._memo: dict = {}  # answers of whole-stream queries; emptied by every cell change
         self.changes = CellChanges()  # every cell change, for readers that keep derived data (mask_step.py)
+        # seq_add moved cached positions: K rotated at the old ones (RoPE) is stale until those
+        # cells are gone (this package has no K-shift); a real model refuses such a cache
+        self.shifted = False
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         self.k = self._storage(self.type_k, self.n_embd_k_gqa)
         self.v = self._storage(self.type_v, self.n_embd_v_gqa)
@@ -672,6 +675,8 @@ class KVCache:
             self.seqs[st, hit, seq_id] = False
             emptied = np.flatnonzero(hit & ~self.seqs[st].any(axis=1))
             self._free(st, emptied)
+        if self.shifted and not (self.pos >= 0).any():   # emptied: no stale K left
+            self.shifted = False
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share ``src``'s cells in ``[p0, p1)``. Across streams (split cache) the
@@ -714,7 +719,8 @@ class KVCache:
 
     def seq_add(self, seq_id: int, p0: int = -1, p1: int = -1, shift: int = 0) -> None:
         """Add ``shift`` to the positions of ``seq_id``'s cells in ``[p0, p1)``; a cell whose
-        position drops below 0 is freed. K is not re-rotated (this package applies no RoPE)."""
+        position drops below 0 is freed. K is not re-rotated (llama.cpp's K-shift): the cache
+        is marked :attr:`shifted` until it is emptied, and a RoPE model refuses it."""
         shift = as_int(shift, "shift")
         st = self.seq_to_stream(seq_id)
         seq_id = int(seq_id)
@@ -730,6 +736,7 @@ class KVCache:
             raise ValueError(f"seq_add(seq_id={seq_id}): shift={shift} moves position {int(new.max()) - shift} "
                              f"to {int(new.max())}, past the int32 maximum {INT32_MAX}; nothing changed")
         self._touch(st, hit)
+        self.shifted = self.shifted or bool(hit.any())
         self.pos[st, hit] = np.maximum(new, -1).astype(np.int32)
         neg = np.flatnonzero(hit & (self.pos[st] < 0))
         self._free(st, neg)

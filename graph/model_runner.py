@@ -113,6 +113,10 @@ def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 
         i = int(np.argmax(batch.tokens >= model.hp.n_vocab))
         raise ValueError(f"tokens[{i}] = {int(batch.tokens[i])} is not in the model's vocabulary "
                          f"(n_vocab {model.hp.n_vocab})")
+    if cache.shifted:
+        raise ValueError("the KV cache's positions were moved by seq_add, and this package does not "
+                         "re-rotate cached K (llama.cpp's K-shift): a RoPE model would attend with stale "
+                         "rotations; empty the cache (seq_rm(-1)) or re-run the prompts")
     want = output_flags(batch, logits)
     n_out = int(want.sum())
     out = np.zeros((n_out, model.hp.n_vocab), dtype=np.float32)

@@ -158,6 +158,20 @@ def test_bad_batches(gguf_dir):
     assert c.seq_pos_max(0) == -1   # nothing was claimed
 
 
+def test_seq_add_then_a_model_is_refused(gguf_dir):
+    """seq_add moves cached positions without re-rotating K: a RoPE model refuses that cache
+    (a silent wrong answer otherwise) until it is emptied."""
+    m = model_of("llama-f16", gguf_dir)
+    c = cache_for(m, True)
+    run_model_batch(c, Batch.from_sequences([[3, 4, 5, 6]]), m)
+    c.seq_add(0, 2, -1, 5)
+    with pytest.raises(ValueError, match="seq_add"):
+        run_model_batch(c, Batch.from_sequences([[7]], start_pos=10), m)
+    c.seq_rm(-1)
+    assert not c.shifted
+    run_model_batch(c, Batch.from_sequences([[7, 8]]), m)
+
+
 def test_output_flags():
     b = Batch.from_sequences([[5, 6, 7], [8], [9, 10]])
     assert output_flags(b).tolist() == [False, False, True, True, False, True]
