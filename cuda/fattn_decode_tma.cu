@@ -34,7 +34,7 @@
 // hidden row as 0 * inf.
 #include "hopper_common.cuh"
 
-// DTMA_TRACE (tools/gpu_decode_tma_trace.py): block timeline in %globaltimer ns, written by
+// DTMA_TRACE (tools/dev/gpu_decode_tma_trace.py): block timeline in %globaltimer ns, written by
 // thread 0 to ((u64*)p.cells)[block * 8 + event] (the kernel reads no cell lists)
 #ifdef DTMA_TRACE
 #define DTMA_MARK(ev) do { if (threadIdx.x == 0) { unsigned long long t_; \

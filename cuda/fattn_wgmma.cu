@@ -27,7 +27,7 @@
 // query tiles in reverse order (the longest causal rows first), or with PERSISTENT (gridDim.x
 // blocks, gridDim.y = z = 1) every block walks every gridDim.x-th tile of that order;
 // dynamic shared memory ws::smem_bytes<128, STAGES>().
-// DIAG 1 (a speed-of-light probe for tools/gpu_bench.py, wrong results by design): no softmax.
+// DIAG 1 (a speed-of-light probe for tools/dev/gpu_bench.py, wrong results by design): no softmax.
 template <typename T, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;

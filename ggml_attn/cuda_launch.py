@@ -2,7 +2,7 @@
 call, from the validated shapes and the occupancy of the kernel instance.
 
 Every tuning knob of the backend lives here as a module global, read at call time: set
-``ggml_attn.cuda_launch.<KNOB>`` (tools/gpu_bench.py ``knobs``, tests) and clear the call cache
+``ggml_attn.cuda_launch.<KNOB>`` (tools/dev/gpu_bench.py ``knobs``, tests) and clear the call cache
 ``ggml_attn.cuda_backend._PREPARED`` so that calls configured before are configured again.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
 # depth, launch-bounds minimum blocks per SM, most heads per block): the sweep's keeper by default
-# (tools/gpu_batched_attn_bench.py, kernels.CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
+# (tools/dev/gpu_batched_attn_bench.py, kernels.CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
 # $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u4-pf0").
 def cells_tune_from_env() -> K.CellsTune:
     """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset)."""

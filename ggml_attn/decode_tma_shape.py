@@ -28,7 +28,7 @@ CONSUMERS = 4
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
 # stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
-# of tools/gpu_bench.py ("split-s4": four warps on every tile, 16 cells each). On the H200 the
+# of tools/dev/gpu_bench.py ("split-s4": four warps on every tile, 16 cells each). On the H200 the
 # three were within 1% of each other from B=64 4k on (where auto runs the kernel); below, "s4"
 # was 1-3% faster than "s6" and "split-s4" mixed (bench/results/2026-12-01-2783807.json).
 CONFIGS = {

@@ -13,7 +13,7 @@ it to "decode-tc"), ``"cells"`` (CUDA-core split-KV over each row's own list of 
 steps whose rows see few, interleaved cells: the plan's cell lists), ``"reference"`` (numpy, for what no kernel covers) or ``"cpu"`` (the op's numpy path on
 host memory), plus a one-line reason.
 
-The crossover table below comes from ``tools/gpu_crossover.py`` run on the H200; its raw
+The crossover table below comes from ``tools/dev/gpu_crossover.py`` run on the H200; its raw
 numbers are in ``bench/results/`` (see bench/NOTES.md). The same table answers the question
 FlashInfer users asked of its kernels -- prefill kernels use tensor cores, decode kernels CUDA
 cores; is the prefill kernel always faster at decode? -- for this project's kernels.
@@ -28,7 +28,7 @@ from .kernels import CELLS_HEADS, MMA_HEADS, VEC_HEADS
 KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells", "reference")
 GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells")
 
-# Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/gpu_crossover.py, raw rows in
+# Crossover (H200, f16 K/V, D=128, 8 KV heads, no mask; tools/dev/gpu_crossover.py, raw rows in
 # bench/results/2026-11-29-372c6bd-crossover.json, discussion in bench/NOTES.md): per GQA
 # bucket (largest power of 2 <= gqa), the largest n_batch (query tokens per stream) for which
 # a decode kernel beat the prefill kernel at both n_kv = 4096 and 32768 -- i.e. while the
@@ -46,7 +46,7 @@ CROSSOVER_SOURCE = "H200 crossover 2026-11-29 (372c6bd)"
 # sequences' cells interleave (every KV tile live, each row seeing ~1/n_seq of the cells). Only
 # for decode-shaped calls: at most CELLS_MAX_BATCH query tokens per stream, and cell lists
 # (capacity n_kv per mask row, 8 bytes an entry) of at most CELLS_MAX_LIST_BYTES. The gain
-# threshold is a guess to be measured (tools/gpu_batched_attn_bench.py): the cell kernel gathers
+# threshold is a guess to be measured (tools/dev/gpu_batched_attn_bench.py): the cell kernel gathers
 # single K/V rows on CUDA cores and reuses nothing across tokens, the tile kernels read whole
 # tiles through tensor cores and share them over a query tile.
 CELLS_MIN_GAIN = 2.0
@@ -110,7 +110,7 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 # 70.4; B=64 4k 249.7 against 264.7; B=64 32k 1878.8 against 2046.0 (cuDNN 13.5 / 40.0 / 65.4
 # / 243.5 / 1894.0). With groups of unequal work the equal shares cut groups anywhere, leave a
 # 10-17 us spread between blocks' ends plus merges, which only long calls hide
-# (2026-12-01-e44093d.json: B=16 4k 75.9 against 70.5; tools/gpu_decode_tma_trace.py).
+# (2026-12-01-e44093d.json: B=16 4k 75.9 against 70.5; tools/dev/gpu_decode_tma_trace.py).
 DECODE_TMA_MIN_WORK = 32768
 DECODE_TMA_MIN_WORK_EVEN = 4096
 

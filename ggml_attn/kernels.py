@@ -117,7 +117,7 @@ class CellsTune:
 
 
 CELLS_DEFAULT = CellsTune()
-# The variants tools/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
+# The variants tools/dev/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
 # (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
 # all_variants() (the CI compile); tests/test_cells.py compiles these. Device time of the batched
 # bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the

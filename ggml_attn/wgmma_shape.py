@@ -17,7 +17,7 @@ CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
 # type, persistent blocks. The op runs WS_FOR_TYPE's (one block per SM walking the tiles
 # heaviest first: on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per
 # tile, causal 8192 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
-# bench/results/2026-12-01-b69ab2e.json); the others are A/B rows of tools/gpu_bench.py.
+# bench/results/2026-12-01-b69ab2e.json); the others are A/B rows of tools/dev/gpu_bench.py.
 WS_CONFIGS = {
     "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
     "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
@@ -28,7 +28,7 @@ WS_CONFIGS = {
 }
 WS_FOR_TYPE = {GGML_TYPE_F16: "pp-persistent", GGML_TYPE_BF16: "pp-persistent-bf16"}
 WS_DEFAULT = WS_FOR_TYPE[GGML_TYPE_F16]
-# a speed-of-light probe of "pp" for tools/gpu_bench.py (wrong results by design): no softmax
+# a speed-of-light probe of "pp" for tools/dev/gpu_bench.py (wrong results by design): no softmax
 WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
 
 

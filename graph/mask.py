@@ -172,7 +172,7 @@ def _fast_applies(ub: UBatch, slot: SlotInfo, n_kv: int, dtype: np.dtype) -> boo
     """Whether :func:`_fast_mask` builds this mask: float masks (f16/f32/f64) whose row groups
     (runs of rows of one sequence: the prompt chunks) cost less there than the dense
     ``(n_tokens, n_kv)`` pairs of :func:`_general_mask` (not a decode step's rows, one per
-    sequence, nor a few rows per sequence: ``tools/mask_host_bench.py`` measured the costs)."""
+    sequence, nor a few rows per sequence: ``tools/dev/mask_host_bench.py`` measured the costs)."""
     if dtype.kind != "f" or dtype.itemsize not in (2, 4, 8):
         return False
     prim = ub.primary_seq_ids

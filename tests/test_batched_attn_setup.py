@@ -1,10 +1,10 @@
-"""tools/gpu_batched_attn_bench.py's setup, without a GPU: the decode step it times is the one
+"""tools/dev/gpu_batched_attn_bench.py's setup, without a GPU: the decode step it times is the one
 ggml-attn-batched-bench -npl 64 -kvu makes (one row per sequence, each seeing only its own
 cells), and the steps' cells interleave so that every KV tile past the prompts holds a live cell
 of every row -- the case the benchmark is about."""
 import numpy as np
 
-from ggml_attn.cli import gpu_batched_attn_bench as b
+import gpu_batched_attn_bench as b  # tools/dev/ (on sys.path via conftest)
 
 
 def test_step_plan_rows_see_their_own_cells_and_decode_tiles_interleave():
@@ -52,7 +52,7 @@ def _fake_backend(monkeypatch, bad_label):
                                asarray=lambda a: np.ascontiguousarray(a).view(_HostArr),
                                empty=lambda shape, dtype: np.empty(shape, dtype).view(_HostArr))
     monkeypatch.setitem(sys.modules, "cupy", cp)
-    from ggml_attn.cli import gpu_timing
+    import gpu_timing
     monkeypatch.setattr(gpu_timing, "copies_for", lambda nbytes: 2)
     calls = []
 

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from ggml_attn.cli import bench, ragged_experiment
+import ragged_experiment  # tools/dev/ (on sys.path via conftest)
+from ggml_attn.cli import bench
 
 FAST = ["-t", "1", "--n-layer", "1", "--device", "cpu", "-r", "1", "--no-warmup"]
 

@@ -264,10 +264,10 @@ def test_layer_rank_engines_equal_one_device(layer, n, shares):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
-    """tools/gpu_multi_check.py's per-rank cases, joining of outputs and comparison, with numpy
+    """tools/dev/gpu_multi_check.py's per-rank cases, joining of outputs and comparison, with numpy
     ranks on threads over the in-process communicator instead of processes over NCCL: both
     modes must match one rank; its table shows both."""
-    from ggml_attn.cli import gpu_multi_check as gmc
+    import gpu_multi_check as gmc  # tools/dev/ (on sys.path via conftest)
     from ggml_attn.graph import AttnConfig
     monkeypatch.setattr(gmc, "LENS", [5, 3, 9])
     monkeypatch.setattr(gmc, "N_STEPS", 2)

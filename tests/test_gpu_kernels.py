@@ -980,7 +980,7 @@ def test_cells_softcap_alibi(softcap, max_bias, rng):
 
 
 def _decode_step_mask(seqs, steps):
-    from tools.gpu_batched_attn_bench import step_plan
+    from gpu_batched_attn_bench import step_plan
     plan, _ = step_plan(seqs, steps)
     m = np.ascontiguousarray(plan.mask)
     m = m.reshape(1, 1, m.shape[-2], m.shape[-1])

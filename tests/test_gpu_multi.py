@@ -1,5 +1,5 @@
 """Head-parallel (-sm row) and layer-parallel (-sm layer) ranks on 2 GPUs over NCCL against one
-GPU (tools/gpu_multi_check.py), and the CLI's -sm row / -sm layer on 2 GPUs. GPU-only: skipped
+GPU (tools/dev/gpu_multi_check.py), and the CLI's -sm row / -sm layer on 2 GPUs. GPU-only: skipped
 without 2 GPUs and NCCL."""
 import json
 
@@ -22,7 +22,7 @@ needs_two = pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs and NCCL")
 
 @needs_two
 def test_two_gpus_equal_one_gpu():
-    from ggml_attn.cli import gpu_multi_check
+    import gpu_multi_check  # tools/dev/ (on sys.path via conftest)
     report = gpu_multi_check.run(2)
     print(json.dumps(report, indent=1))
     print(gpu_multi_check.table(report))
@@ -63,8 +63,8 @@ def test_cli_two_gpus(tool, args, sm, capfd):
 def test_cli_rank_engines_with_cuda_graphs_equal_without():
     """The CLI's -sm row / -sm layer rank engines (NCCL calls inside captured graphs, decode steps
     without a sync between them) leave the same outputs and K/V as without CUDA graphs, and
-    match one GPU (tools/gpu_multi_graphs_check.py)."""
-    from ggml_attn.cli import gpu_multi_graphs_check
+    match one GPU (tools/dev/gpu_multi_graphs_check.py)."""
+    import gpu_multi_graphs_check  # tools/dev/
     rep = gpu_multi_graphs_check.run(2, steps=8)
     print(json.dumps(rep, indent=1))
     for mode in ("row", "layer"):

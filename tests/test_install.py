@@ -51,6 +51,11 @@ def test_kernel_sources_found_after_install(tmp_path, editable):
         assert Path(found["graph"]).resolve().is_relative_to(REPO / "graph")
     else:
         assert where.is_relative_to(target.resolve())
+        # the CLI package ships no development script (tools/dev/, tests/test_cli_package.py)
+        cli = {p.name for p in (target / "ggml_attn" / "cli").iterdir()}
+        dev = {p.name for p in (REPO / "tools" / "dev").iterdir()}
+        assert {"bench.py", "batched_bench.py"} <= cli
+        assert "dev" not in cli and not cli & dev, sorted(cli & dev)
 
 
 def test_cuda_folder_does_not_shadow_nvidia_cuda_namespace():

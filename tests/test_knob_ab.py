@@ -1,8 +1,8 @@
-"""tools/knob_ab.py: variants parsed and checked up front, knobs set in the child before the
+"""tools/dev/knob_ab.py: variants parsed and checked up front, knobs set in the child before the
 benchmark runs, rows read back per variant and round."""
 import pytest
 
-from ggml_attn.cli import knob_ab
+import knob_ab  # tools/dev/ (on sys.path via conftest)
 
 
 def test_parse_variant_checks_modules_attributes_and_values():

@@ -125,10 +125,10 @@ def test_choose_is_best_kernel_for_auto():
 
 
 def test_bound_nodes_take_the_fast_path():
-    """tools/op_overhead_bench.py's graph: every node bound to a (no-op) launch is relaunched by
+    """tools/dev/op_overhead_bench.py's graph: every node bound to a (no-op) launch is relaunched by
     the callback without descriptors or validation (its run() asserts one launch per node and
     compute)."""
-    from ggml_attn.cli import op_overhead_bench
+    import op_overhead_bench  # tools/dev/ (on sys.path via conftest)
     res = op_overhead_bench.run(n=4, reps=3)
     assert set(res) == {"plain", "computing"} and all(v > 0 for v in res.values())
 
@@ -159,6 +159,6 @@ def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch
 
 
 def test_decode_host_bench_runs_the_driver_without_compute():
-    from ggml_attn.cli import decode_host_bench
+    import decode_host_bench  # tools/dev/
     assert decode_host_bench.run(steps=3, reps=1) > 0
     assert decode_host_bench.run(steps=2, reps=1, seqs=8) > 0   # a step of 8 sequences

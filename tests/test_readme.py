@@ -52,7 +52,7 @@ def _owned_files():
     """Every text file the repository ships or tests with (committed results keep their names)."""
     out = []
     for pattern in ("*.md", "*.toml", "ggml_attn/*.py", "graph/*.py", "tools/*.py", "tools/*.sh",
-                    "tests/*.py", "cuda/*.cu", "cuda/*.cuh", "bench/*.md"):
+                    "tools/dev/*.py", "tools/dev/*.sh", "tests/*.py", "cuda/*.cu", "cuda/*.cuh", "bench/*.md"):
         out += sorted(REPO.glob(pattern))
     return out
 

@@ -1,11 +1,12 @@
-"""tools/stage_profile.py on the CPU: per phase, one plan and one engine step per ubatch, a build
+"""tools/dev/stage_profile.py on the CPU: per phase, one plan and one engine step per ubatch, a build
 per new structure, one report per run of a row, and every patch undone afterwards."""
 import json
 import os
 
 import pytest
 
-from ggml_attn.cli import batched_bench, runner, stage_profile
+import stage_profile  # tools/dev/ (on sys.path via conftest)
+from ggml_attn.cli import batched_bench, runner
 from ggml_attn.graph import build, driver
 
 FAST = ["-m", "tiny", "-t", "1", "--device", "cpu", "--prompt-lens", "5,9,3", "-ntg", "3", "-kvu"]

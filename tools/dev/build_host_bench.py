@@ -8,7 +8,7 @@ The weights of ``--layer full`` are zero-stride F16 arrays of the model's shapes
 reads only their shapes and binds them; no 14 GB of weights), the KV cache is
 ``graph/kv_cache.py``'s ``KVCache`` (its memory is never touched while building).
 
-Usage: python tools/build_host_bench.py [--layer full|attn] [--tokens 512] [--seqs 1]
+Usage: python tools/dev/build_host_bench.py [--layer full|attn] [--tokens 512] [--seqs 1]
            [--graphs 20] [--reps 5] [--profile N]
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ decode over 4096 cached tokens, a 512-token causal prefill, and 16 prompts of 16
 in one unified-KV batch (block-diagonal causal mask). Each op runs in its own one-node
 graph; the time is the median wall time of ``--repeats`` computes after one warm-up.
 
-    python tools/cpu_op_bench.py [--threads 2] [--repeats 5] [--json out.json]
+    python tools/dev/cpu_op_bench.py [--threads 2] [--repeats 5] [--json out.json]
 """
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"machine": platform.machine(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                        "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "command": "python tools/cpu_op_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "command": "python tools/dev/cpu_op_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                        "threads": a.threads, "repeats": a.repeats, "rows": rows}, f, indent=1)
     return 0
 

@@ -6,7 +6,7 @@ On the GPU this work precedes every replayed CUDA graph, so it bounds tg128 with
 With ``--seqs N``: a decode step of N sequences at once (one token each, unified KV, ragged
 prompts of 16-200 tokens), as ``ggml-attn-batched-bench -npl N -kvu`` runs them.
 
-Usage: python tools/decode_host_bench.py [--steps 100] [--reps 5] [--seqs 1]
+Usage: python tools/dev/decode_host_bench.py [--steps 100] [--reps 5] [--seqs 1]
 """
 from __future__ import annotations
 

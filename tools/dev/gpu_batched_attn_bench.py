@@ -5,7 +5,7 @@ fills it (64 ragged prompts in one stream, then decode steps of one token per se
 cells interleave), with the driver on the host (nothing computed); the step's mask comes from
 the driver's plan. One layer's attention (32 q / 8 KV heads, D 128, f16 K/V of random values)
 is timed for each GPU kernel the op can run at these shapes (and ``cells`` at forced split
-counts), device time per call as tools/gpu_bench.py times every row (calls queued behind a sleep
+counts), device time per call as tools/dev/gpu_bench.py times every row (calls queued behind a sleep
 kernel, K/V rotated over copies larger than L2); each row says which kernel ran (``auto``'s
 choice), the plan's wall time and, for ``cells``, the device time of rebuilding the cell lists
 (a plan refresh).
@@ -19,7 +19,7 @@ gives the instance's registers and resident blocks per SM. ``sweep`` at the end:
 by time and the variant to keep (``keep``: the fastest correct one if it beats the default by
 more than 3%, else the default).
 
-Usage: python tools/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--no-sweep] [--tunes u4-pf0,pf0]
+Usage: python tools/dev/gpu_batched_attn_bench.py [--seqs 64] [--steps 32] [--no-sweep] [--tunes u4-pf0,pf0]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def step_plan(seqs: int, steps: int):
     from ggml_attn.cli.models import PRESETS
     from ggml_attn.cli.runner import RunConfig, Runner
     from ggml_attn.graph import driver
-    from ggml_attn.cli.decode_host_bench import _NoCompute
+    from decode_host_bench import _NoCompute
     lens = [int(x) for x in np.random.default_rng(1).integers(16, 201, seqs)]
     r = Runner(RunConfig(PRESETS["llama-3-8b"], n_ctx=sum(lens) + seqs * (steps + 1) + 256, n_seq=seqs,
                          device="cpu", layer="attn", kv_unified=True))
@@ -70,8 +70,8 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
     if timer is None:
-        from ggml_attn.cli.gpu_timing import device_us as timer  # noqa: PLC0415
-    from ggml_attn.cli.gpu_timing import copies_for, knobs  # noqa: PLC0415
+        from gpu_timing import device_us as timer  # noqa: PLC0415
+    from gpu_timing import copies_for, knobs  # noqa: PLC0415
     if sweep is None:
         sweep = K.CELLS_SWEEP
     plan, n_prompt = step_plan(seqs, steps)

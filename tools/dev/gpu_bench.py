@@ -12,7 +12,7 @@ a ubatch) is measured apart, with a host clock over many calls.
 
 Writes a JSON file (GPU, versions, commit, date, every row) and prints a short table last.
 
-Usage: python tools/gpu_bench.py [--quick] [--out FILE] [--only SUBSTR]
+Usage: python tools/dev/gpu_bench.py [--quick] [--out FILE] [--only SUBSTR]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import subprocess
 
 import numpy as np
 
-from ggml_attn.cli.gpu_timing import copies_for, device_us, host_us, knobs, wall_us
+from gpu_timing import copies_for, device_us, host_us, knobs, wall_us
 from ggml_attn.conformance import block_causal_mask
 
 H, HKV, D = 32, 8, 128
@@ -477,7 +477,7 @@ def run(quick=False, only=None, log=print):
 
     # ---- the full block's weight reads at decode (dense.cu's GEMV vs cuBLAS)
     if want("dense:"):
-        from ggml_attn.cli import gpu_dense_bench  # noqa: PLC0415
+        import gpu_dense_bench  # noqa: PLC0415
         try:
             rows.extend(gpu_dense_bench.run(device_us, log=log))
         except Exception as e:  # noqa: BLE001 - report, keep the other rows
@@ -486,7 +486,7 @@ def run(quick=False, only=None, log=print):
 
     # ---- host path: the op in a device-resident ggml graph, plain and replayed as a CUDA graph
     if want("graph:"):
-        from ggml_attn.cli import gpu_graph_bench  # noqa: PLC0415 (run as a script too)
+        import gpu_graph_bench  # noqa: PLC0415 (run as a script too)
         try:
             rows.extend(gpu_graph_bench.run(device_us, log=log))
         except Exception as e:  # noqa: BLE001 - report, keep the other rows
@@ -496,7 +496,7 @@ def run(quick=False, only=None, log=print):
 
     # ---- one layer's attention of a 64-sequence decode step over a unified cache, per kernel
     if want("batched decode"):
-        from ggml_attn.cli import gpu_batched_attn_bench  # noqa: PLC0415 (run as a script too)
+        import gpu_batched_attn_bench  # noqa: PLC0415 (run as a script too)
         try:
             res = gpu_batched_attn_bench.run(timer=device_us)
             for r in res["rows"]:

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
+#   tools/dev/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
 #                      [--profile-case CASE] [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
 #
-# --profile: ncu on tools/gpu_profile_case.py's "masked" case (the mma.sync prefill);
+# --profile: ncu on tools/dev/gpu_profile_case.py's "masked" case (the mma.sync prefill);
 # --profile-case CASE: on another of its cases ("wgmma": the sm_90a prefill; WGMMA_CONFIG).
 #
-# --llamacpp: llama.cpp and ours on one 8B-shaped F16 GGUF (tools/llamacpp_side_by_side.py; carry
+# --llamacpp: llama.cpp and ours on one 8B-shaped F16 GGUF (tools/dev/llamacpp_side_by_side.py; carry
 # .lcpp/src.tar.gz, llama.cpp's source tree: the vendor/llama.cpp of the llama-cpp-python sdist);
 # $OUT/side_by_side.json and a table. The GPU tests include the model's logits against llama.cpp's
 # (tests/test_model.py, gpu-marked).
 #
 # --ab-prompt: the 8B batched bench's prompt phase with whole-cache prompt ubatches against the
-# coarse n_kv of before (tools/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
+# coarse n_kv of before (tools/dev/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
 #
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
 # ggml-python==0.0.45; gguf's wheel) with the device tool. Set GGML_ATTN_COMMIT: the device's
@@ -22,7 +22,7 @@
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
 # prints a short table last. --quick: sampled conformance grid, short benchmark.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
@@ -63,7 +63,7 @@ fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
 echo "== precompile"
-$PY tools/gpu_precompile.py -j "$(nproc)" 2>&1 | tee "$OUT/precompile.log" | tail -3
+$PY tools/dev/gpu_precompile.py -j "$(nproc)" 2>&1 | tee "$OUT/precompile.log" | tail -3
 echo "   ($(( $(date +%s) - t0 ))s so far)"
 
 if [ $TESTS = 1 ]; then
@@ -81,7 +81,7 @@ fi
 if [ $SAN = 1 ]; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer $tool"
-    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?; [ $rc != 0 ] && status=1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL" "$OUT/sanitize_$tool.log" | head -8; echo "   $(grep -c "ok$" "$OUT/sanitize_$tool.log") cases ok"
     echo "   rc=$rc ($(( $(date +%s) - t0 ))s so far)"
@@ -100,13 +100,13 @@ if [ $PROF = 1 ]; then
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section InstructionStats ${NCU_EXTRA:-} \
-      $PY tools/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
+      $PY tools/dev/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
   grep -E "fattn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
 fi
 
 if [ $XOVER = 1 ]; then
   echo "== crossover (prefill / decode / decode-tc)"
-  $PY tools/gpu_crossover.py --out "$OUT/crossover.json" > "$OUT/crossover.log" 2>&1 || status=1
+  $PY tools/dev/gpu_crossover.py --out "$OUT/crossover.json" > "$OUT/crossover.log" 2>&1 || status=1
   grep -E "^(n_kv=|DECODE)" "$OUT/crossover.log"
 fi
 
@@ -118,12 +118,12 @@ if [ $BENCH = 1 ]; then
   bargs=(--out "$OUT/$name.json")
   [ $QUICK = 1 ] && bargs+=(--quick)
   [ -n "$ONLY" ] && bargs+=(--only "$ONLY")
-  $PY tools/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
+  $PY tools/dev/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
   tail -45 "$OUT/bench.log"
 fi
 if [ $LCPP = 1 ]; then
   echo "== llama.cpp side by side (8B-shaped F16 GGUF)"
-  $PY tools/llamacpp_side_by_side.py --out "$OUT" || status=1
+  $PY tools/dev/llamacpp_side_by_side.py --out "$OUT" || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 
@@ -144,7 +144,7 @@ if [ $CLI = 1 ]; then
 fi
 if [ $ABP = 1 ]; then
   echo "== A/B: whole-cache prompt ubatches vs coarse n_kv (llama-3-8B --layer full, 64 prompts)"
-  $PY tools/knob_ab.py --rounds 2 --out "$OUT/ab-prompt.json" --variant whole \
+  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab-prompt.json" --variant whole \
       --variant coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0 batched-bench -m llama-3-8b \
       --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 1 --cuda-graph on 2> "$OUT/ab-prompt.log" \
     || { status=1; echo "A/B failed"; tail -5 "$OUT/ab-prompt.log"; }

@@ -5,7 +5,7 @@ For D=128 f16 K/V, 8 KV heads, GQA ratios {1, 2, 4, 8}, query tokens per stream 
 through cuda_backend.flash_attn_ext_device and prints, per (gqa, n_kv), the winner for each
 n_batch, then the dispatch constants that follow from it. Writes the raw rows as JSON.
 
-Usage: python tools/gpu_crossover.py [--out FILE] [--quick]
+Usage: python tools/dev/gpu_crossover.py [--out FILE] [--quick]
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import argparse
 import json
 import math
 
-from ggml_attn.cli.gpu_bench import _desc
-from ggml_attn.cli.gpu_timing import device_us
+from gpu_bench import _desc
+from gpu_timing import device_us
 
 HKV, D = 8, 128
 KERNELS = ("prefill", "decode", "decode-tc")

@@ -3,7 +3,7 @@ DTMA_TRACE writes %globaltimer stamps per block (cuda/fattn_decode_tma.cu, DTMA_
 their spread -- when blocks start, see their first tile, end their last segment, count
 themselves, finish a merge and exit -- for one decode call (B=1, 32 q / 8 KV heads, D 128).
 
-Usage: python tools/gpu_decode_tma_trace.py [n_kv ...]   (default 4096 32768)
+Usage: python tools/dev/gpu_decode_tma_trace.py [n_kv ...]   (default 4096 32768)
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ llama-3-8B shapes (n_embd 4096, 1024 K/V, n_ff 14336; 436 MB of F16 weights per 
 over the L2), as ``cuda/dense.cu`` runs them (four ``dense_gemv`` launches: Q/K/V, gate/up
 with SiLU, both with the RMS norm fused, and the O and down projections added into the
 residual; each unroll instance) against cuBLAS (torch
-``F.linear`` in F16, one GEMM per weight). A row group of ``tools/gpu_bench.py`` (case
+``F.linear`` in F16, one GEMM per weight). A row group of ``tools/dev/gpu_bench.py`` (case
 ``dense:``); floor: the bytes over 4.2 TB/s.
 """
 from __future__ import annotations

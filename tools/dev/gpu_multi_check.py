@@ -2,7 +2,7 @@
 communicator (``graph/tp.py``'s ``NcclComm``), the driver's plans; then the one-GPU reference
 in this process on GPU 0.
 
-    python -m ggml_attn.cli.gpu_multi_check [--n-gpu 2] [--out results.json]
+    python tools/dev/gpu_multi_check.py [--n-gpu 2] [--out results.json]
 
 Modes: ``row`` (head-parallel, ``graph/tp.py``: all-reduces in the full block) and ``layer``
 (layer-parallel, ``graph/pipe.py``: contiguous layer ranges, NCCL send/recv of the activations

@@ -4,13 +4,13 @@
 # -sm none on llama-3-70b-shaped layers (JSON and a table), and the llama-3-8B batched run of 64
 # ragged prompts and their decode steps on 1 vs N GPUs, CUDA graphs on and off (multi_8b.json/.txt).
 #
-#   [MULTI_BENCH_ONLY=1] tools/gpu_multi_check.sh [N_GPU]   (default 2; writes under $OUT, default ./gpu_out:
+#   [MULTI_BENCH_ONLY=1] tools/dev/gpu_multi_check.sh [N_GPU]   (default 2; writes under $OUT, default ./gpu_out:
 #   multi_check.json / .log (both modes vs 1 GPU), multi_bench.json / .txt (t/s of none/row/layer))
 #
-# Install first as tools/gpu_check.sh does (or run it once with --no-tests --no-bench); CuPy needs
+# Install first as tools/dev/gpu_check.sh does (or run it once with --no-tests --no-bench); CuPy needs
 # NCCL (carry the nvidia-nccl-cu13 wheel in .whl/ when cupy.cuda.nccl.available is False).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 N=${1:-2}
 PY=${PYTHON:-python3}
@@ -22,11 +22,11 @@ if [ "${MULTI_BENCH_ONLY:-0}" != 1 ]; then   # MULTI_BENCH_ONLY=1: the benchmark
   $PY -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_multi.py -s > "$OUT/multi_tests.log" 2>&1 || status=1
   tail -3 "$OUT/multi_tests.log"
   echo "== $N GPUs vs 1 GPU, -sm row and -sm layer (NMSE, K/V slices, decode t/s)"
-  $PY -m ggml_attn.cli.gpu_multi_check --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
+  $PY tools/dev/gpu_multi_check.py --n-gpu "$N" --out "$OUT/multi_check.json" > "$OUT/multi_check.log" 2>&1 || status=1
   tail -14 "$OUT/multi_check.log"
 fi
 echo "== the CLI's rank engines with CUDA graphs vs without, and vs one GPU"
-$PY tools/gpu_multi_graphs_check.py --n-gpu "$N" > "$OUT/multi_graphs_check.json" 2> "$OUT/multi_graphs_check.err" || status=1
+$PY tools/dev/gpu_multi_graphs_check.py --n-gpu "$N" > "$OUT/multi_graphs_check.json" 2> "$OUT/multi_graphs_check.err" || status=1
 $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print('ok' if r['ok'] else 'MISMATCH', {m: round(v['out_nmse_vs_one_gpu'], 9) for m, v in r['modes'].items()})" "$OUT/multi_graphs_check.json" || tail -5 "$OUT/multi_graphs_check.err"
 echo "== ggml-attn-bench llama-3-70b shape (8 layers), --layer full: -sm none vs -sm row vs -sm layer"
 B=(-m llama-3-70b --n-layer 8 --layer full -p 512 -n 32 -r 3 -o jsonl --cuda-graph off)  # same setting on both sides

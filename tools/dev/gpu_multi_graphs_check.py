@@ -9,7 +9,7 @@ between them, with CUDA graphs off and on, and compares each rank's final residu
 engine's last output) and K/V cache with graphs off, and the final output with the one-GPU
 engine's (GPU 0, this process).
 
-Usage: python tools/gpu_multi_graphs_check.py [--n-gpu 2] [--steps 12]   (prints JSON; exit 1 on a mismatch)
+Usage: python tools/dev/gpu_multi_graphs_check.py [--n-gpu 2] [--steps 12]   (prints JSON; exit 1 on a mismatch)
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def run(n_gpu: int = 2, steps: int = 12, timeout: float = 300.0) -> dict:
     """The report: per mode and rank, NMSE of graphs on vs off (output, K, V), capture counts,
     and the NMSE of the final output against one GPU; ``ok`` when all are within 5e-4."""
     import cupy
-    from ggml_attn.cli.gpu_multi_check import nmse, spawn_ranks
+    from gpu_multi_check import nmse, spawn_ranks
     from ggml_attn.graph.tp import nccl_available
     if cupy.cuda.runtime.getDeviceCount() < n_gpu or not nccl_available():
         raise RuntimeError(f"needs {n_gpu} GPUs and NCCL")

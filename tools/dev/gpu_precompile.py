@@ -1,7 +1,7 @@
 """Compile every kernel variant for this machine's GPU into the disk cache, in parallel.
 
 Run before the GPU tests so that test workers load cubins instead of compiling the same
-variants concurrently. Usage: python tools/gpu_precompile.py [-j N]
+variants concurrently. Usage: python tools/dev/gpu_precompile.py [-j N]
 """
 from __future__ import annotations
 

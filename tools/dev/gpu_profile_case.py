@@ -10,7 +10,7 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
 
-Usage: ncu --clock-control none -k regex:fattn python tools/gpu_profile_case.py [CASE ...]
+Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
 """
 from __future__ import annotations

@@ -2,8 +2,8 @@
 ``ggml-attn-batched-bench`` in this process under cProfile and prints the functions with the
 most time of their own and the most time under them (the benchmark's own table first).
 
-Usage: python tools/host_profile.py [--top 30] [--out FILE.pstats] bench|batched-bench ARGS...
-e.g.   python tools/host_profile.py batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 \\
+Usage: python tools/dev/host_profile.py [--top 30] [--out FILE.pstats] bench|batched-bench ARGS...
+e.g.   python tools/dev/host_profile.py batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 \\
            -npl 64 -ntg 32 -kvu -r 1
 """
 from __future__ import annotations

@@ -4,13 +4,13 @@
 variants alternating round by round (A B A B: a noisy machine's drift falls on both), and one
 table is printed last with every round's numbers and each variant's median.
 
-Usage: python tools/knob_ab.py [--rounds 2] [--out FILE.json]
+Usage: python tools/dev/knob_ab.py [--rounds 2] [--out FILE.json]
            --variant NAME[:MODULE.ATTR=VALUE[,MODULE.ATTR=VALUE...]] [--variant ...]
            bench|batched-bench ARGS...
 MODULE is a module of the package (``ggml_attn.graph.kv_cache`` or, shorter,
 ``graph.kv_cache``, ``dispatch``, ``cli.cuda_launch`` ...); VALUE a Python literal. The
 benchmark's own ``-o jsonl`` rows are read back, so leave ``-o`` out (it is added).
-e.g.   python tools/knob_ab.py --variant whole --variant coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0 \\
+e.g.   python tools/dev/knob_ab.py --variant whole --variant coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0 \\
            batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 2
 """
 from __future__ import annotations

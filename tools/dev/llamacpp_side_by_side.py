@@ -1,6 +1,6 @@
 """llama.cpp and ggml-attn side by side on one GPU and one GGUF file (a GPU-machine script).
 
-    python tools/llamacpp_side_by_side.py --src .lcpp/src.tar.gz --out $OUT [--gguf F] [--build-only]
+    python tools/dev/llamacpp_side_by_side.py --src .lcpp/src.tar.gz --out $OUT [--gguf F] [--build-only]
 
 Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdown table last):
 
@@ -29,7 +29,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def sh(cmd: list[str], log: str, timeout: int, env=None) -> tuple[int, str, float]:

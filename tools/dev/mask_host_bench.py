@@ -12,7 +12,7 @@ instead of the cache's ``n_kv`` (a cache whose prompt ubatches attend over every
 (``R`` = 1: a decode step built from scratch), the sparse (``_fast_mask``) and the dense
 (``_general_mask``) path each, whichever ``_fast_applies`` picks: the data of its cost rule.
 
-Usage: python tools/mask_host_bench.py [--prompts 64] [--ubatch 512] [--reps 5] [--seed 1]
+Usage: python tools/dev/mask_host_bench.py [--prompts 64] [--ubatch 512] [--reps 5] [--seed 1]
            [--n-kv-all] [--general] [--swa N] [--alibi] [--f32] [--no-causal] [--chunk R]
 """
 from __future__ import annotations

@@ -2,9 +2,9 @@
 (decode shapes: one query token, 32 q / 8 KV heads, D 128) whose nodes are bound to a no-op
 launch, computed by ggml's graph loop on one thread. Prints microseconds per op node for a
 plain ``ggml_graph_compute_with_ctx`` and inside ``ggml_attn.op.computing`` (error
-bookkeeping). What the GPU adds on top is the launches themselves (``tools/gpu_graph_bench.py``).
+bookkeeping). What the GPU adds on top is the launches themselves (``tools/dev/gpu_graph_bench.py``).
 
-Usage: python tools/op_overhead_bench.py [-n 32] [--reps 200]
+Usage: python tools/dev/op_overhead_bench.py [-n 32] [--reps 200]
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ keeps them in one. Cases: 10 prompts of 1..10 tokens; 16 and 64 prompts of 16-20
 tool prints it with ``-o jsonl``, plus ``case`` and the command line) and a markdown summary
 beside it, and prints the summary.
 
-    python -m ggml_attn.cli.ragged_experiment --out bench/results            # GPU when present
-    python -m ggml_attn.cli.ragged_experiment --out /tmp -- --device cpu -m tiny   # extra tool flags
+    python tools/dev/ragged_experiment.py --out bench/results            # GPU when present
+    python tools/dev/ragged_experiment.py --out /tmp -- --device cpu -m tiny   # extra tool flags
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import json
 import os
 import sys
 
-from . import batched_bench
-from .common import build_info
+from ggml_attn.cli import batched_bench
+from ggml_attn.cli.common import build_info
 
 CASES = [
     ("10 prompts of 1..10", ["--prompt-lens", "1-10"]),
@@ -53,7 +53,7 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ggml_attn.cli.ragged_experiment", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tools/dev/ragged_experiment.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results", help="folder for the results (default: bench/results)")
     p.add_argument("-ntg", default="32", help="decode steps per case (default: 32)")
     p.add_argument("--seed", default="1", help="seed of the 16-200 prompt lengths (default: 1)")

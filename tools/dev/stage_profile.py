@@ -15,8 +15,8 @@ milliseconds per replay: against the phase's time, that says whether the phase i
 GPU or by the host. With ``-sm row|layer`` the stages are rank 0's (the other ranks run in their
 own processes) and no replays are timed (a rank cannot replay its NCCL calls alone).
 
-Usage: python tools/stage_profile.py [--replays 10] [--json FILE] batched-bench ARGS...
-e.g.   python tools/stage_profile.py batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 \\
+Usage: python tools/dev/stage_profile.py [--replays 10] [--json FILE] batched-bench ARGS...
+e.g.   python tools/dev/stage_profile.py batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 \\
            -npl 64 -ntg 32 -kvu -r 3 --cuda-graph on
 """
 from __future__ import annotations
