@@ -61,7 +61,7 @@ def test_ragged_experiment_script(tmp_path, capsys):
     assert len(rows) == 30
     tokens = {(r["case"], r["pl"]): r["prompt_tokens"] for r in rows}
     assert tokens[("10 prompts of 1..10", 10)] == 55
-    # --seed 1 draws the prompts of README's H200 table (1776 and 6759 tokens)
+    # --seed 1 draws the prompts of docs/cli.md's H200 table (1776 and 6759 tokens)
     assert tokens[("16 and 64 prompts of 16-200", 16)] == 1776
     assert tokens[("16 and 64 prompts of 16-200", 64)] == 6759
     ub = {(r["case"], r["pl"], r["split"], r["layer"]): r["ub"] for r in rows}

@@ -51,8 +51,9 @@ import re
 def _owned_files():
     """Every text file the repository ships or tests with (committed results keep their names)."""
     out = []
-    for pattern in ("*.md", "*.toml", "ggml_attn/*.py", "graph/*.py", "tools/*.py", "tools/*.sh",
-                    "tools/dev/*.py", "tools/dev/*.sh", "tests/*.py", "cuda/*.cu", "cuda/*.cuh", "bench/*.md"):
+    for pattern in ("*.md", "docs/*.md", "*.toml", "ggml_attn/*.py", "graph/*.py", "tools/*.py",
+                    "tools/*.sh", "tools/dev/*.py", "tools/dev/*.sh", "tests/*.py", "cuda/*.cu", "cuda/*.cuh",
+                    "bench/*.md"):
         out += sorted(REPO.glob(pattern))
     return out
 
@@ -68,10 +69,52 @@ def test_no_citations_of_documents_outside_the_repository():
     assert not hits, "\n".join(hits)
 
 
+def _doc_pages():
+    """README.md and the pages of docs/."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 1, "docs/ holds no pages"
+    return pages
+
+
 def test_readme_paths_exist():
-    text = (REPO / "README.md").read_text()
-    paths = set(re.findall(r"`((?:bench|tools|tests|graph|ggml_attn|cuda|\.ci)/[^` ]*)`", text))
-    assert paths
+    """Every repository path that README.md or a page of docs/ names in backticks exists (paths are
+    from the repository root, in docs/ too)."""
+    missing = []
+    for page in _doc_pages():
+        paths = set(re.findall(r"`((?:bench|tools|tests|graph|ggml_attn|cuda|docs|\.ci)/[^` ]*)`", page.read_text()))
+        assert paths or page.name != "README.md"
+        missing += [f"{page.relative_to(REPO)}: {m}" for m in _missing_paths(paths)]
+    assert not missing, missing
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    s = heading.strip().lower().replace("`", "")
+    s = re.sub(r"[^\w\- ]", "", s)
+    return s.replace(" ", "-")
+
+
+def test_doc_links_resolve():
+    """Relative links ``[text](target#anchor)`` of README.md and docs/*.md point at files that exist
+    and, with an anchor, at one of the target's headings."""
+    bad = []
+    for page in _doc_pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+                continue
+            if anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)}
+                if anchor not in slugs:
+                    bad.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not bad, bad
+
+
+def _missing_paths(paths) -> list[str]:
     missing = []
     for p in paths:
         p = p.split("::")[0].rstrip(".,:")
@@ -82,4 +125,4 @@ def test_readme_paths_exist():
         if m:
             options = [m.group(1) + x + m.group(3) for x in m.group(2).split(",")]
         missing += [o for o in options if not (REPO / o).exists()]
-    assert not missing, missing
+    return missing

@@ -32,7 +32,7 @@ JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "
               "device", "path", "kernel", "layer"]
 
 
-# what ours mean; --help prints this, README repeats it
+# what ours mean; --help prints this, docs/cli.md repeats it
 TERMS = (
     "Ours, beyond llama-batched-bench's columns and keys. split: the ubatch split strategy of "
     "the row. KVU: (jsonl kv_unified) 1 when the row ran on one KV buffer for all sequences, "
