@@ -27,7 +27,7 @@ import numpy as np
 
 from .qkv import AttnConfig
 
-__all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL",
+__all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "gguf_field", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL",
            "ROPE_NEOX"]
 
 ROPE_NORMAL, ROPE_NEOX = 0, 2   # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / _NEOX)
@@ -202,7 +202,8 @@ class Model:
         return "+".join(sorted(count, key=lambda k: -count[k]))
 
 
-def _field(reader, key):
+def gguf_field(reader, key):
+    """The value of GGUF key ``key`` of a ``gguf.GGUFReader`` (None when absent)."""
     f = reader.fields.get(key)
     if f is None:
         return None
@@ -225,7 +226,7 @@ def load_gguf(path: str | os.PathLike) -> Model:
         reader = GGUFReader(path, "r")
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot read gguf '{path}': {e}") from e
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in ARCHS:
         raise ModelError(f"'{path}': architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
     hp = _hparams(reader, path, arch)
@@ -274,7 +275,7 @@ def load_gguf(path: str | os.PathLike) -> Model:
 
 def _hparams(reader, path: str, arch: str) -> HParams:
     def num(key, default=None, kind=int):
-        v = _field(reader, f"{arch}.{key}")
+        v = gguf_field(reader, f"{arch}.{key}")
         if v is None:
             if default is None:
                 raise ModelError(f"'{path}' lacks {arch}.{key}")
@@ -303,7 +304,7 @@ def _hparams(reader, path: str, arch: str) -> HParams:
         raise ModelError(f"'{path}': key_length {head_dim} != value_length {head_dim_v}; not supported")
     if n_head % n_head_kv:
         raise ModelError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    n_vocab = _field(reader, f"{arch}.vocab_size")
+    n_vocab = gguf_field(reader, f"{arch}.vocab_size")
     if n_vocab is None:
         toks = reader.fields.get("tokenizer.ggml.tokens")
         n_vocab = len(toks.data) if toks is not None else None
@@ -312,13 +313,13 @@ def _hparams(reader, path: str, arch: str) -> HParams:
     rope_dim = num("rope.dimension_count", head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise ModelError(f"'{path}': rope.dimension_count {rope_dim} must be even and at most head size {head_dim}")
-    scaling = _field(reader, f"{arch}.rope.scaling.type") or "none"
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type") or "none"
     freq_scale = 1.0
     if scaling == "linear":
         freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
     elif scaling != "none":
         raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
-    name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
     return HParams(arch=arch, name=str(name), n_layer=num("block_count"), n_embd=n_embd, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
                    n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,

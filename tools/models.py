@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ggml_attn.graph.model import gguf_field
+
 from .errors import UserError
 
 
@@ -109,16 +111,6 @@ def resolve(name_or_path: str) -> ModelShape:
     raise UserError(f"unknown model '{key}' (presets: {', '.join(PRESETS)}; or a .gguf path)")
 
 
-def _field(reader, key):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # older gguf: scalar in parts[data[0]]
-        return f.parts[f.data[0]][0]
-
-
 # llama.cpp reads these hparams as uint32; a shape value outside 1..U32_MAX is no model's
 U32_MAX = 2**32 - 1
 
@@ -149,12 +141,12 @@ def read_gguf(path: str) -> ModelShape:
         reader = GGUFReader(path, "r")
     except Exception as e:
         raise UserError(f"cannot read gguf '{path}': {e}") from e
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if not arch:
         raise UserError(f"'{path}' has no general.architecture key")
 
     def get(key, required=True):
-        v = _as_int(_field(reader, f"{arch}.{key}"), f"'{path}': {arch}.{key}")
+        v = _as_int(gguf_field(reader, f"{arch}.{key}"), f"'{path}': {arch}.{key}")
         if v is None and required:
             raise UserError(f"'{path}' lacks {arch}.{key}")
         return v
@@ -171,11 +163,11 @@ def read_gguf(path: str) -> ModelShape:
     if n_vocab is None:
         toks = reader.fields.get("tokenizer.ggml.tokens")
         n_vocab = len(toks.data) if toks is not None else 0
-    softcap = _field(reader, f"{arch}.attn_logit_softcapping")
+    softcap = gguf_field(reader, f"{arch}.attn_logit_softcapping")
     if softcap is not None and (isinstance(softcap, (bool, str, list, tuple))
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
-    name = _field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
     by_type: dict[str, int] = {}
     for t in reader.tensors:
         if len(t.shape) > 1:
