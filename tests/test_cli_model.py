@@ -81,3 +81,10 @@ def test_cli_model_engine_all_custom_form(gguf):
 def test_cli_model_needs_a_gguf():
     with pytest.raises(UserError, match="needs|give -m FILE.gguf"):
         RunConfig(resolve("tiny"), n_ctx=256, layer="model", device="cpu")
+
+
+def test_cli_model_refuses_multi_gpu_split(gguf):
+    from types import SimpleNamespace
+    with pytest.raises(UserError, match="one GPU or the CPU"):
+        RunConfig(resolve(gguf), n_ctx=256, layer="model", device="cuda",
+                  tp=SimpleNamespace(n_rank=2, mode="row"))

@@ -88,6 +88,9 @@ class RunConfig:
             raise UserError(f"unknown kernel '{self.kernel}' (choose from {', '.join(KERNELS)})")
         if self.layer not in LAYERS:
             raise UserError(f"unknown layer '{self.layer}' (choose from {', '.join(LAYERS)})")
+        if self.layer == "model" and self.tp is not None and self.tp.n_rank > 1:
+            raise UserError(f"--layer model (a .gguf's own weights) runs on one GPU or the CPU; -sm "
+                            f"{self.tp.mode} over {self.tp.n_rank} GPUs runs --layer attn or full")
         if self.layer == "model" and not self.model.source.lower().endswith(".gguf"):
             raise UserError(f"--layer model runs a model file's own weights: give -m FILE.gguf "
                             f"('{self.model.name}' is a preset: shapes only, random weights)")
