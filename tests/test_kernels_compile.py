@@ -1,5 +1,13 @@
 """Every CUDA kernel variant compiles for sm_80 and sm_90 with NVRTC (no GPU needed).
 
+README's test command compiles a representative set (:data:`REPRESENTATIVE`: per architecture
+one program of every family, so every source file, both K/V types, the smallest and largest head
+sizes and the instances with spill allowances) and the sm_90a programs; the rest of
+``all_variants() x ARCHS`` is the ``compile_all``-marked test, which the default run deselects
+(tests/conftest.py) and ``.ci/run`` runs as its second line (``-m compile_all``): CI compiles every
+program, each once. ``tests/test_kernels_compile.py::test_ci_runs_the_exhaustive_compile`` keeps
+that line in ``.ci/run``.
+
 Skips only when the NVRTC library itself is missing (install the project's ``nvrtc`` extra).
 Also checks that the ctypes mirror of ``struct FattnParams`` matches the C layout, and the
 CPU-side launch configuration rules.
@@ -7,8 +15,10 @@ CPU-side launch configuration rules.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -19,15 +29,73 @@ pytestmark = pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library n
                                 "(pip install .[nvrtc])")
 
 ARCHS = ("sm_80", "sm_90")
+F16, BF16 = GGML_TYPE_F16, GGML_TYPE_BF16
+
+# The default run's compile: per architecture one program of every family of all_variants()
+# (every source file), f16 and bf16 and the head sizes spread over the two (the smallest, D 40,
+# and the largest, 576/512; the 128-row tiles of D 128), sm_90 with the instances that have a
+# spill allowance. The remaining (program, arch) pairs: test_every_other_variant_compiles.
+REPRESENTATIVE = {
+    "sm_90": (K.util_variant(), K.dense_variant(), K.mma_variant(128, 128, F16),
+              K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, F16, nat=True),
+              K.vec_variant(576, 512, F16), K.cells_variant(256, 256, BF16)),
+    "sm_80": (K.util_variant(), K.dense_variant(), K.mma_variant(40, 40, BF16),
+              K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, BF16, nat=True),
+              K.vec_variant(80, 80, BF16), K.cells_variant(128, 128, F16)),
+}
+
+
+def _every_job():
+    return [(v, a) for v in K.all_variants() for a in ARCHS]
+
+
+def _representative_jobs():
+    return [(v, a) for a in ARCHS for v in REPRESENTATIVE[a]]
 
 
 def _compile(args):
-    variant, arch = args
-    c = K.compile_variant(variant, arch, use_disk_cache=False,
-                          extra_options=("-Xptxas=-v",) if arch == "sm_90" else ())
+    """One NVRTC compile in a worker process: a summary of the result, or the error's text
+    (``expect_error`` jobs: the compile is expected to fail)."""
+    variant, arch, expect_error = args
+    xopts = ("-Xptxas=-v",) if arch.startswith("sm_90") and not expect_error else ()
+    try:
+        c = K.compile_variant(variant, arch, use_disk_cache=False, extra_options=xopts)
+    except RuntimeError as e:
+        if expect_error:
+            return dict(error=str(e))
+        raise
     inv = {m: n for n, m in c.lowered.items()}
     usage = {inv.get(k, k): u for k, u in K.resource_usage(c.log).items()}
-    return variant.label, arch, len(c.cubin), c.lowered, usage
+    return dict(label=variant.label, arch=arch, size=len(c.cubin), lowered=c.lowered, usage=usage,
+                sha=hashlib.sha256(c.cubin).hexdigest(), error=None)
+
+
+def _cost(job):
+    """Rough compile time, for starting the long compiles first (2 workers end together)."""
+    v, arch, expect_error = job
+    heavy = {"mma": 3, "mma-ext": 3, "mma-nat": 3, "vec": 2, "wgmma": 6, "decode-tma": 5,
+             "hopper-probe": 4}.get(v.family, 1)
+    return heavy * len(v.names)
+
+
+def compile_jobs(jobs):
+    """``{job: _compile(job)}`` for ``(variant, arch, expect_error)`` jobs, each distinct job
+    compiled once, in one process per core, longest first."""
+    todo = sorted(set(jobs), key=_cost, reverse=True)
+    workers = max(1, min(len(todo), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as ex:
+        return dict(zip(todo, ex.map(_compile, todo)))
+
+
+@pytest.fixture(scope="module")
+def default_compiles():
+    """Every compile of the default run's tests in one pool: the representative programs for
+    sm_80 and sm_90, the sm_90a programs, and the sm_90a wgmma programs for plain sm_90 (which
+    must fail)."""
+    jobs = [(v, a, False) for v, a in _representative_jobs()]
+    jobs += [(v, K.HOPPER_ARCH, False) for v in K.hopper_variants()]
+    jobs += [(v, "sm_90", True) for v in K.hopper_variants() if v.family != "decode-tma"]
+    return compile_jobs(jobs)
 
 
 # Spill bytes ptxas reports for the instances that spill at all (sm_90, NVRTC 13.0,
@@ -54,27 +122,69 @@ def _allowance_key(name):
     return "vec", int(a[0]), int(a[1]), int(a[3])
 
 
-def test_every_variant_compiles(tmp_path, monkeypatch):
-    """Every program compiles for sm_80 and sm_90; on sm_90 every kernel uses <= 255 registers
-    and spills no more than SPILL_ALLOWANCE says (nothing, for all but the listed instances)."""
-    jobs = [(v, a) for v in K.all_variants() for a in ARCHS]
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers) as ex:
-        results = list(ex.map(_compile, jobs))
-    assert len(results) == len(jobs)
+def _check_compiled(jobs, results):
+    """Every (variant, arch) of ``jobs`` compiled to a cubin with all its lowered names; on
+    sm_90 every kernel uses <= 255 registers and spills no more than SPILL_ALLOWANCE says
+    (nothing, for all but the listed instances)."""
     seen = 0
-    for label, arch, size, lowered, usage in results:
-        assert size > 1000, f"{label} {arch}: empty cubin"
-        assert all(lowered.values()), f"{label} {arch}: missing lowered names"
+    for v, arch in jobs:
+        r = results[(v, arch, False)]
+        label = r["label"]
+        assert r["size"] > 1000, f"{label} {arch}: empty cubin"
+        assert all(r["lowered"].values()), f"{label} {arch}: missing lowered names"
         if arch != "sm_90":
             continue
-        assert set(usage) >= set(lowered), f"{label}: no ptxas report for some kernels"
+        usage = r["usage"]
+        assert set(usage) >= set(r["lowered"]), f"{label}: no ptxas report for some kernels"
         for name, u in usage.items():
             seen += 1
             assert u["registers"] <= 255, (name, u)
             allow = SPILL_ALLOWANCE.get(_allowance_key(name), 0)
             assert u["spill_stores"] <= allow and u["spill_loads"] <= 2 * allow, (name, u)
-    assert seen >= len([v for v in K.all_variants()]) , "ptxas reports were parsed"
+    assert seen >= len({v for v, a in jobs if a == "sm_90"}), "ptxas reports were parsed"
+
+
+def test_representative_variants_compile(default_compiles):
+    """The representative programs compile for sm_80 and sm_90 (registers and spills as
+    :func:`_check_compiled` says)."""
+    _check_compiled(_representative_jobs(), default_compiles)
+
+
+@pytest.mark.compile_all
+def test_every_other_variant_compiles():
+    """The rest of all_variants() x ARCHS (not in REPRESENTATIVE) compiles, with the same
+    checks: with test_representative_variants_compile, every program for both architectures.
+    ``.ci/run`` runs it (``-m compile_all``); the default run deselects it."""
+    rep = set(_representative_jobs())
+    jobs = [j for j in _every_job() if j not in rep]
+    _check_compiled(jobs, compile_jobs([(v, a, False) for v, a in jobs]))
+
+
+def test_representative_set_covers_every_family_and_source():
+    """REPRESENTATIVE holds, per architecture, a program of every family and source file of
+    all_variants(), both K/V types, the smallest and the largest head sizes; the two compile
+    tests together cover all_variants() x ARCHS, each pair once."""
+    every = _every_job()
+    rep = _representative_jobs()
+    assert set(rep) <= set(every) and len(set(rep)) == len(rep)
+    rest = [j for j in every if j not in set(rep)]
+    assert sorted(map(str, rep + rest)) == sorted(map(str, every))
+    for arch in ARCHS:
+        got = REPRESENTATIVE[arch]
+        assert {v.family for v in got} == {v.family for v in K.all_variants()}, arch
+        assert {v.source for v in got} == {v.source for v in K.all_variants()}, arch
+    names = " ".join(n for v, _ in rep for n in v.names)
+    assert "__half" in names and "__nv_bfloat16" in names
+    assert "fattn_mma<40, 40" in names and "fattn_vec<576, 512" in names
+    allowed = {_allowance_key(n) for v in REPRESENTATIVE["sm_90"] for n in v.names} & set(SPILL_ALLOWANCE)
+    assert len(allowed) >= 3, "sm_90 compiles instances with a spill allowance"
+
+
+def test_ci_runs_the_exhaustive_compile():
+    """.ci/run runs the compile_all tests after README's test command, which deselects them."""
+    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text().splitlines()
+    assert any(line.strip().endswith("python -m pytest -q -rs -m compile_all") for line in ci), \
+        ".ci/run lost its exhaustive compile line"
 
 
 def test_resource_usage_parser():
@@ -217,9 +327,14 @@ def test_nat_scores_pick_their_own_program(monkeypatch):
     assert launch_config("prefill", prefill, blocks_per_sm=2).variant.family == "mma"
     with pytest.raises(ValueError):
         K.mma_variant(64, 64, f16, ext=True, nat=True)
-    plain, nat = (K.compile_variant(K.mma_variant(64, 64, f16, nat=n), "sm_90", use_disk_cache=False)
+
+
+def test_nat_scores_reach_the_compiler(default_compiles):
+    """The "mma-nat" program's cubin differs from the plain one's (both compiled by the
+    representative set for sm_90)."""
+    plain, nat = (default_compiles[(K.mma_variant(128, 128, GGML_TYPE_F16, nat=n), "sm_90", False)]
                   for n in (False, True))
-    assert plain.cubin != nat.cubin, "FATTN_NAT_SCORES did not reach the compiler"
+    assert plain["sha"] != nat["sha"], "FATTN_NAT_SCORES did not reach the compiler"
 
 
 def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
@@ -241,17 +356,17 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     assert splits("decode-tc", 16, max_live={4: 64}) > 1                    # a mask plan: split
 
 
-def test_hopper_programs_compile_for_sm_90a_only():
+def test_hopper_programs_compile_for_sm_90a_only(default_compiles):
     """The Hopper programs (cuda/hopper_common.cuh: wgmma, TMA, mbarriers) compile for sm_90a
     with no spills; they carry arch_suffix "a" and get_function loads them only on compute
     capability 9.0. NVRTC refuses the wgmma ones for plain sm_90 (the decode's TMA and
     mbarriers alone would compile there)."""
     for v in K.hopper_variants():
         assert v.arch_suffix == "a" and v not in K.all_variants()
-        c = K.compile_variant(v, K.HOPPER_ARCH, use_disk_cache=False, extra_options=("-Xptxas=-v",))
-        usage = K.resource_usage(c.log)
-        assert set(usage) >= set(c.lowered.values()), (v.label, usage)
+        r = default_compiles[(v, K.HOPPER_ARCH, False)]
+        usage = r["usage"]
+        assert set(usage) >= set(r["lowered"]), (v.label, usage)
         assert all(u["spill_stores"] == 0 and u["registers"] <= 255 for u in usage.values()), (v.label, usage)
         if v.family != "decode-tma":
-            with pytest.raises(RuntimeError, match="sm_90"):
-                K.compile_variant(v, "sm_90", use_disk_cache=False)
+            err = default_compiles[(v, "sm_90", True)].get("error")
+            assert err and "sm_90" in err, (v.label, err)
