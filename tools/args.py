@@ -124,23 +124,32 @@ _BOOL_WORDS = {"on": True, "1": True, "true": True, "yes": True,
                "off": False, "0": False, "false": False, "no": False}
 
 
-def parse_bool_list(text: str) -> list[bool]:
-    """``"on,off"`` / ``"1,0"`` / ``"true"`` -> list of bools."""
+def _words(text: str, table: dict, expected: str) -> list:
+    """A comma list of ``table``'s keys (case-insensitive) -> their values; UserError naming the
+    first item that is not one."""
     out = []
     for item in str(text).split(","):
         key = item.strip().lower()
-        if key not in _BOOL_WORDS:
-            raise UserError(f"invalid value '{item}' (expected on|off, 1|0 or true|false)")
-        out.append(_BOOL_WORDS[key])
+        if key not in table:
+            raise UserError(f"invalid value '{item}' (expected {expected})")
+        out.append(table[key])
     return out
+
+
+def _one(values: list, text: str):
+    if len(values) != 1:
+        raise UserError(f"one value expected, got '{text}'")
+    return values[0]
+
+
+def parse_bool_list(text: str) -> list[bool]:
+    """``"on,off"`` / ``"1,0"`` / ``"true"`` -> list of bools."""
+    return _words(text, _BOOL_WORDS, "on|off, 1|0 or true|false")
 
 
 def parse_bool(text: str) -> bool:
     """One 0|1 (on|off, true|false) value: ``-kvu 1`` as llama.cpp takes it."""
-    values = parse_bool_list(text)
-    if len(values) != 1:
-        raise UserError(f"one value expected, got '{text}'")
-    return values[0]
+    return _one(parse_bool_list(text), text)
 
 
 # llama.cpp's -fa takes on|off|auto (and 1|0|-1); rows and help show the word
@@ -149,21 +158,12 @@ FA_VALUES = {"on": "on", "off": "off", "auto": "auto", "1": "on", "0": "off", "-
 
 def parse_fa(text: str) -> list[str]:
     """``-fa`` values, llama.cpp's spellings (on|off|auto, 1|0|-1) -> words; a comma list."""
-    out = []
-    for item in str(text).split(","):
-        key = item.strip().lower()
-        if key not in FA_VALUES:
-            raise UserError(f"invalid value '{item}' (expected on, off or auto; 1, 0 or -1)")
-        out.append(FA_VALUES[key])
-    return out
+    return _words(text, FA_VALUES, "on, off or auto; 1, 0 or -1")
 
 
 def parse_fa_one(text: str) -> str:
     """One ``-fa`` value (ggml-attn-batched-bench, as llama-batched-bench takes one)."""
-    values = parse_fa(text)
-    if len(values) != 1:
-        raise UserError(f"one value expected, got '{text}'")
-    return values[0]
+    return _one(parse_fa(text), text)
 
 
 def choice_list(choices):
