@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import fixtures_gguf
+import ggml_attn
 from ggml_attn.graph import Batch, KVCache, run_batch
 from ggml_attn.graph.model import ModelError, load_gguf
 from ggml_attn.graph.model_runner import greedy, output_flags, run_model_batch
@@ -295,14 +296,7 @@ def test_run_batch_with_a_model(gguf_dir):
 
 
 # ------------------------------------------------ the same check on a GPU (device graphs)
-def _cupy_or_skip():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # noqa: BLE001
-        pass
-    pytest.skip("needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")
 
 
 GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k", "llama-f32-ropefreqs",
@@ -310,6 +304,7 @@ GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k",
 
 
 @pytest.mark.gpu
+@needs_gpu
 @needs_ref
 @pytest.mark.parametrize("name", [n for n in GPU_NAMES if n in fixtures_gguf.SPECS])
 def test_gpu_logits_and_greedy_tokens(gguf_dir, name):
@@ -320,7 +315,6 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name):
     llama.cpp rounds the activations to 8 bits (its own two attention paths differ by up to
     3.2e-4 on these files; the first GPU run measured 5.7e-4 on qwen2-q8_0). Greedy tokens for
     the float files (for quantized ones llama.cpp's own paths disagree: test_greedy_tokens)."""
-    _cupy_or_skip()
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp

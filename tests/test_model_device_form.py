@@ -16,6 +16,8 @@ import ggml
 import numpy as np
 import pytest
 
+import ggml_attn
+
 from ggml_attn import op as fa_op
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
 from ggml_attn.graph import xp_ops
@@ -331,23 +333,14 @@ def test_model_ops_compile_with_nvrtc():
 
 
 # ------------------------------------------------------------------ on a GPU (CuPy cache)
-def _gpu_or_skip():
-    try:
-        import cupy
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # noqa: BLE001
-        pass
-    pytest.skip("needs a CUDA GPU")
-
-
 @pytest.mark.gpu
+@pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["qwen2-tied", "llama-freqs"])
 @pytest.mark.parametrize("mode, unified", [("simple", True), ("padded", False)])
 def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
     """The CuPy kernels (get_rows, rope, bias; the dense ops' GEMV for the decode step, cuBLAS
     for the prompt) against the host graph."""
-    cupy = _gpu_or_skip()
+    import cupy
     m = model_of(name, gguf_dir)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, m.hp.n_vocab, n).astype(np.int32) for n in (5, 1, 12, 7)]
