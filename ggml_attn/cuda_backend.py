@@ -247,10 +247,12 @@ class BoundCall:
     ``ptrs`` are the six data pointers (q, k, v, mask, sinks, dst; 0 when absent) and ``stream``
     the stream it was bound for: the op's callback replays the call while both are unchanged
     (:meth:`launch`), and binds again otherwise. ``replayable`` is False when the call copies
-    its inputs (a misaligned Q) or runs the numpy reference: those do per-call work."""
+    its inputs (a misaligned Q) or runs the numpy reference: those do per-call work. A masked
+    call bound without a plan owns the tile map it built (``own_plan``): :meth:`launcher`
+    rebuilds it from the mask before each replayed launch (the mask's contents may change)."""
 
-    __slots__ = ("ptrs", "stream", "kern", "replayable", "_fn", "_comb", "_grid", "_block", "_comb_grid",
-                 "_params", "_args", "_keep", "_ref")
+    __slots__ = ("ptrs", "stream", "kern", "replayable", "own_plan", "_fn", "_comb", "_grid", "_block",
+                 "_comb_grid", "_params", "_args", "_keep", "_ref")
 
     def launch(self) -> None:
         if self._ref is not None:
@@ -261,19 +263,23 @@ class BoundCall:
             self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
 
     def launcher(self):
-        """:meth:`launch` as the cheapest callable of no arguments: the driver's launch
-        function with every argument fixed (``functools.partial``, no Python frame), or a
-        closure over two of them (attention + split combine). Replayable calls only."""
+        """:meth:`launch` for a replay, as the cheapest callable of no arguments: the driver's
+        launch function with every argument fixed (``functools.partial``, no Python frame), or a
+        closure running several such launches in order: the own plan's rebuild
+        (``Plan.refresher``), attention, split combine. Replayable calls only."""
         assert self.replayable and self._ref is None, "only a replayable call has a fixed launch"
-        first = self._fn.partial(self._grid, self._block, self.stream, self._args)
-        if self._comb is None:
-            return first
-        second = self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args)
+        calls = [self._fn.partial(self._grid, self._block, self.stream, self._args)]
+        if self._comb is not None:
+            calls.append(self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args))
+        if self.own_plan is not None:
+            calls[:0] = self.own_plan.refresher(self.stream).calls
+        if len(calls) == 1:
+            return calls[0]
 
-        def both():
-            first()
-            second()
-        return both
+        def in_order():
+            for call in calls:
+                call()
+        return in_order
 
 
 def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, sinks: TensorDesc | None,
@@ -286,7 +292,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     st = stream_ptr(stream)
     b = BoundCall()
     b.ptrs = tuple(t.ptr if t is not None else 0 for t in (q, k, v, mask, sinks, dst))
-    b.stream, b._keep, b._ref, b.replayable = st, None, None, True
+    b.stream, b._keep, b._ref, b.replayable, b.own_plan = st, None, None, True, None
     if q_needs_aligned_copy(q):
         q, b._keep = _aligned_q_copy(q, st)  # the copy: alive until launched
         b.replayable = False
@@ -311,8 +317,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     if mask is not None:
         n_batch = q.ne[1]
         if plan is None:
-            plan = Plan(mask, n_batch, q.ne[2], k.ne[2])
-            b._keep = (b._keep, plan)   # its tile map: alive as long as the call
+            plan = b.own_plan = Plan(mask, n_batch, q.ne[2], k.ne[2])   # its tile map: alive as long as the call
         elif not plan.matches(mask, n_batch):
             raise ValueError("plan was built for another mask or n_batch "
                              f"(plan: {plan.mask.shape_str} n_batch={plan.n_batch}; "

@@ -225,18 +225,28 @@ class Plan:
         ``stream``, launches only (no allocation, no synchronization: a CUDA graph captures
         it). The statistics read at build time (tile height, split counts) are kept; the
         kernels stay right whatever they are (they only size the work)."""
+        self.refresher(stream)()
+
+    def refresher(self, stream=None) -> "Launches":
+        """:meth:`refresh` of what the plan has built so far, as a callable of no arguments with
+        every launch's arguments fixed now (what a bound call that owns its plan replays before
+        its kernel). Items built after this are not in it."""
         st = stream_ptr(stream)
+        out = Launches()
         got = self.items.get("lohi")
-        lohi = _build_row_intervals(self.mask, self.n_batch, st, into=got[0]) if got is not None else None
+        lohi = got[0] if got is not None else None
+        if lohi is not None:
+            _row_interval_launches(self.mask, self.n_batch, st, lohi, out)
         for key, (val, _, _) in list(self.items.items()):
             if isinstance(key, tuple) and key[0] == "map":
-                _build_live_map(self.mask, self.n_batch, key[1], st, lohi, into=val)
+                _live_map_launches(self.mask, self.n_batch, key[1], st, lohi, val, out)
         got = self.items.get("aligned")
         if got is not None:
-            _aligned_mask_copy(self.mask, self.n_batch, st, into=got[0])
+            out.calls.append(lambda into=got[0]: _aligned_mask_copy(self.mask, self.n_batch, st, into=into))
         got = self.items.get("cells")
         if got is not None:
-            _build_cell_lists(self.mask, self.n_batch, st, into=got[0])
+            _cell_list_launches(self.mask, self.n_batch, st, got[0], out)
+        return out
 
     def aligned(self, stream: int) -> TensorDesc:
         """The mask with 16-byte aligned rows for the tensor-core kernels (copied once)."""
@@ -251,6 +261,29 @@ def _mask_params(mask: TensorDesc, n_batch: int) -> K.FattnParams:
     return p
 
 
+class Launches:
+    """Kernel launches with their arguments fixed (``Kernel.bound``), run in order by a call of
+    no arguments."""
+    __slots__ = ("calls",)
+
+    def __init__(self):
+        self.calls = []
+
+    def add(self, fn: K.Kernel, grid, block, stream: int, *args) -> None:
+        """``fn`` on ``grid`` x ``block`` on ``stream`` with ctypes ``args`` in kernel order."""
+        self.calls.append(fn.bound(grid, block, stream, *args))
+
+    def __call__(self) -> None:
+        for call in self.calls:
+            call()
+
+
+def _row_interval_launches(mask: TensorDesc, n_batch: int, stream: int, lohi, out: Launches) -> None:
+    _, _, ne32, ne33 = mask.ne
+    out.add(K.get_function(K.util_variant(), "fattn_mask_rows"), (n_batch, ne32, ne33), (128, 1, 1), stream,
+            _mask_params(mask, n_batch), ctypes.c_uint64(lohi.data.ptr))
+
+
 def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int, into=None):
     """Pass 0 of the plan: each row's visible interval, cupy int32 [ne33][ne32][n_batch][2]
     (written into ``into``, the array of an earlier build, when given: nothing allocated)."""
@@ -260,9 +293,9 @@ def _build_row_intervals(mask: TensorDesc, n_batch: int, stream: int, into=None)
     if lohi is None:
         with cupy.cuda.ExternalStream(stream):
             lohi = cupy.empty((ne33, ne32, n_batch, 2), dtype=cupy.int32)
-    fn = K.get_function(K.util_variant(), "fattn_mask_rows")
-    fn.launch((n_batch, ne32, ne33), (128, 1, 1), stream, _mask_params(mask, n_batch),
-              ctypes.c_uint64(lohi.data.ptr))
+    out = Launches()
+    _row_interval_launches(mask, n_batch, stream, lohi, out)
+    out()
     return lohi
 
 
@@ -273,6 +306,23 @@ def live_words(ne33: int, n_q_tiles: int, n_kv_tiles: int, ne32: int) -> tuple[i
     n = ne33 * n_q_tiles * n_kv_tiles
     off = n + (n & 1)
     return off, off + 2 * n * ne32
+
+
+def _live_map_launches(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, built, out: Launches) -> None:
+    """The scan and compaction of a tile map into ``built`` (:func:`_build_live_map`'s tuple)."""
+    n_kv, _, ne32, ne33 = mask.ne
+    _, cnt, flags, _, buf, hidden = built
+    n_q_tiles = -(-n_batch // tq)
+    n_kv_tiles = max(1, -(-n_kv // K.KV_TILE))
+    p = _mask_params(mask, n_batch)
+    p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
+    var = K.util_variant()
+    out.add(K.get_function(var, "fattn_mask_scan"), (n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p,
+            ctypes.c_uint64(flags.data.ptr), ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr),
+            ctypes.c_int32(1 if L.FINITE_MASK_TILES else 0))
+    out.add(K.get_function(var, "fattn_mask_compact"), (n_q_tiles, ne33, 1), (32, 1, 1), stream, p,
+            ctypes.c_uint64(flags.data.ptr), ctypes.c_uint64(buf.data.ptr), ctypes.c_uint64(cnt.data.ptr),
+            ctypes.c_uint64(hidden.data.ptr))
 
 
 def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, into=None):
@@ -295,19 +345,19 @@ def _build_live_map(mask: TensorDesc, n_batch: int, tq: int, stream: int, lohi, 
             buf = cupy.empty(total, dtype=cupy.int32)
             hidden = cupy.empty(n * ne32, dtype=cupy.uint64)
             cnt = cupy.empty(ne33 * n_q_tiles, dtype=cupy.int32)
-    idx = buf[:n]
-    p = _mask_params(mask, n_batch)
-    p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles = tq, n_q_tiles, n_kv_tiles
-    var = K.util_variant()
-    scan = K.get_function(var, "fattn_mask_scan")
-    compact = K.get_function(var, "fattn_mask_compact")
-    scan.launch((n_kv_tiles, n_q_tiles, ne33), (128, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
-                ctypes.c_uint64(lohi.data.ptr), ctypes.c_uint64(hidden.data.ptr),
-                ctypes.c_int32(1 if L.FINITE_MASK_TILES else 0))
-    compact.launch((n_q_tiles, ne33, 1), (32, 1, 1), stream, p, ctypes.c_uint64(flags.data.ptr),
-                   ctypes.c_uint64(buf.data.ptr), ctypes.c_uint64(cnt.data.ptr),
-                   ctypes.c_uint64(hidden.data.ptr))
-    return idx, cnt, flags, (buf.data.ptr, cnt.data.ptr, lohi.data.ptr), buf, hidden
+    built = (buf[:n], cnt, flags, (buf.data.ptr, cnt.data.ptr, lohi.data.ptr), buf, hidden)
+    out = Launches()
+    _live_map_launches(mask, n_batch, tq, stream, lohi, built, out)
+    out()
+    return built
+
+
+def _cell_list_launches(mask: TensorDesc, n_batch: int, stream: int, built, out: Launches) -> None:
+    _, _, ne32, ne33 = mask.ne
+    cells, cnt = built
+    out.add(K.get_function(K.util_variant(), "fattn_cell_lists"), (n_batch, ne32, ne33),
+            (K.CELL_LIST_THREADS, 1, 1), stream, _mask_params(mask, n_batch),
+            ctypes.c_uint64(cells.data.ptr), ctypes.c_uint64(cnt.data.ptr))
 
 
 def _build_cell_lists(mask: TensorDesc, n_batch: int, stream: int, into=None):
@@ -321,10 +371,9 @@ def _build_cell_lists(mask: TensorDesc, n_batch: int, stream: int, into=None):
         with cupy.cuda.ExternalStream(stream):
             into = (cupy.empty((ne33, ne32, n_batch, n_kv, 2), dtype=cupy.int32),
                     cupy.empty((ne33, ne32, n_batch), dtype=cupy.int32))
-    cells, cnt = into
-    fn = K.get_function(K.util_variant(), "fattn_cell_lists")
-    fn.launch((n_batch, ne32, ne33), (K.CELL_LIST_THREADS, 1, 1), stream, _mask_params(mask, n_batch),
-              ctypes.c_uint64(cells.data.ptr), ctypes.c_uint64(cnt.data.ptr))
+    out = Launches()
+    _cell_list_launches(mask, n_batch, stream, into, out)
+    out()
     return into
 
 

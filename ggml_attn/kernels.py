@@ -608,6 +608,14 @@ class Kernel:
         return functools.partial(self._launch, self.func, grid[0], grid[1], grid[2], block[0], block[1],
                                  block[2], self.smem, stream, args_addr, 0)
 
+    def bound(self, grid, block, stream: int, *args):
+        """:meth:`launch` with every argument fixed, as a callable of none: the argument block
+        is built once and kept (with ``args``) on the callable."""
+        arr = arg_block(*args)
+        call = self.partial(grid, block, stream, ctypes.addressof(arr))
+        call.keep = (args, arr)
+        return call
+
 
 class BoundLaunch:
     """Kernel ``fn`` with its grid, block and ctypes parameters fixed (the parameters copied into

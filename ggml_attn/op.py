@@ -72,20 +72,32 @@ class _OpParams:
 class _Spec:
     """What an op node carries from graph-build time (its ``userdata`` is the spec's id).
 
-    Nodes built without a plan share one spec per parameter set (the registry stays tiny
-    however many graphs are built). A node built with ``plan=`` gets a spec of its own that
-    holds the plan weakly (the caller owns the plan, as with FlashInfer's ``plan()``/``run()``)
-    and the node's last bound CUDA call (``cuda_backend.BoundCall``), replayed while the data
-    pointers and the stream stay the same: the fast path of the callback."""
+    Every node gets the fast path: its last bound CUDA call (``cuda_backend.BoundCall``),
+    replayed while the data pointers, the stream and the settings stay the same.
+
+    * A node built with ``plan=`` gets a spec of its own that holds the plan weakly (the caller
+      owns the plan, as with FlashInfer's ``plan()``/``run()``); such specs are pruned once
+      their plan is gone.
+    * A node built without a plan gets an id of its own (:func:`_spec_id`: the shared spec of
+      its parameters in the low 32 bits, a serial above) but no spec until its first call on
+      device pointers binds one (:func:`_node_spec`): CPU-path nodes cost nothing, and at most
+      ``_MAX_NODE_SPECS`` such specs are kept (oldest dropped first; a dropped node binds again).
+      Its bound call builds its own tile map from the mask and rebuilds it on every replay
+      (``Plan.refresher``): the mask's contents may change between computes."""
     params: _OpParams
     plan_ref: object = None      # weakref.ref to the build-time plan, or None
     bound: object = None         # the fast path's record of the node's last bound call, see _bind_and_launch
     call: object = None          # that call (cuda_backend.BoundCall), for inspection
+    per_node: bool = False       # the spec of one node (keeps its bound call), not a shared one
 
 
 _specs: dict[int, _Spec] = {}
 _shared_spec_ids: dict[_OpParams, int] = {}
 _next_spec_id = itertools.count(1)
+_next_node_serial = itertools.count(1)
+_NODE_SHIFT = 32                  # a plan-less node's id: shared spec id | serial << _NODE_SHIFT
+_node_spec_ids: collections.deque = collections.deque()   # plan-less nodes' specs, oldest first
+_MAX_NODE_SPECS = 1 << 14
 _registry_lock = threading.Lock()
 _prune_at = [1024]   # per-node specs are pruned (dead plans) when the registry reaches this size
 
@@ -142,19 +154,56 @@ def _why_no_gpu() -> str:
 def _spec_id(params: _OpParams, plan) -> int:
     """Register the build-time state of a new op node; returns its ``userdata`` id."""
     with _registry_lock:
-        if plan is None:
+        if plan is None:   # the shared spec of these parameters, and a serial of this node
             sid = _shared_spec_ids.get(params)
             if sid is None:
                 sid = _shared_spec_ids[params] = next(_next_spec_id)
                 _specs[sid] = _Spec(params)
-            return sid
+            return sid | (next(_next_node_serial) << _NODE_SHIFT)
         if len(_specs) >= _prune_at[0]:   # drop the specs of plans that are gone
             for i in [i for i, sp in _specs.items() if sp.plan_ref is not None and sp.plan_ref() is None]:
                 del _specs[i]
             _prune_at[0] = max(1024, 2 * len(_specs))
         sid = next(_next_spec_id)
-        _specs[sid] = _Spec(params, weakref.ref(plan))
+        _specs[sid] = _Spec(params, weakref.ref(plan), per_node=True)
         return sid
+
+
+def _lookup_spec(userdata: int) -> _Spec | None:
+    """The spec of a node's ``userdata``: its own, or (a plan-less node not bound yet, or whose
+    spec was dropped) the shared spec of its parameters."""
+    spec = _specs.get(userdata)
+    if spec is None and userdata >> _NODE_SHIFT:
+        spec = _specs.get(userdata & ((1 << _NODE_SHIFT) - 1))
+    return spec
+
+
+_OP_PARAMS_OFF = ggml.ggml_tensor.op_params.offset
+_USERDATA_OFF = 16   # struct ggml_custom_op_params {fun; int n_tasks; void *userdata} in op_params
+
+
+def userdata_of(node) -> int:
+    """The ``userdata`` id of op node ``node`` (a ``ggml_tensor_p`` that :func:`flash_attn_ext`
+    returned), read from its op params."""
+    return ctypes.c_uint64.from_address(_node_addr(node) + _OP_PARAMS_OFF + _USERDATA_OFF).value
+
+
+def spec_of(node) -> _Spec | None:
+    """What op node ``node`` carries (:class:`_Spec`): its own spec once it has one."""
+    return _lookup_spec(userdata_of(node))
+
+
+def _node_spec(userdata: int, shared: _Spec) -> _Spec:
+    """The own spec of plan-less node ``userdata``, made on its first bind (at most
+    ``_MAX_NODE_SPECS`` kept, oldest dropped first)."""
+    with _registry_lock:
+        spec = _specs.get(userdata)
+        if spec is None:
+            spec = _specs[userdata] = _Spec(shared.params, per_node=True)
+            _node_spec_ids.append(userdata)
+            while len(_node_spec_ids) > _MAX_NODE_SPECS:
+                _specs.pop(_node_spec_ids.popleft(), None)
+        return spec
 
 
 def _node_addr(tensor_p) -> int:
@@ -592,13 +641,16 @@ def _callback(dst, ith, nth, userdata):
                 return
             cells, ptrs, launch, stream, gen = fast
             if (gen == _settings_gen[0] and stream == _current_stream().ptr and list(map(_value, cells)) == ptrs
-                    and spec.plan_ref() is not None):   # the plan's buffers are what the call reads
+                    and (spec.plan_ref is None or spec.plan_ref() is not None)):   # a plan's buffers
+                # are what the call reads; a plan-less call rebuilds its own tile map first
                 try:
                     launch()
                 except BaseException as exc:  # noqa: BLE001 - recorded like any callback error
                     _failed(_tensor_p(dst), ith, exc)
                 return
-    _callback_slow(_tensor_p(dst), ith, nth, spec)
+    else:
+        spec = _lookup_spec(userdata)
+    _callback_slow(_tensor_p(dst), ith, nth, spec, userdata)
 
 
 def _failed(dst_p, ith: int, exc: BaseException) -> None:
@@ -611,7 +663,7 @@ def _failed(dst_p, ith: int, exc: BaseException) -> None:
     _fill_nan(dst_p)
 
 
-def _callback_slow(dst_p, ith, nth, spec):
+def _callback_slow(dst_p, ith, nth, spec, userdata: int):
     d = dst_p.contents
     node = ctypes.addressof(d)
     register_node(node, ith)
@@ -637,6 +689,8 @@ def _callback_slow(dst_p, ith, nth, spec):
             if ith != 0:
                 return
             if on_device:   # backend 'reference': the reference on host copies, whatever the kernel setting
+                if not spec.per_node:   # a plan-less node: its own spec keeps its bound call
+                    spec = _node_spec(userdata, spec)
                 _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst,
                                  kernel="reference" if _settings["backend"] == "reference" else _settings["kernel"])
             else:
@@ -668,7 +722,7 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst, *,
                          f"{mask.ptr if mask else 0:#x}, n_batch={q.ne[1]})")
     b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
                           kernel=kernel, plan=plan, stream=_current_stream().ptr)
-    if spec.plan_ref is not None:   # per-node spec: keep it (None while it cannot be replayed)
+    if spec.per_node:   # keep it (None while it cannot be replayed)
         spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
             if b.replayable else None
         spec.call = b if b.replayable else None

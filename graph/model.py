@@ -72,12 +72,14 @@ _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
 @dataclass(frozen=True, eq=False)
 class Weight:
     """One tensor of the file. ``type``: ggml type id; ``ne``: ggml order, trailing 1s dropped;
-    ``data``: its bytes, read-only, rows back to back (``ggml_row_size(type, ne[0])`` bytes each)."""
+    ``data``: its bytes, read-only, rows back to back (``ggml_row_size(type, ne[0])`` bytes each);
+    ``offset``: where they start in the file (-1: not from a file)."""
 
     name: str
     type: int
     ne: tuple[int, ...]
     data: np.ndarray
+    offset: int = -1
 
     @property
     def type_name(self) -> str:
@@ -250,7 +252,7 @@ def load_gguf(path: str | os.PathLike) -> Model:
         if ne is not None and t_ne != ne:
             raise ModelError(f"'{path}': tensor {name} has shape {list(t_ne)} (ggml order), expected {list(ne)}")
         data = np.asarray(t.data).reshape(-1).view(np.uint8)
-        return Weight(name, gtype, t_ne, data)
+        return Weight(name, gtype, t_ne, data, int(t.data_offset))
 
     E, V = hp.n_embd, hp.n_vocab
     tok_embd = get("token_embd.weight", (E, V))

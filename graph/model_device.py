@@ -28,12 +28,44 @@ __all__ = ["DeviceWeights", "fold_norm"]
 _QKV, _FFN = ("wq", "wk", "wv"), ("wg", "wu")
 
 
-def fold_norm(w, g, name: str):
+_STAGE_AHEAD = 1 << 30   # bytes of file read ahead of the matrix being folded (staged loads)
+_RAW_TYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
+
+
+def _jobs(model) -> list[tuple]:
+    """Every matrix in file order of use: (key, Weight, norm Weight or None); key ``(il, name)``
+    for a layer's, ``"tok_embd"`` / ``"output"`` for the others."""
+    jobs = [("tok_embd", model.tok_embd, None)]
+    for il, lw in enumerate(model.layers):
+        jobs += [((il, k), lw[k], lw["attn_norm"]) for k in _QKV]
+        jobs += [((il, "wo"), lw["wo"], None)]
+        jobs += [((il, k), lw[k], lw["ffn_norm"]) for k in _FFN]
+        jobs += [((il, "wd"), lw["wd"], None)]
+    jobs.append(("output", model.output, model.output_norm))
+    return jobs
+
+
+def _raw_ok(w) -> bool:
+    """``w``'s file bytes can go to the GPU as they are (a float type, at a known offset)."""
+    return w.offset >= 0 and w.type_name in _RAW_TYPES
+
+
+def _raw_values(raw, w, xp):
+    """The values of float weight ``w`` from its file bytes ``raw`` (``xp`` uint8), numpy order:
+    F16 / F32 as they are, BF16 widened to float32."""
+    shape = tuple(reversed(w.ne))
+    vals = raw.view(_RAW_TYPES[w.type_name]).reshape(shape)
+    if w.type_name == "BF16":
+        vals = (vals.astype(np.uint32) << 16).view(np.float32)
+    return vals
+
+
+def fold_norm(w, g, name: str, *, check: bool = True):
     """F16 ``w * g[None, :]``, computed in float32 in ``w``'s array module (``w`` ``(n_out,
     n_in)`` of any float type, ``g`` float32 ``(n_in,)``, both numpy or both CuPy); ValueError
-    when a product leaves F16's range."""
+    when a product leaves F16's range (``check=False``: the caller checks the result)."""
     out = (w.astype(np.float32) * g[None, :]).astype(np.float16)
-    if not bool(np.isfinite(out).all()):
+    if check and not bool(np.isfinite(out).all()):
         big = float(np.abs(w.astype(np.float32) * g[None, :]).max())
         raise ValueError(f"{name}: the matrix times its RMS norm weight overflows F16 (max |w * g| = {big:.4g})")
     return out
@@ -56,35 +88,98 @@ class DeviceWeights:
     _arrays: list = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_model(cls, model, xp=np) -> "DeviceWeights":
-        """Dequantize, copy and fold every weight of ``model`` to ``xp`` (one matrix at a time: an
-        F16 file's matrices go up as they are and are folded in ``xp``, others are dequantized to
-        float32 on the host first). Build it once per model and array module (``Model.device_weights``)."""
+    def from_model(cls, model, xp=np, *, staged: bool | None = None) -> "DeviceWeights":
+        """Dequantize, copy and fold every weight of ``model`` to ``xp``. Build it once per model
+        and array module (``Model.device_weights``).
+
+        ``staged`` (default: on for CuPy): F16 / F32 / BF16 matrices go from the file to the GPU
+        through pinned buffers (``upload.FileUploader``: reads and copies overlap, a window of
+        ``_STAGE_AHEAD`` bytes ahead of the folds) and are converted and folded there; the other
+        types are dequantized to float32 on the host first, one matrix at a time."""
+        if staged is None:
+            staged = xp is not np
+        if staged and xp is np:
+            raise ValueError("staged loading copies to a GPU: it needs xp=cupy")
+        hp_jobs = _jobs(model)
+        up = None
+        if staged and any(_raw_ok(w) for _, w, _ in hp_jobs):
+            from .upload import FileUploader   # noqa: PLC0415
+            up = FileUploader(model.path)
+        try:
+            return cls._build(model, xp, hp_jobs, up)
+        finally:
+            if up is not None:
+                up.close()
+
+    @classmethod
+    def _build(cls, model, xp, jobs, up) -> "DeviceWeights":
+        import collections
+        import contextlib
+
         def to_xp(a):
             return xp.asarray(np.ascontiguousarray(a))
 
         def f32(w):
             return to_xp(w.to_float(np.float32))
 
-        def to_fold(w):   # an F16 file's matrix uploads as it is (no float32 copy on the host)
-            return to_xp(w.to_float(np.float16 if w.type_name == "F16" else np.float32))
+        checks = []   # (device bool, weight, norm) of the staged folds, read once at the end
+        queued = collections.deque()
+        ahead = 0
+        it = iter(jobs)
+        out: dict = {}
+        norms: dict = {}
+        stream = contextlib.nullcontext() if up is None else xp.cuda.ExternalStream(up.stream.ptr)
 
+        def fill():
+            nonlocal ahead
+            for job in it:
+                w = job[1]
+                pend = up.read(w.offset, w.nbytes) if up is not None and _raw_ok(w) else None
+                queued.append((job, pend))
+                ahead += w.nbytes if pend is not None else 0
+                if ahead >= _STAGE_AHEAD:
+                    return
+        fill()
+        with stream:
+            while queued:
+                (key, w, norm), pend = queued.popleft()
+                if pend is not None:
+                    raw = pend.result()
+                    ahead -= w.nbytes
+                    fill()   # the next reads go out before this matrix is folded
+                    vals = _raw_values(raw, w, xp)
+                else:
+                    vals = None
+                if norm is None:
+                    if vals is None:
+                        vals = to_xp(w.to_float(np.float16))
+                    out[key] = vals if vals.dtype == np.float16 else vals.astype(np.float16)
+                    continue
+                g = norms.get(norm.name)
+                if g is None:
+                    g = norms[norm.name] = f32(norm)
+                if vals is None:   # an F16 file's matrix uploads as it is (no float32 copy on the host)
+                    vals = to_xp(w.to_float(np.float16 if w.type_name == "F16" else np.float32))
+                    out[key] = fold_norm(vals, g, w.name)
+                else:
+                    out[key] = fold_norm(vals, g, w.name, check=False)
+                    checks.append((xp.isfinite(out[key]).all(), w, norm))
+        if checks:
+            ok = xp.stack([c for c, _, _ in checks]).get()
+            for (_, w, norm), good in zip(checks, ok):
+                if not good:   # the first matrix that overflowed, measured again on the host
+                    fold_norm(w.to_float(np.float32), norm.to_float(np.float32), w.name)
         layers = []
         for il, lw in enumerate(model.layers):
-            d = {}
-            for keys, norm in ((_QKV, "attn_norm"), (_FFN, "ffn_norm")):
-                g = f32(lw[norm])
-                for k in keys:
-                    d[k] = fold_norm(to_fold(lw[k]), g, lw[k].name)   # on the device for CuPy
-            for k in ("wo", "wd"):
-                d[k] = to_xp(lw[k].to_float(np.float16))
+            d = {k: out[(il, k)] for k in (*_QKV, *_FFN, "wo", "wd")}
             for k in ("bq", "bk", "bv"):
                 if k in lw:
                     d[k] = f32(lw[k])
             layers.append(d)
-        out = fold_norm(to_fold(model.output), f32(model.output_norm), model.output.name)
         ff = None if model.rope_freqs is None else f32(model.rope_freqs)
-        return cls(xp, to_xp(model.tok_embd.to_float(np.float16)), out, layers, ff, model.tied_output)
+        if up is not None:   # the temporaries were freed on the upload stream: give them back
+            xp.get_default_memory_pool().free_all_blocks()
+        return cls(xp, out["tok_embd"], out["output"], layers, ff, model.tied_output)
 
     def arrays(self) -> list:
         """Every array held, once."""

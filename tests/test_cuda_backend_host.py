@@ -227,6 +227,9 @@ def test_build_live_map_hands_the_hidden_words_to_scan_and_compact(finite, fake_
         def launch(self, grid, block, stream, p, *ptrs):
             launches.append((self.name, grid, stream, p.q_tile_tokens, p.n_q_tiles, p.n_kv_tiles,
                              [x.value for x in ptrs]))
+
+        def bound(self, grid, block, stream, *args):
+            return lambda: self.launch(grid, block, stream, *args)
     monkeypatch.setattr(K, "get_function", lambda var, name, smem=0: _Fn(name))
     mask = from_array(np.zeros((1, 2, 40, 200), dtype=np.float16))   # n_kv 200, ne32 2
     lohi = _Arr(2 * 40 * 2, np.int32)

@@ -95,9 +95,10 @@ def test_weight_types_and_tied_output(gguf_dir, name):
         assert {"bq", "bk", "bv"} <= set(m.layers[0])
 
 
-def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None):
+def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None):
     """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or one tensor's
-    type changed (its bytes reinterpreted: only the loader's checks matter here)."""
+    type changed (its bytes reinterpreted: only the loader's checks matter here); ``scale``:
+    (name, factor) multiplies an F32 tensor's values."""
     import gguf
     r = gguf.GGUFReader(src)
     a_old = r.fields["general.architecture"].contents()
@@ -119,6 +120,9 @@ def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=No
             continue
         if retype and t.name == retype[0]:
             w.add_tensor(t.name, np.zeros(t.n_elements, np.int32), raw_dtype=retype[1])
+            continue
+        if scale and t.name == scale[0]:
+            w.add_tensor(t.name, np.asarray(t.data, np.float32) * np.float32(scale[1]))
             continue
         w.add_tensor(t.name, np.asarray(t.data), raw_shape=tuple(int(x) for x in reversed(t.shape)),
                      raw_dtype=t.tensor_type)
@@ -336,3 +340,53 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name):
     gen = greedy(dev_cache(False, len(prompts)), m, [list(p) for p in prompts], n_gen, mode="equal")
     for i, p in enumerate(prompts):
         assert gen[i] == ref[f"tokens_{i}"][len(p):].tolist(), f"sequence {i}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", ["llama-f16", "llama-bf16", "llama-f32", "llama-q8_0", "qwen2-f32"])
+def test_gpu_staged_weights_equal_the_host_path(gguf_dir, name):
+    """The staged load (file -> pinned buffers -> GPU, converted and folded there) gives every
+    array of the host path bit for bit: F16 / BF16 / F32 files, a quantized one (its matrices
+    take the host path inside the staged load) and a tied head."""
+    import cupy as cp
+    from ggml_attn.graph.model_device import DeviceWeights
+    m = model_of(name, gguf_dir)
+    a = DeviceWeights.from_model(m, cp, staged=True).arrays()
+    b = DeviceWeights.from_model(m, cp, staged=False).arrays()
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and bool((x == y).all()), (x.dtype, x.shape)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_staged_fold_overflow_names_the_matrix(gguf_dir, tmp_path):
+    import cupy as cp
+    from ggml_attn.graph.model_device import DeviceWeights
+    src = fixtures_gguf.fixture_path("llama-f16", gguf_dir)
+    model_of("llama-f16", gguf_dir)   # written
+    bad = load_gguf(_rewrite(src, str(tmp_path / "big-norm.gguf"), scale=("blk.1.ffn_norm.weight", 1e9)))
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_gate\.weight: the matrix times its RMS norm weight overflows"):
+        DeviceWeights.from_model(bad, cp, staged=True)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_file_uploader_copies_byte_ranges(tmp_path):
+    """Ranges across chunk borders, fewer buffers than chunks, an empty range; a range past the
+    end of the file is a ValueError before anything is read."""
+    import cupy as cp
+    from ggml_attn.graph.upload import FileUploader
+    data = np.random.default_rng(5).integers(0, 256, 3_000_001, dtype=np.uint8)
+    path = tmp_path / "bytes.bin"
+    data.tofile(path)
+    ranges = [(0, 3_000_001), (17, 65_536 * 3 + 5), (2_999_990, 11), (1000, 0), (65_536, 65_536)]
+    with FileUploader(str(path), chunk=65_536, n_threads=3) as up:
+        pend = [up.read(o, n) for o, n in ranges]
+        got = [p.result() for p in pend]
+        up.stream.synchronize()
+        for (o, n), g in zip(ranges, got):
+            assert g.dtype == cp.uint8 and g.shape == (n,) and np.array_equal(g.get(), data[o:o + n])
+        with pytest.raises(ValueError, match="outside the file"):
+            up.read(3_000_000, 2)

@@ -71,9 +71,12 @@ def test_a_plan_freed_before_compute_is_a_clear_error(case_ctx):
 def test_specs_are_shared_without_a_plan_and_pruned_with_dead_plans(case_ctx):
     ctx, tensors, _ = case_ctx
     before = len(op._specs)
-    for _ in range(50):
-        _node(ctx, tensors)
+    outs = [_node(ctx, tensors) for _ in range(50)]
     assert len(op._specs) <= before + 1, "nodes without a plan share one spec per parameter set"
+    ids = [op.userdata_of(o) for o in outs]
+    assert len(set(ids)) == 50, "but each has an id of its own (its spec once bound on a GPU)"
+    assert len({i & 0xFFFFFFFF for i in ids}) == 1 and all(op.spec_of(o) is op.spec_of(outs[0]) for o in outs)
+    assert not op.spec_of(outs[0]).per_node
     plans = [FakePlan() for _ in range(3000)]
     for p in plans:
         _node(ctx, tensors, plan=p)
@@ -84,6 +87,21 @@ def test_specs_are_shared_without_a_plan_and_pruned_with_dead_plans(case_ctx):
     for _ in range(3000):    # registering more prunes the specs whose plan is gone
         _node(ctx, tensors, plan=keep)
     assert len(op._specs) < before + 1 + 3000 + 1200
+
+
+def test_plan_less_node_specs_are_capped(case_ctx, monkeypatch):
+    """A plan-less node's own spec (made at its first bind on device pointers) is one of at most
+    _MAX_NODE_SPECS: the oldest are dropped, and a dropped node falls back to the shared spec
+    (its next call binds again)."""
+    ctx, tensors, _ = case_ctx
+    monkeypatch.setattr(op, "_MAX_NODE_SPECS", 8)
+    outs = [_node(ctx, tensors) for _ in range(12)]
+    shared = op.spec_of(outs[0])
+    own = [op._node_spec(op.userdata_of(o), shared) for o in outs]
+    assert all(sp.per_node and sp.params == shared.params for sp in own)
+    assert op._node_spec(op.userdata_of(outs[-1]), shared) is own[-1], "made once per node"
+    assert [op.spec_of(o) is own[i] for i, o in enumerate(outs)] == [False] * 4 + [True] * 8
+    assert all(op.spec_of(o) is shared for o in outs[:4])
 
 
 FACTS = CallFacts(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16)
@@ -124,12 +142,14 @@ def test_choose_is_best_kernel_for_auto():
             assert k == best_kernel("auto", CallFacts(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)).kernel
 
 
-def test_bound_nodes_take_the_fast_path():
+@pytest.mark.parametrize("plan, mask", [(True, True), (False, True), (False, False)],
+                         ids=["plan", "mask-no-plan", "no-mask-no-plan"])
+def test_bound_nodes_take_the_fast_path(plan, mask):
     """tools/dev/op_overhead_bench.py's graph: every node bound to a (no-op) launch is relaunched by
     the callback without descriptors or validation (its run() asserts one launch per node and
-    compute)."""
+    compute) -- with a plan, and with ggml's own signature (no plan, with or without a mask)."""
     import op_overhead_bench  # tools/dev/ (on sys.path via conftest)
-    res = op_overhead_bench.run(n=4, reps=3)
+    res = op_overhead_bench.run(n=4, reps=3, plan=plan, mask=mask)
     assert set(res) == {"plain", "computing"} and all(v > 0 for v in res.values())
 
 
@@ -145,7 +165,7 @@ def test_a_bound_node_whose_plan_is_gone_is_not_relaunched(case_ctx, monkeypatch
 
     class Stream:
         ptr = 0
-    spec = op._specs[max(op._specs)]
+    spec = op.spec_of(out)
     spec.bound = op.fast_record(ctypes.addressof(out.contents), 3 + CASE.mask + CASE.sinks,
                                 lambda: launches.append(1), 0)
     monkeypatch.setattr(op, "_current_stream", Stream)

@@ -6,6 +6,10 @@ Rows (per op): the kernels' device time (direct calls queued behind a sleep kern
 time of a compute (enqueue only: the GPU runs behind), the wall time of a compute including its
 synchronization, and the wall time of replaying the compute captured as a CUDA graph
 (``ggml_attn.graph.capture``). Wall / device is the figure of merit: 1.0 is GPU-bound.
+
+Modes (``MODES``): the ops built with a mask and ``plan=`` (the graph builder's way), with a mask
+and no plan, and with neither (ggml's own signature: every node still gets its bound call;
+a plan-less masked node rebuilds its tile map from the mask on every replay).
 """
 from __future__ import annotations
 
@@ -22,8 +26,12 @@ _SPIN = r"""extern "C" __global__ void ggml_attn_bench_spin(long long cycles) {
 }"""
 
 
-def _graph(n_layer: int, n_kv: int):
-    """(ctx, graph, keep, direct calls) for the n_layer decode ops; every tensor a CuPy array."""
+MODES = ("plan", "mask-no-plan", "no-mask-no-plan")
+
+
+def _graph(n_layer: int, n_kv: int, mode: str = "plan"):
+    """(ctx, graph, keep, direct calls, op nodes) for the n_layer decode ops; every tensor a
+    CuPy array; ``mode`` one of ``MODES``."""
     import cupy as cp
     import ggml
 
@@ -47,25 +55,29 @@ def _graph(n_layer: int, n_kv: int):
         return t
     mask_a = cp.zeros((1, 1, 1, n_kv), dtype=cp.float16)
     mask = tensor(GGML_TYPE_F16, mask_a, "mask")
-    plan = cb.make_plan(from_array(mask_a), 1, H, HKV, d_k=D, kv_type=GGML_TYPE_F16)
+    plan = cb.make_plan(from_array(mask_a), 1, H, HKV, d_k=D, kv_type=GGML_TYPE_F16) if mode == "plan" else None
     keep.append(plan)
+    use_mask = mode != "no-mask-no-plan"
     gf = ggml.ggml_new_graph_custom(ctx, n, False)
-    direct = []
+    direct, outs = [], []
     for il in range(n_layer):
         qa = rng.standard_normal((1, H, 1, D), dtype=cp.float32)
         ka = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
         va = rng.standard_normal((1, HKV, n_kv, D), dtype=cp.float32).astype(cp.float16)
         q, k, v = tensor(GGML_TYPE_F32, qa, f"q{il}"), tensor(GGML_TYPE_F16, ka, f"k{il}"), \
             tensor(GGML_TYPE_F16, va, f"v{il}")
-        out = ggml_attn.flash_attn_ext(ctx, q, k, v, mask, 1.0 / np.sqrt(D), plan=plan)
+        out = ggml_attn.flash_attn_ext(ctx, q, k, v, mask if use_mask else None, 1.0 / np.sqrt(D), plan=plan)
+        outs.append(out)
         da = cp.empty((1, 1, H, D), dtype=cp.float32)
         out.contents.data = ctypes.c_void_p(int(da.data.ptr))
         keep.append(da)
         ggml.ggml_build_forward_expand(gf, out)
         descs = [from_array(a) for a in (qa, ka, va, mask_a, da)]
+        if not use_mask:
+            descs[3] = None
         direct.append(lambda d=descs: cb.flash_attn_ext_device(d[0], d[1], d[2], d[3], None, d[4],
                                                                1.0 / np.sqrt(D), plan=plan))
-    return ctx, gf, keep, direct
+    return ctx, gf, keep, direct, outs
 
 
 _PART_NOTES = {
@@ -79,14 +91,14 @@ _PART_NOTES = {
 }
 
 
-def _host_parts(compute, stream, spin, n_layer: int, first_spec: int) -> dict:
+def _host_parts(compute, stream, spin, outs) -> dict:
     """Where a compute's host time goes (median of 15 each, us per op): callbacks without
-    launches, with the attention kernel only, and the bound launches alone. The graph's op
-    nodes are those with spec ids above ``first_spec``."""
+    launches, with the attention kernel only, and the bound launches alone, for the graph's op
+    nodes ``outs``."""
     from ggml_attn import op
-    specs = [sp for sid, sp in sorted(op._specs.items())
-             if sid > first_spec and sp.bound is not None and sp.call is not None]
-    assert len(specs) == n_layer, f"{len(specs)} bound op nodes, expected {n_layer}"
+    specs = [op.spec_of(o) for o in outs]
+    specs = [sp for sp in specs if sp.bound is not None and sp.call is not None]
+    assert len(specs) == len(outs), f"{len(specs)} bound op nodes, expected {len(outs)}"
     saved = [sp.bound for sp in specs]
 
     def with_launch(make):   # every bound node's fast-path launch replaced by make(call)
@@ -134,17 +146,24 @@ def _host_parts(compute, stream, spin, n_layer: int, first_spec: int) -> dict:
     return out
 
 
-def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print) -> list[dict]:
-    """The rows; ``device_us(fns)`` is the benchmark's device timer (median, min, max in us)."""
+def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=print, modes=MODES) -> list[dict]:
+    """The rows of each mode; ``device_us(fns)`` is the benchmark's device timer (median, min,
+    max in us)."""
+    rows = []
+    for mode in modes:
+        rows += _run_mode(device_us, n_layer, n_kv, reps, log, mode)
+    return rows
+
+
+def _run_mode(device_us, n_layer: int, n_kv: int, reps: int, log, mode: str) -> list[dict]:
     import cupy as cp
     import ggml
 
     from ggml_attn import op
     from ggml_attn.graph.capture import capture
 
-    first_spec = max(op._specs, default=0)
-    ctx, gf, keep, direct = _graph(n_layer, n_kv)
-    case = f"graph: {n_layer} decode ops B=1 kv={n_kv}"
+    ctx, gf, keep, direct, outs = _graph(n_layer, n_kv, mode)
+    case = f"graph: {n_layer} decode ops B=1 kv={n_kv}" + ("" if mode == "plan" else f" {mode}")
 
     def compute():
         with op.computing(gf):
@@ -165,7 +184,7 @@ def run(device_us, n_layer: int = 32, n_kv: int = 4096, reps: int = 50, log=prin
                 stream.synchronize()
             hosts.sort()
             host, host_min = hosts[7], hosts[0]
-            parts = _host_parts(compute, stream, spin, n_layer, first_spec)
+            parts = _host_parts(compute, stream, spin, outs)
             t = time.perf_counter()
             for _ in range(reps):
                 compute()
