@@ -154,7 +154,7 @@ class Model:
     output: Weight
     layers: list[dict[str, Weight]]
     rope_freqs: Weight | None = None
-    _reader: object = field(default=None, repr=False)   # keeps the memory map open
+    _map: object = field(default=None, repr=False)   # the file's memory map (the weights' data views it)
 
     @property
     def tied_output(self) -> bool:
@@ -204,35 +204,27 @@ class Model:
         return "+".join(sorted(count, key=lambda k: -count[k]))
 
 
-def gguf_field(reader, key):
-    """The value of GGUF key ``key`` of a ``gguf.GGUFReader`` (None when absent)."""
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception:  # noqa: BLE001 - older gguf: scalar in parts[data[0]]
-        return f.parts[f.data[0]][0]
+def gguf_field(header, key):
+    """The value of metadata key ``key`` of a ``gguf_file.GGUFHeader`` (None when absent)."""
+    return header.fields.get(key)
 
 
 def load_gguf(path: str | os.PathLike) -> Model:
     """Read ``path`` (memory-mapped); :class:`ModelError` if it is not a model this package runs."""
+    from .gguf_file import GGUFError, read_header  # noqa: PLC0415
     path = os.fspath(path)
-    try:
-        from gguf import GGUFReader  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - a dependency
-        raise ModelError("reading .gguf needs the 'gguf' package (pip install gguf)") from e
     if not os.path.isfile(path):
         raise ModelError(f"model file not found: {path}")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001
+        header = read_header(path)
+    except (GGUFError, OSError) as e:
         raise ModelError(f"cannot read gguf '{path}': {e}") from e
-    arch = gguf_field(reader, "general.architecture")
+    arch = gguf_field(header, "general.architecture")
     if arch not in ARCHS:
         raise ModelError(f"'{path}': architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
-    hp = _hparams(reader, path, arch)
-    tensors = {t.name: t for t in reader.tensors}
+    hp = _hparams(header, path, arch)
+    tensors = {t.name: t for t in header.tensors}
+    file_map = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
 
     def get(name: str, ne: tuple[int, ...] | None, *, required: bool = True, float_only: bool = False):
         t = tensors.get(name)
@@ -240,19 +232,17 @@ def load_gguf(path: str | os.PathLike) -> Model:
             if required:
                 raise ModelError(f"'{path}' ({arch}) lacks tensor {name}")
             return None
-        gtype = int(t.tensor_type)
-        t_ne = tuple(int(x) for x in t.shape)
+        gtype = t.type
+        t_ne = t.ne
         while len(t_ne) > 1 and t_ne[-1] == 1:
             t_ne = t_ne[:-1]
         if gtype not in WEIGHT_TYPES or (float_only and WEIGHT_TYPES[gtype] not in ("F32", "F16", "BF16")):
-            tname = getattr(t.tensor_type, "name", str(gtype))
             allowed = "F32, F16, BF16" if float_only else ", ".join(_TYPE_NAMES)
-            raise ModelError(f"'{path}': tensor {name} has type {tname}, which this package cannot run "
+            raise ModelError(f"'{path}': tensor {name} has type {t.type_name}, which this package cannot run "
                              f"(supported: {allowed})")
         if ne is not None and t_ne != ne:
             raise ModelError(f"'{path}': tensor {name} has shape {list(t_ne)} (ggml order), expected {list(ne)}")
-        data = np.asarray(t.data).reshape(-1).view(np.uint8)
-        return Weight(name, gtype, t_ne, data, int(t.data_offset))
+        return Weight(name, gtype, t_ne, file_map[t.offset:t.offset + t.nbytes], t.offset)
 
     E, V = hp.n_embd, hp.n_vocab
     tok_embd = get("token_embd.weight", (E, V))
@@ -272,12 +262,12 @@ def load_gguf(path: str | os.PathLike) -> Model:
     if rope_freqs is not None and rope_freqs.type_name != "F32":
         raise ModelError(f"'{path}': rope_freqs.weight must be F32 (ggml_rope_ext reads it as float)")
     return Model(path, hp, tok_embd, get("output_norm.weight", (E,), float_only=True), output, layers,
-                 rope_freqs, reader)
+                 rope_freqs, file_map)
 
 
-def _hparams(reader, path: str, arch: str) -> HParams:
+def _hparams(header, path: str, arch: str) -> HParams:
     def num(key, default=None, kind=int):
-        v = gguf_field(reader, f"{arch}.{key}")
+        v = gguf_field(header, f"{arch}.{key}")
         if v is None:
             if default is None:
                 raise ModelError(f"'{path}' lacks {arch}.{key}")
@@ -306,22 +296,22 @@ def _hparams(reader, path: str, arch: str) -> HParams:
         raise ModelError(f"'{path}': key_length {head_dim} != value_length {head_dim_v}; not supported")
     if n_head % n_head_kv:
         raise ModelError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    n_vocab = gguf_field(reader, f"{arch}.vocab_size")
+    n_vocab = gguf_field(header, f"{arch}.vocab_size")
     if n_vocab is None:
-        toks = reader.fields.get("tokenizer.ggml.tokens")
-        n_vocab = len(toks.data) if toks is not None else None
+        toks = gguf_field(header, "tokenizer.ggml.tokens")
+        n_vocab = len(toks) if toks is not None else None
     if n_vocab is None:
         raise ModelError(f"'{path}' has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     rope_dim = num("rope.dimension_count", head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise ModelError(f"'{path}': rope.dimension_count {rope_dim} must be even and at most head size {head_dim}")
-    scaling = gguf_field(reader, f"{arch}.rope.scaling.type") or "none"
+    scaling = gguf_field(header, f"{arch}.rope.scaling.type") or "none"
     freq_scale = 1.0
     if scaling == "linear":
         freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
     elif scaling != "none":
         raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
-    name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = gguf_field(header, "general.name") or os.path.splitext(os.path.basename(path))[0]
     return HParams(arch=arch, name=str(name), n_layer=num("block_count"), n_embd=n_embd, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
                    n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,

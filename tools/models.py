@@ -133,13 +133,10 @@ def _as_int(value, where: str):
 
 def read_gguf(path: str) -> ModelShape:
     """Attention shapes from a GGUF header (llama.cpp's key names); no tensor data is read."""
+    from ggml_attn.graph.gguf_file import GGUFError, read_header
     try:
-        from gguf import GGUFReader
-    except ImportError as e:  # pragma: no cover - gguf is in the test extra
-        raise UserError("reading .gguf needs the 'gguf' package (pip install gguf)") from e
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:
+        reader = read_header(path)
+    except (GGUFError, OSError) as e:
         raise UserError(f"cannot read gguf '{path}': {e}") from e
     arch = gguf_field(reader, "general.architecture")
     if not arch:
@@ -161,8 +158,8 @@ def read_gguf(path: str) -> ModelShape:
     n_ctx = get("context_length", required=False) or 0
     n_vocab = get("vocab_size", required=False)
     if n_vocab is None:
-        toks = reader.fields.get("tokenizer.ggml.tokens")
-        n_vocab = len(toks.data) if toks is not None else 0
+        toks = gguf_field(reader, "tokenizer.ggml.tokens")
+        n_vocab = len(toks) if toks is not None else 0
     softcap = gguf_field(reader, f"{arch}.attn_logit_softcapping")
     if softcap is not None and (isinstance(softcap, (bool, str, list, tuple))
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
@@ -170,11 +167,10 @@ def read_gguf(path: str) -> ModelShape:
     name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
     by_type: dict[str, int] = {}
     for t in reader.tensors:
-        if len(t.shape) > 1:
-            tname = getattr(t.tensor_type, "name", str(t.tensor_type))
-            by_type[tname] = by_type.get(tname, 0) + int(t.n_bytes)
-    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
-    file_params = sum(int(t.n_elements) for t in reader.tensors)
+        if len(t.ne) > 1:
+            by_type[t.type_name] = by_type.get(t.type_name, 0) + t.nbytes
+    file_bytes = sum(t.nbytes for t in reader.tensors)
+    file_params = sum(t.n_elements for t in reader.tensors)
     if head_dim < 1:
         raise UserError(f"'{path}': head_dim = embedding_length {n_embd} // head_count {n_head} is 0; "
                         f"set {arch}.attention.key_length")

@@ -99,6 +99,7 @@ def _host_parts(compute, stream, spin, outs) -> dict:
     specs = [op.spec_of(o) for o in outs]
     specs = [sp for sp in specs if sp.bound is not None and sp.call is not None]
     assert len(specs) == len(outs), f"{len(specs)} bound op nodes, expected {len(outs)}"
+    n_layer = len(outs)
     saved = [sp.bound for sp in specs]
 
     def with_launch(make):   # every bound node's fast-path launch replaced by make(call)
