@@ -82,7 +82,7 @@ def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None =
     if unified:  # only ragged prompts get pad rows, fewer than max(lens) per padded sequence
         ragged = pads and not pps and min(lens) != max(lens)
         return req, req + (min(n_ubatch, (pl - 1) * max(lens)) if ragged else 0)
-    return req, (n_seq or pl) * (max(lens) + tg + 1)
+    return req, (n_seq or pl) * (max(lens) + tg)
 
 
 def cache_capacity(n_ctx: int, n_seq: int, unified: bool) -> int:

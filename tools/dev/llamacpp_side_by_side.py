@@ -1,13 +1,16 @@
 """llama.cpp and ggml-attn side by side on one GPU and one GGUF file (a GPU-machine script).
 
     python tools/dev/llamacpp_side_by_side.py --src .lcpp/src.tar.gz --out $OUT [--gguf F] [--build-only]
+    python tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out $OUT
 
 Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdown table last):
 
 1. build llama.cpp's ``llama-bench`` and ``llama-batched-bench`` with CUDA (one architecture,
    ``-DCMAKE_CUDA_ARCHITECTURES=90``) from a source tarball of its ``CMakeLists.txt cmake common
    ggml include src tools vendor`` (the ``vendor/llama.cpp`` of the llama-cpp-python sdist on
-   PyPI is one), into ``--build`` (kept between calls on a warm machine: built once);
+   PyPI is one), into ``--build`` (kept between calls on a warm machine: built once), with
+   ``tools/dev/llamacpp_logits.cpp`` linked against it; or unpack ``--prebuilt``, a tarball of
+   such a build's ``bin/`` (binaries and shared libraries; ``--pack`` writes one after a build);
 2. write an 8B-shaped F16 GGUF (llama-3-8B shapes, random weights, a dummy vocab of 32000:
    ``tests/fixtures_gguf.py --preset llama-3-8b``) unless ``--gguf`` names one;
 3. run, on that file: llama-bench ``-p 512 -n 128 -fa 1 -ngl 99`` and ``ggml-attn-bench`` (the
@@ -15,7 +18,9 @@ Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdow
    with and without ``-kvu`` and ours with the same flags; 64 ragged prompts of 16-200 tokens
    (ours, unified KV, ``auto`` split) against llama.cpp's equal-length rows that hold at least
    as many prompt tokens (``-npp`` = the ragged total / 64, rounded up; with and without
-   ``-kvu``: its best S_PP counts); the load time of each (wall time of a one-token run).
+   ``-kvu``: its best S_PP counts); the load time of each (wall time of a one-token run);
+4. the logits: ``tools/dev/model_vs_llamacpp.py`` on the same file (step ``logits``;
+   ``model_vs_llamacpp.json``).
 """
 from __future__ import annotations
 
@@ -48,16 +53,25 @@ def sh(cmd: list[str], log: str, timeout: int, env=None) -> tuple[int, str, floa
     return rc, out, dt
 
 
-def build(src: str, bdir: str, out: str, jobs: int) -> str:
+TARGETS = ("llama-bench", "llama-batched-bench", "llamacpp_logits")
+
+
+def build(src: str, bdir: str, out: str, jobs: int, prebuilt: str = "") -> str:
+    """The folder with llama.cpp's binaries (``TARGETS``), built from ``src`` or unpacked from
+    ``prebuilt``."""
     bin_dir = os.path.join(bdir, "build", "bin")
-    if all(os.path.exists(os.path.join(bin_dir, t)) for t in ("llama-bench", "llama-batched-bench")):
+    if all(os.path.exists(os.path.join(bin_dir, t)) for t in TARGETS):
         print("llama.cpp: built already", flush=True)
         return bin_dir
-    os.makedirs(bdir, exist_ok=True)
+    os.makedirs(bin_dir, exist_ok=True)
+    if prebuilt:
+        subprocess.run(["tar", "xf", os.path.abspath(prebuilt), "-C", bin_dir], check=True)
+        return bin_dir
     subprocess.run(["tar", "xzf", os.path.abspath(src)], cwd=bdir, check=True)
     cfg = ["cmake", "-S", bdir, "-B", os.path.join(bdir, "build"), "-DGGML_CUDA=ON",
            "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release",
+           "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
     rc, _, _ = sh(cfg, os.path.join(out, "lc_cmake.log"), 300)
     if rc:
         raise SystemExit("llama.cpp cmake failed (lc_cmake.log)")
@@ -65,7 +79,19 @@ def build(src: str, bdir: str, out: str, jobs: int) -> str:
                    "llama-batched-bench"], os.path.join(out, "lc_build.log"), 1500)
     if rc:
         raise SystemExit("llama.cpp build failed (lc_build.log)")
+    build_logits_tool(bdir, bin_dir, out)
     return bin_dir
+
+
+def build_logits_tool(src_dir: str, bin_dir: str, out: str) -> None:
+    """tools/dev/llamacpp_logits.cpp against the build's shared libraries, into ``bin_dir``."""
+    rc, _, _ = sh(["g++", "-O2", "-std=c++17", os.path.join(HERE, "llamacpp_logits.cpp"),
+                   "-I", os.path.join(src_dir, "include"), "-I", os.path.join(src_dir, "ggml", "include"),
+                   "-L", bin_dir, "-lllama", "-lggml", "-lggml-base", "-Wl,-rpath,$ORIGIN",
+                   "-Wl,--allow-shlib-undefined", "-o", os.path.join(bin_dir, "llamacpp_logits")],
+                  os.path.join(out, "lc_logits_build.log"), 300)
+    if rc:
+        raise SystemExit("building llamacpp_logits failed (lc_logits_build.log)")
 
 
 def jsonl(text: str) -> list[dict]:
@@ -97,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default="/tmp/m8b.gguf", help="the file both run (written if missing)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--build-only", action="store_true")
-    ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load")
+    ap.add_argument("--prebuilt", default="", help="tarball of a llama.cpp build's bin/ (instead of building)")
+    ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load,logits")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
@@ -108,7 +135,7 @@ def main(argv=None) -> int:
                                    "--preset", "llama-3-8b", "--vocab", "32000"],
                                   stdout=open(os.path.join(a.out, "gguf.log"), "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
-    bins = build(a.src, a.build, a.out, jobs)
+    bins = build(a.src, a.build, a.out, jobs, a.prebuilt)
     print(f"build: {time.time() - t0:.0f}s", flush=True)
     if writer is not None and writer.wait() != 0:
         raise SystemExit("writing the GGUF failed (gguf.log)")
@@ -169,6 +196,15 @@ def main(argv=None) -> int:
         _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
                       os.path.join(out, "ours_load.log"), 300)
         rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
+    save()
+    if "logits" not in skip:
+        rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
+                       os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],
+                      os.path.join(out, "logits.log"), 400)
+        try:
+            res["logits"] = json.load(open(os.path.join(out, "model_vs_llamacpp.json")))
+        except (OSError, ValueError):
+            res["logits"] = dict(error=f"model_vs_llamacpp.py rc={rc} (logits.log)")
     save()
     print(table(rows))
     return 0
