@@ -218,6 +218,16 @@ class Plan:
             if (kern == "cells" and is_tiles) or (kern != "cells" and is_cells):
                 del self.items[key]
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of what the plan has built (arrays that own their memory)."""
+        def walk(x):
+            if isinstance(x, tuple):
+                return sum(walk(y) for y in x)
+            own = hasattr(x, "data") and hasattr(x, "nbytes") and getattr(x, "base", None) is None
+            return int(x.nbytes) if own else 0
+        return sum(walk(val) for val, _, _ in self.items.values())
+
     def refresh(self, stream=None) -> None:
         """The mask's contents changed (same tensor, same shape): rebuild everything this plan
         built -- row intervals, each tile map, the aligned copy, the cell lists (capacity n_kv

@@ -80,15 +80,19 @@ class _Spec:
       their plan is gone.
     * A node built without a plan gets an id of its own (:func:`_spec_id`: the shared spec of
       its parameters in the low 32 bits, a serial above) but no spec until its first call on
-      device pointers binds one (:func:`_node_spec`): CPU-path nodes cost nothing, and at most
-      ``_MAX_NODE_SPECS`` such specs are kept (oldest dropped first; a dropped node binds again).
-      Its bound call builds its own tile map from the mask and rebuilds it on every replay
-      (``Plan.refresher``): the mask's contents may change between computes."""
+      device pointers binds one (:func:`_node_spec`): CPU-path nodes cost nothing. Its bound
+      call builds its own tile map from the mask and rebuilds it on every replay
+      (``Plan.refresher``): the mask's contents may change between computes. At most
+      ``_MAX_NODE_SPECS`` such specs holding at most ``_MAX_NODE_BYTES`` of tile maps are kept
+      (nothing says when a graph is freed): the oldest are dropped first, and a dropped node
+      binds again on its next call."""
     params: _OpParams
     plan_ref: object = None      # weakref.ref to the build-time plan, or None
     bound: object = None         # the fast path's record of the node's last bound call, see _bind_and_launch
     call: object = None          # that call (cuda_backend.BoundCall), for inspection
     per_node: bool = False       # the spec of one node (keeps its bound call), not a shared one
+    nbytes: int = 0              # device bytes its bound call holds of its own (a plan-less call's tile map)
+    sid: int = 0                 # a plan-less node's id (its key in the registry)
 
 
 _specs: dict[int, _Spec] = {}
@@ -98,6 +102,8 @@ _next_node_serial = itertools.count(1)
 _NODE_SHIFT = 32                  # a plan-less node's id: shared spec id | serial << _NODE_SHIFT
 _node_spec_ids: collections.deque = collections.deque()   # plan-less nodes' specs, oldest first
 _MAX_NODE_SPECS = 1 << 14
+_MAX_NODE_BYTES = 256 << 20       # device bytes those specs' bound calls may hold (their tile maps)
+_node_bytes = [0]
 _registry_lock = threading.Lock()
 _prune_at = [1024]   # per-node specs are pruned (dead plans) when the registry reaches this size
 
@@ -199,11 +205,34 @@ def _node_spec(userdata: int, shared: _Spec) -> _Spec:
     with _registry_lock:
         spec = _specs.get(userdata)
         if spec is None:
-            spec = _specs[userdata] = _Spec(shared.params, per_node=True)
+            spec = _specs[userdata] = _Spec(shared.params, per_node=True, sid=userdata)
             _node_spec_ids.append(userdata)
-            while len(_node_spec_ids) > _MAX_NODE_SPECS:
-                _specs.pop(_node_spec_ids.popleft(), None)
+            _drop_oldest_node_specs()
         return spec
+
+
+def _charge_node_spec(spec: _Spec, nbytes: int) -> None:
+    """A plan-less node's bound call now holds ``nbytes`` of its own: drop the oldest other
+    plan-less specs while all of them hold more than ``_MAX_NODE_BYTES``."""
+    with _registry_lock:
+        if _specs.get(spec.sid) is not spec:   # dropped meanwhile: it holds nothing here
+            return
+        _node_bytes[0] += nbytes - spec.nbytes
+        spec.nbytes = nbytes
+        _drop_oldest_node_specs(keep=spec)
+
+
+def _drop_oldest_node_specs(keep: _Spec | None = None) -> None:
+    """(registry lock held) Drop plan-less specs, oldest first, past the count or byte limit."""
+    while _node_spec_ids and (len(_node_spec_ids) > _MAX_NODE_SPECS or _node_bytes[0] > _MAX_NODE_BYTES):
+        sid = _node_spec_ids[0]
+        old = _specs.get(sid)
+        if old is not None and old is keep:
+            break
+        _node_spec_ids.popleft()
+        if old is not None:
+            del _specs[sid]
+            _node_bytes[0] -= old.nbytes
 
 
 def _node_addr(tensor_p) -> int:
@@ -726,6 +755,8 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst, *,
         spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
             if b.replayable else None
         spec.call = b if b.replayable else None
+        if plan is None:   # a plan-less node's spec: its tile map counts against the limit
+            _charge_node_spec(spec, b.own_plan.nbytes if spec.call is not None and b.own_plan is not None else 0)
     b.launch()
 
 

@@ -1,6 +1,7 @@
 """The op's build-time state: plans as arguments (held weakly), the spec registry, and the one
 place that chooses what runs (``dispatch.best_kernel``). CPU-only; the fast path's replay on
 device pointers is in tests/test_graph_device.py."""
+import collections
 import gc
 
 import ggml
@@ -95,6 +96,8 @@ def test_plan_less_node_specs_are_capped(case_ctx, monkeypatch):
     (its next call binds again)."""
     ctx, tensors, _ = case_ctx
     monkeypatch.setattr(op, "_MAX_NODE_SPECS", 8)
+    monkeypatch.setattr(op, "_node_spec_ids", collections.deque())
+    monkeypatch.setattr(op, "_node_bytes", [0])
     outs = [_node(ctx, tensors) for _ in range(12)]
     shared = op.spec_of(outs[0])
     own = [op._node_spec(op.userdata_of(o), shared) for o in outs]
@@ -102,6 +105,17 @@ def test_plan_less_node_specs_are_capped(case_ctx, monkeypatch):
     assert op._node_spec(op.userdata_of(outs[-1]), shared) is own[-1], "made once per node"
     assert [op.spec_of(o) is own[i] for i, o in enumerate(outs)] == [False] * 4 + [True] * 8
     assert all(op.spec_of(o) is shared for o in outs[:4])
+    # the tile maps they hold: past _MAX_NODE_BYTES the oldest go, never the one just charged
+    monkeypatch.setattr(op, "_MAX_NODE_BYTES", 1000)
+    for sp in own[4:10]:
+        op._charge_node_spec(sp, 300)
+    assert [op.spec_of(o) is own[i] for i, o in enumerate(outs)] == [False] * 7 + [True] * 5
+    assert op._node_bytes[0] == 900
+    op._charge_node_spec(own[-1], 5000)   # more than the limit alone: kept, the others dropped
+    assert [op.spec_of(o) is own[i] for i, o in enumerate(outs)] == [False] * 11 + [True]
+    assert op._node_bytes[0] == 5000
+    op._charge_node_spec(own[0], 10)      # dropped before: charges nothing
+    assert op._node_bytes[0] == 5000
 
 
 FACTS = CallFacts(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16)
