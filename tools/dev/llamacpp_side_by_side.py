@@ -21,10 +21,14 @@ Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdow
    ``-kvu``: its best S_PP counts); the load time of each (wall time of a one-token run);
 4. the logits: ``tools/dev/model_vs_llamacpp.py`` on the same file (step ``logits``;
    ``model_vs_llamacpp.json``).
+
+The logits and the load rows run first, the benchmarks after them (a run cut short keeps the
+steps done: the JSON is written after each).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -136,6 +140,11 @@ def main(argv=None) -> int:
                                   stdout=open(os.path.join(a.out, "gguf.log"), "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
     bins = build(a.src, a.build, a.out, jobs, a.prebuilt)
+    # a prebuilt llama.cpp finds its own libraries next to it ($ORIGIN) and cuBLAS here
+    libs = [bins, "/usr/local/cuda/lib64", *sorted(glob.glob(os.path.join(
+        os.path.dirname(os.__file__), "..", "python3*", "site-packages", "nvidia", "*", "lib")))]
+    libs += sorted(glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "*", "lib")))
+    os.environ["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
     print(f"build: {time.time() - t0:.0f}s", flush=True)
     if writer is not None and writer.wait() != 0:
         raise SystemExit("writing the GGUF failed (gguf.log)")
@@ -151,6 +160,23 @@ def main(argv=None) -> int:
     def save():   # after every step: a run cut short keeps what it measured
         with open(os.path.join(out, "side_by_side.json"), "w") as f:
             json.dump(res, f, indent=1)
+    if "logits" not in skip:
+        rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
+                       os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],
+                      os.path.join(out, "logits.log"), 400)
+        try:
+            res["logits"] = json.load(open(os.path.join(out, "model_vs_llamacpp.json")))
+        except (OSError, ValueError):
+            res["logits"] = dict(error=f"model_vs_llamacpp.py rc={rc} (logits.log)")
+    save()
+    if "load" not in skip:
+        _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
+                      os.path.join(out, "lc_load.log"), 300)
+        rows.append(dict(tool="llama.cpp", case="load", seconds=dt))
+        _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
+                      os.path.join(out, "ours_load.log"), 300)
+        rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
+    save()
     if "bench" not in skip:
         _, t, _ = sh([lb, "-m", a.gguf, "-ngl", "99", "-fa", "1", "-p", "512", "-n", "128", "-r", str(a.reps),
                       "-o", "json"], os.path.join(out, "lc_bench.log"), 300)
@@ -188,23 +214,6 @@ def main(argv=None) -> int:
                           "-npp", str(npp), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
                          + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300)
             rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
-    save()
-    if "load" not in skip:
-        _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                      os.path.join(out, "lc_load.log"), 300)
-        rows.append(dict(tool="llama.cpp", case="load", seconds=dt))
-        _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                      os.path.join(out, "ours_load.log"), 300)
-        rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
-    save()
-    if "logits" not in skip:
-        rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
-                       os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],
-                      os.path.join(out, "logits.log"), 400)
-        try:
-            res["logits"] = json.load(open(os.path.join(out, "model_vs_llamacpp.json")))
-        except (OSError, ValueError):
-            res["logits"] = dict(error=f"model_vs_llamacpp.py rc={rc} (logits.log)")
     save()
     print(table(rows))
     return 0
