@@ -42,7 +42,7 @@ def _mask(rng, n_rows: int, n_kv: int, n_batch: int, kind: str) -> np.ndarray:
 class _DeviceGraph:
     """N_LAYER op nodes built with ggml's own signature on CuPy arrays (numpy order)."""
 
-    def __init__(self, n_batch: int, n_kv: int, n_rows: int, with_mask: bool, rng):
+    def __init__(self, n_batch: int, n_kv: int, n_rows: int, with_mask: bool, rng, d: int = D):
         import cupy as cp
         import ggml
         self.cp, self.ggml = cp, ggml
@@ -55,13 +55,14 @@ class _DeviceGraph:
         self.q, self.k, self.v, self.out, self.nodes = [], [], [], [], []
         self.mask = cp.zeros((1, 1, n_rows, n_kv), cp.float16) if with_mask else None
         mask_t = self._tensor(GGML_TYPE_F16, self.mask) if with_mask else None
+        self.d = d
         for _ in range(N_LAYER):
-            q = cp.asarray(rng.standard_normal((1, H, n_batch, D), dtype=np.float32))
-            k = cp.asarray(rng.standard_normal((1, HKV, n_kv, D), dtype=np.float32).astype(np.float16))
-            v = cp.asarray(rng.standard_normal((1, HKV, n_kv, D), dtype=np.float32).astype(np.float16))
+            q = cp.asarray(rng.standard_normal((1, H, n_batch, d), dtype=np.float32))
+            k = cp.asarray(rng.standard_normal((1, HKV, n_kv, d), dtype=np.float32).astype(np.float16))
+            v = cp.asarray(rng.standard_normal((1, HKV, n_kv, d), dtype=np.float32).astype(np.float16))
             node = ggml_attn.flash_attn_ext(self.ctx, self._tensor(GGML_TYPE_F32, q), self._tensor(GGML_TYPE_F16, k),
-                                            self._tensor(GGML_TYPE_F16, v), mask_t, 1.0 / np.sqrt(D))
-            out = cp.empty((1, n_batch, H, D), cp.float32)
+                                            self._tensor(GGML_TYPE_F16, v), mask_t, 1.0 / np.sqrt(d))
+            out = cp.empty((1, n_batch, H, d), cp.float32)
             node.contents.data = ctypes.c_void_p(int(out.data.ptr))
             ggml.ggml_build_forward_expand(self.gf, node)
             self.q.append(q), self.k.append(k), self.v.append(v), self.out.append(out), self.nodes.append(node)
@@ -82,7 +83,7 @@ class _DeviceGraph:
 
     def expected(self, n_batch: int) -> list[np.ndarray]:
         m = None if self.mask is None else self.mask.get()[:, :, :n_batch]
-        return [reference(q.get().astype(np.float64), k.get(), v.get(), m, 1.0 / np.sqrt(D), kv_type=GGML_TYPE_F16)
+        return [reference(q.get().astype(np.float64), k.get(), v.get(), m, 1.0 / np.sqrt(self.d), kv_type=GGML_TYPE_F16)
                 for q, k, v in zip(self.q, self.k, self.v)]
 
     def free(self):
@@ -118,4 +119,23 @@ def test_plan_less_nodes_replay_and_follow_the_mask(monkeypatch, n_batch, n_kv, 
         got, want = g.compute(), g.expected(n_batch)
         assert len(binds) == N_LAYER and nmse(got[0], want[0]) <= 5e-4, "new Q data: replayed, right"
     finally:
+        g.free()
+
+
+@pytest.mark.parametrize("kernel, n_batch, n_kv", [("prefill-wgmma", 256, 640), ("decode-tma", 1, 4096)])
+def test_forced_sm90a_kernels_run_on_an_sm90_gpu(kernel, n_batch, n_kv):
+    """set_backend("cuda", <an sm_90a kernel>) runs that kernel on an H100/H200 through the op (it
+    was refused there: the op chose without the device's architecture) and gives the right result."""
+    from ggml_attn.kernels import device_arch
+    if device_arch() != "sm_90":
+        pytest.skip(f"the sm_90a kernels need an sm_90 GPU; this one is {device_arch()}")
+    g = _DeviceGraph(n_batch, n_kv, n_batch, True, np.random.default_rng(11), d=128)
+    g.mask[...] = g.cp.asarray(_mask(np.random.default_rng(12), n_batch, n_kv, n_batch, f"causal-{n_kv - n_batch}"))
+    ggml_attn.set_backend("cuda", kernel)
+    try:
+        got, want = g.compute(), g.expected(n_batch)
+        assert all(op.spec_of(node).call.kern == kernel for node in g.nodes)
+        assert all(nmse(a, b) <= 5e-4 for a, b in zip(got, want))
+    finally:
+        ggml_attn.set_backend("auto")
         g.free()
