@@ -7,6 +7,8 @@
 // Tensor layouts are ggml's (ne[0] fastest; byte strides nb[1..3]):
 //   q    [D_k, n_batch, n_head,    ne3]  f32, any byte strides (nb0 == 4)
 //   k    [D_k, n_kv,    n_head_kv, ne3]  f16/bf16, rows contiguous, 16-byte aligned rows
+//                                        (the CUDA-core decode kernel also reads q8_0 / q4_0
+//                                        rows: ggml's blocks of 32, 2-byte aligned; load8 below)
 //   v    [D_v, n_kv,    n_head_kv, ne3]  same type as k
 //   mask [n_kv, n_rows, ne32,      ne33] f16, broadcast over heads (h % ne32), streams (s % ne33)
 //   sinks[n_head] f32
@@ -102,6 +104,44 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
     float2 a = KVTraits<T>::unpack2(u.x), b = KVTraits<T>::unpack2(u.y);
     float2 c = KVTraits<T>::unpack2(u.z), d = KVTraits<T>::unpack2(u.w);
     f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y; f[4] = c.x; f[5] = c.y; f[6] = d.x; f[7] = d.y;
+}
+
+// ggml's quantized K/V blocks, as tags for the kernels' element-type parameter: 32 values per
+// block, an f16 scale d first. q8_0: 32 int8 qs, value = d * qs[j] (34 bytes). q4_0: 16 bytes of
+// nibbles, value j < 16 = d * ((qs[j] & 15) - 8), value j >= 16 = d * ((qs[j - 16] >> 4) - 8)
+// (18 bytes). A row of D values is D / 32 blocks back to back; rows start anywhere 2-byte aligned.
+struct fattn_q8_0 { static constexpr int BYTES = 34; };
+struct fattn_q4_0 { static constexpr int BYTES = 18; };
+
+// 8 consecutive values of a K/V row -- chunk ch (values 8*ch .. 8*ch+7) of the row at ``row`` --
+// as floats: one 16-byte load for f16/bf16, the block's scale and 8 bytes of its quants for
+// the quantized types (2-byte loads: blocks are 2-byte aligned).
+template <typename T>
+__device__ __forceinline__ void load8(const char* row, int ch, float* f) {
+    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(row) + ch), f);
+}
+__device__ __forceinline__ unsigned ld_u32_a2(const char* p) {   // 4 bytes at a 2-byte aligned address
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    return (unsigned)__ldg(h) | ((unsigned)__ldg(h + 1) << 16);
+}
+template <>
+__device__ __forceinline__ void load8<fattn_q8_0>(const char* row, int ch, float* f) {
+    const char* blk = row + (ch >> 2) * fattn_q8_0::BYTES;
+    const float d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
+    const char* qs = blk + 2 + (ch & 3) * 8;
+    const unsigned w[2] = {ld_u32_a2(qs), ld_u32_a2(qs + 4)};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = d * (float)(signed char)(w[e >> 2] >> (8 * (e & 3)));
+}
+template <>
+__device__ __forceinline__ void load8<fattn_q4_0>(const char* row, int ch, float* f) {
+    const char* blk = row + (ch >> 2) * fattn_q4_0::BYTES;
+    const float d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
+    const char* qs = blk + 2 + (ch & 1) * 8;   // chunks 0/2: bytes 0-7, chunks 1/3: bytes 8-15
+    const int shift = (ch & 2) ? 4 : 0;          // chunks 2/3: the high nibbles
+    const unsigned w[2] = {ld_u32_a2(qs), ld_u32_a2(qs + 4)};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = d * (float)((int)((w[e >> 2] >> (8 * (e & 3) + shift)) & 15u) - 8);
 }
 
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }

@@ -96,9 +96,9 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
     dims = check_flash_attn_args(q, k, v, mask, sinks, max_bias, scale, logit_softcap, mask_rows_only=True)
     if k.type != v.type:
         raise ValueError(f"k and v must have the same type: {k.shape_str} vs {v.shape_str}")
-    if k.type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16):
+    if k.type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16) and k.type not in K.QUANT_KV_CTYPES:
         raise ValueError(f"k/v type {TYPE_NAMES.get(k.type, k.type)} is not supported by the GPU "
-                         f"entry points: {k.shape_str}")
+                         f"entry points (f32, f16, bf16, q8_0, q4_0): {k.shape_str}")
     want = dims.out_ne
     if dst.type != GGML_TYPE_F32 or tuple(dst.ne) != want or not dst.is_contiguous():
         raise ValueError(f"dst must be contiguous f32 {list(want)}, got {dst.shape_str} nb={dst.nb}")
@@ -108,7 +108,10 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
 
 
 def _kv_aligned(t: TensorDesc) -> bool:
-    return all(x % 16 == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
+    """The kernels' alignment of K or V: 16 bytes (16-byte loads), 2 for q8_0/q4_0 rows (blocks
+    start with an f16 scale and are read 2 bytes at a time)."""
+    a = 2 if t.type in K.QUANT_KV_CTYPES else 16
+    return all(x % a == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
 
 
 
@@ -368,13 +371,22 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
 
 
 def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None:
-    """numpy reference on host descriptors, result written through dst."""
+    """numpy reference on host descriptors, result written through dst (quantized K/V
+    dequantized by ggml first)."""
+    from .cpu import kv_head_reader
+    from .dtypes import STORAGE_DTYPES
     from .reference import flash_attn_ext
     from .tensor import as_numpy
-    out = flash_attn_ext(as_numpy(q), as_numpy(k), as_numpy(v),
+    hk, hv, kv_type = as_numpy(k), as_numpy(v), k.type
+    if k.type not in STORAGE_DTYPES:
+        def dense(t):   # (ne3, n_head_kv, n_kv, D) float32
+            read = kv_head_reader(t)
+            return np.stack([np.stack([read(s, h) for h in range(t.ne[2])]) for s in range(t.ne[3])])
+        hk, hv, kv_type = dense(k), dense(v), GGML_TYPE_F32
+    out = flash_attn_ext(as_numpy(q), hk, hv,
                          as_numpy(mask) if mask is not None else None, scale, max_bias, softcap,
                          as_numpy(sinks).reshape(-1) if sinks is not None else None,
-                         kv_type=k.type, dtype=np.float32)
+                         kv_type=kv_type, dtype=np.float32)
     as_numpy(dst)[...] = out.astype(np.float32)
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
-from .kernels import CELLS_HEADS, MMA_HEADS, VEC_HEADS
+from .tensor import type_name
+from .kernels import CELLS_HEADS, MMA_HEADS, QUANT_KV_CTYPES, VEC_HEADS, VEC_QUANT_HEADS
 
 KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells", "reference")
 GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells")
@@ -142,13 +143,20 @@ def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 
 
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
-    """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot."""
+    """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot.
+    q8_0 / q4_0 K/V: the CUDA-core decode kernel only (blocks dequantized in registers)."""
     if kernel == "reference":
         return None
-    if kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
-        return (f"K/V type {TYPE_NAMES.get(kv_type, kv_type)} has no GPU kernel "
-                "(the kernels read f16/bf16 K/V)")
-    heads = VEC_HEADS if kernel == "decode" else CELLS_HEADS if kernel == "cells" else MMA_HEADS
+    name = type_name(kv_type)
+    if kv_type in QUANT_KV_CTYPES:
+        if kernel != "decode":
+            return f"K/V type {name}: only the CUDA-core kernel 'decode' reads quantized K/V"
+        heads = VEC_QUANT_HEADS
+    elif kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
+        return (f"K/V type {name} has no GPU kernel "
+                "(the kernels read f16/bf16 K/V, and q8_0/q4_0 in the CUDA-core decode kernel)")
+    else:
+        heads = VEC_HEADS if kernel == "decode" else CELLS_HEADS if kernel == "cells" else MMA_HEADS
     if (d_k, d_v) not in heads:
         return f"head sizes D_k={d_k}, D_v={d_v} are not compiled for the {kernel} kernel " \
                f"(compiled: {', '.join(f'{a}/{b}' for a, b in heads)})"
@@ -168,6 +176,9 @@ def _choose_gpu(n_batch: int, gqa: int, d_k: int, d_v: int, kv_type: int) -> tup
     why = supports("decode", d_k, d_v, kv_type)
     if why is not None:
         return "reference", why
+    if kv_type in QUANT_KV_CTYPES:
+        return "decode", (f"{TYPE_NAMES.get(kv_type, kv_type)} K/V: the CUDA-core kernel dequantizes "
+                          f"the blocks in registers (the only kernel that reads them)")
     if supports("prefill", d_k, d_v, kv_type) is not None:
         return "decode", f"head sizes {d_k}/{d_v} have only the CUDA-core kernel"
     if n_batch <= DECODE_MAX_BATCH[_bucket(gqa)]:
@@ -252,12 +263,16 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                "(ggml_attn.gpu_available() is False); the numpy path reads host memory only")
         return Choice("cpu", "no usable GPU")
     if quantized:
-        what = f"quantized K/V ({TYPE_NAMES.get(f.kv_type, f.kv_type)}) are supported on the CPU path only"
-        if on_device:
-            raise ValueError(f"{what}; keep them on the host or use f16/bf16")
-        if backend == "cuda":
-            raise ValueError(f"{what}: backend 'cuda' cannot run them; use 'auto' or 'reference'")
-        return Choice("cpu", what)
+        name = type_name(f.kv_type)
+        if not on_device:   # host data: the op's CPU path reads every type ggml dequantizes
+            what = f"quantized K/V ({name}) in host memory run on the CPU path"
+            if backend == "cuda":
+                raise ValueError(f"{what}: backend 'cuda' runs them from GPU memory only "
+                                 f"(q8_0/q4_0); use 'auto' or 'reference'")
+            return Choice("cpu", what)
+        if f.kv_type not in QUANT_KV_CTYPES:
+            raise ValueError(f"quantized K/V ({name}) in GPU memory: no GPU kernel reads them (the GPU "
+                             f"reads f16/bf16, q8_0 and q4_0); use one of those, or keep them on the host")
     if kernel == "reference":
         return Choice("reference", "kernel 'reference' requested")
     if kernel == "auto":
@@ -290,6 +305,6 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
             raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
         kern, why = kernel, f"kernel {kernel!r} requested"
     if not f.kv_aligned:
-        return Choice("reference", "k/v pointers or byte strides are not multiples of 16 bytes; "
-                                   "running the numpy reference on the host")
+        return Choice("reference", "k/v pointers or byte strides are not aligned for the kernels (16 bytes; "
+                                   "2 for q8_0/q4_0 blocks); running the numpy reference on the host")
     return Choice(kern, why)

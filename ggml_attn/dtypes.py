@@ -12,8 +12,11 @@ import numpy as np
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
 GGML_TYPE_BF16 = 30
+GGML_TYPE_Q4_0 = 2
+GGML_TYPE_Q8_0 = 8
 
-TYPE_NAMES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "f16", GGML_TYPE_BF16: "bf16"}
+TYPE_NAMES = {GGML_TYPE_F32: "f32", GGML_TYPE_F16: "f16", GGML_TYPE_BF16: "bf16", GGML_TYPE_Q8_0: "q8_0",
+              GGML_TYPE_Q4_0: "q4_0"}
 TYPE_SIZES = {GGML_TYPE_F32: 4, GGML_TYPE_F16: 2, GGML_TYPE_BF16: 2}
 # numpy storage dtype of each ggml type (BF16 as raw bits)
 STORAGE_DTYPES = {GGML_TYPE_F32: np.float32, GGML_TYPE_F16: np.float16, GGML_TYPE_BF16: np.uint16}

@@ -24,17 +24,22 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
 # ---------------------------------------------------------------------------------------
 # variants
 KV_CTYPES = {GGML_TYPE_F16: "__half", GGML_TYPE_BF16: "__nv_bfloat16"}
+# ggml's quantized blocks the CUDA-core decode kernel reads (fattn_common.cuh, load8): tags
+QUANT_KV_CTYPES = {GGML_TYPE_Q8_0: "fattn_q8_0", GGML_TYPE_Q4_0: "fattn_q4_0"}
+VEC_KV_CTYPES = {**KV_CTYPES, **QUANT_KV_CTYPES}
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
 
 # (D_k, D_v) pairs per family. Head sizes outside these fall back to the reference.
 MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
+# the vec kernel's quantized instances: rows of whole 32-value blocks
+VEC_QUANT_HEADS = tuple(h for h in VEC_HEADS if h[0] % 32 == 0 and h[1] % 32 == 0)
 # (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
 # 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower)
 MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2))
@@ -215,7 +220,7 @@ def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st
 
 
 def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
-    return f"fattn_vec<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}>"
+    return f"fattn_vec<{dk}, {dv}, {VEC_KV_CTYPES[kv_type]}, {rows}>"
 
 
 def cells_name(dk: int, dv: int, kv_type: int, rows: int, tune: CellsTune | None = None) -> str:
@@ -286,6 +291,8 @@ def all_variants() -> list[Variant]:
         out += [mma_variant(dk, dv, t, nat=True) for dk, dv in MMA_HEADS]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
         out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
+    for t in QUANT_KV_CTYPES:
+        out += [vec_variant(dk, dv, t) for dk, dv in VEC_QUANT_HEADS]
     return out
 
 

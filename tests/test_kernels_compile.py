@@ -23,25 +23,26 @@ from pathlib import Path
 import pytest
 
 from ggml_attn import kernels as K
-from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
 pytestmark = pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed "
                                 "(pip install .[nvrtc])")
 
 ARCHS = ("sm_80", "sm_90")
 F16, BF16 = GGML_TYPE_F16, GGML_TYPE_BF16
+Q8_0, Q4_0 = GGML_TYPE_Q8_0, GGML_TYPE_Q4_0
 
 # The default run's compile: per architecture one program of every family of all_variants()
-# (every source file), f16 and bf16 and the head sizes spread over the two (the smallest, D 40,
+# (every source file), f16, bf16, q8_0 and q4_0 and the head sizes spread over the two (the smallest, D 40,
 # and the largest, 576/512; the 128-row tiles of D 128), sm_90 with the instances that have a
 # spill allowance. The remaining (program, arch) pairs: test_every_other_variant_compiles.
 REPRESENTATIVE = {
     "sm_90": (K.util_variant(), K.dense_variant(), K.mma_variant(128, 128, F16),
               K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, F16, nat=True),
-              K.vec_variant(576, 512, F16), K.cells_variant(256, 256, BF16)),
+              K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.mma_variant(40, 40, BF16),
               K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, BF16, nat=True),
-              K.vec_variant(80, 80, BF16), K.cells_variant(128, 128, F16)),
+              K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16)),
 }
 
 
@@ -175,6 +176,7 @@ def test_representative_set_covers_every_family_and_source():
         assert {v.source for v in got} == {v.source for v in K.all_variants()}, arch
     names = " ".join(n for v, _ in rep for n in v.names)
     assert "__half" in names and "__nv_bfloat16" in names
+    assert "fattn_q8_0" in names and "fattn_q4_0" in names   # the quantized K/V of the decode kernel
     assert "fattn_mma<40, 40" in names and "fattn_vec<576, 512" in names
     allowed = {_allowance_key(n) for v in REPRESENTATIVE["sm_90"] for n in v.names} & set(SPILL_ALLOWANCE)
     assert len(allowed) >= 3, "sm_90 compiles instances with a spill allowance"
@@ -200,6 +202,9 @@ def test_resource_usage_parser():
 
 
 def test_variant_list_covers_required_heads():
+    for dk in (64, 96, 128, 256):
+        for t in (Q8_0, Q4_0):
+            assert K.vec_variant(dk, dk, t) in K.all_variants()
     for dk in (64, 80, 96, 112, 128, 256):
         for t in (GGML_TYPE_F16, GGML_TYPE_BF16):
             assert K.mma_variant(dk, dk, t) in K.all_variants()

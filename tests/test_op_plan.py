@@ -17,7 +17,7 @@ from ggml_build import build_case, case_bytes, get_data, graph_of, new_context
 
 CASE = FACase(hsk=64, hsv=64, n_head_kv=2, gqa=4, ne3=1, n_kv=96, n_batch=5, mask=True, sinks=False,
               max_bias=0.0, logit_softcap=0.0, kv_type=ggml.GGML_TYPE_F16)
-GGML_TYPE_Q8_0 = 8
+GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q5_1 = 8, 2, 7
 
 
 class FakePlan:
@@ -143,10 +143,23 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
         best_kernel("auto", FACTS, backend="cuda", gpu=False)
     q8 = CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q8_0)
     assert best_kernel("auto", q8, backend="auto", on_device=False).kernel == "cpu"
-    with pytest.raises(ValueError, match="CPU path only"):
-        best_kernel("auto", q8, backend="auto", on_device=True)
-    with pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+    # q8_0 / q4_0 in GPU memory: the CUDA-core decode kernel, whatever the batch; other
+    # quantized types there are an error naming what the GPU reads (never a silent CPU path)
+    for t in (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0):
+        for n_batch in (1, 512):
+            c = best_kernel("auto", CallFacts(n_batch, 4, 4096, 128, 128, t), backend="auto", on_device=True)
+            assert c.kernel == "decode" and "dequantizes" in c.reason
+    assert best_kernel("decode", q8).kernel == "decode"
+    with pytest.raises(ValueError, match="only the CUDA-core kernel 'decode' reads quantized K/V"):
+        best_kernel("prefill", q8)
+    with pytest.raises(ValueError, match="not compiled for the decode kernel"):
+        best_kernel("decode", CallFacts(1, 4, 4096, 80, 80, GGML_TYPE_Q8_0))
+    with pytest.raises(ValueError, match=r"\(q5_1\) in GPU memory: no GPU kernel reads them"):
+        best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q5_1), backend="auto", on_device=True)
+    with pytest.raises(ValueError, match="backend 'cuda' runs them from GPU memory only"):
         best_kernel("auto", q8, backend="cuda", on_device=False)
+    assert best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q8_0, kv_aligned=False)).kernel \
+        == "reference"
 
 
 def test_choose_is_best_kernel_for_auto():
