@@ -82,23 +82,36 @@ def from_ggml(tensor, name: str = "") -> TensorDesc:
 
 
 def from_array(arr, ggml_type: int | None = None, name: str = "") -> TensorDesc:
-    """Describe a numpy or CuPy array given in **numpy order** (slowest first, up to 4 dims)."""
+    """Describe a numpy or CuPy array given in **numpy order** (slowest first, up to 4 dims).
+    A quantized ``ggml_type`` takes uint8 rows ``(..., row_bytes)`` (as :func:`as_numpy` gives
+    them): ``ne[0]`` is the row's values, ``nb[0]`` the block size in bytes."""
     if ggml_type is None:
         ggml_type = {np.dtype(v): k for k, v in STORAGE_DTYPES.items()}[np.dtype(arr.dtype)]
     shape = (1,) * (4 - arr.ndim) + tuple(arr.shape)
     strides = (0,) * (4 - arr.ndim) + tuple(arr.strides)
-    ne = tuple(reversed(shape))
-    nb = tuple(reversed(strides))
+    ne = list(reversed(shape))
+    nb = list(reversed(strides))
+    elem = TYPE_SIZES.get(ggml_type)
+    if elem is None:   # quantized blocks: uint8 rows of whole blocks
+        from .quant import type_info
+        info = type_info(ggml_type)
+        if info is None or not info.quantized or np.dtype(arr.dtype) != np.uint8 or shape[3] % info.type_size:
+            raise ValueError(f"a {type_name(ggml_type)} tensor is uint8 rows of whole blocks; got "
+                             f"{arr.dtype} {tuple(arr.shape)}")
+        ne[0], nb[0], elem = shape[3] // info.type_size * info.blck_size, info.type_size, info.type_size
+        row_bytes = shape[3]
+    else:
+        row_bytes = ne[0] * elem
     # size-1 dims: give them the stride a contiguous tensor would have
     fixed = list(nb)
     for i in range(4):
         if ne[i] == 1:
-            fixed[i] = (fixed[i - 1] * ne[i - 1]) if i else TYPE_SIZES[ggml_type]
+            fixed[i] = elem if i == 0 else row_bytes if i == 1 else fixed[i - 1] * ne[i - 1]
     if hasattr(arr, "data") and hasattr(arr.data, "ptr"):
         ptr = int(arr.data.ptr)  # CuPy
     else:
         ptr = int(arr.ctypes.data)
-    return TensorDesc(ptr, ggml_type, ne, tuple(fixed), name)
+    return TensorDesc(ptr, ggml_type, tuple(ne), tuple(fixed), name)
 
 
 def as_numpy(desc: TensorDesc) -> np.ndarray:

@@ -96,14 +96,9 @@ def test_long_rows_with_holes_and_masked_tiles(kv_type, n_batch, n_kv, d):
            for a in (kq, vq)]
     exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
 
-    def desc(a, full_d):
-        dev = cp.asarray(a)
-        t = from_array(dev)
-        ne = (full_d, a.shape[2], a.shape[1], a.shape[0])
-        nb = (34 if kv_type == GGML_TYPE_Q8_0 else 18, t.nb[1], t.nb[2], t.nb[3])
-        return dev, TensorDesc(t.ptr, kv_type, ne, nb)
-    dk, kd = desc(wide, d)
-    dv, vd = desc(vq, d)
+    dk, dv = cp.asarray(wide), cp.asarray(vq)
+    kd, vd = from_array(dk[..., :kq.shape[-1]], kv_type), from_array(dv, kv_type)
+    assert kd.ne == vd.ne == (d, n_kv, n_head_kv, 1) and kd.nb[1] == kq.shape[-1] + 34
     dq, dm = cp.asarray(q), cp.asarray(mask)
     dst = cp.full((1, n_batch, n_head, d), cp.nan, dtype=cp.float32)
     for n_splits in (None, 1, 7):

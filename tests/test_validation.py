@@ -1,6 +1,7 @@
 """Every bad input of flash_attn_ext raises ValueError at graph-build time, naming the
 tensor, its shape and what was expected."""
 import ggml
+import numpy as np
 import pytest
 
 import ggml_attn
@@ -81,3 +82,24 @@ def test_bad_input_message(ctx, name):
     change, pattern = BAD[name]
     with pytest.raises(ValueError, match=pattern):
         call(ctx, good(ctx, **change(ctx)))
+
+
+def test_from_array_describes_quantized_rows():
+    """from_array(uint8 rows, quantized type): ne[0] the row's values, nb[0] the block bytes,
+    byte strides as the array has them (a cache view of a wider buffer too); as_numpy inverts it."""
+    from ggml_attn.quant import quantize
+    from ggml_attn.tensor import as_numpy, from_array
+    x = np.random.default_rng(0).standard_normal((1, 4, 100, 128)).astype(np.float32)
+    for t, bsz in ((8, 34), (2, 18)):
+        q = quantize(x, t)
+        d = from_array(q, t)
+        assert d.ne == (128, 100, 4, 1) and d.nb == (bsz, 4 * bsz, 400 * bsz, 1600 * bsz)
+        assert np.array_equal(as_numpy(d), q)
+        wide = np.zeros(q.shape[:-1] + (q.shape[-1] + bsz,), np.uint8)
+        wide[..., :q.shape[-1]] = q
+        v = from_array(wide[..., :q.shape[-1]], t)
+        assert v.ne == d.ne and v.nb[1] == 5 * bsz and np.array_equal(as_numpy(v), q)
+    with pytest.raises(ValueError, match="uint8 rows of whole blocks"):
+        from_array(np.zeros((2, 33), np.uint8), 8)
+    with pytest.raises(ValueError, match="uint8 rows of whole blocks"):
+        from_array(np.zeros((2, 34), np.float32), 8)

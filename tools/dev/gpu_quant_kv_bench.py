@@ -27,7 +27,7 @@ def run(device_us, log=print) -> list[dict]:
     from ggml_attn import cuda_backend as cb
     from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.quant import quantize
-    from ggml_attn.tensor import TensorDesc, from_array
+    from ggml_attn.tensor import from_array
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_timing import copies_for
     rows = []
@@ -49,14 +49,7 @@ def run(device_us, log=print) -> list[dict]:
             kvs = []
             for _ in range(n_copies):
                 dk, dv = cp.asarray(host), cp.asarray(host)
-                if t == GGML_TYPE_F16:
-                    kd, vd = from_array(dk, t), from_array(dv, t)
-                else:
-                    tsz = 34 if t == GGML_TYPE_Q8_0 else 18
-                    a = from_array(dk)
-                    ne = (D, n_kv, HKV, B)
-                    kd = TensorDesc(a.ptr, t, ne, (tsz, a.nb[1], a.nb[2], a.nb[3]))
-                    vd = TensorDesc(int(dv.data.ptr), t, ne, (tsz, a.nb[1], a.nb[2], a.nb[3]))
+                kd, vd = from_array(dk, t), from_array(dv, t)
                 kvs.append((dk, dv, kd, vd))
             qd, od = from_array(q), from_array(dst)
             calls = [cb.bind(qd, kd, vd, None, None, od, 1.0 / np.sqrt(D), kernel=kernel) for _, _, kd, vd in kvs]
