@@ -2,12 +2,13 @@
 // the reference that tools/dev/model_vs_llamacpp.py compares the project's model graph with
 // on a file too large for the committed fixtures (the 8B-shaped GGUF).
 //
-//   llamacpp_logits MODEL.gguf TOKENS.bin OUT.bin N_GEN [N_GPU_LAYERS=99]
+//   llamacpp_logits MODEL.gguf TOKENS.bin OUT.bin N_GEN [N_GPU_LAYERS=99] [N_UBATCH=512]
 //
 // TOKENS.bin, int32 little endian: n_prompts, then per prompt its length and its token ids.
 // Each prompt runs alone from an empty cache (sequence 0, flash attention on, F16 K/V): the
 // prompt as one batch with every row's logits, then N_GEN greedy steps, each chosen token fed
-// back alone (the last one evaluated too).
+// back alone (the last one evaluated too). N_UBATCH 1 evaluates the prompt one token per ubatch
+// (on CUDA: the matrix-vector kernels, F32 accumulation, instead of cuBLAS GEMMs).
 // OUT.bin, little endian: int32 n_vocab, n_prompts; per prompt: int32 n_prompt, n_gen,
 // int32 tokens[n_prompt + n_gen] (prompt + greedy tokens), float32 logits[n_prompt + n_gen][n_vocab]
 // (row j: the logits after token j).
@@ -38,11 +39,12 @@ static void decode_or_die(llama_context *ctx, llama_batch &batch) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        std::fprintf(stderr, "usage: %s MODEL.gguf TOKENS.bin OUT.bin N_GEN [N_GPU_LAYERS]\n", argv[0]);
+        std::fprintf(stderr, "usage: %s MODEL.gguf TOKENS.bin OUT.bin N_GEN [N_GPU_LAYERS] [N_UBATCH]\n", argv[0]);
         return 2;
     }
     const int n_gen = std::atoi(argv[4]);
     const int ngl = argc > 5 ? std::atoi(argv[5]) : 99;
+    const int n_ubatch = argc > 6 ? std::atoi(argv[6]) : 512;
     std::vector<int32_t> in = read_ints(argv[2]);
     if (in.empty()) { std::fprintf(stderr, "empty token file\n"); return 2; }
 
@@ -54,7 +56,7 @@ int main(int argc, char **argv) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = 4096;
     cp.n_batch = 512;
-    cp.n_ubatch = 512;
+    cp.n_ubatch = n_ubatch;
     cp.n_seq_max = 1;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
     llama_context *ctx = llama_init_from_model(model, cp);
