@@ -100,13 +100,13 @@ class DeviceWeights:
             staged = xp is not np
         if staged and xp is np:
             raise ValueError("staged loading copies to a GPU: it needs xp=cupy")
-        hp_jobs = _jobs(model)
+        jobs = _jobs(model)
         up = None
-        if staged and any(_raw_ok(w) for _, w, _ in hp_jobs):
+        if staged and any(_raw_ok(w) for _, w, _ in jobs):
             from .upload import FileUploader   # noqa: PLC0415
             up = FileUploader(model.path)
         try:
-            return cls._build(model, xp, hp_jobs, up)
+            return cls._build(model, xp, jobs, up)
         finally:
             if up is not None:
                 up.close()
