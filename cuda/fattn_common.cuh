@@ -8,7 +8,7 @@
 //   q    [D_k, n_batch, n_head,    ne3]  f32, any byte strides (nb0 == 4)
 //   k    [D_k, n_kv,    n_head_kv, ne3]  f16/bf16, rows contiguous, 16-byte aligned rows
 //                                        (the CUDA-core decode kernel also reads q8_0 / q4_0
-//                                        rows: ggml's blocks of 32, 2-byte aligned; load8 below)
+//                                        rows: ggml's blocks of 32, 2-byte aligned; load8_quant)
 //   v    [D_v, n_kv,    n_head_kv, ne3]  same type as k
 //   mask [n_kv, n_rows, ne32,      ne33] f16, broadcast over heads (h % ne32), streams (s % ne33)
 //   sinks[n_head] f32
@@ -113,35 +113,47 @@ __device__ __forceinline__ void unpack8(const uint4 u, float* f) {
 struct fattn_q8_0 { static constexpr int BYTES = 34; };
 struct fattn_q4_0 { static constexpr int BYTES = 18; };
 
-// 8 consecutive values of a K/V row -- chunk ch (values 8*ch .. 8*ch+7) of the row at ``row`` --
-// as floats: one 16-byte load for f16/bf16, the block's scale and 8 bytes of its quants for
-// the quantized types (2-byte loads: blocks are 2-byte aligned).
-template <typename T>
-__device__ __forceinline__ void load8(const char* row, int ch, float* f) {
-    unpack8<T>(__ldg(reinterpret_cast<const uint4*>(row) + ch), f);
-}
+// Quantized K/V rows: 8 consecutive values -- chunk ch (values 8*ch .. 8*ch+7) of the row at
+// ``row`` -- as floats, zeros when !ok (nothing read): the block's scale and 8 bytes of its quants
+// (2-byte loads: blocks are 2-byte aligned). f16/bf16 rows are one 16-byte load and unpack8.
+template <typename T> struct KVQuant { static constexpr bool value = false; };
+template <> struct KVQuant<fattn_q8_0> { static constexpr bool value = true; };
+template <> struct KVQuant<fattn_q4_0> { static constexpr bool value = true; };
+
 __device__ __forceinline__ unsigned ld_u32_a2(const char* p) {   // 4 bytes at a 2-byte aligned address
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
     return (unsigned)__ldg(h) | ((unsigned)__ldg(h + 1) << 16);
 }
+template <typename T>
+__device__ __forceinline__ void load8_quant(const char* row, int ch, bool ok, float* f);
 template <>
-__device__ __forceinline__ void load8<fattn_q8_0>(const char* row, int ch, float* f) {
-    const char* blk = row + (ch >> 2) * fattn_q8_0::BYTES;
-    const float d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
-    const char* qs = blk + 2 + (ch & 3) * 8;
-    const unsigned w[2] = {ld_u32_a2(qs), ld_u32_a2(qs + 4)};
+__device__ __forceinline__ void load8_quant<fattn_q8_0>(const char* row, int ch, bool ok, float* f) {
+    float d = 0.0f;
+    unsigned w0 = 0u, w1 = 0u;
+    if (ok) {
+        const char* blk = row + (ch >> 2) * fattn_q8_0::BYTES;
+        const char* qs = blk + 2 + (ch & 3) * 8;
+        d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
+        w0 = ld_u32_a2(qs);
+        w1 = ld_u32_a2(qs + 4);
+    }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = d * (float)(signed char)(w[e >> 2] >> (8 * (e & 3)));
+    for (int e = 0; e < 8; ++e) f[e] = d * (float)(signed char)((e < 4 ? w0 : w1) >> (8 * (e & 3)));
 }
 template <>
-__device__ __forceinline__ void load8<fattn_q4_0>(const char* row, int ch, float* f) {
-    const char* blk = row + (ch >> 2) * fattn_q4_0::BYTES;
-    const float d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
-    const char* qs = blk + 2 + (ch & 1) * 8;   // chunks 0/2: bytes 0-7, chunks 1/3: bytes 8-15
+__device__ __forceinline__ void load8_quant<fattn_q4_0>(const char* row, int ch, bool ok, float* f) {
+    float d = 0.0f;
+    unsigned w0 = 0x88888888u, w1 = 0x88888888u;   // nibbles of 8: zeros
+    if (ok) {
+        const char* blk = row + (ch >> 2) * fattn_q4_0::BYTES;
+        const char* qs = blk + 2 + (ch & 1) * 8;   // chunks 0/2: bytes 0-7, chunks 1/3: bytes 8-15
+        d = __half2float(__ldg(reinterpret_cast<const __half*>(blk)));
+        w0 = ld_u32_a2(qs);
+        w1 = ld_u32_a2(qs + 4);
+    }
     const int shift = (ch & 2) ? 4 : 0;          // chunks 2/3: the high nibbles
-    const unsigned w[2] = {ld_u32_a2(qs), ld_u32_a2(qs + 4)};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = d * (float)((int)((w[e >> 2] >> (8 * (e & 3) + shift)) & 15u) - 8);
+    for (int e = 0; e < 8; ++e) f[e] = d * (float)((int)(((e < 4 ? w0 : w1) >> (8 * (e & 3) + shift)) & 15u) - 8);
 }
 
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }

@@ -1,5 +1,5 @@
 // CUDA-core flash attention for few query rows (decode): split-KV / flash-decoding.
-// K/V f16, bf16, or ggml's q8_0 / q4_0 blocks dequantized in registers (load8, fattn_common.cuh).
+// K/V f16, bf16, or ggml's q8_0 / q4_0 blocks dequantized in registers (load8_quant, fattn_common.cuh).
 //
 // Block = 4 warps; it owns R query rows of one KV head (row i -> head hg*pack + i % pack,
 // token qt*q_tile_tokens + i / pack, R = pack * q_tile_tokens) and a contiguous range of the
@@ -100,8 +100,14 @@ fattn_vec(const FattnParams p) {
 #pragma unroll
             for (int i = 0; i < NCK; ++i) {
                 const int ch = li + i * L;
-                float kf[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                if (in && ch < CHK) load8<T>(kbase + (long long)kv * p.k_nb1, ch, kf);
+                float kf[8];
+                if constexpr (KVQuant<T>::value) {
+                    load8_quant<T>(kbase + (long long)kv * p.k_nb1, ch, in && ch < CHK, kf);
+                } else {
+                    uint4 u = make_uint4(0, 0, 0, 0);
+                    if (in && ch < CHK) u = __ldg(reinterpret_cast<const uint4*>(kbase + (long long)kv * p.k_nb1) + ch);
+                    unpack8<T>(u, kf);
+                }
 #pragma unroll
                 for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -160,8 +166,14 @@ fattn_vec(const FattnParams p) {
 #pragma unroll
             for (int i = 0; i < NCV; ++i) {
                 const int ch = li + i * L;
-                float vf[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                if (in && ch < CHV) load8<T>(vbase + (long long)kv * p.v_nb1, ch, vf);
+                float vf[8];
+                if constexpr (KVQuant<T>::value) {
+                    load8_quant<T>(vbase + (long long)kv * p.v_nb1, ch, in && ch < CHV, vf);
+                } else {
+                    uint4 u = make_uint4(0, 0, 0, 0);
+                    if (in && ch < CHV) u = __ldg(reinterpret_cast<const uint4*>(vbase + (long long)kv * p.v_nb1) + ch);
+                    unpack8<T>(u, vf);
+                }
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     const float pr = sS[r * BK + kl];

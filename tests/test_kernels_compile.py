@@ -104,13 +104,16 @@ def default_compiles():
 # bf16 alike; 2026-12-01, MASKED tiles without bound checks and FINITE tiles: D 128 plain
 # 24/36 -> 12/12 bytes, the rest as before), with the allowance each may not exceed: the 128-row prefill tiles (MT = 2) of
 # D 96-128 hold 128-row accumulators at the 255-register limit; D 320/256 with softcap/ALiBi;
-# the CUDA-core decode kernel's 4-row instance at D 320-576. Every other instance must not
-# spill. Keys: ("mma", DK, DV, MT, EXT) / ("vec", DK, DV, R).
+# the CUDA-core decode kernel's 4-row instance at D 320-576, with q8_0 / q4_0 K/V too (2026-12-03:
+# the blocks' unpacking at the 255-register limit; q4_0 also at D 192). Every other instance must
+# not spill. Keys: ("mma", DK, DV, MT, EXT) / ("vec", DK, DV, R) / ("vec", DK, DV, R, quant type).
 SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 12,
                    ("mma", 112, 112, 2, False): 4, ("mma", 112, 112, 2, True): 24,
                    ("mma", 128, 128, 2, False): 24, ("mma", 128, 128, 2, True): 20,
                    ("mma", 320, 256, 1, True): 20, ("vec", 320, 256, 4): 8,
-                   ("vec", 512, 512, 4): 28, ("vec", 576, 512, 4): 16}
+                   ("vec", 512, 512, 4): 28, ("vec", 576, 512, 4): 16,
+                   ("vec", 512, 512, 4, "q8_0"): 20,
+                   ("vec", 192, 192, 4, "q4_0"): 4, ("vec", 512, 512, 4, "q4_0"): 16, ("vec", 576, 512, 4, "q4_0"): 32}
 
 
 def _allowance_key(name):
@@ -120,7 +123,8 @@ def _allowance_key(name):
     a = [x.strip() for x in name[name.index("<") + 1:-1].split(",")]
     if name.startswith("fattn_mma<"):
         return "mma", int(a[0]), int(a[1]), int(a[5]), a[7] == "true"
-    return "vec", int(a[0]), int(a[1]), int(a[3])
+    key = ("vec", int(a[0]), int(a[1]), int(a[3]))
+    return key + (a[2][len("fattn_"):],) if a[2].startswith("fattn_q") else key
 
 
 def _check_compiled(jobs, results):
