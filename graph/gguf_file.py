@@ -3,7 +3,7 @@
 The ``gguf`` package's reader makes numpy views of every value, so a real model's tokenizer
 arrays (128k token strings and 280k merges for llama-3) take seconds to parse; here a string
 array is only walked past (its strings are decoded when asked for), numbers are read with
-``struct``, and nothing else is imported.
+``struct``; the tensor types' block sizes are ggml's own (``ggml_attn.quant.type_info``).
 
 Format (GGUF v2 and v3, little endian): ``"GGUF"``, u32 version, u64 tensor count, u64 metadata
 count; each metadata entry a string key, a u32 value type and the value (string: u64 length +
@@ -18,25 +18,14 @@ import os
 import struct
 from dataclasses import dataclass, field
 
-__all__ = ["GGUFError", "GGUFHeader", "TensorInfo", "StringArray", "read_header", "GGML_TYPE_SIZES"]
+from ggml_attn.quant import type_info
+
+__all__ = ["GGUFError", "GGUFHeader", "TensorInfo", "StringArray", "read_header"]
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
 # value type -> struct format (the scalars)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-#: ggml type id -> (name, values per block, bytes per block): ggml's type traits
-GGML_TYPE_SIZES = {
-    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36), 10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
-    15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82),
-    23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
-    28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
-    35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
-}
-
 
 class GGUFError(ValueError):
     """The file is not a GGUF file this reader understands (the message says where)."""
@@ -71,7 +60,8 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPE_SIZES[self.type][0]
+        """ggml's name of the type, upper case (``"Q4_K"``, ``"BF16"``)."""
+        return type_info(self.type).name.upper()
 
     @property
     def n_elements(self) -> int:
@@ -174,10 +164,10 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         ne = tuple(c.scalar("<Q", f"ne of {name}") for _ in range(n_dims))
         gtype = c.scalar("<I", f"type of {name}")
         off = c.scalar("<Q", f"offset of {name}")
-        traits = GGML_TYPE_SIZES.get(gtype)
-        if traits is None:
-            raise GGUFError(f"'{path}': tensor {name} has ggml type {gtype}, which this reader does not know")
-        _, blck, tsize = traits
+        traits = type_info(gtype)
+        if traits is None or traits.blck_size < 1:
+            raise GGUFError(f"'{path}': tensor {name} has ggml type {gtype}, which this ggml does not know")
+        blck, tsize = traits.blck_size, traits.type_size
         if ne[0] % blck:
             raise GGUFError(f"'{path}': tensor {name}: ne[0] = {ne[0]} is not a multiple of its type's "
                             f"block size {blck}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import queue
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = ["FileUploader"]
@@ -48,8 +47,6 @@ class FileUploader:
             self._bufs.append((mem, ev))
             self._free.put(len(self._bufs) - 1)
         self._pool = ThreadPoolExecutor(max(1, n_threads), thread_name_prefix="ggml-attn-upload")
-        self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def read(self, offset: int, nbytes: int) -> "Pending":
         """Queue file bytes ``[offset, offset + nbytes)`` into a new CuPy uint8 array ``(nbytes,)``
@@ -80,8 +77,6 @@ class FileUploader:
                 got += r
             cp.cuda.runtime.memcpyAsync(dst_ptr, mem.ptr, n, cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
             ev.record(self.stream)
-            with self._lock:
-                self.bytes_read += n
         finally:
             self._free.put(i)
 

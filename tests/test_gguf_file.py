@@ -87,7 +87,7 @@ def test_hand_made_file_and_lazy_string_arrays(tmp_path):
     (b"GGUF\3\0", "too short"),
     (_gguf([("k", 13, b"")]), "value type 13, which GGUF does not define"),
     (_gguf([("k", 9, struct.pack("<IQ", 42, 1))]), "array of value type 42"),
-    (_gguf([ARCH], [("t", (32,), 42, 0)]), "ggml type 42"),
+    (_gguf([ARCH], [("t", (32,), 42, 0)]), "ggml type 42, which this ggml does not know"),
     (_gguf([ARCH], [("t", (33,), 8, 0)], data=b"\0" * 64), "not a multiple of its type's block size 32"),
     (_gguf([ARCH], [("t", (32,), 8, 0)], data=b"\0" * 10), "runs past the end of the file"),
     (_gguf([ARCH, ("general.alignment", 4, struct.pack("<I", 24))]), "alignment is 24"),

@@ -27,6 +27,7 @@ def run(device_us, log=print) -> list[dict]:
     from ggml_attn import cuda_backend as cb
     from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.quant import quantize
+    from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from gpu_timing import copies_for
@@ -60,7 +61,7 @@ def run(device_us, log=print) -> list[dict]:
             out = dst.get()
             if ref is None:
                 ref = out
-            err = float(((out - ref) ** 2).sum() / (ref ** 2).sum())
+            err = nmse(out, ref)
             row = dict(case=f"decode B={B} kv={n_kv}", kv=name, kernel=kern, us=round(us, 2),
                        kv_bytes=2 * nbytes, tb_s=round(2 * nbytes / us / 1e6, 2), nmse_vs_f16=err)
             rows.append(row)

@@ -30,15 +30,12 @@ import time
 
 import numpy as np
 
+from ggml_attn.reference import nmse
+
 LENGTHS = (7, 19, 3, 33, 12)
 SPLITS = [("simple", True), ("equal", True), ("equal", False), ("seq", True), ("seq", False),
           ("padded", True), ("padded", False), ("auto", True), ("auto", False)]
 BOUND = 5e-4
-
-
-def nmse(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(((a - b) ** 2).sum() / max((b ** 2).sum(), 1e-30))
 
 
 def llamacpp_run(tool: str, gguf: str, prompts: list[np.ndarray], n_gen: int, n_ubatch: int = 512) -> list[dict]:
