@@ -5,7 +5,8 @@
 //                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x)),
 //                    optionally of the RMS-normalized x (the norm computed by every block);
 //   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) per token, one launch;
-//   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32), one launch.
+//   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32, or
+//                    quantized to Q8_0/Q4_0 blocks as ggml's CPU reference does), one launch.
 // Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
 // x (n_tok, n_in) F32 with row stride x_stride, y (n_tok, rows) F32.
 #include <cuda_fp16.h>
@@ -182,27 +183,83 @@ extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __
         y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+// Cache row types of dense_kv_store: ggml's type ids (ggml.h enum ggml_type).
+#define KV_TYPE_F32 0
+#define KV_TYPE_F16 1
+#define KV_TYPE_Q4_0 2
+#define KV_TYPE_Q8_0 8
+
 struct KVStoreParams {
     const float* src[2];      // K rows (n_tok, n[0]) F32, V rows (n_tok, n[1]) F32, contiguous
-    void* dst[2];             // cache (kv_size * n_stream, n[i]) of F16 (f16[i]) or F32
+    void* dst[2];             // cache (kv_size * n_stream) rows of n[i] values of type[i]: F16/F32
+                              // (2/4 bytes a value), Q8_0 (34-byte blocks of 32), Q4_0 (18-byte blocks)
     const long long* rows;    // (n_tok,) destination row of each token
-    int n[2];
-    int f16[2];
+    int n[2];                 // values per row; a multiple of 32 for Q8_0/Q4_0
+    int type[2];              // KV_TYPE_* of each cache
     int n_tok;
     int pad_;
 };
 
-// Grid (n_tok, 2): block y = 0 stores K, 1 stores V.
+// ggml's quantize_row_q8_0_ref (ggml/src/ggml-quants.c) of one block of 32 values, lane j holding
+// x[j]: d = amax / 127, q = roundf(x / d) (x * (1/d), as ggml: not x * 127 / amax); written as
+// f16 d, then the 32 int8 q. The _rn intrinsics keep each operation rounded on its own (no FMA
+// contraction), as the CPU reference computes.
+__device__ __forceinline__ void store_block_q8_0(unsigned char* blk, float x) {
+    const int lane = threadIdx.x & 31;
+    float amax = fabsf(x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = __fdiv_rn(amax, 127.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
+    blk[2 + lane] = (unsigned char)(signed char)roundf(__fmul_rn(x, id));
+}
+
+// ggml's quantize_row_q4_0_ref of one block of 32 values, lane j holding x[j]: max = the value of
+// largest |x| (the first such, in value order; +0 when all are zero), d = max / -8,
+// q = min(15, (int)(x * (1/d) + 8.5)), byte j (j < 16) = q[j] | q[j + 16] << 4 after the f16 d.
+__device__ __forceinline__ void store_block_q4_0(unsigned char* blk, float x) {
+    const int lane = threadIdx.x & 31;
+    float a = fabsf(x), m = x;
+    int at = lane;
+    if (!(a > 0.0f)) a = 0.0f, m = 0.0f, at = 32;   // zeros (and NaN) never replace the start value +0
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float a2 = __shfl_xor_sync(0xffffffffu, a, o), m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const int at2 = __shfl_xor_sync(0xffffffffu, at, o);
+        if (a2 > a || (a2 == a && at2 < at)) a = a2, m = m2, at = at2;
+    }
+    const float d = __fdiv_rn(m, -8.0f);
+    const float id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const int q = min(15, (int)(signed char)__float2int_rz(__fadd_rn(__fmul_rn(x, id), 8.5f)));
+    const int hi = __shfl_down_sync(0xffffffffu, q, 16);
+    if (lane == 0) *reinterpret_cast<__half*>(blk) = __float2half_rn(d);
+    if (lane < 16) blk[2 + lane] = (unsigned char)(q | (hi << 4));
+}
+
+// Grid (n_tok, 2): block y = 0 stores K, 1 stores V. F16/F32: a value per thread; Q8_0/Q4_0: a
+// block of 32 values per warp (each warp takes blocks warp, warp + 4, ...).
 extern "C" __global__ void __launch_bounds__(128) dense_kv_store(const KVStoreParams p) {
     const int t = blockIdx.x, kind = blockIdx.y, n = kind ? p.n[1] : p.n[0];
+    const int type = kind ? p.type[1] : p.type[0];
     const float* src = (kind ? p.src[1] : p.src[0]) + (long long)t * n;
     void* dst_base = kind ? p.dst[1] : p.dst[0];
     const long long row = p.rows[t];
-    if (kind ? p.f16[1] : p.f16[0]) {
+    if (type == KV_TYPE_F16) {
         __half* dst = static_cast<__half*>(dst_base) + row * n;
         for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = __float2half_rn(src[i]);
-    } else {
+    } else if (type == KV_TYPE_F32) {
         float* dst = static_cast<float*>(dst_base) + row * n;
         for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    } else {
+        const bool q8 = type == KV_TYPE_Q8_0;
+        const int blk_bytes = q8 ? 34 : 18, n_blk = n / 32;
+        unsigned char* dst = static_cast<unsigned char*>(dst_base) + row * (long long)(n_blk * blk_bytes);
+        const int lane = threadIdx.x & 31;
+        for (int b = threadIdx.x >> 5; b < n_blk; b += blockDim.x >> 5) {
+            const float x = src[b * 32 + lane];
+            if (q8) store_block_q8_0(dst + b * blk_bytes, x);
+            else store_block_q4_0(dst + b * blk_bytes, x);
+        }
     }
 }

@@ -272,7 +272,8 @@ def decode_tma_variant() -> Variant:
     """The sm_90a decode (cuda/fattn_decode_tma.cu): the instances of decode_tma_shape.CONFIGS."""
     return Variant("decode-tma", "fattn_decode_tma.cu",
                    ("fattn_decode_tma_d128", "fattn_decode_tma_bf16_d128", "fattn_decode_tma_s4_d128",
-                    "fattn_decode_tma_split_d128"), arch_suffix="a")
+                    "fattn_decode_tma_split_d128", "fattn_decode_tma_q8_0_d128", "fattn_decode_tma_q4_0_d128"),
+                   arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:
@@ -569,9 +570,10 @@ class GemvParams(ctypes.Structure):
 
 
 class KVStoreParams(ctypes.Structure):
-    """Mirror of ``struct KVStoreParams`` (dense.cu)."""
+    """Mirror of ``struct KVStoreParams`` (dense.cu); ``type[i]``: the cache's ggml type id
+    (F32, F16, Q8_0 or Q4_0)."""
     _fields_ = [("src", ctypes.c_uint64 * 2), ("dst", ctypes.c_uint64 * 2), ("rows", ctypes.c_uint64),
-                ("n", ctypes.c_int32 * 2), ("f16", ctypes.c_int32 * 2), ("n_tok", ctypes.c_int32),
+                ("n", ctypes.c_int32 * 2), ("type", ctypes.c_int32 * 2), ("n_tok", ctypes.c_int32),
                 ("pad_", ctypes.c_int32)]
 
 

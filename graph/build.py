@@ -36,7 +36,7 @@ from ggml_attn.tensor import from_ggml
 from . import layers as layer_fns
 from . import model_graph, xp_ops
 from .kv_cache import KVCache
-from .kv_graph import data_ptr, kv_tensors
+from .kv_graph import check_custom_store, data_ptr, ggml_type_of, kv_tensors
 from .plan import UBatchPlan
 from .qkv import AttnConfig
 
@@ -458,9 +458,8 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
     if device and not flash_attn:
         raise GraphBuildError("-fa off (ggml's mul_mat + soft_max_ext) builds host graphs only; an "
                               "all-custom (device-resident) graph needs flash attention")
-    if device and not cache.float_storage:
-        raise ValueError(f"an all-custom (device-resident) graph needs an f16/f32 KV cache; this one is "
-                         f"K {cache.type_k} / V {cache.type_v}")
+    if device:   # the custom store op's types (f16/f32, and q8_0/q4_0 in a device cache)
+        check_custom_store(cache.type_k, cache.type_v, on_device=on_device)
     if not flash_attn and cache.type_v not in ("f16", "f32", "bf16"):
         raise ValueError(f"-fa off transposes V, which ggml cannot do for a {cache.type_v} (block) V cache; "
                          f"use flash attention")
@@ -539,8 +538,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
         # earlier graph points at that graph's mask tensor, so rebuild it for this graph's mask
         kp_mask = getattr(plan.kernel_plan, "mask", None)
         if on_device and (kp_mask is None or kp_mask.ptr != _ptr(b.arrays[_addr(b.mask)])):
-            kv_type = GGML_TYPE_F16 if cache.type_k == "f16" else GGML_TYPE_F32
-            plan.kernel_plan = _kernel_plan(b.mask, n_tps, n_stream, cfg, kv_type)
+            plan.kernel_plan = _kernel_plan(b.mask, n_tps, n_stream, cfg, ggml_type_of(cache.type_k))
         x_in, outs = None, []
         cur = None
         if layer == "full":

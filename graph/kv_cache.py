@@ -20,9 +20,12 @@ Follows ``src/llama-kv-cache.cpp`` / ``llama-kv-cells.h``:
 
 Cache types: ``type_k`` / ``type_v`` name a ggml type (llama.cpp's ``-ctk`` / ``-ctv``: f16, f32,
 bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1). F16 and F32 are float arrays of ``xp``; the other
-types are host byte arrays ``(n_layer, n_stream, kv_size, row_bytes)`` that only ggml reads and
-writes (``kv_graph.KVTensors``: ``ggml_set_rows`` on host graphs); the numpy paths
-(:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) raise ``ValueError`` for them.
+types are uint8 byte arrays ``(n_layer, n_stream, kv_size, row_bytes)`` (ggml's blocks) that only
+ggml and the kernels read and write: host arrays for every block type (``kv_graph.KVTensors``:
+``ggml_set_rows`` on host graphs), arrays of a CuPy ``xp`` for q8_0 and q4_0 only
+(:data:`DEVICE_BLOCK_TYPES`: the device store op quantizes them, the GPU kernels read them); the
+numpy paths (:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) raise ``ValueError``
+for block types.
 
 Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. It changes
 only through the methods here (each records the cells it changes, :meth:`KVCache._touch`):
@@ -45,10 +48,11 @@ from .kv_changes import CellChanges
 from .split import UBatch
 
 __all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES", "block_size",
-           "check_head_blocks"]
+           "check_head_blocks", "DEVICE_BLOCK_TYPES"]
 
 CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
+DEVICE_BLOCK_TYPES = ("q8_0", "q4_0")   # block types a CuPy cache holds (cuda/dense.cu dense_kv_store writes them)
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
 _SMALL = 16   # ubatches up to this many rows are checked and accounted in Python
@@ -100,6 +104,17 @@ def check_head_blocks(name: str, type_name, head_dim: int) -> None:
     if head_dim % blck:
         raise ValueError(f"{name} {type_name}: head size {head_dim} is not a multiple of {blck}, the "
                          f"{type_name} block size (each head's row must be whole blocks)")
+
+
+def _check_xp_type(name: str, type_name: str, xp) -> None:
+    """A cache of array module ``xp`` holds ``type_name``: numpy any cache type, another module
+    (CuPy) f16, f32 and :data:`DEVICE_BLOCK_TYPES`. ``ValueError`` naming the argument (``name``:
+    ``type_k`` / ``type_v``), the type and what that module holds."""
+    if xp is np or type_name in _FLOAT_TYPES or type_name in DEVICE_BLOCK_TYPES:
+        return
+    raise ValueError(f"{name} {type_name}: a {xp.__name__} (device) cache holds f16, f32, "
+                     f"{', '.join(DEVICE_BLOCK_TYPES)} only (the types the device store op writes and the "
+                     f"GPU kernels read); {type_name} runs in a host (numpy) cache")
 
 
 def pad_to(x: int, n: int) -> int:
@@ -201,9 +216,7 @@ class KVCache:
         self.type_v = default if type_v is None else type_v
         for flag, t, d in (("type_k", self.type_k, head_dim_k), ("type_v", self.type_v, head_dim_v or head_dim_k)):
             check_head_blocks(flag, t, d)
-            if t not in _FLOAT_TYPES and self.xp is not np:
-                raise ValueError(f"{flag} {t}: a {self.xp.__name__} cache holds f16 or f32 only "
-                                 f"(block types live in host byte arrays)")
+            _check_xp_type(flag, t, self.xp)
         self.unified = bool(unified)
         self.n_seq_max = int(n_seq_max)
         self.n_stream = 1 if unified else self.n_seq_max
@@ -234,13 +247,14 @@ class KVCache:
 
     def _storage(self, type_name: str, n_embd: int):
         """All layers of K or V, numpy order ``(n_layer, n_stream, kv_size, n_embd)`` of the
-        float dtype, or ``(..., row_bytes)`` uint8 for the other ggml types."""
+        float dtype, or ``(..., row_bytes)`` uint8 for the block types; arrays of ``xp`` (block
+        types on a CuPy ``xp``: :data:`DEVICE_BLOCK_TYPES` only, checked in ``__init__``)."""
         shape = (self.n_layer, self.n_stream, self.kv_size)
         if type_name in _FLOAT_TYPES:
             return self.xp.zeros(shape + (n_embd,), dtype=_FLOAT_TYPES[type_name])
         import ggml  # noqa: PLC0415   (whole blocks per head: check_head_blocks, in __init__)
         gtype = getattr(ggml, f"GGML_TYPE_{type_name.upper()}")
-        return np.zeros(shape + (int(ggml.ggml_row_size(gtype, n_embd)),), dtype=np.uint8)
+        return self.xp.zeros(shape + (int(ggml.ggml_row_size(gtype, n_embd)),), dtype=np.uint8)
 
     @property
     def float_storage(self) -> bool:

@@ -9,9 +9,10 @@ at the cache's storage (no copy); in a graph's context it makes:
 * :meth:`KVTensors.cpy_kv`: the nodes that write layer ``il``'s ``k_cur [n_embd_k_gqa,
   n_tokens]`` and ``v_cur [n_embd_v_gqa, n_tokens]`` F32 at rows ``row_idx`` (I64 ``[n_tokens]``,
   the plan's ``row_idx``): two ``ggml_set_rows`` on host graphs (any cache type, quantized ones
-  included), one custom store op (:func:`store_callback`) on all-custom graphs (F16/F32 caches
-  only: a ``ValueError`` otherwise; one ``dense_kv_store`` launch of ``cuda/dense.cu`` on the
-  device);
+  included), one custom store op (:func:`store_callback`) on all-custom graphs (one
+  ``dense_kv_store`` launch of ``cuda/dense.cu`` on the device: F16, F32, Q8_0 or Q4_0 caches,
+  quantized as ggml's CPU reference quantizes; the host form of that op, numpy, writes F16/F32
+  caches only; a ``ValueError`` for any other type);
 * :meth:`KVTensors.get_k` / :meth:`KVTensors.get_v`: the ``[D, n_kv, n_head_kv, n_stream]``
   view (ggml order) of the ubatch's streams ``s0 .. s0 + n_stream - 1``, taken of the
   ``ggml_set_rows`` node so that attention runs after the store.
@@ -26,9 +27,10 @@ import numpy as np
 from ggml_attn import op as fa_op
 from ggml_attn.tensor import as_numpy, from_ggml
 
-from .kv_cache import KVCache
+from .kv_cache import DEVICE_BLOCK_TYPES, KVCache
 
-__all__ = ["KVTensors", "kv_tensors", "store_callback", "ggml_type_of", "data_ptr"]
+__all__ = ["KVTensors", "kv_tensors", "store_callback", "ggml_type_of", "data_ptr", "check_custom_store",
+           "DEVICE_STORE_TYPES", "HOST_STORE_TYPES"]
 
 
 def ggml_type_of(name: str) -> int:
@@ -96,10 +98,27 @@ def _check_store(cache_shape, rows_shape, idx_shape) -> None:
 
 _BOUND_STORES: dict = {}   # store node address -> (_src_key, launch), see _store
 
+# cache types the custom store op writes: its numpy form (cast on assignment) and its device
+# form (cuda/dense.cu dense_kv_store, whose KV_TYPE_* codes are these types' ggml ids)
+HOST_STORE_TYPES = ("f16", "f32")
+DEVICE_STORE_TYPES = HOST_STORE_TYPES + DEVICE_BLOCK_TYPES
+
+
+def check_custom_store(type_k: str, type_v: str, *, on_device: bool) -> None:
+    """``ValueError`` unless the custom store op (all-custom graphs) writes caches of these types:
+    :data:`DEVICE_STORE_TYPES` on the device, :data:`HOST_STORE_TYPES` on the host (its numpy
+    form)."""
+    ok = DEVICE_STORE_TYPES if on_device else HOST_STORE_TYPES
+    if type_k not in ok or type_v not in ok:
+        where = "a device (CuPy) cache" if on_device else "a host (numpy) cache"
+        raise ValueError(f"an all-custom graph stores K/V with its own op, which writes {'/'.join(ok)} "
+                         f"into {where}; this cache is K {type_k} / V {type_v}")
+
 
 def _bind_device_store(pairs, idx_t):
     """A function of no arguments that stores the K and V rows of device tensors ``pairs``
-    (``(cache, rows)``: F16/F32 cache, contiguous F32 rows) at the rows ``idx_t`` names: one
+    (``(cache, rows)``: cache ``[n, rows]`` (ggml order) of a :data:`DEVICE_STORE_TYPES` type,
+    contiguous F32 rows ``[n, n_tok]``) at the rows ``idx_t`` (I64 ``[n_tok]``) names: one
     ``dense_kv_store`` launch on the current stream."""
     from ggml_attn import kernels as K  # noqa: PLC0415  (device graphs only)
     n_tok = int(idx_t.contents.ne[0])
@@ -109,14 +128,17 @@ def _bind_device_store(pairs, idx_t):
         _check_store((int(c.ne[1]), int(c.ne[0])), (int(r.ne[1]), int(r.ne[0])), (n_tok,))
         if r.type != ggml.GGML_TYPE_F32 or int(r.nb[1]) != 4 * int(r.ne[0]):
             raise ValueError("store: the rows must be contiguous F32")
-        if c.type not in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32):
-            raise ValueError("store: the device store writes F16/F32 caches only")
+        if c.type not in _DEVICE_STORE_IDS:
+            raise ValueError(f"store: the device store writes {'/'.join(DEVICE_STORE_TYPES)} caches only")
+        if c.type not in (ggml.GGML_TYPE_F16, ggml.GGML_TYPE_F32) and int(r.ne[0]) % 32:
+            raise ValueError(f"store: rows of {int(r.ne[0])} values are not whole blocks of 32")
         p.src[i], p.dst[i] = int(r.data), int(c.data)
-        p.n[i], p.f16[i] = int(r.ne[0]), int(c.type == ggml.GGML_TYPE_F16)
+        p.n[i], p.type[i] = int(r.ne[0]), int(c.type)
     p.rows, p.n_tok = int(idx_t.contents.data), n_tok
     return K.BoundLaunch(K.get_function(K.dense_variant(), "dense_kv_store"), (n_tok, 2, 1), (128, 1, 1), p)
 
 
+_DEVICE_STORE_IDS = tuple(ggml_type_of(t) for t in DEVICE_STORE_TYPES)
 _STORE_CB = fa_op.c_callback(store_callback)
 _FIVE_SRCS = ctypes.POINTER(ggml.ggml_tensor) * 5
 
@@ -157,9 +179,7 @@ class KVTensors:
             self.ctx = None
 
     def _check_custom(self) -> None:
-        if not self.float_storage:
-            raise ValueError(f"an all-custom (device) graph stores K/V with its own op, which writes "
-                             f"f16/f32 caches only; this cache is K {self.types[0]} / V {self.types[1]}")
+        check_custom_store(*self.types, on_device=self.on_device)
 
     def cpy_kv(self, ctx, il: int, k_cur, v_cur, row_idx, *, all_custom: bool, out_alloc):
         """``(node storing K, node storing V)`` of layer ``il`` in graph context ``ctx`` (module

@@ -128,7 +128,7 @@ def test_kv_store_writes_only_its_rows(k_dtype, v_dtype):
     p.src[0], p.src[1] = d["k"].data.ptr, d["v"].data.ptr
     p.dst[0], p.dst[1] = d["ck"].data.ptr, d["cv"].data.ptr
     p.n[0], p.n[1] = n_k, n_v
-    p.f16[0], p.f16[1] = int(k_dtype == np.float16), int(v_dtype == np.float16)
+    p.type[0], p.type[1] = int(k_dtype == np.float16), int(v_dtype == np.float16)   # ggml ids: F32 0, F16 1
     p.rows, p.n_tok = d["rows"].data.ptr, n_tok
     _launch("dense_kv_store", (n_tok, 2, 1), (128, 1, 1), p)
     want_k, want_v = ck.copy(), cv.copy()
