@@ -148,14 +148,67 @@ def test_cache_type_errors(capsys, args, msg):
     assert msg in err
 
 
-def test_cache_types_on_the_cuda_engine_are_f16_only():
+def test_cache_types_on_the_cuda_engine():
+    """The GPU engine keeps K and V of one type, f16, q8_0 or q4_0, on one GPU; a kernel asked
+    for by name must read it (dispatch.supports)."""
     from ggml_attn.cli.errors import UserError
     from ggml_attn.cli.kv_types import check_cache_types
-    check_cache_types("f16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
-    with pytest.raises(UserError, match="f16 only.*--device cpu"):
-        check_cache_types("bf16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+    for t in ("f16", "q8_0", "q4_0"):
+        check_cache_types(t, t, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+    check_cache_types("q8_0", "q8_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
+                      kernel="decode")
+    for tk, tv in (("bf16", "f16"), ("f32", "f32"), ("q8_0", "f16"), ("q8_0", "q4_0"), ("q5_1", "q5_1"),
+                   ("iq4_nl", "iq4_nl")):
+        with pytest.raises(UserError, match=rf"-ctk {tk} -ctv {tv}: the GPU engine keeps K and V of one type, "
+                                            rf"f16, q8_0, q4_0 .*--device cpu"):
+            check_cache_types(tk, tv, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+    with pytest.raises(UserError, match="--kernel prefill -ctk q4_0: K/V type q4_0: only the .*--kernel auto"):
+        check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
+                          kernel="prefill")
+    with pytest.raises(UserError, match="-sm row/layer over 2 GPUs keep an f16 KV cache; q8_0, q4_0 run on one GPU"):
+        check_cache_types("q8_0", "q8_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128, n_gpu=2)
+    check_cache_types("f16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128, n_gpu=2)
+    with pytest.raises(UserError, match="-ctk q8_0: head size 48.*multiple of 32"):
+        check_cache_types("q8_0", "q8_0", device="cuda", flash_attn=True, head_dim_k=48, head_dim_v=48)
     with pytest.raises(UserError, match="head size 48.*multiple of 32"):
         check_cache_types("q8_0", "f16", device="cpu", flash_attn=True, head_dim_k=48, head_dim_v=48)
+
+
+def test_run_config_on_cuda_takes_quantized_caches():
+    """RunConfig (no GPU needed to make one) passes q8_0/q4_0 pairs on cuda and refuses them on
+    several GPUs (a -sm rank context) or with a kernel that cannot read them."""
+    from ggml_attn.cli.errors import UserError
+    from ggml_attn.cli.models import resolve
+    from ggml_attn.cli.multi_gpu import RankContext
+    from ggml_attn.cli.runner import RunConfig
+    m = resolve("llama-3-8b")
+    for t in ("q8_0", "q4_0"):
+        cfg = RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t)
+        assert (cfg.type_k, cfg.type_v) == (t, t)
+        with pytest.raises(UserError, match="-sm row/layer over 2 GPUs"):
+            RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, tp=RankContext(0, 2, 0))
+        with pytest.raises(UserError, match=f"--kernel decode-tc -ctk {t}"):
+            RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, kernel="decode-tc")
+    with pytest.raises(UserError, match="-ctk q8_0 -ctv f16: the GPU engine"):
+        RunConfig(m, n_ctx=256, device="cuda", type_k="q8_0", type_v="f16")
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["-ctk", "q8_0"], "-ctk q8_0 -ctv f16: the GPU engine keeps K and V of one type, f16, q8_0, q4_0"),
+    (["-ctk", "q5_0", "-ctv", "q5_0"], "-ctk q5_0 -ctv q5_0: the GPU engine keeps K and V of one type"),
+    (["-ctk", "q8_0", "-ctv", "q8_0", "--kernel", "prefill"], "--kernel prefill -ctk q8_0: K/V type q8_0"),
+])
+def test_cache_type_errors_on_the_cuda_path(capsys, monkeypatch, args, msg):
+    """--device cuda (a GPU faked: the checks come before any GPU work): one line, exit 2."""
+    from ggml_attn.cli import runner
+    monkeypatch.setattr(runner, "cuda_available", lambda: True)
+    base = ["-t", "1", "--n-layer", "1", "--device", "cuda"]
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", *args, *base)
+    _one_line_exit_2(rc, out, err, "ggml-attn-bench")
+    assert msg in err
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *base)
+    _one_line_exit_2(rc, out, err, "ggml-attn-batched-bench")
+    assert msg in err
 
 
 # ---- -o sql, -oe

@@ -114,6 +114,21 @@ def checked_run(monkeypatch):
     return multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.bench", bench.build_parser)
 
 
+def test_quantized_cache_refused_before_any_process_starts(checked_run):
+    """q8_0/q4_0 caches run on one GPU: -sm row/layer over several is one UserError, before any
+    rank process starts (both tools; every -ctk/-ctv pair of a list is checked)."""
+    run = checked_run
+    for sm in ("row", "layer"):
+        with pytest.raises(UserError, match=f"-ctk q8_0 -ctv q8_0: -sm row/layer over 2 GPUs keep an f16 KV cache"):
+            run(["-m", "llama-3-8b", "-sm", sm, "--n-gpu", "2", "-ctk", "q8_0", "-ctv", "q8_0"])
+    with pytest.raises(UserError, match="-ctk f16 -ctv q4_0: -sm row/layer over 2 GPUs"):   # the first pair of many
+        run(["-m", "llama-3-8b", "-sm", "row", "--n-gpu", "2", "-ctk", "f16,q4_0", "-ctv", "f16,q4_0"])
+    run_b = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.batched_bench",
+                           batched_bench.build_parser)
+    with pytest.raises(UserError, match="-ctk q4_0 -ctv q4_0: -sm row/layer over 2 GPUs"):
+        run_b(["-m", "llama-3-8b", "-sm", "layer", "--n-gpu", "2", "-ctk", "q4_0", "-ctv", "q4_0"])
+
+
 def test_layers_checked_before_any_process_starts(checked_run):
     run = checked_run
     with pytest.raises(UserError, match="-sm layer over 4 GPUs, tiny: layer split: 4 ranks but only 2 layer"):

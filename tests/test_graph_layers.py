@@ -1,6 +1,8 @@
 """The builder's layer functions: the full block as a host graph (ggml's ops) and as an
 all-custom graph (``graph/xp_ops.py`` over numpy, the code the device graph runs), ``-fa off``,
 and the KV cache's views and store op with its cache types."""
+import types
+
 import numpy as np
 import pytest
 
@@ -133,6 +135,42 @@ def test_unknown_cache_type_and_block_types_on_cupy_are_refused():
         cache(False, type_k="q2_k")
     with pytest.raises(ValueError, match="type_k q8_0: head size 16 is not a multiple of 32, the q8_0 block size"):
         KVCache(512, 1, n_head_kv=1, head_dim_k=16, type_k="q8_0")
+
+
+# an array module that is not numpy (as CuPy is, for KVCache), its arrays numpy's: the device
+# cache's rules without a GPU
+_FakeDeviceXp = types.ModuleType("fakecupy")
+_FakeDeviceXp.zeros = np.zeros
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_device_cache_holds_q8_0_and_q4_0_byte_rows(qtype):
+    """A device (non-numpy) cache holds q8_0 / q4_0 as uint8 rows of ggml's blocks on its own
+    array module, numpy order (n_layer, n_stream, kv_size, row_bytes); the device store op and
+    the build checks take it (the host form of the op does not)."""
+    from ggml_attn.graph.build import check_build_args
+    from ggml_attn.graph.kv_graph import check_custom_store
+    c = KVCache(512, 2, unified=False, n_layer=2, n_head_kv=2, head_dim_k=64, type_k=qtype, type_v=qtype,
+                xp=_FakeDeviceXp)
+    row = 2 * 64 // 32 * (34 if qtype == "q8_0" else 18)
+    assert c.k.shape == c.v.shape == (2, 2, 256, row) and c.k.dtype == np.uint8
+    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=64)
+    assert check_build_args(c, cfg) is True   # an all-custom graph
+    check_custom_store(qtype, qtype, on_device=True)
+    check_custom_store(qtype, "f16", on_device=True)   # the store writes each kind's own type
+    with pytest.raises(ValueError, match=rf"writes f16/f32 into a host \(numpy\) cache; this cache is K {qtype}"):
+        check_custom_store(qtype, qtype, on_device=False)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q5_0", "q5_1", "iq4_nl", "bf16"])
+def test_device_cache_refuses_other_block_types(qtype):
+    with pytest.raises(ValueError, match=rf"type_v {qtype}: a fakecupy \(device\) cache holds f16, f32, q8_0, "
+                                         rf"q4_0 only .*{qtype} runs in a host \(numpy\) cache"):
+        KVCache(512, 1, n_head_kv=1, head_dim_k=64, type_v=qtype, xp=_FakeDeviceXp)
+    from ggml_attn.graph.kv_graph import check_custom_store
+    with pytest.raises(ValueError, match="writes f16/f32/q8_0/q4_0 into a device"):
+        check_custom_store("f16", qtype, on_device=True)
+    KVCache(512, 1, n_head_kv=1, head_dim_k=64, type_v=qtype)   # numpy: any cache type
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"])

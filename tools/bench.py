@@ -152,7 +152,8 @@ def instances(ns, device: str) -> list[dict]:
         check_threads(inst["n_threads"])
         check_ngl(ns.n_gpu_layers, inst["model"])
         check_cache_types(inst["type_k"], inst["type_v"], device=device, flash_attn=inst["flash_attn"] != "off",
-                          head_dim_k=inst["model"].head_dim, head_dim_v=inst["model"].d_v)
+                          head_dim_k=inst["model"].head_dim, head_dim_v=inst["model"].d_v, kernel=inst["kernel"],
+                          n_gpu=multi_gpu.n_gpu())
         check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))

@@ -87,6 +87,11 @@ def current() -> RankContext | None:
     return CURRENT
 
 
+def n_gpu() -> int:
+    """GPUs of this run: the ranks of ``-sm row/layer``, else 1 (one GPU or the CPU)."""
+    return CURRENT.n_rank if CURRENT is not None else 1
+
+
 def _explicit(argv, flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
@@ -170,6 +175,10 @@ def check_model(model, n_rank: int, layer: str, mode: str = "row", shares=None) 
         raise UserError(f"-sm {mode} over {n_rank} GPUs, {model.name}: {e}") from None
 
 
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
 def _shares(ns, n: int) -> tuple:
     return tuple(parse_shares(ns.tensor_split, n)) if ns.split_mode == "layer" and ns.tensor_split else ()
 
@@ -177,10 +186,14 @@ def _shares(ns, n: int) -> tuple:
 def _check_models(ns, n_rank: int) -> None:
     """Before any process starts: the models' heads (``-sm row``) or layers (``-sm layer``, after
     ``--n-layer``) must split over ``n_rank`` (the ranks' Runners check again; a model that does
-    not resolve is left to the tool to report)."""
+    not resolve is left to the tool to report), and the cache types run on several GPUs
+    (``kv_types.check_multi_gpu_types``)."""
+    from .kv_types import check_multi_gpu_types
     from .models import DEFAULT_GPU_MODEL, resolve, with_layers
-    names = ns.model if isinstance(ns.model, list) else [ns.model]
-    layers = ns.layer if isinstance(ns.layer, list) else [ns.layer]
+    for tk in _as_list(getattr(ns, "cache_type_k", "f16")):
+        for tv in _as_list(getattr(ns, "cache_type_v", "f16")):
+            check_multi_gpu_types(tk, tv, n_rank)
+    names, layers = _as_list(ns.model), _as_list(ns.layer)
     for name in names:
         try:
             model = with_layers(resolve(DEFAULT_GPU_MODEL if name == "auto" else name), ns.n_layer)

@@ -96,7 +96,8 @@ class RunConfig:
                             f"('{self.model.name}' is a preset: shapes only, random weights)")
         from .kv_types import check_cache_types
         check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
-                          head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v)
+                          head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v, kernel=self.kernel,
+                          n_gpu=self.tp.n_rank if self.tp is not None else 1)
 
 
 GPU_KERNELS = dispatch.GPU_KERNELS
