@@ -156,6 +156,18 @@ __device__ __forceinline__ void load8_quant<fattn_q4_0>(const char* row, int ch,
     for (int e = 0; e < 8; ++e) f[e] = d * (float)((int)(((e < 4 ? w0 : w1) >> (8 * (e & 3) + shift)) & 15u) - 8);
 }
 
+// Four 8-bit values (bytes of q, value i in byte i) -> four halves (h.x, h.y: values 0, 1; then
+// 2, 3) times d2 (the block's scale, both halves), by the f16 magic number: byte b under 0x64
+// is the half 1024 + b, exact, so (1024 + b) - bias is b - (bias - 1024) exactly and one
+// rounding stays, of the product with d -- as ggml's dequantization to f32 then to f16.
+// q8_0: bytes are int8, biased by the xor with 0x80 (bias 1152); q4_0: nibbles 0..15 (bias 1032).
+__device__ __forceinline__ uint2 bytes4_to_half4(unsigned q, __half2 bias2, __half2 d2) {
+    const unsigned lo = __byte_perm(q, 0x64646464u, 0x4140), hi = __byte_perm(q, 0x64646464u, 0x4342);
+    const __half2 a = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&lo), bias2), d2);
+    const __half2 b = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&hi), bias2), d2);
+    return make_uint2(*reinterpret_cast<const unsigned*>(&a), *reinterpret_cast<const unsigned*>(&b));
+}
+
 __device__ __forceinline__ bool f16_bits_is_neg_inf(unsigned short b) { return b == 0xFC00u; }
 __device__ __forceinline__ bool f16_bits_is_zero(unsigned short b) { return (b & 0x7FFFu) == 0u; }
 // |x| < 256 (f16 exponent field below 15 + 8): false for infinities and NaN. The bound on a

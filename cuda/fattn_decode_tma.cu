@@ -51,12 +51,89 @@ constexpr int THREADS = 32 * (CONSUMERS + 1);
 constexpr int ROWS = 16;                // rows of a group: one m16 tile
 constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byte rows
 
-// Dynamic shared memory of an instance: 1024-byte alignment slack, the ring (K boxes then V
-// boxes per stage), the merge buffer (ROWS x D floats), the warps' row maxima and sums, the
-// ring's barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
-template <int D, int STAGES>
+// How a K or V tile arrives, by the stored type KT. f16/bf16: D / 64 boxes of 64 cells x 64
+// elements, 128-byte swizzled (the MMAs' type T = KT). ggml's q8_0/q4_0 blocks: one raw box per
+// tile, cell c's head row (D / 32 blocks, ROW bytes) at c * RB, RB = ROW rounded up to 16 bytes
+// (the TMA box's inner side; the extra bytes are the next head's, or zeros past the last): the
+// consumer warp dequantizes it into its own f16 scratch tile laid out as the f16 boxes
+// (step dequantize), T = __half.
+template <typename KT, int D> struct Tile {
+    using T = KT;
+    static constexpr bool QUANT = false;
+    static constexpr int BYTES = (D / 64) * BOX_BYTES;
+};
+template <typename Q, int D> struct QuantTile {
+    using T = __half;
+    static constexpr bool QUANT = true;
+    static constexpr int ROW = D / 32 * Q::BYTES;
+    static constexpr int RB = (ROW + 15) / 16 * 16;
+    static constexpr int BYTES = BK * RB;
+};
+template <int D> struct Tile<fattn_q8_0, D> : QuantTile<fattn_q8_0, D> {};
+template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
+
+// Dynamic shared memory of an instance: 1024-byte alignment slack, the ring (K tile then V tile
+// per stage), the consumers' f16 scratch tiles (quantized K/V), the merge buffer (ROWS x D
+// floats), the warps' row maxima and sums, the ring's barriers, the "last block" flag. Mirrored
+// by ggml_attn/decode_tma_shape.py.
+template <typename KT, int D, int STAGES>
 __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + STAGES * 2 * (D / 64) * BOX_BYTES + ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+    return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (Tile<KT, D>::QUANT ? CONSUMERS * (D / 64) * BOX_BYTES : 0) +
+           ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+}
+
+// ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB) -> the
+// warp's f16 scratch (D / 64 boxes of 64 rows x 128 bytes, chunk ch of row r at ch ^ (r & 7): the
+// f16 ring's layout, read by the same ldmatrix code). Lane l takes block l % NB of cell l / NB,
+// then 32 / NB cells further on. A block starts 2 mod 4 bytes into the box for odd block
+// indices (RB is a multiple of 16, the blocks 34 or 18 bytes): its scale is then the high half
+// of the aligned word before it and its quants are 4-byte aligned; for even ones the scale is
+// the low half and the quants straddle words (byte_perm picks them out). Cells past n_kv were
+// read as zeros: scale 0, values 0.
+template <typename Q, int D>
+__device__ __forceinline__ void dequant_tile(const unsigned char* raw, unsigned char* out, int lane) {
+    constexpr int NB = D / 32, RB = Tile<Q, D>::RB;
+    constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
+    constexpr int NW = Q8 ? 9 : 5;   // aligned words covering the block
+    const __half2 bias2 = __float2half2_rn(Q8 ? 1152.0f : 1032.0f);
+#pragma unroll 2
+    for (int u = lane; u < BK * NB; u += 32) {
+        const int c = u / NB, blk = u % NB;
+        const int base = c * RB + blk * Q::BYTES;
+        const unsigned* w = reinterpret_cast<const unsigned*>(raw + (base & ~3));
+        const bool odd = (base & 2) != 0;
+        const unsigned sel = odd ? 0x7654u : 0x5432u;   // quant word i = bytes of (w[i], w[i + 1])
+        unsigned wr[NW];
+#pragma unroll
+        for (int i = 0; i < NW; ++i) wr[i] = w[i];
+        const __half2 d2 = __half2half2(__ushort_as_half((unsigned short)(wr[0] >> (odd ? 16 : 0))));
+        uint4 o[4];   // chunk j: values 8 j .. 8 j + 7 of the block
+        if constexpr (Q8) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint2 a = bytes4_to_half4(__byte_perm(wr[2 * j], wr[2 * j + 1], sel) ^ 0x80808080u, bias2, d2);
+                const uint2 b = bytes4_to_half4(__byte_perm(wr[2 * j + 1], wr[2 * j + 2], sel) ^ 0x80808080u, bias2, d2);
+                o[j] = make_uint4(a.x, a.y, b.x, b.y);
+            }
+        } else {   // quant bytes 8 j .. 8 j + 7: low nibbles values 8 j.., high nibbles 16 + 8 j..
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const unsigned q0 = __byte_perm(wr[2 * j], wr[2 * j + 1], sel);
+                const unsigned q1 = __byte_perm(wr[2 * j + 1], wr[2 * j + 2], sel);
+                const uint2 a = bytes4_to_half4(q0 & 0x0F0F0F0Fu, bias2, d2);
+                const uint2 b = bytes4_to_half4(q1 & 0x0F0F0F0Fu, bias2, d2);
+                const uint2 e = bytes4_to_half4((q0 >> 4) & 0x0F0F0F0Fu, bias2, d2);
+                const uint2 f = bytes4_to_half4((q1 >> 4) & 0x0F0F0F0Fu, bias2, d2);
+                o[j] = make_uint4(a.x, a.y, b.x, b.y);
+                o[j + 2] = make_uint4(e.x, e.y, f.x, f.y);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int dim = 32 * blk + 8 * j, box = dim >> 6, ch = (dim >> 3) & 7;
+            *reinterpret_cast<uint4*>(out + box * BOX_BYTES + c * 128 + ((ch ^ (c & 7)) << 4)) = o[j];
+        }
+    }
 }
 
 // Live tiles of pair i = (stream, query tile) in stream-major order; every tile without a plan.
@@ -315,19 +392,24 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
         *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
 }
 
-template <typename T, int D, int STAGES, bool WHOLE>
+template <typename KT, int D, int STAGES, bool WHOLE>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
+    using T = typename Tile<KT, D>::T;
+    constexpr bool QUANT = Tile<KT, D>::QUANT;
     constexpr int BOXES = D / 64;
     constexpr int NC = WHOLE ? BK : BK / CONSUMERS;   // cells of a tile one warp takes
-    constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one K (or V) tile
-    constexpr int STAGE_BYTES = 2 * KV_BYTES;
+    constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one f16 K (or V) tile: a ring tile's or a scratch's
+    constexpr int TILE_BYTES = Tile<KT, D>::BYTES;       // one K (or V) tile in the ring
+    constexpr int STAGE_BYTES = 2 * TILE_BYTES;
     static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
     static_assert(!WHOLE || (2 * STAGES) % CONSUMERS == 0, "a warp's own tile two ring turns back (see the full wait)");
+    static_assert(!QUANT || WHOLE, "quantized K/V: a warp per tile (its own scratch)");
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
-    float* sO = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);   // [ROWS][D]
+    unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [CONSUMERS][KV_BYTES] (quantized K/V)
+    float* sO = reinterpret_cast<float*>(scratch + (QUANT ? CONSUMERS * KV_BYTES : 0));   // [ROWS][D]
     float* sML = sO + ROWS * D;                                          // [CONSUMERS][ROWS][2]
     unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + CONSUMERS * ROWS * 2);
     unsigned long long* empty = full + STAGES;
@@ -360,10 +442,15 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 const int kv0 = (tile_entry(p, wk.pair, j) & FATTN_TILE_ID_MASK) * BK;
                 unsigned char* dst = ring + stage * STAGE_BYTES;
                 mbar_arrive_expect_tx(full + stage, STAGE_BYTES);
+                if constexpr (QUANT) {   // maps over (bytes of a cell's heads, cells, 1, streams)
+                    tma_load_4d(dst, mk, hk * Tile<KT, D>::ROW, kv0, 0, s, full + stage);
+                    tma_load_4d(dst + TILE_BYTES, mv, hk * Tile<KT, D>::ROW, kv0, 0, s, full + stage);
+                } else {
 #pragma unroll
-                for (int b = 0; b < BOXES; ++b) {
-                    tma_load_4d(dst + b * BOX_BYTES, mk, 64 * b, kv0, hk, s, full + stage);
-                    tma_load_4d(dst + KV_BYTES + b * BOX_BYTES, mv, 64 * b, kv0, hk, s, full + stage);
+                    for (int b = 0; b < BOXES; ++b) {
+                        tma_load_4d(dst + b * BOX_BYTES, mk, 64 * b, kv0, hk, s, full + stage);
+                        tma_load_4d(dst + KV_BYTES + b * BOX_BYTES, mv, 64 * b, kv0, hk, s, full + stage);
+                    }
                 }
             }
         }
@@ -377,10 +464,12 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     const int w0 = WHOLE ? 0 : 16 * warp;
     // ldmatrix lanes: K rows (cells) w0 + 16 np + lr + 8 (lm >> 1), 16-byte chunk (lm & 1) of
     // each k16 step; V rows w0 + 16 kk + lr + 8 (lm & 1), chunk (lm >> 1). The 128-byte swizzle
-    // puts chunk c of row r at c ^ (r & 7) = c ^ lr.
-    const unsigned ring_u32 = smem_u32(ring);
-    const unsigned k_lane = ring_u32 + (w0 + lr + 8 * (lm >> 1)) * 128;
-    const unsigned v_lane = ring_u32 + KV_BYTES + (w0 + lr + 8 * (lm & 1)) * 128;
+    // puts chunk c of row r at c ^ (r & 7) = c ^ lr. Quantized K/V: the warp's scratch, K then V.
+    unsigned char* my_scratch = scratch + (QUANT ? warp * KV_BYTES : 0);
+    const unsigned k_base = QUANT ? smem_u32(my_scratch) : smem_u32(ring);
+    const unsigned v_base = QUANT ? k_base : k_base + KV_BYTES;
+    const unsigned k_lane = k_base + (w0 + lr + 8 * (lm >> 1)) * 128;
+    const unsigned v_lane = v_base + (w0 + lr + 8 * (lm & 1)) * 128;
     const int k_x = (lm & 1) ^ lr, v_x = (lm >> 1) ^ lr;
     const long long b_start = wk.w;
     const float qs = p.scale * FATTN_LOG2E;
@@ -450,7 +539,11 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             mbar_wait(full + stage, (itj / STAGES) & 1);
             __syncwarp();   // lanes leave the spin apart; ldmatrix and mma are .aligned
             if (itj == 0) DTMA_MARK(1);
-            const unsigned kb = k_lane + stage * STAGE_BYTES, vb = v_lane + stage * STAGE_BYTES;
+            const unsigned kb = k_lane + (QUANT ? 0 : stage * STAGE_BYTES), vb = v_lane + (QUANT ? 0 : stage * STAGE_BYTES);
+            if constexpr (QUANT) {   // ---- step dequantize K
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES, my_scratch, lane);
+                __syncwarp();
+            }
 
             // ---- step S = Q K^T (16 rows x this warp's NC cells)
             float S[NC / 8][4];
@@ -521,6 +614,13 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 }
             }
 
+            if constexpr (QUANT) {   // ---- step dequantize V (over K: every lane's K fragments are read)
+                __syncwarp();
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES + TILE_BYTES, my_scratch, lane);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty + stage);   // the raw tile is free for the next fill
+            }
+
             // ---- step zero the V rows of this warp's HIDDEN cells (no row sees them: NaN
             // garbage there must not meet a zero probability)
             bool zeroed = false;
@@ -528,7 +628,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 const LiveTiles lt = live_tiles(p, qt, s);
                 const unsigned long long hid = (lt.hidden(p, j, h0, P) >> w0) & (NC == 64 ? ~0ull : (1ull << NC) - 1);
                 if (hid) {
-                    unsigned char* vs = ring + stage * STAGE_BYTES + KV_BYTES + w0 * 128;
+                    unsigned char* vs = (QUANT ? my_scratch : ring + stage * STAGE_BYTES + KV_BYTES) + w0 * 128;
 #pragma unroll
                     for (int i = lane; i < NC * BOXES * 8; i += 32) {   // (cell, box, 16-byte chunk)
                         const int c = i / (BOXES * 8), b = (i / 8) % BOXES, ch = i % 8;
@@ -556,10 +656,12 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                     Mma<T>::run(O[2 * dp + 1], a, b2, b3);
                 }
             }
-            // release the stage (generic-proxy writes ordered before the next TMA fill)
-            if (zeroed) fence_proxy_async_shared();
+            // release the stage (generic-proxy writes ordered before the next TMA fill); quantized
+            // K/V released theirs after dequantizing V, and the scratch is free once every lane's
+            // V fragments are read
+            if (!QUANT && zeroed) fence_proxy_async_shared();
             __syncwarp();
-            if (lane == 0) mbar_arrive(empty + stage);
+            if (!QUANT && lane == 0) mbar_arrive(empty + stage);
         }
 
         it += te - wk.t;
@@ -674,15 +776,18 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     DTMA_MARK(6);
 }
 
-// the configurations ggml_attn/decode_tma_shape.py names: K/V type, head size, ring depth, a
-// warp per tile (WHOLE) or four warps per tile, blocks per SM the registers must allow (one:
-// with two, 168 registers, the warp-per-tile loop spills)
-#define FATTN_DECODE_TMA_INSTANCE(NAME, T, D, STAGES, WHOLE, MINB)                                     \
+// the configurations ggml_attn/decode_tma_shape.py names: K/V type as stored, head size, ring
+// depth, a warp per tile (WHOLE) or four warps per tile, blocks per SM the registers must allow
+// (one: with two, 168 registers, the warp-per-tile loop spills)
+#define FATTN_DECODE_TMA_INSTANCE(NAME, KT, D, STAGES, WHOLE, MINB)                                    \
     extern "C" __global__ void __launch_bounds__(dtma::THREADS, MINB)                                  \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_decode_tma_body<T, D, STAGES, WHOLE>(p, &mk, &mv);                                       \
+        fattn_decode_tma_body<KT, D, STAGES, WHOLE>(p, &mk, &mv);                                      \
     }
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 1)
+// quantized K/V (8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB of scratch)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_d128, fattn_q8_0, 128, 8, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_d128, fattn_q4_0, 128, 12, true, 1)

@@ -361,3 +361,37 @@ fattn_cell_lists(const FattnParams p, int2* __restrict__ cells, int* __restrict_
     }
     if (threadIdx.x == 0) cnt[slot] = base;
 }
+
+// ggml's q8_0 / q4_0 K or V rows -> f16, contiguous [D, n_kv, n_head, ne3] (ggml order): the
+// tensor-core kernels read quantized K/V through this copy, made once per call (as llama.cpp's
+// tensor-core kernels convert quantized K/V to f16 first). One thread per 8 values (one 16-byte
+// chunk of the copy), grid-stride; values d * q rounded once to f16.
+struct DequantKVParams {
+    const char* src;          // the view's first row; rows (cells) at nb1, heads at nb2, streams at nb3
+    __half* dst;
+    long long nb1, nb2, nb3;
+    int d, n_kv, n_head, ne3;
+    int type;                 // ggml type id: 8 q8_0, 2 q4_0
+    int pad_;
+};
+extern "C" __global__ void __launch_bounds__(256) fattn_dequant_kv(const DequantKVParams p) {
+    const int cpr = p.d / 8;   // chunks per row
+    const long long n = (long long)cpr * p.n_kv * p.n_head * p.ne3;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int ch = (int)(i % cpr);
+        long long r = i / cpr;
+        const int c = (int)(r % p.n_kv);
+        r /= p.n_kv;
+        const int h = (int)(r % p.n_head), s = (int)(r / p.n_head);
+        const char* row = p.src + c * p.nb1 + h * p.nb2 + s * p.nb3;
+        float f[8];
+        if (p.type == 8) load8_quant<fattn_q8_0>(row, ch, true, f);
+        else load8_quant<fattn_q4_0>(row, ch, true, f);
+        uint4 o;
+        o.x = KVTraits<__half>::pack2(f[0], f[1]);
+        o.y = KVTraits<__half>::pack2(f[2], f[3]);
+        o.z = KVTraits<__half>::pack2(f[4], f[5]);
+        o.w = KVTraits<__half>::pack2(f[6], f[7]);
+        reinterpret_cast<uint4*>(p.dst)[i] = o;
+    }
+}

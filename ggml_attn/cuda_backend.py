@@ -114,6 +114,15 @@ def _kv_aligned(t: TensorDesc) -> bool:
     return all(x % a == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
 
 
+def _kv_tma(t: TensorDesc) -> bool:
+    """K or V readable by the sm_90a decode's TMA maps: f16/bf16 as aligned for the kernels,
+    q8_0/q4_0 as decode_tma_shape.quant_why_not says (D 128, heads packed in a cell's row)."""
+    if t.type in K.QUANT_KV_CTYPES:
+        from .decode_tma_shape import quant_why_not
+        return quant_why_not(t) is None
+    return _kv_aligned(t)
+
+
 
 # ---------------------------------------------------------------------------------------
 # call parameters
@@ -153,6 +162,7 @@ def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan:
     tiles = "none" if not masked else (plan.wgmma_tiles if plan is not None and plan.wgmma_tiles else "masked")
     choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v),
                                                 plan.reads if plan is not None else None,
+                                                kv_tma=_kv_tma(k) and _kv_tma(v),
                                                 arch=K.device_arch(), plain=plain, mask_tiles=tiles,
                                                 live_counts=plan.live_host if plan is not None else None,
                                                 masked=masked))
@@ -173,6 +183,45 @@ class _Prepared:
     ws_bytes: int = 0
     comb_grid: tuple = (1, 1, 1)
     n_groups: int = 0          # split counters the kernel needs (fused split finish), 0: none
+    # quantized K/V for a kernel that reads f16: the f16 copies' descriptors (pointer 0: at
+    # their offsets into the workspace's converted buffer) and their bytes (_F16Copies)
+    conv: "_F16Copies | None" = None
+
+
+@dataclass(frozen=True)
+class _F16Copies:
+    """The f16 copies of a call's q8_0/q4_0 K and V (``fattn_dequant_kv``): source views,
+    contiguous f16 descriptors at offsets 0 and ``v_off`` of one buffer of ``nbytes``."""
+    k: TensorDesc
+    v: TensorDesc
+    k16: TensorDesc
+    v16: TensorDesc
+    v_off: int
+    nbytes: int
+
+    @staticmethod
+    def of(k: TensorDesc, v: TensorDesc) -> "_F16Copies":
+        def dense(t, ptr):   # contiguous f16, ggml order [D, n_kv, n_head_kv, ne3]
+            nb1 = 2 * t.ne[0]
+            return TensorDesc(ptr, GGML_TYPE_F16, t.ne, (2, nb1, nb1 * t.ne[1], nb1 * t.ne[1] * t.ne[2]), t.name)
+        kb = 2 * k.ne[0] * k.ne[1] * k.ne[2] * k.ne[3]
+        v_off = -(-kb // 256) * 256
+        return _F16Copies(k, v, dense(k, 0), dense(v, v_off), v_off, v_off + 2 * v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3])
+
+    def launches(self, k: TensorDesc, v: TensorDesc, base: int, stream: int) -> tuple[list, list]:
+        """(launches, kept objects): one ``fattn_dequant_kv`` per tensor, K/V at the call's
+        pointers ``k``/``v``, the copies at ``base``; each launch a callable of no arguments."""
+        fn = K.get_function(K.util_variant(), "fattn_dequant_kv")
+        calls, keep = [], []
+        for src, off in ((k, 0), (v, self.v_off)):
+            p = K.DequantKVParams(src.ptr, base + off, src.nb[1], src.nb[2], src.nb[3],
+                                  src.ne[0], src.ne[1], src.ne[2], src.ne[3], src.type, 0)
+            arr = K.arg_block(p)
+            n = src.ne[0] // 8 * src.ne[1] * src.ne[2] * src.ne[3]
+            grid = (max(1, min(-(-n // 256), 16 * num_sms())), 1, 1)
+            calls.append(fn.partial(grid, (256, 1, 1), stream, ctypes.addressof(arr)))
+            keep += [p, arr]
+        return calls, keep
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -195,6 +244,10 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
                            masked=mask is not None)
     if kern == "reference":
         return _Prepared(kern)
+    conv = None
+    if sh.kv_type in K.QUANT_KV_CTYPES and kern not in dispatch.QUANT_READERS:   # f16 copies first
+        conv = _F16Copies.of(k, v)
+        k, v, sh = conv.k16, conv.v16, replace(sh, kv_type=GGML_TYPE_F16)
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
                         wide=plan.wide if plan is not None else None,
                         max_live=plan.max_live if plan is not None else None,
@@ -203,7 +256,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens, p.work_cap = cfg.pack, cfg.q_tile_tokens, cfg.work_cap
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
-    prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p)
+    prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p, conv=conv)
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
         prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.d_v)
@@ -254,13 +307,15 @@ class BoundCall:
     call bound without a plan owns the tile map it built (``own_plan``): :meth:`launcher`
     rebuilds it from the mask before each replayed launch (the mask's contents may change)."""
 
-    __slots__ = ("ptrs", "stream", "kern", "replayable", "own_plan", "_fn", "_comb", "_grid", "_block",
+    __slots__ = ("ptrs", "stream", "kern", "replayable", "own_plan", "_pre", "_fn", "_comb", "_grid", "_block",
                  "_comb_grid", "_params", "_args", "_keep", "_ref")
 
     def launch(self) -> None:
         if self._ref is not None:
             _reference_device(*self._ref, self.stream)
             return
+        for pre in self._pre:
+            pre()
         self._fn.launch_raw(self._grid, self._block, self.stream, self._args)
         if self._comb is not None:
             self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
@@ -271,7 +326,7 @@ class BoundCall:
         closure running several such launches in order: the own plan's rebuild
         (``Plan.refresher``), attention, split combine. Replayable calls only."""
         assert self.replayable and self._ref is None, "only a replayable call has a fixed launch"
-        calls = [self._fn.partial(self._grid, self._block, self.stream, self._args)]
+        calls = [*self._pre, self._fn.partial(self._grid, self._block, self.stream, self._args)]
         if self._comb is not None:
             calls.append(self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args))
         if self.own_plan is not None:
@@ -295,7 +350,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     st = stream_ptr(stream)
     b = BoundCall()
     b.ptrs = tuple(t.ptr if t is not None else 0 for t in (q, k, v, mask, sinks, dst))
-    b.stream, b._keep, b._ref, b.replayable, b.own_plan = st, None, None, True, None
+    b.stream, b._keep, b._ref, b.replayable, b.own_plan, b._pre = st, None, None, True, None, ()
     if q_needs_aligned_copy(q):
         q, b._keep = _aligned_q_copy(q, st)  # the copy: alive until launched
         b.replayable = False
@@ -333,8 +388,14 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
             mask = plan.aligned(st)
             p.m_nb1, p.m_nb2, p.m_nb3 = mask.nb[1], mask.nb[2], mask.nb[3]
         p.mask = mask.ptr
-    if prep.ws_bytes or prep.n_groups:   # split-KV scratch of (device, stream, this thread)
+    if prep.ws_bytes or prep.n_groups or prep.conv:   # scratch of (device, stream, this thread)
         work = cuda_workspace.WORKSPACES.workspace(dev, st)
+    if prep.conv:   # quantized K/V converted to f16 before the kernel reads them
+        base, buf = work.converted(prep.conv.nbytes)
+        b._pre, kept = prep.conv.launches(k, v, base, st)
+        k, v = replace(prep.conv.k16, ptr=base), replace(prep.conv.v16, ptr=base + prep.conv.v_off)
+        p.k, p.v = k.ptr, v.ptr
+        b._keep = (b._keep, buf, kept)
     if prep.ws_bytes:
         ws, buf = work.partials(prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes
@@ -345,9 +406,11 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps follow the params (kernel order)
+        from .decode_tma_shape import quant_kv_map
         from .wgmma_shape import kv_map
         promo = L.DECODE_TMA_L2_PROMOTION if prep.kern == "decode-tma" else 0
-        maps = (kv_map(k, promo), kv_map(v, promo))
+        to_map = quant_kv_map if k.type in K.QUANT_KV_CTYPES else kv_map
+        maps = (to_map(k, promo), to_map(v, promo))
         arr = K.arg_block(p, *maps)
         b._keep = (b._keep, maps)
     else:

@@ -141,7 +141,7 @@ class Shapes:
 
 def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
           plain: bool = True, mask_tiles: str = "none", live_counts: dict | None = None,
-          masked: bool | None = None) -> dispatch.CallFacts:
+          masked: bool | None = None, kv_tma: bool = True) -> dispatch.CallFacts:
     """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
     ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan;
     ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
@@ -149,7 +149,8 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     ``live_counts``: the plan's live-tile counts per query tile size (``Plan.live_host``), and
     ``masked``: whether the call has a mask (default: ``mask_tiles != "none"``) -- with a mask
     and no counts, the decode's groups count as unequal; with counts, ``work_tiles`` counts the
-    live tiles, not every tile of n_kv."""
+    live tiles, not every tile of n_kv; ``kv_tma``: K and V readable through the sm_90a
+    decode's TMA maps (cuda_backend._kv_tma)."""
     cr, tr = reads if reads is not None else (None, None)
     pack, tq = _group_rows(sh.gqa)
     n_q_tiles = -(-sh.n_batch // tq)
@@ -162,7 +163,7 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     even = (counts is not None or not masked) and \
         decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts)[0] > 0
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even)
+                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma)
 
 
 def _pair_units(sh: Shapes, n_q_tiles: int, counts):
@@ -275,9 +276,9 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                             hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
-        name, d, stages, _ = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
+        name, d, stages, kv_type = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
         pack, tq = _group_rows(sh.gqa)
-        variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages)
+        variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages, kv_type)
         n_q_tiles = -(-sh.n_batch // tq)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
         # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the

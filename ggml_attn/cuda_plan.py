@@ -7,7 +7,7 @@ Shapes (ggml order): mask f16 [n_kv, n_rows >= n_batch, ne32, ne33].
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -470,6 +470,8 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     kern = dispatch.best_kernel(kernel, facts(sh, arch=arch)).kernel
     if kern not in dispatch.GPU_KERNELS:
         return plan
+    if kv_type in K.QUANT_KV_CTYPES and kern not in dispatch.QUANT_READERS:
+        sh = replace(sh, kv_type=GGML_TYPE_F16)   # that kernel reads f16 copies of the blocks
     st = stream_ptr(stream)
     if kern == "cells":   # asked for by name: only its lists
         plan.read_cell_stats(st)

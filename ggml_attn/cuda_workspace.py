@@ -1,7 +1,7 @@
 """Scratch memory of the CUDA backend, as objects with a lifetime.
 
-- :class:`Workspace` -- per (device, stream, thread): the split-KV partials buffer and the
-  split counters of the fused split finish. The null stream is 0 on every device and in every
+- :class:`Workspace` -- per (device, stream, thread): the split-KV partials buffer, the
+  split counters of the fused split finish, and the f16 copies of quantized K/V. The null stream is 0 on every device and in every
   thread, so the stream alone must not pick the buffers.
 - :class:`Staging` -- per (thread, device): the pinned host + device buffers through which
   :func:`ggml_attn.cuda_backend.flash_attn_ext_host` copies host tensors.
@@ -28,12 +28,25 @@ class Workspace:
     [n_splits][rows][2] f32 (the kernels' ``ws_o`` / ``ws_ml``). ``counters``: int32 split
     counters, one per row group, zero between launches."""
 
-    __slots__ = ("dev", "stream", "_partials", "_counters")
+    __slots__ = ("dev", "stream", "_partials", "_counters", "_converted")
 
     def __init__(self, dev: int, stream: int):
         self.dev, self.stream = dev, stream
         self._partials = None
         self._counters = None
+        self._converted = None
+
+    def converted(self, nbytes: int):
+        """(pointer, buffer) of at least ``nbytes`` for the f16 copies of quantized K and V that
+        the tensor-core kernels read (``fattn_dequant_kv``); kept by the bound calls as
+        :meth:`partials` is. Calls on one stream run one after another, so they share it."""
+        import cupy
+        buf = self._converted
+        if buf is None or buf.size < nbytes:
+            with cupy.cuda.ExternalStream(self.stream):
+                buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
+            self._converted = buf
+        return buf.data.ptr, buf
 
     def partials(self, nbytes: int):
         """(pointer, buffer) of at least ``nbytes``; a bound call keeps the buffer, so growing it
@@ -60,7 +73,7 @@ class Workspace:
 
     def release(self) -> None:
         """Drop this workspace's buffers (bound calls keep theirs); the next use makes new ones."""
-        self._partials = self._counters = None
+        self._partials = self._counters = self._converted = None
 
 
 class Staging:

@@ -19,7 +19,7 @@ import bisect
 
 import numpy as np
 
-from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from .instances import pick
 
 THREADS = 160      # four consumer warps and the producer warp
@@ -36,8 +36,14 @@ CONFIGS = {
     "s6-bf16": ("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
     "s4": ("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
     "split-s4": ("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
+    # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box), dequantized by the consumer
+    # warp into an f16 scratch tile; the smaller tiles leave room for a deeper ring
+    "q8_0": ("fattn_decode_tma_q8_0_d128", 128, 8, GGML_TYPE_Q8_0),
+    "q4_0": ("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0),
 }
-FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16"}
+FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
+# bytes of one block of 32 values (an f16 scale, then the quants) of the quantized types
+BLOCK_BYTES = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}
 
 
 def config(kv_type: int, override: str = "") -> str:
@@ -46,10 +52,58 @@ def config(kv_type: int, override: str = "") -> str:
     return pick(CONFIGS, FOR_TYPE, kv_type, override, lambda c: c[3], "sm_90a decode", "DECODE_TMA_CONFIG")
 
 
-def smem_bytes(d: int, stages: int) -> int:
-    """dtma::smem_bytes<D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V ring,
-    the merge buffer, the warps' row maxima and sums, the ring's barriers, the flag."""
-    return 1024 + stages * 2 * (d // 64) * BOX_BYTES + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * stages * 8 + 16
+def quant_box(kv_type: int, d: int) -> tuple[int, int]:
+    """(ROW, RB) of dtma::QuantTile: bytes of one head's row of blocks, and the raw box's inner
+    side (ROW rounded up to 16 bytes) -- cell c's row sits at c * RB in a ring tile."""
+    row = d // 32 * BLOCK_BYTES[kv_type]
+    return row, -(-row // 16) * 16
+
+
+def tile_bytes(kv_type: int, d: int) -> int:
+    """dtma::Tile<KT, D>::BYTES: one K (or V) tile of 64 cells in the ring."""
+    if kv_type in BLOCK_BYTES:
+        return 64 * quant_box(kv_type, d)[1]
+    return (d // 64) * BOX_BYTES
+
+
+def quant_why_not(t) -> str | None:
+    """None when the quantized instances' producer can read K or V ``t`` (a TensorDesc, ggml
+    order [D, n_kv, n_head_kv, ne3] of q8_0/q4_0) through :func:`quant_kv_map`, else why not:
+    D 128, each cell's heads packed in its row (nb[2] = one head's row of blocks), the pointer
+    and the cell and stream strides multiples of 16 (the TMA's rules)."""
+    if t.type not in BLOCK_BYTES or t.ne[0] != 128:
+        return f"D 128 q8_0/q4_0 only (got D {t.ne[0]}, type {t.type})"
+    row, _ = quant_box(t.type, t.ne[0])
+    if t.nb[2] != row:
+        return f"each cell's heads packed in its row (head stride {t.nb[2]}, a head's row {row} bytes)"
+    if t.ptr % 16 or t.nb[1] % 16 or (t.ne[3] > 1 and t.nb[3] % 16):
+        return "16-byte aligned pointer, cell and stream strides"
+    return None
+
+
+def quant_kv_map(t, l2_promotion: int = 0):
+    """The TMA map of a q8_0/q4_0 K or V tensor (:func:`quant_why_not`) that the quantized
+    instances' producer reads one raw box per tile through: bytes x [the heads' rows of a cell
+    (n_head_kv * ROW), cells (n_kv), 1, streams (ne3)], box [RB, 64, 1, 1], not swizzled; head h's
+    row starts at byte h * ROW, and the box's RB - ROW extra bytes read the next head's (or
+    zeros past the last); cells past n_kv read as 0."""
+    from . import tma
+    why = quant_why_not(t)
+    if why is not None:
+        raise ValueError(f"quantized TMA map for K/V: {why}")
+    row, rb = quant_box(t.type, t.ne[0])
+    nb3 = t.nb[3] if t.ne[3] > 1 else t.nb[1]
+    return tma.encode_tiled(tma.DTYPE_U8, t.ptr, (t.ne[2] * row, t.ne[1], 1, t.ne[3]), (t.nb[1], t.nb[1], nb3),
+                            (rb, 64, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
+
+
+def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16) -> int:
+    """dtma::smem_bytes<KT, D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V
+    ring, the consumers' f16 scratch tiles (quantized K/V), the merge buffer, the warps' row
+    maxima and sums, the ring's barriers, the flag."""
+    scratch = CONSUMERS * (d // 64) * BOX_BYTES if kv_type in BLOCK_BYTES else 0
+    return 1024 + stages * 2 * tile_bytes(kv_type, d) + scratch + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 \
+        + 2 * stages * 8 + 16
 
 
 def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:

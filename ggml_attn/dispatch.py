@@ -20,7 +20,7 @@ cores; is the prefill kernel always faster at decode? -- for this project's kern
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .tensor import type_name
@@ -72,13 +72,14 @@ WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
 
-def _sm90a_why_not(f: "CallFacts") -> str | None:
-    """What both sm_90a kernels need: compute capability 9.0, D 128, f16 or bf16 K/V, no sinks,
-    softcap or ALiBi."""
+def _sm90a_why_not(f: "CallFacts", types: tuple = (GGML_TYPE_F16, GGML_TYPE_BF16)) -> str | None:
+    """What both sm_90a kernels need: compute capability 9.0, D 128, K/V of one of ``types``
+    (f16 or bf16; the decode also q8_0 and q4_0), no sinks, softcap or ALiBi."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
-    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
-        return f"D 128 with f16 or bf16 K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
+    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in types:
+        names = "/".join(TYPE_NAMES.get(t, str(t)) for t in types)
+        return f"D 128 with {names} K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
     return None
@@ -117,8 +118,14 @@ DECODE_TMA_MIN_WORK_EVEN = 4096
 
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
-    """None when the sm_90a decode can run this call, else why not."""
-    return _sm90a_why_not(f)
+    """None when the sm_90a decode can run this call, else why not. q8_0/q4_0 K/V: its
+    producer reads one raw box of blocks per tile (decode_tma_shape.quant_kv_map), so each
+    cell's heads must be packed in its row and pointers and strides 16-byte aligned (CallFacts.kv_tma)."""
+    why = _sm90a_why_not(f, (GGML_TYPE_F16, GGML_TYPE_BF16, *QUANT_KV_CTYPES))
+    if why is None and f.kv_type in QUANT_KV_CTYPES and not f.kv_tma:
+        return ("quantized K/V through TMA boxes needs each cell's heads packed in its row (a cache view) "
+                "and 16-byte aligned pointers and cell/stream strides")
+    return why
 
 
 def cell_list_bytes(n_batch: int, n_kv: int, mask_planes: int = 1) -> int:
@@ -144,14 +151,16 @@ def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
     """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot.
-    q8_0 / q4_0 K/V: the CUDA-core decode kernel only (blocks dequantized in registers)."""
+    q8_0 / q4_0 K/V: the CUDA-core decode kernel (blocks dequantized in registers) and the sm_90a
+    decode at D 128 (tiles dequantized into shared memory; decode_tma_why_not has its other rules)
+    read the blocks; every other kernel runs on f16 copies (QUANT_READERS), at its f16 head sizes."""
     if kernel == "reference":
         return None
     name = type_name(kv_type)
     if kv_type in QUANT_KV_CTYPES:
-        if kernel != "decode":
-            return f"K/V type {name}: only the CUDA-core kernel 'decode' reads quantized K/V"
-        heads = VEC_QUANT_HEADS
+        if kernel not in QUANT_READERS:
+            return supports(kernel, d_k, d_v, GGML_TYPE_F16)
+        heads = VEC_QUANT_HEADS if kernel == "decode" else ((128, 128),)
     elif kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
         return (f"K/V type {name} has no GPU kernel "
                 "(the kernels read f16/bf16 K/V, and q8_0/q4_0 in the CUDA-core decode kernel)")
@@ -161,6 +170,31 @@ def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
         return f"head sizes D_k={d_k}, D_v={d_v} are not compiled for the {kernel} kernel " \
                f"(compiled: {', '.join(f'{a}/{b}' for a, b in heads)})"
     return None
+
+
+# Kernels that read q8_0/q4_0 blocks themselves; the others run on f16 copies of quantized K/V
+# made once per call (cuda/fattn_util.cu fattn_dequant_kv; cuda_backend._F16Copies).
+QUANT_READERS = ("decode", "decode-tma")
+
+
+def _quant_direct(f: "CallFacts") -> "Choice | None":
+    """``auto``'s choice for q8_0/q4_0 K/V read as blocks: decode-shaped calls (n_batch within
+    the decode limit) and head sizes no tensor-core kernel has, on the sm_90a decode where it
+    runs, else the CUDA-core decode; None: a tensor-core kernel over f16 copies."""
+    name = type_name(f.kv_type)
+    mma = supports("prefill", f.d_k, f.d_v, GGML_TYPE_F16) is None
+    if mma and f.n_batch > DECODE_MAX_BATCH[_bucket(f.gqa)]:
+        return None
+    if decode_tma_why_not(f) is None:
+        return Choice("decode-tma", f"{name} K/V, n_batch {f.n_batch} <= decode limit: the sm_90a decode "
+                                    f"dequantizes each tile into shared memory")
+    why = supports("decode", f.d_k, f.d_v, f.kv_type)
+    if why is None:
+        return Choice("decode", f"{name} K/V, n_batch {f.n_batch}: the CUDA-core kernel dequantizes the blocks "
+                                f"in registers")
+    if mma:
+        return None
+    return Choice("reference", f"{why}; running the numpy reference on the host")
 
 
 def _bucket(gqa: int) -> int:
@@ -223,6 +257,9 @@ class CallFacts:
     # decode-tma's split would cut the groups on their own boundaries, blocks balanced
     # (cuda_launch.decode_tma_cap > 0: no mask, or a plan's live counts that allow it)
     work_even: bool = False
+    # K and V readable through the sm_90a decode's TMA maps (16-byte aligned; q8_0/q4_0 also
+    # with each cell's heads packed in its row: cuda_backend._kv_tma)
+    kv_tma: bool = True
 
 
 @dataclass(frozen=True)
@@ -275,6 +312,13 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                              f"reads f16/bf16, q8_0 and q4_0); use one of those, or keep them on the host")
     if kernel == "reference":
         return Choice("reference", "kernel 'reference' requested")
+    if quantized and f.kv_aligned and kernel not in QUANT_READERS:
+        direct = _quant_direct(f) if kernel == "auto" else None
+        if direct is not None:
+            return direct
+        c = best_kernel(kernel, replace(f, kv_type=GGML_TYPE_F16, kv_aligned=True, kv_tma=True))
+        return Choice(c.kernel, f"{c.reason}; {type_name(f.kv_type)} K/V converted to f16 once per call "
+                                f"first (as llama.cpp's tensor-core kernels do)")
     if kernel == "auto":
         kern, why = _choose_gpu(f.n_batch, f.gqa, f.d_k, f.d_v, f.kv_type)
         if kern == "reference":

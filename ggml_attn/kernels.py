@@ -186,7 +186,8 @@ class Variant:
         return f"{self.family}:{','.join(self.names)}"
 
 
-UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists")
+UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists",
+              "fattn_dequant_kv")
 CELL_LIST_THREADS = 256   # FATTN_CELL_THREADS in fattn_util.cu (fattn_cell_lists' block)
 
 
@@ -272,7 +273,8 @@ def decode_tma_variant() -> Variant:
     """The sm_90a decode (cuda/fattn_decode_tma.cu): the instances of decode_tma_shape.CONFIGS."""
     return Variant("decode-tma", "fattn_decode_tma.cu",
                    ("fattn_decode_tma_d128", "fattn_decode_tma_bf16_d128", "fattn_decode_tma_s4_d128",
-                    "fattn_decode_tma_split_d128"), arch_suffix="a")
+                    "fattn_decode_tma_split_d128", "fattn_decode_tma_q8_0_d128", "fattn_decode_tma_q4_0_d128"),
+                   arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:
@@ -566,6 +568,15 @@ class GemvParams(ctypes.Structure):
     _fields_ = [("seg", GemvSeg * 3), ("x", ctypes.c_uint64), ("x_stride", ctypes.c_int64),
                 ("n_in", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
                 ("norm_eps", ctypes.c_float)]
+
+
+class DequantKVParams(ctypes.Structure):
+    """Mirror of ``struct DequantKVParams`` (fattn_util.cu): a q8_0/q4_0 K or V view (pointer,
+    byte strides nb[1..3], ggml order [d, n_kv, n_head, ne3]) and its contiguous f16 copy."""
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64),
+                ("nb1", ctypes.c_int64), ("nb2", ctypes.c_int64), ("nb3", ctypes.c_int64),
+                ("d", ctypes.c_int32), ("n_kv", ctypes.c_int32), ("n_head", ctypes.c_int32),
+                ("ne3", ctypes.c_int32), ("type", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
 class KVStoreParams(ctypes.Structure):

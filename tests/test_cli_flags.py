@@ -162,9 +162,12 @@ def test_cache_types_on_the_cuda_engine():
         with pytest.raises(UserError, match=rf"-ctk {tk} -ctv {tv}: the GPU engine keeps K and V of one type, "
                                             rf"f16, q8_0, q4_0 .*--device cpu"):
             check_cache_types(tk, tv, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
-    with pytest.raises(UserError, match="--kernel prefill -ctk q4_0: K/V type q4_0: only the .*--kernel auto"):
-        check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
-                          kernel="prefill")
+    # the tensor-core kernels run on f16 copies of the blocks; decode-tma reads them at D 128 only
+    check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
+                      kernel="prefill")
+    with pytest.raises(UserError, match="--kernel decode-tma -ctk q4_0: head sizes D_k=64.*--kernel auto"):
+        check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=64, head_dim_v=64,
+                          kernel="decode-tma")
     with pytest.raises(UserError, match="-sm row/layer over 2 GPUs keep an f16 KV cache; q8_0, q4_0 run on one GPU"):
         check_cache_types("q8_0", "q8_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128, n_gpu=2)
     check_cache_types("f16", "f16", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128, n_gpu=2)
@@ -176,7 +179,7 @@ def test_cache_types_on_the_cuda_engine():
 
 def test_run_config_on_cuda_takes_quantized_caches():
     """RunConfig (no GPU needed to make one) passes q8_0/q4_0 pairs on cuda and refuses them on
-    several GPUs (a -sm rank context) or with a kernel that cannot read them."""
+    several GPUs (a -sm rank context)."""
     from ggml_attn.cli.errors import UserError
     from ggml_attn.cli.models import resolve
     from ggml_attn.cli.multi_gpu import RankContext
@@ -187,8 +190,8 @@ def test_run_config_on_cuda_takes_quantized_caches():
         assert (cfg.type_k, cfg.type_v) == (t, t)
         with pytest.raises(UserError, match="-sm row/layer over 2 GPUs"):
             RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, tp=RankContext(0, 2, 0))
-        with pytest.raises(UserError, match=f"--kernel decode-tc -ctk {t}"):
-            RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, kernel="decode-tc")
+        # a tensor-core kernel by name runs on f16 copies of the blocks
+        assert RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, kernel="decode-tc").type_k == t
     with pytest.raises(UserError, match="-ctk q8_0 -ctv f16: the GPU engine"):
         RunConfig(m, n_ctx=256, device="cuda", type_k="q8_0", type_v="f16")
 
@@ -196,7 +199,7 @@ def test_run_config_on_cuda_takes_quantized_caches():
 @pytest.mark.parametrize("args, msg", [
     (["-ctk", "q8_0"], "-ctk q8_0 -ctv f16: the GPU engine keeps K and V of one type, f16, q8_0, q4_0"),
     (["-ctk", "q5_0", "-ctv", "q5_0"], "-ctk q5_0 -ctv q5_0: the GPU engine keeps K and V of one type"),
-    (["-ctk", "q8_0", "-ctv", "q8_0", "--kernel", "prefill"], "--kernel prefill -ctk q8_0: K/V type q8_0"),
+    (["-ctk", "q4_0", "-ctv", "q8_0"], "-ctk q4_0 -ctv q8_0: the GPU engine keeps K and V of one type"),
 ])
 def test_cache_type_errors_on_the_cuda_path(capsys, monkeypatch, args, msg):
     """--device cuda (a GPU faked: the checks come before any GPU work): one line, exit 2."""

@@ -91,7 +91,7 @@ def test_by_name_says_why_not(monkeypatch):
     from ggml_attn import dispatch
     assert dispatch.best_kernel("decode-tma", _f(n_batch=64)).kernel == "decode-tma"
     for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=256, d_v=256), "D 128"),
-                      (dict(kv_type=GGML_TYPE_F32), "f16 or bf16"), (dict(plain=False), "sinks")):
+                      (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             dispatch.best_kernel("decode-tma", _f(**kw))
     work = dispatch.DECODE_TMA_MIN_WORK
@@ -218,8 +218,8 @@ def test_block_ranges_split_right_under_any_cap(seed):
 
 
 def test_every_instance_fits_shared_memory():
-    for name, d, stages, _ in dt.CONFIGS.values():
-        assert dt.smem_bytes(d, stages) <= 227 * 1024, name
+    for name, d, stages, kv_type in dt.CONFIGS.values():
+        assert dt.smem_bytes(d, stages, kv_type) <= 227 * 1024, name
 
 
 # ---- the kernel's work split, mirrored: block b takes units [b W / B, (b + 1) W / B) of the

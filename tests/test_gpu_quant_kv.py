@@ -12,7 +12,9 @@ import pytest
 import ggml_attn
 import ggml_attn.conformance as conf
 from ggml_attn import cuda_backend as cb
+from ggml_attn import kernels as K
 from ggml_attn import reference
+from ggml_attn.decode_tma_shape import quant_why_not
 from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from ggml_attn.quant import dequantize_rows, quantize
 from ggml_attn.tensor import TensorDesc, from_array, from_ggml
@@ -20,6 +22,11 @@ from ggml_build import build_case, case_bytes, get_data, ggml_reference_node, gr
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")]
 NMSE_MAX = 5e-4
+
+
+def _is_sm90() -> bool:
+    return ggml_attn.gpu_available() and K.device_arch() == "sm_90"
+
 GPU_QUANT = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)
 CASES = [c for c in conf.grid(kv_types=GPU_QUANT) if c.kv_type in GPU_QUANT
          and getattr(c, "v_type", None) in (None, c.kv_type) and not c.nonfinite]
@@ -62,10 +69,17 @@ def test_quantized_grid_on_the_gpu(case, request):
         ggml.ggml_free(ctx)
     kf, vf = x.kv_float()
     exact = reference.flash_attn_ext(x.q, kf, vf, x.mask, case.scale, case.max_bias, case.logit_softcap, x.sinks)
-    for kernel in ("decode", "auto"):
+    plain = case.max_bias == 0.0 and case.logit_softcap == 0.0 and descs[4] is None
+    d128 = descs[1].ne[0] == 128 and descs[2].ne[0] == 128 and _is_sm90() and plain
+    tma = d128 and quant_why_not(descs[1]) is None and quant_why_not(descs[2]) is None
+    # the blocks read directly (CUDA-core decode; the sm_90a decode where its TMA boxes can read
+    # them), and the tensor-core kernels over f16 copies; auto: one of them, never the reference
+    kernels = ["decode", "auto", "prefill"] + (["decode-tma"] if tma else []) + (["prefill-wgmma"] if d128 else [])
+    for kernel in kernels:
         dst = cp.full(exact.shape, cp.nan, dtype=cp.float32)
         call = cb.bind(*descs, from_array(dst), case.scale, case.max_bias, case.logit_softcap, kernel=kernel)
-        assert call.kern == "decode", f"{kernel} chose {call.kern}"   # not the reference fallback
+        assert call.kern == kernel or (kernel == "auto" and call.kern in cb.dispatch.GPU_KERNELS), \
+            f"{kernel} chose {call.kern}"   # not the reference fallback
         call.launch()
         out = dst.get()
         assert np.isfinite(out).all(), f"{kernel}: unwritten or non-finite output"
@@ -107,3 +121,111 @@ def test_long_rows_with_holes_and_masked_tiles(kv_type, n_batch, n_kv, d):
         out = dst.get()
         assert np.isfinite(out).all() and reference.nmse(out, exact) <= NMSE_MAX, (n_splits, reference.nmse(out, exact))
     del dk, dv
+
+
+def _cache_view(dev, kv_type, d, n_kv, n_head_kv):
+    """A cache view over device rows ``dev`` uint8 (n_kv, n_head_kv * row + pad): ggml order
+    [d, n_kv, n_head_kv, 1], each cell's heads packed in its row (what decode-tma's boxes read)."""
+    blk = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}[kv_type]
+    row = d // 32 * blk
+    return TensorDesc(int(dev.data.ptr), kv_type, (d, n_kv, n_head_kv, 1), (blk, dev.strides[0], row, dev.strides[0] * n_kv))
+
+
+def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128):
+    """Q f32 (1, n_head, n_batch, d); K/V quantized as cache rows (n_kv, n_head_kv * row + pad)
+    uint8 on the device with their views; the dequantized K/V (1, n_head_kv, n_kv, d) float32."""
+    import cupy as cp
+    q = rng.standard_normal((1, n_head, n_batch, d), dtype=np.float32)
+    views, deq, keep = [], [], []
+    for _ in range(2):
+        f = rng.standard_normal((1, n_head_kv, n_kv, d), dtype=np.float32)
+        b = quantize(f, kv_type)[0]                                    # (n_head_kv, n_kv, row)
+        rows = np.zeros((n_kv, n_head_kv * b.shape[-1] + pad), np.uint8)
+        rows[:, :n_head_kv * b.shape[-1]] = b.transpose(1, 0, 2).reshape(n_kv, -1)
+        dev = cp.asarray(rows)
+        keep.append(dev)
+        views.append(_cache_view(dev, kv_type, d, n_kv, n_head_kv))
+        deq.append(dequantize_rows(b.ctypes.data, kv_type, d, n_head_kv * n_kv, b.shape[-1]).reshape(1, n_head_kv, n_kv, d))
+    return q, views, deq, keep
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="sm_90a decode: compute capability 9.0")
+@pytest.mark.parametrize("kv_type", GPU_QUANT, ids=["q8_0", "q4_0"])
+@pytest.mark.parametrize("n_batch, n_kv, masked, blocks", [
+    (1, 5000, True, 0), (1, 5000, True, 3), (4, 4097, True, 0), (2, 70, False, 0), (1, 33000, False, 0),
+    (1, 33000, False, 5)])
+def test_decode_tma_reads_the_blocks(kv_type, n_batch, n_kv, masked, blocks, monkeypatch):
+    """decode-tma on a cache view of q8_0/q4_0 rows (heads packed in a cell's row, rows 16 bytes
+    wider than their blocks): whole masked tiles, holes, the n_kv tail, a few blocks taking parts
+    of many groups; through a plan and without; against float64 on the dequantized values."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", blocks)
+    cb._PREPARED.clear()
+    rng = np.random.default_rng(n_kv + kv_type + blocks)
+    n_head, n_head_kv = 32, 8
+    q, (kd, vd), deq, keep = _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad=16)
+    assert quant_why_not(kd) is None and kd.nb[2] == kd.row_bytes()
+    mask = None
+    if masked:
+        m = np.zeros((1, 1, n_batch, n_kv), np.float32)
+        m[..., 128:448] = -np.inf
+        m[rng.random(m.shape) < 0.2] = -np.inf
+        m[..., -1] = 0
+        mask = m.astype(np.float16)
+    exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
+    dq = cp.asarray(q)
+    dm = cp.asarray(mask) if masked else None
+    tm = from_array(dm) if masked else None
+    plans = [None] + ([cb.make_plan(tm, n_batch, n_head, n_head_kv, kv_type=kv_type)] if masked else [])
+    for plan in plans:
+        for kernel in ("auto", "decode-tma"):
+            dst = cp.full((1, n_batch, n_head, 128), cp.nan, dtype=cp.float32)
+            call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel=kernel, plan=plan)
+            assert call.kern == "decode-tma", (kernel, call.kern)
+            call.launch()
+            out = dst.get()
+            err = reference.nmse(out, exact)
+            assert np.isfinite(out).all() and err <= NMSE_MAX, (kernel, plan is not None, err)
+    cb._PREPARED.clear()
+    del keep
+
+
+@pytest.mark.parametrize("kv_type", GPU_QUANT, ids=["q8_0", "q4_0"])
+@pytest.mark.parametrize("n_batch, n_kv, d, kernels", [
+    (512, 1500, 128, ("auto", "prefill", "prefill-wgmma")), (64, 777, 128, ("auto", "prefill", "decode-tc")),
+    (300, 1000, 64, ("auto", "prefill"))])
+def test_tensor_core_kernels_on_f16_copies(kv_type, n_batch, n_kv, d, kernels):
+    """Prompt-sized calls on q8_0/q4_0 K/V: the tensor-core kernels read f16 copies made by
+    fattn_dequant_kv before them (a causal mask through a plan, and a bound call's replay), right
+    against float64 on the dequantized values; the copy is what the blocks hold, bit for bit."""
+    import cupy as cp
+    if not _is_sm90():
+        kernels = tuple(k for k in kernels if k != "prefill-wgmma")
+    rng = np.random.default_rng(n_batch + d + kv_type)
+    n_head, n_head_kv = 16, 4
+    q, (kd, vd), deq, keep = _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad=2, d=d)
+    m = np.zeros((1, 1, n_batch, n_kv), np.float32)
+    m[0, 0] = np.where(np.arange(n_kv)[None, :] <= n_kv - n_batch + np.arange(n_batch)[:, None], 0, -np.inf)
+    mask = m.astype(np.float16)
+    exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
+    dq, dm = cp.asarray(q), cp.asarray(mask)
+    tm = from_array(dm)
+    plan = cb.make_plan(tm, n_batch, n_head, n_head_kv, d_k=d, kv_type=kv_type)
+    for kernel in kernels:
+        dst = cp.full((1, n_batch, n_head, d), cp.nan, dtype=cp.float32)
+        call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel=kernel, plan=plan)
+        assert call.kern not in ("reference", "decode", "decode-tma") and (kernel == "auto" or call.kern == kernel)
+        assert len(call._pre) == 2   # the two copies
+        call.launcher()()
+        out = dst.get()
+        err = reference.nmse(out, exact)
+        assert np.isfinite(out).all() and err <= NMSE_MAX, (kernel, call.kern, err)
+    # the copies hold the dequantized values exactly (one f16 rounding of d * q)
+    from ggml_attn import cuda_workspace
+    ws = cuda_workspace.WORKSPACES.workspace(cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr)
+    base, buf = ws.converted(0)
+    cp.cuda.get_current_stream().synchronize()
+    k16 = buf[:2 * d * n_kv * n_head_kv].view(cp.float16).get().reshape(1, n_head_kv, n_kv, d)
+    assert np.array_equal(k16, deq[0].astype(np.float16))
+    del keep

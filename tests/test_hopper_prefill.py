@@ -74,7 +74,7 @@ def test_wgmma_by_name_says_why_not():
     assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
     assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
     for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=64, d_v=64), "D 128"),
-                      (dict(kv_type=GGML_TYPE_F32), "f16 or bf16"), (dict(plain=False), "sinks")):
+                      (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             best_kernel("prefill-wgmma", _f(**kw))
 

@@ -3,6 +3,7 @@ place that chooses what runs (``dispatch.best_kernel``). CPU-only; the fast path
 device pointers is in tests/test_graph_device.py."""
 import collections
 import gc
+from dataclasses import replace
 
 import ggml
 import numpy as np
@@ -143,15 +144,33 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
         best_kernel("auto", FACTS, backend="cuda", gpu=False)
     q8 = CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_Q8_0)
     assert best_kernel("auto", q8, backend="auto", on_device=False).kernel == "cpu"
-    # q8_0 / q4_0 in GPU memory: the CUDA-core decode kernel, whatever the batch; other
-    # quantized types there are an error naming what the GPU reads (never a silent CPU path)
+    # q8_0 / q4_0 in GPU memory: decode-shaped calls read the blocks (the sm_90a decode on
+    # compute capability 9.0 when K/V go through its TMA boxes, else the CUDA-core decode);
+    # larger batches run the tensor-core kernels on f16 copies, as does a tensor-core kernel
+    # asked for by name; other quantized types there are an error naming what the GPU reads
+    # (never a silent CPU path)
     for t in (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0):
-        for n_batch in (1, 512):
-            c = best_kernel("auto", CallFacts(n_batch, 4, 4096, 128, 128, t), backend="auto", on_device=True)
-            assert c.kernel == "decode" and "dequantizes" in c.reason
+        for arch, tma_ok, want in (("sm_90", True, "decode-tma"), ("sm_90", False, "decode"), ("sm_80", True, "decode")):
+            c = best_kernel("auto", CallFacts(4, 4, 4096, 128, 128, t, arch=arch, kv_tma=tma_ok),
+                            backend="auto", on_device=True)
+            assert c.kernel == want and "dequantizes" in c.reason, (arch, tma_ok, c)
+        for arch, want in (("sm_90", "prefill-wgmma"), ("sm_80", "prefill")):
+            c = best_kernel("auto", CallFacts(512, 4, 4096, 128, 128, t, arch=arch), backend="auto", on_device=True)
+            assert c.kernel == want and "converted to f16" in c.reason, c
+        c = best_kernel("auto", CallFacts(5, 4, 4096, 128, 128, t, arch="sm_90"))   # past the decode limit
+        assert c.kernel == "prefill" and "converted to f16" in c.reason
+    # head sizes with only the CUDA-core kernel: that one at every batch
+    assert best_kernel("auto", CallFacts(600, 4, 4096, 576, 512, GGML_TYPE_Q8_0, arch="sm_90")).kernel == "decode"
     assert best_kernel("decode", q8).kernel == "decode"
-    with pytest.raises(ValueError, match="only the CUDA-core kernel 'decode' reads quantized K/V"):
-        best_kernel("prefill", q8)
+    assert "converted to f16" in best_kernel("prefill", q8).reason
+    assert best_kernel("decode-tc", q8).kernel == "decode-tc"
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        best_kernel("decode-tma", q8)
+    assert best_kernel("decode-tma", replace(q8, arch="sm_90")).kernel == "decode-tma"
+    with pytest.raises(ValueError, match="heads packed in its row"):
+        best_kernel("decode-tma", replace(q8, arch="sm_90", kv_tma=False))
+    with pytest.raises(ValueError, match="D 128"):
+        best_kernel("decode-tma", CallFacts(1, 4, 4096, 64, 64, GGML_TYPE_Q8_0, arch="sm_90"))
     with pytest.raises(ValueError, match="not compiled for the decode kernel"):
         best_kernel("decode", CallFacts(1, 4, 4096, 80, 80, GGML_TYPE_Q8_0))
     with pytest.raises(ValueError, match=r"\(q5_1\) in GPU memory: no GPU kernel reads them"):
