@@ -140,10 +140,15 @@ def test_cache_types_in_markdown_and_batched(capsys):
     (["-ctk", "q3_k"], "choose from"),
 ])
 def test_cache_type_errors(capsys, args, msg):
-    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", *args, *FAST)
+    _both_tools_refuse(capsys, args, msg, FAST)
+
+
+def _both_tools_refuse(capsys, args, msg, base):
+    """Both tools given ``args`` (and ``base``) say ``msg`` in one stderr line and exit 2."""
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", *args, *base)
     _one_line_exit_2(rc, out, err, "ggml-attn-bench")
     assert msg in err
-    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *FAST)
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *base)
     _one_line_exit_2(rc, out, err, "ggml-attn-batched-bench")
     assert msg in err
 
@@ -205,13 +210,7 @@ def test_cache_type_errors_on_the_cuda_path(capsys, monkeypatch, args, msg):
     """--device cuda (a GPU faked: the checks come before any GPU work): one line, exit 2."""
     from ggml_attn.cli import runner
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
-    base = ["-t", "1", "--n-layer", "1", "--device", "cuda"]
-    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", *args, *base)
-    _one_line_exit_2(rc, out, err, "ggml-attn-bench")
-    assert msg in err
-    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *args, *base)
-    _one_line_exit_2(rc, out, err, "ggml-attn-batched-bench")
-    assert msg in err
+    _both_tools_refuse(capsys, args, msg, ["-t", "1", "--n-layer", "1", "--device", "cuda"])
 
 
 # ---- -o sql, -oe
