@@ -53,20 +53,24 @@ constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byt
 
 // How a K or V tile arrives, by the stored type KT. f16/bf16: D / 64 boxes of 64 cells x 64
 // elements, 128-byte swizzled (the MMAs' type T = KT). ggml's q8_0/q4_0 blocks: one raw box per
-// tile, cell c's head row (D / 32 blocks, ROW bytes) at c * RB, RB = ROW rounded up to 16 bytes
-// (the TMA box's inner side; the extra bytes are the next head's, or zeros past the last): the
-// consumer warp dequantizes it into its own f16 scratch tile laid out as the f16 boxes
-// (step dequantize), T = __half.
+// tile whose rows are RB bytes of a cell's row of heads from the 16-byte boundary at or before
+// head hk's blocks (a box's inner start must be 16-byte aligned): the head's row (D / 32 blocks,
+// ROW bytes) sits at c * RB + (hk * ROW) % 16 for cell c, RB covering the largest such offset
+// (the other bytes are the neighbouring heads', or zeros past the last); the consumer warp
+// dequantizes it into its own f16 scratch tile laid out as the f16 boxes (step dequantize),
+// T = __half.
 template <typename KT, int D> struct Tile {
     using T = KT;
     static constexpr bool QUANT = false;
+    static constexpr int ROW = D * 2;
     static constexpr int BYTES = (D / 64) * BOX_BYTES;
 };
 template <typename Q, int D> struct QuantTile {
     using T = __half;
     static constexpr bool QUANT = true;
     static constexpr int ROW = D / 32 * Q::BYTES;
-    static constexpr int RB = (ROW + 15) / 16 * 16;
+    static constexpr int OFF_MAX = ROW % 16 == 0 ? 0 : ROW % 8 == 0 ? 8 : ROW % 4 == 0 ? 12 : 14;   // 16 - gcd(ROW, 16)
+    static constexpr int RB = (ROW + OFF_MAX + 15) / 16 * 16;
     static constexpr int BYTES = BK * RB;
 };
 template <int D> struct Tile<fattn_q8_0, D> : QuantTile<fattn_q8_0, D> {};
@@ -82,7 +86,7 @@ __host__ __device__ constexpr int smem_bytes() {
            ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
 }
 
-// ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB) -> the
+// ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
 // warp's f16 scratch (D / 64 boxes of 64 rows x 128 bytes, chunk ch of row r at ch ^ (r & 7): the
 // f16 ring's layout, read by the same ldmatrix code). Lane l takes block l % NB of cell l / NB,
 // then 32 / NB cells further on. A block starts 2 mod 4 bytes into the box for odd block
@@ -91,7 +95,7 @@ __host__ __device__ constexpr int smem_bytes() {
 // the low half and the quants straddle words (byte_perm picks them out). Cells past n_kv were
 // read as zeros: scale 0, values 0.
 template <typename Q, int D>
-__device__ __forceinline__ void dequant_tile(const unsigned char* raw, unsigned char* out, int lane) {
+__device__ __forceinline__ void dequant_tile(const unsigned char* raw, int off, unsigned char* out, int lane) {
     constexpr int NB = D / 32, RB = Tile<Q, D>::RB;
     constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
     constexpr int NW = Q8 ? 9 : 5;   // aligned words covering the block
@@ -99,7 +103,7 @@ __device__ __forceinline__ void dequant_tile(const unsigned char* raw, unsigned 
 #pragma unroll 2
     for (int u = lane; u < BK * NB; u += 32) {
         const int c = u / NB, blk = u % NB;
-        const int base = c * RB + blk * Q::BYTES;
+        const int base = off + c * RB + blk * Q::BYTES;
         const unsigned* w = reinterpret_cast<const unsigned*>(raw + (base & ~3));
         const bool odd = (base & 2) != 0;
         const unsigned sel = odd ? 0x7654u : 0x5432u;   // quant word i = bytes of (w[i], w[i + 1])
@@ -443,8 +447,9 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 unsigned char* dst = ring + stage * STAGE_BYTES;
                 mbar_arrive_expect_tx(full + stage, STAGE_BYTES);
                 if constexpr (QUANT) {   // maps over (bytes of a cell's heads, cells, 1, streams)
-                    tma_load_4d(dst, mk, hk * Tile<KT, D>::ROW, kv0, 0, s, full + stage);
-                    tma_load_4d(dst + TILE_BYTES, mv, hk * Tile<KT, D>::ROW, kv0, 0, s, full + stage);
+                    const int x = (hk * Tile<KT, D>::ROW) & ~15;
+                    tma_load_4d(dst, mk, x, kv0, 0, s, full + stage);
+                    tma_load_4d(dst + TILE_BYTES, mv, x, kv0, 0, s, full + stage);
                 } else {
 #pragma unroll
                     for (int b = 0; b < BOXES; ++b) {
@@ -478,6 +483,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     for (; wk.w < wk.end; wk.next(p)) {
         const int s = wk.pair / p.n_q_tiles, qt = wk.pair - s * p.n_q_tiles;
         const int tok0 = qt * tq, h0 = wk.hg * P;
+        const int row_off = QUANT ? ((h0 / p.gqa) * Tile<KT, D>::ROW) & 15 : 0;   // the head's row in a raw box row
         // a fragment row's token and head (valid: inside the batch and the query tile)
         auto row_tok = [&](int r) { return tok0 + (r >> pshift); };
         auto row_head = [&](int r) { return h0 + (r & (P - 1)); };
@@ -541,7 +547,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             if (itj == 0) DTMA_MARK(1);
             const unsigned kb = k_lane + (QUANT ? 0 : stage * STAGE_BYTES), vb = v_lane + (QUANT ? 0 : stage * STAGE_BYTES);
             if constexpr (QUANT) {   // ---- step dequantize K
-                dequant_tile<KT, D>(ring + stage * STAGE_BYTES, my_scratch, lane);
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
             }
 
@@ -616,7 +622,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 
             if constexpr (QUANT) {   // ---- step dequantize V (over K: every lane's K fragments are read)
                 __syncwarp();
-                dequant_tile<KT, D>(ring + stage * STAGE_BYTES + TILE_BYTES, my_scratch, lane);
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES + TILE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty + stage);   // the raw tile is free for the next fill
             }

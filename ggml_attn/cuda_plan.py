@@ -477,8 +477,9 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         plan.read_cell_stats(st)
         return plan
     # auto on a decode-shaped call: the cell lists too, queued before the first read-back, and
-    # what each kernel would read (Plan.reads) for best_kernel's choice
-    cells = kernel == "auto" and dispatch.cells_why_not(facts(sh)) is None
+    # what each kernel would read (Plan.reads) for best_kernel's choice (not for quantized K/V:
+    # the cell-list kernel would need f16 copies of every cell at each decode step)
+    cells = kernel == "auto" and kv_type not in K.QUANT_KV_CTYPES and dispatch.cells_why_not(facts(sh)) is None
     if cells:
         plan.cell_lists(st)
     if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height

@@ -54,9 +54,14 @@ def config(kv_type: int, override: str = "") -> str:
 
 def quant_box(kv_type: int, d: int) -> tuple[int, int]:
     """(ROW, RB) of dtma::QuantTile: bytes of one head's row of blocks, and the raw box's inner
-    side (ROW rounded up to 16 bytes) -- cell c's row sits at c * RB in a ring tile."""
+    side -- a box starts at the 16-byte boundary at or before head h's row (h * ROW rounded
+    down: TMA boxes start 16-byte aligned), so RB covers ROW past the largest offset
+    (h * ROW) % 16, 16 - gcd(ROW, 16), rounded up to 16 bytes; cell c's row sits at
+    c * RB + (h * ROW) % 16 in a ring tile."""
+    import math
     row = d // 32 * BLOCK_BYTES[kv_type]
-    return row, -(-row // 16) * 16
+    off_max = 0 if row % 16 == 0 else 16 - math.gcd(row, 16)
+    return row, -(-(row + off_max) // 16) * 16
 
 
 def tile_bytes(kv_type: int, d: int) -> int:
@@ -85,8 +90,8 @@ def quant_kv_map(t, l2_promotion: int = 0):
     """The TMA map of a q8_0/q4_0 K or V tensor (:func:`quant_why_not`) that the quantized
     instances' producer reads one raw box per tile through: bytes x [the heads' rows of a cell
     (n_head_kv * ROW), cells (n_kv), 1, streams (ne3)], box [RB, 64, 1, 1], not swizzled; head h's
-    row starts at byte h * ROW, and the box's RB - ROW extra bytes read the next head's (or
-    zeros past the last); cells past n_kv read as 0."""
+    box starts at byte h * ROW rounded down to 16 (quant_box), its other bytes the neighbouring
+    heads' (or zeros past the last); cells past n_kv read as 0."""
     from . import tma
     why = quant_why_not(t)
     if why is not None:

@@ -20,7 +20,10 @@ Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdow
    as many prompt tokens (``-npp`` = the ragged total / 64, rounded up; with and without
    ``-kvu``: its best S_PP counts); the load time of each (wall time of a one-token run);
 4. the logits: ``tools/dev/model_vs_llamacpp.py`` on the same file (step ``logits``;
-   ``model_vs_llamacpp.json``).
+   ``model_vs_llamacpp.json``);
+5. a q8_0 KV cache against f16 (step ``kvq``): both batched benches with ``-ctk/-ctv f16`` and
+   ``q8_0``, 64 sequences of ``KVQ_NPP`` prompt tokens and 32 generated (decode bound by the
+   cache's bytes; llama.cpp's flash attention reads the q8_0 blocks in its CUDA kernels).
 
 The logits and the load rows run first, the benchmarks after them (a run cut short keeps the
 steps done: the JSON is written after each).
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--prebuilt", default="", help="tarball of a llama.cpp build's bin/ (instead of building)")
-    ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load,logits")
+    ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load,logits,kvq")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
@@ -215,8 +218,23 @@ def main(argv=None) -> int:
                          + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300)
             rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
     save()
+    if "kvq" not in skip:   # a q8_0 KV cache against f16, 64 sequences of 4096 tokens (attention-heavy decode)
+        for t in ("f16", "q8_0"):
+            types = ["-ctk", t, "-ctv", t]
+            _, out_t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", str(64 * (KVQ_NPP + 32)), "-b", "2048",
+                              "-ub", "512", "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
+                             + types, os.path.join(out, f"lc_kvq_{t}.log"), 600)
+            rows += [dict(tool="llama.cpp", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
+            save()
+            _, out_t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64",
+                              "-r", "1", "-o", "jsonl"] + types, os.path.join(out, f"ours_kvq_{t}.log"), 600)
+            rows += [dict(tool="ggml-attn", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
+            save()
     print(table(rows))
     return 0
+
+
+KVQ_NPP = 4096   # the kvq step's prompt per sequence: 64 x 4128 cells, decode bound by K/V bytes
 
 
 def _bb(r: dict) -> dict:
