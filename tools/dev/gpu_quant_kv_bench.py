@@ -2,14 +2,17 @@
 KV heads, D 128, K/V laid out as a cache's views (cells outer, each cell's heads packed in its
 row), decode K/V rotated over copies larger than L2.
 
-    python tools/dev/gpu_quant_kv_bench.py [--out OUT.json] [--quick]
+    python tools/dev/gpu_quant_kv_bench.py [--out OUT.json] [--quick] [--configs q8_0,q8_0-u4,...]
 
-Decode rows per (B, n_kv), no mask: f16 with ``auto`` (the baseline), q8_0 / q4_0 with ``auto``
-(the sm_90a decode reading the blocks on an H200) and on the CUDA-core ``decode`` kernel; each
-with its K/V bytes and the bandwidth they make, and the ratio to f16 ``auto`` (the issue's
-targets: q8_0 <= 0.58 and q4_0 <= 0.35 at B=1 32k; q8_0 <= 0.58 at B=64 32k). Prefill rows: one
-causal prompt of 8192 tokens through a plan, f16 against q8_0 / q4_0 (f16 copies made per call,
-then the same kernel; target q8_0 <= 1.15).
+Decode rows per (B, n_kv), no mask: f16 with ``auto`` (the baseline); q8_0 / q4_0 with ``auto``
+(on an H200 the sm_90a decode reading the blocks) and on the CUDA-core ``decode`` kernel; with
+``--configs`` also each named decode-tma instance (decode_tma_shape.CONFIGS, the A/B rows).
+Each row has its K/V bytes, the bandwidth they make, the ratio to f16 ``auto`` (the issue's
+targets: q8_0 <= 0.58 and q4_0 <= 0.35 at B=1 32k; q8_0 <= 0.58 at B=64 32k) and the NMSE of its
+output against the CUDA-core kernel's on the same blocks (a cross-check; correctness is the GPU
+tests'). The blocks are random bytes with a fixed scale, made on the GPU. Prefill rows: one
+causal prompt through a plan, f16 against q8_0 / q4_0 (f16 copies made per call, then the same
+kernel; target q8_0 <= 1.15).
 """
 from __future__ import annotations
 
@@ -23,63 +26,68 @@ import numpy as np
 H, HKV, D = 32, 8, 128
 DECODE = [(1, 4096), (1, 32768), (16, 4096), (64, 32768)]
 PREFILL = [8192]
+BLOCK = {"q8_0": (34, 32), "q4_0": (18, 16)}   # bytes of a block, bytes of its quants
 
 
-def cache_kv(host_rows, t, n_kv):
-    """Device K or V of type ``t`` from host rows (B, n_kv, HKV, D) float32: a cache's layout
-    (B, n_kv, HKV * row) on the GPU, and its ggml view [D, n_kv, HKV, B] (TensorDesc)."""
+def cache_kv(B: int, n_kv: int, kind: str, seed: int):
+    """Device K or V: a cache's rows (B, n_kv, HKV * row) and the ggml view [D, n_kv, HKV, B]
+    (TensorDesc). f16: normal values / 2; q8_0 / q4_0: random quants, every scale 1/64."""
     import cupy as cp
 
-    from ggml_attn.dtypes import GGML_TYPE_F16
-    from ggml_attn.quant import quantize
+    from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.tensor import TensorDesc
-    B = host_rows.shape[0]
-    if t == GGML_TYPE_F16:
-        blocks = host_rows.astype(np.float16).view(np.uint8)        # (B, n_kv, HKV, 2 D)
-        elem, per_row = 2, 2 * D
+    rs = cp.random.RandomState(seed)
+    if kind == "f16":
+        t, elem, per_row = GGML_TYPE_F16, 2, 2 * D
+        dev = (rs.standard_normal((B, n_kv, HKV * D), dtype=cp.float32) * 0.5).astype(cp.float16).view(cp.uint8)
     else:
-        blocks = quantize(host_rows, t)                               # (B, n_kv, HKV, row)
-        per_row = blocks.shape[-1]
-        elem = per_row // (D // 32)
-    dev = cp.asarray(np.ascontiguousarray(blocks).reshape(B, n_kv, HKV * per_row))
+        t = {"q8_0": GGML_TYPE_Q8_0, "q4_0": GGML_TYPE_Q4_0}[kind]
+        elem, _ = BLOCK[kind]
+        per_row = D // 32 * elem
+        dev = rs.randint(0, 256, (B, n_kv, HKV * D // 32, elem), dtype=cp.uint8)
+        dev[..., 0], dev[..., 1] = 0x00, 0x24            # f16 0x2400 = 1/64
+        dev = dev.reshape(B, n_kv, HKV * per_row)
     nb1 = HKV * per_row
     return dev, TensorDesc(int(dev.data.ptr), t, (D, n_kv, HKV, B), (elem, nb1, per_row, nb1 * n_kv))
 
 
-def decode_rows(device_us, log, cases) -> list[dict]:
+def decode_rows(device_us, log, cases, configs=()) -> list[dict]:
     import cupy as cp
 
     from ggml_attn import cuda_backend as cb
-    from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
+    from ggml_attn import cuda_launch as L
     from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
-    from gpu_timing import copies_for
+    from gpu_timing import copies_for, knobs
     rows = []
-    rng = np.random.default_rng(0)
     for B, n_kv in cases:
-        q = cp.asarray(rng.standard_normal((B, H, 1, D), dtype=np.float32))
+        q = cp.random.RandomState(0).standard_normal((B, H, 1, D), dtype=cp.float32)
         dst = cp.empty((B, 1, H, D), cp.float32)
-        base = rng.standard_normal((B, n_kv, HKV, D), dtype=np.float32) * 0.5
-        ref = None
         case = f"decode B={B} kv={n_kv}"
-        for name, t, kernel in (("f16", GGML_TYPE_F16, "auto"), ("q8_0", GGML_TYPE_Q8_0, "auto"),
-                                ("q8_0", GGML_TYPE_Q8_0, "decode"), ("q4_0", GGML_TYPE_Q4_0, "auto"),
-                                ("q4_0", GGML_TYPE_Q4_0, "decode")):
-            kvs = [(cache_kv(base, t, n_kv), cache_kv(base, t, n_kv))]   # K and V: their own bytes
-            nbytes = int(kvs[0][0][0].nbytes)
-            kvs += [(cache_kv(base, t, n_kv), cache_kv(base, t, n_kv)) for _ in range(copies_for(2 * nbytes) - 1)]
+        runs = [("f16", "auto", "")] + [(t, k, "") for t in ("q8_0", "q4_0") for k in ("decode", "auto")] + \
+            [(c.split("-")[0], "decode-tma", c) for c in configs]
+        vec_out = {}
+        for kind, kernel, config in runs:
+            one = [(cache_kv(B, n_kv, kind, 1), cache_kv(B, n_kv, kind, 2))]   # K and V: their own bytes
+            nbytes = int(one[0][0][0].nbytes)
+            kvs = one + [(cache_kv(B, n_kv, kind, 2 * i + 3), cache_kv(B, n_kv, kind, 2 * i + 4))
+                         for i in range(copies_for(2 * nbytes) - 1)]
             qd, od = from_array(q), from_array(dst)
-            calls = [cb.bind(qd, kd, vd, None, None, od, 1.0 / np.sqrt(D), kernel=kernel) for (_, kd), (_, vd) in kvs]
-            fns = [c.launch for c in calls]
-            us = device_us(fns)[0]
-            calls[0].launch()
+            with knobs(DECODE_TMA_CONFIG=config):
+                calls = [cb.bind(qd, kd, vd, None, None, od, 1.0 / np.sqrt(D), kernel=kernel)
+                         for (_, kd), (_, vd) in kvs]
+                us = device_us([c.launch for c in calls])[0]
+                calls[0].launch()
             out = dst.get()
-            ref = out if ref is None else ref
-            rows.append(dict(case=case, kv=name, kernel=calls[0].kern, us=round(us, 2), kv_bytes=2 * nbytes,
-                             tb_s=round(2 * nbytes / us / 1e6, 2), nmse_vs_f16=float(nmse(out, ref))))
-            del kvs, calls, fns
+            if kernel == "decode":
+                vec_out[kind] = out
+            err = float(nmse(out, vec_out[kind])) if kind in vec_out else None
+            rows.append(dict(case=case, kv=kind, kernel=calls[0].kern, config=config or None, us=round(us, 2),
+                             kv_bytes=2 * nbytes, tb_s=round(2 * nbytes / us / 1e6, 2), nmse_vs_decode=err))
+            del kvs, calls, one
             cp.get_default_memory_pool().free_all_blocks()
         _ratios(rows, case, log)
+    assert L.DECODE_TMA_CONFIG == ""
     return rows
 
 
@@ -88,31 +96,30 @@ def prefill_rows(device_us, log, sizes) -> list[dict]:
 
     from ggml_attn import cuda_backend as cb
     from ggml_attn.conformance import block_causal_mask
-    from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
     rows = []
-    rng = np.random.default_rng(1)
     for n in sizes:
-        q = cp.asarray(rng.standard_normal((1, H, n, D), dtype=np.float32))
+        q = cp.random.RandomState(0).standard_normal((1, H, n, D), dtype=cp.float32)
         dst = cp.empty((1, n, H, D), cp.float32)
-        base = rng.standard_normal((1, n, HKV, D), dtype=np.float32) * 0.5
         dm = cp.asarray(block_causal_mask([n], n))
         tm = from_array(dm)
         st = cp.cuda.get_current_stream().ptr
-        ref = None
         case = f"prefill N={n} causal"
-        for name, t in (("f16", GGML_TYPE_F16), ("q8_0", GGML_TYPE_Q8_0), ("q4_0", GGML_TYPE_Q4_0)):
-            (dev, kd), (dev_v, vd) = cache_kv(base, t, n), cache_kv(base, t, n)
-            plan = cb.make_plan(tm, n, H, HKV, d_k=D, kv_type=t, stream=st)
-            call = cb.bind(from_array(q), kd, vd, tm, None, from_array(dst), 1.0 / np.sqrt(D), plan=plan, stream=st)
-            us = device_us([call.launch], calls=10)[0]
-            call.launch()
-            out = dst.get()
-            ref = out if ref is None else ref
-            rows.append(dict(case=case, kv=name, kernel=call.kern, us=round(us, 2), kv_bytes=2 * int(dev.nbytes),
-                             f16_copies=len(call._pre) == 2, nmse_vs_f16=float(nmse(out, ref))))
-            del call, plan, dev, dev_v
+        for kind in ("f16", "q8_0", "q4_0"):
+            (dk, kd), (dv, vd) = cache_kv(1, n, kind, 1), cache_kv(1, n, kind, 2)
+            plan = cb.make_plan(tm, n, H, HKV, d_k=D, kv_type=kd.type, stream=st)
+            ref = None
+            for kernel in ("auto", "decode") if kind != "f16" and n <= 2048 else ("auto",):
+                call = cb.bind(from_array(q), kd, vd, tm, None, from_array(dst), 1.0 / np.sqrt(D), plan=plan,
+                               kernel=kernel, stream=st)
+                us = device_us([call.launch], calls=10)[0]
+                call.launch()
+                out = dst.get()
+                ref = out if ref is None else ref
+                rows.append(dict(case=case, kv=kind, kernel=call.kern, us=round(us, 2), kv_bytes=2 * int(dk.nbytes),
+                                 f16_copies=len(call._pre) == 2, nmse_vs_auto=float(nmse(out, ref))))
+            del call, plan, dk, dv
             cp.get_default_memory_pool().free_all_blocks()
         _ratios(rows, case, log)
     return rows
@@ -124,12 +131,13 @@ def _ratios(rows, case, log):
     for r in mine:
         r["vs_f16"] = round(r["us"] / mine[0]["us"], 3)
         bw = f"{r['tb_s']:5.2f} TB/s" if "tb_s" in r else ""
-        log(f"{case:24s} {r['kv']:5s} {r['kernel']:13s} {r['us']:9.2f} us {bw} x{r['vs_f16']:.3f} "
-            f"nmse/f16 {r['nmse_vs_f16']:.2g}")
+        err = r.get("nmse_vs_decode", r.get("nmse_vs_auto"))
+        log(f"{case:22s} {r['kv']:5s} {r['kernel']:11s} {r.get('config') or '':10s} {r['us']:9.2f} us {bw} "
+            f"x{r['vs_f16']:.3f} nmse {err if err is None else f'{err:.2g}'}")
 
 
-def run(device_us, log=print, quick=False) -> list[dict]:
-    return decode_rows(device_us, log, DECODE[:2] if quick else DECODE) + \
+def run(device_us, log=print, quick=False, configs=()) -> list[dict]:
+    return decode_rows(device_us, log, DECODE[1:3] if quick else DECODE, configs) + \
         prefill_rows(device_us, log, [2048] if quick else PREFILL)
 
 
@@ -137,9 +145,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="")
     ap.add_argument("--quick", action="store_true", help="two decode rows and a 2048-token prompt")
+    ap.add_argument("--configs", default="", help="decode-tma instances to add as rows (decode_tma_shape.CONFIGS keys)")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
-    rows = run(device_us, quick=a.quick)
+    rows = run(device_us, quick=a.quick, configs=[c for c in a.configs.split(",") if c])
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
