@@ -46,12 +46,8 @@
 
 namespace dtma {
 constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
-constexpr int CONSUMERS = 4;            // consumer warps of the f16 instances: each takes every 4th tile
-                                        // (WHOLE) or 16 cells of every tile; the quantized ones may have 8
-// producer warps: one, or with 8 consumer warps a warpgroup (3 idle) whose registers go to the
-// consumers by setmaxnreg (8 x 32 x 232 + 4 x 32 x 40 <= 64 K)
-__host__ __device__ constexpr int producer_warps(int ncw) { return ncw > 4 ? 4 : 1; }
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+constexpr int CONSUMERS = 4;            // warps: each takes every 4th tile (WHOLE) or 16 cells of every tile
+constexpr int THREADS = 32 * (CONSUMERS + 1);
 constexpr int ROWS = 16;                // rows of a group: one m16 tile
 constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byte rows
 
@@ -84,10 +80,10 @@ template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
 // per stage), the consumers' f16 scratch tiles (quantized K/V), the merge buffer (ROWS x D
 // floats), the warps' row maxima and sums, the ring's barriers, the "last block" flag. Mirrored
 // by ggml_attn/decode_tma_shape.py.
-template <typename KT, int D, int STAGES, int NCW>
+template <typename KT, int D, int STAGES>
 __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (Tile<KT, D>::QUANT ? NCW * (D / 64) * BOX_BYTES : 0) +
-           ROWS * D * 4 + NCW * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+    return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (Tile<KT, D>::QUANT ? CONSUMERS * (D / 64) * BOX_BYTES : 0) +
+           ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
 }
 
 // ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
@@ -97,14 +93,14 @@ __host__ __device__ constexpr int smem_bytes() {
 // indices (RB is a multiple of 16, the blocks 34 or 18 bytes): its scale is then the high half
 // of the aligned word before it and its quants are 4-byte aligned; for even ones the scale is
 // the low half and the quants straddle words (byte_perm picks them out). Cells past n_kv were
-// read as zeros: scale 0, values 0. UNROLL: blocks in flight per lane.
-template <typename Q, int D, int UNROLL>
+// read as zeros: scale 0, values 0.
+template <typename Q, int D>
 __device__ __forceinline__ void dequant_tile(const unsigned char* raw, int off, unsigned char* out, int lane) {
     constexpr int NB = D / 32, RB = Tile<Q, D>::RB;
     constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
     constexpr int NW = Q8 ? 9 : 5;   // aligned words covering the block
     const __half2 bias2 = __float2half2_rn(Q8 ? 1152.0f : 1032.0f);
-#pragma unroll UNROLL
+#pragma unroll 2
     for (int u = lane; u < BK * NB; u += 32) {
         const int c = u / NB, blk = u % NB;
         const int base = off + c * RB + blk * Q::BYTES;
@@ -400,34 +396,32 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
         *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
 }
 
-template <typename KT, int D, int STAGES, bool WHOLE, int NCW = dtma::CONSUMERS, int UNROLL = 2>
+template <typename KT, int D, int STAGES, bool WHOLE>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
-    constexpr int THREADS = 32 * (NCW + producer_warps(NCW));
     using T = typename Tile<KT, D>::T;
     constexpr bool QUANT = Tile<KT, D>::QUANT;
     constexpr int BOXES = D / 64;
-    constexpr int NC = WHOLE ? BK : BK / NCW;   // cells of a tile one warp takes
+    constexpr int NC = WHOLE ? BK : BK / CONSUMERS;   // cells of a tile one warp takes
     constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one f16 K (or V) tile: a ring tile's or a scratch's
     constexpr int TILE_BYTES = Tile<KT, D>::BYTES;       // one K (or V) tile in the ring
     constexpr int STAGE_BYTES = 2 * TILE_BYTES;
     static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
-    static_assert(!WHOLE || (2 * STAGES) % NCW == 0, "a warp's own tile two ring turns back (see the full wait)");
-    static_assert(WHOLE ? NCW >= 4 : NCW == CONSUMERS, "the merge and write steps take 128 threads");
+    static_assert(!WHOLE || (2 * STAGES) % CONSUMERS == 0, "a warp's own tile two ring turns back (see the full wait)");
     static_assert(!QUANT || WHOLE, "quantized K/V: a warp per tile (its own scratch)");
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
-    unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [NCW][KV_BYTES] (quantized K/V)
-    float* sO = reinterpret_cast<float*>(scratch + (QUANT ? NCW * KV_BYTES : 0));   // [ROWS][D]
-    float* sML = sO + ROWS * D;                                          // [NCW][ROWS][2]
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + NCW * ROWS * 2);
+    unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [CONSUMERS][KV_BYTES] (quantized K/V)
+    float* sO = reinterpret_cast<float*>(scratch + (QUANT ? CONSUMERS * KV_BYTES : 0));   // [ROWS][D]
+    float* sML = sO + ROWS * D;                                          // [CONSUMERS][ROWS][2]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + CONSUMERS * ROWS * 2);
     unsigned long long* empty = full + STAGES;
     int* s_last = reinterpret_cast<int*>(empty + STAGES);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : NCW); }
+        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : CONSUMERS); }
         fence_mbar_init();
     }
     for (int i = tid; i < ROWS * D; i += THREADS) sO[i] = 0.0f;
@@ -438,11 +432,9 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     if (!wk.start(p, blockIdx.x, gridDim.x, lane)) return;
     const int P = p.pack, pshift = __ffs(P) - 1, tq = p.q_tile_tokens;
 
-    // ---- step produce (one lane of the producer warp; with 8 consumer warps the producer
-    // warpgroup hands its registers to the consumers)
-    if (warp >= NCW) {
-        if constexpr (producer_warps(NCW) == 4) setmaxnreg_dec<PRODUCER_REGS>();
-        if (warp != NCW || lane != 0) return;
+    // ---- step produce (one lane of the producer warp)
+    if (warp == CONSUMERS) {
+        if (lane != 0) return;
         int it = 0;
         for (; wk.w < wk.end; wk.next(p)) {
             const int s = wk.pair / p.n_q_tiles;
@@ -470,7 +462,6 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         return;
     }
 
-    if constexpr (producer_warps(NCW) == 4) setmaxnreg_inc<CONSUMER_REGS>();
     // ---- consumers: WHOLE -- warp w takes every 4th tile of the block's sequence, all its
     // cells; otherwise every tile, cells [16 w, 16 w + 16). Fragment rows g, g + 8, cells
     // w0 + 8 nt + [2 t4, 2 t4 + 1] of its NC (w0 = 0 or 16 w).
@@ -540,8 +531,8 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         const int te = min(wk.seg_end(), wk.cnt);
         // WHOLE: this warp's tiles of the segment are those whose place in the block's sequence
         // (it + j - t) is warp modulo 4
-        const int j0 = WHOLE ? wk.t + ((warp - it) % NCW + NCW) % NCW : wk.t;
-        for (int j = j0; j < te; j += WHOLE ? NCW : 1) {
+        const int j0 = WHOLE ? wk.t + ((warp - it) % CONSUMERS + CONSUMERS) % CONSUMERS : wk.t;
+        for (int j = j0; j < te; j += WHOLE ? CONSUMERS : 1) {
             const int itj = it + (j - wk.t);
             const int stage = itj % STAGES;
             const int e = tile_entry(p, wk.pair, j);
@@ -556,7 +547,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             if (itj == 0) DTMA_MARK(1);
             const unsigned kb = k_lane + (QUANT ? 0 : stage * STAGE_BYTES), vb = v_lane + (QUANT ? 0 : stage * STAGE_BYTES);
             if constexpr (QUANT) {   // ---- step dequantize K
-                dequant_tile<KT, D, UNROLL>(ring + stage * STAGE_BYTES, row_off, my_scratch, lane);
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
             }
 
@@ -631,7 +622,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 
             if constexpr (QUANT) {   // ---- step dequantize V (over K: every lane's K fragments are read)
                 __syncwarp();
-                dequant_tile<KT, D, UNROLL>(ring + stage * STAGE_BYTES + TILE_BYTES, row_off, my_scratch, lane);
+                dequant_tile<KT, D>(ring + stage * STAGE_BYTES + TILE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
                 if (lane == 0) mbar_arrive(empty + stage);   // the raw tile is free for the next fill
             }
@@ -692,17 +683,17 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 sML[(warp * ROWS + g + 8 * rs) * 2 + 1] = l[rs];
             }
         }
-        named_barrier_sync(1, 32 * NCW);
+        named_barrier_sync(1, 32 * CONSUMERS);
         float f[2];
 #pragma unroll
         for (int rs = 0; rs < 2; ++rs) {
             float M = FATTN_NEG_INF;
 #pragma unroll
-            for (int w = 0; w < NCW; ++w) M = fmaxf(M, sML[(w * ROWS + g + 8 * rs) * 2]);
+            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + g + 8 * rs) * 2]);
             f[rs] = m[rs] == FATTN_NEG_INF ? 0.0f : fast_exp2(m[rs] - M);
         }
 #pragma unroll
-        for (int w = 0; w < NCW; ++w) {   // one warp at a time adds its scaled O
+        for (int w = 0; w < CONSUMERS; ++w) {   // one warp at a time adds its scaled O
             if (warp == w) {
 #pragma unroll
                 for (int rs = 0; rs < 2; ++rs)
@@ -713,19 +704,19 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                         *o = make_float2(x.x + f[rs] * O[i][2 * rs], x.y + f[rs] * O[i][2 * rs + 1]);
                     }
             }
-            named_barrier_sync(1, 32 * NCW);
+            named_barrier_sync(1, 32 * CONSUMERS);
         }
         // write: thread -> row r = tid / 8, columns [cw * (tid % 8), + cw)
         const bool whole = wk.t == 0 && wk.seg_end() == wk.units();
         const int slot = 2 * blockIdx.x + (wk.w == b_start ? 0 : 1);   // the block's first group, or its last
         constexpr int CW = D / 8;
-        if (tid < ROWS * 8) {   // (with 8 consumer warps the last four wait here)
+        {
             const int r = tid >> 3, cb = (tid & 7) * CW;
             float M = FATTN_NEG_INF, L = 0.0f;
 #pragma unroll
-            for (int w = 0; w < NCW; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
 #pragma unroll
-            for (int w = 0; w < NCW; ++w) {
+            for (int w = 0; w < CONSUMERS; ++w) {
                 const float mw = sML[(w * ROWS + r) * 2];
                 L += mw == FATTN_NEG_INF ? 0.0f : sML[(w * ROWS + r) * 2 + 1] * fast_exp2(mw - M);
             }
@@ -768,15 +759,15 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             };
             const int group = wk.pair * (p.n_head / P) + wk.hg;
             __threadfence();
-            named_barrier_sync(1, 32 * NCW);
+            named_barrier_sync(1, 32 * CONSUMERS);
             if (tid == 0) {
                 const bool last = atomicAdd(p.split_cnt + group, 1) == n_part - 1;
                 if (last) p.split_cnt[group] = 0;   // for the next launch (no other block counts now)
                 *s_last = last;
             }
-            named_barrier_sync(1, 32 * NCW);
+            named_barrier_sync(1, 32 * CONSUMERS);
             DTMA_MARK(4);
-            if (*s_last && tid < ROWS * 8) {
+            if (*s_last) {
                 __threadfence();
                 const int r = tid >> 3;
                 const int h = row_head(r);
@@ -786,7 +777,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             }
         }
         __syncwarp();   // (merge_parts' invalid rows returned early) bar.sync is .aligned
-        named_barrier_sync(1, 32 * NCW);   // sO, sML and the flag are free for the next segment
+        named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment
     }
     DTMA_MARK(6);
 }
@@ -795,22 +786,14 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 // depth, a warp per tile (WHOLE) or four warps per tile, blocks per SM the registers must allow
 // (one: with two, 168 registers, the warp-per-tile loop spills)
 #define FATTN_DECODE_TMA_INSTANCE(NAME, KT, D, STAGES, WHOLE, MINB)                                    \
-    FATTN_DECODE_TMA_INSTANCE_W(NAME, KT, D, STAGES, WHOLE, MINB, dtma::CONSUMERS, 2)
-// ... with NCW consumer warps and UNROLL blocks in flight per lane in the dequantize step
-#define FATTN_DECODE_TMA_INSTANCE_W(NAME, KT, D, STAGES, WHOLE, MINB, NCW, UNROLL)                     \
-    extern "C" __global__ void __launch_bounds__(32 * ((NCW) + dtma::producer_warps(NCW)), MINB)       \
+    extern "C" __global__ void __launch_bounds__(dtma::THREADS, MINB)                                  \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_decode_tma_body<KT, D, STAGES, WHOLE, NCW, UNROLL>(p, &mk, &mv);                         \
+        fattn_decode_tma_body<KT, D, STAGES, WHOLE>(p, &mk, &mv);                                      \
     }
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 1)
-// quantized K/V: 8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB of scratch;
-// 8 consumer warps (8 x 16 KB of scratch, 4 / 8 stages), and 4 blocks in flight per lane
+// quantized K/V (8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB of scratch)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_d128, fattn_q8_0, 128, 8, true, 1)
 FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_d128, fattn_q4_0, 128, 12, true, 1)
-FATTN_DECODE_TMA_INSTANCE_W(fattn_decode_tma_q8_0_u4_d128, fattn_q8_0, 128, 8, true, 1, 4, 4)
-FATTN_DECODE_TMA_INSTANCE_W(fattn_decode_tma_q8_0_w8_d128, fattn_q8_0, 128, 4, true, 1, 8, 2)
-FATTN_DECODE_TMA_INSTANCE_W(fattn_decode_tma_q8_0_w8u4_d128, fattn_q8_0, 128, 4, true, 1, 8, 4)
-FATTN_DECODE_TMA_INSTANCE_W(fattn_decode_tma_q4_0_w8u4_d128, fattn_q4_0, 128, 8, true, 1, 8, 4)

@@ -22,9 +22,9 @@ import numpy as np
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from .instances import pick
 
-THREADS = 160      # four consumer warps and the producer warp (threads() of an instance)
+THREADS = 160      # four consumer warps and the producer warp
 ROWS = 16          # rows of a group (one m16 tile)
-CONSUMERS = 4      # consumer warps (CONSUMER_WARPS: the instances with more)
+CONSUMERS = 4
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 # instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
 # stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
@@ -40,27 +40,7 @@ CONFIGS = {
     # warp into an f16 scratch tile; the smaller tiles leave room for a deeper ring
     "q8_0": ("fattn_decode_tma_q8_0_d128", 128, 8, GGML_TYPE_Q8_0),
     "q4_0": ("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0),
-    # A/B rows: 4 blocks in flight per lane in the dequantize step (u4), 8 consumer warps (w8)
-    "q8_0-u4": ("fattn_decode_tma_q8_0_u4_d128", 128, 8, GGML_TYPE_Q8_0),
-    "q8_0-w8": ("fattn_decode_tma_q8_0_w8_d128", 128, 4, GGML_TYPE_Q8_0),
-    "q8_0-w8u4": ("fattn_decode_tma_q8_0_w8u4_d128", 128, 4, GGML_TYPE_Q8_0),
-    "q4_0-w8u4": ("fattn_decode_tma_q4_0_w8u4_d128", 128, 8, GGML_TYPE_Q4_0),
 }
-# consumer warps of the instances that do not have CONSUMERS (FATTN_DECODE_TMA_INSTANCE_W)
-CONSUMER_WARPS = {"fattn_decode_tma_q8_0_w8_d128": 8, "fattn_decode_tma_q8_0_w8u4_d128": 8,
-                  "fattn_decode_tma_q4_0_w8u4_d128": 8}
-
-
-def consumers(name: str) -> int:
-    """Consumer warps of instance ``name``."""
-    return CONSUMER_WARPS.get(name, CONSUMERS)
-
-
-def threads(name: str) -> int:
-    """Threads of a block of instance ``name``: its consumer warps and the producer warp (with
-    8 consumer warps a producer warpgroup: dtma::producer_warps)."""
-    ncw = consumers(name)
-    return 32 * (ncw + (4 if ncw > 4 else 1))
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 # bytes of one block of 32 values (an f16 scale, then the quants) of the quantized types
 BLOCK_BYTES = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}
@@ -122,12 +102,12 @@ def quant_kv_map(t, l2_promotion: int = 0):
                             (rb, 64, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
 
 
-def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16, ncw: int = CONSUMERS) -> int:
-    """dtma::smem_bytes<KT, D, STAGES, NCW>() of cuda/fattn_decode_tma.cu: alignment slack, the
-    K/V ring, the ``ncw`` consumers' f16 scratch tiles (quantized K/V), the merge buffer, the
-    warps' row maxima and sums, the ring's barriers, the flag."""
-    scratch = ncw * (d // 64) * BOX_BYTES if kv_type in BLOCK_BYTES else 0
-    return 1024 + stages * 2 * tile_bytes(kv_type, d) + scratch + ROWS * d * 4 + ncw * ROWS * 2 * 4 \
+def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16) -> int:
+    """dtma::smem_bytes<KT, D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V
+    ring, the consumers' f16 scratch tiles (quantized K/V), the merge buffer, the warps' row
+    maxima and sums, the ring's barriers, the flag."""
+    scratch = CONSUMERS * (d // 64) * BOX_BYTES if kv_type in BLOCK_BYTES else 0
+    return 1024 + stages * 2 * tile_bytes(kv_type, d) + scratch + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 \
         + 2 * stages * 8 + 16
 
 

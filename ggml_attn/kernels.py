@@ -273,9 +273,7 @@ def decode_tma_variant() -> Variant:
     """The sm_90a decode (cuda/fattn_decode_tma.cu): the instances of decode_tma_shape.CONFIGS."""
     return Variant("decode-tma", "fattn_decode_tma.cu",
                    ("fattn_decode_tma_d128", "fattn_decode_tma_bf16_d128", "fattn_decode_tma_s4_d128",
-                    "fattn_decode_tma_split_d128", "fattn_decode_tma_q8_0_d128", "fattn_decode_tma_q4_0_d128",
-                    "fattn_decode_tma_q8_0_u4_d128", "fattn_decode_tma_q8_0_w8_d128", "fattn_decode_tma_q8_0_w8u4_d128",
-                    "fattn_decode_tma_q4_0_w8u4_d128"),
+                    "fattn_decode_tma_split_d128", "fattn_decode_tma_q8_0_d128", "fattn_decode_tma_q4_0_d128"),
                    arch_suffix="a")
 
 

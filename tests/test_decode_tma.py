@@ -219,7 +219,7 @@ def test_block_ranges_split_right_under_any_cap(seed):
 
 def test_every_instance_fits_shared_memory():
     for name, d, stages, kv_type in dt.CONFIGS.values():
-        assert dt.smem_bytes(d, stages, kv_type, dt.consumers(name)) <= 227 * 1024, name
+        assert dt.smem_bytes(d, stages, kv_type) <= 227 * 1024, name
 
 
 # ---- the kernel's work split, mirrored: block b takes units [b W / B, (b + 1) W / B) of the
