@@ -91,11 +91,14 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
              sinks: TensorDesc | None, dst: TensorDesc, scale: float = 1.0, max_bias: float = 0.0,
              logit_softcap: float = 0.0) -> Shapes:
     """ggml's rules for the op (:func:`ggml_attn.validate.check_flash_attn_args`, the one set of
-    rules and messages) plus what the GPU entry points add: K and V of one float type, a
-    contiguous f32 ``dst`` of the result's shape. ValueError naming the tensor at fault."""
+    rules and messages) plus what the GPU entry points add: K and V of one type (or f16, q8_0 and
+    q4_0 mixed: the quantized ones read as f16 copies), a contiguous f32 ``dst`` of the result's
+    shape. ValueError naming the tensor at fault."""
     dims = check_flash_attn_args(q, k, v, mask, sinks, max_bias, scale, logit_softcap, mask_rows_only=True)
-    if k.type != v.type:
-        raise ValueError(f"k and v must have the same type: {k.shape_str} vs {v.shape_str}")
+    mixable = (GGML_TYPE_F16, *K.QUANT_KV_CTYPES)
+    if k.type != v.type and not (k.type in mixable and v.type in mixable):
+        raise ValueError(f"k and v must have the same type (or f16, q8_0 and q4_0 mixed): "
+                         f"{k.shape_str} vs {v.shape_str}")
     if k.type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16) and k.type not in K.QUANT_KV_CTYPES:
         raise ValueError(f"k/v type {TYPE_NAMES.get(k.type, k.type)} is not supported by the GPU "
                          f"entry points (f32, f16, bf16, q8_0, q4_0): {k.shape_str}")
@@ -103,7 +106,7 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
     if dst.type != GGML_TYPE_F32 or tuple(dst.ne) != want or not dst.is_contiguous():
         raise ValueError(f"dst must be contiguous f32 {list(want)}, got {dst.shape_str} nb={dst.nb}")
     return Shapes(dims.d_k, dims.d_v, dims.n_batch, dims.n_head, dims.n_head_kv, dims.ne3, dims.n_kv,
-                  k.type, dims.mask_heads, dims.mask_streams)
+                  k.type, dims.mask_heads, dims.mask_streams, v.type if v.type != k.type else None)
 
 
 
@@ -190,30 +193,39 @@ class _Prepared:
 
 @dataclass(frozen=True)
 class _F16Copies:
-    """The f16 copies of a call's q8_0/q4_0 K and V (``fattn_dequant_kv``): source views,
-    contiguous f16 descriptors at offsets 0 and ``v_off`` of one buffer of ``nbytes``."""
-    k: TensorDesc
-    v: TensorDesc
-    k16: TensorDesc
-    v16: TensorDesc
+    """The f16 copies of a call's q8_0/q4_0 K and/or V (``fattn_dequant_kv``): ``k16`` / ``v16``
+    contiguous f16 descriptors at offsets 0 and ``v_off`` of one buffer of ``nbytes`` (pointers
+    relative to it), None for a tensor that is f16 already (read in place)."""
+    k16: TensorDesc | None
+    v16: TensorDesc | None
     v_off: int
     nbytes: int
 
     @staticmethod
     def of(k: TensorDesc, v: TensorDesc) -> "_F16Copies":
-        def dense(t, ptr):   # contiguous f16, ggml order [D, n_kv, n_head_kv, ne3]
+        def dense(t, ptr):   # contiguous f16, ggml order [D, n_kv, n_head_kv, ne3]; None: not quantized
+            if t.type not in K.QUANT_KV_CTYPES:
+                return None
             nb1 = 2 * t.ne[0]
             return TensorDesc(ptr, GGML_TYPE_F16, t.ne, (2, nb1, nb1 * t.ne[1], nb1 * t.ne[1] * t.ne[2]), t.name)
-        kb = 2 * k.ne[0] * k.ne[1] * k.ne[2] * k.ne[3]
-        v_off = -(-kb // 256) * 256
-        return _F16Copies(k, v, dense(k, 0), dense(v, v_off), v_off, v_off + 2 * v.ne[0] * v.ne[1] * v.ne[2] * v.ne[3])
+        def size(t):
+            return 2 * t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3] if t.type in K.QUANT_KV_CTYPES else 0
+        v_off = -(-size(k) // 256) * 256
+        return _F16Copies(dense(k, 0), dense(v, v_off), v_off, v_off + size(v))
+
+    def views(self, k: TensorDesc, v: TensorDesc, base: int) -> tuple[TensorDesc, TensorDesc]:
+        """(K, V) the kernel reads: the copies in the buffer at ``base``, or the call's own."""
+        return (replace(self.k16, ptr=base) if self.k16 is not None else k,
+                replace(self.v16, ptr=base + self.v_off) if self.v16 is not None else v)
 
     def launches(self, k: TensorDesc, v: TensorDesc, base: int, stream: int) -> tuple[list, list]:
-        """(launches, kept objects): one ``fattn_dequant_kv`` per tensor, K/V at the call's
-        pointers ``k``/``v``, the copies at ``base``; each launch a callable of no arguments."""
+        """(launches, kept objects): one ``fattn_dequant_kv`` per quantized tensor, K/V at the
+        call's pointers ``k``/``v``, the copies at ``base``; each launch a callable of no arguments."""
         fn = K.get_function(K.util_variant(), "fattn_dequant_kv")
         calls, keep = [], []
-        for src, off in ((k, 0), (v, self.v_off)):
+        for src, copy, off in ((k, self.k16, 0), (v, self.v16, self.v_off)):
+            if copy is None:
+                continue
             p = K.DequantKVParams(src.ptr, base + off, src.nb[1], src.nb[2], src.nb[3],
                                   src.ne[0], src.ne[1], src.ne[2], src.ne[3], src.type, 0)
             arr = K.arg_block(p)
@@ -245,9 +257,10 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     if kern == "reference":
         return _Prepared(kern)
     conv = None
-    if sh.kv_type in K.QUANT_KV_CTYPES and kern not in dispatch.QUANT_READERS:   # f16 copies first
-        conv = _F16Copies.of(k, v)
-        k, v, sh = conv.k16, conv.v16, replace(sh, kv_type=GGML_TYPE_F16)
+    if (k.type in K.QUANT_KV_CTYPES or v.type in K.QUANT_KV_CTYPES) and kern not in dispatch.QUANT_READERS:
+        conv = _F16Copies.of(k, v)   # f16 copies first: the kernel reads f16 (pointers fixed at bind)
+        k, v = conv.views(k, v, 0)
+        sh = replace(sh, kv_type=GGML_TYPE_F16, v_type=None)
     cfg = launch_config(kern, sh, n_splits, ext=softcap != 0.0 or max_bias > 0.0,
                         wide=plan.wide if plan is not None else None,
                         max_live=plan.max_live if plan is not None else None,
@@ -393,7 +406,7 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     if prep.conv:   # quantized K/V converted to f16 before the kernel reads them
         base, buf = work.converted(prep.conv.nbytes)
         b._pre, kept = prep.conv.launches(k, v, base, st)
-        k, v = replace(prep.conv.k16, ptr=base), replace(prep.conv.v16, ptr=base + prep.conv.v_off)
+        k, v = prep.conv.views(k, v, base)
         p.k, p.v = k.ptr, v.ptr
         b._keep = (b._keep, buf, kept)
     if prep.ws_bytes:
@@ -441,7 +454,7 @@ def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None
     from .reference import flash_attn_ext
     from .tensor import as_numpy
     hk, hv, kv_type = as_numpy(k), as_numpy(v), k.type
-    if k.type not in STORAGE_DTYPES:
+    if k.type not in STORAGE_DTYPES or v.type != k.type:
         def dense(t):   # (ne3, n_head_kv, n_kv, D) float32
             read = kv_head_reader(t)
             return np.stack([np.stack([read(s, h) for h in range(t.ne[2])]) for s in range(t.ne[3])])

@@ -133,6 +133,7 @@ class Shapes:
     kv_type: int
     ne32: int = 1
     ne33: int = 1
+    v_type: int | None = None   # V's type when it differs from K's (kv_type)
 
     @property
     def gqa(self) -> int:
@@ -163,7 +164,7 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
     even = (counts is not None or not masked) and \
         decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts)[0] > 0
     return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma)
+                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma, sh.v_type)
 
 
 def _pair_units(sh: Shapes, n_q_tiles: int, counts):

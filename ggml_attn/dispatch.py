@@ -260,6 +260,9 @@ class CallFacts:
     # K and V readable through the sm_90a decode's TMA maps (16-byte aligned; q8_0/q4_0 also
     # with each cell's heads packed in its row: cuda_backend._kv_tma)
     kv_tma: bool = True
+    # V's type when it differs from K's (``kv_type``); None: the same. On the GPU only f16 beside
+    # q8_0/q4_0 (or those two together), through f16 copies of the quantized one
+    v_type: int | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +290,10 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
     why; never returns a choice that cannot run (``"cpu"`` only for host data)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    quantized = f.kv_type not in (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
+    floats = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
+    v_type = f.kv_type if f.v_type is None else f.v_type
+    mixed = v_type != f.kv_type
+    quantized = f.kv_type not in floats or v_type not in floats
     if backend == "reference":
         if on_device:
             return Choice("reference", "backend 'reference' (data copied to the host)")
@@ -300,18 +306,30 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                "(ggml_attn.gpu_available() is False); the numpy path reads host memory only")
         return Choice("cpu", "no usable GPU")
     if quantized:
-        name = type_name(f.kv_type)
+        name = type_name(f.kv_type) if not mixed else f"{type_name(f.kv_type)}/{type_name(v_type)}"
         if not on_device:   # host data: the op's CPU path reads every type ggml dequantizes
             what = f"quantized K/V ({name}) in host memory run on the CPU path"
             if backend == "cuda":
                 raise ValueError(f"{what}: backend 'cuda' runs them from GPU memory only "
                                  f"(q8_0/q4_0); use 'auto' or 'reference'")
             return Choice("cpu", what)
-        if f.kv_type not in QUANT_KV_CTYPES:
+        gpu_types = (GGML_TYPE_F16, *QUANT_KV_CTYPES) if mixed else QUANT_KV_CTYPES
+        if f.kv_type not in gpu_types or v_type not in gpu_types:
             raise ValueError(f"quantized K/V ({name}) in GPU memory: no GPU kernel reads them (the GPU "
-                             f"reads f16/bf16, q8_0 and q4_0); use one of those, or keep them on the host")
+                             f"reads f16/bf16, q8_0 and q4_0, K and V of one type or f16/q8_0/q4_0 mixed); "
+                             f"use those, or keep them on the host")
+    elif mixed and on_device:
+        raise ValueError(f"K {type_name(f.kv_type)} / V {type_name(v_type)} in GPU memory: the kernels read K "
+                         f"and V of one float type (or f16 beside q8_0/q4_0)")
     if kernel == "reference":
         return Choice("reference", "kernel 'reference' requested")
+    if mixed and f.kv_aligned:   # K and V of different types: the quantized one(s) as f16 copies
+        if kernel in QUANT_READERS:
+            raise ValueError(f"kernel {kernel!r} cannot run this call: it reads K and V of one type "
+                             f"(K {type_name(f.kv_type)}, V {type_name(v_type)})")
+        c = best_kernel(kernel, replace(f, kv_type=GGML_TYPE_F16, v_type=None, kv_aligned=True, kv_tma=True))
+        return Choice(c.kernel, f"{c.reason}; K {type_name(f.kv_type)} / V {type_name(v_type)}: the quantized "
+                                f"one converted to f16 once per call first")
     if quantized and f.kv_aligned and kernel not in QUANT_READERS:
         direct = _quant_direct(f) if kernel == "auto" else None
         if direct is not None:

@@ -523,7 +523,7 @@ def _maybe_device_pointer(ptr: int) -> bool:
     return _is_device_pointer_safe(ptr)
 
 
-def _choose(q: TensorDesc, k: TensorDesc, dims):
+def _choose(q: TensorDesc, k: TensorDesc, v: TensorDesc, dims):
     """(``dispatch.Choice``, data on the device) for this call: ``dispatch.best_kernel`` with
     the op's settings. Where the data is is asked whatever the settings: the numpy path reads
     host pointers, and device memory handed to it is a segfault (a device graph computed with
@@ -534,7 +534,7 @@ def _choose(q: TensorDesc, k: TensorDesc, dims):
     on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
     # the device's architecture: a forced sm_90a kernel (prefill-wgmma, decode-tma) can run only there
     f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type,
-                  arch=_device_arch() if gpu else "")
+                  arch=_device_arch() if gpu else "", v_type=v.type if v.type != k.type else None)
     return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
 
 
@@ -713,7 +713,7 @@ def _callback_slow(dst_p, ith, nth, spec, userdata: int):
                                    "was freed; keep it alive while the graph is computed")
         q, k, v, mask, sinks, dst = _descs(dst_p, p)
         dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
-        choice, on_device = _choose(q, k, dims)
+        choice, on_device = _choose(q, k, v, dims)
         if choice.kernel != "cpu":
             if ith != 0:
                 return

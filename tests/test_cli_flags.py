@@ -154,17 +154,21 @@ def _both_tools_refuse(capsys, args, msg, base):
 
 
 def test_cache_types_on_the_cuda_engine():
-    """The GPU engine keeps K and V of one type, f16, q8_0 or q4_0, on one GPU; a kernel asked
-    for by name must read it (dispatch.supports)."""
+    """The GPU engine keeps K and V of f16, q8_0 or q4_0 (the same or mixed), on one GPU; a
+    kernel asked for by name must read them (dispatch.supports; mixed pairs: not the block readers)."""
     from ggml_attn.cli.errors import UserError
     from ggml_attn.cli.kv_types import check_cache_types
     for t in ("f16", "q8_0", "q4_0"):
         check_cache_types(t, t, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
     check_cache_types("q8_0", "q8_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
                       kernel="decode")
-    for tk, tv in (("bf16", "f16"), ("f32", "f32"), ("q8_0", "f16"), ("q8_0", "q4_0"), ("q5_1", "q5_1"),
-                   ("iq4_nl", "iq4_nl")):
-        with pytest.raises(UserError, match=rf"-ctk {tk} -ctv {tv}: the GPU engine keeps K and V of one type, "
+    for tk, tv in (("q8_0", "f16"), ("q8_0", "q4_0"), ("f16", "q4_0")):   # mixed: f16 copies of the quantized one
+        check_cache_types(tk, tv, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
+        with pytest.raises(UserError, match=rf"--kernel decode-tma -ctk {tk} -ctv {tv}: that kernel reads K and V of one"):
+            check_cache_types(tk, tv, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
+                              kernel="decode-tma")
+    for tk, tv in (("bf16", "f16"), ("f32", "f32"), ("q8_0", "bf16"), ("q5_1", "q5_1"), ("iq4_nl", "iq4_nl")):
+        with pytest.raises(UserError, match=rf"-ctk {tk} -ctv {tv}: the GPU engine keeps K and V of "
                                             rf"f16, q8_0, q4_0 .*--device cpu"):
             check_cache_types(tk, tv, device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128)
     # the tensor-core kernels run on f16 copies of the blocks; decode-tma reads them at D 128 only
@@ -197,14 +201,15 @@ def test_run_config_on_cuda_takes_quantized_caches():
             RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, tp=RankContext(0, 2, 0))
         # a tensor-core kernel by name runs on f16 copies of the blocks
         assert RunConfig(m, n_ctx=256, device="cuda", type_k=t, type_v=t, kernel="decode-tc").type_k == t
-    with pytest.raises(UserError, match="-ctk q8_0 -ctv f16: the GPU engine"):
-        RunConfig(m, n_ctx=256, device="cuda", type_k="q8_0", type_v="f16")
+    assert RunConfig(m, n_ctx=256, device="cuda", type_k="q8_0", type_v="f16").type_v == "f16"
+    with pytest.raises(UserError, match="-ctk q8_0 -ctv bf16: the GPU engine"):
+        RunConfig(m, n_ctx=256, device="cuda", type_k="q8_0", type_v="bf16")
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["-ctk", "q8_0"], "-ctk q8_0 -ctv f16: the GPU engine keeps K and V of one type, f16, q8_0, q4_0"),
-    (["-ctk", "q5_0", "-ctv", "q5_0"], "-ctk q5_0 -ctv q5_0: the GPU engine keeps K and V of one type"),
-    (["-ctk", "q4_0", "-ctv", "q8_0"], "-ctk q4_0 -ctv q8_0: the GPU engine keeps K and V of one type"),
+    (["-ctk", "bf16"], "-ctk bf16 -ctv f16: the GPU engine keeps K and V of f16, q8_0, q4_0"),
+    (["-ctk", "q5_0", "-ctv", "q5_0"], "-ctk q5_0 -ctv q5_0: the GPU engine keeps K and V of f16, q8_0, q4_0"),
+    (["-ctk", "q4_0", "-ctv", "q8_0", "--kernel", "decode"], "--kernel decode -ctk q4_0 -ctv q8_0: that kernel reads"),
 ])
 def test_cache_type_errors_on_the_cuda_path(capsys, monkeypatch, args, msg):
     """--device cuda (a GPU faked: the checks come before any GPU work): one line, exit 2."""

@@ -15,7 +15,7 @@ from ggml_attn import cuda_backend as cb
 from ggml_attn import kernels as K
 from ggml_attn import reference
 from ggml_attn.decode_tma_shape import quant_why_not
-from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
+from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from ggml_attn.quant import dequantize_rows, quantize
 from ggml_attn.tensor import TensorDesc, from_array, from_ggml
 from ggml_build import build_case, case_bytes, get_data, ggml_reference_node, graph_of, new_context
@@ -229,3 +229,48 @@ def test_tensor_core_kernels_on_f16_copies(kv_type, n_batch, n_kv, d, kernels):
     k16 = buf[:2 * d * n_kv * n_head_kv].view(cp.float16).get().reshape(1, n_head_kv, n_kv, d)
     assert np.array_equal(k16, deq[0].astype(np.float16))
     del keep
+
+
+MIXED = [c for c in conf.grid(kv_types=GPU_QUANT + (GGML_TYPE_F16,))
+         if getattr(c, "v_type", None) not in (None, c.kv_type) and not c.nonfinite
+         and {c.kv_type, c.v_type} <= {GGML_TYPE_F16, *GPU_QUANT}]
+
+
+def test_grid_has_mixed_pairs():
+    assert len(MIXED) >= 4 and any(GGML_TYPE_F16 in (c.kv_type, c.v_type) for c in MIXED)
+
+
+@pytest.mark.parametrize("case", MIXED, ids=[c.id for c in MIXED])
+def test_mixed_kv_types_on_f16_copies(case):
+    """K and V of different types (f16 beside q8_0 / q4_0, or those two): the quantized one read
+    through its f16 copy by every kernel (auto's and the tensor-core prefill), against ggml's CPU
+    result and float64; the kernels that read blocks themselves refuse the pair, naming it."""
+    import cupy as cp
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    x = conf.make_inputs(case, rng)
+    ctx = new_context(case_bytes(case))
+    keep = []
+    try:
+        q, k, v, mask, sinks = build_case(ctx, case, x)
+        theirs = ggml_reference_node(ctx, q, k, v, mask, sinks, case)
+        ggml_attn.compute_graph(ctx, graph_of(ctx, theirs), 2)
+        ggml_out = get_data(theirs)
+        descs = [_to_device(from_ggml(t, nm) if t is not None else None, keep)
+                 for t, nm in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (sinks, "sinks"))]
+    finally:
+        import ggml
+        ggml.ggml_free(ctx)
+    kf, vf = x.kv_float()
+    exact = reference.flash_attn_ext(x.q, kf, vf, x.mask, case.scale, case.max_bias, case.logit_softcap, x.sinks)
+    for kernel in ("auto", "prefill"):
+        dst = cp.full(exact.shape, cp.nan, dtype=cp.float32)
+        call = cb.bind(*descs, from_array(dst), case.scale, case.max_bias, case.logit_softcap, kernel=kernel)
+        assert call.kern in cb.dispatch.GPU_KERNELS and len(call._pre) == 1, (kernel, call.kern)
+        call.launch()
+        out = dst.get()
+        assert np.isfinite(out).all(), f"{kernel}: unwritten or non-finite output"
+        assert reference.nmse(out, exact) <= NMSE_MAX, (kernel, "vs float64", reference.nmse(out, exact))
+        assert reference.nmse(out, ggml_out) <= NMSE_MAX, (kernel, "vs ggml", reference.nmse(out, ggml_out))
+    dst = cp.full(exact.shape, cp.nan, dtype=cp.float32)
+    with pytest.raises(ValueError, match="reads K and V of one type"):
+        cb.bind(*descs, from_array(dst), case.scale, case.max_bias, case.logit_softcap, kernel="decode")

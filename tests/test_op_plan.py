@@ -159,6 +159,21 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
             assert c.kernel == want and "converted to f16" in c.reason, c
         c = best_kernel("auto", CallFacts(5, 4, 4096, 128, 128, t, arch="sm_90"))   # past the decode limit
         assert c.kernel == "prefill" and "converted to f16" in c.reason
+    # K and V of different types: f16 beside q8_0/q4_0 (or those two) through f16 copies of the
+    # quantized one, at every batch; the block readers refuse the pair; other pairs are an error
+    for kt, vt in ((GGML_TYPE_F16, GGML_TYPE_Q8_0), (GGML_TYPE_Q4_0, GGML_TYPE_Q8_0), (GGML_TYPE_Q4_0, GGML_TYPE_F16)):
+        for n_batch, want in ((1, "decode-tc"), (512, "prefill-wgmma")):
+            c = best_kernel("auto", CallFacts(n_batch, 4, 4096, 128, 128, kt, arch="sm_90", v_type=vt))
+            assert c.kernel == want and "converted to f16" in c.reason, (kt, vt, c)
+        for name in ("decode", "decode-tma"):
+            with pytest.raises(ValueError, match="reads K and V of one type"):
+                best_kernel(name, CallFacts(1, 4, 4096, 128, 128, kt, arch="sm_90", v_type=vt))
+        assert best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, kt, v_type=vt), backend="auto",
+                           on_device=False).kernel == "cpu"
+    with pytest.raises(ValueError, match="K f16 / V bf16 in GPU memory"):
+        best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_F16, v_type=GGML_TYPE_BF16))
+    with pytest.raises(ValueError, match=r"\(bf16/q8_0\) in GPU memory"):
+        best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_BF16, v_type=GGML_TYPE_Q8_0))
     # head sizes with only the CUDA-core kernel: that one at every batch
     assert best_kernel("auto", CallFacts(600, 4, 4096, 576, 512, GGML_TYPE_Q8_0, arch="sm_90")).kernel == "decode"
     assert best_kernel("decode", q8).kernel == "decode"

@@ -7,12 +7,12 @@ llama.cpp's cache types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 and q
   graph's ``ggml_set_rows``, so all of them run;
   as in llama.cpp, a quantized V cache needs flash attention (``-fa off`` transposes V,
   which ggml cannot do for quantized blocks);
-* the CLI's CUDA engine keeps K and V of one type, f16, q8_0 or q4_0 (:data:`GPU_TYPES`): a
-  CuPy ``KVCache`` whose rows the device store op writes (``cuda/dense.cu`` ``dense_kv_store``
-  quantizes q8_0/q4_0 as ggml's CPU reference does) and the attention kernels read (q8_0/q4_0:
-  the kernels ``ggml_attn.dispatch.supports`` names, which ``--kernel auto`` picks); K and V
-  must have the same type (the kernels read one type for both), and a quantized cache runs on
-  one GPU (``-sm row/layer`` over several GPUs keep f16).
+* the CLI's CUDA engine keeps K and V of f16, q8_0 or q4_0 (:data:`GPU_TYPES`), the same or
+  different: a CuPy ``KVCache`` whose rows the device store op writes (``cuda/dense.cu``
+  ``dense_kv_store`` quantizes q8_0/q4_0 as ggml's CPU reference does) and the attention
+  kernels read (``ggml_attn.dispatch.best_kernel``: decode steps read K and V of one quantized
+  type as blocks; a prompt, or K and V of different types, runs on f16 copies of the quantized
+  ones); a quantized cache runs on one GPU (``-sm row/layer`` over several GPUs keep f16).
 
 A quantized type packs 32 values per block, so each head must be a multiple of 32 wide
 (``graph.kv_cache.check_head_blocks``, the KV cache's own rule).
@@ -24,7 +24,7 @@ from .errors import UserError
 from ggml_attn.graph.kv_cache import CACHE_TYPES, DEVICE_BLOCK_TYPES, check_head_blocks
 
 QUANTIZED = frozenset(CACHE_TYPES[3:])
-GPU_TYPES = ("f16",) + DEVICE_BLOCK_TYPES   # what the CUDA engine's cache holds (K and V alike)
+GPU_TYPES = ("f16",) + DEVICE_BLOCK_TYPES   # what the CUDA engine's cache holds (K and V each)
 
 
 def check_cache_types(type_k: str, type_v: str, *, device: str, flash_attn: bool,
@@ -46,18 +46,23 @@ def check_cache_types(type_k: str, type_v: str, *, device: str, flash_attn: bool
 
 def check_gpu_types(type_k: str, type_v: str, *, kernel: str = "auto", head_dim_k: int = 128,
                     head_dim_v: int = 128) -> None:
-    """The CUDA engine's rule: K and V of one :data:`GPU_TYPES` type, and a ``--kernel`` asked
-    for by name that reads it at these head sizes (``ggml_attn.dispatch.supports``)."""
-    if type_k != type_v or type_k not in GPU_TYPES:
-        raise UserError(f"-ctk {type_k} -ctv {type_v}: the GPU engine keeps K and V of one type, "
-                        f"{', '.join(GPU_TYPES)} (what its kernels read); other types and mixed pairs "
+    """The CUDA engine's rule: K and V each of a :data:`GPU_TYPES` type, and a ``--kernel``
+    asked for by name that reads them at these head sizes (``ggml_attn.dispatch.supports``; a
+    pair of different types only the kernels that read f16 copies, not those that read blocks)."""
+    if type_k not in GPU_TYPES or type_v not in GPU_TYPES:
+        raise UserError(f"-ctk {type_k} -ctv {type_v}: the GPU engine keeps K and V of "
+                        f"{', '.join(GPU_TYPES)} (what its kernels read); other types "
                         f"run on the CPU path (--device cpu)")
     from ggml_attn import dispatch
     from ggml_attn.graph.kv_graph import ggml_type_of
     if kernel in dispatch.GPU_KERNELS:
-        why = dispatch.supports(kernel, head_dim_k, head_dim_v, ggml_type_of(type_k))
-        if why is not None:
-            raise UserError(f"--kernel {kernel} -ctk {type_k}: {why}; --kernel auto picks a kernel that reads it")
+        if type_k != type_v and kernel in dispatch.QUANT_READERS:
+            raise UserError(f"--kernel {kernel} -ctk {type_k} -ctv {type_v}: that kernel reads K and V of one "
+                            f"type; --kernel auto picks one that reads f16 copies of the quantized one")
+        for flag, t in (("-ctk", type_k), ("-ctv", type_v)):
+            why = dispatch.supports(kernel, head_dim_k, head_dim_v, ggml_type_of(t))
+            if why is not None:
+                raise UserError(f"--kernel {kernel} {flag} {t}: {why}; --kernel auto picks a kernel that reads it")
 
 
 def check_multi_gpu_types(type_k: str, type_v: str, n_gpu: int) -> None:
