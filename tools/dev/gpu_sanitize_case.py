@@ -4,7 +4,8 @@ with forced KV splits + combine, the cell-list decode (its list builder, splits,
 BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
 marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also with scores in natural units
 (cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefill as well (every instance
-directly, the op's through the op with a mask of every tile class) and the sm_90a decode.
+directly, the op's through the op with a mask of every tile class) and the sm_90a decode, also
+over q8_0 / q4_0 blocks, with f16 copies of quantized K/V for a prompt and a mixed K/V pair.
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -146,7 +147,54 @@ def main():
             print(f"decode-tma D=128 mask={'random' if mask is not None else None} blocks={blocks} "
                   f"nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         cuda_launch.DECODE_TMA_BLOCKS = 0
+        bad += _quantized(cp, rng, m)
     sys.exit(1 if bad else 0)
+
+
+def _quantized(cp, rng, mask) -> int:
+    """q8_0 / q4_0 K/V as a cache's rows (cells outer, heads packed, rows 16 bytes wider): the
+    sm_90a decode reading the blocks (no mask and ``mask``, a wave and 3 blocks), a prompt on
+    f16 copies (fattn_dequant_kv, then the tensor-core prefill), a K f16 / V q8_0 pair. Failures."""
+    from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
+    from ggml_attn.quant import dequantize_rows, quantize
+    from ggml_attn.tensor import TensorDesc
+    nh, nkv, n_kv, bad, keep = 32, 8, 333, 0, []
+
+    def rows(kv_type):   # (device view, float32 (1, nkv, n_kv, 128) of what it holds)
+        if kv_type == GGML_TYPE_F16:
+            x = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
+            dev = cp.asarray(x)
+            keep.append(dev)
+            return from_array(dev, GGML_TYPE_F16), x.astype(np.float32)
+        b = quantize(rng.uniform(-1, 1, (nkv, n_kv, 128)).astype(np.float32), kv_type)   # (nkv, n_kv, row)
+        row = b.shape[-1]
+        host = np.zeros((n_kv, nkv * row + 16), np.uint8)
+        host[:, :nkv * row] = b.transpose(1, 0, 2).reshape(n_kv, -1)
+        dev = cp.asarray(host)
+        keep.append(dev)
+        deq = dequantize_rows(b.ctypes.data, kv_type, 128, nkv * n_kv, row).reshape(1, nkv, n_kv, 128)
+        return TensorDesc(int(dev.data.ptr), kv_type, (128, n_kv, nkv, 1), (row // 4, host.shape[1], row, host.nbytes)), deq
+    for kt, vt, nb, kernel, m, blocks in ((GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 3, "decode-tma", None, 0),
+                                          (GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 3, "decode-tma", mask, 3),
+                                          (GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 100, "prefill", None, 0),
+                                          (GGML_TYPE_F16, GGML_TYPE_Q8_0, 3, "auto", mask, 0)):
+        cuda_launch.DECODE_TMA_BLOCKS = blocks
+        (kd, kf), (vd, vf) = rows(kt), rows(vt)
+        mm = None if m is None else np.ascontiguousarray(np.broadcast_to(m[..., :1, :], (1, 1, nb, n_kv)))
+        q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
+        ref = flash_attn_ext(q, kf, vf, mm, 0.1, 0.0, 0.0, None)
+        dq = cp.asarray(q)
+        dm = None if mm is None else cp.asarray(mm)
+        dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
+        cb.flash_attn_ext_device(from_array(dq), kd, vd, None if dm is None else from_array(dm, GGML_TYPE_F16), None,
+                                 from_array(dst), 0.1, kernel=kernel)
+        out = dst.get()
+        err = nmse(out, ref)
+        ok = err <= 5e-4 and not np.isnan(out).any()
+        bad += not ok
+        print(f"quant {kernel:10s} K {kt} V {vt} mask={m is not None} blocks={blocks} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    cuda_launch.DECODE_TMA_BLOCKS = 0
+    return bad
 
 
 if __name__ == "__main__":
