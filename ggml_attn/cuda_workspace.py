@@ -36,28 +36,27 @@ class Workspace:
         self._counters = None
         self._converted = None
 
+    def _bytes(self, slot: str, nbytes: int):
+        """(pointer, buffer) of slot ``slot`` ("_partials", "_converted"), grown to ``nbytes``
+        (at least 1 MiB) on this workspace's stream."""
+        import cupy
+        buf = getattr(self, slot)
+        if buf is None or buf.size < nbytes:
+            with cupy.cuda.ExternalStream(self.stream):
+                buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
+            setattr(self, slot, buf)
+        return buf.data.ptr, buf
+
     def converted(self, nbytes: int):
         """(pointer, buffer) of at least ``nbytes`` for the f16 copies of quantized K and V that
         the tensor-core kernels read (``fattn_dequant_kv``); kept by the bound calls as
         :meth:`partials` is. Calls on one stream run one after another, so they share it."""
-        import cupy
-        buf = self._converted
-        if buf is None or buf.size < nbytes:
-            with cupy.cuda.ExternalStream(self.stream):
-                buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
-            self._converted = buf
-        return buf.data.ptr, buf
+        return self._bytes("_converted", nbytes)
 
     def partials(self, nbytes: int):
         """(pointer, buffer) of at least ``nbytes``; a bound call keeps the buffer, so growing it
         for a later call never frees memory an earlier bound call still launches with."""
-        import cupy
-        buf = self._partials
-        if buf is None or buf.size < nbytes:
-            with cupy.cuda.ExternalStream(self.stream):
-                buf = cupy.empty(max(nbytes, 1 << 20), dtype=cupy.uint8)
-            self._partials = buf
-        return buf.data.ptr, buf
+        return self._bytes("_partials", nbytes)
 
     def counters(self, n: int):
         """(pointer, buffer) of at least ``n`` int32 counters, zero between launches: made zeroed,

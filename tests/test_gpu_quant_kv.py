@@ -43,16 +43,9 @@ def _to_device(desc: TensorDesc, keep: list) -> TensorDesc:
     return replace(desc, ptr=int(dev.data.ptr))
 
 
-def test_grid_has_the_gpu_types():
-    assert len(CASES) == 2 * 336 and {c.kv_type for c in CASES} == set(GPU_QUANT)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_quantized_grid_on_the_gpu(case, request):
-    n = request.config.getoption("--grid-sample", default=0)
-    if n and zlib.crc32(case.id.encode()) % max(1, len(CASES) // n):
-        pytest.skip("not in --grid-sample")
-    import cupy as cp
+def _grid_inputs(case):
+    """(q, k, v, mask, sinks descriptors on the device, their buffers, ggml's CPU result, the
+    float64 reference) of a conformance case, K/V laid out as ggml builds them."""
     rng = np.random.default_rng(zlib.crc32(case.id.encode()))
     x = conf.make_inputs(case, rng)
     ctx = new_context(case_bytes(case))
@@ -69,6 +62,20 @@ def test_quantized_grid_on_the_gpu(case, request):
         ggml.ggml_free(ctx)
     kf, vf = x.kv_float()
     exact = reference.flash_attn_ext(x.q, kf, vf, x.mask, case.scale, case.max_bias, case.logit_softcap, x.sinks)
+    return descs, keep, ggml_out, exact
+
+
+def test_grid_has_the_gpu_types():
+    assert len(CASES) == 2 * 336 and {c.kv_type for c in CASES} == set(GPU_QUANT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_quantized_grid_on_the_gpu(case, request):
+    n = request.config.getoption("--grid-sample", default=0)
+    if n and zlib.crc32(case.id.encode()) % max(1, len(CASES) // n):
+        pytest.skip("not in --grid-sample")
+    import cupy as cp
+    descs, keep, ggml_out, exact = _grid_inputs(case)
     plain = case.max_bias == 0.0 and case.logit_softcap == 0.0 and descs[4] is None
     d128 = descs[1].ne[0] == 128 and descs[2].ne[0] == 128 and _is_sm90() and plain
     tma = d128 and quant_why_not(descs[1]) is None and quant_why_not(descs[2]) is None
@@ -246,22 +253,7 @@ def test_mixed_kv_types_on_f16_copies(case):
     through its f16 copy by every kernel (auto's and the tensor-core prefill), against ggml's CPU
     result and float64; the kernels that read blocks themselves refuse the pair, naming it."""
     import cupy as cp
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    x = conf.make_inputs(case, rng)
-    ctx = new_context(case_bytes(case))
-    keep = []
-    try:
-        q, k, v, mask, sinks = build_case(ctx, case, x)
-        theirs = ggml_reference_node(ctx, q, k, v, mask, sinks, case)
-        ggml_attn.compute_graph(ctx, graph_of(ctx, theirs), 2)
-        ggml_out = get_data(theirs)
-        descs = [_to_device(from_ggml(t, nm) if t is not None else None, keep)
-                 for t, nm in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask"), (sinks, "sinks"))]
-    finally:
-        import ggml
-        ggml.ggml_free(ctx)
-    kf, vf = x.kv_float()
-    exact = reference.flash_attn_ext(x.q, kf, vf, x.mask, case.scale, case.max_bias, case.logit_softcap, x.sinks)
+    descs, keep, ggml_out, exact = _grid_inputs(case)
     for kernel in ("auto", "prefill"):
         dst = cp.full(exact.shape, cp.nan, dtype=cp.float32)
         call = cb.bind(*descs, from_array(dst), case.scale, case.max_bias, case.logit_softcap, kernel=kernel)
