@@ -333,3 +333,22 @@ def test_flag_errors_name_the_flag(capsys, args, flag, tool):
         prog = "ggml-attn-batched-bench"
     _one_line_exit_2(rc, out, err, prog)
     assert f"argument {flag}:" in err
+
+
+def test_kv_cache_bytes_follow_the_cache_types(capsys, monkeypatch):
+    """The size a KV cache would take counts the cache's types (ggml's row sizes: a q8_0 row of
+    1024 values is 1088 bytes), and a cache too large for memory says so in one line with it."""
+    from ggml_attn import graph
+    from ggml_attn.cli.models import resolve
+    m = resolve("llama-3-8b")   # 32 layers, 8 KV heads of 128
+    assert m.kv_bytes_per_token() == 32 * 2 * 2048
+    assert m.kv_bytes_per_token("q8_0", "q8_0") == 32 * 2 * 1088
+    assert m.kv_bytes_per_token("q4_0", "f16") == 32 * (576 + 2048)
+
+    def no_memory(*a, **kw):
+        raise MemoryError
+    monkeypatch.setattr(graph, "KVCache", no_memory)
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "-t", "1", "--n-layer", "1",
+                          "-ctk", "q8_0", "-ctv", "q8_0")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err   # (the table's header is out already)
+    assert "not enough memory for a KV cache of 8 cells (0.0 GiB of q8_0/q8_0)" in err, err

@@ -70,9 +70,14 @@ class ModelShape:
         """Bytes of the weights at F16 (the benchmarks use F16 weights and K/V)."""
         return 2 * self.n_params
 
-    def kv_bytes_per_token(self) -> int:
-        """F16 K and V bytes per cached token over all layers."""
-        return 2 * self.n_layer * (self.n_embd_k + self.n_embd_v)
+    def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> int:
+        """K and V bytes per cached token over all layers, K and V of the cache types named
+        (``-ctk``/``-ctv``: ggml's row sizes, blocks included)."""
+        from ggml_attn.graph.kv_graph import ggml_type_of
+        from ggml_attn.quant import type_info
+        row = type_info(ggml_type_of(type_k)).row_bytes(self.n_embd_k) + \
+            type_info(ggml_type_of(type_v)).row_bytes(self.n_embd_v)
+        return self.n_layer * row
 
     def describe(self) -> str:
         gq = f", gqa {self.gqa}" if self.gqa > 1 else ""

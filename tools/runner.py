@@ -255,7 +255,8 @@ class Runner:
                                    coarse_n_kv=cfg.device == "cuda" and cfg.flash_attn)
         except MemoryError as e:
             raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
-                            f"({m.kv_bytes_per_token() * cfg.n_ctx / 2**30:.1f} GiB)") from e
+                            f"({m.kv_bytes_per_token(cfg.type_k, cfg.type_v) * cfg.n_ctx / 2**30:.1f} GiB "
+                            f"of {cfg.type_k}/{cfg.type_v})") from e
         except ValueError as e:  # e.g. more than 256 sequences (LLAMA_MAX_SEQ)
             raise UserError(f"KV cache: {e}") from e
         self.engine = make_engine(cfg, self.cache)
