@@ -199,6 +199,22 @@ def narrow_prefill():
     return knobs(PREFILL_WIDE_MIN_BATCH=1 << 62)
 
 
+class heads:
+    """Context: the problem's query heads, KV heads and head size (the module's H, HKV, D and
+    SCALE, read by Ours, torch_qkv and sdpa_fns at call time) set for some rows."""
+
+    def __init__(self, h, hkv, d):
+        self.new = dict(H=h, HKV=hkv, D=d, SCALE=1.0 / math.sqrt(d))
+
+    def __enter__(self):
+        g = globals()
+        self.saved = {k: g[k] for k in self.new}
+        g.update(self.new)
+
+    def __exit__(self, *exc):
+        globals().update(self.saved)
+
+
 
 
 
@@ -257,6 +273,21 @@ def run(quick=False, only=None, log=print):
             rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
                              note="wall time of make_plan (once per ubatch), synchronized"))
             q, kv = torch_qkv(1, n, n)
+            add(case, "cudnn", sdpa_fns(q, kv, causal=True), fl, ctx=cudnn())
+            add(case, "fa2", sdpa_fns(q, kv, causal=True), fl, ctx=fa2())
+            del ours, q, kv
+    # ---- causal 4096 at other shapes (#31's rows): bf16 K/V, 64/8 heads (70B-style GQA), D 64,
+    # D 256 with 16/4 heads (Gemma-style)
+    n = 4096
+    for h, hkv, d, bf16 in ((32, 8, 128, True), (64, 8, 128, False), (32, 8, 64, False), (16, 4, 256, False)):
+        case = f"prefill N={n} causal, {h}/{hkv} heads, D {d}" + (", bf16" if bf16 else "")
+        if quick or not want(case):
+            continue
+        with heads(h, hkv, d):
+            fl = 4 * H * D * n * n / 2
+            ours = Ours(1, n, n, block_causal_mask([n], n), bf16=bf16)
+            add(case, "ours", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
+            q, kv = torch_qkv(1, n, n, bf16=bf16)
             add(case, "cudnn", sdpa_fns(q, kv, causal=True), fl, ctx=cudnn())
             add(case, "fa2", sdpa_fns(q, kv, causal=True), fl, ctx=fa2())
             del ours, q, kv
@@ -400,7 +431,7 @@ def run(quick=False, only=None, log=print):
         del ours, q, kv
 
     # ---- decode (K/V rotated over copies larger than L2)
-    decode_cases = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (16, 32768), (64, 32768)]
+    decode_cases = [(1, 4096), (1, 32768), (16, 4096), (64, 4096), (16, 32768), (64, 32768), (1, 131072)]
     if quick:
         decode_cases = [(1, 32768), (16, 4096)]
     for B, S in decode_cases:
