@@ -89,11 +89,11 @@ __host__ __device__ constexpr int smem_bytes() {
 // ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
 // warp's f16 scratch (D / 64 boxes of 64 rows x 128 bytes, chunk ch of row r at ch ^ (r & 7): the
 // f16 ring's layout, read by the same ldmatrix code). Lane l takes block l % NB of cell l / NB,
-// then 32 / NB cells further on. A block starts 2 mod 4 bytes into the box for odd block
-// indices (RB is a multiple of 16, the blocks 34 or 18 bytes): its scale is then the high half
-// of the aligned word before it and its quants are 4-byte aligned; for even ones the scale is
-// the low half and the quants straddle words (byte_perm picks them out). Cells past n_kv were
-// read as zeros: scale 0, values 0.
+// then 32 / NB cells further on. A block starting 2 mod 4 bytes into the box (blocks are 34 or
+// 18 bytes, RB a multiple of 16, off even) has its scale in the high half of the aligned word
+// before it and its quants 4-byte aligned; one starting 4-byte aligned has its scale in the low
+// half and its quants straddling words (byte_perm picks them out). Cells past n_kv were read as
+// zeros: scale 0, values 0.
 template <typename Q, int D>
 __device__ __forceinline__ void dequant_tile(const unsigned char* raw, int off, unsigned char* out, int lane) {
     constexpr int NB = D / 32, RB = Tile<Q, D>::RB;
