@@ -218,22 +218,19 @@ class _F16Copies:
         return (replace(self.k16, ptr=base) if self.k16 is not None else k,
                 replace(self.v16, ptr=base + self.v_off) if self.v16 is not None else v)
 
-    def launches(self, k: TensorDesc, v: TensorDesc, base: int, stream: int) -> tuple[list, list]:
-        """(launches, kept objects): one ``fattn_dequant_kv`` per quantized tensor, K/V at the
-        call's pointers ``k``/``v``, the copies at ``base``; each launch a callable of no arguments."""
+    def launches(self, k: TensorDesc, v: TensorDesc, base: int, stream: int) -> list:
+        """One ``fattn_dequant_kv`` launch per quantized tensor (K/V at the call's pointers
+        ``k``/``v``, the copies at ``base``), each a callable of no arguments (``Kernel.bound``)."""
         fn = K.get_function(K.util_variant(), "fattn_dequant_kv")
-        calls, keep = [], []
+        calls = []
         for src, copy, off in ((k, self.k16, 0), (v, self.v16, self.v_off)):
             if copy is None:
                 continue
             p = K.DequantKVParams(src.ptr, base + off, src.nb[1], src.nb[2], src.nb[3],
                                   src.ne[0], src.ne[1], src.ne[2], src.ne[3], src.type, 0)
-            arr = K.arg_block(p)
             n = src.ne[0] // 8 * src.ne[1] * src.ne[2] * src.ne[3]
-            grid = (max(1, min(-(-n // 256), 16 * num_sms())), 1, 1)
-            calls.append(fn.partial(grid, (256, 1, 1), stream, ctypes.addressof(arr)))
-            keep += [p, arr]
-        return calls, keep
+            calls.append(fn.bound((max(1, min(-(-n // 256), 16 * num_sms())), 1, 1), (256, 1, 1), stream, p))
+        return calls
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -257,7 +254,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     if kern == "reference":
         return _Prepared(kern)
     conv = None
-    if (k.type in K.QUANT_KV_CTYPES or v.type in K.QUANT_KV_CTYPES) and kern not in dispatch.QUANT_READERS:
+    if dispatch.reads_f16_copies(kern, k.type, v.type):
         conv = _F16Copies.of(k, v)   # f16 copies first: the kernel reads f16 (pointers fixed at bind)
         k, v = conv.views(k, v, 0)
         sh = replace(sh, kv_type=GGML_TYPE_F16, v_type=None)
@@ -405,10 +402,10 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
         work = cuda_workspace.WORKSPACES.workspace(dev, st)
     if prep.conv:   # quantized K/V converted to f16 before the kernel reads them
         base, buf = work.converted(prep.conv.nbytes)
-        b._pre, kept = prep.conv.launches(k, v, base, st)
+        b._pre = prep.conv.launches(k, v, base, st)
         k, v = prep.conv.views(k, v, base)
         p.k, p.v = k.ptr, v.ptr
-        b._keep = (b._keep, buf, kept)
+        b._keep = (b._keep, buf)
     if prep.ws_bytes:
         ws, buf = work.partials(prep.ws_bytes)
         p.ws_o, p.ws_ml = ws, ws + prep.ws_o_bytes

@@ -470,7 +470,7 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     kern = dispatch.best_kernel(kernel, facts(sh, arch=arch)).kernel
     if kern not in dispatch.GPU_KERNELS:
         return plan
-    if kv_type in K.QUANT_KV_CTYPES and kern not in dispatch.QUANT_READERS:
+    if dispatch.reads_f16_copies(kern, kv_type):
         sh = replace(sh, kv_type=GGML_TYPE_F16)   # that kernel reads f16 copies of the blocks
     st = stream_ptr(stream)
     if kern == "cells":   # asked for by name: only its lists

@@ -42,8 +42,7 @@ CONFIGS = {
     "q4_0": ("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
-# bytes of one block of 32 values (an f16 scale, then the quants) of the quantized types
-BLOCK_BYTES = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}
+QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above
 
 
 def config(kv_type: int, override: str = "") -> str:
@@ -59,14 +58,16 @@ def quant_box(kv_type: int, d: int) -> tuple[int, int]:
     (h * ROW) % 16, 16 - gcd(ROW, 16), rounded up to 16 bytes; cell c's row sits at
     c * RB + (h * ROW) % 16 in a ring tile."""
     import math
-    row = d // 32 * BLOCK_BYTES[kv_type]
+
+    from .quant import type_info
+    row = type_info(kv_type).row_bytes(d)
     off_max = 0 if row % 16 == 0 else 16 - math.gcd(row, 16)
     return row, -(-(row + off_max) // 16) * 16
 
 
 def tile_bytes(kv_type: int, d: int) -> int:
     """dtma::Tile<KT, D>::BYTES: one K (or V) tile of 64 cells in the ring."""
-    if kv_type in BLOCK_BYTES:
+    if kv_type in QUANT_TYPES:
         return 64 * quant_box(kv_type, d)[1]
     return (d // 64) * BOX_BYTES
 
@@ -76,7 +77,7 @@ def quant_why_not(t) -> str | None:
     order [D, n_kv, n_head_kv, ne3] of q8_0/q4_0) through :func:`quant_kv_map`, else why not:
     D 128, each cell's heads packed in its row (nb[2] = one head's row of blocks), the pointer
     and the cell and stream strides multiples of 16 (the TMA's rules)."""
-    if t.type not in BLOCK_BYTES or t.ne[0] != 128:
+    if t.type not in QUANT_TYPES or t.ne[0] != 128:
         return f"D 128 q8_0/q4_0 only (got D {t.ne[0]}, type {t.type})"
     row, _ = quant_box(t.type, t.ne[0])
     if t.nb[2] != row:
@@ -106,7 +107,7 @@ def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16) -> int:
     """dtma::smem_bytes<KT, D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V
     ring, the consumers' f16 scratch tiles (quantized K/V), the merge buffer, the warps' row
     maxima and sums, the ring's barriers, the flag."""
-    scratch = CONSUMERS * (d // 64) * BOX_BYTES if kv_type in BLOCK_BYTES else 0
+    scratch = CONSUMERS * (d // 64) * BOX_BYTES if kv_type in QUANT_TYPES else 0
     return 1024 + stages * 2 * tile_bytes(kv_type, d) + scratch + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 \
         + 2 * stages * 8 + 16
 

@@ -177,6 +177,12 @@ def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
 QUANT_READERS = ("decode", "decode-tma")
 
 
+def reads_f16_copies(kernel: str, *kv_types: int) -> bool:
+    """True when GPU kernel ``kernel`` runs on f16 copies of K/V of these types: one of them is
+    quantized and the kernel does not read blocks itself (:data:`QUANT_READERS`)."""
+    return kernel not in QUANT_READERS and any(t in QUANT_KV_CTYPES for t in kv_types)
+
+
 def _quant_direct(f: "CallFacts") -> "Choice | None":
     """``auto``'s choice for q8_0/q4_0 K/V read as blocks: decode-shaped calls (n_batch within
     the decode limit) and head sizes no tensor-core kernel has, on the sm_90a decode where it
