@@ -5,8 +5,8 @@
 // ---- Warp-specialised (the FlashAttention-3 shape), masks through the plan
 // 384 threads: warps 0-7 are two consumer warpgroups of 64 query rows each (128 rows per
 // block), warps 8-11 the producer warpgroup (40 registers each, the consumers 232: setmaxnreg),
-// whose first thread issues TMA box copies of K and V chunks (128 cells x 128 halves as four
-// 64 x 64 boxes, 128-byte swizzle) into a STAGES-deep ring. Per stage, full_k / full_v count
+// whose first thread issues TMA box copies of K and V chunks (BK cells x D halves as 64 x 64
+// boxes, 128-byte swizzle; BK = ws::chunk<D>(): 128, or 64 at D 256) into a STAGES-deep ring. Per stage, full_k / full_v count
 // the bytes in, empty_k the 8 consumer warps out, empty_v those and (with a plan) the fixer
 // warp, v_ready the fixer's hand-over of a HIDDEN chunk's V. Consumers, per chunk j: S = Q K^T
 // (Q in shared memory as core matrices, K through its swizzled descriptor), the chunk's mask
@@ -17,29 +17,29 @@
 // PINGPONG: the two warpgroups take turns issuing their GEMMs (named barriers 3 / 4), so that
 // one's softmax runs under the other's GEMMs.
 // Chunks: with a plan (p.live_idx: 128-token query tiles), the live 64-cell tiles of the query
-// tile paired into 128-cell chunks (ws_next_chunk); each half FULL, ABSENT (not live: loaded
-// from past n_kv, i.e. zeros, and scored -inf), PARTIAL (every row one interval of zeros:
-// p.row_lohi) or MASKED (the mask's values read from global memory: correct, not fast --
-// ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A HIDDEN half's
-// unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V. Without a
-// plan every chunk is live and cells past n_kv score -inf. D = 128, f16 or bf16 K/V (T: Q and P
-// staged in the same type), no sinks, softcap or ALiBi. Grid (n_head, ceil(n_batch / 128), ne3),
-// query tiles in reverse order (the longest causal rows first), or with PERSISTENT (gridDim.x
-// blocks, gridDim.y = z = 1) every block walks every gridDim.x-th tile of that order;
-// dynamic shared memory ws::smem_bytes<128, STAGES>().
+// tile paired into 128-cell chunks, or one per chunk at BK 64 (ws_next_chunk); each half FULL,
+// ABSENT (not live: loaded from past n_kv, i.e. zeros, and scored -inf), PARTIAL (every row one
+// interval of zeros: p.row_lohi) or MASKED (the mask's values read from global memory: correct,
+// not fast -- ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A
+// HIDDEN half's unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V.
+// Without a plan every chunk is live and cells past n_kv score -inf. D = d_k = d_v 64, 128 or
+// 256, f16 or bf16 K/V (T: Q and P staged in the same type), no sinks, softcap or ALiBi. Grid
+// (n_head, ceil(n_batch / 128), ne3), query tiles in reverse order (the longest causal rows
+// first), or with PERSISTENT (gridDim.x blocks, gridDim.y = z = 1) every block walks every
+// gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES>().
 // DIAG 1 (a speed-of-light probe for tools/dev/gpu_bench.py, wrong results by design): no softmax.
-template <typename T, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace ws;
-    constexpr int BK = CHUNK;
-    static_assert(smem_bytes<BK, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
+    constexpr int BK = chunk<D>();
+    static_assert(smem_bytes<D, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
     constexpr int TILE = BK * D;   // halves per K or V chunk
     constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
     unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
-    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (2 d-halves x 128 cells x 64), swizzled
+    __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (D / 64 d-boxes x BK cells x 64), swizzled
     __half* sV = sK + STAGES * TILE;                    // the same for V
-    __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x 128), core matrices
+    __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x D), core matrices
     unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
     unsigned long long* full_v = full_k + STAGES;
     unsigned long long* empty_k = full_v + STAGES;
@@ -63,7 +63,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     if (threadIdx.x == 0) {
         unsigned dyn;   // the launch's dynamic shared memory must cover this layout
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (unsigned)smem_bytes<BK, STAGES>()) trap_out_of_line();
+        if (dyn < (unsigned)smem_bytes<D, STAGES>()) trap_out_of_line();
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);
@@ -84,24 +84,26 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 int h, qt, s;
                 tile_of(it, h, qt, s);
                 const int hk = h / p.gqa;
-                const WsChunks chunks = ws_chunks(p, qt, s);
+                const WsChunks chunks = ws_chunks<BK>(p, qt, s);
                 int pos = 0, j = 0;
                 WsChunk c;
-                for (; ws_next_chunk(chunks, pos, c); ++j) {
+                for (; ws_next_chunk<BK>(chunks, pos, c); ++j) {
                     const int n = J + j, st = n % STAGES, release = ((n / STAGES) - 1) & 1;
                     // an ABSENT half is read from past n_kv: TMA writes zeros (no stale cache cells)
                     const int y0 = (c.cls & 3) == WS_ABSENT ? chunks.oob : c.kv0;
-                    const int y1 = (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
-                    // one chunk of K or V into stage st once the consumers freed it: four 64 x 64
-                    // boxes (d 0-63 then 64-127, each as cells 0-63 and 64-127)
+                    const int y1 = BK == 128 && (c.cls >> 2) == WS_ABSENT ? chunks.oob : c.kv0 + 64;
+                    // one chunk of K or V into stage st once the consumers freed it: 64 x 64
+                    // boxes, d-box db (d 64 db .. 64 db + 63) of cells 0-63 (and 64-127)
                     auto load = [&](__half* dst, const TmaMap* map, unsigned long long* empty,
                                     unsigned long long* full) {
                         if (n >= STAGES) mbar_wait(empty, release);
-                        mbar_arrive_expect_tx(full, tile_bytes<BK>());
+                        mbar_arrive_expect_tx(full, tile_bytes<D, BK>());
 #pragma unroll
-                        for (int b = 0; b < 4; ++b)
-                            tma_load_4d(dst + (b >> 1) * (TILE / 2) + (b & 1) * 64 * 64, map, 64 * (b >> 1),
-                                        b & 1 ? y1 : y0, hk, s, full);
+                        for (int db = 0; db < D / 64; ++db)
+#pragma unroll
+                            for (int hf = 0; hf < BK / 64; ++hf)
+                                tma_load_4d(dst + db * (BK * 64) + hf * 64 * 64, map, 64 * db, hf ? y1 : y0, hk, s,
+                                            full);
                     };
                     load(sK + st * TILE, mk, &empty_k[st], &full_k[st]);
                     load(sV + st * TILE, mv, &empty_v[st], &full_v[st]);
@@ -118,15 +120,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             for (int it = 0; it < n_iter; ++it) {
                 int h, qt, s;
                 tile_of(it, h, qt, s);
-                const WsChunks chunks = ws_chunks(p, qt, s);
+                const WsChunks chunks = ws_chunks<BK>(p, qt, s);
                 const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
                 int pos = 0, j = 0;
                 WsChunk c;
-                for (; ws_next_chunk(chunks, pos, c); ++j) {
+                for (; ws_next_chunk<BK>(chunks, pos, c); ++j) {
                     const int n = J + j, st = n % STAGES;
                     mbar_wait(&full_v[st], (n / STAGES) & 1);
                     if (c.hid) {
-                        ws_zero_hidden_v(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
+                        ws_zero_hidden_v<D, BK>(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
                         fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
                     }
                     __syncwarp();
@@ -155,12 +157,12 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     for (int it = 0; it < n_iter; ++it) {
         int h, qt, s;
         tile_of(it, h, qt, s);
-        const WsChunks chunks = ws_chunks(p, qt, s);
+        const WsChunks chunks = ws_chunks<BK>(p, qt, s);
         const int row0 = qt * BQ + wg * 64;
         // Q rows -> shared, then visible to wgmma; a later tile's only after every warp of the
         // warpgroup has waited for the previous tile's S GEMMs (the only readers of this Q)
         if (it > 0) named_barrier_sync(BAR_Q + wg, 128);
-        wg_stage_q<T>(p, sQw, row0, h, s, tid);
+        wg_stage_q<D, T>(p, sQw, row0, h, s, tid);
         fence_proxy_async_shared();
         named_barrier_sync(BAR_Q + wg, 128);
         // chunk n's V in stage st: from TMA, and from the fixer when the chunk hides columns.
@@ -174,28 +176,28 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
         const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);
 
-        float O[64];
+        float O[D / 2];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) O[i] = 0.0f;
+        for (int i = 0; i < D / 2; ++i) O[i] = 0.0f;
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
         float S[BK / 2];
         unsigned a[BK / 4];
         auto softmax = [&](const WsChunk& c) {
-            ws_mask_chunk(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
+            ws_mask_chunk<BK>(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
             if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
             else ws_softmax<BK>(S, m, l, alpha);
         };
 
         int pos = 0, j = 0;
         WsChunk cur, prev;
-        if (ws_next_chunk(chunks, pos, cur)) {
+        if (ws_next_chunk<BK>(chunks, pos, cur)) {
             // chunk 0: S alone; then per chunk j: S_j and P_{j-1} V_{j-1} in flight together,
             // softmax of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs,
             // before P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
             const int st0 = J % STAGES;
             mbar_wait(&full_k[st0], (J / STAGES) & 1);
             wgmma_fence();
-            ws_issue_s<BK, T>(S, q_addr, k_addr(st0));
+            ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(S);
@@ -203,17 +205,17 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             softmax(cur);
             ws_pack_p<BK, T>(S, a);
             if (wg == 1) their_turn();   // warpgroup 0 issues first
-            for (j = 1, prev = cur; ws_next_chunk(chunks, pos, cur); prev = cur, ++j) {
+            for (j = 1, prev = cur; ws_next_chunk<BK>(chunks, pos, cur); prev = cur, ++j) {
                 const int n = J + j, st = n % STAGES, pst = (n - 1) % STAGES;
                 mbar_wait(&full_k[st], (n / STAGES) & 1);
                 my_turn();
                 wgmma_fence();
-                ws_issue_s<BK, T>(S, q_addr, k_addr(st));
+                ws_issue_s<D, BK, T>(S, q_addr, k_addr(st));
                 wgmma_commit();
-                ws_rescale(O, alpha);
+                ws_rescale<D>(O, alpha);
                 wait_v(pst, n - 1, prev);
                 wgmma_fence();          // O's registers were just written
-                ws_issue_pv<BK, T>(O, a, v_addr(pst));
+                ws_issue_pv<D, BK, T>(O, a, v_addr(pst));
                 wgmma_commit();
                 their_turn();
                 wgmma_wait<1>();   // S_j is in
@@ -231,11 +233,11 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 ws_pack_p<BK, T>(S, a);
             }
             const int lst = (J + j - 1) % STAGES;
-            ws_rescale(O, alpha);
+            ws_rescale<D>(O, alpha);
             wait_v(lst, J + j - 1, prev);
             my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
             wgmma_fence();
-            ws_issue_pv<BK, T>(O, a, v_addr(lst));
+            ws_issue_pv<D, BK, T>(O, a, v_addr(lst));
             wgmma_commit();
             if (wg == 0) their_turn();
             wgmma_wait<0>();
@@ -245,22 +247,26 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         }
 
         // ---- output rows
-        wg_store_rows(p, O, l, row0 + 16 * w4 + g, h, s, t4);
+        wg_store_rows<D>(p, O, l, row0 + 16 * w4 + g, h, s, t4);
         J += j;
     }
 }
 
-// the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, ring
-// depth, ping-pong, diagnostic mode, persistent blocks
+// the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, head size,
+// ring depth, ping-pong, diagnostic mode, persistent blocks
 #define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
         fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv);                                              \
     }
-FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, __half, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 3, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 2, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 3, true, 1)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d128, __half, 3, true, 0, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d128, __nv_bfloat16, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, __half, 128, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 128, 3, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 128, 3, false)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 128, 2, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 128, 3, true, 1)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d128, __half, 128, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d128, __nv_bfloat16, 128, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d64, __half, 64, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d64, __nv_bfloat16, 64, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d256, __half, 256, 2, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d256, __nv_bfloat16, 256, 2, true, 0, true)

@@ -4,10 +4,11 @@
 // fragments, Q staging and row stores, the chunk walk over the plan's live
 // tiles and its masks, the HIDDEN rows' zeroing. sm_90a only.
 //
-// A stage holds one K and one V tile of BK cells x 128 16-bit values as two TMA-written halves
-// of BK x 64 (d 0-63, then d 64-127), each with the 128-byte swizzle (cuda/hopper_common.cuh,
-// wgmma_desc_sw128). A warpgroup's S = Q K^T is 64 x BK: thread (warp w, lane 4g + t4) holds
-// S[4i + {0, 1}] at row 16w + g, columns 8i + 2t4 + {0, 1} and S[4i + {2, 3}] at row 16w + g + 8.
+// Head sizes D 64, 128 and 256 (d_k = d_v). A stage holds one K and one V tile of BK cells x D
+// 16-bit values as D / 64 TMA-written d-boxes of BK x 64 (d 0-63, then d 64-127, ...), each with
+// the 128-byte swizzle (cuda/hopper_common.cuh, wgmma_desc_sw128). A warpgroup's S = Q K^T is
+// 64 x BK: thread (warp w, lane 4g + t4) holds S[4i + {0, 1}] at row 16w + g, columns
+// 8i + 2t4 + {0, 1} and S[4i + {2, 3}] at row 16w + g + 8; its O (64 x D) the same way over D.
 #pragma once
 #include "hopper_common.cuh"
 
@@ -17,26 +18,28 @@ template <> struct WgType<__half> { static constexpr bool BF16 = false; };
 template <> struct WgType<__nv_bfloat16> { static constexpr bool BF16 = true; };
 
 namespace ws {
-// CHUNK: KV cells per step (two plan tiles); THREADS: two consumer warpgroups and the producer
-constexpr int D = 128, BQ = 128, CHUNK = 128, THREADS = 384;
+// BQ: query rows per block; THREADS: two consumer warpgroups and the producer
+constexpr int BQ = 128, THREADS = 384;
 // registers per thread after reallocation: 128 x (40 + 2 x 232) = 384 x 168 (the launch's share)
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
-template <int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }    // one K or V tile
-template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }    // one of its two boxes
-// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x 128 values), 5 mbarriers
+// KV cells per step for head size D: two plan tiles (128), one (64) at D 256, where a stage of
+// 128 cells (64 KB of K, 64 of V) and Q (64 KB) would leave no room for a second stage
+template <int D> __host__ __device__ constexpr int chunk() { return D == 256 ? 64 : 128; }
+template <int D, int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }   // one K or V tile
+template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }   // one of its d-boxes
+// dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x D values), 5 mbarriers
 // per stage (ggml_attn/wgmma_shape.py smem_ws)
-template <int BK, int STAGES> __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + 2 * STAGES * tile_bytes<BK>() + BQ * D * 2 + 5 * STAGES * 8;
+template <int D, int STAGES> __host__ __device__ constexpr int smem_bytes() {
+    return 1024 + 2 * STAGES * tile_bytes<D, chunk<D>()>() + BQ * D * 2 + 5 * STAGES * 8;
 }
 }
 
-// A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x 128
+// A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x D
 // 16-bit values as core matrices, K-major): T (f16 or bf16, K/V's type) of q * scale * log2 e
 // (scores then come out in the log2 domain), rows past n_batch zero. tid: the thread's index in
 // the warpgroup (0..127).
-template <typename T = __half>
+template <int D, typename T = __half>
 __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int tok0, int h, int s, int tid) {
-    constexpr int D = ws::D;
     const float qs = p.scale * FATTN_LOG2E;
     const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
     for (int i = tid; i < 64 * (D / 4); i += 128) {
@@ -55,7 +58,8 @@ __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int
 // accumulators: O / l (0 for a row that sees no cell), f32, dst row ((s * n_batch + tok) *
 // n_head + h); rows past n_batch are not written. l: the thread's partial row sums (a row's
 // sum is spread over the 4 threads of a quad).
-__device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float (&O)[64], const float (&l)[2],
+template <int D>
+__device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float (&O)[D / 2], const float (&l)[2],
                                               int tok, int h, int s, int t4) {
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
@@ -65,9 +69,9 @@ __device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float 
         const int t = tok + 8 * rs;
         if (t >= p.n_batch) continue;
         const float f = inv_row_sum(L);
-        float* out = p.dst + (((long long)s * p.n_batch + t) * p.n_head + h) * ws::D;
+        float* out = p.dst + (((long long)s * p.n_batch + t) * p.n_head + h) * D;
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
+        for (int i = 0; i < D / 8; ++i)
             *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
     }
 }
@@ -99,9 +103,10 @@ __device__ __forceinline__ void ws_softmax(float (&S)[BK / 2], float (&m)[2], fl
     }
 }
 
-__device__ __forceinline__ void ws_rescale(float (&O)[64], const float (&alpha)[2]) {
+template <int D>
+__device__ __forceinline__ void ws_rescale(float (&O)[D / 2], const float (&alpha)[2]) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < D / 8; ++i) {
         O[4 * i] *= alpha[0]; O[4 * i + 1] *= alpha[0];
         O[4 * i + 2] *= alpha[1]; O[4 * i + 3] *= alpha[1];
     }
@@ -114,38 +119,53 @@ __device__ __forceinline__ void ws_pack_p(const float (&S)[BK / 2], unsigned (&a
     for (int i = 0; i < BK / 4; ++i) a[i] = KVTraits<T>::pack2(S[2 * i], S[2 * i + 1]);
 }
 
-// the K-major swizzled descriptor of k16 step ks (of 8 along D) of a K tile: 32-byte steps
-// inside a box's 128-byte rows, the second box for d 64-127
+// the K-major swizzled descriptor of k16 step ks (of D / 16) of a K tile: 32-byte steps inside a
+// d-box's 128-byte rows, the next d-box every 4 steps
 template <int BK>
 __device__ __forceinline__ unsigned long long ws_k_desc(unsigned k_addr, int ks) {
     return wgmma_desc_sw128(k_addr + (ks >> 2) * ws::box_bytes<BK>() + (ks & 3) * 32, 16, 1024);
 }
 
-// S = Q K^T for one tile: 8 k16 steps; Q (64 rows x 128) in plain core matrices
-template <int BK, typename T = __half>
+// S = Q K^T for one tile: D / 16 k16 steps; Q (64 rows x D) in plain core matrices
+template <int D, int BK, typename T = __half>
 __device__ __forceinline__ void ws_issue_s(float (&S)[BK / 2], unsigned q_addr, unsigned k_addr) {
     constexpr bool BF16 = WgType<T>::BF16;
 #pragma unroll
-    for (int ks = 0; ks < ws::D / 16; ++ks) {
-        const unsigned long long da = wgmma_desc(q_addr + ks * 256, 128, (ws::D / 8) * 128);
+    for (int ks = 0; ks < D / 16; ++ks) {
+        const unsigned long long da = wgmma_desc(q_addr + ks * 256, 128, (D / 8) * 128);
         if constexpr (BK == 64) wgmma_m64n64k16<BF16>(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
         else wgmma_m64n128k16<BF16>(S, da, ws_k_desc<BK>(k_addr, ks), ks > 0);
     }
 }
 
-// O += P V for one tile: BK / 16 k16 steps of 16 cells (2048 bytes of the swizzled boxes
-// each); N = 128 spans both boxes (the lead byte offset: one box)
-template <int BK, typename T = __half>
-__device__ __forceinline__ void ws_issue_pv(float (&O)[64], const unsigned (&a)[BK / 4], unsigned v_addr) {
+// O += P V for one tile: BK / 16 k16 steps of 16 cells (2048 bytes of the swizzled d-boxes
+// each). N = D: one d-box at D 64; at D 128 both (the lead byte offset: one box); at D 256 two
+// N = 128 GEMMs per step, d-boxes 0-1 into O[0..63] and 2-3 into O[64..127] (column blocks
+// 16-31: the accumulator layout over D)
+template <int D, int BK, typename T = __half>
+__device__ __forceinline__ void ws_issue_pv(float (&O)[D / 2], const unsigned (&a)[BK / 4], unsigned v_addr) {
+    constexpr bool BF16 = WgType<T>::BF16;
+    constexpr unsigned BOX = ws::box_bytes<BK>();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
         const unsigned ak[4] = {a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3]};
-        wgmma_m64n128k16_rs<1, WgType<T>::BF16>(O, ak, wgmma_desc_sw128(v_addr + kk * 2048, ws::box_bytes<BK>(), 1024), true);
+        const unsigned at = v_addr + kk * 2048;
+        if constexpr (D == 64) {
+            wgmma_m64n64k16_rs<1, BF16>(O, ak, wgmma_desc_sw128(at, BOX, 1024), true);
+        } else if constexpr (D == 128) {
+            wgmma_m64n128k16_rs<1, BF16>(O, ak, wgmma_desc_sw128(at, BOX, 1024), true);
+        } else {
+            static_assert(D == 256, "head sizes 64, 128, 256");
+            wgmma_m64n128k16_rs<1, BF16>(*reinterpret_cast<float(*)[64]>(&O[0]), ak, wgmma_desc_sw128(at, BOX, 1024), true);
+            wgmma_m64n128k16_rs<1, BF16>(*reinterpret_cast<float(*)[64]>(&O[64]), ak,
+                                         wgmma_desc_sw128(at + 2 * BOX, BOX, 1024), true);
+        }
     }
 }
 
-// ---- the KV chunks of one query tile (128 cells each = two 64-cell plan tiles) and their masks
-// a half's class (2 bits per half, half 0 in bits 0-1): FULL (no mask), ABSENT (no cell visible:
+// ---- the KV chunks of one query tile (BK cells each: two 64-cell plan tiles, or one at BK 64)
+// and their masks. A half (one plan tile's 64 cells) has a class (2 bits per half, half 0 in
+// bits 0-1): FULL (no mask), ABSENT (no cell visible:
 // not live in the plan, or past n_kv), PARTIAL (every row one interval of zeros: p.row_lohi),
 // MASKED (the mask's values are read)
 #define WS_FULL 0
@@ -162,7 +182,7 @@ struct WsChunks {
 };
 struct WsChunk {
     int kv0;     // first cell
-    int cls;     // the halves' classes
+    int cls;     // the halves' classes (half 1 unused at BK 64)
     int hid;     // bit hf: half hf has columns no row of the query tile sees (the plan's HIDDEN)
     int pos0;    // list positions of the halves' entries (their hidden words), -1: none
     int pos1;
@@ -175,13 +195,14 @@ __device__ __forceinline__ int ws_tiles_of_block(const FattnParams& p) {
     return total > (int)blockIdx.x ? (total - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
 }
 
+template <int BK>
 __device__ __forceinline__ WsChunks ws_chunks(const FattnParams& p, int q_tile, int s) {
     WsChunks c;
     c.n_kv = c.oob = p.n_kv;
     c.hid = nullptr;
     if (p.live_idx == nullptr) {
         c.idx = nullptr;
-        c.cnt = (p.n_kv + ws::CHUNK - 1) / ws::CHUNK;
+        c.cnt = (p.n_kv + BK - 1) / BK;
     } else {
         const long long slot = (long long)(s % p.ne33) * p.n_q_tiles + q_tile;
         c.idx = p.live_idx + slot * p.n_kv_tiles;
@@ -196,14 +217,29 @@ __device__ __forceinline__ int ws_class(int e) {
 }
 
 // the next chunk from list position pos (advanced past the entries it used); false at the end.
-// With a plan: its entries are ascending 64-cell tile ids, paired by id / 2; a tile missing from
-// a pair is ABSENT. Without one: chunk pos, halves past n_kv ABSENT, a half that n_kv cuts PARTIAL.
+// With a plan: its entries are ascending 64-cell tile ids, at BK 128 paired by id / 2 (a tile
+// missing from a pair is ABSENT), at BK 64 one per chunk. Without one: chunk pos, halves past
+// n_kv ABSENT, a half that n_kv cuts PARTIAL.
+template <int BK>
 __device__ __forceinline__ bool ws_next_chunk(const WsChunks& c, int& pos, WsChunk& out) {
     if (pos >= c.cnt) return false;
     out.hid = 0;
     out.pos0 = out.pos1 = -1;
+    if constexpr (BK == 64) {
+        if (c.idx == nullptr) {
+            out.kv0 = pos++ * 64;
+            out.cls = c.n_kv - out.kv0 >= 64 ? WS_FULL : WS_PARTIAL;
+            return true;
+        }
+        const int e0 = __ldg(c.idx + pos);
+        out.kv0 = (e0 & FATTN_TILE_ID_MASK) * 64;
+        out.cls = ws_class(e0);
+        out.hid = e0 & FATTN_TILE_HIDDEN ? 1 : 0;
+        out.pos0 = pos++;
+        return true;
+    }
     if (c.idx == nullptr) {
-        out.kv0 = pos++ * ws::CHUNK;
+        out.kv0 = pos++ * 128;
         const int left = c.n_kv - out.kv0;
         const int h0 = left >= 64 ? WS_FULL : WS_PARTIAL;
         const int h1 = left <= 64 ? WS_ABSENT : left >= 128 ? WS_FULL : WS_PARTIAL;
@@ -211,7 +247,7 @@ __device__ __forceinline__ bool ws_next_chunk(const WsChunks& c, int& pos, WsChu
         return true;
     }
     const int e0 = __ldg(c.idx + pos), t0 = e0 & FATTN_TILE_ID_MASK;
-    out.kv0 = (t0 >> 1) * ws::CHUNK;
+    out.kv0 = (t0 >> 1) * 128;
     const int here = pos++;
     if (t0 & 1) {   // the chunk's first tile is not live
         out.cls = WS_ABSENT | (ws_class(e0) << 2);
@@ -255,16 +291,17 @@ __device__ __forceinline__ RowIntervals ws_row_intervals(const FattnParams& p, i
     return r;
 }
 
-// the chunk's mask on S (64 rows x 128 columns of the warpgroup, accumulator layout; scores in
+// the chunk's mask on S (64 rows x BK columns of the warpgroup, accumulator layout; scores in
 // the log2 domain): ABSENT halves -inf, PARTIAL halves -inf outside each row's interval, MASKED
 // halves plus the mask's values (read from p.mask, times log2 e; -inf cells and rows past
 // n_batch set to -inf, not added: NaN in an unseen cell's K stays out), FULL halves untouched.
 // tok: the thread's first row (the second is tok + 8).
-__device__ __forceinline__ void ws_mask_chunk(float (&S)[ws::CHUNK / 2], const WsChunk& c, const RowIntervals& r,
+template <int BK>
+__device__ __forceinline__ void ws_mask_chunk(float (&S)[BK / 2], const WsChunk& c, const RowIntervals& r,
                                               const FattnParams& p, int tok, int h, int s, int t4) {
     if (c.cls == (WS_FULL | (WS_FULL << 2))) return;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int hf = 0; hf < BK / 64; ++hf) {
         const int k = (c.cls >> (2 * hf)) & 3;
         if (k == WS_FULL) continue;
         if (k == WS_MASKED) {
@@ -298,21 +335,22 @@ __device__ __forceinline__ void ws_mask_chunk(float (&S)[ws::CHUNK / 2], const W
 
 // zero the V rows (cells) of a stage that no row of the query tile sees in head plane `plane`:
 // the hidden columns of each HIDDEN half (one warp; every lane). A hidden cell's P is 0, but
-// 0 x NaN or inf left in an unused cache cell would still reach O. V's stage: two d-halves of
-// 128 cells x 128 bytes (sv: its shared-memory address), cell r of d-half dh at dh * 16 KB +
-// r * 128 (the swizzle permutes 16-byte chunks within a row only).
+// 0 x NaN or inf left in an unused cache cell would still reach O. V's stage: D / 64 d-boxes of
+// BK cells x 128 bytes (sv: its shared-memory address), cell r of d-box db at
+// db * BK * 128 + r * 128 (the swizzle permutes 16-byte chunks within a row only).
+template <int D, int BK>
 __device__ __forceinline__ void ws_zero_hidden_v(unsigned sv, const WsChunk& c, const WsChunks& cs, int ne32,
                                                  int plane, int lane) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int hf = 0; hf < BK / 64; ++hf) {
         if (!(c.hid >> hf & 1)) continue;
         const int pos = hf ? c.pos1 : c.pos0;
         unsigned long long w = __ldg(cs.hid + (long long)pos * ne32 + plane);
-        while (w) {   // one cell per step: 2 d-halves x 8 chunks of 16 bytes = 16 lanes
+        while (w) {   // one cell per step: D / 64 d-boxes x 8 chunks of 16 bytes, one per lane
             const int r = 64 * hf + __ffsll((long long)w) - 1;
             w &= w - 1;
-            if (lane < 16) {
-                const unsigned a = sv + (lane >> 3) * (ws::CHUNK * 128) + r * 128 + (lane & 7) * 16;
+            if (lane < D / 8) {
+                const unsigned a = sv + (lane >> 3) * (BK * 128) + r * 128 + (lane & 7) * 16;
                 asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(a), "r"(0u) : "memory");
             }
         }

@@ -153,6 +153,22 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const unsign
     else WGMMA_M64N128_RS("f16");
 }
 
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64]: wgmma_m64n128k16_rs at N = 64 (8 column blocks of 8)
+#define WGMMA_M64N64_RS(TY)                                                                            \
+    asm volatile(                                                                                      \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                   \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                    \
+        WGMMA_ACC32 ", "                                                                               \
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"                                               \
+        : WGMMA_D32_OUTPUTS(d)                                                                         \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(TRANS_B), "r"((int)accumulate))
+template <int TRANS_B, bool BF16 = false>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const unsigned (&a)[4],
+                                                   unsigned long long desc_b, bool accumulate) {
+    if constexpr (BF16) WGMMA_M64N64_RS("bf16");
+    else WGMMA_M64N64_RS("f16");
+}
+
 // Register reallocation between warpgroups (every thread of the warpgroup runs it): a producer
 // warpgroup gives registers back (dec) so that the consumers can take them (inc); N a multiple
 // of 8 in 24..256.

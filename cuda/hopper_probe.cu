@@ -139,7 +139,7 @@ hopper_probe_sw128(const __grid_constant__ TmaMap mk, const __grid_constant__ Tm
 #pragma unroll
     for (int i = 0; i < 64; ++i) O[i] = 0.0f;
     wgmma_fence();
-    ws_issue_s<64>(S, smem_u32(sQ), smem_u32(sK));
+    ws_issue_s<128, 64>(S, smem_u32(sQ), smem_u32(sK));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_pin(S);
@@ -158,7 +158,7 @@ hopper_probe_sw128(const __grid_constant__ TmaMap mk, const __grid_constant__ Tm
         a[4 * kk + 3] = pair(r0 + 8, k0 + 8);
     }
     wgmma_fence();
-    ws_issue_pv<64>(O, a, smem_u32(sV));
+    ws_issue_pv<128, 64>(O, a, smem_u32(sV));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_pin(O);

@@ -81,7 +81,7 @@ FINITE_MASK_TILES = True
 # unmasked prefill from 814-815 to 822-826 us, the common case (bench/NOTES.md, "eighth session").
 NAT_SCORES = False
 # The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS for the call's K/V
-# type): "" -- wgmma_shape.WS_FOR_TYPE's (persistent blocks); an A/B knob for the benchmark's
+# type and head size): "" -- wgmma_shape.WS_FOR's (persistent blocks); an A/B knob for the benchmark's
 # rows of one-block-per-tile instances. Part of the call key.
 WGMMA_CONFIG = ""
 # Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
@@ -270,11 +270,11 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        name, stages, kv_type, persistent = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG)]
+        c = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG, sh.d_k)]
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
-                          (WGMMA_PERSISTENT_BLOCKS or num_sms()) if persistent else 0)
-        return LaunchConfig(kernel, K.wgmma_variant(), name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles, 1,
-                            hp.THREADS_WS, hp.smem_ws(stages), grid, rows=hp.Q_TILE_WS, fused_finish=False)
+                          (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0)
+        return LaunchConfig(kernel, K.wgmma_variant(), c.name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles,
+                            1, hp.THREADS_WS, hp.smem_ws(c.stages, c.d), grid, rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
         name, d, stages, kv_type = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]

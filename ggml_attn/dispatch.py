@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .tensor import type_name
 from .kernels import CELLS_HEADS, MMA_HEADS, QUANT_KV_CTYPES, VEC_HEADS, VEC_QUANT_HEADS
+from .wgmma_shape import HEAD_SIZES_WS
 
 KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells", "reference")
 GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells")
@@ -56,7 +57,8 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 
 
 # The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
-# "prefill" on compute capability 9.0 for D 128 f16 or bf16 K/V without sinks, softcap or ALiBi, when
+# "prefill" on compute capability 9.0 for D 64, 128 or 256 (d_k = d_v) f16 or bf16 K/V without
+# sinks, softcap or ALiBi, when
 # the mask (if any) has no MASKED tiles in the plan's 128-token tile map and no HIDDEN ones
 # unless its query tiles see many KV tiles (Plan.read_wgmma_tiles: a 512 window over 4096
 # tokens 134.4 us against 182.4, bench/results/2026-12-02-ab8bee5.json), and
@@ -72,14 +74,18 @@ WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
 
-def _sm90a_why_not(f: "CallFacts", types: tuple = (GGML_TYPE_F16, GGML_TYPE_BF16)) -> str | None:
-    """What both sm_90a kernels need: compute capability 9.0, D 128, K/V of one of ``types``
-    (f16 or bf16; the decode also q8_0 and q4_0), no sinks, softcap or ALiBi."""
+def _sm90a_why_not(f: "CallFacts", heads: tuple[int, ...],
+                   types: tuple = (GGML_TYPE_F16, GGML_TYPE_BF16)) -> str | None:
+    """What the sm_90a kernels need: compute capability 9.0, d_k = d_v in ``heads`` (the head
+    sizes of the kernel's instances), K/V of one of ``types`` (f16 or bf16; the decode also q8_0
+    and q4_0), no sinks, softcap or ALiBi."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
-    if (f.d_k, f.d_v) != (128, 128) or f.kv_type not in types:
+    if f.d_k != f.d_v or f.d_k not in heads or f.kv_type not in types:
+        sizes = ", ".join(map(str, heads))
         names = "/".join(TYPE_NAMES.get(t, str(t)) for t in types)
-        return f"D 128 with {names} K/V only (got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})"
+        return (f"D {sizes} (d_k = d_v) with {names} K/V only "
+                f"(got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})")
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
     return None
@@ -89,7 +95,7 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     """None when the sm_90a prefill can run this call, else why not; for ``auto``'s choice also
     a mask with MASKED or HIDDEN tiles (or none measured) and fewer than WGMMA_MIN_BATCH tokens
     per stream."""
-    why = _sm90a_why_not(f)
+    why = _sm90a_why_not(f, HEAD_SIZES_WS)
     if why is not None:
         return why
     if auto and f.mask_tiles == "masked":
@@ -118,10 +124,10 @@ DECODE_TMA_MIN_WORK_EVEN = 4096
 
 
 def decode_tma_why_not(f: "CallFacts") -> str | None:
-    """None when the sm_90a decode can run this call, else why not. q8_0/q4_0 K/V: its
+    """None when the sm_90a decode can run this call (D 128 only), else why not. q8_0/q4_0 K/V: its
     producer reads one raw box of blocks per tile (decode_tma_shape.quant_kv_map), so each
     cell's heads must be packed in its row and pointers and strides 16-byte aligned (CallFacts.kv_tma)."""
-    why = _sm90a_why_not(f, (GGML_TYPE_F16, GGML_TYPE_BF16, *QUANT_KV_CTYPES))
+    why = _sm90a_why_not(f, (128,), (GGML_TYPE_F16, GGML_TYPE_BF16, *QUANT_KV_CTYPES))
     if why is None and f.kv_type in QUANT_KV_CTYPES and not f.kv_tma:
         return ("quantized K/V through TMA boxes needs each cell's heads packed in its row (a cache view) "
                 "and 16-byte aligned pointers and cell/stream strides")
@@ -353,7 +359,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"on their cell lists against {f.tile_reads:.0f} for {kern} "
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
-            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D 128 f16, plain mask tiles)"
+            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D {f.d_k}, plain mask tiles)"
         min_work = DECODE_TMA_MIN_WORK_EVEN if f.work_even else DECODE_TMA_MIN_WORK
         if kern == "decode-tc" and f.work_tiles >= min_work \
                 and f.kv_aligned and decode_tma_why_not(f) is None:

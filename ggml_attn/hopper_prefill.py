@@ -1,14 +1,14 @@
 """The stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu), launched directly: a TMA producer
-warpgroup feeding a ring of swizzled K/V chunks (128 cells) to two consumer warpgroups (128
-query rows per block), the softmax of one chunk under the P V GEMM of the one before, the two
+warpgroup feeding a ring of swizzled K/V chunks (128 cells; 64 at D 256) to two consumer
+warpgroups (128 query rows per block), the softmax of one chunk under the P V GEMM of the one before, the two
 warpgroups in ping-pong. The op runs it as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py
 decides; cuda_backend.bind launches it with the tensor maps of ggml_attn/wgmma_shape.py), masks
 through the plan's 128-token tile map. ``run_ws`` launches it without a mask in one of
 ``WS_CONFIGS`` (tests, benchmarks).
 
-Tensors in ggml order: q f32 [128, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
-instance) [128, n_kv, n_head_kv, ne3], dst f32 [128, n_head, n_batch, ne3]; no sinks, softcap
-or ALiBi. ``why_not`` says what the kernels do not take.
+Tensors in ggml order: q f32 [D, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
+instances) [D, n_kv, n_head_kv, ne3], dst f32 [D, n_head, n_batch, ne3], D 64, 128 or 256 (the
+instance's); no sinks, softcap or ALiBi. ``why_not`` says what the kernels do not take.
 """
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ __all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not"
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
-            dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16) -> str | None:
-    """None when an instance for K/V of ``kv_type`` runs these shapes, else why not (D 128, that
-    K/V type, 16-byte aligned addresses and strides, an 8-byte aligned dst)."""
-    if (sh.d_k, sh.d_v) != (128, 128):
-        return f"head sizes {sh.d_k}/{sh.d_v}: D 128 only"
+            dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16, d: int = 128) -> str | None:
+    """None when an instance for K/V of ``kv_type`` and head size ``d`` runs these shapes, else
+    why not (d_k = d_v = d, that K/V type, 16-byte aligned addresses and strides, an 8-byte
+    aligned dst)."""
+    if (sh.d_k, sh.d_v) != (d, d):
+        return f"head sizes {sh.d_k}/{sh.d_v}: this instance takes D {d}"
     if sh.kv_type != kv_type:
         return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
     if not all(cb._kv_aligned(t) for t in (q, k, v)):   # Q's 16-byte loads, TMA's strides
@@ -42,13 +43,13 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
     (or a WS_DIAG probe: timing only); ``blocks``: a persistent instance's block count (0: one
     per SM). ValueError for what it does not take."""
-    name, stages, kv_type, persistent = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
+    c = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
     sh = cb.validate(q, k, v, None, None, dst, scale)
-    reason = why_not(sh, q, k, v, dst, kv_type)
+    reason = why_not(sh, q, k, v, dst, c.kv_type, c.d)
     if reason:
         raise ValueError(f"wgmma prefill {config}: {reason}")
     p = cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
-    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if persistent else 0)
+    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if c.persistent else 0)
     p.n_q_tiles = ws_q_tiles(sh.n_batch)   # the persistent blocks' tile list
-    fn = K.get_function(K.wgmma_variant(), name, smem=smem_ws(stages))
+    fn = K.get_function(K.wgmma_variant(), c.name, smem=smem_ws(c.stages, c.d))
     fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))

@@ -266,7 +266,9 @@ def wgmma_variant() -> Variant:
                    ("fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
                     "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_persistent_bf16_d128",
                     "fattn_wgmma_ws_nopp_d128",
-                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128"), arch_suffix="a")
+                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128",
+                    "fattn_wgmma_ws_persistent_d64", "fattn_wgmma_ws_persistent_bf16_d64",
+                    "fattn_wgmma_ws_persistent_d256", "fattn_wgmma_ws_persistent_bf16_d256"), arch_suffix="a")
 
 
 def decode_tma_variant() -> Variant:

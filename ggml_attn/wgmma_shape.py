@@ -5,6 +5,8 @@ import the backend: this module must not).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import tma
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
 from .instances import pick
@@ -12,37 +14,65 @@ from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
 Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
-CHUNK_WS = 128     # KV cells per step (two of the plan's 64-cell tiles)
-# version 1's instances (FATTN_WS_INSTANCE in cuda/fattn_wgmma.cu): kernel, ring stages, K/V
-# type, persistent blocks. The op runs WS_FOR_TYPE's (one block per SM walking the tiles
-# heaviest first: on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per
-# tile, causal 8192 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
-# bench/results/2026-12-01-b69ab2e.json); the others are A/B rows of tools/dev/gpu_bench.py.
+HEAD_SIZES_WS = (64, 128, 256)   # d_k = d_v
+
+
+class WsConfig(NamedTuple):
+    """One FATTN_WS_INSTANCE of cuda/fattn_wgmma.cu."""
+    name: str          # the kernel
+    stages: int        # K/V ring depth
+    kv_type: int       # GGML_TYPE_F16 or GGML_TYPE_BF16 (Q and P staged in the same type)
+    persistent: bool   # one block per SM walking the tiles, or one block per tile
+    d: int = 128       # head size (d_k = d_v)
+
+
+def chunk_ws(d: int) -> int:
+    """ws::chunk<D>() of cuda/fattn_wgmma.cuh: KV cells per step -- two of the plan's 64-cell
+    tiles, one at D 256 (a 128-cell stage and Q would leave no room for a second stage)."""
+    return 64 if d == 256 else 128
+
+
+# version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
+# on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
+# 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
+# bench/results/2026-12-01-b69ab2e.json); the other D 128 ones are A/B rows of tools/dev/gpu_bench.py.
+# D 256 has room for 2 stages only; D 64 keeps D 128's 3 (not measured against others).
 WS_CONFIGS = {
-    "pp": ("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
-    "pp-bf16": ("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
-    "pp-persistent": ("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
-    "pp-persistent-bf16": ("fattn_wgmma_ws_persistent_bf16_d128", 3, GGML_TYPE_BF16, True),
-    "nopp": ("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
-    "s2": ("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
+    "pp": WsConfig("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
+    "pp-bf16": WsConfig("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
+    "pp-persistent": WsConfig("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
+    "pp-persistent-bf16": WsConfig("fattn_wgmma_ws_persistent_bf16_d128", 3, GGML_TYPE_BF16, True),
+    "nopp": WsConfig("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
+    "s2": WsConfig("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
+    "pp-persistent-d64": WsConfig("fattn_wgmma_ws_persistent_d64", 3, GGML_TYPE_F16, True, 64),
+    "pp-persistent-bf16-d64": WsConfig("fattn_wgmma_ws_persistent_bf16_d64", 3, GGML_TYPE_BF16, True, 64),
+    "pp-persistent-d256": WsConfig("fattn_wgmma_ws_persistent_d256", 2, GGML_TYPE_F16, True, 256),
+    "pp-persistent-bf16-d256": WsConfig("fattn_wgmma_ws_persistent_bf16_d256", 2, GGML_TYPE_BF16, True, 256),
 }
-WS_FOR_TYPE = {GGML_TYPE_F16: "pp-persistent", GGML_TYPE_BF16: "pp-persistent-bf16"}
-WS_DEFAULT = WS_FOR_TYPE[GGML_TYPE_F16]
+# the op's instance per (K/V type, head size)
+WS_FOR = {
+    (GGML_TYPE_F16, 128): "pp-persistent", (GGML_TYPE_BF16, 128): "pp-persistent-bf16",
+    (GGML_TYPE_F16, 64): "pp-persistent-d64", (GGML_TYPE_BF16, 64): "pp-persistent-bf16-d64",
+    (GGML_TYPE_F16, 256): "pp-persistent-d256", (GGML_TYPE_BF16, 256): "pp-persistent-bf16-d256",
+}
+WS_DEFAULT = WS_FOR[GGML_TYPE_F16, 128]
 # a speed-of-light probe of "pp" for tools/dev/gpu_bench.py (wrong results by design): no softmax
-WS_DIAG = {"diag-nosoftmax": ("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
+WS_DIAG = {"diag-nosoftmax": WsConfig("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
 
 
-def ws_config(kv_type: int, override: str = "") -> str:
-    """The WS_CONFIGS key the op runs for K/V of ``kv_type``: ``override`` (cuda_launch's
-    WGMMA_CONFIG knob) when set, else WS_FOR_TYPE's. ValueError when that instance is for another
-    K/V type or none exists."""
-    return pick(WS_CONFIGS, WS_FOR_TYPE, kv_type, override, lambda c: c[2], "wgmma prefill", "WGMMA_CONFIG")
+def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:
+    """The WS_CONFIGS key the op runs for K/V of ``kv_type`` and head size ``d``: ``override``
+    (cuda_launch's WGMMA_CONFIG knob) when set, else WS_FOR's. ValueError when that instance is
+    for another K/V type or head size, or none exists."""
+    return pick(WS_CONFIGS, WS_FOR, (kv_type, d), override, lambda c: (c.kv_type, c.d), "wgmma prefill",
+                "WGMMA_CONFIG")
 
 
-def smem_ws(stages: int) -> int:
-    """ws::smem_bytes<128, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring, Q
-    (128 x 128 halves), 5 mbarriers per stage (full and empty for K and V, V ready)."""
-    return 1024 + 2 * stages * CHUNK_WS * 128 * 2 + 128 * 128 * 2 + 5 * stages * 8
+def smem_ws(stages: int, d: int = 128) -> int:
+    """ws::smem_bytes<D, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring
+    (chunk_ws(d) cells x d per K or V tile), Q (128 x d halves), 5 mbarriers per stage (full and
+    empty for K and V, V ready)."""
+    return 1024 + 2 * stages * chunk_ws(d) * d * 2 + Q_TILE_WS * d * 2 + 5 * stages * 8
 
 
 def ws_q_tiles(n_batch: int) -> int:

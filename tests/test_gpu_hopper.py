@@ -135,19 +135,20 @@ def test_sw128_operand_path():
     assert np.array_equal(got_o, want_o), f"P V: {int((got_o != want_o).sum())} of 8192 wrong"
 
 
-def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0):
-    """Random Q (f32), K, V (f16; rows ``kv_pitch`` cells apart per head when given: a view of a
-    larger cache), the float64 reference and a NaN-poisoned dst: numpy order throughout
-    ([ne3, heads, rows, 128])."""
+def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None):
+    """Random Q (f32), K, V (``kv_type``, f16 by default; rows ``kv_pitch`` cells apart per head
+    when given: a view of a larger cache), the float64 reference on the same K/V values and a
+    NaN-poisoned dst: numpy order throughout ([ne3, heads, rows, d])."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext
+    kv_type = GGML_TYPE_F16 if kv_type is None else kv_type
     rng = np.random.default_rng(seed)
-    nh, nkv, d = 8, 2, 128
+    nh, nkv = 8, 2
     q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
-    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
-    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
-    ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
+    ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=kv_type)
     dk, dv = cp.asarray(k), cp.asarray(v)
     if kv_pitch:
         big_k = cp.zeros((ne3, nkv, kv_pitch, d), dtype=k.dtype)
@@ -159,58 +160,63 @@ def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0):
     return cp.asarray(q), dk, dv, dst, ref
 
 
-@pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2"])
+@pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2",
+                                    "pp-persistent-d64", "pp-persistent-d256", "pp-persistent-d256-3"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),
                                                     (1, 256, 640, None)])
 def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
     """Version 1 (TMA producer, two consumer warpgroups) in each f16 configuration (ring depths,
-    with and without the ping-pong schedule, persistent blocks), launched directly without a
-    mask, against the float64 reference: one tile and fewer cells than a tile, a partial
-    last tile, a second 128-row block, GQA 4, streams, K/V as views of a larger cache (the TMA
-    map's strides); dst poisoned with NaN first."""
+    with and without the ping-pong schedule, persistent blocks; head sizes 64, 128, 256),
+    launched directly without a mask, against the float64 reference: one tile and fewer cells
+    than a tile, a partial last tile, a second 128-row block, GQA 4, streams, K/V as views of a
+    larger cache (the TMA map's strides); dst poisoned with NaN first."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_F16
     from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
-    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=n_batch * 3 + n_kv)
-    blocks = 3 if config == "pp-persistent-3" else 0   # 3 blocks: each walks many tiles
+    from ggml_attn.wgmma_shape import WS_CONFIGS
+    name = config.removesuffix("-3")
+    blocks = 3 if config.endswith("-3") else 0   # 3 blocks: each walks many tiles
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=n_batch * 3 + n_kv, d=WS_CONFIGS[name].d)
     hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16),
-              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr,
-              config=config.replace("-3", ""), blocks=blocks)
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config=name, blocks=blocks)
     out = dst.get()
     assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
     err = nmse(out, ref)
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16", "pp-persistent-bf16-d64",
+                                    "pp-persistent-bf16-d256"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
-def test_wgmma_prefill_ws_bf16(ne3, n_batch, n_kv):
-    """Version 1's bf16 instance ("pp-bf16": bf16 wgmma, Q and P staged in bf16, the TMA map's
-    element type bf16) against the float64 reference on the same bf16 K/V values."""
+def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
+    """Version 1's bf16 instances (bf16 wgmma, Q and P staged in bf16, the TMA map's element type
+    bf16; head sizes 64, 128, 256) against the float64 reference on the same bf16 K/V values;
+    f16 K/V or another head size through them: refused."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
-    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
-    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+    from ggml_attn.reference import nmse
     from ggml_attn.tensor import from_array
-    rng = np.random.default_rng(n_batch + n_kv)
-    nh, nkv, d = 8, 2, 128
-    q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
-    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_BF16)
-    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_BF16)
-    ref = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, kv_type=GGML_TYPE_BF16)
-    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-    dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    from ggml_attn.wgmma_shape import WS_CONFIGS
+    d = WS_CONFIGS[config].d
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, seed=n_batch + n_kv, d=d, kv_type=GGML_TYPE_BF16)
     hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_BF16), from_array(dv, GGML_TYPE_BF16),
-              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config="pp-bf16")
+              from_array(dst), 0.125, cp.cuda.get_current_stream().ptr, config=config)
     out = dst.get()
     assert not np.isnan(out).any()
     assert nmse(out, ref) <= 5e-4
-    with pytest.raises(ValueError, match="bf16"):   # f16 K/V through the bf16 instance: refused
+    with pytest.raises(ValueError, match="K/V must be bf16"):   # f16 K/V through it: refused
         hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), from_array(dst),
-                  0.125, config="pp-bf16")
+                  0.125, config=config)
+    other = 128 if d != 128 else 64   # another head size through it: refused, naming its own
+    oq, ok, ov, odst, _ = _prefill_case(1, 64, 100, d=other, kv_type=GGML_TYPE_BF16)
+    with pytest.raises(ValueError, match=f"D {d}"):
+        hp.run_ws(from_array(oq), from_array(ok, GGML_TYPE_BF16), from_array(ov, GGML_TYPE_BF16),
+                  from_array(odst), 0.125, config=config)
 
 
 def test_wgmma_prefill_refuses_what_it_does_not_take():
@@ -222,7 +228,7 @@ def test_wgmma_prefill_refuses_what_it_does_not_take():
     q = cp.zeros((1, 4, 8, 128), cp.float32)
     kv = cp.zeros((1, 1, 64, 128), cp.uint16)   # bf16 bits
     dst = cp.zeros((1, 8, 4, 128), cp.float32)
-    with pytest.raises(ValueError, match="f16"):
+    with pytest.raises(ValueError, match="K/V must be f16"):
         hp.run_ws(from_array(q), from_array(kv, GGML_TYPE_BF16), from_array(kv, GGML_TYPE_BF16),
                   from_array(dst), 0.1)
 
@@ -303,18 +309,19 @@ def test_op_runs_wgmma_prefill_where_it_applies(name):
     assert err <= 5e-4, f"{name}: NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("kind", ["random bias", "holes", "nan in hidden cells", "two prompts"])
-def test_wgmma_prefill_by_name_takes_every_tile_class(kind):
-    """kernel="prefill-wgmma" asked for by name on masks auto would not give it: MASKED tiles
-    (a random bias; -inf holes inside causal rows) read from the mask, NaN in the K/V cells no
-    row sees (HIDDEN columns, ABSENT halves) must not reach the output, ragged prompts in one
-    ubatch (HIDDEN columns)."""
+def test_wgmma_prefill_by_name_takes_every_tile_class(kind, d):
+    """kernel="prefill-wgmma" asked for by name on masks auto would not give it, at each head
+    size: MASKED tiles (a random bias; -inf holes inside causal rows) read from the mask, NaN in
+    the K/V cells no row sees (HIDDEN columns, ABSENT halves) must not reach the output, ragged
+    prompts in one ubatch (HIDDEN columns)."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
     rng = np.random.default_rng(3)
-    n_batch, n_kv, nh, nkv, d = (400, 400, 8, 2, 128) if kind == "two prompts" else (300, 420, 8, 2, 128)
+    n_batch, n_kv, nh, nkv = (400, 400, 8, 2) if kind == "two prompts" else (300, 420, 8, 2)
     q = rng.uniform(-1, 1, (1, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
     v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
@@ -364,15 +371,17 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
     assert nmse(out, ref) <= 5e-4
 
 
-@pytest.mark.parametrize("config,blocks,bf16", [("", 0, False), ("", 5, False), ("pp", 0, False),
-                                                ("", 0, True), ("", 5, True)])
+@pytest.mark.parametrize("config,blocks,bf16,d", [("", 0, False, 128), ("", 5, False, 128), ("pp", 0, False, 128),
+                                                  ("", 0, True, 128), ("", 5, True, 128),
+                                                  ("", 0, False, 64), ("", 5, True, 64),
+                                                  ("", 0, False, 256), ("", 5, False, 256), ("", 0, True, 256)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
-def test_wgmma_instances_through_the_op(name, config, blocks, bf16, monkeypatch):
+def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypatch):
     """The op's instance (cuda_launch.WGMMA_CONFIG "": the persistent one of the K/V type, f16 or
-    bf16; blocks: one per SM, or 5 so that each block walks many tiles with different chunk
-    counts, the ring running on across them) and the one-block-per-tile "pp", by name through
-    the op against the float64 reference on the same K/V values: a mask's every class (causal
-    tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
+    bf16, and head size, 64, 128 or 256; blocks: one per SM, or 5 so that each block walks many
+    tiles with different chunk counts, the ring running on across them) and the
+    one-block-per-tile "pp", by name through the op against the float64 reference on the same
+    K/V values: a mask's every class (causal tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
     from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
@@ -384,7 +393,7 @@ def test_wgmma_instances_through_the_op(name, config, blocks, bf16, monkeypatch)
     n_batch, n_kv, mask, _ = _masks()[name]
     kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
     rng = np.random.default_rng(17)
-    ne3, nh, nkv, d = 2, 8, 2, 128
+    ne3, nh, nkv = 2, 8, 2
     q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
     v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)

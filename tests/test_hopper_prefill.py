@@ -12,10 +12,12 @@ def _t(ptr=256, nb1=256):
     return TensorDesc(ptr, GGML_TYPE_F16, (128, 64, 2, 1), (2, nb1, nb1 * 64, nb1 * 128))
 
 
-def test_takes_d128_f16_aligned():
+def test_takes_its_head_size_f16_aligned():
     sh = Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_F16)
     assert hp.why_not(sh, _t(), _t(), _t()) is None
     assert "D 128" in hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
+    assert hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t(), d=64) is None
+    assert "D 256" in hp.why_not(sh, _t(), _t(), _t(), d=256)
     assert "f16" in hp.why_not(Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(ptr=260), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(), _t(nb1=264), _t())
@@ -34,8 +36,19 @@ def test_kv_map_rejects_strides_tma_cannot_take():
 
 def test_ws_configs_fit_shared_memory():
     """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
-    for name, stages, _, _ in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
-        assert hp.smem_ws(stages) <= 227 * 1024, name
+    for c in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
+        assert hp.smem_ws(c.stages, c.d) <= 227 * 1024, c.name
+    # D 256: 64-cell chunks (a 128-cell chunk and Q leave no room for 2 stages)
+    assert hp.smem_ws(2, 256) == 1024 + 2 * 2 * 64 * 256 * 2 + 128 * 256 * 2 + 5 * 2 * 8
+    assert 1024 + 2 * 2 * 128 * 256 * 2 + 128 * 256 * 2 > 227 * 1024
+
+
+def test_every_instance_name_says_its_head_size_and_type():
+    """The kernel names the configurations point at carry the configuration's head size and
+    K/V type (a typo would run a D 128 kernel on D 64 memory)."""
+    for key, c in hp.WS_CONFIGS.items():
+        assert c.name.endswith(f"_d{c.d}"), key
+        assert ("bf16" in c.name) == (c.kv_type == GGML_TYPE_BF16), key
 
 
 # ---- dispatch: when auto runs the sm_90a prefill ("prefill-wgmma") -- without a GPU
@@ -58,10 +71,11 @@ def test_auto_keeps_mma_where_wgmma_does_not_apply():
     """Another architecture, other head sizes or K/V type, sinks/softcap/ALiBi, a mask with
     MASKED/HIDDEN tiles (or not measured), few tokens, decode shapes, unaligned K/V."""
     from ggml_attn.dispatch import WGMMA_MIN_BATCH, best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64),
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=96, d_v=96),
                dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
         assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
     assert best_kernel("auto", _f(kv_type=GGML_TYPE_F32)).kernel != "prefill-wgmma"
+    assert best_kernel("auto", _f(d_k=128, d_v=64)).kernel != "prefill-wgmma"
     assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tc"   # (the sm_90a decode: tests/test_decode_tma.py)
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
 
@@ -73,7 +87,8 @@ def test_wgmma_by_name_says_why_not():
     # asked for by name: any size, any mask (MASKED tiles are read from the mask: slow, right)
     assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
     assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
-    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=64, d_v=64), "D 128"),
+    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=96, d_v=96), "D 64, 128, 256"),
+                      (dict(d_k=256, d_v=128), r"d_k = d_v"),
                       (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             best_kernel("prefill-wgmma", _f(**kw))
@@ -91,7 +106,7 @@ def test_wgmma_launch_config(monkeypatch):
         cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
-        assert cfg.smem == hp.smem_ws(hp.WS_CONFIGS[ws.ws_config(kv_type)][1])
+        assert cfg.smem == hp.smem_ws(hp.WS_CONFIGS[ws.ws_config(kv_type)].stages)
     assert L.launch_config("prefill-wgmma", L.Shapes(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
     cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
@@ -103,11 +118,43 @@ def test_ws_config_matches_the_kv_type():
     another type, or an unknown one, is refused."""
     import pytest
     for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
-        assert hp.WS_CONFIGS[ws.ws_config(kv_type)][2] == kv_type
+        for d in ws.HEAD_SIZES_WS:
+            c = hp.WS_CONFIGS[ws.ws_config(kv_type, d=d)]
+            assert (c.kv_type, c.d, c.persistent) == (kv_type, d, True)
     with pytest.raises(ValueError, match="another K/V type"):
         ws.ws_config(GGML_TYPE_F16, "pp-bf16")
+    with pytest.raises(ValueError, match="another K/V type or head size"):
+        ws.ws_config(GGML_TYPE_F16, "pp-persistent", d=64)   # a D 128 kernel on D 64 memory
+    with pytest.raises(ValueError, match="no wgmma prefill instance"):
+        ws.ws_config(GGML_TYPE_F16, d=96)
     with pytest.raises(ValueError, match="no wgmma prefill instance"):
         ws.ws_config(GGML_TYPE_F32)
+
+
+def test_auto_takes_wgmma_at_d64_and_d256_not_decode_tma():
+    """The sm_90a prefill has D 64 and 256 instances (f16 and bf16); the sm_90a decode only D 128."""
+    from ggml_attn.dispatch import best_kernel, decode_tma_why_not
+    for d in (64, 256):
+        for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
+            c = best_kernel("auto", _f(d_k=d, d_v=d, kv_type=kv_type))
+            assert c.kernel == "prefill-wgmma" and f"D {d}" in c.reason, (d, kv_type)
+        assert "D 128" in decode_tma_why_not(_f(d_k=d, d_v=d))
+    assert decode_tma_why_not(_f()) is None
+
+
+def test_wgmma_launch_config_per_head_size(monkeypatch):
+    """D 64 and 256 calls launch their own instance with its shared memory (2 stages of 64-cell
+    chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d64"),
+                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d64"),
+                             (256, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
+                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d256")):
+        cfg = L.launch_config("prefill-wgmma", L.Shapes(d, d, 300, 32, 8, 2, 1000, kv_type))
+        assert cfg.name == name and cfg.grid == (132, 1, 1)
+        assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
+        assert cfg.smem == hp.smem_ws(3 if d == 64 else 2, d)
 
 
 def test_persistent_grid():

@@ -85,42 +85,45 @@ def main():
     if K.device_arch() == "sm_90":   # the sm_90a prefill: tail tiles, GQA 4, every tile class
         from ggml_attn import hopper_prefill
         nb, n_kv, nh, nkv = 100, 333, 8, 2
-        q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
-        kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, 128))
-        for c, (_, _, kv_type, _) in hopper_prefill.WS_CONFIGS.items():   # every instance, directly
+        for c, wc in hopper_prefill.WS_CONFIGS.items():   # every instance, directly, at its head size
+            kv_type, d = wc.kv_type, wc.d
+            q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
+            kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, d))
             k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
             ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
             # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's
             # pool hands a freed temporary's memory to the next array (K's buffer would become V's)
             dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-            dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
+            dst = cp.full((1, nb, nh, d), cp.nan, dtype=cp.float32)
             hopper_prefill.run_ws(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
                                   from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, config=c)
             out = dst.get()
             err = nmse(out, ref)
             ok = err <= 5e-4 and not np.isnan(out).any()
             bad += not ok
-            print(f"{'ws-' + c:10s} D=128 mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+            print(f"{'ws-' + c:10s} D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # through the op's entry with a causal mask after 100 cells: PARTIAL and ABSENT halves,
-        # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile)
+        # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile); each head size
         nb, n_kv = 200, 300
         m = np.full((1, 1, nb, n_kv), -np.inf, np.float16)
         for t in range(nb):
             m[0, 0, t, :100 + t + 1] = 0
         m[0, 0, 5, 3:9] = -np.inf
-        q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
-        k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
-        v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
-        ref = flash_attn_ext(q, k, v, m, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
-        dq, dk_, dv_, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m)
-        dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
-        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
-                                 from_array(dm, GGML_TYPE_F16), None, from_array(dst), 0.1, kernel="prefill-wgmma")
-        out = dst.get()
-        err = nmse(out, ref)
-        ok = err <= 5e-4 and not np.isnan(out).any()
-        bad += not ok
-        print(f"wgmma-op   D=128 mask=causal+hole nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        for d in (64, 128, 256):
+            q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
+            k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
+            v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16)
+            ref = flash_attn_ext(q, k, v, m, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+            dq, dk_, dv_, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m)
+            dst = cp.full((1, nb, nh, d), cp.nan, dtype=cp.float32)
+            cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                     from_array(dm, GGML_TYPE_F16), None, from_array(dst), 0.1,
+                                     kernel="prefill-wgmma")
+            out = dst.get()
+            err = nmse(out, ref)
+            ok = err <= 5e-4 and not np.isnan(out).any()
+            bad += not ok
+            print(f"wgmma-op   D={d} mask=causal+hole nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the sm_90a decode: no mask and a random mask with -inf holes (MASKED, HIDDEN tiles),
         # one wave of blocks and 3 blocks (parts of groups merged by the last block)
         nb, n_kv, nh, nkv = 3, 333, 32, 8
