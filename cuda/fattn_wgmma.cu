@@ -22,8 +22,11 @@
 // interval of zeros: p.row_lohi) or MASKED (the mask's values read from global memory: correct,
 // not fast -- ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A
 // HIDDEN half's unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V.
-// Without a plan every chunk is live and cells past n_kv score -inf. D = d_k = d_v 64, 128 or
-// 256, f16 or bf16 K/V (T: Q and P staged in the same type), no sinks, softcap or ALiBi. Grid
+// Without a plan every chunk is live and cells past n_kv score -inf. D: the tile width, 64, 128
+// or 256; the call's d_k = d_v (p.d_v) is D or a smaller multiple of 8 (40 on the D 64 instance,
+// 72-112 on 128, 192 on 256): TMA reads K and V's columns past it as zeros, Q is staged with
+// zeros there and only p.d_v columns are stored. f16 or bf16 K/V (T: Q and P staged in the same
+// type), no sinks, softcap or ALiBi. Grid
 // (n_head, ceil(n_batch / 128), ne3), query tiles in reverse order (the longest causal rows
 // first), or with PERSISTENT (gridDim.x blocks, gridDim.y = z = 1) every block walks every
 // gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES>().

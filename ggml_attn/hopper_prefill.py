@@ -7,8 +7,8 @@ through the plan's 128-token tile map. ``run_ws`` launches it without a mask in 
 ``WS_CONFIGS`` (tests, benchmarks).
 
 Tensors in ggml order: q f32 [D, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
-instances) [D, n_kv, n_head_kv, ne3], dst f32 [D, n_head, n_batch, ne3], D 64, 128 or 256 (the
-instance's); no sinks, softcap or ALiBi. ``why_not`` says what the kernels do not take.
+instances) [D, n_kv, n_head_kv, ne3], dst f32 [D, n_head, n_batch, ne3], D one of HEAD_SIZES_WS
+(the instance's tile width, or a smaller size padded to it); no sinks, softcap or ALiBi. ``why_not`` says what the kernels do not take.
 """
 from __future__ import annotations
 
@@ -17,18 +17,20 @@ from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, ws_grid, ws_q_tiles
+from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, tile_width,
+                          ws_grid, ws_q_tiles)
 
 __all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not", "run_ws"]
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16, d: int = 128) -> str | None:
-    """None when an instance for K/V of ``kv_type`` and head size ``d`` runs these shapes, else
-    why not (d_k = d_v = d, that K/V type, 16-byte aligned addresses and strides, an 8-byte
-    aligned dst)."""
-    if (sh.d_k, sh.d_v) != (d, d):
-        return f"head sizes {sh.d_k}/{sh.d_v}: this instance takes D {d}"
+    """None when an instance for K/V of ``kv_type`` and tile width ``d`` runs these shapes, else
+    why not (d_k = d_v, a head size of HEAD_SIZES_WS whose tile width is d, that K/V type,
+    16-byte aligned addresses and strides, an 8-byte aligned dst)."""
+    if sh.d_k != sh.d_v or sh.d_k not in HEAD_SIZES_WS or tile_width(sh.d_k) != d:
+        sizes = ", ".join(str(x) for x in HEAD_SIZES_WS if tile_width(x) == d)
+        return f"head sizes {sh.d_k}/{sh.d_v}: this instance takes D {sizes} (d_k = d_v)"
     if sh.kv_type != kv_type:
         return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
     if not all(cb._kv_aligned(t) for t in (q, k, v)):   # Q's 16-byte loads, TMA's strides

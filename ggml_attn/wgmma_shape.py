@@ -14,7 +14,19 @@ from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
 Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
-HEAD_SIZES_WS = (64, 128, 256)   # d_k = d_v
+# the instances' tile widths (D of cuda/fattn_wgmma.cu), and the head sizes (d_k = d_v) they run:
+# a width, or a smaller multiple of 8 on the next width up (TMA reads K/V's columns past the head
+# as zeros, Q is staged with zeros there): 40 on 64; 72, 80, 96, 112 on 128; 192 on 256
+TILE_WIDTHS_WS = (64, 128, 256)
+HEAD_SIZES_WS = (40, 64, 72, 80, 96, 112, 128, 192, 256)
+
+
+def tile_width(d: int) -> int:
+    """The tile width of the instance that runs head size ``d`` (one of HEAD_SIZES_WS): the
+    smallest of TILE_WIDTHS_WS that holds it."""
+    if d not in HEAD_SIZES_WS:
+        raise ValueError(f"the wgmma prefill runs head sizes {HEAD_SIZES_WS}, got {d}")
+    return next(w for w in TILE_WIDTHS_WS if w >= d)
 
 
 class WsConfig(NamedTuple):
@@ -23,7 +35,7 @@ class WsConfig(NamedTuple):
     stages: int        # K/V ring depth
     kv_type: int       # GGML_TYPE_F16 or GGML_TYPE_BF16 (Q and P staged in the same type)
     persistent: bool   # one block per SM walking the tiles, or one block per tile
-    d: int = 128       # head size (d_k = d_v)
+    d: int = 128       # tile width (TILE_WIDTHS_WS): head sizes up to it (tile_width)
 
 
 def chunk_ws(d: int) -> int:
@@ -49,7 +61,7 @@ WS_CONFIGS = {
     "pp-persistent-d256": WsConfig("fattn_wgmma_ws_persistent_d256", 2, GGML_TYPE_F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig("fattn_wgmma_ws_persistent_bf16_d256", 2, GGML_TYPE_BF16, True, 256),
 }
-# the op's instance per (K/V type, head size)
+# the op's instance per (K/V type, tile width)
 WS_FOR = {
     (GGML_TYPE_F16, 128): "pp-persistent", (GGML_TYPE_BF16, 128): "pp-persistent-bf16",
     (GGML_TYPE_F16, 64): "pp-persistent-d64", (GGML_TYPE_BF16, 64): "pp-persistent-bf16-d64",
@@ -61,11 +73,11 @@ WS_DIAG = {"diag-nosoftmax": WsConfig("fattn_wgmma_ws_diag_nosoftmax_d128", 3, G
 
 
 def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:
-    """The WS_CONFIGS key the op runs for K/V of ``kv_type`` and head size ``d``: ``override``
-    (cuda_launch's WGMMA_CONFIG knob) when set, else WS_FOR's. ValueError when that instance is
-    for another K/V type or head size, or none exists."""
-    return pick(WS_CONFIGS, WS_FOR, (kv_type, d), override, lambda c: (c.kv_type, c.d), "wgmma prefill",
-                "WGMMA_CONFIG")
+    """The WS_CONFIGS key the op runs for K/V of ``kv_type`` and head size ``d`` (its instance of
+    tile_width(d)): ``override`` (cuda_launch's WGMMA_CONFIG knob) when set, else WS_FOR's.
+    ValueError when that instance is for another K/V type or tile width, or none exists."""
+    return pick(WS_CONFIGS, WS_FOR, (kv_type, tile_width(d)), override, lambda c: (c.kv_type, c.d),
+                "wgmma prefill", "WGMMA_CONFIG")
 
 
 def smem_ws(stages: int, d: int = 128) -> int:

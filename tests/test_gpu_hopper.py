@@ -189,6 +189,35 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
+@pytest.mark.parametrize("config,d,bf16", [("pp-persistent", 96, False), ("pp-persistent", 80, False),
+                                           ("pp-persistent", 72, False), ("pp-persistent", 112, False),
+                                           ("pp-persistent-bf16", 96, True), ("pp-persistent-d64", 40, False),
+                                           ("pp-persistent-d256", 192, False), ("pp-persistent-bf16-d256", 192, True)])
+@pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 64, 100, None), (1, 300, 4097, None), (2, 200, 700, 1024)])
+def test_wgmma_prefill_ws_padded_head_sizes(config, d, bf16, ne3, n_batch, n_kv, pitch):
+    """Head sizes below an instance's tile width (40 on D 64; 72-112 on 128; 192 on 256), launched
+    directly without a mask against the float64 reference: K/V's columns past the head come from
+    TMA's zero fill (also from views of a larger cache), Q is staged with zeros there, dst rows are
+    d values long and nothing past them is written (dst poisoned with NaN first, a guard row
+    after it checked)."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+    from ggml_attn.reference import nmse
+    from ggml_attn.tensor import from_array
+    kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, pitch, seed=d + n_kv, d=d, kv_type=kv_type)
+    guarded = cp.full(dst.size + 64, cp.nan, dtype=cp.float32)   # dst, then 64 floats nobody may write
+    view = guarded[:dst.size].reshape(dst.shape)
+    hp.run_ws(from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type),
+              from_array(view), 0.125, cp.cuda.get_current_stream().ptr, config=config)
+    out = view.get()
+    assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
+    assert np.isnan(guarded[dst.size:].get()).all(), "written past dst"
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"
+
+
 @pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16", "pp-persistent-bf16-d64",
                                     "pp-persistent-bf16-d256"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
@@ -214,7 +243,7 @@ def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
                   0.125, config=config)
     other = 128 if d != 128 else 64   # another head size through it: refused, naming its own
     oq, ok, ov, odst, _ = _prefill_case(1, 64, 100, d=other, kv_type=GGML_TYPE_BF16)
-    with pytest.raises(ValueError, match=f"D {d}"):
+    with pytest.raises(ValueError, match=rf"takes D [0-9, ]*\b{d} \(d_k = d_v\)"):
         hp.run_ws(from_array(oq), from_array(ok, GGML_TYPE_BF16), from_array(ov, GGML_TYPE_BF16),
                   from_array(odst), 0.125, config=config)
 
@@ -309,7 +338,7 @@ def test_op_runs_wgmma_prefill_where_it_applies(name):
     assert err <= 5e-4, f"{name}: NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 80, 128, 192, 256])
 @pytest.mark.parametrize("kind", ["random bias", "holes", "nan in hidden cells", "two prompts"])
 def test_wgmma_prefill_by_name_takes_every_tile_class(kind, d):
     """kernel="prefill-wgmma" asked for by name on masks auto would not give it, at each head
@@ -374,12 +403,15 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
 @pytest.mark.parametrize("config,blocks,bf16,d", [("", 0, False, 128), ("", 5, False, 128), ("pp", 0, False, 128),
                                                   ("", 0, True, 128), ("", 5, True, 128),
                                                   ("", 0, False, 64), ("", 5, True, 64),
-                                                  ("", 0, False, 256), ("", 5, False, 256), ("", 0, True, 256)])
+                                                  ("", 0, False, 256), ("", 5, False, 256), ("", 0, True, 256),
+                                                  ("", 0, False, 96), ("", 5, True, 96), ("", 0, False, 40),
+                                                  ("", 5, False, 112), ("", 0, True, 192), ("", 5, False, 72)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
 def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypatch):
     """The op's instance (cuda_launch.WGMMA_CONFIG "": the persistent one of the K/V type, f16 or
-    bf16, and head size, 64, 128 or 256; blocks: one per SM, or 5 so that each block walks many
-    tiles with different chunk counts, the ring running on across them) and the
+    bf16, and tile width, 64, 128 or 256, at those head sizes and smaller ones padded to them;
+    blocks: one per SM, or 5 so that each block walks many tiles with different chunk counts, the
+    ring running on across them) and the
     one-block-per-tile "pp", by name through the op against the float64 reference on the same
     K/V values: a mask's every class (causal tiles of 0-4 chunks, HIDDEN columns), ne3 = 2."""
     import cupy as cp

@@ -15,9 +15,9 @@ def _t(ptr=256, nb1=256):
 def test_takes_its_head_size_f16_aligned():
     sh = Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_F16)
     assert hp.why_not(sh, _t(), _t(), _t()) is None
-    assert "D 128" in hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
+    assert "takes D 72, 80, 96, 112, 128 " in hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
     assert hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t(), d=64) is None
-    assert "D 256" in hp.why_not(sh, _t(), _t(), _t(), d=256)
+    assert "takes D 192, 256 " in hp.why_not(sh, _t(), _t(), _t(), d=256)
     assert "f16" in hp.why_not(Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(ptr=260), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(), _t(nb1=264), _t())
@@ -71,7 +71,7 @@ def test_auto_keeps_mma_where_wgmma_does_not_apply():
     """Another architecture, other head sizes or K/V type, sinks/softcap/ALiBi, a mask with
     MASKED/HIDDEN tiles (or not measured), few tokens, decode shapes, unaligned K/V."""
     from ggml_attn.dispatch import WGMMA_MIN_BATCH, best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=96, d_v=96),
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=192, d_v=128),
                dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
         assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
     assert best_kernel("auto", _f(kv_type=GGML_TYPE_F32)).kernel != "prefill-wgmma"
@@ -87,7 +87,7 @@ def test_wgmma_by_name_says_why_not():
     # asked for by name: any size, any mask (MASKED tiles are read from the mask: slow, right)
     assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
     assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
-    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=96, d_v=96), "D 64, 128, 256"),
+    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=48, d_v=48), "D 40, 64, 72, 80, 96, 112, 128, 192, 256"),
                       (dict(d_k=256, d_v=128), r"d_k = d_v"),
                       (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
@@ -120,13 +120,13 @@ def test_ws_config_matches_the_kv_type():
     for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
         for d in ws.HEAD_SIZES_WS:
             c = hp.WS_CONFIGS[ws.ws_config(kv_type, d=d)]
-            assert (c.kv_type, c.d, c.persistent) == (kv_type, d, True)
+            assert (c.kv_type, c.d, c.persistent) == (kv_type, ws.tile_width(d), True)
     with pytest.raises(ValueError, match="another K/V type"):
         ws.ws_config(GGML_TYPE_F16, "pp-bf16")
     with pytest.raises(ValueError, match="another K/V type or head size"):
         ws.ws_config(GGML_TYPE_F16, "pp-persistent", d=64)   # a D 128 kernel on D 64 memory
-    with pytest.raises(ValueError, match="no wgmma prefill instance"):
-        ws.ws_config(GGML_TYPE_F16, d=96)
+    with pytest.raises(ValueError, match="runs head sizes"):
+        ws.ws_config(GGML_TYPE_F16, d=48)
     with pytest.raises(ValueError, match="no wgmma prefill instance"):
         ws.ws_config(GGML_TYPE_F32)
 
@@ -142,6 +142,31 @@ def test_auto_takes_wgmma_at_d64_and_d256_not_decode_tma():
     assert decode_tma_why_not(_f()) is None
 
 
+def test_tile_width_is_the_smallest_instance_that_holds_the_head():
+    """Head sizes below a tile width run on it padded (TMA's zero fill past the head): the
+    smallest width that holds them, never one that would cut them; other sizes are refused."""
+    import pytest
+    assert [ws.tile_width(d) for d in ws.HEAD_SIZES_WS] == [64, 64, 128, 128, 128, 128, 128, 256, 256]
+    for d in ws.HEAD_SIZES_WS:
+        assert d % 8 == 0 and d <= ws.tile_width(d)   # rows of whole 16-byte chunks (TMA, Q's loads)
+    for d in (32, 48, 100, 320):
+        with pytest.raises(ValueError, match="runs head sizes"):
+            ws.tile_width(d)
+
+
+def test_hopper_prefill_why_not_names_the_padded_sizes():
+    """run_ws's check: a head size runs on the instance of its tile width only."""
+    for d, width, ok in ((96, 128, True), (96, 64, False), (40, 64, True), (192, 256, True), (192, 128, False),
+                         (64, 128, False)):
+        sh = Shapes(d, d, 300, 8, 2, 1, 1000, GGML_TYPE_F16)
+        t = TensorDesc(256, GGML_TYPE_F16, (d, 1000, 2, 1), (2, 2 * d, 2 * d * 1000, 2 * d * 2000))
+        q = TensorDesc(256, GGML_TYPE_F32, (d, 300, 8, 1), (4, 4 * d, 4 * d * 300, 4 * d * 2400))
+        why = hp.why_not(sh, q, t, t, None, GGML_TYPE_F16, width)
+        assert (why is None) == ok, (d, width, why)
+        if not ok:
+            assert f"D {', '.join(str(x) for x in ws.HEAD_SIZES_WS if ws.tile_width(x) == width)}" in why
+
+
 def test_wgmma_launch_config_per_head_size(monkeypatch):
     """D 64 and 256 calls launch their own instance with its shared memory (2 stages of 64-cell
     chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
@@ -149,12 +174,17 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d64"),
                              (64, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d64"),
+                             (40, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d64"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d128"),
+                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d128"),
                              (256, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
+                             (192, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
                              (256, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d256")):
         cfg = L.launch_config("prefill-wgmma", L.Shapes(d, d, 300, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
-        assert cfg.smem == hp.smem_ws(3 if d == 64 else 2, d)
+        w = ws.tile_width(d)
+        assert cfg.smem == hp.smem_ws(3 if w < 256 else 2, w)
 
 
 def test_persistent_grid():

@@ -277,9 +277,10 @@ def run(quick=False, only=None, log=print):
             add(case, "fa2", sdpa_fns(q, kv, causal=True), fl, ctx=fa2())
             del ours, q, kv
     # ---- causal 4096 at other shapes (#31's rows): bf16 K/V, 64/8 heads (70B-style GQA), D 64,
-    # D 256 with 16/4 heads (Gemma-style)
+    # D 256 with 16/4 heads (Gemma-style); D 80, 96, 112 and 192 (run padded to the next tile width)
     n = 4096
-    for h, hkv, d, bf16 in ((32, 8, 128, True), (64, 8, 128, False), (32, 8, 64, False), (16, 4, 256, False)):
+    for h, hkv, d, bf16 in ((32, 8, 128, True), (64, 8, 128, False), (32, 8, 64, False), (16, 4, 256, False),
+                            (32, 8, 80, False), (32, 8, 96, False), (32, 8, 112, False), (16, 4, 192, False)):
         case = f"prefill N={n} causal, {h}/{hkv} heads, D {d}" + (", bf16" if bf16 else "")
         if quick or not want(case):
             continue
