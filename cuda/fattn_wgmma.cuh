@@ -44,30 +44,15 @@ template <int D, typename T = __half>
 __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int tok0, int h, int s, int tid) {
     const float qs = p.scale * FATTN_LOG2E;
     const char* qb = p.q + (long long)s * p.q_nb3 + (long long)h * p.q_nb2;
-    // PER float4 loads per thread, issued in batches of up to 16 before the first is used (one
-    // DRAM round trip per batch, not per load); a load outside the call's rows or head reads
-    // row 0 / column 0 instead (always there) and is replaced by zeros (selected, not multiplied: a
-    // non-finite value there stays out)
-    constexpr int PER = 64 * (D / 4) / 128, BATCH = PER < 16 ? PER : 16;
-    static_assert(PER % BATCH == 0, "whole batches");
-#pragma unroll
-    for (int b0 = 0; b0 < PER; b0 += BATCH) {
-        float4 x[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int i = tid + 128 * (b0 + j), r = i / (D / 4), c = (i % (D / 4)) * 4;
-            const bool in = tok0 + r < p.n_batch && c < p.d_v;
-            x[j] = __ldg(reinterpret_cast<const float4*>(qb + (long long)(in ? tok0 + r : 0) * p.q_nb1) + (in ? c / 4 : 0));
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-            const int i = tid + 128 * (b0 + j), r = i / (D / 4), c = (i % (D / 4)) * 4;
-            const float4 v = tok0 + r < p.n_batch && c < p.d_v ? x[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            uint2 w;
-            w.x = KVTraits<T>::pack2(v.x * qs, v.y * qs);
-            w.y = KVTraits<T>::pack2(v.z * qs, v.w * qs);
-            *reinterpret_cast<uint2*>(sq + core_matrix_index(r, c, D)) = w;
-        }
+    for (int i = tid; i < 64 * (D / 4); i += 128) {
+        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (tok0 + r < p.n_batch && c < p.d_v)
+            x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
+        uint2 w;
+        w.x = KVTraits<T>::pack2(x.x * qs, x.y * qs);
+        w.y = KVTraits<T>::pack2(x.z * qs, x.w * qs);
+        *reinterpret_cast<uint2*>(sq + core_matrix_index(r, c, D)) = w;
     }
 }
 
