@@ -137,6 +137,11 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                     __syncwarp();
                     if (lane == 0) {
                         mbar_arrive(&v_ready[st]);
+                        // the phase it just completed (its one arrival), waited here: the consumers
+                        // wait on v_ready for HIDDEN chunks only, and a phase no thread waited on
+                        // before the stage's next use is a protocol error to compute-sanitizer's
+                        // synccheck (seen once stages are reused within a tile); returns at once
+                        mbar_wait(&v_ready[st], (n / STAGES) & 1);
                         mbar_arrive(&empty_v[st]);
                     }
                 }

@@ -102,13 +102,14 @@ def main():
             ok = err <= 5e-4 and not np.isnan(out).any()
             bad += not ok
             print(f"{'ws-' + c:10s} D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-        # through the op's entry with a causal mask after 100 cells: PARTIAL and ABSENT halves,
-        # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile); each tile
-        # width, and head sizes padded to one (TMA's zero fill past the head)
-        nb, n_kv = 200, 300
+        # through the op's entry with a causal mask after 500 cells: PARTIAL and ABSENT halves,
+        # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile), more chunks
+        # per query tile than ring stages (each stage's barriers reused within a tile); each
+        # tile width, and head sizes padded to one (TMA's zero fill past the head)
+        nb, n_kv = 200, 700
         m = np.full((1, 1, nb, n_kv), -np.inf, np.float16)
         for t in range(nb):
-            m[0, 0, t, :100 + t + 1] = 0
+            m[0, 0, t, :500 + t + 1] = 0
         m[0, 0, 5, 3:9] = -np.inf
         for d in (64, 128, 256, 40, 96, 192):
             q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
