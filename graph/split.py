@@ -135,6 +135,11 @@ class SplitState:
         self.seq_set_map: dict[frozenset[int], tuple[int, ...]] = batch.seq_set_tokens
         self.used = np.zeros(batch.n_tokens, dtype=bool)
         self._set_arrays: dict[frozenset[int], np.ndarray] = {}
+        # per sequence set: a position in its token list before which every token is used (tokens
+        # never become unused, so it stays true). split_equal starts its search there instead of
+        # at 0, as llama.cpp's loop does: from 0 that loop is quadratic in a set's tokens (64
+        # sequences of 4096 prompt tokens in 512-token ubatches: 67M steps, 14 s in Python)
+        self.cursor: dict[frozenset[int], int] = {}
 
     @property
     def n_used(self) -> int:
@@ -197,7 +202,7 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
     if n_seqs == 0:
         return None
     lists = [state.seq_set_map[cs] for cs in cur_sets]
-    cur_idx = [0] * n_seqs
+    cur_idx = [state.cursor.get(cs, 0) for cs in cur_sets]
     for s in range(n_seqs):
         while used[lists[s][cur_idx[s]]]:
             cur_idx[s] += 1
@@ -212,6 +217,8 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
             cur_idx[s] += 1
         if (len(per_seq[0]) + 1) * n_seqs > n_ubatch:
             break
+    for s in range(n_seqs):   # every token before cur_idx[s] is used now
+        state.cursor[cur_sets[s]] = cur_idx[s]
     idxs = [i for lst in per_seq for i in lst]
     return state.make("equal", idxs, n_seqs, True)
 
@@ -250,11 +257,12 @@ def _equal_sets_chain(state: SplitState, n_ubatch: int) -> list[frozenset[int]]:
         if key not in state.seq_set_map:
             break
         toks = state.set_tokens(key)
-        after = toks[np.searchsorted(toks, i, side="right"):]
-        after = after[~state.used[after]]
-        if not after.size:
+        j = max(int(np.searchsorted(toks, i, side="right")), state.cursor.get(key, 0))
+        while j < toks.size and state.used[toks[j]]:
+            j += 1
+        if j >= toks.size:
             break
-        i = int(after[0])
+        i = int(toks[j])
         cur_sets.append(key)
         nxt += 1
     return cur_sets
@@ -309,48 +317,53 @@ def split_padded(state: SplitState, n_ubatch: int) -> UBatch | None:
     """
     _refuse_coupled(state, "the padded split")
     used = state.used
-    remaining: dict[int, list[int]] = {}
-    for cs, lst in state.seq_set_map.items():
-        rest = [i for i in lst if not used[i]]
-        if rest:
-            remaining[next(iter(cs))] = rest
+    remaining: dict[int, np.ndarray] = {}
+    for cs in state.seq_set_map:
+        c = state.cursor.get(cs, 0)   # every token of the set before it is used
+        toks = state.set_tokens(cs)[c:]
+        free = ~used[toks]
+        if free.any():
+            state.cursor[cs] = c + int(free.argmax())
+            remaining[next(iter(cs))] = toks[free]
+        else:
+            state.cursor[cs] = c + toks.size
     if not remaining:
         return None
     s0 = min(remaining)
     cand = []
     while s0 + len(cand) in remaining and len(cand) < n_ubatch:
         cand.append(s0 + len(cand))
-    rem = [len(remaining[s]) for s in cand]
-    options = []  # (k, L, real tokens, pad tokens)
-    longest = 0
-    for k in range(1, len(cand) + 1):
-        longest = max(longest, rem[k - 1])
-        L = min(longest, n_ubatch // k)
-        real = sum(min(r, L) for r in rem[:k])
-        options.append((k, L, real, k * L - real))
+    # every prefix k = 1..len(cand) at once (numpy, [k, candidate]): row length L_k, real tokens
+    # (each candidate's min(remaining, L_k), candidates past k left out) and pads
+    rem = np.array([len(remaining[s]) for s in cand], dtype=np.int64)
+    ks = np.arange(1, len(cand) + 1)
+    Ls = np.minimum(np.maximum.accumulate(rem), n_ubatch // ks)
+    inside = np.arange(len(cand))[None, :] < ks[:, None]
+    reals = np.where(inside, np.minimum(rem[None, :], Ls[:, None]), 0).sum(axis=1)
+    pads = ks * Ls - reals
+    options = list(zip(ks.tolist(), Ls.tolist(), reals.tolist(), pads.tolist()))  # (k, L, real, pad)
+
     def score(o):
         return o[2] - PADDED_PAD_WEIGHT * o[3]
     best = max(score(o) for o in options)
     good = [o for o in options if score(o) >= PADDED_KEEP_FRACTION * best]
     k, L, _, _ = max(good, key=lambda o: (o[0], -o[3]))
     b = state.batch
-    idxs: list[int] = []
-    pos: list[int] = []
+    idxs: list[np.ndarray] = []
+    pos: list[np.ndarray] = []
     sids: list[tuple[int, ...]] = []
     for s in cand[:k]:
         take = remaining[s][:L]
         used[take] = True
-        idxs.extend(take)
-        pos.extend(int(b.positions[i]) for i in take)
         last = int(b.positions[take[-1]])
         n_pad = L - len(take)
         if last + n_pad > INT32_MAX:
             raise ValueError(f"padded split: sequence {s} ends at position {last}; {n_pad} pad rows after it "
                              f"would pass the int32 maximum position {INT32_MAX} (use another split)")
-        idxs.extend([-1] * n_pad)
-        pos.extend(range(last + 1, last + 1 + n_pad))
+        idxs += [take, np.full(n_pad, -1, dtype=np.int64)]
+        pos += [b.positions[take].astype(np.int64), np.arange(last + 1, last + 1 + n_pad, dtype=np.int64)]
         sids.extend([(s,)] * L)
-    return UBatch("padded", np.array(idxs, dtype=np.int64), np.array(pos, dtype=np.int32),
+    return UBatch("padded", np.concatenate(idxs).astype(np.int64), np.concatenate(pos).astype(np.int32),
                   tuple(sids), k, True)
 
 

@@ -294,3 +294,43 @@ def test_split_equal_set_chain_matches_the_token_scan(monkeypatch):
             scanned = split_ubatches(batch, n_ubatch, "equal")
         assert [u.token_idx.tolist() for u in chained] == [u.token_idx.tolist() for u in scanned]
         assert [(u.n_seqs, u.token_seq_ids) for u in chained] == [(u.n_seqs, u.token_seq_ids) for u in scanned]
+
+
+def test_split_equal_cursor_gives_llama_cpps_ubatches(monkeypatch):
+    """split_equal starts each sequence set's search at the set's cursor (every token before it
+    used) instead of at 0 as llama.cpp's loop does; the ubatches are the same as with the search
+    from 0, for every mode that walks sets (random interleavings, ids not from 0)."""
+    from ggml_attn.graph import split as split_mod
+
+    class Forgetful(dict):   # a cursor that remembers nothing: every search starts at 0
+        def __setitem__(self, key, value):
+            pass
+
+    rng = np.random.default_rng(5)
+    for _ in range(150):
+        lens = rng.integers(1, 40, int(rng.integers(1, 12)))
+        ids = rng.permutation(len(lens)) + int(rng.integers(0, 3))
+        order = np.repeat(np.arange(len(lens)), lens)
+        if rng.random() < 0.6:
+            rng.shuffle(order)
+        seen: dict[int, int] = {}
+        pos, sids = [], []
+        for j in order.tolist():
+            s = int(ids[j])
+            pos.append(seen.get(s, 0))
+            seen[s] = pos[-1] + 1
+            sids.append((s,))
+        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32), tuple(sids))
+        n_ubatch = int(rng.integers(1, 48))
+        for mode in ("equal", "padded"):
+            fast = split_ubatches(batch, n_ubatch, mode)
+            init = split_mod.SplitState.__init__
+
+            def forgetful_init(self, b, _init=init):
+                _init(self, b)
+                self.cursor = Forgetful()
+            with monkeypatch.context() as m:
+                m.setattr(split_mod.SplitState, "__init__", forgetful_init)
+                slow = split_ubatches(batch, n_ubatch, mode)
+            assert [u.token_idx.tolist() for u in fast] == [u.token_idx.tolist() for u in slow], mode
+            assert [(u.n_seqs, u.token_seq_ids) for u in fast] == [(u.n_seqs, u.token_seq_ids) for u in slow]
