@@ -352,3 +352,54 @@ def test_kv_cache_bytes_follow_the_cache_types(capsys, monkeypatch):
                           "-ctk", "q8_0", "-ctv", "q8_0")
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err   # (the table's header is out already)
     assert "not enough memory for a KV cache of 8 cells (0.0 GiB of q8_0/q8_0)" in err, err
+
+
+def test_batched_bench_splits_that_do_not_fit_together_run_one_at_a_time(capsys, monkeypatch):
+    """Every split keeps its runner (cache, weights) for the next rows; when the next one does
+    not fit beside them, they are closed and it runs alone (warmed up like the first ones), with
+    one note on stderr: every row is still measured. When even one runner does not fit: one
+    error line, exit 2."""
+    from ggml_attn.cli.errors import OutOfMemory
+    real = batched_bench.Runner
+    alive, made = [], []
+
+    class OneAtATime(real):
+        def __init__(self, cfg):
+            if alive:
+                raise OutOfMemory("not enough memory for a KV cache (test: one runner at a time)")
+            super().__init__(cfg)
+            alive.append(self)
+            made.append(cfg.split)
+
+        def close(self):
+            super().close()
+            alive.remove(self)
+    monkeypatch.setattr(batched_bench, "Runner", OneAtATime)
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1,2", "-ntg", "1", "--split", "equal,seq",
+                            "-o", "jsonl", *FAST)
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["pl"], r["split"]) for r in rows] == [(1, "equal"), (1, "seq"), (2, "equal"), (2, "seq")]
+    assert all(r["t_pp"] > 0 and r["t_tg"] > 0 for r in rows)
+    assert err.count("do not fit in memory together") == 1 and "Traceback" not in err
+    assert made == ["equal", "seq", "equal", "seq", "equal", "seq"] and alive == []
+
+    class Never(real):
+        def __init__(self, cfg):
+            raise OutOfMemory("not enough memory for a KV cache of 9 cells (test)")
+    monkeypatch.setattr(batched_bench, "Runner", Never)
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "--split", "equal,seq", *FAST)
+    assert rc == 2 and err.count("\n") == 1 and "not enough memory for a KV cache of 9 cells" in err
+
+
+def test_weights_that_do_not_fit_beside_the_cache_are_one_line(capsys, monkeypatch):
+    """The engine's weights failing to allocate (after the KV cache did) is one error line that
+    names the weights and the cache's size, not a traceback."""
+    from ggml_attn.cli import runner as runner_mod
+
+    def no_memory(*a, **kw):
+        raise MemoryError
+    monkeypatch.setattr(runner_mod, "make_engine", no_memory)
+    rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "--layer", "full", *FAST)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "not enough memory for the model's weights (--layer full" in err and "beside a KV cache of" in err, err

@@ -25,7 +25,7 @@ from .args import (Parser, add_list, choice_list, int_at_least, int_range, parse
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
-from .errors import UserError
+from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .output import SafeWriter, save_error
@@ -264,15 +264,36 @@ def _main(argv=None) -> int:
         cells[split] = ns.ctx_size or need  # an explicit -c is what the cache gets
 
     runners: dict = {}
+    noted = []
+
+    def make(split):
+        return Runner(RunConfig(
+            model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
+            split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+            flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
+            n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
+            cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
 
     def runner_for(split, row=None):
+        """The split's runner (cache, weights, engine), kept for the next rows. When it does not
+        fit beside the other splits' runners, those are closed and it is made alone (then warmed
+        up as the first ones were): each split's runner is made again when its turn comes."""
         if split not in runners:
-            runners[split] = Runner(RunConfig(
-                model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
-                split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
-                flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
-                n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
-                cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
+            try:
+                runners[split] = make(split)
+            except OutOfMemory:
+                if not runners:
+                    raise
+                if not noted:
+                    noted.append(split)
+                    print(f"{PROG}: note: the splits' runners do not fit in memory together; each is made "
+                          f"alone when its turn comes (slower, same measurements)", file=sys.stderr)
+                for r in runners.values():
+                    r.close()
+                runners.clear()
+                free_device_memory(device)
+                runners[split] = make(split)
+                warm_up(runners[split])
         return runners[split]
 
     try:
@@ -283,6 +304,24 @@ def _main(argv=None) -> int:
     finally:
         for r in runners.values():
             r.close()
+
+
+def warm_up(r) -> None:
+    """One prompt of 16 tokens (llama-batched-bench's warm-up) and one decode step, so that
+    decode-shaped kernels load untimed too; the cache is cleared first."""
+    r.clear()
+    r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
+    r.decode(r.step_batch([0]))
+
+
+def free_device_memory(device: str) -> None:
+    """Give the memory of closed runners back to the device (CuPy keeps freed blocks in its
+    pool for the process; a runner of another size may need them in one piece)."""
+    import gc
+    gc.collect()
+    if device == "cuda":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
@@ -305,12 +344,10 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     printer.header()
     idx = 0
     try:
-        for split in splits:  # warm up every strategy once (llama-batched-bench: 16 tokens), and
-            r = runner_for(split)  # one decode step, so decode-shaped kernels load untimed too
+        for split in splits:  # warm up every strategy once (warm_up)
+            r = runner_for(split)
             verbose.runner(r)
-            r.clear()
-            r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
-            r.decode(r.step_batch([0]))
+            warm_up(r)
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1

@@ -17,6 +17,11 @@ class UserError(Exception):
     """A mistake in what the user asked for; the message is printed as is, on one line."""
 
 
+class OutOfMemory(UserError):
+    """What was asked for does not fit the device's (or the host's) memory: a KV cache, or the
+    weights and buffers beside it. A tool that holds other runs' memory may free it and retry."""
+
+
 def fail_line(prog: str, message: str) -> str:
     """The single stderr line for an error: ``prog: error: message`` with newlines folded."""
     return f"{prog}: error: {' '.join(str(message).split())}"

@@ -25,7 +25,7 @@ import numpy as np
 from ggml_attn import dispatch, op
 
 from .common import check_interrupt
-from .errors import UserError
+from .errors import OutOfMemory, UserError
 from .models import ModelShape
 
 SPLITS = ("simple", "equal", "seq", "padded", "auto")
@@ -253,13 +253,23 @@ class Runner:
                                    type_k=cfg.type_k, type_v=cfg.type_v,
                                    # the CUDA kernels skip masked KV tiles: coarser n_kv, fewer graph shapes
                                    coarse_n_kv=cfg.device == "cuda" and cfg.flash_attn)
-        except MemoryError as e:
-            raise UserError(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
-                            f"({m.kv_bytes_per_token(cfg.type_k, cfg.type_v) * cfg.n_ctx / 2**30:.1f} GiB "
-                            f"of {cfg.type_k}/{cfg.type_v})") from e
+        except MemoryError as e:   # numpy's, or CuPy's OutOfMemoryError (a MemoryError)
+            raise OutOfMemory(f"not enough memory for a KV cache of {cfg.n_ctx} cells "
+                              f"({self._kv_gib():.1f} GiB of {cfg.type_k}/{cfg.type_v})") from e
         except ValueError as e:  # e.g. more than 256 sequences (LLAMA_MAX_SEQ)
             raise UserError(f"KV cache: {e}") from e
-        self.engine = make_engine(cfg, self.cache)
+        try:
+            self.engine = make_engine(cfg, self.cache)
+        except MemoryError as e:
+            self.cache = None   # the cache's memory goes back with this runner
+            what = "the model's weights" if cfg.layer in ("full", "model") else "the engine's buffers"
+            raise OutOfMemory(f"not enough memory for {what} (--layer {cfg.layer}, {m.size_bytes / 2**30:.1f} GiB of "
+                              f"f16 weights at most) beside a KV cache of {cfg.n_ctx} cells "
+                              f"({self._kv_gib():.1f} GiB)") from e
+
+    def _kv_gib(self) -> float:
+        """GiB of the KV cache this runner asks for (all layers, the cache types' row sizes)."""
+        return self.cfg.model.kv_bytes_per_token(self.cfg.type_k, self.cfg.type_v) * self.cfg.n_ctx / 2**30
 
     # ------------------------------------------------------------ batches
     def prompt_batch(self, lengths, seq_ids=None):
