@@ -267,6 +267,24 @@ def test_split_seq_without_coupled_tokens_matches_the_token_scan():
         assert [u.token_seq_ids for u in direct] == [u.token_seq_ids for u in scanned]
 
 
+def _random_batch(rng, max_len: int, max_seqs: int, p_interleave: float) -> Batch:
+    """One token per row, sequences of 1..max_len-1 tokens with ids in any order (maybe not
+    from 0), their tokens interleaved in batch order with probability ``p_interleave``."""
+    lens = rng.integers(1, max_len, int(rng.integers(1, max_seqs)))
+    ids = rng.permutation(len(lens)) + int(rng.integers(0, 3))
+    order = np.repeat(np.arange(len(lens)), lens)
+    if rng.random() < p_interleave:
+        rng.shuffle(order)
+    seen: dict[int, int] = {}
+    pos, sids = [], []
+    for j in order.tolist():
+        s = int(ids[j])
+        pos.append(seen.get(s, 0))
+        seen[s] = pos[-1] + 1
+        sids.append((s,))
+    return Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32), tuple(sids))
+
+
 def test_split_equal_set_chain_matches_the_token_scan(monkeypatch):
     """split_equal (sequential) collects its sets by lookups per sequence id; the ubatches are
     those of llama.cpp's pass over every unused token."""
@@ -274,19 +292,7 @@ def test_split_equal_set_chain_matches_the_token_scan(monkeypatch):
 
     rng = np.random.default_rng(2)
     for _ in range(200):
-        lens = rng.integers(1, 30, int(rng.integers(1, 14)))
-        ids = rng.permutation(len(lens)) + int(rng.integers(0, 3))  # any id order, maybe not from 0
-        order = np.repeat(np.arange(len(lens)), lens)
-        if rng.random() < 0.7:
-            rng.shuffle(order)
-        seen: dict[int, int] = {}
-        pos, sids = [], []
-        for j in order.tolist():
-            s = int(ids[j])
-            pos.append(seen.get(s, 0))
-            seen[s] = pos[-1] + 1
-            sids.append((s,))
-        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32), tuple(sids))
+        batch = _random_batch(rng, 30, 14, 0.7)
         n_ubatch = int(rng.integers(1, 48))
         chained = split_ubatches(batch, n_ubatch, "equal")
         with monkeypatch.context() as m:
@@ -308,19 +314,7 @@ def test_split_equal_cursor_gives_llama_cpps_ubatches(monkeypatch):
 
     rng = np.random.default_rng(5)
     for _ in range(150):
-        lens = rng.integers(1, 40, int(rng.integers(1, 12)))
-        ids = rng.permutation(len(lens)) + int(rng.integers(0, 3))
-        order = np.repeat(np.arange(len(lens)), lens)
-        if rng.random() < 0.6:
-            rng.shuffle(order)
-        seen: dict[int, int] = {}
-        pos, sids = [], []
-        for j in order.tolist():
-            s = int(ids[j])
-            pos.append(seen.get(s, 0))
-            seen[s] = pos[-1] + 1
-            sids.append((s,))
-        batch = Batch(np.zeros(len(order), dtype=np.int32), np.array(pos, dtype=np.int32), tuple(sids))
+        batch = _random_batch(rng, 40, 12, 0.6)
         n_ubatch = int(rng.integers(1, 48))
         for mode in ("equal", "padded"):
             fast = split_ubatches(batch, n_ubatch, mode)
