@@ -1,14 +1,15 @@
 """The stage-2 prefill on sm_90a (cuda/fattn_wgmma.cu), launched directly: a TMA producer
 warpgroup feeding a ring of swizzled K/V chunks (128 cells; 64 at D 256) to two consumer
-warpgroups (128 query rows per block), the softmax of one chunk under the P V GEMM of the one before, the two
-warpgroups in ping-pong. The op runs it as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py
+warpgroups (128 query rows per block), the softmax of one chunk under the P V GEMM of the one
+before, the two warpgroups in ping-pong. The op runs it as kernel ``"prefill-wgmma"`` (ggml_attn/dispatch.py
 decides; cuda_backend.bind launches it with the tensor maps of ggml_attn/wgmma_shape.py), masks
 through the plan's 128-token tile map. ``run_ws`` launches it without a mask in one of
 ``WS_CONFIGS`` (tests, benchmarks).
 
 Tensors in ggml order: q f32 [D, n_batch, n_head, ne3], k/v f16 (or bf16 for the bf16
 instances) [D, n_kv, n_head_kv, ne3], dst f32 [D, n_head, n_batch, ne3], D one of HEAD_SIZES_WS
-(the instance's tile width, or a smaller size padded to it); no sinks, softcap or ALiBi. ``why_not`` says what the kernels do not take.
+(the instance's tile width, or a smaller size padded to it); no sinks, softcap or ALiBi.
+``why_not`` says what the kernels do not take.
 """
 from __future__ import annotations
 
