@@ -131,10 +131,11 @@ def test_ws_config_matches_the_kv_type():
         ws.ws_config(GGML_TYPE_F32)
 
 
-def test_auto_takes_wgmma_at_d64_and_d256_not_decode_tma():
-    """The sm_90a prefill has D 64 and 256 instances (f16 and bf16); the sm_90a decode only D 128."""
+def test_auto_takes_wgmma_at_every_head_size_not_decode_tma():
+    """The sm_90a prefill has D 64 and 256 instances (f16 and bf16) and runs 40, 72-112 and 192
+    padded (each measured ahead of mma.sync); the sm_90a decode only D 128."""
     from ggml_attn.dispatch import best_kernel, decode_tma_why_not
-    for d in (64, 256):
+    for d in (40, 64, 72, 80, 96, 112, 192, 256):
         for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
             c = best_kernel("auto", _f(d_k=d, d_v=d, kv_type=kv_type))
             assert c.kernel == "prefill-wgmma" and f"D {d}" in c.reason, (d, kv_type)
