@@ -1,8 +1,9 @@
 """Scratch memory of the CUDA backend, as objects with a lifetime.
 
 - :class:`Workspace` -- per (device, stream, thread): the split-KV partials buffer, the
-  split counters of the fused split finish, and the f16 copies of quantized K/V. The null stream is 0 on every device and in every
-  thread, so the stream alone must not pick the buffers.
+  split counters of the fused split finish, and the f16 copies of quantized K/V. The null
+  stream is 0 on every device and in every thread, so the stream alone must not pick the
+  buffers.
 - :class:`Staging` -- per (thread, device): the pinned host + device buffers through which
   :func:`ggml_attn.cuda_backend.flash_attn_ext_host` copies host tensors.
 - :class:`Workspaces` -- the registry that owns both; the backend uses the one instance

@@ -61,8 +61,8 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 # 64, 128 and 256; 40, 72-112 and 192 padded to the next: causal 4096 D 96 300.9 us against 395.1
 # on mma.sync, D 192 295.3 against 635.1, every padded size ahead of mma.sync,
 # bench/results/2026-12-03-b94a1da-wgmma-heads-final.json), f16 or bf16 K/V without sinks,
-# softcap or ALiBi, when the mask (if any) has no MASKED tiles in the plan's 128-token tile map and no HIDDEN ones
-# unless its query tiles see many KV tiles (Plan.read_wgmma_tiles: a 512 window over 4096
+# softcap or ALiBi, when the mask (if any) has no MASKED tiles in the plan's 128-token tile map
+# and no HIDDEN ones unless its query tiles see many KV tiles (Plan.read_wgmma_tiles: a 512 window over 4096
 # tokens 134.4 us against 182.4, bench/results/2026-12-02-ab8bee5.json), and
 # for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
 # below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class

@@ -262,21 +262,15 @@ def hopper_probe_variant() -> Variant:
 def wgmma_variant() -> Variant:
     """The sm_90a prefill kernels (cuda/fattn_wgmma.cu): the instances of wgmma_shape.WS_CONFIGS
     and WS_DIAG."""
-    return Variant("wgmma", "fattn_wgmma.cu",
-                   ("fattn_wgmma_ws_d128", "fattn_wgmma_ws_bf16_d128",
-                    "fattn_wgmma_ws_persistent_d128", "fattn_wgmma_ws_persistent_bf16_d128",
-                    "fattn_wgmma_ws_nopp_d128",
-                    "fattn_wgmma_ws_s2_d128", "fattn_wgmma_ws_diag_nosoftmax_d128",
-                    "fattn_wgmma_ws_persistent_d64", "fattn_wgmma_ws_persistent_bf16_d64",
-                    "fattn_wgmma_ws_persistent_d256", "fattn_wgmma_ws_persistent_bf16_d256"), arch_suffix="a")
+    from .wgmma_shape import WS_CONFIGS, WS_DIAG
+    return Variant("wgmma", "fattn_wgmma.cu", tuple(c.name for c in (*WS_CONFIGS.values(), *WS_DIAG.values())),
+                   arch_suffix="a")
 
 
 def decode_tma_variant() -> Variant:
     """The sm_90a decode (cuda/fattn_decode_tma.cu): the instances of decode_tma_shape.CONFIGS."""
-    return Variant("decode-tma", "fattn_decode_tma.cu",
-                   ("fattn_decode_tma_d128", "fattn_decode_tma_bf16_d128", "fattn_decode_tma_s4_d128",
-                    "fattn_decode_tma_split_d128", "fattn_decode_tma_q8_0_d128", "fattn_decode_tma_q4_0_d128"),
-                   arch_suffix="a")
+    from .decode_tma_shape import CONFIGS
+    return Variant("decode-tma", "fattn_decode_tma.cu", tuple(c[0] for c in CONFIGS.values()), arch_suffix="a")
 
 
 def hopper_variants() -> list[Variant]:
