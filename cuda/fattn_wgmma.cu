@@ -26,16 +26,30 @@
 // or 256; the call's d_k = d_v (p.d_v) is D or a smaller multiple of 8 (40 on the D 64 instance,
 // 72-112 on 128, 192 on 256): TMA reads K and V's columns past it as zeros, Q is staged with
 // zeros there and only p.d_v columns are stored. f16 or bf16 K/V (T: Q and P staged in the same
-// type), no sinks, softcap or ALiBi. Grid
-// (n_head, ceil(n_batch / 128), ne3), query tiles in reverse order (the longest causal rows
+// type), no sinks, softcap or ALiBi. A tile is 128 query rows: 128 tokens of one head, or with
+// p.pack > 1 (QTMA and masks of one head plane only; ragged batches: tiles that straddle fewer
+// prompts, K/V chunks shared by the heads) 128 / pack tokens of pack query heads of one KV head
+// (ws_rows). Grid
+// (n_head / pack, n_q_tiles, ne3), query tiles in reverse order (the longest causal rows
 // first), or with PERSISTENT (gridDim.x blocks, gridDim.y = z = 1) every block walks every
-// gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES>().
-// DIAG 1 (a speed-of-light probe for tools/dev/gpu_bench.py, wrong results by design): no softmax.
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false>
-__device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
+// gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES, QTMA>().
+// QTMA (D <= 128): Q reaches shared memory as f32 rows through a TMA map (mq: a box of D values x
+// the warpgroup's 64 rows, ws_rows' order; tokens past n_batch and values past the head read as
+// zeros), one box per warpgroup, issued by
+// warp 10 a tile ahead -- as soon as the warpgroup has converted the current tile's rows into its
+// f16 core matrices (q_empty) -- so that no tile waits on Q's global loads; without it (D 256:
+// no room) the consumers load Q from global memory at each tile's start (wg_stage_q).
+// DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
+// for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
+// output rows stored (the epilogue's cost; a never-true test keeps the results live).
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false, bool QTMA = false>
+__device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv,
+                                                    const TmaMap* mq) {
     using namespace ws;
     constexpr int BK = chunk<D>();
-    static_assert(smem_bytes<D, STAGES>() <= 227 * 1024, "the ring and Q exceed a block's shared memory");
+    constexpr int SMEM = smem_bytes<D, STAGES, QTMA>();
+    static_assert(SMEM <= 227 * 1024, "the ring and Q exceed a block's shared memory");
+    static_assert(!(QTMA && DIAG == 2), "the Q-once probe stages Q itself");
     constexpr int TILE = BK * D;   // halves per K or V chunk
     constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
@@ -43,30 +57,40 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (D / 64 d-boxes x BK cells x 64), swizzled
     __half* sV = sK + STAGES * TILE;                    // the same for V
     __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x D), core matrices
-    unsigned long long* full_k = reinterpret_cast<unsigned long long*>(sQ + BQ * D);
+    float* sQf = reinterpret_cast<float*>(sQ + BQ * D);   // QTMA: 2 x (64 rows x D) f32, row-major
+    unsigned long long* full_k = reinterpret_cast<unsigned long long*>(QTMA ? reinterpret_cast<__half*>(sQf + BQ * D)
+                                                                               : sQ + BQ * D);
     unsigned long long* full_v = full_k + STAGES;
     unsigned long long* empty_k = full_v + STAGES;
     unsigned long long* empty_v = empty_k + STAGES;
     unsigned long long* v_ready = empty_v + STAGES;   // a HIDDEN chunk's V after its hidden rows are zeroed
+    unsigned long long* q_full = v_ready + STAGES;    // QTMA, per warpgroup: its rows of the tile's Q landed
+    unsigned long long* q_empty = q_full + 2;         // ... and converted (sQf free for the next tile's)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // the query tiles this block computes: its grid coordinates, or (PERSISTENT) every
     // gridDim.x-th tile of the heaviest-first list (heads fastest, then streams, query tiles last
     // to first). Every role walks the same tiles and chunks; J counts the chunks walked before
     // the current tile (the ring's stage and phase run on across tiles).
     const int n_iter = PERSISTENT ? ws_tiles_of_block(p) : 1;
-    auto tile_of = [&](int it, int& h, int& qt, int& s) {
+    // A tile is (head group hg, query tile qt, stream s): p.pack query heads of one KV head
+    // (ws_rows: which rows each warpgroup holds).
+    const int n_hg = p.n_head / p.pack;
+    auto tile_of = [&](int it, int& hg, int& qt, int& s) {
         if (!PERSISTENT) {
-            h = blockIdx.x, qt = gridDim.y - 1 - blockIdx.y, s = blockIdx.z;
+            hg = blockIdx.x, qt = gridDim.y - 1 - blockIdx.y, s = blockIdx.z;
         } else {
-            const int t = blockIdx.x + it * gridDim.x, r = t / p.n_head;
-            h = t % p.n_head, s = r % p.ne3, qt = p.n_q_tiles - 1 - r / p.ne3;
+            const int t = blockIdx.x + it * gridDim.x, r = t / n_hg;
+            hg = t % n_hg, s = r % p.ne3, qt = p.n_q_tiles - 1 - r / p.ne3;
         }
     };
 
     if (threadIdx.x == 0) {
         unsigned dyn;   // the launch's dynamic shared memory must cover this layout
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (unsigned)smem_bytes<D, STAGES>()) trap_out_of_line();
+        if (dyn < (unsigned)SMEM) trap_out_of_line();
+        // several heads per tile: Q through TMA (wg_stage_q reads the rows of one head), one mask
+        // plane (the fixer zeroes the hidden V rows of the tile's first head's plane)
+        if (p.pack != 1 && (!QTMA || p.ne32 != 1)) trap_out_of_line();
         for (int i = 0; i < STAGES; ++i) {
             mbar_init(&full_k[i], 1);
             mbar_init(&full_v[i], 1);
@@ -74,6 +98,11 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_init(&empty_v[i], p.live_idx ? 9 : 8);   // and the fixer when there is a plan
             mbar_init(&v_ready[i], 1);
         }
+        if (QTMA)
+            for (int i = 0; i < 2; ++i) {
+                mbar_init(&q_full[i], 1);
+                mbar_init(&q_empty[i], 1);
+            }
         fence_mbar_init();
     }
     __syncthreads();
@@ -84,9 +113,9 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         if (warp == 8 && lane == 0) {
             int J = 0;
             for (int it = 0; it < n_iter; ++it) {
-                int h, qt, s;
-                tile_of(it, h, qt, s);
-                const int hk = h / p.gqa;
+                int hg, qt, s;
+                tile_of(it, hg, qt, s);
+                const int hk = hg * p.pack / p.gqa;
                 const WsChunks chunks = ws_chunks<BK>(p, qt, s);
                 int pos = 0, j = 0;
                 WsChunk c;
@@ -121,17 +150,16 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             // neither full_v nor v_ready ever runs a phase ahead of it
             int J = 0;
             for (int it = 0; it < n_iter; ++it) {
-                int h, qt, s;
-                tile_of(it, h, qt, s);
+                int hg, qt, s;
+                tile_of(it, hg, qt, s);
                 const WsChunks chunks = ws_chunks<BK>(p, qt, s);
-                const int plane = p.ne32 == 1 ? 0 : h % p.ne32;
                 int pos = 0, j = 0;
                 WsChunk c;
                 for (; ws_next_chunk<BK>(chunks, pos, c); ++j) {
                     const int n = J + j, st = n % STAGES;
                     mbar_wait(&full_v[st], (n / STAGES) & 1);
                     if (c.hid) {
-                        ws_zero_hidden_v<D, BK>(smem_u32(sV + st * TILE), c, chunks, p.ne32, plane, lane);
+                        ws_zero_hidden_v<D, BK>(smem_u32(sV + st * TILE), c, chunks, p.ne32, hg * p.pack, lane);
                         fence_proxy_async_shared();   // the zeros, visible to the consumers' wgmma
                     }
                     __syncwarp();
@@ -147,11 +175,24 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 }
                 J += j;
             }
+        } else if (QTMA && warp == 10 && lane == 0) {
+            // Q: warpgroup w's 64 rows of each tile, once it has converted the previous tile's
+            for (int it = 0; it < n_iter; ++it) {
+                int hg, qt, s;
+                tile_of(it, hg, qt, s);
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    const WsRows rw = ws_rows(p, hg, qt, w);
+                    if (it > 0) mbar_wait(&q_empty[w], (it - 1) & 1);
+                    mbar_arrive_expect_tx(&q_full[w], 64 * D * 4);
+                    tma_load_4d(sQf + w * 64 * D, mq, 0, rw.tbase, rw.hbase, s, &q_full[w]);
+                }
+            }
         }
         return;
     }
 
-    // ---- consumers: warpgroup wg owns query rows row0 .. row0 + 63 of each tile
+    // ---- consumers: warpgroup wg owns 64 query rows of each tile (ws_rows)
     setmaxnreg_inc<CONSUMER_REGS>();
     const int wg = warp >> 2, tid = threadIdx.x & 127, w4 = warp & 3, g = lane >> 2, t4 = lane & 3;
     __half* sQw = sQ + wg * 64 * D;
@@ -163,16 +204,26 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
     int J = 0;
     for (int it = 0; it < n_iter; ++it) {
-        int h, qt, s;
-        tile_of(it, h, qt, s);
+        int hg, qt, s;
+        tile_of(it, hg, qt, s);
         const WsChunks chunks = ws_chunks<BK>(p, qt, s);
-        const int row0 = qt * BQ + wg * 64;
+        const WsRows rw = ws_rows(p, hg, qt, wg);
+        // this thread's rows 16 w4 + g and + 8 of the warpgroup's 64: one head, tokens tok and tok + 8
+        const int h = rw.head(16 * w4), tok = rw.token(16 * w4) + g;
         // Q rows -> shared, then visible to wgmma; a later tile's only after every warp of the
         // warpgroup has waited for the previous tile's S GEMMs (the only readers of this Q)
-        if (it > 0) named_barrier_sync(BAR_Q + wg, 128);
-        wg_stage_q<D, T>(p, sQw, row0, h, s, tid);
-        fence_proxy_async_shared();
-        named_barrier_sync(BAR_Q + wg, 128);
+        if (DIAG != 2 || it == 0) {
+            if (it > 0) named_barrier_sync(BAR_Q + wg, 128);
+            if constexpr (QTMA) {
+                mbar_wait(&q_full[wg], it & 1);
+                wg_convert_q<D, T>(p, sQf + wg * 64 * D, sQw, tid);
+            } else {
+                wg_stage_q<D, T>(p, sQw, rw.tbase, rw.hbase, s, tid);   // (pack 1 only: one head)
+            }
+            fence_proxy_async_shared();
+            named_barrier_sync(BAR_Q + wg, 128);
+            if (QTMA && tid == 0) mbar_arrive(&q_empty[wg]);   // every thread's reads of sQf are done
+        }
         // chunk n's V in stage st: from TMA, and from the fixer when the chunk hides columns.
         // full_v first: its completion means the producer saw the stage's previous use released
         // (the fixer's arrival included), so v_ready is then at most one phase behind and its
@@ -181,8 +232,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             mbar_wait(&full_v[st], (n / STAGES) & 1);
             if (c.hid) mbar_wait(&v_ready[st], (n / STAGES) & 1);
         };
-        // this thread's two rows (16 w4 + g and + 8 of the warpgroup's 64): their visible intervals
-        const RowIntervals rows = ws_row_intervals(p, row0 + 16 * w4 + g, h, s);
+        // this thread's two rows: their visible intervals
+        const RowIntervals rows = ws_row_intervals(p, tok, h, s);
 
         float O[D / 2];
 #pragma unroll
@@ -191,7 +242,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         float S[BK / 2];
         unsigned a[BK / 4];
         auto softmax = [&](const WsChunk& c) {
-            ws_mask_chunk<BK>(S, c, rows, p, row0 + 16 * w4 + g, h, s, t4);
+            ws_mask_chunk<BK>(S, c, rows, p, tok, h, s, t4);
             if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
             else ws_softmax<BK>(S, m, l, alpha);
         };
@@ -255,17 +306,19 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         }
 
         // ---- output rows
-        wg_store_rows<D>(p, O, l, row0 + 16 * w4 + g, h, s, t4);
+        if (DIAG != 3 || O[0] == 1234.5f) wg_store_rows<D>(p, O, l, tok, h, s, t4);
         J += j;
     }
 }
 
 // the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, head size,
-// ring depth, ping-pong, diagnostic mode, persistent blocks
+// ring depth, ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes
+// the Q map; those without QTMA ignore it)
 #define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
     extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
-    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv);                                              \
+    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,   \
+         const __grid_constant__ TmaMap mq) {                                                        \
+        fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv, &mq);                                         \
     }
 FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, __half, 128, 3, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 128, 3, true)
@@ -273,8 +326,15 @@ FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 128, 3, false)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 128, 2, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 128, 3, true, 1)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d128, __half, 128, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_qonce_d128, __half, 128, 3, true, 2, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nostore_d128, __half, 128, 3, true, 3, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d128, __nv_bfloat16, 128, 3, true, 0, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d64, __half, 64, 3, true, 0, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d64, __nv_bfloat16, 64, 3, true, 0, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_d128, __half, 128, 2, true, 0, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_bf16_d128, __nv_bfloat16, 128, 2, true, 0, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_d64, __half, 64, 3, true, 0, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_bf16_d64, __nv_bfloat16, 64, 3, true, 0, true, true)
+FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nostore_qtma_d128, __half, 128, 2, true, 3, true, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d256, __half, 256, 2, true, 0, true)
 FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d256, __nv_bfloat16, 256, 2, true, 0, true)

@@ -28,9 +28,11 @@ template <int D> __host__ __device__ constexpr int chunk() { return D == 256 ? 6
 template <int D, int BK> __host__ __device__ constexpr int tile_bytes() { return BK * D * 2; }   // one K or V tile
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }   // one of its d-boxes
 // dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x D values), 5 mbarriers
-// per stage (ggml_attn/wgmma_shape.py smem_ws)
-template <int D, int STAGES> __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + 2 * STAGES * tile_bytes<D, chunk<D>()>() + BQ * D * 2 + 5 * STAGES * 8;
+// per stage; with QTMA also Q's f32 rows as TMA writes them (128 x D floats) and 4 mbarriers
+// (Q landed, Q read: one per warpgroup) (ggml_attn/wgmma_shape.py smem_ws)
+template <int D, int STAGES, bool QTMA = false> __host__ __device__ constexpr int smem_bytes() {
+    return 1024 + 2 * STAGES * tile_bytes<D, chunk<D>()>() + BQ * D * 2 + (QTMA ? BQ * D * 4 + 4 * 8 : 0) +
+           5 * STAGES * 8;
 }
 }
 
@@ -49,6 +51,22 @@ __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int
         float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (tok0 + r < p.n_batch && c < p.d_v)
             x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
+        uint2 w;
+        w.x = KVTraits<T>::pack2(x.x * qs, x.y * qs);
+        w.y = KVTraits<T>::pack2(x.z * qs, x.w * qs);
+        *reinterpret_cast<uint2*>(sq + core_matrix_index(r, c, D)) = w;
+    }
+}
+
+// The same from Q's f32 rows already in shared memory (sqf: 64 rows x D floats, row-major, as
+// the Q tensor map's box lands: rows past n_batch and columns past the head are TMA's zeros).
+template <int D, typename T = __half>
+__device__ __forceinline__ void wg_convert_q(const FattnParams& p, const float* sqf, __half* sq, int tid) {
+    const float qs = p.scale * FATTN_LOG2E;
+#pragma unroll 8
+    for (int i = tid; i < 64 * (D / 4); i += 128) {
+        const int r = i / (D / 4), c = (i % (D / 4)) * 4;
+        const float4 x = reinterpret_cast<const float4*>(sqf)[i];
         uint2 w;
         w.x = KVTraits<T>::pack2(x.x * qs, x.y * qs);
         w.y = KVTraits<T>::pack2(x.z * qs, x.w * qs);
@@ -191,11 +209,32 @@ struct WsChunk {
     int pos1;
 };
 
-// the query tiles a persistent block computes: every gridDim.x-th of n_head x ne3 x n_q_tiles,
-// starting at blockIdx.x
+// the query tiles a persistent block computes: every gridDim.x-th of (n_head / pack) x ne3 x
+// n_q_tiles, starting at blockIdx.x
 __device__ __forceinline__ int ws_tiles_of_block(const FattnParams& p) {
-    const int total = p.n_head * p.ne3 * p.n_q_tiles;
+    const int total = p.n_head / p.pack * p.ne3 * p.n_q_tiles;
     return total > (int)blockIdx.x ? (total - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+}
+
+// The 64 rows of warpgroup wg in query tile qt of head group hg (query heads hg * pack ..
+// hg * pack + pack - 1, one KV head; p.pack a power of 2 dividing gqa): row r is query head
+// hbase + r / tw at token tbase + r % tw. pack 1: head hg, tokens qt * 128 + 64 wg + r (tw 64);
+// pack >= 2: 128 / pack tokens from qt * 128 / pack (tw) of heads pack / 2 * (2 hg + wg) ..
+// (64 / tw of them) -- the Q map's box (D x tw tokens x 64 / tw heads) lands them in that order.
+// A warp's 16 rows are of one head (tw >= 16: pack <= 8).
+struct WsRows {
+    int hbase, tbase, tw;
+    __device__ __forceinline__ int head(int r) const { return hbase + r / tw; }
+    __device__ __forceinline__ int token(int r) const { return tbase + r % tw; }
+};
+__device__ __forceinline__ WsRows ws_rows(const FattnParams& p, int hg, int qt, int wg) {
+    WsRows r;
+    if (p.pack == 1) {
+        r.hbase = hg, r.tw = 64, r.tbase = qt * ws::BQ + wg * 64;
+    } else {
+        r.tw = ws::BQ / p.pack, r.hbase = hg * p.pack + wg * (p.pack >> 1), r.tbase = qt * r.tw;
+    }
+    return r;
 }
 
 template <int BK>
@@ -336,19 +375,20 @@ __device__ __forceinline__ void ws_mask_chunk(float (&S)[BK / 2], const WsChunk&
     }
 }
 
-// zero the V rows (cells) of a stage that no row of the query tile sees in head plane `plane`:
-// the hidden columns of each HIDDEN half (one warp; every lane). A hidden cell's P is 0, but
+// zero the V rows (cells) of a stage that no row of the query tile sees in mask plane h0 % ne32
+// (h0: the tile's first head; a tile of several heads has a mask of one plane, ne32 1: the
+// kernel checks): the hidden columns of each HIDDEN half (one warp; every lane). A hidden cell's P is 0, but
 // 0 x NaN or inf left in an unused cache cell would still reach O. V's stage: D / 64 d-boxes of
 // BK cells x 128 bytes (sv: its shared-memory address), cell r of d-box db at
 // db * BK * 128 + r * 128 (the swizzle permutes 16-byte chunks within a row only).
 template <int D, int BK>
 __device__ __forceinline__ void ws_zero_hidden_v(unsigned sv, const WsChunk& c, const WsChunks& cs, int ne32,
-                                                 int plane, int lane) {
+                                                 int h0, int lane) {
 #pragma unroll
     for (int hf = 0; hf < BK / 64; ++hf) {
         if (!(c.hid >> hf & 1)) continue;
         const int pos = hf ? c.pos1 : c.pos0;
-        unsigned long long w = __ldg(cs.hid + (long long)pos * ne32 + plane);
+        unsigned long long w = __ldg(cs.hid + (long long)pos * ne32 + (ne32 == 1 ? 0 : h0 % ne32));
         while (w) {   // one cell per step: D / 64 d-boxes x 8 chunks of 16 bytes, one per lane
             const int r = 64 * hf + __ffsll((long long)w) - 1;
             w &= w - 1;

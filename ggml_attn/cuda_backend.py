@@ -237,7 +237,7 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
+    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS, L.WGMMA_RAGGED_PACK,
             L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
@@ -415,12 +415,14 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
         b._keep = (b._keep, cnt)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
-    if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps follow the params (kernel order)
-        from .decode_tma_shape import quant_kv_map
-        from .wgmma_shape import kv_map
+    if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps (and the prefill's Q map) follow
+        from .decode_tma_shape import quant_kv_map    # the params, in the kernel's order
+        from .wgmma_shape import kv_map, q_map, tile_width
         promo = L.DECODE_TMA_L2_PROMOTION if prep.kern == "decode-tma" else 0
         to_map = quant_kv_map if k.type in K.QUANT_KV_CTYPES else kv_map
         maps = (to_map(k, promo), to_map(v, promo))
+        if prep.kern == "prefill-wgmma":
+            maps += (q_map(q, tile_width(q.ne[0]), cfg.pack),)
         arr = K.arg_block(p, *maps)
         b._keep = (b._keep, maps)
     else:

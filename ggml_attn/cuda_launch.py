@@ -84,6 +84,13 @@ NAT_SCORES = False
 # type and head size): "" -- wgmma_shape.WS_FOR's (persistent blocks); an A/B knob for the benchmark's
 # rows of one-block-per-tile instances. Part of the call key.
 WGMMA_CONFIG = ""
+# The sm_90a prefill's query heads per 128-row tile when the plan found a ragged batch (wide is
+# False; instances with Q through TMA, masks of one head plane, at most the call's power-of-2 part
+# of gqa): as PREFILL_PACK
+# for the mma.sync kernel, tiles of 128 / pack tokens straddle fewer prompts and the packed heads
+# share each K/V chunk. 1: one head per tile always. Part of the call key (through the plan's hint
+# and this knob's entry).
+WGMMA_RAGGED_PACK = 4
 # Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
 # tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
 WGMMA_PERSISTENT_BLOCKS = 0
@@ -271,10 +278,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
         c = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG, sh.d_k)]
+        pack = min(gqa_p2, WGMMA_RAGGED_PACK) if wide is False and c.q_tma and sh.ne32 == 1 else 1
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
-                          (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0)
-        return LaunchConfig(kernel, K.wgmma_variant(), c.name, 1, hp.Q_TILE_WS, hp.ws_q_tiles(sh.n_batch), n_kv_tiles,
-                            1, hp.THREADS_WS, hp.smem_ws(c.stages, c.d), grid, rows=hp.Q_TILE_WS, fused_finish=False)
+                          (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0, pack)
+        return LaunchConfig(kernel, K.wgmma_variant(), c.name, pack, hp.Q_TILE_WS // pack,
+                            hp.ws_q_tiles(sh.n_batch, pack), n_kv_tiles, 1, hp.THREADS_WS, hp.config_smem(c), grid,
+                            rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
         name, d, stages, kv_type = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]

@@ -18,10 +18,10 @@ from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, smem_ws, tile_width,
-                          ws_grid, ws_q_tiles)
+from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, config_smem, kv_map, q_map,
+                          smem_ws, tile_width, ws_grid, ws_q_tiles)
 
-__all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "smem_ws", "why_not", "run_ws"]
+__all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "config_smem", "kv_map", "q_map", "smem_ws", "why_not", "run_ws"]
 
 
 def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
@@ -42,17 +42,20 @@ def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
 
 
 def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: float,
-           stream: int = 0, config: str = WS_DEFAULT, blocks: int = 0) -> None:
+           stream: int = 0, config: str = WS_DEFAULT, blocks: int = 0, pack: int = 1) -> None:
     """Version 1 of dst = softmax(scale Q K^T) V (no mask) on ``stream``, in one of WS_CONFIGS
     (or a WS_DIAG probe: timing only); ``blocks``: a persistent instance's block count (0: one
-    per SM). ValueError for what it does not take."""
+    per SM); ``pack``: query heads per tile (an instance with Q through TMA; a power of 2 dividing
+    gqa). ValueError for what it does not take."""
     c = WS_CONFIGS[config] if config in WS_CONFIGS else WS_DIAG[config]
     sh = cb.validate(q, k, v, None, None, dst, scale)
     reason = why_not(sh, q, k, v, dst, c.kv_type, c.d)
+    if reason is None and pack != 1 and (not c.q_tma or sh.gqa % pack):
+        reason = f"{pack} query heads per tile need an instance with Q through TMA and gqa a multiple of it"
     if reason:
         raise ValueError(f"wgmma prefill {config}: {reason}")
     p = cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
-    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if c.persistent else 0)
-    p.n_q_tiles = ws_q_tiles(sh.n_batch)   # the persistent blocks' tile list
-    fn = K.get_function(K.wgmma_variant(), c.name, smem=smem_ws(c.stages, c.d))
-    fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v))
+    grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if c.persistent else 0, pack)
+    p.pack, p.n_q_tiles = pack, ws_q_tiles(sh.n_batch, pack)   # the tiles' rows, the persistent blocks' list
+    fn = K.get_function(K.wgmma_variant(), c.name, smem=config_smem(c))
+    fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v), q_map(q, c.d, pack))

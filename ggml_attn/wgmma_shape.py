@@ -13,7 +13,8 @@ from .instances import pick
 from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
-Q_TILE_WS = 128    # query tokens per block (the plan's tile map for it)
+Q_TILE_WS = 128    # query rows per block: tokens of one head, or Q_TILE_WS / pack tokens of pack heads
+PACKS_WS = (1, 2, 4, 8)   # query heads per tile (a warp's 16 rows stay within one head)
 # the instances' tile widths (D of cuda/fattn_wgmma.cu), and the head sizes (d_k = d_v) they run:
 # a width, or a smaller multiple of 8 on the next width up (TMA reads K/V's columns past the head
 # as zeros, Q is staged with zeros there): 40 on 64; 72, 80, 96, 112 on 128; 192 on 256
@@ -36,6 +37,7 @@ class WsConfig(NamedTuple):
     kv_type: int       # GGML_TYPE_F16 or GGML_TYPE_BF16 (Q and P staged in the same type)
     persistent: bool   # one block per SM walking the tiles, or one block per tile
     d: int = 128       # tile width (TILE_WIDTHS_WS): head sizes up to it (tile_width)
+    q_tma: bool = False   # Q's f32 rows through a TMA map a tile ahead (q_map), not loaded per tile
 
 
 def chunk_ws(d: int) -> int:
@@ -47,8 +49,9 @@ def chunk_ws(d: int) -> int:
 # version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
 # on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
 # 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
-# bench/results/2026-12-01-b69ab2e.json); the other D 128 ones are A/B rows of tools/dev/gpu_bench.py.
-# D 256 has room for 2 stages only; D 64 keeps D 128's 3 (not measured against others).
+# bench/results/2026-12-01-b69ab2e.json), with Q through TMA at D 64 and 128 ("-qtma"; at D 128
+# its f32 rows leave room for 2 ring stages; D 256 has room for neither); the other ones are A/B
+# rows of tools/dev/gpu_bench.py.
 WS_CONFIGS = {
     "pp": WsConfig("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
     "pp-bf16": WsConfig("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
@@ -58,18 +61,27 @@ WS_CONFIGS = {
     "s2": WsConfig("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
     "pp-persistent-d64": WsConfig("fattn_wgmma_ws_persistent_d64", 3, GGML_TYPE_F16, True, 64),
     "pp-persistent-bf16-d64": WsConfig("fattn_wgmma_ws_persistent_bf16_d64", 3, GGML_TYPE_BF16, True, 64),
+    "pp-persistent-qtma": WsConfig("fattn_wgmma_ws_persistent_qtma_d128", 2, GGML_TYPE_F16, True, 128, True),
+    "pp-persistent-qtma-bf16": WsConfig("fattn_wgmma_ws_persistent_qtma_bf16_d128", 2, GGML_TYPE_BF16, True, 128, True),
+    "pp-persistent-qtma-d64": WsConfig("fattn_wgmma_ws_persistent_qtma_d64", 3, GGML_TYPE_F16, True, 64, True),
+    "pp-persistent-qtma-bf16-d64": WsConfig("fattn_wgmma_ws_persistent_qtma_bf16_d64", 3, GGML_TYPE_BF16, True, 64,
+                                            True),
     "pp-persistent-d256": WsConfig("fattn_wgmma_ws_persistent_d256", 2, GGML_TYPE_F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig("fattn_wgmma_ws_persistent_bf16_d256", 2, GGML_TYPE_BF16, True, 256),
 }
 # the op's instance per (K/V type, tile width)
 WS_FOR = {
-    (GGML_TYPE_F16, 128): "pp-persistent", (GGML_TYPE_BF16, 128): "pp-persistent-bf16",
-    (GGML_TYPE_F16, 64): "pp-persistent-d64", (GGML_TYPE_BF16, 64): "pp-persistent-bf16-d64",
+    (GGML_TYPE_F16, 128): "pp-persistent-qtma", (GGML_TYPE_BF16, 128): "pp-persistent-qtma-bf16",
+    (GGML_TYPE_F16, 64): "pp-persistent-qtma-d64", (GGML_TYPE_BF16, 64): "pp-persistent-qtma-bf16-d64",
     (GGML_TYPE_F16, 256): "pp-persistent-d256", (GGML_TYPE_BF16, 256): "pp-persistent-bf16-d256",
 }
 WS_DEFAULT = WS_FOR[GGML_TYPE_F16, 128]
-# a speed-of-light probe of "pp" for tools/dev/gpu_bench.py (wrong results by design): no softmax
-WS_DIAG = {"diag-nosoftmax": WsConfig("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False)}
+# speed-of-light probes for tools/dev/ (wrong results by design): "pp" without the softmax; the
+# persistent instance with Q staged for a block's first tile only, and without the output stores
+WS_DIAG = {"diag-nosoftmax": WsConfig("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False),
+           "diag-qonce": WsConfig("fattn_wgmma_ws_diag_qonce_d128", 3, GGML_TYPE_F16, True),
+           "diag-nostore": WsConfig("fattn_wgmma_ws_diag_nostore_d128", 3, GGML_TYPE_F16, True),
+           "diag-nostore-qtma": WsConfig("fattn_wgmma_ws_diag_nostore_qtma_d128", 2, GGML_TYPE_F16, True, 128, True)}
 
 
 def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:
@@ -80,26 +92,54 @@ def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:
                 "wgmma prefill", "WGMMA_CONFIG")
 
 
-def smem_ws(stages: int, d: int = 128) -> int:
-    """ws::smem_bytes<D, STAGES>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring
+def smem_ws(stages: int, d: int = 128, q_tma: bool = False) -> int:
+    """ws::smem_bytes<D, STAGES, QTMA>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring
     (chunk_ws(d) cells x d per K or V tile), Q (128 x d halves), 5 mbarriers per stage (full and
-    empty for K and V, V ready)."""
-    return 1024 + 2 * stages * chunk_ws(d) * d * 2 + Q_TILE_WS * d * 2 + 5 * stages * 8
+    empty for K and V, V ready); with ``q_tma`` Q's f32 rows (128 x d floats) and 4 mbarriers."""
+    q_rows = Q_TILE_WS * d * 4 + 4 * 8 if q_tma else 0
+    return 1024 + 2 * stages * chunk_ws(d) * d * 2 + Q_TILE_WS * d * 2 + q_rows + 5 * stages * 8
 
 
-def ws_q_tiles(n_batch: int) -> int:
-    """Query tiles of Q_TILE_WS tokens per stream (the plan's tile map for them)."""
-    return -(-n_batch // Q_TILE_WS)
+def config_smem(c: WsConfig) -> int:
+    """The dynamic shared memory instance ``c`` is launched with."""
+    return smem_ws(c.stages, c.d, c.q_tma)
 
 
-def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0) -> tuple[int, int, int]:
-    """Version 1's grid: heads fastest, query tiles of 128 tokens (the kernel walks them in
-    reverse: the longest causal rows first), streams; with ``persistent_blocks`` (the SM count)
-    that many blocks at most, each walking every gridDim.x-th tile."""
-    n_q_tiles = ws_q_tiles(n_batch)
+def ws_q_tiles(n_batch: int, pack: int = 1) -> int:
+    """Query tiles of Q_TILE_WS / pack tokens per stream (the plan's tile map for them)."""
+    return -(-n_batch // (Q_TILE_WS // pack))
+
+
+def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0, pack: int = 1) -> tuple[int, int, int]:
+    """Version 1's grid: head groups (``pack`` query heads) fastest, query tiles of 128 / pack
+    tokens (the kernel walks them in reverse: the longest causal rows first), streams; with
+    ``persistent_blocks`` (the SM count) that many blocks at most, each walking every
+    gridDim.x-th tile."""
+    n_q_tiles, n_hg = ws_q_tiles(n_batch, pack), n_head // pack
     if persistent_blocks:
-        return (max(1, min(persistent_blocks, n_head * n_q_tiles * ne3)), 1, 1)
-    return (n_head, n_q_tiles, ne3)
+        return (max(1, min(persistent_blocks, n_hg * n_q_tiles * ne3)), 1, 1)
+    return (n_hg, n_q_tiles, ne3)
+
+
+def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
+    """The TMA map of Q (ggml order [D_k, n_batch, n_head, ne3], f32) that a QTMA instance of tile
+    width ``d`` reads a warpgroup's 64 rows through, unswizzled: boxes of d values x 64 tokens of
+    one head, or with ``pack`` query heads per tile (ws_rows in cuda/fattn_wgmma.cuh) x
+    ws_rows_tokens(pack) tokens x the rest in heads; tokens past n_batch and values past D_k (a
+    head size padded to d) read as 0."""
+    from .dtypes import GGML_TYPE_F32
+    if q.type != GGML_TYPE_F32:
+        raise ValueError(f"TMA map for Q: f32 only, got type {q.type}")
+    tw = ws_rows_tokens(pack)
+    return tma.encode_tiled(tma.DTYPE_F32, q.ptr, tuple(q.ne), tuple(q.nb[1:]), (d, tw, 64 // tw, 1))
+
+
+def ws_rows_tokens(pack: int) -> int:
+    """Tokens per head in a warpgroup's 64 rows (ws_rows): 64 for 1 or 2 query heads per tile,
+    128 / pack for more."""
+    if pack not in PACKS_WS:
+        raise ValueError(f"query heads per tile: one of {PACKS_WS}, got {pack}")
+    return 64 if pack <= 2 else Q_TILE_WS // pack
 
 
 def kv_map(t: TensorDesc, l2_promotion: int = tma.L2_PROMOTION_NONE) -> tma.TmaMap:

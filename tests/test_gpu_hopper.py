@@ -135,16 +135,16 @@ def test_sw128_operand_path():
     assert np.array_equal(got_o, want_o), f"P V: {int((got_o != want_o).sum())} of 8192 wrong"
 
 
-def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None):
+def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None, heads=(8, 2)):
     """Random Q (f32), K, V (``kv_type``, f16 by default; rows ``kv_pitch`` cells apart per head
     when given: a view of a larger cache), the float64 reference on the same K/V values and a
-    NaN-poisoned dst: numpy order throughout ([ne3, heads, rows, d])."""
+    NaN-poisoned dst: numpy order throughout ([ne3, heads, rows, d]); ``heads``: query and KV heads."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext
     kv_type = GGML_TYPE_F16 if kv_type is None else kv_type
     rng = np.random.default_rng(seed)
-    nh, nkv = 8, 2
+    nh, nkv = heads
     q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
     v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), kv_type)
@@ -161,7 +161,9 @@ def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None
 
 
 @pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2",
-                                    "pp-persistent-d64", "pp-persistent-d256", "pp-persistent-d256-3"])
+                                    "pp-persistent-d64", "pp-persistent-d256", "pp-persistent-d256-3",
+                                    "pp-persistent-qtma", "pp-persistent-qtma-3", "pp-persistent-qtma-d64",
+                                    "pp-persistent-qtma-d64-3"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),
@@ -171,7 +173,8 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
     with and without the ping-pong schedule, persistent blocks; head sizes 64, 128, 256),
     launched directly without a mask, against the float64 reference: one tile and fewer cells
     than a tile, a partial last tile, a second 128-row block, GQA 4, streams, K/V as views of a
-    larger cache (the TMA map's strides); dst poisoned with NaN first."""
+    larger cache (the TMA map's strides); dst poisoned with NaN first. "-qtma": Q through its TMA
+    map a tile ahead (3 blocks: every block's Q ring runs over many tiles)."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_F16
@@ -192,6 +195,9 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
 @pytest.mark.parametrize("config,d,bf16", [("pp-persistent", 96, False), ("pp-persistent", 80, False),
                                            ("pp-persistent", 72, False), ("pp-persistent", 112, False),
                                            ("pp-persistent-bf16", 96, True), ("pp-persistent-d64", 40, False),
+                                           ("pp-persistent-qtma", 80, False), ("pp-persistent-qtma", 112, False),
+                                           ("pp-persistent-qtma-bf16", 72, True),
+                                           ("pp-persistent-qtma-d64", 40, False),
                                            ("pp-persistent-d256", 192, False), ("pp-persistent-bf16-d256", 192, True)])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 64, 100, None), (1, 300, 4097, None), (2, 200, 700, 1024)])
 def test_wgmma_prefill_ws_padded_head_sizes(config, d, bf16, ne3, n_batch, n_kv, pitch):
@@ -219,7 +225,8 @@ def test_wgmma_prefill_ws_padded_head_sizes(config, d, bf16, ne3, n_batch, n_kv,
 
 
 @pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16", "pp-persistent-bf16-d64",
-                                    "pp-persistent-bf16-d256"])
+                                    "pp-persistent-bf16-d256", "pp-persistent-qtma-bf16",
+                                    "pp-persistent-qtma-bf16-d64"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
 def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
     """Version 1's bf16 instances (bf16 wgmma, Q and P staged in bf16, the TMA map's element type
@@ -246,6 +253,111 @@ def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
     with pytest.raises(ValueError, match=rf"takes D [0-9, ]*\b{d} \(d_k = d_v\)"):
         hp.run_ws(from_array(oq), from_array(ok, GGML_TYPE_BF16), from_array(ov, GGML_TYPE_BF16),
                   from_array(odst), 0.125, config=config)
+
+
+@pytest.mark.parametrize("config,d,bf16", [("pp-persistent-qtma", 128, False), ("pp-persistent-qtma-bf16", 128, True),
+                                           ("pp-persistent-qtma-d64", 64, False), ("pp-persistent-qtma", 96, False),
+                                           ("pp-persistent-qtma-d64", 40, False)])
+@pytest.mark.parametrize("pack", [2, 4, 8])
+@pytest.mark.parametrize("ne3,n_batch,n_kv,blocks", [(1, 1, 64, 0), (1, 37, 100, 0), (2, 100, 1000, 3),
+                                                     (1, 300, 333, 0), (1, 129, 4097, 5)])
+def test_wgmma_prefill_packed_heads(config, d, bf16, pack, ne3, n_batch, n_kv, blocks):
+    """Tiles of ``pack`` query heads (128 / pack tokens each; cuda/fattn_wgmma.cuh ws_rows) launched
+    directly without a mask, 16 query heads on 2 KV heads (GQA 8), against the float64 reference:
+    token counts that leave the last tile partial, streams, many tiles per persistent block, head
+    sizes padded to the tile width, bf16; dst poisoned with NaN first and a guard row after it
+    checked (a row of another head or token written is a wrong or missing value, or a NaN left)."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
+    from ggml_attn.reference import nmse
+    from ggml_attn.tensor import from_array
+    kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
+    dq, dk, dv, dst, ref = _prefill_case(ne3, n_batch, n_kv, seed=pack * 1000 + n_batch + d, d=d, kv_type=kv_type,
+                                         heads=(16, 2))
+    guarded = cp.full(dst.size + 64, cp.nan, dtype=cp.float32)
+    view = guarded[:dst.size].reshape(dst.shape)
+    hp.run_ws(from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), from_array(view), 0.125,
+              cp.cuda.get_current_stream().ptr, config=config, blocks=blocks, pack=pack)
+    out = view.get()
+    assert not np.isnan(out).any(), "NaN in the output (rows unwritten or bad math)"
+    assert np.isnan(guarded[dst.size:].get()).all(), "written past dst"
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"
+
+
+def test_wgmma_prefill_packed_heads_refused_where_they_cannot_run():
+    """Several heads per tile need an instance with Q through TMA and gqa a multiple of the pack."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_F16
+    from ggml_attn.tensor import from_array
+    dq, dk, dv, dst, _ = _prefill_case(1, 64, 100)   # GQA 4
+    args = (from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), from_array(dst), 0.125)
+    with pytest.raises(ValueError, match="Q through TMA"):
+        hp.run_ws(*args, config="pp-persistent", pack=4)
+    with pytest.raises(ValueError, match="gqa a multiple"):
+        hp.run_ws(*args, config="pp-persistent-qtma", pack=8)
+
+
+def _ragged_mask(lens, n_kv, gap=0):
+    """f16 [sum(lens), n_kv]: prompts of ``lens`` tokens in one unified ubatch (block-causal), their
+    cells one after another from cell 0 but for ``gap`` unused cells after the first prompt's."""
+    m = np.full((sum(lens), n_kv), -np.inf, np.float16)
+    row = cell = 0
+    for i, n in enumerate(lens):
+        for t in range(n):
+            m[row + t, cell:cell + t + 1] = 0
+        row, cell = row + n, cell + n + (gap if i == 0 else 0)
+    return m
+
+
+@pytest.mark.parametrize("pack", [1, 2, 4, 8])
+@pytest.mark.parametrize("d,bf16", [(128, False), (64, False), (128, True), (96, False)])
+def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
+    """Ragged prompts in one unified ubatch through the op with a plan (make_plan: not wide), the
+    sm_90a prefill by name: its tiles take cuda_launch.WGMMA_RAGGED_PACK query heads (the plan's
+    map of 128 / pack tokens); NaN in the K/V cells past the prompts and in a cell between two of
+    them that no row sees (HIDDEN columns) must not reach the output; against the float64
+    reference, dst poisoned with NaN first."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    monkeypatch.setattr(L, "WGMMA_RAGGED_PACK", pack)
+    cb._PREPARED.clear()
+    kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
+    rng = np.random.default_rng(pack + d)
+    lens = [int(x) for x in rng.integers(1, 201, 13)]
+    n_batch = sum(lens)
+    n_kv = -(-(n_batch + 5) // 256) * 256
+    m = _ragged_mask(lens, n_kv, gap=5)   # 5 cells between the first two prompts: seen by no row
+    nh, nkv = 16, 2
+    q = rng.uniform(-1, 1, (1, nh, n_batch, d)).astype(np.float32)
+    k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), kv_type)
+    v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), kv_type)
+    unseen = ~np.isfinite(m).any(axis=0)
+    assert unseen[lens[0]:lens[0] + 5].all() and unseen[n_batch + 5:].all()
+    k[:, :, unseen] = np.nan
+    v[:, :, unseen] = np.nan
+    m4 = m.reshape(1, 1, n_batch, n_kv)
+    ref = flash_attn_ext(q, np.nan_to_num(k), np.nan_to_num(v), m4, 0.1, 0.0, 0.0, None, kv_type=kv_type)
+    dq, dk, dv, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m4)
+    dst = cp.full((1, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    tq, tk, tv, td, tm = (from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), from_array(dst),
+                          from_array(dm, GGML_TYPE_F16))
+    st = cp.cuda.get_current_stream().ptr
+    plan = cb.make_plan(tm, n_batch, nh, nkv, d_k=d, kv_type=kv_type, stream=st)
+    assert plan.wide is False
+    call = cb.bind(tq, tk, tv, tm, None, td, 0.1, kernel="prefill-wgmma", plan=plan, stream=st)
+    assert (call.kern, call._params.pack, call._params.q_tile_tokens) == ("prefill-wgmma", pack, 128 // pack)
+    call.launch()
+    out = dst.get()
+    cb._PREPARED.clear()
+    assert not np.isnan(out).any(), "NaN in the output"
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
 def test_wgmma_prefill_refuses_what_it_does_not_take():

@@ -37,10 +37,15 @@ def test_kv_map_rejects_strides_tma_cannot_take():
 def test_ws_configs_fit_shared_memory():
     """Every version-1 instance's ring fits the H100/H200's 227 KB of shared memory per block."""
     for c in (*hp.WS_CONFIGS.values(), *hp.WS_DIAG.values()):
-        assert hp.smem_ws(c.stages, c.d) <= 227 * 1024, c.name
+        assert hp.config_smem(c) <= 227 * 1024, c.name
     # D 256: 64-cell chunks (a 128-cell chunk and Q leave no room for 2 stages)
     assert hp.smem_ws(2, 256) == 1024 + 2 * 2 * 64 * 256 * 2 + 128 * 256 * 2 + 5 * 2 * 8
     assert 1024 + 2 * 2 * 128 * 256 * 2 + 128 * 256 * 2 > 227 * 1024
+    # Q's f32 rows through TMA: 64 KB at D 128, room for 2 stages of 128 cells, not 3; none at D 256
+    assert hp.smem_ws(2, 128, True) == 1024 + 2 * 2 * 128 * 128 * 2 + 128 * 128 * 2 + 128 * 128 * 4 + 4 * 8 + 5 * 2 * 8
+    assert hp.smem_ws(2, 128, True) <= 227 * 1024 < hp.smem_ws(3, 128, True)
+    assert hp.smem_ws(1, 256, True) > 227 * 1024
+    assert not any(c.q_tma for c in hp.WS_CONFIGS.values() if c.d == 256)
 
 
 def test_every_instance_name_says_its_head_size_and_type():
@@ -101,12 +106,12 @@ def test_wgmma_launch_config(monkeypatch):
     heads fastest in the grid."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d128"),
-                          (GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d128")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d128"),
+                          (GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d128")):
         cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
-        assert cfg.smem == hp.smem_ws(hp.WS_CONFIGS[ws.ws_config(kv_type)].stages)
+        assert cfg.smem == hp.smem_ws(2, 128, True) == hp.config_smem(hp.WS_CONFIGS[ws.ws_config(kv_type)])
     assert L.launch_config("prefill-wgmma", L.Shapes(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
     cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
@@ -173,11 +178,11 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d64"),
-                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d64"),
-                             (40, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d64"),
-                             (96, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d128"),
-                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d128"),
+    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d64"),
+                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d64"),
+                             (40, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d64"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d128"),
+                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d128"),
                              (256, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
                              (192, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
                              (256, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d256")):
@@ -185,7 +190,7 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
         w = ws.tile_width(d)
-        assert cfg.smem == hp.smem_ws(3 if w < 256 else 2, w)
+        assert cfg.smem == hp.smem_ws({64: 3, 128: 2, 256: 2}[w], w, w < 256)
 
 
 def test_persistent_grid():

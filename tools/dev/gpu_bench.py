@@ -267,6 +267,8 @@ def run(quick=False, only=None, log=print):
             add(case, "ours", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
             with knobs(WGMMA_CONFIG="pp"):   # the wgmma prefill with one block per query tile
                 add(case, "ours-wgmma-pp", ours.fns("prefill-wgmma"), fl)
+            with knobs(WGMMA_CONFIG="pp-persistent"):   # Q loaded per tile by the consumers (3 stages)
+                add(case, "ours-wgmma-qld", ours.fns("prefill-wgmma"), fl)
             add(case, "ours-mma", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
             with narrow_prefill():
                 add(case, "ours-64row", ours.fns("prefill"), fl)
@@ -401,8 +403,14 @@ def run(quick=False, only=None, log=print):
             tiles=ours.tile_classes())
         with narrow_prefill():
             add(case, "ours-unified-64row", ours.fns(), useful)
-        # the sm_90a prefill by name (auto keeps HIDDEN tiles on mma.sync until this row says)
+        # the sm_90a prefill by name (auto keeps HIDDEN tiles on mma.sync until this row says):
+        # WGMMA_RAGGED_PACK query heads per tile, other packs, Q loaded per tile (one head a tile)
         add(case, "ours-unified-wgmma", ours.fns("prefill-wgmma"), useful)
+        for pk in (1, 2, 8):
+            with knobs(WGMMA_RAGGED_PACK=pk):
+                add(case, f"ours-unified-wgmma-pack{pk}", ours.fns("prefill-wgmma"), useful)
+        with knobs(WGMMA_CONFIG="pp-persistent"):
+            add(case, "ours-unified-wgmma-qld", ours.fns("prefill-wgmma"), useful)
         rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
                          note="wall time of make_plan (once per ubatch), synchronized"))
         for pk in (1, 8):

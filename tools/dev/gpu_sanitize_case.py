@@ -126,6 +126,50 @@ def main():
             ok = err <= 5e-4 and not np.isnan(out).any()
             bad += not ok
             print(f"wgmma-op   D={d} mask=causal+hole nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        # packed query heads (4 of 16, GQA 8): directly without a mask, 3 blocks walking many
+        # tiles; and 9 ragged prompts through the op with a plan (not wide: packed tiles of 32
+        # tokens, HIDDEN columns at a gap of unused cells)
+        nh16 = 16
+        for d, pack in ((128, 4), (64, 8)):
+            c = "pp-persistent-qtma" if d == 128 else "pp-persistent-qtma-d64"
+            q = rng.uniform(-1, 1, (1, nh16, 100, d)).astype(np.float32)
+            k = from_float(rng.uniform(-1, 1, (1, 2, 333, d)), GGML_TYPE_F16)
+            v = from_float(rng.uniform(-1, 1, (1, 2, 333, d)), GGML_TYPE_F16)
+            ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+            dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+            dst = cp.full((1, 100, nh16, d), cp.nan, dtype=cp.float32)
+            hopper_prefill.run_ws(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                  from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, config=c, blocks=3,
+                                  pack=pack)
+            out = dst.get()
+            err = nmse(out, ref)
+            ok = err <= 5e-4 and not np.isnan(out).any()
+            bad += not ok
+            print(f"ws-pack{pack}   D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        lens = [37, 150, 5, 80, 200, 1, 64, 129, 90]
+        nb, n_kv = sum(lens), 1024
+        m = np.full((1, 1, nb, n_kv), -np.inf, np.float16)
+        row, cell = 0, 0
+        for i, n in enumerate(lens):
+            for t in range(n):
+                m[0, 0, row + t, cell:cell + t + 1] = 0
+            row, cell = row + n, cell + n + (7 if i == 0 else 0)
+        q = rng.uniform(-1, 1, (1, nh16, nb, 128)).astype(np.float32)
+        k = from_float(rng.uniform(-1, 1, (1, 2, n_kv, 128)), GGML_TYPE_F16)
+        v = from_float(rng.uniform(-1, 1, (1, 2, n_kv, 128)), GGML_TYPE_F16)
+        ref = flash_attn_ext(q, k, v, m, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
+        dq, dk_, dv_, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m)
+        dst = cp.full((1, nb, nh16, 128), cp.nan, dtype=cp.float32)
+        st = cp.cuda.get_current_stream().ptr
+        tm = from_array(dm, GGML_TYPE_F16)
+        plan = cb.make_plan(tm, nb, nh16, 2, d_k=128, kv_type=GGML_TYPE_F16, stream=st)
+        cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
+                                 tm, None, from_array(dst), 0.1, kernel="prefill-wgmma", plan=plan, stream=st)
+        out = dst.get()
+        err = nmse(out, ref)
+        ok = err <= 5e-4 and not np.isnan(out).any()
+        bad += not ok
+        print(f"wgmma-op   D=128 mask=ragged (packed) nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the sm_90a decode: no mask and a random mask with -inf holes (MASKED, HIDDEN tiles),
         # one wave of blocks and 3 blocks (parts of groups merged by the last block)
         nb, n_kv, nh, nkv = 3, 333, 32, 8
