@@ -86,11 +86,11 @@ NAT_SCORES = False
 WGMMA_CONFIG = ""
 # The sm_90a prefill's query heads per 128-row tile when the plan found a ragged batch (wide is
 # False; instances with Q through TMA, masks of one head plane, at most the call's power-of-2 part
-# of gqa): as PREFILL_PACK
-# for the mma.sync kernel, tiles of 128 / pack tokens straddle fewer prompts and the packed heads
-# share each K/V chunk. 1: one head per tile always. Part of the call key (through the plan's hint
-# and this knob's entry).
-WGMMA_RAGGED_PACK = 4
+# of gqa): as PREFILL_PACK for the mma.sync kernel, tiles of 128 / pack tokens straddle fewer
+# prompts and the packed heads share each K/V chunk. 1: one head per tile always. Part of the call
+# key. On the H200 (bench/results/2026-12-04-be0ea13-qtma.json, 32/8 heads, us, pack 1 / 2 / 4 /
+# 8): 64 prompts of 16-200 tokens 142.8 / 130.6 / 139.4 / 139.1; 16 prompts 38.4 / 38.6 / 43.3 / 43.2
+WGMMA_RAGGED_PACK = 2
 # Persistent instances' block count: 0 = one per SM; a small count makes each block walk many
 # tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
 WGMMA_PERSISTENT_BLOCKS = 0

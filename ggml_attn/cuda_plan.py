@@ -74,8 +74,7 @@ class Plan:
     # not measured (no cell lists built)
     reads: tuple | None = None
     # the mask for the sm_90a prefill (read_wgmma_tiles): "plain" when the 128-token tile map has
-    # no MASKED tiles and no HIDDEN ones unless the plan is wide, "masked" otherwise; None: not
-    # measured. A verdict only on speed: the kernel is right on every tile class (a refreshed
+    # no MASKED tiles, "masked" otherwise; None: not measured. A verdict only on speed: the kernel is right on every tile class (a refreshed
     # mask may change it)
     wgmma_tiles: str | None = None
 
@@ -86,17 +85,17 @@ class Plan:
 
     def read_wgmma_tiles(self, stream: int) -> str:
         """Whether the sm_90a prefill suits this mask: its 128-token tile map (built if missing)
-        checked for MASKED and HIDDEN tiles on the device, the verdict read back (synchronizes
-        ``stream``) into ``wgmma_tiles``: "masked" for MASKED tiles (their values read from
-        global memory), and for HIDDEN tiles (V rows zeroed by the kernel's fixer warp) unless
-        the query tiles have many live KV tiles (``wide``, set first by make_plan): a 512 window
-        over 4096 tokens took 134.4 us there against 182.4 on mma.sync, 16 / 64 short ragged
-        prompts 43.9 / 166.8 against 40.3 / 163.8 (bench/results/2026-12-02-ab8bee5.json,
-        2026-12-01-2783807.json)."""
+        checked for MASKED tiles on the device, the verdict read back (synchronizes ``stream``)
+        into ``wgmma_tiles``: "masked" for MASKED tiles (their values read from global memory:
+        right, not fast). HIDDEN tiles (V rows zeroed by the kernel's fixer warp) are "plain":
+        with Q through TMA and tiles of several query heads for ragged plans it is ahead there
+        too -- 16 / 64 short ragged prompts in one ubatch 38.6 / 130.6 us against 41.1 / 165.6 on
+        mma.sync (bench/results/2026-12-04-be0ea13-qtma.json), a 512 window over 4096 tokens 134.4
+        against 182.4 (2026-12-02-ab8bee5.json)."""
         import cupy
         flags = self._map(128, stream)[2]   # fattn_mask_scan's per-tile flags: 4 MASKED, 8 HIDDEN
         with cupy.cuda.ExternalStream(stream):
-            bad = int((flags & (4 if self.wide else 12)).max()) if flags.size else 0
+            bad = int((flags & 4).max()) if flags.size else 0
         self.wgmma_tiles = "masked" if bad else "plain"
         return self.wgmma_tiles
 

@@ -62,16 +62,15 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 # on mma.sync, D 192 295.3 against 635.1, every padded size ahead of mma.sync,
 # bench/results/2026-12-03-b94a1da-wgmma-heads-final.json), f16 or bf16 K/V without sinks,
 # softcap or ALiBi, when the mask (if any) has no MASKED tiles in the plan's 128-token tile map
-# and no HIDDEN ones unless its query tiles see many KV tiles (Plan.read_wgmma_tiles: a 512 window over 4096
-# tokens 134.4 us against 182.4, bench/results/2026-12-02-ab8bee5.json), and
-# for at least WGMMA_MIN_BATCH tokens per stream (a guess: its blocks take 128 query rows;
-# below that the 64-row mma.sync tiles waste less). The kernel is right on every tile class
-# (MASKED tiles' values read from global memory, HIDDEN columns' V rows zeroed), but only the
-# plain layouts win: H200, causal 8192 1043 us against 1641 for "prefill", causal 2048 100
-# against 136, 4096 without a mask 478 against 821; with HIDDEN tiles (ragged prompts) 43.9 us
-# against 40.3 (16 prompts) and 166.8 against 163.8 (64 prompts): the mma.sync kernel's
-# head-packed 64-row tiles waste less there (bench/results/2026-12-01-2783807.json; one block
-# per tile instead of persistent blocks took 63.6 and 241 there, -b69ab2e.json).
+# (Plan.read_wgmma_tiles; HIDDEN ones are fine: ragged prompts in one ubatch run tiles of several
+# query heads there, cuda_launch.WGMMA_RAGGED_PACK), and for at least WGMMA_MIN_BATCH tokens per
+# stream (a guess: its blocks take 128 query rows; below that the 64-row mma.sync tiles waste
+# less). The kernel is right on every tile class (MASKED tiles' values read from global memory,
+# HIDDEN columns' V rows zeroed), but MASKED tiles are slow there. H200, with Q through TMA
+# (bench/results/2026-12-04-be0ea13-qtma.json): causal 8192 996.8 us against 1630.7 for
+# "prefill", causal 2048 92.5 against 136.2; 16 / 64 ragged prompts in one unified ubatch 38.6 /
+# 130.6 against 41.1 / 165.6; a 512 window over 4096 tokens 134.4 against 182.4
+# (2026-12-02-ab8bee5.json).
 WGMMA_ARCH = "sm_90"
 WGMMA_MIN_BATCH = 128
 
@@ -101,8 +100,8 @@ def wgmma_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     if why is not None:
         return why
     if auto and f.mask_tiles == "masked":
-        return ("the mask has tiles whose rows are not intervals of visible cells, or columns no row sees "
-                "in short query rows (or no plan measured it): the mma.sync kernel's measured path")
+        return ("the mask has tiles whose rows are not intervals of visible cells (or no plan measured it): "
+                "the mma.sync kernel's measured path")
     if auto and f.n_batch < WGMMA_MIN_BATCH:
         return f"n_batch {f.n_batch} < {WGMMA_MIN_BATCH}: 128-row blocks would run mostly empty"
     return None

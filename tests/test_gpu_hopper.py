@@ -337,12 +337,13 @@ def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
     q = rng.uniform(-1, 1, (1, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), kv_type)
     v = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), kv_type)
+    m4 = m.reshape(1, 1, n_batch, n_kv)
+    ref = flash_attn_ext(q, k, v, m4, 0.1, 0.0, 0.0, None, kv_type=kv_type)
     unseen = ~np.isfinite(m).any(axis=0)
     assert unseen[lens[0]:lens[0] + 5].all() and unseen[n_batch + 5:].all()
-    k[:, :, unseen] = np.nan
-    v[:, :, unseen] = np.nan
-    m4 = m.reshape(1, 1, n_batch, n_kv)
-    ref = flash_attn_ext(q, np.nan_to_num(k), np.nan_to_num(v), m4, 0.1, 0.0, 0.0, None, kv_type=kv_type)
+    nan = from_float(np.array([np.nan]), kv_type)[0]   # (bf16 K/V are uint16 bit patterns)
+    k[:, :, unseen] = nan
+    v[:, :, unseen] = nan
     dq, dk, dv, dm = cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(m4)
     dst = cp.full((1, n_batch, nh, d), cp.nan, dtype=cp.float32)
     tq, tk, tv, td, tm = (from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), from_array(dst),
@@ -398,9 +399,9 @@ def _masks():
         "causal after 256 cells": (300, 556, _causal(300, 556, 256), "prefill-wgmma"),
         "causal, 8 tokens": (8, 300, _causal(8, 300, 292), "prefill"),   # < WGMMA_MIN_BATCH
         # the second prompt's third query tile cannot see the first's cells in a live tile:
-        # HIDDEN columns -- auto keeps those on mma.sync (measured there); by name: below
-        "two prompts": (400, 400, _two_prompts(), "prefill"),
-        "causal after 100 cells": (300, 400, _causal(300, 400, 100), "prefill"),   # HIDDEN
+        # HIDDEN columns (the fixer zeroes their V rows; ragged: tiles of 2 query heads)
+        "two prompts": (400, 400, _two_prompts(), "prefill-wgmma"),
+        "causal after 100 cells": (300, 400, _causal(300, 400, 100), "prefill-wgmma"),   # HIDDEN
         "random bias": (300, 300, rand, "prefill"),   # MASKED tiles
         # HIDDEN columns at each window's left edge, but ~8 live KV tiles per query tile (the
         # plan's "wide"): the sm_90a prefill
@@ -419,9 +420,9 @@ def _window(n, w):
 def test_op_runs_wgmma_prefill_where_it_applies(name):
     """Through the op's device entry (make_plan, bind, launch): auto picks the sm_90a prefill for
     no mask and for masks whose 128-token tile map has only FULL and PARTIAL-interval tiles
-    (causal, with an aligned prefix) or also HIDDEN tiles when the query tiles see many KV tiles
-    (a window), the mma.sync prefill for MASKED tiles or short rows with HIDDEN ones; either
-    way the result matches the float64 reference (dst poisoned with NaN first)."""
+    (causal, with an aligned prefix) or also HIDDEN tiles (ragged prompts, a window), the mma.sync
+    prefill for MASKED tiles or short rows; either way the result matches the float64 reference
+    (dst poisoned with NaN first)."""
     import cupy as cp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
