@@ -26,7 +26,7 @@ from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
 from .errors import OutOfMemory, UserError
-from .kv_types import CACHE_TYPES, check_cache_types
+from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .output import SafeWriter, save_error
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
@@ -104,8 +104,8 @@ def build_parser() -> Parser:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
                    help="physical batch size (default: 512)")
     p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
-                   help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU "
-                        f"(default: f16)")
+                   help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, {', '.join(GPU_TYPES)} "
+                        f"on the GPU (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
                    help="V cache type, as -ctk; a quantized V needs flash attention (default: f16)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int_at_least(0), default=None, metavar="N",

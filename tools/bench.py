@@ -22,7 +22,7 @@ from .common import (Progress, build_info, console_main, cpu_info, default_threa
                      interruptible_sleep)
 from . import multi_gpu
 from .errors import UserError
-from .kv_types import CACHE_TYPES, check_cache_types
+from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
@@ -67,7 +67,7 @@ def build_parser() -> Parser:
                   "shape); model: a .gguf's own weights, token ids to logits (default: model with "
                   "-m FILE.gguf, else attn)")
     add_list(p, "-ctk", "--cache-type-k", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
-             help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, f16 on the GPU")
+             help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, {', '.join(GPU_TYPES)} on the GPU")
     add_list(p, "-ctv", "--cache-type-v", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
              help="V cache type, as -ctk; a quantized V needs flash attention (as llama.cpp)")
     add_list(p, "-ngl", "--n-gpu-layers", type=parse_int_range, default=[], metavar="N",

@@ -16,7 +16,8 @@
 # coarse n_kv of before (tools/dev/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
 #
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
-# ggml-python==0.0.45; gguf's wheel) with the device tool. Set GGML_ATTN_COMMIT: the device's
+# ggml-python==0.0.45; the wheels of gguf and of its build backend, scikit-build-core and
+# pathspec: the device image's own did not import on 2026-12-04) with the device tool. Set GGML_ATTN_COMMIT: the device's
 # copy of the tree may not know the commit.
 #
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
@@ -51,14 +52,15 @@ PY=${PYTHON:-python3}
 status=0
 t0=$(date +%s)
 echo "== install" | tee "$OUT/install.log"
+# wheels the device image lacks (gguf for the CLI test modules, ggml-python's build backend),
+# carried in .whl/ and installed first:
+#   pip download --no-deps --only-binary=:all: -d .whl gguf scikit-build-core pathspec
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
+fi
 if [ $GGML = 1 ] && ls .whl/ggml_python-0.0.45.tar.gz >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/ggml_python-0.0.45.tar.gz >>"$OUT/install.log" 2>&1 \
     || echo "ggml-python install failed (see install.log)"
-fi
-# other wheels the device image lacks (e.g. gguf for the CLI test modules), carried in .whl/:
-#   pip download --no-deps --only-binary=:all: -d .whl gguf
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
@@ -79,7 +81,7 @@ if [ $TESTS = 1 ]; then
 fi
 
 if [ $SAN = 1 ]; then
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     echo "== compute-sanitizer $tool"
     compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?; [ $rc != 0 ] && status=1
