@@ -50,17 +50,16 @@ def chunk_ws(d: int) -> int:
 # on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
 # 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
 # bench/results/2026-12-01-b69ab2e.json), with Q through TMA at D 64 and 128 ("-qtma"; at D 128
-# its f32 rows leave room for 2 ring stages; D 256 has room for neither); the other ones are A/B
-# rows of tools/dev/gpu_bench.py.
+# its f32 rows leave room for 2 ring stages; D 256 has room for neither): causal 2048 92.5 us
+# against 100.1 for "pp-persistent" (Q loaded by the consumers at each tile), causal 8192 996.8
+# against 1034.8 (bench/results/2026-12-04-be0ea13-qtma.json); the other ones are A/B rows of
+# tools/dev/gpu_bench.py.
 WS_CONFIGS = {
     "pp": WsConfig("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
     "pp-bf16": WsConfig("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
     "pp-persistent": WsConfig("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
-    "pp-persistent-bf16": WsConfig("fattn_wgmma_ws_persistent_bf16_d128", 3, GGML_TYPE_BF16, True),
     "nopp": WsConfig("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
     "s2": WsConfig("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
-    "pp-persistent-d64": WsConfig("fattn_wgmma_ws_persistent_d64", 3, GGML_TYPE_F16, True, 64),
-    "pp-persistent-bf16-d64": WsConfig("fattn_wgmma_ws_persistent_bf16_d64", 3, GGML_TYPE_BF16, True, 64),
     "pp-persistent-qtma": WsConfig("fattn_wgmma_ws_persistent_qtma_d128", 2, GGML_TYPE_F16, True, 128, True),
     "pp-persistent-qtma-bf16": WsConfig("fattn_wgmma_ws_persistent_qtma_bf16_d128", 2, GGML_TYPE_BF16, True, 128, True),
     "pp-persistent-qtma-d64": WsConfig("fattn_wgmma_ws_persistent_qtma_d64", 3, GGML_TYPE_F16, True, 64, True),

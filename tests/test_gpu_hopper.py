@@ -161,7 +161,7 @@ def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None
 
 
 @pytest.mark.parametrize("config", ["pp", "pp-persistent", "pp-persistent-3", "nopp", "s2",
-                                    "pp-persistent-d64", "pp-persistent-d256", "pp-persistent-d256-3",
+                                    "pp-persistent-d256", "pp-persistent-d256-3",
                                     "pp-persistent-qtma", "pp-persistent-qtma-3", "pp-persistent-qtma-d64",
                                     "pp-persistent-qtma-d64-3"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
@@ -194,7 +194,6 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
 
 @pytest.mark.parametrize("config,d,bf16", [("pp-persistent", 96, False), ("pp-persistent", 80, False),
                                            ("pp-persistent", 72, False), ("pp-persistent", 112, False),
-                                           ("pp-persistent-bf16", 96, True), ("pp-persistent-d64", 40, False),
                                            ("pp-persistent-qtma", 80, False), ("pp-persistent-qtma", 112, False),
                                            ("pp-persistent-qtma-bf16", 72, True),
                                            ("pp-persistent-qtma-d64", 40, False),
@@ -224,8 +223,7 @@ def test_wgmma_prefill_ws_padded_head_sizes(config, d, bf16, ne3, n_batch, n_kv,
     assert err <= 5e-4, f"NMSE {err:.3g}"
 
 
-@pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16", "pp-persistent-bf16-d64",
-                                    "pp-persistent-bf16-d256", "pp-persistent-qtma-bf16",
+@pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16-d256", "pp-persistent-qtma-bf16",
                                     "pp-persistent-qtma-bf16-d64"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
 def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
