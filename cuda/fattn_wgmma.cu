@@ -29,16 +29,15 @@
 // type), no sinks, softcap or ALiBi. A tile is 128 query rows: 128 tokens of one head, or with
 // p.pack > 1 (QTMA and masks of one head plane only; ragged batches: tiles that straddle fewer
 // prompts, K/V chunks shared by the heads) 128 / pack tokens of pack query heads of one KV head
-// (ws_rows). Grid
-// (n_head / pack, n_q_tiles, ne3), query tiles in reverse order (the longest causal rows
-// first), or with PERSISTENT (gridDim.x blocks, gridDim.y = z = 1) every block walks every
-// gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES, QTMA>().
+// (ws_rows). Grid (n_head / pack, n_q_tiles, ne3), query tiles in reverse order (the longest
+// causal rows first), or with PERSISTENT (gridDim.x blocks, gridDim.y = z = 1) every block walks
+// every gridDim.x-th tile of that order; dynamic shared memory ws::smem_bytes<D, STAGES, QTMA>().
 // QTMA (D <= 128): Q reaches shared memory as f32 rows through a TMA map (mq: a box of D values x
 // the warpgroup's 64 rows, ws_rows' order; tokens past n_batch and values past the head read as
-// zeros), one box per warpgroup, issued by
-// warp 10 a tile ahead -- as soon as the warpgroup has converted the current tile's rows into its
-// f16 core matrices (q_empty) -- so that no tile waits on Q's global loads; without it (D 256:
-// no room) the consumers load Q from global memory at each tile's start (wg_stage_q).
+// zeros), one box per warpgroup, issued by warp 10 a tile ahead -- as soon as the warpgroup has
+// converted the current tile's rows into its f16 core matrices (q_empty) -- so that no tile
+// waits on Q's global loads; without it (D 256: no room) the consumers load Q from global memory
+// at each tile's start (wg_stage_q).
 // DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
 // for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
 // output rows stored (the epilogue's cost; a never-true test keeps the results live).

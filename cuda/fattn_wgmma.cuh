@@ -377,9 +377,9 @@ __device__ __forceinline__ void ws_mask_chunk(float (&S)[BK / 2], const WsChunk&
 
 // zero the V rows (cells) of a stage that no row of the query tile sees in mask plane h0 % ne32
 // (h0: the tile's first head; a tile of several heads has a mask of one plane, ne32 1: the
-// kernel checks): the hidden columns of each HIDDEN half (one warp; every lane). A hidden cell's P is 0, but
-// 0 x NaN or inf left in an unused cache cell would still reach O. V's stage: D / 64 d-boxes of
-// BK cells x 128 bytes (sv: its shared-memory address), cell r of d-box db at
+// kernel checks): the hidden columns of each HIDDEN half (one warp; every lane). A hidden
+// cell's P is 0, but 0 x NaN or inf left in an unused cache cell would still reach O. V's stage:
+// D / 64 d-boxes of BK cells x 128 bytes (sv: its shared-memory address), cell r of d-box db at
 // db * BK * 128 + r * 128 (the swizzle permutes 16-byte chunks within a row only).
 template <int D, int BK>
 __device__ __forceinline__ void ws_zero_hidden_v(unsigned sv, const WsChunk& c, const WsChunks& cs, int ne32,

@@ -74,8 +74,8 @@ class Plan:
     # not measured (no cell lists built)
     reads: tuple | None = None
     # the mask for the sm_90a prefill (read_wgmma_tiles): "plain" when the 128-token tile map has
-    # no MASKED tiles, "masked" otherwise; None: not measured. A verdict only on speed: the kernel is right on every tile class (a refreshed
-    # mask may change it)
+    # no MASKED tiles, "masked" otherwise; None: not measured. A verdict only on speed: the kernel
+    # is right on every tile class (a refreshed mask may change it)
     wgmma_tiles: str | None = None
 
     def hint(self) -> tuple:

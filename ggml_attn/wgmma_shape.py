@@ -122,10 +122,10 @@ def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0, pac
 
 def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
     """The TMA map of Q (ggml order [D_k, n_batch, n_head, ne3], f32) that a QTMA instance of tile
-    width ``d`` reads a warpgroup's 64 rows through, unswizzled: boxes of d values x 64 tokens of
-    one head, or with ``pack`` query heads per tile (ws_rows in cuda/fattn_wgmma.cuh) x
-    ws_rows_tokens(pack) tokens x the rest in heads; tokens past n_batch and values past D_k (a
-    head size padded to d) read as 0."""
+    width ``d`` reads a warpgroup's 64 rows through, unswizzled: boxes of d values x tw tokens x
+    64 / tw heads, tw = ws_rows_tokens(pack) for ``pack`` query heads per tile (ws_rows in
+    cuda/fattn_wgmma.cuh); tokens past n_batch and values past D_k (a head size padded to d) read
+    as 0."""
     from .dtypes import GGML_TYPE_F32
     if q.type != GGML_TYPE_F32:
         raise ValueError(f"TMA map for Q: f32 only, got type {q.type}")

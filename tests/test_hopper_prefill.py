@@ -214,3 +214,52 @@ def test_wgmma_config_knob_checks_the_kv_type(monkeypatch):
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")
     monkeypatch.setattr(L, "WGMMA_PERSISTENT_BLOCKS", 5)
     assert L.launch_config("prefill-wgmma", sh).grid == (5, 1, 1)
+
+
+def test_packed_tiles_launch_config(monkeypatch):
+    """Tiles of several query heads: WGMMA_RAGGED_PACK of them (at most gqa's power-of-2 part)
+    when the plan is not wide, on an instance with Q through TMA and a mask of one head plane;
+    128 / pack tokens a tile (the plan's map for them), the grid over head groups; one head a tile
+    otherwise (no plan verdict, a wide plan, mask planes per head, gqa 1, per-tile Q loads)."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    sh = L.Shapes(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16)
+    for pack in (2, 4, 8):
+        monkeypatch.setattr(L, "WGMMA_RAGGED_PACK", pack)
+        cfg = L.launch_config("prefill-wgmma", sh, wide=False)
+        want = min(pack, 4)   # gqa 4
+        assert (cfg.pack, cfg.q_tile_tokens, cfg.n_q_tiles) == (want, 128 // want, -(-1000 // (128 // want)))
+        assert cfg.rows == 128 and cfg.grid == (132, 1, 1)
+    monkeypatch.setattr(L, "WGMMA_RAGGED_PACK", 2)
+    assert L.launch_config("prefill-wgmma", sh, wide=False).grid == (132, 1, 1)
+    for kw, shape in ((dict(wide=None), sh), (dict(wide=True), sh),
+                      (dict(wide=False), L.Shapes(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16, 32)),
+                      (dict(wide=False), L.Shapes(128, 128, 1000, 8, 8, 1, 2048, GGML_TYPE_F16))):
+        cfg = L.launch_config("prefill-wgmma", shape, **kw)
+        assert (cfg.pack, cfg.q_tile_tokens) == (1, 128), kw
+    monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")   # Q loaded per tile: one head a tile
+    assert L.launch_config("prefill-wgmma", sh, wide=False).pack == 1
+
+
+def test_packed_tile_shapes():
+    """A warpgroup's 64 rows as the Q map's box lands them: 64 tokens of one head for 1 or 2 heads
+    a tile, 128 / pack tokens of 64 / that many heads beyond; the grid over n_head / pack groups."""
+    from ggml_attn.wgmma_shape import ws_grid, ws_q_tiles, ws_rows_tokens
+    import pytest
+    assert [ws_rows_tokens(p) for p in (1, 2, 4, 8)] == [64, 64, 32, 16]
+    with pytest.raises(ValueError, match="one of"):
+        ws_rows_tokens(16)   # a warp's 16 rows would span two heads
+    assert ws_q_tiles(1000, 1) == 8 and ws_q_tiles(1000, 2) == 16 and ws_q_tiles(1000, 8) == 63
+    assert ws_grid(1000, 32, 2, 0, 4) == (8, 32, 2)
+    assert ws_grid(1000, 32, 2, 132, 4) == (132, 1, 1)
+    assert ws_grid(10, 8, 1, 132, 8) == (1, 1, 1)
+
+
+def test_q_map_refuses_what_tma_cannot_take():
+    """q_map's tensor map: f32 Q only; a token stride that is not a multiple of 16 bytes is refused
+    with a message naming the dimension (before the driver is asked)."""
+    import pytest
+    with pytest.raises(ValueError, match="f32 only"):
+        hp.q_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 8, 1), (2, 256, 256 * 64, 256 * 512)), 128)
+    with pytest.raises(ValueError, match="stride of dim 1"):
+        hp.q_map(TensorDesc(256, GGML_TYPE_F32, (80, 64, 8, 1), (4, 324, 324 * 64, 324 * 512)), 128)
