@@ -152,17 +152,17 @@ def random_kq_mask(rng: np.random.Generator, shape, lo=-1.0, hi=1.0) -> np.ndarr
     return m.astype(np.float16)
 
 
-def block_causal_mask(lengths, n_kv: int) -> np.ndarray:
+def block_causal_mask(lengths, n_kv: int, gaps=()) -> np.ndarray:
     """F16 mask ``(n_rows, n_kv)`` (numpy order) for sequences laid out one after another in
     one unified KV range: a token sees the earlier tokens of its own sequence (causal), every
-    other cell is -inf, cells past ``sum(lengths)`` too."""
-    n = sum(lengths)
-    m = np.full((n, n_kv), -np.inf, dtype=np.float16)
-    start = 0
-    for length in lengths:
-        m[start:start + length, start:start + length] = np.triu(
+    other cell is -inf, cells past the last sequence's too. ``gaps``: unused cells (seen by no
+    row) after each of the first ``len(gaps)`` sequences' cells."""
+    m = np.full((sum(lengths), n_kv), -np.inf, dtype=np.float16)
+    row = cell = 0
+    for i, length in enumerate(lengths):
+        m[row:row + length, cell:cell + length] = np.triu(
             np.full((length, length), -np.inf, dtype=np.float16), 1)
-        start += length
+        row, cell = row + length, cell + length + (gaps[i] if i < len(gaps) else 0)
     return m
 
 

@@ -237,8 +237,8 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS, L.WGMMA_RAGGED_PACK,
-            L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
+            L.WGMMA_RAGGED_PACK, L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),

@@ -298,18 +298,6 @@ def test_wgmma_prefill_packed_heads_refused_where_they_cannot_run():
         hp.run_ws(*args, config="pp-persistent-qtma", pack=8)
 
 
-def _ragged_mask(lens, n_kv, gap=0):
-    """f16 [sum(lens), n_kv]: prompts of ``lens`` tokens in one unified ubatch (block-causal), their
-    cells one after another from cell 0 but for ``gap`` unused cells after the first prompt's."""
-    m = np.full((sum(lens), n_kv), -np.inf, np.float16)
-    row = cell = 0
-    for i, n in enumerate(lens):
-        for t in range(n):
-            m[row + t, cell:cell + t + 1] = 0
-        row, cell = row + n, cell + n + (gap if i == 0 else 0)
-    return m
-
-
 @pytest.mark.parametrize("pack", [1, 2, 4, 8])
 @pytest.mark.parametrize("d,bf16", [(128, False), (64, False), (128, True), (96, False)])
 def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
@@ -320,6 +308,7 @@ def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
     reference, dst poisoned with NaN first."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
+    from ggml_attn.conformance import block_causal_mask
     from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, from_float
     from ggml_attn.reference import flash_attn_ext, nmse
     from ggml_attn.tensor import from_array
@@ -330,7 +319,7 @@ def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
     lens = [int(x) for x in rng.integers(1, 201, 13)]
     n_batch = sum(lens)
     n_kv = -(-(n_batch + 5) // 256) * 256
-    m = _ragged_mask(lens, n_kv, gap=5)   # 5 cells between the first two prompts: seen by no row
+    m = block_causal_mask(lens, n_kv, gaps=[5])   # 5 cells between the first two prompts: seen by no row
     nh, nkv = 16, 2
     q = rng.uniform(-1, 1, (1, nh, n_batch, d)).astype(np.float32)
     k = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), kv_type)

@@ -403,8 +403,8 @@ def run(quick=False, only=None, log=print):
             tiles=ours.tile_classes())
         with narrow_prefill():
             add(case, "ours-unified-64row", ours.fns(), useful)
-        # the sm_90a prefill by name (auto keeps HIDDEN tiles on mma.sync until this row says):
-        # WGMMA_RAGGED_PACK query heads per tile, other packs, Q loaded per tile (one head a tile)
+        # the sm_90a prefill by name (what auto runs on an H200): WGMMA_RAGGED_PACK query heads per
+        # tile, other packs, Q loaded per tile (one head a tile)
         add(case, "ours-unified-wgmma", ours.fns("prefill-wgmma"), useful)
         for pk in (1, 2, 8):
             with knobs(WGMMA_RAGGED_PACK=pk):

@@ -17,8 +17,8 @@
 #
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
 # ggml-python==0.0.45; the wheels of gguf and of its build backend, scikit-build-core and
-# pathspec: the device image's own did not import on 2026-12-04) with the device tool. Set GGML_ATTN_COMMIT: the device's
-# copy of the tree may not know the commit.
+# pathspec: the device image's own did not import on 2026-12-04) with the device tool. Set
+# GGML_ATTN_COMMIT: the device's copy of the tree may not know the commit.
 #
 # Writes logs and bench/results/<date>-<commit>.json under $OUT (default ./gpu_out) and
 # prints a short table last. --quick: sampled conformance grid, short benchmark.

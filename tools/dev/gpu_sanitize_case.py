@@ -148,12 +148,7 @@ def main():
             print(f"ws-pack{pack}   D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         lens = [37, 150, 5, 80, 200, 1, 64, 129, 90]
         nb, n_kv = sum(lens), 1024
-        m = np.full((1, 1, nb, n_kv), -np.inf, np.float16)
-        row, cell = 0, 0
-        for i, n in enumerate(lens):
-            for t in range(n):
-                m[0, 0, row + t, cell:cell + t + 1] = 0
-            row, cell = row + n, cell + n + (7 if i == 0 else 0)
+        m = block_causal_mask(lens, n_kv, gaps=[7]).reshape(1, 1, nb, n_kv)
         q = rng.uniform(-1, 1, (1, nh16, nb, 128)).astype(np.float32)
         k = from_float(rng.uniform(-1, 1, (1, 2, n_kv, 128)), GGML_TYPE_F16)
         v = from_float(rng.uniform(-1, 1, (1, 2, n_kv, 128)), GGML_TYPE_F16)
