@@ -45,8 +45,9 @@
 #endif
 
 namespace dtma {
+constexpr int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
 constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
-constexpr int CONSUMERS = 4;            // warps: each takes every 4th tile (WHOLE) or 16 cells of every tile
+constexpr int CONSUMERS = 4;            // warps of the f16/bf16 instances: each takes every 4th tile (WHOLE) or 16 cells of every tile
 constexpr int THREADS = 32 * (CONSUMERS + 1);
 constexpr int ROWS = 16;                // rows of a group: one m16 tile
 constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byte rows
@@ -76,14 +77,14 @@ template <typename Q, int D> struct QuantTile {
 template <int D> struct Tile<fattn_q8_0, D> : QuantTile<fattn_q8_0, D> {};
 template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
 
-// Dynamic shared memory of an instance: 1024-byte alignment slack, the ring (K tile then V tile
-// per stage), the consumers' f16 scratch tiles (quantized K/V), the merge buffer (ROWS x D
-// floats), the warps' row maxima and sums, the ring's barriers, the "last block" flag. Mirrored
-// by ggml_attn/decode_tma_shape.py.
-template <typename KT, int D, int STAGES>
+// Dynamic shared memory of an instance of NW consumer warps: 1024-byte alignment slack, the
+// ring (K tile then V tile per stage), the consumers' f16 scratch tiles (quantized K/V read
+// through scratch), the merge buffer (ROWS x D floats), the warps' row maxima and sums, the
+// ring's barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
+template <typename KT, int D, int STAGES, int NW, bool SCRATCH>
 __host__ __device__ constexpr int smem_bytes() {
-    return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (Tile<KT, D>::QUANT ? CONSUMERS * (D / 64) * BOX_BYTES : 0) +
-           ROWS * D * 4 + CONSUMERS * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+    return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (SCRATCH ? NW * (D / 64) * BOX_BYTES : 0) +
+           ROWS * D * 4 + NW * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
 }
 
 // ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
@@ -137,6 +138,118 @@ __device__ __forceinline__ void dequant_tile(const unsigned char* raw, int off, 
             const int dim = 32 * blk + 8 * j, box = dim >> 6, ch = (dim >> 3) & 7;
             *reinterpret_cast<uint4*>(out + box * BOX_BYTES + c * 128 + ((ch ^ (c & 7)) << 4)) = o[j];
         }
+    }
+}
+
+// ---- the register path (the "-r" instances, D 128): the MMAs' B fragments built from a tile's
+// raw box in registers, no scratch. The dimension K's dot product runs over is permuted so that
+// a lane's K values are one block: lane t4 of a quad takes block t4 of cell 8 nt + g, fragment
+// (k step ks, position e of {2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9}) being value k_val(ks, e) of
+// the block; Q's A fragments are loaded in the same order. V's output dimension is permuted so
+// that a lane's columns are contiguous values of one block: column g of n-tile nt is dimension
+// 32 (g >> 1) + v_val(nt, g & 1); the segment end writes O back in the true order.
+template <typename Q> struct QuantPerm;
+template <> struct QuantPerm<fattn_q8_0> {   // quant byte j is value j
+    static __device__ __forceinline__ constexpr int k_val(int ks, int e) { return 4 * ks + e; }
+    static __device__ __forceinline__ constexpr int v_val(int nt, int h) { return 16 * h + nt; }
+};
+template <> struct QuantPerm<fattn_q4_0> {   // byte j's low nibble is value j, its high one 16 + j
+    static __device__ __forceinline__ constexpr int k_val(int ks, int e) { return 16 * (ks & 1) + 4 * (ks >> 1) + e; }
+    static __device__ __forceinline__ constexpr int v_val(int nt, int h) { return 16 * (nt >> 3) + 8 * h + (nt & 7); }
+};
+
+// 4 consecutive quant bytes (or nibbles) y -> f16 pairs (values 0, 1) and (2, 3), times d2.
+template <typename Q>
+__device__ __forceinline__ uint2 quant4_to_half4(unsigned y, __half2 d2) {
+    constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
+    return bytes4_to_half4(Q8 ? y ^ 0x80808080u : y, __float2half2_rn(Q8 ? 1152.0f : 1032.0f), d2);
+}
+
+// One lane's K fragments of one cell: its block at raw + base (scale, then quants; base even,
+// the row 4-byte aligned, so the block is 4-byte aligned or 2 past). b[ks] = the f16 pairs of
+// values k_val(ks, 0..1) and k_val(ks, 2..3), scaled.
+template <typename Q, int D>
+__device__ __forceinline__ void k_frags(const unsigned char* raw, int base, unsigned (&b)[D / 16][2]) {
+    constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
+    constexpr int NW = Q8 ? 9 : 5;   // aligned words covering the block
+    static_assert(D == 128, "a lane takes one of the cell's four blocks");
+    const unsigned* w = reinterpret_cast<const unsigned*>(raw + (base & ~3));
+    const bool odd = (base & 2) != 0;
+    const unsigned sel = odd ? 0x7654u : 0x5432u;   // quant word i = bytes of (w[i], w[i + 1])
+    unsigned wr[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) wr[i] = w[i];
+    const __half2 d2 = __half2half2(__ushort_as_half((unsigned short)(wr[0] >> (odd ? 16 : 0))));
+#pragma unroll
+    for (int i = 0; i < NW - 1; ++i) {
+        const unsigned x = __byte_perm(wr[i], wr[i + 1], sel);
+        if constexpr (Q8) {
+            const uint2 h = quant4_to_half4<Q>(x, d2);
+            b[i][0] = h.x, b[i][1] = h.y;
+        } else {
+            const uint2 lo = quant4_to_half4<Q>(x & 0x0F0F0F0Fu, d2), hi = quant4_to_half4<Q>((x >> 4) & 0x0F0F0F0Fu, d2);
+            b[2 * i][0] = lo.x, b[2 * i][1] = lo.y, b[2 * i + 1][0] = hi.x, b[2 * i + 1][1] = hi.y;
+        }
+    }
+}
+
+// One lane's values of one cell of V: 16 values of block g >> 1 (v_val(nt, g & 1), nt = 0..15)
+// as four words of 4 bytes (q8_0) or nibbles (q4_0), word m holding n-tiles 4 m .. 4 m + 3, and
+// the block's scale. The cell's head row at raw + row (4-byte aligned).
+template <typename Q>
+__device__ __forceinline__ void v_cell(const unsigned char* raw, int row, int g, unsigned (&y)[4], unsigned short& d) {
+    constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
+    constexpr int NB = Q8 ? 16 : 8;   // quant bytes a lane takes
+    const int blk = row + (g >> 1) * Q::BYTES;
+    const int base = blk + 2 + NB * (g & 1);   // 4-byte aligned or 2 past (by the block's parity)
+    d = *reinterpret_cast<const unsigned short*>(raw + blk);
+    const unsigned* w = reinterpret_cast<const unsigned*>(raw + (base & ~3));
+    const bool odd = (base & 2) != 0;
+    unsigned wr[NB / 4 + 1];
+#pragma unroll
+    for (int i = 0; i < NB / 4; ++i) wr[i] = w[i];
+    wr[NB / 4] = odd ? w[NB / 4] : 0u;   // the word past the bytes only when they straddle it
+    const unsigned sel = odd ? 0x5432u : 0x3210u;
+    if constexpr (Q8) {
+#pragma unroll
+        for (int m = 0; m < 4; ++m) y[m] = __byte_perm(wr[m], wr[m + 1], sel) ^ 0x80808080u;
+    } else {
+        const unsigned x0 = __byte_perm(wr[0], wr[1], sel), x1 = __byte_perm(wr[1], wr[2], sel);
+        y[0] = x0 & 0x0F0F0F0Fu, y[1] = x1 & 0x0F0F0F0Fu, y[2] = (x0 >> 4) & 0x0F0F0F0Fu, y[3] = (x1 >> 4) & 0x0F0F0F0Fu;
+    }
+}
+
+// The V fragments of one k16 step: b[nt][0] pairs cells (c0, c1), b[nt][1] cells (c2, c3) -- the
+// lane's cells 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9 of the step -- at column g of n-tile nt. A cell
+// of hid (a HIDDEN cell: its scale may be garbage) gets scale 0.
+template <typename Q>
+__device__ __forceinline__ void v_frags(const unsigned char* raw, int row_off, int rb, int cell0, int g, int t4,
+                                        unsigned long long hid, unsigned (&b)[16][2]) {
+    constexpr bool Q8 = Q::BYTES == fattn_q8_0::BYTES;
+    const __half2 bias2 = __float2half2_rn(Q8 ? 1024.0f + 128.0f : 1024.0f + 8.0f);
+    unsigned y[4][4];
+    __half d[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int c = cell0 + 2 * t4 + (k & 1) + 8 * (k >> 1);
+        unsigned short db;
+        v_cell<Q>(raw, row_off + c * rb, g, y[k], db);
+        d[k] = (hid >> c) & 1ull ? __ushort_as_half(0) : __ushort_as_half(db);
+    }
+    const __half2 d01 = __halves2half2(d[0], d[1]), d23 = __halves2half2(d[2], d[3]);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const unsigned lo01 = __byte_perm(y[0][m], y[1][m], 0x5140u), hi01 = __byte_perm(y[0][m], y[1][m], 0x7362u);
+        const unsigned lo23 = __byte_perm(y[2][m], y[3][m], 0x5140u), hi23 = __byte_perm(y[2][m], y[3][m], 0x7362u);
+        const unsigned src[4][2] = {{lo01, lo23}, {lo01, lo23}, {hi01, hi23}, {hi01, hi23}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+            for (int hl = 0; hl < 2; ++hl) {
+                const unsigned h = __byte_perm(src[i][hl], 0x64646464u, (i & 1) ? 0x4342u : 0x4140u);
+                const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&h), bias2), hl ? d23 : d01);
+                b[4 * m + i][hl] = *reinterpret_cast<const unsigned*>(&v);
+            }
     }
 }
 
@@ -396,35 +509,39 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
         *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
 }
 
-template <typename KT, int D, int STAGES, bool WHOLE>
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
     using T = typename Tile<KT, D>::T;
     constexpr bool QUANT = Tile<KT, D>::QUANT;
+    constexpr bool SCRATCH = QUANT && !REG;             // quantized K/V dequantized into the warp's scratch
+    constexpr int NTHREADS = 32 * (NW + 1);
     constexpr int BOXES = D / 64;
     constexpr int NC = WHOLE ? BK : BK / CONSUMERS;   // cells of a tile one warp takes
     constexpr int KV_BYTES = BOXES * BOX_BYTES;          // one f16 K (or V) tile: a ring tile's or a scratch's
     constexpr int TILE_BYTES = Tile<KT, D>::BYTES;       // one K (or V) tile in the ring
     constexpr int STAGE_BYTES = 2 * TILE_BYTES;
     static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64 up to 256 (64-element boxes)");
-    static_assert(!WHOLE || (2 * STAGES) % CONSUMERS == 0, "a warp's own tile two ring turns back (see the full wait)");
-    static_assert(!QUANT || WHOLE, "quantized K/V: a warp per tile (its own scratch)");
+    static_assert(!QUANT || WHOLE, "quantized K/V: a warp per tile (its own scratch or registers)");
+    static_assert(!REG || (QUANT && D == 128), "the register path: q8_0/q4_0 at D 128");
+    static_assert(WHOLE || NW == CONSUMERS, "four warps per tile take 16 cells each");
+    constexpr int TURNS = NW / gcd_int(NW, STAGES);   // ring turns until a stage's tile is the same warp's again
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
-    unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [CONSUMERS][KV_BYTES] (quantized K/V)
-    float* sO = reinterpret_cast<float*>(scratch + (QUANT ? CONSUMERS * KV_BYTES : 0));   // [ROWS][D]
-    float* sML = sO + ROWS * D;                                          // [CONSUMERS][ROWS][2]
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + CONSUMERS * ROWS * 2);
+    unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [NW][KV_BYTES] (SCRATCH)
+    float* sO = reinterpret_cast<float*>(scratch + (SCRATCH ? NW * KV_BYTES : 0));   // [ROWS][D]
+    float* sML = sO + ROWS * D;                                          // [NW][ROWS][2]
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + NW * ROWS * 2);
     unsigned long long* empty = full + STAGES;
     int* s_last = reinterpret_cast<int*>(empty + STAGES);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : CONSUMERS); }
+        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : NW); }
         fence_mbar_init();
     }
-    for (int i = tid; i < ROWS * D; i += THREADS) sO[i] = 0.0f;
+    for (int i = tid; i < ROWS * D; i += NTHREADS) sO[i] = 0.0f;
     __syncthreads();
     DTMA_MARK(0);
 
@@ -433,7 +550,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     const int P = p.pack, pshift = __ffs(P) - 1, tq = p.q_tile_tokens;
 
     // ---- step produce (one lane of the producer warp)
-    if (warp == CONSUMERS) {
+    if (warp == NW) {
         if (lane != 0) return;
         int it = 0;
         for (; wk.w < wk.end; wk.next(p)) {
@@ -462,7 +579,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         return;
     }
 
-    // ---- consumers: WHOLE -- warp w takes every 4th tile of the block's sequence, all its
+    // ---- consumers: WHOLE -- warp w takes every NW-th tile of the block's sequence, all its
     // cells; otherwise every tile, cells [16 w, 16 w + 16). Fragment rows g, g + 8, cells
     // w0 + 8 nt + [2 t4, 2 t4 + 1] of its NC (w0 = 0 or 16 w).
     const int g = lane >> 2, t4 = lane & 3, lr = lane & 7, lm = lane >> 3;
@@ -470,9 +587,9 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     // ldmatrix lanes: K rows (cells) w0 + 16 np + lr + 8 (lm >> 1), 16-byte chunk (lm & 1) of
     // each k16 step; V rows w0 + 16 kk + lr + 8 (lm & 1), chunk (lm >> 1). The 128-byte swizzle
     // puts chunk c of row r at c ^ (r & 7) = c ^ lr. Quantized K/V: the warp's scratch, K then V.
-    unsigned char* my_scratch = scratch + (QUANT ? warp * KV_BYTES : 0);
-    const unsigned k_base = QUANT ? smem_u32(my_scratch) : smem_u32(ring);
-    const unsigned v_base = QUANT ? k_base : k_base + KV_BYTES;
+    unsigned char* my_scratch = scratch + (SCRATCH ? warp * KV_BYTES : 0);
+    const unsigned k_base = SCRATCH ? smem_u32(my_scratch) : smem_u32(ring);
+    const unsigned v_base = SCRATCH ? k_base : k_base + KV_BYTES;
     const unsigned k_lane = k_base + (w0 + lr + 8 * (lm >> 1)) * 128;
     const unsigned v_lane = v_base + (w0 + lr + 8 * (lm & 1)) * 128;
     const int k_x = (lm & 1) ^ lr, v_x = (lm >> 1) ^ lr;
@@ -503,8 +620,10 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 for (int ks = 0; ks < D / 16; ++ks)
 #pragma unroll
                     for (int hi = 0; hi < 2; ++hi) {
-                        const float2 x = ok ? __ldg(reinterpret_cast<const float2*>(qrow + ks * 16 + 8 * hi + 2 * t4))
-                                            : make_float2(0.0f, 0.0f);
+                        // the register path: K's dimension permuted (QuantPerm::k_val)
+                        int dim = ks * 16 + 8 * hi + 2 * t4;
+                        if constexpr (REG) dim = 32 * t4 + QuantPerm<KT>::k_val(ks, 2 * hi);
+                        const float2 x = ok ? __ldg(reinterpret_cast<const float2*>(qrow + dim)) : make_float2(0.0f, 0.0f);
                         Qf[ks][rs + 2 * hi] = KVTraits<T>::pack2(x.x * qs, x.y * qs);
                     }
             }
@@ -530,23 +649,33 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 
         const int te = min(wk.seg_end(), wk.cnt);
         // WHOLE: this warp's tiles of the segment are those whose place in the block's sequence
-        // (it + j - t) is warp modulo 4
-        const int j0 = WHOLE ? wk.t + ((warp - it) % CONSUMERS + CONSUMERS) % CONSUMERS : wk.t;
-        for (int j = j0; j < te; j += WHOLE ? CONSUMERS : 1) {
+        // (it + j - t) is warp modulo NW
+        const int j0 = WHOLE ? wk.t + ((warp - it) % NW + NW) % NW : wk.t;
+        for (int j = j0; j < te; j += WHOLE ? NW : 1) {
             const int itj = it + (j - wk.t);
             const int stage = itj % STAGES;
             const int e = tile_entry(p, wk.pair, j);
             const int c0 = (e & FATTN_TILE_ID_MASK) * BK + w0 + 2 * t4;   // this thread's first cell
             // WHOLE: the stage's previous tile (itj - STAGES) may be another warp's, whose fill
             // may not have landed yet: waiting on "full" now could pass on the parity of the
-            // phase before (a stale tile). Its release comes first (the one before that is this
-            // warp's own: STAGES is even), then the fill is this tile's.
-            if (WHOLE && itj >= STAGES) mbar_wait(empty + stage, ((itj / STAGES) & 1) ^ 1);
+            // phase before (a stale tile). Its release comes first. A parity wait on "empty" is
+            // as ambiguous unless the release before is known done: tile itj - TURNS * STAGES
+            // is this warp's own (released in program order), and the releases after it are
+            // waited for in order, each once the one before is done (one wait when 2 STAGES is
+            // a multiple of NW); then the fill is this tile's.
+            if constexpr (WHOLE) {
+#pragma unroll
+                for (int m = TURNS - 1; m >= 1; --m) {
+                    const int u = itj - m * STAGES;
+                    if (u >= 0) mbar_wait(empty + stage, (u / STAGES) & 1);
+                }
+            }
             mbar_wait(full + stage, (itj / STAGES) & 1);
             __syncwarp();   // lanes leave the spin apart; ldmatrix and mma are .aligned
             if (itj == 0) DTMA_MARK(1);
-            const unsigned kb = k_lane + (QUANT ? 0 : stage * STAGE_BYTES), vb = v_lane + (QUANT ? 0 : stage * STAGE_BYTES);
-            if constexpr (QUANT) {   // ---- step dequantize K
+            const unsigned kb = k_lane + (SCRATCH ? 0 : stage * STAGE_BYTES), vb = v_lane + (SCRATCH ? 0 : stage * STAGE_BYTES);
+            const unsigned char* raw = ring + stage * STAGE_BYTES;   // quantized K/V: the stage's raw K, then V
+            if constexpr (SCRATCH) {   // ---- step dequantize K
                 dequant_tile<KT, D>(ring + stage * STAGE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
             }
@@ -555,14 +684,24 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             float S[NC / 8][4];
 #pragma unroll
             for (int nt = 0; nt < NC / 8; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
+            if constexpr (REG) {   // cell 8 nt + g's block t4, straight from the raw box
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) {
+                for (int nt = 0; nt < NC / 8; ++nt) {
+                    unsigned b[D / 16][2];
+                    k_frags<KT, D>(raw, row_off + (8 * nt + g) * Tile<KT, D>::RB + t4 * KT::BYTES, b);
 #pragma unroll
-                for (int np = 0; np < NC / 16; ++np) {
-                    unsigned b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3, kb + np * 16 * 128 + (ks >> 2) * BOX_BYTES + (((ks & 3) * 2) ^ k_x) * 16);
-                    Mma<T>::run(S[2 * np], Qf[ks], b0, b1);
-                    Mma<T>::run(S[2 * np + 1], Qf[ks], b2, b3);
+                    for (int ks = 0; ks < D / 16; ++ks) Mma<T>::run(S[nt], Qf[ks], b[ks][0], b[ks][1]);
+                }
+            } else {
+#pragma unroll
+                for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+                    for (int np = 0; np < NC / 16; ++np) {
+                        unsigned b0, b1, b2, b3;
+                        ldmatrix_x4(b0, b1, b2, b3, kb + np * 16 * 128 + (ks >> 2) * BOX_BYTES + (((ks & 3) * 2) ^ k_x) * 16);
+                        Mma<T>::run(S[2 * np], Qf[ks], b0, b1);
+                        Mma<T>::run(S[2 * np + 1], Qf[ks], b2, b3);
+                    }
                 }
             }
 
@@ -620,7 +759,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 }
             }
 
-            if constexpr (QUANT) {   // ---- step dequantize V (over K: every lane's K fragments are read)
+            if constexpr (SCRATCH) {   // ---- step dequantize V (over K: every lane's K fragments are read)
                 __syncwarp();
                 dequant_tile<KT, D>(ring + stage * STAGE_BYTES + TILE_BYTES, row_off, my_scratch, lane);
                 __syncwarp();
@@ -630,11 +769,14 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             // ---- step zero the V rows of this warp's HIDDEN cells (no row sees them: NaN
             // garbage there must not meet a zero probability)
             bool zeroed = false;
-            if (e & FATTN_TILE_HIDDEN) {
+            unsigned long long hid_reg = 0;   // the register path: these cells' scales read as 0
+            if (REG && (e & FATTN_TILE_HIDDEN)) {
+                hid_reg = live_tiles(p, qt, s).hidden(p, j, h0, P);
+            } else if (e & FATTN_TILE_HIDDEN) {
                 const LiveTiles lt = live_tiles(p, qt, s);
                 const unsigned long long hid = (lt.hidden(p, j, h0, P) >> w0) & (NC == 64 ? ~0ull : (1ull << NC) - 1);
                 if (hid) {
-                    unsigned char* vs = (QUANT ? my_scratch : ring + stage * STAGE_BYTES + KV_BYTES) + w0 * 128;
+                    unsigned char* vs = (SCRATCH ? my_scratch : ring + stage * STAGE_BYTES + KV_BYTES) + w0 * 128;
 #pragma unroll
                     for (int i = lane; i < NC * BOXES * 8; i += 32) {   // (cell, box, 16-byte chunk)
                         const int c = i / (BOXES * 8), b = (i / 8) % BOXES, ch = i % 8;
@@ -654,26 +796,33 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
                 a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
                 a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+                if constexpr (REG) {   // the 16 cells' values of the lane's columns, from the raw box
+                    unsigned b[16][2];
+                    v_frags<KT>(raw + TILE_BYTES, row_off, Tile<KT, D>::RB, 16 * kk, g, t4, hid_reg, b);
 #pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    unsigned b0, b1, b2, b3;
-                    ldmatrix_x4_trans(b0, b1, b2, b3, vb + kk * 16 * 128 + (dp >> 2) * BOX_BYTES + (((dp & 3) * 2) ^ v_x) * 16);
-                    Mma<T>::run(O[2 * dp], a, b0, b1);
-                    Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+                    for (int nt = 0; nt < D / 8; ++nt) Mma<T>::run(O[nt], a, b[nt][0], b[nt][1]);
+                } else {
+#pragma unroll
+                    for (int dp = 0; dp < D / 16; ++dp) {
+                        unsigned b0, b1, b2, b3;
+                        ldmatrix_x4_trans(b0, b1, b2, b3, vb + kk * 16 * 128 + (dp >> 2) * BOX_BYTES + (((dp & 3) * 2) ^ v_x) * 16);
+                        Mma<T>::run(O[2 * dp], a, b0, b1);
+                        Mma<T>::run(O[2 * dp + 1], a, b2, b3);
+                    }
                 }
             }
-            // release the stage (generic-proxy writes ordered before the next TMA fill); quantized
-            // K/V released theirs after dequantizing V, and the scratch is free once every lane's
+            // release the stage (generic-proxy writes ordered before the next TMA fill); SCRATCH
+            // released theirs after dequantizing V, and the scratch is free once every lane's
             // V fragments are read
             if (!QUANT && zeroed) fence_proxy_async_shared();
             __syncwarp();
-            if (!QUANT && lane == 0) mbar_arrive(empty + stage);
+            if (!SCRATCH && lane == 0) mbar_arrive(empty + stage);
         }
 
         it += te - wk.t;
         DTMA_MARK(2);
 
-        // ---- step segment end: merge the four warps' states (rows g, g + 8 of each)
+        // ---- step segment end: merge the NW warps' states (rows g, g + 8 of each)
 #pragma unroll
         for (int rs = 0; rs < 2; ++rs) {
             l[rs] += __shfl_xor_sync(0xffffffffu, l[rs], 1);
@@ -683,40 +832,46 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 sML[(warp * ROWS + g + 8 * rs) * 2 + 1] = l[rs];
             }
         }
-        named_barrier_sync(1, 32 * CONSUMERS);
+        named_barrier_sync(1, 32 * NW);
         float f[2];
 #pragma unroll
         for (int rs = 0; rs < 2; ++rs) {
             float M = FATTN_NEG_INF;
 #pragma unroll
-            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + g + 8 * rs) * 2]);
+            for (int w = 0; w < NW; ++w) M = fmaxf(M, sML[(w * ROWS + g + 8 * rs) * 2]);
             f[rs] = m[rs] == FATTN_NEG_INF ? 0.0f : fast_exp2(m[rs] - M);
         }
 #pragma unroll
-        for (int w = 0; w < CONSUMERS; ++w) {   // one warp at a time adds its scaled O
+        for (int w = 0; w < NW; ++w) {   // one warp at a time adds its scaled O
             if (warp == w) {
 #pragma unroll
                 for (int rs = 0; rs < 2; ++rs)
 #pragma unroll
                     for (int i = 0; i < D / 8; ++i) {
-                        float2* o = reinterpret_cast<float2*>(sO + (g + 8 * rs) * D + 8 * i + 2 * t4);
-                        const float2 x = *o;
-                        *o = make_float2(x.x + f[rs] * O[i][2 * rs], x.y + f[rs] * O[i][2 * rs + 1]);
+                        if constexpr (REG) {   // columns 2 t4, 2 t4 + 1 of n-tile i: V's permuted dimensions
+                            float* o = sO + (g + 8 * rs) * D + 32 * t4;
+                            o[QuantPerm<KT>::v_val(i, 0)] += f[rs] * O[i][2 * rs];
+                            o[QuantPerm<KT>::v_val(i, 1)] += f[rs] * O[i][2 * rs + 1];
+                        } else {
+                            float2* o = reinterpret_cast<float2*>(sO + (g + 8 * rs) * D + 8 * i + 2 * t4);
+                            const float2 x = *o;
+                            *o = make_float2(x.x + f[rs] * O[i][2 * rs], x.y + f[rs] * O[i][2 * rs + 1]);
+                        }
                     }
             }
-            named_barrier_sync(1, 32 * CONSUMERS);
+            named_barrier_sync(1, 32 * NW);
         }
-        // write: thread -> row r = tid / 8, columns [cw * (tid % 8), + cw)
+        // write: the first 8 ROWS threads, thread -> row r = tid / 8, columns [cw * (tid % 8), + cw)
         const bool whole = wk.t == 0 && wk.seg_end() == wk.units();
         const int slot = 2 * blockIdx.x + (wk.w == b_start ? 0 : 1);   // the block's first group, or its last
         constexpr int CW = D / 8;
-        {
+        if (tid < 8 * ROWS) {
             const int r = tid >> 3, cb = (tid & 7) * CW;
             float M = FATTN_NEG_INF, L = 0.0f;
 #pragma unroll
-            for (int w = 0; w < CONSUMERS; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
+            for (int w = 0; w < NW; ++w) M = fmaxf(M, sML[(w * ROWS + r) * 2]);
 #pragma unroll
-            for (int w = 0; w < CONSUMERS; ++w) {
+            for (int w = 0; w < NW; ++w) {
                 const float mw = sML[(w * ROWS + r) * 2];
                 L += mw == FATTN_NEG_INF ? 0.0f : sML[(w * ROWS + r) * 2 + 1] * fast_exp2(mw - M);
             }
@@ -759,15 +914,15 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             };
             const int group = wk.pair * (p.n_head / P) + wk.hg;
             __threadfence();
-            named_barrier_sync(1, 32 * CONSUMERS);
+            named_barrier_sync(1, 32 * NW);
             if (tid == 0) {
                 const bool last = atomicAdd(p.split_cnt + group, 1) == n_part - 1;
                 if (last) p.split_cnt[group] = 0;   // for the next launch (no other block counts now)
                 *s_last = last;
             }
-            named_barrier_sync(1, 32 * CONSUMERS);
+            named_barrier_sync(1, 32 * NW);
             DTMA_MARK(4);
-            if (*s_last) {
+            if (*s_last && tid < 8 * ROWS) {   // warps 0 .. 3
                 __threadfence();
                 const int r = tid >> 3;
                 const int h = row_head(r);
@@ -777,23 +932,30 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             }
         }
         __syncwarp();   // (merge_parts' invalid rows returned early) bar.sync is .aligned
-        named_barrier_sync(1, 32 * CONSUMERS);   // sO, sML and the flag are free for the next segment
+        named_barrier_sync(1, 32 * NW);   // sO, sML and the flag are free for the next segment
     }
     DTMA_MARK(6);
 }
 
 // the configurations ggml_attn/decode_tma_shape.py names: K/V type as stored, head size, ring
-// depth, a warp per tile (WHOLE) or four warps per tile, blocks per SM the registers must allow
-// (one: with two, 168 registers, the warp-per-tile loop spills)
-#define FATTN_DECODE_TMA_INSTANCE(NAME, KT, D, STAGES, WHOLE, MINB)                                    \
-    extern "C" __global__ void __launch_bounds__(dtma::THREADS, MINB)                                  \
+// depth, a warp per tile (WHOLE) or four warps per tile, consumer warps, quantized K/V read in
+// registers (REG) or through scratch, blocks per SM the registers must allow (one: with two,
+// 168 registers, the warp-per-tile loop spills)
+#define FATTN_DECODE_TMA_INSTANCE(NAME, KT, D, STAGES, WHOLE, NW, REG, MINB)                           \
+    extern "C" __global__ void __launch_bounds__(32 * ((NW) + 1), MINB)                                \
     NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_decode_tma_body<KT, D, STAGES, WHOLE>(p, &mk, &mv);                                      \
+        fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG>(p, &mk, &mv);                             \
     }
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 1)
-// quantized K/V (8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB of scratch)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_d128, fattn_q8_0, 128, 8, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_d128, fattn_q4_0, 128, 12, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 4, false, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 4, false, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 4, false, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 4, false, 1)
+// quantized K/V through scratch (8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB
+// of scratch), and in registers: 7 consumer warps (8 warps in all: two per SM sub-partition,
+// whose registers allow 255 a thread; a ninth warp would cut them to 168), a ring of 11 x 18 KB
+// (q8_0) or 20 x 10 KB (q4_0); "r4": 4 warps, 8 stages
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_d128, fattn_q8_0, 128, 8, true, 4, false, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_d128, fattn_q4_0, 128, 12, true, 4, false, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_r7_d128, fattn_q8_0, 128, 11, true, 7, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_r7_d128, fattn_q4_0, 128, 20, true, 7, true, 1)
+FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_r4_d128, fattn_q8_0, 128, 8, true, 4, true, 1)

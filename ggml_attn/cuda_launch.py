@@ -286,11 +286,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                             rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
-        name, d, stages, kv_type = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
+        c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
+        name = c.name
         pack, tq = _group_rows(sh.gqa)
-        variant, smem = K.decode_tma_variant(), dt.smem_bytes(d, stages, kv_type)
+        variant, smem = K.decode_tma_variant(), dt.config_smem(c)
         n_q_tiles = -(-sh.n_batch // tq)
-        blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, dt.THREADS, smem)))
+        blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads, smem)))
         # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the
         # busy ones unevenly spread over the GPCs (132 blocks, 4 idle: B=64 32k 1877.6 us
         # against 1832.5 on 128; B=16 32k 476.4 against 466.1). A plan refreshed to more work
@@ -299,7 +300,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         cap, blocks = (0, blocks) if max_live is not None and counts is None else \
             decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
-                            dt.THREADS, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
+                            c.threads, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
     nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))

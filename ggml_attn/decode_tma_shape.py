@@ -16,30 +16,52 @@ first and its last group), and one counter per group.
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import numpy as np
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from .instances import pick
 
-THREADS = 160      # four consumer warps and the producer warp
+THREADS = 160      # four consumer warps and the producer warp (the f16/bf16 instances)
 ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
 BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
-# instances (FATTN_DECODE_TMA_INSTANCE in cuda/fattn_decode_tma.cu): kernel, head size, ring
-# stages, K/V type. The op runs FOR_TYPE's (a warp per tile, 6 stages); the others are A/B rows
-# of tools/dev/gpu_bench.py ("split-s4": four warps on every tile, 16 cells each). On the H200 the
-# three were within 1% of each other from B=64 4k on (where auto runs the kernel); below, "s4"
-# was 1-3% faster than "s6" and "split-s4" mixed (bench/results/2026-12-01-2783807.json).
+
+
+class Cfg(NamedTuple):
+    """One FATTN_DECODE_TMA_INSTANCE: kernel, head size, ring stages, K/V type as stored,
+    consumer warps, and (q8_0/q4_0) whether the blocks are dequantized through a scratch tile
+    per warp (else the MMAs' fragments are built from the raw box in registers)."""
+    name: str
+    d: int
+    stages: int
+    kv_type: int
+    consumers: int = CONSUMERS
+    scratch: bool = False
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.consumers + 1)
+
+
+# The op runs FOR_TYPE's (a warp per tile); the others are A/B rows of tools/dev/gpu_bench.py
+# ("split-s4": four warps on every tile, 16 cells each). On the H200 the three f16 ones were
+# within 1% of each other from B=64 4k on (where auto runs the kernel); below, "s4" was 1-3%
+# faster than "s6" and "split-s4" mixed (bench/results/2026-12-01-2783807.json).
 CONFIGS = {
-    "s6": ("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
-    "s6-bf16": ("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
-    "s4": ("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
-    "split-s4": ("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
-    # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box), dequantized by the consumer
-    # warp into an f16 scratch tile; the smaller tiles leave room for a deeper ring
-    "q8_0": ("fattn_decode_tma_q8_0_d128", 128, 8, GGML_TYPE_Q8_0),
-    "q4_0": ("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0),
+    "s6": Cfg("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
+    "s6-bf16": Cfg("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
+    "s4": Cfg("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
+    "split-s4": Cfg("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
+    # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box). Through scratch: the consumer
+    # warp dequantizes it into an f16 tile laid out as the f16 ring's (4 warps); in registers:
+    # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring
+    "q8_0-scratch": Cfg("fattn_decode_tma_q8_0_d128", 128, 8, GGML_TYPE_Q8_0, scratch=True),
+    "q4_0-scratch": Cfg("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0, scratch=True),
+    "q8_0": Cfg("fattn_decode_tma_q8_0_r7_d128", 128, 11, GGML_TYPE_Q8_0, consumers=7),
+    "q4_0": Cfg("fattn_decode_tma_q4_0_r7_d128", 128, 20, GGML_TYPE_Q4_0, consumers=7),
+    "q8_0-r4": Cfg("fattn_decode_tma_q8_0_r4_d128", 128, 8, GGML_TYPE_Q8_0),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above
@@ -103,13 +125,19 @@ def quant_kv_map(t, l2_promotion: int = 0):
                             (rb, 64, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
 
 
-def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16) -> int:
-    """dtma::smem_bytes<KT, D, STAGES>() of cuda/fattn_decode_tma.cu: alignment slack, the K/V
-    ring, the consumers' f16 scratch tiles (quantized K/V), the merge buffer, the warps' row
-    maxima and sums, the ring's barriers, the flag."""
-    scratch = CONSUMERS * (d // 64) * BOX_BYTES if kv_type in QUANT_TYPES else 0
-    return 1024 + stages * 2 * tile_bytes(kv_type, d) + scratch + ROWS * d * 4 + CONSUMERS * ROWS * 2 * 4 \
+def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16, consumers: int = CONSUMERS,
+               scratch: bool = False) -> int:
+    """dtma::smem_bytes<KT, D, STAGES, NW, SCRATCH>() of cuda/fattn_decode_tma.cu: alignment
+    slack, the K/V ring, the consumers' f16 scratch tiles (quantized K/V through scratch), the
+    merge buffer, the warps' row maxima and sums, the ring's barriers, the flag."""
+    s = consumers * (d // 64) * BOX_BYTES if scratch else 0
+    return 1024 + stages * 2 * tile_bytes(kv_type, d) + s + ROWS * d * 4 + consumers * ROWS * 2 * 4 \
         + 2 * stages * 8 + 16
+
+
+def config_smem(c: Cfg) -> int:
+    """smem_bytes of instance ``c``."""
+    return smem_bytes(c.d, c.stages, c.kv_type, c.consumers, c.scratch)
 
 
 def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:

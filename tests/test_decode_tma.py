@@ -218,8 +218,31 @@ def test_block_ranges_split_right_under_any_cap(seed):
 
 
 def test_every_instance_fits_shared_memory():
-    for name, d, stages, kv_type in dt.CONFIGS.values():
-        assert dt.smem_bytes(d, stages, kv_type) <= 227 * 1024, name
+    for c in dt.CONFIGS.values():
+        assert dt.config_smem(c) <= 227 * 1024, c.name
+
+
+def test_configs_mirror_the_instances():
+    """Each CONFIGS entry names a FATTN_DECODE_TMA_INSTANCE of cuda/fattn_decode_tma.cu with its
+    head size, ring depth, consumer warps and K/V path (registers unless through scratch), and
+    every instance has an entry."""
+    import re
+    from pathlib import Path
+
+    from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
+    inst = {m[1]: m.groups()[1:] for m in re.finditer(
+        r"^FATTN_DECODE_TMA_INSTANCE\((\w+), (\w+), (\d+), (\d+), (true|false), (\d+), (true|false), \d+\)", src, re.M)}
+    ctype = {GGML_TYPE_F16: "__half", GGML_TYPE_BF16: "__nv_bfloat16", GGML_TYPE_Q8_0: "fattn_q8_0",
+             GGML_TYPE_Q4_0: "fattn_q4_0"}
+    assert sorted(inst) == sorted(c.name for c in dt.CONFIGS.values())
+    for c in dt.CONFIGS.values():
+        kt, d, stages, whole, nw, reg = inst[c.name]
+        quant = c.kv_type in dt.QUANT_TYPES
+        assert (kt, int(d), int(stages), int(nw)) == (ctype[c.kv_type], c.d, c.stages, c.consumers), c.name
+        assert (reg == "true") == (quant and not c.scratch), c.name
+        assert whole == "true" or c.consumers == dt.CONSUMERS, c.name
+        assert c.threads == 32 * (c.consumers + 1)
 
 
 # ---- the kernel's work split, mirrored: block b takes units [b W / B, (b + 1) W / B) of the

@@ -14,6 +14,7 @@ import ggml_attn.conformance as conf
 from ggml_attn import cuda_backend as cb
 from ggml_attn import kernels as K
 from ggml_attn import reference
+from ggml_attn import decode_tma_shape as dt
 from ggml_attn.decode_tma_shape import quant_why_not
 from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 from ggml_attn.quant import dequantize_rows, quantize
@@ -156,18 +157,26 @@ def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128):
     return q, views, deq, keep
 
 
+# every quantized decode-tma instance of a type: "" (the op's, FOR_TYPE) and the A/B rows
+QUANT_CONFIGS = [(t, c) for t, name in ((GGML_TYPE_Q8_0, "q8_0"), (GGML_TYPE_Q4_0, "q4_0"))
+                 for c in ("", *(k for k, v in dt.CONFIGS.items() if v.kv_type == t and k != dt.FOR_TYPE[t]))]
+QUANT_CONFIG_IDS = [f"{'q8_0' if t == GGML_TYPE_Q8_0 else 'q4_0'}-{c or 'default'}" for t, c in QUANT_CONFIGS]
+
+
 @pytest.mark.skipif(not _is_sm90(), reason="sm_90a decode: compute capability 9.0")
-@pytest.mark.parametrize("kv_type", GPU_QUANT, ids=["q8_0", "q4_0"])
+@pytest.mark.parametrize("kv_type, config", QUANT_CONFIGS, ids=QUANT_CONFIG_IDS)
 @pytest.mark.parametrize("n_batch, n_kv, masked, blocks", [
     (1, 5000, True, 0), (1, 5000, True, 3), (4, 4097, True, 0), (2, 70, False, 0), (1, 33000, False, 0),
-    (1, 33000, False, 5)])
-def test_decode_tma_reads_the_blocks(kv_type, n_batch, n_kv, masked, blocks, monkeypatch):
-    """decode-tma on a cache view of q8_0/q4_0 rows (heads packed in a cell's row, rows 16 bytes
-    wider than their blocks): whole masked tiles, holes, the n_kv tail, a few blocks taking parts
-    of many groups; through a plan and without; against float64 on the dequantized values."""
+    (1, 33000, False, 5), (16, 2000, True, 0)])
+def test_decode_tma_reads_the_blocks(kv_type, config, n_batch, n_kv, masked, blocks, monkeypatch):
+    """decode-tma (each instance of the type) on a cache view of q8_0/q4_0 rows (heads packed in
+    a cell's row, rows 16 bytes wider than their blocks): whole masked tiles, holes, the n_kv
+    tail, a few blocks taking parts of many groups, 16 tokens; through a plan and without;
+    against float64 on the dequantized values."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", blocks)
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", config)
     cb._PREPARED.clear()
     rng = np.random.default_rng(n_kv + kv_type + blocks)
     n_head, n_head_kv = 32, 8
@@ -194,6 +203,43 @@ def test_decode_tma_reads_the_blocks(kv_type, n_batch, n_kv, masked, blocks, mon
             out = dst.get()
             err = reference.nmse(out, exact)
             assert np.isfinite(out).all() and err <= NMSE_MAX, (kernel, plan is not None, err)
+    cb._PREPARED.clear()
+    del keep
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="sm_90a decode: compute capability 9.0")
+@pytest.mark.parametrize("kv_type, config", QUANT_CONFIGS, ids=QUANT_CONFIG_IDS)
+def test_decode_tma_hidden_blocks_may_hold_nan(kv_type, config, monkeypatch):
+    """Cells no row sees (a cache's unused cells: -inf for every row, inside a tile that has
+    visible cells) whose blocks hold a NaN scale and garbage quants in K and V: through a plan
+    (its HIDDEN tiles) the output is finite and right."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", config)
+    cb._PREPARED.clear()
+    rng = np.random.default_rng(7 + kv_type)
+    n_batch, n_kv, n_head, n_head_kv, d = 2, 3000, 32, 8, 128
+    q, (kd, vd), deq, keep = _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad=16)
+    hidden = np.r_[100:128, 700:705, 2990:3000]   # parts of tiles 1, 10 and 46 (the tail)
+    m = np.zeros((1, 1, n_batch, n_kv), np.float32)
+    m[..., hidden] = -np.inf
+    mask = m.astype(np.float16)
+    exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
+    blk = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}[kv_type]
+    for dev in keep:                                 # NaN scales, 0xFF quants, every head
+        rows = dev[hidden, :n_head_kv * d // 32 * blk].reshape(len(hidden), -1, blk)
+        rows[...] = 0xFF
+        rows[..., 0], rows[..., 1] = 0x00, 0x7E      # f16 NaN
+        dev[hidden, :n_head_kv * d // 32 * blk] = rows.reshape(len(hidden), -1)
+    dq, dm = cp.asarray(q), cp.asarray(mask)
+    tm = from_array(dm)
+    plan = cb.make_plan(tm, n_batch, n_head, n_head_kv, kv_type=kv_type)
+    dst = cp.full((1, n_batch, n_head, d), cp.nan, dtype=cp.float32)
+    call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel="decode-tma", plan=plan)
+    call.launch()
+    out = dst.get()
+    err = reference.nmse(out, exact)
+    assert np.isfinite(out).all() and err <= NMSE_MAX, err
     cb._PREPARED.clear()
     del keep
 
