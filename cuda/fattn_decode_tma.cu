@@ -14,8 +14,9 @@
 // Block: a producer warp and four consumer warps, no block-wide barrier in the loop.
 //   - step produce: lane 0 of the producer walks the block's units and issues, per tile, TMA
 //     copies of its K and V rows (the 128-byte swizzled 64 x 64 boxes of ggml_attn/wgmma_shape.py's
-//     kv_map; the n_kv tail reads zeros) into a ring of STAGES stages, each with a "full"
-//     mbarrier (transaction bytes) and an "empty" one (one arrival per consumer warp that reads it).
+//     kv_map; the n_kv tail reads zeros) into a ring of STAGES stages, each with an "empty"
+//     mbarrier (one arrival per consumer warp that reads it); the fill signals a "full" one
+//     (transaction bytes): the stage's, or with a warp per tile the warp's own (FULLS).
 //   - step process tile: consumer warp w takes every 4th tile of the block's sequence whole
 //     (WHOLE; or, the "split" instance, the cells [16 w, 16 w + 16) of every tile: a quarter of
 //     the MMAs per warp in two dependent chains, latency-bound -- 2.6 TB/s at B=1 32k) with
@@ -45,7 +46,6 @@
 #endif
 
 namespace dtma {
-constexpr int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
 constexpr int BK = FATTN_KV_TILE;       // cells per tile (the plan's tiles)
 constexpr int CONSUMERS = 4;            // warps of the f16/bf16 instances: each takes every 4th tile (WHOLE) or 16 cells of every tile
 constexpr int THREADS = 32 * (CONSUMERS + 1);
@@ -80,11 +80,11 @@ template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
 // Dynamic shared memory of an instance of NW consumer warps: 1024-byte alignment slack, the
 // ring (K tile then V tile per stage), the consumers' f16 scratch tiles (quantized K/V read
 // through scratch), the merge buffer (ROWS x D floats), the warps' row maxima and sums, the
-// ring's barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
-template <typename KT, int D, int STAGES, int NW, bool SCRATCH>
+// ring's fill barriers (FULLS in the body) and release barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
+template <typename KT, int D, int STAGES, int NW, bool SCRATCH, bool WHOLE>
 __host__ __device__ constexpr int smem_bytes() {
     return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (SCRATCH ? NW * (D / 64) * BOX_BYTES : 0) +
-           ROWS * D * 4 + NW * ROWS * 2 * 4 + 2 * STAGES * 8 + 16;
+           ROWS * D * 4 + NW * ROWS * 2 * 4 + ((WHOLE ? NW * ((STAGES + NW - 1) / NW) : STAGES) + STAGES) * 8 + 16;
 }
 
 // ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
@@ -525,20 +525,30 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     static_assert(!QUANT || WHOLE, "quantized K/V: a warp per tile (its own scratch or registers)");
     static_assert(!REG || (QUANT && D == 128), "the register path: q8_0/q4_0 at D 128");
     static_assert(WHOLE || NW == CONSUMERS, "four warps per tile take 16 cells each");
-    constexpr int TURNS = NW / gcd_int(NW, STAGES);   // ring turns until a stage's tile is the same warp's again
+    // The fill barriers. Four warps on every tile: one per stage. A warp per tile: tile i of the
+    // block's sequence (warp i % NW's (i / NW)-th) lands in stage i % STAGES but signals the warp's
+    // own barrier (i / NW) % WAITS of WAITS = ceil(STAGES / NW): a parity wait is right only
+    // when its barrier is less than two phases from the tile's, and a stage's barrier could be
+    // (another warp's earlier tile there not landed yet, or landed and taken). The warp's own
+    // barrier: its previous phase is the warp's own earlier tile, taken; its next fill cannot
+    // come before this tile is released (the producer runs at most STAGES tiles ahead of the
+    // oldest tile not yet released, and WAITS x NW >= STAGES).
+    constexpr int WAITS = (STAGES + NW - 1) / NW;
+    constexpr int FULLS = WHOLE ? NW * WAITS : STAGES;
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [NW][KV_BYTES] (SCRATCH)
     float* sO = reinterpret_cast<float*>(scratch + (SCRATCH ? NW * KV_BYTES : 0));   // [ROWS][D]
     float* sML = sO + ROWS * D;                                          // [NW][ROWS][2]
-    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + NW * ROWS * 2);
-    unsigned long long* empty = full + STAGES;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + NW * ROWS * 2);   // [FULLS]
+    unsigned long long* empty = full + FULLS;
     int* s_last = reinterpret_cast<int*>(empty + STAGES);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     if (tid == 0) {
-        for (int i = 0; i < STAGES; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, WHOLE ? 1 : NW); }
+        for (int i = 0; i < FULLS; ++i) mbar_init(full + i, 1);
+        for (int i = 0; i < STAGES; ++i) mbar_init(empty + i, WHOLE ? 1 : NW);
         fence_mbar_init();
     }
     for (int i = tid; i < ROWS * D; i += NTHREADS) sO[i] = 0.0f;
@@ -562,16 +572,17 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 if (it >= STAGES) mbar_wait(empty + stage, ((it / STAGES) & 1) ^ 1);
                 const int kv0 = (tile_entry(p, wk.pair, j) & FATTN_TILE_ID_MASK) * BK;
                 unsigned char* dst = ring + stage * STAGE_BYTES;
-                mbar_arrive_expect_tx(full + stage, STAGE_BYTES);
+                unsigned long long* fb = WHOLE ? full + (it % NW) * WAITS + (it / NW) % WAITS : full + stage;
+                mbar_arrive_expect_tx(fb, STAGE_BYTES);
                 if constexpr (QUANT) {   // maps over (bytes of a cell's heads, cells, 1, streams)
                     const int x = (hk * Tile<KT, D>::ROW) & ~15;
-                    tma_load_4d(dst, mk, x, kv0, 0, s, full + stage);
-                    tma_load_4d(dst + TILE_BYTES, mv, x, kv0, 0, s, full + stage);
+                    tma_load_4d(dst, mk, x, kv0, 0, s, fb);
+                    tma_load_4d(dst + TILE_BYTES, mv, x, kv0, 0, s, fb);
                 } else {
 #pragma unroll
                     for (int b = 0; b < BOXES; ++b) {
-                        tma_load_4d(dst + b * BOX_BYTES, mk, 64 * b, kv0, hk, s, full + stage);
-                        tma_load_4d(dst + KV_BYTES + b * BOX_BYTES, mv, 64 * b, kv0, hk, s, full + stage);
+                        tma_load_4d(dst + b * BOX_BYTES, mk, 64 * b, kv0, hk, s, fb);
+                        tma_load_4d(dst + KV_BYTES + b * BOX_BYTES, mv, 64 * b, kv0, hk, s, fb);
                     }
                 }
             }
@@ -656,21 +667,13 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             const int stage = itj % STAGES;
             const int e = tile_entry(p, wk.pair, j);
             const int c0 = (e & FATTN_TILE_ID_MASK) * BK + w0 + 2 * t4;   // this thread's first cell
-            // WHOLE: the stage's previous tile (itj - STAGES) may be another warp's, whose fill
-            // may not have landed yet: waiting on "full" now could pass on the parity of the
-            // phase before (a stale tile). Its release comes first. A parity wait on "empty" is
-            // as ambiguous unless the release before is known done: tile itj - TURNS * STAGES
-            // is this warp's own (released in program order), and the releases after it are
-            // waited for in order, each once the one before is done (one wait when 2 STAGES is
-            // a multiple of NW); then the fill is this tile's.
+            // the tile's fill (WHOLE: the warp's own barrier, see FULLS)
             if constexpr (WHOLE) {
-#pragma unroll
-                for (int m = TURNS - 1; m >= 1; --m) {
-                    const int u = itj - m * STAGES;
-                    if (u >= 0) mbar_wait(empty + stage, (u / STAGES) & 1);
-                }
+                const int r = itj / NW;
+                mbar_wait(full + warp * WAITS + r % WAITS, (r / WAITS) & 1);
+            } else {
+                mbar_wait(full + stage, (itj / STAGES) & 1);
             }
-            mbar_wait(full + stage, (itj / STAGES) & 1);
             __syncwarp();   // lanes leave the spin apart; ldmatrix and mma are .aligned
             if (itj == 0) DTMA_MARK(1);
             const unsigned kb = k_lane + (SCRATCH ? 0 : stage * STAGE_BYTES), vb = v_lane + (SCRATCH ? 0 : stage * STAGE_BYTES);

@@ -39,6 +39,7 @@ class Cfg(NamedTuple):
     kv_type: int
     consumers: int = CONSUMERS
     scratch: bool = False
+    whole: bool = True    # a warp per tile; False: the four warps on every tile, 16 cells each
 
     @property
     def threads(self) -> int:
@@ -53,7 +54,7 @@ CONFIGS = {
     "s6": Cfg("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
     "s6-bf16": Cfg("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
     "s4": Cfg("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
-    "split-s4": Cfg("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16),
+    "split-s4": Cfg("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16, whole=False),
     # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box). Through scratch: the consumer
     # warp dequantizes it into an f16 tile laid out as the f16 ring's (4 warps); in registers:
     # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring
@@ -126,18 +127,21 @@ def quant_kv_map(t, l2_promotion: int = 0):
 
 
 def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16, consumers: int = CONSUMERS,
-               scratch: bool = False) -> int:
-    """dtma::smem_bytes<KT, D, STAGES, NW, SCRATCH>() of cuda/fattn_decode_tma.cu: alignment
-    slack, the K/V ring, the consumers' f16 scratch tiles (quantized K/V through scratch), the
-    merge buffer, the warps' row maxima and sums, the ring's barriers, the flag."""
+               scratch: bool = False, whole: bool = True) -> int:
+    """dtma::smem_bytes<KT, D, STAGES, NW, SCRATCH, WHOLE>() of cuda/fattn_decode_tma.cu:
+    alignment slack, the K/V ring, the consumers' f16 scratch tiles (quantized K/V through
+    scratch), the merge buffer, the warps' row maxima and sums, the fill barriers (a warp per
+    tile: ceil(stages / consumers) per warp; else one per stage) and the release barriers, the
+    flag."""
     s = consumers * (d // 64) * BOX_BYTES if scratch else 0
+    fulls = consumers * -(-stages // consumers) if whole else stages
     return 1024 + stages * 2 * tile_bytes(kv_type, d) + s + ROWS * d * 4 + consumers * ROWS * 2 * 4 \
-        + 2 * stages * 8 + 16
+        + (fulls + stages) * 8 + 16
 
 
 def config_smem(c: Cfg) -> int:
     """smem_bytes of instance ``c``."""
-    return smem_bytes(c.d, c.stages, c.kv_type, c.consumers, c.scratch)
+    return smem_bytes(c.d, c.stages, c.kv_type, c.consumers, c.scratch, c.whole)
 
 
 def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:

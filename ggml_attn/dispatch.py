@@ -159,8 +159,9 @@ def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
 def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
     """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot.
     q8_0 / q4_0 K/V: the CUDA-core decode kernel (blocks dequantized in registers) and the sm_90a
-    decode at D 128 (tiles dequantized into shared memory; decode_tma_why_not has its other rules)
-    read the blocks; every other kernel runs on f16 copies (QUANT_READERS), at its f16 head sizes."""
+    decode at D 128 (MMA fragments built from each tile's raw blocks in registers;
+    decode_tma_why_not has its other rules) read the blocks; every other kernel runs on f16
+    copies (QUANT_READERS), at its f16 head sizes."""
     if kernel == "reference":
         return None
     name = type_name(kv_type)
@@ -200,7 +201,7 @@ def _quant_direct(f: "CallFacts") -> "Choice | None":
         return None
     if decode_tma_why_not(f) is None:
         return Choice("decode-tma", f"{name} K/V, n_batch {f.n_batch} <= decode limit: the sm_90a decode "
-                                    f"dequantizes each tile into shared memory")
+                                    f"dequantizes each tile's blocks into its MMA fragments")
     why = supports("decode", f.d_k, f.d_v, f.kv_type)
     if why is None:
         return Choice("decode", f"{name} K/V, n_batch {f.n_batch}: the CUDA-core kernel dequantizes the blocks "

@@ -195,7 +195,7 @@ def test_decode_tma_reads_the_blocks(kv_type, config, n_batch, n_kv, masked, blo
     tm = from_array(dm) if masked else None
     plans = [None] + ([cb.make_plan(tm, n_batch, n_head, n_head_kv, kv_type=kv_type)] if masked else [])
     for plan in plans:
-        for kernel in ("auto", "decode-tma"):
+        for kernel in ("auto", "decode-tma") if n_batch <= 4 else ("decode-tma",):   # 16 tokens: auto's prefill
             dst = cp.full((1, n_batch, n_head, 128), cp.nan, dtype=cp.float32)
             call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel=kernel, plan=plan)
             assert call.kern == "decode-tma", (kernel, call.kern)
