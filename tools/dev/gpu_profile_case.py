@@ -9,6 +9,8 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode-tma  one token, 4096 then 32768 KV cells through the sm_90a decode (kernel "decode-tma")
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
+  decode-quant  one token, 32768 q8_0 KV cells (a cache view) through the sm_90a decode: its
+           default instance, then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys)
 
 Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -22,7 +24,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
-CASES = ("masked", "decode", "window", "wgmma", "decode-tma")
+CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant")
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -51,11 +53,32 @@ def wgmma_fn(config: str):
     return lambda: hopper_prefill.run_ws(o.dq, dk, dv, o.dd, SCALE, o.stream, config=config)
 
 
+def quant_fns(configs) -> list:
+    """decode-quant's calls: B=1, 32768 q8_0 cells, one per instance ("" the default)."""
+    import cupy as cp
+
+    from ggml_attn import cuda_backend as cb
+    from ggml_attn.tensor import from_array
+    from gpu_quant_kv_bench import D, H, cache_kv
+    from gpu_timing import knobs
+    (_, kd), (_, vd) = cache_kv(1, 32768, "q8_0", 1), cache_kv(1, 32768, "q8_0", 2)
+    q, dst = cp.ones((1, H, 1, D), cp.float32), cp.empty((1, 1, H, D), cp.float32)
+    def fn(c, keep=(kd, vd, q, dst)):
+        with knobs(DECODE_TMA_CONFIG=c):
+            cb.bind(from_array(q), kd, vd, None, None, from_array(dst), 1.0 / np.sqrt(D), kernel="decode-tma").launch()
+    return [lambda c=c: fn(c) for c in ("", *configs)]
+
+
 def main(argv=None):
     import os
 
     import torch
     for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
+        if case == "decode-quant":
+            for f in quant_fns([c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",") if c]):
+                f()
+                f()
+            continue
         if case == "wgmma":
             from ggml_attn.wgmma_shape import WS_DEFAULT
             f = wgmma_fn(os.environ.get("WGMMA_CONFIG", WS_DEFAULT))
