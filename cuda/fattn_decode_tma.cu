@@ -79,12 +79,12 @@ template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
 
 // Dynamic shared memory of an instance of NW consumer warps: 1024-byte alignment slack, the
 // ring (K tile then V tile per stage), the consumers' f16 scratch tiles (quantized K/V read
-// through scratch), the merge buffer (ROWS x D floats), the warps' row maxima and sums, the
+// through scratch), the merge buffer (ROWS x (D + 4) floats), the warps' row maxima and sums, the
 // ring's fill barriers (FULLS in the body) and release barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
 template <typename KT, int D, int STAGES, int NW, bool SCRATCH, bool WHOLE>
 __host__ __device__ constexpr int smem_bytes() {
     return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (SCRATCH ? NW * (D / 64) * BOX_BYTES : 0) +
-           ROWS * D * 4 + NW * ROWS * 2 * 4 + ((WHOLE ? NW * ((STAGES + NW - 1) / NW) : STAGES) + STAGES) * 8 + 16;
+           ROWS * (D + 4) * 4 + NW * ROWS * 2 * 4 + ((WHOLE ? NW * ((STAGES + NW - 1) / NW) : STAGES) + STAGES) * 8 + 16;
 }
 
 // ---- step dequantize (q8_0/q4_0): one tile's raw box (cells 0..63, head rows at c * RB + off) -> the
@@ -534,13 +534,18 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     // come before this tile is released (the producer runs at most STAGES tiles ahead of the
     // oldest tile not yet released, and WAITS x NW >= STAGES).
     constexpr int WAITS = (STAGES + NW - 1) / NW;
+    // The merge buffer: rows of SO_LD = D + 4 floats (4 banks apart); column c at so_col(c): the
+    // register path's lanes add columns 32 t4 + v (the same bank for every t4 and row in a
+    // plain layout), skewed by t4 = c / 32 into 32 distinct banks.
+    constexpr int SO_LD = D + 4;
+    auto so_col = [](int c) { return REG ? c + (c >> 5) : c; };
     constexpr int FULLS = WHOLE ? NW * WAITS : STAGES;
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
     unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [NW][KV_BYTES] (SCRATCH)
-    float* sO = reinterpret_cast<float*>(scratch + (SCRATCH ? NW * KV_BYTES : 0));   // [ROWS][D]
-    float* sML = sO + ROWS * D;                                          // [NW][ROWS][2]
+    float* sO = reinterpret_cast<float*>(scratch + (SCRATCH ? NW * KV_BYTES : 0));   // [ROWS][SO_LD]
+    float* sML = sO + ROWS * SO_LD;                                      // [NW][ROWS][2]
     unsigned long long* full = reinterpret_cast<unsigned long long*>(sML + NW * ROWS * 2);   // [FULLS]
     unsigned long long* empty = full + FULLS;
     int* s_last = reinterpret_cast<int*>(empty + STAGES);
@@ -551,7 +556,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         for (int i = 0; i < STAGES; ++i) mbar_init(empty + i, WHOLE ? 1 : NW);
         fence_mbar_init();
     }
-    for (int i = tid; i < ROWS * D; i += NTHREADS) sO[i] = 0.0f;
+    for (int i = tid; i < ROWS * SO_LD; i += NTHREADS) sO[i] = 0.0f;
     __syncthreads();
     DTMA_MARK(0);
 
@@ -687,13 +692,18 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
             float S[NC / 8][4];
 #pragma unroll
             for (int nt = 0; nt < NC / 8; ++nt) S[nt][0] = S[nt][1] = S[nt][2] = S[nt][3] = 0.0f;
-            if constexpr (REG) {   // cell 8 nt + g's block t4, straight from the raw box
+            if constexpr (REG) {   // cell 8 nt + g's block t4, straight from the raw box; two n-tiles
+                                   // at a time, their MMA chains interleaved
 #pragma unroll
-                for (int nt = 0; nt < NC / 8; ++nt) {
-                    unsigned b[D / 16][2];
-                    k_frags<KT, D>(raw, row_off + (8 * nt + g) * Tile<KT, D>::RB + t4 * KT::BYTES, b);
+                for (int nt = 0; nt < NC / 8; nt += 2) {
+                    unsigned b[2][D / 16][2];
 #pragma unroll
-                    for (int ks = 0; ks < D / 16; ++ks) Mma<T>::run(S[nt], Qf[ks], b[ks][0], b[ks][1]);
+                    for (int u = 0; u < 2; ++u)
+                        k_frags<KT, D>(raw, row_off + (8 * (nt + u) + g) * Tile<KT, D>::RB + t4 * KT::BYTES, b[u]);
+#pragma unroll
+                    for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u) Mma<T>::run(S[nt + u], Qf[ks], b[u][ks][0], b[u][ks][1]);
                 }
             } else {
 #pragma unroll
@@ -848,19 +858,21 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         for (int w = 0; w < NW; ++w) {   // one warp at a time adds its scaled O
             if (warp == w) {
 #pragma unroll
-                for (int rs = 0; rs < 2; ++rs)
+                for (int rs = 0; rs < 2; ++rs) {
+                    if (!row_valid(g + 8 * rs)) continue;   // (B = 1: rows 4 .. 15; the write skips them too)
 #pragma unroll
                     for (int i = 0; i < D / 8; ++i) {
                         if constexpr (REG) {   // columns 2 t4, 2 t4 + 1 of n-tile i: V's permuted dimensions
-                            float* o = sO + (g + 8 * rs) * D + 32 * t4;
-                            o[QuantPerm<KT>::v_val(i, 0)] += f[rs] * O[i][2 * rs];
-                            o[QuantPerm<KT>::v_val(i, 1)] += f[rs] * O[i][2 * rs + 1];
+                            float* o = sO + (g + 8 * rs) * SO_LD;
+                            o[so_col(32 * t4 + QuantPerm<KT>::v_val(i, 0))] += f[rs] * O[i][2 * rs];
+                            o[so_col(32 * t4 + QuantPerm<KT>::v_val(i, 1))] += f[rs] * O[i][2 * rs + 1];
                         } else {
-                            float2* o = reinterpret_cast<float2*>(sO + (g + 8 * rs) * D + 8 * i + 2 * t4);
+                            float2* o = reinterpret_cast<float2*>(sO + (g + 8 * rs) * SO_LD + 8 * i + 2 * t4);
                             const float2 x = *o;
                             *o = make_float2(x.x + f[rs] * O[i][2 * rs], x.y + f[rs] * O[i][2 * rs + 1]);
                         }
                     }
+                }
             }
             named_barrier_sync(1, 32 * NW);
         }
@@ -885,7 +897,10 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 float* out = whole ? p.dst + row * D : p.ws_o + ((long long)slot * ROWS + r) * D;
 #pragma unroll
                 for (int c = 0; c < CW; c += 4) {
-                    const float4 x = *reinterpret_cast<const float4*>(sO + r * D + cb + c);
+                    const float* o = sO + r * SO_LD;
+                    const float4 x = REG ? make_float4(o[so_col(cb + c)], o[so_col(cb + c + 1)], o[so_col(cb + c + 2)],
+                                                       o[so_col(cb + c + 3)])
+                                         : *reinterpret_cast<const float4*>(o + cb + c);
                     *reinterpret_cast<float4*>(out + cb + c) = make_float4(x.x * fac, x.y * fac, x.z * fac, x.w * fac);
                 }
                 if (!whole && (tid & 7) == 0) {
@@ -894,7 +909,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 }
             }
 #pragma unroll
-            for (int c = 0; c < CW; c += 4) *reinterpret_cast<float4*>(sO + r * D + cb + c) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int c = 0; c < CW; ++c) sO[r * SO_LD + so_col(cb + c)] = 0.0f;
         }
 
         DTMA_MARK(3);

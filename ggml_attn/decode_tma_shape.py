@@ -130,12 +130,12 @@ def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16, consumers: int
                scratch: bool = False, whole: bool = True) -> int:
     """dtma::smem_bytes<KT, D, STAGES, NW, SCRATCH, WHOLE>() of cuda/fattn_decode_tma.cu:
     alignment slack, the K/V ring, the consumers' f16 scratch tiles (quantized K/V through
-    scratch), the merge buffer, the warps' row maxima and sums, the fill barriers (a warp per
+    scratch), the merge buffer (rows of d + 4 floats), the warps' row maxima and sums, the fill barriers (a warp per
     tile: ceil(stages / consumers) per warp; else one per stage) and the release barriers, the
     flag."""
     s = consumers * (d // 64) * BOX_BYTES if scratch else 0
     fulls = consumers * -(-stages // consumers) if whole else stages
-    return 1024 + stages * 2 * tile_bytes(kv_type, d) + s + ROWS * d * 4 + consumers * ROWS * 2 * 4 \
+    return 1024 + stages * 2 * tile_bytes(kv_type, d) + s + ROWS * (d + 4) * 4 + consumers * ROWS * 2 * 4 \
         + (fulls + stages) * 8 + 16
 
 
