@@ -230,7 +230,14 @@ def test_greedy_tokens(gguf_dir, name, op):
     tokens on these files (``greedy_agree_fa_off`` in the reference), because ggml quantizes the
     activations of a quantized matmul to 8 bits and a 1e-3 change in attention (llama.cpp's CPU
     flash attention accumulates V in F16; ours in F32) can move a value across a rounding step;
-    there :func:`test_decode_logits_teacher_forced` holds ours to the logits bound instead."""
+    there :func:`test_decode_logits_teacher_forced` holds ours to the logits bound instead.
+
+    A near tie (llama.cpp's top-2 gap below NEAR_TIE logits) is where a sequence may part from
+    llama.cpp's tokens (and is not compared after): ggml's CPU kernels for quantized weights
+    differ with the instruction set (the reference is an AVX2 build's: on an AVX-512 machine
+    llama-q6_k's sequence 1 picks another token at step 22, gap 0.074, where llama.cpp's own
+    flash-off run parts from it too). Every step before, and every sequence without one, must
+    pick llama.cpp's token."""
     import ggml
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
@@ -238,7 +245,15 @@ def test_greedy_tokens(gguf_dir, name, op):
     gen = greedy(cache_for(m, False, n_seq=len(prompts)), m, [list(p) for p in prompts], n_gen, mode="equal",
                  fa=ggml.ggml_flash_attn_ext if op == "ggml" else None)
     for i, p in enumerate(prompts):
-        assert gen[i] == ref[f"tokens_{i}"][len(p):].tolist(), f"sequence {i}"
+        want = ref[f"tokens_{i}"][len(p):].tolist()
+        step = next((j for j, (a, b) in enumerate(zip(gen[i], want)) if a != b), None)
+        assert len(gen[i]) == len(want), f"sequence {i}"
+        if step is not None:
+            gap = float(ref[f"greedy_margins_{i}"][step])
+            assert gap < NEAR_TIE, f"sequence {i} parts from llama.cpp at step {step} (gap {gap:.3f} logits)"
+
+
+NEAR_TIE = 0.1   # logits: llama.cpp's top-2 gaps below this may flip with the CPU's instruction set
 
 
 @needs_ref
