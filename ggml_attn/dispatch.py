@@ -186,9 +186,12 @@ QUANT_READERS = ("decode", "decode-tma")
 
 
 def reads_f16_copies(kernel: str, *kv_types: int) -> bool:
-    """True when GPU kernel ``kernel`` runs on f16 copies of K/V of these types: one of them is
-    quantized and the kernel does not read blocks itself (:data:`QUANT_READERS`)."""
-    return kernel not in QUANT_READERS and any(t in QUANT_KV_CTYPES for t in kv_types)
+    """True when GPU kernel ``kernel`` runs on f16 copies of K/V of these types (K's, V's): one
+    of them is quantized, and the kernel does not read blocks itself (:data:`QUANT_READERS`) or
+    K and V differ in type (the readers read K and V of one type: best_kernel runs such calls
+    on the f16 kernels, the sm_90a decode among them)."""
+    quantized = any(t in QUANT_KV_CTYPES for t in kv_types)
+    return quantized and (kernel not in QUANT_READERS or len(set(kv_types)) > 1)
 
 
 def _quant_direct(f: "CallFacts") -> "Choice | None":

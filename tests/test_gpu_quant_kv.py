@@ -313,3 +313,39 @@ def test_mixed_kv_types_on_f16_copies(case):
     dst = cp.full(exact.shape, cp.nan, dtype=cp.float32)
     with pytest.raises(ValueError, match="reads K and V of one type"):
         cb.bind(*descs, from_array(dst), case.scale, case.max_bias, case.logit_softcap, kernel="decode")
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="sm_90a decode: compute capability 9.0")
+@pytest.mark.parametrize("k_type, v_type", [(GGML_TYPE_Q8_0, GGML_TYPE_F16), (GGML_TYPE_F16, GGML_TYPE_Q4_0),
+                                            (GGML_TYPE_Q4_0, GGML_TYPE_Q8_0)])
+def test_mixed_pair_on_the_sm90a_decode(k_type, v_type):
+    """A long decode row (B=1, 33000 cells) of K and V of different types: auto runs the sm_90a
+    decode on f16 copies of the quantized ones (before the fix its block-reading instance was
+    bound to the pair and the TMA map of the other type refused it), against float64."""
+    import cupy as cp
+    cb._PREPARED.clear()
+    rng = np.random.default_rng(k_type * 7 + v_type)
+    n_batch, n_kv, n_head, n_head_kv = 1, 33000, 32, 8
+    q = rng.standard_normal((1, n_head, n_batch, 128), dtype=np.float32)
+    descs, exact_kv, keep = [], [], []
+    for i, t in enumerate((k_type, v_type)):
+        if t == GGML_TYPE_F16:
+            f = rng.standard_normal((1, n_head_kv, n_kv, 128)).astype(np.float16)
+            keep.append(cp.asarray(f))
+            descs.append(from_array(keep[-1], GGML_TYPE_F16))
+            exact_kv.append(f.astype(np.float32))
+        else:   # a cache view of t (the i-th of the K/V pair _packed_inputs makes)
+            _, views, deq, kp = _packed_inputs(rng, t, n_batch, n_kv, n_head, n_head_kv, pad=16)
+            descs.append(views[i])
+            exact_kv.append(deq[i])
+            keep += kp
+    exact = reference.flash_attn_ext(q, exact_kv[0], exact_kv[1], None, 0.1)
+    dst = cp.full((1, n_batch, n_head, 128), cp.nan, dtype=cp.float32)
+    call = cb.bind(from_array(cp.asarray(q)), descs[0], descs[1], None, None, from_array(dst), 0.1)
+    assert call.kern == "decode-tma" and len(call._pre) == sum(t != GGML_TYPE_F16 for t in (k_type, v_type))
+    call.launch()
+    out = dst.get()
+    err = reference.nmse(out, exact)
+    assert np.isfinite(out).all() and err <= NMSE_MAX, err
+    cb._PREPARED.clear()
+    del keep

@@ -170,6 +170,16 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
                 best_kernel(name, CallFacts(1, 4, 4096, 128, 128, kt, arch="sm_90", v_type=vt))
         assert best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, kt, v_type=vt), backend="auto",
                            on_device=False).kernel == "cpu"
+    # ... and whichever kernel auto then runs reads the copies: the sm_90a decode too (a long row:
+    # enough work for it), whose block-reading instances take K and V of one type only
+    from ggml_attn.dispatch import reads_f16_copies
+    c = best_kernel("auto", CallFacts(1, 4, 32768, 128, 128, GGML_TYPE_Q8_0, arch="sm_90", work_tiles=4096,
+                                      work_even=True, v_type=GGML_TYPE_F16))
+    assert c.kernel == "decode-tma" and reads_f16_copies(c.kernel, GGML_TYPE_Q8_0, GGML_TYPE_F16)
+    assert reads_f16_copies("decode", GGML_TYPE_Q4_0, GGML_TYPE_Q8_0)
+    assert not reads_f16_copies("decode-tma", GGML_TYPE_Q8_0, GGML_TYPE_Q8_0)
+    assert reads_f16_copies("decode-tc", GGML_TYPE_Q8_0, GGML_TYPE_Q8_0)
+    assert not reads_f16_copies("prefill", GGML_TYPE_F16, GGML_TYPE_F16)
     with pytest.raises(ValueError, match="K f16 / V bf16 in GPU memory"):
         best_kernel("auto", CallFacts(1, 4, 4096, 128, 128, GGML_TYPE_F16, v_type=GGML_TYPE_BF16))
     with pytest.raises(ValueError, match=r"\(bf16/q8_0\) in GPU memory"):
