@@ -955,25 +955,17 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     DTMA_MARK(6);
 }
 
-// the configurations ggml_attn/decode_tma_shape.py names: K/V type as stored, head size, ring
-// depth, a warp per tile (WHOLE) or four warps per tile, consumer warps, quantized K/V read in
-// registers (REG) or through scratch, blocks per SM the registers must allow (one: with two,
-// 168 registers, the warp-per-tile loop spills)
-#define FATTN_DECODE_TMA_INSTANCE(NAME, KT, D, STAGES, WHOLE, NW, REG, MINB)                           \
-    extern "C" __global__ void __launch_bounds__(32 * ((NW) + 1), MINB)                                \
-    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) { \
-        fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG>(p, &mk, &mv);                             \
-    }
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_d128, __half, 128, 6, true, 4, false, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_bf16_d128, __nv_bfloat16, 128, 6, true, 4, false, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_s4_d128, __half, 128, 4, true, 4, false, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_split_d128, __half, 128, 4, false, 4, false, 1)
-// quantized K/V through scratch (8 stages of 18 KB for q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB
-// of scratch), and in registers: 7 consumer warps (8 warps in all: two per SM sub-partition,
-// whose registers allow 255 a thread; a ninth warp would cut them to 168), a ring of 11 x 18 KB
-// (q8_0) or 20 x 10 KB (q4_0); "r4": 4 warps, 8 stages
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_d128, fattn_q8_0, 128, 8, true, 4, false, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_d128, fattn_q4_0, 128, 12, true, 4, false, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_r7_d128, fattn_q8_0, 128, 11, true, 7, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q4_0_r7_d128, fattn_q4_0, 128, 20, true, 7, true, 1)
-FATTN_DECODE_TMA_INSTANCE(fattn_decode_tma_q8_0_r4_d128, fattn_q8_0, 128, 8, true, 4, true, 1)
+// One instance per configuration ggml_attn/decode_tma_shape.py names (Cfg.name: this template with
+// its parameters), each compiled in an NVRTC program of its own: K/V type as stored, head size,
+// ring depth, a warp per tile (WHOLE) or four warps per tile, consumer warps, quantized K/V read
+// in registers (REG) or through scratch; one block per SM (with two, 168 registers, the
+// warp-per-tile loop spills). The quantized instances: through scratch (8 stages of 18 KB for
+// q8_0, 12 of 10 KB for q4_0, and 4 x 16 KB of scratch), and in registers with 7 consumer warps
+// (8 warps in all: two per SM sub-partition, whose registers allow 255 a thread; a ninth warp
+// would cut them to 168) and a ring of 11 x 18 KB (q8_0) or 20 x 10 KB (q4_0), or 4 warps and 8
+// stages
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
+__global__ void __launch_bounds__(32 * (NW + 1), 1)
+fattn_decode_tma(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
+    fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG>(p, &mk, &mv);
+}

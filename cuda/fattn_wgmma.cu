@@ -310,27 +310,14 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     }
 }
 
-// the configurations ggml_attn/wgmma_shape.py names (WS_CONFIGS, WS_DIAG): K/V type, head size,
-// ring depth, ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes
-// the Q map; those without QTMA ignore it)
-#define FATTN_WS_INSTANCE(NAME, ...)                                                                 \
-    extern "C" __global__ void __launch_bounds__(ws::THREADS, 1)                                    \
-    NAME(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,   \
-         const __grid_constant__ TmaMap mq) {                                                        \
-        fattn_wgmma_ws_body<__VA_ARGS__>(p, &mk, &mv, &mq);                                         \
-    }
-FATTN_WS_INSTANCE(fattn_wgmma_ws_d128, __half, 128, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_bf16_d128, __nv_bfloat16, 128, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_nopp_d128, __half, 128, 3, false)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_s2_d128, __half, 128, 2, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nosoftmax_d128, __half, 128, 3, true, 1)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d128, __half, 128, 3, true, 0, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_qonce_d128, __half, 128, 3, true, 2, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nostore_d128, __half, 128, 3, true, 3, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_d128, __half, 128, 2, true, 0, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_bf16_d128, __nv_bfloat16, 128, 2, true, 0, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_d64, __half, 64, 3, true, 0, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_qtma_bf16_d64, __nv_bfloat16, 64, 3, true, 0, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_diag_nostore_qtma_d128, __half, 128, 2, true, 3, true, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_d256, __half, 256, 2, true, 0, true)
-FATTN_WS_INSTANCE(fattn_wgmma_ws_persistent_bf16_d256, __nv_bfloat16, 256, 2, true, 0, true)
+// One instance per configuration ggml_attn/wgmma_shape.py names (WsConfig.name: this template
+// with its parameters), each compiled in an NVRTC program of its own (a name expression, so that
+// the first call of one instance compiles that one alone): K/V type, tile width, ring depth,
+// ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes the Q map;
+// those without QTMA ignore it)
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA>
+__global__ void __launch_bounds__(ws::THREADS, 1)
+fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,
+               const __grid_constant__ TmaMap mq) {
+    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA>(p, &mk, &mv, &mq);
+}

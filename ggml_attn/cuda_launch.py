@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from . import dispatch
 from . import kernels as K
 from .cuda_device import available, num_sms
+from .dtypes import GGML_TYPE_F16
 
 # ---------------------------------------------------------------------------------------
 # tuning knobs
@@ -281,7 +282,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         pack = min(gqa_p2, WGMMA_RAGGED_PACK) if wide is False and c.q_tma and sh.ne32 == 1 else 1
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0, pack)
-        return LaunchConfig(kernel, K.wgmma_variant(), c.name, pack, hp.Q_TILE_WS // pack,
+        return LaunchConfig(kernel, K.wgmma_variant(c.name), c.name, pack, hp.Q_TILE_WS // pack,
                             hp.ws_q_tiles(sh.n_batch, pack), n_kv_tiles, 1, hp.THREADS_WS, hp.config_smem(c), grid,
                             rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
@@ -289,7 +290,7 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
         c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
         name = c.name
         pack, tq = _group_rows(sh.gqa)
-        variant, smem = K.decode_tma_variant(), dt.config_smem(c)
+        variant, smem = K.decode_tma_variant(name), dt.config_smem(c)
         n_q_tiles = -(-sh.n_batch // tq)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads, smem)))
         # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the
@@ -361,6 +362,37 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid, rows=tq * pack,
                         fused_finish=sh.d_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
+
+
+def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, kernel: str = "auto",
+             ext: bool = False) -> list[K.Variant]:
+    """The programs the backend may load for calls of head sizes ``d_k``/``d_v``, K/V of types
+    ``k_type``/``v_type`` and ``gqa`` query heads per KV head, on a GPU of ``arch`` ("sm_90"),
+    under ``kernel`` ("auto": every GPU kernel best_kernel lets run decode- or prompt-shaped such
+    calls; a name: that one; ``ext``: with softcap or ALiBi): the kernels' own programs (f16 ones
+    where the kernel runs on f16 copies of quantized K/V) and the plan's and copies' kernels
+    (util) -- what first calls would otherwise compile one at a time (:func:`K.precompile`). A
+    kernel that cannot run such calls is left out: its calls say why."""
+    out = [K.util_variant()]
+    # K and V of different types run on f16 copies of the quantized one: every f16 program too
+    pairs = [(k_type, v_type)] + ([(GGML_TYPE_F16, GGML_TYPE_F16)] if k_type != v_type else [])
+    for (kt, vt) in pairs:
+        for kern in dispatch.GPU_KERNELS if kernel == "auto" else (kernel,):
+            for n_batch in (1, dispatch.WGMMA_MIN_BATCH):   # a decode step's call, a prompt's
+                f = dispatch.CallFacts(n_batch, gqa, 4096, d_k, d_v, kt, arch=arch, plain=not ext,
+                                       v_type=None if vt == kt else vt)
+                try:
+                    c = dispatch.best_kernel(kern, f)
+                except ValueError:
+                    continue
+                if not c.on_gpu:
+                    continue
+                t = GGML_TYPE_F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
+                v = launch_config(c.kernel, Shapes(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
+                                  blocks_per_sm=1).variant
+                if v not in out:
+                    out.append(v)
+    return out
 
 
 _OCCUPANCY: dict[tuple, int] = {}

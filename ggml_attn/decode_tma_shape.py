@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
-from .instances import pick
+from .instances import VEC_KV_CTYPES, pick, template_expr
 
 THREADS = 160      # four consumer warps and the producer warp (the f16/bf16 instances)
 ROWS = 16          # rows of a group (one m16 tile)
@@ -30,10 +30,10 @@ BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape
 
 
 class Cfg(NamedTuple):
-    """One FATTN_DECODE_TMA_INSTANCE: kernel, head size, ring stages, K/V type as stored,
-    consumer warps, and (q8_0/q4_0) whether the blocks are dequantized through a scratch tile
-    per warp (else the MMAs' fragments are built from the raw box in registers)."""
-    name: str
+    """One instance of cuda/fattn_decode_tma.cu's fattn_decode_tma template (:attr:`name`): head
+    size, ring stages, K/V type as stored, consumer warps, and (q8_0/q4_0) whether the blocks are
+    dequantized through a scratch tile per warp (else the MMAs' fragments are built from the raw
+    box in registers)."""
     d: int
     stages: int
     kv_type: int
@@ -45,24 +45,31 @@ class Cfg(NamedTuple):
     def threads(self) -> int:
         return 32 * (self.consumers + 1)
 
+    @property
+    def name(self) -> str:
+        """The instance's name expression (its own NVRTC program: kernels.decode_tma_variant)."""
+        reg = self.kv_type in QUANT_TYPES and not self.scratch
+        return template_expr("fattn_decode_tma", VEC_KV_CTYPES[self.kv_type], self.d, self.stages, self.whole,
+                             self.consumers, reg)
+
 
 # The op runs FOR_TYPE's (a warp per tile); the others are A/B rows of tools/dev/gpu_bench.py
 # ("split-s4": four warps on every tile, 16 cells each). On the H200 the three f16 ones were
 # within 1% of each other from B=64 4k on (where auto runs the kernel); below, "s4" was 1-3%
 # faster than "s6" and "split-s4" mixed (bench/results/2026-12-01-2783807.json).
 CONFIGS = {
-    "s6": Cfg("fattn_decode_tma_d128", 128, 6, GGML_TYPE_F16),
-    "s6-bf16": Cfg("fattn_decode_tma_bf16_d128", 128, 6, GGML_TYPE_BF16),
-    "s4": Cfg("fattn_decode_tma_s4_d128", 128, 4, GGML_TYPE_F16),
-    "split-s4": Cfg("fattn_decode_tma_split_d128", 128, 4, GGML_TYPE_F16, whole=False),
+    "s6": Cfg(128, 6, GGML_TYPE_F16),
+    "s6-bf16": Cfg(128, 6, GGML_TYPE_BF16),
+    "s4": Cfg(128, 4, GGML_TYPE_F16),
+    "split-s4": Cfg(128, 4, GGML_TYPE_F16, whole=False),
     # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box). Through scratch: the consumer
     # warp dequantizes it into an f16 tile laid out as the f16 ring's (4 warps); in registers:
     # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring
-    "q8_0-scratch": Cfg("fattn_decode_tma_q8_0_d128", 128, 8, GGML_TYPE_Q8_0, scratch=True),
-    "q4_0-scratch": Cfg("fattn_decode_tma_q4_0_d128", 128, 12, GGML_TYPE_Q4_0, scratch=True),
-    "q8_0": Cfg("fattn_decode_tma_q8_0_r7_d128", 128, 11, GGML_TYPE_Q8_0, consumers=7),
-    "q4_0": Cfg("fattn_decode_tma_q4_0_r7_d128", 128, 20, GGML_TYPE_Q4_0, consumers=7),
-    "q8_0-r4": Cfg("fattn_decode_tma_q8_0_r4_d128", 128, 8, GGML_TYPE_Q8_0),
+    "q8_0-scratch": Cfg(128, 8, GGML_TYPE_Q8_0, scratch=True),
+    "q4_0-scratch": Cfg(128, 12, GGML_TYPE_Q4_0, scratch=True),
+    "q8_0": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7),
+    "q4_0": Cfg(128, 20, GGML_TYPE_Q4_0, consumers=7),
+    "q8_0-r4": Cfg(128, 8, GGML_TYPE_Q8_0),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above
@@ -71,7 +78,7 @@ QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instan
 def config(kv_type: int, override: str = "") -> str:
     """The CONFIGS key for K/V of ``kv_type``: ``override`` (cuda_launch.DECODE_TMA_CONFIG) when
     set, else FOR_TYPE's. ValueError for an unknown key or one of another K/V type."""
-    return pick(CONFIGS, FOR_TYPE, kv_type, override, lambda c: c[3], "sm_90a decode", "DECODE_TMA_CONFIG")
+    return pick(CONFIGS, FOR_TYPE, kv_type, override, lambda c: c.kv_type, "sm_90a decode", "DECODE_TMA_CONFIG")
 
 
 def quant_box(kv_type: int, d: int) -> tuple[int, int]:

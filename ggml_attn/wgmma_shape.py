@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from . import tma
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16
-from .instances import pick
+from .instances import KV_CTYPES, pick, template_expr
 from .tensor import TensorDesc
 
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
@@ -31,13 +31,20 @@ def tile_width(d: int) -> int:
 
 
 class WsConfig(NamedTuple):
-    """One FATTN_WS_INSTANCE of cuda/fattn_wgmma.cu."""
-    name: str          # the kernel
+    """One instance of cuda/fattn_wgmma.cu's fattn_wgmma_ws template (:attr:`name`)."""
     stages: int        # K/V ring depth
     kv_type: int       # GGML_TYPE_F16 or GGML_TYPE_BF16 (Q and P staged in the same type)
     persistent: bool   # one block per SM walking the tiles, or one block per tile
     d: int = 128       # tile width (TILE_WIDTHS_WS): head sizes up to it (tile_width)
     q_tma: bool = False   # Q's f32 rows through a TMA map a tile ahead (q_map), not loaded per tile
+    pingpong: bool = True  # the two consumer warpgroups take turns issuing their GEMMs
+    diag: int = 0      # WS_DIAG's speed-of-light probes (wrong results by design), else 0
+
+    @property
+    def name(self) -> str:
+        """The instance's name expression (its own NVRTC program: kernels.wgmma_variant)."""
+        return template_expr("fattn_wgmma_ws", KV_CTYPES[self.kv_type], self.d, self.stages, self.pingpong, self.diag,
+                             self.persistent, self.q_tma)
 
 
 def chunk_ws(d: int) -> int:
@@ -54,19 +61,19 @@ def chunk_ws(d: int) -> int:
 # against 100.1 for "pp-persistent" (Q loaded by the consumers at each tile), causal 8192 996.8
 # against 1034.8 (bench/results/2026-12-04-be0ea13-qtma.json); the other ones are A/B rows of
 # tools/dev/gpu_bench.py.
+F16, BF16 = GGML_TYPE_F16, GGML_TYPE_BF16
 WS_CONFIGS = {
-    "pp": WsConfig("fattn_wgmma_ws_d128", 3, GGML_TYPE_F16, False),
-    "pp-bf16": WsConfig("fattn_wgmma_ws_bf16_d128", 3, GGML_TYPE_BF16, False),
-    "pp-persistent": WsConfig("fattn_wgmma_ws_persistent_d128", 3, GGML_TYPE_F16, True),
-    "nopp": WsConfig("fattn_wgmma_ws_nopp_d128", 3, GGML_TYPE_F16, False),
-    "s2": WsConfig("fattn_wgmma_ws_s2_d128", 2, GGML_TYPE_F16, False),
-    "pp-persistent-qtma": WsConfig("fattn_wgmma_ws_persistent_qtma_d128", 2, GGML_TYPE_F16, True, 128, True),
-    "pp-persistent-qtma-bf16": WsConfig("fattn_wgmma_ws_persistent_qtma_bf16_d128", 2, GGML_TYPE_BF16, True, 128, True),
-    "pp-persistent-qtma-d64": WsConfig("fattn_wgmma_ws_persistent_qtma_d64", 3, GGML_TYPE_F16, True, 64, True),
-    "pp-persistent-qtma-bf16-d64": WsConfig("fattn_wgmma_ws_persistent_qtma_bf16_d64", 3, GGML_TYPE_BF16, True, 64,
-                                            True),
-    "pp-persistent-d256": WsConfig("fattn_wgmma_ws_persistent_d256", 2, GGML_TYPE_F16, True, 256),
-    "pp-persistent-bf16-d256": WsConfig("fattn_wgmma_ws_persistent_bf16_d256", 2, GGML_TYPE_BF16, True, 256),
+    "pp": WsConfig(3, F16, False),
+    "pp-bf16": WsConfig(3, BF16, False),
+    "pp-persistent": WsConfig(3, F16, True),
+    "nopp": WsConfig(3, F16, False, pingpong=False),
+    "s2": WsConfig(2, F16, False),
+    "pp-persistent-qtma": WsConfig(2, F16, True, 128, True),
+    "pp-persistent-qtma-bf16": WsConfig(2, BF16, True, 128, True),
+    "pp-persistent-qtma-d64": WsConfig(3, F16, True, 64, True),
+    "pp-persistent-qtma-bf16-d64": WsConfig(3, BF16, True, 64, True),
+    "pp-persistent-d256": WsConfig(2, F16, True, 256),
+    "pp-persistent-bf16-d256": WsConfig(2, BF16, True, 256),
 }
 # the op's instance per (K/V type, tile width)
 WS_FOR = {
@@ -77,10 +84,10 @@ WS_FOR = {
 WS_DEFAULT = WS_FOR[GGML_TYPE_F16, 128]
 # speed-of-light probes for tools/dev/ (wrong results by design): "pp" without the softmax; the
 # persistent instance with Q staged for a block's first tile only, and without the output stores
-WS_DIAG = {"diag-nosoftmax": WsConfig("fattn_wgmma_ws_diag_nosoftmax_d128", 3, GGML_TYPE_F16, False),
-           "diag-qonce": WsConfig("fattn_wgmma_ws_diag_qonce_d128", 3, GGML_TYPE_F16, True),
-           "diag-nostore": WsConfig("fattn_wgmma_ws_diag_nostore_d128", 3, GGML_TYPE_F16, True),
-           "diag-nostore-qtma": WsConfig("fattn_wgmma_ws_diag_nostore_qtma_d128", 2, GGML_TYPE_F16, True, 128, True)}
+WS_DIAG = {"diag-nosoftmax": WsConfig(3, F16, False, diag=1),
+           "diag-qonce": WsConfig(3, F16, True, diag=2),
+           "diag-nostore": WsConfig(3, F16, True, diag=3),
+           "diag-nostore-qtma": WsConfig(2, F16, True, 128, True, diag=3)}
 
 
 def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:

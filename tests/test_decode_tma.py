@@ -117,7 +117,7 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
     sh = lambda kv_type=GGML_TYPE_F16: L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma_d128"), (GGML_TYPE_BF16, "fattn_decode_tma_bf16_d128")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false>"), (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>")):
         cfg = L.launch_config("decode-tma", sh(kv_type))
         # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks
         assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)
@@ -222,27 +222,21 @@ def test_every_instance_fits_shared_memory():
         assert dt.config_smem(c) <= 227 * 1024, c.name
 
 
-def test_configs_mirror_the_instances():
-    """Each CONFIGS entry names a FATTN_DECODE_TMA_INSTANCE of cuda/fattn_decode_tma.cu with its
-    head size, ring depth, consumer warps and K/V path (registers unless through scratch), and
-    every instance has an entry."""
-    import re
-    from pathlib import Path
-
-    from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
-    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
-    inst = {m[1]: m.groups()[1:] for m in re.finditer(
-        r"^FATTN_DECODE_TMA_INSTANCE\((\w+), (\w+), (\d+), (\d+), (true|false), (\d+), (true|false), \d+\)", src, re.M)}
-    ctype = {GGML_TYPE_F16: "__half", GGML_TYPE_BF16: "__nv_bfloat16", GGML_TYPE_Q8_0: "fattn_q8_0",
-             GGML_TYPE_Q4_0: "fattn_q4_0"}
-    assert sorted(inst) == sorted(c.name for c in dt.CONFIGS.values())
+def test_configs_name_their_template_instances():
+    """Each CONFIGS entry's name is cuda/fattn_decode_tma.cu's template with the entry's K/V type,
+    head size, ring depth, warp per tile, consumer warps and K/V path (registers unless through
+    scratch), compiled in a program of its own; names are distinct."""
+    from ggml_attn import kernels as K
+    assert dt.CONFIGS["q8_0"].name == "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true>"
+    assert dt.CONFIGS["q4_0-scratch"].name == "fattn_decode_tma<fattn_q4_0, 128, 12, true, 4, false>"
+    assert dt.CONFIGS["split-s4"].name == "fattn_decode_tma<__half, 128, 4, false, 4, false>"
+    assert dt.CONFIGS["s6-bf16"].name == "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>"
+    names = [c.name for c in dt.CONFIGS.values()]
+    assert len(set(names)) == len(names)
     for c in dt.CONFIGS.values():
-        kt, d, stages, whole, nw, reg = inst[c.name]
-        quant = c.kv_type in dt.QUANT_TYPES
-        assert (kt, int(d), int(stages), int(nw)) == (ctype[c.kv_type], c.d, c.stages, c.consumers), c.name
-        assert (reg == "true") == (quant and not c.scratch), c.name
-        assert (whole == "true") == c.whole and (c.whole or c.consumers == dt.CONSUMERS), c.name
-        assert c.threads == 32 * (c.consumers + 1)
+        assert K.decode_tma_variant(c.name).names == (c.name,) and c.threads == 32 * (c.consumers + 1)
+        assert c.whole or c.consumers == dt.CONSUMERS, "four warps per tile: the tile's four 16-cell parts"
+    assert {v.names[0] for v in K.hopper_variants() if v.family == "decode-tma"} == set(names)
 
 
 # ---- the kernel's work split, mirrored: block b takes units [b W / B, (b + 1) W / B) of the

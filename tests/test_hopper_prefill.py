@@ -48,12 +48,20 @@ def test_ws_configs_fit_shared_memory():
     assert not any(c.q_tma for c in hp.WS_CONFIGS.values() if c.d == 256)
 
 
-def test_every_instance_name_says_its_head_size_and_type():
-    """The kernel names the configurations point at carry the configuration's head size and
-    K/V type (a typo would run a D 128 kernel on D 64 memory)."""
-    for key, c in hp.WS_CONFIGS.items():
-        assert c.name.endswith(f"_d{c.d}"), key
-        assert ("bf16" in c.name) == (c.kv_type == GGML_TYPE_BF16), key
+def test_instance_names_are_their_template_instances():
+    """Each configuration's name is cuda/fattn_wgmma.cu's template with the configuration's K/V
+    type, tile width, ring depth, ping-pong, probe mode, persistence and Q path (so that no name
+    can run a D 128 kernel on D 64 memory), compiled in a program of its own; names are distinct."""
+    from ggml_attn import kernels as K
+    assert hp.WS_CONFIGS["pp-persistent-qtma-bf16-d64"].name == "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"
+    assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false>"
+    assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"
+    assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true>"
+    every = {**hp.WS_CONFIGS, **hp.WS_DIAG}
+    names = [c.name for c in every.values()]
+    assert len(set(names)) == len(names)
+    assert all(K.wgmma_variant(n).names == (n,) for n in names)
+    assert {v.names[0] for v in K.hopper_variants() if v.family == "wgmma"} == set(names)
 
 
 # ---- dispatch: when auto runs the sm_90a prefill ("prefill-wgmma") -- without a GPU
@@ -106,8 +114,8 @@ def test_wgmma_launch_config(monkeypatch):
     heads fastest in the grid."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d128"),
-                          (GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d128")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>"),
+                          (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true>")):
         cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
@@ -115,7 +123,7 @@ def test_wgmma_launch_config(monkeypatch):
     assert L.launch_config("prefill-wgmma", L.Shapes(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
     cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
-    assert cfg.name == "fattn_wgmma_ws_d128" and cfg.grid == (32, 3, 2)
+    assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false>" and cfg.grid == (32, 3, 2)
 
 
 def test_ws_config_matches_the_kv_type():
@@ -178,14 +186,14 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d64"),
-                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d64"),
-                             (40, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d64"),
-                             (96, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_qtma_d128"),
-                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_qtma_bf16_d128"),
-                             (256, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
-                             (192, GGML_TYPE_F16, "fattn_wgmma_ws_persistent_d256"),
-                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws_persistent_bf16_d256")):
+    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true>"),
+                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"),
+                             (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true>"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>"),
+                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true>"),
+                             (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
+                             (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
+                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false>")):
         cfg = L.launch_config("prefill-wgmma", L.Shapes(d, d, 300, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)

@@ -4,9 +4,12 @@ Per ubatch the plan's mask is uploaded into the graph once and the kernels' live
 built once by the builder (``cuda_backend.make_plan``), then reused by every layer; attention is
 ``ggml_attn.flash_attn_ext`` on the CUDA backend, the full block's dense ops are the custom ops
 of ``graph/xp_ops.py`` (CuPy, F16 GEMMs). Timing uses CUDA events around the work, after a
-synchronize.
+synchronize. The kernel programs the run's calls load are compiled while the engine is made
+(:func:`start_precompile`), not at each kernel's first call inside a timed run.
 """
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .common import CudaTimer  # noqa: F401  (the timer of this engine)
 from .errors import UserError
@@ -24,4 +27,28 @@ class CudaEngine(GraphEngine):
             raise UserError("--kernel ggml is ggml's CPU flash attention; use --device cpu")
         if not cfg.flash_attn:
             raise UserError("-fa off (ggml's mul_mat+soft_max path) runs on the CPU only; use --device cpu")
+        compiling = start_precompile(cfg)   # beside the weights' load
         super().__init__(cfg, cache)
+        compiling.result()
+
+
+def start_precompile(cfg) -> Future:
+    """Start compiling, in a thread of its own (its compiles in parallel threads), every kernel
+    program the run of ``cfg`` may load on this GPU: the attention kernels ``--kernel`` may pick
+    for the model's head sizes, cache types and GQA ratio (``ggml_attn.cuda_launch.programs``),
+    the plan's kernels and the device graph's dense ops (the cache's store op among them). On a
+    machine whose kernel cache lacks them (a first run, a new version) each would otherwise be
+    compiled by its first call, inside the timed runs (1-2 s each on 2 cores). The future's
+    ``result()`` raises a compile error."""
+    from ggml_attn import cuda_launch
+    from ggml_attn import kernels as K
+    from ggml_attn.graph.kv_graph import ggml_type_of
+    m = cfg.model
+    variants = cuda_launch.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
+                                    m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
+                                    ext=bool(m.logit_softcap)) + [K.dense_variant()]
+    ex = ThreadPoolExecutor(1)
+    try:
+        return ex.submit(K.precompile, variants, K.device_arch())
+    finally:
+        ex.shutdown(wait=False)

@@ -28,9 +28,9 @@ def trace(n_kv: int, reps: int = 3) -> dict:
     cb._PREPARED.clear()
     b = cb.bind(from_array(q), from_array(k, GGML_TYPE_F16), from_array(v, GGML_TYPE_F16), None, None,
                 from_array(dst), 0.088, kernel="decode-tma")
-    var = K.decode_tma_variant()
-    traced = K.Variant(var.family + "-trace", var.source, var.names, ("-DDTMA_TRACE=1",), var.arch_suffix)
     cfg = cb._PREPARED[next(iter(cb._PREPARED))].cfg
+    var = K.decode_tma_variant(cfg.name)
+    traced = K.Variant(var.family + "-trace", var.source, var.names, ("-DDTMA_TRACE=1",), var.arch_suffix)
     fn = K.get_function(traced, cfg.name, smem=cfg.smem)
     n_blocks = b._grid[0]
     buf = cp.zeros((n_blocks, 8), cp.uint64)

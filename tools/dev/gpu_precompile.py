@@ -1,4 +1,6 @@
-"""Compile every kernel variant for this machine's GPU into the disk cache, in parallel.
+"""Compile every kernel variant for this machine's GPU into the disk cache, in parallel: every
+program of ``kernels.all_variants()`` and, on compute capability 9.0, the sm_90a programs (one per
+instance, ``kernels.hopper_variants()``).
 
 Run before the GPU tests so that test workers load cubins instead of compiling the same
 variants concurrently. Usage: python tools/dev/gpu_precompile.py [-j N]
@@ -12,12 +14,21 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _one(args):
-    label_idx, arch = args
+def _jobs(arch: str):
+    """(variant, arch) of every program this GPU's architecture loads."""
     from ggml_attn import kernels as K
-    v = K.all_variants()[label_idx]
+    jobs = [(v, arch) for v in K.all_variants()]
+    if arch + "a" == K.HOPPER_ARCH:
+        jobs += [(v, K.HOPPER_ARCH) for v in K.hopper_variants()]
+    return jobs
+
+
+def _one(args):
+    idx, arch = args
+    from ggml_attn import kernels as K
+    v, a = _jobs(arch)[idx]
     t = time.time()
-    K.compile_variant(v, arch)
+    K.compile_variant(v, a)
     return v.label, time.time() - t
 
 
@@ -28,7 +39,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from ggml_attn import kernels as K
     arch = a.arch or K.device_arch()
-    n = len(K.all_variants())
+    n = len(_jobs(arch))
     t = time.time()
     with ProcessPoolExecutor(a.j) as ex:
         res = list(ex.map(_one, [(i, arch) for i in range(n)]))

@@ -1,0 +1,120 @@
+"""Compiling ahead (no GPU needed): ``cuda_launch.programs`` names every program the backend
+loads for a model's calls, ``kernels.precompile`` puts them in the caches in parallel, and the
+CLI's CUDA engine asks for them while it loads the weights (tools/cuda_engine.py)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ggml_attn import cuda_launch as L
+from ggml_attn import dispatch
+from ggml_attn import kernels as K
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
+
+F16, BF16, Q8, Q4 = GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0
+
+
+def _loaded_program(sh: L.Shapes, arch: str, mask_tiles: str, reads, plain: bool):
+    """The program the backend loads for one call of ``sh`` under auto, or None when no GPU
+    kernel runs it (the kernel cuda_backend.bind asks best_kernel for; its launch's variant)."""
+    f = L.facts(sh, reads=reads, arch=arch, plain=plain, mask_tiles=mask_tiles)
+    try:
+        c = dispatch.best_kernel("auto", f)
+    except ValueError:
+        return None
+    if not c.on_gpu:
+        return None
+    t = F16 if dispatch.reads_f16_copies(c.kernel, sh.kv_type, sh.v_type or sh.kv_type) else sh.kv_type
+    sh = L.Shapes(sh.d_k, sh.d_v, sh.n_batch, sh.n_head, sh.n_head_kv, sh.ne3, sh.n_kv, t)
+    return L.launch_config(c.kernel, sh, blocks_per_sm=1, ext=not plain).variant
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_programs_hold_every_program_auto_loads(arch):
+    """For head sizes, cache types (mixed too), GQA ratios, batch sizes, context lengths, masks
+    and cell-list verdicts, the program auto's call loads is among ``programs`` of the model's
+    head sizes, types and GQA ratio -- so a run precompiled by them compiles nothing more."""
+    heads = ((128, 128), (64, 64), (256, 256), (96, 96), (576, 512))
+    types = ((F16, F16), (BF16, BF16), (Q8, Q8), (Q4, Q4), (Q8, F16))
+    seen = set()
+    for (dk, dv), (kt, vt), gqa, plain in itertools.product(heads, types, (1, 4, 8), (True, False)):
+        if (kt != F16 or vt != F16) and not plain:
+            continue
+        want = set(L.programs(dk, dv, kt, vt, gqa, arch, ext=not plain))
+        for n_batch, n_kv, mask, reads in itertools.product((1, 3, 16, 200, 512), (256, 4096, 32768),
+                                                            ("none", "plain", "masked"), (None, (10.0, 400.0))):
+            sh = L.Shapes(dk, dv, n_batch, gqa * 8, 8, 1, n_kv, kt, v_type=None if vt == kt else vt)
+            v = _loaded_program(sh, arch, mask, reads, plain)
+            if v is not None:
+                assert v in want, (dk, dv, kt, vt, gqa, n_batch, n_kv, mask, reads, v.label, [w.label for w in want])
+                seen.add(v.family)
+    hopper = {"wgmma", "decode-tma"} if arch == "sm_90" else set()
+    assert seen >= {"mma", "mma-ext", "vec", "cells"} | hopper, seen   # the test reached every family
+
+
+def test_programs_for_a_named_kernel_and_for_no_gpu_kernel():
+    """A kernel asked for by name: its own program and util's; one that cannot run the calls
+    (the sm_90a prefill off compute capability 9.0, the reference): util's alone."""
+    util = K.util_variant()
+    got = L.programs(128, 128, F16, F16, 4, "sm_90", "prefill-wgmma")
+    assert [v.family for v in got] == ["util", "wgmma"] and got[0] == util
+    assert L.programs(128, 128, F16, F16, 4, "sm_80", "prefill-wgmma") == [util]
+    assert L.programs(128, 128, F16, F16, 4, "sm_90", "reference") == [util]
+    # q8_0 on a kernel that reads f16 copies: its f16 program
+    assert [v.names[0] for v in L.programs(128, 128, Q8, Q8, 4, "sm_90", "decode-tc")][1] == \
+        K.mma_name(128, 128, F16, 4, 1, 1, 2)
+
+
+def test_precompile_fills_the_disk_cache(tmp_path, monkeypatch):
+    """precompile compiles each distinct program once into the disk cache; a later load reads
+    the cached cubin (no compile: NVRTC is not called again)."""
+    if not K.nvrtc_available():
+        pytest.skip("NVRTC library not installed (pip install .[nvrtc])")
+    monkeypatch.setenv("GGML_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(K, "_MEM_CACHE", {})
+    v = K.util_variant()
+    K.precompile([v, v], "sm_80")
+    cubins = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert len(cubins) == 1 and cubins[0].startswith("util-")
+    monkeypatch.setattr(K, "_MEM_CACHE", {})
+    nv = _no_compile(K._nvrtc())
+    monkeypatch.setattr(K, "_nvrtc", lambda: nv)
+    assert K.compile_variant(v, "sm_80").cubin == (tmp_path / cubins[0]).read_bytes()
+
+
+def _no_compile(nv):
+    class NoCompile:
+        def __getattr__(self, name):
+            if name == "compileProgram":
+                raise AssertionError("compiled again")
+            return getattr(nv, name)
+    return NoCompile()
+
+
+def test_precompile_raises_a_compile_error(monkeypatch):
+    """A program that does not compile raises from precompile, as from its first call."""
+    if not K.nvrtc_available():
+        pytest.skip("NVRTC library not installed (pip install .[nvrtc])")
+    bad = K.Variant("util", "fattn_util.cu", ("no_such_kernel<1>",))
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        K.precompile([bad], "sm_80")
+
+
+def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
+    """The CUDA engine's precompile: the model's attention programs under --kernel, and the
+    device graph's dense ops (the cache's store op) -- for a q8_0 cache the sm_90a decode's q8_0
+    instance; nothing compiled here (precompile replaced)."""
+    from ggml_attn.cli import cuda_engine
+    from ggml_attn.cli.models import PRESETS
+    from ggml_attn.cli.runner import RunConfig
+    asked = []
+    monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append((variants, arch)))
+    cfg = RunConfig(PRESETS["llama-3-8b"], 4096, device="cpu", type_k="q8_0", type_v="q8_0")
+    cuda_engine.start_precompile(cfg).result()
+    (variants, arch), = asked
+    names = {n for v in variants for n in v.names}
+    assert arch == "sm_90" and K.dense_variant() in variants and K.util_variant() in variants
+    assert "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true>" in names
+    assert "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>" in names   # prompts on f16 copies
