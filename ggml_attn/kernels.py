@@ -461,6 +461,21 @@ def resource_usage(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def whole_cubin(data: bytes) -> bytes:
+    """The cubin ``data`` with its last byte back: CuPy's ``nvrtc.getCUBIN`` returns one byte less
+    than ``nvrtcGetCUBINSize`` (it drops a final NUL, as of PTX text), which leaves the ELF's
+    program header table one byte short (the driver read the byte past the buffer, CPython's
+    hidden NUL; nvdisasm refuses the file). The table's end, from the ELF header, says whether
+    the byte is missing (0, the high byte of the last entry's alignment)."""
+    if len(data) < 64 or data[:4] != b"\x7fELF":
+        return data
+    import struct
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return data + b"\0" if end == len(data) + 1 else data
+
+
 _MEM_CACHE: dict[tuple, Compiled] = {}
 
 
@@ -487,7 +502,7 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
     meta = path.with_suffix(".json")
     if use_disk_cache and not refresh and path.is_file() and meta.is_file():
         try:
-            c = Compiled(path.read_bytes(), json.loads(meta.read_text())["lowered"], "")
+            c = Compiled(whole_cubin(path.read_bytes()), json.loads(meta.read_text())["lowered"], "")
             _MEM_CACHE[mk] = c
             return c
         except Exception:
@@ -509,7 +524,7 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
             raise RuntimeError(f"NVRTC failed to compile {variant.label} for {arch}: {e}\n{log}") from e
         log = nv.getProgramLog(prog)
         lowered = {n: (nv.getLoweredName(prog, n) if "<" in n else n) for n in variant.names}
-        cubin = nv.getCUBIN(prog)
+        cubin = whole_cubin(nv.getCUBIN(prog))
     finally:
         nv.destroyProgram(prog)
     c = Compiled(bytes(cubin), lowered, log)

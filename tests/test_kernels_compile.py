@@ -379,3 +379,16 @@ def test_hopper_programs_compile_for_sm_90a_only(default_compiles):
         if v.family != "decode-tma":
             err = default_compiles[(v, "sm_90", True)].get("error")
             assert err and "sm_90" in err, (v.label, err)
+
+
+def test_cubins_are_whole_elf_files():
+    """A compiled cubin ends where its ELF header says (program and section header tables
+    inside it): CuPy's getCUBIN drops the last byte, kernels.whole_cubin puts it back (nvdisasm
+    and cuobjdump read the cached files; the driver no longer reads past the buffer)."""
+    import struct
+    c = K.compile_variant(K.util_variant(), "sm_80", use_disk_cache=False, refresh=True)
+    b = c.cubin
+    phoff, shoff = struct.unpack_from("<QQ", b, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b, 0x36)
+    assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) == len(b)
+    assert K.whole_cubin(b[:-1]) == b and K.whole_cubin(b) == b and K.whole_cubin(b"not elf") == b"not elf"
