@@ -347,6 +347,14 @@ __device__ __forceinline__ unsigned smem_u32(const void* ptr) {
     return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
 }
 
+// The first 1024-byte aligned byte of a dynamic shared memory array (the TMA boxes' 128-byte
+// swizzle needs 1024-byte aligned tiles), as a pointer derived from the array itself: what is
+// reached through it stays in the shared space (LDS/STS, 32-bit addresses), where a pointer made
+// from an integer is generic (LD.E/ST.E on 64-bit addresses).
+__device__ __forceinline__ unsigned char* smem_align1024(unsigned char* smem) {
+    return smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);
+}
+
 // 16-byte async copy global -> shared; src_bytes 0 fills zeros (out-of-range rows)
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));

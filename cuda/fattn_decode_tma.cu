@@ -542,7 +542,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     constexpr int FULLS = WHOLE ? NW * WAITS : STAGES;
 
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* ring = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    unsigned char* ring = smem_align1024(smem_raw);
     unsigned char* scratch = ring + STAGES * STAGE_BYTES;                // [NW][KV_BYTES] (SCRATCH)
     float* sO = reinterpret_cast<float*>(scratch + (SCRATCH ? NW * KV_BYTES : 0));   // [ROWS][SO_LD]
     float* sML = sO + ROWS * SO_LD;                                      // [NW][ROWS][2]

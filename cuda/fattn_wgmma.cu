@@ -52,7 +52,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     constexpr int TILE = BK * D;   // halves per K or V chunk
     constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
-    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_ws) + 1023) & ~size_t(1023));
+    unsigned char* base = smem_align1024(smem_ws);
     __half* sK = reinterpret_cast<__half*>(base);      // STAGES x (D / 64 d-boxes x BK cells x 64), swizzled
     __half* sV = sK + STAGES * TILE;                    // the same for V
     __half* sQ = sV + STAGES * TILE;                    // 2 x (64 rows x D), core matrices

@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(128)
 hopper_probe_sw128(const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv, const __half* Q,
                    const __half* P, float* S_out, float* O_out) {
     extern __shared__ unsigned char smem_probe[];
-    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<size_t>(smem_probe) + 1023) & ~size_t(1023));
+    unsigned char* base = smem_align1024(smem_probe);
     __half* sK = reinterpret_cast<__half*>(base);
     __half* sV = sK + 64 * 128;
     __half* sQ = sV + 64 * 128;
