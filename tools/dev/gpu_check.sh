@@ -2,7 +2,10 @@
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/dev/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
-#                      [--profile-case CASE] [--ab-prompt] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#                      [--profile-case CASE] [--ab-prompt] [--quant-kv] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#
+# --quant-kv: #32's rows, q8_0/q4_0 K/V against f16 (tools/dev/gpu_quant_kv_bench.py), every
+# quantized decode-tma instance as an A/B row; $OUT/<date>-<commit>-quant-kv.json.
 #
 # --profile: ncu on tools/dev/gpu_profile_case.py's "masked" case (the mma.sync prefill);
 # --profile-case CASE: on another of its cases ("wgmma": the sm_90a prefill; WGMMA_CONFIG).
@@ -25,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; SAMPLE=""; ONLY=""; EXTRA=()
+TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; QKV=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -39,6 +42,7 @@ while [ $# -gt 0 ]; do
     --profile) PROF=1;;
     --profile-case) PROF=1; PCASE="$2"; shift;;
     --ab-prompt) ABP=1;;
+    --quant-kv) QKV=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
     --) shift; EXTRA=("$@"); break;;
@@ -122,6 +126,15 @@ if [ $BENCH = 1 ]; then
   [ -n "$ONLY" ] && bargs+=(--only "$ONLY")
   $PY tools/dev/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
   tail -45 "$OUT/bench.log"
+fi
+if [ $QKV = 1 ]; then
+  echo "== quantized K/V (q8_0/q4_0 against f16; every quantized decode-tma instance)"
+  commit=${GGML_ATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  cfgs=$($PY -c "from ggml_attn import decode_tma_shape as dt; print(','.join(k for k, c in dt.CONFIGS.items() if c.kv_type in dt.QUANT_TYPES))")
+  $PY tools/dev/gpu_quant_kv_bench.py --configs "$cfgs" --out "$OUT/$(date -u +%Y-%m-%d)-$commit-quant-kv.json" \
+      > "$OUT/quant-kv.log" 2>&1 || status=1
+  tail -30 "$OUT/quant-kv.log"
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $LCPP = 1 ]; then
   echo "== llama.cpp side by side (8B-shaped F16 GGUF)"
