@@ -27,9 +27,10 @@ class CudaEngine(GraphEngine):
             raise UserError("--kernel ggml is ggml's CPU flash attention; use --device cpu")
         if not cfg.flash_attn:
             raise UserError("-fa off (ggml's mul_mat+soft_max path) runs on the CPU only; use --device cpu")
-        compiling = start_precompile(cfg)   # beside the weights' load
+        compiling = start_precompile(cfg) if self.flavour == "device" else None   # beside the weights' load
         super().__init__(cfg, cache)
-        compiling.result()
+        if compiling is not None:
+            compiling.result()
 
 
 def start_precompile(cfg) -> Future:
