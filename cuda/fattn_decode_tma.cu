@@ -11,19 +11,21 @@
 // that few groups are merged and no block holds two parts; else block b takes units
 // [b W / B, (b + 1) W / B): one balanced wave whatever the mix of lengths, groups cut anywhere.
 //
-// Block: a producer warp and four consumer warps, no block-wide barrier in the loop.
+// Block: a producer warp and NW consumer warps (4 for f16/bf16; the quantized register-path
+// instances 7), no block-wide barrier in the loop.
 //   - step produce: lane 0 of the producer walks the block's units and issues, per tile, TMA
 //     copies of its K and V rows (the 128-byte swizzled 64 x 64 boxes of ggml_attn/wgmma_shape.py's
 //     kv_map; the n_kv tail reads zeros) into a ring of STAGES stages, each with an "empty"
 //     mbarrier (one arrival per consumer warp that reads it); the fill signals a "full" one
 //     (transaction bytes): the stage's, or with a warp per tile the warp's own (FULLS).
-//   - step process tile: consumer warp w takes every 4th tile of the block's sequence whole
+//   - step process tile: consumer warp w takes every NW-th tile of the block's sequence whole
 //     (WHOLE; or, the "split" instance, the cells [16 w, 16 w + 16) of every tile: a quarter of
 //     the MMAs per warp in two dependent chains, latency-bound -- 2.6 TB/s at B=1 32k) with
-//     mma.sync m16n8k16 (Q in registers, K and V by ldmatrix from the swizzled boxes), masks a
+//     mma.sync m16n8k16 (Q in registers; K and V by ldmatrix from the swizzled boxes, or for
+//     q8_0/q4_0 from a raw box of blocks: fragments built in registers, or through scratch), masks a
 //     PARTIAL tile by its rows' intervals or mask values (no bounds check on FULL tiles), zeroes
 //     the V rows of its HIDDEN cells, runs its online softmax and releases the stage.
-//   - step segment end: where the block's units leave a row group, the four warps merge their
+//   - step segment end: where the block's units leave a row group, the NW warps merge their
 //     states in shared memory. A group the block took whole is written to dst; a part of one
 //     goes to the block's partial slot (2 b for its first group, 2 b + 1 for its last), and the
 //     last block to count itself in p.split_cnt[group] merges the group's slots into dst and
@@ -58,8 +60,9 @@ constexpr int BOX_BYTES = BK * 128;     // one 64-cell x 64-element box, 128-byt
 // head hk's blocks (a box's inner start must be 16-byte aligned): the head's row (D / 32 blocks,
 // ROW bytes) sits at c * RB + (hk * ROW) % 16 for cell c, RB covering the largest such offset
 // (the other bytes are the neighbouring heads', or zeros past the last); the consumer warp
-// dequantizes it into its own f16 scratch tile laid out as the f16 boxes (step dequantize),
-// T = __half.
+// builds its MMA fragments from those bytes in registers (the register path, REG), or
+// dequantizes the box into its own f16 scratch tile laid out as the f16 boxes (step
+// dequantize); T = __half.
 template <typename KT, int D> struct Tile {
     using T = KT;
     static constexpr bool QUANT = false;
