@@ -59,6 +59,12 @@ def test_uniform_rows_order_and_markdown(capsys):
     assert [(c[0], c[2]) for c in cells] == [("8", "1"), ("8", "2"), ("16", "1"), ("16", "2")]
     assert [c[3] for c in cells] == ["10", "20", "18", "36"]  # N_KV = pl*(pp+tg)
     assert all(c[10] == "equal" for c in cells)
+    # a list that repeats a value runs it again where it stands (the rows were sorted by each
+    # value's first position, so -npl 2,1,4,1 printed B = 2, 1, 1, 4)
+    rc, out, _ = _run(capsys, "-npp", "8,4,8", "-ntg", "1", "-npl", "2,1,2", "-o", "jsonl")
+    assert rc == 0
+    assert [(r["pp"], r["pl"]) for r in map(json.loads, out.splitlines())] == \
+        [(8, 2), (8, 1), (8, 2), (4, 2), (4, 1), (4, 2), (8, 2), (8, 1), (8, 2)]
 
 
 def test_shared_prompt_and_unified(capsys):

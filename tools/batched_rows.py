@@ -50,18 +50,14 @@ def rows_of(ns) -> list[dict]:
             prompts.append(dict(pp=None if min(lens) != max(lens) else lens[0], pl=pl, prompt_lens=lens))
     else:
         prompts = [dict(pp=pp, pl=pl, prompt_lens=None) for pp in ns.npp for pl in ns.npl]
-    out = []
     for pr in prompts:
         if pr["pl"] < 1:
             raise UserError("-npl values must be >= 1")
         if pr["pp"] is not None and pr["pp"] < 1 and pr["prompt_lens"] is None:
             raise UserError("-npp values must be >= 1")
-        for tg in ns.ntg:
-            out.append(dict(pr, tg=tg))
-    # llama-batched-bench's loop order: pp, tg, pl
-    if ns.prompt_lens is None and ns.prompt_dist is None:
-        out.sort(key=lambda r: (ns.npp.index(r["pp"]), ns.ntg.index(r["tg"]), ns.npl.index(r["pl"])))
-    return out
+    if ns.prompt_lens is None and ns.prompt_dist is None:   # llama-batched-bench's loop order: pp, tg, pl
+        return [dict(pp=pp, pl=pl, prompt_lens=None, tg=tg) for pp in ns.npp for tg in ns.ntg for pl in ns.npl]
+    return [dict(pr, tg=tg) for pr in prompts for tg in ns.ntg]
 
 
 def lens_of(row) -> list[int]:
