@@ -88,3 +88,16 @@ def test_cli_model_refuses_multi_gpu_split(gguf):
     with pytest.raises(UserError, match="one GPU or the CPU"):
         RunConfig(resolve(gguf), n_ctx=256, layer="model", device="cuda",
                   tp=SimpleNamespace(n_rank=2, mode="row"))
+
+
+def test_bench_layer_default_is_per_model(gguf, capsys):
+    """Without --layer, each -m gets its own default: a .gguf its own weights (model), a preset its
+    shapes (attn) -- a preset beside the file turned the file's runs into attention-only ones."""
+    import json
+
+    from ggml_attn.cli import bench
+    rc = bench.main(["-m", gguf, "-m", "tiny", "-p", "8", "-n", "0", "-r", "1", "--device", "cpu", "-t", "1",
+                     "-o", "jsonl"])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["model_type"].startswith("tiny"), r["layer"]) for r in rows] == [(False, "model"), (True, "attn")]

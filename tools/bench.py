@@ -139,15 +139,15 @@ def instances(ns, device: str) -> list[dict]:
         if name == "auto":
             name = DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL
         models.append(with_layers(resolve(name), ns.n_layer))
-    if not ns.layer:   # llama-bench's meaning of -m FILE.gguf: the file's own weights
-        ns.layer = ["model"] if all(m.source.lower().endswith(".gguf") for m in models) else ["attn"]
     params = combinations({
         "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
         "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
-        "kernel": ns.kernel, "layer": ns.layer, "type_k": ns.cache_type_k, "type_v": ns.cache_type_v,
+        "kernel": ns.kernel, "layer": ns.layer or [None], "type_k": ns.cache_type_k, "type_v": ns.cache_type_v,
         "n_threads": ns.threads, "n_depth": ns.n_depth})
     out = []
     for inst in params:
+        if inst["layer"] is None:   # llama-bench's meaning of -m FILE.gguf: the file's own weights; a preset's shapes
+            inst["layer"] = "model" if inst["model"].source.lower().endswith(".gguf") else "attn"
         inst["n_ubatch"] = effective_ubatch(inst["n_batch"], inst["n_ubatch"])
         check_threads(inst["n_threads"])
         check_ngl(ns.n_gpu_layers, inst["model"])
