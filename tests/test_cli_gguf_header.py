@@ -64,7 +64,7 @@ def test_big_but_valid_shape_is_one_line_when_memory_runs_out(tmp_path, capsys):
     path = _write(tmp_path / "m.gguf", embedding_length=("uint32", 2 ** 30), **{
         "attention.head_count": ("uint32", 1), "attention.head_count_kv": ("uint32", 1)})
     rc = bench.main(["-m", path, "-p", "8", "-n", "0", "-r", "1", "--device", "cpu", "-t", "1",
-                     "-c", "16"])
+                     "-c", "16", "--layer", "attn"])   # a header: shapes only (as --layer model it fails before)
     out = capsys.readouterr()
     assert rc == 2 and out.err.count("\n") == 1 and "memory" in out.err
 

@@ -101,3 +101,33 @@ def test_bench_layer_default_is_per_model(gguf, capsys):
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["model_type"].startswith("tiny"), r["layer"]) for r in rows] == [(False, "model"), (True, "attn")]
+
+
+@pytest.mark.parametrize("tool", ["bench", "batched"])
+def test_model_file_errors_come_before_any_output(gguf, capsys, tool, tmp_path):
+    """What the model file refuses (its layer count against --n-layer; a file whose header reads
+    but whose weights do not) is one line before anything is printed: the header, an empty table
+    or a csv header came first before."""
+    import gguf as gguf_pkg
+
+    from ggml_attn.cli import batched_bench, bench
+    header_only = str(tmp_path / "h.gguf")
+    w = gguf_pkg.GGUFWriter(header_only, "llama")
+    for key, value in (("block_count", 2), ("embedding_length", 128), ("attention.head_count", 4),
+                       ("attention.head_count_kv", 2), ("feed_forward_length", 256), ("context_length", 512),
+                       ("vocab_size", 64)):
+        w.add_uint32(f"llama.{key}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for path, extra, words in ((gguf, ["--n-layer", "5"], "cannot change the layer count"),
+                               (header_only, [], "lacks tensor")):
+        if tool == "bench":
+            rc = bench.main(["-m", path, "-p", "8", "-n", "2", "-r", "1", "--device", "cpu", "-t", "1", "-o", "csv"]
+                            + extra)
+        else:
+            rc = batched_bench.main(["-m", path, "-npp", "8", "-ntg", "2", "-npl", "1", "--device", "cpu", "-t", "1"]
+                                    + extra)
+        out = capsys.readouterr()
+        assert rc == 2 and out.out == "" and out.err.count("\n") == 1 and words in out.err, (path, out)

@@ -69,3 +69,24 @@ def test_closed_stdout_is_one_line_exit_2(name, extra):
                        preexec_fn=lambda: os.close(1))
     assert p.returncode == 2
     assert p.stderr == f"{name}: error: cannot write to stdout: it is closed\n"
+
+
+def test_sigterm_stops_like_ctrl_c_with_143():
+    """SIGTERM (timeout, kill, a batch scheduler) mid-run: the tool stops as for Ctrl-C -- what it
+    printed is complete json, one line 'terminated', exit 143 (it died mid-write before, leaving
+    cut json and no message). bench: once its json array has begun (--delay holds the first
+    test); batched-bench: once its first row of 200 is out."""
+    import json
+    p = start("ggml-attn-bench", *ARGS["ggml-attn-bench"], "--delay", "86400", "-o", "json", *FAST)
+    assert p.stdout.read(1) == "["
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (143, "ggml-attn-bench: terminated\n")
+    assert json.loads("[" + out) == []
+    p = start("ggml-attn-batched-bench", "-npp", "8", "-ntg", "1", "-npl", "1-200", "-o", "jsonl", *FAST)
+    first = json.loads(p.stdout.readline())
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (143, "ggml-attn-batched-bench: terminated\n")
+    rows = [first] + [json.loads(line) for line in out.splitlines()]
+    assert 1 <= len(rows) < 200 and [r["pl"] for r in rows] == list(range(1, len(rows) + 1))

@@ -255,8 +255,10 @@ def add_list(parser, *flags, type, default, help, metavar=None, **kw):
     """Add a list-valued flag (comma lists, ranges, repeatable) with a default list.
     Extra keywords go to ``add_argument`` (e.g. ``nargs="?", const=[True]`` for a bare flag)."""
     shown = ",".join(_show(d) for d in default) if default else "none"
+    if "(default: " not in help:   # a help that says its own default (one that depends on other flags)
+        help = f"{help} (default: {shown})"
     parser.add_argument(*flags, type=type, action=ExtendList, default=list(default),
-                        metavar=metavar, help=f"{help} (default: {shown})", **kw)
+                        metavar=metavar, help=help, **kw)
 
 
 def _show(value) -> str:

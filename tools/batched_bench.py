@@ -20,7 +20,7 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_batched as fb
 from . import plot
-from .args import (Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
+from .args import (INT32_MAX, Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
                    parse_int_range)
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
@@ -38,7 +38,6 @@ from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel, 
 from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
-INT32_MAX = 2**31 - 1
 ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
 
 
@@ -123,7 +122,7 @@ def build_parser() -> Parser:
                    help="draw S_PP and S t/s per strategy into OUT.png (needs matplotlib)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="describe each run on stderr: model shape, KV caches, each row's prompt ubatches")
-    p.add_argument("-r", "--repetitions", type=int_at_least(1), default=1, metavar="N",
+    p.add_argument("-r", "--repetitions", type=int_at_least(1, hi=INT32_MAX), default=1, metavar="N",
                    help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
                         "(default: 1)")
     p.add_argument("--warmup", action="store_true",
@@ -265,14 +264,15 @@ def _main(argv=None) -> int:
 
     runners: dict = {}
     noted = []
+    configs = {split: RunConfig(   # every check (the model file's too), before any output
+        model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
+        split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+        flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
+        n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
+        cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()) for split in splits}
 
     def make(split):
-        return Runner(RunConfig(
-            model, n_ctx=cells[split], n_seq=n_seq, kv_unified=strategy_kv(split, ns.kv_unified),
-            split=split, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
-            flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
-            n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
-            cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
+        return Runner(configs[split])
 
     def runner_for(split, row=None):
         """The split's runner (cache, weights, engine), kept for the next rows. When it does not

@@ -16,7 +16,7 @@ import datetime
 import sys
 
 from . import format_bench as fmt
-from .args import (Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list, parse_fa,
+from .args import (INT32_MAX, Parser, add_list, choice_list, combinations, int_at_least, parse_bool_list, parse_fa,
                    parse_int_range, parse_pair_list, str_list)
 from .common import (Progress, build_info, console_main, cpu_info, default_threads, gpu_info,
                      interruptible_sleep)
@@ -85,7 +85,7 @@ def build_parser() -> Parser:
                    help="override the model's number of layers (quick runs of big shapes)")
     p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: the model's training context)"), default=0, metavar="N",
                    help="context limit per test; 0: the model's training context (default: 0)")
-    p.add_argument("-r", "--repetitions", type=int, default=5, metavar="N",
+    p.add_argument("-r", "--repetitions", type=int_at_least(1, hi=INT32_MAX), default=5, metavar="N",
                    help="times to repeat each test (default: 5)")
     p.add_argument("-o", "--output", "--output-format", choices=fmt.FORMATS, default="md",
                    help="output format printed to stdout (default: md)")
@@ -171,6 +171,15 @@ def _runner_key(inst):
                                    "kernel", "layer", "type_k", "type_v", "n_threads")) + (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
 
 
+def run_config(inst: dict, ns, device: str) -> RunConfig:
+    """The runner configuration of test ``inst`` (its checks run here: UserError)."""
+    return RunConfig(inst["model"], n_ctx=_runner_key(inst)[-1], n_seq=1, kv_unified=inst["kv_unified"],
+                     split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
+                     flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
+                     device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
+                     type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current())
+
+
 def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx: int) -> dict:
     """llama-bench's test loop: warm-up, then per repetition clear, fill depth, time pp/tg."""
     n_prompt, n_gen, n_depth = inst["n_prompt"], inst["n_gen"], inst["n_depth"]
@@ -242,8 +251,6 @@ def _main(argv=None) -> int:
             out.write(m.describe() + "\n")
         out.flush()
         return 0
-    if ns.repetitions < 1:
-        raise UserError(f"-r must be at least 1, got {ns.repetitions}")
     for dest, flag in (("n_depth", "-d"), ("batch_size", "-b"), ("ubatch_size", "-ub"), ("threads", "-t"),
                        ("n_gpu_layers", "-ngl")):
         if dest in ns.explicit and not getattr(ns, dest):   # a range A-B with B < A gives no values
@@ -263,6 +270,7 @@ def _main(argv=None) -> int:
                                                     md_columns=columns, build=build))
     verbose = Verbose(PROG, ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
+    configs = {_runner_key(inst): run_config(inst, ns, device) for inst in insts}   # every check, before any output
     printer.header()
     runner, key = None, None
     try:
@@ -274,12 +282,7 @@ def _main(argv=None) -> int:
                 if runner is not None:
                     runner.close()
                 runner, key = None, _runner_key(inst)
-                runner = Runner(RunConfig(
-                    inst["model"], n_ctx=key[-1], n_seq=1, kv_unified=inst["kv_unified"],
-                    split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
-                    flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
-                    device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
-                    type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()))
+                runner = Runner(configs[key])
                 verbose.runner(runner)
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "

@@ -122,21 +122,26 @@ def quiet_interrupts() -> None:
 # Ctrl-C. A KeyboardInterrupt raised while ggml runs a Python callback (the op's) is lost or
 # turned into an op error, depending on where it lands. So the tools' SIGINT handler only
 # sets a flag, and the runner raises KeyboardInterrupt between ubatches, where it is safe.
-_interrupt = {"flag": False}
+_interrupt = {"flag": False, "term": False}
 
 
 def install_sigint_flag() -> None:
-    """Ctrl-C sets a flag that :func:`check_interrupt` turns into KeyboardInterrupt; a second
-    Ctrl-C interrupts at once."""
+    """Ctrl-C (or SIGTERM) sets a flag that :func:`check_interrupt` turns into KeyboardInterrupt
+    (errors.Terminated for SIGTERM); a second one interrupts at once."""
     import signal
 
+    from .errors import SIGTERM_SEEN, Terminated
+
     def handler(signum, frame):
+        term = signum == signal.SIGTERM
+        SIGTERM_SEEN["seen"] |= term
         if _interrupt["flag"]:
-            raise KeyboardInterrupt
-        _interrupt["flag"] = True
+            raise Terminated if term or _interrupt["term"] else KeyboardInterrupt
+        _interrupt["flag"], _interrupt["term"] = True, term
 
     try:
         signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread
         pass
 
@@ -156,8 +161,10 @@ def interruptible_sleep(seconds: float) -> None:
 def check_interrupt() -> None:
     """Raise KeyboardInterrupt when Ctrl-C was pressed since :func:`install_sigint_flag`."""
     if _interrupt["flag"]:
-        _interrupt["flag"] = False
-        raise KeyboardInterrupt
+        from .errors import Terminated
+        term = _interrupt["term"]
+        _interrupt["flag"] = _interrupt["term"] = False
+        raise Terminated if term else KeyboardInterrupt
 
 
 def console_main(prog: str, main_fn, argv=None) -> int:

@@ -3,7 +3,8 @@
 A user mistake (unknown model, bad range, ubatch larger than batch, context overflow)
 raises :class:`UserError`; :func:`run_cli` turns it into one line on stderr and exit
 code 2, never a traceback. Ctrl-C is handled by the tools themselves (they print the
-rows finished so far) and then :func:`run_cli` exits with 130.
+rows finished so far) and then :func:`run_cli` exits with 130; SIGTERM (``timeout``, ``kill``,
+a batch scheduler) the same way, with 143.
 """
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ import sys
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143     # 128 + SIGTERM, as a shell reports a process SIGTERM ended
 
 
 class UserError(Exception):
     """A mistake in what the user asked for; the message is printed as is, on one line."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: the tools stop as for Ctrl-C (the rows finished so far printed), exit 143."""
+
+
+# set by the tools' SIGTERM handler (common.install_sigint_flag): the interrupt that ends the
+# run is a SIGTERM, whatever KeyboardInterrupt carries it up (graph.driver re-raises its own)
+SIGTERM_SEEN = {"seen": False}
 
 
 class OutOfMemory(UserError):
@@ -35,7 +46,10 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
         _say(fail_line(prog, str(e)))
         _drop_stdout()
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated) or SIGTERM_SEEN["seen"]:
+            _say(f"{prog}: terminated")
+            return EXIT_TERMINATED
         _say(f"{prog}: interrupted")
         return EXIT_INTERRUPTED
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)

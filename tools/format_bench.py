@@ -231,6 +231,7 @@ class MarkdownPrinter(Printer):
     def _line(self, cells):
         parts = []
         for field, text in zip(self.columns, cells):
+            text = str(text).replace("|", "\\|")   # a cell's own '|' (a model's name) must not split it
             w = self.width(field)
             parts.append(f" {text:<{-w}} |" if w < 0 else f" {text:>{w}} |")
         return "|" + "".join(parts) + "\n"

@@ -127,11 +127,8 @@ class GraphEngine:
         from .errors import UserError
         try:
             model = load_gguf(self.m.source)
-        except ModelError as e:
+        except ModelError as e:   # (RunConfig checked the file and its layer count: models.check_model_file)
             raise UserError(str(e)) from e
-        if model.hp.n_layer != self.m.n_layer:
-            raise UserError(f"--layer model runs the file's {model.hp.n_layer} layers; --n-layer "
-                            f"{self.m.n_layer} cannot drop layers of a real model")
         return model
 
     def _model_rows(self, plan):

@@ -104,14 +104,38 @@ DEFAULT_CPU_MODEL = "tiny"
 DEFAULT_GPU_MODEL = "llama-3-8b"
 
 
+def check_model_file(path: str, n_layer: int) -> None:
+    """UserError when the .gguf at ``path`` cannot run as a model (``--layer model``) of
+    ``n_layer`` layers: the layer count differs from the file's (--n-layer), or graph/model.py's
+    loader refuses it (an architecture, tensor or value it does not take). Checked before a tool
+    prints anything; a file that loads is remembered."""
+    own = resolve(path).n_layer
+    if n_layer != own:
+        raise UserError(f"--layer model runs the file's {own} layers; --n-layer {n_layer} cannot change the "
+                        f"layer count of a real model")
+    if path not in _LOADABLE:
+        from ggml_attn.graph.model import ModelError, load_gguf
+        try:
+            load_gguf(path)
+        except ModelError as e:
+            raise UserError(str(e)) from e
+        _LOADABLE.add(path)
+
+
+_LOADABLE: set[str] = set()
+
+
 def resolve(name_or_path: str) -> ModelShape:
     """A preset name or a ``.gguf`` path -> ModelShape; UserError if neither."""
     key = name_or_path.strip()
     if key.lower() in PRESETS:
         return PRESETS[key.lower()]
     if key.lower().endswith(".gguf") or os.path.exists(key):
-        if not os.path.isfile(key):
+        if not os.path.exists(key):
             raise UserError(f"model file not found: {key}")
+        if not os.path.isfile(key):
+            what = "a directory" if os.path.isdir(key) else "not a regular file"
+            raise UserError(f"model file {key} is {what}")
         return read_gguf(key)
     raise UserError(f"unknown model '{key}' (presets: {', '.join(PRESETS)}; or a .gguf path)")
 
@@ -170,6 +194,7 @@ def read_gguf(path: str) -> ModelShape:
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
     name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = " ".join(str(name).split())   # display text: a newline or tab in the file's name would break table rows
     by_type: dict[str, int] = {}
     for t in reader.tensors:
         if len(t.ne) > 1:

@@ -94,6 +94,9 @@ class RunConfig:
         if self.layer == "model" and not self.model.source.lower().endswith(".gguf"):
             raise UserError(f"--layer model runs a model file's own weights: give -m FILE.gguf "
                             f"('{self.model.name}' is a preset: shapes only, random weights)")
+        if self.layer == "model":
+            from .models import check_model_file
+            check_model_file(self.model.source, self.model.n_layer)
         from .kv_types import check_cache_types
         check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
                           head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v, kernel=self.kernel,
