@@ -392,3 +392,34 @@ def test_cubins_are_whole_elf_files():
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b, 0x36)
     assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) == len(b)
     assert K.whole_cubin(b[:-1]) == b and K.whole_cubin(b) == b and K.whole_cubin(b"not elf") == b"not elf"
+
+
+def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str) -> None:
+    """Compile ``#include source`` and one static_assert(expr == value) per check with NVRTC
+    (front end only: no kernel is instantiated); fail naming the checks' labels."""
+    lines = [f'#include "{source}"'] + [f'static_assert({e} == {v}, "{label}");' for e, v, label in checks]
+    nv = K._nvrtc()
+    prog = nv.createProgram("\n".join(lines), "mirror.cu", [], [])
+    try:
+        opts = ["-std=c++17", f"-arch={arch}", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            pytest.fail(f"{source}: a Python mirror differs from the C++ value: {e}\n{nv.getProgramLog(prog)}")
+    finally:
+        nv.destroyProgram(prog)
+
+
+def test_sm90a_shared_memory_mirrors_match_c():
+    """The dynamic shared memory the launches ask for (wgmma_shape.config_smem,
+    decode_tma_shape.config_smem) is each instance's own C++ smem_bytes (the kernels trap when
+    given less; more would waste occupancy unseen), for every configuration."""
+    from ggml_attn import decode_tma_shape as dt
+    from ggml_attn import wgmma_shape as ws
+    b = lambda x: "true" if x else "false"   # noqa: E731
+    checks = [(f"ws::smem_bytes<{c.d}, {c.stages}, {b(c.q_tma)}>()", ws.config_smem(c), key)
+              for key, c in {**ws.WS_CONFIGS, **ws.WS_DIAG}.items()]
+    _static_asserts("fattn_wgmma.cuh", checks, K.HOPPER_ARCH)
+    checks = [(f"dtma::smem_bytes<{K.VEC_KV_CTYPES[c.kv_type]}, {c.d}, {c.stages}, {c.consumers}, {b(c.scratch)}, "
+               f"{b(c.whole)}>()", dt.config_smem(c), key) for key, c in dt.CONFIGS.items()]
+    _static_asserts("fattn_decode_tma.cu", checks, K.HOPPER_ARCH)
