@@ -104,11 +104,14 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
 
 # ------------------------------------------------------------------- the graph
 def graph_key(plan: UBatchPlan) -> tuple:
-    """The structure of a ubatch plan's graph: tokens, streams (first stream and count), KV
-    cells viewed, decode step or not (``UBatch.decode_step``: a decode step's kernel plan may
-    choose the cell-list kernel, which a prompt chunk of the same size must not inherit). Plans
-    with equal keys differ only in mask and row-index contents."""
-    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0, plan.ubatch.decode_step)
+    """The structure of a ubatch plan's graph: tokens, streams (their count), KV cells viewed,
+    decode step or not (``UBatch.decode_step``: a decode step's kernel plan may choose the
+    cell-list kernel, which a prompt chunk of the same size must not inherit). Plans with equal
+    keys differ only in mask and row-index contents and in their first stream, which
+    :meth:`UBatchGraph.load_plan` moves the K/V views to: with one stream per sequence, a prompt
+    of 64 sequences is 64 x (its n_kv steps) ubatches of a few structures, not one structure
+    each (each built anew: ~30 ms of host time per 8B model graph on the H200's host)."""
+    return (plan.ubatch.n_tokens, plan.n_stream, plan.n_tps, plan.n_kv, plan.ubatch.decode_step)
 
 
 def _np_shape(t) -> tuple[int, ...]:
@@ -149,6 +152,7 @@ class UBatchGraph:
     n_out: int = 0               # layer="model": rows with logits
     model_in: object = None      # layer="model": model_graph.ModelInputs (tokens, positions, out_ids)
     _stager: object = None       # load_plan's host-to-device copies (device graphs; staging.py)
+    kv_views: list = field(default_factory=list)   # (K/V view tensor, bytes per stream): load_plan's moves
 
     def array(self, t):
         return self._arrays[_addr(t)]
@@ -171,6 +175,7 @@ class UBatchGraph:
         (``out_rows``, as many as the graph was built for)."""
         if graph_key(plan) != graph_key(self.plan):
             raise ValueError(f"plan {graph_key(plan)} does not fit a graph built for {graph_key(self.plan)}")
+        self._move_views(plan.slot.s0 - self.plan.slot.s0)
         pairs = ((self.array(self.mask_t), plan.mask), (self.array(self.row_idx_t), plan.row_idx))
         if self.model_in is not None:
             if out_rows is None or len(out_rows) != self.n_out:
@@ -189,6 +194,17 @@ class UBatchGraph:
             self._stager.copy(pairs)
         self.plan = plan
         plan.kernel_plan = self.kernel_plan
+
+    def _move_views(self, streams: int) -> None:
+        """Point every K/V view ``streams`` streams further into the cache (its data pointer
+        and view offset; the ops read both at compute time, a changed pointer rebinds the
+        attention op's launch)."""
+        if not streams:
+            return
+        for t, stride in self.kv_views:
+            c = t.contents
+            c.data = ctypes.c_void_p(int(c.data) + streams * stride)
+            c.view_offs += streams * stride
 
     def refresh_kernel_plan(self) -> None:
         """Rebuild the kernel plan from the graph's mask as it is now (device graphs)."""
@@ -286,6 +302,7 @@ class GraphBuilder:
         self.op_keys: list = []
         self.kept: list = []
         self.q_in, self.k_in, self.v_in = [], [], []
+        self.kv_views: list = []   # (K/V view, bytes per stream) of every layer (layers.attention)
         self._weights: dict = {}
         self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
         self._inputs: list = []   # [q, k, v] zeroed arrays of the layers still to come (qkv_inputs)
@@ -569,7 +586,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
                     row_idx_t=b.row_idx, xp=b.xp,
                     layer=layer if layer in ("full", "model") else "attn", _op_keys=b.op_keys, _keep=b.kept,
                     n_out=len(out_rows) if layer == "model" else 0, model_in=b.model_inputs,
-                    kernel_plan=plan.kernel_plan if on_device else None)
+                    kernel_plan=plan.kernel_plan if on_device else None, kv_views=b.kv_views)
     if device:
         check_device_graph(b.gf)
     return g

@@ -203,7 +203,12 @@ class KVTensors:
             else self.tensors[(kind, il)]
         row, head = self.row_bytes[kind]
         return ggml.ggml_view_4d(ctx, src, d, n_kv, self.n_head_kv, n_stream,
-                                 row, head, row * self.kv_size, row * self.kv_size * s0)
+                                 row, head, self.stream_bytes(kind), self.stream_bytes(kind) * s0)
+
+    def stream_bytes(self, kind: str) -> int:
+        """Bytes between two streams' first cells in the ``kind`` ("k"/"v") cache tensor: what a
+        view of :meth:`get_k`/:meth:`get_v` moves by per stream."""
+        return self.row_bytes[kind][0] * self.kv_size
 
     def get_k(self, ctx, il: int, s0: int, n_kv: int, n_stream: int, *, after=None):
         """``[head_dim_k, n_kv, n_head_kv, n_stream]`` view (graph context ``ctx``) of layer

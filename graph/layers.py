@@ -92,6 +92,7 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     q4 = ggml.ggml_permute(b.ctx, q4, 0, 2, 1, 3)               # [D, n_tps, n_head, ns]
     k = b.kv.get_k(b.ctx, il, s0, n_kv, ns, after=st_k)         # [D, n_kv, n_head_kv, ns]
     v = b.kv.get_v(b.ctx, il, s0, n_kv, ns, after=st_v)
+    b.kv_views += [(k, b.kv.stream_bytes("k")), (v, b.kv.stream_bytes("v"))]   # (UBatchGraph.load_plan moves them)
     out = b.attention(b, q4, k, v, b.mask)
     ggml.ggml_set_name(out, f"attn_out_l{il}".encode())
     return out

@@ -70,6 +70,36 @@ def test_cli_model_engine_matches_run_model_batch(gguf, split, unified):
         assert reference.nmse(g, w) < 1e-10
 
 
+@pytest.mark.parametrize("engine_cls", [HostEngine, AllCustomHostEngine])
+def test_prompt_ubatches_of_other_streams_share_a_structure(gguf, monkeypatch, engine_cls):
+    """One stream per sequence, one sequence per ubatch ("seq"): sequence 1's and 3's 8-token
+    chunks have one structure (build.graph_key has no first stream); the graph built for one
+    computes the other's (its K/V views moved by load_plan) -- built once -- and every ubatch's
+    logits, prompt and decode steps, equal run_model_batch's."""
+    from ggml_attn.graph import build, split_ubatches
+    built = []
+    real = build.build_ubatch_graph
+
+    def counting(cache, plan, *a, **kw):
+        built.append((build.graph_key(plan), plan.slot.s0))
+        return real(cache, plan, *a, **kw)
+    monkeypatch.setattr(build, "build_ubatch_graph", counting)
+    batches, got, _ = cli_logits(gguf, "seq", False, engine_cls)
+    eight = [s0 for key, s0 in built if key[0] == 8]
+    assert eight == [1], built   # sequences 1 and 3 each give an 8-token chunk first: one build
+    model = load_gguf(gguf)
+    hp = model.hp
+    cache = KVCache(len(LENGTHS) * 256, len(LENGTHS), unified=False, n_layer=hp.n_layer,
+                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+    bound = 1e-10 if engine_cls is HostEngine else 5e-4
+    for b in batches:   # each batch's ubatches' output rows, in ubatch order (one sequence each)
+        n_ub = len(split_ubatches(b, 8, "seq"))
+        mine, got = np.concatenate(got[:n_ub]), got[n_ub:]
+        want = run_model_batch(cache, b, model, 8, "seq").logits
+        assert mine.shape == want.shape and reference.nmse(mine, want) < bound
+    assert not got
+
+
 def test_cli_model_engine_all_custom_form(gguf):
     _, host, _ = cli_logits(gguf, "equal", False)
     _, cust, eng = cli_logits(gguf, "equal", False, AllCustomHostEngine)

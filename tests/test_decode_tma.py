@@ -117,7 +117,8 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
     sh = lambda kv_type=GGML_TYPE_F16: L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false>"), (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false>"),
+                          (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>")):
         cfg = L.launch_config("decode-tma", sh(kv_type))
         # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks
         assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)

@@ -53,7 +53,8 @@ def test_instance_names_are_their_template_instances():
     type, tile width, ring depth, ping-pong, probe mode, persistence and Q path (so that no name
     can run a D 128 kernel on D 64 memory), compiled in a program of its own; names are distinct."""
     from ggml_attn import kernels as K
-    assert hp.WS_CONFIGS["pp-persistent-qtma-bf16-d64"].name == "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"
+    assert hp.WS_CONFIGS["pp-persistent-qtma-bf16-d64"].name == \
+        "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"
     assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false>"
     assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"
     assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true>"

@@ -46,11 +46,13 @@ class _NoStream:
 
 
 class _Cached:
-    """A built ubatch graph kept for reuse, and its CUDA graph once captured."""
+    """A built ubatch graph kept for reuse, and its CUDA graph once captured (for the first
+    stream it was captured on: the launches hold that stream's K/V pointers)."""
 
     def __init__(self, graph, decode: bool):
         self.graph = graph
         self.replay = None
+        self.replay_s0 = None
         self.decode = decode   # a decode step's structure (UBatch.decode_step)
 
 
@@ -160,10 +162,11 @@ class GraphEngine:
 
         Built graphs are kept per structure (``build.graph_key``: tokens, streams, KV cells
         viewed, decode step or not) and reused by later ubatches of the same structure -- decode steps, until
-        ``n_kv`` crosses its next multiple of 256 -- with only the mask and row indices
-        loaded. On the device, a structure seen twice -- a decode step's at once -- is
-        captured as a CUDA graph (``graph.capture``) and replayed from then on
-        (``cuda_graph``, on by default)."""
+        ``n_kv`` crosses its next multiple of 256; the prompt ubatches of other streams -- with only the
+        mask, row indices and K/V views' stream loaded. On the device, a structure seen twice -- a decode
+        step's at once -- is captured as a CUDA graph (``graph.capture``) and replayed from then on for
+        the stream it was captured on (``cuda_graph``, on by default); other streams compute it through
+        ggml's graph loop."""
         with self.stream if self.device else _NoStream():   # building, loading, computing: one stream
             self._run_ubatch(plan)
 
@@ -208,13 +211,14 @@ class GraphEngine:
                 g.set_x(self.inputs(plan)[0])          # every time: the graph adds into x in place
             elif fresh:
                 g.set_inputs(*[[x] for x in self.inputs(plan)])   # the pool's rows: the same for every reuse
-            if entry.replay is not None:
+            if entry.replay is not None and entry.replay_s0 == plan.slot.s0:
                 entry.replay.launch(self.stream)
                 self.replays += 1
-            elif self.device and self.cuda_graph and (not fresh or entry.decode):
+            elif self.device and self.cuda_graph and entry.replay is None and (not fresh or entry.decode):
                 from ggml_attn.graph.capture import CaptureError, capture  # this step computes in the warm-up
                 try:
                     entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
+                    entry.replay_s0 = plan.slot.s0
                     self.captures += 1
                 except CaptureError as e:   # the warm-up's results stand; go on without graphs
                     self.cuda_graph = False

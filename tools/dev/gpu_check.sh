@@ -130,7 +130,8 @@ fi
 if [ $QKV = 1 ]; then
   echo "== quantized K/V (q8_0/q4_0 against f16; every quantized decode-tma instance)"
   commit=${GGML_ATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  cfgs=$($PY -c "from ggml_attn import decode_tma_shape as dt; print(','.join(k for k, c in dt.CONFIGS.items() if c.kv_type in dt.QUANT_TYPES))")
+  cfgs=$($PY -c "from ggml_attn import decode_tma_shape as dt
+print(','.join(k for k, c in dt.CONFIGS.items() if c.kv_type in dt.QUANT_TYPES))")
   $PY tools/dev/gpu_quant_kv_bench.py --configs "$cfgs" --out "$OUT/$(date -u +%Y-%m-%d)-$commit-quant-kv.json" \
       > "$OUT/quant-kv.log" 2>&1 || status=1
   tail -30 "$OUT/quant-kv.log"
