@@ -253,3 +253,42 @@ def test_decode_host_bench_runs_the_driver_without_compute():
     import decode_host_bench  # tools/dev/
     assert decode_host_bench.run(steps=3, reps=1) > 0
     assert decode_host_bench.run(steps=2, reps=1, seqs=8) > 0   # a step of 8 sequences
+
+
+def test_every_gpu_choice_launches():
+    """Whatever best_kernel answers for a GPU kernel -- auto or by name, every head size family,
+    K/V type pair (mixed too), batch, context, architecture, softcap/ALiBi or not, mask verdict,
+    TMA-readable views or not -- the backend can launch: the kernel takes the head sizes and the
+    type it reads (its f16 copies where dispatch.reads_f16_copies says so: the mixed pairs on the
+    block readers were bound without copies before), the sm_90a kernels only on sm_90, plain
+    calls only there, the quantized sm_90a decode only on TMA-readable views, and the launch
+    configuration names an instance of its program."""
+    import itertools
+
+    from ggml_attn import cuda_launch as L
+    from ggml_attn import dispatch
+    F16, BF16, Q8, Q4 = GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0
+    heads = [(40, 40), (128, 128), (192, 128), (256, 256), (576, 512)]
+    pairs = [(F16, F16), (BF16, BF16), (Q8, Q8), (Q4, Q4), (Q8, F16), (F16, Q4), (Q4, Q8)]
+    seen = set()
+    for (dk, dv), (kt, vt), gqa, nb, nkv, arch, kern, plain, mask, tma in itertools.product(
+            heads, pairs, (1, 8), (1, 16, 600), (100, 40000), ("sm_90", "sm_80"),
+            ("auto",) + dispatch.GPU_KERNELS, (True, False), ("none", "masked"), (True, False)):
+        sh = L.Shapes(dk, dv, nb, gqa * 8, 8, 1, nkv, kt, v_type=None if vt == kt else vt)
+        try:
+            c = dispatch.best_kernel(kern, L.facts(sh, arch=arch, plain=plain, mask_tiles=mask, kv_tma=tma))
+        except ValueError:
+            continue
+        if not c.on_gpu:
+            continue
+        t = F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
+        case = (dk, dv, kt, vt, gqa, nb, nkv, arch, kern, plain, mask, tma, c.kernel)
+        assert dispatch.supports(c.kernel, dk, dv, t) is None, case
+        assert kt == vt or t == F16, case   # one instance reads K and V of one type
+        assert arch == "sm_90" or c.kernel not in ("prefill-wgmma", "decode-tma"), case
+        assert plain or c.kernel not in ("prefill-wgmma", "decode-tma"), case
+        assert tma or not (c.kernel == "decode-tma" and t in (Q8, Q4)), case
+        cfg = L.launch_config(c.kernel, L.Shapes(dk, dv, nb, gqa * 8, 8, 1, nkv, t), blocks_per_sm=1, ext=not plain)
+        assert cfg.name in cfg.variant.names, case
+        seen.add((c.kernel, t == kt))
+    assert {k for k, _ in seen} == set(dispatch.GPU_KERNELS) and ("decode-tma", False) in seen
