@@ -122,22 +122,21 @@ def quiet_interrupts() -> None:
 # Ctrl-C. A KeyboardInterrupt raised while ggml runs a Python callback (the op's) is lost or
 # turned into an op error, depending on where it lands. So the tools' SIGINT handler only
 # sets a flag, and the runner raises KeyboardInterrupt between ubatches, where it is safe.
-_interrupt = {"flag": False, "term": False}
+_interrupt = {"flag": False}
 
 
 def install_sigint_flag() -> None:
-    """Ctrl-C (or SIGTERM) sets a flag that :func:`check_interrupt` turns into KeyboardInterrupt
-    (errors.Terminated for SIGTERM); a second one interrupts at once."""
+    """Ctrl-C (or SIGTERM, noted in errors.SIGTERM_SEEN for the exit code) sets a flag that
+    :func:`check_interrupt` turns into KeyboardInterrupt; a second one interrupts at once."""
     import signal
 
-    from .errors import SIGTERM_SEEN, Terminated
+    from .errors import SIGTERM_SEEN
 
     def handler(signum, frame):
-        term = signum == signal.SIGTERM
-        SIGTERM_SEEN["seen"] |= term
+        SIGTERM_SEEN["seen"] |= signum == signal.SIGTERM
         if _interrupt["flag"]:
-            raise Terminated if term or _interrupt["term"] else KeyboardInterrupt
-        _interrupt["flag"], _interrupt["term"] = True, term
+            raise KeyboardInterrupt
+        _interrupt["flag"] = True
 
     try:
         signal.signal(signal.SIGINT, handler)
@@ -161,10 +160,8 @@ def interruptible_sleep(seconds: float) -> None:
 def check_interrupt() -> None:
     """Raise KeyboardInterrupt when Ctrl-C was pressed since :func:`install_sigint_flag`."""
     if _interrupt["flag"]:
-        from .errors import Terminated
-        term = _interrupt["term"]
-        _interrupt["flag"] = _interrupt["term"] = False
-        raise Terminated if term else KeyboardInterrupt
+        _interrupt["flag"] = False
+        raise KeyboardInterrupt
 
 
 def console_main(prog: str, main_fn, argv=None) -> int:

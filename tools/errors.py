@@ -19,12 +19,8 @@ class UserError(Exception):
     """A mistake in what the user asked for; the message is printed as is, on one line."""
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM: the tools stop as for Ctrl-C (the rows finished so far printed), exit 143."""
-
-
-# set by the tools' SIGTERM handler (common.install_sigint_flag): the interrupt that ends the
-# run is a SIGTERM, whatever KeyboardInterrupt carries it up (graph.driver re-raises its own)
+# set by the tools' SIGTERM handler (common.install_sigint_flag), which then stops the run as
+# Ctrl-C does: the KeyboardInterrupt that ends it was a SIGTERM (exit 143, not 130)
 SIGTERM_SEEN = {"seen": False}
 
 
@@ -46,8 +42,8 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
         _say(fail_line(prog, str(e)))
         _drop_stdout()
         return EXIT_USER_ERROR
-    except KeyboardInterrupt as e:
-        if isinstance(e, Terminated) or SIGTERM_SEEN["seen"]:
+    except KeyboardInterrupt:
+        if SIGTERM_SEEN["seen"]:
             _say(f"{prog}: terminated")
             return EXIT_TERMINATED
         _say(f"{prog}: interrupted")
