@@ -161,3 +161,39 @@ def test_model_file_errors_come_before_any_output(gguf, capsys, tool, tmp_path):
                                     + extra)
         out = capsys.readouterr()
         assert rc == 2 and out.out == "" and out.err.count("\n") == 1 and words in out.err, (path, out)
+
+
+def test_output_rows_padded_to_a_power_of_two_share_a_structure(gguf, monkeypatch):
+    """Ragged prompts that end anywhere in a ubatch: the engine pads each ubatch's output rows
+    to a power of two (copies of the last), so ubatches of 3, 5, 6 or 7 endings share the
+    structure of 4 or 8; each prompt's logits (the real rows only) equal run_model_batch's."""
+    from ggml_attn.graph import Batch, build, split_ubatches
+    lengths = [1, 1, 6, 1, 1, 1, 1, 4, 1, 1, 1, 1, 1, 3, 1, 7]   # 8-token ubatches ending 3, 5, 6, 2 prompts
+    built = []
+    real = build.build_ubatch_graph
+
+    def counting(cache, plan, *a, **kw):
+        built.append(len(kw["out_rows"]))
+        return real(cache, plan, *a, **kw)
+    monkeypatch.setattr(build, "build_ubatch_graph", counting)
+    r = Runner(RunConfig(resolve(gguf), n_ctx=512, n_seq=len(lengths), kv_unified=True, split="simple",
+                         layer="model", n_ubatch=8, device="cpu", n_threads=2))
+    got, run = [], r.engine.run_ubatch
+
+    def run_ubatch(plan):
+        run(plan)
+        got.append(np.array(r.engine._keep[1]))
+    r.engine.run_ubatch = run_ubatch
+    batch = r.prompt_batch(lengths)
+    try:
+        r.decode(batch)
+    finally:
+        r.close()
+    assert [len(x) for x in got] == [3, 5, 6, 2] and built == [4, 8, 2], built   # 6 endings: 5's structure
+    model = load_gguf(gguf)
+    hp = model.hp
+    cache = KVCache(512, len(lengths), unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
+                    head_dim_k=hp.head_dim)
+    want = run_model_batch(cache, batch, model, 8, "simple").logits
+    assert len(split_ubatches(batch, 8, "simple")) == len(got)
+    assert reference.nmse(np.sort(np.concatenate(got), axis=0), np.sort(want, axis=0)) < 1e-10

@@ -87,6 +87,7 @@ class GraphEngine:
         self.model = self._load_model() if cfg.layer == "model" else None
         self.batch = None       # --layer model: the batch being decoded (its token ids); set by the runner
         self._want = (None, None)
+        self._n_out = 0         # --layer model: the current ubatch's real output rows (_model_rows)
         # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows, and no
         # ubatch has more rows than the cache has cells (a -ub of 100000000 must not allocate them)
         self.pool_width = width = max(m.n_embd_q, m.n_embd, m.n_embd_k, m.n_embd_v)
@@ -134,14 +135,21 @@ class GraphEngine:
         return model
 
     def _model_rows(self, plan):
-        """``(batch token ids, output rows of the ubatch)`` for ``--layer model``."""
+        """``(batch token ids, output rows of the ubatch, how many of them are real)`` for
+        ``--layer model``: the rows padded to a power of two with copies of the last one, so that
+        ubatches of 3, 5, 6 or 8 output rows (ragged prompts ending anywhere in a ubatch) share
+        one graph structure (a model graph is ~30 ms of host time to build on the H200's host)."""
         from ggml_attn.graph.model_runner import output_flags, output_rows
         batch = self.batch
         if batch is None:
             raise RuntimeError("--layer model: the engine was not handed the batch (engine.batch)")
         if self._want[0] is not batch:
             self._want = (batch, output_flags(batch))
-        return batch.tokens, output_rows(plan.ubatch, self._want[1])
+        rows = output_rows(plan.ubatch, self._want[1])
+        n = len(rows)
+        if n > 1 and n & (n - 1):
+            rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[-1], dtype=rows.dtype)])
+        return batch.tokens, rows, n
 
     def inputs(self, plan):
         """This ubatch's inputs from the pool, numpy order: ``x (n_tokens, n_embd)`` (full) or
@@ -176,7 +184,7 @@ class GraphEngine:
         key = build.graph_key(plan)
         tokens = out_rows = None
         if self.model is not None:
-            tokens, out_rows = self._model_rows(plan)
+            tokens, out_rows, self._n_out = self._model_rows(plan)
             key += (len(out_rows),)
         entry = self._graphs.pop(key, None) if cfg.flash_attn else None
         if entry is None:
@@ -229,6 +237,8 @@ class GraphEngine:
             m, last = self.m, g.output(-1)
             if cfg.layer == "attn":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
                 last = last.reshape(plan.n_stream, plan.n_tps, m.n_head, m.d_v)
+            elif cfg.layer == "model":   # the real output rows' logits (not the padding's)
+                last = last[:self._n_out]
             self._keep = (g.array(g.mask_t), last, g.kernel_plan)
             self._last_streams = (plan.slot.s0, plan.n_stream)
         except BaseException:
