@@ -232,26 +232,32 @@ def _flat_fields(struct, prefix=""):
     return out
 
 
+def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str, prelude: tuple = ()) -> None:
+    """Compile ``#include source``, the ``prelude`` lines and one static_assert(expr == value)
+    per check with NVRTC (front end only: no kernel is instantiated); fail naming the checks'
+    labels (a Python mirror differs from the C++ value)."""
+    lines = [f'#include "{source}"', *prelude] + [f'static_assert({e} == {v}, "{label}");' for e, v, label in checks]
+    nv = K._nvrtc()
+    prog = nv.createProgram("\n".join(lines), "mirror.cu", [], [])
+    try:
+        opts = ["-std=c++17", f"-arch={arch}", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
+        try:
+            nv.compileProgram(prog, opts)
+        except Exception as e:
+            pytest.fail(f"{source}: a Python mirror differs from the C++ value: {e}\n{nv.getProgramLog(prog)}")
+    finally:
+        nv.destroyProgram(prog)
+
+
 @pytest.mark.parametrize("struct, source", [("FattnParams", "fattn_common.cuh"), ("GemvParams", "dense.cu"),
                                             ("KVStoreParams", "dense.cu")])
 def test_params_struct_layouts_match_c(struct, source):
     """The ctypes mirror of each kernel parameter struct has the C layout: static_asserts of
     every member's offset and the size, compiled by NVRTC."""
     cls = getattr(K, struct)
-    lines = [f'#include "{source}"', f"__device__ {struct} probe_;"]
-    for path, off in _flat_fields(cls):
-        lines.append(f"static_assert(__builtin_offsetof({struct}, {path}) == {off}, \"{path}\");")
-    lines.append(f"static_assert(sizeof({struct}) == {ctypes.sizeof(cls)}, \"size\");")
-    nv = K._nvrtc()
-    prog = nv.createProgram("\n".join(lines), "layout.cu", [], [])
-    try:
-        opts = ["-std=c++17", "-arch=sm_80", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
-        try:
-            nv.compileProgram(prog, opts)
-        except Exception as e:
-            pytest.fail(f"{struct} layout mismatch: {e}\n{nv.getProgramLog(prog)}")
-    finally:
-        nv.destroyProgram(prog)
+    checks = [(f"__builtin_offsetof({struct}, {path})", off, path) for path, off in _flat_fields(cls)]
+    _static_asserts(source, checks + [(f"sizeof({struct})", ctypes.sizeof(cls), "size")], "sm_80",
+                    (f"__device__ {struct} probe_;",))
 
 
 def test_smem_fits_h200():
@@ -392,22 +398,6 @@ def test_cubins_are_whole_elf_files():
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b, 0x36)
     assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) == len(b)
     assert K.whole_cubin(b[:-1]) == b and K.whole_cubin(b) == b and K.whole_cubin(b"not elf") == b"not elf"
-
-
-def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str) -> None:
-    """Compile ``#include source`` and one static_assert(expr == value) per check with NVRTC
-    (front end only: no kernel is instantiated); fail naming the checks' labels."""
-    lines = [f'#include "{source}"'] + [f'static_assert({e} == {v}, "{label}");' for e, v, label in checks]
-    nv = K._nvrtc()
-    prog = nv.createProgram("\n".join(lines), "mirror.cu", [], [])
-    try:
-        opts = ["-std=c++17", f"-arch={arch}", f"-I{K.source_dir()}"] + [f"-I{d}" for d in K.cuda_include_dirs()]
-        try:
-            nv.compileProgram(prog, opts)
-        except Exception as e:
-            pytest.fail(f"{source}: a Python mirror differs from the C++ value: {e}\n{nv.getProgramLog(prog)}")
-    finally:
-        nv.destroyProgram(prog)
 
 
 def test_sm90a_shared_memory_mirrors_match_c():
