@@ -157,6 +157,16 @@ def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128):
     return q, views, deq, keep
 
 
+def _launch_within_bound(call, dst, exact) -> None:
+    """Launch a bound call whose output ``dst`` (CuPy, poisoned with NaN) must come out finite
+    and within NMSE_MAX of ``exact``; the prepared-call cache cleared after (instance knobs)."""
+    call.launch()
+    out = dst.get()
+    err = reference.nmse(out, exact)
+    assert np.isfinite(out).all() and err <= NMSE_MAX, err
+    cb._PREPARED.clear()
+
+
 # every quantized decode-tma instance of a type: "" (the op's, FOR_TYPE) and the A/B rows
 QUANT_CONFIGS = [(t, c) for t, name in ((GGML_TYPE_Q8_0, "q8_0"), (GGML_TYPE_Q4_0, "q4_0"))
                  for c in ("", *(k for k, v in dt.CONFIGS.items() if v.kv_type == t and k != dt.FOR_TYPE[t]))]
@@ -236,11 +246,7 @@ def test_decode_tma_hidden_blocks_may_hold_nan(kv_type, config, monkeypatch):
     plan = cb.make_plan(tm, n_batch, n_head, n_head_kv, kv_type=kv_type)
     dst = cp.full((1, n_batch, n_head, d), cp.nan, dtype=cp.float32)
     call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel="decode-tma", plan=plan)
-    call.launch()
-    out = dst.get()
-    err = reference.nmse(out, exact)
-    assert np.isfinite(out).all() and err <= NMSE_MAX, err
-    cb._PREPARED.clear()
+    _launch_within_bound(call, dst, exact)
     del keep
 
 
@@ -343,9 +349,5 @@ def test_mixed_pair_on_the_sm90a_decode(k_type, v_type):
     dst = cp.full((1, n_batch, n_head, 128), cp.nan, dtype=cp.float32)
     call = cb.bind(from_array(cp.asarray(q)), descs[0], descs[1], None, None, from_array(dst), 0.1)
     assert call.kern == "decode-tma" and len(call._pre) == sum(t != GGML_TYPE_F16 for t in (k_type, v_type))
-    call.launch()
-    out = dst.get()
-    err = reference.nmse(out, exact)
-    assert np.isfinite(out).all() and err <= NMSE_MAX, err
-    cb._PREPARED.clear()
+    _launch_within_bound(call, dst, exact)
     del keep
