@@ -293,7 +293,7 @@ def _main(argv=None) -> int:
                 runners.clear()
                 free_device_memory(device)
                 runners[split] = make(split)
-                warm_up(runners[split])
+                runners[split].warm_up()
         return runners[split]
 
     try:
@@ -304,14 +304,6 @@ def _main(argv=None) -> int:
     finally:
         for r in runners.values():
             r.close()
-
-
-def warm_up(r) -> None:
-    """One prompt of 16 tokens (llama-batched-bench's warm-up) and one decode step, so that
-    decode-shaped kernels load untimed too; the cache is cleared first."""
-    r.clear()
-    r.decode(r.prompt_batch([min(16, max(1, r.cache.kv_size // 2))]))
-    r.decode(r.step_batch([0]))
 
 
 def free_device_memory(device: str) -> None:
@@ -344,10 +336,10 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     printer.header()
     idx = 0
     try:
-        for split in splits:  # warm up every strategy once (warm_up)
+        for split in splits:  # warm up every strategy once (Runner.warm_up)
             r = runner_for(split)
             verbose.runner(r)
-            warm_up(r)
+            r.warm_up()
         for row in rows:
             for split in splits:  # side by side: every strategy on the same batch
                 idx += 1

@@ -86,7 +86,8 @@ class GraphEngine:
         self.weights = self._make_weights(rng) if cfg.layer == "full" else None
         self.model = self._load_model() if cfg.layer == "model" else None
         self.batch = None       # --layer model: the batch being decoded (its token ids); set by the runner
-        self._want = (None, None)
+        self.logits = "last"    # --layer model: which of its tokens get logits (model_runner.output_flags)
+        self._want = (None, None, None)   # (batch, logits, their flags)
         self._n_out = 0         # --layer model: the current ubatch's real output rows (_model_rows)
         # random input values, sliced per ubatch; split_equal may give n_ubatch + 1 rows, and no
         # ubatch has more rows than the cache has cells (a -ub of 100000000 must not allocate them)
@@ -143,9 +144,9 @@ class GraphEngine:
         batch = self.batch
         if batch is None:
             raise RuntimeError("--layer model: the engine was not handed the batch (engine.batch)")
-        if self._want[0] is not batch:
-            self._want = (batch, output_flags(batch))
-        rows = output_rows(plan.ubatch, self._want[1])
+        if self._want[0] is not batch or self._want[1] is not self.logits:
+            self._want = (batch, self.logits, output_flags(batch, self.logits))
+        rows = output_rows(plan.ubatch, self._want[2])
         n = len(rows)
         if n > 1 and n & (n - 1):
             rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[-1], dtype=rows.dtype)])
@@ -165,8 +166,12 @@ class GraphEngine:
         return (q.reshape(n_tok, m.n_head, m.head_dim), pool[: m.n_embd_k * n_tok].reshape(n_tok, m.n_embd_k),
                 pool[: m.n_embd_v * n_tok].reshape(n_tok, m.n_embd_v))
 
-    def run_ubatch(self, plan) -> None:
-        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer.
+    def run_ubatch(self, plan):
+        """Compute ``plan`` (``ggml_attn.graph.UBatchPlan``) through every layer. ``--layer model``
+        returns ``(token_idx, logits)``: int64 batch indices of the ubatch's tokens that got logits
+        (``logits``' flags) and their logits, an ``xp`` float32 ``(n_out, n_vocab)`` the next ubatch
+        of the same structure overwrites (read it on the engine's stream before then); other layers
+        return None.
 
         Built graphs are kept per structure (``build.graph_key``: tokens, streams, KV cells
         viewed, decode step or not) and reused by later ubatches of the same structure -- decode steps, until
@@ -176,9 +181,9 @@ class GraphEngine:
         the stream it was captured on (``cuda_graph``, on by default); other streams compute it through
         ggml's graph loop."""
         with self.stream if self.device else _NoStream():   # building, loading, computing: one stream
-            self._run_ubatch(plan)
+            return self._run_ubatch(plan)
 
-    def _run_ubatch(self, plan) -> None:
+    def _run_ubatch(self, plan):
         from ggml_attn.graph import build
         cfg = self.cfg
         key = build.graph_key(plan)
@@ -201,15 +206,21 @@ class GraphEngine:
             fresh = False
         g = entry.graph
         self._run(entry, g, plan, fresh)
+        out = None
+        if self.model is not None:
+            out = (plan.ubatch.token_idx[out_rows[:self._n_out]].astype(np.int64), self._keep[1])
         if not cfg.flash_attn:
+            if out is not None:   # the graph's memory goes now
+                out = (out[0], self.xp.array(out[1], copy=True))
             g.free()
-            return
+            return out
         self._graphs[key] = entry            # most recently used last
         others = [k for k, e in self._graphs.items() if not e.decode]
         while len(others) > self.max_other_graphs:   # oldest first
             self._graphs.pop(others.pop(0)).graph.free()
         while len(self._graphs) > self.max_graphs:
             self._graphs.pop(next(iter(self._graphs))).graph.free()
+        return out
 
     def _run(self, entry, g, plan, fresh: bool) -> None:
         """Inputs, then a replay, a capture or a plain compute (on the engine's stream)."""

@@ -48,3 +48,37 @@ def draw_plot(path: str, results: list[dict], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def serve_label(r: dict) -> str:
+    """A serve-bench strategy: split, KV mode and prompt budget."""
+    budget = "whole" if r["prompt_budget"] == 0 else r["prompt_budget"]
+    return f"{r['split']} kvu={int(bool(r['kv_unified']))} budget={budget}"
+
+
+def draw_serve_plot(path: str, results: list[dict], title: str) -> None:
+    """``ggml-attn-serve-bench --plot``: ITL p99 (ms) against output tokens/s, one line per
+    strategy through its rates (a rate sweep), and TTFT p50 beside it."""
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    labels = list(dict.fromkeys(serve_label(r) for r in results))
+    for lab in labels:
+        pts = sorted((r for r in results if serve_label(r) == lab),
+                     key=lambda r: math.inf if r["rate"] is None else r["rate"])
+        x = [r["out_tok_per_s"] for r in pts]
+        for ax, key in ((axes[0], "itl_ms_p99"), (axes[1], "ttft_ms_p50")):
+            ax.plot(x, [r[key] for r in pts], marker="o", label=lab)
+    for ax, name in ((axes[0], "ITL p99 (ms)"), (axes[1], "TTFT p50 (ms)")):
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -12,14 +12,14 @@ from tqdm import tqdm
 
 
 class ProgressBar:
-    def __init__(self, total: int, desc: str, *, file=None, enabled: bool | None = None):
+    def __init__(self, total: int, desc: str, *, file=None, enabled: bool | None = None, unit: str = "run"):
         self.file = file if file is not None else sys.stderr
         if enabled is None:
             isatty = getattr(self.file, "isatty", None)
             enabled = bool(isatty and isatty())
         self.enabled = enabled
         # a run takes long next to a redraw: redraw on every update (mininterval=0)
-        self.bar = tqdm(total=total, desc=desc, unit="run", file=self.file, disable=not enabled,
+        self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, disable=not enabled,
                         leave=False, dynamic_ncols=True, mininterval=0, miniters=1)
 
     def update(self, what: str = "") -> None:

@@ -332,21 +332,34 @@ class Runner:
                          f"(use -kvu or another --split)")
 
     # ------------------------------------------------------------ compute
-    def decode(self, batch, *, sync: bool = True) -> DecodeStats:
+    def decode(self, batch, *, sync: bool = True, logits=None, on_logits=None) -> DecodeStats:
         """Process ``batch`` like ``llama_decode`` in n_batch views (``graph.driver.decode``);
         returns what it did. A failed ubatch is rolled back and its cause raised (Ctrl-C as
         ``graph.driver.BatchInterrupted``). ``sync``: return after the device finished; with
         False the device may still be computing (the next step's host work overlaps it, as
         llama.cpp's decode does; a timer or :meth:`synchronize` waits for it): read nothing
-        the device writes (cache, outputs) before :meth:`synchronize`."""
+        the device writes (cache, outputs) before :meth:`synchronize`.
+
+        ``--layer model``: ``logits`` flags the tokens that get logits (bool ``(batch.n_tokens,)``;
+        None: each sequence's last token, ``model_runner.output_flags``), and ``on_logits(idx,
+        logits)`` is called after each ubatch with the int64 batch indices of its flagged tokens
+        and their logits (an ``xp`` array valid until the next ubatch: ``GraphEngine.run_ubatch``)."""
         g = _graph()
         stats = DecodeStats()
         acfg = self.attn_config()
+        start = 0
         for view in _batch_views(batch, self.cfg.n_batch):
             self.engine.batch = view   # --layer model: the token ids and which rows get logits
+            self.engine.logits = "last" if logits is None else logits[start:start + view.n_tokens]
+            done = None
+            if on_logits is not None:
+                def done(plan, res, start=start):
+                    if res is not None:
+                        on_logits(res[0] + start, res[1])
+            start += view.n_tokens
             try:
                 plans = g.driver.decode(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.engine, acfg,
-                                        on_error=self._user_error, before_ubatch=check_interrupt)
+                                        on_error=self._user_error, before_ubatch=check_interrupt, on_done=done)
             except g.BatchError as e:  # the cache holds the ubatches before it; report the cause
                 raise e.__cause__ from None
             for plan in plans:
@@ -358,6 +371,13 @@ class Runner:
             self.engine.synchronize()
         check_interrupt()
         return stats
+
+    def warm_up(self) -> None:
+        """One prompt of 16 tokens (llama-batched-bench's warm-up) and one decode step, so that
+        decode-shaped kernels load untimed too; the cache is cleared first."""
+        self.clear()
+        self.decode(self.prompt_batch([min(16, max(1, self.cache.kv_size // 2))]))
+        self.decode(self.step_batch([0]))
 
     def synchronize(self) -> None:
         """Wait until the device finished everything decoded so far."""

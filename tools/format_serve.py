@@ -1,0 +1,204 @@
+"""Rows of ``ggml-attn-serve-bench``: what a served trace measured, and its md, csv, json and
+jsonl forms.
+
+A row is one (rate, split, KV mode, prompt budget) run of the trace; with ``-r N`` the trace
+is served N times and latencies are pooled (every request's TTFT, every token's ITL), rates are
+the mean of the runs (``_stddev`` beside them). :data:`TERMS` says what each column means.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+
+import numpy as np
+
+FORMATS = ("md", "csv", "json", "jsonl")
+PCTS = (50, 90, 99)
+
+# every key of a row, in order: the result, then every input needed to run it again
+KEYS = ["rate", "split", "kv_unified", "prompt_budget", "n_slots",
+        "n_requests", "n_done", "n_refused", "elapsed_s", "req_per_s", "out_tok_per_s", "prompt_tok_per_s",
+        "out_tok_per_s_stddev",
+        "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "itl_ms_max",
+        "queue_ms_p50", "steps", "mixed_share", "ub_per_step", "n_pad", "kv_cells_peak", "busy_share",
+        "repetitions", "model", "device", "path", "layer", "kernel", "n_ctx", "n_batch", "n_ubatch",
+        "type_k", "type_v", "trace", "prompt_dist", "gen_dist", "seed", "n_threads"]
+
+# md: (header, key, width, format); negative width: left-aligned
+_MD = [("rate", "rate", 6, "rate"), ("split", "split", -7, "s"), ("KVU", "kv_unified", 3, "b"),
+       ("budget", "prompt_budget", 6, "budget"), ("req/s", "req_per_s", 7, ".2f"),
+       ("out t/s", "out_tok_per_s", 9, "speed"), ("TTFT p50", "ttft_ms_p50", 9, ".1f"),
+       ("p90", "ttft_ms_p90", 8, ".1f"), ("p99", "ttft_ms_p99", 8, ".1f"),
+       ("ITL p50", "itl_ms_p50", 8, ".2f"), ("p90", "itl_ms_p90", 8, ".2f"), ("p99", "itl_ms_p99", 8, ".2f"),
+       ("mixed", "mixed_share", 6, "pct"), ("UB/step", "ub_per_step", 7, ".2f"), ("PAD", "n_pad", 6, "d"),
+       ("KV peak", "kv_cells_peak", 8, "d"), ("done", "done", 7, "s")]
+
+TERMS = (
+    "Columns: rate: requests per second of the Poisson arrivals (inf: all at once; trace: the "
+    "trace's own times). split, KVU: the ubatch split strategy and whether the KV cache is one "
+    "buffer for all sequences (1) or one stream per sequence (0; simple always runs unified). "
+    "budget: prompt tokens a step may carry (a step never exceeds -b tokens in all; 0: whole "
+    "prompts). req/s and out t/s: finished requests and generated tokens per second of the run "
+    "(first arrival to last token). TTFT: time to first token (arrival to the token its prompt's "
+    "last step samples), ms, percentiles over requests. ITL: inter-token latency, ms between one "
+    "request's consecutive tokens, percentiles over all of them. mixed: share of steps that "
+    "carried prompt and decode tokens together. UB/step: ubatches (graph evaluations) per step. "
+    "PAD: pad rows computed and dropped (padded, auto). KV peak: KV cells holding tokens after a "
+    "step, at most. done: finished of all requests (the rest were refused: too long for a "
+    "sequence's cells).")
+
+
+def percentile(values, q: float) -> float:
+    """numpy's linear percentile of ``values``; NaN when there are none."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else math.nan
+
+
+def row_of(runs: list[dict], inputs: dict) -> dict:
+    """A row from ``runs`` (one dict per repetition: ``requests`` (served
+    ``graph.serve.ServeRequest``), ``stats`` (``graph.serve.ServeStats``)) and ``inputs``
+    (the keys of :data:`KEYS` that describe the run)."""
+    ttft, itl, queue = [], [], []
+    rates, out_rates, prompt_rates, req_rates = [], [], [], []
+    steps = mixed = ubs = pads = peak = 0
+    busy = elapsed = 0.0
+    n_done = n_refused = 0
+    for run in runs:
+        st, reqs = run["stats"], run["requests"]
+        done = [r for r in reqs if r.refused is None]
+        n_done += len(done)
+        n_refused += len(reqs) - len(done)
+        ttft += [r.ttft for r in done]
+        queue += [r.admitted - r.arrival for r in done]
+        for r in done:
+            itl += r.itl
+        n_out = sum(len(r.tokens) for r in done)
+        span = st.elapsed if st.elapsed > 0 else math.nan
+        out_rates.append(n_out / span)
+        req_rates.append(len(done) / span)
+        prompt_rates.append(st.n_prompt_tokens / span)
+        steps += st.n_steps
+        mixed += st.n_mixed
+        ubs += st.counts.get("ubatches", 0)
+        pads += st.counts.get("pads", 0)
+        peak = max(peak, st.cells_peak)
+        busy += st.busy
+        elapsed += st.elapsed
+    n = len(runs)
+    row = dict(inputs)
+    row.update(n_done=n_done // n, n_refused=n_refused // n, elapsed_s=elapsed / n,
+               req_per_s=statistics.fmean(req_rates), out_tok_per_s=statistics.fmean(out_rates),
+               prompt_tok_per_s=statistics.fmean(prompt_rates),
+               out_tok_per_s_stddev=statistics.stdev(out_rates) if n > 1 else 0.0,
+               queue_ms_p50=percentile(queue, 50) * 1e3,
+               steps=steps // n, mixed_share=mixed / steps if steps else 0.0,
+               ub_per_step=ubs / steps if steps else 0.0, n_pad=pads // n, kv_cells_peak=peak,
+               busy_share=busy / elapsed if elapsed > 0 else 0.0, repetitions=n,
+               itl_ms_max=max(itl) * 1e3 if itl else math.nan)
+    for q in PCTS:
+        row[f"ttft_ms_p{q}"] = percentile(ttft, q) * 1e3
+        row[f"itl_ms_p{q}"] = percentile(itl, q) * 1e3
+    return row
+
+
+def _json_value(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, np.generic):
+        return v.item()
+    return v
+
+
+def row_json(row: dict) -> dict:
+    return {k: _json_value(row.get(k)) for k in KEYS}
+
+
+def _md_cell(row: dict, key: str, fmt: str) -> str:
+    if key == "done":
+        return f"{row['n_done']}/{row['n_requests']}"
+    v = row.get(key)
+    if fmt == "rate":
+        return "trace" if v is None else ("inf" if math.isinf(v) else f"{v:g}")
+    if fmt == "b":
+        return str(int(bool(v)))
+    if fmt == "budget":
+        return "whole" if v == 0 else str(v)
+    if fmt == "pct":
+        return f"{100 * v:.0f}%"
+    if fmt == "speed":
+        sd = row.get("out_tok_per_s_stddev", 0.0)
+        return f"{v:.2f} ± {sd:.2f}" if row.get("repetitions", 1) > 1 else f"{v:.2f}"
+    if fmt == "s":
+        return str(v)
+    if isinstance(v, float) and math.isnan(v):
+        return "-"
+    return format(v, fmt)
+
+
+class Printer:
+    def __init__(self, out):
+        self.out = out
+
+    def header(self):
+        pass
+
+    def row(self, row: dict):
+        raise NotImplementedError
+
+    def footer(self):
+        pass
+
+    def _write(self, text: str):
+        self.out.write(text)
+        self.out.flush()
+
+
+class MarkdownPrinter(Printer):
+    def header(self):
+        self.widths = [max(abs(w), len(h)) * (1 if w > 0 else -1) for h, _, w, _ in _MD]
+        cells = [h.ljust(abs(w)) if w < 0 else h.rjust(w) for (h, _, _, _), w in zip(_MD, self.widths)]
+        self._write("| " + " | ".join(cells) + " |\n")
+        self._write("|" + "|".join(("-" * (abs(w) + 1) + ":") if w > 0 else ("-" * (abs(w) + 2))
+                                   for w in self.widths) + "|\n")
+
+    def row(self, row):
+        cells = []
+        for (_, key, _, fmt), w in zip(_MD, self.widths):
+            text = _md_cell(row, key, fmt)
+            cells.append(text.ljust(abs(w)) if w < 0 else text.rjust(w))
+        self._write("| " + " | ".join(cells) + " |\n")
+
+
+class CsvPrinter(Printer):
+    def header(self):
+        self._write(",".join(KEYS) + "\n")
+
+    def row(self, row):
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(["" if v is None else v for v in row_json(row).values()])
+        self._write(buf.getvalue())
+
+
+class JsonPrinter(Printer):
+    def header(self):
+        self.first = True
+        self._write("[\n")
+
+    def row(self, row):
+        body = "\n".join("  " + line for line in json.dumps(row_json(row), indent=2).splitlines())
+        self._write(("" if self.first else ",\n") + body)
+        self.first = False
+
+    def footer(self):
+        self._write("\n]\n")
+
+
+class JsonlPrinter(Printer):
+    def row(self, row):
+        self._write(json.dumps(row_json(row)) + "\n")
+
+
+def make_printer(fmt: str, out) -> Printer:
+    return {"md": MarkdownPrinter, "csv": CsvPrinter, "json": JsonPrinter, "jsonl": JsonlPrinter}[fmt](out)

@@ -1,0 +1,318 @@
+"""``ggml-attn-serve-bench``: requests that arrive over time, served by an engine loop that
+mixes prompt tokens with decode steps, for each way of forming ubatches; throughput against
+time to first token (TTFT) and inter-token latency (ITL).
+
+Each step of the loop (``ggml_attn.graph.serve``) is one batch: a decode token of every
+generating request, then prompt tokens of admitted requests up to ``--prompt-budget`` (a step
+never past ``-b`` tokens: llama-server's rule; 0 = whole prompts). The batch goes through the
+split strategy (``--split``), the KV cache (unified or per-stream, ``-kvu``), the plan and the
+graph -- the path of every batch here -- and the next token of every request that asked for one
+is its argmax (a ``.gguf``'s own logits) or, on a preset (shapes, random weights), a made-up id.
+Requests arrive from ``--trace FILE.jsonl`` or as a Poisson process (``--rate``, a list sweeps
+it); a request longer than a sequence's cells is refused with a note and the others go on::
+
+    ggml-attn-serve-bench --rate 4,16,inf --split all
+    ggml-attn-serve-bench -m model.gguf --trace bench/traces/sample.jsonl -np 64 -kvu --plot serve.png
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+
+from ggml_attn.graph.batch import MAX_SEQ
+
+from . import format_serve as fs
+from . import plot
+from .args import (Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one)
+from .batched_rows import strategy_kv
+from .common import Progress, check_interrupt, console_main, default_threads
+from .errors import UserError
+from .format_bench import attention_path
+from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .output import SafeWriter, save_error
+from .progress import ProgressBar
+from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel, check_threads, default_split,
+                     effective_ubatch, kernel_help, resolve_device)
+from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
+from .verbose import Verbose
+
+PROG = "ggml-attn-serve-bench"
+ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
+DEFAULT_SLOTS = 64
+
+
+def build_parser() -> Parser:
+    p = Parser(prog=PROG, description=(
+        "Serve requests that arrive over time (a trace or Poisson arrivals) with an engine loop "
+        "that mixes prompt tokens with decode steps, for each ubatch split strategy and KV mode; "
+        "report throughput, time to first token and inter-token latency. Lists take commas."))
+    p.add_argument("-m", "--model", type=str, default="auto", metavar="NAME|FILE.gguf",
+                   help=f"model preset ({', '.join(PRESETS)}) or a .gguf (its own weights: greedy tokens "
+                        f"from its logits); auto: {DEFAULT_CPU_MODEL} on the CPU, {DEFAULT_GPU_MODEL} on a "
+                        f"GPU (default: auto)")
+    p.add_argument("--trace", metavar="FILE.jsonl", default=None,
+                   help="requests from a JSON-lines trace (arrival s, prompt_len or prompt ids, n_predict; "
+                        "bench/traces/sample.jsonl is one); replaces --rate and the length ranges")
+    p.add_argument("--rate", type=parse_rates, default=None, metavar="R",
+                   help="Poisson arrivals, requests per second; a list sweeps it (e.g. 2,4,8,16); inf: "
+                        "all requests at once (default: 8,inf)")
+    p.add_argument("-n", "--n-requests", type=int_at_least(1, hi=100000), default=64, metavar="N",
+                   help="requests of a --rate workload (default: 64)")
+    p.add_argument("--prompt-dist", type=lambda t: parse_dist(t, "--prompt-dist"), default=(16, 200),
+                   metavar="MIN-MAX", help="prompt tokens of a --rate workload, uniform (default: 16-200)")
+    p.add_argument("--gen-dist", type=lambda t: parse_dist(t, "--gen-dist"), default=(32, 256),
+                   metavar="MIN-MAX", help="generated tokens per request, uniform (default: 32-256)")
+    p.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="seed of the arrivals, lengths, made-up token ids and inputs (default: 0)")
+    p.add_argument("-np", "--max-concurrent", type=int_at_least(1, hi=MAX_SEQ), default=0, metavar="N",
+                   help=f"requests served at once (llama-server's -np slots: sequence ids); 0: "
+                        f"min(requests, {DEFAULT_SLOTS}) (default: 0)")
+    add_list(p, "--prompt-budget", type=int_range(), default=[], metavar="N",
+             help="prompt tokens a step may carry after its decode tokens, a list; a step never "
+                  "exceeds -b tokens in all; 0: whole prompts, every admitted prompt in the next step "
+                  "(cut into -b pieces as llama_decode cuts a batch) (default: -b, llama-server's rule)")
+    p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                   help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
+                        "sequence (0) (default: 0)")
+    add_list(p, "--split", type=choice_list(ALL_SPLITS + ("all",)), default=[""], metavar="MODE",
+             help="ubatch split: simple|equal|seq|padded|auto, a list, or all; simple always runs on a "
+                  "unified KV cache; default: simple with -kvu, equal without (as llama.cpp)")
+    p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
+    p.add_argument("--layer", choices=LAYERS, default=None,
+                   help="attn: attention only; full: with projections and FFN (random weights); model: a "
+                        ".gguf's own weights (default: model with -m FILE.gguf, else attn)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
+                   help="on the GPU, replay repeated step shapes as CUDA graphs (default: on)")
+    p.add_argument("-fa", "--flash-attn", type=parse_fa_one, default="auto", metavar="on|off|auto",
+                   help="on/auto: ggml_attn.flash_attn_ext; off: ggml's mul_mat+soft_max (default: auto)")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: sized automatically)"), default=0, metavar="N",
+                   help="KV cells in all (per-stream: -c / -np per sequence); 0: room for -np of the "
+                        "longest request (default: 0)")
+    p.add_argument("-b", "--batch-size", type=int_at_least(1), default=2048, metavar="N",
+                   help="logical batch size: tokens of a step at most (default: 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int_at_least(1), default=512, metavar="N",
+                   help="physical batch size (default: 512)")
+    p.add_argument("-ctk", "--cache-type-k", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help=f"K cache type: {'|'.join(CACHE_TYPES)}; {', '.join(GPU_TYPES)} on the GPU "
+                        f"(default: f16)")
+    p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
+                   help="V cache type, as -ctk (default: f16)")
+    p.add_argument("-t", "--threads", type=int_at_least(1), default=default_threads(), metavar="N",
+                   help=f"CPU threads (default: {default_threads()})")
+    p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
+                   help="override the model's number of layers")
+    p.add_argument("-r", "--repetitions", type=int_at_least(1, hi=1000), default=1, metavar="N",
+                   help="serve the trace N times per row; latencies pooled, rates averaged (default: 1)")
+    p.add_argument("--warmup", action="store_true",
+                   help="serve each row's trace once untimed first (its step shapes built and captured, "
+                        "as in a server that has seen such traffic); default: one short warm-up per strategy")
+    p.add_argument("-o", "--output", "--output-format", choices=fs.FORMATS, default="md",
+                   help="output format on stdout: md, csv, json or jsonl (default: md)")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="draw ITL p99 against output tokens/s per strategy into OUT.png, a point per "
+                        "rate (needs matplotlib)")
+    p.add_argument("--save-trace", metavar="FILE.jsonl", default=None,
+                   help="write the requests of each rate (a --rate workload) to FILE.jsonl (FILE-RATE.jsonl "
+                        "for several rates), to replay them elsewhere (tools/dev/llamaserver_side_by_side.py)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="describe each strategy's model, KV cache and batch sizes on stderr")
+    p.add_argument("--progress", action="store_true",
+                   help="print a line per row on stderr (without it a progress bar shows when stderr "
+                        "is a terminal)")
+    p.epilog = fs.TERMS
+    return p
+
+
+def splits_of(ns) -> list[str]:
+    out = []
+    for s in ns.split:
+        for x in (ALL_SPLITS if s == "all" else [s or default_split(ns.kv_unified)]):
+            if x not in out:
+                out.append(x)
+    return out
+
+
+def workloads(ns) -> list[tuple[float | None, list]]:
+    """``[(rate or None for a trace file, [TraceRequest])]``."""
+    if ns.trace is not None:
+        if ns.rate is not None:
+            raise UserError("--trace gives the arrival times; --rate is for a synthetic workload, not both")
+        return [(None, load_trace(ns.trace))]
+    rates = ns.rate or [8.0, math.inf]
+    return [(rate, synth_trace(rate, ns.n_requests, ns.prompt_dist, ns.gen_dist, ns.seed)) for rate in rates]
+
+
+def save_traces(path: str, loads) -> None:
+    for rate, reqs in loads:
+        out = path
+        if len(loads) > 1:
+            stem, dot, ext = path.rpartition(".")
+            tag = "inf" if math.isinf(rate) else f"{rate:g}"
+            out = f"{stem}-{tag}.{ext}" if dot else f"{path}-{tag}"
+        try:
+            write_trace(out, reqs)
+        except OSError as e:
+            raise save_error(out, e) from None
+        print(f"{PROG}: wrote {out}", file=sys.stderr)
+
+
+def make_step_fn(runner: Runner, model_logits: bool, n_vocab: int):
+    """``graph.serve``'s step function on ``runner``: the step's batch through ``Runner.decode``,
+    then every flagged token's next id -- the argmax of its logits (on the engine's stream, only
+    the ids copied back) or, without logits (a preset), a made-up id -- and the step's counts."""
+    engine = runner.engine
+    stream = getattr(engine, "stream", None)
+    xp = runner.cache.xp
+
+    def step_fn(step):
+        want = step.want
+        where = np.full(want.size, -1, dtype=np.int64)
+        where[want] = np.arange(int(want.sum()))
+        got = []
+
+        def on_logits(idx, logits):
+            with stream if stream is not None else nullcontext():
+                got.append((where[idx], xp.argmax(logits, axis=1)))
+
+        st = runner.decode(step.batch, sync=False, logits=want, on_logits=on_logits if model_logits else None)
+        runner.synchronize()
+        if model_logits:
+            out = np.zeros(int(want.sum()), dtype=np.int64)
+            for rows, ids in got:
+                out[rows] = ids if xp is np else xp.asnumpy(ids)
+        else:   # a preset: any id in the vocabulary (attention does not read it)
+            b = step.batch
+            out = (b.tokens[want].astype(np.int64) * 31 + b.positions[want] + 7) % n_vocab
+        return out, dict(ubatches=st.n_ubatches, pads=st.n_pad)
+
+    return step_fn
+
+
+def main(argv=None) -> int:
+    """Console-script entry: user mistakes -> one line on stderr and exit 2."""
+    return console_main(PROG, _main, argv)
+
+
+def _main(argv=None) -> int:
+    from ggml_attn.graph.kv_cache import KV_PAD, pad_to
+    from ggml_attn.graph.serve import ServeRequest, cells_needed
+    from .serve_trace import SYNTH_VOCAB
+
+    ns = build_parser().parse_args(argv)
+    ns.ubatch_size = effective_ubatch(ns.batch_size, ns.ubatch_size)
+    check_threads(ns.threads)
+    plot.check_plot_available(ns.plot)
+    device = resolve_device(ns.device)
+    check_kernel(ns.kernel, ns.flash_attn != "off", device)
+    name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
+    model = with_layers(resolve(name), ns.n_layer)
+    if ns.layer is None:
+        ns.layer = "model" if model.source.lower().endswith(".gguf") else "attn"
+    check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
+                      head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel)
+    budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
+    loads = workloads(ns)
+    if ns.save_trace:
+        if ns.trace is not None:
+            raise UserError("--save-trace writes a --rate workload's requests; --trace is a file already")
+        save_traces(ns.save_trace, loads)
+    model_logits = ns.layer == "model"
+    n_vocab = model.n_vocab if model_logits else SYNTH_VOCAB
+    # the requests of every workload, token ids made once (the same for every strategy)
+    served = [(rate, [ServeRequest(i, r.arrival, prompt_tokens(i, r, n_vocab, ns.seed), r.n_predict)
+                      for i, r in enumerate(reqs)]) for rate, reqs in loads]
+    n_req_max = max(len(reqs) for _, reqs in served)
+    n_slots = ns.max_concurrent or min(n_req_max, DEFAULT_SLOTS)
+    longest = max(cells_needed(r.n_prompt, r.n_predict) for _, reqs in served for r in reqs)
+    # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
+    # plus one ubatch of pad rows on a unified cache
+    n_ctx = ns.ctx_size or n_slots * pad_to(longest, KV_PAD) + ns.ubatch_size
+    splits = splits_of(ns)
+    path = attention_path(device, ns.flash_attn, ns.kernel)
+    configs = {split: RunConfig(   # every check (the model file's too), before any output
+        model, n_ctx=n_ctx, n_seq=n_slots, kv_unified=strategy_kv(split, ns.kv_unified), split=split,
+        n_batch=ns.batch_size, n_ubatch=ns.ubatch_size, flash_attn=ns.flash_attn != "off", kernel=ns.kernel,
+        layer=ns.layer, device=device, n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k,
+        type_v=ns.cache_type_v, cuda_graph=ns.cuda_graph == "on") for split in splits}
+    runners: dict = {}
+    try:
+        return _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model, device, path)
+    finally:
+        for r in runners.values():
+            r.close()
+
+
+def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model, device, path) -> int:
+    from ggml_attn.graph.serve import Scheduler, serve
+
+    verbose = Verbose(PROG, ns.verbose)
+    rows_total = len(served) * len(budgets) * len(splits)
+    reps = ns.repetitions + int(ns.warmup)
+    bar = ProgressBar(sum(len(reqs) for _, reqs in served) * len(budgets) * len(splits) * reps, PROG,
+                      enabled=False if ns.progress else None, unit="req")
+    printer = fs.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)))
+    progress = Progress(PROG, ns.progress, rows_total)
+    results = []
+    printer.header()
+    idx = 0
+    try:
+        for split in splits:
+            runners[split] = r = Runner(configs[split])
+            verbose.runner(r)
+            r.warm_up()
+        for rate, reqs in served:
+            for budget in budgets:
+                for split in splits:
+                    idx += 1
+                    runner = runners[split]
+                    kvu = runner.cfg.kv_unified
+                    what = (f"rate {'trace' if rate is None else f'{rate:g}'} split {split} kvu {int(kvu)} "
+                            f"budget {budget or 'whole'}")
+                    progress(idx, f"starting {what}")
+                    step_fn = make_step_fn(runner, ns.layer == "model", n_vocab)
+                    runs = []
+                    for rep in range(reps):
+                        runner.clear()
+                        sched = Scheduler(runner.cache, n_slots, n_batch=ns.batch_size, prompt_budget=budget)
+                        refused = []
+                        stats = serve(reqs, sched, step_fn, on_finish=lambda r: bar.update(what),
+                                      on_refuse=lambda r: (refused.append(r), bar.update(what)),
+                                      before_step=check_interrupt)
+                        if refused and rep == 0:
+                            print(f"{PROG}: {what}: {len(refused)} of {len(reqs)} request(s) refused, the "
+                                  f"others served: {refused[0].refused}" + (" (and more)" if len(refused) > 1 else ""),
+                                  file=sys.stderr, flush=True)
+                        if ns.warmup and rep == 0:
+                            continue
+                        runs.append(dict(requests=[copy.copy(r) for r in reqs], stats=stats))
+                    row = fs.row_of(runs, dict(
+                        rate=rate, split=split, kv_unified=kvu, prompt_budget=budget, n_slots=n_slots,
+                        n_requests=len(reqs), model=model.name, device=device, path=path, layer=ns.layer,
+                        kernel=ns.kernel, n_ctx=runner.cfg.n_ctx, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+                        type_k=ns.cache_type_k, type_v=ns.cache_type_v, trace=ns.trace,
+                        prompt_dist=None if ns.trace else "-".join(map(str, ns.prompt_dist)),
+                        gen_dist=None if ns.trace else "-".join(map(str, ns.gen_dist)),
+                        seed=ns.seed, n_threads=ns.threads))
+                    printer.row(row)
+                    results.append(row)
+    finally:
+        bar.close()
+        printer.footer()
+    if ns.plot and results:
+        try:
+            plot.draw_serve_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, {n_slots} slots")
+        except OSError as e:
+            raise save_error(ns.plot, e) from None
+        print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
