@@ -156,8 +156,14 @@ class Printer:
 
 
 class MarkdownPrinter(Printer):
+    def __init__(self, out, repetitions: int = 1):
+        super().__init__(out)
+        self.repetitions = repetitions
+
     def header(self):
-        self.widths = [max(abs(w), len(h)) * (1 if w > 0 else -1) for h, _, w, _ in _MD]
+        def width(h, fmt, w):   # "mean ± stddev" with several repetitions
+            return 19 if fmt == "speed" and self.repetitions > 1 else max(abs(w), len(h))
+        self.widths = [width(h, fmt, w) * (1 if w > 0 else -1) for h, _, w, fmt in _MD]
         cells = [h.ljust(abs(w)) if w < 0 else h.rjust(w) for (h, _, _, _), w in zip(_MD, self.widths)]
         self._write("| " + " | ".join(cells) + " |\n")
         self._write("|" + "|".join(("-" * (abs(w) + 1) + ":") if w > 0 else ("-" * (abs(w) + 2))
@@ -200,5 +206,7 @@ class JsonlPrinter(Printer):
         self._write(json.dumps(row_json(row)) + "\n")
 
 
-def make_printer(fmt: str, out) -> Printer:
-    return {"md": MarkdownPrinter, "csv": CsvPrinter, "json": JsonPrinter, "jsonl": JsonlPrinter}[fmt](out)
+def make_printer(fmt: str, out, repetitions: int = 1) -> Printer:
+    if fmt == "md":
+        return MarkdownPrinter(out, repetitions)
+    return {"csv": CsvPrinter, "json": JsonPrinter, "jsonl": JsonlPrinter}[fmt](out)

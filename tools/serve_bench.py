@@ -257,7 +257,7 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     reps = ns.repetitions + int(ns.warmup)
     bar = ProgressBar(sum(len(reqs) for _, reqs in served) * len(budgets) * len(splits) * reps, PROG,
                       enabled=False if ns.progress else None, unit="req")
-    printer = fs.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)))
+    printer = fs.make_printer(ns.output, SafeWriter(bar.writer(sys.stdout)), ns.repetitions)
     progress = Progress(PROG, ns.progress, rows_total)
     results = []
     printer.header()

@@ -1,0 +1,186 @@
+"""ggml-attn-serve-bench in process: the sample trace, rows and their formats, workloads,
+refusals and errors."""
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import fixtures_gguf
+from ggml_attn.cli import format_serve, serve_bench
+from ggml_attn.cli.serve_trace import load_trace, synth_trace
+
+SAMPLE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "sample.jsonl"
+CPU = ["--device", "cpu", "-t", "2"]
+
+
+def _run(capsys, *args):
+    rc = serve_bench.main(list(args) + CPU)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _rows(out):
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_sample_trace_on_the_tiny_preset(capsys):
+    """The sample trace (64 requests, prompts 16-200, outputs 32-256) as the docs run it."""
+    trace = load_trace(str(SAMPLE))
+    assert len(trace) == 64
+    rc, out, err = _run(capsys, "--trace", str(SAMPLE), "-o", "jsonl")
+    assert rc == 0, err
+    (row,) = _rows(out)
+    assert row["rate"] is None and row["trace"] == str(SAMPLE) and row["model"] == "tiny"
+    assert (row["n_done"], row["n_refused"], row["n_slots"]) == (64, 0, 64)
+    assert row["split"] == "equal" and row["kv_unified"] is False and row["prompt_budget"] == 2048
+    n_out = sum(r.n_predict for r in trace)
+    assert row["out_tok_per_s"] == pytest.approx(n_out / row["elapsed_s"])
+    assert row["prompt_tok_per_s"] == pytest.approx(sum(r.prompt_len for r in trace) / row["elapsed_s"])
+    for what in ("ttft", "itl"):
+        p50, p90, p99 = (row[f"{what}_ms_p{q}"] for q in (50, 90, 99))
+        assert 0 < p50 <= p90 <= p99
+    assert row["itl_ms_p99"] <= row["itl_ms_max"]
+    assert 0 < row["mixed_share"] < 1 and row["ub_per_step"] >= 1
+    # every request's cells at once at most, and every prompt's at least once
+    assert max(r.prompt_len for r in trace) <= row["kv_cells_peak"] <= sum(r.prompt_len + r.n_predict for r in trace)
+    assert row["steps"] >= max(r.n_predict for r in trace)
+
+
+def test_every_split_side_by_side_with_budgets(capsys):
+    rc, out, _ = _run(capsys, "--rate", "inf", "-n", "6", "--gen-dist", "2-4", "--prompt-dist", "3-30",
+                      "--split", "all", "--prompt-budget", "0,8", "-o", "jsonl")
+    assert rc == 0
+    rows = _rows(out)
+    assert [(r["prompt_budget"], r["split"]) for r in rows] == [
+        (b, s) for b in (0, 8) for s in ("simple", "equal", "seq", "padded", "auto")]
+    for r in rows:
+        assert r["kv_unified"] is (r["split"] == "simple") and r["n_done"] == 6 and r["rate"] == "inf"
+    whole = {r["split"]: r for r in rows if r["prompt_budget"] == 0}
+    chunked = {r["split"]: r for r in rows if r["prompt_budget"] == 8}
+    # every prompt whole in one step, then decode; 8 prompt tokens a step: more steps, mixed ones
+    assert whole["simple"]["mixed_share"] == 0 and chunked["simple"]["mixed_share"] > 0
+    assert chunked["simple"]["steps"] > whole["simple"]["steps"]
+    # padded pads ragged prompts to one length; equal cuts them into more ubatches
+    assert whole["padded"]["n_pad"] > 0 and whole["equal"]["n_pad"] == 0
+
+
+def test_formats(capsys):
+    args = ["--rate", "50", "-n", "3", "--gen-dist", "2", "--prompt-dist", "4-9"]
+    rc, out, _ = _run(capsys, *args, "-o", "csv")
+    assert rc == 0
+    table = list(csv.reader(io.StringIO(out)))
+    assert table[0] == format_serve.KEYS and len(table) == 2
+    rc, out, _ = _run(capsys, *args, "-o", "json")
+    (row,) = json.loads(out)
+    assert set(row) == set(format_serve.KEYS) and row["rate"] == 50 and row["gen_dist"] == "2-2"
+    rc, out, _ = _run(capsys, *args, "-r", "2", "--warmup")
+    lines = [l for l in out.splitlines() if l.startswith("|")]
+    assert len(lines) == 3 and len({len(l) for l in lines}) == 1   # aligned columns
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[0] == "50" and cells[-1] == "3/3" and "±" in cells[5]
+
+
+def test_rate_sweep_serves_the_same_requests_faster():
+    slow, fast = (synth_trace(r, 20, (16, 200), (32, 256), 3) for r in (1.0, 100.0))
+    assert [(a.prompt_len, a.n_predict) for a in slow] == [(b.prompt_len, b.n_predict) for b in fast]
+    assert slow[0].arrival == fast[0].arrival == 0
+    assert slow[-1].arrival > 50 * fast[-1].arrival
+    assert all(r.arrival == 0 for r in synth_trace(math.inf, 5, (1, 2), (1, 2), 0))
+
+
+def test_saved_trace_replays_the_same_requests(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    rc, out, err = _run(capsys, "--rate", "200", "-n", "5", "--gen-dist", "3", "--save-trace", str(path),
+                        "-o", "jsonl")
+    assert rc == 0 and f"wrote {path}" in err
+    assert [(r.prompt_len, r.n_predict) for r in load_trace(str(path))] == [
+        (r.prompt_len, r.n_predict) for r in synth_trace(200, 5, (16, 200), (3, 3), 0)]
+    rc, out2, _ = _run(capsys, "--trace", str(path), "-o", "jsonl")
+    a, b = _rows(out)[0], _rows(out2)[0]
+    assert a["steps"] == b["steps"] or a["prompt_tok_per_s"] > 0   # timing may regroup steps
+    assert (a["n_done"], b["n_done"]) == (5, 5)
+    rc, _, _ = _run(capsys, "--rate", "1,2", "-n", "2", "--save-trace", str(tmp_path / "s.jsonl"), "--gen-dist", "1")
+    assert rc == 0 and (tmp_path / "s-1.jsonl").exists() and (tmp_path / "s-2.jsonl").exists()
+
+
+def test_a_request_longer_than_a_sequence_is_refused_and_the_others_finish(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival": 0, "prompt_len": 20, "n_predict": 4}\n'
+                    '# a comment, then a request too long for -c 512 over 2 streams\n'
+                    '{"arrival": 0.001, "prompt_len": 300, "n_predict": 4}\n'
+                    '{"arrival": 0.002, "prompt": [1, 2, 3], "n_predict": 5}\n')
+    rc, out, err = _run(capsys, "--trace", str(path), "-c", "512", "-np", "2", "-o", "jsonl")
+    assert rc == 0
+    (row,) = _rows(out)
+    assert (row["n_done"], row["n_refused"], row["n_requests"]) == (2, 1, 3)
+    assert "1 of 3 request(s) refused" in err
+    assert "request 1: 300 prompt + 4 output tokens need 303 KV cells, a sequence's stream (2 streams) holds 256" in err
+
+
+def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
+    path = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
+    rc, out, err = _run(capsys, "-m", path, "--rate", "100", "-n", "4", "--gen-dist", "2-5", "--prompt-dist", "2-20",
+                        "-kvu", "--split", "simple,auto", "-o", "jsonl")
+    assert rc == 0, err
+    rows = _rows(out)
+    assert [r["layer"] for r in rows] == ["model", "model"] and all(r["n_done"] == 4 for r in rows)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--trace", "/nonexistent.jsonl"], "cannot read --trace '/nonexistent.jsonl'"),
+    (["--rate", "0"], "a rate must be positive"),
+    (["--rate", "fast"], "invalid rate 'fast'"),
+    (["--prompt-dist", "9-3"], "invalid --prompt-dist '9-3'"),
+    (["-np", "300"], "must be at most 256"),
+    (["--trace", str(SAMPLE), "--rate", "4"], "not both"),
+    (["--trace", str(SAMPLE), "--save-trace", "x.jsonl"], "--trace is a file already"),
+    (["-b", "16", "-ub", "64", "--prompt-budget", "x"], "invalid range format 'x'"),
+])
+def test_user_errors_are_one_line(capsys, args, msg):
+    rc, out, err = _run(capsys, *args)
+    assert rc == 2 and out == "" and msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("line,msg", [
+    ("{not json", "not JSON"),
+    ('[1, 2]', "a request is a JSON object"),
+    ('{"arrival": -1, "prompt_len": 3, "n_predict": 1}', "'arrival' must be seconds >= 0"),
+    ('{"arrival": 0, "prompt_len": 3}', "'n_predict' must be an integer >= 1"),
+    ('{"arrival": 0, "prompt_len": 0, "n_predict": 1}', "'prompt_len' must be an integer >= 1"),
+    ('{"arrival": 0, "prompt": [1, -2], "n_predict": 1}', "'prompt' must be a non-empty list"),
+    ('{"arrival": 0, "prompt": [1], "prompt_len": 1, "n_predict": 1}', "not both"),
+])
+def test_bad_trace_lines_name_file_and_line(capsys, tmp_path, line, msg):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival": 0, "prompt_len": 3, "n_predict": 1}\n\n' + line + "\n")
+    rc, _, err = _run(capsys, "--trace", str(path))
+    assert rc == 2 and f"{path}:3: " in err and msg in err
+
+
+def test_token_ids_outside_the_vocabulary(capsys, tmp_path):
+    model = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival": 0, "prompt": [1, 256], "n_predict": 1}\n')
+    rc, _, err = _run(capsys, "-m", model, "--trace", str(path))
+    assert rc == 2 and "request 0: token id 256 is not in the model's vocabulary (n_vocab 256)" in err
+
+
+def test_plot_needs_matplotlib_or_writes(capsys, tmp_path):
+    out = tmp_path / "serve.png"
+    rc, _, err = _run(capsys, "--rate", "100,inf", "-n", "3", "--gen-dist", "2", "--plot", str(out))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert rc == 2 and "needs matplotlib" in err
+        return
+    assert rc == 0 and out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_help_names_the_columns(capsys):
+    with pytest.raises(SystemExit):
+        serve_bench.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "TTFT" in text and "--prompt-budget" in text and "llama-server" in text
