@@ -63,11 +63,11 @@ def sh(cmd: list[str], log: str, timeout: int, env=None) -> tuple[int, str, floa
 TARGETS = ("llama-bench", "llama-batched-bench", "llamacpp_logits")
 
 
-def build(src: str, bdir: str, out: str, jobs: int, prebuilt: str = "") -> str:
-    """The folder with llama.cpp's binaries (``TARGETS``), built from ``src`` or unpacked from
-    ``prebuilt``."""
+def build(src: str, bdir: str, out: str, jobs: int, prebuilt: str = "", targets=TARGETS) -> str:
+    """The folder with llama.cpp's binaries (``targets``: ``TARGETS``, or e.g. ``("llama-server",)``),
+    built from ``src`` or unpacked from ``prebuilt``."""
     bin_dir = os.path.join(bdir, "build", "bin")
-    if all(os.path.exists(os.path.join(bin_dir, t)) for t in TARGETS):
+    if all(os.path.exists(os.path.join(bin_dir, t)) for t in targets):
         print("llama.cpp: built already", flush=True)
         return bin_dir
     os.makedirs(bin_dir, exist_ok=True)
@@ -77,17 +77,28 @@ def build(src: str, bdir: str, out: str, jobs: int, prebuilt: str = "") -> str:
     subprocess.run(["tar", "xzf", os.path.abspath(src)], cwd=bdir, check=True)
     cfg = ["cmake", "-S", bdir, "-B", os.path.join(bdir, "build"), "-DGGML_CUDA=ON",
            "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-           "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release",
-           "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
+           "-DLLAMA_BUILD_EXAMPLES=OFF", f"-DLLAMA_BUILD_SERVER={'ON' if 'llama-server' in targets else 'OFF'}",
+           "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DCMAKE_BUILD_RPATH=$ORIGIN"]
     rc, _, _ = sh(cfg, os.path.join(out, "lc_cmake.log"), 300)
     if rc:
         raise SystemExit("llama.cpp cmake failed (lc_cmake.log)")
-    rc, _, _ = sh(["cmake", "--build", os.path.join(bdir, "build"), "-j", str(jobs), "--target", "llama-bench",
-                   "llama-batched-bench"], os.path.join(out, "lc_build.log"), 1500)
+    rc, _, _ = sh(["cmake", "--build", os.path.join(bdir, "build"), "-j", str(jobs), "--target",
+                   *[t for t in targets if t != "llamacpp_logits"]], os.path.join(out, "lc_build.log"), 1500)
     if rc:
         raise SystemExit("llama.cpp build failed (lc_build.log)")
-    build_logits_tool(bdir, bin_dir, out)
+    if "llamacpp_logits" in targets:
+        build_logits_tool(bdir, bin_dir, out)
     return bin_dir
+
+
+def library_path(bins: str) -> str:
+    """``LD_LIBRARY_PATH`` for llama.cpp's processes only: its own libraries next to its binaries,
+    then CUDA's (a prebuilt llama.cpp finds cuBLAS there). Never for a process that imports ggml:
+    llama.cpp's libggml-base.so would replace ggml-python's."""
+    libs = [bins, "/usr/local/cuda/lib64", *sorted(glob.glob(os.path.join(
+        os.path.dirname(os.__file__), "..", "python3*", "site-packages", "nvidia", "*", "lib")))]
+    libs += sorted(glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "*", "lib")))
+    return ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
 
 
 def build_logits_tool(src_dir: str, bin_dir: str, out: str) -> None:
@@ -144,10 +155,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     bins = build(a.src, a.build, a.out, jobs, a.prebuilt)
     # a prebuilt llama.cpp finds its own libraries next to it ($ORIGIN) and cuBLAS here
-    libs = [bins, "/usr/local/cuda/lib64", *sorted(glob.glob(os.path.join(
-        os.path.dirname(os.__file__), "..", "python3*", "site-packages", "nvidia", "*", "lib")))]
-    libs += sorted(glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "nvidia", "*", "lib")))
-    os.environ["LD_LIBRARY_PATH"] = ":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")])
+    os.environ["LD_LIBRARY_PATH"] = library_path(bins)
     print(f"build: {time.time() - t0:.0f}s", flush=True)
     if writer is not None and writer.wait() != 0:
         raise SystemExit("writing the GGUF failed (gguf.log)")

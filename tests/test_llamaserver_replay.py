@@ -1,0 +1,98 @@
+"""tools/dev/llamaserver_side_by_side.py's client half against a stand-in llama-server on the
+loopback: a trace replayed at its arrival times, every streamed token timed, the rows in
+ggml-attn-serve-bench's columns. (The real server runs on the GPU machine only.)"""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+import llamaserver_side_by_side as lss
+from ggml_attn.cli.serve_trace import TraceRequest
+
+TOKEN_S = 0.004   # the stand-in's time per generated token
+
+
+class _Server(BaseHTTPRequestHandler):
+    """``GET /health`` and a streaming ``POST /completion`` as llama-server answers them: one SSE
+    event per token (``tokens`` with its id), then a ``stop`` event; every third event holds its
+    token back and sends it with the next (as llama-server does with an incomplete UTF-8 character)."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = b'{"status":"ok"}'
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(req)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        held = []
+        for i in range(req["n_predict"]):
+            time.sleep(TOKEN_S)
+            held.append(i)
+            if i % 3 == 1 and i < req["n_predict"] - 1:
+                continue
+            self.wfile.write(b"data: " + json.dumps({"content": "x", "tokens": held, "stop": False}).encode() + b"\n\n")
+            self.wfile.flush()
+            held = []
+        self.wfile.write(b'data: {"content": "", "stop": true}\n\n')
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.fixture()
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    _Server.seen = []
+    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_replay_times_every_token_at_its_arrival(server):
+    lss.wait_healthy("127.0.0.1", server, 10)
+    assert 0 < lss.http_overhead("127.0.0.1", server, 5) < 1.0
+    trace = [TraceRequest(0.0, 3, 4), TraceRequest(0.05, 5, 2), TraceRequest(0.1, 2, 7)]
+    prompts = [np.arange(r.prompt_len, dtype=np.int32) + 10 * i for i, r in enumerate(trace)]
+    reqs, elapsed = lss.replay("127.0.0.1", server, trace, prompts)
+    # what went out: token-id prompts, n_predict, greedy and streamed
+    sent = sorted(_Server.seen, key=lambda r: r["prompt"][0])
+    assert [r["prompt"] for r in sent] == [p.tolist() for p in prompts]
+    assert all(r["stream"] and r["ignore_eos"] and r["top_k"] == 1 for r in sent)
+    assert [r["n_predict"] for r in sent] == [4, 2, 7]
+    for r, tr in zip(reqs, trace):
+        assert len(r.token_times) == tr.n_predict
+        assert r.admitted >= tr.arrival - 1e-3                    # sent at its arrival, not before
+        assert TOKEN_S * 0.9 <= r.ttft < 1.0
+        assert all(d >= 0 for d in r.itl) and r.token_times == sorted(r.token_times)
+    # the held-back token arrives with the next one: an ITL of 0 beside one of two tokens' time
+    assert min(reqs[2].itl) == 0 and max(reqs[2].itl) >= 2 * TOKEN_S * 0.9
+    assert elapsed == pytest.approx(max(r.token_times[-1] for r in reqs))
+    row = lss.server_row(reqs, elapsed, dict(rate=20.0, split="llama-server", kv_unified=False, n_requests=3))
+    assert (row["n_done"], row["split"]) == (3, "llama-server")
+    assert row["out_tok_per_s"] == pytest.approx(13 / elapsed)
+    assert row["ttft_ms_p50"] >= TOKEN_S * 1e3 * 0.9
+
+
+def test_a_server_that_is_gone_is_an_error():
+    port = lss.free_port()
+    with pytest.raises(RuntimeError, match="not ready"):
+        lss.wait_healthy("127.0.0.1", port, 1.0)
