@@ -1,5 +1,6 @@
-"""What ``ggml_attn.cli`` ships: the two CLIs (``ggml-attn-bench`` = tools/bench.py,
-``ggml-attn-batched-bench`` = tools/batched_bench.py) and the modules they import, nothing else.
+"""What ``ggml_attn.cli`` ships: the three CLIs (``ggml-attn-bench`` = tools/bench.py,
+``ggml-attn-batched-bench`` = tools/batched_bench.py, ``ggml-attn-serve-bench`` =
+tools/serve_bench.py) and the modules they import, nothing else.
 The GPU experiments, profilers and host benchmarks live in tools/dev/: not a package (no
 ``__init__.py``, not in pyproject's ``packages``), so not installed, and run as
 ``python tools/dev/X.py`` from a checkout. tests/test_install.py checks an installed copy."""
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / "tools"
 DEV = TOOLS / "dev"
 DEV_SCRIPTS = sorted(p.name for p in DEV.iterdir() if p.suffix in (".py", ".sh"))
-ENTRY_POINTS = ("bench", "batched_bench")
+ENTRY_POINTS = ("bench", "batched_bench", "serve_bench")
 
 
 def _sibling_imports(path: Path, names: set[str]) -> set[str]:
@@ -48,7 +49,8 @@ def test_pyproject_ships_tools_without_dev():
     assert not any(k.startswith("ggml_attn.cli") for k in st.get("package-data", {}))
     scripts = cfg["project"]["scripts"]
     assert scripts == {"ggml-attn-bench": "ggml_attn.cli.bench:main",
-                       "ggml-attn-batched-bench": "ggml_attn.cli.batched_bench:main"}
+                       "ggml-attn-batched-bench": "ggml_attn.cli.batched_bench:main",
+                       "ggml-attn-serve-bench": "ggml_attn.cli.serve_bench:main"}
 
 
 def test_cli_package_holds_no_development_script():
@@ -59,7 +61,7 @@ def test_cli_package_holds_no_development_script():
 
 
 def test_every_cli_module_is_imported_by_the_clis():
-    """Every module of tools/ is reached from the two entry points: a script that nothing of the
+    """Every module of tools/ is reached from the entry points: a script that nothing of the
     CLI imports belongs in tools/dev/."""
     names = {p.stem for p in TOOLS.glob("*.py")}
     seen, todo = {"__init__"}, list(ENTRY_POINTS)
