@@ -33,12 +33,11 @@ from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
 from .format_bench import attention_path
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel, kernel_help,
-                     check_threads, default_split, effective_ubatch)
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, kernel_help,
+                     check_threads, effective_ubatch, splits_of)
 from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
-ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
 
 
 def parse_dist(text: str) -> tuple[int, int]:
@@ -79,7 +78,7 @@ def build_parser() -> Parser:
     p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
                    help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
                         "sequence (0) (default: 0)")
-    add_list(p, "--split", type=choice_list(ALL_SPLITS + ("all",)), default=[""], metavar="MODE",
+    add_list(p, "--split", type=choice_list(SPLITS + ("all",)), default=[""], metavar="MODE",
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
                   "the same batch); simple always runs on a unified KV cache; default: simple "
                   "with -kvu, equal without (as llama.cpp)")
@@ -137,14 +136,6 @@ def build_parser() -> Parser:
     multi_gpu.add_args(p)
     return p
 
-
-def splits_of(ns) -> list[str]:
-    out = []
-    for s in ns.split:
-        for x in (ALL_SPLITS if s == "all" else [s or default_split(ns.kv_unified)]):
-            if x not in out:
-                out.append(x)
-    return out
 
 
 def row_label(row) -> str:
@@ -247,7 +238,7 @@ def _main(argv=None) -> int:
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())
     rows = rows_of(ns)
-    splits = splits_of(ns)
+    splits = splits_of(ns.split, ns.kv_unified)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
         raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
     rows = rows_that_fit(ns, rows, splits)

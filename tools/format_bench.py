@@ -154,6 +154,10 @@ class CsvPrinter(Printer):
 
 
 class JsonPrinter(Printer):
+    """A json array of ``to_json(row)`` objects."""
+
+    to_json = staticmethod(row_json)
+
     def __init__(self, out):
         super().__init__(out)
         self.first = True
@@ -162,7 +166,7 @@ class JsonPrinter(Printer):
         self._write("[\n")
 
     def row(self, row):
-        body = json.dumps(row_json(row), indent=2)
+        body = json.dumps(self.to_json(row), indent=2)
         body = "\n".join("  " + line for line in body.splitlines())
         self._write(("" if self.first else ",\n") + body)
         self.first = False
@@ -172,8 +176,10 @@ class JsonPrinter(Printer):
 
 
 class JsonlPrinter(Printer):
+    to_json = staticmethod(row_json)
+
     def row(self, row):
-        self._write(json.dumps(row_json(row)) + "\n")
+        self._write(json.dumps(self.to_json(row)) + "\n")
 
 
 class SqlPrinter(Printer):

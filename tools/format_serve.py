@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import statistics
 
 import numpy as np
+
+from . import format_bench as fb
+from .format_bench import Printer
 
 FORMATS = ("md", "csv", "json", "jsonl")
 PCTS = (50, 90, 99)
@@ -61,7 +63,7 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
     ``graph.serve.ServeRequest``), ``stats`` (``graph.serve.ServeStats``)) and ``inputs``
     (the keys of :data:`KEYS` that describe the run)."""
     ttft, itl, queue = [], [], []
-    rates, out_rates, prompt_rates, req_rates = [], [], [], []
+    out_rates, prompt_rates, req_rates = [], [], []
     steps = mixed = ubs = pads = peak = 0
     busy = elapsed = 0.0
     n_done = n_refused = 0
@@ -137,24 +139,6 @@ def _md_cell(row: dict, key: str, fmt: str) -> str:
     return format(v, fmt)
 
 
-class Printer:
-    def __init__(self, out):
-        self.out = out
-
-    def header(self):
-        pass
-
-    def row(self, row: dict):
-        raise NotImplementedError
-
-    def footer(self):
-        pass
-
-    def _write(self, text: str):
-        self.out.write(text)
-        self.out.flush()
-
-
 class MarkdownPrinter(Printer):
     def __init__(self, out, repetitions: int = 1):
         super().__init__(out)
@@ -187,23 +171,12 @@ class CsvPrinter(Printer):
         self._write(buf.getvalue())
 
 
-class JsonPrinter(Printer):
-    def header(self):
-        self.first = True
-        self._write("[\n")
-
-    def row(self, row):
-        body = "\n".join("  " + line for line in json.dumps(row_json(row), indent=2).splitlines())
-        self._write(("" if self.first else ",\n") + body)
-        self.first = False
-
-    def footer(self):
-        self._write("\n]\n")
+class JsonPrinter(fb.JsonPrinter):
+    to_json = staticmethod(row_json)
 
 
-class JsonlPrinter(Printer):
-    def row(self, row):
-        self._write(json.dumps(row_json(row)) + "\n")
+class JsonlPrinter(fb.JsonlPrinter):
+    to_json = staticmethod(row_json)
 
 
 def make_printer(fmt: str, out, repetitions: int = 1) -> Printer:

@@ -39,6 +39,17 @@ def default_split(kv_unified: bool) -> str:
     return "simple" if kv_unified else "equal"
 
 
+def splits_of(values, kv_unified: bool) -> list[str]:
+    """``--split`` list values (a strategy, ``all`` for every one of :data:`SPLITS`, ``""`` for
+    :func:`default_split`) -> the strategies to run, each once, in the order first named."""
+    out = []
+    for s in values:
+        for x in (SPLITS if s == "all" else [s or default_split(kv_unified)]):
+            if x not in out:
+                out.append(x)
+    return out
+
+
 def cuda_available() -> bool:
     """True when CuPy sees a GPU and the project's CUDA backend loads (the op's own probe,
     ``ggml_attn.gpu_available``)."""
@@ -351,11 +362,7 @@ class Runner:
         for view in _batch_views(batch, self.cfg.n_batch):
             self.engine.batch = view   # --layer model: the token ids and which rows get logits
             self.engine.logits = "last" if logits is None else logits[start:start + view.n_tokens]
-            done = None
-            if on_logits is not None:
-                def done(plan, res, start=start):
-                    if res is not None:
-                        on_logits(res[0] + start, res[1])
+            done = None if on_logits is None else _logits_done(on_logits, start)
             start += view.n_tokens
             try:
                 plans = g.driver.decode(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.engine, acfg,
@@ -403,6 +410,15 @@ class Runner:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _logits_done(on_logits, start: int):
+    """``driver.decode``'s ``on_done`` for a view starting at batch token ``start``: the engine's
+    ``(token_idx, logits)`` to ``on_logits`` with indices into the whole batch."""
+    def done(plan, res):
+        if res is not None:
+            on_logits(res[0] + start, res[1])
+    return done
 
 
 def _batch_views(batch, n_batch: int):

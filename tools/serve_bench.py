@@ -36,13 +36,12 @@ from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
-from .runner import (DEVICES, KERNELS, LAYERS, RunConfig, Runner, check_kernel, check_threads, default_split,
-                     effective_ubatch, kernel_help, resolve_device)
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
+                     effective_ubatch, kernel_help, resolve_device, splits_of)
 from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
 from .verbose import Verbose
 
 PROG = "ggml-attn-serve-bench"
-ALL_SPLITS = ("simple", "equal", "seq", "padded", "auto")
 DEFAULT_SLOTS = 64
 
 
@@ -79,7 +78,7 @@ def build_parser() -> Parser:
     p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
                    help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
                         "sequence (0) (default: 0)")
-    add_list(p, "--split", type=choice_list(ALL_SPLITS + ("all",)), default=[""], metavar="MODE",
+    add_list(p, "--split", type=choice_list(SPLITS + ("all",)), default=[""], metavar="MODE",
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all; simple always runs on a "
                   "unified KV cache; default: simple with -kvu, equal without (as llama.cpp)")
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
@@ -129,14 +128,6 @@ def build_parser() -> Parser:
     p.epilog = fs.TERMS
     return p
 
-
-def splits_of(ns) -> list[str]:
-    out = []
-    for s in ns.split:
-        for x in (ALL_SPLITS if s == "all" else [s or default_split(ns.kv_unified)]):
-            if x not in out:
-                out.append(x)
-    return out
 
 
 def workloads(ns) -> list[tuple[float | None, list]]:
@@ -234,7 +225,7 @@ def _main(argv=None) -> int:
     # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
     # plus one ubatch of pad rows on a unified cache
     n_ctx = ns.ctx_size or n_slots * pad_to(longest, KV_PAD) + ns.ubatch_size
-    splits = splits_of(ns)
+    splits = splits_of(ns.split, ns.kv_unified)
     path = attention_path(device, ns.flash_attn, ns.kernel)
     configs = {split: RunConfig(   # every check (the model file's too), before any output
         model, n_ctx=n_ctx, n_seq=n_slots, kv_unified=strategy_kv(split, ns.kv_unified), split=split,
