@@ -1,0 +1,208 @@
+// ggml's quantized weight blocks, decoded 32 values at a time: the one place that knows their
+// byte layouts (ggml-common.h's block_q4_0 ... block_q6_K) and ggml's dequantization formulas
+// (ggml-quants.c's dequantize_row_*), for the GPU's matmul kernels (dense_q.cu) and for a host
+// compiler: tests/test_quant_blocks.py builds this header with g++ and checks every type
+// against ggml's own dequantization, byte for byte of random blocks.
+//
+// A block of QB_VALUES<T> values takes QB_BYTES<T> bytes; a row of n values is n / QB_VALUES
+// blocks back to back. Sub-block s (0 <= s < QB_VALUES / 32) of a block is its values
+// [32 s, 32 s + 32): qb_dequant32<T>(block, s, v) writes them, as float, to v[0..32), each
+// computed by ggml's own expression (the same products in the same order).
+// T: the ggml type id (ggml.h enum ggml_type). Blocks are 2-byte aligned (every block size is
+// even), fields are little-endian.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define QB_HD __device__ __forceinline__
+#include <cuda_fp16.h>
+#else
+#include <cstdint>
+#include <cstring>
+#define QB_HD inline
+#endif
+
+#define QB_Q4_0 2
+#define QB_Q4_1 3
+#define QB_Q5_0 6
+#define QB_Q5_1 7
+#define QB_Q8_0 8
+#define QB_Q2_K 10
+#define QB_Q3_K 11
+#define QB_Q4_K 12
+#define QB_Q5_K 13
+#define QB_Q6_K 14
+
+typedef unsigned char qb_u8;
+
+template <int T> struct QBlock;   // VALUES, BYTES per type
+template <> struct QBlock<QB_Q4_0> { static constexpr int VALUES = 32, BYTES = 18; };
+template <> struct QBlock<QB_Q4_1> { static constexpr int VALUES = 32, BYTES = 20; };
+template <> struct QBlock<QB_Q5_0> { static constexpr int VALUES = 32, BYTES = 22; };
+template <> struct QBlock<QB_Q5_1> { static constexpr int VALUES = 32, BYTES = 24; };
+template <> struct QBlock<QB_Q8_0> { static constexpr int VALUES = 32, BYTES = 34; };
+template <> struct QBlock<QB_Q2_K> { static constexpr int VALUES = 256, BYTES = 84; };
+template <> struct QBlock<QB_Q3_K> { static constexpr int VALUES = 256, BYTES = 110; };
+template <> struct QBlock<QB_Q4_K> { static constexpr int VALUES = 256, BYTES = 144; };
+template <> struct QBlock<QB_Q5_K> { static constexpr int VALUES = 256, BYTES = 176; };
+template <> struct QBlock<QB_Q6_K> { static constexpr int VALUES = 256, BYTES = 210; };
+
+// An IEEE half (its 16 bits) as float, exactly.
+QB_HD float qb_half(const qb_u8* p) {
+    const unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __half2float(__ushort_as_half(h));
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {   // subnormal: normalize
+        int e = -1;
+        do { man <<= 1; ++e; } while (!(man & 0x400u));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
+QB_HD void qb_scale_min_k4(int j, const qb_u8* q, int& d, int& m) {
+    if (j < 4) {
+        d = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// Q3_K: the signed 6-bit scale of sub-block i (0..15) from the 12 packed bytes (ggml's aux
+// shuffle of dequantize_row_q3_K, read per scale): low 4 bits from byte i % 8 (low nibble for
+// i < 8, high for i >= 8), high 2 bits from byte 8 + i % 4 (bits 2 (i / 4) .. +1), minus 32.
+QB_HD int qb_scale_q3k(int i, const qb_u8* s) {
+    const int lo = i < 8 ? (s[i] & 0xF) : (s[i - 8] >> 4);
+    const int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (lo | (hi << 4)) - 32;
+}
+
+template <int T> QB_HD void qb_dequant32(const qb_u8* b, int s, float (&v)[32]);
+
+template <> QB_HD void qb_dequant32<QB_Q4_0>(const qb_u8* b, int, float (&v)[32]) {
+    const float d = qb_half(b);
+    const qb_u8* qs = b + 2;
+    for (int j = 0; j < 16; ++j) {
+        v[j] = (float)((qs[j] & 0x0F) - 8) * d;
+        v[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+    }
+}
+
+template <> QB_HD void qb_dequant32<QB_Q4_1>(const qb_u8* b, int, float (&v)[32]) {
+    const float d = qb_half(b), m = qb_half(b + 2);
+    const qb_u8* qs = b + 4;
+    for (int j = 0; j < 16; ++j) {
+        v[j] = (float)(qs[j] & 0x0F) * d + m;
+        v[j + 16] = (float)(qs[j] >> 4) * d + m;
+    }
+}
+
+template <> QB_HD void qb_dequant32<QB_Q5_0>(const qb_u8* b, int, float (&v)[32]) {
+    const float d = qb_half(b);
+    const unsigned qh = (unsigned)b[2] | ((unsigned)b[3] << 8) | ((unsigned)b[4] << 16) | ((unsigned)b[5] << 24);
+    const qb_u8* qs = b + 6;
+    for (int j = 0; j < 16; ++j) {
+        const int xh0 = ((qh >> j) << 4) & 0x10;
+        const int xh1 = (qh >> (j + 12)) & 0x10;
+        v[j] = (float)(((qs[j] & 0x0F) | xh0) - 16) * d;
+        v[j + 16] = (float)(((qs[j] >> 4) | xh1) - 16) * d;
+    }
+}
+
+template <> QB_HD void qb_dequant32<QB_Q5_1>(const qb_u8* b, int, float (&v)[32]) {
+    const float d = qb_half(b), m = qb_half(b + 2);
+    const unsigned qh = (unsigned)b[4] | ((unsigned)b[5] << 8) | ((unsigned)b[6] << 16) | ((unsigned)b[7] << 24);
+    const qb_u8* qs = b + 8;
+    for (int j = 0; j < 16; ++j) {
+        const int xh0 = ((qh >> j) << 4) & 0x10;
+        const int xh1 = (qh >> (j + 12)) & 0x10;
+        v[j] = (float)((qs[j] & 0x0F) | xh0) * d + m;
+        v[j + 16] = (float)((qs[j] >> 4) | xh1) * d + m;
+    }
+}
+
+template <> QB_HD void qb_dequant32<QB_Q8_0>(const qb_u8* b, int, float (&v)[32]) {
+    const float d = qb_half(b);
+    for (int j = 0; j < 32; ++j) v[j] = (float)(signed char)b[2 + j] * d;
+}
+
+// Q2_K: scales[16] @0, qs[64] @16, d @80, dmin @82. Sub-block s: 128-value half n = s / 4,
+// 2-bit plane j = s % 4 of qs[32 n ..]; values 0..15 scale 2 s, 16..31 scale 2 s + 1.
+template <> QB_HD void qb_dequant32<QB_Q2_K>(const qb_u8* b, int s, float (&v)[32]) {
+    const float d = qb_half(b + 80), mn = qb_half(b + 82);
+    const qb_u8* q = b + 16 + 32 * (s >> 2);
+    const int shift = 2 * (s & 3);
+    for (int h = 0; h < 2; ++h) {
+        const int sc = b[2 * s + h];
+        const float dl = d * (float)(sc & 0xF), ml = mn * (float)(sc >> 4);
+        for (int l = 0; l < 16; ++l) v[16 * h + l] = dl * (float)((q[16 * h + l] >> shift) & 3) - ml;
+    }
+}
+
+// Q3_K: hmask[32] @0, qs[64] @32, scales[12] @96, d @108. Sub-block s: qs half n = s / 4, plane
+// j = s % 4, high bit (1 << s) of hmask; values 0..15 scale 2 s, 16..31 scale 2 s + 1.
+template <> QB_HD void qb_dequant32<QB_Q3_K>(const qb_u8* b, int s, float (&v)[32]) {
+    const float d_all = qb_half(b + 108);
+    const qb_u8* hm = b;
+    const qb_u8* q = b + 32 + 32 * (s >> 2);
+    const int shift = 2 * (s & 3), m = 1 << s;
+    for (int h = 0; h < 2; ++h) {
+        const float dl = d_all * (float)qb_scale_q3k(2 * s + h, b + 96);
+        for (int l = 16 * h; l < 16 * h + 16; ++l)
+            v[l] = dl * (float)(((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+    }
+}
+
+// Q4_K: d @0, dmin @2, scales[12] @4, qs[128] @16. Sub-block s: nibble (s & 1) of qs[32 (s / 2) ..].
+template <> QB_HD void qb_dequant32<QB_Q4_K>(const qb_u8* b, int s, float (&v)[32]) {
+    const float d = qb_half(b), mn = qb_half(b + 2);
+    int sc, m;
+    qb_scale_min_k4(s, b + 4, sc, m);
+    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    const qb_u8* q = b + 16 + 32 * (s >> 1);
+    const int shift = 4 * (s & 1);
+    for (int l = 0; l < 32; ++l) v[l] = d1 * (float)((q[l] >> shift) & 0xF) - m1;
+}
+
+// Q5_K: d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48. Sub-block s: nibble (s & 1) of
+// qs[32 (s / 2) ..], fifth bit (1 << s) of qh.
+template <> QB_HD void qb_dequant32<QB_Q5_K>(const qb_u8* b, int s, float (&v)[32]) {
+    const float d = qb_half(b), mn = qb_half(b + 2);
+    int sc, m;
+    qb_scale_min_k4(s, b + 4, sc, m);
+    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    const qb_u8* qh = b + 16;
+    const qb_u8* q = b + 48 + 32 * (s >> 1);
+    const int shift = 4 * (s & 1), u = 1 << s;
+    for (int l = 0; l < 32; ++l) v[l] = d1 * (float)(((q[l] >> shift) & 0xF) + ((qh[l] & u) ? 16 : 0)) - m1;
+}
+
+// Q6_K: ql[128] @0, qh[64] @128, scales[16] (int8) @192, d @208. Sub-block s: 128-value half
+// n = s / 4, quarter k = s % 4: low bits nibble (k / 2) of ql[64 n + 32 (k & 1) ..], high bits
+// (2 k .. 2 k + 1) of qh[32 n ..]; values 0..15 scale 8 n + 2 k, 16..31 the next.
+template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[32]) {
+    const float d = qb_half(b + 208);
+    const int n = s >> 2, k = s & 3;
+    const qb_u8* ql = b + 64 * n + 32 * (k & 1);
+    const qb_u8* qh = b + 128 + 32 * n;
+    const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
+    const int lshift = 4 * (k >> 1), hshift = 2 * k;
+    for (int l = 0; l < 32; ++l) {
+        const int q = (((ql[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+        v[l] = d * (float)sc[l >> 4] * (float)q;
+    }
+}

@@ -1,0 +1,104 @@
+"""cuda/quant_blocks.cuh, the GPU's decoder of ggml's weight blocks, built for the host with g++
+and checked against ggml's own dequantization (``ggml_attn.quant.dequantize_rows``): random
+bytes in every field (scales, signs, high bits), the half-precision scales drawn from normal
+values, extremes (+-65504), subnormals and zeros; and blocks ggml quantized from random values.
+"""
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggml_attn.block_types import BLOCK_TYPES, block_layout
+from ggml_attn.quant import dequantize_rows, quantize
+
+CUDA = Path(__file__).resolve().parents[1] / "cuda"
+
+HARNESS = r"""
+#include "quant_blocks.cuh"
+#include <cstring>
+
+template <int T> static void row(const qb_u8* r, int n, float* out) {
+    constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
+    for (int b = 0; b < n / V; ++b)
+        for (int s = 0; s < V / 32; ++s) {
+            float v[32];
+            qb_dequant32<T>(r + (long)b * B, s, v);
+            memcpy(out + (long)b * V + 32 * s, v, sizeof v);
+        }
+}
+
+#define CASE(T) case T: if (out) row<T>(r, n, out); return QBlock<T>::BYTES * 1000 + QBlock<T>::VALUES;
+extern "C" int qb_row(int type, const qb_u8* r, int n, float* out) {
+    switch (type) {
+        CASE(QB_Q4_0) CASE(QB_Q4_1) CASE(QB_Q5_0) CASE(QB_Q5_1) CASE(QB_Q8_0)
+        CASE(QB_Q2_K) CASE(QB_Q3_K) CASE(QB_Q4_K) CASE(QB_Q5_K) CASE(QB_Q6_K)
+    }
+    return -1;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    gxx = shutil.which("g++") or shutil.which("c++")
+    assert gxx, "a C++ compiler is needed (ggml-python's build needs one too)"
+    d = tmp_path_factory.mktemp("qb")
+    (d / "h.cpp").write_text(HARNESS)
+    so = d / "libqb.so"
+    # no FMA contraction: the host decoder must give ggml's products exactly
+    subprocess.run([gxx, "-O2", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", f"-I{CUDA}",
+                    str(d / "h.cpp"), "-o", str(so)], check=True)
+    out = ctypes.CDLL(str(so))
+    out.qb_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    return out
+
+
+def _decode(lib, type_id, raw: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.float32)
+    assert lib.qb_row(type_id, raw.ctypes.data, n, out.ctypes.data) > 0
+    return out
+
+
+_HALVES = np.concatenate([
+    np.random.default_rng(0).standard_normal(200).astype(np.float16).view(np.uint16),
+    np.array([0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x03FF, 0x0400, 0x0000, 0x8000, 0x3C00], dtype=np.uint16)])
+
+
+def _random_blocks(name: str, n_blocks: int, seed: int) -> np.ndarray:
+    lay = block_layout(name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n_blocks, lay.nbytes), dtype=np.uint8)
+    for off in lay.half_offsets:   # finite scales, extremes and subnormals included
+        raw[:, off:off + 2] = rng.choice(_HALVES, size=n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_every_block_type_decodes_as_ggml_does(lib, name):
+    lay = block_layout(name)
+    n_blocks = 300
+    raw = _random_blocks(name, n_blocks, seed=lay.type_id)
+    n = n_blocks * lay.values
+    want = dequantize_rows(raw.ctypes.data, lay.type_id, n, 1, raw.size)[0]
+    got = _decode(lib, lay.type_id, raw, n)
+    assert np.isfinite(want).all()
+    # ggml's C may contract a product and a sum into one FMA: an ulp apart at most
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)
+    ggml_q = quantize(np.random.default_rng(1).standard_normal((4, 4 * lay.values)).astype(np.float32) * 3,
+                      lay.type_id).reshape(-1)
+    n = 16 * lay.values
+    np.testing.assert_allclose(_decode(lib, lay.type_id, ggml_q, n),
+                               dequantize_rows(ggml_q.ctypes.data, lay.type_id, n, 1, ggml_q.size)[0],
+                               rtol=2e-7, atol=0)
+
+
+def test_layouts_are_ggml_sizes(lib):
+    from ggml_attn.quant import type_info
+    for name in BLOCK_TYPES:
+        lay = block_layout(name)
+        info = type_info(lay.type_id)
+        assert (info.name.upper(), info.blck_size, info.type_size) == (name, lay.values, lay.nbytes)
+        assert lib.qb_row(lay.type_id, None, 0, None) == lay.nbytes * 1000 + lay.values
