@@ -3,13 +3,16 @@
 //   dense_gemv<NT,U> y = W·x for NT <= 4 tokens (F16 weights, F32 activations rounded to F16,
 //                    F32 accumulation), up to three weight matrices in one launch, optionally
 //                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x)),
-//                    optionally of the RMS-normalized x (the norm computed by every block);
-//   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) per token, one launch;
+//                    optionally of the RMS-normalized x (the norm computed by every block; the
+//                    norm's weight is folded into W at load: graph/model_device.py);
+//   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) (* g) per token, one launch;
 //   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32, or
 //                    quantized to Q8_0/Q4_0 blocks as ggml's CPU reference does), one launch.
 // Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
-// x (n_tok, n_in) F32 with row stride x_stride, y (n_tok, rows) F32.
+// x (n_tok, n_in) F32 with row stride x_stride, y (n_tok, rows) F32, g (n_in) F32.
+// dense_q.cu has the same GEMV over ggml's weight blocks.
 #include <cuda_fp16.h>
+#include "dense_common.cuh"
 
 struct GemvSeg {
     const __half* w;   // (rows, n_in), 16-byte aligned rows
@@ -27,8 +30,6 @@ struct GemvParams {
     int mode;             // 0: store; 1: accumulate (out += W·x); 2: gated, seg[0].out = silu(W0·x) * (W1·x)
     float norm_eps;       // > 0: x is RMS-normalized first (x / sqrt(mean(x^2) + norm_eps), per token)
 };
-
-#define GEMV_WARPS 4
 
 __device__ __forceinline__ uint4 ld_stream(const __half* p) {
     // weights are read once per step: do not let them displace the activations in L1
@@ -96,45 +97,21 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
     // the RMS norm's scale of each token (every thread of the block takes part, then rows past
     // the end leave)
     float s[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) s[t] = 1.0f;
-    if (p.norm_eps > 0.0f) {
-        __shared__ float red[NT][GEMV_WARPS];
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            const float4* xr = reinterpret_cast<const float4*>(p.x + t * p.x_stride);
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < p.n_in / 4; i += blockDim.x) {
-                const float4 v = __ldg(xr + i);
-                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            if (lane == 0) red[t][threadIdx.x >> 5] = ss;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int w = 0; w < GEMV_WARPS; ++w) ss += red[t][w];
-            s[t] = 1.0f / sqrtf(ss / (float)p.n_in + p.norm_eps);
-        }
-    }
+    rms_scales<NT>(p.x, p.x_stride, p.n_in, NT, p.norm_eps, s);
     // segment by constant indices (a runtime index would copy the parameters to local memory)
-    GemvSeg g = p.seg[0];
-    if (r >= g.rows) {
+    GemvSeg sg = p.seg[0];
+    if (r >= sg.rows) {
         if (p.mode == 2 || p.n_seg < 2) return;
-        r -= g.rows;
-        g = p.seg[1];
-        if (r >= g.rows) {
-            r -= g.rows;
-            g = p.seg[2];
-            if (p.n_seg < 3 || r >= g.rows) return;
+        r -= sg.rows;
+        sg = p.seg[1];
+        if (r >= sg.rows) {
+            r -= sg.rows;
+            sg = p.seg[2];
+            if (p.n_seg < 3 || r >= sg.rows) return;
         }
     }
     float acc[NT];
-    row_dot<NT, U>(g.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, acc);
+    row_dot<NT, U>(sg.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, acc);
     if (p.mode == 2) {
         float up[NT];
         row_dot<NT, U>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, up);
@@ -144,15 +121,16 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         if (lane == t) {
-            float* o = g.out + (long long)t * g.rows + r;
+            float* o = sg.out + (long long)t * sg.rows + r;
             *o = p.mode == 1 ? *o + acc[t] : acc[t];
         }
     }
 }
 
-// One block per token (x and y rows n floats apart).
+// One block per token (x and y rows n floats apart); times g (n floats) when g is not null.
 extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __restrict__ x,
-                                                                 float* __restrict__ y, int n, float eps) {
+                                                                 float* __restrict__ y, int n, float eps,
+                                                                 const float* __restrict__ g) {
     __shared__ float red[8];
     const float* xr = x + (long long)blockIdx.x * n;
     float* yr = y + (long long)blockIdx.x * n;
@@ -165,7 +143,11 @@ extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __
     ss = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
     const float d = sqrtf(ss / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
+    if (g) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] / d) * g[i];
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
+    }
 }
 
 // y[i] = (half) x[i], round to nearest (the GEMMs' F16 input), i < n; a grid-stride loop.

@@ -387,3 +387,38 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
         return Choice("reference", "k/v pointers or byte strides are not aligned for the kernels (16 bytes; "
                                    "2 for q8_0/q4_0 blocks); running the numpy reference on the host")
     return Choice(kern, why)
+
+
+# ---------------------------------------------------------------------------------------
+# Dense matmuls of device-resident model graphs (graph/xp_ops.py): the weight's type and the
+# ubatch's tokens decide. A GEMV launch reads every weight byte once and decodes it in registers
+# (cuda/dense.cu for F16 weights, at most kernels.GEMV_MAX_TOKENS tokens; cuda/dense_q.cu for
+# ggml's weight blocks, at most kernels.GEMVQ_MAX_TOKENS); past that, cuBLAS's tensor cores on
+# F16 (block weights dequantized into an F16 scratch first, a matrix at a time: the baseline
+# of the tiled block GEMM to come). The block crossover (16) is the instances' limit, not yet
+# measured: tools/dev/gpu_dense_bench.py is to time both paths at 1..64 tokens per type.
+@dataclass(frozen=True)
+class MatmulChoice:
+    path: str      # "gemv" | "gemm"
+    reason: str
+
+
+def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
+    """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
+    of ``block_types``) on the GPU; ValueError for a type no kernel reads (the loader makes
+    every other matrix F16)."""
+    from .block_types import is_block_type
+    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be positive, got {n_tokens}")
+    if weight_type == "F16":
+        limit, what = GEMV_MAX_TOKENS, "F16 GEMV (dense_gemv)"
+    elif is_block_type(weight_type):
+        limit, what = GEMVQ_MAX_TOKENS, f"{weight_type} block GEMV (dense_gemv_q, decoded in registers)"
+    else:
+        raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
+                         f"ggml_attn.block_types)")
+    if n_tokens <= limit:
+        return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
+    how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
+    return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")

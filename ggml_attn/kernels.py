@@ -212,6 +212,29 @@ def dense_variant() -> Variant:
     return Variant("dense", "dense.cu", DENSE_NAMES)
 
 
+GEMVQ_TOKENS = (1, 2, 4, 8, 16)   # dense_gemv_q instances: NT, each running n_tok <= NT tokens
+GEMVQ_MAX_TOKENS = GEMVQ_TOKENS[-1]
+
+
+def gemv_q_name(type_id: int, n_tok: int) -> str:
+    """The ``dense_gemv_q`` instance of ggml type ``type_id`` that runs ``n_tok`` tokens (the
+    smallest NT >= n_tok)."""
+    nt = next(t for t in GEMVQ_TOKENS if t >= n_tok)
+    return f"dense_gemv_q<{type_id}, {nt}>"
+
+
+def dense_q_variant(type_id: int) -> Variant:
+    """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
+    ``block_types``): one program per type, so a model loads the types it holds."""
+    return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
+                   (f"dense_dequant_f16<{type_id}>", f"dense_get_rows_q<{type_id}>"))
+
+
+def dense_q_variants() -> list[Variant]:
+    from .block_types import BLOCK_TYPES, block_layout
+    return [dense_q_variant(block_layout(n).type_id) for n in BLOCK_TYPES]
+
+
 def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
              ext: bool = False) -> str:
     """``ext``: the instance with softcap and ALiBi (the plain one folds the scale into Q)."""
@@ -285,7 +308,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
-    out = [util_variant(), dense_variant()]
+    out = [util_variant(), dense_variant(), *dense_q_variants()]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [mma_variant(dk, dv, t, nat=True) for dk, dv in MMA_HEADS]
@@ -595,6 +618,15 @@ class GemvParams(ctypes.Structure):
     _fields_ = [("seg", GemvSeg * 3), ("x", ctypes.c_uint64), ("x_stride", ctypes.c_int64),
                 ("n_in", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
                 ("norm_eps", ctypes.c_float)]
+
+
+class GemvQParams(ctypes.Structure):
+    """Mirror of ``struct GemvQParams`` (dense_q.cu); the segments are ``GemvSeg``'s layout
+    (``struct GemvQSeg``: a byte pointer in place of the F16 one)."""
+    _fields_ = [("seg", GemvSeg * 3), ("x", ctypes.c_uint64), ("x_stride", ctypes.c_int64),
+                ("g", ctypes.c_uint64), ("row_bytes", ctypes.c_int64), ("n_in", ctypes.c_int32),
+                ("n_tok", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
+                ("norm_eps", ctypes.c_float), ("pad_", ctypes.c_int32)]
 
 
 class DequantKVParams(ctypes.Structure):

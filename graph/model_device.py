@@ -1,34 +1,48 @@
-"""A model's weights for all-custom (device-resident) graphs: every matrix dequantized once to
-F16 in the cache's array module (numpy or CuPy), RMS-norm weights folded into the matrices.
+"""A model's weights for all-custom (device-resident) graphs, in the cache's array module
+(numpy or CuPy): matrices of ggml's block types (``ggml_attn.block_types``: Q4_0 .. Q6_K) stay in
+their blocks, exactly the file's bytes (:class:`QMatrix`); float matrices become F16 with the
+RMS-norm weights folded in; other types (IQ*) are dequantized to F16 at load (said once on
+stderr).
 
-The device form of the llama block (``model_graph.py``) runs on ``xp_ops``' fused ops, whose
-RMS norm has no weight: ``rms_norm(x) * g`` followed by ``W·`` is ``W' · rms_norm(x)`` with
-``W' = W * g[None, :]`` (numpy order ``(n_out, n_in)``; ``g`` scales the input columns). So
+The device form of the llama block (``model_graph.py``) runs on ``xp_ops``' fused ops, which
+take the block's RMS norm and its weight ``g`` (numpy order ``(n_in,)``): a :class:`QMatrix`
+applies ``g`` to the normalized activations when it runs (its blocks cannot carry a fold);
+an F16 matrix carries it from the load: ``rms_norm(x) * g`` followed by ``W·`` is
+``W' · rms_norm(x)`` with ``W' = W * g[None, :]`` (numpy order ``(n_out, n_in)``), so
 
 * ``wq wk wv`` carry ``attn_norm``, ``wg wu`` carry ``ffn_norm``, ``output`` carries
   ``output_norm`` (the fold is done in float32, then rounded to F16 once);
 * ``wo wd`` and the token embedding are the file's values as F16;
-* a tied head (``output`` is ``token_embd``) gets a folded copy of its own: the embedding is
-  read unscaled.
+* a tied F16 head (``output`` is ``token_embd``) gets a folded copy of its own: the embedding is
+  read unscaled; a tied block head is the embedding's blocks, shared.
 
-Memory (:attr:`DeviceWeights.nbytes`): 2 bytes per element of every matrix (``token_embd``,
-``output`` when not tied, ``wq wk wv wo wg wu wd`` per layer), plus ``2 * n_vocab * n_embd``
-for the head's copy when tied, plus 4 bytes per element of the F32 vectors kept (Q/K/V biases,
-``rope_freqs``); the norm weights themselves are not kept. For llama-3-8B (untied, vocab
-128256): 2 * 8.03e9 bytes = 16.1 GB.
+One graph shape for every weight type: the ops take the norm weight whatever the matrix; an F16
+matrix just has nothing left to apply (:attr:`DeviceWeights.norms` holds ``g`` for the blocks).
+
+Memory (:attr:`DeviceWeights.nbytes`, :meth:`DeviceWeights.bytes_by_type`): a block matrix
+its file bytes; an F16 one 2 bytes per element (and the tied head's copy); 4 bytes per element
+of the F32 vectors kept (norm weights, Q/K/V biases, ``rope_freqs``); plus, on a GPU holding
+block matrices, one F16 scratch of the largest layer matrix (:attr:`DeviceWeights.scratch`:
+GEMMs of many tokens dequantize a matrix into it, ``xp_ops``). For llama-3-8B as F16: 16.1 GB;
+as Q4_K_M (4.6 GiB file): the file's tensor bytes, plus the 117 MB scratch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sys
+
 import numpy as np
 
-__all__ = ["DeviceWeights", "fold_norm"]
+from ggml_attn.block_types import block_layout, is_block_type
+
+__all__ = ["DeviceWeights", "QMatrix", "fold_norm"]
 
 _QKV, _FFN = ("wq", "wk", "wv"), ("wg", "wu")
 
 
 _STAGE_AHEAD = 1 << 30   # bytes of file read ahead of the matrix being folded (staged loads)
+SCRATCH_MIN_ELEMENTS = 1 << 22   # F16 scratch of a GPU holding block matrices: at least this (and the largest layer matrix)
 _RAW_TYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
 
 
@@ -41,13 +55,53 @@ def _jobs(model) -> list[tuple]:
         jobs += [((il, "wo"), lw["wo"], None)]
         jobs += [((il, k), lw[k], lw["ffn_norm"]) for k in _FFN]
         jobs += [((il, "wd"), lw["wd"], None)]
-    jobs.append(("output", model.output, model.output_norm))
+    if not (model.tied_output and is_block_type(model.output.type_name)):   # a tied block head: the embedding's
+        jobs.append(("output", model.output, model.output_norm))
     return jobs
 
 
 def _raw_ok(w) -> bool:
-    """``w``'s file bytes can go to the GPU as they are (a float type, at a known offset)."""
-    return w.offset >= 0 and w.type_name in _RAW_TYPES
+    """``w``'s file bytes can go to the GPU as they are (a float or block type, at a known offset)."""
+    return w.offset >= 0 and (w.type_name in _RAW_TYPES or is_block_type(w.type_name))
+
+
+@dataclass(eq=False)
+class QMatrix:
+    """A matrix in its ggml blocks: ``blocks`` xp uint8 ``(n_out, row_bytes)``, the file's bytes;
+    ``shape`` ``(n_out, n_in)`` numpy order (ggml ``[n_in, n_out]``); ``type`` a block type name;
+    ``scratch``: on a GPU, the F16 room its GEMMs dequantize into (shared by a model's matrices)."""
+
+    type: str
+    shape: tuple
+    blocks: object
+    scratch: object = field(default=None, repr=False)   # the weights' F16 scratch (GPU GEMMs)
+    _values: object = field(default=None, repr=False)
+
+    @property
+    def layout(self):
+        return block_layout(self.type)
+
+    @property
+    def type_id(self) -> int:
+        return self.layout.type_id
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.blocks.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    def values(self) -> np.ndarray:
+        """float32 ``(n_out, n_in)``, ggml's dequantization (numpy blocks only: what the numpy
+        device form multiplies by; made once)."""
+        if self._values is None:
+            from ggml_attn.quant import dequantize_rows   # noqa: PLC0415
+            b = np.ascontiguousarray(self.blocks)
+            self._values = dequantize_rows(b.ctypes.data, self.type_id, self.shape[1], self.shape[0], b.shape[1])
+            self._keep = b
+        return self._values
 
 
 def _raw_values(raw, w, xp):
@@ -73,11 +127,14 @@ def fold_norm(w, g, name: str, *, check: bool = True):
 
 @dataclass(eq=False)
 class DeviceWeights:
-    """The weights of one ``graph.model.Model`` in array module ``xp`` (module docstring).
-    ``tok_embd`` F16 ``(n_vocab, n_embd)``; ``output`` F16 ``(n_vocab, n_embd)`` with
-    ``output_norm`` folded; ``layers[il]``: ``wq wk wv`` (``attn_norm`` folded), ``wo``, ``wg wu``
-    (``ffn_norm`` folded), ``wd`` F16 ``(n_out, n_in)``, and ``bq bk bv`` F32 where the model has
-    them; ``rope_freqs`` F32 ``(rope_dim / 2,)`` or None."""
+    """The weights of one ``graph.model.Model`` in array module ``xp`` (module docstring). Each
+    matrix is a :class:`QMatrix` (block types) or an F16 array ``(n_out, n_in)``: ``tok_embd``
+    ``(n_vocab, n_embd)``; ``output`` (``output_norm`` folded into an F16 one); ``layers[il]``:
+    ``wq wk wv`` (``attn_norm`` folded into F16 ones), ``wo``, ``wg wu`` (``ffn_norm``), ``wd``,
+    ``bq bk bv`` F32 where the model has them, and ``attn_norm`` / ``ffn_norm`` F32 ``(n_embd,)``
+    (what block matrices apply at run time); ``output_norm`` likewise; ``rope_freqs`` F32
+    ``(rope_dim / 2,)`` or None; ``scratch``: F16 room for the largest layer matrix when a block
+    matrix is on a GPU (None otherwise)."""
 
     xp: object
     tok_embd: object
@@ -85,6 +142,8 @@ class DeviceWeights:
     layers: list[dict]
     rope_freqs: object = None
     tied_copy: bool = False     # output is a folded copy of token_embd
+    output_norm: object = None
+    scratch: object = None
     _arrays: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -143,6 +202,14 @@ class DeviceWeights:
         with stream:
             while queued:
                 (key, w, norm), pend = queued.popleft()
+                if is_block_type(w.type_name):   # the file's bytes, as they are
+                    raw = pend.result() if pend is not None else xp.asarray(w.data)
+                    if pend is not None:
+                        ahead -= w.nbytes
+                        fill()
+                    shape = tuple(reversed(w.ne))
+                    out[key] = QMatrix(w.type_name, shape, raw.reshape(shape[0], -1))
+                    continue
                 if pend is not None:
                     raw = pend.result()
                     ahead -= w.nbytes
@@ -172,37 +239,76 @@ class DeviceWeights:
         layers = []
         for il, lw in enumerate(model.layers):
             d = {k: out[(il, k)] for k in (*_QKV, *_FFN, "wo", "wd")}
-            for k in ("bq", "bk", "bv"):
+            for k in ("bq", "bk", "bv", "attn_norm", "ffn_norm"):
                 if k in lw:
-                    d[k] = f32(lw[k])
+                    d[k] = norms.get(lw[k].name) if k.endswith("norm") and lw[k].name in norms else f32(lw[k])
             layers.append(d)
         ff = None if model.rope_freqs is None else f32(model.rope_freqs)
+        output = out.get("output", out["tok_embd"])   # a tied block head: the embedding's blocks, shared
+        tied_copy = model.tied_output and output is not out["tok_embd"]
+        on = norms.get(model.output_norm.name)
+        on = on if on is not None else f32(model.output_norm)
+        scratch = None
+        blocks = [m for m in out.values() if isinstance(m, QMatrix)]
+        if blocks and xp is not np:
+            layer_max = max((m.shape[0] * m.shape[1] for k, m in out.items() if isinstance(m, QMatrix)
+                             and isinstance(k, tuple)), default=0)
+            scratch = xp.empty(max(layer_max, SCRATCH_MIN_ELEMENTS), dtype=np.float16)
+            for m in blocks:
+                m.scratch = scratch
+        others = sorted({w.type_name for _, w, _ in jobs if not is_block_type(w.type_name)
+                         and w.type_name not in _RAW_TYPES})
+        if others:   # said once per model and device: these weights take 2 bytes a value
+            print(f"ggml-attn: {model.path}: {', '.join(others)} weights are dequantized to F16 on the device "
+                  f"(no kernel reads their blocks)", file=sys.stderr)
         if up is not None:   # the temporaries were freed on the upload stream: give them back
             xp.get_default_memory_pool().free_all_blocks()
-        return cls(xp, out["tok_embd"], out["output"], layers, ff, model.tied_output)
+        return cls(xp, out["tok_embd"], output, layers, ff, tied_copy, on, scratch)
 
     def arrays(self) -> list:
-        """Every array held, once."""
-        arrs = [self.tok_embd, self.output, *(a for d in self.layers for a in d.values())]
-        if self.rope_freqs is not None:
-            arrs.append(self.rope_freqs)
-        return arrs
+        """Every array held, once (a block matrix's blocks; the scratch not included)."""
+        seen: dict = {}
+        for m in [self.tok_embd, self.output, *(a for d in self.layers for a in d.values()),
+                  self.output_norm, self.rope_freqs]:
+            if m is not None:
+                a = m.blocks if isinstance(m, QMatrix) else m
+                seen.setdefault(id(a), a)
+        return list(seen.values())
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (module docstring: F16 matrices, the tied head's copy, F32 vectors)."""
+        """Bytes of the weights held (module docstring), the scratch not included."""
         return sum(int(a.nbytes) for a in self.arrays())
+
+    def bytes_by_type(self) -> dict[str, int]:
+        """Bytes held per kind, most first: each block type, ``F16`` matrices, ``F32`` vectors,
+        and ``scratch`` (``-v`` prints it)."""
+        count: dict[str, int] = {}
+        seen = set()
+        for m in [self.tok_embd, self.output, *(a for d in self.layers for a in d.values()),
+                  self.output_norm, self.rope_freqs]:
+            if m is None or id(m) in seen:
+                continue
+            seen.add(id(m))
+            kind = m.type if isinstance(m, QMatrix) else ("F16" if m.dtype == np.float16 else "F32")
+            count[kind] = count.get(kind, 0) + int(m.nbytes)
+        if self.scratch is not None:
+            count["scratch"] = int(self.scratch.nbytes)
+        return dict(sorted(count.items(), key=lambda kv: -kv[1]))
 
     @staticmethod
     def expected_nbytes(model) -> int:
-        """:attr:`nbytes` from the model's shapes alone (before building)."""
-        hp = model.hp
-        n = 2 * hp.n_vocab * hp.n_embd * 2        # token_embd + output (its own, or the tied copy)
-        per_layer = 2 * (hp.n_embd * (hp.n_embd_q + 2 * hp.n_embd_kv) + hp.n_embd_q * hp.n_embd
-                         + 3 * hp.n_embd * hp.n_ff)
-        n += hp.n_layer * per_layer
-        if "bq" in model.layers[0]:
-            n += hp.n_layer * 4 * (hp.n_embd_q + 2 * hp.n_embd_kv)
+        """:attr:`nbytes` from the model's tensors alone (before building): a block matrix its
+        file bytes, any other matrix 2 bytes a value (a tied F16 head twice), the F32 vectors."""
+        def mat(w):
+            return w.nbytes if is_block_type(w.type_name) else 2 * int(np.prod(w.ne, dtype=np.int64))
+        n = mat(model.tok_embd)
+        if not model.tied_output or not is_block_type(model.output.type_name):
+            n += mat(model.output)   # its own, or the tied F16 head's folded copy
+        for lw in model.layers:
+            n += sum(mat(lw[k]) for k in (*_QKV, *_FFN, "wo", "wd"))
+            n += sum(4 * int(np.prod(lw[k].ne)) for k in ("bq", "bk", "bv", "attn_norm", "ffn_norm") if k in lw)
+        n += 4 * int(np.prod(model.output_norm.ne))
         if model.rope_freqs is not None:
             n += 4 * int(np.prod(model.rope_freqs.ne))
         return n

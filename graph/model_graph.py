@@ -18,21 +18,21 @@ Per ubatch (ggml order throughout; numpy order is the reverse):
 
 Host graphs run ggml's own ops on the weights in their file type (quantized ones included).
 All-custom (device-resident) graphs (``b.device``) run the same block on ``xp_ops``' custom ops
-over ``model.device_weights(xp)`` (``model_device.py``: every matrix F16, the RMS-norm weights
-folded into the matrices that read the normalized vector):
+over ``model.device_weights(xp)`` (``model_device.py``: block-type matrices in their blocks,
+float ones F16 with the RMS-norm weights folded in; the ops take the norm weight for the blocks):
 
-* :func:`embed`: ``xp_ops.get_rows`` of the F16 embedding (an array of its own: the residual
-  stream, updated in place by the layers);
-* :func:`model_layer`: ``q, k, v = mul_mat_group([wq', wk', wv'], x, norm_eps)``; ``q``, ``k``
-  through ``xp_ops.rope`` (bias added first); ``v += bv``; attention as on host graphs;
-  ``x += wo att`` (``mul_mat_add``); ``f = mul_mat_gated(wg', wu', x, norm_eps)``;
+* :func:`embed`: ``xp_ops.get_rows`` of the embedding (F16 or blocks; an array of its own: the
+  residual stream, updated in place by the layers);
+* :func:`model_layer`: ``q, k, v = mul_mat_group([wq, wk, wv], x, norm_eps, attn_norm)``; ``q``,
+  ``k`` through ``xp_ops.rope`` (bias added first); ``v += bv``; attention as on host graphs;
+  ``x += wo att`` (``mul_mat_add``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm)``;
   ``x += wd f``;
-* :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output'], ., norm_eps)``.
+* :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``.
 
-Rounding differs from the host form in two places only: the norm weight ``g`` multiplies the
-F16-rounded weight in float32 before rounding ``W * g`` to F16 (host: ``x̂ * g`` is rounded to
-F16 as ``mul_mat``'s activation), and quantized weights are dequantized to F16 once (host:
-ggml's quantized dot products against a quantized activation). Sums are F32 in both.
+Rounding differs from the host form: an F16 weight has ``g`` folded in (``W * g`` rounded to F16;
+host: ``x̂ * g`` is rounded to F16 as ``mul_mat``'s activation); a block weight's values multiply
+the F32 ``x̂ * g`` (host: ggml's quantized dot products against an activation quantized to
+Q8). Sums are F32 in both.
 """
 from __future__ import annotations
 
@@ -170,7 +170,9 @@ def head(b, x, inp: ModelInputs):
     m = b.model
     if b.device:
         xo = xp_ops.get_rows(b, x, inp.out_ids, "x_out")
-        (logits,) = xp_ops.mul_mat_group(b, [_dw(b).output], xo, "result_output", norm_eps=m.hp.rms_eps)
+        dw = _dw(b)
+        (logits,) = xp_ops.mul_mat_group(b, [dw.output], xo, "result_output", norm_eps=m.hp.rms_eps,
+                                         norm_w=dw.output_norm)
         ggml.ggml_set_name(logits, b"logits")
         return logits
     xo = ggml.ggml_get_rows(b.ctx, x, inp.out_ids)
@@ -201,7 +203,8 @@ def _model_layer_custom(b, il: int, x):
     hp, inp, w = b.model.hp, b.model_inputs, _dw(b).layers[il]
     n_tok = b.plan.ubatch.n_tokens
     ff = _dw(b).rope_freqs
-    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps)
+    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps,
+                                   norm_w=w["attn_norm"])
     q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
     k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
@@ -210,5 +213,5 @@ def _model_layer_custom(b, il: int, x):
     att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
     x = xp_ops.mul_mat_add(b, w["wo"], att, x, f"wo_res_l{il}")
-    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps)
+    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"])
     return xp_ops.mul_mat_add(b, w["wd"], f, x, f"ffn_res_l{il}")

@@ -98,16 +98,19 @@ def _custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
     return b.attach(t, out_arr, ptr)
 
 
-def mul_mat(b, w: np.ndarray, h, name: str):
-    """``w`` (xp F16 ``(n_out, n_in)``) x ``h`` (tensor F32 ``[n_in, n_tokens]``)."""
+def mul_mat(b, w, h, name: str):
+    """``w`` (xp F16 ``(n_out, n_in)``, or a ``model_device.QMatrix``) x ``h`` (tensor F32
+    ``[n_in, n_tokens]``)."""
     return mul_mat_group(b, [w], h, name)[0]
 
 
-def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -> list:
-    """``[w·h for w in ws]``: each ``w`` xp F16 ``(n_out_i, n_in)``, ``h`` tensor F32 ``[n_in,
-    n_tokens]``; returns F32 tensors ``[n_out_i, n_tokens]``, views of one node whose memory
-    holds them one after another (numpy ``(n_tokens, n_out_i)`` each, contiguous).
-    ``norm_eps``: ``h`` is RMS-normalized first (:func:`rms_norm`), inside this node."""
+def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, norm_w=None) -> list:
+    """``[w·h for w in ws]``: each ``w`` xp F16 ``(n_out_i, n_in)`` or a ``model_device.QMatrix``
+    (weight blocks), ``h`` tensor F32 ``[n_in, n_tokens]``; returns F32 tensors ``[n_out_i,
+    n_tokens]``, views of one node whose memory holds them one after another (numpy
+    ``(n_tokens, n_out_i)`` each, contiguous). ``norm_eps``: ``h`` is RMS-normalized first
+    (:func:`rms_norm`), inside this node; ``norm_w`` (xp F32 ``(n_in,)``): the norm's weight,
+    which block matrices apply to the normalized ``h`` (an F16 one carries it folded)."""
     x = b.array(h)                                  # (n_tokens, n_in) F32
     n_tok = x.shape[0]
     sizes = [n_tok * int(w.shape[0]) for w in ws]
@@ -116,10 +119,8 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -
     for w, n in zip(ws, sizes):
         outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
         off += n
-    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps)
-    if run is None:
-        norm, xn = _normed(b, x, norm_eps, name)
-        run = _then(norm, _matmuls(b, ws, xn, outs))
+    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
+        _general(b, ws, x, outs, norm_eps=norm_eps, norm_w=norm_w, name=name)
     base = b.ptr(flat)
     node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
     views, off = [], 0
@@ -131,17 +132,17 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None) -
     return views
 
 
-def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str, *, norm_eps: float | None = None):
-    """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)``, ``h`` F32 ``[n_in,
-    n_tokens]`` -> F32 ``[n_ff, n_tokens]``; ``norm_eps``: of the RMS-normalized ``h``."""
+def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None):
+    """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32
+    ``[n_in, n_tokens]`` -> F32 ``[n_ff, n_tokens]``; ``norm_eps``, ``norm_w``: of the
+    RMS-normalized ``h``, as :func:`mul_mat_group`."""
     x = b.array(h)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
-    run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps)
+    run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
     if run is None:
-        norm, xn = _normed(b, x, norm_eps, name)
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
-        both = _then(norm, _matmuls(b, [wg, wu], xn, [g, u]))
+        both = _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
         act = _silu_mul_fn(b.xp, g, u, out)
         b.keep(g, u)
 
@@ -151,23 +152,97 @@ def mul_mat_gated(b, wg: np.ndarray, wu: np.ndarray, h, name: str, *, norm_eps: 
     return _custom(b, run, [h], out, name, ptr=b.ptr(out))
 
 
-def mul_mat_add(b, w: np.ndarray, h, x_t, name: str):
-    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)``, ``h`` F32 ``[n_in, n_tokens]``, ``x_t`` F32
-    ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
+def mul_mat_add(b, w, h, x_t, name: str):
+    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
+    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
     x_in, x = b.array(h), b.array(x_t)
-    run = _gemv(b, [w], x_in, [x], mode=1) or _matmuls(b, [w], x_in, [x], accumulate=True)
+    run = _gemv(b, [w], x_in, [x], mode=1) or _general(b, [w], x_in, [x], name=name, accumulate=True)
     return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
 
 
-def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None):
-    """:func:`gemv_launch` for graph builder ``b`` (None on numpy); the arrays are kept with
-    the graph."""
+def _is_q(w) -> bool:
+    """A matrix in ggml's blocks (``model_device.QMatrix``), not an F16 array."""
+    return hasattr(w, "blocks")
+
+
+def _wtype(w) -> str:
+    return w.type if _is_q(w) else "F16"
+
+
+def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
+    """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`)
+    for graph builder ``b`` when ``dispatch.best_matmul`` says GEMV for every weight; None on
+    numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
+    for mode 0). The arrays are kept with the graph."""
+    from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
     if b.xp is np:
         return None
-    run = gemv_launch(ws, x, outs, mode=mode, norm_eps=norm_eps, unroll=None)
-    if run is not None:
-        b.keep(*ws, x, *outs)
-    return run
+    kinds = [_wtype(w) for w in ws]
+    if any(best_matmul(k, x.shape[0]).path != "gemv" for k in kinds):
+        return None
+    groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
+    if len(groups) > 1 and mode != 0:
+        return None
+    runs = []
+    for k, idx in groups:
+        gw = [ws[i] for i in idx]
+        go = outs if mode == 2 else [outs[i] for i in idx]
+        if k == "F16":   # (its norm weight folded at load)
+            run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
+        else:
+            run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
+        if run is None:
+            return None
+        runs.append(run)
+    b.keep(*(w.blocks if _is_q(w) else w for w in ws), x, *outs, *([norm_w] if norm_w is not None else []))
+    return _then(*runs) if len(runs) > 1 else runs[0]
+
+
+def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
+    """One ``dense_gemv_q`` launch (``cuda/dense_q.cu``) over ``QMatrix`` weights of one block
+    type (CuPy blocks, at most three), ``x`` F32 ``(n_tokens, n_in)`` with at most
+    ``GEMVQ_MAX_TOKENS`` tokens, ``outs`` as :func:`gemv_launch`'s; with ``norm_eps`` of the
+    RMS-normalized ``x`` times ``norm_w`` (F32 ``(n_in,)``, or None). Returns a function of no
+    arguments launching on the current stream, or None when the arrays do not fit the kernel;
+    the caller keeps the arrays alive."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    n_tok, n_in = x.shape
+    if n_tok > K.GEMVQ_MAX_TOKENS or len(ws) > 3 or len({w.type for w in ws}) != 1 or \
+            (norm_eps is not None and not norm_eps > 0.0) or (norm_w is not None and norm_eps is None):
+        return None
+    if not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (x, *outs)) \
+            or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values:
+        return None
+    if norm_w is not None and (norm_w.shape != (n_in,) or norm_w.data.ptr % 16 or not norm_w.flags.c_contiguous):
+        return None
+    p = K.GemvQParams()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
+    p.x, p.x_stride, p.g, p.row_bytes = x.data.ptr, n_in, 0 if norm_w is None else norm_w.data.ptr, ws[0].row_bytes
+    p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
+    p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    t = ws[0].type_id
+    fn = K.get_function(K.dense_q_variant(t), K.gemv_q_name(t, n_tok))
+    return K.BoundLaunch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+
+
+def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",
+             accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` of any weights and token count: F16 ones through
+    :func:`_matmuls` on the normalized ``x`` (their norm weight folded), block ones through
+    :func:`_qmatmuls` on the normalized ``x`` times ``norm_w``."""
+    steps = []
+    for q in (False, True):
+        idx = [i for i, w in enumerate(ws) if _is_q(w) == q]
+        if not idx:
+            continue
+        norm, xn = _normed(b, x, norm_eps, name, norm_w if q else None)
+        mm = (_qmatmuls if q else _matmuls)(b, [ws[i] for i in idx], xn, [outs[i] for i in idx],
+                                            accumulate=accumulate)
+        steps.append(_then(norm, mm))
+    return _then(*steps)
 
 
 def gemv_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, unroll: int | None = None):
@@ -229,6 +304,54 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     return run
 
 
+def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
+    dequantized values; CuPy, ``x`` rounded to F16 once, then per weight and per chunk of rows
+    that fits the weights' F16 scratch one ``dense_dequant_f16`` launch and one cuBLAS GEMM
+    into the chunk's columns of ``out`` (``dispatch.best_matmul``'s "gemm" for blocks)."""
+    xp = b.xp
+    if xp is np:
+        vals = [w.values() for w in ws]
+        tmp = [b.scratch(o.shape, np.float32) for o in outs] if accumulate else outs
+        b.keep(*vals, *tmp)
+
+        def run():
+            for v, o, t in zip(vals, outs, tmp):
+                np.matmul(x, v.T, out=t)
+                if accumulate:
+                    np.add(o, t, out=o)
+        return run
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    x16 = b.scratch(x.shape, np.float16)
+    cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
+    if cast is None:
+        def cast():
+            xp.copyto(x16, x, casting="same_kind")
+    steps = [cast]
+    n_tok = x.shape[0]
+    for w, o in zip(ws, outs):
+        scratch = getattr(w, "scratch", None)
+        if scratch is None:
+            raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
+        if not o.flags.c_contiguous or o.shape != (n_tok, w.shape[0]):
+            raise ValueError(f"output of shape {o.shape} for a {w.shape} weight and {n_tok} tokens")
+        n_out, n_in = w.shape
+        chunk = max(1, min(n_out, scratch.size // n_in))
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
+        for r0 in range(0, n_out, chunk):
+            r1 = min(n_out, r0 + chunk)
+            n_sub = (r1 - r0) * (n_in // 32)
+            steps.append(K.BoundLaunch(fn, (max(1, min(-(-n_sub // 256), 4096)), 1, 1), (256, 1, 1),
+                                       ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
+                                       ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                                       ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
+            steps.append(_CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok,
+                                             o.data.ptr + 4 * r0, n_out, beta=1.0 if accumulate else 0.0))
+        b.keep(w.blocks, scratch)
+    b.keep(x16, *outs)
+    return _then(*steps)
+
+
 def _elementwise_launch(name: str, arrays, n: int):
     """One launch of ``dense.cu``'s elementwise kernel ``name(arrays..., n)`` over C-contiguous
     CuPy ``arrays`` of ``n`` elements (a grid-stride loop, enough blocks to fill the GPU), as a
@@ -252,15 +375,27 @@ class _CublasGemm:
     workspace of its own (``_cublas_workspace``) so that nothing allocates during a capture."""
 
     def __init__(self, w, x16, out, beta: float = 0.0):
+        n_out, n_in = w.shape
+        assert x16.shape[1] == n_in and out.shape == (x16.shape[0], n_out)
+        assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
+        self._set(w.data.ptr, n_out, n_in, x16.data.ptr, x16.shape[0], out.data.ptr, n_out, beta)
+
+    @classmethod
+    def of_ptrs(cls, w: int, n_out: int, n_in: int, x16: int, n_tok: int, out: int, ldc: int, beta: float = 0.0):
+        """The GEMM of device pointers: ``w`` F16 ``(n_out, n_in)``, ``x16`` F16 ``(n_tok, n_in)``
+        (both C-contiguous) into ``out`` F32 ``(n_tok, n_out)`` whose rows are ``ldc`` floats apart
+        (a block of columns of a wider output)."""
+        g = cls.__new__(cls)
+        g._set(w, n_out, n_in, x16, n_tok, out, ldc, beta)
+        return g
+
+    def _set(self, w, n_out, n_in, x16, n_tok, out, ldc, beta):
         from cupy.cuda import device  # noqa: PLC0415 (device graphs only)
         self.lib = _libcublas()
         self.handle = device.get_cublas_handle()
         _cublas_workspace(self.lib, self.handle)
-        self.n_out, self.n_in = w.shape
-        self.n_tok = x16.shape[0]
-        assert x16.shape[1] == self.n_in and out.shape == (self.n_tok, self.n_out)
-        assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
-        self.ptrs = (w.data.ptr, x16.data.ptr, out.data.ptr)
+        self.n_out, self.n_in, self.n_tok, self.ldc = n_out, n_in, n_tok, ldc
+        self.ptrs = (w, x16, out)
         self.scal = np.array([1.0, beta], dtype=np.float32)   # alpha, beta (host pointer mode)
 
     def __call__(self):
@@ -269,7 +404,7 @@ class _CublasGemm:
         _check(lib.cublasSetStream_v2(h, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
         al = self.scal.ctypes.data
         _check(lib.cublasGemmEx(h, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2,
-                                self.n_in, al + 4, o, 0, self.n_out, 68, -1), "cublasGemmEx")
+                                self.n_in, al + 4, o, 0, self.ldc, 68, -1), "cublasGemmEx")
         # 1/0: transpose A / not B; 2: CUDA_R_16F, 0: CUDA_R_32F; 68: CUBLAS_COMPUTE_32F; -1: default algo
 
 
@@ -314,15 +449,16 @@ def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
     _WORKSPACES[handle] = buf
 
 
-def _rms_fn(b, x, eps: float, name: str):
-    """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32) into
-    ``out``, a new scratch array: numpy steps, or one ``dense_rms_norm`` launch (a block per token)."""
+def _rms_fn(b, x, eps: float, name: str, g=None):
+    """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32), times
+    ``g`` (xp F32 ``(n,)``) when given, into ``out``, a new scratch array: numpy steps, or one
+    ``dense_rms_norm`` launch (a block per token)."""
     xp = b.xp
     out = b.scratch(x.shape, np.float32)
     if xp is np:
         ms = b.scratch((x.shape[0], 1), np.float32)
         inv_n = np.float32(1.0 / x.shape[1])
-        b.keep(ms)
+        b.keep(ms, *([g] if g is not None else []))
 
         def run():
             xp.multiply(x, x, out=out)
@@ -331,31 +467,36 @@ def _rms_fn(b, x, eps: float, name: str):
             xp.add(ms, np.float32(eps), out=ms)
             xp.sqrt(ms, out=ms)
             xp.divide(x, ms, out=out)
+            if g is not None:
+                xp.multiply(out, g, out=out)
         return run, out
     from ggml_attn import kernels as K  # noqa: PLC0415
-    if not (x.flags.c_contiguous and out.flags.c_contiguous):
+    if not (x.flags.c_contiguous and out.flags.c_contiguous) or (g is not None and not g.flags.c_contiguous):
         raise ValueError(f"{name}: rms_norm needs contiguous rows")
     fn = K.get_function(K.dense_variant(), "dense_rms_norm")
-    b.keep(x, out)
+    b.keep(x, out, *([g] if g is not None else []))
     return K.BoundLaunch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
-                   ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps)), out
+                         ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps),
+                         _dptr(g)), out
 
 
-def _normed(b, x, norm_eps, name):
-    """``(fn or None, array)``: with ``norm_eps`` the RMS-normalized copy of ``x`` and the function
-    that makes it; else ``(None, x)``."""
+def _normed(b, x, norm_eps, name, g=None):
+    """``(fn or None, array)``: with ``norm_eps`` the RMS-normalized copy of ``x`` (times ``g``
+    when given) and the function that makes it; else ``(None, x)``."""
     if norm_eps is None:
         return None, x
-    return _rms_fn(b, x, norm_eps, name)
+    return _rms_fn(b, x, norm_eps, name, g)
 
 
-def _then(first, second):
-    if first is None:
-        return second
+def _then(*fns):
+    """One function of no arguments running ``fns`` in order (None entries skipped)."""
+    fns = [f for f in fns if f is not None]
+    if len(fns) == 1:
+        return fns[0]
 
     def run():
-        first()
-        second()
+        for f in fns:
+            f()
     return run
 
 
@@ -538,11 +679,22 @@ def get_rows(b, table, ids_t, name: str, *, own: bool = False):
     if hasattr(table, "contents"):       # a tensor of the graph
         srcs.insert(0, table)
         table = b.array(table)
+    if _is_q(table) and xp is np:       # weight blocks: ggml's dequantized values
+        table = table.values()
     ids = b.array(ids_t).reshape(-1)
     n_ids, n = ids.shape[0], int(table.shape[1])
     out = xp.empty((n_ids, n), dtype=np.float32) if own else b.scratch((n_ids, n), np.float32)
-    b.keep(table, ids)
-    if xp is np:
+    b.keep(table.blocks if _is_q(table) else table, ids)
+    if _is_q(table):
+        from ggml_attn import kernels as K  # noqa: PLC0415
+        _contig(name, ids, out)
+        t = table.type_id
+        n_sub = n_ids * (n // 32)
+        run = K.BoundLaunch(K.get_function(K.dense_q_variant(t), f"dense_get_rows_q<{t}>"),
+                            (max(1, min(-(-n_sub // 256), 4096)), 1, 1), (256, 1, 1), _dptr(table.blocks),
+                            _dptr(ids), _dptr(out), ctypes.c_int64(table.row_bytes), ctypes.c_int32(n),
+                            ctypes.c_int64(n_ids))
+    elif xp is np:
         if table.dtype == np.float32:
             def run():
                 xp.take(table, ids, axis=0, out=out, mode="clip")

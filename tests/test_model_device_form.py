@@ -215,7 +215,30 @@ def test_device_weights_fold_and_size(gguf_dir, name):
     assert np.array_equal(dw.output, head)
     if SPECS[name].tied:
         assert not np.shares_memory(dw.output, dw.tok_embd)
-    assert set(dl) == set(k for k in lw if k not in ("attn_norm", "ffn_norm"))
+    assert set(dl) == set(lw)   # the norm weights too, F32 (the block matrices apply them at run time)
+    assert np.array_equal(dl["attn_norm"], g) and dl["attn_norm"].dtype == np.float32
+    assert dw.scratch is None    # no block matrix: no GEMM scratch
+
+
+@pytest.mark.parametrize("name", ["llama-q4_0", "llama-q8_0", "llama-q4_k", "llama-q6_k", "qwen2-q8_0"])
+def test_device_weights_keep_block_matrices_as_the_file_has_them(tmp_path_factory, name):
+    """Block-type matrices stay the file's bytes (nothing dequantized at load, no norm folded);
+    the weights take the file's tensor bytes; a tied head is the embedding's blocks."""
+    import fixtures_gguf
+    from ggml_attn.graph.model_device import QMatrix
+    m = load_gguf(fixtures_gguf.fixture_path(name, tmp_path_factory.mktemp("q")))
+    dw = DeviceWeights.from_model(m, np)
+    for lw, dl in zip(m.layers, dw.layers):
+        for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd"):
+            q = dl[k]
+            assert isinstance(q, QMatrix) and q.type == lw[k].type_name and q.shape == tuple(reversed(lw[k].ne))
+            assert np.array_equal(np.asarray(q.blocks).reshape(-1), np.asarray(lw[k].data))
+        np.testing.assert_array_equal(dl["wq"].values(), lw["wq"].to_float())
+    assert dw.nbytes == m.nbytes == DeviceWeights.expected_nbytes(m)
+    by = dw.bytes_by_type()
+    assert list(by)[0] == m.type_summary() and sum(by.values()) == dw.nbytes
+    assert (dw.output is dw.tok_embd) == m.tied_output and not dw.tied_copy
+    assert dw.scratch is None    # numpy: no GEMM scratch (the numpy form multiplies ggml's values)
 
 
 # ------------------------------------------------------------------ ops against ggml's

@@ -1,0 +1,40 @@
+// What the dense GEMV kernels share (dense.cu: F16 weights; dense_q.cu: ggml's weight blocks).
+#pragma once
+
+#define GEMV_WARPS 4
+
+// The RMS norm's scale of each of the first n_tok token rows of x (n_in floats each, rows xs
+// floats apart, 16-byte aligned): s[t] = 1 / sqrt(mean(x_t^2) + eps), computed by every block
+// of GEMV_WARPS warps (all its threads take part: call it before any thread leaves); s[t] = 1
+// for every t when eps <= 0 (no norm) and for t >= n_tok.
+template <int NT>
+__device__ __forceinline__ void rms_scales(const float* x, long long xs, int n_in, int n_tok, float eps,
+                                           float (&s)[NT]) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) s[t] = 1.0f;
+    if (!(eps > 0.0f)) return;
+    __shared__ float red[NT][GEMV_WARPS];
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        float ss = 0.0f;
+        if (t < n_tok) {
+            const float4* xr = reinterpret_cast<const float4*>(x + t * xs);
+            for (int i = threadIdx.x; i < n_in / 4; i += blockDim.x) {
+                const float4 v = __ldg(xr + i);
+                ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[t][threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int w = 0; w < GEMV_WARPS; ++w) ss += red[t][w];
+        if (t < n_tok) s[t] = 1.0f / sqrtf(ss / (float)n_in + eps);
+    }
+}
