@@ -198,7 +198,7 @@ def _ggml():
 
 
 _GGML_TYPE = {"BF16": "GGML_TYPE_BF16", "Q8_0": "GGML_TYPE_Q8_0", "Q4_0": "GGML_TYPE_Q4_0",
-              "Q4_K": "GGML_TYPE_Q4_K", "Q6_K": "GGML_TYPE_Q6_K"}
+              "Q4_K": "GGML_TYPE_Q4_K", "Q5_K": "GGML_TYPE_Q5_K", "Q6_K": "GGML_TYPE_Q6_K"}
 
 
 def quantize(w: np.ndarray, wtype: str) -> np.ndarray:
@@ -259,8 +259,8 @@ def _shapes(spec: Spec):
 # --------------------------------------------------------------------------------------
 # metadata
 
-def _add_metadata(w: gguf.GGUFWriter, spec: Spec) -> None:
-    ftype = WTYPES[spec.wtype][1]
+def _add_metadata(w: gguf.GGUFWriter, spec: Spec, *, file_type=None, quantized: bool | None = None) -> None:
+    ftype = WTYPES[spec.wtype][1] if file_type is None else file_type
     w.add_name(spec.model_name or spec.name)
     w.add_context_length(spec.n_ctx)
     w.add_embedding_length(spec.n_embd)
@@ -273,7 +273,7 @@ def _add_metadata(w: gguf.GGUFWriter, spec: Spec) -> None:
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_file_type(int(ftype))
     w.add_vocab_size(spec.n_vocab)
-    if spec.wtype not in ("F32", "F16", "BF16"):
+    if spec.wtype not in ("F32", "F16", "BF16") if quantized is None else quantized:
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _add_tokenizer(w, spec.n_vocab)
 
@@ -344,13 +344,44 @@ def sha256(path: str | os.PathLike) -> str:
 PRESETS = {
     "llama-3-8b": dict(n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336,
                        rope_base=500000.0, rms_eps=1e-5, n_ctx=8192),
+    "llama-3-70b": dict(n_embd=8192, n_layer=80, n_head=64, n_head_kv=8, n_ff=28672,
+                        rope_base=500000.0, rms_eps=1e-5, n_ctx=8192),
+    "small": dict(n_embd=256, n_layer=9, n_head=4, n_head_kv=2, n_ff=512,   # the tests' copy of the others
+                  rope_base=500000.0, rms_eps=1e-5, n_ctx=4096),
 }
+
+# File types of write_preset: the type of each matrix, as llama.cpp's llama-quantize picks it
+# (src/llama-quant.cpp, llama_tensor_get_type, for these shapes): the _M mixes give attn_v and
+# ffn_down Q6_K in the layers use_more_bits selects (the first and last eighth, every third
+# between) and the output Q6_K; token_embd stays the base type.
+PRESET_FTYPES = {"F16": ("F16", None, None), "Q8_0": ("Q8_0", "Q8_0", None), "Q6_K": ("Q6_K", "Q6_K", None),
+                 "Q4_0": ("Q4_0", "Q6_K", None), "Q4_K_M": ("Q4_K", "Q6_K", "Q6_K"),
+                 "Q5_K_M": ("Q5_K", "Q6_K", "Q6_K")}   # base, output, the more-bits layers' attn_v / ffn_down
+_LLAMA_FTYPES = {"F16": "MOSTLY_F16", "Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K", "Q4_0": "MOSTLY_Q4_0",
+                 "Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def preset_tensor_type(name: str, ftype: str, n_layer: int) -> str:
+    """The ggml type of matrix ``name`` in a ``ftype`` file (:data:`PRESET_FTYPES`)."""
+    base, output, more = PRESET_FTYPES[ftype]
+    if name == "output.weight":
+        return output or base
+    if more and name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return more if _use_more_bits(int(name.split(".")[1]), n_layer) else base
+    return base
 
 
 def write_preset(path: str | os.PathLike, preset: str = "llama-3-8b", n_layer: int | None = None,
-                 n_vocab: int = 32000, seed: int = 0, verbose: bool = True) -> str:
-    """Write a full-size F16 llama file without holding it in memory: each tensor's data is a
-    window of one pool of random F16 values (std 0.02; norms 1.0), written in chunks."""
+                 n_vocab: int = 32000, seed: int = 0, verbose: bool = True, ftype: str = "F16") -> str:
+    """Write a full-size llama file without holding it in memory: each tensor's data is a
+    window of one pool of random F16 values (std 0.02; norms 1.0), written in chunks; with a
+    quantized ``ftype`` (:data:`PRESET_FTYPES`) each matrix is a window of whole blocks of a pool
+    ggml quantized from such values, in the type llama-quantize would give it (no F16 file first:
+    a 70B Q4_K_M file is written directly)."""
     p = dict(PRESETS[preset])
     if n_layer is not None:
         p["n_layer"] = n_layer
@@ -366,11 +397,22 @@ def write_preset(path: str | os.PathLike, preset: str = "llama-3-8b", n_layer: i
     pool2 = np.concatenate([pool, pool])  # windows wrap around without copying
     pool_b = memoryview(pool2.view(np.uint8))
     shapes = list(_shapes(spec))
+    types = {name: preset_tensor_type(name, ftype, spec.n_layer) for name, _, is_mat in shapes if is_mat}
+    qpools = {}
+    for t in set(types.values()) - {"F16"}:   # whole blocks of random values, twice (windows wrap)
+        q = quantize(pool[: 1 << 20].astype(np.float32).reshape(-1, 4096), t).reshape(-1)
+        qpools[t] = (memoryview(np.concatenate([q, q])), q.size)
     w = gguf.GGUFWriter(path, "llama")
-    _add_metadata(w, spec)
+    _add_metadata(w, spec, file_type=getattr(gguf.LlamaFileType, _LLAMA_FTYPES[ftype]),
+                  quantized=ftype != "F16")
     for name, shape, is_mat in shapes:
         n = int(np.prod(shape))
-        if is_mat:
+        if is_mat and types[name] != "F16":
+            t = getattr(gguf.GGMLQuantizationType, types[name])
+            bs, ts = gguf.GGML_QUANT_SIZES[t]
+            rows, cols = shape
+            w.add_tensor_info(name, (rows, cols // bs * ts), np.dtype(np.uint8), rows * cols // bs * ts, raw_dtype=t)
+        elif is_mat:
             w.add_tensor_info(name, shape, np.dtype(np.float16), n * 2)
         else:
             w.add_tensor_info(name, shape, np.dtype(np.float32), n * 4)
@@ -383,7 +425,18 @@ def write_preset(path: str | os.PathLike, preset: str = "llama-3-8b", n_layer: i
     chunk = pool_n  # values per write
     for k, (name, shape, is_mat) in enumerate(shapes):
         n = int(np.prod(shape))
-        if is_mat:
+        if is_mat and types[name] != "F16":
+            qb, q_n = qpools[types[name]]
+            bs, ts = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, types[name])]
+            nbytes = n // bs * ts
+            left, at = nbytes, (7919 * (k + 1) * ts) % q_n   # block-aligned windows of the pool
+            while left:
+                m = min(left, q_n - q_n % ts, 1 << 26)
+                m -= m % ts
+                fout.write(qb[at: at + m])
+                at = (at + m + 4099 * ts) % q_n
+                left -= m
+        elif is_mat:
             left = n
             while left:
                 m = min(left, chunk)
@@ -411,9 +464,11 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS))
     ap.add_argument("--n-layer", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--ftype", choices=sorted(PRESET_FTYPES), default="F16",
+                    help="--preset's file type (matrix types as llama-quantize picks them)")
     a = ap.parse_args(argv)
     if a.preset:
-        write_preset(a.out, a.preset, n_layer=a.n_layer, n_vocab=a.vocab)
+        write_preset(a.out, a.preset, n_layer=a.n_layer, n_vocab=a.vocab, ftype=a.ftype)
         return 0
     names = a.only or list(SPECS)
     for n in names:

@@ -91,3 +91,24 @@ def test_ropefreqs_changes_logits():
     a = np.load(os.path.join(REF, "llama-f32.npz"))["logits_3"]
     b = np.load(os.path.join(REF, "llama-f32-ropefreqs.npz"))["logits_3"]
     assert np.sum((a - b) ** 2) / np.sum(a ** 2) > 1e-3
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0"])
+def test_quantized_preset_has_llama_quantize_types(tmp_path, ftype):
+    """write_preset's quantized files: each matrix in the type llama-quantize gives it, whole
+    blocks of ggml-quantized values (finite, spread as the F16 pool), loadable."""
+    import numpy as np
+    from ggml_attn.graph import load_gguf
+    path = F.write_preset(tmp_path / f"{ftype}.gguf", "small", n_vocab=512, verbose=False, ftype=ftype)
+    m = load_gguf(path)
+    base, output, more = F.PRESET_FTYPES[ftype]
+    assert m.output.type_name == output and m.tok_embd.type_name == base
+    n = m.hp.n_layer
+    for il, lw in enumerate(m.layers):
+        special = more if more and (il < n // 8 or il >= 7 * n // 8 or (il - n // 8) % 3 == 2) else base
+        assert (lw["wv"].type_name, lw["wd"].type_name, lw["wq"].type_name) == (special, special, base)
+        v = lw["wg"].to_float()
+        assert np.isfinite(v).all() and 0.015 < float(v.std()) < 0.025
+    if more:   # of 9 layers: 0 (the first eighth), 7 and 8 (the last), 3 and 6 (every third between)
+        assert [lw["wv"].type_name == more for lw in m.layers] == [True, False, False, True, False, False, True,
+                                                                  True, True]

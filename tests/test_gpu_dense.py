@@ -102,14 +102,17 @@ def test_elementwise_kernels_match_numpy(n):
 
 
 @pytest.mark.parametrize("n_tok, n", [(1, 4096), (5, 1000), (3, 33)])
-def test_rms_norm_matches_float64(n_tok, n):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rms_norm_matches_float64(n_tok, n, weighted):
     rng = np.random.default_rng(n)
     x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
-    d_x, d_y = cupy.asarray(x), cupy.full((n_tok, n), np.nan, np.float32)
+    g = rng.uniform(0.2, 2.0, n).astype(np.float32)
+    d_x, d_y, d_g = cupy.asarray(x), cupy.full((n_tok, n), np.nan, np.float32), cupy.asarray(g)
     _launch("dense_rms_norm", (n_tok, 1, 1), (256, 1, 1), ctypes.c_uint64(d_x.data.ptr),
-            ctypes.c_uint64(d_y.data.ptr), ctypes.c_int32(n), ctypes.c_float(1e-5))
+            ctypes.c_uint64(d_y.data.ptr), ctypes.c_int32(n), ctypes.c_float(1e-5),
+            ctypes.c_uint64(d_g.data.ptr if weighted else 0))
     x64 = x.astype(np.float64)
-    want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5)
+    want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * (g if weighted else 1.0)
     assert nmse(d_y.get(), want) < 1e-12
 
 

@@ -1,0 +1,109 @@
+"""cuda/dense_q.cu, the matmuls over ggml's weight blocks, against float64 numpy of ggml's own
+dequantization (``ggml_attn.quant``) on blocks ggml quantized from random values with scales
+spread over many decades, outputs poisoned first. GPU only.
+
+dense_gemv_q for every block type in its three modes (store, accumulate, gated), token counts
+below and at each instance's NT, with and without the fused RMS norm and its weight, one to
+three segments, row counts that do not fill a block: NMSE <= 1e-6 (issue #43's bound for the
+GEMV; F32 sums of exact block values land far below it). dense_dequant_f16: ggml's values
+rounded to F16. dense_get_rows_q: ggml's values of the rows asked for."""
+import ctypes
+
+import numpy as np
+import pytest
+
+from ggml_attn import kernels as K
+from ggml_attn.block_types import BLOCK_TYPES, block_layout
+from ggml_attn.quant import dequantize_rows, quantize
+from ggml_attn.reference import nmse
+
+cupy = pytest.importorskip("cupy")
+try:
+    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    _HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")]
+
+
+def _launch(type_id, name, grid, block, *params):
+    fn = K.get_function(K.dense_q_variant(type_id), name)
+    args = K.arg_block(*params)
+    fn.launch_raw(grid, block, cupy.cuda.get_current_stream().ptr, ctypes.addressof(args))
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def _blocks(name, rows, n_in, seed):
+    """(uint8 (rows, row_bytes), float64 (rows, n_in) ggml's values): rows of random values whose
+    scales span 1e-3 .. 1e3, quantized by ggml."""
+    lay = block_layout(name)
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, n_in)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+    q = quantize(w.astype(np.float32), lay.type_id)
+    vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
+    return q, vals
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_q_matches_float64(name, n_tok, mode, norm):
+    lay = block_layout(name)
+    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)   # whole blocks, not a multiple of 32 sub-blocks
+    rows = {0: (37, 5, 70), 1: (61,), 2: (45, 45)}[mode]
+    ws = [_blocks(name, r, n_in, 100 * mode + i) for i, r in enumerate(rows)]
+    rng = np.random.default_rng(n_tok)
+    x = (rng.standard_normal((n_tok, n_in)) * (30.0 if norm else 1.0)).astype(np.float32)
+    g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
+    n_out = 1 if mode else len(rows)
+    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(n_out)]
+    d_ws = [cupy.asarray(q) for q, _ in ws]
+    d_x, d_g = cupy.asarray(x), cupy.asarray(g)
+    d_out = [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+    p = K.GemvQParams()
+    for i, w in enumerate(d_ws):
+        p.seg[i].w, p.seg[i].rows = w.data.ptr, w.shape[0]
+        p.seg[i].out = d_out[0 if mode == 2 else i].data.ptr
+    p.x, p.x_stride, p.g, p.row_bytes = d_x.data.ptr, n_in, d_g.data.ptr if norm else 0, d_ws[0].shape[1]
+    p.n_in, p.n_tok, p.n_seg, p.mode, p.norm_eps = n_in, n_tok, len(ws), mode, 1e-5 if norm else 0.0
+    total = rows[0] if mode == 2 else sum(rows)
+    _launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-total // K.GEMV_WARPS), 1, 1),
+            (32 * K.GEMV_WARPS, 1, 1), p)
+    xs = x.astype(np.float64)
+    if norm:
+        xs = xs / np.sqrt((xs ** 2).mean(axis=1, keepdims=True) + 1e-5) * g
+    prods = [xs @ v.T for _, v in ws]
+    want = prods if mode == 0 else [init[0] + prods[0]] if mode == 1 else \
+        [prods[0] / (1.0 + np.exp(-prods[0])) * prods[1]]
+    for got, ref in zip(d_out, want):
+        got = got.get()
+        assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_dequant_f16_and_get_rows_q(name):
+    lay = block_layout(name)
+    rows, n_in = 300, 4 * 256
+    q, vals = _blocks(name, rows, n_in, 7)
+    d_q = cupy.asarray(q)
+    out = cupy.full((rows, n_in), np.nan, np.float16)
+    n_sub = rows * n_in // 32
+    _launch(lay.type_id, f"dense_dequant_f16<{lay.type_id}>", (-(-n_sub // 256), 1, 1), (256, 1, 1),
+            ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(q.shape[1]),
+            ctypes.c_int32(n_in), ctypes.c_int64(rows))
+    # ggml's values rounded to F16 (the GPU may fuse d * q - m into one FMA: an F32 ulp of the
+    # product apart, which can round the other way or matter where d * q and m nearly cancel)
+    _close(out.get().astype(np.float64), vals.astype(np.float16).astype(np.float64), 2 ** -10)
+    ids = np.array([5, 0, 299, 5, 17], dtype=np.int32)
+    d_ids, rows_out = cupy.asarray(ids), cupy.full((len(ids), n_in), np.nan, np.float32)
+    n_sub = len(ids) * n_in // 32
+    _launch(lay.type_id, f"dense_get_rows_q<{lay.type_id}>", (-(-n_sub // 256), 1, 1), (256, 1, 1),
+            ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(d_ids.data.ptr), ctypes.c_uint64(rows_out.data.ptr),
+            ctypes.c_int64(q.shape[1]), ctypes.c_int32(n_in), ctypes.c_int64(len(ids)))
+    _close(rows_out.get().astype(np.float64), vals[ids], 2e-7)
+
+
+def _close(got, want, rtol):
+    """``got`` within ``rtol`` of ``want`` elementwise, plus 1e-6 of the row's largest value."""
+    tol = rtol * np.abs(want) + 1e-6 * np.abs(want).max(axis=1, keepdims=True)
+    assert np.isfinite(got).all() and (np.abs(got - want) <= tol).all(), float(np.abs(got - want).max())
