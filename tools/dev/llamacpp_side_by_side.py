@@ -143,7 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--prebuilt", default="", help="tarball of a llama.cpp build's bin/ (instead of building)")
     ap.add_argument("--skip", default="", help="comma list of steps to skip: bench,batched,ragged,load,logits,kvq")
+    ap.add_argument("--quant", default="", help="comma list of llama-quantize types (Q4_K_M,Q5_K_M,Q6_K,Q8_0): "
+                                              "each made from --gguf by llama.cpp's llama-quantize, then the load, "
+                                              "bench and batched rows on it (step 'quant')")
     a = ap.parse_args(argv)
+    quants = [q.strip() for q in a.quant.split(",") if q.strip()]
     os.makedirs(a.out, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
     jobs = os.cpu_count() or 8
@@ -153,9 +157,11 @@ def main(argv=None) -> int:
                                    "--preset", "llama-3-8b", "--vocab", "32000"],
                                   stdout=open(os.path.join(a.out, "gguf.log"), "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
-    bins = build(a.src, a.build, a.out, jobs, a.prebuilt)
-    # a prebuilt llama.cpp finds its own libraries next to it ($ORIGIN) and cuBLAS here
-    os.environ["LD_LIBRARY_PATH"] = library_path(bins)
+    bins = build(a.src, a.build, a.out, jobs, a.prebuilt,
+                 targets=TARGETS + (("llama-quantize",) if quants and "quant" not in skip else ()))
+    # llama.cpp's processes only: its libraries next to it ($ORIGIN) and cuBLAS; a process that
+    # imports ggml (ours, the Python steps) must not see its libggml-base.so
+    lc_env = dict(os.environ, LD_LIBRARY_PATH=library_path(bins))
     print(f"build: {time.time() - t0:.0f}s", flush=True)
     if writer is not None and writer.wait() != 0:
         raise SystemExit("writing the GGUF failed (gguf.log)")
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
     if "logits" not in skip:
         rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
                        os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],
-                      os.path.join(out, "logits.log"), 400)
+                      os.path.join(out, "logits.log"), 400, env=dict(os.environ, LLAMACPP_LIBS=lc_env["LD_LIBRARY_PATH"]))
         try:
             res["logits"] = json.load(open(os.path.join(out, "model_vs_llamacpp.json")))
         except (OSError, ValueError):
@@ -182,7 +188,7 @@ def main(argv=None) -> int:
     save()
     if "load" not in skip:
         _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                      os.path.join(out, "lc_load.log"), 300)
+                      os.path.join(out, "lc_load.log"), 300, env=lc_env)
         rows.append(dict(tool="llama.cpp", case="load", seconds=dt))
         _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
                       os.path.join(out, "ours_load.log"), 300)
@@ -190,7 +196,7 @@ def main(argv=None) -> int:
     save()
     if "bench" not in skip:
         _, t, _ = sh([lb, "-m", a.gguf, "-ngl", "99", "-fa", "1", "-p", "512", "-n", "128", "-r", str(a.reps),
-                      "-o", "json"], os.path.join(out, "lc_bench.log"), 300)
+                      "-o", "json"], os.path.join(out, "lc_bench.log"), 300, env=lc_env)
         for r in json_block(t):
             rows.append(dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                              ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
             flag = ["-kvu"] if kvu else []
             _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
                           "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"] + flag,
-                         os.path.join(out, f"lc_batched{'_kvu' if kvu else ''}.log"), 300)
+                         os.path.join(out, f"lc_batched{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
             rows += [dict(tool="llama.cpp", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
             _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", "128", "-ntg", "32", "-npl", "1,16,64",
                           "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
@@ -223,7 +229,7 @@ def main(argv=None) -> int:
         for kvu in (False, True):
             _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
                           "-npp", str(npp), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
-                         + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300)
+                         + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
             rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
     save()
     if "kvq" not in skip:   # a q8_0 KV cache against f16, 64 sequences of 4096 tokens (attention-heavy decode)
@@ -231,15 +237,56 @@ def main(argv=None) -> int:
             types = ["-ctk", t, "-ctv", t]
             _, out_t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", str(64 * (KVQ_NPP + 32)), "-b", "2048",
                               "-ub", "512", "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
-                             + types, os.path.join(out, f"lc_kvq_{t}.log"), 600)
+                             + types, os.path.join(out, f"lc_kvq_{t}.log"), 600, env=lc_env)
             rows += [dict(tool="llama.cpp", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
             save()
             _, out_t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64",
                               "-r", "1", "-o", "jsonl"] + types, os.path.join(out, f"ours_kvq_{t}.log"), 600)
             rows += [dict(tool="ggml-attn", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
             save()
+    if quants and "quant" not in skip:
+        for q in quants:
+            quant_rows(a, q, bins, lc_env, (lb, lbb, ours_b, ours_bb), rows)
+            save()
     print(table(rows))
     return 0
+
+
+def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> None:
+    """The load, llama-bench and llama-batched-bench rows of both on the ``qtype`` file that
+    llama-quantize makes from ``a.gguf`` (kept beside it), each row with ``file`` and the weights'
+    bytes (``weight_bytes``: the file's tensors) for the effective bandwidth (:func:`table`)."""
+    lb, lbb, ours_b, ours_bb = tools
+    src = a.gguf
+    path = f"{os.path.splitext(src)[0]}-{qtype}.gguf"
+    out = a.out
+    if not os.path.exists(path):
+        rc, _, _ = sh([os.path.join(bins, "llama-quantize"), src, path, qtype, str(os.cpu_count() or 8)],
+                      os.path.join(out, f"quantize_{qtype}.log"), 900, env=lc_env)
+        if rc:
+            rows.append(dict(tool="llama.cpp", case="quantize", file=qtype, error=f"rc={rc} (quantize_{qtype}.log)"))
+            return
+    from ggml_attn.cli.models import read_gguf
+    tag = dict(file=qtype, weight_bytes=read_gguf(path).file_bytes)
+    _, _, dt = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
+                  os.path.join(out, f"lc_load_{qtype}.log"), 300, env=lc_env)
+    rows.append(dict(tool="llama.cpp", case="load", seconds=dt, **tag))
+    _, _, dt = sh([ours_bb, "--device", "cuda", "-m", path, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1", "-v"],
+                  os.path.join(out, f"ours_load_{qtype}.log"), 300)
+    rows.append(dict(tool="ggml-attn", case="load", seconds=dt, **tag))
+    for tool, cmd, log in (("llama.cpp", [lb, "-m", path, "-ngl", "99", "-fa", "1"], "lc_bench"),
+                           ("ggml-attn", [ours_b, "--device", "cuda", "-m", path], "ours_bench")):
+        _, t, _ = sh(cmd + ["-p", "512", "-n", "128", "-r", str(a.reps), "-o", "json"],
+                     os.path.join(out, f"{log}_{qtype}.log"), 400, env=lc_env if tool == "llama.cpp" else None)
+        rows += [dict(tool=tool, case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"), ts=r.get("avg_ts"),
+                      ts_sd=r.get("stddev_ts"), **tag) for r in json_block(t)]
+    _, t, _ = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512", "-npp", "128",
+                  "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"],
+                 os.path.join(out, f"lc_batched_{qtype}.log"), 300, env=lc_env)
+    rows += [dict(tool="llama.cpp", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
+    _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--warmup",
+                  "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched_{qtype}.log"), 400)
+    rows += [dict(tool="ggml-attn", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
 
 
 KVQ_NPP = 4096   # the kvq step's prompt per sequence: 64 x 4128 cells, decode bound by K/V bytes
@@ -261,15 +308,18 @@ def _gpu() -> str:
 def table(rows: list[dict]) -> str:
     """One markdown table: each case with llama.cpp's number, ours, and ours / theirs."""
     def key(r):
+        f = f"{r['file']} " if r.get("file") else ""
         if r["case"] == "bench":
-            return ("bench", f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")
+            return (f + "bench", f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")
         if r["case"] in ("batched",):
-            return ("batched", f"B={r.get('pl')}{' -kvu' if r.get('kvu') else ''}")
+            return (f + "batched", f"B={r.get('pl')}{' -kvu' if r.get('kvu') else ''}")
         if r["case"].startswith("ragged"):
             return ("ragged", "64 x 16-200")
-        return (r["case"], "")
+        return (f + r["case"], "")
     best: dict = {}
     for r in rows:
+        if "error" in r:
+            continue
         k = key(r)
         slot = best.setdefault(k, {})
         if r["case"] == "load":
@@ -279,13 +329,20 @@ def table(rows: list[dict]) -> str:
         else:   # each column's best row (llama.cpp's equal-length rows with and without -kvu)
             old = slot.get(r["tool"], (0.0, 0.0))
             slot[r["tool"]] = (max(old[0], r.get("speed_pp") or 0.0), max(old[1], r.get("speed_tg") or 0.0))
+    wbytes = {r["file"]: r["weight_bytes"] for r in rows if r.get("weight_bytes")}
     lines = ["| case | llama.cpp | ggml-attn | ours / theirs |", "|---|---:|---:|---:|"]
     for (case, what), slot in best.items():
         lc, us = slot.get("llama.cpp"), slot.get("ggml-attn")
-        if case == "load":
-            lines.append(f"| load time (s) | {_f(lc and lc[0])} | {_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
-        elif case == "bench":
-            lines.append(f"| llama-bench {what} t/s | {_f(lc and lc[0])} | {_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
+        file, _, base = case.rpartition(" ")
+        if base == "load":
+            lines.append(f"| {file} load time (s) | {_f(lc and lc[0])} | {_f(us and us[0])} | "
+                         f"{_r(us and us[0], lc and lc[0])} |".replace("|  load", "| load"))
+        elif base == "bench":
+            bw = ""
+            if what.startswith("tg") and file in wbytes:   # weights read once per token
+                bw = " (weights " + " / ".join(f"{_f(x and x[0] * wbytes[file] / 1e9)}" for x in (lc, us)) + " GB/s)"
+            lines.append(f"| {file + ' ' if file else ''}llama-bench {what} t/s{bw} | {_f(lc and lc[0])} | "
+                         f"{_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
         else:
             for i, name in ((0, "S_PP"), (1, "S_TG")):
                 a, b = lc and lc[i], us and us[i]

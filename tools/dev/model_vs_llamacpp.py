@@ -47,8 +47,10 @@ def llamacpp_run(tool: str, gguf: str, prompts: list[np.ndarray], n_gen: int, n_
             f.write(struct.pack("<i", len(prompts)))
             for p in prompts:
                 f.write(struct.pack("<i", len(p)) + np.asarray(p, "<i4").tobytes())
-        env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.path.dirname(os.path.abspath(tool)) + ":" + env.get("LD_LIBRARY_PATH", "")
+        env = dict(os.environ)   # the tool's libraries (and CUDA's: LLAMACPP_LIBS), its process only
+        env["LD_LIBRARY_PATH"] = ":".join(filter(None, [os.path.dirname(os.path.abspath(tool)),
+                                                        os.environ.get("LLAMACPP_LIBS", ""),
+                                                        env.get("LD_LIBRARY_PATH", "")]))
         p = subprocess.run([tool, gguf, tok, out, str(n_gen), "99", str(n_ubatch)], capture_output=True, text=True,
                            env=env)
         if p.returncode:
