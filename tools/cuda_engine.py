@@ -3,7 +3,7 @@
 Per ubatch the plan's mask is uploaded into the graph once and the kernels' live-tile plan is
 built once by the builder (``cuda_backend.make_plan``), then reused by every layer; attention is
 ``ggml_attn.flash_attn_ext`` on the CUDA backend, the full block's dense ops are the custom ops
-of ``graph/xp_ops.py`` (CuPy, F16 GEMMs). Timing uses CUDA events around the work, after a
+of ``graph/xp_ops.py`` (CuPy: F16 GEMVs and GEMMs, and the matmuls over a model's weight blocks). Timing uses CUDA events around the work, after a
 synchronize. The kernel programs the run's calls load are compiled while the engine is made
 (:func:`start_precompile`), not at each kernel's first call inside a timed run.
 """
@@ -37,7 +37,8 @@ def start_precompile(cfg) -> Future:
     """Start compiling, in a thread of its own (its compiles in parallel threads), every kernel
     program the run of ``cfg`` may load on this GPU: the attention kernels ``--kernel`` may pick
     for the model's head sizes, cache types and GQA ratio (``ggml_attn.cuda_launch.programs``),
-    the plan's kernels and the device graph's dense ops (the cache's store op among them). On a
+    the plan's kernels and the device graph's dense ops (the cache's store op among them; with
+    ``--layer model`` those over each block type of the file's matrices). On a
     machine whose kernel cache lacks them (a first run, a new version) each would otherwise be
     compiled by its first call, inside the timed runs (1-2 s each on 2 cores). The future's
     ``result()`` raises a compile error."""
@@ -48,6 +49,9 @@ def start_precompile(cfg) -> Future:
     variants = cuda_launch.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
                                     m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
                                     ext=bool(m.logit_softcap)) + [K.dense_variant()]
+    if cfg.layer == "model":   # the matmuls over the file's weight blocks, one program per type
+        from ggml_attn.block_types import block_layout, is_block_type
+        variants += [K.dense_q_variant(block_layout(t).type_id) for t in m.file_type.split("+") if is_block_type(t)]
     ex = ThreadPoolExecutor(1)
     try:
         return ex.submit(K.precompile, variants, K.device_arch())

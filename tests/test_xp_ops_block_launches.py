@@ -1,0 +1,179 @@
+"""graph/xp_ops.py's GPU launches over weight blocks, their host side without a GPU: the kernels'
+lookups and launches are recorded (``kernels.get_function`` / ``kernels.BoundLaunch`` /
+``_CublasGemm.of_ptrs`` replaced), device arrays are numpy arrays wearing CuPy's attributes. What
+is checked: ``dense_gemv_q``'s parameter block (segment pointers and rows, activations, norm
+weight, row bytes, token count, mode), its instance and grid; the GEMM path's chunks (every row
+of every weight once, each chunk's dequantize launch and GEMM at the right byte and column
+offsets); the embedding's block rows; and where each path is taken (``dispatch.best_matmul``)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ggml_attn import dispatch
+from ggml_attn import kernels as K
+from ggml_attn.block_types import block_layout
+from ggml_attn.graph import xp_ops
+from ggml_attn.graph.model_device import QMatrix
+
+
+class Dev:
+    """A numpy array seen as a CuPy one: ``.data.ptr`` its address, ``.flags``, shape, dtype."""
+
+    def __init__(self, shape, dtype=np.float32, base: np.ndarray | None = None):
+        self.a = np.zeros(shape, dtype=dtype) if base is None else base
+        self.data = SimpleNamespace(ptr=int(self.a.ctypes.data))
+        self.flags, self.shape, self.dtype = self.a.flags, self.a.shape, self.a.dtype
+        self.size, self.nbytes = self.a.size, self.a.nbytes
+
+    def reshape(self, *shape):
+        return Dev(None, base=self.a.reshape(*shape))
+
+
+class FakeXp:
+    """What xp_ops reads of a non-numpy array module."""
+    float16, float32 = np.float16, np.float32
+
+    @staticmethod
+    def empty(shape, dtype=np.float32):
+        return Dev(shape, dtype)
+
+
+class Builder:
+    xp = FakeXp
+
+    def __init__(self):
+        self.kept = []
+
+    def scratch(self, shape, dtype):
+        return Dev(shape, dtype)
+
+    def keep(self, *arrays):
+        self.kept += arrays
+
+
+@pytest.fixture()
+def launches(monkeypatch):
+    rec = []
+
+    class Launch:
+        def __init__(self, fn, grid, block, *params):
+            self.fn, self.grid, self.block, self.params = fn, grid, block, params
+            rec.append(self)
+
+        def __call__(self):
+            pass
+
+    def gemm(w, n_out, n_in, x16, n_tok, out, ldc, beta=0.0):
+        rec.append(SimpleNamespace(fn="gemm", args=(w, n_out, n_in, x16, n_tok, out, ldc, beta)))
+        return lambda: None
+
+    monkeypatch.setattr(K, "get_function", lambda variant, name: SimpleNamespace(variant=variant, name=name))
+    monkeypatch.setattr(K, "BoundLaunch", Launch)
+    monkeypatch.setattr(xp_ops._CublasGemm, "of_ptrs", staticmethod(gemm))
+    return rec
+
+
+def _qmatrix(name, n_out, n_in, scratch=None):
+    lay = block_layout(name)
+    return QMatrix(name, (n_out, n_in), Dev((n_out, lay.row_bytes(n_in)), np.uint8), scratch=scratch)
+
+
+@pytest.mark.parametrize("n_tok, nt", [(1, 1), (3, 4), (8, 8), (9, 16), (16, 16)])
+def test_gemv_q_parameter_block(launches, n_tok, nt):
+    ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512), _qmatrix("Q4_K", 32, 512)]
+    x = Dev((n_tok, 512))
+    outs = [Dev((n_tok, w.shape[0])) for w in ws]
+    g = Dev((512,))
+    run = xp_ops.gemv_q_launch(ws, x, outs, mode=0, norm_eps=1e-5, norm_w=g)
+    (ln,) = launches
+    assert run is ln and ln.fn.name == f"dense_gemv_q<12, {nt}>" and ln.fn.variant == K.dense_q_variant(12)
+    assert ln.grid == (-(-160 // K.GEMV_WARPS), 1, 1) and ln.block == (32 * K.GEMV_WARPS, 1, 1)
+    (p,) = ln.params
+    assert isinstance(p, K.GemvQParams)
+    for i, (w, o) in enumerate(zip(ws, outs)):
+        assert (p.seg[i].w, p.seg[i].out, p.seg[i].rows) == (w.blocks.data.ptr, o.data.ptr, w.shape[0])
+    assert (p.x, p.x_stride, p.g, p.row_bytes) == (x.data.ptr, 512, g.data.ptr, 2 * 144)
+    assert (p.n_in, p.n_tok, p.n_seg, p.mode) == (512, n_tok, 3, 0) and p.norm_eps == pytest.approx(1e-5)
+
+
+def test_gemv_q_gated_and_what_it_refuses(launches):
+    wg, wu = _qmatrix("Q6_K", 64, 256), _qmatrix("Q6_K", 64, 256)
+    x, out = Dev((2, 256)), Dev((2, 64))
+    xp_ops.gemv_q_launch([wg, wu], x, [out], mode=2)
+    (p,) = launches[-1].params
+    assert p.mode == 2 and p.seg[0].out == out.data.ptr and p.g == 0 and p.norm_eps == 0.0
+    assert launches[-1].grid == (64 // K.GEMV_WARPS, 1, 1)   # the gate's rows only
+    n = len(launches)
+    assert xp_ops.gemv_q_launch([wg, _qmatrix("Q4_K", 64, 256)], x, [out], mode=2) is None   # two types
+    assert xp_ops.gemv_q_launch([wg], Dev((17, 256)), [Dev((17, 64))], mode=0) is None       # 17 tokens
+    assert xp_ops.gemv_q_launch([wg], x, [out], mode=0, norm_w=Dev((256,))) is None          # a weight, no norm
+    assert xp_ops.gemv_q_launch([wg], x, [out], mode=0, norm_eps=1e-5, norm_w=Dev((128,))) is None
+    assert len(launches) == n
+
+
+def test_best_matmul():
+    assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
+    assert dispatch.best_matmul("Q4_K", 16).path == "gemv" and dispatch.best_matmul("Q4_K", 17).path == "gemm"
+    assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
+    with pytest.raises(ValueError, match="IQ4_NL"):
+        dispatch.best_matmul("IQ4_NL", 1)
+
+
+def test_group_of_mixed_types_is_one_launch_per_type(launches):
+    b = Builder()
+    ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q4_K", 16, 256), _qmatrix("Q6_K", 16, 256)]
+    x = Dev((1, 256))
+    outs = [Dev((1, w.shape[0])) for w in ws]
+    run = xp_ops._gemv(b, ws, x, outs, mode=0, norm_eps=1e-5, norm_w=Dev((256,)))
+    assert run is not None and [ln.fn.name for ln in launches] == ["dense_gemv_q<12, 1>", "dense_gemv_q<14, 1>"]
+    assert [ln.params[0].n_seg for ln in launches] == [2, 1]
+    assert launches[1].params[0].seg[0].out == outs[2].data.ptr
+    assert xp_ops._gemv(b, ws[:2], Dev((20, 256)), [Dev((20, 64)), Dev((20, 16))], mode=0) is None   # GEMM's
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, accumulate):
+    scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
+    w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
+    x = Dev((33, 256))
+    outs = [Dev((33, 250)), Dev((33, 40))]
+    xp_ops._qmatmuls(Builder(), [w1, w2], x, outs, accumulate=accumulate)
+    deq = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and "dequant" in ln.fn.name]
+    gemms = [ln.args for ln in launches if getattr(ln, "fn", None) == "gemm"]
+    row_bytes = block_layout("Q8_0").row_bytes(256)
+    spans = [(0, 100), (100, 200), (200, 250), (0, 40)]
+    assert len(deq) == len(gemms) == 4
+    for (r0, r1), ln, gm, (w, o) in zip(spans, deq, gemms, [(w1, outs[0])] * 3 + [(w2, outs[1])]):
+        src, dst, rb, n_in, rows = (a.value for a in ln.params)
+        assert (src, dst, rb, n_in, rows) == (w.blocks.data.ptr + r0 * row_bytes, scratch.data.ptr, row_bytes, 256,
+                                              r1 - r0)
+        assert ln.fn.name == "dense_dequant_f16<8>"
+        wptr, n_out, k, _x16, n_tok, out, ldc, beta = gm
+        assert (wptr, n_out, k, n_tok, out, ldc) == (scratch.data.ptr, r1 - r0, 256, 33, o.data.ptr + 4 * r0,
+                                                     w.shape[0])
+        assert beta == (1.0 if accumulate else 0.0)
+
+
+def test_embedding_rows_of_blocks(launches):
+    table = _qmatrix("Q4_0", 1000, 256)
+    b = Builder()
+    b.array = lambda t: ids
+    ids = Dev((5,), np.int32)
+    ids_t = SimpleNamespace()   # a tensor of the graph (b.array reads it)
+    captured = {}
+
+    def custom(b_, run, srcs, out, name, ptr=None):
+        captured.update(run=run, out=out)
+        return out
+    orig = xp_ops._custom
+    xp_ops._custom = custom
+    try:
+        xp_ops.get_rows(b, table, ids_t, "inp_embd", own=True)
+    finally:
+        xp_ops._custom = orig
+    (ln,) = launches
+    assert ln.fn.name == "dense_get_rows_q<2>" and captured["run"] is ln
+    w, i, o, rb, n, n_ids = (a.value for a in ln.params)
+    assert (w, i, o, rb, n, n_ids) == (table.blocks.data.ptr, ids.data.ptr, captured["out"].data.ptr, 8 * 18, 256, 5)
+    assert ln.grid == (1, 1, 1)
