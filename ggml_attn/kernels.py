@@ -230,6 +230,15 @@ def dense_q_variant(type_id: int) -> Variant:
                    (f"dense_dequant_f16<{type_id}>", f"dense_get_rows_q<{type_id}>"))
 
 
+MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")
+
+
+def model_ops_variant() -> Variant:
+    """A real model's device-graph ops (``cuda/model_ops.cu``: get_rows, rope, add_bias; used by
+    ``graph/xp_ops.py``)."""
+    return Variant("model-ops", "model_ops.cu", MODEL_OPS_NAMES)
+
+
 def dense_q_variants() -> list[Variant]:
     from .block_types import BLOCK_TYPES, block_layout
     return [dense_q_variant(block_layout(n).type_id) for n in BLOCK_TYPES]
@@ -308,7 +317,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
-    out = [util_variant(), dense_variant(), *dense_q_variants()]
+    out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants()]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [mma_variant(dk, dv, t, nat=True) for dk, dv in MMA_HEADS]

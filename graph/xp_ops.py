@@ -36,7 +36,7 @@ Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
 
 A real model's graph (``model_graph.py``'s device form) adds three, each one launch of a kernel
-of :data:`MODEL_OPS_SRC` on CuPy (compiled with NVRTC when first built, not while computing):
+of ``cuda/model_ops.cu`` on CuPy (compiled with NVRTC when first built, not while computing):
 
 * :func:`get_rows`: rows ``ids`` of an F16/F32 table (the embedding, or the residual stream's
   output rows) -> F32 ``[n, n_ids]``;
@@ -60,7 +60,7 @@ import numpy as np
 from ggml_attn import op as fa_op
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "add_into", "gemv_launch", "release",
-           "get_rows", "rope", "add_bias", "compile_model_ops", "MODEL_OPS_SRC"]
+           "get_rows", "rope", "add_bias"]
 
 _calls: dict[int, object] = {}
 _keys = itertools.count(1)
@@ -545,124 +545,16 @@ def add_into(b, x_t, y_t, name: str):
 
 # ----------------------------------------------------------------- a real model's ops
 # (graph/model_graph.py's device form): token/row selection, RoPE with the Q/K bias, V bias.
-# On CuPy each is one launch of a kernel of MODEL_OPS_SRC (compiled with NVRTC and loaded once
-# per device, at build time), its arguments bound at build time (kernels.BoundLaunch).
-
-MODEL_OPS_SRC = r"""
-#include <cuda_fp16.h>
-
-// out[r, c] = table[ids[r], c] (F16 or F32 table, C-contiguous, n_cols per row) as F32; n = n_ids * n_cols.
-extern "C" __global__ void __launch_bounds__(256) xp_get_rows_f16(const __half* __restrict__ table,
-        const int* __restrict__ ids, float* __restrict__ out, long long n_cols, long long n) {
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const long long r = e / n_cols;
-        out[e] = __half2float(table[(long long)ids[r] * n_cols + (e - r * n_cols)]);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(256) xp_get_rows_f32(const float* __restrict__ table,
-        const int* __restrict__ ids, float* __restrict__ out, long long n_cols, long long n) {
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const long long r = e / n_cols;
-        out[e] = table[(long long)ids[r] * n_cols + (e - r * n_cols)];
-    }
-}
-
-// x[r, c] += bias[c], in place; n = n_rows * n_cols.
-extern "C" __global__ void __launch_bounds__(256) xp_add_bias(float* __restrict__ x,
-        const float* __restrict__ bias, long long n_cols, long long n) {
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x)
-        x[e] += bias[e % n_cols];
-}
-
-// ggml_rope_ext (ext_factor 0, attn_factor 1) of x (n_tok, n_head, head_dim) F32 into y, after
-// adding bias (n_head * head_dim, or null); one element per thread. Pair j of a head (j <
-// n_dims / 2): dims (2j, 2j + 1) (normal) or (j, j + n_dims / 2) (neox), rotated by
-// theta_j = freq_scale * (pos * theta_scale^j) / ff[j], theta_scale^j applied as ggml's CPU
-// op does (j float products); dims from n_dims on are copied.
-extern "C" __global__ void __launch_bounds__(256) xp_rope(const float* __restrict__ x, float* __restrict__ y,
-        const int* __restrict__ pos, const float* __restrict__ ff, const float* __restrict__ bias,
-        int n_head, int head_dim, int n_dims, int neox, float theta_scale, float freq_scale, long long n) {
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const int d = (int)(e % head_dim);
-        const long long row = e / head_dim;               // token * n_head + head
-        const int hb = (int)(row % n_head) * head_dim;     // the head's bias offset
-        if (d >= n_dims) {
-            y[e] = x[e] + (bias ? bias[hb + d] : 0.0f);
-            continue;
-        }
-        const int half = n_dims / 2;
-        int j, d0;
-        bool first;
-        if (neox) { first = d < half; j = first ? d : d - half; d0 = j; }
-        else      { first = (d & 1) == 0; j = d >> 1; d0 = 2 * j; }
-        const int d1 = neox ? d0 + half : d0 + 1;
-        const long long base = e - d;
-        float x0 = x[base + d0], x1 = x[base + d1];
-        if (bias) { x0 += bias[hb + d0]; x1 += bias[hb + d1]; }
-        float theta = (float)pos[row / n_head];
-        for (int i = 0; i < j; ++i) theta *= theta_scale;
-        if (ff) theta = theta / ff[j];
-        theta = freq_scale * theta;
-        float s, c;
-        sincosf(theta, &s, &c);
-        y[e] = first ? x0 * c - x1 * s : x0 * s + x1 * c;
-    }
-}
-"""
-MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")
-
-
-def compile_model_ops(arch: str, extra_options: tuple = ()) -> tuple[bytes, str]:
-    """``(cubin, log)`` of :data:`MODEL_OPS_SRC` for ``arch`` (e.g. ``"sm_90"``) with NVRTC; no GPU
-    needed. RuntimeError with NVRTC's log on a compile error."""
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    nv = K._nvrtc()
-    opts = list(K.BASE_OPTIONS) + list(extra_options) + [f"-arch={arch}"] + \
-        [f"-I{d}" for d in K.cuda_include_dirs()]
-    prog = nv.createProgram(MODEL_OPS_SRC, "xp_model_ops.cu", [], [])
-    try:
-        try:
-            nv.compileProgram(prog, opts)
-        except Exception as e:
-            try:
-                log = nv.getProgramLog(prog)
-            except Exception:  # noqa: BLE001
-                log = ""
-            raise RuntimeError(f"NVRTC failed to compile the model ops for {arch}: {e}\n{log}") from e
-        return bytes(nv.getCUBIN(prog)), nv.getProgramLog(prog)
-    finally:
-        nv.destroyProgram(prog)
-
-
-_MODEL_FUNCS: dict = {}   # (device id, name) -> kernels.Kernel
-
-
-def _model_fn(name: str):
-    """Kernel ``name`` of :data:`MODEL_OPS_SRC` on the current device (compiled and loaded on the
-    first call: at build time, never while a graph computes)."""
-    import cupy  # noqa: PLC0415
-    from cupy.cuda import driver  # noqa: PLC0415
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    dev = cupy.cuda.Device().id
-    fn = _MODEL_FUNCS.get((dev, name))
-    if fn is None:
-        with _lock:
-            if (dev, name) not in _MODEL_FUNCS:
-                cubin, _ = compile_model_ops(K.device_arch())
-                mod = driver.moduleLoadData(cubin)
-                for n in MODEL_OPS_NAMES:
-                    _MODEL_FUNCS[(dev, n)] = K.Kernel(driver.moduleGetFunction(mod, n), n, 0)
-                _MODEL_FUNCS[(dev, "_module")] = mod   # kept loaded for the process
-        fn = _MODEL_FUNCS[(dev, name)]
-    return fn
+# On CuPy each is one launch of a kernel of cuda/model_ops.cu (kernels.model_ops_variant:
+# compiled with NVRTC and disk-cached like every program, loaded at build time), its arguments
+# bound at build time (kernels.BoundLaunch).
 
 
 def _model_launch(name: str, n: int, *params):
     """A bound grid-stride launch of model kernel ``name`` over ``n`` elements (ctypes params)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     blocks = max(1, min(-(-n // 256), 4096))
-    return K.BoundLaunch(_model_fn(name), (blocks, 1, 1), (256, 1, 1), *params)
+    return K.BoundLaunch(K.get_function(K.model_ops_variant(), name), (blocks, 1, 1), (256, 1, 1), *params)
 
 
 def _dptr(a) -> ctypes.c_uint64:

@@ -343,14 +343,15 @@ def test_add_bias_in_place():
 
 # ------------------------------------------------------------------ the CUDA source compiles
 def test_model_ops_compile_with_nvrtc():
+    """cuda/model_ops.cu, as kernels.model_ops_variant compiles it (the disk cache bypassed)."""
     from ggml_attn import kernels as K
     if not K.nvrtc_available():
         pytest.skip("NVRTC library not installed")
     for arch in ("sm_80", "sm_90"):
-        cubin, log = xp_ops.compile_model_ops(arch, extra_options=("-Xptxas=-v",))
-        assert len(cubin) > 1000
-        usage = K.resource_usage(log)
-        assert set(usage) >= set(xp_ops.MODEL_OPS_NAMES), usage
+        c = K.compile_variant(K.model_ops_variant(), arch, use_disk_cache=False, extra_options=("-Xptxas=-v",))
+        assert len(c.cubin) > 1000 and set(c.lowered) == set(K.MODEL_OPS_NAMES)
+        usage = K.resource_usage(c.log)
+        assert set(usage) >= set(K.MODEL_OPS_NAMES), usage
         for name, u in usage.items():
             assert u.get("spill_stores", 0) == 0, (arch, name, u)
 

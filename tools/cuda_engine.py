@@ -49,9 +49,10 @@ def start_precompile(cfg) -> Future:
     variants = cuda_launch.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
                                     m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
                                     ext=bool(m.logit_softcap)) + [K.dense_variant()]
-    if cfg.layer == "model":   # the matmuls over the file's weight blocks, one program per type
+    if cfg.layer == "model":   # its embedding/RoPE ops, and the matmuls over each block type of its weights
         from ggml_attn.block_types import block_layout, is_block_type
-        variants += [K.dense_q_variant(block_layout(t).type_id) for t in m.file_type.split("+") if is_block_type(t)]
+        variants += [K.model_ops_variant()] + [K.dense_q_variant(block_layout(t).type_id)
+                                               for t in m.file_type.split("+") if is_block_type(t)]
     ex = ThreadPoolExecutor(1)
     try:
         return ex.submit(K.precompile, variants, K.device_arch())
