@@ -486,9 +486,23 @@ def compute_graph(ctx, graph, n_threads: int = 1) -> None:
         raise ValueError(f"compute_graph: {e}") from None
     with computing(graph):
         with _single_threaded_blas:  # held by this thread for the whole compute: no toggling per node
-            status = ggml.ggml_graph_compute_with_ctx(ctx, graph, n_threads)
+            status = plan_and_compute(graph, n_threads)
     if status != 0:
-        raise FlashAttnError(f"ggml_graph_compute_with_ctx returned status {status}")
+        raise FlashAttnError(f"ggml_graph_compute returned status {status}")
+
+
+def plan_and_compute(graph, n_threads: int) -> int:
+    """``ggml_graph_plan`` + ``ggml_graph_compute`` with a work buffer of our own, freed on return
+    (``ggml_graph_compute_with_ctx`` takes a new one from the graph's context at every call, so
+    recomputing a graph used the context up and then crashed); ggml's status."""
+    cplan = ggml.ggml_graph_plan(graph, n_threads, None)
+    work = None
+    if cplan.work_size:
+        work = np.empty(cplan.work_size, dtype=np.uint8)
+        cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+    status = ggml.ggml_graph_compute(graph, ctypes.byref(cplan))
+    del work
+    return status
 
 
 def _descs(dst_p, p: _OpParams):

@@ -220,15 +220,9 @@ class UBatchGraph:
         if self.device and not self._checked:   # the nodes never change after build: once
             check_device_graph(self.graph)
             self._checked = True
-        cplan = ggml.ggml_graph_plan(self.graph, n_threads, None)
-        work = None
-        if cplan.work_size:
-            work = np.empty(cplan.work_size, dtype=np.uint8)
-            cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
         # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
         with fa_op.computing(self.graph):
-            status = ggml.ggml_graph_compute(self.graph, ctypes.byref(cplan))
-        del work
+            status = fa_op.plan_and_compute(self.graph, n_threads)
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 

@@ -198,3 +198,36 @@ def test_ctrl_c_inside_the_callback_stays_keyboard_interrupt(case_ctx, monkeypat
     monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ggml_attn.compute_graph(ctx, graph_of(ctx, out), 1)
+
+
+RECOMPUTE = r"""
+import ggml, numpy as np, ggml_attn
+from ggml.utils import to_numpy
+D, n_kv, n_batch, n_head, n_head_kv = 64, 256, 4, 8, 2
+ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 << 20, mem_buffer=None))
+q = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F32, D, n_batch, n_head, 1)
+k = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, D, n_kv, n_head_kv, 1)
+v = ggml.ggml_new_tensor_4d(ctx, ggml.GGML_TYPE_F16, D, n_kv, n_head_kv, 1)
+rng = np.random.default_rng(0)
+for t, shape in ((q, (n_head, n_batch, D)), (k, (n_head_kv, n_kv, D)), (v, (n_head_kv, n_kv, D))):
+    to_numpy(t)[...] = rng.standard_normal(shape)
+ours = ggml_attn.flash_attn_ext(ctx, q, k, v, None, 1 / np.sqrt(D))
+theirs = ggml.ggml_flash_attn_ext(ctx, q, k, v, None, 1 / np.sqrt(D), 0.0, 0.0)
+gf = ggml.ggml_new_graph(ctx)
+ggml.ggml_build_forward_expand(gf, ours)
+ggml.ggml_build_forward_expand(gf, theirs)
+used = ggml.ggml_used_mem(ctx)
+for i in range(10000):
+    ggml_attn.compute_graph(ctx, gf, 2)
+assert ggml.ggml_used_mem(ctx) == used, (used, ggml.ggml_used_mem(ctx))
+assert ggml_attn.nmse(to_numpy(ours), to_numpy(theirs)) < 1e-5
+print("computed 10000 times")
+"""
+
+
+def test_compute_graph_can_recompute_a_graph_forever():
+    """README's graph computed 10,000 times in a 2 MiB context: compute_graph takes its work
+    buffer from no context (ggml_graph_compute_with_ctx took a new one from the graph's context
+    at every call: the context ran out within a few hundred computes and ggml aborted)."""
+    r = subprocess.run([sys.executable, "-c", RECOMPUTE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "computed 10000 times" in r.stdout, r.stderr[-2000:]
