@@ -494,7 +494,9 @@ def compute_graph(ctx, graph, n_threads: int = 1) -> None:
 def plan_and_compute(graph, n_threads: int) -> int:
     """``ggml_graph_plan`` + ``ggml_graph_compute`` with a work buffer of our own, freed on return
     (``ggml_graph_compute_with_ctx`` takes a new one from the graph's context at every call, so
-    recomputing a graph used the context up and then crashed); ggml's status."""
+    recomputing a graph used the context up and then crashed); ggml's status. ``n_threads``:
+    :func:`check_n_threads`'s rule (``ValueError``), for every graph computed here."""
+    n_threads = check_n_threads(n_threads)   # (a huge count segfaulted in ggml's thread pool)
     cplan = ggml.ggml_graph_plan(graph, n_threads, None)
     work = None
     if cplan.work_size:

@@ -226,6 +226,9 @@ class Batch:
             toks = list(toks)
             if not toks:
                 raise ValueError(f"sequence {s} (entry {j}) has no tokens")
+            if check_tokens and any(isinstance(t, (bool, np.bool_)) for t in toks):
+                raise ValueError(f"sequence {s} (entry {j}): {next(t for t in toks if isinstance(t, (bool, np.bool_)))!r}"
+                                 f" is a bool, not a token id")
             if starts[j] + len(toks) - 1 > INT32_MAX:
                 raise ValueError(f"start_pos {starts[j]} of sequence {s} + {len(toks)} tokens passes the int32 "
                                  f"maximum position {INT32_MAX}")

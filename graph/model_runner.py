@@ -106,7 +106,9 @@ def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 
     passed; a failed ubatch is rolled back (:class:`~ggml_attn.graph.driver.BatchError`).
     ``all_custom``: as ``build.build_ubatch_graph``'s (None: all-custom exactly when the cache is
     CuPy's; True on a numpy cache: the device form of the model graph, computed with numpy)."""
+    from ggml_attn.op import check_n_threads  # noqa: PLC0415
     from .build import check_build_args  # noqa: PLC0415
+    check_n_threads(n_threads)   # before any cell is claimed
     cfg = model.attn_config()
     check_build_args(cache, cfg, fa=fa, layer="model", model=model, all_custom=all_custom)
     if batch.tokens.size and int(batch.tokens.max()) >= model.hp.n_vocab:
@@ -138,22 +140,49 @@ def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=Non
     ``0..n-1``) from where the cache has them; then ``n_predict`` steps, one token per sequence
     each (the argmax of its last logits), all sequences in one batch per step. Returns the
     generated tokens of each sequence. ``all_custom``: as :func:`run_model_batch`'s."""
-    ids = list(range(len(prompts))) if seq_ids is None else [int(s) for s in seq_ids]
+    from ggml_attn.op import check_n_threads  # noqa: PLC0415
+    from .batch import as_int  # noqa: PLC0415
+    check_n_threads(n_threads)
+    n_predict = as_int(n_predict, "n_predict", 0)
+    ids = list(range(len(prompts))) if seq_ids is None else [as_int(s, f"seq_ids[{j}]", 0)
+                                                             for j, s in enumerate(seq_ids)]
     batch = Batch.from_sequences(prompts, ids, start_pos=cache.next_positions(ids))
+    _check_room(cache, batch, ids, n_predict)   # before any token enters the cache
     res = run_model_batch(cache, batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
                           all_custom=all_custom)
     last = res.by_seq(batch)
     gen: list[list[int]] = [[] for _ in ids]
-    for step in range(n_predict):
-        toks = [int(np.argmax(last[s])) for s in ids]
-        for g, t in zip(gen, toks):
-            g.append(t)
-        if step == n_predict - 1:
-            break
-        pos = cache.next_positions(ids)
-        step_batch = Batch(np.array(toks, dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
-                           tuple((s,) for s in ids))
-        res = run_model_batch(cache, step_batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
-                          all_custom=all_custom)
-        last = res.by_seq(step_batch)
+    try:
+        for step in range(n_predict):
+            toks = [int(np.argmax(last[s])) for s in ids]
+            for g, t in zip(gen, toks):
+                g.append(t)
+            if step == n_predict - 1:
+                break
+            pos = cache.next_positions(ids)
+            step_batch = Batch(np.array(toks, dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
+                               tuple((s,) for s in ids))
+            res = run_model_batch(cache, step_batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
+                                  all_custom=all_custom)
+            last = res.by_seq(step_batch)
+    except BaseException as e:   # what was generated goes with the error (Ctrl-C included)
+        e.generated = gen
+        raise
     return gen
+
+
+def _check_room(cache: KVCache, batch: Batch, ids: list[int], n_predict: int) -> None:
+    """ValueError when the prompts of ``batch`` and ``n_predict`` steps of each sequence cannot
+    all fit the free cells of their streams (every generated token but the last is decoded)."""
+    need: dict[int, int] = {}
+    per_seq = max(0, n_predict - 1)
+    counts = dict(zip(*np.unique(np.fromiter((s[0] for s in batch.seq_ids), dtype=np.int64), return_counts=True)))
+    for s in ids:
+        st = cache.seq_to_stream(s)
+        need[st] = need.get(st, 0) + int(counts.get(s, 0)) + per_seq
+    for st, n in need.items():
+        free = cache.kv_size - cache.n_used(st)
+        if n > free:
+            where = "the cache" if cache.n_stream == 1 else f"stream {st}"
+            raise ValueError(f"greedy: the prompts and {n_predict} steps need {n} KV cells in {where}, which has "
+                             f"{free} free of {cache.kv_size}; nothing was decoded")

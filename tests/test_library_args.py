@@ -1,0 +1,85 @@
+"""The library's batch paths check their arguments before any cell is claimed (issue #47 B.2,
+B.4): thread counts with compute_graph's rule on run_batch, run_model_batch and greedy (a huge
+one segfaulted in ggml's thread pool); greedy refuses up front what cannot fit the cache and
+hands back what it generated when a step fails; bools are not token ids."""
+import numpy as np
+import pytest
+
+import fixtures_gguf
+from ggml_attn.graph import AttnConfig, Batch, KVCache, greedy, load_gguf, run_batch, run_model_batch
+
+CFG = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_gguf(fixtures_gguf.fixture_path("llama-q8_0", tmp_path_factory.mktemp("g")))
+
+
+def _cache(model, n_ctx=512, n_seq=2, unified=True):
+    hp = model.hp
+    return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+
+
+def _empty(cache):
+    return all(cache.n_used(s) == 0 for s in range(cache.n_stream))
+
+
+@pytest.mark.parametrize("n_threads", [0, -1, True, 1.5, 10**9])
+def test_thread_counts_are_checked_before_the_cache_changes(model, n_threads):
+    c = KVCache(256, 1, n_layer=1, n_head_kv=1, head_dim_k=16)
+    with pytest.raises(ValueError, match="n_threads"):
+        run_batch(c, Batch.from_lengths([3]), 16, "simple", CFG, compute="ggml", n_threads=n_threads)
+    assert _empty(c)
+    mc = _cache(model)
+    with pytest.raises(ValueError, match="n_threads"):
+        run_model_batch(mc, Batch.from_sequences([[1, 2, 3]]), model, n_threads=n_threads)
+    with pytest.raises(ValueError, match="n_threads"):
+        greedy(mc, model, [[1, 2]], 3, n_threads=n_threads)
+    assert _empty(mc)
+
+
+def test_greedy_refuses_what_cannot_fit_before_decoding(model):
+    c = _cache(model, n_ctx=512, n_seq=2, unified=False)    # two streams of 256 cells
+    with pytest.raises(ValueError, match=r"need 260 KV cells in stream 1, which has 256 free of 256; nothing"):
+        greedy(c, model, [[1, 2, 3], list(range(10))], 251)
+    assert _empty(c)
+    u = _cache(model, n_ctx=256, n_seq=2)
+    with pytest.raises(ValueError, match=r"need 258 KV cells in the cache, which has 256 free"):
+        greedy(u, model, [[1] * 100, [2] * 100], 30)        # 200 + 2 * 29 cells: no
+    assert _empty(u)
+    assert [len(t) for t in greedy(u, model, [[1] * 100, [2] * 100], 29)] == [29, 29]   # 200 + 2 * 28: yes
+    assert u.n_used(0) == 256
+
+
+@pytest.mark.parametrize("bad, match", [(True, "n_predict must be an integer"), (-1, "n_predict = -1"),
+                                        (2.0, "n_predict must be an integer")])
+def test_greedy_n_predict(model, bad, match):
+    c = _cache(model)
+    with pytest.raises(ValueError, match=match):
+        greedy(c, model, [[1, 2]], bad)
+    assert _empty(c)
+
+
+def test_greedy_hands_back_what_it_generated_when_a_step_fails(model, monkeypatch):
+    from ggml_attn.graph import model_runner
+    c = _cache(model)
+    real, calls = model_runner.run_model_batch, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:     # the prompt, two steps, then the third step fails
+            raise RuntimeError("device lost")
+        return real(*a, **kw)
+    monkeypatch.setattr(model_runner, "run_model_batch", failing)
+    with pytest.raises(RuntimeError, match="device lost") as e:
+        greedy(c, model, [[1, 2], [3]], 10)
+    want = greedy(_cache(model), model, [[1, 2], [3]], 3)
+    assert e.value.generated == want       # three tokens each: the prompt's and two steps'
+
+
+def test_bools_are_not_token_ids(model):
+    with pytest.raises(ValueError, match="True is a bool, not a token id"):
+        Batch.from_sequences([[1, True, 3]])
+    with pytest.raises(ValueError, match="is a bool"):
+        greedy(_cache(model), model, [[np.bool_(False)]], 1)
