@@ -214,7 +214,9 @@ def load_gguf(path: str | os.PathLike) -> Model:
     from .gguf_file import GGUFError, read_header  # noqa: PLC0415
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ModelError(f"model file not found: {path}")
+        what = ("not found" if not os.path.exists(path) else "a directory, not a model file" if os.path.isdir(path)
+                else "not a regular file (a FIFO, device or socket): give the model file itself")
+        raise ModelError(f"model file {path}: {what}")
     try:
         header = read_header(path)
     except (GGUFError, OSError) as e:

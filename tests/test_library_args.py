@@ -83,3 +83,30 @@ def test_bools_are_not_token_ids(model):
         Batch.from_sequences([[1, True, 3]])
     with pytest.raises(ValueError, match="is a bool"):
         greedy(_cache(model), model, [[np.bool_(False)]], 1)
+
+
+def test_load_gguf_says_what_a_path_is(tmp_path):
+    import os
+    from ggml_attn.graph import ModelError
+    with pytest.raises(ModelError, match="not found"):
+        load_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(ModelError, match="a directory, not a model file"):
+        load_gguf(tmp_path)
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match="not a regular file"):   # (not opened: that would block)
+        load_gguf(fifo)
+
+
+def test_a_gguf_file_is_a_model_whatever_its_name(tmp_path, capsys):
+    """``-m model.bin`` holding a GGUF runs the file's own weights (the magic bytes decide), as
+    ``model.gguf`` does; it ran attention only with random weights before."""
+    import json
+    import shutil
+    from ggml_attn.cli import batched_bench
+    src = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
+    path = tmp_path / "model.bin"
+    shutil.copy(src, path)
+    rc = batched_bench.main(["-m", str(path), "-npp", "4", "-ntg", "1", "-npl", "1", "--device", "cpu", "-o", "jsonl"])
+    out = capsys.readouterr().out
+    assert rc == 0 and json.loads(out.splitlines()[-1])["layer"] == "model"

@@ -233,7 +233,7 @@ def _main(argv=None) -> int:
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
     if ns.layer is None:   # llama-batched-bench's meaning of -m FILE.gguf: the file's own weights
-        ns.layer = "model" if model.source.lower().endswith(".gguf") else "attn"
+        ns.layer = "model" if model.is_file else "attn"
     check_ngl(ngl, model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())

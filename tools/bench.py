@@ -147,7 +147,7 @@ def instances(ns, device: str) -> list[dict]:
     out = []
     for inst in params:
         if inst["layer"] is None:   # llama-bench's meaning of -m FILE.gguf: the file's own weights; a preset's shapes
-            inst["layer"] = "model" if inst["model"].source.lower().endswith(".gguf") else "attn"
+            inst["layer"] = "model" if inst["model"].is_file else "attn"
         inst["n_ubatch"] = effective_ubatch(inst["n_batch"], inst["n_ubatch"])
         check_threads(inst["n_threads"])
         check_ngl(ns.n_gpu_layers, inst["model"])

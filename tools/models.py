@@ -39,6 +39,11 @@ class ModelShape:
         return self.head_dim_v or self.head_dim
 
     @property
+    def is_file(self) -> bool:
+        """A model file (read as GGUF by its magic bytes, whatever its name), not a preset."""
+        return self.source != "preset"
+
+    @property
     def gqa(self) -> int:
         return self.n_head // self.n_head_kv
 

@@ -102,7 +102,7 @@ class RunConfig:
         if self.layer == "model" and self.tp is not None and self.tp.n_rank > 1:
             raise UserError(f"--layer model (a .gguf's own weights) runs on one GPU or the CPU; -sm "
                             f"{self.tp.mode} over {self.tp.n_rank} GPUs runs --layer attn or full")
-        if self.layer == "model" and not self.model.source.lower().endswith(".gguf"):
+        if self.layer == "model" and not self.model.is_file:
             raise UserError(f"--layer model runs a model file's own weights: give -m FILE.gguf "
                             f"('{self.model.name}' is a preset: shapes only, random weights)")
         if self.layer == "model":

@@ -205,7 +205,7 @@ def _main(argv=None) -> int:
     name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
     model = with_layers(resolve(name), ns.n_layer)
     if ns.layer is None:
-        ns.layer = "model" if model.source.lower().endswith(".gguf") else "attn"
+        ns.layer = "model" if model.is_file else "attn"
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel)
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
