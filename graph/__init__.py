@@ -17,7 +17,8 @@ Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -
 (ggml graph: ``kv_graph`` the cache's views and store op, ``layers`` the layer functions,
 ``xp_ops`` the full block's custom ops); ``model`` loads a GGUF model, ``model_graph`` builds its
 block (RoPE, norms, embedding, head), ``model_runner`` runs token ids to logits
-(``run_model_batch``, ``greedy``); ``serve`` is a server's step loop (arrivals, admission,
+(``run_model_batch``, ``greedy``) on ``engine`` (graphs kept per structure and reused, CUDA-graph
+replay on a GPU: the CLIs' engines are its subclasses); ``serve`` is a server's step loop (arrivals, admission,
 decode tokens and prompt chunks per step, retirement; ``ggml-attn-serve-bench``); ``driver`` is
 the decode loop over an engine,
 ``runner.run_batch`` drives it with deterministic Q/K/V; ``describe`` prints plans. ``split_ubatches`` here is

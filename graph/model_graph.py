@@ -43,10 +43,12 @@ import ggml
 import numpy as np
 
 from . import xp_ops
+from .batch import Batch
 from .layers import attention
 from .model import Model, Weight
 
-__all__ = ["ModelInputs", "input_values", "model_inputs", "embed", "model_layer", "head", "check_model", "output_rows"]
+__all__ = ["ModelInputs", "input_values", "model_inputs", "embed", "model_layer", "head", "check_model", "output_flags",
+           "output_rows"]
 
 GGML_TYPE_I32 = 26
 
@@ -71,6 +73,30 @@ def input_values(ub, tokens: np.ndarray, out_rows: np.ndarray) -> tuple[np.ndarr
     out = np.zeros(max(len(out_rows), 1), dtype=np.int32)
     out[:len(out_rows)] = out_rows
     return tok, np.asarray(ub.positions, dtype=np.int32), out
+
+
+def output_flags(batch: Batch, logits="last") -> np.ndarray:
+    """bool ``(batch.n_tokens,)``: the tokens that get logits. ``"last"``: the last token of each
+    sequence (its largest position; a token shared by several sequences counts for each);
+    ``"all"``; or a bool array of one flag per token."""
+    if isinstance(logits, str):
+        if logits == "all":
+            return np.ones(batch.n_tokens, dtype=bool)
+        if logits != "last":
+            raise ValueError(f"logits must be 'last', 'all' or one bool per token, got {logits!r}")
+        last: dict[int, tuple[int, int]] = {}
+        for i, (p, ids) in enumerate(zip(batch.positions.tolist(), batch.seq_ids)):
+            for s in ids:
+                if s not in last or p >= last[s][0]:
+                    last[s] = (p, i)
+        want = np.zeros(batch.n_tokens, dtype=bool)
+        want[[i for _, i in last.values()]] = True
+        return want
+    want = np.asarray(logits)
+    if want.dtype != bool or want.shape != (batch.n_tokens,):
+        raise ValueError(f"logits flags must be a bool array of shape ({batch.n_tokens},), got "
+                         f"{want.dtype} {want.shape}")
+    return want
 
 
 def output_rows(ub, want: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """A real model through the decode loop: token ids in, logits out (``driver.decode`` on
-:class:`ModelEngine`), and greedy generation on top.
+:class:`ModelEngine`, kept with the cache: graphs reused from call to call), and greedy
+generation on top.
 
 Which tokens get logits (llama.cpp's ``batch.logits`` / output ids): :func:`output_flags` --
 by default the last token of each sequence in the batch (a prompt's last token; every token of
@@ -7,42 +8,20 @@ a decode step), ``"all"`` for every token, or a bool array per batch token.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import driver
 from .batch import Batch
+from .engine import Engine
 from .kv_cache import KVCache
 from .model import Model
-from .model_graph import output_rows
+from .model_graph import output_flags, output_rows  # noqa: F401  (re-exported: the API's, and tests')
 from .plan import UBatchPlan
 
-__all__ = ["ModelEngine", "ModelResult", "output_flags", "run_model_batch", "greedy"]
-
-
-def output_flags(batch: Batch, logits="last") -> np.ndarray:
-    """bool ``(batch.n_tokens,)``: the tokens that get logits. ``"last"``: the last token of each
-    sequence (its largest position; a token shared by several sequences counts for each);
-    ``"all"``; or a bool array of one flag per token."""
-    if isinstance(logits, str):
-        if logits == "all":
-            return np.ones(batch.n_tokens, dtype=bool)
-        if logits != "last":
-            raise ValueError(f"logits must be 'last', 'all' or one bool per token, got {logits!r}")
-        last: dict[int, tuple[int, int]] = {}
-        for i, (p, ids) in enumerate(zip(batch.positions.tolist(), batch.seq_ids)):
-            for s in ids:
-                if s not in last or p >= last[s][0]:
-                    last[s] = (p, i)
-        want = np.zeros(batch.n_tokens, dtype=bool)
-        want[[i for _, i in last.values()]] = True
-        return want
-    want = np.asarray(logits)
-    if want.dtype != bool or want.shape != (batch.n_tokens,):
-        raise ValueError(f"logits flags must be a bool array of shape ({batch.n_tokens},), got "
-                         f"{want.dtype} {want.shape}")
-    return want
+__all__ = ["ModelEngine", "ModelResult", "model_engine", "output_flags", "run_model_batch", "greedy"]
 
 
 @dataclass(eq=False)
@@ -62,39 +41,34 @@ class ModelResult:
         return out
 
 
-class ModelEngine:
-    """Engine of :func:`run_model_batch`: one graph per ubatch (``build.build_ubatch_graph``
-    with ``layer="model"``; host or all-custom, ``all_custom``); ``run_ubatch`` returns
-    ``(token_idx, logits)`` of the ubatch's output rows."""
+class ModelEngine(Engine):
+    """The engine of a real model on one cache (``engine.Engine`` with ``layer="model"``): graphs
+    kept per structure and reused, replayed as CUDA graphs on a GPU. :func:`model_engine` keeps
+    one per cache, model and form, so every call of :func:`run_model_batch` (each step of
+    :func:`greedy`) reuses the graphs of the calls before."""
 
-    def __init__(self, cache: KVCache, model: Model, batch: Batch, want: np.ndarray, n_threads: int, fa=None,
-                 all_custom: bool | None = None):
-        self.cache, self.model, self.batch, self.want = cache, model, batch, want
-        self.n_threads, self.fa, self.all_custom = n_threads, fa, all_custom
-        self.cfg = model.attn_config()
+    def __init__(self, cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None, n_threads: int = 2):
+        super().__init__(cache, model.attn_config(), layer="model", model=model, fa=fa, n_threads=n_threads,
+                         all_custom=all_custom)
 
-    def run_ubatch(self, plan: UBatchPlan):
-        from . import build  # noqa: PLC0415
-        ub = plan.ubatch
-        rows = output_rows(ub, self.want)
-        g = build.build_ubatch_graph(self.cache, plan, self.cfg, fa=self.fa, layer="model", model=self.model,
-                                     tokens=self.batch.tokens, out_rows=rows, all_custom=self.all_custom)
-        try:
-            g.compute(self.n_threads)
-            out = g.outputs()[0]
-            logits = np.array(out if g.xp is np else g.xp.asnumpy(out), dtype=np.float32)
-        finally:
-            g.free()
-        return ub.token_idx[rows], logits
 
-    def synchronize(self) -> None:
-        pass
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # cache -> {(model id, form): engine}
 
-    def timer(self):
-        raise NotImplementedError("the model engine is not timed")
 
-    def close(self) -> None:
-        pass
+def model_engine(cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None,
+                 n_threads: int = 2) -> ModelEngine:
+    """The :class:`ModelEngine` of ``cache``, ``model``, ``fa`` and ``all_custom``, made on the first
+    call and kept with the cache (its graphs view the cache's memory; they go with it)."""
+    engines = _ENGINES.setdefault(cache, {})
+    key = (id(model), all_custom)
+    e = engines.get(key)
+    if e is None or e.model is not model or e.fa is not fa:   # (another op: graphs of their own)
+        if e is not None:
+            e.close()
+        e = engines[key] = ModelEngine(cache, model, fa=fa, all_custom=all_custom, n_threads=n_threads)
+    if not e.device:
+        e.n_threads = n_threads
+    return e
 
 
 def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 512, mode: str = "auto", *,
@@ -125,12 +99,20 @@ def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 
     where = np.full(batch.n_tokens, -1, dtype=np.int64)
     where[want] = np.arange(n_out)
 
+    engine = model_engine(cache, model, fa=fa, all_custom=all_custom, n_threads=n_threads)
+
     def done(plan: UBatchPlan, res) -> None:
         idx, lg = res
+        if not isinstance(lg, np.ndarray):   # the device's: read once its stream is done
+            engine.synchronize()
+            lg = lg.get()
         out[where[idx]] = lg
 
-    engine = ModelEngine(cache, model, batch, want, n_threads, fa, all_custom)
-    plans = driver.decode(cache, batch, n_ubatch, mode, engine, cfg, validate=validate, on_done=done)
+    engine.batch, engine.logits = batch, want
+    try:
+        plans = driver.decode(cache, batch, n_ubatch, mode, engine, cfg, validate=validate, on_done=done)
+    finally:
+        engine.batch = None
     return ModelResult(out, np.flatnonzero(want), plans)
 
 

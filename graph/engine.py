@@ -1,0 +1,221 @@
+"""The engine ``driver.decode`` runs ubatches on: one ubatch graph of ``build.build_ubatch_graph``
+per planned ubatch, built graphs kept and reused, and on a GPU replayed as CUDA graphs.
+
+:class:`Engine` is the one place that decides whether a ubatch builds a graph, reuses one or
+replays a capture: built graphs are kept per structure (``build.graph_key``: tokens, streams, KV
+cells viewed, decode step or not; with ``layer="model"`` the output-row count too) and reused by
+later ubatches of the same structure with only the plan loaded (``UBatchGraph.load_plan``: the
+mask, row indices, K/V views moved to the ubatch's streams). On the device (a CuPy cache) a
+structure seen twice -- a decode step's at once -- is captured as a CUDA graph
+(``graph.capture``) and replayed from then on for the stream it was captured on (``cuda_graph``,
+on by default); other streams compute it through ggml's graph loop. The kept graphs are an LRU
+with room of their own for decode-step structures, so a prompt phase of many shapes does not
+evict the decode steps' graphs.
+
+What a ubatch computes (``layer``): ``"model"`` a real model's token ids to logits
+(``model``: a ``graph.model.Model``; the batch being decoded is :attr:`Engine.batch`, the tokens
+that get logits :attr:`Engine.logits`, and :meth:`Engine.run_ubatch` returns the ubatch's
+``(token_idx, logits)``); ``"attn"`` / ``"full"`` stacks of attention or of the full block,
+their inputs from :meth:`Engine.inputs` (a subclass's: the benchmarks' random pool).
+
+``model_runner.run_model_batch`` and ``greedy`` and the CLIs (``tools/graph_engine.py``) all run
+on it: the Python API reuses graphs as the CLIs do.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+__all__ = ["Engine", "MAX_GRAPHS"]
+
+# kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
+# over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8)
+MAX_GRAPHS = {False: (4, 4), True: (32, 16)}
+
+
+class _NoStream:
+    """``with``-able nothing (the host has no stream)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Cached:
+    """A built ubatch graph kept for reuse, and its CUDA graph once captured (for the first
+    stream it was captured on: the launches hold that stream's K/V pointers)."""
+
+    def __init__(self, graph, decode: bool):
+        self.graph = graph
+        self.replay = None
+        self.replay_s0 = None
+        self.decode = decode   # a decode step's structure (UBatch.decode_step)
+
+
+class Engine:
+    """``run_ubatch(plan)``, ``synchronize()``, ``close()`` over ``cache`` (module docstring).
+
+    ``attn_cfg``: the attention stack (``AttnConfig``; a model's own for ``layer="model"``);
+    ``weights`` (``"full"``): per layer, numpy order; ``fa``: another flash-attention op for host
+    graphs (``ggml.ggml_flash_attn_ext``); ``flash_attn=False``: ggml's mul_mat + soft_max (host
+    graphs, built per ubatch); ``device``: all-custom graphs on the cache's CuPy stream (default:
+    when the cache is CuPy's); ``all_custom``: all-custom graphs on the host too (tests);
+    ``n_threads``: the host's graph threads (the device computes on one)."""
+
+    full_layer = None  # the layer function of "full" (None: graph/layers.py's full_layer)
+    layers = None      # the global layers of the graph (None: all; a -sm layer rank: its range)
+
+    def __init__(self, cache, attn_cfg, *, layer: str = "attn", model=None, weights=None, fa=None,
+                 flash_attn: bool = True, n_threads: int = 1, cuda_graph: bool = True, device: bool | None = None,
+                 all_custom: bool | None = None, shared_inputs: bool = True):
+        self.cache, self.xp = cache, cache.xp
+        self.device = (self.xp is not np) if device is None else bool(device)
+        self.attn_cfg, self.layer, self.model, self.weights, self.fa = attn_cfg, layer, model, weights, fa
+        self.flash_attn = bool(flash_attn)
+        self.all_custom = all_custom
+        self.shared_inputs = shared_inputs
+        self.n_threads = 1 if self.device else max(1, int(n_threads))
+        self.batch = None       # layer "model": the batch being decoded (its token ids)
+        self.logits = "last"    # layer "model": which of its tokens get logits (model_runner.output_flags)
+        self._want = (None, None, None)   # (batch, logits, their flags)
+        self._n_out = 0         # layer "model": the current ubatch's real output rows (_model_rows)
+        self._keep = None       # alive until the stream has used them (and for tests): mask, last output, kernel plan
+        self._last_streams = None
+        self._graphs: dict = {}
+        self.max_graphs, self.max_other_graphs = MAX_GRAPHS[self.device]
+        self.cuda_graph = bool(cuda_graph)
+        self.captures = self.replays = 0
+        self.stream = None
+        if self.device:
+            self.stream = self.xp.cuda.Stream(non_blocking=True)
+            self.xp.cuda.Device().synchronize()   # weights, inputs, cache: made on the default stream
+
+    # ------------------------------------------------------------ hooks
+    def inputs(self, plan):
+        """``layer="attn"``: ``(q (n_tokens, n_head, D), k (n_tokens, n_embd_k), v (n_tokens,
+        n_embd_v))``; ``"full"``: ``(x (n_tokens, n_embd),)``; numpy order (a subclass's)."""
+        raise NotImplementedError(f"layer {self.layer!r} needs inputs: a subclass of Engine gives them")
+
+    def _model_rows(self, plan):
+        """``(batch token ids, output rows of the ubatch, how many of them are real)`` for
+        ``layer="model"``: the rows padded to a power of two with copies of the last one, so that
+        ubatches of 3, 5, 6 or 8 output rows (ragged prompts ending anywhere in a ubatch) share
+        one graph structure (a model graph is ~30 ms of host time to build on the H200's host)."""
+        from .model_graph import output_flags, output_rows   # noqa: PLC0415
+        batch = self.batch
+        if batch is None:
+            raise RuntimeError("layer 'model': the engine was not handed the batch (engine.batch)")
+        if self._want[0] is not batch or self._want[1] is not self.logits:
+            self._want = (batch, self.logits, output_flags(batch, self.logits))
+        rows = output_rows(plan.ubatch, self._want[2])
+        n = len(rows)
+        if n > 1 and n & (n - 1):
+            rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[-1], dtype=rows.dtype)])
+        return batch.tokens, rows, n
+
+    # ------------------------------------------------------------ running
+    def run_ubatch(self, plan):
+        """Compute ``plan`` (``UBatchPlan``) through every layer (module docstring). ``layer="model"``
+        returns ``(token_idx, logits)``: int64 batch indices of the ubatch's tokens that got logits
+        (:attr:`logits`' flags) and their logits, an ``xp`` float32 ``(n_out, n_vocab)`` the next
+        ubatch of the same structure overwrites (read it on the engine's stream before then);
+        other layers return None."""
+        with self.stream if self.device else _NoStream():   # building, loading, computing: one stream
+            return self._run_ubatch(plan)
+
+    def _run_ubatch(self, plan):
+        from . import build   # noqa: PLC0415
+        key = build.graph_key(plan)
+        tokens = out_rows = None
+        if self.model is not None:
+            tokens, out_rows, self._n_out = self._model_rows(plan)
+            key += (len(out_rows),)
+        entry = self._graphs.pop(key, None) if self.flash_attn else None
+        if entry is None:
+            kw = dict(model=self.model, tokens=tokens, out_rows=out_rows) if self.model is not None else {}
+            g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=self.layer,
+                                         weights=self.weights, flash_attn=self.flash_attn,
+                                         shared_inputs=self.shared_inputs, full_layer=self.full_layer,
+                                         layers=self.layers,
+                                         all_custom=self.device if self.all_custom is None else self.all_custom, **kw)
+            entry = _Cached(g, plan.ubatch.decode_step)
+            fresh = True
+        else:
+            entry.graph.load_plan(plan, tokens, out_rows)
+            fresh = False
+        g = entry.graph
+        self._run(entry, g, plan, fresh)
+        out = None
+        if self.model is not None:
+            out = (plan.ubatch.token_idx[out_rows[:self._n_out]].astype(np.int64), self._keep[1])
+        if not self.flash_attn:
+            if out is not None:   # the graph's memory goes now
+                out = (out[0], self.xp.array(out[1], copy=True))
+            g.free()
+            return out
+        self._graphs[key] = entry            # most recently used last
+        others = [k for k, e in self._graphs.items() if not e.decode]
+        while len(others) > self.max_other_graphs:   # oldest first
+            self._graphs.pop(others.pop(0)).graph.free()
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.pop(next(iter(self._graphs))).graph.free()
+        return out
+
+    def _run(self, entry, g, plan, fresh: bool) -> None:
+        """Inputs, then a replay, a capture or a plain compute (on the engine's stream)."""
+        try:
+            if self.layer == "full":
+                g.set_x(self.inputs(plan)[0])          # every time: the graph adds into x in place
+            elif self.layer == "attn" and fresh:
+                g.set_inputs(*[[x] for x in self.inputs(plan)])   # the same for every reuse
+            if entry.replay is not None and entry.replay_s0 == plan.slot.s0:
+                entry.replay.launch(self.stream)
+                self.replays += 1
+            elif self.device and self.cuda_graph and entry.replay is None and (not fresh or entry.decode):
+                from .capture import CaptureError, capture  # noqa: PLC0415 (this step computes in the warm-up)
+                try:
+                    entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
+                    entry.replay_s0 = plan.slot.s0
+                    self.captures += 1
+                except CaptureError as e:   # the warm-up's results stand; go on without graphs
+                    self.cuda_graph = False
+                    warnings.warn(f"{e}; running without CUDA graphs from here on", RuntimeWarning, stacklevel=2)
+            else:
+                self._compute(g, refresh=not fresh)
+            last = g.output(-1)
+            if self.layer == "attn":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
+                c = self.attn_cfg
+                last = last.reshape(plan.n_stream, plan.n_tps, c.n_head, c.d_v)
+            elif self.layer == "model":   # the real output rows' logits (not the padding's)
+                last = last[:self._n_out]
+            self._keep = (g.array(g.mask_t), last, g.kernel_plan)
+            self._last_streams = (plan.slot.s0, plan.n_stream)
+        except BaseException:
+            g.free()
+            raise
+
+    def _compute(self, g, refresh: bool) -> None:
+        if refresh:
+            g.refresh_kernel_plan()
+        g.compute(self.n_threads)
+
+    def synchronize(self) -> None:
+        if self.device:
+            self.stream.synchronize()
+
+    def timer(self):
+        raise NotImplementedError("this engine is not timed (the CLIs' engines are)")
+
+    def close(self) -> None:
+        """Free the kept graphs and wait for the stream; the engine cannot run after."""
+        for entry in self._graphs.values():
+            entry.graph.free()
+        self._graphs.clear()
+        self._keep = None
+        self.weights = self.model = self.batch = None
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.stream = None
