@@ -15,6 +15,9 @@ _cli_start.early_setup()   # the console scripts only: Ctrl-C and thread setting
 _os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 from .op import (FlashAttnError, compute_graph, flash_attn_ext,  # noqa: F401
                  gpu_available, raise_pending, set_backend)
+from ._ggml_check import check_one_ggml as _check_one_ggml
+
+_check_one_ggml()   # llama.cpp's libggml-base.so beside ggml-python's: refuse here, not at the first graph
 from .reference import nmse  # noqa: F401
 
 __version__ = "0.1.0"

@@ -131,3 +131,41 @@ def test_greedy_reuses_its_graphs_from_step_to_step(model, monkeypatch):
     assert len(built) == 2          # (one token per sequence: the decode step's structure)
     greedy(c, model, [[6, 7], [8, 9]], 2, seq_ids=[0, 1], mode="simple")
     assert len(built) == 3          # a prompt ubatch of 4 tokens: one new structure
+
+
+def test_a_second_ggml_in_the_process_is_named():
+    """ggml_attn refuses to import beside another ggml's libraries (llama.cpp's libggml-base.so
+    found first through LD_LIBRARY_PATH), naming them; ggml-python's own pass."""
+    from ggml_attn._ggml_check import foreign_ggml_libraries
+    own = "/venv/site-packages/ggml/lib"
+    maps = "\n".join([
+        f"7f00-7f10 r-xp 00000000 08:01 1 {own}/libggml.so",
+        f"7f10-7f20 r-xp 00000000 08:01 2 {own}/libggml-cpu.so",
+        "7f20-7f30 r-xp 00000000 08:01 3 /tmp/lc/build/bin/libggml-base.so",
+        "7f30-7f40 r--p 00001000 08:01 3 /tmp/lc/build/bin/libggml-base.so",
+        "7f40-7f50 r-xp 00000000 08:01 4 /usr/lib/libm.so.6",
+        "7f50-7f60 rw-p 00000000 00:00 0 ",
+        "7f60-7f70 r-xp 00000000 08:01 5 [vdso]"])
+    assert foreign_ggml_libraries(maps, own) == ["/tmp/lc/build/bin/libggml-base.so"]
+    assert foreign_ggml_libraries(maps.replace("/tmp/lc/build/bin", own), own) == []
+
+
+def test_this_process_has_one_ggml():
+    import ggml_attn._ggml_check as c
+    c.check_one_ggml()   # what import ggml_attn ran: ggml-python's libraries only
+
+
+def test_import_refuses_a_ggml_found_first_on_the_library_path(tmp_path):
+    """The real case: a libggml-base.so in a folder on LD_LIBRARY_PATH (here a copy of
+    ggml-python's own, standing for llama.cpp's) is what the loader picks; import says so."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import ggml
+    from ggml_attn._ggml_check import check_one_ggml  # noqa: F401  (the check under test)
+    own = os.path.dirname(ggml.ggml.lib._name)
+    shutil.copy(os.path.join(own, "libggml-base.so"), tmp_path / "libggml-base.so")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", "import ggml_attn"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0 and f"loaded {tmp_path}/libggml-base.so beside ggml-python's own ggml" in r.stderr
