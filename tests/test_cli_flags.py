@@ -50,11 +50,11 @@ def test_fa_default_is_auto_in_help_and_json(capsys):
     assert "(default: auto)" in fa_help.split(" -kvu")[0] and "default: -1" not in out
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", *FAST)
     assert rc == 0, err
-    assert json.loads(out)["flash_attn"] == "auto"
+    assert json.loads(out)["flash_attn"] == -1          # llama-bench's integer (llama_flash_attn_type)
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl",
                           "-fa", "on,off", *FAST)
     assert rc == 0, err
-    assert [json.loads(l)["flash_attn"] for l in out.splitlines()] == ["on", "off"]
+    assert [json.loads(l)["flash_attn"] for l in out.splitlines()] == [1, 0]
 
 
 # ---- -t beyond what ggml can start
@@ -225,10 +225,10 @@ def test_sql_output_loads_into_sqlite(capsys):
     assert rc == 0, err
     db = sqlite3.connect(":memory:")
     db.executescript(out)
-    rows = db.execute("SELECT n_prompt, avg_ts, flash_attn, path FROM test ORDER BY n_prompt").fetchall()
+    rows = db.execute("SELECT n_prompt, avg_ts, flash_attn, path FROM llama_bench ORDER BY n_prompt").fetchall()
     assert [r[0] for r in rows] == [8, 16] and all(r[1] > 0 for r in rows)
-    assert rows[0][2:] == ("auto", "numpy")
-    types = {r[1]: r[2] for r in db.execute("PRAGMA table_info(test)")}
+    assert rows[0][2:] == (-1, "numpy")
+    types = {r[1]: r[2] for r in db.execute("PRAGMA table_info(llama_bench)")}
     assert types["n_prompt"] == "INTEGER" and types["avg_ts"] == "REAL" and types["model_type"] == "TEXT"
 
 
@@ -313,7 +313,7 @@ def test_both_tools_take_fa_and_kvu_as_llama_cpp(capsys, fa, word, kvu, unified)
                           "-fa", fa, *kvu, *FAST)
     assert rc == 0, err
     row = json.loads(out)
-    assert row["flash_attn"] == word and row["kv_unified"] is unified
+    assert row["flash_attn"] == {"on": 1, "off": 0, "auto": -1}[word] and row["kv_unified"] is unified
     rc, out, err = _batched(capsys, "-npp", "8", "-npl", "2", "-ntg", "1", "--output-format", "jsonl",
                             "-fa", fa, *kvu, *FAST)
     assert rc == 0, err

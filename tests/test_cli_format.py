@@ -12,7 +12,7 @@ def _row(**kw):
     row.update(build_commit="abc1234", cpu_info="cpu", gpu_info="", backends="CPU",
                model_filename="tiny", model_type="tiny", model_size=25 * 2**20,
                model_n_params=13_000_000, n_batch=2048, n_ubatch=512, n_threads=2,
-               type_k="f16", type_v="f16", flash_attn="auto", kv_unified=False, split="equal",
+               type_k="f16", type_v="f16", flash_attn=-1, kv_unified=False, split="equal",
                path="numpy",
                kernel="auto", device="cpu", layer="attn", n_prompt=512, n_gen=0, n_depth=0,
                ub=1, test_time="2026-01-01T00:00:00Z", samples_ns=[1_000_000, 1_100_000, 900_000])

@@ -215,8 +215,12 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
     return {"samples_ns": samples, "ub": n_ub, "_shapes": shapes}
 
 
-def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) -> dict:
+def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False, ns=None) -> dict:
+    """A result row: llama-bench's fields (``format_bench.FIELDS``; ``flash_attn`` as its integer,
+    the settings this tool has no flag for at llama-bench's defaults) and ours. ``ns``: the
+    parsed flags (-sm, -mg, -ts)."""
     m = inst["model"]
+    ctx = multi_gpu.current()
     commit, number = build_info()
     split = inst["split"] or default_split(inst["kv_unified"])
     row = dict(
@@ -229,7 +233,10 @@ def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False) ->
         model_n_params=m.file_params if inst["layer"] == "model" else m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
         n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
-        n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=inst["flash_attn"],
+        n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=fmt.FA_INT[inst["flash_attn"]],
+        split_mode=ctx.mode if ctx is not None and ctx.n_rank > 1 else "none",
+        main_gpu=getattr(ns, "main_gpu", 0), tensor_split=getattr(ns, "tensor_split", "") or "0.00",
+        **fmt.LLAMA_BENCH_DEFAULTS,
         kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
         path=fmt.attention_path(device, inst["flash_attn"], inst["kernel"]),
         layer=inst["layer"], n_prompt=inst["n_prompt"], n_gen=inst["n_gen"], n_depth=inst["n_depth"],
@@ -287,7 +294,7 @@ def _main(argv=None) -> int:
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "
                            f"{result['ub']} ubatches per repetition", result["_shapes"])
-            printer.row(make_row(inst, result, device, ns.cuda_graph == "on"))
+            printer.row(make_row(inst, result, device, ns.cuda_graph == "on", ns))
             bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
         bar.close()

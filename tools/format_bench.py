@@ -19,21 +19,30 @@ import io
 import json
 import statistics
 
-# llama-bench's field order, with ours (shape, kv_unified, split, kernel, device, layer, ub)
+# llama-bench's fields in its order (every key llama.cpp's scripts/compare-llama-bench.py reads,
+# of its versions since 2025), with ours (shape, kv_unified, split, kernel, device, layer, ub)
 FIELDS = [
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
     "model_filename", "model_type", "model_size", "model_n_params",
     "n_layer", "n_head", "n_head_kv", "head_dim",
-    "n_batch", "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers",
-    "flash_attn", "kv_unified", "split", "kernel", "path", "device", "layer",
+    "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll", "type_k", "type_v",
+    "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "tensor_split",
+    "tensor_buft_overrides", "use_mmap", "load_mode", "embeddings", "no_op_offload", "fit_target",
+    "fit_min_ctx", "kv_unified", "split", "kernel", "path", "device", "layer",
     "n_prompt", "n_gen", "n_depth", "ub",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
 INT_FIELDS = {"build_number", "model_size", "model_n_params", "n_layer", "n_head", "n_head_kv",
-              "head_dim", "n_batch", "n_ubatch", "n_threads", "n_gpu_layers",
-              "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
-BOOL_FIELDS = {"kv_unified"}
+              "head_dim", "n_batch", "n_ubatch", "n_threads", "poll", "n_gpu_layers", "n_cpu_moe", "main_gpu",
+              "flash_attn", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
+BOOL_FIELDS = {"kv_unified", "cpu_strict", "no_kv_offload", "use_mmap", "embeddings", "no_op_offload"}
 FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
+# -fa's words as llama-bench writes its flash_attn field (llama_flash_attn_type: -1 auto)
+FA_INT = {"on": 1, "off": 0, "auto": -1}
+# what llama-bench writes for the settings this tool has no flag for (its defaults)
+LLAMA_BENCH_DEFAULTS = dict(cpu_mask="0x0", cpu_strict=False, poll=50, n_cpu_moe=0, no_kv_offload=False,
+                            tensor_buft_overrides="none", use_mmap=True, load_mode="mmap", embeddings=False,
+                            no_op_offload=False, fit_target=0, fit_min_ctx=0)
 
 # markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
@@ -182,6 +191,9 @@ class JsonlPrinter(Printer):
         self._write(json.dumps(self.to_json(row)) + "\n")
 
 
+SQL_TABLE = "llama_bench"   # llama-bench's table (compare-llama-bench.py reads this name)
+
+
 class SqlPrinter(Printer):
     """llama-bench's ``-o sql``: a CREATE TABLE for FIELDS, then one INSERT per test."""
 
@@ -193,11 +205,11 @@ class SqlPrinter(Printer):
 
     def header(self):
         cols = ",\n".join(f"  {f} {self.sql_type(f)}" for f in FIELDS)
-        self._write(f"CREATE TABLE IF NOT EXISTS test (\n{cols}\n);\n\n")
+        self._write(f"CREATE TABLE IF NOT EXISTS {SQL_TABLE} (\n{cols}\n);\n\n")
 
     def row(self, row):
         values = ", ".join("'" + _csv_value(f, row.get(f)).replace("'", "''") + "'" for f in FIELDS)
-        self._write(f"INSERT INTO test ({', '.join(FIELDS)}) VALUES ({values});\n")
+        self._write(f"INSERT INTO {SQL_TABLE} ({', '.join(FIELDS)}) VALUES ({values});\n")
 
 
 class Tee(Printer):
