@@ -30,8 +30,10 @@ class OutOfMemory(UserError):
 
 
 def fail_line(prog: str, message: str) -> str:
-    """The single stderr line for an error: ``prog: error: message`` with newlines folded."""
-    return f"{prog}: error: {' '.join(str(message).split())}"
+    """The single stderr line for an error: ``prog: error: message`` with newlines folded and
+    other control characters escaped (``output.printable``: a path or name from a file)."""
+    from .output import printable
+    return f"{prog}: error: {printable(message)}"
 
 
 def run_cli(prog: str, main_fn, argv=None) -> int:

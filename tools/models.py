@@ -14,6 +14,7 @@ import numpy as np
 from ggml_attn.graph.model import gguf_field
 
 from .errors import UserError
+from .output import printable
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def read_gguf(path: str) -> ModelShape:
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
     name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
-    name = " ".join(str(name).split())   # display text: a newline or tab in the file's name would break table rows
+    name = printable(name)   # display text: a newline would break table rows, an ESC or BEL reach the terminal
     by_type: dict[str, int] = {}
     for t in reader.tensors:
         if len(t.ne) > 1:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from .output import printable
 from .runner import compress_shapes
 
 
@@ -12,7 +13,7 @@ class Verbose:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            print(f"{self.prog}: {text}", file=sys.stderr, flush=True)
+            print(f"{self.prog}: {printable(text)}", file=sys.stderr, flush=True)
 
     def runner(self, runner) -> None:
         """The model shape and the KV cache / split / batch sizes a Runner was built with."""
