@@ -155,9 +155,15 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     for i in range(n_kv):
         key = c.string(f"metadata key {i}")
         vtype = c.scalar("<I", f"the type of {key}")
+        if key in h.fields:   # llama.cpp's gguf reader refuses the file too
+            raise GGUFError(f"'{path}': metadata key {key} appears twice")
         h.fields[key] = c.value(vtype, key)
+    names = set()
     for i in range(n_tensors):
         name = c.string(f"tensor name {i}")
+        if name in names:
+            raise GGUFError(f"'{path}': tensor {name} appears twice")
+        names.add(name)
         n_dims = c.scalar("<I", f"n_dims of {name}")
         if not 1 <= n_dims <= 4:
             raise GGUFError(f"'{path}': tensor {name} has {n_dims} dimensions (1..4)")
@@ -179,7 +185,14 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align & (align - 1):
         raise GGUFError(f"'{path}': general.alignment is {align!r}; expected a power of two")
     h.data_start = -(-c.at // align) * align
+    expected = 0   # as llama.cpp's reader: tensors back to back in file order, each padded to the alignment
     for t in h.tensors:
+        if t.offset != expected:
+            why = ("not a multiple of the alignment " + str(align) if t.offset % align else
+                   "overlapping the tensor before it" if t.offset < expected else "leaving a gap after the tensor before it")
+            raise GGUFError(f"'{path}': tensor {t.name} has data offset {t.offset}, expected {expected} ({why}); "
+                            f"the tensors' data must lie back to back in file order, each padded to {align} bytes")
+        expected += -(-t.nbytes // align) * align
         object.__setattr__(t, "offset", h.data_start + t.offset)
         if t.offset + t.nbytes > size:
             raise GGUFError(f"'{path}': tensor {t.name}'s data (bytes {t.offset}..{t.offset + t.nbytes}) "

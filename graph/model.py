@@ -204,13 +204,37 @@ class Model:
         return "+".join(sorted(count, key=lambda k: -count[k]))
 
 
+# keys llama.cpp reads per layer (get_key_or_arr): an array of one value per layer is allowed
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+
+
+def _is_num(v, kind) -> bool:
+    """``v`` is a value of ``kind`` as GGUF stores it: an integer (bool excluded) for ``int``, an
+    integer or float for ``float``."""
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) if kind is int else isinstance(v, (int, float))
+
+
+def _show(v) -> str:
+    """A metadata value for a message: its value, short (never an object's repr)."""
+    from .gguf_file import StringArray  # noqa: PLC0415
+    if isinstance(v, StringArray):
+        return f"an array of {len(v)} strings"
+    if isinstance(v, (list, tuple)):
+        return f"an array of {len(v)}: {list(v[:4])}{' ...' if len(v) > 4 else ''}"
+    return repr(v)
+
+
 def gguf_field(header, key):
     """The value of metadata key ``key`` of a ``gguf_file.GGUFHeader`` (None when absent)."""
     return header.fields.get(key)
 
 
 def load_gguf(path: str | os.PathLike) -> Model:
-    """Read ``path`` (memory-mapped); :class:`ModelError` if it is not a model this package runs."""
+    """Read ``path`` (memory-mapped); :class:`ModelError` if it is not a model this package runs:
+    as llama.cpp's loader, a file whose tensors are not exactly the architecture's (a missing or
+    an extra one), of the wrong shape or type, or whose keys have the wrong types is refused."""
     from .gguf_file import GGUFError, read_header  # noqa: PLC0415
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -228,7 +252,10 @@ def load_gguf(path: str | os.PathLike) -> Model:
     tensors = {t.name: t for t in header.tensors}
     file_map = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
 
+    taken: set = set()
+
     def get(name: str, ne: tuple[int, ...] | None, *, required: bool = True, float_only: bool = False):
+        taken.add(name)
         t = tensors.get(name)
         if t is None:
             if required:
@@ -263,25 +290,34 @@ def load_gguf(path: str | os.PathLike) -> Model:
     rope_freqs = get("rope_freqs.weight", (hp.rope_dim // 2,), required=False, float_only=True)
     if rope_freqs is not None and rope_freqs.type_name != "F32":
         raise ModelError(f"'{path}': rope_freqs.weight must be F32 (ggml_rope_ext reads it as float)")
-    return Model(path, hp, tok_embd, get("output_norm.weight", (E,), float_only=True), output, layers,
-                 rope_freqs, file_map)
+    output_norm = get("output_norm.weight", (E,), float_only=True)
+    extra = sorted(set(tensors) - taken)
+    if extra:   # llama.cpp: "wrong number of tensors" (e.g. block_count smaller than the layers present)
+        raise ModelError(f"'{path}': {len(extra)} tensor(s) that a {arch} model of {hp.n_layer} layers does not "
+                         f"have: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    return Model(path, hp, tok_embd, output_norm, output, layers, rope_freqs, file_map)
 
 
 def _hparams(header, path: str, arch: str) -> HParams:
+    from .gguf_file import StringArray  # noqa: PLC0415
     def num(key, default=None, kind=int):
         v = gguf_field(header, f"{arch}.{key}")
         if v is None:
             if default is None:
                 raise ModelError(f"'{path}' lacks {arch}.{key}")
             return default
-        if isinstance(v, (list, tuple)):   # per-layer arrays (head_count_kv): llama.cpp's block is uniform
+        if isinstance(v, (list, tuple, StringArray)):
+            if key not in _PER_LAYER_KEYS:   # as llama.cpp: arrays only where a value may be per layer
+                raise ModelError(f"'{path}': {arch}.{key} is an array of {len(v)}; expected one number")
+            if isinstance(v, StringArray) or not v or not all(_is_num(x, kind) for x in v):
+                raise ModelError(f"'{path}': {arch}.{key} must hold {kind.__name__}s, got {_show(v)}")
             vals = {kind(x) for x in v}
-            if len(vals) != 1:
+            if len(vals) != 1:   # llama.cpp's block is uniform here
                 raise ModelError(f"'{path}': {arch}.{key} differs between layers ({sorted(vals)}); "
                                  f"not supported")
             v = vals.pop()
-        if isinstance(v, (bool, str)):
-            raise ModelError(f"'{path}': {arch}.{key} is {v!r}; expected a number")
+        if not _is_num(v, kind):   # as llama.cpp's typed keys: no float where an integer belongs
+            raise ModelError(f"'{path}': {arch}.{key} is {_show(v)}; expected {'an integer' if kind is int else 'a number'}")
         v = kind(v)
         if kind is int and not 1 <= v <= 2**31 - 1:
             raise ModelError(f"'{path}': {arch}.{key} = {v}; expected 1..2^31-1")
@@ -313,7 +349,9 @@ def _hparams(header, path: str, arch: str) -> HParams:
         freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
     elif scaling != "none":
         raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
-    name = gguf_field(header, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = gguf_field(header, "general.name")
+    if not isinstance(name, str) or not name:   # (a number or an array there: the file's name instead)
+        name = os.path.splitext(os.path.basename(path))[0]
     return HParams(arch=arch, name=str(name), n_layer=num("block_count"), n_embd=n_embd, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
                    n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,

@@ -95,10 +95,11 @@ def test_weight_types_and_tied_output(gguf_dir, name):
         assert {"bq", "bk", "bv"} <= set(m.layers[0])
 
 
-def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None):
+def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None):
     """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or one tensor's
     type changed (its bytes reinterpreted: only the loader's checks matter here); ``scale``:
-    (name, factor) multiplies an F32 tensor's values."""
+    (name, factor) multiplies an F32 tensor's values; ``kv``: key -> (value, GGUFValueType or
+    None for an array) in place of the file's (``{arch}`` in a key: the architecture)."""
     import gguf
     r = gguf.GGUFReader(src)
     a_old = r.fields["general.architecture"].contents()
@@ -109,6 +110,13 @@ def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=No
             continue
         k2 = a_new + key[len(a_old):] if key.startswith(a_old + ".") else key
         vt = f.types[0]
+        new = {k.replace("{arch}", a_new): v for k, v in (kv or {}).items()}.get(k2)
+        if new is not None:
+            if new[1] is None:
+                w.add_array(k2, new[0])
+            else:
+                w.add_key_value(k2, new[0], new[1])
+            continue
         if vt == gguf.GGUFValueType.ARRAY:
             w.add_array(k2, f.contents())
         else:

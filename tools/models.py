@@ -199,7 +199,9 @@ def read_gguf(path: str) -> ModelShape:
     if softcap is not None and (isinstance(softcap, (bool, str, list, tuple))
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
-    name = gguf_field(reader, "general.name") or os.path.splitext(os.path.basename(path))[0]
+    name = gguf_field(reader, "general.name")
+    if not isinstance(name, str) or not name:   # (a number or an array there: the file's name instead)
+        name = os.path.splitext(os.path.basename(path))[0]
     name = printable(name)   # display text: a newline would break table rows, an ESC or BEL reach the terminal
     by_type: dict[str, int] = {}
     for t in reader.tensors:
