@@ -36,10 +36,11 @@ from .driver import BatchError, BatchInterrupted, BatchResult
 from .runner import run_batch
 from .describe import compare_strategies, describe_plan, format_table
 from .model import Model, ModelError, load_gguf
+from .example_model import write_example_model
 from .model_runner import ModelResult, greedy, run_model_batch
 
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
            "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "AutoChoice", "CostModel", "choose_split",
            "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan", "format_table",
-           "Model", "ModelError", "load_gguf", "ModelResult", "run_model_batch", "greedy"]
+           "Model", "ModelError", "load_gguf", "write_example_model", "ModelResult", "run_model_batch", "greedy"]

@@ -169,3 +169,21 @@ def test_import_refuses_a_ggml_found_first_on_the_library_path(tmp_path):
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", "import ggml_attn"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode != 0 and f"loaded {tmp_path}/libggml-base.so beside ggml-python's own ggml" in r.stderr
+
+
+def test_the_example_model_is_a_gguf_file_for_both_readers(tmp_path):
+    """README's example file (graph/example_model.py, standard library + numpy): the gguf
+    package reads the same keys and tensors, our loader runs it, the CLIs take it."""
+    import gguf
+    from ggml_attn.graph import write_example_model
+    path = write_example_model(tmp_path / "ex.gguf", n_layer=3, n_vocab=300, seed=1)
+    r = gguf.GGUFReader(path)
+    assert r.fields["general.architecture"].contents() == "llama"
+    assert r.fields["llama.block_count"].contents() == 3 and r.fields["llama.vocab_size"].contents() == 300
+    m = load_gguf(path)
+    assert (m.hp.n_layer, m.hp.n_vocab, m.hp.n_head_kv, m.hp.head_dim) == (3, 300, 2, 64)
+    by_name = {t.name: t for t in r.tensors}
+    assert len(by_name) == 2 + 9 * 3 + 1
+    np.testing.assert_array_equal(np.asarray(by_name["blk.2.ffn_down.weight"].data), m.layers[2]["wd"].to_float(np.float16))
+    np.testing.assert_array_equal(np.asarray(by_name["blk.0.attn_norm.weight"].data), np.ones(256, np.float32))
+    assert [len(t) for t in greedy(_cache(m), m, [[1, 2], [3]], 4)] == [4, 4]
