@@ -13,8 +13,8 @@ _cli_start.early_setup()   # the console scripts only: Ctrl-C and thread setting
 # numpy path about 20x slower on 2 cores. Passive waiting, unless the user chose otherwise
 # (it only takes effect when OpenMP is not loaded yet, i.e. ggml_attn is imported first).
 _os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-from .op import (FlashAttnError, compute_graph, flash_attn_ext,  # noqa: F401
-                 gpu_available, raise_pending, set_backend)
+from .op import flash_attn_ext, gpu_available, set_backend  # noqa: F401
+from .runtime import FlashAttnError, compute_graph, raise_pending  # noqa: F401
 from ._ggml_check import check_one_ggml as _check_one_ggml
 
 _check_one_ggml()   # llama.cpp's libggml-base.so beside ggml-python's: refuse here, not at the first graph

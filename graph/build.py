@@ -30,6 +30,7 @@ import ggml
 import numpy as np
 
 from ggml_attn import op as fa_op
+from ggml_attn import runtime as fa_runtime
 from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
 from ggml_attn.tensor import from_ggml
 
@@ -221,8 +222,8 @@ class UBatchGraph:
             check_device_graph(self.graph)
             self._checked = True
         # errors of this graph's op nodes (attention, KV store) are raised on leaving, only those
-        with fa_op.computing(self.graph):
-            status = fa_op.plan_and_compute(self.graph, n_threads)
+        with fa_runtime.computing(self.graph):
+            status = fa_runtime.plan_and_compute(self.graph, n_threads)
         if status != 0:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 

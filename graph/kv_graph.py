@@ -24,7 +24,7 @@ import ctypes
 import ggml
 import numpy as np
 
-from ggml_attn import op as fa_op
+from ggml_attn import runtime as fa_runtime
 from ggml_attn.tensor import as_numpy, from_ggml
 
 from .kv_cache import DEVICE_BLOCK_TYPES, KVCache
@@ -50,8 +50,8 @@ def store_callback(node, ith, nth, userdata):
     """Custom op ``[cache_k, k_rows, cache_v, v_rows, idx] -> dummy`` (node: the node tensor's
     address): ``cache_k[idx[i]] = k_rows[i]`` and the same for V (graph thread 0). ``userdata``
     1: the tensors are CuPy device memory; 0 (None): host memory (numpy). Errors are recorded
-    for this node like the attention op's (``ggml_attn.op.record_error``)."""
-    fa_op.run_custom_node(node, ith, lambda: _store(ctypes.cast(node, _TENSOR_P), userdata), "KV store op")
+    for this node like the attention op's (``ggml_attn.runtime.record_error``)."""
+    fa_runtime.run_custom_node(node, ith, lambda: _store(ctypes.cast(node, _TENSOR_P), userdata), "KV store op")
 
 
 _TENSOR_P = ctypes.POINTER(ggml.ggml_tensor)
@@ -139,7 +139,7 @@ def _bind_device_store(pairs, idx_t):
 
 
 _DEVICE_STORE_IDS = tuple(ggml_type_of(t) for t in DEVICE_STORE_TYPES)
-_STORE_CB = fa_op.c_callback(store_callback)
+_STORE_CB = fa_runtime.c_callback(store_callback)
 _FIVE_SRCS = ctypes.POINTER(ggml.ggml_tensor) * 5
 
 

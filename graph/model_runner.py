@@ -80,7 +80,7 @@ def run_model_batch(cache: KVCache, batch: Batch, model: Model, n_ubatch: int = 
     passed; a failed ubatch is rolled back (:class:`~ggml_attn.graph.driver.BatchError`).
     ``all_custom``: as ``build.build_ubatch_graph``'s (None: all-custom exactly when the cache is
     CuPy's; True on a numpy cache: the device form of the model graph, computed with numpy)."""
-    from ggml_attn.op import check_n_threads  # noqa: PLC0415
+    from ggml_attn.runtime import check_n_threads  # noqa: PLC0415
     from .build import check_build_args  # noqa: PLC0415
     check_n_threads(n_threads)   # before any cell is claimed
     cfg = model.attn_config()
@@ -122,7 +122,7 @@ def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=Non
     ``0..n-1``) from where the cache has them; then ``n_predict`` steps, one token per sequence
     each (the argmax of its last logits), all sequences in one batch per step. Returns the
     generated tokens of each sequence. ``all_custom``: as :func:`run_model_batch`'s."""
-    from ggml_attn.op import check_n_threads  # noqa: PLC0415
+    from ggml_attn.runtime import check_n_threads  # noqa: PLC0415
     from .batch import as_int  # noqa: PLC0415
     check_n_threads(n_threads)
     n_predict = as_int(n_predict, "n_predict", 0)

@@ -109,7 +109,7 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
     before it (``driver.py``). ``fa`` and ``all_custom`` go to ``build.build_ubatch_graph``
     (``compute="ggml"`` only).
     """
-    from ggml_attn.op import check_n_threads  # noqa: PLC0415
+    from ggml_attn.runtime import check_n_threads  # noqa: PLC0415
     check_n_threads(n_threads)   # before any cell is claimed
     if model is not None:
         if ubatches is not None:

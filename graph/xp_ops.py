@@ -46,7 +46,7 @@ of ``cuda/model_ops.cu`` on CuPy (compiled with NVRTC when first built, not whil
 
 Each function takes the graph builder ``b`` (``build.GraphBuilder``) and tensors made by it,
 and returns the result tensor. Errors inside a callback are recorded for the node like the
-attention op's (``ggml_attn.op.record_error``) and raised after compute.
+attention op's (``ggml_attn.runtime.record_error``) and raised after compute.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ import threading
 import ggml
 import numpy as np
 
-from ggml_attn import op as fa_op
+from ggml_attn import runtime as fa_runtime
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "add_into", "gemv_launch", "release",
            "get_rows", "rope", "add_bias"]
@@ -68,14 +68,14 @@ _lock = threading.Lock()
 
 
 def _callback(node, ith, nth, userdata):
-    fa_op.run_custom_node(node, ith, _calls.get(userdata) or _gone, "xp op")
+    fa_runtime.run_custom_node(node, ith, _calls.get(userdata) or _gone, "xp op")
 
 
 def _gone():
     raise RuntimeError("this dense op's build-time state is gone (its graph was freed)")
 
 
-_CB = fa_op.c_callback(_callback)
+_CB = fa_runtime.c_callback(_callback)
 
 
 def release(keys) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 import fixtures_gguf
 from ggml_attn.cli import batched_bench, bench, serve_bench
-from ggml_attn.cli.output import printable
+from ggml_attn.cli.text import printable
 
 EVIL = "evil\x1b[31mRED\x07|name\nline2\x9b\x7f"
 UNSAFE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")   # every control character but the newline

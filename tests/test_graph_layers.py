@@ -215,7 +215,7 @@ def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
 
 def test_an_error_inside_a_custom_op_is_raised_after_compute_and_a_custom_layer_runs():
     from ggml_attn.graph import layers, xp_ops
-    from ggml_attn.op import FlashAttnError
+    from ggml_attn.runtime import FlashAttnError
     calls = []
 
     def layer(b, il, cur):

@@ -18,7 +18,7 @@ import pytest
 
 import ggml_attn
 
-from ggml_attn import op as fa_op
+from ggml_attn import runtime as fa_runtime
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
 from ggml_attn.graph import xp_ops
 from ggml_attn.graph.build import GraphBuilder, build_ubatch_graph, check_device_graph
@@ -254,7 +254,7 @@ def _compute(b):
     if cplan.work_size:
         work = np.empty(cplan.work_size, dtype=np.uint8)
         cplan.work_data = ctypes.cast(work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-    with fa_op.computing(b.gf):
+    with fa_runtime.computing(b.gf):
         assert ggml.ggml_graph_compute(b.gf, ctypes.byref(cplan)) == 0
 
 

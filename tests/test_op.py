@@ -107,7 +107,7 @@ def test_error_in_callback_is_reraised_by_compute_graph(case_ctx, monkeypatch):
     with pytest.raises(ggml_attn.FlashAttnError, match="planted failure"):
         ggml_attn.compute_graph(ctx, graph_of(ctx, out), 2)
     assert np.isnan(get_data(out)).all(), "output must be poisoned, not left unwritten"
-    assert ggml_attn.op.pending_errors() == []
+    assert ggml_attn.runtime.pending_errors() == []
 
 
 def test_plain_compute_fails_loudly(case_ctx, monkeypatch, caplog):

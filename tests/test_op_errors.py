@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ggml_attn
-from ggml_attn import op, reference
+from ggml_attn import op, reference, runtime
 from ggml_attn.conformance import FACase, make_inputs
 from ggml_build import build_case, case_bytes, get_data, graph_of, new_context
 
@@ -80,7 +80,7 @@ def test_raise_pending_without_graph_raises_this_threads_errors(gs, monkeypatch)
     gx = gs.graph(bad)
     ggml.ggml_graph_compute_with_ctx(gs.ctx, gx, 2)
     seen = []
-    t = threading.Thread(target=lambda: seen.append(op.pending_errors()) or ggml_attn.raise_pending())
+    t = threading.Thread(target=lambda: seen.append(runtime.pending_errors()) or ggml_attn.raise_pending())
     t.start()
     t.join()
     assert seen == [[]], "another thread saw this thread's error"
@@ -186,7 +186,7 @@ def test_ctrl_c_in_a_plain_compute_is_raised_by_raise_pending(gs, monkeypatch):
 def test_interrupt_of_the_main_thread_does_not_stop_a_worker_threads_graph(gs, monkeypatch):
     nodes = [gs.node(f"w{i}") for i in range(4)]
     g = gs.graph(*nodes)
-    op._interrupted.add(threading.main_thread().ident)  # as if the main thread's graph was interrupted
+    runtime._interrupted.add(threading.main_thread().ident)  # as if the main thread's graph was interrupted
     try:
         out = []
         t = threading.Thread(target=lambda: out.append(ggml_attn.compute_graph(gs.ctx, g, 2)))
@@ -195,7 +195,7 @@ def test_interrupt_of_the_main_thread_does_not_stop_a_worker_threads_graph(gs, m
         assert out == [None]
         assert reference.nmse(get_data(nodes[-1]), gs.expect) < 1e-6
     finally:
-        op._interrupted.discard(threading.main_thread().ident)
+        runtime._interrupted.discard(threading.main_thread().ident)
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -255,11 +255,11 @@ def test_compute_graph_thread_limit_is_the_clis(gs, capsys):
     """One rule for compute_graph's n_threads and the CLIs' -t: ggml's GGML_MAX_N_THREADS (more
     crashed ggml: 100000 segfaulted, 32768 aborted in libgomp)."""
     from ggml_attn.cli import bench
-    assert op.MAX_THREADS == ggml.GGML_MAX_N_THREADS
-    with pytest.raises(ValueError, match=rf"n_threads {op.MAX_THREADS + 1} .*at most {op.MAX_THREADS}"):
-        ggml_attn.compute_graph(gs.ctx, gs.graph(gs.node()), op.MAX_THREADS + 1)
-    assert bench.main(["-p", "8", "-n", "0", "--device", "cpu", "-t", str(op.MAX_THREADS + 1)]) == 2
-    assert f"at most {op.MAX_THREADS}" in capsys.readouterr().err
+    assert runtime.MAX_THREADS == ggml.GGML_MAX_N_THREADS
+    with pytest.raises(ValueError, match=rf"n_threads {runtime.MAX_THREADS + 1} .*at most {runtime.MAX_THREADS}"):
+        ggml_attn.compute_graph(gs.ctx, gs.graph(gs.node()), runtime.MAX_THREADS + 1)
+    assert bench.main(["-p", "8", "-n", "0", "--device", "cpu", "-t", str(runtime.MAX_THREADS + 1)]) == 2
+    assert f"at most {runtime.MAX_THREADS}" in capsys.readouterr().err
     ggml_attn.compute_graph(gs.ctx, gs.graph(gs.node()), np.int64(2))   # numpy integers are integers
 
 
@@ -268,9 +268,9 @@ def test_raise_pending_and_computing_check_the_graph(bad):
     with pytest.raises(ValueError, match="graph"):
         ggml_attn.raise_pending(bad)
     with pytest.raises(ValueError, match="graph"):
-        op.pending_errors(bad)
+        runtime.pending_errors(bad)
     with pytest.raises(ValueError, match="graph"):
-        op.computing(bad)
+        runtime.computing(bad)
 
 
 def test_set_backend_rejects_unknown_kernels():

@@ -32,7 +32,7 @@ class OutOfMemory(UserError):
 def fail_line(prog: str, message: str) -> str:
     """The single stderr line for an error: ``prog: error: message`` with newlines folded and
     other control characters escaped (``output.printable``: a path or name from a file)."""
-    from .output import printable
+    from .text import printable
     return f"{prog}: error: {printable(message)}"
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from ggml_attn.graph.model import gguf_field
 
 from .errors import UserError
-from .output import printable
+from .text import printable
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggml_attn import dispatch, op
+from ggml_attn import dispatch, runtime
 
 from .common import check_interrupt
 from .errors import OutOfMemory, UserError
@@ -137,14 +137,14 @@ def check_kernel(kernel: str, flash_attn: bool, device: str) -> None:
                         f"path); on the CPU use --kernel auto, reference or ggml")
 
 
-MAX_THREADS = op.MAX_THREADS   # the op's rule (op.check_n_threads), shared with compute_graph
+MAX_THREADS = runtime.MAX_THREADS   # the op's rule (runtime.check_n_threads), shared with compute_graph
 
 
 def check_threads(n_threads: int) -> None:
-    """``-t``: :func:`ggml_attn.op.check_n_threads`'s rule (1..MAX_THREADS), as a UserError
+    """``-t``: :func:`ggml_attn.runtime.check_n_threads`'s rule (1..MAX_THREADS), as a UserError
     (one line, exit 2)."""
     try:
-        op.check_n_threads(n_threads, "-t")
+        runtime.check_n_threads(n_threads, "-t")
     except ValueError as e:
         note = ""
         if isinstance(n_threads, int) and n_threads > MAX_THREADS:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from .output import printable
+from .text import printable
 from .runner import compress_shapes
 
 

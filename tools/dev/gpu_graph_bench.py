@@ -160,15 +160,15 @@ def _run_mode(device_us, n_layer: int, n_kv: int, reps: int, log, mode: str) -> 
     import cupy as cp
     import ggml
 
-    from ggml_attn import op
+    from ggml_attn import runtime
     from ggml_attn.graph.capture import capture
 
     ctx, gf, keep, direct, outs = _graph(n_layer, n_kv, mode)
     case = f"graph: {n_layer} decode ops B=1 kv={n_kv}" + ("" if mode == "plan" else f" {mode}")
 
     def compute():
-        with op.computing(gf):
-            ggml.ggml_graph_compute_with_ctx(ctx, gf, 1)
+        with runtime.computing(gf):
+            runtime.plan_and_compute(gf, 1)   # (compute_with_ctx took a work buffer from ctx per call)
     try:
         dev = device_us(direct)[0]
         stream = cp.cuda.Stream(non_blocking=True)

@@ -1,7 +1,7 @@
 """Host cost of the op's callback fast path, without a GPU: a ggml graph of ``n`` op nodes
 (decode shapes: one query token, 32 q / 8 KV heads, D 128) whose nodes are bound to a no-op
 launch, computed by ggml's graph loop on one thread. Prints microseconds per op node for a
-plain ``ggml_graph_compute_with_ctx`` and inside ``ggml_attn.op.computing`` (error
+plain ``ggml_graph_compute_with_ctx`` and inside ``ggml_attn.runtime.computing`` (error
 bookkeeping). What the GPU adds on top is the launches themselves (``tools/dev/gpu_graph_bench.py``).
 
 Usage: python tools/dev/op_overhead_bench.py [-n 32] [--reps 200]
@@ -19,7 +19,7 @@ def run(n: int = 32, reps: int = 200, plan: bool = True, mask: bool = True) -> d
     import ggml
 
     import ggml_attn
-    from ggml_attn import op
+    from ggml_attn import op, runtime
 
     class _Plan:   # the op asks a plan only whether it fits the mask
         def matches(self, mask, n_batch):
@@ -58,7 +58,7 @@ def run(n: int = 32, reps: int = 200, plan: bool = True, mask: bool = True) -> d
             ggml.ggml_graph_compute_with_ctx(ctx, gf, 1)
 
         def computing():
-            with op.computing(gf):
+            with runtime.computing(gf):
                 ggml.ggml_graph_compute_with_ctx(ctx, gf, 1)
         res = {}
         for name, fn in (("plain", plain), ("computing", computing)):
