@@ -403,3 +403,16 @@ def test_weights_that_do_not_fit_beside_the_cache_are_one_line(capsys, monkeypat
     rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "--layer", "full", *FAST)
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert "not enough memory for the model's weights (--layer full" in err and "beside a KV cache of" in err, err
+
+
+@pytest.mark.parametrize("tool", ["bench", "batched_bench", "serve_bench"])
+def test_version(capsys, tool):
+    """--version (llama.cpp's tools have it): the package's version and the build's commit."""
+    import importlib
+    import ggml_attn
+    from ggml_attn.cli.common import build_info
+    mod = importlib.import_module(f"ggml_attn.cli.{tool}")
+    assert mod.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    commit, number = build_info()
+    assert out == f"{mod.PROG} {ggml_attn.__version__} (build: {commit} ({number}))\n"

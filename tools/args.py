@@ -251,6 +251,27 @@ class Parser(argparse.ArgumentParser):
         return ns
 
 
+class _Version(argparse.Action):
+    """``--version``: the package's version and the build's commit, then exit 0 (the commit is
+    looked up only when asked: it may run git)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from ggml_attn import __version__
+        from .common import build_info
+        commit, number = build_info()
+        import sys
+        parser._print_message(f"{parser.prog} {__version__} (build: {commit} ({number}))\n", sys.stdout)
+        parser.exit()
+
+
+def add_version(parser) -> None:
+    """``--version``, as llama.cpp's tools have it."""
+    parser.add_argument("--version", action=_Version, help="print the version and the build's commit, then exit")
+
+
 def add_list(parser, *flags, type, default, help, metavar=None, **kw):
     """Add a list-valued flag (comma lists, ranges, repeatable) with a default list.
     Extra keywords go to ``add_argument`` (e.g. ``nargs="?", const=[True]`` for a bare flag)."""

@@ -20,8 +20,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_batched as fb
 from . import plot
-from .args import (INT32_MAX, Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
-                   parse_int_range)
+from .args import (INT32_MAX, add_list, add_version, choice_list, int_at_least, int_range, parse_bool,
+                   parse_fa_one, parse_int_range, Parser)
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
@@ -134,6 +134,7 @@ def build_parser() -> Parser:
                         "shows when stderr is a terminal)")
     p.epilog = fb.TERMS
     multi_gpu.add_args(p)
+    add_version(p)
     return p
 
 

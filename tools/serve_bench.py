@@ -27,7 +27,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_serve as fs
 from . import plot
-from .args import (Parser, add_list, choice_list, int_at_least, int_range, parse_bool, parse_fa_one)
+from .args import (add_list, add_version, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
+                   Parser)
 from .batched_rows import strategy_kv
 from .common import Progress, check_interrupt, console_main, default_threads
 from .errors import UserError
@@ -126,6 +127,7 @@ def build_parser() -> Parser:
                    help="print a line per row on stderr (without it a progress bar shows when stderr "
                         "is a terminal)")
     p.epilog = fs.TERMS
+    add_version(p)
     return p
 
 
