@@ -28,7 +28,7 @@ from . import multi_gpu
 from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
-from .output import SafeWriter, save_error
+from .output import SafeWriter
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
@@ -361,11 +361,8 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
         bar.close()
         printer.footer()
     if ns.plot and results and getattr(multi_gpu.current(), "rank", 0) == 0:   # -sm row: rank 0 draws
-        try:
-            plot.draw_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
-        except OSError as e:
-            raise save_error(ns.plot, e) from None
-        print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
+        plot.write(PROG, ns.plot, plot.draw_plot, results,
+                   f"{model.name}, {device}, --layer {ns.layer}, kernel {ns.kernel}")
     return 0
 
 

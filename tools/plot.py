@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import format_batched as fb
 from .errors import UserError
-from .output import check_plot_path
+from .output import check_plot_path, save_error
 
 
 def check_plot_available(path):
@@ -14,6 +14,17 @@ def check_plot_available(path):
         import matplotlib  # noqa: F401
     except ImportError as e:
         raise UserError("--plot needs matplotlib (pip install 'ggml-attn[plot]')") from e
+
+
+def write(prog: str, path: str, draw, results: list[dict], title: str) -> None:
+    """``draw(path, results, title)`` (:func:`draw_plot`, :func:`draw_serve_plot`), a file that
+    cannot be written as a UserError (``output.save_error``), then one stderr line saying so."""
+    import sys
+    try:
+        draw(path, results, title)
+    except OSError as e:
+        raise save_error(path, e) from None
+    print(f"{prog}: wrote {path}", file=sys.stderr)
 
 
 def draw_plot(path: str, results: list[dict], title: str) -> None:

@@ -299,11 +299,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
         bar.close()
         printer.footer()
     if ns.plot and results:
-        try:
-            plot.draw_serve_plot(ns.plot, results, f"{model.name}, {device}, --layer {ns.layer}, {n_slots} slots")
-        except OSError as e:
-            raise save_error(ns.plot, e) from None
-        print(f"{PROG}: wrote {ns.plot}", file=sys.stderr)
+        plot.write(PROG, ns.plot, plot.draw_serve_plot, results,
+                   f"{model.name}, {device}, --layer {ns.layer}, {n_slots} slots")
     return 0
 
 
