@@ -8,7 +8,6 @@ a decode step), ``"all"`` for every token, or a bool array per batch token.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +51,13 @@ class ModelEngine(Engine):
                          all_custom=all_custom)
 
 
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # cache -> {(model id, form): engine}
-
-
 def model_engine(cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None,
                  n_threads: int = 2) -> ModelEngine:
     """The :class:`ModelEngine` of ``cache``, ``model``, ``fa`` and ``all_custom``, made on the first
-    call and kept with the cache (its graphs view the cache's memory; they go with it)."""
-    engines = _ENGINES.setdefault(cache, {})
+    call and kept on the cache (its graphs view the cache's memory; they go with it: an attribute
+    of the cache, so that the two are collected together -- a registry keyed by the cache would
+    keep every cache alive through its engine)."""
+    engines = cache.__dict__.setdefault("_model_engines", {})   # {(model id, form): engine}
     key = (id(model), all_custom)
     e = engines.get(key)
     if e is None or e.model is not model or e.fa is not fa:   # (another op: graphs of their own)

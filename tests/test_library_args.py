@@ -187,3 +187,19 @@ def test_the_example_model_is_a_gguf_file_for_both_readers(tmp_path):
     np.testing.assert_array_equal(np.asarray(by_name["blk.2.ffn_down.weight"].data), m.layers[2]["wd"].to_float(np.float16))
     np.testing.assert_array_equal(np.asarray(by_name["blk.0.attn_norm.weight"].data), np.ones(256, np.float32))
     assert [len(t) for t in greedy(_cache(m), m, [[1, 2], [3]], 4)] == [4, 4]
+
+
+def test_a_cache_and_its_engine_go_together(model):
+    """The model engine kept with a cache (graph/model_runner.model_engine) does not keep the
+    cache alive: five caches used by greedy and dropped are collected (a registry keyed by the
+    cache held each through its engine, graphs and all, until the process ended)."""
+    import gc
+    import weakref
+    refs = []
+    for _ in range(5):
+        c = _cache(model)
+        greedy(c, model, [[1, 2], [3]], 3)
+        refs.append(weakref.ref(c))
+        del c
+    gc.collect()
+    assert [r() for r in refs] == [None] * 5
