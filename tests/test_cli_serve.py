@@ -76,6 +76,7 @@ def test_formats(capsys):
     rc, out, _ = _run(capsys, *args, "-o", "json")
     (row,) = json.loads(out)
     assert set(row) == set(format_serve.KEYS) and row["rate"] == 50 and row["gen_dist"] == "2-2"
+    assert (row["flash_attn"], row["warmup"], row["seed"], row["n_slots"]) == ("auto", False, 0, 3)
     rc, out, _ = _run(capsys, *args, "-r", "2", "--warmup")
     lines = [l for l in out.splitlines() if l.startswith("|")]
     assert len(lines) == 3 and len({len(l) for l in lines}) == 1   # aligned columns

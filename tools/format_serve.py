@@ -27,7 +27,8 @@ KEYS = ["rate", "split", "kv_unified", "prompt_budget", "n_slots",
         "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "itl_ms_max",
         "queue_ms_p50", "steps", "mixed_share", "ub_per_step", "n_pad", "kv_cells_peak", "busy_share",
         "repetitions", "model", "device", "path", "layer", "kernel", "n_ctx", "n_batch", "n_ubatch",
-        "type_k", "type_v", "trace", "prompt_dist", "gen_dist", "seed", "n_threads"]
+        "type_k", "type_v", "flash_attn", "cuda_graph", "warmup", "trace", "prompt_dist", "gen_dist", "seed",
+        "n_threads"]
 
 # md: (header, key, width, format); negative width: left-aligned
 _MD = [("rate", "rate", 6, "rate"), ("split", "split", -7, "s"), ("KVU", "kv_unified", 3, "b"),

@@ -292,7 +292,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                         type_k=ns.cache_type_k, type_v=ns.cache_type_v, trace=ns.trace,
                         prompt_dist=None if ns.trace else "-".join(map(str, ns.prompt_dist)),
                         gen_dist=None if ns.trace else "-".join(map(str, ns.gen_dist)),
-                        seed=ns.seed, n_threads=ns.threads))
+                        seed=ns.seed, n_threads=ns.threads, flash_attn=ns.flash_attn,
+                        cuda_graph=ns.cuda_graph == "on", warmup=ns.warmup))
                     printer.row(row)
                     results.append(row)
     finally:
