@@ -110,7 +110,7 @@ def test_prompt_dist_is_seeded(capsys):
     (["--prompt-lens", "1-300", "-ntg", "1"], "--prompt-lens gives 300 sequences: at most 256"),
     (["--n-layer", "-1"], "argument --n-layer: must be at least 0 (0: the model's own), got -1"),
     (["--n-layer", "-2"], "got -2"),
-    (["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
+    (["--seed", "-1"], "argument -s/--seed: must be at least 0, got -1"),
     (["-t", "0"], "argument -t/--threads: must be at least 1, got 0"),
     (["--kernel", "decode", "--device", "cpu", "--plan"], "--kernel decode runs on the GPU only"),
     (["-fa", "off", "--kernel", "ggml", "--device", "cpu", "--plan"], "-fa off runs ggml's mul_mat+soft_max"),

@@ -244,11 +244,27 @@ class Parser(argparse.ArgumentParser):
             self.error(f"argument {opt}: {e}")
 
     def parse_args(self, args=None, namespace=None):
-        ns = super().parse_args(args, namespace)
+        import sys
+        argv = list(sys.argv[1:] if args is None else args)
+        ns = super().parse_args([self._dashes(a) for a in argv], namespace)
         ns.explicit = set(getattr(ns, "_explicit", set()) or set())
         if hasattr(ns, "_explicit"):
             delattr(ns, "_explicit")
+        for line in dict.fromkeys(getattr(ns, "_inert", None) or ()):   # each flag's note once
+            print(f"{self.prog}: {line}", file=sys.stderr, flush=True)
+        if hasattr(ns, "_inert"):
+            delattr(ns, "_inert")
         return ns
+
+    def _dashes(self, arg):
+        """``--n_prompt`` (an underscore spelling) as ``--n-prompt`` when only the latter is a flag."""
+        if not isinstance(arg, str) or not arg.startswith("--") or "_" not in arg.split("=", 1)[0]:
+            return arg
+        name, eq, value = arg.partition("=")
+        if name in self._option_string_actions:
+            return arg
+        alt = name.replace("_", "-")
+        return alt + eq + value if alt in self._option_string_actions else arg
 
 
 class _Version(argparse.Action):
@@ -265,6 +281,78 @@ class _Version(argparse.Action):
         import sys
         parser._print_message(f"{parser.prog} {__version__} (build: {commit} ({number}))\n", sys.stdout)
         parser.exit()
+
+
+class _Inert(argparse.Action):
+    """A llama.cpp flag with nothing to change here: taken (a llama.cpp command line runs as it
+    is) and said once on stderr (``Parser.parse_args``), never given another meaning."""
+
+    def __init__(self, option_strings, dest, note="", **kw):
+        self.note = note
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        notes = getattr(namespace, "_inert", None)
+        if notes is None:
+            notes = []
+            setattr(namespace, "_inert", notes)
+        notes.append(f"{self.option_strings[0]}: {self.note}")   # (one line whichever spelling)
+
+
+def add_inert(parser, flags: tuple, note: str, nargs=1, metavar: str = "V") -> None:
+    """Take llama.cpp's ``flags`` (with ``nargs`` values) and say ``note`` once when given."""
+    parser.add_argument(*flags, action=_Inert, note=note, nargs=nargs, metavar=metavar if nargs else None,
+                        help=f"llama.cpp's; {note}")
+
+
+# llama-bench's flags that change nothing here (llama-bench runs llama.cpp's backends; this tool
+# runs one device through its own graph) -- each said once when given
+LLAMA_BENCH_INERT = [
+    (("-nkvo", "--no-kv-offload"), "the KV cache is where the tool runs (--device): nothing is offloaded"),
+    (("-C", "--cpu-mask"), "CPU affinity is left to the OS"),
+    (("--cpu-strict",), "CPU affinity is left to the OS"),
+    (("--poll",), "ggml's CPU threads wait passively here (OMP_WAIT_POLICY)"),
+    (("--numa",), "no NUMA placement here"),
+    (("--prio",), "the process keeps its priority"),
+    (("-embd", "--embeddings"), "the benchmarks compute attention or logits, not embeddings"),
+    (("-nopo", "--no-op-offload"), "there is no host/device op offload here"),
+    (("-dev",), "the device is --device's (cpu, cuda or auto), one device; -sm row/layer for several"),
+    (("-lm", "--load-mode"), "the weights are memory-mapped on the CPU and read with preadv into the GPU"),
+    (("--no-mmap",), "the CPU path maps the file; the GPU path reads it without a map anyway", 0),
+]
+# llama-batched-bench's (llama.cpp's common arguments)
+LLAMA_BATCHED_INERT = [
+    (("-tb", "--threads-batch"), "-t's threads compute every batch here"),
+    (("-np", "--parallel"), "the parallel sequences are -npl's"),
+    (("--no-mmap",), "the CPU path maps the file; the GPU path reads it without a map anyway", 0),
+]
+
+
+def add_inert_flags(parser, table) -> None:
+    """``table``: ``(flags, note[, nargs])`` entries (one value unless said)."""
+    for flags, note, *nargs in table:
+        add_inert(parser, flags, note, nargs[0] if nargs else 1)
+
+
+class _ListDevices(argparse.Action):
+    """``--list-devices`` (llama-bench's): the devices this tool can run on, then exit 0."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+        from .common import cpu_info, gpu_info
+        from .runner import cuda_available
+        lines = ["Available devices:", f"  CPU: {cpu_info()} (--device cpu)"]
+        if cuda_available():
+            lines.append(f"  CUDA0: {gpu_info()} (--device cuda)")
+        parser._print_message("\n".join(lines) + "\n", sys.stdout)
+        parser.exit()
+
+
+def add_list_devices(parser) -> None:
+    parser.add_argument("--list-devices", action=_ListDevices, help="list the devices this tool can run on and exit")
 
 
 def add_version(parser) -> None:

@@ -20,8 +20,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_batched as fb
 from . import plot
-from .args import (INT32_MAX, add_list, add_version, choice_list, int_at_least, int_range, parse_bool,
-                   parse_fa_one, parse_int_range, Parser)
+from .args import (INT32_MAX, LLAMA_BATCHED_INERT, add_inert_flags, add_list, add_version, choice_list,
+                   int_at_least, int_range, parse_bool, parse_fa_one, parse_int_range, Parser)
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
@@ -71,7 +71,7 @@ def build_parser() -> Parser:
     p.add_argument("--prompt-dist", type=parse_dist, default=None, metavar="MIN-MAX",
                    help="ragged prompts: B lengths drawn uniformly from MIN..MAX for each -npl "
                         "value (replaces -npp)")
-    p.add_argument("--seed", type=int_at_least(0), default=0,
+    p.add_argument("-s", "--seed", type=int_at_least(0), default=0,
                    help="seed of --prompt-dist and the inputs (default: 0)")
     p.add_argument("-pps", action="store_true",
                    help="one shared prompt: decode it once for sequence 0 and copy it to the others")
@@ -82,6 +82,8 @@ def build_parser() -> Parser:
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
                   "the same batch); simple always runs on a unified KV cache; default: simple "
                   "with -kvu, equal without (as llama.cpp)")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
+                   help="one stream per sequence (llama.cpp's spelling of -kvu 0)")
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
                    help="attn: attention only; full: with QKV/O projections and FFN (random weights of "
@@ -134,6 +136,7 @@ def build_parser() -> Parser:
                         "shows when stderr is a terminal)")
     p.epilog = fb.TERMS
     multi_gpu.add_args(p)
+    add_inert_flags(p, LLAMA_BATCHED_INERT)
     add_version(p)
     return p
 

@@ -16,8 +16,9 @@ import datetime
 import sys
 
 from . import format_bench as fmt
-from .args import (INT32_MAX, add_list, add_version, choice_list, combinations, int_at_least,
-                   parse_bool_list, parse_fa, parse_int_range, parse_pair_list, Parser, str_list)
+from .args import (INT32_MAX, LLAMA_BENCH_INERT, add_inert_flags, add_list, add_list_devices, add_version,
+                   choice_list, combinations, int_at_least, parse_bool_list, parse_fa, parse_int_range,
+                   parse_pair_list, Parser, str_list)
 from .common import (Progress, build_info, console_main, cpu_info, default_threads, gpu_info,
                      interruptible_sleep)
 from . import multi_gpu
@@ -102,6 +103,8 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     multi_gpu.add_args(p)
+    add_list_devices(p)
+    add_inert_flags(p, LLAMA_BENCH_INERT)
     add_version(p)
     return p
 

@@ -27,8 +27,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_serve as fs
 from . import plot
-from .args import (add_list, add_version, choice_list, int_at_least, int_range, parse_bool, parse_fa_one,
-                   Parser)
+from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_list, add_version, choice_list, int_at_least,
+                   int_range, parse_bool, parse_fa_one, Parser)
 from .batched_rows import strategy_kv
 from .common import Progress, check_interrupt, console_main, default_threads
 from .errors import UserError
@@ -67,7 +67,7 @@ def build_parser() -> Parser:
                    metavar="MIN-MAX", help="prompt tokens of a --rate workload, uniform (default: 16-200)")
     p.add_argument("--gen-dist", type=lambda t: parse_dist(t, "--gen-dist"), default=(32, 256),
                    metavar="MIN-MAX", help="generated tokens per request, uniform (default: 32-256)")
-    p.add_argument("--seed", type=int_at_least(0), default=0,
+    p.add_argument("-s", "--seed", type=int_at_least(0), default=0,
                    help="seed of the arrivals, lengths, made-up token ids and inputs (default: 0)")
     p.add_argument("-np", "--max-concurrent", type=int_at_least(1, hi=MAX_SEQ), default=0, metavar="N",
                    help=f"requests served at once (llama-server's -np slots: sequence ids); 0: "
@@ -82,6 +82,8 @@ def build_parser() -> Parser:
     add_list(p, "--split", type=choice_list(SPLITS + ("all",)), default=[""], metavar="MODE",
              help="ubatch split: simple|equal|seq|padded|auto, a list, or all; simple always runs on a "
                   "unified KV cache; default: simple with -kvu, equal without (as llama.cpp)")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
+                   help="one stream per sequence (llama.cpp's spelling of -kvu 0)")
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
                    help="attn: attention only; full: with projections and FFN (random weights); model: a "
@@ -127,6 +129,7 @@ def build_parser() -> Parser:
                    help="print a line per row on stderr (without it a progress bar shows when stderr "
                         "is a terminal)")
     p.epilog = fs.TERMS
+    add_inert_flags(p, [t for t in LLAMA_BATCHED_INERT if "-np" not in t[0]])   # (-np: the slots here)
     add_version(p)
     return p
 
