@@ -100,7 +100,6 @@ class QMatrix:
             from ggml_attn.quant import dequantize_rows   # noqa: PLC0415
             b = np.ascontiguousarray(self.blocks)
             self._values = dequantize_rows(b.ctypes.data, self.type_id, self.shape[1], self.shape[0], b.shape[1])
-            self._keep = b
         return self._values
 
 
@@ -181,6 +180,10 @@ class DeviceWeights:
         def f32(w):
             return to_xp(w.to_float(np.float32))
 
+        def vector(w):   # a norm weight already uploaded for a fold is the same array
+            got = norms.get(w.name)
+            return got if got is not None else f32(w)
+
         checks = []   # (device bool, weight, norm) of the staged folds, read once at the end
         queued = collections.deque()
         ahead = 0
@@ -241,13 +244,12 @@ class DeviceWeights:
             d = {k: out[(il, k)] for k in (*_QKV, *_FFN, "wo", "wd")}
             for k in ("bq", "bk", "bv", "attn_norm", "ffn_norm"):
                 if k in lw:
-                    d[k] = norms.get(lw[k].name) if k.endswith("norm") and lw[k].name in norms else f32(lw[k])
+                    d[k] = vector(lw[k])
             layers.append(d)
         ff = None if model.rope_freqs is None else f32(model.rope_freqs)
         output = out.get("output", out["tok_embd"])   # a tied block head: the embedding's blocks, shared
         tied_copy = model.tied_output and output is not out["tok_embd"]
-        on = norms.get(model.output_norm.name)
-        on = on if on is not None else f32(model.output_norm)
+        on = vector(model.output_norm)
         scratch = None
         blocks = [m for m in out.values() if isinstance(m, QMatrix)]
         if blocks and xp is not np:
@@ -265,15 +267,18 @@ class DeviceWeights:
             xp.get_default_memory_pool().free_all_blocks()
         return cls(xp, out["tok_embd"], output, layers, ff, tied_copy, on, scratch)
 
-    def arrays(self) -> list:
-        """Every array held, once (a block matrix's blocks; the scratch not included)."""
+    def _members(self) -> list:
+        """Every matrix and vector held, once (a tied head shares the embedding's)."""
         seen: dict = {}
         for m in [self.tok_embd, self.output, *(a for d in self.layers for a in d.values()),
                   self.output_norm, self.rope_freqs]:
             if m is not None:
-                a = m.blocks if isinstance(m, QMatrix) else m
-                seen.setdefault(id(a), a)
+                seen.setdefault(id(m), m)
         return list(seen.values())
+
+    def arrays(self) -> list:
+        """Every array held, once (a block matrix's blocks; the scratch not included)."""
+        return [m.blocks if isinstance(m, QMatrix) else m for m in self._members()]
 
     @property
     def nbytes(self) -> int:
@@ -284,12 +289,7 @@ class DeviceWeights:
         """Bytes held per kind, most first: each block type, ``F16`` matrices, ``F32`` vectors,
         and ``scratch`` (``-v`` prints it)."""
         count: dict[str, int] = {}
-        seen = set()
-        for m in [self.tok_embd, self.output, *(a for d in self.layers for a in d.values()),
-                  self.output_norm, self.rope_freqs]:
-            if m is None or id(m) in seen:
-                continue
-            seen.add(id(m))
+        for m in self._members():
             kind = m.type if isinstance(m, QMatrix) else ("F16" if m.dtype == np.float16 else "F32")
             count[kind] = count.get(kind, 0) + int(m.nbytes)
         if self.scratch is not None:
