@@ -203,7 +203,7 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
             return None
         runs.append(run)
     b.keep(*(w.blocks if _is_q(w) else w for w in ws), x, *outs, *([norm_w] if norm_w is not None else []))
-    return _then(*runs) if len(runs) > 1 else runs[0]
+    return _then(*runs)
 
 
 def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
