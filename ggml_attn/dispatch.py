@@ -390,7 +390,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
 
 
 # ---------------------------------------------------------------------------------------
-# Dense matmuls of device-resident model graphs (graph/xp_ops.py): the weight's type and the
+# Dense matmuls of device-resident model graphs (graph/xp_matmul.py): the weight's type and the
 # ubatch's tokens decide. A GEMV launch reads every weight byte once and decodes it in registers
 # (cuda/dense.cu for F16 weights, at most kernels.GEMV_MAX_TOKENS tokens; cuda/dense_q.cu for
 # ggml's weight blocks, at most kernels.GEMVQ_MAX_TOKENS); past that, cuBLAS's tensor cores on

@@ -208,7 +208,7 @@ DENSE_NAMES = tuple(gemv_name(nt, u) for nt in range(1, GEMV_MAX_TOKENS + 1) for
 
 
 def dense_variant() -> Variant:
-    """The full block's dense ops (``cuda/dense.cu``, used by ``graph/xp_ops.py``)."""
+    """The full block's dense ops (``cuda/dense.cu``, used by ``graph/xp_matmul.py``)."""
     return Variant("dense", "dense.cu", DENSE_NAMES)
 
 

@@ -15,7 +15,7 @@ Typical use::
 Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -> ``plan`` ->
 ``auto`` (chooses a split by dry-running plans; ``split`` knows nothing of it) -> ``build``
 (ggml graph: ``kv_graph`` the cache's views and store op, ``layers`` the layer functions,
-``xp_ops`` the full block's custom ops); ``model`` loads a GGUF model, ``model_graph`` builds its
+``xp_matmul`` and ``xp_ops`` the device graphs' custom ops); ``model`` loads a GGUF model, ``model_graph`` builds its
 block (RoPE, norms, embedding, head), ``model_runner`` runs token ids to logits
 (``run_model_batch``, ``greedy``) on ``engine`` (graphs kept per structure and reused, CUDA-graph
 replay on a GPU: the CLIs' engines are its subclasses); ``serve`` is a server's step loop (arrivals, admission,

@@ -35,7 +35,7 @@ from ggml_attn.dtypes import GGML_TYPE_F16, GGML_TYPE_F32
 from ggml_attn.tensor import from_ggml
 
 from . import layers as layer_fns
-from . import model_graph, xp_ops
+from . import model_graph, xp_node
 from .kv_cache import KVCache
 from .kv_graph import check_custom_store, data_ptr, ggml_type_of, kv_tensors
 from .plan import UBatchPlan
@@ -255,7 +255,7 @@ class UBatchGraph:
             ggml.ggml_free(self.ctx)
             self.ctx = None
             self._arrays.clear()
-            xp_ops.release(self._op_keys)
+            xp_node.release(self._op_keys)
             self._op_keys.clear()
             self._keep.clear()
             self.kernel_plan = None
@@ -502,7 +502,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
     The graph is device-resident when the cache stores K/V in CuPy (``cache.xp`` is not
     numpy), a host graph otherwise. Device graphs are *all-custom*: the K/V store is our
     custom op instead of ``ggml_set_rows``, the attention must be a custom op and the full
-    block's dense ops are ``xp_ops``' custom ops, checked by :func:`check_device_graph`.
+    block's dense ops are ``xp_matmul``'s and ``xp_ops``' custom ops, checked by :func:`check_device_graph`.
     ``all_custom=True`` builds a host graph the same way (to test that form without a GPU).
 
     ``layer``: ``"attn"`` (inputs with :meth:`UBatchGraph.set_inputs`; per layer, or one set
@@ -574,7 +574,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
             b.expand(cur)
     except BaseException:
         ggml.ggml_free(b.ctx)
-        xp_ops.release(b.op_keys)
+        xp_node.release(b.op_keys)
         raise
     b.keep(b.kv)
     g = UBatchGraph(plan, device, b.ctx, b.gf, b.q_in, b.k_in, b.v_in, outs, b.arrays, x_in=x_in, mask_t=b.mask,

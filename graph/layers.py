@@ -12,7 +12,7 @@ A layer function is ``layer(b, il, cur) -> cur``: ``b`` the graph builder
   projection, residual add, RMS norm, gated FFN (gate, up, SiLU, down), residual add. Weights
   come from ``b.weights[il]``: F16 arrays of ``xp``, numpy order ``(n_out, n_in)`` = ggml
   ``[n_in, n_out]``, keys ``wq wk wv wo wg wu wd``. Host graphs use ggml's ops, all-custom
-  graphs the ops of ``xp_ops``.
+  graphs the ops of ``xp_matmul`` and ``xp_ops``.
 
 The attention step (:func:`attention`) is shared: store K/V (``KVTensors.cpy_kv``), view
 Q per stream, view K/V (``get_k/get_v``), then ``b.attention``: flash attention (our op or
@@ -26,7 +26,7 @@ import numpy as np
 
 from ggml_attn import op as fa_op
 
-from . import xp_ops
+from . import xp_matmul, xp_ops
 
 __all__ = ["attn_layer", "full_layer", "attention", "softmax_attention", "flash_attention",
            "pad_rows_see_own_cell", "RMS_EPS"]
@@ -127,23 +127,23 @@ def full_layer(b, il: int, x, reduce=None):
 
 
 def _full_layer_custom(b, il: int, x, reduce):
-    """:func:`full_layer` on an all-custom graph (``xp_ops``): the attention norm and Q/K/V in one
+    """:func:`full_layer` on an all-custom graph (``xp_matmul``, ``xp_ops``): the attention norm and Q/K/V in one
     node, the FFN norm and gate/up/SiLU in one, the O and down projections added into ``x`` by
     their own nodes (or, with a ``reduce`` hook, reduced first and then added)."""
     cfg, w = b.cfg, b.weights[il]
     n_tok = b.plan.ubatch.n_tokens
-    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=RMS_EPS)
+    q, k, v = xp_matmul.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=RMS_EPS)
     q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
     att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
 
     def project_add(x, name, h, what):
         if reduce is _no_reduce:
-            return xp_ops.mul_mat_add(b, w[name], h, x, f"{name}_res_l{il}")
-        o = reduce(b, xp_ops.mul_mat(b, w[name], h, f"{name}_l{il}"), f"{what}_allreduce_l{il}")
+            return xp_matmul.mul_mat_add(b, w[name], h, x, f"{name}_res_l{il}")
+        o = reduce(b, xp_matmul.mul_mat(b, w[name], h, f"{name}_l{il}"), f"{what}_allreduce_l{il}")
         return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
     x = project_add(x, "wo", att, "attn")
-    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=RMS_EPS)
+    f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=RMS_EPS)
     return project_add(x, "wd", f, "ffn")
 
 

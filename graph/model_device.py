@@ -4,7 +4,7 @@ their blocks, exactly the file's bytes (:class:`QMatrix`); float matrices become
 RMS-norm weights folded in; other types (IQ*) are dequantized to F16 at load (said once on
 stderr).
 
-The device form of the llama block (``model_graph.py``) runs on ``xp_ops``' fused ops, which
+The device form of the llama block (``model_graph.py``) runs on ``xp_matmul``'s fused ops, which
 take the block's RMS norm and its weight ``g`` (numpy order ``(n_in,)``): a :class:`QMatrix`
 applies ``g`` to the normalized activations when it runs (its blocks cannot carry a fold);
 an F16 matrix carries it from the load: ``rms_norm(x) * g`` followed by ``W·`` is
@@ -23,7 +23,7 @@ Memory (:attr:`DeviceWeights.nbytes`, :meth:`DeviceWeights.bytes_by_type`): a bl
 its file bytes; an F16 one 2 bytes per element (and the tied head's copy); 4 bytes per element
 of the F32 vectors kept (norm weights, Q/K/V biases, ``rope_freqs``); plus, on a GPU holding
 block matrices, one F16 scratch of the largest layer matrix (:attr:`DeviceWeights.scratch`:
-GEMMs of many tokens dequantize a matrix into it, ``xp_ops``). For llama-3-8B as F16: 16.1 GB;
+GEMMs of many tokens dequantize a matrix into it, ``xp_matmul``). For llama-3-8B as F16: 16.1 GB;
 as Q4_K_M (4.6 GiB file): the file's tensor bytes, plus the 117 MB scratch.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ Per ubatch (ggml order throughout; numpy order is the reverse):
   ``[n_vocab, n_out]``.
 
 Host graphs run ggml's own ops on the weights in their file type (quantized ones included).
-All-custom (device-resident) graphs (``b.device``) run the same block on ``xp_ops``' custom ops
+All-custom (device-resident) graphs (``b.device``) run the same block on ``xp_matmul``'s and ``xp_ops``' custom ops
 over ``model.device_weights(xp)`` (``model_device.py``: block-type matrices in their blocks,
 float ones F16 with the RMS-norm weights folded in; the ops take the norm weight for the blocks):
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-from . import xp_ops
+from . import xp_matmul, xp_ops
 from .batch import Batch
 from .layers import attention
 from .model import Model, Weight
@@ -197,7 +197,7 @@ def head(b, x, inp: ModelInputs):
     if b.device:
         xo = xp_ops.get_rows(b, x, inp.out_ids, "x_out")
         dw = _dw(b)
-        (logits,) = xp_ops.mul_mat_group(b, [dw.output], xo, "result_output", norm_eps=m.hp.rms_eps,
+        (logits,) = xp_matmul.mul_mat_group(b, [dw.output], xo, "result_output", norm_eps=m.hp.rms_eps,
                                          norm_w=dw.output_norm)
         ggml.ggml_set_name(logits, b"logits")
         return logits
@@ -229,7 +229,7 @@ def _model_layer_custom(b, il: int, x):
     hp, inp, w = b.model.hp, b.model_inputs, _dw(b).layers[il]
     n_tok = b.plan.ubatch.n_tokens
     ff = _dw(b).rope_freqs
-    q, k, v = xp_ops.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps,
+    q, k, v = xp_matmul.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps,
                                    norm_w=w["attn_norm"])
     q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
     k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
@@ -238,6 +238,6 @@ def _model_layer_custom(b, il: int, x):
         v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
     att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
-    x = xp_ops.mul_mat_add(b, w["wo"], att, x, f"wo_res_l{il}")
-    f = xp_ops.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"])
-    return xp_ops.mul_mat_add(b, w["wd"], f, x, f"ffn_res_l{il}")
+    x = xp_matmul.mul_mat_add(b, w["wo"], att, x, f"wo_res_l{il}")
+    f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"])
+    return xp_matmul.mul_mat_add(b, w["wd"], f, x, f"ffn_res_l{il}")

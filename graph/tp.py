@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 
-from . import build, xp_ops
+from . import build, xp_node
 from .layers import full_layer
 from .shard import HeadShard, rank_config, shard_layer_weights, shard_rows
 
@@ -243,7 +243,7 @@ def allreduce_node(b, t, comm, name: str):
 
     def run():
         comm.allreduce(arr)
-    return xp_ops._custom(b, run, [t], arr, name)
+    return xp_node.custom(b, run, [t], arr, name)
 
 
 def tp_full_layer(comm):

@@ -6,7 +6,7 @@ Numbers that differ from run to run are normalized: tensors are named by their f
 appearance (``n3``: node 3, ``t7``: the 7th other tensor reached), data pointers by the order in
 which distinct pointers first appear (so aliasing -- reused scratch, in-place results, views --
 is compared, not addresses); a custom node's callback by which of the project's callbacks it is
-(attention op ``ggml_attn/op.py``, dense ops ``graph/xp_ops.py``, K/V store
+(attention op ``ggml_attn/op.py``, dense ops ``graph/xp_matmul.py`` and ``graph/xp_ops.py``, K/V store
 ``graph/kv_graph.py``), its ``userdata`` kept only for the K/V store (host/device flag).
 
 ``python tests/graph_dump.py OUT.json`` writes the dumps of :data:`CASES` (the reference file
@@ -23,7 +23,7 @@ import ggml
 import numpy as np
 
 from ggml_attn import op as fa_op
-from ggml_attn.graph import AttnConfig, Batch, KVCache, kv_graph, split_ubatches, xp_ops
+from ggml_attn.graph import AttnConfig, Batch, KVCache, kv_graph, split_ubatches, xp_node
 from ggml_attn.graph.build import build_ubatch_graph
 from ggml_attn.graph.plan import plan_ubatch
 
@@ -36,7 +36,7 @@ def _fn_addr(cb) -> int:
 
 
 def _callbacks() -> dict:
-    return {_fn_addr(fa_op._CALLBACK): "flash_attn_ext", _fn_addr(xp_ops._CB): "xp_op",
+    return {_fn_addr(fa_op._CALLBACK): "flash_attn_ext", _fn_addr(xp_node._CB): "xp_op",
             _fn_addr(kv_graph._STORE_CB): "kv_store"}
 
 

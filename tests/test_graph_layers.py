@@ -214,7 +214,7 @@ def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
 
 
 def test_an_error_inside_a_custom_op_is_raised_after_compute_and_a_custom_layer_runs():
-    from ggml_attn.graph import layers, xp_ops
+    from ggml_attn.graph import layers, xp_node
     from ggml_attn.runtime import FlashAttnError
     calls = []
 
@@ -225,7 +225,7 @@ def test_an_error_inside_a_custom_op_is_raised_after_compute_and_a_custom_layer_
             calls.append(il)
             if il == 1:
                 raise ZeroDivisionError("planted")
-        return xp_ops._custom(b, boom, [out], b.array(out), f"after_l{il}")
+        return xp_node.custom(b, boom, [out], b.array(out), f"after_l{il}")
     c = cache(False)
     (ub,) = split_ubatches(Batch.from_lengths([3, 5]), 512, "padded")
     g = build_ubatch_graph(c, plan_ubatch(c, ub), CFG, layer=layer, all_custom=True)

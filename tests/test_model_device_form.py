@@ -20,7 +20,7 @@ import ggml_attn
 
 from ggml_attn import runtime as fa_runtime
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
-from ggml_attn.graph import xp_ops
+from ggml_attn.graph import xp_node, xp_ops
 from ggml_attn.graph.build import GraphBuilder, build_ubatch_graph, check_device_graph
 from ggml_attn.graph.model import ROPE_NEOX, ROPE_NORMAL, HParams, load_gguf
 from ggml_attn.graph.model_device import DeviceWeights
@@ -260,7 +260,7 @@ def _compute(b):
 
 def _free(b):
     ggml.ggml_free(b.ctx)
-    xp_ops.release(b.op_keys)
+    xp_node.release(b.op_keys)
 
 
 def _hp(D, rope_dim, mode, base, freq_scale):

@@ -1,4 +1,4 @@
-"""graph/xp_ops.py's GPU launches over weight blocks, their host side without a GPU: the kernels'
+"""graph/xp_matmul.py's and xp_ops.py's GPU launches over weight blocks, their host side without a GPU: the kernels'
 lookups and launches are recorded (``kernels.get_function`` / ``kernels.BoundLaunch`` /
 ``_CublasGemm.of_ptrs`` replaced), device arrays are numpy arrays wearing CuPy's attributes. What
 is checked: ``dense_gemv_q``'s parameter block (segment pointers and rows, activations, norm
@@ -13,7 +13,7 @@ import pytest
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
 from ggml_attn.block_types import block_layout
-from ggml_attn.graph import xp_ops
+from ggml_attn.graph import xp_matmul, xp_ops
 from ggml_attn.graph.model_device import QMatrix
 
 
@@ -31,7 +31,7 @@ class Dev:
 
 
 class FakeXp:
-    """What xp_ops reads of a non-numpy array module."""
+    """What xp_matmul and xp_ops read of a non-numpy array module."""
     float16, float32 = np.float16, np.float32
 
     @staticmethod
@@ -70,7 +70,7 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(K, "get_function", lambda variant, name: SimpleNamespace(variant=variant, name=name))
     monkeypatch.setattr(K, "BoundLaunch", Launch)
-    monkeypatch.setattr(xp_ops._CublasGemm, "of_ptrs", staticmethod(gemm))
+    monkeypatch.setattr(xp_matmul._CublasGemm, "of_ptrs", staticmethod(gemm))
     return rec
 
 
@@ -85,7 +85,7 @@ def test_gemv_q_parameter_block(launches, n_tok, nt):
     x = Dev((n_tok, 512))
     outs = [Dev((n_tok, w.shape[0])) for w in ws]
     g = Dev((512,))
-    run = xp_ops.gemv_q_launch(ws, x, outs, mode=0, norm_eps=1e-5, norm_w=g)
+    run = xp_matmul.gemv_q_launch(ws, x, outs, mode=0, norm_eps=1e-5, norm_w=g)
     (ln,) = launches
     assert run is ln and ln.fn.name == f"dense_gemv_q<12, {nt}>" and ln.fn.variant == K.dense_q_variant(12)
     assert ln.grid == (-(-160 // K.GEMV_WARPS), 1, 1) and ln.block == (32 * K.GEMV_WARPS, 1, 1)
@@ -100,15 +100,15 @@ def test_gemv_q_parameter_block(launches, n_tok, nt):
 def test_gemv_q_gated_and_what_it_refuses(launches):
     wg, wu = _qmatrix("Q6_K", 64, 256), _qmatrix("Q6_K", 64, 256)
     x, out = Dev((2, 256)), Dev((2, 64))
-    xp_ops.gemv_q_launch([wg, wu], x, [out], mode=2)
+    xp_matmul.gemv_q_launch([wg, wu], x, [out], mode=2)
     (p,) = launches[-1].params
     assert p.mode == 2 and p.seg[0].out == out.data.ptr and p.g == 0 and p.norm_eps == 0.0
     assert launches[-1].grid == (64 // K.GEMV_WARPS, 1, 1)   # the gate's rows only
     n = len(launches)
-    assert xp_ops.gemv_q_launch([wg, _qmatrix("Q4_K", 64, 256)], x, [out], mode=2) is None   # two types
-    assert xp_ops.gemv_q_launch([wg], Dev((17, 256)), [Dev((17, 64))], mode=0) is None       # 17 tokens
-    assert xp_ops.gemv_q_launch([wg], x, [out], mode=0, norm_w=Dev((256,))) is None          # a weight, no norm
-    assert xp_ops.gemv_q_launch([wg], x, [out], mode=0, norm_eps=1e-5, norm_w=Dev((128,))) is None
+    assert xp_matmul.gemv_q_launch([wg, _qmatrix("Q4_K", 64, 256)], x, [out], mode=2) is None   # two types
+    assert xp_matmul.gemv_q_launch([wg], Dev((17, 256)), [Dev((17, 64))], mode=0) is None       # 17 tokens
+    assert xp_matmul.gemv_q_launch([wg], x, [out], mode=0, norm_w=Dev((256,))) is None          # a weight, no norm
+    assert xp_matmul.gemv_q_launch([wg], x, [out], mode=0, norm_eps=1e-5, norm_w=Dev((128,))) is None
     assert len(launches) == n
 
 
@@ -125,11 +125,11 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches):
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q4_K", 16, 256), _qmatrix("Q6_K", 16, 256)]
     x = Dev((1, 256))
     outs = [Dev((1, w.shape[0])) for w in ws]
-    run = xp_ops._gemv(b, ws, x, outs, mode=0, norm_eps=1e-5, norm_w=Dev((256,)))
+    run = xp_matmul._gemv(b, ws, x, outs, mode=0, norm_eps=1e-5, norm_w=Dev((256,)))
     assert run is not None and [ln.fn.name for ln in launches] == ["dense_gemv_q<12, 1>", "dense_gemv_q<14, 1>"]
     assert [ln.params[0].n_seg for ln in launches] == [2, 1]
     assert launches[1].params[0].seg[0].out == outs[2].data.ptr
-    assert xp_ops._gemv(b, ws[:2], Dev((20, 256)), [Dev((20, 64)), Dev((20, 16))], mode=0) is None   # GEMM's
+    assert xp_matmul._gemv(b, ws[:2], Dev((20, 256)), [Dev((20, 64)), Dev((20, 16))], mode=0) is None   # GEMM's
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -138,7 +138,7 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, accumul
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
     outs = [Dev((33, 250)), Dev((33, 40))]
-    xp_ops._qmatmuls(Builder(), [w1, w2], x, outs, accumulate=accumulate)
+    xp_matmul._qmatmuls(Builder(), [w1, w2], x, outs, accumulate=accumulate)
     deq = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and "dequant" in ln.fn.name]
     gemms = [ln.args for ln in launches if getattr(ln, "fn", None) == "gemm"]
     row_bytes = block_layout("Q8_0").row_bytes(256)

@@ -3,7 +3,7 @@
 Per ubatch the plan's mask is uploaded into the graph once and the kernels' live-tile plan is
 built once by the builder (``cuda_backend.make_plan``), then reused by every layer; attention is
 ``ggml_attn.flash_attn_ext`` on the CUDA backend, the full block's dense ops are the custom ops
-of ``graph/xp_ops.py`` (CuPy: F16 GEMVs and GEMMs, and the matmuls over a model's weight blocks). Timing uses CUDA events around the work, after a
+of ``graph/xp_matmul.py`` and ``graph/xp_ops.py`` (CuPy: F16 GEMVs and GEMMs, and the matmuls over a model's weight blocks). Timing uses CUDA events around the work, after a
 synchronize. The kernel programs the run's calls load are compiled while the engine is made
 (:func:`start_precompile`), not at each kernel's first call inside a timed run.
 """

@@ -23,7 +23,7 @@ def run(device_us, log=print) -> list[dict]:
     import torch
     import torch.nn.functional as F
     from ggml_attn import kernels as K
-    from ggml_attn.graph.xp_ops import gemv_launch
+    from ggml_attn.graph.xp_matmul import gemv_launch
 
     case = "dense: llama-3-8B layer projections, 1 token"
     layers = [_layer_weights(cp, s) for s in range(2)]     # two layers: 872 MB rotated

@@ -1,0 +1,477 @@
+"""The full block's matmuls as ggml custom ops (``xp_node``) over an array module ``xp`` (numpy or CuPy),
+for all-custom (device-resident) graphs. On numpy each op is a few numpy calls (the CPU tests
+check them against ggml's own ops); on CuPy the same math is fused into fewer launches and
+checked against the host graph by tests/test_graph_device.py: for up to
+``kernels.GEMV_MAX_TOKENS`` tokens (decode) one ``dense_gemv`` launch per :func:`mul_mat_group`
+(Q, K and V together), :func:`mul_mat_gated` (gate, up and SiLU) and :func:`mul_mat_add` (a
+projection added into the residual stream), reading the F16 weights once; for more tokens
+one F16 cast of the input and one cuBLAS GEMM per weight (f16 in, f32 accumulate and out;
+:func:`mul_mat_add` accumulates through the GEMM's beta). The group and gated ops take the
+block's RMS norm too (``norm_eps``): inside the GEMV on the first path, one ``dense_rms_norm``
+launch (``cuda/dense.cu``) before the cast on the second.
+
+Weights are F16 arrays or ``model_device.QMatrix`` (a matrix kept in ggml's blocks, a real
+model's Q4_0 .. Q6_K matrices): ``dispatch.best_matmul`` picks, per weight type and token count,
+one ``dense_gemv_q`` launch (``cuda/dense_q.cu``: the blocks decoded in registers, F32
+activations, up to ``kernels.GEMVQ_MAX_TOKENS`` tokens; the norm's weight ``norm_w`` applied to
+the normalized activations there) or, for more tokens, the blocks dequantized a chunk of rows at
+a time into the weights' F16 scratch and a cuBLAS GEMM; numpy multiplies ggml's dequantized
+values in F32. F16 weights of a model carry their norm weight folded (``model_device.py``).
+
+Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
+``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
+graph computes, nothing synchronizes (on CuPy each op launches work on the current stream).
+Shapes at the function boundaries, ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0)``:
+
+* :func:`mul_mat`: weight F16 numpy ``(n_out, n_in)`` = ggml ``[n_in, n_out]`` times
+  ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_out, n_tokens]``; ``h`` is rounded to F16 first
+  and the products summed in F32, as ggml's CPU ``mul_mat`` with an F16 weight does (numpy:
+  the F16 product widened to F32; CuPy: F32 out of the GEMM);
+* :func:`mul_mat_group`: several weights times the same ``h`` (RMS-normalized first with
+  ``norm_eps``: ``h / sqrt(mean(h^2) + eps)`` per token): a list of F32 ``[n_out_i, n_tokens]``
+  tensors, views of one result node;
+* :func:`mul_mat_gated`: ``silu(wg·h) * (wu·h)`` (``norm_eps`` as above), F32 ``[n_ff, n_tokens]``;
+* :func:`mul_mat_add`: ``x += w·h`` in place (``x`` F32 ``[n_out, n_tokens]``); the node's
+  result is ``x``'s memory;
+* :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
+
+Each function takes the graph builder ``b`` (``build.GraphBuilder``) and tensors made by it,
+and returns the result tensor.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import ggml
+import numpy as np
+
+from .model_device import QMatrix
+from .xp_node import custom as _custom, dptr as _dptr
+
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "gemv_launch", "gemv_q_launch"]
+
+
+def mul_mat(b, w, h, name: str):
+    """``w`` (xp F16 ``(n_out, n_in)``, or a ``model_device.QMatrix``) x ``h`` (tensor F32
+    ``[n_in, n_tokens]``)."""
+    return mul_mat_group(b, [w], h, name)[0]
+
+
+def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, norm_w=None) -> list:
+    """``[w·h for w in ws]``: each ``w`` xp F16 ``(n_out_i, n_in)`` or a ``model_device.QMatrix``
+    (weight blocks), ``h`` tensor F32 ``[n_in, n_tokens]``; returns F32 tensors ``[n_out_i,
+    n_tokens]``, views of one node whose memory holds them one after another (numpy
+    ``(n_tokens, n_out_i)`` each, contiguous). ``norm_eps``: ``h`` is RMS-normalized first
+    (:func:`rms_norm`), inside this node; ``norm_w`` (xp F32 ``(n_in,)``): the norm's weight,
+    which block matrices apply to the normalized ``h`` (an F16 one carries it folded)."""
+    x = b.array(h)                                  # (n_tokens, n_in) F32
+    n_tok = x.shape[0]
+    sizes = [n_tok * int(w.shape[0]) for w in ws]
+    flat = b.scratch((sum(sizes),), np.float32)
+    outs, off = [], 0
+    for w, n in zip(ws, sizes):
+        outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
+        off += n
+    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
+        _general(b, ws, x, outs, norm_eps=norm_eps, norm_w=norm_w, name=name)
+    base = b.ptr(flat)
+    node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
+    views, off = [], 0
+    for w, o in zip(ws, outs):
+        v = ggml.ggml_view_2d(b.ctx, node, int(w.shape[0]), n_tok, int(w.shape[0]) * 4, off * 4)
+        ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
+        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
+        off += o.size
+    return views
+
+
+def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None):
+    """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32
+    ``[n_in, n_tokens]`` -> F32 ``[n_ff, n_tokens]``; ``norm_eps``, ``norm_w``: of the
+    RMS-normalized ``h``, as :func:`mul_mat_group`."""
+    x = b.array(h)
+    out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
+    run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
+    if run is None:
+        g = b.scratch(out.shape, np.float32)
+        u = b.scratch(out.shape, np.float32)
+        both = _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
+        act = _silu_mul_fn(b.xp, g, u, out)
+        b.keep(g, u)
+
+        def run():
+            both()
+            act()
+    return _custom(b, run, [h], out, name, ptr=b.ptr(out))
+
+
+def mul_mat_add(b, w, h, x_t, name: str):
+    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
+    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
+    x_in, x = b.array(h), b.array(x_t)
+    run = _gemv(b, [w], x_in, [x], mode=1) or _general(b, [w], x_in, [x], name=name, accumulate=True)
+    return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
+
+
+def _is_q(w) -> bool:
+    """A matrix in ggml's blocks (``model_device.QMatrix``), not an F16 array."""
+    return isinstance(w, QMatrix)
+
+
+def _wtype(w) -> str:
+    return w.type if _is_q(w) else "F16"
+
+
+def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
+    """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`)
+    for graph builder ``b`` when ``dispatch.best_matmul`` says GEMV for every weight; None on
+    numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
+    for mode 0). The arrays are kept with the graph."""
+    from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
+    if b.xp is np:
+        return None
+    kinds = [_wtype(w) for w in ws]
+    if any(best_matmul(k, x.shape[0]).path != "gemv" for k in kinds):
+        return None
+    groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
+    if len(groups) > 1 and mode != 0:
+        return None
+    runs = []
+    for k, idx in groups:
+        gw = [ws[i] for i in idx]
+        go = outs if mode == 2 else [outs[i] for i in idx]
+        if k == "F16":   # (its norm weight folded at load)
+            run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
+        else:
+            run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
+        if run is None:
+            return None
+        runs.append(run)
+    b.keep(*(w.blocks if _is_q(w) else w for w in ws), x, *outs, *([norm_w] if norm_w is not None else []))
+    return _then(*runs)
+
+
+def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
+    """One ``dense_gemv_q`` launch (``cuda/dense_q.cu``) over ``QMatrix`` weights of one block
+    type (CuPy blocks, at most three), ``x`` F32 ``(n_tokens, n_in)`` with at most
+    ``GEMVQ_MAX_TOKENS`` tokens, ``outs`` as :func:`gemv_launch`'s; with ``norm_eps`` of the
+    RMS-normalized ``x`` times ``norm_w`` (F32 ``(n_in,)``, or None). Returns a function of no
+    arguments launching on the current stream, or None when the arrays do not fit the kernel;
+    the caller keeps the arrays alive."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    n_tok, n_in = x.shape
+    if n_tok > K.GEMVQ_MAX_TOKENS or len(ws) > 3 or len({w.type for w in ws}) != 1 or \
+            (norm_eps is not None and not norm_eps > 0.0) or (norm_w is not None and norm_eps is None):
+        return None
+    if not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (x, *outs)) \
+            or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values:
+        return None
+    if norm_w is not None and (norm_w.shape != (n_in,) or norm_w.data.ptr % 16 or not norm_w.flags.c_contiguous):
+        return None
+    p = K.GemvQParams()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
+    p.x, p.x_stride, p.g, p.row_bytes = x.data.ptr, n_in, 0 if norm_w is None else norm_w.data.ptr, ws[0].row_bytes
+    p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
+    p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    t = ws[0].type_id
+    fn = K.get_function(K.dense_q_variant(t), K.gemv_q_name(t, n_tok))
+    return K.BoundLaunch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+
+
+def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",
+             accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` of any weights and token count: F16 ones through
+    :func:`_matmuls` on the normalized ``x`` (their norm weight folded), block ones through
+    :func:`_qmatmuls` on the normalized ``x`` times ``norm_w``."""
+    steps = []
+    for q in (False, True):
+        idx = [i for i, w in enumerate(ws) if _is_q(w) == q]
+        if not idx:
+            continue
+        norm, xn = _normed(b, x, norm_eps, name, norm_w if q else None)
+        mm = (_qmatmuls if q else _matmuls)(b, [ws[i] for i in idx], xn, [outs[i] for i in idx],
+                                            accumulate=accumulate)
+        steps.append(_then(norm, mm))
+    return _then(*steps)
+
+
+def gemv_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, unroll: int | None = None):
+    """One ``dense_gemv`` launch over CuPy arrays (numpy order), for at most
+    ``GEMV_MAX_TOKENS`` tokens: ``ws`` F16 ``(rows_i, n_in)``, ``x`` F32 ``(n_tokens, n_in)``;
+    ``mode`` 0: ``outs[i] = ws[i]·x``; 1: ``outs[0] += ws[0]·x``; 2: ``outs[0] = silu(ws[0]·x) *
+    (ws[1]·x)``; with ``norm_eps``, of the RMS-normalized ``x`` (each block computing the norm).
+    ``unroll``: the instance (default ``kernels.GEMV_UNROLL``). Returns a function of no
+    arguments launching on the current stream, or None when the arrays do not fit the kernel
+    (more tokens, unaligned or strided); the caller keeps the arrays alive."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if x.shape[0] > K.GEMV_MAX_TOKENS or len(ws) > 3 or \
+            (norm_eps is not None and not norm_eps > 0.0):   # (the kernel reads eps <= 0 as "no norm")
+        return None
+    n_in = x.shape[1]
+    if n_in % 8 or not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (*ws, x, *outs)) \
+            or any(w.shape[1] != n_in for w in ws):
+        return None
+    p = K.GemvParams()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.data.ptr, o.data.ptr, int(w.shape[0])
+    p.x, p.x_stride, p.n_in, p.n_seg, p.mode = x.data.ptr, n_in, n_in, len(ws), mode
+    p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    fn = K.get_function(K.dense_variant(), K.gemv_name(x.shape[0], unroll or K.GEMV_UNROLL))
+    return K.BoundLaunch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
+
+
+def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` with ``x`` rounded to F16 once: numpy matmuls, or one cuBLAS
+    GEMM per weight on CuPy (``accumulate`` through beta = 1)."""
+    xp = b.xp
+    x16 = b.scratch(x.shape, np.float16)
+    b.keep(x16, *ws)
+    if xp is np:
+        o16 = [b.scratch(o.shape, np.float16) for o in outs]
+        b.keep(*o16)
+
+        def run():
+            xp.copyto(x16, x, casting="same_kind")
+            for w, o, t in zip(ws, outs, o16):
+                xp.matmul(x16, w.T, out=t)
+                if accumulate:
+                    xp.add(o, t, out=o)
+                else:
+                    xp.copyto(o, t)
+        return run
+    gemms = [_CublasGemm(w, x16, o, beta=1.0 if accumulate else 0.0) for w, o in zip(ws, outs)]
+    cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
+    if cast is None:   # a strided x: CuPy's copy
+        def cast():
+            xp.copyto(x16, x, casting="same_kind")
+
+    def run():
+        cast()
+        for g in gemms:
+            g()
+    return run
+
+
+def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+    """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
+    dequantized values; CuPy, ``x`` rounded to F16 once, then per weight and per chunk of rows
+    that fits the weights' F16 scratch one ``dense_dequant_f16`` launch and one cuBLAS GEMM
+    into the chunk's columns of ``out`` (``dispatch.best_matmul``'s "gemm" for blocks)."""
+    xp = b.xp
+    if xp is np:
+        vals = [w.values() for w in ws]
+        tmp = [b.scratch(o.shape, np.float32) for o in outs] if accumulate else outs
+        b.keep(*vals, *tmp)
+
+        def run():
+            for v, o, t in zip(vals, outs, tmp):
+                np.matmul(x, v.T, out=t)
+                if accumulate:
+                    np.add(o, t, out=o)
+        return run
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    x16 = b.scratch(x.shape, np.float16)
+    cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
+    if cast is None:
+        def cast():
+            xp.copyto(x16, x, casting="same_kind")
+    steps = [cast]
+    n_tok = x.shape[0]
+    for w, o in zip(ws, outs):
+        scratch = getattr(w, "scratch", None)
+        if scratch is None:
+            raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
+        if not o.flags.c_contiguous or o.shape != (n_tok, w.shape[0]):
+            raise ValueError(f"output of shape {o.shape} for a {w.shape} weight and {n_tok} tokens")
+        n_out, n_in = w.shape
+        chunk = max(1, min(n_out, scratch.size // n_in))
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
+        for r0 in range(0, n_out, chunk):
+            r1 = min(n_out, r0 + chunk)
+            n_sub = (r1 - r0) * (n_in // 32)
+            steps.append(K.BoundLaunch(fn, (max(1, min(-(-n_sub // 256), 4096)), 1, 1), (256, 1, 1),
+                                       ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
+                                       ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                                       ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
+            steps.append(_CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok,
+                                             o.data.ptr + 4 * r0, n_out, beta=1.0 if accumulate else 0.0))
+        b.keep(w.blocks, scratch)
+    b.keep(x16, *outs)
+    return _then(*steps)
+
+
+def _elementwise_launch(name: str, arrays, n: int):
+    """One launch of ``dense.cu``'s elementwise kernel ``name(arrays..., n)`` over C-contiguous
+    CuPy ``arrays`` of ``n`` elements (a grid-stride loop, enough blocks to fill the GPU), as a
+    function of no arguments on the current stream -- a few us of host time where a CuPy
+    elementwise call costs tens; None when an array is not contiguous."""
+    from ggml_attn import kernels as K  # noqa: PLC0415 (device graphs only)
+    if not all(a.flags.c_contiguous for a in arrays):
+        return None
+    fn = K.get_function(K.dense_variant(), name)
+    blocks = max(1, min(-(-n // 256), 1024))
+    return K.BoundLaunch(fn, (blocks, 1, 1), (256, 1, 1), *[ctypes.c_uint64(a.data.ptr) for a in arrays],
+                         ctypes.c_int64(n))
+
+
+class _CublasGemm:
+    """``out (n_tok, n_out) F32 (+)= x16 (n_tok, n_in) F16 @ w (n_out, n_in) F16ᵀ`` (numpy order,
+    C-contiguous CuPy arrays) as one ``cublasGemmEx`` on the current stream, F32 accumulation.
+    Column-major view: ``outᵀ (n_out x n_tok) = Aᵀ · B`` with A = w as an (n_in x n_out) matrix
+    and B = x16 as (n_in x n_tok). Called through the C library (``_libcublas``): CuPy's own
+    wrappers refuse to run while a CUDA graph is captured. The handle is CuPy's, with a
+    workspace of its own (``_cublas_workspace``) so that nothing allocates during a capture."""
+
+    def __init__(self, w, x16, out, beta: float = 0.0):
+        n_out, n_in = w.shape
+        assert x16.shape[1] == n_in and out.shape == (x16.shape[0], n_out)
+        assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
+        self._set(w.data.ptr, n_out, n_in, x16.data.ptr, x16.shape[0], out.data.ptr, n_out, beta)
+
+    @classmethod
+    def of_ptrs(cls, w: int, n_out: int, n_in: int, x16: int, n_tok: int, out: int, ldc: int, beta: float = 0.0):
+        """The GEMM of device pointers: ``w`` F16 ``(n_out, n_in)``, ``x16`` F16 ``(n_tok, n_in)``
+        (both C-contiguous) into ``out`` F32 ``(n_tok, n_out)`` whose rows are ``ldc`` floats apart
+        (a block of columns of a wider output)."""
+        g = cls.__new__(cls)
+        g._set(w, n_out, n_in, x16, n_tok, out, ldc, beta)
+        return g
+
+    def _set(self, w, n_out, n_in, x16, n_tok, out, ldc, beta):
+        from cupy.cuda import device  # noqa: PLC0415 (device graphs only)
+        self.lib = _libcublas()
+        self.handle = device.get_cublas_handle()
+        _cublas_workspace(self.lib, self.handle)
+        self.n_out, self.n_in, self.n_tok, self.ldc = n_out, n_in, n_tok, ldc
+        self.ptrs = (w, x16, out)
+        self.scal = np.array([1.0, beta], dtype=np.float32)   # alpha, beta (host pointer mode)
+
+    def __call__(self):
+        import cupy  # noqa: PLC0415
+        lib, h, (a, bx, o) = self.lib, self.handle, self.ptrs
+        _check(lib.cublasSetStream_v2(h, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
+        al = self.scal.ctypes.data
+        _check(lib.cublasGemmEx(h, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2,
+                                self.n_in, al + 4, o, 0, self.ldc, 68, -1), "cublasGemmEx")
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+_LIB: list = []
+
+
+def _libcublas():
+    """The cuBLAS C library CuPy loaded (same soname), with the prototypes used here."""
+    if not _LIB:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401, PLC0415 (loads the library)
+        for name in ("libcublas.so.13", "libcublas.so.12"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise RuntimeError("libcublas.so.13/.12 not found (the one CuPy uses)")
+        vp, i = ctypes.c_void_p, ctypes.c_int
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        _LIB.append(lib)
+    return _LIB[0]
+
+
+_WORKSPACES: dict = {}
+
+
+def _cublas_workspace(lib, handle: int, nbytes: int = 32 << 20) -> None:
+    """Give the cuBLAS handle a workspace once (kept for the process)."""
+    if handle in _WORKSPACES:
+        return
+    import cupy  # noqa: PLC0415
+    buf = cupy.empty(nbytes, dtype=cupy.uint8)
+    _check(lib.cublasSetWorkspace_v2(handle, buf.data.ptr, nbytes), "cublasSetWorkspace")
+    _WORKSPACES[handle] = buf
+
+
+def _rms_fn(b, x, eps: float, name: str, g=None):
+    """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32), times
+    ``g`` (xp F32 ``(n,)``) when given, into ``out``, a new scratch array: numpy steps, or one
+    ``dense_rms_norm`` launch (a block per token)."""
+    xp = b.xp
+    out = b.scratch(x.shape, np.float32)
+    if xp is np:
+        ms = b.scratch((x.shape[0], 1), np.float32)
+        inv_n = np.float32(1.0 / x.shape[1])
+        b.keep(ms, *([g] if g is not None else []))
+
+        def run():
+            xp.multiply(x, x, out=out)
+            xp.sum(out, axis=1, keepdims=True, out=ms)
+            xp.multiply(ms, inv_n, out=ms)
+            xp.add(ms, np.float32(eps), out=ms)
+            xp.sqrt(ms, out=ms)
+            xp.divide(x, ms, out=out)
+            if g is not None:
+                xp.multiply(out, g, out=out)
+        return run, out
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if not (x.flags.c_contiguous and out.flags.c_contiguous) or (g is not None and not g.flags.c_contiguous):
+        raise ValueError(f"{name}: rms_norm needs contiguous rows")
+    fn = K.get_function(K.dense_variant(), "dense_rms_norm")
+    b.keep(x, out, *([g] if g is not None else []))
+    return K.BoundLaunch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
+                         ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps),
+                         _dptr(g)), out
+
+
+def _normed(b, x, norm_eps, name, g=None):
+    """``(fn or None, array)``: with ``norm_eps`` the RMS-normalized copy of ``x`` (times ``g``
+    when given) and the function that makes it; else ``(None, x)``."""
+    if norm_eps is None:
+        return None, x
+    return _rms_fn(b, x, norm_eps, name, g)
+
+
+def _then(*fns):
+    """One function of no arguments running ``fns`` in order (None entries skipped)."""
+    fns = [f for f in fns if f is not None]
+    if len(fns) == 1:
+        return fns[0]
+
+    def run():
+        for f in fns:
+            f()
+    return run
+
+
+_SILU: list = []
+
+
+def _silu_mul_fn(xp, g, u, out):
+    """``out = silu(g) * u`` (F32 arrays of one shape) as a function of no arguments: numpy
+    steps, or one ``dense_silu_mul`` launch (a fused CuPy kernel for strided arrays)."""
+    if xp is np:
+        def run():
+            xp.negative(g, out=out)
+            xp.exp(out, out=out)
+            xp.add(out, np.float32(1.0), out=out)
+            xp.divide(g, out, out=out)
+            xp.multiply(out, u, out=out)
+        return run
+    launch = _elementwise_launch("dense_silu_mul", (g, u, out), out.size)
+    if launch is not None:
+        return launch
+    if not _SILU:
+        import cupy  # noqa: PLC0415
+        _SILU.append(cupy.ElementwiseKernel("float32 g, float32 u", "float32 y",
+                                            "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"))
+    fused = _SILU[0]
+    return lambda: fused(g, u, out)
