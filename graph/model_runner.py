@@ -42,13 +42,17 @@ class ModelResult:
 
 class ModelEngine(Engine):
     """The engine of a real model on one cache (``engine.Engine`` with ``layer="model"``): graphs
-    kept per structure and reused, replayed as CUDA graphs on a GPU. :func:`model_engine` keeps
+    kept per structure and reused (CUDA-graph replay off for now: :attr:`CUDA_GRAPHS`). :func:`model_engine` keeps
     one per cache, model and form, so every call of :func:`run_model_batch` (each step of
     :func:`greedy`) reuses the graphs of the calls before."""
 
+    # CUDA-graph replay stays the CLIs' until a device run has checked it under the op's "auto"
+    # backend (the CLIs set "cuda"); built graphs are reused on every device
+    CUDA_GRAPHS = False
+
     def __init__(self, cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None, n_threads: int = 2):
         super().__init__(cache, model.attn_config(), layer="model", model=model, fa=fa, n_threads=n_threads,
-                         all_custom=all_custom)
+                         all_custom=all_custom, cuda_graph=self.CUDA_GRAPHS)
 
 
 def model_engine(cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None,
