@@ -12,23 +12,36 @@ Typical use::
     result = run_batch(cache, batch, 512, "padded", cfg, compute="ggml")
     print(format_table(compare_strategies(batch, 512)))
 
-Modules, in pipeline order: ``batch`` -> ``split`` -> ``kv_cache`` -> ``mask`` -> ``plan`` ->
-``auto`` (chooses a split by dry-running plans; ``split`` knows nothing of it) -> ``build``
-(ggml graph: ``kv_graph`` the cache's views and store op, ``layers`` the layer functions,
-``xp_matmul`` and ``xp_ops`` the device graphs' custom ops); ``model`` loads a GGUF model, ``model_graph`` builds its
-block (RoPE, norms, embedding, head), ``model_runner`` runs token ids to logits
-(``run_model_batch``, ``greedy``) on ``engine`` (graphs kept per structure and reused, CUDA-graph
-replay on a GPU: the CLIs' engines are its subclasses); ``serve`` is a server's step loop (arrivals, admission,
-decode tokens and prompt chunks per step, retirement; ``ggml-attn-serve-bench``); ``driver`` is
-the decode loop over an engine,
-``runner.run_batch`` drives it with deterministic Q/K/V; ``describe`` prints plans. ``split_ubatches`` here is
-``auto.split_ubatches``: every mode, ``auto`` included.
+Modules, one line each, in the order of the data path (batch -> ubatch -> cache -> mask -> plan
+-> graph -> op); ``split_ubatches`` here is ``auto.split_ubatches`` (every mode, ``auto`` too):
+
+* ``batch``: tokens, positions and sequence sets of a batch, validated as llama.cpp does;
+* ``split``: the ubatch splits (simple, equal, seq, padded), pure functions of a batch;
+* ``auto``: chooses a split by dry-running plans (``split`` knows nothing of it);
+* ``kv_cache`` (``kv_changes``: its change log): cells, streams, slots and ``seq_*`` operations;
+* ``mask`` (``mask_step``: a decode step's from the previous step's): a ubatch's mask;
+* ``plan``: a ubatch placed in the cache, its mask and live-tile map, once for every layer;
+* ``attn_config``: the attention stack's geometry (``AttnConfig``); ``qkv``: deterministic Q/K/V;
+* ``build``: a ubatch's ggml graph (``kv_graph`` the cache's views and store op, ``layers`` the
+  layer functions, ``model_graph`` a real model's block, ``xp_node`` / ``xp_matmul`` / ``xp_ops``
+  the device graphs' custom ops, ``staging`` their per-ubatch inputs, ``capture`` CUDA graphs);
+* ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines and
+  ``model_runner``'s are its subclasses);
+* ``driver``: the decode loop (validate, split, check room, plan, run, commit or roll back);
+* ``runner``: ``run_batch`` with deterministic Q/K/V; ``describe``: plans as tables;
+* ``model`` (``gguf_file`` the header, ``example_model`` a small file to try): a GGUF model;
+  ``model_device``: its weights for device graphs (block matrices kept as ``QMatrix``);
+  ``upload``: file bytes to the GPU through pinned buffers;
+* ``model_runner``: token ids to logits (``run_model_batch``) and ``greedy``;
+* ``serve``: a server's step loop (arrivals, admission, decode tokens and prompt chunks per step,
+  retirement; ``ggml-attn-serve-bench``);
+* ``shard`` / ``tp``: head-parallel ranks (``-sm row``); ``pipe``: layer-parallel ranks (``-sm layer``).
 """
 from .batch import Batch, validate_batch
 from .split import MODES, UBatch
 from .kv_cache import KVCache, KVCacheFullError, SlotInfo
 from .mask import build_mask, visible_cells
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 from .plan import UBatchPlan, apply_plan, dry_run_plans, plan_ubatch
 from .auto import AutoChoice, CostModel, choose_split, split_ubatches
 from . import driver

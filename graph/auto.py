@@ -44,7 +44,7 @@ from . import split as _split
 from .batch import Batch
 from .kv_cache import KVCache
 from .plan import Q_TILE, KV_TILE, UBatchPlan, dry_run_plans
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 from .split import UBatch
 
 __all__ = ["CostModel", "StrategyCost", "AutoChoice", "choose_split", "candidates_for", "cost_of",

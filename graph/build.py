@@ -39,7 +39,7 @@ from . import model_graph, xp_node
 from .kv_cache import KVCache
 from .kv_graph import check_custom_store, data_ptr, ggml_type_of, kv_tensors
 from .plan import UBatchPlan
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 
 __all__ = ["UBatchGraph", "GraphBuilder", "build_ubatch_graph", "graph_key", "check_device_graph", "check_build_args",
            "check_geometry", "check_layers", "GraphBuildError", "LAYERS"]

@@ -15,7 +15,7 @@ from .auto import CostModel, choose_split, cost_of, _scratch_cache
 from .batch import Batch
 from .kv_cache import KVCache
 from .plan import dry_run_plans
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 from .split import split_ubatches  # fixed modes; auto goes through choose_split
 
 __all__ = ["describe_plan", "compare_strategies", "format_table", "STRATEGIES"]

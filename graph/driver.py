@@ -30,7 +30,7 @@ from .auto import choose_split, split_ubatches
 from .batch import Batch
 from .kv_cache import KVCache, KVCacheFullError
 from .plan import UBatchPlan, apply_plan, plan_ubatch
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 from .split import UBatch
 
 __all__ = ["BatchResult", "BatchError", "BatchInterrupted", "decode", "split_batch"]

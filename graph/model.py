@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 
 __all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "gguf_field", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL",
            "ROPE_NEOX"]

@@ -9,12 +9,11 @@ real token's result is visible.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-import math
-
 import numpy as np
 
-__all__ = ["AttnConfig", "token_vectors", "token_qkv"]
+from .attn_config import AttnConfig
+
+__all__ = ["token_vectors", "token_qkv"]
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)
@@ -45,45 +44,6 @@ def token_vectors(seq_ids, positions, layer: int, kind: int, n_vec: int, dim: in
         bits = _mix(key + elem * np.uint64(0x632BE59BD9B4E019))
     u = (bits >> np.uint64(40)).astype(np.float64) / float(1 << 24)
     return (2.0 * u - 1.0).astype(np.float32).reshape(-1, n_vec, dim)
-
-
-@dataclass(frozen=True)
-class AttnConfig:
-    """Geometry and attention parameters of a stack of ``n_layer`` attention layers.
-
-    scale defaults to ``1/sqrt(head_dim)``; ``max_bias > 0`` turns on ALiBi (the mask then
-    carries ``-|p_cell - p_row|``); ``n_swa > 0`` is a sliding window; ``seed`` picks the
-    Q/K/V hash.
-    """
-
-    n_layer: int = 1
-    n_head: int = 2
-    n_head_kv: int = 1
-    head_dim: int = 16
-    head_dim_v: int | None = None
-    max_bias: float = 0.0
-    logit_softcap: float = 0.0
-    n_swa: int = 0
-    seed: int = 0
-    scale_override: float | None = None
-
-    def __post_init__(self):
-        if self.n_head % self.n_head_kv:
-            raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
-        if min(self.n_layer, self.n_head, self.n_head_kv, self.head_dim) <= 0:
-            raise ValueError("AttnConfig sizes must be positive")
-
-    @property
-    def d_v(self) -> int:
-        return self.head_dim_v or self.head_dim
-
-    @property
-    def scale(self) -> float:
-        return self.scale_override if self.scale_override is not None else 1.0 / math.sqrt(self.head_dim)
-
-    @property
-    def alibi(self) -> bool:
-        return self.max_bias > 0.0
 
 
 def token_qkv(seq_ids, positions, is_pad, layer: int, cfg: AttnConfig):

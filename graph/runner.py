@@ -24,7 +24,8 @@ from .batch import Batch
 from .driver import BatchError, BatchInterrupted, BatchResult
 from .kv_cache import KVCache
 from .plan import UBatchPlan
-from .qkv import AttnConfig, token_qkv
+from .attn_config import AttnConfig
+from .qkv import token_qkv
 from .split import UBatch
 
 __all__ = ["BatchResult", "BatchError", "BatchInterrupted", "run_batch", "ubatch_inputs"]

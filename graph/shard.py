@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .kv_cache import KVCache
-from .qkv import AttnConfig
+from .attn_config import AttnConfig
 
 __all__ = ["ShardError", "HeadShard", "check_shardable", "rank_config", "rank_cache", "shard_weights",
            "kv_head_slice", "shard_rows", "COLUMN_PARALLEL", "ROW_PARALLEL"]

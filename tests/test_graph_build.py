@@ -8,7 +8,8 @@ import pytest
 from ggml_attn.graph import Batch, KVCache, split_ubatches
 from ggml_attn.graph.build import GraphBuildError, build_ubatch_graph, check_device_graph
 from ggml_attn.graph.plan import plan_ubatch, tile_map
-from ggml_attn.graph.qkv import AttnConfig, token_qkv, token_vectors
+from ggml_attn.graph.attn_config import AttnConfig
+from ggml_attn.graph.qkv import token_qkv, token_vectors
 from ggml_attn.graph.runner import run_batch
 from ggml_attn.reference import nmse
 

@@ -18,7 +18,7 @@ from ggml_attn.graph import mask as mask_mod
 from ggml_attn.graph import plan as plan_mod
 from ggml_attn.graph import split as split_mod
 from ggml_attn.graph.kv_cache import SlotInfo
-from ggml_attn.graph.qkv import AttnConfig
+from ggml_attn.graph.attn_config import AttnConfig
 
 
 # ------------------------------------------------------------------ the references

@@ -15,7 +15,7 @@ from ggml_attn.graph import kv_changes
 from ggml_attn.graph import mask as mask_mod
 from ggml_attn.graph import mask_step
 from ggml_attn.graph import plan as plan_mod
-from ggml_attn.graph.qkv import AttnConfig
+from ggml_attn.graph.attn_config import AttnConfig
 from ggml_attn.graph.split import UBatch
 
 

@@ -134,3 +134,12 @@ def test_no_import_circles():
 def test_one_way_dependencies(low, high):
     """``split`` knows nothing of ``auto``; the engine knows nothing of the runner that drives it."""
     assert high not in import_graph()[low]
+
+
+def test_graph_package_places_every_module():
+    """graph/__init__'s docstring names every module of the package (issue #45: a newcomer's map)."""
+    import pathlib
+    import ggml_attn.graph as g
+    mods = {p.stem for p in pathlib.Path(g.__file__).parent.glob("*.py")} - {"__init__"}
+    missing = sorted(m for m in mods if f"``{m}``" not in g.__doc__)
+    assert not missing, missing
