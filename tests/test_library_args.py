@@ -163,7 +163,6 @@ def test_import_refuses_a_ggml_found_first_on_the_library_path(tmp_path):
     import subprocess
     import sys
     import ggml
-    from ggml_attn._ggml_check import check_one_ggml  # noqa: F401  (the check under test)
     own = os.path.dirname(ggml.ggml.lib._name)
     shutil.copy(os.path.join(own, "libggml-base.so"), tmp_path / "libggml-base.so")
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ggml_attn.graph.engine import Engine, _NoStream  # noqa: F401  (_NoStream: layer_engine's)
+from ggml_attn.graph.engine import Engine
 
 SHARED_WEIGHTS_ABOVE = {"host": 1 << 30, "device": 16 << 30}
 

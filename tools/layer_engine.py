@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cuda_engine import CudaEngine
-from .graph_engine import _NoStream
+from ggml_attn.graph.engine import _NoStream
 from .tp_engine import _RankTimer
 
 
