@@ -355,6 +355,20 @@ def add_list_devices(parser) -> None:
     parser.add_argument("--list-devices", action=_ListDevices, help="list the devices this tool can run on and exit")
 
 
+def add_kv_split_flags(parser, splits) -> None:
+    """``-kvu`` / ``-no-kvu`` (llama.cpp's KV mode) and ``--split`` (a list of ``splits`` or
+    ``all``), as the batched and serving benches take them."""
+    parser.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
+                        help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
+                             "sequence (0) (default: 0)")
+    parser.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
+                        help="one stream per sequence (llama.cpp's spelling of -kvu 0)")
+    add_list(parser, "--split", type=choice_list(tuple(splits) + ("all",)), default=[""], metavar="MODE",
+             help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on the "
+                  "same input); simple always runs on a unified KV cache; default: simple with -kvu, "
+                  "equal without (as llama.cpp)")
+
+
 def add_version(parser) -> None:
     """``--version``, as llama.cpp's tools have it."""
     parser.add_argument("--version", action=_Version, help="print the version and the build's commit, then exit")

@@ -20,14 +20,14 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_batched as fb
 from . import plot
-from .args import (INT32_MAX, LLAMA_BATCHED_INERT, add_inert_flags, add_list, add_version, choice_list,
-                   int_at_least, int_range, parse_bool, parse_fa_one, parse_int_range, Parser)
+from .args import (INT32_MAX, LLAMA_BATCHED_INERT, add_inert_flags, add_kv_split_flags, add_list, add_version,
+                   int_at_least, int_range, parse_fa_one, parse_int_range, Parser)
 from .batched_rows import cache_capacity, ctx_needed, lens_of, rows_of, strategy_kv
 from .common import Progress, console_main, default_threads
 from . import multi_gpu
 from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
@@ -75,15 +75,7 @@ def build_parser() -> Parser:
                    help="seed of --prompt-dist and the inputs (default: 0)")
     p.add_argument("-pps", action="store_true",
                    help="one shared prompt: decode it once for sequence 0 and copy it to the others")
-    p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
-                   help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
-                        "sequence (0) (default: 0)")
-    add_list(p, "--split", type=choice_list(SPLITS + ("all",)), default=[""], metavar="MODE",
-             help="ubatch split: simple|equal|seq|padded|auto, a list, or all (every strategy on "
-                  "the same batch); simple always runs on a unified KV cache; default: simple "
-                  "with -kvu, equal without (as llama.cpp)")
-    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
-                   help="one stream per sequence (llama.cpp's spelling of -kvu 0)")
+    add_kv_split_flags(p, SPLITS)
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
                    help="attn: attention only; full: with QKV/O projections and FFN (random weights of "
@@ -234,10 +226,8 @@ def _main(argv=None) -> int:
     ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
     device = resolve_ngl_device(ngl, ns.device)
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
-    name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
-    model = with_layers(resolve(name), ns.n_layer)
-    if ns.layer is None:   # llama-batched-bench's meaning of -m FILE.gguf: the file's own weights
-        ns.layer = "model" if model.is_file else "attn"
+    model = resolve_run_model(ns.model, device, ns.n_layer)
+    ns.layer = ns.layer or default_layer(model)
     check_ngl(ngl, model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())

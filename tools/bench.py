@@ -28,7 +28,7 @@ from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, default_split, effective_ubatch,
                      kernel_help)
@@ -150,8 +150,8 @@ def instances(ns, device: str) -> list[dict]:
         "n_threads": ns.threads, "n_depth": ns.n_depth})
     out = []
     for inst in params:
-        if inst["layer"] is None:   # llama-bench's meaning of -m FILE.gguf: the file's own weights; a preset's shapes
-            inst["layer"] = "model" if inst["model"].is_file else "attn"
+        if inst["layer"] is None:
+            inst["layer"] = default_layer(inst["model"])
         inst["n_ubatch"] = effective_ubatch(inst["n_batch"], inst["n_ubatch"])
         check_threads(inst["n_threads"])
         check_ngl(ns.n_gpu_layers, inst["model"])

@@ -220,6 +220,20 @@ def read_gguf(path: str) -> ModelShape:
                       file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])))
 
 
+def resolve_run_model(name: str, device: str, n_layer: int | None) -> ModelShape:
+    """``-m`` of a tool that runs one model: ``auto`` is the device's default preset; ``--n-layer``
+    applied (:func:`with_layers`)."""
+    if name == "auto":
+        name = DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL
+    return with_layers(resolve(name), n_layer)
+
+
+def default_layer(model: ModelShape) -> str:
+    """``--layer``'s default (llama-bench's meaning of ``-m FILE``): a model file its own weights
+    (``model``), a preset attention only (``attn``)."""
+    return "model" if model.is_file else "attn"
+
+
 def with_layers(model: ModelShape, n_layer: int | None) -> ModelShape:
     """The same shape with a different number of layers (``--n-layer`` override; 0 or None:
     the model's own)."""

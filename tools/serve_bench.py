@@ -27,14 +27,14 @@ from ggml_attn.graph.batch import MAX_SEQ
 
 from . import format_serve as fs
 from . import plot
-from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_list, add_version, choice_list, int_at_least,
-                   int_range, parse_bool, parse_fa_one, Parser)
+from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_kv_split_flags, add_list, add_version, int_at_least,
+                   int_range, parse_fa_one, Parser)
 from .batched_rows import strategy_kv
 from .common import Progress, check_interrupt, console_main, default_threads
 from .errors import UserError
 from .format_bench import attention_path
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, resolve, with_layers
+from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
@@ -76,14 +76,7 @@ def build_parser() -> Parser:
              help="prompt tokens a step may carry after its decode tokens, a list; a step never "
                   "exceeds -b tokens in all; 0: whole prompts, every admitted prompt in the next step "
                   "(cut into -b pieces as llama_decode cuts a batch) (default: -b, llama-server's rule)")
-    p.add_argument("-kvu", "--kv-unified", type=parse_bool, nargs="?", const=True, default=False, metavar="0|1",
-                   help="one KV buffer for all sequences (1; bare -kvu means 1) or one stream per "
-                        "sequence (0) (default: 0)")
-    add_list(p, "--split", type=choice_list(SPLITS + ("all",)), default=[""], metavar="MODE",
-             help="ubatch split: simple|equal|seq|padded|auto, a list, or all; simple always runs on a "
-                  "unified KV cache; default: simple with -kvu, equal without (as llama.cpp)")
-    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_const", const=False,
-                   help="one stream per sequence (llama.cpp's spelling of -kvu 0)")
+    add_kv_split_flags(p, SPLITS)
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
                    help="attn: attention only; full: with projections and FFN (random weights); model: a "
@@ -207,10 +200,8 @@ def _main(argv=None) -> int:
     plot.check_plot_available(ns.plot)
     device = resolve_device(ns.device)
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
-    name = ns.model if ns.model != "auto" else (DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL)
-    model = with_layers(resolve(name), ns.n_layer)
-    if ns.layer is None:
-        ns.layer = "model" if model.is_file else "attn"
+    model = resolve_run_model(ns.model, device, ns.n_layer)
+    ns.layer = ns.layer or default_layer(model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel)
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
