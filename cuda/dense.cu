@@ -98,18 +98,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
     // the end leave)
     float s[NT];
     rms_scales<NT>(p.x, p.x_stride, p.n_in, NT, p.norm_eps, s);
-    // segment by constant indices (a runtime index would copy the parameters to local memory)
-    GemvSeg sg = p.seg[0];
-    if (r >= sg.rows) {
-        if (p.mode == 2 || p.n_seg < 2) return;
-        r -= sg.rows;
-        sg = p.seg[1];
-        if (r >= sg.rows) {
-            r -= sg.rows;
-            sg = p.seg[2];
-            if (p.n_seg < 3 || r >= sg.rows) return;
-        }
-    }
+    GemvSeg sg;
+    if (!gemv_segment(p, r, sg)) return;
     float acc[NT];
     row_dot<NT, U>(sg.w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, acc);
     if (p.mode == 2) {

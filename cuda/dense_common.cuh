@@ -38,3 +38,20 @@ __device__ __forceinline__ void rms_scales(const float* x, long long xs, int n_i
         if (t < n_tok) s[t] = 1.0f / sqrtf(ss / (float)n_in + eps);
     }
 }
+
+// The segment (p.seg[0..p.n_seg)) that output row r of the segments' rows concatenated falls in,
+// picked by constant indices (a runtime index would copy the parameters to local memory); r
+// becomes the row within it. False: r is past the last row (mode 2 reads seg[0]'s rows only:
+// seg[1] is its second operand, not more rows).
+template <class P, class Seg>
+__device__ __forceinline__ bool gemv_segment(const P& p, int& r, Seg& sg) {
+    sg = p.seg[0];
+    if (r < sg.rows) return true;
+    if (p.mode == 2 || p.n_seg < 2) return false;
+    r -= sg.rows;
+    sg = p.seg[1];
+    if (r < sg.rows) return true;
+    r -= sg.rows;
+    sg = p.seg[2];
+    return p.n_seg >= 3 && r < sg.rows;
+}

@@ -89,17 +89,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 16 ? 3 : 4) dense_gemv_
     const int lane = threadIdx.x & 31;
     float s[NT];
     rms_scales<NT>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread, then rows past the end leave
-    GemvQSeg sg = p.seg[0];   // by constant indices (a runtime index would copy p to local memory)
-    if (r >= sg.rows) {
-        if (p.mode == 2 || p.n_seg < 2) return;
-        r -= sg.rows;
-        sg = p.seg[1];
-        if (r >= sg.rows) {
-            r -= sg.rows;
-            sg = p.seg[2];
-            if (p.n_seg < 3 || r >= sg.rows) return;
-        }
-    }
+    GemvQSeg sg;
+    if (!gemv_segment(p, r, sg)) return;
     float acc[NT];
     qrow_dot<T, NT>(sg.w + (long long)r * p.row_bytes, p, acc);
 #pragma unroll
