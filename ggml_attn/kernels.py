@@ -719,6 +719,12 @@ class BoundLaunch:
         self.fn.launch_raw(self.grid, self.block, self._stream().ptr, ctypes.addressof(self.args))
 
 
+def grid_launch(fn: "Kernel", n: int, *params) -> BoundLaunch:
+    """A :class:`BoundLaunch` of grid-stride kernel ``fn`` over ``n`` work items: blocks of 256
+    threads, enough to cover ``n`` up to 4096 of them (the threads loop over the rest)."""
+    return BoundLaunch(fn, (max(1, min(-(-n // 256), 4096)), 1, 1), (256, 1, 1), *params)
+
+
 def arg_block(*args):
     """The ``void*[]`` array of kernel argument addresses cuLaunchKernel takes, for ctypes
     objects ``args`` in kernel order (keep it and them alive while launching with it)."""

@@ -205,21 +205,17 @@ class DeviceWeights:
         with stream:
             while queued:
                 (key, w, norm), pend = queued.popleft()
-                if is_block_type(w.type_name):   # the file's bytes, as they are
-                    raw = pend.result() if pend is not None else xp.asarray(w.data)
-                    if pend is not None:
-                        ahead -= w.nbytes
-                        fill()
-                    shape = tuple(reversed(w.ne))
-                    out[key] = QMatrix(w.type_name, shape, raw.reshape(shape[0], -1))
-                    continue
+                raw = None
                 if pend is not None:
                     raw = pend.result()
                     ahead -= w.nbytes
-                    fill()   # the next reads go out before this matrix is folded
-                    vals = _raw_values(raw, w, xp)
-                else:
-                    vals = None
+                    fill()   # the next reads go out before this matrix is used
+                if is_block_type(w.type_name):   # the file's bytes, as they are
+                    raw = xp.asarray(w.data) if raw is None else raw
+                    shape = tuple(reversed(w.ne))
+                    out[key] = QMatrix(w.type_name, shape, raw.reshape(shape[0], -1))
+                    continue
+                vals = None if raw is None else _raw_values(raw, w, xp)
                 if norm is None:
                     if vals is None:
                         vals = to_xp(w.to_float(np.float16))

@@ -17,7 +17,7 @@ from .batch import Batch
 from .engine import Engine
 from .kv_cache import KVCache
 from .model import Model
-from .model_graph import output_flags, output_rows  # noqa: F401  (re-exported: the API's, and tests')
+from .model_graph import output_flags  # noqa: F401  (re-exported: the API's, and tests')
 from .plan import UBatchPlan
 
 __all__ = ["ModelEngine", "ModelResult", "model_engine", "output_flags", "run_model_batch", "greedy"]

@@ -136,7 +136,6 @@ class Scheduler:
         self.free_slots = list(range(n_slots))
         self.waiting: list[ServeRequest] = []
         self.running: list[ServeRequest] = []    # admission order
-        self.reserved = 0                        # cells the admitted requests fill when done (unified)
 
     @property
     def capacity(self) -> int:
@@ -164,12 +163,11 @@ class Scheduler:
         got = []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
-            if self.cache.n_stream == 1 and self.reserved + req.cells > self.capacity:
+            if self.cache.n_stream == 1 and self.reserved() + req.cells > self.capacity:
                 break
             self.waiting.pop(0)
             req.seq = self.free_slots.pop(0)
             req.admitted = now
-            self.reserved += req.cells
             self.running.append(req)
             got.append(req)
         return got
@@ -229,8 +227,11 @@ class Scheduler:
         self.running.remove(r)
         self.free_slots.append(r.seq)
         self.free_slots.sort()
-        self.reserved -= r.cells
         r.finished = now
+
+    def reserved(self) -> int:
+        """Cells the running requests fill when done."""
+        return sum(r.cells for r in self.running)
 
     def cells_used(self) -> int:
         """Cells holding a token now, all streams."""
@@ -247,19 +248,17 @@ class ServeStats:
     busy: float = 0.0
     n_steps: int = 0
     n_mixed: int = 0
-    n_decode_tokens: int = 0
     n_prompt_tokens: int = 0
     cells_peak: int = 0
     counts: dict = field(default_factory=dict)
 
 
-def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_finish=None, on_refuse=None,
-          before_step=None) -> ServeStats:
+def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_finish=None, on_refuse=None) -> ServeStats:
     """Serve ``requests`` (:class:`ServeRequest`, any order) with ``sched``; ``step_fn(step)``
     runs a :class:`Step`'s batch and returns ``(next_tokens, counts)``: one int per flagged token
     (batch order) and a dict of numbers to sum (or None). Each step is timed with ``clock``
     (seconds; it must return after the step's work is done). ``on_finish(req)``, ``on_refuse(req)``
-    report each request as it ends; ``before_step()`` runs before each step (e.g. a Ctrl-C check).
+    report each request as it ends.
     The cache must have no cells of sequences ``0..n_slots-1`` when it starts."""
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
     for r in pending:
@@ -284,8 +283,6 @@ def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_fi
             if sched.waiting:         # cannot happen: arrive() refuses what can never fit
                 raise RuntimeError(f"{len(sched.waiting)} request(s) wait with nothing running")
             break
-        if before_step is not None:
-            before_step()
         start = clock()
         next_tokens, counts = step_fn(step)
         dt = clock() - start
@@ -293,7 +290,6 @@ def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_fi
         stats.busy += dt
         stats.n_steps += 1
         stats.n_mixed += int(step.mixed)
-        stats.n_decode_tokens += step.n_decode
         stats.n_prompt_tokens += step.n_prompt
         for k, v in (counts or {}).items():
             stats.counts[k] = stats.counts.get(k, 0) + v

@@ -293,8 +293,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
         for r0 in range(0, n_out, chunk):
             r1 = min(n_out, r0 + chunk)
-            n_sub = (r1 - r0) * (n_in // 32)
-            steps.append(K.BoundLaunch(fn, (max(1, min(-(-n_sub // 256), 4096)), 1, 1), (256, 1, 1),
+            steps.append(K.grid_launch(fn, (r1 - r0) * (n_in // 32),
                                        ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
                                        ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes),
                                        ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))

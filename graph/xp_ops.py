@@ -38,8 +38,7 @@ def add_into(b, x_t, y_t, name: str):
 def _model_launch(name: str, n: int, *params):
     """A bound grid-stride launch of model kernel ``name`` over ``n`` elements (ctypes params)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    blocks = max(1, min(-(-n // 256), 4096))
-    return K.BoundLaunch(K.get_function(K.model_ops_variant(), name), (blocks, 1, 1), (256, 1, 1), *params)
+    return K.grid_launch(K.get_function(K.model_ops_variant(), name), n, *params)
 
 
 def _contig(name: str, *arrays) -> None:
@@ -69,11 +68,9 @@ def get_rows(b, table, ids_t, name: str, *, own: bool = False):
         from ggml_attn import kernels as K  # noqa: PLC0415
         _contig(name, ids, out)
         t = table.type_id
-        n_sub = n_ids * (n // 32)
-        run = K.BoundLaunch(K.get_function(K.dense_q_variant(t), f"dense_get_rows_q<{t}>"),
-                            (max(1, min(-(-n_sub // 256), 4096)), 1, 1), (256, 1, 1), _dptr(table.blocks),
-                            _dptr(ids), _dptr(out), ctypes.c_int64(table.row_bytes), ctypes.c_int32(n),
-                            ctypes.c_int64(n_ids))
+        run = K.grid_launch(K.get_function(K.dense_q_variant(t), f"dense_get_rows_q<{t}>"), n_ids * (n // 32),
+                            _dptr(table.blocks), _dptr(ids), _dptr(out), ctypes.c_int64(table.row_bytes),
+                            ctypes.c_int32(n), ctypes.c_int64(n_ids))
     elif xp is np:
         if table.dtype == np.float32:
             def run():

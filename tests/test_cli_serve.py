@@ -107,6 +107,17 @@ def test_saved_trace_replays_the_same_requests(capsys, tmp_path):
     assert rc == 0 and (tmp_path / "s-1.jsonl").exists() and (tmp_path / "s-2.jsonl").exists()
 
 
+def test_save_trace_errors_name_their_flag_and_rate_repeats(capsys, tmp_path):
+    """A --save-trace file that cannot be written is a one-line error of --save-trace (not of
+    --plot); --rate given twice sweeps both lists, like every list flag."""
+    bad = tmp_path / "missing-dir" / "t.jsonl"
+    rc, out, err = _run(capsys, "--rate", "4", "-n", "2", "--save-trace", str(bad))
+    assert rc != 0 and out == "" and f"--save-trace: cannot write {bad}" in err and "--plot" not in err
+    rc, out, err = _run(capsys, "--rate", "100", "--rate", "200,inf", "-n", "2", "--gen-dist", "1", "-o", "jsonl")
+    assert rc == 0, err
+    assert [r["rate"] for r in _rows(out)] == [100.0, 200.0, "inf"]   # JSON has no infinity
+
+
 def test_a_request_longer_than_a_sequence_is_refused_and_the_others_finish(capsys, tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"arrival": 0, "prompt_len": 20, "n_predict": 4}\n'

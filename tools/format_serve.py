@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import statistics
 
 import numpy as np
 
@@ -92,9 +91,9 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
     n = len(runs)
     row = dict(inputs)
     row.update(n_done=n_done // n, n_refused=n_refused // n, elapsed_s=elapsed / n,
-               req_per_s=statistics.fmean(req_rates), out_tok_per_s=statistics.fmean(out_rates),
-               prompt_tok_per_s=statistics.fmean(prompt_rates),
-               out_tok_per_s_stddev=statistics.stdev(out_rates) if n > 1 else 0.0,
+               req_per_s=fb.mean(req_rates), out_tok_per_s=fb.mean(out_rates),
+               prompt_tok_per_s=fb.mean(prompt_rates),
+               out_tok_per_s_stddev=fb.stdev(out_rates),
                queue_ms_p50=percentile(queue, 50) * 1e3,
                steps=steps // n, mixed_share=mixed / steps if steps else 0.0,
                ub_per_step=ubs / steps if steps else 0.0, n_pad=pads // n, kv_cells_peak=peak,

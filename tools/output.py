@@ -69,5 +69,6 @@ def check_plot_path(path: str | None) -> None:
                         f"(use one of {', '.join('.' + e for e in known)})")
 
 
-def save_error(path: str, e: OSError) -> UserError:
-    return OutputError(f"--plot: cannot write {path}: {e.strerror or e}")
+def save_error(path: str, e: OSError, flag: str = "--plot") -> UserError:
+    """``flag``'s file ``path`` could not be written (``e``), as a user error."""
+    return OutputError(f"{flag}: cannot write {path}: {e.strerror or e}")

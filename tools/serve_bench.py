@@ -30,7 +30,7 @@ from . import plot
 from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_kv_split_flags, add_list, add_version, int_at_least,
                    int_range, parse_fa_one, Parser)
 from .batched_rows import strategy_kv
-from .common import Progress, check_interrupt, console_main, default_threads
+from .common import Progress, console_main, default_threads
 from .errors import UserError
 from .format_bench import attention_path
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
@@ -58,9 +58,9 @@ def build_parser() -> Parser:
     p.add_argument("--trace", metavar="FILE.jsonl", default=None,
                    help="requests from a JSON-lines trace (arrival s, prompt_len or prompt ids, n_predict; "
                         "bench/traces/sample.jsonl is one); replaces --rate and the length ranges")
-    p.add_argument("--rate", type=parse_rates, default=None, metavar="R",
-                   help="Poisson arrivals, requests per second; a list sweeps it (e.g. 2,4,8,16); inf: "
-                        "all requests at once (default: 8,inf)")
+    add_list(p, "--rate", type=parse_rates, default=[], metavar="R",
+             help="Poisson arrivals, requests per second; a list sweeps it (e.g. 2,4,8,16); inf: "
+                  "all requests at once (default: 8,inf)")
     p.add_argument("-n", "--n-requests", type=int_at_least(1, hi=100000), default=64, metavar="N",
                    help="requests of a --rate workload (default: 64)")
     p.add_argument("--prompt-dist", type=lambda t: parse_dist(t, "--prompt-dist"), default=(16, 200),
@@ -131,7 +131,7 @@ def build_parser() -> Parser:
 def workloads(ns) -> list[tuple[float | None, list]]:
     """``[(rate or None for a trace file, [TraceRequest])]``."""
     if ns.trace is not None:
-        if ns.rate is not None:
+        if ns.rate:
             raise UserError("--trace gives the arrival times; --rate is for a synthetic workload, not both")
         return [(None, load_trace(ns.trace))]
     rates = ns.rate or [8.0, math.inf]
@@ -148,7 +148,7 @@ def save_traces(path: str, loads) -> None:
         try:
             write_trace(out, reqs)
         except OSError as e:
-            raise save_error(out, e) from None
+            raise save_error(out, e, "--save-trace") from None
         print(f"{PROG}: wrote {out}", file=sys.stderr)
 
 
@@ -161,7 +161,11 @@ def make_step_fn(runner: Runner, model_logits: bool, n_vocab: int):
     xp = runner.cache.xp
 
     def step_fn(step):
-        want = step.want
+        want, b = step.want, step.batch
+        if not model_logits:   # a preset: any id in the vocabulary (attention does not read it)
+            st = runner.decode(b, logits=want)
+            out = (b.tokens[want].astype(np.int64) * 31 + b.positions[want] + 7) % n_vocab
+            return out, dict(ubatches=st.n_ubatches, pads=st.n_pad)
         where = np.full(want.size, -1, dtype=np.int64)
         where[want] = np.arange(int(want.sum()))
         got = []
@@ -170,15 +174,10 @@ def make_step_fn(runner: Runner, model_logits: bool, n_vocab: int):
             with stream if stream is not None else nullcontext():
                 got.append((where[idx], xp.argmax(logits, axis=1)))
 
-        st = runner.decode(step.batch, sync=False, logits=want, on_logits=on_logits if model_logits else None)
-        runner.synchronize()
-        if model_logits:
-            out = np.zeros(int(want.sum()), dtype=np.int64)
-            for rows, ids in got:
-                out[rows] = ids if xp is np else xp.asnumpy(ids)
-        else:   # a preset: any id in the vocabulary (attention does not read it)
-            b = step.batch
-            out = (b.tokens[want].astype(np.int64) * 31 + b.positions[want] + 7) % n_vocab
+        st = runner.decode(b, logits=want, on_logits=on_logits)
+        out = np.zeros(int(want.sum()), dtype=np.int64)
+        for rows, ids in got:
+            out[rows] = ids if xp is np else xp.asnumpy(ids)
         return out, dict(ubatches=st.n_ubatches, pads=st.n_pad)
 
     return step_fn
@@ -249,29 +248,29 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     results = []
     printer.header()
     idx = 0
+    step_fns = {}
     try:
         for split in splits:
             runners[split] = r = Runner(configs[split])
+            step_fns[split] = make_step_fn(r, ns.layer == "model", n_vocab)
             verbose.runner(r)
             r.warm_up()
         for rate, reqs in served:
             for budget in budgets:
                 for split in splits:
                     idx += 1
-                    runner = runners[split]
+                    runner, step_fn = runners[split], step_fns[split]
                     kvu = runner.cfg.kv_unified
                     what = (f"rate {'trace' if rate is None else f'{rate:g}'} split {split} kvu {int(kvu)} "
                             f"budget {budget or 'whole'}")
                     progress(idx, f"starting {what}")
-                    step_fn = make_step_fn(runner, ns.layer == "model", n_vocab)
                     runs = []
                     for rep in range(reps):
                         runner.clear()
                         sched = Scheduler(runner.cache, n_slots, n_batch=ns.batch_size, prompt_budget=budget)
                         refused = []
                         stats = serve(reqs, sched, step_fn, on_finish=lambda r: bar.update(what),
-                                      on_refuse=lambda r: (refused.append(r), bar.update(what)),
-                                      before_step=check_interrupt)
+                                      on_refuse=lambda r: (refused.append(r), bar.update(what)))
                         if refused and rep == 0:
                             print(f"{PROG}: {what}: {len(refused)} of {len(reqs)} request(s) refused, the "
                                   f"others served: {refused[0].refused}" + (" (and more)" if len(refused) > 1 else ""),
