@@ -253,7 +253,8 @@ class ServeStats:
     counts: dict = field(default_factory=dict)
 
 
-def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_finish=None, on_refuse=None) -> ServeStats:
+def serve(requests, sched: Scheduler, step_fn, *, clock=time.perf_counter, on_finish=None,
+          on_refuse=None) -> ServeStats:
     """Serve ``requests`` (:class:`ServeRequest`, any order) with ``sched``; ``step_fn(step)``
     runs a :class:`Step`'s batch and returns ``(next_tokens, counts)``: one int per flagged token
     (batch order) and a dict of numbers to sum (or None). Each step is timed with ``clock``
