@@ -6,6 +6,7 @@
 //                    optionally of the RMS-normalized x (the norm computed by every block; the
 //                    norm's weight is folded into W at load: graph/model_device.py);
 //   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) (* g) per token, one launch;
+//   dense_silu_mul / dense_gelu_mul  y = act(g) * u, elementwise (the GEMMs' gated FFN);
 //   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32, or
 //                    quantized to Q8_0/Q4_0 blocks as ggml's CPU reference does), one launch.
 // Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
@@ -153,6 +154,17 @@ extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __
                                                                  float* __restrict__ y, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+// y[i] = gelu(g[i]) * u[i] with ggml's tanh GELU, 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))),
+// F32, i < n; a grid-stride loop (gemma's GeGLU).
+extern "C" __global__ void __launch_bounds__(256) dense_gelu_mul(const float* __restrict__ g,
+                                                                 const float* __restrict__ u,
+                                                                 float* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float x = g[i];
+        y[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x))) * u[i];
+    }
 }
 
 // Cache row types of dense_kv_store: ggml's type ids (ggml.h enum ggml_type).

@@ -204,7 +204,7 @@ def gemv_name(n_tok: int, unroll: int = GEMV_UNROLL) -> str:
 
 
 DENSE_NAMES = tuple(gemv_name(nt, u) for nt in range(1, GEMV_MAX_TOKENS + 1) for u in GEMV_UNROLLS) + \
-    ("dense_rms_norm", "dense_kv_store", "dense_cast_f16", "dense_silu_mul")
+    ("dense_rms_norm", "dense_kv_store", "dense_cast_f16", "dense_silu_mul", "dense_gelu_mul")
 
 
 def dense_variant() -> Variant:

@@ -13,8 +13,9 @@ class AttnConfig:
     """Geometry and attention parameters of a stack of ``n_layer`` attention layers.
 
     scale defaults to ``1/sqrt(head_dim)``; ``max_bias > 0`` turns on ALiBi (the mask then
-    carries ``-|p_cell - p_row|``); ``n_swa > 0`` is a sliding window; ``seed`` picks the
-    Q/K/V hash.
+    carries ``-|p_cell - p_row|``); ``n_swa > 0`` is a sliding window; ``pos_limit > 0``: a
+    batch with a position at or past it is refused (a model whose sliding-window layers run as
+    dense ones, exact only below the window: gemma2); ``seed`` picks the Q/K/V hash.
     """
 
     n_layer: int = 1
@@ -25,6 +26,7 @@ class AttnConfig:
     max_bias: float = 0.0
     logit_softcap: float = 0.0
     n_swa: int = 0
+    pos_limit: int = 0
     seed: int = 0
     scale_override: float | None = None
 

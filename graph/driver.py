@@ -139,6 +139,13 @@ def _fit(cache: KVCache, batch: Batch, ubs: list[UBatch], n_ubatch: int, mode: s
     return [replace(u, reason=note) for u in equal]
 
 
+def _check_pos_limit(batch: Batch, limit: int) -> None:
+    if batch.n_tokens and int(batch.positions.max()) >= limit:
+        raise ValueError(f"position {int(batch.positions.max())} is past this model's sliding window ({limit} "
+                         f"tokens): its window layers run as dense layers here, which is exact only for "
+                         f"positions below {limit}")
+
+
 def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: AttnConfig, *,
            ubatches: list[UBatch] | None = None, validate: bool = True, on_error=None,
            before_ubatch=None, on_done=None, out=None) -> list[UBatchPlan]:
@@ -149,6 +156,8 @@ def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: 
     what a :class:`BatchError`'s ``.result`` carries."""
     if validate:
         _stage("validate", on_error, lambda: cache.validate(batch))
+    if cfg.pos_limit:   # (checked whether or not the caller validated the rest)
+        _stage("validate", on_error, lambda: _check_pos_limit(batch, cfg.pos_limit))
     made, given = None, ubatches is not None
     if not given:
         ubatches, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))

@@ -6,7 +6,16 @@ tensor names) for the architectures in :data:`ARCHS`:
 * ``llama`` (Mistral-7B-style models too: llama.cpp's converter writes them as ``llama``; it has
   no plain ``mistral`` architecture): RMS norm with a weight, Q/K/V without bias, RoPE in the
   normal (adjacent-pair) layout, SwiGLU FFN;
-* ``qwen2``: the same block with Q/K/V biases and RoPE in the NEOX (half-split) layout.
+* ``qwen2``: the same block with Q/K/V biases and RoPE in the NEOX (half-split) layout;
+* ``qwen3``: no biases; Q and K RMS-normalized per head (``attn_q_norm`` / ``attn_k_norm``,
+  ``[head_dim]``) before RoPE (NEOX); the head size may differ from ``n_embd / n_head``;
+* ``gemma``: the embedding scaled by ``sqrt(n_embd)``, RoPE NEOX, GeGLU FFN (tanh GELU), the head
+  tied to the embedding (a file with ``output.weight`` is refused, as llama.cpp does);
+* ``gemma2``: gemma plus RMS norms after the attention and after the FFN (``post_attention_norm``,
+  ``post_ffw_norm``), attention logits soft-capped (``attn_logit_softcapping``) and the final
+  logits too (``final_logit_softcapping``), the 27B's query scale, and sliding-window layers:
+  those run as dense layers, which is exact only while every position stays below the window
+  (``attention.sliding_window``; :attr:`HParams.pos_limit` -- later positions are refused).
 
 Weights stay in their file type and in the file (``numpy.memmap``, read-only): a host graph
 hands their bytes to ggml's own ``mul_mat`` / ``get_rows``; :meth:`Weight.to_float` dequantizes
@@ -39,13 +48,22 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ArchInfo:
-    rope_mode: int      # ROPE_NORMAL or ROPE_NEOX
-    qkv_bias: bool      # attn_q/k/v carry a bias (required)
+    """What an architecture's block does beyond llama's (llama.cpp's ``src/models/<arch>.cpp``)."""
+
+    rope_mode: int              # ROPE_NORMAL or ROPE_NEOX
+    qkv_bias: bool = False      # attn_q/k/v carry a bias (required)
+    qk_norm: bool = False       # per-head RMS norm of Q and K before RoPE (attn_q_norm / attn_k_norm)
+    gemma: bool = False         # embedding * sqrt(n_embd), GeGLU FFN, head tied to the embedding
+    post_norms: bool = False    # RMS norms of the attention's and the FFN's outputs (gemma2)
+    softcap: bool = False       # attention and final logit soft-capping, sliding-window layers (gemma2)
 
 
 ARCHS: dict[str, ArchInfo] = {
-    "llama": ArchInfo(ROPE_NORMAL, False),
-    "qwen2": ArchInfo(ROPE_NEOX, True),
+    "llama": ArchInfo(ROPE_NORMAL),
+    "qwen2": ArchInfo(ROPE_NEOX, qkv_bias=True),
+    "qwen3": ArchInfo(ROPE_NEOX, qk_norm=True),
+    "gemma": ArchInfo(ROPE_NEOX, gemma=True),
+    "gemma2": ArchInfo(ROPE_NEOX, gemma=True, post_norms=True, softcap=True),
 }
 
 # ggml types whose weights ggml's CPU mul_mat and get_rows take (and which dequantize)
@@ -67,6 +85,8 @@ _LAYER_TENSORS = {
     "wu": "ffn_up.weight", "wd": "ffn_down.weight",
 }
 _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
+_QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}        # [head_dim]
+_POST_NORM_TENSORS = {"attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,6 +150,16 @@ class HParams:
     rope_dim: int          # rotated dimensions per head (rope.dimension_count)
     rope_mode: int         # ROPE_NORMAL or ROPE_NEOX
     rope_freq_scale: float  # 1 / rope.scaling.factor (linear scaling), else 1
+    embd_scale: float = 1.0        # the embedding's rows times this (gemma: sqrt(n_embd))
+    attn_scale: float | None = None   # the attention's scale (None: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0      # attention logits soft-capped at this (0: none)
+    final_softcap: float = 0.0     # the output logits soft-capped at this (0: none)
+    pos_limit: int = 0             # > 0: positions must stay below it (gemma2's window; 0: no limit)
+    ffn_gelu: bool = False         # GeGLU (tanh GELU) instead of SwiGLU
+
+    @property
+    def info(self) -> ArchInfo:
+        return ARCHS[self.arch]
 
     @property
     def n_embd_q(self) -> int:
@@ -143,7 +173,8 @@ class HParams:
 @dataclass(eq=False)
 class Model:
     """A loaded model. ``layers[il]``: dict of :class:`Weight` by key (``attn_norm wq wk wv wo
-    ffn_norm wg wu wd``, plus ``bq bk bv`` for qwen2). ``output`` is ``tok_embd`` when the file
+    ffn_norm wg wu wd``, plus ``bq bk bv`` for qwen2, ``q_norm k_norm`` for qwen3,
+    ``attn_post_norm ffn_post_norm`` for gemma2). ``output`` is ``tok_embd`` when the file
     has no ``output.weight`` (tied embeddings). ``rope_freqs``: F32 ``[rope_dim / 2]`` frequency
     factors, or None."""
 
@@ -179,7 +210,8 @@ class Model:
 
     def attn_config(self) -> AttnConfig:
         hp = self.hp
-        return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim)
+        return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+                          logit_softcap=hp.attn_softcap, scale_override=hp.attn_scale, pos_limit=hp.pos_limit)
 
     def device_weights(self, xp=np):
         """The weights as all-custom (device-resident) graphs read them
@@ -273,19 +305,27 @@ def load_gguf(path: str | os.PathLike) -> Model:
             raise ModelError(f"'{path}': tensor {name} has shape {list(t_ne)} (ggml order), expected {list(ne)}")
         return Weight(name, gtype, t_ne, file_map[t.offset:t.offset + t.nbytes], t.offset)
 
-    E, V = hp.n_embd, hp.n_vocab
+    E, V, info = hp.n_embd, hp.n_vocab, ARCHS[arch]
     tok_embd = get("token_embd.weight", (E, V))
-    output = get("output.weight", (E, V), required=False) or tok_embd
+    # gemma's head is always the embedding: an output.weight is an extra tensor (refused below)
+    output = None if info.gemma else get("output.weight", (E, V), required=False)
+    output = output or tok_embd
     layers = []
     for il in range(hp.n_layer):
         shapes = {"attn_norm": (E,), "wq": (E, hp.n_embd_q), "wk": (E, hp.n_embd_kv), "wv": (E, hp.n_embd_kv),
                   "wo": (hp.n_embd_q, E), "ffn_norm": (E,), "wg": (E, hp.n_ff), "wu": (E, hp.n_ff),
                   "wd": (hp.n_ff, E)}
         lw = {k: get(f"blk.{il}.{n}", shapes[k], float_only=len(shapes[k]) == 1) for k, n in _LAYER_TENSORS.items()}
-        if ARCHS[arch].qkv_bias:
-            for k, n, d in (("bq", "attn_q.bias", hp.n_embd_q), ("bk", "attn_k.bias", hp.n_embd_kv),
-                            ("bv", "attn_v.bias", hp.n_embd_kv)):
-                lw[k] = get(f"blk.{il}.{n}", (d,), float_only=True)
+        extra = {}
+        if info.qkv_bias:
+            extra.update((k, (n, (d,))) for (k, n), d in zip(_BIAS_TENSORS.items(),
+                                                              (hp.n_embd_q, hp.n_embd_kv, hp.n_embd_kv)))
+        if info.qk_norm:
+            extra.update((k, (n, (hp.head_dim,))) for k, n in _QK_NORM_TENSORS.items())
+        if info.post_norms:
+            extra.update((k, (n, (E,))) for k, n in _POST_NORM_TENSORS.items())
+        for k, (n, ne) in extra.items():
+            lw[k] = get(f"blk.{il}.{n}", ne, float_only=True)
         layers.append(lw)
     rope_freqs = get("rope_freqs.weight", (hp.rope_dim // 2,), required=False, float_only=True)
     if rope_freqs is not None and rope_freqs.type_name != "F32":
@@ -349,12 +389,45 @@ def _hparams(header, path: str, arch: str) -> HParams:
         freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
     elif scaling != "none":
         raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
+    info = ARCHS[arch]
+    if info.qk_norm and rope_dim != head_dim:   # (llama.cpp's qwen3 graph asserts it)
+        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} != head size {head_dim}; {arch} rotates whole heads")
     name = gguf_field(header, "general.name")
     if not isinstance(name, str) or not name:   # (a number or an array there: the file's name instead)
         name = os.path.splitext(os.path.basename(path))[0]
-    return HParams(arch=arch, name=str(name), n_layer=num("block_count"), n_embd=n_embd, n_head=n_head,
+    n_layer, rope_base = num("block_count"), num("rope.freq_base", 10000.0, float)
+    extra: dict = {}
+    if info.gemma:
+        extra.update(embd_scale=math.sqrt(n_embd), ffn_gelu=True)
+    if info.softcap:   # gemma2 (llama.cpp's defaults where a key is absent)
+        if num("rope.freq_base_swa", rope_base, float) != rope_base:
+            raise ModelError(f"'{path}': {arch}.rope.freq_base_swa differs from rope.freq_base; not supported")
+        extra.update(attn_softcap=num("attn_logit_softcapping", 50.0, float),
+                     final_softcap=num("final_logit_softcapping", 30.0, float),
+                     # the 27B (46 layers) scales by its n_embd / n_head, the others by the head size
+                     attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim))
+        if _has_swa_layers(gguf_field(header, f"{arch}.attention.sliding_window_pattern"), n_layer, path, arch):
+            extra["pos_limit"] = num("attention.sliding_window", 4096)
+    return HParams(arch=arch, name=str(name), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
                    n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,
                    rms_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
-                   rope_base=num("rope.freq_base", 10000.0, float), rope_dim=rope_dim,
-                   rope_mode=ARCHS[arch].rope_mode, rope_freq_scale=freq_scale)
+                   rope_base=rope_base, rope_dim=rope_dim,
+                   rope_mode=info.rope_mode, rope_freq_scale=freq_scale, **extra)
+
+
+def _has_swa_layers(pattern, n_layer: int, path: str, arch: str) -> bool:
+    """Whether a gemma2 file has sliding-window layers: ``attention.sliding_window_pattern`` absent
+    (llama.cpp's default 2: every other layer), an integer ``n`` (layer ``il`` has a window when
+    ``n == 0`` or ``il % n < n - 1``) or one bool per layer."""
+    if pattern is None:
+        return n_layer > 0
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) < n_layer or not all(isinstance(v, (bool, int)) for v in pattern):
+            raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {_show(pattern)}; expected "
+                             f"an integer or {n_layer} bools")
+        return any(bool(v) for v in pattern[:n_layer])
+    if not _is_num(pattern, int) or pattern < 0:
+        raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {_show(pattern)}; expected an "
+                         f"integer >= 0")
+    return any(pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer))

@@ -39,6 +39,9 @@ from ggml_attn.block_types import block_layout, is_block_type
 __all__ = ["DeviceWeights", "QMatrix", "fold_norm"]
 
 _QKV, _FFN = ("wq", "wk", "wv"), ("wg", "wu")
+# a layer's F32 vectors, where the model has them: biases, norm weights (qwen3's per-head Q/K norms,
+# gemma2's norms of the attention's and the FFN's outputs)
+_VECTORS = ("bq", "bk", "bv", "attn_norm", "ffn_norm", "q_norm", "k_norm", "attn_post_norm", "ffn_post_norm")
 
 
 _STAGE_AHEAD = 1 << 30   # bytes of file read ahead of the matrix being folded (staged loads)
@@ -130,7 +133,7 @@ class DeviceWeights:
     matrix is a :class:`QMatrix` (block types) or an F16 array ``(n_out, n_in)``: ``tok_embd``
     ``(n_vocab, n_embd)``; ``output`` (``output_norm`` folded into an F16 one); ``layers[il]``:
     ``wq wk wv`` (``attn_norm`` folded into F16 ones), ``wo``, ``wg wu`` (``ffn_norm``), ``wd``,
-    ``bq bk bv`` F32 where the model has them, and ``attn_norm`` / ``ffn_norm`` F32 ``(n_embd,)``
+    ``bq bk bv q_norm k_norm attn_post_norm ffn_post_norm`` F32 where the model has them, and ``attn_norm`` / ``ffn_norm`` F32 ``(n_embd,)``
     (what block matrices apply at run time); ``output_norm`` likewise; ``rope_freqs`` F32
     ``(rope_dim / 2,)`` or None; ``scratch``: F16 room for the largest layer matrix when a block
     matrix is on a GPU (None otherwise)."""
@@ -238,7 +241,7 @@ class DeviceWeights:
         layers = []
         for il, lw in enumerate(model.layers):
             d = {k: out[(il, k)] for k in (*_QKV, *_FFN, "wo", "wd")}
-            for k in ("bq", "bk", "bv", "attn_norm", "ffn_norm"):
+            for k in _VECTORS:
                 if k in lw:
                     d[k] = vector(lw[k])
             layers.append(d)
@@ -303,7 +306,7 @@ class DeviceWeights:
             n += mat(model.output)   # its own, or the tied F16 head's folded copy
         for lw in model.layers:
             n += sum(mat(lw[k]) for k in (*_QKV, *_FFN, "wo", "wd"))
-            n += sum(4 * int(np.prod(lw[k].ne)) for k in ("bq", "bk", "bv", "attn_norm", "ffn_norm") if k in lw)
+            n += sum(4 * int(np.prod(lw[k].ne)) for k in _VECTORS if k in lw)
         n += 4 * int(np.prod(model.output_norm.ne))
         if model.rope_freqs is not None:
             n += 4 * int(np.prod(model.rope_freqs.ne))

@@ -6,15 +6,19 @@ Per ubatch (ggml order throughout; numpy order is the reverse):
 * inputs (:class:`ModelInputs`): ``tokens`` I32 ``[n_tokens]`` (a pad row: token 0),
   ``positions`` I32 ``[n_tokens]`` (the ubatch's positions, as the cache assigns them),
   ``out_ids`` I32 ``[n_out]`` (the rows that need logits: llama.cpp's ``inp_out_ids``);
-* :func:`embed`: ``x = get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``;
-* :func:`model_layer` per layer, as llama.cpp's llama/qwen2 graph builds it:
+* :func:`embed`: ``x = get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``
+  (gemma: times ``sqrt(n_embd)``);
+* :func:`model_layer` per layer, as llama.cpp's llama/qwen2/qwen3/gemma/gemma2 graphs build it:
   ``h = rms_norm(x) * attn_norm``; ``q = wq h (+ bq)``, ``k = wk h (+ bk)``, ``v = wv h (+ bv)``;
-  ``q``, ``k`` rotated by ``rope_ext`` on the positions (normal or NEOX layout, ``rope_freqs``
-  as frequency factors); attention through the KV cache (``layers.attention``: store, views,
-  our flash-attention op); ``x += wo att``; ``h = rms_norm(x) * ffn_norm``;
-  ``x += wd (silu(wg h) * (wu h))``;
+  qwen3: ``q``, ``k`` RMS-normalized per head (times ``q_norm`` / ``k_norm``); ``q``, ``k``
+  rotated by ``rope_ext`` on the positions (normal or NEOX layout, ``rope_freqs`` as frequency
+  factors); attention through the KV cache (``layers.attention``: store, views, our
+  flash-attention op, with the model's scale and soft-cap); ``o = wo att`` (gemma2: ``o =
+  rms_norm(o) * attn_post_norm``); ``x += o``; ``h = rms_norm(x) * ffn_norm``; ``f = wd
+  (act(wg h) * (wu h))``, ``act`` SiLU (gemma: tanh GELU) (gemma2: ``f = rms_norm(f) *
+  ffn_post_norm``); ``x += f``;
 * :func:`head`: ``logits = output(rms_norm(get_rows(x, out_ids)) * output_norm)`` -> F32
-  ``[n_vocab, n_out]``.
+  ``[n_vocab, n_out]`` (gemma2: then ``c * tanh(logits / c)``).
 
 Host graphs run ggml's own ops on the weights in their file type (quantized ones included).
 All-custom (device-resident) graphs (``b.device``) run the same block on ``xp_matmul``'s and ``xp_ops``' custom ops
@@ -23,11 +27,13 @@ float ones F16 with the RMS-norm weights folded in; the ops take the norm weight
 
 * :func:`embed`: ``xp_ops.get_rows`` of the embedding (F16 or blocks; an array of its own: the
   residual stream, updated in place by the layers);
-* :func:`model_layer`: ``q, k, v = mul_mat_group([wq, wk, wv], x, norm_eps, attn_norm)``; ``q``,
-  ``k`` through ``xp_ops.rope`` (bias added first); ``v += bv``; attention as on host graphs;
-  ``x += wo att`` (``mul_mat_add``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm)``;
-  ``x += wd f``;
-* :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``.
+* :func:`model_layer`: ``q, k, v = mul_mat_group([wq, wk, wv], x, norm_eps, attn_norm)``; qwen3's
+  per-head norms (``xp_matmul.rms_norm``); ``q``, ``k`` through ``xp_ops.rope`` (bias added
+  first); ``v += bv``; attention as on host graphs; ``x += wo att`` (``mul_mat_add``; gemma2:
+  ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm)``;
+  ``x += wd f`` (gemma2 likewise);
+* :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``
+  (gemma2: ``xp_ops.softcap_into``).
 
 Rounding differs from the host form: an F16 weight has ``g`` folded in (``W * g`` rounded to F16;
 host: ``x̂ * g`` is rounded to F16 as ``mul_mat``'s activation); a block weight's values multiply
@@ -150,10 +156,15 @@ def _norm(b, x, w: Weight, eps: float):
 def embed(b, inp: ModelInputs):
     """``get_rows(token_embd, tokens)`` -> F32 ``[n_embd, n_tokens]``, memory of its own (the
     layers' scratch arrays may not alias it)."""
+    s = b.model.hp.embd_scale
     if b.device:
-        return xp_ops.get_rows(b, _dw(b).tok_embd, inp.tokens, "inp_embd", own=True)
+        t = xp_ops.get_rows(b, _dw(b).tok_embd, inp.tokens, "inp_embd", own=True)
+        return t if s == 1.0 else xp_ops.scale_into(b, t, s, "inp_scaled")
     t = _fresh(b, ggml.ggml_get_rows(b.ctx, _weight(b, b.model.tok_embd), inp.tokens))
     ggml.ggml_set_name(t, b"inp_embd")
+    if s != 1.0:
+        t = _fresh(b, ggml.ggml_scale(b.ctx, t, s))
+        ggml.ggml_set_name(t, b"inp_scaled")
     return t
 
 
@@ -177,18 +188,24 @@ def model_layer(b, il: int, x):
         bias = lw.get("b" + key[1])
         return y if bias is None else b.call(ggml.ggml_add, y, _weight(b, bias))
 
+    def post_norm(key, t):   # gemma2's norm of a sub-block's output (absent: nothing)
+        return t if key not in lw else _norm(b, t, lw[key], hp.rms_eps)
+
     h = _norm(b, x, lw["attn_norm"], hp.rms_eps)
     q = ggml.ggml_reshape_3d(b.ctx, proj("wq", h), hp.head_dim, hp.n_head, n_tok)
     k = ggml.ggml_reshape_3d(b.ctx, proj("wk", h), hp.head_dim, hp.n_head_kv, n_tok)
+    if "q_norm" in lw:   # qwen3: each head RMS-normalized (rms_norm runs along ne0 = head_dim)
+        q, k = _norm(b, q, lw["q_norm"], hp.rms_eps), _norm(b, k, lw["k_norm"], hp.rms_eps)
     q, k = _rope(b, q, inp), _rope(b, k, inp)
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
     att = attention(b, il, q, k, proj("wv", h))
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
-    x = b.call(ggml.ggml_add, x, b.call(ggml.ggml_mul_mat, _weight(b, lw["wo"]), att))
+    x = b.call(ggml.ggml_add, x, post_norm("attn_post_norm", b.call(ggml.ggml_mul_mat, _weight(b, lw["wo"]), att)))
     h = _norm(b, x, lw["ffn_norm"], hp.rms_eps)
-    g = b.call(ggml.ggml_silu, b.call(ggml.ggml_mul_mat, _weight(b, lw["wg"]), h))
+    act = ggml.ggml_gelu if hp.ffn_gelu else ggml.ggml_silu
+    g = b.call(act, b.call(ggml.ggml_mul_mat, _weight(b, lw["wg"]), h))
     f = b.call(ggml.ggml_mul, g, b.call(ggml.ggml_mul_mat, _weight(b, lw["wu"]), h))
-    return b.call(ggml.ggml_add, x, b.call(ggml.ggml_mul_mat, _weight(b, lw["wd"]), f))
+    return b.call(ggml.ggml_add, x, post_norm("ffn_post_norm", b.call(ggml.ggml_mul_mat, _weight(b, lw["wd"]), f)))
 
 
 def head(b, x, inp: ModelInputs):
@@ -199,6 +216,8 @@ def head(b, x, inp: ModelInputs):
         dw = _dw(b)
         (logits,) = xp_matmul.mul_mat_group(b, [dw.output], xo, "result_output", norm_eps=m.hp.rms_eps,
                                          norm_w=dw.output_norm)
+        if m.hp.final_softcap:
+            logits = xp_ops.softcap_into(b, logits, m.hp.final_softcap, "result_softcap")
         ggml.ggml_set_name(logits, b"logits")
         return logits
     xo = ggml.ggml_get_rows(b.ctx, x, inp.out_ids)
@@ -206,6 +225,10 @@ def head(b, x, inp: ModelInputs):
     h = _fresh(b, ggml.ggml_mul(b.ctx, _fresh(b, ggml.ggml_rms_norm(b.ctx, xo, m.hp.rms_eps)),
                                 _weight(b, m.output_norm)))
     logits = _fresh(b, ggml.ggml_mul_mat(b.ctx, _weight(b, m.output), h))
+    c = m.hp.final_softcap
+    if c:   # llama.cpp's gemma2 head: scale(1/c), tanh, scale(c)
+        logits = _fresh(b, ggml.ggml_scale(b.ctx, _fresh(b, ggml.ggml_tanh(
+            b.ctx, _fresh(b, ggml.ggml_scale(b.ctx, logits, float(np.float32(1.0) / np.float32(c)))))), c))
     ggml.ggml_set_name(logits, b"logits")
     return logits
 
@@ -231,6 +254,9 @@ def _model_layer_custom(b, il: int, x):
     ff = _dw(b).rope_freqs
     q, k, v = xp_matmul.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps,
                                    norm_w=w["attn_norm"])
+    if "q_norm" in w:   # qwen3: each head RMS-normalized
+        q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim)
+        k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim)
     q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
     k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
@@ -238,6 +264,14 @@ def _model_layer_custom(b, il: int, x):
         v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
     att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
-    x = xp_matmul.mul_mat_add(b, w["wo"], att, x, f"wo_res_l{il}")
-    f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"])
-    return xp_matmul.mul_mat_add(b, w["wd"], f, x, f"ffn_res_l{il}")
+
+    def add_projection(wkey, h, post, what):   # x += w·h, or gemma2's x += rms_norm(w·h) * post
+        if post not in w:
+            return xp_matmul.mul_mat_add(b, w[wkey], h, x, f"{what}_res_l{il}")
+        o = xp_matmul.mul_mat(b, w[wkey], h, f"{wkey}_l{il}")
+        o = xp_matmul.rms_norm(b, o, hp.rms_eps, w[post], f"{post}_l{il}")
+        return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
+    x = add_projection("wo", att, "attn_post_norm", "wo")
+    f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"],
+                                gelu=hp.ffn_gelu)
+    return add_projection("wd", f, "ffn_post_norm", "ffn")

@@ -132,6 +132,10 @@ def greedy(cache: KVCache, model: Model, prompts, n_predict: int, *, seq_ids=Non
                                                              for j, s in enumerate(seq_ids)]
     batch = Batch.from_sequences(prompts, ids, start_pos=cache.next_positions(ids))
     _check_room(cache, batch, ids, n_predict)   # before any token enters the cache
+    last_pos = int(batch.positions.max()) + max(0, n_predict - 1)
+    if model.hp.pos_limit and last_pos >= model.hp.pos_limit:
+        raise ValueError(f"greedy: the prompts and {n_predict} steps reach position {last_pos}, past the model's "
+                         f"sliding window ({model.hp.pos_limit}); nothing was decoded")
     res = run_model_batch(cache, batch, model, n_ubatch, mode, n_threads=n_threads, fa=fa,
                           all_custom=all_custom)
     last = res.by_seq(batch)

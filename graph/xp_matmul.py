@@ -48,7 +48,7 @@ import numpy as np
 from .model_device import QMatrix
 from .xp_node import custom as _custom, dptr as _dptr
 
-__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "gemv_launch", "gemv_q_launch"]
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
 
 
 def mul_mat(b, w, h, name: str):
@@ -85,18 +85,20 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
     return views
 
 
-def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None):
-    """``silu(wg·h) * (wu·h)``: ``wg``, ``wu`` xp F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32
-    ``[n_in, n_tokens]`` -> F32 ``[n_ff, n_tokens]``; ``norm_eps``, ``norm_w``: of the
-    RMS-normalized ``h``, as :func:`mul_mat_group`."""
+def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None, gelu: bool = False):
+    """``silu(wg·h) * (wu·h)`` (``gelu``: ggml's tanh GELU instead of SiLU): ``wg``, ``wu`` xp
+    F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_ff,
+    n_tokens]``; ``norm_eps``, ``norm_w``: of the RMS-normalized ``h``, as :func:`mul_mat_group`.
+    SiLU is fused into the GEMV; GELU runs after the two products (one more launch)."""
     x = b.array(h)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
-    run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
+    run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
     if run is None:
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
-        both = _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
-        act = _silu_mul_fn(b.xp, g, u, out)
+        both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
+            _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
+        act = (_gelu_mul_fn if gelu else _silu_mul_fn)(b.xp, g, u, out)
         b.keep(g, u)
 
         def run():
@@ -111,6 +113,19 @@ def mul_mat_add(b, w, h, x_t, name: str):
     x_in, x = b.array(h), b.array(x_t)
     run = _gemv(b, [w], x_in, [x], mode=1) or _general(b, [w], x_in, [x], name=name, accumulate=True)
     return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
+
+
+def rms_norm(b, t, eps: float, g, name: str, *, row: int | None = None):
+    """``rms_norm(t) * g`` over rows of ``row`` values (default: ``t``'s ``ne0``): ``t`` an F32
+    tensor whose array :meth:`build.GraphBuilder.array` reads, ``g`` xp F32 ``(row,)``; returns a
+    new F32 tensor of ``t``'s shape (ggml's ``rms_norm`` then ``mul``: a head's Q/K norm with
+    ``row = head_dim``, an output norm with ``row = n_embd``)."""
+    x = b.array(t)
+    row = int(t.contents.ne[0]) if row is None else int(row)
+    if x.size % row or g.shape != (row,):
+        raise ValueError(f"{name}: rms_norm of {x.size} values in rows of {row} with a weight of shape {g.shape}")
+    run, out = _rms_fn(b, x.reshape(-1, row), eps, name, g)
+    return _custom(b, run, [t], out.reshape(x.shape), name, ptr=b.ptr(out))
 
 
 def _is_q(w) -> bool:
@@ -473,4 +488,38 @@ def _silu_mul_fn(xp, g, u, out):
         _SILU.append(cupy.ElementwiseKernel("float32 g, float32 u", "float32 y",
                                             "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"))
     fused = _SILU[0]
+    return lambda: fused(g, u, out)
+
+
+_GELU_A, _SQRT_2_OVER_PI = np.float32(0.044715), np.float32(0.7978845608028654)   # ggml's tanh GELU
+_GELU: list = []
+
+
+def _gelu_mul_fn(xp, g, u, out):
+    """``out = gelu(g) * u`` with ggml's tanh GELU, ``0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715
+    g^2)))`` (F32 arrays of one shape), as :func:`_silu_mul_fn`: numpy steps, or one
+    ``dense_gelu_mul`` launch (a fused CuPy kernel for strided arrays)."""
+    if xp is np:
+        def run():
+            xp.multiply(g, g, out=out)
+            xp.multiply(out, _GELU_A, out=out)
+            xp.add(out, np.float32(1.0), out=out)
+            xp.multiply(out, g, out=out)
+            xp.multiply(out, _SQRT_2_OVER_PI, out=out)
+            xp.tanh(out, out=out)
+            xp.add(out, np.float32(1.0), out=out)
+            xp.multiply(out, g, out=out)
+            xp.multiply(out, np.float32(0.5), out=out)
+            xp.multiply(out, u, out=out)
+        return run
+    launch = _elementwise_launch("dense_gelu_mul", (g, u, out), out.size)
+    if launch is not None:
+        return launch
+    if not _GELU:
+        import cupy  # noqa: PLC0415
+        _GELU.append(cupy.ElementwiseKernel(
+            "float32 g, float32 u", "float32 y",
+            "y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g))) * u;",
+            "ggml_attn_xp_gelu_mul"))
+    fused = _GELU[0]
     return lambda: fused(g, u, out)

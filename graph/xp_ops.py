@@ -8,7 +8,9 @@ computing), besides the full block's matmuls (``xp_matmul``):
 * :func:`rope`: an optional bias add, then ggml's ``rope_ext`` (normal or NEOX pairs, frequency
   factors, linear scaling; no YaRN) -> F32 ``[head_dim, n_head, n_tokens]``;
 * :func:`add_bias`: ``t += bias`` in place;
-* :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory.
+* :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory;
+* :func:`scale_into`: ``x *= s`` in place (gemma's embedding scale);
+* :func:`softcap_into`: ``x = c * tanh(x / c)`` in place (gemma2's final logits).
 
 Each function takes the graph builder ``b`` (``build.GraphBuilder``) and tensors made by it,
 and returns the result tensor; shapes in ggml order ``[ne0, ne1]`` = numpy ``(ne1, ne0)``.
@@ -22,7 +24,7 @@ import numpy as np
 from .xp_matmul import _is_q
 from .xp_node import custom as _custom, dptr as _dptr
 
-__all__ = ["add_into", "get_rows", "rope", "add_bias", "rope_theta_scale"]
+__all__ = ["add_into", "scale_into", "softcap_into", "get_rows", "rope", "add_bias", "rope_theta_scale"]
 
 
 def add_into(b, x_t, y_t, name: str):
@@ -33,6 +35,28 @@ def add_into(b, x_t, y_t, name: str):
     def run():
         xp.add(x, y, out=x)
     return _custom(b, run, [x_t, y_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
+
+
+def scale_into(b, t, s: float, name: str):
+    """``t *= s`` in place (F32, ggml's ``scale``); returns a node whose memory is ``t``'s."""
+    xp, x, s = b.xp, b.array(t), np.float32(s)
+
+    def run():
+        xp.multiply(x, s, out=x)
+    return _custom(b, run, [t], x, name, ptr=t.contents.data)
+
+
+def softcap_into(b, t, c: float, name: str):
+    """``t = c * tanh(t / c)`` in place (F32; ggml's ``scale(1/c)``, ``tanh``, ``scale(c)``);
+    returns a node whose memory is ``t``'s."""
+    xp, x = b.xp, b.array(t)
+    inv, c = np.float32(1.0) / np.float32(c), np.float32(c)   # (1.0f / c, as ggml's caller computes it)
+
+    def run():
+        xp.multiply(x, inv, out=x)
+        xp.tanh(x, out=x)
+        xp.multiply(x, c, out=x)
+    return _custom(b, run, [t], x, name, ptr=t.contents.data)
 
 
 def _model_launch(name: str, n: int, *params):

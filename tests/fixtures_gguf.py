@@ -77,10 +77,22 @@ class Spec:
     n_ctx: int = 512
     model_name: str = ""  # general.name ("" -> name)
     qkv_bias: bool = False
+    key_length: int = 0   # head size when not n_embd / n_head ({arch}.attention.key_length / value_length)
+    attn_softcap: float = 0.0    # gemma2: {arch}.attn_logit_softcapping
+    final_softcap: float = 0.0   # gemma2: {arch}.final_logit_softcapping
+    sliding_window: int = 0      # gemma2: {arch}.attention.sliding_window
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def qk_norm(self) -> bool:      # attn_q_norm / attn_k_norm [head_dim] per layer
+        return self.arch == "qwen3"
+
+    @property
+    def post_norms(self) -> bool:   # post_attention_norm / post_ffw_norm [n_embd] per layer
+        return self.arch == "gemma2"
 
 
 # weight type name -> (gguf tensor type, general.file_type)
@@ -97,6 +109,9 @@ WTYPES = {
 _LLAMA = dict(arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
               n_vocab=256, rope_base=10000.0, rms_eps=1e-5, tied_output=False,
               rope_freqs=False, seed=22)
+
+
+QWEN3_SEED, GEMMA_SEED, GEMMA2_SEED = 42, 25, 29   # (of 59 / 59 / 119 tried, as the others)
 
 
 # Seeds: chosen (out of 100 / 120 / 30 tried) for the largest smallest top1-top2 logit gap
@@ -116,6 +131,20 @@ def _specs() -> dict[str, Spec]:
                          n_head_kv=2, n_ff=512, n_vocab=256, rope_base=1000000.0, rms_eps=1e-6,
                          tied_output=True, rope_freqs=False, seed=29,
                          model_name="Qwen2-like random", qkv_bias=True)
+    out["qwen3-f32"] = Spec(name="qwen3-f32", arch="qwen3", wtype="F32", n_layer=2, n_embd=256, n_head=4,
+                            n_head_kv=2, n_ff=512, n_vocab=256, rope_base=1000000.0, rms_eps=1e-6,
+                            tied_output=False, rope_freqs=False, seed=QWEN3_SEED, key_length=128,
+                            model_name="Qwen3-like random")
+    for wt in ("F32", "Q8_0"):
+        out[f"gemma-{wt.lower()}"] = Spec(name=f"gemma-{wt.lower()}", arch="gemma", wtype=wt, n_layer=2, n_embd=256,
+                                          n_head=2, n_head_kv=1, n_ff=512, n_vocab=256, rope_base=10000.0,
+                                          rms_eps=1e-6, tied_output=True, rope_freqs=False, seed=GEMMA_SEED,
+                                          key_length=256, model_name="Gemma-like random")
+    out["gemma2-f32"] = Spec(name="gemma2-f32", arch="gemma2", wtype="F32", n_layer=2, n_embd=256, n_head=4,
+                             n_head_kv=2, n_ff=512, n_vocab=256, rope_base=10000.0, rms_eps=1e-6,
+                             tied_output=True, rope_freqs=False, seed=GEMMA2_SEED, key_length=128,
+                             attn_softcap=8.0, final_softcap=30.0, sliding_window=4096,
+                             model_name="Gemma2-like random")
     out["mistral-f16"] = Spec(name="mistral-f16", arch="llama", wtype="F16", n_layer=2,
                               n_embd=1024, n_head=8, n_head_kv=2, n_ff=1024, n_vocab=256,
                               rope_base=1000000.0, rms_eps=1e-5, tied_output=False,
@@ -175,6 +204,12 @@ def _weights(spec: Spec) -> list[tuple[str, np.ndarray, bool]]:
         ws.append((p + "ffn_gate.weight", mat(F, E), True))
         ws.append((p + "ffn_up.weight", mat(F, E), True))
         ws.append((p + "ffn_down.weight", mat(E, F), True))
+        if spec.qk_norm:
+            ws.append((p + "attn_q_norm.weight", normw(hd), False))
+            ws.append((p + "attn_k_norm.weight", normw(hd), False))
+        if spec.post_norms:
+            ws.append((p + "post_attention_norm.weight", normw(E), False))
+            ws.append((p + "post_ffw_norm.weight", normw(E), False))
     ws.append(("output_norm.weight", normw(E), False))
     if not spec.tied_output:
         rows = np.exp(rng.standard_normal((V, 1), dtype=np.float32) * np.float32(0.5))
@@ -251,6 +286,12 @@ def _shapes(spec: Spec):
         yield p + "ffn_gate.weight", (F, E), True
         yield p + "ffn_up.weight", (F, E), True
         yield p + "ffn_down.weight", (E, F), True
+        if spec.qk_norm:
+            yield p + "attn_q_norm.weight", (hd,), False
+            yield p + "attn_k_norm.weight", (hd,), False
+        if spec.post_norms:
+            yield p + "post_attention_norm.weight", (E,), False
+            yield p + "post_ffw_norm.weight", (E,), False
     yield "output_norm.weight", (E,), False
     if not spec.tied_output:
         yield "output.weight", (V, E), True
@@ -270,6 +311,15 @@ def _add_metadata(w: gguf.GGUFWriter, spec: Spec, *, file_type=None, quantized: 
     w.add_head_count_kv(spec.n_head_kv)
     w.add_rope_freq_base(spec.rope_base)
     w.add_rope_dimension_count(spec.head_dim)
+    if spec.key_length:
+        w.add_key_length(spec.key_length)
+        w.add_value_length(spec.key_length)
+    if spec.attn_softcap:
+        w.add_attn_logit_softcapping(spec.attn_softcap)
+    if spec.final_softcap:
+        w.add_final_logit_softcapping(spec.final_softcap)
+    if spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_file_type(int(ftype))
     w.add_vocab_size(spec.n_vocab)

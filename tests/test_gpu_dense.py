@@ -4,7 +4,7 @@ dense_gemv in its three modes (store, accumulate, gated) for 1-4 tokens and each
 and without the fused RMS norm, one to three weight
 segments, row counts that do not fill a block and inner sizes that are not a multiple of the
 main loop's stride; dense_rms_norm; dense_kv_store into F16 and F32 caches; the elementwise
-dense_cast_f16 and dense_silu_mul through xp_matmul's launcher (sizes that do not fill a block,
+dense_cast_f16, dense_silu_mul and dense_gelu_mul through xp_matmul's launcher (sizes that do not fill a block,
 and more elements than the grid has threads)."""
 import ctypes
 
@@ -90,12 +90,17 @@ def test_elementwise_kernels_match_numpy(n):
     d_h = cupy.full(n, np.nan, np.float16)
     d_y = cupy.full(n, np.nan, np.float32)
     xp_matmul._elementwise_launch("dense_cast_f16", (d_x, d_h), n)()
+    d_z = cupy.full(n, np.nan, np.float32)
     xp_matmul._elementwise_launch("dense_silu_mul", (d_x, d_u, d_y), n)()
+    xp_matmul._elementwise_launch("dense_gelu_mul", (d_x, d_u, d_z), n)()
     cupy.cuda.get_current_stream().synchronize()
     np.testing.assert_array_equal(d_h.get(), x.astype(np.float16))      # round to nearest, as numpy
     x64 = x.astype(np.float64)
     want = x64 / (1.0 + np.exp(-x64)) * u
     got = d_y.get()
+    assert np.isfinite(got).all() and nmse(got, want) < 1e-12
+    want = 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x64 * (1.0 + 0.044715 * x64 * x64))) * u
+    got = d_z.get()
     assert np.isfinite(got).all() and nmse(got, want) < 1e-12
     if n > 2:   # a strided array: no launch (xp_matmul falls back to CuPy)
         assert xp_matmul._elementwise_launch("dense_cast_f16", (d_x[::2], d_h[: (n + 1) // 2]), (n + 1) // 2) is None

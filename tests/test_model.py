@@ -95,6 +95,65 @@ def test_weight_types_and_tied_output(gguf_dir, name):
         assert {"bq", "bk", "bv"} <= set(m.layers[0])
 
 
+def test_architectures_read_as_llama_cpp_reads_them(gguf_dir, tmp_path):
+    """qwen3 (per-head Q/K norms, a head size of its own), gemma (scaled embedding, GeGLU, tied
+    head, D 256) and gemma2 (post-norms, soft-caps, window) carry what their graphs need; what
+    llama.cpp refuses is refused."""
+    import dataclasses
+    import math
+
+    import gguf
+    q3 = model_of("qwen3-f32", gguf_dir)
+    assert q3.hp.head_dim == 128 != q3.hp.n_embd // q3.hp.n_head and q3.hp.rope_mode == 2
+    assert {"q_norm", "k_norm"} <= set(q3.layers[1]) and q3.layers[1]["q_norm"].ne == (128,)
+    g = model_of("gemma-f32", gguf_dir)
+    assert g.tied_output and g.hp.head_dim == 256 and g.hp.ffn_gelu and g.hp.embd_scale == math.sqrt(256)
+    assert (g.hp.attn_softcap, g.hp.final_softcap, g.hp.pos_limit) == (0.0, 0.0, 0)
+    g2 = model_of("gemma2-f32", gguf_dir)
+    assert (g2.hp.attn_softcap, g2.hp.final_softcap, g2.hp.pos_limit) == (8.0, 30.0, 4096)
+    assert {"attn_post_norm", "ffn_post_norm"} <= set(g2.layers[0])
+    cfg = g2.attn_config()
+    assert (cfg.logit_softcap, cfg.pos_limit) == (8.0, 4096) and cfg.scale == pytest.approx(1 / math.sqrt(128))
+    # the 27B (46 layers) scales its queries by n_embd / n_head, not by the head size
+    spec27 = dataclasses.replace(fixtures_gguf.SPECS["gemma2-f32"], n_layer=46, n_embd=64, n_ff=64)
+    m27 = load_gguf(fixtures_gguf.write_model(spec27, str(tmp_path / "g27.gguf")))
+    assert m27.attn_config().scale == pytest.approx(1 / math.sqrt(64 // 4))
+    # a window pattern without window layers: no position limit
+    src = fixtures_gguf.fixture_path("gemma2-f32", gguf_dir)
+    u32 = gguf.GGUFValueType.UINT32
+    nopat = _rewrite(src, str(tmp_path / "nopat.gguf"), extra_kv={"{arch}.attention.sliding_window_pattern": (1, u32)})
+    assert load_gguf(nopat).hp.pos_limit == 0
+    # refused: a gemma file with its own output.weight (llama.cpp: wrong number of tensors), a qwen3
+    # file without a Q norm, a qwen3 file that rotates part of each head (llama.cpp asserts)
+    as_gemma = _rewrite(fixtures_gguf.fixture_path("llama-f16", gguf_dir), str(tmp_path / "g.gguf"), arch="gemma")
+    with pytest.raises(ModelError, match="output.weight"):
+        load_gguf(as_gemma)
+    q3src = fixtures_gguf.fixture_path("qwen3-f32", gguf_dir)
+    with pytest.raises(ModelError, match="lacks tensor blk.0.attn_q_norm.weight"):
+        load_gguf(_rewrite(q3src, str(tmp_path / "q.gguf"), drop=("blk.0.attn_q_norm.weight",)))
+    with pytest.raises(ModelError, match="rotates whole heads"):
+        load_gguf(_rewrite(q3src, str(tmp_path / "r.gguf"), kv={"{arch}.rope.dimension_count": (64, u32)}))
+
+
+def test_positions_past_gemma2s_window_are_refused(gguf_dir, tmp_path):
+    """gemma2's window layers run as dense layers, exact while every position is below the window:
+    a batch that reaches it is refused before any cell changes, and ``greedy`` refuses up front."""
+    import gguf
+    src = fixtures_gguf.fixture_path("gemma2-f32", gguf_dir)
+    m = load_gguf(_rewrite(src, str(tmp_path / "w8.gguf"),
+                           kv={"{arch}.attention.sliding_window": (8, gguf.GGUFValueType.UINT32)}))
+    assert m.hp.pos_limit == 8
+    c = cache_for(m, True)
+    run_model_batch(c, Batch.from_sequences([list(range(3, 11))]), m)        # positions 0..7
+    with pytest.raises(ValueError, match="sliding window"):
+        run_model_batch(c, Batch.from_sequences([[5]], start_pos={0: 8}), m)
+    assert c.n_used(0) == 8
+    with pytest.raises(ValueError, match="sliding window.*nothing was decoded"):
+        greedy(cache_for(m, True), m, [[3, 4, 5]], 7)                        # would reach position 8
+    c2 = cache_for(m, True)
+    assert len(greedy(c2, m, [[3, 4, 5]], 6)[0]) == 6 and c2.n_used(0) == 8
+
+
 def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None):
     """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or one tensor's
     type changed (its bytes reinterpreted: only the loader's checks matter here); ``scale``:
@@ -327,7 +386,7 @@ needs_gpu = pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CU
 
 
 GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k", "llama-f32-ropefreqs",
-             "qwen2-f32", "qwen2-q8_0"]
+             "qwen2-f32", "qwen2-q8_0", "qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32"]
 
 
 @pytest.mark.gpu

@@ -390,3 +390,30 @@ def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
     got = run_model_batch(dev_c, step, m, 8, mode)
     _check(got.logits, ref.logits, name)
     print(f"{name} {mode} unified={unified}: decode NMSE {nmse(got.logits, ref.logits):.3g}")
+
+
+# ------------------------------------------------ every architecture against llama.cpp
+@pytest.mark.parametrize("name", ["qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32", "qwen2-q8_0", "llama-q4_k"])
+@pytest.mark.parametrize("mode, unified", [("simple", True), ("equal", False)])
+def test_device_form_matches_llamacpp(tmp_path_factory, name, mode, unified):
+    """The device form of each architecture's block (qwen3's per-head Q/K norms, gemma's scaled
+    embedding and GeGLU, gemma2's post-norms and soft-caps) on the llama.cpp fixtures: prompt
+    logits within 5e-4 of llama.cpp's own (``tests/data/llamacpp_ref``); quantized files 1e-3, as
+    on the GPU (``test_model.py``'s GPU test: block matrices multiply F32 activations where
+    llama.cpp rounds them to 8 bits)."""
+    import fixtures_gguf
+    from test_model import REF_DIR, prompts_of, ref_of
+    if not os.path.exists(os.path.join(REF_DIR, f"{name}.npz")):
+        pytest.fail(f"llama.cpp's reference for {name} is missing from {REF_DIR}")
+    d = str(tmp_path_factory.getbasetemp() / "llamacpp_fixtures")
+    m = load_gguf(fixtures_gguf.fixture_path(name, d))
+    ref = ref_of(name)
+    prompts = prompts_of(ref)
+    c = KVCache(256, len(prompts), unified=unified, n_layer=m.hp.n_layer, n_head_kv=m.hp.n_head_kv,
+                head_dim_k=m.hp.head_dim)
+    got = run_model_batch(c, Batch.from_sequences(prompts), m, 16, mode, logits="all", all_custom=True).logits
+    off = 0
+    for i, p in enumerate(prompts):
+        e = nmse(got[off:off + len(p)], ref[f"logits_{i}"][:len(p)])
+        assert e <= (1e-3 if fixtures_gguf.SPECS[name].wtype.startswith("Q") else 5e-4), (name, i, e)
+        off += len(p)
