@@ -1,7 +1,7 @@
 """Deterministic writer of small random-weight GGUF models (test fixtures).
 
 The files are what llama.cpp's converters would write for a tiny model:
-llama / qwen2 architecture, the usual tensor names and metadata keys, and a
+llama / qwen2 / qwen3 / gemma / gemma2 architecture, the usual tensor names and metadata keys, and a
 dummy SentencePiece ("llama") tokenizer that llama.cpp loads.  Weights are
 random but deterministic (numpy ``default_rng(spec.seed)``); quantized types
 are produced with ggml's own ``ggml_quantize_chunk`` (ggml-python), so the
@@ -34,6 +34,16 @@ llama.cpp, src/llama-arch.cpp, src/models/*.cpp, conversion/__init__.py):
   "MistralForCausalLM": "llama").  So ``mistral-f16`` is a llama-arch file with
   Mistral-like metadata: general.name "Mistral-like", rope base 1e6, GQA 4
   (8 heads / 2 kv heads), head_dim 128.
+* ``qwen3``: RoPE NEOX, no biases, ``attn_q_norm`` / ``attn_k_norm`` ([head_dim])
+  per layer; the fixture's head size (``attention.key_length`` 128) is not
+  n_embd / n_head (64), as in Qwen3-0.6B.
+* ``gemma`` / ``gemma2``: RoPE NEOX, the head always tied to ``token_embd``
+  (llama.cpp refuses an ``output.weight``), D 256 (gemma) / 128 (gemma2);
+  gemma2 adds ``post_attention_norm`` / ``post_ffw_norm`` and the soft-cap keys
+  (here 8 and 30: small enough for the attention cap to change the logits) and
+  ``attention.sliding_window`` 4096 (past the fixtures' 512-token context).
+  Tensors of these families are drawn after each layer's FFN, so the other
+  families' files stay byte-identical.
 
 Usage:
     python tests/fixtures_gguf.py OUTDIR [--only NAME ...]
