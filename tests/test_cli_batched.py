@@ -95,7 +95,7 @@ def test_prompt_dist_is_seeded(capsys):
     (["--prompt-lens", "20,300", "-ntg", "1", "-c", "400"],
      "split 'equal' (split KV, 2 streams of -c/2 cells) needs 602 KV cells but -c 400 holds 512"),
     (["--prompt-dist", "1-3", "-npl", "0", "-ntg", "1"], "-npl values must be >= 1"),
-    (["-c", "-5"], "argument -c/--ctx-size: must be at least 0 (0: sized automatically), got -5"),
+    (["-c", "-5"], "argument -c/--ctx-size: must be at least 0 (0: the model's training context), got -5"),
     (["-npp", "200-16"], "-npp gives no values (a range A-B with B < A is empty)"),
     (["-ntg", "9-1"], "-ntg gives no values"),
     (["-npl", "8-2"], "-npl gives no values"),

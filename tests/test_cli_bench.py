@@ -38,10 +38,9 @@ def test_markdown_optional_columns_follow_flags(capsys):
     rc, out, _ = _run(capsys, "-p", "16", "-n", "0", "-ub", "8,16", "--split", "equal,padded")
     assert rc == 0
     head = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
-    assert head == ["model", "n_layer", "backend", "threads", "n_ubatch", "path", "layer", "kvu", "split",
-                    "test", "t/s"]
+    assert head == ["model", "name", "n_layer", "backend", "threads", "n_ubatch", "path", "split", "test", "t/s"]
     body = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines()[2:6]]
-    assert [(r[4], r[8]) for r in body] == [("8", "equal"), ("8", "padded"), ("16", "equal"), ("16", "padded")]
+    assert [(r[5], r[7]) for r in body] == [("8", "equal"), ("8", "padded"), ("16", "equal"), ("16", "padded")]
 
 
 def test_no_tests_is_an_error(capsys):

@@ -18,15 +18,20 @@ def _table(capsys, *args):
     return head, [dict(zip(head, (c.strip() for c in l.strip("|").split("|")))) for l in lines[2:]]
 
 
-def test_default_attention_run_shows_path_layer_kv_split_and_no_weights(capsys):
+def test_default_attention_run_shows_path_and_no_weights(capsys):
+    """llama-bench's columns, the model's name and path; our layer, kvu and split only when a
+    flag sets them (llama-bench's rule for its own parameters)."""
     head, rows = _table(capsys)
-    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
-    assert (rows[0]["path"], rows[0]["layer"], rows[0]["kvu"], rows[0]["split"]) == ("numpy", "attn", "0", "equal")
+    assert head == ["model", "name", "backend", "threads", "path", "test", "t/s"]
+    assert (rows[0]["model"], rows[0]["name"], rows[0]["path"]) == ("llama ?B F16", "tiny", "numpy")
+    head, rows = _table(capsys, "--layer", "attn", "-kvu", "1", "--split", "equal")
+    assert head == ["model", "name", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
+    assert (rows[0]["path"], rows[0]["layer"], rows[0]["kvu"], rows[0]["split"]) == ("numpy", "attn", "1", "equal")
 
 
 def test_full_layer_shows_weights(capsys):
     head, rows = _table(capsys, "--layer", "attn,full", "--n-layer", "1")
-    assert head[:4] == ["model", "n_layer", "size", "params"]
+    assert head[:5] == ["model", "name", "n_layer", "size", "params"]
     assert [r["layer"] for r in rows] == ["attn", "full"]
     assert [r["size"] for r in rows][0] == "-" and rows[1]["size"].endswith("MiB")
     assert rows[0]["n_layer"] == "1"
@@ -47,8 +52,10 @@ def test_n_layer_only_when_it_differs_from_the_preset(capsys):
 
 
 def test_unified_kv_row(capsys):
-    _, rows = _table(capsys, "--n-layer", "1", "-kvu")
-    assert (rows[0]["kvu"], rows[0]["split"]) == ("1", "simple")
+    head, rows = _table(capsys, "--n-layer", "1", "-kvu")
+    assert "kvu" in head and "split" not in head and rows[0]["kvu"] == "1"
+    _, rows = _table(capsys, "--n-layer", "1", "-kvu", "--split", "simple,equal")
+    assert [(r["kvu"], r["split"]) for r in rows] == [("1", "simple"), ("1", "equal")]
 
 
 def test_json_has_path(capsys):

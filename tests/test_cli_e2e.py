@@ -31,10 +31,10 @@ def test_bench_default_runs_tiny_on_cpu():
     assert rc == 0, err
     lines = out.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
+    assert head == ["model", "name", "backend", "threads", "path", "test", "t/s"]
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:4]]
-    assert [r[7] for r in rows] == ["pp512", "tg128"]
-    assert all(r[0] == "tiny" and r[1] == "CPU" and r[3] == "numpy" for r in rows)
+    assert [r[5] for r in rows] == ["pp512", "tg128"]
+    assert all(r[:3] == ["llama ?B F16", "tiny", "CPU"] and r[4] == "numpy" for r in rows)
     assert lines[-1].startswith("build: ")
 
 
@@ -46,7 +46,8 @@ def test_bench_json_samples_and_csv():
     assert [(d["n_prompt"], d["n_gen"]) for d in data] == [(16, 0), (32, 0), (0, 2), (8, 2)]
     for d in data:
         assert len(d["samples_ns"]) == 2 and len(d["samples_ts"]) == 2
-        assert d["avg_ts"] > 0 and d["backends"] == "CPU" and d["model_type"] == "tiny"
+        assert d["avg_ts"] > 0 and d["backends"] == "CPU" and d["model_name"] == "tiny"
+        assert d["model_type"] == "llama ?B F16"   # llama-bench's: llama.cpp's model description
     assert data[2]["ub"] == 2 and data[3]["ub"] == 3  # tg2: 2 steps; pp8+tg2: 1 + 2
     assert "benchmark 1/4: starting" in err and "prompt run 2/2" in err
     rc, out, err = run("ggml-attn-bench", "-p", "16", "-n", "0", "-r", "1", "-o", "csv", "-ub", "8,16",
@@ -72,7 +73,8 @@ def test_bench_gguf_model(tmp_path):
                        "--layer", "full", "--device", "cpu")
     assert rc == 0, err
     row = json.loads(out)
-    assert row["model_type"] == "from-gguf" and row["n_head_kv"] == 2 and row["head_dim"] == 32
+    assert row["model_name"] == "from-gguf" and row["n_head_kv"] == 2 and row["head_dim"] == 32
+    assert row["model_type"] == "llama ?B (guessed) all F32"   # no general.file_type, no tensors
     assert row["layer"] == "full" and row["model_filename"] == str(path)
     rc, _, err = run("ggml-attn-bench", "-m", str(path), "-p", "1024", "-n", "0", "--device", "cpu")
     assert rc == 2 and "context overflow" in err

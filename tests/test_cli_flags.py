@@ -68,13 +68,14 @@ def test_threads_capped_with_a_sentence(capsys, value):
     assert f"-t {value}" in err and "512" in err
 
 
-def test_batched_fa_is_a_word(capsys):
+def test_batched_fa_is_llama_cpps_integer(capsys):
+    """llama-batched-bench's jsonl and main line: int(flash_attn_type), -1 for auto."""
     rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", "-o", "jsonl", *FAST)
     assert rc == 0, err
-    assert json.loads(out)["flash_attn"] == "auto"
+    assert json.loads(out)["flash_attn"] == -1
     rc, out, err = _batched(capsys, "-npp", "8", "-npl", "1", "-ntg", "1", *FAST)
     assert rc == 0, err
-    assert "flash_attn = auto" in out
+    assert "flash_attn = -1," in out
 
 
 # ---- -b < -ub as llama.cpp (n_ubatch clamped to n_batch)
@@ -268,7 +269,6 @@ def test_ngl_zero_is_the_cpu_path(capsys):
 
 @pytest.mark.parametrize("args, msg", [
     (["-ngl", "1", "--n-layer", "2"], "all layers"),
-    (["-ngl", "0,99"], "one -ngl value"),
     (["-ngl", "99", "--device", "cpu"], "--device cpu"),
     (["-ngl", "0", "--device", "cuda"], "--device cuda"),
 ])
@@ -318,7 +318,7 @@ def test_both_tools_take_fa_and_kvu_as_llama_cpp(capsys, fa, word, kvu, unified)
                             "-fa", fa, *kvu, *FAST)
     assert rc == 0, err
     row = json.loads(out)
-    assert row["flash_attn"] == word and row["kv_unified"] is unified
+    assert row["flash_attn"] == {"on": 1, "off": 0, "auto": -1}[word] and row["kv_unified"] is unified
 
 
 @pytest.mark.parametrize("args, flag", [(["-fa", "maybe"], "-fa/--flash-attn"), (["-kvu", "2"], "-kvu/--kv-unified"),

@@ -10,7 +10,7 @@ from ggml_attn.cli import format_bench as fmt
 def _row(**kw):
     row = {f: 0 for f in fmt.FIELDS}
     row.update(build_commit="abc1234", cpu_info="cpu", gpu_info="", backends="CPU",
-               model_filename="tiny", model_type="tiny", model_size=25 * 2**20,
+               model_filename="tiny", model_type="llama ?B F16", model_name="tiny", model_size=25 * 2**20,
                model_n_params=13_000_000, n_batch=2048, n_ubatch=512, n_threads=2,
                type_k="f16", type_v="f16", flash_attn=-1, kv_unified=False, split="equal",
                path="numpy",
@@ -50,26 +50,27 @@ def test_markdown_anchors_and_optional_columns():
     text = _render("md", [_row(), _row(n_prompt=0, n_gen=16)], build="x")
     lines = text.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "backend", "threads", "path", "layer", "kvu", "split", "test", "t/s"]
+    assert head == ["model", "name", "backend", "threads", "path", "test", "t/s"]
     assert lines[1].startswith("| :") is False and lines[1].startswith("| -")
     assert lines[1].split("|")[-2].strip().endswith(":")  # t/s right-aligned
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[0] == "tiny" and cells[3] == "numpy" and cells[4:7] == ["attn", "0", "equal"]
-    assert cells[7] == "pp512" and " ± " in cells[8]
-    assert [c.strip() for c in lines[3].strip("|").split("|")][7] == "tg16"
+    assert cells[:2] == ["llama ?B F16", "tiny"] and cells[4] == "numpy"
+    assert cells[5] == "pp512" and " ± " in cells[6]
+    assert [c.strip() for c in lines[3].strip("|").split("|")][5] == "tg16"
     # every row as wide as the header (llama-bench pads to fixed widths)
     assert len({len(l) for l in lines[:4]}) == 1
-    cols = fmt.markdown_columns("CUDA", ["n_ubatch", "kernel"], weights=True, n_layer=True)
-    assert cols == ["model", "n_layer", "size", "params", "backend", "n_gpu_layers", "n_ubatch", "path",
-                    "kernel", "layer", "kv_unified", "split", "test", "t/s"]
+    cols = fmt.markdown_columns("CUDA", ["n_ubatch", "kernel", "layer", "kv_unified", "split"], weights=True,
+                                n_layer=True)
+    assert cols == ["model", "model_name", "n_layer", "size", "params", "backend", "n_gpu_layers", "n_ubatch",
+                    "path", "kernel", "layer", "kv_unified", "split", "test", "t/s"]
     text = _render("md", [_row(backends="CUDA", n_gpu_layers=2, path="CUDA kernels", layer="full")],
                    md_columns=cols)
     lines = text.splitlines()
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert head == ["model", "n_layer", "size", "params", "backend", "ngl", "n_ubatch", "path", "kernel",
+    assert head == ["model", "name", "n_layer", "size", "params", "backend", "ngl", "n_ubatch", "path", "kernel",
                     "layer", "kvu", "split", "test", "t/s"]
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells[2] == "25.00 MiB" and cells[3] == "13.00 M" and cells[7] == "CUDA kernels"
+    assert cells[3] == "25.00 MiB" and cells[4] == "13.00 M" and cells[8] == "CUDA kernels"
 
 
 def test_csv_parses():
@@ -103,8 +104,14 @@ def test_batched_math_like_llama_batched_bench():
     assert r["n_kv"] == 4 * (128 + 16)
     assert r["speed_pp"] == 4 * 128 / 0.5 and r["speed_tg"] == 4 * 16 / 0.25
     assert r["t"] == 0.75 and r["speed"] == r["n_kv"] / 0.75
-    shared = _brow(is_pp_shared=1)
+    shared = _brow(is_pp_shared=1, kv_unified=True)
     assert shared["n_kv"] == 128 + 4 * 16 and shared["speed_pp"] == 128 / 0.5
+    assert shared["speed"] == (128 + 4 * 16) / 0.75
+    # one stream per sequence: the shared prompt is copied into each (N_KV pl*pp + pl*tg, as
+    # llama-batched-bench), the tokens processed count it once
+    copied = _brow(is_pp_shared=1, kv_unified=False)
+    assert copied["n_kv"] == 4 * 128 + 4 * 16 and copied["speed_pp"] == 128 / 0.5
+    assert copied["speed"] == (128 + 4 * 16) / 0.75
     ragged = _brow(pp=None, pl=10, prompt_lens=list(range(1, 11)))
     assert ragged["prompt_tokens"] == 55 and ragged["n_kv"] == 55 + 10 * 16
 

@@ -154,7 +154,7 @@ def test_bench_layer_default_is_per_model(gguf, capsys):
                      "-o", "jsonl"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["model_type"].startswith("tiny"), r["layer"]) for r in rows] == [(False, "model"), (True, "attn")]
+    assert [(r["model_name"] == "tiny", r["layer"]) for r in rows] == [(False, "model"), (True, "attn")]
 
 
 @pytest.mark.parametrize("tool", ["bench", "batched"])

@@ -45,9 +45,9 @@ def _err(capsys, tool, *args):
     (["-sm", "layer", "--device", "cpu"], "ggml_attn.graph.pipe are for tests"),
     (["-sm", "row", "--device", "cpu"], "--device cpu runs one rank"),
     (["-sm", "layer", "--n-gpu", "64"], "-sm layer on 64 GPUs: only"),
-    (["-sm", "layer", "-ts", "1,x"], "expected proportions"),
+    (["-sm", "layer", "-ts", "1/x"], "expected proportions"),   # '/' between GPUs: both tools
     (["-sm", "none", "--n-gpu", "2"], "needs -sm row"),
-    (["-sm", "none", "-ts", "1,1"], "it needs -sm row"),
+    (["-sm", "none", "-ts", "1/1"], "it needs -sm row"),
     (["-sm", "row", "--n-gpu", "64"], "only"),
 ])
 def test_multi_gpu_user_errors(capsys, tool, args, msg):
@@ -136,7 +136,7 @@ def test_layers_checked_before_any_process_starts(checked_run):
     with pytest.raises(UserError, match="3 ranks but only 2 layer"):   # --n-layer counts
         run(["-m", "llama-3-8b", "--n-layer", "2", "-sm", "layer", "--n-gpu", "3"])
     with pytest.raises(UserError, match=r"rank\(s\) \[1\] get no layer"):
-        run(["-m", "llama-3-8b", "-sm", "layer", "-ts", "1,0"])
+        run(["-m", "llama-3-8b", "-sm", "layer", "-ts", "1/0"])   # llama-bench's '/' between GPUs
     run_b = multi_gpu.wrap(lambda argv: pytest.fail("no rank may run"), "ggml_attn.cli.batched_bench",
                            batched_bench.build_parser)
     with pytest.raises(UserError, match="4 ranks but only 2 layer"):

@@ -103,9 +103,9 @@ def test_warmup_runs_each_row_once_untimed(capsys, monkeypatch):
     calls = []
     real = batched_bench.run_row
 
-    def counting(runner, row, pps):
+    def counting(runner, row, pps, tgs=False):
         calls.append(row["pl"])
-        return real(runner, row, pps)
+        return real(runner, row, pps, tgs)
     monkeypatch.setattr(batched_bench, "run_row", counting)
     rc = batched_bench.main(["-npp", "8", "-npl", "1,2", "-ntg", "2", "-r", "2", "-o", "jsonl", "--warmup"] + FAST)
     out = capsys.readouterr()

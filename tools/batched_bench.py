@@ -32,7 +32,7 @@ from .output import SafeWriter
 from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
-from .format_bench import attention_path
+from .format_bench import FA_INT, attention_path
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, kernel_help,
                      check_threads, effective_ubatch, splits_of)
 from .verbose import Verbose
@@ -75,6 +75,10 @@ def build_parser() -> Parser:
                    help="seed of --prompt-dist and the inputs (default: 0)")
     p.add_argument("-pps", action="store_true",
                    help="one shared prompt: decode it once for sequence 0 and copy it to the others")
+    p.add_argument("-tgs", action="store_true",
+                   help="text generation separated across the sequences (llama.cpp's is_tg_separate): "
+                        "each sequence's TG tokens are decoded one per step, one sequence after the "
+                        "other, instead of one token of every sequence per step")
     add_kv_split_flags(p, SPLITS)
     p.add_argument("--kernel", choices=KERNELS, default="auto", help=kernel_help() + " (default: auto)")
     p.add_argument("--layer", choices=LAYERS, default=None,
@@ -89,8 +93,10 @@ def build_parser() -> Parser:
     p.add_argument("-fa", "--flash-attn", type=parse_fa_one, default="auto", metavar="on|off|auto",
                    help="on/auto (1/-1): ggml_attn.flash_attn_ext; off (0): ggml's mul_mat+soft_max "
                         "(default: auto)")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: sized automatically)"), default=0, metavar="N",
-                   help="KV cells in all; 0: just enough for the largest row (default: 0)")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: the model's training context)"), default=0,
+                   metavar="N", help="KV cells in all, rows that need more are skipped; 0: the model's training "
+                                     "context limits the rows (as llama.cpp) and the cache holds what the largest "
+                                     "row that runs needs (default: 0)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
                    help="logical batch size (default: 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, metavar="N",
@@ -138,23 +144,42 @@ def row_label(row) -> str:
     return f"B={row['pl']} PP={fb.pp_label(dict(row, pp=row['pp'] or 0))} TG={row['tg']}"
 
 
-def rows_that_fit(ns, rows: list[dict], splits: list[str]) -> list[dict]:
-    """With ``-c``, the rows that fit it, as llama-batched-bench runs them: a row whose N_KV
-    (its n_ctx_req) exceeds the context is skipped (llama-batched-bench's usage line, ``-c 2048
-    -npl 1,2,4,8,16,32``, has such rows), and so is one whose sequences do not fit the streams
-    of a split KV cache (each of B streams holds -c/B cells). One line on stderr names the
-    skipped rows; when none is left, the first one's overflow is the UserError."""
-    if not ns.ctx_size:
+def n_ctx_req(ns, row, splits: list[str]) -> int:
+    """llama-batched-bench's n_ctx_req (its N_KV) of ``row``: the least over the ``splits``
+    (a shared prompt takes fewer cells on the unified KV cache of ``simple``)."""
+    return min(ctx_needed(row, ns.pps, strategy_kv(split, ns.kv_unified), ns.ubatch_size)[0] for split in splits)
+
+
+def rows_that_fit(ns, rows: list[dict], splits: list[str], n_ctx_train: int = 0) -> list[dict]:
+    """The rows that fit the context, as llama-batched-bench runs them: a row whose N_KV (its
+    n_ctx_req) exceeds the context is skipped (llama-batched-bench's usage line, ``-c 2048 -npl
+    1,2,4,8,16,32``, has such rows). The context is ``-c``'s or, with ``-c 0`` (llama.cpp's
+    "loaded from model"), the model's training context ``n_ctx_train`` (0: unknown, no limit);
+    only with ``-c`` is the KV cache that size, so only then is a row also skipped whose
+    sequences do not fit the streams of a split KV cache (each of B streams holds -c/B cells).
+    One line on stderr names the skipped rows; when none is left, the first one's overflow is
+    the UserError."""
+    c = ns.ctx_size or n_ctx_train
+    if not c:
         return rows
-    c, skipped, first = ns.ctx_size, [], None
+    where = "the context" if ns.ctx_size else "the model's training context (-c 0)"
+    skipped, first = [], None
     fits = []
     for r in rows:
-        req = ctx_needed(r, ns.pps, True, ns.ubatch_size)[0]
+        req = n_ctx_req(ns, r, splits)
         if req > c:
             skipped.append(f"{row_label(r)} (N_KV {req})")
-            first = first or f"context overflow: {row_label(r)} needs {req} KV cells but the context holds {c}"
+            first = first or (f"context overflow: {row_label(r)} needs {req} KV cells but {where} holds {c}"
+                              + ("" if ns.ctx_size else "; raise it with -c"))
         else:
             fits.append(r)
+    if not ns.ctx_size:   # -c 0: the cache is sized for the rows that run (main())
+        if not fits:
+            raise UserError(first)
+        if skipped:
+            print(f"{PROG}: skipping {len(skipped)} row(s) that do not fit the model's training context "
+                  f"({c} tokens; -c 0, as llama-batched-bench): {', '.join(skipped)}", file=sys.stderr, flush=True)
+        return fits
     def layout_miss(r, n_seq):
         """(split, cells needed, cells held) when ``r`` does not fit ``n_seq`` streams, else None."""
         for split in splits:
@@ -185,7 +210,7 @@ def rows_that_fit(ns, rows: list[dict], splits: list[str]) -> list[dict]:
         skipped.append(f"{row_label(r)} (split '{split}' needs {ours} cells in {n} streams)")
         kv = "unified KV" if kvu else f"split KV, {n} streams of -c/{n} cells"
         first = first or (f"context overflow: split '{split}' ({kv}) needs {ours} KV cells but "
-                          f"-c {c} holds {cache_capacity(c, n, kvu)}; raise -c (or 0: sized automatically)")
+                          f"-c {c} holds {cache_capacity(c, n, kvu)}; raise -c (or 0: sized for the rows)")
     if not kept:
         raise UserError(first)
     if skipped:
@@ -194,8 +219,10 @@ def rows_that_fit(ns, rows: list[dict], splits: list[str]) -> list[dict]:
     return kept
 
 
-def run_row(runner: Runner, row: dict, pps: bool) -> dict:
-    """llama-batched-bench's body for one row on an empty cache; returns timings and counts."""
+def run_row(runner: Runner, row: dict, pps: bool, tgs: bool = False) -> dict:
+    """llama-batched-bench's body for one row on an empty cache; returns timings and counts.
+    ``tgs`` (``-tgs``): the TG phase decodes sequence 0's tokens one per step, then sequence 1's,
+    ... (B x TG steps of one token) instead of TG steps of one token per sequence."""
     lens = lens_of(row)
     pl, tg = row["pl"], row["tg"]
     runner.clear()
@@ -206,9 +233,10 @@ def run_row(runner: Runner, row: dict, pps: bool) -> dict:
             for j in range(1, pl):
                 runner.seq_cp(0, j)
     n_ub_tg = 0
+    steps = [[j] for j in range(pl) for _ in range(tg)] if tgs else [list(range(pl))] * tg
     with runner.timer() as t_tg:
-        for _ in range(tg):
-            n_ub_tg += runner.decode(runner.step_batch(list(range(pl))), sync=False).n_ubatches
+        for seqs in steps:
+            n_ub_tg += runner.decode(runner.step_batch(seqs), sync=False).n_ubatches
     return dict(t_pp=t_pp.ns / 1e9, t_tg=t_tg.ns / 1e9, ub=st.n_ubatches, n_pad=st.n_pad, ub_tg=n_ub_tg,
                 _shapes=st.shapes)
 
@@ -235,7 +263,7 @@ def _main(argv=None) -> int:
     splits = splits_of(ns.split, ns.kv_unified)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
         raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
-    rows = rows_that_fit(ns, rows, splits)
+    rows = rows_that_fit(ns, rows, splits, model.n_ctx_train)
     note_cpu_fallback(ngl, device, PROG)
     n_seq = max(r["pl"] for r in rows)
     # size the caches once, for the largest row of every strategy; -c is a hard limit (a padded
@@ -303,9 +331,11 @@ def free_device_memory(device: str) -> None:
 
 def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
     kvus = {strategy_kv(split, ns.kv_unified) for split in splits}
-    info = dict(n_kv_max=max(cells.values()), n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
-                flash_attn=ns.flash_attn, is_pp_shared=int(ns.pps),
-                n_gpu_layers=model.n_layer if device == "cuda" else 0, n_threads=ns.threads,
+    # n_kv_max: llama_n_ctx, -c's or (-c 0) the model's training context; the cache may hold less
+    info = dict(n_kv_max=ns.ctx_size or model.n_ctx_train or max(cells.values()), n_batch=ns.batch_size,
+                n_ubatch=ns.ubatch_size, flash_attn=FA_INT[ns.flash_attn], is_pp_shared=int(ns.pps),
+                is_tg_separate=int(ns.tgs), n_gpu_layers=model.n_layer if device == "cuda" else 0,
+                n_threads=ns.threads, kv_cells=max(cells.values()),
                 n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name,
                 device=device + ("+graphs" if device == "cuda" and ns.cuda_graph == "on" else ""),
                 kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
@@ -333,15 +363,16 @@ def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
                 runner = runner_for(split)
                 if ns.warmup:
                     progress(idx, f"warm-up run of {what}")
-                    run_row(runner, row, ns.pps)
+                    run_row(runner, row, ns.pps, ns.tgs)
                 samples = []
                 for _ in range(reps):
-                    samples.append(run_row(runner, row, ns.pps))
+                    samples.append(run_row(runner, row, ns.pps, ns.tgs))
                     bar.update(what)
                 verbose.shapes(f"{what}: prompt", samples[0].pop("_shapes"))
                 res = dict(samples[0], t_pp_samples=[x["t_pp"] for x in samples],
                            t_tg_samples=[x["t_tg"] for x in samples])
                 out = dict(pp=row["pp"], tg=row["tg"], pl=row["pl"], is_pp_shared=int(ns.pps),
+                           is_tg_separate=int(ns.tgs),
                            split=split, kv_unified=runner.cfg.kv_unified, model=model.name,
                            device=device, path=info["path"], kernel=ns.kernel, layer=ns.layer,
                            repetitions=reps, **res)

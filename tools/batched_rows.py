@@ -66,7 +66,8 @@ def lens_of(row) -> list[int]:
 
 def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None = None,
                pads: bool = True) -> tuple[int, int]:
-    """(llama-batched-bench's n_ctx_req, cells our cache needs for this row).
+    """(llama-batched-bench's n_ctx_req, cells our cache needs for this row); a shared prompt
+    (``pps``) takes its cells once in a ``unified`` cache, once per sequence otherwise.
 
     A split cache gives every one of its ``n_seq`` streams (default: B) n_ctx / n_seq cells, so
     it needs n_seq times this row's longest sequence; padded ubatches of ragged prompts
@@ -74,7 +75,8 @@ def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None =
     fewer than the longest prompt for each but the longest sequence."""
     lens = lens_of(row)
     tg, pl = row["tg"], row["pl"]
-    req = (max(lens) + pl * tg) if pps else (sum(lens) + pl * tg)
+    # llama-batched-bench: is_pp_shared ? (kv_unified ? pp : pl*pp) + pl*tg : pl*(pp + tg)
+    req = ((max(lens) if unified else pl * max(lens)) + pl * tg) if pps else (sum(lens) + pl * tg)
     if unified:  # only ragged prompts get pad rows, fewer than max(lens) per padded sequence
         ragged = pads and not pps and min(lens) != max(lens)
         return req, req + (min(n_ubatch, (pl - 1) * max(lens)) if ragged else 0)

@@ -73,7 +73,8 @@ def build_parser() -> Parser:
              help="V cache type, as -ctk; a quantized V needs flash attention (as llama.cpp)")
     add_list(p, "-ngl", "--n-gpu-layers", type=parse_int_range, default=[], metavar="N",
              help="llama-bench's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
-                  "all layers on the GPU; a partial offload is an error (default: per --device)")
+                  "all layers on the GPU; a partial offload is an error; a list (0,99) runs a row per "
+                  "value (default: per --device)")
     add_list(p, "-t", "--threads", type=parse_int_range, default=[default_threads()], metavar="N",
              help="CPU threads")
     p.add_argument("--device", choices=DEVICES, default="auto",
@@ -102,7 +103,7 @@ def build_parser() -> Parser:
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
-    multi_gpu.add_args(p)
+    multi_gpu.add_args(p, add_list)
     add_list_devices(p)
     add_inert_flags(p, LLAMA_BENCH_INERT)
     add_version(p)
@@ -117,19 +118,29 @@ def tests_of(ns) -> list[tuple[int, int]]:
     return out
 
 
-def optional_columns(ns) -> list[str]:
-    """Markdown columns to show: flags with several or non-default values."""
+def optional_columns(ns, insts: list[dict] | None = None) -> list[str]:
+    """Markdown columns to show: flags with several or non-default values (llama-bench's rule),
+    and a layer column when the rows' layers differ (a .gguf and a preset)."""
     defaults = {"n_batch": ("batch_size", [2048]), "n_ubatch": ("ubatch_size", [512]),
                 "flash_attn": ("flash_attn", ["auto"]), "kernel": ("kernel", ["auto"]),
-                "type_k": ("cache_type_k", ["f16"]), "type_v": ("cache_type_v", ["f16"])}
-    return [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
+                "type_k": ("cache_type_k", ["f16"]), "type_v": ("cache_type_v", ["f16"]),
+                "n_threads": ("threads", [default_threads()]), "kv_unified": ("kv_unified", [False]),
+                "split": ("split", [""]), "layer": ("layer", [])}
+    cols = [col for col, (dest, dflt) in defaults.items() if getattr(ns, dest) != dflt]
+    if len({inst["layer"] for inst in insts or ()}) > 1 and "layer" not in cols:
+        cols.append("layer")
+    if len(set(ns.n_gpu_layers)) > 1:
+        cols.append("n_gpu_layers")
+    if ns.tensor_split:
+        cols.append("tensor_split")
+    return cols
 
 
 def md_columns(ns, insts, backend: str) -> list[str]:
     """The markdown columns of this run (see format_bench.markdown_columns)."""
     weights = any(inst["layer"] in ("full", "model") for inst in insts)
     n_layer = any(inst["model"].n_layer != _own_layers(inst["model"]) for inst in insts)
-    return fmt.markdown_columns(backend, optional_columns(ns), weights=weights, n_layer=n_layer)
+    return fmt.markdown_columns(backend, optional_columns(ns, insts), weights=weights, n_layer=n_layer)
 
 
 def _own_layers(model) -> int:
@@ -137,14 +148,25 @@ def _own_layers(model) -> int:
     return resolve(model.source if model.source != "preset" else model.name).n_layer
 
 
-def instances(ns, device: str) -> list[dict]:
+def ngl_devices(ns) -> dict:
+    """The device of each ``-ngl`` value (None: not given): 0 the CPU path, N at least the
+    model's layers the GPU (the CPU when there is none, :func:`placement.note_cpu_fallback`),
+    as llama-bench's -ngl 0,99 sweep; a test runs on one device, so a partial offload is refused
+    (:func:`placement.check_ngl`)."""
+    return {n: resolve_ngl_device(None if n is None else [n], ns.device) for n in ns.n_gpu_layers or [None]}
+
+
+def instances(ns, devices: dict) -> list[dict]:
+    """The tests in llama-bench's order: one per combination of the flags' values (``devices``:
+    :func:`ngl_devices`) and test (:func:`tests_of`), each checked (UserError)."""
     models = []
     for name in ns.model:
-        if name == "auto":
-            name = DEFAULT_GPU_MODEL if device == "cuda" else DEFAULT_CPU_MODEL
+        if name == "auto":   # the GPU's default model when any -ngl value runs there
+            name = DEFAULT_GPU_MODEL if "cuda" in devices.values() else DEFAULT_CPU_MODEL
         models.append(with_layers(resolve(name), ns.n_layer))
     params = combinations({
-        "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
+        "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size, "n_gpu_layers": list(devices),
+        "tensor_split": ns.tensor_split or [()],
         "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
         "kernel": ns.kernel, "layer": ns.layer or [None], "type_k": ns.cache_type_k, "type_v": ns.cache_type_v,
         "n_threads": ns.threads, "n_depth": ns.n_depth})
@@ -152,9 +174,10 @@ def instances(ns, device: str) -> list[dict]:
     for inst in params:
         if inst["layer"] is None:
             inst["layer"] = default_layer(inst["model"])
+        inst["device"] = device = devices[inst["n_gpu_layers"]]
         inst["n_ubatch"] = effective_ubatch(inst["n_batch"], inst["n_ubatch"])
         check_threads(inst["n_threads"])
-        check_ngl(ns.n_gpu_layers, inst["model"])
+        check_ngl([inst["n_gpu_layers"]] if inst["n_gpu_layers"] is not None else None, inst["model"])
         check_cache_types(inst["type_k"], inst["type_v"], device=device, flash_attn=inst["flash_attn"] != "off",
                           head_dim_k=inst["model"].head_dim, head_dim_v=inst["model"].d_v, kernel=inst["kernel"],
                           n_gpu=multi_gpu.n_gpu())
@@ -172,15 +195,16 @@ def instances(ns, device: str) -> list[dict]:
 
 def _runner_key(inst):
     return tuple(inst[k] for k in ("model", "n_batch", "n_ubatch", "flash_attn", "kv_unified", "split",
-                                   "kernel", "layer", "type_k", "type_v", "n_threads")) + (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
+                                   "kernel", "layer", "type_k", "type_v", "n_threads", "device")) + \
+        (inst["n_prompt"] + inst["n_gen"] + inst["n_depth"],)
 
 
-def run_config(inst: dict, ns, device: str) -> RunConfig:
+def run_config(inst: dict, ns) -> RunConfig:
     """The runner configuration of test ``inst`` (its checks run here: UserError)."""
     return RunConfig(inst["model"], n_ctx=_runner_key(inst)[-1], n_seq=1, kv_unified=inst["kv_unified"],
                      split=inst["split"], n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
                      flash_attn=inst["flash_attn"] != "off", kernel=inst["kernel"], layer=inst["layer"],
-                     device=device, n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
+                     device=inst["device"], n_threads=inst["n_threads"], seed=ns.seed, type_k=inst["type_k"],
                      type_v=inst["type_v"], cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current())
 
 
@@ -219,11 +243,11 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
     return {"samples_ns": samples, "ub": n_ub, "_shapes": shapes}
 
 
-def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False, ns=None) -> dict:
+def make_row(inst: dict, result: dict, cuda_graph: bool = False, ns=None) -> dict:
     """A result row: llama-bench's fields (``format_bench.FIELDS``; ``flash_attn`` as its integer,
-    the settings this tool has no flag for at llama-bench's defaults) and ours. ``ns``: the
-    parsed flags (-sm, -mg, -ts)."""
-    m = inst["model"]
+    n_gpu_layers the layers on the GPU, tensor_split as llama-bench writes it, the settings this
+    tool has no flag for at llama-bench's defaults) and ours. ``ns``: the parsed flags (-mg)."""
+    m, device = inst["model"], inst["device"]
     ctx = multi_gpu.current()
     commit, number = build_info()
     split = inst["split"] or default_split(inst["kv_unified"])
@@ -232,14 +256,14 @@ def make_row(inst: dict, result: dict, device: str, cuda_graph: bool = False, ns
         gpu_info=gpu_info() if device == "cuda" else "",
         backends=("CUDA+graphs" if cuda_graph else "CUDA") if device == "cuda" else "CPU",
         model_filename=m.source if m.source != "preset" else m.name,
-        model_type=f"{m.name} {m.file_type}" if inst["layer"] == "model" else m.name,
+        model_type=m.desc, model_name=m.name,
         model_size=m.file_bytes if inst["layer"] == "model" else m.size_bytes,
         model_n_params=m.file_params if inst["layer"] == "model" else m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
         n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
         n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=fmt.FA_INT[inst["flash_attn"]],
         split_mode=ctx.mode if ctx is not None and ctx.n_rank > 1 else "none",
-        main_gpu=getattr(ns, "main_gpu", 0), tensor_split=getattr(ns, "tensor_split", "") or "0.00",
+        main_gpu=getattr(ns, "main_gpu", 0), tensor_split=multi_gpu.ts_text(inst.get("tensor_split")),
         **fmt.LLAMA_BENCH_DEFAULTS,
         kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
         path=fmt.attention_path(device, inst["flash_attn"], inst["kernel"]),
@@ -266,12 +290,18 @@ def _main(argv=None) -> int:
                        ("n_gpu_layers", "-ngl")):
         if dest in ns.explicit and not getattr(ns, dest):   # a range A-B with B < A gives no values
             raise UserError(f"{flag} gives no values (a range A-B with B < A is empty)")
-    device = resolve_ngl_device(ns.n_gpu_layers, ns.device)
-    insts = instances(ns, device)
+    devices = ngl_devices(ns)
+    insts = instances(ns, devices)
     if not insts:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
-    note_cpu_fallback(ns.n_gpu_layers, device, PROG)
-    backend = "CUDA" if device == "cuda" else "CPU"
+    note_cpu_fallback([n for n, dev in devices.items() if n and dev == "cpu"], "cpu", PROG)
+    if len(devices) > 1:
+        print(f"{PROG}: -ngl {','.join(map(str, devices))}: a row per value; 0 runs the CPU path, N >= the model's "
+              f"layers all layers on the GPU (n_gpu_layers: the layers that ran there)", file=sys.stderr, flush=True)
+    if ns.tensor_split and ns.split_mode == "none":
+        print(f"{PROG}: -ts: with -sm none the model runs on one device (-mg's); the value is recorded in the "
+              f"rows' tensor_split", file=sys.stderr, flush=True)
+    backend = "CUDA" if "cuda" in devices.values() else "CPU"
     commit, number = build_info()
     columns, build = md_columns(ns, insts, backend), f"{commit} ({number})"
     bar = ProgressBar(len(insts), PROG, enabled=False if ns.progress else None)
@@ -281,7 +311,7 @@ def _main(argv=None) -> int:
                                                     md_columns=columns, build=build))
     verbose = Verbose(PROG, ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
-    configs = {_runner_key(inst): run_config(inst, ns, device) for inst in insts}   # every check, before any output
+    configs = {_runner_key(inst): run_config(inst, ns) for inst in insts}   # every check, before any output
     printer.header()
     runner, key = None, None
     try:
@@ -298,7 +328,7 @@ def _main(argv=None) -> int:
             result = run_test(runner, inst, ns.repetitions, not ns.no_warmup, progress, idx)
             verbose.shapes(f"test {idx} {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])}, "
                            f"{result['ub']} ubatches per repetition", result["_shapes"])
-            printer.row(make_row(inst, result, device, ns.cuda_graph == "on", ns))
+            printer.row(make_row(inst, result, ns.cuda_graph == "on", ns))
             bar.update(fmt.test_name(inst["n_prompt"], inst["n_gen"], inst["n_depth"]))
     finally:
         bar.close()

@@ -26,7 +26,7 @@ FORMATS = ("md", "jsonl")
 JSONL_KEYS = ["n_kv_max", "n_batch", "n_ubatch", "flash_attn", "is_pp_shared", "n_gpu_layers",
               "n_threads", "n_threads_batch", "pp", "tg", "pl", "n_kv", "t_pp", "speed_pp",
               "t_tg", "speed_tg", "t", "speed",
-              "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "pp_min", "pp_max", "kv_unified",
+              "is_tg_separate", "split", "ub", "ub_tg", "n_pad", "prompt_tokens", "pp_min", "pp_max", "kv_unified",
               "repetitions", "speed_pp_stddev", "speed_tg_stddev", "speed_stddev", "t_pp_samples",
               "t_tg_samples", "type_k", "type_v", "model",
               "device", "path", "kernel", "layer"]
@@ -44,7 +44,10 @@ TERMS = (
     "prompt_tokens: prompt tokens of the row. pp in jsonl, ragged prompts (--prompt-lens, "
     "--prompt-dist): the mean prompt length, prompt_tokens / pl (so pl * pp is the prompt tokens, "
     "as with uniform prompts); pp_min, pp_max and prompt_lens give the distribution; md's PP shows "
-    "MIN-MAX. --plan shows each ubatch "
+    "MIN-MAX. is_tg_separate: 1 with -tgs (llama.cpp's main line has it, its jsonl not). "
+    "kv_cells (main line): the KV cells the cache holds, when other than n_kv_max (with -c 0 "
+    "n_kv_max is the model's training context, as llama.cpp's, and the cache holds what the "
+    "largest row needs). --plan shows each ubatch "
     "as n_seqs x n_seq_tokens, llama.cpp's ubatch shape: simple, N tokens -> Nx1; equal or "
     "padded, B sequences of T tokens -> BxT; seq -> 1xT; 2*10x1 is two 10x1 ubatches.")
 
@@ -102,7 +105,8 @@ def _stdev(values):
 def finish_row(row: dict) -> dict:
     """Derive n_kv, speeds and totals as llama-batched-bench does; returns ``row``.
 
-    Needs pp (or prompt_lens), tg, pl, is_pp_shared, and t_pp, t_tg (seconds) or, with ``-r``,
+    Needs pp (or prompt_lens), tg, pl, is_pp_shared, kv_unified (with is_pp_shared), and t_pp,
+    t_tg (seconds) or, with ``-r``,
     ``t_pp_samples`` / ``t_tg_samples`` (one per repetition): times are then means, and each
     speed is the mean of the per-repetition speeds with its sample stddev (``*_stddev``), as
     llama-bench computes t/s.
@@ -114,8 +118,12 @@ def finish_row(row: dict) -> dict:
         prompt_tokens = row["pp"] if row["is_pp_shared"] else row["pl"] * row["pp"]
     row["prompt_tokens"] = prompt_tokens
     row["pp_min"], row["pp_max"] = (min(lens), max(lens)) if lens else (row["pp"], row["pp"])
-    # llama-batched-bench: is_pp_shared ? pp + pl*tg : pl*(pp + tg)
-    row["n_kv"] = prompt_tokens + row["pl"] * row["tg"]
+    # llama-batched-bench's n_kv (its n_ctx_req): is_pp_shared ? (kv_unified ? pp : pl*pp) + pl*tg
+    # : pl*(pp + tg) -- a shared prompt is one set of cells in a unified cache, a copy in each
+    # sequence's stream otherwise; the tokens processed (S t/s) count it once either way
+    n_tokens = prompt_tokens + row["pl"] * row["tg"]
+    shared_copies = row["is_pp_shared"] and not row.get("kv_unified", True)
+    row["n_kv"] = (row["pl"] * prompt_tokens + row["pl"] * row["tg"]) if shared_copies else n_tokens
     tp = list(row.get("t_pp_samples") or [row["t_pp"]])
     tt = list(row.get("t_tg_samples") or [row["t_tg"]])
     row["t_pp_samples"], row["t_tg_samples"] = tp, tt
@@ -124,12 +132,29 @@ def finish_row(row: dict) -> dict:
     speeds = {
         "speed_pp": [prompt_tokens / t if t > 0 else 0.0 for t in tp],
         "speed_tg": [row["pl"] * row["tg"] / t if t > 0 else 0.0 for t in tt],
-        "speed": [row["n_kv"] / (a + b) if a + b > 0 else 0.0 for a, b in zip(tp, tt)],
+        "speed": [n_tokens / (a + b) if a + b > 0 else 0.0 for a, b in zip(tp, tt)],
     }
     for key, values in speeds.items():
         row[key] = _mean(values)
         row[f"{key}_stddev"] = _stdev(values)
     return row
+
+
+def main_line(i: dict, reps: int = 1) -> str:
+    """llama-batched-bench's ``main:`` line, its fields in its order (flash_attn its integer,
+    -1 for auto), then ours: the KV cells the cache holds (``kv_cells``, when other than n_kv_max:
+    with ``-c 0`` the cache is sized for the rows that run), kv_unified, cache types, model,
+    device, kernel, layer (and repetitions with ``-r``)."""
+    cells = i.get("kv_cells", i["n_kv_max"])
+    return (f"main: n_kv_max = {i['n_kv_max']}, n_batch = {i['n_batch']}, n_ubatch = {i['n_ubatch']}, "
+            f"flash_attn = {i['flash_attn']}, is_pp_shared = {i['is_pp_shared']}, "
+            f"is_tg_separate = {i.get('is_tg_separate', 0)}, n_gpu_layers = {i['n_gpu_layers']}, "
+            f"n_threads = {i['n_threads']}, n_threads_batch = {i.get('n_threads_batch', i['n_threads'])}, "
+            + (f"kv_cells = {cells}, " if cells != i["n_kv_max"] else "")
+            + f"kv_unified = {_kvu(i['kv_unified'])}, type_k = {i.get('type_k', 'f16')}, "
+            f"type_v = {i.get('type_v', 'f16')}, model = {i['model']}, device = {i['device']}, "
+            f"kernel = {i['kernel']}, layer = {i['layer']}"
+            + (f", repetitions = {reps}" if reps > 1 else ""))
 
 
 class MarkdownPrinter:
@@ -141,15 +166,7 @@ class MarkdownPrinter:
 
     def header(self):
         i = self.info
-        self.out.write(
-            "\n"
-            f"main: n_kv_max = {i['n_kv_max']}, n_batch = {i['n_batch']}, n_ubatch = {i['n_ubatch']}, "
-            f"flash_attn = {i['flash_attn']}, is_pp_shared = {i['is_pp_shared']}, "
-            f"kv_unified = {_kvu(i['kv_unified'])}, type_k = {i.get('type_k', 'f16')}, "
-            f"type_v = {i.get('type_v', 'f16')}, n_threads = {i['n_threads']}, "
-            f"model = {i['model']}, device = {i['device']}, kernel = {i['kernel']}, layer = {i['layer']}"
-            + (f", repetitions = {self.reps}" if self.reps > 1 else "") + "\n"
-            "\n")
+        self.out.write("\n" + main_line(i, self.reps) + "\n\n")
         self.out.write(_md_line(COLUMNS, self.widths))
         self.out.write("|" + "-|-".join("-" * abs(w) for w in self.widths) + "-|\n")
         self.out.flush()

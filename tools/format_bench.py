@@ -5,12 +5,13 @@ wall-clock or CUDA-event time per repetition). Printers stream: the header when
 created, one row per finished test, the footer at the end (also after Ctrl-C), so a
 json array stays valid when the run is interrupted.
 
-Markdown follows llama-bench's rules: model, backend, [ngl when not CPU], threads (CPU),
-the optional columns only when a flag has a non-default value or several values, then test
-and ``t/s`` as ``mean ± stddev``; and says what was measured (:func:`markdown_columns`):
-path, layer, kvu and split always, n_layer when overridden, the weights' size and params
-only with ``--layer full`` (random F16 weights of the shape) or ``--layer model`` (the file's own
-weights; the model column adds their type); an attention-only run never touches weights.
+Markdown follows llama-bench's rules: model (llama.cpp's description, ``llama 8B F16``),
+backend, [ngl when not CPU], threads (CPU), the optional columns only when a flag has a
+non-default value or several values, then test and ``t/s`` as ``mean ± stddev``; and says what
+was measured (:func:`markdown_columns`): the model's name, path always, layer, kvu, split and
+kernel when not their defaults, n_layer when overridden, the weights' size and params only with
+``--layer full`` (random F16 weights of the shape) or ``--layer model`` (the file's own
+weights); an attention-only run never touches weights.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ import json
 import statistics
 
 # llama-bench's fields in its order (every key llama.cpp's scripts/compare-llama-bench.py reads,
-# of its versions since 2025), with ours (shape, kv_unified, split, kernel, device, layer, ub)
+# of its versions since 2025), with ours (shape, model_name, kv_unified, split, kernel, device, layer,
+# ub); model_type is llama-bench's (llama.cpp's model description, ``llama 8B Q4_K - Medium``),
+# model_name the file's general.name (or its file name) or the preset's name
 FIELDS = [
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
     "model_filename", "model_type", "model_size", "model_n_params",
@@ -28,7 +31,7 @@ FIELDS = [
     "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll", "type_k", "type_v",
     "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "tensor_split",
     "tensor_buft_overrides", "use_mmap", "load_mode", "embeddings", "no_op_offload", "fit_target",
-    "fit_min_ctx", "kv_unified", "split", "kernel", "path", "device", "layer",
+    "fit_min_ctx", "model_name", "kv_unified", "split", "kernel", "path", "device", "layer",
     "n_prompt", "n_gen", "n_depth", "ub",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
@@ -46,16 +49,16 @@ LLAMA_BENCH_DEFAULTS = dict(cpu_mask="0x0", cpu_strict=False, poll=50, n_cpu_moe
 
 # markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
-           "kv_unified": "kvu", "device": "dev"}
-WIDTHS = {"model": -30, "n_layer": 7, "size": 10, "params": 10, "backend": -10, "n_gpu_layers": 3,
-          "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "flash_attn": 4, "kv_unified": 3,
+           "kv_unified": "kvu", "device": "dev", "model_name": "name", "tensor_split": "ts"}
+WIDTHS = {"model": -30, "model_name": -20, "n_layer": 7, "size": 10, "params": 10, "backend": -10,
+          "n_gpu_layers": 3, "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
+          "flash_attn": 3, "tensor_split": -12, "kv_unified": 3,
           "split": -7, "kernel": -9, "layer": -5, "device": -4, "path": -12, "test": 15, "t/s": 20}
-# optional markdown columns shown when non-default or several values, before "path" ...
-OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "flash_attn", "type_k", "type_v"]
-# ... and after it
-OPTIONAL_AFTER_PATH = ["kernel"]
-# what the attention computed with; always shown
-ALWAYS_COLUMNS = ["layer", "kv_unified", "split"]
+# optional markdown columns shown when non-default or several values (llama-bench's rule and
+# order), before "path" (what computed attention, always shown) ...
+OPTIONAL_COLUMNS = ["n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "tensor_split"]
+# ... and ours, after it
+OPTIONAL_AFTER_PATH = ["kernel", "layer", "kv_unified", "split"]
 FORMATS = ("md", "csv", "json", "jsonl", "sql")
 
 
@@ -263,6 +266,8 @@ class MarkdownPrinter(Printer):
     def cell(self, field, row):
         if field == "model":
             return row["model_type"]
+        if field == "tensor_split":
+            return row["tensor_split"]
         if field in ("size", "params") and row.get("layer") not in ("full", "model"):
             return "-"  # attention only: no weights touched
         if field == "size":
@@ -290,14 +295,18 @@ class MarkdownPrinter(Printer):
 
 def markdown_columns(backend: str, optional: list[str], *, weights: bool = False,
                      n_layer: bool = False) -> list[str]:
-    """llama-bench's column list (ngl for a GPU backend, threads for the CPU backend), plus
-    what an attention benchmark must show: ``path`` (what computed attention), ``layer``,
-    ``kvu`` and ``split`` always; ``n_layer`` when it differs from the model's (``n_layer``);
-    the weights' ``size`` and ``params`` only when a row runs them (``weights``: --layer full)."""
-    cols = ["model"] + (["n_layer"] if n_layer else []) + (["size", "params"] if weights else [])
-    cols += ["backend", "n_threads" if backend == "CPU" else "n_gpu_layers"]
+    """llama-bench's column list: model (its description, ``llama 8B F16``), then ``name`` (the
+    file's general.name or the preset; llama-bench has no such column), ``n_layer`` when it
+    differs from the model's (``n_layer``), the weights' ``size`` and ``params`` only when a row
+    runs them (``weights``: --layer full or model), backend, ngl for a GPU backend (or several
+    -ngl values), threads for the CPU backend (or a non-default -t), the ``optional`` columns (a
+    flag with a non-default value or several values, llama-bench's order), ``path`` (what
+    computed attention) always, then our optional ones (kernel, layer, kvu, split), test, t/s."""
+    cols = ["model", "model_name"] + (["n_layer"] if n_layer else []) + (["size", "params"] if weights else [])
+    cols += ["backend"] + (["n_gpu_layers"] if backend != "CPU" or "n_gpu_layers" in optional else [])
+    cols += ["n_threads"] if backend == "CPU" or "n_threads" in optional else []
     cols += [c for c in OPTIONAL_COLUMNS if c in optional] + ["path"]
-    cols += [c for c in OPTIONAL_AFTER_PATH if c in optional] + ALWAYS_COLUMNS
+    cols += [c for c in OPTIONAL_AFTER_PATH if c in optional]
     return cols + ["test", "t/s"]
 
 

@@ -34,6 +34,14 @@ class ModelShape:
     file_bytes: int = 0           # a .gguf's tensor bytes and parameters (its own weights, --layer model)
     file_params: int = 0
     file_type: str = ""           # the matrices' ggml types, most bytes first ("F16", "Q4_K+Q6_K")
+    arch: str = "llama"           # general.architecture (a preset: its family's)
+    type_label: str = "?B"        # llama.cpp's model type of the shape ("8B"; "?B": none it names)
+    ftype_name: str = "F16"       # llama.cpp's file type name ("Q4_K - Medium"; a preset's weights are F16)
+
+    @property
+    def desc(self) -> str:
+        """llama.cpp's ``llama_model_desc``, llama-bench's model column: ``llama 8B Q4_K - Medium``."""
+        return f"{self.arch} {self.type_label} {self.ftype_name}"
 
     @property
     def d_v(self) -> int:
@@ -91,19 +99,84 @@ class ModelShape:
                 f"{gq}, head_dim {self.head_dim}, n_embd {self.n_embd}, n_ff {self.n_ff}")
 
 
-# Shapes from the published configs of each family.
+def type_label(arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_vocab: int,
+               n_expert: int = 0) -> str:
+    """llama.cpp's model type name (``llm_type_name``) of a shape, as its loader picks it for the
+    architectures this project runs (``src/models/<arch>.cpp``, by layer count and a few other
+    hparams); ``?B`` where llama.cpp names none (its LLM_TYPE_UNKNOWN)."""
+    if arch == "llama" and n_expert == 8:
+        table = {32: "8x7B", 56: "8x22B"}
+    elif arch == "llama":
+        table = {16: "1B", 22: "1B", 26: "3B", 28: "3B", 30: "256M", 36: "8B", 40: "13B", 48: "34B", 60: "30B",
+                 32: "3B" if n_vocab == 49152 else ("7B" if n_vocab < 40000 else "8B"),
+                 80: "65B" if n_head == n_head_kv else "70B"}
+    elif arch == "qwen2":
+        table = {24: "0.5B" if n_embd == 1024 else "1B", 28: "1.5B" if n_embd == 1536 else "7B", 32: "7B",
+                 36: "3B", 40: "4B" if n_head == 20 else "13B", 48: "14B", 64: "32B", 80: "70B"}
+    elif arch == "qwen3":
+        table = {28: "0.6B" if n_embd == 1024 else "1.7B", 36: "4B" if n_embd == 2560 else "8B", 40: "14B",
+                 64: "32B"}
+    elif arch == "gemma":
+        table = {18: "2B", 28: "7B"}
+    elif arch == "gemma2":
+        table = {26: "2B", 42: "9B", 46: "27B"}
+    else:
+        table = {}
+    return table.get(n_layer, "?B")
+
+
+# llama.cpp's file type names (llama_ftype_name) by general.file_type (enum llama_ftype)
+FTYPE_NAMES = {
+    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K - Medium",
+    11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large", 14: "Q4_K - Small", 15: "Q4_K - Medium",
+    16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 19: "IQ2_XXS - 2.0625 bpw", 20: "IQ2_XS - 2.3125 bpw",
+    21: "Q2_K - Small", 22: "IQ3_XS - 3.3 bpw", 23: "IQ3_XXS - 3.0625 bpw", 24: "IQ1_S - 1.5625 bpw",
+    25: "IQ4_NL - 4.5 bpw", 26: "IQ3_S - 3.4375 bpw", 27: "IQ3_S mix - 3.66 bpw", 28: "IQ2_S - 2.5 bpw",
+    29: "IQ2_M - 2.7 bpw", 30: "IQ4_XS - 4.25 bpw", 31: "IQ1_M - 1.75 bpw", 32: "BF16",
+    36: "TQ1_0 - 1.69 bpw ternary", 37: "TQ2_0 - 2.06 bpw ternary", 38: "MXFP4 MoE", 39: "NVFP4", 40: "Q1_0",
+    41: "Q2_0",
+}
+# the file type llama.cpp guesses from the tensors' most common ggml type (no general.file_type)
+_FTYPE_OF_TYPE = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
+                  "Q2_K": 10, "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "TQ1_0": 36, "TQ2_0": 37,
+                  "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28, "IQ3_XXS": 23, "IQ1_S": 24, "IQ1_M": 31,
+                  "IQ4_NL": 25, "IQ4_XS": 30, "IQ3_S": 26, "NVFP4": 39, "Q1_0": 40, "Q2_0": 41}
+
+
+def ftype_name(file_type, tensors) -> str:
+    """llama.cpp's file type name of a model: its ``general.file_type`` (``file_type``, None when
+    absent) or, as llama.cpp's loader guesses it, the ggml type most tensors have (the first
+    by tensor name to reach that count), marked ``(guessed)``."""
+    if isinstance(file_type, (int, np.integer)) and not isinstance(file_type, bool):
+        return FTYPE_NAMES.get(int(file_type), "unknown, may not work")
+    counts: dict[str, int] = {}
+    best, top = "F32", 0
+    for t in sorted(tensors, key=lambda t: t.name):
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
+        if counts[t.type_name] > top:
+            best, top = t.type_name, counts[t.type_name]
+    return "(guessed) " + FTYPE_NAMES[_FTYPE_OF_TYPE.get(best, 0)]
+
+
+def _preset(name: str, arch: str, *args, **kw) -> ModelShape:
+    m = ModelShape(name, *args, arch=arch, **kw)
+    return replace(m, type_label=type_label(arch, m.n_layer, m.n_embd, m.n_head, m.n_head_kv, m.n_vocab))
+
+
+# Shapes from the published configs of each family (the model column names the family's
+# architecture and llama.cpp's type of the shape; the weights, with --layer full, are F16)
 PRESETS: dict[str, ModelShape] = {m.name: m for m in [
     # small and fast on a CPU: the default when no GPU is used
-    ModelShape("tiny", n_layer=2, n_head=8, n_head_kv=2, head_dim=64, n_embd=512, n_ff=1408,
-               n_ctx_train=8192),
-    ModelShape("llama-3.2-1b", 16, 32, 8, 64, 2048, 8192, 131072, 128256),
-    ModelShape("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 8192, 128256),
-    ModelShape("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 8192, 128256),
-    ModelShape("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32768, 32768),
-    ModelShape("qwen2.5-0.5b", 24, 14, 2, 64, 896, 4864, 32768, 151936),
-    ModelShape("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 32768, 152064),
-    ModelShape("gemma-7b", 28, 16, 16, 256, 3072, 24576, 8192, 256000),
-    ModelShape("gemma-2-9b", 42, 16, 8, 256, 3584, 14336, 8192, 256000, logit_softcap=50.0),
+    _preset("tiny", "llama", n_layer=2, n_head=8, n_head_kv=2, head_dim=64, n_embd=512, n_ff=1408,
+            n_ctx_train=8192),
+    _preset("llama-3.2-1b", "llama", 16, 32, 8, 64, 2048, 8192, 131072, 128256),
+    _preset("llama-3-8b", "llama", 32, 32, 8, 128, 4096, 14336, 8192, 128256),
+    _preset("llama-3-70b", "llama", 80, 64, 8, 128, 8192, 28672, 8192, 128256),
+    _preset("mistral-7b", "llama", 32, 32, 8, 128, 4096, 14336, 32768, 32768),
+    _preset("qwen2.5-0.5b", "qwen2", 24, 14, 2, 64, 896, 4864, 32768, 151936),
+    _preset("qwen2.5-7b", "qwen2", 28, 28, 4, 128, 3584, 18944, 32768, 152064),
+    _preset("gemma-7b", "gemma", 28, 16, 16, 256, 3072, 24576, 8192, 256000),
+    _preset("gemma-2-9b", "gemma2", 42, 16, 8, 256, 3584, 14336, 8192, 256000, logit_softcap=50.0),
 ]}
 
 DEFAULT_CPU_MODEL = "tiny"
@@ -214,10 +287,15 @@ def read_gguf(path: str) -> ModelShape:
                         f"set {arch}.attention.key_length")
     if n_head % n_head_kv:
         raise UserError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    n_expert = gguf_field(reader, f"{arch}.expert_count")
+    n_expert = int(n_expert) if isinstance(n_expert, (int, np.integer)) and not isinstance(n_expert, bool) else 0
     return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
                       n_vocab, head_dim_v if head_dim_v != head_dim else 0,
                       float(softcap or 0.0), source=path, file_bytes=file_bytes, file_params=file_params,
-                      file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])))
+                      file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])),
+                      arch=printable(str(arch)),
+                      type_label=type_label(str(arch), n_layer, n_embd, n_head, n_head_kv, n_vocab, n_expert),
+                      ftype_name=ftype_name(gguf_field(reader, "general.file_type"), reader.tensors))
 
 
 def resolve_run_model(name: str, device: str, n_layer: int | None) -> ModelShape:

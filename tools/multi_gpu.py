@@ -36,14 +36,61 @@ from .errors import UserError
 SPLIT_MODES = ("none", "layer", "row")
 
 
-def add_args(p) -> None:
+def parse_ts_list(text: str) -> list[tuple[float, ...]]:
+    """llama-bench's ``-ts``: test values separated by ``,``, each value's GPU shares by ``/`` (or
+    ``;``): ``1,1`` is two tests of one share, ``1/1`` one test over two GPUs, ``3/1,1/1`` two."""
+    out = []
+    for value in str(text).split(","):
+        try:
+            shares = tuple(float(x) for x in value.replace(";", "/").split("/") if x.strip())
+        except ValueError:
+            raise UserError(f"invalid -ts value '{value}' (expected proportions such as 1/1; ',' separates "
+                            f"test values, as llama-bench's)") from None
+        if not shares or any(v < 0 for v in shares):
+            raise UserError(f"invalid -ts value '{value}': expected non-negative shares such as 3/1")
+        out.append(shares)
+    return out
+
+
+def ts_text(shares) -> str:
+    """A ``-ts`` value as llama-bench writes its tensor_split field: each share ``%.2f`` up to
+    the last non-zero one, joined by ``/``; ``0.00`` for none."""
+    shares = list(shares or ())
+    last = max((i for i, v in enumerate(shares) if v > 0), default=0)
+    return "/".join(f"{v:.2f}" for v in (shares[:last + 1] or [0.0]))
+
+
+def _ts_value(ns) -> str:
+    """The one ``-ts`` value of this run as ``P0,P1,...`` text ("" when not given). ggml-attn-bench's
+    list (:func:`parse_ts_list`) may repeat one value (``-ts 1,1``: each test twice), not hold
+    several: the GPUs' processes are started once for the run."""
+    ts = ns.tensor_split
+    if isinstance(ts, str):
+        return ts
+    values = list(dict.fromkeys(tuple(v) for v in ts or ()))
+    if len(values) > 1:
+        raise UserError(f"-ts {','.join('/'.join(f'{x:g}' for x in v) for v in values)}: one split per run here "
+                        f"(the GPUs' processes are started once); run each -ts value separately")
+    return ",".join(f"{x:g}" for x in values[0]) if values else ""
+
+
+def add_args(p, add_list=None) -> None:
+    """``add_list`` (``args.add_list``, given by llama-bench's tool): ``-ts`` as llama-bench takes
+    it (a list of test values, ``/`` between GPUs); None: as llama.cpp's common arguments (``,``
+    or ``/`` between GPUs, one value)."""
     p.add_argument("-sm", "--split-mode", choices=SPLIT_MODES, default="none",
                    help="several GPUs: none (one GPU, -mg), row (head-parallel over --n-gpu GPUs, "
                         "NCCL all-reduce), layer (contiguous layer ranges per GPU, activations handed "
                         "on by NCCL send/recv) (default: none)")
-    p.add_argument("-ts", "--tensor-split", default="", metavar="P0,P1,...",
-                   help="share of each GPU: of the layers with -sm layer (as llama.cpp), of the heads "
-                        "with -sm row, which needs equal shares (default: equal)")
+    ts_help = ("share of each GPU: of the layers with -sm layer (as llama.cpp), of the heads with -sm row, "
+               "which needs equal shares")
+    if add_list is not None:
+        add_list(p, "-ts", "--tensor-split", type=parse_ts_list, default=[], metavar="P0/P1/...",
+                 help=ts_help + "; as llama-bench's, ',' separates test values and '/' the GPUs of one "
+                                "(-ts 1/1: two GPUs; -ts 1,1: two tests on one), one distinct value per run "
+                                "(default: equal)")
+    else:
+        p.add_argument("-ts", "--tensor-split", default="", metavar="P0,P1,...", help=ts_help + " (default: equal)")
     p.add_argument("-mg", "--main-gpu", type=int, default=0, metavar="I",
                    help="the GPU of -sm none, rank 0's GPU with -sm row/layer (default: 0)")
     p.add_argument("--n-gpu", type=int, default=0, metavar="N",
@@ -118,12 +165,14 @@ def parse_shares(text: str, n: int) -> list[float]:
 
 def plan_ranks(ns) -> tuple[int, list[int]]:
     """``(n_rank, devices)`` that the parsed flags ``ns`` ask for; UserError for what cannot run."""
-    sm = ns.split_mode
+    sm, ts = ns.split_mode, _ts_value(ns)
+    shown = ns.tensor_split if isinstance(ns.tensor_split, str) else ts.replace(",", "/")   # as typed
+    sep = "," if isinstance(ns.tensor_split, str) else "/"   # between GPUs: llama-bench's '/'
     if sm == "none":
         if ns.n_gpu > 1:
             raise UserError(f"--n-gpu {ns.n_gpu} needs -sm row (head-parallel) or -sm layer; -sm none runs on one GPU")
-        if ns.tensor_split:
-            raise UserError("-ts splits tensors over several GPUs; it needs -sm row or -sm layer")
+        if len([v for v in parse_shares(ts, 0) if v > 0]) > 1:
+            raise UserError(f"-ts {shown} splits tensors over several GPUs; it needs -sm row or -sm layer")
         return 1, [ns.main_gpu]
     if ns.device == "cpu":
         mod = "tp" if sm == "row" else "pipe"
@@ -132,20 +181,20 @@ def plan_ranks(ns) -> tuple[int, list[int]]:
     if ns.n_gpu < 0:
         raise UserError(f"--n-gpu must be at least 1, got {ns.n_gpu}")
     n_vis = gpu_count()
-    given = parse_shares(ns.tensor_split, 0)
+    given = parse_shares(ts, 0)
     if sm == "row":
         n = ns.n_gpu or len([s for s in given if s > 0]) or n_vis
     else:   # layer: one rank per share (a zero share is refused by the layer split, not dropped)
         n = ns.n_gpu or len(given) or n_vis
     if n < 1:
         raise UserError(f"-sm {sm}: no GPU visible")
-    shares = parse_shares(ns.tensor_split, n)
+    shares = parse_shares(ts, n)
     if sm == "row" and (len(shares) != n or len(set(shares)) != 1):
-        raise UserError(f"-sm row splits heads evenly: -ts {ns.tensor_split} must give {n} equal shares "
-                        f"(e.g. {','.join(['1'] * n)})")
+        raise UserError(f"-sm row splits heads evenly: -ts {shown} must give {n} equal shares "
+                        f"(e.g. {sep.join(['1'] * n)})")
     if sm == "layer" and len(shares) != n:
-        raise UserError(f"-sm layer on {n} GPUs: -ts {ns.tensor_split} gives {len(shares)} share(s), "
-                        f"one per GPU is needed (e.g. {','.join(['1'] * n)})")
+        raise UserError(f"-sm layer on {n} GPUs: -ts {shown} gives {len(shares)} share(s), "
+                        f"one per GPU is needed (e.g. {sep.join(['1'] * n)})")
     if n_vis < n:
         raise UserError(f"-sm {sm} on {n} GPUs: only {n_vis} GPU(s) visible")
     if not 0 <= ns.main_gpu < n_vis:
@@ -180,7 +229,8 @@ def _as_list(x) -> list:
 
 
 def _shares(ns, n: int) -> tuple:
-    return tuple(parse_shares(ns.tensor_split, n)) if ns.split_mode == "layer" and ns.tensor_split else ()
+    ts = _ts_value(ns)
+    return tuple(parse_shares(ts, n)) if ns.split_mode == "layer" and ts else ()
 
 
 def _check_models(ns, n_rank: int) -> None:

@@ -3,7 +3,8 @@
 llama-bench's ``-ngl N`` offloads N layers to the GPU (99: all of them). ggml-attn runs a
 whole test on one device, so ``-ngl 0`` means the CPU path and ``-ngl N`` with N at least
 the model's layer count means all layers on the GPU (when there is one, as ``--device
-auto``); a partial offload, or several values in one run, is a UserError that says so.
+auto``); a partial offload is a UserError that says so. ``ggml-attn-bench`` takes a list
+(``-ngl 0,99``) and maps each value on its own, a row per value.
 """
 from __future__ import annotations
 
