@@ -18,7 +18,8 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
 * ``batch``: tokens, positions and sequence sets of a batch, validated as llama.cpp does;
 * ``split``: the ubatch splits (simple, equal, seq, padded), pure functions of a batch;
 * ``auto``: chooses a split by dry-running plans (``split`` knows nothing of it);
-* ``kv_cache`` (``kv_changes``: its change log): cells, streams, slots and ``seq_*`` operations;
+* ``kv_cache`` (``kv_cells``: its cells, as llama-kv-cells.h; ``kv_changes``: their change log):
+  streams, slots, storage and ``seq_*`` operations;
 * ``mask`` (``mask_step``: a decode step's from the previous step's): a ubatch's mask;
 * ``plan``: a ubatch placed in the cache, its mask and live-tile map, once for every layer;
 * ``attn_config``: the attention stack's geometry (``AttnConfig``); ``qkv``: deterministic Q/K/V;

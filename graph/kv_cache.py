@@ -28,7 +28,7 @@ numpy paths (:meth:`KVCache.write_rows`, :meth:`KVCache.sequence_contents`) rais
 for block types.
 
 Cell metadata always lives in numpy (it is host bookkeeping); only K/V use ``xp``. It changes
-only through the methods here (each records the cells it changes, :meth:`KVCache._touch`):
+only through the methods here and ``kv_cells.KVCells`` (each change is recorded by ``KVCells.touch``):
 queries that scan a whole stream (``find_slot``, ``seq_pos_min/max``, ``used_max_p1``,
 ``n_used``) remember their answer until the next change, so a decode step asks each once. The
 cell-to-sequence table is dense (``n_stream x kv_size x n_seq_max`` bools), so ``n_seq_max``
@@ -38,13 +38,12 @@ Sequence ids, positions and shifts must be integers (ValueError naming the argum
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
 from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
-from .kv_changes import CellChanges
+from .kv_cells import KVCells, ubatch_streams
 from .split import UBatch
 
 __all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES", "block_size",
@@ -55,8 +54,6 @@ _FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
 DEVICE_BLOCK_TYPES = ("q8_0", "q4_0")   # block types a CuPy cache holds (cuda/dense.cu dense_kv_store writes them)
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
-_SMALL = 16   # ubatches up to this many rows are checked and accounted in Python
-_FILL_UPDATE_MAX = 256   # ubatches up to this many rows update the remembered answers (_answers_after_fill)
 
 
 class KVCacheFullError(RuntimeError):
@@ -230,17 +227,7 @@ class KVCache:
         self.head_dim_k = int(head_dim_k)
         self.head_dim_v = int(head_dim_v or head_dim_k)
         self.coarse_n_kv = bool(coarse_n_kv)
-        # cell metadata, numpy order (n_stream, kv_size[, n_seq_max])
-        self.pos = np.full((self.n_stream, self.kv_size), -1, dtype=np.int32)
-        self.seqs = np.zeros((self.n_stream, self.kv_size, self.n_seq_max), dtype=bool)
-        self.pad = np.zeros((self.n_stream, self.kv_size), dtype=bool)
-        self.head = [0] * self.n_stream
-        self._journals: list[list] = []  # undo logs of the open transactions (innermost last)
-        self._memo: dict = {}  # answers of whole-stream queries; emptied by every cell change
-        self.changes = CellChanges()  # every cell change, for readers that keep derived data (mask_step.py)
-        # seq_add moved cached positions: K rotated at the old ones (RoPE) is stale until those
-        # cells are gone (this package has no K-shift); a real model refuses such a cache
-        self.shifted = False
+        self.cells = KVCells(self.n_stream, self.kv_size, self.n_seq_max)   # positions, sequences, pads, heads
         # storage, numpy order (n_layer, n_stream, kv_size, n_embd_gqa)
         self.k = self._storage(self.type_k, self.n_embd_k_gqa)
         self.v = self._storage(self.type_v, self.n_embd_v_gqa)
@@ -291,56 +278,93 @@ class KVCache:
             raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
         return seq_id
 
+    def seq_to_stream(self, seq_id: int) -> int:
+        seq_id = self._check_seq(seq_id)
+        return 0 if self.unified else seq_id
+
+    def _check_seq(self, seq_id: int) -> int:
+        seq_id = as_int(seq_id, "seq_id")
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
+        return seq_id
+
+    # ------------------------------------------------------------ cells (kv_cells.KVCells)
+    @property
+    def pos(self) -> np.ndarray:
+        """int32 ``(n_stream, kv_size)``: each cell's position, -1 when empty."""
+        return self.cells.pos
+
+    @property
+    def seqs(self) -> np.ndarray:
+        """bool ``(n_stream, kv_size, n_seq_max)``: the sequences of each cell."""
+        return self.cells.seqs
+
+    @property
+    def pad(self) -> np.ndarray:
+        """bool ``(n_stream, kv_size)``: the cell holds a pad row."""
+        return self.cells.pad
+
+    @property
+    def head(self) -> list[int]:
+        """Per stream, the cell the next search starts at."""
+        return self.cells.head
+
+    @head.setter
+    def head(self, value) -> None:
+        self.cells.head = list(value)
+
+    @property
+    def changes(self):
+        """Every cell change (``kv_changes.CellChanges``)."""
+        return self.cells.changes
+
+    @property
+    def shifted(self) -> bool:
+        """``seq_add`` moved cached positions (K is stale until those cells are gone)."""
+        return self.cells.shifted
+
+    @property
+    def _memo(self) -> dict:
+        return self.cells.memo
+
+    def transaction(self):
+        """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
+        included), every cell it changed gets back its position, sequence set and pad flag,
+        and every stream its head, before the exception propagates. K/V data written in the
+        block stays, but only in cells that are free again (never visible to a query); the one
+        operation that overwrites K/V of occupied cells, ``seq_cp`` across streams, has its
+        destination stream's K/V restored too. Transactions nest: a failed inner block undoes
+        only itself."""
+        return self.cells.transaction()
+
+    def _snapshot(self):
+        return self.cells.snapshot()
+
+    def _restore(self, snap) -> None:
+        self.cells.restore(snap)
+
     # ---------------------------------------------------------- cell queries
     def is_empty(self, stream: int) -> np.ndarray:
         """bool ``(kv_size,)``."""
-        return self.pos[stream] < 0
+        return self.cells.is_empty(stream)
 
     def used_max_p1(self, stream: int) -> int:
         """One past the highest occupied cell of ``stream`` (0 when empty)."""
-        key = ("used_max_p1", stream)
-        got = self._memo.get(key)
-        if got is None:
-            occ = self.pos[stream] >= 0
-            last = occ.shape[0] - 1 - int(np.argmax(occ[::-1]))  # the highest True, if any
-            got = self._memo[key] = last + 1 if occ[last] else 0
-        return got
+        return self.cells.used_max_p1(stream)
 
     def n_used(self, stream: int) -> int:
-        key = ("n_used", stream)
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = int(np.count_nonzero(self.pos[stream] >= 0))
-        return got
-
-    def _seq_cells(self, seq_id: int) -> tuple[int, np.ndarray]:
-        st = self.seq_to_stream(seq_id)
-        return st, np.flatnonzero(self.seqs[st, :, seq_id] & ~self.pad[st])
+        return self.cells.n_used(stream)
 
     def _seq_pos(self, seq_id: int, largest: bool) -> int:
-        """seq_pos_max (``largest``) or seq_pos_min: one masked reduction over the stream,
-        remembered until the cache changes."""
         if type(seq_id) is int:   # a remembered answer: its id was checked when it was computed
-            got = self._memo.get(("seq_pos", seq_id, largest))
+            got = self.cells.memo.get(("seq_pos", seq_id, largest))
             if got is not None:
                 return got
-        st = self.seq_to_stream(seq_id)
-        key = ("seq_pos", int(seq_id), largest)
-        got = self._memo.get(key)
-        if got is None:
-            has = self.seqs[st, :, seq_id] & ~self.pad[st]
-            if largest:  # occupied cells hold positions >= 0, so -1 is "none"
-                got = int(self.pos[st].max(where=has, initial=-1))
-            else:
-                got = int(self.pos[st].min(where=has, initial=INT32_MAX))
-                if got == INT32_MAX and not has.any():
-                    got = -1
-            self._memo[key] = got
-        return got
+        return self.cells.seq_pos(self.seq_to_stream(seq_id), int(seq_id), largest)
 
     def known_seq_pos_max(self, seq_id: int) -> int | None:
         """``seq_pos_max(seq_id)`` when it is remembered (no scan), else None."""
-        return self._memo.get(("seq_pos", seq_id, True))
+        return self.cells.memo.get(("seq_pos", seq_id, True))
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of ``seq_id`` in the cache (pads excluded); -1 when none."""
@@ -373,234 +397,48 @@ class KVCache:
         return out
 
     def _ubatch_streams_of(self, ub: UBatch) -> list[tuple[int, np.ndarray]]:
-        if ub.n_tokens == 1:  # one row of valid ids (a decode step): its stream, nothing to check
-            ids = ub.token_seq_ids[0]
-            if all(type(s) is int and 0 <= s < self.n_seq_max for s in ids) and (self.unified or len(ids) == 1):
-                return [(0 if self.unified else ids[0], np.arange(1))]
-        try:  # every id a plain int in range: nothing to report (else the loop names the first bad one)
-            ids = ub.seq_ids
-            ok = all(type(s) is int for s in ids) and 0 <= ids[0] and ids[-1] < self.n_seq_max
-        except TypeError:
-            ok = False
-        if not ok:
-            for ids in ub.token_seq_ids:
-                for s in ids:
-                    self._check_seq(s)
-        if self.unified:
-            return [(0, np.arange(ub.n_tokens))]
-        seq_unq = ub.seq_ids
-        if any(len(ids) > 1 for ids in ub.token_seq_ids):
-            raise ValueError("a split (per-sequence stream) cache cannot store coupled tokens; "
-                             "use unified KV (-kvu)")
-        if ub.n_tokens % len(seq_unq):
-            raise ValueError(f"split KV needs an equal number of rows per sequence; {ub!r} has "
-                             f"{ub.n_tokens} rows for {len(seq_unq)} sequences")
-        if list(seq_unq) != list(range(seq_unq[0], seq_unq[0] + len(seq_unq))):
-            raise ValueError(f"split KV needs consecutive sequence ids in a ubatch, got {list(seq_unq)}")
-        n_tps = ub.n_tokens // len(seq_unq)
-        prim = ub.primary_seq_ids
-        if ub.n_tokens <= _SMALL:  # rows j*n_tps .. (j+1)*n_tps-1 are sequence seq_unq[j]
-            ok = prim.tolist() == [s for s in seq_unq for _ in range(n_tps)]
-        else:
-            ok = np.array_equal(prim, np.repeat(np.asarray(seq_unq), n_tps))
-        out = []
-        for j, s in enumerate(seq_unq):
-            rows = np.arange(j * n_tps, (j + 1) * n_tps)
-            if not ok and not np.all(prim[rows] == s):
-                raise ValueError(f"split KV needs the rows of sequence {s} at {rows[0]}..{rows[-1]}; "
-                                 f"{ub!r} has them elsewhere (use 'equal', 'seq' or 'padded')")
-            out.append((s, rows))
-        return out
+        return ubatch_streams(ub, self.n_seq_max, self.unified)
 
     def find_slot(self, ub: UBatch) -> SlotInfo:
-        """Cells for every row of ``ub`` (llama.cpp ``find_slot(ubatch, cont=false)``); changes
-        nothing. Raises :class:`KVCacheFullError` when a stream has too few empty cells.
-        The answer is remembered until the cells or heads change (``prepare`` then ``place``
-        of the one ubatch of a decode step search once)."""
-        key, heads = ("find_slot", id(ub)), tuple(self.head)
-        got = self._memo.get(key)
+        """Cells for every row of ``ub`` (llama.cpp ``find_slot(ubatch, cont=false)``:
+        ``KVCells.find_empty`` per stream); changes nothing. Raises :class:`KVCacheFullError`
+        when a stream has too few empty cells. The answer is remembered until the cells or heads
+        change (``prepare`` then ``place`` of the one ubatch of a decode step search once)."""
+        key, heads = ("find_slot", id(ub)), tuple(self.cells.head)
+        got = self.cells.memo.get(key)
         if got is not None and got[0] is ub and got[1] == heads:
             return got[2]
         streams, cells = [], []
         for st, rows in self._ubatch_streams(ub):
             n = rows.shape[0]
-            head = self.head[st]
-            if head > self.n_used(st) + 2 * n:
-                head = 0
-            # the first n empty cells from head on, when the next cells hold them (the usual
-            # case: the cells after the last ubatch); else the whole stream, wrapping around
-            if n <= _SMALL:  # the n cells at head, all empty: a decode step's cells
-                run = self.pos[st, head:head + n].tolist()
-                if len(run) == n and max(run) < 0:
-                    streams.append(st)
-                    cells.append(np.arange(head, head + n, dtype=np.int64))
-                    continue
-            near = np.flatnonzero(self.pos[st, head:head + max(KV_PAD, 2 * n)] < 0)
-            if near.shape[0] >= n:
-                streams.append(st)
-                cells.append((near[:n] + head).astype(np.int64))
-                continue
-            empty = np.flatnonzero(self.pos[st] < 0)           # ascending cell ids
-            k = int(np.searchsorted(empty, head))
-            free = np.concatenate((empty[k:], empty[:k]))   # from head on, then wrapped
-            if free.shape[0] < n:
+            found = self.cells.find_empty(st, n)
+            if found is None:
+                free = self.kv_size - self.n_used(st)
                 raise KVCacheFullError(
-                    f"no room for {n} rows in KV stream {st}: {free.shape[0]} of {self.kv_size} cells "
+                    f"no room for {n} rows in KV stream {st}: {free} of {self.kv_size} cells "
                     f"free ({ub!r}); raise n_ctx or free sequences")
             streams.append(st)
-            cells.append(free[:n].astype(np.int64))
+            cells.append(found)
         slot = SlotInfo(tuple(streams), tuple(cells))
-        self._memo[key] = (ub, heads, slot)
+        self.cells.memo[key] = (ub, heads, slot)
         return slot
 
     def apply_ubatch(self, slot: SlotInfo, ub: UBatch) -> None:
         """Occupy the slot's cells with the ubatch's positions, sequence ids and pad flags."""
         rows_per = self._ubatch_streams(ub)
-        pad = ub.is_pad
-        for (st, rows), st2, cells in zip(rows_per, slot.streams, slot.cells):
+        for (st, rows), st2 in zip(rows_per, slot.streams):
             if st != st2:
                 raise ValueError(f"slot stream {st2} does not match ubatch stream {st}")
-        coupled = any(len(ids) > 1 for ids in ub.token_seq_ids)
-        still_true = self._answers_after_fill(rows_per, slot, ub)
-        small = ub.n_tokens <= _SMALL
+        still_true = self.cells.answers_after_fill(rows_per, slot.cells, ub)
         for (st, rows), cells in zip(rows_per, slot.cells):
-            self._touch(st, cells)
-            if small and cells.ndim == 1 and cells.shape[0] == rows.shape[0]:
-                self._fill_cells(st, rows.tolist(), cells.tolist(), ub)
-                continue
-            self.pos[st, cells] = ub.positions[rows]
-            self.seqs[st, cells] = False
-            if coupled:
-                for r, c in zip(rows.tolist(), cells.tolist()):
-                    self.seqs[st, c, list(ub.token_seq_ids[r])] = True
-            else:  # one sequence per row: one scatter
-                self.seqs[st, cells, ub.primary_seq_ids[rows]] = True
-            self.pad[st, cells] = pad[rows]
-            self.head[st] = int(cells[-1]) + 1
-        self._memo.update(still_true)
-
-    def _fill_cells(self, st: int, rows: list[int], cells: list[int], ub: UBatch) -> None:
-        """``apply_ubatch``'s writes for a few rows, one cell at a time (cheaper than numpy's
-        scatters for a handful of cells), in the same order: positions, sequence sets cleared,
-        then set, pad flags; the stream head past the last cell."""
-        pos, seqs, pad = self.pos, self.seqs, self.pad
-        positions, token_idx, seq_ids = ub.positions.tolist(), ub.token_idx.tolist(), ub.token_seq_ids
-        for r, c in zip(rows, cells):
-            pos[st, c] = positions[r]
-        for c in cells:
-            seqs[st, c] = False
-        for r, c in zip(rows, cells):
-            for s in seq_ids[r]:
-                seqs[st, c, s] = True
-        for r, c in zip(rows, cells):
-            pad[st, c] = token_idx[r] < 0
-        self.head[st] = int(cells[-1]) + 1
-
-    def _answers_after_fill(self, rows_per, slot: SlotInfo, ub: UBatch) -> dict:
-        """The remembered query answers as they will be once ``ub`` occupies ``slot``, when
-        that is cheap to know: a ubatch of at most ``_FILL_UPDATE_MAX`` rows (a decode step of
-        many sequences included) whose cells are all empty now (so no sequence loses a cell)
-        and whose rows all have positions. Then each stream's used count grows by its cells,
-        its used range reaches past its highest cell, and each sequence's position range takes
-        in its non-pad rows' positions. Otherwise nothing (asked again)."""
-        if not self._memo or ub.n_tokens > _FILL_UPDATE_MAX:
-            return {}
-        positions, token_idx = ub.positions.tolist(), ub.token_idx.tolist()
-        if min(positions) < 0:
-            return {}
-        out = {k: v for k, v in self._memo.items() if k[0] in ("n_used", "used_max_p1", "seq_pos")}
-        pos = self.pos
-        for (st, rows), cells in zip(rows_per, slot.cells):
-            cl = cells.tolist()
-            if len(set(cl)) != len(cl):
-                return {}
-            if len(cl) <= _SMALL:
-                if any(pos[st, c] >= 0 for c in cl):
-                    return {}
-            elif bool((pos[st, cells] >= 0).any()):
-                return {}
-            if ("n_used", st) in out:
-                out[("n_used", st)] += len(cl)
-            if ("used_max_p1", st) in out:
-                out[("used_max_p1", st)] = max(out[("used_max_p1", st)], max(cl) + 1)
-            for r in rows.tolist():
-                if token_idx[r] < 0:  # a pad row: in no sequence's range
-                    continue
-                p = positions[r]
-                for s in ub.token_seq_ids[r]:
-                    hi, lo = ("seq_pos", int(s), True), ("seq_pos", int(s), False)
-                    if hi in out:
-                        out[hi] = max(out[hi], p)
-                    if lo in out:
-                        out[lo] = p if out[lo] == -1 else min(out[lo], p)
-        return out
+            self.cells.fill(st, rows, cells, ub)
+        self.cells.memo.update(still_true)
 
     def place(self, ub: UBatch) -> SlotInfo:
         """``find_slot`` + ``apply_ubatch``; on :class:`KVCacheFullError` nothing changed."""
         slot = self.find_slot(ub)
         self.apply_ubatch(slot, ub)
         return slot
-
-    # ----------------------------------------------------------- transactions
-    @contextmanager
-    def transaction(self):
-        """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
-        included), every cell it changed gets back its position, sequence set and pad flag,
-        and every stream its head, before the exception propagates. K/V data written in the
-        block stays, but only in cells that are free again (never visible to a query); the one
-        operation that overwrites K/V of occupied cells, ``seq_cp`` across streams, has its
-        destination stream's K/V restored too. Transactions nest: a failed inner block undoes
-        only itself."""
-        journal: list = []
-        heads = list(self.head)
-        self._journals.append(journal)
-        try:
-            yield self
-        except BaseException:
-            self._journals.pop()
-            self._memo.clear()
-            for entry in reversed(journal):
-                if entry[0] == "kv":  # K/V of a whole stream (seq_cp across streams)
-                    _, st, k, v = entry
-                    self.k[:, st] = k
-                    self.v[:, st] = v
-                    continue
-                st, cells, pos, seqs, pad = entry
-                self.changes.add(st, cells)
-                self.pos[st, cells] = pos
-                self.seqs[st, cells] = seqs
-                self.pad[st, cells] = pad
-            self.head = heads
-            raise
-        else:
-            self._journals.pop()
-            if self._journals:  # the outer transaction can still undo this one
-                self._journals[-1].extend(journal)
-
-    def _touch(self, st: int, cells) -> None:
-        """Record the cells' current state in the open transaction, before they change, and
-        forget every remembered query answer (every change of cell metadata comes here first),
-        and log them (:attr:`changes`)."""
-        self._memo.clear()
-        self.changes.add(st, cells)
-        if self._journals:
-            cells = np.asarray(cells)
-            if cells.dtype == bool:
-                cells = np.flatnonzero(cells)
-            cells = cells.astype(np.int64, copy=True)
-            if cells.ndim == 1:  # an index array: the gathers are copies already
-                self._journals[-1].append((st, cells, self.pos[st, cells], self.seqs[st, cells], self.pad[st, cells]))
-            else:
-                self._journals[-1].append((st, cells, self.pos[st, cells].copy(), self.seqs[st, cells].copy(),
-                                           self.pad[st, cells].copy()))
-
-    def _snapshot(self):
-        return self.pos.copy(), self.seqs.copy(), self.pad.copy(), list(self.head)
-
-    def _restore(self, snap) -> None:
-        self.pos, self.seqs, self.pad, self.head = snap[0], snap[1], snap[2], list(snap[3])
-        self._memo.clear()
-        self.changes.reset()
 
     def prepare(self, ubatches: list[UBatch]) -> list[SlotInfo]:
         """Check that all ubatches fit one after another (pads freed after each), as llama.cpp's
@@ -611,7 +449,7 @@ class KVCache:
                 return [self.find_slot(ubatches[0])]
             except KVCacheFullError as e:
                 raise KVCacheFullError(f"ubatch 0 of 1: {e}") from None
-        snap = self._snapshot()
+        snap = self.cells.snapshot()
         slots = []
         try:
             for i, ub in enumerate(ubatches):
@@ -622,29 +460,12 @@ class KVCache:
                 self.free_pads(slot)
                 slots.append(slot)
         finally:
-            self._restore(snap)
+            self.cells.restore(snap)
         return slots
 
     def free_pads(self, slot: SlotInfo) -> int:
         """Free the pad cells of a slot (call right after its ubatch); returns how many."""
-        n = 0
-        for st, cells in zip(slot.streams, slot.cells):
-            is_pad = self.pad[st, cells]
-            if cells.shape[0] <= _SMALL and not any(is_pad.tolist()):
-                continue
-            padc = cells[is_pad]
-            if padc.size:
-                self._free(st, padc)
-                n += int(padc.size)
-        return n
-
-    def _free(self, st: int, cells: np.ndarray) -> None:
-        self._touch(st, cells)
-        self.pos[st, cells] = -1
-        self.seqs[st, cells] = False
-        self.pad[st, cells] = False
-        if cells.size:
-            self.head[st] = min(self.head[st], int(cells.min()))
+        return self.cells.free_pads(slot.streams, slot.cells)
 
     def n_kv(self, slot: SlotInfo, ub=None) -> int:
         """KV cells the ubatch attends over: max over its streams of the used range, padded to
@@ -668,29 +489,15 @@ class KVCache:
         hi = INT32_MAX + 1 if p1 is None or as_int(p1, "p1") < 0 else min(int(p1), INT32_MAX + 1)
         return min(lo, INT32_MAX + 1), hi
 
-    def _in_range(self, st: int, lo: int, hi: int) -> np.ndarray:
-        """bool ``(kv_size,)``: cells of stream ``st`` with position in ``[lo, hi)`` (int64 compare)."""
-        p = self.pos[st].astype(np.int64)
-        return (p >= lo) & (p < hi)
-
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove ``seq_id`` (all sequences when -1) from cells with position in ``[p0, p1)``
         (negative bounds: open). A cell left with no sequence is freed."""
         seq_id = as_int(seq_id, "seq_id")
         lo, hi = self._range(p0, p1)
-        streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]
-        for st in streams:
-            inr = self._in_range(st, lo, hi)
-            if seq_id == -1:
-                self._free(st, np.flatnonzero(inr))
-                continue
-            hit = inr & self.seqs[st, :, seq_id]
-            self._touch(st, hit)
-            self.seqs[st, hit, seq_id] = False
-            emptied = np.flatnonzero(hit & ~self.seqs[st].any(axis=1))
-            self._free(st, emptied)
-        if self.shifted and not (self.pos >= 0).any():   # emptied: no stale K left
-            self.shifted = False
+        for st in range(self.n_stream) if seq_id == -1 else [self.seq_to_stream(seq_id)]:
+            self.cells.seq_rm(st, seq_id, lo, hi)
+        if self.cells.shifted and not (self.cells.pos >= 0).any():   # emptied: no stale K left
+            self.cells.shifted = False
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share ``src``'s cells in ``[p0, p1)``. Across streams (split cache) the
@@ -702,34 +509,25 @@ class KVCache:
         if src == dst:
             return
         if s0 == s1:
-            hit = self._in_range(s0, lo, hi) & self.seqs[s0, :, src]
-            self._touch(s0, hit)
-            self.seqs[s0, hit, dst] = True
+            self.cells.seq_cp(s0, src, dst, lo, hi)
             return
         if (p0 is not None and p0 > 0) or (p1 is not None and p1 >= 0):
             raise ValueError(f"seq_cp({src} -> {dst}) across KV streams supports only the full range "
                              f"(p0 < 0, p1 < 0); got [{p0}, {p1})")
-        if self._journals:
-            self._journals[-1].append(("kv", s1, self.k[:, s1].copy(), self.v[:, s1].copy()))
-        self._free(s1, np.arange(self.kv_size))
-        have = self.seqs[s0, :, src] & ~self.pad[s0]
-        self._touch(s1, have)
-        self.pos[s1, have] = self.pos[s0, have]
-        self.seqs[s1, have, dst] = True
+        if self.cells.journals:   # a failed transaction gets the destination's K/V back too
+            k_old, v_old = self.k[:, s1].copy(), self.v[:, s1].copy()
+
+            def undo():
+                self.k[:, s1] = k_old
+                self.v[:, s1] = v_old
+            self.cells.on_undo(undo)
+        self.cells.copy_stream(s0, s1, src, dst)
         self.k[:, s1] = self.k[:, s0]
         self.v[:, s1] = self.v[:, s0]
-        self.head[s1] = self.head[s0]
 
     def seq_keep(self, seq_id: int) -> None:
         """In ``seq_id``'s stream, drop every other sequence; cells left empty are freed."""
-        st = self.seq_to_stream(seq_id)
-        seq_id = int(seq_id)
-        has = self.seqs[st, :, seq_id].copy()
-        others = np.flatnonzero(~has & (self.pos[st] >= 0))
-        self._touch(st, has)
-        self.seqs[st, has] = False
-        self.seqs[st, has, seq_id] = True
-        self._free(st, others)
+        self.cells.seq_keep(self.seq_to_stream(seq_id), int(seq_id))
 
     def seq_add(self, seq_id: int, p0: int = -1, p1: int = -1, shift: int = 0) -> None:
         """Add ``shift`` to the positions of ``seq_id``'s cells in ``[p0, p1)``; a cell whose
@@ -744,17 +542,7 @@ class KVCache:
                              f"maximum {INT32_MAX}")
         if shift == 0 or lo >= hi:
             return
-        hit = self._in_range(st, lo, hi) & self.seqs[st, :, seq_id]
-        new = self.pos[st, hit].astype(np.int64) + max(shift, -2 * (INT32_MAX + 1))
-        if new.size and new.max() > INT32_MAX:
-            raise ValueError(f"seq_add(seq_id={seq_id}): shift={shift} moves position {int(new.max()) - shift} "
-                             f"to {int(new.max())}, past the int32 maximum {INT32_MAX}; nothing changed")
-        self._touch(st, hit)
-        self.shifted = self.shifted or bool(hit.any())
-        self.pos[st, hit] = np.maximum(new, -1).astype(np.int32)
-        neg = np.flatnonzero(hit & (self.pos[st] < 0))
-        self._free(st, neg)
-        self.head[st] = int(neg.min()) if neg.size else 0
+        self.cells.seq_add(st, seq_id, lo, hi, shift)
 
     # ---------------------------------------------------------------- storage
     def write_rows(self, layer: int, slot: SlotInfo, k_rows, v_rows) -> None:
@@ -774,7 +562,8 @@ class KVCache:
         ``(positions int32 (n,), K float32 (n, n_embd_k_gqa), V float32 (n, n_embd_v_gqa))``,
         numpy arrays on the host."""
         self._need_float("KVCache.sequence_contents")
-        st, cells = self._seq_cells(seq_id)
+        st = self.seq_to_stream(seq_id)
+        cells = self.cells.seq_cells(st, int(seq_id))
         order = np.argsort(self.pos[st, cells], kind="stable")
         cells = cells[order]
         k = self.k[layer, st][self.xp.asarray(cells)]

@@ -18,6 +18,7 @@ from ggml_attn.graph import mask as mask_mod
 from ggml_attn.graph import plan as plan_mod
 from ggml_attn.graph import split as split_mod
 from ggml_attn.graph.kv_cache import SlotInfo
+from ggml_attn.graph.kv_cells import KVCells
 from ggml_attn.graph.attn_config import AttnConfig
 
 
@@ -111,7 +112,7 @@ class Checks:
     def __init__(self, monkeypatch):
         self.n = {"find_slot": 0, "seq_pos": 0, "used_max_p1": 0, "n_used": 0, "mask": 0, "tiles": 0}
         find_slot, seq_pos = KVCache.find_slot, KVCache._seq_pos
-        used_max_p1, n_used = KVCache.used_max_p1, KVCache.n_used
+        used_max_p1, n_used = KVCache.used_max_p1, KVCells.n_used   # (the slot search asks the cells)
         build_mask, tile_map = plan_mod.build_mask, plan_mod.tile_map
         checks = self
 
@@ -139,9 +140,9 @@ class Checks:
             checks.n["used_max_p1"] += 1
             return got
 
-        def n_used_checked(cache, st):
-            got = n_used(cache, st)
-            assert got == int(np.count_nonzero(cache.pos[st] >= 0))
+        def n_used_checked(cells, st):
+            got = n_used(cells, st)
+            assert got == int(np.count_nonzero(cells.pos[st] >= 0))
             checks.n["n_used"] += 1
             return got
 
@@ -170,7 +171,7 @@ class Checks:
         monkeypatch.setattr(KVCache, "find_slot", find_slot_checked)
         monkeypatch.setattr(KVCache, "_seq_pos", seq_pos_checked)
         monkeypatch.setattr(KVCache, "used_max_p1", used_checked)
-        monkeypatch.setattr(KVCache, "n_used", n_used_checked)
+        monkeypatch.setattr(KVCells, "n_used", n_used_checked)
         monkeypatch.setattr(plan_mod, "build_mask", mask_checked)
         monkeypatch.setattr(plan_mod, "tile_map", tiles_checked)
 
@@ -343,7 +344,7 @@ def test_query_answers_carried_through_large_fills():
     """Decode steps of many sequences (more rows than the per-cell Python path handles) and
     prompts up to and past the update limit into empty cells: the remembered answers after each
     fill equal fresh ones, and a decode step's next positions come from them."""
-    from ggml_attn.graph import kv_cache as kvc
+    from ggml_attn.graph import kv_cells as kvc
     n_seq = 40
     for unified in (True, False):
         c = KVCache(16384, n_seq, unified=unified, n_head_kv=1, head_dim_k=4)
