@@ -328,13 +328,9 @@ class KVCache:
         return self.cells.memo
 
     def transaction(self):
-        """``with cache.transaction():`` -- if the block raises (any exception, Ctrl-C
-        included), every cell it changed gets back its position, sequence set and pad flag,
-        and every stream its head, before the exception propagates. K/V data written in the
-        block stays, but only in cells that are free again (never visible to a query); the one
-        operation that overwrites K/V of occupied cells, ``seq_cp`` across streams, has its
-        destination stream's K/V restored too. Transactions nest: a failed inner block undoes
-        only itself."""
+        """``with cache.transaction():`` -- a block that raises leaves the cells as they were
+        (``KVCells.transaction``); K/V it wrote stays only in cells free again, and ``seq_cp``
+        across streams (which overwrites occupied cells) has its destination's K/V restored."""
         return self.cells.transaction()
 
     def _snapshot(self):
@@ -344,10 +340,6 @@ class KVCache:
         self.cells.restore(snap)
 
     # ---------------------------------------------------------- cell queries
-    def is_empty(self, stream: int) -> np.ndarray:
-        """bool ``(kv_size,)``."""
-        return self.cells.is_empty(stream)
-
     def used_max_p1(self, stream: int) -> int:
         """One past the highest occupied cell of ``stream`` (0 when empty)."""
         return self.cells.used_max_p1(stream)

@@ -49,10 +49,6 @@ class KVCells:
         self.shifted = False
 
     # ---------------------------------------------------------------- queries
-    def is_empty(self, st: int) -> np.ndarray:
-        """bool ``(kv_size,)``."""
-        return self.pos[st] < 0
-
     def used_max_p1(self, st: int) -> int:
         """One past the highest occupied cell of stream ``st`` (0 when empty)."""
         key = ("used_max_p1", st)
