@@ -10,9 +10,10 @@ graph it computed, and only those; :func:`raise_pending` does so for a graph com
 way (given the graph, or without it: the errors of the graphs this thread computed). An error
 never travels to another graph or thread.
 
-Ctrl-C: from the moment it is seen (by :class:`computing`'s SIGINT handler, or as a
-``KeyboardInterrupt`` inside an op callback on the main thread) every remaining op node of that
-thread's compute returns at once, and ``KeyboardInterrupt`` is raised when the compute returns.
+Ctrl-C: from the moment it is seen (by :class:`computing`, which holds the SIGINT and SIGTERM
+handlers during a compute on the main thread, or as a ``KeyboardInterrupt`` inside an op callback)
+every remaining op node of that thread's compute returns at once, and ``KeyboardInterrupt`` is
+raised when the compute returns: never inside a callback, where ctypes would drop it.
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ _MAX_OWNERS = 1 << 16  # node -> thread entries kept for plain computes before t
 # threads whose current compute was interrupted (Ctrl-C): their op nodes return at once until
 # the interrupt is raised to them
 _interrupted: set[int] = set()
+
+
+# signals whose Python-level handlers :class:`computing` holds during a compute on the main thread
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _node_addr(tensor_p) -> int:
@@ -163,39 +168,51 @@ class computing:
     this thread is raised on entry. :func:`compute_graph` uses it; so can callers of other
     compute functions (``ggml_backend_graph_compute``, ``ggml_graph_compute``).
 
-    On the main thread, while Python's default SIGINT handler is installed, a Ctrl-C during
-    the compute does not raise inside an op callback: ctypes drops an exception raised as a
-    callback is entered (before its ``try``), so the interrupt could be lost. Instead the
-    first Ctrl-C marks the compute interrupted (the remaining op nodes return at once) and
-    ``KeyboardInterrupt`` is raised when the compute returns; a second one raises at once. A
-    handler someone else installed is left alone."""
+    On the main thread, while a Python-level handler is installed for SIGINT or SIGTERM
+    (Python's default ``KeyboardInterrupt`` one, or a program's, such as the CLIs' flag), the
+    compute holds it: a signal during the compute runs that handler, but what the handler raises
+    is kept, the compute is marked interrupted (the remaining op nodes return at once, the one
+    running stops at its next check) and the exception is raised when the compute returns. The
+    handler runs between any two bytecodes, inside an op callback too, and an exception there
+    cannot pass through ggml's C code: ctypes prints "Exception ignored on calling ctypes
+    callback" and drops it, or the callback records it as an op error -- a second Ctrl-C (the
+    CLIs' flag handler raises then) did that. Handlers that are not Python's (``SIG_DFL``,
+    ``SIG_IGN``) are left alone."""
 
     def __init__(self, graph):
         _check_ptr(graph, "graph", ggml.ggml_cgraph, "ggml graph (ggml_cgraph pointer)")
         self.graph = graph
-        self._sigint = False
-        self._old_handler = None
+        self._held: dict = {}    # signal -> the Python handler the compute replaced
+        self._deferred = None    # what a held handler raised during the compute
 
-    def _on_sigint(self, signum, frame):
-        if self._sigint:  # a second Ctrl-C: now
-            raise KeyboardInterrupt
-        self._sigint = True
-        _interrupted.add(threading.get_ident())  # no lock: this runs between any two bytecodes
+    def _on_signal(self, signum, frame):
+        """The held handler, run so that nothing leaves: it may run inside an op callback."""
+        try:
+            handler = self._held.get(signum)
+            if handler is not None:
+                handler(signum, frame)
+        except BaseException as e:  # noqa: BLE001 - raised when the compute returns
+            if self._deferred is None:
+                self._deferred = e.with_traceback(None)   # (its frames hold the callback's arrays)
+            _interrupted.add(threading.get_ident())  # no lock: this runs between any two bytecodes
 
-    def _take_sigint(self) -> None:
+    def _hold_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         try:
-            if _getsignal(signal.SIGINT) is signal.default_int_handler:
-                _setsignal(signal.SIGINT, self._on_sigint)
-                self._old_handler = signal.default_int_handler
+            for sig in _HELD_SIGNALS:
+                handler = _getsignal(sig)
+                if callable(handler):
+                    self._held[sig] = handler
+                    _setsignal(sig, self._on_signal)
         except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
-            self._old_handler = None
+            self._give_back_signals()
 
-    def _give_back_sigint(self) -> None:
-        if self._old_handler is not None:
-            _setsignal(signal.SIGINT, self._old_handler)
-            self._old_handler = None
+    def _give_back_signals(self) -> None:
+        if self._held:   # each handler back first, then forgotten: a signal meanwhile still reaches it
+            for sig, handler in self._held.items():
+                _setsignal(sig, handler)
+            self._held = {}
 
     def __enter__(self):
         me = threading.get_ident()
@@ -215,20 +232,21 @@ class computing:
                 for n in nodes:
                     _node_errors.pop(n, None)
             _node_owner.update(dict.fromkeys(nodes, me))
-        self._sigint = False
-        self._take_sigint()
+        self._deferred = None
+        self._hold_signals()
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._give_back_sigint()
+        self._give_back_signals()
+        deferred, self._deferred = self._deferred, None
         try:
+            if deferred is not None and (exc_type is None or not issubclass(exc_type, KeyboardInterrupt)):
+                with _errors_lock:   # a signal's exception (Ctrl-C) outranks the op errors of the compute
+                    _interrupted.discard(threading.get_ident())
+                    for n in self.nodes:
+                        _node_errors.pop(n, None)
+                raise deferred
             if exc_type is None:
-                if self._sigint:
-                    with _errors_lock:
-                        _interrupted.discard(threading.get_ident())
-                        for n in self.nodes:
-                            _node_errors.pop(n, None)
-                    raise KeyboardInterrupt
                 if _node_errors:
                     raise_pending(self.graph)
             else:  # an exception already propagates (e.g. Ctrl-C outside a callback): it wins

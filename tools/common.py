@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import subprocess
 import sys
 import time
 from functools import lru_cache
@@ -14,21 +13,11 @@ from .errors import EXIT_USER_ERROR
 
 @lru_cache(maxsize=1)
 def build_info() -> tuple[str, int]:
-    """(short commit, number of commits) of the ggml-attn checkout; ("unknown", 0) outside git.
-    ``GGML_ATTN_COMMIT`` ("abc1234" or "abc1234:57") overrides it (copies without .git)."""
-    env = os.environ.get("GGML_ATTN_COMMIT", "")
-    if env:
-        commit, _, count = env.partition(":")
-        return commit, int(count) if count.isdigit() else 0
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5).stdout.strip()
-        count = subprocess.run(["git", "-C", here, "rev-list", "--count", "HEAD"], capture_output=True,
-                               text=True, timeout=5).stdout.strip()
-        return (commit or "unknown", int(count) if count.isdigit() else 0)
-    except (OSError, subprocess.SubprocessError):
-        return ("unknown", 0)
+    """(short commit, number of commits) of this ggml-attn: git in a checkout, what the build
+    recorded in an installed copy, ("unknown", 0) otherwise; ``GGML_ATTN_COMMIT`` ("abc1234" or
+    "abc1234:57") overrides it (``ggml_attn._build``)."""
+    from ggml_attn._build import build_info as info
+    return info()
 
 
 @lru_cache(maxsize=1)
