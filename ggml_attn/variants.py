@@ -1,0 +1,308 @@
+"""The catalogue of the kernels in ``cuda/``: which programs (:class:`Variant`: a source file and
+the instances compiled from it) exist for which head sizes, K/V types and tunings, the instance
+names, and the shared-memory sizes the launches ask for (mirrors of the C++ ``SMEM`` formulas).
+``kernels.py`` compiles, caches, loads and launches them (and re-exports these names).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
+
+KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
+
+# (D_k, D_v) pairs per family. Head sizes outside these fall back to the reference.
+MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
+             (192, 128), (192, 192), (256, 256), (320, 256))
+VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
+# the vec kernel's quantized instances: rows of whole 32-value blocks
+VEC_QUANT_HEADS = tuple(h for h in VEC_HEADS if h[0] % 32 == 0 and h[1] % 32 == 0)
+# (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
+# 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower)
+MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2))
+WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for D_k, D_v <= this (registers)
+
+
+def mma_layouts(dk: int, dv: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The (NWQ, NWK, MT, ST) instances compiled for head sizes (dk, dv)."""
+    return tuple(l for l in MMA_LAYOUTS if l[2] == 1 or max(dk, dv) <= WIDE_MAX_HEAD)
+VEC_ROWS = (1, 4, 8)             # R: query rows per vec block
+
+
+def _chunks(d: int, lanes: int) -> int:
+    return -(-(d // 8) // lanes)
+
+
+def vec_lanes(dk: int) -> int:
+    chk = dk // 8
+    return 32 if chk >= 32 else 16 if chk > 8 else 8 if chk > 4 else 4
+
+
+def _rows_fit(dk: int, dv: int, rows) -> tuple[int, ...]:
+    """The R of ``rows`` whose Q + accumulator registers per lane stay <= 160 (the CUDA-core
+    kernels fattn_vec and fattn_cells: 8 floats per 16-byte chunk of a lane, per query row)."""
+    lanes = vec_lanes(dk)
+    per_row = 8 * (_chunks(dk, lanes) + _chunks(dv, lanes))
+    return tuple(r for r in rows if per_row * r <= 160)
+
+
+def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): keep Q + accumulator registers per lane <= 160."""
+    return _rows_fit(dk, dv, VEC_ROWS)
+
+
+# Cell-list decode (fattn_cells.cu): head sizes (the pairs the CUDA-core decode kernel takes up to
+# D_k 256; larger ones spill with 4 cells in flight per group) and query heads per block (R, a
+# power of 2 that divides gqa; the GQA group of one KV head, or part of it)
+CELLS_HEADS = tuple(h for h in VEC_HEADS if h[0] <= 256)
+CELLS_ROWS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class CellsTune:
+    """Compile-time tuning of fattn_cells (its template parameters after R; bench/NOTES.md, "cells
+    v2 sweep"): ``u`` list entries per group and step (cells in flight per group), ``pf`` prefetch
+    depth (0: none; 1: the next step's list entries loaded before this step's math; 2: the next
+    step's K/V rows too, list entries two steps ahead), ``minb`` the minimum resident blocks per
+    SM of ``__launch_bounds__`` (caps registers at 64K / (128 minb); 0: no hint), ``rmax`` the
+    most query heads per block (R)."""
+    u: int = 2
+    pf: int = 1
+    minb: int = 0
+    rmax: int = 8
+
+    @property
+    def label(self) -> str:
+        """Short name: "" for the default, else e.g. "u8-pf1-minb3-r2" (non-default fields)."""
+        d = CellsTune()
+        parts = [f"{k}{getattr(self, k)}" for k in ("u", "pf", "minb")
+                 if getattr(self, k) != getattr(d, k)]
+        if self.rmax != d.rmax:
+            parts.append(f"r{self.rmax}")
+        return "-".join(parts)
+
+    @classmethod
+    def parse(cls, label: str) -> "CellsTune":
+        """The tune of a :attr:`label` ("" or "default": the default; "cells-" prefix allowed)."""
+        label = label.strip()
+        label = label[len("cells"):].lstrip("-") if label.startswith("cells") else label
+        kw = {}
+        for part in filter(None, ("" if label == "default" else label).split("-")):
+            m = re.fullmatch(r"(u|pf|minb|r)(\d+)", part)
+            if not m:
+                raise ValueError(f"bad cells tune {label!r}: parts are u<N>, pf<N>, minb<N>, r<N>")
+            kw["rmax" if m.group(1) == "r" else m.group(1)] = int(m.group(2))
+        t = cls(**kw)
+        if t.u not in (1, 2, 4, 8, 16) or t.pf not in (0, 1, 2) or not 0 <= t.minb <= 8 or t.rmax not in CELLS_ROWS:
+            raise ValueError(f"bad cells tune {label!r}: u 1/2/4/8/16, pf 0-2, minb 0-8, r 1/2/4/8")
+        return t
+
+
+CELLS_DEFAULT = CellsTune()
+# The variants tools/dev/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
+# (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
+# all_variants() (the CI compile); tests/test_cells.py compiles these. Device time of the batched
+# bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the
+# default (then labelled u2-pf1) 30.1 us, the other variants 31.0-43.5. Labels name the fields
+# that differ from the default, so that run's labels (default U 4, PF 0) read differently now.
+CELLS_SWEEP = (
+    CELLS_DEFAULT,                                        # U 2, PF 1, R 4 at gqa 4: 128 registers, 4 blocks/SM
+    CellsTune(u=4, pf=0),                                 # the first default: 35.2 us
+    CellsTune(pf=0),                                      # no prefetch: 32.4
+    CellsTune(pf=2, rmax=4),                              # K/V rows a step ahead: 33.4
+    CellsTune(u=4, pf=0, rmax=2),                         # 2 heads per block: 31.0
+    CellsTune(minb=6, rmax=2),                            # 80 registers, 6 blocks/SM: 31.5
+    CellsTune(pf=2, minb=8, rmax=1),                      # one head per block, 64 registers: 35.1
+)
+
+
+def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple[int, ...]:
+    """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec,
+    and R <= ``tune.rmax``."""
+    rmax = (tune or CELLS_DEFAULT).rmax
+    return _rows_fit(dk, dv, (r for r in CELLS_ROWS if r <= rmax)) or (1,)
+
+
+def cells_smem_bytes(dk: int, dv: int, rows: int) -> int:
+    """Dynamic shared memory of fattn_cells (mirror of CellsCfg::SMEM in fattn_cells.cu)."""
+    ng = 4 * (32 // vec_lanes(dk))
+    return 4 * ng * rows * (dv + 3)
+
+
+def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1, st: int = 2) -> int:
+    """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
+    bk = KV_TILE
+    dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
+    stages = 1 if mt > 1 else st if dkp + dvp <= 512 else 2   # MmaCfg::STAGES
+    sk, sv, so = dkp + 8, dvp + 8, dvp + 4
+    bm = 16 * mt * nwq
+    pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))
+    epi = 4 * nwk * bm * (so + 2) if nwk > 1 else 0
+    return max(pipe, epi)
+
+
+def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
+    """Dynamic shared memory of fattn_vec (mirror of VecCfg::SMEM in fattn_vec.cu)."""
+    ng = 4 * (32 // vec_lanes(dk))
+    return 4 * (rows * KV_TILE + 3 * rows + ng * rows * dv)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One NVRTC program: a source file and the kernel instances compiled from it."""
+    family: str            # "util" | "mma" | "mma-ext" | "mma-nat" | "vec" | "cells" | "dense"
+    source: str            # file name in cuda/
+    names: tuple[str, ...]  # name expressions (templates) or extern "C" names
+    options: tuple[str, ...] = ()   # NVRTC options of this program (e.g. "-DNAME=1")
+    # "a": compiled for the architecture-specific target (sm_90a: wgmma, setmaxnreg), which
+    # loads on that compute capability only; "": the portable sm_XY target
+    arch_suffix: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.family}:{','.join(self.names)}"
+
+
+UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists",
+              "fattn_dequant_kv")
+CELL_LIST_THREADS = 256   # FATTN_CELL_THREADS in fattn_util.cu (fattn_cell_lists' block)
+
+
+def util_variant() -> Variant:
+    return Variant("util", "fattn_util.cu", UTIL_NAMES)
+
+
+GEMV_MAX_TOKENS = 4   # dense_gemv instances: 1..4 tokens
+GEMV_WARPS = 4        # rows per dense_gemv block (one warp each; GEMV_WARPS in dense.cu)
+GEMV_UNROLLS = (4, 8)  # 16-byte weight loads in flight per lane (instances)
+GEMV_UNROLL = 4       # the one the graphs use (bench/NOTES.md, "dense")
+
+
+def gemv_name(n_tok: int, unroll: int = GEMV_UNROLL) -> str:
+    return f"dense_gemv<{n_tok}, {unroll}>"
+
+
+DENSE_NAMES = tuple(gemv_name(nt, u) for nt in range(1, GEMV_MAX_TOKENS + 1) for u in GEMV_UNROLLS) + \
+    ("dense_rms_norm", "dense_kv_store", "dense_cast_f16", "dense_silu_mul", "dense_gelu_mul")
+
+
+def dense_variant() -> Variant:
+    """The full block's dense ops (``cuda/dense.cu``, used by ``graph/xp_matmul.py``)."""
+    return Variant("dense", "dense.cu", DENSE_NAMES)
+
+
+GEMVQ_TOKENS = (1, 2, 4, 8, 16)   # dense_gemv_q instances: NT, each running n_tok <= NT tokens
+GEMVQ_MAX_TOKENS = GEMVQ_TOKENS[-1]
+
+
+def gemv_q_name(type_id: int, n_tok: int) -> str:
+    """The ``dense_gemv_q`` instance of ggml type ``type_id`` that runs ``n_tok`` tokens (the
+    smallest NT >= n_tok)."""
+    nt = next(t for t in GEMVQ_TOKENS if t >= n_tok)
+    return f"dense_gemv_q<{type_id}, {nt}>"
+
+
+def dense_q_variant(type_id: int) -> Variant:
+    """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
+    ``block_types``): one program per type, so a model loads the types it holds."""
+    return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
+                   (f"dense_dequant_f16<{type_id}>", f"dense_get_rows_q<{type_id}>"))
+
+
+MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")
+
+
+def model_ops_variant() -> Variant:
+    """A real model's device-graph ops (``cuda/model_ops.cu``: get_rows, rope, add_bias; used by
+    ``graph/xp_ops.py``)."""
+    return Variant("model-ops", "model_ops.cu", MODEL_OPS_NAMES)
+
+
+def dense_q_variants() -> list[Variant]:
+    from .block_types import BLOCK_TYPES, block_layout
+    return [dense_q_variant(block_layout(n).type_id) for n in BLOCK_TYPES]
+
+
+def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
+             ext: bool = False) -> str:
+    """``ext``: the instance with softcap and ALiBi (the plain one folds the scale into Q)."""
+    return template_expr("fattn_mma", dk, dv, KV_CTYPES[kv_type], nwq, nwk, mt, st, ext)
+
+
+def vec_name(dk: int, dv: int, kv_type: int, rows: int) -> str:
+    return f"fattn_vec<{dk}, {dv}, {VEC_KV_CTYPES[kv_type]}, {rows}>"
+
+
+def cells_name(dk: int, dv: int, kv_type: int, rows: int, tune: CellsTune | None = None) -> str:
+    t = tune or CELLS_DEFAULT
+    return f"fattn_cells<{dk}, {dv}, {KV_CTYPES[kv_type]}, {rows}, {t.u}, {t.pf}, {t.minb}>"
+
+
+def cells_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None) -> Variant:
+    """One program per (head sizes, K/V type, tuning): its R instances (cells_rows_allowed)."""
+    t = tune or CELLS_DEFAULT
+    return Variant("cells" if t == CELLS_DEFAULT else "cells-x", "fattn_cells.cu",
+                   tuple(cells_name(dk, dv, kv_type, r, t) for r in cells_rows_allowed(dk, dv, t)))
+
+
+def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False, nat: bool = False) -> Variant:
+    """One program per (head sizes, K/V type, ext): plain calls never compile the ext code.
+    ``nat`` (plain instances only): scores in natural units (FATTN_NAT_SCORES in fattn_mma.cu)."""
+    if nat and ext:
+        raise ValueError("natural-unit scores are for the plain instances (ext keeps the log2 domain)")
+    return Variant("mma-ext" if ext else "mma-nat" if nat else "mma", "fattn_mma.cu",
+                   tuple(mma_name(dk, dv, kv_type, *lay, ext=ext) for lay in mma_layouts(dk, dv)),
+                   ("-DFATTN_NAT_SCORES=1",) if nat else ())
+
+
+def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
+    return Variant("vec", "fattn_vec.cu",
+                   tuple(vec_name(dk, dv, kv_type, r) for r in vec_rows_allowed(dk, dv)))
+
+
+def hopper_probe_variant() -> Variant:
+    """The checks of cuda/hopper_common.cuh's building blocks (tests/test_gpu_hopper.py), for
+    sm_90a only; not part of :func:`all_variants` (sm_80/sm_90 cannot compile it)."""
+    return Variant("hopper-probe", "hopper_probe.cu",
+                   ("hopper_probe_gemm", "hopper_probe_gemm_rs", "hopper_probe_tma", "hopper_probe_sw128"),
+                   arch_suffix="a")
+
+
+def wgmma_variant(name: str) -> Variant:
+    """The program of one sm_90a prefill instance (cuda/fattn_wgmma.cu; ``name``: a
+    wgmma_shape.WsConfig's name): one program per instance, so that a first call compiles the
+    instance it runs alone (1.4 s on a 2-core x86-64 machine, against 17.6 s for every instance
+    of the file)."""
+    return Variant("wgmma", "fattn_wgmma.cu", (name,), arch_suffix="a")
+
+
+def decode_tma_variant(name: str) -> Variant:
+    """The program of one sm_90a decode instance (cuda/fattn_decode_tma.cu; ``name``: a
+    decode_tma_shape.Cfg's name), one program per instance as :func:`wgmma_variant`."""
+    return Variant("decode-tma", "fattn_decode_tma.cu", (name,), arch_suffix="a")
+
+
+def hopper_variants() -> list[Variant]:
+    """Every sm_90a program (the CI compile test walks this list for sm_90a): the probe, and
+    every instance of wgmma_shape's WS_CONFIGS and WS_DIAG and of decode_tma_shape's CONFIGS."""
+    from .decode_tma_shape import CONFIGS
+    from .wgmma_shape import WS_CONFIGS, WS_DIAG
+    return [hopper_probe_variant()] + [wgmma_variant(c.name) for c in (*WS_CONFIGS.values(), *WS_DIAG.values())] + \
+        [decode_tma_variant(c.name) for c in CONFIGS.values()]
+
+
+HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)
+
+
+def all_variants() -> list[Variant]:
+    """Every program the backend can compile (the CI compile test walks this list)."""
+    out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants()]
+    for t in KV_CTYPES:
+        out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
+        out += [mma_variant(dk, dv, t, nat=True) for dk, dv in MMA_HEADS]
+        out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
+        out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
+    for t in QUANT_KV_CTYPES:
+        out += [vec_variant(dk, dv, t) for dk, dv in VEC_QUANT_HEADS]
+    return out
