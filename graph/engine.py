@@ -18,8 +18,8 @@ that get logits :attr:`Engine.logits`, and :meth:`Engine.run_ubatch` returns the
 ``(token_idx, logits)``); ``"attn"`` / ``"full"`` stacks of attention or of the full block,
 their inputs from :meth:`Engine.inputs` (a subclass's: the benchmarks' random pool).
 
-``model_runner.run_model_batch`` and ``greedy`` and the CLIs (``tools/graph_engine.py``) all run
-on it: the Python API reuses graphs as the CLIs do.
+``model_runner.run_model_batch`` and ``greedy``, ``runner.run_batch`` (``compute="ggml"``) and
+the CLIs (``tools/graph_engine.py``) all run on it: the Python API reuses graphs as the CLIs do.
 """
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ class Engine:
 
     full_layer = None  # the layer function of "full" (None: graph/layers.py's full_layer)
     layers = None      # the global layers of the graph (None: all; a -sm layer rank: its range)
+    inputs_once = True   # "attn": inputs set when a graph is built, the same for every reuse (a pool)
 
     def __init__(self, cache, attn_cfg, *, layer: str = "attn", model=None, weights=None, fa=None,
                  flash_attn: bool = True, n_threads: int = 1, cuda_graph: bool = True, device: bool | None = None,
@@ -98,6 +99,15 @@ class Engine:
         """``layer="attn"``: ``(q (n_tokens, n_head, D), k (n_tokens, n_embd_k), v (n_tokens,
         n_embd_v))``; ``"full"``: ``(x (n_tokens, n_embd),)``; numpy order (a subclass's)."""
         raise NotImplementedError(f"layer {self.layer!r} needs inputs: a subclass of Engine gives them")
+
+    def set_attn_inputs(self, g, plan) -> None:
+        """``layer="attn"``: put :meth:`inputs` into graph ``g`` (one set for every layer)."""
+        g.set_inputs(*[[x] for x in self.inputs(plan)])
+
+    def ubatch_result(self, g, plan):
+        """What :meth:`run_ubatch` returns for ``layer="attn"`` / ``"full"`` (None here; a
+        subclass's: e.g. every layer's output, read from ``g`` before it is reused)."""
+        return None
 
     def _model_rows(self, plan):
         """``(batch token ids, output rows of the ubatch, how many of them are real)`` for
@@ -144,15 +154,20 @@ class Engine:
             entry = _Cached(g, plan.ubatch.decode_step)
             fresh = True
         else:
-            entry.graph.load_plan(plan, tokens, out_rows)
+            try:
+                entry.graph.load_plan(plan, tokens, out_rows)
+            except BaseException:   # (taken out of the kept graphs above: freed, not leaked)
+                entry.graph.free()
+                raise
             fresh = False
         g = entry.graph
         self._run(entry, g, plan, fresh)
-        out = None
         if self.model is not None:
             out = (plan.ubatch.token_idx[out_rows[:self._n_out]].astype(np.int64), self._keep[1])
+        else:
+            out = self.ubatch_result(g, plan)
         if not self.flash_attn:
-            if out is not None:   # the graph's memory goes now
+            if self.model is not None:   # the graph's memory goes now
                 out = (out[0], self.xp.array(out[1], copy=True))
             g.free()
             return out
@@ -169,8 +184,8 @@ class Engine:
         try:
             if self.layer == "full":
                 g.set_x(self.inputs(plan)[0])          # every time: the graph adds into x in place
-            elif self.layer == "attn" and fresh:
-                g.set_inputs(*[[x] for x in self.inputs(plan)])   # the same for every reuse
+            elif self.layer == "attn" and (fresh or not self.inputs_once):
+                self.set_attn_inputs(g, plan)
             if entry.replay is not None and entry.replay_s0 == plan.slot.s0:
                 entry.replay.launch(self.stream)
                 self.replays += 1

@@ -6,7 +6,9 @@ Two ways to compute a ubatch, same inputs, same cache updates:
 * ``compute="numpy"``: K/V rows written with ``KVCache.write_rows`` and attention by the
   numpy reference (``ggml_attn.reference``) on views of the cache; no ggml involved.
 * ``compute="ggml"``: the ubatch graph from ``build.py`` (host graph on a numpy cache,
-  device-resident graph on a CuPy cache), attention op ``fa`` (ours by default).
+  device-resident graph on a CuPy cache), attention op ``fa`` (ours by default), on a
+  :class:`QKVEngine` kept with the cache: graphs built once per structure and reused by later
+  ubatches and calls.
 
 Failures are the driver's (``driver.py``): everything that can be checked without touching the
 cache (the batch against the cache, the split, room for every ubatch, the config's geometry,
@@ -22,13 +24,14 @@ from ggml_attn import reference
 from . import driver
 from .batch import Batch
 from .driver import BatchError, BatchInterrupted, BatchResult
+from .engine import Engine
 from .kv_cache import KVCache
 from .plan import UBatchPlan
 from .attn_config import AttnConfig
 from .qkv import token_qkv
 from .split import UBatch
 
-__all__ = ["BatchResult", "BatchError", "BatchInterrupted", "run_batch", "ubatch_inputs"]
+__all__ = ["BatchResult", "BatchError", "BatchInterrupted", "QKVEngine", "qkv_engine", "run_batch", "ubatch_inputs"]
 
 
 def ubatch_inputs(ub: UBatch, layer: int, cfg: AttnConfig):
@@ -48,35 +51,23 @@ def _attend_numpy(cache: KVCache, plan: UBatchPlan, layer: int, q: np.ndarray, c
     return out.reshape(plan.ubatch.n_tokens, cfg.n_head, cfg.d_v)
 
 
-class _QKVEngine:
-    """Engine of :func:`run_batch`: deterministic Q/K/V (``ubatch_inputs``) through every layer;
-    ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)`` of the real rows."""
+class _NumpyEngine:
+    """Engine of :func:`run_batch` with ``compute="numpy"``: deterministic Q/K/V
+    (``ubatch_inputs``) through every layer, K/V written with ``KVCache.write_rows``, attention
+    by the reference; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)`` of the
+    real rows."""
 
-    def __init__(self, cache: KVCache, cfg: AttnConfig, compute: str, fa, n_threads: int, all_custom):
-        self.cache, self.cfg, self.compute, self.fa = cache, cfg, compute, fa
-        self.n_threads, self.all_custom = n_threads, all_custom
+    def __init__(self, cache: KVCache, cfg: AttnConfig):
+        self.cache, self.cfg = cache, cfg
 
     def run_ubatch(self, plan: UBatchPlan) -> np.ndarray:
         cache, cfg, ub = self.cache, self.cfg, plan.ubatch
         real = ~ub.is_pad
         res = np.zeros((cfg.n_layer, int(real.sum()), cfg.n_head, cfg.d_v), dtype=np.float32)
-        if self.compute == "ggml":
-            from . import build  # noqa: PLC0415
-            g = build.build_ubatch_graph(cache, plan, cfg, fa=self.fa, all_custom=self.all_custom)
-            try:
-                ins = [ubatch_inputs(ub, il, cfg) for il in range(cfg.n_layer)]
-                g.set_inputs(*[[cache.xp.asarray(x[j]) for x in ins] for j in range(3)])
-                g.compute(self.n_threads)
-                for il, o in enumerate(g.outputs()):
-                    o = o.get() if hasattr(o, "get") else o
-                    res[il] = o[real]
-            finally:
-                g.free()
-        else:
-            for il in range(cfg.n_layer):
-                q, k, v = ubatch_inputs(ub, il, cfg)
-                cache.write_rows(il, plan.slot, k.reshape(ub.n_tokens, -1), v.reshape(ub.n_tokens, -1))
-                res[il] = _attend_numpy(cache, plan, il, q, cfg)[real]
+        for il in range(cfg.n_layer):
+            q, k, v = ubatch_inputs(ub, il, cfg)
+            cache.write_rows(il, plan.slot, k.reshape(ub.n_tokens, -1), v.reshape(ub.n_tokens, -1))
+            res[il] = _attend_numpy(cache, plan, il, q, cfg)[real]
         return res
 
     def synchronize(self) -> None:
@@ -87,6 +78,50 @@ class _QKVEngine:
 
     def close(self) -> None:
         pass
+
+
+class QKVEngine(Engine):
+    """Engine of :func:`run_batch` with ``compute="ggml"`` (``engine.Engine``, ``layer="attn"``):
+    the ubatch's deterministic Q/K/V of every layer (``ubatch_inputs``) into a graph built once
+    per structure and reused; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)``
+    of the real rows. :func:`qkv_engine` keeps one per cache and config, so the calls of
+    :func:`run_batch` (each decode step) reuse the graphs of the calls before. CUDA-graph replay
+    is off (:attr:`CUDA_GRAPHS`, as ``model_runner.ModelEngine``'s)."""
+
+    CUDA_GRAPHS = False
+    inputs_once = False   # every ubatch brings its own Q/K/V
+
+    def __init__(self, cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom=None, n_threads: int = 2):
+        super().__init__(cache, cfg, layer="attn", fa=fa, n_threads=n_threads, all_custom=all_custom,
+                         shared_inputs=False, cuda_graph=self.CUDA_GRAPHS)
+
+    def set_attn_inputs(self, g, plan) -> None:
+        ins = [ubatch_inputs(plan.ubatch, il, self.attn_cfg) for il in range(self.attn_cfg.n_layer)]
+        g.set_inputs(*[[self.xp.asarray(x[j]) for x in ins] for j in range(3)])
+
+    def ubatch_result(self, g, plan) -> np.ndarray:
+        real = ~plan.ubatch.is_pad
+        res = np.empty((self.attn_cfg.n_layer, int(real.sum()), self.attn_cfg.n_head, self.attn_cfg.d_v),
+                       dtype=np.float32)
+        for il, o in enumerate(g.outputs()):
+            res[il] = (o.get() if hasattr(o, "get") else o)[real]
+        return res
+
+
+def qkv_engine(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom=None, n_threads: int = 2) -> QKVEngine:
+    """The :class:`QKVEngine` of ``cache``, ``cfg``, ``fa`` and ``all_custom``, made on the first
+    call and kept on the cache (as ``model_runner.model_engine``: its graphs view the cache's
+    memory and go with it)."""
+    engines = cache.__dict__.setdefault("_qkv_engines", {})   # {(cfg, form): engine}
+    key = (cfg, all_custom)
+    e = engines.get(key)
+    if e is None or e.fa is not fa:   # (another op: graphs of their own)
+        if e is not None:
+            e.close()
+        e = engines[key] = QKVEngine(cache, cfg, fa=fa, all_custom=all_custom, n_threads=n_threads)
+    if not e.device:
+        e.n_threads = n_threads
+    return e
 
 
 def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None, *,
@@ -136,7 +171,8 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
         idx = plan.ubatch.token_idx
         out[:, idx[~plan.ubatch.is_pad]] = res  # only once the whole ubatch went through
 
-    engine = _QKVEngine(cache, cfg, compute, fa, n_threads, all_custom)
+    engine = qkv_engine(cache, cfg, fa=fa, all_custom=all_custom, n_threads=n_threads) if compute == "ggml" \
+        else _NumpyEngine(cache, cfg)
     plans = driver.decode(cache, batch, n_ubatch, mode, engine, cfg, ubatches=ubatches, validate=validate,
                           on_done=done, out=out)
     return BatchResult(out, plans)

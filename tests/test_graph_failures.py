@@ -73,8 +73,18 @@ MODES = [("padded", False), ("equal", False), ("simple", True), ("seq", True)]
 
 
 def failure_points(monkeypatch, where, n, exc):
-    if where == "build":
-        monkeypatch.setattr(build_mod, "build_ubatch_graph", FailOn(build_mod.build_ubatch_graph, n, exc))
+    if where == "build":   # a ubatch's graph: built, or a kept one loaded with its plan (one per ubatch)
+        calls = [0]
+
+        def counted(real):
+            def prepare(*a, **kw):
+                calls[0] += 1
+                if calls[0] - 1 == n:
+                    raise exc
+                return real(*a, **kw)
+            return prepare
+        monkeypatch.setattr(build_mod, "build_ubatch_graph", counted(build_mod.build_ubatch_graph))
+        monkeypatch.setattr(build_mod.UBatchGraph, "load_plan", counted(build_mod.UBatchGraph.load_plan))
     elif where == "op":  # the attention op inside ggml's compute: 2 layers x 2 graph threads per ubatch
         monkeypatch.setattr(ggml_attn.cpu, "flash_attn_ext_host",
                             FailOn(ggml_attn.cpu.flash_attn_ext_host, 4 * n + 2, exc))

@@ -133,6 +133,34 @@ def test_greedy_reuses_its_graphs_from_step_to_step(model, monkeypatch):
     assert len(built) == 3          # a prompt ubatch of 4 tokens: one new structure
 
 
+def test_run_batch_reuses_its_graphs_from_call_to_call(monkeypatch):
+    """run_batch(compute="ggml") runs on an engine kept with the cache (runner.QKVEngine): decode
+    steps of one structure build one graph, later calls reuse it with their own Q/K/V (each
+    ubatch built its graph before), and every output equals the numpy reference's."""
+    from ggml_attn.graph import AttnConfig, Batch, KVCache, build, run_batch
+    cfg = AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim=32)
+    real, built = build.build_ubatch_graph, []
+
+    def counting(*a, **kw):
+        built.append(1)
+        return real(*a, **kw)
+    monkeypatch.setattr(build, "build_ubatch_graph", counting)
+    caches = {how: KVCache(512, 4, unified=True, n_layer=3, n_head_kv=2, head_dim_k=32, dtype=np.float32)
+              for how in ("ggml", "numpy")}
+    for how, c in caches.items():
+        run_batch(c, Batch.from_lengths([5, 3, 7, 2]), 512, "simple", cfg, compute=how)
+    assert len(built) == 1
+    for step in range(4):
+        outs = {}
+        for how, c in caches.items():
+            pos = c.next_positions(range(4))
+            b = Batch(np.arange(4, dtype=np.int32), np.array([pos[s] for s in range(4)], dtype=np.int32),
+                      tuple((s,) for s in range(4)))
+            outs[how] = run_batch(c, b, 512, "simple", cfg, compute=how).out
+        np.testing.assert_allclose(outs["ggml"], outs["numpy"], rtol=2e-3, atol=2e-3)
+    assert len(built) == 2          # the prompt's ubatch, then one decode step's graph for all 4 steps
+
+
 def test_a_second_ggml_in_the_process_is_named():
     """ggml_attn refuses to import beside another ggml's libraries (llama.cpp's libggml-base.so
     found first through LD_LIBRARY_PATH), naming them; ggml-python's own pass."""

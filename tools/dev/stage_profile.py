@@ -139,10 +139,10 @@ def main(argv=None) -> int:
     report: dict = dict(args=a.args, rows=[], replays={})
     orig_row, orig_close = bb.run_row, rn.Runner.close
 
-    def run_row(runner, row, pps):
+    def run_row(runner, row, pps, *rest):
         timer.reset()
         t0 = time.perf_counter()
-        res = orig_row(runner, row, pps)
+        res = orig_row(runner, row, pps, *rest)
         wall = time.perf_counter() - t0
         rep = dict(pl=row["pl"], wall_ms=round(wall * 1e3, 3), t_pp_ms=round(res["t_pp"] * 1e3, 3),
                    t_tg_ms=round(res["t_tg"] * 1e3, 3), ubatches=res["ub"], stages=timer.table())
