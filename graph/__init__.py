@@ -23,11 +23,12 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
 * ``mask`` (``mask_step``: a decode step's from the previous step's): a ubatch's mask;
 * ``plan``: a ubatch placed in the cache, its mask and live-tile map, once for every layer;
 * ``attn_config``: the attention stack's geometry (``AttnConfig``); ``qkv``: deterministic Q/K/V;
-* ``build``: a ubatch's ggml graph (``kv_graph`` the cache's views and store op, ``layers`` the
-  layer functions, ``model_graph`` a real model's block, ``xp_node`` / ``xp_matmul`` / ``xp_ops``
-  the device graphs' custom ops, ``staging`` their per-ubatch inputs, ``capture`` CUDA graphs);
-* ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines and
-  ``model_runner``'s are its subclasses);
+* ``build``: a ubatch's ggml graph (``build_checks`` what it may be, ``kv_graph`` the cache's
+  views and store op, ``layers`` the layer functions, ``model_graph`` a real model's block,
+  ``xp_node`` / ``xp_matmul`` / ``xp_ops`` the device graphs' custom ops, ``staging`` their
+  per-ubatch inputs, ``capture`` CUDA graphs);
+* ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines,
+  ``model_runner``'s and ``runner``'s are its subclasses);
 * ``driver``: the decode loop (validate, split, check room, plan, run, commit or roll back);
 * ``runner``: ``run_batch`` with deterministic Q/K/V; ``describe``: plans as tables;
 * ``model`` (``gguf_file`` the header, ``example_model`` a small file to try): a GGUF model;
@@ -56,5 +57,6 @@ from .model_runner import ModelResult, greedy, run_model_batch
 __all__ = ["Batch", "validate_batch", "MODES", "UBatch", "split_ubatches", "KVCache",
            "KVCacheFullError", "SlotInfo", "build_mask", "visible_cells", "AttnConfig",
            "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "AutoChoice", "CostModel", "choose_split",
-           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan", "format_table",
+           "BatchResult", "BatchError", "BatchInterrupted", "run_batch", "driver", "compare_strategies", "describe_plan",
+           "format_table",
            "Model", "ModelError", "load_gguf", "write_example_model", "ModelResult", "run_model_batch", "greedy"]

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ggml_attn.dtypes import CACHE_TYPES, DEVICE_BLOCK_TYPES, block_size, check_head_blocks  # noqa: F401 (re-exported)
+
 from .batch import INT32_MAX, MAX_SEQ, Batch, as_int, validate_batch
 from .kv_cells import KVCells, ubatch_streams
 from .split import UBatch
@@ -49,9 +51,7 @@ from .split import UBatch
 __all__ = ["KVCache", "SlotInfo", "KVCacheFullError", "pad_to", "coarse_pad", "CACHE_TYPES", "block_size",
            "check_head_blocks", "DEVICE_BLOCK_TYPES"]
 
-CACHE_TYPES = ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
-_FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}
-DEVICE_BLOCK_TYPES = ("q8_0", "q4_0")   # block types a CuPy cache holds (cuda/dense.cu dense_kv_store writes them)
+_FLOAT_TYPES = {"f16": np.dtype(np.float16), "f32": np.dtype(np.float32)}   # caches held as float arrays
 
 KV_PAD = 256  # llama.cpp pads n_ctx, kv_size and n_kv to 256
 
@@ -76,31 +76,6 @@ def coarse_pad(n: int, kv_size: int | None = None) -> int:
 # coarse_n_kv: the largest f16 mask (n_tokens x kv_size x 2 bytes) for which a prompt ubatch
 # attends over the whole cache (KVCache.n_kv); 0 turns that off (A/B runs)
 PROMPT_WHOLE_CACHE_MASK_BYTES = 16 << 20
-
-
-def block_size(type_name: str) -> int:
-    """Values per block of cache type ``type_name`` (1 for f16/bf16/f32, 32 for q8_0, q4_0, q4_1,
-    q5_0, q5_1 and iq4_nl: ggml's ``ggml_blck_size``)."""
-    if type_name not in CACHE_TYPES:
-        raise ValueError(f"{type_name!r} is not a cache type ({', '.join(CACHE_TYPES)})")
-    if type_name in ("f16", "bf16", "f32"):
-        return 1
-    import ggml  # noqa: PLC0415
-    return int(ggml.ggml_blck_size(getattr(ggml, f"GGML_TYPE_{type_name.upper()}")))
-
-
-def check_head_blocks(name: str, type_name, head_dim: int) -> None:
-    """The one rule for a K or V cache type (``name``: ``type_k`` / ``type_v``): one of
-    :data:`CACHE_TYPES`, and each head's row (``head_dim`` values) a whole number of the type's
-    blocks, since attention reads K/V per head (a q8_0 row of two 48-wide heads holds three
-    blocks, but the second head starts in the middle of one: ggml's op gave NaN rows).
-    ``ValueError`` naming the argument, the type, the head size and the block size."""
-    if not isinstance(type_name, str) or type_name not in CACHE_TYPES:
-        raise ValueError(f"{name} {type_name!r} is not a cache type (allowed: {', '.join(CACHE_TYPES)})")
-    blck = block_size(type_name)
-    if head_dim % blck:
-        raise ValueError(f"{name} {type_name}: head size {head_dim} is not a multiple of {blck}, the "
-                         f"{type_name} block size (each head's row must be whole blocks)")
 
 
 def _check_xp_type(name: str, type_name: str, xp) -> None:
@@ -267,16 +242,6 @@ class KVCache:
         return (f"KVCache({mode}, {self.n_stream} stream(s) x {self.kv_size} cells, {self.n_layer} layer(s), "
                 f"K/V {self.n_head_kv}x{self.head_dim_k}/{self.head_dim_v} {self.type_k}/{self.type_v}, "
                 f"{self.xp.__name__})")
-
-    def seq_to_stream(self, seq_id: int) -> int:
-        seq_id = self._check_seq(seq_id)
-        return 0 if self.unified else seq_id
-
-    def _check_seq(self, seq_id: int) -> int:
-        seq_id = as_int(seq_id, "seq_id")
-        if not 0 <= seq_id < self.n_seq_max:
-            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq_max})")
-        return seq_id
 
     def seq_to_stream(self, seq_id: int) -> int:
         seq_id = self._check_seq(seq_id)

@@ -267,3 +267,14 @@ def test_coarse_n_kv_changes_n_kv_not_results(unified):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert all(c >= f and c == coarse_pad(c, caches[1].kv_size) for f, c in zip(*n_kvs))
     assert len(set(n_kvs[1])) <= len(set(n_kvs[0]))
+
+
+def test_cache_types_are_ggmls():
+    """The one list of cache types (ggml_attn.dtypes) names ggml's type ids and block sizes."""
+    import ggml
+    from ggml_attn import dtypes
+    assert dtypes.CACHE_TYPES == ("f16", "bf16", "f32", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+    for name, tid in dtypes.CACHE_TYPE_IDS.items():
+        assert tid == getattr(ggml, f"GGML_TYPE_{name.upper()}"), name
+        assert dtypes.block_size(name) == ggml.ggml_blck_size(tid), name
+        assert dtypes.TYPE_NAMES[tid] == name

@@ -15,15 +15,15 @@ llama.cpp's cache types are f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0 and q
   ones); a quantized cache runs on one GPU (``-sm row/layer`` over several GPUs keep f16).
 
 A quantized type packs 32 values per block, so each head must be a multiple of 32 wide
-(``graph.kv_cache.check_head_blocks``, the KV cache's own rule).
+(``ggml_attn.dtypes.check_head_blocks``, the KV cache's own rule).
 """
 from __future__ import annotations
 
 from .errors import UserError
 
-from ggml_attn.graph.kv_cache import CACHE_TYPES, DEVICE_BLOCK_TYPES, check_head_blocks
+from ggml_attn.dtypes import CACHE_TYPES, DEVICE_BLOCK_TYPES, FLOAT_CACHE_TYPES, check_head_blocks
 
-QUANTIZED = frozenset(CACHE_TYPES[3:])
+QUANTIZED = frozenset(t for t in CACHE_TYPES if t not in FLOAT_CACHE_TYPES)
 GPU_TYPES = ("f16",) + DEVICE_BLOCK_TYPES   # what the CUDA engine's cache holds (K and V each)
 
 
