@@ -3,11 +3,6 @@
 // mma.sync m16n8k16 (f16 or bf16 operands, f32 accumulate), ldmatrix, and a cp.async K/V
 // pipeline. Q (f32 in global) is converted to the K/V type on load; without softcap and ALiBi
 // (EXT = false) it is pre-multiplied by scale * log2(e), so scores come out in the log2 domain.
-// Compiled with FATTN_NAT_SCORES=1 (ggml_attn/cuda_launch.py NAT_SCORES), the plain instances
-// keep scores in natural units instead (Q times scale only; exp2 of score * log2(e) - max *
-// log2(e), one fma): a FINITE tile's mask then initialises the MMA accumulators, nothing is
-// added after; the row maxima go to the log2 domain after the loop, so the output steps, the
-// split partials and the merges are the same either way.
 //
 // Block = NWQ x NWK warps, MT m16 tiles of rows per warp, ST K/V stages in the ring. The
 // block's BM = 16*MT*NWQ query rows are (token, head) pairs of one KV head: row i -> head
@@ -32,10 +27,6 @@
 // in ggml_attn/kernels.py). The mask must have 16-byte aligned rows (the backend copies one
 // that does not).
 #include "fattn_common.cuh"
-
-#ifndef FATTN_NAT_SCORES
-#define FATTN_NAT_SCORES 0
-#endif
 
 template <int DK, int DV, int NWQ, int NWK, int MT, int ST>
 struct MmaCfg {
@@ -99,9 +90,7 @@ fattn_mma(const FattnParams p) {
     using C = MmaCfg<DK, DV, NWQ, NWK, MT, ST>;
     constexpr int BK = C::BK, KW = C::KW, BM = C::BM, NT = C::NT;
     constexpr int DKP = C::DKP, DVP = C::DVP, SK = C::SK, SV = C::SV, STAGES = C::STAGES;
-    constexpr bool NAT = FATTN_NAT_SCORES && !EXT;   // scores in natural units (see the top)
-    constexpr float SL = NAT ? FATTN_LOG2E : 1.0f;   // score -> log2 domain, in the softmax
-    constexpr float ML = NAT ? 1.0f : FATTN_LOG2E;   // mask -> score units (times the slope)
+    constexpr float ML = FATTN_LOG2E;   // mask -> score units, the log2 domain (times the slope)
 
     extern __shared__ uint4 smem_raw[];
     // FA2 order: the hidden words of this block's live list (nullptr without a plan), read from
@@ -132,7 +121,7 @@ fattn_mma(const FattnParams p) {
     // ---- step: Q tile -> shared (converted to T; pre-scaled unless EXT), zero rows past the
     // tile. 16-byte loads issued in unrolled batches so that many are in flight.
     {
-        const float qs = EXT ? 1.0f : NAT ? p.scale : p.scale * FATTN_LOG2E;
+        const float qs = EXT ? 1.0f : p.scale * FATTN_LOG2E;
         const char* qbase = p.q + (long long)s * p.q_nb3;
         constexpr int QV = DKP / 4, QITEMS = BM * QV, QB = 8;
         for (int base = 0; base < QITEMS; base += QB * NT) {
@@ -303,30 +292,17 @@ fattn_mma(const FattnParams p) {
         }
         const int kv0 = (e & FATTN_TILE_ID_MASK) * BK + wk * KW;
 
-        // ---- step: S = Q K^T for 16*MT rows x KW columns (NAT: a FINITE tile's S starts at its
-        // mask: this thread's two cells of (m-tile mt, row half rs, n-tile nt), see the masking)
+        // ---- step: S = Q K^T for 16*MT rows x KW columns (the mask: this thread's two cells of
+        // (m-tile mt, row half rs, n-tile nt), see the masking)
         const unsigned sm_tile = smem_u32(sMask + stage * BM * C::SM + (16 * MT * wq + g) * C::SM + wk * KW + 2 * t4);
         auto mask_pair = [&](int mt, int rs, int nt) {
             return lds_half2(sm_tile + ((mt * 16 + rs * 8) * C::SM + nt * 8) * 2);
         };
         float S[MT][KW / 8][4];
-        if (NAT && (e & FATTN_TILE_FINITE)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < KW / 8; ++nt)
-#pragma unroll
-                    for (int rs = 0; rs < 2; ++rs) {
-                        const float2 mv = __half22float2(mask_pair(mt, rs, nt));
-                        S[mt][nt][2 * rs] = mv.x;
-                        S[mt][nt][2 * rs + 1] = mv.y;
-                    }
-        } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int i = 0; i < KW / 8; ++i) S[mt][i][0] = S[mt][i][1] = S[mt][i][2] = S[mt][i][3] = 0.0f;
-        }
+            for (int i = 0; i < KW / 8; ++i) S[mt][i][0] = S[mt][i][1] = S[mt][i][2] = S[mt][i][3] = 0.0f;
         const unsigned k_addr = smem_u32(sK + stage * BK * SK + (wk * KW + lr + (lm >> 1) * 8) * SK + (lm & 1) * 8);
 #pragma unroll
         for (int ks = 0; ks < DKP / 16; ++ks) {
@@ -352,8 +328,7 @@ fattn_mma(const FattnParams p) {
             }
         }
 
-        // ---- step: the tile's masking (and, EXT, scale and softcap; scores in the log2 domain,
-        // NAT: in natural units)
+        // ---- step: the tile's masking (and, EXT, scale and softcap; scores in the log2 domain)
         if constexpr (EXT) {   // scale, softcap; ALiBi slope * mask below
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -370,7 +345,7 @@ fattn_mma(const FattnParams p) {
             if (e & FATTN_TILE_MASKED) {
                 // The n_kv tail's mask tile reads -inf past n_kv (load_k): no bounds check here.
                 // sel: a -inf cell gives -inf (add_mask_pair); a FINITE tile has none (a bias
-                // mask), so it is added with no select (NAT: it is in S already). Volatile
+                // mask), so it is added with no select. Volatile
                 // loads: with plain ones ptxas hoists both loops' loads above the branch and the
                 // 128-row tiles spill.
                 auto add_mask = [&](const bool sel) {
@@ -385,7 +360,7 @@ fattn_mma(const FattnParams p) {
                 };
                 if (EXT) add_mask(!(e & FATTN_TILE_FINITE));   // one loop: EXT's registers are at the limit
                 else if (!(e & FATTN_TILE_FINITE)) add_mask(true);
-                else if (!NAT) add_mask(false);
+                else add_mask(false);
             } else {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
@@ -414,17 +389,15 @@ fattn_mma(const FattnParams p) {
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float m_new = fmaxf(m[mt][rs], mx);
                 const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
-                // p = exp2(S SL + mb); NAT: -mb the rounded max the previous tiles' p were taken
-                // against, so alpha rescales them exactly onto this one's (SL = 1: m - m_use)
-                const float mb = -m_use * SL;
+                // p = exp2(S - m_use); alpha rescales the previous tiles' p onto this one's max
                 if (__any_sync(0xffffffffu, m_new != m[mt][rs])) {   // skip the rescale when no max moved
-                    const float alpha = fast_exp2(NAT ? __fmul_rn(m[mt][rs], SL) + mb : m[mt][rs] - m_use);  // m == -inf -> 0
+                    const float alpha = fast_exp2(m[mt][rs] - m_use);  // m == -inf -> 0
                     l[mt][rs] *= alpha;
 #pragma unroll
                     for (int i = 0; i < DVP / 8; ++i) { O[mt][i][2 * rs] *= alpha; O[mt][i][2 * rs + 1] *= alpha; }
                 }
                 m[mt][rs] = m_new;
-                auto p_of = [&](float x) { return fast_exp2(NAT ? fmaf(x, SL, mb) : x - m_use); };
+                auto p_of = [&](float x) { return fast_exp2(x - m_use); };
 #pragma unroll
                 for (int nt = 0; nt < KW / 8; ++nt) {
                     S[mt][nt][2 * rs] = p_of(S[mt][nt][2 * rs]);
@@ -475,10 +448,6 @@ fattn_mma(const FattnParams p) {
         if constexpr (!C::FA2) __syncthreads();  // this stage may be refilled by the next iteration's prefetch
     }
     cp_async_wait<0>();   // drain (empty) trailing groups before shared memory is reused
-    if constexpr (NAT) {   // row maxima to the log2 domain of everything below (-inf stays)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) { m[mt][0] *= FATTN_LOG2E; m[mt][1] *= FATTN_LOG2E; }
-    }
 
     // ---- step: output
 #pragma unroll

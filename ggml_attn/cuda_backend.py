@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import sys
-import types
 import warnings
 from dataclasses import dataclass, replace
 
@@ -54,35 +52,6 @@ def _warn_once(msg: str) -> None:
     if msg not in _WARNED:
         _WARNED.add(msg)
         warnings.warn(f"ggml_attn.cuda_backend: {msg}", RuntimeWarning, stacklevel=3)
-
-
-# Names that lived here before the backend was split into modules, and where they live now.
-# Reading one here raises AttributeError naming its module; so does setting one (a knob set
-# here would change nothing: the code reads it from its own module at call time).
-_MOVED = {**dict.fromkeys(("_WAVES", "DECODE_TC_STAGES", "PREFILL_PACK", "_MIN_TILES_PER_SPLIT", "_MAX_SPLITS",
-                           "_MAX_GRID_Y", "PREFILL_WIDE_MIN_BATCH", "PREFILL_WIDE_MIN_LIVE", "FUSED_SPLIT_FINISH",
-                           "_split_count", "_occupancy", "_OCCUPANCY"), "ggml_attn.cuda_launch"),
-          **dict.fromkeys(("_mask_params", "_build_row_intervals", "_build_live_map", "_aligned_mask_copy"),
-                          "ggml_attn.cuda_plan"),
-          **dict.fromkeys(("_WS", "_CNT", "_workspace", "_split_counters", "_Staging", "_STAGING", "_staging"),
-                          "ggml_attn.cuda_workspace (WORKSPACES)"),
-          **dict.fromkeys(("_AVAILABLE", "_NUM_SMS", "_stream_ptr"), "ggml_attn.cuda_device")}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(f"ggml_attn.cuda_backend.{name} moved to {_MOVED[name]}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _BackendModule(types.ModuleType):
-    def __setattr__(self, name, value):
-        if name in _MOVED:
-            raise AttributeError(f"ggml_attn.cuda_backend.{name} moved to {_MOVED[name]}: set it there")
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _BackendModule
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,8 +206,9 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.NAT_SCORES, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
-            L.WGMMA_RAGGED_PACK, L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK, hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
+            L.WGMMA_RAGGED_PACK, L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK,
+            hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),

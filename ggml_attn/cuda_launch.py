@@ -74,13 +74,6 @@ FUSED_SPLIT_FINISH = False
 # (bench/NOTES.md, "eighth session"); other masks' tiles are never FINITE.
 FINITE_MASK_TILES = True
 
-# Scores in natural units in the plain (no softcap/ALiBi) tensor-core instances: True -- Q is
-# scaled by `scale` alone and the softmax takes exp2 through one fma with log2(e), so a FINITE
-# tile's mask initialises the MMA accumulators (no add at all); False -- Q also carries log2(e)
-# and scores come out in the log2 domain. A compile-time variant (FATTN_NAT_SCORES, family
-# "mma-nat"). Off: on the H200 it took FINITE-tile prefill from 952-958 to 937-942 us but
-# unmasked prefill from 814-815 to 822-826 us, the common case (bench/NOTES.md, "eighth session").
-NAT_SCORES = False
 # The sm_90a prefill's instance the op runs (a key of wgmma_shape.WS_CONFIGS for the call's K/V
 # type and head size): "" -- wgmma_shape.WS_FOR's (persistent blocks); an A/B knob for the benchmark's
 # rows of one-block-per-tile instances. Part of the call key.
@@ -302,7 +295,6 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
             decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
                             c.threads, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
-    nat = NAT_SCORES and not ext   # the tensor-core program: natural-unit scores (plain instances only)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
@@ -310,12 +302,12 @@ def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: 
                    and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
         st = 1 if mt == 2 else 2
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=nat)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
         pack, tq = _group_rows(sh.gqa)
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext, nat=nat)
+        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
         name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
         block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
     elif kernel == "decode":

@@ -39,7 +39,6 @@ GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", 
 # 61.5 vs 62.0 us), so the CUDA-core kernel runs only where no mma variant exists
 # (D 512/576) or when asked for explicitly.
 DECODE_MAX_BATCH = {1: 16, 2: 8, 4: 4, 8: 2}
-DECODE_TC_MIN_GQA = 1
 CROSSOVER_SOURCE = "H200 crossover 2026-11-29 (372c6bd)"
 
 # Cell-list decode ("cells"): auto picks it when the plan measured that the tile kernel it would
@@ -233,9 +232,7 @@ def _choose_gpu(n_batch: int, gqa: int, d_k: int, d_v: int, kv_type: int) -> tup
     if supports("prefill", d_k, d_v, kv_type) is not None:
         return "decode", f"head sizes {d_k}/{d_v} have only the CUDA-core kernel"
     if n_batch <= DECODE_MAX_BATCH[_bucket(gqa)]:
-        if gqa >= DECODE_TC_MIN_GQA:
-            return "decode-tc", f"n_batch {n_batch} <= decode limit, gqa {gqa} >= {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
-        return "decode", f"n_batch {n_batch} <= decode limit, gqa {gqa} < {DECODE_TC_MIN_GQA} ({CROSSOVER_SOURCE})"
+        return "decode-tc", f"n_batch {n_batch} <= decode limit ({CROSSOVER_SOURCE})"
     return "prefill", f"n_batch {n_batch} above the decode limit ({CROSSOVER_SOURCE})"
 
 

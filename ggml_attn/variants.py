@@ -151,7 +151,7 @@ def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
 @dataclass(frozen=True)
 class Variant:
     """One NVRTC program: a source file and the kernel instances compiled from it."""
-    family: str            # "util" | "mma" | "mma-ext" | "mma-nat" | "vec" | "cells" | "dense"
+    family: str            # "util" | "mma" | "mma-ext" | "vec" | "cells" | "dense" ...
     source: str            # file name in cuda/
     names: tuple[str, ...]  # name expressions (templates) or extern "C" names
     options: tuple[str, ...] = ()   # NVRTC options of this program (e.g. "-DNAME=1")
@@ -246,14 +246,10 @@ def cells_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None)
                    tuple(cells_name(dk, dv, kv_type, r, t) for r in cells_rows_allowed(dk, dv, t)))
 
 
-def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False, nat: bool = False) -> Variant:
-    """One program per (head sizes, K/V type, ext): plain calls never compile the ext code.
-    ``nat`` (plain instances only): scores in natural units (FATTN_NAT_SCORES in fattn_mma.cu)."""
-    if nat and ext:
-        raise ValueError("natural-unit scores are for the plain instances (ext keeps the log2 domain)")
-    return Variant("mma-ext" if ext else "mma-nat" if nat else "mma", "fattn_mma.cu",
-                   tuple(mma_name(dk, dv, kv_type, *lay, ext=ext) for lay in mma_layouts(dk, dv)),
-                   ("-DFATTN_NAT_SCORES=1",) if nat else ())
+def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
+    """One program per (head sizes, K/V type, ext): plain calls never compile the ext code."""
+    return Variant("mma-ext" if ext else "mma", "fattn_mma.cu",
+                   tuple(mma_name(dk, dv, kv_type, *lay, ext=ext) for lay in mma_layouts(dk, dv)))
 
 
 def vec_variant(dk: int, dv: int, kv_type: int) -> Variant:
@@ -300,7 +296,6 @@ def all_variants() -> list[Variant]:
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants()]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
-        out += [mma_variant(dk, dv, t, nat=True) for dk, dv in MMA_HEADS]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
         out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
     for t in QUANT_KV_CTYPES:

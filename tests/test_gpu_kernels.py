@@ -240,9 +240,8 @@ def test_holes_and_fully_masked(kernel, n_kv, n_batch, rng):
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)
 @pytest.mark.parametrize("n_batch,n_kv", [(3, 1000), (3, 1024), (300, 1000)])
-@pytest.mark.parametrize("ext,nat", [(False, False), (False, True), (True, False)],
-                         ids=["plain", "plain-nat", "softcap-alibi"])   # (EXT never runs nat)
-def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, nat, rng, monkeypatch):
+@pytest.mark.parametrize("ext", [False, True], ids=["plain", "softcap-alibi"])
+def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, rng, monkeypatch):
     """With the plan marking FINITE tiles (cuda_launch.FINITE_MASK_TILES):
     - a bias mask of values in [-10, -6] (no -inf: every MASKED tile FINITE, added with no
       select); the scores are so low that cells past n_kv scored 0 instead of -inf would
@@ -252,10 +251,8 @@ def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, nat, rng, monkeypatch):
       scan's classes equal a numpy recount (aligned rows: the scan's 16-byte path);
     - a mask hiding a block of cells from the even rows only, NaN in K there: those tiles are
       not FINITE and their -inf select must keep the NaN from the even rows.
-    With softcap and ALiBi and without; plain instances with scores in the log2 domain and in
-    natural units (cuda_launch.NAT_SCORES: a FINITE tile's mask initialises the accumulators)."""
+    With softcap and ALiBi and without."""
     monkeypatch.setattr(cuda_launch, "FINITE_MASK_TILES", True)
-    monkeypatch.setattr(cuda_launch, "NAT_SCORES", nat)
     max_bias, softcap = (8.0, 30.0) if ext else (0.0, 0.0)
     q, k, v, s = _inputs(rng, 1, 16, 4, n_batch, n_kv, 128, 128, GGML_TYPE_F16, sinks=True)
     bias = rng.uniform(-10, -6, (1, 1, n_batch, n_kv)).astype(np.float16)
@@ -281,36 +278,6 @@ def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, nat, rng, monkeypatch):
     ref = flash_attn_ext(q, k, v, holes, 0.1, max_bias, softcap, s, kv_type=GGML_TYPE_F16)
     out = _run_device(q, kd, v, holes, s, 0.1, max_bias, softcap, kernel)
     _check(out[:, ::2], ref[:, ::2], f"{kernel} NaN K under -inf cells, FINITE tiles marked, ext={ext}")
-
-
-@pytest.mark.parametrize("kernel", ("prefill", "prefill-wide", "decode-tc"))
-@pytest.mark.parametrize("kv_type,d", [(GGML_TYPE_F16, 64), (GGML_TYPE_BF16, 128), (GGML_TYPE_F16, 256)])
-@pytest.mark.parametrize("mask_kind", ["none", "causal", "random", "bias"])
-@pytest.mark.parametrize("n_splits,fused", [(None, False), (16, False), (5, True)])
-def test_nat_scores(kernel, kv_type, d, mask_kind, n_splits, fused, rng, monkeypatch):
-    """The plain tensor-core instances compiled with scores in natural units
-    (cuda_launch.NAT_SCORES, FATTN_NAT_SCORES): every tile class (no mask: FULL; block-causal:
-    PARTIAL intervals; random: MASKED with -inf; bias: MASKED FINITE, the mask in the
-    accumulators), sinks, one split or several merged by fattn_combine or by the kernel's last
-    block (the row maxima handed over in the log2 domain)."""
-    monkeypatch.setattr(cuda_launch, "NAT_SCORES", True)
-    monkeypatch.setattr(cuda_launch, "FINITE_MASK_TILES", True)
-    monkeypatch.setattr(cuda_launch, "FUSED_SPLIT_FINISH", fused)
-    if kernel == "prefill-wide" and d > 128:
-        pytest.skip("the 128-row tiles are compiled for head sizes <= 128")
-    n_batch = 2 if kernel == "decode-tc" else 150
-    n_kv = 700
-    q, k, v, s = _inputs(rng, 1, 8, 2, n_batch, n_kv, d, d, kv_type, sinks=True)
-    mask = {"none": None,
-            "causal": _block_causal_mask([n_batch // 2, n_batch - n_batch // 2], n_kv) if n_batch > 2
-            else conf.random_kq_mask(rng, (1, 1, n_batch, n_kv)),
-            "random": conf.random_kq_mask(rng, (1, 1, n_batch, n_kv)),
-            "bias": rng.uniform(0, 6, (1, 1, n_batch, n_kv)).astype(np.float16)}[mask_kind]
-    # scores of a few units (scale 0.3, a positive bias): row maxima far from the log2-domain
-    # value they must be converted to before the sinks and the split merges
-    ref = flash_attn_ext(q, k, v, mask, 0.3, 0.0, 0.0, s, kv_type=kv_type)
-    out = _run_device(q, k, v, mask, s, 0.3, 0.0, 0.0, kernel, n_splits=n_splits)
-    _check(out, ref, f"nat {kernel} D={d} {mask_kind} splits={n_splits} fused={fused}")
 
 
 @pytest.mark.parametrize("kernel", GPU_KERNELS)

@@ -38,10 +38,10 @@ Q8_0, Q4_0 = GGML_TYPE_Q8_0, GGML_TYPE_Q4_0
 # spill allowance. The remaining (program, arch) pairs: test_every_other_variant_compiles.
 REPRESENTATIVE = {
     "sm_90": (K.util_variant(), K.dense_variant(), K.dense_q_variant(12), K.model_ops_variant(), K.mma_variant(128, 128, F16),
-              K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, F16, nat=True),
+              K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, BF16),
               K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.dense_q_variant(14), K.model_ops_variant(), K.mma_variant(40, 40, BF16),
-              K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, BF16, nat=True),
+              K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, F16),
               K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16)),
 }
 
@@ -74,7 +74,7 @@ def _compile(args):
 def _cost(job):
     """Rough compile time, for starting the long compiles first (2 workers end together)."""
     v, arch, expect_error = job
-    heavy = {"mma": 3, "mma-ext": 3, "mma-nat": 3, "vec": 2, "wgmma": 6, "decode-tma": 5,
+    heavy = {"mma": 3, "mma-ext": 3, "vec": 2, "wgmma": 6, "decode-tma": 5,
              "hopper-probe": 4}.get(v.family, 1)
     return heavy * len(v.names)
 
@@ -324,32 +324,6 @@ def test_fused_split_finish_needs_its_shared_memory():
     assert cfg(16, 64, 4 * (16 * 66 + 2)).finishes_splits()
     assert not cfg(16, 64, 4 * (16 * 66 + 2) - 4).finishes_splits()
     assert not cfg(16, 2, 1 << 16, fused=False).finishes_splits()
-
-
-def test_nat_scores_pick_their_own_program(monkeypatch):
-    """cuda_launch.NAT_SCORES: plain tensor-core calls run the "mma-nat" program (compiled with
-    FATTN_NAT_SCORES=1, which changes the code), softcap/ALiBi calls keep the log2-domain one."""
-    from ggml_attn import cuda_launch
-    from ggml_attn.cuda_launch import Shapes, launch_config
-    f16 = GGML_TYPE_F16
-    prefill, decode = Shapes(64, 64, 300, 32, 8, 1, 4096, f16), Shapes(64, 64, 1, 32, 8, 1, 4096, f16)
-    monkeypatch.setattr(cuda_launch, "NAT_SCORES", True)
-    for kernel, sh in (("prefill", prefill), ("decode-tc", decode)):
-        v = launch_config(kernel, sh, blocks_per_sm=2).variant
-        assert v.family == "mma-nat" and v.options == ("-DFATTN_NAT_SCORES=1",), v
-        assert launch_config(kernel, sh, ext=True, blocks_per_sm=2).variant.family == "mma-ext"
-    monkeypatch.setattr(cuda_launch, "NAT_SCORES", False)
-    assert launch_config("prefill", prefill, blocks_per_sm=2).variant.family == "mma"
-    with pytest.raises(ValueError):
-        K.mma_variant(64, 64, f16, ext=True, nat=True)
-
-
-def test_nat_scores_reach_the_compiler(default_compiles):
-    """The "mma-nat" program's cubin differs from the plain one's (both compiled by the
-    representative set for sm_90)."""
-    plain, nat = (default_compiles[(K.mma_variant(128, 128, GGML_TYPE_F16, nat=n), "sm_90", False)]
-                  for n in (False, True))
-    assert plain["sha"] != nat["sha"], "FATTN_NAT_SCORES did not reach the compiler"
 
 
 def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):

@@ -355,17 +355,6 @@ def run(quick=False, only=None, log=print):
             del ours_r
             if t_nomask and t:
                 rows.append(dict(case=ratio_case, impl=impl, ratio=round(t / t_nomask, 3)))
-        # scores in natural units (the FINITE tiles' mask initialises the accumulators): the
-        # unmasked and the bias-masked prefill, and their ratio
-        with knobs(FINITE_MASK_TILES=True, NAT_SCORES=True):
-            t_nat0 = add(f"prefill N={n} no mask", "ours-nat", ours.fns("prefill"), fl)
-            ours_r = Ours(1, n, n, rand)
-            t_nat = add(f"prefill N={n} random mask (every tile MASKED)", "ours-finite-tiles-nat",
-                        ours_r.fns("prefill"), fl, tiles=ours_r.tile_classes("prefill"))
-            del ours_r
-        if t_nat0 and t_nat:
-            rows.append(dict(case="mask tile cost: random-mask / no-mask time, same tiles",
-                             impl="ours-finite-tiles-nat", ratio=round(t_nat / t_nat0, 3)))
         add(f"prefill N={n} no mask", "ours-mma-again", ours.fns("prefill"), fl,
             note="the first row again, after the others: run-to-run spread")
         # sliding window 512, causal: live fraction f of the cells

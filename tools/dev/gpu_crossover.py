@@ -66,7 +66,8 @@ def main(argv=None):
         limits[gqa] = lim
     tc_min = next((g for g in (1, 2, 4, 8) if all(
         r["decode-tc"] <= r["decode"] for r in rows if r["gqa"] == g and r["n_batch"] <= max(1, limits[g]))), 16)
-    print(f"DECODE_MAX_BATCH = {limits}\nDECODE_TC_MIN_GQA = {tc_min}")
+    print(f"DECODE_MAX_BATCH = {limits}\n(the tensor-core decode wins from gqa {tc_min}: dispatch runs it "
+          f"for every gqa when it is 1)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), d=D, n_head_kv=HKV, kv="f16", rows=rows,

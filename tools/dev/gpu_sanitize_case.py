@@ -2,10 +2,10 @@
 prefill with a ragged block-causal mask and a tail tile (n_kv = 333), decode and decode-tc
 with forced KV splits + combine, the cell-list decode (its list builder, splits, D 64/128/256),
 BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) with the plan
-marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also with scores in natural units
-(cuda_launch.NAT_SCORES); on compute capability 9.0 the sm_90a prefill as well (every instance
-directly, the op's through the op with a mask of every tile class) and the sm_90a decode, also
-over q8_0 / q4_0 blocks, with f16 copies of quantized K/V for a prompt and a mixed K/V pair.
+marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also on the 128-row tiles; on
+compute capability 9.0 the sm_90a prefill as well (every instance directly, the op's through
+the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / q4_0 blocks,
+with f16 copies of quantized K/V for a prompt and a mixed K/V pair.
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ def main():
     bad = 0
     # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
     # sequences: FULL tiles and PARTIAL tiles from row intervals), "finite" (MASKED tiles marked
-    # FINITE, the tail's mask tile read -inf past n_kv), "finite-nat" (the same with scores in
-    # natural units: the mask initialises the accumulators), None (tail tile only)
+    # FINITE, the tail's mask tile read -inf past n_kv), None (tail tile only)
     for kernel, dk, kv_type, nb, splits, softcap, bias, kind in [
         ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "random"),
         ("prefill", 128, GGML_TYPE_F16, 300, 2, 10.0, 0.0, "random"),   # 128-row tiles
@@ -41,8 +40,8 @@ def main():
         ("prefill", 128, GGML_TYPE_F16, 100, None, 0.0, 0.0, "finite"),
         ("prefill", 128, GGML_TYPE_F16, 300, 2, 10.0, 8.0, "finite"),   # 128-row tiles, EXT
         ("decode-tc", 128, GGML_TYPE_F16, 3, 2, 0.0, 0.0, "finite"),
-        ("prefill", 128, GGML_TYPE_F16, 300, 2, 0.0, 0.0, "finite-nat"),   # 128-row tiles
-        ("decode-tc", 64, GGML_TYPE_BF16, 3, 2, 0.0, 0.0, "finite-nat"),
+        ("prefill", 128, GGML_TYPE_F16, 300, 2, 0.0, 0.0, "finite"),   # 128-row tiles, plain
+        ("decode-tc", 64, GGML_TYPE_BF16, 3, 2, 0.0, 0.0, "finite"),
         # cell-list decode: lists from the random mask (unaligned rows: n_kv 333), splits and
         # combine, no mask (every cell), ALiBi + softcap, D 64 / 256
         ("cells", 128, GGML_TYPE_F16, 3, None, 0.0, 0.0, "random"),
@@ -59,7 +58,7 @@ def main():
             m[..., 64:200] = -np.inf
             m[:, :, ::4, :] = -np.inf
             mask = m.astype(np.float16)
-        elif kind in ("finite", "finite-nat"):
+        elif kind == "finite":
             mask = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float16)
         elif kind == "causal":
             mask = block_causal_mask([150, nb - 150], n_kv).reshape(1, 1, nb, n_kv)
@@ -69,8 +68,7 @@ def main():
         ref = flash_attn_ext(q, k, v, mask, 0.1, bias, softcap, sinks, kv_type=kv_type)
         dq, dk_, dv_, ds = (cp.asarray(x) for x in (q, k, v, sinks))
         dm = cp.asarray(mask) if mask is not None else None
-        cuda_launch.FINITE_MASK_TILES = kind in ("finite", "finite-nat")   # read when the plan is built
-        cuda_launch.NAT_SCORES = kind == "finite-nat"   # part of the call cache's key
+        cuda_launch.FINITE_MASK_TILES = kind == "finite"   # read when the plan is built
         dst = cp.full((1, nb, nh, dk), cp.nan, dtype=cp.float32)
         cb.flash_attn_ext_device(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
                                  from_array(dm) if dm is not None else None, from_array(ds),
