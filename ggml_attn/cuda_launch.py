@@ -33,7 +33,7 @@ _NO_SPLIT_SM_FILL = {"decode-tc": 0.9}
 CELLS_MIN_PER_SPLIT = 256
 # cell-list decode: the fattn_cells instance (kernels.CellsTune: cells in flight per group, prefetch
 # depth, launch-bounds minimum blocks per SM, most heads per block): the sweep's keeper by default
-# (tools/dev/gpu_batched_attn_bench.py, kernels.CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
+# (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
 # $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u4-pf0").
 def cells_tune_from_env() -> K.CellsTune:
     """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset)."""

@@ -100,23 +100,6 @@ class CellsTune:
 
 
 CELLS_DEFAULT = CellsTune()
-# The variants tools/dev/gpu_batched_attn_bench.py times (rows "cells-<label>") and the GPU tests run
-# (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE. Only the default is in
-# all_variants() (the CI compile); tests/test_cells.py compiles these. Device time of the batched
-# bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the
-# default (then labelled u2-pf1) 30.1 us, the other variants 31.0-43.5. Labels name the fields
-# that differ from the default, so that run's labels (default U 4, PF 0) read differently now.
-CELLS_SWEEP = (
-    CELLS_DEFAULT,                                        # U 2, PF 1, R 4 at gqa 4: 128 registers, 4 blocks/SM
-    CellsTune(u=4, pf=0),                                 # the first default: 35.2 us
-    CellsTune(pf=0),                                      # no prefetch: 32.4
-    CellsTune(pf=2, rmax=4),                              # K/V rows a step ahead: 33.4
-    CellsTune(u=4, pf=0, rmax=2),                         # 2 heads per block: 31.0
-    CellsTune(minb=6, rmax=2),                            # 80 registers, 6 blocks/SM: 31.5
-    CellsTune(pf=2, minb=8, rmax=1),                      # one head per block, 64 registers: 35.1
-)
-
-
 def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple[int, ...]:
     """R values compiled for (dk, dv): Q + accumulator registers per lane <= 160, as fattn_vec,
     and R <= ``tune.rmax``."""

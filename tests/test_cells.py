@@ -12,6 +12,7 @@ from ggml_attn.cuda_launch import Shapes, facts, launch_config
 from ggml_attn.cuda_plan import cell_lists_host
 from ggml_attn.dispatch import CallFacts, best_kernel
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
+from gpu_batched_attn_bench import CELLS_SWEEP   # tools/dev/ (conftest puts it on the path)
 
 
 def _check_lists(mask, cells, cnt, n_batch):
@@ -141,13 +142,13 @@ def test_cells_smem_mirror():
 
 
 # ---------------------------------------------------------------------------------------
-# the v2 sweep (kernels.CELLS_SWEEP, selected by cuda_launch.CELLS_TUNE): launch configuration,
-# names, labels, and every sweep instance compiled (they are not in all_variants())
+# the v2 sweep (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP, selected by cuda_launch.CELLS_TUNE):
+# launch configuration, names, labels, and every sweep instance compiled (not in all_variants())
 def test_cells_tune_labels_round_trip():
-    labels = [t.label for t in K.CELLS_SWEEP]
-    assert labels[0] == "" and K.CELLS_SWEEP[0] == K.CELLS_DEFAULT
-    assert len(set(labels)) == len(labels) and len(set(K.CELLS_SWEEP)) == len(K.CELLS_SWEEP)
-    for t in K.CELLS_SWEEP:
+    labels = [t.label for t in CELLS_SWEEP]
+    assert labels[0] == "" and CELLS_SWEEP[0] == K.CELLS_DEFAULT
+    assert len(set(labels)) == len(labels) and len(set(CELLS_SWEEP)) == len(CELLS_SWEEP)
+    for t in CELLS_SWEEP:
         assert K.CellsTune.parse(t.label) == t == K.CellsTune.parse("cells-" + t.label)
     assert K.CellsTune.parse("default") == K.CellsTune.parse("cells") == K.CELLS_DEFAULT
     assert K.CellsTune.parse("u8-pf1-minb3-r2") == K.CellsTune(u=8, pf=1, minb=3, rmax=2)
@@ -174,7 +175,7 @@ def test_cells_default_program_unchanged():
     assert "cells-x" not in fams and fams.count("cells") == 2 * len(K.CELLS_HEADS)
 
 
-@pytest.mark.parametrize("tune", K.CELLS_SWEEP, ids=lambda t: t.label or "default")
+@pytest.mark.parametrize("tune", CELLS_SWEEP, ids=lambda t: t.label or "default")
 def test_launch_config_cells_tune(tune, monkeypatch):
     """Each sweep variant at the batched bench's shapes (64 tokens, 32 q / 8 KV heads, D 128):
     R = min(gqa 4, rmax) heads per block, grid (tokens, heads / R, splits), the tune's instance
@@ -218,7 +219,7 @@ def test_cells_sweep_compiles(kv_type):
     bf16 is part of the exhaustive compile (``-m compile_all``, .ci/run's second line)."""
     import os
     from concurrent.futures import ProcessPoolExecutor
-    jobs = [(t, 128, kv_type) for t in K.CELLS_SWEEP if t != K.CELLS_DEFAULT]
+    jobs = [(t, 128, kv_type) for t in CELLS_SWEEP if t != K.CELLS_DEFAULT]
     with ProcessPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as ex:
         results = list(ex.map(_compile_tune, jobs))
     for (tune, dk, _), (names, usage) in zip(jobs, results):

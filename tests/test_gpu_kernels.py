@@ -1055,13 +1055,14 @@ def test_nan_mask_cell_makes_its_row_nan(kernel, n_splits, rng):
 
 
 # ---------------------------------------------------------------------------------------
-# the cells v2 sweep (kernels.CELLS_SWEEP: cells in flight per group, prefetch depth, launch-bounds
-# blocks per SM, heads per block), each variant selected through cuda_launch.CELLS_TUNE on the
+# the cells v2 sweep (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP: cells in flight per group,
+# prefetch depth, launch-bounds blocks per SM, heads per block), each variant selected through cuda_launch.CELLS_TUNE on the
 # cell-kernel cases above: ragged list lengths (tails shorter than a step), empty rows, splits,
 # an interleaved decode step, garbage in cells no list names (prefetches must stay inside [jb, je))
 def _sweep_tunes():
     from ggml_attn import kernels as K
-    return [t for t in K.CELLS_SWEEP if t != K.CELLS_DEFAULT]
+    from gpu_batched_attn_bench import CELLS_SWEEP   # tools/dev/ (conftest puts it on the path)
+    return [t for t in CELLS_SWEEP if t != K.CELLS_DEFAULT]
 
 
 @pytest.fixture(params=_sweep_tunes(), ids=lambda t: t.label)

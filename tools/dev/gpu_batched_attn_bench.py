@@ -10,7 +10,7 @@ kernel, K/V rotated over copies larger than L2); each row says which kernel ran 
 choice), the plan's wall time and, for ``cells``, the device time of rebuilding the cell lists
 (a plan refresh).
 
-Rows ``cells-<label>``: the sweep of fattn_cells variants (``kernels.CELLS_SWEEP``: cells in flight
+Rows ``cells-<label>``: the sweep of fattn_cells variants (:data:`CELLS_SWEEP`: cells in flight
 per group ``u``, prefetch depth ``pf``, launch-bounds blocks per SM ``minb``, heads per block
 ``r``; bench/NOTES.md, "cells v2 sweep"), each selected through ``cuda_launch.CELLS_TUNE``, run
 once and checked against the default ``cells`` output (``nmse_vs_default`` <= 1e-6; the default
@@ -29,6 +29,8 @@ import json
 import time
 
 import numpy as np
+
+from ggml_attn import kernels as K
 
 H, HKV, D = 32, 8, 128
 SWEEP_NMSE_MAX = 1e-6   # a variant's output against the default's (summation order only differs)
@@ -57,9 +59,26 @@ def step_plan(seqs: int, steps: int):
         r.close()
 
 
+# The fattn_cells variants this script times (rows "cells-<label>") and the GPU tests run
+# (tests/test_gpu_kernels.py), selected by cuda_launch.CELLS_TUNE (a kernels.CellsTune; only the
+# default ships: in kernels.all_variants(), the CI compile); tests/test_cells.py compiles these. Device time of the batched
+# bench's 64-sequence step at b95d488 (H200, L2-cold K/V; bench/NOTES.md, "cells v2 sweep"): the
+# default (then labelled u2-pf1) 30.1 us, the other variants 31.0-43.5. Labels name the fields
+# that differ from the default, so that run's labels (default U 4, PF 0) read differently now.
+CELLS_SWEEP = (
+    K.CELLS_DEFAULT,                                        # U 2, PF 1, R 4 at gqa 4: 128 registers, 4 blocks/SM
+    K.CellsTune(u=4, pf=0),                                 # the first default: 35.2 us
+    K.CellsTune(pf=0),                                      # no prefetch: 32.4
+    K.CellsTune(pf=2, rmax=4),                              # K/V rows a step ahead: 33.4
+    K.CellsTune(u=4, pf=0, rmax=2),                         # 2 heads per block: 31.0
+    K.CellsTune(minb=6, rmax=2),                            # 80 registers, 6 blocks/SM: 31.5
+    K.CellsTune(pf=2, minb=8, rmax=1),                      # one head per block, 64 registers: 35.1
+)
+
+
 def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=None) -> dict:
     """One row per kernel (and per forced split count of ``cells``, and per ``cells`` variant of
-    ``sweep``: kernels.CellsTune values, default kernels.CELLS_SWEEP; () for none): device time per
+    ``sweep``: kernels.CellsTune values, default :data:`CELLS_SWEEP`; () for none): device time per
     call from ``timer`` (default ``gpu_timing.device_us``: calls queued behind a sleep kernel, K/V
     rotated over copies larger than L2, as each layer of a model reads its own cache)."""
     import cupy as cp
@@ -73,7 +92,7 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
         from gpu_timing import device_us as timer  # noqa: PLC0415
     from gpu_timing import copies_for, knobs  # noqa: PLC0415
     if sweep is None:
-        sweep = K.CELLS_SWEEP
+        sweep = CELLS_SWEEP
     plan, n_prompt = step_plan(seqs, steps)
     mask_np = np.ascontiguousarray(plan.mask).reshape(1, 1, plan.mask.shape[-2], plan.mask.shape[-1])
     n_kv, n_tok = mask_np.shape[-1], plan.ubatch.n_tokens
@@ -173,7 +192,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--no-sweep", action="store_true", help="no cells-<variant> rows")
     ap.add_argument("--tunes", default=None,
-                    help="comma-separated CellsTune labels to sweep instead of kernels.CELLS_SWEEP")
+                    help="comma-separated CellsTune labels to sweep instead of CELLS_SWEEP")
     a = ap.parse_args(argv)
     from ggml_attn import kernels as K
     sweep = None
