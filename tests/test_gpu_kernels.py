@@ -1056,8 +1056,8 @@ def test_nan_mask_cell_makes_its_row_nan(kernel, n_splits, rng):
 
 # ---------------------------------------------------------------------------------------
 # the cells v2 sweep (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP: cells in flight per group,
-# prefetch depth, launch-bounds blocks per SM, heads per block), each variant selected through cuda_launch.CELLS_TUNE on the
-# cell-kernel cases above: ragged list lengths (tails shorter than a step), empty rows, splits,
+# prefetch depth, launch-bounds blocks per SM, heads per block), each variant selected through
+# cuda_launch.CELLS_TUNE on the cell-kernel cases above: ragged list lengths (tails shorter than a step), empty rows, splits,
 # an interleaved decode step, garbage in cells no list names (prefetches must stay inside [jb, je))
 def _sweep_tunes():
     from ggml_attn import kernels as K
