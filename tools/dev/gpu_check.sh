@@ -56,15 +56,19 @@ PY=${PYTHON:-python3}
 status=0
 t0=$(date +%s)
 echo "== install" | tee "$OUT/install.log"
-# wheels the device image lacks (gguf for the CLI test modules, ggml-python's build backend),
-# carried in .whl/ and installed first:
-#   pip download --no-deps --only-binary=:all: -d .whl gguf scikit-build-core pathspec
+# wheels the device image lacks (gguf for the CLI test modules, ggml-python's build backend;
+# setuptools >= 77 for pyproject's SPDX license when the image's is older), carried in .whl/ and
+# installed first:
+#   pip download --no-deps --only-binary=:all: -d .whl gguf scikit-build-core pathspec "setuptools>=77"
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps .whl/*.whl >>"$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
 fi
 if [ $GGML = 1 ] && ls .whl/ggml_python-0.0.45.tar.gz >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-build-isolation --no-deps .whl/ggml_python-0.0.45.tar.gz >>"$OUT/install.log" 2>&1 \
     || echo "ggml-python install failed (see install.log)"
+fi
+if ! $PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
+  echo "setuptools $($PY -c 'import setuptools; print(setuptools.__version__)' 2>/dev/null) is older than 77 (pyproject's SPDX license): carry a setuptools wheel in .whl/" | tee -a "$OUT/install.log"
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
