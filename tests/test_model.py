@@ -385,7 +385,7 @@ def test_run_batch_with_a_model(gguf_dir):
 needs_gpu = pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")
 
 
-GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k", "llama-f32-ropefreqs",
+GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k", "llama-q4_k_m", "llama-f32-ropefreqs",
              "qwen2-f32", "qwen2-q8_0", "qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32"]
 
 

@@ -393,7 +393,8 @@ def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
 
 
 # ------------------------------------------------ every architecture against llama.cpp
-@pytest.mark.parametrize("name", ["qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32", "qwen2-q8_0", "llama-q4_k"])
+@pytest.mark.parametrize("name", ["qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32", "qwen2-q8_0", "llama-q4_k",
+                                  "llama-q4_k_m"])
 @pytest.mark.parametrize("mode, unified", [("simple", True), ("equal", False)])
 def test_device_form_matches_llamacpp(tmp_path_factory, name, mode, unified):
     """The device form of each architecture's block (qwen3's per-head Q/K norms, gemma's scaled
