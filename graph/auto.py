@@ -43,7 +43,7 @@ import numpy as np
 from . import split as _split
 from .batch import Batch
 from .kv_cache import KVCache
-from .plan import Q_TILE, KV_TILE, UBatchPlan, dry_run_plans
+from .plan import MAP_Q_TILE, MAP_KV_TILE, UBatchPlan, dry_run_plans
 from .attn_config import AttnConfig
 from .split import UBatch
 
@@ -61,7 +61,7 @@ class CostModel:
     skip: str = "all"  # "all": skip every fully masked KV tile; "tail": only the masked tail
 
     def tile_us(self, cfg: AttnConfig) -> float:
-        flop = 2.0 * Q_TILE * KV_TILE * (cfg.head_dim + cfg.d_v) * cfg.n_head
+        flop = 2.0 * MAP_Q_TILE * MAP_KV_TILE * (cfg.head_dim + cfg.d_v) * cfg.n_head
         return flop / (self.tflops * 1e12) * 1e6
 
 
@@ -124,10 +124,10 @@ def _tile_floor(ub: UBatch, unified: bool) -> int:
         return 0  # a layout the cache refuses; the dry run says so
     real = ~ub.is_pad.reshape(ns, -1)
     n_tps = real.shape[1]
-    n_q = -(-n_tps // Q_TILE)
-    padded = np.zeros((ns, n_q * Q_TILE), dtype=bool)
+    n_q = -(-n_tps // MAP_Q_TILE)
+    padded = np.zeros((ns, n_q * MAP_Q_TILE), dtype=bool)
     padded[:, :n_tps] = real
-    return int(padded.reshape(ns, n_q, Q_TILE).any(axis=2).sum())
+    return int(padded.reshape(ns, n_q, MAP_Q_TILE).any(axis=2).sum())
 
 
 def cost_floor(mode: str, ubs: list[UBatch], unified: bool, cfg: AttnConfig, model: CostModel) -> StrategyCost:

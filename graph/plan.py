@@ -21,11 +21,13 @@ from .kv_cache import KVCache, SlotInfo
 from .mask import build_mask
 from .split import UBatch
 
-__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "tile_map", "Q_TILE",
-           "KV_TILE"]
+__all__ = ["TileMap", "UBatchPlan", "plan_ubatch", "dry_run_plans", "apply_plan", "tile_map", "MAP_Q_TILE",
+           "MAP_KV_TILE"]
 
-Q_TILE = 64    # query rows per tile (FlashInfer's 64-row prefill tile)
-KV_TILE = 256  # KV cells per tile (llama.cpp's CUDA mask scan granularity)
+# the host tile map's tiles (the split cost model's unit, graph/auto.py); the kernels tile by their
+# own sizes (ggml_attn/variants.py KV_TILE: 64 cells) on the device's map (ggml_attn/cuda_plan.py)
+MAP_Q_TILE = 64    # query rows per tile (FlashInfer's 64-row prefill tile)
+MAP_KV_TILE = 256  # KV cells per tile (llama.cpp's CUDA mask scan granularity)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class TileMap:
         return int(np.where(any_live, last, 0).sum())
 
 
-def tile_map(visible: np.ndarray, q_tile: int = Q_TILE, kv_tile: int = KV_TILE) -> TileMap:
+def tile_map(visible: np.ndarray, q_tile: int = MAP_Q_TILE, kv_tile: int = MAP_KV_TILE) -> TileMap:
     """Tile map of a bool visibility array ``(n_stream, n_tps, n_kv)``."""
     ns, nq, nk = visible.shape
     tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
@@ -87,8 +89,8 @@ class UBatchPlan:
     mask: np.ndarray
     row_idx: np.ndarray
     visible: np.ndarray          # bool (n_stream, n_tps, n_kv): the mask's finite cells
-    q_tile: int = Q_TILE
-    kv_tile: int = KV_TILE
+    q_tile: int = MAP_Q_TILE
+    kv_tile: int = MAP_KV_TILE
     kernel_plan: object = field(default=None)
 
     @property
@@ -117,7 +119,7 @@ class UBatchPlan:
 
 
 def plan_ubatch(cache: KVCache, ub: UBatch, *, causal: bool = True, n_swa: int = 0, alibi: bool = False,
-                q_tile: int = Q_TILE, kv_tile: int = KV_TILE) -> UBatchPlan:
+                q_tile: int = MAP_Q_TILE, kv_tile: int = MAP_KV_TILE) -> UBatchPlan:
     """Place ``ub`` in ``cache`` and build its mask and tile map. Atomic: when anything fails
     (``KVCacheFullError`` when it does not fit, or any later error) the cache is unchanged.
     Free its pads with ``cache.free_pads(plan.slot)`` once every layer has run."""

@@ -55,7 +55,7 @@ def ref_build_mask(cache, ub, slot, n_kv, *, causal=True, n_swa=0, alibi=False, 
     return np.where(vis, val, -np.inf).astype(dtype)[:, None, :, :]
 
 
-def ref_tile_map(visible, q_tile=plan_mod.Q_TILE, kv_tile=plan_mod.KV_TILE):
+def ref_tile_map(visible, q_tile=plan_mod.MAP_Q_TILE, kv_tile=plan_mod.MAP_KV_TILE):
     ns, nq, nk = visible.shape
     tq, tk = -(-nq // q_tile), -(-nk // kv_tile)
     padded = np.zeros((ns, tq * q_tile, tk * kv_tile), dtype=bool)
@@ -161,7 +161,7 @@ class Checks:
             checks.n["mask"] += 1
             return got_all
 
-        def tiles_checked(visible, q_tile=plan_mod.Q_TILE, kv_tile=plan_mod.KV_TILE):
+        def tiles_checked(visible, q_tile=plan_mod.MAP_Q_TILE, kv_tile=plan_mod.MAP_KV_TILE):
             got = tile_map(visible, q_tile, kv_tile)
             assert np.array_equal(got.live, ref_tile_map(visible, q_tile, kv_tile))
             assert got.live.dtype == bool
