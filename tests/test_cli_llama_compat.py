@@ -140,6 +140,18 @@ def test_ngl_list_runs_a_row_per_value(capsys, monkeypatch):
     assert "ngl" in head and "threads" in head
 
 
+def test_rows_in_llama_benchs_order(capsys):
+    """Rows nest as llama-bench's (get_cmd_params_instances): n_batch outside type_k outside
+    flash_attn outside n_threads."""
+    rc, out, err = bench.main(["-p", "8", "-n", "0", "-b", "512,1024", "-ctk", "f16,q8_0", "-fa", "on,off",
+                               "-o", "jsonl", "-r", "1", "--no-warmup"] + FAST), \
+        *(lambda o: (o.out, o.err))(capsys.readouterr())
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["n_batch"], r["type_k"], r["flash_attn"]) for r in rows] == [
+        (b, t, fa) for b in (512, 1024) for t in ("f16", "q8_0") for fa in (1, 0)]
+
+
 # ---- bench: llama-bench's column widths and model description
 def test_fa_and_type_columns_as_wide_as_llama_bench(capsys):
     rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-fa", "on,off", "-ctk", "q8_0")

@@ -164,11 +164,14 @@ def instances(ns, devices: dict) -> list[dict]:
         if name == "auto":   # the GPU's default model when any -ngl value runs there
             name = DEFAULT_GPU_MODEL if "cuda" in devices.values() else DEFAULT_CPU_MODEL
         models.append(with_layers(resolve(name), ns.n_layer))
+    # llama-bench's nesting (get_cmd_params_instances: model, n_gpu_layers, tensor_split, n_batch,
+    # n_ubatch, type_k, type_v, flash_attn, n_threads, n_depth); ours: layer with the model, the
+    # attention's settings after flash_attn
     params = combinations({
-        "model": models, "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size, "n_gpu_layers": list(devices),
-        "tensor_split": ns.tensor_split or [()],
-        "flash_attn": ns.flash_attn, "kv_unified": ns.kv_unified, "split": ns.split,
-        "kernel": ns.kernel, "layer": ns.layer or [None], "type_k": ns.cache_type_k, "type_v": ns.cache_type_v,
+        "model": models, "layer": ns.layer or [None], "n_gpu_layers": list(devices),
+        "tensor_split": ns.tensor_split or [()], "n_batch": ns.batch_size, "n_ubatch": ns.ubatch_size,
+        "type_k": ns.cache_type_k, "type_v": ns.cache_type_v, "flash_attn": ns.flash_attn,
+        "kv_unified": ns.kv_unified, "split": ns.split, "kernel": ns.kernel,
         "n_threads": ns.threads, "n_depth": ns.n_depth})
     out = []
     for inst in params:
