@@ -24,10 +24,11 @@ the CLIs (``tools/graph_engine.py``) all run on it: the Python API reuses graphs
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "MAX_GRAPHS"]
+__all__ = ["Engine", "MAX_GRAPHS", "kept_engine"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
 # over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8)
@@ -72,7 +73,8 @@ class Engine:
     def __init__(self, cache, attn_cfg, *, layer: str = "attn", model=None, weights=None, fa=None,
                  flash_attn: bool = True, n_threads: int = 1, cuda_graph: bool = True, device: bool | None = None,
                  all_custom: bool | None = None, shared_inputs: bool = True):
-        self.cache, self.xp = cache, cache.xp
+        self._cache = weakref.ref(cache)   # (an engine kept with its cache must not keep it alive)
+        self.xp = cache.xp
         self.device = (self.xp is not np) if device is None else bool(device)
         self.attn_cfg, self.layer, self.model, self.weights, self.fa = attn_cfg, layer, model, weights, fa
         self.flash_attn = bool(flash_attn)
@@ -93,6 +95,21 @@ class Engine:
         if self.device:
             self.stream = self.xp.cuda.Stream(non_blocking=True)
             self.xp.cuda.Device().synchronize()   # weights, inputs, cache: made on the default stream
+
+    @property
+    def cache(self):
+        """The KV cache the engine runs on (held weakly: RuntimeError once it was freed)."""
+        c = self._cache()
+        if c is None:
+            raise RuntimeError("the engine's KV cache was freed")
+        return c
+
+    def follow_current_stream(self) -> None:
+        """On the device: the engine's stream waits for what the caller's current stream has
+        queued (cache writes made on it, e.g. ``KVCache.seq_cp`` across streams) before the
+        engine's next launches; nothing on the host."""
+        if self.device and self.stream is not None:
+            self.stream.wait_event(self.xp.cuda.get_current_stream().record())
 
     # ------------------------------------------------------------ hooks
     def inputs(self, plan):
@@ -162,13 +179,17 @@ class Engine:
             fresh = False
         g = entry.graph
         self._run(entry, g, plan, fresh)
-        if self.model is not None:
-            out = (plan.ubatch.token_idx[out_rows[:self._n_out]].astype(np.int64), self._keep[1])
-        else:
-            out = self.ubatch_result(g, plan)
-        if not self.flash_attn:
-            if self.model is not None:   # the graph's memory goes now
+        try:
+            if self.model is not None:
+                out = (plan.ubatch.token_idx[out_rows[:self._n_out]].astype(np.int64), self._keep[1])
+            else:
+                out = self.ubatch_result(g, plan)
+            if not self.flash_attn and self.model is not None:   # the graph's memory goes now
                 out = (out[0], self.xp.array(out[1], copy=True))
+        except BaseException:   # (taken out of the kept graphs: freed, not leaked)
+            g.free()
+            raise
+        if not self.flash_attn:
             g.free()
             return out
         self._graphs[key] = entry            # most recently used last
@@ -234,3 +255,36 @@ class Engine:
         if self.stream is not None:
             self.stream.synchronize()
             self.stream = None
+
+
+MAX_KEPT_ENGINES = 4   # per cache: the engines of the last few (kind, config) asked for
+
+
+def kept_engine(cache, key, make, fits=None):
+    """The engine kept with ``cache`` under ``key`` (``make()`` builds it the first time, and again
+    when ``fits(engine)`` says the kept one does not serve this call: it is closed): the
+    library's entry points (``run_batch``, ``run_model_batch``, ``greedy``) reuse one engine, and
+    its graphs, from call to call. Kept in the cache's own attribute and closed when the cache
+    is freed (``weakref.finalize``; an engine holds its cache weakly, so nothing keeps the cache
+    or its device memory alive); at most :data:`MAX_KEPT_ENGINES` per cache, the least recently
+    used closed first."""
+    engines = cache.__dict__.get("_engines")
+    if engines is None:
+        engines = cache.__dict__["_engines"] = {}
+        weakref.finalize(cache, _close_all, engines)
+    e = engines.pop(key, None)
+    if e is not None and fits is not None and not fits(e):
+        e.close()
+        e = None
+    if e is None:
+        e = make()
+    engines[key] = e   # most recently used last
+    while len(engines) > MAX_KEPT_ENGINES:
+        engines.pop(next(iter(engines))).close()
+    return e
+
+
+def _close_all(engines: dict) -> None:
+    for e in list(engines.values()):
+        e.close()
+    engines.clear()

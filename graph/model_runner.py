@@ -14,7 +14,7 @@ import numpy as np
 
 from . import driver
 from .batch import Batch
-from .engine import Engine
+from .engine import Engine, kept_engine
 from .kv_cache import KVCache
 from .model import Model
 from .model_graph import output_flags  # noqa: F401  (re-exported: the API's, and tests')
@@ -58,18 +58,14 @@ class ModelEngine(Engine):
 def model_engine(cache: KVCache, model: Model, *, fa=None, all_custom: bool | None = None,
                  n_threads: int = 2) -> ModelEngine:
     """The :class:`ModelEngine` of ``cache``, ``model``, ``fa`` and ``all_custom``, made on the first
-    call and kept on the cache (its graphs view the cache's memory; they go with it: an attribute
-    of the cache, so that the two are collected together -- a registry keyed by the cache would
-    keep every cache alive through its engine)."""
-    engines = cache.__dict__.setdefault("_model_engines", {})   # {(model id, form): engine}
-    key = (id(model), all_custom)
-    e = engines.get(key)
-    if e is None or e.model is not model or e.fa is not fa:   # (another op: graphs of their own)
-        if e is not None:
-            e.close()
-        e = engines[key] = ModelEngine(cache, model, fa=fa, all_custom=all_custom, n_threads=n_threads)
+    call and kept with the cache (``engine.kept_engine``: its graphs view the cache's memory and
+    go with it)."""
+    e = kept_engine(cache, ("model", id(model), all_custom),
+                    lambda: ModelEngine(cache, model, fa=fa, all_custom=all_custom, n_threads=n_threads),
+                    fits=lambda e: e.model is model and e.fa is fa)   # (not a freed model's id, nor another op)
     if not e.device:
         e.n_threads = n_threads
+    e.follow_current_stream()
     return e
 
 

@@ -17,6 +17,8 @@ and raises :class:`BatchError` / :class:`BatchInterrupted` with the ubatches bef
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ggml_attn import reference
@@ -24,7 +26,7 @@ from ggml_attn import reference
 from . import driver
 from .batch import Batch
 from .driver import BatchError, BatchInterrupted, BatchResult
-from .engine import Engine
+from .engine import Engine, kept_engine
 from .kv_cache import KVCache
 from .plan import UBatchPlan
 from .attn_config import AttnConfig
@@ -110,17 +112,15 @@ class QKVEngine(Engine):
 
 def qkv_engine(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom=None, n_threads: int = 2) -> QKVEngine:
     """The :class:`QKVEngine` of ``cache``, ``cfg``, ``fa`` and ``all_custom``, made on the first
-    call and kept on the cache (as ``model_runner.model_engine``: its graphs view the cache's
-    memory and go with it)."""
-    engines = cache.__dict__.setdefault("_qkv_engines", {})   # {(cfg, form): engine}
-    key = (cfg, all_custom)
-    e = engines.get(key)
-    if e is None or e.fa is not fa:   # (another op: graphs of their own)
-        if e is not None:
-            e.close()
-        e = engines[key] = QKVEngine(cache, cfg, fa=fa, all_custom=all_custom, n_threads=n_threads)
+    call and kept with the cache (``engine.kept_engine``: its graphs view the cache's memory and
+    go with it). The config's ``seed`` picks only the inputs: one engine serves every seed."""
+    e = kept_engine(cache, ("qkv", replace(cfg, seed=0), all_custom),
+                    lambda: QKVEngine(cache, cfg, fa=fa, all_custom=all_custom, n_threads=n_threads),
+                    fits=lambda e: e.fa is fa)   # (another op: graphs of their own)
+    e.attn_cfg = cfg
     if not e.device:
         e.n_threads = n_threads
+    e.follow_current_stream()
     return e
 
 

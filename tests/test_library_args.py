@@ -161,6 +161,48 @@ def test_run_batch_reuses_its_graphs_from_call_to_call(monkeypatch):
     assert len(built) == 2          # the prompt's ubatch, then one decode step's graph for all 4 steps
 
 
+def test_kept_engines_go_with_their_cache_and_stay_few(monkeypatch):
+    """The engines run_batch / run_model_batch keep with a cache (graph/engine.kept_engine) hold
+    it weakly: dropping the cache frees it and closes them at once (no cycle for the collector:
+    on a GPU the cache is the device's K/V); one engine serves every seed of a config; at most
+    MAX_KEPT_ENGINES per cache; a graph whose results cannot be read is freed, not leaked."""
+    import gc
+    import weakref
+    from ggml_attn.graph import AttnConfig, Batch, KVCache, build, engine, run_batch
+    from ggml_attn.graph.runner import QKVEngine
+    gc.disable()
+    try:
+        c = KVCache(512, 2, n_layer=2, n_head_kv=2, head_dim_k=32, dtype=np.float32)
+        for seed in range(6):
+            run_batch(c, Batch.from_lengths([3, 2], start_pos=c.next_positions([0, 1])), 512, "simple",
+                      AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=32, seed=seed), compute="ggml")
+        assert len(c._engines) == 1
+        e = next(iter(c._engines.values()))
+        for n_head in (2, 6, 8, 10, 12):   # five configs of their own
+            run_batch(c, Batch.from_lengths([1], start_pos=c.next_positions([0])), 512, "simple",
+                      AttnConfig(n_layer=2, n_head=n_head, n_head_kv=2, head_dim=32), compute="ggml")
+        assert len(c._engines) == engine.MAX_KEPT_ENGINES and e not in c._engines.values()
+        assert not e._graphs           # the least recently used one was closed
+        kept = list(c._engines.values())
+        ref = weakref.ref(c)
+        del c
+        assert ref() is None and all(not k._graphs for k in kept)
+    finally:
+        gc.enable()
+    freed = []
+    real_free = build.UBatchGraph.free
+    monkeypatch.setattr(build.UBatchGraph, "free", lambda g: (freed.append(g.ctx is not None), real_free(g))[1])
+
+    def unreadable(self, g, plan):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(QKVEngine, "ubatch_result", unreadable)
+    c = KVCache(512, 1, n_layer=1, n_head_kv=1, head_dim_k=32, dtype=np.float32)
+    with pytest.raises(Exception, match="device lost"):
+        run_batch(c, Batch.from_lengths([4]), 512, "simple", AttnConfig(n_layer=1, n_head=1, n_head_kv=1,
+                                                                         head_dim=32), compute="ggml")
+    assert freed.count(True) == 1 and not next(iter(c._engines.values()))._graphs   # (the one graph, freed)
+
+
 def test_a_second_ggml_in_the_process_is_named():
     """ggml_attn refuses to import beside another ggml's libraries (llama.cpp's libggml-base.so
     found first through LD_LIBRARY_PATH), naming them; ggml-python's own pass."""
