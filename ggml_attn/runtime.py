@@ -18,6 +18,7 @@ raised when the compute returns: never inside a callback, where ctypes would dro
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import signal
@@ -49,6 +50,22 @@ _interrupted: set[int] = set()
 
 # signals whose Python-level handlers :class:`computing` holds during a compute on the main thread
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_blocked():
+    """SIGINT and SIGTERM blocked for this thread while the block runs (where the platform can):
+    no Python-level handler runs between the handler swaps of :class:`computing`; a signal that
+    came meanwhile is delivered when the block ends."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    except (AttributeError, OSError, ValueError):   # no pthread_sigmask here
+        old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _node_addr(tensor_p) -> int:
@@ -199,20 +216,22 @@ class computing:
     def _hold_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        try:
-            for sig in _HELD_SIGNALS:
-                handler = _getsignal(sig)
-                if callable(handler):
-                    self._held[sig] = handler
-                    _setsignal(sig, self._on_signal)
-        except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
-            self._give_back_signals()
+        with _signals_blocked():   # all held or none: no handler runs between the swaps
+            try:
+                for sig in _HELD_SIGNALS:
+                    handler = _getsignal(sig)
+                    if callable(handler):
+                        self._held[sig] = handler
+                        _setsignal(sig, self._on_signal)
+            except (ValueError, TypeError, OSError):  # not the main interpreter, no signals here
+                self._give_back_signals()
 
     def _give_back_signals(self) -> None:
         if self._held:   # each handler back first, then forgotten: a signal meanwhile still reaches it
-            for sig, handler in self._held.items():
-                _setsignal(sig, handler)
-            self._held = {}
+            with _signals_blocked():   # (one that comes now runs the program's handler after the swaps)
+                for sig, handler in self._held.items():
+                    _setsignal(sig, handler)
+                self._held = {}
 
     def __enter__(self):
         me = threading.get_ident()
@@ -237,9 +256,16 @@ class computing:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._give_back_signals()
         deferred, self._deferred = self._deferred, None
         try:
+            try:
+                self._give_back_signals()
+            except BaseException:   # a signal pending as the handlers came back: the program's handler raised
+                with _errors_lock:   # (it wins, as an exception raised outside a callback does)
+                    _interrupted.discard(threading.get_ident())
+                    for n in self.nodes:
+                        _node_errors.pop(n, None)
+                raise
             if deferred is not None and (exc_type is None or not issubclass(exc_type, KeyboardInterrupt)):
                 with _errors_lock:   # a signal's exception (Ctrl-C) outranks the op errors of the compute
                     _interrupted.discard(threading.get_ident())

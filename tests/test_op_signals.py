@@ -135,3 +135,31 @@ def test_not_held_off_the_main_thread_nor_when_not_pythons(graph, monkeypatch, h
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ggml_attn.compute_graph(ctx, g, 1)
     assert seen and all(s == (signal.SIG_IGN, signal.SIG_DFL) for s in seen)
+
+
+def test_a_signal_as_the_handlers_come_back_leaves_every_handler_given_back(graph, monkeypatch, handlers):
+    """A second Ctrl-C landing as the compute gives the handlers back (SIGINT's restored, SIGTERM's
+    not yet; the CLIs' flag handler raises on it): both are the program's again afterwards (before:
+    SIGTERM stayed bound to the finished compute), the interrupt is raised, and the next compute
+    runs normally."""
+    from ggml_attn import runtime
+    ctx, g, nodes, expect = graph
+    h = FlagHandler()
+    signal.signal(signal.SIGINT, h)
+    signal.signal(signal.SIGTERM, h)
+    h.flag = True   # the first Ctrl-C was seen already
+    real_set = runtime._setsignal
+
+    def set_then_signal(sig, handler):
+        out = real_set(sig, handler)
+        if sig == signal.SIGINT and handler is h:
+            signal.raise_signal(signal.SIGINT)
+        return out
+    monkeypatch.setattr(runtime, "_setsignal", set_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        ggml_attn.compute_graph(ctx, g, 1)
+    monkeypatch.setattr(runtime, "_setsignal", real_set)
+    assert signal.getsignal(signal.SIGINT) is h and signal.getsignal(signal.SIGTERM) is h
+    h.flag = False
+    ggml_attn.compute_graph(ctx, g, 1)
+    assert reference.nmse(get_data(nodes[-1]), expect) < 1e-6
