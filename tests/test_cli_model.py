@@ -221,3 +221,20 @@ def test_output_rows_padded_to_a_power_of_two_share_a_structure(gguf, monkeypatc
     want = run_model_batch(cache, batch, model, 8, "simple").logits
     assert len(split_ubatches(batch, 8, "simple")) == len(got)
     assert reference.nmse(np.sort(np.concatenate(got), axis=0), np.sort(want, axis=0)) < 1e-10
+
+
+def test_gemma2_window_limit_holds_in_the_clis(tmp_path, capsys):
+    """The CLIs decode with the GGUF's own attention config: gemma2's window layers run as dense
+    ones, so a row whose positions reach the window is refused with the reason (they ran
+    silently before), and one below it runs."""
+    import dataclasses
+
+    import fixtures_gguf
+    from ggml_attn.cli import batched_bench
+    spec = dataclasses.replace(fixtures_gguf.SPECS["gemma2-f32"], sliding_window=64)
+    path = fixtures_gguf.write_model(spec, str(tmp_path / "g2w64.gguf"))
+    rc = batched_bench.main(["-m", path, "-npp", "16", "-ntg", "4", "-npl", "1", "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc = batched_bench.main(["-m", path, "-npp", "128", "-ntg", "1", "-npl", "1", "--device", "cpu"])
+    assert rc != 0 and "sliding window (64 tokens)" in capsys.readouterr().err

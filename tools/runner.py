@@ -315,6 +315,10 @@ class Runner:
         got = getattr(self, "_attn_config", None)  # (model, seed, config)
         if got is not None and got[0] is m and got[1] == seed:
             return got[2]
+        own = getattr(getattr(self, "engine", None), "model", None)
+        if own is not None:   # a GGUF's own (its scale, soft-cap and window's position limit: gemma2)
+            self._attn_config = (m, seed, own.attn_config())
+            return self._attn_config[2]
         g = _graph()
         acfg = g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
                             head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
