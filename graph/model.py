@@ -331,6 +331,11 @@ def load_gguf(path: str | os.PathLike) -> Model:
     if rope_freqs is not None and rope_freqs.type_name != "F32":
         raise ModelError(f"'{path}': rope_freqs.weight must be F32 (ggml_rope_ext reads it as float)")
     output_norm = get("output_norm.weight", (E,), float_only=True)
+    if info.qk_norm:   # a qwen3 reranker's classifier head (llama.cpp loads it if present; unused here)
+        cls = get("cls_out.weight", None, required=False)
+        if cls is not None and cls.ne[0] != E:
+            raise ModelError(f"'{path}': tensor cls_out.weight has shape {list(cls.ne)} (ggml order), expected "
+                             f"[{E}, n_cls_out]")
     extra = sorted(set(tensors) - taken)
     if extra:   # llama.cpp: "wrong number of tensors" (e.g. block_count smaller than the layers present)
         raise ModelError(f"'{path}': {len(extra)} tensor(s) that a {arch} model of {hp.n_layer} layers does not "

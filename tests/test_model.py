@@ -133,6 +133,11 @@ def test_architectures_read_as_llama_cpp_reads_them(gguf_dir, tmp_path):
         load_gguf(_rewrite(q3src, str(tmp_path / "q.gguf"), drop=("blk.0.attn_q_norm.weight",)))
     with pytest.raises(ModelError, match="rotates whole heads"):
         load_gguf(_rewrite(q3src, str(tmp_path / "r.gguf"), kv={"{arch}.rope.dimension_count": (64, u32)}))
+    # a qwen3 reranker's classifier head loads (llama.cpp: optional); not one of the wrong width
+    cls = load_gguf(_rewrite(q3src, str(tmp_path / "c.gguf"), add={"cls_out.weight": np.zeros((1, 256))}))
+    assert cls.hp.arch == "qwen3"
+    with pytest.raises(ModelError, match="cls_out.weight has shape"):
+        load_gguf(_rewrite(q3src, str(tmp_path / "c2.gguf"), add={"cls_out.weight": np.zeros((1, 64))}))
 
 
 def test_positions_past_gemma2s_window_are_refused(gguf_dir, tmp_path):
@@ -154,9 +159,10 @@ def test_positions_past_gemma2s_window_are_refused(gguf_dir, tmp_path):
     assert len(greedy(c2, m, [[3, 4, 5]], 6)[0]) == 6 and c2.n_used(0) == 8
 
 
-def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None):
-    """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or one tensor's
-    type changed (its bytes reinterpreted: only the loader's checks matter here); ``scale``:
+def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None, add=None):
+    """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or added (``add``:
+    name -> F32 array) or one tensor's type changed (its bytes reinterpreted: only the loader's
+    checks matter here); ``scale``:
     (name, factor) multiplies an F32 tensor's values; ``kv``: key -> (value, GGUFValueType or
     None for an array) in place of the file's (``{arch}`` in a key: the architecture)."""
     import gguf
@@ -193,6 +199,8 @@ def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=No
             continue
         w.add_tensor(t.name, np.asarray(t.data), raw_shape=tuple(int(x) for x in reversed(t.shape)),
                      raw_dtype=t.tensor_type)
+    for name, arr in (add or {}).items():
+        w.add_tensor(name, np.asarray(arr, np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return dst
 
