@@ -98,7 +98,7 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         u = b.scratch(out.shape, np.float32)
         both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
             _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
-        act = (_gelu_mul_fn if gelu else _silu_mul_fn)(b.xp, g, u, out)
+        act = _act_mul_fn("gelu" if gelu else "silu", b.xp, g, u, out)
         b.keep(g, u)
 
         def run():
@@ -466,60 +466,53 @@ def _then(*fns):
     return run
 
 
-_SILU: list = []
-
-
-def _silu_mul_fn(xp, g, u, out):
-    """``out = silu(g) * u`` (F32 arrays of one shape) as a function of no arguments: numpy
-    steps, or one ``dense_silu_mul`` launch (a fused CuPy kernel for strided arrays)."""
-    if xp is np:
-        def run():
-            xp.negative(g, out=out)
-            xp.exp(out, out=out)
-            xp.add(out, np.float32(1.0), out=out)
-            xp.divide(g, out, out=out)
-            xp.multiply(out, u, out=out)
-        return run
-    launch = _elementwise_launch("dense_silu_mul", (g, u, out), out.size)
-    if launch is not None:
-        return launch
-    if not _SILU:
-        import cupy  # noqa: PLC0415
-        _SILU.append(cupy.ElementwiseKernel("float32 g, float32 u", "float32 y",
-                                            "y = g / (1.0f + expf(-g)) * u;", "ggml_attn_xp_silu_mul"))
-    fused = _SILU[0]
-    return lambda: fused(g, u, out)
+def _silu_steps(g, u, out) -> None:
+    """``out = silu(g) * u = g / (1 + exp(-g)) * u`` in numpy steps."""
+    np.negative(g, out=out)
+    np.exp(out, out=out)
+    np.add(out, np.float32(1.0), out=out)
+    np.divide(g, out, out=out)
+    np.multiply(out, u, out=out)
 
 
 _GELU_A, _SQRT_2_OVER_PI = np.float32(0.044715), np.float32(0.7978845608028654)   # ggml's tanh GELU
-_GELU: list = []
 
 
-def _gelu_mul_fn(xp, g, u, out):
+def _gelu_steps(g, u, out) -> None:
     """``out = gelu(g) * u`` with ggml's tanh GELU, ``0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715
-    g^2)))`` (F32 arrays of one shape), as :func:`_silu_mul_fn`: numpy steps, or one
-    ``dense_gelu_mul`` launch (a fused CuPy kernel for strided arrays)."""
+    g^2)))``, in numpy steps."""
+    np.multiply(g, g, out=out)
+    np.multiply(out, _GELU_A, out=out)
+    np.add(out, np.float32(1.0), out=out)
+    np.multiply(out, g, out=out)
+    np.multiply(out, _SQRT_2_OVER_PI, out=out)
+    np.tanh(out, out=out)
+    np.add(out, np.float32(1.0), out=out)
+    np.multiply(out, g, out=out)
+    np.multiply(out, np.float32(0.5), out=out)
+    np.multiply(out, u, out=out)
+
+
+# the gated FFN's activations: numpy steps, dense.cu's kernel, and a CuPy expression (strided arrays)
+_ACTS = {"silu": (_silu_steps, "dense_silu_mul", "y = g / (1.0f + expf(-g)) * u;"),
+         "gelu": (_gelu_steps, "dense_gelu_mul",
+                  "y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g))) * u;")}
+_FUSED: dict = {}
+
+
+def _act_mul_fn(act: str, xp, g, u, out):
+    """``out = act(g) * u`` (``act`` "silu" or "gelu", F32 arrays of one shape) as a function of no
+    arguments: numpy steps, or one ``dense_<act>_mul`` launch (a fused CuPy kernel for strided
+    arrays)."""
+    steps, kernel, expr = _ACTS[act]
     if xp is np:
-        def run():
-            xp.multiply(g, g, out=out)
-            xp.multiply(out, _GELU_A, out=out)
-            xp.add(out, np.float32(1.0), out=out)
-            xp.multiply(out, g, out=out)
-            xp.multiply(out, _SQRT_2_OVER_PI, out=out)
-            xp.tanh(out, out=out)
-            xp.add(out, np.float32(1.0), out=out)
-            xp.multiply(out, g, out=out)
-            xp.multiply(out, np.float32(0.5), out=out)
-            xp.multiply(out, u, out=out)
-        return run
-    launch = _elementwise_launch("dense_gelu_mul", (g, u, out), out.size)
+        return lambda: steps(g, u, out)
+    launch = _elementwise_launch(kernel, (g, u, out), out.size)
     if launch is not None:
         return launch
-    if not _GELU:
+    fused = _FUSED.get(act)
+    if fused is None:
         import cupy  # noqa: PLC0415
-        _GELU.append(cupy.ElementwiseKernel(
-            "float32 g, float32 u", "float32 y",
-            "y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * g * (1.0f + 0.044715f * g * g))) * u;",
-            "ggml_attn_xp_gelu_mul"))
-    fused = _GELU[0]
+        fused = _FUSED[act] = cupy.ElementwiseKernel("float32 g, float32 u", "float32 y", expr,
+                                                     f"ggml_attn_xp_{act}_mul")
     return lambda: fused(g, u, out)
