@@ -34,6 +34,7 @@ from . import cuda_launch as L
 from . import cuda_workspace
 from . import dispatch
 from . import kernels as K
+from . import knobs
 from .cuda_device import available, num_sms, stream_ptr
 from .cuda_launch import LaunchConfig, Shapes, facts, launch_config
 from .cuda_plan import Plan, live_words, make_plan, mask_needs_aligned_copy
@@ -206,9 +207,7 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (L.FUSED_SPLIT_FINISH, L.CELLS_TUNE, L.WGMMA_CONFIG, L.WGMMA_PERSISTENT_BLOCKS,
-            L.WGMMA_RAGGED_PACK, L.DECODE_TMA_CONFIG, L.DECODE_TMA_BLOCKS, L.DECODE_TMA_ALIGN, L.DECODE_TMA_CAP_SLACK,
-            hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+    return (knobs.version(), hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),

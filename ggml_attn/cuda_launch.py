@@ -2,8 +2,8 @@
 call, from the validated shapes and the occupancy of the kernel instance.
 
 Every tuning knob of the backend lives here as a module global, read at call time: set
-``ggml_attn.cuda_launch.<KNOB>`` (tools/dev/gpu_bench.py ``knobs``, tests) and clear the call cache
-``ggml_attn.cuda_backend._PREPARED`` so that calls configured before are configured again.
+``ggml_attn.cuda_launch.<KNOB>`` (tools/dev/gpu_bench.py ``knobs``, tests); every set re-keys the
+call cache (``knobs.py``), so calls configured before are configured again.
 """
 from __future__ import annotations
 
@@ -401,3 +401,8 @@ def _occupancy(variant: K.Variant, name: str, block: int, smem: int) -> int:
         n = max(1, K.get_function(variant, name, smem=smem).occupancy(block))
         _OCCUPANCY[key] = n
     return n
+
+
+from .knobs import count_sets as _count_sets  # noqa: E402  (the module is complete now)
+
+_count_sets(__name__)   # every knob set from outside re-keys the call cache (knobs.py)

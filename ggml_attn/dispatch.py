@@ -419,3 +419,8 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
         return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
     how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
     return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")
+
+
+from .knobs import count_sets as _count_sets  # noqa: E402  (the module is complete now)
+
+_count_sets(__name__)   # every knob set from outside re-keys the call cache (knobs.py)

@@ -309,3 +309,28 @@ def test_unaligned_q_is_copied_before_launch():
     assert q_needs_aligned_copy(odd_rows)
     one_row = TensorDesc(aligned.ptr, 0, (D, 1, 8, 1), (4, 4 * D + 4, 4 * D * 2, 4 * D * 16), "q")
     assert not q_needs_aligned_copy(one_row)  # the stride of a 1-long dim is never used
+
+
+@pytest.mark.parametrize("module, knob, value", [("cuda_launch", "PREFILL_PACK", 8), ("cuda_launch", "_WAVES", {}),
+                                                 ("cuda_launch", "FUSED_SPLIT_FINISH", True),
+                                                 ("dispatch", "DECODE_MAX_BATCH", {1: 1}),
+                                                 ("dispatch", "CELLS_MIN_GAIN", 9.0)])
+def test_every_knob_set_rekeys_the_call_cache(monkeypatch, module, knob, value):
+    """Setting any knob of cuda_launch or dispatch (a listed one or not: PREFILL_PACK and the
+    dispatch thresholds were missing from the hand-made key) gives calls a new key, so they are
+    configured again under it; setting it back does too (the earlier entries stay unused)."""
+    import importlib
+    mod = importlib.import_module(f"ggml_attn.{module}")
+    q = from_array(np.zeros((1, 4, 8, 64), np.float32))
+    kv = from_array(np.zeros((1, 2, 256, 64), np.float16), 1)
+    dst = from_array(np.zeros((1, 4, 8, 64), np.float32))
+
+    def key():
+        return cb._call_key(q, kv, kv, None, None, dst, 0.125, 0.0, 0.0, "auto", None, 0)
+    before = key()
+    assert key() == before
+    monkeypatch.setattr(mod, knob, value)
+    after = key()
+    assert after != before
+    monkeypatch.undo()
+    assert key() not in (before, after)
