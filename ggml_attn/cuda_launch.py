@@ -115,7 +115,8 @@ DECODE_TMA_ALIGN = 1
 DECODE_TMA_CAP_SLACK = 1.35   # part of the call key
 # The sm_90a decode's TMA maps' L2 promotion (tma.L2_PROMOTION_*: 0 none .. 3 256 bytes): none.
 # 256 bytes was slower on the H200 at e5df101: B=64 32k 2040 us against 1844, B=16 4k 78.0
-# against 73.7, B=1 32k 52.4 against 50.8 (bench/results/2026-12-01-e5df101.json).
+# against 73.7, B=1 32k 52.4 against 50.8 (bench/NOTES.md, the decode-tma table of 2026-12-01: that
+# run's result file was not kept).
 DECODE_TMA_L2_PROMOTION = 0
 
 
