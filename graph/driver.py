@@ -141,7 +141,8 @@ def _fit(cache: KVCache, batch: Batch, ubs: list[UBatch], n_ubatch: int, mode: s
 
 def _check_pos_limit(batch: Batch, limit: int) -> None:
     if batch.n_tokens and int(batch.positions.max()) >= limit:
-        raise ValueError(f"position {int(batch.positions.max())} is past this model's sliding window ({limit} "
+        first = int(batch.positions[batch.positions >= limit].min())
+        raise ValueError(f"position {first} is past this model's sliding window ({limit} "
                          f"tokens): its window layers run as dense layers here, which is exact only for "
                          f"positions below {limit}")
 

@@ -36,8 +36,8 @@ import numpy as np
 
 from .attn_config import AttnConfig
 
-__all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "gguf_field", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL",
-           "ROPE_NEOX"]
+__all__ = ["ModelError", "Weight", "HParams", "Model", "load_gguf", "gguf_field", "has_swa_layers", "show_value",
+           "PER_LAYER_KEYS", "ARCHS", "WEIGHT_TYPES", "ROPE_NORMAL", "ROPE_NEOX"]
 
 ROPE_NORMAL, ROPE_NEOX = 0, 2   # ggml's rope modes (GGML_ROPE_TYPE_NORMAL / _NEOX)
 
@@ -237,18 +237,18 @@ class Model:
 
 
 # keys llama.cpp reads per layer (get_key_or_arr): an array of one value per layer is allowed
-_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
+PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")
 
 
 def _is_num(v, kind) -> bool:
-    """``v`` is a value of ``kind`` as GGUF stores it: an integer (bool excluded) for ``int``, an
-    integer or float for ``float``."""
+    """``v`` is a value of ``kind`` as GGUF stores it: an integer (bool excluded) for ``int``, a
+    float for ``float`` (llama.cpp's typed keys refuse an integer where a float belongs)."""
     if isinstance(v, bool):
         return False
-    return isinstance(v, int) if kind is int else isinstance(v, (int, float))
+    return isinstance(v, int) if kind is int else isinstance(v, float)
 
 
-def _show(v) -> str:
+def show_value(v) -> str:
     """A metadata value for a message: its value, short (never an object's repr)."""
     from .gguf_file import StringArray  # noqa: PLC0415
     if isinstance(v, StringArray):
@@ -278,8 +278,8 @@ def load_gguf(path: str | os.PathLike) -> Model:
     except (GGUFError, OSError) as e:
         raise ModelError(f"cannot read gguf '{path}': {e}") from e
     arch = gguf_field(header, "general.architecture")
-    if arch not in ARCHS:
-        raise ModelError(f"'{path}': architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+    if not isinstance(arch, str) or arch not in ARCHS:
+        raise ModelError(f"'{path}': architecture {show_value(arch)} is not supported (supported: {', '.join(ARCHS)})")
     hp = _hparams(header, path, arch)
     tensors = {t.name: t for t in header.tensors}
     file_map = np.memmap(path, dtype=np.uint8, mode="r") if header.tensors else None
@@ -352,17 +352,19 @@ def _hparams(header, path: str, arch: str) -> HParams:
                 raise ModelError(f"'{path}' lacks {arch}.{key}")
             return default
         if isinstance(v, (list, tuple, StringArray)):
-            if key not in _PER_LAYER_KEYS:   # as llama.cpp: arrays only where a value may be per layer
+            if key not in PER_LAYER_KEYS:   # as llama.cpp: arrays only where a value may be per layer
                 raise ModelError(f"'{path}': {arch}.{key} is an array of {len(v)}; expected one number")
             if isinstance(v, StringArray) or not v or not all(_is_num(x, kind) for x in v):
-                raise ModelError(f"'{path}': {arch}.{key} must hold {kind.__name__}s, got {_show(v)}")
+                raise ModelError(f"'{path}': {arch}.{key} must hold {kind.__name__}s, got {show_value(v)}")
+            if n_layers and len(v) != n_layers[0]:   # llama.cpp: "wrong array length"
+                raise ModelError(f"'{path}': {arch}.{key} has {len(v)} values for {n_layers[0]} layers")
             vals = {kind(x) for x in v}
             if len(vals) != 1:   # llama.cpp's block is uniform here
                 raise ModelError(f"'{path}': {arch}.{key} differs between layers ({sorted(vals)}); "
                                  f"not supported")
             v = vals.pop()
         if not _is_num(v, kind):   # as llama.cpp's typed keys: no float where an integer belongs
-            raise ModelError(f"'{path}': {arch}.{key} is {_show(v)}; expected {'an integer' if kind is int else 'a number'}")
+            raise ModelError(f"'{path}': {arch}.{key} is {show_value(v)}; expected {'an integer' if kind is int else 'a float'}")
         v = kind(v)
         if kind is int and not 1 <= v <= 2**31 - 1:
             raise ModelError(f"'{path}': {arch}.{key} = {v}; expected 1..2^31-1")
@@ -370,6 +372,8 @@ def _hparams(header, path: str, arch: str) -> HParams:
             raise ModelError(f"'{path}': {arch}.{key} = {v}; expected a positive number")
         return v
 
+    n_layers: list = []
+    n_layers.append(num("block_count"))   # (first: the per-layer arrays' length)
     n_embd = num("embedding_length")
     n_head = num("attention.head_count")
     n_head_kv = num("attention.head_count_kv", n_head)
@@ -379,10 +383,12 @@ def _hparams(header, path: str, arch: str) -> HParams:
         raise ModelError(f"'{path}': key_length {head_dim} != value_length {head_dim_v}; not supported")
     if n_head % n_head_kv:
         raise ModelError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
-    n_vocab = gguf_field(header, f"{arch}.vocab_size")
+    n_vocab = num("vocab_size", 0) or None
     if n_vocab is None:
         toks = gguf_field(header, "tokenizer.ggml.tokens")
-        n_vocab = len(toks) if toks is not None else None
+        if toks is not None and not isinstance(toks, (list, tuple, StringArray)):
+            raise ModelError(f"'{path}': tokenizer.ggml.tokens is {show_value(toks)}; expected an array of strings")
+        n_vocab = len(toks) if toks else None
     if n_vocab is None:
         raise ModelError(f"'{path}' has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     rope_dim = num("rope.dimension_count", head_dim)
@@ -393,25 +399,26 @@ def _hparams(header, path: str, arch: str) -> HParams:
     if scaling == "linear":
         freq_scale = 1.0 / num("rope.scaling.factor", 1.0, float)
     elif scaling != "none":
-        raise ModelError(f"'{path}': rope scaling {scaling!r} is not supported (none, linear)")
+        raise ModelError(f"'{path}': rope scaling {show_value(scaling)} is not supported (none, linear)")
     info = ARCHS[arch]
     if info.qk_norm and rope_dim != head_dim:   # (llama.cpp's qwen3 graph asserts it)
         raise ModelError(f"'{path}': rope.dimension_count {rope_dim} != head size {head_dim}; {arch} rotates whole heads")
     name = gguf_field(header, "general.name")
     if not isinstance(name, str) or not name:   # (a number or an array there: the file's name instead)
         name = os.path.splitext(os.path.basename(path))[0]
-    n_layer, rope_base = num("block_count"), num("rope.freq_base", 10000.0, float)
+    n_layer, rope_base = n_layers[0], num("rope.freq_base", 10000.0, float)
     extra: dict = {}
     if info.gemma:
         extra.update(embd_scale=math.sqrt(n_embd), ffn_gelu=True)
     if info.softcap:   # gemma2 (llama.cpp's defaults where a key is absent)
-        if num("rope.freq_base_swa", rope_base, float) != rope_base:
+        swa = has_swa_layers(gguf_field(header, f"{arch}.attention.sliding_window_pattern"), n_layer, path, arch)
+        if swa and num("rope.freq_base_swa", rope_base, float) != rope_base:
             raise ModelError(f"'{path}': {arch}.rope.freq_base_swa differs from rope.freq_base; not supported")
         extra.update(attn_softcap=num("attn_logit_softcapping", 50.0, float),
                      final_softcap=num("final_logit_softcapping", 30.0, float),
                      # the 27B (46 layers) scales by its n_embd / n_head, the others by the head size
                      attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim))
-        if _has_swa_layers(gguf_field(header, f"{arch}.attention.sliding_window_pattern"), n_layer, path, arch):
+        if swa:
             extra["pos_limit"] = num("attention.sliding_window", 4096)
     return HParams(arch=arch, name=str(name), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                    n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
@@ -421,7 +428,7 @@ def _hparams(header, path: str, arch: str) -> HParams:
                    rope_mode=info.rope_mode, rope_freq_scale=freq_scale, **extra)
 
 
-def _has_swa_layers(pattern, n_layer: int, path: str, arch: str) -> bool:
+def has_swa_layers(pattern, n_layer: int, path: str, arch: str) -> bool:
     """Whether a gemma2 file has sliding-window layers: ``attention.sliding_window_pattern`` absent
     (llama.cpp's default 2: every other layer), an integer ``n`` (layer ``il`` has a window when
     ``n == 0`` or ``il % n < n - 1``) or one bool per layer."""
@@ -429,10 +436,10 @@ def _has_swa_layers(pattern, n_layer: int, path: str, arch: str) -> bool:
         return n_layer > 0
     if isinstance(pattern, (list, tuple)):
         if len(pattern) < n_layer or not all(isinstance(v, (bool, int)) for v in pattern):
-            raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {_show(pattern)}; expected "
+            raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {show_value(pattern)}; expected "
                              f"an integer or {n_layer} bools")
         return any(bool(v) for v in pattern[:n_layer])
     if not _is_num(pattern, int) or pattern < 0:
-        raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {_show(pattern)}; expected an "
+        raise ModelError(f"'{path}': {arch}.attention.sliding_window_pattern is {show_value(pattern)}; expected an "
                          f"integer >= 0")
     return any(pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer))

@@ -122,9 +122,12 @@ class Scheduler:
     """Admission, step formation and retirement over ``cache`` (module docstring). ``n_slots``:
     sequence ids ``0..n_slots-1`` (at most the cache's ``n_seq_max``; on a per-stream cache
     sequence ``s`` is stream ``s``); ``n_batch``: tokens of a step at most, unless
-    ``prompt_budget`` is 0 (whole prompts); ``prompt_budget``: prompt tokens of a step at most."""
+    ``prompt_budget`` is 0 (whole prompts); ``prompt_budget``: prompt tokens of a step at most;
+    ``pos_limit``: a model's position limit (``AttnConfig.pos_limit``: gemma2's window), a request
+    whose positions would reach it is refused (0: none)."""
 
-    def __init__(self, cache: KVCache, n_slots: int, *, n_batch: int = 2048, prompt_budget: int | None = None):
+    def __init__(self, cache: KVCache, n_slots: int, *, n_batch: int = 2048, prompt_budget: int | None = None,
+                 pos_limit: int = 0):
         if not 1 <= n_slots <= cache.n_seq_max:
             raise ValueError(f"n_slots must be 1..{cache.n_seq_max} (the cache's sequences), got {n_slots}")
         if n_batch < 1:
@@ -133,6 +136,7 @@ class Scheduler:
         if budget < 0:
             raise ValueError(f"prompt_budget must be >= 0 (0: whole prompts), got {prompt_budget}")
         self.cache, self.n_slots, self.n_batch, self.prompt_budget = cache, n_slots, n_batch, budget
+        self.pos_limit = int(pos_limit)
         self.free_slots = list(range(n_slots))
         self.waiting: list[ServeRequest] = []
         self.running: list[ServeRequest] = []    # admission order
@@ -153,6 +157,10 @@ class Scheduler:
                      else f"a sequence's stream ({self.cache.n_stream} streams)")
             req.refused = (f"request {req.rid}: {req.n_prompt} prompt + {req.n_predict} output tokens need "
                            f"{req.cells} KV cells, {where} holds {self.capacity}")
+            return False
+        if self.pos_limit and req.cells > self.pos_limit:   # positions 0 .. cells - 1
+            req.refused = (f"request {req.rid}: {req.n_prompt} prompt + {req.n_predict} output tokens reach "
+                           f"position {req.cells - 1}, past the model's sliding window ({self.pos_limit})")
             return False
         self.waiting.append(req)
         return True

@@ -79,3 +79,39 @@ def test_softcap_must_be_a_number(tmp_path, value):
     path = _write(tmp_path / "m.gguf", attn_logit_softcapping=value)
     with pytest.raises(UserError, match="attn_logit_softcapping"):
         models.resolve(path)
+
+
+def test_vocab_and_tokens_of_the_wrong_kind(tmp_path):
+    """vocab_size an array, tokenizer.ggml.tokens one number: one line naming the key (the header
+    reader took an array's largest value and the weight loader then failed with a TypeError)."""
+    w = gguf.GGUFWriter(str(tmp_path / "v.gguf"), "llama")
+    for key, (kind, value) in GOOD.items():
+        getattr(w, f"add_{kind}")(f"llama.{key}", value)
+    w.add_array("llama.vocab_size", [256])
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(UserError, match="vocab_size is an array of 1"):
+        models.resolve(str(tmp_path / "v.gguf"))
+    path = _write(tmp_path / "t.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "t2.gguf"), "llama")
+    for key, (kind, value) in GOOD.items():
+        getattr(w, f"add_{kind}")(f"llama.{key}", value)
+    w.add_uint32("tokenizer.ggml.tokens", 5)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert models.resolve(path).n_vocab == 0
+    with pytest.raises(UserError, match="tokenizer.ggml.tokens is 5; expected an array of strings"):
+        models.resolve(str(tmp_path / "t2.gguf"))
+
+
+def test_gemma2_files_carry_their_window_and_softcap(tmp_path):
+    """A gemma2 header gives the attention-only runs (--layer attn/full) the file's window as a
+    position limit and llama.cpp's soft-cap default (50) when the key is absent; the preset too."""
+    import dataclasses
+
+    import fixtures_gguf
+    spec = dataclasses.replace(fixtures_gguf.SPECS["gemma2-f32"], sliding_window=32, attn_softcap=0.0)
+    m = models.resolve(fixtures_gguf.write_model(spec, str(tmp_path / "g.gguf")))
+    assert (m.pos_limit, m.logit_softcap) == (32, 50.0)
+    assert models.resolve("gemma-2-9b").pos_limit == 4096
+    rc = bench.main(["-m", str(tmp_path / "g.gguf"), "-p", "64", "-n", "0", "-r", "1", "--device", "cpu",
+                     "--layer", "attn"])
+    assert rc != 0

@@ -92,7 +92,12 @@ def test_a_float_where_an_integer_belongs(src, tmp_path):
     ("{arch}.context_length", ([4096, 4096], None), "context_length is an array of 2; expected one number"),
     ("{arch}.embedding_length", ("256", 8), r"embedding_length is '256'; expected an integer"),
     ("{arch}.attention.head_count_kv", (["a", "b"], None), "head_count_kv must hold ints, got an array of 2 strings"),
-    ("{arch}.rope.freq_base", ("x", 8), r"rope.freq_base is 'x'; expected a number"),
+    ("{arch}.rope.freq_base", ("x", 8), r"rope.freq_base is 'x'; expected a float"),
+    ("{arch}.rope.freq_base", (10000, 4), r"rope.freq_base is 10000; expected a float"),   # a u32: llama.cpp refuses it
+    ("{arch}.vocab_size", ([256], None), "vocab_size is an array of 1; expected one number"),
+    ("{arch}.vocab_size", ("abc", 8), r"vocab_size is 'abc'; expected an integer"),
+    ("{arch}.vocab_size", (256.7, 6), r"vocab_size is 256\.7.*; expected an integer"),
+    ("{arch}.attention.head_count", ([4], None), "head_count has 1 values for 2 layers"),
 ])
 def test_values_of_the_wrong_type(src, tmp_path, key, value, match):
     import gguf
@@ -106,3 +111,18 @@ def test_per_layer_arrays_of_one_value_still_load(src, tmp_path):
     w = load_gguf(_rewrite(src, str(tmp_path / "w.gguf"), kv={"{arch}.attention.head_count_kv":
                                                                ([m.hp.n_head_kv] * m.hp.n_layer, None)}))
     assert w.hp == m.hp and np.array_equal(w.layers[1]["wq"].to_float(), m.layers[1]["wq"].to_float())
+
+
+def test_a_string_array_where_a_string_belongs_is_shown_not_repr(src, tmp_path):
+    bad = _rewrite(src, str(tmp_path / "s.gguf"), extra_kv={"{arch}.rope.scaling.type": (["linear"], None)})
+    with pytest.raises(ModelError, match="rope scaling an array of 1 strings is not supported"):
+        load_gguf(bad)
+
+
+def test_a_scalar_token_list_is_refused(src, tmp_path):
+    """No vocab_size and tokenizer.ggml.tokens one number: one line, not a TypeError."""
+    import gguf
+    bad = _rewrite(src, str(tmp_path / "t.gguf"), drop_kv=("{arch}.vocab_size",),
+                   kv={"tokenizer.ggml.tokens": (5, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(ModelError, match="tokenizer.ggml.tokens is 5; expected an array of strings"):
+        load_gguf(bad)

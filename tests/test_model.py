@@ -159,7 +159,8 @@ def test_positions_past_gemma2s_window_are_refused(gguf_dir, tmp_path):
     assert len(greedy(c2, m, [[3, 4, 5]], 6)[0]) == 6 and c2.n_used(0) == 8
 
 
-def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None, add=None):
+def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=None, scale=None, kv=None, add=None,
+             drop_kv=()):
     """A copy of GGUF ``src`` with its architecture renamed, tensors dropped or added (``add``:
     name -> F32 array) or one tensor's type changed (its bytes reinterpreted: only the loader's
     checks matter here); ``scale``:
@@ -174,6 +175,8 @@ def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=No
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         k2 = a_new + key[len(a_old):] if key.startswith(a_old + ".") else key
+        if k2 in {k.replace("{arch}", a_new) for k in drop_kv}:
+            continue
         vt = f.types[0]
         new = {k.replace("{arch}", a_new): v for k, v in (kv or {}).items()}.get(k2)
         if new is not None:
@@ -186,8 +189,11 @@ def _rewrite(src: str, dst: str, *, arch=None, drop=(), retype=None, extra_kv=No
             w.add_array(k2, f.contents())
         else:
             w.add_key_value(k2, f.contents(), vt)
-    for key, (val, vt) in (extra_kv or {}).items():
-        w.add_key_value(key.replace("{arch}", a_new), val, vt)
+    for key, (val, vt) in (extra_kv or {}).items():   # (vt None: an array)
+        if vt is None:
+            w.add_array(key.replace("{arch}", a_new), val)
+        else:
+            w.add_key_value(key.replace("{arch}", a_new), val, vt)
     for t in r.tensors:
         if t.name in drop:
             continue

@@ -226,3 +226,13 @@ def test_alone_matches_the_library_greedy(churn):
     for (_, p, k), got in itertools.islice(zip(reqs, alone), 4):
         cache = KVCache(1024, 1, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
         assert greedy(cache, model, [p.tolist()], k)[0] == got
+
+
+def test_a_request_past_the_models_window_is_refused_alone():
+    """With a position limit (gemma2's window), a request whose positions would reach it is
+    refused with the reason and the others are queued (the run went on to fail whole before)."""
+    sched = Scheduler(_cache(), 2, pos_limit=32)
+    ok, long = _req(0, 20, 5), _req(1, 30, 4)
+    assert sched.arrive(ok) and not sched.arrive(long)
+    assert "reach position 32, past the model's sliding window (32)" in long.refused
+    assert sched.waiting == [ok]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ggml_attn.graph.model import gguf_field
+from ggml_attn.graph.gguf_file import StringArray
+from ggml_attn.graph.model import PER_LAYER_KEYS, ModelError, gguf_field, has_swa_layers, show_value
 
 from .errors import UserError
 from .text import printable
@@ -30,6 +31,7 @@ class ModelShape:
     n_vocab: int = 0              # 0: unknown (not counted in params)
     head_dim_v: int = 0           # 0: same as head_dim
     logit_softcap: float = 0.0    # attention logit soft-capping (gemma-2)
+    pos_limit: int = 0            # gemma-2's sliding window: positions from it on are refused (0: none)
     source: str = "preset"        # "preset" or the .gguf path
     file_bytes: int = 0           # a .gguf's tensor bytes and parameters (its own weights, --layer model)
     file_params: int = 0
@@ -176,7 +178,7 @@ PRESETS: dict[str, ModelShape] = {m.name: m for m in [
     _preset("qwen2.5-0.5b", "qwen2", 24, 14, 2, 64, 896, 4864, 32768, 151936),
     _preset("qwen2.5-7b", "qwen2", 28, 28, 4, 128, 3584, 18944, 32768, 152064),
     _preset("gemma-7b", "gemma", 28, 16, 16, 256, 3072, 24576, 8192, 256000),
-    _preset("gemma-2-9b", "gemma2", 42, 16, 8, 256, 3584, 14336, 8192, 256000, logit_softcap=50.0),
+    _preset("gemma-2-9b", "gemma2", 42, 16, 8, 256, 3584, 14336, 8192, 256000, logit_softcap=50.0, pos_limit=4096),
 ]}
 
 DEFAULT_CPU_MODEL = "tiny"
@@ -247,11 +249,16 @@ def read_gguf(path: str) -> ModelShape:
     except (GGUFError, OSError) as e:
         raise UserError(f"cannot read gguf '{path}': {e}") from e
     arch = gguf_field(reader, "general.architecture")
-    if not arch:
+    if arch is None:
         raise UserError(f"'{path}' has no general.architecture key")
+    if not isinstance(arch, str) or not arch:
+        raise UserError(f"'{path}': general.architecture is {show_value(arch)}; expected an architecture's name")
 
     def get(key, required=True):
-        v = _as_int(gguf_field(reader, f"{arch}.{key}"), f"'{path}': {arch}.{key}")
+        v = gguf_field(reader, f"{arch}.{key}")
+        if isinstance(v, (list, tuple, StringArray)) and key not in PER_LAYER_KEYS:
+            raise UserError(f"'{path}': {arch}.{key} is {show_value(v)}; expected one number")
+        v = _as_int(v, f"'{path}': {arch}.{key}")
         if v is None and required:
             raise UserError(f"'{path}' lacks {arch}.{key}")
         return v
@@ -267,8 +274,19 @@ def read_gguf(path: str) -> ModelShape:
     n_vocab = get("vocab_size", required=False)
     if n_vocab is None:
         toks = gguf_field(reader, "tokenizer.ggml.tokens")
+        if toks is not None and not isinstance(toks, (list, tuple, StringArray)):
+            raise UserError(f"'{path}': tokenizer.ggml.tokens is {show_value(toks)}; expected an array of strings")
         n_vocab = len(toks) if toks is not None else 0
     softcap = gguf_field(reader, f"{arch}.attn_logit_softcapping")
+    pos_limit = 0
+    if arch == "gemma2":   # llama.cpp's defaults where a key is absent: soft-cap 50, window 4096
+        softcap = 50.0 if softcap is None else softcap
+        try:
+            swa = has_swa_layers(gguf_field(reader, f"{arch}.attention.sliding_window_pattern"), n_layer, path, arch)
+        except ModelError as e:
+            raise UserError(str(e)) from e
+        if swa:
+            pos_limit = get("attention.sliding_window", required=False) or 4096
     if softcap is not None and (isinstance(softcap, (bool, str, list, tuple))
                                 or not np.isfinite(float(softcap)) or float(softcap) < 0):
         raise UserError(f"'{path}': {arch}.attn_logit_softcapping is {softcap!r}; expected a number >= 0")
@@ -291,7 +309,8 @@ def read_gguf(path: str) -> ModelShape:
     n_expert = int(n_expert) if isinstance(n_expert, (int, np.integer)) and not isinstance(n_expert, bool) else 0
     return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
                       n_vocab, head_dim_v if head_dim_v != head_dim else 0,
-                      float(softcap or 0.0), source=path, file_bytes=file_bytes, file_params=file_params,
+                      float(softcap or 0.0), pos_limit=pos_limit, source=path, file_bytes=file_bytes,
+                      file_params=file_params,
                       file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])),
                       arch=printable(str(arch)),
                       type_label=type_label(str(arch), n_layer, n_embd, n_head, n_head_kv, n_vocab, n_expert),

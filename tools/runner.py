@@ -322,7 +322,7 @@ class Runner:
         g = _graph()
         acfg = g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
                             head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
-                            logit_softcap=m.logit_softcap, seed=self.cfg.seed)
+                            logit_softcap=m.logit_softcap, pos_limit=m.pos_limit, seed=self.cfg.seed)
         self._attn_config = (m, seed, acfg)
         return acfg
 

@@ -267,7 +267,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                     runs = []
                     for rep in range(reps):
                         runner.clear()
-                        sched = Scheduler(runner.cache, n_slots, n_batch=ns.batch_size, prompt_budget=budget)
+                        sched = Scheduler(runner.cache, n_slots, n_batch=ns.batch_size, prompt_budget=budget,
+                                          pos_limit=runner.attn_config().pos_limit)
                         refused = []
                         stats = serve(reqs, sched, step_fn, on_finish=lambda r: bar.update(what),
                                       on_refuse=lambda r: (refused.append(r), bar.update(what)))
