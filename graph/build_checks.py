@@ -80,6 +80,9 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
                      layer="attn", flash_attn: bool = True, weights=None, layers=None, model=None) -> bool:
     """Everything :func:`build_ubatch_graph` refuses, checked without a plan (so a caller can
     check before claiming cache cells). Returns True when the graph will be all-custom."""
+    if fa is not None and (isinstance(fa, (bool, str)) or not callable(fa)):
+        raise ValueError(f"fa must be a flash-attention op (ggml_attn.flash_attn_ext or ggml.ggml_flash_attn_ext) "
+                         f"or None (ours), got {fa!r}; llama.cpp's -fa off is flash_attn=False of the CLIs' engines")
     check_geometry(cache, cfg, layers)
     n_layer = len(check_layers(cfg, layers))
     on_device = cache.xp is not np

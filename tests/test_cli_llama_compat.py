@@ -204,3 +204,14 @@ def test_model_and_name_columns(capsys, tmp_path):
     row = json.loads(out)
     assert (row["model_type"], row["model_name"]) == ("llama 8B F16", "my model")
     assert fmt.FIELDS.index("model_type") < fmt.FIELDS.index("model_name")
+
+
+@pytest.mark.parametrize("value", ["-1", "auto", "all"])
+def test_ngl_all_layers_spellings(capsys, value):
+    """llama-bench's default -ngl -1 and common/arg.cpp's auto / all: every layer on the GPU (here,
+    without one, the CPU with the fallback note), not an error."""
+    rc = bench.main(["-p", "8", "-n", "0", "-ngl", value, "-o", "jsonl", "-r", "1", "--no-warmup"] + FAST)
+    err = capsys.readouterr().err
+    assert rc == 0 and "-ngl all: no GPU is available" in err, err
+    rc = batched_bench.main(["-npp", "8", "-ntg", "1", "-npl", "1", "-ngl", value, "-o", "jsonl"])
+    assert rc == 0, capsys.readouterr().err

@@ -272,3 +272,13 @@ def test_a_cache_and_its_engine_go_together(model):
         del c
     gc.collect()
     assert [r() for r in refs] == [None] * 5
+
+
+@pytest.mark.parametrize("fa", [True, False, "off", 1])
+def test_fa_must_be_an_op(model, fa):
+    """fa=True / False / "off" (a llama.cpp user's -fa habit) is refused before anything is
+    decoded (it failed inside the first ubatch, or fa=False silently ran flash attention)."""
+    c = _cache(model)
+    with pytest.raises(ValueError, match="fa must be a flash-attention op"):
+        greedy(c, model, [[1, 2]], 2, fa=fa)
+    assert _empty(c)

@@ -29,7 +29,7 @@ from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter
-from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
+from .placement import check_ngl, note_cpu_fallback, parse_one_ngl, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
 from .format_bench import FA_INT, attention_path
@@ -106,9 +106,9 @@ def build_parser() -> Parser:
                         f"on the GPU (default: f16)")
     p.add_argument("-ctv", "--cache-type-v", choices=CACHE_TYPES, default="f16", metavar="TYPE",
                    help="V cache type, as -ctk; a quantized V needs flash attention (default: f16)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int_at_least(0), default=None, metavar="N",
-                   help="llama.cpp's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
-                        "all layers on the GPU; a partial offload is an error (default: per --device)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=parse_one_ngl, default=None, metavar="N",
+                   help="llama.cpp's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99; auto, "
+                        "all, -1) all layers on the GPU; a partial offload is an error (default: per --device)")
     p.add_argument("-t", "--threads", type=int_at_least(1), default=default_threads(), metavar="N",
                    help=f"CPU threads (default: {default_threads()})")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",

@@ -27,7 +27,7 @@ from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
-from .placement import check_ngl, note_cpu_fallback, resolve_ngl_device
+from .placement import check_ngl, ngl_text, note_cpu_fallback, parse_ngl, resolve_ngl_device
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, default_split, effective_ubatch,
@@ -71,10 +71,10 @@ def build_parser() -> Parser:
              help=f"K cache type: {'|'.join(CACHE_TYPES)}; all on the CPU path, {', '.join(GPU_TYPES)} on the GPU")
     add_list(p, "-ctv", "--cache-type-v", type=choice_list(CACHE_TYPES), default=["f16"], metavar="TYPE",
              help="V cache type, as -ctk; a quantized V needs flash attention (as llama.cpp)")
-    add_list(p, "-ngl", "--n-gpu-layers", type=parse_int_range, default=[], metavar="N",
-             help="llama-bench's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99) "
-                  "all layers on the GPU; a partial offload is an error; a list (0,99) runs a row per "
-                  "value (default: per --device)")
+    add_list(p, "-ngl", "--n-gpu-layers", type=parse_ngl, default=[], metavar="N",
+             help="llama-bench's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99; -1, "
+                  "auto, all) all layers on the GPU; a partial offload is an error; a list (0,99) runs a "
+                  "row per value (default: per --device)")
     add_list(p, "-t", "--threads", type=parse_int_range, default=[default_threads()], metavar="N",
              help="CPU threads")
     p.add_argument("--device", choices=DEVICES, default="auto",
@@ -299,7 +299,7 @@ def _main(argv=None) -> int:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
     note_cpu_fallback([n for n, dev in devices.items() if n and dev == "cpu"], "cpu", PROG)
     if len(devices) > 1:
-        print(f"{PROG}: -ngl {','.join(map(str, devices))}: a row per value; 0 runs the CPU path, N >= the model's "
+        print(f"{PROG}: -ngl {','.join(map(ngl_text, devices))}: a row per value; 0 runs the CPU path, N >= the model's "
               f"layers all layers on the GPU (n_gpu_layers: the layers that ran there)", file=sys.stderr, flush=True)
     if ns.tensor_split and ns.split_mode == "none":
         print(f"{PROG}: -ts: with -sm none the model runs on one device (-mg's); the value is recorded in the "
