@@ -151,14 +151,17 @@ def test_rows_over_c_are_skipped_like_llama_batched_bench(capsys):
     assert rc == 0, err
     assert [json.loads(line)["pl"] for line in out.splitlines()] == [1, 2, 4, 8]
     assert err.count("\n") == 1 and "skipping 1 row(s) that do not fit -c 256: B=16 PP=16 TG=16 (N_KV 512)" in err
-    # split KV: 8 streams of 256 cells hold B=8's 128 + 128 tokens each, as llama-batched-bench's
-    # (the --plan run places every token of every step in the cache)
+    # split KV, as llama.cpp's context pads it (llama_n_ctx): -c 2048 over 32 sequences is 64 cells a
+    # stream, padded to 256: 8192 cells, so B=16 and B=32 (N_KV 4096, 8192) fit and run too (the
+    # --plan run places every token of every step in the cache)
     rc, out, err = _run(capsys, "-c", "2048", "-npp", "128", "-ntg", "128", "-npl", "1,2,4,8,16,32",
                         "--device", "cpu", "--plan", "-o", "jsonl")
     assert rc == 0, err
-    assert [json.loads(line)["pl"] for line in out.splitlines()] == [1, 2, 4, 8]
-    assert err.count("\n") == 1 and "skipping 2 row(s)" in err
-    assert "B=16 PP=128 TG=128 (N_KV 4096)" in err and "B=32 PP=128 TG=128 (N_KV 8192)" in err
+    assert [json.loads(line)["pl"] for line in out.splitlines()] == [1, 2, 4, 8, 16, 32]
+    assert "skipping" not in err
+    # (and -c 1 is llama.cpp's 256 cells: a 20-token row runs)
+    rc, out, err = _run(capsys, "-c", "1", "-npp", "16", "-ntg", "4", "-npl", "1", "--device", "cpu", "-o", "jsonl")
+    assert rc == 0 and json.loads(out.splitlines()[-1])["n_kv"] == 20, err
 
 
 

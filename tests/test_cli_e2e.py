@@ -95,7 +95,7 @@ def test_batched_bench_end_to_end():
     ("ggml-attn-bench", ["-b", "0"], "batch sizes must be positive"),
     ("ggml-attn-bench", ["-ngl", "99", "--device", "cpu"], "--device cpu keeps them on the CPU"),
     ("ggml-attn-bench", ["-p", "512", "-c", "100"], "context overflow"),
-    ("ggml-attn-batched-bench", ["-npp", "64", "-npl", "8", "-c", "256"], "context overflow"),
+    ("ggml-attn-batched-bench", ["-npp", "64", "-npl", "8", "-c", "256", "-kvu"], "context overflow"),
 ])
 def test_errors_exit_2_one_line(name, args, msg):
     rc, out, err = run(name, *args, "--device", "cpu")

@@ -43,12 +43,17 @@ def test_shared_prompt_n_kv_per_kv_mode(capsys, kvu, n_kv):
 
 
 def test_shared_prompt_rows_fit_the_context_by_their_cells(capsys):
-    """-c 100: without -kvu 3 copies of an 30-token prompt and 3*2 tokens need 96 cells (fit),
-    -npl 4 needs 128 (skipped, as llama-batched-bench skips it)."""
-    rc, out, err = _batched(capsys, "-npp", "30", "-ntg", "2", "-npl", "3,4", "-pps", "-c", "100", "-o", "jsonl")
+    """A row fits by llama-batched-bench's n_ctx_req against llama.cpp's padded context: without
+    -kvu 3 copies of a 30-token prompt and 3*2 tokens are N_KV 96; with -kvu the prompt once and
+    B x TG tokens: -c 300 is 512 cells, B=2 (100 + 2*200 = 500) runs, B=3 (700) is skipped."""
+    rc, out, err = _batched(capsys, "-npp", "30", "-ntg", "2", "-npl", "3", "-pps", "-c", "100", "-o", "jsonl")
     assert rc == 0, err
-    assert [json.loads(l)["pl"] for l in out.splitlines()] == [3]
-    assert "B=4 PP=30 TG=2 (N_KV 128)" in err
+    assert [json.loads(l)["n_kv"] for l in out.splitlines()] == [96]
+    rc, out, err = _batched(capsys, "-npp", "100", "-ntg", "200", "-npl", "2,3", "-pps", "-kvu", "-c", "300",
+                            "-o", "jsonl")
+    assert rc == 0, err
+    assert [json.loads(l)["pl"] for l in out.splitlines()] == [2]
+    assert "B=3 PP=100 TG=200 (N_KV 700)" in err
 
 
 # ---- batched: -tgs
@@ -65,21 +70,22 @@ def test_tgs_decodes_each_sequence_separately(capsys):
 
 # ---- batched: -c 0 is the model's training context
 def test_c0_skips_rows_past_the_training_context(capsys):
-    """tiny's training context is 8192: B=3 of 3000 tokens (N_KV 9003) is skipped and said;
-    the main line's n_kv_max is that context, as llama-batched-bench's llama_n_ctx."""
+    """tiny's training context is 8192, over 3 split streams llama_n_ctx's 3 x 2816 = 8448 cells:
+    B=3 of 3000 tokens (N_KV 9003) is skipped and said; the main line's n_kv_max is that
+    context, as llama-batched-bench's; our cache, sized for the rows that run, 3072 cells."""
     rc, out, err = _batched(capsys, "-npp", "3000", "-ntg", "1", "-npl", "1,3")
     assert rc == 0, err
     rows = _table(out)[2:]
     assert [r[2] for r in rows] == ["1"]
-    assert "main: n_kv_max = 8192," in out and "kv_cells = 3001" in out
-    assert "skipping 1 row(s) that do not fit the model's training context (8192 tokens" in err
+    assert "main: n_kv_max = 8448," in out and "kv_cells = 3072" in out
+    assert "skipping 1 row(s) that do not fit the model's training context (8448 cells" in err
     assert "B=3 PP=3000 TG=1 (N_KV 9003)" in err
 
 
 def test_c0_with_no_row_that_fits_is_an_error(capsys):
     rc, out, err = _batched(capsys, "-npp", "3000", "-ntg", "1", "-npl", "3")
     assert rc == 2 and out == ""
-    assert "needs 9003 KV cells but the model's training context (-c 0) holds 8192; raise it with -c" in err
+    assert "needs 9003 KV cells but the model's training context (-c 0) holds 8448; raise it with -c" in err
 
 
 # ---- batched: the main line, llama-batched-bench's fields in its order, then ours

@@ -162,14 +162,16 @@ def rows_that_fit(ns, rows: list[dict], splits: list[str], n_ctx_train: int = 0)
     c = ns.ctx_size or n_ctx_train
     if not c:
         return rows
+    # llama_n_ctx: the context padded as llama.cpp pads it (n_seq_max: the largest -npl value)
+    limit = cache_capacity(c, max(r["pl"] for r in rows), ns.kv_unified)
     where = "the context" if ns.ctx_size else "the model's training context (-c 0)"
     skipped, first = [], None
     fits = []
     for r in rows:
         req = n_ctx_req(ns, r, splits)
-        if req > c:
+        if req > limit:
             skipped.append(f"{row_label(r)} (N_KV {req})")
-            first = first or (f"context overflow: {row_label(r)} needs {req} KV cells but {where} holds {c}"
+            first = first or (f"context overflow: {row_label(r)} needs {req} KV cells but {where} holds {limit}"
                               + ("" if ns.ctx_size else "; raise it with -c"))
         else:
             fits.append(r)
@@ -178,7 +180,7 @@ def rows_that_fit(ns, rows: list[dict], splits: list[str], n_ctx_train: int = 0)
             raise UserError(first)
         if skipped:
             print(f"{PROG}: skipping {len(skipped)} row(s) that do not fit the model's training context "
-                  f"({c} tokens; -c 0, as llama-batched-bench): {', '.join(skipped)}", file=sys.stderr, flush=True)
+                  f"({limit} cells; -c 0, as llama-batched-bench): {', '.join(skipped)}", file=sys.stderr, flush=True)
         return fits
     def layout_miss(r, n_seq):
         """(split, cells needed, cells held) when ``r`` does not fit ``n_seq`` streams, else None."""
@@ -263,6 +265,7 @@ def _main(argv=None) -> int:
     splits = splits_of(ns.split, ns.kv_unified)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):
         raise UserError("-pps shares one prompt; it cannot be combined with ragged prompts")
+    n_seq_max = max(r["pl"] for r in rows)   # llama-batched-bench's context serves the largest -npl
     rows = rows_that_fit(ns, rows, splits, model.n_ctx_train)
     note_cpu_fallback(ngl, device, PROG)
     n_seq = max(r["pl"] for r in rows)
@@ -313,7 +316,7 @@ def _main(argv=None) -> int:
         if ns.plan:
             print_plans(ns, runner_for, rows, splits, SafeWriter(sys.stdout))
             return 0
-        return _run(ns, rows, splits, runner_for, model, device, cells)
+        return _run(ns, rows, splits, runner_for, model, device, cells, n_seq_max)
     finally:
         for r in runners.values():
             r.close()
@@ -329,13 +332,17 @@ def free_device_memory(device: str) -> None:
         cupy.get_default_memory_pool().free_all_blocks()
 
 
-def _run(ns, rows, splits, runner_for, model, device, cells) -> int:
+def _run(ns, rows, splits, runner_for, model, device, cells, n_seq_max: int) -> int:
     kvus = {strategy_kv(split, ns.kv_unified) for split in splits}
     # n_kv_max: llama_n_ctx, -c's or (-c 0) the model's training context; the cache may hold less
-    info = dict(n_kv_max=ns.ctx_size or model.n_ctx_train or max(cells.values()), n_batch=ns.batch_size,
+    c = ns.ctx_size or model.n_ctx_train
+    info = dict(n_kv_max=cache_capacity(c, n_seq_max, ns.kv_unified) if c else max(cells.values()),
+                n_batch=ns.batch_size,
                 n_ubatch=ns.ubatch_size, flash_attn=FA_INT[ns.flash_attn], is_pp_shared=int(ns.pps),
                 is_tg_separate=int(ns.tgs), n_gpu_layers=model.n_layer if device == "cuda" else 0,
-                n_threads=ns.threads, kv_cells=max(cells.values()),
+                n_threads=ns.threads,
+                kv_cells=max(cache_capacity(n, max(r["pl"] for r in rows), strategy_kv(s, ns.kv_unified))
+                             for s, n in cells.items()),
                 n_threads_batch=ns.threads, kv_unified=kvus.pop() if len(kvus) == 1 else None, model=model.name,
                 device=device + ("+graphs" if device == "cuda" and ns.cuda_graph == "on" else ""),
                 kernel=ns.kernel, layer=ns.layer, type_k=ns.cache_type_k, type_v=ns.cache_type_v,

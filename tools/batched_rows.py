@@ -84,9 +84,11 @@ def ctx_needed(row, pps: bool, unified: bool, n_ubatch: int, n_seq: int | None =
 
 
 def cache_capacity(n_ctx: int, n_seq: int, unified: bool) -> int:
-    """Cells a KVCache built with ``n_ctx`` has in all (llama.cpp pads to 256 per stream)."""
+    """Cells a KVCache built with ``n_ctx`` has in all, as llama.cpp's context counts them
+    (``llama_n_ctx``: ``n_ctx`` padded to 256, then, split, per stream again)."""
     from ggml_attn.graph.kv_cache import KV_PAD, pad_to
-    return pad_to(n_ctx, KV_PAD) if unified else n_seq * pad_to(n_ctx // n_seq, KV_PAD)
+    n = pad_to(n_ctx, KV_PAD)
+    return n if unified else n_seq * pad_to(n // n_seq, KV_PAD)
 
 
 def strategy_kv(split: str, kv_unified: bool) -> bool:
