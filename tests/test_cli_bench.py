@@ -74,7 +74,7 @@ def test_ragged_experiment_script(tmp_path, capsys):
     (["-t", "0"], "-t must be at least 1, got 0"),
     (["--kernel", "prefill,reference"], "--kernel prefill runs on the GPU only"),
     (["-fa", "off", "--kernel", "ggml"], "-fa off runs ggml's mul_mat+soft_max path"),
-    (["-c", "-5"], "argument -c/--ctx-size: must be at least 0 (0: the model's training context), got -5"),
+    (["-c", "-5"], "argument -c/--ctx-size: must be at least 0 (0: none), got -5"),
     (["--delay", "99999999999999999999999"], "argument --delay: must be at most 86400, got 99999999999999999999999"),
     (["-b", "200-16"], "-b gives no values (a range A-B with B < A is empty)"),
     (["-ub", "64-8"], "-ub gives no values"),

@@ -76,7 +76,13 @@ def test_bench_gguf_model(tmp_path):
     assert row["model_name"] == "from-gguf" and row["n_head_kv"] == 2 and row["head_dim"] == 32
     assert row["model_type"] == "llama ?B (guessed) all F32"   # no general.file_type, no tensors
     assert row["layer"] == "full" and row["model_filename"] == str(path)
-    rc, _, err = run("ggml-attn-bench", "-m", str(path), "-p", "1024", "-n", "0", "--device", "cpu")
+    # past the file's training context: run, as llama-bench runs it (its context is p + n + d), and
+    # said once; -c (not a llama-bench flag) is a hard limit
+    rc, _, err = run("ggml-attn-bench", "-m", str(path), "-p", "1024", "-n", "0", "-r", "1", "--layer", "full",
+                     "--device", "cpu")
+    assert rc == 0 and "past the model's training context, run as llama-bench runs them" in err, err
+    rc, _, err = run("ggml-attn-bench", "-m", str(path), "-p", "1024", "-n", "0", "--layer", "full", "--device", "cpu",
+                     "-c", "512")
     assert rc == 2 and "context overflow" in err
 
 

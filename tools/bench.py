@@ -85,8 +85,9 @@ def build_parser() -> Parser:
                         "ubatch through ggml's graph loop and the op's callbacks (default: on)")
     p.add_argument("--n-layer", type=int_at_least(0, " (0: the model's own)"), default=0, metavar="N",
                    help="override the model's number of layers (quick runs of big shapes)")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: the model's training context)"), default=0, metavar="N",
-                   help="context limit per test; 0: the model's training context (default: 0)")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, " (0: none)"), default=0, metavar="N",
+                   help="context limit per test (not a llama-bench flag: its context is p + n + d); 0: none, "
+                        "tests past the model's training context said once and run (default: 0)")
     p.add_argument("-r", "--repetitions", type=int_at_least(1, hi=INT32_MAX), default=5, metavar="N",
                    help="times to repeat each test (default: 5)")
     p.add_argument("-o", "--output", "--output-format", choices=fmt.FORMATS, default="md",
@@ -187,12 +188,18 @@ def instances(ns, devices: dict) -> list[dict]:
         check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
+    past = []
     for inst in out:
         m = inst["model"]
         need = inst["n_prompt"] + inst["n_gen"] + inst["n_depth"]
-        limit = ns.ctx_size or m.n_ctx_train
-        check_context(need, limit, f"test {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])} "
-                                   f"on {m.name}" + ("" if ns.ctx_size else " (training context; raise with -c)"))
+        name = f"test {fmt.test_name(inst['n_prompt'], inst['n_gen'], inst['n_depth'])} on {m.name}"
+        if ns.ctx_size:   # our own flag: a hard limit
+            check_context(need, ns.ctx_size, name)
+        elif m.n_ctx_train and need > m.n_ctx_train:   # llama-bench's context is p + n + d, whatever the model's
+            past.append(f"{name} ({need})")
+    if past:   # (llama.cpp warns "possible training context overflow" and runs)
+        print(f"{PROG}: {len(past)} test(s) past the model's training context, run as llama-bench runs them: "
+              f"{', '.join(sorted(set(past))[:4])}{' ...' if len(set(past)) > 4 else ''}", file=sys.stderr, flush=True)
     return out
 
 
@@ -299,8 +306,9 @@ def _main(argv=None) -> int:
         raise UserError("no tests to run (all of -p, -n and -pg are 0 or empty)")
     note_cpu_fallback([n for n, dev in devices.items() if n and dev == "cpu"], "cpu", PROG)
     if len(devices) > 1:
-        print(f"{PROG}: -ngl {','.join(map(ngl_text, devices))}: a row per value; 0 runs the CPU path, N >= the model's "
-              f"layers all layers on the GPU (n_gpu_layers: the layers that ran there)", file=sys.stderr, flush=True)
+        print(f"{PROG}: -ngl {','.join(map(ngl_text, devices))}: a row per value; 0 runs the CPU path, N >= the "
+              f"model's layers all layers on the GPU (n_gpu_layers: the layers that ran there)", file=sys.stderr,
+              flush=True)
     if ns.tensor_split and ns.split_mode == "none":
         print(f"{PROG}: -ts: with -sm none the model runs on one device (-mg's); the value is recorded in the "
               f"rows' tensor_split", file=sys.stderr, flush=True)
