@@ -221,3 +221,13 @@ def test_ngl_all_layers_spellings(capsys, value):
     assert rc == 0 and "-ngl all: no GPU is available" in err, err
     rc = batched_bench.main(["-npp", "8", "-ntg", "1", "-npl", "1", "-ngl", value, "-o", "jsonl"])
     assert rc == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, msg", [("nan", "invalid -ts value 'nan'"), ("1e400", "invalid -ts value '1e400'"),
+                                        ("0/0", "-ts 0/0: proportions must be finite")])
+def test_ts_values_that_split_nothing(capsys, value, msg):
+    """-ts NaN / inf shares are refused (they were recorded as tensor_split "nan"/"inf"), and a
+    message quotes the value as typed (0/0 was shown as "0,0", another meaning in this syntax)."""
+    rc = bench.main(["-p", "8", "-n", "0", "-r", "1", "-ts", value] + FAST)
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err, err

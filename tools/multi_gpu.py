@@ -46,8 +46,8 @@ def parse_ts_list(text: str) -> list[tuple[float, ...]]:
         except ValueError:
             raise UserError(f"invalid -ts value '{value}' (expected proportions such as 1/1; ',' separates "
                             f"test values, as llama-bench's)") from None
-        if not shares or any(v < 0 for v in shares):
-            raise UserError(f"invalid -ts value '{value}': expected non-negative shares such as 3/1")
+        if not shares or not all(0 <= v < float("inf") for v in shares):   # (NaN fails the compare too)
+            raise UserError(f"invalid -ts value '{value}': expected finite non-negative shares such as 3/1")
         out.append(shares)
     return out
 
@@ -151,15 +151,18 @@ def gpu_count() -> int:
         return 0
 
 
-def parse_shares(text: str, n: int) -> list[float]:
+def parse_shares(text: str, n: int, shown: str | None = None) -> list[float]:
+    """The GPUs' shares of ``text`` (``,`` or ``/`` between them; ``""``: ``n`` equal ones);
+    ``shown``: the value as the user typed it, for the messages."""
     if not text:
         return [1.0] * n
+    shown = text if shown is None else shown
     try:
         vals = [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
     except ValueError:
-        raise UserError(f"-ts {text}: expected proportions such as 1,1") from None
-    if any(v < 0 for v in vals) or not any(vals):
-        raise UserError(f"-ts {text}: proportions must be non-negative and not all zero")
+        raise UserError(f"-ts {shown}: expected proportions such as 1/1") from None
+    if not all(0 <= v < float("inf") for v in vals) or not any(vals):
+        raise UserError(f"-ts {shown}: proportions must be finite, non-negative and not all zero")
     return vals
 
 
@@ -171,7 +174,7 @@ def plan_ranks(ns) -> tuple[int, list[int]]:
     if sm == "none":
         if ns.n_gpu > 1:
             raise UserError(f"--n-gpu {ns.n_gpu} needs -sm row (head-parallel) or -sm layer; -sm none runs on one GPU")
-        if len([v for v in parse_shares(ts, 0) if v > 0]) > 1:
+        if len([v for v in parse_shares(ts, 0, shown) if v > 0]) > 1:
             raise UserError(f"-ts {shown} splits tensors over several GPUs; it needs -sm row or -sm layer")
         return 1, [ns.main_gpu]
     if ns.device == "cpu":
@@ -181,14 +184,14 @@ def plan_ranks(ns) -> tuple[int, list[int]]:
     if ns.n_gpu < 0:
         raise UserError(f"--n-gpu must be at least 1, got {ns.n_gpu}")
     n_vis = gpu_count()
-    given = parse_shares(ts, 0)
+    given = parse_shares(ts, 0, shown)
     if sm == "row":
         n = ns.n_gpu or len([s for s in given if s > 0]) or n_vis
     else:   # layer: one rank per share (a zero share is refused by the layer split, not dropped)
         n = ns.n_gpu or len(given) or n_vis
     if n < 1:
         raise UserError(f"-sm {sm}: no GPU visible")
-    shares = parse_shares(ts, n)
+    shares = parse_shares(ts, n, shown)
     if sm == "row" and (len(shares) != n or len(set(shares)) != 1):
         raise UserError(f"-sm row splits heads evenly: -ts {shown} must give {n} equal shares "
                         f"(e.g. {sep.join(['1'] * n)})")
