@@ -224,3 +224,25 @@ def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
             assert nmse(cupy.asnumpy(outs[il]), ref.out[il][idx]) < 5e-4, (lens, il)
     g.free()
     assert g._stager is None
+
+
+def test_kept_engine_runs_after_cache_writes_on_the_callers_stream():
+    """run_batch's engine computes on a stream of its own, kept from call to call: a cache write
+    the caller queued on its stream first (seq_cp across streams copies a whole stream's K/V, a
+    long kernel queued before it) must be done before the engine reads the cache (the engine's
+    stream waits for the caller's at each call: Engine.follow_current_stream)."""
+    host_c, dev_c = cache(False, None, n_seq=4), cache(False, "cupy", n_seq=4)
+    b = Batch.from_lengths([200, 3, 3, 3])
+    run_batch(host_c, b, 512, "equal", CFG)
+    run_batch(dev_c, b, 512, "equal", CFG, compute="ggml")
+    for c in (host_c, dev_c):
+        c.seq_rm(1)
+    host_c.seq_cp(0, 1)
+    big = cupy.ones((1 << 26,), dtype=cupy.float32)
+    for _ in range(20):   # busy the caller's stream for a while before the copy is queued
+        big *= 1.0000001
+    dev_c.seq_cp(0, 1)
+    dec = Batch.from_lengths([1], seq_ids=[1], start_pos=host_c.next_positions([1]))
+    ref = run_batch(host_c, dec, 512, "equal", CFG)
+    got = run_batch(dev_c, dec, 512, "equal", CFG, compute="ggml")
+    assert nmse(got.out, ref.out) < 5e-4
