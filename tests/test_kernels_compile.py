@@ -387,3 +387,20 @@ def test_sm90a_shared_memory_mirrors_match_c():
     checks = [(f"dtma::smem_bytes<{K.VEC_KV_CTYPES[c.kv_type]}, {c.d}, {c.stages}, {c.consumers}, {b(c.scratch)}, "
                f"{b(c.whole)}>()", dt.config_smem(c), key) for key, c in dt.CONFIGS.items()]
     _static_asserts("fattn_decode_tma.cu", checks, K.HOPPER_ARCH)
+
+
+def test_tile_kernels_shared_memory_mirrors_match_c():
+    """The dynamic shared memory the tensor-core, vec and cell-list launches ask for
+    (variants.mma_smem_bytes, vec_smem_bytes, cells_smem_bytes: Python mirrors of the C++ SMEM
+    constants) is each compiled instance's own MmaCfg / VecCfg / CellsCfg::SMEM, for every
+    instance that ships."""
+    checks = [(f"MmaCfg<{dk}, {dv}, {nwq}, {nwk}, {mt}, {st}>::SMEM", K.mma_smem_bytes(dk, dv, nwq, nwk, mt, st),
+               f"mma {dk}/{dv} {nwq}x{nwk} mt{mt} st{st}")
+              for dk, dv in K.MMA_HEADS for nwq, nwk, mt, st in K.mma_layouts(dk, dv)]
+    _static_asserts("fattn_mma.cu", checks, "sm_80")
+    checks = [(f"VecCfg<{dk}, {dv}, {r}>::SMEM", K.vec_smem_bytes(dk, dv, r), f"vec {dk}/{dv} r{r}")
+              for dk, dv in K.VEC_HEADS for r in K.vec_rows_allowed(dk, dv)]
+    _static_asserts("fattn_vec.cu", checks, "sm_80")
+    checks = [(f"CellsCfg<{dk}, {dv}, {r}>::SMEM", K.cells_smem_bytes(dk, dv, r), f"cells {dk}/{dv} r{r}")
+              for dk, dv in K.CELLS_HEADS for r in K.cells_rows_allowed(dk, dv)]
+    _static_asserts("fattn_cells.cu", checks, "sm_80")
