@@ -28,9 +28,9 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
   ``xp_node`` / ``xp_matmul`` / ``xp_ops`` the device graphs' custom ops, ``staging`` their
   per-ubatch inputs, ``capture`` CUDA graphs);
 * ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines,
-  ``model_runner``'s and ``runner``'s are its subclasses);
+  ``model_runner``'s and ``qkv_runner``'s are its subclasses);
 * ``driver``: the decode loop (validate, split, check room, plan, run, commit or roll back);
-* ``runner``: ``run_batch`` with deterministic Q/K/V; ``describe``: plans as tables;
+* ``qkv_runner``: ``run_batch`` with deterministic Q/K/V; ``describe``: plans as tables;
 * ``model`` (``gguf_file`` the header, ``example_model`` a small file to try): a GGUF model;
   ``model_device``: its weights for device graphs (block matrices kept as ``QMatrix``);
   ``upload``: file bytes to the GPU through pinned buffers;
@@ -48,7 +48,7 @@ from .plan import UBatchPlan, apply_plan, dry_run_plans, plan_ubatch
 from .auto import AutoChoice, CostModel, choose_split, split_ubatches
 from . import driver
 from .driver import BatchError, BatchInterrupted, BatchResult
-from .runner import run_batch
+from .qkv_runner import run_batch
 from .describe import compare_strategies, describe_plan, format_table
 from .model import Model, ModelError, load_gguf
 from .example_model import write_example_model

@@ -1,6 +1,6 @@
 """The decode loop: one batch through the KV cache, one planned ubatch at a time, on an engine.
 
-:func:`decode` is what ``runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
+:func:`decode` is what ``qkv_runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
 llama.cpp's ``llama_decode`` does: validate the batch against the cache -> split it into
 ubatches (``auto`` included: its dry-run plans are applied as they are, nothing is planned
 twice) -> check that every ubatch fits (``KVCache.prepare``; a ``padded`` split whose pads alone

@@ -18,7 +18,7 @@ that get logits :attr:`Engine.logits`, and :meth:`Engine.run_ubatch` returns the
 ``(token_idx, logits)``); ``"attn"`` / ``"full"`` stacks of attention or of the full block,
 their inputs from :meth:`Engine.inputs` (a subclass's: the benchmarks' random pool).
 
-``model_runner.run_model_batch`` and ``greedy``, ``runner.run_batch`` (``compute="ggml"``) and
+``model_runner.run_model_batch`` and ``greedy``, ``qkv_runner.run_batch`` (``compute="ggml"``) and
 the CLIs (``tools/graph_engine.py``) all run on it: the Python API reuses graphs as the CLIs do.
 """
 from __future__ import annotations

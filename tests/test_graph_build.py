@@ -10,7 +10,7 @@ from ggml_attn.graph.build import GraphBuildError, build_ubatch_graph, check_dev
 from ggml_attn.graph.plan import plan_ubatch, tile_map
 from ggml_attn.graph.attn_config import AttnConfig
 from ggml_attn.graph.qkv import token_qkv, token_vectors
-from ggml_attn.graph.runner import run_batch
+from ggml_attn.graph.qkv_runner import run_batch
 from ggml_attn.reference import nmse
 
 CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)

@@ -85,7 +85,7 @@ def test_kernel_plan_follows_the_mask_of_a_rebuilt_graph():
 
 def _attn_graph_with_inputs():
     """(graph, its cache): a device ubatch graph (10 prompts, padded split) with its Q/K/V inputs set."""
-    from ggml_attn.graph.runner import ubatch_inputs
+    from ggml_attn.graph.qkv_runner import ubatch_inputs
     c = cache(False, "cupy")
     (ub,) = split_ubatches(Batch.from_lengths(range(1, 11)), 512, "padded")
     g = build_ubatch_graph(c, plan_ubatch(c, ub), CFG)
@@ -191,7 +191,7 @@ def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
     spin = cupy.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
         const long long t0 = clock64(); while (clock64() - t0 < cycles) {} }""", "spin")
     from ggml_attn.graph import staging
-    from ggml_attn.graph.runner import ubatch_inputs
+    from ggml_attn.graph.qkv_runner import ubatch_inputs
     monkeypatch.setattr(staging, "PINNED_MIN_BYTES", 0)
     layouts = ([5, 5], [3, 7], [9, 1], [2, 8], [1, 9])
     c = cache(True, "cupy")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ggml_attn.graph import Batch, KVCache
 from ggml_attn.graph.kv_cache import pad_to
 from ggml_attn.graph.attn_config import AttnConfig
-from ggml_attn.graph.runner import run_batch
+from ggml_attn.graph.qkv_runner import run_batch
 
 CFG = AttnConfig(n_layer=2, n_head=2, n_head_kv=1, head_dim=8)
 STRATEGIES = [("simple", True), ("equal", False), ("seq", False), ("padded", False)]

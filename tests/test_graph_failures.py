@@ -11,10 +11,10 @@ import ggml_attn
 from ggml_attn.graph import Batch, KVCache, split_ubatches
 from ggml_attn.graph import build as build_mod
 from ggml_attn.graph import plan as plan_mod
-from ggml_attn.graph import runner as runner_mod
+from ggml_attn.graph import qkv_runner as runner_mod
 from ggml_attn.graph.plan import plan_ubatch
 from ggml_attn.graph.attn_config import AttnConfig
-from ggml_attn.graph.runner import BatchError, BatchInterrupted, run_batch
+from ggml_attn.graph.qkv_runner import BatchError, BatchInterrupted, run_batch
 
 CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
 BATCH_LENGTHS = [5, 1, 9, 3]

@@ -9,7 +9,7 @@ import pytest
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
 from ggml_attn.graph.build import GraphBuildError, build_ubatch_graph, check_device_graph
 from ggml_attn.graph.plan import plan_ubatch
-from ggml_attn.graph.runner import run_batch
+from ggml_attn.graph.qkv_runner import run_batch
 from ggml_attn.reference import nmse
 
 CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=32)

@@ -14,7 +14,7 @@ import pytest
 
 from ggml_attn.graph import AttnConfig, Batch, KVCache, build, driver, plan_ubatch, shard, split_ubatches, tp
 from ggml_attn.graph.qkv import token_vectors
-from ggml_attn.graph.runner import ubatch_inputs
+from ggml_attn.graph.qkv_runner import ubatch_inputs
 
 N_EMBD, N_FF = 48, 64
 

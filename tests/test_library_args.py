@@ -169,7 +169,7 @@ def test_kept_engines_go_with_their_cache_and_stay_few(monkeypatch):
     import gc
     import weakref
     from ggml_attn.graph import AttnConfig, Batch, KVCache, build, engine, run_batch
-    from ggml_attn.graph.runner import QKVEngine
+    from ggml_attn.graph.qkv_runner import QKVEngine
     gc.disable()
     try:
         c = KVCache(512, 2, n_layer=2, n_head_kv=2, head_dim_k=32, dtype=np.float32)

@@ -47,7 +47,7 @@ def _weights(cfg, xp):
 
 def _inputs(cfg, layer):
     from ggml_attn.graph.qkv import token_vectors
-    from ggml_attn.graph.runner import ubatch_inputs
+    from ggml_attn.graph.qkv_runner import ubatch_inputs
 
     def inputs(plan):
         ub = plan.ubatch
