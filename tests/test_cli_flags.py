@@ -226,7 +226,9 @@ def test_sql_output_loads_into_sqlite(capsys):
     assert rc == 0, err
     db = sqlite3.connect(":memory:")
     db.executescript(out)
-    rows = db.execute("SELECT n_prompt, avg_ts, flash_attn, path FROM llama_bench ORDER BY n_prompt").fetchall()
+    rows = db.execute("SELECT l.n_prompt, l.avg_ts, l.flash_attn, o.path FROM llama_bench l JOIN ggml_attn_bench o "
+                      "USING (build_commit, test_time, model_filename, n_prompt, n_gen, n_depth) "
+                      "ORDER BY l.n_prompt").fetchall()
     assert [r[0] for r in rows] == [8, 16] and all(r[1] > 0 for r in rows)
     assert rows[0][2:] == (-1, "numpy")
     types = {r[1]: r[2] for r in db.execute("PRAGMA table_info(llama_bench)")}
@@ -265,6 +267,9 @@ def test_ngl_zero_is_the_cpu_path(capsys):
     assert rc == 0, err
     row = json.loads(out)
     assert row["n_gpu_layers"] == 0 and row["backends"] == "CPU"
+    rc, out, err = _bench(capsys, "-p", "8", "-n", "0", "-r", "1", "--no-warmup", "-o", "jsonl", "-t", "1",
+                          "--n-layer", "1")
+    assert rc == 0 and json.loads(out)["n_gpu_layers"] == -1   # llama-bench's default, recorded as it does
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -301,8 +306,10 @@ def test_ngl_without_a_gpu_says_it_runs_on_the_cpu(capsys, monkeypatch, tool):
                                 "-t", "1", "--n-layer", "1")
         prog = "ggml-attn-batched-bench"
     assert rc == 0, err
-    assert json.loads(out)["n_gpu_layers"] == 0
-    assert err == f"{prog}: -ngl 99: no GPU is available (CuPy and a CUDA device are needed), so it runs on the CPU (n_gpu_layers 0)\n"
+    row = json.loads(out)
+    assert row["n_gpu_layers"] == 99 and row.get("backends", "CPU") == "CPU"   # the value given, as llama.cpp's
+    assert err == (f"{prog}: -ngl 99: no GPU is available (CuPy and a CUDA device are needed), so it runs on the "
+                   f"CPU (the rows' backends say CPU)\n")
 
 
 # ---- the two tools take the same spellings (llama-bench's and llama-batched-bench's)

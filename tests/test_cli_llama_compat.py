@@ -94,7 +94,7 @@ def test_batched_main_line_fields(capsys):
     assert rc == 0, err
     line = next(l for l in out.splitlines() if l.startswith("main:"))
     assert line.startswith("main: n_kv_max = 8192, n_batch = 2048, n_ubatch = 512, flash_attn = 1, "
-                           "is_pp_shared = 1, is_tg_separate = 0, n_gpu_layers = 0, n_threads = 1, "
+                           "is_pp_shared = 1, is_tg_separate = 0, n_gpu_layers = -1, n_threads = 1, "
                            "n_threads_batch = 1, ")
     rc, out, err = _batched(capsys, "-npp", "8", "-ntg", "1", "-npl", "1", "-o", "jsonl")
     assert json.loads(out)["flash_attn"] == -1   # llama.cpp's integer (auto), not the word

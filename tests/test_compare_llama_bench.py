@@ -57,19 +57,32 @@ def test_rows_have_every_key_the_script_requires(capsys, fmt_name):
         assert int(r["flash_attn"]) == -1
 
 
+# llama-bench's own table at llama.cpp 0c1e570 (the vendored llama.cpp of llama-cpp-python 0.3.36,
+# the project's reference): its columns, in its order (it has no use_mmap: load_mode)
+LLAMA_BENCH_TABLE = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
+    "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
+    "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn",
+    "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "lazy_mode", "embeddings", "no_op_offload",
+    "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
+    "stddev_ns", "avg_ts", "stddev_ts"]
+SQL_KEYS = [p for p in KEY_PROPERTIES if p in LLAMA_BENCH_TABLE]
+
+
 def test_sql_is_the_llama_bench_table_and_two_builds_join(capsys):
-    """-o sql | sqlite3: the table llama_bench with every key property; two builds' rows (two
-    runs, the second under another build_commit) join on all key properties, as the script's
-    comparison does."""
+    """-o sql | sqlite3: the table llama_bench with llama-bench's columns exactly (every key
+    property of that version); two builds' rows (two runs, the second under another
+    build_commit) join on all key properties, as the script's comparison does."""
+    assert set(KEY_PROPERTIES) - set(SQL_KEYS) == {"use_mmap"}
     db = sqlite3.connect(":memory:")
     db.executescript(_run(capsys, "sql"))
     cols = {r[1]: r[2] for r in db.execute("PRAGMA table_info(llama_bench)")}
-    assert REQUIRED <= set(cols)
+    assert list(cols) == LLAMA_BENCH_TABLE
     assert all(cols[k] == "INTEGER" for k in INTEGER & set(cols)) and cols["avg_ts"] == "REAL"
     db.executescript(_run(capsys, "sql").replace("CREATE TABLE IF NOT EXISTS", "CREATE TABLE IF NOT EXISTS"))
     first = db.execute("SELECT MIN(rowid) FROM llama_bench WHERE rowid > 2").fetchone()[0]
     db.execute(f"UPDATE llama_bench SET build_commit = 'b' || build_commit WHERE rowid >= {first}")
-    on = " AND ".join(f"tb.{p} = tc.{p}" for p in KEY_PROPERTIES)
+    on = " AND ".join(f"tb.{p} = tc.{p}" for p in SQL_KEYS)
     joined = db.execute(f"SELECT tb.n_prompt, tb.n_gen, tb.avg_ts, tc.avg_ts FROM llama_bench tb JOIN llama_bench tc "
                         f"ON {on} AND tb.build_commit != tc.build_commit AND tc.build_commit LIKE 'b%'").fetchall()
     assert sorted((p, g) for p, g, _, _ in joined) == [(0, 2), (8, 0)]
@@ -88,3 +101,18 @@ def test_fields_cover_the_script_and_say_each_type():
     assert REQUIRED <= set(fmt.FIELDS)
     assert set(fmt.LLAMA_BENCH_DEFAULTS) <= set(fmt.FIELDS)
     assert fmt.SQL_TABLE == "llama_bench"
+
+
+def test_one_database_of_both_tools_in_either_order(capsys):
+    """llama.cpp users keep one sqlite file of every run: llama-bench's table created first (its
+    own CREATE) then our -o sql, or ours first then llama-bench's INSERT, both load (our extra
+    fields in a table of their own) and the rows of both tools are there."""
+    ours = _run(capsys, "sql")
+    theirs_create = "CREATE TABLE IF NOT EXISTS llama_bench (" + ", ".join(LLAMA_BENCH_TABLE) + ");"
+    theirs_insert = (f"INSERT INTO llama_bench ({', '.join(LLAMA_BENCH_TABLE)}) VALUES "
+                     f"({', '.join(repr('1') for _ in LLAMA_BENCH_TABLE)});")
+    for script in (theirs_create + theirs_insert + ours, ours + theirs_create + theirs_insert):
+        db = sqlite3.connect(":memory:")
+        db.executescript(script)
+        assert db.execute("SELECT COUNT(*) FROM llama_bench").fetchone()[0] == 3
+        assert db.execute("SELECT COUNT(*) FROM ggml_attn_bench").fetchone()[0] == 2

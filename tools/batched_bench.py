@@ -29,7 +29,7 @@ from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter
-from .placement import check_ngl, note_cpu_fallback, parse_one_ngl, resolve_ngl_device
+from .placement import check_ngl, ngl_field, note_cpu_fallback, parse_one_ngl, resolve_ngl_device
 from .plans import print_plans
 from .progress import ProgressBar
 from .format_bench import FA_INT, attention_path
@@ -339,7 +339,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells, n_seq_max: int) -> 
     info = dict(n_kv_max=cache_capacity(c, n_seq_max, ns.kv_unified) if c else max(cells.values()),
                 n_batch=ns.batch_size,
                 n_ubatch=ns.ubatch_size, flash_attn=FA_INT[ns.flash_attn], is_pp_shared=int(ns.pps),
-                is_tg_separate=int(ns.tgs), n_gpu_layers=model.n_layer if device == "cuda" else 0,
+                is_tg_separate=int(ns.tgs), n_gpu_layers=ngl_field(ns.n_gpu_layers),
                 n_threads=ns.threads,
                 kv_cells=max(cache_capacity(n, max(r["pl"] for r in rows), strategy_kv(s, ns.kv_unified))
                              for s, n in cells.items()),

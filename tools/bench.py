@@ -27,7 +27,7 @@ from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
-from .placement import check_ngl, ngl_text, note_cpu_fallback, parse_ngl, resolve_ngl_device
+from .placement import check_ngl, ngl_field, ngl_text, note_cpu_fallback, parse_ngl, resolve_ngl_device
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, default_split, effective_ubatch,
@@ -255,7 +255,7 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
 
 def make_row(inst: dict, result: dict, cuda_graph: bool = False, ns=None) -> dict:
     """A result row: llama-bench's fields (``format_bench.FIELDS``; ``flash_attn`` as its integer,
-    n_gpu_layers the layers on the GPU, tensor_split as llama-bench writes it, the settings this
+    n_gpu_layers the -ngl value given (-1 by default), tensor_split as llama-bench writes it, the settings this
     tool has no flag for at llama-bench's defaults) and ours. ``ns``: the parsed flags (-mg)."""
     m, device = inst["model"], inst["device"]
     ctx = multi_gpu.current()
@@ -271,8 +271,10 @@ def make_row(inst: dict, result: dict, cuda_graph: bool = False, ns=None) -> dic
         model_n_params=m.file_params if inst["layer"] == "model" else m.n_params, n_layer=m.n_layer, n_head=m.n_head,
         n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
         n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
-        n_gpu_layers=m.n_layer if device == "cuda" else 0, flash_attn=fmt.FA_INT[inst["flash_attn"]],
-        split_mode=ctx.mode if ctx is not None and ctx.n_rank > 1 else "none",
+        n_gpu_layers=ngl_field(inst["n_gpu_layers"]), flash_attn=fmt.FA_INT[inst["flash_attn"]],
+        # (one device: llama-bench's default "layer" unless -sm was given, so that its rows join ours)
+        split_mode=ctx.mode if ctx is not None and ctx.n_rank > 1 else
+        ("none" if "split_mode" in getattr(ns, "explicit", ()) else "layer"),
         main_gpu=getattr(ns, "main_gpu", 0), tensor_split=multi_gpu.ts_text(inst.get("tensor_split")),
         **fmt.LLAMA_BENCH_DEFAULTS,
         kv_unified=inst["kv_unified"], split=split, kernel=inst["kernel"], device=device,
@@ -307,8 +309,8 @@ def _main(argv=None) -> int:
     note_cpu_fallback([n for n, dev in devices.items() if n and dev == "cpu"], "cpu", PROG)
     if len(devices) > 1:
         print(f"{PROG}: -ngl {','.join(map(ngl_text, devices))}: a row per value; 0 runs the CPU path, N >= the "
-              f"model's layers all layers on the GPU (n_gpu_layers: the layers that ran there)", file=sys.stderr,
-              flush=True)
+              f"model's layers all layers on the GPU (n_gpu_layers: the value given, as llama-bench's)",
+              file=sys.stderr, flush=True)
     if ns.tensor_split and ns.split_mode == "none":
         print(f"{PROG}: -ts: with -sm none the model runs on one device (-mg's); the value is recorded in the "
               f"rows' tensor_split", file=sys.stderr, flush=True)

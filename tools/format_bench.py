@@ -29,8 +29,9 @@ FIELDS = [
     "model_filename", "model_type", "model_size", "model_n_params",
     "n_layer", "n_head", "n_head_kv", "head_dim",
     "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll", "type_k", "type_v",
-    "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "tensor_split",
-    "tensor_buft_overrides", "use_mmap", "load_mode", "embeddings", "no_op_offload", "fit_target",
+    "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
+    "tensor_buft_overrides", "use_mmap", "load_mode", "lazy_mode", "embeddings", "no_op_offload", "no_host",
+    "repack", "fit_target",
     "fit_min_ctx", "model_name", "kv_unified", "split", "kernel", "path", "device", "layer",
     "n_prompt", "n_gen", "n_depth", "ub",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
@@ -38,14 +39,16 @@ FIELDS = [
 INT_FIELDS = {"build_number", "model_size", "model_n_params", "n_layer", "n_head", "n_head_kv",
               "head_dim", "n_batch", "n_ubatch", "n_threads", "poll", "n_gpu_layers", "n_cpu_moe", "main_gpu",
               "flash_attn", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "ub", "avg_ns", "stddev_ns"}
-BOOL_FIELDS = {"kv_unified", "cpu_strict", "no_kv_offload", "use_mmap", "embeddings", "no_op_offload"}
+BOOL_FIELDS = {"kv_unified", "cpu_strict", "no_kv_offload", "use_mmap", "embeddings", "no_op_offload", "no_host",
+               "repack"}
 FLOAT_FIELDS = {"avg_ts", "stddev_ts"}
 # -fa's words as llama-bench writes its flash_attn field (llama_flash_attn_type: -1 auto)
 FA_INT = {"on": 1, "off": 0, "auto": -1}
 # what llama-bench writes for the settings this tool has no flag for (its defaults)
 LLAMA_BENCH_DEFAULTS = dict(cpu_mask="0x0", cpu_strict=False, poll=50, n_cpu_moe=0, no_kv_offload=False,
-                            tensor_buft_overrides="none", use_mmap=True, load_mode="mmap", embeddings=False,
-                            no_op_offload=False, fit_target=0, fit_min_ctx=0)
+                            devices="auto", tensor_buft_overrides="none", use_mmap=True, load_mode="auto",
+                            lazy_mode="auto", embeddings=False, no_op_offload=False, no_host=False, repack=True,
+                            fit_target=0, fit_min_ctx=0)
 
 # markdown: field -> display name, and llama-bench's widths (negative: left-aligned)
 DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa",
@@ -195,10 +198,25 @@ class JsonlPrinter(Printer):
 
 
 SQL_TABLE = "llama_bench"   # llama-bench's table (compare-llama-bench.py reads this name)
+# its columns, exactly llama-bench's (llama.cpp 0c1e570's, in its order): either tool's -o sql may
+# create the table and the other's rows still go in (one database of both, as llama.cpp users
+# keep theirs); our other fields go to a table of their own, joined on OURS_SQL_KEY
+LLAMA_BENCH_SQL_FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
+    "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
+    "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload", "flash_attn",
+    "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "lazy_mode", "embeddings", "no_op_offload",
+    "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns",
+    "stddev_ns", "avg_ts", "stddev_ts",
+]
+OURS_SQL_TABLE = "ggml_attn_bench"
+OURS_SQL_KEY = ["build_commit", "test_time", "model_filename", "n_prompt", "n_gen", "n_depth"]
+OURS_SQL_FIELDS = OURS_SQL_KEY + [f for f in FIELDS if f not in LLAMA_BENCH_SQL_FIELDS]
 
 
 class SqlPrinter(Printer):
-    """llama-bench's ``-o sql``: a CREATE TABLE for FIELDS, then one INSERT per test."""
+    """llama-bench's ``-o sql``: CREATE TABLE IF NOT EXISTS of llama-bench's table (its columns
+    exactly) and of ours (:data:`OURS_SQL_FIELDS`), then per test one INSERT into each."""
 
     @staticmethod
     def sql_type(field) -> str:
@@ -207,12 +225,14 @@ class SqlPrinter(Printer):
         return "REAL" if field in FLOAT_FIELDS else "TEXT"
 
     def header(self):
-        cols = ",\n".join(f"  {f} {self.sql_type(f)}" for f in FIELDS)
-        self._write(f"CREATE TABLE IF NOT EXISTS {SQL_TABLE} (\n{cols}\n);\n\n")
+        for table, fields in ((SQL_TABLE, LLAMA_BENCH_SQL_FIELDS), (OURS_SQL_TABLE, OURS_SQL_FIELDS)):
+            cols = ",\n".join(f"  {f} {self.sql_type(f)}" for f in fields)
+            self._write(f"CREATE TABLE IF NOT EXISTS {table} (\n{cols}\n);\n\n")
 
     def row(self, row):
-        values = ", ".join("'" + _csv_value(f, row.get(f)).replace("'", "''") + "'" for f in FIELDS)
-        self._write(f"INSERT INTO {SQL_TABLE} ({', '.join(FIELDS)}) VALUES ({values});\n")
+        for table, fields in ((SQL_TABLE, LLAMA_BENCH_SQL_FIELDS), (OURS_SQL_TABLE, OURS_SQL_FIELDS)):
+            values = ", ".join("'" + _csv_value(f, row.get(f)).replace("'", "''") + "'" for f in fields)
+            self._write(f"INSERT INTO {table} ({', '.join(fields)}) VALUES ({values});\n")
 
 
 class Tee(Printer):

@@ -28,6 +28,13 @@ def parse_ngl(text: str) -> list[int]:
     return out
 
 
+def ngl_field(n: int | None) -> int:
+    """The ``n_gpu_layers`` a row records, as llama.cpp's tools record it: the ``-ngl`` value given
+    (-1, their default, when none or :data:`ALL_LAYERS`), whatever device ran it -- so that
+    llama.cpp's scripts/compare-llama-bench.py joins our rows with llama-bench's."""
+    return -1 if n is None or n == ALL_LAYERS else int(n)
+
+
 def ngl_text(n: int) -> str:
     """An ``-ngl`` value as the user meant it (:data:`ALL_LAYERS` is ``all``)."""
     return "all" if n == ALL_LAYERS else str(n)
@@ -77,7 +84,7 @@ def resolve_ngl_device(ngl: list[int] | None, device: str) -> str:
 
 def note_cpu_fallback(ngl: list[int] | None, device: str, prog: str) -> None:
     """One stderr line when ``-ngl N > 0`` runs on the CPU for want of a GPU (the rows record
-    n_gpu_layers 0); the tools call it once their arguments are checked, before running."""
+    backends CPU); the tools call it once their arguments are checked, before running."""
     if device == "cpu" and ngl and max(ngl) > 0:
         print(f"{prog}: -ngl {ngl_text(max(ngl))}: no GPU is available (CuPy and a CUDA device are needed), "
-              f"so it runs on the CPU (n_gpu_layers 0)", file=sys.stderr, flush=True)
+              f"so it runs on the CPU (the rows' backends say CPU)", file=sys.stderr, flush=True)
