@@ -28,11 +28,26 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "MAX_GRAPHS", "kept_engine"]
+__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "kept_engine"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
 # over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8)
 MAX_GRAPHS = {False: (4, 4), True: (32, 16)}
+
+
+class UntimedEngine:
+    """The rest of ``driver.decode``'s engine interface for engines that compute synchronously on
+    the host's order and are not timed: ``synchronize`` and ``close`` do nothing, ``timer`` says
+    so (a subclass overrides what it has)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def timer(self):
+        raise NotImplementedError(f"{type(self).__name__} is not timed")
+
+    def close(self) -> None:
+        pass
 
 
 class _NoStream:

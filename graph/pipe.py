@@ -39,6 +39,7 @@ from fractions import Fraction
 import numpy as np
 
 from . import build
+from .engine import UntimedEngine
 from .kv_cache import KVCache
 from .shard import ShardError
 from .tp import LockstepEngine, LocalGroup
@@ -125,7 +126,7 @@ def kv_layer_slice(kv, layers: range):
     return kv[layers.start:layers.stop]
 
 
-class PipeRankEngine:
+class PipeRankEngine(UntimedEngine):
     """One layer-parallel rank as ``graph.driver``'s engine (on GPUs one per process with
     ``tp.NcclComm``; :class:`PipelineEngine` runs ``N`` on threads over a ``tp.LocalGroup``).
 
@@ -197,12 +198,6 @@ class PipeRankEngine:
         self.drain()
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
-
-    def timer(self):
-        raise NotImplementedError("PipeRankEngine is not timed")
-
-    def close(self) -> None:
-        pass
 
 
 class PipelineEngine(LockstepEngine):

@@ -26,7 +26,7 @@ from ggml_attn import reference
 from . import driver
 from .batch import Batch
 from .driver import BatchError, BatchInterrupted, BatchResult
-from .engine import Engine, kept_engine
+from .engine import Engine, UntimedEngine, kept_engine
 from .kv_cache import KVCache
 from .plan import UBatchPlan
 from .attn_config import AttnConfig
@@ -53,7 +53,7 @@ def _attend_numpy(cache: KVCache, plan: UBatchPlan, layer: int, q: np.ndarray, c
     return out.reshape(plan.ubatch.n_tokens, cfg.n_head, cfg.d_v)
 
 
-class _NumpyEngine:
+class _NumpyEngine(UntimedEngine):
     """Engine of :func:`run_batch` with ``compute="numpy"``: deterministic Q/K/V
     (``ubatch_inputs``) through every layer, K/V written with ``KVCache.write_rows``, attention
     by the reference; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)`` of the
@@ -71,15 +71,6 @@ class _NumpyEngine:
             cache.write_rows(il, plan.slot, k.reshape(ub.n_tokens, -1), v.reshape(ub.n_tokens, -1))
             res[il] = _attend_numpy(cache, plan, il, q, cfg)[real]
         return res
-
-    def synchronize(self) -> None:
-        pass
-
-    def timer(self):
-        raise NotImplementedError("run_batch's engine is not timed")
-
-    def close(self) -> None:
-        pass
 
 
 class QKVEngine(Engine):

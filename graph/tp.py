@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from . import build, xp_node
+from .engine import UntimedEngine
 from .layers import full_layer
 from .shard import HeadShard, rank_config, shard_layer_weights, shard_rows
 
@@ -276,7 +277,7 @@ def _echo(e: BaseException) -> bool:
     return False
 
 
-class RankEngine:
+class RankEngine(UntimedEngine):
     """One head-parallel rank as ``graph.driver``'s engine: builds and computes the rank's graph of
     each planned ubatch (:func:`build_rank_graph`) over ``comm``; ``run_ubatch`` returns host
     arrays (see :class:`LockstepEngine`, which runs ``N`` of these on threads; on GPUs one per
@@ -327,14 +328,8 @@ class RankEngine:
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()
 
-    def timer(self):
-        raise NotImplementedError("RankEngine is not timed")
 
-    def close(self) -> None:
-        pass
-
-
-class LockstepEngine:
+class LockstepEngine(UntimedEngine):
     """``N`` head-parallel ranks in one process (``graph.driver``'s engine interface): one plan
     per ubatch, run through every rank's :class:`RankEngine`, the graphs computed on one thread
     per rank and meeting in :class:`LocalGroup`'s all-reduces.
@@ -426,12 +421,3 @@ class LockstepEngine:
         if self.layer == "full":
             return [res[0] for res in results]
         return [np.concatenate([res[il] for res in results], axis=1) for il in range(self.cfg.n_layer)]
-
-    def synchronize(self) -> None:
-        pass
-
-    def timer(self):
-        raise NotImplementedError("the lockstep engine is not timed")
-
-    def close(self) -> None:
-        pass
