@@ -12,17 +12,15 @@ import ctypes
 import numpy as np
 import pytest
 
+import ggml_attn
+
 from ggml_attn import kernels as K
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.quant import dequantize_rows, quantize
 from ggml_attn.reference import nmse
 
 cupy = pytest.importorskip("cupy")
-try:
-    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    _HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")]
 
 
 def _launch(type_id, name, grid, block, *params):

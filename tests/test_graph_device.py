@@ -2,17 +2,15 @@
 import numpy as np
 import pytest
 
+import ggml_attn
+
 from ggml_attn.graph import AttnConfig, Batch, KVCache, run_batch, split_ubatches
 from ggml_attn.graph.build import build_ubatch_graph, check_device_graph
 from ggml_attn.graph.plan import plan_ubatch
 from ggml_attn.reference import nmse
 
 cupy = pytest.importorskip("cupy")
-try:
-    _HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    _HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")]
 
 CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim=64)
 
@@ -42,7 +40,6 @@ def test_device_graph_with_backend_reference_matches_host():
     """backend 'reference' on a device graph: the numpy reference on host copies of the device
     data. The op's numpy path reads host pointers only; it was chosen here (and whenever the op
     saw no usable GPU) and segfaulted reading K (tests/test_op.py checks the choice on the CPU)."""
-    import ggml_attn
     b = Batch.from_lengths(range(1, 11))
     host_c, dev_c = cache(False, None), cache(False, "cupy")
     ref = run_batch(host_c, b, 512, "padded", CFG)
@@ -98,7 +95,6 @@ def test_op_replays_its_bound_call_until_pointers_stream_or_settings_change(monk
     """Ops built with the ubatch's plan keep their bound launch: a second compute launches it
     again without binding (no validation, no planning); a new stream or set_backend binds
     again; results stay the same."""
-    import ggml_attn
     from ggml_attn import cuda_backend
     g, _cache = _attn_graph_with_inputs()
     binds = []
