@@ -105,7 +105,7 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     if logit_softcap != 0.0:
         scale = scale / logit_softcap
     slopes = reference.alibi_slopes(dims.n_head, max_bias)
-    g = dims.gqa_ratio
+    g = dims.gqa
     for pair in range(ith, dims.ne3 * dims.n_head_kv, nth):
         if stop is not None and stop():
             return

@@ -36,14 +36,14 @@ from . import dispatch
 from . import kernels as K
 from . import knobs
 from .cuda_device import available, num_sms, stream_ptr
-from .cuda_launch import LaunchConfig, Shapes, facts, launch_config
+from .cuda_launch import LaunchConfig, facts, launch_config
 from .cuda_plan import Plan, live_words, make_plan, mask_needs_aligned_copy
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .tensor import TensorDesc
-from .validate import check_flash_attn_args
+from .validate import AttnDims, check_flash_attn_args
 
 __all__ = ["available", "bind", "BoundCall", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
-           "LaunchConfig", "launch_config", "Shapes", "validate", "facts", "num_sms", "live_words",
+           "LaunchConfig", "launch_config", "AttnDims", "validate", "facts", "num_sms", "live_words",
            "q_needs_aligned_copy", "mask_needs_aligned_copy"]
 
 _WARNED: set[str] = set()
@@ -59,7 +59,7 @@ def _warn_once(msg: str) -> None:
 # validation
 def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
              sinks: TensorDesc | None, dst: TensorDesc, scale: float = 1.0, max_bias: float = 0.0,
-             logit_softcap: float = 0.0) -> Shapes:
+             logit_softcap: float = 0.0) -> AttnDims:
     """ggml's rules for the op (:func:`ggml_attn.validate.check_flash_attn_args`, the one set of
     rules and messages) plus what the GPU entry points add: K and V of one type (or f16, q8_0 and
     q4_0 mixed: the quantized ones read as f16 copies), a contiguous f32 ``dst`` of the result's
@@ -75,8 +75,7 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
     want = dims.out_ne
     if dst.type != GGML_TYPE_F32 or tuple(dst.ne) != want or not dst.is_contiguous():
         raise ValueError(f"dst must be contiguous f32 {list(want)}, got {dst.shape_str} nb={dst.nb}")
-    return Shapes(dims.d_k, dims.d_v, dims.n_batch, dims.n_head, dims.n_head_kv, dims.ne3, dims.n_kv,
-                  k.type, dims.mask_heads, dims.mask_streams, v.type if v.type != k.type else None)
+    return dims
 
 
 
@@ -99,7 +98,7 @@ def _kv_tma(t: TensorDesc) -> bool:
 
 # ---------------------------------------------------------------------------------------
 # call parameters
-def _params_common(q, k, v, mask, sinks, dst, sh: Shapes, scale, max_bias, softcap) -> K.FattnParams:
+def _params_common(q, k, v, mask, sinks, dst, sh: AttnDims, scale, max_bias, softcap) -> K.FattnParams:
     p = K.FattnParams()
     p.q, p.k, p.v, p.dst = q.ptr, k.ptr, v.ptr, dst.ptr
     p.mask = mask.ptr if mask is not None else 0
@@ -127,7 +126,7 @@ def _params_common(q, k, v, mask, sinks, dst, sh: Shapes, scale, max_bias, softc
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _resolve_kernel(kernel: str, sh: Shapes, k: TensorDesc, v: TensorDesc, plan: Plan | None = None, *,
+def _resolve_kernel(kernel: str, sh: AttnDims, k: TensorDesc, v: TensorDesc, plan: Plan | None = None, *,
                     plain: bool = True, masked: bool = False) -> str:
     """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`, with the plan's
     measured reads and mask verdict when it has them); ``plain``: no sinks, softcap or ALiBi;

@@ -14,6 +14,7 @@ from . import dispatch
 from . import kernels as K
 from .cuda_device import available, num_sms
 from .dtypes import GGML_TYPE_F16
+from .validate import AttnDims
 
 # ---------------------------------------------------------------------------------------
 # tuning knobs
@@ -120,29 +121,7 @@ DECODE_TMA_CAP_SLACK = 1.35   # part of the call key
 DECODE_TMA_L2_PROMOTION = 0
 
 
-@dataclass(frozen=True)
-class Shapes:
-    """Dimensions of one validated call (:func:`ggml_attn.cuda_backend.validate`): q [d_k,
-    n_batch, n_head, ne3], k/v [d_k|d_v, n_kv, n_head_kv, ne3] of ``kv_type``, mask planes
-    [.., .., ne32, ne33]."""
-    d_k: int
-    d_v: int
-    n_batch: int
-    n_head: int
-    n_head_kv: int
-    ne3: int
-    n_kv: int
-    kv_type: int
-    ne32: int = 1
-    ne33: int = 1
-    v_type: int | None = None   # V's type when it differs from K's (kv_type)
-
-    @property
-    def gqa(self) -> int:
-        return self.n_head // self.n_head_kv
-
-
-def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
+def facts(sh: AttnDims, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
           plain: bool = True, mask_tiles: str = "none", live_counts: dict | None = None,
           masked: bool | None = None, kv_tma: bool = True) -> dispatch.CallFacts:
     """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
@@ -169,7 +148,7 @@ def facts(sh: Shapes, kv_aligned: bool = True, reads: tuple | None = None, *, ar
                               sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma, sh.v_type)
 
 
-def _pair_units(sh: Shapes, n_q_tiles: int, counts):
+def _pair_units(sh: AttnDims, n_q_tiles: int, counts):
     """Work units (live tiles, at least one) of each (stream, query tile) pair, numpy int64
     [ne3 * n_q_tiles] stream-major, from the plan's counts [ne33 * n_q_tiles] (pair (s, qt)
     reads plane s % ne33)."""
@@ -178,7 +157,7 @@ def _pair_units(sh: Shapes, n_q_tiles: int, counts):
     return c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
 
 
-def decode_tma_cap(sh: Shapes, pack: int, n_q_tiles: int, blocks: int, counts=None) -> tuple[int, int]:
+def decode_tma_cap(sh: AttnDims, pack: int, n_q_tiles: int, blocks: int, counts=None) -> tuple[int, int]:
     """(FattnParams.work_cap, blocks it keeps busy) of a decode-tma call on ``blocks`` blocks
     (decode_tma_shape.work_cap): the pairs' units from the plan's live counts (numpy
     [ne33 * n_q_tiles]; pair (s, qt) reads plane s % ne33), or every KV tile without a plan;
@@ -254,7 +233,7 @@ def _split_count(base: int, slots: int, waves: int, n_kv_tiles: int) -> int:
     return best
 
 
-def launch_config(kernel: str, sh: Shapes, n_splits: int | None = None, *, ext: bool = False,
+def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext: bool = False,
                   blocks_per_sm: int | None = None, wide: bool | None = None,
                   max_live: dict | None = None, max_cells: int | None = None,
                   live_counts: dict | None = None) -> LaunchConfig:
@@ -381,7 +360,7 @@ def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, 
                 if not c.on_gpu:
                     continue
                 t = GGML_TYPE_F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
-                v = launch_config(c.kernel, Shapes(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
+                v = launch_config(c.kernel, AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
                                   blocks_per_sm=1).variant
                 if v not in out:
                     out.append(v)

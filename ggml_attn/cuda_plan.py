@@ -15,9 +15,10 @@ from . import cuda_launch as L
 from . import dispatch
 from . import kernels as K
 from .cuda_device import stream_ptr
-from .cuda_launch import Shapes, facts, launch_config
+from .cuda_launch import facts, launch_config
 from .dtypes import GGML_TYPE_F16
 from .tensor import TensorDesc
+from .validate import AttnDims
 
 # class bits of a live-tile entry (FATTN_TILE_* in cuda/fattn_common.cuh)
 TILE_PARTIAL, TILE_MASKED, TILE_HIDDEN, TILE_FINITE = 1 << 30, 1 << 29, 1 << 28, 1 << 27
@@ -463,7 +464,7 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     d_v = d_k if d_v is None else d_v
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
-    sh = Shapes(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
     # (the sm_90a kernels asked for by name check the device's architecture)
     arch = K.device_arch() if kernel in ("prefill-wgmma", "decode-tma") else ""
     kern = dispatch.best_kernel(kernel, facts(sh, arch=arch)).kernel

@@ -24,7 +24,7 @@ from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_
 __all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "config_smem", "kv_map", "q_map", "smem_ws", "why_not", "run_ws"]
 
 
-def why_not(sh: cb.Shapes, q: TensorDesc, k: TensorDesc, v: TensorDesc,
+def why_not(sh: cb.AttnDims, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16, d: int = 128) -> str | None:
     """None when an instance for K/V of ``kv_type`` and tile width ``d`` runs these shapes, else
     why not (d_k = d_v, a head size of HEAD_SIZES_WS whose tile width is d, that K/V type,

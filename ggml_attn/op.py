@@ -250,7 +250,7 @@ def _choose(q: TensorDesc, k: TensorDesc, v: TensorDesc, dims):
     gpu = backend != "reference" and gpu_available()
     on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
     # the device's architecture: a forced sm_90a kernel (prefill-wgmma, decode-tma) can run only there
-    f = CallFacts(dims.n_batch, dims.gqa_ratio, dims.n_kv, dims.d_k, dims.d_v, k.type,
+    f = CallFacts(dims.n_batch, dims.gqa, dims.n_kv, dims.d_k, dims.d_v, k.type,
                   arch=_device_arch() if gpu else "", v_type=v.type if v.type != k.type else None)
     return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
 

@@ -17,19 +17,26 @@ KV_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
 
 @dataclass(frozen=True)
 class AttnDims:
-    """Sizes of one flash-attention call, derived from validated inputs."""
+    """Sizes and types of one flash-attention call, derived from validated inputs (ggml order):
+    q [d_k, n_batch, n_head, ne3], k/v [d_k|d_v, n_kv, n_head_kv, ne3] of ``kv_type`` (V of
+    ``v_type`` when it differs: f16 beside q8_0/q4_0), mask planes [n_kv, rows, ne32, ne33]
+    (1, 1 without a mask). The one record of a call's dimensions: the op, the CPU path, the
+    dispatcher's facts and the CUDA launch configuration all read it."""
     d_k: int
     d_v: int
     n_batch: int
     n_head: int
     n_head_kv: int
-    n_kv: int
     ne3: int
-    mask_heads: int = 1    # ne32 of the mask (1 when no mask)
-    mask_streams: int = 1  # ne33 of the mask
+    n_kv: int
+    kv_type: int = GGML_TYPE_F16
+    ne32: int = 1    # mask head planes (1 when no mask)
+    ne33: int = 1    # mask stream planes
+    v_type: int | None = None   # V's type when it differs from K's (kv_type)
 
     @property
-    def gqa_ratio(self) -> int:
+    def gqa(self) -> int:
+        """Query heads per KV head."""
         return self.n_head // self.n_head_kv
 
     @property
@@ -82,7 +89,7 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
     if n_head % n_head_kv:
         raise ValueError(f"k {k.shape_str}: q's n_head={n_head} must be a multiple of "
                          f"n_head_kv={n_head_kv} (GQA/MQA)")
-    mask_heads = mask_streams = 1
+    ne32 = ne33 = 1
     if mask is not None:
         if mask.type != GGML_TYPE_F16:
             raise ValueError(f"mask {mask.shape_str}: expected type f16, got {type_name(mask.type)}")
@@ -94,11 +101,11 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
         if mask.ne[1] < n_batch:
             raise ValueError(f"mask {mask.shape_str}: ne[1]={mask.ne[1]} rows, need at least "
                              f"n_batch={n_batch} (q's ne[1])")
-        mask_heads, mask_streams = mask.ne[2], mask.ne[3]
-        if n_head % mask_heads:
-            raise ValueError(f"mask {mask.shape_str}: ne[2]={mask_heads} must divide n_head={n_head}")
-        if ne3 % mask_streams:
-            raise ValueError(f"mask {mask.shape_str}: ne[3]={mask_streams} must divide q's ne[3]={ne3}")
+        ne32, ne33 = mask.ne[2], mask.ne[3]
+        if n_head % ne32:
+            raise ValueError(f"mask {mask.shape_str}: ne[2]={ne32} must divide n_head={n_head}")
+        if ne3 % ne33:
+            raise ValueError(f"mask {mask.shape_str}: ne[3]={ne33} must divide q's ne[3]={ne3}")
     elif max_bias > 0.0:
         raise ValueError(f"max_bias={max_bias} > 0 (ALiBi) requires a mask")
     if sinks is not None:
@@ -107,4 +114,5 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
     for name, val in (("scale", scale), ("max_bias", max_bias), ("logit_softcap", logit_softcap)):
         if val != val or val in (float("inf"), float("-inf")):
             raise ValueError(f"{name}={val} must be finite")
-    return AttnDims(d_k, v.ne[0], n_batch, n_head, n_head_kv, n_kv, ne3, mask_heads, mask_streams)
+    return AttnDims(d_k, v.ne[0], n_batch, n_head, n_head_kv, ne3, n_kv, k.type, ne32, ne33,
+                    v.type if v.type != k.type else None)

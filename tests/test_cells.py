@@ -8,7 +8,7 @@ import pytest
 
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
-from ggml_attn.cuda_launch import Shapes, facts, launch_config
+from ggml_attn.cuda_launch import AttnDims, facts, launch_config
 from ggml_attn.cuda_plan import cell_lists_host
 from ggml_attn.dispatch import CallFacts, best_kernel
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
@@ -107,31 +107,31 @@ def test_cells_by_name():
 
 
 def test_facts_carry_mask_planes_and_reads():
-    sh = Shapes(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16, 2, 3)
+    sh = AttnDims(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16, 2, 3)
     f = facts(sh, True, (1.0, 2.0))
     assert f.mask_planes == 6 and (f.cell_reads, f.tile_reads) == (1.0, 2.0)
     assert facts(sh).cell_reads is None
 
 
 def test_launch_config_cells():
-    sh = Shapes(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16)
+    sh = AttnDims(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16)
     c = launch_config("cells", sh, blocks_per_sm=3, max_cells=200)
     # one block per (token, KV head): the 4 heads of a GQA group share the token's list
     assert c.pack == 4 and c.q_tile_tokens == 1 and c.grid == (64, 8, 1) and c.n_splits == 1
     assert c.name == "fattn_cells<128, 128, __half, 4, 2, 1, 0>" and c.variant.family == "cells"
     assert c.smem == K.cells_smem_bytes(128, 128, 4) and not c.finishes_splits()
     # one row with a long list: splits of >= 256 list entries to fill the GPU
-    sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    sh1 = AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
     c1 = launch_config("cells", sh1, blocks_per_sm=3, max_cells=32768)
     assert c1.grid[:2] == (1, 8) and 1 < c1.n_splits <= 32768 // 256
     assert launch_config("cells", sh1, blocks_per_sm=3, max_cells=300).n_splits == 1
     # mask head planes: one head per block (each head may have its own list)
-    shp = Shapes(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1)
+    shp = AttnDims(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1)
     assert launch_config("cells", shp, blocks_per_sm=2).pack == 1
     # gqa 8 (70B-like), D 64 and 256
-    assert launch_config("cells", Shapes(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2).pack == 8
-    assert launch_config("cells", Shapes(64, 64, 3, 6, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 1
-    assert launch_config("cells", Shapes(256, 256, 3, 8, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 4
+    assert launch_config("cells", AttnDims(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2).pack == 8
+    assert launch_config("cells", AttnDims(64, 64, 3, 6, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 1
+    assert launch_config("cells", AttnDims(256, 256, 3, 8, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 4
 
 
 def test_cells_smem_mirror():
@@ -182,7 +182,7 @@ def test_launch_config_cells_tune(tune, monkeypatch):
     name in its own program, the R-dependent shared memory, one split when the grid fills the GPU."""
     from ggml_attn import cuda_launch
     monkeypatch.setattr(cuda_launch, "CELLS_TUNE", tune)
-    sh = Shapes(128, 128, 64, 32, 8, 1, 8960, GGML_TYPE_F16)
+    sh = AttnDims(128, 128, 64, 32, 8, 1, 8960, GGML_TYPE_F16)
     c = launch_config("cells", sh, blocks_per_sm=3, max_cells=230)
     r = min(4, tune.rmax)
     assert c.pack == r and c.rows == r and c.q_tile_tokens == 1
@@ -193,11 +193,11 @@ def test_launch_config_cells_tune(tune, monkeypatch):
     assert c.smem == K.cells_smem_bytes(128, 128, r) == 4 * 8 * r * 131 and not c.finishes_splits()
     assert all(int(n.split(",")[3]) <= tune.rmax for n in c.variant.names)
     # gqa 8 (bf16): R capped by the tune; mask head planes: R 1
-    c8 = launch_config("cells", Shapes(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2)
+    c8 = launch_config("cells", AttnDims(128, 128, 64, 64, 8, 1, 4096, GGML_TYPE_BF16), blocks_per_sm=2)
     assert c8.pack == min(8, tune.rmax) and c8.name.startswith("fattn_cells<128, 128, __nv_bfloat16, ")
-    assert launch_config("cells", Shapes(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1), blocks_per_sm=2).pack == 1
+    assert launch_config("cells", AttnDims(128, 128, 2, 8, 8, 3, 300, GGML_TYPE_F16, 2, 1), blocks_per_sm=2).pack == 1
     # one long row: splits of >= CELLS_MIN_PER_SPLIT entries as before
-    c1 = launch_config("cells", Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16), blocks_per_sm=3,
+    c1 = launch_config("cells", AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16), blocks_per_sm=3,
                        max_cells=32768)
     assert c1.grid[:2] == (1, 32 // r) and 1 < c1.n_splits <= 32768 // 256
 

@@ -60,7 +60,7 @@ def test_facts_say_when_the_split_is_even(monkeypatch):
     import numpy as np
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    sh = L.Shapes(128, 128, 1, 32, 8, 16, 4096, GGML_TYPE_F16, 1, 16)
+    sh = L.AttnDims(128, 128, 1, 32, 8, 16, 4096, GGML_TYPE_F16, 1, 16)
     assert L.facts(sh).work_even
     assert not L.facts(sh, mask_tiles="masked").work_even, "a mask without counts: not known"
     assert L.facts(sh, mask_tiles="masked", live_counts={4: np.full(16, 64)}).work_even
@@ -78,7 +78,7 @@ def test_facts_count_the_live_tiles_of_a_plan(monkeypatch):
     from ggml_attn import cuda_launch as L
     from ggml_attn.dispatch import best_kernel
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    sh = L.Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    sh = L.AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
     assert L.facts(sh, mask_tiles="masked").work_tiles == 8 * 512
     f = L.facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([64])})
     assert f.work_tiles == 8 * 64 and best_kernel("auto", f).kernel == "decode-tc"
@@ -102,10 +102,10 @@ def test_by_name_says_why_not(monkeypatch):
 
 def test_facts_count_the_work_of_decode_tc_groups():
     """work_tiles: streams x query tiles of 16 / pack tokens x head groups x KV tiles."""
-    from ggml_attn.cuda_launch import Shapes, facts
-    assert facts(Shapes(128, 128, 1, 32, 8, 64, 32768, GGML_TYPE_F16)).work_tiles == 64 * 1 * 8 * 512
-    assert facts(Shapes(128, 128, 5, 32, 8, 2, 100, GGML_TYPE_F16)).work_tiles == 2 * 2 * 8 * 2
-    assert facts(Shapes(128, 128, 1, 4, 4, 1, 64, GGML_TYPE_F16)).work_tiles == 1 * 1 * 4 * 1   # GQA 1: pack 1
+    from ggml_attn.cuda_launch import AttnDims, facts
+    assert facts(AttnDims(128, 128, 1, 32, 8, 64, 32768, GGML_TYPE_F16)).work_tiles == 64 * 1 * 8 * 512
+    assert facts(AttnDims(128, 128, 5, 32, 8, 2, 100, GGML_TYPE_F16)).work_tiles == 2 * 2 * 8 * 2
+    assert facts(AttnDims(128, 128, 1, 4, 4, 1, 64, GGML_TYPE_F16)).work_tiles == 1 * 1 * 4 * 1   # GQA 1: pack 1
 
 
 def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
@@ -116,7 +116,7 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
-    sh = lambda kv_type=GGML_TYPE_F16: L.Shapes(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
+    sh = lambda kv_type=GGML_TYPE_F16: L.AttnDims(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
     for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false>"),
                           (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>")):
         cfg = L.launch_config("decode-tma", sh(kv_type))
@@ -134,17 +134,17 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     cfg = L.launch_config("decode-tma", sh(), max_live={4: 100}, live_counts={4: np.array([1, 100])})
     assert (cfg.work_cap, cfg.grid) == (7, (122, 1, 1))
     ragged = np.array([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70])
-    assert L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 16, 8192, GGML_TYPE_F16, 1, 16),
+    assert L.launch_config("decode-tma", L.AttnDims(128, 128, 1, 32, 8, 16, 8192, GGML_TYPE_F16, 1, 16),
                            max_live={4: 128}, live_counts={4: ragged}).work_cap == 0
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
     assert L.launch_config("decode-tma", sh()).work_cap == 0 and L.launch_config("decode-tma", sh()).grid == (132, 1, 1)
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 1)
     monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", 3)
-    cfg = L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
+    cfg = L.launch_config("decode-tma", L.AttnDims(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
     assert cfg.grid[0] == dt.blocks_needed([16], 8, cfg.work_cap) <= 3
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
-        L.launch_config("decode-tma", L.Shapes(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
+        L.launch_config("decode-tma", L.AttnDims(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
 
 
 @pytest.mark.parametrize("units,n_hg,slots,cap", [

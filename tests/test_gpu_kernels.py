@@ -490,7 +490,7 @@ def test_plan_chosen_tiles(seq, want_wide, kv_type, rng):
     md = from_array(dm)
     plan = cb.make_plan(md, n, 16, 4, d_k=128, kv_type=kv_type, kernel="prefill")
     assert plan.wide is want_wide
-    cfg = cb.launch_config("prefill", cb.Shapes(128, 128, n, 16, 4, 1, n, kv_type), wide=plan.wide)
+    cfg = cb.launch_config("prefill", cb.AttnDims(128, 128, n, 16, 4, 1, n, kv_type), wide=plan.wide)
     assert (cfg.q_tile_tokens, cfg.pack) == ((128, 1) if want_wide else (64 // cuda_launch.PREFILL_PACK, cuda_launch.PREFILL_PACK))
     for kern in ("prefill", "auto"):
         out = _launch(dq, dk_, dv_, md, ds, n, 16, 128, 1, kern, kv_type, plan=plan)
@@ -610,7 +610,7 @@ def test_plan_hidden_columns(rng):
 def _layout_cfg(kernel, n_batch, plan):
     """(query tile tokens, packed heads) of the launch the test's call makes (n_head 8, kv 2)."""
     with _Kernel(kernel) as kern:
-        sh = cb.Shapes(128, 128, n_batch, 8, 2, 1, 1, GGML_TYPE_F16)
+        sh = cb.AttnDims(128, 128, n_batch, 8, 2, 1, 1, GGML_TYPE_F16)
         cfg = cb.launch_config(kern, sh, wide=plan.wide if plan is not None else None)
     return cfg.q_tile_tokens, cfg.pack
 

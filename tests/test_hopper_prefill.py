@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ggml_attn import hopper_prefill as hp
 from ggml_attn import wgmma_shape as ws
-from ggml_attn.cuda_backend import Shapes
+from ggml_attn.cuda_backend import AttnDims
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 from ggml_attn.tensor import TensorDesc
 
@@ -13,12 +13,12 @@ def _t(ptr=256, nb1=256):
 
 
 def test_takes_its_head_size_f16_aligned():
-    sh = Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_F16)
+    sh = AttnDims(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_F16)
     assert hp.why_not(sh, _t(), _t(), _t()) is None
-    assert "takes D 72, 80, 96, 112, 128 " in hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
-    assert hp.why_not(Shapes(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t(), d=64) is None
+    assert "takes D 72, 80, 96, 112, 128 " in hp.why_not(AttnDims(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t())
+    assert hp.why_not(AttnDims(64, 64, 64, 8, 2, 1, 64, GGML_TYPE_F16), _t(), _t(), _t(), d=64) is None
     assert "takes D 192, 256 " in hp.why_not(sh, _t(), _t(), _t(), d=256)
-    assert "f16" in hp.why_not(Shapes(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
+    assert "f16" in hp.why_not(AttnDims(128, 128, 64, 8, 2, 1, 64, GGML_TYPE_BF16), _t(), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(ptr=260), _t(), _t())
     assert "aligned" in hp.why_not(sh, _t(), _t(nb1=264), _t())
     assert "dst" in hp.why_not(sh, _t(), _t(), _t(), TensorDesc(4, 0, (128, 2, 64, 1), (4, 512, 1024, 65536)))
@@ -117,13 +117,13 @@ def test_wgmma_launch_config(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>"),
                           (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true>")):
-        cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, kv_type))
+        cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert cfg.smem == hp.smem_ws(2, 128, True) == hp.config_smem(hp.WS_CONFIGS[ws.ws_config(kv_type)])
-    assert L.launch_config("prefill-wgmma", L.Shapes(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
+    assert L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
-    cfg = L.launch_config("prefill-wgmma", L.Shapes(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
+    cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
     assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false>" and cfg.grid == (32, 3, 2)
 
 
@@ -173,7 +173,7 @@ def test_hopper_prefill_why_not_names_the_padded_sizes():
     """run_ws's check: a head size runs on the instance of its tile width only."""
     for d, width, ok in ((96, 128, True), (96, 64, False), (40, 64, True), (192, 256, True), (192, 128, False),
                          (64, 128, False)):
-        sh = Shapes(d, d, 300, 8, 2, 1, 1000, GGML_TYPE_F16)
+        sh = AttnDims(d, d, 300, 8, 2, 1, 1000, GGML_TYPE_F16)
         t = TensorDesc(256, GGML_TYPE_F16, (d, 1000, 2, 1), (2, 2 * d, 2 * d * 1000, 2 * d * 2000))
         q = TensorDesc(256, GGML_TYPE_F32, (d, 300, 8, 1), (4, 4 * d, 4 * d * 300, 4 * d * 2400))
         why = hp.why_not(sh, q, t, t, None, GGML_TYPE_F16, width)
@@ -195,7 +195,7 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
                              (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
                              (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
                              (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false>")):
-        cfg = L.launch_config("prefill-wgmma", L.Shapes(d, d, 300, 32, 8, 2, 1000, kv_type))
+        cfg = L.launch_config("prefill-wgmma", L.AttnDims(d, d, 300, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
         w = ws.tile_width(d)
@@ -216,7 +216,7 @@ def test_wgmma_config_knob_checks_the_kv_type(monkeypatch):
     import pytest
 
     from ggml_attn import cuda_launch as L
-    sh = L.Shapes(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16)
+    sh = L.AttnDims(128, 128, 4096, 32, 8, 1, 4096, GGML_TYPE_F16)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-bf16")
     with pytest.raises(ValueError, match="K/V type"):
         L.launch_config("prefill-wgmma", sh)
@@ -232,7 +232,7 @@ def test_packed_tiles_launch_config(monkeypatch):
     otherwise (no plan verdict, a wide plan, mask planes per head, gqa 1, per-tile Q loads)."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    sh = L.Shapes(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16)
+    sh = L.AttnDims(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16)
     for pack in (2, 4, 8):
         monkeypatch.setattr(L, "WGMMA_RAGGED_PACK", pack)
         cfg = L.launch_config("prefill-wgmma", sh, wide=False)
@@ -242,8 +242,8 @@ def test_packed_tiles_launch_config(monkeypatch):
     monkeypatch.setattr(L, "WGMMA_RAGGED_PACK", 2)
     assert L.launch_config("prefill-wgmma", sh, wide=False).grid == (132, 1, 1)
     for kw, shape in ((dict(wide=None), sh), (dict(wide=True), sh),
-                      (dict(wide=False), L.Shapes(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16, 32)),
-                      (dict(wide=False), L.Shapes(128, 128, 1000, 8, 8, 1, 2048, GGML_TYPE_F16))):
+                      (dict(wide=False), L.AttnDims(128, 128, 1000, 32, 8, 1, 2048, GGML_TYPE_F16, 32)),
+                      (dict(wide=False), L.AttnDims(128, 128, 1000, 8, 8, 1, 2048, GGML_TYPE_F16))):
         cfg = L.launch_config("prefill-wgmma", shape, **kw)
         assert (cfg.pack, cfg.q_tile_tokens) == (1, 128), kw
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp-persistent")   # Q loaded per tile: one head a tile

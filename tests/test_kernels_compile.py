@@ -288,14 +288,14 @@ def test_split_count_fills_whole_waves():
 
 
 def test_launch_config_rules():
-    from ggml_attn.cuda_backend import Shapes, launch_config
-    sh = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    from ggml_attn.cuda_backend import AttnDims, launch_config
+    sh = AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
     c = launch_config("decode", sh, blocks_per_sm=2)
     # 8 head groups; splits for 2 whole waves of 132 SMs x 2 slots: 8 * 66 = 528 = 2 * 264
     assert c.pack == 4 and c.q_tile_tokens == 1 and c.n_splits == 66
     c = launch_config("decode-tc", sh, blocks_per_sm=1)
     assert c.pack == 4 and c.q_tile_tokens == 4 and c.grid == (8, 1, 33)   # 264 blocks: 2 full waves
-    sh = Shapes(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
+    sh = AttnDims(128, 128, 2048, 32, 8, 1, 2048, GGML_TYPE_F16)
     c = launch_config("prefill", sh, blocks_per_sm=2)
     # tensor-core grid: (head groups, query tiles, streams * splits); 128-row tiles from 256 tokens
     assert c.pack == 1 and c.q_tile_tokens == 128 and c.n_splits == 1 and c.grid == (32, 16, 1)
@@ -304,10 +304,10 @@ def test_launch_config_rules():
     assert c.pack == 4 and c.q_tile_tokens == 16 and c.grid == (8, 128, 1)
     c = launch_config("prefill", sh, blocks_per_sm=2, ext=True)
     assert c.name.endswith(", 4, 1, 2, 1, true>") and c.variant.family == "mma-ext"
-    sh1 = Shapes(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
+    sh1 = AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
     few = launch_config("decode-tc", sh1, blocks_per_sm=2, max_live={4: 64}).n_splits
     assert few < launch_config("decode-tc", sh1, blocks_per_sm=2).n_splits and few <= 64 // 4
-    sh = Shapes(128, 128, 3, 32, 8, 1, 113, GGML_TYPE_F16)
+    sh = AttnDims(128, 128, 3, 32, 8, 1, 113, GGML_TYPE_F16)
     c = launch_config("prefill", sh)
     assert c.pack == 4 and c.q_tile_tokens == 16 and c.n_kv_tiles == 2
 
@@ -331,11 +331,11 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
     blocks on 132 SMs); a smaller one, or one with a plan, keeps the wave-filling split count;
     the other kernels are unchanged."""
     from ggml_attn import cuda_launch
-    from ggml_attn.cuda_backend import Shapes, launch_config
+    from ggml_attn.cuda_backend import AttnDims, launch_config
 
     def splits(kernel, ne3, sms=132, **plan):
         monkeypatch.setattr(cuda_launch, "num_sms", lambda: sms)
-        return launch_config(kernel, Shapes(128, 128, 1, 32, 8, ne3, 4096, GGML_TYPE_F16),
+        return launch_config(kernel, AttnDims(128, 128, 1, 32, 8, ne3, 4096, GGML_TYPE_F16),
                              blocks_per_sm=2, **plan).n_splits
     assert splits("decode-tc", 16) == 1 and splits("decode-tc", 15) == 1   # 120 >= 118.8 blocks
     assert splits("decode-tc", 14) > 1                                      # 112 < 118.8

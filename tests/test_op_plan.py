@@ -274,7 +274,7 @@ def test_every_gpu_choice_launches():
     for (dk, dv), (kt, vt), gqa, nb, nkv, arch, kern, plain, mask, tma in itertools.product(
             heads, pairs, (1, 8), (1, 16, 600), (100, 40000), ("sm_90", "sm_80"),
             ("auto",) + dispatch.GPU_KERNELS, (True, False), ("none", "masked"), (True, False)):
-        sh = L.Shapes(dk, dv, nb, gqa * 8, 8, 1, nkv, kt, v_type=None if vt == kt else vt)
+        sh = L.AttnDims(dk, dv, nb, gqa * 8, 8, 1, nkv, kt, v_type=None if vt == kt else vt)
         try:
             c = dispatch.best_kernel(kern, L.facts(sh, arch=arch, plain=plain, mask_tiles=mask, kv_tma=tma))
         except ValueError:
@@ -288,7 +288,7 @@ def test_every_gpu_choice_launches():
         assert arch == "sm_90" or c.kernel not in ("prefill-wgmma", "decode-tma"), case
         assert plain or c.kernel not in ("prefill-wgmma", "decode-tma"), case
         assert tma or not (c.kernel == "decode-tma" and t in (Q8, Q4)), case
-        cfg = L.launch_config(c.kernel, L.Shapes(dk, dv, nb, gqa * 8, 8, 1, nkv, t), blocks_per_sm=1, ext=not plain)
+        cfg = L.launch_config(c.kernel, L.AttnDims(dk, dv, nb, gqa * 8, 8, 1, nkv, t), blocks_per_sm=1, ext=not plain)
         assert cfg.name in cfg.variant.names, case
         seen.add((c.kernel, t == kt))
     assert {k for k, _ in seen} == set(dispatch.GPU_KERNELS) and ("decode-tma", False) in seen

@@ -15,7 +15,7 @@ from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML
 F16, BF16, Q8, Q4 = GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0
 
 
-def _loaded_program(sh: L.Shapes, arch: str, mask_tiles: str, reads, plain: bool):
+def _loaded_program(sh: L.AttnDims, arch: str, mask_tiles: str, reads, plain: bool):
     """The program the backend loads for one call of ``sh`` under auto, or None when no GPU
     kernel runs it (the kernel cuda_backend.bind asks best_kernel for; its launch's variant)."""
     f = L.facts(sh, reads=reads, arch=arch, plain=plain, mask_tiles=mask_tiles)
@@ -26,7 +26,7 @@ def _loaded_program(sh: L.Shapes, arch: str, mask_tiles: str, reads, plain: bool
     if not c.on_gpu:
         return None
     t = F16 if dispatch.reads_f16_copies(c.kernel, sh.kv_type, sh.v_type or sh.kv_type) else sh.kv_type
-    sh = L.Shapes(sh.d_k, sh.d_v, sh.n_batch, sh.n_head, sh.n_head_kv, sh.ne3, sh.n_kv, t)
+    sh = L.AttnDims(sh.d_k, sh.d_v, sh.n_batch, sh.n_head, sh.n_head_kv, sh.ne3, sh.n_kv, t)
     return L.launch_config(c.kernel, sh, blocks_per_sm=1, ext=not plain).variant
 
 
@@ -44,7 +44,7 @@ def test_programs_hold_every_program_auto_loads(arch):
         want = set(L.programs(dk, dv, kt, vt, gqa, arch, ext=not plain))
         for n_batch, n_kv, mask, reads in itertools.product((1, 3, 16, 200, 512), (256, 4096, 32768),
                                                             ("none", "plain", "masked"), (None, (10.0, 400.0))):
-            sh = L.Shapes(dk, dv, n_batch, gqa * 8, 8, 1, n_kv, kt, v_type=None if vt == kt else vt)
+            sh = L.AttnDims(dk, dv, n_batch, gqa * 8, 8, 1, n_kv, kt, v_type=None if vt == kt else vt)
             v = _loaded_program(sh, arch, mask, reads, plain)
             if v is not None:
                 assert v in want, (dk, dv, kt, vt, gqa, n_batch, n_kv, mask, reads, v.label, [w.label for w in want])

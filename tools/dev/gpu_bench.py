@@ -113,7 +113,7 @@ class Ours:
         if self.plan is None:
             return None
         from ggml_attn.dtypes import GGML_TYPE_F16
-        sh = self.cb.Shapes(D, D, self.q.shape[2], H, HKV, self.q.shape[0], self.kv[0][0].shape[2],
+        sh = self.cb.AttnDims(D, D, self.q.shape[2], H, HKV, self.q.shape[0], self.kv[0][0].shape[2],
                             GGML_TYPE_F16, 1, 1)
         if kernel == "auto":
             from ggml_attn import dispatch
