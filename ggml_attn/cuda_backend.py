@@ -36,14 +36,15 @@ from . import dispatch
 from . import kernels as K
 from . import knobs
 from .cuda_device import available, num_sms, stream_ptr
-from .cuda_launch import LaunchConfig, facts, launch_config
-from .cuda_plan import Plan, live_words, make_plan, mask_needs_aligned_copy
+from .cuda_launch import LaunchConfig, launch_config
+from .cuda_plan import Plan, decide, live_words, make_plan, mask_needs_aligned_copy
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .tensor import TensorDesc
 from .validate import AttnDims, check_flash_attn_args
 
-__all__ = ["available", "bind", "BoundCall", "flash_attn_ext_device", "flash_attn_ext_host", "make_plan", "Plan",
-           "LaunchConfig", "launch_config", "AttnDims", "validate", "facts", "num_sms", "live_words",
+__all__ = ["available", "bind", "BoundCall", "flash_attn_ext_device", "flash_attn_ext_host", "run_host_on_gpu",
+           "make_plan", "Plan",
+           "LaunchConfig", "launch_config", "AttnDims", "validate", "decide", "num_sms", "live_words",
            "q_needs_aligned_copy", "mask_needs_aligned_copy"]
 
 _WARNED: set[str] = set()
@@ -79,23 +80,6 @@ def validate(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | Non
 
 
 
-def _kv_aligned(t: TensorDesc) -> bool:
-    """The kernels' alignment of K or V: 16 bytes (16-byte loads), 2 for q8_0/q4_0 rows (blocks
-    start with an f16 scale and are read 2 bytes at a time)."""
-    a = 2 if t.type in K.QUANT_KV_CTYPES else 16
-    return all(x % a == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
-
-
-def _kv_tma(t: TensorDesc) -> bool:
-    """K or V readable by the sm_90a decode's TMA maps: f16/bf16 as aligned for the kernels,
-    q8_0/q4_0 as decode_tma_shape.quant_why_not says (D 128, heads packed in a cell's row)."""
-    if t.type in K.QUANT_KV_CTYPES:
-        from .decode_tma_shape import quant_why_not
-        return quant_why_not(t) is None
-    return _kv_aligned(t)
-
-
-
 # ---------------------------------------------------------------------------------------
 # call parameters
 def _params_common(q, k, v, mask, sinks, dst, sh: AttnDims, scale, max_bias, softcap) -> K.FattnParams:
@@ -126,23 +110,6 @@ def _params_common(q, k, v, mask, sinks, dst, sh: AttnDims, scale, max_bias, sof
 
 # ---------------------------------------------------------------------------------------
 # entry points
-def _resolve_kernel(kernel: str, sh: AttnDims, k: TensorDesc, v: TensorDesc, plan: Plan | None = None, *,
-                    plain: bool = True, masked: bool = False) -> str:
-    """The kernel for device data (:func:`ggml_attn.dispatch.best_kernel`, with the plan's
-    measured reads and mask verdict when it has them); ``plain``: no sinks, softcap or ALiBi;
-    ``masked``: the call has a mask. Warns once when it falls back to the numpy reference."""
-    tiles = "none" if not masked else (plan.wgmma_tiles if plan is not None and plan.wgmma_tiles else "masked")
-    choice = dispatch.best_kernel(kernel, facts(sh, _kv_aligned(k) and _kv_aligned(v),
-                                                plan.reads if plan is not None else None,
-                                                kv_tma=_kv_tma(k) and _kv_tma(v),
-                                                arch=K.device_arch(), plain=plain, mask_tiles=tiles,
-                                                live_counts=plan.live_host if plan is not None else None,
-                                                masked=masked))
-    if choice.kernel == "reference" and kernel != "reference":
-        _warn_once(choice.reason)
-    return choice.kernel
-
-
 @dataclass
 class _Prepared:
     """Everything about a call that depends only on shapes, strides, types and scalars."""
@@ -217,9 +184,12 @@ def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spl
 def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
              plan: Plan | None = None) -> _Prepared:
     sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, softcap)
-    kern = _resolve_kernel(kernel, sh, k, v, plan, plain=sinks is None and softcap == 0.0 and max_bias == 0.0,
-                           masked=mask is not None)
+    choice = decide(kernel, sh, plan=plan, k=k, v=v, plain=sinks is None and softcap == 0.0 and max_bias == 0.0,
+                    masked=mask is not None)
+    kern = choice.kernel
     if kern == "reference":
+        if kernel != "reference":
+            _warn_once(choice.reason)
         return _Prepared(kern)
     conv = None
     if dispatch.reads_f16_copies(kern, k.type, v.type):
@@ -463,12 +433,21 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     copied back into ``dst``; synchronous. Without a GPU, or with kernel="reference", the numpy
     reference runs on the host."""
     sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
-    choice = dispatch.best_kernel(kernel, facts(sh), gpu=available(), backend="auto", on_device=False)
+    choice = decide(kernel, sh, arch="", backend="auto", gpu=available(), on_device=False)
     if not choice.on_gpu:   # host data, no kernel for it: the numpy reference on the host
         if kernel != "reference":
             _warn_once(f"{choice.reason}; running the numpy reference on the host")
         _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap)
         return
+    run_host_on_gpu(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel=kernel)
+
+
+def run_host_on_gpu(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None,
+                    sinks: TensorDesc | None, dst: TensorDesc, scale: float, max_bias: float = 0.0,
+                    logit_softcap: float = 0.0, *, kernel: str = "auto") -> None:
+    """Host pointers through the GPU, once decided they go there (:func:`flash_attn_ext_host`,
+    or the op after its own decision): the inputs staged to the device through reused pinned
+    buffers, the call bound and launched there, the result copied back into ``dst``; synchronous."""
     import cupy
     rt = cupy.cuda.runtime
     stream = cupy.cuda.get_current_stream().ptr

@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from . import dispatch
 from . import kernels as K
 from .cuda_device import available, num_sms
-from .dtypes import GGML_TYPE_F16
 from .validate import AttnDims
 
 # ---------------------------------------------------------------------------------------
@@ -121,31 +119,22 @@ DECODE_TMA_CAP_SLACK = 1.35   # part of the call key
 DECODE_TMA_L2_PROMOTION = 0
 
 
-def facts(sh: AttnDims, kv_aligned: bool = True, reads: tuple | None = None, *, arch: str = "",
-          plain: bool = True, mask_tiles: str = "none", live_counts: dict | None = None,
-          masked: bool | None = None, kv_tma: bool = True) -> dispatch.CallFacts:
-    """The facts :func:`ggml_attn.dispatch.best_kernel` decides on, from validated shapes;
-    ``reads``: the plan's (cell_reads, tile_reads) (``Plan.reads``), None without a plan;
-    ``arch``: the device's ("sm_90"); ``plain``: no sinks, softcap or ALiBi; ``mask_tiles``:
-    the plan's verdict on the mask for the sm_90a prefill (``Plan.wgmma_tiles``);
-    ``live_counts``: the plan's live-tile counts per query tile size (``Plan.live_host``), and
-    ``masked``: whether the call has a mask (default: ``mask_tiles != "none"``) -- with a mask
-    and no counts, the decode's groups count as unequal; with counts, ``work_tiles`` counts the
-    live tiles, not every tile of n_kv; ``kv_tma``: K and V readable through the sm_90a
-    decode's TMA maps (cuda_backend._kv_tma)."""
-    cr, tr = reads if reads is not None else (None, None)
+def decode_work(sh: AttnDims, live_counts: dict | None = None, masked: bool = False) -> tuple[int, bool]:
+    """(work_tiles, work_even) of :class:`ggml_attn.dispatch.CallFacts`: the (16-row group, KV
+    tile) pairs a decode call streams -- every KV tile of n_kv without the plan's live-tile
+    counts per query tile size (``Plan.live_host``), the live ones (an empty list still one
+    unit) with them -- and whether decode-tma's split would cut the groups on their own
+    boundaries with balanced blocks (no mask, or counts that allow it: :func:`decode_tma_cap`)."""
     pack, tq = _group_rows(sh.gqa)
     n_q_tiles = -(-sh.n_batch // tq)
-    masked = mask_tiles != "none" if masked is None else masked
     counts = (live_counts or {}).get(tq)
     if counts is None:
         work = sh.ne3 * n_q_tiles * (sh.n_head // pack) * max(1, -(-sh.n_kv // K.KV_TILE))
-    else:   # the live tiles the plan counted (an empty list still one unit)
+    else:
         work = int(_pair_units(sh, n_q_tiles, counts).sum()) * (sh.n_head // pack)
     even = (counts is not None or not masked) and \
         decode_tma_cap(sh, pack, n_q_tiles, num_sms(), counts)[0] > 0
-    return dispatch.CallFacts(sh.n_batch, sh.gqa, sh.n_kv, sh.d_k, sh.d_v, sh.kv_type, kv_aligned,
-                              sh.ne32 * sh.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma, sh.v_type)
+    return work, even
 
 
 def _pair_units(sh: AttnDims, n_q_tiles: int, counts):
@@ -334,37 +323,6 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid, rows=tq * pack,
                         fused_finish=sh.d_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
-
-
-def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, kernel: str = "auto",
-             ext: bool = False) -> list[K.Variant]:
-    """The programs the backend may load for calls of head sizes ``d_k``/``d_v``, K/V of types
-    ``k_type``/``v_type`` and ``gqa`` query heads per KV head, on a GPU of ``arch`` ("sm_90"),
-    under ``kernel`` ("auto": every GPU kernel best_kernel lets run decode- or prompt-shaped such
-    calls; a name: that one; ``ext``: with softcap or ALiBi): the kernels' own programs (f16 ones
-    where the kernel runs on f16 copies of quantized K/V) and the plan's and copies' kernels
-    (util) -- what first calls would otherwise compile one at a time (:func:`K.precompile`). A
-    kernel that cannot run such calls is left out: its calls say why."""
-    out = [K.util_variant()]
-    # K and V of different types run on f16 copies of the quantized one: every f16 program too
-    pairs = [(k_type, v_type)] + ([(GGML_TYPE_F16, GGML_TYPE_F16)] if k_type != v_type else [])
-    for (kt, vt) in pairs:
-        for kern in dispatch.GPU_KERNELS if kernel == "auto" else (kernel,):
-            for n_batch in (1, dispatch.WGMMA_MIN_BATCH):   # a decode step's call, a prompt's
-                f = dispatch.CallFacts(n_batch, gqa, 4096, d_k, d_v, kt, arch=arch, plain=not ext,
-                                       v_type=None if vt == kt else vt)
-                try:
-                    c = dispatch.best_kernel(kern, f)
-                except ValueError:
-                    continue
-                if not c.on_gpu:
-                    continue
-                t = GGML_TYPE_F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
-                v = launch_config(c.kernel, AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
-                                  blocks_per_sm=1).variant
-                if v not in out:
-                    out.append(v)
-    return out
 
 
 _OCCUPANCY: dict[tuple, int] = {}

@@ -14,8 +14,9 @@ import numpy as np
 from . import cuda_launch as L
 from . import dispatch
 from . import kernels as K
+from . import knobs
 from .cuda_device import stream_ptr
-from .cuda_launch import facts, launch_config
+from .cuda_launch import launch_config
 from .dtypes import GGML_TYPE_F16
 from .tensor import TensorDesc
 from .validate import AttnDims
@@ -78,6 +79,12 @@ class Plan:
     # no MASKED tiles, "masked" otherwise; None: not measured. A verdict only on speed: the kernel
     # is right on every tile class (a refreshed mask may change it)
     wgmma_tiles: str | None = None
+    # the plan's decision (make_plan: dispatch.best_kernel for the call the plan was made for --
+    # K/V as the kernels want them, no sinks, softcap or ALiBi), and every decision made for this
+    # plan's calls, by (kernel asked for, call facts, backend flags, knob generation): bind asks
+    # :func:`decide`, which answers from here and never chooses twice for the same facts
+    choice: "dispatch.Choice | None" = None
+    decisions: dict = field(default_factory=dict)
 
     def hint(self) -> tuple:
         """What the launch configuration takes from the plan (part of the call cache key; read
@@ -387,39 +394,6 @@ def _build_cell_lists(mask: TensorDesc, n_batch: int, stream: int, into=None):
     return into
 
 
-def cell_lists_host(mask: np.ndarray, n_batch: int | None = None, *, aligned: bool = True,
-                    threads: int = K.CELL_LIST_THREADS) -> tuple[np.ndarray, np.ndarray]:
-    """Host mirror of fattn_cell_lists, step for step (passes of ``threads`` x 8 cells, each
-    thread's 8-cell visibility bits, the block's exclusive scan, writes in cell order), on a
-    numpy f16 mask [ne33, ne32, rows, n_kv] (numpy order): (cells int32 [ne33, ne32, n_batch,
-    n_kv, 2] with -1 past each count, cnt int32 [ne33, ne32, n_batch]). ``aligned`` only picks
-    the kernel's load path (16-byte loads or single cells); the result is the same."""
-    m = np.asarray(mask, dtype=np.float16)
-    ne33, ne32, rows, n_kv = m.shape
-    n_batch = rows if n_batch is None else n_batch
-    bits16 = m.view(np.uint16)
-    cells = np.full((ne33, ne32, n_batch, n_kv, 2), -1, dtype=np.int32)
-    cnt = np.zeros((ne33, ne32, n_batch), dtype=np.int32)
-    for i33 in range(ne33):
-        for i32 in range(ne32):
-            for t in range(n_batch):
-                row, out, base = bits16[i33, i32, t], cells[i33, i32, t], 0
-                for c0 in range(0, n_kv, 8 * threads):
-                    c = c0 + 8 * np.arange(threads)[:, None] + np.arange(8)[None, :]   # [thread, e]
-                    b = np.where(c < n_kv, row[np.minimum(c, n_kv - 1)], np.uint16(0xFC00))
-                    vis = b != 0xFC00                                                     # bits
-                    n = vis.sum(axis=1)
-                    start = base + np.cumsum(n) - n                                       # exclusive scan
-                    for th in np.flatnonzero(n):
-                        e = np.flatnonzero(vis[th])
-                        pos = start[th] + np.arange(len(e))
-                        out[pos, 0] = c[th, e]
-                        out[pos, 1] = b[th, e].view(np.float16).astype(np.float32).view(np.int32)
-                    base += int(n.sum())
-                cnt[i33, i32, t] = base
-    return cells, cnt
-
-
 def mask_needs_aligned_copy(mask: TensorDesc) -> bool:
     """True when the mask's pointer or a byte stride is not a multiple of 16: the tensor-core
     kernels load mask tiles with 16-byte cp.async."""
@@ -464,29 +438,33 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     d_v = d_k if d_v is None else d_v
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
-    sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
-    # (the sm_90a kernels asked for by name check the device's architecture)
+    dims = sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    # the kernel family first, by shapes alone: which tile maps and statistics to build (the
+    # sm_90a kernels asked for by name check the device's architecture; auto's sm_90a choices
+    # follow the statistics, below)
     arch = K.device_arch() if kernel in ("prefill-wgmma", "decode-tma") else ""
-    kern = dispatch.best_kernel(kernel, facts(sh, arch=arch)).kernel
+    kern = decide(kernel, sh, arch=arch, masked=False).kernel
     if kern not in dispatch.GPU_KERNELS:
+        plan.choice = decide(kernel, dims, plan=plan)
         return plan
     if dispatch.reads_f16_copies(kern, kv_type):
         sh = replace(sh, kv_type=GGML_TYPE_F16)   # that kernel reads f16 copies of the blocks
     st = stream_ptr(stream)
     if kern == "cells":   # asked for by name: only its lists
         plan.read_cell_stats(st)
+        plan.choice = decide(kernel, dims, plan=plan)
         return plan
     # auto on a decode-shaped call: the cell lists too, queued before the first read-back, and
     # what each kernel would read (Plan.reads) for best_kernel's choice (not for quantized K/V:
     # the cell-list kernel would need f16 copies of every cell at each decode step)
-    cells = kernel == "auto" and kv_type not in K.QUANT_KV_CTYPES and dispatch.cells_why_not(facts(sh)) is None
+    cells = kernel == "auto" and kv_type not in K.QUANT_KV_CTYPES and dispatch.cells_why_not(dispatch.call_facts(sh)) is None
     if cells:
         plan.cell_lists(st)
     if kern == "prefill":   # mean live KV tiles per 64-token query tile decide the height
         _, mean = plan.read_stats(64 if n_batch >= 64 else launch_config(kern, sh).q_tile_tokens, st)
         plan.wide = mean >= L.PREFILL_WIDE_MIN_LIVE
     if kern == "prefill" and kernel == "auto" and \
-            dispatch.wgmma_why_not(facts(sh, arch=K.device_arch(), mask_tiles="plain")) is None:
+            dispatch.wgmma_why_not(dispatch.call_facts(sh, arch=K.device_arch(), mask_tiles="plain")) is None:
         plan.read_wgmma_tiles(st)   # the sm_90a prefill runs it if the mask's tiles are plain
     cfg = launch_config(kern, sh, wide=plan.wide)
     _, mean_tiles = plan.read_stats(cfg.q_tile_tokens, st)
@@ -495,11 +473,66 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         pack_cells = launch_config("cells", sh, blocks_per_sm=1, max_cells=plan.max_cells).pack
         tile_reads = mean_tiles * K.KV_TILE * cfg.n_q_tiles * (sh.gqa // cfg.pack) / max(1, n_batch)
         plan.reads = (mean_cells * sh.gqa / pack_cells, tile_reads)
-        kern = dispatch.best_kernel(kernel, facts(sh, reads=plan.reads, live_counts=plan.live_host,
-                                                  masked=True)).kernel
+        kern = decide(kernel, sh, plan=plan, arch="").kernel   # cell lists or tiles: the family is enough
         plan.keep_only(kern)
     if kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
         plan.aligned(st)
+    plan.choice = decide(kernel, dims, plan=plan)
     return plan
 
 
+def decide(kernel: str, dims: AttnDims, *, plan: Plan | None = None, k: TensorDesc | None = None,
+           v: TensorDesc | None = None, plain: bool = True, masked: bool | None = None, arch: str | None = None,
+           backend: str = "cuda", gpu: bool = True, on_device: bool = True) -> "dispatch.Choice":
+    """The kernel of one call on the GPU backend: :func:`ggml_attn.dispatch.best_kernel` on the
+    facts the call and its plan give -- the backend's one place that asks (bind,
+    flash_attn_ext_host and make_plan come here; the op asks best_kernel itself only for calls
+    it keeps off the GPU backend).
+
+    ``dims``: the call's (``validate.AttnDims``); ``plan``: its mask's live-tile plan (the reads,
+    the mask verdict and the live counts it measured), which keeps each decision by (kernel,
+    facts, backend flags, knob generation): a call with the same facts, e.g. every layer of a
+    ubatch, gets the decision made before; ``k``/``v``: the call's K/V (alignment and TMA
+    readability, ``dispatch.kv_access``; None: as the kernels want them); ``plain``: no sinks,
+    softcap or ALiBi; ``masked``: the call has a mask (default: a plan is given); ``arch``: the
+    device's (default: the current device's when ``gpu``, "" otherwise); ``backend``, ``gpu``,
+    ``on_device``: as best_kernel's. Raises as best_kernel does."""
+    masked = plan is not None if masked is None else masked
+    if arch is None:
+        arch = K.device_arch() if gpu and kernel != "reference" else ""
+    aligned, tma = dispatch.kv_access(k, v) if k is not None and v is not None else (True, True)
+    tiles = "none" if not masked else (plan.wgmma_tiles if plan is not None and plan.wgmma_tiles else "masked")
+    f = dispatch.call_facts(dims, kv_aligned=aligned, kv_tma=tma, arch=arch, plain=plain, mask_tiles=tiles,
+                            masked=masked, reads=plan.reads if plan is not None else None,
+                            live_counts=plan.live_host if plan is not None else None)
+    key = (kernel, f, backend, gpu, on_device, knobs.version())
+    c = plan.decisions.get(key) if plan is not None else None
+    if c is None:
+        c = dispatch.best_kernel(kernel, f, backend=backend, gpu=gpu, on_device=on_device)
+        if plan is not None:
+            plan.decisions[key] = c
+    return c
+
+
+def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, kernel: str = "auto",
+             ext: bool = False) -> list[K.Variant]:
+    """The programs the backend may load for calls of head sizes ``d_k``/``d_v``, K/V of types
+    ``k_type``/``v_type`` and ``gqa`` query heads per KV head, on a GPU of ``arch`` ("sm_90"),
+    under ``kernel`` ("auto": every GPU kernel best_kernel lets run decode- or prompt-shaped such
+    calls; a name: that one; ``ext``: with softcap or ALiBi): the kernels' own programs (f16 ones
+    where the kernel runs on f16 copies of quantized K/V) and the plan's and copies' kernels
+    (util) -- what first calls would otherwise compile one at a time (:func:`K.precompile`). A
+    kernel that cannot run such calls is left out: its calls say why."""
+    out = [K.util_variant()]
+    # K and V of different types run on f16 copies of the quantized one: every f16 program too
+    pairs = [(k_type, v_type)] + ([(GGML_TYPE_F16, GGML_TYPE_F16)] if k_type != v_type else [])
+    for (kt, vt) in pairs:
+        for n_batch in (1, dispatch.WGMMA_MIN_BATCH):   # a decode step's call, a prompt's
+            dims = AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, kt, v_type=None if vt == kt else vt)
+            for c in dispatch.kernels_for(kernel, dispatch.call_facts(dims, arch=arch, plain=not ext)):
+                t = GGML_TYPE_F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
+                v = launch_config(c.kernel, AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
+                                  blocks_per_sm=1).variant
+                if v not in out:
+                    out.append(v)
+    return out

@@ -1,8 +1,12 @@
 """Which implementation runs one ``flash_attn_ext`` call, and why.
 
 :func:`best_kernel` is the one place that decides (as llama.cpp's
-``ggml_cuda_get_best_fattn_kernel`` answers both "can it run?" and "what runs?"): the op, the
-CUDA backend's entry points, the plan builder and the CLI all ask it. Inputs are plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
+``ggml_cuda_get_best_fattn_kernel`` answers both "can it run?" and "what runs?"). Two callers
+ask it: the GPU backend through ``cuda_plan.decide`` (the plan keeps each decision: every
+layer's call of a ubatch gets the one made by ``make_plan``, FlashInfer's plan/run split), and
+the op for the calls the backend does not take whole (host data, no usable GPU). The facts
+come from one builder, :func:`call_facts`, over the call's ``validate.AttnDims``. Inputs are
+plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
 heads per KV head, ``n_kv`` KV cells, head sizes, K/V type. Output: one of
 ``"prefill"`` (tensor-core tiles of 64 rows), ``"prefill-wgmma"`` (the sm_90a warp-specialised
 prefill of ggml_attn/hopper_prefill.py: where it takes the call, auto prefers it to "prefill"), ``"decode"`` (CUDA-core split-KV),
@@ -21,11 +25,17 @@ cores; is the prefill kernel always faster at decode? -- for this project's kern
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from .cuda_launch import decode_work
 from .dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, TYPE_NAMES
 from .tensor import type_name
 from .kernels import CELLS_HEADS, MMA_HEADS, QUANT_KV_CTYPES, VEC_HEADS, VEC_QUANT_HEADS
 from .wgmma_shape import HEAD_SIZES_WS
+
+if TYPE_CHECKING:
+    from .tensor import TensorDesc
+    from .validate import AttnDims
 
 KERNELS = ("auto", "prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells", "reference")
 GPU_KERNELS = ("prefill", "prefill-wgmma", "decode", "decode-tc", "decode-tma", "cells")
@@ -236,13 +246,6 @@ def _choose_gpu(n_batch: int, gqa: int, d_k: int, d_v: int, kv_type: int) -> tup
     return "prefill", f"n_batch {n_batch} above the decode limit ({CROSSOVER_SOURCE})"
 
 
-def choose(n_batch: int, gqa: int, n_kv: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
-    """The GPU kernel ``auto`` picks for device data: (kernel, reason). Same answer as
-    :func:`best_kernel` for ``kernel="auto"`` with aligned K/V."""
-    c = best_kernel("auto", CallFacts(n_batch, gqa, n_kv, d_k, d_v, kv_type))
-    return c.kernel, c.reason
-
-
 @dataclass(frozen=True)
 class CallFacts:
     """What the choice depends on, for one call (ggml meaning): query tokens per stream, query
@@ -277,6 +280,58 @@ class CallFacts:
     # V's type when it differs from K's (``kv_type``); None: the same. On the GPU only f16 beside
     # q8_0/q4_0 (or those two together), through f16 copies of the quantized one
     v_type: int | None = None
+
+
+def call_facts(dims: "AttnDims", *, kv_aligned: bool = True, kv_tma: bool = True, reads: tuple | None = None,
+               arch: str = "", plain: bool = True, mask_tiles: str = "none", live_counts: dict | None = None,
+               masked: bool | None = None) -> CallFacts:
+    """The one builder of :class:`CallFacts`, from a call's validated dimensions
+    (``validate.AttnDims``) and what else is known of it: ``kv_aligned`` / ``kv_tma``
+    (:func:`kv_access` of its K and V; True: as the kernels want them), ``arch`` (the device's,
+    "sm_90"; "": not known), ``plain`` (no sinks, softcap or ALiBi), and from a live-tile plan
+    (``cuda_plan.Plan``) its ``reads`` (cell_reads, tile_reads), its verdict on the mask for the
+    sm_90a prefill (``mask_tiles``: "none" without a mask, "plain" / "masked") and its live-tile
+    counts per query tile size (``live_counts``); ``masked``: whether the call has a mask
+    (default ``mask_tiles != "none"``) -- with a mask and no counts the decode's groups count as
+    unequal."""
+    cr, tr = reads if reads is not None else (None, None)
+    masked = mask_tiles != "none" if masked is None else masked
+    work, even = decode_work(dims, live_counts, masked)
+    return CallFacts(dims.n_batch, dims.gqa, dims.n_kv, dims.d_k, dims.d_v, dims.kv_type, kv_aligned,
+                     dims.ne32 * dims.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma, dims.v_type)
+
+
+def kv_access(k: "TensorDesc", v: "TensorDesc") -> tuple[bool, bool]:
+    """(kv_aligned, kv_tma) of a call's K and V (ggml order descriptors): pointers and byte
+    strides as the kernels load them -- 16 bytes, 2 for q8_0/q4_0 rows (blocks start with an
+    f16 scale, read 2 bytes at a time) -- and readable through the sm_90a decode's TMA maps
+    (f16/bf16 as aligned; q8_0/q4_0 as ``decode_tma_shape.quant_why_not`` says: D 128, a cell's
+    heads packed in its row)."""
+    def aligned(t):
+        a = 2 if t.type in QUANT_KV_CTYPES else 16
+        return all(x % a == 0 for x in (t.ptr, t.nb[1], t.nb[2], t.nb[3]))
+
+    def tma(t):
+        if t.type in QUANT_KV_CTYPES:
+            from .decode_tma_shape import quant_why_not   # noqa: PLC0415
+            return quant_why_not(t) is None
+        return aligned(t)
+    return aligned(k) and aligned(v), tma(k) and tma(v)
+
+
+def kernels_for(kernel: str, f: CallFacts) -> list[Choice]:
+    """What runs calls of facts ``f`` under ``kernel``: for ``auto`` each GPU kernel asked for
+    by name that can run them, else ``kernel``'s own answer; refusals and host answers left
+    out (``cuda_plan.programs``: the programs a process may load for such calls)."""
+    out = []
+    for name in GPU_KERNELS if kernel == "auto" else (kernel,):
+        try:
+            c = best_kernel(name, f)
+        except ValueError:
+            continue
+        if c.on_gpu:
+            out.append(c)
+    return out
 
 
 @dataclass(frozen=True)

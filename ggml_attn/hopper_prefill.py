@@ -14,6 +14,7 @@ instances) [D, n_kv, n_head_kv, ne3], dst f32 [D, n_head, n_batch, ne3], D one o
 from __future__ import annotations
 
 from . import cuda_backend as cb
+from . import dispatch
 from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
@@ -34,7 +35,7 @@ def why_not(sh: cb.AttnDims, q: TensorDesc, k: TensorDesc, v: TensorDesc,
         return f"head sizes {sh.d_k}/{sh.d_v}: this instance takes D {sizes} (d_k = d_v)"
     if sh.kv_type != kv_type:
         return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
-    if not all(cb._kv_aligned(t) for t in (q, k, v)):   # Q's 16-byte loads, TMA's strides
+    if not (dispatch.kv_access(q, q)[0] and dispatch.kv_access(k, v)[0]):   # Q's 16-byte loads, TMA's strides
         return "Q, K and V rows must be 16-byte aligned"
     if dst is not None and dst.ptr % 8:
         return "dst must be 8-byte aligned"

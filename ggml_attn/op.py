@@ -33,7 +33,7 @@ from . import cpu
 from .dtypes import GGML_TYPE_F32
 from .runtime import (_check_ctx, _check_ptr, _interrupted, _node_addr, _single_threaded_blas, c_callback,
                       interrupted, record_error, register_node)
-from .tensor import TensorDesc, as_numpy, from_ggml
+from .tensor import as_numpy, from_ggml
 from .validate import check_flash_attn_args
 
 log = logging.getLogger("ggml_attn")
@@ -240,19 +240,14 @@ def _maybe_device_pointer(ptr: int) -> bool:
     return _is_device_pointer_safe(ptr)
 
 
-def _choose(q: TensorDesc, k: TensorDesc, v: TensorDesc, dims):
-    """(``dispatch.Choice``, data on the device) for this call: ``dispatch.best_kernel`` with
-    the op's settings. Where the data is is asked whatever the settings: the numpy path reads
-    host pointers, and device memory handed to it is a segfault (a device graph computed with
-    backend 'reference', or while ``gpu_available()`` says no)."""
-    from .dispatch import CallFacts, best_kernel  # noqa: PLC0415
-    backend = _settings["backend"]
-    gpu = backend != "reference" and gpu_available()
-    on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
+def _choose(dims, gpu: bool, on_device: bool):
+    """``dispatch.best_kernel`` for a call the GPU backend does not take whole: host data
+    (the CPU path, or staged to a GPU kernel), or device data without a usable GPU (refused,
+    named). Device data on the GPU backend is the backend's to decide (``cuda_plan.decide``)."""
+    from .dispatch import best_kernel, call_facts  # noqa: PLC0415
     # the device's architecture: a forced sm_90a kernel (prefill-wgmma, decode-tma) can run only there
-    f = CallFacts(dims.n_batch, dims.gqa, dims.n_kv, dims.d_k, dims.d_v, k.type,
-                  arch=_device_arch() if gpu else "", v_type=v.type if v.type != k.type else None)
-    return best_kernel(_settings["kernel"], f, backend=backend, gpu=gpu, on_device=on_device), on_device
+    f = call_facts(dims, arch=_device_arch() if gpu else "")
+    return best_kernel(_settings["kernel"], f, backend=_settings["backend"], gpu=gpu, on_device=on_device)
 
 
 _ARCHS: dict[int, str] = {}
@@ -370,19 +365,27 @@ def _callback_slow(dst_p, ith, nth, spec, userdata: int):
                                    "was freed; keep it alive while the graph is computed")
         q, k, v, mask, sinks, dst = _descs(dst_p, p)
         dims = check_flash_attn_args(q, k, v, mask, sinks, p.max_bias, p.scale, p.logit_softcap)
-        choice, on_device = _choose(q, k, v, dims)
-        if choice.kernel != "cpu":
+        backend = _settings["backend"]
+        gpu = backend != "reference" and gpu_available()
+        # where the data is is asked whatever the settings: the numpy path reads host pointers,
+        # and device memory handed to it is a segfault (a device graph computed with backend
+        # 'reference', or while gpu_available() says no)
+        on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
+        choice = None if on_device and (gpu or backend == "reference") else _choose(dims, gpu, on_device)
+        if choice is None:   # device data: the GPU backend decides (the plan's decision, or its own)
             if ith != 0:
                 return
-            if on_device:   # backend 'reference': the reference on host copies, whatever the kernel setting
-                if not spec.per_node:   # a plan-less node: its own spec keeps its bound call
-                    spec = _node_spec(userdata, spec)
-                _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst,
-                                 kernel="reference" if _settings["backend"] == "reference" else _settings["kernel"])
-            else:
-                from . import cuda_backend  # noqa: PLC0415
-                cuda_backend.flash_attn_ext_host(q, k, v, mask, sinks, dst, p.scale, p.max_bias,
-                                                 p.logit_softcap, kernel=_settings["kernel"])
+            if not spec.per_node:   # a plan-less node: its own spec keeps its bound call
+                spec = _node_spec(userdata, spec)
+            # backend 'reference': the reference on host copies, whatever the kernel setting
+            _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst,
+                             kernel="reference" if backend == "reference" else _settings["kernel"])
+        elif choice.kernel != "cpu":   # host data, a GPU kernel: staged through pinned buffers
+            if ith != 0:
+                return
+            from . import cuda_backend  # noqa: PLC0415
+            cuda_backend.run_host_on_gpu(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
+                                         kernel=choice.kernel)
         else:
             with _single_threaded_blas:
                 cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,

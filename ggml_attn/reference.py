@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from .dtypes import GGML_TYPE_F32, to_float
+from .variants import CELL_LIST_THREADS
 
 
 def alibi_slopes(n_head: int, max_bias: float) -> np.ndarray:
@@ -202,3 +203,37 @@ def nmse(result: np.ndarray, expected: np.ndarray) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
+
+
+def cell_lists_host(mask: np.ndarray, n_batch: int | None = None, *, aligned: bool = True,
+                    threads: int = CELL_LIST_THREADS) -> tuple[np.ndarray, np.ndarray]:
+    """Host mirror of the plan's cell-list builder (cuda/fattn_util.cu fattn_cell_lists,
+    ``cuda_plan.Plan.cell_lists``), step for step (passes of ``threads`` x 8 cells, each
+    thread's 8-cell visibility bits, the block's exclusive scan, writes in cell order), on a
+    numpy f16 mask [ne33, ne32, rows, n_kv] (numpy order): (cells int32 [ne33, ne32, n_batch,
+    n_kv, 2] with -1 past each count, cnt int32 [ne33, ne32, n_batch]). ``aligned`` only picks
+    the kernel's load path (16-byte loads or single cells); the result is the same."""
+    m = np.asarray(mask, dtype=np.float16)
+    ne33, ne32, rows, n_kv = m.shape
+    n_batch = rows if n_batch is None else n_batch
+    bits16 = m.view(np.uint16)
+    cells = np.full((ne33, ne32, n_batch, n_kv, 2), -1, dtype=np.int32)
+    cnt = np.zeros((ne33, ne32, n_batch), dtype=np.int32)
+    for i33 in range(ne33):
+        for i32 in range(ne32):
+            for t in range(n_batch):
+                row, out, base = bits16[i33, i32, t], cells[i33, i32, t], 0
+                for c0 in range(0, n_kv, 8 * threads):
+                    c = c0 + 8 * np.arange(threads)[:, None] + np.arange(8)[None, :]   # [thread, e]
+                    b = np.where(c < n_kv, row[np.minimum(c, n_kv - 1)], np.uint16(0xFC00))
+                    vis = b != 0xFC00                                                     # bits
+                    n = vis.sum(axis=1)
+                    start = base + np.cumsum(n) - n                                       # exclusive scan
+                    for th in np.flatnonzero(n):
+                        e = np.flatnonzero(vis[th])
+                        pos = start[th] + np.arange(len(e))
+                        out[pos, 0] = c[th, e]
+                        out[pos, 1] = b[th, e].view(np.float16).astype(np.float32).view(np.int32)
+                    base += int(n.sum())
+                cnt[i33, i32, t] = base
+    return cells, cnt

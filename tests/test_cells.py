@@ -8,8 +8,10 @@ import pytest
 
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
-from ggml_attn.cuda_launch import AttnDims, facts, launch_config
-from ggml_attn.cuda_plan import cell_lists_host
+from ggml_attn.cuda_launch import launch_config
+from ggml_attn.dispatch import call_facts as facts
+from ggml_attn.validate import AttnDims
+from ggml_attn.reference import cell_lists_host
 from ggml_attn.dispatch import CallFacts, best_kernel
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 from gpu_batched_attn_bench import CELLS_SWEEP   # tools/dev/ (conftest puts it on the path)
@@ -108,7 +110,7 @@ def test_cells_by_name():
 
 def test_facts_carry_mask_planes_and_reads():
     sh = AttnDims(128, 128, 64, 32, 8, 1, 13056, GGML_TYPE_F16, 2, 3)
-    f = facts(sh, True, (1.0, 2.0))
+    f = facts(sh, kv_aligned=True, reads=(1.0, 2.0))
     assert f.mask_planes == 6 and (f.cell_reads, f.tile_reads) == (1.0, 2.0)
     assert facts(sh).cell_reads is None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ggml_attn import decode_tma_shape as dt
+from ggml_attn import dispatch
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 
 
@@ -61,14 +62,14 @@ def test_facts_say_when_the_split_is_even(monkeypatch):
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     sh = L.AttnDims(128, 128, 1, 32, 8, 16, 4096, GGML_TYPE_F16, 1, 16)
-    assert L.facts(sh).work_even
-    assert not L.facts(sh, mask_tiles="masked").work_even, "a mask without counts: not known"
-    assert L.facts(sh, mask_tiles="masked", live_counts={4: np.full(16, 64)}).work_even
+    assert dispatch.call_facts(sh).work_even
+    assert not dispatch.call_facts(sh, mask_tiles="masked").work_even, "a mask without counts: not known"
+    assert dispatch.call_facts(sh, mask_tiles="masked", live_counts={4: np.full(16, 64)}).work_even
     ragged = np.array([8, 128, 40, 77, 100, 16, 64, 90, 30, 120, 12, 55, 80, 128, 9, 70])
-    assert not L.facts(sh, mask_tiles="masked", live_counts={4: ragged}).work_even
-    assert not L.facts(sh, mask_tiles="masked", live_counts={64: np.full(16, 64)}).work_even, "another tile size"
+    assert not dispatch.call_facts(sh, mask_tiles="masked", live_counts={4: ragged}).work_even
+    assert not dispatch.call_facts(sh, mask_tiles="masked", live_counts={64: np.full(16, 64)}).work_even, "another tile size"
     monkeypatch.setattr(L, "DECODE_TMA_ALIGN", 0)
-    assert not L.facts(sh).work_even
+    assert not dispatch.call_facts(sh).work_even
 
 
 def test_facts_count_the_live_tiles_of_a_plan(monkeypatch):
@@ -79,12 +80,12 @@ def test_facts_count_the_live_tiles_of_a_plan(monkeypatch):
     from ggml_attn.dispatch import best_kernel
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     sh = L.AttnDims(128, 128, 1, 32, 8, 1, 32768, GGML_TYPE_F16)
-    assert L.facts(sh, mask_tiles="masked").work_tiles == 8 * 512
-    f = L.facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([64])})
+    assert dispatch.call_facts(sh, mask_tiles="masked").work_tiles == 8 * 512
+    f = dispatch.call_facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([64])})
     assert f.work_tiles == 8 * 64 and best_kernel("auto", f).kernel == "decode-tc"
-    f = L.facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([512])})
+    f = dispatch.call_facts(sh, arch="sm_90", mask_tiles="masked", live_counts={4: np.array([512])})
     assert f.work_tiles == 8 * 512 and best_kernel("auto", f).kernel == "decode-tma"
-    assert L.facts(sh, live_counts={4: np.array([0])}).work_tiles == 8, "an empty list is one unit"
+    assert dispatch.call_facts(sh, live_counts={4: np.array([0])}).work_tiles == 8, "an empty list is one unit"
 
 
 def test_by_name_says_why_not(monkeypatch):
@@ -102,7 +103,8 @@ def test_by_name_says_why_not(monkeypatch):
 
 def test_facts_count_the_work_of_decode_tc_groups():
     """work_tiles: streams x query tiles of 16 / pack tokens x head groups x KV tiles."""
-    from ggml_attn.cuda_launch import AttnDims, facts
+    from ggml_attn.dispatch import call_facts as facts
+    from ggml_attn.validate import AttnDims
     assert facts(AttnDims(128, 128, 1, 32, 8, 64, 32768, GGML_TYPE_F16)).work_tiles == 64 * 1 * 8 * 512
     assert facts(AttnDims(128, 128, 5, 32, 8, 2, 100, GGML_TYPE_F16)).work_tiles == 2 * 2 * 8 * 2
     assert facts(AttnDims(128, 128, 1, 4, 4, 1, 64, GGML_TYPE_F16)).work_tiles == 1 * 1 * 4 * 1   # GQA 1: pack 1

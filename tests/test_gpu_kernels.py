@@ -897,7 +897,7 @@ def _sparse_mask(rng, shape, live=0.05):
 def test_cells_lists_match_host_mirror(n_kv, rng):
     """The device cell lists equal cell_lists_host (and the mask): odd n_kv (unaligned rows, the
     single-cell load path), two head and two stream planes, padded mask rows, NaN cells."""
-    from ggml_attn.cuda_plan import cell_lists_host
+    from ggml_attn.reference import cell_lists_host
     cp = _cupy()
     n_batch = 5
     m = _sparse_mask(rng, (2, 2, n_batch + 2, n_kv), 0.1)

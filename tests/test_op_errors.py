@@ -342,11 +342,12 @@ def test_forced_sm90a_kernels_see_the_device_architecture(monkeypatch):
             for kernel in ("prefill-wgmma", "decode-tma"):
                 op._settings.update(backend="cuda", kernel=kernel)
                 monkeypatch.setattr(op, "_device_arch", lambda: "sm_90")
-                choice, on_device = op._choose(qd, kd, kd, dims)
-                assert on_device and choice.kernel == kernel, choice
+                for on_device in (True, False):
+                    choice = op._choose(dims, True, on_device)
+                    assert choice.kernel == kernel, choice
                 monkeypatch.setattr(op, "_device_arch", lambda: "sm_89")
                 with pytest.raises(ValueError, match="sm_89"):
-                    op._choose(qd, kd, kd, dims)
+                    op._choose(dims, True, True)
         finally:
             op._settings.update(backend=saved[0], kernel=saved[1])
     finally:

@@ -206,11 +206,51 @@ def test_best_kernel_answers_can_it_run_and_what_runs():
         == "reference"
 
 
-def test_choose_is_best_kernel_for_auto():
-    for n_batch in (1, 2, 4, 8, 16, 64):
-        for gqa in (1, 2, 4, 8):
-            k, _ = dispatch.choose(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)
-            assert k == best_kernel("auto", CallFacts(n_batch, gqa, 4096, 128, 128, GGML_TYPE_F16)).kernel
+def test_best_kernel_is_asked_by_the_op_and_the_plan_only():
+    """#45: one decision in one place. best_kernel is called by the op (calls the GPU backend
+    does not take whole) and by cuda_plan.decide (the backend's calls, with or without a
+    plan), nowhere else in the package; dispatch's own helpers aside."""
+    import ast
+    import pathlib
+    root = pathlib.Path(ggml_attn.__file__).parent
+    sites = collections.Counter()
+    for path in [*root.glob("*.py"), *(root.parent / "graph").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if name == "best_kernel":
+                    sites[path.name] += 1
+    assert {f: n for f, n in sites.items() if f != "dispatch.py"} == {"op.py": 1, "cuda_plan.py": 1}
+
+
+def test_the_plan_keeps_its_decisions(monkeypatch):
+    """cuda_plan.decide asks best_kernel once per (kernel, call facts) of a plan: every later
+    call with the same facts (each layer of a ubatch) gets the kept decision; other facts
+    (a misaligned V, softcap), another kernel or a knob set ask again."""
+    from ggml_attn import cuda_plan, dispatch as D
+    from ggml_attn.tensor import TensorDesc
+    from ggml_attn.validate import AttnDims
+    asked = []
+    real = D.best_kernel
+    monkeypatch.setattr(D, "best_kernel", lambda *a, **kw: asked.append(a[0]) or real(*a, **kw))
+    mask = TensorDesc(0x1000, GGML_TYPE_F16, (4096, 16, 1, 1), (2, 8192, 8192 * 16, 8192 * 16))
+    plan = cuda_plan.Plan(mask, 1, 32, 8)
+    dims = AttnDims(128, 128, 1, 32, 8, 1, 4096)
+    kv = TensorDesc(0x10000, GGML_TYPE_F16, (128, 4096, 8, 1), (2, 256, 256 * 4096, 256 * 4096 * 8))
+    first = cuda_plan.decide("auto", dims, plan=plan, k=kv, v=kv, arch="sm_90")
+    for _ in range(31):
+        assert cuda_plan.decide("auto", dims, plan=plan, k=kv, v=kv, arch="sm_90") is first
+    assert asked == ["auto"] and first.kernel == "decode-tc"
+    odd = TensorDesc(0x10004, GGML_TYPE_F16, kv.ne, kv.nb)
+    assert cuda_plan.decide("auto", dims, plan=plan, k=kv, v=odd, arch="sm_90").kernel == "reference"
+    assert cuda_plan.decide("auto", dims, plan=plan, k=kv, v=kv, arch="sm_90", plain=False).kernel == "decode-tc"
+    assert cuda_plan.decide("prefill", dims, plan=plan, k=kv, v=kv, arch="sm_90").kernel == "prefill"
+    assert len(asked) == 4
+    monkeypatch.setattr(D, "CELLS_MIN_GAIN", D.CELLS_MIN_GAIN)   # a knob set: decisions made again
+    cuda_plan.decide("auto", dims, plan=plan, k=kv, v=kv, arch="sm_90")
+    assert len(asked) == 5
+    assert cuda_plan.decide("auto", dims, arch="sm_90") == first and len(asked) == 6, "no plan: no memory"
 
 
 @pytest.mark.parametrize("plan, mask", [(True, True), (False, True), (False, False)],
@@ -276,7 +316,7 @@ def test_every_gpu_choice_launches():
             ("auto",) + dispatch.GPU_KERNELS, (True, False), ("none", "masked"), (True, False)):
         sh = L.AttnDims(dk, dv, nb, gqa * 8, 8, 1, nkv, kt, v_type=None if vt == kt else vt)
         try:
-            c = dispatch.best_kernel(kern, L.facts(sh, arch=arch, plain=plain, mask_tiles=mask, kv_tma=tma))
+            c = dispatch.best_kernel(kern, dispatch.call_facts(sh, arch=arch, plain=plain, mask_tiles=mask, kv_tma=tma))
         except ValueError:
             continue
         if not c.on_gpu:

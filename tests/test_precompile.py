@@ -1,4 +1,4 @@
-"""Compiling ahead (no GPU needed): ``cuda_launch.programs`` names every program the backend
+"""Compiling ahead (no GPU needed): ``cuda_plan.programs`` names every program the backend
 loads for a model's calls, ``kernels.precompile`` puts them in the caches in parallel, and the
 CLI's CUDA engine asks for them while it loads the weights (tools/cuda_engine.py)."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from ggml_attn import cuda_launch as L
+from ggml_attn import cuda_plan
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
@@ -18,7 +19,7 @@ F16, BF16, Q8, Q4 = GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_
 def _loaded_program(sh: L.AttnDims, arch: str, mask_tiles: str, reads, plain: bool):
     """The program the backend loads for one call of ``sh`` under auto, or None when no GPU
     kernel runs it (the kernel cuda_backend.bind asks best_kernel for; its launch's variant)."""
-    f = L.facts(sh, reads=reads, arch=arch, plain=plain, mask_tiles=mask_tiles)
+    f = dispatch.call_facts(sh, reads=reads, arch=arch, plain=plain, mask_tiles=mask_tiles)
     try:
         c = dispatch.best_kernel("auto", f)
     except ValueError:
@@ -41,7 +42,7 @@ def test_programs_hold_every_program_auto_loads(arch):
     for (dk, dv), (kt, vt), gqa, plain in itertools.product(heads, types, (1, 4, 8), (True, False)):
         if (kt != F16 or vt != F16) and not plain:
             continue
-        want = set(L.programs(dk, dv, kt, vt, gqa, arch, ext=not plain))
+        want = set(cuda_plan.programs(dk, dv, kt, vt, gqa, arch, ext=not plain))
         for n_batch, n_kv, mask, reads in itertools.product((1, 3, 16, 200, 512), (256, 4096, 32768),
                                                             ("none", "plain", "masked"), (None, (10.0, 400.0))):
             sh = L.AttnDims(dk, dv, n_batch, gqa * 8, 8, 1, n_kv, kt, v_type=None if vt == kt else vt)
@@ -57,12 +58,12 @@ def test_programs_for_a_named_kernel_and_for_no_gpu_kernel():
     """A kernel asked for by name: its own program and util's; one that cannot run the calls
     (the sm_90a prefill off compute capability 9.0, the reference): util's alone."""
     util = K.util_variant()
-    got = L.programs(128, 128, F16, F16, 4, "sm_90", "prefill-wgmma")
+    got = cuda_plan.programs(128, 128, F16, F16, 4, "sm_90", "prefill-wgmma")
     assert [v.family for v in got] == ["util", "wgmma"] and got[0] == util
-    assert L.programs(128, 128, F16, F16, 4, "sm_80", "prefill-wgmma") == [util]
-    assert L.programs(128, 128, F16, F16, 4, "sm_90", "reference") == [util]
+    assert cuda_plan.programs(128, 128, F16, F16, 4, "sm_80", "prefill-wgmma") == [util]
+    assert cuda_plan.programs(128, 128, F16, F16, 4, "sm_90", "reference") == [util]
     # q8_0 on a kernel that reads f16 copies: its f16 program
-    assert [v.names[0] for v in L.programs(128, 128, Q8, Q8, 4, "sm_90", "decode-tc")][1] == \
+    assert [v.names[0] for v in cuda_plan.programs(128, 128, Q8, Q8, 4, "sm_90", "decode-tc")][1] == \
         K.mma_name(128, 128, F16, 4, 1, 1, 2)
 
 

@@ -36,19 +36,19 @@ class CudaEngine(GraphEngine):
 def start_precompile(cfg) -> Future:
     """Start compiling, in a thread of its own (its compiles in parallel threads), every kernel
     program the run of ``cfg`` may load on this GPU: the attention kernels ``--kernel`` may pick
-    for the model's head sizes, cache types and GQA ratio (``ggml_attn.cuda_launch.programs``),
+    for the model's head sizes, cache types and GQA ratio (``ggml_attn.cuda_plan.programs``),
     the plan's kernels and the device graph's dense ops (the cache's store op among them; with
     ``--layer model`` those over each block type of the file's matrices). On a
     machine whose kernel cache lacks them (a first run, a new version) each would otherwise be
     compiled by its first call, inside the timed runs (1-2 s each on 2 cores). The future's
     ``result()`` raises a compile error."""
-    from ggml_attn import cuda_launch
+    from ggml_attn import cuda_plan
     from ggml_attn import kernels as K
     from ggml_attn.graph.kv_graph import ggml_type_of
     m = cfg.model
-    variants = cuda_launch.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
-                                    m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
-                                    ext=bool(m.logit_softcap)) + [K.dense_variant()]
+    variants = cuda_plan.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
+                                  m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
+                                  ext=bool(m.logit_softcap)) + [K.dense_variant()]
     if cfg.layer == "model":   # its embedding/RoPE ops, and the matmuls over each block type of its weights
         from ggml_attn.block_types import block_layout, is_block_type
         variants += [K.model_ops_variant()] + [K.dense_q_variant(block_layout(t).type_id)

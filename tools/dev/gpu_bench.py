@@ -114,10 +114,9 @@ class Ours:
             return None
         from ggml_attn.dtypes import GGML_TYPE_F16
         sh = self.cb.AttnDims(D, D, self.q.shape[2], H, HKV, self.q.shape[0], self.kv[0][0].shape[2],
-                            GGML_TYPE_F16, 1, 1)
-        if kernel == "auto":
-            from ggml_attn import dispatch
-            kernel, _ = dispatch.choose(sh.n_batch, sh.gqa, sh.n_kv, D, D, GGML_TYPE_F16)
+                              GGML_TYPE_F16, 1, 1)
+        if kernel == "auto":   # the family by shapes alone (no architecture: not the sm_90a kernels)
+            kernel = self.cb.decide("auto", sh, arch="").kernel
         cfg = self.cb.launch_config(kernel, sh)
         return self.plan.tile_classes(cfg.q_tile_tokens, self.stream)
 

@@ -5,7 +5,9 @@ BF16, D=80 (padded head size), sinks/ALiBi/softcap, and a bias mask (no -inf) wi
 marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also on the 128-row tiles; on
 compute capability 9.0 the sm_90a prefill as well (every instance directly, the op's through
 the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / q4_0 blocks,
-with f16 copies of quantized K/V for a prompt and a mixed K/V pair.
+with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
+of cuda/dense_q.cu (every block type: the GEMV at 1 and 16 tokens with the fused norm, gated,
+rows that do not fill a block of warps; the F16 dequantization; the row gather).
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -190,6 +192,7 @@ def main():
                   f"nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         cuda_launch.DECODE_TMA_BLOCKS = 0
         bad += _quantized(cp, rng, m)
+    bad += _dense_q(cp, rng)
     sys.exit(1 if bad else 0)
 
 
@@ -241,3 +244,66 @@ def _quantized(cp, rng, mask) -> int:
 
 if __name__ == "__main__":
     main()
+
+
+def _dense_q(cp, rng) -> int:
+    """cuda/dense_q.cu on every weight block type: dense_gemv_q (1 and 16 tokens, RMS norm with
+    its weight, gate and up in one launch, 45 rows: a partial block of warps), dense_dequant_f16
+    and dense_get_rows_q, each against float64 of ggml's dequantized values. Failures."""
+    import ctypes
+
+    from ggml_attn import kernels as K
+    from ggml_attn.block_types import BLOCK_TYPES, block_layout
+    from ggml_attn.quant import dequantize_rows, quantize
+    bad = 0
+    st = cp.cuda.get_current_stream()
+
+    def launch(type_id, name, grid, block, *params):
+        args = K.arg_block(*params)
+        K.get_function(K.dense_q_variant(type_id), name).launch_raw(grid, block, st.ptr, ctypes.addressof(args))
+        st.synchronize()
+    for name in BLOCK_TYPES:
+        lay = block_layout(name)
+        n_in, rows = 2 * 256 + lay.values, 45
+        ws = []
+        for _ in range(2):   # gate, up
+            w = rng.standard_normal((rows, n_in)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))
+            q = quantize(w.astype(np.float32), lay.type_id)
+            ws.append((q, dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)))
+        d_ws = [cp.asarray(q) for q, _ in ws]
+        g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
+        d_g = cp.asarray(g)
+        for n_tok in (1, 16):
+            x = (rng.standard_normal((n_tok, n_in)) * 30.0).astype(np.float32)
+            d_x, d_out = cp.asarray(x), cp.full((n_tok, rows), np.nan, np.float32)
+            p = K.GemvQParams()
+            for i, w in enumerate(d_ws):
+                p.seg[i].w, p.seg[i].rows, p.seg[i].out = w.data.ptr, rows, d_out.data.ptr
+            p.x, p.x_stride, p.g, p.row_bytes = d_x.data.ptr, n_in, d_g.data.ptr, d_ws[0].shape[1]
+            p.n_in, p.n_tok, p.n_seg, p.mode, p.norm_eps = n_in, n_tok, 2, 2, 1e-5
+            launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-rows // K.GEMV_WARPS), 1, 1),
+                   (32 * K.GEMV_WARPS, 1, 1), p)
+            xs = x.astype(np.float64)
+            xs = xs / np.sqrt((xs ** 2).mean(axis=1, keepdims=True) + 1e-5) * g
+            gate, up = (xs @ v.T for _, v in ws)
+            got, want = d_out.get(), gate / (1.0 + np.exp(-gate)) * up
+            err = nmse(got, want)
+            ok = bool(np.isfinite(got).all()) and err < 1e-6
+            bad += not ok
+            print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        q, vals = ws[0]
+        d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
+        n_sub = rows * n_in // 32
+        launch(lay.type_id, f"dense_dequant_f16<{lay.type_id}>", (-(-n_sub // 256), 1, 1), (256, 1, 1),
+               ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(q.shape[1]),
+               ctypes.c_int32(n_in), ctypes.c_int64(rows))
+        ids = np.array([5, 0, rows - 1, 5], dtype=np.int32)
+        d_ids, got_rows = cp.asarray(ids), cp.full((len(ids), n_in), np.nan, np.float32)
+        launch(lay.type_id, f"dense_get_rows_q<{lay.type_id}>", (-(-len(ids) * n_in // 32 // 256), 1, 1), (256, 1, 1),
+               ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(d_ids.data.ptr), ctypes.c_uint64(got_rows.data.ptr),
+               ctypes.c_int64(q.shape[1]), ctypes.c_int32(n_in), ctypes.c_int64(len(ids)))
+        e16, er = nmse(out.get().astype(np.float64), vals), nmse(got_rows.get().astype(np.float64), vals[ids])
+        ok = e16 < 1e-6 and er < 1e-12
+        bad += not ok
+        print(f"dequant  {name:5s} f16 nmse={e16:.2e} get_rows nmse={er:.2e} {'ok' if ok else 'FAIL'}")
+    return bad
