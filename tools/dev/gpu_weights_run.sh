@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # #43's and #45's device rows in one call, after tools/dev/gpu_check.sh has installed the package on
 # the same machine (or with --install):
+#   0. one 8B layer's projections over each block type: the GEMV at 1..16 tokens against the
+#      4.2 TB/s floor, dequantize + cuBLAS at 16..128 (tools/dev/gpu_dense_q_bench.py) -> $OUT/dense_q.json
 #   1. llama.cpp and ours on the 8B-shaped F16 file and on the Q4_K_M / Q8_0 files llama.cpp's
 #      llama-quantize makes from it (tools/dev/llamacpp_side_by_side.py --quant; carry
 #      .lcpp/build-sm90.tar.xz, llama.cpp's bin/ built for sm_90): llama-bench pp512/tg128 and
@@ -28,6 +30,9 @@ if [ $INSTALL = 1 ] || ! command -v ggml-attn-bench >/dev/null; then
   bash tools/dev/gpu_check.sh --no-tests --no-sanitize --no-bench --no-cli > "$OUT/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$OUT/install_run.log"; exit 1; }
 fi
+echo "== block GEMV / GEMM (one 8B layer per type)"
+(cd tools/dev && $PY gpu_dense_q_bench.py --out "$OUT/dense_q.json") 2>&1 | tail -50 || status=1
+echo "   ($(( $(date +%s) - t0 ))s so far)"
 if [ $SIDE = 1 ]; then
   echo "== llama.cpp side by side: F16, Q4_K_M, Q8_0"
   $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$OUT" --gguf /tmp/m8b.gguf \

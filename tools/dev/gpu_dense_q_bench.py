@@ -1,0 +1,117 @@
+"""Device time of one llama-3-8B layer's projections over weights kept in ggml's blocks (issue
+#43): per block type, the GEMV (``cuda/dense_q.cu`` dense_gemv_q, one launch per matrix) at 1..16
+tokens, and the GEMM path (``dense_dequant_f16`` into an F16 scratch, then cuBLAS) at 16..128
+tokens -- the GEMV's bandwidth against the 4.2 TB/s floor, and the crossover between the two.
+
+    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--out F.json]
+
+Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
+rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
+bytes / 4.2 TB/s. Device time as tools/dev/gpu_timing.py measures it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+N_EMBD, N_KV, N_FF = 4096, 1024, 14336
+SHAPES = dict(wq=(N_EMBD, N_EMBD), wk=(N_KV, N_EMBD), wv=(N_KV, N_EMBD), wo=(N_EMBD, N_EMBD),
+              wg=(N_FF, N_EMBD), wu=(N_FF, N_EMBD), wd=(N_EMBD, N_FF))
+GEMV_TOKENS = (1, 2, 4, 8, 16)
+GEMM_TOKENS = (16, 32, 64, 128)
+
+
+def _layer(cp, type_name: str, seed: int) -> dict:
+    """{name: QMatrix} of one layer: each matrix's rows drawn from 64 rows ggml quantized."""
+    import numpy as np
+
+    from ggml_attn.block_types import block_layout
+    from ggml_attn.graph.model_device import QMatrix
+    from ggml_attn.quant import quantize
+    lay = block_layout(type_name)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (n_out, n_in) in SHAPES.items():
+        pool = quantize((rng.standard_normal((64, n_in)) * 0.02).astype(np.float32), lay.type_id)
+        blocks = cp.asarray(pool)[cp.asarray(rng.integers(0, 64, n_out))]
+        out[name] = QMatrix(type_name, (n_out, n_in), blocks,
+                            scratch=cp.empty(max(N_FF, N_EMBD) * N_EMBD, cp.float16))
+    return out
+
+
+def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) -> list[dict]:
+    import cupy as cp
+
+    from ggml_attn import kernels as K
+    from ggml_attn.graph.xp_matmul import gemv_q_launch
+    rows = []
+    for t in types:
+        layers = [_layer(cp, t, s) for s in range(2)]
+        nbytes = sum(w.nbytes for w in layers[0].values())
+        floor = nbytes / 4.2e6
+        for n in GEMV_TOKENS:
+            x = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32)
+            xf = cp.random.standard_normal((n, N_FF), dtype=cp.float32)
+            outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
+
+            def layer_fn(ws):
+                steps = [gemv_q_launch([w], xf if k == "wd" else x, [outs[k]], mode=0) for k, w in ws.items()]
+                assert all(steps), "the llama-3-8B shapes fit dense_gemv_q"
+
+                def go():
+                    for s in steps:
+                        s()
+                return go
+            med, lo, hi = device_us([layer_fn(ws) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemv", n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
+                             floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
+            log(f"{t:5s} gemv n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+        for n in GEMM_TOKENS:
+            x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
+            xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
+
+            def gemm_fn(ws):
+                import ctypes
+                steps = []
+                for k, w in ws.items():
+                    n_out, n_in = w.shape
+                    fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
+                    deq = K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr),
+                                        ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                                        ctypes.c_int32(n_in), ctypes.c_int64(n_out))
+                    a = w.scratch[: n_out * n_in].reshape(n_out, n_in)
+                    xx = xf16 if k == "wd" else x16
+                    steps.append((deq, a, xx))
+
+                def go():
+                    for deq, a, xx in steps:
+                        deq()
+                        cp.matmul(xx, a.T)
+                return go
+            med, lo, hi = device_us([gemm_fn(ws) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="dequant+cublas", n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1)))
+            log(f"{t:5s} dequant+cuBLAS n_tok={n:3d} {med:9.1f} us")
+        del layers
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    from gpu_timing import device_us
+    rows = run(device_us, tuple(a.types.split(",")))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, __import__("os").path.dirname(__file__))
+    sys.exit(main())
