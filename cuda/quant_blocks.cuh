@@ -71,6 +71,35 @@ QB_HD float qb_half(const qb_u8* p) {
 #endif
 }
 
+// 16 bytes at p as four little-endian words: one 16-byte load on the device where p is 16-byte
+// aligned (Q4_K and Q5_K blocks in rows of 16-byte aligned matrices: 144 and 176 bytes a
+// block), bytes otherwise (warp-uniform: every block of such a matrix has p's alignment).
+QB_HD void qb_load16(const qb_u8* p, unsigned (&w)[4]) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    if ((reinterpret_cast<unsigned long long>(p) & 15) == 0) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p);
+        w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+        return;
+    }
+#endif
+    for (int i = 0; i < 4; ++i)
+        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
+               ((unsigned)p[4 * i + 3] << 24);
+}
+
+// Byte j (0..3) of x as float, exactly: the bits of 2^23 + byte (one byte permute on the
+// device, no integer-to-float conversion), minus 2^23.
+QB_HD float qb_byte_f(unsigned x, int j) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __uint_as_float(__byte_perm(x, 0x4B000000u, 0x7440u + (unsigned)j)) - 8388608.0f;
+#else
+    const uint32_t bits = 0x4B000000u | ((x >> (8 * j)) & 0xFFu);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f - 8388608.0f;
+#endif
+}
+
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
 QB_HD void qb_scale_min_k4(int j, const qb_u8* q, int& d, int& m) {
     if (j < 4) {
@@ -175,7 +204,13 @@ template <> QB_HD void qb_dequant32<QB_Q4_K>(const qb_u8* b, int s, float (&v)[3
     const float d1 = d * (float)sc, m1 = mn * (float)m;
     const qb_u8* q = b + 16 + 32 * (s >> 1);
     const int shift = 4 * (s & 1);
-    for (int l = 0; l < 32; ++l) v[l] = d1 * (float)((q[l] >> shift) & 0xF) - m1;
+    unsigned w[8];
+    qb_load16(q, *reinterpret_cast<unsigned (*)[4]>(w));
+    qb_load16(q + 16, *reinterpret_cast<unsigned (*)[4]>(w + 4));
+    for (int i = 0; i < 8; ++i) {   // four nibbles a word, each in its own byte
+        const unsigned m = (w[i] >> shift) & 0x0F0F0F0Fu;
+        for (int j = 0; j < 4; ++j) v[4 * i + j] = d1 * qb_byte_f(m, j) - m1;
+    }
 }
 
 // Q5_K: d @0, dmin @2, scales[12] @4, qh[32] @16, qs[128] @48. Sub-block s: nibble (s & 1) of
@@ -185,10 +220,17 @@ template <> QB_HD void qb_dequant32<QB_Q5_K>(const qb_u8* b, int s, float (&v)[3
     int sc, m;
     qb_scale_min_k4(s, b + 4, sc, m);
     const float d1 = d * (float)sc, m1 = mn * (float)m;
-    const qb_u8* qh = b + 16;
     const qb_u8* q = b + 48 + 32 * (s >> 1);
-    const int shift = 4 * (s & 1), u = 1 << s;
-    for (int l = 0; l < 32; ++l) v[l] = d1 * (float)(((q[l] >> shift) & 0xF) + ((qh[l] & u) ? 16 : 0)) - m1;
+    const int shift = 4 * (s & 1);
+    unsigned w[8], h[8];
+    qb_load16(q, *reinterpret_cast<unsigned (*)[4]>(w));
+    qb_load16(q + 16, *reinterpret_cast<unsigned (*)[4]>(w + 4));
+    qb_load16(b + 16, *reinterpret_cast<unsigned (*)[4]>(h));
+    qb_load16(b + 32, *reinterpret_cast<unsigned (*)[4]>(h + 4));
+    for (int i = 0; i < 8; ++i) {   // nibble | fifth bit (bit s of qh) << 4, a value a byte
+        const unsigned m = ((w[i] >> shift) & 0x0F0F0F0Fu) | (((h[i] >> s) & 0x01010101u) << 4);
+        for (int j = 0; j < 4; ++j) v[4 * i + j] = d1 * qb_byte_f(m, j) - m1;
+    }
 }
 
 // Q6_K: ql[128] @0, qh[64] @128, scales[16] (int8) @192, d @208. Sub-block s: 128-value half
