@@ -12,17 +12,23 @@
 #   3. a 70B-shaped Q4_K_M file (tests/fixtures_gguf.py --preset llama-3-70b: 40 GB, which did not
 #      fit one H200 while weights were dequantized to F16): ggml-attn-bench pp512/tg128 -> $OUT/m70.jsonl
 #
-#   tools/dev/gpu_weights_run.sh [--install] [--skip-side] [--skip-greedy] [--skip-70b]
+# Steps in that order (0, 1, 3, 2): what a call cut at its limit finished comes back (each step
+# writes its JSON as it goes).
+#
+#   tools/dev/gpu_weights_run.sh [--install] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
+#                                [--skip-greedy] [--skip-70b]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-INSTALL=0; SIDE=1; GREEDY=1; M70=1
-for a in "$@"; do
-  case "$a" in
-    --install) INSTALL=1;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
-    *) echo "unknown option $a" >&2; exit 2;;
+INSTALL=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --install) INSTALL=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
+    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;;
+    *) echo "unknown option $1" >&2; exit 2;;
   esac
+  shift
 done
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
@@ -30,23 +36,20 @@ if [ $INSTALL = 1 ] || ! command -v ggml-attn-bench >/dev/null; then
   bash tools/dev/gpu_check.sh --no-tests --no-sanitize --no-bench --no-cli > "$OUT/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$OUT/install_run.log"; exit 1; }
 fi
-echo "== block GEMV / GEMM (one 8B layer per type)"
-(cd tools/dev && $PY gpu_dense_q_bench.py --out "$OUT/dense_q.json") 2>&1 | tail -50 || status=1
-echo "   ($(( $(date +%s) - t0 ))s so far)"
-if [ $SIDE = 1 ]; then
-  echo "== llama.cpp side by side: F16, Q4_K_M, Q8_0"
-  $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$OUT" --gguf /tmp/m8b.gguf \
-      --quant Q4_K_M,Q8_0 --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
+if [ $DENSE = 1 ]; then
+  echo "== block GEMV / GEMM (one 8B layer per type)"
+  (cd tools/dev && $PY gpu_dense_q_bench.py --out "$OUT/dense_q.json") 2>&1 | tail -50 || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
-if [ $GREEDY = 1 ] && [ -f /tmp/m8b-Q4_K_M.gguf ]; then
-  echo "== greedy's step, engine replay off / on (Q4_K_M)"
-  $PY tools/dev/gpu_greedy_time.py /tmp/m8b-Q4_K_M.gguf --out "$OUT/greedy.json" 2>&1 | tail -8 || status=1
+if [ $SIDE = 1 ]; then
+  echo "== llama.cpp side by side: F16, $QUANT"
+  $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$OUT" --gguf /tmp/m8b.gguf \
+      --quant "$QUANT" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $M70 = 1 ]; then
   echo "== 70B-shaped Q4_K_M"
-  rm -f /tmp/m8b.gguf /tmp/m8b-Q8_0.gguf   # the disk holds 64 GB
+  rm -f /tmp/m8b.gguf /tmp/m8b-Q*_0.gguf /tmp/m8b-Q[5-6]_K*.gguf   # the disk holds 64 GB (Q4_K_M stays: greedy)
   $PY tests/fixtures_gguf.py /tmp/m70q.gguf --preset llama-3-70b --ftype Q4_K_M --vocab 32000 > "$OUT/m70_write.log" 2>&1 \
     || { status=1; tail -5 "$OUT/m70_write.log"; }
   echo "   written ($(( $(date +%s) - t0 ))s so far)"
@@ -54,6 +57,13 @@ if [ $M70 = 1 ]; then
     || { status=1; tail -5 "$OUT/m70.log"; }
   cat "$OUT/m70.jsonl"; grep -iE "memory|GiB|weights" "$OUT/m70.log" | head -5
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
+  rm -f /tmp/m70q.gguf
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
+fi
+if [ $GREEDY = 1 ] && [ -f /tmp/m8b-Q4_K_M.gguf ]; then
+  echo "== greedy's step, engine replay off / on (Q4_K_M)"
+  $PY tools/dev/gpu_greedy_time.py /tmp/m8b-Q4_K_M.gguf --out "$OUT/greedy.json" 2>&1 | tail -8 || status=1
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 echo "== done in $(( $(date +%s) - t0 ))s, status $status"
 exit $status
