@@ -380,12 +380,12 @@ def _callback_slow(dst_p, ith, nth, spec, userdata: int):
             # backend 'reference': the reference on host copies, whatever the kernel setting
             _bind_and_launch(spec, node, plan, q, k, v, mask, sinks, dst,
                              kernel="reference" if backend == "reference" else _settings["kernel"])
-        elif choice.kernel != "cpu":   # host data, a GPU kernel: staged through pinned buffers
-            if ith != 0:
+        elif choice.kernel != "cpu":   # host data for the GPU: staged through pinned buffers, where
+            if ith != 0:               # the backend decides on the staged call's full facts (mask, plan)
                 return
             from . import cuda_backend  # noqa: PLC0415
             cuda_backend.run_host_on_gpu(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
-                                         kernel=choice.kernel)
+                                         kernel=_settings["kernel"])
         else:
             with _single_threaded_blas:
                 cpu.flash_attn_ext_host(q, k, v, mask, sinks, dst, dims, p.scale, p.max_bias,
