@@ -224,6 +224,32 @@ def test_best_kernel_is_asked_by_the_op_and_the_plan_only():
     assert {f: n for f, n in sites.items() if f != "dispatch.py"} == {"op.py": 1, "cuda_plan.py": 1}
 
 
+@pytest.mark.parametrize("backend, on_device, want", [
+    ("auto", True, ("bind", "auto")), ("reference", True, ("bind", "reference")),
+    ("auto", False, ("host", "auto")), ("cuda", False, ("host", "auto"))])
+def test_the_op_routes_device_data_to_the_backend_without_choosing(case_ctx, monkeypatch, backend, on_device, want):
+    """Device data on the GPU backend goes to bind under the op's kernel setting (the backend's
+    plan decides; the op asks best_kernel nothing), 'reference' too; host data with a usable
+    GPU: the op asks best_kernel once, then stages the call under the setting (the backend
+    decides on the staged call's facts)."""
+    from ggml_attn import cuda_backend
+    ctx, tensors, _ = case_ctx
+    asked, ran = [], []
+    real = dispatch.best_kernel
+    monkeypatch.setattr(dispatch, "best_kernel", lambda *a, **kw: asked.append(a[0]) or real(*a, **kw))
+    monkeypatch.setattr(op, "gpu_available", lambda: True)
+    monkeypatch.setattr(op, "_is_device_pointer", lambda ptr: on_device)
+    monkeypatch.setattr(op, "_maybe_device_pointer", lambda ptr: on_device)   # (backend 'reference')
+    monkeypatch.setattr(op, "_device_arch", lambda: "sm_90")
+    monkeypatch.setattr(op, "_bind_and_launch", lambda *a, kernel, **kw: ran.append(("bind", kernel)))
+    monkeypatch.setattr(cuda_backend, "run_host_on_gpu", lambda *a, kernel, **kw: ran.append(("host", kernel)))
+    ggml_attn.set_backend(backend)
+    node = _node(ctx, tensors)
+    ggml_attn.compute_graph(ctx, graph_of(ctx, node), 1)
+    assert ran == [want]
+    assert asked == ([] if on_device else ["auto"])
+
+
 def test_the_plan_keeps_its_decisions(monkeypatch):
     """cuda_plan.decide asks best_kernel once per (kernel, call facts) of a plan: every later
     call with the same facts (each layer of a ubatch) gets the kept decision; other facts
