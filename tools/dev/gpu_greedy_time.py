@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--xp", default="cupy", choices=("cupy", "numpy"), help="the cache's arrays (numpy: a CPU "
+                                                                          "check of this script)")
     a = ap.parse_args(argv)
     import numpy as np
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
     for cg in (False, True):
         ModelEngine.CUDA_GRAPHS = cg
         cache = KVCache(-(-(a.n_prompt + a.steps + 1) // 256) * 256, a.n_seq, unified=True, n_layer=hp.n_layer,
-                        n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim, xp="cupy")
+                        n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim, xp=a.xp)
 
         def run(n):
             cache.seq_rm(-1)
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     same = tokens[False] == tokens[True]
     print(f"tokens equal with and without replay: {same}", flush=True)
     cli = shutil.which("ggml-attn-batched-bench")
-    if cli:
+    if cli and a.xp == "cupy":
         p = subprocess.run([cli, "--device", "cuda", "-m", a.gguf, "-npp", str(a.n_prompt), "-ntg", str(a.steps),
                             "-npl", str(a.n_seq), "-kvu", "-r", str(a.reps), "-o", "jsonl"],
                            capture_output=True, text=True, timeout=600)
