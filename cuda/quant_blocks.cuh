@@ -87,18 +87,34 @@ QB_HD void qb_load16(const qb_u8* p, unsigned (&w)[4]) {
                ((unsigned)p[4 * i + 3] << 24);
 }
 
-// Byte j (0..3) of x as float, exactly: the bits of 2^23 + byte (one byte permute on the
-// device, no integer-to-float conversion), minus 2^23.
-QB_HD float qb_byte_f(unsigned x, int j) {
+// 32 bytes at a 2-byte aligned p (Q6_K's 210-byte blocks) as eight little-endian words, read as
+// sixteen 2-byte halves.
+QB_HD void qb_load32_2(const qb_u8* p, unsigned (&w)[8]) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-    return __uint_as_float(__byte_perm(x, 0x4B000000u, 0x7440u + (unsigned)j)) - 8388608.0f;
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    for (int i = 0; i < 8; ++i) w[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
+#else
+    for (int i = 0; i < 8; ++i)
+        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
+               ((unsigned)p[4 * i + 3] << 24);
+#endif
+}
+
+// Byte j (0..3) of x plus 2^23, as float (exact): one byte permute into 2^23's bits on the
+// device, no integer-to-float conversion. Subtracting 2^23 (+ an offset) is exact as well.
+QB_HD float qb_byte_2p23(unsigned x, int j) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __uint_as_float(__byte_perm(x, 0x4B000000u, 0x7440u + (unsigned)j));
 #else
     const uint32_t bits = 0x4B000000u | ((x >> (8 * j)) & 0xFFu);
     float f;
     memcpy(&f, &bits, 4);
-    return f - 8388608.0f;
+    return f;
 #endif
 }
+
+// Byte j (0..3) of x as float, exactly.
+QB_HD float qb_byte_f(unsigned x, int j) { return qb_byte_2p23(x, j) - 8388608.0f; }
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j (ggml's get_scale_min_k4).
 QB_HD void qb_scale_min_k4(int j, const qb_u8* q, int& d, int& m) {
@@ -243,8 +259,12 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
     const qb_u8* qh = b + 128 + 32 * n;
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
     const int lshift = 4 * (k >> 1), hshift = 2 * k;
-    for (int l = 0; l < 32; ++l) {
-        const int q = (((ql[l] >> lshift) & 0xF) | (((qh[l] >> hshift) & 3) << 4)) - 32;
-        v[l] = d * (float)sc[l >> 4] * (float)q;
+    unsigned lw[8], hw[8];
+    qb_load32_2(ql, lw);
+    qb_load32_2(qh, hw);
+    const float ds[2] = {d * (float)sc[0], d * (float)sc[1]};   // ggml's d * sc, then times q
+    for (int i = 0; i < 8; ++i) {   // the 6-bit values of four cells, one a byte
+        const unsigned m = ((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4);
+        for (int j = 0; j < 4; ++j) v[4 * i + j] = ds[i >> 2] * (qb_byte_2p23(m, j) - 8388640.0f);   // q - 32
     }
 }
