@@ -182,7 +182,12 @@ template <> QB_HD void qb_dequant32<QB_Q5_1>(const qb_u8* b, int, float (&v)[32]
 
 template <> QB_HD void qb_dequant32<QB_Q8_0>(const qb_u8* b, int, float (&v)[32]) {
     const float d = qb_half(b);
-    for (int j = 0; j < 32; ++j) v[j] = (float)(signed char)b[2 + j] * d;
+    unsigned w[8];
+    qb_load32_2(b + 2, w);
+    for (int i = 0; i < 8; ++i) {   // q + 128 a byte, then 2^23 + 128 off exactly: q, no conversion
+        const unsigned m = w[i] ^ 0x80808080u;
+        for (int j = 0; j < 4; ++j) v[4 * i + j] = (qb_byte_2p23(m, j) - 8388736.0f) * d;
+    }
 }
 
 // Q2_K: scales[16] @0, qs[64] @16, d @80, dmin @82. Sub-block s: 128-value half n = s / 4,
