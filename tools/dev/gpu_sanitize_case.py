@@ -242,10 +242,6 @@ def _quantized(cp, rng, mask) -> int:
     return bad
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _dense_q(cp, rng) -> int:
     """cuda/dense_q.cu on every weight block type: dense_gemv_q (1 and 16 tokens, RMS norm with
     its weight, gate and up in one launch, 45 rows: a partial block of warps), dense_dequant_f16
@@ -307,3 +303,7 @@ def _dense_q(cp, rng) -> int:
         bad += not ok
         print(f"dequant  {name:5s} f16 nmse={e16:.2e} get_rows nmse={er:.2e} {'ok' if ok else 'FAIL'}")
     return bad
+
+
+if __name__ == "__main__":
+    main()
