@@ -216,15 +216,16 @@ class Model:
     def device_weights(self, xp=np):
         """The weights as all-custom (device-resident) graphs read them
         (``model_device.DeviceWeights``: F16 matrices of ``xp`` with the RMS-norm weights folded
-        in), built on the first call per array module and device and kept on the model."""
-        from .model_device import DeviceWeights  # noqa: PLC0415
-        key = (xp.__name__,)
+        in, block matrices in their blocks or as F16: ``model_device.keep_blocks``), built on the
+        first call per array module, device and ``model_device.WEIGHTS`` and kept on the model."""
+        from . import model_device  # noqa: PLC0415
+        key = (xp.__name__, model_device.WEIGHTS)   # (the form setting: another one builds again)
         if xp is not np:
             key += (int(xp.cuda.Device().id),)
         cache = self.__dict__.setdefault("_device_weights", {})
         dw = cache.get(key)
         if dw is None:
-            dw = cache[key] = DeviceWeights.from_model(self, xp)
+            dw = cache[key] = model_device.DeviceWeights.from_model(self, xp)
         return dw
 
     def type_summary(self) -> str:

@@ -1,8 +1,9 @@
 """A model's weights for all-custom (device-resident) graphs, in the cache's array module
 (numpy or CuPy): matrices of ggml's block types (``ggml_attn.block_types``: Q4_0 .. Q6_K) stay in
-their blocks, exactly the file's bytes (:class:`QMatrix`); float matrices become F16 with the
-RMS-norm weights folded in; other types (IQ*) are dequantized to F16 at load (said once on
-stderr).
+their blocks, exactly the file's bytes (:class:`QMatrix`), or, on a GPU where :func:`keep_blocks`
+says so (``GGML_ATTN_WEIGHTS``: F16 while it fits, today's faster form), become F16 as float
+matrices do: dequantized on the GPU, the RMS-norm weights folded in; other types (IQ*) are
+dequantized to F16 at load (said once on stderr).
 
 The device form of the llama block (``model_graph.py``) runs on ``xp_matmul``'s fused ops, which
 take the block's RMS norm and its weight ``g`` (numpy order ``(n_in,)``): a :class:`QMatrix`
@@ -28,15 +29,15 @@ as Q4_K_M (4.6 GiB file): the file's tensor bytes, plus the 117 MB scratch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import os
 import sys
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ggml_attn.block_types import block_layout, is_block_type
 
-__all__ = ["DeviceWeights", "QMatrix", "fold_norm"]
+__all__ = ["DeviceWeights", "QMatrix", "fold_norm", "keep_blocks"]
 
 _QKV, _FFN = ("wq", "wk", "wv"), ("wg", "wu")
 # a layer's F32 vectors, where the model has them: biases, norm weights (qwen3's per-head Q/K norms,
@@ -48,17 +49,51 @@ _STAGE_AHEAD = 1 << 30   # bytes of file read ahead of the matrix being folded (
 SCRATCH_MIN_ELEMENTS = 1 << 22   # F16 scratch of a GPU holding block matrices: at least this (and the largest layer matrix)
 _RAW_TYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
 
+# The form of block-type matrices on a GPU: "auto", "blocks" or "f16" ($GGML_ATTN_WEIGHTS). "auto"
+# keeps them as F16 (dequantized on the GPU at load, norms folded as for F16 files) while that fits,
+# else in their blocks. Measured on an H100 at 03946da (bench/results/2026-12-05-03946da-h100-
+# quant-weights.json): the block GEMV read 0.38-0.69 TB/s (its activations' loads are strided
+# across lanes, issue #43), tg128 on the 8B-shaped Q4_K_M file 65 t/s against llama.cpp's 281,
+# where the F16 form ran 224 t/s on the H200 (115bb1f). Blocks stay for what F16 cannot hold (a
+# 70B Q4_K_M file on one GPU) until the block GEMV reads at bandwidth.
+WEIGHTS = os.environ.get("GGML_ATTN_WEIGHTS", "auto")
+WEIGHT_FORMS = ("auto", "blocks", "f16")
+F16_FIT = 0.85   # "auto": F16 when its bytes are at most this share of the GPU's free memory
 
-def _jobs(model) -> list[tuple]:
+
+def keep_blocks(model, xp) -> tuple[bool, str]:
+    """(True: block-type matrices stay in their blocks on ``xp``; the reason): the one place
+    that decides (:data:`WEIGHTS`). Host arrays keep them (the numpy device form multiplies by
+    ggml's values); on a GPU, "auto" takes F16 while its bytes fit :data:`F16_FIT` of the free
+    memory. ValueError for an unknown :data:`WEIGHTS`."""
+    if WEIGHTS not in WEIGHT_FORMS:
+        raise ValueError(f"GGML_ATTN_WEIGHTS={WEIGHTS!r}: expected one of {', '.join(WEIGHT_FORMS)}")
+    if xp is np:
+        return True, "host arrays"
+    if not any(is_block_type(w.type_name) for _, w, _ in _jobs(model, True)):
+        return True, "no block-type matrices"
+    if WEIGHTS != "auto":
+        return WEIGHTS == "blocks", f"GGML_ATTN_WEIGHTS={WEIGHTS}"
+    need = DeviceWeights.expected_nbytes(model, blocks=False)
+    free = int(xp.cuda.runtime.memGetInfo()[0])
+    gib = 1 << 30
+    if need <= F16_FIT * free:
+        return False, (f"block matrices as F16 ({need / gib:.1f} GiB fits {free / gib:.1f} GiB free): the faster "
+                       f"form until the block GEMV reads at bandwidth")
+    return True, f"F16 would take {need / gib:.1f} GiB, {free / gib:.1f} GiB free: the matrices stay in their blocks"
+
+
+def _jobs(model, blocks: bool = True) -> list[tuple]:
     """Every matrix in file order of use: (key, Weight, norm Weight or None); key ``(il, name)``
-    for a layer's, ``"tok_embd"`` / ``"output"`` for the others."""
+    for a layer's, ``"tok_embd"`` / ``"output"`` for the others (``blocks``: block matrices stay
+    in their blocks, so a tied block head is the embedding's, no job of its own)."""
     jobs = [("tok_embd", model.tok_embd, None)]
     for il, lw in enumerate(model.layers):
         jobs += [((il, k), lw[k], lw["attn_norm"]) for k in _QKV]
         jobs += [((il, "wo"), lw["wo"], None)]
         jobs += [((il, k), lw[k], lw["ffn_norm"]) for k in _FFN]
         jobs += [((il, "wd"), lw["wd"], None)]
-    if not (model.tied_output and is_block_type(model.output.type_name)):   # a tied block head: the embedding's
+    if not (blocks and model.tied_output and is_block_type(model.output.type_name)):   # a tied block head: the embedding's
         jobs.append(("output", model.output, model.output_norm))
     return jobs
 
@@ -116,6 +151,22 @@ def _raw_values(raw, w, xp):
     return vals
 
 
+def _block_values(q: "QMatrix", xp):
+    """ggml's values of block matrix ``q`` as F32 ``(n_out, n_in)`` numpy order, on the GPU
+    (``dense_get_rows_q`` over every row, on the current stream): what the host path gets from
+    ggml's dequantization, so the F16 form folds and rounds as it does."""
+    import ctypes   # noqa: PLC0415
+    from ggml_attn import kernels as K   # noqa: PLC0415
+    n_out, n_in = q.shape
+    ids = xp.arange(n_out, dtype=np.int32)
+    vals = xp.empty((n_out, n_in), dtype=np.float32)
+    fn = K.get_function(K.dense_q_variant(q.type_id), f"dense_get_rows_q<{q.type_id}>")
+    K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(q.blocks.data.ptr), ctypes.c_uint64(ids.data.ptr),
+                  ctypes.c_uint64(vals.data.ptr), ctypes.c_int64(q.row_bytes), ctypes.c_int32(n_in),
+                  ctypes.c_int64(n_out))()
+    return vals
+
+
 def fold_norm(w, g, name: str, *, check: bool = True):
     """F16 ``w * g[None, :]``, computed in float32 in ``w``'s array module (``w`` ``(n_out,
     n_in)`` of any float type, ``g`` float32 ``(n_in,)``, both numpy or both CuPy); ValueError
@@ -161,19 +212,20 @@ class DeviceWeights:
             staged = xp is not np
         if staged and xp is np:
             raise ValueError("staged loading copies to a GPU: it needs xp=cupy")
-        jobs = _jobs(model)
+        blocks, why = keep_blocks(model, xp)
+        jobs = _jobs(model, blocks)
         up = None
         if staged and any(_raw_ok(w) for _, w, _ in jobs):
             from .upload import FileUploader   # noqa: PLC0415
             up = FileUploader(model.path)
         try:
-            return cls._build(model, xp, jobs, up)
+            return cls._build(model, xp, jobs, up, blocks, why)
         finally:
             if up is not None:
                 up.close()
 
     @classmethod
-    def _build(cls, model, xp, jobs, up) -> "DeviceWeights":
+    def _build(cls, model, xp, jobs, up, blocks: bool = True, why: str = "") -> "DeviceWeights":
         import collections
         import contextlib
 
@@ -216,9 +268,13 @@ class DeviceWeights:
                 if is_block_type(w.type_name):   # the file's bytes, as they are
                     raw = xp.asarray(w.data) if raw is None else raw
                     shape = tuple(reversed(w.ne))
-                    out[key] = QMatrix(w.type_name, shape, raw.reshape(shape[0], -1))
-                    continue
-                vals = None if raw is None else _raw_values(raw, w, xp)
+                    q = QMatrix(w.type_name, shape, raw.reshape(shape[0], -1))
+                    if blocks:
+                        out[key] = q
+                        continue
+                    vals = _block_values(q, xp)   # ggml's values in F32, on the GPU; folded below
+                else:
+                    vals = None if raw is None else _raw_values(raw, w, xp)
                 if norm is None:
                     if vals is None:
                         vals = to_xp(w.to_float(np.float16))
@@ -259,6 +315,10 @@ class DeviceWeights:
                 m.scratch = scratch
         others = sorted({w.type_name for _, w, _ in jobs if not is_block_type(w.type_name)
                          and w.type_name not in _RAW_TYPES})
+        as_f16 = sorted({w.type_name for _, w, _ in jobs if is_block_type(w.type_name)}) if not blocks else []
+        if as_f16:   # said once per model and device, as the IQ types below
+            print(f"ggml-attn: {model.path}: {', '.join(as_f16)} matrices as F16 on the device ({why}; "
+                  f"GGML_ATTN_WEIGHTS=blocks keeps them in their blocks)", file=sys.stderr)
         if others:   # said once per model and device: these weights take 2 bytes a value
             print(f"ggml-attn: {model.path}: {', '.join(others)} weights are dequantized to F16 on the device "
                   f"(no kernel reads their blocks)", file=sys.stderr)
@@ -296,13 +356,14 @@ class DeviceWeights:
         return dict(sorted(count.items(), key=lambda kv: -kv[1]))
 
     @staticmethod
-    def expected_nbytes(model) -> int:
+    def expected_nbytes(model, blocks: bool = True) -> int:
         """:attr:`nbytes` from the model's tensors alone (before building): a block matrix its
-        file bytes, any other matrix 2 bytes a value (a tied F16 head twice), the F32 vectors."""
+        file bytes (``blocks=False``: 2 bytes a value, as F16), any other matrix 2 bytes a value
+        (a tied F16 head twice), the F32 vectors."""
         def mat(w):
-            return w.nbytes if is_block_type(w.type_name) else 2 * int(np.prod(w.ne, dtype=np.int64))
+            return w.nbytes if blocks and is_block_type(w.type_name) else 2 * int(np.prod(w.ne, dtype=np.int64))
         n = mat(model.tok_embd)
-        if not model.tied_output or not is_block_type(model.output.type_name):
+        if not (blocks and model.tied_output and is_block_type(model.output.type_name)):
             n += mat(model.output)   # its own, or the tied F16 head's folded copy
         for lw in model.layers:
             n += sum(mat(lw[k]) for k in (*_QKV, *_FFN, "wo", "wd"))

@@ -403,20 +403,32 @@ GPU_NAMES = ["llama-f32", "llama-f16", "llama-bf16", "llama-q8_0", "llama-q4_k",
              "qwen2-f32", "qwen2-q8_0", "qwen3-f32", "gemma-f32", "gemma-q8_0", "gemma2-f32"]
 
 
+def _float_file(n: str) -> bool:
+    return fixtures_gguf.SPECS[n].wtype.upper() in ("F32", "F16", "BF16")
+
+
+# float files once; quantized ones in both device forms of their matrices (blocks, F16)
+GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
+             for form in (("auto",) if _float_file(n) else ("blocks", "f16"))]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @needs_ref
-@pytest.mark.parametrize("name", [n for n in GPU_NAMES if n in fixtures_gguf.SPECS])
-def test_gpu_logits_and_greedy_tokens(gguf_dir, name):
+@pytest.mark.parametrize("name, form", GPU_CASES)
+def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     """Device-resident graphs (CuPy cache, our CUDA kernels): the prompt logits under several
     splits and both KV modes against llama.cpp's, and the greedy tokens. F16's bound (5e-4) for
     F32/F16/BF16 files (the GPU runs F16 weights); 1e-3 for quantized ones, whose matrices stay
-    in their blocks on the GPU (cuda/dense_q.cu: F32 activations) where llama.cpp rounds the
+    in their blocks on the GPU (cuda/dense_q.cu: F32 activations) or become F16, where llama.cpp rounds the
     activations to 8 bits (its own two attention paths differ by up to 3.2e-4 on these files; the
     first GPU run, F16-dequantized weights then, measured 5.7e-4 on qwen2-q8_0). Ubatches of 16
     tokens run the block GEMV; for quantized files ubatches of 512 too (the GEMM path: blocks
     dequantized into the F16 scratch, cuBLAS). Greedy tokens for the float files (for quantized
-    ones llama.cpp's own paths disagree: test_greedy_tokens)."""
+    ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
+    forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16."""
+    from ggml_attn.graph import model_device
+    monkeypatch.setattr(model_device, "WEIGHTS", form)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp
