@@ -1,8 +1,9 @@
 // The full block's matmuls over weights kept in ggml's blocks (graph/xp_ops.py; the blocks'
 // layouts and decoding: quant_blocks.cuh), one NVRTC program per block type T (a ggml type id):
 //   dense_gemv_q<T,NT>     y = W·x for n_tok <= NT tokens (NT 1, 2, 4, 8, 16): every weight byte
-//                          read once per launch, decoded in registers, F32 activations and
-//                          accumulation (no requantization of x); up to three matrices of type T
+//                          read once per launch, decoded in registers, F32 activations (staged in
+//                          shared memory per block, times g) and accumulation (no requantization
+//                          of x); up to three matrices of type T
 //                          in one launch, storing, accumulating (y += W·x) or gated
 //                          (y = silu(W0·x) * (W1·x)), optionally of the RMS-normalized x times a
 //                          norm weight g -- as dense.cu's dense_gemv for F16 weights;
