@@ -99,8 +99,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 4 ? 2 : 4) dense_gemv_q
     __shared__ __align__(16) float xs[QG][XS_CHUNK * XS_STRIDE];
     int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    float s[NT];
-    rms_scales<NT>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread
     GemvQSeg sg;
     const bool live = gemv_segment(p, r, sg);   // rows past the end stage x with the others
     const unsigned char* w0 = live ? sg.w + (long long)r * p.row_bytes : nullptr;
@@ -128,6 +126,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 4 ? 2 : 4) dense_gemv_q
             }
         }
     }
+    float s[NT];   // after the loop: 16 registers fewer live in it
+    rms_scales<NT>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread
     if (!live) return;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
