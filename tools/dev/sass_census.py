@@ -1,21 +1,24 @@
-"""Instruction census of a compiled kernel program, no GPU needed: NVRTC compiles the variant
-(ggml_attn.kernels), cuobjdump disassembles it, and each function's loops (the ranges closed
-by a backward branch) are counted by opcode -- the CPU-side half of a kernel change (issue
-#48's "SASS census"): instructions a loop iteration issues against the bytes it brings in.
+"""Static look at a compiled kernel, without a GPU: registers and spills (ptxas), and the SASS
+instruction mix (nvdisasm) of one program -- a prediction's input when no device is lent.
 
-    python tools/dev/sass_census.py "K.dense_q_variant(12)" --function dense_gemv_qILi12ELi1E
-    python tools/dev/sass_census.py "K.decode_tma_variant(dt.CONFIGS['q8_0'].name)" --arch sm_90
-    [--cuobjdump PATH] [--top 14] [--skip 0xde0-0xfa0,...]
+    python tools/dev/sass_census.py wgmma:pp-persistent-qtma decode-tma:q8_0 decode-tma:q8_0-scratch
+    python tools/dev/sass_census.py decode-tma:q8_0 --dump /tmp/q8.sass --top 40
+    python tools/dev/sass_census.py dense-q:Q4_K --loops dense_gemv_qILi12ELi1E [--skip 0xde0-0xfa0,...]
 
-``--skip`` leaves address ranges out of a loop's count (a branch not taken in the steady
-state, e.g. an unaligned fallback). cuobjdump: ``--cuobjdump``, else on PATH, else the one in
-Triton's wheel (``triton/backends/nvidia/bin``: ``pip download --no-deps triton``, unzip).
+PROGRAM: ``wgmma:<key>`` (wgmma_shape.WS_CONFIGS / WS_DIAG), ``decode-tma:<key>``
+(decode_tma_shape.CONFIGS), ``mma:<dk>:<type>``, ``vec:<dk>:<type>`` (type f16, bf16, q8_0,
+q4_0; d_v = d_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), compiled for sm_90a
+(the Hopper ones) or sm_90. nvdisasm: ``$NVDISASM``, else
+on PATH (pip's nvidia-cuda-nvdisasm wheel has one: nvidia/cu13/bin/nvdisasm). Counts are
+static (each instruction once, loops not unrolled by their trip counts): compare programs, or
+find a loop's body with ``--dump``, or count each loop of the functions whose mangled names
+contain ``--loops`` (the ranges closed by a backward branch: a loop iteration's instructions;
+``--skip`` leaves address ranges out, e.g. a fallback not taken in the steady state).
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import shutil
@@ -23,85 +26,125 @@ import subprocess
 import sys
 import tempfile
 
-_INS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
-_FN = re.compile(r"^\s+Function : (\S+)")
-_BRA = re.compile(r"BRA(?:\.\S+)?\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)")
+TYPES = {"f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
 
 
-def find_cuobjdump(given: str = "") -> str:
-    for c in [given, shutil.which("cuobjdump") or "",
-              *glob.glob(os.path.join(sys.prefix, "lib", "python3*", "site-packages", "triton", "backends",
-                                      "nvidia", "bin", "cuobjdump")),
-              *glob.glob("/tmp/*/triton/backends/nvidia/bin/cuobjdump")]:
-        if c and os.path.exists(c):
-            return c
-    raise SystemExit("no cuobjdump: give --cuobjdump (Triton's wheel carries one: triton/backends/nvidia/bin)")
+def variant_of(spec: str):
+    """(Variant, arch) of a PROGRAM spec."""
+    from ggml_attn import decode_tma_shape as dt
+    from ggml_attn import kernels as K
+    from ggml_attn import wgmma_shape as ws
+    fam, _, rest = spec.partition(":")
+    if fam == "wgmma":
+        c = ws.WS_CONFIGS.get(rest) or ws.WS_DIAG.get(rest)
+        if c is None:
+            raise SystemExit(f"no wgmma configuration {rest!r}: {', '.join([*ws.WS_CONFIGS, *ws.WS_DIAG])}")
+        return K.wgmma_variant(c.name), K.HOPPER_ARCH
+    if fam == "decode-tma":
+        if rest not in dt.CONFIGS:
+            raise SystemExit(f"no decode-tma configuration {rest!r}: {', '.join(dt.CONFIGS)}")
+        return K.decode_tma_variant(dt.CONFIGS[rest].name), K.HOPPER_ARCH
+    if fam == "dense-q":
+        from ggml_attn.block_types import block_layout
+        return K.dense_q_variant(block_layout(rest).type_id), "sm_90"
+    if fam in ("mma", "vec"):
+        d, _, t = rest.partition(":")
+        make = K.mma_variant if fam == "mma" else K.vec_variant
+        return make(int(d), int(d), TYPES[t or "f16"]), "sm_90"
+    raise SystemExit(f"unknown program {spec!r} (wgmma:KEY, decode-tma:KEY, mma:D:TYPE, vec:D:TYPE, dense-q:TYPE)")
 
 
-def opcode(text: str) -> str:
-    """The opcode's base name of one SASS instruction (predicate and modifiers dropped)."""
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+def nvdisasm() -> str:
+    path = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not path:
+        raise SystemExit("nvdisasm not found: set $NVDISASM or put it on PATH "
+                         "(pip download --no-deps nvidia-cuda-nvdisasm; it is in nvidia/cu13/bin)")
+    return path
 
 
-def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
-    """{mangled name: [(address, instruction text)]} of cuobjdump -sass output."""
-    out: dict[str, list] = {}
-    cur = None
+def census(sass: str) -> collections.Counter:
+    """Opcode (without modifiers) -> count, over every instruction line of nvdisasm's output."""
+    ops = collections.Counter()
+    for m in re.finditer(r"^\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s]", sass, re.M):
+        ops[m.group(1)] += 1
+    return ops
+
+
+_INS = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+
+
+def loops(sass: str, function: str, skip=()) -> list[tuple[str, int, int, collections.Counter]]:
+    """(function, start, end, opcode census) of each loop of the functions of nvdisasm's output
+    whose names contain ``function``: the address ranges from a branch's target label back to
+    the branch, ``skip`` ranges (start, end) left out of the counts."""
+    out, name, ins, labels, pending = [], None, [], {}, []
+
+    def close():
+        for a, text in ins:
+            m = re.search(r"BRA\S*\s+`\((\.L_x_\d+)\)", text)
+            lo = labels.get(m.group(1)) if m else None
+            if lo is not None and lo <= a:
+                body = "\n".join(t for b, t in ins if lo <= b <= a and not any(s <= b <= e for s, e in skip))
+                out.append((name, lo, a, census(body)))
     for line in sass.splitlines():
-        m = _FN.match(line)
+        m = re.match(r"^\.text\.(\S+):", line)
         if m:
-            cur = out.setdefault(m.group(1), [])
+            if name is not None and function in name:
+                close()
+            name, ins, labels, pending = m.group(1), [], {}, []
+            continue
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
             continue
         m = _INS.match(line)
-        if m and cur is not None:
-            cur.append((int(m.group(1), 16), m.group(2).strip()))
+        if m and name is not None:
+            a = int(m.group(1), 16)
+            labels.update((lab, a) for lab in pending)
+            pending = []
+            ins.append((a, m.group(2)))
+    if name is not None and function in name:
+        close()
     return out
-
-
-def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
-    """(start, end) address ranges closed by a backward branch, innermost last among nested."""
-    out = []
-    for a, t in ins:
-        m = _BRA.search(t)
-        if m and int(m.group(1), 16) <= a:
-            out.append((int(m.group(1), 16), a))
-    return sorted(out, key=lambda r: (r[0], -r[1]))
-
-
-def census(ins, lo: int, hi: int, skip=()) -> collections.Counter:
-    return collections.Counter(opcode(t) for a, t in ins
-                               if lo <= a <= hi and not any(s <= a <= e for s, e in skip))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("variant", help='a Python expression of ggml_attn.kernels (K) / decode_tma_shape (dt) / '
-                                    'wgmma_shape (ws) giving a Variant, e.g. "K.dense_q_variant(12)"')
-    ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--function", default="", help="substring of the mangled names to report")
-    ap.add_argument("--cuobjdump", default="")
-    ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--skip", default="", help="address ranges left out of loop counts: 0xA-0xB,...")
+    ap.add_argument("programs", nargs="+", metavar="PROGRAM")
+    ap.add_argument("--top", type=int, default=25, help="opcodes shown per program (default 25)")
+    ap.add_argument("--dump", help="write the (last) program's SASS here")
+    ap.add_argument("--loops", metavar="NAME", help="count each loop of the functions whose mangled names contain NAME")
+    ap.add_argument("--skip", default="", help="with --loops: address ranges left out, 0xA-0xB,...")
     a = ap.parse_args(argv)
-    from ggml_attn import decode_tma_shape as dt  # noqa: F401  (for the expression)
-    from ggml_attn import kernels as K
-    from ggml_attn import wgmma_shape as ws  # noqa: F401
-    variant = eval(a.variant, {"K": K, "dt": dt, "ws": ws})   # noqa: S307 - a developer's own expression
-    comp = K.compile_variant(variant, a.arch + variant.arch_suffix, use_disk_cache=False)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(comp.cubin)
-        f.flush()
-        sass = subprocess.run([find_cuobjdump(a.cuobjdump), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
     skip = [tuple(int(x, 16) for x in r.split("-")) for r in a.skip.split(",") if r]
-    for name, ins in functions(sass).items():
-        if a.function not in name:
-            continue
-        print(f"{name}: {len(ins)} instructions")
-        for lo, hi in loops(ins):
-            c = census(ins, lo, hi, skip)
-            top = ", ".join(f"{k} {n}" for k, n in c.most_common(a.top))
-            print(f"  loop {lo:#06x}-{hi:#06x}: {sum(c.values())} ({top})")
+    from ggml_attn import kernels as K
+    tool = nvdisasm()
+    rows = []
+    for spec in a.programs:
+        v, arch = variant_of(spec)
+        c = K.compile_variant(v, arch, use_disk_cache=False, extra_options=("-Xptxas=-v",))
+        usage = K.resource_usage(c.log)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.cubin)
+            f.flush()
+            sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        if a.dump:
+            with open(a.dump, "w") as out:
+                out.write(sass)
+        ops = census(sass)
+        u = next(iter(usage.values()), {})
+        rows.append((spec, ops))
+        print(f"== {spec} ({v.names[0]}, {arch}): {sum(ops.values())} instructions, "
+              f"{u.get('registers', '?')} registers, {u.get('spill_stores', '?')} bytes spilled")
+        print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common(a.top)))
+        for fn, lo, hi, c in loops(sass, a.loops, skip) if a.loops else ():
+            print(f"   loop {lo:#06x}-{hi:#06x} of {fn}: {sum(c.values())} "
+                  f"({', '.join(f'{op} {n}' for op, n in c.most_common(a.top))})")
+    if len(rows) > 1:   # side by side: the union of the top opcodes
+        keys = [op for op, _ in sum((r[1] for r in rows), collections.Counter()).most_common(a.top)]
+        print("\n" + f"{'opcode':12s}" + "".join(f"{s[:22]:>24s}" for s, _ in rows))
+        for op in keys:
+            print(f"{op:12s}" + "".join(f"{r[1][op]:24d}" for r in rows))
     return 0
 
 
