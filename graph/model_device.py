@@ -141,6 +141,18 @@ class QMatrix:
             self._values = dequantize_rows(b.ctypes.data, self.type_id, self.shape[1], self.shape[0], b.shape[1])
         return self._values
 
+    def rows_launch(self, ids, out):
+        """``out`` = rows ``ids`` of the matrix as F32, ggml's values (CuPy blocks): one
+        ``dense_get_rows_q`` launch (``kernels.BoundLaunch``, on the current stream when
+        called); ``ids`` int32 ``(n_ids,)`` in range, ``out`` F32 ``(n_ids, n_in)`` contiguous."""
+        import ctypes   # noqa: PLC0415
+        from ggml_attn import kernels as K   # noqa: PLC0415
+        n_in, t = self.shape[1], self.type_id
+        return K.grid_launch(K.get_function(K.dense_q_variant(t), f"dense_get_rows_q<{t}>"), ids.shape[0] * (n_in // 32),
+                             ctypes.c_uint64(self.blocks.data.ptr), ctypes.c_uint64(ids.data.ptr),
+                             ctypes.c_uint64(out.data.ptr), ctypes.c_int64(self.row_bytes), ctypes.c_int32(n_in),
+                             ctypes.c_int64(ids.shape[0]))
+
 
 def _raw_values(raw, w, xp):
     """The values of float weight ``w`` from its file bytes ``raw`` (``xp`` uint8), numpy order:
@@ -152,19 +164,12 @@ def _raw_values(raw, w, xp):
     return vals
 
 
-def _block_values(q: "QMatrix", xp):
-    """ggml's values of block matrix ``q`` as F32 ``(n_out, n_in)`` numpy order, on the GPU
-    (``dense_get_rows_q`` over every row, on the current stream): what the host path gets from
-    ggml's dequantization, so the F16 form folds and rounds as it does."""
-    import ctypes   # noqa: PLC0415
-    from ggml_attn import kernels as K   # noqa: PLC0415
-    n_out, n_in = q.shape
-    ids = xp.arange(n_out, dtype=np.int32)
-    vals = xp.empty((n_out, n_in), dtype=np.float32)
-    fn = K.get_function(K.dense_q_variant(q.type_id), f"dense_get_rows_q<{q.type_id}>")
-    K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(q.blocks.data.ptr), ctypes.c_uint64(ids.data.ptr),
-                  ctypes.c_uint64(vals.data.ptr), ctypes.c_int64(q.row_bytes), ctypes.c_int32(n_in),
-                  ctypes.c_int64(n_out))()
+def _block_values(q: QMatrix, xp):
+    """ggml's values of block matrix ``q`` as F32 ``(n_out, n_in)`` numpy order, on the GPU (every
+    row gathered, :meth:`QMatrix.rows_launch`): what the host path gets from ggml's
+    dequantization, so the F16 form folds and rounds as it does."""
+    vals = xp.empty(q.shape, dtype=np.float32)
+    q.rows_launch(xp.arange(q.shape[0], dtype=np.int32), vals)()
     return vals
 
 

@@ -89,12 +89,8 @@ def get_rows(b, table, ids_t, name: str, *, own: bool = False):
     out = xp.empty((n_ids, n), dtype=np.float32) if own else b.scratch((n_ids, n), np.float32)
     b.keep(table.blocks if _is_q(table) else table, ids)
     if _is_q(table):
-        from ggml_attn import kernels as K  # noqa: PLC0415
         _contig(name, ids, out)
-        t = table.type_id
-        run = K.grid_launch(K.get_function(K.dense_q_variant(t), f"dense_get_rows_q<{t}>"), n_ids * (n // 32),
-                            _dptr(table.blocks), _dptr(ids), _dptr(out), ctypes.c_int64(table.row_bytes),
-                            ctypes.c_int32(n), ctypes.c_int64(n_ids))
+        run = table.rows_launch(ids, out)
     elif xp is np:
         if table.dtype == np.float32:
             def run():
