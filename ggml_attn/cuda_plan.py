@@ -79,11 +79,9 @@ class Plan:
     # no MASKED tiles, "masked" otherwise; None: not measured. A verdict only on speed: the kernel
     # is right on every tile class (a refreshed mask may change it)
     wgmma_tiles: str | None = None
-    # the plan's decision (make_plan: dispatch.best_kernel for the call the plan was made for --
-    # K/V as the kernels want them, no sinks, softcap or ALiBi), and every decision made for this
-    # plan's calls, by (kernel asked for, call facts, backend flags, knob generation): bind asks
-    # :func:`decide`, which answers from here and never chooses twice for the same facts
-    choice: "dispatch.Choice | None" = None
+    # every decision made for this plan's calls, by (kernel asked for, call facts, backend flags,
+    # knob generation): bind asks :func:`decide`, which answers from here and never chooses twice
+    # for the same facts (every layer of a ubatch gets the first layer's decision)
     decisions: dict = field(default_factory=dict)
 
     def hint(self) -> tuple:
@@ -438,21 +436,19 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     d_v = d_k if d_v is None else d_v
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
-    dims = sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
     # the kernel family first, by shapes alone: which tile maps and statistics to build (the
     # sm_90a kernels asked for by name check the device's architecture; auto's sm_90a choices
     # follow the statistics, below)
     arch = K.device_arch() if kernel in ("prefill-wgmma", "decode-tma") else ""
     kern = decide(kernel, sh, arch=arch, masked=False).kernel
     if kern not in dispatch.GPU_KERNELS:
-        plan.choice = decide(kernel, dims, plan=plan)
         return plan
     if dispatch.reads_f16_copies(kern, kv_type):
         sh = replace(sh, kv_type=GGML_TYPE_F16)   # that kernel reads f16 copies of the blocks
     st = stream_ptr(stream)
     if kern == "cells":   # asked for by name: only its lists
         plan.read_cell_stats(st)
-        plan.choice = decide(kernel, dims, plan=plan)
         return plan
     # auto on a decode-shaped call: the cell lists too, queued before the first read-back, and
     # what each kernel would read (Plan.reads) for best_kernel's choice (not for quantized K/V:
@@ -477,7 +473,6 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
         plan.keep_only(kern)
     if kern not in ("decode", "cells") and mask_needs_aligned_copy(mask):
         plan.aligned(st)
-    plan.choice = decide(kernel, dims, plan=plan)
     return plan
 
 

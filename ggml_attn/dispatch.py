@@ -3,7 +3,7 @@
 :func:`best_kernel` is the one place that decides (as llama.cpp's
 ``ggml_cuda_get_best_fattn_kernel`` answers both "can it run?" and "what runs?"). Two callers
 ask it: the GPU backend through ``cuda_plan.decide`` (the plan keeps each decision: every
-layer's call of a ubatch gets the one made by ``make_plan``, FlashInfer's plan/run split), and
+layer's call of a ubatch gets the first layer's, FlashInfer's plan/run split), and
 the op for the calls the backend does not take whole (host data, no usable GPU). The facts
 come from one builder, :func:`call_facts`, over the call's ``validate.AttnDims``. Inputs are
 plain shape facts (ggml meaning): ``n_batch`` query tokens per stream, ``gqa`` query
