@@ -160,9 +160,17 @@ __global__ void __launch_bounds__(256) dense_dequant_f16(const unsigned char* __
         const int sub = (int)(e - row * per_row);
         float v[32];
         qb_dequant32<T>(w + row * row_bytes + (long long)(sub / S) * B, sub % S, v);
-        __half2* o = reinterpret_cast<__half2*>(out + row * n_in + 32 * sub);
+        // 16-byte stores (8 halves each): 4 store instructions a thread, not 16 of 4 bytes that each
+        // touched 32 sectors for 128 bytes (the 1.57 ms of dequantize + cuBLAS an 8B layer took on
+        // the H100, flat from 16 to 128 tokens: bench/NOTES.md, fourth session).
+        uint4* o = reinterpret_cast<uint4*>(out + row * n_in + 32 * sub);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) o[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        for (int j = 0; j < 4; ++j) {
+            __half2 h[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[8 * j + 2 * k], v[8 * j + 2 * k + 1]);
+            o[j] = *reinterpret_cast<const uint4*>(h);
+        }
     }
 }
 
