@@ -6,7 +6,8 @@
 #   1. llama.cpp and ours on the 8B-shaped F16 file and on the Q4_K_M / Q8_0 files llama.cpp's
 #      llama-quantize makes from it (tools/dev/llamacpp_side_by_side.py --quant; carry
 #      .lcpp/build-sm90.tar.xz, llama.cpp's bin/ built for sm_90): llama-bench pp512/tg128 and
-#      llama-batched-bench rows of both -> $OUT/side_by_side.json
+#      llama-batched-bench rows of both, ours in each --weights form (GGML_ATTN_WEIGHTS, default
+#      auto,blocks) -> $OUT/side_by_side.json
 #   2. graph.greedy's step with the library engine's CUDA-graph replay off and on, against the
 #      CLI's step (tools/dev/gpu_greedy_time.py) on the Q4_K_M file -> $OUT/greedy.json
 #   3. a 70B-shaped Q4_K_M file (tests/fixtures_gguf.py --preset llama-3-70b: 40 GB, which did not
@@ -16,16 +17,16 @@
 # writes its JSON as it goes).
 #
 #   tools/dev/gpu_weights_run.sh [--install] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
-#                                [--skip-greedy] [--skip-70b]
+#                                [--skip-greedy] [--skip-70b] [--weights auto,blocks]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-INSTALL=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3
+INSTALL=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks
 while [ $# -gt 0 ]; do
   case "$1" in
     --install) INSTALL=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
-    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;;
+    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -44,7 +45,7 @@ fi
 if [ $SIDE = 1 ]; then
   echo "== llama.cpp side by side: F16, $QUANT"
   $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$OUT" --gguf /tmp/m8b.gguf \
-      --quant "$QUANT" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
+      --quant "$QUANT" --weights "$FORMS" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $M70 = 1 ]; then

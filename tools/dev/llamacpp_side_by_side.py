@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default="", help="comma list of llama-quantize types (Q4_K_M,Q5_K_M,Q6_K,Q8_0): "
                                               "each made from --gguf by llama.cpp's llama-quantize, then the load, "
                                               "bench and batched rows on it (step 'quant')")
+    ap.add_argument("--weights", default="auto",
+                    help="comma list of GGML_ATTN_WEIGHTS forms ours runs each --quant file in (auto,blocks,f16): "
+                         "a bench and batched row set per form, the form in each row's 'weights'")
     a = ap.parse_args(argv)
     quants = [q.strip() for q in a.quant.split(",") if q.strip()]
     os.makedirs(a.out, exist_ok=True)
@@ -274,19 +277,25 @@ def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> Non
     _, _, dt = sh([ours_bb, "--device", "cuda", "-m", path, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1", "-v"],
                   os.path.join(out, f"ours_load_{qtype}.log"), 300)
     rows.append(dict(tool="ggml-attn", case="load", seconds=dt, **tag))
-    for tool, cmd, log in (("llama.cpp", [lb, "-m", path, "-ngl", "99", "-fa", "1"], "lc_bench"),
-                           ("ggml-attn", [ours_b, "--device", "cuda", "-m", path], "ours_bench")):
-        _, t, _ = sh(cmd + ["-p", "512", "-n", "128", "-r", str(a.reps), "-o", "json"],
-                     os.path.join(out, f"{log}_{qtype}.log"), 400, env=lc_env if tool == "llama.cpp" else None)
-        rows += [dict(tool=tool, case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"), ts=r.get("avg_ts"),
-                      ts_sd=r.get("stddev_ts"), **tag) for r in json_block(t)]
+    bench = ["-p", "512", "-n", "128", "-r", str(a.reps), "-o", "json"]
+    _, t, _ = sh([lb, "-m", path, "-ngl", "99", "-fa", "1"] + bench, os.path.join(out, f"lc_bench_{qtype}.log"), 400,
+                 env=lc_env)
+    rows += [dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"), ts=r.get("avg_ts"),
+                  ts_sd=r.get("stddev_ts"), **tag) for r in json_block(t)]
     _, t, _ = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512", "-npp", "128",
                   "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"],
                  os.path.join(out, f"lc_batched_{qtype}.log"), 300, env=lc_env)
     rows += [dict(tool="llama.cpp", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
-    _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--warmup",
-                  "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched_{qtype}.log"), 400)
-    rows += [dict(tool="ggml-attn", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
+    for form in [w.strip() for w in a.weights.split(",") if w.strip()]:   # ours in each weight form
+        env, sfx = dict(os.environ, GGML_ATTN_WEIGHTS=form), f"_{qtype}" + ("" if form == "auto" else f"_{form}")
+        _, t, _ = sh([ours_b, "--device", "cuda", "-m", path] + bench, os.path.join(out, f"ours_bench{sfx}.log"), 400,
+                     env=env)
+        rows += [dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
+                      ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts"), weights=form, **tag) for r in json_block(t)]
+        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", "1,16,64",
+                      "--warmup", "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched{sfx}.log"), 400,
+                     env=env)
+        rows += [dict(tool="ggml-attn", case="batched", kvu=False, weights=form, **_bb(r), **tag) for r in jsonl(t)]
 
 
 KVQ_NPP = 4096   # the kvq step's prompt per sequence: 64 x 4128 cells, decode bound by K/V bytes
@@ -307,8 +316,8 @@ def _gpu() -> str:
 
 def table(rows: list[dict]) -> str:
     """One markdown table: each case with llama.cpp's number, ours, and ours / theirs."""
-    def key(r):
-        f = f"{r['file']} " if r.get("file") else ""
+    def key(r):   # ours in a weight form other than auto: its own rows, against llama.cpp's on the file
+        f = f"{r['file']}{'[' + r['weights'] + ']' if r.get('weights', 'auto') != 'auto' else ''} " if r.get("file") else ""
         if r["case"] == "bench":
             return (f + "bench", f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}")
         if r["case"] in ("batched",):
@@ -332,15 +341,18 @@ def table(rows: list[dict]) -> str:
     wbytes = {r["file"]: r["weight_bytes"] for r in rows if r.get("weight_bytes")}
     lines = ["| case | llama.cpp | ggml-attn | ours / theirs |", "|---|---:|---:|---:|"]
     for (case, what), slot in best.items():
-        lc, us = slot.get("llama.cpp"), slot.get("ggml-attn")
         file, _, base = case.rpartition(" ")
+        lc, us = slot.get("llama.cpp"), slot.get("ggml-attn")
+        if lc is None and "[" in file:
+            lc = best.get((file.split("[")[0] + " " + base, what), {}).get("llama.cpp")
         if base == "load":
             lines.append(f"| {file} load time (s) | {_f(lc and lc[0])} | {_f(us and us[0])} | "
                          f"{_r(us and us[0], lc and lc[0])} |".replace("|  load", "| load"))
         elif base == "bench":
             bw = ""
-            if what.startswith("tg") and file in wbytes:   # weights read once per token
-                bw = " (weights " + " / ".join(f"{_f(x and x[0] * wbytes[file] / 1e9)}" for x in (lc, us)) + " GB/s)"
+            wf = file.split("[")[0]
+            if what.startswith("tg") and wf in wbytes:   # the file's weight bytes once per token
+                bw = " (weights " + " / ".join(f"{_f(x and x[0] * wbytes[wf] / 1e9)}" for x in (lc, us)) + " GB/s)"
             lines.append(f"| {file + ' ' if file else ''}llama-bench {what} t/s{bw} | {_f(lc and lc[0])} | "
                          f"{_f(us and us[0])} | {_r(us and us[0], lc and lc[0])} |")
         else:
