@@ -7,13 +7,20 @@
 //                          in one launch, storing, accumulating (y += W·x) or gated
 //                          (y = silu(W0·x) * (W1·x)), optionally of the RMS-normalized x times a
 //                          norm weight g -- as dense.cu's dense_gemv for F16 weights;
-//   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: more tokens go through cuBLAS);
+//   dense_gemm_q<T>        y = W·x for more tokens: 64 x 64 output tiles on the tensor cores
+//                          (mma.sync m16n8k16, F16 operands, F32 sums), each 64-value step of W
+//                          decoded from its blocks into shared memory; x as F16; split over n_in
+//                          into partial sums that dense_splitk_sum adds in a fixed order;
+//   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
+//   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
+//                          to run more tokens);
 //   dense_get_rows_q<T>    rows ids of a block table (the token embedding) as F32.
 // Layouts (numpy order, C-contiguous): W (rows, row_bytes) bytes, n_in / QBlock<T>::VALUES
 // blocks a row; x (n_tok, n_in) F32 with row stride x_stride; y (n_tok, rows) F32; g (n_in) F32.
 #include <cuda_fp16.h>
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
+#include "mma_ptx.cuh"
 
 struct GemvQSeg {
     const unsigned char* w;   // (rows, row_bytes), 2-byte aligned rows
@@ -145,6 +152,156 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 4 ? 2 : 4) dense_gemv_q
             float* o = sg.out + (long long)t * sg.rows + r;
             *o = p.mode == 1 ? *o + acc[t] : acc[t];
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The tiled GEMM over blocks. Block tile GQ_BM weight rows x GQ_BN tokens, 4 warps of 32 x 32
+// (warp w: rows 32 (w & 1), tokens 32 (w >> 1)); a step covers GQ_BK = 64 values of n_in, two
+// 32-value sub-blocks a row: thread i decodes sub-block i & 1 of row i >> 1 (qb_dequant32, the
+// GEMV's decoder) into As, and the x tile (F16) comes by cp.async into Bs; two buffers of each,
+// the next step's loads issued before this step's mma (its weight bytes prefetched into L1
+// first, decoded after the mma). Shared rows GQ_LD = 72 halves apart: the 8 row addresses of an
+// ldmatrix phase and the 8 lanes of a 16-byte store phase land on distinct banks.
+#define GQ_BM 64
+#define GQ_BN 64
+#define GQ_BK 64
+#define GQ_LD 72
+#define GQ_THREADS 128
+
+struct GemmQParams {
+    const unsigned char* w;   // (rows, row_bytes) blocks, 2-byte aligned rows
+    const __half* x;          // (n_tok, n_in) F16, rows n_in apart, 16-byte aligned
+    float* out;               // (n_tok, rows) F32
+    float* part;              // gridDim.z > 1: (gridDim.z, n_tok, rows) F32 partial sums
+    long long row_bytes;
+    int rows;
+    int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
+    int n_tok;
+    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of GQ_BK
+    int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
+    int pad_;
+};
+
+// As[dr][32 ds ..] = row m0 + dr's sub-block sub as F16 (zeros past the rows or n_in).
+template <int T>
+__device__ __forceinline__ void gq_decode(const unsigned char* wrow, bool ok, int sub, __half* dst) {
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    float v[32];
+    if (ok) {
+        qb_dequant32<T>(wrow + (long long)(sub / S) * B, sub % S, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) v[i] = 0.0f;
+    }
+    uint4* o = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        __half2 h[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[8 * j + 2 * k], v[8 * j + 2 * k + 1]);
+        o[j] = *reinterpret_cast<const uint4*>(h);
+    }
+}
+
+// Bs = x's tokens n0 .. n0 + GQ_BN, values k0 .. k0 + GQ_BK (zeros past n_tok or n_in), cp.async.
+__device__ __forceinline__ void gq_load_x(const GemmQParams& p, int n0, int k0, __half* bs) {
+    for (int i = threadIdx.x; i < GQ_BN * (GQ_BK / 8); i += GQ_THREADS) {
+        const int t = i / (GQ_BK / 8), c = i % (GQ_BK / 8), k = k0 + 8 * c;
+        const bool ok = n0 + t < p.n_tok && k < p.n_in;   // n_in a multiple of 32: a chunk is all in or out
+        cp_async16(smem_u32(bs + t * GQ_LD + 8 * c), p.x + (ok ? (long long)(n0 + t) * p.n_in + k : 0), ok ? 16 : 0);
+    }
+    cp_async_commit();
+}
+
+template <int T>
+__global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) {
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    __shared__ __align__(16) __half As[2][GQ_BM * GQ_LD];
+    __shared__ __align__(16) __half Bs[2][GQ_BN * GQ_LD];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = blockIdx.x * GQ_BM, n0 = blockIdx.y * GQ_BN;
+    const int k_begin = blockIdx.z * p.k_chunk;
+    const int k_end = min(p.n_in, k_begin + p.k_chunk);
+    const int n_sub = p.n_in / 32;
+    const int dr = threadIdx.x >> 1, ds = threadIdx.x & 1;   // this thread's decode: row, sub-block of a step
+    const bool drow = m0 + dr < p.rows;
+    const unsigned char* wrow = p.w + (long long)(drow ? m0 + dr : 0) * p.row_bytes;
+    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    if (k_begin < k_end) {
+        int sub = k_begin / 32 + ds;
+        gq_decode<T>(wrow, drow && sub < n_sub, sub, &As[0][dr * GQ_LD + 32 * ds]);
+        gq_load_x(p, n0, k_begin, Bs[0]);
+    }
+    int buf = 0;
+    for (int k0 = k_begin; k0 < k_end; k0 += GQ_BK) {
+        cp_async_wait<0>();
+        __syncthreads();   // step buf is in (stores and cp.async); the last step's reads of buf ^ 1 are done
+        const bool more = k0 + GQ_BK < k_end;
+        const int sub = (k0 + GQ_BK) / 32 + ds;
+        const bool dok = more && drow && sub < n_sub;
+        if (more) {
+            gq_load_x(p, n0, k0 + GQ_BK, Bs[buf ^ 1]);
+            if (dok) {   // the next step's weight bytes on their way while the tensor cores run
+                const unsigned char* blk = wrow + (long long)(sub / S) * B;
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < GQ_BK; kk += 16) {
+            unsigned a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3],
+                            smem_u32(&As[buf][(wm + 16 * i + (lane & 15)) * GQ_LD + kk + 8 * (lane >> 4)]));
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+                ldmatrix_x4(b[2 * j][0], b[2 * j][1], b[2 * j + 1][0], b[2 * j + 1][1],
+                            smem_u32(&Bs[buf][(wn + 16 * j + (lane & 7) + 8 * (lane >> 4)) * GQ_LD + kk +
+                                              8 * ((lane >> 3) & 1)]));
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) Mma<__half>::run(acc[i][j], a[i], b[j][0], b[j][1]);
+        }
+        if (more) gq_decode<T>(wrow, dok, sub, &As[buf ^ 1][dr * GQ_LD + 32 * ds]);
+        buf ^= 1;
+    }
+    // acc[i][j][e]: row wm + 16 i + lane / 4 + 8 (e >> 1), token wn + 8 j + 2 (lane % 4) + (e & 1)
+    float* dst = gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out;
+    const bool add = gridDim.z == 1 && p.mode == 1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + wm + 16 * i + (lane >> 2) + 8 * (e >> 1);
+                const int tok = n0 + wn + 8 * j + 2 * (lane & 3) + (e & 1);
+                if (row < p.rows && tok < p.n_tok) {
+                    float* o = dst + (long long)tok * p.rows + row;
+                    *o = add ? *o + acc[i][j][e] : acc[i][j][e];
+                }
+            }
+}
+
+// out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n
+// (dense_gemm_q's partial sums, added in split order: the same result on every run).
+extern "C" __global__ void __launch_bounds__(256) dense_splitk_sum(const float* __restrict__ part,
+                                                                   float* __restrict__ out, long long n,
+                                                                   int splits, int mode) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int z = 0; z < splits; ++z) s += part[z * n + i];
+        out[i] = mode == 1 ? out[i] + s : s;
     }
 }
 

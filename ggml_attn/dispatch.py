@@ -455,10 +455,17 @@ class MatmulChoice:
     reason: str
 
 
+# Block matrices run more than GEMVQ_MAX_TOKENS and at most this many tokens through the tiled
+# block GEMM (dense_gemm_q), more through dequantize + cuBLAS. 0 until the crossover is measured
+# on a GPU (tools/dev/gpu_dense_q_bench.py): both paths are tested, only the second is measured.
+QGEMM_MAX_TOKENS = 0
+
+
 def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
-    of ``block_types``) on the GPU; ValueError for a type no kernel reads (the loader makes
-    every other matrix F16)."""
+    of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemm-q`` (block weights, the tiled
+    block GEMM) or ``gemm`` (cuBLAS; block weights dequantized to F16 first). ValueError for a
+    type no kernel reads (the loader makes every other matrix F16)."""
     from .block_types import is_block_type
     from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS
     if n_tokens < 1:
@@ -472,6 +479,9 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
                          f"ggml_attn.block_types)")
     if n_tokens <= limit:
         return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
+    if weight_type != "F16" and n_tokens <= QGEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
+                                      f"mma.sync): {limit} < {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
     how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
     return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")
 

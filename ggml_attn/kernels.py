@@ -34,7 +34,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     vec_lanes, vec_rows_allowed, CELLS_HEADS, CELLS_ROWS, CellsTune, CELLS_DEFAULT,
     cells_rows_allowed, cells_smem_bytes, mma_smem_bytes, vec_smem_bytes, Variant, UTIL_NAMES, CELL_LIST_THREADS,
     util_variant, GEMV_MAX_TOKENS, GEMV_WARPS, GEMV_UNROLLS, GEMV_UNROLL, gemv_name, DENSE_NAMES, dense_variant,
-    GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, dense_q_variant, MODEL_OPS_NAMES, model_ops_variant,
+    GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, GEMMQ_TILE, GEMMQ_THREADS, gemm_q_grid, dense_q_variant, MODEL_OPS_NAMES, model_ops_variant,
     dense_q_variants, mma_name, vec_name, cells_name, cells_variant, mma_variant, vec_variant,
     hopper_probe_variant, wgmma_variant, decode_tma_variant, hopper_variants, HOPPER_ARCH, all_variants)
 
@@ -347,6 +347,14 @@ class GemvQParams(ctypes.Structure):
                 ("g", ctypes.c_uint64), ("row_bytes", ctypes.c_int64), ("n_in", ctypes.c_int32),
                 ("n_tok", ctypes.c_int32), ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32),
                 ("norm_eps", ctypes.c_float), ("pad_", ctypes.c_int32)]
+
+
+class GemmQParams(ctypes.Structure):
+    """Mirror of ``struct GemmQParams`` (dense_q.cu): the tiled block GEMM's operands."""
+    _fields_ = [("w", ctypes.c_uint64), ("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("part", ctypes.c_uint64),
+                ("row_bytes", ctypes.c_int64), ("rows", ctypes.c_int32), ("n_in", ctypes.c_int32),
+                ("n_tok", ctypes.c_int32), ("k_chunk", ctypes.c_int32), ("mode", ctypes.c_int32),
+                ("pad_", ctypes.c_int32)]
 
 
 class DequantKVParams(ctypes.Structure):

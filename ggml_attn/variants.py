@@ -186,11 +186,34 @@ def gemv_q_name(type_id: int, n_tok: int) -> str:
     return f"dense_gemv_q<{type_id}, {nt}>"
 
 
+GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_BN tokens, GQ_BK values a step
+GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps)
+GEMMQ_BLOCKS_PER_SM = 4     # splits over n_in until the grid has about this many blocks an SM
+GEMMQ_MIN_SPLIT = 256       # values of n_in a split covers at least (4 steps)
+
+
+def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int) -> tuple[tuple[int, int, int], int]:
+    """``dense_gemm_q``'s grid and ``k_chunk`` for a ``(rows, n_in)`` weight and ``n_tok`` tokens
+    on ``n_sm`` SMs: one block per 64 x 64 output tile, the tiles split over ``n_in`` (chunks of
+    whole 64-value steps, at least GEMMQ_MIN_SPLIT values) until about GEMMQ_BLOCKS_PER_SM
+    blocks an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the HBM
+    busy without the split. ``grid[2] > 1``: the launch writes partial sums for
+    ``dense_splitk_sum``."""
+    bm, bn, bk = GEMMQ_TILE
+    tiles = -(-rows // bm) * -(-n_tok // bn)
+    steps = -(-n_in // bk)
+    want = -(-GEMMQ_BLOCKS_PER_SM * max(1, n_sm) // tiles)
+    splits = max(1, min(want, steps * bk // GEMMQ_MIN_SPLIT))
+    k_chunk = -(-steps // splits) * bk
+    return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk
+
+
 def dense_q_variant(type_id: int) -> Variant:
     """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
-                   (f"dense_dequant_f16<{type_id}>", f"dense_get_rows_q<{type_id}>"))
+                   (f"dense_gemm_q<{type_id}>", "dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
+                    f"dense_get_rows_q<{type_id}>"))
 
 
 MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")

@@ -290,6 +290,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
                     np.add(o, t, out=o)
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
     x16 = b.scratch(x.shape, np.float16)
     cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
     if cast is None:
@@ -298,6 +300,12 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     steps = [cast]
     n_tok = x.shape[0]
     for w, o in zip(ws, outs):
+        if best_matmul(w.type, n_tok).path == "gemm-q":
+            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms())
+            part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
+            steps.append(gemm_q_launch(w, x16, o, part, accumulate=accumulate))
+            b.keep(w.blocks, *([part] if part is not None else []))
+            continue
         scratch = getattr(w, "scratch", None)
         if scratch is None:
             raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
@@ -317,6 +325,40 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         b.keep(w.blocks, scratch)
     b.keep(x16, *outs)
     return _then(*steps)
+
+
+def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False):
+    """``out (+)= w·x16`` by ``dense_gemm_q`` (``cuda/dense_q.cu``: the blocks decoded tile by tile
+    onto the tensor cores) for a ``QMatrix`` ``w`` (CuPy blocks, ``(n_out, n_in)``), ``x16`` F16
+    ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens, n_out)``, both C-contiguous and 16-byte
+    aligned; ``part`` F32 ``(splits, n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits
+    ``n_in`` (its partial sums, added in order by ``dense_splitk_sum``), else None. Returns a
+    function of no arguments launching on the current stream; the caller keeps the arrays."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    n_out, n_in = (int(d) for d in w.shape)
+    n_tok = int(x16.shape[0])
+    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or \
+            not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (x16, out)):
+        raise ValueError(f"dense_gemm_q: x {x16.shape} and out {out.shape} for a {w.shape} weight "
+                         "(C-contiguous, 16-byte aligned)")
+    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
+    if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
+        raise ValueError(f"dense_gemm_q splits n_in {grid[2]} ways: partial sums "
+                         f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")
+    p = K.GemmQParams()
+    p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
+    p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
+    p.mode = 1 if accumulate else 0
+    fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>")
+    launch = K.BoundLaunch(fn, grid, (K.GEMMQ_THREADS, 1, 1), p)
+    if grid[2] == 1:
+        return launch
+    total = n_tok * n_out
+    add = K.grid_launch(K.get_function(K.dense_q_variant(w.type_id), "dense_splitk_sum"), total,
+                        ctypes.c_uint64(part.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(total),
+                        ctypes.c_int32(grid[2]), ctypes.c_int32(p.mode))
+    return _then(launch, add)
 
 
 def _elementwise_launch(name: str, arrays, n: int):

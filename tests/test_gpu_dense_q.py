@@ -5,8 +5,11 @@ spread over many decades, outputs poisoned first. GPU only.
 dense_gemv_q for every block type in its three modes (store, accumulate, gated), token counts
 below and at each instance's NT, with and without the fused RMS norm and its weight, one to
 three segments, row counts that do not fill a block: NMSE <= 1e-6 (issue #43's bound for the
-GEMV; F32 sums of exact block values land far below it). dense_dequant_f16: ggml's values
-rounded to F16. dense_get_rows_q: ggml's values of the rows asked for."""
+GEMV; F32 sums of exact block values land far below it). dense_gemm_q (through
+graph/xp_matmul.gemm_q_launch, with and without its split over n_in and dense_splitk_sum): the
+float64 product of the F16-rounded operands it multiplies, NMSE <= 1e-6, and of the exact ones
+<= 1e-5. dense_dequant_f16: ggml's values rounded to F16. dense_get_rows_q: ggml's values of the
+rows asked for."""
 import ctypes
 
 import numpy as np
@@ -14,8 +17,11 @@ import pytest
 
 import ggml_attn
 
+from ggml_attn import cuda_device
 from ggml_attn import kernels as K
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
+from ggml_attn.graph import xp_matmul
+from ggml_attn.graph.model_device import QMatrix
 from ggml_attn.quant import dequantize_rows, quantize
 from ggml_attn.reference import nmse
 
@@ -76,6 +82,37 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
     for got, ref in zip(d_out, want):
         got = got.get()
         assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
+    """Token counts inside one 64-token tile and across several, rows that do not fill a tile,
+    n_in split over the grid (kernels.gemm_q_grid) or not (one 256-value block a row)."""
+    lay = block_layout(name)
+    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)   # 32-value types: odd steps
+    q, vals = _blocks(name, rows, n_in, n_tok + rows)
+    rng = np.random.default_rng(n_in)
+    x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
+    init = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    w = QMatrix(name, (rows, n_in), cupy.asarray(q))
+    d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
+    part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate)()
+    got = d_out.get().astype(np.float64)
+    base = init.astype(np.float64) if accumulate else 0.0
+    rounded = base + x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T
+    exact = base + x16.astype(np.float64) @ vals.T
+    assert np.isfinite(got).all()
+    assert nmse(got, rounded) <= 1e-6 and nmse(got, exact) <= 1e-5, (nmse(got, rounded), nmse(got, exact), grid)
+
+
+def test_gemm_q_grid_splits_and_not():
+    """The cases above cover a split and an unsplit n_in (so the sum kernel and the direct store run)."""
+    n_sm = cuda_device.num_sms()
+    assert K.gemm_q_grid(100, 17, 768, n_sm)[0][2] > 1 and K.gemm_q_grid(37, 300, 256, n_sm)[0][2] == 1
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

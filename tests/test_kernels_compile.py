@@ -250,7 +250,8 @@ def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str, 
 
 
 @pytest.mark.parametrize("struct, source", [("FattnParams", "fattn_common.cuh"), ("GemvParams", "dense.cu"),
-                                            ("KVStoreParams", "dense.cu"), ("GemvQParams", "dense_q.cu")])
+                                            ("KVStoreParams", "dense.cu"), ("GemvQParams", "dense_q.cu"),
+                                            ("GemmQParams", "dense_q.cu")])
 def test_params_struct_layouts_match_c(struct, source):
     """The ctypes mirror of each kernel parameter struct has the C layout: static_asserts of
     every member's offset and the size, compiled by NVRTC."""
@@ -258,6 +259,14 @@ def test_params_struct_layouts_match_c(struct, source):
     checks = [(f"__builtin_offsetof({struct}, {path})", off, path) for path, off in _flat_fields(cls)]
     _static_asserts(source, checks + [(f"sizeof({struct})", ctypes.sizeof(cls), "size")], "sm_80",
                     (f"__device__ {struct} probe_;",))
+
+
+def test_gemm_q_tile_mirror_matches_c():
+    """kernels.GEMMQ_TILE / GEMMQ_THREADS (the host's grid and block for dense_gemm_q) are the
+    kernel's GQ_BM, GQ_BN, GQ_BK and GQ_THREADS."""
+    names = ("GQ_BM", "GQ_BN", "GQ_BK")
+    checks = [(n, v, n) for n, v in zip(names, K.GEMMQ_TILE)] + [("GQ_THREADS", K.GEMMQ_THREADS, "GQ_THREADS")]
+    _static_asserts("dense_q.cu", checks, "sm_80")
 
 
 def test_smem_fits_h200():

@@ -155,6 +155,53 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, accumul
         assert beta == (1.0 if accumulate else 0.0)
 
 
+@pytest.mark.parametrize("n_sm, splits", [(132, 8), (1, 1)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, splits, accumulate):
+    """Under QGEMM_MAX_TOKENS the block weights take dense_gemm_q (no scratch needed): its grid
+    and parameter block; split over n_in, the partial sums' scratch and one dense_splitk_sum
+    launch adding them in the output's mode."""
+    from ggml_attn import cuda_device
+    monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
+    assert dispatch.best_matmul("Q4_K", 33).path == "gemm-q" and dispatch.best_matmul("Q4_K", 65).path == "gemm"
+    assert dispatch.best_matmul("F16", 33).path == "gemm"
+    w = _qmatrix("Q4_K", 4096, 4096)   # no F16 scratch: the tiled path does not need one
+    x, out = Dev((33, 4096)), Dev((33, 4096))
+    kept = Builder()
+    xp_matmul._qmatmuls(kept, [w], x, [out], accumulate=accumulate)
+    gq = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
+    (ln,) = gq
+    grid, k_chunk = K.gemm_q_grid(4096, 33, 4096, n_sm)
+    assert ln.fn.name == "dense_gemm_q<12>" and ln.grid == grid == (64, 1, splits) and ln.block == (128, 1, 1)
+    (p,) = ln.params
+    assert isinstance(p, K.GemmQParams)
+    assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
+        (w.blocks.data.ptr, out.data.ptr, 16 * 144, 4096, 4096, 33, k_chunk)
+    assert p.x != 0 and p.x != x.data.ptr   # the F16 copy of x
+    sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
+    if splits == 1:
+        assert p.part == 0 and not sums and p.mode == int(accumulate)
+        return
+    (part,) = [a for a in kept.kept if getattr(a, "shape", None) == (splits, 33, 4096)]
+    assert p.part == part.data.ptr and k_chunk * splits >= 4096 > k_chunk * (splits - 1)
+    (sm,) = sums
+    src, dst, n, z, mode = (a.value for a in sm.params)
+    assert (src, dst, n, z, mode) == (part.data.ptr, out.data.ptr, 33 * 4096, splits, int(accumulate))
+
+
+def test_gemm_q_grid():
+    """Tiles of 64 x 64, n_in split in whole 64-value steps (at least 256 values) until ~4 blocks an SM."""
+    assert K.gemm_q_grid(4096, 32, 4096, 132) == ((64, 1, 8), 512)
+    assert K.gemm_q_grid(14336, 64, 4096, 132) == ((224, 1, 3), 1408)
+    assert K.gemm_q_grid(4096, 512, 4096, 132) == ((64, 8, 2), 2048)
+    assert K.gemm_q_grid(37, 17, 608, 132) == ((1, 1, 2), 320)   # 10 steps, the last one half
+    for rows, n_tok, n_in in [(1024, 64, 4096), (4096, 100, 14336), (32000, 17, 4096), (64, 64, 256)]:
+        (gm, gn, gz), kc = K.gemm_q_grid(rows, n_tok, n_in, 132)
+        assert kc % 64 == 0 and kc >= min(n_in, 256) and gz == -(-n_in // kc) and (gz - 1) * kc < n_in
+        assert gm * 64 >= rows and gn * 64 >= n_tok
+
+
 def test_embedding_rows_of_blocks(launches):
     table = _qmatrix("Q4_0", 1000, 256)
     b = Builder()

@@ -7,7 +7,8 @@ compute capability 9.0 the sm_90a prefill as well (every instance directly, the 
 the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / q4_0 blocks,
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
 of cuda/dense_q.cu (every block type: the GEMV at 1 and 16 tokens with the fused norm, gated,
-rows that do not fill a block of warps; the F16 dequantization; the row gather).
+rows that do not fill a block of warps; the tiled GEMM, split over n_in; the F16
+dequantization; the row gather).
 Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
@@ -245,11 +246,15 @@ def _quantized(cp, rng, mask) -> int:
 def _dense_q(cp, rng) -> int:
     """cuda/dense_q.cu on every weight block type: dense_gemv_q (1 and 16 tokens, RMS norm with
     its weight, gate and up in one launch, 45 rows: a partial block of warps), dense_dequant_f16
-    and dense_get_rows_q, each against float64 of ggml's dequantized values. Failures."""
+    and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
+    tokens, n_in split: dense_splitk_sum) against float64 of its F16-rounded operands. Failures."""
     import ctypes
 
     from ggml_attn import kernels as K
     from ggml_attn.block_types import BLOCK_TYPES, block_layout
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph.model_device import QMatrix
     from ggml_attn.quant import dequantize_rows, quantize
     bad = 0
     st = cp.cuda.get_current_stream()
@@ -302,6 +307,17 @@ def _dense_q(cp, rng) -> int:
         ok = e16 < 1e-6 and er < 1e-12
         bad += not ok
         print(f"dequant  {name:5s} f16 nmse={e16:.2e} get_rows nmse={er:.2e} {'ok' if ok else 'FAIL'}")
+        for n_tok in (20, 70):   # the tiled GEMM: split over n_in (partials + dense_splitk_sum), 2 token tiles
+            x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
+            d_out = cp.full((n_tok, rows), np.nan, np.float32)
+            grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms())
+            part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+            xp_matmul.gemm_q_launch(QMatrix(name, (rows, n_in), d_q), cp.asarray(x16), d_out, part)()
+            st.synchronize()
+            err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
+            ok = err < 1e-6
+            bad += not ok
+            print(f"gemm_q   {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return bad
 
 
