@@ -1,7 +1,8 @@
 """Device time of one llama-3-8B layer's projections over weights kept in ggml's blocks (issue
 #43): per block type, the GEMV (``cuda/dense_q.cu`` dense_gemv_q, one launch per matrix) at 1..16
-tokens, and the GEMM path (``dense_dequant_f16`` into an F16 scratch, then cuBLAS) at 16..128
-tokens -- the GEMV's bandwidth against the 4.2 TB/s floor, and the crossover between the two.
+tokens, and the two GEMM paths at 16..512 tokens: ``dense_dequant_f16`` into an F16 scratch then
+cuBLAS, and the tiled ``dense_gemm_q`` (with its split-K sums) -- the GEMV's bandwidth against the
+4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
     python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--out F.json]
 
@@ -19,7 +20,7 @@ N_EMBD, N_KV, N_FF = 4096, 1024, 14336
 SHAPES = dict(wq=(N_EMBD, N_EMBD), wk=(N_KV, N_EMBD), wv=(N_KV, N_EMBD), wo=(N_EMBD, N_EMBD),
               wg=(N_FF, N_EMBD), wu=(N_FF, N_EMBD), wd=(N_EMBD, N_FF))
 GEMV_TOKENS = (1, 2, 4, 8, 16)
-GEMM_TOKENS = (16, 32, 64, 128)
+GEMM_TOKENS = (16, 32, 64, 128, 256, 512)
 
 
 def _layer(cp, type_name: str, seed: int) -> dict:
@@ -44,8 +45,10 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) ->
     import cupy as cp
 
     from ggml_attn import kernels as K
-    from ggml_attn.graph.xp_matmul import gemv_q_launch
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
     rows = []
+    nbytes_vals = sum(a * b for a, b in SHAPES.values())   # weights (multiply-adds a token)
     for t in types:
         layers = [_layer(cp, t, s) for s in range(2)]
         nbytes = sum(w.nbytes for w in layers[0].values())
@@ -94,6 +97,24 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) ->
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl="dequant+cublas", n_tok=n, us=round(med, 2),
                              us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1)))
             log(f"{t:5s} dequant+cuBLAS n_tok={n:3d} {med:9.1f} us")
+
+            def tiled_fn(ws):
+                steps = []
+                for k, w in ws.items():
+                    xx = xf16 if k == "wd" else x16
+                    grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], num_sms())
+                    part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
+                    steps.append(gemm_q_launch(w, xx, cp.empty((n, w.shape[0]), cp.float32), part))
+
+                def go():
+                    for s in steps:
+                        s()
+                return go
+            med, lo, hi = device_us([tiled_fn(ws) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemm_q", n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
+                             tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
+            log(f"{t:5s} gemm_q         n_tok={n:3d} {med:9.1f} us {2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s")
         del layers
         cp.get_default_memory_pool().free_all_blocks()
     return rows
