@@ -251,7 +251,8 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
             gq_load_x(p, n0, k0 + GQ_BK, Bs[buf ^ 1]);
             if (dok) {   // the next step's weight bytes on their way while the tensor cores run
                 const unsigned char* blk = wrow + (long long)(sub / S) * B;
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));   // every line of a block of <= 256 bytes
+                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B / 2));
                 asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
             }
         }

@@ -199,6 +199,8 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int) -> tuple[tuple[int,
     blocks an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the HBM
     busy without the split. ``grid[2] > 1``: the launch writes partial sums for
     ``dense_splitk_sum``."""
+    if min(rows, n_tok, n_in) < 1:
+        raise ValueError(f"dense_gemm_q needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
     bm, bn, bk = GEMMQ_TILE
     tiles = -(-rows // bm) * -(-n_tok // bn)
     steps = -(-n_in // bk)

@@ -200,6 +200,8 @@ def test_gemm_q_grid():
         (gm, gn, gz), kc = K.gemm_q_grid(rows, n_tok, n_in, 132)
         assert kc % 64 == 0 and kc >= min(n_in, 256) and gz == -(-n_in // kc) and (gz - 1) * kc < n_in
         assert gm * 64 >= rows and gn * 64 >= n_tok
+    with pytest.raises(ValueError, match="tokens"):
+        K.gemm_q_grid(4096, 0, 4096, 132)
 
 
 def test_embedding_rows_of_blocks(launches):
