@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
-#   tools/dev/gpu_check.sh [--quick] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
+#   tools/dev/gpu_check.sh [--quick] [--no-precompile] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
 #                      [--profile-case CASE] [--ab-prompt] [--quant-kv] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
 #
 # --quant-kv: #32's rows, q8_0/q4_0 K/V against f16 (tools/dev/gpu_quant_kv_bench.py), every
@@ -28,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; QKV=0; SAMPLE=""; ONLY=""; EXTRA=()
+PRE=1; TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; QKV=0; SAMPLE=""; ONLY=""; EXTRA=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -36,6 +36,7 @@ while [ $# -gt 0 ]; do
     --no-sanitize) SAN=0;;
     --no-bench) BENCH=0;;
     --no-cli) CLI=0;;
+    --no-precompile) PRE=0;;
     --llamacpp) LCPP=1;;
     --no-ggml) GGML=0;;
     --crossover) XOVER=1;;
@@ -72,8 +73,10 @@ if ! $PY -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/install.log" 2>&1 || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/install.log"
-echo "== precompile"
-$PY tools/dev/gpu_precompile.py -j "$(nproc)" 2>&1 | tee "$OUT/precompile.log" | tail -3
+if [ $PRE = 1 ]; then
+  echo "== precompile"
+  $PY tools/dev/gpu_precompile.py -j "$(nproc)" 2>&1 | tee "$OUT/precompile.log" | tail -3
+fi
 echo "   ($(( $(date +%s) - t0 ))s so far)"
 
 if [ $TESTS = 1 ]; then

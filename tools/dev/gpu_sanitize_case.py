@@ -9,7 +9,7 @@ with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-b
 of cuda/dense_q.cu (every block type: the GEMV at 1 and 16 tokens with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMM, split over n_in; the F16
 dequantization; the row gather).
-Exits non-zero if any result misses the reference."""
+With --dense-q only the weight-block matmuls. Exits non-zero if any result misses the reference."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +28,8 @@ def main():
     import cupy as cp
     rng = np.random.default_rng(0)
     bad = 0
+    if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only
+        sys.exit(1 if _dense_q(cp, rng) else 0)
     # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
     # sequences: FULL tiles and PARTIAL tiles from row intervals), "finite" (MASKED tiles marked
     # FINITE, the tail's mask tile read -inf past n_kv), None (tail tile only)

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # #43's and #45's device rows in one call, after tools/dev/gpu_check.sh has installed the package on
 # the same machine (or with --install):
+#   (--tests) the GPU tests of the weight path (tests/test_gpu_dense_q.py, test_model.py,
+#      test_weight_form.py, test_graph_device.py) and compute-sanitizer memcheck / racecheck on
+#      the block kernels (tools/dev/gpu_sanitize_case.py --dense-q) -> $OUT/tests_weights.log
 #   0. one 8B layer's projections over each block type: the GEMV at 1..16 tokens against the
-#      4.2 TB/s floor, dequantize + cuBLAS at 16..128 (tools/dev/gpu_dense_q_bench.py) -> $OUT/dense_q.json
+#      4.2 TB/s floor, dequantize + cuBLAS and the tiled dense_gemm_q at 16..512
+#      (tools/dev/gpu_dense_q_bench.py) -> $OUT/dense_q.json
 #   1. llama.cpp and ours on the 8B-shaped F16 file and on the Q4_K_M / Q8_0 files llama.cpp's
 #      llama-quantize makes from it (tools/dev/llamacpp_side_by_side.py --quant; carry
 #      .lcpp/build-sm90.tar.xz, llama.cpp's bin/ built for sm_90): llama-bench pp512/tg128 and
@@ -16,16 +20,16 @@
 # Steps in that order (0, 1, 3, 2): what a call cut at its limit finished comes back (each step
 # writes its JSON as it goes).
 #
-#   tools/dev/gpu_weights_run.sh [--install] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
+#   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
 #                                [--skip-greedy] [--skip-70b] [--weights auto,blocks]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-INSTALL=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks
+INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks
 while [ $# -gt 0 ]; do
   case "$1" in
-    --install) INSTALL=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
+    --install) INSTALL=1;; --tests) TESTS=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
     --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -34,8 +38,21 @@ done
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
 if [ $INSTALL = 1 ] || ! command -v ggml-attn-bench >/dev/null; then
-  bash tools/dev/gpu_check.sh --no-tests --no-sanitize --no-bench --no-cli > "$OUT/install_run.log" 2>&1 \
+  bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$OUT/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$OUT/install_run.log"; exit 1; }
+fi
+if [ $TESTS = 1 ]; then
+  echo "== GPU tests of the weight path (block kernels, model logits in both forms, device graphs)"
+  $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py tests/test_weight_form.py \
+      tests/test_graph_device.py > "$OUT/tests_weights.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/tests_weights.log" | head -30; tail -2 "$OUT/tests_weights.log"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+        > "$OUT/sanitize_dense_q_$tool.log" 2>&1 || status=1
+    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
+         "$(grep -c "ok$" "$OUT/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$OUT/sanitize_dense_q_$tool.log") FAIL"
+  done
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $DENSE = 1 ]; then
   echo "== block GEMV / GEMM (one 8B layer per type)"
