@@ -5,15 +5,15 @@
 
 // The RMS norm's scale of each of the first n_tok token rows of x (n_in floats each, rows xs
 // floats apart, 16-byte aligned): s[t] = 1 / sqrt(mean(x_t^2) + eps), computed by every block
-// of GEMV_WARPS warps (all its threads take part: call it before any thread leaves); s[t] = 1
-// for every t when eps <= 0 (no norm) and for t >= n_tok.
-template <int NT>
+// of W warps (all its threads take part: call it before any thread leaves); s[t] = 1 for every
+// t when eps <= 0 (no norm) and for t >= n_tok.
+template <int NT, int W = GEMV_WARPS>
 __device__ __forceinline__ void rms_scales(const float* x, long long xs, int n_in, int n_tok, float eps,
                                            float (&s)[NT]) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) s[t] = 1.0f;
     if (!(eps > 0.0f)) return;
-    __shared__ float red[NT][GEMV_WARPS];
+    __shared__ float red[NT][W];
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -34,7 +34,7 @@ __device__ __forceinline__ void rms_scales(const float* x, long long xs, int n_i
     for (int t = 0; t < NT; ++t) {
         float ss = 0.0f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; ++w) ss += red[t][w];
+        for (int w = 0; w < W; ++w) ss += red[t][w];
         if (t < n_tok) s[t] = 1.0f / sqrtf(ss / (float)n_in + eps);
     }
 }

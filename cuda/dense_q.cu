@@ -97,14 +97,17 @@ __device__ __forceinline__ void dot_staged(const float (&v)[32], const float (*x
     }
 }
 
-// One warp per output row (of the segments' rows concatenated); block GEMV_WARPS warps sharing
-// the staged x. Chunk c covers sub-blocks [32 c, 32 c + 32): lane l decodes sub-block 32 c + l of
+// One warp per output row (of the segments' rows concatenated); blocks of W warps sharing the
+// staged x (the staged bytes per row fall as 1 / W; W = GEMV_WARPS ships, others are the
+// benchmark's A/B instances: kernels.dense_q_x_variant). At least 256 (NT >= 4) or 512 threads
+// an SM, whatever W. Chunk c covers sub-blocks [32 c, 32 c + 32): lane l decodes sub-block 32 c + l of
 // its row (and, gated, of the up row) and dots it with the staged group of QG tokens, per group.
-template <int T, int NT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 4 ? 2 : 4) dense_gemv_q(const GemvQParams p) {
+template <int T, int NT, int W = GEMV_WARPS>
+__global__ void __launch_bounds__(W * 32, (NT >= 4 ? 256 : 512) / (W * 32) > 0 ? (NT >= 4 ? 256 : 512) / (W * 32) : 1)
+dense_gemv_q(const GemvQParams p) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     __shared__ __align__(16) float xs[QG][XS_CHUNK * XS_STRIDE];
-    int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    int r = blockIdx.x * W + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     GemvQSeg sg;
     const bool live = gemv_segment(p, r, sg);   // rows past the end stage x with the others
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, NT >= 4 ? 2 : 4) dense_gemv_q
         }
     }
     float s[NT];   // after the loop: 16 registers fewer live in it
-    rms_scales<NT>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread
+    rms_scales<NT, W>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread
     if (!live) return;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {

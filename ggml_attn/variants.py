@@ -179,11 +179,24 @@ GEMVQ_TOKENS = (1, 2, 4, 8, 16)   # dense_gemv_q instances: NT, each running n_t
 GEMVQ_MAX_TOKENS = GEMVQ_TOKENS[-1]
 
 
-def gemv_q_name(type_id: int, n_tok: int) -> str:
+# The benchmark's A/B instances of dense_gemv_q (GEMV_WARPS warps a block ship): warps a block ->
+# their token counts NT (512 threads cap a thread at 128 registers: 16 warps spill from NT 4).
+GEMVQ_WARPS_X = {8: GEMVQ_TOKENS, 16: (1, 2)}
+
+
+def gemv_q_name(type_id: int, n_tok: int, warps: int = GEMV_WARPS) -> str:
     """The ``dense_gemv_q`` instance of ggml type ``type_id`` that runs ``n_tok`` tokens (the
-    smallest NT >= n_tok)."""
+    smallest NT >= n_tok) in blocks of ``warps`` warps."""
     nt = next(t for t in GEMVQ_TOKENS if t >= n_tok)
-    return f"dense_gemv_q<{type_id}, {nt}>"
+    return f"dense_gemv_q<{type_id}, {nt}>" if warps == GEMV_WARPS else f"dense_gemv_q<{type_id}, {nt}, {warps}>"
+
+
+def dense_q_x_variant(type_id: int, warps: int) -> Variant:
+    """The A/B instances of ``dense_gemv_q`` with ``warps`` (one of GEMVQ_WARPS_X) warps a block
+    for ``tools/dev/gpu_dense_q_bench.py``; not shipped (the backend runs dense_q_variant's)."""
+    if warps not in GEMVQ_WARPS_X:
+        raise ValueError(f"dense_gemv_q A/B instances have {tuple(GEMVQ_WARPS_X)} warps a block, not {warps}")
+    return Variant("dense-q-x", "dense_q.cu", tuple(gemv_q_name(type_id, nt, warps) for nt in GEMVQ_WARPS_X[warps]))
 
 
 GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_BN tokens, GQ_BK values a step

@@ -97,6 +97,20 @@ def test_gemv_q_parameter_block(launches, n_tok, nt):
     assert (p.n_in, p.n_tok, p.n_seg, p.mode) == (512, n_tok, 3, 0) and p.norm_eps == pytest.approx(1e-5)
 
 
+def test_gemv_q_ab_instances(launches):
+    """The benchmark's instances with more warps a block: their program, name and grid; token
+    counts they lack refused."""
+    ws = [_qmatrix("Q8_0", 100, 256)]
+    run = xp_matmul.gemv_q_launch(ws, Dev((2, 256)), [Dev((2, 100))], mode=0, warps=16)
+    assert run.fn.variant == K.dense_q_x_variant(8, 16) and run.fn.name == "dense_gemv_q<8, 2, 16>"
+    assert run.grid == (7, 1, 1) and run.block == (512, 1, 1)
+    assert xp_matmul.gemv_q_launch(ws, Dev((3, 256)), [Dev((3, 100))], mode=0, warps=8).fn.name == "dense_gemv_q<8, 4, 8>"
+    assert xp_matmul.gemv_q_launch(ws, Dev((3, 256)), [Dev((3, 100))], mode=0, warps=16) is None
+    assert xp_matmul.gemv_q_launch(ws, Dev((1, 256)), [Dev((1, 100))], mode=0, warps=4).fn.name == "dense_gemv_q<8, 1>"
+    with pytest.raises(ValueError, match="warps"):
+        K.dense_q_x_variant(8, 4)
+
+
 def test_gemv_q_gated_and_what_it_refuses(launches):
     wg, wu = _qmatrix("Q6_K", 64, 256), _qmatrix("Q6_K", 64, 256)
     x, out = Dev((2, 256)), Dev((2, 64))

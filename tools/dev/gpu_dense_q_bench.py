@@ -4,7 +4,7 @@ tokens, and the two GEMM paths at 16..512 tokens: ``dense_dequant_f16`` into an 
 cuBLAS, and the tiled ``dense_gemm_q`` (with its split-K sums) -- the GEMV's bandwidth against the
 4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
-    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--out F.json]
+    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 4,8,16] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -41,7 +41,7 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) -> list[dict]:
+def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(4, 8, 16)) -> list[dict]:
     import cupy as cp
 
     from ggml_attn import kernels as K
@@ -58,19 +58,23 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) ->
             xf = cp.random.standard_normal((n, N_FF), dtype=cp.float32)
             outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
 
-            def layer_fn(ws):
-                steps = [gemv_q_launch([w], xf if k == "wd" else x, [outs[k]], mode=0) for k, w in ws.items()]
+            def layer_fn(ws, w_):
+                steps = [gemv_q_launch([w], xf if k == "wd" else x, [outs[k]], mode=0, warps=w_) for k, w in ws.items()]
                 assert all(steps), "the llama-3-8B shapes fit dense_gemv_q"
 
                 def go():
                     for s in steps:
                         s()
                 return go
-            med, lo, hi = device_us([layer_fn(ws) for ws in layers])
-            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemv", n_tok=n, us=round(med, 2),
-                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
-                             floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
-            log(f"{t:5s} gemv n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+            for wp in warps:   # the shipped block (GEMV_WARPS) and the A/B instances that have n tokens
+                if wp != K.GEMV_WARPS and n > max(K.GEMVQ_WARPS_X.get(wp, (0,))):
+                    continue
+                med, lo, hi = device_us([layer_fn(ws, wp) for ws in layers])
+                impl = "gemv" if wp == K.GEMV_WARPS else f"gemv w{wp}"
+                rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
+                                 us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
+                                 floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
+                log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
         for n in GEMM_TOKENS:
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
@@ -123,10 +127,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print) ->
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K")
+    ap.add_argument("--warps", default="4,8,16", help="GEMV blocks of these many warps (4 ships; 8, 16: A/B instances)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
-    rows = run(device_us, tuple(a.types.split(",")))
+    rows = run(device_us, tuple(a.types.split(",")), warps=tuple(int(w) for w in a.warps.split(",")))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)
