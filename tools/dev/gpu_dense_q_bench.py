@@ -41,13 +41,15 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(4, 8, 16)) -> list[dict]:
+def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(4, 8, 16),
+        rows: list | None = None) -> list[dict]:
+    """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them)."""
     import cupy as cp
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
-    rows = []
+    rows = [] if rows is None else rows
     nbytes_vals = sum(a * b for a, b in SHAPES.values())   # weights (multiply-adds a token)
     for t in types:
         layers = [_layer(cp, t, s) for s in range(2)]
@@ -131,10 +133,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
-    rows = run(device_us, tuple(a.types.split(",")), warps=tuple(int(w) for w in a.warps.split(",")))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows: list = []
+
+    def log(msg):   # each row saved as it comes: a call cut at its limit keeps what it measured
+        print(msg, flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(rows, f, indent=1)
+    run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows)
     return 0
 
 
