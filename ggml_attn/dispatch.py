@@ -455,9 +455,11 @@ class MatmulChoice:
     reason: str
 
 
-# Block matrices run more than GEMVQ_MAX_TOKENS and at most this many tokens through the tiled
-# block GEMM (dense_gemm_q), more through dequantize + cuBLAS. 0 until the crossover is measured
-# on a GPU (tools/dev/gpu_dense_q_bench.py): both paths are tested, only the second is measured.
+# Block matrices run QGEMM_MIN_TOKENS .. QGEMM_MAX_TOKENS tokens through the tiled block GEMM
+# (dense_gemm_q), fewer through the GEMV (up to GEMVQ_MAX_TOKENS), more through dequantize +
+# cuBLAS. QGEMM_MAX_TOKENS is 0 until the crossovers are measured on a GPU
+# (tools/dev/gpu_dense_q_bench.py times all three at 1..512 tokens).
+QGEMM_MIN_TOKENS = 17
 QGEMM_MAX_TOKENS = 0
 
 
@@ -477,11 +479,11 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     else:
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
+    if weight_type != "F16" and QGEMM_MIN_TOKENS <= n_tokens <= QGEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
+                                      f"mma.sync): {QGEMM_MIN_TOKENS} <= {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
     if n_tokens <= limit:
         return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
-    if weight_type != "F16" and n_tokens <= QGEMM_MAX_TOKENS:
-        return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
-                                      f"mma.sync): {limit} < {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
     how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
     return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")
 

@@ -407,9 +407,10 @@ def _float_file(n: str) -> bool:
     return fixtures_gguf.SPECS[n].wtype.upper() in ("F32", "F16", "BF16")
 
 
-# float files once; quantized ones in both device forms of their matrices (blocks, F16)
+# float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
+# blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
-             for form in (("auto",) if _float_file(n) else ("blocks", "f16"))]
+             for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q"))]
 
 
 @pytest.mark.gpu
@@ -426,9 +427,14 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     tokens run the block GEMV; for quantized files ubatches of 512 too (the GEMM path: blocks
     dequantized into the F16 scratch, cuBLAS). Greedy tokens for the float files (for quantized
     ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
-    forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16."""
+    forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
+    blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens."""
+    from ggml_attn import dispatch
     from ggml_attn.graph import model_device
-    monkeypatch.setattr(model_device, "WEIGHTS", form)
+    monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
+    if form == "blocks-gemm-q":
+        monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 2)
+        monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp

@@ -179,7 +179,11 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
     assert dispatch.best_matmul("Q4_K", 33).path == "gemm-q" and dispatch.best_matmul("Q4_K", 65).path == "gemm"
-    assert dispatch.best_matmul("F16", 33).path == "gemm"
+    assert dispatch.best_matmul("F16", 33).path == "gemm" and dispatch.best_matmul("Q4_K", 16).path == "gemv"
+    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 4)   # below the GEMV's limit: the tiled GEMM from 4 tokens
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (3, 4, 16)] == ["gemv", "gemm-q", "gemm-q"]
+    assert dispatch.best_matmul("F16", 4).path == "gemv"
+    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
     w = _qmatrix("Q4_K", 4096, 4096)   # no F16 scratch: the tiled path does not need one
     x, out = Dev((33, 4096)), Dev((33, 4096))
     kept = Builder()

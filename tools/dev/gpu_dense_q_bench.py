@@ -20,7 +20,7 @@ N_EMBD, N_KV, N_FF = 4096, 1024, 14336
 SHAPES = dict(wq=(N_EMBD, N_EMBD), wk=(N_KV, N_EMBD), wv=(N_KV, N_EMBD), wo=(N_EMBD, N_EMBD),
               wg=(N_FF, N_EMBD), wu=(N_FF, N_EMBD), wd=(N_EMBD, N_FF))
 GEMV_TOKENS = (1, 2, 4, 8, 16)
-GEMM_TOKENS = (16, 32, 64, 128, 256, 512)
+GEMM_TOKENS = (16, 32, 64, 128, 256, 512)   # dequantize + cuBLAS; the tiled GEMM runs at every count
 
 
 def _layer(cp, type_name: str, seed: int) -> dict:
@@ -39,6 +39,40 @@ def _layer(cp, type_name: str, seed: int) -> dict:
         out[name] = QMatrix(type_name, (n_out, n_in), blocks,
                             scratch=cp.empty(max(N_FF, N_EMBD) * N_EMBD, cp.float16))
     return out
+
+
+def _dequant_cublas(cp, K, ws: dict, x16, xf16):
+    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS."""
+    import ctypes
+    steps = []
+    for k, w in ws.items():
+        n_out, n_in = w.shape
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
+        deq = K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr),
+                            ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                            ctypes.c_int32(n_in), ctypes.c_int64(n_out))
+        steps.append((deq, w.scratch[: n_out * n_in].reshape(n_out, n_in), xf16 if k == "wd" else x16))
+
+    def go():
+        for deq, a, xx in steps:
+            deq()
+            cp.matmul(xx, a.T)
+    return go
+
+
+def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
+    """One layer by the tiled block GEMM (dense_gemm_q and, split over n_in, dense_splitk_sum)."""
+    steps = []
+    for k, w in ws.items():
+        n = x16.shape[0]
+        grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], n_sm)
+        part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
+        steps.append(gemm_q_launch(w, xf16 if k == "wd" else x16, cp.empty((n, w.shape[0]), cp.float32), part))
+
+    def go():
+        for s in steps:
+            s()
+    return go
 
 
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(4, 8, 16),
@@ -77,50 +111,20 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for n in GEMM_TOKENS:
+        for n in sorted(set(GEMV_TOKENS) | set(GEMM_TOKENS)):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
-
-            def gemm_fn(ws):
-                import ctypes
-                steps = []
-                for k, w in ws.items():
-                    n_out, n_in = w.shape
-                    fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
-                    deq = K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr),
-                                        ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
-                                        ctypes.c_int32(n_in), ctypes.c_int64(n_out))
-                    a = w.scratch[: n_out * n_in].reshape(n_out, n_in)
-                    xx = xf16 if k == "wd" else x16
-                    steps.append((deq, a, xx))
-
-                def go():
-                    for deq, a, xx in steps:
-                        deq()
-                        cp.matmul(xx, a.T)
-                return go
-            med, lo, hi = device_us([gemm_fn(ws) for ws in layers])
-            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="dequant+cublas", n_tok=n, us=round(med, 2),
-                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1)))
-            log(f"{t:5s} dequant+cuBLAS n_tok={n:3d} {med:9.1f} us")
-
-            def tiled_fn(ws):
-                steps = []
-                for k, w in ws.items():
-                    xx = xf16 if k == "wd" else x16
-                    grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], num_sms())
-                    part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
-                    steps.append(gemm_q_launch(w, xx, cp.empty((n, w.shape[0]), cp.float32), part))
-
-                def go():
-                    for s in steps:
-                        s()
-                return go
-            med, lo, hi = device_us([tiled_fn(ws) for ws in layers])
+            if n in GEMM_TOKENS:
+                med, lo, hi = device_us([_dequant_cublas(cp, K, ws, x16, xf16) for ws in layers])
+                rows.append(dict(case=f"dense_q: 8B layer {t}", impl="dequant+cublas", n_tok=n, us=round(med, 2),
+                                 us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1)))
+                log(f"{t:5s} dequant+cuBLAS n_tok={n:3d} {med:9.1f} us")
+            med, lo, hi = device_us([_tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemm_q", n_tok=n, us=round(med, 2),
                              us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
-                             tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
-            log(f"{t:5s} gemm_q         n_tok={n:3d} {med:9.1f} us {2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s")
+                             tbps=round(nbytes / med / 1e6, 2), tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
+            log(f"{t:5s} gemm_q         n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s "
+                f"{2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s")
         del layers
         cp.get_default_memory_pool().free_all_blocks()
     return rows
