@@ -335,18 +335,18 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False):
     """``out (+)= w·x16`` by ``dense_gemm_q`` (``cuda/dense_q.cu``: the blocks decoded tile by tile
     onto the tensor cores) for a ``QMatrix`` ``w`` (CuPy blocks, ``(n_out, n_in)``), ``x16`` F16
-    ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens, n_out)``, both C-contiguous and 16-byte
-    aligned; ``part`` F32 ``(splits, n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits
+    ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens, n_out)``, both C-contiguous, ``x16``
+    16-byte aligned (cp.async); ``part`` F32 ``(splits, n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits
     ``n_in`` (its partial sums, added in order by ``dense_splitk_sum``), else None. Returns a
     function of no arguments launching on the current stream; the caller keeps the arrays."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
     n_tok = int(x16.shape[0])
-    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or \
-            not all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (x16, out)):
+    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or not (x16.flags.c_contiguous and
+                                                                          out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"dense_gemm_q: x {x16.shape} and out {out.shape} for a {w.shape} weight "
-                         "(C-contiguous, 16-byte aligned)")
+                         "(C-contiguous, x 16-byte aligned)")
     grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
     if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
         raise ValueError(f"dense_gemm_q splits n_in {grid[2]} ways: partial sums "
