@@ -98,11 +98,13 @@ __device__ __forceinline__ void dot_staged(const float (&v)[32], const float (*x
 }
 
 // One warp per output row (of the segments' rows concatenated); blocks of W warps sharing the
-// staged x (the staged bytes per row fall as 1 / W; W = GEMV_WARPS ships, others are the
+// staged x (the staged bytes per row fall as 1 / W; W = GEMVQ_WARPS ships, others are the
 // benchmark's A/B instances: kernels.dense_q_x_variant). At least 256 (NT >= 4) or 512 threads
 // an SM, whatever W. Chunk c covers sub-blocks [32 c, 32 c + 32): lane l decodes sub-block 32 c + l of
 // its row (and, gated, of the up row) and dots it with the staged group of QG tokens, per group.
-template <int T, int NT, int W = GEMV_WARPS>
+#define GEMVQ_WARPS 8   // warps a block of the shipped instances (8 beat 4 at every type and token count: bench/NOTES.md)
+
+template <int T, int NT, int W = GEMVQ_WARPS>
 __global__ void __launch_bounds__(W * 32, (NT >= 4 ? 256 : 512) / (W * 32) > 0 ? (NT >= 4 ? 256 : 512) / (W * 32) : 1)
 dense_gemv_q(const GemvQParams p) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;

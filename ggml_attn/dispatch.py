@@ -456,11 +456,14 @@ class MatmulChoice:
 
 
 # Block matrices run QGEMM_MIN_TOKENS .. QGEMM_MAX_TOKENS tokens through the tiled block GEMM
-# (dense_gemm_q), fewer through the GEMV (up to GEMVQ_MAX_TOKENS), more through dequantize +
-# cuBLAS. QGEMM_MAX_TOKENS is 0 until the crossovers are measured on a GPU
-# (tools/dev/gpu_dense_q_bench.py times all three at 1..512 tokens).
-QGEMM_MIN_TOKENS = 17
-QGEMM_MAX_TOKENS = 0
+# (dense_gemm_q), fewer through the GEMV, more through dequantize + cuBLAS: the crossovers of
+# tools/dev/gpu_dense_q_bench.py on an H100 (bench/results/2026-12-05-56bffb3-h100-dense-q.json,
+# one 8B layer): the tiled GEMM is flat from 1 to 64 tokens (Q4_K 342-382 us, Q6_K 511-546,
+# Q8_0 514-542), the GEMV grows with the tokens (Q4_K 183 / 225 / 494 us at 1 / 2 / 4 tokens at
+# its best block size), dequantize + cuBLAS 566-581 us from 16 to 128 tokens and wins from 128
+# (Q8_0 from 16, by 2-5%: one crossover for every type).
+QGEMM_MIN_TOKENS = 3
+QGEMM_MAX_TOKENS = 64
 
 
 def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:

@@ -179,16 +179,17 @@ GEMVQ_TOKENS = (1, 2, 4, 8, 16)   # dense_gemv_q instances: NT, each running n_t
 GEMVQ_MAX_TOKENS = GEMVQ_TOKENS[-1]
 
 
-# The benchmark's A/B instances of dense_gemv_q (GEMV_WARPS warps a block ship): warps a block ->
-# their token counts NT (512 threads cap a thread at 128 registers: 16 warps spill from NT 4).
-GEMVQ_WARPS_X = {8: GEMVQ_TOKENS, 16: (1, 2)}
+GEMVQ_WARPS = 8   # warps a dense_gemv_q block (GEMVQ_WARPS in dense_q.cu): 8 beat 4 everywhere (H100, 56bffb3)
+# The benchmark's A/B instances of dense_gemv_q: warps a block -> their token counts NT (512
+# threads cap a thread at 128 registers: 16 warps spill from NT 4).
+GEMVQ_WARPS_X = {4: GEMVQ_TOKENS, 16: (1, 2)}
 
 
-def gemv_q_name(type_id: int, n_tok: int, warps: int = GEMV_WARPS) -> str:
+def gemv_q_name(type_id: int, n_tok: int, warps: int = GEMVQ_WARPS) -> str:
     """The ``dense_gemv_q`` instance of ggml type ``type_id`` that runs ``n_tok`` tokens (the
     smallest NT >= n_tok) in blocks of ``warps`` warps."""
     nt = next(t for t in GEMVQ_TOKENS if t >= n_tok)
-    return f"dense_gemv_q<{type_id}, {nt}>" if warps == GEMV_WARPS else f"dense_gemv_q<{type_id}, {nt}, {warps}>"
+    return f"dense_gemv_q<{type_id}, {nt}>" if warps == GEMVQ_WARPS else f"dense_gemv_q<{type_id}, {nt}, {warps}>"
 
 
 def dense_q_x_variant(type_id: int, warps: int) -> Variant:

@@ -172,12 +172,12 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
     type (CuPy blocks, at most three), ``x`` F32 ``(n_tokens, n_in)`` with at most
     ``GEMVQ_MAX_TOKENS`` tokens, ``outs`` as :func:`gemv_launch`'s; with ``norm_eps`` of the
     RMS-normalized ``x`` times ``norm_w`` (F32 ``(n_in,)``, or None); ``warps`` a block (default
-    ``kernels.GEMV_WARPS``; one of ``GEMVQ_WARPS_X``: the benchmark's A/B instances). Returns a
+    ``kernels.GEMVQ_WARPS``; one of ``GEMVQ_WARPS_X``: the benchmark's A/B instances). Returns a
     function of no arguments launching on the current stream, or None when the arrays do not fit
     the kernel; the caller keeps the arrays alive."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_tok, n_in = x.shape
-    if warps not in (None, K.GEMV_WARPS) and (warps not in K.GEMVQ_WARPS_X or n_tok > max(K.GEMVQ_WARPS_X[warps])):
+    if warps not in (None, K.GEMVQ_WARPS) and (warps not in K.GEMVQ_WARPS_X or n_tok > max(K.GEMVQ_WARPS_X[warps])):
         return None
     if n_tok > K.GEMVQ_MAX_TOKENS or len(ws) > 3 or len({w.type for w in ws}) != 1 or \
             (norm_eps is not None and not norm_eps > 0.0) or (norm_w is not None and norm_eps is None):
@@ -195,8 +195,8 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     p.norm_eps = 0.0 if norm_eps is None else float(norm_eps)
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    t, w = ws[0].type_id, warps or K.GEMV_WARPS
-    fn = K.get_function(K.dense_q_variant(t) if w == K.GEMV_WARPS else K.dense_q_x_variant(t, w),
+    t, w = ws[0].type_id, warps or K.GEMVQ_WARPS
+    fn = K.get_function(K.dense_q_variant(t) if w == K.GEMVQ_WARPS else K.dense_q_x_variant(t, w),
                         K.gemv_q_name(t, n_tok, w))
     return K.BoundLaunch(fn, (-(-rows // w), 1, 1), (32 * w, 1, 1), p)
 

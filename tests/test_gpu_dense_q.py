@@ -71,8 +71,8 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
     p.x, p.x_stride, p.g, p.row_bytes = d_x.data.ptr, n_in, d_g.data.ptr if norm else 0, d_ws[0].shape[1]
     p.n_in, p.n_tok, p.n_seg, p.mode, p.norm_eps = n_in, n_tok, len(ws), mode, 1e-5 if norm else 0.0
     total = rows[0] if mode == 2 else sum(rows)
-    _launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-total // K.GEMV_WARPS), 1, 1),
-            (32 * K.GEMV_WARPS, 1, 1), p)
+    _launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-total // K.GEMVQ_WARPS), 1, 1),
+            (32 * K.GEMVQ_WARPS, 1, 1), p)
     xs = x.astype(np.float64)
     if norm:
         xs = xs / np.sqrt((xs ** 2).mean(axis=1, keepdims=True) + 1e-5) * g

@@ -265,7 +265,8 @@ def test_gemm_q_tile_mirror_matches_c():
     """kernels.GEMMQ_TILE / GEMMQ_THREADS (the host's grid and block for dense_gemm_q) are the
     kernel's GQ_BM, GQ_BN, GQ_BK and GQ_THREADS."""
     names = ("GQ_BM", "GQ_BN", "GQ_BK")
-    checks = [(n, v, n) for n, v in zip(names, K.GEMMQ_TILE)] + [("GQ_THREADS", K.GEMMQ_THREADS, "GQ_THREADS")]
+    checks = [(n, v, n) for n, v in zip(names, K.GEMMQ_TILE)] + [("GQ_THREADS", K.GEMMQ_THREADS, "GQ_THREADS"),
+                                                                  ("GEMVQ_WARPS", K.GEMVQ_WARPS, "GEMVQ_WARPS")]
     _static_asserts("dense_q.cu", checks, "sm_80")
 
 

@@ -88,7 +88,7 @@ def test_gemv_q_parameter_block(launches, n_tok, nt):
     run = xp_matmul.gemv_q_launch(ws, x, outs, mode=0, norm_eps=1e-5, norm_w=g)
     (ln,) = launches
     assert run is ln and ln.fn.name == f"dense_gemv_q<12, {nt}>" and ln.fn.variant == K.dense_q_variant(12)
-    assert ln.grid == (-(-160 // K.GEMV_WARPS), 1, 1) and ln.block == (32 * K.GEMV_WARPS, 1, 1)
+    assert ln.grid == (-(-160 // K.GEMVQ_WARPS), 1, 1) and ln.block == (32 * K.GEMVQ_WARPS, 1, 1)
     (p,) = ln.params
     assert isinstance(p, K.GemvQParams)
     for i, (w, o) in enumerate(zip(ws, outs)):
@@ -104,11 +104,11 @@ def test_gemv_q_ab_instances(launches):
     run = xp_matmul.gemv_q_launch(ws, Dev((2, 256)), [Dev((2, 100))], mode=0, warps=16)
     assert run.fn.variant == K.dense_q_x_variant(8, 16) and run.fn.name == "dense_gemv_q<8, 2, 16>"
     assert run.grid == (7, 1, 1) and run.block == (512, 1, 1)
-    assert xp_matmul.gemv_q_launch(ws, Dev((3, 256)), [Dev((3, 100))], mode=0, warps=8).fn.name == "dense_gemv_q<8, 4, 8>"
+    assert xp_matmul.gemv_q_launch(ws, Dev((3, 256)), [Dev((3, 100))], mode=0, warps=4).fn.name == "dense_gemv_q<8, 4, 4>"
     assert xp_matmul.gemv_q_launch(ws, Dev((3, 256)), [Dev((3, 100))], mode=0, warps=16) is None
-    assert xp_matmul.gemv_q_launch(ws, Dev((1, 256)), [Dev((1, 100))], mode=0, warps=4).fn.name == "dense_gemv_q<8, 1>"
+    assert xp_matmul.gemv_q_launch(ws, Dev((1, 256)), [Dev((1, 100))], mode=0, warps=8).fn.name == "dense_gemv_q<8, 1>"
     with pytest.raises(ValueError, match="warps"):
-        K.dense_q_x_variant(8, 4)
+        K.dense_q_x_variant(8, 8)
 
 
 def test_gemv_q_gated_and_what_it_refuses(launches):
@@ -117,7 +117,7 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
     xp_matmul.gemv_q_launch([wg, wu], x, [out], mode=2)
     (p,) = launches[-1].params
     assert p.mode == 2 and p.seg[0].out == out.data.ptr and p.g == 0 and p.norm_eps == 0.0
-    assert launches[-1].grid == (64 // K.GEMV_WARPS, 1, 1)   # the gate's rows only
+    assert launches[-1].grid == (64 // K.GEMVQ_WARPS, 1, 1)   # the gate's rows only
     n = len(launches)
     assert xp_matmul.gemv_q_launch([wg, _qmatrix("Q4_K", 64, 256)], x, [out], mode=2) is None   # two types
     assert xp_matmul.gemv_q_launch([wg], Dev((17, 256)), [Dev((17, 64))], mode=0) is None       # 17 tokens
@@ -128,7 +128,8 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 def test_best_matmul():
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert dispatch.best_matmul("Q4_K", 16).path == "gemv" and dispatch.best_matmul("Q4_K", 17).path == "gemm"
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 16, 64, 65, 512)] == \
+        ["gemv", "gemv", "gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
@@ -147,7 +148,8 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, accumulate):
+def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate):
+    monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
     scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
@@ -176,6 +178,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     and parameter block; split over n_in, the partial sums' scratch and one dense_splitk_sum
     launch adding them in the output's mode."""
     from ggml_attn import cuda_device
+    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
     assert dispatch.best_matmul("Q4_K", 33).path == "gemm-q" and dispatch.best_matmul("Q4_K", 65).path == "gemm"

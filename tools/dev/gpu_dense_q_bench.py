@@ -4,7 +4,7 @@ tokens, and the two GEMM paths at 16..512 tokens: ``dense_dequant_f16`` into an 
 cuBLAS, and the tiled ``dense_gemm_q`` (with its split-K sums) -- the GEMV's bandwidth against the
 4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
-    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 4,8,16] [--out F.json]
+    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -75,7 +75,7 @@ def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
     return go
 
 
-def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(4, 8, 16),
+def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
         rows: list | None = None) -> list[dict]:
     """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them)."""
     import cupy as cp
@@ -102,11 +102,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                     for s in steps:
                         s()
                 return go
-            for wp in warps:   # the shipped block (GEMV_WARPS) and the A/B instances that have n tokens
-                if wp != K.GEMV_WARPS and n > max(K.GEMVQ_WARPS_X.get(wp, (0,))):
+            for wp in warps:   # the shipped block (GEMVQ_WARPS) and the A/B instances that have n tokens
+                if wp != K.GEMVQ_WARPS and n > max(K.GEMVQ_WARPS_X.get(wp, (0,))):
                     continue
                 med, lo, hi = device_us([layer_fn(ws, wp) for ws in layers])
-                impl = "gemv" if wp == K.GEMV_WARPS else f"gemv w{wp}"
+                impl = "gemv" if wp == K.GEMVQ_WARPS else f"gemv w{wp}"
                 rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
@@ -133,7 +133,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K")
-    ap.add_argument("--warps", default="4,8,16", help="GEMV blocks of these many warps (4 ships; 8, 16: A/B instances)")
+    ap.add_argument("--warps", default="8,4,16", help="GEMV blocks of these many warps (8 ships; 4, 16: A/B instances)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us

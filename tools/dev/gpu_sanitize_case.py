@@ -284,8 +284,8 @@ def _dense_q(cp, rng) -> int:
                 p.seg[i].w, p.seg[i].rows, p.seg[i].out = w.data.ptr, rows, d_out.data.ptr
             p.x, p.x_stride, p.g, p.row_bytes = d_x.data.ptr, n_in, d_g.data.ptr, d_ws[0].shape[1]
             p.n_in, p.n_tok, p.n_seg, p.mode, p.norm_eps = n_in, n_tok, 2, 2, 1e-5
-            launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-rows // K.GEMV_WARPS), 1, 1),
-                   (32 * K.GEMV_WARPS, 1, 1), p)
+            launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-rows // K.GEMVQ_WARPS), 1, 1),
+                   (32 * K.GEMVQ_WARPS, 1, 1), p)
             xs = x.astype(np.float64)
             xs = xs / np.sqrt((xs ** 2).mean(axis=1, keepdims=True) + 1e-5) * g
             gate, up = (xs @ v.T for _, v in ws)
