@@ -43,6 +43,14 @@ struct GemvQParams {
     int pad_;
 };
 
+// Every 128-byte line of the B-byte block at blk (B <= 256) into L1, ahead of its decode.
+template <int B>
+__device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));
+    if (B > 64) asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B / 2));
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
+}
+
 // x staged in shared memory: a chunk of 32 sub-blocks (1024 values) of QG tokens at a time, each
 // sub-block's 32 floats padded to XS_STRIDE so that the 8 lanes of an LDS.128 phase (lane l reads
 // sub-block l) hit distinct banks. Staged values are x * g (the norm weight; 1 without one): a
@@ -122,6 +130,10 @@ dense_gemv_q(const GemvQParams p) {
     for (int c0 = 0; c0 < n_sub; c0 += XS_CHUNK) {
         const int sub = c0 + lane;
         const bool mine = live && sub < n_sub;
+        if (mine) {   // this chunk's weight bytes on their way while x is staged behind the barriers
+            qb_prefetch<B>(w0 + (long long)(sub / S) * B);
+            if (w1) qb_prefetch<B>(w1 + (long long)(sub / S) * B);
+        }
 #pragma unroll
         for (int t0 = 0; t0 < NT; t0 += QG) {   // groups of QG tokens; one group up to 4 tokens
             __syncthreads();   // the last group's reads are done
@@ -209,12 +221,19 @@ __device__ __forceinline__ void gq_decode(const unsigned char* wrow, bool ok, in
     }
 }
 
-// Bs = x's tokens n0 .. n0 + GQ_BN, values k0 .. k0 + GQ_BK (zeros past n_tok or n_in), cp.async.
+// Bs = x's tokens n0 .. n0 + GQ_BN, values k0 .. k0 + GQ_BK (zeros past n_tok or n_in), cp.async:
+// thread i copies 16-byte chunk i % 8 of tokens i / 8 + 16 j (j < 4), its addresses stepping by
+// a constant (the loop unrolled: no index arithmetic a copy, 100 instructions before).
 __device__ __forceinline__ void gq_load_x(const GemmQParams& p, int n0, int k0, __half* bs) {
-    for (int i = threadIdx.x; i < GQ_BN * (GQ_BK / 8); i += GQ_THREADS) {
-        const int t = i / (GQ_BK / 8), c = i % (GQ_BK / 8), k = k0 + 8 * c;
-        const bool ok = n0 + t < p.n_tok && k < p.n_in;   // n_in a multiple of 32: a chunk is all in or out
-        cp_async16(smem_u32(bs + t * GQ_LD + 8 * c), p.x + (ok ? (long long)(n0 + t) * p.n_in + k : 0), ok ? 16 : 0);
+    constexpr int CH = GQ_BK / 8, ROWS = GQ_THREADS / CH;   // chunks a token row, token rows a pass
+    const int c = threadIdx.x % CH, t0 = threadIdx.x / CH, k = k0 + 8 * c;
+    const bool kin = k < p.n_in;   // n_in a multiple of 32: a chunk is all in or out
+    const __half* src = p.x + (long long)(n0 + t0) * p.n_in + k;
+    const unsigned dst = smem_u32(bs + t0 * GQ_LD + 8 * c);
+#pragma unroll
+    for (int j = 0; j < GQ_BN / ROWS; ++j) {
+        const bool ok = kin && n0 + t0 + ROWS * j < p.n_tok;
+        cp_async16(dst + 2u * ROWS * j * GQ_LD, ok ? src + (long long)ROWS * j * p.n_in : p.x, ok ? 16 : 0);
     }
     cp_async_commit();
 }
@@ -254,12 +273,7 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
         const bool dok = more && drow && sub < n_sub;
         if (more) {
             gq_load_x(p, n0, k0 + GQ_BK, Bs[buf ^ 1]);
-            if (dok) {   // the next step's weight bytes on their way while the tensor cores run
-                const unsigned char* blk = wrow + (long long)(sub / S) * B;
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));   // every line of a block of <= 256 bytes
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B / 2));
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
-            }
+            if (dok) qb_prefetch<B>(wrow + (long long)(sub / S) * B);   // on their way while the tensor cores run
         }
 #pragma unroll
         for (int kk = 0; kk < GQ_BK; kk += 16) {
