@@ -202,23 +202,25 @@ def dense_q_x_variant(type_id: int, warps: int) -> Variant:
 
 GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_BN tokens, GQ_BK values a step
 GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps)
-GEMMQ_BLOCKS_PER_SM = 4     # splits over n_in until the grid has about this many blocks an SM
+GEMMQ_BLOCKS_PER_SM = 5     # resident dense_gemm_q blocks an SM (96 registers, 36.9 KB of shared memory: ncu, H100)
 GEMMQ_MIN_SPLIT = 256       # values of n_in a split covers at least (4 steps)
 
 
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int) -> tuple[tuple[int, int, int], int]:
     """``dense_gemm_q``'s grid and ``k_chunk`` for a ``(rows, n_in)`` weight and ``n_tok`` tokens
     on ``n_sm`` SMs: one block per 64 x 64 output tile, the tiles split over ``n_in`` (chunks of
-    whole 64-value steps, at least GEMMQ_MIN_SPLIT values) until about GEMMQ_BLOCKS_PER_SM
-    blocks an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the HBM
-    busy without the split. ``grid[2] > 1``: the launch writes partial sums for
+    whole 64-value steps, at least GEMMQ_MIN_SPLIT values) into at most one wave of
+    GEMMQ_BLOCKS_PER_SM blocks an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few
+    to keep the SMs busy without the split -- and, with more tiles than a wave, no split (a split
+    past a whole wave left a second wave of a few blocks: 672 blocks for 660 places on the H100,
+    SMs active 71% of the time). ``grid[2] > 1``: the launch writes partial sums for
     ``dense_splitk_sum``."""
     if min(rows, n_tok, n_in) < 1:
         raise ValueError(f"dense_gemm_q needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
     bm, bn, bk = GEMMQ_TILE
     tiles = -(-rows // bm) * -(-n_tok // bn)
     steps = -(-n_in // bk)
-    want = -(-GEMMQ_BLOCKS_PER_SM * max(1, n_sm) // tiles)
+    want = GEMMQ_BLOCKS_PER_SM * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)
     splits = max(1, min(want, steps * bk // GEMMQ_MIN_SPLIT))
     k_chunk = -(-steps // splits) * bk
     return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk

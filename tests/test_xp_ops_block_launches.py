@@ -171,7 +171,7 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeyp
         assert beta == (1.0 if accumulate else 0.0)
 
 
-@pytest.mark.parametrize("n_sm, splits", [(132, 8), (1, 1)])
+@pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, splits, accumulate):
     """Under QGEMM_MAX_TOKENS the block weights take dense_gemm_q (no scratch needed): its grid
@@ -212,14 +212,16 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 
 def test_gemm_q_grid():
-    """Tiles of 64 x 64, n_in split in whole 64-value steps (at least 256 values) until ~4 blocks an SM."""
-    assert K.gemm_q_grid(4096, 32, 4096, 132) == ((64, 1, 8), 512)
-    assert K.gemm_q_grid(14336, 64, 4096, 132) == ((224, 1, 3), 1408)
-    assert K.gemm_q_grid(4096, 512, 4096, 132) == ((64, 8, 2), 2048)
+    """Tiles of 64 x 64, n_in split in whole 64-value steps (at least 256 values) into at most one
+    wave of 5 blocks an SM; no split once the tiles fill a wave."""
+    assert K.gemm_q_grid(4096, 32, 4096, 132) == ((64, 1, 10), 448)      # 640 blocks of 660 places
+    assert K.gemm_q_grid(14336, 64, 4096, 132) == ((224, 1, 2), 2048)    # 448 (3 splits: 672, a second wave)
+    assert K.gemm_q_grid(4096, 512, 4096, 132) == ((64, 8, 1), 4096)
     assert K.gemm_q_grid(37, 17, 608, 132) == ((1, 1, 2), 320)   # 10 steps, the last one half
     for rows, n_tok, n_in in [(1024, 64, 4096), (4096, 100, 14336), (32000, 17, 4096), (64, 64, 256)]:
         (gm, gn, gz), kc = K.gemm_q_grid(rows, n_tok, n_in, 132)
         assert kc % 64 == 0 and kc >= min(n_in, 256) and gz == -(-n_in // kc) and (gz - 1) * kc < n_in
+        assert gz == 1 or gm * gn * gz <= 5 * 132
         assert gm * 64 >= rows and gn * 64 >= n_tok
     with pytest.raises(ValueError, match="tokens"):
         K.gemm_q_grid(4096, 0, 4096, 132)
