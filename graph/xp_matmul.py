@@ -201,6 +201,39 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
     return K.BoundLaunch(fn, (-(-rows // w), 1, 1), (32 * w, 1, 1), p)
 
 
+def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None):
+    """The 8-bit-activation GEMV (``cuda/dense_q8x.cu``; the A/B path to :func:`gemv_q_launch`,
+    not chosen by ``dispatch`` yet): ``x`` F32 ``(n_tok, n_in)`` (times ``norm_w``, RMS-normalized
+    with ``norm_eps``) quantized into ``xq`` int8 ``(n_tok, n_in)``, ``xd`` / ``xs`` F32
+    ``(n_tok, n_in / 32)`` by ``dense_quant_q8x``, then one ``dense_gemv_q8x`` launch over
+    ``QMatrix`` weights of one type of ``kernels.Q8X_TYPES`` (modes and ``outs`` as
+    :func:`gemv_q_launch`'s). Returns a function of no arguments launching both on the current
+    stream, or None when the arrays do not fit; the caller keeps the arrays alive."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    n_tok, n_in = x.shape
+    t = ws[0].type_id
+    if t not in K.Q8X_TYPES or n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
+            or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not x.flags.c_contiguous \
+            or xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape \
+            or xq.data.ptr % 16:
+        return None
+    quant = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (n_tok, 1, 1), (256, 1, 1),
+                          ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in),
+                          ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
+                          ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
+                          ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr))
+    p = K.GemvQ8Params()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
+    p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
+    p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok)),
+                         (-(-rows // K.Q8X_WARPS), 1, 1), (32 * K.Q8X_WARPS, 1, 1), p)
+    return _then(quant, gemv)
+
+
 def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",
              accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` of any weights and token count: F16 ones through

@@ -84,6 +84,51 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
         assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
 
 
+Q8X_NAMES = [n for n in BLOCK_TYPES if block_layout(n).type_id in K.Q8X_TYPES]
+
+
+@pytest.mark.parametrize("name", Q8X_NAMES)
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
+    """The 8-bit-activation GEMV: against float64 of the activations it quantized (emulated here:
+    per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer sums, F32 scales; an
+    F32 ulp of the norm's scale may round a q the other way), and against float64 of the exact
+    activations within the int8 rounding (NMSE <= 2e-4)."""
+    lay = block_layout(name)
+    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
+    rows = {0: (37, 5, 70), 1: (61,), 2: (45, 45)}[mode]
+    ws = [_blocks(name, r, n_in, 100 * mode + i) for i, r in enumerate(rows)]
+    rng = np.random.default_rng(n_tok)
+    x = (rng.standard_normal((n_tok, n_in)) * (30.0 if norm else 1.0)).astype(np.float32)
+    g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
+    n_out = 1 if mode else len(rows)
+    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(n_out)]
+    qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
+    d_out = [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+    xq = cupy.zeros((n_tok, n_in), np.int8)
+    xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
+    run = xp_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
+                                 norm_w=cupy.asarray(g) if norm else None)
+    run()
+    cupy.cuda.get_current_stream().synchronize()
+    v = x.astype(np.float32)
+    if norm:   # the kernel's order: (x * g) * scale, in F32
+        v = (v * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
+    blocks = v.reshape(n_tok, -1, 32)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
+    vq = (q * d).reshape(n_tok, n_in).astype(np.float64)
+    for xs_ref, bound in ((vq, 1e-5), (v.astype(np.float64), 2e-4)):
+        prods = [xs_ref @ val.T for _, val in ws]
+        want = prods if mode == 0 else [init[0] + prods[0]] if mode == 1 else \
+            [prods[0] / (1.0 + np.exp(-prods[0])) * prods[1]]
+        for got, ref in zip(d_out, want):
+            got = got.get()
+            assert np.isfinite(got).all() and nmse(got, ref) < bound, (name, bound, nmse(got, ref))
+
+
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37)])
 @pytest.mark.parametrize("accumulate", [False, True])

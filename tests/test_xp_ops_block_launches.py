@@ -111,6 +111,32 @@ def test_gemv_q_ab_instances(launches):
         K.dense_q_x_variant(8, 8)
 
 
+def test_q8x_launches(launches):
+    """The 8-bit-activation GEMV's two launches: the quantization (a block a token; x, norm
+    weight, eps, the int8 and scale arrays) and the GEMV's parameter block; refusals."""
+    ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512)]
+    x, g = Dev((2, 512)), Dev((512,))
+    xq, xd, xs = Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
+    outs = [Dev((2, 96)), Dev((2, 32))]
+    xp_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, norm_eps=1e-5, norm_w=g)
+    quant, gemv = launches
+    assert quant.fn.name == "dense_quant_q8x" and quant.fn.variant == K.dense_q8x_variant(12) and quant.grid == (2, 1, 1)
+    xp_, xst, gp, eps, n_in, q, d, s_ = (a.value for a in quant.params)
+    assert (xp_, xst, gp, n_in, q, d, s_) == (x.data.ptr, 512, g.data.ptr, 512, xq.data.ptr, xd.data.ptr, xs.data.ptr)
+    assert eps == pytest.approx(1e-5)
+    assert gemv.fn.name == "dense_gemv_q8x<12, 2>" and gemv.grid == (-(-128 // K.Q8X_WARPS), 1, 1)
+    (p,) = gemv.params
+    assert (p.xq, p.xd, p.xs, p.row_bytes, p.n_in, p.n_tok, p.n_seg, p.mode) == \
+        (xq.data.ptr, xd.data.ptr, xs.data.ptr, 2 * 144, 512, 2, 2, 0)
+    assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
+        [(w.blocks.data.ptr, o.data.ptr, w.shape[0]) for w, o in zip(ws, outs)]
+    n = len(launches)
+    assert xp_matmul.q8x_launches([_qmatrix("Q5_K", 96, 512)], x, outs[:1], xq, xd, xs, mode=0) is None   # type
+    assert xp_matmul.q8x_launches(ws, Dev((5, 512)), outs, Dev((5, 512), np.int8), Dev((5, 16)), Dev((5, 16)),
+                                  mode=0) is None                                                       # 5 tokens
+    assert len(launches) == n
+
+
 def test_gemv_q_gated_and_what_it_refuses(launches):
     wg, wu = _qmatrix("Q6_K", 64, 256), _qmatrix("Q6_K", 64, 256)
     x, out = Dev((2, 256)), Dev((2, 64))

@@ -7,7 +7,8 @@ instruction mix (nvdisasm) of one program -- a prediction's input when no device
 
 PROGRAM: ``wgmma:<key>`` (wgmma_shape.WS_CONFIGS / WS_DIAG), ``decode-tma:<key>``
 (decode_tma_shape.CONFIGS), ``mma:<dk>:<type>``, ``vec:<dk>:<type>`` (type f16, bf16, q8_0,
-q4_0; d_v = d_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), compiled for sm_90a
+q4_0; d_v = d_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), ``dense-q8x:<type>``
+(cuda/dense_q8x.cu: Q4_0, Q8_0, Q4_K, Q6_K), compiled for sm_90a
 (the Hopper ones) or sm_90. nvdisasm: ``$NVDISASM``, else
 on PATH (pip's nvidia-cuda-nvdisasm wheel has one: nvidia/cu13/bin/nvdisasm). Counts are
 static (each instruction once, loops not unrolled by their trip counts): compare programs, or
@@ -44,14 +45,16 @@ def variant_of(spec: str):
         if rest not in dt.CONFIGS:
             raise SystemExit(f"no decode-tma configuration {rest!r}: {', '.join(dt.CONFIGS)}")
         return K.decode_tma_variant(dt.CONFIGS[rest].name), K.HOPPER_ARCH
-    if fam == "dense-q":
+    if fam in ("dense-q", "dense-q8x"):
         from ggml_attn.block_types import block_layout
-        return K.dense_q_variant(block_layout(rest).type_id), "sm_90"
+        make = K.dense_q_variant if fam == "dense-q" else K.dense_q8x_variant
+        return make(block_layout(rest).type_id), "sm_90"
     if fam in ("mma", "vec"):
         d, _, t = rest.partition(":")
         make = K.mma_variant if fam == "mma" else K.vec_variant
         return make(int(d), int(d), TYPES[t or "f16"]), "sm_90"
-    raise SystemExit(f"unknown program {spec!r} (wgmma:KEY, decode-tma:KEY, mma:D:TYPE, vec:D:TYPE, dense-q:TYPE)")
+    raise SystemExit(f"unknown program {spec!r} (wgmma:KEY, decode-tma:KEY, mma:D:TYPE, vec:D:TYPE, dense-q:TYPE, "
+                     "dense-q8x:TYPE)")
 
 
 def nvdisasm() -> str:
