@@ -138,15 +138,17 @@ def _wtype(w) -> str:
 
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
-    """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`)
-    for graph builder ``b`` when ``dispatch.best_matmul`` says GEMV for every weight; None on
+    """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`,
+    or :func:`q8x_launches` where ``dispatch.best_matmul`` says ``gemv-q8x``) for graph builder
+    ``b`` when ``dispatch.best_matmul`` says GEMV for every weight; None on
     numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
     for mode 0). The arrays are kept with the graph."""
     from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
-    if any(best_matmul(k, x.shape[0]).path != "gemv" for k in kinds):
+    paths = {k: best_matmul(k, x.shape[0]).path for k in kinds}
+    if any(not p.startswith("gemv") for p in paths.values()):
         return None
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
     if len(groups) > 1 and mode != 0:
@@ -157,6 +159,12 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
         go = outs if mode == 2 else [outs[i] for i in idx]
         if k == "F16":   # (its norm weight folded at load)
             run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
+        elif paths[k] == "gemv-q8x":
+            n_tok, n_in = x.shape
+            q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
+                  b.scratch((n_tok, n_in // 32), np.float32))
+            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
+            b.keep(*q8)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:

@@ -410,7 +410,7 @@ def _float_file(n: str) -> bool:
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
-             for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q"))]
+             for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x"))]
 
 
 @pytest.mark.gpu
@@ -428,13 +428,16 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     dequantized into the F16 scratch, cuBLAS). Greedy tokens for the float files (for quantized
     ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
     forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
-    blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens."""
+    blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
+    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on ubatches of up to 4."""
     from ggml_attn import dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
     if form == "blocks-gemm-q":
         monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 2)
         monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
+    if form == "blocks-q8x":   # ubatches of up to 4 tokens through the 8-bit-activation GEMV
+        monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp
@@ -445,6 +448,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     runs = [("simple", True, 16), ("equal", False, 16), ("padded", False, 16), ("auto", True, 16)]
     if name not in FLOAT_WEIGHTS:
         runs += [("simple", True, 512)]
+    if form == "blocks-q8x":
+        runs += [("simple", True, 4), ("equal", False, 3)]
     for mode, unified, n_ubatch in runs:
         res = run_model_batch(dev_cache(unified), Batch.from_sequences(prompts), m, n_ubatch, mode, logits="all")
         off = 0

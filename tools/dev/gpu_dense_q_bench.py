@@ -4,7 +4,7 @@ tokens, and the two GEMM paths at 16..512 tokens: ``dense_dequant_f16`` into an 
 cuBLAS, and the tiled ``dense_gemm_q`` (with its split-K sums) -- the GEMV's bandwidth against the
 4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
-    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--out F.json]
+    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -99,7 +99,7 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches):
 
 
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
-        rows: list | None = None) -> list[dict]:
+        rows: list | None = None, max_tokens: int = 512) -> list[dict]:
     """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them)."""
     import cupy as cp
 
@@ -112,7 +112,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         layers = [_layer(cp, t, s) for s in range(2)]
         nbytes = sum(w.nbytes for w in layers[0].values())
         floor = nbytes / 4.2e6
-        for n in GEMV_TOKENS:
+        for n in (t_ for t_ in GEMV_TOKENS if t_ <= max_tokens):
             x = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32)
             xf = cp.random.standard_normal((n, N_FF), dtype=cp.float32)
             outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
@@ -141,7 +141,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} gemv q8x n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for n in sorted(set(GEMV_TOKENS) | set(GEMM_TOKENS)):
+        for n in sorted(t_ for t_ in set(GEMV_TOKENS) | set(GEMM_TOKENS) if t_ <= max_tokens):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
             if n in GEMM_TOKENS:
@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K")
     ap.add_argument("--warps", default="8,4,16", help="GEMV blocks of these many warps (8 ships; 4, 16: A/B instances)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="rows of at most this many tokens")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
-    run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows)
+    run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows,
+        max_tokens=a.max_tokens)
     return 0
 
 
