@@ -200,6 +200,20 @@ struct GemmQParams {
     int pad_;
 };
 
+// v[0..32) rounded to F16 at dst (16-byte aligned): four 16-byte stores (16 of 4 bytes touched
+// 32 sectors for 128 bytes each: the 1.57 ms of dequantize + cuBLAS an 8B layer took on the
+// H100, flat from 16 to 128 tokens, bench/NOTES.md).
+__device__ __forceinline__ void store32_f16(const float (&v)[32], __half* dst) {
+    uint4* o = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        __half2 h[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[8 * j + 2 * k], v[8 * j + 2 * k + 1]);
+        o[j] = *reinterpret_cast<const uint4*>(h);
+    }
+}
+
 // As[dr][32 ds ..] = row m0 + dr's sub-block sub as F16 (zeros past the rows or n_in).
 template <int T>
 __device__ __forceinline__ void gq_decode(const unsigned char* wrow, bool ok, int sub, __half* dst) {
@@ -211,14 +225,7 @@ __device__ __forceinline__ void gq_decode(const unsigned char* wrow, bool ok, in
 #pragma unroll
         for (int i = 0; i < 32; ++i) v[i] = 0.0f;
     }
-    uint4* o = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        __half2 h[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[8 * j + 2 * k], v[8 * j + 2 * k + 1]);
-        o[j] = *reinterpret_cast<const uint4*>(h);
-    }
+    store32_f16(v, dst);
 }
 
 // Bs = x's tokens n0 .. n0 + GQ_BN, values k0 .. k0 + GQ_BK (zeros past n_tok or n_in), cp.async:
@@ -337,17 +344,7 @@ __global__ void __launch_bounds__(256) dense_dequant_f16(const unsigned char* __
         const int sub = (int)(e - row * per_row);
         float v[32];
         qb_dequant32<T>(w + row * row_bytes + (long long)(sub / S) * B, sub % S, v);
-        // 16-byte stores (8 halves each): 4 store instructions a thread, not 16 of 4 bytes that each
-        // touched 32 sectors for 128 bytes (the 1.57 ms of dequantize + cuBLAS an 8B layer took on
-        // the H100, flat from 16 to 128 tokens: bench/NOTES.md, fourth session).
-        uint4* o = reinterpret_cast<uint4*>(out + row * n_in + 32 * sub);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            __half2 h[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[8 * j + 2 * k], v[8 * j + 2 * k + 1]);
-            o[j] = *reinterpret_cast<const uint4*>(h);
-        }
+        store32_f16(v, out + row * n_in + 32 * sub);
     }
 }
 
