@@ -13,10 +13,10 @@ launch (``cuda/dense.cu``) before the cast on the second.
 Weights are F16 arrays or ``model_device.QMatrix`` (a matrix kept in ggml's blocks, a real
 model's Q4_0 .. Q6_K matrices): ``dispatch.best_matmul`` picks, per weight type and token count,
 one ``dense_gemv_q`` launch (``cuda/dense_q.cu``: the blocks decoded in registers, F32
-activations, up to ``kernels.GEMVQ_MAX_TOKENS`` tokens; the norm's weight ``norm_w`` applied to
-the normalized activations there) or, for more tokens, the blocks dequantized a chunk of rows at
-a time into the weights' F16 scratch and a cuBLAS GEMM; numpy multiplies ggml's dequantized
-values in F32. F16 weights of a model carry their norm weight folded (``model_device.py``).
+activations; the norm's weight ``norm_w`` applied to the normalized activations there), or its
+8-bit-activation twin (:func:`q8x_launches`, ``cuda/dense_q8x.cu``), the tiled block GEMM on the
+tensor cores (:func:`gemm_q_launch`), or the blocks dequantized a chunk of rows at a time into
+the weights' F16 scratch and a cuBLAS GEMM; numpy multiplies ggml's dequantized values in F32. F16 weights of a model carry their norm weight folded (``model_device.py``).
 
 Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
 ``xp`` functions with ``out=`` on arrays bound at build time: nothing is allocated while the
