@@ -1,8 +1,9 @@
-// The block GEMV with 8-bit activations (issue #43's alternative to dense_q.cu's F32 ones, as
-// llama.cpp's mmvq does): x is quantized once per ubatch to int8 per 32 values (a scale each),
-// and each lane multiplies its weight sub-block with IDP4A, four values an instruction, the
-// block's scales applied to the integer sums. ncu on the H100 counted ~10 instructions a value
-// for dense_gemv_q (F32 decode, one FFMA a value): this path needs ~1.5.
+// The block GEMV with 8-bit activations (the alternative to dense_q.cu's F32 ones, as llama.cpp's
+// mmvq does): x is quantized once per ubatch to int8 per 32 values (a scale each), and each lane
+// multiplies its weight sub-block in integer form with IDP4A, four values an instruction, the
+// block's scales applied to the integer sums (qb_int32 / qb_dot_q8 in quant_blocks.cuh, checked
+// on the host against ggml's values by tests/test_quant_blocks.py). ncu on the H100 counted ~10
+// instructions a value for dense_gemv_q (F32 decode, one FFMA a value): this path needs ~1.5-3.
 //   dense_quant_q8x        x (times the norm weight g, RMS-normalized with eps > 0) -> xq int8,
 //                          xd (the scale of each 32 values: amax / 127), xs (the sum of their
 //                          int8 values), per token;
@@ -85,82 +86,6 @@ __device__ __forceinline__ void q8x_load(const GemvQ8Params& p, int t, int s, in
     a[0] = u.x, a[1] = u.y, a[2] = u.z, a[3] = u.w, a[4] = v.x, a[5] = v.y, a[6] = v.z, a[7] = v.w;
 }
 
-// One lane's weight sub-block in integer form: the words it dots with the activations, and how
-// the two integer sums (isum = sum q_w q_x over each half of 16 values, and sum q_x) become the
-// product: dot = xd * (f[0] * isum0 + f[1] * isum1 + c * sum q_x) -- per type below.
-template <int T> struct Q8xWeights;
-
-template <> struct Q8xWeights<QB_Q8_0> {   // d * q, q int8
-    __device__ __forceinline__ static void get(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {
-        unsigned u[8];
-        qb_load32_2(b + 2, u);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = (int)u[i];
-        f[0] = f[1] = qb_half(b), c = 0.0f;
-    }
-};
-template <> struct Q8xWeights<QB_Q4_0> {   // d * (n - 8): nibble bytes j (low) and 16 + j (high)
-    __device__ __forceinline__ static void get(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {
-        const unsigned short* h = reinterpret_cast<const unsigned short*>(b + 2);
-        unsigned qs[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qs[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = (int)(qs[i] & 0x0F0F0F0Fu), w[4 + i] = (int)((qs[i] >> 4) & 0x0F0F0F0Fu);
-        const float d = qb_half(b);
-        f[0] = f[1] = d, c = -8.0f * d;
-    }
-};
-template <> struct Q8xWeights<QB_Q4_K> {   // d sc n - dmin m, n the nibble (s & 1) of qs[32 (s / 2) ..]
-    __device__ __forceinline__ static void get(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
-        int sc, m;
-        qb_scale_min_k4(s, b + 4, sc, m);
-        unsigned q[8];
-        qb_load16(b + 16 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q));
-        qb_load16(b + 32 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q + 4));
-        const int shift = 4 * (s & 1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = (int)((q[i] >> shift) & 0x0F0F0F0Fu);
-        f[0] = f[1] = qb_half(b) * (float)sc, c = -qb_half(b + 2) * (float)m;
-    }
-};
-template <> struct Q8xWeights<QB_Q6_K> {   // d sc_h (u - 32), u the 6-bit value, two scales of 16 values
-    __device__ __forceinline__ static void get(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
-        const int n = s >> 2, k = s & 3;
-        unsigned lw[8], hw[8];
-        qb_load32_2(b + 64 * n + 32 * (k & 1), lw);
-        qb_load32_2(b + 128 + 32 * n, hw);
-        const int lshift = 4 * (k >> 1), hshift = 2 * k;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            w[i] = (int)(((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4));
-        const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
-        const float d = qb_half(b + 208);
-        f[0] = d * (float)sc[0], f[1] = d * (float)sc[1];
-        c = 0.0f;   // the -32 is per half (two scales): applied in the dot below
-    }
-};
-
-// dot of one lane's sub-block with token t's: xd * (f0 * isum0 + f1 * isum1 + c * sum q_x).
-template <int T>
-__device__ __forceinline__ float q8x_dot(const int (&w)[8], const float (&f)[2], float c, const int (&a)[8], float xd,
-                                         float xs) {
-    int i0 = 0, i1 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) i0 = __dp4a(w[i], a[i], i0);
-#pragma unroll
-    for (int i = 4; i < 8; ++i) i1 = __dp4a(w[i], a[i], i1);
-    if (T == QB_Q6_K) {   // (u - 32) per half: 32 times each half's activation sum
-        int s0 = 0, s1 = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s0 = __dp4a(0x01010101, a[i], s0);
-#pragma unroll
-        for (int i = 4; i < 8; ++i) s1 = __dp4a(0x01010101, a[i], s1);
-        i0 -= 32 * s0, i1 -= 32 * s1;
-    }
-    return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c * xs);
-}
-
 template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Params p) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
@@ -177,17 +102,17 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     for (int sub = lane; sub < n_sub; sub += 32) {
         int w[8], a[8];
         float f[2], c;
-        Q8xWeights<T>::get(w0 + (long long)(sub / S) * B, sub % S, w, f, c);
+        qb_int32<T>(w0 + (long long)(sub / S) * B, sub % S, w, f, c);
         int wu[8];
         float fu[2], cu = 0.0f;
-        if (w1) Q8xWeights<T>::get(w1 + (long long)(sub / S) * B, sub % S, wu, fu, cu);
+        if (w1) qb_int32<T>(w1 + (long long)(sub / S) * B, sub % S, wu, fu, cu);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {
                 q8x_load(p, t, sub, a);
                 const float xd = __ldg(p.xd + (long long)t * n_sub + sub), xs = __ldg(p.xs + (long long)t * n_sub + sub);
-                acc[t] += q8x_dot<T>(w, f, c, a, xd, xs);
-                if (w1) up[t] += q8x_dot<T>(wu, fu, cu, a, xd, xs);
+                acc[t] += qb_dot_q8<T>(w, f, c, a, xd, xs);
+                if (w1) up[t] += qb_dot_q8<T>(wu, fu, cu, a, xd, xs);
             }
         }
     }

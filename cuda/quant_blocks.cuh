@@ -100,6 +100,18 @@ QB_HD void qb_load32_2(const qb_u8* p, unsigned (&w)[8]) {
 #endif
 }
 
+// 16 bytes at a 2-byte aligned p (Q4_0's 18-byte blocks) as four little-endian words.
+QB_HD void qb_load16_2(const qb_u8* p, unsigned (&w)[4]) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    for (int i = 0; i < 4; ++i) w[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
+#else
+    for (int i = 0; i < 4; ++i)
+        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
+               ((unsigned)p[4 * i + 3] << 24);
+#endif
+}
+
 // Byte j (0..3) of x plus 2^23, as float (exact): one byte permute into 2^23's bits on the
 // device, no integer-to-float conversion. Subtracting 2^23 (+ an offset) is exact as well.
 QB_HD float qb_byte_2p23(unsigned x, int j) {
@@ -272,4 +284,80 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
         const unsigned m = ((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4);
         for (int j = 0; j < 4; ++j) v[4 * i + j] = ds[i >> 2] * (qb_byte_2p23(m, j) - 8388640.0f);   // q - 32
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The integer form of a sub-block for 8-bit activations (dense_q8x.cu, llama.cpp's mmvq way):
+// qb_int32<T>(b, s, w, f, c) gives w[0..8), the sub-block's 32 integer parts u_j four to a word
+// (int8 each, in value order), and the factors that make its dot with 32 activations x_j = xd q_j
+// (q_j int8, xs = sum q_j): sum_j value_j x_j = qb_dot_q8<T>(w, f, c, q, xd, xs)
+//   = xd (f[0] sum_{j<16} (u_j - o) q_j + f[1] sum_{j>=16} (u_j - o) q_j + c xs),
+// o = 32 for Q6_K, 0 otherwise. Types: Q4_0, Q8_0, Q4_K, Q6_K.
+
+// c + the dot of the four signed bytes of a and b (IDP4A on the device).
+QB_HD int qb_dp4a(int a, int b, int c) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; ++i) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+#endif
+}
+
+template <int T> QB_HD void qb_int32(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c);
+
+template <> QB_HD void qb_int32<QB_Q8_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {   // d q
+    unsigned u[8];
+    qb_load32_2(b + 2, u);
+    for (int i = 0; i < 8; ++i) w[i] = (int)u[i];
+    f[0] = f[1] = qb_half(b), c = 0.0f;
+}
+
+template <> QB_HD void qb_int32<QB_Q4_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {
+    // d (n - 8): nibble j (low) is value j, its high nibble value 16 + j
+    unsigned q[4];
+    qb_load16_2(b + 2, q);
+    for (int i = 0; i < 4; ++i) w[i] = (int)(q[i] & 0x0F0F0F0Fu), w[4 + i] = (int)((q[i] >> 4) & 0x0F0F0F0Fu);
+    const float d = qb_half(b);
+    f[0] = f[1] = d, c = -8.0f * d;
+}
+
+template <> QB_HD void qb_int32<QB_Q4_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
+    // d sc n - dmin m, n the nibble (s & 1) of qs[32 (s / 2) ..]
+    int sc, m;
+    qb_scale_min_k4(s, b + 4, sc, m);
+    unsigned q[8];
+    qb_load16(b + 16 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q));
+    qb_load16(b + 32 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q + 4));
+    const int shift = 4 * (s & 1);
+    for (int i = 0; i < 8; ++i) w[i] = (int)((q[i] >> shift) & 0x0F0F0F0Fu);
+    f[0] = f[1] = qb_half(b) * (float)sc, c = -qb_half(b + 2) * (float)m;
+}
+
+template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
+    // d sc_h (u - 32), u the 6-bit value; two scales, 16 values each (layout: qb_dequant32<QB_Q6_K>)
+    const int n = s >> 2, k = s & 3;
+    unsigned lw[8], hw[8];
+    qb_load32_2(b + 64 * n + 32 * (k & 1), lw);
+    qb_load32_2(b + 128 + 32 * n, hw);
+    const int lshift = 4 * (k >> 1), hshift = 2 * k;
+    for (int i = 0; i < 8; ++i)
+        w[i] = (int)(((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4));
+    const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
+    const float d = qb_half(b + 208);
+    f[0] = d * (float)sc[0], f[1] = d * (float)sc[1], c = 0.0f;
+}
+
+template <int T>
+QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], float c, const int (&q)[8], float xd, float xs) {
+    int i0 = 0, i1 = 0;
+    for (int i = 0; i < 4; ++i) i0 = qb_dp4a(w[i], q[i], i0);
+    for (int i = 4; i < 8; ++i) i1 = qb_dp4a(w[i], q[i], i1);
+    if (T == QB_Q6_K) {   // u - 32: 32 times each half's activation sum off
+        int s0 = 0, s1 = 0;
+        for (int i = 0; i < 4; ++i) s0 = qb_dp4a(0x01010101, q[i], s0);
+        for (int i = 4; i < 8; ++i) s1 = qb_dp4a(0x01010101, q[i], s1);
+        i0 -= 32 * s0, i1 -= 32 * s1;
+    }
+    return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c * xs);
 }

@@ -30,6 +30,29 @@ template <int T> static void row(const qb_u8* r, int n, float* out) {
         }
 }
 
+// sum over the row of value_j * xd_s q_j by the integer form (qb_int32 / qb_dot_q8), per sub-block s
+template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* q, const float* xd) {
+    constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
+    double sum = 0.0;
+    for (int s = 0; s < n / 32; ++s) {
+        int w[8], a[8], xs = 0;
+        float f[2], c;
+        qb_int32<T>(r + (long)(s / (V / 32)) * B, s % (V / 32), w, f, c);
+        memcpy(a, q + 32 * s, 32);
+        for (int j = 0; j < 32; ++j) xs += q[32 * s + j];
+        sum += qb_dot_q8<T>(w, f, c, a, xd[s], (float)xs);
+    }
+    return sum;
+}
+
+#define Q8CASE(T) case T: return dot_q8<T>(r, n, q, xd);
+extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed char* q, const float* xd) {
+    switch (type) {
+        Q8CASE(QB_Q4_0) Q8CASE(QB_Q8_0) Q8CASE(QB_Q4_K) Q8CASE(QB_Q6_K)
+    }
+    return 1e300;
+}
+
 #define CASE(T) case T: if (out) row<T>(r, n, out); return QBlock<T>::BYTES * 1000 + QBlock<T>::VALUES;
 extern "C" int qb_row(int type, const qb_u8* r, int n, float* out) {
     switch (type) {
@@ -53,6 +76,8 @@ def lib(tmp_path_factory):
                     str(d / "h.cpp"), "-o", str(so)], check=True)
     out = ctypes.CDLL(str(so))
     out.qb_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    out.qb_dot_row_q8.restype = ctypes.c_double
     return out
 
 
@@ -102,3 +127,37 @@ def test_layouts_are_ggml_sizes(lib):
         info = type_info(lay.type_id)
         assert (info.name.upper(), info.blck_size, info.type_size) == (name, lay.values, lay.nbytes)
         assert lib.qb_row(lay.type_id, None, 0, None) == lay.nbytes * 1000 + lay.values
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_integer_form_dots_as_ggml_values_do(lib, name):
+    """qb_int32 / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu):
+    a row's dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized
+    values times the same activations, to F32 rounding; random bytes in every field (finite
+    scales) and blocks ggml quantized; one sub-block at a time as well (each field's place)."""
+    lay = block_layout(name)
+    rng = np.random.default_rng(lay.type_id)
+    raws = [_random_blocks(name, 64, seed=lay.type_id + 7),
+            quantize(rng.standard_normal((1, 64 * lay.values)).astype(np.float32), lay.type_id).reshape(-1)]
+    for raw in raws:
+        n = 64 * lay.values
+        vals = dequantize_rows(raw.ctypes.data, lay.type_id, n, 1, raw.size)[0].astype(np.float64)
+        big = np.abs(vals) > 1e4   # the random halves' extremes: keep the sums' scale sane
+        for trial in range(3):
+            q = rng.integers(-127, 128, n).astype(np.int8)
+            xd = rng.uniform(0.001, 0.1, n // 32).astype(np.float32)
+            x = q.astype(np.float64) * np.repeat(xd.astype(np.float64), 32)
+            x[big] = 0.0
+            q[big] = 0
+            want = float(vals @ x)
+            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, q.ctypes.data, xd.ctypes.data)
+            tol = 1e-5 * float(np.abs(vals * x).sum()) + 1e-30
+            assert abs(got - want) <= tol, (name, trial, got, want)
+        one, unit = np.zeros(n, dtype=np.int8), np.ones(n // 32, np.float32)   # a single activation: each place
+        for j in rng.choice(n, 40, replace=False):
+            if big[j]:
+                continue
+            one[:] = 0
+            one[j] = 1
+            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, one.ctypes.data, unit.ctypes.data)
+            assert got == pytest.approx(vals[j], rel=1e-6, abs=1e-30), (name, j)
