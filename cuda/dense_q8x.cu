@@ -7,9 +7,9 @@
 //   dense_quant_q8x        x (times the norm weight g, RMS-normalized with eps > 0) -> xq int8,
 //                          xd (the scale of each 32 values: amax / 127), xs (the sum of their
 //                          int8 values), per token;
-//   dense_gemv_q8x<T, NT>  y = W·x for n_tok <= NT tokens over weights of block type T (Q4_0,
-//                          Q8_0, Q4_K, Q6_K), modes as dense_gemv_q's (store, accumulate,
-//                          gated: silu(W0·x) * (W1·x)).
+//   dense_gemv_q8x<T, NT>  y = W·x for n_tok <= NT tokens over weights of block type T (every
+//                          block type), modes as dense_gemv_q's (store, accumulate, gated:
+//                          silu(W0·x) * (W1·x)).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart; xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
 #include <cuda_fp16.h>
@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     const int n_sub = p.n_in / 32;
     for (int sub = lane; sub < n_sub; sub += 32) {
         int w[8], a[8];
-        float f[2], c;
+        float f[2], c[2];
         qb_int32<T>(w0 + (long long)(sub / S) * B, sub % S, w, f, c);
         int wu[8];
-        float fu[2], cu = 0.0f;
+        float fu[2], cu[2];
         if (w1) qb_int32<T>(w1 + (long long)(sub / S) * B, sub % S, wu, fu, cu);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {

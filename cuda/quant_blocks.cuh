@@ -289,10 +289,12 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
 // ---------------------------------------------------------------------------------------
 // The integer form of a sub-block for 8-bit activations (dense_q8x.cu, llama.cpp's mmvq way):
 // qb_int32<T>(b, s, w, f, c) gives w[0..8), the sub-block's 32 integer parts u_j four to a word
-// (int8 each, in value order), and the factors that make its dot with 32 activations x_j = xd q_j
-// (q_j int8, xs = sum q_j): sum_j value_j x_j = qb_dot_q8<T>(w, f, c, q, xd, xs)
-//   = xd (f[0] sum_{j<16} (u_j - o) q_j + f[1] sum_{j>=16} (u_j - o) q_j + c xs),
-// o = 32 for Q6_K, 0 otherwise. Types: Q4_0, Q8_0, Q4_K, Q6_K.
+// (one byte each, 0..63, in value order), and per half h (values 16 h .. 16 h + 15) the factors
+// of value_j = f[h] (u_j - QbQ8<T>::OFF) + c[h]. Its dot with 32 activations x_j = xd q_j (q_j
+// int8, xs = sum q_j) is qb_dot_q8<T>(w, f, c, q, xd, xs) = xd (f[0] (S0 - OFF s0) + f[1] (S1 -
+// OFF s1) + c[0] s0 + c[1] s1), S_h = sum over half h of u_j q_j (IDP4A, four a word), s_h the
+// half's sum of q (two more IDP4A a half where OFF or c differs by half: QbQ8<T>::HALVES; else
+// c[0] xs). Every block type.
 
 // c + the dot of the four signed bytes of a and b (IDP4A on the device).
 QB_HD int qb_dp4a(int a, int b, int c) {
@@ -304,39 +306,108 @@ QB_HD int qb_dp4a(int a, int b, int c) {
 #endif
 }
 
-template <int T> QB_HD void qb_int32(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c);
+template <int T> struct QbQ8 { static constexpr int OFF = 0; static constexpr bool HALVES = false; };
+template <> struct QbQ8<QB_Q2_K> { static constexpr int OFF = 0; static constexpr bool HALVES = true; };
+template <> struct QbQ8<QB_Q3_K> { static constexpr int OFF = 4; static constexpr bool HALVES = true; };
+template <> struct QbQ8<QB_Q6_K> { static constexpr int OFF = 32; static constexpr bool HALVES = true; };
 
-template <> QB_HD void qb_int32<QB_Q8_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {   // d q
-    unsigned u[8];
+// Bit 4 of each byte of a word from bits 0..3 of h (Q5_0 / Q5_1's fifth bits of four values).
+QB_HD unsigned qb_spread4(unsigned h) {
+    return ((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25);
+}
+
+// Q4_0 .. Q5_1: 16 bytes of nibbles at qs (value j low nibble of byte j, value 16 + j its high
+// nibble), fifth bits (bit j of qh for value j) when qh is given.
+QB_HD void qb_nibbles32(const qb_u8* qs, const qb_u8* qh, int (&w)[8]) {
+    unsigned q[4];
+    qb_load16_2(qs, q);
+    unsigned h = 0;
+    if (qh) h = (unsigned)qh[0] | ((unsigned)qh[1] << 8) | ((unsigned)qh[2] << 16) | ((unsigned)qh[3] << 24);
+    for (int i = 0; i < 4; ++i) {
+        w[i] = (int)((q[i] & 0x0F0F0F0Fu) | (qh ? qb_spread4(h >> (4 * i)) : 0u));
+        w[4 + i] = (int)(((q[i] >> 4) & 0x0F0F0F0Fu) | (qh ? qb_spread4(h >> (16 + 4 * i)) : 0u));
+    }
+}
+
+template <int T> QB_HD void qb_int32(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]);
+
+template <> QB_HD void qb_int32<QB_Q4_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    qb_nibbles32(b + 2, nullptr, w);   // d (n - 8)
+    const float d = qb_half(b);
+    f[0] = f[1] = d, c[0] = c[1] = -8.0f * d;
+}
+
+template <> QB_HD void qb_int32<QB_Q4_1>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    qb_nibbles32(b + 4, nullptr, w);   // d n + m
+    f[0] = f[1] = qb_half(b), c[0] = c[1] = qb_half(b + 2);
+}
+
+template <> QB_HD void qb_int32<QB_Q5_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    qb_nibbles32(b + 6, b + 2, w);   // d (u - 16)
+    const float d = qb_half(b);
+    f[0] = f[1] = d, c[0] = c[1] = -16.0f * d;
+}
+
+template <> QB_HD void qb_int32<QB_Q5_1>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    qb_nibbles32(b + 8, b + 4, w);   // d u + m
+    f[0] = f[1] = qb_half(b), c[0] = c[1] = qb_half(b + 2);
+}
+
+template <> QB_HD void qb_int32<QB_Q8_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    unsigned u[8];   // d q
     qb_load32_2(b + 2, u);
     for (int i = 0; i < 8; ++i) w[i] = (int)u[i];
-    f[0] = f[1] = qb_half(b), c = 0.0f;
+    f[0] = f[1] = qb_half(b), c[0] = c[1] = 0.0f;
 }
 
-template <> QB_HD void qb_int32<QB_Q4_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float& c) {
-    // d (n - 8): nibble j (low) is value j, its high nibble value 16 + j
-    unsigned q[4];
-    qb_load16_2(b + 2, q);
-    for (int i = 0; i < 4; ++i) w[i] = (int)(q[i] & 0x0F0F0F0Fu), w[4 + i] = (int)((q[i] >> 4) & 0x0F0F0F0Fu);
-    const float d = qb_half(b);
-    f[0] = f[1] = d, c = -8.0f * d;
+template <> QB_HD void qb_int32<QB_Q2_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    unsigned q[8];   // d sc_h q - dmin m_h (layout: qb_dequant32<QB_Q2_K>)
+    qb_load32_2(b + 16 + 32 * (s >> 2), q);
+    const int shift = 2 * (s & 3);
+    for (int i = 0; i < 8; ++i) w[i] = (int)((q[i] >> shift) & 0x03030303u);
+    const float d = qb_half(b + 80), mn = qb_half(b + 82);
+    for (int h = 0; h < 2; ++h) {
+        const int sc = b[2 * s + h];
+        f[h] = d * (float)(sc & 0xF), c[h] = -(mn * (float)(sc >> 4));
+    }
 }
 
-template <> QB_HD void qb_int32<QB_Q4_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
-    // d sc n - dmin m, n the nibble (s & 1) of qs[32 (s / 2) ..]
-    int sc, m;
+template <> QB_HD void qb_int32<QB_Q3_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    unsigned q[8], hm[8];   // dl_h (u - 4), u = 2 low bits | the hmask bit << 2 (layout: qb_dequant32<QB_Q3_K>)
+    qb_load32_2(b + 32 + 32 * (s >> 2), q);
+    qb_load32_2(b, hm);
+    const int shift = 2 * (s & 3);
+    for (int i = 0; i < 8; ++i) w[i] = (int)(((q[i] >> shift) & 0x03030303u) | (((hm[i] >> s) & 0x01010101u) << 2));
+    const float d = qb_half(b + 108);
+    for (int h = 0; h < 2; ++h) f[h] = d * (float)qb_scale_q3k(2 * s + h, b + 96), c[h] = 0.0f;
+}
+
+template <> QB_HD void qb_int32<QB_Q4_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    int sc, m;   // d sc n - dmin m, n the nibble (s & 1) of qs[32 (s / 2) ..]
     qb_scale_min_k4(s, b + 4, sc, m);
     unsigned q[8];
     qb_load16(b + 16 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q));
     qb_load16(b + 32 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q + 4));
     const int shift = 4 * (s & 1);
     for (int i = 0; i < 8; ++i) w[i] = (int)((q[i] >> shift) & 0x0F0F0F0Fu);
-    f[0] = f[1] = qb_half(b) * (float)sc, c = -qb_half(b + 2) * (float)m;
+    f[0] = f[1] = qb_half(b) * (float)sc, c[0] = c[1] = -(qb_half(b + 2) * (float)m);
 }
 
-template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float& c) {
-    // d sc_h (u - 32), u the 6-bit value; two scales, 16 values each (layout: qb_dequant32<QB_Q6_K>)
-    const int n = s >> 2, k = s & 3;
+template <> QB_HD void qb_int32<QB_Q5_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    int sc, m;   // d sc u - dmin m, u = nibble | the qh bit s << 4 (layout: qb_dequant32<QB_Q5_K>)
+    qb_scale_min_k4(s, b + 4, sc, m);
+    unsigned q[8], h[8];
+    qb_load16(b + 48 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q));
+    qb_load16(b + 64 + 32 * (s >> 1), *reinterpret_cast<unsigned (*)[4]>(q + 4));
+    qb_load16(b + 16, *reinterpret_cast<unsigned (*)[4]>(h));
+    qb_load16(b + 32, *reinterpret_cast<unsigned (*)[4]>(h + 4));
+    const int shift = 4 * (s & 1);
+    for (int i = 0; i < 8; ++i) w[i] = (int)(((q[i] >> shift) & 0x0F0F0F0Fu) | (((h[i] >> s) & 0x01010101u) << 4));
+    f[0] = f[1] = qb_half(b) * (float)sc, c[0] = c[1] = -(qb_half(b + 2) * (float)m);
+}
+
+template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    const int n = s >> 2, k = s & 3;   // d sc_h (u - 32), u the 6-bit value (layout: qb_dequant32<QB_Q6_K>)
     unsigned lw[8], hw[8];
     qb_load32_2(b + 64 * n + 32 * (k & 1), lw);
     qb_load32_2(b + 128 + 32 * n, hw);
@@ -345,19 +416,19 @@ template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], flo
         w[i] = (int)(((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4));
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
     const float d = qb_half(b + 208);
-    f[0] = d * (float)sc[0], f[1] = d * (float)sc[1], c = 0.0f;
+    f[0] = d * (float)sc[0], f[1] = d * (float)sc[1], c[0] = c[1] = 0.0f;
 }
 
 template <int T>
-QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], float c, const int (&q)[8], float xd, float xs) {
+QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], const float (&c)[2], const int (&q)[8], float xd,
+                      float xs) {
     int i0 = 0, i1 = 0;
     for (int i = 0; i < 4; ++i) i0 = qb_dp4a(w[i], q[i], i0);
     for (int i = 4; i < 8; ++i) i1 = qb_dp4a(w[i], q[i], i1);
-    if (T == QB_Q6_K) {   // u - 32: 32 times each half's activation sum off
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 4; ++i) s0 = qb_dp4a(0x01010101, q[i], s0);
-        for (int i = 4; i < 8; ++i) s1 = qb_dp4a(0x01010101, q[i], s1);
-        i0 -= 32 * s0, i1 -= 32 * s1;
-    }
-    return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c * xs);
+    if (!QbQ8<T>::HALVES) return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c[0] * xs);
+    int s0 = 0, s1 = 0;   // each half's activation sum
+    for (int i = 0; i < 4; ++i) s0 = qb_dp4a(0x01010101, q[i], s0);
+    for (int i = 4; i < 8; ++i) s1 = qb_dp4a(0x01010101, q[i], s1);
+    i0 -= QbQ8<T>::OFF * s0, i1 -= QbQ8<T>::OFF * s1;
+    return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c[0] * (float)s0 + c[1] * (float)s1);
 }

@@ -243,7 +243,7 @@ def model_ops_variant() -> Variant:
     return Variant("model-ops", "model_ops.cu", MODEL_OPS_NAMES)
 
 
-Q8X_TYPES = (2, 8, 12, 14)    # dense_gemv_q8x's block types: Q4_0, Q8_0, Q4_K, Q6_K (ggml ids)
+Q8X_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)   # dense_gemv_q8x's block types: every one (ggml ids)
 Q8X_TOKENS = (1, 2, 4)        # its instances: NT, each running n_tok <= NT tokens (8: Q8_0 spilled)
 Q8X_WARPS = 8                 # warps a block (Q8X_WARPS in dense_q8x.cu)
 

@@ -153,18 +153,20 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
     if len(groups) > 1 and mode != 0:
         return None
-    runs = []
+    runs, q8 = [], None
     for k, idx in groups:
         gw = [ws[i] for i in idx]
         go = outs if mode == 2 else [outs[i] for i in idx]
         if k == "F16":   # (its norm weight folded at load)
             run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
-        elif paths[k] == "gemv-q8x":
-            n_tok, n_in = x.shape
-            q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
-                  b.scratch((n_tok, n_in // 32), np.float32))
-            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
-            b.keep(*q8)
+        elif paths[k] == "gemv-q8x":   # x quantized once for every such group of the call
+            first = q8 is None
+            if first:
+                n_tok, n_in = x.shape
+                q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
+                      b.scratch((n_tok, n_in // 32), np.float32))
+                b.keep(*q8)
+            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:
@@ -209,14 +211,16 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
     return K.BoundLaunch(fn, (-(-rows // w), 1, 1), (32 * w, 1, 1), p)
 
 
-def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None):
+def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
+                 quantize: bool = True):
     """The 8-bit-activation GEMV (``cuda/dense_q8x.cu``; the A/B path to :func:`gemv_q_launch`,
-    not chosen by ``dispatch`` yet): ``x`` F32 ``(n_tok, n_in)`` (times ``norm_w``, RMS-normalized
-    with ``norm_eps``) quantized into ``xq`` int8 ``(n_tok, n_in)``, ``xd`` / ``xs`` F32
-    ``(n_tok, n_in / 32)`` by ``dense_quant_q8x``, then one ``dense_gemv_q8x`` launch over
-    ``QMatrix`` weights of one type of ``kernels.Q8X_TYPES`` (modes and ``outs`` as
-    :func:`gemv_q_launch`'s). Returns a function of no arguments launching both on the current
-    stream, or None when the arrays do not fit; the caller keeps the arrays alive."""
+    chosen by ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` F32 ``(n_tok, n_in)``
+    (times ``norm_w``, RMS-normalized with ``norm_eps``) quantized into ``xq`` int8
+    ``(n_tok, n_in)``, ``xd`` / ``xs`` F32 ``(n_tok, n_in / 32)`` by ``dense_quant_q8x`` (not with
+    ``quantize=False``: another group's launch did it), then one ``dense_gemv_q8x`` launch over
+    ``QMatrix`` weights of one block type (modes and ``outs`` as :func:`gemv_q_launch`'s).
+    Returns a function of no arguments launching on the current stream, or None when the arrays
+    do not fit; the caller keeps the arrays alive."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
@@ -225,11 +229,13 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
             or xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape \
             or xq.data.ptr % 16:
         return None
-    quant = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (n_tok, 1, 1), (256, 1, 1),
-                          ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in),
-                          ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
-                          ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
-                          ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr))
+    steps = []
+    if quantize:
+        steps.append(K.BoundLaunch(
+            K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (n_tok, 1, 1), (256, 1, 1),
+            ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in), ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
+            ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
+            ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr)))
     p = K.GemvQ8Params()
     for i, w in enumerate(ws):
         o = outs[0] if mode == 2 else outs[i]
@@ -237,9 +243,9 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok)),
-                         (-(-rows // K.Q8X_WARPS), 1, 1), (32 * K.Q8X_WARPS, 1, 1), p)
-    return _then(quant, gemv)
+    steps.append(K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok)),
+                               (-(-rows // K.Q8X_WARPS), 1, 1), (32 * K.Q8X_WARPS, 1, 1), p))
+    return steps[0] if len(steps) == 1 else _then(*steps)
 
 
 def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",

@@ -36,7 +36,7 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
     double sum = 0.0;
     for (int s = 0; s < n / 32; ++s) {
         int w[8], a[8], xs = 0;
-        float f[2], c;
+        float f[2], c[2];
         qb_int32<T>(r + (long)(s / (V / 32)) * B, s % (V / 32), w, f, c);
         memcpy(a, q + 32 * s, 32);
         for (int j = 0; j < 32; ++j) xs += q[32 * s + j];
@@ -48,7 +48,8 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
 #define Q8CASE(T) case T: return dot_q8<T>(r, n, q, xd);
 extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed char* q, const float* xd) {
     switch (type) {
-        Q8CASE(QB_Q4_0) Q8CASE(QB_Q8_0) Q8CASE(QB_Q4_K) Q8CASE(QB_Q6_K)
+        Q8CASE(QB_Q4_0) Q8CASE(QB_Q4_1) Q8CASE(QB_Q5_0) Q8CASE(QB_Q5_1) Q8CASE(QB_Q8_0)
+        Q8CASE(QB_Q2_K) Q8CASE(QB_Q3_K) Q8CASE(QB_Q4_K) Q8CASE(QB_Q5_K) Q8CASE(QB_Q6_K)
     }
     return 1e300;
 }
@@ -129,7 +130,7 @@ def test_layouts_are_ggml_sizes(lib):
         assert lib.qb_row(lay.type_id, None, 0, None) == lay.nbytes * 1000 + lay.values
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_integer_form_dots_as_ggml_values_do(lib, name):
     """qb_int32 / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu):
     a row's dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized

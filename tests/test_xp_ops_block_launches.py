@@ -131,24 +131,27 @@ def test_q8x_launches(launches):
     assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
         [(w.blocks.data.ptr, o.data.ptr, w.shape[0]) for w, o in zip(ws, outs)]
     n = len(launches)
-    assert xp_matmul.q8x_launches([_qmatrix("Q5_K", 96, 512)], x, outs[:1], xq, xd, xs, mode=0) is None   # type
     assert xp_matmul.q8x_launches(ws, Dev((5, 512)), outs, Dev((5, 512), np.int8), Dev((5, 16)), Dev((5, 16)),
                                   mode=0) is None                                                       # 5 tokens
+    assert xp_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
     assert len(launches) == n
 
 
 def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
-    """With Q8X_MAX_TOKENS set, a group of Q8X types goes through the 8-bit-activation GEMV
-    (its int8 and scale arrays from the builder), other block types through the F32 one."""
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
-    assert dispatch.best_matmul("Q6_K", 4).path == "gemv-q8x" and dispatch.best_matmul("Q6_K", 5).path == "gemm-q"
-    assert dispatch.best_matmul("Q5_K", 1).path == "gemv" and dispatch.best_matmul("F16", 1).path == "gemv"
+    """With Q8X_MAX_TOKENS set, block GEMVs go through the 8-bit-activation GEMV: x quantized
+    once (its int8 and scale arrays from the builder) for the groups of every block type; F16
+    weights keep theirs."""
+    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 2)
+    assert dispatch.best_matmul("Q6_K", 2).path == "gemv-q8x" and dispatch.best_matmul("Q6_K", 3).path == "gemm-q"
+    assert dispatch.best_matmul("Q5_K", 1).path == "gemv-q8x" and dispatch.best_matmul("F16", 1).path == "gemv"
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q5_K", 16, 256)]
-    x, outs = Dev((2, 256)), [Dev((2, 64)), Dev((2, 16))]   # (3 tokens: the tiled GEMM's)
+    x, outs = Dev((2, 256)), [Dev((2, 64)), Dev((2, 16))]
     assert xp_matmul._gemv(b, ws, x, outs, mode=0, norm_eps=1e-5, norm_w=Dev((256,))) is not None
-    assert [ln.fn.name for ln in launches] == ["dense_quant_q8x", "dense_gemv_q8x<12, 2>", "dense_gemv_q<13, 2>"]
+    assert [ln.fn.name for ln in launches] == ["dense_quant_q8x", "dense_gemv_q8x<12, 2>", "dense_gemv_q8x<13, 2>"]
     assert [a.shape for a in b.kept[:3]] == [(2, 256), (2, 8), (2, 8)] and b.kept[0].dtype == np.int8
+    xq = b.kept[0].data.ptr
+    assert launches[1].params[0].xq == launches[2].params[0].xq == xq
 
 
 def test_gemv_q_gated_and_what_it_refuses(launches):
