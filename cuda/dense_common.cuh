@@ -3,6 +3,15 @@
 
 #define GEMV_WARPS 4
 
+// One weight matrix kept in ggml's blocks, of a block GEMV's up to three (dense_q.cu's F32 and
+// dense_q8x.cu's 8-bit activations; dense.cu's GemvSeg has the same layout with an F16 pointer).
+struct GemvQSeg {
+    const unsigned char* w;   // (rows, row_bytes), 2-byte aligned rows
+    float* out;               // (n_tok, rows)
+    int rows;
+    int pad_;
+};
+
 // The RMS norm's scale of each of the first n_tok token rows of x (n_in floats each, rows xs
 // floats apart, 16-byte aligned): s[t] = 1 / sqrt(mean(x_t^2) + eps), computed by every block
 // of W warps (all its threads take part: call it before any thread leaves); s[t] = 1 for every
@@ -54,4 +63,30 @@ __device__ __forceinline__ bool gemv_segment(const P& p, int& r, Seg& sg) {
     r -= sg.rows;
     sg = p.seg[2];
     return p.n_seg >= 3 && r < sg.rows;
+}
+
+// The end of a block GEMV's warp (dense_q.cu, dense_q8x.cu): the lanes' sums of output row r of
+// segment sg reduced, times s[t] (the RMS scales; 1 without a norm), gated (mode 2:
+// silu(acc) * up) and stored by lane t for each token t < n_tok (mode 1: added to the output).
+template <int NT>
+__device__ __forceinline__ void gemv_q_finish(float (&acc)[NT], float (&up)[NT], const float (&s)[NT], int mode,
+                                              int n_tok, const GemvQSeg& sg, int r) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+            up[t] += __shfl_xor_sync(0xffffffffu, up[t], o);
+        }
+        acc[t] *= s[t];
+        if (mode == 2) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * (up[t] * s[t]);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (lane == t && t < n_tok) {
+            float* o = sg.out + (long long)t * sg.rows + r;
+            *o = mode == 1 ? *o + acc[t] : acc[t];
+        }
+    }
 }

@@ -22,13 +22,6 @@
 #include "dense_common.cuh"
 #include "mma_ptx.cuh"
 
-struct GemvQSeg {
-    const unsigned char* w;   // (rows, row_bytes), 2-byte aligned rows
-    float* out;               // (n_tok, rows)
-    int rows;
-    int pad_;
-};
-
 struct GemvQParams {
     GemvQSeg seg[3];
     const float* x;           // (n_tok, n_in), rows x_stride floats apart, 16-byte aligned
@@ -153,23 +146,7 @@ dense_gemv_q(const GemvQParams p) {
     float s[NT];   // after the loop: 16 registers fewer live in it
     rms_scales<NT, W>(p.x, p.x_stride, p.n_in, p.n_tok, p.norm_eps, s);   // every thread
     if (!live) return;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-            up[t] += __shfl_xor_sync(0xffffffffu, up[t], o);
-        }
-        acc[t] *= s[t];
-        if (p.mode == 2) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * (up[t] * s[t]);
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (lane == t && t < p.n_tok) {
-            float* o = sg.out + (long long)t * sg.rows + r;
-            *o = p.mode == 1 ? *o + acc[t] : acc[t];
-        }
-    }
+    gemv_q_finish<NT>(acc, up, s, p.mode, p.n_tok, sg, r);
 }
 
 // ---------------------------------------------------------------------------------------

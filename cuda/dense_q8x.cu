@@ -18,15 +18,8 @@
 
 #define Q8X_WARPS 8   // warps a block, a row each
 
-struct GemvQ8Seg {
-    const unsigned char* w;   // (rows, row_bytes), 2-byte aligned rows
-    float* out;               // (n_tok, rows)
-    int rows;
-    int pad_;
-};
-
 struct GemvQ8Params {
-    GemvQ8Seg seg[3];
+    GemvQSeg seg[3];
     const signed char* xq;    // (n_tok, n_in), 16-byte aligned
     const float* xd;          // (n_tok, n_in / 32)
     const float* xs;          // (n_tok, n_in / 32)
@@ -91,7 +84,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     int r = blockIdx.x * Q8X_WARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    GemvQ8Seg sg;
+    GemvQSeg sg;
     if (!gemv_segment(p, r, sg)) return;   // (no barrier below: a warp past the rows may leave)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
     const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
@@ -116,20 +109,8 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
             }
         }
     }
+    float one[NT];   // (the norm was applied when x was quantized)
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-            up[t] += __shfl_xor_sync(0xffffffffu, up[t], o);
-        }
-        if (p.mode == 2) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * up[t];
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (lane == t && t < p.n_tok) {
-            float* o = sg.out + (long long)t * sg.rows + r;
-            *o = p.mode == 1 ? *o + acc[t] : acc[t];
-        }
-    }
+    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
+    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }

@@ -47,23 +47,42 @@ def _blocks(name, rows, n_in, seed):
     return q, vals
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("n_tok", [1, 3, 8, 13, 16])
-@pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("norm", [False, True])
-def test_gemv_q_matches_float64(name, n_tok, mode, norm):
+def _gemv_case(name, n_tok, mode, norm):
+    """A GEMV case: (n_in, rows per segment, [(blocks, float64 values)], x, g, the outputs'
+    initial values) -- whole blocks, n_in not a multiple of 32 sub-blocks, rows that do not fill a
+    block of warps; mode 0: three segments, 1: one accumulated, 2: gate and up."""
     lay = block_layout(name)
-    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)   # whole blocks, not a multiple of 32 sub-blocks
+    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
     rows = {0: (37, 5, 70), 1: (61,), 2: (45, 45)}[mode]
     ws = [_blocks(name, r, n_in, 100 * mode + i) for i, r in enumerate(rows)]
     rng = np.random.default_rng(n_tok)
     x = (rng.standard_normal((n_tok, n_in)) * (30.0 if norm else 1.0)).astype(np.float32)
     g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
-    n_out = 1 if mode else len(rows)
-    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(n_out)]
+    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(1 if mode else len(rows))]
+    return n_in, rows, ws, x, g, init
+
+
+def _gemv_want(ws, xs, init, mode) -> list:
+    """float64 outputs of a GEMV case for activations xs (float64 (n_tok, n_in))."""
+    prods = [xs @ v.T for _, v in ws]
+    return prods if mode == 0 else [init[0] + prods[0]] if mode == 1 else \
+        [prods[0] / (1.0 + np.exp(-prods[0])) * prods[1]]
+
+
+def _outs(init, mode) -> list:
+    return [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_q_matches_float64(name, n_tok, mode, norm):
+    n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm)
+    type_id = block_layout(name).type_id
     d_ws = [cupy.asarray(q) for q, _ in ws]
     d_x, d_g = cupy.asarray(x), cupy.asarray(g)
-    d_out = [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+    d_out = _outs(init, mode)
     p = K.GemvQParams()
     for i, w in enumerate(d_ws):
         p.seg[i].w, p.seg[i].rows = w.data.ptr, w.shape[0]
@@ -71,15 +90,12 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
     p.x, p.x_stride, p.g, p.row_bytes = d_x.data.ptr, n_in, d_g.data.ptr if norm else 0, d_ws[0].shape[1]
     p.n_in, p.n_tok, p.n_seg, p.mode, p.norm_eps = n_in, n_tok, len(ws), mode, 1e-5 if norm else 0.0
     total = rows[0] if mode == 2 else sum(rows)
-    _launch(lay.type_id, K.gemv_q_name(lay.type_id, n_tok), (-(-total // K.GEMVQ_WARPS), 1, 1),
+    _launch(type_id, K.gemv_q_name(type_id, n_tok), (-(-total // K.GEMVQ_WARPS), 1, 1),
             (32 * K.GEMVQ_WARPS, 1, 1), p)
     xs = x.astype(np.float64)
     if norm:
         xs = xs / np.sqrt((xs ** 2).mean(axis=1, keepdims=True) + 1e-5) * g
-    prods = [xs @ v.T for _, v in ws]
-    want = prods if mode == 0 else [init[0] + prods[0]] if mode == 1 else \
-        [prods[0] / (1.0 + np.exp(-prods[0])) * prods[1]]
-    for got, ref in zip(d_out, want):
+    for got, ref in zip(d_out, _gemv_want(ws, xs, init, mode)):
         got = got.get()
         assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
 
@@ -96,17 +112,9 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
     per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer sums, F32 scales; an
     F32 ulp of the norm's scale may round a q the other way), and against float64 of the exact
     activations within the int8 rounding (NMSE <= 2e-4)."""
-    lay = block_layout(name)
-    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
-    rows = {0: (37, 5, 70), 1: (61,), 2: (45, 45)}[mode]
-    ws = [_blocks(name, r, n_in, 100 * mode + i) for i, r in enumerate(rows)]
-    rng = np.random.default_rng(n_tok)
-    x = (rng.standard_normal((n_tok, n_in)) * (30.0 if norm else 1.0)).astype(np.float32)
-    g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
-    n_out = 1 if mode else len(rows)
-    init = [rng.standard_normal((n_tok, rows[i])).astype(np.float32) for i in range(n_out)]
+    n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm)
     qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
-    d_out = [cupy.asarray(o) if mode == 1 else cupy.full(o.shape, np.nan, np.float32) for o in init]
+    d_out = _outs(init, mode)
     xq = cupy.zeros((n_tok, n_in), np.int8)
     xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
     run = xp_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
@@ -121,10 +129,7 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
     q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
     vq = (q * d).reshape(n_tok, n_in).astype(np.float64)
     for xs_ref, bound in ((vq, 1e-5), (v.astype(np.float64), 2e-4)):
-        prods = [xs_ref @ val.T for _, val in ws]
-        want = prods if mode == 0 else [init[0] + prods[0]] if mode == 1 else \
-            [prods[0] / (1.0 + np.exp(-prods[0])) * prods[1]]
-        for got, ref in zip(d_out, want):
+        for got, ref in zip(d_out, _gemv_want(ws, xs_ref, init, mode)):
             got = got.get()
             assert np.isfinite(got).all() and nmse(got, ref) < bound, (name, bound, nmse(got, ref))
 
