@@ -6,7 +6,7 @@ marking its tiles FINITE (cuda_launch.FINITE_MASK_TILES), also on the 128-row ti
 compute capability 9.0 the sm_90a prefill as well (every instance directly, the op's through
 the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / q4_0 blocks,
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
-of cuda/dense_q.cu (every block type: the GEMV at 1 and 16 tokens with the fused norm, gated,
+of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMM, split over n_in; the F16
 dequantization; the row gather).
 With --dense-q only the weight-block matmuls. Exits non-zero if any result misses the reference."""
@@ -247,7 +247,8 @@ def _quantized(cp, rng, mask) -> int:
 
 def _dense_q(cp, rng) -> int:
     """cuda/dense_q.cu on every weight block type: dense_gemv_q (1 and 16 tokens, RMS norm with
-    its weight, gate and up in one launch, 45 rows: a partial block of warps), dense_dequant_f16
+    its weight, gate and up in one launch, 45 rows: a partial block of warps; at 1 token also
+    the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
     tokens, n_in split: dense_splitk_sum) against float64 of its F16-rounded operands. Failures."""
     import ctypes
@@ -294,6 +295,18 @@ def _dense_q(cp, rng) -> int:
             ok = bool(np.isfinite(got).all()) and err < 1e-6
             bad += not ok
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+            if n_tok <= max(K.Q8X_TOKENS):   # the 8-bit-activation GEMV of the same case
+                q8 = (cp.zeros((n_tok, n_in), np.int8), cp.zeros((n_tok, n_in // 32), np.float32),
+                      cp.zeros((n_tok, n_in // 32), np.float32))
+                d_out[...] = np.nan
+                xp_matmul.q8x_launches([QMatrix(name, (rows, n_in), w) for w in d_ws], d_x, [d_out], *q8, mode=2,
+                                       norm_eps=1e-5, norm_w=d_g)()
+                st.synchronize()
+                got = d_out.get()
+                err = nmse(got, want)
+                ok = bool(np.isfinite(got).all()) and err < 2e-4
+                bad += not ok
+                print(f"gemv_q8x {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         q, vals = ws[0]
         d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
         n_sub = rows * n_in // 32
