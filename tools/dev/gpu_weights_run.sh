@@ -22,15 +22,16 @@
 #
 #   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
 #                                [--skip-greedy] [--skip-70b] [--weights auto,blocks] [--types Q4_K,Q6_K,Q8_0]
+#                                [--bench-args "--warps 8 --max-tokens 64"] (gpu_dense_q_bench.py's; "" for all its rows)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks; DTYPES=Q4_K,Q6_K,Q8_0
+INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
 while [ $# -gt 0 ]; do
   case "$1" in
     --install) INSTALL=1;; --tests) TESTS=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
-    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;; --types) DTYPES="$2"; shift;;
+    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;; --types) DTYPES="$2"; shift;; --bench-args) DARGS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -56,7 +57,7 @@ if [ $TESTS = 1 ]; then
 fi
 if [ $DENSE = 1 ]; then
   echo "== block GEMV / GEMM (one 8B layer per type)"
-  (cd tools/dev && $PY gpu_dense_q_bench.py --types "$DTYPES" --out "$OUT/dense_q.json") 2>&1 | tail -90 || status=1
+  (cd tools/dev && $PY gpu_dense_q_bench.py --types "$DTYPES" $DARGS --out "$OUT/dense_q.json") 2>&1 | tail -90 || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $SIDE = 1 ]; then
