@@ -71,6 +71,11 @@ QB_HD float qb_half(const qb_u8* p) {
 #endif
 }
 
+// The little-endian word of the 4 bytes at p (any alignment).
+QB_HD unsigned qb_le32(const qb_u8* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24);
+}
+
 // 16 bytes at p as four little-endian words: one 16-byte load on the device where p is 16-byte
 // aligned (Q4_K and Q5_K blocks in rows of 16-byte aligned matrices: 144 and 176 bytes a
 // block), bytes otherwise (warp-uniform: every block of such a matrix has p's alignment).
@@ -82,33 +87,18 @@ QB_HD void qb_load16(const qb_u8* p, unsigned (&w)[4]) {
         return;
     }
 #endif
-    for (int i = 0; i < 4; ++i)
-        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
-               ((unsigned)p[4 * i + 3] << 24);
+    for (int i = 0; i < 4; ++i) w[i] = qb_le32(p + 4 * i);
 }
 
-// 32 bytes at a 2-byte aligned p (Q6_K's 210-byte blocks) as eight little-endian words, read as
-// sixteen 2-byte halves.
-QB_HD void qb_load32_2(const qb_u8* p, unsigned (&w)[8]) {
+// 4 N bytes at a 2-byte aligned p (Q6_K's 210-byte blocks, Q4_0's and Q8_0's 18 and 34) as N
+// little-endian words, read as 2 N 2-byte halves on the device.
+template <int N>
+QB_HD void qb_load_2(const qb_u8* p, unsigned (&w)[N]) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
     const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    for (int i = 0; i < 8; ++i) w[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
+    for (int i = 0; i < N; ++i) w[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
 #else
-    for (int i = 0; i < 8; ++i)
-        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
-               ((unsigned)p[4 * i + 3] << 24);
-#endif
-}
-
-// 16 bytes at a 2-byte aligned p (Q4_0's 18-byte blocks) as four little-endian words.
-QB_HD void qb_load16_2(const qb_u8* p, unsigned (&w)[4]) {
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    for (int i = 0; i < 4; ++i) w[i] = (unsigned)h[2 * i] | ((unsigned)h[2 * i + 1] << 16);
-#else
-    for (int i = 0; i < 4; ++i)
-        w[i] = (unsigned)p[4 * i] | ((unsigned)p[4 * i + 1] << 8) | ((unsigned)p[4 * i + 2] << 16) |
-               ((unsigned)p[4 * i + 3] << 24);
+    for (int i = 0; i < N; ++i) w[i] = qb_le32(p + 4 * i);
 #endif
 }
 
@@ -170,7 +160,7 @@ template <> QB_HD void qb_dequant32<QB_Q4_1>(const qb_u8* b, int, float (&v)[32]
 
 template <> QB_HD void qb_dequant32<QB_Q5_0>(const qb_u8* b, int, float (&v)[32]) {
     const float d = qb_half(b);
-    const unsigned qh = (unsigned)b[2] | ((unsigned)b[3] << 8) | ((unsigned)b[4] << 16) | ((unsigned)b[5] << 24);
+    const unsigned qh = qb_le32(b + 2);
     const qb_u8* qs = b + 6;
     for (int j = 0; j < 16; ++j) {
         const int xh0 = ((qh >> j) << 4) & 0x10;
@@ -182,7 +172,7 @@ template <> QB_HD void qb_dequant32<QB_Q5_0>(const qb_u8* b, int, float (&v)[32]
 
 template <> QB_HD void qb_dequant32<QB_Q5_1>(const qb_u8* b, int, float (&v)[32]) {
     const float d = qb_half(b), m = qb_half(b + 2);
-    const unsigned qh = (unsigned)b[4] | ((unsigned)b[5] << 8) | ((unsigned)b[6] << 16) | ((unsigned)b[7] << 24);
+    const unsigned qh = qb_le32(b + 4);
     const qb_u8* qs = b + 8;
     for (int j = 0; j < 16; ++j) {
         const int xh0 = ((qh >> j) << 4) & 0x10;
@@ -195,7 +185,7 @@ template <> QB_HD void qb_dequant32<QB_Q5_1>(const qb_u8* b, int, float (&v)[32]
 template <> QB_HD void qb_dequant32<QB_Q8_0>(const qb_u8* b, int, float (&v)[32]) {
     const float d = qb_half(b);
     unsigned w[8];
-    qb_load32_2(b + 2, w);
+    qb_load_2(b + 2, w);
     for (int i = 0; i < 8; ++i) {   // q + 128 a byte, then 2^23 + 128 off exactly: q, no conversion
         const unsigned m = w[i] ^ 0x80808080u;
         for (int j = 0; j < 4; ++j) v[4 * i + j] = (qb_byte_2p23(m, j) - 8388736.0f) * d;
@@ -277,8 +267,8 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
     const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
     const int lshift = 4 * (k >> 1), hshift = 2 * k;
     unsigned lw[8], hw[8];
-    qb_load32_2(ql, lw);
-    qb_load32_2(qh, hw);
+    qb_load_2(ql, lw);
+    qb_load_2(qh, hw);
     const float ds[2] = {d * (float)sc[0], d * (float)sc[1]};   // ggml's d * sc, then times q
     for (int i = 0; i < 8; ++i) {   // the 6-bit values of four cells, one a byte
         const unsigned m = ((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4);
@@ -320,9 +310,9 @@ QB_HD unsigned qb_spread4(unsigned h) {
 // nibble), fifth bits (bit j of qh for value j) when qh is given.
 QB_HD void qb_nibbles32(const qb_u8* qs, const qb_u8* qh, int (&w)[8]) {
     unsigned q[4];
-    qb_load16_2(qs, q);
+    qb_load_2(qs, q);
     unsigned h = 0;
-    if (qh) h = (unsigned)qh[0] | ((unsigned)qh[1] << 8) | ((unsigned)qh[2] << 16) | ((unsigned)qh[3] << 24);
+    if (qh) h = qb_le32(qh);
     for (int i = 0; i < 4; ++i) {
         w[i] = (int)((q[i] & 0x0F0F0F0Fu) | (qh ? qb_spread4(h >> (4 * i)) : 0u));
         w[4 + i] = (int)(((q[i] >> 4) & 0x0F0F0F0Fu) | (qh ? qb_spread4(h >> (16 + 4 * i)) : 0u));
@@ -355,14 +345,14 @@ template <> QB_HD void qb_int32<QB_Q5_1>(const qb_u8* b, int, int (&w)[8], float
 
 template <> QB_HD void qb_int32<QB_Q8_0>(const qb_u8* b, int, int (&w)[8], float (&f)[2], float (&c)[2]) {
     unsigned u[8];   // d q
-    qb_load32_2(b + 2, u);
+    qb_load_2(b + 2, u);
     for (int i = 0; i < 8; ++i) w[i] = (int)u[i];
     f[0] = f[1] = qb_half(b), c[0] = c[1] = 0.0f;
 }
 
 template <> QB_HD void qb_int32<QB_Q2_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
     unsigned q[8];   // d sc_h q - dmin m_h (layout: qb_dequant32<QB_Q2_K>)
-    qb_load32_2(b + 16 + 32 * (s >> 2), q);
+    qb_load_2(b + 16 + 32 * (s >> 2), q);
     const int shift = 2 * (s & 3);
     for (int i = 0; i < 8; ++i) w[i] = (int)((q[i] >> shift) & 0x03030303u);
     const float d = qb_half(b + 80), mn = qb_half(b + 82);
@@ -374,8 +364,8 @@ template <> QB_HD void qb_int32<QB_Q2_K>(const qb_u8* b, int s, int (&w)[8], flo
 
 template <> QB_HD void qb_int32<QB_Q3_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
     unsigned q[8], hm[8];   // dl_h (u - 4), u = 2 low bits | the hmask bit << 2 (layout: qb_dequant32<QB_Q3_K>)
-    qb_load32_2(b + 32 + 32 * (s >> 2), q);
-    qb_load32_2(b, hm);
+    qb_load_2(b + 32 + 32 * (s >> 2), q);
+    qb_load_2(b, hm);
     const int shift = 2 * (s & 3);
     for (int i = 0; i < 8; ++i) w[i] = (int)(((q[i] >> shift) & 0x03030303u) | (((hm[i] >> s) & 0x01010101u) << 2));
     const float d = qb_half(b + 108);
@@ -409,8 +399,8 @@ template <> QB_HD void qb_int32<QB_Q5_K>(const qb_u8* b, int s, int (&w)[8], flo
 template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
     const int n = s >> 2, k = s & 3;   // d sc_h (u - 32), u the 6-bit value (layout: qb_dequant32<QB_Q6_K>)
     unsigned lw[8], hw[8];
-    qb_load32_2(b + 64 * n + 32 * (k & 1), lw);
-    qb_load32_2(b + 128 + 32 * n, hw);
+    qb_load_2(b + 64 * n + 32 * (k & 1), lw);
+    qb_load_2(b + 128 + 32 * n, hw);
     const int lshift = 4 * (k >> 1), hshift = 2 * k;
     for (int i = 0; i < 8; ++i)
         w[i] = (int)(((lw[i] >> lshift) & 0x0F0F0F0Fu) | (((hw[i] >> hshift) & 0x03030303u) << 4));

@@ -464,7 +464,7 @@ class MatmulChoice:
 # (Q8_0 from 16, by 2-5%: one crossover for every type).
 QGEMM_MIN_TOKENS = 3
 QGEMM_MAX_TOKENS = 64
-# Block matrices of kernels.Q8X_TYPES run up to this many tokens (at most max(Q8X_TOKENS)) through
+# Block matrices run up to this many tokens (at most max(Q8X_TOKENS)) through
 # the GEMV with 8-bit activations (dense_gemv_q8x, llama.cpp's mmvq way) instead of the F32 one:
 # 0 (off) until measured on a GPU against it (tools/dev/gpu_dense_q_bench.py, "gemv q8x" rows).
 Q8X_MAX_TOKENS = 0
@@ -476,8 +476,8 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     with 8-bit activations), ``gemm-q`` (block weights, the tiled block GEMM) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ValueError for a type no kernel reads (the loader
     makes every other matrix F16)."""
-    from .block_types import block_layout, is_block_type
-    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_TOKENS, Q8X_TYPES
+    from .block_types import is_block_type
+    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_TOKENS
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be positive, got {n_tokens}")
     if weight_type == "F16":
@@ -487,8 +487,7 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     else:
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
-    if weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)) and \
-            block_layout(weight_type).type_id in Q8X_TYPES:
+    if weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)):
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     if weight_type != "F16" and QGEMM_MIN_TOKENS <= n_tokens <= QGEMM_MAX_TOKENS:

@@ -243,7 +243,6 @@ def model_ops_variant() -> Variant:
     return Variant("model-ops", "model_ops.cu", MODEL_OPS_NAMES)
 
 
-Q8X_TYPES = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14)   # dense_gemv_q8x's block types: every one (ggml ids)
 Q8X_TOKENS = (1, 2, 4)        # its instances: NT, each running n_tok <= NT tokens (8: Q8_0 spilled)
 Q8X_WARPS = 8                 # warps a block (Q8X_WARPS in dense_q8x.cu)
 
@@ -254,16 +253,16 @@ def q8x_name(type_id: int, n_tok: int) -> str:
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
-    """The block GEMV with 8-bit activations (``cuda/dense_q8x.cu``) over one block type of
-    Q8X_TYPES, with the activations' quantization: the A/B path to dense_gemv_q's F32 one."""
-    if type_id not in Q8X_TYPES:
-        raise ValueError(f"dense_gemv_q8x reads ggml types {Q8X_TYPES}, not {type_id}")
+    """The block GEMV with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
+    (``type_id``: a ggml type id of ``block_types``), with the activations' quantization: the
+    A/B path to dense_gemv_q's F32 one."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) + ("dense_quant_q8x",))
 
 
-def dense_q_variants() -> list[Variant]:
+def dense_q_variants(make=dense_q_variant) -> list[Variant]:
+    """``make`` (dense_q_variant, dense_q8x_variant) of every block type."""
     from .block_types import BLOCK_TYPES, block_layout
-    return [dense_q_variant(block_layout(n).type_id) for n in BLOCK_TYPES]
+    return [make(block_layout(n).type_id) for n in BLOCK_TYPES]
 
 
 def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
@@ -336,7 +335,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
-           *(dense_q8x_variant(t) for t in Q8X_TYPES)]
+           *dense_q_variants(dense_q8x_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]

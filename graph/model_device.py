@@ -52,11 +52,11 @@ _RAW_TYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
 # The form of block-type matrices on a GPU: "auto", "blocks" or "f16" ($GGML_ATTN_WEIGHTS). "auto"
 # keeps them as F16 (dequantized on the GPU at load, norms folded as for F16 files) while that fits,
 # else in their blocks. Measured on an H100 at 03946da
-# (bench/results/2026-12-05-03946da-h100-quant-weights.json): the block GEMV read 0.38-0.69 TB/s
-# (its activations' loads were strided across lanes, issue #43), tg128 on the 8B-shaped Q4_K_M
-# file 65 t/s against llama.cpp's 281, where the F16 form ran 224 t/s on the H200 (115bb1f). Blocks
-# stay for what F16 cannot hold (a 70B Q4_K_M file on one GPU) until the block GEMV reads at
-# bandwidth.
+# (bench/results/2026-12-05-03946da-h100-quant-weights.json): tg128 on the 8B-shaped Q4_K_M file
+# 65 t/s in blocks against llama.cpp's 281, where the F16 form ran 224 t/s on the H200 (115bb1f);
+# the block GEMV has since reached 156 us an 8B layer at one token (0.79 TB/s, 064d482), still
+# behind the F16 GEMV's 123. Blocks stay for what F16 cannot hold (a 70B Q4_K_M file on one GPU)
+# until the block GEMV reads at bandwidth.
 WEIGHTS = os.environ.get("GGML_ATTN_WEIGHTS", "auto")
 WEIGHT_FORMS = ("auto", "blocks", "f16")
 F16_FIT = 0.85   # "auto": F16 when its bytes are at most this share of the GPU's free memory

@@ -225,7 +225,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
-    if t not in K.Q8X_TYPES or n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
+    if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not x.flags.c_contiguous \
             or xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape \
             or xq.data.ptr % 16:

@@ -100,10 +100,7 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
         assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
 
 
-Q8X_NAMES = [n for n in BLOCK_TYPES if block_layout(n).type_id in K.Q8X_TYPES]
-
-
-@pytest.mark.parametrize("name", Q8X_NAMES)
+@pytest.mark.parametrize("name", BLOCK_TYPES)
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("norm", [False, True])

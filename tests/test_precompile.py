@@ -119,3 +119,25 @@ def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
     assert arch == "sm_90" and K.dense_variant() in variants and K.util_variant() in variants
     assert "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true>" in names
     assert "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>" in names   # prompts on f16 copies
+
+
+@pytest.mark.parametrize("q8x", [0, 2])
+def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x):
+    """--layer model: the block programs of each block type in the file, and the 8-bit-activation
+    GEMV's too exactly when dispatch routes GEMVs to it (Q8X_MAX_TOKENS)."""
+    from types import SimpleNamespace
+
+    from ggml_attn.cli import cuda_engine
+    from ggml_attn.cli.models import PRESETS
+    asked = []
+    monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append(variants))
+    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", q8x)
+    p = PRESETS["llama-3-8b"]
+    m = SimpleNamespace(head_dim=p.head_dim, d_v=p.d_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
+                        file_type="Q4_K+Q6_K+F32")
+    cfg = SimpleNamespace(model=m, type_k="f16", type_v="f16", kernel="auto", layer="model")
+    cuda_engine.start_precompile(cfg).result()
+    (variants,) = asked
+    assert K.dense_q_variant(12) in variants and K.dense_q_variant(14) in variants
+    assert (K.dense_q8x_variant(12) in variants) == bool(q8x) and (K.dense_q8x_variant(14) in variants) == bool(q8x)

@@ -75,11 +75,6 @@ def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
     return go
 
 
-def lay_id(type_name: str) -> int:
-    from ggml_attn.block_types import block_layout
-    return block_layout(type_name).type_id
-
-
 def _q8x(cp, K, ws: dict, n: int, q8x_launches):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized, then its GEMV."""
     steps = []
@@ -134,13 +129,12 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        if lay_id(t) in K.Q8X_TYPES:   # the 8-bit-activation GEMV (quantization included)
-            for n in K.Q8X_TOKENS:
-                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches) for ws in layers])
-                rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemv q8x", n_tok=n, us=round(med, 2),
-                                 us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
-                                 floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
-                log(f"{t:5s} gemv q8x n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV (quantization included)
+            med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemv q8x", n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
+                             floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
+            log(f"{t:5s} gemv q8x n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
         for n in sorted(t_ for t_ in set(GEMV_TOKENS) | set(GEMM_TOKENS) if t_ <= max_tokens):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
