@@ -77,3 +77,17 @@ def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
     src = x.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
     ggml.ggml_quantize_chunk(ggml_type, src, out.ctypes.data, 0, n_rows, ne0, None)
     return out
+
+
+def q8_activations(v: np.ndarray) -> np.ndarray:
+    """The activations the 8-bit-activation GEMV multiplies (cuda/dense_q8x.cu's
+    ``dense_quant_q8x``, llama.cpp's q8_1 rounding): F32 ``(n_tok, n_in)`` in numpy order, n_in a
+    multiple of 32 -> float64 ``(n_tok, n_in)`` of ``round(v / d) * d`` per 32 values, d =
+    max|v| / 127 (0 where d is 0)."""
+    v = np.asarray(v, dtype=np.float32)
+    if v.ndim != 2 or v.shape[1] % 32:
+        raise ValueError(f"q8_activations takes (n_tok, n_in) with n_in a multiple of 32, got {v.shape}")
+    blocks = v.reshape(v.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(v.shape).astype(np.float64)

@@ -22,7 +22,7 @@ from ggml_attn import kernels as K
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.graph import xp_matmul
 from ggml_attn.graph.model_device import QMatrix
-from ggml_attn.quant import dequantize_rows, quantize
+from ggml_attn.quant import dequantize_rows, q8_activations, quantize
 from ggml_attn.reference import nmse
 
 cupy = pytest.importorskip("cupy")
@@ -105,10 +105,12 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("norm", [False, True])
 def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
-    """The 8-bit-activation GEMV: against float64 of the activations it quantized (emulated here:
-    per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer sums, F32 scales; an
-    F32 ulp of the norm's scale may round a q the other way), and against float64 of the exact
-    activations within the int8 rounding (NMSE <= 2e-4)."""
+    """The 8-bit-activation GEMV: against float64 of the activations it quantized
+    (quant.q8_activations: per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer
+    sums, F32 scales; an F32 ulp of the norm's scale may round a q the other way); against float64
+    of the exact activations no further off than that rounding itself puts the float64 product
+    (a fixed bound failed 52 of these cases on the H200 at 6d1b24e, 3.5e-4 to 1e-3, where the
+    emulated bound held: the error is the rounding's, which llama.cpp's mmvq has too)."""
     n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm)
     qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
     d_out = _outs(init, mode)
@@ -121,14 +123,11 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
     v = x.astype(np.float32)
     if norm:   # the kernel's order: (x * g) * scale, in F32
         v = (v * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
-    blocks = v.reshape(n_tok, -1, 32)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
-    q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
-    vq = (q * d).reshape(n_tok, n_in).astype(np.float64)
-    for xs_ref, bound in ((vq, 1e-5), (v.astype(np.float64), 2e-4)):
-        for got, ref in zip(d_out, _gemv_want(ws, xs_ref, init, mode)):
-            got = got.get()
-            assert np.isfinite(got).all() and nmse(got, ref) < bound, (name, bound, nmse(got, ref))
+    rounded, exact = _gemv_want(ws, q8_activations(v), init, mode), _gemv_want(ws, v.astype(np.float64), init, mode)
+    for got, ref_q, ref in zip(d_out, rounded, exact):
+        got = got.get()
+        assert np.isfinite(got).all() and nmse(got, ref_q) < 1e-5, (name, nmse(got, ref_q))
+        assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

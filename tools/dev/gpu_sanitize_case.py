@@ -258,7 +258,7 @@ def _dense_q(cp, rng) -> int:
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph import xp_matmul
     from ggml_attn.graph.model_device import QMatrix
-    from ggml_attn.quant import dequantize_rows, quantize
+    from ggml_attn.quant import dequantize_rows, q8_activations, quantize
     bad = 0
     st = cp.cuda.get_current_stream()
 
@@ -303,8 +303,10 @@ def _dense_q(cp, rng) -> int:
                                        norm_eps=1e-5, norm_w=d_g)()
                 st.synchronize()
                 got = d_out.get()
-                err = nmse(got, want)
-                ok = bool(np.isfinite(got).all()) and err < 2e-4
+                v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
+                gate, up = (q8_activations(v) @ w.T for _, w in ws)   # float64 of the activations it multiplies
+                err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
+                ok = bool(np.isfinite(got).all()) and err < 1e-5
                 bad += not ok
                 print(f"gemv_q8x {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         q, vals = ws[0]
