@@ -15,8 +15,12 @@
 #include <cuda_fp16.h>
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
+#include "mma_ptx.cuh"   // smem_u32, cp.async
 
-#define Q8X_WARPS 8   // warps a block, a row each
+#define Q8X_WARPS 8    // warps a dense_gemv_q8x block, a row each
+#define Q8X_SWARPS 4   // warps a dense_gemv_q8x_s block, a row each
+#define Q8X_CHUNK 1024 // values a staged chunk: a 32-value sub-block a lane
+#define Q8X_STAGES 4   // chunks a staged warp's slots hold (Q8X_STAGES - 1 in flight)
 
 struct GemvQ8Params {
     GemvQSeg seg[3];
@@ -72,13 +76,47 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
     }
 }
 
-// The 32 activations of sub-block s of token t as eight int8x4 words.
-__device__ __forceinline__ void q8x_load(const GemvQ8Params& p, int t, int s, int (&a)[8]) {
-    const int4* src = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * s);
-    const int4 u = __ldg(src), v = __ldg(src + 1);
-    a[0] = u.x, a[1] = u.y, a[2] = u.z, a[3] = u.w, a[4] = v.x, a[5] = v.y, a[6] = v.z, a[7] = v.w;
+// The 32 activations of sub-block s of token t as eight int8x4 words, with their scale and sum.
+struct Q8xAct {
+    int a[8];
+    float d, s;
+};
+
+template <int NT>
+__device__ __forceinline__ void q8x_load(const GemvQ8Params& p, int sub, Q8xAct (&x)[NT]) {
+    const int n_sub = p.n_in / 32;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < p.n_tok) {
+            const int4* src = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * sub);
+            const int4 u = __ldg(src), v = __ldg(src + 1);
+            x[t].a[0] = u.x, x[t].a[1] = u.y, x[t].a[2] = u.z, x[t].a[3] = u.w;
+            x[t].a[4] = v.x, x[t].a[5] = v.y, x[t].a[6] = v.z, x[t].a[7] = v.w;
+            x[t].d = __ldg(p.xd + (long long)t * n_sub + sub), x[t].s = __ldg(p.xs + (long long)t * n_sub + sub);
+        }
+    }
 }
 
+// One lane's sub-block sub (of its row's weights at b0, the gated mode's second operand at b1,
+// each the start of the block holding it) times every token's activations x.
+template <int T, int NT>
+__device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned char* b0, const unsigned char* b1, int sub,
+                                        const Q8xAct (&x)[NT], float (&acc)[NT], float (&up)[NT]) {
+    constexpr int S = QBlock<T>::VALUES / 32;
+    int w[8], wu[8];
+    float f[2], c[2], fu[2], cu[2];
+    qb_int32<T>(b0, sub % S, w, f, c);
+    if (b1) qb_int32<T>(b1, sub % S, wu, fu, cu);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < p.n_tok) {
+            acc[t] += qb_dot_q8<T>(w, f, c, x[t].a, x[t].d, x[t].s);
+            if (b1) up[t] += qb_dot_q8<T>(wu, fu, cu, x[t].a, x[t].d, x[t].s);
+        }
+    }
+}
+
+// Rows read from global memory as the lanes' sub-blocks need them (any row alignment).
 template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Params p) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
@@ -91,25 +129,84 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-    const int n_sub = p.n_in / 32;
-    for (int sub = lane; sub < n_sub; sub += 32) {
-        int w[8], a[8];
-        float f[2], c[2];
-        qb_int32<T>(w0 + (long long)(sub / S) * B, sub % S, w, f, c);
-        int wu[8];
-        float fu[2], cu[2];
-        if (w1) qb_int32<T>(w1 + (long long)(sub / S) * B, sub % S, wu, fu, cu);
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-            if (t < p.n_tok) {
-                q8x_load(p, t, sub, a);
-                const float xd = __ldg(p.xd + (long long)t * n_sub + sub), xs = __ldg(p.xs + (long long)t * n_sub + sub);
-                acc[t] += qb_dot_q8<T>(w, f, c, a, xd, xs);
-                if (w1) up[t] += qb_dot_q8<T>(wu, fu, cu, a, xd, xs);
-            }
-        }
+    for (int sub = lane; sub < p.n_in / 32; sub += 32) {
+        Q8xAct x[NT];
+        q8x_load<NT>(p, sub, x);
+        const long long off = (long long)(sub / S) * B;
+        q8x_sub<T, NT>(p, w0 + off, w1 ? w1 + off : nullptr, sub, x, acc, up);
     }
     float one[NT];   // (the norm was applied when x was quantized)
+#pragma unroll
+    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
+    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+}
+
+// The staged form, for rows that start 16-byte aligned (row_bytes a multiple of 16, every
+// segment's pointer aligned): each warp streams its row (and the gated mode's second row) through
+// Q8X_STAGES shared-memory slots of Q8X_CHUNK values by cp.async, Q8X_STAGES - 1 chunks in
+// flight while it multiplies one -- a row's bytes requested at once, not one sub-block a lane
+// at a time (dense_gemv_q8x held ~0.6 TB/s on the H200 at 6d1b24e: memory latency, one
+// sub-block's bytes a lane in flight). Slot bytes keep the global bytes' alignment mod 16, so
+// qb_int32's 16-byte loads take the same path.
+template <int T> struct Q8xChunk {
+    static constexpr int BYTES = Q8X_CHUNK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a whole chunk's
+    static constexpr int SLOT = (BYTES + 30) / 16 * 16;   // its 16-byte units from an unaligned start
+};
+
+// cp.async of the 16-byte units of chunk c of row w (row_bytes bytes, 16-byte aligned) into the
+// shared slot at address slot: the chunk's first byte lands at offset (its row offset) mod 16.
+template <int T>
+__device__ __forceinline__ void q8x_stage(const unsigned char* w, long long row_bytes, int c, unsigned slot, int lane) {
+    const long long g0 = (long long)c * (Q8X_CHUNK / QBlock<T>::VALUES) * QBlock<T>::BYTES;
+    if (g0 >= row_bytes) return;
+    const long long g1 = min(g0 + Q8xChunk<T>::BYTES, row_bytes), a0 = g0 & ~15LL;
+    const int units = (int)((((g1 + 15) & ~15LL) - a0) >> 4);   // the last ends at row_bytes at most
+    for (int u = lane; u < units; u += 32) cp_async16(slot + 16u * u, w + a0 + 16LL * u, 16);
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8Params p) {
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES, SLOT = Q8xChunk<T>::SLOT;
+    constexpr int SUBS = Q8X_CHUNK / 32;   // sub-blocks a chunk: one a lane
+    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][Q8X_STAGES][SLOT];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * Q8X_SWARPS + warp;
+    GemvQSeg sg;
+    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
+    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
+    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
+    const int n_sub = p.n_in / 32, n_chunks = (n_sub + SUBS - 1) / SUBS;
+#pragma unroll
+    for (int c = 0; c < Q8X_STAGES - 1; ++c) {
+        if (c < n_chunks) {
+            q8x_stage<T>(w0, p.row_bytes, c, s0 + c * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, p.row_bytes, c, s1 + c * SLOT, lane);
+        }
+        cp_async_commit();
+    }
+    float acc[NT], up[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) {
+        const int nc = c + Q8X_STAGES - 1, slot = c % Q8X_STAGES;
+        if (nc < n_chunks) {   // into the slot chunk c - 1 used (its reads are done: __syncwarp below)
+            q8x_stage<T>(w0, p.row_bytes, nc, s0 + (nc % Q8X_STAGES) * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, p.row_bytes, nc, s1 + (nc % Q8X_STAGES) * SLOT, lane);
+        }
+        cp_async_commit();
+        const int sub = SUBS * c + lane;
+        Q8xAct x[NT];
+        if (sub < n_sub) q8x_load<NT>(p, sub, x);   // (before the wait: its latency overlaps)
+        cp_async_wait<Q8X_STAGES - 1>();   // chunk c is in
+        __syncwarp();
+        if (sub < n_sub) {
+            const int off = (int)(((long long)c * Q8xChunk<T>::BYTES) & 15) + (sub / S - c * (SUBS / S)) * B;
+            q8x_sub<T, NT>(p, &buf[warp][0][slot][off], w1 ? &buf[warp][1][slot][off] : nullptr, sub, x, acc, up);
+        }
+        __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
+    }
+    float one[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);

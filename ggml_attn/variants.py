@@ -244,19 +244,24 @@ def model_ops_variant() -> Variant:
 
 
 Q8X_TOKENS = (1, 2, 4)        # its instances: NT, each running n_tok <= NT tokens (8: Q8_0 spilled)
-Q8X_WARPS = 8                 # warps a block (Q8X_WARPS in dense_q8x.cu)
+Q8X_WARPS = 8                 # warps a dense_gemv_q8x block (Q8X_WARPS in dense_q8x.cu)
+Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its slots' shared memory)
 
 
-def q8x_name(type_id: int, n_tok: int) -> str:
-    """The ``dense_gemv_q8x`` instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >= n_tok)."""
-    return f"dense_gemv_q8x<{type_id}, {next(t for t in Q8X_TOKENS if t >= n_tok)}>"
+def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
+    """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
+    n_tok): ``dense_gemv_q8x_s`` (rows streamed through shared memory; rows 16-byte aligned) or,
+    ``staged=False``, ``dense_gemv_q8x`` (any alignment)."""
+    nt = next(t for t in Q8X_TOKENS if t >= n_tok)
+    return f"dense_gemv_q8x{'_s' if staged else ''}<{type_id}, {nt}>"
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
     """The block GEMV with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
-    (``type_id``: a ggml type id of ``block_types``), with the activations' quantization: the
-    A/B path to dense_gemv_q's F32 one."""
-    return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) + ("dense_quant_q8x",))
+    (``type_id``: a ggml type id of ``block_types``), staged and not, with the activations'
+    quantization: the A/B path to dense_gemv_q's F32 one."""
+    return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt, st) for st in (True, False)
+                                                      for nt in Q8X_TOKENS) + ("dense_quant_q8x",))
 
 
 def dense_q_variants(make=dense_q_variant) -> list[Variant]:

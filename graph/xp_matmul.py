@@ -213,13 +213,15 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True):
+                 quantize: bool = True, staged: bool | None = None):
     """The 8-bit-activation GEMV (``cuda/dense_q8x.cu``; the A/B path to :func:`gemv_q_launch`,
     chosen by ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` F32 ``(n_tok, n_in)``
     (times ``norm_w``, RMS-normalized with ``norm_eps``) quantized into ``xq`` int8
     ``(n_tok, n_in)``, ``xd`` / ``xs`` F32 ``(n_tok, n_in / 32)`` by ``dense_quant_q8x`` (not with
-    ``quantize=False``: another group's launch did it), then one ``dense_gemv_q8x`` launch over
-    ``QMatrix`` weights of one block type (modes and ``outs`` as :func:`gemv_q_launch`'s).
+    ``quantize=False``: another group's launch did it), then one GEMV launch over ``QMatrix``
+    weights of one block type (modes and ``outs`` as :func:`gemv_q_launch`'s): ``dense_gemv_q8x_s``
+    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x``
+    (``staged=False``: that one anyway, the benchmark's A/B).
     Returns a function of no arguments launching on the current stream, or None when the arrays
     do not fit; the caller keeps the arrays alive."""
     from ggml_attn import kernels as K  # noqa: PLC0415
@@ -244,8 +246,11 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    steps.append(K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok)),
-                               (-(-rows // K.Q8X_WARPS), 1, 1), (32 * K.Q8X_WARPS, 1, 1), p))
+    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
+    staged = aligned and staged is not False
+    warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
+    steps.append(K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
+                               (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p))
     return steps[0] if len(steps) == 1 else _then(*steps)
 
 

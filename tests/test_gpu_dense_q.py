@@ -47,12 +47,20 @@ def _blocks(name, rows, n_in, seed):
     return q, vals
 
 
-def _gemv_case(name, n_tok, mode, norm):
-    """A GEMV case: (n_in, rows per segment, [(blocks, float64 values)], x, g, the outputs'
-    initial values) -- whole blocks, n_in not a multiple of 32 sub-blocks, rows that do not fill a
-    block of warps; mode 0: three segments, 1: one accumulated, 2: gate and up."""
+def _staged_n_in(name) -> int:
+    """An n_in of whole blocks whose rows are whole 16-byte units (dense_gemv_q8x_s's
+    precondition), over more than Q8X_STAGES chunks of 1024 values: 4864 (the last chunk
+    partial) where the block size allows, else 6144 (Q2_K, Q3_K, Q6_K)."""
     lay = block_layout(name)
-    n_in = 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
+    return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
+
+
+def _gemv_case(name, n_tok, mode, norm, n_in=None):
+    """A GEMV case: (n_in, rows per segment, [(blocks, float64 values)], x, g, the outputs'
+    initial values) -- whole blocks, n_in (by default) not a multiple of 32 sub-blocks, rows that
+    do not fill a block of warps; mode 0: three segments, 1: one accumulated, 2: gate and up."""
+    lay = block_layout(name)
+    n_in = n_in or 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
     rows = {0: (37, 5, 70), 1: (61,), 2: (45, 45)}[mode]
     ws = [_blocks(name, r, n_in, 100 * mode + i) for i, r in enumerate(rows)]
     rng = np.random.default_rng(n_tok)
@@ -103,15 +111,18 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("norm", [False, True])
-def test_gemv_q8x_matches_float64(name, n_tok, mode, norm):
+@pytest.mark.parametrize("norm, staged", [(False, False), (True, False), (False, True), (True, True)])
+def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
     """The 8-bit-activation GEMV: against float64 of the activations it quantized
     (quant.q8_activations: per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer
     sums, F32 scales; an F32 ulp of the norm's scale may round a q the other way); against float64
     of the exact activations no further off than that rounding itself puts the float64 product
     (a fixed bound failed 52 of these cases on the H200 at 6d1b24e, 3.5e-4 to 1e-3, where the
-    emulated bound held: the error is the rounding's, which llama.cpp's mmvq has too)."""
-    n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm)
+    emulated bound held: the error is the rounding's, which llama.cpp's mmvq has too). Staged: rows
+    of whole 16-byte units over several chunks (dense_gemv_q8x_s); else rows of any alignment
+    (the case's n_in leaves most types' rows unaligned: dense_gemv_q8x)."""
+    n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm, _staged_n_in(name) if staged else None)
+    assert (block_layout(name).row_bytes(n_in) % 16 == 0) >= staged
     qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
     d_out = _outs(init, mode)
     xq = cupy.zeros((n_tok, n_in), np.int8)

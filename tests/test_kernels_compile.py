@@ -268,7 +268,7 @@ def test_gemm_q_tile_mirror_matches_c():
     checks = [(n, v, n) for n, v in zip(names, K.GEMMQ_TILE)] + [("GQ_THREADS", K.GEMMQ_THREADS, "GQ_THREADS"),
                                                                   ("GEMVQ_WARPS", K.GEMVQ_WARPS, "GEMVQ_WARPS")]
     _static_asserts("dense_q.cu", checks, "sm_80")
-    _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS")], "sm_80")
+    _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS"), ("Q8X_SWARPS", K.Q8X_SWARPS, "Q8X_SWARPS")], "sm_80")
 
 
 def test_smem_fits_h200():

@@ -124,7 +124,9 @@ def test_q8x_launches(launches):
     xp_, xst, gp, eps, n_in, q, d, s_ = (a.value for a in quant.params)
     assert (xp_, xst, gp, n_in, q, d, s_) == (x.data.ptr, 512, g.data.ptr, 512, xq.data.ptr, xd.data.ptr, xs.data.ptr)
     assert eps == pytest.approx(1e-5)
-    assert gemv.fn.name == "dense_gemv_q8x<12, 2>" and gemv.grid == (-(-128 // K.Q8X_WARPS), 1, 1)
+    assert all(w.blocks.data.ptr % 16 == 0 for w in ws)   # (numpy's allocations: the staged kernel's precondition)
+    assert gemv.fn.name == "dense_gemv_q8x_s<12, 2>" and gemv.grid == (-(-128 // K.Q8X_SWARPS), 1, 1)
+    assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
     (p,) = gemv.params
     assert (p.xq, p.xd, p.xs, p.row_bytes, p.n_in, p.n_tok, p.n_seg, p.mode) == \
         (xq.data.ptr, xd.data.ptr, xs.data.ptr, 2 * 144, 512, 2, 2, 0)
@@ -135,6 +137,22 @@ def test_q8x_launches(launches):
                                   mode=0) is None                                                       # 5 tokens
     assert xp_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
     assert len(launches) == n
+
+
+@pytest.mark.parametrize("case", ["row_bytes", "pointer"])
+def test_q8x_unstaged_where_rows_are_not_16_byte_aligned(launches, case):
+    """Rows that do not all start 16-byte aligned (Q8_0 rows of 96 values: 102 bytes; a matrix
+    2 bytes into its buffer) take dense_gemv_q8x (plain loads) in its blocks of Q8X_WARPS."""
+    n_in = 96 if case == "row_bytes" else 256
+    w = _qmatrix("Q8_0", 40, n_in)
+    if case == "pointer":
+        buf = np.zeros(40 * w.row_bytes + 16, np.uint8)
+        w = QMatrix("Q8_0", (40, n_in), Dev(None, base=buf[2:2 + 40 * w.row_bytes].reshape(40, w.row_bytes)))
+    x, xq, xd, xs = Dev((1, n_in)), Dev((1, n_in), np.int8), Dev((1, n_in // 32)), Dev((1, n_in // 32))
+    xp_matmul.q8x_launches([w], x, [Dev((1, 40))], xq, xd, xs, mode=0, quantize=False)
+    (gemv,) = launches
+    assert gemv.fn.name == "dense_gemv_q8x<8, 1>" and gemv.grid == (-(-40 // K.Q8X_WARPS), 1, 1)
+    assert gemv.block == (32 * K.Q8X_WARPS, 1, 1)
 
 
 def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
@@ -148,7 +166,7 @@ def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q5_K", 16, 256)]
     x, outs = Dev((2, 256)), [Dev((2, 64)), Dev((2, 16))]
     assert xp_matmul._gemv(b, ws, x, outs, mode=0, norm_eps=1e-5, norm_w=Dev((256,))) is not None
-    assert [ln.fn.name for ln in launches] == ["dense_quant_q8x", "dense_gemv_q8x<12, 2>", "dense_gemv_q8x<13, 2>"]
+    assert [ln.fn.name for ln in launches] == ["dense_quant_q8x", "dense_gemv_q8x_s<12, 2>", "dense_gemv_q8x_s<13, 2>"]
     assert [a.shape for a in b.kept[:3]] == [(2, 256), (2, 8), (2, 8)] and b.kept[0].dtype == np.int8
     xq = b.kept[0].data.ptr
     assert launches[1].params[0].xq == launches[2].params[0].xq == xq

@@ -75,15 +75,19 @@ def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
     return go
 
 
-def _q8x(cp, K, ws: dict, n: int, q8x_launches):
-    """One layer by the 8-bit-activation GEMV: each matrix's activations quantized, then its GEMV."""
+def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: bool = True):
+    """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
+    ``quantize=False``: the GEMV alone), then its GEMV, staged through shared memory or not."""
     steps = []
     for k, w in ws.items():
         n_in = w.shape[1]
         x = cp.random.standard_normal((n, n_in), dtype=cp.float32)
         xq, xd, xs = (cp.empty((n, n_in), cp.int8), cp.empty((n, n_in // 32), cp.float32),
                       cp.empty((n, n_in // 32), cp.float32))
-        run = q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0)
+        if not quantize:   # (quantized once: the GEMV reads real scales)
+            q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0)()
+        run = q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0, staged=staged,
+                           quantize=quantize)
         assert run is not None, "the llama-3-8B shapes fit dense_gemv_q8x"
         steps.append(run)
 
@@ -129,12 +133,14 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV (quantization included)
-            med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches) for ws in layers])
-            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemv q8x", n_tok=n, us=round(med, 2),
-                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
-                             floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
-            log(f"{t:5s} gemv q8x n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV: staged (shipped), plain, staged without the quantization
+            for impl, staged, quant in (("gemv q8x", True, True), ("gemv q8x plain", False, True),
+                                        ("gemv q8x noquant", True, False)):
+                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, staged, quant) for ws in layers])
+                rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
+                                 us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
+                                 floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
+                log(f"{t:5s} {impl:16s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
         for n in sorted(t_ for t_ in set(GEMV_TOKENS) | set(GEMM_TOKENS) if t_ <= max_tokens):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)

@@ -245,6 +245,40 @@ def _quantized(cp, rng, mask) -> int:
     return bad
 
 
+def _staged_n_in(lay) -> int:
+    """An n_in whose rows are whole 16-byte units over more than 4 chunks of 1024 values
+    (dense_gemv_q8x_s, its cp.async slots reused): 4864 where the block size allows, else 6144."""
+    return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
+
+
+def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
+    """The 8-bit-activation GEMV (cuda/dense_q8x.cu) gated with the RMS norm at one token against
+    float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
+    from ggml_attn.block_types import block_layout
+    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph.model_device import QMatrix
+    from ggml_attn.quant import dequantize_rows, q8_activations, quantize
+    lay = block_layout(name)
+    qs = [quantize((rng.standard_normal((rows, n_in)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32),
+                   lay.type_id) for _ in range(2)]   # gate, up
+    vals = [dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64) for q in qs]
+    g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
+    x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
+    d_out = cp.full((1, rows), np.nan, np.float32)
+    q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
+    xp_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
+                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g))()
+    cp.cuda.get_current_stream().synchronize()
+    got = d_out.get()
+    v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
+    gate, up = (q8_activations(v) @ w.T for w in vals)
+    err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
+    ok = bool(np.isfinite(got).all()) and err < 1e-5
+    staged = "staged" if lay.row_bytes(n_in) % 16 == 0 else "plain"
+    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({staged}) gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 def _dense_q(cp, rng) -> int:
     """cuda/dense_q.cu on every weight block type: dense_gemv_q (1 and 16 tokens, RMS norm with
     its weight, gate and up in one launch, 45 rows: a partial block of warps; at 1 token also
@@ -258,7 +292,7 @@ def _dense_q(cp, rng) -> int:
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph import xp_matmul
     from ggml_attn.graph.model_device import QMatrix
-    from ggml_attn.quant import dequantize_rows, q8_activations, quantize
+    from ggml_attn.quant import dequantize_rows, quantize
     bad = 0
     st = cp.cuda.get_current_stream()
 
@@ -295,20 +329,8 @@ def _dense_q(cp, rng) -> int:
             ok = bool(np.isfinite(got).all()) and err < 1e-6
             bad += not ok
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-            if n_tok <= max(K.Q8X_TOKENS):   # the 8-bit-activation GEMV of the same case
-                q8 = (cp.zeros((n_tok, n_in), np.int8), cp.zeros((n_tok, n_in // 32), np.float32),
-                      cp.zeros((n_tok, n_in // 32), np.float32))
-                d_out[...] = np.nan
-                xp_matmul.q8x_launches([QMatrix(name, (rows, n_in), w) for w in d_ws], d_x, [d_out], *q8, mode=2,
-                                       norm_eps=1e-5, norm_w=d_g)()
-                st.synchronize()
-                got = d_out.get()
-                v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
-                gate, up = (q8_activations(v) @ w.T for _, w in ws)   # float64 of the activations it multiplies
-                err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
-                ok = bool(np.isfinite(got).all()) and err < 1e-5
-                bad += not ok
-                print(f"gemv_q8x {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
+            bad += _q8x_gated(cp, rng, name, n, rows)
         q, vals = ws[0]
         d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
         n_sub = rows * n_in // 32
