@@ -230,12 +230,12 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not x.flags.c_contiguous \
             or xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape \
-            or xq.data.ptr % 16:
+            or xq.data.ptr % 16 or x.data.ptr % 16:
         return None
     steps = []
     if quantize:
         steps.append(K.BoundLaunch(
-            K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (n_tok, 1, 1), (256, 1, 1),
+            K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (-(-n_in // 256), n_tok, 1), (256, 1, 1),
             ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in), ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
             ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
             ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr)))

@@ -120,7 +120,7 @@ def test_q8x_launches(launches):
     outs = [Dev((2, 96)), Dev((2, 32))]
     xp_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, norm_eps=1e-5, norm_w=g)
     quant, gemv = launches
-    assert quant.fn.name == "dense_quant_q8x" and quant.fn.variant == K.dense_q8x_variant(12) and quant.grid == (2, 1, 1)
+    assert quant.fn.name == "dense_quant_q8x" and quant.fn.variant == K.dense_q8x_variant(12) and quant.grid == (2, 2, 1)   # (512 / 256, tokens)
     xp_, xst, gp, eps, n_in, q, d, s_ = (a.value for a in quant.params)
     assert (xp_, xst, gp, n_in, q, d, s_) == (x.data.ptr, 512, g.data.ptr, 512, xq.data.ptr, xd.data.ptr, xs.data.ptr)
     assert eps == pytest.approx(1e-5)
@@ -136,6 +136,8 @@ def test_q8x_launches(launches):
     assert xp_matmul.q8x_launches(ws, Dev((5, 512)), outs, Dev((5, 512), np.int8), Dev((5, 16)), Dev((5, 16)),
                                   mode=0) is None                                                       # 5 tokens
     assert xp_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
+    x4 = Dev(None, base=np.zeros(2 * 512 + 4, np.float32)[1:1 + 2 * 512].reshape(2, 512))
+    assert x4.data.ptr % 16 and xp_matmul.q8x_launches(ws, x4, outs, xq, xd, xs, mode=0) is None   # x's rows unaligned
     assert len(launches) == n
 
 

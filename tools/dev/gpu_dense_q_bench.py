@@ -141,6 +141,13 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:16s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+        for k in SHAPES:   # each matrix alone at one token (the staged GEMV without the quantization)
+            mb = layers[0][k].nbytes
+            med, lo, hi = device_us([_q8x(cp, K, {k: ws[k]}, 1, q8x_launches, True, False) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B {t} {k}", impl="gemv q8x noquant", n_tok=1, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(mb / med / 1e6, 2),
+                             floor_us=round(mb / 4.2e6, 1), mb=round(mb / 1e6, 1)))
+            log(f"{t:5s} {k} alone: gemv q8x noquant {med:7.1f} us {mb / med / 1e6:.2f} TB/s (floor {mb / 4.2e6:.1f} us)")
         for n in sorted(t_ for t_ in set(GEMV_TOKENS) | set(GEMM_TOKENS) if t_ <= max_tokens):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)

@@ -1,6 +1,7 @@
 """The block matmuls for ncu (issue #43): one llama-3-8B gate matrix (14336 x 4096) of TYPE
-(default Q4_K) times one token by dense_gemv_q, then times 16 tokens by dense_gemm_q (and its
-split-K sum), each launched twice (ncu's --launch-skip passes over the first of each).
+(default Q4_K) times one token by dense_gemv_q, by the 8-bit-activation GEMV (dense_quant_q8x,
+dense_gemv_q8x_s), then times 16 tokens by dense_gemm_q (and its split-K sum), each launched
+twice (ncu's --launch-skip passes over the first of each).
 
     ncu --clock-control none -k regex:dense_ python tools/dev/gpu_dense_q_profile.py [TYPE]
 """
@@ -14,18 +15,21 @@ def main(argv=None) -> int:
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
+    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch, q8x_launches
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from gpu_dense_q_bench import _layer
     argv = sys.argv[1:] if argv is None else argv
     w = _layer(cp, argv[0] if argv else "Q4_K", 0)["wg"]
     x = cp.random.standard_normal((1, w.shape[1]), dtype=cp.float32)
     gemv = gemv_q_launch([w], x, [cp.empty((1, w.shape[0]), cp.float32)], mode=0)
+    n_in = w.shape[1]
+    q8 = (cp.empty((1, n_in), cp.int8), cp.empty((1, n_in // 32), cp.float32), cp.empty((1, n_in // 32), cp.float32))
+    q8x = q8x_launches([w], x, [cp.empty((1, w.shape[0]), cp.float32)], *q8, mode=0)
     x16 = cp.random.standard_normal((16, w.shape[1]), dtype=cp.float32).astype(cp.float16)
     grid, _ = K.gemm_q_grid(w.shape[0], 16, w.shape[1], num_sms())
     part = cp.empty((grid[2], 16, w.shape[0]), cp.float32) if grid[2] > 1 else None
     gemm = gemm_q_launch(w, x16, cp.empty((16, w.shape[0]), cp.float32), part)
-    for f in (gemv, gemv, gemm, gemm):
+    for f in (gemv, gemv, q8x, q8x, gemm, gemm):
         f()
     cp.cuda.get_current_stream().synchronize()
     return 0
