@@ -158,18 +158,25 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
 // qb_int32's 16-byte loads take the same path.
 template <int T> struct Q8xChunk {
     static constexpr int BYTES = Q8X_CHUNK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a whole chunk's
-    static constexpr int SLOT = (BYTES + 30) / 16 * 16;   // its 16-byte units from an unaligned start
+    static constexpr bool ALIGNED = BYTES % 16 == 0;   // every chunk starts 16-byte aligned (not Q3_K, Q6_K)
+    static constexpr int UNITS = ALIGNED ? BYTES / 16 : (BYTES + 30) / 16;   // 16-byte units a chunk's copy
+    static constexpr int SLOT = 16 * UNITS;
 };
 
-// cp.async of the 16-byte units of chunk c of row w (row_bytes bytes, 16-byte aligned) into the
-// shared slot at address slot: the chunk's first byte lands at offset (its row offset) mod 16.
+// cp.async of chunk c of row w (row_bytes bytes, 16-byte aligned): the UNITS 16-byte units from
+// its first byte rounded down to 16 into the shared slot at address slot (so that byte lands at
+// its row offset mod 16); units at or past the row's end are zero-filled, nothing read. A fixed
+// unit count and 32-bit offsets: the copy is a few instructions a lane (a count computed per
+// chunk and 64-bit offsets made it ~100 a chunk at b63b788).
 template <int T>
-__device__ __forceinline__ void q8x_stage(const unsigned char* w, long long row_bytes, int c, unsigned slot, int lane) {
-    const long long g0 = (long long)c * (Q8X_CHUNK / QBlock<T>::VALUES) * QBlock<T>::BYTES;
-    if (g0 >= row_bytes) return;
-    const long long g1 = min(g0 + Q8xChunk<T>::BYTES, row_bytes), a0 = g0 & ~15LL;
-    const int units = (int)((((g1 + 15) & ~15LL) - a0) >> 4);   // the last ends at row_bytes at most
-    for (int u = lane; u < units; u += 32) cp_async16(slot + 16u * u, w + a0 + 16LL * u, 16);
+__device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
+    constexpr int UNITS = Q8xChunk<T>::UNITS;
+    const int a0 = (c * Q8xChunk<T>::BYTES) & ~15;
+#pragma unroll
+    for (int k = 0; k < (UNITS + 31) / 32; ++k) {
+        const int u = lane + 32 * k, o = a0 + 16 * u;
+        if (UNITS % 32 == 0 || u < UNITS) cp_async16(slot + 16u * u, w + (o < row_bytes ? o : 0), o < row_bytes ? 16 : 0);
+    }
 }
 
 template <int T, int NT>
@@ -181,26 +188,29 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     int r = blockIdx.x * Q8X_SWARPS + warp;
     GemvQSeg sg;
     if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
-    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    const int row_bytes = (int)p.row_bytes;   // (a row's bytes: far below 2^31)
+    const unsigned char* w0 = sg.w + (long long)r * row_bytes;
+    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * row_bytes : nullptr;
     const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
     const int n_sub = p.n_in / 32, n_chunks = (n_sub + SUBS - 1) / SUBS;
 #pragma unroll
     for (int c = 0; c < Q8X_STAGES - 1; ++c) {
         if (c < n_chunks) {
-            q8x_stage<T>(w0, p.row_bytes, c, s0 + c * SLOT, lane);
-            if (w1) q8x_stage<T>(w1, p.row_bytes, c, s1 + c * SLOT, lane);
+            q8x_stage<T>(w0, row_bytes, c, s0 + c * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, row_bytes, c, s1 + c * SLOT, lane);
         }
         cp_async_commit();
     }
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+    // the lane's block in a chunk's slot: the chunk's head (its offset mod 16) + (lane / S) blocks
+    const int lane_off = (lane / S) * B;
     for (int c = 0; c < n_chunks; ++c) {
         const int nc = c + Q8X_STAGES - 1, slot = c % Q8X_STAGES;
         if (nc < n_chunks) {   // into the slot chunk c - 1 used (its reads are done: __syncwarp below)
-            q8x_stage<T>(w0, p.row_bytes, nc, s0 + (nc % Q8X_STAGES) * SLOT, lane);
-            if (w1) q8x_stage<T>(w1, p.row_bytes, nc, s1 + (nc % Q8X_STAGES) * SLOT, lane);
+            q8x_stage<T>(w0, row_bytes, nc, s0 + (nc % Q8X_STAGES) * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, row_bytes, nc, s1 + (nc % Q8X_STAGES) * SLOT, lane);
         }
         cp_async_commit();
         const int sub = SUBS * c + lane;
@@ -209,7 +219,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
         cp_async_wait<Q8X_STAGES - 1>();   // chunk c is in
         __syncwarp();
         if (sub < n_sub) {
-            const int off = (int)(((long long)c * Q8xChunk<T>::BYTES) & 15) + (sub / S - c * (SUBS / S)) * B;
+            const int off = (Q8xChunk<T>::ALIGNED ? 0 : (c * Q8xChunk<T>::BYTES) & 15) + lane_off;
             q8x_sub<T, NT>(p, &buf[warp][0][slot][off], w1 ? &buf[warp][1][slot][off] : nullptr, sub, x, acc, up);
         }
         __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
