@@ -465,9 +465,12 @@ class MatmulChoice:
 QGEMM_MIN_TOKENS = 3
 QGEMM_MAX_TOKENS = 64
 # Block matrices run up to this many tokens (at most max(Q8X_TOKENS)) through
-# the GEMV with 8-bit activations (dense_gemv_q8x, llama.cpp's mmvq way) instead of the F32 one:
-# 0 (off) until measured on a GPU against it (tools/dev/gpu_dense_q_bench.py, "gemv q8x" rows).
-Q8X_MAX_TOKENS = 0
+# the GEMV with 8-bit activations (dense_gemv_q8x_s, llama.cpp's mmvq way) instead of the F32 one
+# or the tiled GEMM: on an H100 at 4a41e8d (bench/results/2026-12-05-4a41e8d-h100-dense-q.json, one
+# 8B layer, the activations' quantization included) Q4_K 108 / 124 / 159 us at 1 / 2 / 4 tokens
+# against the F32 GEMV's 157 / 212 / 439 and the tiled GEMM's ~320; Q6_K 132 / 146 / 185 against
+# 198 / 243 / 484; Q8_0 139 / 152 / 172 against 171 / 231 / 440.
+Q8X_MAX_TOKENS = 4
 
 
 def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:

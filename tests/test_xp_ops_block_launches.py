@@ -191,14 +191,15 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 def test_best_matmul():
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 16, 64, 65, 512)] == \
-        ["gemv", "gemv", "gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 16, 64, 65, 512)] == \
+        ["gemv-q8x"] * 4 + ["gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
 
 
-def test_group_of_mixed_types_is_one_launch_per_type(launches):
+def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
+    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # the F32-activation GEMV (the 8-bit one: below)
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q4_K", 16, 256), _qmatrix("Q6_K", 16, 256)]
     x = Dev((1, 256))
@@ -241,6 +242,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     and parameter block; split over n_in, the partial sums' scratch and one dense_splitk_sum
     launch adding them in the output's mode."""
     from ggml_attn import cuda_device
+    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
     monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
