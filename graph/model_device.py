@@ -1,7 +1,7 @@
 """A model's weights for all-custom (device-resident) graphs, in the cache's array module
 (numpy or CuPy): matrices of ggml's block types (``ggml_attn.block_types``: Q4_0 .. Q6_K) stay in
 their blocks, exactly the file's bytes (:class:`QMatrix`), or, on a GPU where :func:`keep_blocks`
-says so (``GGML_ATTN_WEIGHTS``: F16 while it fits, today's faster form), become F16 as float
+says so (``GGML_ATTN_WEIGHTS=f16``: faster batched decode where the bytes fit), become F16 as float
 matrices do: dequantized on the GPU, the RMS-norm weights folded in; other types (IQ*) are
 dequantized to F16 at load (said once on stderr).
 
@@ -50,38 +50,28 @@ SCRATCH_MIN_ELEMENTS = 1 << 22   # F16 scratch of a GPU holding block matrices: 
 _RAW_TYPES = {"F16": np.float16, "F32": np.float32, "BF16": np.uint16}
 
 # The form of block-type matrices on a GPU: "auto", "blocks" or "f16" ($GGML_ATTN_WEIGHTS). "auto"
-# keeps them as F16 (dequantized on the GPU at load, norms folded as for F16 files) while that fits,
-# else in their blocks. Measured on an H100 at 03946da
-# (bench/results/2026-12-05-03946da-h100-quant-weights.json): tg128 on the 8B-shaped Q4_K_M file
-# 65 t/s in blocks against llama.cpp's 281, where the F16 form ran 224 t/s on the H200 (115bb1f);
-# the block GEMV has since reached 156 us an 8B layer at one token (0.79 TB/s, 064d482), still
-# behind the F16 GEMV's 123. Blocks stay for what F16 cannot hold (a 70B Q4_K_M file on one GPU)
-# until the block GEMV reads at bandwidth.
+# keeps them in their blocks, the file's bytes: on an H100 at 072905f
+# (bench/results/2026-12-05-072905f-h100-side-by-side-q4km/) the 8B-shaped Q4_K_M file ran tg128
+# 311.5 t/s in blocks against llama.cpp's 271.1 and batched B=1 S_TG 302 against the F16 form's 166,
+# in a quarter of the memory; the F16 form ("f16": dequantized on the GPU at load, norms folded as
+# for F16 files) ran batched S_TG 1.6-1.7x the blocks' at 16 and 64 sequences (cuBLAS against the
+# tiled block GEMM), a choice for batched throughput where the F16 bytes fit.
 WEIGHTS = os.environ.get("GGML_ATTN_WEIGHTS", "auto")
 WEIGHT_FORMS = ("auto", "blocks", "f16")
-F16_FIT = 0.85   # "auto": F16 when its bytes are at most this share of the GPU's free memory
 
 
 def keep_blocks(model, xp) -> tuple[bool, str]:
     """(True: block-type matrices stay in their blocks on ``xp``; the reason): the one place
     that decides (:data:`WEIGHTS`). Host arrays keep them (the numpy device form multiplies by
-    ggml's values); on a GPU, "auto" takes F16 while its bytes fit :data:`F16_FIT` of the free
-    memory. ValueError for an unknown :data:`WEIGHTS`."""
+    ggml's values); on a GPU "auto" keeps them too and "f16" makes them F16. ValueError for an
+    unknown :data:`WEIGHTS`."""
     if WEIGHTS not in WEIGHT_FORMS:
         raise ValueError(f"GGML_ATTN_WEIGHTS={WEIGHTS!r}: expected one of {', '.join(WEIGHT_FORMS)}")
     if xp is np:
         return True, "host arrays"
     if not any(is_block_type(w.type_name) for _, w, _ in _jobs(model, True)):
         return True, "no block-type matrices"
-    if WEIGHTS != "auto":
-        return WEIGHTS == "blocks", f"GGML_ATTN_WEIGHTS={WEIGHTS}"
-    need = DeviceWeights.expected_nbytes(model, blocks=False)
-    free = int(xp.cuda.runtime.memGetInfo()[0])
-    gib = 1 << 30
-    if need <= F16_FIT * free:
-        return False, (f"block matrices as F16 ({need / gib:.1f} GiB fits {free / gib:.1f} GiB free): the faster "
-                       f"form until the block GEMV reads at bandwidth")
-    return True, f"F16 would take {need / gib:.1f} GiB, {free / gib:.1f} GiB free: the matrices stay in their blocks"
+    return WEIGHTS != "f16", f"GGML_ATTN_WEIGHTS={WEIGHTS}"
 
 
 def _jobs(model, blocks: bool = True) -> list[tuple]:
@@ -324,7 +314,7 @@ class DeviceWeights:
         as_f16 = sorted({w.type_name for _, w, _ in jobs if is_block_type(w.type_name)}) if not blocks else []
         if as_f16:   # said once per model and device, as the IQ types below
             print(f"ggml-attn: {model.path}: {', '.join(as_f16)} matrices as F16 on the device ({why}; "
-                  f"GGML_ATTN_WEIGHTS=blocks keeps them in their blocks)", file=sys.stderr)
+                  f"the default, GGML_ATTN_WEIGHTS=auto, keeps them in their blocks)", file=sys.stderr)
         if others:   # said once per model and device: these weights take 2 bytes a value
             print(f"ggml-attn: {model.path}: {', '.join(others)} weights are dequantized to F16 on the device "
                   f"(no kernel reads their blocks)", file=sys.stderr)

@@ -11,7 +11,7 @@
 #      llama-quantize makes from it (tools/dev/llamacpp_side_by_side.py --quant; carry
 #      .lcpp/build-sm90.tar.xz, llama.cpp's bin/ built for sm_90): llama-bench pp512/tg128 and
 #      llama-batched-bench rows of both, ours in each --weights form (GGML_ATTN_WEIGHTS, default
-#      auto,blocks) -> $OUT/side_by_side.json
+#      auto,f16) -> $OUT/side_by_side.json
 #   2. graph.greedy's step with the library engine's CUDA-graph replay off and on, against the
 #      CLI's step (tools/dev/gpu_greedy_time.py) on the Q4_K_M file -> $OUT/greedy.json
 #   3. a 70B-shaped Q4_K_M file (tests/fixtures_gguf.py --preset llama-3-70b: 40 GB, which did not
@@ -21,13 +21,13 @@
 # writes its JSON as it goes).
 #
 #   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
-#                                [--skip-greedy] [--skip-70b] [--weights auto,blocks] [--types Q4_K,Q6_K,Q8_0]
+#                                [--skip-greedy] [--skip-70b] [--weights auto,f16] [--types Q4_K,Q6_K,Q8_0]
 #                                [--bench-args "--warps 8 --max-tokens 64"] (gpu_dense_q_bench.py's; "" for all its rows)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,blocks; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
+INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
 while [ $# -gt 0 ]; do
   case "$1" in
     --install) INSTALL=1;; --tests) TESTS=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
