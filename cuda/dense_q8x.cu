@@ -90,26 +90,33 @@ struct Q8xAct {
     float d, s;
 };
 
-template <int NT>
-__device__ __forceinline__ void q8x_load(const GemvQ8Params& p, int sub, Q8xAct (&x)[NT]) {
+__device__ __forceinline__ void q8x_load1(const GemvQ8Params& p, int t, int sub, Q8xAct& x) {
     const int n_sub = p.n_in / 32;
+    const int4* src = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * sub);
+    const int4 u = __ldg(src), v = __ldg(src + 1);
+    x.a[0] = u.x, x.a[1] = u.y, x.a[2] = u.z, x.a[3] = u.w, x.a[4] = v.x, x.a[5] = v.y, x.a[6] = v.z, x.a[7] = v.w;
+    x.d = __ldg(p.xd + (long long)t * n_sub + sub), x.s = __ldg(p.xs + (long long)t * n_sub + sub);
+}
+
+// Tokens whose activations a lane loads ahead of its sub-block's weights (their latency under the
+// weights'); with more tokens than this each token's are loaded as its dot needs them (ten
+// registers a token held ahead: 8 and 16 tokens would spill).
+__host__ __device__ constexpr int q8x_ahead(int nt) { return nt <= 4 ? nt : 1; }
+
+template <int NT>
+__device__ __forceinline__ void q8x_load(const GemvQ8Params& p, int sub, Q8xAct (&x)[q8x_ahead(NT)]) {
 #pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (t < p.n_tok) {
-            const int4* src = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * sub);
-            const int4 u = __ldg(src), v = __ldg(src + 1);
-            x[t].a[0] = u.x, x[t].a[1] = u.y, x[t].a[2] = u.z, x[t].a[3] = u.w;
-            x[t].a[4] = v.x, x[t].a[5] = v.y, x[t].a[6] = v.z, x[t].a[7] = v.w;
-            x[t].d = __ldg(p.xd + (long long)t * n_sub + sub), x[t].s = __ldg(p.xs + (long long)t * n_sub + sub);
-        }
+    for (int t = 0; t < q8x_ahead(NT); ++t) {
+        if (t < p.n_tok) q8x_load1(p, t, sub, x[t]);
     }
 }
 
 // One lane's sub-block sub (of its row's weights at b0, the gated mode's second operand at b1,
-// each the start of the block holding it) times every token's activations x.
+// each the start of the block holding it) times every token's activations (the first
+// q8x_ahead(NT) in x).
 template <int T, int NT>
 __device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned char* b0, const unsigned char* b1, int sub,
-                                        const Q8xAct (&x)[NT], float (&acc)[NT], float (&up)[NT]) {
+                                        const Q8xAct (&x)[q8x_ahead(NT)], float (&acc)[NT], float (&up)[NT]) {
     constexpr int S = QBlock<T>::VALUES / 32;
     int w[8], wu[8];
     float f[2], c[2], fu[2], cu[2];
@@ -118,8 +125,11 @@ __device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned ch
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         if (t < p.n_tok) {
-            acc[t] += qb_dot_q8<T>(w, f, c, x[t].a, x[t].d, x[t].s);
-            if (b1) up[t] += qb_dot_q8<T>(wu, fu, cu, x[t].a, x[t].d, x[t].s);
+            Q8xAct xt;
+            if (t < q8x_ahead(NT)) xt = x[t < q8x_ahead(NT) ? t : 0];
+            else q8x_load1(p, t, sub, xt);
+            acc[t] += qb_dot_q8<T>(w, f, c, xt.a, xt.d, xt.s);
+            if (b1) up[t] += qb_dot_q8<T>(wu, fu, cu, xt.a, xt.d, xt.s);
         }
     }
 }
@@ -138,7 +148,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
     for (int sub = lane; sub < p.n_in / 32; sub += 32) {
-        Q8xAct x[NT];
+        Q8xAct x[q8x_ahead(NT)];
         q8x_load<NT>(p, sub, x);
         const long long off = (long long)(sub / S) * B;
         q8x_sub<T, NT>(p, w0 + off, w1 ? w1 + off : nullptr, sub, x, acc, up);
@@ -214,7 +224,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
         }
         cp_async_commit();
         const int sub = SUBS * c + lane;
-        Q8xAct x[NT];
+        Q8xAct x[q8x_ahead(NT)];
         if (sub < n_sub) q8x_load<NT>(p, sub, x);   // (before the wait: its latency overlaps)
         cp_async_wait<Q8X_STAGES - 1>();   // chunk c is in
         __syncwarp();

@@ -243,7 +243,7 @@ def model_ops_variant() -> Variant:
     return Variant("model-ops", "model_ops.cu", MODEL_OPS_NAMES)
 
 
-Q8X_TOKENS = (1, 2, 4)        # its instances: NT, each running n_tok <= NT tokens (8: Q8_0 spilled)
+Q8X_TOKENS = (1, 2, 4, 8, 16)  # its instances: NT, each running n_tok <= NT tokens
 Q8X_WARPS = 8                 # warps a dense_gemv_q8x block (Q8X_WARPS in dense_q8x.cu)
 Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its slots' shared memory)
 

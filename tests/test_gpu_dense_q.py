@@ -109,7 +109,7 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
+@pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("norm, staged", [(False, False), (True, False), (False, True), (True, True)])
 def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):

@@ -133,8 +133,8 @@ def test_q8x_launches(launches):
     assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
         [(w.blocks.data.ptr, o.data.ptr, w.shape[0]) for w, o in zip(ws, outs)]
     n = len(launches)
-    assert xp_matmul.q8x_launches(ws, Dev((5, 512)), outs, Dev((5, 512), np.int8), Dev((5, 16)), Dev((5, 16)),
-                                  mode=0) is None                                                       # 5 tokens
+    assert xp_matmul.q8x_launches(ws, Dev((17, 512)), outs, Dev((17, 512), np.int8), Dev((17, 16)), Dev((17, 16)),
+                                  mode=0) is None                                                       # 17 tokens
     assert xp_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
     x4 = Dev(None, base=np.zeros(2 * 512 + 4, np.float32)[1:1 + 2 * 512].reshape(2, 512))
     assert x4.data.ptr % 16 and xp_matmul.q8x_launches(ws, x4, outs, xq, xd, xs, mode=0) is None   # x's rows unaligned
