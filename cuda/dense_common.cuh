@@ -1,7 +1,16 @@
-// What the dense GEMV kernels share (dense.cu: F16 weights; dense_q.cu: ggml's weight blocks).
+// What the dense GEMV kernels share (dense.cu: F16 weights; dense_q.cu, dense_q8x.cu: ggml's weight
+// blocks).
 #pragma once
 
 #define GEMV_WARPS 4
+
+// Every 128-byte line of the B-byte block at blk (B <= 256) into L1, ahead of its decode.
+template <int B>
+__device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));
+    if (B > 64) asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B / 2));
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
+}
 
 // One weight matrix kept in ggml's blocks, of a block GEMV's up to three (dense_q.cu's F32 and
 // dense_q8x.cu's 8-bit activations; dense.cu's GemvSeg has the same layout with an F16 pointer).

@@ -36,14 +36,6 @@ struct GemvQParams {
     int pad_;
 };
 
-// Every 128-byte line of the B-byte block at blk (B <= 256) into L1, ahead of its decode.
-template <int B>
-__device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk));
-    if (B > 64) asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B / 2));
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
-}
-
 // x staged in shared memory: a chunk of 32 sub-blocks (1024 values) of QG tokens at a time, each
 // sub-block's 32 floats padded to XS_STRIDE so that the 8 lanes of an LDS.128 phase (lane l reads
 // sub-block l) hit distinct banks. Staged values are x * g (the norm weight; 1 without one): a

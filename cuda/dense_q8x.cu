@@ -239,3 +239,189 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
+
+// ---------------------------------------------------------------------------------------
+// The tiled block GEMM with 8-bit activations (dense_gemm_q8: dense_gemm_q's tiling on int8
+// tensor cores, the activations quantized by dense_quant_q8x as for the GEMV). Block tile Q8G_BM
+// weight rows x Q8G_BN tokens, 4 warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1)); a
+// step covers Q8G_BK = 64 values, two sub-blocks: thread i decodes sub-block i & 1 of row i >> 1
+// into its integer form (qb_int32, an offset folded into signed bytes) in As and its factors f, c
+// per half in Fs / Cs; the int8 activations come by cp.async into Bs, their scales xd and sums xs
+// into Ds / Ss. Per sub-block each warp's 16 x 8 tiles take one m16n8k32 (two m16n8k16 where
+// the factors differ by half: QbQ8<T>::HALVES) and the integer sums become F32 at once
+// (qb_q8s_dot: acc += xd (f S + c s), s the activations' sum, per half for Q2_K's mins from Bs). Two
+// buffers of everything, the next step's copies issued before this step's mma, its weights
+// prefetched into L1 then and decoded after. Tokens of a warp's 8-wide tiles past n_tok skip
+// their mma. Rows Q8G_LD = 80 bytes apart: a fragment load's 8 rows x 4 words on distinct banks.
+#define Q8G_BM 64
+#define Q8G_BN 64
+#define Q8G_BK 64
+#define Q8G_LD 80
+#define Q8G_THREADS 128
+
+struct GemmQ8Params {
+    const unsigned char* w;   // (rows, row_bytes) blocks, 2-byte aligned rows
+    const signed char* xq;    // (n_tok, n_in) int8, 16-byte aligned (n_in a multiple of 32)
+    const float* xd;          // (n_tok, n_in / 32)
+    const float* xs;          // (n_tok, n_in / 32)
+    float* out;               // (n_tok, rows) F32
+    float* part;              // gridDim.z > 1: (gridDim.z, n_tok, rows) F32 partial sums
+    long long row_bytes;
+    int rows;
+    int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
+    int n_tok;
+    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of Q8G_BK
+    int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
+    int pad_;
+};
+
+// Row dr's sub-block sub in integer form at dst (qb_int8s: 32 signed bytes, value order) and its
+// factors per half (f[2] at fs, c[2] at cs); zeros where !ok (past the rows or n_in).
+template <int T>
+__device__ __forceinline__ void q8g_decode(const unsigned char* wrow, bool ok, int sub, signed char* dst, float* fs,
+                                           float* cs) {
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    int w[8];
+    float f[2] = {0.0f, 0.0f}, c[2] = {0.0f, 0.0f};
+    if (ok) {
+        qb_int8s<T>(wrow + (long long)(sub / S) * B, sub % S, w, f, c);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = 0;
+    }
+    uint4* o = reinterpret_cast<uint4*>(dst);
+    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    fs[0] = f[0], fs[1] = f[1], cs[0] = c[0], cs[1] = c[1];
+}
+
+// Bs = tokens n0 .. n0 + Q8G_BN of xq, values k0 .. k0 + Q8G_BK, and Ds / Ss their two
+// sub-blocks' scales and sums (zeros past n_tok or n_in), by cp.async: thread i copies 16-byte
+// chunk i % 4 of tokens i / 4 and i / 4 + 32, and the scale and sum of sub-block i >> 6 of token i & 63.
+__device__ __forceinline__ void q8g_load_x(const GemmQ8Params& p, int n0, int k0, signed char* bs, float* ds,
+                                           float* ss) {
+    const int c = threadIdx.x & 3, t0 = threadIdx.x >> 2, k = k0 + 16 * c;
+    const bool kin = k < p.n_in;   // n_in a multiple of 32: a chunk is all in or out
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int t = t0 + 32 * j;
+        const bool ok = kin && n0 + t < p.n_tok;
+        cp_async16(smem_u32(bs + t * Q8G_LD + 16 * c), ok ? p.xq + (long long)(n0 + t) * p.n_in + k : p.xq, ok ? 16 : 0);
+    }
+    const int n_sub = p.n_in / 32, j = threadIdx.x >> 6, t = threadIdx.x & 63, sub = k0 / 32 + j;
+    const bool ok = n0 + t < p.n_tok && sub < n_sub;
+    const long long e = ok ? (long long)(n0 + t) * n_sub + sub : 0;
+    cp_async4(smem_u32(ds + 64 * j + t), p.xd + e, ok ? 4 : 0);
+    cp_async4(smem_u32(ss + 64 * j + t), p.xs + e, ok ? 4 : 0);
+    cp_async_commit();
+}
+
+template <int T>
+__global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params p) {
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    constexpr bool HALVES = QbQ8<T>::HALVES;
+    constexpr bool HALF_MINS = HALVES && QbQ8<T>::OFF == 0;   // Q2_K: a min per half (Q3_K, Q6_K: c = 0)
+    __shared__ __align__(16) signed char As[2][Q8G_BM * Q8G_LD];
+    __shared__ __align__(16) signed char Bs[2][Q8G_BN * Q8G_LD];
+    __shared__ float2 Fs[2][2][Q8G_BM], Cs[2][2][Q8G_BM];   // [buffer][sub][row]: the halves' f, c
+    __shared__ float Ds[2][2 * Q8G_BN], Ss[2][2 * Q8G_BN];  // [buffer][64 sub + token]: xd, xs
+    __shared__ int Hs[HALF_MINS ? 2 : 1][2][2][Q8G_BN];     // [buffer][sub][half][token]: each half's sum
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
+    const int m0 = blockIdx.x * Q8G_BM, n0 = blockIdx.y * Q8G_BN;
+    const int k_begin = blockIdx.z * p.k_chunk;
+    const int k_end = min(p.n_in, k_begin + p.k_chunk);
+    const int n_sub = p.n_in / 32;
+    const int dr = threadIdx.x >> 1, ds = threadIdx.x & 1;   // this thread's decode: row, sub-block of a step
+    const bool drow = m0 + dr < p.rows;
+    const unsigned char* wrow = p.w + (long long)(drow ? m0 + dr : 0) * p.row_bytes;
+    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    if (k_begin < k_end) {
+        const int sub = k_begin / 32 + ds;
+        q8g_decode<T>(wrow, drow && sub < n_sub, sub, &As[0][dr * Q8G_LD + 32 * ds], &Fs[0][ds][dr].x, &Cs[0][ds][dr].x);
+        q8g_load_x(p, n0, k_begin, Bs[0], Ds[0], Ss[0]);
+    }
+    int buf = 0;
+    for (int k0 = k_begin; k0 < k_end; k0 += Q8G_BK) {
+        cp_async_wait<0>();
+        __syncthreads();   // step buf is in (stores and cp.async); the last step's reads of buf ^ 1 are done
+        if (HALF_MINS) {   // each half's activation sum of (sub-block i >> 6, token i & 63)
+            const int j = threadIdx.x >> 6, t = threadIdx.x & 63;
+            const int* q = reinterpret_cast<const int*>(&Bs[buf][t * Q8G_LD + 32 * j]);
+            int s0 = 0, s1 = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s0 = __dp4a(0x01010101, q[i], s0), s1 = __dp4a(0x01010101, q[4 + i], s1);
+            Hs[HALF_MINS ? buf : 0][j][0][t] = s0, Hs[HALF_MINS ? buf : 0][j][1][t] = s1;
+            __syncthreads();
+        }
+        const bool more = k0 + Q8G_BK < k_end;
+        const int sub = (k0 + Q8G_BK) / 32 + ds;
+        const bool dok = more && drow && sub < n_sub;
+        if (more) {
+            q8g_load_x(p, n0, k0 + Q8G_BK, Bs[buf ^ 1], Ds[buf ^ 1], Ss[buf ^ 1]);
+            if (dok) qb_prefetch<B>(wrow + (long long)(sub / S) * B);   // on their way while the tensor cores run
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {   // the step's two sub-blocks
+            unsigned a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const signed char* ar = &As[buf][(wm + 16 * i + g) * Q8G_LD + 32 * j + 4 * tg];
+                a[i][0] = *reinterpret_cast<const unsigned*>(ar);
+                a[i][1] = *reinterpret_cast<const unsigned*>(ar + 8 * Q8G_LD);
+                a[i][2] = *reinterpret_cast<const unsigned*>(ar + 16);
+                a[i][3] = *reinterpret_cast<const unsigned*>(ar + 8 * Q8G_LD + 16);
+            }
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                if (n0 + wn + 8 * n >= p.n_tok) continue;   // (warp-uniform: no token of this tile)
+                const signed char* br = &Bs[buf][(wn + 8 * n + g) * Q8G_LD + 32 * j + 4 * tg];
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(br), b1 = *reinterpret_cast<const unsigned*>(br + 16);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    int d[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
+                    if (HALVES) {
+                        mma_s8_k16(d, a[i][0], a[i][1], b0);
+                        mma_s8_k16(d1, a[i][2], a[i][3], b1);
+                    } else {
+                        mma_s8_k32(d, a[i], b0, b1);
+                    }
+                    // d[e]: row wm + 16 i + g + 8 (e >> 1), token wn + 8 n + 2 tg + (e & 1)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = wm + 16 * i + g + 8 * (e >> 1), t = wn + 8 * n + 2 * tg + (e & 1);
+                        const float2 f = Fs[buf][j][r], c = Cs[buf][j][r];
+                        const int hb = HALF_MINS ? buf : 0;
+                        acc[i][n][e] += qb_q8s_dot<T>(d[e], d1[e], f.x, f.y, c.x, c.y, Ds[buf][64 * j + t],
+                                                      Ss[buf][64 * j + t], HALF_MINS ? Hs[hb][j][0][t] : 0,
+                                                      HALF_MINS ? Hs[hb][j][1][t] : 0);
+                    }
+                }
+            }
+        }
+        if (more) q8g_decode<T>(wrow, dok, sub, &As[buf ^ 1][dr * Q8G_LD + 32 * ds], &Fs[buf ^ 1][ds][dr].x,
+                                &Cs[buf ^ 1][ds][dr].x);
+        buf ^= 1;
+    }
+    float* dst = gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out;
+    const bool add = gridDim.z == 1 && p.mode == 1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + wm + 16 * i + g + 8 * (e >> 1);
+                const int tok = n0 + wn + 8 * n + 2 * tg + (e & 1);
+                if (row < p.rows && tok < p.n_tok) {
+                    float* o = dst + (long long)tok * p.rows + row;
+                    *o = add ? *o + acc[i][n][e] : acc[i][n][e];
+                }
+            }
+}

@@ -1,5 +1,6 @@
 // PTX wrappers (sm_80+) shared by the attention kernels (through fattn_common.cuh) and the block
-// GEMM of dense_q.cu: shared-space addresses, cp.async, ldmatrix, mma.sync m16n8k16.
+// GEMMs of dense_q.cu and dense_q8x.cu: shared-space addresses, cp.async, ldmatrix, mma.sync
+// (f16/bf16 m16n8k16, int8 m16n8k32 and m16n8k16).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -20,6 +21,10 @@ __device__ __forceinline__ unsigned char* smem_align1024(unsigned char* smem) {
 // 16-byte async copy global -> shared; src_bytes 0 fills zeros (out-of-range rows)
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+// 4-byte async copy global -> shared (through L1); src_bytes 0 fills zeros
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 // A 4-byte shared-memory load that the compiler neither merges with another nor moves.
 __device__ __forceinline__ __half2 lds_half2(unsigned addr) {
@@ -58,3 +63,20 @@ template <> struct Mma<__nv_bfloat16> {
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
 };
+
+// d += a b on int8 operands, s32 accumulators (dense_q8x.cu's block GEMM; zero d to start a sum):
+// m16n8k32, a[0] = A[g][4 t ..], a[1] = A[g + 8][4 t ..], a[2], a[3] the same 16 columns on,
+// b0 = B[4 t ..][g], b1 16 rows on (g = lane / 4, t = lane % 4; d as the f16 shapes' C); and
+// m16n8k16, its first half (a0, a1, b0).
+__device__ __forceinline__ void mma_s8_k32(int (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_s8_k16(int (&d)[4], unsigned a0, unsigned a1, unsigned b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 "
+                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}

@@ -422,3 +422,36 @@ QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], const float (&c)[2
     i0 -= QbQ8<T>::OFF * s0, i1 -= QbQ8<T>::OFF * s1;
     return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c[0] * (float)s0 + c[1] * (float)s1);
 }
+
+// ---------------------------------------------------------------------------------------
+// The integer form for int8 tensor cores (dense_q8x.cu's block GEMM): qb_int8s<T> is qb_int32<T>
+// with the offset folded into the bytes, w_j = u_j - QbQ8<T>::OFF as signed bytes, so that a
+// product's integer sum needs no activation sum for it; qb_q8s_dot<T> the sub-block's dot from
+// the integer sums of its halves S_lo, S_hi (sum of w_j q_j: one k32 product gives their total,
+// S_hi 0, where !QbQ8<T>::HALVES), the activations' scale xd and sum xs (of 32) or per-half sums
+// s_lo, s_hi (only Q2_K's per-half mins read them). It reads one factor pair where !HALVES (f and c
+// equal across the halves: tests/test_quant_blocks.py checks it on ggml's values) and no c where
+// HALVES with an offset (Q3_K, Q6_K: c = 0).
+QB_HD unsigned qb_vsub4(unsigned a, unsigned b) {   // bytewise a - b, each modulo 256
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __vsub4(a, b);
+#else
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= ((((a >> (8 * i)) & 0xFFu) - ((b >> (8 * i)) & 0xFFu)) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
+
+template <int T> QB_HD void qb_int8s(const qb_u8* b, int s, int (&w)[8], float (&f)[2], float (&c)[2]) {
+    qb_int32<T>(b, s, w, f, c);
+    if (QbQ8<T>::OFF)
+        for (int i = 0; i < 8; ++i) w[i] = (int)qb_vsub4((unsigned)w[i], QbQ8<T>::OFF * 0x01010101u);
+}
+
+template <int T>
+QB_HD float qb_q8s_dot(int s_lo, int s_hi, float f0, float f1, float c0, float c1, float xd, float xs, int h_lo,
+                       int h_hi) {
+    if (!QbQ8<T>::HALVES) return xd * (f0 * (float)(s_lo + s_hi) + c0 * xs);
+    if (QbQ8<T>::OFF == 0) return xd * (f0 * (float)s_lo + f1 * (float)s_hi + c0 * (float)h_lo + c1 * (float)h_hi);
+    return xd * (f0 * (float)s_lo + f1 * (float)s_hi);
+}

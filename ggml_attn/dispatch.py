@@ -471,12 +471,18 @@ QGEMM_MAX_TOKENS = 64
 # against the F32 GEMV's 157 / 212 / 439 and the tiled GEMM's ~320; Q6_K 132 / 146 / 185 against
 # 198 / 243 / 484; Q8_0 139 / 152 / 172 against 171 / 231 / 440.
 Q8X_MAX_TOKENS = 4
+# Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
+# tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, no F16
+# decode) instead of dense_gemm_q: 0 (off) until measured on a GPU against it
+# (tools/dev/gpu_dense_q_bench.py, "gemm_q8" rows).
+Q8GEMM_MAX_TOKENS = 0
 
 
 def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
-    with 8-bit activations), ``gemm-q`` (block weights, the tiled block GEMM) or ``gemm`` (cuBLAS;
+    with 8-bit activations), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
+    ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ValueError for a type no kernel reads (the loader
     makes every other matrix F16)."""
     from .block_types import is_block_type
@@ -493,6 +499,9 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     if weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)):
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
+    if weight_type != "F16" and n_tokens <= Q8GEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-q8", f"{weight_type} tiled GEMM on int8 tensor cores (dense_gemm_q8, 8-bit "
+                                       f"activations): {n_tokens} <= {Q8GEMM_MAX_TOKENS} tokens")
     if weight_type != "F16" and QGEMM_MIN_TOKENS <= n_tokens <= QGEMM_MAX_TOKENS:
         return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
                                       f"mma.sync): {QGEMM_MIN_TOKENS} <= {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")

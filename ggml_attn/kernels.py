@@ -366,6 +366,14 @@ class GemvQ8Params(ctypes.Structure):
                 ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32)]
 
 
+class GemmQ8Params(ctypes.Structure):
+    """Mirror of ``struct GemmQ8Params`` (dense_q8x.cu): the block GEMM on 8-bit activations."""
+    _fields_ = [("w", ctypes.c_uint64), ("xq", ctypes.c_uint64), ("xd", ctypes.c_uint64), ("xs", ctypes.c_uint64),
+                ("out", ctypes.c_uint64), ("part", ctypes.c_uint64), ("row_bytes", ctypes.c_int64),
+                ("rows", ctypes.c_int32), ("n_in", ctypes.c_int32), ("n_tok", ctypes.c_int32),
+                ("k_chunk", ctypes.c_int32), ("mode", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
 class DequantKVParams(ctypes.Structure):
     """Mirror of ``struct DequantKVParams`` (fattn_util.cu): a q8_0/q4_0 K or V view (pointer,
     byte strides nb[1..3], ggml order [d, n_kv, n_head, ne3]) and its contiguous f16 copy."""

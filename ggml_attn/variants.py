@@ -257,11 +257,13 @@ def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
-    """The block GEMV with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
-    (``type_id``: a ggml type id of ``block_types``), staged and not, with the activations'
-    quantization: the A/B path to dense_gemv_q's F32 one."""
+    """The block matmuls with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
+    (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
+    (``dense_gemm_q8``, dense_gemm_q's tiles and grid: GEMMQ_TILE, gemm_q_grid) and the
+    activations' quantization."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt, st) for st in (True, False)
-                                                      for nt in Q8X_TOKENS) + ("dense_quant_q8x",))
+                                                      for nt in Q8X_TOKENS) +
+                   (f"dense_gemm_q8<{type_id}>", "dense_quant_q8x"))
 
 
 def dense_q_variants(make=dense_q_variant) -> list[Variant]:

@@ -47,7 +47,8 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .xp_node import custom as _custom, dptr as _dptr
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch
+from .xp_node import custom as _custom, dptr as _dptr, then as _then
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
 
@@ -212,48 +213,6 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
     return K.BoundLaunch(fn, (-(-rows // w), 1, 1), (32 * w, 1, 1), p)
 
 
-def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, staged: bool | None = None):
-    """The 8-bit-activation GEMV (``cuda/dense_q8x.cu``; the A/B path to :func:`gemv_q_launch`,
-    chosen by ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` F32 ``(n_tok, n_in)``
-    (times ``norm_w``, RMS-normalized with ``norm_eps``) quantized into ``xq`` int8
-    ``(n_tok, n_in)``, ``xd`` / ``xs`` F32 ``(n_tok, n_in / 32)`` by ``dense_quant_q8x`` (not with
-    ``quantize=False``: another group's launch did it), then one GEMV launch over ``QMatrix``
-    weights of one block type (modes and ``outs`` as :func:`gemv_q_launch`'s): ``dense_gemv_q8x_s``
-    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x``
-    (``staged=False``: that one anyway, the benchmark's A/B).
-    Returns a function of no arguments launching on the current stream, or None when the arrays
-    do not fit; the caller keeps the arrays alive."""
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    n_tok, n_in = x.shape
-    t = ws[0].type_id
-    if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
-            or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not x.flags.c_contiguous \
-            or xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape \
-            or xq.data.ptr % 16 or x.data.ptr % 16:
-        return None
-    steps = []
-    if quantize:
-        steps.append(K.BoundLaunch(
-            K.get_function(K.dense_q8x_variant(t), "dense_quant_q8x"), (-(-n_in // 256), n_tok, 1), (256, 1, 1),
-            ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in), ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
-            ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
-            ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr)))
-    p = K.GemvQ8Params()
-    for i, w in enumerate(ws):
-        o = outs[0] if mode == 2 else outs[i]
-        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
-    p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
-    p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
-    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
-    staged = aligned and staged is not False
-    warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
-    steps.append(K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
-                               (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p))
-    return steps[0] if len(steps) == 1 else _then(*steps)
-
-
 def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",
              accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` of any weights and token count: F16 ones through
@@ -332,9 +291,10 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
 
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
-    dequantized values; CuPy, ``x`` rounded to F16 once, then per weight and per chunk of rows
-    that fits the weights' F16 scratch one ``dense_dequant_f16`` launch and one cuBLAS GEMM
-    into the chunk's columns of ``out`` (``dispatch.best_matmul``'s "gemm" for blocks)."""
+    dequantized values; CuPy, per weight ``dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
+    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` (``x`` rounded to F16
+    once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
+    ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
     xp = b.xp
     if xp is np:
         vals = [w.values() for w in ws]
@@ -350,18 +310,31 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
-    x16 = b.scratch(x.shape, np.float16)
-    cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
-    if cast is None:
-        def cast():
-            xp.copyto(x16, x, casting="same_kind")
-    steps = [cast]
-    n_tok = x.shape[0]
-    for w, o in zip(ws, outs):
-        if best_matmul(w.type, n_tok).path == "gemm-q":
+    n_tok, n_in = x.shape
+    paths = [best_matmul(w.type, n_tok).path for w in ws]
+    steps, x16, q8 = [], None, None
+    if any(p != "gemm-q8" for p in paths):   # the F16 copy of x
+        x16 = b.scratch(x.shape, np.float16)
+        cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
+        if cast is None:
+            def cast():
+                xp.copyto(x16, x, casting="same_kind")
+        steps.append(cast)
+    if "gemm-q8" in paths:   # x quantized once for every such weight
+        q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
+              b.scratch((n_tok, n_in // 32), np.float32))
+        quant = quant_q8x_launch(ws[paths.index("gemm-q8")].type_id, x, *q8)
+        if quant is None:
+            raise ValueError(f"activations of shape {x.shape} for the int8 block GEMM (C-contiguous, 16-byte aligned, "
+                             "n_in a multiple of 32)")
+        steps.append(quant)
+        b.keep(*q8)
+    for w, o, path in zip(ws, outs, paths):
+        if path in ("gemm-q", "gemm-q8"):
             grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms())
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
-            steps.append(gemm_q_launch(w, x16, o, part, accumulate=accumulate))
+            steps.append(gemm_q_launch(w, x16, o, part, accumulate=accumulate) if path == "gemm-q" else
+                         gemm_q8_launch(w, *q8, o, part, accumulate=accumulate))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
         scratch = getattr(w, "scratch", None)
@@ -381,7 +354,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
             steps.append(_CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok,
                                              o.data.ptr + 4 * r0, n_out, beta=1.0 if accumulate else 0.0))
         b.keep(w.blocks, scratch)
-    b.keep(x16, *outs)
+    b.keep(*([x16] if x16 is not None else []), *outs)
     return _then(*steps)
 
 
@@ -470,18 +443,6 @@ def _normed(b, x, norm_eps, name, g=None):
     if norm_eps is None:
         return None, x
     return _rms_fn(b, x, norm_eps, name, g)
-
-
-def _then(*fns):
-    """One function of no arguments running ``fns`` in order (None entries skipped)."""
-    fns = [f for f in fns if f is not None]
-    if len(fns) == 1:
-        return fns[0]
-
-    def run():
-        for f in fns:
-            f()
-    return run
 
 
 def _silu_steps(g, u, out) -> None:

@@ -14,7 +14,7 @@ import ggml
 
 from ggml_attn import runtime as fa_runtime
 
-__all__ = ["custom", "release", "dptr"]
+__all__ = ["custom", "release", "dptr", "then"]
 
 
 _calls: dict[int, object] = {}
@@ -70,3 +70,15 @@ def custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
 def dptr(a) -> ctypes.c_uint64:
     """Device pointer of CuPy array ``a`` (None: a null pointer) as a kernel argument."""
     return ctypes.c_uint64(0 if a is None else a.data.ptr)
+
+
+def then(*fns):
+    """One function of no arguments running ``fns`` in order (None entries skipped)."""
+    fns = [f for f in fns if f is not None]
+    if len(fns) == 1:
+        return fns[0]
+
+    def run():
+        for f in fns:
+            f()
+    return run

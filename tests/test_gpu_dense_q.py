@@ -20,7 +20,7 @@ import ggml_attn
 from ggml_attn import cuda_device
 from ggml_attn import kernels as K
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
-from ggml_attn.graph import xp_matmul
+from ggml_attn.graph import q8_matmul, xp_matmul
 from ggml_attn.graph.model_device import QMatrix
 from ggml_attn.quant import dequantize_rows, q8_activations, quantize
 from ggml_attn.reference import nmse
@@ -127,7 +127,7 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
     d_out = _outs(init, mode)
     xq = cupy.zeros((n_tok, n_in), np.int8)
     xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
-    run = xp_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
+    run = q8_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
                                  norm_w=cupy.asarray(g) if norm else None)
     run()
     cupy.cuda.get_current_stream().synchronize()
@@ -164,6 +164,35 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     exact = base + x16.astype(np.float64) @ vals.T
     assert np.isfinite(got).all()
     assert nmse(got, rounded) <= 1e-6 and nmse(got, exact) <= 1e-5, (nmse(got, rounded), nmse(got, exact), grid)
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(5, 3, 100), (17, 3, 100), (64, 1, 64), (100, 2, 300),
+                                                      (300, 1, 37)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
+    """The tiled GEMM on int8 tensor cores (dense_gemm_q8) after the activations' quantization:
+    against float64 of the activations it quantized (quant.q8_activations) NMSE <= 1e-5 (exact
+    integer sums, F32 scales); token counts inside one 64-token tile (its 8-token tiles past n_tok
+    skipped) and across several, rows that do not fill a tile, n_in split or not, the 32-value
+    types' odd step counts (the last step half empty)."""
+    lay = block_layout(name)
+    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)
+    q, vals = _blocks(name, rows, n_in, n_tok + rows)
+    rng = np.random.default_rng(n_in)
+    x = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float32)
+    init = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    w = QMatrix(name, (rows, n_in), cupy.asarray(q))
+    d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
+    xq = cupy.zeros((n_tok, n_in), np.int8)
+    xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
+    part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    q8_matmul.quant_q8x_launch(lay.type_id, cupy.asarray(x), xq, xd, xs)()
+    q8_matmul.gemm_q8_launch(w, xq, xd, xs, d_out, part, accumulate=accumulate)()
+    got = d_out.get().astype(np.float64)
+    want = (init.astype(np.float64) if accumulate else 0.0) + q8_activations(x) @ vals.T
+    assert np.isfinite(got).all() and nmse(got, want) <= 1e-5, (nmse(got, want), grid)
 
 
 def test_gemm_q_grid_splits_and_not():

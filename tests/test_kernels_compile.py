@@ -251,7 +251,8 @@ def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str, 
 
 @pytest.mark.parametrize("struct, source", [("FattnParams", "fattn_common.cuh"), ("GemvParams", "dense.cu"),
                                             ("KVStoreParams", "dense.cu"), ("GemvQParams", "dense_q.cu"),
-                                            ("GemmQParams", "dense_q.cu"), ("GemvQ8Params", "dense_q8x.cu")])
+                                            ("GemmQParams", "dense_q.cu"), ("GemvQ8Params", "dense_q8x.cu"),
+                                            ("GemmQ8Params", "dense_q8x.cu")])
 def test_params_struct_layouts_match_c(struct, source):
     """The ctypes mirror of each kernel parameter struct has the C layout: static_asserts of
     every member's offset and the size, compiled by NVRTC."""
@@ -268,7 +269,9 @@ def test_gemm_q_tile_mirror_matches_c():
     checks = [(n, v, n) for n, v in zip(names, K.GEMMQ_TILE)] + [("GQ_THREADS", K.GEMMQ_THREADS, "GQ_THREADS"),
                                                                   ("GEMVQ_WARPS", K.GEMVQ_WARPS, "GEMVQ_WARPS")]
     _static_asserts("dense_q.cu", checks, "sm_80")
-    _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS"), ("Q8X_SWARPS", K.Q8X_SWARPS, "Q8X_SWARPS")], "sm_80")
+    _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS"), ("Q8X_SWARPS", K.Q8X_SWARPS, "Q8X_SWARPS")]
+                    + [(n, v, n) for n, v in zip(("Q8G_BM", "Q8G_BN", "Q8G_BK"), K.GEMMQ_TILE)]
+                    + [("Q8G_THREADS", K.GEMMQ_THREADS, "Q8G_THREADS")], "sm_80")
 
 
 def test_smem_fits_h200():

@@ -408,9 +408,11 @@ def _float_file(n: str) -> bool:
 
 
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
-# blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q")
+# blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
+# the 8-bit GEMV at 1-4 tokens ("blocks-q8x"), the int8 tiled GEMM at 5-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
-             for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x"))]
+             for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
+                                                             "blocks-gemm-q8"))]
 
 
 @pytest.mark.gpu
@@ -429,7 +431,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
     forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
     blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
-    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on ubatches of up to 4."""
+    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on ubatches of up to 4, or with
+    the int8 tiled GEMM (``dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 5 to 512."""
     from ggml_attn import dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
@@ -438,6 +441,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
         monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
     if form == "blocks-q8x":   # ubatches of up to 4 tokens through the 8-bit-activation GEMV
         monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
+    if form == "blocks-gemm-q8":   # ubatches of 5 to 512 tokens through the int8 tiled GEMM
+        monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp

@@ -45,8 +45,28 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
     return sum;
 }
 
-#define Q8CASE(T) case T: return dot_q8<T>(r, n, q, xd);
-extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed char* q, const float* xd) {
+#define Q8CASE(T) case T: return gemm ? dot_q8s<T>(r, n, q, xd) : dot_q8<T>(r, n, q, xd);
+
+// the same by the block GEMM's arithmetic (qb_int8s / qb_q8s_dot): signed bytes, each half's
+// integer sum as an int8 product gives it, the activations' sums of 32 and of each half
+template <int T> static double dot_q8s(const qb_u8* r, int n, const signed char* q, const float* xd) {
+    constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
+    double sum = 0.0;
+    for (int s = 0; s < n / 32; ++s) {
+        int w[8], S[2] = {0, 0}, h[2] = {0, 0};
+        float f[2], c[2];
+        qb_int8s<T>(r + (long)(s / (V / 32)) * B, s % (V / 32), w, f, c);
+        for (int j = 0; j < 32; ++j) {
+            const int wj = (int)(signed char)(w[j / 4] >> (8 * (j % 4)));
+            S[j / 16] += wj * q[32 * s + j];
+            h[j / 16] += q[32 * s + j];
+        }
+        sum += qb_q8s_dot<T>(S[0], S[1], f[0], f[1], c[0], c[1], xd[s], (float)(h[0] + h[1]), h[0], h[1]);
+    }
+    return sum;
+}
+
+extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed char* q, const float* xd, int gemm) {
     switch (type) {
         Q8CASE(QB_Q4_0) Q8CASE(QB_Q4_1) Q8CASE(QB_Q5_0) Q8CASE(QB_Q5_1) Q8CASE(QB_Q8_0)
         Q8CASE(QB_Q2_K) Q8CASE(QB_Q3_K) Q8CASE(QB_Q4_K) Q8CASE(QB_Q5_K) Q8CASE(QB_Q6_K)
@@ -77,7 +97,7 @@ def lib(tmp_path_factory):
                     str(d / "h.cpp"), "-o", str(so)], check=True)
     out = ctypes.CDLL(str(so))
     out.qb_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     out.qb_dot_row_q8.restype = ctypes.c_double
     return out
 
@@ -130,12 +150,15 @@ def test_layouts_are_ggml_sizes(lib):
         assert lib.qb_row(lay.type_id, None, 0, None) == lay.nbytes * 1000 + lay.values
 
 
+@pytest.mark.parametrize("gemm", [False, True])
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-def test_integer_form_dots_as_ggml_values_do(lib, name):
-    """qb_int32 / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu):
-    a row's dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized
-    values times the same activations, to F32 rounding; random bytes in every field (finite
-    scales) and blocks ggml quantized; one sub-block at a time as well (each field's place)."""
+def test_integer_form_dots_as_ggml_values_do(lib, name, gemm):
+    """qb_int32 / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu)
+    and, ``gemm``, qb_int8s / qb_q8s_dot (its block GEMM's: the offset in signed bytes, one
+    factor pair a sub-block where the halves share it, no c where an offset is folded): a row's
+    dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized values
+    times the same activations, to F32 rounding; random bytes in every field (finite scales) and
+    blocks ggml quantized; one sub-block at a time as well (each field's place)."""
     lay = block_layout(name)
     rng = np.random.default_rng(lay.type_id)
     raws = [_random_blocks(name, 64, seed=lay.type_id + 7),
@@ -151,7 +174,7 @@ def test_integer_form_dots_as_ggml_values_do(lib, name):
             x[big] = 0.0
             q[big] = 0
             want = float(vals @ x)
-            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, q.ctypes.data, xd.ctypes.data)
+            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, q.ctypes.data, xd.ctypes.data, int(gemm))
             tol = 1e-5 * float(np.abs(vals * x).sum()) + 1e-30
             assert abs(got - want) <= tol, (name, trial, got, want)
         one, unit = np.zeros(n, dtype=np.int8), np.ones(n // 32, np.float32)   # a single activation: each place
@@ -160,5 +183,5 @@ def test_integer_form_dots_as_ggml_values_do(lib, name):
                 continue
             one[:] = 0
             one[j] = 1
-            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, one.ctypes.data, unit.ctypes.data)
+            got = lib.qb_dot_row_q8(lay.type_id, raw.ctypes.data, n, one.ctypes.data, unit.ctypes.data, int(gemm))
             assert got == pytest.approx(vals[j], rel=1e-6, abs=1e-30), (name, j)

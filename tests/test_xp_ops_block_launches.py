@@ -13,7 +13,7 @@ import pytest
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
 from ggml_attn.block_types import block_layout
-from ggml_attn.graph import xp_matmul, xp_ops
+from ggml_attn.graph import q8_matmul, xp_matmul, xp_ops
 from ggml_attn.graph.model_device import QMatrix
 
 
@@ -118,7 +118,7 @@ def test_q8x_launches(launches):
     x, g = Dev((2, 512)), Dev((512,))
     xq, xd, xs = Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
     outs = [Dev((2, 96)), Dev((2, 32))]
-    xp_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, norm_eps=1e-5, norm_w=g)
+    q8_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, norm_eps=1e-5, norm_w=g)
     quant, gemv = launches
     assert quant.fn.name == "dense_quant_q8x" and quant.fn.variant == K.dense_q8x_variant(12) and quant.grid == (2, 2, 1)   # (512 / 256, tokens)
     xp_, xst, gp, eps, n_in, q, d, s_ = (a.value for a in quant.params)
@@ -133,11 +133,11 @@ def test_q8x_launches(launches):
     assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
         [(w.blocks.data.ptr, o.data.ptr, w.shape[0]) for w, o in zip(ws, outs)]
     n = len(launches)
-    assert xp_matmul.q8x_launches(ws, Dev((17, 512)), outs, Dev((17, 512), np.int8), Dev((17, 16)), Dev((17, 16)),
+    assert q8_matmul.q8x_launches(ws, Dev((17, 512)), outs, Dev((17, 512), np.int8), Dev((17, 16)), Dev((17, 16)),
                                   mode=0) is None                                                       # 17 tokens
-    assert xp_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
+    assert q8_matmul.q8x_launches([ws[0], _qmatrix("Q6_K", 32, 512)], x, outs, xq, xd, xs, mode=0) is None   # 2 types
     x4 = Dev(None, base=np.zeros(2 * 512 + 4, np.float32)[1:1 + 2 * 512].reshape(2, 512))
-    assert x4.data.ptr % 16 and xp_matmul.q8x_launches(ws, x4, outs, xq, xd, xs, mode=0) is None   # x's rows unaligned
+    assert x4.data.ptr % 16 and q8_matmul.q8x_launches(ws, x4, outs, xq, xd, xs, mode=0) is None   # x's rows unaligned
     assert len(launches) == n
 
 
@@ -151,7 +151,7 @@ def test_q8x_unstaged_where_rows_are_not_16_byte_aligned(launches, case):
         buf = np.zeros(40 * w.row_bytes + 16, np.uint8)
         w = QMatrix("Q8_0", (40, n_in), Dev(None, base=buf[2:2 + 40 * w.row_bytes].reshape(40, w.row_bytes)))
     x, xq, xd, xs = Dev((1, n_in)), Dev((1, n_in), np.int8), Dev((1, n_in // 32)), Dev((1, n_in // 32))
-    xp_matmul.q8x_launches([w], x, [Dev((1, 40))], xq, xd, xs, mode=0, quantize=False)
+    q8_matmul.q8x_launches([w], x, [Dev((1, 40))], xq, xd, xs, mode=0, quantize=False)
     (gemv,) = launches
     assert gemv.fn.name == "dense_gemv_q8x<8, 1>" and gemv.grid == (-(-40 // K.Q8X_WARPS), 1, 1)
     assert gemv.block == (32 * K.Q8X_WARPS, 1, 1)
@@ -274,6 +274,43 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     (sm,) = sums
     src, dst, n, z, mode = (a.value for a in sm.params)
     assert (src, dst, n, z, mode) == (part.data.ptr, out.data.ptr, 33 * 4096, splits, int(accumulate))
+
+
+@pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])
+def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monkeypatch, n_sm, splits):
+    """Under Q8GEMM_MAX_TOKENS block weights take dense_gemm_q8: x quantized once (no F16 copy)
+    for every weight, each weight's launch on gemm_q_grid with the int8 arrays, split over n_in
+    into partial sums that dense_splitk_sum adds."""
+    from ggml_attn import cuda_device
+    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
+    assert [dispatch.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]
+    assert dispatch.best_matmul("F16", 33).path == "gemm"
+    ws = [_qmatrix("Q4_K", 4096, 4096), _qmatrix("Q4_K", 1024, 4096)]
+    x, outs = Dev((33, 4096)), [Dev((33, 4096)), Dev((33, 1024))]
+    kept = Builder()
+    xp_matmul._qmatmuls(kept, ws, x, outs, accumulate=True)
+    names = [ln.fn.name for ln in launches]
+    assert names[0] == "dense_quant_q8x" and "dense_cast_f16" not in names
+    assert names.count("dense_quant_q8x") == 1 and names.count("dense_gemm_q8<12>") == 2
+    quant = launches[0]
+    assert quant.grid == (16, 33, 1) and quant.params[0].value == x.data.ptr and quant.params[3].value == 0.0
+    xq, xd, xs = (a.value for a in (quant.params[5], quant.params[6], quant.params[7]))
+    gemms = [ln for ln in launches if ln.fn.name == "dense_gemm_q8<12>"]
+    for ln, w, o in zip(gemms, ws, outs):
+        grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm)
+        assert ln.grid == grid and ln.block == (K.GEMMQ_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
+        (p,) = ln.params
+        assert isinstance(p, K.GemmQ8Params)
+        assert (p.w, p.xq, p.xd, p.xs, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk, p.mode) == \
+            (w.blocks.data.ptr, xq, xd, xs, o.data.ptr, 16 * 144, w.shape[0], 4096, 33, k_chunk, 1)
+        assert (p.part != 0) == (grid[2] > 1)
+    assert gemms[0].grid[2] == splits
+    sums = [ln for ln in launches if ln.fn.name == "dense_splitk_sum"]
+    assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
+    with pytest.raises(ValueError, match="int8 block GEMM"):   # activations the quantization cannot take
+        x4 = Dev(None, base=np.zeros(33 * 4096 + 4, np.float32)[1:1 + 33 * 4096].reshape(33, 4096))
+        xp_matmul._qmatmuls(Builder(), ws[:1], x4, outs[:1])
 
 
 def test_gemm_q_grid():

@@ -1,7 +1,8 @@
 """Device time of one llama-3-8B layer's projections over weights kept in ggml's blocks (issue
 #43): per block type, the GEMV (``cuda/dense_q.cu`` dense_gemv_q, one launch per matrix) at 1..16
-tokens, and the two GEMM paths at 16..512 tokens: ``dense_dequant_f16`` into an F16 scratch then
-cuBLAS, and the tiled ``dense_gemm_q`` (with its split-K sums) -- the GEMV's bandwidth against the
+tokens (and the 8-bit-activation GEMV, ``cuda/dense_q8x.cu``), and the GEMM paths: ``dense_dequant_f16``
+into an F16 scratch then cuBLAS, the tiled ``dense_gemm_q`` (with its split-K sums) and its int8
+twin ``dense_gemm_q8`` (the activations' quantization included) -- the GEMV's bandwidth against the
 4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
     python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512] [--out F.json]
@@ -75,6 +76,25 @@ def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
     return go
 
 
+def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
+    """One layer by the tiled GEMM on int8 tensor cores: each matrix's activations quantized
+    (dense_quant_q8x), then dense_gemm_q8 (and, split over n_in, dense_splitk_sum)."""
+    from ggml_attn.graph.q8_matmul import gemm_q8_launch, quant_q8x_launch
+    steps = []
+    for w in ws.values():
+        n_out, n_in = w.shape
+        x = cp.random.standard_normal((n, n_in), dtype=cp.float32)
+        q8 = (cp.empty((n, n_in), cp.int8), cp.empty((n, n_in // 32), cp.float32), cp.empty((n, n_in // 32), cp.float32))
+        grid, _ = K.gemm_q_grid(n_out, n, n_in, n_sm)
+        part = cp.empty((grid[2], n, n_out), cp.float32) if grid[2] > 1 else None
+        steps += [quant_q8x_launch(w.type_id, x, *q8), gemm_q8_launch(w, *q8, cp.empty((n, n_out), cp.float32), part)]
+
+    def go():
+        for s in steps:
+            s()
+    return go
+
+
 def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
     ``quantize=False``: the GEMV alone), then its GEMV, staged through shared memory or not."""
@@ -104,7 +124,8 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch, q8x_launches
+    from ggml_attn.graph.q8_matmul import q8x_launches
+    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
     rows = [] if rows is None else rows
     nbytes_vals = sum(a * b for a, b in SHAPES.values())   # weights (multiply-adds a token)
     for t in types:
@@ -162,6 +183,12 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                              tbps=round(nbytes / med / 1e6, 2), tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
             log(f"{t:5s} gemm_q         n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s "
                 f"{2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s")
+            med, lo, hi = device_us([_tiled_q8(cp, K, ws, n, num_sms()) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl="gemm_q8", n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
+                             tbps=round(nbytes / med / 1e6, 2), tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
+            log(f"{t:5s} gemm_q8        n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s "
+                f"{2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s (quantization included)")
         del layers
         cp.get_default_memory_pool().free_all_blocks()
     return rows

@@ -15,7 +15,8 @@ def main(argv=None) -> int:
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch, q8x_launches
+    from ggml_attn.graph.q8_matmul import q8x_launches
+    from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from gpu_dense_q_bench import _layer
     argv = sys.argv[1:] if argv is None else argv

@@ -7,7 +7,7 @@ compute capability 9.0 the sm_90a prefill as well (every instance directly, the 
 the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / q4_0 blocks,
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
 of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
-rows that do not fill a block of warps; the tiled GEMM, split over n_in; the F16
+rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
 dequantization; the row gather).
 With --dense-q only the weight-block matmuls. Exits non-zero if any result misses the reference."""
 from __future__ import annotations
@@ -255,7 +255,7 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu) gated with the RMS norm at one token against
     float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
     from ggml_attn.block_types import block_layout
-    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph import q8_matmul
     from ggml_attn.graph.model_device import QMatrix
     from ggml_attn.quant import dequantize_rows, q8_activations, quantize
     lay = block_layout(name)
@@ -266,7 +266,7 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
-    xp_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
+    q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
                            mode=2, norm_eps=1e-5, norm_w=cp.asarray(g))()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
@@ -284,15 +284,16 @@ def _dense_q(cp, rng) -> int:
     its weight, gate and up in one launch, 45 rows: a partial block of warps; at 1 token also
     the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
-    tokens, n_in split: dense_splitk_sum) against float64 of its F16-rounded operands. Failures."""
+    tokens, n_in split: dense_splitk_sum) against float64 of its F16-rounded operands, and
+    dense_gemm_q8 against float64 of its quantized activations. Failures."""
     import ctypes
 
     from ggml_attn import kernels as K
     from ggml_attn.block_types import BLOCK_TYPES, block_layout
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph import q8_matmul, xp_matmul
     from ggml_attn.graph.model_device import QMatrix
-    from ggml_attn.quant import dequantize_rows, quantize
+    from ggml_attn.quant import dequantize_rows, q8_activations, quantize
     bad = 0
     st = cp.cuda.get_current_stream()
 
@@ -357,6 +358,17 @@ def _dense_q(cp, rng) -> int:
             ok = err < 1e-6
             bad += not ok
             print(f"gemm_q   {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+            x = x16.astype(np.float32)   # the int8 GEMM of the same case (quantized activations)
+            q8 = (cp.zeros((n_tok, n_in), np.int8), cp.zeros((n_tok, n_in // 32), np.float32),
+                  cp.zeros((n_tok, n_in // 32), np.float32))
+            d_out[...] = np.nan
+            q8_matmul.quant_q8x_launch(lay.type_id, cp.asarray(x), *q8)()
+            q8_matmul.gemm_q8_launch(QMatrix(name, (rows, n_in), d_q), *q8, d_out, part)()
+            st.synchronize()
+            err = nmse(d_out.get(), q8_activations(x) @ vals.T)
+            ok = err < 1e-5
+            bad += not ok
+            print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return bad
 
 

@@ -1,0 +1,105 @@
+"""The launches of the block matmuls with 8-bit activations (``cuda/dense_q8x.cu``, llama.cpp's
+mmvq / mmq way): the activations quantized once to int8 per 32 values (:func:`quant_q8x_launch`),
+then the GEMV (:func:`q8x_launches`, 1-16 tokens) or the tiled GEMM on int8 tensor cores
+(:func:`gemm_q8_launch`) over ``model_device.QMatrix`` weights. ``xp_matmul`` calls them where
+``dispatch.best_matmul`` says ``gemv-q8x`` or ``gemm-q8``.
+
+Shapes in numpy order, C-contiguous CuPy arrays: ``x`` F32 ``(n_tok, n_in)``; ``xq`` int8
+``(n_tok, n_in)``; ``xd`` (each 32 values' scale) and ``xs`` (their int8 sum) F32
+``(n_tok, n_in / 32)``; outputs F32 ``(n_tok, n_out)``. Each function returns a function of no
+arguments launching on CuPy's current stream (None where the arrays do not fit the kernel); the
+caller keeps the arrays alive.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .xp_node import then
+
+__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch"]
+
+
+def _q8_arrays_fit(x, xq, xd, xs) -> bool:
+    n_tok, n_in = x.shape
+    return bool(n_in % 32 == 0 and x.flags.c_contiguous and xq.shape == (n_tok, n_in) and
+                xd.shape == (n_tok, n_in // 32) and xs.shape == xd.shape and xq.data.ptr % 16 == 0 and
+                x.data.ptr % 16 == 0)
+
+
+def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = None, norm_w=None):
+    """``dense_quant_q8x`` (from the program of block type ``type_id``): ``x`` (times ``norm_w``,
+    RMS-normalized with ``norm_eps``) into ``xq``, ``xd``, ``xs``; None where they do not fit."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if not _q8_arrays_fit(x, xq, xd, xs):
+        return None
+    n_tok, n_in = x.shape
+    return K.BoundLaunch(
+        K.get_function(K.dense_q8x_variant(type_id), "dense_quant_q8x"), (-(-n_in // 256), n_tok, 1), (256, 1, 1),
+        ctypes.c_uint64(x.data.ptr), ctypes.c_int64(n_in), ctypes.c_uint64(0 if norm_w is None else norm_w.data.ptr),
+        ctypes.c_float(0.0 if norm_eps is None else float(norm_eps)), ctypes.c_int32(n_in),
+        ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr))
+
+
+def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
+                 quantize: bool = True, staged: bool | None = None):
+    """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
+    ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
+    :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
+    one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
+    ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``): ``dense_gemv_q8x_s``
+    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x``
+    (``staged=False``: that one anyway, the benchmark's A/B)."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    n_tok, n_in = x.shape
+    t = ws[0].type_id
+    if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
+            or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
+        return None
+    quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
+    p = K.GemvQ8Params()
+    for i, w in enumerate(ws):
+        o = outs[0] if mode == 2 else outs[i]
+        p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
+    p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
+    p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
+    rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
+    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
+    staged = aligned and staged is not False
+    warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
+    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
+                         (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
+    return then(quant, gemv)
+
+
+def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
+    """``out (+)= w·x`` by ``dense_gemm_q8`` (int8 tensor cores on the blocks' integer form and
+    activations ``xq`` / ``xd`` / ``xs`` that :func:`quant_q8x_launch` made) for a ``QMatrix``
+    ``w`` ``(n_out, n_in)``; ``out`` F32 ``(n_tokens, n_out)``; ``part`` F32 ``(splits,
+    n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (the partial sums, added in
+    order by ``dense_splitk_sum``), else None. ValueError for arrays that do not fit."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    n_out, n_in = (int(d) for d in w.shape)
+    n_tok = int(xq.shape[0])
+    if xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape or \
+            out.shape != (n_tok, n_out) or not out.flags.c_contiguous or xq.data.ptr % 16 or n_in % 32:
+        raise ValueError(f"dense_gemm_q8: activations {xq.shape} (16-byte aligned, scales {xd.shape}) and out "
+                         f"{out.shape} for a {w.shape} weight")
+    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
+    if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
+        raise ValueError(f"dense_gemm_q8 splits n_in {grid[2]} ways: partial sums "
+                         f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")
+    p = K.GemmQ8Params()
+    p.w, p.xq, p.xd, p.xs = w.blocks.data.ptr, xq.data.ptr, xd.data.ptr, xs.data.ptr
+    p.out, p.part = out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
+    p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
+    p.mode = 1 if accumulate else 0
+    launch = K.BoundLaunch(K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>"), grid,
+                           (K.GEMMQ_THREADS, 1, 1), p)
+    if grid[2] == 1:
+        return launch
+    total = n_tok * n_out
+    add = K.grid_launch(K.get_function(K.dense_q_variant(w.type_id), "dense_splitk_sum"), total,
+                        ctypes.c_uint64(part.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(total),
+                        ctypes.c_int32(grid[2]), ctypes.c_int32(p.mode))
+    return then(launch, add)
