@@ -99,3 +99,52 @@ __device__ __forceinline__ void gemv_q_finish(float (&acc)[NT], float (&up)[NT],
         }
     }
 }
+
+// A 64 x 64 tiled block GEMM block's place (dense_gemm_q, dense_gemm_q8; P: their parameters):
+// its tile's first row m0 and token n0, its split's values [k_begin, k_end) of n_in (blockIdx.z
+// of k_chunk), and this thread's decode -- row dr (drow: within the rows; wrow its bytes, row 0's
+// where not) and sub-block ds of each 64-value step; acc zeroed.
+struct GemmTilePlace {
+    int m0, n0, k_begin, k_end, n_sub, dr, ds;
+    bool drow;
+    const unsigned char* wrow;
+};
+
+template <class P>
+__device__ __forceinline__ GemmTilePlace gemm_tile_place(const P& p, float (&acc)[2][4][4]) {
+    GemmTilePlace t;
+    t.m0 = blockIdx.x * 64, t.n0 = blockIdx.y * 64;
+    t.k_begin = blockIdx.z * p.k_chunk, t.k_end = min(p.n_in, t.k_begin + p.k_chunk);
+    t.n_sub = p.n_in / 32, t.dr = threadIdx.x >> 1, t.ds = threadIdx.x & 1;
+    t.drow = t.m0 + t.dr < p.rows;
+    t.wrow = p.w + (long long)(t.drow ? t.m0 + t.dr : 0) * p.row_bytes;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    return t;
+}
+
+// The end of a 64 x 64 tiled block GEMM (dense_q.cu's dense_gemm_q, dense_q8x.cu's dense_gemm_q8):
+// 4 warps of 32 x 32 (warp w: rows wm = 32 (w & 1), tokens wn = 32 (w >> 1)), acc[i][j][e] in the
+// m16n8 accumulator layout -- row m0 + wm + 16 i + lane / 4 + 8 (e >> 1), token n0 + wn + 8 j +
+// 2 (lane % 4) + (e & 1) -- stored into dst (n_tok, rows) F32 (add: added to it) where in range.
+__device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], float* dst, bool add, int rows,
+                                                int n_tok, int m0, int n0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + wm + 16 * i + (lane >> 2) + 8 * (e >> 1);
+                const int tok = n0 + wn + 8 * j + 2 * (lane & 3) + (e & 1);
+                if (row < rows && tok < n_tok) {
+                    float* o = dst + (long long)tok * rows + row;
+                    *o = add ? *o + acc[i][j][e] : acc[i][j][e];
+                }
+            }
+}

@@ -220,21 +220,13 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
     __shared__ __align__(16) __half As[2][GQ_BM * GQ_LD];
     __shared__ __align__(16) __half Bs[2][GQ_BN * GQ_LD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int m0 = blockIdx.x * GQ_BM, n0 = blockIdx.y * GQ_BN;
-    const int k_begin = blockIdx.z * p.k_chunk;
-    const int k_end = min(p.n_in, k_begin + p.k_chunk);
-    const int n_sub = p.n_in / 32;
-    const int dr = threadIdx.x >> 1, ds = threadIdx.x & 1;   // this thread's decode: row, sub-block of a step
-    const bool drow = m0 + dr < p.rows;
-    const unsigned char* wrow = p.w + (long long)(drow ? m0 + dr : 0) * p.row_bytes;
-    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+    static_assert(GQ_BM == 64 && GQ_BN == 64 && GQ_THREADS == 128, "gemm_tile_place's and gemm_tile_store's tile");
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    const GemmTilePlace tp = gemm_tile_place(p, acc);
+    const int m0 = tp.m0, n0 = tp.n0, k_begin = tp.k_begin, k_end = tp.k_end, n_sub = tp.n_sub, dr = tp.dr, ds = tp.ds;
+    const bool drow = tp.drow;
+    const unsigned char* wrow = tp.wrow;
+    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
     if (k_begin < k_end) {
         int sub = k_begin / 32 + ds;
         gq_decode<T>(wrow, drow && sub < n_sub, sub, &As[0][dr * GQ_LD + 32 * ds]);
@@ -271,22 +263,8 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
         if (more) gq_decode<T>(wrow, dok, sub, &As[buf ^ 1][dr * GQ_LD + 32 * ds]);
         buf ^= 1;
     }
-    // acc[i][j][e]: row wm + 16 i + lane / 4 + 8 (e >> 1), token wn + 8 j + 2 (lane % 4) + (e & 1)
-    float* dst = gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out;
-    const bool add = gridDim.z == 1 && p.mode == 1;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = m0 + wm + 16 * i + (lane >> 2) + 8 * (e >> 1);
-                const int tok = n0 + wn + 8 * j + 2 * (lane & 3) + (e & 1);
-                if (row < p.rows && tok < p.n_tok) {
-                    float* o = dst + (long long)tok * p.rows + row;
-                    *o = add ? *o + acc[i][j][e] : acc[i][j][e];
-                }
-            }
+    gemm_tile_store(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                    gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0, n0);
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n

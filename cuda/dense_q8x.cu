@@ -327,21 +327,13 @@ __global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params 
     __shared__ float Ds[2][2 * Q8G_BN], Ss[2][2 * Q8G_BN];  // [buffer][64 sub + token]: xd, xs
     __shared__ int Hs[HALF_MINS ? 2 : 1][2][2][Q8G_BN];     // [buffer][sub][half][token]: each half's sum
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    const int m0 = blockIdx.x * Q8G_BM, n0 = blockIdx.y * Q8G_BN;
-    const int k_begin = blockIdx.z * p.k_chunk;
-    const int k_end = min(p.n_in, k_begin + p.k_chunk);
-    const int n_sub = p.n_in / 32;
-    const int dr = threadIdx.x >> 1, ds = threadIdx.x & 1;   // this thread's decode: row, sub-block of a step
-    const bool drow = m0 + dr < p.rows;
-    const unsigned char* wrow = p.w + (long long)(drow ? m0 + dr : 0) * p.row_bytes;
-    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+    static_assert(Q8G_BM == 64 && Q8G_BN == 64 && Q8G_THREADS == 128, "gemm_tile_place's and gemm_tile_store's tile");
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    const GemmTilePlace tp = gemm_tile_place(p, acc);
+    const int m0 = tp.m0, n0 = tp.n0, k_begin = tp.k_begin, k_end = tp.k_end, n_sub = tp.n_sub, dr = tp.dr, ds = tp.ds;
+    const bool drow = tp.drow;
+    const unsigned char* wrow = tp.wrow;
+    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
     if (k_begin < k_end) {
         const int sub = k_begin / 32 + ds;
         q8g_decode<T>(wrow, drow && sub < n_sub, sub, &As[0][dr * Q8G_LD + 32 * ds], &Fs[0][ds][dr].x, &Cs[0][ds][dr].x);
@@ -409,19 +401,6 @@ __global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params 
                                 &Cs[buf ^ 1][ds][dr].x);
         buf ^= 1;
     }
-    float* dst = gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out;
-    const bool add = gridDim.z == 1 && p.mode == 1;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = m0 + wm + 16 * i + g + 8 * (e >> 1);
-                const int tok = n0 + wn + 8 * n + 2 * tg + (e & 1);
-                if (row < p.rows && tok < p.n_tok) {
-                    float* o = dst + (long long)tok * p.rows + row;
-                    *o = add ? *o + acc[i][n][e] : acc[i][n][e];
-                }
-            }
+    gemm_tile_store(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                    gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0, n0);
 }

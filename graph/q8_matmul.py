@@ -16,7 +16,7 @@ import ctypes
 
 from .xp_node import then
 
-__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch"]
+__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "splitk_sum_launch"]
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -94,12 +94,17 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
     p.out, p.part = out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
-    launch = K.BoundLaunch(K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>"), grid,
-                           (K.GEMMQ_THREADS, 1, 1), p)
-    if grid[2] == 1:
-        return launch
-    total = n_tok * n_out
-    add = K.grid_launch(K.get_function(K.dense_q_variant(w.type_id), "dense_splitk_sum"), total,
-                        ctypes.c_uint64(part.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(total),
-                        ctypes.c_int32(grid[2]), ctypes.c_int32(p.mode))
-    return then(launch, add)
+    return then(K.BoundLaunch(K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>"), grid,
+                              (K.GEMMQ_THREADS, 1, 1), p),
+                splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
+
+
+def splitk_sum_launch(type_id: int, part, out, splits: int, mode: int):
+    """``dense_splitk_sum`` (in the ``dense_q`` program of block type ``type_id``): ``out`` (mode
+    1: ``+=``) the sum of a split tiled GEMM's ``splits`` partial sums ``part`` F32 ``(splits,
+    n_tokens, n_out)``, added in split order (the same result every run)."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    total = int(out.size)
+    return K.grid_launch(K.get_function(K.dense_q_variant(type_id), "dense_splitk_sum"), total,
+                         ctypes.c_uint64(part.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(total),
+                         ctypes.c_int32(splits), ctypes.c_int32(mode))

@@ -47,7 +47,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, splitk_sum_launch
 from .xp_node import custom as _custom, dptr as _dptr, then as _then
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -382,14 +382,8 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False):
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
     fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>")
-    launch = K.BoundLaunch(fn, grid, (K.GEMMQ_THREADS, 1, 1), p)
-    if grid[2] == 1:
-        return launch
-    total = n_tok * n_out
-    add = K.grid_launch(K.get_function(K.dense_q_variant(w.type_id), "dense_splitk_sum"), total,
-                        ctypes.c_uint64(part.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(total),
-                        ctypes.c_int32(grid[2]), ctypes.c_int32(p.mode))
-    return _then(launch, add)
+    return _then(K.BoundLaunch(fn, grid, (K.GEMMQ_THREADS, 1, 1), p),
+                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 
 
 def _elementwise_launch(name: str, arrays, n: int):

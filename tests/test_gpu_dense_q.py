@@ -141,22 +141,30 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
+def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate):
+    """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
+    values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid, the partial
+    sums' array or None) -- n_in_blocks 256-value steps, 32-value types one more sub-block."""
+    lay = block_layout(name)
+    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)   # 32-value types: odd steps
+    q, vals = _blocks(name, rows, n_in, n_tok + rows)
+    rng = np.random.default_rng(n_in)
+    x = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float32)
+    init = rng.standard_normal((n_tok, rows)).astype(np.float32)
+    d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
+    part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    return n_in, vals, x, init, QMatrix(name, (rows, n_in), cupy.asarray(q)), d_out, grid, part
+
+
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     """Token counts inside one 64-token tile and across several, rows that do not fill a tile,
     n_in split over the grid (kernels.gemm_q_grid) or not (one 256-value block a row)."""
-    lay = block_layout(name)
-    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)   # 32-value types: odd steps
-    q, vals = _blocks(name, rows, n_in, n_tok + rows)
-    rng = np.random.default_rng(n_in)
-    x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
-    init = rng.standard_normal((n_tok, rows)).astype(np.float32)
-    w = QMatrix(name, (rows, n_in), cupy.asarray(q))
-    d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
-    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
-    part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate)
+    x16 = x.astype(np.float16)
     xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate)()
     got = d_out.get().astype(np.float64)
     base = init.astype(np.float64) if accumulate else 0.0
@@ -176,19 +184,10 @@ def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     integer sums, F32 scales); token counts inside one 64-token tile (its 8-token tiles past n_tok
     skipped) and across several, rows that do not fill a tile, n_in split or not, the 32-value
     types' odd step counts (the last step half empty)."""
-    lay = block_layout(name)
-    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)
-    q, vals = _blocks(name, rows, n_in, n_tok + rows)
-    rng = np.random.default_rng(n_in)
-    x = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float32)
-    init = rng.standard_normal((n_tok, rows)).astype(np.float32)
-    w = QMatrix(name, (rows, n_in), cupy.asarray(q))
-    d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
+    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate)
     xq = cupy.zeros((n_tok, n_in), np.int8)
     xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
-    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
-    part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-    q8_matmul.quant_q8x_launch(lay.type_id, cupy.asarray(x), xq, xd, xs)()
+    q8_matmul.quant_q8x_launch(w.type_id, cupy.asarray(x), xq, xd, xs)()
     q8_matmul.gemm_q8_launch(w, xq, xd, xs, d_out, part, accumulate=accumulate)()
     got = d_out.get().astype(np.float64)
     want = (init.astype(np.float64) if accumulate else 0.0) + q8_activations(x) @ vals.T
