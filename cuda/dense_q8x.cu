@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // tensor cores, the activations quantized by dense_quant_q8x as for the GEMV). Block tile Q8G_BM
 // weight rows x Q8G_BN tokens, 4 warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1)); a
 // step covers Q8G_BK = 64 values, two sub-blocks: thread i decodes sub-block i & 1 of row i >> 1
-// into its integer form (qb_int32, an offset folded into signed bytes) in As and its factors f, c
+// into its integer form (qb_int8s: an offset folded into signed bytes) in As and its factors f, c
 // per half in Fs / Cs; the int8 activations come by cp.async into Bs, their scales xd and sums xs
 // into Ds / Ss. Per sub-block each warp's 16 x 8 tiles take one m16n8k32 (two m16n8k16 where
 // the factors differ by half: QbQ8<T>::HALVES) and the integer sums become F32 at once
