@@ -244,6 +244,7 @@ def model_ops_variant() -> Variant:
 
 
 Q8X_TOKENS = (1, 2, 4, 8, 16)  # its instances: NT, each running n_tok <= NT tokens
+Q8X_PLAIN_TOKENS = (1, 2, 4)   # dense_gemv_q8x's (the fallback for unaligned rows; 8 spilled Q4_0's words)
 Q8X_WARPS = 8                 # warps a dense_gemv_q8x block (Q8X_WARPS in dense_q8x.cu)
 Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its slots' shared memory)
 
@@ -251,8 +252,8 @@ Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its 
 def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
     """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
     n_tok): ``dense_gemv_q8x_s`` (rows streamed through shared memory; rows 16-byte aligned) or,
-    ``staged=False``, ``dense_gemv_q8x`` (any alignment)."""
-    nt = next(t for t in Q8X_TOKENS if t >= n_tok)
+    ``staged=False``, ``dense_gemv_q8x`` (any alignment; at most max(Q8X_PLAIN_TOKENS) tokens)."""
+    nt = next(t for t in (Q8X_TOKENS if staged else Q8X_PLAIN_TOKENS) if t >= n_tok)
     return f"dense_gemv_q8x{'_s' if staged else ''}<{type_id}, {nt}>"
 
 
@@ -261,8 +262,8 @@ def dense_q8x_variant(type_id: int) -> Variant:
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
     (``dense_gemm_q8``, dense_gemm_q's tiles and grid: GEMMQ_TILE, gemm_q_grid) and the
     activations' quantization."""
-    return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt, st) for st in (True, False)
-                                                      for nt in Q8X_TOKENS) +
+    return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
+                   tuple(q8x_name(type_id, nt, False) for nt in Q8X_PLAIN_TOKENS) +
                    (f"dense_gemm_q8<{type_id}>", "dense_quant_q8x"))
 
 

@@ -47,13 +47,17 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
     one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``): ``dense_gemv_q8x_s``
-    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x``
-    (``staged=False``: that one anyway, the benchmark's A/B)."""
+    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x`` (``staged=False``:
+    that one anyway, the benchmark's A/B; up to ``kernels.Q8X_PLAIN_TOKENS`` tokens, None past them)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
     if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
+        return None
+    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
+    staged = aligned and staged is not False
+    if not staged and n_tok > max(K.Q8X_PLAIN_TOKENS):
         return None
     quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
     p = K.GemvQ8Params()
@@ -63,8 +67,6 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
-    staged = aligned and staged is not False
     warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
     gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
                          (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)

@@ -155,6 +155,13 @@ def test_q8x_unstaged_where_rows_are_not_16_byte_aligned(launches, case):
     (gemv,) = launches
     assert gemv.fn.name == "dense_gemv_q8x<8, 1>" and gemv.grid == (-(-40 // K.Q8X_WARPS), 1, 1)
     assert gemv.block == (32 * K.Q8X_WARPS, 1, 1)
+    n = max(K.Q8X_PLAIN_TOKENS) + 1   # past the plain kernel's instances: refused, nothing launched
+    assert _q8x_refuses(w, n, n_in) and len(launches) == 1
+
+
+def _q8x_refuses(w, n_tok, n_in) -> bool:
+    x, xq, xd, xs = Dev((n_tok, n_in)), Dev((n_tok, n_in), np.int8), Dev((n_tok, n_in // 32)), Dev((n_tok, n_in // 32))
+    return q8_matmul.q8x_launches([w], x, [Dev((n_tok, 40))], xq, xd, xs, mode=0) is None
 
 
 def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
