@@ -157,6 +157,8 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV: staged (shipped), plain, staged without the quantization
             for impl, staged, quant in (("gemv q8x", True, True), ("gemv q8x plain", False, True),
                                         ("gemv q8x noquant", True, False)):
+                if not staged and n > max(K.Q8X_PLAIN_TOKENS):   # (the plain kernel's instances stop there)
+                    continue
                 med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, staged, quant) for ws in layers])
                 rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
