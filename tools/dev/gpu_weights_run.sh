@@ -3,7 +3,7 @@
 # the same machine (or with --install):
 #   (--tests) the GPU tests of the weight path (tests/test_gpu_dense_q.py, test_model.py,
 #      test_weight_form.py, test_graph_device.py) and compute-sanitizer memcheck / racecheck on
-#      the block kernels (tools/dev/gpu_sanitize_case.py --dense-q) -> $OUT/tests_weights.log
+#      the block kernels (tools/dev/gpu_sanitize_case.py --dense-q) -> $OUT/logs/tests_weights.log (every log packed into $OUT/logs.tgz)
 #   0. one 8B layer's projections over each block type: the GEMV at 1..16 tokens against the
 #      4.2 TB/s floor, dequantize + cuBLAS and the tiled dense_gemm_q at 16..512
 #      (tools/dev/gpu_dense_q_bench.py) -> $OUT/dense_q.json
@@ -25,7 +25,10 @@
 #                                [--bench-args "--warps 8 --max-tokens 64"] (gpu_dense_q_bench.py's; "" for all its rows)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
+# The device tool returns at most 8 files from $OUT: the JSON results stay at its top, every log
+# goes into $OUT/logs, packed into $OUT/logs.tgz when the script ends (a run cut short included).
+trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 PY=${PYTHON:-python3}
 INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
 while [ $# -gt 0 ]; do
@@ -39,19 +42,19 @@ done
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
 if [ $INSTALL = 1 ] || ! command -v ggml-attn-bench >/dev/null; then
-  bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$OUT/install_run.log" 2>&1 \
-    || { echo "install failed"; tail -20 "$OUT/install_run.log"; exit 1; }
+  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
+    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests of the weight path (block kernels, model logits in both forms, device graphs)"
   $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py tests/test_weight_form.py \
-      tests/test_graph_device.py > "$OUT/tests_weights.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$OUT/tests_weights.log" | head -30; tail -2 "$OUT/tests_weights.log"
+      tests/test_graph_device.py > "$LOGS/tests_weights.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_weights.log" | head -30; tail -2 "$LOGS/tests_weights.log"
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-        > "$OUT/sanitize_dense_q_$tool.log" 2>&1 || status=1
-    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
-         "$(grep -c "ok$" "$OUT/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$OUT/sanitize_dense_q_$tool.log") FAIL"
+        > "$LOGS/sanitize_dense_q_$tool.log" 2>&1 || status=1
+    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
+         "$(grep -c "ok$" "$LOGS/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$LOGS/sanitize_dense_q_$tool.log") FAIL"
   done
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
@@ -62,19 +65,20 @@ if [ $DENSE = 1 ]; then
 fi
 if [ $SIDE = 1 ]; then
   echo "== llama.cpp side by side: F16, $QUANT"
-  $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$OUT" --gguf /tmp/m8b.gguf \
+  $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$LOGS/sbs" --gguf /tmp/m8b.gguf \
       --quant "$QUANT" --weights "$FORMS" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
+  cp "$LOGS/sbs/side_by_side.json" "$OUT/" 2>/dev/null || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $M70 = 1 ]; then
   echo "== 70B-shaped Q4_K_M"
   rm -f /tmp/m8b.gguf /tmp/m8b-Q*_0.gguf /tmp/m8b-Q[5-6]_K*.gguf   # the disk holds 64 GB (Q4_K_M stays: greedy)
-  $PY tests/fixtures_gguf.py /tmp/m70q.gguf --preset llama-3-70b --ftype Q4_K_M --vocab 32000 > "$OUT/m70_write.log" 2>&1 \
-    || { status=1; tail -5 "$OUT/m70_write.log"; }
+  $PY tests/fixtures_gguf.py /tmp/m70q.gguf --preset llama-3-70b --ftype Q4_K_M --vocab 32000 > "$LOGS/m70_write.log" 2>&1 \
+    || { status=1; tail -5 "$LOGS/m70_write.log"; }
   echo "   written ($(( $(date +%s) - t0 ))s so far)"
-  ggml-attn-bench --device cuda -m /tmp/m70q.gguf -p 512 -n 128 -r 2 -o jsonl > "$OUT/m70.jsonl" 2> "$OUT/m70.log" \
-    || { status=1; tail -5 "$OUT/m70.log"; }
-  cat "$OUT/m70.jsonl"; grep -iE "memory|GiB|weights" "$OUT/m70.log" | head -5
+  ggml-attn-bench --device cuda -m /tmp/m70q.gguf -p 512 -n 128 -r 2 -o jsonl > "$OUT/m70.jsonl" 2> "$LOGS/m70.log" \
+    || { status=1; tail -5 "$LOGS/m70.log"; }
+  cat "$OUT/m70.jsonl"; grep -iE "memory|GiB|weights" "$LOGS/m70.log" | head -5
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv
   rm -f /tmp/m70q.gguf
   echo "   ($(( $(date +%s) - t0 ))s so far)"
