@@ -141,6 +141,22 @@ def test_q8x_launches(launches):
     assert len(launches) == n
 
 
+def test_q8x_two_subblocks_a_lane_instances(launches):
+    """spl=2: the A/B program's instance for the token count (staged rows, 1-2 tokens); refused
+    past them, for unaligned rows and for other counts a lane."""
+    w = _qmatrix("Q4_K", 96, 512)
+    x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
+    q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, quantize=False, spl=2)
+    (gemv,) = launches
+    assert gemv.fn.name == "dense_gemv_q8x_s<12, 2, 2>" and gemv.fn.variant == K.dense_q8x_x_variant(12)
+    assert gemv.grid == (-(-96 // K.Q8X_SWARPS), 1, 1)
+    x3, xq3, xd3, xs3 = Dev((3, 512)), Dev((3, 512), np.int8), Dev((3, 16)), Dev((3, 16))
+    assert q8_matmul.q8x_launches([w], x3, [Dev((3, 96))], xq3, xd3, xs3, mode=0, spl=2) is None
+    assert q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, spl=3) is None
+    assert q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, staged=False, spl=2) is None
+    assert len(launches) == 1
+
+
 @pytest.mark.parametrize("case", ["row_bytes", "pointer"])
 def test_q8x_unstaged_where_rows_are_not_16_byte_aligned(launches, case):
     """Rows that do not all start 16-byte aligned (Q8_0 rows of 96 values: 102 bytes; a matrix
