@@ -165,6 +165,14 @@ def test_every_other_variant_compiles():
     _check_compiled(jobs, compile_jobs([(v, a, False) for v, a in jobs]))
 
 
+def test_ab_dense_programs_compile():
+    """The benchmark's A/B programs, outside all_variants() (not shipped): dense_gemv_q with 4
+    warps a block and dense_gemv_q8x_s with two sub-blocks a lane, with the same checks (a
+    32-value and a K-quant type; sm_90)."""
+    jobs = [(K.dense_q_x_variant(12, 4), "sm_90"), (K.dense_q8x_x_variant(12), "sm_90"), (K.dense_q8x_x_variant(8), "sm_90")]
+    _check_compiled(jobs, compile_jobs([(v, a, False) for v, a in jobs]))
+
+
 def test_representative_set_covers_every_family_and_source():
     """REPRESENTATIVE holds, per architecture, a program of every family and source file of
     all_variants(), both K/V types, the smallest and the largest head sizes; the two compile
