@@ -1,7 +1,7 @@
 // The block GEMV with 8-bit activations (the alternative to dense_q.cu's F32 ones, as llama.cpp's
 // mmvq does): x is quantized once per ubatch to int8 per 32 values (a scale each), and each lane
 // multiplies its weight sub-block in integer form with IDP4A, four values an instruction, the
-// block's scales applied to the integer sums (qb_int32 / qb_dot_q8 in quant_blocks.cuh, checked
+// block's scales applied to the integer sums (qb_int8s / qb_dot_q8 in quant_blocks.cuh, checked
 // on the host against ggml's values by tests/test_quant_blocks.py). ncu on the H100 counted ~10
 // instructions a value for dense_gemv_q (F32 decode, one FFMA a value): this path needs ~1.5-3.
 //   dense_quant_q8x        x (times the norm weight g, RMS-normalized with eps > 0) -> xq int8,
@@ -120,8 +120,8 @@ __device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned ch
     constexpr int S = QBlock<T>::VALUES / 32;
     int w[8], wu[8];
     float f[2], c[2], fu[2], cu[2];
-    qb_int32<T>(b0, sub % S, w, f, c);
-    if (b1) qb_int32<T>(b1, sub % S, wu, fu, cu);
+    qb_int8s<T>(b0, sub % S, w, f, c);
+    if (b1) qb_int8s<T>(b1, sub % S, wu, fu, cu);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         if (t < p.n_tok) {

@@ -280,11 +280,9 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
 // The integer form of a sub-block for 8-bit activations (dense_q8x.cu, llama.cpp's mmvq way):
 // qb_int32<T>(b, s, w, f, c) gives w[0..8), the sub-block's 32 integer parts u_j four to a word
 // (one byte each, 0..63, in value order), and per half h (values 16 h .. 16 h + 15) the factors
-// of value_j = f[h] (u_j - QbQ8<T>::OFF) + c[h]. Its dot with 32 activations x_j = xd q_j (q_j
-// int8, xs = sum q_j) is qb_dot_q8<T>(w, f, c, q, xd, xs) = xd (f[0] (S0 - OFF s0) + f[1] (S1 -
-// OFF s1) + c[0] s0 + c[1] s1), S_h = sum over half h of u_j q_j (IDP4A, four a word), s_h the
-// half's sum of q (two more IDP4A a half where OFF or c differs by half: QbQ8<T>::HALVES; else
-// c[0] xs). Every block type.
+// of value_j = f[h] (u_j - QbQ8<T>::OFF) + c[h]; qb_int8s (below) folds OFF into the bytes and
+// qb_q8s_dot / qb_dot_q8 make a dot of it with 32 activations x_j = xd q_j (q_j int8, xs = sum
+// q_j). Every block type.
 
 // c + the dot of the four signed bytes of a and b (IDP4A on the device).
 QB_HD int qb_dp4a(int a, int b, int c) {
@@ -409,22 +407,8 @@ template <> QB_HD void qb_int32<QB_Q6_K>(const qb_u8* b, int s, int (&w)[8], flo
     f[0] = d * (float)sc[0], f[1] = d * (float)sc[1], c[0] = c[1] = 0.0f;
 }
 
-template <int T>
-QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], const float (&c)[2], const int (&q)[8], float xd,
-                      float xs) {
-    int i0 = 0, i1 = 0;
-    for (int i = 0; i < 4; ++i) i0 = qb_dp4a(w[i], q[i], i0);
-    for (int i = 4; i < 8; ++i) i1 = qb_dp4a(w[i], q[i], i1);
-    if (!QbQ8<T>::HALVES) return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c[0] * xs);
-    int s0 = 0, s1 = 0;   // each half's activation sum
-    for (int i = 0; i < 4; ++i) s0 = qb_dp4a(0x01010101, q[i], s0);
-    for (int i = 4; i < 8; ++i) s1 = qb_dp4a(0x01010101, q[i], s1);
-    i0 -= QbQ8<T>::OFF * s0, i1 -= QbQ8<T>::OFF * s1;
-    return xd * (f[0] * (float)i0 + f[1] * (float)i1 + c[0] * (float)s0 + c[1] * (float)s1);
-}
-
 // ---------------------------------------------------------------------------------------
-// The integer form for int8 tensor cores (dense_q8x.cu's block GEMM): qb_int8s<T> is qb_int32<T>
+// The signed integer form (dense_q8x.cu's GEMV and its int8 tensor-core GEMM): qb_int8s<T> is qb_int32<T>
 // with the offset folded into the bytes, w_j = u_j - QbQ8<T>::OFF as signed bytes, so that a
 // product's integer sum needs no activation sum for it; qb_q8s_dot<T> the sub-block's dot from
 // the integer sums of its halves S_lo, S_hi (sum of w_j q_j: one k32 product gives their total,
@@ -454,4 +438,17 @@ QB_HD float qb_q8s_dot(int s_lo, int s_hi, float f0, float f1, float c0, float c
     if (!QbQ8<T>::HALVES) return xd * (f0 * (float)(s_lo + s_hi) + c0 * xs);
     if (QbQ8<T>::OFF == 0) return xd * (f0 * (float)s_lo + f1 * (float)s_hi + c0 * (float)h_lo + c1 * (float)h_hi);
     return xd * (f0 * (float)s_lo + f1 * (float)s_hi);
+}
+
+// The GEMV's dot of one sub-block (w from qb_int8s) with 32 int8 activations q (scale xd, sum
+// xs): each half's integer sum by IDP4A, four a word (and each half's activation sum where
+// Q2_K's mins need it), then qb_q8s_dot.
+template <int T>
+QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], const float (&c)[2], const int (&q)[8], float xd,
+                      float xs) {
+    int s_lo = 0, s_hi = 0, h_lo = 0, h_hi = 0;
+    for (int i = 0; i < 4; ++i) s_lo = qb_dp4a(w[i], q[i], s_lo), s_hi = qb_dp4a(w[4 + i], q[4 + i], s_hi);
+    if (QbQ8<T>::HALVES && QbQ8<T>::OFF == 0)
+        for (int i = 0; i < 4; ++i) h_lo = qb_dp4a(0x01010101, q[i], h_lo), h_hi = qb_dp4a(0x01010101, q[4 + i], h_hi);
+    return qb_q8s_dot<T>(s_lo, s_hi, f[0], f[1], c[0], c[1], xd, xs, h_lo, h_hi);
 }

@@ -30,14 +30,14 @@ template <int T> static void row(const qb_u8* r, int n, float* out) {
         }
 }
 
-// sum over the row of value_j * xd_s q_j by the integer form (qb_int32 / qb_dot_q8), per sub-block s
+// sum over the row of value_j * xd_s q_j by the integer form (qb_int8s / qb_dot_q8), per sub-block s
 template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* q, const float* xd) {
     constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
     double sum = 0.0;
     for (int s = 0; s < n / 32; ++s) {
         int w[8], a[8], xs = 0;
         float f[2], c[2];
-        qb_int32<T>(r + (long)(s / (V / 32)) * B, s % (V / 32), w, f, c);
+        qb_int8s<T>(r + (long)(s / (V / 32)) * B, s % (V / 32), w, f, c);
         memcpy(a, q + 32 * s, 32);
         for (int j = 0; j < 32; ++j) xs += q[32 * s + j];
         sum += qb_dot_q8<T>(w, f, c, a, xd[s], (float)xs);
@@ -153,7 +153,7 @@ def test_layouts_are_ggml_sizes(lib):
 @pytest.mark.parametrize("gemm", [False, True])
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_integer_form_dots_as_ggml_values_do(lib, name, gemm):
-    """qb_int32 / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu)
+    """qb_int8s / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu)
     and, ``gemm``, qb_int8s / qb_q8s_dot (its block GEMM's: the offset in signed bytes, one
     factor pair a sub-block where the halves share it, no c where an offset is folded): a row's
     dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized values
