@@ -16,7 +16,7 @@ import ctypes
 
 from .xp_node import then
 
-__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "splitk_sum_launch"]
+__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "tile_grid", "splitk_sum_launch"]
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -84,17 +84,13 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
     n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (the partial sums, added in
     order by ``dense_splitk_sum``), else None. ValueError for arrays that do not fit."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
     n_tok = int(xq.shape[0])
     if xq.shape != (n_tok, n_in) or xd.shape != (n_tok, n_in // 32) or xs.shape != xd.shape or \
             out.shape != (n_tok, n_out) or not out.flags.c_contiguous or xq.data.ptr % 16 or n_in % 32:
         raise ValueError(f"dense_gemm_q8: activations {xq.shape} (16-byte aligned, scales {xd.shape}) and out "
                          f"{out.shape} for a {w.shape} weight")
-    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
-    if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
-        raise ValueError(f"dense_gemm_q8 splits n_in {grid[2]} ways: partial sums "
-                         f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")
+    grid, k_chunk = tile_grid("dense_gemm_q8", w, n_tok, part)
     p = K.GemmQ8Params()
     p.w, p.xq, p.xd, p.xs = w.blocks.data.ptr, xq.data.ptr, xd.data.ptr, xs.data.ptr
     p.out, p.part = out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
@@ -103,6 +99,20 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
     return then(K.BoundLaunch(K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>"), grid,
                               (K.GEMMQ_THREADS, 1, 1), p),
                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
+
+
+def tile_grid(kernel: str, w, n_tok: int, part) -> tuple[tuple[int, int, int], int]:
+    """``kernels.gemm_q_grid`` of a tiled block GEMM (``kernel``: its name, for errors) over
+    ``QMatrix`` ``w`` and ``n_tok`` tokens on this GPU; ValueError where it splits ``n_in`` and
+    ``part`` is not the F32 ``(splits, n_tok, n_out)`` array of the partial sums."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    n_out, n_in = (int(d) for d in w.shape)
+    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
+    if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
+        raise ValueError(f"{kernel} splits n_in {grid[2]} ways: partial sums "
+                         f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")
+    return grid, k_chunk
 
 
 def splitk_sum_launch(type_id: int, part, out, splits: int, mode: int):

@@ -47,7 +47,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, splitk_sum_launch
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -366,17 +366,13 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False):
     ``n_in`` (its partial sums, added in order by ``dense_splitk_sum``), else None. Returns a
     function of no arguments launching on the current stream; the caller keeps the arrays."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
     n_tok = int(x16.shape[0])
     if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or not (x16.flags.c_contiguous and
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"dense_gemm_q: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
-    if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
-        raise ValueError(f"dense_gemm_q splits n_in {grid[2]} ways: partial sums "
-                         f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")
+    grid, k_chunk = tile_grid("dense_gemm_q", w, n_tok, part)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
