@@ -166,14 +166,11 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
 // at a time (dense_gemv_q8x held ~0.6 TB/s on the H200 at 6d1b24e: memory latency, one
 // sub-block's bytes a lane in flight). Slot bytes keep the global bytes' alignment mod 16, so
 // qb_int32's 16-byte loads take the same path.
-template <int T, int SPL = 1> struct Q8xChunk {
-    static constexpr int VALUES = Q8X_CHUNK * SPL;   // SPL sub-blocks a lane
-    static constexpr int BYTES = VALUES / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a whole chunk's
+template <int T> struct Q8xChunk {
+    static constexpr int BYTES = Q8X_CHUNK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a whole chunk's
     static constexpr bool ALIGNED = BYTES % 16 == 0;   // every chunk starts 16-byte aligned (not Q3_K, Q6_K)
     static constexpr int UNITS = ALIGNED ? BYTES / 16 : (BYTES + 30) / 16;   // 16-byte units a chunk's copy
     static constexpr int SLOT = 16 * UNITS;
-    // slots a warp's stream: Q8X_STAGES of 1024 values; of 2048, 3 where they fit 48 KB (2 for Q8_0)
-    static constexpr int STAGES = SPL == 1 ? Q8X_STAGES : (Q8X_SWARPS * 2 * 3 * SLOT <= 48 * 1024 ? 3 : 2);
 };
 
 // cp.async of chunk c of row w (row_bytes bytes, 16-byte aligned): the UNITS 16-byte units from
@@ -181,10 +178,10 @@ template <int T, int SPL = 1> struct Q8xChunk {
 // its row offset mod 16); units at or past the row's end are zero-filled, nothing read. A fixed
 // unit count and 32-bit offsets: the copy is a few instructions a lane (a count computed per
 // chunk and 64-bit offsets made it ~100 a chunk at b63b788).
-template <int T, int SPL>
+template <int T>
 __device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
-    constexpr int UNITS = Q8xChunk<T, SPL>::UNITS;
-    const int a0 = (c * Q8xChunk<T, SPL>::BYTES) & ~15;
+    constexpr int UNITS = Q8xChunk<T>::UNITS;
+    const int a0 = (c * Q8xChunk<T>::BYTES) & ~15;
 #pragma unroll
     for (int k = 0; k < (UNITS + 31) / 32; ++k) {
         const int u = lane + 32 * k, o = a0 + 16 * u;
@@ -192,14 +189,11 @@ __device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes,
     }
 }
 
-// SPL: sub-blocks a lane takes of each chunk (adjacent ones: a K-quant pair shares its nibble
-// bytes and its scales' words); 1 ships, 2 is an A/B instance (kernels.dense_q8x_x_variant).
-template <int T, int NT, int SPL = 1>
+template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8Params p) {
-    using CH = Q8xChunk<T, SPL>;
-    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES, SLOT = CH::SLOT, STAGES = CH::STAGES;
-    constexpr int SUBS = CH::VALUES / 32;   // sub-blocks a chunk: SPL a lane
-    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][STAGES][SLOT];
+    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES, SLOT = Q8xChunk<T>::SLOT;
+    constexpr int SUBS = Q8X_CHUNK / 32;   // sub-blocks a chunk: one a lane
+    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][Q8X_STAGES][SLOT];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r = blockIdx.x * Q8X_SWARPS + warp;
     GemvQSeg sg;
@@ -210,37 +204,33 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
     const int n_sub = p.n_in / 32, n_chunks = (n_sub + SUBS - 1) / SUBS;
 #pragma unroll
-    for (int c = 0; c < STAGES - 1; ++c) {
+    for (int c = 0; c < Q8X_STAGES - 1; ++c) {
         if (c < n_chunks) {
-            q8x_stage<T, SPL>(w0, row_bytes, c, s0 + c * SLOT, lane);
-            if (w1) q8x_stage<T, SPL>(w1, row_bytes, c, s1 + c * SLOT, lane);
+            q8x_stage<T>(w0, row_bytes, c, s0 + c * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, row_bytes, c, s1 + c * SLOT, lane);
         }
         cp_async_commit();
     }
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+    // the lane's block in a chunk's slot: the chunk's head (its offset mod 16) + (lane / S) blocks
+    const int lane_off = (lane / S) * B;
     for (int c = 0; c < n_chunks; ++c) {
-        const int nc = c + STAGES - 1, slot = c % STAGES;
+        const int nc = c + Q8X_STAGES - 1, slot = c % Q8X_STAGES;
         if (nc < n_chunks) {   // into the slot chunk c - 1 used (its reads are done: __syncwarp below)
-            q8x_stage<T, SPL>(w0, row_bytes, nc, s0 + (nc % STAGES) * SLOT, lane);
-            if (w1) q8x_stage<T, SPL>(w1, row_bytes, nc, s1 + (nc % STAGES) * SLOT, lane);
+            q8x_stage<T>(w0, row_bytes, nc, s0 + (nc % Q8X_STAGES) * SLOT, lane);
+            if (w1) q8x_stage<T>(w1, row_bytes, nc, s1 + (nc % Q8X_STAGES) * SLOT, lane);
         }
         cp_async_commit();
-        const int sub0 = SUBS * c + SPL * lane;
-        Q8xAct x[SPL][q8x_ahead(NT)];
-#pragma unroll
-        for (int j = 0; j < SPL; ++j)   // (before the wait: their latency overlaps)
-            if (sub0 + j < n_sub) q8x_load<NT>(p, sub0 + j, x[j]);
-        cp_async_wait<STAGES - 1>();   // chunk c is in
+        const int sub = SUBS * c + lane;
+        Q8xAct x[q8x_ahead(NT)];
+        if (sub < n_sub) q8x_load<NT>(p, sub, x);   // (before the wait: its latency overlaps)
+        cp_async_wait<Q8X_STAGES - 1>();   // chunk c is in
         __syncwarp();
-#pragma unroll
-        for (int j = 0; j < SPL; ++j) {
-            if (sub0 + j < n_sub) {   // the sub-block's block in the slot: the chunk's head (its offset mod 16) + blocks
-                const int off = (CH::ALIGNED ? 0 : (c * CH::BYTES) & 15) + ((SPL * lane + j) / S) * B;
-                q8x_sub<T, NT>(p, &buf[warp][0][slot][off], w1 ? &buf[warp][1][slot][off] : nullptr, sub0 + j, x[j],
-                               acc, up);
-            }
+        if (sub < n_sub) {
+            const int off = (Q8xChunk<T>::ALIGNED ? 0 : (c * Q8xChunk<T>::BYTES) & 15) + lane_off;
+            q8x_sub<T, NT>(p, &buf[warp][0][slot][off], w1 ? &buf[warp][1][slot][off] : nullptr, sub, x, acc, up);
         }
         __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
     }

@@ -466,25 +466,30 @@ QGEMM_MIN_TOKENS = 3
 QGEMM_MAX_TOKENS = 64
 # Block matrices run up to this many tokens (at most max(Q8X_TOKENS)) through
 # the GEMV with 8-bit activations (dense_gemv_q8x_s, llama.cpp's mmvq way) instead of the F32 one
-# or the tiled GEMM: on an H100 at 4a41e8d (bench/results/2026-12-05-4a41e8d-h100-dense-q.json, one
-# 8B layer, the activations' quantization included) Q4_K 108 / 124 / 159 us at 1 / 2 / 4 tokens
-# against the F32 GEMV's 157 / 212 / 439 and the tiled GEMM's ~320; Q6_K 132 / 146 / 185 against
-# 198 / 243 / 484; Q8_0 139 / 152 / 172 against 171 / 231 / 440.
-Q8X_MAX_TOKENS = 4
+# or the tiled GEMM: on an H100 (one 8B layer, the activations' quantization included) Q4_K 108 /
+# 124 / 159 us at 1 / 2 / 4 tokens against the F32 GEMV's 157 / 212 / 439 and the tiled GEMM's ~320
+# (bench/results/2026-12-05-4a41e8d-h100-dense-q.json); at 8 tokens Q4_K 270 / Q6_K 283 / Q8_0 316
+# us against the tiled GEMM's 323 / 479 / 486, at 16 470 / 634 / 563 against 328 / 486 / 489
+# (bench/results/2026-12-05-457d60e-h100-dense-q.json): 8 for every type.
+Q8X_MAX_TOKENS = 8
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, no F16
-# decode) instead of dense_gemm_q: 0 (off) until measured on a GPU against it
-# (tools/dev/gpu_dense_q_bench.py, "gemm_q8" rows).
+# decode) instead of dense_gemm_q. Off: on an H100 at 457d60e (the file above) it is as flat in the
+# tokens as dense_gemm_q and no faster (Q4_K 356 / 527 us at 16 / 64 tokens against 328 / 361;
+# Q8_0 528 / 691 against 489 / 500): both spend their time on the weight tiles' loads, not on the
+# tensor cores.
 Q8GEMM_MAX_TOKENS = 0
 
 
-def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
+def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
     with 8-bit activations), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
     ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
-    block weights dequantized to F16 first). ValueError for a type no kernel reads (the loader
-    makes every other matrix F16)."""
+    block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
+    (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):
+    the best of the others. ValueError for a type no kernel reads (the loader makes every other
+    matrix F16)."""
     from .block_types import is_block_type
     from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_TOKENS
     if n_tokens < 1:
@@ -496,16 +501,17 @@ def best_matmul(weight_type: str, n_tokens: int) -> MatmulChoice:
     else:
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
-    if weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)):
+    if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)):
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     if weight_type != "F16" and n_tokens <= Q8GEMM_MAX_TOKENS:
         return MatmulChoice("gemm-q8", f"{weight_type} tiled GEMM on int8 tensor cores (dense_gemm_q8, 8-bit "
                                        f"activations): {n_tokens} <= {Q8GEMM_MAX_TOKENS} tokens")
-    if weight_type != "F16" and QGEMM_MIN_TOKENS <= n_tokens <= QGEMM_MAX_TOKENS:
+    lo = QGEMM_MIN_TOKENS if gemv else 1
+    if weight_type != "F16" and lo <= n_tokens <= QGEMM_MAX_TOKENS:
         return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
-                                      f"mma.sync): {QGEMM_MIN_TOKENS} <= {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
-    if n_tokens <= limit:
+                                      f"mma.sync): {lo} <= {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
+    if gemv and n_tokens <= limit:
         return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
     how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
     return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")

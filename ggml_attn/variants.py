@@ -257,15 +257,6 @@ def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
     return f"dense_gemv_q8x{'_s' if staged else ''}<{type_id}, {nt}>"
 
 
-Q8X_SPL_X = (1, 2)   # the A/B instances' token counts of dense_gemv_q8x_s with two sub-blocks a lane
-
-
-def dense_q8x_x_variant(type_id: int) -> Variant:
-    """The A/B instances of ``dense_gemv_q8x_s`` taking two adjacent sub-blocks a lane (chunks of
-    2048 values) for ``tools/dev/gpu_dense_q_bench.py``; not shipped."""
-    return Variant("dense-q8x-x", "dense_q8x.cu", tuple(f"dense_gemv_q8x_s<{type_id}, {nt}, 2>" for nt in Q8X_SPL_X))
-
-
 def dense_q8x_variant(type_id: int) -> Variant:
     """The block matmuls with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM

@@ -41,16 +41,14 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, staged: bool | None = None, spl: int = 1):
+                 quantize: bool = True, staged: bool | None = None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
     one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``): ``dense_gemv_q8x_s``
     where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x`` (``staged=False``:
-    that one anyway, the benchmark's A/B; up to ``kernels.Q8X_PLAIN_TOKENS`` tokens, None past them).
-    ``spl=2``: the staged kernel's A/B instances taking two sub-blocks a lane
-    (``kernels.dense_q8x_x_variant``; staged rows and up to ``max(kernels.Q8X_SPL_X)`` tokens, else None)."""
+    that one anyway, the benchmark's A/B; up to ``kernels.Q8X_PLAIN_TOKENS`` tokens, None past them)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
@@ -59,8 +57,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
         return None
     aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
     staged = aligned and staged is not False
-    if (not staged and n_tok > max(K.Q8X_PLAIN_TOKENS)) or spl not in (1, 2) or \
-            (spl == 2 and (not staged or n_tok > max(K.Q8X_SPL_X))):
+    if not staged and n_tok > max(K.Q8X_PLAIN_TOKENS):
         return None
     quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
     p = K.GemvQ8Params()
@@ -71,9 +68,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
-    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)) if spl == 1 else \
-        K.get_function(K.dense_q8x_x_variant(t), f"dense_gemv_q8x_s<{t}, {next(n for n in K.Q8X_SPL_X if n >= n_tok)}, 2>")
-    gemv = K.BoundLaunch(fn, (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
+    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
+                         (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 
 

@@ -311,7 +311,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
     n_tok, n_in = x.shape
-    paths = [best_matmul(w.type, n_tok).path for w in ws]
+    paths = [best_matmul(w.type, n_tok, gemv=False).path for w in ws]   # (_gemv did not take them)
     steps, x16, q8 = [], None, None
     if any(p != "gemm-q8" for p in paths):   # the F16 copy of x
         x16 = b.scratch(x.shape, np.float16)

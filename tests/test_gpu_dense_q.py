@@ -144,26 +144,6 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("n_tok", [1, 2])
-@pytest.mark.parametrize("mode", [0, 2])
-def test_gemv_q8x_two_subblocks_a_lane_matches_float64(name, n_tok, mode):
-    """The staged GEMV's A/B instances taking two adjacent sub-blocks a lane (chunks of 2048
-    values, 2-3 slots): against float64 of the activations they quantized, NMSE <= 1e-5, on rows
-    over several chunks with a partial last one (the normed, gated and plain modes)."""
-    n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, True, _staged_n_in(name))
-    qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
-    d_out = _outs(init, mode)
-    xq = cupy.zeros((n_tok, n_in), np.int8)
-    xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
-    q8_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5, norm_w=cupy.asarray(g),
-                           spl=2)()
-    v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
-    for got, ref in zip(d_out, _gemv_want(ws, q8_activations(v), init, mode)):
-        got = got.get()
-        assert np.isfinite(got).all() and nmse(got, ref) < 1e-5, (name, nmse(got, ref))
-
-
 def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate):
     """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
     values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid, the partial

@@ -431,7 +431,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
     forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
     blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
-    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on ubatches of up to 4, or with
+    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16, or with
     the int8 tiled GEMM (``dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 5 to 512."""
     from ggml_attn import dispatch
     from ggml_attn.graph import model_device
@@ -439,8 +439,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form == "blocks-gemm-q":
         monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 2)
         monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
-    if form == "blocks-q8x":   # ubatches of up to 4 tokens through the 8-bit-activation GEMV
-        monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
+    if form == "blocks-q8x":   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
+        monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 16)
     if form == "blocks-gemm-q8":   # ubatches of 5 to 512 tokens through the int8 tiled GEMM
         monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)
@@ -454,7 +454,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if name not in FLOAT_WEIGHTS:
         runs += [("simple", True, 512)]
     if form == "blocks-q8x":
-        runs += [("simple", True, 4), ("equal", False, 3)]
+        runs += [("simple", True, 8), ("simple", True, 4), ("equal", False, 3)]
     for mode, unified, n_ubatch in runs:
         res = run_model_batch(dev_cache(unified), Batch.from_sequences(prompts), m, n_ubatch, mode, logits="all")
         off = 0

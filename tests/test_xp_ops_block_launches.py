@@ -141,22 +141,6 @@ def test_q8x_launches(launches):
     assert len(launches) == n
 
 
-def test_q8x_two_subblocks_a_lane_instances(launches):
-    """spl=2: the A/B program's instance for the token count (staged rows, 1-2 tokens); refused
-    past them, for unaligned rows and for other counts a lane."""
-    w = _qmatrix("Q4_K", 96, 512)
-    x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
-    q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, quantize=False, spl=2)
-    (gemv,) = launches
-    assert gemv.fn.name == "dense_gemv_q8x_s<12, 2, 2>" and gemv.fn.variant == K.dense_q8x_x_variant(12)
-    assert gemv.grid == (-(-96 // K.Q8X_SWARPS), 1, 1)
-    x3, xq3, xd3, xs3 = Dev((3, 512)), Dev((3, 512), np.int8), Dev((3, 16)), Dev((3, 16))
-    assert q8_matmul.q8x_launches([w], x3, [Dev((3, 96))], xq3, xd3, xs3, mode=0, spl=2) is None
-    assert q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, spl=3) is None
-    assert q8_matmul.q8x_launches([w], x, [Dev((2, 96))], xq, xd, xs, mode=0, staged=False, spl=2) is None
-    assert len(launches) == 1
-
-
 @pytest.mark.parametrize("case", ["row_bytes", "pointer"])
 def test_q8x_unstaged_where_rows_are_not_16_byte_aligned(launches, case):
     """Rows that do not all start 16-byte aligned (Q8_0 rows of 96 values: 102 bytes; a matrix
@@ -214,9 +198,13 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 def test_best_matmul():
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 16, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 64, 65, 512)] == \
+        ["gemv-q8x"] * 6 + ["gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
+    # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
+    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 64, 65)] == \
+        ["gemm-q"] * 4 + ["gemm"]
+    assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
 
@@ -305,6 +293,7 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     for every weight, each weight's launch on gemm_q_grid with the int8 arrays, split over n_in
     into partial sums that dense_splitk_sum adds."""
     from ggml_attn import cuda_device
+    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
     monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
     assert [dispatch.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]

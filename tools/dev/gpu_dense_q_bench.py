@@ -95,7 +95,7 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
     return go
 
 
-def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: bool = True, spl: int = 1):
+def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
     ``quantize=False``: the GEMV alone), then its GEMV, staged through shared memory or not."""
     steps = []
@@ -107,7 +107,7 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: b
         if not quantize:   # (quantized once: the GEMV reads real scales)
             q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0)()
         run = q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0, staged=staged,
-                           quantize=quantize, spl=spl)
+                           quantize=quantize)
         assert run is not None, "the llama-3-8B shapes fit dense_gemv_q8x"
         steps.append(run)
 
@@ -154,13 +154,12 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV: staged (shipped), plain, staged without the
-            # quantization, staged with two sub-blocks a lane (A/B)
-            for impl, staged, quant, spl in (("gemv q8x", True, True, 1), ("gemv q8x plain", False, True, 1),
-                                             ("gemv q8x noquant", True, False, 1), ("gemv q8x spl2", True, True, 2)):
-                if (not staged and n > max(K.Q8X_PLAIN_TOKENS)) or (spl == 2 and n > max(K.Q8X_SPL_X)):
-                    continue   # (those instances stop there)
-                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, staged, quant, spl) for ws in layers])
+        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV: staged (shipped), plain, staged without the quantization
+            for impl, staged, quant in (("gemv q8x", True, True), ("gemv q8x plain", False, True),
+                                        ("gemv q8x noquant", True, False)):
+                if not staged and n > max(K.Q8X_PLAIN_TOKENS):   # (the plain kernel's instances stop there)
+                    continue
+                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, staged, quant) for ws in layers])
                 rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))

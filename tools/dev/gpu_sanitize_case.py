@@ -251,7 +251,7 @@ def _staged_n_in(lay) -> int:
     return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
 
 
-def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, spl: int = 1) -> int:
+def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu) gated with the RMS norm at one token against
     float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
     from ggml_attn.block_types import block_layout
@@ -267,14 +267,14 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, spl: int = 1) -> int:
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
     q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
-                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g), spl=spl)()
+                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g))()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
     gate, up = (q8_activations(v) @ w.T for w in vals)
     err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
     ok = bool(np.isfinite(got).all()) and err < 1e-5
-    staged = ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain") + (f", {spl} a lane" if spl > 1 else "")
+    staged = "staged" if lay.row_bytes(n_in) % 16 == 0 else "plain"
     print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({staged}) gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -330,8 +330,8 @@ def _dense_q(cp, rng) -> int:
             ok = bool(np.isfinite(got).all()) and err < 1e-6
             bad += not ok
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-        for n, spl in ((n_in, 1), (_staged_n_in(lay), 1), (_staged_n_in(lay), 2)):   # the 8-bit-activation GEMV:
-            bad += _q8x_gated(cp, rng, name, n, rows, spl)   # rows of any alignment, staged, two sub-blocks a lane
+        for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
+            bad += _q8x_gated(cp, rng, name, n, rows)
         q, vals = ws[0]
         d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
         n_sub = rows * n_in // 32
