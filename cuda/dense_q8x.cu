@@ -241,32 +241,43 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 }
 
 // ---------------------------------------------------------------------------------------
-// The tiled block GEMM with 8-bit activations (dense_gemm_q8: dense_gemm_q's tiling on int8
-// tensor cores, the activations quantized by dense_quant_q8x as for the GEMV). Block tile Q8G_BM
-// weight rows x Q8G_BN tokens, 4 warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1)); a
-// step covers Q8G_BK = 64 values, two sub-blocks: thread i decodes sub-block i & 1 of row i >> 1
-// into its integer form (qb_int8s: an offset folded into signed bytes) in As and its factors f, c
-// per half in Fs / Cs; the int8 activations come by cp.async into Bs, their scales xd and sums xs
-// into Ds / Ss. Per sub-block each warp's 16 x 8 tiles take one m16n8k32 (two m16n8k16 where
-// the factors differ by half: QbQ8<T>::HALVES) and the integer sums become F32 at once
-// (qb_q8s_dot: acc += xd (f S + c s), s the activations' sum, per half for Q2_K's mins from Bs). Two
-// buffers of everything, the next step's copies issued before this step's mma, its weights
-// prefetched into L1 then and decoded after. Tokens of a warp's 8-wide tiles past n_tok skip
-// their mma. Rows Q8G_LD = 80 bytes apart: a fragment load's 8 rows x 4 words on distinct banks.
+// The tiled block GEMM with 8-bit activations (dense_gemm_q8: int8 tensor cores on the blocks'
+// integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of whole
+// 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM weight rows x
+// Q8G_BN tokens, 4 warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1): dense_gemm_q's
+// tile, gemm_tile_place / gemm_tile_store); a step covers Q8G_BK = 256 values (one block of a
+// K-quant row, eight of the 32-value types'). Each step's raw weight bytes -- Q8gTile<T>::RB a row,
+// every row's run contiguous -- and its activations come by cp.async in 16-byte units into one of
+// Q8G_STAGES stages (the next step's in flight while this one computes): whole lines a request,
+// where dense_gemm_q (and this kernel's first form, at 457d60e) had each thread decode its own
+// row's sub-block from global memory, 16 rows a warp load, which kept L1 busy and left both flat
+// in the tokens at ~0.4 TB/s. Then thread i decodes sub-blocks 4 (i >> 6) .. + 3 of row i & 63 from
+// the stage into their integer form (qb_int8s: the offset folded into signed bytes) in As and
+// their factors f, c per half in Fs / Cs; per sub-block each warp's 16 x 8 tiles take one
+// m16n8k32 (two m16n8k16 where the factors differ by half: QbQ8<T>::HALVES) and the integer sums
+// become F32 at once (qb_q8s_dot: acc += xd (f S + c s); Q2_K's per-half mins from the
+// activations' half sums Hs). Tokens of a warp's 8-wide tiles past n_tok skip their mma (their
+// activations are not copied past the last 8-token tile). A staged row keeps its global bytes'
+// alignment mod 16 (types whose RB is not a multiple of 16: the copy starts at the 16-byte unit
+// below, Q8gTile<T>::UNITS units), so the decoders' word loads take the same path. Rows Q8G_LD =
+// 272 bytes apart in As and Bs: a fragment load's 8 rows x 4 words on distinct banks. Shared
+// memory: Q8gTile<T>::SMEM bytes, dynamic (kernels.gemm_q8_smem_bytes mirrors it).
 #define Q8G_BM 64
 #define Q8G_BN 64
-#define Q8G_BK 64
-#define Q8G_LD 80
+#define Q8G_BK 256
+#define Q8G_LD 272
 #define Q8G_THREADS 128
+#define Q8G_STAGES 2
+#define Q8G_SUBS (Q8G_BK / 32)   // sub-blocks a step
 
 struct GemmQ8Params {
-    const unsigned char* w;   // (rows, row_bytes) blocks, 2-byte aligned rows
+    const unsigned char* w;   // (rows, row_bytes) blocks, 16-byte aligned rows
     const signed char* xq;    // (n_tok, n_in) int8, 16-byte aligned (n_in a multiple of 32)
     const float* xd;          // (n_tok, n_in / 32)
     const float* xs;          // (n_tok, n_in / 32)
     float* out;               // (n_tok, rows) F32
     float* part;              // gridDim.z > 1: (gridDim.z, n_tok, rows) F32 partial sums
-    long long row_bytes;
+    long long row_bytes;      // a multiple of 16
     int rows;
     int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
     int n_tok;
@@ -275,96 +286,139 @@ struct GemmQ8Params {
     int pad_;
 };
 
-// Row dr's sub-block sub in integer form at dst (qb_int8s: 32 signed bytes, value order) and its
-// factors per half (f[2] at fs, c[2] at cs); zeros where !ok (past the rows or n_in).
-template <int T>
-__device__ __forceinline__ void q8g_decode(const unsigned char* wrow, bool ok, int sub, signed char* dst, float* fs,
-                                           float* cs) {
-    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    int w[8];
-    float f[2] = {0.0f, 0.0f}, c[2] = {0.0f, 0.0f};
-    if (ok) {
-        qb_int8s<T>(wrow + (long long)(sub / S) * B, sub % S, w, f, c);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = 0;
-    }
-    uint4* o = reinterpret_cast<uint4*>(dst);
-    o[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    o[1] = make_uint4(w[4], w[5], w[6], w[7]);
-    fs[0] = f[0], fs[1] = f[1], cs[0] = c[0], cs[1] = c[1];
-}
+template <int T> struct Q8gTile {
+    static constexpr int RB = Q8G_BK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a row's bytes a step
+    static constexpr bool ALIGNED = RB % 16 == 0;   // every step's run starts 16-byte aligned (not Q2_K, Q3_K, Q6_K)
+    static constexpr int UNITS = ALIGNED ? RB / 16 : (RB + 30) / 16;   // 16-byte units a row's copy
+    static constexpr int SLOT = 16 * UNITS;                            // bytes between staged rows
+    static constexpr int W_BYTES = Q8G_BM * SLOT;
+    static constexpr int B_BYTES = Q8G_BN * Q8G_LD;                    // the step's int8 activations
+    static constexpr int D_BYTES = Q8G_SUBS * Q8G_BN * 4;              // their scales (Ds), then sums (Ss)
+    static constexpr int STAGE = W_BYTES + B_BYTES + 2 * D_BYTES;
+    static constexpr bool HALF_MINS = QbQ8<T>::HALVES && QbQ8<T>::OFF == 0;   // Q2_K: a min per half
+    static constexpr int SMEM = Q8G_STAGES * STAGE + Q8G_BM * Q8G_LD      // stages, As
+                                + 2 * Q8G_SUBS * Q8G_BM * 8                // Fs, Cs: [sub][row] float2
+                                + (HALF_MINS ? Q8G_SUBS * 2 * Q8G_BN * 4 : 0);   // Hs: [sub][half][token]
+};
 
-// Bs = tokens n0 .. n0 + Q8G_BN of xq, values k0 .. k0 + Q8G_BK, and Ds / Ss their two
-// sub-blocks' scales and sums (zeros past n_tok or n_in), by cp.async: thread i copies 16-byte
-// chunk i % 4 of tokens i / 4 and i / 4 + 32, and the scale and sum of sub-block i >> 6 of token i & 63.
-__device__ __forceinline__ void q8g_load_x(const GemmQ8Params& p, int n0, int k0, signed char* bs, float* ds,
-                                           float* ss) {
-    const int c = threadIdx.x & 3, t0 = threadIdx.x >> 2, k = k0 + 16 * c;
-    const bool kin = k < p.n_in;   // n_in a multiple of 32: a chunk is all in or out
+// Step k0's copies into stage st (bytes of shared memory): the Q8G_BM rows' RB bytes from m0
+// (zeros past rows or a row's end), the activations of tokens n0 .. n0 + n_cp (n_cp: the 8-token
+// tiles that run; zeros past n_tok or n_in) and their Q8G_SUBS scales and sums; one commit group.
+template <int T>
+__device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
+    using TL = Q8gTile<T>;
+    const int a0 = (k0 / Q8G_BK * TL::RB) & ~15;   // the run's first unit (rows 16-byte aligned)
+    const unsigned sw = smem_u32(st);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int t = t0 + 32 * j;
-        const bool ok = kin && n0 + t < p.n_tok;
-        cp_async16(smem_u32(bs + t * Q8G_LD + 16 * c), ok ? p.xq + (long long)(n0 + t) * p.n_in + k : p.xq, ok ? 16 : 0);
+    for (int j = 0; j < (Q8G_BM * TL::UNITS + Q8G_THREADS - 1) / Q8G_THREADS; ++j) {
+        const int u = threadIdx.x + Q8G_THREADS * j, r = u / TL::UNITS, o = a0 + 16 * (u % TL::UNITS);
+        if ((Q8G_BM * TL::UNITS) % Q8G_THREADS == 0 || u < Q8G_BM * TL::UNITS) {
+            const bool ok = m0 + r < p.rows && o < p.row_bytes;
+            cp_async16(sw + r * TL::SLOT + 16 * (u % TL::UNITS), ok ? p.w + (long long)(m0 + r) * p.row_bytes + o : p.w,
+                       ok ? 16 : 0);
+        }
     }
-    const int n_sub = p.n_in / 32, j = threadIdx.x >> 6, t = threadIdx.x & 63, sub = k0 / 32 + j;
-    const bool ok = n0 + t < p.n_tok && sub < n_sub;
-    const long long e = ok ? (long long)(n0 + t) * n_sub + sub : 0;
-    cp_async4(smem_u32(ds + 64 * j + t), p.xd + e, ok ? 4 : 0);
-    cp_async4(smem_u32(ss + 64 * j + t), p.xs + e, ok ? 4 : 0);
+    const unsigned sb = sw + TL::W_BYTES;
+#pragma unroll
+    for (int j = 0; j < Q8G_BN * 16 / Q8G_THREADS; ++j) {   // 16 units a token
+        const int u = threadIdx.x + Q8G_THREADS * j, t = u >> 4, c = u & 15, k = k0 + 16 * c;
+        if (t < n_cp) {
+            const bool ok = n0 + t < p.n_tok && k < p.n_in;
+            cp_async16(sb + t * Q8G_LD + 16 * c, ok ? p.xq + (long long)(n0 + t) * p.n_in + k : p.xq, ok ? 16 : 0);
+        }
+    }
+    const unsigned sd = sb + TL::B_BYTES;
+    const int n_sub = p.n_in / 32;
+#pragma unroll
+    for (int j = 0; j < Q8G_SUBS * Q8G_BN / Q8G_THREADS; ++j) {   // [sub][token]
+        const int e = threadIdx.x + Q8G_THREADS * j, sub = e / Q8G_BN, t = e % Q8G_BN, ks = k0 / 32 + sub;
+        if (t < n_cp) {
+            const bool ok = n0 + t < p.n_tok && ks < n_sub;
+            const long long i = ok ? (long long)(n0 + t) * n_sub + ks : 0;
+            cp_async4(sd + 4 * e, p.xd + i, ok ? 4 : 0);
+            cp_async4(sd + TL::D_BYTES + 4 * e, p.xs + i, ok ? 4 : 0);
+        }
+    }
     cp_async_commit();
 }
 
 template <int T>
-__global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params p) {
+__global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Params p) {
+    using TL = Q8gTile<T>;
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    constexpr bool HALVES = QbQ8<T>::HALVES;
-    constexpr bool HALF_MINS = HALVES && QbQ8<T>::OFF == 0;   // Q2_K: a min per half (Q3_K, Q6_K: c = 0)
-    __shared__ __align__(16) signed char As[2][Q8G_BM * Q8G_LD];
-    __shared__ __align__(16) signed char Bs[2][Q8G_BN * Q8G_LD];
-    __shared__ float2 Fs[2][2][Q8G_BM], Cs[2][2][Q8G_BM];   // [buffer][sub][row]: the halves' f, c
-    __shared__ float Ds[2][2 * Q8G_BN], Ss[2][2 * Q8G_BN];  // [buffer][64 sub + token]: xd, xs
-    __shared__ int Hs[HALF_MINS ? 2 : 1][2][2][Q8G_BN];     // [buffer][sub][half][token]: each half's sum
+    constexpr bool HALVES = QbQ8<T>::HALVES, HALF_MINS = TL::HALF_MINS;
+    extern __shared__ __align__(16) unsigned char q8g_smem[];
+    signed char* As = reinterpret_cast<signed char*>(q8g_smem + Q8G_STAGES * TL::STAGE);
+    float2* Fs = reinterpret_cast<float2*>(As + Q8G_BM * Q8G_LD);   // [sub][row]
+    float2* Cs = Fs + Q8G_SUBS * Q8G_BM;
+    int* Hs = reinterpret_cast<int*>(Cs + Q8G_SUBS * Q8G_BM);      // [sub][half][token] (Q2_K)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
     static_assert(Q8G_BM == 64 && Q8G_BN == 64 && Q8G_THREADS == 128, "gemm_tile_place's and gemm_tile_store's tile");
+    static_assert(Q8G_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
     float acc[2][4][4];
     const GemmTilePlace tp = gemm_tile_place(p, acc);
-    const int m0 = tp.m0, n0 = tp.n0, k_begin = tp.k_begin, k_end = tp.k_end, n_sub = tp.n_sub, dr = tp.dr, ds = tp.ds;
-    const bool drow = tp.drow;
-    const unsigned char* wrow = tp.wrow;
+    const int m0 = tp.m0, n0 = tp.n0, k_begin = tp.k_begin, n_sub = tp.n_sub;
+    const int n_steps = tp.k_end > k_begin ? (tp.k_end - k_begin + Q8G_BK - 1) / Q8G_BK : 0;
+    const int n_cp = min(Q8G_BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
-    if (k_begin < k_end) {
-        const int sub = k_begin / 32 + ds;
-        q8g_decode<T>(wrow, drow && sub < n_sub, sub, &As[0][dr * Q8G_LD + 32 * ds], &Fs[0][ds][dr].x, &Cs[0][ds][dr].x);
-        q8g_load_x(p, n0, k_begin, Bs[0], Ds[0], Ss[0]);
+    const int dr = threadIdx.x & (Q8G_BM - 1), dj = (threadIdx.x >> 6) * (Q8G_SUBS / 2);   // decode: row, first sub
+    const bool drow = m0 + dr < p.rows;
+#pragma unroll
+    for (int s = 0; s < Q8G_STAGES - 1; ++s) {
+        if (s < n_steps) q8g_stage<T>(p, q8g_smem + s * TL::STAGE, m0, n0, k_begin + s * Q8G_BK, n_cp);
+        else cp_async_commit();
     }
-    int buf = 0;
-    for (int k0 = k_begin; k0 < k_end; k0 += Q8G_BK) {
-        cp_async_wait<0>();
-        __syncthreads();   // step buf is in (stores and cp.async); the last step's reads of buf ^ 1 are done
-        if (HALF_MINS) {   // each half's activation sum of (sub-block i >> 6, token i & 63)
-            const int j = threadIdx.x >> 6, t = threadIdx.x & 63;
-            const int* q = reinterpret_cast<const int*>(&Bs[buf][t * Q8G_LD + 32 * j]);
-            int s0 = 0, s1 = 0;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s0 = __dp4a(0x01010101, q[i], s0), s1 = __dp4a(0x01010101, q[4 + i], s1);
-            Hs[HALF_MINS ? buf : 0][j][0][t] = s0, Hs[HALF_MINS ? buf : 0][j][1][t] = s1;
-            __syncthreads();
+    for (int s = 0; s < n_steps; ++s) {
+        cp_async_wait<Q8G_STAGES - 2>();
+        __syncthreads();   // step s's stage is in; step s - 1's reads of As, Fs, Cs, Hs and of its stage are done
+        {
+            const int ns = s + Q8G_STAGES - 1;
+            if (ns < n_steps) q8g_stage<T>(p, q8g_smem + (ns % Q8G_STAGES) * TL::STAGE, m0, n0, k_begin + ns * Q8G_BK, n_cp);
+            else cp_async_commit();
         }
-        const bool more = k0 + Q8G_BK < k_end;
-        const int sub = (k0 + Q8G_BK) / 32 + ds;
-        const bool dok = more && drow && sub < n_sub;
-        if (more) {
-            q8g_load_x(p, n0, k0 + Q8G_BK, Bs[buf ^ 1], Ds[buf ^ 1], Ss[buf ^ 1]);
-            if (dok) qb_prefetch<B>(wrow + (long long)(sub / S) * B);   // on their way while the tensor cores run
-        }
+        const unsigned char* st = q8g_smem + (s % Q8G_STAGES) * TL::STAGE;
+        const signed char* Bs = reinterpret_cast<const signed char*>(st + TL::W_BYTES);
+        const float* Ds = reinterpret_cast<const float*>(st + TL::W_BYTES + TL::B_BYTES);
+        const float* Ss = Ds + Q8G_SUBS * Q8G_BN;
+        const int k0 = k_begin + s * Q8G_BK;
+        // the row's run in the stage: its head (the run's offset mod 16) + whole blocks
+        const unsigned char* wr = st + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / Q8G_BK * TL::RB) & 15);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {   // the step's two sub-blocks
+        for (int j = dj; j < dj + Q8G_SUBS / 2; ++j) {
+            int w[8];
+            float f[2] = {0.0f, 0.0f}, c[2] = {0.0f, 0.0f};
+            if (drow && k0 / 32 + j < n_sub) {
+                qb_int8s<T>(wr + (j / S) * B, j % S, w, f, c);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) w[i] = 0;
+            }
+            uint4* o = reinterpret_cast<uint4*>(As + dr * Q8G_LD + 32 * j);
+            o[0] = make_uint4(w[0], w[1], w[2], w[3]);
+            o[1] = make_uint4(w[4], w[5], w[6], w[7]);
+            Fs[j * Q8G_BM + dr] = make_float2(f[0], f[1]);
+            Cs[j * Q8G_BM + dr] = make_float2(c[0], c[1]);
+        }
+        if (HALF_MINS) {   // each half's activation sum of (sub-block e / 64, token e % 64)
+#pragma unroll
+            for (int i = 0; i < Q8G_SUBS * Q8G_BN / Q8G_THREADS; ++i) {
+                const int e = threadIdx.x + Q8G_THREADS * i, j = e / Q8G_BN, t = e % Q8G_BN;
+                const int* q = reinterpret_cast<const int*>(Bs + t * Q8G_LD + 32 * j);
+                int s0 = 0, s1 = 0;
+                if (t < n_cp) {
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) s0 = __dp4a(0x01010101, q[k], s0), s1 = __dp4a(0x01010101, q[4 + k], s1);
+                }
+                Hs[(j * 2) * Q8G_BN + t] = s0, Hs[(j * 2 + 1) * Q8G_BN + t] = s1;
+            }
+        }
+        __syncthreads();   // As, Fs, Cs, Hs of step s written
+#pragma unroll 2
+        for (int j = 0; j < Q8G_SUBS; ++j) {   // the step's sub-blocks
             unsigned a[2][4];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-                const signed char* ar = &As[buf][(wm + 16 * i + g) * Q8G_LD + 32 * j + 4 * tg];
+                const signed char* ar = As + (wm + 16 * i + g) * Q8G_LD + 32 * j + 4 * tg;
                 a[i][0] = *reinterpret_cast<const unsigned*>(ar);
                 a[i][1] = *reinterpret_cast<const unsigned*>(ar + 8 * Q8G_LD);
                 a[i][2] = *reinterpret_cast<const unsigned*>(ar + 16);
@@ -373,7 +427,7 @@ __global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params 
 #pragma unroll
             for (int n = 0; n < 4; ++n) {
                 if (n0 + wn + 8 * n >= p.n_tok) continue;   // (warp-uniform: no token of this tile)
-                const signed char* br = &Bs[buf][(wn + 8 * n + g) * Q8G_LD + 32 * j + 4 * tg];
+                const signed char* br = Bs + (wn + 8 * n + g) * Q8G_LD + 32 * j + 4 * tg;
                 const unsigned b0 = *reinterpret_cast<const unsigned*>(br), b1 = *reinterpret_cast<const unsigned*>(br + 16);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
@@ -388,18 +442,14 @@ __global__ void __launch_bounds__(Q8G_THREADS) dense_gemm_q8(const GemmQ8Params 
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int r = wm + 16 * i + g + 8 * (e >> 1), t = wn + 8 * n + 2 * tg + (e & 1);
-                        const float2 f = Fs[buf][j][r], c = Cs[buf][j][r];
-                        const int hb = HALF_MINS ? buf : 0;
-                        acc[i][n][e] += qb_q8s_dot<T>(d[e], d1[e], f.x, f.y, c.x, c.y, Ds[buf][64 * j + t],
-                                                      Ss[buf][64 * j + t], HALF_MINS ? Hs[hb][j][0][t] : 0,
-                                                      HALF_MINS ? Hs[hb][j][1][t] : 0);
+                        const float2 f = Fs[j * Q8G_BM + r], c = Cs[j * Q8G_BM + r];
+                        acc[i][n][e] += qb_q8s_dot<T>(d[e], d1[e], f.x, f.y, c.x, c.y, Ds[j * Q8G_BN + t],
+                                                      Ss[j * Q8G_BN + t], HALF_MINS ? Hs[(j * 2) * Q8G_BN + t] : 0,
+                                                      HALF_MINS ? Hs[(j * 2 + 1) * Q8G_BN + t] : 0);
                     }
                 }
             }
         }
-        if (more) q8g_decode<T>(wrow, dok, sub, &As[buf ^ 1][dr * Q8G_LD + 32 * ds], &Fs[buf ^ 1][ds][dr].x,
-                                &Cs[buf ^ 1][ds][dr].x);
-        buf ^= 1;
     }
     gemm_tile_store(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                     gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0, n0);

@@ -481,17 +481,19 @@ Q8X_MAX_TOKENS = 8
 Q8GEMM_MAX_TOKENS = 0
 
 
-def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True) -> MatmulChoice:
+def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
     with 8-bit activations), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
     ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
     (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):
-    the best of the others. ValueError for a type no kernel reads (the loader makes every other
-    matrix F16)."""
+    the best of the others. ``aligned``: the weight's rows start 16-byte aligned (the staged
+    kernels' cp.async units: ``graph.q8_matmul.rows_aligned``); without, the 8-bit GEMV only up
+    to its plain form's tokens and no int8 tiled GEMM. ValueError for a type no kernel reads (the
+    loader makes every other matrix F16)."""
     from .block_types import is_block_type
-    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_TOKENS
+    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be positive, got {n_tokens}")
     if weight_type == "F16":
@@ -501,10 +503,10 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True) -> Matmul
     else:
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
-    if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS)):
+    if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS if aligned else Q8X_PLAIN_TOKENS)):
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
-    if weight_type != "F16" and n_tokens <= Q8GEMM_MAX_TOKENS:
+    if weight_type != "F16" and aligned and n_tokens <= Q8GEMM_MAX_TOKENS:
         return MatmulChoice("gemm-q8", f"{weight_type} tiled GEMM on int8 tensor cores (dense_gemm_q8, 8-bit "
                                        f"activations): {n_tokens} <= {Q8GEMM_MAX_TOKENS} tokens")
     lo = QGEMM_MIN_TOKENS if gemv else 1

@@ -201,29 +201,57 @@ def dense_q_x_variant(type_id: int, warps: int) -> Variant:
 
 
 GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_BN tokens, GQ_BK values a step
-GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps)
+GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps), and dense_gemm_q8's (Q8G_THREADS)
 GEMMQ_BLOCKS_PER_SM = 5     # resident dense_gemm_q blocks an SM (96 registers, 36.9 KB of shared memory: ncu, H100)
 GEMMQ_MIN_SPLIT = 256       # values of n_in a split covers at least (4 steps)
+GEMMQ8_TILE = (64, 64, 256)  # dense_gemm_q8's: Q8G_BM, Q8G_BN, Q8G_BK (a step: one K-quant block a row)
+GEMMQ8_BLOCKS_PER_SM = 2     # resident dense_gemm_q8 blocks an SM (~100 KB of shared memory each: gemm_q8_smem_bytes)
+GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the stages' prologue amortized)
+GEMMQ8_STAGES = 2            # Q8G_STAGES
+GEMMQ8_LD = 272              # Q8G_LD: bytes between rows of its int8 tiles
+# the tiled block GEMMs' (tile, resident blocks an SM, least values a split) by kernel name
+GEMM_TILING = {"dense_gemm_q": (GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT),
+               "dense_gemm_q8": (GEMMQ8_TILE, GEMMQ8_BLOCKS_PER_SM, GEMMQ8_MIN_SPLIT)}
 
 
-def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int) -> tuple[tuple[int, int, int], int]:
-    """``dense_gemm_q``'s grid and ``k_chunk`` for a ``(rows, n_in)`` weight and ``n_tok`` tokens
-    on ``n_sm`` SMs: one block per 64 x 64 output tile, the tiles split over ``n_in`` (chunks of
-    whole 64-value steps, at least GEMMQ_MIN_SPLIT values) into at most one wave of
-    GEMMQ_BLOCKS_PER_SM blocks an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few
-    to keep the SMs busy without the split -- and, with more tiles than a wave, no split (a split
-    past a whole wave left a second wave of a few blocks: 672 blocks for 660 places on the H100,
-    SMs active 71% of the time). ``grid[2] > 1``: the launch writes partial sums for
-    ``dense_splitk_sum``."""
+def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
+                kernel: str = "dense_gemm_q") -> tuple[tuple[int, int, int], int]:
+    """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q`` or
+    ``dense_gemm_q8``: GEMM_TILING) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+    ``n_sm`` SMs: one block per 64 x 64 output tile, the tiles split over ``n_in`` (chunks of
+    whole steps, at least the kernel's least split) into at most one wave of its resident blocks
+    an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
+    without the split -- and, with more tiles than a wave, no split (a split past a whole wave
+    left a second wave of a few blocks: 672 blocks for 660 places on the H100, SMs active 71% of
+    the time). ``grid[2] > 1``: the launch writes partial sums for ``dense_splitk_sum``."""
     if min(rows, n_tok, n_in) < 1:
-        raise ValueError(f"dense_gemm_q needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
-    bm, bn, bk = GEMMQ_TILE
+        raise ValueError(f"{kernel} needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
+    (bm, bn, bk), per_sm, min_split = GEMM_TILING[kernel]
     tiles = -(-rows // bm) * -(-n_tok // bn)
     steps = -(-n_in // bk)
-    want = GEMMQ_BLOCKS_PER_SM * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)
-    splits = max(1, min(want, steps * bk // GEMMQ_MIN_SPLIT))
+    want = per_sm * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)
+    splits = max(1, min(want, steps * bk // min_split))
     k_chunk = -(-steps // splits) * bk
     return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk
+
+
+def gemm_q8_smem_bytes(type_id: int) -> int:
+    """``dense_gemm_q8<type_id>``'s dynamic shared memory (``Q8gTile<T>::SMEM`` in
+    cuda/dense_q8x.cu; tests/test_kernels_compile.py checks the mirror for every block type):
+    GEMMQ8_STAGES stages of (each row's run of one step's bytes, in whole 16-byte units from the
+    unit below its start; the activations' int8 rows, scales and sums), the decoded int8 tile,
+    the factors per (sub-block, row), and Q2_K's per-half activation sums."""
+    from .block_types import BLOCK_TYPES, block_layout
+    lay = next((block_layout(n) for n in BLOCK_TYPES if block_layout(n).type_id == type_id), None)
+    if lay is None:
+        raise ValueError(f"ggml type {type_id} is not a block type the GPU reads")
+    bm, bn, bk = GEMMQ8_TILE
+    rb = bk // lay.values * lay.nbytes
+    units = rb // 16 if rb % 16 == 0 else (rb + 30) // 16
+    subs = bk // 32
+    stage = bm * 16 * units + bn * GEMMQ8_LD + 2 * subs * bn * 4
+    half_mins = lay.name == "Q2_K"
+    return GEMMQ8_STAGES * stage + bm * GEMMQ8_LD + 2 * subs * bm * 8 + (subs * 2 * bn * 4 if half_mins else 0)
 
 
 def dense_q_variant(type_id: int) -> Variant:
@@ -260,7 +288,7 @@ def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
 def dense_q8x_variant(type_id: int) -> Variant:
     """The block matmuls with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
-    (``dense_gemm_q8``, dense_gemm_q's tiles and grid: GEMMQ_TILE, gemm_q_grid) and the
+    (``dense_gemm_q8``: GEMMQ8_TILE, gemm_q_grid, gemm_q8_smem_bytes) and the
     activations' quantization."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
                    tuple(q8x_name(type_id, nt, False) for nt in Q8X_PLAIN_TOKENS) +

@@ -16,7 +16,7 @@ import ctypes
 
 from .xp_node import then
 
-__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "tile_grid", "splitk_sum_launch"]
+__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "rows_aligned", "tile_grid", "splitk_sum_launch"]
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -55,7 +55,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
         return None
-    aligned = ws[0].row_bytes % 16 == 0 and all(w.blocks.data.ptr % 16 == 0 for w in ws)   # cp.async's 16-byte units
+    aligned = rows_aligned(ws)   # cp.async's 16-byte units
     staged = aligned and staged is not False
     if not staged and n_tok > max(K.Q8X_PLAIN_TOKENS):
         return None
@@ -73,12 +73,20 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     return then(quant, gemv)
 
 
+def rows_aligned(ws: list) -> bool:
+    """Every row of the ``QMatrix`` weights ``ws`` starts 16-byte aligned (row_bytes a multiple of
+    16, the blocks' pointer aligned): what the staged kernels' cp.async units need
+    (``dense_gemv_q8x_s``, ``dense_gemm_q8``)."""
+    return all(w.row_bytes % 16 == 0 and w.blocks.data.ptr % 16 == 0 for w in ws)
+
+
 def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
     """``out (+)= w·x`` by ``dense_gemm_q8`` (int8 tensor cores on the blocks' integer form and
     activations ``xq`` / ``xd`` / ``xs`` that :func:`quant_q8x_launch` made) for a ``QMatrix``
-    ``w`` ``(n_out, n_in)``; ``out`` F32 ``(n_tokens, n_out)``; ``part`` F32 ``(splits,
-    n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (the partial sums, added in
-    order by ``dense_splitk_sum``), else None. ValueError for arrays that do not fit."""
+    ``w`` ``(n_out, n_in)`` whose rows start 16-byte aligned (:func:`rows_aligned`); ``out`` F32
+    ``(n_tokens, n_out)``; ``part`` F32 ``(splits, n_tokens, n_out)`` when
+    ``kernels.gemm_q_grid(..., "dense_gemm_q8")`` splits ``n_in`` (the partial sums, added in order
+    by ``dense_splitk_sum``), else None. ValueError for arrays that do not fit."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
     n_tok = int(xq.shape[0])
@@ -86,25 +94,28 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
             out.shape != (n_tok, n_out) or not out.flags.c_contiguous or xq.data.ptr % 16 or n_in % 32:
         raise ValueError(f"dense_gemm_q8: activations {xq.shape} (16-byte aligned, scales {xd.shape}) and out "
                          f"{out.shape} for a {w.shape} weight")
+    if not rows_aligned([w]):
+        raise ValueError(f"dense_gemm_q8: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
     grid, k_chunk = tile_grid("dense_gemm_q8", w, n_tok, part)
     p = K.GemmQ8Params()
     p.w, p.xq, p.xd, p.xs = w.blocks.data.ptr, xq.data.ptr, xd.data.ptr, xs.data.ptr
     p.out, p.part = out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
-    return then(K.BoundLaunch(K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>"), grid,
-                              (K.GEMMQ_THREADS, 1, 1), p),
+    fn = K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}>",
+                        smem=K.gemm_q8_smem_bytes(w.type_id))
+    return then(K.BoundLaunch(fn, grid, (K.GEMMQ_THREADS, 1, 1), p),
                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 
 
 def tile_grid(kernel: str, w, n_tok: int, part) -> tuple[tuple[int, int, int], int]:
-    """``kernels.gemm_q_grid`` of a tiled block GEMM (``kernel``: its name, for errors) over
-    ``QMatrix`` ``w`` and ``n_tok`` tokens on this GPU; ValueError where it splits ``n_in`` and
-    ``part`` is not the F32 ``(splits, n_tok, n_out)`` array of the partial sums."""
+    """``kernels.gemm_q_grid`` of tiled block GEMM ``kernel`` (``dense_gemm_q`` or
+    ``dense_gemm_q8``) over ``QMatrix`` ``w`` and ``n_tok`` tokens on this GPU; ValueError where it
+    splits ``n_in`` and ``part`` is not the F32 ``(splits, n_tok, n_out)`` array of the partial sums."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
-    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms())
+    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms(), kernel)
     if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
         raise ValueError(f"{kernel} splits n_in {grid[2]} ways: partial sums "
                          f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")

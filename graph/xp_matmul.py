@@ -47,7 +47,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, splitk_sum_launch, tile_grid
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -149,7 +149,8 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
-    paths = {k: best_matmul(k, x.shape[0]).path for k in kinds}
+    of_kind = {k: [w for w in ws if _wtype(w) == k] for k in kinds}
+    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned(g)).path for k, g in of_kind.items()}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
@@ -311,7 +312,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
     n_tok, n_in = x.shape
-    paths = [best_matmul(w.type, n_tok, gemv=False).path for w in ws]   # (_gemv did not take them)
+    paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
     if any(p != "gemm-q8" for p in paths):   # the F16 copy of x
         x16 = b.scratch(x.shape, np.float16)
@@ -331,7 +332,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
         if path in ("gemm-q", "gemm-q8"):
-            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms())
+            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(),
+                                    "dense_gemm_q" if path == "gemm-q" else "dense_gemm_q8")
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
             steps.append(gemm_q_launch(w, x16, o, part, accumulate=accumulate) if path == "gemm-q" else
                          gemm_q8_launch(w, *q8, o, part, accumulate=accumulate))

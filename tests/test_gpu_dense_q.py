@@ -144,18 +144,24 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
-def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate):
+def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"):
     """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
-    values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid, the partial
-    sums' array or None) -- n_in_blocks 256-value steps, 32-value types one more sub-block."""
+    values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid of ``kernel``,
+    the partial sums' array or None) -- n_in_blocks 256-value blocks; 32-value types more
+    sub-blocks where n_in_blocks > 1 (a last step part empty): one for dense_gemm_q, for
+    dense_gemm_q8 (rows of whole 16-byte units) the fewest that keep the rows so, where fewer
+    than 8 do (Q4_1: 4, Q5_1: 2)."""
     lay = block_layout(name)
-    n_in = n_in_blocks * 256 + (lay.values if lay.values == 32 and n_in_blocks > 1 else 0)   # 32-value types: odd steps
+    extra = 0
+    if lay.values == 32 and n_in_blocks > 1:
+        extra = 1 if kernel == "dense_gemm_q" else next((m for m in range(1, 8) if m * lay.nbytes % 16 == 0), 0)
+    n_in = n_in_blocks * 256 + 32 * extra
     q, vals = _blocks(name, rows, n_in, n_tok + rows)
     rng = np.random.default_rng(n_in)
     x = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float32)
     init = rng.standard_normal((n_tok, rows)).astype(np.float32)
     d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
-    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms())
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms(), kernel)
     part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
     return n_in, vals, x, init, QMatrix(name, (rows, n_in), cupy.asarray(q)), d_out, grid, part
 
@@ -178,16 +184,18 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(5, 3, 100), (17, 3, 100), (64, 1, 64), (100, 2, 300),
-                                                      (300, 1, 37)])
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(5, 9, 100), (16, 16, 200), (17, 3, 100), (64, 1, 64),
+                                                      (100, 2, 300), (300, 1, 37)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
-    """The tiled GEMM on int8 tensor cores (dense_gemm_q8) after the activations' quantization:
-    against float64 of the activations it quantized (quant.q8_activations) NMSE <= 1e-5 (exact
-    integer sums, F32 scales); token counts inside one 64-token tile (its 8-token tiles past n_tok
-    skipped) and across several, rows that do not fill a tile, n_in split or not, the 32-value
-    types' odd step counts (the last step half empty)."""
-    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate)
+    """The tiled GEMM on int8 tensor cores (dense_gemm_q8, its weight tiles staged by cp.async)
+    after the activations' quantization: against float64 of the activations it quantized
+    (quant.q8_activations) NMSE <= 1e-5 (exact integer sums, F32 scales); token counts inside one
+    64-token tile (its 8-token tiles past n_tok skipped, their activations not copied) and across
+    several, rows that do not fill a tile, n_in split over the grid or not, a last step part empty
+    (Q4_1, Q5_1)."""
+    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate,
+                                                           "dense_gemm_q8")
     xq = cupy.zeros((n_tok, n_in), np.int8)
     xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
     q8_matmul.quant_q8x_launch(w.type_id, cupy.asarray(x), xq, xd, xs)()
@@ -201,6 +209,8 @@ def test_gemm_q_grid_splits_and_not():
     """The cases above cover a split and an unsplit n_in (so the sum kernel and the direct store run)."""
     n_sm = cuda_device.num_sms()
     assert K.gemm_q_grid(100, 17, 768, n_sm)[0][2] > 1 and K.gemm_q_grid(37, 300, 256, n_sm)[0][2] == 1
+    assert K.gemm_q_grid(100, 5, 9 * 256, n_sm, "dense_gemm_q8")[0][2] > 1
+    assert K.gemm_q_grid(100, 17, 768, n_sm, "dense_gemm_q8")[0][2] == 1
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

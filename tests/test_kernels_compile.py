@@ -167,9 +167,8 @@ def test_every_other_variant_compiles():
 
 def test_ab_dense_programs_compile():
     """The benchmark's A/B programs, outside all_variants() (not shipped): dense_gemv_q with 4
-    warps a block and dense_gemv_q8x_s with two sub-blocks a lane, with the same checks (a
-    32-value and a K-quant type; sm_90)."""
-    jobs = [(K.dense_q_x_variant(12, 4), "sm_90"), (K.dense_q8x_x_variant(12), "sm_90"), (K.dense_q8x_x_variant(8), "sm_90")]
+    and 16 warps a block, with the same checks (a K-quant and a 32-value type; sm_90)."""
+    jobs = [(K.dense_q_x_variant(12, 4), "sm_90"), (K.dense_q_x_variant(8, 16), "sm_90")]
     _check_compiled(jobs, compile_jobs([(v, a, False) for v, a in jobs]))
 
 
@@ -278,8 +277,21 @@ def test_gemm_q_tile_mirror_matches_c():
                                                                   ("GEMVQ_WARPS", K.GEMVQ_WARPS, "GEMVQ_WARPS")]
     _static_asserts("dense_q.cu", checks, "sm_80")
     _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS"), ("Q8X_SWARPS", K.Q8X_SWARPS, "Q8X_SWARPS")]
-                    + [(n, v, n) for n, v in zip(("Q8G_BM", "Q8G_BN", "Q8G_BK"), K.GEMMQ_TILE)]
-                    + [("Q8G_THREADS", K.GEMMQ_THREADS, "Q8G_THREADS")], "sm_80")
+                    + [(n, v, n) for n, v in zip(("Q8G_BM", "Q8G_BN", "Q8G_BK"), K.GEMMQ8_TILE)]
+                    + [("Q8G_THREADS", K.GEMMQ_THREADS, "Q8G_THREADS"), ("Q8G_STAGES", K.GEMMQ8_STAGES, "Q8G_STAGES"),
+                       ("Q8G_LD", K.GEMMQ8_LD, "Q8G_LD")], "sm_80")
+
+
+def test_gemm_q8_smem_mirror_matches_c():
+    """kernels.gemm_q8_smem_bytes (the dynamic shared memory the host gives dense_gemm_q8) is the
+    kernel's Q8gTile<T>::SMEM for every block type, and two blocks of it fit an SM of the H100 /
+    H200 (GEMMQ8_BLOCKS_PER_SM: 227 KB, 1 KB reserved a block)."""
+    from ggml_attn.block_types import BLOCK_TYPES, block_layout
+    checks = [(f"Q8gTile<{block_layout(n).type_id}>::SMEM", K.gemm_q8_smem_bytes(block_layout(n).type_id), n)
+              for n in BLOCK_TYPES]
+    _static_asserts("dense_q8x.cu", checks, "sm_80")
+    for n in BLOCK_TYPES:
+        assert K.GEMMQ8_BLOCKS_PER_SM * (K.gemm_q8_smem_bytes(block_layout(n).type_id) + 1024) <= 228 * 1024, n
 
 
 def test_smem_fits_h200():

@@ -68,7 +68,7 @@ def launches(monkeypatch):
         rec.append(SimpleNamespace(fn="gemm", args=(w, n_out, n_in, x16, n_tok, out, ldc, beta)))
         return lambda: None
 
-    monkeypatch.setattr(K, "get_function", lambda variant, name: SimpleNamespace(variant=variant, name=name))
+    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=0: SimpleNamespace(variant=variant, name=name, smem=smem))
     monkeypatch.setattr(K, "BoundLaunch", Launch)
     monkeypatch.setattr(xp_matmul._CublasGemm, "of_ptrs", staticmethod(gemm))
     return rec
@@ -205,6 +205,27 @@ def test_best_matmul():
     assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 64, 65)] == \
         ["gemm-q"] * 4 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
+    # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no int8 tiled GEMM
+    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8)] == ["gemv-q8x", "gemm-q", "gemm-q"]
+
+
+def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
+    """A weight whose rows are not whole 16-byte units (Q8_0 rows of 40 values) takes the plain
+    8-bit GEMV up to its tokens and the tiled F16-decode GEMM past them, never dense_gemm_q8
+    (whose launch refuses such rows)."""
+    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
+    w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
+    assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
+    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-q8"
+    assert dispatch.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
+    b = Builder()
+    x = Dev((16, 160))
+    assert xp_matmul._gemv(b, [w], x, [Dev((16, 64))], mode=0) is None
+    xp_matmul._qmatmuls(b, [w], x, [Dev((16, 64))])
+    assert [ln.fn.name for ln in launches if hasattr(ln.fn, "name")] == ["dense_cast_f16", "dense_gemm_q<8>"]
+    xq, xd = Dev((16, 160), np.int8), Dev((16, 5))
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        q8_matmul.gemm_q8_launch(w, xq, xd, xd, Dev((16, 64)), None)
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
 
@@ -287,7 +308,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     assert (src, dst, n, z, mode) == (part.data.ptr, out.data.ptr, 33 * 4096, splits, int(accumulate))
 
 
-@pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])
+@pytest.mark.parametrize("n_sm, splits", [(132, 4), (1, 1)])
 def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monkeypatch, n_sm, splits):
     """Under Q8GEMM_MAX_TOKENS block weights take dense_gemm_q8: x quantized once (no F16 copy)
     for every weight, each weight's launch on gemm_q_grid with the int8 arrays, split over n_in
@@ -310,8 +331,9 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     xq, xd, xs = (a.value for a in (quant.params[5], quant.params[6], quant.params[7]))
     gemms = [ln for ln in launches if ln.fn.name == "dense_gemm_q8<12>"]
     for ln, w, o in zip(gemms, ws, outs):
-        grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm)
+        grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm, "dense_gemm_q8")
         assert ln.grid == grid and ln.block == (K.GEMMQ_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
+        assert ln.fn.smem == K.gemm_q8_smem_bytes(12) > 48 * 1024
         (p,) = ln.params
         assert isinstance(p, K.GemmQ8Params)
         assert (p.w, p.xq, p.xd, p.xs, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk, p.mode) == \

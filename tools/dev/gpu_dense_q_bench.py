@@ -85,7 +85,7 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
         n_out, n_in = w.shape
         x = cp.random.standard_normal((n, n_in), dtype=cp.float32)
         q8 = (cp.empty((n, n_in), cp.int8), cp.empty((n, n_in // 32), cp.float32), cp.empty((n, n_in // 32), cp.float32))
-        grid, _ = K.gemm_q_grid(n_out, n, n_in, n_sm)
+        grid, _ = K.gemm_q_grid(n_out, n, n_in, n_sm, "dense_gemm_q8")
         part = cp.empty((grid[2], n, n_out), cp.float32) if grid[2] > 1 else None
         steps += [quant_q8x_launch(w.type_id, x, *q8), gemm_q8_launch(w, *q8, cp.empty((n, n_out), cp.float32), part)]
 

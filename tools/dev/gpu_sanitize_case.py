@@ -358,14 +358,25 @@ def _dense_q(cp, rng) -> int:
             ok = err < 1e-6
             bad += not ok
             print(f"gemm_q   {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-            x = x16.astype(np.float32)   # the int8 GEMM of the same case (quantized activations)
-            q8 = (cp.zeros((n_tok, n_in), np.int8), cp.zeros((n_tok, n_in // 32), np.float32),
-                  cp.zeros((n_tok, n_in // 32), np.float32))
-            d_out[...] = np.nan
+        # the int8 GEMM (rows of whole 16-byte units: 9 blocks of 256 values, and for Q4_1 / Q5_1
+        # a last step part empty; split over n_in at 20 tokens) against its quantized activations
+        extra = next((m for m in range(1, 8) if m * lay.nbytes % 16 == 0), 0) if lay.values == 32 else 0
+        n8 = 9 * 256 + 32 * extra
+        q8w = quantize((rng.standard_normal((rows, n8)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32),
+                       lay.type_id)
+        vals8 = dequantize_rows(q8w.ctypes.data, lay.type_id, n8, rows, q8w.shape[1]).astype(np.float64)
+        w8 = QMatrix(name, (rows, n8), cp.asarray(q8w))
+        for n_tok in (20, 70):
+            x = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float32)
+            q8 = (cp.zeros((n_tok, n8), np.int8), cp.zeros((n_tok, n8 // 32), np.float32),
+                  cp.zeros((n_tok, n8 // 32), np.float32))
+            d_out = cp.full((n_tok, rows), np.nan, np.float32)
+            grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), "dense_gemm_q8")
+            part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
             q8_matmul.quant_q8x_launch(lay.type_id, cp.asarray(x), *q8)()
-            q8_matmul.gemm_q8_launch(QMatrix(name, (rows, n_in), d_q), *q8, d_out, part)()
+            q8_matmul.gemm_q8_launch(w8, *q8, d_out, part)()
             st.synchronize()
-            err = nmse(d_out.get(), q8_activations(x) @ vals.T)
+            err = nmse(d_out.get(), q8_activations(x) @ vals8.T)
             ok = err < 1e-5
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
