@@ -473,12 +473,14 @@ QGEMM_MAX_TOKENS = 64
 # (bench/results/2026-12-05-457d60e-h100-dense-q.json): 8 for every type.
 Q8X_MAX_TOKENS = 8
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
-# tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, no F16
-# decode) instead of dense_gemm_q. Off: on an H100 at 457d60e (the file above) it is as flat in the
-# tokens as dense_gemm_q and no faster (Q4_K 356 / 527 us at 16 / 64 tokens against 328 / 361;
-# Q8_0 528 / 691 against 489 / 500): both spend their time on the weight tiles' loads, not on the
-# tensor cores.
-Q8GEMM_MAX_TOKENS = 0
+# tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
+# tiles staged by cp.async) instead of dense_gemm_q, where their rows are 16-byte aligned. On an
+# H100 at 34847e7 (bench/results/2026-12-05-34847e7-h100-dense-q.json, one 8B layer, quantization
+# included) at 16 tokens Q4_K 293 us against dense_gemm_q's 328, Q6_K 399 / 486, Q8_0 295 / 489;
+# at 32 Q4_K 389 / 335 (a loss), Q6_K 493 / 493, Q8_0 390 / 495: 16 for every type. (Its first
+# form, each thread decoding its row's sub-block from global memory, was no faster than
+# dense_gemm_q anywhere: bench/results/2026-12-05-457d60e-h100-dense-q.json.)
+Q8GEMM_MAX_TOKENS = 16
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:

@@ -150,11 +150,14 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
     the partial sums' array or None) -- n_in_blocks 256-value blocks; 32-value types more
     sub-blocks where n_in_blocks > 1 (a last step part empty): one for dense_gemm_q, for
     dense_gemm_q8 (rows of whole 16-byte units) the fewest that keep the rows so, where fewer
-    than 8 do (Q4_1: 4, Q5_1: 2)."""
+    than 8 do (Q4_1: 4, Q5_1: 2); dense_gemm_q8's K-quant rows rounded up to whole units too."""
     lay = block_layout(name)
     extra = 0
     if lay.values == 32 and n_in_blocks > 1:
         extra = 1 if kernel == "dense_gemm_q" else next((m for m in range(1, 8) if m * lay.nbytes % 16 == 0), 0)
+    if lay.values == 256 and kernel == "dense_gemm_q8":   # whole 16-byte units a row: Q2_K 4 blocks, Q3_K / Q6_K 8
+        unit = next(m for m in (1, 2, 4, 8) if m * lay.nbytes % 16 == 0)
+        n_in_blocks = -(-n_in_blocks // unit) * unit
     n_in = n_in_blocks * 256 + 32 * extra
     q, vals = _blocks(name, rows, n_in, n_tok + rows)
     rng = np.random.default_rng(n_in)

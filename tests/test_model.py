@@ -409,7 +409,7 @@ def _float_file(n: str) -> bool:
 
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
-# the 8-bit GEMV at 1-4 tokens ("blocks-q8x"), the int8 tiled GEMM at 5-512 ("blocks-gemm-q8")
+# the 8-bit GEMV at 1-16 tokens ("blocks-q8x"), the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-gemm-q8"))]
@@ -432,7 +432,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
     blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
     or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16, or with
-    the int8 tiled GEMM (``dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 5 to 512."""
+    the int8 tiled GEMM (``dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
@@ -441,7 +441,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
         monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
     if form == "blocks-q8x":   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 16)
-    if form == "blocks-gemm-q8":   # ubatches of 5 to 512 tokens through the int8 tiled GEMM
+    if form == "blocks-gemm-q8":   # ubatches of 9 to 512 tokens through the int8 tiled GEMM
         monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)

@@ -169,7 +169,7 @@ def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
     once (its int8 and scale arrays from the builder) for the groups of every block type; F16
     weights keep theirs."""
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 2)
-    assert dispatch.best_matmul("Q6_K", 2).path == "gemv-q8x" and dispatch.best_matmul("Q6_K", 3).path == "gemm-q"
+    assert dispatch.best_matmul("Q6_K", 2).path == "gemv-q8x" and dispatch.best_matmul("Q6_K", 3).path == "gemm-q8"
     assert dispatch.best_matmul("Q5_K", 1).path == "gemv-q8x" and dispatch.best_matmul("F16", 1).path == "gemv"
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q5_K", 16, 256)]
@@ -198,15 +198,16 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 def test_best_matmul():
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 64, 65, 512)] == \
-        ["gemv-q8x"] * 6 + ["gemm-q", "gemm-q", "gemm-q", "gemm", "gemm"]
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 512)] == \
+        ["gemv-q8x"] * 6 + ["gemm-q8", "gemm-q8", "gemm-q", "gemm-q", "gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
-    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 64, 65)] == \
-        ["gemm-q"] * 4 + ["gemm"]
+    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 16, 17, 64, 65)] == \
+        ["gemm-q8"] * 4 + ["gemm-q"] * 2 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no int8 tiled GEMM
-    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8)] == ["gemv-q8x", "gemm-q", "gemm-q"]
+    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16)] == \
+        ["gemv-q8x"] + ["gemm-q"] * 3
 
 
 def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
@@ -232,6 +233,7 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
 
 def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # the F32-activation GEMV (the 8-bit one: below)
+    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q4_K", 16, 256), _qmatrix("Q6_K", 16, 256)]
     x = Dev((1, 256))
@@ -275,6 +277,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     launch adding them in the output's mode."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
+    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one)
     monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)

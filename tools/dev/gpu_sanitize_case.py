@@ -358,10 +358,10 @@ def _dense_q(cp, rng) -> int:
             ok = err < 1e-6
             bad += not ok
             print(f"gemm_q   {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-        # the int8 GEMM (rows of whole 16-byte units: 9 blocks of 256 values, and for Q4_1 / Q5_1
-        # a last step part empty; split over n_in at 20 tokens) against its quantized activations
+        # the int8 GEMM (rows of whole 16-byte units: 8 steps of 256 values, and for Q4_1 / Q5_1
+        # a last step part empty; split over n_in) against its quantized activations
         extra = next((m for m in range(1, 8) if m * lay.nbytes % 16 == 0), 0) if lay.values == 32 else 0
-        n8 = 9 * 256 + 32 * extra
+        n8 = 8 * 256 + 32 * extra
         q8w = quantize((rng.standard_normal((rows, n8)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32),
                        lay.type_id)
         vals8 = dequantize_rows(q8w.ctypes.data, lay.type_id, n8, rows, q8w.shape[1]).astype(np.float64)
