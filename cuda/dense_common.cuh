@@ -127,24 +127,32 @@ __device__ __forceinline__ GemmTilePlace gemm_tile_place(const P& p, float (&acc
     return t;
 }
 
-// The end of a 64 x 64 tiled block GEMM (dense_q.cu's dense_gemm_q, dense_q8x.cu's dense_gemm_q8):
-// 4 warps of 32 x 32 (warp w: rows wm = 32 (w & 1), tokens wn = 32 (w >> 1)), acc[i][j][e] in the
-// m16n8 accumulator layout -- row m0 + wm + 16 i + lane / 4 + 8 (e >> 1), token n0 + wn + 8 j +
-// 2 (lane % 4) + (e & 1) -- stored into dst (n_tok, rows) F32 (add: added to it) where in range.
-__device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], float* dst, bool add, int rows,
-                                                int n_tok, int m0, int n0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+// A warp's end of a tiled block GEMM: acc[i][j][e] in the m16n8 accumulator layout -- row r0 +
+// 16 i + lane / 4 + 8 (e >> 1), token t0 + 8 j + 2 (lane % 4) + (e & 1) -- stored into dst
+// (n_tok, rows) F32 (add: added to it) where in range.
+template <int MI, int NI>
+__device__ __forceinline__ void gemm_warp_store(const float (&acc)[MI][NI][4], float* dst, bool add, int rows,
+                                                int n_tok, int r0, int t0) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < NI; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int row = m0 + wm + 16 * i + (lane >> 2) + 8 * (e >> 1);
-                const int tok = n0 + wn + 8 * j + 2 * (lane & 3) + (e & 1);
+                const int row = r0 + 16 * i + (lane >> 2) + 8 * (e >> 1);
+                const int tok = t0 + 8 * j + 2 * (lane & 3) + (e & 1);
                 if (row < rows && tok < n_tok) {
                     float* o = dst + (long long)tok * rows + row;
                     *o = add ? *o + acc[i][j][e] : acc[i][j][e];
                 }
             }
+}
+
+// The end of a 64 x 64 tiled block GEMM (dense_q.cu's dense_gemm_q, dense_q8x.cu's dense_gemm_q8
+// with 64-token tiles): 4 warps of 32 x 32 (warp w: rows wm = 32 (w & 1), tokens wn = 32 (w >> 1)).
+__device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], float* dst, bool add, int rows,
+                                                int n_tok, int m0, int n0) {
+    const int warp = threadIdx.x >> 5;
+    gemm_warp_store<2, 4>(acc, dst, add, rows, n_tok, m0 + 32 * (warp & 1), n0 + 32 * (warp >> 1));
 }

@@ -241,11 +241,12 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 }
 
 // ---------------------------------------------------------------------------------------
-// The tiled block GEMM with 8-bit activations (dense_gemm_q8: int8 tensor cores on the blocks'
-// integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of whole
-// 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM weight rows x
-// Q8G_BN tokens, 4 warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1): dense_gemm_q's
-// tile, gemm_tile_place / gemm_tile_store); a step covers Q8G_BK = 256 values (one block of a
+// The tiled block GEMM with 8-bit activations (dense_gemm_q8<T, BN>: int8 tensor cores on the
+// blocks' integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of
+// whole 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM weight
+// rows x BN tokens, 4 warps: BN = 64, warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1),
+// dense_gemm_q's tile); BN = 16 (up to 16 tokens: a quarter of the activations' shared memory,
+// 3 blocks an SM where 64 holds 2), warps of 16 x 16 (warp w: rows 16 w). A step covers Q8G_BK = 256 values (one block of a
 // K-quant row, eight of the 32-value types'). Each step's raw weight bytes -- Q8gTile<T>::RB a row,
 // every row's run contiguous -- and its activations come by cp.async in 16-byte units into one of
 // Q8G_STAGES stages (the next step's in flight while this one computes): whole lines a request,
@@ -261,9 +262,9 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // alignment mod 16 (types whose RB is not a multiple of 16: the copy starts at the 16-byte unit
 // below, Q8gTile<T>::UNITS units), so the decoders' word loads take the same path. Rows Q8G_LD =
 // 272 bytes apart in As and Bs: a fragment load's 8 rows x 4 words on distinct banks. Shared
-// memory: Q8gTile<T>::SMEM bytes, dynamic (kernels.gemm_q8_smem_bytes mirrors it).
+// memory: Q8gTile<T, BN>::SMEM bytes, dynamic (kernels.gemm_q8_smem_bytes mirrors it).
 #define Q8G_BM 64
-#define Q8G_BN 64
+#define Q8G_BN 64       // the wide tile's tokens (the narrow one: 16)
 #define Q8G_BK 256
 #define Q8G_LD 272
 #define Q8G_THREADS 128
@@ -286,27 +287,31 @@ struct GemmQ8Params {
     int pad_;
 };
 
-template <int T> struct Q8gTile {
+template <int T, int BN> struct Q8gTile {
     static constexpr int RB = Q8G_BK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a row's bytes a step
     static constexpr bool ALIGNED = RB % 16 == 0;   // every step's run starts 16-byte aligned (not Q2_K, Q3_K, Q6_K)
     static constexpr int UNITS = ALIGNED ? RB / 16 : (RB + 30) / 16;   // 16-byte units a row's copy
     static constexpr int SLOT = 16 * UNITS;                            // bytes between staged rows
     static constexpr int W_BYTES = Q8G_BM * SLOT;
-    static constexpr int B_BYTES = Q8G_BN * Q8G_LD;                    // the step's int8 activations
-    static constexpr int D_BYTES = Q8G_SUBS * Q8G_BN * 4;              // their scales (Ds), then sums (Ss)
+    static constexpr int B_BYTES = BN * Q8G_LD;                        // the step's int8 activations
+    static constexpr int D_BYTES = Q8G_SUBS * BN * 4;                  // their scales (Ds), then sums (Ss)
     static constexpr int STAGE = W_BYTES + B_BYTES + 2 * D_BYTES;
     static constexpr bool HALF_MINS = QbQ8<T>::HALVES && QbQ8<T>::OFF == 0;   // Q2_K: a min per half
     static constexpr int SMEM = Q8G_STAGES * STAGE + Q8G_BM * Q8G_LD      // stages, As
                                 + 2 * Q8G_SUBS * Q8G_BM * 8                // Fs, Cs: [sub][row] float2
-                                + (HALF_MINS ? Q8G_SUBS * 2 * Q8G_BN * 4 : 0);   // Hs: [sub][half][token]
+                                + (HALF_MINS ? Q8G_SUBS * 2 * BN * 4 : 0);   // Hs: [sub][half][token]
+    // the warp tile: MI x 16 rows, NI x 8 tokens; RW warps along the rows
+    static constexpr int MI = BN == 64 ? 2 : 1, NI = BN / 8 / (BN == 64 ? 2 : 1), RW = Q8G_BM / (16 * MI);
+    static_assert(BN == 64 || BN == 16, "the wide and the narrow tile");
+    static_assert(RW * (BN / (8 * NI)) * 32 == Q8G_THREADS, "4 warps cover the tile");
 };
 
 // Step k0's copies into stage st (bytes of shared memory): the Q8G_BM rows' RB bytes from m0
 // (zeros past rows or a row's end), the activations of tokens n0 .. n0 + n_cp (n_cp: the 8-token
 // tiles that run; zeros past n_tok or n_in) and their Q8G_SUBS scales and sums; one commit group.
-template <int T>
+template <int T, int BN>
 __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
-    using TL = Q8gTile<T>;
+    using TL = Q8gTile<T, BN>;
     const int a0 = (k0 / Q8G_BK * TL::RB) & ~15;   // the run's first unit (rows 16-byte aligned)
     const unsigned sw = smem_u32(st);
 #pragma unroll
@@ -320,7 +325,7 @@ __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* 
     }
     const unsigned sb = sw + TL::W_BYTES;
 #pragma unroll
-    for (int j = 0; j < Q8G_BN * 16 / Q8G_THREADS; ++j) {   // 16 units a token
+    for (int j = 0; j < BN * 16 / Q8G_THREADS; ++j) {   // 16 units a token
         const int u = threadIdx.x + Q8G_THREADS * j, t = u >> 4, c = u & 15, k = k0 + 16 * c;
         if (t < n_cp) {
             const bool ok = n0 + t < p.n_tok && k < p.n_in;
@@ -330,8 +335,8 @@ __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* 
     const unsigned sd = sb + TL::B_BYTES;
     const int n_sub = p.n_in / 32;
 #pragma unroll
-    for (int j = 0; j < Q8G_SUBS * Q8G_BN / Q8G_THREADS; ++j) {   // [sub][token]
-        const int e = threadIdx.x + Q8G_THREADS * j, sub = e / Q8G_BN, t = e % Q8G_BN, ks = k0 / 32 + sub;
+    for (int j = 0; j < Q8G_SUBS * BN / Q8G_THREADS; ++j) {   // [sub][token]
+        const int e = threadIdx.x + Q8G_THREADS * j, sub = e / BN, t = e % BN, ks = k0 / 32 + sub;
         if (t < n_cp) {
             const bool ok = n0 + t < p.n_tok && ks < n_sub;
             const long long i = ok ? (long long)(n0 + t) * n_sub + ks : 0;
@@ -342,9 +347,10 @@ __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* 
     cp_async_commit();
 }
 
-template <int T>
-__global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Params p) {
-    using TL = Q8gTile<T>;
+template <int T, int BN>
+__global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(const GemmQ8Params p) {
+    using TL = Q8gTile<T, BN>;
+    constexpr int MI = TL::MI, NI = TL::NI;
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     constexpr bool HALVES = QbQ8<T>::HALVES, HALF_MINS = TL::HALF_MINS;
     extern __shared__ __align__(16) unsigned char q8g_smem[];
@@ -353,19 +359,25 @@ __global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Para
     float2* Cs = Fs + Q8G_SUBS * Q8G_BM;
     int* Hs = reinterpret_cast<int*>(Cs + Q8G_SUBS * Q8G_BM);      // [sub][half][token] (Q2_K)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    static_assert(Q8G_BM == 64 && Q8G_BN == 64 && Q8G_THREADS == 128, "gemm_tile_place's and gemm_tile_store's tile");
+    static_assert(Q8G_BM == 64 && Q8G_THREADS == 128, "the decode's thread map: 64 rows x 2 halves of a step");
     static_assert(Q8G_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
-    float acc[2][4][4];
-    const GemmTilePlace tp = gemm_tile_place(p, acc);
-    const int m0 = tp.m0, n0 = tp.n0, k_begin = tp.k_begin, n_sub = tp.n_sub;
-    const int n_steps = tp.k_end > k_begin ? (tp.k_end - k_begin + Q8G_BK - 1) / Q8G_BK : 0;
-    const int n_cp = min(Q8G_BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
-    const int wm = 32 * (warp & 1), wn = 32 * (warp >> 1);
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int n = 0; n < NI; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.0f;
+    const int m0 = blockIdx.x * Q8G_BM, n0 = blockIdx.y * BN, n_sub = p.n_in / 32;
+    const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
+    const int n_steps = k_end > k_begin ? (k_end - k_begin + Q8G_BK - 1) / Q8G_BK : 0;
+    const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
+    const int wm = 16 * MI * (warp % TL::RW), wn = 8 * NI * (warp / TL::RW);
     const int dr = threadIdx.x & (Q8G_BM - 1), dj = (threadIdx.x >> 6) * (Q8G_SUBS / 2);   // decode: row, first sub
     const bool drow = m0 + dr < p.rows;
 #pragma unroll
     for (int s = 0; s < Q8G_STAGES - 1; ++s) {
-        if (s < n_steps) q8g_stage<T>(p, q8g_smem + s * TL::STAGE, m0, n0, k_begin + s * Q8G_BK, n_cp);
+        if (s < n_steps) q8g_stage<T, BN>(p, q8g_smem + s * TL::STAGE, m0, n0, k_begin + s * Q8G_BK, n_cp);
         else cp_async_commit();
     }
     for (int s = 0; s < n_steps; ++s) {
@@ -373,13 +385,14 @@ __global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Para
         __syncthreads();   // step s's stage is in; step s - 1's reads of As, Fs, Cs, Hs and of its stage are done
         {
             const int ns = s + Q8G_STAGES - 1;
-            if (ns < n_steps) q8g_stage<T>(p, q8g_smem + (ns % Q8G_STAGES) * TL::STAGE, m0, n0, k_begin + ns * Q8G_BK, n_cp);
+            if (ns < n_steps)
+                q8g_stage<T, BN>(p, q8g_smem + (ns % Q8G_STAGES) * TL::STAGE, m0, n0, k_begin + ns * Q8G_BK, n_cp);
             else cp_async_commit();
         }
         const unsigned char* st = q8g_smem + (s % Q8G_STAGES) * TL::STAGE;
         const signed char* Bs = reinterpret_cast<const signed char*>(st + TL::W_BYTES);
         const float* Ds = reinterpret_cast<const float*>(st + TL::W_BYTES + TL::B_BYTES);
-        const float* Ss = Ds + Q8G_SUBS * Q8G_BN;
+        const float* Ss = Ds + Q8G_SUBS * BN;
         const int k0 = k_begin + s * Q8G_BK;
         // the row's run in the stage: its head (the run's offset mod 16) + whole blocks
         const unsigned char* wr = st + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / Q8G_BK * TL::RB) & 15);
@@ -399,25 +412,25 @@ __global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Para
             Fs[j * Q8G_BM + dr] = make_float2(f[0], f[1]);
             Cs[j * Q8G_BM + dr] = make_float2(c[0], c[1]);
         }
-        if (HALF_MINS) {   // each half's activation sum of (sub-block e / 64, token e % 64)
+        if (HALF_MINS) {   // each half's activation sum of (sub-block e / BN, token e % BN)
 #pragma unroll
-            for (int i = 0; i < Q8G_SUBS * Q8G_BN / Q8G_THREADS; ++i) {
-                const int e = threadIdx.x + Q8G_THREADS * i, j = e / Q8G_BN, t = e % Q8G_BN;
+            for (int i = 0; i < Q8G_SUBS * BN / Q8G_THREADS; ++i) {
+                const int e = threadIdx.x + Q8G_THREADS * i, j = e / BN, t = e % BN;
                 const int* q = reinterpret_cast<const int*>(Bs + t * Q8G_LD + 32 * j);
                 int s0 = 0, s1 = 0;
                 if (t < n_cp) {
 #pragma unroll
                     for (int k = 0; k < 4; ++k) s0 = __dp4a(0x01010101, q[k], s0), s1 = __dp4a(0x01010101, q[4 + k], s1);
                 }
-                Hs[(j * 2) * Q8G_BN + t] = s0, Hs[(j * 2 + 1) * Q8G_BN + t] = s1;
+                Hs[(j * 2) * BN + t] = s0, Hs[(j * 2 + 1) * BN + t] = s1;
             }
         }
         __syncthreads();   // As, Fs, Cs, Hs of step s written
 #pragma unroll 2
         for (int j = 0; j < Q8G_SUBS; ++j) {   // the step's sub-blocks
-            unsigned a[2][4];
+            unsigned a[MI][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
+            for (int i = 0; i < MI; ++i) {
                 const signed char* ar = As + (wm + 16 * i + g) * Q8G_LD + 32 * j + 4 * tg;
                 a[i][0] = *reinterpret_cast<const unsigned*>(ar);
                 a[i][1] = *reinterpret_cast<const unsigned*>(ar + 8 * Q8G_LD);
@@ -425,12 +438,12 @@ __global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Para
                 a[i][3] = *reinterpret_cast<const unsigned*>(ar + 8 * Q8G_LD + 16);
             }
 #pragma unroll
-            for (int n = 0; n < 4; ++n) {
+            for (int n = 0; n < NI; ++n) {
                 if (n0 + wn + 8 * n >= p.n_tok) continue;   // (warp-uniform: no token of this tile)
                 const signed char* br = Bs + (wn + 8 * n + g) * Q8G_LD + 32 * j + 4 * tg;
                 const unsigned b0 = *reinterpret_cast<const unsigned*>(br), b1 = *reinterpret_cast<const unsigned*>(br + 16);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
+                for (int i = 0; i < MI; ++i) {
                     int d[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
                     if (HALVES) {
                         mma_s8_k16(d, a[i][0], a[i][1], b0);
@@ -443,14 +456,14 @@ __global__ void __launch_bounds__(Q8G_THREADS, 2) dense_gemm_q8(const GemmQ8Para
                     for (int e = 0; e < 4; ++e) {
                         const int r = wm + 16 * i + g + 8 * (e >> 1), t = wn + 8 * n + 2 * tg + (e & 1);
                         const float2 f = Fs[j * Q8G_BM + r], c = Cs[j * Q8G_BM + r];
-                        acc[i][n][e] += qb_q8s_dot<T>(d[e], d1[e], f.x, f.y, c.x, c.y, Ds[j * Q8G_BN + t],
-                                                      Ss[j * Q8G_BN + t], HALF_MINS ? Hs[(j * 2) * Q8G_BN + t] : 0,
-                                                      HALF_MINS ? Hs[(j * 2 + 1) * Q8G_BN + t] : 0);
+                        acc[i][n][e] += qb_q8s_dot<T>(d[e], d1[e], f.x, f.y, c.x, c.y, Ds[j * BN + t], Ss[j * BN + t],
+                                                      HALF_MINS ? Hs[(j * 2) * BN + t] : 0,
+                                                      HALF_MINS ? Hs[(j * 2 + 1) * BN + t] : 0);
                     }
                 }
             }
         }
     }
-    gemm_tile_store(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
-                    gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0, n0);
+    gemm_warp_store<MI, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                            gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wm, n0 + wn);
 }

@@ -204,39 +204,65 @@ GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_B
 GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps), and dense_gemm_q8's (Q8G_THREADS)
 GEMMQ_BLOCKS_PER_SM = 5     # resident dense_gemm_q blocks an SM (96 registers, 36.9 KB of shared memory: ncu, H100)
 GEMMQ_MIN_SPLIT = 256       # values of n_in a split covers at least (4 steps)
-GEMMQ8_TILE = (64, 64, 256)  # dense_gemm_q8's: Q8G_BM, Q8G_BN, Q8G_BK (a step: one K-quant block a row)
-GEMMQ8_BLOCKS_PER_SM = 2     # resident dense_gemm_q8 blocks an SM (~100 KB of shared memory each: gemm_q8_smem_bytes)
-GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the stages' prologue amortized)
+GEMMQ8_TILE = (64, 64, 256)  # dense_gemm_q8's wide tile: Q8G_BM, Q8G_BN, Q8G_BK (a step: one K-quant block a row)
+GEMMQ8_NARROW = 16           # its narrow tile's tokens (dense_gemm_q8<T, 16>), for calls of at most as many
+GEMMQ8_BLOCKS_PER_SM = {64: 2, 16: 3}   # resident blocks an SM by tile tokens (__launch_bounds__: registers, ~100 /
+                                        # ~70 KB of shared memory at most: gemm_q8_smem_bytes)
+GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the first stage's wait amortized)
 GEMMQ8_STAGES = 2            # Q8G_STAGES
 GEMMQ8_LD = 272              # Q8G_LD: bytes between rows of its int8 tiles
-# the tiled block GEMMs' (tile, resident blocks an SM, least values a split) by kernel name
-GEMM_TILING = {"dense_gemm_q": (GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT),
-               "dense_gemm_q8": (GEMMQ8_TILE, GEMMQ8_BLOCKS_PER_SM, GEMMQ8_MIN_SPLIT)}
+
+
+def gemm_q8_bn(n_tok: int) -> int:
+    """The tokens of ``dense_gemm_q8``'s tile for a call of ``n_tok`` tokens: the narrow one's
+    (GEMMQ8_NARROW) up to its width, else the wide one's."""
+    return GEMMQ8_NARROW if n_tok <= GEMMQ8_NARROW else GEMMQ8_TILE[1]
+
+
+def gemm_tiling(kernel: str, n_tok: int) -> tuple[tuple[int, int, int], int, int]:
+    """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
+    (``dense_gemm_q`` or ``dense_gemm_q8``) for ``n_tok`` tokens."""
+    if kernel == "dense_gemm_q":
+        return GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT
+    if kernel == "dense_gemm_q8":
+        bn = gemm_q8_bn(n_tok)
+        return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
+    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8)")
 
 
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
                 kernel: str = "dense_gemm_q") -> tuple[tuple[int, int, int], int]:
     """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q`` or
-    ``dense_gemm_q8``: GEMM_TILING) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
-    ``n_sm`` SMs: one block per 64 x 64 output tile, the tiles split over ``n_in`` (chunks of
+    ``dense_gemm_q8``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+    ``n_sm`` SMs: one block per output tile, the tiles split over ``n_in`` (chunks of
     whole steps, at least the kernel's least split) into at most one wave of its resident blocks
     an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
     without the split -- and, with more tiles than a wave, no split (a split past a whole wave
     left a second wave of a few blocks: 672 blocks for 660 places on the H100, SMs active 71% of
-    the time). ``grid[2] > 1``: the launch writes partial sums for ``dense_splitk_sum``."""
+    the time). ``dense_gemm_q8`` instead takes the split with the fewest (waves x steps a block),
+    the fewer splits on a tie: its steps are latency-bound, as long with 1 or 3 blocks on an SM
+    (ncu at 34847e7), so a block's steps count and partial waves cost a whole one (the 14336-row
+    gate at 16 tokens: 224 tiles, 396 places; 3 splits of 6 steps in 2 waves, 12 steps' time,
+    where 1 split takes 16). ``grid[2] > 1``: the launch writes partial sums for
+    ``dense_splitk_sum``."""
     if min(rows, n_tok, n_in) < 1:
         raise ValueError(f"{kernel} needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
-    (bm, bn, bk), per_sm, min_split = GEMM_TILING[kernel]
+    (bm, bn, bk), per_sm, min_split = gemm_tiling(kernel, n_tok)
     tiles = -(-rows // bm) * -(-n_tok // bn)
     steps = -(-n_in // bk)
-    want = per_sm * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)
-    splits = max(1, min(want, steps * bk // min_split))
+    most = max(1, steps * bk // min_split)
+    if kernel == "dense_gemm_q8":
+        slots = per_sm * max(1, n_sm)
+        splits = min(range(1, most + 1), key=lambda z: (-(-tiles * z // slots) * -(-steps // z), z))
+    else:
+        want = per_sm * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)
+        splits = max(1, min(want, most))
     k_chunk = -(-steps // splits) * bk
     return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk
 
 
-def gemm_q8_smem_bytes(type_id: int) -> int:
-    """``dense_gemm_q8<type_id>``'s dynamic shared memory (``Q8gTile<T>::SMEM`` in
+def gemm_q8_smem_bytes(type_id: int, bn: int = GEMMQ8_TILE[1]) -> int:
+    """``dense_gemm_q8<type_id, bn>``'s dynamic shared memory (``Q8gTile<T, BN>::SMEM`` in
     cuda/dense_q8x.cu; tests/test_kernels_compile.py checks the mirror for every block type):
     GEMMQ8_STAGES stages of (each row's run of one step's bytes, in whole 16-byte units from the
     unit below its start; the activations' int8 rows, scales and sums), the decoded int8 tile,
@@ -245,7 +271,9 @@ def gemm_q8_smem_bytes(type_id: int) -> int:
     lay = next((block_layout(n) for n in BLOCK_TYPES if block_layout(n).type_id == type_id), None)
     if lay is None:
         raise ValueError(f"ggml type {type_id} is not a block type the GPU reads")
-    bm, bn, bk = GEMMQ8_TILE
+    if bn not in GEMMQ8_BLOCKS_PER_SM:
+        raise ValueError(f"dense_gemm_q8 has tiles of {tuple(GEMMQ8_BLOCKS_PER_SM)} tokens, not {bn}")
+    bm, _, bk = GEMMQ8_TILE
     rb = bk // lay.values * lay.nbytes
     units = rb // 16 if rb % 16 == 0 else (rb + 30) // 16
     subs = bk // 32
@@ -288,11 +316,11 @@ def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
 def dense_q8x_variant(type_id: int) -> Variant:
     """The block matmuls with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
-    (``dense_gemm_q8``: GEMMQ8_TILE, gemm_q_grid, gemm_q8_smem_bytes) and the
+    (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid, gemm_q8_smem_bytes) and the
     activations' quantization."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
                    tuple(q8x_name(type_id, nt, False) for nt in Q8X_PLAIN_TOKENS) +
-                   (f"dense_gemm_q8<{type_id}>", "dense_quant_q8x"))
+                   tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 
 
 def dense_q_variants(make=dense_q_variant) -> list[Variant]:

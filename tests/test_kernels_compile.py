@@ -284,14 +284,17 @@ def test_gemm_q_tile_mirror_matches_c():
 
 def test_gemm_q8_smem_mirror_matches_c():
     """kernels.gemm_q8_smem_bytes (the dynamic shared memory the host gives dense_gemm_q8) is the
-    kernel's Q8gTile<T>::SMEM for every block type, and two blocks of it fit an SM of the H100 /
-    H200 (GEMMQ8_BLOCKS_PER_SM: 227 KB, 1 KB reserved a block)."""
+    kernel's Q8gTile<T, BN>::SMEM for every block type and both tiles, and GEMMQ8_BLOCKS_PER_SM
+    blocks of it fit an SM of the H100 / H200 (228 KB, 1 KB reserved a block)."""
     from ggml_attn.block_types import BLOCK_TYPES, block_layout
-    checks = [(f"Q8gTile<{block_layout(n).type_id}>::SMEM", K.gemm_q8_smem_bytes(block_layout(n).type_id), n)
-              for n in BLOCK_TYPES]
+    ids = [block_layout(n).type_id for n in BLOCK_TYPES]
+    checks = [(f"Q8gTile<{t}, {bn}>::SMEM", K.gemm_q8_smem_bytes(t, bn), f"type {t}, {bn} tokens")
+              for t in ids for bn in K.GEMMQ8_BLOCKS_PER_SM]
     _static_asserts("dense_q8x.cu", checks, "sm_80")
-    for n in BLOCK_TYPES:
-        assert K.GEMMQ8_BLOCKS_PER_SM * (K.gemm_q8_smem_bytes(block_layout(n).type_id) + 1024) <= 228 * 1024, n
+    for t in ids:
+        for bn, per_sm in K.GEMMQ8_BLOCKS_PER_SM.items():
+            assert per_sm * (K.gemm_q8_smem_bytes(t, bn) + 1024) <= 228 * 1024, (t, bn)
+    assert [K.gemm_q8_bn(n) for n in (1, 16, 17, 64, 512)] == [16, 16, 64, 64, 64]
 
 
 def test_smem_fits_h200():

@@ -328,15 +328,15 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     xp_matmul._qmatmuls(kept, ws, x, outs, accumulate=True)
     names = [ln.fn.name for ln in launches]
     assert names[0] == "dense_quant_q8x" and "dense_cast_f16" not in names
-    assert names.count("dense_quant_q8x") == 1 and names.count("dense_gemm_q8<12>") == 2
+    assert names.count("dense_quant_q8x") == 1 and names.count("dense_gemm_q8<12, 64>") == 2
     quant = launches[0]
     assert quant.grid == (16, 33, 1) and quant.params[0].value == x.data.ptr and quant.params[3].value == 0.0
     xq, xd, xs = (a.value for a in (quant.params[5], quant.params[6], quant.params[7]))
-    gemms = [ln for ln in launches if ln.fn.name == "dense_gemm_q8<12>"]
+    gemms = [ln for ln in launches if ln.fn.name == "dense_gemm_q8<12, 64>"]
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm, "dense_gemm_q8")
         assert ln.grid == grid and ln.block == (K.GEMMQ_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
-        assert ln.fn.smem == K.gemm_q8_smem_bytes(12) > 48 * 1024
+        assert ln.fn.smem == K.gemm_q8_smem_bytes(12, 64) > 48 * 1024
         (p,) = ln.params
         assert isinstance(p, K.GemmQ8Params)
         assert (p.w, p.xq, p.xd, p.xs, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk, p.mode) == \
@@ -388,3 +388,23 @@ def test_embedding_rows_of_blocks(launches):
     w, i, o, rb, n, n_ids = (a.value for a in ln.params)
     assert (w, i, o, rb, n, n_ids) == (table.blocks.data.ptr, ids.data.ptr, captured["out"].data.ptr, 8 * 18, 256, 5)
     assert ln.grid == (1, 1, 1)
+
+
+@pytest.mark.parametrize("n_tok, bn", [(9, 16), (16, 16), (17, 64)])
+def test_gemm_q8_tile_follows_the_tokens(launches, monkeypatch, n_tok, bn):
+    """dense_gemm_q8 runs its narrow tile (64 x 16: a quarter of the activations' shared memory,
+    3 blocks an SM) up to 16 tokens and its wide one past them: the instance, its dynamic shared
+    memory, and a grid of 16- or 64-token tiles split to fill that many blocks an SM."""
+    from ggml_attn import cuda_device
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
+    w = _qmatrix("Q4_K", 14336, 4096)
+    xq, xd = Dev((n_tok, 4096), np.int8), Dev((n_tok, 128))
+    grid, k_chunk = K.gemm_q_grid(14336, n_tok, 4096, 132, "dense_gemm_q8")
+    part = Dev((grid[2], n_tok, 14336)) if grid[2] > 1 else None
+    q8_matmul.gemm_q8_launch(w, xq, xd, xd, Dev((n_tok, 14336)), part)()
+    ln = launches[0]
+    assert ln.fn.name == f"dense_gemm_q8<12, {bn}>" and ln.fn.smem == K.gemm_q8_smem_bytes(12, bn)
+    assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.params[0].k_chunk == k_chunk
+    # 224 row tiles: the narrow tile's 396 places take 3 splits of 6 steps (2 waves); the wide one's
+    # 264 none (1, 2 and 4 splits all take 16 steps' time)
+    assert (grid, k_chunk) == (((224, 1, 3), 6 * 256) if bn == 16 else ((224, 1, 1), 4096))
