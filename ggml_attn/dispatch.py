@@ -466,20 +466,20 @@ QGEMM_MIN_TOKENS = 3
 QGEMM_MAX_TOKENS = 64
 # Block matrices run up to this many tokens (at most max(Q8X_TOKENS)) through
 # the GEMV with 8-bit activations (dense_gemv_q8x_s, llama.cpp's mmvq way) instead of the F32 one
-# or the tiled GEMM: on an H100 (one 8B layer, the activations' quantization included) Q4_K 108 /
-# 124 / 159 us at 1 / 2 / 4 tokens against the F32 GEMV's 157 / 212 / 439 and the tiled GEMM's ~320
-# (bench/results/2026-12-05-4a41e8d-h100-dense-q.json); at 8 tokens Q4_K 270 / Q6_K 283 / Q8_0 316
-# us against the tiled GEMM's 323 / 479 / 486, at 16 470 / 634 / 563 against 328 / 486 / 489
-# (bench/results/2026-12-05-457d60e-h100-dense-q.json): 8 for every type.
-Q8X_MAX_TOKENS = 8
+# or a tiled GEMM: on an H100 (one 8B layer, the activations' quantization included) Q4_K 108 /
+# 124 / 159 us at 1 / 2 / 4 tokens against the F32 GEMV's 157 / 212 / 439 and dense_gemm_q's ~320
+# (bench/results/2026-12-05-4a41e8d-h100-dense-q.json); past 4 tokens the int8 tiled GEMM below
+# wins (Q4_K 184 / 188 us at 4 / 8 tokens against this GEMV's 157 / 269, Q8_0 193 / 197 against
+# 171 / 312, Q6_K 298 / 301 against 178 / 286: bench/results/2026-12-05-0d06753-h100-dense-q.json).
+Q8X_MAX_TOKENS = 4
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
-# tiles staged by cp.async) instead of dense_gemm_q, where their rows are 16-byte aligned. On an
-# H100 at 34847e7 (bench/results/2026-12-05-34847e7-h100-dense-q.json, one 8B layer, quantization
-# included) at 16 tokens Q4_K 293 us against dense_gemm_q's 328, Q6_K 399 / 486, Q8_0 295 / 489;
-# at 32 Q4_K 389 / 335 (a loss), Q6_K 493 / 493, Q8_0 390 / 495: 16 for every type. (Its first
-# form, each thread decoding its row's sub-block from global memory, was no faster than
-# dense_gemm_q anywhere: bench/results/2026-12-05-457d60e-h100-dense-q.json.)
+# tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
+# rows are 16-byte aligned. On an H100 at 0d06753 (the file above) at 16 tokens Q4_K 218 us
+# against dense_gemm_q's 323, Q6_K 331 / 484, Q8_0 232 / 486; at 32 (its 64-token tile) Q4_K 385 /
+# 332 (a loss), Q6_K 490 / 491, Q8_0 388 / 492: 16 for every type. (Its first form, each thread
+# decoding its row's sub-block from global memory, was no faster than dense_gemm_q anywhere:
+# bench/results/2026-12-05-457d60e-h100-dense-q.json.)
 Q8GEMM_MAX_TOKENS = 16
 
 
