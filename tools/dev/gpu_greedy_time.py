@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     rows, tokens = [], {}
     for cg in (False, True):
         ModelEngine.CUDA_GRAPHS = cg
-        cache = KVCache(-(-(a.n_prompt + a.steps + 1) // 256) * 256, a.n_seq, unified=True, n_layer=hp.n_layer,
+        cells = a.n_seq * (a.n_prompt + a.steps + 1)   # unified: every sequence's cells in one stream
+        cache = KVCache(-(-cells // 256) * 256, a.n_seq, unified=True, n_layer=hp.n_layer,
                         n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim, xp=a.xp)
 
         def run(n):
