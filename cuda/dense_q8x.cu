@@ -244,15 +244,16 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // The tiled block GEMM with 8-bit activations (dense_gemm_q8<T, BN>: int8 tensor cores on the
 // blocks' integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of
 // whole 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM weight
-// rows x BN tokens, 4 warps: BN = 64, warps of 32 x 32 (warp w: rows 32 (w & 1), tokens 32 (w >> 1),
-// dense_gemm_q's tile); BN = 16 (up to 16 tokens: a quarter of the activations' shared memory,
-// 3 blocks an SM where 64 holds 2), warps of 16 x 16 (warp w: rows 16 w). A step covers Q8G_BK = 256 values (one block of a
-// K-quant row, eight of the 32-value types'). Each step's raw weight bytes -- Q8gTile<T>::RB a row,
+// rows x BN tokens, Q8G_WARPS = 8 warps (2 blocks an SM, 3 of the narrow tile: 16 / 24 warps; with
+// 4 warps a block, at 0d06753, 8-12 warps an SM left the steps latency-bound): BN = 64, warps of 32
+// rows x 16 tokens (warp w: rows 32 (w % 2), tokens 16 (w / 2)); BN = 16 (up to 16 tokens: a quarter of the
+// activations' shared memory), warps of 16 x 8 (rows 16 (w % 4), tokens 8 (w / 4)). A step covers
+// Q8G_BK = 256 values (one block of a K-quant row, eight of the 32-value types'). Each step's raw weight bytes -- Q8gTile<T>::RB a row,
 // every row's run contiguous -- and its activations come by cp.async in 16-byte units into one of
 // Q8G_STAGES stages (the next step's in flight while this one computes): whole lines a request,
 // where dense_gemm_q (and this kernel's first form, at 457d60e) had each thread decode its own
 // row's sub-block from global memory, 16 rows a warp load, which kept L1 busy and left both flat
-// in the tokens at ~0.4 TB/s. Then thread i decodes sub-blocks 4 (i >> 6) .. + 3 of row i & 63 from
+// in the tokens at ~0.4 TB/s. Then thread i decodes sub-blocks 2 (i / 64), + 1 of row i % 64 from
 // the stage into their integer form (qb_int8s: the offset folded into signed bytes) in As and
 // their factors f, c per half in Fs / Cs; per sub-block each warp's 16 x 8 tiles take one
 // m16n8k32 (two m16n8k16 where the factors differ by half: QbQ8<T>::HALVES) and the integer sums
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 #define Q8G_BN 64       // the wide tile's tokens (the narrow one: 16)
 #define Q8G_BK 256
 #define Q8G_LD 272
-#define Q8G_THREADS 128
+#define Q8G_WARPS 8
+#define Q8G_THREADS (32 * Q8G_WARPS)
 #define Q8G_STAGES 2
 #define Q8G_SUBS (Q8G_BK / 32)   // sub-blocks a step
 
@@ -300,10 +302,10 @@ template <int T, int BN> struct Q8gTile {
     static constexpr int SMEM = Q8G_STAGES * STAGE + Q8G_BM * Q8G_LD      // stages, As
                                 + 2 * Q8G_SUBS * Q8G_BM * 8                // Fs, Cs: [sub][row] float2
                                 + (HALF_MINS ? Q8G_SUBS * 2 * BN * 4 : 0);   // Hs: [sub][half][token]
-    // the warp tile: MI x 16 rows, NI x 8 tokens; RW warps along the rows
-    static constexpr int MI = BN == 64 ? 2 : 1, NI = BN / 8 / (BN == 64 ? 2 : 1), RW = Q8G_BM / (16 * MI);
+    // the warp tile: MI x 16 rows, NI x 8 tokens; RW warps along the rows, Q8G_WARPS / RW along the tokens
+    static constexpr int MI = BN == 64 ? 2 : 1, RW = Q8G_BM / (16 * MI), NI = BN / 8 / (Q8G_WARPS / RW);
     static_assert(BN == 64 || BN == 16, "the wide and the narrow tile");
-    static_assert(RW * (BN / (8 * NI)) * 32 == Q8G_THREADS, "4 warps cover the tile");
+    static_assert(NI >= 1 && RW * (BN / (8 * NI)) == Q8G_WARPS, "the warps cover the tile");
 };
 
 // Step k0's copies into stage st (bytes of shared memory): the Q8G_BM rows' RB bytes from m0
@@ -325,9 +327,9 @@ __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* 
     }
     const unsigned sb = sw + TL::W_BYTES;
 #pragma unroll
-    for (int j = 0; j < BN * 16 / Q8G_THREADS; ++j) {   // 16 units a token
+    for (int j = 0; j < (BN * 16 + Q8G_THREADS - 1) / Q8G_THREADS; ++j) {   // 16 units a token
         const int u = threadIdx.x + Q8G_THREADS * j, t = u >> 4, c = u & 15, k = k0 + 16 * c;
-        if (t < n_cp) {
+        if (t < n_cp) {   // (t < BN too: n_cp <= BN)
             const bool ok = n0 + t < p.n_tok && k < p.n_in;
             cp_async16(sb + t * Q8G_LD + 16 * c, ok ? p.xq + (long long)(n0 + t) * p.n_in + k : p.xq, ok ? 16 : 0);
         }
@@ -335,9 +337,9 @@ __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* 
     const unsigned sd = sb + TL::B_BYTES;
     const int n_sub = p.n_in / 32;
 #pragma unroll
-    for (int j = 0; j < Q8G_SUBS * BN / Q8G_THREADS; ++j) {   // [sub][token]
+    for (int j = 0; j < (Q8G_SUBS * BN + Q8G_THREADS - 1) / Q8G_THREADS; ++j) {   // [sub][token]
         const int e = threadIdx.x + Q8G_THREADS * j, sub = e / BN, t = e % BN, ks = k0 / 32 + sub;
-        if (t < n_cp) {
+        if (e < Q8G_SUBS * BN && t < n_cp) {
             const bool ok = n0 + t < p.n_tok && ks < n_sub;
             const long long i = ok ? (long long)(n0 + t) * n_sub + ks : 0;
             cp_async4(sd + 4 * e, p.xd + i, ok ? 4 : 0);
@@ -359,7 +361,8 @@ __global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(c
     float2* Cs = Fs + Q8G_SUBS * Q8G_BM;
     int* Hs = reinterpret_cast<int*>(Cs + Q8G_SUBS * Q8G_BM);      // [sub][half][token] (Q2_K)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tg = lane & 3;
-    static_assert(Q8G_BM == 64 && Q8G_THREADS == 128, "the decode's thread map: 64 rows x 2 halves of a step");
+    constexpr int DS = Q8G_SUBS * Q8G_BM / Q8G_THREADS;   // sub-blocks a thread decodes a step
+    static_assert(DS * Q8G_THREADS == Q8G_SUBS * Q8G_BM, "the decode's thread map: 64 rows x Q8G_SUBS / DS groups");
     static_assert(Q8G_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
     float acc[MI][NI][4];
 #pragma unroll
@@ -373,7 +376,7 @@ __global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(c
     const int n_steps = k_end > k_begin ? (k_end - k_begin + Q8G_BK - 1) / Q8G_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int wm = 16 * MI * (warp % TL::RW), wn = 8 * NI * (warp / TL::RW);
-    const int dr = threadIdx.x & (Q8G_BM - 1), dj = (threadIdx.x >> 6) * (Q8G_SUBS / 2);   // decode: row, first sub
+    const int dr = threadIdx.x % Q8G_BM, dj = threadIdx.x / Q8G_BM * DS;   // decode: row, first sub-block
     const bool drow = m0 + dr < p.rows;
 #pragma unroll
     for (int s = 0; s < Q8G_STAGES - 1; ++s) {
@@ -397,7 +400,7 @@ __global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(c
         // the row's run in the stage: its head (the run's offset mod 16) + whole blocks
         const unsigned char* wr = st + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / Q8G_BK * TL::RB) & 15);
 #pragma unroll
-        for (int j = dj; j < dj + Q8G_SUBS / 2; ++j) {
+        for (int j = dj; j < dj + DS; ++j) {
             int w[8];
             float f[2] = {0.0f, 0.0f}, c[2] = {0.0f, 0.0f};
             if (drow && k0 / 32 + j < n_sub) {
@@ -414,8 +417,9 @@ __global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(c
         }
         if (HALF_MINS) {   // each half's activation sum of (sub-block e / BN, token e % BN)
 #pragma unroll
-            for (int i = 0; i < Q8G_SUBS * BN / Q8G_THREADS; ++i) {
+            for (int i = 0; i < (Q8G_SUBS * BN + Q8G_THREADS - 1) / Q8G_THREADS; ++i) {
                 const int e = threadIdx.x + Q8G_THREADS * i, j = e / BN, t = e % BN;
+                if (e >= Q8G_SUBS * BN) break;
                 const int* q = reinterpret_cast<const int*>(Bs + t * Q8G_LD + 32 * j);
                 int s0 = 0, s1 = 0;
                 if (t < n_cp) {

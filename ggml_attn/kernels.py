@@ -35,7 +35,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     cells_rows_allowed, cells_smem_bytes, mma_smem_bytes, vec_smem_bytes, Variant, UTIL_NAMES, CELL_LIST_THREADS,
     util_variant, GEMV_MAX_TOKENS, GEMV_WARPS, GEMV_UNROLLS, GEMV_UNROLL, gemv_name, DENSE_NAMES, dense_variant,
     GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, GEMVQ_WARPS, GEMVQ_WARPS_X, dense_q_x_variant,
-    GEMMQ_TILE, GEMMQ_THREADS, GEMMQ8_TILE, GEMMQ8_NARROW, GEMMQ8_STAGES, GEMMQ8_LD, GEMMQ8_BLOCKS_PER_SM, gemm_q8_bn, gemm_q8_smem_bytes, gemm_q_grid, dense_q_variant,
+    GEMMQ_TILE, GEMMQ_THREADS, GEMMQ8_TILE, GEMMQ8_THREADS, GEMMQ8_NARROW, GEMMQ8_STAGES, GEMMQ8_LD, GEMMQ8_BLOCKS_PER_SM, gemm_q8_bn, gemm_q8_smem_bytes, gemm_q_grid, dense_q_variant,
     Q8X_TOKENS, Q8X_PLAIN_TOKENS, Q8X_WARPS, Q8X_SWARPS, q8x_name,
     dense_q8x_variant, MODEL_OPS_NAMES, model_ops_variant,
     dense_q_variants, mma_name, vec_name, cells_name, cells_variant, mma_variant, vec_variant,

@@ -201,13 +201,14 @@ def dense_q_x_variant(type_id: int, warps: int) -> Variant:
 
 
 GEMMQ_TILE = (64, 64, 64)   # dense_gemm_q's block tile: GQ_BM weight rows, GQ_BN tokens, GQ_BK values a step
-GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps), and dense_gemm_q8's (Q8G_THREADS)
+GEMMQ_THREADS = 128         # its block (GQ_THREADS: 4 warps)
 GEMMQ_BLOCKS_PER_SM = 5     # resident dense_gemm_q blocks an SM (96 registers, 36.9 KB of shared memory: ncu, H100)
 GEMMQ_MIN_SPLIT = 256       # values of n_in a split covers at least (4 steps)
 GEMMQ8_TILE = (64, 64, 256)  # dense_gemm_q8's wide tile: Q8G_BM, Q8G_BN, Q8G_BK (a step: one K-quant block a row)
 GEMMQ8_NARROW = 16           # its narrow tile's tokens (dense_gemm_q8<T, 16>), for calls of at most as many
-GEMMQ8_BLOCKS_PER_SM = {64: 2, 16: 3}   # resident blocks an SM by tile tokens (__launch_bounds__: registers, ~100 /
-                                        # ~70 KB of shared memory at most: gemm_q8_smem_bytes)
+GEMMQ8_THREADS = 256         # its block (Q8G_THREADS: 8 warps)
+GEMMQ8_BLOCKS_PER_SM = {64: 2, 16: 3}   # resident blocks an SM by tile tokens (__launch_bounds__: at most 128 /
+                                        # 85 registers; ~100 / ~70 KB of shared memory: gemm_q8_smem_bytes)
 GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the first stage's wait amortized)
 GEMMQ8_STAGES = 2            # Q8G_STAGES
 GEMMQ8_LD = 272              # Q8G_LD: bytes between rows of its int8 tiles

@@ -278,7 +278,7 @@ def test_gemm_q_tile_mirror_matches_c():
     _static_asserts("dense_q.cu", checks, "sm_80")
     _static_asserts("dense_q8x.cu", [("Q8X_WARPS", K.Q8X_WARPS, "Q8X_WARPS"), ("Q8X_SWARPS", K.Q8X_SWARPS, "Q8X_SWARPS")]
                     + [(n, v, n) for n, v in zip(("Q8G_BM", "Q8G_BN", "Q8G_BK"), K.GEMMQ8_TILE)]
-                    + [("Q8G_THREADS", K.GEMMQ_THREADS, "Q8G_THREADS"), ("Q8G_STAGES", K.GEMMQ8_STAGES, "Q8G_STAGES"),
+                    + [("Q8G_THREADS", K.GEMMQ8_THREADS, "Q8G_THREADS"), ("Q8G_STAGES", K.GEMMQ8_STAGES, "Q8G_STAGES"),
                        ("Q8G_LD", K.GEMMQ8_LD, "Q8G_LD")], "sm_80")
 
 

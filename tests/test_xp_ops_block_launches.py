@@ -335,7 +335,7 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     gemms = [ln for ln in launches if ln.fn.name == "dense_gemm_q8<12, 64>"]
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm, "dense_gemm_q8")
-        assert ln.grid == grid and ln.block == (K.GEMMQ_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
+        assert ln.grid == grid and ln.block == (K.GEMMQ8_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
         assert ln.fn.smem == K.gemm_q8_smem_bytes(12, 64) > 48 * 1024
         (p,) = ln.params
         assert isinstance(p, K.GemmQ8Params)
