@@ -469,18 +469,19 @@ QGEMM_MAX_TOKENS = 64
 # or a tiled GEMM: on an H100 (one 8B layer, the activations' quantization included) Q4_K 108 /
 # 124 / 159 us at 1 / 2 / 4 tokens against the F32 GEMV's 157 / 212 / 439 and dense_gemm_q's ~320
 # (bench/results/2026-12-05-4a41e8d-h100-dense-q.json); past 4 tokens the int8 tiled GEMM below
-# wins (Q4_K 184 / 188 us at 4 / 8 tokens against this GEMV's 157 / 269, Q8_0 193 / 197 against
-# 171 / 312, Q6_K 298 / 301 against 178 / 286: bench/results/2026-12-05-0d06753-h100-dense-q.json).
+# wins (Q4_K 165 / 167 us at 4 / 8 tokens against this GEMV's 158 / 269, Q8_0 191 / 195 against
+# 173 / 310, Q6_K 294 / 297 against 180 / 282: bench/results/2026-12-05-af45317-h100-dense-q.json).
 Q8X_MAX_TOKENS = 4
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
-# rows are 16-byte aligned. On an H100 at 0d06753 (the file above) at 16 tokens Q4_K 218 us
-# against dense_gemm_q's 323, Q6_K 331 / 484, Q8_0 232 / 486; at 32 (its 64-token tile) Q4_K 385 /
-# 332 (a loss), Q6_K 490 / 491, Q8_0 388 / 492: 16 for every type. (Its first form, each thread
+# rows are 16-byte aligned. On an H100 at af45317 (bench/results/2026-12-05-af45317-h100-dense-q.json,
+# one 8B layer, quantization included) at 16 tokens Q4_K 203 us against dense_gemm_q's 326, Q6_K
+# 330 / 484, Q8_0 230 / 489; at 32 Q4_K 295 / 332, Q6_K 417 / 490, Q8_0 315 / 491; at 64 Q4_K 404 /
+# 362 and Q6_K 532 / 507 (losses), Q8_0 437 / 499: 32 for every type. (Its first form, each thread
 # decoding its row's sub-block from global memory, was no faster than dense_gemm_q anywhere:
 # bench/results/2026-12-05-457d60e-h100-dense-q.json.)
-Q8GEMM_MAX_TOKENS = 16
+Q8GEMM_MAX_TOKENS = 32
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:

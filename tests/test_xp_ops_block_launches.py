@@ -198,12 +198,12 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 def test_best_matmul():
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 4 + ["gemm-q", "gemm-q", "gemm", "gemm"]
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 6 + ["gemm-q", "gemm-q", "gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
-    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 16, 17, 64, 65)] == \
-        ["gemm-q8"] * 4 + ["gemm-q"] * 2 + ["gemm"]
+    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 16, 32, 33, 64, 65)] == \
+        ["gemm-q8"] * 5 + ["gemm-q"] * 2 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no int8 tiled GEMM
     assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16)] == \
