@@ -5,16 +5,16 @@
 // wrappers: mma_ptx.cuh), the ALiBi slope, the live-tile iteration, and the split-KV partial layout.
 //
 // Tensor layouts are ggml's (ne[0] fastest; byte strides nb[1..3]):
-//   q    [D_k, n_batch, n_head,    ne3]  f32, any byte strides (nb0 == 4)
-//   k    [D_k, n_kv,    n_head_kv, ne3]  f16/bf16, rows contiguous, 16-byte aligned rows
+//   q    [head_dim_k, n_batch, n_head,    ne3]  f32, any byte strides (nb0 == 4)
+//   k    [head_dim_k, n_kv,    n_head_kv, ne3]  f16/bf16, rows contiguous, 16-byte aligned rows
 //                                        (the CUDA-core decode kernel also reads q8_0 / q4_0
 //                                        rows: ggml's blocks of 32, 2-byte aligned; load8_quant)
-//   v    [D_v, n_kv,    n_head_kv, ne3]  same type as k
+//   v    [head_dim_v, n_kv,    n_head_kv, ne3]  same type as k
 //   mask [n_kv, n_rows, ne32,      ne33] f16, broadcast over heads (h % ne32), streams (s % ne33)
 //   sinks[n_head] f32
-//   dst  [D_v, n_head,  n_batch,   ne3]  f32 contiguous
+//   dst  [head_dim_v, n_head,  n_batch,   ne3]  f32 contiguous
 // A "row" of the attention problem is one (stream s, token t, head h); its index in dst
-// order is  r = (s*n_batch + t)*n_head + h  and dst + r*D_v is its output row.
+// order is  r = (s*n_batch + t)*n_head + h  and dst + r*head_dim_v is its output row.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -38,7 +38,7 @@ struct FattnParams {
     const char* mask;          // nullptr: no mask
     const float* sinks;        // nullptr: no sinks
     float* dst;
-    float* ws_o;               // split partials [n_splits][n_rows_total][D_v] (unnormalized)
+    float* ws_o;               // split partials [n_splits][n_rows_total][head_dim_v] (unnormalized)
     float* ws_ml;              // split partials [n_splits][n_rows_total][2] (max (log2 domain), sum)
     const int* live_idx;       // [ne33][n_q_tiles][n_kv_tiles] live-tile entries (below), followed in
                                // the same buffer by their hidden-column words (live_hidden); nullptr: all live
@@ -59,7 +59,7 @@ struct FattnParams {
     float softcap;             // 0: off
     float m0, m1;              // ALiBi bases; max_bias == 0 -> slope 1
     int use_alibi;
-    int d_v;                   // V head size (combine pass)
+    int head_dim_v;                   // V head size (combine pass)
     int* split_cnt;            // n_splits > 1: one zeroed counter per row group (split_finish);
                                // nullptr: fattn_combine finishes in a launch of its own
     const int2* cells;         // cell lists (fattn_cell_lists, fattn_cells.cu): [ne33][ne32][n_batch]
@@ -331,13 +331,13 @@ __device__ __forceinline__ float row_finish_factor(const FattnParams& p, int h, 
 // One output value (row, column c) of a block that reduced its partial states in shared
 // memory: the final value to dst with one split, else the unnormalized partial (and the row's
 // max and sum, once) to the split workspace for fattn_combine.
-__device__ __forceinline__ void store_row_value(const FattnParams& p, long long row, int h, int c, int d_v,
+__device__ __forceinline__ void store_row_value(const FattnParams& p, long long row, int h, int c, int head_dim_v,
                                                 int split, float o, float m, float l) {
     if (p.n_splits == 1) {
-        p.dst[row * d_v + c] = o * row_finish_factor(p, h, m, l);
+        p.dst[row * head_dim_v + c] = o * row_finish_factor(p, h, m, l);
     } else {
         const long long wr = (long long)split * p.ne3 * p.n_batch * p.n_head + row;
-        p.ws_o[wr * d_v + c] = o;
+        p.ws_o[wr * head_dim_v + c] = o;
         if (c == 0) { p.ws_ml[wr * 2] = m; p.ws_ml[wr * 2 + 1] = l; }
     }
 }
@@ -370,7 +370,7 @@ __host__ __device__ constexpr int split_finish_floats(int n_r, int n_splits) {
 }
 
 template <int EPT, typename RowOf>   // EPT: output values per thread in flight in the last pass
-__device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int d_v,
+__device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowOf row_of, int head_dim_v,
                                              float* scratch) {
     const int ns = p.n_splits;
     float* fz = scratch;                 // [n_r][ns]: split maxima, then weights
@@ -420,8 +420,8 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
     }
     __syncthreads();
     // sum_z f_z * partial_z for EPT values per thread at once, FATTN_FINISH_BATCH splits per batch of loads
-    const int n_e = n_valid * d_v;
-    const long long zs = n_rows * d_v;
+    const int n_e = n_valid * head_dim_v;
+    const long long zs = n_rows * head_dim_v;
     for (int e0 = threadIdx.x; e0 < n_e; e0 += EPT * blockDim.x) {
         const float* o[EPT];
         const float* f[EPT];
@@ -429,8 +429,8 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
 #pragma unroll
         for (int j = 0; j < EPT; ++j) {
             const int e = min(e0 + j * (int)blockDim.x, n_e - 1);
-            const int k = e / d_v, r = vr[k];
-            o[j] = p.ws_o + row_of(r) * d_v + (e - k * d_v);
+            const int k = e / head_dim_v, r = vr[k];
+            o[j] = p.ws_o + row_of(r) * head_dim_v + (e - k * head_dim_v);
             f[j] = fz + r * ns;
             acc[j] = 0.0f;
         }
@@ -461,8 +461,8 @@ __device__ __forceinline__ void split_finish(const FattnParams& p, int n_r, RowO
         for (int j = 0; j < EPT; ++j) {
             const int e = e0 + j * (int)blockDim.x;
             if (e < n_e) {
-                const int k = e / d_v, r = vr[k];
-                p.dst[row_of(r) * d_v + (e - k * d_v)] = acc[j] * inv[r];
+                const int k = e / head_dim_v, r = vr[k];
+                p.dst[row_of(r) * head_dim_v + (e - k * head_dim_v)] = acc[j] * inv[r];
             }
         }
     }

@@ -225,7 +225,7 @@ extern "C" __global__ void fattn_mask_compact(const FattnParams p, const unsigne
 
 // Split-KV combine: one block per output row r = (s*n_batch + t)*n_head + h (grid.x), any
 // block size that is a multiple of 32 (<= 1024). n_splits <= FATTN_MAX_SPLITS.
-// ws_ml[(z*n_rows + r)*2 + {0,1}] = (max in log2 domain, sum); ws_o[(z*n_rows + r)*d_v + c].
+// ws_ml[(z*n_rows + r)*2 + {0,1}] = (max in log2 domain, sum); ws_o[(z*n_rows + r)*head_dim_v + c].
 #define FATTN_MAX_SPLITS 256
 extern "C" __global__ void fattn_combine(const FattnParams p) {
     __shared__ float w[FATTN_MAX_SPLITS];
@@ -267,11 +267,11 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
     // 3. weighted sum of the partial outputs, columns across threads; the loads of one column's
     //    splits are issued FATTN_SPLIT_BATCH at a time, then summed in split order. A split
     //    with weight 0 (every cell of it masked) adds 0: its partial output may be stale.
-    const long long zs = n_rows * p.d_v;
-    for (int c = tid; c < p.d_v; c += blockDim.x) {
+    const long long zs = n_rows * p.head_dim_v;
+    for (int c = tid; c < p.head_dim_v; c += blockDim.x) {
         float acc = 0.0f;
         if (inv != 0.0f) {
-            const float* o = p.ws_o + r * p.d_v + c;
+            const float* o = p.ws_o + r * p.head_dim_v + c;
             int z = 0;
             for (; z + FATTN_SPLIT_BATCH <= p.n_splits; z += FATTN_SPLIT_BATCH) {
                 float v[FATTN_SPLIT_BATCH];
@@ -288,7 +288,7 @@ extern "C" __global__ void fattn_combine(const FattnParams p) {
                 if (f != 0.0f) acc = fmaf(__ldcg(o + z * zs), f, acc);
             }
         }
-        p.dst[r * p.d_v + c] = acc * inv;
+        p.dst[r * p.head_dim_v + c] = acc * inv;
     }
 }
 

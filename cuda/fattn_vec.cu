@@ -8,7 +8,7 @@
 //      group computes the R dot products of its row with the f32 Q rows held in registers
 //      and reduces them with shuffles -> shared sS[R][64] (scaled, softcapped, masked, log2)
 //   2. per row: tile max, rescale factor, probabilities in place, running sum
-//   3. every group accumulates p * V for its KV rows into registers (its chunks of D_v)
+//   3. every group accumulates p * V for its KV rows into registers (its chunks of head_dim_v)
 // At the end the groups' accumulators are summed in shared memory and written to dst (one
 // split) or to the split workspace (fattn_combine finishes).
 // Grid (n_q_tiles, n_head / pack, ne3 * n_splits); 128 threads; dynamic shared memory

@@ -23,9 +23,9 @@
 // not fast -- ggml_attn/dispatch.py sends plans with MASKED tiles to the mma.sync kernel). A
 // HIDDEN half's unseen V rows are zeroed by warp 9 (the fixer) before the consumers read that V.
 // Without a plan every chunk is live and cells past n_kv score -inf. D: the tile width, 64, 128
-// or 256; the call's d_k = d_v (p.d_v) is D or a smaller multiple of 8 (40 on the D 64 instance,
+// or 256; the call's head_dim_k = head_dim_v (p.head_dim_v) is D or a smaller multiple of 8 (40 on the D 64 instance,
 // 72-112 on 128, 192 on 256): TMA reads K and V's columns past it as zeros, Q is staged with
-// zeros there and only p.d_v columns are stored. f16 or bf16 K/V (T: Q and P staged in the same
+// zeros there and only p.head_dim_v columns are stored. f16 or bf16 K/V (T: Q and P staged in the same
 // type), no sinks, softcap or ALiBi. A tile is 128 query rows: 128 tokens of one head, or with
 // p.pack > 1 (QTMA and masks of one head plane only; ragged batches: tiles that straddle fewer
 // prompts, K/V chunks shared by the heads) 128 / pack tokens of pack query heads of one KV head

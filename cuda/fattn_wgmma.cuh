@@ -4,7 +4,7 @@
 // fragments, Q staging and row stores, the chunk walk over the plan's live
 // tiles and its masks, the HIDDEN rows' zeroing. sm_90a only.
 //
-// Head sizes D 64, 128 and 256 (d_k = d_v). A stage holds one K and one V tile of BK cells x D
+// Head sizes D 64, 128 and 256 (head_dim_k = head_dim_v). A stage holds one K and one V tile of BK cells x D
 // 16-bit values as D / 64 TMA-written d-boxes of BK x 64 (d 0-63, then d 64-127, ...), each with
 // the 128-byte swizzle (cuda/hopper_common.cuh, wgmma_desc_sw128). A warpgroup's S = Q K^T is
 // 64 x BK: thread (warp w, lane 4g + t4) holds S[4i + {0, 1}] at row 16w + g, columns
@@ -39,8 +39,8 @@ template <int D, int STAGES, bool QTMA = false> __host__ __device__ constexpr in
 // A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x D
 // 16-bit values as core matrices, K-major): T (f16 or bf16, K/V's type) of q * scale * log2 e
 // (scores then come out in the log2 domain), rows past n_batch zero. D is the instance's tile
-// width; the call's head size p.d_v (= d_k, a multiple of 8, <= D) may be smaller: columns from
-// p.d_v on are zero (as TMA fills K and V there), so they add nothing to S. tid: the thread's
+// width; the call's head size p.head_dim_v (= head_dim_k, a multiple of 8, <= D) may be smaller: columns from
+// p.head_dim_v on are zero (as TMA fills K and V there), so they add nothing to S. tid: the thread's
 // index in the warpgroup (0..127).
 template <int D, typename T = __half>
 __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int tok0, int h, int s, int tid) {
@@ -49,7 +49,7 @@ __device__ __forceinline__ void wg_stage_q(const FattnParams& p, __half* sq, int
     for (int i = tid; i < 64 * (D / 4); i += 128) {
         const int r = i / (D / 4), c = (i % (D / 4)) * 4;
         float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (tok0 + r < p.n_batch && c < p.d_v)
+        if (tok0 + r < p.n_batch && c < p.head_dim_v)
             x = __ldg(reinterpret_cast<const float4*>(qb + (long long)(tok0 + r) * p.q_nb1) + c / 4);
         uint2 w;
         w.x = KVTraits<T>::pack2(x.x * qs, x.y * qs);
@@ -76,7 +76,7 @@ __device__ __forceinline__ void wg_convert_q(const FattnParams& p, const float* 
 
 // A thread's two output rows (tok, tok + 8: rows g and g + 8 of its warp's 16) from the P V
 // accumulators: O / l (0 for a row that sees no cell), f32, dst row ((s * n_batch + tok) *
-// n_head + h, rows of p.d_v values); rows past n_batch and the tile's columns past p.d_v are not
+// n_head + h, rows of p.head_dim_v values); rows past n_batch and the tile's columns past p.head_dim_v are not
 // written. l: the thread's partial row sums (a row's sum is spread over the 4 threads of a quad).
 template <int D>
 __device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float (&O)[D / 2], const float (&l)[2],
@@ -89,10 +89,10 @@ __device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float 
         const int t = tok + 8 * rs;
         if (t >= p.n_batch) continue;
         const float f = inv_row_sum(L);
-        float* out = p.dst + (((long long)s * p.n_batch + t) * p.n_head + h) * p.d_v;
+        float* out = p.dst + (((long long)s * p.n_batch + t) * p.n_head + h) * p.head_dim_v;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i)
-            if (8 * i + 2 * t4 < p.d_v)
+            if (8 * i + 2 * t4 < p.head_dim_v)
                 *reinterpret_cast<float2*>(out + 8 * i + 2 * t4) = make_float2(O[4 * i + 2 * rs] * f, O[4 * i + 2 * rs + 1] * f);
     }
 }

@@ -60,8 +60,8 @@ def _live_columns(live_row: np.ndarray, n_kv: int):
 def attend_group_skipping(q, k, v, mask_rows, slopes, sinks, scale, logit_softcap, dtype=np.float32):
     """:func:`reference.attend_group` computed only over live tiles; same arguments/result.
 
-    q ``(g, n_batch, D_k)``, k ``(n_kv, D_k)`` float, v ``(n_kv, D_v)`` float, mask_rows
-    ``(g, n_batch, n_kv)`` or None -> ``(g, n_batch, D_v)``.
+    q ``(g, n_batch, head_dim_k)``, k ``(n_kv, head_dim_k)`` float, v ``(n_kv, head_dim_v)`` float, mask_rows
+    ``(g, n_batch, n_kv)`` or None -> ``(g, n_batch, head_dim_v)``.
     """
     if mask_rows is None:
         return reference.attend_group(q, k, v, None, slopes, sinks, scale, logit_softcap, dtype)
@@ -97,11 +97,11 @@ def flash_attn_ext_host(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Tenso
     """Write attention of host tensors into ``dst`` (float32). Graph thread ``ith`` of ``nth``
     takes every nth (stream, KV head) group, so all threads together cover ``dst`` once.
     ``stop()`` (optional) is asked before each group: True returns at once (Ctrl-C)."""
-    qa = as_numpy(q)    # (ne3, n_head, n_batch, D_k)
+    qa = as_numpy(q)    # (ne3, n_head, n_batch, head_dim_k)
     read_k, read_v = kv_head_reader(k), kv_head_reader(v)
     ma = as_numpy(mask) if mask is not None else None  # (ne33, ne32, rows, n_kv)
     sa = as_numpy(sinks).reshape(-1) if sinks is not None else None
-    out = as_numpy(dst)  # (ne3, n_batch, n_head, D_v)
+    out = as_numpy(dst)  # (ne3, n_batch, n_head, head_dim_v)
     if logit_softcap != 0.0:
         scale = scale / logit_softcap
     slopes = reference.alibi_slopes(dims.n_head, max_bias)

@@ -10,10 +10,10 @@ Entry points (all tensor arguments are :class:`~ggml_attn.tensor.TensorDesc` in 
   cell-list decode kernel, each row's list of visible cells), built on the GPU once from the
   mask and reused by every layer.
 
-Shapes (ggml_flash_attn_ext's, ggml order): q f32 [D_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
+Shapes (ggml_flash_attn_ext's, ggml order): q f32 [head_dim_k, n_batch, n_head, ne3] (any byte strides, nb0 = 4);
 k/v f16|bf16 [D, n_kv, n_head_kv, ne3] (rows contiguous, 16-byte aligned); mask f16
 [n_kv, n_rows >= n_batch, ne32, ne33]; sinks f32 [n_head]; dst f32 contiguous
-[D_v, n_head, n_batch, ne3].
+[head_dim_v, n_head, n_batch, ne3].
 
 The backend's other jobs live in their own modules, whose public names this one re-exports:
 ``cuda_device`` (device presence, SM count, stream pointers), ``cuda_launch`` (launch
@@ -103,7 +103,7 @@ def _params_common(q, k, v, mask, sinks, dst, sh: AttnDims, scale, max_bias, sof
     if max_bias > 0.0:
         p.m0 = 2.0 ** (-max_bias / n_head_log2)
         p.m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
-    p.d_v = sh.d_v
+    p.head_dim_v = sh.head_dim_v
     return p
 
 
@@ -207,11 +207,11 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p, conv=conv)
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
-        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.d_v)
+        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.head_dim_v)
         prep.n_groups = dt.n_groups(sh.n_head, cfg.pack, cfg.n_q_tiles, sh.ne3)
     elif cfg.n_splits > 1:
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
-        prep.ws_o_bytes = cfg.n_splits * n_rows * sh.d_v * 4
+        prep.ws_o_bytes = cfg.n_splits * n_rows * sh.head_dim_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
         if L.FUSED_SPLIT_FINISH and cfg.finishes_splits():   # the last block of each row group merges
             prep.n_groups = cfg.grid[0] * cfg.grid[1] * sh.ne3

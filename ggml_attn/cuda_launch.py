@@ -240,7 +240,7 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
     n_kv_tiles = max(1, -(-sh.n_kv // K.KV_TILE))
     if kernel == "prefill-wgmma":   # one fixed shape: 128-token blocks, no KV split
         from . import wgmma_shape as hp
-        c = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG, sh.d_k)]
+        c = hp.WS_CONFIGS[hp.ws_config(sh.kv_type, WGMMA_CONFIG, sh.head_dim_k)]
         pack = min(gqa_p2, WGMMA_RAGGED_PACK) if wide is False and c.q_tma and sh.ne32 == 1 else 1
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0, pack)
@@ -268,34 +268,34 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
         mt = 2 if (pack == 1 and sh.n_batch >= PREFILL_WIDE_MIN_BATCH and wide is not False
-                   and max(sh.d_k, sh.d_v) <= K.WIDE_MAX_HEAD) else 1
+                   and max(sh.head_dim_k, sh.head_dim_v) <= K.WIDE_MAX_HEAD) else 1
         tq = 64 * mt // pack
         st = 1 if mt == 2 else 2
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 4, 1, mt, st, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 4, 1, mt, st)
+        variant = K.mma_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, ext)
+        name = K.mma_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, 4, 1, mt, st, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.head_dim_k, sh.head_dim_v, 4, 1, mt, st)
     elif kernel == "decode-tc":
         pack, tq = _group_rows(sh.gqa)
-        variant = K.mma_variant(sh.d_k, sh.d_v, sh.kv_type, ext)
-        name = K.mma_name(sh.d_k, sh.d_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.d_k, sh.d_v, 1, 4, 1, DECODE_TC_STAGES)
+        variant = K.mma_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, ext)
+        name = K.mma_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
+        block, smem = 128, K.mma_smem_bytes(sh.head_dim_k, sh.head_dim_v, 1, 4, 1, DECODE_TC_STAGES)
     elif kernel == "decode":
-        allowed = K.vec_rows_allowed(sh.d_k, sh.d_v)
+        allowed = K.vec_rows_allowed(sh.head_dim_k, sh.head_dim_v)
         rmax = max(allowed)
         pack = min(gqa_p2, rmax)
         need = pack * min(sh.n_batch, rmax // pack)
         rows = min(r for r in allowed if r >= need)
         tq = rows // pack
-        variant = K.vec_variant(sh.d_k, sh.d_v, sh.kv_type)
-        name = K.vec_name(sh.d_k, sh.d_v, sh.kv_type, rows)
-        block, smem = 128, K.vec_smem_bytes(sh.d_k, sh.d_v, rows)
+        variant = K.vec_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type)
+        name = K.vec_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, rows)
+        block, smem = 128, K.vec_smem_bytes(sh.head_dim_k, sh.head_dim_v, rows)
     elif kernel == "cells":   # one token per block, R heads of one KV head sharing its cell list
         tune = CELLS_TUNE
-        pack = min(gqa_p2, max(K.cells_rows_allowed(sh.d_k, sh.d_v, tune))) if sh.ne32 == 1 else 1
+        pack = min(gqa_p2, max(K.cells_rows_allowed(sh.head_dim_k, sh.head_dim_v, tune))) if sh.ne32 == 1 else 1
         tq = 1
-        variant = K.cells_variant(sh.d_k, sh.d_v, sh.kv_type, tune)
-        name = K.cells_name(sh.d_k, sh.d_v, sh.kv_type, pack, tune)
-        block, smem = 128, K.cells_smem_bytes(sh.d_k, sh.d_v, pack)
+        variant = K.cells_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, tune)
+        name = K.cells_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, pack, tune)
+        block, smem = 128, K.cells_smem_bytes(sh.head_dim_k, sh.head_dim_v, pack)
     else:
         raise ValueError(f"no launch configuration for kernel {kernel!r}")
     n_q_tiles = -(-sh.n_batch // tq)
@@ -322,7 +322,7 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
                         block, smem, grid, rows=tq * pack,
-                        fused_finish=sh.d_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
+                        fused_finish=sh.head_dim_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
 
 
 _OCCUPANCY: dict[tuple, int] = {}

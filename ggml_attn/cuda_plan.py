@@ -417,7 +417,7 @@ def _aligned_mask_copy(mask: TensorDesc, n_batch: int, stream: int, into=None):
 
 
 def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
-              d_k: int = 128, d_v: int | None = None, kv_type: int = GGML_TYPE_F16,
+              head_dim_k: int = 128, head_dim_v: int | None = None, kv_type: int = GGML_TYPE_F16,
               ne3: int | None = None, kernel: str = "auto", stream=None) -> Plan:
     """Build the live-tile plan of one ubatch from its device-resident ``mask``.
 
@@ -433,10 +433,10 @@ def make_plan(mask: TensorDesc, n_batch: int, n_head: int, n_head_kv: int, *,
     """
     if mask is None:
         raise ValueError("make_plan needs a mask")
-    d_v = d_k if d_v is None else d_v
+    head_dim_v = head_dim_k if head_dim_v is None else head_dim_v
     ne3 = mask.ne[3] if ne3 is None else ne3
     plan = Plan(mask, n_batch, n_head, n_head_kv)
-    sh = AttnDims(d_k, d_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
+    sh = AttnDims(head_dim_k, head_dim_v, n_batch, n_head, n_head_kv, ne3, mask.ne[0], kv_type, mask.ne[2], mask.ne[3])
     # the kernel family first, by shapes alone: which tile maps and statistics to build (the
     # sm_90a kernels asked for by name check the device's architecture; auto's sm_90a choices
     # follow the statistics, below)
@@ -509,9 +509,9 @@ def decide(kernel: str, dims: AttnDims, *, plan: Plan | None = None, k: TensorDe
     return c
 
 
-def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, kernel: str = "auto",
+def programs(head_dim_k: int, head_dim_v: int, k_type: int, v_type: int, gqa: int, arch: str, kernel: str = "auto",
              ext: bool = False) -> list[K.Variant]:
-    """The programs the backend may load for calls of head sizes ``d_k``/``d_v``, K/V of types
+    """The programs the backend may load for calls of head sizes ``head_dim_k``/``head_dim_v``, K/V of types
     ``k_type``/``v_type`` and ``gqa`` query heads per KV head, on a GPU of ``arch`` ("sm_90"),
     under ``kernel`` ("auto": every GPU kernel best_kernel lets run decode- or prompt-shaped such
     calls; a name: that one; ``ext``: with softcap or ALiBi): the kernels' own programs (f16 ones
@@ -523,10 +523,10 @@ def programs(d_k: int, d_v: int, k_type: int, v_type: int, gqa: int, arch: str, 
     pairs = [(k_type, v_type)] + ([(GGML_TYPE_F16, GGML_TYPE_F16)] if k_type != v_type else [])
     for (kt, vt) in pairs:
         for n_batch in (1, dispatch.WGMMA_MIN_BATCH):   # a decode step's call, a prompt's
-            dims = AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, kt, v_type=None if vt == kt else vt)
+            dims = AttnDims(head_dim_k, head_dim_v, n_batch, gqa, 1, 1, 4096, kt, v_type=None if vt == kt else vt)
             for c in dispatch.kernels_for(kernel, dispatch.call_facts(dims, arch=arch, plain=not ext)):
                 t = GGML_TYPE_F16 if dispatch.reads_f16_copies(c.kernel, kt, vt) else kt
-                v = launch_config(c.kernel, AttnDims(d_k, d_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
+                v = launch_config(c.kernel, AttnDims(head_dim_k, head_dim_v, n_batch, gqa, 1, 1, 4096, t), n_splits=1, ext=ext,
                                   blocks_per_sm=1).variant
                 if v not in out:
                     out.append(v)

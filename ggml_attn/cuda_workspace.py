@@ -25,7 +25,7 @@ import threading
 class Workspace:
     """Split-KV scratch of one (device, stream, thread), grown as needed.
 
-    ``partials``: uint8 bytes of split partials, O [n_splits][rows][d_v] f32 then (max, sum)
+    ``partials``: uint8 bytes of split partials, O [n_splits][rows][head_dim_v] f32 then (max, sum)
     [n_splits][rows][2] f32 (the kernels' ``ws_o`` / ``ws_ml``). ``counters``: int32 split
     counters, one per row group, zero between launches."""
 

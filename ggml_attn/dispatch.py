@@ -66,7 +66,7 @@ CELLS_MAX_LIST_BYTES = 256 << 20
 
 
 # The sm_90a prefill ("prefill-wgmma", cuda/fattn_wgmma.cu version 1): auto runs it in place of
-# "prefill" on compute capability 9.0 for d_k = d_v of wgmma_shape.HEAD_SIZES_WS (instances at
+# "prefill" on compute capability 9.0 for head_dim_k = head_dim_v of wgmma_shape.HEAD_SIZES_WS (instances at
 # 64, 128 and 256; 40, 72-112 and 192 padded to the next: causal 4096 D 96 300.9 us against 395.1
 # on mma.sync, D 192 295.3 against 635.1, every padded size ahead of mma.sync,
 # bench/results/2026-12-03-b94a1da-wgmma-heads-final.json), f16 or bf16 K/V without sinks,
@@ -86,16 +86,16 @@ WGMMA_MIN_BATCH = 128
 
 def _sm90a_why_not(f: "CallFacts", heads: tuple[int, ...],
                    types: tuple = (GGML_TYPE_F16, GGML_TYPE_BF16)) -> str | None:
-    """What the sm_90a kernels need: compute capability 9.0, d_k = d_v in ``heads`` (the head
+    """What the sm_90a kernels need: compute capability 9.0, head_dim_k = head_dim_v in ``heads`` (the head
     sizes of the kernel's instances), K/V of one of ``types`` (f16 or bf16; the decode also q8_0
     and q4_0), no sinks, softcap or ALiBi."""
     if f.arch != WGMMA_ARCH:
         return f"needs compute capability 9.0 (sm_90a programs); this GPU is {f.arch or 'unknown'}"
-    if f.d_k != f.d_v or f.d_k not in heads or f.kv_type not in types:
+    if f.head_dim_k != f.head_dim_v or f.head_dim_k not in heads or f.kv_type not in types:
         sizes = ", ".join(map(str, heads))
         names = "/".join(TYPE_NAMES.get(t, str(t)) for t in types)
-        return (f"D {sizes} (d_k = d_v) with {names} K/V only "
-                f"(got {f.d_k}/{f.d_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})")
+        return (f"D {sizes} (head_dim_k = head_dim_v) with {names} K/V only "
+                f"(got {f.head_dim_k}/{f.head_dim_v}, {TYPE_NAMES.get(f.kv_type, f.kv_type)})")
     if not f.plain:
         return "no sinks, softcap or ALiBi in this kernel"
     return None
@@ -154,7 +154,7 @@ def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     lists over CELLS_MAX_LIST_BYTES; for ``auto``'s choice also more than CELLS_MAX_BATCH
     tokens per stream: a prompt's rows share their cells, which tiles reuse and cell lists do
     not -- asked for by name, such calls run, slowly)."""
-    why = supports("cells", f.d_k, f.d_v, f.kv_type)
+    why = supports("cells", f.head_dim_k, f.head_dim_v, f.kv_type)
     if why is not None:
         return why
     if auto and f.n_batch > CELLS_MAX_BATCH:
@@ -165,7 +165,7 @@ def cells_why_not(f: "CallFacts", auto: bool = True) -> str | None:
     return None
 
 
-def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
+def supports(kernel: str, head_dim_k: int, head_dim_v: int, kv_type: int) -> str | None:
     """None when ``kernel`` can run these head sizes and K/V type, else the reason it cannot.
     q8_0 / q4_0 K/V: the CUDA-core decode kernel (blocks dequantized in registers) and the sm_90a
     decode at D 128 (MMA fragments built from each tile's raw blocks in registers;
@@ -176,15 +176,15 @@ def supports(kernel: str, d_k: int, d_v: int, kv_type: int) -> str | None:
     name = type_name(kv_type)
     if kv_type in QUANT_KV_CTYPES:
         if kernel not in QUANT_READERS:
-            return supports(kernel, d_k, d_v, GGML_TYPE_F16)
+            return supports(kernel, head_dim_k, head_dim_v, GGML_TYPE_F16)
         heads = VEC_QUANT_HEADS if kernel == "decode" else ((128, 128),)
     elif kv_type not in (GGML_TYPE_F16, GGML_TYPE_BF16):
         return (f"K/V type {name} has no GPU kernel "
                 "(the kernels read f16/bf16 K/V, and q8_0/q4_0 in the CUDA-core decode kernel)")
     else:
         heads = VEC_HEADS if kernel == "decode" else CELLS_HEADS if kernel == "cells" else MMA_HEADS
-    if (d_k, d_v) not in heads:
-        return f"head sizes D_k={d_k}, D_v={d_v} are not compiled for the {kernel} kernel " \
+    if (head_dim_k, head_dim_v) not in heads:
+        return f"head sizes head_dim_k={head_dim_k}, head_dim_v={head_dim_v} are not compiled for the {kernel} kernel " \
                f"(compiled: {', '.join(f'{a}/{b}' for a, b in heads)})"
     return None
 
@@ -208,13 +208,13 @@ def _quant_direct(f: "CallFacts") -> "Choice | None":
     the decode limit) and head sizes no tensor-core kernel has, on the sm_90a decode where it
     runs, else the CUDA-core decode; None: a tensor-core kernel over f16 copies."""
     name = type_name(f.kv_type)
-    mma = supports("prefill", f.d_k, f.d_v, GGML_TYPE_F16) is None
+    mma = supports("prefill", f.head_dim_k, f.head_dim_v, GGML_TYPE_F16) is None
     if mma and f.n_batch > DECODE_MAX_BATCH[_bucket(f.gqa)]:
         return None
     if decode_tma_why_not(f) is None:
         return Choice("decode-tma", f"{name} K/V, n_batch {f.n_batch} <= decode limit: the sm_90a decode "
                                     f"dequantizes each tile's blocks into its MMA fragments")
-    why = supports("decode", f.d_k, f.d_v, f.kv_type)
+    why = supports("decode", f.head_dim_k, f.head_dim_v, f.kv_type)
     if why is None:
         return Choice("decode", f"{name} K/V, n_batch {f.n_batch}: the CUDA-core kernel dequantizes the blocks "
                                 f"in registers")
@@ -230,17 +230,17 @@ def _bucket(gqa: int) -> int:
     return b
 
 
-def _choose_gpu(n_batch: int, gqa: int, d_k: int, d_v: int, kv_type: int) -> tuple[str, str]:
+def _choose_gpu(n_batch: int, gqa: int, head_dim_k: int, head_dim_v: int, kv_type: int) -> tuple[str, str]:
     """The GPU kernel for one call when ``auto`` is asked: (kernel, reason); "reference" when no
     kernel covers these head sizes / K/V type."""
-    why = supports("decode", d_k, d_v, kv_type)
+    why = supports("decode", head_dim_k, head_dim_v, kv_type)
     if why is not None:
         return "reference", why
     if kv_type in QUANT_KV_CTYPES:
         return "decode", (f"{TYPE_NAMES.get(kv_type, kv_type)} K/V: the CUDA-core kernel dequantizes "
                           f"the blocks in registers (the only kernel that reads them)")
-    if supports("prefill", d_k, d_v, kv_type) is not None:
-        return "decode", f"head sizes {d_k}/{d_v} have only the CUDA-core kernel"
+    if supports("prefill", head_dim_k, head_dim_v, kv_type) is not None:
+        return "decode", f"head sizes {head_dim_k}/{head_dim_v} have only the CUDA-core kernel"
     if n_batch <= DECODE_MAX_BATCH[_bucket(gqa)]:
         return "decode-tc", f"n_batch {n_batch} <= decode limit ({CROSSOVER_SOURCE})"
     return "prefill", f"n_batch {n_batch} above the decode limit ({CROSSOVER_SOURCE})"
@@ -254,8 +254,8 @@ class CallFacts:
     n_batch: int
     gqa: int
     n_kv: int
-    d_k: int
-    d_v: int
+    head_dim_k: int
+    head_dim_v: int
     kv_type: int
     kv_aligned: bool = True
     mask_planes: int = 1               # ne32 * ne33 of the mask (cell lists: one per plane and token)
@@ -297,7 +297,7 @@ def call_facts(dims: "AttnDims", *, kv_aligned: bool = True, kv_tma: bool = True
     cr, tr = reads if reads is not None else (None, None)
     masked = mask_tiles != "none" if masked is None else masked
     work, even = decode_work(dims, live_counts, masked)
-    return CallFacts(dims.n_batch, dims.gqa, dims.n_kv, dims.d_k, dims.d_v, dims.kv_type, kv_aligned,
+    return CallFacts(dims.n_batch, dims.gqa, dims.n_kv, dims.head_dim_k, dims.head_dim_v, dims.kv_type, kv_aligned,
                      dims.ne32 * dims.ne33, cr, tr, arch, plain, mask_tiles, work, even, kv_tma, dims.v_type)
 
 
@@ -407,7 +407,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
         return Choice(c.kernel, f"{c.reason}; {type_name(f.kv_type)} K/V converted to f16 once per call "
                                 f"first (as llama.cpp's tensor-core kernels do)")
     if kernel == "auto":
-        kern, why = _choose_gpu(f.n_batch, f.gqa, f.d_k, f.d_v, f.kv_type)
+        kern, why = _choose_gpu(f.n_batch, f.gqa, f.head_dim_k, f.head_dim_v, f.kv_type)
         if kern == "reference":
             return Choice("reference", f"{why}; running the numpy reference on the host")
         if f.cell_reads is not None and f.tile_reads is not None and cells_why_not(f) is None \
@@ -416,7 +416,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
                                   f"on their cell lists against {f.tile_reads:.0f} for {kern} "
                                   f"(gain >= {CELLS_MIN_GAIN:g}, the plan's counts)")
         if kern == "prefill" and f.kv_aligned and wgmma_why_not(f) is None:
-            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D {f.d_k}, plain mask tiles)"
+            kern, why = "prefill-wgmma", f"{why}; sm_90a wgmma prefill (D {f.head_dim_k}, plain mask tiles)"
         min_work = DECODE_TMA_MIN_WORK_EVEN if f.work_even else DECODE_TMA_MIN_WORK
         if kern == "decode-tc" and f.work_tiles >= min_work \
                 and f.kv_aligned and decode_tma_why_not(f) is None:
@@ -431,7 +431,7 @@ def best_kernel(kernel: str, f: CallFacts, *, backend: str = "cuda", gpu: bool =
         elif kernel == "cells":
             why = cells_why_not(f, auto=False)
         else:
-            why = supports(kernel, f.d_k, f.d_v, f.kv_type)
+            why = supports(kernel, f.head_dim_k, f.head_dim_v, f.kv_type)
         if why is not None:
             raise ValueError(f"kernel {kernel!r} cannot run this call: {why}")
         kern, why = kernel, f"kernel {kernel!r} requested"

@@ -80,15 +80,15 @@ def block_size(type_name: str) -> int:
     return 1 if type_name in FLOAT_CACHE_TYPES else QUANT_BLOCK
 
 
-def check_head_blocks(name: str, type_name, head_dim: int) -> None:
+def check_head_blocks(name: str, type_name, head_dim_k: int) -> None:
     """The one rule for a K or V cache type (``name``: ``type_k`` / ``type_v``): one of
-    :data:`CACHE_TYPES`, and each head's row (``head_dim`` values) a whole number of the type's
+    :data:`CACHE_TYPES`, and each head's row (``head_dim_k`` values) a whole number of the type's
     blocks, since attention reads K/V per head (a q8_0 row of two 48-wide heads holds three
     blocks, but the second head starts in the middle of one: ggml's op gave NaN rows).
     ``ValueError`` naming the argument, the type, the head size and the block size."""
     if not isinstance(type_name, str) or type_name not in CACHE_TYPE_IDS:
         raise ValueError(f"{name} {type_name!r} is not a cache type (allowed: {', '.join(CACHE_TYPES)})")
     blck = block_size(type_name)
-    if head_dim % blck:
-        raise ValueError(f"{name} {type_name}: head size {head_dim} is not a multiple of {blck}, the "
+    if head_dim_k % blck:
+        raise ValueError(f"{name} {type_name}: head size {head_dim_k} is not a multiple of {blck}, the "
                          f"{type_name} block size (each head's row must be whole blocks)")

@@ -28,11 +28,11 @@ __all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "config_smem", "kv_map", "q_ma
 def why_not(sh: cb.AttnDims, q: TensorDesc, k: TensorDesc, v: TensorDesc,
             dst: TensorDesc | None = None, kv_type: int = GGML_TYPE_F16, d: int = 128) -> str | None:
     """None when an instance for K/V of ``kv_type`` and tile width ``d`` runs these shapes, else
-    why not (d_k = d_v, a head size of HEAD_SIZES_WS whose tile width is d, that K/V type,
+    why not (head_dim_k = head_dim_v, a head size of HEAD_SIZES_WS whose tile width is d, that K/V type,
     16-byte aligned addresses and strides, an 8-byte aligned dst)."""
-    if sh.d_k != sh.d_v or sh.d_k not in HEAD_SIZES_WS or tile_width(sh.d_k) != d:
+    if sh.head_dim_k != sh.head_dim_v or sh.head_dim_k not in HEAD_SIZES_WS or tile_width(sh.head_dim_k) != d:
         sizes = ", ".join(str(x) for x in HEAD_SIZES_WS if tile_width(x) == d)
-        return f"head sizes {sh.d_k}/{sh.d_v}: this instance takes D {sizes} (d_k = d_v)"
+        return f"head sizes {sh.head_dim_k}/{sh.head_dim_v}: this instance takes D {sizes} (head_dim_k = head_dim_v)"
     if sh.kv_type != kv_type:
         return f"K/V must be {TYPE_NAMES.get(kv_type, kv_type)} for this instance"
     if not (dispatch.kv_access(q, q)[0] and dispatch.kv_access(k, v)[0]):   # Q's 16-byte loads, TMA's strides

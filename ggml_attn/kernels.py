@@ -323,7 +323,7 @@ class FattnParams(ctypes.Structure):
         ("n_splits", ctypes.c_int32), ("n_head_log2", ctypes.c_int32),
         ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("m0", ctypes.c_float), ("m1", ctypes.c_float),
-        ("use_alibi", ctypes.c_int32), ("d_v", ctypes.c_int32),
+        ("use_alibi", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
         ("split_cnt", ctypes.c_uint64),
         ("cells", ctypes.c_uint64), ("cell_cnt", ctypes.c_uint64),
         ("work_cap", ctypes.c_int32), ("pad_", ctypes.c_int32),

@@ -1,7 +1,7 @@
 """``flash_attn_ext``: a drop-in for ``ggml_flash_attn_ext`` as a ggml custom op.
 
 The op is a ``ggml_custom_4d`` node with sources ``[q, k, v, (mask), (sinks)]`` and the same
-result as ggml's: F32 ``[D_v, n_head, n_batch, ne3]`` (ggml order), i.e. permuted (0,2,1,3)
+result as ggml's: F32 ``[head_dim_v, n_head, n_batch, ne3]`` (ggml order), i.e. permuted (0,2,1,3)
 relative to q. When the node runs it picks the backend per call:
 
 * device pointers (device-resident graphs: every tensor in GPU memory) -> CUDA kernels,
@@ -443,10 +443,10 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     Without a plan each device call builds its own tile map.
 
     Arguments are ggml-python tensors (``ggml_tensor_p``), ggml order:
-    q F32 ``[D_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 (or a quantized type ggml can
+    q F32 ``[head_dim_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 (or a quantized type ggml can
     dequantize, CPU path only) ``[D, n_kv, n_head_kv, ne3]``,
     mask F16 ``[n_kv, >=n_batch, ne32, ne33]`` or None, sinks F32 ``[n_head]`` or None.
-    Returns the F32 result tensor ``[D_v, n_head, n_batch, ne3]``. Bad inputs raise
+    Returns the F32 result tensor ``[head_dim_v, n_head, n_batch, ne3]``. Bad inputs raise
     ``ValueError`` here, at graph-build time, naming the argument (a missing/NULL tensor or
     context, a non-number scale, shapes and types).
     """

@@ -2,12 +2,12 @@
 
 All arrays here are in **numpy axis order** (the reverse of ggml's ``ne[0..3]``):
 
-    q     (ne3, n_head,    n_batch, D_k)      ggml q    [D_k, n_batch, n_head,    ne3]
-    k     (ne3, n_head_kv, n_kv,    D_k)      ggml k    [D_k, n_kv,    n_head_kv, ne3]
-    v     (ne3, n_head_kv, n_kv,    D_v)      ggml v    [D_v, n_kv,    n_head_kv, ne3]
-    mask  (ne33, ne32, n_rows >= n_batch, n_kv)  ggml mask [n_kv, n_rows, ne32, ne33]
+    q     (ne3, n_head,    n_batch, head_dim_k)   ggml q    [head_dim_k, n_batch, n_head,    ne3]
+    k     (ne3, n_head_kv, n_kv,    head_dim_k)   ggml k    [head_dim_k, n_kv,    n_head_kv, ne3]
+    v     (ne3, n_head_kv, n_kv,    head_dim_v)   ggml v    [head_dim_v, n_kv,    n_head_kv, ne3]
+    mask  (ne33, ne32, n_rows >= n_batch, n_kv)   ggml mask [n_kv, n_rows, ne32, ne33]
     sinks (n_head,)
-    out   (ne3, n_batch, n_head, D_v)         ggml res  [D_v, n_head,  n_batch,   ne3]
+    out   (ne3, n_batch, n_head,    head_dim_v)   ggml res  [head_dim_v, n_head,  n_batch,   ne3]
 
 K/V may be given as float arrays or, with ``kv_type``, as ggml storage arrays
 (F16 ``float16``, BF16 ``uint16`` bits). The math runs in ``dtype`` (float64 for tests).
@@ -37,9 +37,9 @@ def attend_group(q, k, v, mask_rows, slopes, sinks, scale: float, logit_softcap:
                  dtype=np.float64) -> np.ndarray:
     """Attention of ``g`` query heads that share one KV head, numpy order.
 
-    q ``(g, n_batch, D_k)``, k ``(n_kv, D_k)``, v ``(n_kv, D_v)``, mask_rows ``(g, n_batch, n_kv)``
+    q ``(g, n_batch, head_dim_k)``, k ``(n_kv, head_dim_k)``, v ``(n_kv, head_dim_v)``, mask_rows ``(g, n_batch, n_kv)``
     or None, slopes ``(g,)``, sinks ``(g,)`` or None; ``scale`` already divided by the softcap.
-    Returns ``(g, n_batch, D_v)`` in ``dtype``.
+    Returns ``(g, n_batch, head_dim_v)`` in ``dtype``.
 
     Non-finite values behave as in ggml's scalar CPU kernel, which walks the cells of a row with
     a running max that starts at -inf (its online softmax, here in closed form):
@@ -103,7 +103,7 @@ def attend_group(q, k, v, mask_rows, slopes, sinks, scale: float, logit_softcap:
 
 def _normalize(acc, denom, row_max, sinks, nan_row, dtype):
     """Fold in the sinks as ggml does after the cells, divide by the weight sum (0 -> zeros),
-    NaN where ``nan_row``. Shapes ``(g, n_batch, D_v)`` / ``(g, n_batch, 1)``."""
+    NaN where ``nan_row``. Shapes ``(g, n_batch, head_dim_v)`` / ``(g, n_batch, 1)``."""
     if sinks is not None:
         sink = np.asarray(sinks, dtype=dtype)[:, None, None]
         above = sink > row_max  # comparisons with NaN are False, as in C
@@ -119,7 +119,7 @@ def _normalize(acc, denom, row_max, sinks, nan_row, dtype):
 def _weighted_values(p, v, visible):
     """``p @ v`` where a cell a row does not see contributes exactly 0 even if V is NaN/inf there
     (``0 * NaN`` would be NaN); a visible non-finite V enters as ``p * v``.
-    p ``(g, n_batch, n_kv)``, v ``(n_kv, D_v)``, visible bool like p or None (all visible)."""
+    p ``(g, n_batch, n_kv)``, v ``(n_kv, head_dim_v)``, visible bool like p or None (all visible)."""
     finite = np.isfinite(v)
     if finite.all():
         return np.matmul(p, v)
@@ -157,22 +157,22 @@ def flash_attn_ext(
 ) -> np.ndarray:
     """Attention exactly as ggml defines it; arrays in numpy order (module docstring).
 
-    Returns ``(ne3, n_batch, n_head, D_v)`` in ``dtype``. A query row whose every
+    Returns ``(ne3, n_batch, n_head, head_dim_v)`` in ``dtype``. A query row whose every
     logit is masked gives zeros (a sink adds weight but no value). NaN/inf: a masked (-inf)
     cell never matters, visible non-finite values propagate as in ggml (:func:`attend_group`).
     """
     if kv_type != GGML_TYPE_F32:
         k, v = to_float(k, kv_type), to_float(v, kv_type)
-    ne3, n_head, n_batch, d_k = q.shape
+    ne3, n_head, n_batch, head_dim_k = q.shape
     _, n_head_kv, n_kv, _ = k.shape
-    d_v = v.shape[3]
-    if k.shape[0] != ne3 or v.shape[:3] != k.shape[:3] or k.shape[3] != d_k or n_head % n_head_kv:
+    head_dim_v = v.shape[3]
+    if k.shape[0] != ne3 or v.shape[:3] != k.shape[:3] or k.shape[3] != head_dim_k or n_head % n_head_kv:
         raise ValueError(f"incompatible shapes q{q.shape} k{k.shape} v{v.shape}")
     gqa = n_head // n_head_kv
     if logit_softcap != 0.0:
         scale = scale / logit_softcap
     slopes = alibi_slopes(n_head, max_bias)
-    out = np.zeros((ne3, n_batch, n_head, d_v), dtype=dtype)
+    out = np.zeros((ne3, n_batch, n_head, head_dim_v), dtype=dtype)
     for s in range(ne3):
         for hk in range(n_head_kv):
             heads = range(hk * gqa, (hk + 1) * gqa)

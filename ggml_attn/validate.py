@@ -18,12 +18,12 @@ KV_TYPES = (GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16)
 @dataclass(frozen=True)
 class AttnDims:
     """Sizes and types of one flash-attention call, derived from validated inputs (ggml order):
-    q [d_k, n_batch, n_head, ne3], k/v [d_k|d_v, n_kv, n_head_kv, ne3] of ``kv_type`` (V of
+    q [head_dim_k, n_batch, n_head, ne3], k/v [head_dim_k|head_dim_v, n_kv, n_head_kv, ne3] of ``kv_type`` (V of
     ``v_type`` when it differs: f16 beside q8_0/q4_0), mask planes [n_kv, rows, ne32, ne33]
     (1, 1 without a mask). The one record of a call's dimensions: the op, the CPU path, the
     dispatcher's facts and the CUDA launch configuration all read it."""
-    d_k: int
-    d_v: int
+    head_dim_k: int
+    head_dim_v: int
     n_batch: int
     n_head: int
     n_head_kv: int
@@ -41,8 +41,8 @@ class AttnDims:
 
     @property
     def out_ne(self) -> tuple[int, int, int, int]:
-        """ggml ne of the result: [D_v, n_head, n_batch, ne3]."""
-        return (self.d_v, self.n_head, self.n_batch, self.ne3)
+        """ggml ne of the result: [head_dim_v, n_head, n_batch, ne3]."""
+        return (self.head_dim_v, self.n_head, self.n_batch, self.ne3)
 
 
 def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
@@ -71,9 +71,9 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
                              f"(nb[0] == {elem}), got nb={list(t.nb)}")
     if q.nb[0] != 4:
         raise ValueError(f"q {q.shape_str}: rows must be contiguous (nb[0] == 4), got nb={list(q.nb)}")
-    d_k, n_batch, n_head, ne3 = q.ne
-    if k.ne[0] != d_k:
-        raise ValueError(f"k {k.shape_str}: head size ne[0]={k.ne[0]} must equal q's ne[0]={d_k}")
+    head_dim_k, n_batch, n_head, ne3 = q.ne
+    if k.ne[0] != head_dim_k:
+        raise ValueError(f"k {k.shape_str}: head size ne[0]={k.ne[0]} must equal q's ne[0]={head_dim_k}")
     n_kv, n_head_kv = k.ne[1], k.ne[2]
     if v.ne[1] != n_kv:
         raise ValueError(f"v {v.shape_str}: n_kv ne[1]={v.ne[1]} must equal k's ne[1]={n_kv}")
@@ -114,5 +114,5 @@ def check_flash_attn_args(q: TensorDesc, k: TensorDesc, v: TensorDesc,
     for name, val in (("scale", scale), ("max_bias", max_bias), ("logit_softcap", logit_softcap)):
         if val != val or val in (float("inf"), float("-inf")):
             raise ValueError(f"{name}={val} must be finite")
-    return AttnDims(d_k, v.ne[0], n_batch, n_head, n_head_kv, ne3, n_kv, k.type, ne32, ne33,
+    return AttnDims(head_dim_k, v.ne[0], n_batch, n_head, n_head_kv, ne3, n_kv, k.type, ne32, ne33,
                     v.type if v.type != k.type else None)

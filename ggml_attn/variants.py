@@ -12,7 +12,7 @@ from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
 
-# (D_k, D_v) pairs per family. Head sizes outside these fall back to the reference.
+# (head_dim_k, head_dim_v) pairs per family. Head sizes outside these fall back to the reference.
 MMA_HEADS = ((40, 40), (64, 64), (72, 72), (80, 80), (96, 96), (112, 112), (128, 128),
              (192, 128), (192, 192), (256, 256), (320, 256))
 VEC_HEADS = MMA_HEADS + ((512, 512), (576, 512))
@@ -21,7 +21,7 @@ VEC_QUANT_HEADS = tuple(h for h in VEC_HEADS if h[0] % 32 == 0 and h[1] % 32 == 
 # (NWQ, NWK, MT, ST): prefill 64 rows (2-stage ring) / 128 rows (FA2 order), decode-tc with a
 # 2-stage ring (two blocks per SM at D 128; a 3-stage ring fits one, and was slower)
 MMA_LAYOUTS = ((4, 1, 1, 2), (4, 1, 2, 1), (1, 4, 1, 2))
-WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for D_k, D_v <= this (registers)
+WIDE_MAX_HEAD = 128   # the 128-row prefill (MT = 2) is compiled for head_dim_k, head_dim_v <= this (registers)
 
 
 def mma_layouts(dk: int, dv: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -53,7 +53,7 @@ def vec_rows_allowed(dk: int, dv: int) -> tuple[int, ...]:
 
 
 # Cell-list decode (fattn_cells.cu): head sizes (the pairs the CUDA-core decode kernel takes up to
-# D_k 256; larger ones spill with 4 cells in flight per group) and query heads per block (R, a
+# head_dim_k 256; larger ones spill with 4 cells in flight per group) and query heads per block (R, a
 # power of 2 that divides gqa; the GQA group of one KV head, or part of it)
 CELLS_HEADS = tuple(h for h in VEC_HEADS if h[0] <= 256)
 CELLS_ROWS = (1, 2, 4, 8)

@@ -15,7 +15,7 @@ from .tensor import TensorDesc
 THREADS_WS = 384   # two consumer warpgroups and the producer warpgroup (cuda/fattn_wgmma.cuh)
 Q_TILE_WS = 128    # query rows per block: tokens of one head, or Q_TILE_WS / pack tokens of pack heads
 PACKS_WS = (1, 2, 4, 8)   # query heads per tile (a warp's 16 rows stay within one head)
-# the instances' tile widths (D of cuda/fattn_wgmma.cu), and the head sizes (d_k = d_v) they run:
+# the instances' tile widths (D of cuda/fattn_wgmma.cu), and the head sizes (head_dim_k = head_dim_v) they run:
 # a width, or a smaller multiple of 8 on the next width up (TMA reads K/V's columns past the head
 # as zeros, Q is staged with zeros there): 40 on 64; 72, 80, 96, 112 on 128; 192 on 256
 TILE_WIDTHS_WS = (64, 128, 256)
@@ -128,10 +128,10 @@ def ws_grid(n_batch: int, n_head: int, ne3: int, persistent_blocks: int = 0, pac
 
 
 def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
-    """The TMA map of Q (ggml order [D_k, n_batch, n_head, ne3], f32) that a QTMA instance of tile
+    """The TMA map of Q (ggml order [head_dim_k, n_batch, n_head, ne3], f32) that a QTMA instance of tile
     width ``d`` reads a warpgroup's 64 rows through, unswizzled: boxes of d values x tw tokens x
     64 / tw heads, tw = ws_rows_tokens(pack) for ``pack`` query heads per tile (ws_rows in
-    cuda/fattn_wgmma.cuh); tokens past n_batch and values past D_k (a head size padded to d) read
+    cuda/fattn_wgmma.cuh); tokens past n_batch and values past head_dim_k (a head size padded to d) read
     as 0."""
     from .dtypes import GGML_TYPE_F32
     if q.type != GGML_TYPE_F32:

@@ -7,7 +7,7 @@ Typical use::
     batch = Batch.from_lengths(range(1, 11))           # 10 prompts of 1..10 tokens, ids 0..9
     split_ubatches(batch, 512, "equal")                 # llama.cpp: 10 ubatches 10x1 .. 1x1
     split_ubatches(batch, 512, "padded")                # one ubatch 10x10 with 45 pads
-    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
+    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=16)
     cache = KVCache(2560, 10, unified=False, n_layer=2, n_head_kv=2, head_dim_k=16)
     result = run_batch(cache, batch, 512, "padded", cfg, compute="ggml")
     print(format_table(compare_strategies(batch, 512)))

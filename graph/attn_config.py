@@ -12,7 +12,9 @@ __all__ = ["AttnConfig"]
 class AttnConfig:
     """Geometry and attention parameters of a stack of ``n_layer`` attention layers.
 
-    scale defaults to ``1/sqrt(head_dim)``; ``max_bias > 0`` turns on ALiBi (the mask then
+    ``head_dim_k`` / ``head_dim_v``: the K and V head sizes (llama.cpp's n_embd_head_k / _v;
+    ``head_dim_v`` None: ``head_dim_k``, resolved at construction). The scale defaults to
+    ``1/sqrt(head_dim_k)``; ``max_bias > 0`` turns on ALiBi (the mask then
     carries ``-|p_cell - p_row|``); ``n_swa > 0`` is a sliding window; ``pos_limit > 0``: a
     batch with a position at or past it is refused (a model whose sliding-window layers run as
     dense ones, exact only below the window: gemma2); ``seed`` picks the Q/K/V hash.
@@ -21,7 +23,7 @@ class AttnConfig:
     n_layer: int = 1
     n_head: int = 2
     n_head_kv: int = 1
-    head_dim: int = 16
+    head_dim_k: int = 16
     head_dim_v: int | None = None
     max_bias: float = 0.0
     logit_softcap: float = 0.0
@@ -31,18 +33,16 @@ class AttnConfig:
     scale_override: float | None = None
 
     def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim_k)   # (frozen)
         if self.n_head % self.n_head_kv:
             raise ValueError(f"n_head {self.n_head} is not a multiple of n_head_kv {self.n_head_kv}")
-        if min(self.n_layer, self.n_head, self.n_head_kv, self.head_dim) <= 0:
+        if min(self.n_layer, self.n_head, self.n_head_kv, self.head_dim_k, self.head_dim_v) <= 0:
             raise ValueError("AttnConfig sizes must be positive")
 
     @property
-    def d_v(self) -> int:
-        return self.head_dim_v or self.head_dim
-
-    @property
     def scale(self) -> float:
-        return self.scale_override if self.scale_override is not None else 1.0 / math.sqrt(self.head_dim)
+        return self.scale_override if self.scale_override is not None else 1.0 / math.sqrt(self.head_dim_k)
 
     @property
     def alibi(self) -> bool:

@@ -61,7 +61,7 @@ class CostModel:
     skip: str = "all"  # "all": skip every fully masked KV tile; "tail": only the masked tail
 
     def tile_us(self, cfg: AttnConfig) -> float:
-        flop = 2.0 * MAP_Q_TILE * MAP_KV_TILE * (cfg.head_dim + cfg.d_v) * cfg.n_head
+        flop = 2.0 * MAP_Q_TILE * MAP_KV_TILE * (cfg.head_dim_k + cfg.head_dim_v) * cfg.n_head
         return flop / (self.tflops * 1e12) * 1e6
 
 
@@ -147,7 +147,7 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     for the batch. ``cfg`` gives head sizes for the tile cost (default: 32 heads of 128).
     With a cache, ``plans`` of the result are the chosen ubatches' dry-run plans on it."""
     n_ubatch = _split.check_n_ubatch(n_ubatch)
-    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
+    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128)
     model = model or CostModel()
     if model.skip not in ("all", "tail"):
         raise ValueError(f"CostModel.skip must be 'all' or 'tail', got {model.skip!r}")

@@ -9,7 +9,7 @@ layer functions are in ``layers.py``):
 2. view Q per stream: ``q_cur [D, n_head, n_tokens]`` -> ``[D, n_tps, n_head, n_stream]``;
 3. view K/V of the ubatch's streams (``get_k/get_v``): ``[D, n_kv, n_head_kv, n_stream]``;
 4. attention with the plan's mask ``[n_kv, n_tps, 1, n_stream]`` F16 ->
-   ``[D_v, n_head, n_tps, n_stream]`` F32, i.e. numpy ``(n_tokens, n_head, D_v)`` in ubatch
+   ``[head_dim_v, n_head, n_tps, n_stream]`` F32, i.e. numpy ``(n_tokens, n_head, head_dim_v)`` in ubatch
    row order: flash attention (our op or ggml's), or ``-fa off``'s ``mul_mat`` + ``soft_max_ext``.
 
 ``layer="attn"`` runs steps 1-4 on Q/K/V inputs per layer; ``layer="full"`` runs the whole
@@ -68,7 +68,7 @@ def _kernel_plan(mask_t, n_tps: int, n_stream: int, cfg: AttnConfig, kv_type: in
     except ImportError:
         return None
     return cuda_backend.make_plan(from_ggml(mask_t, "kq_mask"), n_tps, cfg.n_head, cfg.n_head_kv,
-                                  d_k=cfg.head_dim, d_v=cfg.d_v, kv_type=kv_type, ne3=n_stream,
+                                  head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v, kv_type=kv_type, ne3=n_stream,
                                   kernel=fa_op.settings()[1])
 
 
@@ -129,7 +129,7 @@ class UBatchGraph:
 
     def set_inputs(self, q, k, v) -> None:
         """``q[l] (n_tokens, n_head, D)``, ``k[l] (n_tokens, n_head_kv, D)``, ``v[l] (n_tokens,
-        n_head_kv, D_v)`` per layer ``l`` (one set when the inputs are shared by all layers),
+        n_head_kv, head_dim_v)`` per layer ``l`` (one set when the inputs are shared by all layers),
         numpy order, ubatch row order."""
         for name_list, vals in ((self.q_in, q), (self.k_in, k), (self.v_in, v)):
             for t, x in zip(name_list, vals):
@@ -197,7 +197,7 @@ class UBatchGraph:
             raise GraphBuildError(f"ggml_graph_compute returned status {status}")
 
     def outputs(self) -> list:
-        """``layer="attn"``: per layer, float32 ``(n_tokens, n_head, D_v)``; ``layer="full"``:
+        """``layer="attn"``: per layer, float32 ``(n_tokens, n_head, head_dim_v)``; ``layer="full"``:
         ``[x (n_tokens, n_embd)]``, the residual stream after the last layer; ``layer="model"``:
         ``[logits (n_out, n_vocab)]`` of the output rows (``out_rows`` order). Ubatch row order
         (views)."""
@@ -376,8 +376,8 @@ class GraphBuilder:
         if self.shared_inputs and self.q_in:
             return self.q_in[0], self.k_in[0], self.v_in[0]
         cfg, n_tok = self.cfg, self.plan.ubatch.n_tokens
-        shapes = [(n_tok, cfg.n_head, cfg.head_dim), (n_tok, cfg.n_head_kv * cfg.head_dim),
-                  (n_tok, cfg.n_head_kv * cfg.d_v)]
+        shapes = [(n_tok, cfg.n_head, cfg.head_dim_k), (n_tok, cfg.n_head_kv * cfg.head_dim_k),
+                  (n_tok, cfg.n_head_kv * cfg.head_dim_v)]
         if not self._inputs:   # every layer's Q/K/V at once: one allocation
             n_sets = 1 if self.shared_inputs else len(self.layers or range(cfg.n_layer))
             self._inputs = self._zeroed_f32(shapes, n_sets)[::-1]

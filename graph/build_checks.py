@@ -66,9 +66,9 @@ def check_layers(cfg: AttnConfig, layers) -> range:
 def check_geometry(cache: KVCache, cfg: AttnConfig, layers=None) -> None:
     """ValueError when ``cfg``'s layers (or the ``layers`` range of them) or K/V geometry do not
     fit ``cache``."""
-    if (cfg.n_head_kv, cfg.head_dim, cfg.d_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
-        raise ValueError(f"AttnConfig K/V geometry {cfg.n_head_kv}x{cfg.head_dim}/{cfg.d_v} (n_head_kv x "
-                         f"head_dim/d_v) does not match the cache's {cache.n_head_kv}x{cache.head_dim_k}/"
+    if (cfg.n_head_kv, cfg.head_dim_k, cfg.head_dim_v) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
+        raise ValueError(f"AttnConfig K/V geometry {cfg.n_head_kv}x{cfg.head_dim_k}/{cfg.head_dim_v} (n_head_kv x "
+                         f"head_dim_k/head_dim_v) does not match the cache's {cache.n_head_kv}x{cache.head_dim_k}/"
                          f"{cache.head_dim_v}")
     n = len(check_layers(cfg, layers))
     if n > cache.n_layer:
@@ -111,7 +111,7 @@ def check_build_args(cache: KVCache, cfg: AttnConfig, *, fa=None, all_custom: bo
     if layer == "full":
         if weights is None or len(weights) < n_layer:
             raise ValueError(f"layer='full' needs weights for each of the {n_layer} layers")
-        if cfg.n_head * cfg.head_dim != weights[0]["wq"].shape[0]:
+        if cfg.n_head * cfg.head_dim_k != weights[0]["wq"].shape[0]:
             raise ValueError(f"wq has {weights[0]['wq'].shape[0]} outputs, the config "
-                             f"n_head x head_dim = {cfg.n_head * cfg.head_dim}")
+                             f"n_head x head_dim_k = {cfg.n_head * cfg.head_dim_k}")
     return device

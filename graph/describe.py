@@ -43,7 +43,7 @@ def describe_plan(batch: Batch, n_ubatch: int, mode: str, *, unified: bool | Non
     """One row per ubatch: ``ubatch, mode, shape (n_seqs x n_seq_tokens), n_tokens, n_pad,
     seq_ids, n_stream, n_kv, kv_tiles_live, kv_tiles_tail, kv_tiles_total`` (+ ``reason`` for
     ``auto``)."""
-    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
+    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128)
     if cache is None:
         cache = _scratch_cache(batch, n_ubatch, (mode == "simple") if unified is None else unified)
     ubs, choice = _split(batch, n_ubatch, mode, cache, cfg, None)
@@ -60,7 +60,7 @@ def compare_strategies(batch: Batch, n_ubatch: int, strategies=STRATEGIES, *, cf
                        model: CostModel | None = None) -> list[dict]:
     """One row per (mode, unified) strategy: ``strategy, kv, n_ubatches, shapes, rows,
     n_pad, kv_tiles, est_us`` (per the ``auto`` cost model), ``note``."""
-    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim=128)
+    cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128)
     model = model or CostModel()
     out = []
     for mode, unified in strategies:

@@ -38,7 +38,7 @@ __all__ = ["BatchResult", "BatchError", "BatchInterrupted", "decode", "split_bat
 
 @dataclass(eq=False)
 class BatchResult:
-    """out: float32 numpy ``(n_layer, n_tokens, n_head, D_v)``, batch order (real tokens only;
+    """out: float32 numpy ``(n_layer, n_tokens, n_head, head_dim_v)``, batch order (real tokens only;
     None when the engine returns no outputs); plans: the plan of every ubatch, in order."""
 
     out: np.ndarray | None

@@ -237,9 +237,9 @@ class Engine:
             else:
                 self._compute(g, refresh=not fresh)
             last = g.output(-1)
-            if self.layer == "attn":  # [D_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, D_v)
+            if self.layer == "attn":  # [head_dim_v, n_head, n_tps, n_stream] = numpy (ns, n_tps, n_head, head_dim_v)
                 c = self.attn_cfg
-                last = last.reshape(plan.n_stream, plan.n_tps, c.n_head, c.d_v)
+                last = last.reshape(plan.n_stream, plan.n_tps, c.n_head, c.head_dim_v)
             elif self.layer == "model":   # the real output rows' logits (not the padding's)
                 last = last[:self._n_out]
             self._keep = (g.array(g.mask_t), last, g.kernel_plan)

@@ -147,7 +147,7 @@ class KVCache:
     n_ctx       total context (padded to 256 as llama.cpp does).
     n_seq_max   sequences served (ids ``0 .. n_seq_max-1``).
     unified     True: one stream shared by all sequences; False: one stream per sequence.
-    n_head_kv, head_dim_k, head_dim_v   K/V geometry; ``n_embd_gqa = n_head_kv * head_dim``.
+    n_head_kv, head_dim_k, head_dim_v   K/V geometry; ``n_embd_gqa = n_head_kv * head_dim_k``.
     dtype       storage dtype of K and V (``float16`` = ggml F16, or ``float32``).
     type_k, type_v   cache type names (:data:`CACHE_TYPES`) overriding ``dtype`` for K / V
                 (None: ``dtype``'s); a block type needs ``head_dim_k`` / ``head_dim_v`` to be

@@ -17,7 +17,7 @@ A layer function is ``layer(b, il, cur) -> cur``: ``b`` the graph builder
 The attention step (:func:`attention`) is shared: store K/V (``KVTensors.cpy_kv``), view
 Q per stream, view K/V (``get_k/get_v``), then ``b.attention``: flash attention (our op or
 ggml's) or, for ``-fa off``, :func:`softmax_attention` (llama.cpp's ``mul_mat`` +
-``soft_max_ext`` path, host graphs only). Output ``[D_v, n_head, n_tps, n_stream]`` F32.
+``soft_max_ext`` path, host graphs only). Output ``[head_dim_v, n_head, n_tps, n_stream]`` F32.
 """
 from __future__ import annotations
 
@@ -71,15 +71,15 @@ def softmax_attention(b, q, k, v, mask):
         kq = b.call(ggml.ggml_soft_max_ext, kq, mask, 1.0, cfg.max_bias)
     else:
         kq = b.call(ggml.ggml_soft_max_ext, kq, mask, cfg.scale, cfg.max_bias)
-    vt = b.call(ggml.ggml_cont, b.call(ggml.ggml_permute, v, 1, 0, 2, 3))  # [n_kv, D_v, n_head_kv, ns]
-    kqv = b.call(ggml.ggml_mul_mat, vt, kq)                     # [D_v, n_tps, n_head, ns]
-    return b.call(ggml.ggml_cont, b.call(ggml.ggml_permute, kqv, 0, 2, 1, 3))  # [D_v, n_head, n_tps, ns]
+    vt = b.call(ggml.ggml_cont, b.call(ggml.ggml_permute, v, 1, 0, 2, 3))  # [n_kv, head_dim_v, n_head_kv, ns]
+    kqv = b.call(ggml.ggml_mul_mat, vt, kq)                     # [head_dim_v, n_tps, n_head, ns]
+    return b.call(ggml.ggml_cont, b.call(ggml.ggml_permute, kqv, 0, 2, 1, 3))  # [head_dim_v, n_head, n_tps, ns]
 
 
 
 def attention(b, il: int, q_cur, k_cur, v_cur):
     """Store ``k_cur``/``v_cur`` in the cache, attend ``q_cur [D, n_head, n_tokens]`` over the
-    ubatch's K/V; returns ``[D_v, n_head, n_tps, n_stream]`` F32."""
+    ubatch's K/V; returns ``[head_dim_v, n_head, n_tps, n_stream]`` F32."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
     st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
@@ -87,7 +87,7 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     if st_v is not st_k:   # (all-custom: one store node for both; expanding it again adds nothing)
         b.expand(st_v)
     qc = q_cur.contents
-    q4 = ggml.ggml_view_4d(b.ctx, q_cur, cfg.head_dim, cfg.n_head, n_tps, ns,
+    q4 = ggml.ggml_view_4d(b.ctx, q_cur, cfg.head_dim_k, cfg.n_head, n_tps, ns,
                            qc.nb[1], qc.nb[2], qc.nb[2] * n_tps, 0)
     q4 = ggml.ggml_permute(b.ctx, q4, 0, 2, 1, 3)               # [D, n_tps, n_head, ns]
     k = b.kv.get_k(b.ctx, il, s0, n_kv, ns, after=st_k)         # [D, n_kv, n_head_kv, ns]
@@ -117,9 +117,9 @@ def full_layer(b, il: int, x, reduce=None):
     wt = {k: b.weight_tensor(il, k) for k in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")}
     mm = lambda name, h: b.call(ggml.ggml_mul_mat, wt[name], h)  # noqa: E731
     h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
-    q = ggml.ggml_reshape_3d(b.ctx, mm("wq", h), cfg.head_dim, cfg.n_head, n_tok)
+    q = ggml.ggml_reshape_3d(b.ctx, mm("wq", h), cfg.head_dim_k, cfg.n_head, n_tok)
     att = attention(b, il, q, mm("wk", h), mm("wv", h))
-    att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
+    att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.head_dim_v, n_tok)
     x = b.call(ggml.ggml_add, x, reduce(b, mm("wo", att), f"attn_allreduce_l{il}"))
     h = b.call(ggml.ggml_rms_norm, x, RMS_EPS)
     f = b.call(ggml.ggml_mul, b.call(ggml.ggml_silu, mm("wg", h)), mm("wu", h))
@@ -133,9 +133,9 @@ def _full_layer_custom(b, il: int, x, reduce):
     cfg, w = b.cfg, b.weights[il]
     n_tok = b.plan.ubatch.n_tokens
     q, k, v = xp_matmul.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=RMS_EPS)
-    q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim, cfg.n_head, n_tok)
+    q = ggml.ggml_reshape_3d(b.ctx, q, cfg.head_dim_k, cfg.n_head, n_tok)
     att = attention(b, il, q, k, v)
-    att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.d_v, n_tok)
+    att = ggml.ggml_reshape_2d(b.ctx, att, cfg.n_head * cfg.head_dim_v, n_tok)
 
     def project_add(x, name, h, what):
         if reduce is _no_reduce:

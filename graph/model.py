@@ -8,7 +8,7 @@ tensor names) for the architectures in :data:`ARCHS`:
   normal (adjacent-pair) layout, SwiGLU FFN;
 * ``qwen2``: the same block with Q/K/V biases and RoPE in the NEOX (half-split) layout;
 * ``qwen3``: no biases; Q and K RMS-normalized per head (``attn_q_norm`` / ``attn_k_norm``,
-  ``[head_dim]``) before RoPE (NEOX); the head size may differ from ``n_embd / n_head``;
+  ``[head_dim_k]``) before RoPE (NEOX); the head size may differ from ``n_embd / n_head``;
 * ``gemma``: the embedding scaled by ``sqrt(n_embd)``, RoPE NEOX, GeGLU FFN (tanh GELU), the head
   tied to the embedding (a file with ``output.weight`` is refused, as llama.cpp does);
 * ``gemma2``: gemma plus RMS norms after the attention and after the FFN (``post_attention_norm``,
@@ -85,7 +85,7 @@ _LAYER_TENSORS = {
     "wu": "ffn_up.weight", "wd": "ffn_down.weight",
 }
 _BIAS_TENSORS = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}
-_QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}        # [head_dim]
+_QK_NORM_TENSORS = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}        # [head_dim_k]
 _POST_NORM_TENSORS = {"attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight"}
 
 
@@ -141,7 +141,7 @@ class HParams:
     n_embd: int
     n_head: int
     n_head_kv: int
-    head_dim: int
+    head_dim_k: int
     n_ff: int
     n_vocab: int
     n_ctx_train: int
@@ -151,7 +151,7 @@ class HParams:
     rope_mode: int         # ROPE_NORMAL or ROPE_NEOX
     rope_freq_scale: float  # 1 / rope.scaling.factor (linear scaling), else 1
     embd_scale: float = 1.0        # the embedding's rows times this (gemma: sqrt(n_embd))
-    attn_scale: float | None = None   # the attention's scale (None: 1 / sqrt(head_dim))
+    attn_scale: float | None = None   # the attention's scale (None: 1 / sqrt(head_dim_k))
     attn_softcap: float = 0.0      # attention logits soft-capped at this (0: none)
     final_softcap: float = 0.0     # the output logits soft-capped at this (0: none)
     pos_limit: int = 0             # > 0: positions must stay below it (gemma2's window; 0: no limit)
@@ -163,11 +163,11 @@ class HParams:
 
     @property
     def n_embd_q(self) -> int:
-        return self.n_head * self.head_dim
+        return self.n_head * self.head_dim_k
 
     @property
     def n_embd_kv(self) -> int:
-        return self.n_head_kv * self.head_dim
+        return self.n_head_kv * self.head_dim_k
 
 
 @dataclass(eq=False)
@@ -210,7 +210,7 @@ class Model:
 
     def attn_config(self) -> AttnConfig:
         hp = self.hp
-        return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim=hp.head_dim,
+        return AttnConfig(n_layer=hp.n_layer, n_head=hp.n_head, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k,
                           logit_softcap=hp.attn_softcap, scale_override=hp.attn_scale, pos_limit=hp.pos_limit)
 
     def device_weights(self, xp=np):
@@ -322,7 +322,7 @@ def load_gguf(path: str | os.PathLike) -> Model:
             extra.update((k, (n, (d,))) for (k, n), d in zip(_BIAS_TENSORS.items(),
                                                               (hp.n_embd_q, hp.n_embd_kv, hp.n_embd_kv)))
         if info.qk_norm:
-            extra.update((k, (n, (hp.head_dim,))) for k, n in _QK_NORM_TENSORS.items())
+            extra.update((k, (n, (hp.head_dim_k,))) for k, n in _QK_NORM_TENSORS.items())
         if info.post_norms:
             extra.update((k, (n, (E,))) for k, n in _POST_NORM_TENSORS.items())
         for k, (n, ne) in extra.items():
@@ -378,10 +378,10 @@ def _hparams(header, path: str, arch: str) -> HParams:
     n_embd = num("embedding_length")
     n_head = num("attention.head_count")
     n_head_kv = num("attention.head_count_kv", n_head)
-    head_dim = num("attention.key_length", n_embd // n_head if n_embd >= n_head else None)
-    head_dim_v = num("attention.value_length", head_dim)
-    if head_dim_v != head_dim:
-        raise ModelError(f"'{path}': key_length {head_dim} != value_length {head_dim_v}; not supported")
+    head_dim_k = num("attention.key_length", n_embd // n_head if n_embd >= n_head else None)
+    head_dim_v = num("attention.value_length", head_dim_k)
+    if head_dim_v != head_dim_k:
+        raise ModelError(f"'{path}': key_length {head_dim_k} != value_length {head_dim_v}; not supported")
     if n_head % n_head_kv:
         raise ModelError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     n_vocab = num("vocab_size", 0) or None
@@ -392,9 +392,9 @@ def _hparams(header, path: str, arch: str) -> HParams:
         n_vocab = len(toks) if toks else None
     if n_vocab is None:
         raise ModelError(f"'{path}' has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    rope_dim = num("rope.dimension_count", head_dim)
-    if rope_dim > head_dim or rope_dim % 2:
-        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} must be even and at most head size {head_dim}")
+    rope_dim = num("rope.dimension_count", head_dim_k)
+    if rope_dim > head_dim_k or rope_dim % 2:
+        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} must be even and at most head size {head_dim_k}")
     scaling = gguf_field(header, f"{arch}.rope.scaling.type") or "none"
     freq_scale = 1.0
     if scaling == "linear":
@@ -402,8 +402,8 @@ def _hparams(header, path: str, arch: str) -> HParams:
     elif scaling != "none":
         raise ModelError(f"'{path}': rope scaling {show_value(scaling)} is not supported (none, linear)")
     info = ARCHS[arch]
-    if info.qk_norm and rope_dim != head_dim:   # (llama.cpp's qwen3 graph asserts it)
-        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} != head size {head_dim}; {arch} rotates whole heads")
+    if info.qk_norm and rope_dim != head_dim_k:   # (llama.cpp's qwen3 graph asserts it)
+        raise ModelError(f"'{path}': rope.dimension_count {rope_dim} != head size {head_dim_k}; {arch} rotates whole heads")
     name = gguf_field(header, "general.name")
     if not isinstance(name, str) or not name:   # (a number or an array there: the file's name instead)
         name = os.path.splitext(os.path.basename(path))[0]
@@ -418,11 +418,11 @@ def _hparams(header, path: str, arch: str) -> HParams:
         extra.update(attn_softcap=num("attn_logit_softcapping", 50.0, float),
                      final_softcap=num("final_logit_softcapping", 30.0, float),
                      # the 27B (46 layers) scales by its n_embd / n_head, the others by the head size
-                     attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim))
+                     attn_scale=1.0 / math.sqrt(n_embd // n_head if n_layer == 46 else head_dim_k))
         if swa:
             extra["pos_limit"] = num("attention.sliding_window", 4096)
     return HParams(arch=arch, name=str(name), n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                   n_head_kv=n_head_kv, head_dim=head_dim, n_ff=num("feed_forward_length"),
+                   n_head_kv=n_head_kv, head_dim_k=head_dim_k, n_ff=num("feed_forward_length"),
                    n_vocab=int(n_vocab), n_ctx_train=num("context_length", 0) or 0,
                    rms_eps=num("attention.layer_norm_rms_epsilon", 1e-5, float),
                    rope_base=rope_base, rope_dim=rope_dim,

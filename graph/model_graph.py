@@ -116,8 +116,8 @@ def output_rows(ub, want: np.ndarray) -> np.ndarray:
 def check_model(model: Model, cache, device: bool) -> None:
     """ValueError when ``model`` cannot run on ``cache`` in this kind of graph."""
     hp = model.hp
-    if (hp.n_head_kv, hp.head_dim, hp.head_dim) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
-        raise ValueError(f"model {hp.name!r} has K/V {hp.n_head_kv}x{hp.head_dim}, the cache "
+    if (hp.n_head_kv, hp.head_dim_k, hp.head_dim_k) != (cache.n_head_kv, cache.head_dim_k, cache.head_dim_v):
+        raise ValueError(f"model {hp.name!r} has K/V {hp.n_head_kv}x{hp.head_dim_k}, the cache "
                          f"{cache.n_head_kv}x{cache.head_dim_k}/{cache.head_dim_v}")
     if hp.n_layer > cache.n_layer:
         raise ValueError(f"model {hp.name!r} has {hp.n_layer} layers, the cache holds {cache.n_layer}")
@@ -192,9 +192,9 @@ def model_layer(b, il: int, x):
         return t if key not in lw else _norm(b, t, lw[key], hp.rms_eps)
 
     h = _norm(b, x, lw["attn_norm"], hp.rms_eps)
-    q = ggml.ggml_reshape_3d(b.ctx, proj("wq", h), hp.head_dim, hp.n_head, n_tok)
-    k = ggml.ggml_reshape_3d(b.ctx, proj("wk", h), hp.head_dim, hp.n_head_kv, n_tok)
-    if "q_norm" in lw:   # qwen3: each head RMS-normalized (rms_norm runs along ne0 = head_dim)
+    q = ggml.ggml_reshape_3d(b.ctx, proj("wq", h), hp.head_dim_k, hp.n_head, n_tok)
+    k = ggml.ggml_reshape_3d(b.ctx, proj("wk", h), hp.head_dim_k, hp.n_head_kv, n_tok)
+    if "q_norm" in lw:   # qwen3: each head RMS-normalized (rms_norm runs along ne0 = head_dim_k)
         q, k = _norm(b, q, lw["q_norm"], hp.rms_eps), _norm(b, k, lw["k_norm"], hp.rms_eps)
     q, k = _rope(b, q, inp), _rope(b, k, inp)
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
@@ -255,8 +255,8 @@ def _model_layer_custom(b, il: int, x):
     q, k, v = xp_matmul.mul_mat_group(b, [w["wq"], w["wk"], w["wv"]], x, f"qkv_l{il}", norm_eps=hp.rms_eps,
                                    norm_w=w["attn_norm"])
     if "q_norm" in w:   # qwen3: each head RMS-normalized
-        q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim)
-        k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim)
+        q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim_k)
+        k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim_k)
     q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
     k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)

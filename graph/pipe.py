@@ -16,8 +16,8 @@ Its graph is ``build.build_ubatch_graph(..., layers=range(a, b))``, the one buil
   ``x (n_tokens, n_embd)`` F32 from rank ``r - 1`` into its graph's input, computes its layers and
   sends its output to rank ``r + 1``; the last rank holds the final ``x``;
 * ``layer="attn"``: layers do not depend on each other, but the pipeline order is kept: rank
-  ``r > 0`` receives rank ``r - 1``'s last attention output ``(n_tokens, n_head * D_v)`` before it
-  computes (the same volume as ``x`` in a model with ``n_embd = n_head * D_v``), and passes its
+  ``r > 0`` receives rank ``r - 1``'s last attention output ``(n_tokens, n_head * head_dim_v)`` before it
+  computes (the same volume as ``x`` in a model with ``n_embd = n_head * head_dim_v``), and passes its
   own on, so a ubatch runs through the ranks one after another, as in the full block.
 
 No all-reduce: one handover per ubatch per rank boundary, but for a single ubatch the ranks work
@@ -154,10 +154,10 @@ class PipeRankEngine(UntimedEngine):
         previous rank's last attention output (attn)."""
         if self.layer == "full":
             return g.array(g.x_in)
-        return self.xp.empty((n_tok, self.cfg.n_head * self.cfg.d_v), dtype=np.float32)
+        return self.xp.empty((n_tok, self.cfg.n_head * self.cfg.head_dim_v), dtype=np.float32)
 
     def run_ubatch(self, plan, ins=None):
-        """``layer="attn"``: per layer of the rank the attention output ``(n_tokens, n_head, D_v)``;
+        """``layer="attn"``: per layer of the rank the attention output ``(n_tokens, n_head, head_dim_v)``;
         ``"full"``: ``[x (n_tokens, n_embd)]`` after the rank's last layer (the model's output on
         the last rank). numpy arrays."""
         xp, s = self.xp, self.shard

@@ -47,15 +47,15 @@ def token_vectors(seq_ids, positions, layer: int, kind: int, n_vec: int, dim: in
 
 
 def token_qkv(seq_ids, positions, is_pad, layer: int, cfg: AttnConfig):
-    """Q ``(n, n_head, head_dim)``, K ``(n, n_head_kv, head_dim)``, V ``(n, n_head_kv, d_v)``,
+    """Q ``(n, n_head, head_dim_k)``, K ``(n, n_head_kv, head_dim_k)``, V ``(n, n_head_kv, head_dim_v)``,
     float32, numpy order, for rows with primary ``seq_ids`` / ``positions`` (int arrays
     ``(n,)``); rows where ``is_pad`` get the pad stream (x10)."""
     seq_ids = np.asarray(seq_ids)
     positions = np.asarray(positions)
     is_pad = np.asarray(is_pad, dtype=bool)
     out = []
-    for kind, nv, d in ((1, cfg.n_head, cfg.head_dim), (2, cfg.n_head_kv, cfg.head_dim),
-                        (3, cfg.n_head_kv, cfg.d_v)):
+    for kind, nv, d in ((1, cfg.n_head, cfg.head_dim_k), (2, cfg.n_head_kv, cfg.head_dim_k),
+                        (3, cfg.n_head_kv, cfg.head_dim_v)):
         x = token_vectors(seq_ids, positions, layer, kind, nv, d, cfg.seed)
         if is_pad.any():
             x[is_pad] = 10.0 * token_vectors(seq_ids[is_pad], positions[is_pad], layer, kind + 16, nv, d,

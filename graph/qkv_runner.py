@@ -42,21 +42,21 @@ def ubatch_inputs(ub: UBatch, layer: int, cfg: AttnConfig):
 
 
 def _attend_numpy(cache: KVCache, plan: UBatchPlan, layer: int, q: np.ndarray, cfg: AttnConfig) -> np.ndarray:
-    """Attention of one layer on the cache's host arrays; returns (n_tokens, n_head, D_v) f32."""
+    """Attention of one layer on the cache's host arrays; returns (n_tokens, n_head, head_dim_v) f32."""
     s0, s1, n_kv = plan.slot.s0, plan.slot.s1, plan.n_kv
     ns, n_tps = plan.n_stream, plan.n_tps
-    k = np.asarray(cache.k[layer, s0:s1 + 1, :n_kv]).reshape(ns, n_kv, cfg.n_head_kv, cfg.head_dim)
-    v = np.asarray(cache.v[layer, s0:s1 + 1, :n_kv]).reshape(ns, n_kv, cfg.n_head_kv, cfg.d_v)
-    q4 = q.reshape(ns, n_tps, cfg.n_head, cfg.head_dim).transpose(0, 2, 1, 3)
+    k = np.asarray(cache.k[layer, s0:s1 + 1, :n_kv]).reshape(ns, n_kv, cfg.n_head_kv, cfg.head_dim_k)
+    v = np.asarray(cache.v[layer, s0:s1 + 1, :n_kv]).reshape(ns, n_kv, cfg.n_head_kv, cfg.head_dim_v)
+    q4 = q.reshape(ns, n_tps, cfg.n_head, cfg.head_dim_k).transpose(0, 2, 1, 3)
     out = reference.flash_attn_ext(q4, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), plan.mask,
                                    cfg.scale, cfg.max_bias, cfg.logit_softcap, dtype=np.float32)
-    return out.reshape(plan.ubatch.n_tokens, cfg.n_head, cfg.d_v)
+    return out.reshape(plan.ubatch.n_tokens, cfg.n_head, cfg.head_dim_v)
 
 
 class _NumpyEngine(UntimedEngine):
     """Engine of :func:`run_batch` with ``compute="numpy"``: deterministic Q/K/V
     (``ubatch_inputs``) through every layer, K/V written with ``KVCache.write_rows``, attention
-    by the reference; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)`` of the
+    by the reference; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, head_dim_v)`` of the
     real rows."""
 
     def __init__(self, cache: KVCache, cfg: AttnConfig):
@@ -65,7 +65,7 @@ class _NumpyEngine(UntimedEngine):
     def run_ubatch(self, plan: UBatchPlan) -> np.ndarray:
         cache, cfg, ub = self.cache, self.cfg, plan.ubatch
         real = ~ub.is_pad
-        res = np.zeros((cfg.n_layer, int(real.sum()), cfg.n_head, cfg.d_v), dtype=np.float32)
+        res = np.zeros((cfg.n_layer, int(real.sum()), cfg.n_head, cfg.head_dim_v), dtype=np.float32)
         for il in range(cfg.n_layer):
             q, k, v = ubatch_inputs(ub, il, cfg)
             cache.write_rows(il, plan.slot, k.reshape(ub.n_tokens, -1), v.reshape(ub.n_tokens, -1))
@@ -76,7 +76,7 @@ class _NumpyEngine(UntimedEngine):
 class QKVEngine(Engine):
     """Engine of :func:`run_batch` with ``compute="ggml"`` (``engine.Engine``, ``layer="attn"``):
     the ubatch's deterministic Q/K/V of every layer (``ubatch_inputs``) into a graph built once
-    per structure and reused; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, D_v)``
+    per structure and reused; ``run_ubatch`` returns float32 ``(n_layer, n_real, n_head, head_dim_v)``
     of the real rows. :func:`qkv_engine` keeps one per cache and config, so the calls of
     :func:`run_batch` (each decode step) reuse the graphs of the calls before. CUDA-graph replay
     is off (:attr:`CUDA_GRAPHS`, as ``model_runner.ModelEngine``'s)."""
@@ -94,7 +94,7 @@ class QKVEngine(Engine):
 
     def ubatch_result(self, g, plan) -> np.ndarray:
         real = ~plan.ubatch.is_pad
-        res = np.empty((self.attn_cfg.n_layer, int(real.sum()), self.attn_cfg.n_head, self.attn_cfg.d_v),
+        res = np.empty((self.attn_cfg.n_layer, int(real.sum()), self.attn_cfg.n_head, self.attn_cfg.head_dim_v),
                        dtype=np.float32)
         for il, o in enumerate(g.outputs()):
             res[il] = (o.get() if hasattr(o, "get") else o)[real]
@@ -156,7 +156,7 @@ def run_batch(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, cfg: AttnC
     elif not cache.float_storage:
         raise ValueError(f"compute='numpy' needs an f16/f32 KV cache; this one is K {cache.type_k} / "
                          f"V {cache.type_v} (compute='ggml' runs it)")
-    out = np.zeros((cfg.n_layer, batch.n_tokens, cfg.n_head, cfg.d_v), dtype=np.float32)
+    out = np.zeros((cfg.n_layer, batch.n_tokens, cfg.n_head, cfg.head_dim_v), dtype=np.float32)
 
     def done(plan: UBatchPlan, res: np.ndarray) -> None:
         idx = plan.ubatch.token_idx

@@ -85,9 +85,9 @@ class HeadShard:
     def ff_cols(self, n_ff: int) -> range:
         return self._part(n_ff)
 
-    def features(self, heads: range, head_dim: int) -> slice:
+    def features(self, heads: range, head_dim_k: int) -> slice:
         """The features ``[h0*D, h1*D)`` of a head range (a row or column slice)."""
-        return slice(heads.start * head_dim, heads.stop * head_dim)
+        return slice(heads.start * head_dim_k, heads.stop * head_dim_k)
 
 
 def rank_config(cfg: AttnConfig, n_rank: int) -> AttnConfig:
@@ -106,20 +106,20 @@ def rank_cache(n_rank: int, n_ctx: int, n_seq_max: int = 1, *, n_head_kv: int, *
     return KVCache(n_ctx, n_seq_max, n_head_kv=n_head_kv // n_rank, **kw)
 
 
-def shard_rows(arr, shard: HeadShard, n_head: int, head_dim: int):
-    """The rank's heads of per-token rows: ``arr (..., n_head * head_dim)`` or ``(..., n_head,
-    head_dim)`` -> the same layout with only the rank's ``n_head / N`` heads (a view)."""
+def shard_rows(arr, shard: HeadShard, n_head: int, head_dim_k: int):
+    """The rank's heads of per-token rows: ``arr (..., n_head * head_dim_k)`` or ``(..., n_head,
+    head_dim_k)`` -> the same layout with only the rank's ``n_head / N`` heads (a view)."""
     heads = shard.q_heads(n_head)
-    if arr.shape[-1] == n_head * head_dim:
-        return arr[..., shard.features(heads, head_dim)]
+    if arr.shape[-1] == n_head * head_dim_k:
+        return arr[..., shard.features(heads, head_dim_k)]
     return arr[..., heads.start:heads.stop, :]
 
 
-def kv_head_slice(kv, shard: HeadShard, n_head_kv: int, head_dim: int):
-    """The rank's slice of full K or V storage ``(n_layer, n_stream, kv_size, n_head_kv * head_dim)``
-    (``KVCache.k`` / ``.v``, numpy order): ``(..., n_head_kv/N * head_dim)`` -- what the rank's
+def kv_head_slice(kv, shard: HeadShard, n_head_kv: int, head_dim_k: int):
+    """The rank's slice of full K or V storage ``(n_layer, n_stream, kv_size, n_head_kv * head_dim_k)``
+    (``KVCache.k`` / ``.v``, numpy order): ``(..., n_head_kv/N * head_dim_k)`` -- what the rank's
     cache holds."""
-    return kv[..., shard.features(shard.kv_heads(n_head_kv), head_dim)]
+    return kv[..., shard.features(shard.kv_heads(n_head_kv), head_dim_k)]
 
 
 def shard_weights(w: dict, shard: HeadShard, cfg: AttnConfig, *, xp=np) -> dict:
@@ -127,14 +127,14 @@ def shard_weights(w: dict, shard: HeadShard, cfg: AttnConfig, *, xp=np) -> dict:
     numpy ``(n_out, n_in)``) -> the rank's slices, contiguous arrays of ``xp`` (same dtype).
 
     ``wq (n_head*D, n_embd)``: rows of the rank's query heads; ``wk wv``: rows of its KV heads;
-    ``wo (n_embd, n_head*D_v)``: columns of its query heads; ``wg wu (n_ff, n_embd)``: rows
+    ``wo (n_embd, n_head*head_dim_v)``: columns of its query heads; ``wg wu (n_ff, n_embd)``: rows
     ``ff_cols``; ``wd (n_embd, n_ff)``: columns ``ff_cols``."""
     n_ff = int(w["wg"].shape[0])
     check_shardable(cfg.n_head, cfg.n_head_kv, shard.n_rank, n_ff=n_ff)
-    q = shard.features(shard.q_heads(cfg.n_head), cfg.head_dim)
-    kf = shard.features(shard.kv_heads(cfg.n_head_kv), cfg.head_dim)
-    vf = shard.features(shard.kv_heads(cfg.n_head_kv), cfg.d_v)
-    of = shard.features(shard.q_heads(cfg.n_head), cfg.d_v)
+    q = shard.features(shard.q_heads(cfg.n_head), cfg.head_dim_k)
+    kf = shard.features(shard.kv_heads(cfg.n_head_kv), cfg.head_dim_k)
+    vf = shard.features(shard.kv_heads(cfg.n_head_kv), cfg.head_dim_v)
+    of = shard.features(shard.q_heads(cfg.n_head), cfg.head_dim_v)
     ff = slice(shard.ff_cols(n_ff).start, shard.ff_cols(n_ff).stop)
     parts = {"wq": w["wq"][q], "wk": w["wk"][kf], "wv": w["wv"][vf], "wo": w["wo"][:, of],
              "wg": w["wg"][ff], "wu": w["wu"][ff], "wd": w["wd"][:, ff]}

@@ -285,7 +285,7 @@ class RankEngine(UntimedEngine):
 
     ``cache``: the rank's cache (``shard.rank_cache``); ``cfg``: the full config; ``inputs(plan)``:
     the full inputs of a ubatch, numpy order -- ``layer="attn"``: per layer ``(q, k, v)``
-    ``(n_tokens, n_head, D)``, ``(n_tokens, n_head_kv, D)``, ``(n_tokens, n_head_kv, D_v)``, of
+    ``(n_tokens, n_head, D)``, ``(n_tokens, n_head_kv, D)``, ``(n_tokens, n_head_kv, head_dim_v)``, of
     which the rank takes its heads; ``layer="full"``: ``x (n_tokens, n_embd)``. ``weights``: the
     full per-layer weights (``layer="full"``), sliced here (arrays of the cache's ``xp``)."""
 
@@ -302,13 +302,13 @@ class RankEngine(UntimedEngine):
         if self.layer == "full":
             return ins
         s, c = self.shard, self.cfg
-        return [(shard_rows(q, s, c.n_head, c.head_dim),
-                 shard_rows(k, s, c.n_head_kv, c.head_dim).reshape(k.shape[0], -1),
-                 shard_rows(v, s, c.n_head_kv, c.d_v).reshape(v.shape[0], -1)) for q, k, v in ins]
+        return [(shard_rows(q, s, c.n_head, c.head_dim_k),
+                 shard_rows(k, s, c.n_head_kv, c.head_dim_k).reshape(k.shape[0], -1),
+                 shard_rows(v, s, c.n_head_kv, c.head_dim_v).reshape(v.shape[0], -1)) for q, k, v in ins]
 
     def run_ubatch(self, plan, ins=None):
         """``layer="attn"``: per layer the rank's heads' attention output ``(n_tokens, n_head/N,
-        D_v)``; ``"full"``: ``[x (n_tokens, n_embd)]`` after the last layer. numpy arrays."""
+        head_dim_v)``; ``"full"``: ``[x (n_tokens, n_embd)]`` after the last layer. numpy arrays."""
         xp = self.xp
         mine = self.rank_inputs(self.inputs(plan) if ins is None else ins)
         g = build_rank_graph(self.cache, plan, self.rank_cfg, self.comm, layer=self.layer, weights=self.weights,
@@ -337,7 +337,7 @@ class LockstepEngine(UntimedEngine):
     ``caches[r]``: rank ``r``'s cache (``shard.rank_cache``; the driver plans on ``caches[0]``,
     the other caches' cells are not consulted); ``cfg``, ``inputs``, ``layer``, ``weights`` as
     :class:`RankEngine`. ``run_ubatch`` returns, per layer, the attention output of every head
-    (the ranks' outputs concatenated, ``(n_tokens, n_head, D_v)``), or for ``"full"`` the
+    (the ranks' outputs concatenated, ``(n_tokens, n_head, head_dim_v)``), or for ``"full"`` the
     residual stream of each rank ``[x_rank0, x_rank1, ...]`` (all equal after the all-reduce).
 
     A rank still running ``timeout`` seconds after another rank ended is *stuck*: ``run_ubatch``

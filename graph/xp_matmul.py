@@ -121,7 +121,7 @@ def rms_norm(b, t, eps: float, g, name: str, *, row: int | None = None):
     """``rms_norm(t) * g`` over rows of ``row`` values (default: ``t``'s ``ne0``): ``t`` an F32
     tensor whose array :meth:`build.GraphBuilder.array` reads, ``g`` xp F32 ``(row,)``; returns a
     new F32 tensor of ``t``'s shape (ggml's ``rms_norm`` then ``mul``: a head's Q/K norm with
-    ``row = head_dim``, an output norm with ``row = n_embd``)."""
+    ``row = head_dim_k``, an output norm with ``row = n_embd``)."""
     x = b.array(t)
     row = int(t.contents.ne[0]) if row is None else int(row)
     if x.size % row or g.shape != (row,):

@@ -6,7 +6,7 @@ computing), besides the full block's matmuls (``xp_matmul``):
 * :func:`get_rows`: rows ``ids`` of a table (the embedding: F16/F32, or a ``QMatrix`` of weight
   blocks; or the residual stream's output rows) -> F32 ``[n, n_ids]``;
 * :func:`rope`: an optional bias add, then ggml's ``rope_ext`` (normal or NEOX pairs, frequency
-  factors, linear scaling; no YaRN) -> F32 ``[head_dim, n_head, n_tokens]``;
+  factors, linear scaling; no YaRN) -> F32 ``[head_dim_k, n_head, n_tokens]``;
 * :func:`add_bias`: ``t += bias`` in place;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory;
 * :func:`scale_into`: ``x *= s`` in place (gemma's embedding scale);
@@ -135,22 +135,22 @@ def rope_theta_scale(hp) -> np.float32:
 
 
 def rope(b, t, positions, hp, freq_factors=None, bias=None, name: str = "rope"):
-    """``t`` (F32 ``[head_dim, n_head, n_tok]``, or ``[n_head * head_dim, n_tok]``) plus ``bias``
-    (xp F32 ``(n_head * head_dim,)``, or None), rotated as ggml's ``rope_ext`` with ext_factor 0
+    """``t`` (F32 ``[head_dim_k, n_head, n_tok]``, or ``[n_head * head_dim_k, n_tok]``) plus ``bias``
+    (xp F32 ``(n_head * head_dim_k,)``, or None), rotated as ggml's ``rope_ext`` with ext_factor 0
     and attn_factor 1 (no YaRN): ``hp.rope_mode`` NORMAL (pairs ``(2i, 2i+1)``) or NEOX (pairs
     ``(i, i + n_dims/2)``), ``n_dims = hp.rope_dim`` (the dims after are copied), pair ``i``
     turned by ``theta_i = freq_scale * pos * base^(-2i/n_dims) / freq_factors[i]`` (xp F32
     ``(>= n_dims/2,)`` or None) at the token's ``positions`` (I32 tensor ``[n_tok]``); the power
     is taken as ggml's CPU op does, ``i`` float32 products of ``powf(base, -2/n_dims)``. Returns
-    a new F32 tensor ``[head_dim, n_head, n_tok]`` (``t``'s array must be readable with
+    a new F32 tensor ``[head_dim_k, n_head, n_tok]`` (``t``'s array must be readable with
     ``b.array``: a tensor with an array of its own, e.g. a view of :func:`mul_mat_group`)."""
     from .model import ROPE_NEOX  # noqa: PLC0415
     xp = b.xp
     x = b.array(t)
-    D, n_dims = int(hp.head_dim), int(hp.rope_dim)
+    D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
     n_tok = x.shape[0]
     if x.size % (n_tok * D) or n_dims % 2 or n_dims > D:
-        raise ValueError(f"{name}: rope of shape {x.shape} with head_dim {D}, rope_dim {n_dims}")
+        raise ValueError(f"{name}: rope of shape {x.shape} with head_dim_k {D}, rope_dim {n_dims}")
     nh = x.size // (n_tok * D)
     neox = int(hp.rope_mode) == ROPE_NEOX
     if bias is not None and bias.shape != (nh * D,):

@@ -20,9 +20,9 @@ llama.cpp, src/llama-arch.cpp, src/models/*.cpp, conversion/__init__.py):
 * ``llama``: RoPE type NORM (adjacent pairs rotated, GPT-J style).  Q/K rows
   are *not* permuted here (random weights; llama.cpp and the project's loader
   read the same file).  ``rope_freqs.weight`` (LLM_TENSOR_ROPE_FREQS, shape
-  [head_dim/2], F32) is loaded by the llama arch when present (one tensor
+  [head_dim_k/2], F32) is loaded by the llama arch when present (one tensor
   shared by all layers) and passed as ``freq_factors`` to ``ggml_rope_ext``:
-  the rotation angle of pair i is ``pos * base**(-2i/head_dim) / rope_freqs[i]``.
+  the rotation angle of pair i is ``pos * base**(-2i/head_dim_k) / rope_freqs[i]``.
   ``llama-f32-ropefreqs`` is ``llama-f32`` (same weights, same rope base) plus that
   tensor, so any difference between their logits comes from rope_freqs alone.
 * ``qwen2``: RoPE type NEOX (halves rotated); Q/K/V have biases; no
@@ -33,8 +33,8 @@ llama.cpp, src/llama-arch.cpp, src/models/*.cpp, conversion/__init__.py):
   ``general.architecture = "llama"`` (conversion/__init__.py maps
   "MistralForCausalLM": "llama").  So ``mistral-f16`` is a llama-arch file with
   Mistral-like metadata: general.name "Mistral-like", rope base 1e6, GQA 4
-  (8 heads / 2 kv heads), head_dim 128.
-* ``qwen3``: RoPE NEOX, no biases, ``attn_q_norm`` / ``attn_k_norm`` ([head_dim])
+  (8 heads / 2 kv heads), head_dim_k 128.
+* ``qwen3``: RoPE NEOX, no biases, ``attn_q_norm`` / ``attn_k_norm`` ([head_dim_k])
   per layer; the fixture's head size (``attention.key_length`` 128) is not
   n_embd / n_head (64), as in Qwen3-0.6B.
 * ``gemma`` / ``gemma2``: RoPE NEOX, the head always tied to ``token_embd``
@@ -93,11 +93,11 @@ class Spec:
     sliding_window: int = 0      # gemma2: {arch}.attention.sliding_window
 
     @property
-    def head_dim(self) -> int:
+    def head_dim_k(self) -> int:
         return self.key_length or self.n_embd // self.n_head
 
     @property
-    def qk_norm(self) -> bool:      # attn_q_norm / attn_k_norm [head_dim] per layer
+    def qk_norm(self) -> bool:      # attn_q_norm / attn_k_norm [head_dim_k] per layer
         return self.arch == "qwen3"
 
     @property
@@ -174,9 +174,9 @@ SPECS: dict[str, Spec] = _specs()
 # --------------------------------------------------------------------------------------
 # weights
 
-def rope_freqs_values(head_dim: int) -> np.ndarray:
+def rope_freqs_values(head_dim_k: int) -> np.ndarray:
     """Llama-3.1-like frequency divisors: a geometric ramp from 1 (highest frequency) to 8."""
-    return np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32)
+    return np.geomspace(1.0, 8.0, head_dim_k // 2).astype(np.float32)
 
 
 def _weights(spec: Spec) -> list[tuple[str, np.ndarray, bool]]:
@@ -187,7 +187,7 @@ def _weights(spec: Spec) -> list[tuple[str, np.ndarray, bool]]:
     log-normal norm spread so the logits are heavy-tailed (clear top-1).
     """
     rng = np.random.default_rng(spec.seed)
-    E, F, V, hd = spec.n_embd, spec.n_ff, spec.n_vocab, spec.head_dim
+    E, F, V, hd = spec.n_embd, spec.n_ff, spec.n_vocab, spec.head_dim_k
     nq, nkv = spec.n_head * hd, spec.n_head_kv * hd
 
     def mat(n_out, n_in, gain=1.0):
@@ -288,7 +288,7 @@ def expected_tensors(spec: Spec | str) -> dict[str, tuple[str, tuple[int, ...]]]
 
 
 def _shapes(spec: Spec):
-    E, F, V, hd = spec.n_embd, spec.n_ff, spec.n_vocab, spec.head_dim
+    E, F, V, hd = spec.n_embd, spec.n_ff, spec.n_vocab, spec.head_dim_k
     nq, nkv = spec.n_head * hd, spec.n_head_kv * hd
     yield "token_embd.weight", (V, E), True
     if spec.rope_freqs:
@@ -332,7 +332,7 @@ def _add_metadata(w: gguf.GGUFWriter, spec: Spec, *, file_type=None, quantized: 
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim_k)
     if spec.key_length:
         w.add_key_length(spec.key_length)
         w.add_value_length(spec.key_length)

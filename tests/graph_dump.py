@@ -27,7 +27,7 @@ from ggml_attn.graph import AttnConfig, Batch, KVCache, kv_graph, split_ubatches
 from ggml_attn.graph.build import build_ubatch_graph
 from ggml_attn.graph.plan import plan_ubatch
 
-CFG = AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim=32)
+CFG = AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim_k=32)
 N_EMBD, N_FF = 64, 96
 
 
@@ -114,7 +114,7 @@ def build_case(name: str):
     kw = dict(kw)
     n_layer = len(kw["layers"]) if "layers" in kw else CFG.n_layer
     c = KVCache(1024, len(lengths), unified=unified, n_layer=n_layer, n_head_kv=CFG.n_head_kv,
-                head_dim_k=CFG.head_dim)
+                head_dim_k=CFG.head_dim_k)
     batch = Batch.from_lengths(lengths)
     if decode:
         for ub in split_ubatches(batch, 512, "simple"):
@@ -132,9 +132,9 @@ def build_case(name: str):
         g.set_x(rng.standard_normal((n, N_EMBD)).astype(np.float32))
     else:
         k = 1 if kw.get("shared_inputs") else n_layer
-        g.set_inputs([rng.standard_normal((n, CFG.n_head, CFG.head_dim)).astype(np.float32) for _ in range(k)],
-                     [rng.standard_normal((n, CFG.n_head_kv, CFG.head_dim)).astype(np.float32) for _ in range(k)],
-                     [rng.standard_normal((n, CFG.n_head_kv, CFG.d_v)).astype(np.float32) for _ in range(k)])
+        g.set_inputs([rng.standard_normal((n, CFG.n_head, CFG.head_dim_k)).astype(np.float32) for _ in range(k)],
+                     [rng.standard_normal((n, CFG.n_head_kv, CFG.head_dim_k)).astype(np.float32) for _ in range(k)],
+                     [rng.standard_normal((n, CFG.n_head_kv, CFG.head_dim_v)).astype(np.float32) for _ in range(k)])
     return g, plan
 
 

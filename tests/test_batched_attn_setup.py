@@ -56,7 +56,7 @@ def _fake_backend(monkeypatch, bad_label):
     monkeypatch.setattr(gpu_timing, "copies_for", lambda nbytes: 2)
     calls = []
 
-    def make_plan(dm, n_tok, h, hkv, d_k, kernel):
+    def make_plan(dm, n_tok, h, hkv, head_dim_k, kernel):
         return types.SimpleNamespace(reads=(10.0, 100.0) if kernel == "auto" else None,
                                      max_cells=7 if kernel in ("auto", "cells") else None,
                                      refresh=lambda: None)

@@ -9,7 +9,7 @@ from ggml_attn.cli.host_engine import HostEngine
 from ggml_attn.cli.models import ModelShape
 from ggml_attn.cli.runner import RunConfig, Runner
 
-MODEL = ModelShape("small", n_layer=2, n_head=4, n_head_kv=2, head_dim=32, n_embd=64, n_ff=96)
+MODEL = ModelShape("small", n_layer=2, n_head=4, n_head_kv=2, head_dim_k=32, n_embd=64, n_ff=96)
 LENGTHS = [3, 5, 8, 2]
 
 
@@ -35,13 +35,13 @@ def decode(split, layer, engine_cls=HostEngine, unified=False, check_reference=F
         outs.append(out[real])
         if check_reference:  # attention of the last layer on the cache as the graph left it
             m, ns, n_tps, n_kv = MODEL, plan.n_stream, plan.n_tps, plan.n_kv
-            q = eng.inputs(plan)[0].reshape(ns, n_tps, m.n_head, m.head_dim).transpose(0, 2, 1, 3)
+            q = eng.inputs(plan)[0].reshape(ns, n_tps, m.n_head, m.head_dim_k).transpose(0, 2, 1, 3)
             s0 = plan.slot.s0
-            k = r.cache.k[m.n_layer - 1, s0:s0 + ns, :n_kv].reshape(ns, n_kv, m.n_head_kv, m.head_dim)
-            v = r.cache.v[m.n_layer - 1, s0:s0 + ns, :n_kv].reshape(ns, n_kv, m.n_head_kv, m.d_v)
+            k = r.cache.k[m.n_layer - 1, s0:s0 + ns, :n_kv].reshape(ns, n_kv, m.n_head_kv, m.head_dim_k)
+            v = r.cache.v[m.n_layer - 1, s0:s0 + ns, :n_kv].reshape(ns, n_kv, m.n_head_kv, m.head_dim_v)
             want = reference.flash_attn_ext(q, k.transpose(0, 2, 1, 3).astype(np.float32),
                                             v.transpose(0, 2, 1, 3).astype(np.float32), plan.mask,
-                                            1.0 / np.sqrt(m.head_dim))
+                                            1.0 / np.sqrt(m.head_dim_k))
             want = want.reshape(plan.ubatch.n_tokens, -1)[real]
             assert reference.nmse(outs[-1], want) < 1e-10
     eng.run_ubatch = run_ubatch

@@ -175,7 +175,7 @@ def test_cache_types_on_the_cuda_engine():
     # the tensor-core kernels run on f16 copies of the blocks; decode-tma reads them at D 128 only
     check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=128, head_dim_v=128,
                       kernel="prefill")
-    with pytest.raises(UserError, match="--kernel decode-tma -ctk q4_0: head sizes D_k=64.*--kernel auto"):
+    with pytest.raises(UserError, match="--kernel decode-tma -ctk q4_0: head sizes head_dim_k=64.*--kernel auto"):
         check_cache_types("q4_0", "q4_0", device="cuda", flash_attn=True, head_dim_k=64, head_dim_v=64,
                           kernel="decode-tma")
     with pytest.raises(UserError, match="-sm row/layer over 2 GPUs keep an f16 KV cache; q8_0, q4_0 run on one GPU"):

@@ -71,7 +71,7 @@ def test_big_but_valid_shape_is_one_line_when_memory_runs_out(tmp_path, capsys):
 
 def test_good_header_still_reads(tmp_path):
     m = models.resolve(_write(tmp_path / "m.gguf"))
-    assert (m.n_layer, m.n_head, m.n_head_kv, m.head_dim, m.n_embd) == (2, 4, 2, 32, 128)
+    assert (m.n_layer, m.n_head, m.n_head_kv, m.head_dim_k, m.n_embd) == (2, 4, 2, 32, 128)
 
 
 @pytest.mark.parametrize("value", [("string", "fifty"), ("float32", float("nan")), ("float32", -1.0)])

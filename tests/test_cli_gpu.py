@@ -26,14 +26,14 @@ def test_cuda_engine_matches_reference(split, unified, lens):
         ns, _, n_tps, n_kv = mask.shape
         pool = r.engine.pool.get()
         n_tok = ns * n_tps
-        q = pool[: n_tok * m.n_embd_q].reshape(ns, m.n_head, n_tps, m.head_dim)
+        q = pool[: n_tok * m.n_embd_q].reshape(ns, m.n_head, n_tps, m.head_dim_k)
         ub_streams = r.engine._last_streams
         k = r.cache.k[m.n_layer - 1].get()[ub_streams[0]:ub_streams[0] + ns, :n_kv]
         v = r.cache.v[m.n_layer - 1].get()[ub_streams[0]:ub_streams[0] + ns, :n_kv]
-        k = k.reshape(ns, n_kv, m.n_head_kv, m.head_dim).transpose(0, 2, 1, 3)
-        v = v.reshape(ns, n_kv, m.n_head_kv, m.d_v).transpose(0, 2, 1, 3)
+        k = k.reshape(ns, n_kv, m.n_head_kv, m.head_dim_k).transpose(0, 2, 1, 3)
+        v = v.reshape(ns, n_kv, m.n_head_kv, m.head_dim_v).transpose(0, 2, 1, 3)
         want = reference.flash_attn_ext(q, k.astype(np.float32), v.astype(np.float32), mask,
-                                        1.0 / np.sqrt(m.head_dim))
+                                        1.0 / np.sqrt(m.head_dim_k))
         assert np.isfinite(dst).all()
         assert reference.nmse(dst, want) < 5e-4
     finally:

@@ -59,7 +59,7 @@ def test_cli_model_engine_matches_run_model_batch(gguf, split, unified):
     model = load_gguf(gguf)
     hp = model.hp
     cache = KVCache(len(LENGTHS) * 256, len(LENGTHS), unified=unified, n_layer=hp.n_layer,
-                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k)
     want = [run_model_batch(cache, b, model, 8, split).logits for b in batches]
     # the prompt's output rows come in ubatch order, a sequence's last token where it lands
     n_prompt_ub = len(got) - 3
@@ -90,7 +90,7 @@ def test_prompt_ubatches_of_other_streams_share_a_structure(gguf, monkeypatch, e
     model = load_gguf(gguf)
     hp = model.hp
     cache = KVCache(len(LENGTHS) * 256, len(LENGTHS), unified=False, n_layer=hp.n_layer,
-                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+                    n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k)
     bound = 1e-10 if engine_cls is HostEngine else 5e-4
     for b in batches:   # each batch's ubatches' output rows, in ubatch order (one sequence each)
         n_ub = len(split_ubatches(b, 8, "seq"))
@@ -217,7 +217,7 @@ def test_output_rows_padded_to_a_power_of_two_share_a_structure(gguf, monkeypatc
     model = load_gguf(gguf)
     hp = model.hp
     cache = KVCache(512, len(lengths), unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                    head_dim_k=hp.head_dim)
+                    head_dim_k=hp.head_dim_k)
     want = run_model_batch(cache, batch, model, 8, "simple").logits
     assert len(split_ubatches(batch, 8, "simple")) == len(got)
     assert reference.nmse(np.sort(np.concatenate(got), axis=0), np.sort(want, axis=0)) < 1e-10

@@ -11,9 +11,9 @@ def test_presets_are_consistent():
     for name, m in models.PRESETS.items():
         assert m.name == name
         assert m.n_head % m.n_head_kv == 0, name
-        assert m.n_layer > 0 and m.head_dim > 0 and m.n_embd > 0 and m.n_ff > 0
+        assert m.n_layer > 0 and m.head_dim_k > 0 and m.n_embd > 0 and m.n_ff > 0
     l8 = models.resolve("llama-3-8b")
-    assert (l8.n_layer, l8.n_head, l8.n_head_kv, l8.head_dim, l8.gqa) == (32, 32, 8, 128, 4)
+    assert (l8.n_layer, l8.n_head, l8.n_head_kv, l8.head_dim_k, l8.gqa) == (32, 32, 8, 128, 4)
     # about 8.0 B parameters for the published shape
     assert 7.9e9 < l8.n_params < 8.1e9
     assert models.resolve("LLaMA-3-70B").n_layer == 80
@@ -49,7 +49,7 @@ def test_gguf_header(tmp_path):
     p = tmp_path / "m.gguf"
     _write(p)
     m = models.resolve(str(p))
-    assert (m.name, m.n_layer, m.n_head, m.n_head_kv, m.head_dim, m.n_embd, m.n_ff, m.n_ctx_train,
+    assert (m.name, m.n_layer, m.n_head, m.n_head_kv, m.head_dim_k, m.n_embd, m.n_ff, m.n_ctx_train,
             m.n_vocab) == ("unit-test-model", 3, 8, 2, 32, 256, 688, 2048, 1000)
     assert m.source == str(p)
 
@@ -58,7 +58,7 @@ def test_gguf_defaults_and_key_length(tmp_path):
     p = tmp_path / "q.gguf"
     _write(p, arch="qwen2", kv=0, key_length=64)
     m = models.read_gguf(str(p))
-    assert m.n_head_kv == 8 and m.head_dim == 64
+    assert m.n_head_kv == 8 and m.head_dim_k == 64
 
 
 def test_gguf_garbage(tmp_path):

@@ -186,7 +186,7 @@ def test_rank_engines_equal_one_device(layer):
         return RunConfig(m, n_ctx=256, device="cpu", layer=layer, n_ubatch=64, n_batch=64, tp=ctx)
 
     def cache(heads):
-        return KVCache(256, 1, n_layer=m.n_layer, n_head_kv=heads, head_dim_k=m.head_dim, dtype=np.float16)
+        return KVCache(256, 1, n_layer=m.n_layer, n_head_kv=heads, head_dim_k=m.head_dim_k, dtype=np.float16)
 
     ref_cache = cache(m.n_head_kv)
     ref = _Host(cfg(), ref_cache)
@@ -209,13 +209,13 @@ def test_rank_engines_equal_one_device(layer):
             outs = [np.asarray(e._keep[1]) for e in engines]
             np.testing.assert_array_equal(outs[0], outs[1])
             got = outs[0]
-        else:   # (ns, n_tps, n_head, D_v): the ranks' heads side by side
+        else:   # (ns, n_tps, n_head, head_dim_v): the ranks' heads side by side
             got = np.concatenate([np.asarray(e._keep[1]) for e in engines], axis=2)
         assert got.shape == want.shape
         err = ((got - want) ** 2).sum() / (want ** 2).sum()
         assert err <= 5e-4, err
     for r in range(n):   # each rank's K/V: its heads of the one-device cache (f16, first layer exact)
-        d = m.head_dim * m.n_head_kv // n
+        d = m.head_dim_k * m.n_head_kv // n
         np.testing.assert_array_equal(caches[r].k[0][..., :], ref_cache.k[0][..., r * d:(r + 1) * d])
     assert [c.calls for c in group.comms] == ([2 * m.n_layer * 3] * n if layer == "full" else [0] * n)
 
@@ -237,7 +237,7 @@ def test_layer_rank_engines_equal_one_device(layer, n, shares):
         return RunConfig(m, n_ctx=256, device="cpu", layer=layer, n_ubatch=64, n_batch=64, tp=ctx)
 
     def cache(n_layer):
-        return KVCache(256, 1, n_layer=n_layer, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim, dtype=np.float16)
+        return KVCache(256, 1, n_layer=n_layer, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim_k, dtype=np.float16)
 
     ref_cache = cache(m.n_layer)
     ref = _Host(cfg(), ref_cache)
@@ -289,8 +289,8 @@ def test_gpu_multi_check_logic_on_cpu(monkeypatch, n):
     monkeypatch.setattr(gmc, "N_EMBD", 32)
     monkeypatch.setattr(gmc, "N_FF", 48)
     monkeypatch.setattr(gmc, "_cfg", lambda n_gpu: AttnConfig(n_layer=max(4, n_gpu), n_head=6, n_head_kv=3,
-                                                               head_dim=16) if n_gpu == 3 else
-                        AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim=16))
+                                                               head_dim_k=16) if n_gpu == 3 else
+                        AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim_k=16))
     cfg = gmc._cfg(n)
     weights = gmc._weights(cfg, np)
     group = tp.LocalGroup(n, timeout=60)

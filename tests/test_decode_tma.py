@@ -12,7 +12,7 @@ from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
 
 def _f(**kw):
     from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, CallFacts
-    base = dict(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90",
+    base = dict(n_batch=1, gqa=4, n_kv=4096, head_dim_k=128, head_dim_v=128, kv_type=GGML_TYPE_F16, arch="sm_90",
                 work_tiles=DECODE_TMA_MIN_WORK, mask_tiles="masked")
     base.update(kw)
     return CallFacts(**base)
@@ -41,7 +41,7 @@ def test_auto_keeps_decode_tc_elsewhere():
     DECODE_TMA_MIN_WORK, or than DECODE_TMA_MIN_WORK_EVEN when the split cuts the groups on
     their boundaries (or not known), unaligned K/V; prefill shapes stay prefill kernels."""
     from ggml_attn.dispatch import DECODE_TMA_MIN_WORK, DECODE_TMA_MIN_WORK_EVEN, best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=64, d_v=64), dict(plain=False),
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(head_dim_k=64, head_dim_v=64), dict(plain=False),
                dict(work_tiles=DECODE_TMA_MIN_WORK - 1, mask_tiles="plain"),
                dict(work_tiles=DECODE_TMA_MIN_WORK - 1),
                dict(work_tiles=DECODE_TMA_MIN_WORK_EVEN - 1, work_even=True), dict(work_tiles=0)):
@@ -91,7 +91,7 @@ def test_facts_count_the_live_tiles_of_a_plan(monkeypatch):
 def test_by_name_says_why_not(monkeypatch):
     from ggml_attn import dispatch
     assert dispatch.best_kernel("decode-tma", _f(n_batch=64)).kernel == "decode-tma"
-    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=256, d_v=256), "D 128"),
+    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(head_dim_k=256, head_dim_v=256), "D 128"),
                       (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             dispatch.best_kernel("decode-tma", _f(**kw))

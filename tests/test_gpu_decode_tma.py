@@ -58,7 +58,7 @@ def _run(ne3, n_batch, n_kv, nh, nkv, mask=None, blocks=0, kv_type=None, kv_nan=
     if mask is not None:
         dm = cp.asarray(mask)
         tm = from_array(dm, GGML_TYPE_F16)
-        plan = cb.make_plan(tm, n_batch, nh, nkv, d_k=d, kv_type=kv_type, ne3=ne3, stream=st)
+        plan = cb.make_plan(tm, n_batch, nh, nkv, head_dim_k=d, kv_type=kv_type, ne3=ne3, stream=st)
     call = cb.bind(from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), tm, None, from_array(dst),
                    0.09, kernel=kernel, plan=plan, stream=st)
     call.launch()
@@ -245,7 +245,7 @@ def test_a_refreshed_plan_keeps_the_split_right(monkeypatch):
     st = cp.cuda.get_current_stream().ptr
     dm = cp.asarray(_stream_lengths([1000, 2000, 300, 1500], n_kv))
     tm = from_array(dm, GGML_TYPE_F16)
-    plan = cb.make_plan(tm, 1, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, ne3=ne3, stream=st)
+    plan = cb.make_plan(tm, 1, 32, 8, head_dim_k=128, kv_type=GGML_TYPE_F16, ne3=ne3, stream=st)
     call = cb.bind(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), tm, None,
                    from_array(dst), 0.09, kernel="decode-tma", plan=plan, stream=st)
     assert call._params.work_cap > 0

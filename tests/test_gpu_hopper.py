@@ -248,7 +248,7 @@ def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
                   0.125, config=config)
     other = 128 if d != 128 else 64   # another head size through it: refused, naming its own
     oq, ok, ov, odst, _ = _prefill_case(1, 64, 100, d=other, kv_type=GGML_TYPE_BF16)
-    with pytest.raises(ValueError, match=rf"takes D [0-9, ]*\b{d} \(d_k = d_v\)"):
+    with pytest.raises(ValueError, match=rf"takes D [0-9, ]*\b{d} \(head_dim_k = head_dim_v\)"):
         hp.run_ws(from_array(oq), from_array(ok, GGML_TYPE_BF16), from_array(ov, GGML_TYPE_BF16),
                   from_array(odst), 0.125, config=config)
 
@@ -336,7 +336,7 @@ def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, monkeypatch):
     tq, tk, tv, td, tm = (from_array(dq), from_array(dk, kv_type), from_array(dv, kv_type), from_array(dst),
                           from_array(dm, GGML_TYPE_F16))
     st = cp.cuda.get_current_stream().ptr
-    plan = cb.make_plan(tm, n_batch, nh, nkv, d_k=d, kv_type=kv_type, stream=st)
+    plan = cb.make_plan(tm, n_batch, nh, nkv, head_dim_k=d, kv_type=kv_type, stream=st)
     assert plan.wide is False
     call = cb.bind(tq, tk, tv, tm, None, td, 0.1, kernel="prefill-wgmma", plan=plan, stream=st)
     assert (call.kern, call._params.pack, call._params.q_tile_tokens) == ("prefill-wgmma", pack, 128 // pack)
@@ -428,7 +428,7 @@ def test_op_runs_wgmma_prefill_where_it_applies(name):
     tq, tk, tv, td = (from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), from_array(dst))
     tm = None if dm is None else from_array(dm, GGML_TYPE_F16)
     st = cp.cuda.get_current_stream().ptr
-    plan = None if tm is None else cb.make_plan(tm, n_batch, nh, nkv, d_k=d, kv_type=GGML_TYPE_F16, stream=st)
+    plan = None if tm is None else cb.make_plan(tm, n_batch, nh, nkv, head_dim_k=d, kv_type=GGML_TYPE_F16, stream=st)
     call = cb.bind(tq, tk, tv, tm, None, td, scale, plan=plan, stream=st)
     assert call.kern == want, (name, call.kern, None if plan is None else plan.wgmma_tiles)
     call.launch()

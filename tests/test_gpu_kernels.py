@@ -85,18 +85,18 @@ def _reference(inp, case_scale, max_bias, softcap, kv_type):
 
 
 def _run_device(q, k, v, mask, sinks, scale, max_bias, softcap, kernel, *, permuted=False,
-                n_splits=None, plan=None, d_v=None):
+                n_splits=None, plan=None, head_dim_v=None):
     cp = _cupy()
     ne3, n_head, n_batch, _ = q.shape
     _skip_cells_if_large(kernel, n_batch)
-    d_v = v.shape[3] if d_v is None else d_v
+    head_dim_v = v.shape[3] if head_dim_v is None else head_dim_v
     dq, dk_, dv_ = _dev(q, permuted), _dev(k, permuted), None
     if v is not None and k is not None and v.base is not None and v.base is k:
         dv_ = dk_[..., :v.shape[3]]   # MLA: V is a view of K
     else:
         dv_ = _dev(v, permuted)
     dm, ds = _dev(mask), _dev(sinks) if sinks is not None else None
-    dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+    dst = cp.full((ne3, n_batch, n_head, head_dim_v), cp.nan, dtype=cp.float32)
     kv_type = {np.dtype(np.float16): GGML_TYPE_F16, np.dtype(np.uint16): GGML_TYPE_BF16,
                np.dtype(np.float32): GGML_TYPE_F32}[k.dtype]
     with _Kernel(kernel) as kern:
@@ -261,7 +261,7 @@ def test_finite_mask_tiles(kernel, n_batch, n_kv, ext, rng, monkeypatch):
     big[0, 0, :, 100:180] = -60000.0
     for name, mask in (("bias", bias), ("random", rand), ("big", big)):
         dm = _dev(mask)
-        classes = cb.make_plan(from_array(dm), n_batch, 16, 4, d_k=128, kv_type=GGML_TYPE_F16,
+        classes = cb.make_plan(from_array(dm), n_batch, 16, 4, head_dim_k=128, kv_type=GGML_TYPE_F16,
                                kernel="prefill").tile_classes(64)
         assert classes == _tile_classes_numpy(mask[0, 0], 64, n_batch, True), (name, classes)
         if name == "bias":
@@ -321,11 +321,11 @@ def test_combine_skips_weightless_splits(n_splits, sink, rng):
     the other splits."""
     from ggml_attn import kernels as K
     cp = _cupy()
-    n_head, n_batch, d_v = 4, 3, 136
+    n_head, n_batch, head_dim_v = 4, 3, 136
     n_rows = n_batch * n_head
     m = rng.uniform(-4, 4, (n_splits, n_rows)).astype(np.float32)
     lsum = rng.uniform(0.5, 30, (n_splits, n_rows)).astype(np.float32)
-    o = rng.uniform(-1, 1, (n_splits, n_rows, d_v)).astype(np.float32)
+    o = rng.uniform(-1, 1, (n_splits, n_rows, head_dim_v)).astype(np.float32)
     dead = rng.random((n_splits, n_rows)) < 0.4
     dead[:, 0] = True           # row 0: every split dead -> zeros (no sink) / 0 (sink only)
     dead[n_splits - 1, 1] = True   # the remainder loop's last split
@@ -335,12 +335,12 @@ def test_combine_skips_weightless_splits(n_splits, sink, rng):
     sinks = rng.uniform(-2, 2, n_head).astype(np.float32) if sink else None
     ml = np.stack([m, lsum], axis=-1)
     d_ml, d_o = cp.asarray(ml), cp.asarray(o)
-    d_dst = cp.full((n_rows, d_v), cp.nan, dtype=cp.float32)
+    d_dst = cp.full((n_rows, head_dim_v), cp.nan, dtype=cp.float32)
     d_sk = cp.asarray(sinks) if sink else None
     p = K.FattnParams()
     p.ws_ml, p.ws_o, p.dst = d_ml.data.ptr, d_o.data.ptr, d_dst.data.ptr
     p.sinks = d_sk.data.ptr if sink else 0
-    p.ne3, p.n_batch, p.n_head, p.n_splits, p.d_v = 1, n_batch, n_head, n_splits, d_v
+    p.ne3, p.n_batch, p.n_head, p.n_splits, p.head_dim_v = 1, n_batch, n_head, n_splits, head_dim_v
     fn = K.get_function(K.util_variant(), "fattn_combine")
     fn.launch((n_rows, 1, 1), (128, 1, 1), cp.cuda.get_current_stream().ptr, p)
     cp.cuda.get_current_stream().synchronize()
@@ -391,7 +391,7 @@ def test_plan_live_counts_and_reuse(rng):
     n = sum(seq)
     cp = _cupy()
     dm = cp.asarray(mask)
-    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
     tq = 64 // 1
     counts = plan.live_counts(tq)
     m = mask[0, 0]
@@ -460,7 +460,7 @@ def test_plan_tile_classes(finite, rng, monkeypatch):
     mask[64:128, 384:] = rng.uniform(-1, 1, (64, n_kv - 384)).astype(np.float16)  # a finite tail tile
     cp = _cupy()
     dm = cp.asarray(np.ascontiguousarray(mask[None, None]))
-    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
     for tq in (16, 64, 128):
         got = plan.tile_classes(tq)
         assert got == _tile_classes_numpy(mask, tq, n, finite), tq
@@ -488,7 +488,7 @@ def test_plan_chosen_tiles(seq, want_wide, kv_type, rng):
     ref = flash_attn_ext(q, k, v, mask, 0.1, 0.0, 0.0, s, kv_type=kv_type)
     dq, dk_, dv_, dm, ds = (cp.asarray(np.ascontiguousarray(x)) for x in (q, k, v, mask, s))
     md = from_array(dm)
-    plan = cb.make_plan(md, n, 16, 4, d_k=128, kv_type=kv_type, kernel="prefill")
+    plan = cb.make_plan(md, n, 16, 4, head_dim_k=128, kv_type=kv_type, kernel="prefill")
     assert plan.wide is want_wide
     cfg = cb.launch_config("prefill", cb.AttnDims(128, 128, n, 16, 4, 1, n, kv_type), wide=plan.wide)
     assert (cfg.q_tile_tokens, cfg.pack) == ((128, 1) if want_wide else (64 // cuda_launch.PREFILL_PACK, cuda_launch.PREFILL_PACK))
@@ -599,7 +599,7 @@ def test_plan_hidden_columns(rng):
     m1[100:110] = np.where(np.isfinite(m1[100:110]), rng.uniform(-1, 1, (10, n_kv)), -np.inf)
     mask = np.stack([np.stack([m0, m1]), np.stack([m1, m0])]).astype(np.float16)   # [2, 2, n, n_kv]
     dm = cp.asarray(mask)
-    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
+    plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="prefill")
     for tq in (1, 4, 16, 64, 128):
         want = _hidden_columns_numpy(mask, tq, n)
         assert want, tq
@@ -656,7 +656,7 @@ def test_nan_v_in_hidden_cells(kernel, use_plan, ne32, rng, monkeypatch):
     dm = cp.asarray(mask)
     plan = None
     if use_plan:
-        plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16,
+        plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16,
                             kernel=_Kernel(kernel).name)
         assert plan.wide is False
     tq, pack = _layout_cfg(kernel, n, plan)
@@ -712,16 +712,16 @@ def test_errors(rng):
 
 # ---------------------------------------------------------------------------------------
 # paths the cases above do not reach
-def _launch(q_d, k_d, v_d, mask_desc, sinks_d, n_batch, n_head, d_v, ne3, kernel, kv_type, *,
+def _launch(q_d, k_d, v_d, mask_desc, sinks_d, n_batch, n_head, head_dim_v, ne3, kernel, kv_type, *,
             plan=None, stream=None, n_splits=None):
     """flash_attn_ext_device on CuPy arrays / a ready mask TensorDesc; dst NaN-poisoned."""
     cp = _cupy()
     _skip_cells_if_large(kernel, n_batch)
     if isinstance(stream, cp.cuda.Stream):
         with stream:
-            dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+            dst = cp.full((ne3, n_batch, n_head, head_dim_v), cp.nan, dtype=cp.float32)
     else:
-        dst = cp.full((ne3, n_batch, n_head, d_v), cp.nan, dtype=cp.float32)
+        dst = cp.full((ne3, n_batch, n_head, head_dim_v), cp.nan, dtype=cp.float32)
     with _Kernel(kernel) as kern:
         cb.flash_attn_ext_device(from_array(q_d), from_array(k_d, kv_type), from_array(v_d, kv_type),
                                  mask_desc, from_array(sinks_d) if sinks_d is not None else None,
@@ -810,7 +810,7 @@ def test_plan_built_on_another_stream(rng):
     sa, sb = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     with sa:   # mask upload + scan + compact on A; the event after them orders B
         dm = cp.asarray(mask)
-        plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16,
+        plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16,
                             kernel="prefill", stream=sa)
     assert plan.items and all(st == sa.ptr for _, st, _ in plan.items.values()), \
         "every item of the plan was built on stream A"
@@ -873,7 +873,7 @@ def test_plan_refresh_follows_new_mask_contents(kernel, rng):
     mb = _block_causal_mask(seq_b + [n - sum(seq_b)], n_kv=n_kv)
     dm = cp.asarray(ma)
     dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-    plan = cb.make_plan(from_array(dm), n, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
+    plan = cb.make_plan(from_array(dm), n, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
     ptrs = plan.live(_layout_cfg(kernel, n, plan)[0], cp.cuda.get_current_stream().ptr)
     out = _launch(dq, dk_, dv_, from_array(dm), None, n, 8, 128, 1, kernel, GGML_TYPE_F16, plan=plan)
     _check(out.get(), flash_attn_ext(q, k, v, ma, 0.1, 0.0, 0.0, None, kv_type=GGML_TYPE_F16), "before")
@@ -904,7 +904,7 @@ def test_cells_lists_match_host_mirror(n_kv, rng):
     m[0, 0, 0] = -np.inf
     m[1, 1, 1, ::7] = np.nan
     dm = cp.asarray(m)
-    plan = cb.make_plan(from_array(dm), n_batch, 4, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    plan = cb.make_plan(from_array(dm), n_batch, 4, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
     want_cells, want_cnt = cell_lists_host(m, n_batch)
     cnt = plan.cell_counts()
     assert np.array_equal(cnt, want_cnt)
@@ -966,7 +966,7 @@ def test_cells_interleaved_decode_step(kernel, n_splits, rng):
     q, k, v, _ = _inputs(rng, 1, 32, 8, n_tok, n_kv, 128, 128, GGML_TYPE_F16)
     ref = flash_attn_ext(q, k, v, mask, 1 / math.sqrt(128), 0.0, 0.0, None, kv_type=GGML_TYPE_F16)
     dm = cp.asarray(mask)
-    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
+    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel=kernel)
     if kernel == "auto":
         assert plan.reads is not None and plan.reads[0] * 2 <= plan.reads[1], plan.reads
         b = cb.bind(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
@@ -991,7 +991,7 @@ def test_cells_refresh_follows_new_mask_contents(rng):
     ma = _sparse_mask(rng, (1, 1, n_batch, n_kv), 0.05)
     mb = _sparse_mask(rng, (1, 1, n_batch, n_kv), 0.3)
     dm = cp.asarray(ma)
-    plan = cb.make_plan(from_array(dm), n_batch, 8, 2, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    plan = cb.make_plan(from_array(dm), n_batch, 8, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
     st = cp.cuda.get_current_stream().ptr
     ptrs = plan.cell_lists(st)
     dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
@@ -1105,7 +1105,7 @@ def test_cells_sweep_interleaved_decode_step(cells_tune):
     cp = _cupy()
     mask, n_tok, q, k, v, ref = _sweep_decode_step_case()
     dm = cp.asarray(mask)
-    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, d_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
+    plan = cb.make_plan(from_array(dm, GGML_TYPE_F16), n_tok, 32, 8, head_dim_k=128, kv_type=GGML_TYPE_F16, kernel="cells")
     dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
     for n_splits in (None, 2):
         dst = cp.full((1, n_tok, 32, 128), cp.nan, dtype=cp.float32)

@@ -158,7 +158,7 @@ def test_store_q4_0_zero_block_scale_is_negative_zero():
 def test_device_graph_over_quantized_cache_matches_host(qtype, unified, mode):
     from ggml_attn.graph import AttnConfig, Batch, KVCache, run_batch
     from ggml_attn.reference import nmse
-    cfg = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim=64)
+    cfg = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim_k=64)
 
     def cache(xp):
         return KVCache(6 * 512, 6, unified=unified, n_layer=2, n_head_kv=2, head_dim_k=64, xp=xp,
@@ -208,13 +208,13 @@ def test_cuda_engine_quantized_cache_matches_reference(qtype):
         mask, dst, _ = r.engine._keep
         mask, dst = mask.get(), dst.get()
         ns, _, n_tps, n_kv = mask.shape
-        q = r.engine.pool.get()[: ns * n_tps * m.n_embd_q].reshape(ns, m.n_head, n_tps, m.head_dim)
+        q = r.engine.pool.get()[: ns * n_tps * m.n_embd_q].reshape(ns, m.n_head, n_tps, m.head_dim_k)
         s0 = r.engine._last_streams[0]
-        k = _dequantized(r.cache.k[m.n_layer - 1].get()[s0:s0 + ns, :n_kv], qtype, m.n_head_kv * m.head_dim)
-        v = _dequantized(r.cache.v[m.n_layer - 1].get()[s0:s0 + ns, :n_kv], qtype, m.n_head_kv * m.d_v)
-        k = k.reshape(ns, n_kv, m.n_head_kv, m.head_dim).transpose(0, 2, 1, 3)
-        v = v.reshape(ns, n_kv, m.n_head_kv, m.d_v).transpose(0, 2, 1, 3)
-        want = reference.flash_attn_ext(q, k, v, mask, 1.0 / np.sqrt(m.head_dim))
+        k = _dequantized(r.cache.k[m.n_layer - 1].get()[s0:s0 + ns, :n_kv], qtype, m.n_head_kv * m.head_dim_k)
+        v = _dequantized(r.cache.v[m.n_layer - 1].get()[s0:s0 + ns, :n_kv], qtype, m.n_head_kv * m.head_dim_v)
+        k = k.reshape(ns, n_kv, m.n_head_kv, m.head_dim_k).transpose(0, 2, 1, 3)
+        v = v.reshape(ns, n_kv, m.n_head_kv, m.head_dim_v).transpose(0, 2, 1, 3)
+        want = reference.flash_attn_ext(q, k, v, mask, 1.0 / np.sqrt(m.head_dim_k))
         assert np.isfinite(dst).all()
         assert reference.nmse(dst, want) < NMSE_MAX
     finally:

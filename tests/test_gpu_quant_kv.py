@@ -270,7 +270,7 @@ def test_tensor_core_kernels_on_f16_copies(kv_type, n_batch, n_kv, d, kernels):
     exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
     dq, dm = cp.asarray(q), cp.asarray(mask)
     tm = from_array(dm)
-    plan = cb.make_plan(tm, n_batch, n_head, n_head_kv, d_k=d, kv_type=kv_type)
+    plan = cb.make_plan(tm, n_batch, n_head, n_head_kv, head_dim_k=d, kv_type=kv_type)
     for kernel in kernels:
         dst = cp.full((1, n_batch, n_head, d), cp.nan, dtype=cp.float32)
         call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel=kernel, plan=plan)

@@ -63,7 +63,7 @@ def test_tail_skip_cost_model_counts_interior_tiles():
 
 
 def test_run_batch_auto_matches_simple():
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=8)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=8)
     kw = dict(n_layer=1, n_head_kv=1, head_dim_k=8)
     ref = run_batch(KVCache(256, 10, unified=True, **kw), TEN_RAGGED, 512, "simple", cfg)
     got = run_batch(KVCache(2560, 10, unified=False, **kw), TEN_RAGGED, 512, "auto", cfg)
@@ -155,7 +155,7 @@ class _Counts:
 def test_auto_plans_no_more_than_the_split_it_picks(monkeypatch):
     """run_batch with auto: the chosen split's dry-run plans are the ones run (no second
     planning, no second fit check), and candidates whose cost floor loses are never dry-run."""
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=8)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=8)
     kw = dict(n_layer=1, n_head_kv=1, head_dim_k=8)
     counts = _Counts(monkeypatch)
     ref = run_batch(KVCache(48 * 512, 48, unified=False, **kw), RAGGED_48, 512, "padded", cfg)

@@ -13,12 +13,12 @@ from ggml_attn.graph.qkv import token_qkv, token_vectors
 from ggml_attn.graph.qkv_runner import run_batch
 from ggml_attn.reference import nmse
 
-CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
+CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=16)
 
 
 def cache_for(unified, n_seq=10, n_ctx=2560, cfg=CFG, **kw):
     return KVCache(n_ctx, n_seq, unified=unified, n_layer=cfg.n_layer, n_head_kv=cfg.n_head_kv,
-                   head_dim_k=cfg.head_dim, head_dim_v=cfg.d_v, **kw)
+                   head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v, **kw)
 
 
 def test_token_vectors_depend_only_on_seq_pos_layer():
@@ -113,7 +113,7 @@ def test_geometry_mismatch_is_refused():
     c = cache_for(True)
     (ub,) = split_ubatches(Batch.from_lengths([2]), 512, "simple")
     with pytest.raises(ValueError, match="does not match"):
-        build_ubatch_graph(c, plan_ubatch(c, ub), AttnConfig(n_head=4, n_head_kv=4, head_dim=16))
+        build_ubatch_graph(c, plan_ubatch(c, ub), AttnConfig(n_head=4, n_head_kv=4, head_dim_k=16))
 
 
 def test_run_batch_refuses_overflow_and_leaves_cache_unchanged():

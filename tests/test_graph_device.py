@@ -12,7 +12,7 @@ from ggml_attn.reference import nmse
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")]
 
-CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim=64)
+CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=2, head_dim_k=64)
 
 
 def cache(unified, xp, n_seq=10):
@@ -216,7 +216,7 @@ def test_load_plan_through_the_pinned_ring_matches_the_reference(monkeypatch):
     assert g._stager.blocked >= 1, "no reuse found its copy pending: the test did not test the wait"
     for lens, (idx, outs) in zip(layouts, got):
         ref = run_batch(cache(True, None), Batch.from_lengths(lens), 512, "simple", CFG)
-        for il in range(CFG.n_layer):   # (n_tokens, n_head, D_v): ubatch rows -> batch rows
+        for il in range(CFG.n_layer):   # (n_tokens, n_head, head_dim_v): ubatch rows -> batch rows
             assert nmse(cupy.asnumpy(outs[il]), ref.out[il][idx]) < 5e-4, (lens, il)
     g.free()
     assert g._stager is None

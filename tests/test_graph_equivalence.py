@@ -14,7 +14,7 @@ from ggml_attn.graph.kv_cache import pad_to
 from ggml_attn.graph.attn_config import AttnConfig
 from ggml_attn.graph.qkv_runner import run_batch
 
-CFG = AttnConfig(n_layer=2, n_head=2, n_head_kv=1, head_dim=8)
+CFG = AttnConfig(n_layer=2, n_head=2, n_head_kv=1, head_dim_k=8)
 STRATEGIES = [("simple", True), ("equal", False), ("seq", False), ("padded", False)]
 MAX_TOTAL = 1200  # keeps one example well under a second
 
@@ -62,7 +62,7 @@ def test_strategies_agree(work):
     for mode, unified in STRATEGIES:
         n_ctx = pad_to(sum(lengths) + n_seq * n_steps, 256) if unified else per_stream * n_seq
         caches[mode] = KVCache(n_ctx, n_seq, unified=unified, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
-                               head_dim_k=CFG.head_dim)
+                               head_dim_k=CFG.head_dim_k)
     # prefill: ids in random order, sequence j has lengths[j] tokens
     batches = _prompt_then_steps(lengths, order, decode_sets)
     for step, b in enumerate(batches):
@@ -99,7 +99,7 @@ def test_strategies_agree_through_the_graph_builder(work):
     def new_cache(unified):
         n_ctx = pad_to(sum(lengths) + n_seq * len(decode_sets), 256) if unified else per_stream * n_seq
         return KVCache(n_ctx, n_seq, unified=unified, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
-                       head_dim_k=CFG.head_dim)
+                       head_dim_k=CFG.head_dim_k)
     ref_cache = new_cache(True)
     caches = [new_cache(unified) for _, unified, _ in GRAPH_RUNS]
     batches = _prompt_then_steps(lengths, order, decode_sets)

@@ -16,13 +16,13 @@ from ggml_attn.graph.plan import plan_ubatch
 from ggml_attn.graph.attn_config import AttnConfig
 from ggml_attn.graph.qkv_runner import BatchError, BatchInterrupted, run_batch
 
-CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16)
+CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=16)
 BATCH_LENGTHS = [5, 1, 9, 3]
 
 
 def cache_for(unified=False, n_seq=4, n_ctx=1024, cfg=CFG):
     return KVCache(n_ctx, n_seq, unified=unified, n_layer=cfg.n_layer, n_head_kv=cfg.n_head_kv,
-                   head_dim_k=cfg.head_dim, head_dim_v=cfg.d_v)
+                   head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v)
 
 
 def state(c):
@@ -166,11 +166,11 @@ def test_ctrl_c_inside_the_op_rolls_back(monkeypatch):
 
 
 @pytest.mark.parametrize("compute", ["ggml", "numpy"])
-@pytest.mark.parametrize("cfg", [AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim=16),
-                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=4, head_dim=16),
-                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=8),
-                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=16, head_dim_v=8)],
-                         ids=["layers", "heads", "head_dim", "d_v"])
+@pytest.mark.parametrize("cfg", [AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim_k=16),
+                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=4, head_dim_k=16),
+                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=8),
+                                 AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=16, head_dim_v=8)],
+                         ids=["layers", "heads", "head_dim", "head_dim_v"])
 def test_geometry_mismatch_is_found_before_any_cell_is_claimed(compute, cfg):
     c = prefilled(False, "equal")
     before = state(c)

@@ -233,7 +233,7 @@ def _random_run(rng, unified, n_seq, n_ctx, cfg, steps):
 @pytest.mark.parametrize("n_swa,max_bias", [(0, 0.0), (5, 0.0), (0, 1.0), (7, 1.0)])
 def test_fast_paths_match_the_reference_over_random_runs(monkeypatch, unified, n_swa, max_bias):
     checks = Checks(monkeypatch)
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4, n_swa=n_swa, max_bias=max_bias)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4, n_swa=n_swa, max_bias=max_bias)
     rng = np.random.default_rng(hash((unified, n_swa, max_bias)) % 2**32)
     done = 0
     for n_seq, n_ctx in ((1, 256), (3, 512), (4, 1024)):
@@ -246,7 +246,7 @@ def test_decode_steps_through_a_full_and_wrapping_cache(monkeypatch):
     """One sequence stepping through a 256-cell cache, its oldest cells dropped now and then:
     the free cells are found after the head, then again from cell 0."""
     checks = Checks(monkeypatch)
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4, n_swa=32)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4, n_swa=32)
     for unified in (True, False):
         c = KVCache(256, 2, unified=unified, n_head_kv=1, head_dim_k=4)
         eng = _Engine(np.random.default_rng(0), 0.0)
@@ -569,7 +569,7 @@ def test_ubatch_streams_as_before():
 
 def test_remembered_answers_do_not_pile_up():
     """Decode steps keep a handful of remembered answers, not one per ubatch ever planned."""
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4)
     for unified in (True, False):
         c = KVCache(4096, 2, unified=unified, n_head_kv=1, head_dim_k=4)
         eng = _Engine(np.random.default_rng(0), 0.0)

@@ -7,7 +7,7 @@ from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
 from ggml_attn.graph.build import build_ubatch_graph, graph_key
 from ggml_attn.graph.plan import plan_ubatch
 
-CFG = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=16)
+CFG = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim_k=16)
 
 
 def _plan(cache, batch):

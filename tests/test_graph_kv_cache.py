@@ -96,7 +96,7 @@ def test_padded_runs_when_only_its_pads_do_not_fit(unified):
     still goes through (as the equal split, the same outputs), and the reason says so. A batch
     whose real tokens do not fit is still refused."""
     from ggml_attn.graph import AttnConfig, run_batch
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=32)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=32)
     if unified:   # 256 cells: 203 real tokens fit, 400 padded rows do not
         first, batch = None, Batch.from_lengths([3, 200])
     else:         # 2 streams of 256: sequence 0 holds 250, gets 3 more (real 253) padded to 16 (266)
@@ -252,7 +252,7 @@ def test_coarse_n_kv_changes_n_kv_not_results(unified):
     summation order), and keeps one n_kv over more decode steps."""
     from ggml_attn.graph import AttnConfig, run_batch
     from ggml_attn.graph.kv_cache import coarse_pad
-    cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=16)
+    cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim_k=16)
     caches = [KVCache(4096, 3, unified=unified, n_layer=1, n_head_kv=2, head_dim_k=16, coarse_n_kv=c)
               for c in (False, True)]
     outs, n_kvs = [], []

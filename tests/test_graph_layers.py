@@ -12,7 +12,7 @@ from ggml_attn.graph.plan import plan_ubatch
 from ggml_attn.graph.qkv_runner import run_batch
 from ggml_attn.reference import nmse
 
-CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=32)
+CFG = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=32)
 N_EMBD, N_FF = 64, 96
 
 
@@ -154,7 +154,7 @@ def test_device_cache_holds_q8_0_and_q4_0_byte_rows(qtype):
                 xp=_FakeDeviceXp)
     row = 2 * 64 // 32 * (34 if qtype == "q8_0" else 18)
     assert c.k.shape == c.v.shape == (2, 2, 256, row) and c.k.dtype == np.uint8
-    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=64)
+    cfg = AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=64)
     assert check_build_args(c, cfg) is True   # an all-custom graph
     check_custom_store(qtype, qtype, on_device=True)
     check_custom_store(qtype, "f16", on_device=True)   # the store writes each kind's own type
@@ -201,7 +201,7 @@ def test_full_block_memory_is_one_layer_of_intermediates(all_custom):
     from ggml_attn.graph.kv_graph import data_ptr
 
     def n_result_arrays(n_layer):
-        cfg = AttnConfig(n_layer=n_layer, n_head=4, n_head_kv=2, head_dim=32)
+        cfg = AttnConfig(n_layer=n_layer, n_head=4, n_head_kv=2, head_dim_k=32)
         c = KVCache(512, 2, unified=False, n_layer=n_layer, n_head_kv=2, head_dim_k=32)
         (ub,) = split_ubatches(Batch.from_lengths([3, 5]), 512, "padded")
         g = build_ubatch_graph(c, plan_ubatch(c, ub), cfg, layer="full", weights=weights(n_layer=n_layer),

@@ -118,7 +118,7 @@ def _run(rng, unified, n_seq, n_ctx, cfg, steps):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_stepped_masks_equal_plain_masks_over_random_runs(monkeypatch, unified, seed):
     checks = Checked(monkeypatch)
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4)
     rng = np.random.default_rng([seed, unified])
     for n_seq, n_ctx in ((1, 256), (4, 512), (7, 1024), (16, 2048)):
         _run(rng, unified, n_seq, n_ctx, cfg, 250)
@@ -129,7 +129,7 @@ def test_stepped_masks_equal_plain_masks_over_random_runs(monkeypatch, unified, 
 @pytest.mark.parametrize("n_swa,max_bias", [(5, 0.0), (0, 1.0), (7, 1.0)])
 def test_swa_and_alibi_masks_are_never_stepped(monkeypatch, n_swa, max_bias):
     checks = Checked(monkeypatch)
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4, n_swa=n_swa, max_bias=max_bias)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4, n_swa=n_swa, max_bias=max_bias)
     rng = np.random.default_rng(n_swa)
     for unified in (True, False):
         _run(rng, unified, 4, 512, cfg, 200)
@@ -217,7 +217,7 @@ def test_stepping_a_decode_loop_and_read_only_arrays():
     """A plain decode loop of the same sequences steps every mask after the first; the masks
     handed out are read-only (they are the next step's starting point)."""
     c = KVCache(2048, 8, unified=True, n_head_kv=1, head_dim_k=4)
-    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=4)
+    cfg = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=4)
     seen = []
 
     class Eng:

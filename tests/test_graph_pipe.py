@@ -19,7 +19,7 @@ from test_graph_tp import OneRankAttn, OneRankFull, make_weights, nmse, qkv_inpu
 
 
 def caches(cfg, ranges, unified, n_seq):
-    kw = dict(unified=unified, head_dim_k=cfg.head_dim, head_dim_v=cfg.d_v, n_head_kv=cfg.n_head_kv,
+    kw = dict(unified=unified, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v, n_head_kv=cfg.n_head_kv,
               dtype=np.float32)
     full = KVCache(256 * n_seq, n_seq, n_layer=cfg.n_layer, **kw)
     ranks = [pipe.layer_cache(rg, 256 * n_seq, n_seq, **kw) for rg in ranges]
@@ -36,7 +36,7 @@ def check_kv(full, ranks, ranges):
     np.testing.assert_array_equal(np.concatenate([c.k for c in ranks]), full.k)
 
 
-CFG = AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim=16)
+CFG = AttnConfig(n_layer=4, n_head=8, n_head_kv=4, head_dim_k=16)
 
 
 @pytest.mark.parametrize("unified", [True, False])
@@ -111,7 +111,7 @@ def test_layer_ranks_differ_without_handover():
 def test_builder_layer_range():
     """build_ubatch_graph(layers=...) runs global layers a..b-1 on a cache of b-a layers."""
     cfg = CFG
-    cache = KVCache(64, 1, n_layer=2, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim, dtype=np.float32)
+    cache = KVCache(64, 1, n_layer=2, n_head_kv=cfg.n_head_kv, head_dim_k=cfg.head_dim_k, dtype=np.float32)
     plan = plan_ubatch(cache, split_ubatches(Batch.from_lengths([5], [0]), 8, "simple")[0])
     g = build.build_ubatch_graph(cache, plan, cfg, all_custom=True, layers=range(2, 4))
     assert len(g.outputs()) == 2

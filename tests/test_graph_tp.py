@@ -31,8 +31,8 @@ def make_weights(cfg: AttnConfig, seed: int = 1, shared: bool = False):
         return (rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16)
 
     def one():
-        return dict(wq=w(N_EMBD, cfg.n_head * cfg.head_dim), wk=w(N_EMBD, cfg.n_head_kv * cfg.head_dim),
-                    wv=w(N_EMBD, cfg.n_head_kv * cfg.d_v), wo=w(cfg.n_head * cfg.d_v, N_EMBD),
+        return dict(wq=w(N_EMBD, cfg.n_head * cfg.head_dim_k), wk=w(N_EMBD, cfg.n_head_kv * cfg.head_dim_k),
+                    wv=w(N_EMBD, cfg.n_head_kv * cfg.head_dim_v), wo=w(cfg.n_head * cfg.head_dim_v, N_EMBD),
                     wg=w(N_EMBD, N_FF), wu=w(N_EMBD, N_FF), wd=w(N_FF, N_EMBD))
     if shared:
         s = one()
@@ -110,7 +110,7 @@ def run(cache, engine, cfg, n_seq, unified, n_ubatch=8):
 
 
 def caches(cfg, n_rank, unified, n_seq):
-    kw = dict(unified=unified, n_layer=cfg.n_layer, head_dim_k=cfg.head_dim, head_dim_v=cfg.d_v, dtype=np.float32)
+    kw = dict(unified=unified, n_layer=cfg.n_layer, head_dim_k=cfg.head_dim_k, head_dim_v=cfg.head_dim_v, dtype=np.float32)
     full = KVCache(256 * n_seq, n_seq, n_head_kv=cfg.n_head_kv, **kw)
     ranks = [shard.rank_cache(n_rank, 256 * n_seq, n_seq, n_head_kv=cfg.n_head_kv, **kw) for _ in range(n_rank)]
     return full, ranks
@@ -124,8 +124,8 @@ def check_kv(full, ranks, cfg, exact_layers=None):
     exact = range(cfg.n_layer) if exact_layers is None else exact_layers
     for r, c in enumerate(ranks):
         s = shard.HeadShard(r, n)
-        for mine, ref in ((c.k, shard.kv_head_slice(full.k, s, cfg.n_head_kv, cfg.head_dim)),
-                          (c.v, shard.kv_head_slice(full.v, s, cfg.n_head_kv, cfg.d_v))):
+        for mine, ref in ((c.k, shard.kv_head_slice(full.k, s, cfg.n_head_kv, cfg.head_dim_k)),
+                          (c.v, shard.kv_head_slice(full.v, s, cfg.n_head_kv, cfg.head_dim_v))):
             assert mine.shape == ref.shape
             for il in range(cfg.n_layer):
                 if il in exact:
@@ -135,7 +135,7 @@ def check_kv(full, ranks, cfg, exact_layers=None):
     assert np.abs(ranks[0].k).sum() > 0   # something was stored
 
 
-CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=4, head_dim=16)
+CFG = AttnConfig(n_layer=2, n_head=8, n_head_kv=4, head_dim_k=16)
 
 
 @pytest.mark.parametrize("unified", [True, False])
@@ -150,7 +150,7 @@ def test_attention_ranks_equal_one_rank(n_rank, unified):
     for gb, rb in zip(got, ref):
         assert len(gb) == CFG.n_layer
         for g, r in zip(gb, rb):
-            assert g.shape == r.shape == (r.shape[0], CFG.n_head, CFG.d_v)
+            assert g.shape == r.shape == (r.shape[0], CFG.n_head, CFG.head_dim_v)
             assert nmse(g, r) <= 5e-4
             np.testing.assert_allclose(g, r, atol=1e-5)   # no communication: the same per-head math
     check_kv(full, ranks, CFG)
@@ -162,7 +162,7 @@ def test_attention_ranks_equal_one_rank(n_rank, unified):
     (True, 1, True, 4), (True, 2, True, 4), (True, 4, True, 4), (False, 2, True, 4), (False, 4, True, 8),
     (True, 8, True, 8), (False, 2, False, 4)])
 def test_full_block_ranks_equal_one_rank(unified, n_rank, all_custom, n_head_kv):
-    cfg = AttnConfig(n_layer=2, n_head=2 * n_head_kv, n_head_kv=n_head_kv, head_dim=16)
+    cfg = AttnConfig(n_layer=2, n_head=2 * n_head_kv, n_head_kv=n_head_kv, head_dim_k=16)
     n_seq = 3
     weights = make_weights(cfg)
     full, ranks = caches(cfg, n_rank, unified, n_seq)
@@ -307,7 +307,7 @@ def test_shard_errors(n_head, n_head_kv, n_rank, msg):
 
 
 def test_shard_ranges_and_weight_orders():
-    cfg = AttnConfig(n_head=8, n_head_kv=2, head_dim=4)
+    cfg = AttnConfig(n_head=8, n_head_kv=2, head_dim_k=4)
     s = shard.HeadShard(1, 2)
     assert list(s.kv_heads(2)) == [1] and list(s.q_heads(8)) == [4, 5, 6, 7]   # GQA groups together
     w = {k: np.arange(np.prod(sh), dtype=np.float32).reshape(sh) for k, sh in

@@ -68,7 +68,7 @@ def test_instance_names_are_their_template_instances():
 # ---- dispatch: when auto runs the sm_90a prefill ("prefill-wgmma") -- without a GPU
 def _f(**kw):
     from ggml_attn.dispatch import CallFacts
-    base = dict(n_batch=4096, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16, arch="sm_90")
+    base = dict(n_batch=4096, gqa=4, n_kv=4096, head_dim_k=128, head_dim_v=128, kv_type=GGML_TYPE_F16, arch="sm_90")
     base.update(kw)
     return CallFacts(**base)
 
@@ -85,11 +85,11 @@ def test_auto_keeps_mma_where_wgmma_does_not_apply():
     """Another architecture, other head sizes or K/V type, sinks/softcap/ALiBi, a mask with
     MASKED/HIDDEN tiles (or not measured), few tokens, decode shapes, unaligned K/V."""
     from ggml_attn.dispatch import WGMMA_MIN_BATCH, best_kernel
-    for kw in (dict(arch="sm_80"), dict(arch=""), dict(d_k=192, d_v=128),
+    for kw in (dict(arch="sm_80"), dict(arch=""), dict(head_dim_k=192, head_dim_v=128),
                dict(plain=False), dict(mask_tiles="masked"), dict(n_batch=WGMMA_MIN_BATCH - 1)):
         assert best_kernel("auto", _f(**kw)).kernel == "prefill", kw
     assert best_kernel("auto", _f(kv_type=GGML_TYPE_F32)).kernel != "prefill-wgmma"
-    assert best_kernel("auto", _f(d_k=128, d_v=64)).kernel != "prefill-wgmma"
+    assert best_kernel("auto", _f(head_dim_k=128, head_dim_v=64)).kernel != "prefill-wgmma"
     assert best_kernel("auto", _f(n_batch=1)).kernel == "decode-tc"   # (the sm_90a decode: tests/test_decode_tma.py)
     assert best_kernel("auto", _f(kv_aligned=False)).kernel == "reference"
 
@@ -101,8 +101,8 @@ def test_wgmma_by_name_says_why_not():
     # asked for by name: any size, any mask (MASKED tiles are read from the mask: slow, right)
     assert best_kernel("prefill-wgmma", _f(n_batch=64)).kernel == "prefill-wgmma"
     assert best_kernel("prefill-wgmma", _f(mask_tiles="masked")).kernel == "prefill-wgmma"
-    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(d_k=48, d_v=48), "D 40, 64, 72, 80, 96, 112, 128, 192, 256"),
-                      (dict(d_k=256, d_v=128), r"d_k = d_v"),
+    for kw, words in ((dict(arch="sm_89"), "compute capability 9.0"), (dict(head_dim_k=48, head_dim_v=48), "D 40, 64, 72, 80, 96, 112, 128, 192, 256"),
+                      (dict(head_dim_k=256, head_dim_v=128), r"head_dim_k = head_dim_v"),
                       (dict(kv_type=GGML_TYPE_F32), "f16/bf16"), (dict(plain=False), "sinks")):
         with pytest.raises(ValueError, match=words):
             best_kernel("prefill-wgmma", _f(**kw))
@@ -151,9 +151,9 @@ def test_auto_takes_wgmma_at_every_head_size_not_decode_tma():
     from ggml_attn.dispatch import best_kernel, decode_tma_why_not
     for d in (40, 64, 72, 80, 96, 112, 192, 256):
         for kv_type in (GGML_TYPE_F16, GGML_TYPE_BF16):
-            c = best_kernel("auto", _f(d_k=d, d_v=d, kv_type=kv_type))
+            c = best_kernel("auto", _f(head_dim_k=d, head_dim_v=d, kv_type=kv_type))
             assert c.kernel == "prefill-wgmma" and f"D {d}" in c.reason, (d, kv_type)
-        assert "D 128" in decode_tma_why_not(_f(d_k=d, d_v=d))
+        assert "D 128" in decode_tma_why_not(_f(head_dim_k=d, head_dim_v=d))
     assert decode_tma_why_not(_f()) is None
 
 

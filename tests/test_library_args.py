@@ -8,7 +8,7 @@ import pytest
 import fixtures_gguf
 from ggml_attn.graph import AttnConfig, Batch, KVCache, greedy, load_gguf, run_batch, run_model_batch
 
-CFG = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=16)
+CFG = AttnConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim_k=16)
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def model(tmp_path_factory):
 
 def _cache(model, n_ctx=512, n_seq=2, unified=True):
     hp = model.hp
-    return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+    return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k)
 
 
 def _empty(cache):
@@ -138,7 +138,7 @@ def test_run_batch_reuses_its_graphs_from_call_to_call(monkeypatch):
     steps of one structure build one graph, later calls reuse it with their own Q/K/V (each
     ubatch built its graph before), and every output equals the numpy reference's."""
     from ggml_attn.graph import AttnConfig, Batch, KVCache, build, run_batch
-    cfg = AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim=32)
+    cfg = AttnConfig(n_layer=3, n_head=4, n_head_kv=2, head_dim_k=32)
     real, built = build.build_ubatch_graph, []
 
     def counting(*a, **kw):
@@ -175,12 +175,12 @@ def test_kept_engines_go_with_their_cache_and_stay_few(monkeypatch):
         c = KVCache(512, 2, n_layer=2, n_head_kv=2, head_dim_k=32, dtype=np.float32)
         for seed in range(6):
             run_batch(c, Batch.from_lengths([3, 2], start_pos=c.next_positions([0, 1])), 512, "simple",
-                      AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim=32, seed=seed), compute="ggml")
+                      AttnConfig(n_layer=2, n_head=4, n_head_kv=2, head_dim_k=32, seed=seed), compute="ggml")
         assert len(c._engines) == 1
         e = next(iter(c._engines.values()))
         for n_head in (2, 6, 8, 10, 12):   # five configs of their own
             run_batch(c, Batch.from_lengths([1], start_pos=c.next_positions([0])), 512, "simple",
-                      AttnConfig(n_layer=2, n_head=n_head, n_head_kv=2, head_dim=32), compute="ggml")
+                      AttnConfig(n_layer=2, n_head=n_head, n_head_kv=2, head_dim_k=32), compute="ggml")
         assert len(c._engines) == engine.MAX_KEPT_ENGINES and e not in c._engines.values()
         assert not e._graphs           # the least recently used one was closed
         kept = list(c._engines.values())
@@ -199,7 +199,7 @@ def test_kept_engines_go_with_their_cache_and_stay_few(monkeypatch):
     c = KVCache(512, 1, n_layer=1, n_head_kv=1, head_dim_k=32, dtype=np.float32)
     with pytest.raises(Exception, match="device lost"):
         run_batch(c, Batch.from_lengths([4]), 512, "simple", AttnConfig(n_layer=1, n_head=1, n_head_kv=1,
-                                                                         head_dim=32), compute="ggml")
+                                                                         head_dim_k=32), compute="ggml")
     assert freed.count(True) == 1 and not next(iter(c._engines.values()))._graphs   # (the one graph, freed)
 
 
@@ -250,7 +250,7 @@ def test_the_example_model_is_a_gguf_file_for_both_readers(tmp_path):
     assert r.fields["general.architecture"].contents() == "llama"
     assert r.fields["llama.block_count"].contents() == 3 and r.fields["llama.vocab_size"].contents() == 300
     m = load_gguf(path)
-    assert (m.hp.n_layer, m.hp.n_vocab, m.hp.n_head_kv, m.hp.head_dim) == (3, 300, 2, 64)
+    assert (m.hp.n_layer, m.hp.n_vocab, m.hp.n_head_kv, m.hp.head_dim_k) == (3, 300, 2, 64)
     by_name = {t.name: t for t in r.tensors}
     assert len(by_name) == 2 + 9 * 3 + 1
     np.testing.assert_array_equal(np.asarray(by_name["blk.2.ffn_down.weight"].data), m.layers[2]["wd"].to_float(np.float16))

@@ -60,7 +60,7 @@ def bound(name: str) -> float:
 def cache_for(model, unified: bool, n_seq: int = 8, n_ctx: int = 2048) -> KVCache:
     hp = model.hp
     return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                   head_dim_k=hp.head_dim)
+                   head_dim_k=hp.head_dim_k)
 
 
 def prompts_of(ref: dict) -> list[np.ndarray]:
@@ -78,8 +78,8 @@ def test_hparams_and_weights(gguf_dir):
     hp = m.hp
     assert (hp.arch, hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_vocab) == (
         spec.arch, spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_ff, spec.n_vocab)
-    assert hp.head_dim == spec.n_embd // spec.n_head and hp.rope_dim == hp.head_dim
-    assert m.layers[0]["wq"].ne == (hp.n_embd, hp.n_head * hp.head_dim)   # ggml order [n_in, n_out]
+    assert hp.head_dim_k == spec.n_embd // spec.n_head and hp.rope_dim == hp.head_dim_k
+    assert m.layers[0]["wq"].ne == (hp.n_embd, hp.n_head * hp.head_dim_k)   # ggml order [n_in, n_out]
     assert m.type_summary() == "F16" and not m.tied_output
 
 
@@ -104,10 +104,10 @@ def test_architectures_read_as_llama_cpp_reads_them(gguf_dir, tmp_path):
 
     import gguf
     q3 = model_of("qwen3-f32", gguf_dir)
-    assert q3.hp.head_dim == 128 != q3.hp.n_embd // q3.hp.n_head and q3.hp.rope_mode == 2
+    assert q3.hp.head_dim_k == 128 != q3.hp.n_embd // q3.hp.n_head and q3.hp.rope_mode == 2
     assert {"q_norm", "k_norm"} <= set(q3.layers[1]) and q3.layers[1]["q_norm"].ne == (128,)
     g = model_of("gemma-f32", gguf_dir)
-    assert g.tied_output and g.hp.head_dim == 256 and g.hp.ffn_gelu and g.hp.embd_scale == math.sqrt(256)
+    assert g.tied_output and g.hp.head_dim_k == 256 and g.hp.ffn_gelu and g.hp.embd_scale == math.sqrt(256)
     assert (g.hp.attn_softcap, g.hp.final_softcap, g.hp.pos_limit) == (0.0, 0.0, 0)
     g2 = model_of("gemma2-f32", gguf_dir)
     assert (g2.hp.attn_softcap, g2.hp.final_softcap, g2.hp.pos_limit) == (8.0, 30.0, 4096)
@@ -449,7 +449,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
 
     def dev_cache(unified, n_seq=8):
         return KVCache(2048, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                       head_dim_k=hp.head_dim, xp="cupy")
+                       head_dim_k=hp.head_dim_k, xp="cupy")
     runs = [("simple", True, 16), ("equal", False, 16), ("padded", False, 16), ("auto", True, 16)]
     if name not in FLOAT_WEIGHTS:
         runs += [("simple", True, 512)]

@@ -42,7 +42,7 @@ class Spec:
     n_layer: int = 2
     n_vocab: int = 256
     tied: bool = False
-    rope_dim: int | None = None       # None: head_dim
+    rope_dim: int | None = None       # None: head_dim_k
     rope_freqs: bool = False
     rope_base: float = 10000.0
     linear_scale: float | None = None
@@ -130,7 +130,7 @@ def nmse(a, b) -> float:
 def cache_for(model, unified: bool, n_seq: int = 4, n_ctx: int = 256) -> KVCache:
     hp = model.hp
     return KVCache(n_ctx, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                   head_dim_k=hp.head_dim)
+                   head_dim_k=hp.head_dim_k)
 
 
 # ------------------------------------------------------------------ the whole model
@@ -244,7 +244,7 @@ def test_device_weights_keep_block_matrices_as_the_file_has_them(tmp_path_factor
 # ------------------------------------------------------------------ ops against ggml's
 def _builder(D=64, n_head_kv=2):
     c = KVCache(16, 1, n_layer=1, n_head_kv=n_head_kv, head_dim_k=D)
-    return GraphBuilder(c, None, AttnConfig(n_layer=1, n_head=n_head_kv, n_head_kv=n_head_kv, head_dim=D),
+    return GraphBuilder(c, None, AttnConfig(n_layer=1, n_head=n_head_kv, n_head_kv=n_head_kv, head_dim_k=D),
                         device=True, attention=None)
 
 
@@ -264,7 +264,7 @@ def _free(b):
 
 
 def _hp(D, rope_dim, mode, base, freq_scale):
-    return HParams(arch="llama", name="t", n_layer=1, n_embd=D * 4, n_head=4, n_head_kv=4, head_dim=D, n_ff=1,
+    return HParams(arch="llama", name="t", n_layer=1, n_embd=D * 4, n_head=4, n_head_kv=4, head_dim_k=D, n_ff=1,
                    n_vocab=1, n_ctx_train=4096, rms_eps=1e-5, rope_base=base, rope_dim=rope_dim, rope_mode=mode,
                    rope_freq_scale=freq_scale)
 
@@ -371,7 +371,7 @@ def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
     hp = m.hp
     host_c = cache_for(m, unified)
     dev_c = KVCache(256, 4, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                    head_dim_k=hp.head_dim, xp="cupy")
+                    head_dim_k=hp.head_dim_k, xp="cupy")
     batch = Batch.from_sequences(prompts, [0, 1, 2, 3])
     ref = run_model_batch(host_c, batch, m, 8, mode, logits="all")
     got = run_model_batch(dev_c, batch, m, 8, mode, logits="all")
@@ -411,7 +411,7 @@ def test_device_form_matches_llamacpp(tmp_path_factory, name, mode, unified):
     ref = ref_of(name)
     prompts = prompts_of(ref)
     c = KVCache(256, len(prompts), unified=unified, n_layer=m.hp.n_layer, n_head_kv=m.hp.n_head_kv,
-                head_dim_k=m.hp.head_dim)
+                head_dim_k=m.hp.head_dim_k)
     got = run_model_batch(c, Batch.from_sequences(prompts), m, 16, mode, logits="all", all_custom=True).logits
     off = 0
     for i, p in enumerate(prompts):

@@ -125,7 +125,7 @@ def test_masked_garbage_in_the_batching_path(compute):
     """The batching path (cache views, cells never written): garbage in unused cache cells does
     not reach the outputs, in the ggml graph and in the numpy (reference) path."""
     from ggml_attn.graph import AttnConfig, Batch, KVCache, run_batch
-    cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim=64)
+    cfg = AttnConfig(n_layer=1, n_head=4, n_head_kv=2, head_dim_k=64)
     batch = Batch.from_lengths([5, 3, 9])
     ref = run_batch(KVCache(512, 3, n_layer=1, n_head_kv=2, head_dim_k=64), batch, 512, "simple", cfg,
                     compute=compute).out

@@ -119,7 +119,7 @@ def test_plan_less_node_specs_are_capped(case_ctx, monkeypatch):
     assert op._node_bytes[0] == 5000
 
 
-FACTS = CallFacts(n_batch=1, gqa=4, n_kv=4096, d_k=128, d_v=128, kv_type=GGML_TYPE_F16)
+FACTS = CallFacts(n_batch=1, gqa=4, n_kv=4096, head_dim_k=128, head_dim_v=128, kv_type=GGML_TYPE_F16)
 
 
 def test_best_kernel_answers_can_it_run_and_what_runs():

@@ -27,7 +27,7 @@ def _loaded_program(sh: L.AttnDims, arch: str, mask_tiles: str, reads, plain: bo
     if not c.on_gpu:
         return None
     t = F16 if dispatch.reads_f16_copies(c.kernel, sh.kv_type, sh.v_type or sh.kv_type) else sh.kv_type
-    sh = L.AttnDims(sh.d_k, sh.d_v, sh.n_batch, sh.n_head, sh.n_head_kv, sh.ne3, sh.n_kv, t)
+    sh = L.AttnDims(sh.head_dim_k, sh.head_dim_v, sh.n_batch, sh.n_head, sh.n_head_kv, sh.ne3, sh.n_kv, t)
     return L.launch_config(c.kernel, sh, blocks_per_sm=1, ext=not plain).variant
 
 
@@ -134,7 +134,7 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append(variants))
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", q8x)
     p = PRESETS["llama-3-8b"]
-    m = SimpleNamespace(head_dim=p.head_dim, d_v=p.d_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
+    m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
                         file_type="Q4_K+Q6_K+F32")
     cfg = SimpleNamespace(model=m, type_k="f16", type_v="f16", kernel="auto", layer="model")
     cuda_engine.start_precompile(cfg).result()

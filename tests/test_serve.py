@@ -28,7 +28,7 @@ def _apply(cache, step):
 
     from ggml_attn.graph import AttnConfig
     decode(cache, step.batch, 4096, "simple" if cache.unified else "equal", NoCompute(),
-           AttnConfig(n_layer=1, n_head=1, n_head_kv=1, head_dim=8))
+           AttnConfig(n_layer=1, n_head=1, n_head_kv=1, head_dim_k=8))
 
 
 def _next_tokens(step):
@@ -224,7 +224,7 @@ def test_alone_matches_the_library_greedy(churn):
     hp = model.hp
     assert len({tuple(t) for t in alone}) > 1   # the requests differ
     for (_, p, k), got in itertools.islice(zip(reqs, alone), 4):
-        cache = KVCache(1024, 1, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim)
+        cache = KVCache(1024, 1, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k)
         assert greedy(cache, model, [p.tolist()], k)[0] == got
 
 

@@ -260,7 +260,7 @@ def _main(argv=None) -> int:
     ns.layer = ns.layer or default_layer(model)
     check_ngl(ngl, model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
-                      head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())
+                      head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())
     rows = rows_of(ns)
     splits = splits_of(ns.split, ns.kv_unified)
     if ns.pps and (ns.prompt_lens is not None or ns.prompt_dist is not None):

@@ -183,7 +183,7 @@ def instances(ns, devices: dict) -> list[dict]:
         check_threads(inst["n_threads"])
         check_ngl([inst["n_gpu_layers"]] if inst["n_gpu_layers"] is not None else None, inst["model"])
         check_cache_types(inst["type_k"], inst["type_v"], device=device, flash_attn=inst["flash_attn"] != "off",
-                          head_dim_k=inst["model"].head_dim, head_dim_v=inst["model"].d_v, kernel=inst["kernel"],
+                          head_dim_k=inst["model"].head_dim_k, head_dim_v=inst["model"].head_dim_v, kernel=inst["kernel"],
                           n_gpu=multi_gpu.n_gpu())
         check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
@@ -269,7 +269,7 @@ def make_row(inst: dict, result: dict, cuda_graph: bool = False, ns=None) -> dic
         model_type=m.desc, model_name=m.name,
         model_size=m.file_bytes if inst["layer"] == "model" else m.size_bytes,
         model_n_params=m.file_params if inst["layer"] == "model" else m.n_params, n_layer=m.n_layer, n_head=m.n_head,
-        n_head_kv=m.n_head_kv, head_dim=m.head_dim, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
+        n_head_kv=m.n_head_kv, head_dim=m.head_dim_k, n_batch=inst["n_batch"], n_ubatch=inst["n_ubatch"],
         n_threads=inst["n_threads"], type_k=inst["type_k"], type_v=inst["type_v"],
         n_gpu_layers=ngl_field(inst["n_gpu_layers"]), flash_attn=fmt.FA_INT[inst["flash_attn"]],
         # (one device: llama-bench's default "layer" unless -sm was given, so that its rows join ours)

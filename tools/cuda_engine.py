@@ -46,7 +46,7 @@ def start_precompile(cfg) -> Future:
     from ggml_attn import kernels as K
     from ggml_attn.graph.kv_graph import ggml_type_of
     m = cfg.model
-    variants = cuda_plan.programs(m.head_dim, m.d_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
+    variants = cuda_plan.programs(m.head_dim_k, m.head_dim_v, ggml_type_of(cfg.type_k), ggml_type_of(cfg.type_v),
                                   m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
                                   ext=bool(m.logit_softcap)) + [K.dense_variant()]
     if cfg.layer == "model":   # its embedding/RoPE ops, and the matmuls over each block type of its weights

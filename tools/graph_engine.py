@@ -57,7 +57,7 @@ class GraphEngine(Engine):
         else:
             op.set_backend("reference", cfg.kernel if cfg.kernel != "ggml" else "auto")
         attn_cfg = AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
-                              head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
+                              head_dim_k=m.head_dim_k, head_dim_v=m.head_dim_v or None,
                               logit_softcap=m.logit_softcap)
         self.attn_cfg = attn_cfg   # (the rank engines' _make_weights read it)
         rng = self.xp.random.default_rng(cfg.seed)  # on the device for the device flavour (fast)
@@ -84,7 +84,7 @@ class GraphEngine(Engine):
 
         shared = m.n_layer * m.layer_params() * 2 > SHARED_WEIGHTS_ABOVE[self.flavour]
         sets = [dict(wq=w(m.n_embd, m.n_embd_q), wk=w(m.n_embd, m.n_embd_k), wv=w(m.n_embd, m.n_embd_v),
-                     wo=w(m.n_head * m.d_v, m.n_embd), wg=w(m.n_embd, m.n_ff), wu=w(m.n_embd, m.n_ff),
+                     wo=w(m.n_head * m.head_dim_v, m.n_embd), wg=w(m.n_embd, m.n_ff), wu=w(m.n_embd, m.n_ff),
                      wd=w(m.n_ff, m.n_embd))
                 for _ in range(1 if shared else m.n_layer)]
         return [sets[0]] * m.n_layer if shared else sets
@@ -108,8 +108,8 @@ class GraphEngine(Engine):
             f"{n_tok} rows overrun the input pool of {pool.size // self.pool_width} rows"
         if self.cfg.layer == "full":
             return (pool[: m.n_embd * n_tok].reshape(n_tok, m.n_embd),)
-        q = pool[: m.n_embd_q * n_tok].reshape(ns, m.n_head, plan.n_tps, m.head_dim).transpose(0, 2, 1, 3)
-        return (q.reshape(n_tok, m.n_head, m.head_dim), pool[: m.n_embd_k * n_tok].reshape(n_tok, m.n_embd_k),
+        q = pool[: m.n_embd_q * n_tok].reshape(ns, m.n_head, plan.n_tps, m.head_dim_k).transpose(0, 2, 1, 3)
+        return (q.reshape(n_tok, m.n_head, m.head_dim_k), pool[: m.n_embd_k * n_tok].reshape(n_tok, m.n_embd_k),
                 pool[: m.n_embd_v * n_tok].reshape(n_tok, m.n_embd_v))
 
     def timer(self):

@@ -54,7 +54,7 @@ class LayerCudaEngine(CudaEngine):
         self._received = None
         if not self.shard.first:
             n_tok = plan.ubatch.n_tokens
-            width = self.m.n_embd if self.cfg.layer == "full" else self.m.n_head * self.m.d_v
+            width = self.m.n_embd if self.cfg.layer == "full" else self.m.n_head * self.m.head_dim_v
             self._received = self.xp.empty((n_tok, width), dtype=np.float32)
             self.comm.recv(self._received, self.shard.rank - 1)
         super()._run(entry, g, plan, fresh)

@@ -1,7 +1,7 @@
 """Model shapes for the benchmarks: presets of real families, or a ``.gguf`` header.
 
 Only the shapes matter (no weights are loaded): the attention layers need n_layer,
-n_head, n_head_kv, head_dim; ``--layer full`` also needs n_embd and n_ff for the
+n_head, n_head_kv, head_dim_k; ``--layer full`` also needs n_embd and n_ff for the
 projection and FFN matmuls, which run with random weights.
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ class ModelShape:
     n_layer: int
     n_head: int
     n_head_kv: int
-    head_dim: int
+    head_dim_k: int
     n_embd: int
     n_ff: int
     n_ctx_train: int = 0          # 0: unknown (no context limit checked)
     n_vocab: int = 0              # 0: unknown (not counted in params)
-    head_dim_v: int = 0           # 0: same as head_dim
+    head_dim_v: int = 0           # 0: same as head_dim_k (resolved at construction)
     logit_softcap: float = 0.0    # attention logit soft-capping (gemma-2)
     pos_limit: int = 0            # gemma-2's sliding window: positions from it on are refused (0: none)
     source: str = "preset"        # "preset" or the .gguf path
@@ -40,14 +40,14 @@ class ModelShape:
     type_label: str = "?B"        # llama.cpp's model type of the shape ("8B"; "?B": none it names)
     ftype_name: str = "F16"       # llama.cpp's file type name ("Q4_K - Medium"; a preset's weights are F16)
 
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim_k)   # (frozen)
+
     @property
     def desc(self) -> str:
         """llama.cpp's ``llama_model_desc``, llama-bench's model column: ``llama 8B Q4_K - Medium``."""
         return f"{self.arch} {self.type_label} {self.ftype_name}"
-
-    @property
-    def d_v(self) -> int:
-        return self.head_dim_v or self.head_dim
 
     @property
     def is_file(self) -> bool:
@@ -60,19 +60,19 @@ class ModelShape:
 
     @property
     def n_embd_q(self) -> int:
-        return self.n_head * self.head_dim
+        return self.n_head * self.head_dim_k
 
     @property
     def n_embd_k(self) -> int:
-        return self.n_head_kv * self.head_dim
+        return self.n_head_kv * self.head_dim_k
 
     @property
     def n_embd_v(self) -> int:
-        return self.n_head_kv * self.d_v
+        return self.n_head_kv * self.head_dim_v
 
     def layer_params(self) -> int:
         """Weights of one block: Q, K, V, O projections and a gated FFN (gate, up, down)."""
-        attn = self.n_embd * (self.n_embd_q + self.n_embd_k + self.n_embd_v) + self.n_head * self.d_v * self.n_embd
+        attn = self.n_embd * (self.n_embd_q + self.n_embd_k + self.n_embd_v) + self.n_head * self.head_dim_v * self.n_embd
         ffn = 3 * self.n_embd * self.n_ff
         return attn + ffn
 
@@ -98,7 +98,7 @@ class ModelShape:
     def describe(self) -> str:
         gq = f", gqa {self.gqa}" if self.gqa > 1 else ""
         return (f"{self.name}: {self.n_layer} layers, {self.n_head} heads / {self.n_head_kv} kv heads"
-                f"{gq}, head_dim {self.head_dim}, n_embd {self.n_embd}, n_ff {self.n_ff}")
+                f"{gq}, head_dim_k {self.head_dim_k}, n_embd {self.n_embd}, n_ff {self.n_ff}")
 
 
 def type_label(arch: str, n_layer: int, n_embd: int, n_head: int, n_head_kv: int, n_vocab: int,
@@ -169,7 +169,7 @@ def _preset(name: str, arch: str, *args, **kw) -> ModelShape:
 # architecture and llama.cpp's type of the shape; the weights, with --layer full, are F16)
 PRESETS: dict[str, ModelShape] = {m.name: m for m in [
     # small and fast on a CPU: the default when no GPU is used
-    _preset("tiny", "llama", n_layer=2, n_head=8, n_head_kv=2, head_dim=64, n_embd=512, n_ff=1408,
+    _preset("tiny", "llama", n_layer=2, n_head=8, n_head_kv=2, head_dim_k=64, n_embd=512, n_ff=1408,
             n_ctx_train=8192),
     _preset("llama-3.2-1b", "llama", 16, 32, 8, 64, 2048, 8192, 131072, 128256),
     _preset("llama-3-8b", "llama", 32, 32, 8, 128, 4096, 14336, 8192, 128256),
@@ -267,7 +267,7 @@ def read_gguf(path: str) -> ModelShape:
     n_embd = get("embedding_length")
     n_head = get("attention.head_count")
     n_head_kv = get("attention.head_count_kv", required=False) or n_head
-    head_dim = get("attention.key_length", required=False) or (n_embd // n_head)
+    head_dim_k = get("attention.key_length", required=False) or (n_embd // n_head)
     head_dim_v = get("attention.value_length", required=False) or 0
     n_ff = get("feed_forward_length", required=False) or 4 * n_embd
     n_ctx = get("context_length", required=False) or 0
@@ -300,15 +300,15 @@ def read_gguf(path: str) -> ModelShape:
             by_type[t.type_name] = by_type.get(t.type_name, 0) + t.nbytes
     file_bytes = sum(t.nbytes for t in reader.tensors)
     file_params = sum(t.n_elements for t in reader.tensors)
-    if head_dim < 1:
-        raise UserError(f"'{path}': head_dim = embedding_length {n_embd} // head_count {n_head} is 0; "
+    if head_dim_k < 1:
+        raise UserError(f"'{path}': head_dim_k = embedding_length {n_embd} // head_count {n_head} is 0; "
                         f"set {arch}.attention.key_length")
     if n_head % n_head_kv:
         raise UserError(f"'{path}': head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     n_expert = gguf_field(reader, f"{arch}.expert_count")
     n_expert = int(n_expert) if isinstance(n_expert, (int, np.integer)) and not isinstance(n_expert, bool) else 0
-    return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim, n_embd, n_ff, n_ctx,
-                      n_vocab, head_dim_v if head_dim_v != head_dim else 0,
+    return ModelShape(str(name), n_layer, n_head, n_head_kv, head_dim_k, n_embd, n_ff, n_ctx,
+                      n_vocab, head_dim_v if head_dim_v != head_dim_k else 0,
                       float(softcap or 0.0), pos_limit=pos_limit, source=path, file_bytes=file_bytes,
                       file_params=file_params,
                       file_type="+".join(sorted(by_type, key=lambda k: -by_type[k])),

@@ -110,7 +110,7 @@ class RunConfig:
             check_model_file(self.model.source, self.model.n_layer)
         from .kv_types import check_cache_types
         check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
-                          head_dim_k=self.model.head_dim, head_dim_v=self.model.d_v, kernel=self.kernel,
+                          head_dim_k=self.model.head_dim_k, head_dim_v=self.model.head_dim_v, kernel=self.kernel,
                           n_gpu=self.tp.n_rank if self.tp is not None else 1)
 
 
@@ -262,8 +262,8 @@ class Runner:
             n_layer = len(cfg.tp.layers(m.n_layer))
         try:
             self.cache = g.KVCache(cfg.n_ctx, max(1, cfg.n_seq), unified=cfg.kv_unified,
-                                   n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=m.head_dim,
-                                   head_dim_v=m.d_v, dtype=np.float16, xp=xp,
+                                   n_layer=n_layer, n_head_kv=n_head_kv, head_dim_k=m.head_dim_k,
+                                   head_dim_v=m.head_dim_v, dtype=np.float16, xp=xp,
                                    type_k=cfg.type_k, type_v=cfg.type_v,
                                    # the CUDA kernels skip masked KV tiles: coarser n_kv, fewer graph shapes
                                    coarse_n_kv=cfg.device == "cuda" and cfg.flash_attn)
@@ -321,7 +321,7 @@ class Runner:
             return self._attn_config[2]
         g = _graph()
         acfg = g.AttnConfig(n_layer=m.n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv,
-                            head_dim=m.head_dim, head_dim_v=m.head_dim_v or None,
+                            head_dim_k=m.head_dim_k, head_dim_v=m.head_dim_v or None,
                             logit_softcap=m.logit_softcap, pos_limit=m.pos_limit, seed=self.cfg.seed)
         self._attn_config = (m, seed, acfg)
         return acfg

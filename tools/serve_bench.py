@@ -202,7 +202,7 @@ def _main(argv=None) -> int:
     model = resolve_run_model(ns.model, device, ns.n_layer)
     ns.layer = ns.layer or default_layer(model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
-                      head_dim_k=model.head_dim, head_dim_v=model.d_v, kernel=ns.kernel)
+                      head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel)
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
     loads = workloads(ns)
     if ns.save_trace:

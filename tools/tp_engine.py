@@ -49,9 +49,9 @@ class TPCudaEngine(CudaEngine):
             return ins
         c, s, n_tok = self.full_attn_cfg, self.shard, plan.ubatch.n_tokens
         q, k, v = ins
-        return (shard_rows(q, s, c.n_head, c.head_dim),
-                shard_rows(k.reshape(n_tok, c.n_head_kv, c.head_dim), s, c.n_head_kv, c.head_dim).reshape(n_tok, -1),
-                shard_rows(v.reshape(n_tok, c.n_head_kv, c.d_v), s, c.n_head_kv, c.d_v).reshape(n_tok, -1))
+        return (shard_rows(q, s, c.n_head, c.head_dim_k),
+                shard_rows(k.reshape(n_tok, c.n_head_kv, c.head_dim_k), s, c.n_head_kv, c.head_dim_k).reshape(n_tok, -1),
+                shard_rows(v.reshape(n_tok, c.n_head_kv, c.head_dim_v), s, c.n_head_kv, c.head_dim_v).reshape(n_tok, -1))
 
     def timer(self):
         return _RankTimer(super().timer(), self.comm, self.tp)

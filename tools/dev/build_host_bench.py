@@ -26,7 +26,7 @@ def model_weights(m, n_layer: int) -> list:
     def w(n_in, n_out):
         return np.lib.stride_tricks.as_strided(one, (n_out, n_in), (0, 0))
     return [dict(wq=w(m.n_embd, m.n_embd_q), wk=w(m.n_embd, m.n_embd_k), wv=w(m.n_embd, m.n_embd_v),
-                 wo=w(m.n_head * m.d_v, m.n_embd), wg=w(m.n_embd, m.n_ff), wu=w(m.n_embd, m.n_ff),
+                 wo=w(m.n_head * m.head_dim_v, m.n_embd), wg=w(m.n_embd, m.n_ff), wu=w(m.n_embd, m.n_ff),
                  wd=w(m.n_ff, m.n_embd)) for _ in range(n_layer)]
 
 
@@ -41,11 +41,11 @@ def setup(layer: str = "full", tokens: int = 512, seqs: int = 1, model: str = "l
     from ggml_attn.graph.plan import plan_ubatch
     m = PRESETS[model]
     n_layer = n_layer or m.n_layer
-    cfg = AttnConfig(n_layer=n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv, head_dim=m.head_dim,
+    cfg = AttnConfig(n_layer=n_layer, n_head=m.n_head, n_head_kv=m.n_head_kv, head_dim_k=m.head_dim_k,
                      head_dim_v=m.head_dim_v or None)
     n_ctx = 1024 if seqs == 1 else 32 * seqs
     cache = KVCache(n_ctx, seqs, unified=True, n_layer=n_layer, n_head_kv=m.n_head_kv,
-                    head_dim_k=m.head_dim, head_dim_v=m.d_v)
+                    head_dim_k=m.head_dim_k, head_dim_v=m.head_dim_v)
     if seqs == 1:
         batch = Batch.from_lengths([tokens])
     else:

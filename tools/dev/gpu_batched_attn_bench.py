@@ -123,7 +123,7 @@ def run(seqs: int = 64, steps: int = 32, timer=None, splits=(2, 4, 8), sweep=Non
         try:
             with knobs(CELLS_TUNE=tune) if tune is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
-                kp = cb.make_plan(dm, n_tok, H, HKV, d_k=D, kernel=kernel)
+                kp = cb.make_plan(dm, n_tok, H, HKV, head_dim_k=D, kernel=kernel)
                 plan_ms = (time.perf_counter() - t0) * 1e3
                 bound = cb.bind(dq, *kvs[0], dm, None, do, scale, kernel=kernel, plan=kp, n_splits=n_splits)
                 chosen = bound.kern

@@ -93,7 +93,7 @@ class Ours:
         self.stream = torch.cuda.current_stream().cuda_stream
         self.plan = None
         if self.mask is not None:
-            self.plan = cb.make_plan(self.dm, n_batch, H, HKV, d_k=D, kv_type=GGML_TYPE_F16,
+            self.plan = cb.make_plan(self.dm, n_batch, H, HKV, head_dim_k=D, kv_type=GGML_TYPE_F16,
                                      ne3=ne3, stream=self.stream)
 
     def fns(self, kernel="auto", n_splits=None):
@@ -122,7 +122,7 @@ class Ours:
 
     def plan_build(self):
         from ggml_attn.dtypes import GGML_TYPE_F16
-        self.cb.make_plan(self.dm, self.dst.shape[1], H, HKV, d_k=D, kv_type=GGML_TYPE_F16,
+        self.cb.make_plan(self.dm, self.dst.shape[1], H, HKV, head_dim_k=D, kv_type=GGML_TYPE_F16,
                           ne3=self.dst.shape[0], stream=self.stream)
 
 

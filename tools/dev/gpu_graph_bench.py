@@ -55,7 +55,7 @@ def _graph(n_layer: int, n_kv: int, mode: str = "plan"):
         return t
     mask_a = cp.zeros((1, 1, 1, n_kv), dtype=cp.float16)
     mask = tensor(GGML_TYPE_F16, mask_a, "mask")
-    plan = cb.make_plan(from_array(mask_a), 1, H, HKV, d_k=D, kv_type=GGML_TYPE_F16) if mode == "plan" else None
+    plan = cb.make_plan(from_array(mask_a), 1, H, HKV, head_dim_k=D, kv_type=GGML_TYPE_F16) if mode == "plan" else None
     keep.append(plan)
     use_mask = mode != "no-mask-no-plan"
     gf = ggml.ggml_new_graph_custom(ctx, n, False)

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         ModelEngine.CUDA_GRAPHS = cg
         cells = a.n_seq * (a.n_prompt + a.steps + 1)   # unified: every sequence's cells in one stream
         cache = KVCache(-(-cells // 256) * 256, a.n_seq, unified=True, n_layer=hp.n_layer,
-                        n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim, xp=a.xp)
+                        n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k, xp=a.xp)
 
         def run(n):
             cache.seq_rm(-1)

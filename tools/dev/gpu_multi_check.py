@@ -32,7 +32,7 @@ N_STEPS = 16
 
 def _cfg(n_gpu: int):
     from ggml_attn.graph import AttnConfig
-    return AttnConfig(n_layer=max(4, n_gpu), n_head=64, n_head_kv=8, head_dim=128)
+    return AttnConfig(n_layer=max(4, n_gpu), n_head=64, n_head_kv=8, head_dim_k=128)
 
 
 def _weights(cfg, xp):
@@ -40,8 +40,8 @@ def _weights(cfg, xp):
 
     def w(n_in, n_out):
         return xp.asarray((rng.standard_normal((n_out, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float16))
-    return [dict(wq=w(N_EMBD, cfg.n_head * cfg.head_dim), wk=w(N_EMBD, cfg.n_head_kv * cfg.head_dim),
-                 wv=w(N_EMBD, cfg.n_head_kv * cfg.d_v), wo=w(cfg.n_head * cfg.d_v, N_EMBD),
+    return [dict(wq=w(N_EMBD, cfg.n_head * cfg.head_dim_k), wk=w(N_EMBD, cfg.n_head_kv * cfg.head_dim_k),
+                 wv=w(N_EMBD, cfg.n_head_kv * cfg.head_dim_v), wo=w(cfg.n_head * cfg.head_dim_v, N_EMBD),
                  wg=w(N_EMBD, N_FF), wu=w(N_EMBD, N_FF), wd=w(N_FF, N_EMBD)) for _ in range(cfg.n_layer)]
 
 
@@ -95,7 +95,7 @@ def _caches(cfg, n_rank, unified, mode="row", rank=0, xp=None):
     from ggml_attn.graph import pipe, shard
     if xp is None:
         import cupy as xp
-    kw = dict(unified=unified, head_dim_k=cfg.head_dim, dtype=np.float16, xp=xp)
+    kw = dict(unified=unified, head_dim_k=cfg.head_dim_k, dtype=np.float16, xp=xp)
     if mode == "layer":
         return pipe.layer_cache(pipe.layer_ranges(cfg.n_layer, n_rank)[rank], 1024, len(LENS),
                                 n_head_kv=cfg.n_head_kv, **kw)
@@ -242,8 +242,8 @@ def compare(cfg, n_gpu: int, got: dict, refs: dict) -> dict:
                 want = (pipe.kv_layer_slice(k1, ranges[r]), pipe.kv_layer_slice(v1, ranges[r]))
             else:
                 s = shard.HeadShard(r, n_gpu)
-                want = (shard.kv_head_slice(k1, s, cfg.n_head_kv, cfg.head_dim),
-                        shard.kv_head_slice(v1, s, cfg.n_head_kv, cfg.d_v))
+                want = (shard.kv_head_slice(k1, s, cfg.n_head_kv, cfg.head_dim_k),
+                        shard.kv_head_slice(v1, s, cfg.n_head_kv, cfg.head_dim_v))
             for a, w in zip((got[r][key]["k"], got[r][key]["v"]), want):
                 assert a.shape == w.shape, (key, r, a.shape, w.shape)
                 kv_nmse = max(kv_nmse, nmse(a, w))

@@ -108,7 +108,7 @@ def prefill_rows(device_us, log, sizes) -> list[dict]:
         case = f"prefill N={n} causal"
         for kind in ("f16", "q8_0", "q4_0"):
             (dk, kd), (dv, vd) = cache_kv(1, n, kind, 1), cache_kv(1, n, kind, 2)
-            plan = cb.make_plan(tm, n, H, HKV, d_k=D, kv_type=kd.type, stream=st)
+            plan = cb.make_plan(tm, n, H, HKV, head_dim_k=D, kv_type=kd.type, stream=st)
             ref = None
             for kernel in ("auto", "decode") if kind != "f16" and n <= 2048 else ("auto",):
                 call = cb.bind(from_array(q), kd, vd, tm, None, from_array(dst), 1.0 / np.sqrt(D), plan=plan,

@@ -160,7 +160,7 @@ def main():
         dst = cp.full((1, nb, nh16, 128), cp.nan, dtype=cp.float32)
         st = cp.cuda.get_current_stream().ptr
         tm = from_array(dm, GGML_TYPE_F16)
-        plan = cb.make_plan(tm, nb, nh16, 2, d_k=128, kv_type=GGML_TYPE_F16, stream=st)
+        plan = cb.make_plan(tm, nb, nh16, 2, head_dim_k=128, kv_type=GGML_TYPE_F16, stream=st)
         cb.flash_attn_ext_device(from_array(dq), from_array(dk_, GGML_TYPE_F16), from_array(dv_, GGML_TYPE_F16),
                                  tm, None, from_array(dst), 0.1, kernel="prefill-wgmma", plan=plan, stream=st)
         out = dst.get()

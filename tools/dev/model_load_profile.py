@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     del ref
     t = time.perf_counter()
     hp = model.hp
-    c = KVCache(512, 1, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim, xp="cupy")
+    c = KVCache(512, 1, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k, xp="cupy")
     run_model_batch(c, Batch.from_sequences([np.arange(3, 11)]), model)
     cp.cuda.Device().synchronize()
     t = mark("first graph + 8 tokens", t)

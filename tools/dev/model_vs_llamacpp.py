@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     def dev_cache(unified, n_seq=len(prompts)):
         return KVCache(1024, n_seq, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
-                       head_dim_k=hp.head_dim, xp="cupy")
+                       head_dim_k=hp.head_dim_k, xp="cupy")
     out = dict(gguf=os.path.basename(a.gguf), n_layer=hp.n_layer, n_vocab=hp.n_vocab, lengths=list(LENGTHS),
                n_gen=a.n_gen, bound=BOUND, prompt_nmse={}, logit_std=float(np.std(ref[0]["logits"])))
     # llama.cpp against itself: its prompt as one ubatch (cuBLAS GEMMs) and one token per ubatch

@@ -7,7 +7,7 @@ instruction mix (nvdisasm) of one program -- a prediction's input when no device
 
 PROGRAM: ``wgmma:<key>`` (wgmma_shape.WS_CONFIGS / WS_DIAG), ``decode-tma:<key>``
 (decode_tma_shape.CONFIGS), ``mma:<dk>:<type>``, ``vec:<dk>:<type>`` (type f16, bf16, q8_0,
-q4_0; d_v = d_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), ``dense-q8x:<type>``
+q4_0; head_dim_v = head_dim_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), ``dense-q8x:<type>``
 (cuda/dense_q8x.cu), compiled for sm_90a
 (the Hopper ones) or sm_90. nvdisasm: ``$NVDISASM``, else
 on PATH (pip's nvidia-cuda-nvdisasm wheel has one: nvidia/cu13/bin/nvdisasm). Counts are
