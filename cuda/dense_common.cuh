@@ -100,7 +100,7 @@ __device__ __forceinline__ void gemv_q_finish(float (&acc)[NT], float (&up)[NT],
     }
 }
 
-// A 64 x 64 tiled block GEMM block's place (dense_gemm_q, dense_gemm_q8; P: their parameters):
+// A 64 x 64 tiled block GEMM block's place (dense_q.cu's dense_gemm_q; P: its parameters):
 // its tile's first row m0 and token n0, its split's values [k_begin, k_end) of n_in (blockIdx.z
 // of k_chunk), and this thread's decode -- row dr (drow: within the rows; wrow its bytes, row 0's
 // where not) and sub-block ds of each 64-value step; acc zeroed.
@@ -149,8 +149,9 @@ __device__ __forceinline__ void gemm_warp_store(const float (&acc)[MI][NI][4], f
             }
 }
 
-// The end of a 64 x 64 tiled block GEMM (dense_q.cu's dense_gemm_q, dense_q8x.cu's dense_gemm_q8
-// with 64-token tiles): 4 warps of 32 x 32 (warp w: rows wm = 32 (w & 1), tokens wn = 32 (w >> 1)).
+// The end of a 64 x 64 tiled block GEMM of 4 warps of 32 x 32 (dense_q.cu's dense_gemm_q; warp w:
+// rows wm = 32 (w & 1), tokens wn = 32 (w >> 1)). dense_q8x.cu's dense_gemm_q8 calls
+// gemm_warp_store with its own warp tiles.
 __device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], float* dst, bool add, int rows,
                                                 int n_tok, int m0, int n0) {
     const int warp = threadIdx.x >> 5;

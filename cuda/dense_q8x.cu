@@ -11,7 +11,8 @@
 //                          block type), modes as dense_gemv_q's (store, accumulate, gated:
 //                          silu(W0·x) * (W1·x));
 //   dense_gemv_q8x_s<T, NT> the same with each warp's row streamed through shared memory (rows
-//                          of whole 16-byte units).
+//                          of whole 16-byte units);
+//   dense_gemm_q8<T, BN>   the tiled GEMM on int8 tensor cores for more tokens (below).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart (16-byte aligned); xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
 #include <cuda_fp16.h>
@@ -243,27 +244,29 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // ---------------------------------------------------------------------------------------
 // The tiled block GEMM with 8-bit activations (dense_gemm_q8<T, BN>: int8 tensor cores on the
 // blocks' integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of
-// whole 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM weight
-// rows x BN tokens, Q8G_WARPS = 8 warps (2 blocks an SM, 3 of the narrow tile: 16 / 24 warps; with
-// 4 warps a block, at 0d06753, 8-12 warps an SM left the steps latency-bound): BN = 64, warps of 32
-// rows x 16 tokens (warp w: rows 32 (w % 2), tokens 16 (w / 2)); BN = 16 (up to 16 tokens: a quarter of the
-// activations' shared memory), warps of 16 x 8 (rows 16 (w % 4), tokens 8 (w / 4)). A step covers
-// Q8G_BK = 256 values (one block of a K-quant row, eight of the 32-value types'). Each step's raw weight bytes -- Q8gTile<T>::RB a row,
-// every row's run contiguous -- and its activations come by cp.async in 16-byte units into one of
-// Q8G_STAGES stages (the next step's in flight while this one computes): whole lines a request,
-// where dense_gemm_q (and this kernel's first form, at 457d60e) had each thread decode its own
-// row's sub-block from global memory, 16 rows a warp load, which kept L1 busy and left both flat
-// in the tokens at ~0.4 TB/s. Then thread i decodes sub-blocks 2 (i / 64), + 1 of row i % 64 from
-// the stage into their integer form (qb_int8s: the offset folded into signed bytes) in As and
-// their factors f, c per half in Fs / Cs; per sub-block each warp's 16 x 8 tiles take one
-// m16n8k32 (two m16n8k16 where the factors differ by half: QbQ8<T>::HALVES) and the integer sums
-// become F32 at once (qb_q8s_dot: acc += xd (f S + c s); Q2_K's per-half mins from the
-// activations' half sums Hs). Tokens of a warp's 8-wide tiles past n_tok skip their mma (their
-// activations are not copied past the last 8-token tile). A staged row keeps its global bytes'
-// alignment mod 16 (types whose RB is not a multiple of 16: the copy starts at the 16-byte unit
-// below, Q8gTile<T>::UNITS units), so the decoders' word loads take the same path. Rows Q8G_LD =
-// 272 bytes apart in As and Bs: a fragment load's 8 rows x 4 words on distinct banks. Shared
-// memory: Q8gTile<T, BN>::SMEM bytes, dynamic (kernels.gemm_q8_smem_bytes mirrors it).
+// whole 16-byte units (row_bytes a multiple of 16, W 16-byte aligned). Block tile Q8G_BM = 64
+// weight rows x BN tokens, Q8G_WARPS = 8 warps (2 blocks an SM, 3 of the narrow tile: 16 / 24
+// warps; with 4 warps a block, at 0d06753, 8-12 warps an SM left the steps latency-bound):
+//   BN = 64, warps of 32 rows x 16 tokens (warp w: rows 32 (w % 2), tokens 16 (w / 2));
+//   BN = 16 (calls of up to 16 tokens: a quarter of the activations' shared memory), warps of
+//   16 x 8 (rows 16 (w % 4), tokens 8 (w / 4)).
+// A step covers Q8G_BK = 256 values (one block of a K-quant row, eight of the 32-value types').
+// Each step's raw weight bytes -- Q8gTile<T, BN>::RB a row, every row's run contiguous -- and its
+// activations come by cp.async in 16-byte units into one of Q8G_STAGES stages (the next step's in
+// flight while this one computes): whole lines a request, where dense_gemm_q (and this kernel's
+// first form, at 457d60e) had each thread decode its own row's sub-block from global memory, 16
+// rows a warp load, which kept L1 busy and left both flat in the tokens at ~0.4 TB/s. Then thread
+// i decodes sub-blocks 2 (i / 64) and 2 (i / 64) + 1 of row i % 64 from the stage into their
+// integer form (qb_int8s: the offset folded into signed bytes) in As and their factors f, c per
+// half in Fs / Cs; per sub-block each warp's 16 x 8 tiles take one m16n8k32 (two m16n8k16 where
+// the factors differ by half: QbQ8<T>::HALVES) and the integer sums become F32 at once
+// (qb_q8s_dot: acc += xd (f S + c s); Q2_K's per-half mins from the activations' half sums Hs).
+// Tokens of a warp's 8-wide tiles past n_tok skip their mma (their activations are not copied
+// past the last 8-token tile). A staged row keeps its global bytes' alignment mod 16 (types whose
+// RB is not a multiple of 16: the copy starts at the 16-byte unit below, UNITS units), so the
+// decoders' word loads take the same path. Rows Q8G_LD = 272 bytes apart in As and Bs: a fragment
+// load's 8 rows x 4 words on distinct banks. Shared memory: Q8gTile<T, BN>::SMEM bytes, dynamic
+// (kernels.gemm_q8_smem_bytes mirrors it).
 #define Q8G_BM 64
 #define Q8G_BN 64       // the wide tile's tokens (the narrow one: 16)
 #define Q8G_BK 256
