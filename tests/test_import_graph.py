@@ -162,3 +162,32 @@ def test_modules_and_classes_stay_small():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 too_big.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_big, too_big
+
+
+OLD_HEAD_NAMES = {"head_dim", "d_k", "d_v", "D_k", "D_v"}
+
+
+def test_one_vocabulary_for_head_sizes():
+    """Head sizes are ``head_dim_k`` / ``head_dim_v`` in every shipped module: no identifier (name,
+    attribute, argument or keyword) is one of the older spellings (``head_dim``, ``d_k``, ``d_v``,
+    ``D_k``, ``D_v``); data keys -- the ``head_dim`` output column, in strings or ``dict(...)``
+    keywords -- are not identifiers."""
+    found = []
+    for name, path in repo_modules().items():
+        tree = ast.parse(path.read_text())
+        data_keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id == "dict" for k in n.keywords}
+        for node in ast.walk(tree):
+            if id(node) in data_keys:
+                continue
+            ids = []
+            if isinstance(node, ast.Name):
+                ids = [node.id]
+            elif isinstance(node, ast.Attribute):
+                ids = [node.attr]
+            elif isinstance(node, ast.arg):
+                ids = [node.arg]
+            elif isinstance(node, ast.keyword) and node.arg:
+                ids = [node.arg]
+            found += [f"{name}:{node.lineno}: {i}" for i in ids if i in OLD_HEAD_NAMES]
+    assert not found, found
