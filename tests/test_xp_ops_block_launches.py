@@ -366,6 +366,25 @@ def test_gemm_q_grid():
         K.gemm_q_grid(4096, 0, 4096, 132)
 
 
+def test_gemm_q8_grid_covers_every_value_and_takes_the_fewest_step_waves():
+    """dense_gemm_q8's grid over random shapes and SM counts: 64-row x 16- or 64-token tiles, n_in
+    split in whole 256-value steps (at least GEMMQ8_MIN_SPLIT values a split unless n_in is
+    smaller) covering every value once, and no split count with fewer (waves x steps a block)."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        rows, n_tok = int(rng.integers(1, 20000)), int(rng.integers(1, 200))
+        n_in, n_sm = 32 * int(rng.integers(1, 600)), int(rng.choice([1, 8, 78, 132, 144]))
+        (gm, gn, gz), kc = K.gemm_q_grid(rows, n_tok, n_in, n_sm, "dense_gemm_q8")
+        bn = K.gemm_q8_bn(n_tok)
+        assert gm == -(-rows // 64) and gn == -(-n_tok // bn) and kc % 256 == 0
+        assert (gz - 1) * kc < n_in <= gz * kc and (gz == 1 or kc >= K.GEMMQ8_MIN_SPLIT)
+        steps, slots = -(-n_in // 256), K.GEMMQ8_BLOCKS_PER_SM[bn] * n_sm
+
+        def cost(z):
+            return -(-gm * gn * z // slots) * -(-steps // z)
+        assert all(cost(gz) <= cost(z) for z in range(1, max(1, steps * 256 // K.GEMMQ8_MIN_SPLIT) + 1))
+
+
 def test_embedding_rows_of_blocks(launches):
     table = _qmatrix("Q4_0", 1000, 256)
     b = Builder()
