@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", default="", help="comma list of llama-quantize types (Q4_K_M,Q5_K_M,Q6_K,Q8_0): "
                                               "each made from --gguf by llama.cpp's llama-quantize, then the load, "
                                               "bench and batched rows on it (step 'quant')")
+    ap.add_argument("--npl", default="1,16,64",
+                    help="llama-batched-bench -npl of the --quant files' batched rows (both tools), e.g. 1,16,32,64")
     ap.add_argument("--weights", default="auto",
                     help="comma list of GGML_ATTN_WEIGHTS forms ours runs each --quant file in (auto,blocks,f16): "
                          "a bench and batched row set per form, the form in each row's 'weights'")
@@ -258,7 +260,8 @@ def main(argv=None) -> int:
 def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> None:
     """The load, llama-bench and llama-batched-bench rows of both on the ``qtype`` file that
     llama-quantize makes from ``a.gguf`` (kept beside it), each row with ``file`` and the weights'
-    bytes (``weight_bytes``: the file's tensors) for the effective bandwidth (:func:`table`)."""
+    bytes (``weight_bytes``: the file's tensors) for the effective bandwidth (:func:`table`); the
+    batched rows at ``a.npl`` sequences."""
     lb, lbb, ours_b, ours_bb = tools
     src = a.gguf
     path = f"{os.path.splitext(src)[0]}-{qtype}.gguf"
@@ -283,7 +286,7 @@ def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> Non
     rows += [dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"), ts=r.get("avg_ts"),
                   ts_sd=r.get("stddev_ts"), **tag) for r in json_block(t)]
     _, t, _ = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512", "-npp", "128",
-                  "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"],
+                  "-ntg", "32", "-npl", a.npl, "--output-format", "jsonl"],
                  os.path.join(out, f"lc_batched_{qtype}.log"), 300, env=lc_env)
     rows += [dict(tool="llama.cpp", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
     for form in [w.strip() for w in a.weights.split(",") if w.strip()]:   # ours in each weight form
@@ -292,7 +295,7 @@ def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> Non
                      env=env)
         rows += [dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                       ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts"), weights=form, **tag) for r in json_block(t)]
-        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", "1,16,64",
+        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", a.npl,
                       "--warmup", "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched{sfx}.log"), 400,
                      env=env)
         rows += [dict(tool="ggml-attn", case="batched", kvu=False, weights=form, **_bb(r), **tag) for r in jsonl(t)]
