@@ -20,7 +20,7 @@
 # Steps in that order (0, 1, 3, 2): what a call cut at its limit finished comes back (each step
 # writes its JSON as it goes).
 #
-#   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--reps 3] [--skip-dense] [--skip-side]
+#   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--npl 1,16,64] [--reps 3] [--skip-dense] [--skip-side]
 #                                [--skip-greedy] [--skip-70b] [--weights auto,f16] [--types Q4_K,Q6_K,Q8_0]
 #                                [--bench-args "--warps 8 --max-tokens 64"] (gpu_dense_q_bench.py's; "" for all its rows)
 set -uo pipefail
@@ -30,11 +30,11 @@ OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 # goes into $OUT/logs, packed into $OUT/logs.tgz when the script ends (a run cut short included).
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 PY=${PYTHON:-python3}
-INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
+INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; NPL=1,16,64; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
 while [ $# -gt 0 ]; do
   case "$1" in
     --install) INSTALL=1;; --tests) TESTS=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
-    --quant) QUANT="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;; --types) DTYPES="$2"; shift;; --bench-args) DARGS="$2"; shift;;
+    --quant) QUANT="$2"; shift;; --npl) NPL="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;; --types) DTYPES="$2"; shift;; --bench-args) DARGS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -66,7 +66,7 @@ fi
 if [ $SIDE = 1 ]; then
   echo "== llama.cpp side by side: F16, $QUANT"
   $PY tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out "$LOGS/sbs" --gguf /tmp/m8b.gguf \
-      --quant "$QUANT" --weights "$FORMS" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
+      --quant "$QUANT" --npl "$NPL" --weights "$FORMS" --reps "$REPS" --skip logits,ragged,kvq,batched,load 2>&1 | tail -30 || status=1
   cp "$LOGS/sbs/side_by_side.json" "$OUT/" 2>/dev/null || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
