@@ -279,13 +279,7 @@ class BoundCall:
             calls.append(self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args))
         if self.own_plan is not None:
             calls[:0] = self.own_plan.refresher(self.stream).calls
-        if len(calls) == 1:
-            return calls[0]
-
-        def in_order():
-            for call in calls:
-                call()
-        return in_order
+        return K.then(*calls)
 
 
 def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, sinks: TensorDesc | None,

@@ -463,6 +463,19 @@ def grid_launch(fn: "Kernel", n: int, *params) -> BoundLaunch:
     return BoundLaunch(fn, (max(1, min(-(-n // 256), 4096)), 1, 1), (256, 1, 1), *params)
 
 
+def then(*fns):
+    """One function of no arguments running ``fns`` in order (None entries skipped): a node's or
+    a call's launches as one callable."""
+    fns = [f for f in fns if f is not None]
+    if len(fns) == 1:
+        return fns[0]
+
+    def run():
+        for f in fns:
+            f()
+    return run
+
+
 def arg_block(*args):
     """The ``void*[]`` array of kernel argument addresses cuLaunchKernel takes, for ctypes
     objects ``args`` in kernel order (keep it and them alive while launching with it)."""

@@ -149,11 +149,11 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
-    of_kind = {k: [w for w in ws if _wtype(w) == k] for k in kinds}
-    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned(g)).path for k, g in of_kind.items()}
+    groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
+    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
+             for k, idx in groups}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None
-    groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
     if len(groups) > 1 and mode != 0:
         return None
     runs, q8 = [], None

@@ -13,6 +13,7 @@ import threading
 import ggml
 
 from ggml_attn import runtime as fa_runtime
+from ggml_attn.kernels import then   # (re-exported: the graph's launch steps as one callable)
 
 __all__ = ["custom", "release", "dptr", "then"]
 
@@ -70,15 +71,3 @@ def custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
 def dptr(a) -> ctypes.c_uint64:
     """Device pointer of CuPy array ``a`` (None: a null pointer) as a kernel argument."""
     return ctypes.c_uint64(0 if a is None else a.data.ptr)
-
-
-def then(*fns):
-    """One function of no arguments running ``fns`` in order (None entries skipped)."""
-    fns = [f for f in fns if f is not None]
-    if len(fns) == 1:
-        return fns[0]
-
-    def run():
-        for f in fns:
-            f()
-    return run
