@@ -11,6 +11,9 @@
 //                          (mma.sync m16n8k16, F16 operands, F32 sums), each 64-value step of W
 //                          decoded from its blocks into shared memory; x as F16; split over n_in
 //                          into partial sums that dense_splitk_sum adds in a fixed order;
+//   dense_gemm_qs<T, BN>   the same product with each 256-value step's weight bytes and x tile
+//                          staged by cp.async (rows of whole 16-byte units), decoded from shared
+//                          memory (below);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens);
@@ -265,6 +268,148 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
     }
     gemm_tile_store(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                     gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0, n0);
+}
+
+// ---------------------------------------------------------------------------------------
+// The staged tiled GEMM over blocks (dense_gemm_qs<T, BN>): dense_gemm_q's F16 tensor-core
+// product with dense_gemm_q8's staging, for rows of whole 16-byte units (row_bytes a multiple of
+// 16, W 16-byte aligned). dense_gemm_q decodes each thread's sub-block from global memory (16
+// rows a warp load: L1-bound, ~0.35 ms an 8B Q4_K layer whatever the tokens); dense_gemm_q8 stages
+// whole lines but scales every int8 product per 32 values (~25 instructions an m16n8k32 on the
+// K-quants' factors). Here each 256-value step's raw weight bytes (QsTile<T, BN>::RB a row) and
+// its F16 x tile come by cp.async into one of QS_STAGES stages (the next step's in flight while
+// this one computes); thread i decodes sub-blocks 2 (i / 64) and 2 (i / 64) + 1 of row i % 64 from
+// the stage (qb_dequant32, ggml's own expressions in F32, rounded to F16) into As, and the warps'
+// m16n8k16 products read As and the x tile by ldmatrix: no per-sub-block scaling, so the decode
+// (once per weight value a block) is the work that grows with the rows, not with the tokens.
+// Block tile QS_BM = 64 rows x BN tokens, QS_WARPS = 8 warps:
+//   BN = 64 (1 block an SM: ~117-136 KB of shared memory), warps of 32 x 16 (rows 32 (w % 2),
+//   tokens 16 (w / 2));
+//   BN = 32 (2 blocks an SM), warps of 16 x 16 (rows 16 (w % 4), tokens 16 (w / 4)).
+// Tokens of a warp's 8-wide tiles past n_tok skip their mma (x is not copied past the last
+// 8-token tile). A staged row keeps its global bytes' alignment mod 16 as dense_gemm_q8's. Rows
+// QS_LD = 264 halves (528 bytes) apart in As and the x tile: an ldmatrix phase's 8 rows and a
+// 16-byte store phase's 8 lanes on distinct banks. Shared memory QsTile<T, BN>::SMEM bytes,
+// dynamic (kernels.gemm_qs_smem_bytes mirrors it). Same parameters as dense_gemm_q.
+#define QS_BM 64
+#define QS_BK 256
+#define QS_LD 264
+#define QS_WARPS 8
+#define QS_THREADS (32 * QS_WARPS)
+#define QS_STAGES 2
+
+template <int T, int BN> struct QsTile {
+    static constexpr int RB = QS_BK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a row's bytes a step
+    static constexpr bool ALIGNED = RB % 16 == 0;
+    static constexpr int UNITS = ALIGNED ? RB / 16 : (RB + 30) / 16;   // 16-byte units a row's copy
+    static constexpr int SLOT = 16 * UNITS;                            // bytes between staged rows
+    static constexpr int W_BYTES = QS_BM * SLOT;
+    static constexpr int X_BYTES = BN * QS_LD * 2;                     // the step's F16 x tile
+    static constexpr int STAGE = W_BYTES + X_BYTES;
+    static constexpr int SMEM = QS_STAGES * STAGE + QS_BM * QS_LD * 2;   // stages, As
+    // the warp tile: MI x 16 rows, NI x 8 tokens; RW warps along the rows
+    static constexpr int MI = BN == 64 ? 2 : 1, RW = QS_BM / (16 * MI), NI = BN / 8 / (QS_WARPS / RW);
+    static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
+    static_assert(NI == 2 && RW * (BN / (8 * NI)) == QS_WARPS, "the warps cover the tile, two 8-token tiles each");
+};
+
+// Step k0's copies into stage st: the QS_BM rows' RB bytes from m0 (zeros past the rows or a
+// row's end), x's tokens n0 .. n0 + n_cp (n_cp: the 8-token tiles that run; zeros past n_tok or
+// n_in) at values k0 .. k0 + QS_BK, 32 units a token; one commit group.
+template <int T, int BN>
+__device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
+    using TL = QsTile<T, BN>;
+    const int a0 = (k0 / QS_BK * TL::RB) & ~15;   // the run's first unit (rows 16-byte aligned)
+    const unsigned sw = smem_u32(st);
+#pragma unroll
+    for (int j = 0; j < (QS_BM * TL::UNITS + QS_THREADS - 1) / QS_THREADS; ++j) {
+        const int u = threadIdx.x + QS_THREADS * j, r = u / TL::UNITS, o = a0 + 16 * (u % TL::UNITS);
+        if ((QS_BM * TL::UNITS) % QS_THREADS == 0 || u < QS_BM * TL::UNITS) {
+            const bool ok = m0 + r < p.rows && o < p.row_bytes;
+            cp_async16(sw + r * TL::SLOT + 16 * (u % TL::UNITS), ok ? p.w + (long long)(m0 + r) * p.row_bytes + o : p.w,
+                       ok ? 16 : 0);
+        }
+    }
+    const unsigned sx = sw + TL::W_BYTES;
+#pragma unroll
+    for (int j = 0; j < BN * 32 / QS_THREADS; ++j) {
+        const int u = threadIdx.x + QS_THREADS * j, t = u >> 5, c = u & 31, k = k0 + 8 * c;
+        if (t < n_cp) {   // (n_in a multiple of 32: a unit is all in or out)
+            const bool ok = n0 + t < p.n_tok && k < p.n_in;
+            cp_async16(sx + t * (2 * QS_LD) + 16 * c, ok ? p.x + (long long)(n0 + t) * p.n_in + k : p.x, ok ? 16 : 0);
+        }
+    }
+    cp_async_commit();
+}
+
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(const GemmQParams p) {
+    using TL = QsTile<T, BN>;
+    constexpr int MI = TL::MI, NI = TL::NI;
+    constexpr int DS = QS_BK / 32 * QS_BM / QS_THREADS;   // sub-blocks a thread decodes a step
+    static_assert(DS * QS_THREADS == QS_BK / 32 * QS_BM, "the decode's thread map: 64 rows x 8 / DS groups");
+    static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
+    extern __shared__ __align__(16) unsigned char qs_smem[];
+    __half* As = reinterpret_cast<__half*>(qs_smem + QS_STAGES * TL::STAGE);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int n = 0; n < NI; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.0f;
+    const int m0 = blockIdx.x * QS_BM, n0 = blockIdx.y * BN, n_sub = p.n_in / 32;
+    const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
+    const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
+    const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
+    const int wm = 16 * MI * (warp % TL::RW), wn = 8 * NI * (warp / TL::RW);
+    const bool wlive = n0 + wn < p.n_tok;   // (warp-uniform: a token in the warp's first 8-token tile)
+    const int dr = threadIdx.x % QS_BM, dj = threadIdx.x / QS_BM * DS;   // decode: row, first sub-block
+    const bool drow = m0 + dr < p.rows;
+#pragma unroll
+    for (int s = 0; s < QS_STAGES - 1; ++s) {
+        if (s < n_steps) qs_stage<T, BN>(p, qs_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
+        else cp_async_commit();
+    }
+    for (int s = 0; s < n_steps; ++s) {
+        cp_async_wait<QS_STAGES - 2>();
+        __syncthreads();   // step s's stage is in; step s - 1's reads of As and of its stage are done
+        {
+            const int ns = s + QS_STAGES - 1;
+            if (ns < n_steps) qs_stage<T, BN>(p, qs_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0, k_begin + ns * QS_BK, n_cp);
+            else cp_async_commit();
+        }
+        const unsigned char* st = qs_smem + (s % QS_STAGES) * TL::STAGE;
+        const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
+        const int k0 = k_begin + s * QS_BK;
+        // the row's run in the stage: its head (the run's offset mod 16) + whole blocks
+        const unsigned char* wr = st + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
+#pragma unroll
+        for (int j = dj; j < dj + DS; ++j)
+            gq_decode<T>(wr, drow && k0 / 32 + j < n_sub, j, As + dr * QS_LD + 32 * j);
+        __syncthreads();   // As of step s written
+        if (wlive) {
+#pragma unroll 4
+            for (int kk = 0; kk < QS_BK; kk += 16) {
+                unsigned a[MI][4], b[NI][2];
+#pragma unroll
+                for (int i = 0; i < MI; ++i)
+                    ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3],
+                                smem_u32(As + (wm + 16 * i + (lane & 15)) * QS_LD + kk + 8 * (lane >> 4)));
+                ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1],
+                            smem_u32(Xs + (wn + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk + 8 * ((lane >> 3) & 1)));
+#pragma unroll
+                for (int n = 0; n < NI; ++n) {
+                    if (n0 + wn + 8 * n >= p.n_tok) continue;   // (warp-uniform: no token of this tile)
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) Mma<__half>::run(acc[i][n], a[i], b[n][0], b[n][1]);
+                }
+            }
+        }
+    }
+    gemm_warp_store<MI, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                            gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wm, n0 + wn);
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n

@@ -482,18 +482,25 @@ Q8X_MAX_TOKENS = 4
 # decoding its row's sub-block from global memory, was no faster than dense_gemm_q anywhere:
 # bench/results/2026-12-05-457d60e-h100-dense-q.json.)
 Q8GEMM_MAX_TOKENS = 32
+# Block matrices run QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS tokens (rows 16-byte aligned) through
+# the staged F16 tiled GEMM (dense_gemm_qs: dense_gemm_q's tensor-core product over weight rows
+# and x tiles staged by cp.async, decoded from shared memory) ahead of the two above. Off (an empty
+# range) until tools/dev/gpu_dense_q_bench.py has measured it against them.
+QSGEMM_MIN_TOKENS = 17
+QSGEMM_MAX_TOKENS = 0
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
-    with 8-bit activations), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
+    with 8-bit activations), ``gemm-qs`` (block weights, the staged tiled GEMM on F16 tensor
+    cores), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
     ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
     (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):
     the best of the others. ``aligned``: the weight's rows start 16-byte aligned (the staged
     kernels' cp.async units: ``graph.q8_matmul.rows_aligned``); without, the 8-bit GEMV only up
-    to its plain form's tokens and no int8 tiled GEMM. ValueError for a type no kernel reads (the
+    to its plain form's tokens and no staged tiled GEMM. ValueError for a type no kernel reads (the
     loader makes every other matrix F16)."""
     from .block_types import is_block_type
     from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
@@ -509,6 +516,10 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
     if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS if aligned else Q8X_PLAIN_TOKENS)):
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
+    if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-qs", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qs, "
+                                       f"decoded from shared memory): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
+                                       f"{QSGEMM_MAX_TOKENS} tokens")
     if weight_type != "F16" and aligned and n_tokens <= Q8GEMM_MAX_TOKENS:
         return MatmulChoice("gemm-q8", f"{weight_type} tiled GEMM on int8 tensor cores (dense_gemm_q8, 8-bit "
                                        f"activations): {n_tokens} <= {Q8GEMM_MAX_TOKENS} tokens")

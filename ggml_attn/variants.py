@@ -212,6 +212,12 @@ GEMMQ8_BLOCKS_PER_SM = {64: 2, 16: 3}   # resident blocks an SM by tile tokens (
 GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the first stage's wait amortized)
 GEMMQ8_STAGES = 2            # Q8G_STAGES
 GEMMQ8_LD = 272              # Q8G_LD: bytes between rows of its int8 tiles
+GEMMQS_TILE = (64, 64, 256)  # dense_gemm_qs's wide tile: QS_BM, BN, QS_BK (cuda/dense_q.cu)
+GEMMQS_NARROW = 32           # its narrow tile's tokens (dense_gemm_qs<T, 32>), for calls of at most as many
+GEMMQS_THREADS = 256         # its block (QS_THREADS: 8 warps)
+GEMMQS_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (shared memory: gemm_qs_smem_bytes)
+GEMMQS_STAGES = 2            # QS_STAGES
+GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 
 
 def gemm_q8_bn(n_tok: int) -> int:
@@ -220,39 +226,55 @@ def gemm_q8_bn(n_tok: int) -> int:
     return GEMMQ8_NARROW if n_tok <= GEMMQ8_NARROW else GEMMQ8_TILE[1]
 
 
-def gemm_tiling(kernel: str, n_tok: int) -> tuple[tuple[int, int, int], int, int]:
+def gemm_qs_bn(n_tok: int) -> int:
+    """The tokens of ``dense_gemm_qs``'s tile for a call of ``n_tok`` tokens: the narrow one's
+    (GEMMQS_NARROW, two blocks an SM) up to its width, else the wide one's."""
+    return GEMMQS_NARROW if n_tok <= GEMMQS_NARROW else GEMMQS_TILE[1]
+
+
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs")   # tiled block GEMMs that stage whole rows (16-byte aligned)
+
+
+def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q`` or ``dense_gemm_q8``) for ``n_tok`` tokens."""
+    (``dense_gemm_q``, ``dense_gemm_q8`` or ``dense_gemm_qs``) for ``n_tok`` tokens; ``bn``: a
+    ``dense_gemm_qs`` tile other than gemm_qs_bn's (the benchmark's A/B)."""
     if kernel == "dense_gemm_q":
         return GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8)")
+    if kernel == "dense_gemm_qs":
+        bn = gemm_qs_bn(n_tok) if bn is None else bn
+        if bn not in GEMMQS_BLOCKS_PER_SM:
+            raise ValueError(f"dense_gemm_qs has tiles of {tuple(GEMMQS_BLOCKS_PER_SM)} tokens, not {bn}")
+        return (GEMMQS_TILE[0], bn, GEMMQS_TILE[2]), GEMMQS_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
+    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs)")
 
 
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
-                kernel: str = "dense_gemm_q") -> tuple[tuple[int, int, int], int]:
-    """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q`` or
-    ``dense_gemm_q8``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+                kernel: str = "dense_gemm_q", bn: int | None = None) -> tuple[tuple[int, int, int], int]:
+    """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``
+    or ``dense_gemm_qs``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
     ``n_sm`` SMs: one block per output tile, the tiles split over ``n_in`` (chunks of
     whole steps, at least the kernel's least split) into at most one wave of its resident blocks
     an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
     without the split -- and, with more tiles than a wave, no split (a split past a whole wave
     left a second wave of a few blocks: 672 blocks for 660 places on the H100, SMs active 71% of
-    the time). ``dense_gemm_q8`` instead takes the split with the fewest (waves x steps a block),
+    the time). The staged GEMMs (``dense_gemm_q8``, ``dense_gemm_qs``: STAGED_GEMMS) instead take the
+    split with the fewest (waves x steps a block),
     the fewer splits on a tie: its steps are latency-bound, as long with 1 or 3 blocks on an SM
     (ncu at 34847e7), so a block's steps count and partial waves cost a whole one (the 14336-row
     gate at 16 tokens: 224 tiles, 396 places; 3 splits of 6 steps in 2 waves, 12 steps' time,
     where 1 split takes 16). ``grid[2] > 1``: the launch writes partial sums for
-    ``dense_splitk_sum``."""
+    ``dense_splitk_sum``. ``bn``: gemm_tiling's."""
     if min(rows, n_tok, n_in) < 1:
         raise ValueError(f"{kernel} needs rows, tokens and n_in >= 1, got {rows}, {n_tok}, {n_in}")
-    (bm, bn, bk), per_sm, min_split = gemm_tiling(kernel, n_tok)
+    (bm, bn, bk), per_sm, min_split = gemm_tiling(kernel, n_tok, bn)
     tiles = -(-rows // bm) * -(-n_tok // bn)
     steps = -(-n_in // bk)
     most = max(1, steps * bk // min_split)
-    if kernel == "dense_gemm_q8":
+    if kernel in STAGED_GEMMS:
         slots = per_sm * max(1, n_sm)
         splits = min(range(1, most + 1), key=lambda z: (-(-tiles * z // slots) * -(-steps // z), z))
     else:
@@ -262,32 +284,49 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk
 
 
-def gemm_q8_smem_bytes(type_id: int, bn: int = GEMMQ8_TILE[1]) -> int:
-    """``dense_gemm_q8<type_id, bn>``'s dynamic shared memory (``Q8gTile<T, BN>::SMEM`` in
-    cuda/dense_q8x.cu; tests/test_kernels_compile.py checks the mirror for every block type):
-    GEMMQ8_STAGES stages of (each row's run of one step's bytes, in whole 16-byte units from the
-    unit below its start; the activations' int8 rows, scales and sums), the decoded int8 tile,
-    the factors per (sub-block, row), and Q2_K's per-half activation sums."""
+def _staged_rows(kernel: str, type_id: int, bn: int, tiles) -> tuple:
+    """(block layout, the bytes of one step's staged weight rows) of staged GEMM ``kernel``'s
+    tile of ``bn`` tokens over block type ``type_id``: each row's run of a 256-value step in
+    whole 16-byte units from the unit below its start (``Q8gTile`` / ``QsTile``'s SLOT)."""
     from .block_types import BLOCK_TYPES, block_layout
     lay = next((block_layout(n) for n in BLOCK_TYPES if block_layout(n).type_id == type_id), None)
     if lay is None:
         raise ValueError(f"ggml type {type_id} is not a block type the GPU reads")
-    if bn not in GEMMQ8_BLOCKS_PER_SM:
-        raise ValueError(f"dense_gemm_q8 has tiles of {tuple(GEMMQ8_BLOCKS_PER_SM)} tokens, not {bn}")
+    if bn not in tiles:
+        raise ValueError(f"{kernel} has tiles of {tuple(tiles)} tokens, not {bn}")
+    rb = 256 // lay.values * lay.nbytes
+    return lay, 64 * 16 * (rb // 16 if rb % 16 == 0 else (rb + 30) // 16)
+
+
+def gemm_q8_smem_bytes(type_id: int, bn: int = GEMMQ8_TILE[1]) -> int:
+    """``dense_gemm_q8<type_id, bn>``'s dynamic shared memory (``Q8gTile<T, BN>::SMEM`` in
+    cuda/dense_q8x.cu; tests/test_kernels_compile.py checks the mirror for every block type):
+    GEMMQ8_STAGES stages of (each row's run of one step's bytes; the activations' int8 rows,
+    scales and sums), the decoded int8 tile, the factors per (sub-block, row), and Q2_K's
+    per-half activation sums."""
+    lay, w_bytes = _staged_rows("dense_gemm_q8", type_id, bn, GEMMQ8_BLOCKS_PER_SM)
     bm, _, bk = GEMMQ8_TILE
-    rb = bk // lay.values * lay.nbytes
-    units = rb // 16 if rb % 16 == 0 else (rb + 30) // 16
     subs = bk // 32
-    stage = bm * 16 * units + bn * GEMMQ8_LD + 2 * subs * bn * 4
+    stage = w_bytes + bn * GEMMQ8_LD + 2 * subs * bn * 4
     half_mins = lay.name == "Q2_K"
     return GEMMQ8_STAGES * stage + bm * GEMMQ8_LD + 2 * subs * bm * 8 + (subs * 2 * bn * 4 if half_mins else 0)
+
+
+def gemm_qs_smem_bytes(type_id: int, bn: int = GEMMQS_TILE[1]) -> int:
+    """``dense_gemm_qs<type_id, bn>``'s dynamic shared memory (``QsTile<T, BN>::SMEM`` in
+    cuda/dense_q.cu; tests/test_kernels_compile.py checks the mirror for every block type):
+    GEMMQS_STAGES stages of (each row's run of one step's bytes; the step's F16 x tile), then the
+    decoded F16 weight tile."""
+    _, w_bytes = _staged_rows("dense_gemm_qs", type_id, bn, GEMMQS_BLOCKS_PER_SM)
+    return GEMMQS_STAGES * (w_bytes + bn * GEMMQS_LD * 2) + GEMMQS_TILE[0] * GEMMQS_LD * 2
 
 
 def dense_q_variant(type_id: int) -> Variant:
     """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
-                   (f"dense_gemm_q<{type_id}>", "dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
+                   (f"dense_gemm_q<{type_id}>",) + tuple(f"dense_gemm_qs<{type_id}, {bn}>" for bn in GEMMQS_BLOCKS_PER_SM) +
+                   ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))
 
 

@@ -109,14 +109,15 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 
 
-def tile_grid(kernel: str, w, n_tok: int, part) -> tuple[tuple[int, int, int], int]:
-    """``kernels.gemm_q_grid`` of tiled block GEMM ``kernel`` (``dense_gemm_q`` or
-    ``dense_gemm_q8``) over ``QMatrix`` ``w`` and ``n_tok`` tokens on this GPU; ValueError where it
-    splits ``n_in`` and ``part`` is not the F32 ``(splits, n_tok, n_out)`` array of the partial sums."""
+def tile_grid(kernel: str, w, n_tok: int, part, bn: int | None = None) -> tuple[tuple[int, int, int], int]:
+    """``kernels.gemm_q_grid`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``
+    or ``dense_gemm_qs``; ``bn``: gemm_tiling's) over ``QMatrix`` ``w`` and ``n_tok`` tokens on this
+    GPU; ValueError where it splits ``n_in`` and ``part`` is not the F32 ``(splits, n_tok, n_out)``
+    array of the partial sums."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
-    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms(), kernel)
+    grid, k_chunk = K.gemm_q_grid(n_out, n_tok, n_in, num_sms(), kernel, bn)
     if grid[2] > 1 and (part is None or part.shape != (grid[2], n_tok, n_out)):
         raise ValueError(f"{kernel} splits n_in {grid[2]} ways: partial sums "
                          f"{(grid[2], n_tok, n_out)} needed, got {None if part is None else part.shape}")

@@ -290,11 +290,14 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     return run
 
 
+_TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-q8": "dense_gemm_q8"}   # path: kernel
+
+
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
-    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` (``x`` rounded to F16
-    once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
+    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` (``x``
+    rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
     ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
     xp = b.xp
     if xp is np:
@@ -331,12 +334,11 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         steps.append(quant)
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
-        if path in ("gemm-q", "gemm-q8"):
-            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(),
-                                    "dense_gemm_q" if path == "gemm-q" else "dense_gemm_q8")
+        if path in _TILED:
+            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), _TILED[path])
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
-            steps.append(gemm_q_launch(w, x16, o, part, accumulate=accumulate) if path == "gemm-q" else
-                         gemm_q8_launch(w, *q8, o, part, accumulate=accumulate))
+            steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
+                         gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=_TILED[path]))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
         scratch = getattr(w, "scratch", None)
@@ -360,27 +362,42 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     return _then(*steps)
 
 
-def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False):
-    """``out (+)= w·x16`` by ``dense_gemm_q`` (``cuda/dense_q.cu``: the blocks decoded tile by tile
-    onto the tensor cores) for a ``QMatrix`` ``w`` (CuPy blocks, ``(n_out, n_in)``), ``x16`` F16
-    ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens, n_out)``, both C-contiguous, ``x16``
-    16-byte aligned (cp.async); ``part`` F32 ``(splits, n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits
-    ``n_in`` (its partial sums, added in order by ``dense_splitk_sum``), else None. Returns a
-    function of no arguments launching on the current stream; the caller keeps the arrays."""
+def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",
+                  bn: int | None = None):
+    """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
+    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` -- the weights' rows
+    and x staged by cp.async, rows 16-byte aligned: ``q8_matmul.rows_aligned``; ``bn`` its tile's
+    tokens other than ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
+    blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
+    n_out)``, both C-contiguous, ``x16`` 16-byte aligned (cp.async); ``part`` F32 ``(splits,
+    n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (its partial sums, added in order
+    by ``dense_splitk_sum``), else None. Returns a function of no arguments launching on the
+    current stream; the caller keeps the arrays. ValueError for arrays that do not fit."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     n_out, n_in = (int(d) for d in w.shape)
     n_tok = int(x16.shape[0])
     if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or not (x16.flags.c_contiguous and
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
-        raise ValueError(f"dense_gemm_q: x {x16.shape} and out {out.shape} for a {w.shape} weight "
+        raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    grid, k_chunk = tile_grid("dense_gemm_q", w, n_tok, part)
+    staged = kernel == "dense_gemm_qs"
+    if staged and not rows_aligned([w]):
+        raise ValueError(f"dense_gemm_qs: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
+    grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
-    fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>")
-    return _then(K.BoundLaunch(fn, grid, (K.GEMMQ_THREADS, 1, 1), p),
+    if staged:
+        bn = K.gemm_qs_bn(n_tok) if bn is None else bn   # (tile_grid's tile)
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_qs<{w.type_id}, {bn}>",
+                            smem=K.gemm_qs_smem_bytes(w.type_id, bn))
+        block = K.GEMMQS_THREADS
+    elif kernel == "dense_gemm_q":
+        fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
+    else:
+        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs)")
+    return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 
 

@@ -144,18 +144,18 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
-def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"):
+def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q", bn=None):
     """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
     values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid of ``kernel``,
     the partial sums' array or None) -- n_in_blocks 256-value blocks; 32-value types more
-    sub-blocks where n_in_blocks > 1 (a last step part empty): one for dense_gemm_q, for
-    dense_gemm_q8 (rows of whole 16-byte units) the fewest that keep the rows so, where fewer
-    than 8 do (Q4_1: 4, Q5_1: 2); dense_gemm_q8's K-quant rows rounded up to whole units too."""
+    sub-blocks where n_in_blocks > 1 (a last step part empty): one for dense_gemm_q, for the
+    staged GEMMs (rows of whole 16-byte units) the fewest that keep the rows so, where fewer
+    than 8 do (Q4_1: 4, Q5_1: 2); their K-quant rows rounded up to whole units too."""
     lay = block_layout(name)
     extra = 0
     if lay.values == 32 and n_in_blocks > 1:
         extra = 1 if kernel == "dense_gemm_q" else next((m for m in range(1, 8) if m * lay.nbytes % 16 == 0), 0)
-    if lay.values == 256 and kernel == "dense_gemm_q8":   # whole 16-byte units a row: Q2_K 4 blocks, Q3_K / Q6_K 8
+    if lay.values == 256 and kernel in K.STAGED_GEMMS:   # whole 16-byte units a row: Q2_K 4 blocks, Q3_K / Q6_K 8
         unit = next(m for m in (1, 2, 4, 8) if m * lay.nbytes % 16 == 0)
         n_in_blocks = -(-n_in_blocks // unit) * unit
     n_in = n_in_blocks * 256 + 32 * extra
@@ -164,20 +164,24 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
     x = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float32)
     init = rng.standard_normal((n_tok, rows)).astype(np.float32)
     d_out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
-    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms(), kernel)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, cuda_device.num_sms(), kernel, bn)
     part = cupy.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
     return n_in, vals, x, init, QMatrix(name, (rows, n_in), cupy.asarray(q)), d_out, grid, part
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
-@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37)])
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37),
+                                                      (40, 9, 100)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
-    """Token counts inside one 64-token tile and across several, rows that do not fill a tile,
-    n_in split over the grid (kernels.gemm_q_grid) or not (one 256-value block a row)."""
-    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate)
+@pytest.mark.parametrize("kernel, bn", [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)])
+def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn):
+    """Token counts inside one tile and across several, rows that do not fill a tile, n_in split
+    over the grid (kernels.gemm_q_grid) or not (one 256-value block a row); dense_gemm_q and the
+    staged dense_gemm_qs (its own tile for the tokens, and the narrow 32-token one across several
+    column tiles), both F16 products of ggml's values rounded to F16."""
+    n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn)
     x16 = x.astype(np.float16)
-    xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate)()
+    xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate, kernel=kernel, bn=bn)()
     got = d_out.get().astype(np.float64)
     base = init.astype(np.float64) if accumulate else 0.0
     rounded = base + x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T
@@ -214,6 +218,8 @@ def test_gemm_q_grid_splits_and_not():
     assert K.gemm_q_grid(100, 17, 768, n_sm)[0][2] > 1 and K.gemm_q_grid(37, 300, 256, n_sm)[0][2] == 1
     assert K.gemm_q_grid(100, 5, 9 * 256, n_sm, "dense_gemm_q8")[0][2] > 1
     assert K.gemm_q_grid(100, 17, 768, n_sm, "dense_gemm_q8")[0][2] == 1
+    assert K.gemm_q_grid(100, 17, 9 * 256, n_sm, "dense_gemm_qs")[0][2] > 1
+    assert K.gemm_q_grid(37, 300, 256, n_sm, "dense_gemm_qs")[0][2] == 1
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

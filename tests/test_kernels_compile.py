@@ -297,6 +297,25 @@ def test_gemm_q8_smem_mirror_matches_c():
     assert [K.gemm_q8_bn(n) for n in (1, 16, 17, 64, 512)] == [16, 16, 64, 64, 64]
 
 
+def test_gemm_qs_smem_mirror_matches_c():
+    """kernels.gemm_qs_smem_bytes (the dynamic shared memory the host gives dense_gemm_qs) is the
+    kernel's QsTile<T, BN>::SMEM for every block type and both tiles; GEMMQS_BLOCKS_PER_SM blocks of
+    it fit an SM of the H100 / H200 (228 KB, 1 KB reserved a block); the tile constants are the C's."""
+    from ggml_attn.block_types import BLOCK_TYPES, block_layout
+    ids = [block_layout(n).type_id for n in BLOCK_TYPES]
+    checks = [(f"QsTile<{t}, {bn}>::SMEM", K.gemm_qs_smem_bytes(t, bn), f"type {t}, {bn} tokens")
+              for t in ids for bn in K.GEMMQS_BLOCKS_PER_SM]
+    checks += [(n, v, n) for n, v in (("QS_BM", K.GEMMQS_TILE[0]), ("QS_BK", K.GEMMQS_TILE[2]),
+                                      ("QS_THREADS", K.GEMMQS_THREADS), ("QS_STAGES", K.GEMMQS_STAGES),
+                                      ("QS_LD", K.GEMMQS_LD))]
+    _static_asserts("dense_q.cu", checks, "sm_80")
+    for t in ids:
+        for bn, per_sm in K.GEMMQS_BLOCKS_PER_SM.items():
+            assert per_sm * (K.gemm_qs_smem_bytes(t, bn) + 1024) <= 228 * 1024, (t, bn)
+    assert max(K.GEMMQS_BLOCKS_PER_SM) == K.GEMMQS_TILE[1]
+    assert [K.gemm_qs_bn(n) for n in (1, 32, 33, 64, 512)] == [32, 32, 64, 64, 64]
+
+
 def test_smem_fits_h200():
     for (dk, dv) in K.MMA_HEADS:
         for lay in K.mma_layouts(dk, dv):

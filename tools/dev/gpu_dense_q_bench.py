@@ -1,11 +1,12 @@
 """Device time of one llama-3-8B layer's projections over weights kept in ggml's blocks (issue
 #43): per block type, the GEMV (``cuda/dense_q.cu`` dense_gemv_q, one launch per matrix) at 1..16
 tokens (and the 8-bit-activation GEMV, ``cuda/dense_q8x.cu``), and the GEMM paths: ``dense_dequant_f16``
-into an F16 scratch then cuBLAS, the tiled ``dense_gemm_q`` (with its split-K sums) and its int8
-twin ``dense_gemm_q8`` (the activations' quantization included) -- the GEMV's bandwidth against the
+into an F16 scratch then cuBLAS, the tiled ``dense_gemm_q`` (with its split-K sums), its staged
+form ``dense_gemm_qs`` and its int8 twin ``dense_gemm_q8`` (the activations' quantization included) -- the GEMV's bandwidth against the
 4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
-    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512] [--out F.json]
+    python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512]
+                                          [--tiled-only 16,32,64] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -61,14 +62,16 @@ def _dequant_cublas(cp, K, ws: dict, x16, xf16):
     return go
 
 
-def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch):
-    """One layer by the tiled block GEMM (dense_gemm_q and, split over n_in, dense_splitk_sum)."""
+def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch, kernel: str = "dense_gemm_q", bn=None):
+    """One layer by F16 tiled block GEMM ``kernel`` (dense_gemm_q, or the staged dense_gemm_qs with
+    tile ``bn``) and, split over n_in, dense_splitk_sum."""
     steps = []
     for k, w in ws.items():
         n = x16.shape[0]
-        grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], n_sm)
+        grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], n_sm, kernel, bn if kernel == "dense_gemm_qs" else None)
         part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
-        steps.append(gemm_q_launch(w, xf16 if k == "wd" else x16, cp.empty((n, w.shape[0]), cp.float32), part))
+        steps.append(gemm_q_launch(w, xf16 if k == "wd" else x16, cp.empty((n, w.shape[0]), cp.float32), part,
+                                   kernel=kernel, bn=bn))
 
     def go():
         for s in steps:
@@ -118,8 +121,9 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: b
 
 
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
-        rows: list | None = None, max_tokens: int = 512) -> list[dict]:
-    """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them)."""
+        rows: list | None = None, max_tokens: int = 512, tiled_only: tuple | None = None) -> list[dict]:
+    """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them);
+    ``tiled_only``: just the tiled GEMMs' rows at these token counts."""
     import cupy as cp
 
     from ggml_attn import kernels as K
@@ -132,6 +136,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         layers = [_layer(cp, t, s) for s in range(2)]
         nbytes = sum(w.nbytes for w in layers[0].values())
         floor = nbytes / 4.2e6
+        if tiled_only:
+            _tiled_rows(cp, K, device_us, t, layers, tiled_only, nbytes, nbytes_vals, floor, rows, log)
+            del layers
+            cp.get_default_memory_pool().free_all_blocks()
+            continue
         for n in (t_ for t_ in GEMV_TOKENS if t_ <= max_tokens):
             x = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32)
             xf = cp.random.standard_normal((n, N_FF), dtype=cp.float32)
@@ -196,11 +205,34 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
     return rows
 
 
+def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
+    """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs (its tile for the tokens,
+    and each tile alone), dense_gemm_q8 (its activations' quantization included)."""
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph.xp_matmul import gemm_q_launch
+    for n in tokens:
+        x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
+        xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
+        cases = [("gemm_q", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch))]
+        cases += [(f"gemm_qs{'' if bn is None else f' bn{bn}'}",
+                   lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs", bn))
+                  for bn in (None, *K.GEMMQS_BLOCKS_PER_SM)]
+        cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms()))]
+        for impl, make in cases:
+            med, lo, hi = device_us([make(ws) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
+                             tbps=round(nbytes / med / 1e6, 2), tflops=round(2 * nbytes_vals * n / med / 1e6, 1)))
+            log(f"{t:5s} {impl:12s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s "
+                f"{2 * nbytes_vals * n / med / 1e6:.0f} TFLOP/s")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q5_K")
     ap.add_argument("--warps", default="8,4,16", help="GEMV blocks of these many warps (8 ships; 4, 16: A/B instances)")
     ap.add_argument("--max-tokens", type=int, default=512, help="rows of at most this many tokens")
+    ap.add_argument("--tiled-only", default="", help="just the tiled GEMMs' rows at these token counts (e.g. 16,32,64)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
@@ -212,7 +244,7 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
     run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows,
-        max_tokens=a.max_tokens)
+        max_tokens=a.max_tokens, tiled_only=tuple(int(n) for n in a.tiled_only.split(",")) if a.tiled_only else None)
     return 0
 
 
