@@ -486,8 +486,8 @@ Q8GEMM_MAX_TOKENS = 32
 # the staged F16 tiled GEMM (dense_gemm_qs: dense_gemm_q's tensor-core product over weight rows
 # and x tiles staged by cp.async, decoded from shared memory) ahead of the two above. Off (an empty
 # range) until tools/dev/gpu_dense_q_bench.py has measured it against them.
-QSGEMM_MIN_TOKENS = 17
-QSGEMM_MAX_TOKENS = 0
+QSGEMM_MIN_TOKENS = 9
+QSGEMM_MAX_TOKENS = 64
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:

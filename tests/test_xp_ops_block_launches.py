@@ -196,28 +196,32 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
     assert len(launches) == n
 
 
-def test_best_matmul():
+def test_best_matmul(monkeypatch):
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
     assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 6 + ["gemm-q", "gemm-q", "gemm", "gemm"]
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qs"] * 6 + ["gemm", "gemm"]
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
-    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 16, 32, 33, 64, 65)] == \
-        ["gemm-q8"] * 5 + ["gemm-q"] * 2 + ["gemm"]
+    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 9, 16, 32, 33, 64, 65)] == \
+        ["gemm-q8"] * 3 + ["gemm-qs"] * 5 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
-    # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no int8 tiled GEMM
-    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16)] == \
-        ["gemv-q8x"] + ["gemm-q"] * 3
+    # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no staged tiled GEMM
+    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16, 64)] == \
+        ["gemv-q8x"] + ["gemm-q"] * 4
+    # the staged GEMM off (an empty range): the int8 one up to its tokens, dense_gemm_q past them
+    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (5, 32, 33, 64, 65)] == \
+        ["gemm-q8", "gemm-q8", "gemm-q", "gemm-q", "gemm"]
 
 
 def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     """A weight whose rows are not whole 16-byte units (Q8_0 rows of 40 values) takes the plain
     8-bit GEMV up to its tokens and the tiled F16-decode GEMM past them, never dense_gemm_q8
-    (whose launch refuses such rows)."""
+    (whose launch refuses such rows) or dense_gemm_qs."""
     monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
     w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
     assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
-    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-q8"
+    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qs" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
     assert dispatch.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
     b = Builder()
     x = Dev((16, 160))
@@ -227,6 +231,8 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     xq, xd = Dev((16, 160), np.int8), Dev((16, 5))
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         q8_matmul.gemm_q8_launch(w, xq, xd, xd, Dev((16, 64)), None)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        xp_matmul.gemm_q_launch(w, Dev((16, 160), np.float16), Dev((16, 64)), None, kernel="dense_gemm_qs")
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
 
@@ -248,6 +254,7 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate):
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
+    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
     scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
@@ -277,7 +284,8 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     launch adding them in the output's mode."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
-    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one)
+    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one
+    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)   # nor the staged one)
     monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
     monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
@@ -311,6 +319,39 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     assert (src, dst, n, z, mode) == (part.data.ptr, out.data.ptr, 33 * 4096, splits, int(accumulate))
 
 
+@pytest.mark.parametrize("n_tok, bn", [(9, 32), (32, 32), (33, 64), (64, 64)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, bn, accumulate):
+    """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
+    dense_gemm_qs: x rounded to F16 once for every weight, each weight's launch its tile for the
+    tokens (gemm_qs_bn: 32 tokens, 2 blocks an SM, then 64) with that tile's dynamic shared memory,
+    on gemm_q_grid's split, whose partial sums dense_splitk_sum adds in the output's mode."""
+    from ggml_attn import cuda_device
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
+    ws = [_qmatrix("Q4_K", 4096, 4096), _qmatrix("Q6_K", 1024, 4096)]
+    assert [dispatch.best_matmul(w.type, n_tok).path for w in ws] == ["gemm-qs"] * 2
+    x, outs = Dev((n_tok, 4096)), [Dev((n_tok, 4096)), Dev((n_tok, 1024))]
+    kept = Builder()
+    xp_matmul._qmatmuls(kept, ws, x, outs, accumulate=accumulate)
+    names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
+    assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
+    gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_qs")]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qs<12, {bn}>", f"dense_gemm_qs<14, {bn}>"]
+    sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
+    assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
+    for ln, w, o in zip(gemms, ws, outs):
+        grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, "dense_gemm_qs")
+        assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
+        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem == K.gemm_qs_smem_bytes(w.type_id, bn)
+        (p,) = ln.params
+        assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
+        assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
+            (w.blocks.data.ptr, o.data.ptr, w.row_bytes, w.shape[0], 4096, n_tok, k_chunk)
+        assert (p.part != 0) == (grid[2] > 1) and p.mode == int(accumulate)
+    for sm in sums:
+        assert sm.params[-1].value == int(accumulate)
+
+
 @pytest.mark.parametrize("n_sm, splits", [(132, 4), (1, 1)])
 def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monkeypatch, n_sm, splits):
     """Under Q8GEMM_MAX_TOKENS block weights take dense_gemm_q8: x quantized once (no F16 copy)
@@ -319,6 +360,7 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     from ggml_attn import cuda_device
     monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
     monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
     assert [dispatch.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]
     assert dispatch.best_matmul("F16", 33).path == "gemm"
