@@ -277,16 +277,17 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
 // rows a warp load: L1-bound, ~0.35 ms an 8B Q4_K layer whatever the tokens); dense_gemm_q8 stages
 // whole lines but scales every int8 product per 32 values (~25 instructions an m16n8k32 on the
 // K-quants' factors). Here each 256-value step's raw weight bytes (QsTile<T, BN>::RB a row) and
-// its F16 x tile come by cp.async into one of QsTile<T, BN>::STAGES stages (the next step's in
-// flight while this one computes); thread i decodes sub-blocks 2 (i / 64) and 2 (i / 64) + 1 of row i % 64 from
+// its F16 x tile come by cp.async into one of QS_STAGES stages (the next step's in flight while
+// this one computes); thread i decodes sub-blocks 2 (i / 64) and 2 (i / 64) + 1 of row i % 64 from
 // the stage (qb_dequant32, ggml's own expressions in F32, rounded to F16) into As, and the warps'
 // m16n8k16 products read As and the x tile by ldmatrix: no per-sub-block scaling, so the decode
 // (once per weight value a block) is the work that grows with the rows, not with the tokens.
 // Block tile QS_BM = 64 rows x BN tokens, QS_WARPS = 8 warps:
-//   BN = 64 (1 block an SM: 3 stages and 2 decoded tiles, ~190-220 KB of shared memory), warps of
-//   32 x 16 (rows 32 (w % 2), tokens 16 (w / 2));
-//   BN = 32 (2 blocks an SM: 2 stages, 1 decoded tile), warps of 16 x 16 (rows 16 (w % 4),
-//   tokens 16 (w / 4)).
+//   BN = 64 (1 block an SM: ~117-136 KB of shared memory), warps of 32 x 16 (rows 32 (w % 2),
+//   tokens 16 (w / 2));
+//   BN = 32 (2 blocks an SM), warps of 16 x 16 (rows 16 (w % 4), tokens 16 (w / 4)).
+// (A wide tile that decoded step s + 1 between step s's products -- 3 stages, 2 decoded tiles,
+// one barrier a step -- ran no faster at 07904c5: bench/NOTES.md.)
 // Tokens of a warp's 8-wide tiles past n_tok skip their mma (x is not copied past the last
 // 8-token tile). A staged row keeps its global bytes' alignment mod 16 as dense_gemm_q8's. Rows
 // QS_LD = 264 halves (528 bytes) apart in As and the x tile: an ldmatrix phase's 8 rows and a
@@ -297,10 +298,9 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
 #define QS_LD 264
 #define QS_WARPS 8
 #define QS_THREADS (32 * QS_WARPS)
+#define QS_STAGES 2
 
 template <int T, int BN> struct QsTile {
-    static constexpr bool PIPE = BN == 64;   // the wide tile: step s + 1 decoded while step s multiplies (below)
-    static constexpr int STAGES = PIPE ? 3 : 2, A_BUFS = PIPE ? 2 : 1;
     static constexpr int RB = QS_BK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a row's bytes a step
     static constexpr bool ALIGNED = RB % 16 == 0;
     static constexpr int UNITS = ALIGNED ? RB / 16 : (RB + 30) / 16;   // 16-byte units a row's copy
@@ -308,8 +308,7 @@ template <int T, int BN> struct QsTile {
     static constexpr int W_BYTES = QS_BM * SLOT;
     static constexpr int X_BYTES = BN * QS_LD * 2;                     // the step's F16 x tile
     static constexpr int STAGE = W_BYTES + X_BYTES;
-    static constexpr int A_BYTES = QS_BM * QS_LD * 2;                  // a decoded F16 weight tile
-    static constexpr int SMEM = STAGES * STAGE + A_BUFS * A_BYTES;
+    static constexpr int SMEM = QS_STAGES * STAGE + QS_BM * QS_LD * 2;   // stages, As
     // the warp tile: MI x 16 rows, NI x 8 tokens; RW warps along the rows
     static constexpr int MI = BN == 64 ? 2 : 1, RW = QS_BM / (16 * MI), NI = BN / 8 / (QS_WARPS / RW);
     static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
@@ -345,51 +344,16 @@ __device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st
     cp_async_commit();
 }
 
-// Sub-block j of the step at k0 of the thread's decode row (its run at wr in the stage) into
-// the decoded tile As (zeros past the rows or n_in).
-template <int T>
-__device__ __forceinline__ void qs_decode(const GemmQParams& p, const unsigned char* wr, bool drow, int dr, int k0,
-                                          int j, __half* As) {
-    gq_decode<T>(wr, drow && k0 / 32 + j < p.n_in / 32, j, As + dr * QS_LD + 32 * j);
-}
-
-// Values kk .. kk + 16 of a warp's tile: A (MI x 16 rows from As) and x (NI x 8 tokens from Xs)
-// by ldmatrix, MI x NI m16n8k16 products (8-token tiles past n_tok skipped).
-template <int MI, int NI>
-__device__ __forceinline__ void qs_mma16(const __half* As, const __half* Xs, int wm, int wn, int kk, int live_tiles,
-                                         float (&acc)[MI][NI][4]) {
-    const int lane = threadIdx.x & 31;
-    unsigned a[MI][4], b[NI][2];
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-        ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3],
-                    smem_u32(As + (wm + 16 * i + (lane & 15)) * QS_LD + kk + 8 * (lane >> 4)));
-    ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1],
-                smem_u32(Xs + (wn + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk + 8 * ((lane >> 3) & 1)));
-#pragma unroll
-    for (int n = 0; n < NI; ++n) {
-        if (n >= live_tiles) continue;   // (warp-uniform: no token of this tile)
-#pragma unroll
-        for (int i = 0; i < MI; ++i) Mma<__half>::run(acc[i][n], a[i], b[n][0], b[n][1]);
-    }
-}
-
-// The narrow tile: per step, decode then multiply, a barrier between (2 blocks an SM overlap
-// one's decode with the other's products). The wide tile (1 block an SM: PIPE): 3 stages and 2
-// decoded tiles, step s + 1's sub-blocks decoded between step s's products (each thread's DS
-// sub-blocks spread over the 16 k16 products), one barrier a step.
 template <int T, int BN>
 __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(const GemmQParams p) {
     using TL = QsTile<T, BN>;
-    constexpr int MI = TL::MI, NI = TL::NI, NST = TL::STAGES;
-    constexpr bool PIPE = TL::PIPE;
+    constexpr int MI = TL::MI, NI = TL::NI;
     constexpr int DS = QS_BK / 32 * QS_BM / QS_THREADS;   // sub-blocks a thread decodes a step
     static_assert(DS * QS_THREADS == QS_BK / 32 * QS_BM, "the decode's thread map: 64 rows x 8 / DS groups");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
-    static_assert(16 % DS == 0, "a decode every 16 / DS products (PIPE)");
     extern __shared__ __align__(16) unsigned char qs_smem[];
-    __half* As0 = reinterpret_cast<__half*>(qs_smem + NST * TL::STAGE);
-    const int warp = threadIdx.x >> 5;
+    __half* As = reinterpret_cast<__half*>(qs_smem + QS_STAGES * TL::STAGE);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float acc[MI][NI][4];
 #pragma unroll
     for (int i = 0; i < MI; ++i)
@@ -397,59 +361,52 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
         for (int n = 0; n < NI; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.0f;
-    const int m0 = blockIdx.x * QS_BM, n0 = blockIdx.y * BN;
+    const int m0 = blockIdx.x * QS_BM, n0 = blockIdx.y * BN, n_sub = p.n_in / 32;
     const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int wm = 16 * MI * (warp % TL::RW), wn = 8 * NI * (warp / TL::RW);
-    const int live = max(0, min(NI, (p.n_tok - n0 - wn + 7) / 8));   // the warp's 8-token tiles with a token
+    const bool wlive = n0 + wn < p.n_tok;   // (warp-uniform: a token in the warp's first 8-token tile)
     const int dr = threadIdx.x % QS_BM, dj = threadIdx.x / QS_BM * DS;   // decode: row, first sub-block
     const bool drow = m0 + dr < p.rows;
-    // the decode row's run in stage st for the step at k0: its head (the run's offset mod 16) + whole blocks
-    auto run_of = [&](int st, int k0) {
-        return qs_smem + st * TL::STAGE + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
-    };
 #pragma unroll
-    for (int s = 0; s < NST - 1; ++s) {
+    for (int s = 0; s < QS_STAGES - 1; ++s) {
         if (s < n_steps) qs_stage<T, BN>(p, qs_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
         else cp_async_commit();
     }
-    if (PIPE && n_steps > 0) {   // step 0 decoded ahead
-        cp_async_wait<NST - 2>();
-        __syncthreads();
-#pragma unroll
-        for (int j = dj; j < dj + DS; ++j) qs_decode<T>(p, run_of(0, k_begin), drow, dr, k_begin, j, As0);
-    }
     for (int s = 0; s < n_steps; ++s) {
-        // PIPE: every group (step s + 1's stage) in, step 0 .. s's decodes visible, step s - 1's
-        // reads of its stage and decoded tile done; else step s's stage in, step s - 1's reads done
-        cp_async_wait<PIPE ? 0 : NST - 2>();
-        __syncthreads();
+        cp_async_wait<QS_STAGES - 2>();
+        __syncthreads();   // step s's stage is in; step s - 1's reads of As and of its stage are done
         {
-            const int ns = s + NST - 1;
-            if (ns < n_steps) qs_stage<T, BN>(p, qs_smem + (ns % NST) * TL::STAGE, m0, n0, k_begin + ns * QS_BK, n_cp);
+            const int ns = s + QS_STAGES - 1;
+            if (ns < n_steps) qs_stage<T, BN>(p, qs_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0, k_begin + ns * QS_BK, n_cp);
             else cp_async_commit();
         }
+        const unsigned char* st = qs_smem + (s % QS_STAGES) * TL::STAGE;
+        const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
         const int k0 = k_begin + s * QS_BK;
-        const __half* Xs = reinterpret_cast<const __half*>(qs_smem + (s % NST) * TL::STAGE + TL::W_BYTES);
-        if (PIPE) {
-            const __half* As = As0 + (s & 1) * (TL::A_BYTES / 2);
-            __half* Ad = As0 + ((s + 1) & 1) * (TL::A_BYTES / 2);
-            const bool next = s + 1 < n_steps;
-            const unsigned char* wn1 = run_of((s + 1) % NST, k0 + QS_BK);
+        // the row's run in the stage: its head (the run's offset mod 16) + whole blocks
+        const unsigned char* wr = st + dr * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
 #pragma unroll
-            for (int kk = 0; kk < QS_BK; kk += 16) {
-                if (live > 0) qs_mma16<MI, NI>(As, Xs, wm, wn, kk, live, acc);
-                if (next && (kk / 16) % (16 / DS) == 16 / DS - 1)
-                    qs_decode<T>(p, wn1, drow, dr, k0 + QS_BK, dj + (kk / 16) / (16 / DS), Ad);
-            }
-        } else {
-#pragma unroll
-            for (int j = dj; j < dj + DS; ++j) qs_decode<T>(p, run_of(s % NST, k0), drow, dr, k0, j, As0);
-            __syncthreads();   // As of step s written
-            if (live > 0) {
+        for (int j = dj; j < dj + DS; ++j)
+            gq_decode<T>(wr, drow && k0 / 32 + j < n_sub, j, As + dr * QS_LD + 32 * j);
+        __syncthreads();   // As of step s written
+        if (wlive) {
 #pragma unroll 4
-                for (int kk = 0; kk < QS_BK; kk += 16) qs_mma16<MI, NI>(As0, Xs, wm, wn, kk, live, acc);
+            for (int kk = 0; kk < QS_BK; kk += 16) {
+                unsigned a[MI][4], b[NI][2];
+#pragma unroll
+                for (int i = 0; i < MI; ++i)
+                    ldmatrix_x4(a[i][0], a[i][1], a[i][2], a[i][3],
+                                smem_u32(As + (wm + 16 * i + (lane & 15)) * QS_LD + kk + 8 * (lane >> 4)));
+                ldmatrix_x4(b[0][0], b[0][1], b[1][0], b[1][1],
+                            smem_u32(Xs + (wn + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk + 8 * ((lane >> 3) & 1)));
+#pragma unroll
+                for (int n = 0; n < NI; ++n) {
+                    if (n0 + wn + 8 * n >= p.n_tok) continue;   // (warp-uniform: no token of this tile)
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) Mma<__half>::run(acc[i][n], a[i], b[n][0], b[n][1]);
+                }
             }
         }
     }

@@ -484,8 +484,12 @@ Q8X_MAX_TOKENS = 4
 Q8GEMM_MAX_TOKENS = 32
 # Block matrices run QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS tokens (rows 16-byte aligned) through
 # the staged F16 tiled GEMM (dense_gemm_qs: dense_gemm_q's tensor-core product over weight rows
-# and x tiles staged by cp.async, decoded from shared memory) ahead of the two above. Off (an empty
-# range) until tools/dev/gpu_dense_q_bench.py has measured it against them.
+# and x tiles staged by cp.async, decoded from shared memory) ahead of the two above. On an H100
+# at f354706 (bench/results/2026-12-05-f354706-h100-dense-qs/dense-q.json, one 8B layer), against
+# dense_gemm_q8 (quantization included) and dense_gemm_q: at 8 tokens Q4_K 190 / 169 us (a loss),
+# Q6_K 301 / 300, Q8_0 195 / 195; at 16 Q4_K 196 / 204, Q6_K 308 / 331, Q8_0 200 / 231; at 32 Q4_K
+# 228 / 295, Q6_K 338 / 416, Q8_0 234 / 316; at 64 Q4_K 357 / 404 / 360, Q6_K 459 / 531 / 507,
+# Q8_0 360 / 436 / 500; at 128 Q4_K 606 against dequantize + cuBLAS's ~570 (56bffb3): 9-64.
 QSGEMM_MIN_TOKENS = 9
 QSGEMM_MAX_TOKENS = 64
 

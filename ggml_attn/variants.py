@@ -216,7 +216,7 @@ GEMMQS_TILE = (64, 64, 256)  # dense_gemm_qs's wide tile: QS_BM, BN, QS_BK (cuda
 GEMMQS_NARROW = 32           # its narrow tile's tokens (dense_gemm_qs<T, 32>), for calls of at most as many
 GEMMQS_THREADS = 256         # its block (QS_THREADS: 8 warps)
 GEMMQS_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (shared memory: gemm_qs_smem_bytes)
-GEMMQS_STAGES = {64: 3, 32: 2}   # QsTile<T, BN>::STAGES by tile tokens (the wide tile: 2 decoded tiles too)
+GEMMQS_STAGES = 2            # QS_STAGES
 GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 
 
@@ -315,11 +315,10 @@ def gemm_q8_smem_bytes(type_id: int, bn: int = GEMMQ8_TILE[1]) -> int:
 def gemm_qs_smem_bytes(type_id: int, bn: int = GEMMQS_TILE[1]) -> int:
     """``dense_gemm_qs<type_id, bn>``'s dynamic shared memory (``QsTile<T, BN>::SMEM`` in
     cuda/dense_q.cu; tests/test_kernels_compile.py checks the mirror for every block type):
-    GEMMQS_STAGES[bn] stages of (each row's run of one step's bytes; the step's F16 x tile), then
-    the decoded F16 weight tile (two in the wide tile, which decodes a step ahead)."""
+    GEMMQS_STAGES stages of (each row's run of one step's bytes; the step's F16 x tile), then the
+    decoded F16 weight tile."""
     _, w_bytes = _staged_rows("dense_gemm_qs", type_id, bn, GEMMQS_BLOCKS_PER_SM)
-    a_bufs = 2 if bn == GEMMQS_TILE[1] else 1
-    return GEMMQS_STAGES[bn] * (w_bytes + bn * GEMMQS_LD * 2) + a_bufs * GEMMQS_TILE[0] * GEMMQS_LD * 2
+    return GEMMQS_STAGES * (w_bytes + bn * GEMMQS_LD * 2) + GEMMQS_TILE[0] * GEMMQS_LD * 2
 
 
 def dense_q_variant(type_id: int) -> Variant:

@@ -305,9 +305,9 @@ def test_gemm_qs_smem_mirror_matches_c():
     ids = [block_layout(n).type_id for n in BLOCK_TYPES]
     checks = [(f"QsTile<{t}, {bn}>::SMEM", K.gemm_qs_smem_bytes(t, bn), f"type {t}, {bn} tokens")
               for t in ids for bn in K.GEMMQS_BLOCKS_PER_SM]
-    checks += [(f"QsTile<{ids[0]}, {bn}>::STAGES", k, f"{bn} tokens") for bn, k in K.GEMMQS_STAGES.items()]
     checks += [(n, v, n) for n, v in (("QS_BM", K.GEMMQS_TILE[0]), ("QS_BK", K.GEMMQS_TILE[2]),
-                                      ("QS_THREADS", K.GEMMQS_THREADS), ("QS_LD", K.GEMMQS_LD))]
+                                      ("QS_THREADS", K.GEMMQS_THREADS), ("QS_STAGES", K.GEMMQS_STAGES),
+                                      ("QS_LD", K.GEMMQS_LD))]
     _static_asserts("dense_q.cu", checks, "sm_80")
     for t in ids:
         for bn, per_sm in K.GEMMQS_BLOCKS_PER_SM.items():
