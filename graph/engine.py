@@ -28,11 +28,18 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "kept_engine"]
+__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
-# over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8)
-MAX_GRAPHS = {False: (4, 4), True: (32, 16)}
+# over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8), and
+# a server's steps through many more: the sample trace (64 requests) made 106 structures with
+# per-stream KV, 96 on a unified cache, and with room for 32 the per-stream run built 1,147 graphs
+# (~30 ms of host time each for an 8B model graph). On the device the kept graphs are bounded by
+# the bytes their arrays take as well (GRAPH_BYTES; a graph holds one layer's intermediates, ~250 KB
+# a token for an 8B model: a 64-token decode step ~16 MB, a 512-token prompt ubatch ~130 MB), prompt
+# structures at most 3/4 of them, so that decode steps keep their room.
+MAX_GRAPHS = {False: (4, 4), True: (256, 192)}
+GRAPH_BYTES = {False: None, True: 2 << 30}
 
 
 class UntimedEngine:
@@ -64,11 +71,12 @@ class _Cached:
     """A built ubatch graph kept for reuse, and its CUDA graph once captured (for the first
     stream it was captured on: the launches hold that stream's K/V pointers)."""
 
-    def __init__(self, graph, decode: bool):
+    def __init__(self, graph, decode: bool, nbytes: int = 0):
         self.graph = graph
         self.replay = None
         self.replay_s0 = None
         self.decode = decode   # a decode step's structure (UBatch.decode_step)
+        self.nbytes = nbytes   # device memory its build took (0 on the host)
 
 
 class Engine:
@@ -104,6 +112,8 @@ class Engine:
         self._last_streams = None
         self._graphs: dict = {}
         self.max_graphs, self.max_other_graphs = MAX_GRAPHS[self.device]
+        self.max_graph_bytes = GRAPH_BYTES[self.device]
+        self.builds = 0         # graphs built (each a structure not kept: first seen, or evicted since)
         self.cuda_graph = bool(cuda_graph)
         self.captures = self.replays = 0
         self.stream = None
@@ -178,12 +188,14 @@ class Engine:
         entry = self._graphs.pop(key, None) if self.flash_attn else None
         if entry is None:
             kw = dict(model=self.model, tokens=tokens, out_rows=out_rows) if self.model is not None else {}
-            g = build.build_ubatch_graph(self.cache, plan, self.attn_cfg, fa=self.fa, layer=self.layer,
-                                         weights=self.weights, flash_attn=self.flash_attn,
-                                         shared_inputs=self.shared_inputs, full_layer=self.full_layer,
-                                         layers=self.layers,
-                                         all_custom=self.device if self.all_custom is None else self.all_custom, **kw)
-            entry = _Cached(g, plan.ubatch.decode_step)
+
+            def make():
+                return build.build_ubatch_graph(
+                    self.cache, plan, self.attn_cfg, fa=self.fa, layer=self.layer, weights=self.weights,
+                    flash_attn=self.flash_attn, shared_inputs=self.shared_inputs, full_layer=self.full_layer,
+                    layers=self.layers, all_custom=self.device if self.all_custom is None else self.all_custom, **kw)
+            g, nbytes = self._build(make)
+            entry = _Cached(g, plan.ubatch.decode_step, nbytes)
             fresh = True
         else:
             try:
@@ -208,12 +220,43 @@ class Engine:
             g.free()
             return out
         self._graphs[key] = entry            # most recently used last
-        others = [k for k, e in self._graphs.items() if not e.decode]
-        while len(others) > self.max_other_graphs:   # oldest first
-            self._graphs.pop(others.pop(0)).graph.free()
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.pop(next(iter(self._graphs))).graph.free()
+        self._evict(self.max_graphs, self.max_other_graphs, self.max_graph_bytes)
         return out
+
+    def _build(self, make):
+        """``make()``'s graph and the device memory its build took (CuPy's pool; 0 on the host).
+        Out of device memory, the kept graphs are freed and the build tried once more."""
+        pool = self.xp.get_default_memory_pool() if self.device else None
+        used = pool.used_bytes() if pool is not None else 0
+        try:
+            g = make()
+        except MemoryError:   # CuPy's OutOfMemoryError too
+            if not self._graphs:
+                raise
+            self._evict(0, 0, 0)
+            if pool is not None:
+                pool.free_all_blocks()
+                used = pool.used_bytes()
+            g = make()
+        self.builds += 1
+        return g, (max(0, pool.used_bytes() - used) if pool is not None else 0)
+
+    def _evict(self, max_all: int, max_other: int, max_bytes: int | None) -> None:
+        """Free the least recently used kept graphs until at most ``max_all`` are kept and at most
+        ``max_other`` of prompt structures, and (``max_bytes`` not None) their builds' bytes are
+        at most ``max_bytes``, the prompt structures' at most 3/4 of it: prompt structures go
+        first while they are over their share, then the oldest of any."""
+        def over(entries, n_max, b_max):
+            return len(entries) > n_max or (b_max is not None and sum(e.nbytes for _, e in entries) > b_max)
+        while True:
+            others = [(k, e) for k, e in self._graphs.items() if not e.decode]
+            if others and over(others, max_other, None if max_bytes is None else max_bytes * 3 // 4):
+                key = others[0][0]
+            elif self._graphs and over(list(self._graphs.items()), max_all, max_bytes):
+                key = next(iter(self._graphs))
+            else:
+                return
+            self._graphs.pop(key).graph.free()
 
     def _run(self, entry, g, plan, fresh: bool) -> None:
         """Inputs, then a replay, a capture or a plain compute (on the engine's stream)."""

@@ -24,7 +24,7 @@ KEYS = ["rate", "split", "kv_unified", "prompt_budget", "n_slots",
         "n_requests", "n_done", "n_refused", "elapsed_s", "req_per_s", "out_tok_per_s", "prompt_tok_per_s",
         "out_tok_per_s_stddev",
         "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "itl_ms_max",
-        "queue_ms_p50", "steps", "mixed_share", "ub_per_step", "n_pad", "kv_cells_peak", "busy_share",
+        "queue_ms_p50", "steps", "mixed_share", "ub_per_step", "n_pad", "graph_builds", "kv_cells_peak", "busy_share",
         "repetitions", "model", "device", "path", "layer", "kernel", "n_ctx", "n_batch", "n_ubatch",
         "type_k", "type_v", "flash_attn", "cuda_graph", "warmup", "trace", "prompt_dist", "gen_dist", "seed",
         "n_threads"]
@@ -36,7 +36,7 @@ _MD = [("rate", "rate", 6, "rate"), ("split", "split", -7, "s"), ("KVU", "kv_uni
        ("p90", "ttft_ms_p90", 8, ".1f"), ("p99", "ttft_ms_p99", 8, ".1f"),
        ("ITL p50", "itl_ms_p50", 8, ".2f"), ("p90", "itl_ms_p90", 8, ".2f"), ("p99", "itl_ms_p99", 8, ".2f"),
        ("mixed", "mixed_share", 6, "pct"), ("UB/step", "ub_per_step", 7, ".2f"), ("PAD", "n_pad", 6, "d"),
-       ("KV peak", "kv_cells_peak", 8, "d"), ("done", "done", 7, "s")]
+       ("builds", "graph_builds", 6, "d"), ("KV peak", "kv_cells_peak", 8, "d"), ("done", "done", 7, "s")]
 
 TERMS = (
     "Columns: rate: requests per second of the Poisson arrivals (inf: all at once; trace: the "
@@ -48,7 +48,9 @@ TERMS = (
     "last step samples), ms, percentiles over requests. ITL: inter-token latency, ms between one "
     "request's consecutive tokens, percentiles over all of them. mixed: share of steps that "
     "carried prompt and decode tokens together. UB/step: ubatches (graph evaluations) per step. "
-    "PAD: pad rows computed and dropped (padded, auto). KV peak: KV cells holding tokens after a "
+    "PAD: pad rows computed and dropped (padded, auto). builds: ubatch graphs built during the run "
+    "(a structure the engine did not keep: first seen, or evicted since; each is host time in its "
+    "step, ~30 ms for an 8B model graph). KV peak: KV cells holding tokens after a "
     "step, at most. done: finished of all requests (the rest were refused: too long for a "
     "sequence's cells).")
 
@@ -64,7 +66,7 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
     (the keys of :data:`KEYS` that describe the run)."""
     ttft, itl, queue = [], [], []
     out_rates, prompt_rates, req_rates = [], [], []
-    steps = mixed = ubs = pads = peak = 0
+    steps = mixed = ubs = pads = builds = peak = 0
     busy = elapsed = 0.0
     n_done = n_refused = 0
     for run in runs:
@@ -85,6 +87,7 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
         mixed += st.n_mixed
         ubs += st.counts.get("ubatches", 0)
         pads += st.counts.get("pads", 0)
+        builds += st.counts.get("builds", 0)
         peak = max(peak, st.cells_peak)
         busy += st.busy
         elapsed += st.elapsed
@@ -96,7 +99,7 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
                out_tok_per_s_stddev=fb.stdev(out_rates),
                queue_ms_p50=percentile(queue, 50) * 1e3,
                steps=steps // n, mixed_share=mixed / steps if steps else 0.0,
-               ub_per_step=ubs / steps if steps else 0.0, n_pad=pads // n, kv_cells_peak=peak,
+               ub_per_step=ubs / steps if steps else 0.0, n_pad=pads // n, graph_builds=builds // n, kv_cells_peak=peak,
                busy_share=busy / elapsed if elapsed > 0 else 0.0, repetitions=n,
                itl_ms_max=max(itl) * 1e3 if itl else math.nan)
     for q in PCTS:

@@ -155,17 +155,22 @@ def save_traces(path: str, loads) -> None:
 def make_step_fn(runner: Runner, model_logits: bool, n_vocab: int):
     """``graph.serve``'s step function on ``runner``: the step's batch through ``Runner.decode``,
     then every flagged token's next id -- the argmax of its logits (on the engine's stream, only
-    the ids copied back) or, without logits (a preset), a made-up id -- and the step's counts."""
+    the ids copied back) or, without logits (a preset), a made-up id -- and the step's counts
+    (ubatches, pad rows, graphs the engine built)."""
     engine = runner.engine
     stream = getattr(engine, "stream", None)
     xp = runner.cache.xp
 
+    def counts(st, built0):
+        return dict(ubatches=st.n_ubatches, pads=st.n_pad, builds=getattr(engine, "builds", 0) - built0)
+
     def step_fn(step):
         want, b = step.want, step.batch
+        built0 = getattr(engine, "builds", 0)
         if not model_logits:   # a preset: any id in the vocabulary (attention does not read it)
             st = runner.decode(b, logits=want)
             out = (b.tokens[want].astype(np.int64) * 31 + b.positions[want] + 7) % n_vocab
-            return out, dict(ubatches=st.n_ubatches, pads=st.n_pad)
+            return out, counts(st, built0)
         where = np.full(want.size, -1, dtype=np.int64)
         where[want] = np.arange(int(want.sum()))
         got = []
@@ -178,7 +183,7 @@ def make_step_fn(runner: Runner, model_logits: bool, n_vocab: int):
         out = np.zeros(int(want.sum()), dtype=np.int64)
         for rows, ids in got:
             out[rows] = ids if xp is np else xp.asnumpy(ids)
-        return out, dict(ubatches=st.n_ubatches, pads=st.n_pad)
+        return out, counts(st, built0)
 
     return step_fn
 

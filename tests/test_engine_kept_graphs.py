@@ -1,0 +1,98 @@
+"""graph/engine.py's kept built graphs: which are freed when (counts, the bytes their builds took,
+prompt structures before decode steps), a build that runs out of device memory, and the serve
+bench's count of graphs built."""
+import json
+from pathlib import Path
+
+import pytest
+
+from ggml_attn.cli import serve_bench
+from ggml_attn.graph import engine as E
+from ggml_attn.graph.kv_cache import KVCache
+
+SAMPLE = Path(__file__).resolve().parents[1] / "bench" / "traces" / "sample.jsonl"
+
+
+class _G:
+    """A stand-in for a built graph: records that it was freed."""
+
+    def __init__(self, freed, name):
+        self.freed, self.name = freed, name
+
+    def free(self):
+        self.freed.append(self.name)
+
+
+def _engine():
+    return E.Engine(KVCache(256, 1, unified=True, n_head_kv=1, head_dim_k=4), None, device=False)
+
+
+def _keep(e, freed, entries):
+    """Kept entries (name, decode, nbytes) in use order, oldest first."""
+    for name, decode, nbytes in entries:
+        e._graphs[name] = E._Cached(_G(freed, name), decode, nbytes)
+
+
+def test_prompt_structures_go_first_then_the_oldest():
+    e, freed = _engine(), []
+    _keep(e, freed, [("d0", True, 0), ("p0", False, 0), ("d1", True, 0), ("p1", False, 0), ("p2", False, 0)])
+    e._evict(4, 2, None)   # 3 prompt structures, room for 2: the oldest prompt one goes, not d0
+    assert freed == ["p0"] and list(e._graphs) == ["d0", "d1", "p1", "p2"]
+    e._evict(3, 2, None)   # then the oldest of any
+    assert freed == ["p0", "d0"]
+
+
+def test_bytes_bound_the_kept_graphs_and_prompt_structures_take_at_most_three_quarters():
+    e, freed = _engine(), []
+    _keep(e, freed, [("d0", True, 100), ("p0", False, 300), ("p1", False, 300), ("d1", True, 100),
+                     ("p2", False, 200)])
+    e._evict(99, 99, 1000)   # all 1000 fit; prompt ones 800 > 750: p0 goes
+    assert freed == ["p0"]
+    e._evict(99, 99, 1000)   # nothing more to do
+    assert freed == ["p0"]
+    e._evict(99, 99, 400)    # prompt share 300: p1 goes (p2's 200 fits it); then 400 in all fits
+    assert freed == ["p0", "p1"] and list(e._graphs) == ["d0", "d1", "p2"]
+    e._evict(99, 99, 150)    # prompt share 112: p2 goes; then 200 > 150: the oldest, d0
+    assert freed == ["p0", "p1", "p2", "d0"] and list(e._graphs) == ["d1"]
+
+
+def test_host_engines_keep_few_graphs_and_no_byte_bound_device_ones_many():
+    assert E.MAX_GRAPHS[False] == (4, 4) and E.GRAPH_BYTES[False] is None
+    n_all, n_other = E.MAX_GRAPHS[True]
+    assert n_all > n_other >= 128 and E.GRAPH_BYTES[True] >= 1 << 30
+
+
+def test_a_build_out_of_memory_frees_the_kept_graphs_and_tries_once_more():
+    e, freed = _engine(), []
+    _keep(e, freed, [("d0", True, 10), ("p0", False, 10)])
+    tries = []
+
+    def make():
+        tries.append(1)
+        if len(tries) == 1:
+            raise MemoryError("out of memory")
+        return "graph"
+    assert e._build(make) == ("graph", 0) and len(tries) == 2 and freed == ["p0", "d0"] and not e._graphs
+    assert e.builds == 1
+
+    def never():
+        raise MemoryError("out of memory")
+    with pytest.raises(MemoryError):   # nothing kept to free: the error stands
+        e._build(never)
+    assert e.builds == 1
+
+
+def _serve_rows(capsys, *args):
+    assert serve_bench.main(["--trace", str(SAMPLE), "--device", "cpu", "-t", "2", "-o", "jsonl", *args]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_serve_counts_the_graphs_built_and_room_for_a_servers_structures_stops_the_churn(capsys, monkeypatch):
+    """The serve bench's graph_builds. Per-stream KV under arrivals walks through ~100 ubatch
+    structures: with the host's 4 kept graphs they are built again and again (~1,100 builds for
+    the sample trace's 64 requests), with the device's limits about once each."""
+    (few,) = _serve_rows(capsys, "--split", "auto")
+    monkeypatch.setitem(E.MAX_GRAPHS, False, E.MAX_GRAPHS[True])
+    (many,) = _serve_rows(capsys, "--split", "auto")
+    assert few["kv_unified"] is False and many["steps"] > 0
+    assert few["graph_builds"] > 3 * many["graph_builds"] and many["graph_builds"] < many["steps"] // 2
