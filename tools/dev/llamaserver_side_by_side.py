@@ -18,7 +18,9 @@ Steps (logs under ``--out``; ``serve_side_by_side.json`` written after each, a t
    connection, token-id prompt, ``n_predict``, ``ignore_eos``, greedy, ``stream``, so every
    token's arrival is timed (TTFT, ITL); the HTTP overhead alone is a ``/health`` round trip
    (median of 50, stated in the JSON, not subtracted);
-4. ``ggml-attn-serve-bench --trace`` on the same trace, ``--split all``, with and without ``-kvu``.
+4. ``ggml-attn-serve-bench --trace`` on the same trace, ``--split all``, with and without ``-kvu``,
+   with ``--warmup`` (the trace served once untimed first; ``--cold``: not) -- llama-server gets a
+   warm-up too, and a first pass is where ours builds each new ubatch structure's graph.
 
 llama-server's rows use ``format_serve.row_of`` with ``split`` = ``llama-server``: the same
 columns as ours (step counts, pads and KV cells are not known there and read 0).
@@ -179,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-dist", default="16-200")
     ap.add_argument("--gen-dist", default="32-256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cold", action="store_true",
+                    help="ours without --warmup (the trace served once untimed first: llama-server is warmed "
+                         "up too, and ours builds each new ubatch structure's graph on first sight)")
     a = ap.parse_args(argv)
     from ggml_attn.cli import format_serve
     from ggml_attn.cli.models import resolve
@@ -226,7 +231,8 @@ def main(argv=None) -> int:
                 proc.wait(timeout=60)
             save()
             rc, out, _ = lcs.sh([ours, "--device", "cuda", "-m", a.gguf, "--trace", trace_path, "-np", str(a.np),
-                                 "--seed", str(a.seed), "--split", "all", "-o", "jsonl"] + (["-kvu"] if kvu else []),
+                                 "--seed", str(a.seed), "--split", "all", "-o", "jsonl"] + (["-kvu"] if kvu else [])
+                                + ([] if a.cold else ["--warmup"]),
                                 os.path.join(a.out, f"ours-{tag}{'-kvu' if kvu else ''}.log"), 900)
             res["rows"] += [dict(tool="ggml-attn", **dict(r, rate=format_serve.row_json(dict(rate=rate))["rate"]))
                             for r in lcs.jsonl(out)]
