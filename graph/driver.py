@@ -3,8 +3,11 @@
 :func:`decode` is what ``qkv_runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
 llama.cpp's ``llama_decode`` does: validate the batch against the cache -> split it into
 ubatches (``auto`` included: its dry-run plans are applied as they are, nothing is planned
-twice) -> check that every ubatch fits (``KVCache.prepare``; a ``padded`` split whose pads alone
-do not fit runs as ``equal``, :func:`_fit`) -> per ubatch, in a cache
+twice) -> on a one-stream cache that coarsens shapes for graph reuse (``KVCache.coarse_n_kv``),
+each ubatch padded to a bucket of rows (``split.pad_to_bucket``: a server's steps fall into a few
+graph structures; not where the pads do not fit) -> check that every ubatch fits
+(``KVCache.prepare``; a ``padded`` split whose pads alone do not fit runs as ``equal``,
+:func:`_fit`) -> per ubatch, in a cache
 transaction: plan (``plan_ubatch`` with the config's ``n_swa`` and ALiBi), ``engine.run_ubatch``,
 free the pads.
 
@@ -31,7 +34,7 @@ from .batch import Batch
 from .kv_cache import KVCache, KVCacheFullError
 from .plan import UBatchPlan, apply_plan, plan_ubatch
 from .attn_config import AttnConfig
-from .split import UBatch
+from .split import UBatch, pad_to_bucket
 
 __all__ = ["BatchResult", "BatchError", "BatchInterrupted", "decode", "split_batch"]
 
@@ -139,6 +142,28 @@ def _fit(cache: KVCache, batch: Batch, ubs: list[UBatch], n_ubatch: int, mode: s
     return [replace(u, reason=note) for u in equal]
 
 
+def _bucketed(cache: KVCache, ubs: list[UBatch], n_ubatch: int) -> list[UBatch]:
+    """``ubs`` with each ubatch padded to its bucket of rows (``split.pad_to_bucket``; at most
+    ``n_ubatch`` rows) on a one-stream cache that coarsens shapes for graph reuse
+    (``KVCache.coarse_n_kv``: the CUDA engines); ``ubs`` itself where none changes."""
+    if not cache.coarse_n_kv or cache.n_stream != 1:
+        return ubs
+    out = [pad_to_bucket(u, cache.n_seq_max, lambda s: cache.seq_pos_max(s) + 1, n_ubatch) for u in ubs]
+    return ubs if all(a is b for a, b in zip(out, ubs)) else out
+
+
+def _fit_either(cache: KVCache, batch: Batch, ubs: list[UBatch], plain: list[UBatch], n_ubatch: int,
+                mode: str) -> list[UBatch]:
+    """:func:`_fit` of ``ubs``, or, where their bucket pads (:func:`_bucketed`) do not fit the
+    cache's room, of ``plain``, the ubatches without them."""
+    if ubs is not plain:
+        try:
+            return _fit(cache, batch, ubs, n_ubatch, mode)
+        except KVCacheFullError:
+            pass
+    return _fit(cache, batch, plain, n_ubatch, mode)
+
+
 def _check_pos_limit(batch: Batch, limit: int) -> None:
     if batch.n_tokens and int(batch.positions.max()) >= limit:
         first = int(batch.positions[batch.positions >= limit].min())
@@ -160,11 +185,15 @@ def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: 
     if cfg.pos_limit:   # (checked whether or not the caller validated the rest)
         _stage("validate", on_error, lambda: _check_pos_limit(batch, cfg.pos_limit))
     made, given = None, ubatches is not None
+    plain = ubatches
     if not given:
-        ubatches, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))
+        plain, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))
+        ubatches = _bucketed(cache, plain, n_ubatch)
+        if ubatches is not plain:
+            made = None   # (auto's plans were of the ubatches without pads)
     if made is None:  # (auto's dry run already placed every ubatch one after another)
         fit_mode = mode if not given else "given"   # a split the caller made is run as it is
-        ubatches = _stage("prepare", on_error, lambda: _fit(cache, batch, ubatches, n_ubatch, fit_mode))
+        ubatches = _stage("prepare", on_error, lambda: _fit_either(cache, batch, ubatches, plain, n_ubatch, fit_mode))
     plans: list[UBatchPlan] = []
     for i, ub in enumerate(ubatches):
         try:

@@ -159,7 +159,9 @@ class KVCache:
                 ubatches whose mask stays small (:meth:`n_kv`)
                 (graphs are reused and replayed per structure); for engines whose attention
                 skips masked KV tiles (the CUDA kernels), where the extra cells cost only their
-                mask bytes. False: llama.cpp's padding to 256.
+                mask bytes. On one stream the decode loop then pads each ubatch to a bucket of
+                rows too (``driver.decode``, ``split.pad_to_bucket``). False: llama.cpp's
+                padding to 256, ubatches as split.
     """
 
     def __init__(self, n_ctx: int, n_seq_max: int = 1, *, unified: bool = True, n_layer: int = 1,

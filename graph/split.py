@@ -27,7 +27,8 @@ import numpy as np
 
 from .batch import INT32_MAX, Batch, as_int, computed_once
 
-__all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded",
+__all__ = ["UBatch", "split_ubatches", "split_simple", "split_equal", "split_seq", "split_padded", "bucket_rows",
+           "pad_to_bucket",
            "MODES", "SplitState", "check_n_ubatch"]
 
 MODES = ("simple", "equal", "seq", "padded", "auto")
@@ -426,3 +427,50 @@ def _split_all(batch: Batch, n_ubatch: int, mode: str) -> list[UBatch]:
     if state.n_used < batch.n_tokens:
         raise ValueError(f"split {mode!r} placed {state.n_used} of {batch.n_tokens} tokens")
     return out
+
+
+def bucket_rows(n: int) -> int:
+    """The row count a ubatch of ``n`` rows is padded to where ubatches are bucketed
+    (:func:`pad_to_bucket`): a power of two up to 4, a multiple of 8 up to 64, of 32 up to 256,
+    then of 64 -- at most 7 pad rows where a step's rows are a decode step's few, at most 1/8 of
+    the rows past 64 (1/5 past 256)."""
+    n = as_int(n, "n")
+    if n < 1:
+        raise ValueError(f"a ubatch has at least one row, got {n}")
+    if n <= 4:
+        return 1 << (n - 1).bit_length()
+    step = 8 if n <= 64 else 32 if n <= 256 else 64
+    return -(-n // step) * step
+
+
+def pad_to_bucket(ub: UBatch, n_seq_max: int, next_pos, limit: int) -> UBatch:
+    """``ub`` with pad rows up to :func:`bucket_rows` of its rows (at most ``limit`` rows, and not
+    past it: the ubatch size), so that a server's steps -- a different number of generating
+    sequences and prompt tokens each -- fall into a few graph structures (``build.graph_key``)
+    instead of one per row count. A decode step (one row per sequence) stays one: each pad row is a
+    sequence of its own, an id of ``0 .. n_seq_max - 1`` not in the ubatch, at its next position
+    (``next_pos(seq_id)``: the cache's); with too few such ids it is not padded. Another ubatch's
+    pad rows continue its last row's sequence. Pad rows are ``token_idx`` -1 (the cache and the
+    mask keep them from every real row and free their cells after the ubatch, as ``padded``'s).
+    Unchanged: a ubatch already at its bucket, one with coupled tokens, one of sequence sets of
+    several rows (``equal`` / ``padded``'s prompt ubatches), or one whose bucket passes ``limit``."""
+    n = ub.n_tokens
+    k = min(bucket_rows(n), max(n, int(limit))) - n
+    if k <= 0 or ub.n_seqs != n or any(len(ids) != 1 for ids in ub.token_seq_ids) \
+            or (ub.equal_seqs and not ub.decode_step):
+        return ub   # (sets of several rows each, equal / padded's: their shape stays)
+    if ub.decode_step:
+        used = set(ub.seq_ids)
+        ids = [s for s in range(int(n_seq_max)) if s not in used][:k]
+        if len(ids) < k:
+            return ub
+        pos = [int(next_pos(s)) for s in ids]
+    else:
+        last = ub.token_seq_ids[-1][0]
+        p0 = int(ub.positions[[i for i, ids in enumerate(ub.token_seq_ids) if ids[0] == last]].max()) + 1
+        if p0 + k - 1 > INT32_MAX:
+            return ub
+        ids, pos = [last] * k, list(range(p0, p0 + k))
+    return UBatch(ub.mode, np.concatenate([ub.token_idx, np.full(k, -1, dtype=np.int64)]),
+                  np.concatenate([ub.positions, np.asarray(pos, dtype=np.int32)]),
+                  ub.token_seq_ids + tuple((s,) for s in ids), n + k, ub.equal_seqs, ub.reason)

@@ -115,3 +115,45 @@ def test_strategies_agree_through_the_graph_builder(work):
             pos, k, v = c.sequence_contents(s, CFG.n_layer - 1)
             assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), \
                 (mode, all_custom, s)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.booleans(), st.booleans())
+def test_bucketed_ubatches_agree_with_the_plain_split(work, roomy, through_graphs):
+    """A one-stream cache that coarsens shapes for graph reuse (``coarse_n_kv``: the CUDA
+    engines') pads each ubatch to its bucket of rows (``split.pad_to_bucket``): every real token's
+    output and every sequence's cached K/V and positions are those of the plain ``simple`` run, no
+    pad cell is left, and every ubatch is at its bucket -- or, where the cache has no room for the
+    pads (``roomy`` False: the real tokens' cells only) or a decode step too few free sequence ids,
+    as split."""
+    from ggml_attn.graph.split import bucket_rows
+    lengths, order, n_ubatch, decode_sets = work
+    if through_graphs:
+        lengths = [min(x, max(1, 400 // len(lengths))) for x in lengths]
+    n_seq = len(lengths)
+    need = sum(lengths) + n_seq * len(decode_sets)
+    n_ctx = pad_to(need + (n_ubatch + 64 if roomy else 0), 256)
+
+    def new_cache(coarse):
+        return KVCache(n_ctx, n_seq, unified=True, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
+                       head_dim_k=CFG.head_dim_k, coarse_n_kv=coarse)
+    ref_cache, cache = new_cache(False), new_cache(True)
+    kw = dict(compute="ggml", all_custom=True) if through_graphs else {}
+    for step, b in enumerate(_prompt_then_steps(lengths, order, decode_sets)):
+        ref = run_batch(ref_cache, b, n_ubatch, "simple", CFG)
+        got = run_batch(cache, b, n_ubatch, "simple", CFG, **kw)
+        err = per_token_nmse(got.out, ref.out)
+        assert err.max() <= 1e-6, (step, int(err.argmax()), float(err.max()))
+        for p, q in zip(got.plans, ref.plans):
+            real = q.ubatch.n_tokens
+            assert p.ubatch.n_tokens - p.ubatch.n_pad == real
+            assert p.ubatch.n_tokens in (real, min(bucket_rows(real), max(real, n_ubatch)))
+            assert p.ubatch.decode_step == q.ubatch.decode_step
+            if roomy and not p.ubatch.decode_step:   # (pads continue the last sequence: room is all they need)
+                assert p.ubatch.n_tokens == min(bucket_rows(real), max(real, n_ubatch))
+        assert cache.pad.sum() == 0 and cache.n_used(0) == ref_cache.n_used(0)
+    for s in range(n_seq):
+        for il in range(CFG.n_layer):
+            ref_pos, ref_k, ref_v = ref_cache.sequence_contents(s, il)
+            pos, k, v = cache.sequence_contents(s, il)
+            assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), s
