@@ -24,6 +24,7 @@
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
 #include "mma_ptx.cuh"
+#include "staged_rows.cuh"
 
 struct GemvQParams {
     GemvQSeg seg[3];
@@ -321,17 +322,8 @@ template <int T, int BN> struct QsTile {
 template <int T, int BN>
 __device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
     using TL = QsTile<T, BN>;
-    const int a0 = (k0 / QS_BK * TL::RB) & ~15;   // the run's first unit (rows 16-byte aligned)
     const unsigned sw = smem_u32(st);
-#pragma unroll
-    for (int j = 0; j < (QS_BM * TL::UNITS + QS_THREADS - 1) / QS_THREADS; ++j) {
-        const int u = threadIdx.x + QS_THREADS * j, r = u / TL::UNITS, o = a0 + 16 * (u % TL::UNITS);
-        if ((QS_BM * TL::UNITS) % QS_THREADS == 0 || u < QS_BM * TL::UNITS) {
-            const bool ok = m0 + r < p.rows && o < p.row_bytes;
-            cp_async16(sw + r * TL::SLOT + 16 * (u % TL::UNITS), ok ? p.w + (long long)(m0 + r) * p.row_bytes + o : p.w,
-                       ok ? 16 : 0);
-        }
-    }
+    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, QS_BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
     const unsigned sx = sw + TL::W_BYTES;
 #pragma unroll
     for (int j = 0; j < BN * 32 / QS_THREADS; ++j) {

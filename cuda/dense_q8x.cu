@@ -18,7 +18,7 @@
 #include <cuda_fp16.h>
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
-#include "mma_ptx.cuh"   // smem_u32, cp.async
+#include "staged_rows.cuh"   // stage_weight_rows (smem_u32, cp.async)
 
 #define Q8X_WARPS 8    // warps a dense_gemv_q8x block, a row each
 #define Q8X_SWARPS 4   // warps a dense_gemv_q8x_s block, a row each
@@ -317,17 +317,8 @@ template <int T, int BN> struct Q8gTile {
 template <int T, int BN>
 __device__ __forceinline__ void q8g_stage(const GemmQ8Params& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
     using TL = Q8gTile<T, BN>;
-    const int a0 = (k0 / Q8G_BK * TL::RB) & ~15;   // the run's first unit (rows 16-byte aligned)
     const unsigned sw = smem_u32(st);
-#pragma unroll
-    for (int j = 0; j < (Q8G_BM * TL::UNITS + Q8G_THREADS - 1) / Q8G_THREADS; ++j) {
-        const int u = threadIdx.x + Q8G_THREADS * j, r = u / TL::UNITS, o = a0 + 16 * (u % TL::UNITS);
-        if ((Q8G_BM * TL::UNITS) % Q8G_THREADS == 0 || u < Q8G_BM * TL::UNITS) {
-            const bool ok = m0 + r < p.rows && o < p.row_bytes;
-            cp_async16(sw + r * TL::SLOT + 16 * (u % TL::UNITS), ok ? p.w + (long long)(m0 + r) * p.row_bytes + o : p.w,
-                       ok ? 16 : 0);
-        }
-    }
+    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, Q8G_BM, Q8G_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / Q8G_BK, sw);
     const unsigned sb = sw + TL::W_BYTES;
 #pragma unroll
     for (int j = 0; j < (BN * 16 + Q8G_THREADS - 1) / Q8G_THREADS; ++j) {   // 16 units a token
