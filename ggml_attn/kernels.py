@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cubin import whole_cubin  # noqa: F401  (re-exported)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr  # noqa: F401  (re-exported)
 
 from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/variants.py)
@@ -208,21 +209,6 @@ def resource_usage(log: str) -> dict[str, dict[str, int]]:
         if m and entry is not None:
             out[entry]["registers"] = int(m.group(1))
     return out
-
-
-def whole_cubin(data: bytes) -> bytes:
-    """The cubin ``data`` with its last byte back: CuPy's ``nvrtc.getCUBIN`` returns one byte less
-    than ``nvrtcGetCUBINSize`` (it drops a final NUL, as of PTX text), which leaves the ELF's
-    program header table one byte short (the driver read the byte past the buffer, CPython's
-    hidden NUL; nvdisasm refuses the file). The table's end, from the ELF header, says whether
-    the byte is missing (0, the high byte of the last entry's alignment)."""
-    if len(data) < 64 or data[:4] != b"\x7fELF":
-        return data
-    import struct
-    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return data + b"\0" if end == len(data) + 1 else data
 
 
 _MEM_CACHE: dict[tuple, Compiled] = {}
