@@ -293,7 +293,8 @@ __global__ void __launch_bounds__(GQ_THREADS) dense_gemm_q(const GemmQParams p) 
 // 8-token tile). A staged row keeps its global bytes' alignment mod 16 as dense_gemm_q8's. Rows
 // QS_LD = 264 halves (528 bytes) apart in As and the x tile: an ldmatrix phase's 8 rows and a
 // 16-byte store phase's 8 lanes on distinct banks. Shared memory QsTile<T, BN>::SMEM bytes,
-// dynamic (kernels.gemm_qs_smem_bytes mirrors it). Same parameters as dense_gemm_q.
+// dynamic (the host reads it from the cubin: dense_gemm_qs_smem, at the end of this file). Same
+// parameters as dense_gemm_q.
 #define QS_BM 64
 #define QS_BK 256
 #define QS_LD 264
@@ -453,3 +454,8 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
         for (int j = 0; j < 8; ++j) o[j] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
     }
 }
+
+// The dynamic shared memory (bytes) a launch of dense_gemm_qs<T, BN> takes: the host reads it from
+// the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <int T, int BN>
+__device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;

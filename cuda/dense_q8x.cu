@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // RB is not a multiple of 16: the copy starts at the 16-byte unit below, UNITS units), so the
 // decoders' word loads take the same path. Rows Q8G_LD = 272 bytes apart in As and Bs: a fragment
 // load's 8 rows x 4 words on distinct banks. Shared memory: Q8gTile<T, BN>::SMEM bytes, dynamic
-// (kernels.gemm_q8_smem_bytes mirrors it).
+// (the host reads it from the cubin: dense_gemm_q8_smem, at the end of this file).
 #define Q8G_BM 64
 #define Q8G_BN 64       // the wide tile's tokens (the narrow one: 16)
 #define Q8G_BK 256
@@ -465,3 +465,8 @@ __global__ void __launch_bounds__(Q8G_THREADS, BN == 64 ? 2 : 3) dense_gemm_q8(c
     gemm_warp_store<MI, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                             gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wm, n0 + wn);
 }
+
+// The dynamic shared memory (bytes) a launch of dense_gemm_q8<T, BN> takes: the host reads it from
+// the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <int T, int BN>
+__device__ const int dense_gemm_q8_smem = Q8gTile<T, BN>::SMEM;

@@ -16,8 +16,8 @@
 // its own online-softmax state (f32, log2 domain, exp2) in registers -- no barrier in the loop;
 // the groups' states are merged once, in shared memory, at the end, then dst is written (one
 // split) or the split workspace (fattn_combine finishes, as for the other kernels).
-// Grid (n_batch, n_head / R, ne3 * n_splits); 128 threads; dynamic shared memory CellsCfg::SMEM,
-// mirrored by cells_smem_bytes() in ggml_attn/kernels.py.
+// Grid (n_batch, n_head / R, ne3 * n_splits); 128 threads; dynamic shared memory CellsCfg::SMEM
+// (the host reads it from the cubin: fattn_cells_smem, at the end of this file).
 // Instances fattn_cells<DK, DV, T, R, U, PF, MINB>: U list entries per group and step, PF the
 // prefetch depth (0: a step's list entries, then their K/V gathers, then math -- two dependent
 // load latencies per step; 1: the next step's entries are loaded before this step's math; 2: the
@@ -319,3 +319,8 @@ fattn_cells(const FattnParams p) {
         store_row_value(p, ((long long)s * p.n_batch + t) * p.n_head + h, h, c, DV, split, o, sM[r], sL[r]);
     }
 }
+
+// The dynamic shared memory (bytes) a launch of fattn_cells<...> with the same parameters takes: the
+// host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <int DK, int DV, typename T, int R, int U, int PF, int MINB>
+__device__ const int fattn_cells_smem = CellsCfg<DK, DV, R, U>::SMEM;

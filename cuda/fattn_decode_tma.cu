@@ -83,7 +83,7 @@ template <int D> struct Tile<fattn_q4_0, D> : QuantTile<fattn_q4_0, D> {};
 // Dynamic shared memory of an instance of NW consumer warps: 1024-byte alignment slack, the
 // ring (K tile then V tile per stage), the consumers' f16 scratch tiles (quantized K/V read
 // through scratch), the merge buffer (ROWS x (D + 4) floats), the warps' row maxima and sums, the
-// ring's fill barriers (FULLS in the body) and release barriers, the "last block" flag. Mirrored by ggml_attn/decode_tma_shape.py.
+// ring's fill barriers (FULLS in the body) and release barriers, the "last block" flag. The host reads it from the cubin (fattn_decode_tma_smem, at the end of this file).
 template <typename KT, int D, int STAGES, int NW, bool SCRATCH, bool WHOLE>
 __host__ __device__ constexpr int smem_bytes() {
     return 1024 + STAGES * 2 * Tile<KT, D>::BYTES + (SCRATCH ? NW * (D / 64) * BOX_BYTES : 0) +
@@ -972,3 +972,9 @@ __global__ void __launch_bounds__(32 * (NW + 1), 1)
 fattn_decode_tma(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
     fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG>(p, &mk, &mv);
 }
+
+// The dynamic shared memory (bytes) a launch of fattn_decode_tma<...> with the same parameters
+// takes: the host reads it from the compiled program (ggml_attn/variants.py smem_expr,
+// ggml_attn/cubin.py)
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
+__device__ const int fattn_decode_tma_smem = dtma::smem_bytes<KT, D, STAGES, NW, dtma::Tile<KT, D>::QUANT && !REG, WHOLE>();

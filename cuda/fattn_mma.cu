@@ -23,8 +23,8 @@
 // it is masked: FULL tiles load no mask and check no bounds, PARTIAL tiles compare each row's
 // [lo, hi) interval, PARTIAL|MASKED tiles load the mask tile with K and V.
 // Grid (n_head / pack, n_q_tiles, ne3 * n_splits), query tiles in reverse order so that the
-// heaviest tiles of a causal mask start first. Dynamic shared memory: MmaCfg::SMEM (mirrored
-// in ggml_attn/kernels.py). The mask must have 16-byte aligned rows (the backend copies one
+// heaviest tiles of a causal mask start first. Dynamic shared memory: MmaCfg::SMEM (the host
+// reads it from the cubin: fattn_mma_smem, at the end of this file). The mask must have 16-byte aligned rows (the backend copies one
 // that does not).
 #include "fattn_common.cuh"
 
@@ -533,3 +533,8 @@ fattn_mma(const FattnParams p) {
       }
     }
 }
+
+// The dynamic shared memory (bytes) a launch of fattn_mma<...> with the same parameters takes: the
+// host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <int DK, int DV, typename T, int NWQ, int NWK, int MT, int ST, bool EXT>
+__device__ const int fattn_mma_smem = MmaCfg<DK, DV, NWQ, NWK, MT, ST>::SMEM;

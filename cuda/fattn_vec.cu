@@ -12,7 +12,7 @@
 // At the end the groups' accumulators are summed in shared memory and written to dst (one
 // split) or to the split workspace (fattn_combine finishes).
 // Grid (n_q_tiles, n_head / pack, ne3 * n_splits); 128 threads; dynamic shared memory
-// fattn_vec_smem() mirrored in ggml_attn/kernels.py.
+// VecCfg::SMEM (the host reads it from the cubin: fattn_vec_smem, at the end of this file).
 #include "fattn_common.cuh"
 
 template <int DK, int DV, int R>
@@ -209,3 +209,8 @@ fattn_vec(const FattnParams p) {
         store_row_value(p, ((long long)s * p.n_batch + tok) * p.n_head + h, h, c, DV, split, o, M, Ls);
     }
 }
+
+// The dynamic shared memory (bytes) a launch of fattn_vec<...> with the same parameters takes: the
+// host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <int DK, int DV, typename T, int R>
+__device__ const int fattn_vec_smem = VecCfg<DK, DV, R>::SMEM;

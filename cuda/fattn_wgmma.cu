@@ -321,3 +321,8 @@ fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __g
                const __grid_constant__ TmaMap mq) {
     fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA>(p, &mk, &mv, &mq);
 }
+
+// The dynamic shared memory (bytes) a launch of fattn_wgmma_ws<...> with the same parameters takes:
+// the host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA>
+__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA>();

@@ -29,7 +29,8 @@ template <int D, int BK> __host__ __device__ constexpr int tile_bytes() { return
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }   // one of its d-boxes
 // dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x D values), 5 mbarriers
 // per stage; with QTMA also Q's f32 rows as TMA writes them (128 x D floats) and 4 mbarriers
-// (Q landed, Q read: one per warpgroup) (ggml_attn/wgmma_shape.py smem_ws)
+// (Q landed, Q read: one per warpgroup); the host reads it from the cubin (fattn_wgmma_ws_smem
+// at the end of cuda/fattn_wgmma.cu)
 template <int D, int STAGES, bool QTMA = false> __host__ __device__ constexpr int smem_bytes() {
     return 1024 + 2 * STAGES * tile_bytes<D, chunk<D>()>() + BQ * D * 2 + (QTMA ? BQ * D * 4 + 4 * 8 : 0) +
            5 * STAGES * 8;

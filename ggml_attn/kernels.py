@@ -10,6 +10,9 @@ here.
   keyed by a hash of the sources, the instance names, the full option list (include
   directories too), the content of the CUDA headers' cuda_fp16.h, the NVRTC version and the
   target architecture. A cached cubin the driver refuses to load is recompiled.
+- Each instance's dynamic shared memory is read from its compiled program (``Compiled.smem``:
+  the size variable ``variants.smem_expr`` names, read from the cubin by ``cubin.py``), so the
+  C++ expression is its only definition.
 - Launches go through ``cuLaunchKernel`` with a ctypes parameter block: no CuPy array is built
   on the hot path.
 """
@@ -24,16 +27,17 @@ import re
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cubin import whole_cubin  # noqa: F401  (re-exported)
+from .cubin import symbol_int, whole_cubin  # noqa: F401  (whole_cubin re-exported)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr  # noqa: F401  (re-exported)
 
 from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/variants.py)
     KV_TILE, MMA_HEADS, VEC_HEADS, VEC_QUANT_HEADS, MMA_LAYOUTS, WIDE_MAX_HEAD, mma_layouts, VEC_ROWS,
     vec_lanes, vec_rows_allowed, CELLS_HEADS, CELLS_ROWS, CellsTune, CELLS_DEFAULT,
-    cells_rows_allowed, cells_smem_bytes, mma_smem_bytes, vec_smem_bytes, Variant, UTIL_NAMES, CELL_LIST_THREADS,
+    cells_rows_allowed, cells_smem_bytes, mma_smem_bytes, vec_smem_bytes, SMEM_KERNELS, smem_expr, Variant, UTIL_NAMES,
+    CELL_LIST_THREADS,
     util_variant, GEMV_MAX_TOKENS, GEMV_WARPS, GEMV_UNROLLS, GEMV_UNROLL, gemv_name, DENSE_NAMES, dense_variant,
     GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, GEMVQ_WARPS, GEMVQ_WARPS_X, dense_q_x_variant,
     GEMMQ_TILE, GEMMQ_THREADS, GEMMQ8_TILE, GEMMQ8_THREADS, GEMMQ8_NARROW, GEMMQ8_MIN_SPLIT, GEMMQ8_STAGES,
@@ -163,20 +167,36 @@ def _header_hash(inc_dir: str) -> str:
     return h
 
 
+def _size_exprs(variant: Variant) -> dict[str, str]:
+    """Kernel name -> the name expression of its size variable, for ``variant``'s instances
+    that have one (variants.smem_expr)."""
+    return {n: e for n in variant.names if (e := smem_expr(n)) is not None}
+
+
 def cache_key(variant: Variant, arch: str, opts: list[str], ver: tuple) -> str:
-    """Cache key of one compilation: sources, names, every option (include dirs included),
-    the cuda_fp16.h content of each include dir, NVRTC version, arch."""
+    """Cache key of one compilation: sources, names (the size variables' too), every option
+    (include dirs included), the cuda_fp16.h content of each include dir, NVRTC version, arch."""
     hdrs = [_header_hash(o[2:]) for o in opts if o.startswith("-I")]
-    key_src = json.dumps([_SRC_HASH, variant.source, list(variant.names), list(opts), hdrs,
-                          list(ver), arch])
+    key_src = json.dumps([_SRC_HASH, variant.source, list(variant.names), list(_size_exprs(variant).values()),
+                          list(opts), hdrs, list(ver), arch])
     return hashlib.sha256(key_src.encode()).hexdigest()[:32]
 
 
 @dataclass
 class Compiled:
     cubin: bytes
-    lowered: dict[str, str]   # name expression -> mangled name
+    lowered: dict[str, str]   # name expression -> mangled name (the kernels)
     log: str
+    smem_lowered: dict[str, str] = field(default_factory=dict)   # kernel name -> its size variable's mangled name
+
+    def smem(self, name: str) -> int:
+        """Dynamic shared memory, in bytes, that kernel instance ``name`` (one of the program's
+        name expressions) is launched with: its size variable's value in the cubin (the C++
+        expression's, e.g. MmaCfg::SMEM), 0 for a kernel without one (variants.smem_expr)."""
+        if name not in self.lowered:
+            raise KeyError(f"{name} is not a kernel of this program")
+        sym = self.smem_lowered.get(name)
+        return 0 if sym is None else symbol_int(self.cubin, sym)
 
 
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -235,18 +255,20 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
         return _MEM_CACHE[mk]
     path = cache_dir() / f"{variant.family}-{key}.cubin"
     meta = path.with_suffix(".json")
+    sizes = _size_exprs(variant)
     if use_disk_cache and not refresh and path.is_file() and meta.is_file():
         try:
-            c = Compiled(whole_cubin(path.read_bytes()), json.loads(meta.read_text())["lowered"], "")
-            _MEM_CACHE[mk] = c
-            return c
+            m = json.loads(meta.read_text())
+            c = Compiled(whole_cubin(path.read_bytes()), m["lowered"], "", m["smem_lowered"])
+            if set(c.smem_lowered) == set(sizes):
+                _MEM_CACHE[mk] = c
+                return c
         except Exception:
             pass
     src_text = (source_dir() / variant.source).read_text()
     prog = nv.createProgram(src_text, variant.source, [], [])
     try:
-        templated = [n for n in variant.names if "<" in n]
-        for n in templated:
+        for n in [n for n in variant.names if "<" in n] + list(sizes.values()):
             nv.addNameExpression(prog, n)
         try:
             nv.compileProgram(prog, opts)
@@ -259,10 +281,11 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
             raise RuntimeError(f"NVRTC failed to compile {variant.label} for {arch}: {e}\n{log}") from e
         log = nv.getProgramLog(prog)
         lowered = {n: (nv.getLoweredName(prog, n) if "<" in n else n) for n in variant.names}
+        smem_lowered = {n: nv.getLoweredName(prog, e) for n, e in sizes.items()}
         cubin = whole_cubin(nv.getCUBIN(prog))
     finally:
         nv.destroyProgram(prog)
-    c = Compiled(bytes(cubin), lowered, log)
+    c = Compiled(bytes(cubin), lowered, log, smem_lowered)
     _MEM_CACHE[mk] = c
     if use_disk_cache:
         try:
@@ -271,7 +294,7 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
             tmp.write_bytes(c.cubin)
             os.replace(tmp, path)
             meta.write_text(json.dumps({"variant": variant.label, "arch": arch, "nvrtc": ver,
-                                        "lowered": lowered}))
+                                        "lowered": lowered, "smem_lowered": smem_lowered}))
         except OSError:
             pass
     return c

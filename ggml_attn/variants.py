@@ -131,6 +131,22 @@ def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
     return 4 * (rows * KV_TILE + 3 * rows + ng * rows * dv)
 
 
+# The kernel templates launched with dynamic shared memory: each source defines, next to the
+# template, a __device__ int variable template ``<kernel>_smem`` of the same parameters holding the
+# bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
+# takes none (static shared memory only).
+SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "fattn_wgmma_ws",
+                "fattn_decode_tma")
+
+
+def smem_expr(name: str) -> str | None:
+    """The NVRTC name expression of the size variable of kernel instance ``name`` (a name
+    expression, e.g. "fattn_vec<128, 128, __half, 4>" -> "&fattn_vec_smem<128, 128, __half, 4>"),
+    or None for a kernel without one (not a template of SMEM_KERNELS)."""
+    base, lt, args = name.partition("<")
+    return f"&{base}_smem<{args}" if lt and base in SMEM_KERNELS else None
+
+
 @dataclass(frozen=True)
 class Variant:
     """One NVRTC program: a source file and the kernel instances compiled from it."""

@@ -9,8 +9,9 @@ program, each once. ``tests/test_kernels_compile.py::test_ci_runs_the_exhaustive
 that line in ``.ci/run``.
 
 Skips only when the NVRTC library itself is missing (install the project's ``nvrtc`` extra).
-Also checks that the ctypes mirror of ``struct FattnParams`` matches the C layout, and the
-CPU-side launch configuration rules.
+Also checks that the dynamic shared memory read back from each compiled program is the C++
+value, that the ctypes mirror of ``struct FattnParams`` matches the C layout, and the CPU-side
+launch configuration rules.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _compile(args):
     inv = {m: n for n, m in c.lowered.items()}
     usage = {inv.get(k, k): u for k, u in K.resource_usage(c.log).items()}
     return dict(label=variant.label, arch=arch, size=len(c.cubin), lowered=c.lowered, usage=usage,
-                sha=hashlib.sha256(c.cubin).hexdigest(), error=None)
+                sha=hashlib.sha256(c.cubin).hexdigest(), smem={n: c.smem(n) for n in variant.names}, error=None)
 
 
 def _cost(job):
@@ -159,10 +160,13 @@ def test_representative_variants_compile(default_compiles):
 def test_every_other_variant_compiles():
     """The rest of all_variants() x ARCHS (not in REPRESENTATIVE) compiles, with the same
     checks: with test_representative_variants_compile, every program for both architectures.
-    ``.ci/run`` runs it (``-m compile_all``); the default run deselects it."""
+    ``.ci/run`` runs it (``-m compile_all``); the default run deselects it. Their dynamic shared
+    memory read back from the cubins is the C++ value (:func:`_check_smem_read_back`)."""
     rep = set(_representative_jobs())
     jobs = [j for j in _every_job() if j not in rep]
-    _check_compiled(jobs, compile_jobs([(v, a, False) for v, a in jobs]))
+    results = compile_jobs([(v, a, False) for v, a in jobs])
+    _check_compiled(jobs, results)
+    _check_smem_read_back(jobs, results)
 
 
 def test_ab_dense_programs_compile():
@@ -251,7 +255,7 @@ def _static_asserts(source: str, checks: list[tuple[str, int, str]], arch: str, 
         try:
             nv.compileProgram(prog, opts)
         except Exception as e:
-            pytest.fail(f"{source}: a Python mirror differs from the C++ value: {e}\n{nv.getProgramLog(prog)}")
+            pytest.fail(f"{source}: a host-side value differs from the C++ one: {e}\n{nv.getProgramLog(prog)}")
     finally:
         nv.destroyProgram(prog)
 
@@ -280,6 +284,73 @@ def test_gemm_q_tile_mirror_matches_c():
                     + [(n, v, n) for n, v in zip(("Q8G_BM", "Q8G_BN", "Q8G_BK"), K.GEMMQ8_TILE)]
                     + [("Q8G_THREADS", K.GEMMQ8_THREADS, "Q8G_THREADS"), ("Q8G_STAGES", K.GEMMQ8_STAGES, "Q8G_STAGES"),
                        ("Q8G_LD", K.GEMMQ8_LD, "Q8G_LD")], "sm_80")
+
+
+def _smem_cxx(name: str) -> tuple[str, str]:
+    """(source, C++ expression) of the dynamic shared memory kernel instance ``name`` (a name
+    expression of variants.SMEM_KERNELS) is written for: the constant its body lays out, spelled
+    here from the template's parameters, independently of the size variable the host reads."""
+    base, _, rest = name.partition("<")
+    a = [x.strip() for x in rest[:-1].split(",")]
+    if base == "fattn_mma":     # <DK, DV, T, NWQ, NWK, MT, ST, EXT>
+        return "fattn_mma.cu", f"MmaCfg<{a[0]}, {a[1]}, {a[3]}, {a[4]}, {a[5]}, {a[6]}>::SMEM"
+    if base == "fattn_vec":     # <DK, DV, T, R>
+        return "fattn_vec.cu", f"VecCfg<{a[0]}, {a[1]}, {a[3]}>::SMEM"
+    if base == "fattn_cells":   # <DK, DV, T, R, U, PF, MINB>
+        return "fattn_cells.cu", f"CellsCfg<{a[0]}, {a[1]}, {a[3]}, {a[4]}>::SMEM"
+    if base == "dense_gemm_q8":   # <T, BN>
+        return "dense_q8x.cu", f"Q8gTile<{a[0]}, {a[1]}>::SMEM"
+    if base == "dense_gemm_qs":   # <T, BN>
+        return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
+    if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA>
+        return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}>()"
+    if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
+        scratch = "false" if a[0] in ("__half", "__nv_bfloat16") or a[5] == "true" else "true"
+        return "fattn_decode_tma.cu", f"dtma::smem_bytes<{a[0]}, {a[1]}, {a[2]}, {a[4]}, {scratch}, {a[3]}>()"
+    raise AssertionError(f"no dynamic shared memory expression for {name}")
+
+
+def _check_smem_read_back(jobs, results) -> None:
+    """Every kernel of ``jobs``' programs read back from its cubin (Compiled.smem) the C++ value of
+    :func:`_smem_cxx` (static_asserts compiled by NVRTC), a positive size for each instance of
+    variants.SMEM_KERNELS and 0 for every other kernel."""
+    checks: dict[tuple[str, str], list] = {}
+    for v, arch in jobs:
+        r = results[(v, arch, False)]
+        for name, got in r["smem"].items():
+            if K.smem_expr(name) is None:
+                assert got == 0, (name, got)
+                continue
+            assert got > 0, (name, arch, got)
+            src, expr = _smem_cxx(name)
+            checks.setdefault((src, K.HOPPER_ARCH if v.arch_suffix else "sm_80"), []).append(
+                (expr, got, f"{name} {arch}"))
+    for (src, arch), c in checks.items():
+        _static_asserts(src, list(dict.fromkeys(c)), arch)
+
+
+def test_smem_read_back_matches_c(default_compiles):
+    """The dynamic shared memory each kernel of the default run's programs is launched with, read
+    from its compiled program (the size variable of variants.smem_expr, ggml_attn/cubin.py), is
+    the C++ constant its body is laid out for: every family of SMEM_KERNELS, every sm_90a
+    instance (the rest of all_variants(): test_every_other_variant_compiles)."""
+    jobs = _representative_jobs() + [(v, K.HOPPER_ARCH) for v in K.hopper_variants()]
+    _check_smem_read_back(jobs, default_compiles)
+    fams = {n.partition("<")[0] for v, _ in jobs for n in v.names}
+    assert set(K.SMEM_KERNELS) <= fams, "every family with dynamic shared memory is read back"
+
+
+def test_sources_define_a_size_variable_per_dynamic_kernel():
+    """The kernels with dynamic shared memory (an ``extern __shared__`` array) are the templates of
+    variants.SMEM_KERNELS, each source defining their size variables (cuda/hopper_probe.cu's
+    checks, launched by tests with their own sizes, aside): a kernel left out would launch with none."""
+    src = K.source_dir()
+    dyn = {f.name for f in src.glob("*.cu*") if "extern __shared__" in f.read_text()} - {"hopper_probe.cu"}
+    homes = {}
+    for base in K.SMEM_KERNELS:
+        homes[base] = [f.name for f in src.glob("*.cu") if f"__device__ const int {base}_smem =" in f.read_text()]
+        assert len(homes[base]) == 1, (base, homes[base])
+    assert dyn == {h[0] for h in homes.values()}, (dyn, homes)
 
 
 def test_gemm_q8_smem_mirror_matches_c():
