@@ -204,7 +204,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p = _params_common(q, k, v, mask, sinks, dst, sh, scale, max_bias, softcap)
     p.pack, p.q_tile_tokens, p.work_cap = cfg.pack, cfg.q_tile_tokens, cfg.work_cap
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
-    prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name, smem=cfg.smem), template=p, conv=conv)
+    prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name), template=p, conv=conv)
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
         prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.head_dim_v)
@@ -213,7 +213,7 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
         prep.ws_o_bytes = cfg.n_splits * n_rows * sh.head_dim_v * 4
         prep.ws_bytes = prep.ws_o_bytes + cfg.n_splits * n_rows * 8
-        if L.FUSED_SPLIT_FINISH and cfg.finishes_splits():   # the last block of each row group merges
+        if L.FUSED_SPLIT_FINISH and cfg.finishes_splits(prep.fn.smem):   # the last block of each row group merges
             prep.n_groups = cfg.grid[0] * cfg.grid[1] * sh.ne3
         else:
             prep.comb = K.get_function(K.util_variant(), "fattn_combine")

@@ -1,5 +1,7 @@
 """Launch configuration of the CUDA kernels: tile shape, packing, grid and KV split count per
-call, from the validated shapes and the occupancy of the kernel instance.
+call, from the validated shapes and the occupancy of the kernel instance. The dynamic shared
+memory is not part of it: the instance's own, read from its compiled program where it is loaded
+(``kernels.get_function``), so that configuring a call compiles nothing.
 
 Every tuning knob of the backend lives here as a module global, read at call time: set
 ``ggml_attn.cuda_launch.<KNOB>`` (tools/dev/gpu_bench.py ``knobs``, tests); every set re-keys the
@@ -189,7 +191,6 @@ class LaunchConfig:
     n_kv_tiles: int
     n_splits: int
     block: int            # threads
-    smem: int
     grid: tuple[int, int, int]
     rows: int = 0               # query rows (token, head) of one block
     work_cap: int = 0           # decode-tma: FattnParams.work_cap (decode_tma_cap)
@@ -198,10 +199,11 @@ class LaunchConfig:
     # heads (at the register limit) nor the CUDA-core decode kernel (ptxas then caps it at 128 registers and
     # spills): fattn_combine finishes those
 
-    def finishes_splits(self) -> bool:
+    def finishes_splits(self, smem: int) -> bool:
         """True when this launch's kernel merges its splits itself: an instance that can, and
-        shared memory for the merge's per-split weights (``split_finish_floats``)."""
-        return self.fused_finish and 4 * (self.rows * (self.n_splits + 2) + 2) <= self.smem
+        ``smem`` (the instance's dynamic shared memory, bytes: ``kernels.Kernel.smem``) holds the
+        merge's per-split weights (``split_finish_floats``: rows x (n_splits + 2) + 2 floats)."""
+        return self.fused_finish and 4 * (self.rows * (self.n_splits + 2) + 2) <= smem
 
 
 
@@ -245,16 +247,16 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         grid = hp.ws_grid(sh.n_batch, sh.n_head, sh.ne3,
                           (WGMMA_PERSISTENT_BLOCKS or num_sms()) if c.persistent else 0, pack)
         return LaunchConfig(kernel, K.wgmma_variant(c.name), c.name, pack, hp.Q_TILE_WS // pack,
-                            hp.ws_q_tiles(sh.n_batch, pack), n_kv_tiles, 1, hp.THREADS_WS, hp.config_smem(c), grid,
+                            hp.ws_q_tiles(sh.n_batch, pack), n_kv_tiles, 1, hp.THREADS_WS, grid,
                             rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
         c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
         name = c.name
         pack, tq = _group_rows(sh.gqa)
-        variant, smem = K.decode_tma_variant(name), dt.config_smem(c)
+        variant = K.decode_tma_variant(name)
         n_q_tiles = -(-sh.n_batch // tq)
-        blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads, smem)))
+        blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads)))
         # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the
         # busy ones unevenly spread over the GPCs (132 blocks, 4 idle: B=64 32k 1877.6 us
         # against 1832.5 on 128; B=16 32k 476.4 against 466.1). A plan refreshed to more work
@@ -263,7 +265,7 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         cap, blocks = (0, blocks) if max_live is not None and counts is None else \
             decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
-                            c.threads, smem, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
+                            c.threads, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
     if kernel == "prefill":
         want = _pow2_ceil(max(1, -(-64 // max(sh.n_batch, 1))))
         pack = min(gqa_p2, 16, max(want, PREFILL_PACK if wide is False else 1))
@@ -273,12 +275,12 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         st = 1 if mt == 2 else 2
         variant = K.mma_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, ext)
         name = K.mma_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, 4, 1, mt, st, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.head_dim_k, sh.head_dim_v, 4, 1, mt, st)
+        block = 128
     elif kernel == "decode-tc":
         pack, tq = _group_rows(sh.gqa)
         variant = K.mma_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, ext)
         name = K.mma_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, 1, 4, 1, DECODE_TC_STAGES, ext)
-        block, smem = 128, K.mma_smem_bytes(sh.head_dim_k, sh.head_dim_v, 1, 4, 1, DECODE_TC_STAGES)
+        block = 128
     elif kernel == "decode":
         allowed = K.vec_rows_allowed(sh.head_dim_k, sh.head_dim_v)
         rmax = max(allowed)
@@ -288,21 +290,21 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         tq = rows // pack
         variant = K.vec_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type)
         name = K.vec_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, rows)
-        block, smem = 128, K.vec_smem_bytes(sh.head_dim_k, sh.head_dim_v, rows)
+        block = 128
     elif kernel == "cells":   # one token per block, R heads of one KV head sharing its cell list
         tune = CELLS_TUNE
         pack = min(gqa_p2, max(K.cells_rows_allowed(sh.head_dim_k, sh.head_dim_v, tune))) if sh.ne32 == 1 else 1
         tq = 1
         variant = K.cells_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, tune)
         name = K.cells_name(sh.head_dim_k, sh.head_dim_v, sh.kv_type, pack, tune)
-        block, smem = 128, K.cells_smem_bytes(sh.head_dim_k, sh.head_dim_v, pack)
+        block = 128
     else:
         raise ValueError(f"no launch configuration for kernel {kernel!r}")
     n_q_tiles = -(-sh.n_batch // tq)
     base = n_q_tiles * (sh.n_head // pack) * sh.ne3
     if n_splits is None:
         if blocks_per_sm is None:
-            blocks_per_sm = _occupancy(variant, name, block, smem)
+            blocks_per_sm = _occupancy(variant, name, block)
         if kernel == "cells":   # list entries in units of 1/_MIN_TILES_PER_SPLIT of a split's minimum
             cells = sh.n_kv if max_cells is None else max_cells
             live = cells * _MIN_TILES_PER_SPLIT // CELLS_MIN_PER_SPLIT
@@ -321,22 +323,23 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
                              f"for kernel {kernel!r}; at most {_MAX_GRID_Y}")
         grid = (sh.n_head // pack, n_q_tiles, sh.ne3 * n_splits)
     return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, n_splits,
-                        block, smem, grid, rows=tq * pack,
+                        block, grid, rows=tq * pack,
                         fused_finish=sh.head_dim_k <= 256 and (kernel == "decode-tc" or (kernel == "prefill" and mt == 1)))
 
 
 _OCCUPANCY: dict[tuple, int] = {}
 
 
-def _occupancy(variant: K.Variant, name: str, block: int, smem: int) -> int:
-    """Resident blocks per SM of one kernel instance (occupancy API; 2 without a GPU)."""
+def _occupancy(variant: K.Variant, name: str, block: int) -> int:
+    """Resident blocks per SM of one kernel instance at ``block`` threads and its own dynamic
+    shared memory (occupancy API; 2 without a GPU)."""
     if not available():
         return 2
     import cupy
-    key = (variant, name, block, smem, cupy.cuda.runtime.getDevice())
+    key = (variant, name, block, cupy.cuda.runtime.getDevice())
     n = _OCCUPANCY.get(key)
     if n is None:
-        n = max(1, K.get_function(variant, name, smem=smem).occupancy(block))
+        n = max(1, K.get_function(variant, name).occupancy(block))
         _OCCUPANCY[key] = n
     return n
 

@@ -58,5 +58,5 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     p = cb._params_common(q, k, v, None, None, dst, sh, scale, 0.0, 0.0)
     grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if c.persistent else 0, pack)
     p.pack, p.n_q_tiles = pack, ws_q_tiles(sh.n_batch, pack)   # the tiles' rows, the persistent blocks' list
-    fn = K.get_function(K.wgmma_variant(c.name), c.name, smem=config_smem(c))
+    fn = K.get_function(K.wgmma_variant(c.name), c.name)
     fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v), q_map(q, c.d, pack))

@@ -12,7 +12,7 @@ here.
   target architecture. A cached cubin the driver refuses to load is recompiled.
 - Each instance's dynamic shared memory is read from its compiled program (``Compiled.smem``:
   the size variable ``variants.smem_expr`` names, read from the cubin by ``cubin.py``), so the
-  C++ expression is its only definition.
+  C++ expression is its only definition; :func:`get_function` launches with it.
 - Launches go through ``cuLaunchKernel`` with a ctypes parameter block: no CuPy array is built
   on the hot path.
 """
@@ -407,7 +407,8 @@ class KVStoreParams(ctypes.Structure):
 # ---------------------------------------------------------------------------------------
 # loaded functions and launches (need a GPU)
 class Kernel:
-    """A loaded CUDA function; ``launch`` passes ctypes arguments by pointer."""
+    """A loaded CUDA function launched with ``smem`` bytes of dynamic shared memory (its
+    program's value: :meth:`Compiled.smem`); ``launch`` passes ctypes arguments by pointer."""
 
     def __init__(self, func: int, name: str, smem: int):
         from cupy.cuda import driver
@@ -493,7 +494,7 @@ def arg_block(*args):
     return (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
 
 
-_MODULES: dict[tuple, dict[str, int]] = {}   # (variant, arch, device) -> name -> CUfunction
+_MODULES: dict[tuple, dict[str, tuple[int, int]]] = {}   # (variant, arch, device) -> name -> (CUfunction, smem bytes)
 
 
 def device_arch() -> str:
@@ -502,8 +503,10 @@ def device_arch() -> str:
     return f"sm_{cc}"
 
 
-def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
-    """Compile (cached), load into the current context (once) and return ``name`` of ``variant``."""
+def get_function(variant: Variant, name: str, *, smem: int | None = None) -> Kernel:
+    """Compile (cached), load into the current context (once) and return ``name`` of ``variant``,
+    launched with ``smem`` bytes of dynamic shared memory: by default the instance's own, read
+    from its program (:meth:`Compiled.smem`; 0 for a kernel without a size variable)."""
     import cupy
     arch = device_arch() + variant.arch_suffix
     if variant.arch_suffix and arch != HOPPER_ARCH:
@@ -514,10 +517,12 @@ def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
     if funcs is None:
         funcs = _load_module(variant, arch)
         _MODULES[mkey] = funcs
+    func, own = funcs[name]
+    smem = own if smem is None else smem
     kkey = (mkey, name, smem)
     k = _KERNELS.get(kkey)
     if k is None:
-        k = Kernel(funcs[name], name, smem)
+        k = Kernel(func, name, smem)
         _KERNELS[kkey] = k
     return k
 
@@ -525,9 +530,10 @@ def get_function(variant: Variant, name: str, *, smem: int = 0) -> Kernel:
 _KERNELS: dict[tuple, Kernel] = {}
 
 
-def _load_module(variant: Variant, arch: str) -> dict[str, int]:
-    """Load ``variant``'s cubin into the current context: name -> CUfunction. A cached cubin
-    that fails to load (stale or corrupt cache file) is recompiled once, ignoring the caches."""
+def _load_module(variant: Variant, arch: str) -> dict[str, tuple[int, int]]:
+    """Load ``variant``'s cubin into the current context: name -> (CUfunction, its dynamic shared
+    memory in bytes, :meth:`Compiled.smem`). A cached cubin that fails to load (stale or corrupt
+    cache file) is recompiled once, ignoring the caches."""
     from cupy.cuda import driver
     comp = compile_variant(variant, arch)
     try:
@@ -535,4 +541,4 @@ def _load_module(variant: Variant, arch: str) -> dict[str, int]:
     except Exception:
         comp = compile_variant(variant, arch, refresh=True)
         mod = driver.moduleLoadData(comp.cubin)
-    return {n: driver.moduleGetFunction(mod, comp.lowered[n]) for n in variant.names}
+    return {n: (driver.moduleGetFunction(mod, comp.lowered[n]), comp.smem(n)) for n in variant.names}

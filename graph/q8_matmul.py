@@ -103,8 +103,7 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
     bn = K.gemm_q8_bn(n_tok)   # the narrow tile up to its tokens (tile_grid's too)
-    fn = K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}, {bn}>",
-                        smem=K.gemm_q8_smem_bytes(w.type_id, bn))
+    fn = K.get_function(K.dense_q8x_variant(w.type_id), f"dense_gemm_q8<{w.type_id}, {bn}>")   # its Q8gTile::SMEM
     return then(K.BoundLaunch(fn, grid, (K.GEMMQ8_THREADS, 1, 1), p),
                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 

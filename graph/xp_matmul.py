@@ -390,8 +390,7 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.mode = 1 if accumulate else 0
     if staged:
         bn = K.gemm_qs_bn(n_tok) if bn is None else bn   # (tile_grid's tile)
-        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_qs<{w.type_id}, {bn}>",
-                            smem=K.gemm_qs_smem_bytes(w.type_id, bn))
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_qs<{w.type_id}, {bn}>")   # its QsTile::SMEM
         block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS

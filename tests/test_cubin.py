@@ -83,6 +83,22 @@ def test_compiled_smem_fresh_and_from_disk(tmp_path, monkeypatch):
     assert util.smem("fattn_combine") == 0
 
 
+def test_loaded_functions_carry_their_programs_smem(monkeypatch):
+    """kernels._load_module pairs each loaded function with its instance's dynamic shared memory
+    (Compiled.smem), which get_function launches with unless told otherwise (the driver mocked:
+    no GPU)."""
+    K.ensure_cuda_namespace()
+    pytest.importorskip("cupy")
+    from cupy.cuda import driver
+    monkeypatch.setattr(driver, "moduleLoadData", lambda data: 1)
+    monkeypatch.setattr(driver, "moduleGetFunction", lambda mod, name: name)
+    v = K.cells_variant(64, 64, GGML_TYPE_F16)
+    comp = K.compile_variant(v, "sm_80")
+    funcs = K._load_module(v, "sm_80")
+    assert funcs == {n: (comp.lowered[n], comp.smem(n)) for n in v.names}
+    assert all(smem > 0 for _, smem in funcs.values())
+
+
 def test_smem_expr_names_the_size_variable():
     assert K.smem_expr("fattn_vec<128, 128, __half, 4>") == "&fattn_vec_smem<128, 128, __half, 4>"
     assert K.smem_expr("dense_gemm_q8<12, 16>") == "&dense_gemm_q8_smem<12, 16>"

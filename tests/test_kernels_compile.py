@@ -445,12 +445,12 @@ def test_fused_split_finish_needs_its_shared_memory():
     from ggml_attn.cuda_backend import LaunchConfig
     v = K.util_variant()
 
-    def cfg(rows, n_splits, smem, fused=True):
-        return LaunchConfig("decode", v, "x", 1, rows, 1, 64, n_splits, 128, smem, (1, 1, n_splits),
+    def cfg(rows, n_splits, fused=True):
+        return LaunchConfig("decode", v, "x", 1, rows, 1, 64, n_splits, 128, (1, 1, n_splits),
                             rows=rows, fused_finish=fused)
-    assert cfg(16, 64, 4 * (16 * 66 + 2)).finishes_splits()
-    assert not cfg(16, 64, 4 * (16 * 66 + 2) - 4).finishes_splits()
-    assert not cfg(16, 2, 1 << 16, fused=False).finishes_splits()
+    assert cfg(16, 64).finishes_splits(4 * (16 * 66 + 2))
+    assert not cfg(16, 64).finishes_splits(4 * (16 * 66 + 2) - 4)
+    assert not cfg(16, 2, fused=False).finishes_splits(1 << 16)
 
 
 def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):

@@ -68,7 +68,8 @@ def launches(monkeypatch):
         rec.append(SimpleNamespace(fn="gemm", args=(w, n_out, n_in, x16, n_tok, out, ldc, beta)))
         return lambda: None
 
-    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=0: SimpleNamespace(variant=variant, name=name, smem=smem))
+    # smem None: the launch takes the instance's own dynamic shared memory (read from its program)
+    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None: SimpleNamespace(variant=variant, name=name, smem=smem))
     monkeypatch.setattr(K, "BoundLaunch", Launch)
     monkeypatch.setattr(xp_matmul._CublasGemm, "of_ptrs", staticmethod(gemm))
     return rec
@@ -342,7 +343,7 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, "dense_gemm_qs")
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem == K.gemm_qs_smem_bytes(w.type_id, bn)
+        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own QsTile::SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
@@ -378,7 +379,7 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], 33, 4096, n_sm, "dense_gemm_q8")
         assert ln.grid == grid and ln.block == (K.GEMMQ8_THREADS, 1, 1) and ln.fn.variant == K.dense_q8x_variant(12)
-        assert ln.fn.smem == K.gemm_q8_smem_bytes(12, 64) > 48 * 1024
+        assert ln.fn.smem is None   # its own: Q8gTile<12, 64>::SMEM (tests/test_kernels_compile.py)
         (p,) = ln.params
         assert isinstance(p, K.GemmQ8Params)
         assert (p.w, p.xq, p.xd, p.xs, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk, p.mode) == \
@@ -455,7 +456,8 @@ def test_embedding_rows_of_blocks(launches):
 def test_gemm_q8_tile_follows_the_tokens(launches, monkeypatch, n_tok, bn):
     """dense_gemm_q8 runs its narrow tile (64 x 16: a quarter of the activations' shared memory,
     3 blocks an SM) up to 16 tokens and its wide one past them: the instance, its dynamic shared
-    memory, and a grid of 16- or 64-token tiles split to fill that many blocks an SM."""
+    memory (the instance's own, read from its program), and a grid of 16- or 64-token tiles split to
+    fill that many blocks an SM."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     w = _qmatrix("Q4_K", 14336, 4096)
@@ -464,7 +466,7 @@ def test_gemm_q8_tile_follows_the_tokens(launches, monkeypatch, n_tok, bn):
     part = Dev((grid[2], n_tok, 14336)) if grid[2] > 1 else None
     q8_matmul.gemm_q8_launch(w, xq, xd, xd, Dev((n_tok, 14336)), part)()
     ln = launches[0]
-    assert ln.fn.name == f"dense_gemm_q8<12, {bn}>" and ln.fn.smem == K.gemm_q8_smem_bytes(12, bn)
+    assert ln.fn.name == f"dense_gemm_q8<12, {bn}>" and ln.fn.smem is None
     assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.params[0].k_chunk == k_chunk
     # 224 row tiles: the narrow tile's 396 places take 3 splits of 6 steps (2 waves); the wide one's
     # 264 none (1, 2 and 4 splits all take 16 steps' time)

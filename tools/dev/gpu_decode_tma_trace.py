@@ -31,7 +31,7 @@ def trace(n_kv: int, reps: int = 3) -> dict:
     cfg = cb._PREPARED[next(iter(cb._PREPARED))].cfg
     var = K.decode_tma_variant(cfg.name)
     traced = K.Variant(var.family + "-trace", var.source, var.names, ("-DDTMA_TRACE=1",), var.arch_suffix)
-    fn = K.get_function(traced, cfg.name, smem=cfg.smem)
+    fn = K.get_function(traced, cfg.name)
     n_blocks = b._grid[0]
     buf = cp.zeros((n_blocks, 8), cp.uint64)
     b._params.cells = buf.data.ptr   # the argument block points at this struct
