@@ -26,7 +26,6 @@ from .instances import VEC_KV_CTYPES, pick, template_expr
 THREADS = 160      # four consumer warps and the producer warp (the f16/bf16 instances)
 ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
-BOX_BYTES = 64 * 128   # one 64-cell x 64-element box of the kv_map (wgmma_shape.kv_map)
 
 
 class Cfg(NamedTuple):
@@ -95,13 +94,6 @@ def quant_box(kv_type: int, d: int) -> tuple[int, int]:
     return row, -(-(row + off_max) // 16) * 16
 
 
-def tile_bytes(kv_type: int, d: int) -> int:
-    """dtma::Tile<KT, D>::BYTES: one K (or V) tile of 64 cells in the ring."""
-    if kv_type in QUANT_TYPES:
-        return 64 * quant_box(kv_type, d)[1]
-    return (d // 64) * BOX_BYTES
-
-
 def quant_why_not(t) -> str | None:
     """None when the quantized instances' producer can read K or V ``t`` (a TensorDesc, ggml
     order [D, n_kv, n_head_kv, ne3] of q8_0/q4_0) through :func:`quant_kv_map`, else why not:
@@ -131,24 +123,6 @@ def quant_kv_map(t, l2_promotion: int = 0):
     nb3 = t.nb[3] if t.ne[3] > 1 else t.nb[1]
     return tma.encode_tiled(tma.DTYPE_U8, t.ptr, (t.ne[2] * row, t.ne[1], 1, t.ne[3]), (t.nb[1], t.nb[1], nb3),
                             (rb, 64, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
-
-
-def smem_bytes(d: int, stages: int, kv_type: int = GGML_TYPE_F16, consumers: int = CONSUMERS,
-               scratch: bool = False, whole: bool = True) -> int:
-    """dtma::smem_bytes<KT, D, STAGES, NW, SCRATCH, WHOLE>() of cuda/fattn_decode_tma.cu:
-    alignment slack, the K/V ring, the consumers' f16 scratch tiles (quantized K/V through
-    scratch), the merge buffer (rows of d + 4 floats), the warps' row maxima and sums, the fill barriers (a warp per
-    tile: ceil(stages / consumers) per warp; else one per stage) and the release barriers, the
-    flag."""
-    s = consumers * (d // 64) * BOX_BYTES if scratch else 0
-    fulls = consumers * -(-stages // consumers) if whole else stages
-    return 1024 + stages * 2 * tile_bytes(kv_type, d) + s + ROWS * (d + 4) * 4 + consumers * ROWS * 2 * 4 \
-        + (fulls + stages) * 8 + 16
-
-
-def config_smem(c: Cfg) -> int:
-    """smem_bytes of instance ``c``."""
-    return smem_bytes(c.d, c.stages, c.kv_type, c.consumers, c.scratch, c.whole)
 
 
 def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:

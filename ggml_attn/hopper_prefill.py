@@ -19,10 +19,10 @@ from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, config_smem, kv_map, q_map,
-                          smem_ws, tile_width, ws_grid, ws_q_tiles)
+from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, q_map, tile_width,
+                          ws_grid, ws_q_tiles)
 
-__all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "config_smem", "kv_map", "q_map", "smem_ws", "why_not", "run_ws"]
+__all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "q_map", "why_not", "run_ws"]
 
 
 def why_not(sh: cb.AttnDims, q: TensorDesc, k: TensorDesc, v: TensorDesc,

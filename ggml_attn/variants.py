@@ -1,6 +1,7 @@
 """The catalogue of the kernels in ``cuda/``: which programs (:class:`Variant`: a source file and
 the instances compiled from it) exist for which head sizes, K/V types and tunings, the instance
-names, and the shared-memory sizes the launches ask for (mirrors of the C++ ``SMEM`` formulas).
+names, and which instances state their dynamic shared memory in the program (:func:`smem_expr`:
+the launches read it from the cubin, the C++ formulas its one home).
 ``kernels.py`` compiles, caches, loads and launches them (and re-exports these names).
 """
 from __future__ import annotations
@@ -107,30 +108,6 @@ def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple
     return _rows_fit(dk, dv, (r for r in CELLS_ROWS if r <= rmax)) or (1,)
 
 
-def cells_smem_bytes(dk: int, dv: int, rows: int) -> int:
-    """Dynamic shared memory of fattn_cells (mirror of CellsCfg::SMEM in fattn_cells.cu)."""
-    ng = 4 * (32 // vec_lanes(dk))
-    return 4 * ng * rows * (dv + 3)
-
-
-def mma_smem_bytes(dk: int, dv: int, nwq: int, nwk: int, mt: int = 1, st: int = 2) -> int:
-    """Dynamic shared memory of fattn_mma (mirror of MmaCfg::SMEM in fattn_mma.cu)."""
-    bk = KV_TILE
-    dkp, dvp = -(-dk // 16) * 16, -(-dv // 16) * 16
-    stages = 1 if mt > 1 else st if dkp + dvp <= 512 else 2   # MmaCfg::STAGES
-    sk, sv, so = dkp + 8, dvp + 8, dvp + 4
-    bm = 16 * mt * nwq
-    pipe = 2 * (bm * sk + stages * bk * (sk + sv) + stages * bm * (bk + 8))
-    epi = 4 * nwk * bm * (so + 2) if nwk > 1 else 0
-    return max(pipe, epi)
-
-
-def vec_smem_bytes(dk: int, dv: int, rows: int) -> int:
-    """Dynamic shared memory of fattn_vec (mirror of VecCfg::SMEM in fattn_vec.cu)."""
-    ng = 4 * (32 // vec_lanes(dk))
-    return 4 * (rows * KV_TILE + 3 * rows + ng * rows * dv)
-
-
 # The kernel templates launched with dynamic shared memory: each source defines, next to the
 # template, a __device__ int variable template ``<kernel>_smem`` of the same parameters holding the
 # bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
@@ -224,14 +201,14 @@ GEMMQ8_TILE = (64, 64, 256)  # dense_gemm_q8's wide tile: Q8G_BM, Q8G_BN, Q8G_BK
 GEMMQ8_NARROW = 16           # its narrow tile's tokens (dense_gemm_q8<T, 16>), for calls of at most as many
 GEMMQ8_THREADS = 256         # its block (Q8G_THREADS: 8 warps)
 GEMMQ8_BLOCKS_PER_SM = {64: 2, 16: 3}   # resident blocks an SM by tile tokens (__launch_bounds__: at most 128 /
-                                        # 85 registers; ~100 / ~70 KB of shared memory: gemm_q8_smem_bytes)
+                                        # 85 registers; ~100 / ~70 KB of shared memory: Q8gTile::SMEM)
 GEMMQ8_MIN_SPLIT = 1024      # values of n_in a split covers at least (4 steps: the first stage's wait amortized)
 GEMMQ8_STAGES = 2            # Q8G_STAGES
 GEMMQ8_LD = 272              # Q8G_LD: bytes between rows of its int8 tiles
 GEMMQS_TILE = (64, 64, 256)  # dense_gemm_qs's wide tile: QS_BM, BN, QS_BK (cuda/dense_q.cu)
 GEMMQS_NARROW = 32           # its narrow tile's tokens (dense_gemm_qs<T, 32>), for calls of at most as many
 GEMMQS_THREADS = 256         # its block (QS_THREADS: 8 warps)
-GEMMQS_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (shared memory: gemm_qs_smem_bytes)
+GEMMQS_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (shared memory: QsTile::SMEM)
 GEMMQS_STAGES = 2            # QS_STAGES
 GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 
@@ -300,43 +277,6 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     return (-(-rows // bm), -(-n_tok // bn), -(-n_in // k_chunk)), k_chunk
 
 
-def _staged_rows(kernel: str, type_id: int, bn: int, tiles) -> tuple:
-    """(block layout, the bytes of one step's staged weight rows) of staged GEMM ``kernel``'s
-    tile of ``bn`` tokens over block type ``type_id``: each row's run of a 256-value step in
-    whole 16-byte units from the unit below its start (``Q8gTile`` / ``QsTile``'s SLOT)."""
-    from .block_types import BLOCK_TYPES, block_layout
-    lay = next((block_layout(n) for n in BLOCK_TYPES if block_layout(n).type_id == type_id), None)
-    if lay is None:
-        raise ValueError(f"ggml type {type_id} is not a block type the GPU reads")
-    if bn not in tiles:
-        raise ValueError(f"{kernel} has tiles of {tuple(tiles)} tokens, not {bn}")
-    rb = 256 // lay.values * lay.nbytes
-    return lay, 64 * 16 * (rb // 16 if rb % 16 == 0 else (rb + 30) // 16)
-
-
-def gemm_q8_smem_bytes(type_id: int, bn: int = GEMMQ8_TILE[1]) -> int:
-    """``dense_gemm_q8<type_id, bn>``'s dynamic shared memory (``Q8gTile<T, BN>::SMEM`` in
-    cuda/dense_q8x.cu; tests/test_kernels_compile.py checks the mirror for every block type):
-    GEMMQ8_STAGES stages of (each row's run of one step's bytes; the activations' int8 rows,
-    scales and sums), the decoded int8 tile, the factors per (sub-block, row), and Q2_K's
-    per-half activation sums."""
-    lay, w_bytes = _staged_rows("dense_gemm_q8", type_id, bn, GEMMQ8_BLOCKS_PER_SM)
-    bm, _, bk = GEMMQ8_TILE
-    subs = bk // 32
-    stage = w_bytes + bn * GEMMQ8_LD + 2 * subs * bn * 4
-    half_mins = lay.name == "Q2_K"
-    return GEMMQ8_STAGES * stage + bm * GEMMQ8_LD + 2 * subs * bm * 8 + (subs * 2 * bn * 4 if half_mins else 0)
-
-
-def gemm_qs_smem_bytes(type_id: int, bn: int = GEMMQS_TILE[1]) -> int:
-    """``dense_gemm_qs<type_id, bn>``'s dynamic shared memory (``QsTile<T, BN>::SMEM`` in
-    cuda/dense_q.cu; tests/test_kernels_compile.py checks the mirror for every block type):
-    GEMMQS_STAGES stages of (each row's run of one step's bytes; the step's F16 x tile), then the
-    decoded F16 weight tile."""
-    _, w_bytes = _staged_rows("dense_gemm_qs", type_id, bn, GEMMQS_BLOCKS_PER_SM)
-    return GEMMQS_STAGES * (w_bytes + bn * GEMMQS_LD * 2) + GEMMQS_TILE[0] * GEMMQS_LD * 2
-
-
 def dense_q_variant(type_id: int) -> Variant:
     """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
     ``block_types``): one program per type, so a model loads the types it holds."""
@@ -372,7 +312,7 @@ def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
 def dense_q8x_variant(type_id: int) -> Variant:
     """The block matmuls with 8-bit activations (``cuda/dense_q8x.cu``) over one block type
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
-    (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid, gemm_q8_smem_bytes) and the
+    (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid) and the
     activations' quantization."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
                    tuple(q8x_name(type_id, nt, False) for nt in Q8X_PLAIN_TOKENS) +

@@ -47,12 +47,6 @@ class WsConfig(NamedTuple):
                              self.persistent, self.q_tma)
 
 
-def chunk_ws(d: int) -> int:
-    """ws::chunk<D>() of cuda/fattn_wgmma.cuh: KV cells per step -- two of the plan's 64-cell
-    tiles, one at D 256 (a 128-cell stage and Q would leave no room for a second stage)."""
-    return 64 if d == 256 else 128
-
-
 # version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
 # on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
 # 1047.6 against 1078.7, 4096 without a mask 479.6 against 517.7;
@@ -96,19 +90,6 @@ def ws_config(kv_type: int, override: str = "", d: int = 128) -> str:
     ValueError when that instance is for another K/V type or tile width, or none exists."""
     return pick(WS_CONFIGS, WS_FOR, (kv_type, tile_width(d)), override, lambda c: (c.kv_type, c.d),
                 "wgmma prefill", "WGMMA_CONFIG")
-
-
-def smem_ws(stages: int, d: int = 128, q_tma: bool = False) -> int:
-    """ws::smem_bytes<D, STAGES, QTMA>() of cuda/fattn_wgmma.cuh: alignment slack, the K/V ring
-    (chunk_ws(d) cells x d per K or V tile), Q (128 x d halves), 5 mbarriers per stage (full and
-    empty for K and V, V ready); with ``q_tma`` Q's f32 rows (128 x d floats) and 4 mbarriers."""
-    q_rows = Q_TILE_WS * d * 4 + 4 * 8 if q_tma else 0
-    return 1024 + 2 * stages * chunk_ws(d) * d * 2 + Q_TILE_WS * d * 2 + q_rows + 5 * stages * 8
-
-
-def config_smem(c: WsConfig) -> int:
-    """The dynamic shared memory instance ``c`` is launched with."""
-    return smem_ws(c.stages, c.d, c.q_tma)
 
 
 def ws_q_tiles(n_batch: int, pack: int = 1) -> int:

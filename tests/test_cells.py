@@ -136,13 +136,6 @@ def test_launch_config_cells():
     assert launch_config("cells", AttnDims(256, 256, 3, 8, 2, 1, 4096, GGML_TYPE_F16), blocks_per_sm=2).pack == 4
 
 
-def test_cells_smem_mirror():
-    for dk, dv in K.CELLS_HEADS:
-        for r in K.cells_rows_allowed(dk, dv):
-            lanes = K.vec_lanes(dk)
-            assert K.cells_smem_bytes(dk, dv, r) == 4 * 4 * (32 // lanes) * r * (dv + 3) <= 48 * 1024
-
-
 # ---------------------------------------------------------------------------------------
 # the v2 sweep (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP, selected by cuda_launch.CELLS_TUNE):
 # launch configuration, names, labels, and every sweep instance compiled (not in all_variants())
