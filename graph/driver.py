@@ -103,10 +103,15 @@ def _stage(stage: str, on_error, fn):
 
 def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None):
     """``(ubatches, plans)``: ``auto`` on a cache asks for its choice and hands back the plans it
-    dry-ran on the cache as it is now (None when it chose without dry runs); the other modes
-    split only (plans None); ``padded`` on a cache whose room its pads exceed gives the split
-    :func:`decode` runs instead (:func:`_fit`). Changes nothing."""
+    dry-ran on the cache as it is now (None when it chose without dry runs, or the ubatches got
+    bucket pads: :func:`_bucketed`); the other modes split only (plans None); ``padded`` on a
+    cache whose room its pads exceed gives the split :func:`decode` runs instead (:func:`_fit`).
+    Changes nothing."""
     ubs, plans = _split(cache, batch, n_ubatch, mode, cfg)
+    if cache is not None:   # (as decode runs them: bucket pads on the CUDA engines' caches)
+        padded = _bucketed(cache, ubs, n_ubatch)
+        if padded is not ubs:
+            ubs, plans = padded, None
     if mode == "padded" and cache is not None:
         try:
             ubs = _fit(cache, batch, ubs, n_ubatch, mode)
