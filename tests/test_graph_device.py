@@ -242,3 +242,30 @@ def test_kept_engine_runs_after_cache_writes_on_the_callers_stream():
     ref = run_batch(host_c, dec, 512, "equal", CFG)
     got = run_batch(dev_c, dec, 512, "equal", CFG, compute="ggml")
     assert nmse(got.out, ref.out) < 5e-4
+
+
+def test_bucketed_ubatches_on_the_device_match_the_host():
+    """The CUDA engines' caches (``coarse_n_kv``) pad each ubatch to a bucket of rows
+    (``split.pad_to_bucket``): ragged prompts of 1-10 tokens (55 rows -> 56), then decode steps of
+    3, 5 and 7 of the 10 sequences (4, 8, 8 rows: pad rows that are sequences of their own, fully
+    masked) give the host's outputs for every real token, the same cached K/V, and no pad cell."""
+    from ggml_attn.graph.split import bucket_rows
+    host_c = cache(True, None)
+    dev_c = KVCache(10 * 512, 10, unified=True, n_layer=2, n_head_kv=2, head_dim_k=64, xp="cupy", coarse_n_kv=True)
+    b = Batch.from_lengths(range(1, 11))
+    ref = run_batch(host_c, b, 512, "simple", CFG)
+    got = run_batch(dev_c, b, 512, "simple", CFG, compute="ggml")
+    assert [p.ubatch.n_tokens for p in got.plans] == [bucket_rows(55)] == [56]
+    assert nmse(got.out, ref.out) < 5e-4
+    for ids in ([0, 4, 9], [1, 2, 3, 5, 8], [0, 1, 2, 3, 4, 5, 6]):
+        dec = Batch.from_lengths([1] * len(ids), seq_ids=ids, start_pos=dev_c.next_positions(ids))
+        d_ref = run_batch(host_c, dec, 512, "simple", CFG)
+        d_got = run_batch(dev_c, dec, 512, "simple", CFG, compute="ggml")
+        (p,) = d_got.plans
+        assert p.ubatch.decode_step and p.ubatch.n_tokens == bucket_rows(len(ids)) > len(ids)
+        assert nmse(d_got.out, d_ref.out) < 5e-4 and np.isfinite(d_got.out).all()
+        assert int(dev_c.pad.sum()) == 0
+    for s in range(10):
+        p1, k1, v1 = host_c.sequence_contents(s, 1)
+        p2, k2, v2 = dev_c.sequence_contents(s, 1)
+        assert np.array_equal(p1, p2) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
