@@ -3,7 +3,8 @@
 :func:`decode` is what ``qkv_runner.run_batch`` and the CLI's ``Runner.decode`` both run, as
 llama.cpp's ``llama_decode`` does: validate the batch against the cache -> split it into
 ubatches (``auto`` included: its dry-run plans are applied as they are, nothing is planned
-twice) -> on a one-stream cache that coarsens shapes for graph reuse (``KVCache.coarse_n_kv``),
+twice -- unless bucket pads changed the ubatches: then they are planned again, and ``auto``'s
+costs did not count the pads) -> on a one-stream cache that coarsens shapes for graph reuse (``KVCache.coarse_n_kv``),
 each ubatch padded to a bucket of rows (``split.pad_to_bucket``: a server's steps fall into a few
 graph structures; not where the pads do not fit) -> check that every ubatch fits
 (``KVCache.prepare``; a ``padded`` split whose pads alone do not fit runs as ``equal``,
@@ -108,11 +109,16 @@ def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, c
     cache whose room its pads exceed gives the split :func:`decode` runs instead (:func:`_fit`).
     Changes nothing."""
     ubs, plans = _split(cache, batch, n_ubatch, mode, cfg)
-    if cache is not None:   # (as decode runs them: bucket pads on the CUDA engines' caches)
-        padded = _bucketed(cache, ubs, n_ubatch)
-        if padded is not ubs:
-            ubs, plans = padded, None
-    if mode == "padded" and cache is not None:
+    if cache is None:
+        return ubs, plans
+    padded = _bucketed(cache, ubs, n_ubatch)   # (as decode runs them: bucket pads on the CUDA engines' caches)
+    if padded is not ubs:
+        try:
+            cache.prepare(padded)
+            return padded, None
+        except KVCacheFullError:
+            pass
+    if mode == "padded":
         try:
             ubs = _fit(cache, batch, ubs, n_ubatch, mode)
         except KVCacheFullError:
@@ -159,11 +165,13 @@ def _bucketed(cache: KVCache, ubs: list[UBatch], n_ubatch: int) -> list[UBatch]:
 
 def _fit_either(cache: KVCache, batch: Batch, ubs: list[UBatch], plain: list[UBatch], n_ubatch: int,
                 mode: str) -> list[UBatch]:
-    """:func:`_fit` of ``ubs``, or, where their bucket pads (:func:`_bucketed`) do not fit the
-    cache's room, of ``plain``, the ubatches without them."""
+    """``ubs`` where they fit the cache's room with their bucket pads (:func:`_bucketed`), else
+    :func:`_fit` of ``plain``, the ubatches without them (a ``padded`` split's own fallback
+    included)."""
     if ubs is not plain:
         try:
-            return _fit(cache, batch, ubs, n_ubatch, mode)
+            cache.prepare(ubs)
+            return ubs
         except KVCacheFullError:
             pass
     return _fit(cache, batch, plain, n_ubatch, mode)

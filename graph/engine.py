@@ -35,7 +35,7 @@ __all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine"
 # a server's steps through many more: the sample trace (64 requests) made 106 structures with
 # per-stream KV, 96 on a unified cache, and with room for 32 the per-stream run built 1,147 graphs
 # (~30 ms of host time each for an 8B model graph). On the device the kept graphs are bounded by
-# the bytes their arrays take as well (GRAPH_BYTES; a graph holds one layer's intermediates, ~250 KB
+# the bytes their builds took as well (GRAPH_BYTES; a graph holds one layer's intermediates, ~250 KB
 # a token for an 8B model: a 64-token decode step ~16 MB, a 512-token prompt ubatch ~130 MB), prompt
 # structures at most 3/4 of them, so that decode steps keep their room.
 MAX_GRAPHS = {False: (4, 4), True: (256, 192)}
@@ -224,8 +224,11 @@ class Engine:
         return out
 
     def _build(self, make):
-        """``make()``'s graph and the device memory its build took (CuPy's pool; 0 on the host).
-        Out of device memory, the kept graphs are freed and the build tried once more."""
+        """``make()``'s graph and the device memory its build took from CuPy's pool (0 on the host;
+        what the graph allocates later -- its attention calls' bound buffers at the first compute,
+        a CUDA-graph capture -- is not counted: GRAPH_BYTES bounds the builds' memory). Out of
+        device memory, the kept graphs are freed and the build tried once more (after the
+        failed one's arrays are gone: outside the handler, whose traceback holds them)."""
         pool = self.xp.get_default_memory_pool() if self.device else None
         used = pool.used_bytes() if pool is not None else 0
         try:
@@ -233,6 +236,8 @@ class Engine:
         except MemoryError:   # CuPy's OutOfMemoryError too
             if not self._graphs:
                 raise
+            g = None
+        if g is None:
             self._evict(0, 0, 0)
             if pool is not None:
                 pool.free_all_blocks()

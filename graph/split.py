@@ -450,7 +450,9 @@ def pad_to_bucket(ub: UBatch, n_seq_max: int, next_pos, limit: int) -> UBatch:
     sequences and prompt tokens each -- fall into a few graph structures (``build.graph_key``)
     instead of one per row count. A decode step (one row per sequence) stays one: each pad row is a
     sequence of its own, an id of ``0 .. n_seq_max - 1`` not in the ubatch, at its next position
-    (``next_pos(seq_id)``: the cache's); with too few such ids it is not padded. Another ubatch's
+    (``next_pos(seq_id)``: the cache's when the batch was split -- an earlier ubatch of the same
+    batch may have placed that sequence there since: harmless, a pad cell is masked from every
+    row and freed as a cell, whatever its position); with too few such ids it is not padded. Another ubatch's
     pad rows continue its last row's sequence. Pad rows are ``token_idx`` -1 (the cache and the
     mask keep them from every real row and free their cells after the ubatch, as ``padded``'s).
     Unchanged: a ubatch already at its bucket, one with coupled tokens, one of sequence sets of
@@ -462,10 +464,16 @@ def pad_to_bucket(ub: UBatch, n_seq_max: int, next_pos, limit: int) -> UBatch:
         return ub   # (sets of several rows each, equal / padded's: their shape stays)
     if ub.decode_step:
         used = set(ub.seq_ids)
-        ids = [s for s in range(int(n_seq_max)) if s not in used][:k]
+        ids, pos = [], []
+        for s in range(int(n_seq_max)):
+            if len(ids) == k:
+                break
+            p = int(next_pos(s)) if s not in used else INT32_MAX + 1
+            if p <= INT32_MAX:   # (a sequence at the last position takes none)
+                ids.append(s)
+                pos.append(p)
         if len(ids) < k:
             return ub
-        pos = [int(next_pos(s)) for s in ids]
     else:
         last = ub.token_seq_ids[-1][0]
         p0 = int(ub.positions[[i for i, ids in enumerate(ub.token_seq_ids) if ids[0] == last]].max()) + 1

@@ -96,3 +96,32 @@ def test_serve_counts_the_graphs_built_and_room_for_a_servers_structures_stops_t
     (many,) = _serve_rows(capsys, "--split", "auto")
     assert few["kv_unified"] is False and many["steps"] > 0
     assert few["graph_builds"] > 3 * many["graph_builds"] and many["graph_builds"] < many["steps"] // 2
+
+
+def test_bucket_pads_edge_cases():
+    """split.pad_to_bucket: rows per bucket; a decode step's pads take free sequence ids at their
+    next positions, skipping a sequence at the last int32 position (and not padding at all with
+    too few ids); a prompt ubatch's pads continue its last sequence; equal sets of several rows,
+    coupled tokens and a bucket past the ubatch size stay as split."""
+    import numpy as np
+
+    from ggml_attn.graph.batch import INT32_MAX
+    from ggml_attn.graph.split import UBatch, bucket_rows, pad_to_bucket
+    assert [bucket_rows(n) for n in (1, 3, 5, 9, 64, 65, 250, 257, 1000, 1025)] == \
+        [1, 4, 8, 16, 64, 80, 256, 288, 1024, 1088]
+    step = UBatch("simple", np.arange(3), np.array([5, 9, 2], dtype=np.int32), ((0,), (2,), (4,)), 3, False)
+    nxt = {1: INT32_MAX + 1, 3: 7, 5: 0, 6: 0}   # seq 1 holds the last position
+    got = pad_to_bucket(step, 8, lambda s: nxt.get(s, 0), 512)
+    assert got.n_tokens == 4 and got.decode_step and got.token_seq_ids[-1] == (3,) and got.positions[-1] == 7
+    assert got.token_idx[-1] == -1 and got.n_seqs == 4
+    assert pad_to_bucket(step, 4, lambda s: INT32_MAX + 1, 512) is step   # no id left for the pad
+    prompt = UBatch("simple", np.arange(5), np.array([0, 1, 2, 0, 1], dtype=np.int32),
+                    ((0,), (0,), (0,), (1,), (1,)), 5, False)
+    got = pad_to_bucket(prompt, 4, lambda s: 0, 512)
+    assert got.n_tokens == 8 and got.token_seq_ids[5:] == ((1,),) * 3 and got.positions[5:].tolist() == [2, 3, 4]
+    assert pad_to_bucket(prompt, 4, lambda s: 0, 5) is prompt   # the bucket would pass the ubatch size
+    sets = UBatch("equal", np.arange(6), np.array([0, 1, 2, 0, 1, 2], dtype=np.int32),
+                  ((0,),) * 3 + ((1,),) * 3, 2, True)
+    assert pad_to_bucket(sets, 4, lambda s: 0, 512) is sets
+    coupled = UBatch("simple", np.arange(3), np.zeros(3, dtype=np.int32), ((0, 1), (2,), (3,)), 3, False)
+    assert pad_to_bucket(coupled, 8, lambda s: 0, 512) is coupled
