@@ -269,3 +269,49 @@ def test_bucketed_ubatches_on_the_device_match_the_host():
         p1, k1, v1 = host_c.sequence_contents(s, 1)
         p2, k2, v2 = dev_c.sequence_contents(s, 1)
         assert np.array_equal(p1, p2) and np.array_equal(k1, k2) and np.array_equal(v1, v2)
+
+
+def test_full_block_with_bucket_pads_on_device_matches_host_graph():
+    """Bucket pads (``split.pad_to_bucket``) through the full block on the device: a prompt
+    ubatch's pads continuing its last sequence and a decode step's pads that are sequences of
+    their own, fed large inputs (1e3) and writing K/V into pad cells, leave every real row's
+    output and the cache as the host graph's without pads."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_graph_layers import CFG as LCFG, N_EMBD, weights
+    from ggml_attn.graph.split import pad_to_bucket
+    w_host = weights()
+    w_dev = [{k: cupy.asarray(v) for k, v in d.items()} for d in w_host]
+    results = []
+    for xp, w, pad in ((None, w_host, False), ("cupy", w_dev, True)):
+        c = KVCache(8 * 512, 8, unified=True, n_layer=2, n_head_kv=2, head_dim_k=32, xp=xp)
+        outs, sizes = [], []
+        for b in (Batch.from_lengths([3, 5, 8, 2]), 4, 1, 3):   # 18 rows -> 24; 4; 1; 3 -> 4
+            if isinstance(b, int):
+                b = Batch.from_lengths([1] * b, start_pos=c.next_positions(range(b)))
+            for ub in split_ubatches(b, 512, "simple"):
+                n = ub.n_tokens
+                if pad:
+                    ub = pad_to_bucket(ub, c.n_seq_max, lambda s: c.seq_pos_max(s) + 1, 512)
+                sizes.append(ub.n_tokens)
+                plan = plan_ubatch(c, ub)
+                g = build_ubatch_graph(c, plan, LCFG, layer="full", weights=w)
+                x = np.random.default_rng(n).standard_normal((n, N_EMBD))
+                x = np.concatenate([x, np.full((ub.n_tokens - n, N_EMBD), 1e3)])
+                g.set_x(g.xp.asarray(x.astype(np.float32)))
+                g.compute(1)
+                o = g.outputs()[0]
+                outs.append((o.get() if hasattr(o, "get") else o.copy())[:n])
+                g.free()
+                c.free_pads(plan.slot)
+        results.append((outs, c, sizes))
+    (h_out, h_c, _), (d_out, d_c, d_sizes) = results
+    assert d_sizes == [24, 4, 1, 4]
+    for a, b in zip(h_out, d_out):
+        assert np.isfinite(b).all() and nmse(b, a) < 1e-5
+    assert int(d_c.pad.sum()) == 0
+    for s in range(4):
+        p1, k1, v1 = h_c.sequence_contents(s, 1)
+        p2, k2, v2 = d_c.sequence_contents(s, 1)
+        assert p1.tolist() == p2.tolist() and nmse(k2, k1) < 1e-5 and nmse(v2, v1) < 1e-5
