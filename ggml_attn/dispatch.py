@@ -480,7 +480,8 @@ Q8X_MAX_TOKENS = 4
 # 330 / 484, Q8_0 230 / 489; at 32 Q4_K 295 / 332, Q6_K 417 / 490, Q8_0 315 / 491; at 64 Q4_K 404 /
 # 362 and Q6_K 532 / 507 (losses), Q8_0 437 / 499: 32 for every type. (Its first form, each thread
 # decoding its row's sub-block from global memory, was no faster than dense_gemm_q anywhere:
-# bench/results/2026-12-05-457d60e-h100-dense-q.json.)
+# bench/results/2026-12-05-457d60e-h100-dense-q.json.) The staged F16 GEMM below is asked first, so
+# this path runs 5-8 tokens, and up to 32 only where QSGEMM_* is set to an empty range.
 Q8GEMM_MAX_TOKENS = 32
 # Block matrices run QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS tokens (rows 16-byte aligned) through
 # the staged F16 tiled GEMM (dense_gemm_qs: dense_gemm_q's tensor-core product over weight rows
