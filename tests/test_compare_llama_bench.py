@@ -81,10 +81,12 @@ def test_sql_is_the_llama_bench_table_and_two_builds_join(capsys):
     assert all(cols[k] == "INTEGER" for k in INTEGER & set(cols)) and cols["avg_ts"] == "REAL"
     db.executescript(_run(capsys, "sql").replace("CREATE TABLE IF NOT EXISTS", "CREATE TABLE IF NOT EXISTS"))
     first = db.execute("SELECT MIN(rowid) FROM llama_bench WHERE rowid > 2").fetchone()[0]
-    db.execute(f"UPDATE llama_bench SET build_commit = 'b' || build_commit WHERE rowid >= {first}")
+    # the second build's commit: 'x' + the first's ('x' starts no hex hash: a commit such as
+    # bd54dae must not look like the second build)
+    db.execute(f"UPDATE llama_bench SET build_commit = 'x' || build_commit WHERE rowid >= {first}")
     on = " AND ".join(f"tb.{p} = tc.{p}" for p in SQL_KEYS)
     joined = db.execute(f"SELECT tb.n_prompt, tb.n_gen, tb.avg_ts, tc.avg_ts FROM llama_bench tb JOIN llama_bench tc "
-                        f"ON {on} AND tb.build_commit != tc.build_commit AND tc.build_commit LIKE 'b%'").fetchall()
+                        f"ON {on} AND tb.build_commit != tc.build_commit AND tc.build_commit LIKE 'x%'").fetchall()
     assert sorted((p, g) for p, g, _, _ in joined) == [(0, 2), (8, 0)]
     assert all(a > 0 and b > 0 for _, _, a, b in joined)
 
