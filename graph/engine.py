@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine"]
+__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine", "out_of_device_memory"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
 # over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8), and
@@ -40,6 +40,16 @@ __all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine"
 # structures at most 3/4 of them, so that decode steps keep their room.
 MAX_GRAPHS = {False: (4, 4), True: (256, 192)}
 GRAPH_BYTES = {False: None, True: 2 << 30}
+
+
+def out_of_device_memory(e: BaseException) -> bool:
+    """Whether ``e`` (or the error it was raised from, as :class:`capture.CaptureError` is) says
+    the device ran out of memory: a ``MemoryError`` (CuPy's ``OutOfMemoryError``) or a CUDA
+    runtime error of status 2 (``cudaErrorMemoryAllocation``, CuPy's ``CUDARuntimeError``)."""
+    for x in (e, e.__cause__):
+        if isinstance(x, MemoryError) or (type(x).__name__ == "CUDARuntimeError" and getattr(x, "status", None) == 2):
+            return True
+    return False
 
 
 class UntimedEngine:
@@ -271,12 +281,13 @@ class Engine:
             elif self.layer == "attn" and (fresh or not self.inputs_once):
                 self.set_attn_inputs(g, plan)
             if entry.replay is not None and entry.replay_s0 == plan.slot.s0:
-                entry.replay.launch(self.stream)
+                self._retry_out_of_memory(lambda: entry.replay.launch(self.stream))
                 self.replays += 1
             elif self.device and self.cuda_graph and entry.replay is None and (not fresh or entry.decode):
                 from .capture import CaptureError, capture  # noqa: PLC0415 (this step computes in the warm-up)
                 try:
-                    entry.replay = capture(lambda: self._compute(g, refresh=True), self.stream)
+                    entry.replay = self._retry_out_of_memory(
+                        lambda: capture(lambda: self._compute(g, refresh=True), self.stream))
                     entry.replay_s0 = plan.slot.s0
                     self.captures += 1
                 except CaptureError as e:   # the warm-up's results stand; go on without graphs
@@ -295,6 +306,20 @@ class Engine:
         except BaseException:
             g.free()
             raise
+
+    def _retry_out_of_memory(self, call):
+        """``call()``, and once more after CuPy's pool gave its cached free blocks back to the
+        device when it ran out of device memory outside CuPy's allocator: a CUDA graph's first
+        launch uploads it (``cudaGraphUpload``) and instantiating one allocates, and neither can
+        take memory CuPy's pool keeps for its own reuse (its own allocations free those blocks
+        and retry by themselves). A second failure propagates."""
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
+            if not (self.device and out_of_device_memory(e)):
+                raise
+        self.xp.get_default_memory_pool().free_all_blocks()
+        return call()
 
     def _compute(self, g, refresh: bool) -> None:
         if refresh:

@@ -82,6 +82,98 @@ def test_a_build_out_of_memory_frees_the_kept_graphs_and_tries_once_more():
     assert e.builds == 1
 
 
+class CUDARuntimeError(RuntimeError):
+    """CuPy's ``cupy_backends.cuda.api.runtime.CUDARuntimeError`` as the engine sees it (its class
+    name and ``status``; CuPy is not installed without a GPU)."""
+
+    def __init__(self, status):
+        super().__init__(f"status {status}")
+        self.status = status
+
+
+class _Pool:
+    def __init__(self):
+        self.freed = 0
+
+    def free_all_blocks(self):
+        self.freed += 1
+
+
+class _XP:
+    def __init__(self):
+        self.pool = _Pool()
+
+    def get_default_memory_pool(self):
+        return self.pool
+
+
+def test_out_of_device_memory_knows_cupys_errors_and_the_capture_errors_they_raise():
+    from ggml_attn.graph.capture import CaptureError
+    oom, other = CUDARuntimeError(2), CUDARuntimeError(700)   # cudaErrorMemoryAllocation, an illegal address
+    assert E.out_of_device_memory(oom) and E.out_of_device_memory(MemoryError())
+    assert not E.out_of_device_memory(other) and not E.out_of_device_memory(RuntimeError("x"))
+    try:
+        raise CaptureError("CUDA graph capture failed") from oom
+    except CaptureError as e:
+        assert E.out_of_device_memory(e)
+
+
+def test_a_graph_launch_out_of_device_memory_gives_cupys_cached_blocks_back_and_launches_again():
+    """On an 80 GB H100 a CUDA graph's first launch failed with cudaErrorMemoryAllocation while
+    CuPy's pool kept the device's free memory for itself: the engine gives the pool's cached
+    blocks back and launches once more; another error, or a second failure, propagates."""
+    e = _engine()
+    e.device, e.xp = True, _XP()
+    calls = []
+
+    def launch(errors):
+        def call():
+            calls.append(1)
+            if errors:
+                raise errors.pop(0)
+            return "launched"
+        return call
+    assert e._retry_out_of_memory(launch([CUDARuntimeError(2)])) == "launched"
+    assert len(calls) == 2 and e.xp.pool.freed == 1
+    with pytest.raises(CUDARuntimeError):      # twice out of memory: the second error stands
+        e._retry_out_of_memory(launch([CUDARuntimeError(2), CUDARuntimeError(2)]))
+    assert e.xp.pool.freed == 2
+    calls.clear()
+    with pytest.raises(CUDARuntimeError):      # not a memory error: not retried
+        e._retry_out_of_memory(launch([CUDARuntimeError(700)]))
+    assert len(calls) == 1 and e.xp.pool.freed == 2
+    e.device = False                           # the host has no pool to free
+    with pytest.raises(MemoryError):
+        e._retry_out_of_memory(launch([MemoryError()]))
+
+
+def test_serve_bench_closes_each_strategys_runner_before_the_next_is_made(capsys, monkeypatch):
+    """Every strategy's runner (KV cache, kept graphs) is made, serves every rate, and is closed
+    before the next strategy's is made: five runners of a 16 GB model did not fit an 80 GB GPU."""
+    from ggml_attn.cli import runner as R
+    events = []
+    made, closed = R.Runner.__init__, R.Runner.close
+
+    def init(self, cfg, *a, **k):
+        events.append(("make", cfg.split))
+        made(self, cfg, *a, **k)
+
+    def close(self):
+        events.append(("close", self.cfg.split))
+        closed(self)
+    monkeypatch.setattr(R.Runner, "__init__", init)
+    monkeypatch.setattr(R.Runner, "close", close)
+    assert serve_bench.main(["--device", "cpu", "-t", "2", "-o", "jsonl", "--split", "simple,equal", "--rate", "50,100",
+                             "--n-requests", "6", "--prompt-dist", "4-12", "--gen-dist", "2-4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["split"], r["rate"]) for r in rows] == [("simple", 50), ("simple", 100), ("equal", 50), ("equal", 100)]
+    opened = 0
+    for what, _ in events:
+        opened += 1 if what == "make" else -1
+        assert 0 <= opened <= 1
+    assert events[::2] == [("make", "simple"), ("make", "equal")] and opened == 0
+
+
 def _serve_rows(capsys, *args):
     assert serve_bench.main(["--trace", str(SAMPLE), "--device", "cpu", "-t", "2", "-o", "jsonl", *args]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]

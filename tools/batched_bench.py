@@ -34,7 +34,7 @@ from .plans import print_plans
 from .progress import ProgressBar
 from .format_bench import FA_INT, attention_path
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, kernel_help,
-                     check_threads, effective_ubatch, splits_of)
+                     check_threads, effective_ubatch, free_device_memory, splits_of)
 from .verbose import Verbose
 
 PROG = "ggml-attn-batched-bench"
@@ -320,16 +320,6 @@ def _main(argv=None) -> int:
     finally:
         for r in runners.values():
             r.close()
-
-
-def free_device_memory(device: str) -> None:
-    """Give the memory of closed runners back to the device (CuPy keeps freed blocks in its
-    pool for the process; a runner of another size may need them in one piece)."""
-    import gc
-    gc.collect()
-    if device == "cuda":
-        import cupy
-        cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _run(ns, rows, splits, runner_for, model, device, cells, n_seq_max: int) -> int:

@@ -70,6 +70,16 @@ def resolve_device(device: str) -> str:
     return "cuda" if ok else "cpu"
 
 
+def free_device_memory(device: str) -> None:
+    """Give the memory of closed runners back to the device (CuPy keeps freed blocks in its
+    pool for the process; a runner of another size may need them in one piece)."""
+    import gc
+    gc.collect()
+    if device == "cuda":
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
 @dataclass
 class RunConfig:
     model: ModelShape

@@ -38,7 +38,7 @@ from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
-                     effective_ubatch, kernel_help, resolve_device, splits_of)
+                     effective_ubatch, free_device_memory, kernel_help, resolve_device, splits_of)
 from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
 from .verbose import Verbose
 
@@ -253,18 +253,18 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     results = []
     printer.header()
     idx = 0
-    step_fns = {}
     try:
+        # one strategy's runner at a time (its KV cache, kept graphs and their CUDA graphs; a 16 GB
+        # model's five runners of 16 slots did not fit an 80 GB GPU together): every row of a
+        # strategy, then the next
         for split in splits:
-            runners[split] = r = Runner(configs[split])
-            step_fns[split] = make_step_fn(r, ns.layer == "model", n_vocab)
-            verbose.runner(r)
-            r.warm_up()
-        for rate, reqs in served:
-            for budget in budgets:
-                for split in splits:
+            runner = runners[split] = Runner(configs[split])
+            step_fn = make_step_fn(runner, ns.layer == "model", n_vocab)
+            verbose.runner(runner)
+            runner.warm_up()
+            for rate, reqs in served:
+                for budget in budgets:
                     idx += 1
-                    runner, step_fn = runners[split], step_fns[split]
                     kvu = runner.cfg.kv_unified
                     what = (f"rate {'trace' if rate is None else f'{rate:g}'} split {split} kvu {int(kvu)} "
                             f"budget {budget or 'whole'}")
@@ -295,6 +295,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                         cuda_graph=ns.cuda_graph == "on", warmup=ns.warmup))
                     printer.row(row)
                     results.append(row)
+            runners.pop(split).close()
+            free_device_memory(device)
     finally:
         bar.close()
         printer.footer()
