@@ -55,7 +55,7 @@ def test_every_split_side_by_side_with_budgets(capsys):
     assert rc == 0
     rows = _rows(out)
     assert [(r["prompt_budget"], r["split"]) for r in rows] == [
-        (b, s) for b in (0, 8) for s in ("simple", "equal", "seq", "padded", "auto")]
+        (b, s) for s in ("simple", "equal", "seq", "padded", "auto") for b in (0, 8)]   # a strategy's rows together
     for r in rows:
         assert r["kv_unified"] is (r["split"] == "simple") and r["n_done"] == 6 and r["rate"] == "inf"
     whole = {r["split"]: r for r in rows if r["prompt_budget"] == 0}
