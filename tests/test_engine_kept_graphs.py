@@ -149,7 +149,8 @@ def test_a_graph_launch_out_of_device_memory_gives_cupys_cached_blocks_back_and_
 
 def test_serve_bench_closes_each_strategys_runner_before_the_next_is_made(capsys, monkeypatch):
     """Every strategy's runner (KV cache, kept graphs) is made, serves every rate, and is closed
-    before the next strategy's is made: five runners of a 16 GB model did not fit an 80 GB GPU."""
+    before the next strategy's is made (with all five of an 8B F16 model kept, a graph launch ran
+    out of memory on an 80 GB H100)."""
     from ggml_attn.cli import runner as R
     events = []
     made, closed = R.Runner.__init__, R.Runner.close

@@ -254,9 +254,9 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     printer.header()
     idx = 0
     try:
-        # one strategy's runner at a time (its KV cache, kept graphs and their CUDA graphs; a 16 GB
-        # model's five runners of 16 slots did not fit an 80 GB GPU together): every row of a
-        # strategy, then the next
+        # one strategy's runner at a time (its KV cache, kept graphs and their CUDA graphs; with
+        # the five of an 8B F16 model and 16 slots kept together a graph launch ran out of memory
+        # on an 80 GB H100): every row of a strategy, then the next
         for split in splits:
             runner = runners[split] = Runner(configs[split])
             step_fn = make_step_fn(runner, ns.layer == "model", n_vocab)
