@@ -18,8 +18,9 @@ Steps (logs under ``--out``; ``serve_side_by_side.json`` written after each, a t
    connection, token-id prompt, ``n_predict``, ``ignore_eos``, greedy, ``stream``, so every
    token's arrival is timed (TTFT, ITL); the HTTP overhead alone is a ``/health`` round trip
    (median of 50, stated in the JSON, not subtracted);
-4. ``ggml-attn-serve-bench --trace`` on the same trace, ``--split all``, with and without ``-kvu``,
-   with ``--warmup`` (the trace served once untimed first; ``--cold``: not) -- llama-server gets a
+4. ``ggml-attn-serve-bench --trace`` on the same trace, ``--split`` (default ``all``: ``simple`` on a
+   unified cache, the others a stream per sequence) and with ``-kvu`` ``--split-kvu`` (default the
+   four that are not ``simple``; an empty list skips a run), with ``--warmup`` (the trace served once untimed first; ``--cold``: not) -- llama-server gets a
    warm-up too, and a first pass is where ours builds each new ubatch structure's graph.
 
 llama-server's rows use ``format_serve.row_of`` with ``split`` = ``llama-server``: the same
@@ -181,6 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-dist", default="16-200")
     ap.add_argument("--gen-dist", default="32-256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--split", default="all", help="ours' strategies without -kvu ('': none)")
+    ap.add_argument("--split-kvu", default="equal,seq,padded,auto",
+                    help="ours' strategies with -kvu ('': none; simple is unified in the run without it)")
     ap.add_argument("--cold", action="store_true",
                     help="ours without --warmup (the trace served once untimed first: llama-server is warmed "
                          "up too, and ours builds each new ubatch structure's graph on first sight)")
@@ -230,12 +234,18 @@ def main(argv=None) -> int:
                 proc.terminate()
                 proc.wait(timeout=60)
             save()
+            splits = a.split_kvu if kvu else a.split
+            if not splits:
+                continue
             rc, out, _ = lcs.sh([ours, "--device", "cuda", "-m", a.gguf, "--trace", trace_path, "-np", str(a.np),
-                                 "--seed", str(a.seed), "--split", "all", "-o", "jsonl"] + (["-kvu"] if kvu else [])
+                                 "--seed", str(a.seed), "--split", splits, "-o", "jsonl"] + (["-kvu"] if kvu else [])
                                 + ([] if a.cold else ["--warmup"]),
                                 os.path.join(a.out, f"ours-{tag}{'-kvu' if kvu else ''}.log"), 900)
             res["rows"] += [dict(tool="ggml-attn", **dict(r, rate=format_serve.row_json(dict(rate=rate))["rate"]))
                             for r in lcs.jsonl(out)]
+            if rc != 0:   # the rows it wrote stand; the failure is a row of its own
+                res["rows"].append(dict(tool="ggml-attn", rate=tag, kv_unified=kvu,
+                                        error=f"exit status {rc} (ours-{tag}{'-kvu' if kvu else ''}.log)"))
             save()
     print(table(res["rows"]))
     return 0
