@@ -106,6 +106,7 @@ if [ $PROF = 1 ]; then
   case "$PCASE" in
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
     decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
+    dense-qs) kre=regex:dense_gemm_qs; skip=7; count=14;;
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"
@@ -114,7 +115,7 @@ if [ $PROF = 1 ]; then
       --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section InstructionStats ${NCU_EXTRA:-} \
       $PY tools/dev/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
-  grep -E "fattn_|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
+  grep -E "fattn_|dense_gemm|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
 fi
 
 if [ $XOVER = 1 ]; then

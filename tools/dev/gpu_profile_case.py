@@ -11,6 +11,9 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
   decode-quant  one token, 32768 q8_0 KV cells (a cache view) through the sm_90a decode: its
            default instance, then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys)
+  dense-qs one llama-3-8B layer's seven Q4_K matrices ($DENSE_QS_TYPE) through dense_gemm_qs
+           (cuda/dense_q.cu, issue #43) at 64 tokens (the 64-token tile), then at 16 (the 32-token
+           tile): ncu -k regex:dense_gemm_qs --launch-skip 7 --launch-count 14
 
 Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -24,7 +27,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
-CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant")
+CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "dense-qs")
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -69,6 +72,23 @@ def quant_fns(configs) -> list:
     return [lambda c=c: fn(c) for c in ("", *configs)]
 
 
+def dense_qs_fns(type_name: str) -> list:
+    """dense-qs's calls: one 8B layer through dense_gemm_qs at 64 tokens, then at 16."""
+    import cupy as cp
+
+    from ggml_attn import kernels as K
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph.xp_matmul import gemm_q_launch
+    from gpu_dense_q_bench import N_EMBD, N_FF, _layer, _tiled
+    ws = _layer(cp, type_name, 0)
+    fns = []
+    for n in (64, 16):
+        x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
+        xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
+        fns.append(_tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs"))
+    return fns
+
+
 def main(argv=None):
     import os
 
@@ -76,6 +96,11 @@ def main(argv=None):
     for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
         if case == "decode-quant":
             for f in quant_fns([c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",") if c]):
+                f()
+                f()
+            continue
+        if case == "dense-qs":
+            for f in dense_qs_fns(os.environ.get("DENSE_QS_TYPE", "Q4_K")):
                 f()
                 f()
             continue
