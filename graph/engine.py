@@ -308,18 +308,21 @@ class Engine:
             raise
 
     def _retry_out_of_memory(self, call):
-        """``call()``, and once more after CuPy's pool gave its cached free blocks back to the
-        device when it ran out of device memory outside CuPy's allocator: a CUDA graph's first
-        launch uploads it (``cudaGraphUpload``) and instantiating one allocates, and neither can
-        take memory CuPy's pool keeps for its own reuse (its own allocations free those blocks
-        and retry by themselves). A second failure propagates."""
-        try:
-            return call()
-        except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
-            if not (self.device and out_of_device_memory(e)):
-                raise
-        self.xp.get_default_memory_pool().free_all_blocks()
-        return call()
+        """``call()``, tried again when it ran out of device memory outside CuPy's allocator: a
+        CUDA graph's first launch uploads it (``cudaGraphUpload``) and instantiating one
+        allocates, and neither can take memory CuPy's pool keeps for its own reuse (its own
+        allocations free those blocks and retry by themselves). First after the pool gave its
+        cached free blocks back to the device, then after the other kept graphs were freed too
+        (the one running is not among them: ``_run_ubatch`` took it out); a third failure, or
+        another error, propagates."""
+        for release in (lambda: None, lambda: self._evict(0, 0, 0), None):
+            try:
+                return call()
+            except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
+                if release is None or not (self.device and out_of_device_memory(e)):
+                    raise
+            release()
+            self.xp.get_default_memory_pool().free_all_blocks()
 
     def _compute(self, g, refresh: bool) -> None:
         if refresh:

@@ -121,9 +121,12 @@ def test_out_of_device_memory_knows_cupys_errors_and_the_capture_errors_they_rai
 def test_a_graph_launch_out_of_device_memory_gives_cupys_cached_blocks_back_and_launches_again():
     """On an 80 GB H100 a CUDA graph's first launch failed with cudaErrorMemoryAllocation while
     CuPy's pool kept the device's free memory for itself: the engine gives the pool's cached
-    blocks back and launches once more; another error, or a second failure, propagates."""
+    blocks back and launches once more, then frees the other kept graphs and tries a last time;
+    another error, or a third failure, propagates."""
     e = _engine()
     e.device, e.xp = True, _XP()
+    freed = []
+    _keep(e, freed, [("d0", True, 10), ("p0", False, 10)])
     calls = []
 
     def launch(errors):
@@ -134,14 +137,17 @@ def test_a_graph_launch_out_of_device_memory_gives_cupys_cached_blocks_back_and_
             return "launched"
         return call
     assert e._retry_out_of_memory(launch([CUDARuntimeError(2)])) == "launched"
-    assert len(calls) == 2 and e.xp.pool.freed == 1
-    with pytest.raises(CUDARuntimeError):      # twice out of memory: the second error stands
-        e._retry_out_of_memory(launch([CUDARuntimeError(2), CUDARuntimeError(2)]))
-    assert e.xp.pool.freed == 2
+    assert len(calls) == 2 and e.xp.pool.freed == 1 and not freed   # the pool's blocks were enough
+    assert e._retry_out_of_memory(launch([CUDARuntimeError(2), MemoryError()])) == "launched"
+    assert len(calls) == 5 and e.xp.pool.freed == 3 and freed == ["p0", "d0"] and not e._graphs
+    calls.clear()
+    with pytest.raises(CUDARuntimeError):      # three times out of memory: the third error stands
+        e._retry_out_of_memory(launch([CUDARuntimeError(2)] * 3))
+    assert len(calls) == 3 and e.xp.pool.freed == 5
     calls.clear()
     with pytest.raises(CUDARuntimeError):      # not a memory error: not retried
         e._retry_out_of_memory(launch([CUDARuntimeError(700)]))
-    assert len(calls) == 1 and e.xp.pool.freed == 2
+    assert len(calls) == 1 and e.xp.pool.freed == 5
     e.device = False                           # the host has no pool to free
     with pytest.raises(MemoryError):
         e._retry_out_of_memory(launch([MemoryError()]))
