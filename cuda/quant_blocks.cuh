@@ -277,6 +277,96 @@ template <> QB_HD void qb_dequant32<QB_Q6_K>(const qb_u8* b, int s, float (&v)[3
 }
 
 // ---------------------------------------------------------------------------------------
+// A sub-block's share of an m16n8k16 A fragment, for a GEMM that decodes the weights straight into
+// its fragments (dense_q.cu's dense_gemm_qr): qb_frag8<T>(b, s, c, v) writes v[0..8), the values of
+// sub-block s at positions 2c, 2c + 1, 2c + 8, 2c + 9, 16 + 2c, 17 + 2c, 24 + 2c, 25 + 2c (c = 0..3,
+// the lane's place in its quad: columns 2c.. of the fragment's two 8-column halves, for the
+// sub-block's two 16-value k steps), each by qb_dequant32's expression (the same float, bit for
+// bit). QbFrag<T>::OK: the types that have one (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K: the Q4_0, Q8_0,
+// Q4_K_M and Q5_K_M files' matrices).
+
+template <int T> struct QbFrag { static constexpr bool OK = false; };
+template <> struct QbFrag<QB_Q4_0> { static constexpr bool OK = true; };
+template <> struct QbFrag<QB_Q8_0> { static constexpr bool OK = true; };
+template <> struct QbFrag<QB_Q4_K> { static constexpr bool OK = true; };
+template <> struct QbFrag<QB_Q5_K> { static constexpr bool OK = true; };
+template <> struct QbFrag<QB_Q6_K> { static constexpr bool OK = true; };
+
+// The little-endian 16 bits at a 2-byte aligned p (one 2-byte load on the device).
+QB_HD unsigned qb_u16(const qb_u8* p) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return *reinterpret_cast<const unsigned short*>(p);
+#else
+    return (unsigned)p[0] | ((unsigned)p[1] << 8);
+#endif
+}
+
+template <int T> QB_HD void qb_frag8(const qb_u8* b, int s, int c, float (&v)[8]);
+
+// Q4_0: value j < 16 the low nibble of qs[j], j >= 16 the high nibble of qs[j - 16].
+template <> QB_HD void qb_frag8<QB_Q4_0>(const qb_u8* b, int, int c, float (&v)[8]) {
+    const float d = qb_half(b);
+    for (int h = 0; h < 4; ++h) {
+        const unsigned w = qb_u16(b + 2 + ((2 * c + 8 * h) & 15)) >> (h < 2 ? 0 : 4);
+        v[2 * h] = (float)((int)(w & 0x0F) - 8) * d;
+        v[2 * h + 1] = (float)((int)((w >> 8) & 0x0F) - 8) * d;
+    }
+}
+
+template <> QB_HD void qb_frag8<QB_Q8_0>(const qb_u8* b, int, int c, float (&v)[8]) {
+    const float d = qb_half(b);
+    for (int h = 0; h < 4; ++h) {
+        const unsigned m = qb_u16(b + 2 + 2 * c + 8 * h) ^ 0x8080u;
+        v[2 * h] = (qb_byte_2p23(m, 0) - 8388736.0f) * d;
+        v[2 * h + 1] = (qb_byte_2p23(m, 1) - 8388736.0f) * d;
+    }
+}
+
+template <> QB_HD void qb_frag8<QB_Q4_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
+    const float d = qb_half(b), mn = qb_half(b + 2);
+    int sc, m;
+    qb_scale_min_k4(s, b + 4, sc, m);
+    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    const qb_u8* q = b + 16 + 32 * (s >> 1) + 2 * c;
+    const int shift = 4 * (s & 1);
+    for (int h = 0; h < 4; ++h) {
+        const unsigned x = (qb_u16(q + 8 * h) >> shift) & 0x0F0Fu;
+        v[2 * h] = d1 * qb_byte_f(x, 0) - m1;
+        v[2 * h + 1] = d1 * qb_byte_f(x, 1) - m1;
+    }
+}
+
+template <> QB_HD void qb_frag8<QB_Q5_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
+    const float d = qb_half(b), mn = qb_half(b + 2);
+    int sc, m;
+    qb_scale_min_k4(s, b + 4, sc, m);
+    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    const qb_u8* q = b + 48 + 32 * (s >> 1) + 2 * c;
+    const qb_u8* qh = b + 16 + 2 * c;
+    const int shift = 4 * (s & 1);
+    for (int h = 0; h < 4; ++h) {
+        const unsigned x = ((qb_u16(q + 8 * h) >> shift) & 0x0F0Fu) | (((qb_u16(qh + 8 * h) >> s) & 0x0101u) << 4);
+        v[2 * h] = d1 * qb_byte_f(x, 0) - m1;
+        v[2 * h + 1] = d1 * qb_byte_f(x, 1) - m1;
+    }
+}
+
+template <> QB_HD void qb_frag8<QB_Q6_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
+    const float d = qb_half(b + 208);
+    const int n = s >> 2, k = s & 3;
+    const qb_u8* ql = b + 64 * n + 32 * (k & 1) + 2 * c;
+    const qb_u8* qh = b + 128 + 32 * n + 2 * c;
+    const signed char* sc = reinterpret_cast<const signed char*>(b + 192) + 8 * n + 2 * k;
+    const int lshift = 4 * (k >> 1), hshift = 2 * k;
+    const float ds[2] = {d * (float)sc[0], d * (float)sc[1]};
+    for (int h = 0; h < 4; ++h) {
+        const unsigned x = ((qb_u16(ql + 8 * h) >> lshift) & 0x0F0Fu) | (((qb_u16(qh + 8 * h) >> hshift) & 0x0303u) << 4);
+        v[2 * h] = ds[h >> 1] * (qb_byte_2p23(x, 0) - 8388640.0f);
+        v[2 * h + 1] = ds[h >> 1] * (qb_byte_2p23(x, 1) - 8388640.0f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // The integer form of a sub-block for 8-bit activations (dense_q8x.cu, llama.cpp's mmvq way):
 // qb_int32<T>(b, s, w, f, c) gives w[0..8), the sub-block's 32 integer parts u_j four to a word
 // (one byte each, 0..63, in value order), and per half h (values 16 h .. 16 h + 15) the factors

@@ -74,6 +74,34 @@ extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed ch
     return 1e300;
 }
 
+// the row again through qb_frag8 (every sub-block's 32 values from its four lanes' fragments);
+// 0 for a type without it
+template <int T> static int frag_row(const qb_u8* r, int n, float* out) {
+    if constexpr (!QbFrag<T>::OK) {
+        return 0;
+    } else {
+        constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
+        for (int b = 0; b < n / V; ++b)
+            for (int s = 0; s < V / 32; ++s)
+                for (int c = 0; c < 4; ++c) {
+                    float v[8];
+                    qb_frag8<T>(r + (long)b * B, s, c, v);
+                    for (int i = 0; i < 8; ++i)
+                        out[(long)b * V + 32 * s + 2 * c + (i & 1) + 8 * (i >> 1)] = v[i];
+                }
+        return 1;
+    }
+}
+
+#define FCASE(T) case T: return frag_row<T>(r, n, out);
+extern "C" int qb_frag_row(int type, const qb_u8* r, int n, float* out) {
+    switch (type) {
+        FCASE(QB_Q4_0) FCASE(QB_Q4_1) FCASE(QB_Q5_0) FCASE(QB_Q5_1) FCASE(QB_Q8_0)
+        FCASE(QB_Q2_K) FCASE(QB_Q3_K) FCASE(QB_Q4_K) FCASE(QB_Q5_K) FCASE(QB_Q6_K)
+    }
+    return -1;
+}
+
 #define CASE(T) case T: if (out) row<T>(r, n, out); return QBlock<T>::BYTES * 1000 + QBlock<T>::VALUES;
 extern "C" int qb_row(int type, const qb_u8* r, int n, float* out) {
     switch (type) {
@@ -99,6 +127,7 @@ def lib(tmp_path_factory):
     out.qb_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     out.qb_dot_row_q8.restype = ctypes.c_double
+    out.qb_frag_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return out
 
 
@@ -139,6 +168,30 @@ def test_every_block_type_decodes_as_ggml_does(lib, name):
     np.testing.assert_allclose(_decode(lib, lay.type_id, ggml_q, n),
                                dequantize_rows(ggml_q.ctypes.data, lay.type_id, n, 1, ggml_q.size)[0],
                                rtol=2e-7, atol=0)
+
+
+FRAG_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")   # QbFrag<T>::OK
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_fragment_decode_gives_the_sub_blocks_values_bit_for_bit(lib, name):
+    """qb_frag8 (dense_gemm_qr's decode straight into m16n8k16 A fragments): the four lanes of a
+    quad together give every value of each sub-block, each the same float as qb_dequant32's --
+    random bytes with extreme and subnormal scales, and blocks ggml quantized; the types without
+    it say so."""
+    lay = block_layout(name)
+    rng = np.random.default_rng(lay.type_id + 100)
+    for raw in (_random_blocks(name, 64, seed=lay.type_id + 7),
+                quantize(rng.standard_normal((4, 4 * lay.values)).astype(np.float32) * 3, lay.type_id).reshape(-1)):
+        n = raw.size // lay.nbytes * lay.values
+        got = np.full(n, np.nan, np.float32)
+        ok = lib.qb_frag_row(lay.type_id, raw.ctypes.data, n, got.ctypes.data)
+        if name not in FRAG_TYPES:
+            assert ok == 0
+            return
+        assert ok == 1
+        want = _decode(lib, lay.type_id, raw, n)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_layouts_are_ggml_sizes(lib):
