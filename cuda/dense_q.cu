@@ -320,11 +320,11 @@ template <int T, int BN> struct QsTile {
 // Step k0's copies into stage st: the QS_BM rows' RB bytes from m0 (zeros past the rows or a
 // row's end), x's tokens n0 .. n0 + n_cp (n_cp: the 8-token tiles that run; zeros past n_tok or
 // n_in) at values k0 .. k0 + QS_BK, 32 units a token; one commit group.
-template <int T, int BN>
+// (TL, BM: dense_gemm_qr's tile and rows.)
+template <int T, int BN, class TL = QsTile<T, BN>, int BM = QS_BM>
 __device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
-    using TL = QsTile<T, BN>;
     const unsigned sw = smem_u32(st);
-    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, QS_BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
+    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
     const unsigned sx = sw + TL::W_BYTES;
 #pragma unroll
     for (int j = 0; j < BN * 32 / QS_THREADS; ++j) {
@@ -407,6 +407,104 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
                             gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wm, n0 + wn);
 }
 
+// ---------------------------------------------------------------------------------------
+// dense_gemm_qs with the decode straight into the tensor cores' A fragments (dense_gemm_qr<T, BN>,
+// the types of QbFrag<T>::OK): the same staging (each 256-value step's raw weight bytes and F16 x
+// tile by cp.async, QS_STAGES stages), but no decoded tile in shared memory and no barrier between
+// decode and products. Each warp owns 16 of the block's QR_BM = 128 rows and every token of the
+// tile (BN = 64 or 32: NI = BN / 8 tiles of 8), so each weight value is decoded once a block, by
+// the lane whose m16n8k16 A fragment holds it (qb_frag8: rows lane / 4 and + 8, columns 2 (lane %
+// 4) + {0, 1, 8, 9} of each 16-value k step, the sub-block's scales computed by the four lanes
+// of the row's quad), rounded to F16 in registers and multiplied with the x tile's B fragments
+// (ldmatrix, as dense_gemm_qs). The same values, roundings and k order as dense_gemm_qs: the
+// same result. Shared memory QrTile<T, BN>::SMEM (the stages only), dynamic (dense_gemm_qr_smem).
+// Same parameters as dense_gemm_q.
+#define QR_BM 128
+
+template <int T, int BN> struct QrTile {
+    static constexpr int RB = QsTile<T, BN>::RB, UNITS = QsTile<T, BN>::UNITS, SLOT = QsTile<T, BN>::SLOT;
+    static constexpr bool ALIGNED = QsTile<T, BN>::ALIGNED;
+    static constexpr int W_BYTES = QR_BM * SLOT;
+    static constexpr int X_BYTES = BN * QS_LD * 2;
+    static constexpr int STAGE = W_BYTES + X_BYTES;
+    static constexpr int SMEM = QS_STAGES * STAGE;
+    static constexpr int NI = BN / 8;
+    static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
+    static_assert(QR_BM == 16 * QS_WARPS, "a warp a 16-row slice");
+};
+
+__device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
+    using TL = QrTile<T, BN>;
+    constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
+    static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
+    extern __shared__ __align__(16) unsigned char qr_smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
+    float acc[1][NI][4];
+#pragma unroll
+    for (int n = 0; n < NI; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][n][e] = 0.0f;
+    const int m0 = blockIdx.x * QR_BM, n0 = blockIdx.y * BN;
+    const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
+    const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
+    const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
+    const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 of the tile
+#pragma unroll
+    for (int s = 0; s < QS_STAGES - 1; ++s) {
+        if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
+        else cp_async_commit();
+    }
+    for (int s = 0; s < n_steps; ++s) {
+        cp_async_wait<QS_STAGES - 2>();
+        __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
+        {
+            const int ns = s + QS_STAGES - 1;
+            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
+                                                         k_begin + ns * QS_BK, n_cp);
+            else cp_async_commit();
+        }
+        const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
+        const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
+        const int k0 = k_begin + s * QS_BK;
+        // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
+        const unsigned char* w0 = st + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
+        const unsigned char* w1 = w0 + 8 * TL::SLOT;
+#pragma unroll
+        for (int j = 0; j < QS_BK / 32; ++j) {   // the step's sub-blocks: two 16-value k steps each
+            // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
+            float v0[8], v1[8];
+            qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
+            qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned a[4] = {qr_pack(v0[4 * h], v0[4 * h + 1]), qr_pack(v1[4 * h], v1[4 * h + 1]),
+                                       qr_pack(v0[4 * h + 2], v0[4 * h + 3]), qr_pack(v1[4 * h + 2], v1[4 * h + 3])};
+                const int kk = 32 * j + 16 * h;
+#pragma unroll
+                for (int n = 0; n < NI; n += 2) {
+                    // (block-uniform: no token of these two tiles; with one, both run: the second's
+                    // sums, of x rows not copied, are never stored)
+                    if (n0 + 8 * n >= p.n_tok) continue;
+                    unsigned b0, b1, b2, b3;
+                    ldmatrix_x4(b0, b1, b2, b3,
+                                smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk + 8 * ((lane >> 3) & 1)));
+                    Mma<__half>::run(acc[0][n], a, b0, b1);
+                    Mma<__half>::run(acc[0][n + 1], a, b2, b3);
+                }
+            }
+        }
+    }
+    gemm_warp_store<1, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                           gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + 16 * warp, n0);
+}
+
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n
 // (dense_gemm_q's partial sums, added in split order: the same result on every run).
 extern "C" __global__ void __launch_bounds__(256) dense_splitk_sum(const float* __restrict__ part,
@@ -459,3 +557,5 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
 // the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
+template <int T, int BN>
+__device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;

@@ -42,7 +42,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     GEMMQ_TILE, GEMMQ_THREADS, GEMMQ8_TILE, GEMMQ8_THREADS, GEMMQ8_NARROW, GEMMQ8_MIN_SPLIT, GEMMQ8_STAGES,
     GEMMQ8_LD, GEMMQ8_BLOCKS_PER_SM, gemm_q8_bn, gemm_q_grid, dense_q_variant,
     GEMMQS_TILE, GEMMQS_NARROW, GEMMQS_THREADS, GEMMQS_BLOCKS_PER_SM, GEMMQS_STAGES, GEMMQS_LD, gemm_qs_bn,
-    STAGED_GEMMS, gemm_tiling,
+    GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPES, GEMMQR_TYPE_IDS, STAGED_GEMMS, gemm_tiling,
     Q8X_TOKENS, Q8X_PLAIN_TOKENS, Q8X_WARPS, Q8X_SWARPS, q8x_name,
     dense_q8x_variant, MODEL_OPS_NAMES, model_ops_variant,
     dense_q_variants, mma_name, vec_name, cells_name, cells_variant, mma_variant, vec_variant,

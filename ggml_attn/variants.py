@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .block_types import block_layout
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
@@ -112,8 +113,8 @@ def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple
 # template, a __device__ int variable template ``<kernel>_smem`` of the same parameters holding the
 # bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
 # takes none (static shared memory only).
-SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "fattn_wgmma_ws",
-                "fattn_decode_tma")
+SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr",
+                "fattn_wgmma_ws", "fattn_decode_tma")
 
 
 def smem_expr(name: str) -> str | None:
@@ -211,6 +212,11 @@ GEMMQS_THREADS = 256         # its block (QS_THREADS: 8 warps)
 GEMMQS_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (shared memory: QsTile::SMEM)
 GEMMQS_STAGES = 2            # QS_STAGES
 GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
+GEMMQR_TILE = (128, 64, 256)  # dense_gemm_qr's wide tile: QR_BM, BN, QS_BK (its narrow one: GEMMQS_NARROW tokens)
+GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (its __launch_bounds__)
+# the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
+GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
 
 
 def gemm_q8_bn(n_tok: int) -> int:
@@ -225,13 +231,14 @@ def gemm_qs_bn(n_tok: int) -> int:
     return GEMMQS_NARROW if n_tok <= GEMMQS_NARROW else GEMMQS_TILE[1]
 
 
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs")   # tiled block GEMMs that stage whole rows (16-byte aligned)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr")   # tiled block GEMMs that stage whole rows (16-byte aligned)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q``, ``dense_gemm_q8`` or ``dense_gemm_qs``) for ``n_tok`` tokens; ``bn``: a
-    ``dense_gemm_qs`` tile other than gemm_qs_bn's (the benchmark's A/B)."""
+    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs`` or ``dense_gemm_qr``) for ``n_tok``
+    tokens; ``bn``: a ``dense_gemm_qs`` / ``dense_gemm_qr`` tile other than gemm_qs_bn's (the
+    benchmark's A/B)."""
     if kernel == "dense_gemm_q":
         return GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT
     if kernel == "dense_gemm_q8":
@@ -242,19 +249,24 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
         if bn not in GEMMQS_BLOCKS_PER_SM:
             raise ValueError(f"dense_gemm_qs has tiles of {tuple(GEMMQS_BLOCKS_PER_SM)} tokens, not {bn}")
         return (GEMMQS_TILE[0], bn, GEMMQS_TILE[2]), GEMMQS_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs)")
+    if kernel == "dense_gemm_qr":
+        bn = gemm_qs_bn(n_tok) if bn is None else bn
+        if bn not in GEMMQR_BLOCKS_PER_SM:
+            raise ValueError(f"dense_gemm_qr has tiles of {tuple(GEMMQR_BLOCKS_PER_SM)} tokens, not {bn}")
+        return (GEMMQR_TILE[0], bn, GEMMQR_TILE[2]), GEMMQR_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
+    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs, dense_gemm_qr)")
 
 
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
                 kernel: str = "dense_gemm_q", bn: int | None = None) -> tuple[tuple[int, int, int], int]:
-    """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``
-    or ``dense_gemm_qs``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+    """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``,
+    ``dense_gemm_qs`` or ``dense_gemm_qr``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
     ``n_sm`` SMs: one block per output tile, the tiles split over ``n_in`` (chunks of
     whole steps, at least the kernel's least split) into at most one wave of its resident blocks
     an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
     without the split -- and, with more tiles than a wave, no split (a split past a whole wave
     left a second wave of a few blocks: 672 blocks for 660 places on the H100, SMs active 71% of
-    the time). The staged GEMMs (``dense_gemm_q8``, ``dense_gemm_qs``: STAGED_GEMMS) instead take the
+    the time). The staged GEMMs (STAGED_GEMMS) instead take the
     split with the fewest (waves x steps a block),
     the fewer splits on a tie: its steps are latency-bound, as long with 1 or 3 blocks on an SM
     (ncu at 34847e7), so a block's steps count and partial waves cost a whole one (the 14336-row
@@ -282,6 +294,7 @@ def dense_q_variant(type_id: int) -> Variant:
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
                    (f"dense_gemm_q<{type_id}>",) + tuple(f"dense_gemm_qs<{type_id}, {bn}>" for bn in GEMMQS_BLOCKS_PER_SM) +
+                   tuple(f"dense_gemm_qr<{type_id}, {bn}>" for bn in GEMMQR_BLOCKS_PER_SM if type_id in GEMMQR_TYPE_IDS) +
                    ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))
 

@@ -109,8 +109,8 @@ def gemm_q8_launch(w, xq, xd, xs, out, part, *, accumulate: bool = False):
 
 
 def tile_grid(kernel: str, w, n_tok: int, part, bn: int | None = None) -> tuple[tuple[int, int, int], int]:
-    """``kernels.gemm_q_grid`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``
-    or ``dense_gemm_qs``; ``bn``: gemm_tiling's) over ``QMatrix`` ``w`` and ``n_tok`` tokens on this
+    """``kernels.gemm_q_grid`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``,
+    ``dense_gemm_qs`` or ``dense_gemm_qr``; ``bn``: gemm_tiling's) over ``QMatrix`` ``w`` and ``n_tok`` tokens on this
     GPU; ValueError where it splits ``n_in`` and ``part`` is not the F32 ``(splits, n_tok, n_out)``
     array of the partial sums."""
     from ggml_attn import kernels as K  # noqa: PLC0415

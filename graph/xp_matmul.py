@@ -290,7 +290,8 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     return run
 
 
-_TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-q8": "dense_gemm_q8"}   # path: kernel
+_TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
+          "gemm-q8": "dense_gemm_q8"}   # path: kernel
 
 
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
@@ -380,9 +381,11 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged = kernel == "dense_gemm_qs"
+    staged = kernel in ("dense_gemm_qs", "dense_gemm_qr")
     if staged and not rows_aligned([w]):
-        raise ValueError(f"dense_gemm_qs: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
+        raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
+    if kernel == "dense_gemm_qr" and w.type_id not in K.GEMMQR_TYPE_IDS:
+        raise ValueError(f"dense_gemm_qr: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
     grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
@@ -390,12 +393,12 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.mode = 1 if accumulate else 0
     if staged:
         bn = K.gemm_qs_bn(n_tok) if bn is None else bn   # (tile_grid's tile)
-        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_qs<{w.type_id}, {bn}>")   # its QsTile::SMEM
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
     else:
-        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs)")
+        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr)")
     return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 
