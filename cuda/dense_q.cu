@@ -14,6 +14,8 @@
 //   dense_gemm_qs<T, BN>   the same product with each 256-value step's weight bytes and x tile
 //                          staged by cp.async (rows of whole 16-byte units), decoded from shared
 //                          memory (below);
+//   dense_gemm_qr<T, BN>   dense_gemm_qs with the weights decoded straight into the tensor cores'
+//                          fragments (the types of quant_blocks.cuh's QbFrag);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens);
@@ -414,8 +416,8 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 // decode and products. Each warp owns 16 of the block's QR_BM = 128 rows and every token of the
 // tile (BN = 64 or 32: NI = BN / 8 tiles of 8), so each weight value is decoded once a block, by
 // the lane whose m16n8k16 A fragment holds it (qb_frag8: rows lane / 4 and + 8, columns 2 (lane %
-// 4) + {0, 1, 8, 9} of each 16-value k step, the sub-block's scales computed by the four lanes
-// of the row's quad), rounded to F16 in registers and multiplied with the x tile's B fragments
+// 4) + {0, 1, 8, 9} of each 16-value k step; each lane computes its rows' sub-block scales, the
+// four lanes of a quad alike), rounded to F16 in registers and multiplied with the x tile's B fragments
 // (ldmatrix, as dense_gemm_qs). The same values, roundings and k order as dense_gemm_qs: the
 // same result. Shared memory QrTile<T, BN>::SMEM (the stages only), dynamic (dense_gemm_qr_smem).
 // Same parameters as dense_gemm_q.

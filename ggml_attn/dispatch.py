@@ -493,13 +493,19 @@ Q8GEMM_MAX_TOKENS = 32
 # Q8_0 360 / 436 / 500; at 128 Q4_K 606 against dequantize + cuBLAS's ~570 (56bffb3): 9-64.
 QSGEMM_MIN_TOKENS = 9
 QSGEMM_MAX_TOKENS = 64
+# In that range the types with a fragment decode (kernels.GEMMQR_TYPES: Q4_0, Q8_0, Q4_K, Q5_K,
+# Q6_K) take dense_gemm_qr instead: the same staging, the weights decoded straight into the tensor
+# cores' A fragments (no decoded tile, no barrier between decode and products), the same result.
+# Not measured yet (no device): by the SASS, a Q4_K step is ~684 instructions a thread per 64 rows
+# against dense_gemm_qs's ~949 at 64 tokens, ~712 against ~990 at 32 (tools/dev/sass_census.py);
+# predicted 1.3-1.6x faster at 16-64 tokens (bench/NOTES.md).
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
-    with 8-bit activations), ``gemm-qs`` (block weights, the staged tiled GEMM on F16 tensor
-    cores), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
+    with 8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on
+    F16 tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
     ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
     (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):
@@ -508,7 +514,7 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
     to its plain form's tokens and no staged tiled GEMM. ValueError for a type no kernel reads (the
     loader makes every other matrix F16)."""
     from .block_types import is_block_type
-    from .kernels import GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
+    from .kernels import GEMMQR_TYPES, GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be positive, got {n_tokens}")
     if weight_type == "F16":
@@ -522,6 +528,10 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
+        if weight_type in GEMMQR_TYPES:
+            return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
+                                           f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
+                                           f"{QSGEMM_MAX_TOKENS} tokens")
         return MatmulChoice("gemm-qs", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qs, "
                                        f"decoded from shared memory): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
                                        f"{QSGEMM_MAX_TOKENS} tokens")

@@ -297,7 +297,7 @@ _TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dens
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
-    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` (``x``
+    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` (``x``
     rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
     ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
     xp = b.xp
@@ -366,9 +366,10 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",
                   bn: int | None = None):
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
-    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` -- the weights' rows
-    and x staged by cp.async, rows 16-byte aligned: ``q8_matmul.rows_aligned``; ``bn`` its tile's
-    tokens other than ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
+    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr``
+    -- the weights' rows and x staged by cp.async, rows 16-byte aligned: ``q8_matmul.rows_aligned``;
+    ``dense_gemm_qr`` for ``kernels.GEMMQR_TYPES``; ``bn`` its tile's tokens other than
+    ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
     blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
     n_out)``, both C-contiguous, ``x16`` 16-byte aligned (cp.async); ``part`` F32 ``(splits,
     n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (its partial sums, added in order

@@ -169,16 +169,20 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
     return n_in, vals, x, init, QMatrix(name, (rows, n_in), cupy.asarray(q)), d_out, grid, part
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES)
+_GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
+               for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32)] if name in K.GEMMQR_TYPES else [])]
+
+
+@pytest.mark.parametrize("name, kernel, bn", _GEMM_CASES)
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(17, 3, 100), (64, 1, 64), (100, 2, 300), (300, 1, 37),
                                                       (40, 9, 100)])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, bn", [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)])
 def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn):
     """Token counts inside one tile and across several, rows that do not fill a tile, n_in split
     over the grid (kernels.gemm_q_grid) or not (one 256-value block a row); dense_gemm_q and the
-    staged dense_gemm_qs (its own tile for the tokens, and the narrow 32-token one across several
-    column tiles), both F16 products of ggml's values rounded to F16."""
+    staged dense_gemm_qs and dense_gemm_qr (its own tile for the tokens, and the narrow 32-token one
+    across several column tiles), all F16 products of ggml's values rounded to F16."""
     n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn)
     x16 = x.astype(np.float16)
     xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate, kernel=kernel, bn=bn)()
@@ -188,6 +192,27 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
     exact = base + x16.astype(np.float64) @ vals.T
     assert np.isfinite(got).all()
     assert nmse(got, rounded) <= 1e-6 and nmse(got, exact) <= 1e-5, (nmse(got, rounded), nmse(got, exact), grid)
+
+
+@pytest.mark.parametrize("name", K.GEMMQR_TYPES)
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(9, 3, 300), (33, 16, 200), (64, 2, 4096), (100, 9, 130)])
+@pytest.mark.parametrize("bn", [None, 32])
+def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn):
+    """dense_gemm_qr decodes the same values into its fragments that dense_gemm_qs decodes into its
+    shared tile (qb_frag8 against qb_dequant32: the same floats), rounds them to F16 alike and
+    multiplies in the same k order: the same output bits, split over n_in or not, rows and tokens
+    past a tile's end included."""
+    outs = []
+    for kernel in ("dense_gemm_qs", "dense_gemm_qr"):
+        _, _, x, _, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, False, kernel, bn)
+        xp_matmul.gemm_q_launch(w, cupy.asarray(x.astype(np.float16)), d_out, part, kernel=kernel, bn=bn)()
+        outs.append((d_out.get(), grid))
+    (qs, g_qs), (qr, g_qr) = outs
+    assert np.isfinite(qr).all()
+    if g_qs[2] == g_qr[2]:   # the same split of n_in (the same k_chunk): the same sums in the same order
+        assert np.array_equal(qs.view(np.uint32), qr.view(np.uint32))
+    else:                    # partial sums grouped otherwise: F32 roundings apart
+        np.testing.assert_allclose(qr, qs, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ggml_attn import kernels as K
+from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
 pytestmark = pytest.mark.skipif(not K.nvrtc_available(), reason="NVRTC library not installed "
@@ -302,6 +303,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q8x.cu", f"Q8gTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qs":   # <T, BN>
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
+    if base == "dense_gemm_qr":   # <T, BN>
+        return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
     if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA>
         return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}>()"
     if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
@@ -355,16 +358,17 @@ def test_sources_define_a_size_variable_per_dynamic_kernel():
 
 def test_dynamic_shared_memory_fits():
     """Each instance's C++ dynamic shared memory fits a block of the H100 / H200 (227 KB; the
-    cell-list kernel's 48 KB, no opt-in needed), and GEMMQ8_BLOCKS_PER_SM / GEMMQS_BLOCKS_PER_SM
-    blocks of dense_gemm_q8 / dense_gemm_qs fit an SM (228 KB, 1 KB reserved a block), for every
+    cell-list kernel's 48 KB, no opt-in needed), and GEMMQ8_BLOCKS_PER_SM / GEMMQS_BLOCKS_PER_SM /
+    GEMMQR_BLOCKS_PER_SM blocks of dense_gemm_q8 / dense_gemm_qs / dense_gemm_qr fit an SM (228 KB, 1 KB reserved a block), for every
     instance that ships (static_asserts, NVRTC's front end: no kernel compiled)."""
     names = [n for v in K.all_variants() + K.hopper_variants() for n in v.names if K.smem_expr(n)]
     checks: dict[tuple[str, str], list] = {}
     for n in names:
         src, expr = _smem_cxx(n)
         base = n.partition("<")[0]
-        if base in ("dense_gemm_q8", "dense_gemm_qs"):
-            tiles = K.GEMMQ8_BLOCKS_PER_SM if base == "dense_gemm_q8" else K.GEMMQS_BLOCKS_PER_SM
+        if base in ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr"):
+            tiles = {"dense_gemm_q8": K.GEMMQ8_BLOCKS_PER_SM, "dense_gemm_qs": K.GEMMQS_BLOCKS_PER_SM,
+                     "dense_gemm_qr": K.GEMMQR_BLOCKS_PER_SM}[base]
             per_sm = tiles[int(n.split(",")[1].strip(" >"))]
             expr = f"{per_sm} * ({expr} + 1024) <= 228 * 1024"
         else:
@@ -384,13 +388,18 @@ def test_dynamic_shared_memory_fits():
 
 
 def test_gemm_qs_tile_mirror_matches_c():
-    """The host's dense_gemm_qs tile constants are the C's (its shared memory, read from the
+    """The host's dense_gemm_qs and dense_gemm_qr tile constants and dense_gemm_qr's types are the C's (its shared memory, read from the
     program: test_dynamic_shared_memory_fits, test_smem_read_back_matches_c)."""
     checks = [(n, v, n) for n, v in (("QS_BM", K.GEMMQS_TILE[0]), ("QS_BK", K.GEMMQS_TILE[2]),
                                      ("QS_THREADS", K.GEMMQS_THREADS), ("QS_STAGES", K.GEMMQS_STAGES),
                                      ("QS_LD", K.GEMMQS_LD))]
+    checks += [("QR_BM", K.GEMMQR_TILE[0], "QR_BM"), ("QS_BK", K.GEMMQR_TILE[2], "dense_gemm_qr's step")]
+    # the fragment decode's types (QbFrag<T>::OK) are the ones the host instantiates dense_gemm_qr for
+    checks += [(f"QbFrag<{block_layout(t).type_id}>::OK", "true" if t in K.GEMMQR_TYPES else "false", t)
+               for t in BLOCK_TYPES]
     _static_asserts("dense_q.cu", checks, "sm_80")
-    assert max(K.GEMMQS_BLOCKS_PER_SM) == K.GEMMQS_TILE[1]
+    assert max(K.GEMMQS_BLOCKS_PER_SM) == K.GEMMQS_TILE[1] == max(K.GEMMQR_BLOCKS_PER_SM) == K.GEMMQR_TILE[1]
+    assert sorted(K.GEMMQR_BLOCKS_PER_SM) == sorted(K.GEMMQS_BLOCKS_PER_SM)   # (gemm_qs_bn picks both tiles)
     assert [K.gemm_qs_bn(n) for n in (1, 32, 33, 64, 512)] == [32, 32, 64, 64, 64]
 
 

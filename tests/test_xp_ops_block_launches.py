@@ -12,7 +12,7 @@ import pytest
 
 from ggml_attn import dispatch
 from ggml_attn import kernels as K
-from ggml_attn.block_types import block_layout
+from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.graph import q8_matmul, xp_matmul, xp_ops
 from ggml_attn.graph.model_device import QMatrix
 
@@ -200,11 +200,15 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 def test_best_matmul(monkeypatch):
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
     assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qs"] * 6 + ["gemm", "gemm"]
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 6 + ["gemm", "gemm"]
+    # dense_gemm_qr for the types with a fragment decode, dense_gemm_qs for the others
+    assert {t: dispatch.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
+        {t: "gemm-qr" if t in K.GEMMQR_TYPES else "gemm-qs" for t in BLOCK_TYPES}
+    assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
     assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 9, 16, 32, 33, 64, 65)] == \
-        ["gemm-q8"] * 3 + ["gemm-qs"] * 5 + ["gemm"]
+        ["gemm-q8"] * 3 + ["gemm-qr"] * 5 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no staged tiled GEMM
     assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16, 64)] == \
@@ -222,7 +226,7 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
     w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
     assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
-    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qs" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
+    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qr" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
     assert dispatch.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
     b = Builder()
     x = Dev((16, 160))
@@ -234,6 +238,11 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
         q8_matmul.gemm_q8_launch(w, xq, xd, xd, Dev((16, 64)), None)
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         xp_matmul.gemm_q_launch(w, Dev((16, 160), np.float16), Dev((16, 64)), None, kernel="dense_gemm_qs")
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        xp_matmul.gemm_q_launch(w, Dev((16, 160), np.float16), Dev((16, 64)), None, kernel="dense_gemm_qr")
+    with pytest.raises(ValueError, match="no fragment decode of Q3_K"):   # a type dense_gemm_qr does not read
+        xp_matmul.gemm_q_launch(_qmatrix("Q3_K", 64, 2048), Dev((16, 2048), np.float16), Dev((16, 64)), None,
+                                kernel="dense_gemm_qr")
     with pytest.raises(ValueError, match="IQ4_NL"):
         dispatch.best_matmul("IQ4_NL", 1)
 
@@ -322,28 +331,32 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok, bn", [(9, 32), (32, 32), (33, 64), (64, 64)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, bn, accumulate):
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
+def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, bn, accumulate,
+                                                                 kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
-    dense_gemm_qs: x rounded to F16 once for every weight, each weight's launch its tile for the
-    tokens (gemm_qs_bn: 32 tokens, 2 blocks an SM, then 64) with that tile's dynamic shared memory,
-    on gemm_q_grid's split, whose partial sums dense_splitk_sum adds in the output's mode."""
+    dense_gemm_qr (the types of GEMMQR_TYPES) or dense_gemm_qs (the others): x rounded to F16 once
+    for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
+    blocks an SM, then 64) with that tile's dynamic shared memory, on gemm_q_grid's split, whose
+    partial sums dense_splitk_sum adds in the output's mode."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
-    ws = [_qmatrix("Q4_K", 4096, 4096), _qmatrix("Q6_K", 1024, 4096)]
-    assert [dispatch.best_matmul(w.type, n_tok).path for w in ws] == ["gemm-qs"] * 2
+    ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
+    path = "gemm-qr" if kernel == "dense_gemm_qr" else "gemm-qs"
+    assert [dispatch.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
     x, outs = Dev((n_tok, 4096)), [Dev((n_tok, 4096)), Dev((n_tok, 1024))]
     kept = Builder()
     xp_matmul._qmatmuls(kept, ws, x, outs, accumulate=accumulate)
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
-    gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_qs")]
-    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qs<12, {bn}>", f"dense_gemm_qs<14, {bn}>"]
+    gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
+    assert [ln.fn.name for ln in gemms] == [f"{kernel}<{w.type_id}, {bn}>" for w in ws]
     sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
     assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
     for ln, w, o in zip(gemms, ws, outs):
-        grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, "dense_gemm_qs")
+        grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, kernel)
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own QsTile::SMEM
+        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own tile's SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \

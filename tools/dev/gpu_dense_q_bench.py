@@ -68,7 +68,7 @@ def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch, kernel: str = "
     steps = []
     for k, w in ws.items():
         n = x16.shape[0]
-        grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], n_sm, kernel, bn if kernel == "dense_gemm_qs" else None)
+        grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], n_sm, kernel, bn if kernel != "dense_gemm_q" else None)
         part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
         steps.append(gemm_q_launch(w, xf16 if k == "wd" else x16, cp.empty((n, w.shape[0]), cp.float32), part,
                                    kernel=kernel, bn=bn))
@@ -206,8 +206,9 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 
 
 def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
-    """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs (its tile for the tokens,
-    and each tile alone), dense_gemm_q8 (its activations' quantization included)."""
+    """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
+    dense_gemm_qr (each its tile for the tokens, and each tile alone), dense_gemm_q8 (its
+    activations' quantization included)."""
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
     for n in tokens:
@@ -217,6 +218,10 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
         cases += [(f"gemm_qs{'' if bn is None else f' bn{bn}'}",
                    lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs", bn))
                   for bn in (None, *K.GEMMQS_BLOCKS_PER_SM)]
+        if t in K.GEMMQR_TYPES:   # the fragment-decode form, its tile for the tokens and each tile alone
+            cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
+                       lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
+                      for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms()))]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
