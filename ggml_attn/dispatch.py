@@ -493,12 +493,13 @@ Q8GEMM_MAX_TOKENS = 32
 # Q8_0 360 / 436 / 500; at 128 Q4_K 606 against dequantize + cuBLAS's ~570 (56bffb3): 9-64.
 QSGEMM_MIN_TOKENS = 9
 QSGEMM_MAX_TOKENS = 64
-# In that range the types with a fragment decode (kernels.GEMMQR_TYPES: Q4_0, Q8_0, Q4_K, Q5_K,
-# Q6_K) take dense_gemm_qr instead: the same staging, the weights decoded straight into the tensor
-# cores' A fragments (no decoded tile, no barrier between decode and products), the same result.
-# Not measured yet (no device): by the SASS, a Q4_K step is ~684 instructions a thread per 64 rows
-# against dense_gemm_qs's ~949 at 64 tokens, ~712 against ~990 at 32 (tools/dev/sass_census.py);
-# predicted 1.3-1.6x faster at 16-64 tokens (bench/NOTES.md).
+# In that range the types of QRGEMM_TYPES take dense_gemm_qr instead: the same staging, the
+# weights decoded straight into the tensor cores' A fragments (no decoded tile, no barrier between
+# decode and products), the same result; it can read kernels.GEMMQR_TYPES (Q4_0, Q8_0, Q4_K, Q5_K,
+# Q6_K). None yet: not measured (no device when it was written). By the SASS a Q4_K step is ~684
+# instructions a thread per 64 rows against dense_gemm_qs's ~949 at 64 tokens, ~712 against ~990 at
+# 32 (tools/dev/sass_census.py); predicted 1.3-1.6x faster at 16-64 tokens (bench/NOTES.md).
+QRGEMM_TYPES: tuple[str, ...] = ()
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
@@ -528,7 +529,7 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
         return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
                                         f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
-        if weight_type in GEMMQR_TYPES:
+        if weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES:
             return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
                                            f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
                                            f"{QSGEMM_MAX_TOKENS} tokens")

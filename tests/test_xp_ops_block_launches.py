@@ -200,15 +200,19 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 def test_best_matmul(monkeypatch):
     assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
     assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 6 + ["gemm", "gemm"]
-    # dense_gemm_qr for the types with a fragment decode, dense_gemm_qs for the others
-    assert {t: dispatch.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
-        {t: "gemm-qr" if t in K.GEMMQR_TYPES else "gemm-qs" for t in BLOCK_TYPES}
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qs"] * 6 + ["gemm", "gemm"]
+    # dense_gemm_qr for the types routed to it that have a fragment decode, dense_gemm_qs for the others
+    assert dispatch.QRGEMM_TYPES == ()   # (none until it is measured: bench/NOTES.md)
     assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
+    assert {t: dispatch.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
+        {t: "gemm-qr" if t in ("Q4_K", "Q6_K") else "gemm-qs" for t in BLOCK_TYPES}
+    assert [dispatch.best_matmul("Q4_K", n).path for n in (8, 9, 64, 65)] == ["gemm-q8", "gemm-qr", "gemm-qr", "gemm"]
+    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", ())
     assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
     assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 9, 16, 32, 33, 64, 65)] == \
-        ["gemm-q8"] * 3 + ["gemm-qr"] * 5 + ["gemm"]
+        ["gemm-q8"] * 3 + ["gemm-qs"] * 5 + ["gemm"]
     assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no staged tiled GEMM
     assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16, 64)] == \
@@ -226,7 +230,7 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
     w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
     assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
-    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qr" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
+    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qs" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
     assert dispatch.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
     b = Builder()
     x = Dev((16, 160))
@@ -335,12 +339,13 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, bn, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
-    dense_gemm_qr (the types of GEMMQR_TYPES) or dense_gemm_qs (the others): x rounded to F16 once
+    dense_gemm_qr (the types of QRGEMM_TYPES, here all it reads) or dense_gemm_qs (the others): x rounded to F16 once
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, then 64) with that tile's dynamic shared memory, on gemm_q_grid's split, whose
     partial sums dense_splitk_sum adds in the output's mode."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
+    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", K.GEMMQR_TYPES)
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qr" if kernel == "dense_gemm_qr" else "gemm-qs"
     assert [dispatch.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2

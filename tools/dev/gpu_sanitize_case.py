@@ -285,7 +285,7 @@ def _dense_q(cp, rng) -> int:
     the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
     tokens, n_in split: dense_splitk_sum) and the staged dense_gemm_qs (both tiles) against float64
-    of their F16-rounded operands, and dense_gemm_q8 against float64 of its quantized activations.
+    of their F16-rounded operands (and dense_gemm_qr, for its types), and dense_gemm_q8 against float64 of its quantized activations.
     Failures."""
     import ctypes
 
@@ -381,17 +381,21 @@ def _dense_q(cp, rng) -> int:
             ok = err < 1e-5
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
-        for n_tok, bn in ((20, None), (70, None), (70, 32)):   # the staged F16 GEMM on the same rows, both tiles
-            x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
-            d_out = cp.full((n_tok, rows), np.nan, np.float32)
-            grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), "dense_gemm_qs", bn)
-            part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-            xp_matmul.gemm_q_launch(w8, cp.asarray(x16), d_out, part, kernel="dense_gemm_qs", bn=bn)()
-            st.synchronize()
-            err = nmse(d_out.get(), x16.astype(np.float64) @ vals8.astype(np.float16).astype(np.float64).T)
-            ok = err < 1e-6
-            bad += not ok
-            print(f"gemm_qs  {name:5s} n_tok={n_tok:2d} bn={bn} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        # the staged F16 GEMMs on the same rows, both tiles: dense_gemm_qs, and for its types dense_gemm_qr
+        staged = ("dense_gemm_qs", "dense_gemm_qr") if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
+        for kernel in staged:
+            for n_tok, bn in ((20, None), (70, None), (70, 32)):
+                x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
+                d_out = cp.full((n_tok, rows), np.nan, np.float32)
+                grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), kernel, bn)
+                part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+                xp_matmul.gemm_q_launch(w8, cp.asarray(x16), d_out, part, kernel=kernel, bn=bn)()
+                st.synchronize()
+                err = nmse(d_out.get(), x16.astype(np.float64) @ vals8.astype(np.float16).astype(np.float64).T)
+                ok = err < 1e-6
+                bad += not ok
+                print(f"{kernel[6:]:8s} {name:5s} n_tok={n_tok:2d} bn={bn} splits={grid[2]} nmse={err:.2e} "
+                      f"{'ok' if ok else 'FAIL'}")
     return bad
 
 
