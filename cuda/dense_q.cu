@@ -495,8 +495,8 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
                     // sums, of x rows not copied, are never stored)
                     if (n0 + 8 * n >= p.n_tok) continue;
                     unsigned b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3,
-                                smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk + 8 * ((lane >> 3) & 1)));
+                    ldmatrix_x4(b0, b1, b2, b3, smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk +
+                                                         8 * ((lane >> 3) & 1)));
                     Mma<__half>::run(acc[0][n], a, b0, b1);
                     Mma<__half>::run(acc[0][n + 1], a, b2, b3);
                 }

@@ -360,7 +360,8 @@ template <> QB_HD void qb_frag8<QB_Q6_K>(const qb_u8* b, int s, int c, float (&v
     const int lshift = 4 * (k >> 1), hshift = 2 * k;
     const float ds[2] = {d * (float)sc[0], d * (float)sc[1]};
     for (int h = 0; h < 4; ++h) {
-        const unsigned x = ((qb_u16(ql + 8 * h) >> lshift) & 0x0F0Fu) | (((qb_u16(qh + 8 * h) >> hshift) & 0x0303u) << 4);
+        const unsigned x = ((qb_u16(ql + 8 * h) >> lshift) & 0x0F0Fu) |
+                           (((qb_u16(qh + 8 * h) >> hshift) & 0x0303u) << 4);
         v[2 * h] = ds[h >> 1] * (qb_byte_2p23(x, 0) - 8388640.0f);
         v[2 * h + 1] = ds[h >> 1] * (qb_byte_2p23(x, 1) - 8388640.0f);
     }

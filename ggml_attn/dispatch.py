@@ -506,7 +506,8 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
     of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
     with 8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on
-    F16 tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block weights, the tiled GEMM on int8 tensor cores),
+    F16 tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block
+    weights, the tiled GEMM on int8 tensor cores),
     ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
     block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
     (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):

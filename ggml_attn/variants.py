@@ -231,7 +231,8 @@ def gemm_qs_bn(n_tok: int) -> int:
     return GEMMQS_NARROW if n_tok <= GEMMQS_NARROW else GEMMQS_TILE[1]
 
 
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr")   # tiled block GEMMs that stage whole rows (16-byte aligned)
+# tiled block GEMMs that stage whole rows (16-byte aligned)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr")
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
@@ -294,7 +295,8 @@ def dense_q_variant(type_id: int) -> Variant:
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
                    (f"dense_gemm_q<{type_id}>",) + tuple(f"dense_gemm_qs<{type_id}, {bn}>" for bn in GEMMQS_BLOCKS_PER_SM) +
-                   tuple(f"dense_gemm_qr<{type_id}, {bn}>" for bn in GEMMQR_BLOCKS_PER_SM if type_id in GEMMQR_TYPE_IDS) +
+                   tuple(f"dense_gemm_qr<{type_id}, {bn}>" for bn in GEMMQR_BLOCKS_PER_SM
+                         if type_id in GEMMQR_TYPE_IDS) +
                    ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))
 

@@ -359,7 +359,8 @@ def test_sources_define_a_size_variable_per_dynamic_kernel():
 def test_dynamic_shared_memory_fits():
     """Each instance's C++ dynamic shared memory fits a block of the H100 / H200 (227 KB; the
     cell-list kernel's 48 KB, no opt-in needed), and GEMMQ8_BLOCKS_PER_SM / GEMMQS_BLOCKS_PER_SM /
-    GEMMQR_BLOCKS_PER_SM blocks of dense_gemm_q8 / dense_gemm_qs / dense_gemm_qr fit an SM (228 KB, 1 KB reserved a block), for every
+    GEMMQR_BLOCKS_PER_SM blocks of dense_gemm_q8 / dense_gemm_qs / dense_gemm_qr fit an SM (228 KB,
+    1 KB reserved a block), for every
     instance that ships (static_asserts, NVRTC's front end: no kernel compiled)."""
     names = [n for v in K.all_variants() + K.hopper_variants() for n in v.names if K.smem_expr(n)]
     checks: dict[tuple[str, str], list] = {}
@@ -388,7 +389,8 @@ def test_dynamic_shared_memory_fits():
 
 
 def test_gemm_qs_tile_mirror_matches_c():
-    """The host's dense_gemm_qs and dense_gemm_qr tile constants and dense_gemm_qr's types are the C's (its shared memory, read from the
+    """The host's dense_gemm_qs and dense_gemm_qr tile constants and dense_gemm_qr's types are the
+    C's (its shared memory, read from the
     program: test_dynamic_shared_memory_fits, test_smem_read_back_matches_c)."""
     checks = [(n, v, n) for n, v in (("QS_BM", K.GEMMQS_TILE[0]), ("QS_BK", K.GEMMQS_TILE[2]),
                                      ("QS_THREADS", K.GEMMQS_THREADS), ("QS_STAGES", K.GEMMQS_STAGES),

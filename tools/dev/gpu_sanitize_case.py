@@ -285,7 +285,8 @@ def _dense_q(cp, rng) -> int:
     the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
     tokens, n_in split: dense_splitk_sum) and the staged dense_gemm_qs (both tiles) against float64
-    of their F16-rounded operands (and dense_gemm_qr, for its types), and dense_gemm_q8 against float64 of its quantized activations.
+    of their F16-rounded operands (and dense_gemm_qr, for its types), and dense_gemm_q8 against
+    float64 of its quantized activations.
     Failures."""
     import ctypes
 

@@ -20,8 +20,9 @@ Steps (logs under ``--out``; ``serve_side_by_side.json`` written after each, a t
    (median of 50, stated in the JSON, not subtracted);
 4. ``ggml-attn-serve-bench --trace`` on the same trace, ``--split`` (default ``all``: ``simple`` on a
    unified cache, the others a stream per sequence) and with ``-kvu`` ``--split-kvu`` (default the
-   four that are not ``simple``; an empty list skips a run), with ``--warmup`` (the trace served once untimed first; ``--cold``: not) -- llama-server gets a
-   warm-up too, and a first pass is where ours builds each new ubatch structure's graph.
+   four that are not ``simple``; an empty list skips a run), with ``--warmup`` (the trace served
+   once untimed first; ``--cold``: not) -- llama-server gets a warm-up too, and a first pass is
+   where ours builds each new ubatch structure's graph.
 
 llama-server's rows use ``format_serve.row_of`` with ``split`` = ``llama-server``: the same
 columns as ours (step counts, pads and KV cells are not known there and read 0).
