@@ -153,6 +153,39 @@ def test_a_graph_launch_out_of_device_memory_gives_cupys_cached_blocks_back_and_
         e._retry_out_of_memory(launch([MemoryError()]))
 
 
+@pytest.mark.parametrize("error, clear", [(CUDARuntimeError(2), True), (MemoryError("out of memory"), True),
+                                          (CUDARuntimeError(700), False)])
+def test_a_ubatch_out_of_device_memory_is_a_clear_error_and_the_cache_keeps_the_rest(error, clear):
+    """The runner (every CLI's) turns a ubatch that ran out of device memory -- a graph launch's
+    cudaErrorMemoryAllocation, CuPy's OutOfMemoryError -- into one clear line (OutOfMemory: which
+    ubatch, its shape, the split and the cache's size) instead of a CUDA traceback; the cache
+    keeps the ubatches before it (the batch's rollback); any other error stays itself."""
+    from ggml_attn.cli.errors import OutOfMemory
+    from ggml_attn.cli.models import ModelShape
+    from ggml_attn.cli.runner import RunConfig, Runner
+    m = ModelShape("small", n_layer=1, n_head=2, n_head_kv=1, head_dim_k=32, n_embd=64, n_ff=96)
+    r = Runner(RunConfig(m, n_ctx=256, n_seq=2, kv_unified=True, split="simple", n_ubatch=4, device="cpu",
+                         n_threads=1))
+    real, calls = r.engine.run_ubatch, []
+
+    def run_ubatch(plan):
+        calls.append(1)
+        if len(calls) == 2:
+            raise error
+        return real(plan)
+    r.engine.run_ubatch = run_ubatch
+    try:
+        with pytest.raises(OutOfMemory if clear else CUDARuntimeError) as e:
+            r.decode(r.prompt_batch([5, 3]))
+        if clear:
+            msg = str(e.value)
+            assert msg.startswith("the device ran out of memory running ubatch 1 of 2 (") and "split simple" in msg
+            assert "256 cells" in msg and "\n" not in msg
+        assert r.cache.n_used(0) == 4   # the first ubatch's 4 tokens stay, nothing of the second
+    finally:
+        r.close()
+
+
 def test_serve_bench_closes_each_strategys_runner_before_the_next_is_made(capsys, monkeypatch):
     """Every strategy's runner (KV cache, kept graphs) is made, serves every rate, and is closed
     before the next strategy's is made (with all five of an 8B F16 model kept, a graph launch ran

@@ -382,6 +382,11 @@ class Runner:
                 plans = g.driver.decode(self.cache, view, self.cfg.n_ubatch, self.cfg.split, self.engine, acfg,
                                         on_error=self._user_error, before_ubatch=check_interrupt, on_done=done)
             except g.BatchError as e:  # the cache holds the ubatches before it; report the cause
+                if g.engine.out_of_device_memory(e.__cause__):   # a clear line, not a CUDA traceback
+                    raise OutOfMemory(f"the device ran out of memory running ubatch {e.failed} of "
+                                      f"{len(e.ubatches)} ({ubatch_shape(e.ubatches[e.failed])}; split "
+                                      f"{self.cfg.split}, a KV cache of {self.cfg.n_ctx} cells, "
+                                      f"{self._kv_gib():.1f} GiB): {e.__cause__}") from e.__cause__
                 raise e.__cause__ from None
             for plan in plans:
                 stats.n_ubatches += 1
