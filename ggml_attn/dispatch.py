@@ -493,28 +493,23 @@ Q8GEMM_MAX_TOKENS = 32
 # Q8_0 360 / 436 / 500; at 128 Q4_K 606 against dequantize + cuBLAS's ~570 (56bffb3): 9-64.
 QSGEMM_MIN_TOKENS = 9
 QSGEMM_MAX_TOKENS = 64
-# In that range the types of QRGEMM_TYPES take dense_gemm_qr instead: the same staging, the
-# weights decoded straight into the tensor cores' A fragments (no decoded tile, no barrier between
-# decode and products), the same result; it can read kernels.GEMMQR_TYPES (Q4_0, Q8_0, Q4_K, Q5_K,
-# Q6_K). None yet: not measured (no device when it was written). By the SASS a Q4_K step is ~684
-# instructions a thread per 64 rows against dense_gemm_qs's ~949 at 64 tokens, ~712 against ~990 at
-# 32 (tools/dev/sass_census.py); predicted 1.3-1.6x faster at 16-64 tokens (bench/NOTES.md).
+# There the types of QRGEMM_TYPES (of kernels.GEMMQR_TYPES) take dense_gemm_qr: the weights decoded into
+# the A fragments, the same result; none until measured (predicted 1.3-1.6x: bench/NOTES.md, ninth session).
 QRGEMM_TYPES: tuple[str, ...] = ()
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
-    """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type
-    of ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV
-    with 8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on
-    F16 tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block
-    weights, the tiled GEMM on int8 tensor cores),
-    ``gemm-q`` (block weights, the tiled block GEMM on F16 decodes) or ``gemm`` (cuBLAS;
-    block weights dequantized to F16 first). ``gemv=False``: the caller cannot run a GEMV here
-    (its launch refused the arrays, e.g. rows not 16-byte aligned past the plain GEMV's tokens):
-    the best of the others. ``aligned``: the weight's rows start 16-byte aligned (the staged
-    kernels' cp.async units: ``graph.q8_matmul.rows_aligned``); without, the 8-bit GEMV only up
-    to its plain form's tokens and no staged tiled GEMM. ValueError for a type no kernel reads (the
-    loader makes every other matrix F16)."""
+    """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type of
+    ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV with
+    8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on F16
+    tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block weights, the
+    tiled GEMM on int8 tensor cores), ``gemm-q`` (block weights, the tiled block GEMM on F16
+    decodes) or ``gemm`` (cuBLAS; block weights dequantized to F16 first). ``gemv=False``: the
+    caller cannot run a GEMV here (its launch refused the arrays, e.g. rows not 16-byte aligned past
+    the plain GEMV's tokens): the best of the others. ``aligned``: the weight's rows start 16-byte
+    aligned (the staged kernels' cp.async units: ``graph.q8_matmul.rows_aligned``); without, the
+    8-bit GEMV only up to its plain form's tokens and no staged tiled GEMM. ValueError for a type no
+    kernel reads (the loader makes every other matrix F16)."""
     from .block_types import is_block_type
     from .kernels import GEMMQR_TYPES, GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
     if n_tokens < 1:
