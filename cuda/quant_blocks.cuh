@@ -322,11 +322,17 @@ template <> QB_HD void qb_frag8<QB_Q8_0>(const qb_u8* b, int, int c, float (&v)[
     }
 }
 
-template <> QB_HD void qb_frag8<QB_Q4_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
-    const float d = qb_half(b), mn = qb_half(b + 2);
+// Q4_K / Q5_K: sub-block s's factors of value = d1 q - m1 (ggml's d * sc and dmin * m).
+QB_HD void qb_k4_factors(const qb_u8* b, int s, float& d1, float& m1) {
     int sc, m;
     qb_scale_min_k4(s, b + 4, sc, m);
-    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    d1 = qb_half(b) * (float)sc;
+    m1 = qb_half(b + 2) * (float)m;
+}
+
+template <> QB_HD void qb_frag8<QB_Q4_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
+    float d1, m1;
+    qb_k4_factors(b, s, d1, m1);
     const qb_u8* q = b + 16 + 32 * (s >> 1) + 2 * c;
     const int shift = 4 * (s & 1);
     for (int h = 0; h < 4; ++h) {
@@ -337,10 +343,8 @@ template <> QB_HD void qb_frag8<QB_Q4_K>(const qb_u8* b, int s, int c, float (&v
 }
 
 template <> QB_HD void qb_frag8<QB_Q5_K>(const qb_u8* b, int s, int c, float (&v)[8]) {
-    const float d = qb_half(b), mn = qb_half(b + 2);
-    int sc, m;
-    qb_scale_min_k4(s, b + 4, sc, m);
-    const float d1 = d * (float)sc, m1 = mn * (float)m;
+    float d1, m1;
+    qb_k4_factors(b, s, d1, m1);
     const qb_u8* q = b + 48 + 32 * (s >> 1) + 2 * c;
     const qb_u8* qh = b + 16 + 2 * c;
     const int shift = 4 * (s & 1);
