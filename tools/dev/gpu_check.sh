@@ -106,7 +106,7 @@ if [ $PROF = 1 ]; then
   case "$PCASE" in
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
     decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
-    dense-qs) kre=regex:dense_gemm_qs; skip=7; count=14;;
+    dense-qs) kre="regex:dense_gemm_q[sr]"; skip=7; count=14;;   # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"

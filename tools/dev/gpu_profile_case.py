@@ -12,8 +12,9 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode-quant  one token, 32768 q8_0 KV cells (a cache view) through the sm_90a decode: its
            default instance, then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys)
   dense-qs one llama-3-8B layer's seven Q4_K matrices ($DENSE_QS_TYPE) through dense_gemm_qs
-           (cuda/dense_q.cu, issue #43) at 64 tokens (the 64-token tile), then at 16 (the 32-token
-           tile): ncu -k regex:dense_gemm_qs --launch-skip 7 --launch-count 14
+           (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr: that kernel) at 64 tokens
+           (the 64-token tile), then at 16 (the 32-token tile): ncu -k regex:dense_gemm_q[sr]
+           --launch-skip 7 --launch-count 14
 
 Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -72,8 +73,8 @@ def quant_fns(configs) -> list:
     return [lambda c=c: fn(c) for c in ("", *configs)]
 
 
-def dense_qs_fns(type_name: str) -> list:
-    """dense-qs's calls: one 8B layer through dense_gemm_qs at 64 tokens, then at 16."""
+def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs") -> list:
+    """dense-qs's calls: one 8B layer through ``kernel`` at 64 tokens, then at 16."""
     import cupy as cp
 
     from ggml_attn import kernels as K
@@ -85,7 +86,7 @@ def dense_qs_fns(type_name: str) -> list:
     for n in (64, 16):
         x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
         xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
-        fns.append(_tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs"))
+        fns.append(_tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, kernel))
     return fns
 
 
@@ -100,7 +101,8 @@ def main(argv=None):
                 f()
             continue
         if case == "dense-qs":
-            for f in dense_qs_fns(os.environ.get("DENSE_QS_TYPE", "Q4_K")):
+            env = os.environ.get
+            for f in dense_qs_fns(env("DENSE_QS_TYPE", "Q4_K"), env("DENSE_QS_KERNEL", "dense_gemm_qs")):
                 f()
                 f()
             continue
