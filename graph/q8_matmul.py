@@ -2,7 +2,7 @@
 mmvq / mmq way): the activations quantized once to int8 per 32 values (:func:`quant_q8x_launch`),
 then the GEMV (:func:`q8x_launches`, 1-16 tokens) or the tiled GEMM on int8 tensor cores
 (:func:`gemm_q8_launch`) over ``model_device.QMatrix`` weights. ``xp_matmul`` calls them where
-``dispatch.best_matmul`` says ``gemv-q8x`` or ``gemm-q8``.
+``matmul_dispatch.best_matmul`` says ``gemv-q8x`` or ``gemm-q8``.
 
 Shapes in numpy order, C-contiguous CuPy arrays: ``x`` F32 ``(n_tok, n_in)``; ``xq`` int8
 ``(n_tok, n_in)``; ``xd`` (each 32 values' scale) and ``xs`` (their int8 sum) F32
@@ -43,7 +43,7 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
                  quantize: bool = True, staged: bool | None = None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
-    ``dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
+    ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
     one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``): ``dense_gemv_q8x_s``

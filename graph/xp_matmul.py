@@ -11,7 +11,7 @@ block's RMS norm too (``norm_eps``): inside the GEMV on the first path, one ``de
 launch (``cuda/dense.cu``) before the cast on the second.
 
 Weights are F16 arrays or ``model_device.QMatrix`` (a matrix kept in ggml's blocks, a real
-model's Q4_0 .. Q6_K matrices): ``dispatch.best_matmul`` picks, per weight type and token count,
+model's Q4_0 .. Q6_K matrices): ``matmul_dispatch.best_matmul`` picks, per weight type and token count,
 one ``dense_gemv_q`` launch (``cuda/dense_q.cu``: the blocks decoded in registers, F32
 activations; the norm's weight ``norm_w`` applied to the normalized activations there), or its
 8-bit-activation twin (:func:`q8x_launches`, ``cuda/dense_q8x.cu``), the tiled block GEMM on the
@@ -141,11 +141,11 @@ def _wtype(w) -> str:
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
     """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`,
-    or :func:`q8x_launches` where ``dispatch.best_matmul`` says ``gemv-q8x``) for graph builder
-    ``b`` when ``dispatch.best_matmul`` says GEMV for every weight; None on
+    or :func:`q8x_launches` where ``matmul_dispatch.best_matmul`` says ``gemv-q8x``) for graph builder
+    ``b`` when ``matmul_dispatch.best_matmul`` says GEMV for every weight; None on
     numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
     for mode 0). The arrays are kept with the graph."""
-    from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
@@ -296,7 +296,7 @@ _TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dens
 
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
-    dequantized values; CuPy, per weight ``dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
+    dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` (``x``
     rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
     ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
@@ -314,7 +314,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.dispatch import best_matmul  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None

@@ -430,19 +430,19 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     dequantized into the F16 scratch, cuBLAS). Greedy tokens for the float files (for quantized
     ones llama.cpp's own paths disagree: test_greedy_tokens). Quantized files run in both device
     forms of their matrices (``model_device.WEIGHTS``): in their blocks, and as F16; and in their
-    blocks with the tiled block GEMM (``dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
-    or with the 8-bit-activation GEMV (``dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16, or with
-    the int8 tiled GEMM (``dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
-    from ggml_attn import dispatch
+    blocks with the tiled block GEMM (``matmul_dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
+    or with the 8-bit-activation GEMV (``matmul_dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16, or with
+    the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
+    from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
     if form == "blocks-gemm-q":
-        monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 2)
-        monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 512)
+        monkeypatch.setattr(matmul_dispatch, "QGEMM_MIN_TOKENS", 2)
+        monkeypatch.setattr(matmul_dispatch, "QGEMM_MAX_TOKENS", 512)
     if form == "blocks-q8x":   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
-        monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 16)
+        monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
     if form == "blocks-gemm-q8":   # ubatches of 9 to 512 tokens through the int8 tiled GEMM
-        monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 512)
+        monkeypatch.setattr(matmul_dispatch, "Q8GEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp

@@ -9,7 +9,7 @@ import pytest
 
 from ggml_attn import cuda_launch as L
 from ggml_attn import cuda_plan
-from ggml_attn import dispatch
+from ggml_attn import dispatch, matmul_dispatch
 from ggml_attn import kernels as K
 from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
@@ -132,7 +132,7 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     asked = []
     monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
     monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append(variants))
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", q8x)
+    monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", q8x)
     p = PRESETS["llama-3-8b"]
     m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
                         file_type="Q4_K+Q6_K+F32")

@@ -4,14 +4,14 @@ lookups and launches are recorded (``kernels.get_function`` / ``kernels.BoundLau
 is checked: ``dense_gemv_q``'s parameter block (segment pointers and rows, activations, norm
 weight, row bytes, token count, mode), its instance and grid; the GEMM path's chunks (every row
 of every weight once, each chunk's dequantize launch and GEMM at the right byte and column
-offsets); the embedding's block rows; and where each path is taken (``dispatch.best_matmul``)."""
+offsets); the embedding's block rows; and where each path is taken (``md.best_matmul``)."""
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from ggml_attn import dispatch
 from ggml_attn import kernels as K
+from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.graph import q8_matmul, xp_matmul, xp_ops
 from ggml_attn.graph.model_device import QMatrix
@@ -169,9 +169,9 @@ def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
     """With Q8X_MAX_TOKENS set, block GEMVs go through the 8-bit-activation GEMV: x quantized
     once (its int8 and scale arrays from the builder) for the groups of every block type; F16
     weights keep theirs."""
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 2)
-    assert dispatch.best_matmul("Q6_K", 2).path == "gemv-q8x" and dispatch.best_matmul("Q6_K", 3).path == "gemm-q8"
-    assert dispatch.best_matmul("Q5_K", 1).path == "gemv-q8x" and dispatch.best_matmul("F16", 1).path == "gemv"
+    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 2)
+    assert md.best_matmul("Q6_K", 2).path == "gemv-q8x" and md.best_matmul("Q6_K", 3).path == "gemm-q8"
+    assert md.best_matmul("Q5_K", 1).path == "gemv-q8x" and md.best_matmul("F16", 1).path == "gemv"
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q5_K", 16, 256)]
     x, outs = Dev((2, 256)), [Dev((2, 64)), Dev((2, 16))]
@@ -198,28 +198,28 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 
 
 def test_best_matmul(monkeypatch):
-    assert dispatch.best_matmul("F16", 4).path == "gemv" and dispatch.best_matmul("F16", 5).path == "gemm"
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
+    assert md.best_matmul("F16", 4).path == "gemv" and md.best_matmul("F16", 5).path == "gemm"
+    assert [md.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
         ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qs"] * 6 + ["gemm", "gemm"]
     # dense_gemm_qr for the types routed to it that have a fragment decode, dense_gemm_qs for the others
-    assert dispatch.QRGEMM_TYPES == ()   # (none until it is measured: bench/NOTES.md)
+    assert md.QRGEMM_TYPES == ()   # (none until it is measured: bench/NOTES.md)
     assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
-    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
-    assert {t: dispatch.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
+    monkeypatch.setattr(md, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
+    assert {t: md.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
         {t: "gemm-qr" if t in ("Q4_K", "Q6_K") else "gemm-qs" for t in BLOCK_TYPES}
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (8, 9, 64, 65)] == ["gemm-q8", "gemm-qr", "gemm-qr", "gemm"]
-    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", ())
-    assert "dequantized" in dispatch.best_matmul("Q8_0", 512).reason
+    assert [md.best_matmul("Q4_K", n).path for n in (8, 9, 64, 65)] == ["gemm-q8", "gemm-qr", "gemm-qr", "gemm"]
+    monkeypatch.setattr(md, "QRGEMM_TYPES", ())
+    assert "dequantized" in md.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
-    assert [dispatch.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 9, 16, 32, 33, 64, 65)] == \
+    assert [md.best_matmul("Q4_K", n, gemv=False).path for n in (1, 2, 8, 9, 16, 32, 33, 64, 65)] == \
         ["gemm-q8"] * 3 + ["gemm-qs"] * 5 + ["gemm"]
-    assert [dispatch.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
+    assert [md.best_matmul("F16", n, gemv=False).path for n in (1, 4, 5)] == ["gemm"] * 3
     # rows not 16-byte aligned: the 8-bit GEMV only in its plain form's tokens, no staged tiled GEMM
-    assert [dispatch.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16, 64)] == \
+    assert [md.best_matmul("Q8_0", n, aligned=False).path for n in (4, 5, 8, 16, 64)] == \
         ["gemv-q8x"] + ["gemm-q"] * 4
     # the staged GEMM off (an empty range): the int8 one up to its tokens, dense_gemm_q past them
-    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (5, 32, 33, 64, 65)] == \
+    monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
+    assert [md.best_matmul("Q4_K", n).path for n in (5, 32, 33, 64, 65)] == \
         ["gemm-q8", "gemm-q8", "gemm-q", "gemm-q", "gemm"]
 
 
@@ -227,11 +227,11 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     """A weight whose rows are not whole 16-byte units (Q8_0 rows of 40 values) takes the plain
     8-bit GEMV up to its tokens and the tiled F16-decode GEMM past them, never dense_gemm_q8
     (whose launch refuses such rows) or dense_gemm_qs."""
-    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 64)
     w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
     assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
-    assert dispatch.best_matmul("Q8_0", 16).path == "gemm-qs" and dispatch.best_matmul("Q8_0", 8).path == "gemm-q8"
-    assert dispatch.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
+    assert md.best_matmul("Q8_0", 16).path == "gemm-qs" and md.best_matmul("Q8_0", 8).path == "gemm-q8"
+    assert md.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
     b = Builder()
     x = Dev((16, 160))
     assert xp_matmul._gemv(b, [w], x, [Dev((16, 64))], mode=0) is None
@@ -248,12 +248,12 @@ def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
         xp_matmul.gemm_q_launch(_qmatrix("Q3_K", 64, 2048), Dev((16, 2048), np.float16), Dev((16, 64)), None,
                                 kernel="dense_gemm_qr")
     with pytest.raises(ValueError, match="IQ4_NL"):
-        dispatch.best_matmul("IQ4_NL", 1)
+        md.best_matmul("IQ4_NL", 1)
 
 
 def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # the F32-activation GEMV (the 8-bit one: below)
-    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 0)   # the F32-activation GEMV (the 8-bit one: below)
+    monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 0)
     b = Builder()
     ws = [_qmatrix("Q4_K", 64, 256), _qmatrix("Q4_K", 16, 256), _qmatrix("Q6_K", 16, 256)]
     x = Dev((1, 256))
@@ -267,8 +267,8 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate):
-    monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
-    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
+    monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
     scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
@@ -297,18 +297,18 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     and parameter block; split over n_in, the partial sums' scratch and one dense_splitk_sum
     launch adding them in the output's mode."""
     from ggml_attn import cuda_device
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
-    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one
-    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)   # nor the staged one)
-    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
-    monkeypatch.setattr(dispatch, "QGEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
+    monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one
+    monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)   # nor the staged one)
+    monkeypatch.setattr(md, "QGEMM_MIN_TOKENS", 17)
+    monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
-    assert dispatch.best_matmul("Q4_K", 33).path == "gemm-q" and dispatch.best_matmul("Q4_K", 65).path == "gemm"
-    assert dispatch.best_matmul("F16", 33).path == "gemm" and dispatch.best_matmul("Q4_K", 16).path == "gemv"
-    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 4)   # below the GEMV's limit: the tiled GEMM from 4 tokens
-    assert [dispatch.best_matmul("Q4_K", n).path for n in (3, 4, 16)] == ["gemv", "gemm-q", "gemm-q"]
-    assert dispatch.best_matmul("F16", 4).path == "gemv"
-    monkeypatch.setattr(dispatch, "QGEMM_MIN_TOKENS", 17)
+    assert md.best_matmul("Q4_K", 33).path == "gemm-q" and md.best_matmul("Q4_K", 65).path == "gemm"
+    assert md.best_matmul("F16", 33).path == "gemm" and md.best_matmul("Q4_K", 16).path == "gemv"
+    monkeypatch.setattr(md, "QGEMM_MIN_TOKENS", 4)   # below the GEMV's limit: the tiled GEMM from 4 tokens
+    assert [md.best_matmul("Q4_K", n).path for n in (3, 4, 16)] == ["gemv", "gemm-q", "gemm-q"]
+    assert md.best_matmul("F16", 4).path == "gemv"
+    monkeypatch.setattr(md, "QGEMM_MIN_TOKENS", 17)
     w = _qmatrix("Q4_K", 4096, 4096)   # no F16 scratch: the tiled path does not need one
     x, out = Dev((33, 4096)), Dev((33, 4096))
     kept = Builder()
@@ -345,10 +345,10 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     partial sums dense_splitk_sum adds in the output's mode."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
-    monkeypatch.setattr(dispatch, "QRGEMM_TYPES", K.GEMMQR_TYPES)
+    monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qr" if kernel == "dense_gemm_qr" else "gemm-qs"
-    assert [dispatch.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
+    assert [md.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
     x, outs = Dev((n_tok, 4096)), [Dev((n_tok, 4096)), Dev((n_tok, 1024))]
     kept = Builder()
     xp_matmul._qmatmuls(kept, ws, x, outs, accumulate=accumulate)
@@ -377,12 +377,12 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     for every weight, each weight's launch on gemm_q_grid with the int8 arrays, split over n_in
     into partial sums that dense_splitk_sum adds."""
     from ggml_attn import cuda_device
-    monkeypatch.setattr(dispatch, "Q8X_MAX_TOKENS", 4)
-    monkeypatch.setattr(dispatch, "Q8GEMM_MAX_TOKENS", 64)
-    monkeypatch.setattr(dispatch, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 4)
+    monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 64)
+    monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
-    assert [dispatch.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]
-    assert dispatch.best_matmul("F16", 33).path == "gemm"
+    assert [md.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]
+    assert md.best_matmul("F16", 33).path == "gemm"
     ws = [_qmatrix("Q4_K", 4096, 4096), _qmatrix("Q4_K", 1024, 4096)]
     x, outs = Dev((33, 4096)), [Dev((33, 4096)), Dev((33, 1024))]
     kept = Builder()

@@ -50,9 +50,9 @@ def start_precompile(cfg) -> Future:
                                   m.n_head // m.n_head_kv, K.device_arch(), cfg.kernel,
                                   ext=bool(m.logit_softcap)) + [K.dense_variant()]
     if cfg.layer == "model":   # its embedding/RoPE ops, and the matmuls over each block type of its weights
-        from ggml_attn import dispatch
+        from ggml_attn import matmul_dispatch
         from ggml_attn.block_types import block_layout, is_block_type
-        makes = [K.dense_q_variant] + ([K.dense_q8x_variant] if dispatch.Q8X_MAX_TOKENS else [])
+        makes = [K.dense_q_variant] + ([K.dense_q8x_variant] if matmul_dispatch.Q8X_MAX_TOKENS else [])
         variants += [K.model_ops_variant()] + [make(block_layout(t).type_id) for make in makes
                                                for t in m.file_type.split("+") if is_block_type(t)]
     ex = ThreadPoolExecutor(1)

@@ -3,7 +3,7 @@
 tokens (and the 8-bit-activation GEMV, ``cuda/dense_q8x.cu``), and the GEMM paths: ``dense_dequant_f16``
 into an F16 scratch then cuBLAS, the tiled ``dense_gemm_q`` (with its split-K sums), its staged
 form ``dense_gemm_qs`` and its int8 twin ``dense_gemm_q8`` (the activations' quantization included) -- the GEMV's bandwidth against the
-4.2 TB/s floor, and the crossovers (``dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
+4.2 TB/s floor, and the crossovers (``matmul_dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
     python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512]
                                           [--tiled-only 16,32,64] [--out F.json]

@@ -1,0 +1,109 @@
+"""Which dense matmul runs a model graph's weight on the GPU, and why: :func:`best_matmul`, the
+one place that decides (``graph/xp_matmul.py`` asks it per weight and ubatch), from the weight's
+type (F16 or one of ggml's blocks), the ubatch's tokens and whether the weight's rows are 16-byte
+aligned. Its crossovers were measured with ``tools/dev/gpu_dense_q_bench.py`` (each constant below
+says where). The attention kernel's choice is ``dispatch.best_kernel``'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A GEMV launch reads every weight byte once and decodes it in registers (cuda/dense.cu for F16
+# weights, at most kernels.GEMV_MAX_TOKENS tokens; cuda/dense_q.cu and cuda/dense_q8x.cu for ggml's
+# weight blocks); the tiled block GEMMs put more tokens on the tensor cores; past them cuBLAS
+# (block weights dequantized into an F16 scratch first, a chunk of rows at a time).
+@dataclass(frozen=True)
+class MatmulChoice:
+    path: str      # "gemv" | "gemv-q8x" | "gemm-qr" | "gemm-qs" | "gemm-q8" | "gemm-q" | "gemm"
+    reason: str
+
+
+# Block matrices run QGEMM_MIN_TOKENS .. QGEMM_MAX_TOKENS tokens through the tiled block GEMM
+# (dense_gemm_q), fewer through the GEMV, more through dequantize + cuBLAS: the crossovers of
+# tools/dev/gpu_dense_q_bench.py on an H100 (bench/results/2026-12-05-56bffb3-h100-dense-q.json,
+# one 8B layer): the tiled GEMM is flat from 1 to 64 tokens (Q4_K 342-382 us, Q6_K 511-546,
+# Q8_0 514-542), the GEMV grows with the tokens (Q4_K 183 / 225 / 494 us at 1 / 2 / 4 tokens at
+# its best block size), dequantize + cuBLAS 566-581 us from 16 to 128 tokens and wins from 128
+# (Q8_0 from 16, by 2-5%: one crossover for every type).
+QGEMM_MIN_TOKENS = 3
+QGEMM_MAX_TOKENS = 64
+# Block matrices run up to this many tokens (at most max(Q8X_TOKENS)) through
+# the GEMV with 8-bit activations (dense_gemv_q8x_s, llama.cpp's mmvq way) instead of the F32 one
+# or a tiled GEMM: on an H100 (one 8B layer, the activations' quantization included) Q4_K 108 /
+# 124 / 159 us at 1 / 2 / 4 tokens against the F32 GEMV's 157 / 212 / 439 and dense_gemm_q's ~320
+# (bench/results/2026-12-05-4a41e8d-h100-dense-q.json); past 4 tokens the int8 tiled GEMM below
+# wins (Q4_K 165 / 167 us at 4 / 8 tokens against this GEMV's 158 / 269, Q8_0 191 / 195 against
+# 173 / 310, Q6_K 294 / 297 against 180 / 282: bench/results/2026-12-05-af45317-h100-dense-q.json).
+Q8X_MAX_TOKENS = 4
+# Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
+# tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
+# tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
+# rows are 16-byte aligned. On an H100 at af45317 (bench/results/2026-12-05-af45317-h100-dense-q.json,
+# one 8B layer, quantization included) at 16 tokens Q4_K 203 us against dense_gemm_q's 326, Q6_K
+# 330 / 484, Q8_0 230 / 489; at 32 Q4_K 295 / 332, Q6_K 417 / 490, Q8_0 315 / 491; at 64 Q4_K 404 /
+# 362 and Q6_K 532 / 507 (losses), Q8_0 437 / 499: 32 for every type. (Its first form, each thread
+# decoding its row's sub-block from global memory, was no faster than dense_gemm_q anywhere:
+# bench/results/2026-12-05-457d60e-h100-dense-q.json.) The staged F16 GEMM below is asked first, so
+# this path runs 5-8 tokens, and up to 32 only where QSGEMM_* is set to an empty range.
+Q8GEMM_MAX_TOKENS = 32
+# Block matrices run QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS tokens (rows 16-byte aligned) through
+# the staged F16 tiled GEMM (dense_gemm_qs: dense_gemm_q's tensor-core product over weight rows
+# and x tiles staged by cp.async, decoded from shared memory) ahead of the two above. On an H100
+# at f354706 (bench/results/2026-12-05-f354706-h100-dense-qs/dense-q.json, one 8B layer), against
+# dense_gemm_q8 (quantization included) and dense_gemm_q: at 8 tokens Q4_K 190 / 169 us (a loss),
+# Q6_K 301 / 300, Q8_0 195 / 195; at 16 Q4_K 196 / 204, Q6_K 308 / 331, Q8_0 200 / 231; at 32 Q4_K
+# 228 / 295, Q6_K 338 / 416, Q8_0 234 / 316; at 64 Q4_K 357 / 404 / 360, Q6_K 459 / 531 / 507,
+# Q8_0 360 / 436 / 500; at 128 Q4_K 606 against dequantize + cuBLAS's ~570 (56bffb3): 9-64.
+QSGEMM_MIN_TOKENS = 9
+QSGEMM_MAX_TOKENS = 64
+# There the types of QRGEMM_TYPES (of kernels.GEMMQR_TYPES) take dense_gemm_qr: the weights decoded into
+# the A fragments, the same result; none until measured (predicted 1.3-1.6x: bench/NOTES.md, ninth session).
+QRGEMM_TYPES: tuple[str, ...] = ()
+
+
+def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
+    """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type of
+    ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV with
+    8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on F16
+    tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block weights, the
+    tiled GEMM on int8 tensor cores), ``gemm-q`` (block weights, the tiled block GEMM on F16
+    decodes) or ``gemm`` (cuBLAS; block weights dequantized to F16 first). ``gemv=False``: the
+    caller cannot run a GEMV here (its launch refused the arrays, e.g. rows not 16-byte aligned past
+    the plain GEMV's tokens): the best of the others. ``aligned``: the weight's rows start 16-byte
+    aligned (the staged kernels' cp.async units: ``graph.q8_matmul.rows_aligned``); without, the
+    8-bit GEMV only up to its plain form's tokens and no staged tiled GEMM. ValueError for a type no
+    kernel reads (the loader makes every other matrix F16)."""
+    from .block_types import is_block_type
+    from .kernels import GEMMQR_TYPES, GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be positive, got {n_tokens}")
+    if weight_type == "F16":
+        limit, what = GEMV_MAX_TOKENS, "F16 GEMV (dense_gemv)"
+    elif is_block_type(weight_type):
+        limit, what = GEMVQ_MAX_TOKENS, f"{weight_type} block GEMV (dense_gemv_q, decoded in registers)"
+    else:
+        raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
+                         f"ggml_attn.block_types)")
+    if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS if aligned else Q8X_PLAIN_TOKENS)):
+        return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
+                                        f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
+    if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
+        if weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES:
+            return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
+                                           f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
+                                           f"{QSGEMM_MAX_TOKENS} tokens")
+        return MatmulChoice("gemm-qs", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qs, "
+                                       f"decoded from shared memory): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
+                                       f"{QSGEMM_MAX_TOKENS} tokens")
+    if weight_type != "F16" and aligned and n_tokens <= Q8GEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-q8", f"{weight_type} tiled GEMM on int8 tensor cores (dense_gemm_q8, 8-bit "
+                                       f"activations): {n_tokens} <= {Q8GEMM_MAX_TOKENS} tokens")
+    lo = QGEMM_MIN_TOKENS if gemv else 1
+    if weight_type != "F16" and lo <= n_tokens <= QGEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-q", f"{weight_type} tiled block GEMM (dense_gemm_q, decoded into shared memory, "
+                                      f"mma.sync): {lo} <= {n_tokens} <= {QGEMM_MAX_TOKENS} tokens")
+    if gemv and n_tokens <= limit:
+        return MatmulChoice("gemv", f"{what}: {n_tokens} <= {limit} tokens")
+    how = "cuBLAS F16 GEMM" if weight_type == "F16" else f"{weight_type} dequantized to F16 scratch + cuBLAS GEMM"
+    return MatmulChoice("gemm", f"{how}: {n_tokens} > {limit} tokens")
+
