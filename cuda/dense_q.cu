@@ -424,10 +424,10 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 #define QR_BM 128
 
 template <int T, int BN> struct QrTile {
-    static constexpr int RB = QsTile<T, BN>::RB, UNITS = QsTile<T, BN>::UNITS, SLOT = QsTile<T, BN>::SLOT;
-    static constexpr bool ALIGNED = QsTile<T, BN>::ALIGNED;
+    using QS = QsTile<T, BN>;   // its staged rows and x tile
+    static constexpr int RB = QS::RB, UNITS = QS::UNITS, SLOT = QS::SLOT, X_BYTES = QS::X_BYTES;
+    static constexpr bool ALIGNED = QS::ALIGNED;
     static constexpr int W_BYTES = QR_BM * SLOT;
-    static constexpr int X_BYTES = BN * QS_LD * 2;
     static constexpr int STAGE = W_BYTES + X_BYTES;
     static constexpr int SMEM = QS_STAGES * STAGE;
     static constexpr int NI = BN / 8;

@@ -245,16 +245,13 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel == "dense_gemm_qs":
+    if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (the same tokens a tile: gemm_qs_bn)
+        (bm, _, bk), per_sm = ((GEMMQS_TILE, GEMMQS_BLOCKS_PER_SM) if kernel == "dense_gemm_qs" else
+                               (GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM))
         bn = gemm_qs_bn(n_tok) if bn is None else bn
-        if bn not in GEMMQS_BLOCKS_PER_SM:
-            raise ValueError(f"dense_gemm_qs has tiles of {tuple(GEMMQS_BLOCKS_PER_SM)} tokens, not {bn}")
-        return (GEMMQS_TILE[0], bn, GEMMQS_TILE[2]), GEMMQS_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel == "dense_gemm_qr":
-        bn = gemm_qs_bn(n_tok) if bn is None else bn
-        if bn not in GEMMQR_BLOCKS_PER_SM:
-            raise ValueError(f"dense_gemm_qr has tiles of {tuple(GEMMQR_BLOCKS_PER_SM)} tokens, not {bn}")
-        return (GEMMQR_TILE[0], bn, GEMMQR_TILE[2]), GEMMQR_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
+        if bn not in per_sm:
+            raise ValueError(f"{kernel} has tiles of {tuple(per_sm)} tokens, not {bn}")
+        return (bm, bn, bk), per_sm[bn], GEMMQ8_MIN_SPLIT
     raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs, dense_gemm_qr)")
 
 

@@ -237,24 +237,17 @@ class Engine:
         """``make()``'s graph and the device memory its build took from CuPy's pool (0 on the host;
         what the graph allocates later -- its attention calls' bound buffers at the first compute,
         a CUDA-graph capture -- is not counted: GRAPH_BYTES bounds the builds' memory). Out of
-        device memory, the kept graphs are freed and the build tried once more (after the
-        failed one's arrays are gone: outside the handler, whose traceback holds them)."""
+        memory with graphs kept, they are freed and the build tried once more
+        (:meth:`_retry_out_of_memory`; CuPy's allocator gave its cached blocks back already)."""
         pool = self.xp.get_default_memory_pool() if self.device else None
-        used = pool.used_bytes() if pool is not None else 0
-        try:
-            g = make()
-        except MemoryError:   # CuPy's OutOfMemoryError too
-            if not self._graphs:
-                raise
-            g = None
-        if g is None:
-            self._evict(0, 0, 0)
-            if pool is not None:
-                pool.free_all_blocks()
-                used = pool.used_bytes()
-            g = make()
+        before = [0]
+
+        def attempt():
+            before[0] = pool.used_bytes() if pool is not None else 0
+            return make()
+        g = self._retry_out_of_memory(attempt, (self._drop_graphs,) if self._graphs else ())
         self.builds += 1
-        return g, (max(0, pool.used_bytes() - used) if pool is not None else 0)
+        return g, (max(0, pool.used_bytes() - before[0]) if pool is not None else 0)
 
     def _evict(self, max_all: int, max_other: int, max_bytes: int | None) -> None:
         """Free the least recently used kept graphs until at most ``max_all`` are kept and at most
@@ -307,22 +300,33 @@ class Engine:
             g.free()
             raise
 
-    def _retry_out_of_memory(self, call):
-        """``call()``, tried again when it ran out of device memory outside CuPy's allocator: a
-        CUDA graph's first launch uploads it (``cudaGraphUpload``) and instantiating one
-        allocates, and neither can take memory CuPy's pool keeps for its own reuse (its own
-        allocations free those blocks and retry by themselves). First after the pool gave its
-        cached free blocks back to the device, then after the other kept graphs were freed too
-        (the one running is not among them: ``_run_ubatch`` took it out); a third failure, or
-        another error, propagates."""
-        for release in (lambda: None, lambda: self._evict(0, 0, 0), None):
+    def _retry_out_of_memory(self, call, rungs=None):
+        """``call()``, tried again after each of ``rungs`` (functions that give memory back) while it
+        runs out of memory (:func:`out_of_device_memory`); another error, or one past the last
+        rung, propagates. Default rungs, on the device, for what allocates outside CuPy's
+        allocator -- a CUDA graph's first launch uploads it (``cudaGraphUpload``), instantiating
+        one allocates -- which cannot take the blocks CuPy's pool keeps for its own reuse: the
+        pool's cached blocks, then the other kept graphs too (the one running is not among them:
+        ``_run_ubatch`` took it out)."""
+        if rungs is None:
+            rungs = (self._free_pool, self._drop_graphs) if self.device else ()
+        for release in (*rungs, None):
             try:
                 return call()
             except Exception as e:  # noqa: BLE001 - only an out-of-memory is retried
-                if release is None or not (self.device and out_of_device_memory(e)):
+                if release is None or not out_of_device_memory(e):
                     raise
-            release()
+            release()   # (outside the handler, whose traceback holds the failed attempt's arrays)
+
+    def _free_pool(self) -> None:
+        """CuPy's cached free blocks back to the device (nothing on the host)."""
+        if self.device:
             self.xp.get_default_memory_pool().free_all_blocks()
+
+    def _drop_graphs(self) -> None:
+        """Every kept graph freed, and their memory back to the device."""
+        self._evict(0, 0, 0)
+        self._free_pool()
 
     def _compute(self, g, refresh: bool) -> None:
         if refresh:
