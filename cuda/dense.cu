@@ -32,14 +32,6 @@ struct GemvParams {
     float norm_eps;       // > 0: x is RMS-normalized first (x / sqrt(mean(x^2) + norm_eps), per token)
 };
 
-__device__ __forceinline__ uint4 ld_stream(const __half* p) {
-    // weights are read once per step: do not let them displace the activations in L1
-    uint4 r;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-
 // The 8 activations x[k .. k+8) times s rounded to F16 (as ggml rounds src1 for an F16 weight).
 __device__ __forceinline__ void load_x8(const float* x, float s, float2 (&o)[4]) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(x));

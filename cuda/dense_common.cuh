@@ -4,6 +4,15 @@
 
 #define GEMV_WARPS 4
 
+// 16 bytes of weights at p (16-byte aligned): weights are read once per step, so they do not
+// displace the activations in L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
 // Every 128-byte line of the B-byte block at blk (B <= 256) into L1, ahead of its decode.
 template <int B>
 __device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {

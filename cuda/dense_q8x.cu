@@ -241,6 +241,96 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
+// The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K and Q5_K, whose rows are whole 16-byte units
+// (144 and 176 bytes a block): the weights read straight from global memory, 16 bytes a load,
+// the way dense.cu's F16 GEMV reads (3.5 TB/s on the H100) -- no staging through shared memory,
+// no cp.async, no barrier. A warp a row; a step of the warp covers 4 blocks (1024 values), eight
+// lanes a block (lane k = lane % 8 of block lane / 8: qb_k4_lane's head, qs and qh words), and a
+// lane issues the loads of Q8xV::U steps before any of their arithmetic (U x 32-48 bytes in
+// flight a lane; a Q4_K row of 4096 values in one go). The scales come from the head by word
+// operations (qb_k4_scale_words), the dots by IDP4A on the 8-bit activations (xq, xd, xs as for
+// dense_gemv_q8x); a sub-block's min term is added by the lane holding its first half. Static
+// SASS (sm_90, NT 1): see bench/NOTES.md. Rows 16-byte aligned (q8_matmul.rows_aligned).
+#define Q8X_VWARPS 4   // warps a dense_gemv_q8x_v block, a row each
+
+// U: the steps whose loads a lane issues together; MINB: blocks an SM its registers allow (no
+// spills at sm_90: Q5_K's third load a step halves U).
+template <int T, int NT> struct Q8xV {
+    static constexpr int U = QbLane<T>::QH ? 2 : 4;
+    static constexpr int MINB = NT == 1 ? 4 : 3;
+};
+
+template <int T>
+__device__ __forceinline__ void q8x_v_load(const unsigned char* blk, int k, uint4& hd, uint4& qs, uint4& qh) {
+    hd = ld_stream(blk);
+    qs = ld_stream(blk + QbLane<T>::QS + 16 * k);
+    if (QbLane<T>::QH) qh = ld_stream(blk + 16 + 16 * (k & 1));
+}
+
+__device__ __forceinline__ void u4_words(const uint4& u, unsigned (&w)[4]) { w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w; }
+
+template <int T, int NT>
+__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
+    constexpr int B = QBlock<T>::BYTES, U = Q8xV<T, NT>::U;
+    int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, k = lane & 7, j = k >> 1;
+    GemvQSeg sg;
+    if (!gemv_segment(p, r, sg)) return;   // (no barrier below)
+    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
+    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    const int n_blk = p.n_in / 256, n_sub = p.n_in / 32;
+    // this lane's 16 positions of sub-blocks 2 j, 2 j + 1 of a block, from the block's first value
+    const int a_off = 64 * j + 16 * (k & 1);
+    float acc[NT], up[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+    for (int base = lane >> 3; base < n_blk; base += 4 * U) {
+        uint4 hd[U], qs[U], qh[U], hd1[U], qs1[U], qh1[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int blk = base + 4 * u;
+            if (blk < n_blk) {
+                q8x_v_load<T>(w0 + (long long)blk * B, k, hd[u], qs[u], qh[u]);
+                if (w1) q8x_v_load<T>(w1 + (long long)blk * B, k, hd1[u], qs1[u], qh1[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int blk = base + 4 * u;
+            if (blk < n_blk) {
+                unsigned h[4], q[4], e[4];
+                QbLaneVals v, v1;
+                u4_words(hd[u], h), u4_words(qs[u], q);
+                if (QbLane<T>::QH) u4_words(qh[u], e);
+                qb_k4_lane<T>(h, q, e, k, v);
+                if (w1) {
+                    u4_words(hd1[u], h), u4_words(qs1[u], q);
+                    if (QbLane<T>::QH) u4_words(qh1[u], e);
+                    qb_k4_lane<T>(h, q, e, k, v1);
+                }
+                const int sub = 8 * blk + 2 * j;
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t < p.n_tok) {
+                        const signed char* xa = p.xq + (long long)t * p.n_in + 256 * blk + a_off;
+                        unsigned alo[4], ahi[4];
+                        u4_words(__ldg(reinterpret_cast<const uint4*>(xa)), alo);
+                        u4_words(__ldg(reinterpret_cast<const uint4*>(xa + 32)), ahi);
+                        const float2 xd = __ldg(reinterpret_cast<const float2*>(p.xd + (long long)t * n_sub + sub));
+                        const float2 xs = __ldg(reinterpret_cast<const float2*>(p.xs + (long long)t * n_sub + sub));
+                        acc[t] += qb_k4_lane_dot(v, alo, ahi, xd.x, xs.x, xd.y, xs.y, (k & 1) == 0);
+                        if (w1) up[t] += qb_k4_lane_dot(v1, alo, ahi, xd.x, xs.x, xd.y, xs.y, (k & 1) == 0);
+                    }
+                }
+            }
+        }
+    }
+    float one[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
+    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+}
+
 // ---------------------------------------------------------------------------------------
 // The tiled block GEMM with 8-bit activations (dense_gemm_q8<T, BN>: int8 tensor cores on the
 // blocks' integer form and the activations dense_quant_q8x made, as for the GEMV), for rows of

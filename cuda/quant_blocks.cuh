@@ -547,3 +547,70 @@ QB_HD float qb_dot_q8(const int (&w)[8], const float (&f)[2], const float (&c)[2
         for (int i = 0; i < 4; ++i) h_lo = qb_dp4a(0x01010101, q[i], h_lo), h_hi = qb_dp4a(0x01010101, q[4 + i], h_hi);
     return qb_q8s_dot<T>(s_lo, s_hi, f[0], f[1], c[0], c[1], xd, xs, h_lo, h_hi);
 }
+
+// ---------------------------------------------------------------------------------------
+// Q4_K / Q5_K as dense_q8x.cu's vector GEMV (dense_gemv_q8x_v) reads them: eight lanes a block,
+// lane k (0..7) holding the block's 16-byte head (d, dmin, the 12 scale bytes: words hd[0..3]),
+// the 16 bytes of qs at QbLane<T>::QS + 16 k and (Q5_K) the 16 of qh at 16 + 16 (k & 1). Its
+// bytes are values 16 (k & 1) .. 16 (k & 1) + 15 of two sub-blocks, 2 (k / 2) (low nibbles) and
+// 2 (k / 2) + 1 (high nibbles): qb_k4_lane gives them as integer words lo / hi (0..31 a byte)
+// with each sub-block's factors, value = f u + c. Its scales come from the head's words by word
+// operations (all eight sub-blocks' 6-bit scales and mins at once: ggml's get_scale_min_k4),
+// never a runtime index into registers.
+template <int T> struct QbLane;
+template <> struct QbLane<QB_Q4_K> { static constexpr int QS = 16; static constexpr bool QH = false; };
+template <> struct QbLane<QB_Q5_K> { static constexpr int QS = 48; static constexpr bool QH = true; };
+
+// The eight 6-bit scales (sc[0]: sub-blocks 0..3 a byte each, sc[1]: 4..7) and mins (m) of a
+// Q4_K / Q5_K block from its scale bytes' three little-endian words s0, s1, s2 (bytes 4..15).
+QB_HD void qb_k4_scale_words(unsigned s0, unsigned s1, unsigned s2, unsigned (&sc)[2], unsigned (&m)[2]) {
+    sc[0] = s0 & 0x3F3F3F3Fu;
+    m[0] = s1 & 0x3F3F3F3Fu;
+    sc[1] = (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+    m[1] = ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+}
+
+struct QbLaneVals {
+    unsigned lo[4], hi[4];   // sub-block 2 (k / 2)'s 16 values (low), 2 (k / 2) + 1's (high), a byte each
+    float f[2], c[2];        // their factors (c: -dmin m, on every lane: the caller adds it once a sub-block)
+};
+
+template <int T>
+QB_HD void qb_k4_lane(const unsigned (&hd)[4], const unsigned (&qs)[4], const unsigned (&qh)[4], int k, QbLaneVals& v) {
+    const int j = k >> 1;
+    unsigned sc[2], m[2];
+    qb_k4_scale_words(hd[1], hd[2], hd[3], sc, m);
+    const unsigned sw = j < 2 ? sc[0] : sc[1], mw = j < 2 ? m[0] : m[1];
+    const int b0 = 2 * (j & 1);   // the two sub-blocks' bytes in sw, mw
+    float d, dm;
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    const float2 dd = __half22float2(*reinterpret_cast<const __half2*>(&hd[0]));
+    d = dd.x, dm = dd.y;
+#else
+    qb_u8 hb[4];
+    memcpy(hb, &hd[0], 4);
+    d = qb_half(hb), dm = qb_half(hb + 2);
+#endif
+    v.f[0] = d * qb_byte_f(sw, b0), v.f[1] = d * qb_byte_f(sw, b0 + 1);
+    v.c[0] = -(dm * qb_byte_f(mw, b0)), v.c[1] = -(dm * qb_byte_f(mw, b0 + 1));
+    for (int i = 0; i < 4; ++i) {
+        v.lo[i] = qs[i] & 0x0F0F0F0Fu;
+        v.hi[i] = (qs[i] >> 4) & 0x0F0F0F0Fu;
+        if (QbLane<T>::QH) {
+            v.lo[i] |= ((qh[i] >> (2 * j)) & 0x01010101u) << 4;
+            v.hi[i] |= ((qh[i] >> (2 * j + 1)) & 0x01010101u) << 4;
+        }
+    }
+}
+
+// The lane's part of its two sub-blocks' dot with 8-bit activations: a_lo, a_hi the int8 words
+// of the same 16 positions (scales xd0, xd1, sums of all 32 xs0, xs1); the min terms only where
+// with_min (one lane of the two holding a sub-block's halves).
+QB_HD float qb_k4_lane_dot(const QbLaneVals& v, const unsigned (&a_lo)[4], const unsigned (&a_hi)[4], float xd0,
+                           float xs0, float xd1, float xs1, bool with_min) {
+    int s0 = 0, s1 = 0;
+    for (int i = 0; i < 4; ++i) s0 = qb_dp4a((int)v.lo[i], (int)a_lo[i], s0), s1 = qb_dp4a((int)v.hi[i], (int)a_hi[i], s1);
+    const float r0 = v.f[0] * (float)s0 + (with_min ? v.c[0] * xs0 : 0.0f);
+    const float r1 = v.f[1] * (float)s1 + (with_min ? v.c[1] * xs1 : 0.0f);
+    return xd0 * r0 + xd1 * r1;
+}

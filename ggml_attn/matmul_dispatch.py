@@ -35,6 +35,11 @@ QGEMM_MAX_TOKENS = 64
 # wins (Q4_K 165 / 167 us at 4 / 8 tokens against this GEMV's 158 / 269, Q8_0 191 / 195 against
 # 173 / 310, Q6_K 294 / 297 against 180 / 282: bench/results/2026-12-05-af45317-h100-dense-q.json).
 Q8X_MAX_TOKENS = 4
+# The types of Q8XV_TYPES (of kernels.Q8XV_TYPES) run that GEMV as dense_gemv_q8x_v where their rows
+# are 16-byte aligned: 16-byte loads straight from global memory, eight lanes a block, no staging
+# (~84 instructions a lane for 32 values of a plain matrix at sm_90, static; the staged form's
+# ncu said issue-bound). None until measured (bench/NOTES.md, tenth session).
+Q8XV_TYPES: tuple[str, ...] = ()
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -61,6 +66,16 @@ QSGEMM_MAX_TOKENS = 64
 QRGEMM_TYPES: tuple[str, ...] = ()
 
 
+def gemv_q8x_form(weight_type: str, aligned: bool) -> str:
+    """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs a block weight of
+    ``weight_type`` whose rows are (``aligned``) or are not 16-byte aligned: ``vector`` for the
+    routed Q8XV_TYPES, ``staged`` for the other aligned rows, else ``plain``."""
+    from .kernels import Q8XV_TYPES as READS
+    if aligned and weight_type in Q8XV_TYPES and weight_type in READS:
+        return "vector"
+    return "staged" if aligned else "plain"
+
+
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type of
     ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV with
@@ -74,7 +89,7 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
     8-bit GEMV only up to its plain form's tokens and no staged tiled GEMM. ValueError for a type no
     kernel reads (the loader makes every other matrix F16)."""
     from .block_types import is_block_type
-    from .kernels import GEMMQR_TYPES, GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_PLAIN_TOKENS, Q8X_TOKENS
+    from .kernels import GEMMQR_TYPES, GEMV_MAX_TOKENS, GEMVQ_MAX_TOKENS, Q8X_FORMS
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be positive, got {n_tokens}")
     if weight_type == "F16":
@@ -84,9 +99,11 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
     else:
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
-    if gemv and weight_type != "F16" and n_tokens <= min(Q8X_MAX_TOKENS, max(Q8X_TOKENS if aligned else Q8X_PLAIN_TOKENS)):
-        return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations (dense_gemv_q8x, IDP4A): "
-                                        f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
+    if gemv and weight_type != "F16":
+        kernel, tokens, _ = Q8X_FORMS[gemv_q8x_form(weight_type, aligned)]
+        if n_tokens <= min(Q8X_MAX_TOKENS, max(tokens)):
+            return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations ({kernel}, IDP4A): "
+                                            f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
         if weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES:
             return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "

@@ -311,14 +311,25 @@ Q8X_TOKENS = (1, 2, 4, 8, 16)  # its instances: NT, each running n_tok <= NT tok
 Q8X_PLAIN_TOKENS = (1, 2, 4)   # dense_gemv_q8x's (the fallback for unaligned rows; 8 spilled Q4_0's words)
 Q8X_WARPS = 8                 # warps a dense_gemv_q8x block (Q8X_WARPS in dense_q8x.cu)
 Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its slots' shared memory)
+Q8XV_TYPES = ("Q4_K", "Q5_K")  # dense_gemv_q8x_v's block types (qb_k4_lane: 16-byte units, 8 lanes a block)
+Q8XV_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XV_TYPES)
+Q8XV_TOKENS = (1, 2, 4)        # its instances
+Q8X_VWARPS = 4                # warps a dense_gemv_q8x_v block (Q8X_VWARPS in dense_q8x.cu)
+# The 8-bit-activation GEMV's forms: kernel, instances (NT), warps a block.
+Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
+             "plain": ("dense_gemv_q8x", Q8X_PLAIN_TOKENS, Q8X_WARPS),
+             "vector": ("dense_gemv_q8x_v", Q8XV_TOKENS, Q8X_VWARPS)}
 
 
-def q8x_name(type_id: int, n_tok: int, staged: bool = True) -> str:
+def q8x_name(type_id: int, n_tok: int, form: str = "staged") -> str:
     """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
-    n_tok): ``dense_gemv_q8x_s`` (rows streamed through shared memory; rows 16-byte aligned) or,
-    ``staged=False``, ``dense_gemv_q8x`` (any alignment; at most max(Q8X_PLAIN_TOKENS) tokens)."""
-    nt = next(t for t in (Q8X_TOKENS if staged else Q8X_PLAIN_TOKENS) if t >= n_tok)
-    return f"dense_gemv_q8x{'_s' if staged else ''}<{type_id}, {nt}>"
+    n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
+    16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment) or ``vector``
+    (``dense_gemv_q8x_v``, 16-byte loads straight from global memory; Q8XV_TYPES, rows 16-byte
+    aligned); at most max(NT) of the form's instances (Q8X_FORMS)."""
+    kernel, tokens, _ = Q8X_FORMS[form]
+    nt = next(t for t in tokens if t >= n_tok)
+    return f"{kernel}<{type_id}, {nt}>"
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
@@ -327,7 +338,8 @@ def dense_q8x_variant(type_id: int) -> Variant:
     (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid) and the
     activations' quantization."""
     return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
-                   tuple(q8x_name(type_id, nt, False) for nt in Q8X_PLAIN_TOKENS) +
+                   tuple(q8x_name(type_id, nt, "plain") for nt in Q8X_PLAIN_TOKENS) +
+                   tuple(q8x_name(type_id, nt, "vector") for nt in Q8XV_TOKENS if type_id in Q8XV_TYPE_IDS) +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 
 

@@ -41,23 +41,26 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, staged: bool | None = None):
+                 quantize: bool = True, form: str | None = None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
     one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
-    ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``): ``dense_gemv_q8x_s``
-    where every row starts 16-byte aligned (its cp.async units), else ``dense_gemv_q8x`` (``staged=False``:
-    that one anyway, the benchmark's A/B; up to ``kernels.Q8X_PLAIN_TOKENS`` tokens, None past them)."""
+    ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``) in ``form`` (None:
+    ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
+    None where the arrays do not fit the form (the vector and staged ones need rows 16-byte
+    aligned, the vector one its types; each form up to its instances' tokens)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gemv_q8x_form  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
-    if n_tok > max(K.Q8X_TOKENS) or len(ws) > 3 or len({w.type for w in ws}) != 1 \
+    if len(ws) > 3 or len({w.type for w in ws}) != 1 \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
         return None
-    aligned = rows_aligned(ws)   # cp.async's 16-byte units
-    staged = aligned and staged is not False
-    if not staged and n_tok > max(K.Q8X_PLAIN_TOKENS):
+    aligned = rows_aligned(ws)   # 16-byte units: cp.async's, the vector form's loads
+    form = form or gemv_q8x_form(ws[0].type, aligned)
+    _, tokens, warps = K.Q8X_FORMS[form]
+    if n_tok > max(tokens) or (form != "plain" and not aligned) or (form == "vector" and ws[0].type not in K.Q8XV_TYPES):
         return None
     quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
     p = K.GemvQ8Params()
@@ -67,8 +70,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    warps = K.Q8X_SWARPS if staged else K.Q8X_WARPS
-    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, staged)),
+    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form)),
                          (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 
@@ -76,7 +78,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
 def rows_aligned(ws: list) -> bool:
     """Every row of the ``QMatrix`` weights ``ws`` starts 16-byte aligned (row_bytes a multiple of
     16, the blocks' pointer aligned): what the staged kernels' cp.async units need
-    (``dense_gemv_q8x_s``, ``dense_gemm_q8``)."""
+    (``dense_gemv_q8x_s``, ``dense_gemm_q8``) and the vector GEMV's 16-byte loads (``dense_gemv_q8x_v``)."""
     return all(w.row_bytes % 16 == 0 and w.blocks.data.ptr % 16 == 0 for w in ws)
 
 

@@ -108,19 +108,23 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
         assert np.isfinite(got).all() and nmse(got, ref) < 1e-6, (name, nmse(got, ref))
 
 
-@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("name, form", [(n, f) for n in BLOCK_TYPES for f in ("plain", "staged")] +
+                         [(n, "vector") for n in K.Q8XV_TYPES])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("norm, staged", [(False, False), (True, False), (False, True), (True, True)])
-def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form):
     """The 8-bit-activation GEMV: against float64 of the activations it quantized
     (quant.q8_activations: per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer
     sums, F32 scales; an F32 ulp of the norm's scale may round a q the other way); against float64
     of the exact activations no further off than that rounding itself puts the float64 product
     (a fixed bound failed 52 of these cases on the H200 at 6d1b24e, 3.5e-4 to 1e-3, where the
-    emulated bound held: the error is the rounding's, which llama.cpp's mmvq has too). Staged: rows
-    of whole 16-byte units over several chunks (dense_gemv_q8x_s); else rows of any alignment
-    (the case's n_in leaves most types' rows unaligned: dense_gemv_q8x)."""
+    emulated bound held: the error is the rounding's, which llama.cpp's mmvq has too). ``form``
+    (kernels.Q8X_FORMS) staged: rows of whole 16-byte units over several chunks
+    (dense_gemv_q8x_s); vector: the same rows (dense_gemv_q8x_v: 19 blocks, a step of 4 and a
+    partial one); plain: rows of any alignment (the case's n_in leaves most types' rows unaligned:
+    dense_gemv_q8x). Token counts past a form's instances are refused (the caller's GEMM runs them)."""
+    staged = form != "plain"
     n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm, _staged_n_in(name) if staged else None)
     assert (block_layout(name).row_bytes(n_in) % 16 == 0) >= staged
     qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
@@ -128,9 +132,9 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, staged):
     xq = cupy.zeros((n_tok, n_in), np.int8)
     xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
     run = q8_matmul.q8x_launches(qms, cupy.asarray(x), d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
-                                 norm_w=cupy.asarray(g) if norm else None)
-    if not staged and n_tok > max(K.Q8X_PLAIN_TOKENS) and block_layout(name).row_bytes(n_in) % 16:
-        assert run is None   # unaligned rows past the plain kernel's tokens: refused (the caller's GEMM runs them)
+                                 norm_w=cupy.asarray(g) if norm else None, form=form)
+    if n_tok > max(K.Q8X_FORMS[form][1]):
+        assert run is None   # past the form's instances: refused (the caller's GEMM runs them)
         return
     run()
     cupy.cuda.get_current_stream().synchronize()

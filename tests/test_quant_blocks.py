@@ -13,6 +13,7 @@ import pytest
 
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.quant import dequantize_rows, quantize
+from ggml_attn.variants import Q8XV_TYPES
 
 CUDA = Path(__file__).resolve().parents[1] / "cuda"
 
@@ -45,7 +46,36 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
     return sum;
 }
 
-#define Q8CASE(T) case T: return gemm ? dot_q8s<T>(r, n, q, xd) : dot_q8<T>(r, n, q, xd);
+#define Q8CASE(T) case T: return gemm == 2 ? dot_lane<T>(r, n, q, xd) : gemm ? dot_q8s<T>(r, n, q, xd) : dot_q8<T>(r, n, q, xd);
+
+// the same by the vector GEMV's lanes (dense_gemv_q8x_v: qb_k4_lane / qb_k4_lane_dot, eight lanes
+// a block, each its 16-byte head, qs and qh words and the activations of its 16 positions of two
+// sub-blocks); 1e300 for a type it does not read
+template <int T> static double dot_lane(const qb_u8* r, int n, const signed char* q, const float* xd) {
+    if constexpr (T != QB_Q4_K && T != QB_Q5_K) {
+        return 1e300;
+    } else {
+        constexpr int B = QBlock<T>::BYTES;
+        double sum = 0.0;
+        for (int b = 0; b < n / 256; ++b)
+            for (int k = 0; k < 8; ++k) {
+                const qb_u8* blk = r + (long)b * B;
+                unsigned hd[4], qs[4], qh[4], alo[4], ahi[4];
+                memcpy(hd, blk, 16);
+                memcpy(qs, blk + QbLane<T>::QS + 16 * k, 16);
+                memcpy(qh, blk + 16 + 16 * (k & 1), 16);
+                QbLaneVals v;
+                qb_k4_lane<T>(hd, qs, qh, k, v);
+                const int j = k >> 1, s0 = 8 * b + 2 * j, a = 256 * b + 64 * j + 16 * (k & 1);
+                memcpy(alo, q + a, 16);
+                memcpy(ahi, q + a + 32, 16);
+                int xs0 = 0, xs1 = 0;
+                for (int i = 0; i < 32; ++i) xs0 += q[32 * s0 + i], xs1 += q[32 * (s0 + 1) + i];
+                sum += qb_k4_lane_dot(v, alo, ahi, xd[s0], (float)xs0, xd[s0 + 1], (float)xs1, (k & 1) == 0);
+            }
+        return sum;
+    }
+}
 
 // the same by the block GEMM's arithmetic (qb_int8s / qb_q8s_dot): signed bytes, each half's
 // integer sum as an int8 product gives it, the activations' sums of 32 and of each half
@@ -203,12 +233,13 @@ def test_layouts_are_ggml_sizes(lib):
         assert lib.qb_row(lay.type_id, None, 0, None) == lay.nbytes * 1000 + lay.values
 
 
-@pytest.mark.parametrize("gemm", [False, True])
-@pytest.mark.parametrize("name", BLOCK_TYPES)
+@pytest.mark.parametrize("name, gemm", [(n, g) for n in BLOCK_TYPES for g in (0, 1)] +
+                         [(n, 2) for n in Q8XV_TYPES])
 def test_integer_form_dots_as_ggml_values_do(lib, name, gemm):
-    """qb_int8s / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu)
-    and, ``gemm``, qb_int8s / qb_q8s_dot (its block GEMM's: the offset in signed bytes, one
-    factor pair a sub-block where the halves share it, no c where an offset is folded): a row's
+    """qb_int8s / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu),
+    ``gemm`` 1: qb_int8s / qb_q8s_dot (its block GEMM's: the offset in signed bytes, one
+    factor pair a sub-block where the halves share it, no c where an offset is folded), ``gemm`` 2:
+    qb_k4_lane / qb_k4_lane_dot (the vector GEMV's eight lanes a block, Q8XV_TYPES): a row's
     dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized values
     times the same activations, to F32 rounding; random bytes in every field (finite scales) and
     blocks ggml quantized; one sub-block at a time as well (each field's place)."""

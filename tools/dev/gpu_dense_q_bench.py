@@ -98,9 +98,9 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
     return go
 
 
-def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: bool = True):
+def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
-    ``quantize=False``: the GEMV alone), then its GEMV, staged through shared memory or not."""
+    ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS)."""
     steps = []
     for k, w in ws.items():
         n_in = w.shape[1]
@@ -108,10 +108,10 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: b
         xq, xd, xs = (cp.empty((n, n_in), cp.int8), cp.empty((n, n_in // 32), cp.float32),
                       cp.empty((n, n_in // 32), cp.float32))
         if not quantize:   # (quantized once: the GEMV reads real scales)
-            q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0)()
-        run = q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0, staged=staged,
+            q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0, form=form)()
+        run = q8x_launches([w], x, [cp.empty((n, w.shape[0]), cp.float32)], xq, xd, xs, mode=0, form=form,
                            quantize=quantize)
-        assert run is not None, "the llama-3-8B shapes fit dense_gemv_q8x"
+        assert run is not None, f"the llama-3-8B shapes fit the {form} dense_gemv_q8x"
         steps.append(run)
 
     def go():
@@ -120,15 +120,42 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, staged: bool = True, quantize: b
     return go
 
 
+def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
+    """The 8-bit-activation GEMV's rows: one layer in each form that reads type ``t``
+    (kernels.Q8X_FORMS: staged ships, plain, vector) at each of its instances' tokens, with the
+    quantization and without (" noquant"), then each matrix alone at one token without it."""
+    from ggml_attn.graph.q8_matmul import q8x_launches
+    forms = [f for f in K.Q8X_FORMS if f != "vector" or t in K.Q8XV_TYPES]
+    for form in forms:
+        for n in K.Q8X_FORMS[form][1]:
+            for quant in (True, False):
+                impl = "gemv q8x" + ("" if form == "staged" else f" {form}") + ("" if quant else " noquant")
+                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, form, quant) for ws in layers])
+                rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
+                                 us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
+                                 floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
+                log(f"{t:5s} {impl:24s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
+    for form in forms:
+        for k in SHAPES:   # each matrix alone at one token, without the quantization
+            mb = layers[0][k].nbytes
+            impl = "gemv q8x" + ("" if form == "staged" else f" {form}") + " noquant"
+            med, lo, hi = device_us([_q8x(cp, K, {k: ws[k]}, 1, q8x_launches, form, False) for ws in layers])
+            rows.append(dict(case=f"dense_q: 8B {t} {k}", impl=impl, n_tok=1, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(mb / med / 1e6, 2),
+                             floor_us=round(mb / 4.2e6, 1), mb=round(mb / 1e6, 1)))
+            log(f"{t:5s} {k} alone: {impl:24s} {med:7.1f} us {mb / med / 1e6:.2f} TB/s (floor {mb / 4.2e6:.1f} us)")
+
+
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
-        rows: list | None = None, max_tokens: int = 512, tiled_only: tuple | None = None) -> list[dict]:
+        rows: list | None = None, max_tokens: int = 512, tiled_only: tuple | None = None,
+        q8x_only: bool = False) -> list[dict]:
     """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them);
-    ``tiled_only``: just the tiled GEMMs' rows at these token counts."""
+    ``tiled_only``: just the tiled GEMMs' rows at these token counts; ``q8x_only``: just the
+    8-bit-activation GEMV's (both: those two)."""
     import cupy as cp
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph.q8_matmul import q8x_launches
     from ggml_attn.graph.xp_matmul import gemm_q_launch, gemv_q_launch
     rows = [] if rows is None else rows
     nbytes_vals = sum(a * b for a, b in SHAPES.values())   # weights (multiply-adds a token)
@@ -136,8 +163,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         layers = [_layer(cp, t, s) for s in range(2)]
         nbytes = sum(w.nbytes for w in layers[0].values())
         floor = nbytes / 4.2e6
-        if tiled_only:
-            _tiled_rows(cp, K, device_us, t, layers, tiled_only, nbytes, nbytes_vals, floor, rows, log)
+        if q8x_only or tiled_only:
+            if q8x_only:
+                _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log)
+            if tiled_only:
+                _tiled_rows(cp, K, device_us, t, layers, tiled_only, nbytes, nbytes_vals, floor, rows, log)
             del layers
             cp.get_default_memory_pool().free_all_blocks()
             continue
@@ -163,23 +193,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
                                  us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
                                  floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
                 log(f"{t:5s} {impl:8s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for n in K.Q8X_TOKENS:   # the 8-bit-activation GEMV: staged (shipped), plain, staged without the quantization
-            for impl, staged, quant in (("gemv q8x", True, True), ("gemv q8x plain", False, True),
-                                        ("gemv q8x noquant", True, False)):
-                if not staged and n > max(K.Q8X_PLAIN_TOKENS):   # (the plain kernel's instances stop there)
-                    continue
-                med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, staged, quant) for ws in layers])
-                rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
-                                 us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(nbytes / med / 1e6, 2),
-                                 floor_us=round(floor, 1), mb=round(nbytes / 1e6, 1)))
-                log(f"{t:5s} {impl:16s} n_tok={n:3d} {med:9.1f} us {nbytes / med / 1e6:.2f} TB/s (floor {floor:.0f} us)")
-        for k in SHAPES:   # each matrix alone at one token (the staged GEMV without the quantization)
-            mb = layers[0][k].nbytes
-            med, lo, hi = device_us([_q8x(cp, K, {k: ws[k]}, 1, q8x_launches, True, False) for ws in layers])
-            rows.append(dict(case=f"dense_q: 8B {t} {k}", impl="gemv q8x noquant", n_tok=1, us=round(med, 2),
-                             us_min=round(lo, 2), us_max=round(hi, 2), tbps=round(mb / med / 1e6, 2),
-                             floor_us=round(mb / 4.2e6, 1), mb=round(mb / 1e6, 1)))
-            log(f"{t:5s} {k} alone: gemv q8x noquant {med:7.1f} us {mb / med / 1e6:.2f} TB/s (floor {mb / 4.2e6:.1f} us)")
+        _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log)
         for n in sorted(t_ for t_ in set(GEMV_TOKENS) | set(GEMM_TOKENS) if t_ <= max_tokens):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
@@ -238,6 +252,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="8,4,16", help="GEMV blocks of these many warps (8 ships; 4, 16: A/B instances)")
     ap.add_argument("--max-tokens", type=int, default=512, help="rows of at most this many tokens")
     ap.add_argument("--tiled-only", default="", help="just the tiled GEMMs' rows at these token counts (e.g. 16,32,64)")
+    ap.add_argument("--q8x-only", action="store_true",
+                    help="just the 8-bit-activation GEMV's rows, every form (with --tiled-only: both)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
@@ -249,7 +265,8 @@ def main(argv=None) -> int:
             with open(a.out, "w") as f:
                 json.dump(rows, f, indent=1)
     run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows,
-        max_tokens=a.max_tokens, tiled_only=tuple(int(n) for n in a.tiled_only.split(",")) if a.tiled_only else None)
+        max_tokens=a.max_tokens, tiled_only=tuple(int(n) for n in a.tiled_only.split(",")) if a.tiled_only else None,
+        q8x_only=a.q8x_only)
     return 0
 
 

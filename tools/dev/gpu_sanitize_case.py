@@ -251,9 +251,10 @@ def _staged_n_in(lay) -> int:
     return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
 
 
-def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
-    """The 8-bit-activation GEMV (cuda/dense_q8x.cu) gated with the RMS norm at one token against
-    float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
+def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None) -> int:
+    """The 8-bit-activation GEMV (cuda/dense_q8x.cu; ``form``: kernels.Q8X_FORMS', None the
+    dispatch's) gated with the RMS norm at one token against float64 of the activations it
+    quantized (quant.q8_activations). Failures (0 or 1)."""
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph import q8_matmul
     from ggml_attn.graph.model_device import QMatrix
@@ -267,15 +268,15 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int) -> int:
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
     q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
-                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g))()
+                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
     gate, up = (q8_activations(v) @ w.T for w in vals)
     err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
     ok = bool(np.isfinite(got).all()) and err < 1e-5
-    staged = "staged" if lay.row_bytes(n_in) % 16 == 0 else "plain"
-    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({staged}) gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
+    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
@@ -334,6 +335,8 @@ def _dense_q(cp, rng) -> int:
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
             bad += _q8x_gated(cp, rng, name, n, rows)
+        if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows
+            bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector")
         q, vals = ws[0]
         d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
         n_sub = rows * n_in // 32

@@ -140,6 +140,9 @@ def main(argv=None) -> int:
         print(f"== {spec} ({v.names[0]}, {arch}): {sum(ops.values())} instructions, "
               f"{u.get('registers', '?')} registers, {u.get('spill_stores', '?')} bytes spilled")
         print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common(a.top)))
+        for fn, uf in usage.items() if a.loops else ():   # the --loops functions' own registers
+            if a.loops in fn:
+                print(f"   {fn}: {uf.get('registers', '?')} registers, {uf.get('spill_stores', '?')} bytes spilled")
         for fn, lo, hi, c in loops(sass, a.loops, skip) if a.loops else ():
             print(f"   loop {lo:#06x}-{hi:#06x} of {fn}: {sum(c.values())} "
                   f"({', '.join(f'{op} {n}' for op, n in c.most_common(a.top))})")
