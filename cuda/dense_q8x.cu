@@ -273,31 +273,33 @@ template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
     constexpr int B = QBlock<T>::BYTES, U = Q8xV<T, NT>::U;
     int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31, k = lane & 7, j = k >> 1;
+    const int lane = threadIdx.x & 31, k = lane & 7, j = k >> 1, b0 = lane >> 3;
     GemvQSeg sg;
     if (!gemv_segment(p, r, sg)) return;   // (no barrier below)
-    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
     const int n_blk = p.n_in / 256, n_sub = p.n_in / 32;
-    // this lane's 16 positions of sub-blocks 2 j, 2 j + 1 of a block, from the block's first value
-    const int a_off = 64 * j + 16 * (k & 1);
+    // the lane's first block, and its activations: positions 16 (k & 1) .. + 15 of sub-blocks 2 j
+    // and 2 j + 1 (their scales and sums at sub-block 8 b0 + 2 j); each step moves them 4 blocks on
+    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes + b0 * B;
+    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes + b0 * B : nullptr;
+    const signed char* xa = p.xq + 256 * b0 + 64 * j + 16 * (k & 1);
+    const float* xdp = p.xd + 8 * b0 + 2 * j;
+    const float* xsp = p.xs + 8 * b0 + 2 * j;
+    const bool with_min = (k & 1) == 0;
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-    for (int base = lane >> 3; base < n_blk; base += 4 * U) {
+    for (int base = b0; base < n_blk; base += 4 * U) {
         uint4 hd[U], qs[U], qh[U], hd1[U], qs1[U], qh1[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int blk = base + 4 * u;
-            if (blk < n_blk) {
-                q8x_v_load<T>(w0 + (long long)blk * B, k, hd[u], qs[u], qh[u]);
-                if (w1) q8x_v_load<T>(w1 + (long long)blk * B, k, hd1[u], qs1[u], qh1[u]);
+            if (base + 4 * u < n_blk) {
+                q8x_v_load<T>(w0 + 4 * u * B, k, hd[u], qs[u], qh[u]);
+                if (w1) q8x_v_load<T>(w1 + 4 * u * B, k, hd1[u], qs1[u], qh1[u]);
             }
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int blk = base + 4 * u;
-            if (blk < n_blk) {
+            if (base + 4 * u < n_blk) {
                 unsigned h[4], q[4], e[4];
                 QbLaneVals v, v1;
                 u4_words(hd[u], h), u4_words(qs[u], q);
@@ -308,22 +310,23 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
                     if (QbLane<T>::QH) u4_words(qh1[u], e);
                     qb_k4_lane<T>(h, q, e, k, v1);
                 }
-                const int sub = 8 * blk + 2 * j;
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
                     if (t < p.n_tok) {
-                        const signed char* xa = p.xq + (long long)t * p.n_in + 256 * blk + a_off;
+                        const signed char* a = xa + (long long)t * p.n_in + 1024 * u;
                         unsigned alo[4], ahi[4];
-                        u4_words(__ldg(reinterpret_cast<const uint4*>(xa)), alo);
-                        u4_words(__ldg(reinterpret_cast<const uint4*>(xa + 32)), ahi);
-                        const float2 xd = __ldg(reinterpret_cast<const float2*>(p.xd + (long long)t * n_sub + sub));
-                        const float2 xs = __ldg(reinterpret_cast<const float2*>(p.xs + (long long)t * n_sub + sub));
-                        acc[t] += qb_k4_lane_dot(v, alo, ahi, xd.x, xs.x, xd.y, xs.y, (k & 1) == 0);
-                        if (w1) up[t] += qb_k4_lane_dot(v1, alo, ahi, xd.x, xs.x, xd.y, xs.y, (k & 1) == 0);
+                        u4_words(__ldg(reinterpret_cast<const uint4*>(a)), alo);
+                        u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32)), ahi);
+                        const float2 xd = __ldg(reinterpret_cast<const float2*>(xdp + (long long)t * n_sub + 32 * u));
+                        const float2 xs = __ldg(reinterpret_cast<const float2*>(xsp + (long long)t * n_sub + 32 * u));
+                        acc[t] += qb_k4_lane_dot(v, alo, ahi, xd.x, xs.x, xd.y, xs.y, with_min);
+                        if (w1) up[t] += qb_k4_lane_dot(v1, alo, ahi, xd.x, xs.x, xd.y, xs.y, with_min);
                     }
                 }
             }
         }
+        w0 += 4 * U * B, xa += 1024 * U, xdp += 32 * U, xsp += 32 * U;
+        if (w1) w1 += 4 * U * B;
     }
     float one[NT];
 #pragma unroll
