@@ -241,23 +241,28 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
-// The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K and Q5_K, whose rows are whole 16-byte units
-// (144 and 176 bytes a block): the weights read straight from global memory, 16 bytes a load,
-// the way dense.cu's F16 GEMV reads (3.5 TB/s on the H100) -- no staging through shared memory,
-// no cp.async, no barrier. A warp a row; a step of the warp covers 4 blocks (1024 values), eight
-// lanes a block (lane k = lane % 8 of block lane / 8: qb_k4_lane's head, qs and qh words), and a
-// lane issues the loads of Q8xV::U steps before any of their arithmetic (U x 32-48 bytes in
-// flight a lane; a Q4_K row of 4096 values in one go). The scales come from the head by word
-// operations (qb_k4_scale_words), the dots by IDP4A on the 8-bit activations (xq, xd, xs as for
-// dense_gemv_q8x); a sub-block's min term is added by the lane holding its first half. Static
-// SASS (sm_90, NT 1): see bench/NOTES.md. Rows 16-byte aligned (q8_matmul.rows_aligned).
+// The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K and Q6_K rows of whole 16-byte units:
+// the weights read from global memory 16 bytes a load, coalesced, the way dense.cu's F16 GEMV
+// reads (3.5 TB/s on the H100), with each lane's arithmetic a few word operations a value. A warp
+// a row; a lane issues the loads of Q8xV::U steps before any of their arithmetic.
+//   Q4_K / Q5_K (144 and 176 bytes a block: every block 16-byte aligned): a step covers 4 blocks,
+//   eight lanes a block (lane k = lane % 8 of block lane / 8: qb_k4_lane's head, qs and qh words
+//   straight into registers); no shared memory, no barrier.
+//   Q6_K (210 bytes: blocks 2-byte aligned, 8 of them 105 whole units): a step covers such a
+//   group of 8 blocks, staged through the warp's own shared memory (coalesced 16-byte loads, then
+//   stores, __syncwarp) and read back by four lanes a block (qb_q6k_lane's 16-byte windows: five
+//   word loads and four byte permutes each, the block's offset mod 4 the same every group).
+// The scales come by word operations, the dots by IDP4A on the 8-bit activations (xq, xd, xs as
+// for dense_gemv_q8x). Static SASS (sm_90): bench/NOTES.md, tenth session. Rows 16-byte aligned
+// (q8_matmul.rows_aligned).
 #define Q8X_VWARPS 4   // warps a dense_gemv_q8x_v block, a row each
+#define Q6V_GROUP 1680 // bytes of 8 Q6_K blocks (105 16-byte units)
 
 // U: the steps whose loads a lane issues together; MINB: blocks an SM its registers allow (no
-// spills at sm_90: Q5_K's third load a step halves U).
+// spills at sm_90: Q5_K's third load a step halves U; Q6_K's steps are 2048 values).
 template <int T, int NT> struct Q8xV {
-    static constexpr int U = QbLane<T>::QH ? 2 : 4;
-    static constexpr int MINB = NT == 1 ? 4 : 3;
+    static constexpr int U = T == QB_Q4_K ? 4 : 2;
+    static constexpr int MINB = NT == 1 && T != QB_Q6_K ? 4 : 3;
 };
 
 template <int T>
@@ -269,25 +274,22 @@ __device__ __forceinline__ void q8x_v_load(const unsigned char* blk, int k, uint
 
 __device__ __forceinline__ void u4_words(const uint4& u, unsigned (&w)[4]) { w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w; }
 
+// One row of Q4_K / Q5_K blocks (w0; the gated mode's second operand w1, else null) times the
+// tokens' activations into acc (up).
 template <int T, int NT>
-__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
+__device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
+                                             float (&acc)[NT], float (&up)[NT]) {
     constexpr int B = QBlock<T>::BYTES, U = Q8xV<T, NT>::U;
-    int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31, k = lane & 7, j = k >> 1, b0 = lane >> 3;
-    GemvQSeg sg;
-    if (!gemv_segment(p, r, sg)) return;   // (no barrier below)
     const int n_blk = p.n_in / 256, n_sub = p.n_in / 32;
     // the lane's first block, and its activations: positions 16 (k & 1) .. + 15 of sub-blocks 2 j
     // and 2 j + 1 (their scales and sums at sub-block 8 b0 + 2 j); each step moves them 4 blocks on
-    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes + b0 * B;
-    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes + b0 * B : nullptr;
+    w0 += b0 * B;
+    if (w1) w1 += b0 * B;
     const signed char* xa = p.xq + 256 * b0 + 64 * j + 16 * (k & 1);
     const float* xdp = p.xd + 8 * b0 + 2 * j;
     const float* xsp = p.xs + 8 * b0 + 2 * j;
     const bool with_min = (k & 1) == 0;
-    float acc[NT], up[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
     for (int base = b0; base < n_blk; base += 4 * U) {
         uint4 hd[U], qs[U], qh[U], hd1[U], qs1[U], qh1[U];
 #pragma unroll
@@ -328,6 +330,110 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
         w0 += 4 * U * B, xa += 1024 * U, xdp += 32 * U, xsp += 32 * U;
         if (w1) w1 += 4 * U * B;
     }
+}
+
+// The 16 bytes at byte o (even) of the shared words buf as four little-endian words: five aligned
+// word loads and four byte permutes (sel 0x3210 where o is a multiple of 4, 0x5432 where not).
+__device__ __forceinline__ void lds_window16(const unsigned* buf, int o, unsigned sel, unsigned (&w)[4]) {
+    unsigned x[5];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) x[i] = buf[(o >> 2) + i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = __byte_perm(x[i], x[i + 1], sel);
+}
+
+// Q6_K group u's 105 units of row w (from its group g) into registers st (unit lane + 32 i).
+__device__ __forceinline__ void q6v_load(const unsigned char* w, int lane, uint4 (&st)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (i < 3 || lane < 105 - 96) st[i] = ld_stream(w + 16 * (lane + 32 * i));
+}
+
+__device__ __forceinline__ void q6v_store(unsigned char* buf, int lane, const uint4 (&st)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (i < 3 || lane < 105 - 96) *reinterpret_cast<uint4*>(buf + 16 * (lane + 32 * i)) = st[i];
+}
+
+// Lane (n, h) of block bi's values and factors from the group in shared memory at g.
+__device__ __forceinline__ void q6v_decode(const unsigned char* g, int bi, int hn, int h, unsigned sel, QbQ6Lane& v) {
+    const unsigned* words = reinterpret_cast<const unsigned*>(g);
+    const int o = 210 * bi;
+    unsigned a[4], b[4], q[4];
+    lds_window16(words, o + 64 * hn + 16 * h, sel, a);
+    lds_window16(words, o + 64 * hn + 32 + 16 * h, sel, b);
+    lds_window16(words, o + 128 + 32 * hn + 16 * h, sel, q);
+    int sc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] = reinterpret_cast<const signed char*>(g)[o + 192 + 8 * hn + 2 * i + h];
+    qb_q6k_lane(a, b, q, __half2float(*reinterpret_cast<const __half*>(g + o + 208)), sc, v);
+}
+
+template <int NT>
+__device__ __forceinline__ void q8x_v_row_q6k(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
+                                              float (&acc)[NT], float (&up)[NT]) {
+    constexpr int U = Q8xV<QB_Q6_K, NT>::U;
+    __shared__ __align__(16) unsigned char q6v_buf[Q8X_VWARPS][2][U][Q6V_GROUP];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1;
+    const unsigned sel = (bi & 1) ? 0x5432u : 0x3210u;   // block bi of a group: 210 bi bytes in, 2 bi mod 4
+    const int n_grp = p.n_in / 2048, n_sub = p.n_in / 32;
+    const signed char* xa = p.xq + 256 * bi + 128 * hn + 16 * h;
+    const float* xdp = p.xd + 8 * bi + 4 * hn;
+    for (int g0 = 0; g0 < n_grp; g0 += U) {
+        uint4 st[U][4], st1[U][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (g0 + u < n_grp) {
+                q6v_load(w0 + (long long)(g0 + u) * Q6V_GROUP, lane, st[u]);
+                if (w1) q6v_load(w1 + (long long)(g0 + u) * Q6V_GROUP, lane, st1[u]);
+            }
+        }
+        __syncwarp();   // the last step's reads of the buffers are done
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (g0 + u < n_grp) {
+                q6v_store(q6v_buf[warp][0][u], lane, st[u]);
+                if (w1) q6v_store(q6v_buf[warp][1][u], lane, st1[u]);
+            }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (g0 + u < n_grp) {
+                QbQ6Lane v, v1;
+                q6v_decode(q6v_buf[warp][0][u], bi, hn, h, sel, v);
+                if (w1) q6v_decode(q6v_buf[warp][1][u], bi, hn, h, sel, v1);
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    if (t < p.n_tok) {
+                        const signed char* a = xa + (long long)t * p.n_in + 2048 * (g0 + u);
+                        unsigned x[4][4];
+#pragma unroll
+                        for (int gq = 0; gq < 4; ++gq) u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32 * gq)), x[gq]);
+                        const float4 d4 = __ldg(reinterpret_cast<const float4*>(xdp + (long long)t * n_sub + 64 * (g0 + u)));
+                        const float xd[4] = {d4.x, d4.y, d4.z, d4.w};
+                        acc[t] += qb_q6k_lane_dot(v, x, xd);
+                        if (w1) up[t] += qb_q6k_lane_dot(v1, x, xd);
+                    }
+                }
+            }
+        }
+    }
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
+    int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
+    GemvQSeg sg;
+    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
+    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
+    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    float acc[NT], up[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+    if constexpr (T == QB_Q6_K) q8x_v_row_q6k<NT>(p, w0, w1, acc, up);
+    else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
     float one[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;

@@ -614,3 +614,38 @@ QB_HD float qb_k4_lane_dot(const QbLaneVals& v, const unsigned (&a_lo)[4], const
     const float r1 = v.f[1] * (float)s1 + (with_min ? v.c[1] * xs1 : 0.0f);
     return xd0 * r0 + xd1 * r1;
 }
+
+// Q6_K as the vector GEMV reads it: four lanes a block, lane (n, h) holding ql's 16 bytes at
+// 64 n + 16 h (a) and at 64 n + 32 + 16 h (b), qh's 16 at 128 + 32 n + 16 h (q): values
+// 128 n + 32 g + 16 h .. + 15 of the four 32-value groups g (ggml's dequantize_row_q6_K with
+// l = 16 h + i: g 0 the low nibbles of a with qh bits 0-1, g 1 b's low with bits 2-3, g 2 a's high
+// with bits 4-5, g 3 b's high with bits 6-7; each minus 32), scaled by d sc[8 n + 2 g + h].
+// qb_q6k_lane gives each group's 16 unsigned 6-bit values (u, a byte each) and factor d sc.
+struct QbQ6Lane {
+    unsigned u[4][4];   // [g][word]
+    float f[4];         // d * sc of group g
+};
+
+QB_HD void qb_q6k_lane(const unsigned (&a)[4], const unsigned (&b)[4], const unsigned (&q)[4], float d,
+                       const int (&sc)[4], QbQ6Lane& v) {
+    for (int i = 0; i < 4; ++i) {
+        v.u[0][i] = (a[i] & 0x0F0F0F0Fu) | ((q[i] << 4) & 0x30303030u);
+        v.u[1][i] = (b[i] & 0x0F0F0F0Fu) | ((q[i] << 2) & 0x30303030u);
+        v.u[2][i] = ((a[i] >> 4) & 0x0F0F0F0Fu) | (q[i] & 0x30303030u);
+        v.u[3][i] = ((b[i] >> 4) & 0x0F0F0F0Fu) | ((q[i] >> 2) & 0x30303030u);
+    }
+    for (int g = 0; g < 4; ++g) v.f[g] = d * (float)sc[g];
+}
+
+// The lane's part of its groups' dot with 8-bit activations: x[g] the int8 words of group g's
+// same 16 positions, xd[g] its sub-block's scale. The offset 32 through the activations' own
+// sum (IDP4A with -32 a byte), so the bytes stay as loaded.
+QB_HD float qb_q6k_lane_dot(const QbQ6Lane& v, const unsigned (&x)[4][4], const float (&xd)[4]) {
+    float r = 0.0f;
+    for (int g = 0; g < 4; ++g) {
+        int s = 0;
+        for (int i = 0; i < 4; ++i) s = qb_dp4a((int)v.u[g][i], (int)x[g][i], qb_dp4a((int)0xE0E0E0E0u, (int)x[g][i], s));
+        r += xd[g] * (v.f[g] * (float)s);
+    }
+    return r;
+}

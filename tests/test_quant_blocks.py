@@ -50,9 +50,31 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
 
 // the same by the vector GEMV's lanes (dense_gemv_q8x_v: qb_k4_lane / qb_k4_lane_dot, eight lanes
 // a block, each its 16-byte head, qs and qh words and the activations of its 16 positions of two
-// sub-blocks); 1e300 for a type it does not read
+// sub-blocks; Q6_K's four lanes a block, qb_q6k_lane); 1e300 for a type it does not read
 template <int T> static double dot_lane(const qb_u8* r, int n, const signed char* q, const float* xd) {
-    if constexpr (T != QB_Q4_K && T != QB_Q5_K) {
+    if constexpr (T == QB_Q6_K) {   // four lanes a block (qb_q6k_lane / qb_q6k_lane_dot)
+        double sum = 0.0;
+        for (int b = 0; b < n / 256; ++b)
+            for (int k = 0; k < 4; ++k) {
+                const qb_u8* blk = r + (long)b * 210;
+                const int hn = k >> 1, h = k & 1;
+                unsigned a[4], bw[4], qh[4], x[4][4];
+                memcpy(a, blk + 64 * hn + 16 * h, 16);
+                memcpy(bw, blk + 64 * hn + 32 + 16 * h, 16);
+                memcpy(qh, blk + 128 + 32 * hn + 16 * h, 16);
+                int sc[4];
+                float xdg[4];
+                for (int g = 0; g < 4; ++g) {
+                    sc[g] = (signed char)blk[192 + 8 * hn + 2 * g + h];
+                    memcpy(x[g], q + 256 * b + 128 * hn + 32 * g + 16 * h, 16);
+                    xdg[g] = xd[8 * b + 4 * hn + g];
+                }
+                QbQ6Lane v;
+                qb_q6k_lane(a, bw, qh, qb_half(blk + 208), sc, v);
+                sum += qb_q6k_lane_dot(v, x, xdg);
+            }
+        return sum;
+    } else if constexpr (T != QB_Q4_K && T != QB_Q5_K) {
         return 1e300;
     } else {
         constexpr int B = QBlock<T>::BYTES;
