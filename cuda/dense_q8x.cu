@@ -256,7 +256,6 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // for dense_gemv_q8x). Static SASS (sm_90): bench/NOTES.md, tenth session. Rows 16-byte aligned
 // (q8_matmul.rows_aligned).
 #define Q8X_VWARPS 4   // warps a dense_gemv_q8x_v block, a row each
-#define Q6V_GROUP 1680 // bytes of 8 Q6_K blocks (105 16-byte units)
 
 // U: the steps whose loads a lane issues together; MINB: blocks an SM its registers allow (no
 // spills at sm_90: Q5_K's third load a step halves U; Q6_K's steps are 2048 values).
@@ -342,20 +341,33 @@ __device__ __forceinline__ void lds_window16(const unsigned* buf, int o, unsigne
     for (int i = 0; i < 4; ++i) w[i] = __byte_perm(x[i], x[i + 1], sel);
 }
 
-// Q6_K group u's 105 units of row w (from its group g) into registers st (unit lane + 32 i).
-__device__ __forceinline__ void q6v_load(const unsigned char* w, int lane, uint4 (&st)[4]) {
+// The group-staged types: a group of BLOCKS blocks is whole 16-byte units (UNITS), staged through
+// the warp's shared memory; lane L then reads block L / LANES of the group.
+template <int T> struct Q8xVGroup;
+template <> struct Q8xVGroup<QB_Q6_K> { static constexpr int BLOCKS = 8, LANES = 4; };    // 1680 bytes, 2048 values
+template <> struct Q8xVGroup<QB_Q8_0> { static constexpr int BLOCKS = 32, LANES = 1; };   // 1088 bytes, 1024 values
+template <int T> struct Q8xVG {
+    static constexpr int BYTES = Q8xVGroup<T>::BLOCKS * QBlock<T>::BYTES, UNITS = BYTES / 16, LOADS = (UNITS + 31) / 32;
+    static_assert(BYTES % 16 == 0, "a group is whole 16-byte units");
+};
+
+// The first n_units units of the group at w into registers st (unit lane + 32 i), and back out
+// into the warp's buffer.
+template <int T>
+__device__ __forceinline__ void group_load(const unsigned char* w, int lane, int n_units, uint4 (&st)[Q8xVG<T>::LOADS]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        if (i < 3 || lane < 105 - 96) st[i] = ld_stream(w + 16 * (lane + 32 * i));
+    for (int i = 0; i < Q8xVG<T>::LOADS; ++i)
+        if (lane + 32 * i < n_units) st[i] = ld_stream(w + 16 * (lane + 32 * i));
 }
 
-__device__ __forceinline__ void q6v_store(unsigned char* buf, int lane, const uint4 (&st)[4]) {
+template <int T>
+__device__ __forceinline__ void group_store(unsigned char* buf, int lane, int n_units, const uint4 (&st)[Q8xVG<T>::LOADS]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-        if (i < 3 || lane < 105 - 96) *reinterpret_cast<uint4*>(buf + 16 * (lane + 32 * i)) = st[i];
+    for (int i = 0; i < Q8xVG<T>::LOADS; ++i)
+        if (lane + 32 * i < n_units) *reinterpret_cast<uint4*>(buf + 16 * (lane + 32 * i)) = st[i];
 }
 
-// Lane (n, h) of block bi's values and factors from the group in shared memory at g.
+// Q6_K: lane (n, h) of block bi's values and factors from the group in shared memory at g.
 __device__ __forceinline__ void q6v_decode(const unsigned char* g, int bi, int hn, int h, unsigned sel, QbQ6Lane& v) {
     const unsigned* words = reinterpret_cast<const unsigned*>(g);
     const int o = 210 * bi;
@@ -369,56 +381,98 @@ __device__ __forceinline__ void q6v_decode(const unsigned char* g, int bi, int h
     qb_q6k_lane(a, b, q, __half2float(*reinterpret_cast<const __half*>(g + o + 208)), sc, v);
 }
 
-template <int NT>
-__device__ __forceinline__ void q8x_v_row_q6k(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
-                                              float (&acc)[NT], float (&up)[NT]) {
-    constexpr int U = Q8xV<QB_Q6_K, NT>::U;
-    __shared__ __align__(16) unsigned char q6v_buf[Q8X_VWARPS][2][U][Q6V_GROUP];
+// Group grp (staged at g; with gated, the second operand's at g1) times the tokens' activations,
+// this lane's part, into acc (up). (A flag, not a null g1: a shared pointer compared with null
+// becomes a generic one.)
+template <int T, int NT>
+__device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned char* g, const unsigned char* g1, bool gated,
+                                          int grp, float (&acc)[NT], float (&up)[NT]) {
+    const int lane = threadIdx.x & 31, n_sub = p.n_in / 32;
+    if constexpr (T == QB_Q6_K) {
+        const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1;
+        const unsigned sel = (bi & 1) ? 0x5432u : 0x3210u;   // block bi: 210 bi bytes in, 2 bi mod 4
+        QbQ6Lane v, v1;
+        q6v_decode(g, bi, hn, h, sel, v);
+        if (gated) q6v_decode(g1, bi, hn, h, sel, v1);
+        const int k = 2048 * grp + 256 * bi + 128 * hn + 16 * h, sub = 64 * grp + 8 * bi + 4 * hn;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < p.n_tok) {
+                const signed char* a = p.xq + (long long)t * p.n_in + k;
+                unsigned x[4][4];
+#pragma unroll
+                for (int gq = 0; gq < 4; ++gq) u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32 * gq)), x[gq]);
+                const float4 d4 = __ldg(reinterpret_cast<const float4*>(p.xd + (long long)t * n_sub + sub));
+                const float xd[4] = {d4.x, d4.y, d4.z, d4.w};
+                acc[t] += qb_q6k_lane_dot(v, x, xd);
+                if (gated) up[t] += qb_q6k_lane_dot(v1, x, xd);
+            }
+        }
+    } else {   // Q8_0: block lane of the group, d at 34 lane, its 32 bytes at 34 lane + 2
+        const int blk = 32 * grp + lane;
+        if (blk >= p.n_in / 32) return;   // (a row's last group may be partial)
+        const unsigned sel = (lane & 1) ? 0x3210u : 0x5432u;   // 34 lane + 2 is 4-byte aligned for odd lanes
+        int w[8], w1[8];
+        float d, d1 = 0.0f;
+        lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 2, sel, *reinterpret_cast<unsigned (*)[4]>(w));
+        lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 18, sel, *reinterpret_cast<unsigned (*)[4]>(w + 4));
+        d = __half2float(*reinterpret_cast<const __half*>(g + 34 * lane));
+        if (gated) {
+            lds_window16(reinterpret_cast<const unsigned*>(g1), 34 * lane + 2, sel, *reinterpret_cast<unsigned (*)[4]>(w1));
+            lds_window16(reinterpret_cast<const unsigned*>(g1), 34 * lane + 18, sel, *reinterpret_cast<unsigned (*)[4]>(w1 + 4));
+            d1 = __half2float(*reinterpret_cast<const __half*>(g1 + 34 * lane));
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            if (t < p.n_tok) {
+                const int4* a = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * blk);
+                const int4 lo = __ldg(a), hi = __ldg(a + 1);
+                const int x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                const float xd = __ldg(p.xd + (long long)t * n_sub + blk);
+                int s = 0;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) s = __dp4a(w[i], x[i], s);
+                acc[t] += xd * (d * (float)s);
+                if (gated) {
+                    int s1 = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) s1 = __dp4a(w1[i], x[i], s1);
+                    up[t] += xd * (d1 * (float)s1);
+                }
+            }
+        }
+    }
+}
+
+// One row of a group-staged type (w0; the gated mode's second operand w1, else null): U groups'
+// units loaded together, stored to the warp's buffers, then each group's dot.
+template <int T, int NT>
+__device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
+                                                 float (&acc)[NT], float (&up)[NT]) {
+    constexpr int U = Q8xV<T, NT>::U, GB = Q8xVG<T>::BYTES, LOADS = Q8xVG<T>::LOADS;
+    __shared__ __align__(16) unsigned char gbuf[Q8X_VWARPS][2][U][GB + 16];   // (+16: a window's fifth word)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1;
-    const unsigned sel = (bi & 1) ? 0x5432u : 0x3210u;   // block bi of a group: 210 bi bytes in, 2 bi mod 4
-    const int n_grp = p.n_in / 2048, n_sub = p.n_in / 32;
-    const signed char* xa = p.xq + 256 * bi + 128 * hn + 16 * h;
-    const float* xdp = p.xd + 8 * bi + 4 * hn;
+    const int n_blk = p.n_in / QBlock<T>::VALUES, n_grp = (n_blk + Q8xVGroup<T>::BLOCKS - 1) / Q8xVGroup<T>::BLOCKS;
+    const int row_units = n_blk * QBlock<T>::BYTES / 16;   // (rows of whole units)
     for (int g0 = 0; g0 < n_grp; g0 += U) {
-        uint4 st[U][4], st1[U][4];
+        uint4 st[U][LOADS], st1[U][LOADS];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            if (g0 + u < n_grp) {
-                q6v_load(w0 + (long long)(g0 + u) * Q6V_GROUP, lane, st[u]);
-                if (w1) q6v_load(w1 + (long long)(g0 + u) * Q6V_GROUP, lane, st1[u]);
-            }
+            const int units = min(Q8xVG<T>::UNITS, row_units - (g0 + u) * Q8xVG<T>::UNITS);   // <= 0 past the row
+            group_load<T>(w0 + (long long)(g0 + u) * GB, lane, units, st[u]);
+            if (w1) group_load<T>(w1 + (long long)(g0 + u) * GB, lane, units, st1[u]);
         }
         __syncwarp();   // the last step's reads of the buffers are done
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            if (g0 + u < n_grp) {
-                q6v_store(q6v_buf[warp][0][u], lane, st[u]);
-                if (w1) q6v_store(q6v_buf[warp][1][u], lane, st1[u]);
-            }
+            const int units = min(Q8xVG<T>::UNITS, row_units - (g0 + u) * Q8xVG<T>::UNITS);
+            group_store<T>(gbuf[warp][0][u], lane, units, st[u]);
+            if (w1) group_store<T>(gbuf[warp][1][u], lane, units, st1[u]);
         }
         __syncwarp();
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (g0 + u < n_grp) {
-                QbQ6Lane v, v1;
-                q6v_decode(q6v_buf[warp][0][u], bi, hn, h, sel, v);
-                if (w1) q6v_decode(q6v_buf[warp][1][u], bi, hn, h, sel, v1);
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    if (t < p.n_tok) {
-                        const signed char* a = xa + (long long)t * p.n_in + 2048 * (g0 + u);
-                        unsigned x[4][4];
-#pragma unroll
-                        for (int gq = 0; gq < 4; ++gq) u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32 * gq)), x[gq]);
-                        const float4 d4 = __ldg(reinterpret_cast<const float4*>(xdp + (long long)t * n_sub + 64 * (g0 + u)));
-                        const float xd[4] = {d4.x, d4.y, d4.z, d4.w};
-                        acc[t] += qb_q6k_lane_dot(v, x, xd);
-                        if (w1) up[t] += qb_q6k_lane_dot(v1, x, xd);
-                    }
-                }
-            }
-        }
+        for (int u = 0; u < U; ++u)
+            if (g0 + u < n_grp) group_dot<T, NT>(p, gbuf[warp][0][u], gbuf[warp][1][u], w1 != nullptr, g0 + u, acc, up);
     }
 }
 
@@ -432,7 +486,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-    if constexpr (T == QB_Q6_K) q8x_v_row_q6k<NT>(p, w0, w1, acc, up);
+    if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT>(p, w0, w1, acc, up);
     else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
     float one[NT];
 #pragma unroll

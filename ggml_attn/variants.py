@@ -311,7 +311,7 @@ Q8X_TOKENS = (1, 2, 4, 8, 16)  # its instances: NT, each running n_tok <= NT tok
 Q8X_PLAIN_TOKENS = (1, 2, 4)   # dense_gemv_q8x's (the fallback for unaligned rows; 8 spilled Q4_0's words)
 Q8X_WARPS = 8                 # warps a dense_gemv_q8x block (Q8X_WARPS in dense_q8x.cu)
 Q8X_SWARPS = 4                # warps a dense_gemv_q8x_s block (Q8X_SWARPS: its slots' shared memory)
-Q8XV_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # dense_gemv_q8x_v's block types (qb_k4_lane, qb_q6k_lane)
+Q8XV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # dense_gemv_q8x_v's block types (qb_k4_lane; groups staged: Q8xVGroup)
 Q8XV_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XV_TYPES)
 Q8XV_TOKENS = (1, 2, 4)        # its instances
 Q8X_VWARPS = 4                # warps a dense_gemv_q8x_v block (Q8X_VWARPS in dense_q8x.cu)

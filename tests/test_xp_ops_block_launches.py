@@ -188,8 +188,8 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     staged, unaligned rows plain; asked for by name, the vector form refuses a type it does not
     read, unaligned rows and more tokens than its instances."""
     assert md.Q8XV_TYPES == () and md.gemv_q8x_form("Q4_K", True) == "staged"
-    monkeypatch.setattr(md, "Q8XV_TYPES", ("Q4_K", "Q8_0"))   # (Q8_0: not a type the kernel reads)
-    assert [md.gemv_q8x_form(t, a) for t, a in (("Q4_K", True), ("Q4_K", False), ("Q8_0", True), ("Q5_K", True))] \
+    monkeypatch.setattr(md, "Q8XV_TYPES", ("Q4_K", "Q4_0"))   # (Q4_0: not a type the kernel reads)
+    assert [md.gemv_q8x_form(t, a) for t, a in (("Q4_K", True), ("Q4_K", False), ("Q4_0", True), ("Q5_K", True))] \
         == ["vector", "plain", "staged", "staged"]
     assert "dense_gemv_q8x_v" in md.best_matmul("Q4_K", 1).reason
     ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512)]
@@ -200,8 +200,8 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     assert gemv.fn.name == "dense_gemv_q8x_v<12, 4>" and gemv.fn.variant == K.dense_q8x_variant(12)
     assert gemv.grid == (-(-128 // K.Q8X_VWARPS), 1, 1) and gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
     assert gemv.params[0].n_tok == 3 and gemv.params[0].row_bytes == 2 * 144
-    q8 = [_qmatrix("Q8_0", 32, 512)]
-    assert q8_matmul.q8x_launches(q8, x, outs[1:], xq, xd, xs, mode=0, form="vector") is None
+    q4 = [_qmatrix("Q4_0", 32, 512)]
+    assert q8_matmul.q8x_launches(q4, x, outs[1:], xq, xd, xs, mode=0, form="vector") is None
     buf = np.zeros(32 * 288 + 16, np.uint8)
     skew = [QMatrix("Q4_K", (32, 512), Dev(None, base=buf[2:2 + 32 * 288].reshape(32, 288)))]
     assert q8_matmul.q8x_launches(skew, x, outs[1:], xq, xd, xs, mode=0, form="vector") is None
@@ -211,7 +211,8 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     assert len(launches) == 1
     assert "dense_gemv_q8x_v<13, 1>" in K.dense_q8x_variant(13).names
     assert "dense_gemv_q8x_v<14, 4>" in K.dense_q8x_variant(14).names
-    assert not any("q8x_v" in name for name in K.dense_q8x_variant(8).names)
+    assert "dense_gemv_q8x_v<8, 2>" in K.dense_q8x_variant(8).names
+    assert not any("q8x_v" in name for name in K.dense_q8x_variant(2).names)
 
 
 def test_gemv_q_gated_and_what_it_refuses(launches):
