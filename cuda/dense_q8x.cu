@@ -412,7 +412,7 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
         const int blk = 32 * grp + lane;
         if (blk >= p.n_in / 32) return;   // (a row's last group may be partial)
         const unsigned sel = (lane & 1) ? 0x3210u : 0x5432u;   // 34 lane + 2 is 4-byte aligned for odd lanes
-        int w[8], w1[8];
+        unsigned w[8], w1[8];
         float d, d1 = 0.0f;
         lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 2, sel, *reinterpret_cast<unsigned (*)[4]>(w));
         lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 18, sel, *reinterpret_cast<unsigned (*)[4]>(w + 4));
@@ -425,20 +425,13 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {
-                const int4* a = reinterpret_cast<const int4*>(p.xq + (long long)t * p.n_in + 32 * blk);
-                const int4 lo = __ldg(a), hi = __ldg(a + 1);
-                const int x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                const uint4* a = reinterpret_cast<const uint4*>(p.xq + (long long)t * p.n_in + 32 * blk);
+                unsigned x[8];
+                u4_words(__ldg(a), *reinterpret_cast<unsigned (*)[4]>(x));
+                u4_words(__ldg(a + 1), *reinterpret_cast<unsigned (*)[4]>(x + 4));
                 const float xd = __ldg(p.xd + (long long)t * n_sub + blk);
-                int s = 0;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) s = __dp4a(w[i], x[i], s);
-                acc[t] += xd * (d * (float)s);
-                if (gated) {
-                    int s1 = 0;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) s1 = __dp4a(w1[i], x[i], s1);
-                    up[t] += xd * (d1 * (float)s1);
-                }
+                acc[t] += qb_q8_0_lane_dot(w, d, x, xd);
+                if (gated) up[t] += qb_q8_0_lane_dot(w1, d1, x, xd);
             }
         }
     }

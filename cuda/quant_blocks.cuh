@@ -649,3 +649,11 @@ QB_HD float qb_q6k_lane_dot(const QbQ6Lane& v, const unsigned (&x)[4][4], const 
     }
     return r;
 }
+
+// Q8_0 as the vector GEMV reads it: a lane a block, its 32 bytes (qs, from byte 2) as words w and
+// d its scale, times 32 int8 activations x of scale xd.
+QB_HD float qb_q8_0_lane_dot(const unsigned (&w)[8], float d, const unsigned (&x)[8], float xd) {
+    int s = 0;
+    for (int i = 0; i < 8; ++i) s = qb_dp4a((int)w[i], (int)x[i], s);
+    return xd * (d * (float)s);
+}

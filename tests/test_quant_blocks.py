@@ -50,7 +50,8 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
 
 // the same by the vector GEMV's lanes (dense_gemv_q8x_v: qb_k4_lane / qb_k4_lane_dot, eight lanes
 // a block, each its 16-byte head, qs and qh words and the activations of its 16 positions of two
-// sub-blocks; Q6_K's four lanes a block, qb_q6k_lane); 1e300 for a type it does not read
+// sub-blocks; Q6_K's four lanes a block, qb_q6k_lane; Q8_0's one, qb_q8_0_lane_dot); 1e300 for a
+// type it does not read
 template <int T> static double dot_lane(const qb_u8* r, int n, const signed char* q, const float* xd) {
     if constexpr (T == QB_Q6_K) {   // four lanes a block (qb_q6k_lane / qb_q6k_lane_dot)
         double sum = 0.0;
@@ -73,6 +74,15 @@ template <int T> static double dot_lane(const qb_u8* r, int n, const signed char
                 qb_q6k_lane(a, bw, qh, qb_half(blk + 208), sc, v);
                 sum += qb_q6k_lane_dot(v, x, xdg);
             }
+        return sum;
+    } else if constexpr (T == QB_Q8_0) {   // a lane a block (qb_q8_0_lane_dot)
+        double sum = 0.0;
+        for (int b = 0; b < n / 32; ++b) {
+            unsigned w[8], x[8];
+            memcpy(w, r + (long)b * 34 + 2, 32);
+            memcpy(x, q + 32 * b, 32);
+            sum += qb_q8_0_lane_dot(w, qb_half(r + (long)b * 34), x, xd[b]);
+        }
         return sum;
     } else if constexpr (T != QB_Q4_K && T != QB_Q5_K) {
         return 1e300;
