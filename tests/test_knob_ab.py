@@ -11,6 +11,9 @@ def test_parse_variant_checks_modules_attributes_and_values():
     assert v.knobs == [("ggml_attn.graph.kv_cache", "PROMPT_WHOLE_CACHE_MASK_BYTES", 0),
                        ("ggml_attn.dispatch", "CELLS_MIN_GAIN", 1e9)]
     assert knob_ab.parse_variant("base").knobs == []
+    v = knob_ab.parse_variant("vec:matmul_dispatch.Q8XV_TYPES=('Q4_K', 'Q6_K'),dispatch.CELLS_MIN_GAIN=2")
+    assert v.knobs == [("ggml_attn.matmul_dispatch", "Q8XV_TYPES", ("Q4_K", "Q6_K")),   # (a tuple's own commas)
+                       ("ggml_attn.dispatch", "CELLS_MIN_GAIN", 2)]
     for bad, what in (("x:graph.kv_cache.NOPE=1", "no attribute"), ("x:nomodule.A=1", "no module"),
                       ("x:dispatch.CELLS_MIN_GAIN=abc", "not a Python literal"), ("x:dispatch=1", "MODULE.ATTR"),
                       (":dispatch.CELLS_MIN_GAIN=1", "no name")):

@@ -14,13 +14,16 @@
 #      auto,f16) -> $OUT/side_by_side.json
 #   2. graph.greedy's step with the library engine's CUDA-graph replay off and on, against the
 #      CLI's step (tools/dev/gpu_greedy_time.py) on the Q4_K_M file -> $OUT/greedy.json
+#   (--ab-vector) the 8-bit GEMV's vector form against the staged one end to end: tg128 of
+#      ggml-attn-bench on 8B-shaped Q4_K_M and Q8_0 files written by tests/fixtures_gguf.py, each
+#      form in its own process, alternating (tools/dev/knob_ab.py) -> $OUT/ab_vector_<ftype>.json
 #   3. a 70B-shaped Q4_K_M file (tests/fixtures_gguf.py --preset llama-3-70b: 40 GB, which did not
 #      fit one H200 while weights were dequantized to F16): ggml-attn-bench pp512/tg128 -> $OUT/m70.jsonl
 #
-# Steps in that order (0, 1, 3, 2): what a call cut at its limit finished comes back (each step
+# Steps in that order (--ab-vector, 0, 1, 3, 2): what a call cut at its limit finished comes back (each step
 # writes its JSON as it goes).
 #
-#   tools/dev/gpu_weights_run.sh [--install] [--tests] [--quant Q4_K_M,Q8_0] [--npl 1,16,64] [--reps 3] [--skip-dense] [--skip-side]
+#   tools/dev/gpu_weights_run.sh [--install] [--tests] [--ab-vector] [--quant Q4_K_M,Q8_0] [--npl 1,16,64] [--reps 3] [--skip-dense] [--skip-side]
 #                                [--skip-greedy] [--skip-70b] [--weights auto,f16] [--types Q4_K,Q6_K,Q8_0]
 #                                [--bench-args "--warps 8 --max-tokens 64"] (gpu_dense_q_bench.py's; "" for all its rows)
 set -uo pipefail
@@ -30,10 +33,10 @@ OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 # goes into $OUT/logs, packed into $OUT/logs.tgz when the script ends (a run cut short included).
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 PY=${PYTHON:-python3}
-INSTALL=0; TESTS=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; NPL=1,16,64; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
+INSTALL=0; TESTS=0; ABV=0; DENSE=1; SIDE=1; GREEDY=1; M70=1; QUANT=Q4_K_M,Q8_0; NPL=1,16,64; REPS=3; FORMS=auto,f16; DTYPES=Q4_K,Q6_K,Q8_0; DARGS="--warps 8 --max-tokens 64"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --install) INSTALL=1;; --tests) TESTS=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
+    --install) INSTALL=1;; --tests) TESTS=1;; --ab-vector) ABV=1;; --skip-dense) DENSE=0;; --skip-side) SIDE=0;; --skip-greedy) GREEDY=0;; --skip-70b) M70=0;;
     --quant) QUANT="$2"; shift;; --npl) NPL="$2"; shift;; --reps) REPS="$2"; shift;; --weights) FORMS="$2"; shift;; --types) DTYPES="$2"; shift;; --bench-args) DARGS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -55,6 +58,18 @@ if [ $TESTS = 1 ]; then
         > "$LOGS/sanitize_dense_q_$tool.log" 2>&1 || status=1
     echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
          "$(grep -c "ok$" "$LOGS/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$LOGS/sanitize_dense_q_$tool.log") FAIL"
+  done
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
+fi
+if [ $ABV = 1 ]; then
+  echo "== the vector GEMV against the staged one, tg128 end to end"
+  for ft in Q4_K_M Q8_0; do
+    $PY tests/fixtures_gguf.py /tmp/ab-$ft.gguf --preset llama-3-8b --ftype $ft > "$LOGS/ab_write_$ft.log" 2>&1 \
+      || { status=1; tail -5 "$LOGS/ab_write_$ft.log"; continue; }
+    $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_vector_$ft.json" --variant staged \
+        --variant "vector:matmul_dispatch.Q8XV_TYPES=('Q4_K','Q5_K','Q6_K','Q8_0')" \
+        bench --device cuda -m /tmp/ab-$ft.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
+    rm -f /tmp/ab-$ft.gguf
   done
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi

@@ -8,7 +8,8 @@ Usage: python tools/dev/knob_ab.py [--rounds 2] [--out FILE.json]
            --variant NAME[:MODULE.ATTR=VALUE[,MODULE.ATTR=VALUE...]] [--variant ...]
            bench|batched-bench ARGS...
 MODULE is a module of the package (``ggml_attn.graph.kv_cache`` or, shorter,
-``graph.kv_cache``, ``dispatch``, ``cli.cuda_launch`` ...); VALUE a Python literal. The
+``graph.kv_cache``, ``dispatch``, ``cli.cuda_launch`` ...); VALUE a Python literal (a tuple's
+commas are its own). The
 benchmark's own ``-o jsonl`` rows are read back, so leave ``-o`` out (it is added).
 e.g.   python tools/dev/knob_ab.py --variant whole --variant coarse:graph.kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0 \\
            batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 -npl 64 -ntg 32 -kvu -r 2
@@ -39,6 +40,27 @@ def _module_name(name: str) -> str:
     return name if name.startswith("ggml_attn") else f"ggml_attn.{name}"
 
 
+def _split_top(spec: str) -> list[str]:
+    """``spec`` split at the commas outside brackets and quotes (a tuple value keeps its own)."""
+    parts, depth, quote, cur = [], 0, "", []
+    for ch in spec:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
 def parse_variant(text: str) -> Variant:
     """``NAME[:MOD.ATTR=VALUE,...]`` -> :class:`Variant`; ValueError on a malformed spec, an
     unknown module or attribute, or a value that is not a Python literal."""
@@ -46,7 +68,7 @@ def parse_variant(text: str) -> Variant:
     if not name:
         raise ValueError(f"variant {text!r}: no name")
     v = Variant(name)
-    for item in filter(None, spec.split(",")):
+    for item in filter(None, _split_top(spec)):
         target, eq, value = item.partition("=")
         mod, dot, attr = target.rpartition(".")
         if not eq or not dot or not attr:
