@@ -12,6 +12,8 @@
 //                          silu(W0·x) * (W1·x));
 //   dense_gemv_q8x_s<T, NT> the same with each warp's row streamed through shared memory (rows
 //                          of whole 16-byte units);
+//   dense_gemv_q8x_v<T, NT> the same for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte units,
+//                          read by coalesced 16-byte loads, a few word operations a value;
 //   dense_gemm_q8<T, BN>   the tiled GEMM on int8 tensor cores for more tokens (below).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart (16-byte aligned); xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
-// The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K and Q6_K rows of whole 16-byte units:
+// The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K, Q6_K and Q8_0 rows of whole 16-byte units:
 // the weights read from global memory 16 bytes a load, coalesced, the way dense.cu's F16 GEMV
 // reads (3.5 TB/s on the H100), with each lane's arithmetic a few word operations a value. A warp
 // a row; a lane issues the loads of Q8xV::U steps before any of their arithmetic.
@@ -252,6 +254,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 //   group of 8 blocks, staged through the warp's own shared memory (coalesced 16-byte loads, then
 //   stores, __syncwarp) and read back by four lanes a block (qb_q6k_lane's 16-byte windows: five
 //   word loads and four byte permutes each, the block's offset mod 4 the same every group).
+//   Q8_0 (34 bytes): the same with groups of 32 blocks (68 units), a lane a block.
 // The scales come by word operations, the dots by IDP4A on the 8-bit activations (xq, xd, xs as
 // for dense_gemv_q8x). Static SASS (sm_90): bench/NOTES.md, tenth session. Rows 16-byte aligned
 // (q8_matmul.rows_aligned).
@@ -342,10 +345,10 @@ __device__ __forceinline__ void lds_window16(const unsigned* buf, int o, unsigne
 }
 
 // The group-staged types: a group of BLOCKS blocks is whole 16-byte units (UNITS), staged through
-// the warp's shared memory; lane L then reads block L / LANES of the group.
+// the warp's shared memory, then read by group_dot's lanes (Q6_K: four a block, Q8_0: one).
 template <int T> struct Q8xVGroup;
-template <> struct Q8xVGroup<QB_Q6_K> { static constexpr int BLOCKS = 8, LANES = 4; };    // 1680 bytes, 2048 values
-template <> struct Q8xVGroup<QB_Q8_0> { static constexpr int BLOCKS = 32, LANES = 1; };   // 1088 bytes, 1024 values
+template <> struct Q8xVGroup<QB_Q6_K> { static constexpr int BLOCKS = 8; };    // 1680 bytes, 2048 values
+template <> struct Q8xVGroup<QB_Q8_0> { static constexpr int BLOCKS = 32; };   // 1088 bytes, 1024 values
 template <int T> struct Q8xVG {
     static constexpr int BYTES = Q8xVGroup<T>::BLOCKS * QBlock<T>::BYTES, UNITS = BYTES / 16, LOADS = (UNITS + 31) / 32;
     static_assert(BYTES % 16 == 0, "a group is whole 16-byte units");
