@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 //   straight into registers); no shared memory, no barrier.
 //   Q6_K (210 bytes: blocks 2-byte aligned, 8 of them 105 whole units): a step covers such a
 //   group of 8 blocks, staged through the warp's own shared memory (coalesced 16-byte loads, then
-//   stores, __syncwarp) and read back by four lanes a block (qb_q6k_lane's 16-byte windows: five
-//   word loads and four byte permutes each, the block's offset mod 4 the same every group).
+//   stores, __syncwarp) and read back by four lanes a block (qb_q6k_group_lane's 16-byte windows:
+//   five word loads and four byte permutes each, the block's offset mod 4 the same every group).
 //   Q8_0 (34 bytes): the same with groups of 32 blocks (68 units), a lane a block.
 // The scales come by word operations, the dots by IDP4A on the 8-bit activations (xq, xd, xs as
 // for dense_gemv_q8x). Static SASS (sm_90): bench/NOTES.md, tenth session. Rows 16-byte aligned
@@ -334,16 +334,6 @@ __device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsign
     }
 }
 
-// The 16 bytes at byte o (even) of the shared words buf as four little-endian words: five aligned
-// word loads and four byte permutes (sel 0x3210 where o is a multiple of 4, 0x5432 where not).
-__device__ __forceinline__ void lds_window16(const unsigned* buf, int o, unsigned sel, unsigned (&w)[4]) {
-    unsigned x[5];
-#pragma unroll
-    for (int i = 0; i < 5; ++i) x[i] = buf[(o >> 2) + i];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = __byte_perm(x[i], x[i + 1], sel);
-}
-
 // The group-staged types: a group of BLOCKS blocks is whole 16-byte units (UNITS), staged through
 // the warp's shared memory, then read by group_dot's lanes (Q6_K: four a block, Q8_0: one).
 template <int T> struct Q8xVGroup;
@@ -370,20 +360,6 @@ __device__ __forceinline__ void group_store(unsigned char* buf, int lane, int n_
         if (lane + 32 * i < n_units) *reinterpret_cast<uint4*>(buf + 16 * (lane + 32 * i)) = st[i];
 }
 
-// Q6_K: lane (n, h) of block bi's values and factors from the group in shared memory at g.
-__device__ __forceinline__ void q6v_decode(const unsigned char* g, int bi, int hn, int h, unsigned sel, QbQ6Lane& v) {
-    const unsigned* words = reinterpret_cast<const unsigned*>(g);
-    const int o = 210 * bi;
-    unsigned a[4], b[4], q[4];
-    lds_window16(words, o + 64 * hn + 16 * h, sel, a);
-    lds_window16(words, o + 64 * hn + 32 + 16 * h, sel, b);
-    lds_window16(words, o + 128 + 32 * hn + 16 * h, sel, q);
-    int sc[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) sc[i] = reinterpret_cast<const signed char*>(g)[o + 192 + 8 * hn + 2 * i + h];
-    qb_q6k_lane(a, b, q, __half2float(*reinterpret_cast<const __half*>(g + o + 208)), sc, v);
-}
-
 // Group grp (staged at g; with gated, the second operand's at g1) times the tokens' activations,
 // this lane's part, into acc (up). (A flag, not a null g1: a shared pointer compared with null
 // becomes a generic one.)
@@ -391,12 +367,11 @@ template <int T, int NT>
 __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned char* g, const unsigned char* g1, bool gated,
                                           int grp, float (&acc)[NT], float (&up)[NT]) {
     const int lane = threadIdx.x & 31, n_sub = p.n_in / 32;
-    if constexpr (T == QB_Q6_K) {
+    if constexpr (T == QB_Q6_K) {   // lane (n, h) of block bi (qb_q6k_group_lane)
         const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1;
-        const unsigned sel = (bi & 1) ? 0x5432u : 0x3210u;   // block bi: 210 bi bytes in, 2 bi mod 4
         QbQ6Lane v, v1;
-        q6v_decode(g, bi, hn, h, sel, v);
-        if (gated) q6v_decode(g1, bi, hn, h, sel, v1);
+        qb_q6k_group_lane(reinterpret_cast<const unsigned*>(g), lane, v);
+        if (gated) qb_q6k_group_lane(reinterpret_cast<const unsigned*>(g1), lane, v1);
         const int k = 2048 * grp + 256 * bi + 128 * hn + 16 * h, sub = 64 * grp + 8 * bi + 4 * hn;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
@@ -411,20 +386,13 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
                 if (gated) up[t] += qb_q6k_lane_dot(v1, x, xd);
             }
         }
-    } else {   // Q8_0: block lane of the group, d at 34 lane, its 32 bytes at 34 lane + 2
+    } else {   // Q8_0: block lane of the group (qb_q8_0_group_lane)
         const int blk = 32 * grp + lane;
         if (blk >= p.n_in / 32) return;   // (a row's last group may be partial)
-        const unsigned sel = (lane & 1) ? 0x3210u : 0x5432u;   // 34 lane + 2 is 4-byte aligned for odd lanes
         unsigned w[8], w1[8];
         float d, d1 = 0.0f;
-        lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 2, sel, *reinterpret_cast<unsigned (*)[4]>(w));
-        lds_window16(reinterpret_cast<const unsigned*>(g), 34 * lane + 18, sel, *reinterpret_cast<unsigned (*)[4]>(w + 4));
-        d = __half2float(*reinterpret_cast<const __half*>(g + 34 * lane));
-        if (gated) {
-            lds_window16(reinterpret_cast<const unsigned*>(g1), 34 * lane + 2, sel, *reinterpret_cast<unsigned (*)[4]>(w1));
-            lds_window16(reinterpret_cast<const unsigned*>(g1), 34 * lane + 18, sel, *reinterpret_cast<unsigned (*)[4]>(w1 + 4));
-            d1 = __half2float(*reinterpret_cast<const __half*>(g1 + 34 * lane));
-        }
+        qb_q8_0_group_lane(reinterpret_cast<const unsigned*>(g), lane, w, d);
+        if (gated) qb_q8_0_group_lane(reinterpret_cast<const unsigned*>(g1), lane, w1, d1);
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {

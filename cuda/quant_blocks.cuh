@@ -650,6 +650,58 @@ QB_HD float qb_q6k_lane_dot(const QbQ6Lane& v, const unsigned (&x)[4][4], const 
     return r;
 }
 
+// ---- the group-staged vector GEMV's reads (dense_q8x.cu's group_dot): a group of whole blocks
+// (8 of Q6_K, 32 of Q8_0: whole 16-byte units) as words in shared memory, each lane's 16-byte
+// windows at even byte offsets o read as five aligned words and four byte permutes.
+QB_HD unsigned qb_byte_perm(unsigned a, unsigned b, unsigned sel) {   // __byte_perm without its sign modes
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __byte_perm(a, b, sel);
+#else
+    const unsigned long long x = (unsigned long long)a | ((unsigned long long)b << 32);
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((x >> (8 * ((sel >> (4 * i)) & 7))) & 0xFFu) << (8 * i);
+    return r;
+#endif
+}
+
+// The selector of a window at byte offset o (even): 0x3210 where o is 4-byte aligned, else 0x5432.
+QB_HD unsigned qb_window_sel(int o) { return (o & 2) ? 0x5432u : 0x3210u; }
+
+// The 16 bytes at byte o of words (4-byte aligned; the word after them readable) as four words,
+// sel = qb_window_sel(o).
+QB_HD void qb_window16(const unsigned* words, int o, unsigned sel, unsigned (&w)[4]) {
+    unsigned x[5];
+    for (int i = 0; i < 5; ++i) x[i] = words[(o >> 2) + i];
+    for (int i = 0; i < 4; ++i) w[i] = qb_byte_perm(x[i], x[i + 1], sel);
+}
+
+// Q6_K group lane L: block L / 4 of the group, half n = (L / 2) % 2, h = L % 2 (qb_q6k_lane).
+QB_HD void qb_q6k_group_lane(const unsigned* words, int lane, QbQ6Lane& v) {
+    const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1, o = 210 * bi;
+    const unsigned sel = qb_window_sel(o);   // the same for the block's windows: all 16 bytes apart
+    const qb_u8* bytes = reinterpret_cast<const qb_u8*>(words);
+    unsigned a[4], b[4], q[4];
+    qb_window16(words, o + 64 * hn + 16 * h, sel, a);
+    qb_window16(words, o + 64 * hn + 32 + 16 * h, sel, b);
+    qb_window16(words, o + 128 + 32 * hn + 16 * h, sel, q);
+    int sc[4];
+    for (int i = 0; i < 4; ++i) sc[i] = (signed char)bytes[o + 192 + 8 * hn + 2 * i + h];
+    const unsigned dh = qb_u16(bytes + o + 208);
+    qb_u8 db[2] = {(qb_u8)(dh & 0xFFu), (qb_u8)(dh >> 8)};
+    qb_q6k_lane(a, b, q, qb_half(db), sc, v);
+}
+
+// Q8_0 group lane L: block L of the group, its 32 bytes (from byte 34 L + 2) as words w, d its scale.
+QB_HD void qb_q8_0_group_lane(const unsigned* words, int lane, unsigned (&w)[8], float& d) {
+    const int o = 34 * lane + 2;
+    const unsigned sel = qb_window_sel(o);
+    qb_window16(words, o, sel, *reinterpret_cast<unsigned (*)[4]>(w));
+    qb_window16(words, o + 16, sel, *reinterpret_cast<unsigned (*)[4]>(w + 4));
+    const unsigned dh = qb_u16(reinterpret_cast<const qb_u8*>(words) + 34 * lane);
+    qb_u8 db[2] = {(qb_u8)(dh & 0xFFu), (qb_u8)(dh >> 8)};
+    d = qb_half(db);
+}
+
 // Q8_0 as the vector GEMV reads it: a lane a block, its 32 bytes (qs, from byte 2) as words w and
 // d its scale, times 32 int8 activations x of scale xd.
 QB_HD float qb_q8_0_lane_dot(const unsigned (&w)[8], float d, const unsigned (&x)[8], float xd) {

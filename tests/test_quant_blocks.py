@@ -53,35 +53,33 @@ template <int T> static double dot_q8(const qb_u8* r, int n, const signed char* 
 // sub-blocks; Q6_K's four lanes a block, qb_q6k_lane; Q8_0's one, qb_q8_0_lane_dot); 1e300 for a
 // type it does not read
 template <int T> static double dot_lane(const qb_u8* r, int n, const signed char* q, const float* xd) {
-    if constexpr (T == QB_Q6_K) {   // four lanes a block (qb_q6k_lane / qb_q6k_lane_dot)
+    if constexpr (T == QB_Q6_K || T == QB_Q8_0) {   // groups of whole 16-byte units, as the kernel stages them
+        constexpr int BLOCKS = T == QB_Q6_K ? 8 : 32, GB = BLOCKS * QBlock<T>::BYTES;
         double sum = 0.0;
-        for (int b = 0; b < n / 256; ++b)
-            for (int k = 0; k < 4; ++k) {
-                const qb_u8* blk = r + (long)b * 210;
-                const int hn = k >> 1, h = k & 1;
-                unsigned a[4], bw[4], qh[4], x[4][4];
-                memcpy(a, blk + 64 * hn + 16 * h, 16);
-                memcpy(bw, blk + 64 * hn + 32 + 16 * h, 16);
-                memcpy(qh, blk + 128 + 32 * hn + 16 * h, 16);
-                int sc[4];
-                float xdg[4];
-                for (int g = 0; g < 4; ++g) {
-                    sc[g] = (signed char)blk[192 + 8 * hn + 2 * g + h];
-                    memcpy(x[g], q + 256 * b + 128 * hn + 32 * g + 16 * h, 16);
-                    xdg[g] = xd[8 * b + 4 * hn + g];
+        for (int g = 0; g < n / (BLOCKS * QBlock<T>::VALUES); ++g) {
+            unsigned words[GB / 4 + 4] = {};   // (+16 bytes: a window's fifth word)
+            memcpy(words, r + (long)g * GB, GB);
+            for (int lane = 0; lane < 32; ++lane) {
+                if constexpr (T == QB_Q6_K) {   // four lanes a block (qb_q6k_group_lane / qb_q6k_lane_dot)
+                    const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1, b = BLOCKS * g + bi;
+                    QbQ6Lane v;
+                    qb_q6k_group_lane(words, lane, v);
+                    unsigned x[4][4];
+                    float xdg[4];
+                    for (int k = 0; k < 4; ++k) {
+                        memcpy(x[k], q + 256 * b + 128 * hn + 32 * k + 16 * h, 16);
+                        xdg[k] = xd[8 * b + 4 * hn + k];
+                    }
+                    sum += qb_q6k_lane_dot(v, x, xdg);
+                } else {   // a lane a block (qb_q8_0_group_lane / qb_q8_0_lane_dot)
+                    const int b = BLOCKS * g + lane;
+                    unsigned w[8], x[8];
+                    float d;
+                    qb_q8_0_group_lane(words, lane, w, d);
+                    memcpy(x, q + 32 * b, 32);
+                    sum += qb_q8_0_lane_dot(w, d, x, xd[b]);
                 }
-                QbQ6Lane v;
-                qb_q6k_lane(a, bw, qh, qb_half(blk + 208), sc, v);
-                sum += qb_q6k_lane_dot(v, x, xdg);
             }
-        return sum;
-    } else if constexpr (T == QB_Q8_0) {   // a lane a block (qb_q8_0_lane_dot)
-        double sum = 0.0;
-        for (int b = 0; b < n / 32; ++b) {
-            unsigned w[8], x[8];
-            memcpy(w, r + (long)b * 34 + 2, 32);
-            memcpy(x, q + 32 * b, 32);
-            sum += qb_q8_0_lane_dot(w, qb_half(r + (long)b * 34), x, xd[b]);
         }
         return sum;
     } else if constexpr (T != QB_Q4_K && T != QB_Q5_K) {
