@@ -37,9 +37,9 @@ QGEMM_MAX_TOKENS = 64
 Q8X_MAX_TOKENS = 4
 # The types of Q8XV_TYPES (of kernels.Q8XV_TYPES) run that GEMV as dense_gemv_q8x_v where their rows
 # are 16-byte aligned: coalesced 16-byte loads (Q4_K / Q5_K straight into the lanes' registers, Q6_K
-# through the warp's shared memory), a few word operations a value (2-3 instructions a value at
-# sm_90, static, against the staged form's ~6, which ncu found issue-bound). None until measured
-# (bench/NOTES.md, tenth session).
+# and Q8_0 through the warp's shared memory), a few word operations a value (2.2-2.7 instructions a
+# value at sm_90, static, against the staged form's ~6.6 for Q4_K (which ncu found issue-bound) and
+# ~6 for Q6_K; ~3 for Q8_0). None until measured (bench/NOTES.md, tenth session).
 Q8XV_TYPES: tuple[str, ...] = ()
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
