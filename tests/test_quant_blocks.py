@@ -269,7 +269,9 @@ def test_integer_form_dots_as_ggml_values_do(lib, name, gemm):
     """qb_int8s / qb_dot_q8 (the 8-bit-activation GEMV's per-lane arithmetic, cuda/dense_q8x.cu),
     ``gemm`` 1: qb_int8s / qb_q8s_dot (its block GEMM's: the offset in signed bytes, one
     factor pair a sub-block where the halves share it, no c where an offset is folded), ``gemm`` 2:
-    qb_k4_lane / qb_k4_lane_dot (the vector GEMV's eight lanes a block, Q8XV_TYPES): a row's
+    the vector GEMV's lanes (Q8XV_TYPES: qb_k4_lane / qb_k4_lane_dot, eight lanes a block; Q6_K's
+    and Q8_0's groups read by qb_q6k_group_lane / qb_q8_0_group_lane, their windows' offsets and
+    selectors as the kernel computes them): a row's
     dot with int8 activations (one scale per 32) equals float64 of ggml's dequantized values
     times the same activations, to F32 rounding; random bytes in every field (finite scales) and
     blocks ggml quantized; one sub-block at a time as well (each field's place)."""
