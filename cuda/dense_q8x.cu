@@ -367,12 +367,11 @@ template <int T, int NT>
 __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned char* g, const unsigned char* g1, bool gated,
                                           int grp, float (&acc)[NT], float (&up)[NT]) {
     const int lane = threadIdx.x & 31, n_sub = p.n_in / 32;
-    if constexpr (T == QB_Q6_K) {   // lane (n, h) of block bi (qb_q6k_group_lane)
-        const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1;
+    if constexpr (T == QB_Q6_K) {   // lane (n, h) of block lane / 4 (qb_q6k_group_lane)
         QbQ6Lane v, v1;
         qb_q6k_group_lane(reinterpret_cast<const unsigned*>(g), lane, v);
         if (gated) qb_q6k_group_lane(reinterpret_cast<const unsigned*>(g1), lane, v1);
-        const int k = 2048 * grp + 256 * bi + 128 * hn + 16 * h, sub = 64 * grp + 8 * bi + 4 * hn;
+        const int k = 2048 * grp + qb_q6k_lane_value(lane), sub = k / 32;
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {

@@ -675,7 +675,20 @@ QB_HD void qb_window16(const unsigned* words, int o, unsigned sel, unsigned (&w)
     for (int i = 0; i < 4; ++i) w[i] = qb_byte_perm(x[i], x[i + 1], sel);
 }
 
-// Q6_K group lane L: block L / 4 of the group, half n = (L / 2) % 2, h = L % 2 (qb_q6k_lane).
+// The half at a 2-byte aligned p as float (one 2-byte load on the device).
+QB_HD float qb_half_a2(const qb_u8* p) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __half2float(__ushort_as_half((unsigned short)qb_u16(p)));
+#else
+    return qb_half(p);
+#endif
+}
+
+// Q6_K group lane L: block L / 4 of the group, half n = (L / 2) % 2, h = L % 2 (qb_q6k_lane). Its
+// positions start at value qb_q6k_lane_value(L) of the group (256 (L / 4) + 128 n + 16 h): group
+// g's four 16-value runs 32 apart from there, in sub-blocks qb_q6k_lane_value(L) / 32 .. + 3.
+QB_HD int qb_q6k_lane_value(int lane) { return 256 * (lane >> 2) + 128 * ((lane >> 1) & 1) + 16 * (lane & 1); }
+
 QB_HD void qb_q6k_group_lane(const unsigned* words, int lane, QbQ6Lane& v) {
     const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1, o = 210 * bi;
     const unsigned sel = qb_window_sel(o);   // the same for the block's windows: all 16 bytes apart
@@ -686,9 +699,7 @@ QB_HD void qb_q6k_group_lane(const unsigned* words, int lane, QbQ6Lane& v) {
     qb_window16(words, o + 128 + 32 * hn + 16 * h, sel, q);
     int sc[4];
     for (int i = 0; i < 4; ++i) sc[i] = (signed char)bytes[o + 192 + 8 * hn + 2 * i + h];
-    const unsigned dh = qb_u16(bytes + o + 208);
-    qb_u8 db[2] = {(qb_u8)(dh & 0xFFu), (qb_u8)(dh >> 8)};
-    qb_q6k_lane(a, b, q, qb_half(db), sc, v);
+    qb_q6k_lane(a, b, q, qb_half_a2(bytes + o + 208), sc, v);
 }
 
 // Q8_0 group lane L: block L of the group, its 32 bytes (from byte 34 L + 2) as words w, d its scale.
@@ -697,9 +708,7 @@ QB_HD void qb_q8_0_group_lane(const unsigned* words, int lane, unsigned (&w)[8],
     const unsigned sel = qb_window_sel(o);
     qb_window16(words, o, sel, *reinterpret_cast<unsigned (*)[4]>(w));
     qb_window16(words, o + 16, sel, *reinterpret_cast<unsigned (*)[4]>(w + 4));
-    const unsigned dh = qb_u16(reinterpret_cast<const qb_u8*>(words) + 34 * lane);
-    qb_u8 db[2] = {(qb_u8)(dh & 0xFFu), (qb_u8)(dh >> 8)};
-    d = qb_half(db);
+    d = qb_half_a2(reinterpret_cast<const qb_u8*>(words) + 34 * lane);
 }
 
 // Q8_0 as the vector GEMV reads it: a lane a block, its 32 bytes (qs, from byte 2) as words w and

@@ -61,14 +61,14 @@ template <int T> static double dot_lane(const qb_u8* r, int n, const signed char
             memcpy(words, r + (long)g * GB, GB);
             for (int lane = 0; lane < 32; ++lane) {
                 if constexpr (T == QB_Q6_K) {   // four lanes a block (qb_q6k_group_lane / qb_q6k_lane_dot)
-                    const int bi = lane >> 2, hn = (lane >> 1) & 1, h = lane & 1, b = BLOCKS * g + bi;
+                    const int k0 = 2048 * g + qb_q6k_lane_value(lane);
                     QbQ6Lane v;
                     qb_q6k_group_lane(words, lane, v);
                     unsigned x[4][4];
                     float xdg[4];
                     for (int k = 0; k < 4; ++k) {
-                        memcpy(x[k], q + 256 * b + 128 * hn + 32 * k + 16 * h, 16);
-                        xdg[k] = xd[8 * b + 4 * hn + k];
+                        memcpy(x[k], q + k0 + 32 * k, 16);
+                        xdg[k] = xd[k0 / 32 + k];
                     }
                     sum += qb_q6k_lane_dot(v, x, xdg);
                 } else {   // a lane a block (qb_q8_0_group_lane / qb_q8_0_lane_dot)
