@@ -107,6 +107,7 @@ if [ $PROF = 1 ]; then
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
     decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
     dense-qs) kre="regex:dense_gemm_q[sr]"; skip=7; count=14;;   # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
+    gemv-q8x) kre="regex:dense_gemv"; skip=3; count=8;;   # (each form once as it is built) each form twice, then F16's GEMV twice
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"
@@ -115,7 +116,7 @@ if [ $PROF = 1 ]; then
       --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section InstructionStats ${NCU_EXTRA:-} \
       $PY tools/dev/gpu_profile_case.py "$PCASE" > "$OUT/ncu.log" 2>&1 || echo "ncu failed (see ncu.log)"
-  grep -E "fattn_|dense_gemm|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
+  grep -E "fattn_|dense_gemm|dense_gemv|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued|Issued Ipc|L1/TEX Hit|L2 Hit|Grid Size|No Eligible|Pipe|Executed Ipc|SM Busy" "$OUT/ncu.log" | head -60
 fi
 
 if [ $XOVER = 1 ]; then

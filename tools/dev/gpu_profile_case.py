@@ -15,6 +15,10 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr: that kernel) at 64 tokens
            (the 64-token tile), then at 16 (the 32-token tile): ncu -k regex:dense_gemm_q[sr]
            --launch-skip 7 --launch-count 14
+  gemv-q8x the 8B gate matrix (14336 x 4096, $GEMV_Q8X_TYPE, default Q4_K) at one token through
+           each form of the 8-bit-activation GEMV (cuda/dense_q8x.cu: staged, plain, vector; the
+           activations quantized once before), then the F16 GEMV (cuda/dense.cu dense_gemv) on
+           the same shape: ncu -k regex:dense_gemv --launch-skip 3 --launch-count 8
 
 Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
@@ -28,7 +32,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
-CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "dense-qs")
+CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "dense-qs", "gemv-q8x")
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -90,6 +94,24 @@ def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs") -> list:
     return fns
 
 
+def gemv_q8x_fns(type_name: str) -> list:
+    """gemv-q8x's calls: the gate matrix at one token in each 8-bit GEMV form, then F16's GEMV."""
+    import cupy as cp
+
+    from ggml_attn import kernels as K
+    from ggml_attn.graph.q8_matmul import q8x_launches
+    from ggml_attn.graph.xp_matmul import gemv_launch
+    from gpu_dense_q_bench import N_EMBD, N_FF, _layer, _q8x
+    w = _layer(cp, type_name, 0)["wg"]
+    fns = [_q8x(cp, K, {"wg": w}, 1, q8x_launches, form, False)
+           for form in K.Q8X_FORMS if form != "vector" or type_name in K.Q8XV_TYPES]
+    w16 = (cp.random.standard_normal((N_FF, N_EMBD), dtype=cp.float32) * 0.02).astype(cp.float16)
+    x, out = cp.random.standard_normal((1, N_EMBD), dtype=cp.float32), cp.empty((1, N_FF), cp.float32)
+    f16 = gemv_launch([w16], x, [out], mode=0)
+    fns.append(lambda keep=(w16, x, out): f16())
+    return fns
+
+
 def main(argv=None):
     import os
 
@@ -103,6 +125,11 @@ def main(argv=None):
         if case == "dense-qs":
             env = os.environ.get
             for f in dense_qs_fns(env("DENSE_QS_TYPE", "Q4_K"), env("DENSE_QS_KERNEL", "dense_gemm_qs")):
+                f()
+                f()
+            continue
+        if case == "gemv-q8x":
+            for f in gemv_q8x_fns(os.environ.get("GEMV_Q8X_TYPE", "Q4_K")):
                 f()
                 f()
             continue
