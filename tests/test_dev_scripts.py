@@ -15,3 +15,23 @@ def test_the_main_block_comes_last(path):
     body = ast.parse(path.read_text()).body
     mains = [i for i, n in enumerate(body) if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert not mains or mains[-1] == len(body) - 1, f"{path.name}: statements after the __main__ block"
+
+
+def test_ncu_kernel_table_sums_launches_by_kernel(tmp_path, capsys):
+    import sys
+    sys.path.insert(0, str(DEV))
+    import ncu_kernel_table as m
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n')
+    row = '"{i}","1","python","h","{k}","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","m","gpu__time_duration.sum","{u}","{v}"\n'
+    text = ("==PROF== Connected to process 1\n" + head + row.format(i=0, k="gemv<12, 1>", u="us", v="18.5")
+            + row.format(i=1, k="quant", u="ns", v="2,500") + row.format(i=2, k="gemv<12, 1>", u="usecond", v="17.5"))
+    t = m.table(m.read_rows(text))
+    assert [(e["kernel"], e["launches"], e["total_us"]) for e in t] == [("gemv<12, 1>", 2, 36.0), ("quant", 1, 2.5)]
+    assert abs(sum(e["share"] for e in t) - 1.0) < 1e-3
+    p = tmp_path / "x.csv"
+    p.write_text(text)
+    assert m.main([str(p), "--per", "2", "--json", str(tmp_path / "t.json")]) == 0
+    assert "19.2 us per 1/2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no ncu CSV"):
+        m.read_rows("nothing here")
