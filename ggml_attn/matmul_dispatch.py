@@ -35,12 +35,16 @@ QGEMM_MAX_TOKENS = 64
 # wins (Q4_K 165 / 167 us at 4 / 8 tokens against this GEMV's 158 / 269, Q8_0 191 / 195 against
 # 173 / 310, Q6_K 294 / 297 against 180 / 282: bench/results/2026-12-05-af45317-h100-dense-q.json).
 Q8X_MAX_TOKENS = 4
-# The types of Q8XV_TYPES (of kernels.Q8XV_TYPES) run that GEMV as dense_gemv_q8x_v where their rows
-# are 16-byte aligned: coalesced 16-byte loads (Q4_K / Q5_K straight into the lanes' registers, Q6_K
-# and Q8_0 through the warp's shared memory), a few word operations a value (2.2-2.7 instructions a
-# value at sm_90, static, against the staged form's ~6.6 for Q4_K (which ncu found issue-bound) and
-# ~6 for Q6_K; ~3 for Q8_0). None until measured (bench/NOTES.md, tenth session).
-Q8XV_TYPES: tuple[str, ...] = ()
+# The types of Q8XV_TYPES (of kernels.Q8XV_TYPES) run that GEMV as dense_gemv_q8x_v at up to
+# Q8XV_MAX_TOKENS tokens where their rows are 16-byte aligned: coalesced 16-byte loads (Q4_K / Q5_K
+# straight into the lanes' registers, Q6_K and Q8_0 through the warp's shared memory). On an H100
+# at 0e3daf1 (bench/results/2026-12-06-0e3daf1-h100-vector-gemv/dense_q.json, one 8B layer, the
+# activations' quantization included) against the staged form: at one token Q4_K 98 / 108 us,
+# Q8_0 130 / 139, Q6_K 141 / 131 (a loss); at two Q4_K 128 / 123 (a loss), Q8_0 147 / 152, at four
+# a loss for every type. End to end (ab_vector_*.json there, tg128, every type routed at 1-4
+# tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
+Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
+Q8XV_MAX_TOKENS = 1
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -67,12 +71,13 @@ QSGEMM_MAX_TOKENS = 64
 QRGEMM_TYPES: tuple[str, ...] = ()
 
 
-def gemv_q8x_form(weight_type: str, aligned: bool) -> str:
-    """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs a block weight of
-    ``weight_type`` whose rows are (``aligned``) or are not 16-byte aligned: ``vector`` for the
-    routed Q8XV_TYPES, ``staged`` for the other aligned rows, else ``plain``."""
+def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
+    """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
+    through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
+    aligned: ``vector`` for the routed Q8XV_TYPES up to Q8XV_MAX_TOKENS, ``staged`` for the other
+    aligned rows, else ``plain``."""
     from .kernels import Q8XV_TYPES as READS
-    if aligned and weight_type in Q8XV_TYPES and weight_type in READS:
+    if aligned and weight_type in Q8XV_TYPES and weight_type in READS and n_tokens <= Q8XV_MAX_TOKENS:
         return "vector"
     return "staged" if aligned else "plain"
 
@@ -101,7 +106,7 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
         raise ValueError(f"no GPU matmul reads {weight_type!r} weights (F16 and the block types of "
                          f"ggml_attn.block_types)")
     if gemv and weight_type != "F16":
-        kernel, tokens, _ = Q8X_FORMS[gemv_q8x_form(weight_type, aligned)]
+        kernel, tokens, _ = Q8X_FORMS[gemv_q8x_form(weight_type, aligned, n_tokens)]
         if n_tokens <= min(Q8X_MAX_TOKENS, max(tokens)):
             return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations ({kernel}, IDP4A): "
                                             f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")

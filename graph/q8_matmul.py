@@ -20,10 +20,11 @@ __all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "rows_aligned",
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
+    """x F32 (n_tok, n_in), xq int8 (n_tok, n_in), xd / xs F32 (n_tok, n_in / 32) (numpy order),
+    contiguous and 16-byte aligned: the GEMVs read xq, xd and xs by 16-, 8- and 16-byte loads."""
     n_tok, n_in = x.shape
-    return bool(n_in % 32 == 0 and x.flags.c_contiguous and xq.shape == (n_tok, n_in) and
-                xd.shape == (n_tok, n_in // 32) and xs.shape == xd.shape and xq.data.ptr % 16 == 0 and
-                x.data.ptr % 16 == 0)
+    return bool(n_in % 32 == 0 and xq.shape == (n_tok, n_in) and xd.shape == (n_tok, n_in // 32)
+                and xs.shape == xd.shape and all(a.flags.c_contiguous and a.data.ptr % 16 == 0 for a in (x, xq, xd, xs)))
 
 
 def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = None, norm_w=None):
@@ -54,11 +55,11 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     from ggml_attn.matmul_dispatch import gemv_q8x_form  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
-    if len(ws) > 3 or len({w.type for w in ws}) != 1 \
+    if len(ws) > 3 or len({w.type for w in ws}) != 1 or (mode == 2 and (len(ws) != 2 or ws[0].shape != ws[1].shape)) \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
         return None
     aligned = rows_aligned(ws)   # 16-byte units: cp.async's, the vector form's loads
-    form = form or gemv_q8x_form(ws[0].type, aligned)
+    form = form or gemv_q8x_form(ws[0].type, aligned, n_tok)
     _, tokens, warps = K.Q8X_FORMS[form]
     if n_tok > max(tokens) or (form != "plain" and not aligned) or (form == "vector" and ws[0].type not in K.Q8XV_TYPES):
         return None

@@ -183,15 +183,19 @@ def test_gemv_q8x_path_when_dispatch_says_so(launches, monkeypatch):
 
 
 def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
-    """matmul_dispatch.Q8XV_TYPES (empty until measured) sends its types' 16-byte aligned rows to
-    dense_gemv_q8x_v (blocks of Q8X_VWARPS, instances up to Q8XV_TOKENS); other types stay
-    staged, unaligned rows plain; asked for by name, the vector form refuses a type it does not
-    read, unaligned rows and more tokens than its instances."""
-    assert md.Q8XV_TYPES == () and md.gemv_q8x_form("Q4_K", True) == "staged"
-    monkeypatch.setattr(md, "Q8XV_TYPES", ("Q4_K", "Q4_0"))   # (Q4_0: not a type the kernel reads)
-    assert [md.gemv_q8x_form(t, a) for t, a in (("Q4_K", True), ("Q4_K", False), ("Q4_0", True), ("Q5_K", True))] \
-        == ["vector", "plain", "staged", "staged"]
+    """matmul_dispatch.Q8XV_TYPES sends its types' 16-byte aligned rows to dense_gemv_q8x_v
+    (blocks of Q8X_VWARPS) up to Q8XV_MAX_TOKENS tokens; other types and more tokens stay staged,
+    unaligned rows plain; asked for by name, the vector form refuses a type it does not read,
+    unaligned rows and more tokens than its instances."""
+    assert md.Q8XV_TYPES == ("Q4_K", "Q8_0") and md.Q8XV_MAX_TOKENS == 1   # (measured: matmul_dispatch)
+    assert [md.gemv_q8x_form(t, True, 1) for t in ("Q4_K", "Q8_0", "Q6_K")] == ["vector", "vector", "staged"]
+    assert md.gemv_q8x_form("Q4_K", True, 2) == "staged" and md.gemv_q8x_form("Q4_K", False, 1) == "plain"
     assert "dense_gemv_q8x_v" in md.best_matmul("Q4_K", 1).reason
+    assert "dense_gemv_q8x_s" in md.best_matmul("Q4_K", 2).reason
+    monkeypatch.setattr(md, "Q8XV_TYPES", ("Q4_K", "Q4_0"))   # (Q4_0: not a type the kernel reads)
+    monkeypatch.setattr(md, "Q8XV_MAX_TOKENS", 4)
+    assert [md.gemv_q8x_form(t, a, 4) for t, a in (("Q4_K", True), ("Q4_K", False), ("Q4_0", True), ("Q5_K", True))] \
+        == ["vector", "plain", "staged", "staged"]
     ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512)]
     x, xq, xd, xs = Dev((3, 512)), Dev((3, 512), np.int8), Dev((3, 16)), Dev((3, 16))
     outs = [Dev((3, 96)), Dev((3, 32))]
@@ -208,6 +212,13 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     n = max(K.Q8XV_TOKENS) + 1
     assert q8_matmul.q8x_launches(ws, Dev((n, 512)), [Dev((n, 96)), Dev((n, 32))], Dev((n, 512), np.int8),
                                   Dev((n, 16)), Dev((n, 16)), mode=0, form="vector") is None
+    # activations' scales off a 16-byte boundary or strided, a gated launch without two equal matrices
+    off = Dev(None, base=np.zeros(3 * 16 + 1, np.float32)[1:].reshape(3, 16))
+    strided = Dev(None, base=np.zeros((3, 32), np.float32)[:, ::2])
+    for d, s in ((off, xs), (xd, strided)):
+        assert q8_matmul.q8x_launches(ws[:1], x, outs[:1], xq, d, s, mode=0, form="vector") is None
+    for pair in (ws[:1], ws):
+        assert q8_matmul.q8x_launches(pair, x, outs[:1], xq, xd, xs, mode=2, form="vector") is None
     assert len(launches) == 1
     assert "dense_gemv_q8x_v<13, 1>" in K.dense_q8x_variant(13).names
     assert "dense_gemv_q8x_v<14, 4>" in K.dense_q8x_variant(14).names
