@@ -13,6 +13,29 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90; both no-ops on older GPUs and in a kernel launched without
+// the attribute): pdl_wait() holds the thread until the stream's preceding kernel has completed
+// and its writes are visible -- a kernel launched with the attribute calls it before it reads
+// anything that kernel wrote or writes anything it reads; pdl_trigger() lets the stream's next
+// kernel, if launched with the attribute, start its blocks now (ggml_attn/kernels.py BoundLaunch).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Every 128-byte line of the n bytes at p (128-byte lines from p on) into L2, the warp's lanes
+// taking every 32nd: a row's weights requested while the kernel waits on the one before it.
+__device__ __forceinline__ void prefetch_l2_span(const unsigned char* p, long long n, int lane) {
+    for (long long o = 128LL * lane; o < n; o += 32 * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(p + o));
+}
+
 // Every 128-byte line of the B-byte block at blk (B <= 256) into L1, ahead of its decode.
 template <int B>
 __device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {

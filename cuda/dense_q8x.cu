@@ -37,7 +37,22 @@ struct GemvQ8Params {
     int n_tok;                // 1..NT
     int n_seg;                // 1..3 (mode 2: 2)
     int mode;                 // 0: store; 1: accumulate; 2: gated
+    int pdl;                  // 1: launched with programmatic dependent launch -- each warp's rows
+                              // prefetched into L2 while the quantization before it runs (q8x_enter)
+    int pad_;
 };
+
+// A GEMV warp's entry, rows w0 (and w1) known: with p.pdl, their bytes requested into L2, then
+// (every launch) the wait for the kernel before it (the activations' quantization) -- no read of
+// xq / xd / xs or of the outputs before it.
+__device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1) {
+    if (p.pdl) {
+        const int lane = threadIdx.x & 31;
+        prefetch_l2_span(w0, p.row_bytes, lane);
+        if (w1) prefetch_l2_span(w1, p.row_bytes, lane);
+    }
+    pdl_wait();
+}
 
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
 // of token blockIdx.y -- v = x * g * scale, d = max|v| / 127, q = round(v / d) (0 where d is 0),
@@ -48,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
                                                                  const float* __restrict__ g, float eps, int n_in,
                                                                  signed char* __restrict__ xq,
                                                                  float* __restrict__ xd, float* __restrict__ xs) {
+    pdl_trigger();   // the GEMV after it (launched with the attribute) may start: it waits for this grid
     const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)t * x_stride;
     __shared__ float red[8];
@@ -147,6 +163,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     if (!gemv_segment(p, r, sg)) return;   // (no barrier below: a warp past the rows may leave)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
     const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    q8x_enter(p, w0, w1);
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
@@ -204,6 +221,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     const int row_bytes = (int)p.row_bytes;   // (a row's bytes: far below 2^31)
     const unsigned char* w0 = sg.w + (long long)r * row_bytes;
     const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * row_bytes : nullptr;
+    q8x_enter(p, w0, w1);
     const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
     const int n_sub = p.n_in / 32, n_chunks = (n_sub + SUBS - 1) / SUBS;
 #pragma unroll
@@ -446,6 +464,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
     if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
     const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    q8x_enter(p, w0, w1);
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;

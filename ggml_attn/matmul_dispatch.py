@@ -45,6 +45,10 @@ Q8X_MAX_TOKENS = 4
 # tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
 Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
 Q8XV_MAX_TOKENS = 1
+# The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
+# blocks start while the activations' quantization before it runs, each warp's rows requested
+# into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off until measured.
+GEMV_PDL = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -80,6 +84,15 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     if aligned and weight_type in Q8XV_TYPES and weight_type in READS and n_tokens <= Q8XV_MAX_TOKENS:
         return "vector"
     return "staged" if aligned else "plain"
+
+
+def gemv_pdl() -> bool:
+    """Whether the 8-bit GEMV is launched with programmatic dependent launch: GEMV_PDL, on an
+    sm_90 or later GPU (``kernels.device_arch``, asked only when GEMV_PDL is on)."""
+    if not GEMV_PDL:
+        return False
+    from .kernels import device_arch
+    return int(device_arch().removeprefix("sm_").rstrip("a")) >= 90
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:

@@ -52,7 +52,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     None where the arrays do not fit the form (the vector and staged ones need rows 16-byte
     aligned, the vector one its types; each form up to its instances' tokens)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import gemv_q8x_form  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form  # noqa: PLC0415
+    from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
     if len(ws) > 3 or len({w.type for w in ws}) != 1 or (mode == 2 and (len(ws) != 2 or ws[0].shape != ws[1].shape)) \
@@ -71,8 +72,10 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    gemv = K.BoundLaunch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form)),
-                         (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
+    p.pdl = int(gemv_pdl())
+    launch = PdlLaunch if p.pdl else K.BoundLaunch
+    gemv = launch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form)),
+                  (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 
 

@@ -148,6 +148,36 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form):
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
 
 
+@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain")])
+@pytest.mark.parametrize("mode", [0, 2])
+def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, monkeypatch):
+    """Launched with programmatic dependent launch (matmul_dispatch.GEMV_PDL: its blocks start
+    while the quantization before it runs, ggml_attn/pdl.py), the GEMV gives the bits it gives
+    without, round after round, its activations' scales poisoned with NaN before each
+    quantization: a GEMV that read them before the quantization finished would return NaN or
+    other bits. (On sm_90 and later; older GPUs launch it plainly.)"""
+    from ggml_attn import matmul_dispatch
+    n_in, rows, ws, x, g, init = _gemv_case(name, 1, mode, True, _staged_n_in(name) if form != "plain" else None)
+    qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
+    xq = cupy.zeros((1, n_in), np.int8)
+    xd, xs = cupy.empty((1, n_in // 32), np.float32), cupy.empty((1, n_in // 32), np.float32)
+    dx, dg = cupy.asarray(x), cupy.asarray(g)
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", pdl)
+        d_out = _outs(init, mode)
+        run = q8_matmul.q8x_launches(qms, dx, d_out, xq, xd, xs, mode=mode, norm_eps=1e-5, norm_w=dg, form=form)
+        got = []
+        for _ in range(20):
+            xd.fill(np.nan), xs.fill(np.nan), xq.fill(0)
+            run()
+            got.append([o.get() for o in d_out])
+        outs[pdl] = got
+    for a, b in zip(outs[False], outs[True]):
+        for u, v in zip(a, b):
+            assert np.isfinite(v).all() and np.array_equal(u.view(np.uint32), v.view(np.uint32)), name
+
+
 def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q", bn=None):
     """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
     values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid of ``kernel``,
