@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# #43's one-token GEMV on the device, in one call (carry .whl/; GGML_ATTN_COMMIT set):
+#   1. install (tools/dev/gpu_check.sh's), then the GPU tests of the 8-bit GEMV and of the model's
+#      quantized logits with it (-k q8x / pdl) -> $OUT/logs/tests_gemv.log
+#   2. ncu of the 8B gate matrix through each 8-bit GEMV form and F16's GEMV
+#      (gpu_profile_case.py gemv-q8x) -> $OUT/logs/ncu_gemv.log, its summary printed
+#   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
+#      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
+#      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
+#   4. tg128 with the GEMV launched plainly and with programmatic dependent launch
+#      (matmul_dispatch.GEMV_PDL; tools/dev/knob_ab.py, 2 alternating rounds) -> $OUT/ab_pdl.json
+#   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
+# Each step writes as it goes; logs packed into $OUT/logs.tgz at the end.
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-step] [--no-ab] [--qr]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
+trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
+PY=${PYTHON:-python3}
+INSTALL=1; TESTS=1; NCU=1; STEP=1; AB=1; QR=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+  shift
+done
+export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
+status=0; t0=$(date +%s)
+say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
+if [ $INSTALL = 1 ]; then
+  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
+    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
+fi
+if [ $TESTS = 1 ]; then
+  echo "== GPU tests: the 8-bit GEMV (every form, with PDL) and the quantized models' logits with it"
+  $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py -k "q8x or pdl" \
+      > "$LOGS/tests_gemv.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_gemv.log" | head -20; tail -1 "$LOGS/tests_gemv.log"; say
+fi
+if [ $NCU = 1 ]; then
+  echo "== ncu: the gate matrix through each 8-bit GEMV form, then F16's GEMV"
+  ncu --clock-control none -k regex:dense_gemv --launch-skip 3 --launch-count 8 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
+  grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \
+      "$LOGS/ncu_gemv.log" | head -100; say
+fi
+if [ $STEP = 1 ] || [ $AB = 1 ]; then
+  $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
+fi
+if [ $STEP = 1 ]; then
+  echo "== one-token steps kernel by kernel (Q4_K_M, -p 0 -n 16)"
+  ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+      ggml-attn-bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 16 -r 1 > "$LOGS/step.csv" 2> "$LOGS/step.err" || status=1
+  $PY tools/dev/ncu_kernel_table.py "$LOGS/step.csv" --json "$OUT/step.json" --top 30 || { status=1; tail -5 "$LOGS/step.err"; }
+  say
+fi
+if [ $AB = 1 ]; then
+  echo "== tg128: the 8-bit GEMV launched plainly / with programmatic dependent launch"
+  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_pdl.json" --variant plain --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
+      bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
+  say
+fi
+if [ $QR = 1 ]; then
+  echo "== the tiled GEMMs at 16-64 tokens"
+  (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --tiled-only 16,32,64 --out "$OUT/dense_qr.json") 2>&1 | tail -40 || status=1
+  say
+fi
+rm -f /tmp/gemv-q4km.gguf
+echo "== done in $(( $(date +%s) - t0 ))s, status $status"
+exit $status
