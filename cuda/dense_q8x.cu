@@ -261,6 +261,82 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
+// The persistent staged form (dense_gemv_q8x_p<T, NT>, rows 16-byte aligned as for the staged
+// one): a grid of one wave (the host sizes it by the kernel's occupancy); warp gw of the grid's GW
+// takes rows gw, gw + GW, ... and streams every chunk of all of them, in order, through
+// Q8xP<T>::STAGES shared-memory slots by cp.async, STAGES - 1 in flight across its rows'
+// boundaries -- its next row's bytes come while it multiplies this one. (The staged form holds a
+// row at most, 2.3 KB of a 4096-wide Q4_K row, then reduces and leaves: ~37 KB in flight an SM
+// and ~2.2 TB/s on the H100 at 0e3daf1, as the vector form.) With p.pdl its first STAGES - 1
+// chunks are requested before the wait on the kernel before it.
+template <int T> struct Q8xP {
+    static constexpr int SLOT = Q8xChunk<T>::SLOT;
+    // slots a warp's operand: as many as 48 KB of static shared memory holds for both operands
+    // of every warp, at most 8 (Q4_K 8, Q6_K 7, Q8_0 5)
+    static constexpr int STAGES = 49152 / (Q8X_SWARPS * 2 * SLOT) < 8 ? 49152 / (Q8X_SWARPS * 2 * SLOT) : 8;
+    static_assert(STAGES >= 3, "a chunk's slot too large for the persistent form");
+};
+
+// Rows of the launch: the gated mode's segment, else every segment's.
+__device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
+    if (p.mode == 2) return p.seg[0].rows;
+    return p.seg[0].rows + (p.n_seg > 1 ? p.seg[1].rows : 0) + (p.n_seg > 2 ? p.seg[2].rows : 0);
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_p(const GemvQ8Params p) {
+    constexpr int B = QBlock<T>::BYTES, S = QBlock<T>::VALUES / 32, SLOT = Q8xP<T>::SLOT, ST = Q8xP<T>::STAGES;
+    constexpr int SUBS = Q8X_CHUNK / 32;   // sub-blocks a chunk: one a lane
+    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][ST][SLOT];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * Q8X_SWARPS + warp, n_gw = gridDim.x * Q8X_SWARPS, rows = q8x_rows(p);
+    const int row_bytes = (int)p.row_bytes, n_sub = p.n_in / 32, n_chunks = (n_sub + SUBS - 1) / SUBS;
+    const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
+    const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
+    const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
+    // chunk j of the warp: chunk j % n_chunks of its row j / n_chunks, into slot j % ST
+    auto stage = [&](int j) {
+        const int i = j / n_chunks, c = j - i * n_chunks;
+        int r = gw + i * n_gw;
+        GemvQSeg sg;
+        gemv_segment(p, r, sg);
+        q8x_stage<T>(sg.w + (long long)r * row_bytes, row_bytes, c, s0 + (j % ST) * SLOT, lane);
+        if (p.mode == 2) q8x_stage<T>(p.seg[1].w + (long long)r * row_bytes, row_bytes, c, s1 + (j % ST) * SLOT, lane);
+    };
+#pragma unroll
+    for (int j = 0; j < ST - 1; ++j) {
+        if (j < n_j) stage(j);
+        cp_async_commit();
+    }
+    pdl_wait();   // (only weights read so far)
+    float acc[NT], up[NT], one[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f, one[t] = 1.0f;
+    const int lane_off = (lane / S) * B;   // the lane's block in a chunk's slot (after the chunk's head)
+    for (int j = 0; j < n_j; ++j) {
+        if (j + ST - 1 < n_j) stage(j + ST - 1);   // into the slot chunk j - 1 used (its reads are done)
+        cp_async_commit();
+        const int i = j / n_chunks, c = j - i * n_chunks, slot = j % ST, sub = SUBS * c + lane;
+        Q8xAct x[q8x_ahead(NT)];
+        if (sub < n_sub) q8x_load<NT>(p, sub, x);   // (before the wait: its latency overlaps)
+        cp_async_wait<ST - 1>();   // chunk j is in
+        __syncwarp();
+        if (sub < n_sub) {
+            const int off = (Q8xChunk<T>::ALIGNED ? 0 : (c * Q8xChunk<T>::BYTES) & 15) + lane_off;
+            q8x_sub<T, NT>(p, &buf[warp][0][slot][off], p.mode == 2 ? &buf[warp][1][slot][off] : nullptr, sub, x, acc, up);
+        }
+        __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
+        if (c == n_chunks - 1) {   // the row's last chunk: its sums out
+            int r = gw + i * n_gw;
+            GemvQSeg sg;
+            gemv_segment(p, r, sg);
+            gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+        }
+    }
+}
+
 // The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K, Q6_K and Q8_0 rows of whole 16-byte units:
 // the weights read from global memory 16 bytes a load, coalesced, the way dense.cu's F16 GEMV
 // reads (3.5 TB/s on the H100), with each lane's arithmetic a few word operations a value. A warp

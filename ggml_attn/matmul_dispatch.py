@@ -45,6 +45,12 @@ Q8X_MAX_TOKENS = 4
 # tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
 Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
 Q8XV_MAX_TOKENS = 1
+# The types of Q8XP_TYPES run that GEMV at up to Q8XP_MAX_TOKENS tokens as dense_gemv_q8x_p (rows
+# 16-byte aligned; ahead of the vector form): the staged form's chunks with a wave of warps each
+# streaming several rows, its next row in flight while it multiplies this one. None until measured
+# (bench/NOTES.md, eleventh session).
+Q8XP_TYPES: tuple[str, ...] = ()
+Q8XP_MAX_TOKENS = 4
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off until measured.
@@ -78,9 +84,11 @@ QRGEMM_TYPES: tuple[str, ...] = ()
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
     through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
-    aligned: ``vector`` for the routed Q8XV_TYPES up to Q8XV_MAX_TOKENS, ``staged`` for the other
-    aligned rows, else ``plain``."""
+    aligned: ``persist`` for the routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed
+    Q8XV_TYPES up to Q8XV_MAX_TOKENS, ``staged`` for the other aligned rows, else ``plain``."""
     from .kernels import Q8XV_TYPES as READS
+    if aligned and weight_type in Q8XP_TYPES and n_tokens <= Q8XP_MAX_TOKENS:
+        return "persist"
     if aligned and weight_type in Q8XV_TYPES and weight_type in READS and n_tokens <= Q8XV_MAX_TOKENS:
         return "vector"
     return "staged" if aligned else "plain"

@@ -73,9 +73,12 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = int(gemv_pdl())
-    launch = PdlLaunch if p.pdl else K.BoundLaunch
-    gemv = launch(K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form)),
-                  (-(-rows // warps), 1, 1), (32 * warps, 1, 1), p)
+    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form))
+    blocks = -(-rows // warps)
+    if form == "persist":   # one wave: its warps stream several rows each
+        from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+        blocks = min(blocks, num_sms() * max(1, fn.occupancy(32 * warps)))
+    gemv = (PdlLaunch if p.pdl else K.BoundLaunch)(fn, (blocks, 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 
 

@@ -107,7 +107,7 @@ if [ $PROF = 1 ]; then
     wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
     decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
     dense-qs) kre="regex:dense_gemm_q[sr]"; skip=7; count=14;;   # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
-    gemv-q8x) kre="regex:dense_gemv"; skip=3; count=8;;   # (each form once as it is built) each form twice, then F16's GEMV twice
+    gemv-q8x) kre="regex:dense_gemv"; skip=4; count=10;;   # (each form once as it is built) each form twice, then F16's GEMV twice
     *) kre=regex:fattn_mma; skip=1; count=3;;
   esac
   echo "== ncu ($PCASE)"

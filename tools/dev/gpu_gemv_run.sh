@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # #43's one-token GEMV on the device, in one call (carry .whl/; GGML_ATTN_COMMIT set):
 #   1. install (tools/dev/gpu_check.sh's), then the GPU tests of the 8-bit GEMV and of the model's
-#      quantized logits with it (-k q8x / pdl) -> $OUT/logs/tests_gemv.log
+#      quantized logits with it (-k q8x / pdl) -> $OUT/logs/tests_gemv.log, and compute-sanitizer
+#      memcheck / racecheck on the block kernels (gpu_sanitize_case.py --dense-q)
 #   2. ncu of the 8B gate matrix through each 8-bit GEMV form and F16's GEMV
 #      (gpu_profile_case.py gemv-q8x) -> $OUT/logs/ncu_gemv.log, its summary printed
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
-#   4. tg128 with the GEMV launched plainly and with programmatic dependent launch
-#      (matmul_dispatch.GEMV_PDL; tools/dev/knob_ab.py, 2 alternating rounds) -> $OUT/ab_pdl.json
+#   4. tg128 with the shipped GEMV routing, with programmatic dependent launch (matmul_dispatch.GEMV_PDL),
+#      with the persistent form for every type (Q8XP_TYPES) and with both (tools/dev/knob_ab.py, 2
+#      alternating rounds) -> $OUT/ab_pdl.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Each step writes as it goes; logs packed into $OUT/logs.tgz at the end.
 #   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-step] [--no-ab] [--qr]
@@ -33,14 +35,21 @@ if [ $INSTALL = 1 ]; then
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 if [ $TESTS = 1 ]; then
-  echo "== GPU tests: the 8-bit GEMV (every form, with PDL) and the quantized models' logits with it"
+  echo "== GPU tests: the 8-bit GEMV (every form, with PDL) and the quantized models' logits with it; sanitizers on the block kernels"
   $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py -k "q8x or pdl" \
       > "$LOGS/tests_gemv.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests_gemv.log" | head -20; tail -1 "$LOGS/tests_gemv.log"; say
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_gemv.log" | head -20; tail -1 "$LOGS/tests_gemv.log"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+        > "$LOGS/sanitize_dense_q_$tool.log" 2>&1 || status=1
+    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
+         "$(grep -c "ok$" "$LOGS/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$LOGS/sanitize_dense_q_$tool.log") FAIL"
+  done
+  say
 fi
 if [ $NCU = 1 ]; then
   echo "== ncu: the gate matrix through each 8-bit GEMV form, then F16's GEMV"
-  ncu --clock-control none -k regex:dense_gemv --launch-skip 3 --launch-count 8 --section SpeedOfLight --section Occupancy \
+  ncu --clock-control none -k regex:dense_gemv --launch-skip 4 --launch-count 10 --section SpeedOfLight --section Occupancy \
       --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
   grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \
@@ -57,8 +66,10 @@ if [ $STEP = 1 ]; then
   say
 fi
 if [ $AB = 1 ]; then
-  echo "== tg128: the 8-bit GEMV launched plainly / with programmatic dependent launch"
-  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_pdl.json" --variant plain --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
+  echo "== tg128: the 8-bit GEMV as shipped / with PDL / persistent / both"
+  ALL="matmul_dispatch.Q8XP_TYPES=('Q4_0','Q4_1','Q5_0','Q5_1','Q8_0','Q2_K','Q3_K','Q4_K','Q5_K','Q6_K')"
+  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_pdl.json" --variant shipped --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
+      --variant "persist:$ALL" --variant "persist-pdl:$ALL,matmul_dispatch.GEMV_PDL=True" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
   say
 fi

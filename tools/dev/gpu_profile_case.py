@@ -16,9 +16,9 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            (the 64-token tile), then at 16 (the 32-token tile): ncu -k regex:dense_gemm_q[sr]
            --launch-skip 7 --launch-count 14
   gemv-q8x the 8B gate matrix (14336 x 4096, $GEMV_Q8X_TYPE, default Q4_K) at one token through
-           each form of the 8-bit-activation GEMV (cuda/dense_q8x.cu: staged, plain, vector; the
-           activations quantized once before), then the F16 GEMV (cuda/dense.cu dense_gemv) on
-           the same shape: ncu -k regex:dense_gemv --launch-skip 3 --launch-count 8
+           each form of the 8-bit-activation GEMV (cuda/dense_q8x.cu: staged, plain, vector,
+           persist; the activations quantized once before), then the F16 GEMV (cuda/dense.cu
+           dense_gemv) on the same shape: ncu -k regex:dense_gemv --launch-skip 4 --launch-count 10
 
 Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
 (default: masked)
