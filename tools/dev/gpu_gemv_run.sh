@@ -5,6 +5,8 @@
 #      memcheck / racecheck on the block kernels (gpu_sanitize_case.py --dense-q)
 #   2. ncu of the 8B gate matrix through each 8-bit GEMV form and F16's GEMV
 #      (gpu_profile_case.py gemv-q8x) -> $OUT/logs/ncu_gemv.log, its summary printed
+#   2b. one 8B layer through each 8-bit GEMV form at 1-4 tokens, and each matrix alone
+#      (gpu_dense_q_bench.py --q8x-only, Q4_K / Q6_K / Q8_0) -> $OUT/dense_q.json
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
@@ -13,16 +15,16 @@
 #      alternating rounds) -> $OUT/ab_pdl.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Each step writes as it goes; logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-step] [--no-ab] [--qr]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; STEP=1; AB=1; QR=0
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -54,6 +56,12 @@ if [ $NCU = 1 ]; then
       $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
   grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \
       "$LOGS/ncu_gemv.log" | head -100; say
+fi
+if [ $DENSE = 1 ]; then
+  echo "== one 8B layer through each 8-bit GEMV form"
+  (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --q8x-only --out "$OUT/dense_q.json") 2>&1 \
+      | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | head -60 || status=1
+  say
 fi
 if [ $STEP = 1 ] || [ $AB = 1 ]; then
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
