@@ -49,8 +49,10 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``) in ``form`` (None:
     ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
-    None where the arrays do not fit the form (the vector and staged ones need rows 16-byte
-    aligned, the vector one its types; each form up to its instances' tokens)."""
+    None where the arrays do not fit the form (all but the plain one need rows 16-byte aligned,
+    the vector one its types; each form up to its instances' tokens). The persistent form's grid
+    is one wave; the GEMV is launched with programmatic dependent launch where
+    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form  # noqa: PLC0415
     from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
