@@ -14,7 +14,8 @@
 #      with the persistent form for every type (Q8XP_TYPES) and with both (tools/dev/knob_ab.py, 2
 #      alternating rounds) -> $OUT/ab_pdl.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
-# Each step writes as it goes; logs packed into $OUT/logs.tgz at the end.
+# Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
+# step writes as it goes); logs packed into $OUT/logs.tgz at the end.
 #   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,14 +50,6 @@ if [ $TESTS = 1 ]; then
   done
   say
 fi
-if [ $NCU = 1 ]; then
-  echo "== ncu: the gate matrix through each 8-bit GEMV form, then F16's GEMV"
-  ncu --clock-control none -k regex:dense_gemv --launch-skip 4 --launch-count 10 --section SpeedOfLight --section Occupancy \
-      --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-      $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
-  grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \
-      "$LOGS/ncu_gemv.log" | head -100; say
-fi
 if [ $DENSE = 1 ]; then
   echo "== one 8B layer through each 8-bit GEMV form"
   (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --q8x-only --out "$OUT/dense_q.json") 2>&1 \
@@ -66,13 +59,6 @@ fi
 if [ $STEP = 1 ] || [ $AB = 1 ]; then
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
 fi
-if [ $STEP = 1 ]; then
-  echo "== one-token steps kernel by kernel (Q4_K_M, -p 0 -n 16)"
-  ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum \
-      ggml-attn-bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 16 -r 1 > "$LOGS/step.csv" 2> "$LOGS/step.err" || status=1
-  $PY tools/dev/ncu_kernel_table.py "$LOGS/step.csv" --json "$OUT/step.json" --top 30 || { status=1; tail -5 "$LOGS/step.err"; }
-  say
-fi
 if [ $AB = 1 ]; then
   echo "== tg128: the 8-bit GEMV as shipped / with PDL / persistent / both"
   ALL="matmul_dispatch.Q8XP_TYPES=('Q4_0','Q4_1','Q5_0','Q5_1','Q8_0','Q2_K','Q3_K','Q4_K','Q5_K','Q6_K')"
@@ -80,6 +66,21 @@ if [ $AB = 1 ]; then
       --variant "persist:$ALL" --variant "persist-pdl:$ALL,matmul_dispatch.GEMV_PDL=True" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
   say
+fi
+if [ $STEP = 1 ]; then
+  echo "== one-token steps kernel by kernel (Q4_K_M, -p 0 -n 16)"
+  ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+      ggml-attn-bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 16 -r 1 > "$LOGS/step.csv" 2> "$LOGS/step.err" || status=1
+  $PY tools/dev/ncu_kernel_table.py "$LOGS/step.csv" --json "$OUT/step.json" --top 30 || { status=1; tail -5 "$LOGS/step.err"; }
+  say
+fi
+if [ $NCU = 1 ]; then
+  echo "== ncu: the gate matrix through each 8-bit GEMV form, then F16's GEMV"
+  ncu --clock-control none -k regex:dense_gemv --launch-skip 4 --launch-count 10 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
+  grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \
+      "$LOGS/ncu_gemv.log" | head -100; say
 fi
 if [ $QR = 1 ]; then
   echo "== the tiled GEMMs at 16-64 tokens"
