@@ -16,17 +16,17 @@
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -63,7 +63,7 @@ fi
 if [ $AB = 1 ]; then
   echo "== tg128: the 8-bit GEMV as shipped / with PDL / persistent / both"
   ALL="matmul_dispatch.Q8XP_TYPES=('Q4_0','Q4_1','Q5_0','Q5_1','Q8_0','Q2_K','Q3_K','Q4_K','Q5_K','Q6_K')"
-  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_pdl.json" --variant shipped --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
+  $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pdl.json" --variant shipped --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
       --variant "persist:$ALL" --variant "persist-pdl:$ALL,matmul_dispatch.GEMV_PDL=True" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
   say
