@@ -43,12 +43,7 @@ if [ $TESTS = 1 ]; then
   $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py -k "q8x or pdl" \
       > "$LOGS/tests_gemv.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_gemv.log" | head -20; tail -1 "$LOGS/tests_gemv.log"
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-        > "$LOGS/sanitize_dense_q_$tool.log" 2>&1 || status=1
-    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
-         "$(grep -c "ok$" "$LOGS/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$LOGS/sanitize_dense_q_$tool.log") FAIL"
-  done
+  bash tools/dev/gpu_sanitize_dense_q.sh "$LOGS" || status=1
   say
 fi
 if [ $DENSE = 1 ]; then

@@ -53,12 +53,7 @@ if [ $TESTS = 1 ]; then
   $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py tests/test_weight_form.py \
       tests/test_graph_device.py > "$LOGS/tests_weights.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_weights.log" | head -30; tail -2 "$LOGS/tests_weights.log"
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-        > "$LOGS/sanitize_dense_q_$tool.log" 2>&1 || status=1
-    echo "   $tool: $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$LOGS/sanitize_dense_q_$tool.log" | head -2 | tr '\n' ' ')" \
-         "$(grep -c "ok$" "$LOGS/sanitize_dense_q_$tool.log") ok, $(grep -c "FAIL$" "$LOGS/sanitize_dense_q_$tool.log") FAIL"
-  done
+  bash tools/dev/gpu_sanitize_dense_q.sh "$LOGS" || status=1
   echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $ABV = 1 ]; then
