@@ -10,7 +10,8 @@ Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdow
    ggml include src tools vendor`` (the ``vendor/llama.cpp`` of the llama-cpp-python sdist on
    PyPI is one), into ``--build`` (kept between calls on a warm machine: built once), with
    ``tools/dev/llamacpp_logits.cpp`` linked against it; or unpack ``--prebuilt``, a tarball of
-   such a build's ``bin/`` (binaries and shared libraries; ``--pack`` writes one after a build);
+   such a build's ``bin/`` (binaries and shared libraries; ``--pack`` writes one after a build;
+   ``tools/dev/build_llamacpp_sm90.sh`` makes one on a CPU-only machine);
 2. write an 8B-shaped F16 GGUF (llama-3-8B shapes, random weights, a dummy vocab of 32000:
    ``tests/fixtures_gguf.py --preset llama-3-8b``) unless ``--gguf`` names one;
 3. run, on that file: llama-bench ``-p 512 -n 128 -fa 1 -ngl 99`` and ``ggml-attn-bench`` (the
