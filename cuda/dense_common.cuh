@@ -17,7 +17,7 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 // the attribute): pdl_wait() holds the thread until the stream's preceding kernel has completed
 // and its writes are visible -- a kernel launched with the attribute calls it before it reads
 // anything that kernel wrote or writes anything it reads; pdl_trigger() lets the stream's next
-// kernel, if launched with the attribute, start its blocks now (ggml_attn/kernels.py BoundLaunch).
+// kernel, if launched with the attribute, start its blocks now (ggml_attn/pdl.py PdlLaunch).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
