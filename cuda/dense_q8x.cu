@@ -267,8 +267,8 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 // Q8xP<T>::STAGES shared-memory slots by cp.async, STAGES - 1 in flight across its rows'
 // boundaries -- its next row's bytes come while it multiplies this one. (The staged form holds a
 // row at most, 2.3 KB of a 4096-wide Q4_K row, then reduces and leaves: ~37 KB in flight an SM
-// and ~2.2 TB/s on the H100 at 0e3daf1, as the vector form.) With p.pdl its first STAGES - 1
-// chunks are requested before the wait on the kernel before it.
+// and ~2.2 TB/s on the H100 at 0e3daf1, as the vector form.) Its first STAGES - 1 chunks are
+// requested before pdl_wait (under programmatic dependent launch, while the kernel before it runs).
 template <int T> struct Q8xP {
     static constexpr int SLOT = Q8xChunk<T>::SLOT;
     // slots a warp's operand: as many as 48 KB of static shared memory holds for both operands
