@@ -294,14 +294,21 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_p(const GemvQ8
     const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
     const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
     const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
-    // chunk j of the warp: chunk j % n_chunks of its row j / n_chunks, into slot j % ST
+    // the warp's chunk j is chunk j % n_chunks of its row j / n_chunks, in slot j % ST; stage() issues
+    // the next one, (si, sc), its row's bytes found once a row (no division a chunk)
+    int si = 0, sc = 0;
+    const unsigned char *sw0 = nullptr, *sw1 = nullptr;
     auto stage = [&](int j) {
-        const int i = j / n_chunks, c = j - i * n_chunks;
-        int r = gw + i * n_gw;
-        GemvQSeg sg;
-        gemv_segment(p, r, sg);
-        q8x_stage<T>(sg.w + (long long)r * row_bytes, row_bytes, c, s0 + (j % ST) * SLOT, lane);
-        if (p.mode == 2) q8x_stage<T>(p.seg[1].w + (long long)r * row_bytes, row_bytes, c, s1 + (j % ST) * SLOT, lane);
+        if (sc == 0) {
+            int r = gw + si * n_gw;
+            GemvQSeg sg;
+            gemv_segment(p, r, sg);
+            sw0 = sg.w + (long long)r * row_bytes;
+            sw1 = p.mode == 2 ? p.seg[1].w + (long long)r * row_bytes : nullptr;
+        }
+        q8x_stage<T>(sw0, row_bytes, sc, s0 + (j % ST) * SLOT, lane);
+        if (sw1) q8x_stage<T>(sw1, row_bytes, sc, s1 + (j % ST) * SLOT, lane);
+        if (++sc == n_chunks) sc = 0, ++si;
     };
 #pragma unroll
     for (int j = 0; j < ST - 1; ++j) {
@@ -313,10 +320,10 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_p(const GemvQ8
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f, one[t] = 1.0f;
     const int lane_off = (lane / S) * B;   // the lane's block in a chunk's slot (after the chunk's head)
-    for (int j = 0; j < n_j; ++j) {
+    for (int j = 0, i = 0, c = 0; j < n_j; ++j) {   // chunk j: chunk c of the warp's row i
         if (j + ST - 1 < n_j) stage(j + ST - 1);   // into the slot chunk j - 1 used (its reads are done)
         cp_async_commit();
-        const int i = j / n_chunks, c = j - i * n_chunks, slot = j % ST, sub = SUBS * c + lane;
+        const int slot = j % ST, sub = SUBS * c + lane;
         Q8xAct x[q8x_ahead(NT)];
         if (sub < n_sub) q8x_load<NT>(p, sub, x);   // (before the wait: its latency overlaps)
         cp_async_wait<ST - 1>();   // chunk j is in
@@ -333,6 +340,9 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_p(const GemvQ8
             gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+            c = 0, ++i;
+        } else {
+            ++c;
         }
     }
 }

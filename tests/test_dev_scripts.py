@@ -35,3 +35,14 @@ def test_ncu_kernel_table_sums_launches_by_kernel(tmp_path, capsys):
     assert "19.2 us per 1/2" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no ncu CSV"):
         m.read_rows("nothing here")
+
+
+def test_profile_cases_name_their_ncu_filter():
+    import sys
+    sys.path.insert(0, str(DEV))
+    import gpu_profile_case as g
+    assert set(g.NCU_FILTERS) <= set(g.CASES)
+    assert g.ncu_args("gemv-q8x") == "-k regex:dense_gemv --launch-skip 4 --launch-count 10"
+    assert g.ncu_args("masked").startswith("-k regex:fattn_mma ")
+    with pytest.raises(SystemExit, match="unknown case"):
+        g.ncu_args("nope")

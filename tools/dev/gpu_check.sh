@@ -102,16 +102,8 @@ if [ $SAN = 1 ]; then
 fi
 
 if [ $PROF = 1 ]; then
-  # each case's kernels: the first call of each shape builds it, --launch-skip passes over that
-  case "$PCASE" in
-    wgmma) kre=regex:fattn_wgmma; skip=1; count=1;;
-    decode-tma) kre=regex:fattn_decode_tma; skip=1; count=3;;
-    dense-qs) kre="regex:dense_gemm_q[sr]"; skip=7; count=14;;   # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
-    gemv-q8x) kre="regex:dense_gemv"; skip=4; count=10;;   # (each form once as it is built) each form twice, then F16's GEMV twice
-    *) kre=regex:fattn_mma; skip=1; count=3;;
-  esac
   echo "== ncu ($PCASE)"
-  ncu --clock-control none -k $kre --launch-skip $skip --launch-count $count \
+  ncu --clock-control none $($PY tools/dev/gpu_profile_case.py --ncu-args "$PCASE") \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
       --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section InstructionStats ${NCU_EXTRA:-} \

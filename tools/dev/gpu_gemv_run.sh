@@ -72,7 +72,7 @@ if [ $STEP = 1 ]; then
 fi
 if [ $NCU = 1 ]; then
   echo "== ncu: the gate matrix through each 8-bit GEMV form, then F16's GEMV"
-  ncu --clock-control none -k regex:dense_gemv --launch-skip 4 --launch-count 10 --section SpeedOfLight --section Occupancy \
+  ncu --clock-control none $($PY tools/dev/gpu_profile_case.py --ncu-args gemv-q8x) --section SpeedOfLight --section Occupancy \
       --section WarpStateStats --section LaunchStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       $PY tools/dev/gpu_profile_case.py gemv-q8x > "$LOGS/ncu_gemv.log" 2>&1 || status=1
   grep -E "dense_gemv|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Issued Ipc|L2 Hit|No Eligible|Block Limit Reg|Waves Per SM" \

@@ -20,8 +20,8 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            persist; the activations quantized once before), then the F16 GEMV (cuda/dense.cu
            dense_gemv) on the same shape: ncu -k regex:dense_gemv --launch-skip 4 --launch-count 10
 
-Usage: ncu --clock-control none -k regex:fattn python tools/dev/gpu_profile_case.py [CASE ...]
-(default: masked)
+Usage: ncu --clock-control none $(python tools/dev/gpu_profile_case.py --ncu-args CASE) \
+           python tools/dev/gpu_profile_case.py CASE     (default: masked)
 """
 from __future__ import annotations
 
@@ -33,6 +33,21 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gpu_bench import SCALE, Ours, block_causal_mask, window_mask  # noqa: E402
 
 CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "dense-qs", "gemv-q8x")
+# ncu's kernel filter for each case (regex, launches skipped, launches profiled): the first call of
+# each shape builds it, the skip passes over that (``--ncu-args CASE`` prints them for the scripts)
+NCU_FILTERS = {"wgmma": ("fattn_wgmma", 1, 1), "decode-tma": ("fattn_decode_tma", 1, 3),
+               "decode-quant": ("fattn_decode_tma", 1, 1),   # (the default instance's second call)
+               "dense-qs": ("dense_gemm_q[sr]", 7, 14),      # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
+               "gemv-q8x": ("dense_gemv", 4, 10)}            # each form once as it is built, then each form twice and F16's GEMV twice
+
+
+def ncu_args(case: str) -> str:
+    """ncu's ``-k regex:... --launch-skip N --launch-count M`` for ``case`` (fattn_mma's for the
+    mma.sync cases)."""
+    if case not in CASES:
+        raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
+    kre, skip, count = NCU_FILTERS.get(case, ("fattn_mma", 1, 3))
+    return f"-k regex:{kre} --launch-skip {skip} --launch-count {count}"
 
 
 def problems(case: str) -> list[tuple[Ours, str]]:
@@ -115,8 +130,12 @@ def gemv_q8x_fns(type_name: str) -> list:
 def main(argv=None):
     import os
 
+    argv = argv if argv is not None else sys.argv[1:]
+    if argv[:1] == ["--ncu-args"]:
+        print(ncu_args(argv[1] if len(argv) > 1 else "masked"))
+        return
     import torch
-    for case in (argv if argv is not None else sys.argv[1:]) or ["masked"]:
+    for case in argv or ["masked"]:
         if case == "decode-quant":
             for f in quant_fns([c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",") if c]):
                 f()
