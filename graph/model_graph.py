@@ -28,8 +28,8 @@ float ones F16 with the RMS-norm weights folded in; the ops take the norm weight
 * :func:`embed`: ``xp_ops.get_rows`` of the embedding (F16 or blocks; an array of its own: the
   residual stream, updated in place by the layers);
 * :func:`model_layer`: ``q, k, v = mul_mat_group([wq, wk, wv], x, norm_eps, attn_norm)``; qwen3's
-  per-head norms (``xp_matmul.rms_norm``); ``q``, ``k`` through ``xp_ops.rope`` (bias added
-  first); ``v += bv``; attention as on host graphs; ``x += wo att`` (``mul_mat_add``; gemma2:
+  per-head norms (``xp_matmul.rms_norm``); ``q``, ``k`` through one ``xp_ops.rope`` node (biases
+  added first); ``v += bv``; attention as on host graphs; ``x += wo att`` (``mul_mat_add``; gemma2:
   ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm)``;
   ``x += wd f`` (gemma2 likewise);
 * :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``
@@ -247,8 +247,9 @@ def _dw(b):
 
 
 def _model_layer_custom(b, il: int, x):
-    """:func:`model_layer` on an all-custom graph (module docstring): seven custom nodes plus the
-    K/V store and attention; ``x``'s memory is updated in place by the two residual adds."""
+    """:func:`model_layer` on an all-custom graph (module docstring): five custom nodes (QKV, the
+    Q/K rope, O, gate/up, down; qwen2's V bias and qwen3's Q/K norms besides) plus the K/V store
+    and attention; ``x``'s memory is updated in place by the two residual adds."""
     hp, inp, w = b.model.hp, b.model_inputs, _dw(b).layers[il]
     n_tok = b.plan.ubatch.n_tokens
     ff = _dw(b).rope_freqs
@@ -257,8 +258,7 @@ def _model_layer_custom(b, il: int, x):
     if "q_norm" in w:   # qwen3: each head RMS-normalized
         q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim_k)
         k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim_k)
-    q = xp_ops.rope(b, q, inp.positions, hp, ff, w.get("bq"), f"q_rope_l{il}")   # [D, n_head, n_tok]
-    k = xp_ops.rope(b, k, inp.positions, hp, ff, w.get("bk"), f"k_rope_l{il}")
+    q, k = xp_ops.rope(b, [q, k], inp.positions, hp, ff, [w.get("bq"), w.get("bk")], f"qk_rope_l{il}")  # [D, n_head(_kv), n_tok]
     k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
     if "bv" in w:
         v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")

@@ -6,7 +6,8 @@ computing), besides the full block's matmuls (``xp_matmul``):
 * :func:`get_rows`: rows ``ids`` of a table (the embedding: F16/F32, or a ``QMatrix`` of weight
   blocks; or the residual stream's output rows) -> F32 ``[n, n_ids]``;
 * :func:`rope`: an optional bias add, then ggml's ``rope_ext`` (normal or NEOX pairs, frequency
-  factors, linear scaling; no YaRN) -> F32 ``[head_dim_k, n_head, n_tokens]``;
+  factors, linear scaling; no YaRN) of a layer's Q and K in one node -> F32 ``[head_dim_k,
+  n_head, n_tokens]`` views;
 * :func:`add_bias`: ``t += bias`` in place;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory;
 * :func:`scale_into`: ``x *= s`` in place (gemma's embedding scale);
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import ctypes
 
+import ggml
 import numpy as np
 
 from .xp_matmul import _is_q
-from .xp_node import custom as _custom, dptr as _dptr
+from .xp_node import custom as _custom, dptr as _dptr, then as _then
 
 __all__ = ["add_into", "scale_into", "softcap_into", "get_rows", "rope", "add_bias", "rope_theta_scale"]
 
@@ -134,43 +136,73 @@ def rope_theta_scale(hp) -> np.float32:
     return np.float32(np.float64(np.float32(hp.rope_base)) ** np.float64(expo))
 
 
-def rope(b, t, positions, hp, freq_factors=None, bias=None, name: str = "rope"):
-    """``t`` (F32 ``[head_dim_k, n_head, n_tok]``, or ``[n_head * head_dim_k, n_tok]``) plus ``bias``
-    (xp F32 ``(n_head * head_dim_k,)``, or None), rotated as ggml's ``rope_ext`` with ext_factor 0
-    and attn_factor 1 (no YaRN): ``hp.rope_mode`` NORMAL (pairs ``(2i, 2i+1)``) or NEOX (pairs
+def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str = "rope") -> list:
+    """Each of ``ts`` (one or two tensors: a layer's Q and K; F32 ``[head_dim_k, n_head_i,
+    n_tok]``, or ``[n_head_i * head_dim_k, n_tok]``) plus its bias (``biases[i]``: xp F32
+    ``(n_head_i * head_dim_k,)``, or None), rotated as ggml's ``rope_ext`` with ext_factor 0 and
+    attn_factor 1 (no YaRN): ``hp.rope_mode`` NORMAL (pairs ``(2i, 2i+1)``) or NEOX (pairs
     ``(i, i + n_dims/2)``), ``n_dims = hp.rope_dim`` (the dims after are copied), pair ``i``
     turned by ``theta_i = freq_scale * pos * base^(-2i/n_dims) / freq_factors[i]`` (xp F32
     ``(>= n_dims/2,)`` or None) at the token's ``positions`` (I32 tensor ``[n_tok]``); the power
-    is taken as ggml's CPU op does, ``i`` float32 products of ``powf(base, -2/n_dims)``. Returns
-    a new F32 tensor ``[head_dim_k, n_head, n_tok]`` (``t``'s array must be readable with
-    ``b.array``: a tensor with an array of its own, e.g. a view of :func:`mul_mat_group`)."""
+    is taken as ggml's CPU op does, ``i`` float32 products of ``powf(base, -2/n_dims)``. One node
+    (one ``xp_rope`` launch on the device); returns F32 tensors ``[head_dim_k, n_head_i, n_tok]``,
+    views ``name.i`` of its memory (each contiguous). ``ts``' arrays must be readable with
+    ``b.array``: tensors with arrays of their own, e.g. views of :func:`mul_mat_group`."""
     from .model import ROPE_NEOX  # noqa: PLC0415
     xp = b.xp
-    x = b.array(t)
+    if not 1 <= len(ts) <= 2:
+        raise ValueError(f"{name}: rope takes one or two tensors, got {len(ts)}")
+    biases = list(biases) if biases is not None else [None] * len(ts)
+    if len(biases) != len(ts):
+        raise ValueError(f"{name}: {len(biases)} biases for {len(ts)} tensors")
     D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
-    n_tok = x.shape[0]
-    if x.size % (n_tok * D) or n_dims % 2 or n_dims > D:
-        raise ValueError(f"{name}: rope of shape {x.shape} with head_dim_k {D}, rope_dim {n_dims}")
-    nh = x.size // (n_tok * D)
-    neox = int(hp.rope_mode) == ROPE_NEOX
-    if bias is not None and bias.shape != (nh * D,):
-        raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({nh * D},)")
+    if n_dims % 2 or n_dims > D:
+        raise ValueError(f"{name}: rope_dim {n_dims} with head_dim_k {D}")
+    xs = [b.array(t) for t in ts]
+    n_tok = xs[0].shape[0]
+    heads = []
+    for x, bias in zip(xs, biases):
+        if x.shape[0] != n_tok or x.size % (n_tok * D):
+            raise ValueError(f"{name}: rope of shape {x.shape} with head_dim_k {D} and {n_tok} tokens")
+        nh = x.size // (n_tok * D)
+        if bias is not None and bias.shape != (nh * D,):
+            raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({nh * D},)")
+        heads.append(nh)
     if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
         raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
+    neox = int(hp.rope_mode) == ROPE_NEOX
     pos = b.array(positions).reshape(-1)
-    out = b.scratch((n_tok, nh, D), np.float32)
-    ts, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
-    b.keep(*(a for a in (x, pos, freq_factors, bias) if a is not None))
+    sizes = [n_tok * nh * D for nh in heads]
+    flat = b.scratch((sum(sizes),), np.float32)
+    outs, off = [], 0
+    for nh, n in zip(heads, sizes):
+        outs.append(flat[off:off + n].reshape(n_tok, nh, D))
+        off += n
+    ts_, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
+    b.keep(*(a for a in (*xs, pos, freq_factors, *biases) if a is not None))
     if xp is not np:
-        _contig(name, x, out, pos, freq_factors, bias)
-        run = _model_launch("xp_rope", out.size, _dptr(x), _dptr(out), _dptr(pos), _dptr(freq_factors),
-                            _dptr(bias), ctypes.c_int32(nh), ctypes.c_int32(D), ctypes.c_int32(n_dims),
-                            ctypes.c_int32(int(neox)), ctypes.c_float(ts), ctypes.c_float(fs),
-                            ctypes.c_int64(out.size))
+        _contig(name, *xs, flat, pos, freq_factors, *biases)
+        segs = []
+        for i in range(2):   # (a second segment of no elements when there is one tensor)
+            if i < len(xs):
+                segs += [_dptr(xs[i]), _dptr(outs[i]), _dptr(biases[i]), ctypes.c_int32(heads[i]), ctypes.c_int64(sizes[i])]
+            else:
+                segs += [_dptr(None), _dptr(None), _dptr(None), ctypes.c_int32(1), ctypes.c_int64(0)]
+        run = _model_launch("xp_rope", flat.size, *segs, _dptr(pos), _dptr(freq_factors), ctypes.c_int32(D),
+                            ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_), ctypes.c_float(fs))
     else:
-        run = _rope_numpy(b, x.reshape(n_tok, nh, D), out, pos, n_dims, neox, ts, fs,
-                          freq_factors, None if bias is None else bias.reshape(nh, D))
-    return _custom(b, run, [t, positions], out, name, ptr=b.ptr(out))
+        run = _then(*(_rope_numpy(b, x.reshape(n_tok, nh, D), o, pos, n_dims, neox, ts_, fs, freq_factors,
+                                  None if bias is None else bias.reshape(nh, D))
+                      for x, o, nh, bias in zip(xs, outs, heads, biases)))
+    base = b.ptr(flat)
+    node = _custom(b, run, [*ts, positions], flat.reshape(1, -1), name, ptr=base)
+    views, off = [], 0
+    for o, nh in zip(outs, heads):
+        v = ggml.ggml_view_3d(b.ctx, node, D, nh, n_tok, D * 4, nh * D * 4, off * 4)
+        ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
+        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
+        off += o.size
+    return views
 
 
 def _rope_numpy(b, x3, o3, pos, n_dims: int, neox: bool, ts, fs, ff, bias2):

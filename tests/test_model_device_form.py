@@ -192,7 +192,7 @@ def test_device_graph_is_all_custom(gguf_dir):
         check_device_graph(g.graph)
         names = {ggml.ggml_get_name(ggml.ggml_graph_node(g.graph, i)).decode()
                  for i in range(ggml.ggml_graph_n_nodes(g.graph))}
-        assert {"inp_embd", "q_rope_l0", "k_rope_l1", "v_bias_l0", "x_out"} <= names
+        assert {"inp_embd", "qk_rope_l0", "qk_rope_l1", "v_bias_l0", "x_out"} <= names
     finally:
         g.free()
 
@@ -269,37 +269,66 @@ def _hp(D, rope_dim, mode, base, freq_scale):
                    rope_freq_scale=freq_scale)
 
 
+@pytest.mark.parametrize("n_t", [1, 2])
 @pytest.mark.parametrize("mode", [ROPE_NORMAL, ROPE_NEOX])
 @pytest.mark.parametrize("rope_dim, freqs, bias, base, freq_scale", [
     (64, False, False, 10000.0, 1.0), (64, True, False, 500000.0, 1.0), (32, False, True, 10000.0, 0.25),
     (48, True, True, 1e6, 0.5)])
-def test_rope_matches_ggml(mode, rope_dim, freqs, bias, base, freq_scale):
-    D, nh, n_tok = 64, 3, 9
+def test_rope_matches_ggml(n_t, mode, rope_dim, freqs, bias, base, freq_scale):
+    """One node ropes a layer's Q (3 heads) and, with n_t 2, its K (2 heads, its own bias): each
+    against ggml's rope_ext of that tensor alone."""
+    D, n_tok = 64, 9
+    heads = (3, 2)[:n_t]
     rng = np.random.default_rng(rope_dim + mode)
-    x = rng.standard_normal((n_tok, nh, D)).astype(np.float32)
+    xs = [rng.standard_normal((n_tok, nh, D)).astype(np.float32) for nh in heads]
     pos = np.array([0, 1, 2, 7, 100, 4095, 31, 5, 60000], dtype=np.int32)
     ff = rng.uniform(1.0, 16.0, rope_dim // 2).astype(np.float32) if freqs else None
-    bv = rng.standard_normal(nh * D).astype(np.float32) if bias else None
+    bvs = [rng.standard_normal(nh * D).astype(np.float32) if bias else None for nh in heads]
     hp = _hp(D, rope_dim, mode, base, freq_scale)
     b = _builder()
     try:
-        xt = b.new(ggml.GGML_TYPE_F32, x.shape, np.float32, "x", x.copy())
+        xts = [b.new(ggml.GGML_TYPE_F32, x.shape, np.float32, f"x{i}", x.copy()) for i, x in enumerate(xs)]
         pt = b.new(GGML_TYPE_I32, pos.shape, np.int32, "pos", pos.copy())
-        got = xp_ops.rope(b, xt, pt, hp, ff, bv, "rope")
-        src = xt
-        if bias:
-            bt = b.new(ggml.GGML_TYPE_F32, bv.shape, np.float32, "bias", bv.copy())
-            src = b.call(ggml.ggml_add, ggml.ggml_reshape_2d(b.ctx, xt, nh * D, n_tok), bt)
-            src = ggml.ggml_reshape_3d(b.ctx, src, D, nh, n_tok)
+        gots = xp_ops.rope(b, xts, pt, hp, ff, bvs, "rope")
+        assert len(gots) == n_t
         ft = b.new(ggml.GGML_TYPE_F32, ff.shape, np.float32, "ff", ff.copy()) if freqs else None
-        ref = b.call(ggml.ggml_rope_ext, src, pt, ft, rope_dim, mode, 4096, base, freq_scale, 0.0, 1.0, 32.0, 1.0)
-        b.expand(got), b.expand(ref)
+        refs = []
+        for i, (xt, nh) in enumerate(zip(xts, heads)):
+            src = xt
+            if bias:
+                bt = b.new(ggml.GGML_TYPE_F32, bvs[i].shape, np.float32, f"bias{i}", bvs[i].copy())
+                src = b.call(ggml.ggml_add, ggml.ggml_reshape_2d(b.ctx, xt, nh * D, n_tok), bt)
+                src = ggml.ggml_reshape_3d(b.ctx, src, D, nh, n_tok)
+            refs.append(b.call(ggml.ggml_rope_ext, src, pt, ft, rope_dim, mode, 4096, base, freq_scale, 0.0, 1.0,
+                               32.0, 1.0))
+        for t in (*gots, *refs):
+            b.expand(t)
         _compute(b)
-        g, r = b.array(got), b.array(ref)
-        assert g.shape == r.shape == (n_tok, nh, D)
-        np.testing.assert_allclose(g, r, rtol=0, atol=4e-6)   # (float32 ulps: cosf vs numpy's cos)
-        np.testing.assert_array_equal(g[..., rope_dim:], r[..., rope_dim:])
-        assert not np.allclose(g[1:, :, :rope_dim], (x + (bv.reshape(nh, D) if bias else 0))[1:, :, :rope_dim])
+        for x, nh, bv, got, ref in zip(xs, heads, bvs, gots, refs):
+            g, r = b.array(got), b.array(ref)
+            assert g.shape == r.shape == (n_tok, nh, D)
+            np.testing.assert_allclose(g, r, rtol=0, atol=4e-6)   # (float32 ulps: cosf vs numpy's cos)
+            np.testing.assert_array_equal(g[..., rope_dim:], r[..., rope_dim:])
+            assert not np.allclose(g[1:, :, :rope_dim], (x + (bv.reshape(nh, D) if bias else 0))[1:, :, :rope_dim])
+    finally:
+        _free(b)
+
+
+def test_rope_refuses_bad_input():
+    hp = _hp(64, 64, ROPE_NORMAL, 10000.0, 1.0)
+    b = _builder()
+    try:
+        x = b.new(ggml.GGML_TYPE_F32, (4, 2, 64), np.float32, "x", np.zeros((4, 2, 64), np.float32))
+        y = b.new(ggml.GGML_TYPE_F32, (3, 2, 64), np.float32, "y", np.zeros((3, 2, 64), np.float32))
+        pt = b.new(GGML_TYPE_I32, (4,), np.int32, "pos", np.arange(4, dtype=np.int32))
+        with pytest.raises(ValueError, match="one or two tensors"):
+            xp_ops.rope(b, [x, x, x], pt, hp)
+        with pytest.raises(ValueError, match="biases for"):
+            xp_ops.rope(b, [x, x], pt, hp, None, [None])
+        with pytest.raises(ValueError, match="3 tokens|tokens"):
+            xp_ops.rope(b, [x, y], pt, hp)
+        with pytest.raises(ValueError, match="bias of shape"):
+            xp_ops.rope(b, [x], pt, hp, None, [np.zeros(5, np.float32)])
     finally:
         _free(b)
 
