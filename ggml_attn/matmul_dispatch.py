@@ -51,6 +51,13 @@ Q8XV_MAX_TOKENS = 1
 # (bench/NOTES.md, eleventh session).
 Q8XP_TYPES: tuple[str, ...] = ()
 Q8XP_MAX_TOKENS = 4
+# The types of Q8XVP_TYPES (of kernels.Q8XVP_TYPES) run that GEMV at up to Q8XVP_MAX_TOKENS tokens as
+# dense_gemv_q8x_vp (rows 16-byte aligned; ahead of the two above): the vector form's loads and
+# arithmetic with a wave of warps each walking several rows, the next steps' loads in flight while
+# it multiplies this one. None until measured (predicted: the Q4_K gate 18.5 -> 11-13 us on the
+# H100; bench/NOTES.md, twelfth session).
+Q8XVP_TYPES: tuple[str, ...] = ()
+Q8XVP_MAX_TOKENS = 1
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off until measured.
@@ -77,19 +84,27 @@ Q8GEMM_MAX_TOKENS = 32
 QSGEMM_MIN_TOKENS = 9
 QSGEMM_MAX_TOKENS = 64
 # There the types of QRGEMM_TYPES (of kernels.GEMMQR_TYPES) take dense_gemm_qr: the weights decoded into
-# the A fragments, the same result; none until measured (predicted 1.3-1.6x: bench/NOTES.md, ninth session).
-QRGEMM_TYPES: tuple[str, ...] = ()
+# the A fragments, the same result (predicted 1.3-1.6x: bench/NOTES.md, ninth session). On an H100
+# at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/dense_qr.json, one 8B layer, each
+# form's tile as kernels.gemm_qs_bn picks it) against dense_gemm_qs at 16 / 32 / 64 tokens: Q4_K
+# 180 / 191 / 225 us against 199 / 230 / 359, Q6_K 198 / 213 / 241 against 309 / 340 / 461, Q8_0
+# 187 / 206 / 235 against 202 / 235 / 364. Q4_0 and Q5_K (which it also reads) are not measured.
+QRGEMM_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0")
 
 
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
     through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
-    aligned: ``persist`` for the routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed
-    Q8XV_TYPES up to Q8XV_MAX_TOKENS, ``staged`` for the other aligned rows, else ``plain``."""
-    from .kernels import Q8XV_TYPES as READS
+    aligned: ``pipelined`` for the routed Q8XVP_TYPES up to Q8XVP_MAX_TOKENS, ``persist`` for the
+    routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed Q8XV_TYPES up to
+    Q8XV_MAX_TOKENS (each where the form reads the type: ``kernels.q8x_form_reads``), ``staged``
+    for the other aligned rows, else ``plain``."""
+    from .kernels import q8x_form_reads
+    if aligned and weight_type in Q8XVP_TYPES and n_tokens <= Q8XVP_MAX_TOKENS and q8x_form_reads("pipelined", weight_type):
+        return "pipelined"
     if aligned and weight_type in Q8XP_TYPES and n_tokens <= Q8XP_MAX_TOKENS:
         return "persist"
-    if aligned and weight_type in Q8XV_TYPES and weight_type in READS and n_tokens <= Q8XV_MAX_TOKENS:
+    if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):
         return "vector"
     return "staged" if aligned else "plain"
 

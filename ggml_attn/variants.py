@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .block_types import block_layout
+from .block_types import BLOCK_TYPES, block_layout
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
@@ -225,10 +225,20 @@ def gemm_q8_bn(n_tok: int) -> int:
     return GEMMQ8_NARROW if n_tok <= GEMMQ8_NARROW else GEMMQ8_TILE[1]
 
 
-def gemm_qs_bn(n_tok: int) -> int:
-    """The tokens of ``dense_gemm_qs``'s tile for a call of ``n_tok`` tokens: the narrow one's
-    (GEMMQS_NARROW, two blocks an SM) up to its width, else the wide one's."""
-    return GEMMQS_NARROW if n_tok <= GEMMQS_NARROW else GEMMQS_TILE[1]
+# dense_gemm_qr takes its narrow tile up to this many tokens (dense_gemm_qs up to the tile's
+# width): on an H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/dense_qr.json,
+# one 8B layer) at 32 tokens the wide tile was faster -- Q4_K 191 / 221 us, Q6_K 213 / 240, Q8_0
+# 206 / 225 -- and at 16 even (Q4_K 175 / 180, Q6_K 198 / 198, Q8_0 194 / 187).
+GEMMQR_NARROW_MAX_TOKENS = 16
+
+
+def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
+    """The tokens of the staged tiled GEMM ``kernel``'s tile (``dense_gemm_qs`` or
+    ``dense_gemm_qr``) for a call of ``n_tok`` tokens: the narrow one's (GEMMQS_NARROW, two
+    blocks an SM) up to its width (dense_gemm_qr: up to GEMMQR_NARROW_MAX_TOKENS), else the wide
+    one's."""
+    narrow_max = GEMMQR_NARROW_MAX_TOKENS if kernel == "dense_gemm_qr" else GEMMQS_NARROW
+    return GEMMQS_NARROW if n_tok <= narrow_max else GEMMQS_TILE[1]
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
@@ -245,10 +255,10 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (the same tokens a tile: gemm_qs_bn)
+    if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (their tiles' tokens: gemm_qs_bn)
         (bm, _, bk), per_sm = ((GEMMQS_TILE, GEMMQS_BLOCKS_PER_SM) if kernel == "dense_gemm_qs" else
                                (GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM))
-        bn = gemm_qs_bn(n_tok) if bn is None else bn
+        bn = gemm_qs_bn(n_tok, kernel) if bn is None else bn
         if bn not in per_sm:
             raise ValueError(f"{kernel} has tiles of {tuple(per_sm)} tokens, not {bn}")
         return (bm, bn, bk), per_sm[bn], GEMMQ8_MIN_SPLIT
@@ -316,11 +326,23 @@ Q8XV_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XV_TYPES)
 Q8XV_TOKENS = (1, 2, 4)        # its instances
 Q8X_VWARPS = 4                # warps a dense_gemv_q8x_v block (Q8X_VWARPS in dense_q8x.cu)
 Q8XP_TOKENS = (1, 2, 4)        # dense_gemv_q8x_p's instances (every block type; Q8X_SWARPS warps a block)
+Q8XVP_TYPES = ("Q4_K", "Q5_K")  # dense_gemv_q8x_vp's block types (q8x_v_block_k4's)
+Q8XVP_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XVP_TYPES)
+Q8XVP_TOKENS = (1, 2)          # its instances (Q8X_VWARPS warps a block)
 # The 8-bit-activation GEMV's forms: kernel, instances (NT), warps a block.
 Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
              "plain": ("dense_gemv_q8x", Q8X_PLAIN_TOKENS, Q8X_WARPS),
              "vector": ("dense_gemv_q8x_v", Q8XV_TOKENS, Q8X_VWARPS),
-             "persist": ("dense_gemv_q8x_p", Q8XP_TOKENS, Q8X_SWARPS)}
+             "persist": ("dense_gemv_q8x_p", Q8XP_TOKENS, Q8X_SWARPS),
+             "pipelined": ("dense_gemv_q8x_vp", Q8XVP_TOKENS, Q8X_VWARPS)}
+# The forms that read some block types only (the others read every one); their grids are one wave.
+Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "pipelined": Q8XVP_TYPES}
+Q8X_ONE_WAVE = ("persist", "pipelined")
+
+
+def q8x_form_reads(form: str, weight_type: str) -> bool:
+    """Whether the 8-bit GEMV's ``form`` (Q8X_FORMS) has instances for ``weight_type``."""
+    return weight_type in Q8X_FORM_TYPES.get(form, (weight_type,))
 
 
 def q8x_name(type_id: int, n_tok: int, form: str = "staged") -> str:
@@ -328,8 +350,10 @@ def q8x_name(type_id: int, n_tok: int, form: str = "staged") -> str:
     n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
     16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment), ``vector``
     (``dense_gemv_q8x_v``, 16-byte loads straight from global memory; Q8XV_TYPES, rows 16-byte
-    aligned) or ``persist`` (``dense_gemv_q8x_p``, staged, a wave of warps each streaming several
-    rows; rows 16-byte aligned); at most max(NT) of the form's instances (Q8X_FORMS)."""
+    aligned), ``persist`` (``dense_gemv_q8x_p``, staged, a wave of warps each streaming several
+    rows; rows 16-byte aligned) or ``pipelined`` (``dense_gemv_q8x_vp``, the vector form's loads
+    with a wave of warps each walking several rows, the next steps' loads in flight; Q8XVP_TYPES,
+    rows 16-byte aligned); at most max(NT) of the form's instances (Q8X_FORMS)."""
     kernel, tokens, _ = Q8X_FORMS[form]
     nt = next(t for t in tokens if t >= n_tok)
     return f"{kernel}<{type_id}, {nt}>"
@@ -340,16 +364,15 @@ def dense_q8x_variant(type_id: int) -> Variant:
     (``type_id``: a ggml type id of ``block_types``): the GEMV staged and not, the tiled GEMM
     (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid) and the
     activations' quantization."""
-    return Variant("dense-q8x", "dense_q8x.cu", tuple(q8x_name(type_id, nt) for nt in Q8X_TOKENS) +
-                   tuple(q8x_name(type_id, nt, "plain") for nt in Q8X_PLAIN_TOKENS) +
-                   tuple(q8x_name(type_id, nt, "vector") for nt in Q8XV_TOKENS if type_id in Q8XV_TYPE_IDS) +
-                   tuple(q8x_name(type_id, nt, "persist") for nt in Q8XP_TOKENS) +
+    wtype = next(t for t in BLOCK_TYPES if block_layout(t).type_id == type_id)
+    gemvs = tuple(q8x_name(type_id, nt, form) for form, (_, tokens, _) in Q8X_FORMS.items()
+                  if q8x_form_reads(form, wtype) for nt in tokens)
+    return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 
 
 def dense_q_variants(make=dense_q_variant) -> list[Variant]:
     """``make`` (dense_q_variant, dense_q8x_variant) of every block type."""
-    from .block_types import BLOCK_TYPES, block_layout
     return [make(block_layout(n).type_id) for n in BLOCK_TYPES]
 
 

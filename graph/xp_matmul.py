@@ -393,7 +393,7 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
     p.mode = 1 if accumulate else 0
     if staged:
-        bn = K.gemm_qs_bn(n_tok) if bn is None else bn   # (tile_grid's tile)
+        bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
         fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":

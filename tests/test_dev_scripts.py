@@ -42,7 +42,9 @@ def test_profile_cases_name_their_ncu_filter():
     sys.path.insert(0, str(DEV))
     import gpu_profile_case as g
     assert set(g.NCU_FILTERS) <= set(g.CASES)
-    assert g.ncu_args("gemv-q8x") == "-k regex:dense_gemv --launch-skip 4 --launch-count 10"
+    from ggml_attn import kernels as K
+    n_forms = sum(K.q8x_form_reads(f, "Q4_K") for f in K.Q8X_FORMS)   # (gemv_q8x_fns' calls: Q4_K's forms, F16)
+    assert g.ncu_args("gemv-q8x") == f"-k regex:dense_gemv --launch-skip {n_forms} --launch-count {2 * (n_forms + 1)}"
     assert g.ncu_args("masked").startswith("-k regex:fattn_mma ")
     with pytest.raises(SystemExit, match="unknown case"):
         g.ncu_args("nope")

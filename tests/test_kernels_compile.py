@@ -403,6 +403,7 @@ def test_gemm_qs_tile_mirror_matches_c():
     assert max(K.GEMMQS_BLOCKS_PER_SM) == K.GEMMQS_TILE[1] == max(K.GEMMQR_BLOCKS_PER_SM) == K.GEMMQR_TILE[1]
     assert sorted(K.GEMMQR_BLOCKS_PER_SM) == sorted(K.GEMMQS_BLOCKS_PER_SM)   # (gemm_qs_bn picks both tiles)
     assert [K.gemm_qs_bn(n) for n in (1, 32, 33, 64, 512)] == [32, 32, 64, 64, 64]
+    assert [K.gemm_qs_bn(n, "dense_gemm_qr") for n in (1, 16, 17, 32, 64)] == [32, 32, 64, 64, 64]
 
 
 def test_split_count_fills_whole_waves():

@@ -244,9 +244,10 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
 def test_best_matmul(monkeypatch):
     assert md.best_matmul("F16", 4).path == "gemv" and md.best_matmul("F16", 5).path == "gemm"
     assert [md.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qs"] * 6 + ["gemm", "gemm"]
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 6 + ["gemm", "gemm"]
+    assert [md.best_matmul("Q3_K", n).path for n in (9, 64)] == ["gemm-qs"] * 2
     # dense_gemm_qr for the types routed to it that have a fragment decode, dense_gemm_qs for the others
-    assert md.QRGEMM_TYPES == ()   # (none until it is measured: bench/NOTES.md)
+    assert md.QRGEMM_TYPES == ("Q4_K", "Q6_K", "Q8_0")   # (the measured ones: bench/NOTES.md)
     assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     monkeypatch.setattr(md, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
     assert {t: md.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
@@ -270,11 +271,11 @@ def test_best_matmul(monkeypatch):
 def test_unaligned_rows_route_past_the_staged_kernels(launches, monkeypatch):
     """A weight whose rows are not whole 16-byte units (Q8_0 rows of 40 values) takes the plain
     8-bit GEMV up to its tokens and the tiled F16-decode GEMM past them, never dense_gemm_q8
-    (whose launch refuses such rows) or dense_gemm_qs."""
+    (whose launch refuses such rows), dense_gemm_qs or dense_gemm_qr."""
     monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 64)
     w = _qmatrix("Q8_0", 64, 32 * 5)   # 5 blocks of 34 bytes: 170-byte rows
     assert not q8_matmul.rows_aligned([w]) and q8_matmul.rows_aligned([_qmatrix("Q8_0", 64, 256)])
-    assert md.best_matmul("Q8_0", 16).path == "gemm-qs" and md.best_matmul("Q8_0", 8).path == "gemm-q8"
+    assert md.best_matmul("Q8_0", 16).path == "gemm-qr" and md.best_matmul("Q8_0", 8).path == "gemm-q8"
     assert md.best_matmul("Q8_0", 16, aligned=False).path == "gemm-q"
     b = Builder()
     x = Dev((16, 160))
@@ -377,16 +378,18 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     assert (src, dst, n, z, mode) == (part.data.ptr, out.data.ptr, 33 * 4096, splits, int(accumulate))
 
 
-@pytest.mark.parametrize("n_tok, bn", [(9, 32), (32, 32), (33, 64), (64, 64)])
+@pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
-def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, bn, accumulate,
+def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
     dense_gemm_qr (the types of QRGEMM_TYPES, here all it reads) or dense_gemm_qs (the others): x rounded to F16 once
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
-    blocks an SM, then 64) with that tile's dynamic shared memory, on gemm_q_grid's split, whose
-    partial sums dense_splitk_sum adds in the output's mode."""
+    blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
+    tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
+    adds in the output's mode."""
+    bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
@@ -557,3 +560,34 @@ def test_gemv_q8x_persistent_form_one_wave(launches, monkeypatch):
         assert gemv.fn.name == "dense_gemv_q8x_p<12, 2>" and gemv.grid == (blocks, 1, 1)
         assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
     assert "dense_gemv_q8x_p<14, 4>" in K.dense_q8x_variant(14).names
+
+
+def test_gemv_q8x_pipelined_form_one_wave(launches, monkeypatch):
+    """matmul_dispatch.Q8XVP_TYPES (none until measured) sends aligned rows of its types that the
+    pipelined form reads (kernels.Q8XVP_TYPES: Q4_K, Q5_K) at up to Q8XVP_MAX_TOKENS tokens to
+    dense_gemv_q8x_vp, ahead of the other forms; its grid is one wave; a type it does not read
+    keeps its other form, and a launch asking it for one is refused."""
+    from ggml_attn import cuda_device
+    assert md.Q8XVP_TYPES == () and K.Q8XVP_TYPES == ("Q4_K", "Q5_K")
+    monkeypatch.setattr(md, "Q8XVP_TYPES", ("Q4_K", "Q6_K"))
+    monkeypatch.setattr(md, "Q8XP_TYPES", ("Q4_K", "Q6_K"))
+    assert [md.gemv_q8x_form(t, a, n) for t, a, n in (("Q4_K", True, 1), ("Q4_K", True, 2), ("Q4_K", False, 1),
+                                                      ("Q6_K", True, 1), ("Q8_0", True, 1))] \
+        == ["pipelined", "persist", "plain", "persist", "vector"]
+    monkeypatch.setattr(md, "Q8XVP_MAX_TOKENS", 2)
+    assert md.gemv_q8x_form("Q4_K", True, 2) == "pipelined" and md.gemv_q8x_form("Q4_K", True, 3) == "persist"
+    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None:
+                        SimpleNamespace(variant=variant, name=name, smem=smem, occupancy=lambda threads: 4))
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 2)
+    x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
+    for rows, blocks in ((128, 8), (12, 3)):
+        launches.clear()
+        w = _qmatrix("Q4_K", rows, 512)
+        q8_matmul.q8x_launches([w], x, [Dev((2, rows))], xq, xd, xs, mode=0, quantize=False)
+        (gemv,) = launches
+        assert gemv.fn.name == "dense_gemv_q8x_vp<12, 2>" and gemv.grid == (blocks, 1, 1)
+        assert gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
+    assert q8_matmul.q8x_launches([_qmatrix("Q6_K", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
+                                  quantize=False, form="pipelined") is None
+    assert "dense_gemv_q8x_vp<13, 2>" in K.dense_q8x_variant(13).names
+    assert not any("q8x_vp" in n for n in K.dense_q8x_variant(14).names)

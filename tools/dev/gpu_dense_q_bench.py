@@ -125,7 +125,7 @@ def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
     (kernels.Q8X_FORMS: staged ships, plain, vector) at each of its instances' tokens, with the
     quantization and without (" noquant"), then each matrix alone at one token without it."""
     from ggml_attn.graph.q8_matmul import q8x_launches
-    forms = [f for f in K.Q8X_FORMS if f != "vector" or t in K.Q8XV_TYPES]
+    forms = [f for f in K.Q8X_FORMS if K.q8x_form_reads(f, t)]
     for form in forms:
         for n in K.Q8X_FORMS[form][1]:
             for quant in (True, False):

@@ -38,7 +38,7 @@ CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "d
 NCU_FILTERS = {"wgmma": ("fattn_wgmma", 1, 1), "decode-tma": ("fattn_decode_tma", 1, 3),
                "decode-quant": ("fattn_decode_tma", 1, 1),   # (the default instance's second call)
                "dense-qs": ("dense_gemm_q[sr]", 7, 14),      # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
-               "gemv-q8x": ("dense_gemv", 4, 10)}            # each form once as it is built, then each form twice and F16's GEMV twice
+               "gemv-q8x": ("dense_gemv", 5, 12)}            # each of Q4_K's 5 forms once as it is built, then each form twice and F16's GEMV twice
 
 
 def ncu_args(case: str) -> str:
@@ -119,7 +119,7 @@ def gemv_q8x_fns(type_name: str) -> list:
     from gpu_dense_q_bench import N_EMBD, N_FF, _layer, _q8x
     w = _layer(cp, type_name, 0)["wg"]
     fns = [_q8x(cp, K, {"wg": w}, 1, q8x_launches, form, False)
-           for form in K.Q8X_FORMS if form != "vector" or type_name in K.Q8XV_TYPES]
+           for form in K.Q8X_FORMS if K.q8x_form_reads(form, type_name)]
     w16 = (cp.random.standard_normal((N_FF, N_EMBD), dtype=cp.float32) * 0.02).astype(cp.float16)
     x, out = cp.random.standard_normal((1, N_EMBD), dtype=cp.float32), cp.empty((1, N_FF), cp.float32)
     f16 = gemv_launch([w16], x, [out], mode=0)
