@@ -48,3 +48,41 @@ def test_profile_cases_name_their_ncu_filter():
     assert g.ncu_args("masked").startswith("-k regex:fattn_mma ")
     with pytest.raises(SystemExit, match="unknown case"):
         g.ncu_args("nope")
+
+
+def test_llamaserver_replay_fails_a_stalled_server_instead_of_hanging():
+    """A server that sends one token event and then stays silent: the replay raises within its
+    stall timeout (the llama-server run is recorded as failed) instead of waiting forever."""
+    import http.server
+    import sys
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+    sys.path.insert(0, str(DEV))
+    import llamaserver_side_by_side as ls
+
+    class Stall(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):   # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"tokens": [5]}\n\n')
+            self.wfile.flush()
+            time.sleep(5)
+
+        def log_message(self, *args):
+            pass
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stall)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="request 0"):
+            ls.replay("127.0.0.1", srv.server_address[1], [SimpleNamespace(arrival=0.0, n_predict=4)],
+                      [np.arange(3, dtype=np.int32)], stall=0.5)
+        assert time.monotonic() - t0 < 4
+    finally:
+        srv.shutdown()
+        srv.server_close()

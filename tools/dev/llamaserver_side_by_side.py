@@ -89,11 +89,14 @@ def http_overhead(host: str, port: int, n: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def stream_completion(host: str, port: int, prompt: list[int], n_predict: int, timeout: float = 600.0):
+def stream_completion(host: str, port: int, prompt: list[int], n_predict: int, timeout: float = 120.0):
     """POST ``/completion`` (streaming, greedy, EOS ignored); ``[(seconds since the send, token
     count)]`` of each event that carried tokens. An event counts its ``tokens`` when llama-server
     sends them (``return_tokens``), else one token: llama-server may hold a token back (an
-    incomplete UTF-8 character) and send it with the next."""
+    incomplete UTF-8 character) and send it with the next. ``timeout``: seconds the server may
+    stay silent (connecting, before its first event, between two), else ``TimeoutError`` -- a
+    stalled server (its ``-kvu`` run at 16/s, 64 slots, on the H100 at 0ef699c) ends the
+    request instead of the run."""
     body = json.dumps(dict(prompt=prompt, n_predict=n_predict, stream=True, ignore_eos=True, cache_prompt=False,
                            temperature=0.0, top_k=1, return_tokens=True))
     t0 = time.perf_counter()
@@ -121,10 +124,11 @@ def stream_completion(host: str, port: int, prompt: list[int], n_predict: int, t
     return events
 
 
-def replay(host: str, port: int, trace, prompts) -> tuple[list, float]:
+def replay(host: str, port: int, trace, prompts, stall: float = 120.0) -> tuple[list, float]:
     """Send each request of ``trace`` (``serve_trace.TraceRequest``) at its arrival time, on a thread
     of its own; ``(graph.serve.ServeRequest list with token times, seconds from the first arrival
-    to the last token)``. Clock: seconds since the replay started (request 0 at 0)."""
+    to the last token)``. Clock: seconds since the replay started (request 0 at 0). RuntimeError
+    when a request failed, the server silent past ``stall`` seconds among them."""
     from ggml_attn.graph.serve import ServeRequest
     reqs = [ServeRequest(i, r.arrival, prompts[i], r.n_predict) for i, r in enumerate(trace)]
     errors = []
@@ -136,7 +140,7 @@ def replay(host: str, port: int, trace, prompts) -> tuple[list, float]:
             if delay > 0:
                 time.sleep(delay)
             sent = time.perf_counter() - start
-            for t, n in stream_completion(host, port, req.prompt.tolist(), req.n_predict):
+            for t, n in stream_completion(host, port, req.prompt.tolist(), req.n_predict, stall):
                 req.token_times += [sent + t] * n
                 req.tokens += [0] * n
             req.admitted = sent
@@ -186,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="all", help="ours' strategies without -kvu ('': none)")
     ap.add_argument("--split-kvu", default="equal,seq,padded,auto",
                     help="ours' strategies with -kvu ('': none; simple is unified in the run without it)")
+    ap.add_argument("--stall-timeout", type=float, default=120.0,
+                    help="seconds llama-server may stay silent on a request before its run is recorded as failed")
     ap.add_argument("--cold", action="store_true",
                     help="ours without --warmup (the trace served once untimed first: llama-server is warmed "
                          "up too, and ours builds each new ubatch structure's graph on first sight)")
@@ -222,8 +228,8 @@ def main(argv=None) -> int:
             try:
                 wait_healthy("127.0.0.1", port, 600, proc)
                 res["http_overhead_ms"] = http_overhead("127.0.0.1", port) * 1e3
-                replay("127.0.0.1", port, trace[:2], prompts[:2])   # warm-up
-                reqs, elapsed = replay("127.0.0.1", port, trace, prompts)
+                replay("127.0.0.1", port, trace[:2], prompts[:2], a.stall_timeout)   # warm-up
+                reqs, elapsed = replay("127.0.0.1", port, trace, prompts, a.stall_timeout)
                 row = server_row(reqs, elapsed, dict(
                     rate=rate, split="llama-server", kv_unified=kvu, prompt_budget=2048, n_slots=a.np,
                     n_requests=len(trace), model=os.path.basename(a.gguf), device="cuda", n_ctx=n_ctx,
