@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # #43's one-token GEMV on the device, in one call (carry .whl/; GGML_ATTN_COMMIT set):
-#   1. install (tools/dev/gpu_check.sh's), then the GPU tests of the 8-bit GEMV and of the model's
-#      quantized logits with it (-k q8x / pdl) -> $OUT/logs/tests_gemv.log, and compute-sanitizer
+#   1. install (tools/dev/gpu_check.sh's), then the GPU tests of the block matmuls, the model's
+#      logits (every form of the 8-bit GEMV) and the device form's ops (TEST_K: a pytest -k
+#      expression, default all of tests/test_gpu_dense_q.py, tests/test_model.py and
+#      tests/test_model_device_form.py) -> $OUT/logs/tests_gemv.log, and compute-sanitizer
 #      memcheck / racecheck on the block kernels (gpu_sanitize_case.py --dense-q)
 #   2. ncu of the 8B gate matrix through each 8-bit GEMV form and F16's GEMV
 #      (gpu_profile_case.py gemv-q8x) -> $OUT/logs/ncu_gemv.log, its summary printed
 #   2b. one 8B layer through each 8-bit GEMV form at 1-4 tokens, and each matrix alone
-#      (gpu_dense_q_bench.py --q8x-only, Q4_K / Q6_K / Q8_0) -> $OUT/dense_q.json
+#      (gpu_dense_q_bench.py --q8x-only, GEMV_TYPES: default Q4_K,Q5_K,Q6_K,Q8_0) -> $OUT/dense_q.json
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
-#   4. tg128 with the shipped GEMV routing, with programmatic dependent launch (matmul_dispatch.GEMV_PDL),
-#      with the persistent form for every type (Q8XP_TYPES) and with both (tools/dev/knob_ab.py, 2
-#      alternating rounds) -> $OUT/ab_pdl.json
+#   4. tg128 with the shipped GEMV routing and with the pipelined form for the types it reads
+#      (matmul_dispatch.Q8XVP_TYPES; tools/dev/knob_ab.py, 2 alternating rounds; AB_VARIANTS: more
+#      knob_ab --variant arguments, ';'-separated, e.g. "pdl:matmul_dispatch.GEMV_PDL=True", which
+#      with the persistent form lost at 0ef699c) -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -39,16 +42,16 @@ if [ $INSTALL = 1 ]; then
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 if [ $TESTS = 1 ]; then
-  echo "== GPU tests: the 8-bit GEMV (every form, with PDL) and the quantized models' logits with it; sanitizers on the block kernels"
-  $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py -k "q8x or pdl" \
-      > "$LOGS/tests_gemv.log" 2>&1 || status=1
+  echo "== GPU tests: the block matmuls (every 8-bit GEMV form, with PDL), the models' logits, the device form's ops; sanitizers on the block kernels"
+  $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_model.py \
+      tests/test_model_device_form.py ${TEST_K:+-k "$TEST_K"} > "$LOGS/tests_gemv.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_gemv.log" | head -20; tail -1 "$LOGS/tests_gemv.log"
   bash tools/dev/gpu_sanitize_dense_q.sh "$LOGS" || status=1
   say
 fi
 if [ $DENSE = 1 ]; then
   echo "== one 8B layer through each 8-bit GEMV form"
-  (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --q8x-only --out "$OUT/dense_q.json") 2>&1 \
+  (cd tools/dev && $PY gpu_dense_q_bench.py --types "${GEMV_TYPES:-Q4_K,Q5_K,Q6_K,Q8_0}" --q8x-only --out "$OUT/dense_q.json") 2>&1 \
       | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | head -60 || status=1
   say
 fi
@@ -56,10 +59,11 @@ if [ $STEP = 1 ] || [ $AB = 1 ]; then
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
 fi
 if [ $AB = 1 ]; then
-  echo "== tg128: the 8-bit GEMV as shipped / with PDL / persistent / both"
-  ALL="matmul_dispatch.Q8XP_TYPES=('Q4_0','Q4_1','Q5_0','Q5_1','Q8_0','Q2_K','Q3_K','Q4_K','Q5_K','Q6_K')"
-  $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pdl.json" --variant shipped --variant "pdl:matmul_dispatch.GEMV_PDL=True" \
-      --variant "persist:$ALL" --variant "persist-pdl:$ALL,matmul_dispatch.GEMV_PDL=True" \
+  echo "== tg128: the 8-bit GEMV as shipped / pipelined (and AB_VARIANTS)"
+  VARIANTS=(--variant shipped --variant "pipelined:matmul_dispatch.Q8XVP_TYPES=('Q4_K','Q5_K')")
+  IFS=';' read -ra EXTRA <<< "${AB_VARIANTS:-}"
+  for v in "${EXTRA[@]}"; do [ -n "$v" ] && VARIANTS+=(--variant "$v"); done
+  $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_gemv.json" "${VARIANTS[@]}" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1
   say
 fi
