@@ -14,8 +14,6 @@
 //                          of whole 16-byte units);
 //   dense_gemv_q8x_v<T, NT> the same for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte units,
 //                          read by coalesced 16-byte loads, a few word operations a value;
-//   dense_gemv_q8x_vp<T, NT> that form for Q4_K / Q5_K with a wave of warps each walking several
-//                          rows, the next steps' loads in flight across rows;
 //   dense_gemm_q8<T, BN>   the tiled GEMM on int8 tensor cores for more tokens (below).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart (16-byte aligned); xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
@@ -571,82 +569,6 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
-}
-
-// The pipelined vector GEMV (dense_gemv_q8x_vp<T, NT>) for Q4_K / Q5_K rows of whole 16-byte units:
-// the vector form's loads and lane arithmetic (q8x_v_load, q8x_v_block_k4) with a grid of one wave
-// whose warps each walk several rows (rows gw, gw + n_gw, ...), the row's steps of 4 blocks (a
-// block an 8-lane group) one after another across row boundaries, Q8xVP<T>::DEPTH steps' words in
-// registers: the step DEPTH - 1 ahead is requested before this one's arithmetic. (The vector form
-// loads its row, multiplies it and ends: at 0ef699c on the H100 the Q4_K gate took 18.5 us in ~6.8
-// waves of ~2.7 us, one round trip and one row's arithmetic each with no load in flight on the SM
-// during the arithmetic; the persistent staged form, which overlaps them, issued ~6.6 instructions
-// a value and was issue-bound at 23.7 us: bench/NOTES.md, twelfth session.)
-template <int T> struct Q8xVP {
-    static constexpr int DEPTH = T == QB_Q4_K ? 4 : 3;   // (Q5_K: three words a step and operand)
-};
-
-template <int T, int NT>
-__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_vp(const GemvQ8Params p) {
-    static_assert(T == QB_Q4_K || T == QB_Q5_K, "the pipelined vector GEMV reads Q4_K / Q5_K rows");
-    constexpr int B = QBlock<T>::BYTES, D = Q8xVP<T>::DEPTH;
-    const int lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
-    const int gw = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5), n_gw = gridDim.x * Q8X_VWARPS, rows = q8x_rows(p);
-    const int n_blk = p.n_in / 256, spr = (n_blk + 3) / 4;   // blocks and steps a row
-    const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;
-    const int n_steps = n_mine * spr;   // the warp's steps (far below 2^31)
-    const bool gated = p.mode == 2;
-    // the issue cursor: step is of row ir (the lane's block's bytes at iw0 / iw1)
-    int ir = gw, is = 0;
-    const unsigned char *iw0 = nullptr, *iw1 = nullptr;
-    auto seek = [&]() {   // iw0 / iw1 at row ir's first step
-        int r = ir;
-        GemvQSeg sg;
-        if (gemv_segment(p, r, sg)) {
-            iw0 = sg.w + (long long)r * p.row_bytes + b0 * B;
-            iw1 = gated ? p.seg[1].w + (long long)r * p.row_bytes + b0 * B : nullptr;
-        }
-    };
-    uint4 hd[D], qs[D], qh[D], hd1[D], qs1[D], qh1[D];
-    auto issue = [&](int slot) {   // the next step's words into slot, then the cursor on
-        if (4 * is + b0 < n_blk) {
-            q8x_v_load<T>(iw0 + 4 * is * B, k, hd[slot], qs[slot], qh[slot]);
-            if (gated) q8x_v_load<T>(iw1 + 4 * is * B, k, hd1[slot], qs1[slot], qh1[slot]);
-        }
-        if (++is == spr) {
-            is = 0, ir += n_gw;
-            seek();
-        }
-    };
-    seek();
-#pragma unroll
-    for (int s = 0; s < D - 1; ++s)
-        if (s < n_steps) issue(s);
-    pdl_wait();   // (only weights read so far)
-    float acc[NT], up[NT], one[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f, one[t] = 1.0f;
-    int cr = gw, cs = 0;   // the compute cursor: step cs of row cr
-    for (int g0 = 0; g0 < n_steps; g0 += D) {
-#pragma unroll
-        for (int ph = 0; ph < D; ++ph) {   // step g0 + ph, in slot ph
-            if (g0 + ph < n_steps) {
-                if (g0 + ph + D - 1 < n_steps) issue((ph + D - 1) % D);   // the slot step g0 + ph - 1 used
-                const int blk = 4 * cs + b0;
-                if (blk < n_blk)
-                    q8x_v_block_k4<T, NT>(p, blk, gated, hd[ph], qs[ph], qh[ph], hd1[ph], qs1[ph], qh1[ph], acc, up);
-                if (++cs == spr) {   // the row's last step: its sums out
-                    int r = cr;
-                    GemvQSeg sg;
-                    gemv_segment(p, r, sg);
-                    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
-#pragma unroll
-                    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-                    cs = 0, cr += n_gw;
-                }
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------

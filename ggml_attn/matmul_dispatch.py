@@ -51,13 +51,6 @@ Q8XV_MAX_TOKENS = 1
 # (bench/NOTES.md, eleventh session).
 Q8XP_TYPES: tuple[str, ...] = ()
 Q8XP_MAX_TOKENS = 4
-# The types of Q8XVP_TYPES (of kernels.Q8XVP_TYPES) run that GEMV at up to Q8XVP_MAX_TOKENS tokens as
-# dense_gemv_q8x_vp (rows 16-byte aligned; ahead of the two above): the vector form's loads and
-# arithmetic with a wave of warps each walking several rows, the next steps' loads in flight while
-# it multiplies this one. None until measured (predicted: the Q4_K gate 18.5 -> 11-13 us on the
-# H100; bench/NOTES.md, twelfth session).
-Q8XVP_TYPES: tuple[str, ...] = ()
-Q8XVP_MAX_TOKENS = 1
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off until measured.
@@ -95,13 +88,10 @@ QRGEMM_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0")
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
     through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
-    aligned: ``pipelined`` for the routed Q8XVP_TYPES up to Q8XVP_MAX_TOKENS, ``persist`` for the
-    routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed Q8XV_TYPES up to
-    Q8XV_MAX_TOKENS (each where the form reads the type: ``kernels.q8x_form_reads``), ``staged``
-    for the other aligned rows, else ``plain``."""
+    aligned: ``persist`` for the routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed
+    Q8XV_TYPES up to Q8XV_MAX_TOKENS (where the form reads the type: ``kernels.q8x_form_reads``),
+    ``staged`` for the other aligned rows, else ``plain``."""
     from .kernels import q8x_form_reads
-    if aligned and weight_type in Q8XVP_TYPES and n_tokens <= Q8XVP_MAX_TOKENS and q8x_form_reads("pipelined", weight_type):
-        return "pipelined"
     if aligned and weight_type in Q8XP_TYPES and n_tokens <= Q8XP_MAX_TOKENS:
         return "persist"
     if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):

@@ -561,33 +561,3 @@ def test_gemv_q8x_persistent_form_one_wave(launches, monkeypatch):
         assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
     assert "dense_gemv_q8x_p<14, 4>" in K.dense_q8x_variant(14).names
 
-
-def test_gemv_q8x_pipelined_form_one_wave(launches, monkeypatch):
-    """matmul_dispatch.Q8XVP_TYPES (none until measured) sends aligned rows of its types that the
-    pipelined form reads (kernels.Q8XVP_TYPES: Q4_K, Q5_K) at up to Q8XVP_MAX_TOKENS tokens to
-    dense_gemv_q8x_vp, ahead of the other forms; its grid is one wave; a type it does not read
-    keeps its other form, and a launch asking it for one is refused."""
-    from ggml_attn import cuda_device
-    assert md.Q8XVP_TYPES == () and K.Q8XVP_TYPES == ("Q4_K", "Q5_K")
-    monkeypatch.setattr(md, "Q8XVP_TYPES", ("Q4_K", "Q6_K"))
-    monkeypatch.setattr(md, "Q8XP_TYPES", ("Q4_K", "Q6_K"))
-    assert [md.gemv_q8x_form(t, a, n) for t, a, n in (("Q4_K", True, 1), ("Q4_K", True, 2), ("Q4_K", False, 1),
-                                                      ("Q6_K", True, 1), ("Q8_0", True, 1))] \
-        == ["pipelined", "persist", "plain", "persist", "vector"]
-    monkeypatch.setattr(md, "Q8XVP_MAX_TOKENS", 2)
-    assert md.gemv_q8x_form("Q4_K", True, 2) == "pipelined" and md.gemv_q8x_form("Q4_K", True, 3) == "persist"
-    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None:
-                        SimpleNamespace(variant=variant, name=name, smem=smem, occupancy=lambda threads: 4))
-    monkeypatch.setattr(cuda_device, "num_sms", lambda: 2)
-    x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
-    for rows, blocks in ((128, 8), (12, 3)):
-        launches.clear()
-        w = _qmatrix("Q4_K", rows, 512)
-        q8_matmul.q8x_launches([w], x, [Dev((2, rows))], xq, xd, xs, mode=0, quantize=False)
-        (gemv,) = launches
-        assert gemv.fn.name == "dense_gemv_q8x_vp<12, 2>" and gemv.grid == (blocks, 1, 1)
-        assert gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
-    assert q8_matmul.q8x_launches([_qmatrix("Q6_K", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
-                                  quantize=False, form="pipelined") is None
-    assert "dense_gemv_q8x_vp<13, 2>" in K.dense_q8x_variant(13).names
-    assert not any("q8x_vp" in n for n in K.dense_q8x_variant(14).names)

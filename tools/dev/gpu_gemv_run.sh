@@ -12,10 +12,9 @@
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
-#   4. tg128 with the shipped GEMV routing and with the pipelined form for the types it reads
-#      (matmul_dispatch.Q8XVP_TYPES; tools/dev/knob_ab.py, 2 alternating rounds; AB_VARIANTS: more
-#      knob_ab --variant arguments, ';'-separated, e.g. "pdl:matmul_dispatch.GEMV_PDL=True", which
-#      with the persistent form lost at 0ef699c) -> $OUT/ab_gemv.json
+#   4. with AB_VARIANTS (knob_ab --variant arguments, ';'-separated, e.g.
+#      "pdl:matmul_dispatch.GEMV_PDL=True"): tg128 with the shipped GEMV routing against each
+#      (tools/dev/knob_ab.py, 2 alternating rounds) -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -27,6 +26,7 @@ trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
 INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
+AB_VARIANTS=${AB_VARIANTS:-}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;
@@ -34,6 +34,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+[ -n "$AB_VARIANTS" ] || AB=0   # (nothing to compare the shipped routing with)
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
 say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
@@ -59,9 +60,9 @@ if [ $STEP = 1 ] || [ $AB = 1 ]; then
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
 fi
 if [ $AB = 1 ]; then
-  echo "== tg128: the 8-bit GEMV as shipped / pipelined (and AB_VARIANTS)"
-  VARIANTS=(--variant shipped --variant "pipelined:matmul_dispatch.Q8XVP_TYPES=('Q4_K','Q5_K')")
-  IFS=';' read -ra EXTRA <<< "${AB_VARIANTS:-}"
+  echo "== tg128: the 8-bit GEMV as shipped / AB_VARIANTS"
+  VARIANTS=(--variant shipped)
+  IFS=';' read -ra EXTRA <<< "$AB_VARIANTS"
   for v in "${EXTRA[@]}"; do [ -n "$v" ] && VARIANTS+=(--variant "$v"); done
   $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_gemv.json" "${VARIANTS[@]}" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 128 -r 3 2>&1 | tail -6 || status=1

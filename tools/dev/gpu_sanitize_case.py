@@ -337,12 +337,10 @@ def _dense_q(cp, rng) -> int:
             bad += _q8x_gated(cp, rng, name, n, rows)
         if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows
             bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector")
-        import ggml_attn.cuda_device as cd   # the one-wave forms, their grids as on one SM: several rows a warp
+        import ggml_attn.cuda_device as cd   # the persistent form, its grid as on one SM: several rows a warp
         sms, cd.num_sms = cd.num_sms, lambda: 1
         try:
             bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "persist")
-            if name in K.Q8XVP_TYPES:
-                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "pipelined")
         finally:
             cd.num_sms = sms
         q, vals = ws[0]

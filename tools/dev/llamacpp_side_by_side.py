@@ -219,8 +219,8 @@ def main(argv=None) -> int:
                           "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"] + flag,
                          os.path.join(out, f"lc_batched{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
             rows += [dict(tool="llama.cpp", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
-            _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", "128", "-ntg", "32", "-npl", "1,16,64",
-                          "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
+            _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "40960", "-npp", "128", "-ntg", "32",
+                          "-npl", "1,16,64", "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
                          os.path.join(out, f"ours_batched{'_kvu' if kvu else ''}.log"), 400)
             rows += [dict(tool="ggml-attn", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
     save()
@@ -296,7 +296,7 @@ def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> Non
                      env=env)
         rows += [dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                       ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts"), weights=form, **tag) for r in json_block(t)]
-        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-npp", "128", "-ntg", "32", "-npl", a.npl,
+        _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-c", "40960", "-npp", "128", "-ntg", "32", "-npl", a.npl,
                       "--warmup", "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched{sfx}.log"), 400,
                      env=env)
         rows += [dict(tool="ggml-attn", case="batched", kvu=False, weights=form, **_bb(r), **tag) for r in jsonl(t)]
