@@ -45,15 +45,10 @@ Q8X_MAX_TOKENS = 4
 # tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
 Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
 Q8XV_MAX_TOKENS = 1
-# The types of Q8XP_TYPES run that GEMV at up to Q8XP_MAX_TOKENS tokens as dense_gemv_q8x_p (rows
-# 16-byte aligned; ahead of the vector form): the staged form's chunks with a wave of warps each
-# streaming several rows, its next row in flight while it multiplies this one. None until measured
-# (bench/NOTES.md, eleventh session).
-Q8XP_TYPES: tuple[str, ...] = ()
-Q8XP_MAX_TOKENS = 4
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested
-# into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off until measured.
+# into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
+# file 287.4 -> 277.8 t/s on the H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/ab_pdl.json).
 GEMV_PDL = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
@@ -88,12 +83,12 @@ QRGEMM_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0")
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
     through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
-    aligned: ``persist`` for the routed Q8XP_TYPES up to Q8XP_MAX_TOKENS, ``vector`` for the routed
-    Q8XV_TYPES up to Q8XV_MAX_TOKENS (where the form reads the type: ``kernels.q8x_form_reads``),
-    ``staged`` for the other aligned rows, else ``plain``."""
+    aligned: ``vector`` for the routed Q8XV_TYPES up to Q8XV_MAX_TOKENS (where the form reads the
+    type: ``kernels.q8x_form_reads``), ``staged`` for the other aligned rows, else ``plain``. (Two
+    forms whose grid was one wave of warps each walking several rows -- the staged chunks through
+    a shared-memory ring, and the vector form's words through a register ring -- lost to these on
+    the H100 and were removed: bench/NOTES.md, twelfth session.)"""
     from .kernels import q8x_form_reads
-    if aligned and weight_type in Q8XP_TYPES and n_tokens <= Q8XP_MAX_TOKENS:
-        return "persist"
     if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):
         return "vector"
     return "staged" if aligned else "plain"
