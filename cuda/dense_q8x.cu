@@ -14,6 +14,8 @@
 //                          of whole 16-byte units);
 //   dense_gemv_q8x_v<T, NT> the same for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte units,
 //                          read by coalesced 16-byte loads, a few word operations a value;
+//   dense_gemv_q8x_r<T, NT> that arithmetic for Q4_K / Q5_K over a wave of warps each streaming
+//                          several rows through a ring of shared-memory slots;
 //   dense_gemm_q8<T, BN>   the tiled GEMM on int8 tensor cores for more tokens (below).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart (16-byte aligned); xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
@@ -292,6 +294,14 @@ __device__ __forceinline__ void q8x_v_load(const unsigned char* blk, int k, uint
     if (QbLane<T>::QH) qh = ld_stream(blk + 16 + 16 * (k & 1));
 }
 
+// q8x_v_load's words from a block staged in shared memory.
+template <int T>
+__device__ __forceinline__ void q8x_v_load_smem(const unsigned char* blk, int k, uint4& hd, uint4& qs, uint4& qh) {
+    hd = *reinterpret_cast<const uint4*>(blk);
+    qs = *reinterpret_cast<const uint4*>(blk + QbLane<T>::QS + 16 * k);
+    if (QbLane<T>::QH) qh = *reinterpret_cast<const uint4*>(blk + 16 + 16 * (k & 1));
+}
+
 __device__ __forceinline__ void u4_words(const uint4& u, unsigned (&w)[4]) { w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w; }
 
 // One step's block of Q4_K / Q5_K (this lane's part: its words hd / qs / qh of block blk of the
@@ -483,6 +493,96 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+}
+
+// The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K rows of whole 16-byte units: a grid of
+// one wave (the host sizes it by the kernel's occupancy) whose warp gw takes rows gw, gw + GW, ...
+// and streams every chunk of all of them (Q8X_CHUNK values: 4 blocks, the vector form's step)
+// through Q8xR<T>::STAGES shared-memory slots by cp.async (q8x_stage), STAGES - 1 chunks in flight
+// across its rows' boundaries, and multiplies each chunk with the vector form's lane arithmetic
+// (q8x_v_block_k4: lane group lane / 8 takes the chunk's block lane / 8, its words read from the
+// slot). The bytes in flight wait in shared memory, not in registers: ~4 KB a warp (Q4_K), 24 warps
+// an SM. (At 0ef699c / bca6c0e on the H100: the vector form holds its row in registers, ~37 KB an
+// SM, then multiplies with nothing in flight; a register ring held less; the staged ring's own
+// arithmetic, ~6.6 instructions a value, bound it: bench/NOTES.md, twelfth session.) Its first
+// STAGES - 1 chunks are requested before pdl_wait.
+template <int T> struct Q8xR {
+    static constexpr int SLOT = Q8xChunk<T>::SLOT;
+    // slots a warp's operand: as many as 48 KB of static shared memory holds for both operands
+    // of every warp, at most 8 (Q4_K and Q5_K 8)
+    static constexpr int STAGES = 49152 / (Q8X_SWARPS * 2 * SLOT) < 8 ? 49152 / (Q8X_SWARPS * 2 * SLOT) : 8;
+    static_assert(STAGES >= 3, "a chunk's slot too large for the ring form");
+    static_assert(Q8xChunk<T>::ALIGNED && Q8X_CHUNK == 4 * QBlock<T>::VALUES, "a chunk is the vector form's step");
+};
+
+// Rows of the launch: the gated mode's segment, else every segment's.
+__device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
+    if (p.mode == 2) return p.seg[0].rows;
+    return p.seg[0].rows + (p.n_seg > 1 ? p.seg[1].rows : 0) + (p.n_seg > 2 ? p.seg[2].rows : 0);
+}
+
+template <int T, int NT>
+__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
+    static_assert(T == QB_Q4_K || T == QB_Q5_K, "the ring GEMV reads Q4_K / Q5_K rows");
+    constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T>::SLOT, ST = Q8xR<T>::STAGES;
+    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][ST][SLOT];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
+    const int gw = blockIdx.x * Q8X_SWARPS + warp, n_gw = gridDim.x * Q8X_SWARPS, rows = q8x_rows(p);
+    const int row_bytes = (int)p.row_bytes, n_blk = p.n_in / QBlock<T>::VALUES, n_chunks = (n_blk + 3) / 4;
+    const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
+    const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
+    const bool gated = p.mode == 2;
+    const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
+    // the warp's chunk j is chunk j % n_chunks of its row j / n_chunks, in slot j % ST; stage() issues
+    // the next one, (si, sc), its row's bytes found once a row
+    int si = 0, sc = 0;
+    const unsigned char *sw0 = nullptr, *sw1 = nullptr;
+    auto stage = [&](int j) {
+        if (sc == 0) {
+            int r = gw + si * n_gw;
+            GemvQSeg sg;
+            gemv_segment(p, r, sg);
+            sw0 = sg.w + (long long)r * row_bytes;
+            sw1 = gated ? p.seg[1].w + (long long)r * row_bytes : nullptr;
+        }
+        q8x_stage<T>(sw0, row_bytes, sc, s0 + (j % ST) * SLOT, lane);
+        if (gated) q8x_stage<T>(sw1, row_bytes, sc, s1 + (j % ST) * SLOT, lane);
+        if (++sc == n_chunks) sc = 0, ++si;
+    };
+#pragma unroll
+    for (int j = 0; j < ST - 1; ++j) {
+        if (j < n_j) stage(j);
+        cp_async_commit();
+    }
+    pdl_wait();   // (only weights read so far)
+    float acc[NT], up[NT], one[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f, one[t] = 1.0f;
+    for (int j = 0, i = 0, c = 0; j < n_j; ++j) {   // chunk j: chunk c of the warp's row i
+        if (j + ST - 1 < n_j) stage(j + ST - 1);   // into the slot chunk j - 1 used (its reads are done)
+        cp_async_commit();
+        cp_async_wait<ST - 1>();   // chunk j is in
+        __syncwarp();
+        const int slot = j % ST, blk = 4 * c + b0;
+        if (blk < n_blk) {
+            uint4 hd, qs, qh, hd1, qs1, qh1;
+            q8x_v_load_smem<T>(&buf[warp][0][slot][b0 * B], k, hd, qs, qh);
+            if (gated) q8x_v_load_smem<T>(&buf[warp][1][slot][b0 * B], k, hd1, qs1, qh1);
+            q8x_v_block_k4<T, NT>(p, blk, gated, hd, qs, qh, hd1, qs1, qh1, acc, up);
+        }
+        __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
+        if (c == n_chunks - 1) {   // the row's last chunk: its sums out
+            int r = gw + i * n_gw;
+            GemvQSeg sg;
+            gemv_segment(p, r, sg);
+            gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+#pragma unroll
+            for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
+            c = 0, ++i;
+        } else {
+            ++c;
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -45,6 +45,13 @@ Q8X_MAX_TOKENS = 4
 # tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
 Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
 Q8XV_MAX_TOKENS = 1
+# The types of Q8XR_TYPES (of kernels.Q8XR_TYPES) run that GEMV at up to Q8XR_MAX_TOKENS tokens as
+# dense_gemv_q8x_r (rows 16-byte aligned; ahead of the vector form): the vector form's arithmetic
+# over a wave of warps each streaming several rows through a ring of shared-memory slots (the bytes
+# in flight out of the registers). None until measured (predicted on the H100: the Q4_K gate 18.7
+# -> 12-14 us; bench/NOTES.md, twelfth session).
+Q8XR_TYPES: tuple[str, ...] = ()
+Q8XR_MAX_TOKENS = 1
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
@@ -83,12 +90,15 @@ QRGEMM_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K", "Q8_0")
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     """Which form of the 8-bit-activation GEMV (``kernels.Q8X_FORMS``) runs ``n_tokens`` tokens
     through a block weight of ``weight_type`` whose rows are (``aligned``) or are not 16-byte
-    aligned: ``vector`` for the routed Q8XV_TYPES up to Q8XV_MAX_TOKENS (where the form reads the
-    type: ``kernels.q8x_form_reads``), ``staged`` for the other aligned rows, else ``plain``. (Two
-    forms whose grid was one wave of warps each walking several rows -- the staged chunks through
-    a shared-memory ring, and the vector form's words through a register ring -- lost to these on
+    aligned: ``ring`` for the routed Q8XR_TYPES up to Q8XR_MAX_TOKENS, ``vector`` for the routed
+    Q8XV_TYPES up to Q8XV_MAX_TOKENS (each where the form reads the type:
+    ``kernels.q8x_form_reads``), ``staged`` for the other aligned rows, else ``plain``. (Two forms
+    whose grid was one wave of warps each walking several rows -- the staged arithmetic over a
+    shared-memory ring, and the vector form's words through a register ring -- lost to these on
     the H100 and were removed: bench/NOTES.md, twelfth session.)"""
     from .kernels import q8x_form_reads
+    if aligned and weight_type in Q8XR_TYPES and n_tokens <= Q8XR_MAX_TOKENS and q8x_form_reads("ring", weight_type):
+        return "ring"
     if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):
         return "vector"
     return "staged" if aligned else "plain"

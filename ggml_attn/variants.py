@@ -325,12 +325,16 @@ Q8XV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # dense_gemv_q8x_v's block types 
 Q8XV_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XV_TYPES)
 Q8XV_TOKENS = (1, 2, 4)        # its instances
 Q8X_VWARPS = 4                # warps a dense_gemv_q8x_v block (Q8X_VWARPS in dense_q8x.cu)
+Q8XR_TYPES = ("Q4_K", "Q5_K")  # dense_gemv_q8x_r's block types (a chunk is q8x_v_block_k4's step)
+Q8XR_TOKENS = (1, 2, 4)        # its instances (Q8X_SWARPS warps a block)
 # The 8-bit-activation GEMV's forms: kernel, instances (NT), warps a block.
 Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
              "plain": ("dense_gemv_q8x", Q8X_PLAIN_TOKENS, Q8X_WARPS),
-             "vector": ("dense_gemv_q8x_v", Q8XV_TOKENS, Q8X_VWARPS)}
-# The forms that read some block types only (the others read every one).
-Q8X_FORM_TYPES = {"vector": Q8XV_TYPES}
+             "vector": ("dense_gemv_q8x_v", Q8XV_TOKENS, Q8X_VWARPS),
+             "ring": ("dense_gemv_q8x_r", Q8XR_TOKENS, Q8X_SWARPS)}
+# The forms that read some block types only (the others read every one), and those whose grid is one wave.
+Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "ring": Q8XR_TYPES}
+Q8X_ONE_WAVE = ("ring",)
 
 
 def q8x_form_reads(form: str, weight_type: str) -> bool:
@@ -343,6 +347,8 @@ def q8x_name(type_id: int, n_tok: int, form: str = "staged") -> str:
     n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
     16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment), ``vector``
     (``dense_gemv_q8x_v``, 16-byte loads straight from global memory; Q8XV_TYPES, rows 16-byte
+    aligned) or ``ring`` (``dense_gemv_q8x_r``, the vector form's arithmetic over a wave of warps
+    each streaming several rows through a ring of shared-memory slots; Q8XR_TYPES, rows 16-byte
     aligned); at most max(NT) of the form's instances (Q8X_FORMS)."""
     kernel, tokens, _ = Q8X_FORMS[form]
     nt = next(t for t in tokens if t >= n_tok)

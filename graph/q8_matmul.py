@@ -51,7 +51,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
     None where the arrays do not fit the form (all but the plain one need rows 16-byte aligned,
     the vector one its types: ``kernels.q8x_form_reads``; each form up to its instances' tokens).
-    The GEMV is launched with programmatic dependent launch where
+    The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
+    programmatic dependent launch where
     ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form  # noqa: PLC0415
@@ -77,6 +78,9 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.pdl = int(gemv_pdl())
     fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form))
     blocks = -(-rows // warps)
+    if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
+        from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+        blocks = min(blocks, num_sms() * max(1, fn.occupancy(32 * warps)))
     gemv = (PdlLaunch if p.pdl else K.BoundLaunch)(fn, (blocks, 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 

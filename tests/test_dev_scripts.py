@@ -86,3 +86,24 @@ def test_llamaserver_replay_fails_a_stalled_server_instead_of_hanging():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in DEV.glob("*.sh")))
+def test_shell_scripts_parse(script):
+    import subprocess
+    r = subprocess.run(["bash", "-n", str(DEV / script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_commit_ab_refuses_what_it_cannot_run(tmp_path):
+    """tools/dev/commit_ab.sh: usage without arguments, an unknown CLI and an unprepared commit
+    are refused with exit status 2 and a line saying why (nothing installed or run)."""
+    import subprocess
+    sh = str(DEV / "commit_ab.sh")
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+    r = subprocess.run(["bash", sh], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "--prepare COMMIT" in r.stdout
+    r = subprocess.run(["bash", sh, "abc1234", "1", "nope", "-p", "1"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "unknown CLI nope" in r.stderr
+    r = subprocess.run(["bash", sh, "0000000", "1", "bench", "-p", "1"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "build/ab-0000000 missing" in r.stderr

@@ -109,11 +109,11 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 
 
 @pytest.mark.parametrize("name, form", [(n, f) for n in BLOCK_TYPES for f in ("plain", "staged")] +
-                         [(n, "vector") for n in K.Q8XV_TYPES])
+                         [(n, "vector") for n in K.Q8XV_TYPES] + [(n, "ring") for n in K.Q8XR_TYPES])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("norm", [False, True])
-def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form):
+def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     """The 8-bit-activation GEMV: against float64 of the activations it quantized
     (quant.q8_activations: per 32 values d = max|v| / 127, q = round(v / d)) NMSE <= 1e-5 (integer
     sums, F32 scales; an F32 ulp of the norm's scale may round a q the other way); against float64
@@ -123,8 +123,11 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form):
     (kernels.Q8X_FORMS) staged: rows of whole 16-byte units over several chunks
     (dense_gemv_q8x_s); vector: the same rows (dense_gemv_q8x_v: 19 blocks, a step of 4 and a
     partial one); plain: rows of any alignment (the case's n_in leaves most types' rows unaligned:
-    dense_gemv_q8x).
+    dense_gemv_q8x); ring: the vector form's rows by a wave of warps each streaming several rows
+    through shared-memory slots (dense_gemv_q8x_r, its grid sized here as for one SM: 112 rows
+    over at most 24 warps, a ring of 8 slots over rows of 5 chunks).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     staged = form != "plain"
     n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm, _staged_n_in(name) if staged else None)
     assert (block_layout(name).row_bytes(n_in) % 16 == 0) >= staged
@@ -150,7 +153,7 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form):
 
 
 @pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain"),
-                                        ("Q6_K", "plain")])
+                                        ("Q4_K", "ring"), ("Q5_K", "ring")])
 @pytest.mark.parametrize("mode", [0, 2])
 def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, monkeypatch):
     """Launched with programmatic dependent launch (matmul_dispatch.GEMV_PDL: its blocks start

@@ -38,7 +38,7 @@ CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "d
 NCU_FILTERS = {"wgmma": ("fattn_wgmma", 1, 1), "decode-tma": ("fattn_decode_tma", 1, 3),
                "decode-quant": ("fattn_decode_tma", 1, 1),   # (the default instance's second call)
                "dense-qs": ("dense_gemm_q[sr]", 7, 14),      # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
-               "gemv-q8x": ("dense_gemv", 3, 8)}             # each of Q4_K's 3 forms once as it is built, then each form twice and F16's GEMV twice
+               "gemv-q8x": ("dense_gemv", 4, 10)}            # each of Q4_K's 4 forms once as it is built, then each form twice and F16's GEMV twice
 
 
 def ncu_args(case: str) -> str:

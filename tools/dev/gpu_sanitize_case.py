@@ -337,6 +337,13 @@ def _dense_q(cp, rng) -> int:
             bad += _q8x_gated(cp, rng, name, n, rows)
         if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows
             bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector")
+        if name in K.Q8XR_TYPES:   # the ring form, its grid as on one SM: several rows a warp
+            import ggml_attn.cuda_device as cd
+            sms, cd.num_sms = cd.num_sms, lambda: 1
+            try:
+                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "ring")
+            finally:
+                cd.num_sms = sms
         q, vals = ws[0]
         d_q, out = d_ws[0], cp.full((rows, n_in), np.nan, np.float16)
         n_sub = rows * n_in // 32
