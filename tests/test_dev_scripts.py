@@ -107,3 +107,30 @@ def test_commit_ab_refuses_what_it_cannot_run(tmp_path):
     assert r.returncode == 2 and "unknown CLI nope" in r.stderr
     r = subprocess.run(["bash", sh, "0000000", "1", "bench", "-p", "1"], capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "build/ab-0000000 missing" in r.stderr
+
+
+def test_side_by_side_logs_come_back_packed(tmp_path, monkeypatch):
+    """On a device machine ($OUT set) the side-by-side scripts log into a folder of their own
+    and pack it into out/logs.tgz after every step (the machine returns at most 8 files);
+    elsewhere the logs stay loose in out."""
+    import sys
+    import tarfile
+    sys.path.insert(0, str(DEV))
+    import llamacpp_side_by_side as lcs
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.delenv("OUT", raising=False)
+    assert lcs.log_dir(str(out)) == str(out)
+    lcs.pack_logs(str(out), str(out))
+    assert not (out / "logs.tgz").exists()
+    monkeypatch.setenv("OUT", str(out))
+    logs = lcs.log_dir(str(out))
+    assert logs != str(out)
+    for name in ("a.log", "b.log"):
+        (pathlib.Path(logs) / name).write_text(name)
+    lcs.pack_logs(logs, str(out))
+    (pathlib.Path(logs) / "c.log").write_text("c")
+    lcs.pack_logs(logs, str(out))   # written anew: every log so far
+    with tarfile.open(out / "logs.tgz") as t:
+        assert sorted(t.getnames()) == ["logs", "logs/a.log", "logs/b.log", "logs/c.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz"]

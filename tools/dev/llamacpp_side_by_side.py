@@ -3,7 +3,9 @@
     python tools/dev/llamacpp_side_by_side.py --src .lcpp/src.tar.gz --out $OUT [--gguf F] [--build-only]
     python tools/dev/llamacpp_side_by_side.py --prebuilt .lcpp/build-sm90.tar.xz --out $OUT
 
-Steps (each logged under ``--out``; one JSON ``side_by_side.json`` and a markdown table last):
+Steps (each logged under ``--out``, or with ``$OUT`` set -- a device machine, which returns at
+most 8 files -- packed into ``--out``'s ``logs.tgz`` after each step; one JSON
+``side_by_side.json`` and a markdown table, printed and ``table.md``, last):
 
 1. build llama.cpp's ``llama-bench`` and ``llama-batched-bench`` with CUDA (one architecture,
    ``-DCMAKE_CUDA_ARCHITECTURES=90``) from a source tarball of its ``CMakeLists.txt cmake common
@@ -63,6 +65,27 @@ def sh(cmd: list[str], log: str, timeout: int, env=None) -> tuple[int, str, floa
 
 TARGETS = ("llama-bench", "llama-batched-bench", "llamacpp_logits")
 
+
+
+def log_dir(out: str) -> str:
+    """Where a run's logs go: ``out`` itself, or on a device machine (``$OUT`` set: at most 8 of
+    its files come back) a temporary folder that :func:`pack_logs` packs into ``out/logs.tgz``
+    after every step, so that a run cut short still returns its JSON and every log."""
+    if not os.environ.get("OUT"):
+        return out
+    import tempfile
+    return tempfile.mkdtemp(prefix="side_by_side_logs_")
+
+
+def pack_logs(logs: str, out: str) -> None:
+    """``logs`` (a :func:`log_dir` other than ``out``) as ``out/logs.tgz``, written anew."""
+    if os.path.abspath(logs) == os.path.abspath(out):
+        return
+    import tarfile
+    tmp = os.path.join(out, "logs.tgz.part")
+    with tarfile.open(tmp, "w:gz") as t:
+        t.add(logs, arcname="logs")
+    os.replace(tmp, os.path.join(out, "logs.tgz"))
 
 def build(src: str, bdir: str, out: str, jobs: int, prebuilt: str = "", targets=TARGETS) -> str:
     """The folder with llama.cpp's binaries (``targets``: ``TARGETS``, or e.g. ``("llama-server",)``),
@@ -155,15 +178,16 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     quants = [q.strip() for q in a.quant.split(",") if q.strip()]
     os.makedirs(a.out, exist_ok=True)
+    a.logs = log_dir(a.out)
     skip = set(filter(None, a.skip.split(",")))
     jobs = os.cpu_count() or 8
     writer = None
     if not os.path.exists(a.gguf):   # written while llama.cpp builds
         writer = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "fixtures_gguf.py"), a.gguf,
                                    "--preset", "llama-3-8b", "--vocab", "32000"],
-                                  stdout=open(os.path.join(a.out, "gguf.log"), "w"), stderr=subprocess.STDOUT)
+                                  stdout=open(os.path.join(a.logs, "gguf.log"), "w"), stderr=subprocess.STDOUT)
     t0 = time.time()
-    bins = build(a.src, a.build, a.out, jobs, a.prebuilt,
+    bins = build(a.src, a.build, a.logs, jobs, a.prebuilt,
                  targets=TARGETS + (("llama-quantize",) if quants and "quant" not in skip else ()))
     # llama.cpp's processes only: its libraries next to it ($ORIGIN) and cuBLAS; a process that
     # imports ggml (ours, the Python steps) must not see its libggml-base.so
@@ -183,10 +207,11 @@ def main(argv=None) -> int:
     def save():   # after every step: a run cut short keeps what it measured
         with open(os.path.join(out, "side_by_side.json"), "w") as f:
             json.dump(res, f, indent=1)
+        pack_logs(a.logs, out)
     if "logits" not in skip:
         rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
                        os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],
-                      os.path.join(out, "logits.log"), 400, env=dict(os.environ, LLAMACPP_LIBS=lc_env["LD_LIBRARY_PATH"]))
+                      os.path.join(a.logs, "logits.log"), 400, env=dict(os.environ, LLAMACPP_LIBS=lc_env["LD_LIBRARY_PATH"]))
         try:
             res["logits"] = json.load(open(os.path.join(out, "model_vs_llamacpp.json")))
         except (OSError, ValueError):
@@ -194,20 +219,20 @@ def main(argv=None) -> int:
     save()
     if "load" not in skip:
         _, _, dt = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                      os.path.join(out, "lc_load.log"), 300, env=lc_env)
+                      os.path.join(a.logs, "lc_load.log"), 300, env=lc_env)
         rows.append(dict(tool="llama.cpp", case="load", seconds=dt))
         _, _, dt = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                      os.path.join(out, "ours_load.log"), 300)
+                      os.path.join(a.logs, "ours_load.log"), 300)
         rows.append(dict(tool="ggml-attn", case="load", seconds=dt))
     save()
     if "bench" not in skip:
         _, t, _ = sh([lb, "-m", a.gguf, "-ngl", "99", "-fa", "1", "-p", "512", "-n", "128", "-r", str(a.reps),
-                      "-o", "json"], os.path.join(out, "lc_bench.log"), 300, env=lc_env)
+                      "-o", "json"], os.path.join(a.logs, "lc_bench.log"), 300, env=lc_env)
         for r in json_block(t):
             rows.append(dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                              ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
         _, t, _ = sh([ours_b, "--device", "cuda", "-m", a.gguf, "-p", "512", "-n", "128", "-r", str(a.reps),
-                      "-o", "json"], os.path.join(out, "ours_bench.log"), 400)
+                      "-o", "json"], os.path.join(a.logs, "ours_bench.log"), 400)
         for r in json_block(t):
             rows.append(dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                              ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts")))
@@ -217,17 +242,17 @@ def main(argv=None) -> int:
             flag = ["-kvu"] if kvu else []
             _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
                           "-npp", "128", "-ntg", "32", "-npl", "1,16,64", "--output-format", "jsonl"] + flag,
-                         os.path.join(out, f"lc_batched{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
+                         os.path.join(a.logs, f"lc_batched{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
             rows += [dict(tool="llama.cpp", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
             _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-c", "40960", "-npp", "128", "-ntg", "32",
                           "-npl", "1,16,64", "--warmup", "-r", str(a.reps), "-o", "jsonl"] + flag,
-                         os.path.join(out, f"ours_batched{'_kvu' if kvu else ''}.log"), 400)
+                         os.path.join(a.logs, f"ours_batched{'_kvu' if kvu else ''}.log"), 400)
             rows += [dict(tool="ggml-attn", case="batched", kvu=kvu, **_bb(r)) for r in jsonl(t)]
     save()
     if "ragged" not in skip:
         _, t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "--prompt-dist", "16-200", "-npl", "64", "-ntg", "32",
                       "-kvu", "--split", "auto", "--warmup", "-r", str(a.reps), "-o", "jsonl"],
-                     os.path.join(out, "ours_ragged.log"), 400)
+                     os.path.join(a.logs, "ours_ragged.log"), 400)
         ours = [dict(tool="ggml-attn", case="ragged", kvu=True, **_bb(r)) for r in jsonl(t)]
         rows += ours
         total = sum(ours[0].get("prompt_lens") or []) if ours else 64 * 108
@@ -235,7 +260,7 @@ def main(argv=None) -> int:
         for kvu in (False, True):
             _, t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512",
                           "-npp", str(npp), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
-                         + (["-kvu"] if kvu else []), os.path.join(out, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
+                         + (["-kvu"] if kvu else []), os.path.join(a.logs, f"lc_ragged{'_kvu' if kvu else ''}.log"), 300, env=lc_env)
             rows += [dict(tool="llama.cpp", case="ragged-equal", kvu=kvu, **_bb(r)) for r in jsonl(t)]
     save()
     if "kvq" not in skip:   # a q8_0 KV cache against f16, 64 sequences of 4096 tokens (attention-heavy decode)
@@ -243,11 +268,11 @@ def main(argv=None) -> int:
             types = ["-ctk", t, "-ctv", t]
             _, out_t, _ = sh([lbb, "-m", a.gguf, "-ngl", "99", "-fa", "on", "-c", str(64 * (KVQ_NPP + 32)), "-b", "2048",
                               "-ub", "512", "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64", "--output-format", "jsonl"]
-                             + types, os.path.join(out, f"lc_kvq_{t}.log"), 600, env=lc_env)
+                             + types, os.path.join(a.logs, f"lc_kvq_{t}.log"), 600, env=lc_env)
             rows += [dict(tool="llama.cpp", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
             save()
             _, out_t, _ = sh([ours_bb, "--device", "cuda", "-m", a.gguf, "-npp", str(KVQ_NPP), "-ntg", "32", "-npl", "64",
-                              "-r", "1", "-o", "jsonl"] + types, os.path.join(out, f"ours_kvq_{t}.log"), 600)
+                              "-r", "1", "-o", "jsonl"] + types, os.path.join(a.logs, f"ours_kvq_{t}.log"), 600)
             rows += [dict(tool="ggml-attn", case=f"kv {t}", kvu=False, **_bb(r)) for r in jsonl(out_t)]
             save()
     if quants and "quant" not in skip:
@@ -255,6 +280,8 @@ def main(argv=None) -> int:
             quant_rows(a, q, bins, lc_env, (lb, lbb, ours_b, ours_bb), rows)
             save()
     print(table(rows))
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table(rows) + "\n")
     return 0
 
 
@@ -266,38 +293,37 @@ def quant_rows(a, qtype: str, bins: str, lc_env: dict, tools, rows: list) -> Non
     lb, lbb, ours_b, ours_bb = tools
     src = a.gguf
     path = f"{os.path.splitext(src)[0]}-{qtype}.gguf"
-    out = a.out
     if not os.path.exists(path):
         rc, _, _ = sh([os.path.join(bins, "llama-quantize"), src, path, qtype, str(os.cpu_count() or 8)],
-                      os.path.join(out, f"quantize_{qtype}.log"), 900, env=lc_env)
+                      os.path.join(a.logs, f"quantize_{qtype}.log"), 900, env=lc_env)
         if rc:
             rows.append(dict(tool="llama.cpp", case="quantize", file=qtype, error=f"rc={rc} (quantize_{qtype}.log)"))
             return
     from ggml_attn.cli.models import read_gguf
     tag = dict(file=qtype, weight_bytes=read_gguf(path).file_bytes)
     _, _, dt = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1"],
-                  os.path.join(out, f"lc_load_{qtype}.log"), 300, env=lc_env)
+                  os.path.join(a.logs, f"lc_load_{qtype}.log"), 300, env=lc_env)
     rows.append(dict(tool="llama.cpp", case="load", seconds=dt, **tag))
     _, _, dt = sh([ours_bb, "--device", "cuda", "-m", path, "-c", "512", "-npp", "8", "-ntg", "1", "-npl", "1", "-v"],
-                  os.path.join(out, f"ours_load_{qtype}.log"), 300)
+                  os.path.join(a.logs, f"ours_load_{qtype}.log"), 300)
     rows.append(dict(tool="ggml-attn", case="load", seconds=dt, **tag))
     bench = ["-p", "512", "-n", "128", "-r", str(a.reps), "-o", "json"]
-    _, t, _ = sh([lb, "-m", path, "-ngl", "99", "-fa", "1"] + bench, os.path.join(out, f"lc_bench_{qtype}.log"), 400,
+    _, t, _ = sh([lb, "-m", path, "-ngl", "99", "-fa", "1"] + bench, os.path.join(a.logs, f"lc_bench_{qtype}.log"), 400,
                  env=lc_env)
     rows += [dict(tool="llama.cpp", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"), ts=r.get("avg_ts"),
                   ts_sd=r.get("stddev_ts"), **tag) for r in json_block(t)]
     _, t, _ = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on", "-c", "40960", "-b", "2048", "-ub", "512", "-npp", "128",
                   "-ntg", "32", "-npl", a.npl, "--output-format", "jsonl"],
-                 os.path.join(out, f"lc_batched_{qtype}.log"), 300, env=lc_env)
+                 os.path.join(a.logs, f"lc_batched_{qtype}.log"), 300, env=lc_env)
     rows += [dict(tool="llama.cpp", case="batched", kvu=False, **_bb(r), **tag) for r in jsonl(t)]
     for form in [w.strip() for w in a.weights.split(",") if w.strip()]:   # ours in each weight form
         env, sfx = dict(os.environ, GGML_ATTN_WEIGHTS=form), f"_{qtype}" + ("" if form == "auto" else f"_{form}")
-        _, t, _ = sh([ours_b, "--device", "cuda", "-m", path] + bench, os.path.join(out, f"ours_bench{sfx}.log"), 400,
+        _, t, _ = sh([ours_b, "--device", "cuda", "-m", path] + bench, os.path.join(a.logs, f"ours_bench{sfx}.log"), 400,
                      env=env)
         rows += [dict(tool="ggml-attn", case="bench", n_prompt=r.get("n_prompt"), n_gen=r.get("n_gen"),
                       ts=r.get("avg_ts"), ts_sd=r.get("stddev_ts"), weights=form, **tag) for r in json_block(t)]
         _, t, _ = sh([ours_bb, "--device", "cuda", "-m", path, "-c", "40960", "-npp", "128", "-ntg", "32", "-npl", a.npl,
-                      "--warmup", "-r", str(a.reps), "-o", "jsonl"], os.path.join(out, f"ours_batched{sfx}.log"), 400,
+                      "--warmup", "-r", str(a.reps), "-o", "jsonl"], os.path.join(a.logs, f"ours_batched{sfx}.log"), 400,
                      env=env)
         rows += [dict(tool="ggml-attn", case="batched", kvu=False, weights=form, **_bb(r), **tag) for r in jsonl(t)]
 

@@ -4,7 +4,8 @@
     python tools/dev/llamaserver_side_by_side.py --src .lcpp/src.tar.gz --gguf /tmp/m8b.gguf --out $OUT
     python tools/dev/llamaserver_side_by_side.py --prebuilt .lcpp/server-sm90.tar.xz --rates 2,8,32,inf
 
-Steps (logs under ``--out``; ``serve_side_by_side.json`` written after each, a table last):
+Steps (logs and traces under ``--out``, or with ``$OUT`` set packed into its ``logs.tgz``;
+``serve_side_by_side.json`` written after each, a table last, printed and ``table.md``):
 
 1. llama.cpp's ``llama-server`` built with CUDA from the same source tarball as
    ``llamacpp_side_by_side.py`` (or unpacked from ``--prebuilt``), the 8B-shaped F16 GGUF written
@@ -201,10 +202,11 @@ def main(argv=None) -> int:
     from ggml_attn.cli.serve_trace import load_trace, parse_dist, parse_rates, prompt_tokens, synth_trace, write_trace
     from ggml_attn.graph.serve import cells_needed
     os.makedirs(a.out, exist_ok=True)
+    logs = lcs.log_dir(a.out)   # (its traces too: every input of a row)
     if not os.path.exists(a.gguf):
         subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures_gguf.py"), a.gguf, "--preset",
                         "llama-3-8b", "--vocab", "32000"], check=True)
-    bins = lcs.build(a.src, a.build, a.out, os.cpu_count() or 8, a.prebuilt, targets=("llama-server",))
+    bins = lcs.build(a.src, a.build, logs, os.cpu_count() or 8, a.prebuilt, targets=("llama-server",))
     n_vocab = resolve(a.gguf).n_vocab
     res = dict(gguf=a.gguf, gpu=lcs._gpu(), date=time.strftime("%Y-%m-%d"),
                commit=os.environ.get("GGML_ATTN_COMMIT", ""), n_slots=a.np, rows=[])
@@ -212,10 +214,11 @@ def main(argv=None) -> int:
     def save():
         with open(os.path.join(a.out, "serve_side_by_side.json"), "w") as f:
             json.dump(res, f, indent=1)
+        lcs.pack_logs(logs, a.out)
     ours = shutil.which("ggml-attn-serve-bench")
     for rate in parse_rates(a.rates):
         tag = "inf" if math.isinf(rate) else f"{rate:g}"
-        trace_path = os.path.join(a.out, f"trace-{tag}.jsonl")
+        trace_path = os.path.join(logs, f"trace-{tag}.jsonl")
         write_trace(trace_path, synth_trace(rate, a.n, parse_dist(a.prompt_dist, "--prompt-dist"),
                                             parse_dist(a.gen_dist, "--gen-dist"), a.seed))
         trace = load_trace(trace_path)
@@ -223,7 +226,7 @@ def main(argv=None) -> int:
         n_ctx = a.np * max(cells_needed(r.prompt_len, r.n_predict) for r in trace) + 512
         for kvu in (False, True):
             port = free_port()
-            log = os.path.join(a.out, f"server-{tag}{'-kvu' if kvu else ''}.log")
+            log = os.path.join(logs, f"server-{tag}{'-kvu' if kvu else ''}.log")
             proc = start_server(bins, a.gguf, port, a.np, n_ctx, kvu, log)
             try:
                 wait_healthy("127.0.0.1", port, 600, proc)
@@ -247,7 +250,7 @@ def main(argv=None) -> int:
             rc, out, _ = lcs.sh([ours, "--device", "cuda", "-m", a.gguf, "--trace", trace_path, "-np", str(a.np),
                                  "--seed", str(a.seed), "--split", splits, "-o", "jsonl"] + (["-kvu"] if kvu else [])
                                 + ([] if a.cold else ["--warmup"]),
-                                os.path.join(a.out, f"ours-{tag}{'-kvu' if kvu else ''}.log"), 900)
+                                os.path.join(logs, f"ours-{tag}{'-kvu' if kvu else ''}.log"), 900)
             res["rows"] += [dict(tool="ggml-attn", **dict(r, rate=format_serve.row_json(dict(rate=rate))["rate"]))
                             for r in lcs.jsonl(out)]
             if rc != 0:   # the rows it wrote stand; the failure is a row of its own
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
                                         error=f"exit status {rc} (ours-{tag}{'-kvu' if kvu else ''}.log)"))
             save()
     print(table(res["rows"]))
+    with open(os.path.join(a.out, "table.md"), "w") as f:
+        f.write(table(res["rows"]) + "\n")
     return 0
 
 
