@@ -14,8 +14,8 @@
 //                          of whole 16-byte units);
 //   dense_gemv_q8x_v<T, NT> the same for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte units,
 //                          read by coalesced 16-byte loads, a few word operations a value;
-//   dense_gemv_q8x_r<T, NT> that arithmetic for Q4_K / Q5_K over a wave of warps each streaming
-//                          several rows through a ring of shared-memory slots;
+//   dense_gemv_q8x_r<T, NT> that arithmetic for the same types over a wave of warps each
+//                          streaming several rows through a ring of shared-memory slots;
 //   dense_gemm_q8<T, BN>   the tiled GEMM on int8 tensor cores for more tokens (below).
 // Layouts (numpy order, C-contiguous): x (n_tok, n_in) F32 rows x_stride apart (16-byte aligned); xq (n_tok, n_in)
 // int8; xd, xs (n_tok, n_in / 32) F32; W (rows, row_bytes) bytes; y (n_tok, rows) F32.
@@ -495,25 +495,43 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
-// The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K rows of whole 16-byte units: a grid of
-// one wave (the host sizes it by the kernel's occupancy) whose warp gw takes rows gw, gw + GW, ...
-// and streams every chunk of all of them (Q8X_CHUNK values: 4 blocks, the vector form's step)
-// through Q8xR<T>::STAGES shared-memory slots by cp.async (q8x_stage), STAGES - 1 chunks in flight
-// across its rows' boundaries, and multiplies each chunk with the vector form's lane arithmetic
-// (q8x_v_block_k4: lane group lane / 8 takes the chunk's block lane / 8, its words read from the
-// slot). The bytes in flight wait in shared memory, not in registers: ~4 KB a warp (Q4_K), 24 warps
-// an SM. (At 0ef699c / bca6c0e on the H100: the vector form holds its row in registers, ~37 KB an
-// SM, then multiplies with nothing in flight; a register ring held less; the staged ring's own
-// arithmetic, ~6.6 instructions a value, bound it: bench/NOTES.md, twelfth session.) Its first
+// The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
+// units: a grid of one wave (the host sizes it by the kernel's occupancy) whose warp gw takes rows
+// gw, gw + GW, ... and streams every chunk of all of them through Q8xR<T>::STAGES shared-memory
+// slots by cp.async (q8x_ring_stage), STAGES - 1 chunks in flight across its rows' boundaries, and
+// multiplies each chunk with the vector form's lane arithmetic: a chunk is the vector form's step
+// (Q4_K / Q5_K: 4 blocks, lane group lane / 8 the chunk's block lane / 8, its words read from the
+// slot by q8x_v_load_smem, then q8x_v_block_k4) or its group (Q6_K 8 blocks, Q8_0 32: group_dot on
+// the slot). The bytes in flight wait in shared memory, not in registers: ~4 KB a warp (Q4_K), 24
+// warps an SM. (At 0ef699c / bca6c0e on the H100: the vector form holds its row in registers, ~37
+// KB an SM, then multiplies with nothing in flight; a register ring held less; the staged ring's
+// own arithmetic, ~6.6 instructions a value, bound it: bench/NOTES.md, twelfth session.) Its first
 // STAGES - 1 chunks are requested before pdl_wait.
+template <int T> struct Q8xRBlocks { static constexpr int N = 4; };   // blocks a chunk
+template <> struct Q8xRBlocks<QB_Q6_K> { static constexpr int N = Q8xVGroup<QB_Q6_K>::BLOCKS; };
+template <> struct Q8xRBlocks<QB_Q8_0> { static constexpr int N = Q8xVGroup<QB_Q8_0>::BLOCKS; };
 template <int T> struct Q8xR {
-    static constexpr int SLOT = Q8xChunk<T>::SLOT;
+    static constexpr int BLOCKS = Q8xRBlocks<T>::N, BYTES = BLOCKS * QBlock<T>::BYTES, UNITS = BYTES / 16;
+    static constexpr int SLOT = BYTES + 16;   // (+16: a group window's fifth word, as the vector form's buffers)
     // slots a warp's operand: as many as 48 KB of static shared memory holds for both operands
-    // of every warp, at most 8 (Q4_K and Q5_K 8)
+    // of every warp, at most 8 (Q4_K 8, Q5_K 8, Q6_K 3, Q8_0 5)
     static constexpr int STAGES = 49152 / (Q8X_SWARPS * 2 * SLOT) < 8 ? 49152 / (Q8X_SWARPS * 2 * SLOT) : 8;
+    static_assert(BYTES % 16 == 0, "a chunk is whole 16-byte units");
     static_assert(STAGES >= 3, "a chunk's slot too large for the ring form");
-    static_assert(Q8xChunk<T>::ALIGNED && Q8X_CHUNK == 4 * QBlock<T>::VALUES, "a chunk is the vector form's step");
 };
+
+// cp.async of chunk c of row w (row_bytes bytes, 16-byte aligned) into the shared slot at address
+// slot: its UNITS 16-byte units, those at or past the row's end zero-filled (nothing read).
+template <int T>
+__device__ __forceinline__ void q8x_ring_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
+    constexpr int UNITS = Q8xR<T>::UNITS;
+    const int a0 = c * Q8xR<T>::BYTES;
+#pragma unroll
+    for (int k = 0; k < (UNITS + 31) / 32; ++k) {
+        const int u = lane + 32 * k, o = a0 + 16 * u;
+        if (UNITS % 32 == 0 || u < UNITS) cp_async16(slot + 16u * u, w + (o < row_bytes ? o : 0), o < row_bytes ? 16 : 0);
+    }
+}
 
 // Rows of the launch: the gated mode's segment, else every segment's.
 __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
@@ -523,12 +541,13 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
 
 template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
-    static_assert(T == QB_Q4_K || T == QB_Q5_K, "the ring GEMV reads Q4_K / Q5_K rows");
-    constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T>::SLOT, ST = Q8xR<T>::STAGES;
+    static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");
+    constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T>::SLOT, ST = Q8xR<T>::STAGES, BLOCKS = Q8xR<T>::BLOCKS;
+    constexpr bool K4 = T == QB_Q4_K || T == QB_Q5_K;
     __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][ST][SLOT];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
     const int gw = blockIdx.x * Q8X_SWARPS + warp, n_gw = gridDim.x * Q8X_SWARPS, rows = q8x_rows(p);
-    const int row_bytes = (int)p.row_bytes, n_blk = p.n_in / QBlock<T>::VALUES, n_chunks = (n_blk + 3) / 4;
+    const int row_bytes = (int)p.row_bytes, n_blk = p.n_in / QBlock<T>::VALUES, n_chunks = (n_blk + BLOCKS - 1) / BLOCKS;
     const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
     const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
     const bool gated = p.mode == 2;
@@ -545,8 +564,8 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             sw0 = sg.w + (long long)r * row_bytes;
             sw1 = gated ? p.seg[1].w + (long long)r * row_bytes : nullptr;
         }
-        q8x_stage<T>(sw0, row_bytes, sc, s0 + (j % ST) * SLOT, lane);
-        if (gated) q8x_stage<T>(sw1, row_bytes, sc, s1 + (j % ST) * SLOT, lane);
+        q8x_ring_stage<T>(sw0, row_bytes, sc, s0 + (j % ST) * SLOT, lane);
+        if (gated) q8x_ring_stage<T>(sw1, row_bytes, sc, s1 + (j % ST) * SLOT, lane);
         if (++sc == n_chunks) sc = 0, ++si;
     };
 #pragma unroll
@@ -563,12 +582,17 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
         cp_async_commit();
         cp_async_wait<ST - 1>();   // chunk j is in
         __syncwarp();
-        const int slot = j % ST, blk = 4 * c + b0;
-        if (blk < n_blk) {
-            uint4 hd, qs, qh, hd1, qs1, qh1;
-            q8x_v_load_smem<T>(&buf[warp][0][slot][b0 * B], k, hd, qs, qh);
-            if (gated) q8x_v_load_smem<T>(&buf[warp][1][slot][b0 * B], k, hd1, qs1, qh1);
-            q8x_v_block_k4<T, NT>(p, blk, gated, hd, qs, qh, hd1, qs1, qh1, acc, up);
+        const int slot = j % ST;
+        if constexpr (K4) {
+            const int blk = BLOCKS * c + b0;
+            if (blk < n_blk) {
+                uint4 hd, qs, qh, hd1, qs1, qh1;
+                q8x_v_load_smem<T>(&buf[warp][0][slot][b0 * B], k, hd, qs, qh);
+                if (gated) q8x_v_load_smem<T>(&buf[warp][1][slot][b0 * B], k, hd1, qs1, qh1);
+                q8x_v_block_k4<T, NT>(p, blk, gated, hd, qs, qh, hd1, qs1, qh1, acc, up);
+            }
+        } else {
+            group_dot<T, NT>(p, buf[warp][0][slot], buf[warp][1][slot], gated, c, acc, up);
         }
         __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
         if (c == n_chunks - 1) {   // the row's last chunk: its sums out

@@ -325,7 +325,7 @@ Q8XV_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # dense_gemv_q8x_v's block types 
 Q8XV_TYPE_IDS = tuple(block_layout(t).type_id for t in Q8XV_TYPES)
 Q8XV_TOKENS = (1, 2, 4)        # its instances
 Q8X_VWARPS = 4                # warps a dense_gemv_q8x_v block (Q8X_VWARPS in dense_q8x.cu)
-Q8XR_TYPES = ("Q4_K", "Q5_K")  # dense_gemv_q8x_r's block types (a chunk is q8x_v_block_k4's step)
+Q8XR_TYPES = Q8XV_TYPES        # dense_gemv_q8x_r's block types (a chunk is the vector form's step or group)
 Q8XR_TOKENS = (1, 2, 4)        # its instances (Q8X_SWARPS warps a block)
 # The 8-bit-activation GEMV's forms: kernel, instances (NT), warps a block.
 Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),

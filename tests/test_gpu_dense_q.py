@@ -125,7 +125,8 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     partial one); plain: rows of any alignment (the case's n_in leaves most types' rows unaligned:
     dense_gemv_q8x); ring: the vector form's rows by a wave of warps each streaming several rows
     through shared-memory slots (dense_gemv_q8x_r, its grid sized here as for one SM: 112 rows
-    over at most 24 warps, a ring of 8 slots over rows of 5 chunks).
+    over at most 24 warps; Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over rows of
+    its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     staged = form != "plain"
@@ -153,7 +154,7 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
 
 
 @pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain"),
-                                        ("Q4_K", "ring"), ("Q5_K", "ring")])
+                                        ("Q4_K", "ring"), ("Q5_K", "ring"), ("Q6_K", "ring"), ("Q8_0", "ring")])
 @pytest.mark.parametrize("mode", [0, 2])
 def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, monkeypatch):
     """Launched with programmatic dependent launch (matmul_dispatch.GEMV_PDL: its blocks start

@@ -541,16 +541,16 @@ def test_gemm_q8_tile_follows_the_tokens(launches, monkeypatch, n_tok, bn):
 
 def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
     """matmul_dispatch.Q8XR_TYPES (none until measured) sends aligned rows of the types the ring
-    form reads (kernels.Q8XR_TYPES: Q4_K, Q5_K) at up to Q8XR_MAX_TOKENS tokens to
+    form reads (kernels.Q8XR_TYPES: the vector form's) at up to Q8XR_MAX_TOKENS tokens to
     dense_gemv_q8x_r, ahead of the vector form; its grid is one wave (SMs x the kernel's resident
     blocks), never more blocks than rows need; a type it does not read keeps its form, and a
     launch asking the form for one is refused."""
     from ggml_attn import cuda_device
-    assert md.Q8XR_TYPES == () and K.Q8XR_TYPES == ("Q4_K", "Q5_K")
-    monkeypatch.setattr(md, "Q8XR_TYPES", ("Q4_K", "Q6_K"))
+    assert md.Q8XR_TYPES == () and K.Q8XR_TYPES == ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+    monkeypatch.setattr(md, "Q8XR_TYPES", ("Q4_K", "Q6_K", "Q4_0"))
     assert [md.gemv_q8x_form(t, a, n) for t, a, n in (("Q4_K", True, 1), ("Q4_K", True, 2), ("Q4_K", False, 1),
-                                                      ("Q6_K", True, 1), ("Q8_0", True, 1))] \
-        == ["ring", "staged", "plain", "staged", "vector"]
+                                                      ("Q6_K", True, 1), ("Q4_0", True, 1), ("Q8_0", True, 1))] \
+        == ["ring", "staged", "plain", "ring", "staged", "vector"]
     monkeypatch.setattr(md, "Q8XR_MAX_TOKENS", 4)
     assert md.gemv_q8x_form("Q4_K", True, 4) == "ring" and md.gemv_q8x_form("Q4_K", True, 5) == "staged"
     monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None:
@@ -564,7 +564,7 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
         (gemv,) = launches
         assert gemv.fn.name == "dense_gemv_q8x_r<12, 2>" and gemv.grid == (blocks, 1, 1)
         assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
-    assert q8_matmul.q8x_launches([_qmatrix("Q6_K", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
+    assert q8_matmul.q8x_launches([_qmatrix("Q4_0", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
                                   quantize=False, form="ring") is None
-    assert "dense_gemv_q8x_r<13, 4>" in K.dense_q8x_variant(13).names
-    assert not any("q8x_r" in n for n in K.dense_q8x_variant(14).names)
+    assert "dense_gemv_q8x_r<14, 4>" in K.dense_q8x_variant(14).names
+    assert not any("q8x_r" in n for n in K.dense_q8x_variant(2).names)
