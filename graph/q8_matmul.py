@@ -50,7 +50,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``) in ``form`` (None:
     ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
     None where the arrays do not fit the form (all but the plain one need rows 16-byte aligned,
-    the vector one its types: ``kernels.q8x_form_reads``; each form up to its instances' tokens).
+    the vector and ring ones their types: ``kernels.q8x_form_reads``; each form up to its instances' tokens).
     The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
     programmatic dependent launch where
     ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
