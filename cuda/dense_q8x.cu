@@ -39,16 +39,17 @@ struct GemvQ8Params {
     int n_tok;                // 1..NT
     int n_seg;                // 1..3 (mode 2: 2)
     int mode;                 // 0: store; 1: accumulate; 2: gated
-    int pdl;                  // 1: launched with programmatic dependent launch -- each warp's rows
-                              // prefetched into L2 while the quantization before it runs (q8x_enter)
+    int pdl;                  // launched with programmatic dependent launch: 1, each warp's rows
+                              // prefetched into L2 while the quantization before it runs (q8x_enter);
+                              // 2, without the prefetch; 0: not
     int pad_;
 };
 
-// A GEMV warp's entry, rows w0 (and w1) known: with p.pdl, their bytes requested into L2, then
+// A GEMV warp's entry, rows w0 (and w1) known: with p.pdl 1, their bytes requested into L2, then
 // (every launch) the wait for the kernel before it (the activations' quantization) -- no read of
 // xq / xd / xs or of the outputs before it.
 __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1) {
-    if (p.pdl) {
+    if (p.pdl == 1) {
         const int lane = threadIdx.x & 31;
         prefetch_l2_span(w0, p.row_bytes, lane);
         if (w1) prefetch_l2_span(w1, p.row_bytes, lane);

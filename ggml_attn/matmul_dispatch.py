@@ -57,6 +57,9 @@ Q8XR_MAX_TOKENS = 1
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
 # file 287.4 -> 277.8 t/s on the H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/ab_pdl.json).
 GEMV_PDL = False
+# With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
+# launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
+GEMV_PDL_PREFETCH = True
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -104,13 +107,16 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     return "staged" if aligned else "plain"
 
 
-def gemv_pdl() -> bool:
-    """Whether the 8-bit GEMV is launched with programmatic dependent launch: GEMV_PDL, on an
-    sm_90 or later GPU (``kernels.device_arch``, asked only when GEMV_PDL is on)."""
+def gemv_pdl() -> int:
+    """How the 8-bit GEMV is launched (``GemvQ8Params.pdl``): 0 plainly; with programmatic
+    dependent launch where GEMV_PDL is on, on an sm_90 or later GPU (``kernels.device_arch``,
+    asked only then): 1 with its rows' L2 prefetch (GEMV_PDL_PREFETCH), 2 without."""
     if not GEMV_PDL:
-        return False
+        return 0
     from .kernels import device_arch
-    return int(device_arch().removeprefix("sm_").rstrip("a")) >= 90
+    if int(device_arch().removeprefix("sm_").rstrip("a")) < 90:
+        return 0
+    return 1 if GEMV_PDL_PREFETCH else 2
 
 
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:

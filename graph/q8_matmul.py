@@ -75,7 +75,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.xq, p.xd, p.xs, p.row_bytes = xq.data.ptr, xd.data.ptr, xs.data.ptr, ws[0].row_bytes
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
-    p.pdl = int(gemv_pdl())
+    p.pdl = gemv_pdl()
     fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form))
     blocks = -(-rows // warps)
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each

@@ -156,13 +156,15 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
 @pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain"),
                                         ("Q4_K", "ring"), ("Q5_K", "ring"), ("Q6_K", "ring"), ("Q8_0", "ring")])
 @pytest.mark.parametrize("mode", [0, 2])
-def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, monkeypatch):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, prefetch, monkeypatch):
     """Launched with programmatic dependent launch (matmul_dispatch.GEMV_PDL: its blocks start
     while the quantization before it runs, ggml_attn/pdl.py), the GEMV gives the bits it gives
     without, round after round, its activations' scales poisoned with NaN before each
     quantization: a GEMV that read them before the quantization finished would return NaN or
     other bits. (On sm_90 and later; older GPUs launch it plainly.)"""
     from ggml_attn import matmul_dispatch
+    monkeypatch.setattr(matmul_dispatch, "GEMV_PDL_PREFETCH", prefetch)   # (with the rows' L2 prefetch or not)
     n_in, rows, ws, x, g, init = _gemv_case(name, 1, mode, True, _staged_n_in(name) if form != "plain" else None)
     qms = [QMatrix(name, (r, n_in), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
     xq = cupy.zeros((1, n_in), np.int8)

@@ -94,9 +94,10 @@ class _Dev:
         self.flags, self.shape, self.dtype = self.a.flags, self.a.shape, self.a.dtype
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("on, arch, want", [(False, "sm_90", False), (True, "sm_90", True), (True, "sm_90a", True),
                                             (True, "sm_100", True), (True, "sm_89", False), (True, "sm_80", False)])
-def test_gemv_launched_with_pdl_where_dispatch_says(monkeypatch, on, arch, want):
+def test_gemv_launched_with_pdl_where_dispatch_says(monkeypatch, on, arch, want, prefetch):
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph import q8_matmul
     from ggml_attn.graph.model_device import QMatrix
@@ -109,12 +110,14 @@ def test_gemv_launched_with_pdl_where_dispatch_says(monkeypatch, on, arch, want)
         return make
 
     monkeypatch.setattr(md, "GEMV_PDL", on)
+    monkeypatch.setattr(md, "GEMV_PDL_PREFETCH", prefetch)
     monkeypatch.setattr(K, "device_arch", lambda: arch if on else pytest.fail("asked for the GPU with GEMV_PDL off"))
     monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None: SimpleNamespace(name=name, smem=0))
     monkeypatch.setattr(K, "BoundLaunch", recorder("plain"))
     monkeypatch.setattr(pdl, "PdlLaunch", recorder("pdl"))
-    assert md.gemv_pdl() is want
+    mode = (1 if prefetch else 2) if want else 0   # (GemvQ8Params.pdl: 1 with the rows' L2 prefetch, 2 without)
+    assert md.gemv_pdl() == mode
     w = QMatrix("Q4_K", (32, 512), _Dev((32, block_layout("Q4_K").row_bytes(512)), np.uint8))
     x, xq, xd, xs = _Dev((1, 512)), _Dev((1, 512), np.int8), _Dev((1, 16)), _Dev((1, 16))
     assert q8_matmul.q8x_launches([w], x, [_Dev((1, 32))], xq, xd, xs, mode=0, quantize=False) is not None
-    assert made == [("pdl", 1)] if want else made == [("plain", 0)]
+    assert made == [("pdl", mode)] if want else made == [("plain", 0)]
