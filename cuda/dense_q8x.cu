@@ -43,6 +43,13 @@ struct GemvQ8Params {
                               // prefetched into L2 while the quantization before it runs (q8x_enter);
                               // 2, without the prefetch; 0: not
     int pad_;
+    // mode 2 with oq set: the gated output quantized as dense_quant_q8x would (no norm) for the
+    // GEMV after it, by the last warp to finish each 32 rows (q8x_quant_out): oq (n_tok, rows)
+    // int8, od / os (n_tok, rows / 32); ocnt (rows / 32) int32 counters, zero between launches
+    signed char* oq;
+    float* od;
+    float* os;
+    int* ocnt;
 };
 
 // A GEMV warp's entry, rows w0 (and w1) known: with p.pdl 1, their bytes requested into L2, then
@@ -55,6 +62,48 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
         if (w1) prefetch_l2_span(w1, p.row_bytes, lane);
     }
     pdl_wait();
+}
+
+// One sub-block of 32 activations, lane j holding v = the j-th: d = max|v| / 127, q = round(v / d)
+// (0 where d is 0) into *q (lane j's), d and the sum of the q into *d and *s (lane 0). Every lane
+// of the warp calls it.
+__device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, float* s) {
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float dd = amax / 127.0f;
+    const int qq = dd > 0.0f ? __float2int_rn(v / dd) : 0;
+    int sum = qq;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    *q = (signed char)qq;
+    if ((threadIdx.x & 31) == 0) *d = dd, *s = (float)sum;
+}
+
+// After a gated GEMV warp stored output row r of segment sg (gemv_q_finish), with p.oq set: the
+// last warp to finish a group of 32 rows (a counter a group, p.ocnt) quantizes the group's
+// outputs of every token as dense_quant_q8x does (q8x_quant32, no norm) into p.oq / p.od / p.os --
+// the activations of the GEMV after it, which then has no quantization launch -- and zeroes the
+// counter. (The stores, a fence, then the counter: the threadFenceReduction pattern; the last warp
+// reads the others' outputs from L2.) Rows a multiple of 32 (the host checks).
+template <int NT>
+__device__ __forceinline__ void q8x_quant_out(const GemvQ8Params& p, const GemvQSeg& sg, int r) {
+    if (!p.oq || p.mode != 2) return;
+    const int lane = threadIdx.x & 31, grp = r >> 5, n_sub = sg.rows >> 5;
+    __threadfence();   // this warp's output stores (lanes t < n_tok) before its count
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(p.ocnt + grp, 1) == 31;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        if (t < p.n_tok) {
+            const long long o = (long long)t * sg.rows + 32 * grp + lane;
+            q8x_quant32(__ldcg(sg.out + o), p.oq + o, p.od + (long long)t * n_sub + grp, p.os + (long long)t * n_sub + grp);
+        }
+    }
+    if (lane == 0) p.ocnt[grp] = 0;   // (the next launch on the stream starts after this one ends)
 }
 
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
@@ -90,20 +139,8 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
     const int n_sub = n_in / 32, s = 8 * blockIdx.x + warp;
     if (s >= n_sub) return;
     const int k = 32 * s + lane;
-    const float v = xr[k] * (g ? g[k] : 1.0f) * scale;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    int sum = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    xq[(long long)t * n_in + k] = (signed char)q;
-    if (lane == 0) {
-        xd[(long long)t * n_sub + s] = d;
-        xs[(long long)t * n_sub + s] = (float)sum;
-    }
+    q8x_quant32(xr[k] * (g ? g[k] : 1.0f) * scale, xq + (long long)t * n_in + k, xd + (long long)t * n_sub + s,
+                xs + (long long)t * n_sub + s);
 }
 
 // The 32 activations of sub-block s of token t as eight int8x4 words, with their scale and sum.
@@ -180,6 +217,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_quant_out<NT>(p, sg, r);
 }
 
 // The staged form, for rows that start 16-byte aligned (row_bytes a multiple of 16, every
@@ -262,6 +300,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_quant_out<NT>(p, sg, r);
 }
 
 // The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K, Q6_K and Q8_0 rows of whole 16-byte units:
@@ -494,6 +533,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_quant_out<NT>(p, sg, r);
 }
 
 // The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
@@ -601,6 +641,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             GemvQSeg sg;
             gemv_segment(p, r, sg);
             gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+            q8x_quant_out<NT>(p, sg, r);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
             c = 0, ++i;
