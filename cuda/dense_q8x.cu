@@ -95,6 +95,7 @@ __device__ __forceinline__ void q8x_quant_out(const GemvQ8Params& p, const GemvQ
     int last = 0;
     if (lane == 0) last = atomicAdd(p.ocnt + grp, 1) == 31;
     if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __syncwarp();
     __threadfence();
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
