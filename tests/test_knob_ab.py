@@ -42,3 +42,18 @@ def test_two_variants_two_rounds_one_table(capsys):
 def test_output_flag_is_refused():
     with pytest.raises(SystemExit):
         knob_ab.main(["--variant", "a", "bench", "-o", "json"])
+
+
+def test_code_prints_one_variants_program(capsys):
+    """--code: the child program of the one variant (to run under a profiler), nothing run; more
+    than one variant is refused."""
+    import subprocess
+    import sys
+    assert knob_ab.main(["--code", "--variant", "q:matmul_dispatch.GEMV_QUANT_OUT=True", "bench"]) == 0
+    code = capsys.readouterr().out
+    assert "setattr(importlib.import_module('ggml_attn.matmul_dispatch'), 'GEMV_QUANT_OUT', True)" in code
+    r = subprocess.run([sys.executable, "-c", code, "-m", "tiny", "-p", "0", "-n", "1", "-r", "1", "--device", "cpu",
+                        "-o", "jsonl"], capture_output=True, text=True)
+    assert r.returncode == 0 and '"n_gen": 1' in r.stdout
+    with pytest.raises(SystemExit):
+        knob_ab.main(["--code", "--variant", "a", "--variant", "b", "bench"])

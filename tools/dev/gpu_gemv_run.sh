@@ -11,7 +11,8 @@
 #      (gpu_dense_q_bench.py --q8x-only, GEMV_TYPES: default Q4_K,Q5_K,Q6_K,Q8_0) -> $OUT/dense_q.json
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
-#      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json
+#      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json, and under STEP_VARIANT (a knob_ab
+#      variant; default the A/B's "all") -> $OUT/step-<name>.json
 #   4. tg128 with the shipped GEMV routing against each of AB_VARIANTS (knob_ab --variant
 #      arguments, ';'-separated; default: the ring form for every type it reads, PDL without the
 #      L2 prefetch, the gated GEMV quantizing its output, all three; tools/dev/knob_ab.py, 2
@@ -72,10 +73,17 @@ if [ $AB = 1 ]; then
   say
 fi
 if [ $STEP = 1 ]; then
-  echo "== one-token steps kernel by kernel (Q4_K_M, -p 0 -n 16)"
-  ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum \
-      ggml-attn-bench --device cuda -m /tmp/gemv-q4km.gguf -p 0 -n 16 -r 1 > "$LOGS/step.csv" 2> "$LOGS/step.err" || status=1
-  $PY tools/dev/ncu_kernel_table.py "$LOGS/step.csv" --json "$OUT/step.json" --top 30 || { status=1; tail -5 "$LOGS/step.err"; }
+  # as shipped, then under STEP_VARIANT (a knob_ab --variant; default the A/B's "all", if any)
+  STEP_VARIANT=${STEP_VARIANT-$(tr ';' '\n' <<< "$AB_VARIANTS" | grep '^all:' || true)}
+  for v in shipped ${STEP_VARIANT:+"$STEP_VARIANT"}; do
+    tag=${v%%:*}; sfx=$([ "$tag" = shipped ] || echo "-$tag")
+    echo "== one-token steps kernel by kernel (Q4_K_M, -p 0 -n 16): $tag"
+    ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+        $PY -c "$($PY tools/dev/knob_ab.py --code --variant "$v" bench)" --device cuda -m /tmp/gemv-q4km.gguf \
+        -p 0 -n 16 -r 1 > "$LOGS/step$sfx.csv" 2> "$LOGS/step$sfx.err" || status=1
+    $PY tools/dev/ncu_kernel_table.py "$LOGS/step$sfx.csv" --json "$OUT/step$sfx.json" --top 30 \
+        || { status=1; tail -5 "$LOGS/step$sfx.err"; }
+  done
   say
 fi
 if [ $NCU = 1 ]; then

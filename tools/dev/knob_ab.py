@@ -117,6 +117,9 @@ def main(argv=None) -> int:
                     help="a variant (repeat); no knobs: the code as it is")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every variant, alternating (default 2)")
     ap.add_argument("--out", help="write every row (variant, round, the benchmark's row) as JSON here")
+    ap.add_argument("--code", action="store_true",
+                    help="print the one --variant's python -c program for the tool and stop (to run it under "
+                         "a profiler: python -c \"$(knob_ab.py --code --variant V bench)\" ARGS...)")
     ap.add_argument("tool", choices=sorted(_TOOLS), help="which benchmark")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's arguments")
     a = ap.parse_args(argv)
@@ -130,6 +133,11 @@ def main(argv=None) -> int:
         ap.error(str(e))
     if len({v.name for v in variants}) != len(variants):
         ap.error("variant names must differ")
+    if a.code:
+        if len(variants) != 1:
+            ap.error("--code prints one variant's program")
+        print(child_code(variants[0], a.tool))
+        return 0
     keys = _SHOW[a.tool]
     got: list[dict] = []
     for r in range(a.rounds):
