@@ -377,8 +377,13 @@ class GemvQ8Params(ctypes.Structure):
     """Mirror of ``struct GemvQ8Params`` (dense_q8x.cu); segments in ``GemvSeg``'s layout."""
     _fields_ = [("seg", GemvSeg * 3), ("xq", ctypes.c_uint64), ("xd", ctypes.c_uint64), ("xs", ctypes.c_uint64),
                 ("row_bytes", ctypes.c_int64), ("n_in", ctypes.c_int32), ("n_tok", ctypes.c_int32),
-                ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32), ("pdl", ctypes.c_int32), ("pad_", ctypes.c_int32),
-                ("oq", ctypes.c_uint64), ("od", ctypes.c_uint64), ("os", ctypes.c_uint64), ("ocnt", ctypes.c_uint64)]
+                ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32), ("pdl", ctypes.c_int32), ("pad_", ctypes.c_int32)]
+
+
+class Q8xOut(ctypes.Structure):
+    """Mirror of ``struct Q8xOut`` (dense_q8x.cu): the staged, vector and ring GEMVs' second
+    parameter, the gated output's quantization for the GEMV after it (all zero: none)."""
+    _fields_ = [("oq", ctypes.c_uint64), ("od", ctypes.c_uint64), ("os", ctypes.c_uint64), ("cnt", ctypes.c_uint64)]
 
 
 class GemmQ8Params(ctypes.Structure):

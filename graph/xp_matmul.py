@@ -176,7 +176,7 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
                       b.scratch((n_tok, n_in // 32), np.float32))
                 b.keep(*q8)
             qout = None
-            if mode == 2 and md.GEMV_QUANT_OUT and int(gw[0].shape[0]) % 32 == 0:   # its output quantized for the next GEMV
+            if mode == 2 and md.GEMV_QUANT_OUT and int(gw[0].shape[0]) % 32 == 0 and rows_aligned(gw):   # (not plain)
                 rows = int(gw[0].shape[0])
                 qout = (b.scratch((n_tok, rows), np.int8), b.scratch((n_tok, rows // 32), np.float32),
                         b.scratch((n_tok, rows // 32), np.float32), b.xp.zeros(rows // 32, np.int32))

@@ -186,7 +186,7 @@ def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, prefetch
             assert np.isfinite(v).all() and np.array_equal(u.view(np.uint32), v.view(np.uint32)), name
 
 
-@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain"),
+@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "staged"),
                                         ("Q4_K", "ring"), ("Q6_K", "ring"), ("Q8_0", "ring")])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
 def test_gated_gemv_quantizes_its_output_as_the_quantization_would(name, form, n_tok, monkeypatch):
@@ -196,7 +196,7 @@ def test_gated_gemv_quantizes_its_output_as_the_quantization_would(name, form, n
     output itself unchanged."""
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (the ring form's grid: several rows a warp)
     lay, rows = block_layout(name), 96   # (three groups of 32 rows: the counters')
-    n_in = _staged_n_in(name) if form != "plain" else 2 * 256 + lay.values * (3 if lay.values == 32 else 1)
+    n_in = _staged_n_in(name)
     ws = [_blocks(name, rows, n_in, 7 + i) for i in range(2)]
     rng = np.random.default_rng(n_tok)
     x = (rng.standard_normal((n_tok, n_in)) * 30.0).astype(np.float32)

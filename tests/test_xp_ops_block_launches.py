@@ -130,7 +130,8 @@ def test_q8x_launches(launches):
     assert all(w.blocks.data.ptr % 16 == 0 for w in ws)   # (numpy's allocations: the staged kernel's precondition)
     assert gemv.fn.name == "dense_gemv_q8x_s<12, 2>" and gemv.grid == (-(-128 // K.Q8X_SWARPS), 1, 1)
     assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
-    (p,) = gemv.params
+    p, qo = gemv.params   # (the staged form's second parameter: no output quantization)
+    assert isinstance(qo, K.Q8xOut) and (qo.oq, qo.od, qo.os, qo.cnt) == (0, 0, 0, 0)
     assert (p.xq, p.xd, p.xs, p.row_bytes, p.n_in, p.n_tok, p.n_seg, p.mode) == \
         (xq.data.ptr, xd.data.ptr, xs.data.ptr, 2 * 144, 512, 2, 2, 0)
     assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
@@ -586,22 +587,22 @@ def test_gated_gemv_quantizes_its_output_for_the_next(launches, monkeypatch, on)
     assert xp_matmul._gemv(b, [wg, wu], x, [f], mode=2, norm_eps=1e-5, norm_w=Dev((512,))) is not None
     quant, gated = launches
     assert quant.fn.name == "dense_quant_q8x" and gated.fn.name.startswith("dense_gemv_q8x")
-    (p,) = gated.params
+    p, qo = gated.params
     if on:
         oq, od, os_ = b.q8_handoff[1]
         assert b.q8_handoff[0] == f.data.ptr and oq.shape == (1, 64) and od.shape == os_.shape == (1, 2)
-        assert (p.oq, p.od, p.os) == (oq.data.ptr, od.data.ptr, os_.data.ptr) and p.ocnt != 0
-        cnt = next(a for a in b.kept if a.data.ptr == p.ocnt)
+        assert (qo.oq, qo.od, qo.os) == (oq.data.ptr, od.data.ptr, os_.data.ptr) and qo.cnt != 0
+        cnt = next(a for a in b.kept if a.data.ptr == qo.cnt)
         assert cnt.shape == (2,) and cnt.dtype == np.int32 and not cnt.a.any()
     else:
-        assert getattr(b, "q8_handoff", None) is None and (p.oq, p.od, p.os, p.ocnt) == (0, 0, 0, 0)
+        assert getattr(b, "q8_handoff", None) is None and (qo.oq, qo.od, qo.os, qo.cnt) == (0, 0, 0, 0)
     launches.clear()
     assert xp_matmul._gemv(b, [wd], f, [res], mode=1) is not None
     names = [ln.fn.name for ln in launches]
     (down,) = [ln for ln in launches if ln.fn.name.startswith("dense_gemv_q8x")]
-    (dp,) = down.params
+    dp = down.params[0]   # (Q8_0 rows of 68 bytes: the plain form, one parameter)
     if on:
-        assert names == [down.fn.name] and (dp.xq, dp.xd, dp.xs) == (p.oq, p.od, p.os) and dp.oq == 0
+        assert names == [down.fn.name] and (dp.xq, dp.xd, dp.xs) == (qo.oq, qo.od, qo.os)
     else:
         assert names[0] == "dense_quant_q8x" and len(names) == 2
     assert b.q8_handoff is None
@@ -613,4 +614,4 @@ def test_gated_gemv_quantizes_its_output_for_the_next(launches, monkeypatch, on)
     launches.clear()
     w48 = _qmatrix("Q4_K", 48, 512)
     xp_matmul._gemv(b, [w48, w48], x, [Dev((1, 48))], mode=2)
-    assert launches[-1].params[0].oq == 0 and b.q8_handoff is None
+    assert launches[-1].params[1].oq == 0 and b.q8_handoff is None
