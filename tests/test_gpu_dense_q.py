@@ -195,7 +195,7 @@ def test_gated_gemv_quantizes_its_output_as_the_quantization_would(name, form, n
     the output it wrote, three launches in a row (the counters back to zero after each), the
     output itself unchanged."""
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (the ring form's grid: several rows a warp)
-    lay, rows = block_layout(name), 96   # (three groups of 32 rows: the counters')
+    rows = 96   # (three groups of 32 rows: the counters')
     n_in = _staged_n_in(name)
     ws = [_blocks(name, rows, n_in, 7 + i) for i in range(2)]
     rng = np.random.default_rng(n_tok)
