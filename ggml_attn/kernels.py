@@ -381,8 +381,7 @@ class GemvQ8Params(ctypes.Structure):
 
 
 class Q8xOut(ctypes.Structure):
-    """Mirror of ``struct Q8xOut`` (dense_q8x.cu): the staged, vector and ring GEMVs' second
-    parameter, the gated output's quantization for the GEMV after it (all zero: none)."""
+    """Mirror of ``struct Q8xOut`` (dense_q8x.cu): a GEMV's output quantization (zero: none)."""
     _fields_ = [("oq", ctypes.c_uint64), ("od", ctypes.c_uint64), ("os", ctypes.c_uint64), ("cnt", ctypes.c_uint64)]
 
 
