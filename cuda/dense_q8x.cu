@@ -240,20 +240,24 @@ template <int T> struct Q8xChunk {
     static constexpr int SLOT = 16 * UNITS;
 };
 
-// cp.async of chunk c of row w (row_bytes bytes, 16-byte aligned): the UNITS 16-byte units from
-// its first byte rounded down to 16 into the shared slot at address slot (so that byte lands at
-// its row offset mod 16); units at or past the row's end are zero-filled, nothing read. A fixed
-// unit count and 32-bit offsets: the copy is a few instructions a lane (a count computed per
-// chunk and 64-bit offsets made it ~100 a chunk at b63b788).
-template <int T>
-__device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
-    constexpr int UNITS = Q8xChunk<T>::UNITS;
-    const int a0 = (c * Q8xChunk<T>::BYTES) & ~15;
+// cp.async of UNITS 16-byte units of row w (row_bytes bytes, 16-byte aligned) from its byte a0 (a
+// multiple of 16) into the shared slot at address slot; units at or past the row's end are
+// zero-filled, nothing read. A fixed unit count and 32-bit offsets: the copy is a few
+// instructions a lane (a count computed per chunk and 64-bit offsets made it ~100 a chunk at b63b788).
+template <int UNITS>
+__device__ __forceinline__ void q8x_stage_units(const unsigned char* w, int row_bytes, int a0, unsigned slot, int lane) {
 #pragma unroll
     for (int k = 0; k < (UNITS + 31) / 32; ++k) {
         const int u = lane + 32 * k, o = a0 + 16 * u;
         if (UNITS % 32 == 0 || u < UNITS) cp_async16(slot + 16u * u, w + (o < row_bytes ? o : 0), o < row_bytes ? 16 : 0);
     }
+}
+
+// The staged form's chunk c of row w: its units from its first byte rounded down to 16 (so that
+// byte lands in the slot at its row offset mod 16).
+template <int T>
+__device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
+    q8x_stage_units<Q8xChunk<T>::UNITS>(w, row_bytes, (c * Q8xChunk<T>::BYTES) & ~15, slot, lane);
 }
 
 template <int T, int NT>
@@ -567,17 +571,11 @@ template <int T> struct Q8xR {
     static_assert(STAGES >= 3, "a chunk's slot too large for the ring form");
 };
 
-// cp.async of chunk c of row w (row_bytes bytes, 16-byte aligned) into the shared slot at address
-// slot: its UNITS 16-byte units, those at or past the row's end zero-filled (nothing read).
+// cp.async of ring chunk c of row w (row_bytes bytes, 16-byte aligned) into the shared slot at
+// address slot: its UNITS 16-byte units (q8x_stage_units: those past the row's end zero-filled).
 template <int T>
 __device__ __forceinline__ void q8x_ring_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
-    constexpr int UNITS = Q8xR<T>::UNITS;
-    const int a0 = c * Q8xR<T>::BYTES;
-#pragma unroll
-    for (int k = 0; k < (UNITS + 31) / 32; ++k) {
-        const int u = lane + 32 * k, o = a0 + 16 * u;
-        if (UNITS % 32 == 0 || u < UNITS) cp_async16(slot + 16u * u, w + (o < row_bytes ? o : 0), o < row_bytes ? 16 : 0);
-    }
+    q8x_stage_units<Q8xR<T>::UNITS>(w, row_bytes, c * Q8xR<T>::BYTES, slot, lane);
 }
 
 // Rows of the launch: the gated mode's segment, else every segment's.

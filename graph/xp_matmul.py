@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import ctypes
 
-import ggml
 import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
 from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
-from .xp_node import custom as _custom, dptr as _dptr, then as _then
+from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
 
@@ -78,13 +77,7 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
         _general(b, ws, x, outs, norm_eps=norm_eps, norm_w=norm_w, name=name)
     base = b.ptr(flat)
     node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
-    views, off = [], 0
-    for w, o in zip(ws, outs):
-        v = ggml.ggml_view_2d(b.ctx, node, int(w.shape[0]), n_tok, int(w.shape[0]) * 4, off * 4)
-        ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
-        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
-        off += o.size
-    return views
+    return _views(b, node, outs, base, name)   # (outs: flat's parts, in order)
 
 
 def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None, gelu: bool = False):
@@ -150,10 +143,9 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     handoff, b.q8_handoff = getattr(b, "q8_handoff", None), None
     if b.xp is np:
         return None
-    best_matmul = md.best_matmul
     kinds = [_wtype(w) for w in ws]
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
-    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
+    paths = {k: md.best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
              for k, idx in groups}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None

@@ -68,6 +68,23 @@ def custom(b, fn, srcs, out_arr, name: str, *, ptr: int | None = None):
     return b.attach(t, out_arr, ptr)
 
 
+def views(b, node, parts: list, base: int, name: str) -> list:
+    """Tensors ``name.i`` viewing ``node``'s memory (F32, address ``base``) as ``parts``: xp F32
+    arrays lying one after another in it, each C-contiguous (numpy order, 2-D or 3-D); each view
+    gets its part as its array (the results of a node with several outputs)."""
+    out, off = [], 0
+    for a in parts:
+        ne = a.shape[::-1]
+        if len(ne) == 2:
+            v = ggml.ggml_view_2d(b.ctx, node, ne[0], ne[1], ne[0] * 4, off * 4)
+        else:
+            v = ggml.ggml_view_3d(b.ctx, node, ne[0], ne[1], ne[2], ne[0] * 4, ne[0] * ne[1] * 4, off * 4)
+        ggml.ggml_set_name(v, f"{name}.{len(out)}".encode())
+        out.append(b.attach(v, a, base + off * 4))
+        off += a.size
+    return out
+
+
 def dptr(a) -> ctypes.c_uint64:
     """Device pointer of CuPy array ``a`` (None: a null pointer) as a kernel argument."""
     return ctypes.c_uint64(0 if a is None else a.data.ptr)

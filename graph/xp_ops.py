@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import ctypes
 
-import ggml
 import numpy as np
 
 from .xp_matmul import _is_q
-from .xp_node import custom as _custom, dptr as _dptr, then as _then
+from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["add_into", "scale_into", "softcap_into", "get_rows", "rope", "add_bias", "rope_theta_scale"]
 
@@ -196,13 +195,7 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
                       for x, o, nh, bias in zip(xs, outs, heads, biases)))
     base = b.ptr(flat)
     node = _custom(b, run, [*ts, positions], flat.reshape(1, -1), name, ptr=base)
-    views, off = [], 0
-    for o, nh in zip(outs, heads):
-        v = ggml.ggml_view_3d(b.ctx, node, D, nh, n_tok, D * 4, nh * D * 4, off * 4)
-        ggml.ggml_set_name(v, f"{name}.{len(views)}".encode())
-        views.append(b.attach(v, o, base + off * 4))   # o is flat[off:off + o.size]
-        off += o.size
-    return views
+    return _views(b, node, outs, base, name)   # (outs: flat's parts, in order)
 
 
 def _rope_numpy(b, x3, o3, pos, n_dims: int, neox: bool, ts, fs, ff, bias2):
