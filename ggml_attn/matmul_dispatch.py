@@ -42,15 +42,19 @@ Q8X_MAX_TOKENS = 4
 # activations' quantization included) against the staged form: at one token Q4_K 98 / 108 us,
 # Q8_0 130 / 139, Q6_K 141 / 131 (a loss); at two Q4_K 128 / 123 (a loss), Q8_0 147 / 152, at four
 # a loss for every type. End to end (ab_vector_*.json there, tg128, every type routed at 1-4
-# tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits) is not measured.
-Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q8_0")
+# tokens): Q4_K_M +1.2%, Q8_0 +2-5%. Q5_K (Q4_K's code with the high bits): one 8B layer 105 /
+# 111 us on an H200 at bb0e9e4, tg128 on Q5_K_M 260.3 / 254.7 t/s on an H100 (both rounds ahead;
+# bench/results/2026-12-06-bb0e9e4-h100-q5k-q6k/ab_Q5_K_M.json).
+Q8XV_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q8_0")
 Q8XV_MAX_TOKENS = 1
 # The types of Q8XR_TYPES (of kernels.Q8XR_TYPES) run that GEMV at up to Q8XR_MAX_TOKENS tokens as
 # dense_gemv_q8x_r (rows 16-byte aligned; ahead of the vector form): the vector form's arithmetic
-# over a wave of warps each streaming several rows through a ring of shared-memory slots (the bytes
-# in flight out of the registers). None until measured (predicted on the H100: the Q4_K gate 18.7
-# -> 12-14 us; bench/NOTES.md, twelfth session).
-Q8XR_TYPES: tuple[str, ...] = ()
+# over a wave of warps each streaming several rows through a ring of shared-memory slots. On an
+# H200 at bb0e9e4 (bench/results/2026-12-06-bb0e9e4-h200-gemv-run/: one 8B layer, one token, with
+# the quantization) Q6_K 115 us against the staged form's 126 (vector 134); Q4_K 107 against the
+# vector form's 95, Q5_K 120 / 111, Q8_0 120 / 119 (losses); tg128 on Q4_K_M: every type 281
+# against 300 t/s, Q6_K alone 293.4 against 287.9 (ab-q6k/).
+Q8XR_TYPES: tuple[str, ...] = ("Q6_K",)
 Q8XR_MAX_TOKENS = 1
 # The 8-bit GEMV launched with programmatic dependent launch on sm_90 (ggml_attn/pdl.py): its
 # blocks start while the activations' quantization before it runs, each warp's rows requested

@@ -146,6 +146,14 @@ class Engine:
         if self.device and self.stream is not None:
             self.stream.wait_event(self.xp.cuda.get_current_stream().record())
 
+    def runs_to_steady(self, decode_step: bool) -> int:
+        """How many runs of one ubatch structure until it runs as every later run of it will: on
+        the device a prompt structure's second run captures it as a CUDA graph (or, without
+        graphs, refreshes its kernel plan: the mask kernels' first use) and only its third
+        replays; a decode step's first run captures it already; on the host the first run builds
+        what later runs reuse. (What a benchmark's warm-up repeats: ``tools/bench.py``.)"""
+        return 2 if self.device and self.flash_attn and not decode_step else 1
+
     # ------------------------------------------------------------ hooks
     def inputs(self, plan):
         """``layer="attn"``: ``(q (n_tokens, n_head, D), k (n_tokens, n_embd_k), v (n_tokens,

@@ -190,8 +190,9 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     (blocks of Q8X_VWARPS) up to Q8XV_MAX_TOKENS tokens; other types and more tokens stay staged,
     unaligned rows plain; asked for by name, the vector form refuses a type it does not read,
     unaligned rows and more tokens than its instances."""
-    assert md.Q8XV_TYPES == ("Q4_K", "Q8_0") and md.Q8XV_MAX_TOKENS == 1   # (measured: matmul_dispatch)
-    assert [md.gemv_q8x_form(t, True, 1) for t in ("Q4_K", "Q8_0", "Q6_K")] == ["vector", "vector", "staged"]
+    assert md.Q8XV_TYPES == ("Q4_K", "Q5_K", "Q8_0") and md.Q8XV_MAX_TOKENS == 1   # (measured: matmul_dispatch)
+    assert [md.gemv_q8x_form(t, True, 1) for t in ("Q4_K", "Q5_K", "Q8_0", "Q6_K")] == ["vector", "vector", "vector", "ring"]
+    assert md.gemv_q8x_form("Q6_K", True, 2) == "staged"
     assert md.gemv_q8x_form("Q4_K", True, 2) == "staged" and md.gemv_q8x_form("Q4_K", False, 1) == "plain"
     assert "dense_gemv_q8x_v" in md.best_matmul("Q4_K", 1).reason
     assert "dense_gemv_q8x_s" in md.best_matmul("Q4_K", 2).reason
@@ -543,13 +544,13 @@ def test_gemm_q8_tile_follows_the_tokens(launches, monkeypatch, n_tok, bn):
 
 
 def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
-    """matmul_dispatch.Q8XR_TYPES (none until measured) sends aligned rows of the types the ring
+    """matmul_dispatch.Q8XR_TYPES (Q6_K, where it measured faster) sends aligned rows of the types the ring
     form reads (kernels.Q8XR_TYPES: the vector form's) at up to Q8XR_MAX_TOKENS tokens to
     dense_gemv_q8x_r, ahead of the vector form; its grid is one wave (SMs x the kernel's resident
     blocks), never more blocks than rows need; a type it does not read keeps its form, and a
     launch asking the form for one is refused."""
     from ggml_attn import cuda_device
-    assert md.Q8XR_TYPES == () and K.Q8XR_TYPES == ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+    assert md.Q8XR_TYPES == ("Q6_K",) and K.Q8XR_TYPES == ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
     monkeypatch.setattr(md, "Q8XR_TYPES", ("Q4_K", "Q6_K", "Q4_0"))
     assert [md.gemv_q8x_form(t, a, n) for t, a, n in (("Q4_K", True, 1), ("Q4_K", True, 2), ("Q4_K", False, 1),
                                                       ("Q6_K", True, 1), ("Q4_0", True, 1), ("Q8_0", True, 1))] \

@@ -223,8 +223,13 @@ def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx:
     n_prompt, n_gen, n_depth = inst["n_prompt"], inst["n_gen"], inst["n_depth"]
     if warmup:
         runner.clear()
-        if n_prompt > 0:
+        # the prompt run as a repetition runs it (after its depth), until its ubatches' structures
+        # run as every repetition's will (on the device the second run captures them)
+        for _ in range(runner.runs_to_steady(decode_step=False) if n_prompt > 0 else 0):
             progress(idx, "warmup prompt run")
+            runner.clear()
+            if n_depth > 0:
+                runner.decode(runner.prompt_batch([n_depth]))
             runner.decode(runner.prompt_batch([n_prompt]))
         if n_gen > 0:
             progress(idx, "warmup generation run")

@@ -405,6 +405,12 @@ class Runner:
         self.decode(self.prompt_batch([min(16, max(1, self.cache.kv_size // 2))]))
         self.decode(self.step_batch([0]))
 
+    def runs_to_steady(self, decode_step: bool) -> int:
+        """How many identical runs a warm-up needs before one runs as the next will (the engine's
+        ``runs_to_steady``; 1 for an engine without one)."""
+        f = getattr(self.engine, "runs_to_steady", None)
+        return 1 if f is None else f(decode_step)
+
     def synchronize(self) -> None:
         """Wait until the device finished everything decoded so far."""
         self.engine.synchronize()
