@@ -45,18 +45,6 @@ struct GemvQ8Params {
     int pad_;
 };
 
-// The second parameter of the staged, vector and ring GEMVs (a field of GemvQ8Params spilled the
-// plain form's registers at Q5_K): in mode 2 with oq set, the gated output quantized as
-// dense_quant_q8x would (no norm) for the GEMV after it, by the last warp to finish each 32 rows
-// (q8x_quant_out): oq (n_tok, rows) int8, od / os (n_tok, rows / 32) F32; cnt (rows / 32) int32
-// counters, zero between launches.
-struct Q8xOut {
-    signed char* oq;
-    float* od;
-    float* os;
-    int* cnt;
-};
-
 // A GEMV warp's entry, rows w0 (and w1) known: with p.pdl 1, their bytes requested into L2, then
 // (every launch) the wait for the kernel before it (the activations' quantization) -- no read of
 // xq / xd / xs or of the outputs before it.
@@ -69,9 +57,9 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
     pdl_wait();
 }
 
-// One sub-block of 32 activations, lane j holding v = the j-th: d = max|v| / 127, q = round(v / d)
-// (0 where d is 0) into *q (lane j's), d and the sum of the q into *d and *s (lane 0). Every lane
-// of the warp calls it.
+// One sub-block of 32 activations (dense_quant_q8x's), lane j holding v = the j-th: d = max|v| /
+// 127, q = round(v / d) (0 where d is 0) into *q (lane j's), d and the sum of the q into *d and
+// *s (lane 0). Every lane of the warp calls it.
 __device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, float* s) {
     float amax = fabsf(v);
 #pragma unroll
@@ -83,33 +71,6 @@ __device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, f
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     *q = (signed char)qq;
     if ((threadIdx.x & 31) == 0) *d = dd, *s = (float)sum;
-}
-
-// After a gated GEMV warp stored output row r of segment sg (gemv_q_finish), with qo.oq set: the
-// last warp to finish a group of 32 rows (a counter a group, qo.cnt) quantizes the group's
-// outputs of every token as dense_quant_q8x does (q8x_quant32, no norm) into qo.oq / od / os --
-// the activations of the GEMV after it, which then has no quantization launch -- and zeroes the
-// counter. (The stores, a fence, then the counter: the threadFenceReduction pattern; the last warp
-// reads the others' outputs from L2.) Rows a multiple of 32 (the host checks).
-template <int NT>
-__device__ __forceinline__ void q8x_quant_out(const GemvQ8Params& p, const Q8xOut& qo, const GemvQSeg& sg, int r) {
-    if (!qo.oq || p.mode != 2) return;
-    const int lane = threadIdx.x & 31, grp = r >> 5, n_sub = sg.rows >> 5;
-    __threadfence();   // this warp's output stores (lanes t < n_tok) before its count
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(qo.cnt + grp, 1) == 31;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __syncwarp();
-    __threadfence();
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        if (t < p.n_tok) {
-            const long long o = (long long)t * sg.rows + 32 * grp + lane;
-            q8x_quant32(__ldcg(sg.out + o), qo.oq + o, qo.od + (long long)t * n_sub + grp, qo.os + (long long)t * n_sub + grp);
-        }
-    }
-    if (lane == 0) qo.cnt[grp] = 0;   // (the next launch on the stream starts after this one ends)
 }
 
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
@@ -222,8 +183,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
     float one[NT];   // (the norm was applied when x was quantized)
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
-    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);   // (no q8x_quant_out: it spilled Q5_K's
-                                                                // registers here; the host gives this form no oq)
+    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
 }
 
 // The staged form, for rows that start 16-byte aligned (row_bytes a multiple of 16, every
@@ -261,7 +221,7 @@ __device__ __forceinline__ void q8x_stage(const unsigned char* w, int row_bytes,
 }
 
 template <int T, int NT>
-__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8Params p, const Q8xOut qo) {
+__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8Params p) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES, SLOT = Q8xChunk<T>::SLOT;
     constexpr int SUBS = Q8X_CHUNK / 32;   // sub-blocks a chunk: one a lane
     __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][Q8X_STAGES][SLOT];
@@ -310,7 +270,6 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
-    q8x_quant_out<NT>(p, qo, sg, r);
 }
 
 // The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K, Q6_K and Q8_0 rows of whole 16-byte units:
@@ -527,7 +486,7 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
 }
 
 template <int T, int NT>
-__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p, const Q8xOut qo) {
+__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
     int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
     GemvQSeg sg;
     if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
@@ -543,7 +502,6 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
-    q8x_quant_out<NT>(p, qo, sg, r);
 }
 
 // The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
@@ -585,7 +543,7 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
 }
 
 template <int T, int NT>
-__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p, const Q8xOut qo) {
+__global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
     static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");
     constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T>::SLOT, ST = Q8xR<T>::STAGES, BLOCKS = Q8xR<T>::BLOCKS;
     constexpr bool K4 = T == QB_Q4_K || T == QB_Q5_K;
@@ -645,7 +603,6 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             GemvQSeg sg;
             gemv_segment(p, r, sg);
             gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
-            q8x_quant_out<NT>(p, qo, sg, r);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
             c = 0, ++i;

@@ -380,11 +380,6 @@ class GemvQ8Params(ctypes.Structure):
                 ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32), ("pdl", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
-class Q8xOut(ctypes.Structure):
-    """Mirror of ``struct Q8xOut`` (dense_q8x.cu): a GEMV's output quantization (zero: none)."""
-    _fields_ = [("oq", ctypes.c_uint64), ("od", ctypes.c_uint64), ("os", ctypes.c_uint64), ("cnt", ctypes.c_uint64)]
-
-
 class GemmQ8Params(ctypes.Structure):
     """Mirror of ``struct GemmQ8Params`` (dense_q8x.cu): the block GEMM on 8-bit activations."""
     _fields_ = [("w", ctypes.c_uint64), ("xq", ctypes.c_uint64), ("xd", ctypes.c_uint64), ("xs", ctypes.c_uint64),

@@ -61,11 +61,6 @@ Q8XR_MAX_TOKENS = 1
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
 # file 287.4 -> 277.8 t/s on the H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/ab_pdl.json).
 GEMV_PDL = False
-# The gated 8-bit GEMV (gate / up with SiLU) quantizes its own output for the GEMV after it (the
-# down projection), the last warp to finish each 32 rows (cuda/dense_q8x.cu q8x_quant_out), so
-# that GEMV has no quantization launch (one launch of ~3 us a layer fewer on the H100). Off until
-# measured (bench/NOTES.md, twelfth session).
-GEMV_QUANT_OUT = False
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True

@@ -270,7 +270,6 @@ class GraphBuilder:
         self._weights: dict = {}
         self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
         self._inputs: list = []   # [q, k, v] zeroed arrays of the layers still to come (qkv_inputs)
-        self.q8_handoff = None    # (output address, (xq, xd, xs)): a gated GEMV's output quantized for the next GEMV (xp_matmul)
         self.kv = kv_tensors(cache)
 
     # -- memory

@@ -42,7 +42,7 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, form: str | None = None, qout=None):
+                 quantize: bool = True, form: str | None = None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
@@ -53,11 +53,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     the vector and ring ones their types: ``kernels.q8x_form_reads``; each form up to its instances' tokens).
     The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
     programmatic dependent launch where
-    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py). ``qout`` (mode 2): ``(oq, od, os,
-    cnt)``, the gated output quantized by the kernel as :func:`quant_q8x_launch` would for the
-    GEMV after it -- ``oq`` int8 ``(n_tok, rows)``, ``od`` / ``os`` F32 ``(n_tok, rows / 32)``,
-    ``cnt`` int32 ``(rows / 32,)`` zeros (the kernel leaves them zero); None where they do not fit
-    (rows a multiple of 32; not the plain form, for rows that are not 16-byte aligned)."""
+    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form  # noqa: PLC0415
     from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
@@ -80,22 +76,12 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
-    qo = None if form == "plain" else K.Q8xOut()   # (the plain form has no second parameter)
-    if qout is not None:
-        oq, od, os_, cnt = qout
-        n_grp = rows // 32
-        if qo is None or mode != 2 or rows % 32 or oq.shape != (n_tok, rows) or od.shape != (n_tok, n_grp) \
-                or os_.shape != od.shape or cnt.shape != (n_grp,) or cnt.dtype.itemsize != 4 \
-                or outs[0].shape != (n_tok, rows) or not all(a.flags.c_contiguous and a.data.ptr % 16 == 0
-                                                            for a in (oq, od, os_)):
-            return None
-        qo.oq, qo.od, qo.os, qo.cnt = oq.data.ptr, od.data.ptr, os_.data.ptr, cnt.data.ptr
     fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form))
     blocks = -(-rows // warps)
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
         blocks = min(blocks, num_sms() * max(1, fn.occupancy(32 * warps)))
-    gemv = (PdlLaunch if p.pdl else K.BoundLaunch)(fn, (blocks, 1, 1), (32 * warps, 1, 1), p, *([qo] if qo is not None else []))
+    gemv = (PdlLaunch if p.pdl else K.BoundLaunch)(fn, (blocks, 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
 
 

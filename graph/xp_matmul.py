@@ -138,14 +138,12 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
     ``b`` when ``matmul_dispatch.best_matmul`` says GEMV for every weight; None on
     numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
     for mode 0). The arrays are kept with the graph."""
-    from ggml_attn import matmul_dispatch as md  # noqa: PLC0415
-    # the gated GEMV before this one may have quantized its output, x, for it: taken here or dropped
-    handoff, b.q8_handoff = getattr(b, "q8_handoff", None), None
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
-    paths = {k: md.best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
+    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
              for k, idx in groups}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None
@@ -159,23 +157,12 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
             run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
         elif paths[k] == "gemv-q8x":   # x quantized once for every such group of the call
             first = q8 is None
-            n_tok, n_in = x.shape
-            if first and handoff is not None and handoff[0] == x.data.ptr and handoff[1][0].shape == x.shape \
-                    and norm_eps is None:
-                q8, first = handoff[1], False   # (x quantized by the gated GEMV that wrote it)
-            elif first:
+            if first:
+                n_tok, n_in = x.shape
                 q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
                       b.scratch((n_tok, n_in // 32), np.float32))
                 b.keep(*q8)
-            qout = None
-            if mode == 2 and md.GEMV_QUANT_OUT and int(gw[0].shape[0]) % 32 == 0 and rows_aligned(gw):   # (not plain)
-                rows = int(gw[0].shape[0])
-                qout = (b.scratch((n_tok, rows), np.int8), b.scratch((n_tok, rows // 32), np.float32),
-                        b.scratch((n_tok, rows // 32), np.float32), b.xp.zeros(rows // 32, np.int32))
-                b.keep(*qout)
-            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first, qout=qout)
-            if run is not None and qout is not None:
-                b.q8_handoff = (go[0].data.ptr, qout[:3])
+            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:

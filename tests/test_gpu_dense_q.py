@@ -186,47 +186,6 @@ def test_gemv_q8x_with_pdl_waits_for_the_quantization(name, form, mode, prefetch
             assert np.isfinite(v).all() and np.array_equal(u.view(np.uint32), v.view(np.uint32)), name
 
 
-@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "staged"),
-                                        ("Q4_K", "ring"), ("Q6_K", "ring"), ("Q8_0", "ring")])
-@pytest.mark.parametrize("n_tok", [1, 2, 3, 4])
-def test_gated_gemv_quantizes_its_output_as_the_quantization_would(name, form, n_tok, monkeypatch):
-    """With ``qout`` (matmul_dispatch.GEMV_QUANT_OUT), the gated GEMV's last warp of each 32 rows
-    quantizes them (q8x_quant_out): int8 values, scales and sums bit-equal to dense_quant_q8x of
-    the output it wrote, three launches in a row (the counters back to zero after each), the
-    output itself unchanged."""
-    monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (the ring form's grid: several rows a warp)
-    rows = 96   # (three groups of 32 rows: the counters')
-    n_in = _staged_n_in(name)
-    ws = [_blocks(name, rows, n_in, 7 + i) for i in range(2)]
-    rng = np.random.default_rng(n_tok)
-    x = (rng.standard_normal((n_tok, n_in)) * 30.0).astype(np.float32)
-    g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
-    qms = [QMatrix(name, (rows, n_in), cupy.asarray(q)) for q, _ in ws]
-    xq, xd, xs = cupy.zeros((n_tok, n_in), np.int8), cupy.zeros((n_tok, n_in // 32), np.float32), \
-        cupy.zeros((n_tok, n_in // 32), np.float32)
-    outs = {}
-    for with_q in (False, True):
-        out = cupy.full((n_tok, rows), np.nan, np.float32)
-        qout = (cupy.full((n_tok, rows), 77, np.int8), cupy.full((n_tok, rows // 32), np.nan, np.float32),
-                cupy.full((n_tok, rows // 32), np.nan, np.float32), cupy.zeros(rows // 32, np.int32)) if with_q else None
-        run = q8_matmul.q8x_launches(qms, cupy.asarray(x), [out], xq, xd, xs, mode=2, norm_eps=1e-5,
-                                     norm_w=cupy.asarray(g), form=form, qout=qout)
-        assert run is not None
-        for _ in range(3):
-            run()
-            if with_q:
-                oq, od, os_, cnt = qout
-                want = [cupy.empty_like(a) for a in (oq, od, os_)]
-                q8_matmul.quant_q8x_launch(qms[0].type_id, out, *want)()
-                cupy.cuda.get_current_stream().synchronize()
-                for got, ref in zip((oq, od, os_), want):
-                    assert np.array_equal(got.get().view(np.uint8), ref.get().view(np.uint8)), (name, form)
-                assert not cnt.get().any()
-                qout[0].fill(77), qout[1].fill(np.nan), qout[2].fill(np.nan)
-        outs[with_q] = out.get()
-    assert np.isfinite(outs[True]).all() and np.array_equal(outs[True].view(np.uint32), outs[False].view(np.uint32))
-
-
 def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q", bn=None):
     """A tiled-GEMM case: (n_in, ggml's float64 values, x F32 (n_tok, n_in), the output's initial
     values, the QMatrix, the output (init with ``accumulate``, NaN else), the grid of ``kernel``,

@@ -49,9 +49,9 @@ def test_code_prints_one_variants_program(capsys):
     than one variant is refused."""
     import subprocess
     import sys
-    assert knob_ab.main(["--code", "--variant", "q:matmul_dispatch.GEMV_QUANT_OUT=True", "bench"]) == 0
+    assert knob_ab.main(["--code", "--variant", "p:matmul_dispatch.GEMV_PDL_PREFETCH=False", "bench"]) == 0
     code = capsys.readouterr().out
-    assert "setattr(importlib.import_module('ggml_attn.matmul_dispatch'), 'GEMV_QUANT_OUT', True)" in code
+    assert "setattr(importlib.import_module('ggml_attn.matmul_dispatch'), 'GEMV_PDL_PREFETCH', False)" in code
     r = subprocess.run([sys.executable, "-c", code, "-m", "tiny", "-p", "0", "-n", "1", "-r", "1", "--device", "cpu",
                         "-o", "jsonl"], capture_output=True, text=True)
     assert r.returncode == 0 and '"n_gen": 1' in r.stdout

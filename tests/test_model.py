@@ -412,13 +412,12 @@ def _float_file(n: str) -> bool:
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
 # the 8-bit GEMV at 1-16 tokens ("blocks-q8x"; "-pdl": launched with programmatic dependent launch;
-# "-ring": its ring form at 1-4 tokens for the types it reads; "-qout": the gated GEMV quantizing
-# its output for the down projection),
+# "-ring": its ring form at 1-4 tokens for the types it reads),
 # the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
-                                                             "blocks-q8x-qout", "blocks-gemm-q8"))]
+                                                             "blocks-gemm-q8"))]
 
 
 @pytest.mark.gpu
@@ -439,8 +438,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     blocks with the tiled block GEMM (``matmul_dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
     or with the 8-bit-activation GEMV (``matmul_dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16 (and so
     launched with programmatic dependent launch, ``matmul_dispatch.GEMV_PDL``; or in its ring form,
-    ``matmul_dispatch.Q8XR_TYPES``; or quantizing the gated output for the down projection,
-    ``GEMV_QUANT_OUT``), or with
+    ``matmul_dispatch.Q8XR_TYPES``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -451,7 +449,6 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form.startswith("blocks-q8x"):   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
-        monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", form.endswith("-qout"))
         if form.endswith("-ring"):
             from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
             monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)

@@ -38,8 +38,6 @@ class FakeXp:
     def empty(shape, dtype=np.float32):
         return Dev(shape, dtype)
 
-    zeros = empty   # (Dev's memory starts zeroed)
-
 
 class Builder:
     xp = FakeXp
@@ -130,8 +128,7 @@ def test_q8x_launches(launches):
     assert all(w.blocks.data.ptr % 16 == 0 for w in ws)   # (numpy's allocations: the staged kernel's precondition)
     assert gemv.fn.name == "dense_gemv_q8x_s<12, 2>" and gemv.grid == (-(-128 // K.Q8X_SWARPS), 1, 1)
     assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
-    p, qo = gemv.params   # (the staged form's second parameter: no output quantization)
-    assert isinstance(qo, K.Q8xOut) and (qo.oq, qo.od, qo.os, qo.cnt) == (0, 0, 0, 0)
+    (p,) = gemv.params
     assert (p.xq, p.xd, p.xs, p.row_bytes, p.n_in, p.n_tok, p.n_seg, p.mode) == \
         (xq.data.ptr, xd.data.ptr, xs.data.ptr, 2 * 144, 512, 2, 2, 0)
     assert [(p.seg[i].w, p.seg[i].out, p.seg[i].rows) for i in range(2)] == \
@@ -572,47 +569,3 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
                                   quantize=False, form="ring") is None
     assert "dense_gemv_q8x_r<14, 4>" in K.dense_q8x_variant(14).names
     assert not any("q8x_r" in n for n in K.dense_q8x_variant(2).names)
-
-
-@pytest.mark.parametrize("on", [False, True])
-def test_gated_gemv_quantizes_its_output_for_the_next(launches, monkeypatch, on):
-    """matmul_dispatch.GEMV_QUANT_OUT (off until measured): the gated 8-bit GEMV gets arrays for its
-    output's quantization (GemvQ8Params.oq / od / os, a zeroed counter a 32 rows: ocnt) and the
-    next GEMV over that output takes them instead of its own quantization launch; another
-    input drops the handoff; rows not a multiple of 32 get none; off, both quantize."""
-    monkeypatch.setattr(md, "GEMV_QUANT_OUT", on)
-    b = Builder()
-    wg, wu = _qmatrix("Q4_K", 64, 512), _qmatrix("Q4_K", 64, 512)
-    wd = _qmatrix("Q8_0", 512, 64)   # (another type: the quantization is every type's)
-    x, f, res = Dev((1, 512)), Dev((1, 64)), Dev((1, 512))
-    assert xp_matmul._gemv(b, [wg, wu], x, [f], mode=2, norm_eps=1e-5, norm_w=Dev((512,))) is not None
-    quant, gated = launches
-    assert quant.fn.name == "dense_quant_q8x" and gated.fn.name.startswith("dense_gemv_q8x")
-    p, qo = gated.params
-    if on:
-        oq, od, os_ = b.q8_handoff[1]
-        assert b.q8_handoff[0] == f.data.ptr and oq.shape == (1, 64) and od.shape == os_.shape == (1, 2)
-        assert (qo.oq, qo.od, qo.os) == (oq.data.ptr, od.data.ptr, os_.data.ptr) and qo.cnt != 0
-        cnt = next(a for a in b.kept if a.data.ptr == qo.cnt)
-        assert cnt.shape == (2,) and cnt.dtype == np.int32 and not cnt.a.any()
-    else:
-        assert getattr(b, "q8_handoff", None) is None and (qo.oq, qo.od, qo.os, qo.cnt) == (0, 0, 0, 0)
-    launches.clear()
-    assert xp_matmul._gemv(b, [wd], f, [res], mode=1) is not None
-    names = [ln.fn.name for ln in launches]
-    (down,) = [ln for ln in launches if ln.fn.name.startswith("dense_gemv_q8x")]
-    dp = down.params[0]   # (Q8_0 rows of 68 bytes: the plain form, one parameter)
-    if on:
-        assert names == [down.fn.name] and (dp.xq, dp.xd, dp.xs) == (qo.oq, qo.od, qo.os)
-    else:
-        assert names[0] == "dense_quant_q8x" and len(names) == 2
-    assert b.q8_handoff is None
-    # a handoff that the next GEMV does not take (another input) is dropped; 48 rows get none
-    launches.clear()
-    xp_matmul._gemv(b, [wg, wu], x, [f], mode=2)
-    xp_matmul._gemv(b, [wd], Dev((1, 64)), [res], mode=1)
-    assert [ln.fn.name for ln in launches].count("dense_quant_q8x") == 2 and b.q8_handoff is None
-    launches.clear()
-    w48 = _qmatrix("Q4_K", 48, 512)
-    xp_matmul._gemv(b, [w48, w48], x, [Dev((1, 48))], mode=2)
-    assert launches[-1].params[1].oq == 0 and b.q8_handoff is None

@@ -267,17 +267,8 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
-    # the output's quantization for the next GEMV (q8x_quant_out) over its whole groups of 32 rows,
-    # in the forms that have it (not the plain one: rows that are not 16-byte aligned)
-    rq = rows // 32 * 32 if lay.row_bytes(n_in) % 16 == 0 and form != "plain" else 0
-    qout = (cp.zeros((1, rq), np.int8), cp.zeros((1, rq // 32), np.float32), cp.zeros((1, rq // 32), np.float32),
-            cp.zeros(rq // 32, np.int32))
-    ws = [QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs]
-    q8_matmul.q8x_launches(ws, cp.asarray(x), [d_out], *q8, mode=2, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
-    if rq:
-        q8_matmul.q8x_launches([QMatrix(name, (rq, n_in), w.blocks[:rq]) for w in ws], cp.asarray(x),
-                               [cp.empty((1, rq), np.float32)], *q8, mode=2, norm_eps=1e-5, norm_w=cp.asarray(g),
-                               form=form, qout=qout)()
+    q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
+                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
