@@ -248,7 +248,7 @@ def test_best_matmul(monkeypatch):
         ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 6 + ["gemm", "gemm"]
     assert [md.best_matmul("Q3_K", n).path for n in (9, 64)] == ["gemm-qs"] * 2
     # dense_gemm_qr for the types routed to it that have a fragment decode, dense_gemm_qs for the others
-    assert md.QRGEMM_TYPES == ("Q4_K", "Q6_K", "Q8_0")   # (the measured ones: bench/NOTES.md)
+    assert md.QRGEMM_TYPES == ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")   # (every one it reads, measured: bench/NOTES.md)
     assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     monkeypatch.setattr(md, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
     assert {t: md.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
