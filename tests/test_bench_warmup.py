@@ -69,6 +69,16 @@ def test_no_warmup_and_generation_only_runs():
     out = run_test(r, dict(n_prompt=0, n_gen=3, n_depth=0), reps=1, warmup=True, progress=lambda *a: None, idx=0)
     assert [c for c in r.calls if c[0] == "decode"] == [("decode", (1,), 0)] + [("decode", (1,), i) for i in range(3)]
     assert out["ub"] == 3
+    # generation at a depth: the warm-up step at that depth too (the steps' graph structure)
+    r = _Runner(2)
+    run_test(r, dict(n_prompt=0, n_gen=2, n_depth=50), reps=1, warmup=True, progress=lambda *a: None, idx=0)
+    assert [c for c in r.calls if c[0] == "decode"] == \
+        [("decode", (50,), 0), ("decode", (1,), 50), ("decode", (50,), 0), ("decode", (1,), 50), ("decode", (1,), 51)]
+    # prompt and generation (-pg): the prompt runs, then one step after the last of them
+    r = _Runner(2)
+    run_test(r, dict(n_prompt=8, n_gen=1, n_depth=0), reps=1, warmup=True, progress=lambda *a: None, idx=0)
+    assert [c for c in r.calls if c[0] == "decode"] == \
+        [("decode", (8,), 0), ("decode", (8,), 0), ("decode", (1,), 8), ("decode", (8,), 0), ("decode", (1,), 8)]
 
 
 def test_engine_runs_to_steady():

@@ -101,7 +101,8 @@ def build_parser() -> Parser:
     p.add_argument("--progress", action="store_true",
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up run before each test")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the untimed warm-up runs before each test (on a GPU the prompt twice)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     multi_gpu.add_args(p, add_list)
@@ -219,18 +220,23 @@ def run_config(inst: dict, ns) -> RunConfig:
 
 
 def run_test(runner: Runner, inst: dict, reps: int, warmup: bool, progress, idx: int) -> dict:
-    """llama-bench's test loop: warm-up, then per repetition clear, fill depth, time pp/tg."""
+    """llama-bench's test loop: warm-up, then per repetition clear, fill depth, time pp/tg. The
+    warm-up runs a repetition's work untimed until it runs as every repetition's will (on the
+    device a prompt twice, after its depth: the second run captures its CUDA graphs), where
+    llama-bench's runs the prompt once (its own steady state)."""
     n_prompt, n_gen, n_depth = inst["n_prompt"], inst["n_gen"], inst["n_depth"]
-    if warmup:
-        runner.clear()
-        # the prompt run as a repetition runs it (after its depth), until its ubatches' structures
-        # run as every repetition's will (on the device the second run captures them)
-        for _ in range(runner.runs_to_steady(decode_step=False) if n_prompt > 0 else 0):
-            progress(idx, "warmup prompt run")
+    if warmup:   # the untimed runs of a repetition's work until it runs as every repetition's will
+        # (the prompt after its depth, on the device twice: the second run captures its graphs;
+        # then one generation step, after the depth when there is no prompt)
+        runs = runner.runs_to_steady(decode_step=False) if n_prompt > 0 else int(n_gen > 0)
+        for _ in range(runs):
             runner.clear()
             if n_depth > 0:
+                progress(idx, "warmup depth run")
                 runner.decode(runner.prompt_batch([n_depth]))
-            runner.decode(runner.prompt_batch([n_prompt]))
+            if n_prompt > 0:
+                progress(idx, "warmup prompt run")
+                runner.decode(runner.prompt_batch([n_prompt]))
         if n_gen > 0:
             progress(idx, "warmup generation run")
             runner.decode(runner.step_batch([0]))
