@@ -485,13 +485,17 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
     }
 }
 
-template <int T, int NT>
+// G: the gated mode's instance (mode 2, two rows a warp) or the others' (modes 0 / 1): without the
+// second operand's words a lane holds about two thirds of the registers (Q4_K NT 1: 78 against
+// 122 at sm_90), so more warps fit an SM (6 blocks against 4), each with its row's loads in flight.
+template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
     int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
     GemvQSeg sg;
-    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
+    if ((p.mode == 2) != (G != 0)) __trap();   // (the host names the instance by the mode)
+    if (!gemv_segment(p, r, sg)) return;      // (no block barrier below)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    const unsigned char* w1 = G ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
     q8x_enter(p, w0, w1);
     float acc[NT], up[NT];
 #pragma unroll
@@ -506,7 +510,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 
 // The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
 // units: a grid of one wave (the host sizes it by the kernel's occupancy) whose warp gw takes rows
-// gw, gw + GW, ... and streams every chunk of all of them through Q8xR<T>::STAGES shared-memory
+// gw, gw + GW, ... and streams every chunk of all of them through Q8xR<T, G>::STAGES shared-memory
 // slots by cp.async (q8x_ring_stage), STAGES - 1 chunks in flight across its rows' boundaries, and
 // multiplies each chunk with the vector form's lane arithmetic: a chunk is the vector form's step
 // (Q4_K / Q5_K: 4 blocks, lane group lane / 8 the chunk's block lane / 8, its words read from the
@@ -519,12 +523,13 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 template <int T> struct Q8xRBlocks { static constexpr int N = 4; };   // blocks a chunk
 template <> struct Q8xRBlocks<QB_Q6_K> { static constexpr int N = Q8xVGroup<QB_Q6_K>::BLOCKS; };
 template <> struct Q8xRBlocks<QB_Q8_0> { static constexpr int N = Q8xVGroup<QB_Q8_0>::BLOCKS; };
-template <int T> struct Q8xR {
+template <int T, int G> struct Q8xR {
     static constexpr int BLOCKS = Q8xRBlocks<T>::N, BYTES = BLOCKS * QBlock<T>::BYTES, UNITS = BYTES / 16;
     static constexpr int SLOT = BYTES + 16;   // (+16: a group window's fifth word, as the vector form's buffers)
-    // slots a warp's operand: as many as 48 KB of static shared memory holds for both operands
-    // of every warp, at most 8 (Q4_K 8, Q5_K 8, Q6_K 3, Q8_0 5)
-    static constexpr int STAGES = 49152 / (Q8X_SWARPS * 2 * SLOT) < 8 ? 49152 / (Q8X_SWARPS * 2 * SLOT) : 8;
+    // slots a warp's operand: as many as 48 KB of static shared memory holds for the operands (G:
+    // the gated mode's two, else one) of every warp, at most 8 (gated: Q4_K 8, Q5_K 8, Q6_K 3,
+    // Q8_0 5; else Q6_K 7, the others 8)
+    static constexpr int FIT = 49152 / (Q8X_SWARPS * (1 + G) * SLOT), STAGES = FIT < 8 ? FIT : 8;
     static_assert(BYTES % 16 == 0, "a chunk is whole 16-byte units");
     static_assert(STAGES >= 3, "a chunk's slot too large for the ring form");
 };
@@ -533,7 +538,7 @@ template <int T> struct Q8xR {
 // address slot: its UNITS 16-byte units (q8x_stage_units: those past the row's end zero-filled).
 template <int T>
 __device__ __forceinline__ void q8x_ring_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
-    q8x_stage_units<Q8xR<T>::UNITS>(w, row_bytes, c * Q8xR<T>::BYTES, slot, lane);
+    q8x_stage_units<Q8xR<T, 0>::UNITS>(w, row_bytes, c * Q8xR<T, 0>::BYTES, slot, lane);
 }
 
 // Rows of the launch: the gated mode's segment, else every segment's.
@@ -542,19 +547,22 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
     return p.seg[0].rows + (p.n_seg > 1 ? p.seg[1].rows : 0) + (p.n_seg > 2 ? p.seg[2].rows : 0);
 }
 
-template <int T, int NT>
+// G: the gated mode's instance (two operands a warp) or the others' (one: twice the slots in the
+// same shared memory where they fit, and no second operand's registers), as the vector form's.
+template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
     static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");
-    constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T>::SLOT, ST = Q8xR<T>::STAGES, BLOCKS = Q8xR<T>::BLOCKS;
+    constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T, G>::SLOT, ST = Q8xR<T, G>::STAGES, BLOCKS = Q8xR<T, G>::BLOCKS;
     constexpr bool K4 = T == QB_Q4_K || T == QB_Q5_K;
-    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][2][ST][SLOT];
+    __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][1 + G][ST][SLOT];
+    if ((p.mode == 2) != (G != 0)) __trap();   // (the host names the instance by the mode)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
     const int gw = blockIdx.x * Q8X_SWARPS + warp, n_gw = gridDim.x * Q8X_SWARPS, rows = q8x_rows(p);
     const int row_bytes = (int)p.row_bytes, n_blk = p.n_in / QBlock<T>::VALUES, n_chunks = (n_blk + BLOCKS - 1) / BLOCKS;
     const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
     const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
-    const bool gated = p.mode == 2;
-    const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][1][0][0]);
+    constexpr bool gated = G != 0;
+    const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][G][0][0]);
     // the warp's chunk j is chunk j % n_chunks of its row j / n_chunks, in slot j % ST; stage() issues
     // the next one, (si, sc), its row's bytes found once a row
     int si = 0, sc = 0;
@@ -591,11 +599,11 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             if (blk < n_blk) {
                 uint4 hd, qs, qh, hd1, qs1, qh1;
                 q8x_v_load_smem<T>(&buf[warp][0][slot][b0 * B], k, hd, qs, qh);
-                if (gated) q8x_v_load_smem<T>(&buf[warp][1][slot][b0 * B], k, hd1, qs1, qh1);
+                if (gated) q8x_v_load_smem<T>(&buf[warp][G][slot][b0 * B], k, hd1, qs1, qh1);
                 q8x_v_block_k4<T, NT>(p, blk, gated, hd, qs, qh, hd1, qs1, qh1, acc, up);
             }
         } else {
-            group_dot<T, NT>(p, buf[warp][0][slot], buf[warp][1][slot], gated, c, acc, up);
+            group_dot<T, NT>(p, buf[warp][0][slot], buf[warp][G][slot], gated, c, acc, up);
         }
         __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
         if (c == n_chunks - 1) {   // the row's last chunk: its sums out

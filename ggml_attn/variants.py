@@ -335,6 +335,7 @@ Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
 # The forms that read some block types only (the others read every one), and those whose grid is one wave.
 Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "ring": Q8XR_TYPES}
 Q8X_ONE_WAVE = ("ring",)
+Q8X_GATED_FORMS = ("vector", "ring")   # forms with an instance for the gated mode and one for the others
 
 
 def q8x_form_reads(form: str, weight_type: str) -> bool:
@@ -342,17 +343,18 @@ def q8x_form_reads(form: str, weight_type: str) -> bool:
     return weight_type in Q8X_FORM_TYPES.get(form, (weight_type,))
 
 
-def q8x_name(type_id: int, n_tok: int, form: str = "staged") -> str:
+def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False) -> str:
     """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
     n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
     16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment), ``vector``
     (``dense_gemv_q8x_v``, 16-byte loads straight from global memory; Q8XV_TYPES, rows 16-byte
     aligned) or ``ring`` (``dense_gemv_q8x_r``, the vector form's arithmetic over a wave of warps
     each streaming several rows through a ring of shared-memory slots; Q8XR_TYPES, rows 16-byte
-    aligned); at most max(NT) of the form's instances (Q8X_FORMS)."""
+    aligned); at most max(NT) of the form's instances (Q8X_FORMS). The vector and ring forms have an
+    instance for the gated mode (``gated``: mode 2) and one for the others (Q8X_GATED_FORMS)."""
     kernel, tokens, _ = Q8X_FORMS[form]
     nt = next(t for t in tokens if t >= n_tok)
-    return f"{kernel}<{type_id}, {nt}>"
+    return f"{kernel}<{type_id}, {nt}, {int(gated)}>" if form in Q8X_GATED_FORMS else f"{kernel}<{type_id}, {nt}>"
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
@@ -361,8 +363,8 @@ def dense_q8x_variant(type_id: int) -> Variant:
     (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid) and the
     activations' quantization."""
     wtype = next(t for t in BLOCK_TYPES if block_layout(t).type_id == type_id)
-    gemvs = tuple(q8x_name(type_id, nt, form) for form, (_, tokens, _) in Q8X_FORMS.items()
-                  if q8x_form_reads(form, wtype) for nt in tokens)
+    gemvs = tuple(dict.fromkeys(q8x_name(type_id, nt, form, g) for form, (_, tokens, _) in Q8X_FORMS.items()
+                                if q8x_form_reads(form, wtype) for nt in tokens for g in (False, True)))
     return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 

@@ -125,8 +125,9 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     partial one); plain: rows of any alignment (the case's n_in leaves most types' rows unaligned:
     dense_gemv_q8x); ring: the vector form's rows by a wave of warps each streaming several rows
     through shared-memory slots (dense_gemv_q8x_r, its grid sized here as for one SM: 112 rows
-    over at most 24 warps; Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over rows of
-    its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial).
+    over at most 48 warps; gated, Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over
+    rows of its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial; modes 0 / 1
+    run the instance of one operand a warp, Q6_K's 7 slots, Q8_0's 8).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     staged = form != "plain"

@@ -63,7 +63,7 @@ class _Driver:
 def test_pdl_launch_hands_the_driver_its_configuration(monkeypatch):
     drv = _Driver()
     monkeypatch.setattr(pdl, "_DRIVER", [(drv.launch, drv.name)])
-    fn = SimpleNamespace(func=0x1234, name="dense_gemv_q8x_v<12, 1>", smem=512)
+    fn = SimpleNamespace(func=0x1234, name="dense_gemv_q8x_v<12, 1, 0>", smem=512)
     p = K.GemvQ8Params()
     launch = pdl.PdlLaunch(fn, (7, 2, 1), (128, 1, 1), p)
     launch._stream = lambda: SimpleNamespace(ptr=0xBEEF)

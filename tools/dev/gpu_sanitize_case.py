@@ -251,10 +251,11 @@ def _staged_n_in(lay) -> int:
     return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
 
 
-def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None) -> int:
+def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None, gated: bool = True) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu; ``form``: kernels.Q8X_FORMS', None the
-    dispatch's) gated with the RMS norm at one token against float64 of the activations it
-    quantized (quant.q8_activations). Failures (0 or 1)."""
+    dispatch's) gated (or, ``gated`` False, the gate matrix alone: mode 0, the forms' other
+    instance) with the RMS norm at one token against float64 of the activations it quantized
+    (quant.q8_activations). Failures (0 or 1)."""
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph import q8_matmul
     from ggml_attn.graph.model_device import QMatrix
@@ -267,16 +268,16 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
-    q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs], cp.asarray(x), [d_out], *q8,
-                           mode=2, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
+    q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]], cp.asarray(x), [d_out],
+                           *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
     gate, up = (q8_activations(v) @ w.T for w in vals)
-    err = nmse(got, gate / (1.0 + np.exp(-gate)) * up)
+    err = nmse(got, gate / (1.0 + np.exp(-gate)) * up if gated else gate)
     ok = bool(np.isfinite(got).all()) and err < 1e-5
     form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
-    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {'gated' if gated else 'one'}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
@@ -335,13 +336,15 @@ def _dense_q(cp, rng) -> int:
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
             bad += _q8x_gated(cp, rng, name, n, rows)
-        if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows
-            bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector")
+        if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows (both instances)
+            for gated in (True, False):
+                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector", gated)
         if name in K.Q8XR_TYPES:   # the ring form, its grid as on one SM: several rows a warp
             import ggml_attn.cuda_device as cd
             sms, cd.num_sms = cd.num_sms, lambda: 1
             try:
-                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "ring")
+                for gated in (True, False):
+                    bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "ring", gated)
             finally:
                 cd.num_sms = sms
         q, vals = ws[0]
