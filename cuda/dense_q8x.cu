@@ -485,17 +485,18 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
     }
 }
 
-// G: the gated mode's instance (mode 2, two rows a warp) or the others' (modes 0 / 1): without the
-// second operand's words a lane holds about two thirds of the registers (Q4_K NT 1: 78 against
-// 122 at sm_90), so more warps fit an SM (6 blocks against 4), each with its row's loads in flight.
+// G: the instance for every mode (1: the gated mode's second operand a run-time choice) or for
+// modes 0 / 1 only (0): without the second operand's words a lane holds about two thirds of the
+// registers (Q4_K NT 1: 78 against 122 at sm_90), so more warps fit an SM (6 blocks against 4),
+// each with its row's loads in flight (the host's choice: matmul_dispatch.GEMV_ONE_OPERAND).
 template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
     int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
     GemvQSeg sg;
-    if ((p.mode == 2) != (G != 0)) __trap();   // (the host names the instance by the mode)
-    if (!gemv_segment(p, r, sg)) return;      // (no block barrier below)
+    if (!G && p.mode == 2) __trap();      // (the host never launches it gated)
+    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = G ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    const unsigned char* w1 = G && p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
     q8x_enter(p, w0, w1);
     float acc[NT], up[NT];
 #pragma unroll
@@ -547,21 +548,22 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
     return p.seg[0].rows + (p.n_seg > 1 ? p.seg[1].rows : 0) + (p.n_seg > 2 ? p.seg[2].rows : 0);
 }
 
-// G: the gated mode's instance (two operands a warp) or the others' (one: twice the slots in the
-// same shared memory where they fit, and no second operand's registers), as the vector form's.
+// G: the instance for every mode (1: slots for the gated mode's two operands a warp) or for modes
+// 0 / 1 only (0: one operand, twice the slots in the same shared memory where they fit, and no
+// second operand's registers), as the vector form's.
 template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
     static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");
     constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T, G>::SLOT, ST = Q8xR<T, G>::STAGES, BLOCKS = Q8xR<T, G>::BLOCKS;
     constexpr bool K4 = T == QB_Q4_K || T == QB_Q5_K;
     __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][1 + G][ST][SLOT];
-    if ((p.mode == 2) != (G != 0)) __trap();   // (the host names the instance by the mode)
+    if (!G && p.mode == 2) __trap();   // (the host never launches it gated)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
     const int gw = blockIdx.x * Q8X_SWARPS + warp, n_gw = gridDim.x * Q8X_SWARPS, rows = q8x_rows(p);
     const int row_bytes = (int)p.row_bytes, n_blk = p.n_in / QBlock<T>::VALUES, n_chunks = (n_blk + BLOCKS - 1) / BLOCKS;
     const int n_mine = gw < rows ? (rows - 1 - gw) / n_gw + 1 : 0;   // the warp's rows
     const int n_j = n_mine * n_chunks;   // its chunks (far below 2^31)
-    constexpr bool gated = G != 0;
+    const bool gated = G && p.mode == 2;
     const unsigned s0 = smem_u32(&buf[warp][0][0][0]), s1 = smem_u32(&buf[warp][G][0][0]);
     // the warp's chunk j is chunk j % n_chunks of its row j / n_chunks, in slot j % ST; stage() issues
     // the next one, (si, sc), its row's bytes found once a row

@@ -61,6 +61,12 @@ Q8XR_MAX_TOKENS = 1
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
 # file 287.4 -> 277.8 t/s on the H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/ab_pdl.json).
 GEMV_PDL = False
+# The vector and ring GEMVs (kernels.Q8X_GATED_FORMS) in modes 0 / 1 through their one-operand
+# instance (G 0: no second operand's words, so Q4_K NT 1 holds 78 registers against 122 and 6
+# blocks fit an SM against 4; the ring's one operand twice the slots) instead of the instance for
+# every mode. Off until measured (predicted: tg128 on Q4_K_M +6-10%; bench/NOTES.md, thirteenth
+# session).
+GEMV_ONE_OPERAND = False
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
@@ -111,6 +117,13 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):
         return "vector"
     return "staged" if aligned else "plain"
+
+
+def gemv_q8x_gated_instance(mode: int) -> bool:
+    """Whether an 8-bit GEMV launch in ``mode`` (0 store, 1 accumulate, 2 gated) runs its form's
+    instance for every mode (kernels.q8x_name's ``gated``) rather than the one-operand instance of
+    modes 0 / 1 (GEMV_ONE_OPERAND; forms without one ignore it)."""
+    return mode == 2 or not GEMV_ONE_OPERAND
 
 
 def gemv_pdl() -> int:

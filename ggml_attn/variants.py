@@ -335,7 +335,7 @@ Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
 # The forms that read some block types only (the others read every one), and those whose grid is one wave.
 Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "ring": Q8XR_TYPES}
 Q8X_ONE_WAVE = ("ring",)
-Q8X_GATED_FORMS = ("vector", "ring")   # forms with an instance for the gated mode and one for the others
+Q8X_GATED_FORMS = ("vector", "ring")   # forms with an instance for every mode (G 1) and one for modes 0 / 1 (G 0)
 
 
 def q8x_form_reads(form: str, weight_type: str) -> bool:
@@ -351,7 +351,7 @@ def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False
     aligned) or ``ring`` (``dense_gemv_q8x_r``, the vector form's arithmetic over a wave of warps
     each streaming several rows through a ring of shared-memory slots; Q8XR_TYPES, rows 16-byte
     aligned); at most max(NT) of the form's instances (Q8X_FORMS). The vector and ring forms have an
-    instance for the gated mode (``gated``: mode 2) and one for the others (Q8X_GATED_FORMS)."""
+    instance for every mode (``gated`` True) and one for modes 0 / 1 only (``gated`` False; Q8X_GATED_FORMS)."""
     kernel, tokens, _ = Q8X_FORMS[form]
     nt = next(t for t in tokens if t >= n_tok)
     return f"{kernel}<{type_id}, {nt}, {int(gated)}>" if form in Q8X_GATED_FORMS else f"{kernel}<{type_id}, {nt}>"

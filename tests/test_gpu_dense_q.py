@@ -109,7 +109,8 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 
 
 @pytest.mark.parametrize("name, form", [(n, f) for n in BLOCK_TYPES for f in ("plain", "staged")] +
-                         [(n, "vector") for n in K.Q8XV_TYPES] + [(n, "ring") for n in K.Q8XR_TYPES])
+                         [(n, f) for n in K.Q8XV_TYPES for f in ("vector", "vector-one")] +
+                         [(n, f) for n in K.Q8XR_TYPES for f in ("ring", "ring-one")])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("norm", [False, True])
@@ -125,10 +126,14 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     partial one); plain: rows of any alignment (the case's n_in leaves most types' rows unaligned:
     dense_gemv_q8x); ring: the vector form's rows by a wave of warps each streaming several rows
     through shared-memory slots (dense_gemv_q8x_r, its grid sized here as for one SM: 112 rows
-    over at most 48 warps; gated, Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over
-    rows of its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial; modes 0 / 1
-    run the instance of one operand a warp, Q6_K's 7 slots, Q8_0's 8).
+    over at most 24 warps; Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over rows of
+    its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial).
+    "-one": modes 0 / 1 through the vector and ring forms' one-operand instances
+    (matmul_dispatch.GEMV_ONE_OPERAND; the ring's Q6_K 7 slots, Q8_0 8, a grid of up to 48 warps).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
+    from ggml_attn import matmul_dispatch
+    monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", form.endswith("-one"))
+    form = form.removesuffix("-one")
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     staged = form != "plain"
     n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm, _staged_n_in(name) if staged else None)

@@ -417,7 +417,7 @@ def _float_file(n: str) -> bool:
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
-                                                             "blocks-gemm-q8"))]
+                                                             "blocks-q8x-ring-one", "blocks-gemm-q8"))]
 
 
 @pytest.mark.gpu
@@ -438,7 +438,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     blocks with the tiled block GEMM (``matmul_dispatch.QGEMM_*``) taking every ubatch of 2 or more tokens,
     or with the 8-bit-activation GEMV (``matmul_dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16 (and so
     launched with programmatic dependent launch, ``matmul_dispatch.GEMV_PDL``; or in its ring form,
-    ``matmul_dispatch.Q8XR_TYPES``), or with
+    ``matmul_dispatch.Q8XR_TYPES``, with the vector and ring forms' one-operand instances or not,
+    ``matmul_dispatch.GEMV_ONE_OPERAND``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -449,7 +450,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form.startswith("blocks-q8x"):   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
-        if form.endswith("-ring"):
+        monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", form.endswith("-one"))
+        if "-ring" in form:
             from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
             monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
             monkeypatch.setattr(matmul_dispatch, "Q8XR_MAX_TOKENS", max(Q8XR_TOKENS))

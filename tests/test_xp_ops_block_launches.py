@@ -202,7 +202,7 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     outs = [Dev((3, 96)), Dev((3, 32))]
     q8_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, quantize=False)
     (gemv,) = launches
-    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 0>" and gemv.fn.variant == K.dense_q8x_variant(12)
+    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 1>" and gemv.fn.variant == K.dense_q8x_variant(12)
     assert gemv.grid == (-(-128 // K.Q8X_VWARPS), 1, 1) and gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
     assert gemv.params[0].n_tok == 3 and gemv.params[0].row_bytes == 2 * 144
     q4 = [_qmatrix("Q4_0", 32, 512)]
@@ -221,13 +221,19 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     for pair in (ws[:1], ws):
         assert q8_matmul.q8x_launches(pair, x, outs[:1], xq, xd, xs, mode=2, form="vector") is None
     assert len(launches) == 1
-    # the gated mode runs the form's gated instance (G 1), the other modes the other (G 0): fewer
-    # registers without the second operand's words
-    launches.clear()
-    q8_matmul.q8x_launches([ws[0], _qmatrix("Q4_K", 96, 512)], x, outs[:1], xq, xd, xs, mode=2, quantize=False)
-    q8_matmul.q8x_launches(ws[:1], x, outs[:1], xq, xd, xs, mode=1, quantize=False)
-    assert [ln.fn.name for ln in launches] == ["dense_gemv_q8x_v<12, 4, 1>", "dense_gemv_q8x_v<12, 4, 0>"]
-    assert [ln.params[0].mode for ln in launches] == [2, 1]
+    # every mode runs the form's instance for every mode (G 1), unless GEMV_ONE_OPERAND sends
+    # modes 0 / 1 to the one-operand instance (G 0: fewer registers without the second operand's words)
+    for one, gs in ((False, (1, 1, 1)), (True, (1, 0, 0))):
+        monkeypatch.setattr(md, "GEMV_ONE_OPERAND", one)
+        launches.clear()
+        q8_matmul.q8x_launches([ws[0], _qmatrix("Q4_K", 96, 512)], x, outs[:1], xq, xd, xs, mode=2, quantize=False)
+        for mode in (1, 0):
+            q8_matmul.q8x_launches(ws[:1], x, outs[:1], xq, xd, xs, mode=mode, quantize=False)
+        assert [ln.fn.name for ln in launches] == [f"dense_gemv_q8x_v<12, 4, {g}>" for g in gs]
+        assert [ln.params[0].mode for ln in launches] == [2, 1, 0]
+    assert md.gemv_q8x_gated_instance(2) and not md.gemv_q8x_gated_instance(0)   # (the flag still set)
+    monkeypatch.setattr(md, "GEMV_ONE_OPERAND", False)
+    assert md.gemv_q8x_gated_instance(0) and md.GEMV_ONE_OPERAND is False
     assert K.q8x_name(12, 1, "vector", gated=True) == "dense_gemv_q8x_v<12, 1, 1>"
     assert K.q8x_name(12, 1, "staged", gated=True) == "dense_gemv_q8x_s<12, 1>"   # (one instance for every mode)
     for t in (13, 14, 8):
@@ -571,7 +577,7 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
         w = _qmatrix("Q4_K", rows, 512)
         q8_matmul.q8x_launches([w], x, [Dev((2, rows))], xq, xd, xs, mode=0, quantize=False)
         (gemv,) = launches
-        assert gemv.fn.name == "dense_gemv_q8x_r<12, 2, 0>" and gemv.grid == (blocks, 1, 1)
+        assert gemv.fn.name == "dense_gemv_q8x_r<12, 2, 1>" and gemv.grid == (blocks, 1, 1)
         assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
     assert q8_matmul.q8x_launches([_qmatrix("Q4_0", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
                                   quantize=False, form="ring") is None

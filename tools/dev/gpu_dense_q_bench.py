@@ -100,7 +100,18 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
 
 def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
-    ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS)."""
+    ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS; "<form>-one":
+    its one-operand instance, matmul_dispatch.GEMV_ONE_OPERAND)."""
+    from ggml_attn import matmul_dispatch
+    saved, matmul_dispatch.GEMV_ONE_OPERAND = matmul_dispatch.GEMV_ONE_OPERAND, form.endswith("-one")
+    try:
+        return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one"), quantize)
+    finally:
+        matmul_dispatch.GEMV_ONE_OPERAND = saved
+
+
+def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):
+    """:func:`_q8x`'s launches (every one made now: the instance is chosen here)."""
     steps = []
     for k, w in ws.items():
         n_in = w.shape[1]
@@ -122,12 +133,15 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: 
 
 def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
     """The 8-bit-activation GEMV's rows: one layer in each form that reads type ``t``
-    (kernels.Q8X_FORMS: staged ships, plain, vector) at each of its instances' tokens, with the
-    quantization and without (" noquant"), then each matrix alone at one token without it."""
+    (kernels.Q8X_FORMS: staged ships, plain, vector, ring; the vector and ring forms' one-operand
+    instances as "vector-one" / "ring-one": every launch here is mode 0) at each of its
+    instances' tokens, with the quantization and without (" noquant"), then each matrix alone at
+    one token without it."""
     from ggml_attn.graph.q8_matmul import q8x_launches
     forms = [f for f in K.Q8X_FORMS if K.q8x_form_reads(f, t)]
+    forms += [f"{f}-one" for f in forms if f in K.Q8X_GATED_FORMS]
     for form in forms:
-        for n in K.Q8X_FORMS[form][1]:
+        for n in K.Q8X_FORMS[form.removesuffix("-one")][1]:
             for quant in (True, False):
                 impl = "gemv q8x" + ("" if form == "staged" else f" {form}") + ("" if quant else " noquant")
                 med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, form, quant) for ws in layers])
