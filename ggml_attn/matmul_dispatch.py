@@ -96,9 +96,9 @@ QSGEMM_MAX_TOKENS = 64
 # at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/dense_qr.json, one 8B layer, each
 # form's tile as kernels.gemm_qs_bn picks it) against dense_gemm_qs at 16 / 32 / 64 tokens: Q4_K
 # 180 / 191 / 225 us against 199 / 230 / 359, Q6_K 198 / 213 / 241 against 309 / 340 / 461, Q8_0
-# 187 / 206 / 235 against 202 / 235 / 364; at 822c664 (bench/results/2026-12-06-822c664-h100-tests-
-# qr-q5k-q4_0/dense_qr.json) Q5_K 195 / 207 / 236 against 213 / 243 / 381, Q4_0 171 / 181 / 215
-# against 211 / 244 / 375.
+# 187 / 206 / 235 against 202 / 235 / 364; at 822c664 Q5_K 195 / 207 / 236 against 213 / 243 /
+# 381, Q4_0 171 / 181 / 215 against 211 / 244 / 375
+# (bench/results/2026-12-06-822c664-h100-tests-qr-q5k-q4_0/dense_qr.json).
 QRGEMM_TYPES: tuple[str, ...] = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 
 
