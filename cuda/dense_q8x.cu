@@ -524,14 +524,18 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 template <int T> struct Q8xRBlocks { static constexpr int N = 4; };   // blocks a chunk
 template <> struct Q8xRBlocks<QB_Q6_K> { static constexpr int N = Q8xVGroup<QB_Q6_K>::BLOCKS; };
 template <> struct Q8xRBlocks<QB_Q8_0> { static constexpr int N = Q8xVGroup<QB_Q8_0>::BLOCKS; };
-template <int T, int G> struct Q8xR {
+template <int T> struct Q8xRChunk {   // a ring chunk of type T (either instance)
     static constexpr int BLOCKS = Q8xRBlocks<T>::N, BYTES = BLOCKS * QBlock<T>::BYTES, UNITS = BYTES / 16;
     static constexpr int SLOT = BYTES + 16;   // (+16: a group window's fifth word, as the vector form's buffers)
-    // slots a warp's operand: as many as 48 KB of static shared memory holds for the operands (G:
-    // the gated mode's two, else one) of every warp, at most 8 (gated: Q4_K 8, Q5_K 8, Q6_K 3,
-    // Q8_0 5; else Q6_K 7, the others 8)
-    static constexpr int FIT = 49152 / (Q8X_SWARPS * (1 + G) * SLOT), STAGES = FIT < 8 ? FIT : 8;
     static_assert(BYTES % 16 == 0, "a chunk is whole 16-byte units");
+};
+template <int T, int G> struct Q8xR : Q8xRChunk<T> {
+    // slots a warp's operand, at most 8: the every-mode instance (G 1) as many as 48 KB of static
+    // shared memory holds for two operands of every warp (Q4_K 8, Q5_K 8, Q6_K 3, Q8_0 5); the
+    // one-operand instance (G 0) twice that in no more shared memory (Q6_K 6, the others 8), so
+    // that no fewer blocks fit an SM (Q6_K at 7 slots: 4 blocks against 5)
+    static constexpr int FIT2 = 49152 / (Q8X_SWARPS * 2 * Q8xRChunk<T>::SLOT), ST2 = FIT2 < 8 ? FIT2 : 8;
+    static constexpr int STAGES = G ? ST2 : (2 * ST2 < 8 ? 2 * ST2 : 8);
     static_assert(STAGES >= 3, "a chunk's slot too large for the ring form");
 };
 
@@ -539,7 +543,7 @@ template <int T, int G> struct Q8xR {
 // address slot: its UNITS 16-byte units (q8x_stage_units: those past the row's end zero-filled).
 template <int T>
 __device__ __forceinline__ void q8x_ring_stage(const unsigned char* w, int row_bytes, int c, unsigned slot, int lane) {
-    q8x_stage_units<Q8xR<T, 0>::UNITS>(w, row_bytes, c * Q8xR<T, 0>::BYTES, slot, lane);
+    q8x_stage_units<Q8xRChunk<T>::UNITS>(w, row_bytes, c * Q8xRChunk<T>::BYTES, slot, lane);
 }
 
 // Rows of the launch: the gated mode's segment, else every segment's.
@@ -549,8 +553,8 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
 }
 
 // G: the instance for every mode (1: slots for the gated mode's two operands a warp) or for modes
-// 0 / 1 only (0: one operand, twice the slots in the same shared memory where they fit, and no
-// second operand's registers), as the vector form's.
+// 0 / 1 only (0: one operand, twice its slots up to 8 in no more shared memory, and no second
+// operand's registers), as the vector form's.
 template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
     static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");

@@ -129,12 +129,16 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     over at most 24 warps; Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over rows of
     its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial).
     "-one": modes 0 / 1 through the vector and ring forms' one-operand instances
-    (matmul_dispatch.GEMV_ONE_OPERAND; the ring's Q6_K 7 slots, Q8_0 8, a grid of up to 48 warps).
+    (matmul_dispatch.GEMV_ONE_OPERAND; the ring's Q6_K 6 slots, Q8_0 8, a grid of up to 44 warps),
+    the gated mode through the every-mode one still (the instance launched is checked).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     from ggml_attn import matmul_dispatch
-    monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", form.endswith("-one"))
+    one = form.endswith("-one")
+    monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", one)
     form = form.removesuffix("-one")
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
+    names, get_function = [], K.get_function
+    monkeypatch.setattr(K, "get_function", lambda v, n, *a, **kw: (names.append(n), get_function(v, n, *a, **kw))[1])
     staged = form != "plain"
     n_in, rows, ws, x, g, init = _gemv_case(name, n_tok, mode, norm, _staged_n_in(name) if staged else None)
     assert (block_layout(name).row_bytes(n_in) % 16 == 0) >= staged
@@ -147,6 +151,8 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     if n_tok > max(K.Q8X_FORMS[form][1]):
         assert run is None   # past the form's instances: refused (the caller's GEMM runs them)
         return
+    gemvs = [n for n in names if n.startswith(K.Q8X_FORMS[form][0] + "<")]
+    assert gemvs and (form not in K.Q8X_GATED_FORMS or gemvs[-1].endswith(f", {int(mode == 2 or not one)}>")), gemvs
     run()
     cupy.cuda.get_current_stream().synchronize()
     v = x.astype(np.float32)

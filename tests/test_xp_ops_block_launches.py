@@ -568,17 +568,25 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
         == ["ring", "staged", "plain", "ring", "staged", "vector"]
     monkeypatch.setattr(md, "Q8XR_MAX_TOKENS", 4)
     assert md.gemv_q8x_form("Q4_K", True, 4) == "ring" and md.gemv_q8x_form("Q4_K", True, 5) == "staged"
-    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None:
-                        SimpleNamespace(variant=variant, name=name, smem=smem, occupancy=lambda threads: 6))
+    # (occupancy by instance: the one-operand instance's, G 0, more blocks an SM)
+    monkeypatch.setattr(K, "get_function", lambda variant, name, smem=None: SimpleNamespace(
+        variant=variant, name=name, smem=smem, occupancy=lambda threads: 11 if name.endswith(", 0>") else 6))
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 2)
     x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
-    for rows, blocks in ((128, 12), (12, 3)):
-        launches.clear()
-        w = _qmatrix("Q4_K", rows, 512)
-        q8_matmul.q8x_launches([w], x, [Dev((2, rows))], xq, xd, xs, mode=0, quantize=False)
+    for one, g, per_sm in ((False, 1, 6), (True, 0, 11)):
+        monkeypatch.setattr(md, "GEMV_ONE_OPERAND", one)
+        for rows in (128, 12, 200):
+            launches.clear()
+            w = _qmatrix("Q4_K", rows, 512)
+            q8_matmul.q8x_launches([w], x, [Dev((2, rows))], xq, xd, xs, mode=0, quantize=False)
+            (gemv,) = launches
+            assert gemv.fn.name == f"dense_gemv_q8x_r<12, 2, {g}>"
+            assert gemv.grid == (min(-(-rows // K.Q8X_SWARPS), 2 * per_sm), 1, 1)
+            assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
+        launches.clear()   # gated: the every-mode instance, its occupancy, whatever the flag
+        q8_matmul.q8x_launches([w, _qmatrix("Q4_K", 200, 512)], x, [Dev((2, 200))], xq, xd, xs, mode=2, quantize=False)
         (gemv,) = launches
-        assert gemv.fn.name == "dense_gemv_q8x_r<12, 2, 1>" and gemv.grid == (blocks, 1, 1)
-        assert gemv.block == (32 * K.Q8X_SWARPS, 1, 1)
+        assert gemv.fn.name == "dense_gemv_q8x_r<12, 2, 1>" and gemv.grid == (2 * 6, 1, 1)
     assert q8_matmul.q8x_launches([_qmatrix("Q4_0", 16, 512)], x, [Dev((2, 16))], xq, xd, xs, mode=0,
                                   quantize=False, form="ring") is None
     assert {"dense_gemv_q8x_r<14, 4, 0>", "dense_gemv_q8x_r<14, 4, 1>"} <= set(K.dense_q8x_variant(14).names)

@@ -102,7 +102,8 @@ def build_parser() -> Parser:
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")
     p.add_argument("--no-warmup", action="store_true",
-                   help="skip the untimed warm-up runs before each test (on a GPU the prompt twice)")
+                   help="skip the untimed warm-up runs before each test (a repetition's work until it runs "
+                        "as the next will: on a GPU its prompt twice)")
     p.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     multi_gpu.add_args(p, add_list)
