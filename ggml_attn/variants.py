@@ -308,7 +308,7 @@ def dense_q_variant(type_id: int) -> Variant:
                     f"dense_get_rows_q<{type_id}>"))
 
 
-MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope")
+MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope", "xp_rope_store")
 
 
 def model_ops_variant() -> Variant:

@@ -195,6 +195,15 @@ class KVTensors:
         out_alloc(st, f"store_kv_l{il}")
         return st, st
 
+    def store_arrays(self, il: int):
+        """``(K, V)`` of layer ``il`` as arrays of rows, numpy order ``(kv_size * n_stream,
+        n_embd_gqa)`` F16/F32 (row ``r`` is the plan's ``row_idx`` value ``r``), for an op that
+        stores the ubatch's K/V itself (``xp_ops.rope_store``); None unless both caches are float
+        (the block types' quantization stays in the store op)."""
+        if not all(t in HOST_STORE_TYPES for t in self.types):
+            return None
+        return tuple(s[il].reshape(-1, s.shape[-1]) for s in self.storage)
+
     def _get(self, ctx, kind: str, il: int, s0: int, n_kv: int, n_stream: int, after):
         d = self.geom[kind][2]
         # a view of the set_rows node orders attention after the store; the custom store node

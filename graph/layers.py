@@ -79,13 +79,17 @@ def softmax_attention(b, q, k, v, mask):
 
 def attention(b, il: int, q_cur, k_cur, v_cur):
     """Store ``k_cur``/``v_cur`` in the cache, attend ``q_cur [D, n_head, n_tokens]`` over the
-    ubatch's K/V; returns ``[head_dim_v, n_head, n_tps, n_stream]`` F32."""
+    ubatch's K/V; returns ``[head_dim_v, n_head, n_tps, n_stream]`` F32. ``k_cur`` and ``v_cur``
+    None: the node that made ``q_cur`` stored them already (``xp_ops.rope_store``: attention,
+    which reads ``q_cur``, runs after it)."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
-    st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
-    b.expand(st_k)
-    if st_v is not st_k:   # (all-custom: one store node for both; expanding it again adds nothing)
-        b.expand(st_v)
+    st_k = st_v = None
+    if k_cur is not None or v_cur is not None:
+        st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
+        b.expand(st_k)
+        if st_v is not st_k:   # (all-custom: one store node for both; expanding it again adds nothing)
+            b.expand(st_v)
     qc = q_cur.contents
     q4 = ggml.ggml_view_4d(b.ctx, q_cur, cfg.head_dim_k, cfg.n_head, n_tps, ns,
                            qc.nb[1], qc.nb[2], qc.nb[2] * n_tps, 0)

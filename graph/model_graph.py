@@ -57,6 +57,12 @@ __all__ = ["ModelInputs", "input_values", "model_inputs", "embed", "model_layer"
            "output_rows"]
 
 GGML_TYPE_I32 = 26
+# All-custom graphs on F16/F32 caches: the layer's Q/K rope and its K/V store as one node
+# (xp_ops.rope_store, one launch of cuda/model_ops.cu's xp_rope_store) instead of a rope node and
+# a store node (one launch a layer fewer: the store took 3.4 us of a 105 us one-token layer on
+# the H200, bench/results/2026-12-06-bb0e9e4-h200-gemv-run/step.json). Off until measured
+# (predicted: tg128 +2-3%; bench/NOTES.md, thirteenth session).
+ROPE_STORE = False
 
 
 @dataclass
@@ -258,11 +264,17 @@ def _model_layer_custom(b, il: int, x):
     if "q_norm" in w:   # qwen3: each head RMS-normalized
         q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim_k)
         k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim_k)
-    q, k = xp_ops.rope(b, [q, k], inp.positions, hp, ff, [w.get("bq"), w.get("bk")], f"qk_rope_l{il}")  # [D, n_head(_kv), n_tok]
-    k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
-    if "bv" in w:
-        v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
-    att = attention(b, il, q, k, v)
+    store = b.kv.store_arrays(il) if ROPE_STORE else None
+    if store is not None:   # Q rotated; K rotated and V stored into the cache by the same node
+        q = xp_ops.rope_store(b, q, k, v, inp.positions, hp, store, b.row_idx, ff,
+                              (w.get("bq"), w.get("bk"), w.get("bv")), f"qk_rope_kv_store_l{il}")
+        att = attention(b, il, q, None, None)
+    else:
+        q, k = xp_ops.rope(b, [q, k], inp.positions, hp, ff, [w.get("bq"), w.get("bk")], f"qk_rope_l{il}")  # [D, n_head(_kv), n_tok]
+        k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
+        if "bv" in w:
+            v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
+        att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
 
     def add_projection(wkey, h, post, what):   # x += w·h, or gemma2's x += rms_norm(w·h) * post

@@ -8,6 +8,8 @@ computing), besides the full block's matmuls (``xp_matmul``):
 * :func:`rope`: an optional bias add, then ggml's ``rope_ext`` (normal or NEOX pairs, frequency
   factors, linear scaling; no YaRN) of a layer's Q and K in one node -> F32 ``[head_dim_k,
   n_head, n_tokens]`` views;
+* :func:`rope_store`: :func:`rope` of Q, and of K with V written straight into F16/F32 KV cache
+  rows (the K/V store fused: one node, one ``xp_rope_store`` launch) -> Q's F32 view;
 * :func:`add_bias`: ``t += bias`` in place;
 * :func:`add_into`: ``x += y`` in place; the node's result is ``x``'s memory;
 * :func:`scale_into`: ``x *= s`` in place (gemma's embedding scale);
@@ -25,7 +27,7 @@ import numpy as np
 from .xp_matmul import _is_q
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
-__all__ = ["add_into", "scale_into", "softcap_into", "get_rows", "rope", "add_bias", "rope_theta_scale"]
+__all__ = ["add_into", "scale_into", "softcap_into", "get_rows", "rope", "rope_store", "add_bias", "rope_theta_scale"]
 
 
 def add_into(b, x_t, y_t, name: str):
@@ -196,6 +198,76 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
     base = b.ptr(flat)
     node = _custom(b, run, [*ts, positions], flat.reshape(1, -1), name, ptr=base)
     return _views(b, node, outs, base, name)   # (outs: flat's parts, in order)
+
+
+def rope_store(b, q, k, v, positions, hp, store, row_idx, freq_factors=None, biases=None, name: str = "rope_store"):
+    """:func:`rope` of ``q`` (F32 ``[n_head * head_dim_k, n_tok]`` or ``[head_dim_k, n_head,
+    n_tok]``) into a tensor of its own, and of ``k`` (the same with ``n_head_kv``), whose rotated
+    rows go -- with ``v``'s (F32 ``[n_embd_v, n_tok]``) -- straight into the KV cache as the store
+    op would put them (``kv_graph``: row ``row_idx[t]`` (I64 tensor ``[n_tok]``) of ``store``,
+    ``KVTensors.store_arrays``' F16/F32 ``(K, V)`` rows; F16 rounded to nearest). ``biases``:
+    ``(bq, bk, bv)`` xp F32 (or None each). One node (one ``xp_rope_store`` launch on the device,
+    instead of a rope and a store); returns Q rotated, F32 ``[head_dim_k, n_head, n_tok]``, a
+    view of the node. Attention reads the cache after it (it reads the returned Q)."""
+    xp = b.xp
+    bq, bk, bv = biases if biases is not None else (None, None, None)
+    D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
+    if n_dims % 2 or n_dims > D:
+        raise ValueError(f"{name}: rope_dim {n_dims} with head_dim_k {D}")
+    xq, xk, xv = (b.array(t) for t in (q, k, v))
+    ck, cv = store
+    n_tok = xq.shape[0]
+    if any(a.shape[0] != n_tok for a in (xk, xv)) or xq.size % (n_tok * D) or xk.size % (n_tok * D):
+        raise ValueError(f"{name}: Q {xq.shape}, K {xk.shape}, V {xv.shape} with head_dim_k {D}")
+    nh_q, nh_k, n_v = xq.size // (n_tok * D), xk.size // (n_tok * D), xv.size // n_tok
+    if ck.ndim != 2 or cv.ndim != 2 or ck.shape[1] != nh_k * D or cv.shape[1] != n_v or ck.dtype.kind != "f" \
+            or cv.dtype.kind != "f" or ck.dtype.itemsize not in (2, 4) or cv.dtype.itemsize not in (2, 4):
+        raise ValueError(f"{name}: cache rows {ck.shape} {ck.dtype} / {cv.shape} {cv.dtype} for K rows of "
+                         f"{nh_k * D} and V rows of {n_v} values (F16 or F32)")
+    for bias, n in ((bq, nh_q * D), (bk, nh_k * D), (bv, n_v)):
+        if bias is not None and bias.shape != (n,):
+            raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({n},)")
+    if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
+        raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
+    neox = int(hp.rope_mode) == _rope_neox()
+    pos, rows = b.array(positions).reshape(-1), b.array(row_idx).reshape(-1)
+    yq = b.scratch((n_tok, nh_q, D), np.float32)
+    ts_, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
+    b.keep(*(a for a in (xq, xk, xv, pos, rows, freq_factors, bq, bk, bv, ck, cv) if a is not None))
+    if xp is not np:
+        _contig(name, xq, xk, xv, yq, pos, rows, ck, cv, freq_factors, bq, bk, bv)
+        n_q, n_k = n_tok * nh_q * D, n_tok * nh_k * D
+        run = _model_launch("xp_rope_store", n_q + n_k + xv.size,
+                            _dptr(xq), _dptr(yq), _dptr(bq), ctypes.c_int32(nh_q), ctypes.c_int64(n_q),
+                            _dptr(xk), _dptr(bk), ctypes.c_int32(nh_k), ctypes.c_int64(n_k),
+                            _dptr(xv), _dptr(bv), ctypes.c_int32(n_v), ctypes.c_int64(xv.size),
+                            _dptr(ck), ctypes.c_int32(ck.dtype.itemsize == 2), _dptr(cv),
+                            ctypes.c_int32(cv.dtype.itemsize == 2), _dptr(rows), _dptr(pos), _dptr(freq_factors),
+                            ctypes.c_int32(D), ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_),
+                            ctypes.c_float(fs))
+    else:
+        yk = b.scratch((n_tok, nh_k, D), np.float32)
+        vb = b.scratch((n_tok, n_v), np.float32) if bv is not None else None
+        b.keep(*(a for a in (yk, vb) if a is not None))
+        steps = [_rope_numpy(b, x.reshape(n_tok, nh, D), o, pos, n_dims, neox, ts_, fs, freq_factors,
+                             None if bias is None else bias.reshape(nh, D))
+                 for x, o, nh, bias in ((xq, yq, nh_q, bq), (xk, yk, nh_k, bk))]
+
+        def store():   # the store op's numpy form: cast on assignment
+            ck[rows] = yk.reshape(n_tok, -1)
+            if vb is None:
+                cv[rows] = xv.reshape(n_tok, -1)
+            else:
+                np.add(xv.reshape(n_tok, -1), bv, out=vb)
+                cv[rows] = vb
+        run = _then(*steps, store)
+    node = _custom(b, run, [q, k, v, positions, row_idx], yq.reshape(1, -1), name, ptr=b.ptr(yq))
+    return _views(b, node, [yq], b.ptr(yq), name)[0]
+
+
+def _rope_neox() -> int:
+    from .model import ROPE_NEOX  # noqa: PLC0415
+    return ROPE_NEOX
 
 
 def _rope_numpy(b, x3, o3, pos, n_dims: int, neox: bool, ts, fs, ff, bias2):

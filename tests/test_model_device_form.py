@@ -333,6 +333,86 @@ def test_rope_refuses_bad_input():
         _free(b)
 
 
+# ------------------------------------------------------------------ the fused rope and K/V store
+def _run_fused_or_not(m, c, batch, fused, monkeypatch, **kw):
+    from ggml_attn.graph import model_graph
+    monkeypatch.setattr(model_graph, "ROPE_STORE", fused)
+    return run_model_batch(c, batch, m, 8, "equal", logits="all", **kw)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("unified", [True, False])
+def test_rope_store_gives_the_rope_and_store_bits(gguf_dir, name, unified, monkeypatch):
+    """model_graph.ROPE_STORE (xp_ops.rope_store: Q rotated, K rotated and V -- with qwen2's V
+    bias -- written into the cache rows by one node): on the all-custom graph's numpy path the
+    same logits and the same cache bits as a rope node and a store node, prompts then a decode
+    step; and the graph has the fused node instead of those."""
+    m = model_of(name, gguf_dir)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, m.hp.n_vocab, n).astype(np.int32) for n in (5, 1, 12, 7)]
+    batch = Batch.from_sequences(prompts, [0, 1, 2, 3])
+    ids = [0, 1, 2, 3]
+    out = {}
+    for fused in (False, True):
+        c = cache_for(m, unified)
+        got = _run_fused_or_not(m, c, batch, fused, monkeypatch, all_custom=True)
+        pos = c.next_positions(ids)
+        step = Batch(np.array([3, 17, 250, 64], dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
+                     tuple((s,) for s in ids))
+        got2 = _run_fused_or_not(m, c, step, fused, monkeypatch, all_custom=True)
+        out[fused] = (got.logits, got2.logits, c.k.copy(), c.v.copy())
+    for a, b in zip(out[False], out[True]):
+        assert np.isfinite(a).all() and a.any() and np.array_equal(a, b)
+    # the graph: one fused node a layer, no rope node, no store node
+    from ggml_attn.graph import model_graph
+    monkeypatch.setattr(model_graph, "ROPE_STORE", True)
+    c = cache_for(m, unified)
+    (ub, *_) = split_ubatches(batch, 16, "equal")
+    g = build_ubatch_graph(c, plan_ubatch(c, ub), m.attn_config(), layer="model", model=m, tokens=batch.tokens,
+                           out_rows=output_rows(ub, np.ones(batch.n_tokens, dtype=bool)), all_custom=True)
+    try:
+        names = {ggml.ggml_get_name(ggml.ggml_graph_node(g.graph, i)).decode() for i in range(ggml.ggml_graph_n_nodes(g.graph))}
+        assert {"qk_rope_kv_store_l0", "qk_rope_kv_store_l1"} <= names
+        assert not any(n.startswith(("qk_rope_l", "store_kv_l", "v_bias_l")) for n in names), names
+    finally:
+        g.free()
+
+
+def test_rope_store_keeps_the_store_op_for_block_caches_and_refuses_bad_input(gguf_dir, monkeypatch):
+    """Quantized caches keep the store op (its quantization): KVTensors.store_arrays is None for
+    them; rope_store refuses mismatched shapes, caches and biases."""
+    from ggml_attn.graph.kv_graph import kv_tensors
+    m = model_of("llama", gguf_dir)
+    hp = m.hp
+    kv = kv_tensors(KVCache(256, 2, unified=True, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
+                            head_dim_k=hp.head_dim_k, type_k="q8_0", type_v="f16"))
+    assert kv.store_arrays(0) is None
+    c = cache_for(m, True)
+    ck, cv = kv_tensors(c).store_arrays(1)
+    assert ck.shape == (c.kv_size * c.n_stream, hp.n_head_kv * hp.head_dim_k) and ck.base is not None
+    assert np.shares_memory(ck, c.k[1]) and np.shares_memory(cv, c.v[1])
+    D = hp.head_dim_k
+    rp = _hp(D, D, ROPE_NORMAL, 10000.0, 1.0)
+    b = _builder()
+    try:
+        q = b.new(ggml.GGML_TYPE_F32, (3, 2 * D), np.float32, "q", np.zeros((3, 2 * D), np.float32))
+        k = b.new(ggml.GGML_TYPE_F32, (3, hp.n_head_kv * D), np.float32, "k", np.zeros((3, hp.n_head_kv * D), np.float32))
+        v = b.new(ggml.GGML_TYPE_F32, (3, hp.n_head_kv * D), np.float32, "v", np.zeros((3, hp.n_head_kv * D), np.float32))
+        v2 = b.new(ggml.GGML_TYPE_F32, (2, hp.n_head_kv * D), np.float32, "v2", np.zeros((2, hp.n_head_kv * D), np.float32))
+        pt = b.new(GGML_TYPE_I32, (3,), np.int32, "pos", np.arange(3, dtype=np.int32))
+        rt = b.new(ggml.GGML_TYPE_I64, (3,), np.int64, "rows", np.arange(3, dtype=np.int64))
+        with pytest.raises(ValueError, match="Q .* K .* V"):
+            xp_ops.rope_store(b, q, k, v2, pt, rp, (ck, cv), rt)
+        with pytest.raises(ValueError, match="cache rows"):
+            xp_ops.rope_store(b, q, k, v, pt, rp, (ck[:, :D], cv), rt)
+        with pytest.raises(ValueError, match="cache rows"):
+            xp_ops.rope_store(b, q, k, v, pt, rp, (ck.astype(np.int16), cv), rt)
+        with pytest.raises(ValueError, match="bias of shape"):
+            xp_ops.rope_store(b, q, k, v, pt, rp, (ck, cv), rt, None, (None, None, np.zeros(3, np.float32)))
+    finally:
+        _free(b)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 def test_get_rows_matches_ggml(dtype):
     rng = np.random.default_rng(3)
@@ -419,6 +499,39 @@ def test_cupy_device_form_matches_host(gguf_dir, name, mode, unified):
     got = run_model_batch(dev_c, step, m, 8, mode)
     _check(got.logits, ref.logits, name)
     print(f"{name} {mode} unified={unified}: decode NMSE {nmse(got.logits, ref.logits):.3g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("unified, type_kv", [(True, "f16"), (False, "f16"), (True, "f32")])
+def test_cupy_rope_store_gives_the_rope_and_store_bits(gguf_dir, name, unified, type_kv, monkeypatch):
+    """xp_rope_store (model_graph.ROPE_STORE) on the GPU: the cache bits, the prompt logits and a
+    decode step's logits equal to those of xp_rope then dense_kv_store (the same rotation,
+    __float2half_rn in both), F16 and F32 caches."""
+    import cupy
+    m = model_of(name, gguf_dir)
+    hp = m.hp
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, hp.n_vocab, n).astype(np.int32) for n in (5, 1, 12, 7)]
+    batch = Batch.from_sequences(prompts, [0, 1, 2, 3])
+    ids = [0, 1, 2, 3]
+    out = {}
+    for fused in (False, True):
+        c = KVCache(256, 4, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv, head_dim_k=hp.head_dim_k,
+                    type_k=type_kv, type_v=type_kv, xp="cupy")
+        c.k.fill(np.nan), c.v.fill(np.nan)   # (poisoned: a cell the store misses stays NaN)
+        got = _run_fused_or_not(m, c, batch, fused, monkeypatch)
+        pos = c.next_positions(ids)
+        step = Batch(np.array([3, 17, 250, 64], dtype=np.int32), np.array([pos[s] for s in ids], dtype=np.int32),
+                     tuple((s,) for s in ids))
+        got2 = _run_fused_or_not(m, c, step, fused, monkeypatch)
+        cupy.cuda.get_current_stream().synchronize()
+        out[fused] = (got.logits, got2.logits, c.k.get(), c.v.get())
+    for a, b in zip(out[False][:2], out[True][:2]):
+        assert np.isfinite(a).all() and np.array_equal(a, b)
+    for a, b in zip(out[False][2:], out[True][2:]):   # every cell: NaN where nothing was stored, in both
+        assert np.array_equal(a, b, equal_nan=True) and np.isfinite(a).any()
 
 
 # ------------------------------------------------ every architecture against llama.cpp

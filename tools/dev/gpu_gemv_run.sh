@@ -15,8 +15,9 @@
 #      variant; default the A/B's "all") -> $OUT/step-<name>.json
 #   4. tg128 with the shipped GEMV routing against each of AB_VARIANTS (knob_ab --variant
 #      arguments, ';'-separated; default: modes 0 / 1 through the one-operand instances
-#      (GEMV_ONE_OPERAND), the ring form for every type it reads, both; tools/dev/knob_ab.py, 2
-#      alternating rounds) -> $OUT/ab_gemv.json
+#      (GEMV_ONE_OPERAND), the ring form for every type it reads, the rope and K/V store as one
+#      node (graph.model_graph.ROPE_STORE), all three; tools/dev/knob_ab.py, 2 alternating
+#      rounds) -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -29,7 +30,8 @@ trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
 INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
 RING="matmul_dispatch.Q8XR_TYPES=('Q4_K','Q5_K','Q6_K','Q8_0')" ONE="matmul_dispatch.GEMV_ONE_OPERAND=True"
-AB_VARIANTS=${AB_VARIANTS-"one:$ONE;ring:$RING;all:$RING,$ONE"}
+RS="graph.model_graph.ROPE_STORE=True"
+AB_VARIANTS=${AB_VARIANTS-"one:$ONE;ring:$RING;rope-store:$RS;all:$RING,$ONE,$RS"}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;

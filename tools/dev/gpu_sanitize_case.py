@@ -8,8 +8,9 @@ the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / 
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
 of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
-dequantization; the row gather).
-With --dense-q only the weight-block matmuls. Exits non-zero if any result misses the reference."""
+dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store).
+With --dense-q only the weight-block matmuls and the fused store. Exits non-zero if any result
+misses the reference."""
 from __future__ import annotations
 
 import sys
@@ -28,8 +29,8 @@ def main():
     import cupy as cp
     rng = np.random.default_rng(0)
     bad = 0
-    if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only
-        sys.exit(1 if _dense_q(cp, rng) else 0)
+    if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only (and the fused store)
+        sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) else 0)
     # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
     # sequences: FULL tiles and PARTIAL tiles from row intervals), "finite" (MASKED tiles marked
     # FINITE, the tail's mask tile read -inf past n_kv), None (tail tile only)
@@ -289,6 +290,46 @@ def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, g
     form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
     print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {'gated' if gated else 'one'}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
+
+
+def _rope_store(cp, rng) -> int:
+    """cuda/model_ops.cu's xp_rope_store (NEOX pairs, partial rotation, biases) against xp_rope
+    then the rows stored by hand: Q bit-equal, the F16 / F32 cache rows bit-equal at the tokens'
+    rows (scattered, not in order), every other row left as poisoned. Failures."""
+    import ctypes
+
+    from ggml_attn import kernels as K
+    d = lambda a: ctypes.c_uint64(0 if a is None else a.data.ptr)   # noqa: E731
+    n_tok, nh_q, nh_k, D, n_dims = 5, 4, 2, 64, 48
+    pos = cp.asarray(rng.integers(0, 4000, n_tok).astype(np.int32))
+    rows = cp.asarray(np.array([9, 2, 14, 0, 7], dtype=np.int64))
+    xq, xk = (cp.asarray(rng.standard_normal((n_tok, nh, D)).astype(np.float32)) for nh in (nh_q, nh_k))
+    xv = cp.asarray(rng.standard_normal((n_tok, nh_k * D)).astype(np.float32))
+    bq, bk, bv = (cp.asarray(rng.standard_normal(n).astype(np.float32)) for n in (nh_q * D, nh_k * D, nh_k * D))
+    ff = cp.asarray(rng.uniform(0.5, 2.0, n_dims // 2).astype(np.float32))
+    ts, fs, bad = np.float32(10000.0) ** np.float32(-2.0 / n_dims), np.float32(0.5), 0
+    tail = (ctypes.c_int32(D), ctypes.c_int32(n_dims), ctypes.c_int32(1), ctypes.c_float(ts), ctypes.c_float(fs))
+    yq, yk = cp.empty_like(xq), cp.empty_like(xk)
+    K.grid_launch(K.get_function(K.model_ops_variant(), "xp_rope"), yq.size + yk.size,
+                  d(xq), d(yq), d(bq), ctypes.c_int32(nh_q), ctypes.c_int64(xq.size),
+                  d(xk), d(yk), d(bk), ctypes.c_int32(nh_k), ctypes.c_int64(xk.size), d(pos), d(ff), *tail)()
+    for dtype in (np.float16, np.float32):
+        ck, cv = (cp.full((16, nh_k * D), np.nan, dtype) for _ in range(2))
+        gq = cp.full_like(xq, np.nan)
+        K.grid_launch(K.get_function(K.model_ops_variant(), "xp_rope_store"), xq.size + xk.size + xv.size,
+                      d(xq), d(gq), d(bq), ctypes.c_int32(nh_q), ctypes.c_int64(xq.size),
+                      d(xk), d(bk), ctypes.c_int32(nh_k), ctypes.c_int64(xk.size),
+                      d(xv), d(bv), ctypes.c_int32(nh_k * D), ctypes.c_int64(xv.size),
+                      d(ck), ctypes.c_int32(dtype == np.float16), d(cv), ctypes.c_int32(dtype == np.float16),
+                      d(rows), d(pos), d(ff), *tail)()
+        cp.cuda.get_current_stream().synchronize()
+        want_k, want_v = (cp.full((16, nh_k * D), np.nan, dtype) for _ in range(2))
+        want_k[rows] = yk.reshape(n_tok, -1).astype(dtype)
+        want_v[rows] = (xv + bv).astype(dtype)
+        ok = all(np.array_equal(a.get(), b.get(), equal_nan=True) for a, b in ((gq, yq), (ck, want_k), (cv, want_v)))
+        bad += not ok
+        print(f"xp_rope_store {np.dtype(dtype).name} cache: {'ok' if ok else 'FAIL'}")
+    return bad
 
 
 def _dense_q(cp, rng) -> int:
