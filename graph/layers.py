@@ -84,8 +84,10 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     which reads ``q_cur``, runs after it)."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
+    if (k_cur is None) != (v_cur is None):
+        raise ValueError(f"attention layer {il}: K and V are stored together (both given, or neither: stored already)")
     st_k = st_v = None
-    if k_cur is not None or v_cur is not None:
+    if k_cur is not None:
         st_k, st_v = b.kv.cpy_kv(b.ctx, il, k_cur, v_cur, b.row_idx, all_custom=b.device, out_alloc=b.result)
         b.expand(st_k)
         if st_v is not st_k:   # (all-custom: one store node for both; expanding it again adds nothing)

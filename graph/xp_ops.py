@@ -231,6 +231,8 @@ def rope_store(b, q, k, v, positions, hp, store, row_idx, freq_factors=None, bia
         raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
     neox = int(hp.rope_mode) == _rope_neox()
     pos, rows = b.array(positions).reshape(-1), b.array(row_idx).reshape(-1)
+    if pos.shape != (n_tok,) or rows.shape != (n_tok,):
+        raise ValueError(f"{name}: {pos.size} positions and {rows.size} cache rows for {n_tok} tokens")
     yq = b.scratch((n_tok, nh_q, D), np.float32)
     ts_, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
     b.keep(*(a for a in (xq, xk, xv, pos, rows, freq_factors, bq, bk, bv, ck, cv) if a is not None))

@@ -409,6 +409,9 @@ def test_rope_store_keeps_the_store_op_for_block_caches_and_refuses_bad_input(gg
             xp_ops.rope_store(b, q, k, v, pt, rp, (ck.astype(np.int16), cv), rt)
         with pytest.raises(ValueError, match="bias of shape"):
             xp_ops.rope_store(b, q, k, v, pt, rp, (ck, cv), rt, None, (None, None, np.zeros(3, np.float32)))
+        rt2 = b.new(ggml.GGML_TYPE_I64, (2,), np.int64, "rows2", np.arange(2, dtype=np.int64))
+        with pytest.raises(ValueError, match="2 cache rows for 3 tokens"):
+            xp_ops.rope_store(b, q, k, v, pt, rp, (ck, cv), rt2)
     finally:
         _free(b)
 

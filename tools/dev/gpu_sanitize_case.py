@@ -197,6 +197,7 @@ def main():
         cuda_launch.DECODE_TMA_BLOCKS = 0
         bad += _quantized(cp, rng, m)
     bad += _dense_q(cp, rng)
+    bad += _rope_store(cp, rng)
     sys.exit(1 if bad else 0)
 
 
