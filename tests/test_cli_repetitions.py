@@ -98,8 +98,9 @@ def test_tqdm_is_a_dependency():
     assert '"tqdm' in deps
 
 
-def test_warmup_runs_each_row_once_untimed(capsys, monkeypatch):
-    """--warmup: one untimed run of each row before its repetitions (the samples stay -r's)."""
+def test_warmup_runs_each_row_untimed_until_steady(capsys, monkeypatch):
+    """--warmup: untimed runs of each row before its repetitions (the samples stay -r's), as many
+    as the engine needs (Runner.runs_to_steady: one on the CPU, two on a GPU)."""
     calls = []
     real = batched_bench.run_row
 
@@ -115,3 +116,9 @@ def test_warmup_runs_each_row_once_untimed(capsys, monkeypatch):
     calls.clear()
     assert batched_bench.main(["-npp", "8", "-npl", "1", "-ntg", "2", "-o", "jsonl"] + FAST) == 0
     assert calls == [1], "no row warm-up by default"
+    # as many untimed runs as the engine needs for a prompt to run as the next will (a GPU's: 2)
+    from ggml_attn.cli.runner import Runner
+    monkeypatch.setattr(Runner, "runs_to_steady", lambda self, decode_step: 1 if decode_step else 2)
+    calls.clear()
+    assert batched_bench.main(["-npp", "8", "-npl", "1,2", "-ntg", "2", "-r", "1", "-o", "jsonl", "--warmup"] + FAST) == 0
+    assert calls == [1, 1, 1, 2, 2, 2]

@@ -196,3 +196,26 @@ def test_help_names_the_columns(capsys):
         serve_bench.build_parser().parse_args(["--help"])
     text = capsys.readouterr().out
     assert "TTFT" in text and "--prompt-budget" in text and "llama-server" in text
+
+
+def test_warmup_serves_the_trace_until_the_engine_is_steady(capsys, monkeypatch):
+    """--warmup: the row's trace served untimed as many times as the engine needs before a run
+    of a prompt shape is like every later one (Runner.runs_to_steady: 1 on the CPU, 2 on a GPU:
+    a prompt shape is captured at its second run), then -r timed passes; none without it."""
+    from ggml_attn.cli.runner import Runner
+    from ggml_attn.graph import serve as serve_mod
+    passes = []
+    real = serve_mod.serve
+
+    def counting(reqs, *a, **kw):
+        passes.append(len(reqs))
+        return real(reqs, *a, **kw)
+    monkeypatch.setattr(serve_mod, "serve", counting)
+    args = ["--rate", "50", "-n", "3", "--gen-dist", "2", "--prompt-dist", "4-9", "-o", "jsonl"]
+    for steady, warmup, want in ((1, True, 1 + 2), (2, True, 2 + 2), (2, False, 2)):
+        monkeypatch.setattr(Runner, "runs_to_steady", lambda self, decode_step, n=steady: 1 if decode_step else n)
+        passes.clear()
+        rc, out, err = _run(capsys, *args, "-r", "2", *(["--warmup"] if warmup else []))
+        assert rc == 0, err
+        (row,) = _rows(out)
+        assert len(passes) == want and row["warmup"] is warmup and row["n_requests"] == 3

@@ -125,10 +125,10 @@ def build_parser() -> Parser:
                    help="times to run each row; with N > 1 speeds are mean ± stddev as in llama-bench "
                         "(default: 1)")
     p.add_argument("--warmup", action="store_true",
-                   help="run each row once untimed before its repetitions, so that its ubatch "
-                        "shapes' graphs are built (and captured) as in a server that has seen them; "
-                        "default: only llama-batched-bench's 16-token warm-up, the first repetition "
-                        "pays for them")
+                   help="run each row untimed before its repetitions until its ubatch shapes' graphs "
+                        "are built and captured, as in a server that has seen them (on a GPU twice: a "
+                        "prompt shape is captured at its second run); default: only llama-batched-bench's "
+                        "16-token warm-up, the first repetitions pay for them")
     p.add_argument("--progress", action="store_true",
                    help="print llama-bench's progress lines on stderr (without it a progress bar "
                         "shows when stderr is a terminal)")
@@ -358,7 +358,7 @@ def _run(ns, rows, splits, runner_for, model, device, cells, n_seq_max: int) -> 
                 what = f"{row_label(row)} split={split}"
                 progress(idx, f"starting {what}")
                 runner = runner_for(split)
-                if ns.warmup:
+                for _ in range(runner.runs_to_steady(decode_step=False) if ns.warmup else 0):
                     progress(idx, f"warm-up run of {what}")
                     run_row(runner, row, ns.pps, ns.tgs)
                 samples = []

@@ -28,6 +28,12 @@ class ProgressBar:
             self.bar.set_postfix_str(what, refresh=False)
             self.bar.update(1)
 
+    def add(self, n: int) -> None:
+        """``n`` more runs to do than the total said (a count known later)."""
+        if n and self.enabled:
+            self.bar.total += n
+            self.bar.refresh()
+
     def close(self) -> None:
         self.bar.close()
 

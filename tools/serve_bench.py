@@ -106,8 +106,9 @@ def build_parser() -> Parser:
     p.add_argument("-r", "--repetitions", type=int_at_least(1, hi=1000), default=1, metavar="N",
                    help="serve the trace N times per row; latencies pooled, rates averaged (default: 1)")
     p.add_argument("--warmup", action="store_true",
-                   help="serve each row's trace once untimed first (its step shapes built and captured, "
-                        "as in a server that has seen such traffic); default: one short warm-up per strategy")
+                   help="serve each row's trace untimed first until its step shapes are built and captured, "
+                        "as in a server that has seen such traffic (on a GPU twice: a prompt shape is captured "
+                        "at its second run); default: one short warm-up per strategy")
     p.add_argument("-o", "--output", "--output-format", choices=fs.FORMATS, default="md",
                    help="output format on stdout: md, csv, json or jsonl (default: md)")
     p.add_argument("--plot", metavar="OUT.png", default=None,
@@ -262,6 +263,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
             step_fn = make_step_fn(runner, ns.layer == "model", n_vocab)
             verbose.runner(runner)
             runner.warm_up()
+            warm = runner.runs_to_steady(decode_step=False) if ns.warmup else 0   # untimed passes of a row
+            bar.add((warm - int(ns.warmup)) * sum(len(reqs) for _, reqs in served) * len(budgets))
             for rate, reqs in served:
                 for budget in budgets:
                     idx += 1
@@ -270,7 +273,7 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                             f"budget {budget or 'whole'}")
                     progress(idx, f"starting {what}")
                     runs = []
-                    for rep in range(reps):
+                    for rep in range(warm + ns.repetitions):
                         runner.clear()
                         sched = Scheduler(runner.cache, n_slots, n_batch=ns.batch_size, prompt_budget=budget,
                                           pos_limit=runner.attn_config().pos_limit)
@@ -281,7 +284,7 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                             print(f"{PROG}: {what}: {len(refused)} of {len(reqs)} request(s) refused, the "
                                   f"others served: {refused[0].refused}" + (" (and more)" if len(refused) > 1 else ""),
                                   file=sys.stderr, flush=True)
-                        if ns.warmup and rep == 0:
+                        if rep < warm:
                             continue
                         runs.append(dict(requests=[copy.copy(r) for r in reqs], stats=stats))
                     row = fs.row_of(runs, dict(
