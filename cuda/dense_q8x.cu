@@ -57,22 +57,6 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
     pdl_wait();
 }
 
-// One sub-block of 32 activations (dense_quant_q8x's), lane j holding v = the j-th: d = max|v| /
-// 127, q = round(v / d) (0 where d is 0) into *q (lane j's), d and the sum of the q into *d and
-// *s (lane 0). Every lane of the warp calls it.
-__device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, float* s) {
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float dd = amax / 127.0f;
-    const int qq = dd > 0.0f ? __float2int_rn(v / dd) : 0;
-    int sum = qq;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    *q = (signed char)qq;
-    if ((threadIdx.x & 31) == 0) *d = dd, *s = (float)sum;
-}
-
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
 // of token blockIdx.y -- v = x * g * scale, d = max|v| / 127, q = round(v / d) (0 where d is 0),
 // xs = sum of q -- after, with eps > 0, every block reduced the token's whole row for the RMS
@@ -106,8 +90,20 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
     const int n_sub = n_in / 32, s = 8 * blockIdx.x + warp;
     if (s >= n_sub) return;
     const int k = 32 * s + lane;
-    q8x_quant32(xr[k] * (g ? g[k] : 1.0f) * scale, xq + (long long)t * n_in + k, xd + (long long)t * n_sub + s,
-                xs + (long long)t * n_sub + s);
+    const float v = xr[k] * (g ? g[k] : 1.0f) * scale;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    int sum = q;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    xq[(long long)t * n_in + k] = (signed char)q;
+    if (lane == 0) {
+        xd[(long long)t * n_sub + s] = d;
+        xs[(long long)t * n_sub + s] = (float)sum;
+    }
 }
 
 // The 32 activations of sub-block s of token t as eight int8x4 words, with their scale and sum.

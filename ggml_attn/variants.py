@@ -363,8 +363,9 @@ def dense_q8x_variant(type_id: int) -> Variant:
     (``dense_gemm_q8`` with its wide and narrow tiles: gemm_tiling, gemm_q_grid) and the
     activations' quantization."""
     wtype = next(t for t in BLOCK_TYPES if block_layout(t).type_id == type_id)
-    gemvs = tuple(dict.fromkeys(q8x_name(type_id, nt, form, g) for form, (_, tokens, _) in Q8X_FORMS.items()
-                                if q8x_form_reads(form, wtype) for nt in tokens for g in (False, True)))
+    gemvs = tuple(q8x_name(type_id, nt, form, g) for form, (_, tokens, _) in Q8X_FORMS.items()
+                  if q8x_form_reads(form, wtype) for nt in tokens
+                  for g in ((False, True) if form in Q8X_GATED_FORMS else (False,)))
     return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 

@@ -149,29 +149,16 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
     (one ``xp_rope`` launch on the device); returns F32 tensors ``[head_dim_k, n_head_i, n_tok]``,
     views ``name.i`` of its memory (each contiguous). ``ts``' arrays must be readable with
     ``b.array``: tensors with arrays of their own, e.g. views of :func:`mul_mat_group`."""
-    from .model import ROPE_NEOX  # noqa: PLC0415
     xp = b.xp
     if not 1 <= len(ts) <= 2:
         raise ValueError(f"{name}: rope takes one or two tensors, got {len(ts)}")
     biases = list(biases) if biases is not None else [None] * len(ts)
     if len(biases) != len(ts):
         raise ValueError(f"{name}: {len(biases)} biases for {len(ts)} tensors")
-    D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
-    if n_dims % 2 or n_dims > D:
-        raise ValueError(f"{name}: rope_dim {n_dims} with head_dim_k {D}")
+    D, n_dims, neox, ts_, fs = _rope_spec(hp, freq_factors, name)
     xs = [b.array(t) for t in ts]
     n_tok = xs[0].shape[0]
-    heads = []
-    for x, bias in zip(xs, biases):
-        if x.shape[0] != n_tok or x.size % (n_tok * D):
-            raise ValueError(f"{name}: rope of shape {x.shape} with head_dim_k {D} and {n_tok} tokens")
-        nh = x.size // (n_tok * D)
-        if bias is not None and bias.shape != (nh * D,):
-            raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({nh * D},)")
-        heads.append(nh)
-    if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
-        raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
-    neox = int(hp.rope_mode) == ROPE_NEOX
+    heads = [_rope_heads(x, bias, n_tok, D, name) for x, bias in zip(xs, biases)]
     pos = b.array(positions).reshape(-1)
     sizes = [n_tok * nh * D for nh in heads]
     flat = b.scratch((sum(sizes),), np.float32)
@@ -179,7 +166,6 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
     for nh, n in zip(heads, sizes):
         outs.append(flat[off:off + n].reshape(n_tok, nh, D))
         off += n
-    ts_, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
     b.keep(*(a for a in (*xs, pos, freq_factors, *biases) if a is not None))
     if xp is not np:
         _contig(name, *xs, flat, pos, freq_factors, *biases)
@@ -211,30 +197,23 @@ def rope_store(b, q, k, v, positions, hp, store, row_idx, freq_factors=None, bia
     view of the node. Attention reads the cache after it (it reads the returned Q)."""
     xp = b.xp
     bq, bk, bv = biases if biases is not None else (None, None, None)
-    D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
-    if n_dims % 2 or n_dims > D:
-        raise ValueError(f"{name}: rope_dim {n_dims} with head_dim_k {D}")
+    D, n_dims, neox, ts_, fs = _rope_spec(hp, freq_factors, name)
     xq, xk, xv = (b.array(t) for t in (q, k, v))
     ck, cv = store
     n_tok = xq.shape[0]
-    if any(a.shape[0] != n_tok for a in (xk, xv)) or xq.size % (n_tok * D) or xk.size % (n_tok * D):
-        raise ValueError(f"{name}: Q {xq.shape}, K {xk.shape}, V {xv.shape} with head_dim_k {D}")
-    nh_q, nh_k, n_v = xq.size // (n_tok * D), xk.size // (n_tok * D), xv.size // n_tok
+    if xv.shape[0] != n_tok:
+        raise ValueError(f"{name}: Q {xq.shape}, K {xk.shape}, V {xv.shape}: not the same tokens")
+    nh_q, nh_k, n_v = _rope_heads(xq, bq, n_tok, D, name), _rope_heads(xk, bk, n_tok, D, name), xv.size // n_tok
     if ck.ndim != 2 or cv.ndim != 2 or ck.shape[1] != nh_k * D or cv.shape[1] != n_v or ck.dtype.kind != "f" \
             or cv.dtype.kind != "f" or ck.dtype.itemsize not in (2, 4) or cv.dtype.itemsize not in (2, 4):
         raise ValueError(f"{name}: cache rows {ck.shape} {ck.dtype} / {cv.shape} {cv.dtype} for K rows of "
                          f"{nh_k * D} and V rows of {n_v} values (F16 or F32)")
-    for bias, n in ((bq, nh_q * D), (bk, nh_k * D), (bv, n_v)):
-        if bias is not None and bias.shape != (n,):
-            raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({n},)")
-    if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
-        raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
-    neox = int(hp.rope_mode) == _rope_neox()
+    if bv is not None and bv.shape != (n_v,):
+        raise ValueError(f"{name}: bias of shape {bv.shape}, expected ({n_v},)")
     pos, rows = b.array(positions).reshape(-1), b.array(row_idx).reshape(-1)
     if pos.shape != (n_tok,) or rows.shape != (n_tok,):
         raise ValueError(f"{name}: {pos.size} positions and {rows.size} cache rows for {n_tok} tokens")
     yq = b.scratch((n_tok, nh_q, D), np.float32)
-    ts_, fs = rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
     b.keep(*(a for a in (xq, xk, xv, pos, rows, freq_factors, bq, bk, bv, ck, cv) if a is not None))
     if xp is not np:
         _contig(name, xq, xk, xv, yq, pos, rows, ck, cv, freq_factors, bq, bk, bv)
@@ -267,9 +246,27 @@ def rope_store(b, q, k, v, positions, hp, store, row_idx, freq_factors=None, bia
     return _views(b, node, [yq], b.ptr(yq), name)[0]
 
 
-def _rope_neox() -> int:
+def _rope_spec(hp, freq_factors, name: str):
+    """``(head_dim_k, n_dims, neox, theta_scale, freq_scale)`` of ``hp``'s rope (:func:`rope`),
+    checked with the frequency factors (xp F32 ``(>= n_dims / 2,)`` or None)."""
     from .model import ROPE_NEOX  # noqa: PLC0415
-    return ROPE_NEOX
+    D, n_dims = int(hp.head_dim_k), int(hp.rope_dim)
+    if n_dims % 2 or n_dims > D:
+        raise ValueError(f"{name}: rope_dim {n_dims} with head_dim_k {D}")
+    if freq_factors is not None and freq_factors.shape[0] < n_dims // 2:
+        raise ValueError(f"{name}: {freq_factors.shape[0]} frequency factors, rope_dim {n_dims} needs {n_dims // 2}")
+    return D, n_dims, int(hp.rope_mode) == ROPE_NEOX, rope_theta_scale(hp), np.float32(hp.rope_freq_scale)
+
+
+def _rope_heads(x, bias, n_tok: int, D: int, name: str) -> int:
+    """The heads of head size ``D`` in ``x``'s rows (numpy order, ``n_tok`` tokens first), its
+    bias (``(n_head * D,)`` or None) checked."""
+    if x.shape[0] != n_tok or x.size % (n_tok * D):
+        raise ValueError(f"{name}: rope of shape {x.shape} with head_dim_k {D} and {n_tok} tokens")
+    nh = x.size // (n_tok * D)
+    if bias is not None and bias.shape != (nh * D,):
+        raise ValueError(f"{name}: bias of shape {bias.shape}, expected ({nh * D},)")
+    return nh
 
 
 def _rope_numpy(b, x3, o3, pos, n_dims: int, neox: bool, ts, fs, ff, bias2):

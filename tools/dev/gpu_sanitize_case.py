@@ -300,7 +300,7 @@ def _rope_store(cp, rng) -> int:
     import ctypes
 
     from ggml_attn import kernels as K
-    d = lambda a: ctypes.c_uint64(0 if a is None else a.data.ptr)   # noqa: E731
+    from ggml_attn.graph.xp_node import dptr as d
     n_tok, nh_q, nh_k, D, n_dims = 5, 4, 2, 64, 48
     pos = cp.asarray(rng.integers(0, 4000, n_tok).astype(np.int32))
     rows = cp.asarray(np.array([9, 2, 14, 0, 7], dtype=np.int64))
