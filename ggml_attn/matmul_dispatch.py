@@ -61,12 +61,15 @@ Q8XR_MAX_TOKENS = 1
 # into L2 before it waits on it (cuda/dense_q8x.cu q8x_enter). Off: tg128 on the 8B-shaped Q4_K_M
 # file 287.4 -> 277.8 t/s on the H100 at 0ef699c (bench/results/2026-12-06-0ef699c-h100-gemv-forms/ab_pdl.json).
 GEMV_PDL = False
-# The vector and ring GEMVs (kernels.Q8X_GATED_FORMS) in modes 0 / 1 through their one-operand
-# instance (G 0: no second operand's words, so Q4_K NT 1 holds 78 registers against 122 and 6
-# blocks fit an SM against 4; the ring's one operand twice the slots) instead of the instance for
-# every mode. Off until measured (predicted: tg128 on Q4_K_M +6-10%; bench/NOTES.md, thirteenth
-# session).
-GEMV_ONE_OPERAND = False
+# The types of GEMV_ONE_TYPES run the vector and ring GEMVs (kernels.Q8X_GATED_FORMS) in modes
+# 0 / 1 through their one-operand instance (G 0: no second operand's words, so Q4_K NT 1 holds 78
+# registers against 122 and 6 blocks fit an SM against 4; the ring's one operand twice the slots)
+# instead of the instance for every mode. None until measured in the model (predicted: tg128 on
+# Q4_K_M +6-10%; bench/NOTES.md, thirteenth session). On an H100 at 31e8025
+# (bench/results/2026-12-06-31e8025-h100-gemv-one/dense_q.json, one 8B layer, one token) Q4_K's
+# vector form 95.0 against 103.4 us, Q5_K's 104.1 against 115.6; yet tg128 on Q4_K_M with every
+# type 282.7 against 291.7 t/s (ab_gemv.json).
+GEMV_ONE_TYPES: tuple[str, ...] = ()
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
@@ -119,11 +122,12 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     return "staged" if aligned else "plain"
 
 
-def gemv_q8x_gated_instance(mode: int) -> bool:
-    """Whether an 8-bit GEMV launch in ``mode`` (0 store, 1 accumulate, 2 gated) runs its form's
-    instance for every mode (kernels.q8x_name's ``gated``) rather than the one-operand instance of
-    modes 0 / 1 (GEMV_ONE_OPERAND; forms without one ignore it)."""
-    return mode == 2 or not GEMV_ONE_OPERAND
+def gemv_q8x_gated_instance(mode: int, weight_type: str) -> bool:
+    """Whether an 8-bit GEMV launch in ``mode`` (0 store, 1 accumulate, 2 gated) over a block
+    weight of ``weight_type`` runs its form's instance for every mode (kernels.q8x_name's
+    ``gated``) rather than the one-operand instance of modes 0 / 1 (GEMV_ONE_TYPES; forms without
+    one ignore it)."""
+    return mode == 2 or weight_type not in GEMV_ONE_TYPES
 
 
 def gemv_pdl() -> int:

@@ -76,7 +76,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
-    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode)))
+    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)))
     blocks = -(-rows // warps)
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415

@@ -129,12 +129,12 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     over at most 24 warps; Q4_K's ring of 8 slots over rows of 5 chunks, Q6_K's of 3 over rows of
     its 8-block groups, Q8_0's of 5 over 32-block groups, the last one partial).
     "-one": modes 0 / 1 through the vector and ring forms' one-operand instances
-    (matmul_dispatch.GEMV_ONE_OPERAND; the ring's Q6_K 6 slots, Q8_0 8, a grid of up to 44 warps),
+    (matmul_dispatch.GEMV_ONE_TYPES; the ring's Q6_K 6 slots, Q8_0 8, a grid of up to 44 warps),
     the gated mode through the every-mode one still (the instance launched is checked).
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     from ggml_attn import matmul_dispatch
     one = form.endswith("-one")
-    monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", one)
+    monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", (name,) if one else ())
     form = form.removesuffix("-one")
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     names, get_function = [], K.get_function

@@ -439,7 +439,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     or with the 8-bit-activation GEMV (``matmul_dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16 (and so
     launched with programmatic dependent launch, ``matmul_dispatch.GEMV_PDL``; or in its ring form,
     ``matmul_dispatch.Q8XR_TYPES``, with the vector and ring forms' one-operand instances or not,
-    ``matmul_dispatch.GEMV_ONE_OPERAND``), or with
+    ``matmul_dispatch.GEMV_ONE_TYPES``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -450,7 +450,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form.startswith("blocks-q8x"):   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
-        monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_OPERAND", form.endswith("-one"))
+        from ggml_attn.kernels import Q8XV_TYPES
+        monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", Q8XV_TYPES if form.endswith("-one") else ())
         if "-ring" in form:
             from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
             monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)

@@ -221,19 +221,20 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     for pair in (ws[:1], ws):
         assert q8_matmul.q8x_launches(pair, x, outs[:1], xq, xd, xs, mode=2, form="vector") is None
     assert len(launches) == 1
-    # every mode runs the form's instance for every mode (G 1), unless GEMV_ONE_OPERAND sends
+    # every mode runs the form's instance for every mode (G 1), unless GEMV_ONE_TYPES sends
     # modes 0 / 1 to the one-operand instance (G 0: fewer registers without the second operand's words)
     for one, gs in ((False, (1, 1, 1)), (True, (1, 0, 0))):
-        monkeypatch.setattr(md, "GEMV_ONE_OPERAND", one)
+        monkeypatch.setattr(md, "GEMV_ONE_TYPES", ("Q6_K", "Q4_K") if one else ("Q6_K",))
         launches.clear()
         q8_matmul.q8x_launches([ws[0], _qmatrix("Q4_K", 96, 512)], x, outs[:1], xq, xd, xs, mode=2, quantize=False)
         for mode in (1, 0):
             q8_matmul.q8x_launches(ws[:1], x, outs[:1], xq, xd, xs, mode=mode, quantize=False)
         assert [ln.fn.name for ln in launches] == [f"dense_gemv_q8x_v<12, 4, {g}>" for g in gs]
         assert [ln.params[0].mode for ln in launches] == [2, 1, 0]
-    assert md.gemv_q8x_gated_instance(2) and not md.gemv_q8x_gated_instance(0)   # (the flag still set)
-    monkeypatch.setattr(md, "GEMV_ONE_OPERAND", False)
-    assert md.gemv_q8x_gated_instance(0) and md.GEMV_ONE_OPERAND is False
+    assert md.gemv_q8x_gated_instance(2, "Q4_K") and not md.gemv_q8x_gated_instance(0, "Q4_K")   # (still listed)
+    assert md.gemv_q8x_gated_instance(0, "Q5_K") and not md.gemv_q8x_gated_instance(1, "Q6_K")   # (per type)
+    monkeypatch.setattr(md, "GEMV_ONE_TYPES", ())
+    assert md.gemv_q8x_gated_instance(0, "Q4_K") and md.GEMV_ONE_TYPES == ()
     assert K.q8x_name(12, 1, "vector", gated=True) == "dense_gemv_q8x_v<12, 1, 1>"
     assert K.q8x_name(12, 1, "staged", gated=True) == "dense_gemv_q8x_s<12, 1>"   # (one instance for every mode)
     for t in (13, 14, 8):
@@ -574,7 +575,7 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 2)
     x, xq, xd, xs = Dev((2, 512)), Dev((2, 512), np.int8), Dev((2, 16)), Dev((2, 16))
     for one, g, per_sm in ((False, 1, 6), (True, 0, 11)):
-        monkeypatch.setattr(md, "GEMV_ONE_OPERAND", one)
+        monkeypatch.setattr(md, "GEMV_ONE_TYPES", ("Q4_K",) if one else ())
         for rows in (128, 12, 200):
             launches.clear()
             w = _qmatrix("Q4_K", rows, 512)

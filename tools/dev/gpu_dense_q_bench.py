@@ -101,13 +101,14 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
 def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
     ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS; "<form>-one":
-    its one-operand instance, matmul_dispatch.GEMV_ONE_OPERAND)."""
+    its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES)."""
     from ggml_attn import matmul_dispatch
-    saved, matmul_dispatch.GEMV_ONE_OPERAND = matmul_dispatch.GEMV_ONE_OPERAND, form.endswith("-one")
+    saved = matmul_dispatch.GEMV_ONE_TYPES
+    matmul_dispatch.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith("-one") else ()
     try:
         return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one"), quantize)
     finally:
-        matmul_dispatch.GEMV_ONE_OPERAND = saved
+        matmul_dispatch.GEMV_ONE_TYPES = saved
 
 
 def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):

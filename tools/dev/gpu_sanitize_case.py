@@ -256,14 +256,14 @@ def _staged_n_in(lay) -> int:
 def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None, gated: bool = True) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu; ``form``: kernels.Q8X_FORMS', None the
     dispatch's) gated (or, ``gated`` False, the gate matrix alone in mode 0 through the vector and
-    ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_OPERAND) with the RMS norm at one
+    ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES) with the RMS norm at one
     token against float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
     from ggml_attn import matmul_dispatch
-    saved, matmul_dispatch.GEMV_ONE_OPERAND = matmul_dispatch.GEMV_ONE_OPERAND, not gated
+    saved, matmul_dispatch.GEMV_ONE_TYPES = matmul_dispatch.GEMV_ONE_TYPES, (() if gated else (name,))
     try:
         return _q8x_gated_run(cp, rng, name, n_in, rows, form, gated)
     finally:
-        matmul_dispatch.GEMV_ONE_OPERAND = saved
+        matmul_dispatch.GEMV_ONE_TYPES = saved
 
 
 def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, gated: bool) -> int:
