@@ -64,12 +64,14 @@ GEMV_PDL = False
 # The types of GEMV_ONE_TYPES run the vector and ring GEMVs (kernels.Q8X_GATED_FORMS) in modes
 # 0 / 1 through their one-operand instance (G 0: no second operand's words, so Q4_K NT 1 holds 78
 # registers against 122 and 6 blocks fit an SM against 4; the ring's one operand twice the slots)
-# instead of the instance for every mode. None until measured in the model (predicted: tg128 on
-# Q4_K_M +6-10%; bench/NOTES.md, thirteenth session). On an H100 at 31e8025
-# (bench/results/2026-12-06-31e8025-h100-gemv-one/dense_q.json, one 8B layer, one token) Q4_K's
-# vector form 95.0 against 103.4 us, Q5_K's 104.1 against 115.6; yet tg128 on Q4_K_M with every
-# type 282.7 against 291.7 t/s (ab_gemv.json).
-GEMV_ONE_TYPES: tuple[str, ...] = ()
+# instead of the instance for every mode (predicted: tg128 on Q4_K_M +6-10%). On an H100 at
+# 31e8025 (bench/results/2026-12-06-31e8025-h100-gemv-one/dense_q.json, one 8B layer at one token,
+# without the quantization) the vector form's Q4_K 76.6 against 85.0 us, Q5_K 86.0 / 97.3, Q8_0
+# 117.1 / 115.2 (a loss), the ring's Q6_K 116.0 / 106.4 (a loss). tg128 on the 8B-shaped Q4_K_M
+# file on an H200 at 6336414 (bench/results/2026-12-06-6336414-h200-gemv-one-rope-store/, 3
+# alternating rounds): Q4_K alone 305.6 against 299.4 t/s (+2.1%), every type 301.7; with the
+# fused rope and store (model_graph.ROPE_STORE) 309.1. Q5_K from its layer rows only.
+GEMV_ONE_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K")
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True

@@ -60,9 +60,11 @@ GGML_TYPE_I32 = 26
 # All-custom graphs on F16/F32 caches: the layer's Q/K rope and its K/V store as one node
 # (xp_ops.rope_store, one launch of cuda/model_ops.cu's xp_rope_store) instead of a rope node and
 # a store node (one launch a layer fewer: the store took 3.4 us of a 105 us one-token layer on
-# the H200, bench/results/2026-12-06-bb0e9e4-h200-gemv-run/step.json). Off until measured
-# (predicted: tg128 +2-3%; bench/NOTES.md, thirteenth session).
-ROPE_STORE = False
+# the H200, bench/results/2026-12-06-bb0e9e4-h200-gemv-run/step.json). Predicted tg128 +2-3%; on
+# an H200 at 6336414 (bench/results/2026-12-06-6336414-h200-gemv-one-rope-store/, the 8B-shaped
+# Q4_K_M file, 3 alternating rounds) 303.9 against 299.4 t/s (+1.5%); the two launches' 6.4 us a
+# layer became 3.1 (step.json, step-all.json).
+ROPE_STORE = True
 
 
 @dataclass

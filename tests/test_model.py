@@ -450,8 +450,9 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form.startswith("blocks-q8x"):   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
-        from ggml_attn.kernels import Q8XV_TYPES
-        monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", Q8XV_TYPES if form.endswith("-one") else ())
+        if form.endswith("-one"):   # (else the shipped types)
+            from ggml_attn.kernels import Q8XV_TYPES
+            monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", Q8XV_TYPES)
         if "-ring" in form:
             from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
             monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
