@@ -20,7 +20,7 @@ import ggml_attn
 
 from ggml_attn import runtime as fa_runtime
 from ggml_attn.graph import AttnConfig, Batch, KVCache, split_ubatches
-from ggml_attn.graph import xp_node, xp_ops
+from ggml_attn.graph import model_graph, xp_node, xp_ops
 from ggml_attn.graph.build import GraphBuilder, build_ubatch_graph, check_device_graph
 from ggml_attn.graph.model import ROPE_NEOX, ROPE_NORMAL, HParams, load_gguf
 from ggml_attn.graph.model_device import DeviceWeights
@@ -178,7 +178,12 @@ def _check(got, ref, what):
     assert not bad.size, (what, bad)
 
 
-def test_device_graph_is_all_custom(gguf_dir):
+@pytest.mark.parametrize("fused", [True, False])
+def test_device_graph_is_all_custom(gguf_dir, fused, monkeypatch):
+    """Every node of the device form custom (check_device_graph); the rope and the K/V store one
+    node a layer (qwen2's V bias inside it) with model_graph.ROPE_STORE, else a rope node, the V
+    bias and the store op."""
+    monkeypatch.setattr(model_graph, "ROPE_STORE", fused)
     m = model_of("qwen2-tied", gguf_dir)
     c = cache_for(m, False)
     b = Batch.from_sequences([np.arange(6, dtype=np.int32), np.arange(3, dtype=np.int32)], [0, 1])
@@ -192,7 +197,10 @@ def test_device_graph_is_all_custom(gguf_dir):
         check_device_graph(g.graph)
         names = {ggml.ggml_get_name(ggml.ggml_graph_node(g.graph, i)).decode()
                  for i in range(ggml.ggml_graph_n_nodes(g.graph))}
-        assert {"inp_embd", "qk_rope_l0", "qk_rope_l1", "v_bias_l0", "x_out"} <= names
+        per_layer = ["qk_rope_kv_store_l{}"] if fused else ["qk_rope_l{}", "v_bias_l{}"]
+        expected = {"inp_embd", "x_out", *(n.format(il) for n in per_layer for il in (0, 1))}
+        assert expected <= names
+        assert not any(n.startswith("qk_rope_l" if fused else "qk_rope_kv_store") for n in names)
     finally:
         g.free()
 
@@ -335,7 +343,6 @@ def test_rope_refuses_bad_input():
 
 # ------------------------------------------------------------------ the fused rope and K/V store
 def _run_fused_or_not(m, c, batch, fused, monkeypatch, **kw):
-    from ggml_attn.graph import model_graph
     monkeypatch.setattr(model_graph, "ROPE_STORE", fused)
     return run_model_batch(c, batch, m, 8, "equal", logits="all", **kw)
 
@@ -364,7 +371,6 @@ def test_rope_store_gives_the_rope_and_store_bits(gguf_dir, name, unified, monke
     for a, b in zip(out[False], out[True]):
         assert np.isfinite(a).all() and a.any() and np.array_equal(a, b)
     # the graph: one fused node a layer, no rope node, no store node
-    from ggml_attn.graph import model_graph
     monkeypatch.setattr(model_graph, "ROPE_STORE", True)
     c = cache_for(m, unified)
     (ub, *_) = split_ubatches(batch, 16, "equal")
