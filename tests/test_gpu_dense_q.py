@@ -109,7 +109,7 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 
 
 @pytest.mark.parametrize("name, form", [(n, f) for n in BLOCK_TYPES for f in ("plain", "staged")] +
-                         [(n, f) for n in K.Q8XV_TYPES for f in ("vector", "vector-one", "vector-fused")] +
+                         [(n, f) for n in K.Q8XV_TYPES for f in ("vector", "vector-one")] +
                          [(n, f) for n in K.Q8XR_TYPES for f in ("ring", "ring-one")])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -131,15 +131,11 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     "-one": modes 0 / 1 through the vector and ring forms' one-operand instances
     (matmul_dispatch.GEMV_ONE_TYPES; the ring's Q6_K 6 slots, Q8_0 8, a grid of up to 44 warps),
     the gated mode through the every-mode one still (the instance launched is checked).
-    "vector-fused": at one token the vector form's instances that quantize x themselves
-    (matmul_dispatch.GEMV_FUSED_QUANT_TYPES, with the one-operand ones: G 2 and 3; 152 or 192
-    sub-blocks over the block's 128 threads), xq / xd / xs left as poisoned; past one token as
-    "vector-one". Token counts past a form's instances are refused (the caller's GEMM runs them)."""
+    Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     from ggml_attn import matmul_dispatch
-    one, fused = form.endswith(("-one", "-fused")), form.endswith("-fused") and n_tok == 1
+    one = form.endswith("-one")
     monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", (name,) if one else ())
-    monkeypatch.setattr(matmul_dispatch, "GEMV_FUSED_QUANT_TYPES", (name,) if form.endswith("-fused") else ())
-    form = form.removesuffix("-one").removesuffix("-fused")
+    form = form.removesuffix("-one")
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     names, get_function = [], K.get_function
     monkeypatch.setattr(K, "get_function", lambda v, n, *a, **kw: (names.append(n), get_function(v, n, *a, **kw))[1])
@@ -156,13 +152,9 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
         assert run is None   # past the form's instances: refused (the caller's GEMM runs them)
         return
     gemvs = [n for n in names if n.startswith(K.Q8X_FORMS[form][0] + "<")]
-    g_want = int(mode == 2 or not one) | 2 * fused
-    assert gemvs and (form not in K.Q8X_GATED_FORMS or gemvs[-1].endswith(f", {g_want}>")), gemvs
-    assert ("dense_quant_q8x" in names) != fused, names
+    assert gemvs and (form not in K.Q8X_GATED_FORMS or gemvs[-1].endswith(f", {int(mode == 2 or not one)}>")), gemvs
     run()
     cupy.cuda.get_current_stream().synchronize()
-    if fused:   # (the GEMV read its own copies)
-        assert np.isnan(xd.get()).all() and np.isnan(xs.get()).all() and not xq.get().any()
     v = x.astype(np.float32)
     if norm:   # the kernel's order: (x * g) * scale, in F32
         v = (v * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
@@ -171,35 +163,6 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
         got = got.get()
         assert np.isfinite(got).all() and nmse(got, ref_q) < 1e-5, (name, nmse(got, ref_q))
         assert nmse(got, ref) <= 1.5 * nmse(ref_q, ref) + 1e-6, (name, nmse(got, ref), nmse(ref_q, ref))
-
-
-@pytest.mark.parametrize("name", K.Q8XV_TYPES)
-@pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("n_in", ["one", "staged"])
-def test_gemv_q8x_fused_gives_the_bits_of_the_quantization_then_the_gemv(name, mode, norm, n_in, monkeypatch):
-    """The vector form's fused instances (matmul_dispatch.GEMV_FUSED_QUANT_TYPES: each block
-    quantizes x into its shared memory, q8x_quant_smem) give the outputs of dense_quant_q8x then
-    the same form's unfused instance, bit for bit (the same arithmetic; the RMS sum in
-    dense_quant_q8x's order): n_in of 256 (or 2048, Q6_K's group; fewer sub-blocks than threads)
-    and 4864 / 6144 (more), the outputs poisoned before each run."""
-    from ggml_attn import matmul_dispatch
-    n = {"one": 2048 if name == "Q6_K" else 256, "staged": _staged_n_in(name)}[n_in]
-    _, rows, ws, x, g, init = _gemv_case(name, 1, mode, norm, n)
-    qms = [QMatrix(name, (r, n), cupy.asarray(q)) for r, (q, _) in zip(rows, ws)]
-    dx, dg = cupy.asarray(x), cupy.asarray(g)
-    got = {}
-    for fused in (False, True):
-        monkeypatch.setattr(matmul_dispatch, "GEMV_FUSED_QUANT_TYPES", (name,) if fused else ())
-        xq, xd, xs = cupy.zeros((1, n), np.int8), cupy.zeros((1, n // 32), np.float32), cupy.zeros((1, n // 32), np.float32)
-        d_out = _outs(init, mode)
-        run = q8_matmul.q8x_launches(qms, dx, d_out, xq, xd, xs, mode=mode, norm_eps=1e-5 if norm else None,
-                                     norm_w=dg if norm else None, form="vector")
-        assert run is not None and q8_matmul.q8x_fuses_quant(qms, dx, dg if norm else None, "vector") == fused
-        run()
-        got[fused] = [o.get() for o in d_out]
-    for a, b in zip(got[False], got[True]):
-        assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32)), (name, nmse(b, a))
 
 
 @pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "staged"), ("Q4_0", "plain"),

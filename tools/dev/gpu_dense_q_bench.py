@@ -101,16 +101,14 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
 def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
     ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS; "<form>-one":
-    its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES; "vector-fused": that instance
-    quantizing x itself at one token, GEMV_FUSED_QUANT_TYPES)."""
-    from ggml_attn import matmul_dispatch as md
-    saved = md.GEMV_ONE_TYPES, md.GEMV_FUSED_QUANT_TYPES
-    md.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith(("-one", "-fused")) else ()
-    md.GEMV_FUSED_QUANT_TYPES = K.Q8XV_TYPES if form.endswith("-fused") else ()
+    its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES)."""
+    from ggml_attn import matmul_dispatch
+    saved = matmul_dispatch.GEMV_ONE_TYPES
+    matmul_dispatch.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith("-one") else ()
     try:
-        return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one").removesuffix("-fused"), quantize)
+        return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one"), quantize)
     finally:
-        md.GEMV_ONE_TYPES, md.GEMV_FUSED_QUANT_TYPES = saved
+        matmul_dispatch.GEMV_ONE_TYPES = saved
 
 
 def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):
@@ -139,16 +137,13 @@ def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
     (kernels.Q8X_FORMS: staged ships, plain, vector, ring; the vector and ring forms' one-operand
     instances as "vector-one" / "ring-one": every launch here is mode 0) at each of its
     instances' tokens, with the quantization and without (" noquant"), then each matrix alone at
-    one token without it; the vector form's fused instance ("vector-fused": no quantization
-    launch) at one token."""
+    one token without it."""
     from ggml_attn.graph.q8_matmul import q8x_launches
     forms = [f for f in K.Q8X_FORMS if K.q8x_form_reads(f, t)]
     forms += [f"{f}-one" for f in forms if f in K.Q8X_GATED_FORMS]
-    for form in forms + [f"{f}-fused" for f in K.Q8X_FUSED_TOKENS if f in forms]:
-        fused = form.endswith("-fused")
-        tokens = K.Q8X_FUSED_TOKENS[form.removesuffix("-fused")] if fused else K.Q8X_FORMS[form.removesuffix("-one")][1]
-        for n in tokens:
-            for quant in (True,) if fused else (True, False):
+    for form in forms:
+        for n in K.Q8X_FORMS[form.removesuffix("-one")][1]:
+            for quant in (True, False):
                 impl = "gemv q8x" + ("" if form == "staged" else f" {form}") + ("" if quant else " noquant")
                 med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, form, quant) for ws in layers])
                 rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
