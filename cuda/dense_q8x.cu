@@ -43,13 +43,6 @@ struct GemvQ8Params {
                               // prefetched into L2 while the quantization before it runs (q8x_enter);
                               // 2, without the prefetch; 0: not
     int pad_;
-    // The vector form's fused instances (G & 2) quantize the activations themselves, as
-    // dense_quant_q8x would into xq / xd / xs (which they leave alone), from these:
-    const float* x;           // (n_tok, n_in) F32 rows x_stride apart, 16-byte aligned
-    const float* g;           // the norm weight (n_in), or null
-    long long x_stride;
-    float eps;                // > 0: RMS-normalized
-    int pad2_;
 };
 
 // A GEMV warp's entry, rows w0 (and w1) known: with p.pdl 1, their bytes requested into L2, then
@@ -62,36 +55,6 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
         if (w1) prefetch_l2_span(w1, p.row_bytes, lane);
     }
     pdl_wait();
-}
-
-// The RMS scale 1 / sqrt(mean(x^2) + eps) of row xr (n_in values, 16-byte aligned) by a block of
-// NTH threads, the sum in the order of 256 threads each adding every 256th float4 from its own
-// on, then each warp's shuffle tree, then the 8 warps' sums in turn: a thread of fewer keeps
-// 256 / NTH such sums (thread i those of i, i + NTH, ...), so that every block size gets the same
-// bits. red: 8 floats of shared memory; a block barrier inside.
-template <int NTH>
-__device__ __forceinline__ float q8x_rms_scale(const float* xr, int n_in, float eps, float* red) {
-    constexpr int V = 256 / NTH;
-    static_assert(V * NTH == 256 && NTH % 32 == 0, "NTH divides 256, whole warps");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float4* x4 = reinterpret_cast<const float4*>(xr);
-    float ss[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-        ss[j] = 0.0f;
-        for (int i = threadIdx.x + NTH * j; i < n_in / 4; i += 256) {
-            const float4 v = __ldg(x4 + i);
-            ss[j] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], o);
-        if (lane == 0) red[warp + (NTH / 32) * j] = ss[j];
-    }
-    __syncthreads();
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 8; ++w) s += red[w];
-    return 1.0f / sqrtf(s / (float)n_in + eps);
 }
 
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
@@ -107,7 +70,23 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
     const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)t * x_stride;
     __shared__ float red[8];
-    const float scale = eps > 0.0f ? q8x_rms_scale<256>(xr, n_in, eps, red) : 1.0f;
+    float scale = 1.0f;
+    if (eps > 0.0f) {
+        float ss = 0.0f;
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        for (int i = threadIdx.x; i < n_in / 4; i += 256) {
+            const float4 v = __ldg(x4 + i);
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        ss = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) ss += red[w];
+        scale = 1.0f / sqrtf(ss / (float)n_in + eps);
+    }
     const int n_sub = n_in / 32, s = 8 * blockIdx.x + warp;
     if (s >= n_sub) return;
     const int k = 32 * s + lane;
@@ -311,9 +290,6 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
 template <int T, int NT> struct Q8xV {
     static constexpr int U = T == QB_Q4_K ? 4 : 2;
     static constexpr int MINB = NT == 1 && T != QB_Q6_K ? 4 : 3;
-    // the fused one-operand instance (G 2): as many blocks as the one without its prologue holds
-    // (Q4_K 6 at 80 registers against 86 unbounded; Q5_K, Q8_0 6 as well; Q6_K 5 at 96 unbounded)
-    static constexpr int MINB_F = T == QB_Q6_K ? MINB : 6;
 };
 
 template <int T>
@@ -333,79 +309,11 @@ __device__ __forceinline__ void q8x_v_load_smem(const unsigned char* blk, int k,
 
 __device__ __forceinline__ void u4_words(const uint4& u, unsigned (&w)[4]) { w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w; }
 
-// Where the vector form's products read the activations (S false: xq / xd / xs, as the ring form
-// does; S true, the fused instances: the block's own copies in dynamic shared memory, q8x_acts,
-// written by q8x_quant_smem -- xq's n_in bytes, then xd's and xs' n_in / 32 floats each).
-extern __shared__ __align__(16) unsigned char q8x_acts[];
-template <bool S> __device__ __forceinline__ const signed char* q8x_xq(const GemvQ8Params& p) {
-    return S ? reinterpret_cast<const signed char*>(q8x_acts) : p.xq;
-}
-template <bool S> __device__ __forceinline__ const float* q8x_xd(const GemvQ8Params& p) {
-    return S ? reinterpret_cast<const float*>(q8x_acts + p.n_in) : p.xd;
-}
-template <bool S> __device__ __forceinline__ const float* q8x_xs(const GemvQ8Params& p) {
-    return S ? reinterpret_cast<const float*>(q8x_acts + p.n_in) + p.n_in / 32 : p.xs;
-}
-template <bool S, class V> __device__ __forceinline__ V q8x_ld(const V* a) {
-    if constexpr (S) return *a;
-    else return __ldg(a);
-}
-
-// The fused instances' prologue (NT 1): token 0's activations quantized by the block's NTH threads
-// into q8x_acts with dense_quant_q8x's arithmetic -- the same bits: q8x_rms_scale's sum in its
-// order, then per 32 values v = x * g * scale, d = max|v| / 127, q = round(v / d) (0 where d is 0)
-// and their integer sum, whose max and sum are the same in any order -- a thread a sub-block
-// (its 32 values from x by eight 16-byte loads), then a block barrier. x and g 16-byte aligned.
-// Values 4 i .. 4 i + 3 of a sub-block: x * g * scale (g null: x * scale), as dense_quant_q8x forms them.
-__device__ __forceinline__ void q8x_values4(const float4* x4, const float4* g4, int i, float scale, float (&v)[4]) {
-    const float4 a = __ldg(x4 + i), w = g4 ? __ldg(g4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-    v[0] = a.x * w.x * scale, v[1] = a.y * w.y * scale, v[2] = a.z * w.z * scale, v[3] = a.w * w.w * scale;
-}
-
-template <int NTH>
-__device__ __forceinline__ void q8x_quant_smem(const GemvQ8Params& p) {
-    __shared__ float red[8];
-    const float scale = p.eps > 0.0f ? q8x_rms_scale<NTH>(p.x, p.n_in, p.eps, red) : 1.0f;
-    const int n_sub = p.n_in / 32;
-    signed char* sq = reinterpret_cast<signed char*>(q8x_acts);
-    float* sd = reinterpret_cast<float*>(q8x_acts + p.n_in);
-    for (int s = threadIdx.x; s < n_sub; s += NTH) {
-        const float4* x4 = reinterpret_cast<const float4*>(p.x + 32 * s);
-        const float4* g4 = p.g ? reinterpret_cast<const float4*>(p.g + 32 * s) : nullptr;
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {   // (the values again below, from L1: fewer registers live)
-            float v[4];
-            q8x_values4(x4, g4, i, scale, v);
-            amax = fmaxf(fmaxf(amax, fmaxf(fabsf(v[0]), fabsf(v[1]))), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        }
-        const float d = amax / 127.0f;
-        unsigned wq[8];
-        int sum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            float v[4];
-            q8x_values4(x4, g4, i, scale, v);
-            wq[i] = 0u;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int q = d > 0.0f ? __float2int_rn(v[j] / d) : 0;
-                sum += q;
-                wq[i] |= (unsigned)(q & 0xff) << (8 * j);
-            }
-        }
-        uint4* dst = reinterpret_cast<uint4*>(sq + 32 * s);
-        dst[0] = make_uint4(wq[0], wq[1], wq[2], wq[3]), dst[1] = make_uint4(wq[4], wq[5], wq[6], wq[7]);
-        sd[s] = d, sd[n_sub + s] = (float)sum;
-    }
-    __syncthreads();
-}
-
 // One step's block of Q4_K / Q5_K (this lane's part: its words hd / qs / qh of block blk of the
 // row, the gated mode's second operand's in hd1 / qs1 / qh1 when w1) times the tokens'
 // activations, into acc (up): the lane's activations are positions 16 (k & 1) .. + 15 of
 // sub-blocks 2 j and 2 j + 1 of the block (their scales and sums at sub-block 8 blk + 2 j).
-template <int T, int NT, bool S = false>
+template <int T, int NT>
 __device__ __forceinline__ void q8x_v_block_k4(const GemvQ8Params& p, int blk, bool w1,
                                                const uint4& hd, const uint4& qs, const uint4& qh,
                                                const uint4& hd1, const uint4& qs1, const uint4& qh1,
@@ -422,17 +330,17 @@ __device__ __forceinline__ void q8x_v_block_k4(const GemvQ8Params& p, int blk, b
         if (QbLane<T>::QH) u4_words(qh1, e);
         qb_k4_lane<T>(h, q, e, k, v1);
     }
-    const signed char* xa = q8x_xq<S>(p) + 256 * blk + 64 * j + 16 * (k & 1);
+    const signed char* xa = p.xq + 256 * blk + 64 * j + 16 * (k & 1);
     const int sub = 8 * blk + 2 * j;
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
         if (t < p.n_tok) {
             const signed char* a = xa + (long long)t * p.n_in;
             unsigned alo[4], ahi[4];
-            u4_words(q8x_ld<S>(reinterpret_cast<const uint4*>(a)), alo);
-            u4_words(q8x_ld<S>(reinterpret_cast<const uint4*>(a + 32)), ahi);
-            const float2 xd = q8x_ld<S>(reinterpret_cast<const float2*>(q8x_xd<S>(p) + (long long)t * n_sub + sub));
-            const float2 xs = q8x_ld<S>(reinterpret_cast<const float2*>(q8x_xs<S>(p) + (long long)t * n_sub + sub));
+            u4_words(__ldg(reinterpret_cast<const uint4*>(a)), alo);
+            u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32)), ahi);
+            const float2 xd = __ldg(reinterpret_cast<const float2*>(p.xd + (long long)t * n_sub + sub));
+            const float2 xs = __ldg(reinterpret_cast<const float2*>(p.xs + (long long)t * n_sub + sub));
             acc[t] += qb_k4_lane_dot(v, alo, ahi, xd.x, xs.x, xd.y, xs.y, with_min);
             if (w1) up[t] += qb_k4_lane_dot(v1, alo, ahi, xd.x, xs.x, xd.y, xs.y, with_min);
         }
@@ -441,7 +349,7 @@ __device__ __forceinline__ void q8x_v_block_k4(const GemvQ8Params& p, int blk, b
 
 // One row of Q4_K / Q5_K blocks (w0; the gated mode's second operand w1, else null) times the
 // tokens' activations into acc (up).
-template <int T, int NT, bool S>
+template <int T, int NT>
 __device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
                                              float (&acc)[NT], float (&up)[NT]) {
     constexpr int B = QBlock<T>::BYTES, U = Q8xV<T, NT>::U;
@@ -462,7 +370,7 @@ __device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsign
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (base + 4 * u < n_blk)
-                q8x_v_block_k4<T, NT, S>(p, base + 4 * u, w1 != nullptr, hd[u], qs[u], qh[u], hd1[u], qs1[u], qh1[u], acc, up);
+                q8x_v_block_k4<T, NT>(p, base + 4 * u, w1 != nullptr, hd[u], qs[u], qh[u], hd1[u], qs1[u], qh1[u], acc, up);
         w0 += 4 * U * B;
         if (w1) w1 += 4 * U * B;
     }
@@ -497,7 +405,7 @@ __device__ __forceinline__ void group_store(unsigned char* buf, int lane, int n_
 // Group grp (staged at g; with gated, the second operand's at g1) times the tokens' activations,
 // this lane's part, into acc (up). (A flag, not a null g1: a shared pointer compared with null
 // becomes a generic one.)
-template <int T, int NT, bool S = false>
+template <int T, int NT>
 __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned char* g, const unsigned char* g1, bool gated,
                                           int grp, float (&acc)[NT], float (&up)[NT]) {
     const int lane = threadIdx.x & 31, n_sub = p.n_in / 32;
@@ -509,11 +417,11 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {
-                const signed char* a = q8x_xq<S>(p) + (long long)t * p.n_in + k;
+                const signed char* a = p.xq + (long long)t * p.n_in + k;
                 unsigned x[4][4];
 #pragma unroll
-                for (int gq = 0; gq < 4; ++gq) u4_words(q8x_ld<S>(reinterpret_cast<const uint4*>(a + 32 * gq)), x[gq]);
-                const float4 d4 = q8x_ld<S>(reinterpret_cast<const float4*>(q8x_xd<S>(p) + (long long)t * n_sub + sub));
+                for (int gq = 0; gq < 4; ++gq) u4_words(__ldg(reinterpret_cast<const uint4*>(a + 32 * gq)), x[gq]);
+                const float4 d4 = __ldg(reinterpret_cast<const float4*>(p.xd + (long long)t * n_sub + sub));
                 const float xd[4] = {d4.x, d4.y, d4.z, d4.w};
                 acc[t] += qb_q6k_lane_dot(v, x, xd);
                 if (gated) up[t] += qb_q6k_lane_dot(v1, x, xd);
@@ -529,11 +437,11 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
             if (t < p.n_tok) {
-                const uint4* a = reinterpret_cast<const uint4*>(q8x_xq<S>(p) + (long long)t * p.n_in + 32 * blk);
+                const uint4* a = reinterpret_cast<const uint4*>(p.xq + (long long)t * p.n_in + 32 * blk);
                 unsigned x[8];
-                u4_words(q8x_ld<S>(a), *reinterpret_cast<unsigned (*)[4]>(x));
-                u4_words(q8x_ld<S>(a + 1), *reinterpret_cast<unsigned (*)[4]>(x + 4));
-                const float xd = q8x_ld<S>(q8x_xd<S>(p) + (long long)t * n_sub + blk);
+                u4_words(__ldg(a), *reinterpret_cast<unsigned (*)[4]>(x));
+                u4_words(__ldg(a + 1), *reinterpret_cast<unsigned (*)[4]>(x + 4));
+                const float xd = __ldg(p.xd + (long long)t * n_sub + blk);
                 acc[t] += qb_q8_0_lane_dot(w, d, x, xd);
                 if (gated) up[t] += qb_q8_0_lane_dot(w1, d1, x, xd);
             }
@@ -543,7 +451,7 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
 
 // One row of a group-staged type (w0; the gated mode's second operand w1, else null): U groups'
 // units loaded together, stored to the warp's buffers, then each group's dot.
-template <int T, int NT, bool S>
+template <int T, int NT>
 __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
                                                  float (&acc)[NT], float (&up)[NT]) {
     constexpr int U = Q8xV<T, NT>::U, GB = Q8xVG<T>::BYTES, LOADS = Q8xVG<T>::LOADS;
@@ -569,46 +477,28 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
         __syncwarp();
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (g0 + u < n_grp) group_dot<T, NT, S>(p, gbuf[warp][0][u], gbuf[warp][1][u], w1 != nullptr, g0 + u, acc, up);
+            if (g0 + u < n_grp) group_dot<T, NT>(p, gbuf[warp][0][u], gbuf[warp][1][u], w1 != nullptr, g0 + u, acc, up);
     }
 }
 
-// G bit 0: the instance for every mode (1: the gated mode's second operand a run-time choice) or
-// for modes 0 / 1 only (0): without the second operand's words a lane holds about two thirds of
-// the registers (Q4_K NT 1: 78 against 122 at sm_90), so more warps fit an SM (6 blocks against
-// 4), each with its row's loads in flight (the host's choice: matmul_dispatch.GEMV_ONE_TYPES).
-// G bit 1 (NT 1): the activations quantized by the block itself first (q8x_quant_smem from p.x,
-// p.g, p.eps; n_in * 5 / 4 bytes of dynamic shared memory) instead of read from xq / xd / xs: no
-// dense_quant_q8x launch before it (matmul_dispatch.GEMV_FUSED_QUANT_TYPES). Its warps' rows are
-// requested into L2 before the prologue, whose latency they overlap.
+// G: the instance for every mode (1: the gated mode's second operand a run-time choice) or for
+// modes 0 / 1 only (0): without the second operand's words a lane holds about two thirds of the
+// registers (Q4_K NT 1: 78 against 122 at sm_90), so more warps fit an SM (6 blocks against 4),
+// each with its row's loads in flight (the host's choice: matmul_dispatch.GEMV_ONE_OPERAND).
 template <int T, int NT, int G>
-__global__ void __launch_bounds__(Q8X_VWARPS * 32, (G == 2 ? Q8xV<T, NT>::MINB_F : Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
-    constexpr bool F = (G & 2) != 0;
-    static_assert(!F || NT == 1, "the fused prologue quantizes one token");
+__global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
     int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
     GemvQSeg sg;
-    if (!(G & 1) && p.mode == 2) __trap();      // (the host never launches it gated)
-    const bool live = gemv_segment(p, r, sg);
-    if (!F && !live) return;   // (no block barrier below, but the fused prologue's)
+    if (!G && p.mode == 2) __trap();      // (the host never launches it gated)
+    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
     const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = (G & 1) && p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
-    if constexpr (F) {
-        if (live) {
-            const int lane = threadIdx.x & 31;
-            prefetch_l2_span(w0, p.row_bytes, lane);
-            if (w1) prefetch_l2_span(w1, p.row_bytes, lane);
-        }
-        pdl_wait();
-        q8x_quant_smem<Q8X_VWARPS * 32>(p);
-        if (!live) return;
-    } else {
-        q8x_enter(p, w0, w1);
-    }
+    const unsigned char* w1 = G && p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+    q8x_enter(p, w0, w1);
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-    if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT, F>(p, w0, w1, acc, up);
-    else q8x_v_row_k4<T, NT, F>(p, w0, w1, acc, up);
+    if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT>(p, w0, w1, acc, up);
+    else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
     float one[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;

@@ -45,7 +45,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPES, GEMMQR_TYPE_IDS, GEMMQR_NARROW_MAX_TOKENS, STAGED_GEMMS, gemm_tiling,
     Q8X_TOKENS, Q8X_PLAIN_TOKENS, Q8X_WARPS, Q8X_SWARPS, Q8XV_TYPES, Q8XV_TYPE_IDS, Q8XV_TOKENS, Q8X_VWARPS,
     Q8XR_TYPES, Q8XR_TOKENS, Q8X_FORM_TYPES, Q8X_ONE_WAVE, Q8X_GATED_FORMS, q8x_form_reads,
-    Q8X_FORMS, Q8X_FUSED_TOKENS, q8x_name,
+    Q8X_FORMS, q8x_name,
     dense_q8x_variant, MODEL_OPS_NAMES, model_ops_variant,
     dense_q_variants, mma_name, vec_name, cells_name, cells_variant, mma_variant, vec_variant,
     hopper_probe_variant, wgmma_variant, decode_tma_variant, hopper_variants, HOPPER_ARCH, all_variants)
@@ -377,9 +377,7 @@ class GemvQ8Params(ctypes.Structure):
     """Mirror of ``struct GemvQ8Params`` (dense_q8x.cu); segments in ``GemvSeg``'s layout."""
     _fields_ = [("seg", GemvSeg * 3), ("xq", ctypes.c_uint64), ("xd", ctypes.c_uint64), ("xs", ctypes.c_uint64),
                 ("row_bytes", ctypes.c_int64), ("n_in", ctypes.c_int32), ("n_tok", ctypes.c_int32),
-                ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32), ("pdl", ctypes.c_int32), ("pad_", ctypes.c_int32),
-                ("x", ctypes.c_uint64), ("g", ctypes.c_uint64), ("x_stride", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("pad2_", ctypes.c_int32)]   # (x, g, x_stride, eps: the fused instances' activations)
+                ("n_seg", ctypes.c_int32), ("mode", ctypes.c_int32), ("pdl", ctypes.c_int32), ("pad_", ctypes.c_int32)]
 
 
 class GemmQ8Params(ctypes.Structure):

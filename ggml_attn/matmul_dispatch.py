@@ -72,14 +72,6 @@ GEMV_PDL = False
 # alternating rounds): Q4_K alone 305.6 against 299.4 t/s (+2.1%), every type 301.7; with the
 # fused rope and store (model_graph.ROPE_STORE) 309.1. Q5_K from its layer rows only.
 GEMV_ONE_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K")
-# The types of GEMV_FUSED_QUANT_TYPES run the vector GEMV at one token through its instance that
-# quantizes the activations itself (kernels.Q8X_FUSED_TOKENS: each block, from x into its shared
-# memory, the same bits as dense_quant_q8x) instead of after a dense_quant_q8x launch: one launch
-# a matrix group fewer (the quantization took 2.61 us a launch, 4.3 launches a layer, 12% of a
-# one-token step's kernel time on the H200: bench/results/2026-12-06-6336414-h200-gemv-one-rope-store/
-# step-all.json). None until measured (predicted: tg128 on Q4_K_M +5-8%; bench/NOTES.md,
-# fourteenth session).
-GEMV_FUSED_QUANT_TYPES: tuple[str, ...] = ()
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
@@ -138,14 +130,6 @@ def gemv_q8x_gated_instance(mode: int, weight_type: str) -> bool:
     ``gated``) rather than the one-operand instance of modes 0 / 1 (GEMV_ONE_TYPES; forms without
     one ignore it)."""
     return mode == 2 or weight_type not in GEMV_ONE_TYPES
-
-
-def gemv_q8x_fused(weight_type: str, form: str, n_tokens: int) -> bool:
-    """Whether an 8-bit GEMV over ``weight_type`` blocks in ``form`` (``kernels.Q8X_FORMS``) at
-    ``n_tokens`` tokens quantizes its activations itself (GEMV_FUSED_QUANT_TYPES, where the form
-    has such instances: ``kernels.Q8X_FUSED_TOKENS``)."""
-    from .kernels import Q8X_FUSED_TOKENS
-    return weight_type in GEMV_FUSED_QUANT_TYPES and n_tokens <= max(Q8X_FUSED_TOKENS.get(form, (0,)))
 
 
 def gemv_pdl() -> int:

@@ -16,14 +16,7 @@ import ctypes
 
 from .xp_node import then
 
-__all__ = ["quant_q8x_launch", "q8x_launches", "q8x_fuses_quant", "gemm_q8_launch", "rows_aligned", "tile_grid",
-           "splitk_sum_launch"]
-
-# The most dynamic shared memory a fused GEMV instance takes for its activations (n_in * 5 / 4
-# bytes: xq, xd, xs), under the 48 KB a block has without opting in, beside the vector form's
-# static group buffers (Q8_0: 17.7 KB): n_in up to 22,937 (an 8B model's 14,336 fits, a 70B's
-# 28,672 is quantized by dense_quant_q8x as before).
-FUSED_MAX_SMEM = 28 * 1024
+__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "rows_aligned", "tile_grid", "splitk_sum_launch"]
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -48,28 +41,12 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
         ctypes.c_uint64(xq.data.ptr), ctypes.c_uint64(xd.data.ptr), ctypes.c_uint64(xs.data.ptr))
 
 
-def q8x_fuses_quant(ws: list, x, norm_w=None, form: str | None = None) -> bool:
-    """Whether :func:`q8x_launches` over ``ws`` (one block type) and ``x`` (F32 ``(n_tok, n_in)``,
-    numpy order) in ``form`` (None: the dispatch's) quantizes ``x`` inside the GEMV
-    (``matmul_dispatch.gemv_q8x_fused``) when asked to quantize, leaving ``xq`` / ``xd`` / ``xs``
-    unwritten: x and ``norm_w`` (F32 ``(n_in,)`` or None) contiguous and 16-byte aligned, the
-    activations' copies within FUSED_MAX_SMEM."""
-    from ggml_attn.matmul_dispatch import gemv_q8x_form, gemv_q8x_fused  # noqa: PLC0415
-    n_tok, n_in = x.shape
-    form = form or gemv_q8x_form(ws[0].type, rows_aligned(ws), n_tok)
-    return bool(gemv_q8x_fused(ws[0].type, form, n_tok) and n_in * 5 // 4 <= FUSED_MAX_SMEM
-                and x.flags.c_contiguous and x.data.ptr % 16 == 0
-                and (norm_w is None or (norm_w.shape == (n_in,) and norm_w.flags.c_contiguous
-                                        and norm_w.data.ptr % 16 == 0)))
-
-
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
                  quantize: bool = True, form: str | None = None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
-    :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it) -- or,
-    where :func:`q8x_fuses_quant` says so, by the GEMV itself (``xq`` / ``xd`` / ``xs`` then left
-    unwritten) -- then one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
+    :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
+    one GEMV launch over ``QMatrix`` weights of one block type (modes and ``outs`` as
     ``gemv_q_launch``'s: 0 store, 1 accumulate, 2 gated into ``outs[0]``) in ``form`` (None:
     ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
     None where the arrays do not fit the form (all but the plain one need rows 16-byte aligned,
@@ -90,12 +67,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     _, tokens, warps = K.Q8X_FORMS[form]
     if n_tok > max(tokens) or (form != "plain" and not aligned) or not K.q8x_form_reads(form, ws[0].type):
         return None
-    fused = quantize and q8x_fuses_quant(ws, x, norm_w, form)
-    quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize and not fused else None
+    quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
     p = K.GemvQ8Params()
-    if fused:
-        p.x, p.x_stride, p.g = x.data.ptr, n_in, 0 if norm_w is None else norm_w.data.ptr
-        p.eps = 0.0 if norm_eps is None else float(norm_eps)
     for i, w in enumerate(ws):
         o = outs[0] if mode == 2 else outs[i]
         p.seg[i].w, p.seg[i].out, p.seg[i].rows = w.blocks.data.ptr, o.data.ptr, int(w.shape[0])
@@ -103,8 +76,7 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
-    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type),
-                                                          fused=fused), smem=n_in * 5 // 4 if fused else None)
+    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)))
     blocks = -(-rows // warps)
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415

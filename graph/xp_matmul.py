@@ -46,8 +46,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import gemm_q8_launch, q8x_fuses_quant, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, \
-    tile_grid
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -150,20 +149,20 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
         return None
     if len(groups) > 1 and mode != 0:
         return None
-    runs, q8, written = [], None, False
+    runs, q8 = [], None
     for k, idx in groups:
         gw = [ws[i] for i in idx]
         go = outs if mode == 2 else [outs[i] for i in idx]
         if k == "F16":   # (its norm weight folded at load)
             run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
-        elif paths[k] == "gemv-q8x":   # x quantized once for every such group of the call (or by a fused GEMV)
-            if q8 is None:
+        elif paths[k] == "gemv-q8x":   # x quantized once for every such group of the call
+            first = q8 is None
+            if first:
                 n_tok, n_in = x.shape
                 q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
                       b.scratch((n_tok, n_in // 32), np.float32))
                 b.keep(*q8)
-            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=not written)
-            written = written or not q8x_fuses_quant(gw, x, norm_w)
+            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:

@@ -202,7 +202,7 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     outs = [Dev((3, 96)), Dev((3, 32))]
     q8_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, quantize=False)
     (gemv,) = launches
-    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 0>" and gemv.fn.variant == K.dense_q8x_variant(12)   # (GEMV_ONE_TYPES)
+    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 1>" and gemv.fn.variant == K.dense_q8x_variant(12)
     assert gemv.grid == (-(-128 // K.Q8X_VWARPS), 1, 1) and gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
     assert gemv.params[0].n_tok == 3 and gemv.params[0].row_bytes == 2 * 144
     q4 = [_qmatrix("Q4_0", 32, 512)]
@@ -240,53 +240,6 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     for t in (13, 14, 8):
         assert {f"dense_gemv_q8x_v<{t}, {nt}, {g}>" for nt in K.Q8XV_TOKENS for g in (0, 1)} <= set(K.dense_q8x_variant(t).names)
     assert not any("q8x_v" in name for name in K.dense_q8x_variant(2).names)
-
-
-def test_gemv_q8x_fused_quantization(launches, monkeypatch):
-    """matmul_dispatch.GEMV_FUSED_QUANT_TYPES: the vector GEMV at one token quantizes x itself --
-    no dense_quant_q8x launch, the instance G | 2, n_in * 5 / 4 bytes of dynamic shared memory, x,
-    the norm weight and eps in its parameters -- for its types only, where x and the norm weight
-    are aligned and the copies fit; past one token, in another form, with quantize=False (another
-    group quantized), as before. In a group of mixed types the fused type leaves xq unwritten, so
-    the next type's launch quantizes."""
-    monkeypatch.setattr(md, "GEMV_FUSED_QUANT_TYPES", ("Q4_K",))
-    monkeypatch.setattr(md, "GEMV_ONE_TYPES", ("Q4_K",))
-    n_in = 512
-    ws = [_qmatrix("Q4_K", 96, n_in), _qmatrix("Q4_K", 96, n_in)]
-    g = Dev((n_in,))
-    x, xq, xd, xs = Dev((1, n_in)), Dev((1, n_in), np.int8), Dev((1, n_in // 32)), Dev((1, n_in // 32))
-    for mode, pair, gi in ((0, ws[:1], 2), (2, ws, 3)):
-        launches.clear()
-        q8_matmul.q8x_launches(pair, x, [Dev((1, 96))], xq, xd, xs, mode=mode, norm_eps=1e-5, norm_w=g)
-        (gemv,) = launches
-        p = gemv.params[0]
-        assert gemv.fn.name == f"dense_gemv_q8x_v<12, 1, {gi}>" and gemv.fn.smem == n_in * 5 // 4
-        assert (p.x, p.x_stride, p.g, p.mode) == (x.data.ptr, n_in, g.data.ptr, mode) and p.eps == np.float32(1e-5)
-    assert q8_matmul.q8x_fuses_quant(ws, x) and q8_matmul.q8x_fuses_quant(ws, x, g)
-    # not fused: two tokens, the ring form, Q6_K, a misaligned norm weight, copies past FUSED_MAX_SMEM
-    x2, xq2, xd2, xs2 = Dev((2, n_in)), Dev((2, n_in), np.int8), Dev((2, n_in // 32)), Dev((2, n_in // 32))
-    skew_g = Dev(None, base=np.zeros(n_in + 1, np.float32)[1:])
-    big = 8 * (q8_matmul.FUSED_MAX_SMEM // 8) + 256   # (n_in * 5 / 4 past it)
-    assert not q8_matmul.q8x_fuses_quant(ws, x2) and not q8_matmul.q8x_fuses_quant(ws, x, form="ring")
-    assert not q8_matmul.q8x_fuses_quant([_qmatrix("Q6_K", 8, n_in)], x)
-    assert not q8_matmul.q8x_fuses_quant(ws, x, skew_g)
-    assert not q8_matmul.q8x_fuses_quant([_qmatrix("Q4_K", 8, big)], Dev((1, big)))
-    for args, form, want in (((ws[:1], x2, [Dev((2, 96))], xq2, xd2, xs2), None, ["dense_quant_q8x", "dense_gemv_q8x_s<12, 2>"]),
-                             ((ws[:1], x, [Dev((1, 96))], xq, xd, xs), "staged", ["dense_quant_q8x", "dense_gemv_q8x_s<12, 1>"]),
-                             ((ws[:1], x, [Dev((1, 96))], xq, xd, xs), None, ["dense_gemv_q8x_v<12, 1, 0>"])):
-        launches.clear()
-        q8_matmul.q8x_launches(*args, mode=0, form=form, quantize=form is not None or args[1] is x2)
-        assert [ln.fn.name for ln in launches] == want
-        assert all(ln.fn.smem is None and ln.params[0].x == 0 for ln in launches[1:])
-    # a group of Q4_K (fused) then Q6_K (rows of 420 bytes: the plain form): the Q6_K launch
-    # quantizes; Q6_K first: Q4_K reads its xq
-    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 1)
-    for types, want in ((("Q4_K", "Q6_K"), ["dense_gemv_q8x_v<12, 1, 2>", "dense_quant_q8x", "dense_gemv_q8x<14, 1>"]),
-                        (("Q6_K", "Q4_K"), ["dense_quant_q8x", "dense_gemv_q8x<14, 1>", "dense_gemv_q8x_v<12, 1, 0>"])):
-        launches.clear()
-        group = [_qmatrix(t, 32, n_in) for t in types]
-        assert xp_matmul._gemv(Builder(), group, x, [Dev((1, 32)), Dev((1, 32))], mode=0, norm_eps=1e-5, norm_w=g)
-        assert [ln.fn.name for ln in launches] == want
 
 
 def test_gemv_q_gated_and_what_it_refuses(launches):
