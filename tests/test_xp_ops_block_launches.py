@@ -202,7 +202,7 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     outs = [Dev((3, 96)), Dev((3, 32))]
     q8_matmul.q8x_launches(ws, x, outs, xq, xd, xs, mode=0, quantize=False)
     (gemv,) = launches
-    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 1>" and gemv.fn.variant == K.dense_q8x_variant(12)
+    assert gemv.fn.name == "dense_gemv_q8x_v<12, 4, 0>" and gemv.fn.variant == K.dense_q8x_variant(12)   # (GEMV_ONE_TYPES)
     assert gemv.grid == (-(-128 // K.Q8X_VWARPS), 1, 1) and gemv.block == (32 * K.Q8X_VWARPS, 1, 1)
     assert gemv.params[0].n_tok == 3 and gemv.params[0].row_bytes == 2 * 144
     q4 = [_qmatrix("Q4_0", 32, 512)]
