@@ -233,6 +233,7 @@ def resource_usage(log: str) -> dict[str, dict[str, int]]:
 
 
 _MEM_CACHE: dict[tuple, Compiled] = {}
+COMPILED: list[str] = []   # the labels of the programs NVRTC compiled in this process (not from a cache)
 
 
 def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
@@ -288,6 +289,7 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
         nv.destroyProgram(prog)
     c = Compiled(bytes(cubin), lowered, log, smem_lowered)
     _MEM_CACHE[mk] = c
+    COMPILED.append(variant.label)
     if use_disk_cache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -301,18 +303,18 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
     return c
 
 
-def precompile(variants, arch: str, workers: int | None = None) -> None:
+def precompile(variants, arch: str, workers: int | None = None) -> tuple[int, int]:
     """Compile ``variants`` for ``arch`` ("sm_90"; a Hopper program for ``arch`` + its
     arch_suffix) into the memory and disk caches, in parallel threads (NVRTC releases the GIL:
     2 programs on 2 cores in 2.8 s against 4.7 s one after the other), so that the first calls
     that load them find them compiled. Cached programs cost a file read. A compile error
-    raises as in :func:`compile_variant`."""
-    jobs = list(dict.fromkeys((v, arch + v.arch_suffix) for v in variants))
-    if not jobs:
-        return
-    with ThreadPoolExecutor(workers or min(len(jobs), os.cpu_count() or 1)) as ex:
-        for f in [ex.submit(compile_variant, v, a) for v, a in jobs]:
-            f.result()
+    raises as in :func:`compile_variant`. Returns (programs, how many NVRTC compiled now)."""
+    jobs, before = list(dict.fromkeys((v, arch + v.arch_suffix) for v in variants)), len(COMPILED)
+    if jobs:
+        with ThreadPoolExecutor(workers or min(len(jobs), os.cpu_count() or 1)) as ex:
+            for f in [ex.submit(compile_variant, v, a) for v, a in jobs]:
+                f.result()
+    return len(jobs), len(COMPILED) - before
 
 
 # ---------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -193,6 +194,7 @@ class DeviceWeights:
     tied_copy: bool = False     # output is a folded copy of token_embd
     output_norm: object = None
     scratch: object = None
+    load_s: float = 0.0         # wall seconds from_model took (the file read, uploaded, folded)
     _arrays: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -210,12 +212,16 @@ class DeviceWeights:
             raise ValueError("staged loading copies to a GPU: it needs xp=cupy")
         blocks, why = keep_blocks(model, xp)
         jobs = _jobs(model, blocks)
-        up = None
+        up, t0 = None, time.perf_counter()
         if staged and any(_raw_ok(w) for _, w, _ in jobs):
             from .upload import FileUploader   # noqa: PLC0415
             up = FileUploader(model.path)
         try:
-            return cls._build(model, xp, jobs, up, blocks, why)
+            dw = cls._build(model, xp, jobs, up, blocks, why)
+            if xp is not np:
+                xp.cuda.Device().synchronize()   # (the copies done: the time is the load's)
+            dw.load_s = time.perf_counter() - t0
+            return dw
         finally:
             if up is not None:
                 up.close()

@@ -1,6 +1,8 @@
 """llama-bench users' flags: exact parsing, -fa auto, -t limit, -ctk/-ctv, -o sql, -oe, -v,
 --delay, -ngl, -b < -ub."""
 import json
+import re
+import sys
 
 import pytest
 
@@ -246,8 +248,31 @@ def test_verbose_describes_the_run_on_stderr(capsys):
     rc, out, err = _bench(capsys, "-p", "24", "-n", "0", "-ub", "16", "-r", "1", "--no-warmup", "-v", *FAST)
     assert rc == 0
     assert "tiny: 1 layers" in err and "KV cache" in err and "per repetition: ubatches 1x16 1x8" in err
+    assert re.search(r"ready \d+\.\d\d s after the process started", err) or not sys.platform.startswith("linux")
     rc, _, err = _bench(capsys, "-p", "24", "-n", "0", "-r", "1", "--no-warmup", *FAST)
     assert rc == 0 and err == ""
+
+
+def test_verbose_says_where_a_gpu_runs_load_went(capsys, monkeypatch):
+    """-v on the GPU: the kernel programs made ready beside the engine's start (how many NVRTC
+    compiled now), the weights' upload time and rate, and the time since the process started."""
+    from types import SimpleNamespace
+
+    from ggml_attn.cli import verbose
+    from ggml_attn.cli.cuda_engine import KernelLoad
+    monkeypatch.setattr(verbose, "process_seconds", lambda: 3.25)
+    dw = SimpleNamespace(bytes_by_type=lambda: {"Q4_K": 2 ** 31, "Q6_K": 2 ** 29}, load_s=0.5)
+    model = SimpleNamespace(nbytes=2 ** 31 + 2 ** 29, device_weights=lambda xp: dw)
+    cfg = SimpleNamespace(model=SimpleNamespace(describe=lambda: "m"), type_k="f16", type_v="f16", split="equal",
+                          n_batch=2048, n_ubatch=512, n_threads=4, device="cuda")
+    runner = SimpleNamespace(cfg=cfg, cache=SimpleNamespace(xp=None),
+                             engine=SimpleNamespace(kernel_load=KernelLoad(14, 9, 2.5), model=model))
+    verbose.Verbose("tool", True).runner(runner)
+    err = capsys.readouterr().err
+    assert "tool: kernels: 14 programs ready in 2.50 s beside the engine's start (9 compiled by NVRTC now" in err
+    assert "Q4_K 2.00 GiB, Q6_K 0.50 GiB (the file's tensors: 2.50 GiB; read, uploaded and folded in 0.50 s, " \
+           "5.4 GB/s of the file)" in err
+    assert err.rstrip().endswith("tool: ready 3.25 s after the process started")
 
 
 def test_delay_sleeps_between_tests(capsys, monkeypatch):

@@ -134,3 +134,25 @@ def test_side_by_side_logs_come_back_packed(tmp_path, monkeypatch):
     with tarfile.open(out / "logs.tgz") as t:
         assert sorted(t.getnames()) == ["logs", "logs/a.log", "logs/b.log", "logs/c.log"]
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz"]
+
+
+def test_side_by_side_load_rows_time_ours_cold_and_cached(tmp_path, monkeypatch):
+    """The load rows: llama.cpp's one-token run once, ours twice with -v (the first compiling what
+    the kernel cache lacks, the second reading it), each its own log; the table shows both of
+    ours against llama.cpp's one load."""
+    import sys
+    from types import SimpleNamespace
+    sys.path.insert(0, str(DEV))
+    import llamacpp_side_by_side as lcs
+    calls, times = [], iter([1.0, 4.6, 1.5])
+    monkeypatch.setattr(lcs, "sh", lambda cmd, log, timeout, env=None: (calls.append((cmd, log)), (0, "", next(times)))[1])
+    a = SimpleNamespace(logs=str(tmp_path))
+    rows = lcs.load_rows(a, "/m.gguf", "lbb", "obb", {}, "_Q4_K_M", file="Q4_K_M")
+    assert [(r["tool"], r["seconds"], r.get("cached")) for r in rows] == \
+        [("llama.cpp", 1.0, None), ("ggml-attn", 4.6, False), ("ggml-attn", 1.5, True)]
+    assert [pathlib.Path(log).name for _, log in calls] == ["lc_load_Q4_K_M.log", "ours_load_Q4_K_M.log",
+                                                            "ours_load_Q4_K_M_cached.log"]
+    assert all("-v" in cmd for cmd, _ in calls[1:]) and calls[0][0][:3] == ["lbb", "-m", "/m.gguf"]
+    table = lcs.table(rows).splitlines()
+    assert table[2:] == ["| Q4_K_M load time (s) | 1.0 | 4.6 | 4.60 |",
+                         "| Q4_K_M load time, our kernels cached (s) | 1.0 | 1.5 | 1.50 |"]

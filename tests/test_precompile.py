@@ -68,20 +68,22 @@ def test_programs_for_a_named_kernel_and_for_no_gpu_kernel():
 
 
 def test_precompile_fills_the_disk_cache(tmp_path, monkeypatch):
-    """precompile compiles each distinct program once into the disk cache; a later load reads
-    the cached cubin (no compile: NVRTC is not called again)."""
+    """precompile compiles each distinct program once into the disk cache, and says so
+    (programs, compiled now); a later load reads the cached cubin (no compile: NVRTC is not
+    called again), and precompile then counts none compiled."""
     if not K.nvrtc_available():
         pytest.skip("NVRTC library not installed (pip install .[nvrtc])")
     monkeypatch.setenv("GGML_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(K, "_MEM_CACHE", {})
     v = K.util_variant()
-    K.precompile([v, v], "sm_80")
+    assert K.precompile([v, v], "sm_80") == (1, 1) and K.precompile([v], "sm_80") == (1, 0)
     cubins = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert len(cubins) == 1 and cubins[0].startswith("util-")
     monkeypatch.setattr(K, "_MEM_CACHE", {})
     nv = _no_compile(K._nvrtc())
     monkeypatch.setattr(K, "_nvrtc", lambda: nv)
     assert K.compile_variant(v, "sm_80").cubin == (tmp_path / cubins[0]).read_bytes()
+    assert K.precompile([v], "sm_80") == (1, 0)   # (from the disk cache)
 
 
 def _no_compile(nv):
@@ -111,10 +113,11 @@ def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
     from ggml_attn.cli.runner import RunConfig
     asked = []
     monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
-    monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append((variants, arch)))
+    monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append((variants, arch)), (len(variants), 2))[1])
     cfg = RunConfig(PRESETS["llama-3-8b"], 4096, device="cpu", type_k="q8_0", type_v="q8_0")
-    cuda_engine.start_precompile(cfg).result()
+    load = cuda_engine.start_precompile(cfg).result()
     (variants, arch), = asked
+    assert (load.programs, load.compiled) == (len(variants), 2) and load.seconds >= 0.0   # (cuda_engine.KernelLoad)
     names = {n for v in variants for n in v.names}
     assert arch == "sm_90" and K.dense_variant() in variants and K.util_variant() in variants
     assert "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true>" in names
@@ -131,7 +134,7 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     from ggml_attn.cli.models import PRESETS
     asked = []
     monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
-    monkeypatch.setattr(K, "precompile", lambda variants, arch: asked.append(variants))
+    monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append(variants), (len(variants), 0))[1])
     monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", q8x)
     p = PRESETS["llama-3-8b"]
     m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,

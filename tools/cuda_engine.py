@@ -9,7 +9,9 @@ synchronize. The kernel programs the run's calls load are compiled while the eng
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .common import CudaTimer  # noqa: F401  (the timer of this engine)
 from .errors import UserError
@@ -29,8 +31,17 @@ class CudaEngine(GraphEngine):
             raise UserError("-fa off (ggml's mul_mat+soft_max path) runs on the CPU only; use --device cpu")
         compiling = start_precompile(cfg) if self.flavour == "device" else None   # beside the weights' load
         super().__init__(cfg, cache)
-        if compiling is not None:
-            compiling.result()
+        self.kernel_load = compiling.result() if compiling is not None else None
+
+
+@dataclass(frozen=True)
+class KernelLoad:
+    """What :func:`start_precompile` did: kernel programs made ready, how many of them NVRTC
+    compiled (the others came from the memory or disk cache), and its wall seconds (beside the
+    engine's own start)."""
+    programs: int
+    compiled: int
+    seconds: float
 
 
 def start_precompile(cfg) -> Future:
@@ -41,7 +52,7 @@ def start_precompile(cfg) -> Future:
     ``--layer model`` those over each block type of the file's matrices). On a
     machine whose kernel cache lacks them (a first run, a new version) each would otherwise be
     compiled by its first call, inside the timed runs (1-2 s each on 2 cores). The future's
-    ``result()`` raises a compile error."""
+    ``result()`` is a :class:`KernelLoad`, or raises a compile error."""
     from ggml_attn import cuda_plan
     from ggml_attn import kernels as K
     from ggml_attn.graph.kv_graph import ggml_type_of
@@ -55,8 +66,12 @@ def start_precompile(cfg) -> Future:
         makes = [K.dense_q_variant] + ([K.dense_q8x_variant] if matmul_dispatch.Q8X_MAX_TOKENS else [])
         variants += [K.model_ops_variant()] + [make(block_layout(t).type_id) for make in makes
                                                for t in m.file_type.split("+") if is_block_type(t)]
+    def job():
+        t0 = time.perf_counter()
+        programs, compiled = K.precompile(variants, K.device_arch())
+        return KernelLoad(programs, compiled, time.perf_counter() - t0)
     ex = ThreadPoolExecutor(1)
     try:
-        return ex.submit(K.precompile, variants, K.device_arch())
+        return ex.submit(job)
     finally:
         ex.shutdown(wait=False)
