@@ -156,3 +156,38 @@ def test_side_by_side_load_rows_time_ours_cold_and_cached(tmp_path, monkeypatch)
     table = lcs.table(rows).splitlines()
     assert table[2:] == ["| Q4_K_M load time (s) | 1.0 | 4.6 | 4.60 |",
                          "| Q4_K_M load time, our kernels cached (s) | 1.0 | 1.5 | 1.50 |"]
+
+
+def test_side_by_side_saves_what_it_has_when_a_timeout_stops_it(tmp_path):
+    """save_at_exit: SIGTERM (what `timeout` sends) ends the script with status 143 after one more
+    save -- the results and the packed logs so far -- and a child it was waiting on is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, pathlib, subprocess, sys\n"
+        f"sys.path.insert(0, {str(DEV)!r})\n"
+        "import llamacpp_side_by_side as lcs\n"
+        f"out = pathlib.Path({str(tmp_path)!r})\n"
+        "lcs.save_at_exit(lambda: (out / 'saved.json').write_text('{}'))\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "(out / 'child').write_text(str(child.pid))\n"
+        "print('ready', flush=True)\n"
+        "try:\n"
+        "    child.wait()\n"
+        "finally:\n"
+        "    child.kill()\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 143
+    assert (tmp_path / "saved.json").read_text() == "{}"
+    pid = int((tmp_path / "child").read_text())
+    try:   # the child is gone (or a zombie of a dead parent, reaped by init)
+        os.kill(pid, 0)
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        pass

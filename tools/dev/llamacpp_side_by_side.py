@@ -77,6 +77,18 @@ def log_dir(out: str) -> str:
     return tempfile.mkdtemp(prefix="side_by_side_logs_")
 
 
+def save_at_exit(save) -> None:
+    """Call ``save()`` (the results so far and the packed logs) once more as the process ends,
+    however it ends: done, an error, Ctrl-C, or SIGTERM -- a ``timeout`` around the script, whose
+    signal becomes a SystemExit here, so that the children in flight are killed by their
+    ``subprocess`` calls and what the last step wrote into the logs comes back (a device call
+    returns only what is under $OUT)."""
+    import atexit
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    atexit.register(save)
+
+
 def pack_logs(logs: str, out: str) -> None:
     """``logs`` (a :func:`log_dir` other than ``out``) as ``out/logs.tgz``, written anew."""
     if os.path.abspath(logs) == os.path.abspath(out):
@@ -208,6 +220,7 @@ def main(argv=None) -> int:
         with open(os.path.join(out, "side_by_side.json"), "w") as f:
             json.dump(res, f, indent=1)
         pack_logs(a.logs, out)
+    save_at_exit(save)
     if "logits" not in skip:
         rc, _, _ = sh([sys.executable, os.path.join(HERE, "model_vs_llamacpp.py"), "--gguf", a.gguf, "--tool",
                        os.path.join(bins, "llamacpp_logits"), "--out", os.path.join(out, "model_vs_llamacpp.json")],

@@ -215,6 +215,7 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "serve_side_by_side.json"), "w") as f:
             json.dump(res, f, indent=1)
         lcs.pack_logs(logs, a.out)
+    lcs.save_at_exit(save)   # (a timeout's SIGTERM: the server stopped, the logs so far packed)
     ours = shutil.which("ggml-attn-serve-bench")
     for rate in parse_rates(a.rates):
         tag = "inf" if math.isinf(rate) else f"{rate:g}"
