@@ -14,9 +14,9 @@
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json, and under STEP_VARIANT (a knob_ab
 #      variant; default the A/B's "all") -> $OUT/step-<name>.json
 #   4. tg128 with the shipped GEMV routing against each of AB_VARIANTS (knob_ab --variant
-#      arguments, ';'-separated; default: modes 0 / 1 through the one-operand instances
-#      (matmul_dispatch.GEMV_ONE_TYPES) for Q4_K alone and for every type, the rope and K/V store
-#      as one node (graph.model_graph.ROPE_STORE), Q4_K's one-operand instance with it; tools/dev/knob_ab.py, 2 alternating
+#      arguments, ';'-separated; default: the shipped routing's choices undone -- no type through
+#      the one-operand instances (matmul_dispatch.GEMV_ONE_TYPES), the rope and the K/V store as
+#      two nodes (graph.model_graph.ROPE_STORE), both; tools/dev/knob_ab.py, 2 alternating
 #      rounds) -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
@@ -29,9 +29,9 @@ trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
 INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
-ONE_Q4K="matmul_dispatch.GEMV_ONE_TYPES=('Q4_K',)" ONE="matmul_dispatch.GEMV_ONE_TYPES=('Q4_K','Q5_K','Q6_K','Q8_0')"
-RS="graph.model_graph.ROPE_STORE=True"
-AB_VARIANTS=${AB_VARIANTS-"one-q4k:$ONE_Q4K;one:$ONE;rope-store:$RS;all:$ONE_Q4K,$RS"}
+# (the shipped routing's choices, each undone: a check that they still win)
+NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()" NO_RS="graph.model_graph.ROPE_STORE=False"
+AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE;no-rope-store:$NO_RS;all:$NO_ONE,$NO_RS"}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;
