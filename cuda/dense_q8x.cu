@@ -348,17 +348,18 @@ __device__ __forceinline__ void q8x_v_block_k4(const GemvQ8Params& p, int blk, b
 }
 
 // One row of Q4_K / Q5_K blocks (w0; the gated mode's second operand w1, else null) times the
-// tokens' activations into acc (up).
-template <int T, int NT>
+// tokens' activations into acc (up), U steps' loads at a time; with NS warps a row (the split
+// instances), this warp's part: chunks of U steps h, h + NS, ...
+template <int T, int NT, int U = Q8xV<T, NT>::U, int NS = 1>
 __device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
-                                             float (&acc)[NT], float (&up)[NT]) {
-    constexpr int B = QBlock<T>::BYTES, U = Q8xV<T, NT>::U;
+                                             float (&acc)[NT], float (&up)[NT], int h = 0) {
+    constexpr int B = QBlock<T>::BYTES;
     const int lane = threadIdx.x & 31, k = lane & 7, b0 = lane >> 3;
-    const int n_blk = p.n_in / 256;
-    // the lane's first block; each step moves it 4 blocks on
-    w0 += b0 * B;
-    if (w1) w1 += b0 * B;
-    for (int base = b0; base < n_blk; base += 4 * U) {
+    const int n_blk = p.n_in / 256, first = b0 + 4 * U * h;
+    // the lane's first block; each chunk moves it 4 U NS blocks on
+    w0 += first * B;
+    if (w1) w1 += first * B;
+    for (int base = first; base < n_blk; base += 4 * U * NS) {
         uint4 hd[U], qs[U], qh[U], hd1[U], qs1[U], qh1[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -371,8 +372,8 @@ __device__ __forceinline__ void q8x_v_row_k4(const GemvQ8Params& p, const unsign
         for (int u = 0; u < U; ++u)
             if (base + 4 * u < n_blk)
                 q8x_v_block_k4<T, NT>(p, base + 4 * u, w1 != nullptr, hd[u], qs[u], qh[u], hd1[u], qs1[u], qh1[u], acc, up);
-        w0 += 4 * U * B;
-        if (w1) w1 += 4 * U * B;
+        w0 += 4 * U * NS * B;
+        if (w1) w1 += 4 * U * NS * B;
     }
 }
 
@@ -450,16 +451,17 @@ __device__ __forceinline__ void group_dot(const GemvQ8Params& p, const unsigned 
 }
 
 // One row of a group-staged type (w0; the gated mode's second operand w1, else null): U groups'
-// units loaded together, stored to the warp's buffers, then each group's dot.
-template <int T, int NT>
+// units loaded together, stored to the warp's buffers, then each group's dot; with NS warps a
+// row, this warp's chunks of U groups h, h + NS, ...
+template <int T, int NT, int U = Q8xV<T, NT>::U, int NS = 1>
 __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const unsigned char* w0, const unsigned char* w1,
-                                                 float (&acc)[NT], float (&up)[NT]) {
-    constexpr int U = Q8xV<T, NT>::U, GB = Q8xVG<T>::BYTES, LOADS = Q8xVG<T>::LOADS;
+                                                 float (&acc)[NT], float (&up)[NT], int h = 0) {
+    constexpr int GB = Q8xVG<T>::BYTES, LOADS = Q8xVG<T>::LOADS;
     __shared__ __align__(16) unsigned char gbuf[Q8X_VWARPS][2][U][GB + 16];   // (+16: a window's fifth word)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_blk = p.n_in / QBlock<T>::VALUES, n_grp = (n_blk + Q8xVGroup<T>::BLOCKS - 1) / Q8xVGroup<T>::BLOCKS;
     const int row_units = n_blk * QBlock<T>::BYTES / 16;   // (rows of whole units)
-    for (int g0 = 0; g0 < n_grp; g0 += U) {
+    for (int g0 = U * h; g0 < n_grp; g0 += U * NS) {
         uint4 st[U][LOADS], st1[U][LOADS];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -484,21 +486,48 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
 // G: the instance for every mode (1: the gated mode's second operand a run-time choice) or for
 // modes 0 / 1 only (0): without the second operand's words a lane holds about two thirds of the
 // registers (Q4_K NT 1: 78 against 122 at sm_90), so more warps fit an SM (6 blocks against 4),
-// each with its row's loads in flight (the host's choice: matmul_dispatch.GEMV_ONE_OPERAND).
+// each with its row's loads in flight (the host's choice: matmul_dispatch.GEMV_ONE_TYPES). G 2
+// (NT 1, modes 0 / 1): two warps a row, each its chunks of half the steps (U / 2), their lanes'
+// sums added through shared memory before the row's end -- twice the warps for a matrix of few
+// rows, whose one-row warps fill 1.3 waves of an SM's slots (4096 rows), so that its last wave's
+// idle slots cost less (matmul_dispatch.GEMV_SPLIT_TYPES).
 template <int T, int NT, int G>
 __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
-    int r = blockIdx.x * Q8X_VWARPS + (threadIdx.x >> 5);
+    constexpr int NS = G == 2 ? 2 : 1, U = NS == 1 ? Q8xV<T, NT>::U : (Q8xV<T, NT>::U + 1) / 2;
+    static_assert(G >= 0 && G <= 2 && (NS == 1 || NT == 1), "G: 0 modes 0 / 1, 1 every mode, 2 split (one token)");
+    const int warp = threadIdx.x >> 5, h = warp % NS;
+    int r = blockIdx.x * (Q8X_VWARPS / NS) + warp / NS;
     GemvQSeg sg;
-    if (!G && p.mode == 2) __trap();      // (the host never launches it gated)
-    if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
-    const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
-    const unsigned char* w1 = G && p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
-    q8x_enter(p, w0, w1);
+    if (G != 1 && p.mode == 2) __trap();      // (the host never launches it gated)
     float acc[NT], up[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
-    if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT>(p, w0, w1, acc, up);
-    else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
+    if constexpr (NS == 1) {
+        if (!gemv_segment(p, r, sg)) return;   // (no block barrier below)
+        const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
+        const unsigned char* w1 = G && p.mode == 2 ? p.seg[1].w + (long long)r * p.row_bytes : nullptr;
+        q8x_enter(p, w0, w1);
+        if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT>(p, w0, w1, acc, up);
+        else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
+    } else {   // this warp's half of the row, then the second warp's lane sums to the first's
+        __shared__ float half[Q8X_VWARPS / 2][NT][32];
+        const int lane = threadIdx.x & 31;
+        const bool live = gemv_segment(p, r, sg);   // (every warp to the barrier)
+        if (live) {
+            const unsigned char* w0 = sg.w + (long long)r * p.row_bytes;
+            q8x_enter(p, w0, nullptr);
+            if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT, U, NS>(p, w0, nullptr, acc, up, h);
+            else q8x_v_row_k4<T, NT, U, NS>(p, w0, nullptr, acc, up, h);
+        }
+        if (h == 1) {
+#pragma unroll
+            for (int t = 0; t < NT; ++t) half[warp / 2][t][lane] = acc[t];
+        }
+        __syncthreads();
+        if (h == 1 || !live) return;
+#pragma unroll
+        for (int t = 0; t < NT; ++t) acc[t] += half[warp / 2][t][lane];
+    }
     float one[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;

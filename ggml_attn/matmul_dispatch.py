@@ -72,6 +72,14 @@ GEMV_PDL = False
 # alternating rounds): Q4_K alone 305.6 against 299.4 t/s (+2.1%), every type 301.7; with the
 # fused rope and store (model_graph.ROPE_STORE) 309.1. Q5_K from its layer rows only.
 GEMV_ONE_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K")
+# The types of GEMV_SPLIT_TYPES run the vector GEMV at one token in modes 0 / 1 over matrices of
+# at most GEMV_SPLIT_MAX_ROWS rows through its instance with two warps a row (kernels.
+# Q8X_SPLIT_TOKENS, G 2): a 4096-row matrix's one-row warps fill 1.3 waves of an SM's slots (wo,
+# wd: 8.3 and 19.4 us on the H100 against floors of 2.2 and 7.9), two warps a row ~1.9 waves of
+# half the work. None until measured (predicted: wo and wd 20-25% faster, tg128 on Q4_K_M +3-5%;
+# bench/NOTES.md, fourteenth session).
+GEMV_SPLIT_TYPES: tuple[str, ...] = ()
+GEMV_SPLIT_MAX_ROWS = 4096
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
@@ -130,6 +138,16 @@ def gemv_q8x_gated_instance(mode: int, weight_type: str) -> bool:
     ``gated``) rather than the one-operand instance of modes 0 / 1 (GEMV_ONE_TYPES; forms without
     one ignore it)."""
     return mode == 2 or weight_type not in GEMV_ONE_TYPES
+
+
+def gemv_q8x_split(weight_type: str, form: str, n_tokens: int, rows: int, mode: int) -> bool:
+    """Whether an 8-bit GEMV launch over ``rows`` output rows (its segments' together) of
+    ``weight_type`` blocks in ``form`` at ``n_tokens`` tokens in ``mode`` runs a row on two warps
+    (GEMV_SPLIT_TYPES up to GEMV_SPLIT_MAX_ROWS, modes 0 / 1, where the form has such instances:
+    ``kernels.Q8X_SPLIT_TOKENS``)."""
+    from .kernels import Q8X_SPLIT_TOKENS
+    return (weight_type in GEMV_SPLIT_TYPES and mode != 2 and rows <= GEMV_SPLIT_MAX_ROWS
+            and n_tokens <= max(Q8X_SPLIT_TOKENS.get(form, (0,))))
 
 
 def gemv_pdl() -> int:

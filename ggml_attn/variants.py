@@ -336,6 +336,7 @@ Q8X_FORMS = {"staged": ("dense_gemv_q8x_s", Q8X_TOKENS, Q8X_SWARPS),
 Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "ring": Q8XR_TYPES}
 Q8X_ONE_WAVE = ("ring",)
 Q8X_GATED_FORMS = ("vector", "ring")   # forms with an instance for every mode (G 1) and one for modes 0 / 1 (G 0)
+Q8X_SPLIT_TOKENS = {"vector": (1,)}    # forms' instances running a row on two warps (modes 0 / 1, G 2), their NT
 
 
 def q8x_form_reads(form: str, weight_type: str) -> bool:
@@ -343,7 +344,7 @@ def q8x_form_reads(form: str, weight_type: str) -> bool:
     return weight_type in Q8X_FORM_TYPES.get(form, (weight_type,))
 
 
-def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False) -> str:
+def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False, split: bool = False) -> str:
     """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
     n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
     16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment), ``vector``
@@ -351,10 +352,16 @@ def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False
     aligned) or ``ring`` (``dense_gemv_q8x_r``, the vector form's arithmetic over a wave of warps
     each streaming several rows through a ring of shared-memory slots; Q8XR_TYPES, rows 16-byte
     aligned); at most max(NT) of the form's instances (Q8X_FORMS). The vector and ring forms have an
-    instance for every mode (``gated`` True) and one for modes 0 / 1 only (``gated`` False; Q8X_GATED_FORMS)."""
+    instance for every mode (``gated`` True) and one for modes 0 / 1 only (``gated`` False; Q8X_GATED_FORMS);
+    the vector form at one token also one for modes 0 / 1 that runs a row on two warps (``split``:
+    Q8X_SPLIT_TOKENS, G 2)."""
     kernel, tokens, _ = Q8X_FORMS[form]
+    if split:
+        assert not gated, "the split instances run modes 0 / 1"
+        tokens = Q8X_SPLIT_TOKENS[form]
     nt = next(t for t in tokens if t >= n_tok)
-    return f"{kernel}<{type_id}, {nt}, {int(gated)}>" if form in Q8X_GATED_FORMS else f"{kernel}<{type_id}, {nt}>"
+    g = 2 if split else int(gated)
+    return f"{kernel}<{type_id}, {nt}, {g}>" if form in Q8X_GATED_FORMS else f"{kernel}<{type_id}, {nt}>"
 
 
 def dense_q8x_variant(type_id: int) -> Variant:
@@ -366,6 +373,8 @@ def dense_q8x_variant(type_id: int) -> Variant:
     gemvs = tuple(q8x_name(type_id, nt, form, g) for form, (_, tokens, _) in Q8X_FORMS.items()
                   if q8x_form_reads(form, wtype) for nt in tokens
                   for g in ((False, True) if form in Q8X_GATED_FORMS else (False,)))
+    gemvs += tuple(q8x_name(type_id, nt, form, split=True) for form, tokens in Q8X_SPLIT_TOKENS.items()
+                   if q8x_form_reads(form, wtype) for nt in tokens)
     return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 

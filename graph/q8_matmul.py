@@ -51,11 +51,12 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     ``matmul_dispatch.gemv_q8x_form``'s; else ``kernels.Q8X_FORMS``' name, the benchmark's A/B).
     None where the arrays do not fit the form (all but the plain one need rows 16-byte aligned,
     the vector and ring ones their types: ``kernels.q8x_form_reads``; each form up to its instances' tokens).
+    The vector form's rows run on two warps each where ``matmul_dispatch.gemv_q8x_split`` says so.
     The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
     programmatic dependent launch where
     ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form, gemv_q8x_gated_instance  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form, gemv_q8x_gated_instance, gemv_q8x_split  # noqa: PLC0415
     from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
     n_tok, n_in = x.shape
     t = ws[0].type_id
@@ -76,8 +77,10 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
-    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)))
-    blocks = -(-rows // warps)
+    split = gemv_q8x_split(ws[0].type, form, n_tok, rows, mode)   # (two warps a row)
+    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)
+                                                          and not split, split=split))
+    blocks = -(-rows // (warps // 2 if split else warps))
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
         blocks = min(blocks, num_sms() * max(1, fn.occupancy(32 * warps)))

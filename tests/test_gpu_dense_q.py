@@ -109,7 +109,7 @@ def test_gemv_q_matches_float64(name, n_tok, mode, norm):
 
 
 @pytest.mark.parametrize("name, form", [(n, f) for n in BLOCK_TYPES for f in ("plain", "staged")] +
-                         [(n, f) for n in K.Q8XV_TYPES for f in ("vector", "vector-one")] +
+                         [(n, f) for n in K.Q8XV_TYPES for f in ("vector", "vector-one", "vector-split")] +
                          [(n, f) for n in K.Q8XR_TYPES for f in ("ring", "ring-one")])
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 8, 13, 16])
 @pytest.mark.parametrize("mode", [0, 1, 2])
@@ -131,11 +131,14 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
     "-one": modes 0 / 1 through the vector and ring forms' one-operand instances
     (matmul_dispatch.GEMV_ONE_TYPES; the ring's Q6_K 6 slots, Q8_0 8, a grid of up to 44 warps),
     the gated mode through the every-mode one still (the instance launched is checked).
+    "vector-split": modes 0 / 1 at one token on two warps a row (matmul_dispatch.GEMV_SPLIT_TYPES;
+    mode 1's 61 rows leave the last block a row without its warps), else as "vector".
     Token counts past a form's instances are refused (the caller's GEMM runs them)."""
     from ggml_attn import matmul_dispatch
-    one = form.endswith("-one")
+    one, split = form.endswith("-one"), form.endswith("-split") and n_tok == 1 and mode != 2
     monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", (name,) if one else ())
-    form = form.removesuffix("-one")
+    monkeypatch.setattr(matmul_dispatch, "GEMV_SPLIT_TYPES", (name,) if form.endswith("-split") else ())
+    form = form.removesuffix("-one").removesuffix("-split")
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)   # (only the ring form's grid asks)
     names, get_function = [], K.get_function
     monkeypatch.setattr(K, "get_function", lambda v, n, *a, **kw: (names.append(n), get_function(v, n, *a, **kw))[1])
@@ -152,7 +155,8 @@ def test_gemv_q8x_matches_float64(name, n_tok, mode, norm, form, monkeypatch):
         assert run is None   # past the form's instances: refused (the caller's GEMM runs them)
         return
     gemvs = [n for n in names if n.startswith(K.Q8X_FORMS[form][0] + "<")]
-    assert gemvs and (form not in K.Q8X_GATED_FORMS or gemvs[-1].endswith(f", {int(mode == 2 or not one)}>")), gemvs
+    g_want = 2 if split else int(mode == 2 or not one)
+    assert gemvs and (form not in K.Q8X_GATED_FORMS or gemvs[-1].endswith(f", {g_want}>")), gemvs
     run()
     cupy.cuda.get_current_stream().synchronize()
     v = x.astype(np.float32)

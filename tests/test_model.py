@@ -412,12 +412,12 @@ def _float_file(n: str) -> bool:
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
 # the 8-bit GEMV at 1-16 tokens ("blocks-q8x"; "-pdl": launched with programmatic dependent launch;
-# "-ring": its ring form at 1-4 tokens for the types it reads),
+# "-ring": its ring form at 1-4 tokens for the types it reads; "-split": a row on two warps in modes 0 / 1),
 # the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
-                                                             "blocks-q8x-ring-one", "blocks-gemm-q8"))]
+                                                             "blocks-q8x-ring-one", "blocks-q8x-split", "blocks-gemm-q8"))]
 
 
 @pytest.mark.gpu
@@ -439,7 +439,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     or with the 8-bit-activation GEMV (``matmul_dispatch.Q8X_MAX_TOKENS``) on every ubatch of up to 16 (and so
     launched with programmatic dependent launch, ``matmul_dispatch.GEMV_PDL``; or in its ring form,
     ``matmul_dispatch.Q8XR_TYPES``, with the vector and ring forms' one-operand instances or not,
-    ``matmul_dispatch.GEMV_ONE_TYPES``), or with
+    ``matmul_dispatch.GEMV_ONE_TYPES``; or with a row on two warps in modes 0 / 1,
+    ``matmul_dispatch.GEMV_SPLIT_TYPES``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -457,6 +458,12 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
             from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
             monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
             monkeypatch.setattr(matmul_dispatch, "Q8XR_MAX_TOKENS", max(Q8XR_TOKENS))
+        if form.endswith("-split"):   # every type the vector form reads through it, every matrix of modes 0 / 1 split
+            from ggml_attn.kernels import Q8XV_TYPES
+            monkeypatch.setattr(matmul_dispatch, "Q8XV_TYPES", Q8XV_TYPES)
+            monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", ())
+            monkeypatch.setattr(matmul_dispatch, "GEMV_SPLIT_TYPES", Q8XV_TYPES)
+            monkeypatch.setattr(matmul_dispatch, "GEMV_SPLIT_MAX_ROWS", 1 << 30)
     if form == "blocks-gemm-q8":   # ubatches of 9 to 512 tokens through the int8 tiled GEMM
         monkeypatch.setattr(matmul_dispatch, "Q8GEMM_MAX_TOKENS", 512)
     m, ref = model_of(name, gguf_dir), ref_of(name)

@@ -242,6 +242,33 @@ def test_gemv_q8x_vector_form_where_dispatch_routes_it(launches, monkeypatch):
     assert not any("q8x_v" in name for name in K.dense_q8x_variant(2).names)
 
 
+def test_gemv_q8x_split_rows(launches, monkeypatch):
+    """matmul_dispatch.GEMV_SPLIT_TYPES: the vector GEMV at one token in modes 0 / 1 runs a row on
+    two warps (the instance G 2, half the rows a block: twice the blocks) for matrices of at most
+    GEMV_SPLIT_MAX_ROWS rows (a launch's segments together); the gated mode, more rows, more tokens,
+    other types and forms as before."""
+    monkeypatch.setattr(md, "GEMV_SPLIT_TYPES", ("Q4_K",))
+    monkeypatch.setattr(md, "GEMV_SPLIT_MAX_ROWS", 128)
+    ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512), _qmatrix("Q4_K", 33, 512)]
+    x, xq, xd, xs = Dev((1, 512)), Dev((1, 512), np.int8), Dev((1, 16)), Dev((1, 16))
+    warps = K.Q8X_VWARPS
+    for pair, mode, name, grid in ((ws[:2], 0, "dense_gemv_q8x_v<12, 1, 2>", -(-128 // (warps // 2))),
+                                   (ws[:1], 1, "dense_gemv_q8x_v<12, 1, 2>", -(-96 // (warps // 2))),
+                                   ([ws[0], ws[2]], 0, "dense_gemv_q8x_v<12, 1, 0>", -(-129 // warps)),   # (129 rows)
+                                   ([ws[0], ws[0]], 2, "dense_gemv_q8x_v<12, 1, 1>", -(-96 // warps))):
+        launches.clear()
+        outs = [Dev((1, 96))] if mode else [Dev((1, w.shape[0])) for w in pair]
+        q8_matmul.q8x_launches(pair, x, outs, xq, xd, xs, mode=mode, quantize=False)
+        (gemv,) = launches
+        assert (gemv.fn.name, gemv.grid, gemv.block) == (name, (grid, 1, 1), (32 * warps, 1, 1)), mode
+    assert md.gemv_q8x_split("Q4_K", "vector", 1, 128, 0) and not md.gemv_q8x_split("Q4_K", "vector", 2, 128, 0)
+    assert not md.gemv_q8x_split("Q4_K", "ring", 1, 128, 0) and not md.gemv_q8x_split("Q5_K", "vector", 1, 128, 1)
+    assert K.q8x_name(13, 1, "vector", split=True) == "dense_gemv_q8x_v<13, 1, 2>"
+    assert all(f"dense_gemv_q8x_v<{t}, 1, 2>" in K.dense_q8x_variant(t).names for t in K.Q8XV_TYPE_IDS)
+    with pytest.raises(AssertionError):
+        K.q8x_name(12, 1, "vector", gated=True, split=True)
+
+
 def test_gemv_q_gated_and_what_it_refuses(launches):
     wg, wu = _qmatrix("Q6_K", 64, 256), _qmatrix("Q6_K", 64, 256)
     x, out = Dev((2, 256)), Dev((2, 64))

@@ -101,14 +101,16 @@ def _tiled_q8(cp, K, ws: dict, n: int, n_sm: int):
 def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: bool = True):
     """One layer by the 8-bit-activation GEMV: each matrix's activations quantized (not with
     ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS; "<form>-one":
-    its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES)."""
-    from ggml_attn import matmul_dispatch
-    saved = matmul_dispatch.GEMV_ONE_TYPES
-    matmul_dispatch.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith("-one") else ()
+    its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES; "vector-split": every matrix on two
+    warps a row, GEMV_SPLIT_TYPES)."""
+    from ggml_attn import matmul_dispatch as md
+    saved = md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS
+    md.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith("-one") else ()
+    md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS = (K.Q8XV_TYPES, 1 << 30) if form.endswith("-split") else ((), 0)
     try:
-        return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one"), quantize)
+        return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one").removesuffix("-split"), quantize)
     finally:
-        matmul_dispatch.GEMV_ONE_TYPES = saved
+        md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS = saved
 
 
 def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):
@@ -135,14 +137,15 @@ def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):
 def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
     """The 8-bit-activation GEMV's rows: one layer in each form that reads type ``t``
     (kernels.Q8X_FORMS: staged ships, plain, vector, ring; the vector and ring forms' one-operand
-    instances as "vector-one" / "ring-one": every launch here is mode 0) at each of its
-    instances' tokens, with the quantization and without (" noquant"), then each matrix alone at
-    one token without it."""
+    instances as "vector-one" / "ring-one": every launch here is mode 0; the vector form's rows on
+    two warps as "vector-split", at one token) at each of its instances' tokens, with the
+    quantization and without (" noquant"), then each matrix alone at one token without it."""
     from ggml_attn.graph.q8_matmul import q8x_launches
     forms = [f for f in K.Q8X_FORMS if K.q8x_form_reads(f, t)]
-    forms += [f"{f}-one" for f in forms if f in K.Q8X_GATED_FORMS]
+    forms += [f"{f}-one" for f in forms if f in K.Q8X_GATED_FORMS] + [f"{f}-split" for f in K.Q8X_SPLIT_TOKENS if f in forms]
     for form in forms:
-        for n in K.Q8X_FORMS[form.removesuffix("-one")][1]:
+        split = form.endswith("-split")
+        for n in K.Q8X_SPLIT_TOKENS[form.removesuffix("-split")] if split else K.Q8X_FORMS[form.removesuffix("-one")][1]:
             for quant in (True, False):
                 impl = "gemv q8x" + ("" if form == "staged" else f" {form}") + ("" if quant else " noquant")
                 med, lo, hi = device_us([_q8x(cp, K, ws, n, q8x_launches, form, quant) for ws in layers])

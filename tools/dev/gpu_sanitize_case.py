@@ -253,20 +253,23 @@ def _staged_n_in(lay) -> int:
     return next(n for n in (4864, 6144) if n % lay.values == 0 and lay.row_bytes(n) % 16 == 0)
 
 
-def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None, gated: bool = True) -> int:
+def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None, gated: bool = True,
+               split: bool = False) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu; ``form``: kernels.Q8X_FORMS', None the
     dispatch's) gated (or, ``gated`` False, the gate matrix alone in mode 0 through the vector and
-    ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES) with the RMS norm at one
-    token against float64 of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
-    from ggml_attn import matmul_dispatch
-    saved, matmul_dispatch.GEMV_ONE_TYPES = matmul_dispatch.GEMV_ONE_TYPES, (() if gated else (name,))
+    ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES; ``split``: the vector form's
+    instance with two warps a row, GEMV_SPLIT_TYPES) with the RMS norm at one token against float64
+    of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
+    from ggml_attn import matmul_dispatch as md
+    saved = md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES
+    md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES = (() if gated else (name,)), ((name,) if split else ())
     try:
-        return _q8x_gated_run(cp, rng, name, n_in, rows, form, gated)
+        return _q8x_gated_run(cp, rng, name, n_in, rows, form, gated, split)
     finally:
-        matmul_dispatch.GEMV_ONE_TYPES = saved
+        md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES = saved
 
 
-def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, gated: bool) -> int:
+def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, gated: bool, split: bool) -> int:
     """:func:`_q8x_gated`'s run."""
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph import q8_matmul
@@ -289,7 +292,8 @@ def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, g
     err = nmse(got, gate / (1.0 + np.exp(-gate)) * up if gated else gate)
     ok = bool(np.isfinite(got).all()) and err < 1e-5
     form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
-    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {'gated' if gated else 'one'}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    what = "gated" if gated else "split" if split else "one"
+    print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {what}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
@@ -388,9 +392,9 @@ def _dense_q(cp, rng) -> int:
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
             bad += _q8x_gated(cp, rng, name, n, rows)
-        if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows (both instances)
-            for gated in (True, False):
-                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector", gated)
+        if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows (each instance)
+            for gated, split in ((True, False), (False, False), (False, True)):
+                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector", gated, split)
         if name in K.Q8XR_TYPES:   # the ring form, its grid as on one SM: several rows a warp
             import ggml_attn.cuda_device as cd
             sms, cd.num_sms = cd.num_sms, lambda: 1
