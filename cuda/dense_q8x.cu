@@ -510,7 +510,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
         if constexpr (T == QB_Q6_K || T == QB_Q8_0) q8x_v_row_groups<T, NT>(p, w0, w1, acc, up);
         else q8x_v_row_k4<T, NT>(p, w0, w1, acc, up);
     } else {   // this warp's half of the row, then the second warp's lane sums to the first's
-        __shared__ float half[Q8X_VWARPS / 2][NT][32];
+        __shared__ float part[Q8X_VWARPS / 2][NT][32];
         const int lane = threadIdx.x & 31;
         const bool live = gemv_segment(p, r, sg);   // (every warp to the barrier)
         if (live) {
@@ -521,12 +521,12 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
         }
         if (h == 1) {
 #pragma unroll
-            for (int t = 0; t < NT; ++t) half[warp / 2][t][lane] = acc[t];
+            for (int t = 0; t < NT; ++t) part[warp / 2][t][lane] = acc[t];
         }
         __syncthreads();
         if (h == 1 || !live) return;
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t] += half[warp / 2][t][lane];
+        for (int t = 0; t < NT; ++t) acc[t] += part[warp / 2][t][lane];
     }
     float one[NT];
 #pragma unroll
