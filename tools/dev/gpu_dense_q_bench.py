@@ -103,14 +103,13 @@ def _q8x(cp, K, ws: dict, n: int, q8x_launches, form: str = "staged", quantize: 
     ``quantize=False``: the GEMV alone), then its GEMV in ``form`` (kernels.Q8X_FORMS; "<form>-one":
     its one-operand instance, matmul_dispatch.GEMV_ONE_TYPES; "vector-split": every matrix on two
     warps a row, GEMV_SPLIT_TYPES)."""
-    from ggml_attn import matmul_dispatch as md
-    saved = md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS
-    md.GEMV_ONE_TYPES = K.Q8XV_TYPES if form.endswith("-one") else ()
-    md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS = (K.Q8XV_TYPES, 1 << 30) if form.endswith("-split") else ((), 0)
-    try:
+    from gpu_timing import knobs
+
+    from ggml_attn import matmul_dispatch
+    split = form.endswith("-split")
+    with knobs(matmul_dispatch, GEMV_ONE_TYPES=K.Q8XV_TYPES if form.endswith("-one") else (),
+               GEMV_SPLIT_TYPES=K.Q8XV_TYPES if split else (), GEMV_SPLIT_MAX_ROWS=1 << 30 if split else 0):
         return _q8x_steps(cp, ws, n, q8x_launches, form.removesuffix("-one").removesuffix("-split"), quantize)
-    finally:
-        md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES, md.GEMV_SPLIT_MAX_ROWS = saved
 
 
 def _q8x_steps(cp, ws: dict, n: int, q8x_launches, form: str, quantize: bool):

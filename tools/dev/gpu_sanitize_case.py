@@ -260,17 +260,9 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES; ``split``: the vector form's
     instance with two warps a row, GEMV_SPLIT_TYPES) with the RMS norm at one token against float64
     of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
-    from ggml_attn import matmul_dispatch as md
-    saved = md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES
-    md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES = (() if gated else (name,)), ((name,) if split else ())
-    try:
-        return _q8x_gated_run(cp, rng, name, n_in, rows, form, gated, split)
-    finally:
-        md.GEMV_ONE_TYPES, md.GEMV_SPLIT_TYPES = saved
+    from gpu_timing import knobs
 
-
-def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, gated: bool, split: bool) -> int:
-    """:func:`_q8x_gated`'s run."""
+    from ggml_attn import matmul_dispatch
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph import q8_matmul
     from ggml_attn.graph.model_device import QMatrix
@@ -283,8 +275,9 @@ def _q8x_gated_run(cp, rng, name: str, n_in: int, rows: int, form: str | None, g
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
-    q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]], cp.asarray(x), [d_out],
-                           *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
+    with knobs(matmul_dispatch, GEMV_ONE_TYPES=() if gated else (name,), GEMV_SPLIT_TYPES=(name,) if split else ()):
+        q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]], cp.asarray(x),
+                               [d_out], *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)

@@ -75,15 +75,20 @@ def copies_for(nbytes):
 
 
 class knobs:
-    """Context: tuning knobs of ggml_attn.cuda_launch changed for a comparison row (the call
-    cache ggml_attn.cuda_backend._PREPARED cleared on entry and exit)."""
+    """Context: tuning knobs of ggml_attn.cuda_launch (or of ``module``, e.g.
+    ggml_attn.matmul_dispatch) changed for a comparison row, put back on exit (the call cache
+    ggml_attn.cuda_backend._PREPARED cleared on entry and exit)."""
 
-    def __init__(self, **kw):
-        self.kw = kw
+    def __init__(self, module=None, **kw):
+        self.module, self.kw = module, kw
+
+    def _module(self):
+        from ggml_attn import cuda_launch
+        return self.module or cuda_launch
 
     def __enter__(self):
         from ggml_attn import cuda_backend as cb
-        from ggml_attn import cuda_launch as knob
+        knob = self._module()
         self.saved = {}
         for k, v in self.kw.items():
             cur = getattr(knob, k)
@@ -96,7 +101,7 @@ class knobs:
 
     def __exit__(self, *exc):
         from ggml_attn import cuda_backend as cb
-        from ggml_attn import cuda_launch as knob
+        knob = self._module()
         for k, v in self.saved.items():
             if isinstance(v, dict):
                 getattr(knob, k).update(v)
