@@ -398,6 +398,11 @@ def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None
 
 
 def _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, softcap, stream: int) -> None:
+    """:func:`_reference_host` on device descriptors: the inputs copied down and the result up on
+    ``stream``, which is synchronized after each (a plain ``cudaMemcpy`` runs on the legacy
+    stream, which a non-blocking stream's later kernels do not wait for, and returns from a
+    pageable host -> device copy before its DMA is done: the next kernel could read ``dst``
+    half written)."""
     import cupy
     rt = cupy.cuda.runtime
     rt.streamSynchronize(stream)
@@ -408,14 +413,16 @@ def _reference_device(q, k, v, mask, sinks, dst, scale, max_bias, softcap, strea
             return None
         buf = np.empty(max(t.nbytes_span(), 1), dtype=np.uint8)
         if t.nbytes_span():
-            rt.memcpy(buf.ctypes.data, t.ptr, t.nbytes_span(), rt.memcpyDeviceToHost)
+            rt.memcpyAsync(buf.ctypes.data, t.ptr, t.nbytes_span(), rt.memcpyDeviceToHost, stream)
         keep.append(buf)
         return replace(t, ptr=buf.ctypes.data)
     hq, hk, hv, hm, hs = (down(t) for t in (q, k, v, mask, sinks))
+    rt.streamSynchronize(stream)
     out = np.empty(dst.nbytes_span(), dtype=np.uint8)
     hd = replace(dst, ptr=out.ctypes.data)
     _reference_host(hq, hk, hv, hm, hs, hd, scale, max_bias, softcap)
-    rt.memcpy(dst.ptr, out.ctypes.data, dst.nbytes_span(), rt.memcpyHostToDevice)
+    rt.memcpyAsync(dst.ptr, out.ctypes.data, dst.nbytes_span(), rt.memcpyHostToDevice, stream)
+    rt.streamSynchronize(stream)   # (out is freed on return)
 
 
 

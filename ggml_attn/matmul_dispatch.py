@@ -75,11 +75,14 @@ GEMV_ONE_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K")
 # The types of GEMV_SPLIT_TYPES run the vector GEMV at one token in modes 0 / 1 over matrices of
 # at most GEMV_SPLIT_MAX_ROWS rows through its instance with two warps a row (kernels.
 # Q8X_SPLIT_TOKENS, G 2): a 4096-row matrix's one-row warps fill 1.3 waves of an SM's slots (wo,
-# wd: 8.3 and 19.4 us on the H100 against floors of 2.2 and 7.9), two warps a row ~1.9 waves of
-# half the work. None until measured (predicted: wo and wd 20-25% faster, tg128 on Q4_K_M +3-5%;
-# bench/NOTES.md, fourteenth session).
-GEMV_SPLIT_TYPES: tuple[str, ...] = ()
-GEMV_SPLIT_MAX_ROWS = 4096
+# wd), two warps a row ~1.9 waves of half the work. On an H100 at e3db217
+# (bench/results/2026-12-06-e3db217-h100-gemv-split/, without the quantization) wd alone Q4_K 15.5
+# against 19.2 us, Q5_K 19.3 / 23.9, Q8_0 24.7 / 27.0; one 8B layer at one token Q4_K 69.1 against
+# 75.2, Q5_K 80.8 / 84.7, Q8_0 102.5 / 113.6 (Q6_K's ring 104.9 keeps it). tg128 on the 8B-shaped
+# Q4_K_M file (2 alternating rounds) 305.2 -> 314.7 t/s up to 4096 rows, 316.6 up to 8192 (the
+# fused Q/K/V matrix too; the gate and up run the gated mode 2). Predicted +3-5%: +3.7%.
+GEMV_SPLIT_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q8_0")
+GEMV_SPLIT_MAX_ROWS = 8192
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True

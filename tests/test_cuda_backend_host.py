@@ -334,3 +334,35 @@ def test_every_knob_set_rekeys_the_call_cache(monkeypatch, module, knob, value):
     assert after != before
     monkeypatch.undo()
     assert key() not in (before, after)
+
+
+def test_reference_on_device_descriptors_copies_on_the_op_stream(fake_cupy):
+    """K/V without a GPU kernel (F32) run the numpy reference: its copies down and up go on the
+    op's stream (a plain cudaMemcpy runs on the legacy stream, which a non-blocking stream's next
+    kernel does not wait for, and returns from a pageable host -> device copy before the DMA is
+    done: the flaky logits of the GPU test of xp_rope_store on an F32 cache), and the stream is
+    synchronized after the upload (the host buffer goes on return)."""
+    import ctypes
+    from ggml_attn.reference import flash_attn_ext
+    calls = fake_cupy.calls
+    rt = fake_cupy.cuda.runtime
+    rt.memcpyDeviceToHost, rt.memcpyHostToDevice = 2, 1
+    rt.memcpy = lambda *a: calls.append(("memcpy",) + a)
+
+    def memcpy_async(dst, src, n, kind, stream):
+        calls.append(("async", kind, stream))
+        ctypes.memmove(dst, src, n)
+    rt.memcpyAsync = memcpy_async
+    rt.streamSynchronize = lambda st: calls.append(("sync", st))
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 2, 3, 64)).astype(np.float32)      # numpy order (ne3, ne2=n_head, ne1, D)
+    k = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    dst = np.full((1, 3, 2, 64), np.nan, np.float32)               # (ne3, n_batch, n_head, D)
+    t = [from_array(a) for a in (q, k, v, dst)]
+    cb._reference_device(t[0], t[1], t[2], None, None, t[3], 0.125, 0.0, 0.0, 0x5)
+    assert not [c for c in calls if c[0] == "memcpy"], calls
+    assert all(c[2] == 0x5 for c in calls if c[0] == "async") and calls[0] == ("sync", 0x5)
+    assert [c[:2] for c in calls[-2:]] == [("async", 1), ("sync", 0x5)], "the upload, then the wait for it"
+    want = flash_attn_ext(q, k, v, None, 0.125, 0.0, 0.0, None, dtype=np.float32)
+    np.testing.assert_array_equal(dst, want)
