@@ -69,14 +69,19 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
     pdl_trigger();   // the GEMV after it (launched with the attribute) may start: it waits for this grid
     const int t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const float* xr = x + (long long)t * x_stride;
+    const int n_sub = n_in / 32, s = 8 * blockIdx.x + warp, k = 32 * s + lane;
+    const bool live = s < n_sub;
+    // the lane's value and weight requested before the row's sum of squares (one L2 round trip
+    // under the other), that sum's loads four at a time (the loop unrolled: their latencies overlap)
+    float v = live ? xr[k] * (g ? g[k] : 1.0f) : 0.0f;
     __shared__ float red[8];
-    float scale = 1.0f;
     if (eps > 0.0f) {
         float ss = 0.0f;
         const float4* x4 = reinterpret_cast<const float4*>(xr);
+#pragma unroll 4
         for (int i = threadIdx.x; i < n_in / 4; i += 256) {
-            const float4 v = __ldg(x4 + i);
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            const float4 u = __ldg(x4 + i);
+            ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -85,12 +90,9 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
         ss = 0.0f;
 #pragma unroll
         for (int w = 0; w < 8; ++w) ss += red[w];
-        scale = 1.0f / sqrtf(ss / (float)n_in + eps);
+        v *= 1.0f / sqrtf(ss / (float)n_in + eps);
     }
-    const int n_sub = n_in / 32, s = 8 * blockIdx.x + warp;
-    if (s >= n_sub) return;
-    const int k = 32 * s + lane;
-    const float v = xr[k] * (g ? g[k] : 1.0f) * scale;
+    if (!live) return;
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));

@@ -295,6 +295,38 @@ def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     assert np.isfinite(got).all() and nmse(got, want) <= 1e-5, (nmse(got, want), grid)
 
 
+@pytest.mark.parametrize("n_tok, n_in", [(1, 32), (1, 4096), (3, 4128), (2, 14336)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_quant_q8x_gives_the_host_bits(n_tok, n_in, norm):
+    """dense_quant_q8x against numpy in F32 (outputs poisoned): without the RMS norm every int8,
+    scale and sum equal to quant.q8_activations' rounding; with it (times a weight) the scale
+    within F32 roundings of float64's (the kernel's sum of squares in another order) and each int8
+    at most 1 off. n_in whole 256-value blocks and not (a block's warps past the row idle), one
+    sub-block, 14336 (the FFN's down input: 14 sum-of-squares loads a thread)."""
+    rng = np.random.default_rng(n_in + n_tok)
+    x = (rng.standard_normal((n_tok, n_in)) * 10.0 ** rng.uniform(-2, 2, (n_tok, n_in // 32)).repeat(32, 1)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, n_in).astype(np.float32) if norm else None
+    xq = cupy.full((n_tok, n_in), 77, np.int8)
+    xd, xs = cupy.full((n_tok, n_in // 32), np.nan, np.float32), cupy.full((n_tok, n_in // 32), np.nan, np.float32)
+    q8_matmul.quant_q8x_launch(12, cupy.asarray(x), xq, xd, xs, norm_eps=1e-5 if norm else None,
+                               norm_w=cupy.asarray(g) if norm else None)()
+    got_q, got_d, got_s = xq.get().astype(np.int64), xd.get(), xs.get()
+    v = x.astype(np.float64)
+    if norm:
+        v = v * g / np.sqrt((v * v).mean(axis=1, keepdims=True) + 1e-5)
+    b = v.astype(np.float32).reshape(n_tok, -1, 32)
+    d = np.abs(b).max(axis=2) / np.float32(127)
+    q = np.where(d[..., None] > 0, np.rint(b / np.where(d > 0, d, 1)[..., None]), 0).reshape(n_tok, n_in)
+    assert np.isfinite(got_d).all() and np.isfinite(got_s).all()
+    if not norm:
+        assert np.array_equal(got_d, d) and np.array_equal(got_q, q)
+        np.testing.assert_allclose(np.asarray(q8_activations(x)), (got_q.reshape(n_tok, -1, 32) * got_d[..., None]).reshape(n_tok, n_in), rtol=0, atol=0)
+    else:
+        np.testing.assert_allclose(got_d, d, rtol=4e-6)
+        assert np.abs(got_q - q).max() <= 1
+    assert np.array_equal(got_s, got_q.reshape(n_tok, -1, 32).sum(axis=2).astype(np.float32))
+
+
 def test_gemm_q_grid_splits_and_not():
     """The cases above cover a split and an unsplit n_in (so the sum kernel and the direct store run)."""
     n_sm = cuda_device.num_sms()
