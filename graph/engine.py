@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine", "out_of_device_memory"]
+__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "graph_bytes_budget", "kept_engine", "out_of_device_memory"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
 # over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8), and
@@ -40,6 +40,21 @@ __all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "kept_engine"
 # structures at most 3/4 of them, so that decode steps keep their room.
 MAX_GRAPHS = {False: (4, 4), True: (256, 192)}
 GRAPH_BYTES = {False: None, True: 2 << 30}
+# On the device the bound grows to GRAPH_MEMORY_SHARE of the memory free when the first graph is
+# kept (the weights and the cache are in by then; CuPy's pool's cached blocks count as free), at
+# most GRAPH_BYTES_MAX, never below GRAPH_BYTES[True]: a server's trace at 12 requests/s on the 8B
+# F16 file made ~110 structures (~3 GB at ~250 KB a token); under 2 GB its warmed-up pass still
+# built ~40 of them, each ~30 ms inside a step, against ~10 with room for all
+# (tools/dev/serve_structures.py; the H100's timed pass built 69: bench/NOTES.md, fifteenth session).
+GRAPH_MEMORY_SHARE = 0.25
+GRAPH_BYTES_MAX = 16 << 30
+
+
+def graph_bytes_budget(xp) -> int:
+    """The kept device graphs' bytes at most (the notes above): ``xp`` is CuPy, its current
+    device the engine's."""
+    free = int(xp.cuda.runtime.memGetInfo()[0]) + int(xp.get_default_memory_pool().free_bytes())
+    return max(GRAPH_BYTES[True], min(GRAPH_BYTES_MAX, int(GRAPH_MEMORY_SHARE * free)))
 
 
 def out_of_device_memory(e: BaseException) -> bool:
@@ -122,7 +137,8 @@ class Engine:
         self._last_streams = None
         self._graphs: dict = {}
         self.max_graphs, self.max_other_graphs = MAX_GRAPHS[self.device]
-        self.max_graph_bytes = GRAPH_BYTES[self.device]
+        self.max_graph_bytes = GRAPH_BYTES[self.device]   # (on the device: graph_bytes_budget at the first kept graph)
+        self._bytes_sized = not self.device
         self.builds = 0         # graphs built (each a structure not kept: first seen, or evicted since)
         self.cuda_graph = bool(cuda_graph)
         self.captures = self.replays = 0
@@ -238,6 +254,7 @@ class Engine:
             g.free()
             return out
         self._graphs[key] = entry            # most recently used last
+        self._size_bytes_once()
         self._evict(self.max_graphs, self.max_other_graphs, self.max_graph_bytes)
         return out
 
@@ -256,6 +273,12 @@ class Engine:
         g = self._retry_out_of_memory(attempt, (self._drop_graphs,) if self._graphs else ())
         self.builds += 1
         return g, (max(0, pool.used_bytes() - before[0]) if pool is not None else 0)
+
+    def _size_bytes_once(self) -> None:
+        """On the device, the kept graphs' byte bound (:func:`graph_bytes_budget`), read when the
+        first graph is kept."""
+        if not self._bytes_sized:
+            self.max_graph_bytes, self._bytes_sized = graph_bytes_budget(self.xp), True
 
     def _evict(self, max_all: int, max_other: int, max_bytes: int | None) -> None:
         """Free the least recently used kept graphs until at most ``max_all`` are kept and at most

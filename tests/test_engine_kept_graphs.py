@@ -62,6 +62,37 @@ def test_host_engines_keep_few_graphs_and_no_byte_bound_device_ones_many():
     assert n_all > n_other >= 128 and E.GRAPH_BYTES[True] >= 1 << 30
 
 
+def _fake_xp(free, pool_free):
+    import types
+    rt = types.SimpleNamespace(memGetInfo=lambda: (free, 80 << 30))
+    pool = types.SimpleNamespace(free_bytes=lambda: pool_free)
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt), get_default_memory_pool=lambda: pool)
+
+
+@pytest.mark.parametrize("free, pool_free, want", [
+    (56 << 30, 4 << 30, 15 << 30),   # an H100 with the 8B F16 file and its cache in: a quarter of 60 GiB
+    (200 << 30, 0, 16 << 30),        # capped at GRAPH_BYTES_MAX
+    (3 << 30, 1 << 30, 2 << 30),     # a full device keeps the floor, GRAPH_BYTES[True]
+])
+def test_device_graph_bytes_grow_with_the_free_memory(free, pool_free, want):
+    assert E.graph_bytes_budget(_fake_xp(free, pool_free)) == want
+
+
+def test_the_device_engine_sizes_its_byte_bound_at_the_first_kept_graph(monkeypatch):
+    """The bound is read once, when the first graph is kept (the weights and the cache are in by
+    then), not at the engine's start; a host engine has none."""
+    e, freed = _engine(), []
+    calls = []
+    monkeypatch.setattr(E, "graph_bytes_budget", lambda xp: calls.append(xp) or (9 << 30))
+    e._bytes_sized = False   # (as a device engine starts)
+    assert e.max_graph_bytes is None
+    for i in range(2):
+        key = ("p", i)
+        e._graphs[key] = E._Cached(_G(freed, key), False, 1)
+        e._size_bytes_once()
+    assert e.max_graph_bytes == 9 << 30 and len(calls) == 1
+
+
 def test_a_build_out_of_memory_frees_the_kept_graphs_and_tries_once_more():
     e, freed = _engine(), []
     _keep(e, freed, [("d0", True, 10), ("p0", False, 10)])

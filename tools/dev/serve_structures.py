@@ -1,0 +1,128 @@
+"""How many ubatch graph structures a serve run meets, on the CPU, without a model.
+
+``ggml-attn-serve-bench`` on a GPU builds a model graph (~30 ms of host time for the 8B one) for
+every ubatch structure (``graph.build.graph_key`` plus the padded count of logits rows) its
+engine does not keep; a timed pass at 12 requests/s on the H100 built 69, one in most steps that
+mixed prompts with decode (bench/NOTES.md, fifteenth session). This runs the same trace through
+the same scheduler, split, bucket pads and KV cache as the CUDA engines' (``coarse_n_kv``), with
+an engine that only records the structures (kept as ``graph.engine``'s LRU keeps them) and a
+clock that charges each step a modelled time (a fixed cost, a cost a token, a build's cost) so
+that arrivals meet steps as on the GPU. Prints the counts: structures seen, builds per pass
+(passes after the first are the warmed-up ones the benchmark times), mixed steps, pad rows.
+
+    python tools/dev/serve_structures.py --rate 12 -n 96 -np 64 [--passes 3] [--split auto]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections import OrderedDict
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from ggml_attn.graph import build, driver, serve as gserve   # noqa: E402
+from ggml_attn.graph.attn_config import AttnConfig          # noqa: E402
+from ggml_attn.graph.engine import GRAPH_BYTES, MAX_GRAPHS  # noqa: E402
+from ggml_attn.graph.kv_cache import KVCache                # noqa: E402
+from ggml_attn.cli.serve_trace import prompt_tokens, synth_trace  # noqa: E402
+
+
+class KeyEngine:
+    """``driver.decode``'s engine that runs nothing: each ubatch's structure key, kept in an LRU of
+    the device engine's sizes (``MAX_GRAPHS[True]``: all, prompt structures); ``builds`` counts
+    the keys it did not keep."""
+
+    def __init__(self, token_bytes: int, max_bytes: int | None):
+        self.max_all, self.max_other = MAX_GRAPHS[True]
+        self.token_bytes, self.max_bytes = token_bytes, max_bytes
+        self.kept: OrderedDict = OrderedDict()   # key -> (decode step, bytes)
+        self.builds = 0
+        self.seen: set = set()
+        self.want = None
+
+    def run_ubatch(self, plan):
+        ub = plan.ubatch
+        idx = ub.token_idx
+        n_out = int(np.count_nonzero(self.want[idx[idx >= 0]]))
+        n_out = 1 << max(n_out - 1, 0).bit_length() if n_out > 1 else n_out
+        key = build.graph_key(plan) + (n_out,)
+        self.seen.add(key)
+        if key in self.kept:
+            self.kept.move_to_end(key)
+        else:
+            self.builds += 1
+            self.kept[key] = (ub.decode_step, self.token_bytes * ub.n_tokens)
+            self._evict()
+        return None
+
+    def _evict(self):
+        """``graph.engine.Engine._evict``'s rule: prompt structures first while over their share."""
+        def over(items, n_max, b_max):
+            return len(items) > n_max or (b_max is not None and sum(v[1] for _, v in items) > b_max)
+        while True:
+            others = [(k, v) for k, v in self.kept.items() if not v[0]]
+            if others and over(others, self.max_other, None if self.max_bytes is None else self.max_bytes * 3 // 4):
+                del self.kept[others[0][0]]
+            elif self.kept and over(list(self.kept.items()), self.max_all, self.max_bytes):
+                self.kept.popitem(last=False)
+            else:
+                return
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=12.0)
+    ap.add_argument("-n", type=int, default=96)
+    ap.add_argument("-np", type=int, default=64)
+    ap.add_argument("-c", type=int, default=33280)
+    ap.add_argument("-b", type=int, default=2048)
+    ap.add_argument("-ub", type=int, default=512)
+    ap.add_argument("--split", default="auto")
+    ap.add_argument("--prompt-dist", default="16-200")
+    ap.add_argument("--gen-dist", default="32-256")
+    ap.add_argument("--passes", type=int, default=3, help="the trace served this many times (1 + the warm-ups)")
+    ap.add_argument("--step-ms", type=float, default=14.0, help="modelled time of a step, fixed part")
+    ap.add_argument("--token-ms", type=float, default=0.066, help="modelled time a token of a step")
+    ap.add_argument("--build-ms", type=float, default=30.0, help="modelled time of a graph build")
+    ap.add_argument("--token-kb", type=float, default=250.0,
+                    help="device memory a built graph holds a token of its ubatch (graph/engine.py: ~250 KB for an 8B model)")
+    ap.add_argument("--graph-gib", type=float, default=15.0,
+                    help="the kept graphs' bytes at most (graph.engine.graph_bytes_budget: 15 on an H100 with the 8B "
+                         f"F16 file and its cache; {GRAPH_BYTES[True] / 2**30:g} before it; 0: no bound)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    lo, hi = (int(x) for x in a.prompt_dist.split("-"))
+    glo, ghi = (int(x) for x in a.gen_dist.split("-"))
+    trace = synth_trace(a.rate if a.rate > 0 else math.inf, a.n, (lo, hi), (glo, ghi), a.seed)
+    cache = KVCache(a.c, a.np, unified=True, n_layer=1, n_head_kv=1, head_dim_k=16, coarse_n_kv=True)
+    cfg = AttnConfig(n_layer=1, n_head=1, n_head_kv=1, head_dim_k=16)
+    eng = KeyEngine(int(a.token_kb * 1024), int(a.graph_gib * 2**30) or None)
+    t = [0.0]
+
+    def step_fn(step):
+        b0 = eng.builds
+        eng.want = step.want
+        plans = driver.decode(cache, step.batch, a.ub, a.split, eng, cfg)
+        t[0] += (a.step_ms + a.token_ms * sum(p.ubatch.n_tokens for p in plans)
+                 + a.build_ms * (eng.builds - b0)) / 1e3
+        out = (step.batch.tokens[step.want].astype(np.int64) * 31 + 7) % 32000
+        return out, dict(ubatches=len(plans), pads=sum(p.ubatch.n_pad for p in plans), builds=eng.builds - b0)
+
+    for i in range(a.passes):
+        reqs = [gserve.ServeRequest(r, tr.arrival, prompt_tokens(r, tr, 32000, a.seed), tr.n_predict)
+                for r, tr in enumerate(trace)]
+        sched = gserve.Scheduler(cache, a.np, n_batch=a.b)
+        st = gserve.serve(reqs, sched, step_fn, clock=lambda: t[0])
+        ttft = np.array([r.ttft for r in reqs if r.ttft is not None]) * 1e3
+        print(f"pass {i + 1}: {st.n_steps} steps ({st.n_mixed} mixed), builds {st.counts.get('builds', 0)}, "
+              f"pad rows {st.counts.get('pads', 0)}, structures seen so far {len(eng.seen)}, "
+              f"modelled TTFT p50 {np.percentile(ttft, 50):.0f} ms, elapsed {st.elapsed:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
