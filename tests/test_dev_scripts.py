@@ -191,3 +191,18 @@ def test_side_by_side_saves_what_it_has_when_a_timeout_stops_it(tmp_path):
         assert state == "Z"
     except (ProcessLookupError, FileNotFoundError):
         pass
+
+
+def test_serve_structures_counts_builds_as_the_kept_graphs_allow(capsys):
+    """tools/dev/serve_structures.py: a second pass of the same trace builds fewer graphs than the
+    first when every structure stays kept, and more with a byte bound too small to keep them."""
+    import serve_structures as ss
+
+    def builds(*extra):
+        assert ss.main(["--rate", "20", "-n", "24", "-np", "16", "-c", "8192", "--passes", "2", *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert [ln.split(":")[0] for ln in lines] == ["pass 1", "pass 2"]
+        return [int(ln.split("builds ")[1].split(",")[0]) for ln in lines]
+    roomy, tight = builds("--graph-gib", "0"), builds("--graph-gib", "0.01")
+    assert roomy[0] > 0 and roomy[1] < roomy[0], roomy
+    assert tight[1] > roomy[1], (tight, roomy)
