@@ -210,7 +210,10 @@ def split_ubatches(batch: Batch, n_ubatch: int, mode: str = "equal", **auto_kw) 
 def _uniform_choice(batch: Batch, n_ubatch: int, unified: bool) -> AutoChoice | None:
     """The choice without dry runs when the batch leaves nothing to choose (e.g. a decode step):
     no coupled tokens, every sequence brings the same number of tokens and the ids, in batch
-    order of first appearance, are consecutive and ascending. Then ``padded`` makes the same
+    order of first appearance, are consecutive and ascending -- or, on a unified cache, one token
+    each in any order, at most one query tile of rows (``simple``: the least of the cost model;
+    the dry runs of a server's decode steps, ids in admission order, chose it every time and cost
+    ~3 ms of host time a step: tools/dev/serve_structures.py). Then ``padded`` makes the same
     ubatches as ``equal`` with no pads and ``seq`` only more ubatches, so ``equal`` (llama.cpp's
     split) wins on a split cache, and ``simple`` (fewest ubatches, no pads) on a unified one.
     ``costs`` is empty (nothing was costed). None when the batch is not like that."""
@@ -219,7 +222,17 @@ def _uniform_choice(batch: Batch, n_ubatch: int, unified: bool) -> AutoChoice | 
     counts = batch.seq_token_counts()  # dict order = order of first appearance
     ids = list(counts)
     n = counts[ids[0]]
-    if any(c != n for c in counts.values()) or ids != list(range(ids[0], ids[0] + len(ids))):
+    if any(c != n for c in counts.values()):
+        return None
+    if n == 1 and unified and batch.n_tokens <= min(MAP_Q_TILE, n_ubatch):
+        # a decode step on one buffer, its ids in any order (a server's generating requests):
+        # simple makes one ubatch of one query tile, which visits the union of the KV tiles
+        # its rows see -- no more than any other split's ubatches together -- with no pads
+        reason = (f"auto chose simple without dry runs: {len(ids)} sequence(s) of one token each on a unified "
+                  f"cache, no shared tokens: the fewest ubatches, no pads")
+        ubs = [replace(u, reason=reason) for u in _split.split_ubatches(batch, n_ubatch, "simple")]
+        return AutoChoice("simple", ubs, [], reason)
+    if ids != list(range(ids[0], ids[0] + len(ids))):
         return None
     mode = "simple" if unified else "equal"
     reason = (f"auto chose {mode} without dry runs: {len(ids)} sequence(s) of {n} token(s) each, "

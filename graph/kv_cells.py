@@ -213,8 +213,12 @@ class KVCells:
             self.head[st] = min(self.head[st], int(cells.min()))
 
     def free_pads(self, streams, cells_per) -> int:
-        """Free the pad cells among ``cells_per[j]`` of stream ``streams[j]``; returns how many."""
+        """Free the pad cells among ``cells_per[j]`` of stream ``streams[j]``; returns how many.
+        The remembered sequence positions stay (pads are in no sequence's range): a server's
+        steps, each freeing its bucket pads, would otherwise scan every sequence's cells again
+        at the next step's positions."""
         n = 0
+        kept = self._seq_answers()
         for st, cells in zip(streams, cells_per):
             is_pad = self.pad[st, cells]
             if cells.shape[0] <= SMALL and not any(is_pad.tolist()):
@@ -223,7 +227,12 @@ class KVCells:
             if padc.size:
                 self.free(st, padc)
                 n += int(padc.size)
+        self.memo.update(kept)
         return n
+
+    def _seq_answers(self, but: int | None = None) -> dict:
+        """The remembered ``seq_pos`` answers (of every sequence but ``but``)."""
+        return {k: v for k, v in self.memo.items() if k[0] == "seq_pos" and k[1] != but}
 
     # --------------------------------------------------------- seq operations
     def seq_rm(self, st: int, seq_id: int, lo: int, hi: int) -> None:
@@ -234,9 +243,11 @@ class KVCells:
             self.free(st, np.flatnonzero(inr))
             return
         hit = inr & self.seqs[st, :, seq_id]
+        kept = self._seq_answers(but=seq_id)   # (the other sequences keep every cell and position)
         self.touch(st, hit)
         self.seqs[st, hit, seq_id] = False
         self.free(st, np.flatnonzero(hit & ~self.seqs[st].any(axis=1)))
+        self.memo.update(kept)
 
     def seq_cp(self, st: int, src: int, dst: int, lo: int, hi: int) -> None:
         """``dst`` shares ``src``'s cells of stream ``st`` with a position in ``[lo, hi)``."""

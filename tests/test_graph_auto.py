@@ -111,6 +111,35 @@ def test_auto_decode_step_takes_fast_path_without_dry_runs(monkeypatch):
         choose_split(Batch.from_lengths([1, 2]), 512, cache=split)
 
 
+@pytest.mark.parametrize("model", [CostModel(), CostModel(skip="tail"), CostModel(ubatch_us=0.0, row_us=1.0)])
+def test_unified_decode_step_in_any_id_order_takes_simple_as_the_dry_runs_would(monkeypatch, model):
+    """On a unified cache a decode step of up to one query tile of rows, its ids in any order (a
+    server's generating requests), takes simple without dry runs -- the split the dry runs of
+    every candidate pick too, on a cache of interleaved prompts and earlier steps; past one query
+    tile, or on a split cache, the candidates are still costed."""
+    from ggml_attn.graph import auto
+    rng = np.random.default_rng(7)
+    for n_seq in (2, 17, 51, 64):
+        cache = KVCache(64 * 512, 64, unified=True)
+        lens = [int(x) for x in rng.integers(1, 200, n_seq)]
+        ids = [int(x) for x in rng.permutation(64)[:n_seq]]
+        cache.place(choose_split(Batch.from_lengths(lens, seq_ids=ids), 1 << 14, cache=cache).ubatches[0])
+        order = [int(x) for x in rng.permutation(ids)]
+        step = Batch.from_lengths([1] * n_seq, seq_ids=order, start_pos=cache.next_positions(order))
+        fast = choose_split(step, 512, cache=cache, model=model)
+        assert fast.mode == "simple" and "without dry runs" in fast.reason and not fast.costs
+        with monkeypatch.context() as m:
+            m.setattr(auto, "_uniform_choice", lambda *a: None)
+            m.setattr(auto, "cost_floor", lambda mode, ubs, *a: auto.StrategyCost(mode, 0, 0, 0, 0, 0.0, False))
+            full = choose_split(step, 512, cache=cache, model=model)
+        assert full.mode == "simple", full.reason
+    step = Batch.from_lengths([1] * 65, seq_ids=list(range(64, -1, -1)))
+    with monkeypatch.context() as m:
+        m.setattr(auto, "dry_run_plans", lambda *a, **k: (_ for _ in ()).throw(AssertionError("dry run")))
+        with pytest.raises(AssertionError, match="dry run"):
+            choose_split(step, 512, cache=KVCache(1024, 65, unified=True))
+
+
 # ----------------------------------------------------------------- auto's own cost
 # 48 ragged prompts of 16..200 tokens (the benchmark's --prompt-dist 16-200, smaller): auto
 # picks padded; it must not plan more than padded itself does (no timing, call counts only)

@@ -340,6 +340,28 @@ def test_query_answers_carried_through_a_fill():
         warm_and_check()
 
 
+def test_sequence_positions_survive_freed_pads_and_other_sequences_removal():
+    """Freeing a ubatch's pad cells (in no sequence's range) keeps every remembered sequence
+    position, and removing one sequence keeps the others' (a server's step after step: no scan
+    of every sequence's cells for the next positions); each kept answer equals a fresh one."""
+    c = KVCache(1024, 4, unified=True, n_head_kv=1, head_dim_k=4, coarse_n_kv=True)
+    b = Batch.from_lengths([5, 3, 7, 2], [0, 1, 2, 3])
+    for ub in split_ubatches(b, 64, "simple"):
+        c.free_pads(c.place(ub))
+    step = Batch(np.array([1, 2, 3], dtype=np.int32), np.array([c.next_positions([s])[s] for s in (0, 2, 3)], dtype=np.int32),
+                 ((0,), (2,), (3,)))
+    ub = split_mod.pad_to_bucket(split_ubatches(step, 64, "simple")[0], 4, lambda s: c.seq_pos_max(s) + 1, 64)
+    assert ub.n_pad == 1
+    slot = c.place(ub)
+    c.next_positions(range(4))   # (remembered)
+    c.free_pads(slot)
+    assert {("seq_pos", s, True) for s in range(4)} <= set(c.cells.memo)
+    c.seq_rm(1)
+    assert {("seq_pos", s, True) for s in (0, 2, 3)} <= set(c.cells.memo) and ("seq_pos", 1, True) not in c.cells.memo
+    kept = {s: c.seq_pos_max(s) for s in range(4)}
+    assert kept == {s: ref_seq_pos(c, s, True) for s in range(4)} == {0: 5, 1: -1, 2: 7, 3: 2}
+
+
 def test_query_answers_carried_through_large_fills():
     """Decode steps of many sequences (more rows than the per-cell Python path handles) and
     prompts up to and past the update limit into empty cells: the remembered answers after each
