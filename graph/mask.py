@@ -66,8 +66,9 @@ def _same_sequence(cache: KVCache, ub: UBatch, slot: SlotInfo, st, n_tps: int, n
         if n_stream == 1:
             return cache.seqs[slot.streams[0], :n_kv, int(prim[0, 0])][None, None, :]
         return cache.seqs[np.asarray(slot.streams, dtype=np.intp), :n_kv, prim[:, 0]][:, None, :]
-    if n_stream == 1:
-        return cache.seqs[slot.streams[0], :n_kv][:, prim[0]].T[None]
+    if n_stream == 1:   # each of the ubatch's few sequences' cells once, then one row per ubatch row
+        ids, inv = np.unique(prim[0], return_inverse=True)
+        return np.ascontiguousarray(cache.seqs[slot.streams[0], :n_kv][:, ids].T)[inv.reshape(-1)][None]
     return cache.seqs[np.asarray(slot.streams, dtype=np.intp)[:, None, None], np.arange(n_kv)[None, None, :],
                       prim[:, :, None]]
 
