@@ -18,28 +18,33 @@ import argparse
 import math
 import os
 import sys
-from collections import OrderedDict
-
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ggml_attn.graph import build, driver, serve as gserve   # noqa: E402
 from ggml_attn.graph.attn_config import AttnConfig          # noqa: E402
-from ggml_attn.graph.engine import GRAPH_BYTES, MAX_GRAPHS  # noqa: E402
+from ggml_attn.graph.engine import GRAPH_BYTES, MAX_GRAPHS, Engine, _Cached  # noqa: E402
 from ggml_attn.graph.kv_cache import KVCache                # noqa: E402
 from ggml_attn.cli.serve_trace import prompt_tokens, synth_trace  # noqa: E402
 
 
+class _Built:
+    """A kept structure's stand-in for a built graph (nothing to free)."""
+
+    def free(self):
+        pass
+
+
 class KeyEngine:
-    """``driver.decode``'s engine that runs nothing: each ubatch's structure key, kept in an LRU of
-    the device engine's sizes (``MAX_GRAPHS[True]``: all, prompt structures); ``builds`` counts
-    the keys it did not keep."""
+    """``driver.decode``'s engine that runs nothing: each ubatch's structure key, kept as the
+    device engine keeps its graphs (``MAX_GRAPHS[True]``, the byte bound ``max_bytes``, evicted
+    by ``graph.engine.Engine._evict`` itself); ``builds`` counts the keys it did not keep."""
 
     def __init__(self, token_bytes: int, max_bytes: int | None):
         self.max_all, self.max_other = MAX_GRAPHS[True]
         self.token_bytes, self.max_bytes = token_bytes, max_bytes
-        self.kept: OrderedDict = OrderedDict()   # key -> (decode step, bytes)
+        self._graphs: dict = {}   # key -> engine._Cached, most recently used last
         self.builds = 0
         self.seen: set = set()
         self.want = None
@@ -51,26 +56,12 @@ class KeyEngine:
         n_out = 1 << max(n_out - 1, 0).bit_length() if n_out > 1 else n_out
         key = build.graph_key(plan) + (n_out,)
         self.seen.add(key)
-        if key in self.kept:
-            self.kept.move_to_end(key)
-        else:
+        entry = self._graphs.pop(key, None)
+        if entry is None:
             self.builds += 1
-            self.kept[key] = (ub.decode_step, self.token_bytes * ub.n_tokens)
-            self._evict()
-        return None
-
-    def _evict(self):
-        """``graph.engine.Engine._evict``'s rule: prompt structures first while over their share."""
-        def over(items, n_max, b_max):
-            return len(items) > n_max or (b_max is not None and sum(v[1] for _, v in items) > b_max)
-        while True:
-            others = [(k, v) for k, v in self.kept.items() if not v[0]]
-            if others and over(others, self.max_other, None if self.max_bytes is None else self.max_bytes * 3 // 4):
-                del self.kept[others[0][0]]
-            elif self.kept and over(list(self.kept.items()), self.max_all, self.max_bytes):
-                self.kept.popitem(last=False)
-            else:
-                return
+            entry = _Cached(_Built(), ub.decode_step, self.token_bytes * ub.n_tokens)
+        self._graphs[key] = entry
+        Engine._evict(self, self.max_all, self.max_other, self.max_bytes)
 
 
 def main(argv=None) -> int:
