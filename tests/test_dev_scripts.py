@@ -203,6 +203,7 @@ def test_serve_structures_counts_builds_as_the_kept_graphs_allow(capsys):
         lines = capsys.readouterr().out.splitlines()
         assert [ln.split(":")[0] for ln in lines] == ["pass 1", "pass 2"]
         return [int(ln.split("builds ")[1].split(",")[0]) for ln in lines]
-    roomy, tight = builds("--graph-gib", "0"), builds("--graph-gib", "0.01")
-    assert roomy[0] > 0 and roomy[1] < roomy[0], roomy
-    assert tight[1] > roomy[1], (tight, roomy)
+    for extra in ((), ("--per-stream",)):   # one buffer, a stream per sequence
+        roomy, tight = builds("--graph-gib", "0", *extra), builds("--graph-gib", "0.01", *extra)
+        assert roomy[0] > 0 and roomy[1] < roomy[0], (extra, roomy)
+        assert tight[1] > roomy[1], (extra, tight, roomy)

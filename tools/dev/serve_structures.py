@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("-b", type=int, default=2048)
     ap.add_argument("-ub", type=int, default=512)
     ap.add_argument("--split", default="auto")
+    ap.add_argument("--per-stream", action="store_true", help="a stream per sequence (without -kvu); default one buffer")
     ap.add_argument("--prompt-dist", default="16-200")
     ap.add_argument("--gen-dist", default="32-256")
     ap.add_argument("--passes", type=int, default=3, help="the trace served this many times (1 + the warm-ups)")
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     lo, hi = (int(x) for x in a.prompt_dist.split("-"))
     glo, ghi = (int(x) for x in a.gen_dist.split("-"))
     trace = synth_trace(a.rate if a.rate > 0 else math.inf, a.n, (lo, hi), (glo, ghi), a.seed)
-    cache = KVCache(a.c, a.np, unified=True, n_layer=1, n_head_kv=1, head_dim_k=16, coarse_n_kv=True)
+    cache = KVCache(a.c, a.np, unified=not a.per_stream, n_layer=1, n_head_kv=1, head_dim_k=16, coarse_n_kv=True)
     cfg = AttnConfig(n_layer=1, n_head=1, n_head_kv=1, head_dim_k=16)
     eng = KeyEngine(int(a.token_kb * 1024), int(a.graph_gib * 2**30) or None)
     t = [0.0]
