@@ -304,12 +304,12 @@ def compile_variant(variant: Variant, arch: str, *, use_disk_cache: bool = True,
 
 
 def precompile(variants, arch: str, workers: int | None = None) -> tuple[int, int]:
-    """Compile ``variants`` for ``arch`` ("sm_90"; a Hopper program for ``arch`` + its
-    arch_suffix) into the memory and disk caches, in parallel threads (NVRTC releases the GIL:
+    """Compile ``variants`` (each as its programs, ``Variant.shards``) for ``arch`` ("sm_90"; a
+    Hopper program for ``arch`` + its arch_suffix) into the caches, in parallel threads (NVRTC releases the GIL:
     2 programs on 2 cores in 2.8 s against 4.7 s one after the other), so that the first calls
     that load them find them compiled. Cached programs cost a file read. A compile error
     raises as in :func:`compile_variant`. Returns (programs, how many NVRTC compiled now)."""
-    jobs, before = list(dict.fromkeys((v, arch + v.arch_suffix) for v in variants)), len(COMPILED)
+    jobs, before = list(dict.fromkeys((s, arch + v.arch_suffix) for v in variants for s in v.shards())), len(COMPILED)
     if jobs:
         with ThreadPoolExecutor(workers or min(len(jobs), os.cpu_count() or 1)) as ex:
             for f in [ex.submit(compile_variant, v, a) for v, a in jobs]:
@@ -515,11 +515,10 @@ def get_function(variant: Variant, name: str, *, smem: int | None = None) -> Ker
     if variant.arch_suffix and arch != HOPPER_ARCH:
         raise RuntimeError(f"{variant.label} is built for {HOPPER_ARCH} only; this GPU is {device_arch()}")
     dev = cupy.cuda.Device().id
-    mkey = (variant, arch, dev)
+    mkey = (variant.shard_of(name), arch, dev)   # (the program holding it: Variant.shards)
     funcs = _MODULES.get(mkey)
     if funcs is None:
-        funcs = _load_module(variant, arch)
-        _MODULES[mkey] = funcs
+        funcs = _MODULES[mkey] = _load_module(mkey[0], arch)
     func, own = funcs[name]
     smem = own if smem is None else smem
     kkey = (mkey, name, smem)

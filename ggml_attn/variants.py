@@ -7,7 +7,8 @@ the launches read it from the cubin, the C++ formulas its one home).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from .block_types import BLOCK_TYPES, block_layout
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
@@ -125,6 +126,16 @@ def smem_expr(name: str) -> str | None:
     return f"&{base}_smem<{args}" if lt and base in SMEM_KERNELS else None
 
 
+# A program of more instances than SHARD_NAMES (per family; SHARD_NAMES_DEFAULT else) is compiled
+# and loaded as several (Variant.shards): NVRTC's time grows faster than a program's instances
+# -- on 2 cores the 24 Q6_K 8-bit GEMVs took 6.0 s as one program and 1.4-1.7 s as each of three
+# of 8, the three F16 mma instances 5.0 s together and ~1 s each apart -- and the shards compile
+# in parallel threads (kernels.precompile: a first run's kernels are ready when its longest shard
+# is, 7.3 s of a 9.5 s load on the H100 at dc1de0f) and load on first use (kernels.get_function).
+SHARD_NAMES = {"mma": 1, "mma-ext": 1, "vec": 1}
+SHARD_NAMES_DEFAULT = 6
+
+
 @dataclass(frozen=True)
 class Variant:
     """One NVRTC program: a source file and the kernel instances compiled from it."""
@@ -139,6 +150,28 @@ class Variant:
     @property
     def label(self) -> str:
         return f"{self.family}:{','.join(self.names)}"
+
+    def shards(self) -> tuple["Variant", ...]:
+        """The programs this one is compiled and loaded as: its names in order, at most
+        SHARD_NAMES of its family's each (itself when they fit one)."""
+        return _shards(self, SHARD_NAMES.get(self.family, SHARD_NAMES_DEFAULT))
+
+    def shard_of(self, name: str) -> "Variant":
+        """The shard that holds instance ``name`` (KeyError when none does)."""
+        return _shard_index(self, SHARD_NAMES.get(self.family, SHARD_NAMES_DEFAULT))[name]
+
+
+@lru_cache(maxsize=4096)
+def _shards(v: Variant, k: int) -> tuple[Variant, ...]:
+    k = max(1, int(k))
+    if len(v.names) <= k:
+        return (v,)
+    return tuple(replace(v, names=v.names[i:i + k]) for i in range(0, len(v.names), k))
+
+
+@lru_cache(maxsize=4096)
+def _shard_index(v: Variant, k: int) -> dict[str, Variant]:
+    return {n: s for s in _shards(v, k) for n in s.names}
 
 
 UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists",

@@ -144,3 +144,51 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     (variants,) = asked
     assert K.dense_q_variant(12) in variants and K.dense_q_variant(14) in variants
     assert (K.dense_q8x_variant(12) in variants) == bool(q8x) and (K.dense_q8x_variant(14) in variants) == bool(q8x)
+
+
+def test_large_programs_are_compiled_and_loaded_as_shards(monkeypatch):
+    """A program of more instances than its family's SHARD_NAMES is several programs: its names
+    in order, each shard within the bound (an mma family's instance each), every name in exactly
+    one (``shard_of``); get_function loads only the shard holding the instance it is asked for,
+    once per device; a small program is its one shard."""
+    import sys
+    import types
+    from ggml_attn import variants as V
+    for v in [K.dense_q8x_variant(14), K.dense_q_variant(12), K.dense_variant(), K.util_variant()] + \
+            cuda_plan.programs(128, 128, F16, F16, 4, "sm_90"):
+        parts = v.shards()
+        k = V.SHARD_NAMES.get(v.family, V.SHARD_NAMES_DEFAULT)
+        assert sum((p.names for p in parts), ()) == v.names and all(len(p.names) <= k for p in parts)
+        assert all(v.shard_of(n).names == p.names for p in parts for n in p.names)
+        assert (len(parts) == 1) == (len(v.names) <= k) and (parts == (v,)) == (len(parts) == 1)
+        assert all(p.family == v.family and p.source == v.source and p.options == v.options for p in parts)
+    q8 = K.dense_q8x_variant(14)
+    assert len(q8.shards()) >= 3
+    mma = next(v for v in cuda_plan.programs(128, 128, F16, F16, 4, "sm_90") if v.family == "mma")
+    assert len(mma.shards()) == len(mma.names) > 1
+    loads = []
+    dev = types.SimpleNamespace(id=0, compute_capability="90")
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=lambda *a: dev)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(K, "_MODULES", {})
+    monkeypatch.setattr(K, "_KERNELS", {})
+    monkeypatch.setattr(K, "_load_module", lambda part, arch: loads.append(part) or {n: (7, 0) for n in part.names})
+    want = q8.names[-1]
+    assert K.get_function(q8, want).name == want and loads == [q8.shard_of(want)]
+    K.get_function(q8, q8.shard_of(want).names[0])
+    assert len(loads) == 1, "the same shard is loaded once"
+    K.get_function(q8, q8.names[0])
+    assert loads[1] == q8.shards()[0] and len(loads) == 2
+
+
+def test_precompile_counts_shards(tmp_path, monkeypatch):
+    """precompile compiles a large program's shards, each into its own cached cubin."""
+    if not K.nvrtc_available():
+        pytest.skip("NVRTC library not installed (pip install .[nvrtc])")
+    monkeypatch.setenv("GGML_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(K, "_MEM_CACHE", {})
+    v = K.dense_variant()
+    n = len(v.shards())
+    assert n > 1 and K.precompile([v], "sm_80") == (n, n)
+    assert len(list(tmp_path.glob("dense-*.cubin"))) == n

@@ -17,9 +17,9 @@ from concurrent.futures import ProcessPoolExecutor
 def _jobs(arch: str):
     """(variant, arch) of every program this GPU's architecture loads."""
     from ggml_attn import kernels as K
-    jobs = [(v, arch) for v in K.all_variants()]
+    jobs = [(s, arch) for v in K.all_variants() for s in v.shards()]   # (the programs get_function loads)
     if arch + "a" == K.HOPPER_ARCH:
-        jobs += [(v, K.HOPPER_ARCH) for v in K.hopper_variants()]
+        jobs += [(s, K.HOPPER_ARCH) for v in K.hopper_variants() for s in v.shards()]
     return jobs
 
 
