@@ -57,3 +57,15 @@ def test_code_prints_one_variants_program(capsys):
     assert r.returncode == 0 and '"n_gen": 1' in r.stdout
     with pytest.raises(SystemExit):
         knob_ab.main(["--code", "--variant", "a", "--variant", "b", "bench"])
+
+
+def test_serve_bench_rows_under_two_variants(capsys):
+    """serve-bench as a tool: its rows read back per variant (throughput, TTFT p50, ITL p99,
+    graphs built), here the CPU run of a short synthetic trace under the graph engine's knob."""
+    rc = knob_ab.main(["--rounds", "1", "--variant", "a", "--variant", "b:graph.engine.GRAPH_MEMORY_SHARE=0.0",
+                       "serve-bench", "-m", "tiny", "--device", "cpu", "--rate", "inf", "-n", "4", "-np", "2",
+                       "--prompt-dist", "4-8", "--gen-dist", "2-3", "--split", "simple"])
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:6] == ["variant", "row", "out_tok_per_s", "ttft_ms_p50", "itl_ms_p99", "graph_builds"]
+    assert [line.split()[0] for line in out[1:]] == ["a", "b"]

@@ -1,12 +1,12 @@
-"""A/B runs of a benchmark under module-level knobs: each variant runs ``ggml-attn-bench`` or
-``ggml-attn-batched-bench`` in a fresh Python process with some module attributes set first
-(``kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0``, ``dispatch.CELLS_MIN_GAIN=1e9``, ...), the
+"""A/B runs of a benchmark under module-level knobs: each variant runs ``ggml-attn-bench``,
+``ggml-attn-batched-bench`` or ``ggml-attn-serve-bench`` in a fresh Python process with some
+module attributes set first (``kv_cache.PROMPT_WHOLE_CACHE_MASK_BYTES=0``, ``dispatch.CELLS_MIN_GAIN=1e9``, ...), the
 variants alternating round by round (A B A B: a noisy machine's drift falls on both), and one
 table is printed last with every round's numbers and each variant's median.
 
 Usage: python tools/dev/knob_ab.py [--rounds 2] [--out FILE.json]
            --variant NAME[:MODULE.ATTR=VALUE[,MODULE.ATTR=VALUE...]] [--variant ...]
-           bench|batched-bench ARGS...
+           bench|batched-bench|serve-bench ARGS...
 MODULE is a module of the package (``ggml_attn.graph.kv_cache`` or, shorter,
 ``graph.kv_cache``, ``dispatch``, ``cli.cuda_launch`` ...); VALUE a Python literal (a tuple's
 commas are its own). The
@@ -25,9 +25,10 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-_TOOLS = {"bench": "bench", "batched-bench": "batched_bench"}
+_TOOLS = {"bench": "bench", "batched-bench": "batched_bench", "serve-bench": "serve_bench"}
 # the numbers shown per tool (keys of the benchmark's jsonl rows)
-_SHOW = {"bench": ("avg_ts",), "batched-bench": ("speed_pp", "speed_tg", "speed")}
+_SHOW = {"bench": ("avg_ts",), "batched-bench": ("speed_pp", "speed_tg", "speed"),
+         "serve-bench": ("out_tok_per_s", "ttft_ms_p50", "itl_ms_p99", "graph_builds")}
 
 
 @dataclass
