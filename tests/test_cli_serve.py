@@ -67,6 +67,30 @@ def test_every_split_side_by_side_with_budgets(capsys):
     assert whole["padded"]["n_pad"] > 0 and whole["equal"]["n_pad"] == 0
 
 
+def test_the_best_strategy_per_rate_is_named_on_stderr(capsys):
+    """After the table (stdout as the format has it), one stderr line per rate and budget that
+    compared strategies: the one with the most output t/s, the lowest TTFT p50, the lowest ITL
+    p99, with their values -- the ones the rows hold."""
+    rc, out, err = _run(capsys, "--rate", "inf,20", "-n", "6", "--gen-dist", "2-4", "--prompt-dist", "3-30",
+                        "--split", "simple,equal", "-o", "jsonl")
+    assert rc == 0
+    rows = _rows(out)
+    lines = [ln for ln in err.splitlines() if "most output t/s" in ln]
+    assert [ln.split(": ", 1)[1].split(",")[0] for ln in lines] == ["all at once", "20/s"]
+    for line, rate in zip(lines, ("inf", 20.0)):
+        rs = [r for r in rows if r["rate"] == rate]
+        top = max(rs, key=lambda r: r["out_tok_per_s"])
+        kv = "-kvu" if top["kv_unified"] else "per-stream"
+        assert f"most output t/s: {top['split']} {kv} ({top['out_tok_per_s']:,.1f})" in line
+        low = min(rs, key=lambda r: r["itl_ms_p99"])
+        assert f"lowest ITL p99: {low['split']} {'-kvu' if low['kv_unified'] else 'per-stream'} " \
+               f"({low['itl_ms_p99']:,.1f} ms)" in line
+    rc, _, err = _run(capsys, "--rate", "inf", "-n", "3", "--gen-dist", "2-3", "--prompt-dist", "3-8", "-o", "jsonl")
+    assert rc == 0 and "most output t/s" not in err   # one strategy: nothing to compare
+    assert format_serve.summary([dict(rate=1.0, prompt_budget=0, split="a", kv_unified=True, n_refused=1,
+                                      out_tok_per_s=1.0)] * 2) == []   # rows that refused requests: left out
+
+
 def test_formats(capsys):
     args = ["--rate", "50", "-n", "3", "--gen-dist", "2", "--prompt-dist", "4-9"]
     rc, out, _ = _run(capsys, *args, "-o", "csv")

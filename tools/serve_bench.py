@@ -303,6 +303,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     finally:
         bar.close()
         printer.footer()
+    for line in fs.summary(results):   # (stderr: the table's formats stay as they are)
+        print(f"{PROG}: {line}", file=sys.stderr)
     if ns.plot and results:
         plot.write(PROG, ns.plot, plot.draw_serve_plot, results,
                    f"{model.name}, {device}, --layer {ns.layer}, {n_slots} slots")
