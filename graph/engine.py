@@ -28,7 +28,8 @@ import weakref
 
 import numpy as np
 
-__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "graph_bytes_budget", "kept_engine", "out_of_device_memory"]
+__all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "graph_bytes_budget", "kept_engine", "out_of_device_memory",
+           "out_rows_padded"]
 
 # kept built graphs (host, device): in all, and of prompt (non-decode) structures; a prompt phase
 # over per-stream KV walks through one structure per n_kv step (64 sequences of 128 tokens: 8), and
@@ -55,6 +56,12 @@ def graph_bytes_budget(xp) -> int:
     device the engine's."""
     free = int(xp.cuda.runtime.memGetInfo()[0]) + int(xp.get_default_memory_pool().free_bytes())
     return max(GRAPH_BYTES[True], min(GRAPH_BYTES_MAX, int(GRAPH_MEMORY_SHARE * free)))
+
+
+def out_rows_padded(n: int) -> int:
+    """The output (logits) rows a model ubatch with ``n`` of them computes: a power of two (0 and
+    1 as they are), so that ubatches of 3, 5, 6 or 8 rows share one graph structure."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def out_of_device_memory(e: BaseException) -> bool:
@@ -198,8 +205,8 @@ class Engine:
             self._want = (batch, self.logits, output_flags(batch, self.logits))
         rows = output_rows(plan.ubatch, self._want[2])
         n = len(rows)
-        if n > 1 and n & (n - 1):
-            rows = np.concatenate([rows, np.full((1 << n.bit_length()) - n, rows[-1], dtype=rows.dtype)])
+        if out_rows_padded(n) != n:
+            rows = np.concatenate([rows, np.full(out_rows_padded(n) - n, rows[-1], dtype=rows.dtype)])
         return batch.tokens, rows, n
 
     # ------------------------------------------------------------ running

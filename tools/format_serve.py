@@ -109,6 +109,10 @@ def row_of(runs: list[dict], inputs: dict) -> dict:
     return row
 
 
+_BEST = (("out_tok_per_s", max, "most output t/s", ""), ("ttft_ms_p50", min, "lowest TTFT p50", " ms"),
+         ("itl_ms_p99", min, "lowest ITL p99", " ms"))
+
+
 def summary(rows: list[dict]) -> list[str]:
     """Which strategy did best, per rate and prompt budget of ``rows`` (:func:`row_of`) where
     several were served: the most output tokens/s, the lowest TTFT p50 and the lowest ITL p99 --
@@ -119,22 +123,16 @@ def summary(rows: list[dict]) -> list[str]:
         if not r.get("n_refused"):
             groups.setdefault((r.get("rate"), r.get("prompt_budget")), []).append(r)
     out = []
-
-    def name(r):
-        return f"{r['split']} {'-kvu' if r.get('kv_unified') else 'per-stream'}"
     for (rate, budget), rs in groups.items():
         if len(rs) < 2:
             continue
-        def best(key, lo):
-            ok = [r for r in rs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            return (min if lo else max)(ok, key=lambda r: r[key]) if ok else None
         parts = []
-        for key, lo, what, unit in (("out_tok_per_s", False, "most output t/s", ""),
-                                    ("ttft_ms_p50", True, "lowest TTFT p50", " ms"),
-                                    ("itl_ms_p99", True, "lowest ITL p99", " ms")):
-            b = best(key, lo)
-            if b is not None:
-                parts.append(f"{what}: {name(b)} ({b[key]:,.1f}{unit})")
+        for key, pick, what, unit in _BEST:
+            ok = [r for r in rs if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if ok:
+                b = pick(ok, key=lambda r: r[key])
+                parts.append(f"{what}: {b['split']} {'-kvu' if b.get('kv_unified') else 'per-stream'} "
+                             f"({b[key]:,.1f}{unit})")
         where = "trace" if rate is None else ("all at once" if math.isinf(rate) else f"{rate:g}/s")
         budget_s = "whole prompts" if budget == 0 else f"prompt budget {budget}"
         out.append(f"{where}, {budget_s}: " + "; ".join(parts))

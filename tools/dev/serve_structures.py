@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from ggml_attn.graph import build, driver, serve as gserve   # noqa: E402
 from ggml_attn.graph.attn_config import AttnConfig          # noqa: E402
-from ggml_attn.graph.engine import GRAPH_BYTES, MAX_GRAPHS, Engine, _Cached  # noqa: E402
+from ggml_attn.graph.engine import GRAPH_BYTES, MAX_GRAPHS, Engine, _Cached, out_rows_padded  # noqa: E402
 from ggml_attn.graph.kv_cache import KVCache                # noqa: E402
 from ggml_attn.cli.serve_trace import prompt_tokens, synth_trace  # noqa: E402
 
@@ -52,9 +52,7 @@ class KeyEngine:
     def run_ubatch(self, plan):
         ub = plan.ubatch
         idx = ub.token_idx
-        n_out = int(np.count_nonzero(self.want[idx[idx >= 0]]))
-        n_out = 1 << max(n_out - 1, 0).bit_length() if n_out > 1 else n_out
-        key = build.graph_key(plan) + (n_out,)
+        key = build.graph_key(plan) + (out_rows_padded(int(np.count_nonzero(self.want[idx[idx >= 0]]))),)
         self.seen.add(key)
         entry = self._graphs.pop(key, None)
         if entry is None:
