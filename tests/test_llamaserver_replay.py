@@ -96,3 +96,55 @@ def test_a_server_that_is_gone_is_an_error():
     port = lss.free_port()
     with pytest.raises(RuntimeError, match="not ready"):
         lss.wait_healthy("127.0.0.1", port, 1.0)
+
+
+class _Trickle(BaseHTTPRequestHandler):
+    """A server that answers ``/completion`` with a comment line every 50 ms and never a token:
+    no read waits past the stall timeout, yet the request never ends."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        try:
+            for _ in range(200):
+                self.wfile.write(b": waiting\n\n")
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+
+def test_a_replay_that_never_ends_is_an_error_in_bounded_time():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        trace = [TraceRequest(0.0, 3, 4), TraceRequest(0.05, 2, 2)]
+        prompts = [np.arange(r.prompt_len, dtype=np.int32) for r in trace]
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="2 request.s. still open"):
+            lss.replay("127.0.0.1", httpd.server_address[1], trace, prompts, stall=0.3, slack=0.3)
+        assert time.perf_counter() - t0 < 3.0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_server_that_ignores_sigterm_is_killed():
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE)
+    proc.stdout.readline()   # (its handler is set)
+    t0 = time.perf_counter()
+    lss.stop_server(proc, grace=0.3)
+    assert proc.returncode == -signal.SIGKILL and time.perf_counter() - t0 < 5.0

@@ -125,11 +125,13 @@ def stream_completion(host: str, port: int, prompt: list[int], n_predict: int, t
     return events
 
 
-def replay(host: str, port: int, trace, prompts, stall: float = 120.0) -> tuple[list, float]:
+def replay(host: str, port: int, trace, prompts, stall: float = 120.0, slack: float = 30.0) -> tuple[list, float]:
     """Send each request of ``trace`` (``serve_trace.TraceRequest``) at its arrival time, on a thread
     of its own; ``(graph.serve.ServeRequest list with token times, seconds from the first arrival
     to the last token)``. Clock: seconds since the replay started (request 0 at 0). RuntimeError
-    when a request failed, the server silent past ``stall`` seconds among them."""
+    when a request failed, the server silent past ``stall`` seconds among them, or when requests
+    are still open ``2 * stall + slack`` seconds after the last arrival (a server that keeps a
+    connection alive without answering)."""
     from ggml_attn.graph.serve import ServeRequest
     reqs = [ServeRequest(i, r.arrival, prompts[i], r.n_predict) for i, r in enumerate(trace)]
     errors = []
@@ -151,8 +153,14 @@ def replay(host: str, port: int, trace, prompts, stall: float = 120.0) -> tuple[
     threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in reqs]
     for t in threads:
         t.start()
+    # A bound on the whole replay, not only on each read: at 16/s with -kvu (H100, d650257) the
+    # server went silent and the replay outlived every read timeout (the call ran into its limit).
+    deadline = start + max(r.arrival for r in reqs) + 2 * stall + slack
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.perf_counter()))
+    stuck = sum(t.is_alive() for t in threads)   # (daemon threads: left behind, the server stopped next)
+    if stuck:
+        errors.insert(0, f"{stuck} request(s) still open {2 * stall + slack:.0f} s after the last arrival")
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, first: {errors[0]}")
     end = max(r.finished for r in reqs)
@@ -165,6 +173,16 @@ def server_row(reqs, elapsed: float, inputs: dict) -> dict:
     from ggml_attn.graph.serve import ServeStats
     stats = ServeStats(elapsed=elapsed, busy=elapsed, n_prompt_tokens=sum(r.n_prompt for r in reqs))
     return format_serve.row_of([dict(requests=reqs, stats=stats)], inputs)
+
+
+def stop_server(proc, grace: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds: a stalled llama-server ignores the first."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def start_server(bins: str, gguf: str, port: int, n_slots: int, n_ctx: int, kvu: bool, log: str, extra=()):
@@ -242,8 +260,7 @@ def main(argv=None) -> int:
             except RuntimeError as e:
                 res["rows"].append(dict(tool="llama-server", rate=tag, kv_unified=kvu, error=str(e)))
             finally:
-                proc.terminate()
-                proc.wait(timeout=60)
+                stop_server(proc)
             save()
             splits = a.split_kvu if kvu else a.split
             if not splits:
