@@ -1,8 +1,8 @@
-"""Where the host time of a benchmark run goes: runs ``ggml-attn-bench`` or
-``ggml-attn-batched-bench`` in this process under cProfile and prints the functions with the
+"""Where the host time of a benchmark run goes: runs ``ggml-attn-bench``,
+``ggml-attn-batched-bench`` or ``ggml-attn-serve-bench`` in this process under cProfile and prints the functions with the
 most time of their own and the most time under them (the benchmark's own table first).
 
-Usage: python tools/dev/host_profile.py [--top 30] [--out FILE.pstats] bench|batched-bench ARGS...
+Usage: python tools/dev/host_profile.py [--top 30] [--out FILE.pstats] bench|batched-bench|serve-bench ARGS...
 e.g.   python tools/dev/host_profile.py batched-bench -m llama-3-8b --layer full --prompt-dist 16-200 \\
            -npl 64 -ntg 32 -kvu -r 1
 """
@@ -14,7 +14,7 @@ import io
 import pstats
 import sys
 
-_TOOLS = {"bench": "bench", "batched-bench": "batched_bench"}
+_TOOLS = {"bench": "bench", "batched-bench": "batched_bench", "serve-bench": "serve_bench"}
 
 
 def main(argv=None) -> int:
