@@ -140,11 +140,15 @@ def cost_floor(mode: str, ubs: list[UBatch], unified: bool, cfg: AttnConfig, mod
 
 
 def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, cfg: AttnConfig | None = None,
-                 model: CostModel | None = None, unified: bool | None = None) -> AutoChoice:
+                 model: CostModel | None = None, unified: bool | None = None, shape=None) -> AutoChoice:
     """Cost every candidate strategy for ``batch`` on ``cache`` (left unchanged) and pick the
     cheapest; candidates that cannot win are costed by their floor only (module doc). Without
     a cache a fresh one is assumed: split (llama.cpp's default) unless ``unified``, with room
     for the batch. ``cfg`` gives head sizes for the tile cost (default: 32 heads of 128).
+    ``shape(ubatches) -> ubatches``: each candidate's ubatches as they will run (the driver's
+    bucket pads, ``driver._bucketed``), costed and dry-run in that form -- so that the chosen
+    plans are the ones that run, not planned twice -- or as split where that form does not fit
+    the cache. Not applied on the fast path.
     With a cache, ``plans`` of the result are the chosen ubatches' dry-run plans on it."""
     n_ubatch = _split.check_n_ubatch(n_ubatch)
     cfg = cfg or AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128)
@@ -161,10 +165,13 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
         cache = _scratch_cache(batch, n_ubatch, bool(unified))
     modes = candidates_for(cache.unified)
     splits: dict[str, list[UBatch] | Exception] = {}
+    plain: dict[str, list[UBatch]] = {}   # (the splits before ``shape``)
     costs: dict[str, StrategyCost] = {}
     for mode in modes:
         try:
-            splits[mode] = _split.split_ubatches(batch, n_ubatch, mode)
+            plain[mode] = splits[mode] = _split.split_ubatches(batch, n_ubatch, mode)
+            if shape is not None:
+                splits[mode] = shape(plain[mode])
         except (ValueError, RuntimeError) as e:  # e.g. coupled sequences
             splits[mode] = e
             costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
@@ -179,9 +186,15 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
         try:
             plans[mode] = dry_run_plans(cache, splits[mode], n_swa=cfg.n_swa, alibi=cfg.alibi)
         except (ValueError, RuntimeError) as e:  # e.g. no room
-            splits[mode] = e
-            costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
-            continue
+            try:   # (shaped: the pads may be what did not fit; the plain split then, as it is)
+                if splits[mode] is plain[mode]:
+                    raise
+                splits[mode] = plain[mode]
+                plans[mode] = dry_run_plans(cache, splits[mode], n_swa=cfg.n_swa, alibi=cfg.alibi)
+            except (ValueError, RuntimeError):
+                splits[mode] = e
+                costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
+                continue
         costs[mode] = cost_of(mode, plans[mode], cfg, model)
         rank = (costs[mode].est_us, modes.index(mode))
         if best is None or rank < best:

@@ -128,7 +128,9 @@ def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, c
 
 def _split(cache, batch, n_ubatch, mode, cfg):
     if mode == "auto":
-        choice = choose_split(batch, n_ubatch, cache=cache, cfg=cfg)
+        # auto costs and dry-runs the ubatches with their bucket pads (without them where they
+        # do not fit), so its plans run as they are: planned once, as the other modes' are
+        choice = choose_split(batch, n_ubatch, cache=cache, cfg=cfg, shape=lambda ubs: _bucketed(cache, ubs, n_ubatch))
         return choice.ubatches, choice.plans
     return split_ubatches(batch, n_ubatch, mode), None
 
@@ -203,7 +205,7 @@ def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: 
         plain, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))
         ubatches = _bucketed(cache, plain, n_ubatch)
         if ubatches is not plain:
-            made = None   # (auto's plans were of the ubatches without pads)
+            made = None   # (a split without plans: pads to fit now)
     if made is None:  # (auto's dry run already placed every ubatch one after another)
         fit_mode = mode if not given else "given"   # a split the caller made is run as it is
         ubatches = _stage("prepare", on_error, lambda: _fit_either(cache, batch, ubatches, plain, n_ubatch, fit_mode))

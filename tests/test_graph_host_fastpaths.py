@@ -599,3 +599,43 @@ def test_remembered_answers_do_not_pile_up():
             for s in (0, 1):
                 driver.decode(c, Batch.from_lengths([1], [s], start_pos=c.next_positions([s])), 512, "equal", eng, cfg)
         assert len(c._memo) <= 8, sorted(c._memo, key=str)
+
+
+@pytest.mark.parametrize("roomy", [True, False])
+def test_auto_runs_the_plans_it_dry_ran_with_bucket_pads(monkeypatch, roomy):
+    """On a cache that pads each ubatch to a bucket of rows (``coarse_n_kv``: the CUDA engines'),
+    auto costs and dry-runs the padded ubatches, so the plans it chose run as they are: a server's
+    mixed step (decode tokens and a prompt) is planned once under auto, as under simple (it was
+    dry-run without its pads and planned again with them, ~3x the host work of simple's step on
+    the GPU machine), into the same ubatch, cells and mask. Where the pads do not fit (``roomy``
+    False) auto chooses among the plain splits and the step runs without them."""
+    cfg = AttnConfig(n_head=2, n_head_kv=1, head_dim_k=4)
+    prompts = [5, 3, 7, 2, 9] if roomy else [50, 50, 50, 50, 14]   # (not roomy: 214 + 42 = 256 cells)
+
+    class NoEngine:
+        def run_ubatch(self, plan):
+            return None
+
+    def mixed_step(mode):
+        c = KVCache(256, 8, unified=True, n_head_kv=1, head_dim_k=4, coarse_n_kv=True)
+        driver.decode(c, Batch.from_lengths(prompts, range(5)), 512, "simple", NoEngine(), cfg)
+        nxt = c.next_positions(range(5))
+        step = Batch.from_sequences([[7]] * 5 + [list(range(37))], list(range(6)),
+                                    start_pos=[nxt[s] for s in range(5)] + [0])
+        replanned = []
+        real = driver.plan_ubatch
+        monkeypatch.setattr(driver, "plan_ubatch", lambda *a, **k: replanned.append(1) or real(*a, **k))
+        plans = driver.decode(c, step, 512, mode, NoEngine(), cfg)
+        monkeypatch.setattr(driver, "plan_ubatch", real)
+        return plans, len(replanned), c
+
+    simple, n_simple, c_simple = mixed_step("simple")
+    auto, n_auto, c_auto = mixed_step("auto")
+    assert n_simple == len(simple) == 1
+    assert n_auto == (0 if roomy else 1)    # (the plain split's plans: with its pads it did not fit)
+    assert [p.ubatch.n_tokens for p in auto] == [p.ubatch.n_tokens for p in simple] == [48 if roomy else 42]
+    assert [p.ubatch.n_pad for p in auto] == [p.ubatch.n_pad for p in simple] == [6 if roomy else 0]
+    for a, s in zip(auto, simple):
+        assert a.n_kv == s.n_kv and np.array_equal(a.mask, s.mask)
+        assert all(np.array_equal(x, y) for x, y in zip(a.slot.cells, s.slot.cells))
+    assert np.array_equal(c_auto.pos, c_simple.pos) and c_auto.pad.sum() == 0
