@@ -44,6 +44,28 @@ struct GemvQ8Params {
                               // 2, without the prefetch; 0: not
     int pad_;
 };
+// The gated mode (two operands) leaves seg[2] unused: its w, where not null, is the buffer of the
+// output's 8-bit form (the down matrix's activations, q8x_finish), each part at a 16-byte
+// boundary: int8 (n_tok, rows), the scales and the sums F32 (n_tok, rows / 32) each, the rows
+// stored of each 32-row group uint32 (rows / 32: 0 between launches, each group's last warp
+// resets it; graph/q8_matmul.py q8_out_arrays lays it out). Not
+// fields of their own: the parameters' size moves the other instances' registers (ptxas: the
+// split vector instance's 64 became 66, a block fewer an SM).
+struct Q8xOut {
+    signed char* q;
+    float *d, *s;
+    unsigned* c;
+};
+__device__ __forceinline__ bool q8x_out(const GemvQ8Params& p, int rows, Q8xOut& o) {
+    unsigned char* b = const_cast<unsigned char*>(p.seg[2].w);
+    if (p.mode != 2 || b == nullptr) return false;
+    const long long nq = ((long long)p.n_tok * rows + 15) & ~15LL, ns = ((long long)p.n_tok * rows / 8 + 15) & ~15LL;
+    o.q = reinterpret_cast<signed char*>(b);
+    o.d = reinterpret_cast<float*>(b + nq);
+    o.s = reinterpret_cast<float*>(b + nq + ns);
+    o.c = reinterpret_cast<unsigned*>(b + nq + 2 * ns);
+    return true;
+}
 
 // A GEMV warp's entry, rows w0 (and w1) known: with p.pdl 1, their bytes requested into L2, then
 // (every launch) the wait for the kernel before it (the activations' quantization) -- no read of
@@ -62,6 +84,23 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
 // xs = sum of q -- after, with eps > 0, every block reduced the token's whole row for the RMS
 // scale (L2-resident; one block a token held ~13 us a call on the H100 at b63b788, one warp
 // walking 16-56 sub-blocks in turn). x's rows 16-byte aligned.
+// A warp's 32 values v (lane i's the i-th) in 8-bit form: d = max|v| / 127, q = round(v / d) (0
+// where d is 0) into q[lane], d and the sum of the q into *d, *s -- dense_quant_q8x's arithmetic
+// and q8x_finish's (the same bits from the same values).
+__device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, float* s) {
+    const int lane = threadIdx.x & 31;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float dd = amax / 127.0f;
+    const int qi = dd > 0.0f ? __float2int_rn(v / dd) : 0;
+    int sum = qi;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    q[lane] = (signed char)qi;
+    if (lane == 0) *d = dd, *s = (float)sum;
+}
+
 extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* __restrict__ x, long long x_stride,
                                                                  const float* __restrict__ g, float eps, int n_in,
                                                                  signed char* __restrict__ xq,
@@ -93,19 +132,7 @@ extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* _
         v *= 1.0f / sqrtf(ss / (float)n_in + eps);
     }
     if (!live) return;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    int sum = q;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    xq[(long long)t * n_in + k] = (signed char)q;
-    if (lane == 0) {
-        xd[(long long)t * n_sub + s] = d;
-        xs[(long long)t * n_sub + s] = (float)sum;
-    }
+    q8x_quant32(v, xq + (long long)t * n_in + 32 * s, xd + (long long)t * n_sub + s, xs + (long long)t * n_sub + s);
 }
 
 // The 32 activations of sub-block s of token t as eight int8x4 words, with their scale and sum.
@@ -158,6 +185,37 @@ __device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned ch
     }
 }
 
+// A GEMV warp's end, every form: row r's sums out (gemv_q_finish; the norm was applied when x was
+// quantized). With an 8-bit output (q8x_out: the gated mode, rows a multiple of 32) the row then
+// counts in its 32-row group, and the warp that counts the group's last row quantizes the group
+// for every token (q8x_quant32, from the stored values): the down matrix's activations without a
+// dense_quant_q8x launch between. Each warp fences its stores before its count (the
+// threadFenceReduction order), the last reads the group from L2 (__ldcg) after its own fence.
+// QOUT false: the instances that never run the gated mode (the vector and ring forms' G 0 and 2)
+// leave the code out.
+template <int NT, bool QOUT = true>
+__device__ __forceinline__ void q8x_finish(const GemvQ8Params& p, float (&acc)[NT], float (&up)[NT],
+                                           const GemvQSeg& sg, int r) {
+    float one[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
+    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    Q8xOut o;
+    if (!QOUT || !q8x_out(p, sg.rows, o)) return;
+    const int lane = threadIdx.x & 31, g = r >> 5, n_g = sg.rows >> 5;
+    __threadfence();
+    __syncwarp();
+    unsigned done = 0;
+    if (lane == 0) done = atomicAdd(o.c + g, 1u);
+    if (__shfl_sync(0xffffffffu, done, 0) != 31u) return;
+    __threadfence();
+    for (int t = 0; t < p.n_tok; ++t) {
+        const float v = __ldcg(sg.out + (long long)t * sg.rows + 32 * g + lane);
+        q8x_quant32(v, o.q + (long long)t * sg.rows + 32 * g, o.d + (long long)t * n_g + g, o.s + (long long)t * n_g + g);
+    }
+    if (lane == 0) o.c[g] = 0u;   // (for the next launch: every row of the group has counted)
+}
+
 // Rows read from global memory as the lanes' sub-blocks need them (any row alignment).
 template <int T, int NT>
 __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Params p) {
@@ -178,10 +236,7 @@ __global__ void __launch_bounds__(Q8X_WARPS * 32) dense_gemv_q8x(const GemvQ8Par
         const long long off = (long long)(sub / S) * B;
         q8x_sub<T, NT>(p, w0 + off, w1 ? w1 + off : nullptr, sub, x, acc, up);
     }
-    float one[NT];   // (the norm was applied when x was quantized)
-#pragma unroll
-    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
-    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_finish<NT>(p, acc, up, sg, r);
 }
 
 // The staged form, for rows that start 16-byte aligned (row_bytes a multiple of 16, every
@@ -264,10 +319,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_s(const GemvQ8
         }
         __syncwarp();   // every lane's reads of the slot are done before a later chunk fills it
     }
-    float one[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
-    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_finish<NT>(p, acc, up, sg, r);
 }
 
 // The vector GEMV (dense_gemv_q8x_v<T, NT>) for Q4_K, Q5_K, Q6_K and Q8_0 rows of whole 16-byte units:
@@ -530,10 +582,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] += part[warp / 2][t][lane];
     }
-    float one[NT];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) one[t] = 1.0f;
-    gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+    q8x_finish<NT, G == 1>(p, acc, up, sg, r);
 }
 
 // The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
@@ -618,9 +667,9 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
         cp_async_commit();
     }
     pdl_wait();   // (only weights read so far)
-    float acc[NT], up[NT], one[NT];
+    float acc[NT], up[NT];
 #pragma unroll
-    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f, one[t] = 1.0f;
+    for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
     for (int j = 0, i = 0, c = 0; j < n_j; ++j) {   // chunk j: chunk c of the warp's row i
         if (j + ST - 1 < n_j) stage(j + ST - 1);   // into the slot chunk j - 1 used (its reads are done)
         cp_async_commit();
@@ -643,7 +692,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             int r = gw + i * n_gw;
             GemvQSeg sg;
             gemv_segment(p, r, sg);
-            gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
+            q8x_finish<NT, G == 1>(p, acc, up, sg, r);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
             c = 0, ++i;

@@ -86,6 +86,14 @@ GEMV_SPLIT_MAX_ROWS = 8192
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
+# The gated GEMV (gate, up and SiLU) writes its output's 8-bit form as well where the down matrix's
+# GEMV reads 8-bit activations too (cuda/dense_q8x.cu q8x_finish: the warp that stores a 32-row
+# group's last row quantizes the group), so no dense_quant_q8x launch runs between them: one of
+# the four a layer and token, 3.09 us each in the H100's one-token step at d650257
+# (bench/results/2026-12-06-d650257-h100-gemv-regression/step.json: 129 of ~360 launches a token,
+# 13.5% of its device time). Predicted: tg128 on the 8B-shaped Q4_K_M file +2-3%. Not yet measured
+# on a GPU: off until then.
+GEMV_QUANT_OUT = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -151,6 +159,12 @@ def gemv_q8x_split(weight_type: str, form: str, n_tokens: int, rows: int, mode: 
     from .kernels import Q8X_SPLIT_TOKENS
     return (weight_type in GEMV_SPLIT_TYPES and mode != 2 and rows <= GEMV_SPLIT_MAX_ROWS
             and n_tokens <= max(Q8X_SPLIT_TOKENS.get(form, (0,))))
+
+
+def gemv_quant_out(gated: MatmulChoice, down: MatmulChoice) -> bool:
+    """Whether a gated GEMV on the path ``gated`` writes its output's 8-bit form for the down
+    matrix's GEMV on the path ``down`` to read (GEMV_QUANT_OUT, both ``gemv-q8x``)."""
+    return GEMV_QUANT_OUT and gated.path == down.path == "gemv-q8x"
 
 
 def gemv_pdl() -> int:

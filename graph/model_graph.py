@@ -30,7 +30,7 @@ float ones F16 with the RMS-norm weights folded in; the ops take the norm weight
 * :func:`model_layer`: ``q, k, v = mul_mat_group([wq, wk, wv], x, norm_eps, attn_norm)``; qwen3's
   per-head norms (``xp_matmul.rms_norm``); ``q``, ``k`` through one ``xp_ops.rope`` node (biases
   added first); ``v += bv``; attention as on host graphs; ``x += wo att`` (``mul_mat_add``; gemma2:
-  ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm)``;
+  ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm, down=wd)``;
   ``x += wd f`` (gemma2 likewise);
 * :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``
   (gemma2: ``xp_ops.softcap_into``).
@@ -287,5 +287,5 @@ def _model_layer_custom(b, il: int, x):
         return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
     x = add_projection("wo", att, "attn_post_norm", "wo")
     f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"],
-                                gelu=hp.ffn_gelu)
+                                gelu=hp.ffn_gelu, down=None if "ffn_post_norm" in w else w["wd"])
     return add_projection("wd", f, "ffn_post_norm", "ffn")

@@ -14,9 +14,23 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 from .xp_node import then
 
-__all__ = ["quant_q8x_launch", "q8x_launches", "gemm_q8_launch", "rows_aligned", "tile_grid", "splitk_sum_launch"]
+__all__ = ["quant_q8x_launch", "q8x_launches", "q8_out_arrays", "gemm_q8_launch", "rows_aligned", "tile_grid",
+           "splitk_sum_launch"]
+
+
+def _q8_out_fits(out_q, mode: int, out) -> bool:
+    """``out_q`` is :func:`q8_out_arrays`' for the gated mode's output ``out`` F32 ``(n_tok, rows)``,
+    rows whole 32-row groups, laid out as the kernel reads it."""
+    n_tok, rows = out.shape
+    if mode != 2 or rows % 32 or len(out_q) != 4 or not _q8_arrays_fit(out, *out_q[:3]):
+        return False
+    base = out_q[0].data.ptr
+    return out_q[3].shape == (rows // 32,) and \
+        [a.data.ptr - base for a in out_q] == _q8_out_offsets(n_tok, rows)
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -42,7 +56,7 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, form: str | None = None):
+                 quantize: bool = True, form: str | None = None, out_q=None):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
@@ -54,7 +68,10 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     The vector form's rows run on two warps each where ``matmul_dispatch.gemv_q8x_split`` says so.
     The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
     programmatic dependent launch where
-    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py)."""
+    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py). ``out_q`` (the gated mode, rows a
+    multiple of 32; :func:`q8_out_arrays`): the output in 8-bit form as well, made by the GEMV's
+    warps as their rows' groups complete (``q8x_finish``) -- the next GEMV's ``xq``, ``xd``,
+    ``xs`` (called with ``quantize=False``) without a quantization launch between."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form, gemv_q8x_gated_instance, gemv_q8x_split  # noqa: PLC0415
     from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
@@ -62,6 +79,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     t = ws[0].type_id
     if len(ws) > 3 or len({w.type for w in ws}) != 1 or (mode == 2 and (len(ws) != 2 or ws[0].shape != ws[1].shape)) \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
+        return None
+    if out_q is not None and not _q8_out_fits(out_q, mode, outs[0]):
         return None
     aligned = rows_aligned(ws)   # 16-byte units: cp.async's, the vector form's loads
     form = form or gemv_q8x_form(ws[0].type, aligned, n_tok)
@@ -77,6 +96,8 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
+    if out_q is not None:   # (the gated mode's seg[2] is free: the kernel's q8x_out)
+        p.seg[2].w = out_q[0].data.ptr
     split = gemv_q8x_split(ws[0].type, form, n_tok, rows, mode)   # (two warps a row)
     fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)
                                                           and not split, split=split))
@@ -86,6 +107,27 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
         blocks = min(blocks, num_sms() * max(1, fn.occupancy(32 * warps)))
     gemv = (PdlLaunch if p.pdl else K.BoundLaunch)(fn, (blocks, 1, 1), (32 * warps, 1, 1), p)
     return then(quant, gemv)
+
+
+def q8_out_arrays(xp, n_tok: int, rows: int):
+    """A gated GEMV's output in 8-bit form (:func:`q8x_launches`' ``out_q``): views of one zeroed
+    buffer, each at a 16-byte boundary in this order (the kernel finds them from its address:
+    ``cuda/dense_q8x.cu`` q8x_out): int8 ``(n_tok, rows)``, F32 scales and sums ``(n_tok, rows /
+    32)``, and the uint32 counters of the rows stored in each 32-row group (each launch leaves them
+    zero)."""
+    offs = _q8_out_offsets(n_tok, rows)
+    buf = xp.zeros(offs[-1] + rows // 32 * 4, dtype=xp.uint8)
+    g = rows // 32
+    parts = [(xp.int8, (n_tok, rows)), (xp.float32, (n_tok, g)), (xp.float32, (n_tok, g)), (xp.uint32, (g,))]
+    return tuple(buf[o:o + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
+                 for o, (dt, shape) in zip(offs, parts))
+
+
+def _q8_out_offsets(n_tok: int, rows: int) -> list[int]:
+    """Byte offsets of :func:`q8_out_arrays`' parts in its buffer (the kernel's q8x_out)."""
+    up = lambda n: -(-n // 16) * 16   # noqa: E731
+    nq, ns = up(n_tok * rows), up(n_tok * rows // 8)
+    return [0, nq, nq + ns, nq + 2 * ns]
 
 
 def rows_aligned(ws: list) -> bool:

@@ -46,7 +46,8 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
+from .q8_matmul import (gemm_q8_launch, q8_out_arrays, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch,
+                        tile_grid)
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -80,15 +81,24 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
     return _views(b, node, outs, base, name)   # (outs: flat's parts, in order)
 
 
-def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None, gelu: bool = False):
+def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, norm_w=None, gelu: bool = False,
+                  down=None):
     """``silu(wg·h) * (wu·h)`` (``gelu``: ggml's tanh GELU instead of SiLU): ``wg``, ``wu`` xp
     F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_ff,
     n_tokens]``; ``norm_eps``, ``norm_w``: of the RMS-normalized ``h``, as :func:`mul_mat_group`.
-    SiLU is fused into the GEMV; GELU runs after the two products (one more launch)."""
+    SiLU is fused into the GEMV; GELU runs after the two products (one more launch). ``down``:
+    the matrix :func:`mul_mat_add` multiplies the result by next; where both run the 8-bit GEMV
+    (``matmul_dispatch.gemv_quant_out``) the gated one writes the result's 8-bit form as well
+    (``b.q8_forms``), which that GEMV reads instead of quantizing it."""
     x = b.array(h)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
-    run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
+    out_q = None if gelu or down is None else _quant_out(b, [wg, down], x.shape[0], int(wg.shape[0]))
+    run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, out_q=out_q)
+    if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
+        out_q = None
+        run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
     if run is None:
+        out_q = None
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
         both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
@@ -99,14 +109,38 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         def run():
             both()
             act()
-    return _custom(b, run, [h], out, name, ptr=b.ptr(out))
+    node = _custom(b, run, [h], out, name, ptr=b.ptr(out))
+    if out_q is not None:
+        b.keep(*out_q)
+        b.q8_forms[ctypes.addressof(node.contents)] = out_q[:3]
+    return node
+
+
+def _quant_out(b, ws: list, n_tok: int, rows: int):
+    """:func:`q8_out_arrays` for a gated GEMV whose output the 8-bit GEMV of ``ws[1]`` reads next,
+    where ``matmul_dispatch.gemv_quant_out`` says so for ``ws[0]`` and ``ws[1]``; else None."""
+    from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
+    if b.xp is np or not all(_is_q(w) for w in ws) or rows % 32:
+        return None
+    if not gemv_quant_out(*(_choice([w], n_tok) for w in ws)):
+        return None
+    return q8_out_arrays(b.xp, n_tok, rows)
+
+
+def _choice(ws: list, n_tok: int):
+    """``matmul_dispatch.best_matmul`` for weights ``ws`` of one type at ``n_tok`` tokens."""
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
+    k = _wtype(ws[0])
+    return best_matmul(k, n_tok, aligned=k == "F16" or rows_aligned(ws))
 
 
 def mul_mat_add(b, w, h, x_t, name: str):
     """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
-    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s."""
+    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s. An ``h`` whose
+    8-bit form its node made (``b.q8_forms``, :func:`mul_mat_gated`'s ``down``) is not quantized again."""
     x_in, x = b.array(h), b.array(x_t)
-    run = _gemv(b, [w], x_in, [x], mode=1) or _general(b, [w], x_in, [x], name=name, accumulate=True)
+    pre = b.q8_forms.get(ctypes.addressof(h.contents)) if b.xp is not np else None
+    run = _gemv(b, [w], x_in, [x], mode=1, q8=pre) or _general(b, [w], x_in, [x], name=name, accumulate=True)
     return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
 
 
@@ -132,37 +166,42 @@ def _wtype(w) -> str:
     return w.type if _is_q(w) else "F16"
 
 
-def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None):
+def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None, out_q=None,
+          q8=None):
     """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`,
     or :func:`q8x_launches` where ``matmul_dispatch.best_matmul`` says ``gemv-q8x``) for graph builder
     ``b`` when ``matmul_dispatch.best_matmul`` says GEMV for every weight; None on
     numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
-    for mode 0). The arrays are kept with the graph."""
-    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
+    for mode 0). ``out_q``: :func:`q8x_launches`' (None where the weights do not run it);
+    ``q8``: ``x`` already in 8-bit form (xq, xd, xs), for the 8-bit GEMVs to read unquantized.
+    The arrays are kept with the graph."""
     if b.xp is np:
         return None
     kinds = [_wtype(w) for w in ws]
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
-    paths = {k: best_matmul(k, x.shape[0], aligned=k == "F16" or rows_aligned([ws[i] for i in idx])).path
-             for k, idx in groups}
+    paths = {k: _choice([ws[i] for i in idx], x.shape[0]).path for k, idx in groups}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None
     if len(groups) > 1 and mode != 0:
         return None
-    runs, q8 = [], None
+    if out_q is not None and any(p != "gemv-q8x" for p in paths.values()):
+        return None
+    runs, made = [], q8 is not None
     for k, idx in groups:
         gw = [ws[i] for i in idx]
         go = outs if mode == 2 else [outs[i] for i in idx]
         if k == "F16":   # (its norm weight folded at load)
             run = gemv_launch(gw, x, go, mode=mode, norm_eps=norm_eps, unroll=None)
         elif paths[k] == "gemv-q8x":   # x quantized once for every such group of the call
-            first = q8 is None
+            first = not made
             if first:
                 n_tok, n_in = x.shape
                 q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
                       b.scratch((n_tok, n_in // 32), np.float32))
-                b.keep(*q8)
-            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first)
+                made = True
+            b.keep(*q8)
+            run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first,
+                               out_q=out_q)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:

@@ -295,6 +295,46 @@ def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     assert np.isfinite(got).all() and nmse(got, want) <= 1e-5, (nmse(got, want), grid)
 
 
+@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q5_K", "vector"), ("Q8_0", "vector"), ("Q4_K", "ring"),
+                                        ("Q6_K", "ring"), ("Q6_K", "staged"), ("Q4_0", "plain"), ("Q2_K", "staged")])
+@pytest.mark.parametrize("n_tok", [1, 2, 4])
+def test_gated_gemv_q8x_writes_its_output_in_8_bit_form(name, form, n_tok, monkeypatch):
+    """The gated 8-bit GEMV with ``out_q`` (matmul_dispatch.GEMV_QUANT_OUT; cuda/dense_q8x.cu
+    q8x_finish): its F32 output the same bits as without, and its 8-bit form -- poisoned first --
+    the same bits as dense_quant_q8x makes from that output; the group counters zero after each
+    launch, so a second launch over other activations (a graph replay) is right as well. 224
+    rows of gate and up (7 groups of 32), over warps that each take several rows in the ring form
+    (its grid sized as for one SM)."""
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)
+    n_in, rows = _staged_n_in(name), 224
+    qms = [QMatrix(name, (rows, n_in), cupy.asarray(_blocks(name, rows, n_in, 7 + i)[0])) for i in range(2)]
+    rng = np.random.default_rng(n_tok)
+    for rep in range(2):
+        x = cupy.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
+        xq, xd, xs = (cupy.empty((n_tok, n_in), np.int8), cupy.empty((n_tok, n_in // 32), np.float32),
+                      cupy.empty((n_tok, n_in // 32), np.float32))
+        plain, fused = cupy.full((n_tok, rows), np.nan, np.float32), cupy.full((n_tok, rows), np.nan, np.float32)
+        out_q = q8_matmul.q8_out_arrays(cupy, n_tok, rows)
+        if rep == 0:
+            assert not out_q[3].any()
+        out_q[0].fill(77), out_q[1].fill(np.nan), out_q[2].fill(np.nan)
+        run = q8_matmul.q8x_launches(qms, x, [fused], xq, xd, xs, mode=2, form=form, out_q=out_q)
+        if n_tok > max(K.Q8X_FORMS[form][1]):
+            assert run is None
+            return
+        run()
+        q8_matmul.q8x_launches(qms, x, [plain], xq, xd, xs, mode=2, form=form)()
+        want = (cupy.empty((n_tok, rows), np.int8), cupy.empty((n_tok, rows // 32), np.float32),
+                cupy.empty((n_tok, rows // 32), np.float32))
+        q8_matmul.quant_q8x_launch(block_layout(name).type_id, plain, *want)()
+        cupy.cuda.get_current_stream().synchronize()
+        assert np.isfinite(fused.get()).all() and np.array_equal(fused.get(), plain.get()), rep
+        for got, ref in zip(out_q[:3], want):
+            assert np.array_equal(got.get(), ref.get()), (rep, name, form)
+        assert not out_q[3].any(), rep   # (every group's last warp reset its counter)
+        assert q8_matmul.q8x_launches(qms, x, [fused], xq, xd, xs, mode=0, form=form, out_q=out_q) is None
+
+
 @pytest.mark.parametrize("n_tok, n_in", [(1, 32), (1, 4096), (3, 4128), (2, 14336)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_quant_q8x_gives_the_host_bits(n_tok, n_in, norm):

@@ -496,6 +496,46 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("name", [n for n in ("llama-q8_0", "llama-q4_k", "llama-q4_k_m", "qwen2-q8_0")
+                                  if n in fixtures_gguf.SPECS])
+@pytest.mark.parametrize("form", ["vector", "ring"])
+def test_gpu_gated_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, monkeypatch):
+    """The gated 8-bit GEMV writing its output's 8-bit form for the down matrix's GEMV
+    (``matmul_dispatch.GEMV_QUANT_OUT``) gives the same logits, bit for bit, as the quantization
+    launch between them: the same values quantized by the same arithmetic. Ubatches of 1-4 tokens
+    (the 8-bit GEMV's), prompts and decode steps, on one buffer and per stream; the shipped
+    routing or every type the ring form reads through it."""
+    from ggml_attn import matmul_dispatch
+    from ggml_attn.graph import model_device
+    monkeypatch.setattr(model_device, "WEIGHTS", "blocks")
+    if form == "ring":
+        from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
+        monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
+        monkeypatch.setattr(matmul_dispatch, "Q8XR_MAX_TOKENS", max(Q8XR_TOKENS))
+    from ggml_attn.graph import xp_matmul
+    made, q8_out_arrays = [], xp_matmul.q8_out_arrays
+    monkeypatch.setattr(xp_matmul, "q8_out_arrays", lambda *a: (made.append(a), q8_out_arrays(*a))[1])
+    m = model_of(name, gguf_dir)
+    hp = m.hp
+    prompts = [np.arange(5 + 3 * i, dtype=np.int32) % hp.n_vocab for i in range(3)]
+
+    def logits(fused: bool, unified: bool, n_ubatch: int):
+        monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", fused)
+        made.clear()
+        cache = KVCache(256, 4, unified=unified, n_layer=hp.n_layer, n_head_kv=hp.n_head_kv,
+                        head_dim_k=hp.head_dim_k, xp="cupy")
+        res = run_model_batch(cache, Batch.from_sequences(prompts), m, n_ubatch, "simple" if unified else "equal",
+                              logits="all")
+        assert (len(made) > 0) == fused   # (the fused graphs did fuse: every layer's FFN at least once)
+        return res.logits
+    for unified, n_ubatch in ((True, 1), (True, 4), (False, 3)):
+        want = logits(False, unified, n_ubatch)
+        got = logits(True, unified, n_ubatch)
+        assert np.isfinite(got).all() and np.array_equal(got, want), (unified, n_ubatch)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("name", ["llama-f16", "llama-bf16", "llama-f32", "llama-q8_0", "qwen2-f32"])
 def test_gpu_staged_weights_equal_the_host_path(gguf_dir, name):
     """The staged load (file -> pinned buffers -> GPU, converted and folded there) gives every
