@@ -254,12 +254,14 @@ def _staged_n_in(lay) -> int:
 
 
 def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None, gated: bool = True,
-               split: bool = False) -> int:
+               split: bool = False, qout: bool = False) -> int:
     """The 8-bit-activation GEMV (cuda/dense_q8x.cu; ``form``: kernels.Q8X_FORMS', None the
     dispatch's) gated (or, ``gated`` False, the gate matrix alone in mode 0 through the vector and
     ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES; ``split``: the vector form's
     instance with two warps a row, GEMV_SPLIT_TYPES) with the RMS norm at one token against float64
-    of the activations it quantized (quant.q8_activations). Failures (0 or 1)."""
+    of the activations it quantized (quant.q8_activations); ``qout`` (gated, rows whole 32-row
+    groups): writing its output's 8-bit form too (q8_matmul.q8_out_arrays), the bits of
+    dense_quant_q8x on that output. Failures (0 or 1)."""
     from gpu_timing import knobs
 
     from ggml_attn import matmul_dispatch
@@ -275,17 +277,26 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
     d_out = cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
+    out_q = q8_matmul.q8_out_arrays(cp, 1, rows) if qout else None
+    if qout:
+        out_q[0].fill(77), out_q[1].fill(np.nan), out_q[2].fill(np.nan)
     with knobs(matmul_dispatch, GEMV_ONE_TYPES=() if gated else (name,), GEMV_SPLIT_TYPES=(name,) if split else ()):
         q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]], cp.asarray(x),
-                               [d_out], *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form)()
+                               [d_out], *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form,
+                               out_q=out_q)()
+    same = True
+    if qout:   # (its 8-bit form: dense_quant_q8x's bits of the same output; the counters back at 0)
+        want = (cp.empty((1, rows), np.int8), cp.empty((1, rows // 32), np.float32), cp.empty((1, rows // 32), np.float32))
+        q8_matmul.quant_q8x_launch(lay.type_id, d_out, *want)()
+        same = all(bool((a == b).all()) for a, b in zip(out_q[:3], want)) and not bool(out_q[3].any())
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
     gate, up = (q8_activations(v) @ w.T for w in vals)
     err = nmse(got, gate / (1.0 + np.exp(-gate)) * up if gated else gate)
-    ok = bool(np.isfinite(got).all()) and err < 1e-5
+    ok = bool(np.isfinite(got).all()) and err < 1e-5 and same
     form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
-    what = "gated" if gated else "split" if split else "one"
+    what = ("gated+qout" if qout else "gated") if gated else "split" if split else "one"
     print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {what}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -385,15 +396,18 @@ def _dense_q(cp, rng) -> int:
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
             bad += _q8x_gated(cp, rng, name, n, rows)
+            bad += _q8x_gated(cp, rng, name, n, 96, qout=True)   # (its output in 8-bit form as well)
         if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows (each instance)
             for gated, split in ((True, False), (False, False), (False, True)):
                 bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector", gated, split)
+            bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "vector", qout=True)
         if name in K.Q8XR_TYPES:   # the ring form, its grid as on one SM: several rows a warp
             import ggml_attn.cuda_device as cd
             sms, cd.num_sms = cd.num_sms, lambda: 1
             try:
                 for gated in (True, False):
                     bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "ring", gated)
+                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "ring", qout=True)
             finally:
                 cd.num_sms = sms
         q, vals = ws[0]
