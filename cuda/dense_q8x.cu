@@ -44,26 +44,39 @@ struct GemvQ8Params {
                               // 2, without the prefetch; 0: not
     int pad_;
 };
-// The gated mode (two operands) leaves seg[2] unused: its w, where not null, is the buffer of the
-// output's 8-bit form (the down matrix's activations, q8x_finish), each part at a 16-byte
-// boundary: int8 (n_tok, rows), the scales and the sums F32 (n_tok, rows / 32) each, the rows
-// stored of each 32-row group uint32 (rows / 32: 0 between launches, each group's last warp
-// resets it; graph/q8_matmul.py q8_out_arrays lays it out). Not
-// fields of their own: the parameters' size moves the other instances' registers (ptxas: the
-// split vector instance's 64 became 66, a block fewer an SM).
+// The output's 8-bit form (q8x_finish): the next GEMV's activations, made by this one's warps.
+// Where asked for, it rides in segments the launch leaves unused -- not fields of their own: the
+// parameters' size moves the other instances' registers (ptxas: the split vector instance's 64
+// became 66, a block fewer an SM). The gated mode (two operands): seg[2].w the buffer. The
+// accumulate mode over one segment (x += W·h, the residual stream): seg[2].w the buffer and
+// seg[1].w the weight g of the RMS norm the next GEMV applies (F32, rows; seg[1].rows: its eps's
+// bits) -- the norm's scale r = 1 / sqrt(mean(x^2) + eps) is one number a token, and
+// quantization is scale-invariant (q of r·u is q of u, d of r·u is r times d of u), so each group
+// of u = x·g is quantized as it completes and the scales are multiplied by r once every group's
+// sum of squares is in. The buffer, each part at a 16-byte boundary (graph/q8_matmul.py
+// q8_out_arrays lays it out): int8 (n_tok, rows), the scales and the sums F32 (n_tok, rows / 32)
+// each, the rows stored of each 32-row group uint32 (rows / 32), the groups' sums of squares F32
+// (n_tok, rows / 32), the groups done uint32 (1). The counters are 0 between launches (the warp
+// that completes a count resets it).
 struct Q8xOut {
     signed char* q;
-    float *d, *s;
-    unsigned* c;
+    float *d, *s, *ss, *g;
+    unsigned *c, *all;
+    float eps;
 };
 __device__ __forceinline__ bool q8x_out(const GemvQ8Params& p, int rows, Q8xOut& o) {
     unsigned char* b = const_cast<unsigned char*>(p.seg[2].w);
-    if (p.mode != 2 || b == nullptr) return false;
+    if (b == nullptr || !(p.mode == 2 || (p.mode == 1 && p.n_seg == 1))) return false;
     const long long nq = ((long long)p.n_tok * rows + 15) & ~15LL, ns = ((long long)p.n_tok * rows / 8 + 15) & ~15LL;
+    const long long nc = ((long long)rows / 8 + 15) & ~15LL;
     o.q = reinterpret_cast<signed char*>(b);
     o.d = reinterpret_cast<float*>(b + nq);
     o.s = reinterpret_cast<float*>(b + nq + ns);
     o.c = reinterpret_cast<unsigned*>(b + nq + 2 * ns);
+    o.ss = reinterpret_cast<float*>(b + nq + 2 * ns + nc);
+    o.all = reinterpret_cast<unsigned*>(b + nq + 3 * ns + nc);
+    o.g = p.mode == 1 ? reinterpret_cast<float*>(const_cast<unsigned char*>(p.seg[1].w)) : nullptr;
+    o.eps = __int_as_float(p.seg[1].rows);
     return true;
 }
 
@@ -186,14 +199,15 @@ __device__ __forceinline__ void q8x_sub(const GemvQ8Params& p, const unsigned ch
 }
 
 // A GEMV warp's end, every form: row r's sums out (gemv_q_finish; the norm was applied when x was
-// quantized). With an 8-bit output (q8x_out: the gated mode, rows a multiple of 32) the row then
-// counts in its 32-row group, and the warp that counts the group's last row quantizes the group
-// for every token (q8x_quant32, from the stored values): the down matrix's activations without a
-// dense_quant_q8x launch between. Each warp fences its stores before its count (the
-// threadFenceReduction order), the last reads the group from L2 (__ldcg) after its own fence.
-// QOUT false: the instances that never run the gated mode (the vector and ring forms' G 0 and 2)
-// leave the code out.
-template <int NT, bool QOUT = true>
+// quantized). With an 8-bit output (q8x_out; rows a multiple of 32) the row then counts in its
+// 32-row group, and the warp that counts the group's last row quantizes the group for every
+// token (q8x_quant32, from the stored values, times the next norm's weight in the accumulate
+// mode): the next GEMV's activations without a dense_quant_q8x launch between. In the
+// accumulate mode that warp then counts the group among the groups done, and the warp that
+// counts the last multiplies every scale by the norm's scale. Each warp fences its stores before
+// its count (the threadFenceReduction order), the last reads from L2 (__ldcg) after its own fence.
+// QO: the instances with it (the vector and ring forms' GQ >= 4); the others leave it out.
+template <int NT, bool QO = false>
 __device__ __forceinline__ void q8x_finish(const GemvQ8Params& p, float (&acc)[NT], float (&up)[NT],
                                            const GemvQSeg& sg, int r) {
     float one[NT];
@@ -201,7 +215,7 @@ __device__ __forceinline__ void q8x_finish(const GemvQ8Params& p, float (&acc)[N
     for (int t = 0; t < NT; ++t) one[t] = 1.0f;
     gemv_q_finish<NT>(acc, up, one, p.mode, p.n_tok, sg, r);
     Q8xOut o;
-    if (!QOUT || !q8x_out(p, sg.rows, o)) return;
+    if (!QO || !q8x_out(p, sg.rows, o)) return;
     const int lane = threadIdx.x & 31, g = r >> 5, n_g = sg.rows >> 5;
     __threadfence();
     __syncwarp();
@@ -209,11 +223,36 @@ __device__ __forceinline__ void q8x_finish(const GemvQ8Params& p, float (&acc)[N
     if (lane == 0) done = atomicAdd(o.c + g, 1u);
     if (__shfl_sync(0xffffffffu, done, 0) != 31u) return;
     __threadfence();
-    for (int t = 0; t < p.n_tok; ++t) {
-        const float v = __ldcg(sg.out + (long long)t * sg.rows + 32 * g + lane);
-        q8x_quant32(v, o.q + (long long)t * sg.rows + 32 * g, o.d + (long long)t * n_g + g, o.s + (long long)t * n_g + g);
+    for (int t = 0; t < p.n_tok; ++t) {   // the group, every token: u = x·g, its 8-bit form and sum of squares
+        const float x = __ldcg(sg.out + (long long)t * sg.rows + 32 * g + lane);
+        q8x_quant32(o.g ? x * o.g[32 * g + lane] : x, o.q + (long long)t * sg.rows + 32 * g,
+                    o.d + (long long)t * n_g + g, o.s + (long long)t * n_g + g);
+        if (o.g) {
+            float sq = x * x;
+#pragma unroll
+            for (int k = 16; k > 0; k >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, k);
+            if (lane == 0) o.ss[(long long)t * n_g + g] = sq;
+        }
     }
     if (lane == 0) o.c[g] = 0u;   // (for the next launch: every row of the group has counted)
+    if (!o.g) return;
+    __threadfence();   // the group's scales and sum of squares before its count
+    done = 0;
+    if (lane == 0) done = atomicAdd(o.all, 1u);
+    if (__shfl_sync(0xffffffffu, done, 0) != (unsigned)n_g - 1u) return;
+    __threadfence();
+    for (int t = 0; t < p.n_tok; ++t) {   // every group in: the norm's scale into each scale (a fixed order: deterministic)
+        float sq = 0.0f;
+        for (int i = lane; i < n_g; i += 32) sq += __ldcg(o.ss + (long long)t * n_g + i);
+#pragma unroll
+        for (int k = 16; k > 0; k >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, k);
+        const float rs = 1.0f / sqrtf(sq / (float)sg.rows + o.eps);
+        for (int i = lane; i < n_g; i += 32) {
+            float* d = o.d + (long long)t * n_g + i;
+            *d = __ldcg(d) * rs;
+        }
+    }
+    if (lane == 0) *o.all = 0u;
 }
 
 // Rows read from global memory as the lanes' sub-blocks need them (any row alignment).
@@ -544,11 +583,15 @@ __device__ __forceinline__ void q8x_v_row_groups(const GemvQ8Params& p, const un
 // (NT 1, modes 0 / 1): two warps a row, each its chunks of half the steps (U / 2), their lanes'
 // sums added through shared memory before the row's end -- twice the warps for a matrix of few
 // rows, whose one-row warps fill 1.3 waves of an SM's slots (4096 rows), so that its last wave's
-// idle slots cost less (matmul_dispatch.GEMV_SPLIT_TYPES).
-template <int T, int NT, int G>
+// idle slots cost less (matmul_dispatch.GEMV_SPLIT_TYPES). GQ = G + 4: the same with the output's
+// 8-bit form (q8x_out; instances of their own, so that the others keep their registers).
+template <int T, int NT, int GQ>
 __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_gemv_q8x_v(const GemvQ8Params p) {
+    constexpr int G = GQ & 3;
+    constexpr bool QO = GQ >= 4;
     constexpr int NS = G == 2 ? 2 : 1, U = NS == 1 ? Q8xV<T, NT>::U : (Q8xV<T, NT>::U + 1) / 2;
-    static_assert(G >= 0 && G <= 2 && (NS == 1 || NT == 1), "G: 0 modes 0 / 1, 1 every mode, 2 split (one token)");
+    static_assert(GQ >= 0 && GQ <= 6 && G <= 2 && (NS == 1 || NT == 1),
+                  "G: 0 modes 0 / 1, 1 every mode, 2 split (one token); + 4 with the 8-bit output");
     const int warp = threadIdx.x >> 5, h = warp % NS;
     int r = blockIdx.x * (Q8X_VWARPS / NS) + warp / NS;
     GemvQSeg sg;
@@ -582,7 +625,7 @@ __global__ void __launch_bounds__(Q8X_VWARPS * 32, (Q8xV<T, NT>::MINB)) dense_ge
 #pragma unroll
         for (int t = 0; t < NT; ++t) acc[t] += part[warp / 2][t][lane];
     }
-    q8x_finish<NT, G == 1>(p, acc, up, sg, r);
+    q8x_finish<NT, QO>(p, acc, up, sg, r);
 }
 
 // The ring GEMV (dense_gemv_q8x_r<T, NT>) for Q4_K / Q5_K / Q6_K / Q8_0 rows of whole 16-byte
@@ -630,10 +673,13 @@ __device__ __forceinline__ int q8x_rows(const GemvQ8Params& p) {
 
 // G: the instance for every mode (1: slots for the gated mode's two operands a warp) or for modes
 // 0 / 1 only (0: one operand, twice its slots up to 8 in no more shared memory, and no second
-// operand's registers), as the vector form's.
-template <int T, int NT, int G>
+// operand's registers), as the vector form's; GQ = G + 4 with the output's 8-bit form, as there.
+template <int T, int NT, int GQ>
 __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8Params p) {
     static_assert(T == QB_Q4_K || T == QB_Q5_K || T == QB_Q6_K || T == QB_Q8_0, "the ring GEMV reads Q4_K / Q5_K / Q6_K / Q8_0 rows");
+    constexpr int G = GQ & 3;
+    constexpr bool QO = GQ >= 4;
+    static_assert(G <= 1 && GQ <= 5, "G: 0 modes 0 / 1, 1 every mode; + 4 with the 8-bit output");
     constexpr int B = QBlock<T>::BYTES, SLOT = Q8xR<T, G>::SLOT, ST = Q8xR<T, G>::STAGES, BLOCKS = Q8xR<T, G>::BLOCKS;
     constexpr bool K4 = T == QB_Q4_K || T == QB_Q5_K;
     __shared__ __align__(16) unsigned char buf[Q8X_SWARPS][1 + G][ST][SLOT];
@@ -692,7 +738,7 @@ __global__ void __launch_bounds__(Q8X_SWARPS * 32) dense_gemv_q8x_r(const GemvQ8
             int r = gw + i * n_gw;
             GemvQSeg sg;
             gemv_segment(p, r, sg);
-            q8x_finish<NT, G == 1>(p, acc, up, sg, r);
+            q8x_finish<NT, QO>(p, acc, up, sg, r);
 #pragma unroll
             for (int t = 0; t < NT; ++t) acc[t] = 0.0f, up[t] = 0.0f;
             c = 0, ++i;

@@ -86,13 +86,16 @@ GEMV_SPLIT_MAX_ROWS = 8192
 # With GEMV_PDL: each warp's rows requested into L2 before the wait (off: the wait alone, the
 # launch's overlap without the prefetch's instructions and early DRAM traffic; not yet measured).
 GEMV_PDL_PREFETCH = True
-# The gated GEMV (gate, up and SiLU) writes its output's 8-bit form as well where the down matrix's
-# GEMV reads 8-bit activations too (cuda/dense_q8x.cu q8x_finish: the warp that stores a 32-row
-# group's last row quantizes the group), so no dense_quant_q8x launch runs between them: one of
-# the four a layer and token, 3.09 us each in the H100's one-token step at d650257
-# (bench/results/2026-12-06-d650257-h100-gemv-regression/step.json: 129 of ~360 launches a token,
-# 13.5% of its device time). Predicted: tg128 on the 8B-shaped Q4_K_M file +2-3%. Not yet measured
-# on a GPU: off until then.
+# A one-token GEMV writes its output's 8-bit form as well where the GEMVs that read it next read
+# 8-bit activations too (cuda/dense_q8x.cu q8x_finish: the warp that stores a 32-row group's last
+# row quantizes the group; the vector and ring forms' instances with it, kernels.Q8X_QOUT_TOKENS),
+# so no dense_quant_q8x launch runs between them: the gated GEMV for the down matrix, and the two
+# residual adds (wo, wd) for the RMS norm and matrices after them (each group of x·g quantized
+# as it completes, the norm's scale multiplied into the scales once the last group is in) -- three
+# of the four quantization launches a layer and token, 3.09 us each in the H100's one-token step
+# at d650257 (bench/results/2026-12-06-d650257-h100-gemv-regression/step.json: 129 of ~360
+# launches a token, 13.5% of its device time). Predicted: tg128 on the 8B-shaped Q4_K_M file
+# +6-9%. Not yet measured on a GPU: off until then.
 GEMV_QUANT_OUT = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
@@ -161,10 +164,10 @@ def gemv_q8x_split(weight_type: str, form: str, n_tokens: int, rows: int, mode: 
             and n_tokens <= max(Q8X_SPLIT_TOKENS.get(form, (0,))))
 
 
-def gemv_quant_out(gated: MatmulChoice, down: MatmulChoice) -> bool:
-    """Whether a gated GEMV on the path ``gated`` writes its output's 8-bit form for the down
-    matrix's GEMV on the path ``down`` to read (GEMV_QUANT_OUT, both ``gemv-q8x``)."""
-    return GEMV_QUANT_OUT and gated.path == down.path == "gemv-q8x"
+def gemv_quant_out(producer: MatmulChoice, *readers: MatmulChoice) -> bool:
+    """Whether a GEMV on the path ``producer`` writes its output's 8-bit form for the GEMVs on the
+    paths ``readers`` to read (GEMV_QUANT_OUT, every one ``gemv-q8x``)."""
+    return GEMV_QUANT_OUT and bool(readers) and all(c.path == "gemv-q8x" for c in (producer, *readers))
 
 
 def gemv_pdl() -> int:

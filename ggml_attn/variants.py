@@ -370,6 +370,7 @@ Q8X_FORM_TYPES = {"vector": Q8XV_TYPES, "ring": Q8XR_TYPES}
 Q8X_ONE_WAVE = ("ring",)
 Q8X_GATED_FORMS = ("vector", "ring")   # forms with an instance for every mode (G 1) and one for modes 0 / 1 (G 0)
 Q8X_SPLIT_TOKENS = {"vector": (1,)}    # forms' instances running a row on two warps (modes 0 / 1, G 2), their NT
+Q8X_QOUT_TOKENS = (1,)                 # NT of the gated forms' instances that write their output's 8-bit form too (G + 4)
 
 
 def q8x_form_reads(form: str, weight_type: str) -> bool:
@@ -377,7 +378,8 @@ def q8x_form_reads(form: str, weight_type: str) -> bool:
     return weight_type in Q8X_FORM_TYPES.get(form, (weight_type,))
 
 
-def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False, split: bool = False) -> str:
+def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False, split: bool = False,
+             qout: bool = False) -> str:
     """The 8-bit-activation GEMV instance of ``type_id`` for ``n_tok`` tokens (the smallest NT >=
     n_tok) in ``form``: ``staged`` (``dense_gemv_q8x_s``, rows streamed through shared memory; rows
     16-byte aligned), ``plain`` (``dense_gemv_q8x``, any alignment), ``vector``
@@ -387,13 +389,15 @@ def q8x_name(type_id: int, n_tok: int, form: str = "staged", gated: bool = False
     aligned); at most max(NT) of the form's instances (Q8X_FORMS). The vector and ring forms have an
     instance for every mode (``gated`` True) and one for modes 0 / 1 only (``gated`` False; Q8X_GATED_FORMS);
     the vector form at one token also one for modes 0 / 1 that runs a row on two warps (``split``:
-    Q8X_SPLIT_TOKENS, G 2)."""
+    Q8X_SPLIT_TOKENS, G 2). ``qout``: the instance that also writes its output's 8-bit form (G + 4;
+    the forms of Q8X_GATED_FORMS at the tokens of Q8X_QOUT_TOKENS)."""
     kernel, tokens, _ = Q8X_FORMS[form]
     if split:
         assert not gated, "the split instances run modes 0 / 1"
         tokens = Q8X_SPLIT_TOKENS[form]
     nt = next(t for t in tokens if t >= n_tok)
-    g = 2 if split else int(gated)
+    g = (2 if split else int(gated)) + 4 * bool(qout)
+    assert not qout or (form in Q8X_GATED_FORMS and nt in Q8X_QOUT_TOKENS), "8-bit output: vector / ring, one token"
     return f"{kernel}<{type_id}, {nt}, {g}>" if form in Q8X_GATED_FORMS else f"{kernel}<{type_id}, {nt}>"
 
 
@@ -408,6 +412,9 @@ def dense_q8x_variant(type_id: int) -> Variant:
                   for g in ((False, True) if form in Q8X_GATED_FORMS else (False,)))
     gemvs += tuple(q8x_name(type_id, nt, form, split=True) for form, tokens in Q8X_SPLIT_TOKENS.items()
                    if q8x_form_reads(form, wtype) for nt in tokens)
+    gemvs += tuple(q8x_name(type_id, nt, form, gated=g, split=sp, qout=True) for form in Q8X_GATED_FORMS
+                   if q8x_form_reads(form, wtype) for nt in Q8X_QOUT_TOKENS
+                   for g, sp in ((False, False), (True, False)) + (((False, True),) if nt in Q8X_SPLIT_TOKENS.get(form, ()) else ()))
     return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 

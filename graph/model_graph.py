@@ -31,7 +31,9 @@ float ones F16 with the RMS-norm weights folded in; the ops take the norm weight
   per-head norms (``xp_matmul.rms_norm``); ``q``, ``k`` through one ``xp_ops.rope`` node (biases
   added first); ``v += bv``; attention as on host graphs; ``x += wo att`` (``mul_mat_add``; gemma2:
   ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm, down=wd)``;
-  ``x += wd f`` (gemma2 likewise);
+  ``x += wd f`` (gemma2 likewise). The two residual adds name what reads ``x`` next (``norm_next``:
+  the FFN's norm and gate/up, the next layer's norm and Q/K/V), and the gate/up node its down
+  matrix, so that each can hand over its output's 8-bit form (``matmul_dispatch.GEMV_QUANT_OUT``);
 * :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``
   (gemma2: ``xp_ops.softcap_into``).
 
@@ -280,12 +282,17 @@ def _model_layer_custom(b, il: int, x):
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
 
     def add_projection(wkey, h, post, what):   # x += w·h, or gemma2's x += rms_norm(w·h) * post
-        if post not in w:
-            return xp_matmul.mul_mat_add(b, w[wkey], h, x, f"{what}_res_l{il}")
+        if post not in w:   # (norm_next: the normalized x's 8-bit form for its next reader, where it pays)
+            return xp_matmul.mul_mat_add(b, w[wkey], h, x, f"{what}_res_l{il}", norm_next=nxt)
         o = xp_matmul.mul_mat(b, w[wkey], h, f"{wkey}_l{il}")
         o = xp_matmul.rms_norm(b, o, hp.rms_eps, w[post], f"{post}_l{il}")
         return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
+    nxt = (w["ffn_norm"], hp.rms_eps, [w["wg"], w["wu"]])
     x = add_projection("wo", att, "attn_post_norm", "wo")
     f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"],
                                 gelu=hp.ffn_gelu, down=None if "ffn_post_norm" in w else w["wd"])
+    nxt = None
+    if il + 1 < len(b.layers or range(hp.n_layer)):   # the next layer's Q/K/V read x next (in this graph)
+        wn = _dw(b).layers[il + 1]
+        nxt = (wn["attn_norm"], hp.rms_eps, [wn["wq"], wn["wk"], wn["wv"]])
     return add_projection("wd", f, "ffn_post_norm", "ffn")

@@ -13,6 +13,7 @@ caller keeps the arrays alive.
 from __future__ import annotations
 
 import ctypes
+import struct
 
 import numpy as np
 
@@ -22,15 +23,16 @@ __all__ = ["quant_q8x_launch", "q8x_launches", "q8_out_arrays", "gemm_q8_launch"
            "splitk_sum_launch"]
 
 
-def _q8_out_fits(out_q, mode: int, out) -> bool:
-    """``out_q`` is :func:`q8_out_arrays`' for the gated mode's output ``out`` F32 ``(n_tok, rows)``,
-    rows whole 32-row groups, laid out as the kernel reads it."""
+def _q8_out_fits(out_q, mode: int, n_w: int, out) -> bool:
+    """``out_q`` is :func:`q8_out_arrays`' for output ``out`` F32 ``(n_tok, rows)`` (rows whole
+    32-row groups) of the gated mode or of the accumulate mode over one matrix (``n_w``), laid out
+    as the kernel reads it."""
     n_tok, rows = out.shape
-    if mode != 2 or rows % 32 or len(out_q) != 4 or not _q8_arrays_fit(out, *out_q[:3]):
+    if not (mode == 2 or (mode == 1 and n_w == 1)) or rows % 32 or len(out_q) != 6 or \
+            not _q8_arrays_fit(out, *out_q[:3]):
         return False
     base = out_q[0].data.ptr
-    return out_q[3].shape == (rows // 32,) and \
-        [a.data.ptr - base for a in out_q] == _q8_out_offsets(n_tok, rows)
+    return out_q[3].shape == (rows // 32,) and [a.data.ptr - base for a in out_q] == _q8_out_offsets(n_tok, rows)
 
 
 def _q8_arrays_fit(x, xq, xd, xs) -> bool:
@@ -56,7 +58,7 @@ def quant_q8x_launch(type_id: int, x, xq, xd, xs, *, norm_eps: float | None = No
 
 
 def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: float | None = None, norm_w=None,
-                 quantize: bool = True, form: str | None = None, out_q=None):
+                 quantize: bool = True, form: str | None = None, out_q=None, out_norm=(None, None)):
     """The 8-bit-activation GEMV (the A/B path to ``xp_matmul.gemv_q_launch``, chosen by
     ``matmul_dispatch.best_matmul`` under ``Q8X_MAX_TOKENS``): ``x`` quantized by
     :func:`quant_q8x_launch` (not with ``quantize=False``: another group's launch did it), then
@@ -68,10 +70,13 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     The vector form's rows run on two warps each where ``matmul_dispatch.gemv_q8x_split`` says so.
     The ring form's grid is one wave (``kernels.Q8X_ONE_WAVE``); the GEMV is launched with
     programmatic dependent launch where
-    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py). ``out_q`` (the gated mode, rows a
-    multiple of 32; :func:`q8_out_arrays`): the output in 8-bit form as well, made by the GEMV's
-    warps as their rows' groups complete (``q8x_finish``) -- the next GEMV's ``xq``, ``xd``,
-    ``xs`` (called with ``quantize=False``) without a quantization launch between."""
+    ``matmul_dispatch.gemv_pdl`` says so (ggml_attn/pdl.py). ``out_q`` (:func:`q8_out_arrays`;
+    the gated mode, or the accumulate mode over one matrix; rows a multiple of 32; the vector and
+    ring forms at one token, ``kernels.Q8X_QOUT_TOKENS``): the output in 8-bit form as well, made
+    by the GEMV's warps as their rows' groups complete (``q8x_finish``) -- the next GEMV's ``xq``,
+    ``xd``, ``xs`` (called with ``quantize=False``) without a quantization launch between; in the
+    accumulate mode of the RMS-normalized output where ``out_norm`` is ``(g, eps)`` (weight F32
+    ``(rows,)``)."""
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_pdl, gemv_q8x_form, gemv_q8x_gated_instance, gemv_q8x_split  # noqa: PLC0415
     from ggml_attn.pdl import PdlLaunch  # noqa: PLC0415
@@ -80,12 +85,17 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     if len(ws) > 3 or len({w.type for w in ws}) != 1 or (mode == 2 and (len(ws) != 2 or ws[0].shape != ws[1].shape)) \
             or any(w.shape[1] != n_in for w in ws) or n_in % ws[0].layout.values or not _q8_arrays_fit(x, xq, xd, xs):
         return None
-    if out_q is not None and not _q8_out_fits(out_q, mode, outs[0]):
+    if out_q is not None and not _q8_out_fits(out_q, mode, len(ws), outs[0]):
+        return None
+    g, eps = out_norm
+    if g is not None and (g.shape != (outs[0].shape[1],) or g.dtype != np.float32 or not eps > 0.0):
         return None
     aligned = rows_aligned(ws)   # 16-byte units: cp.async's, the vector form's loads
     form = form or gemv_q8x_form(ws[0].type, aligned, n_tok)
     _, tokens, warps = K.Q8X_FORMS[form]
     if n_tok > max(tokens) or (form != "plain" and not aligned) or not K.q8x_form_reads(form, ws[0].type):
+        return None
+    if out_q is not None and (form not in K.Q8X_GATED_FORMS or n_tok > max(K.Q8X_QOUT_TOKENS)):
         return None
     quant = quant_q8x_launch(t, x, xq, xd, xs, norm_eps=norm_eps, norm_w=norm_w) if quantize else None
     p = K.GemvQ8Params()
@@ -96,11 +106,13 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
     p.n_in, p.n_tok, p.n_seg, p.mode = n_in, n_tok, len(ws), mode
     rows = int(ws[0].shape[0]) if mode == 2 else sum(int(w.shape[0]) for w in ws)
     p.pdl = gemv_pdl()
-    if out_q is not None:   # (the gated mode's seg[2] is free: the kernel's q8x_out)
+    if out_q is not None:   # (segments the launch leaves free: the kernel's q8x_out)
         p.seg[2].w = out_q[0].data.ptr
+        if g is not None:
+            p.seg[1].w, p.seg[1].rows = g.data.ptr, struct.unpack("<i", struct.pack("<f", float(eps)))[0]
     split = gemv_q8x_split(ws[0].type, form, n_tok, rows, mode)   # (two warps a row)
     fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)
-                                                          and not split, split=split))
+                                                          and not split, split=split, qout=out_q is not None))
     blocks = -(-rows // (warps // 2 if split else warps))
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
@@ -110,15 +122,17 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
 
 
 def q8_out_arrays(xp, n_tok: int, rows: int):
-    """A gated GEMV's output in 8-bit form (:func:`q8x_launches`' ``out_q``): views of one zeroed
+    """A GEMV's output in 8-bit form (:func:`q8x_launches`' ``out_q``): views of one zeroed
     buffer, each at a 16-byte boundary in this order (the kernel finds them from its address:
-    ``cuda/dense_q8x.cu`` q8x_out): int8 ``(n_tok, rows)``, F32 scales and sums ``(n_tok, rows /
-    32)``, and the uint32 counters of the rows stored in each 32-row group (each launch leaves them
-    zero)."""
+    ``cuda/dense_q8x.cu`` q8x_out): int8 ``(n_tok, rows)``; F32 scales and sums ``(n_tok, rows /
+    32)``; uint32 counters of the rows stored in each 32-row group ``(rows / 32,)``; F32 sums of
+    squares of each group ``(n_tok, rows / 32)`` and the uint32 count of the groups done ``(1,)``
+    (the accumulate mode's RMS norm). Each launch leaves the counters zero."""
     offs = _q8_out_offsets(n_tok, rows)
-    buf = xp.zeros(offs[-1] + rows // 32 * 4, dtype=xp.uint8)
+    buf = xp.zeros(offs[-1] + 16, dtype=xp.uint8)
     g = rows // 32
-    parts = [(xp.int8, (n_tok, rows)), (xp.float32, (n_tok, g)), (xp.float32, (n_tok, g)), (xp.uint32, (g,))]
+    parts = [(xp.int8, (n_tok, rows)), (xp.float32, (n_tok, g)), (xp.float32, (n_tok, g)), (xp.uint32, (g,)),
+             (xp.float32, (n_tok, g)), (xp.uint32, (1,))]
     return tuple(buf[o:o + int(np.prod(shape)) * np.dtype(dt).itemsize].view(dt).reshape(shape)
                  for o, (dt, shape) in zip(offs, parts))
 
@@ -126,8 +140,8 @@ def q8_out_arrays(xp, n_tok: int, rows: int):
 def _q8_out_offsets(n_tok: int, rows: int) -> list[int]:
     """Byte offsets of :func:`q8_out_arrays`' parts in its buffer (the kernel's q8x_out)."""
     up = lambda n: -(-n // 16) * 16   # noqa: E731
-    nq, ns = up(n_tok * rows), up(n_tok * rows // 8)
-    return [0, nq, nq + ns, nq + 2 * ns]
+    nq, ns, nc = up(n_tok * rows), up(n_tok * rows // 8), up(rows // 8)
+    return [0, nq, nq + ns, nq + 2 * ns, nq + 2 * ns + nc, nq + 3 * ns + nc]
 
 
 def rows_aligned(ws: list) -> bool:

@@ -65,7 +65,8 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
     n_tokens]``, views of one node whose memory holds them one after another (numpy
     ``(n_tokens, n_out_i)`` each, contiguous). ``norm_eps``: ``h`` is RMS-normalized first
     (:func:`rms_norm`), inside this node; ``norm_w`` (xp F32 ``(n_in,)``): the norm's weight,
-    which block matrices apply to the normalized ``h`` (an F16 one carries it folded)."""
+    which block matrices apply to the normalized ``h`` (an F16 one carries it folded). An ``h``
+    whose node made its normalized 8-bit form (:func:`mul_mat_add`'s ``norm_next``) is read so."""
     x = b.array(h)                                  # (n_tokens, n_in) F32
     n_tok = x.shape[0]
     sizes = [n_tok * int(w.shape[0]) for w in ws]
@@ -74,7 +75,7 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
     for w, n in zip(ws, sizes):
         outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
         off += n
-    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
+    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=_q8_form(b, h, norm_eps, norm_w)) or \
         _general(b, ws, x, outs, norm_eps=norm_eps, norm_w=norm_w, name=name)
     base = b.ptr(flat)
     node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
@@ -85,23 +86,25 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
                   down=None):
     """``silu(wg·h) * (wu·h)`` (``gelu``: ggml's tanh GELU instead of SiLU): ``wg``, ``wu`` xp
     F16 ``(n_ff, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]`` -> F32 ``[n_ff,
-    n_tokens]``; ``norm_eps``, ``norm_w``: of the RMS-normalized ``h``, as :func:`mul_mat_group`.
-    SiLU is fused into the GEMV; GELU runs after the two products (one more launch). ``down``:
-    the matrix :func:`mul_mat_add` multiplies the result by next; where both run the 8-bit GEMV
-    (``matmul_dispatch.gemv_quant_out``) the gated one writes the result's 8-bit form as well
-    (``b.q8_forms``), which that GEMV reads instead of quantizing it."""
+    n_tokens]``; ``norm_eps``, ``norm_w``: of the RMS-normalized ``h``, as :func:`mul_mat_group`
+    (its 8-bit form read where ``h``'s node made it). SiLU is fused into the GEMV; GELU runs after
+    the two products (one more launch). ``down``: the matrix :func:`mul_mat_add` multiplies the
+    result by next; where both run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) the gated
+    one writes the result's 8-bit form as well (``b.q8_forms``), which that GEMV reads instead of
+    quantizing it."""
     x = b.array(h)
+    pre = _q8_form(b, h, norm_eps, norm_w)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
     out_q = None if gelu or down is None else _quant_out(b, [wg, down], x.shape[0], int(wg.shape[0]))
-    run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, out_q=out_q)
+    run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre, out_q=out_q)
     if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
         out_q = None
-        run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w)
+        run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre)
     if run is None:
         out_q = None
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
-        both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w) or \
+        both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=pre) or \
             _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
         act = _act_mul_fn("gelu" if gelu else "silu", b.xp, g, u, out)
         b.keep(g, u)
@@ -109,16 +112,33 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         def run():
             both()
             act()
-    node = _custom(b, run, [h], out, name, ptr=b.ptr(out))
-    if out_q is not None:
-        b.keep(*out_q)
-        b.q8_forms[ctypes.addressof(node.contents)] = out_q[:3]
-    return node
+    return _remember_q8(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
+
+
+def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
+    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
+    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s. An ``h`` whose
+    8-bit form its node made (``b.q8_forms``, :func:`mul_mat_gated`'s ``down``) is not quantized
+    again. ``norm_next``: ``(g, eps, ws)``, the RMS norm (weight xp F32 ``(n_out,)``, eps) and the
+    matrices of what multiplies ``x`` next (:func:`mul_mat_group`, :func:`mul_mat_gated`); where
+    this GEMV and theirs run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) it writes the
+    normalized ``x``'s 8-bit form as well, which theirs read instead of quantizing it."""
+    x_in, x = b.array(h), b.array(x_t)
+    pre = _q8_form(b, h, None, None)
+    g, eps, nxt = norm_next if norm_next is not None else (None, None, None)
+    out_q = None if nxt is None else _quant_out(b, [w, *nxt], x.shape[0], x.shape[1])
+    run = _gemv(b, [w], x_in, [x], mode=1, q8=pre, out_q=out_q, out_norm=(g, eps))
+    if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
+        out_q = None
+        run = _gemv(b, [w], x_in, [x], mode=1, q8=pre)
+    run = run or _general(b, [w], x_in, [x], name=name, accumulate=True)
+    node = _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
+    return _remember_q8(b, node, out_q, eps, g)
 
 
 def _quant_out(b, ws: list, n_tok: int, rows: int):
-    """:func:`q8_out_arrays` for a gated GEMV whose output the 8-bit GEMV of ``ws[1]`` reads next,
-    where ``matmul_dispatch.gemv_quant_out`` says so for ``ws[0]`` and ``ws[1]``; else None."""
+    """:func:`q8_out_arrays` for a GEMV over ``ws[0]`` whose output the 8-bit GEMVs of ``ws[1:]``
+    read next, where ``matmul_dispatch.gemv_quant_out`` says so for them all; else None."""
     from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
     if b.xp is np or not all(_is_q(w) for w in ws) or rows % 32:
         return None
@@ -127,21 +147,31 @@ def _quant_out(b, ws: list, n_tok: int, rows: int):
     return q8_out_arrays(b.xp, n_tok, rows)
 
 
+def _remember_q8(b, node, out_q, eps, g):
+    """``node`` (returned), its output's 8-bit form ``out_q`` (of the RMS norm ``eps``, ``g``, or
+    none) remembered for the GEMV that reads the node next (:func:`_q8_form`)."""
+    if out_q is not None:
+        b.keep(*out_q)
+        b.q8_forms[ctypes.addressof(node.contents)] = (out_q[:3], None if g is None else (float(eps), id(g)))
+    return node
+
+
+def _q8_form(b, h, eps, g):
+    """``(xq, xd, xs)``: the 8-bit form of node ``h``'s output that its node made, where it is of
+    the RMS norm this reader applies (``eps``, weight ``g``; None: none); else None."""
+    if b.xp is np:
+        return None
+    form = b.q8_forms.get(ctypes.addressof(h.contents))
+    if form is None or form[1] != (None if eps is None else (float(eps), id(g))):
+        return None
+    return form[0]
+
+
 def _choice(ws: list, n_tok: int):
     """``matmul_dispatch.best_matmul`` for weights ``ws`` of one type at ``n_tok`` tokens."""
     from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
     k = _wtype(ws[0])
     return best_matmul(k, n_tok, aligned=k == "F16" or rows_aligned(ws))
-
-
-def mul_mat_add(b, w, h, x_t, name: str):
-    """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
-    ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s. An ``h`` whose
-    8-bit form its node made (``b.q8_forms``, :func:`mul_mat_gated`'s ``down``) is not quantized again."""
-    x_in, x = b.array(h), b.array(x_t)
-    pre = b.q8_forms.get(ctypes.addressof(h.contents)) if b.xp is not np else None
-    run = _gemv(b, [w], x_in, [x], mode=1, q8=pre) or _general(b, [w], x_in, [x], name=name, accumulate=True)
-    return _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
 
 
 def rms_norm(b, t, eps: float, g, name: str, *, row: int | None = None):
@@ -167,12 +197,12 @@ def _wtype(w) -> str:
 
 
 def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = None, norm_w=None, out_q=None,
-          q8=None):
+          out_norm=(None, None), q8=None):
     """One GEMV launch per weight type (F16: :func:`gemv_launch`; blocks: :func:`gemv_q_launch`,
     or :func:`q8x_launches` where ``matmul_dispatch.best_matmul`` says ``gemv-q8x``) for graph builder
     ``b`` when ``matmul_dispatch.best_matmul`` says GEMV for every weight; None on
     numpy, for more tokens, or when a launch cannot take the arrays (mixed types are split only
-    for mode 0). ``out_q``: :func:`q8x_launches`' (None where the weights do not run it);
+    for mode 0). ``out_q``, ``out_norm``: :func:`q8x_launches`' (None where the weights do not run it);
     ``q8``: ``x`` already in 8-bit form (xq, xd, xs), for the 8-bit GEMVs to read unquantized.
     The arrays are kept with the graph."""
     if b.xp is np:
@@ -201,7 +231,7 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
                 made = True
             b.keep(*q8)
             run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first,
-                               out_q=out_q)
+                               out_q=out_q, out_norm=out_norm)
         else:
             run = gemv_q_launch(gw, x, go, mode=mode, norm_eps=norm_eps, norm_w=norm_w)
         if run is None:
