@@ -295,44 +295,55 @@ def test_gemm_q8_matches_float64(name, n_tok, n_in_blocks, rows, accumulate):
     assert np.isfinite(got).all() and nmse(got, want) <= 1e-5, (nmse(got, want), grid)
 
 
-@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q5_K", "vector"), ("Q8_0", "vector"), ("Q4_K", "ring"),
-                                        ("Q6_K", "ring"), ("Q6_K", "staged"), ("Q4_0", "plain"), ("Q2_K", "staged")])
-@pytest.mark.parametrize("n_tok", [1, 2, 4])
-def test_gated_gemv_q8x_writes_its_output_in_8_bit_form(name, form, n_tok, monkeypatch):
-    """The gated 8-bit GEMV with ``out_q`` (matmul_dispatch.GEMV_QUANT_OUT; cuda/dense_q8x.cu
-    q8x_finish): its F32 output the same bits as without, and its 8-bit form -- poisoned first --
-    the same bits as dense_quant_q8x makes from that output; the group counters zero after each
-    launch, so a second launch over other activations (a graph replay) is right as well. 224
-    rows of gate and up (7 groups of 32), over warps that each take several rows in the ring form
-    (its grid sized as for one SM)."""
+@pytest.mark.parametrize("name, form", [("Q4_K", "vector"), ("Q5_K", "vector"), ("Q8_0", "vector"), ("Q6_K", "vector"),
+                                        ("Q4_K", "ring"), ("Q6_K", "ring"), ("Q8_0", "ring"), ("Q6_K", "staged"),
+                                        ("Q4_0", "plain")])
+@pytest.mark.parametrize("mode", [2, 1])
+def test_gemv_q8x_writes_its_output_in_8_bit_form(name, form, mode, monkeypatch):
+    """The one-token 8-bit GEMV with ``out_q`` (matmul_dispatch.GEMV_QUANT_OUT; cuda/dense_q8x.cu
+    q8x_finish, the vector and ring forms' G + 4 instances), outputs and 8-bit form poisoned
+    first, two launches over other activations (a graph replay: the counters reset). Gated: the
+    F32 output the same bits as without, its 8-bit form the bits dense_quant_q8x makes of it.
+    Accumulate (x += W·h, 224 rows; a row on two warps in the vector form) with the next RMS norm
+    (weight g, eps): x as without, and the 8-bit form of x·g / rms(x) that dense_quant_q8x makes
+    with that norm within its F32 roundings (each int8 at most 1 off, scales to 2e-6 relative: q
+    of x·g scaled after, not before). The staged and plain forms refuse it. Rows in several 32-row
+    groups over warps that each take several rows in the ring form (its grid as for one SM)."""
+    from ggml_attn import matmul_dispatch
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 1)
+    monkeypatch.setattr(matmul_dispatch, "GEMV_SPLIT_TYPES", (name,))
     n_in, rows = _staged_n_in(name), 224
-    qms = [QMatrix(name, (rows, n_in), cupy.asarray(_blocks(name, rows, n_in, 7 + i)[0])) for i in range(2)]
-    rng = np.random.default_rng(n_tok)
+    qms = [QMatrix(name, (rows, n_in), cupy.asarray(_blocks(name, rows, n_in, 7 + i)[0])) for i in range(2 if mode == 2 else 1)]
+    rng = np.random.default_rng(mode)
+    g = cupy.asarray(rng.uniform(0.3, 1.7, rows).astype(np.float32)) if mode == 1 else None
     for rep in range(2):
-        x = cupy.asarray(rng.standard_normal((n_tok, n_in)).astype(np.float32))
-        xq, xd, xs = (cupy.empty((n_tok, n_in), np.int8), cupy.empty((n_tok, n_in // 32), np.float32),
-                      cupy.empty((n_tok, n_in // 32), np.float32))
-        plain, fused = cupy.full((n_tok, rows), np.nan, np.float32), cupy.full((n_tok, rows), np.nan, np.float32)
-        out_q = q8_matmul.q8_out_arrays(cupy, n_tok, rows)
+        x = cupy.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
+        xq, xd, xs = cupy.empty((1, n_in), np.int8), cupy.empty((1, n_in // 32), np.float32), cupy.empty((1, n_in // 32), np.float32)
+        init = rng.standard_normal((1, rows)).astype(np.float32) * 3.0
+        plain, fused = [cupy.asarray(init) if mode == 1 else cupy.full((1, rows), np.nan, np.float32) for _ in range(2)]
+        out_q = q8_matmul.q8_out_arrays(cupy, 1, rows)
         if rep == 0:
-            assert not out_q[3].any()
+            assert not out_q[3].any() and not out_q[5].any()
         out_q[0].fill(77), out_q[1].fill(np.nan), out_q[2].fill(np.nan)
-        run = q8_matmul.q8x_launches(qms, x, [fused], xq, xd, xs, mode=2, form=form, out_q=out_q)
-        if n_tok > max(K.Q8X_FORMS[form][1]):
+        run = q8_matmul.q8x_launches(qms, x, [fused], xq, xd, xs, mode=mode, form=form, out_q=out_q, out_norm=(g, 1e-5))
+        if form not in K.Q8X_GATED_FORMS:
             assert run is None
             return
         run()
-        q8_matmul.q8x_launches(qms, x, [plain], xq, xd, xs, mode=2, form=form)()
-        want = (cupy.empty((n_tok, rows), np.int8), cupy.empty((n_tok, rows // 32), np.float32),
-                cupy.empty((n_tok, rows // 32), np.float32))
-        q8_matmul.quant_q8x_launch(block_layout(name).type_id, plain, *want)()
+        q8_matmul.q8x_launches(qms, x, [plain], xq, xd, xs, mode=mode, form=form)()
+        want = (cupy.empty((1, rows), np.int8), cupy.empty((1, rows // 32), np.float32), cupy.empty((1, rows // 32), np.float32))
+        q8_matmul.quant_q8x_launch(block_layout(name).type_id, plain, *want, norm_eps=1e-5 if mode == 1 else None,
+                                   norm_w=g)()
         cupy.cuda.get_current_stream().synchronize()
         assert np.isfinite(fused.get()).all() and np.array_equal(fused.get(), plain.get()), rep
-        for got, ref in zip(out_q[:3], want):
-            assert np.array_equal(got.get(), ref.get()), (rep, name, form)
-        assert not out_q[3].any(), rep   # (every group's last warp reset its counter)
-        assert q8_matmul.q8x_launches(qms, x, [fused], xq, xd, xs, mode=0, form=form, out_q=out_q) is None
+        got, ref = [a.get() for a in out_q[:3]], [a.get() for a in want]
+        if mode == 2:
+            assert all(np.array_equal(a, b) for a, b in zip(got, ref)), (rep, name, form)
+        else:
+            assert np.abs(got[0].astype(np.int64) - ref[0]).max() <= 1, (rep, name, form)
+            np.testing.assert_allclose(got[1], ref[1], rtol=2e-6)
+            assert np.array_equal(got[2], got[0].reshape(1, -1, 32).sum(axis=2).astype(np.float32))
+        assert not out_q[3].any() and not out_q[5].any(), rep   # (every count's last warp reset it)
 
 
 @pytest.mark.parametrize("n_tok, n_in", [(1, 32), (1, 4096), (3, 4128), (2, 14336)])

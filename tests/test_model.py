@@ -412,12 +412,14 @@ def _float_file(n: str) -> bool:
 # float files once; quantized ones in both device forms of their matrices (blocks, F16), and in
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
 # the 8-bit GEMV at 1-16 tokens ("blocks-q8x"; "-pdl": launched with programmatic dependent launch;
-# "-ring": its ring form at 1-4 tokens for the types it reads; "-split": a row on two warps in modes 0 / 1),
+# "-ring": its ring form at 1-4 tokens for the types it reads; "-split": a row on two warps in modes 0 / 1;
+# "-qout": one-token GEMVs writing the next GEMVs' 8-bit activations, matmul_dispatch.GEMV_QUANT_OUT),
 # the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
-                                                             "blocks-q8x-ring-one", "blocks-q8x-split", "blocks-gemm-q8"))]
+                                                             "blocks-q8x-ring-one", "blocks-q8x-split", "blocks-q8x-qout",
+                                                             "blocks-gemm-q8"))]
 
 
 @pytest.mark.gpu
@@ -440,7 +442,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     launched with programmatic dependent launch, ``matmul_dispatch.GEMV_PDL``; or in its ring form,
     ``matmul_dispatch.Q8XR_TYPES``, with the vector and ring forms' one-operand instances or not,
     ``matmul_dispatch.GEMV_ONE_TYPES``; or with a row on two warps in modes 0 / 1,
-    ``matmul_dispatch.GEMV_SPLIT_TYPES``), or with
+    ``matmul_dispatch.GEMV_SPLIT_TYPES``; or with the one-token GEMVs writing the next GEMVs'
+    8-bit activations, ``matmul_dispatch.GEMV_QUANT_OUT``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -451,6 +454,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form.startswith("blocks-q8x"):   # ubatches of up to 16 tokens (every instance) through the 8-bit-activation GEMV
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
+        monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", form.endswith("-qout"))
         if form.endswith("-one"):   # (else the shipped types)
             from ggml_attn.kernels import Q8XV_TYPES
             monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", Q8XV_TYPES)
@@ -499,12 +503,14 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
 @pytest.mark.parametrize("name", [n for n in ("llama-q8_0", "llama-q4_k", "llama-q4_k_m", "qwen2-q8_0")
                                   if n in fixtures_gguf.SPECS])
 @pytest.mark.parametrize("form", ["vector", "ring"])
-def test_gpu_gated_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, monkeypatch):
-    """The gated 8-bit GEMV writing its output's 8-bit form for the down matrix's GEMV
-    (``matmul_dispatch.GEMV_QUANT_OUT``) gives the same logits, bit for bit, as the quantization
-    launch between them: the same values quantized by the same arithmetic. Ubatches of 1-4 tokens
-    (the 8-bit GEMV's), prompts and decode steps, on one buffer and per stream; the shipped
-    routing or every type the ring form reads through it."""
+def test_gpu_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, monkeypatch):
+    """The one-token GEMVs writing their outputs' 8-bit form for the GEMVs that read them next
+    (``matmul_dispatch.GEMV_QUANT_OUT``: the gated one for the down matrix, the residual adds for
+    the next RMS norm's matrices) give the logits of the quantization launches between them: NMSE
+    <= 1e-6 (the norm's scale multiplied into the scales after quantizing, not into the values
+    before: an int8 may round the other way). Prompts in ubatches of one token and of four (the
+    latter without it), on one buffer and per stream; the shipped routing or every type the ring
+    form reads through it. Nodes did make it at one token, and none at four (counted)."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", "blocks")
@@ -513,8 +519,9 @@ def test_gpu_gated_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, mo
         monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
         monkeypatch.setattr(matmul_dispatch, "Q8XR_MAX_TOKENS", max(Q8XR_TOKENS))
     from ggml_attn.graph import xp_matmul
-    made, q8_out_arrays = [], xp_matmul.q8_out_arrays
-    monkeypatch.setattr(xp_matmul, "q8_out_arrays", lambda *a: (made.append(a), q8_out_arrays(*a))[1])
+    made, remember = [], xp_matmul._remember_q8
+    monkeypatch.setattr(xp_matmul, "_remember_q8",
+                        lambda b, node, out_q, *a: (made.append(1) if out_q is not None else None, remember(b, node, out_q, *a))[1])
     m = model_of(name, gguf_dir)
     hp = m.hp
     prompts = [np.arange(5 + 3 * i, dtype=np.int32) % hp.n_vocab for i in range(3)]
@@ -526,12 +533,12 @@ def test_gpu_gated_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, mo
                         head_dim_k=hp.head_dim_k, xp="cupy")
         res = run_model_batch(cache, Batch.from_sequences(prompts), m, n_ubatch, "simple" if unified else "equal",
                               logits="all")
-        assert (len(made) > 0) == fused   # (the fused graphs did fuse: every layer's FFN at least once)
+        assert (len(made) > 0) == (fused and n_ubatch == 1)   # (nodes that made it: one-token ubatches only)
         return res.logits
-    for unified, n_ubatch in ((True, 1), (True, 4), (False, 3)):
+    for unified, n_ubatch in ((True, 1), (True, 4), (False, 1)):
         want = logits(False, unified, n_ubatch)
         got = logits(True, unified, n_ubatch)
-        assert np.isfinite(got).all() and np.array_equal(got, want), (unified, n_ubatch)
+        assert np.isfinite(got).all() and nmse(got, want) <= 1e-6, (unified, n_ubatch, nmse(got, want))
 
 
 @pytest.mark.gpu

@@ -284,45 +284,63 @@ def test_gemv_q_gated_and_what_it_refuses(launches):
     assert len(launches) == n
 
 
-def test_gated_gemv_writes_the_down_matrix_activations_when_dispatch_says_so(launches, monkeypatch):
-    """matmul_dispatch.GEMV_QUANT_OUT: where the gated matrices and the down matrix all run the
-    8-bit GEMV, the gated launch carries its output's 8-bit arrays and zeroed group counters (one
-    buffer, in GemvQ8Params.seg[2].w: the gated mode's free segment), and the down matrix's GEMV,
-    handed them, reads them with no quantization launch of its own. Off, or a down matrix on
-    another path, or the F32 GEMV: none. q8x_launches refuses them outside the gated mode, for
-    rows that are not whole 32-row groups, and laid out otherwise than q8_out_arrays lays them."""
+def test_gemvs_write_the_next_gemvs_activations_when_dispatch_says_so(launches, monkeypatch):
+    """matmul_dispatch.GEMV_QUANT_OUT: where a GEMV and the GEMVs reading its output all run the
+    8-bit GEMV at one token, it launches its form's instance with the 8-bit output (G + 4) and
+    the output's 8-bit arrays and zeroed counters in one buffer (GemvQ8Params.seg[2].w, a segment
+    the launch leaves free; the accumulate mode's next RMS norm in seg[1]: its weight, its eps's
+    bits), and a reader handed them launches no quantization of its own. Off, more tokens, rows
+    not whole 32-row groups, an F16 reader or the F32 GEMV: none; q8x_launches refuses them in
+    the store mode, for two accumulated matrices, in the staged and plain forms, and laid out
+    otherwise than q8_out_arrays lays them."""
+    import struct
     real = q8_matmul.q8_out_arrays
     monkeypatch.setattr(xp_matmul, "q8_out_arrays", lambda xp, n, r: tuple(Dev(None, base=a) for a in real(np, n, r)))
     b = Builder()
-    wg, wu, wd = _qmatrix("Q4_K", 96, 256), _qmatrix("Q4_K", 96, 256), _qmatrix("Q8_0", 256, 96)
+    wg, wu, wd = _qmatrix("Q4_K", 256, 256), _qmatrix("Q4_K", 256, 256), _qmatrix("Q8_0", 256, 256)
     monkeypatch.setattr(md, "GEMV_QUANT_OUT", False)
-    assert xp_matmul._quant_out(b, [wg, wd], 1, 96) is None
+    assert xp_matmul._quant_out(b, [wg, wd], 1, 256) is None
     monkeypatch.setattr(md, "GEMV_QUANT_OUT", True)
-    assert xp_matmul._quant_out(b, [wg, wd], 5, 96) is None                        # 5 tokens: the GEMMs
+    assert xp_matmul._quant_out(b, [wg, wd], 5, 256) is None                       # 5 tokens: the GEMMs
     assert xp_matmul._quant_out(b, [wg, wd], 1, 80) is None                        # not whole groups
-    assert xp_matmul._quant_out(b, [wg, Dev((256, 96), np.float16)], 1, 96) is None   # an F16 down matrix
-    out_q = xp_matmul._quant_out(b, [wg, wd], 1, 96)
-    assert [(a.shape, a.dtype) for a in out_q] == [((1, 96), np.int8), ((1, 3), np.float32), ((1, 3), np.float32),
-                                                   ((3,), np.uint32)] and not out_q[3].a.any()
-    assert [a.data.ptr - out_q[0].data.ptr for a in out_q] == [0, 96, 112, 128]   # (16-byte parts of one buffer)
-    x, f = Dev((1, 256)), Dev((1, 96))
+    assert xp_matmul._quant_out(b, [wg, Dev((256, 256), np.float16)], 1, 256) is None   # an F16 reader
+    out_q = xp_matmul._quant_out(b, [wg, wd], 1, 256)
+    assert [(a.shape, a.dtype) for a in out_q] == [((1, 256), np.int8), ((1, 8), np.float32), ((1, 8), np.float32),
+                                                   ((8,), np.uint32), ((1, 8), np.float32), ((1,), np.uint32)]
+    assert not out_q[3].a.any() and not out_q[5].a.any()
+    assert [a.data.ptr - out_q[0].data.ptr for a in out_q] == [0, 256, 288, 320, 352, 384]   # (16-byte parts of one buffer)
+    # the gated GEMV writes the down matrix's activations
+    x, f = Dev((1, 256)), Dev((1, 256))
     assert xp_matmul._gemv(b, [wg, wu], x, [f], mode=2, norm_eps=1e-5, norm_w=Dev((256,)), out_q=out_q) is not None
     quant, gated = launches
-    assert quant.fn.name == "dense_quant_q8x" and gated.fn.name.startswith("dense_gemv_q8x_v<12, 1, 1>")
+    assert quant.fn.name == "dense_quant_q8x" and gated.fn.name == "dense_gemv_q8x_v<12, 1, 5>"
     (p,) = gated.params
-    assert (p.mode, p.n_seg, p.seg[2].w) == (2, 2, out_q[0].data.ptr)   # (the gated mode's free segment: q8x_out)
+    assert (p.mode, p.n_seg, p.seg[2].w) == (2, 2, out_q[0].data.ptr)
     n = len(launches)
     y = Dev((1, 256))
     assert xp_matmul._gemv(b, [wd], f, [y], mode=1, q8=out_q[:3]) is not None
     (down,) = launches[n:]                                                           # no quantization launch
     (pd,) = down.params
     assert (pd.xq, pd.xd, pd.xs, pd.mode, pd.seg[2].w) == (*(a.data.ptr for a in out_q[:3]), 1, 0)
+    # a residual add writes the normalized x's 8-bit form for the matrices after the norm
+    wo, g = _qmatrix("Q8_0", 256, 256), Dev((256,))
+    res_q = xp_matmul._quant_out(b, [wo, wg, wu], 1, 256)
+    n = len(launches)
+    assert xp_matmul._gemv(b, [wo], f, [y], mode=1, q8=out_q[:3], out_q=res_q, out_norm=(g, 1e-5)) is not None
+    (add,) = launches[n:]
+    (pa,) = add.params
+    assert add.fn.name == "dense_gemv_q8x_v<8, 1, 6>"                                # (two warps a row, with it)
+    assert (pa.mode, pa.n_seg, pa.seg[2].w, pa.seg[1].w) == (1, 1, res_q[0].data.ptr, g.data.ptr)
+    assert pa.seg[1].rows == struct.unpack("<i", struct.pack("<f", 1e-5))[0]
     n = len(launches)
     xq, xd, xs = Dev((1, 256), np.int8), Dev((1, 8)), Dev((1, 8))
-    assert q8_matmul.q8x_launches([wg, wu], x, [f], xq, xd, xs, mode=0, out_q=out_q) is None     # not gated
+    assert q8_matmul.q8x_launches([wg, wu], x, [f], xq, xd, xs, mode=0, out_q=out_q) is None     # the store mode
+    assert q8_matmul.q8x_launches([wg, wu], x, [f], xq, xd, xs, mode=1, out_q=out_q) is None     # two matrices
     assert q8_matmul.q8x_launches([wg, wu], x, [f], xq, xd, xs, mode=2, out_q=out_q[::-1]) is None   # not its layout
+    assert q8_matmul.q8x_launches([wg, wu], x, [f], xq, xd, xs, mode=2, out_q=out_q, form="staged") is None
     odd = [_qmatrix("Q4_K", 80, 256)] * 2
     assert q8_matmul.q8x_launches(odd, x, [Dev((1, 80))], xq, xd, xs, mode=2, out_q=out_q) is None   # 80 rows
+    assert q8_matmul.q8x_launches([wo], f, [y], *out_q[:3], mode=1, out_q=res_q, out_norm=(Dev((128,)), 1e-5)) is None
     monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 0)                                     # the F32 GEMV instead
     assert xp_matmul._gemv(b, [wg, wu], x, [f], mode=2, out_q=out_q) is None
     assert len(launches) == n
