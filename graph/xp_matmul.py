@@ -138,9 +138,11 @@ def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
 
 def _quant_out(b, ws: list, n_tok: int, rows: int):
     """:func:`q8_out_arrays` for a GEMV over ``ws[0]`` whose output the 8-bit GEMVs of ``ws[1:]``
-    read next, where ``matmul_dispatch.gemv_quant_out`` says so for them all; else None."""
+    read next, where ``matmul_dispatch.gemv_quant_out`` says so for them all at ``n_tok`` tokens
+    (the instances with it: ``kernels.Q8X_QOUT_TOKENS``); else None."""
+    from ggml_attn.kernels import Q8X_QOUT_TOKENS  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
-    if b.xp is np or not all(_is_q(w) for w in ws) or rows % 32:
+    if b.xp is np or not all(_is_q(w) for w in ws) or rows % 32 or n_tok > max(Q8X_QOUT_TOKENS):
         return None
     if not gemv_quant_out(*(_choice([w], n_tok) for w in ws)):
         return None

@@ -302,6 +302,7 @@ def test_gemvs_write_the_next_gemvs_activations_when_dispatch_says_so(launches, 
     assert xp_matmul._quant_out(b, [wg, wd], 1, 256) is None
     monkeypatch.setattr(md, "GEMV_QUANT_OUT", True)
     assert xp_matmul._quant_out(b, [wg, wd], 5, 256) is None                       # 5 tokens: the GEMMs
+    assert xp_matmul._quant_out(b, [wg, wd], 2, 256) is None                       # 2: no instances with it
     assert xp_matmul._quant_out(b, [wg, wd], 1, 80) is None                        # not whole groups
     assert xp_matmul._quant_out(b, [wg, Dev((256, 256), np.float16)], 1, 256) is None   # an F16 reader
     out_q = xp_matmul._quant_out(b, [wg, wd], 1, 256)

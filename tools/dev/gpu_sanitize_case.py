@@ -259,9 +259,10 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     dispatch's) gated (or, ``gated`` False, the gate matrix alone in mode 0 through the vector and
     ring forms' one-operand instance: matmul_dispatch.GEMV_ONE_TYPES; ``split``: the vector form's
     instance with two warps a row, GEMV_SPLIT_TYPES) with the RMS norm at one token against float64
-    of the activations it quantized (quant.q8_activations); ``qout`` (gated, rows whole 32-row
-    groups): writing its output's 8-bit form too (q8_matmul.q8_out_arrays), the bits of
-    dense_quant_q8x on that output. Failures (0 or 1)."""
+    of the activations it quantized (quant.q8_activations); ``qout`` (the vector and ring forms,
+    rows whole 32-row groups): writing its output's 8-bit form too (q8_matmul.q8_out_arrays) --
+    gated, the bits of dense_quant_q8x on that output; not gated, in the accumulate mode with the
+    next RMS norm, that norm's dense_quant_q8x within F32 roundings. Failures (0 or 1)."""
     from gpu_timing import knobs
 
     from ggml_attn import matmul_dispatch
@@ -275,28 +276,40 @@ def _q8x_gated(cp, rng, name: str, n_in: int, rows: int, form: str | None = None
     vals = [dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64) for q in qs]
     g = rng.uniform(0.3, 1.7, n_in).astype(np.float32)
     x = (rng.standard_normal((1, n_in)) * 30.0).astype(np.float32)
-    d_out = cp.full((1, rows), np.nan, np.float32)
+    mode = 2 if gated else 1 if qout else 0
+    init = (rng.standard_normal((1, rows)) * 3.0).astype(np.float32)
+    d_out = cp.asarray(init) if mode == 1 else cp.full((1, rows), np.nan, np.float32)
     q8 = (cp.zeros((1, n_in), np.int8), cp.zeros((1, n_in // 32), np.float32), cp.zeros((1, n_in // 32), np.float32))
     out_q = q8_matmul.q8_out_arrays(cp, 1, rows) if qout else None
+    g_out = cp.asarray(rng.uniform(0.3, 1.7, rows).astype(np.float32)) if mode == 1 else None
     if qout:
         out_q[0].fill(77), out_q[1].fill(np.nan), out_q[2].fill(np.nan)
     with knobs(matmul_dispatch, GEMV_ONE_TYPES=() if gated else (name,), GEMV_SPLIT_TYPES=(name,) if split else ()):
-        q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]], cp.asarray(x),
-                               [d_out], *q8, mode=2 if gated else 0, norm_eps=1e-5, norm_w=cp.asarray(g), form=form,
-                               out_q=out_q)()
+        run = q8_matmul.q8x_launches([QMatrix(name, (rows, n_in), cp.asarray(q)) for q in qs[:1 + gated]],
+                                     cp.asarray(x), [d_out], *q8, mode=mode, norm_eps=1e-5, norm_w=cp.asarray(g),
+                                     form=form, out_q=out_q, out_norm=(g_out, 1e-5))
+    if run is None:
+        print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) refused FAIL")
+        return 1
+    run()
     same = True
-    if qout:   # (its 8-bit form: dense_quant_q8x's bits of the same output; the counters back at 0)
+    if qout:   # (its 8-bit form against dense_quant_q8x of the same output; the counters back at 0)
         want = (cp.empty((1, rows), np.int8), cp.empty((1, rows // 32), np.float32), cp.empty((1, rows // 32), np.float32))
-        q8_matmul.quant_q8x_launch(lay.type_id, d_out, *want)()
-        same = all(bool((a == b).all()) for a, b in zip(out_q[:3], want)) and not bool(out_q[3].any())
+        q8_matmul.quant_q8x_launch(lay.type_id, d_out, *want, norm_eps=1e-5 if mode == 1 else None, norm_w=g_out)()
+        if mode == 2:
+            same = all(bool((a == b).all()) for a, b in zip(out_q[:3], want))
+        else:
+            same = int(cp.abs(out_q[0].astype(cp.int32) - want[0]).max()) <= 1 and \
+                float(cp.abs(out_q[1] / want[1] - 1.0).max()) <= 2e-6
+        same = same and not bool(out_q[3].any()) and not bool(out_q[5].any())
     cp.cuda.get_current_stream().synchronize()
     got = d_out.get()
     v = (x * g) * (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-5)).astype(np.float32)
     gate, up = (q8_activations(v) @ w.T for w in vals)
-    err = nmse(got, gate / (1.0 + np.exp(-gate)) * up if gated else gate)
+    err = nmse(got, gate / (1.0 + np.exp(-gate)) * up if gated else init + gate if mode == 1 else gate)
     ok = bool(np.isfinite(got).all()) and err < 1e-5 and same
     form = form or ("staged" if lay.row_bytes(n_in) % 16 == 0 else "plain")
-    what = ("gated+qout" if qout else "gated") if gated else "split" if split else "one"
+    what = ("gated+qout" if qout else "gated") if gated else ("add+qout" if qout else "split" if split else "one")
     print(f"gemv_q8x {name:5s} n_in={n_in:5d} ({form}) {what}+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -396,18 +409,19 @@ def _dense_q(cp, rng) -> int:
             print(f"gemv_q   {name:5s} n_tok={n_tok:2d} gated+norm nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         for n in (n_in, _staged_n_in(lay)):   # the 8-bit-activation GEMV: rows of any alignment, and staged
             bad += _q8x_gated(cp, rng, name, n, rows)
-            bad += _q8x_gated(cp, rng, name, n, 96, qout=True)   # (its output in 8-bit form as well)
         if name in K.Q8XV_TYPES:   # its vector form on the staged case's rows (each instance)
             for gated, split in ((True, False), (False, False), (False, True)):
                 bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "vector", gated, split)
-            bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "vector", qout=True)
+            for gated, split in ((True, False), (False, True)):   # its output's 8-bit form (gated; accumulated, normalized)
+                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "vector", gated, split, qout=True)
         if name in K.Q8XR_TYPES:   # the ring form, its grid as on one SM: several rows a warp
             import ggml_attn.cuda_device as cd
             sms, cd.num_sms = cd.num_sms, lambda: 1
             try:
                 for gated in (True, False):
                     bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), rows, "ring", gated)
-                bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "ring", qout=True)
+                for gated in (True, False):
+                    bad += _q8x_gated(cp, rng, name, _staged_n_in(lay), 96, "ring", gated, qout=True)
             finally:
                 cd.num_sms = sms
         q, vals = ws[0]
