@@ -46,7 +46,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     Q8X_TOKENS, Q8X_PLAIN_TOKENS, Q8X_WARPS, Q8X_SWARPS, Q8XV_TYPES, Q8XV_TYPE_IDS, Q8XV_TOKENS, Q8X_VWARPS,
     Q8XR_TYPES, Q8XR_TOKENS, Q8X_FORM_TYPES, Q8X_ONE_WAVE, Q8X_GATED_FORMS, q8x_form_reads,
     Q8X_FORMS, Q8X_SPLIT_TOKENS, Q8X_QOUT_TOKENS, q8x_name,
-    dense_q8x_variant, MODEL_OPS_NAMES, model_ops_variant,
+    dense_q8x_variant, dense_q8x_qout_variant, MODEL_OPS_NAMES, model_ops_variant,
     dense_q_variants, mma_name, vec_name, cells_name, cells_variant, mma_variant, vec_variant,
     hopper_probe_variant, wgmma_variant, decode_tma_variant, hopper_variants, HOPPER_ARCH, all_variants)
 

@@ -412,16 +412,26 @@ def dense_q8x_variant(type_id: int) -> Variant:
                   for g in ((False, True) if form in Q8X_GATED_FORMS else (False,)))
     gemvs += tuple(q8x_name(type_id, nt, form, split=True) for form, tokens in Q8X_SPLIT_TOKENS.items()
                    if q8x_form_reads(form, wtype) for nt in tokens)
-    gemvs += tuple(q8x_name(type_id, nt, form, gated=g, split=sp, qout=True) for form in Q8X_GATED_FORMS
-                   if q8x_form_reads(form, wtype) for nt in Q8X_QOUT_TOKENS
-                   for g, sp in ((False, False), (True, False)) + (((False, True),) if nt in Q8X_SPLIT_TOKENS.get(form, ()) else ()))
     return Variant("dense-q8x", "dense_q8x.cu", gemvs +
                    tuple(f"dense_gemm_q8<{type_id}, {bn}>" for bn in GEMMQ8_BLOCKS_PER_SM) + ("dense_quant_q8x",))
 
 
+def dense_q8x_qout_variant(type_id: int) -> Variant | None:
+    """The one-token 8-bit GEMVs of ``cuda/dense_q8x.cu`` that also write their output's 8-bit
+    form (q8x_name's ``qout``: the vector and ring forms, each of their modes' instances), a
+    program of its own -- compiled and loaded only where they run (matmul_dispatch.GEMV_QUANT_OUT)
+    -- for block type ``type_id``; None for a type those forms do not read."""
+    wtype = next(t for t in BLOCK_TYPES if block_layout(t).type_id == type_id)
+    names = tuple(q8x_name(type_id, nt, form, gated=g, split=sp, qout=True) for form in Q8X_GATED_FORMS
+                  if q8x_form_reads(form, wtype) for nt in Q8X_QOUT_TOKENS
+                  for g, sp in ((False, False), (True, False)) + (((False, True),) if nt in Q8X_SPLIT_TOKENS.get(form, ()) else ()))
+    return Variant("dense-q8x-qout", "dense_q8x.cu", names) if names else None
+
+
 def dense_q_variants(make=dense_q_variant) -> list[Variant]:
-    """``make`` (dense_q_variant, dense_q8x_variant) of every block type."""
-    return [make(block_layout(n).type_id) for n in BLOCK_TYPES]
+    """``make`` (dense_q_variant, dense_q8x_variant, dense_q8x_qout_variant) of every block type
+    (those it has one for)."""
+    return [v for v in (make(block_layout(n).type_id) for n in BLOCK_TYPES) if v is not None]
 
 
 def mma_name(dk: int, dv: int, kv_type: int, nwq: int, nwk: int, mt: int = 1, st: int = 2,
@@ -494,7 +504,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
-           *dense_q_variants(dense_q8x_variant)]
+           *dense_q_variants(dense_q8x_variant), *dense_q_variants(dense_q8x_qout_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]

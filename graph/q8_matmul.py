@@ -111,8 +111,9 @@ def q8x_launches(ws: list, x, outs: list, xq, xd, xs, *, mode: int, norm_eps: fl
         if g is not None:
             p.seg[1].w, p.seg[1].rows = g.data.ptr, struct.unpack("<i", struct.pack("<f", float(eps)))[0]
     split = gemv_q8x_split(ws[0].type, form, n_tok, rows, mode)   # (two warps a row)
-    fn = K.get_function(K.dense_q8x_variant(t), K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type)
-                                                          and not split, split=split, qout=out_q is not None))
+    program = K.dense_q8x_variant(t) if out_q is None else K.dense_q8x_qout_variant(t)
+    fn = K.get_function(program, K.q8x_name(t, n_tok, form, gated=gemv_q8x_gated_instance(mode, ws[0].type) and not split,
+                                            split=split, qout=out_q is not None))
     blocks = -(-rows // (warps // 2 if split else warps))
     if form in K.Q8X_ONE_WAVE:   # one wave: its warps stream several rows each
         from ggml_attn.cuda_device import num_sms  # noqa: PLC0415

@@ -125,9 +125,11 @@ def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
 
 
 @pytest.mark.parametrize("q8x", [0, 2])
-def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x):
+@pytest.mark.parametrize("qout", [False, True])
+def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x, qout):
     """--layer model: the block programs of each block type in the file, and the 8-bit-activation
-    GEMV's too exactly when dispatch routes GEMVs to it (Q8X_MAX_TOKENS)."""
+    GEMV's too exactly when dispatch routes GEMVs to it (Q8X_MAX_TOKENS); its instances with the
+    8-bit output only when those run as well (GEMV_QUANT_OUT; F32 has none)."""
     from types import SimpleNamespace
 
     from ggml_attn.cli import cuda_engine
@@ -136,6 +138,7 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
     monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append(variants), (len(variants), 0))[1])
     monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", q8x)
+    monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", qout)
     p = PRESETS["llama-3-8b"]
     m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
                         file_type="Q4_K+Q6_K+F32")
@@ -144,6 +147,8 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x)
     (variants,) = asked
     assert K.dense_q_variant(12) in variants and K.dense_q_variant(14) in variants
     assert (K.dense_q8x_variant(12) in variants) == bool(q8x) and (K.dense_q8x_variant(14) in variants) == bool(q8x)
+    assert (K.dense_q8x_qout_variant(12) in variants) == (K.dense_q8x_qout_variant(14) in variants) == bool(q8x and qout)
+    assert None not in variants
 
 
 def test_large_programs_are_compiled_and_loaded_as_shards(monkeypatch):

@@ -63,9 +63,10 @@ def start_precompile(cfg) -> Future:
     if cfg.layer == "model":   # its embedding/RoPE ops, and the matmuls over each block type of its weights
         from ggml_attn import matmul_dispatch
         from ggml_attn.block_types import block_layout, is_block_type
-        makes = [K.dense_q_variant] + ([K.dense_q8x_variant] if matmul_dispatch.Q8X_MAX_TOKENS else [])
-        variants += [K.model_ops_variant()] + [make(block_layout(t).type_id) for make in makes
-                                               for t in m.file_type.split("+") if is_block_type(t)]
+        makes = [K.dense_q_variant] + ([K.dense_q8x_variant] if matmul_dispatch.Q8X_MAX_TOKENS else []) + \
+            ([K.dense_q8x_qout_variant] if matmul_dispatch.Q8X_MAX_TOKENS and matmul_dispatch.GEMV_QUANT_OUT else [])
+        variants += [K.model_ops_variant()] + [v for make in makes for t in m.file_type.split("+") if is_block_type(t)
+                                               for v in (make(block_layout(t).type_id),) if v is not None]
     def job():
         t0 = time.perf_counter()
         programs, compiled = K.precompile(variants, K.device_arch())
