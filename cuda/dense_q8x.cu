@@ -92,11 +92,6 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
     pdl_wait();
 }
 
-// Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
-// of token blockIdx.y -- v = x * g * scale, d = max|v| / 127, q = round(v / d) (0 where d is 0),
-// xs = sum of q -- after, with eps > 0, every block reduced the token's whole row for the RMS
-// scale (L2-resident; one block a token held ~13 us a call on the H100 at b63b788, one warp
-// walking 16-56 sub-blocks in turn). x's rows 16-byte aligned.
 // A warp's 32 values v (lane i's the i-th) in 8-bit form: d = max|v| / 127, q = round(v / d) (0
 // where d is 0) into q[lane], d and the sum of the q into *d, *s -- dense_quant_q8x's arithmetic
 // and q8x_finish's (the same bits from the same values).
@@ -114,6 +109,11 @@ __device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, f
     if (lane == 0) *d = dd, *s = (float)sum;
 }
 
+// Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w
+// of token blockIdx.y -- v = x * g * scale, d = max|v| / 127, q = round(v / d) (0 where d is 0),
+// xs = sum of q -- after, with eps > 0, every block reduced the token's whole row for the RMS
+// scale (L2-resident; one block a token held ~13 us a call on the H100 at b63b788, one warp
+// walking 16-56 sub-blocks in turn). x's rows 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(256) dense_quant_q8x(const float* __restrict__ x, long long x_stride,
                                                                  const float* __restrict__ g, float eps, int n_in,
                                                                  signed char* __restrict__ xq,
