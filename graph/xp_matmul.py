@@ -46,8 +46,8 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .q8_matmul import (gemm_q8_launch, q8_out_arrays, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch,
-                        tile_grid)
+from . import q8_handoff
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
@@ -75,7 +75,7 @@ def mul_mat_group(b, ws: list, h, name: str, *, norm_eps: float | None = None, n
     for w, n in zip(ws, sizes):
         outs.append(flat[off:off + n].reshape(n_tok, int(w.shape[0])))
         off += n
-    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=_q8_form(b, h, norm_eps, norm_w)) or \
+    run = _gemv(b, ws, x, outs, mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=q8_handoff.form_of(b, h, norm_eps, norm_w)) or \
         _general(b, ws, x, outs, norm_eps=norm_eps, norm_w=norm_w, name=name)
     base = b.ptr(flat)
     node = _custom(b, run, [h], flat.reshape(1, -1), name, ptr=base)
@@ -93,9 +93,9 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
     one writes the result's 8-bit form as well (``b.q8_forms``), which that GEMV reads instead of
     quantizing it."""
     x = b.array(h)
-    pre = _q8_form(b, h, norm_eps, norm_w)
+    pre = q8_handoff.form_of(b, h, norm_eps, norm_w)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
-    out_q = None if gelu or down is None else _quant_out(b, [wg, down], x.shape[0], int(wg.shape[0]))
+    out_q = None if gelu or down is None else q8_handoff.arrays_for(b, [wg, down], x.shape[0], int(wg.shape[0]))
     run = None if gelu else _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre, out_q=out_q)
     if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
         out_q = None
@@ -112,7 +112,7 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         def run():
             both()
             act()
-    return _remember_q8(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
+    return q8_handoff.remember(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
 
 
 def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
@@ -124,56 +124,16 @@ def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
     this GEMV and theirs run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) it writes the
     normalized ``x``'s 8-bit form as well, which theirs read instead of quantizing it."""
     x_in, x = b.array(h), b.array(x_t)
-    pre = _q8_form(b, h, None, None)
+    pre = q8_handoff.form_of(b, h, None, None)
     g, eps, nxt = norm_next if norm_next is not None else (None, None, None)
-    out_q = None if nxt is None else _quant_out(b, [w, *nxt], x.shape[0], x.shape[1])
+    out_q = None if nxt is None else q8_handoff.arrays_for(b, [w, *nxt], x.shape[0], x.shape[1])
     run = _gemv(b, [w], x_in, [x], mode=1, q8=pre, out_q=out_q, out_norm=(g, eps))
     if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
         out_q = None
         run = _gemv(b, [w], x_in, [x], mode=1, q8=pre)
     run = run or _general(b, [w], x_in, [x], name=name, accumulate=True)
     node = _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
-    return _remember_q8(b, node, out_q, eps, g)
-
-
-def _quant_out(b, ws: list, n_tok: int, rows: int):
-    """:func:`q8_out_arrays` for a GEMV over ``ws[0]`` whose output the 8-bit GEMVs of ``ws[1:]``
-    read next, where ``matmul_dispatch.gemv_quant_out`` says so for them all at ``n_tok`` tokens
-    (the instances with it: ``kernels.Q8X_QOUT_TOKENS``); else None."""
-    from ggml_attn.kernels import Q8X_QOUT_TOKENS  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
-    if b.xp is np or not all(_is_q(w) for w in ws) or rows % 32 or n_tok > max(Q8X_QOUT_TOKENS):
-        return None
-    if not gemv_quant_out(*(_choice([w], n_tok) for w in ws)):
-        return None
-    return q8_out_arrays(b.xp, n_tok, rows)
-
-
-def _remember_q8(b, node, out_q, eps, g):
-    """``node`` (returned), its output's 8-bit form ``out_q`` (of the RMS norm ``eps``, ``g``, or
-    none) remembered for the GEMV that reads the node next (:func:`_q8_form`)."""
-    if out_q is not None:
-        b.keep(*out_q)
-        b.q8_forms[ctypes.addressof(node.contents)] = (out_q[:3], None if g is None else (float(eps), id(g)))
-    return node
-
-
-def _q8_form(b, h, eps, g):
-    """``(xq, xd, xs)``: the 8-bit form of node ``h``'s output that its node made, where it is of
-    the RMS norm this reader applies (``eps``, weight ``g``; None: none); else None."""
-    if b.xp is np:
-        return None
-    form = b.q8_forms.get(ctypes.addressof(h.contents))
-    if form is None or form[1] != (None if eps is None else (float(eps), id(g))):
-        return None
-    return form[0]
-
-
-def _choice(ws: list, n_tok: int):
-    """``matmul_dispatch.best_matmul`` for weights ``ws`` of one type at ``n_tok`` tokens."""
-    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
-    k = _wtype(ws[0])
-    return best_matmul(k, n_tok, aligned=k == "F16" or rows_aligned(ws))
+    return q8_handoff.remember(b, node, out_q, eps, g)
 
 
 def rms_norm(b, t, eps: float, g, name: str, *, row: int | None = None):
@@ -211,7 +171,7 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
         return None
     kinds = [_wtype(w) for w in ws]
     groups = [(k, [i for i, kk in enumerate(kinds) if kk == k]) for k in dict.fromkeys(kinds)]
-    paths = {k: _choice([ws[i] for i in idx], x.shape[0]).path for k, idx in groups}
+    paths = {k: q8_handoff.matmul_choice([ws[i] for i in idx], x.shape[0]).path for k, idx in groups}
     if any(not p.startswith("gemv") for p in paths.values()):
         return None
     if len(groups) > 1 and mode != 0:

@@ -518,9 +518,9 @@ def test_gpu_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, monkeypa
         from ggml_attn.kernels import Q8XR_TOKENS, Q8XR_TYPES
         monkeypatch.setattr(matmul_dispatch, "Q8XR_TYPES", Q8XR_TYPES)
         monkeypatch.setattr(matmul_dispatch, "Q8XR_MAX_TOKENS", max(Q8XR_TOKENS))
-    from ggml_attn.graph import xp_matmul
-    made, remember = [], xp_matmul._remember_q8
-    monkeypatch.setattr(xp_matmul, "_remember_q8",
+    from ggml_attn.graph import q8_handoff
+    made, remember = [], q8_handoff.remember
+    monkeypatch.setattr(q8_handoff, "remember",
                         lambda b, node, out_q, *a: (made.append(1) if out_q is not None else None, remember(b, node, out_q, *a))[1])
     m = model_of(name, gguf_dir)
     hp = m.hp

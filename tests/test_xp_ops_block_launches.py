@@ -13,7 +13,7 @@ import pytest
 from ggml_attn import kernels as K
 from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
-from ggml_attn.graph import q8_matmul, xp_matmul, xp_ops
+from ggml_attn.graph import q8_handoff, q8_matmul, xp_matmul, xp_ops
 from ggml_attn.graph.model_device import QMatrix
 
 
@@ -295,17 +295,17 @@ def test_gemvs_write_the_next_gemvs_activations_when_dispatch_says_so(launches, 
     otherwise than q8_out_arrays lays them."""
     import struct
     real = q8_matmul.q8_out_arrays
-    monkeypatch.setattr(xp_matmul, "q8_out_arrays", lambda xp, n, r: tuple(Dev(None, base=a) for a in real(np, n, r)))
+    monkeypatch.setattr(q8_handoff, "q8_out_arrays", lambda xp, n, r: tuple(Dev(None, base=a) for a in real(np, n, r)))
     b = Builder()
     wg, wu, wd = _qmatrix("Q4_K", 256, 256), _qmatrix("Q4_K", 256, 256), _qmatrix("Q8_0", 256, 256)
     monkeypatch.setattr(md, "GEMV_QUANT_OUT", False)
-    assert xp_matmul._quant_out(b, [wg, wd], 1, 256) is None
+    assert q8_handoff.arrays_for(b, [wg, wd], 1, 256) is None
     monkeypatch.setattr(md, "GEMV_QUANT_OUT", True)
-    assert xp_matmul._quant_out(b, [wg, wd], 5, 256) is None                       # 5 tokens: the GEMMs
-    assert xp_matmul._quant_out(b, [wg, wd], 2, 256) is None                       # 2: no instances with it
-    assert xp_matmul._quant_out(b, [wg, wd], 1, 80) is None                        # not whole groups
-    assert xp_matmul._quant_out(b, [wg, Dev((256, 256), np.float16)], 1, 256) is None   # an F16 reader
-    out_q = xp_matmul._quant_out(b, [wg, wd], 1, 256)
+    assert q8_handoff.arrays_for(b, [wg, wd], 5, 256) is None                       # 5 tokens: the GEMMs
+    assert q8_handoff.arrays_for(b, [wg, wd], 2, 256) is None                       # 2: no instances with it
+    assert q8_handoff.arrays_for(b, [wg, wd], 1, 80) is None                        # not whole groups
+    assert q8_handoff.arrays_for(b, [wg, Dev((256, 256), np.float16)], 1, 256) is None   # an F16 reader
+    out_q = q8_handoff.arrays_for(b, [wg, wd], 1, 256)
     assert [(a.shape, a.dtype) for a in out_q] == [((1, 256), np.int8), ((1, 8), np.float32), ((1, 8), np.float32),
                                                    ((8,), np.uint32), ((1, 8), np.float32), ((1,), np.uint32)]
     assert not out_q[3].a.any() and not out_q[5].a.any()
@@ -325,7 +325,7 @@ def test_gemvs_write_the_next_gemvs_activations_when_dispatch_says_so(launches, 
     assert (pd.xq, pd.xd, pd.xs, pd.mode, pd.seg[2].w) == (*(a.data.ptr for a in out_q[:3]), 1, 0)
     # a residual add writes the normalized x's 8-bit form for the matrices after the norm
     wo, g = _qmatrix("Q8_0", 256, 256), Dev((256,))
-    res_q = xp_matmul._quant_out(b, [wo, wg, wu], 1, 256)
+    res_q = q8_handoff.arrays_for(b, [wo, wg, wu], 1, 256)
     n = len(launches)
     assert xp_matmul._gemv(b, [wo], f, [y], mode=1, q8=out_q[:3], out_q=res_q, out_norm=(g, 1e-5)) is not None
     (add,) = launches[n:]

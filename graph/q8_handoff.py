@@ -1,0 +1,60 @@
+"""A node's output in 8-bit form, handed from the GEMV that wrote it to the GEMVs that read it
+next, so that no quantization launch runs between them (``matmul_dispatch.GEMV_QUANT_OUT``;
+``cuda/dense_q8x.cu`` q8x_finish): whether a producer makes it and its arrays
+(:func:`arrays_for`), the graph builder's record of each node's (:func:`remember`,
+``GraphBuilder.q8_forms``) and a reader's lookup (:func:`form_of`). ``xp_matmul`` calls them;
+arrays as ``q8_matmul.q8_out_arrays``' (numpy order: int8 ``(n_tokens, rows)``, F32 scales and
+sums ``(n_tokens, rows / 32)``).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from .model_device import QMatrix
+from .q8_matmul import q8_out_arrays, rows_aligned
+
+__all__ = ["matmul_choice", "arrays_for", "remember", "form_of"]
+
+
+def matmul_choice(ws: list, n_tok: int):
+    """``matmul_dispatch.best_matmul`` for weights ``ws`` of one type (F16 arrays or ``QMatrix``)
+    at ``n_tok`` tokens."""
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
+    k = ws[0].type if isinstance(ws[0], QMatrix) else "F16"
+    return best_matmul(k, n_tok, aligned=k == "F16" or rows_aligned(ws))
+
+
+def arrays_for(b, ws: list, n_tok: int, rows: int):
+    """``q8_out_arrays`` for a GEMV over ``ws[0]`` (``rows`` output rows) whose output the 8-bit
+    GEMVs of ``ws[1:]`` read next, where ``matmul_dispatch.gemv_quant_out`` says so for them all
+    at ``n_tok`` tokens (the instances with it: ``kernels.Q8X_QOUT_TOKENS``); else None."""
+    from ggml_attn.kernels import Q8X_QOUT_TOKENS  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
+    if b.xp is np or not all(isinstance(w, QMatrix) for w in ws) or rows % 32 or n_tok > max(Q8X_QOUT_TOKENS):
+        return None
+    if not gemv_quant_out(*(matmul_choice([w], n_tok) for w in ws)):
+        return None
+    return q8_out_arrays(b.xp, n_tok, rows)
+
+
+def remember(b, node, out_q, eps, g):
+    """``node`` (returned), its output's 8-bit form ``out_q`` (of the RMS norm ``eps``, weight
+    ``g``, or of none) kept with the graph and recorded for the GEMVs that read the node next
+    (:func:`form_of`); nothing where ``out_q`` is None."""
+    if out_q is not None:
+        b.keep(*out_q)
+        b.q8_forms[ctypes.addressof(node.contents)] = (out_q[:3], None if g is None else (float(eps), id(g)))
+    return node
+
+
+def form_of(b, h, eps, g):
+    """``(xq, xd, xs)``: the 8-bit form of node ``h``'s output that its node made, where it is of
+    the RMS norm this reader applies (``eps``, weight ``g``; None: none); else None."""
+    if b.xp is np:
+        return None
+    form = b.q8_forms.get(ctypes.addressof(h.contents))
+    if form is None or form[1] != (None if eps is None else (float(eps), id(g))):
+        return None
+    return form[0]
