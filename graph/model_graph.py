@@ -281,18 +281,17 @@ def _model_layer_custom(b, il: int, x):
         att = attention(b, il, q, k, v)
     att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
 
-    def add_projection(wkey, h, post, what):   # x += w·h, or gemma2's x += rms_norm(w·h) * post
-        if post not in w:   # (norm_next: the normalized x's 8-bit form for its next reader, where it pays)
+    def add_projection(wkey, h, post, what, nxt):   # x += w·h, or gemma2's x += rms_norm(w·h) * post
+        if post not in w:   # (nxt: the norm and matrices that read x next, for its 8-bit form)
             return xp_matmul.mul_mat_add(b, w[wkey], h, x, f"{what}_res_l{il}", norm_next=nxt)
         o = xp_matmul.mul_mat(b, w[wkey], h, f"{wkey}_l{il}")
         o = xp_matmul.rms_norm(b, o, hp.rms_eps, w[post], f"{post}_l{il}")
         return xp_ops.add_into(b, x, o, f"{what}_res_l{il}")
-    nxt = (w["ffn_norm"], hp.rms_eps, [w["wg"], w["wu"]])
-    x = add_projection("wo", att, "attn_post_norm", "wo")
+    x = add_projection("wo", att, "attn_post_norm", "wo", (w["ffn_norm"], hp.rms_eps, [w["wg"], w["wu"]]))
     f = xp_matmul.mul_mat_gated(b, w["wg"], w["wu"], x, f"ffn_act_l{il}", norm_eps=hp.rms_eps, norm_w=w["ffn_norm"],
                                 gelu=hp.ffn_gelu, down=None if "ffn_post_norm" in w else w["wd"])
     nxt = None
     if il + 1 < len(b.layers or range(hp.n_layer)):   # the next layer's Q/K/V read x next (in this graph)
         wn = _dw(b).layers[il + 1]
         nxt = (wn["attn_norm"], hp.rms_eps, [wn["wq"], wn["wk"], wn["wv"]])
-    return add_projection("wd", f, "ffn_post_norm", "ffn")
+    return add_projection("wd", f, "ffn_post_norm", "ffn", nxt)
