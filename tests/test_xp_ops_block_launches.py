@@ -29,6 +29,9 @@ class Dev:
     def reshape(self, *shape):
         return Dev(None, base=self.a.reshape(*shape))
 
+    def __getitem__(self, k):
+        return Dev(None, base=self.a[k])
+
 
 class FakeXp:
     """What xp_matmul and xp_ops read of a non-numpy array module."""
@@ -345,6 +348,71 @@ def test_gemvs_write_the_next_gemvs_activations_when_dispatch_says_so(launches, 
     monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 0)                                     # the F32 GEMV instead
     assert xp_matmul._gemv(b, [wg, wu], x, [f], mode=2, out_q=out_q) is None
     assert len(launches) == n
+
+
+def test_8_bit_forms_pass_from_node_to_node(launches, monkeypatch):
+    """The model graph's chain with matmul_dispatch.GEMV_QUANT_OUT (graph/q8_handoff.py): the
+    gated node makes its output's 8-bit form for the down matrix's residual add, which quantizes
+    nothing and makes the normalized x's for the next layer's Q/K/V, which quantize nothing; a
+    reader of another norm weight (or of none) does not take a form made for another, and with
+    the knob off every node quantizes its own input. Nodes faked (no ggml context); launches
+    recorded."""
+    import ctypes
+
+    real = q8_matmul.q8_out_arrays
+    monkeypatch.setattr(q8_handoff, "q8_out_arrays", lambda xp, n, r: tuple(Dev(None, base=a) for a in real(np, n, r)))
+    arrays = {}
+
+    class GraphB(Builder):
+        def __init__(self):
+            super().__init__()
+            self.q8_forms = {}
+
+        def array(self, t):
+            return arrays[ctypes.addressof(t.contents)]
+
+        def ptr(self, a):
+            return a.data.ptr
+
+    class Tensor(ctypes.Structure):   # (what the ops read of a ggml tensor: its data address)
+        _fields_ = [("data", ctypes.c_uint64)]
+
+    def node(arr):
+        t = ctypes.pointer(Tensor(arr.data.ptr))
+        arrays[ctypes.addressof(t.contents)] = arr
+        return t
+    monkeypatch.setattr(xp_matmul, "_custom", lambda b, run, srcs, out, name, ptr=None: node(out))
+    monkeypatch.setattr(xp_matmul, "_views", lambda b, n, outs, base, name: [node(o) for o in outs])
+    n_embd, n_ff = 256, 512
+    wg, wu = _qmatrix("Q4_K", n_ff, n_embd), _qmatrix("Q4_K", n_ff, n_embd)
+    wd, wq, wk, wv = (_qmatrix("Q4_K", n_embd, n_ff), _qmatrix("Q4_K", n_embd, n_embd), _qmatrix("Q4_K", 128, n_embd),
+                      _qmatrix("Q8_0", 128, n_embd))
+    g_ffn, g_attn = Dev((n_embd,)), Dev((n_embd,))
+
+    def chain(b):
+        x = node(Dev((1, n_embd)))
+        f = xp_matmul.mul_mat_gated(b, wg, wu, x, "ffn", norm_eps=1e-5, norm_w=g_ffn, down=wd)
+        x2 = xp_matmul.mul_mat_add(b, wd, f, x, "ffn_res", norm_next=(g_attn, 1e-5, [wq, wk, wv]))
+        xp_matmul.mul_mat_group(b, [wq, wk, wv], x2, "qkv", norm_eps=1e-5, norm_w=g_attn)
+        xp_matmul.mul_mat_group(b, [wq], x2, "other_norm", norm_eps=1e-5, norm_w=g_ffn)
+        xp_matmul.mul_mat_group(b, [wq], x2, "no_norm")
+        return [(ln.fn.name, ln.params) for ln in launches]
+
+    monkeypatch.setattr(md, "GEMV_QUANT_OUT", True)
+    got = chain(GraphB())
+    names = [n for n, _ in got]
+    assert names == ["dense_quant_q8x", "dense_gemv_q8x_v<12, 1, 5>",                   # x, then gate/up with it
+                     "dense_gemv_q8x_v<12, 1, 6>",                                      # wd: no quantization
+                     "dense_gemv_q8x_v<12, 1, 2>", "dense_gemv_q8x_v<8, 1, 2>",         # Q/K, V: none either
+                     "dense_quant_q8x", "dense_gemv_q8x_v<12, 1, 2>",                   # another norm: its own
+                     "dense_quant_q8x", "dense_gemv_q8x_v<12, 1, 2>"], names            # no norm: its own
+    (pg,), (pd,), (pq,), (pv,) = (got[i][1] for i in (1, 2, 3, 4))
+    assert pd.xq == pg.seg[2].w and pd.seg[1].w == g_attn.data.ptr   # (the down GEMV reads the gated one's)
+    assert pq.xq == pv.xq == pd.seg[2].w                             # (Q/K/V read the residual add's)
+    launches.clear()
+    monkeypatch.setattr(md, "GEMV_QUANT_OUT", False)
+    names = [n for n, _ in chain(GraphB())]
+    assert names.count("dense_quant_q8x") == 5 and not any(n.endswith((", 4>", ", 5>", ", 6>")) for n in names), names
 
 
 def test_best_matmul(monkeypatch):
