@@ -160,3 +160,55 @@ def test_bucketed_ubatches_agree_with_the_plain_split(work, roomy, through_graph
             ref_pos, ref_k, ref_v = ref_cache.sequence_contents(s, il)
             pos, k, v = cache.sequence_contents(s, il)
             assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), s
+
+
+@st.composite
+def server_steps(draw):
+    """A server's batches: prompts of the first sequences, then steps that each carry one decode
+    token of a random subset of the started sequences and the whole prompt of the next one."""
+    n_seq = draw(st.integers(2, 24))
+    cap = max(1, min(120, 600 // n_seq))
+    lengths = draw(st.lists(st.integers(1, cap), min_size=n_seq, max_size=n_seq))
+    n_first = draw(st.integers(1, n_seq - 1))
+    n_ubatch = draw(st.sampled_from([8, 32, 100, 512]))
+    subsets = [draw(st.lists(st.sampled_from(range(j)), min_size=0, max_size=j, unique=True))
+               for j in range(n_first, n_seq)]
+    return lengths, n_first, n_ubatch, subsets
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(server_steps(), st.booleans())
+def test_auto_on_bucketing_caches_agrees_with_simple(work, roomy):
+    """``auto`` on a one-stream cache that pads ubatches to buckets (``coarse_n_kv``: it costs and
+    dry-runs each candidate with the pads, ``driver._split``'s ``shape``, and runs its plans as
+    they are; without them where they do not fit, ``roomy`` False) over a server's steps mixing
+    decode tokens with a new prompt: every real token's output and every sequence's K/V and
+    positions those of ``simple`` on a plain cache, no pad cell left."""
+    lengths, n_first, n_ubatch, subsets = work
+    n_seq = len(lengths)
+    true_len = {}
+    batches = [Batch.from_lengths(lengths[:n_first], seq_ids=list(range(n_first)))]
+    true_len.update({s: lengths[s] for s in range(n_first)})
+    for j, ids in zip(range(n_first, n_seq), subsets):
+        batches.append(Batch.from_lengths([1] * len(ids) + [lengths[j]], seq_ids=ids + [j],
+                                          start_pos={**{s: true_len[s] for s in ids}, j: 0}))
+        true_len.update({s: true_len[s] + 1 for s in ids})
+        true_len[j] = lengths[j]
+    need = sum(true_len.values())
+    n_ctx = pad_to(need + (n_ubatch + 64 if roomy else 0), 256)
+
+    def new_cache(coarse):
+        return KVCache(n_ctx, n_seq, unified=True, n_layer=CFG.n_layer, n_head_kv=CFG.n_head_kv,
+                       head_dim_k=CFG.head_dim_k, coarse_n_kv=coarse)
+    ref_cache, cache = new_cache(False), new_cache(True)
+    for step, b in enumerate(batches):
+        ref = run_batch(ref_cache, b, n_ubatch, "simple", CFG)
+        got = run_batch(cache, b, n_ubatch, "auto", CFG)
+        err = per_token_nmse(got.out, ref.out)
+        assert err.max() <= 1e-6, (step, int(err.argmax()), float(err.max()))
+        assert cache.pad.sum() == 0 and cache.n_used(0) == ref_cache.n_used(0), step
+    for s in range(n_seq):
+        for il in range(CFG.n_layer):
+            ref_pos, ref_k, ref_v = ref_cache.sequence_contents(s, il)
+            pos, k, v = cache.sequence_contents(s, il)
+            assert np.array_equal(pos, ref_pos) and np.array_equal(k, ref_k) and np.array_equal(v, ref_v), s
