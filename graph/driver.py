@@ -104,12 +104,13 @@ def _stage(stage: str, on_error, fn):
 
 def split_batch(cache: KVCache | None, batch: Batch, n_ubatch: int, mode: str, cfg: AttnConfig | None = None):
     """``(ubatches, plans)``: ``auto`` on a cache asks for its choice and hands back the plans it
-    dry-ran on the cache as it is now (None when it chose without dry runs, or the ubatches got
-    bucket pads: :func:`_bucketed`); the other modes split only (plans None); ``padded`` on a
-    cache whose room its pads exceed gives the split :func:`decode` runs instead (:func:`_fit`).
+    dry-ran on the cache as it is now, bucket pads included (:func:`_bucketed`; None when it chose
+    without dry runs, then the ubatches get their pads here); the other modes split only (plans
+    None); ``padded`` on a cache whose room its pads exceed gives the split :func:`decode` runs
+    instead (:func:`_fit`).
     Changes nothing."""
     ubs, plans = _split(cache, batch, n_ubatch, mode, cfg)
-    if cache is None:
+    if cache is None or plans is not None:   # (auto's plans are of its ubatches as decode runs them)
         return ubs, plans
     padded = _bucketed(cache, ubs, n_ubatch)   # (as decode runs them: bucket pads on the CUDA engines' caches)
     if padded is not ubs:
@@ -203,9 +204,9 @@ def decode(cache: KVCache, batch: Batch, n_ubatch: int, mode: str, engine, cfg: 
     plain = ubatches
     if not given:
         plain, made = _stage("split", on_error, lambda: _split(cache, batch, n_ubatch, mode, cfg))
-        ubatches = _bucketed(cache, plain, n_ubatch)
-        if ubatches is not plain:
-            made = None   # (a split without plans: pads to fit now)
+        # (auto's plans are of its ubatches as they run: with their bucket pads, or without where
+        # those did not fit; a split without plans gets its pads here)
+        ubatches = plain if made is not None else _bucketed(cache, plain, n_ubatch)
     if made is None:  # (auto's dry run already placed every ubatch one after another)
         fit_mode = mode if not given else "given"   # a split the caller made is run as it is
         ubatches = _stage("prepare", on_error, lambda: _fit_either(cache, batch, ubatches, plain, n_ubatch, fit_mode))

@@ -217,17 +217,18 @@ class KVCells:
         The remembered sequence positions stay (pads are in no sequence's range): a server's
         steps, each freeing its bucket pads, would otherwise scan every sequence's cells again
         at the next step's positions."""
-        n = 0
-        kept = self._seq_answers()
+        n, kept = 0, None
         for st, cells in zip(streams, cells_per):
             is_pad = self.pad[st, cells]
             if cells.shape[0] <= SMALL and not any(is_pad.tolist()):
                 continue
             padc = cells[is_pad]
             if padc.size:
+                kept = self._seq_answers() if kept is None else kept
                 self.free(st, padc)
                 n += int(padc.size)
-        self.memo.update(kept)
+        if kept is not None:
+            self.memo.update(kept)
         return n
 
     def _seq_answers(self, but: int | None = None) -> dict:

@@ -101,7 +101,6 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         out_q = None
         run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre)
     if run is None:
-        out_q = None
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
         both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=pre) or \

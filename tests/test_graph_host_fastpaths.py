@@ -606,9 +606,9 @@ def test_auto_runs_the_plans_it_dry_ran_with_bucket_pads(monkeypatch, roomy):
     """On a cache that pads each ubatch to a bucket of rows (``coarse_n_kv``: the CUDA engines'),
     auto costs and dry-runs the padded ubatches, so the plans it chose run as they are: a server's
     mixed step (decode tokens and a prompt) is planned once under auto, as under simple (it was
-    dry-run without its pads and planned again with them, ~3x the host work of simple's step on
-    the GPU machine), into the same ubatch, cells and mask. Where the pads do not fit (``roomy``
-    False) auto chooses among the plain splits and the step runs without them."""
+    dry-run without its pads and planned again with them), into the same ubatch, cells and mask. Where the pads do not fit (``roomy``
+    False) auto chooses among the plain splits and the step runs them without pads, still
+    planned once."""
     cfg = AttnConfig(n_head=2, n_head_kv=1, head_dim_k=4)
     prompts = [5, 3, 7, 2, 9] if roomy else [50, 50, 50, 50, 14]   # (not roomy: 214 + 42 = 256 cells)
 
@@ -632,7 +632,7 @@ def test_auto_runs_the_plans_it_dry_ran_with_bucket_pads(monkeypatch, roomy):
     simple, n_simple, c_simple = mixed_step("simple")
     auto, n_auto, c_auto = mixed_step("auto")
     assert n_simple == len(simple) == 1
-    assert n_auto == (0 if roomy else 1)    # (the plain split's plans: with its pads it did not fit)
+    assert n_auto == 0    # (not roomy: the plain split's own dry-run plans, its pads not fitting)
     assert [p.ubatch.n_tokens for p in auto] == [p.ubatch.n_tokens for p in simple] == [48 if roomy else 42]
     assert [p.ubatch.n_pad for p in auto] == [p.ubatch.n_pad for p in simple] == [6 if roomy else 0]
     for a, s in zip(auto, simple):

@@ -12,9 +12,11 @@ import argparse
 import cProfile
 import io
 import pstats
+import os
 import sys
 
-_TOOLS = {"bench": "bench", "batched-bench": "batched_bench", "serve-bench": "serve_bench"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from knob_ab import _TOOLS  # noqa: E402  (the benchmarks a dev script runs in-process, and their modules)
 
 
 def main(argv=None) -> int:
