@@ -50,6 +50,20 @@ def test_profile_cases_name_their_ncu_filter():
         g.ncu_args("nope")
 
 
+def test_decode_quant_profile_runs_each_shape_through_its_own_kinds_instances(monkeypatch):
+    import sys
+    sys.path.insert(0, str(DEV))
+    import gpu_profile_case as g
+    monkeypatch.setenv("DECODE_QUANT_SHAPES", "q8_0:1:32768,f16:64:4096")
+    monkeypatch.setenv("DECODE_TMA_CONFIGS", "q8_0-scratch,q4_0-scratch")
+    assert g.quant_calls() == [(("q8_0", 1, 32768), ""), (("q8_0", 1, 32768), "q8_0-scratch"),
+                               (("f16", 64, 4096), "")]
+    assert g.ncu_args("decode-quant").endswith("--launch-skip 0 --launch-count 6")   # (each call twice)
+    monkeypatch.setenv("DECODE_QUANT_SHAPES", "q5_0:1:32768")
+    with pytest.raises(SystemExit, match="not kind:B:cells"):
+        g.quant_shapes()
+
+
 def test_llamaserver_replay_fails_a_stalled_server_instead_of_hanging():
     """A server that sends one token event and then stays silent: the replay raises within its
     stall timeout (the llama-server run is recorded as failed) instead of waiting forever."""

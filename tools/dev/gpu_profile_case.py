@@ -9,8 +9,11 @@ first builds and caches the call; ncu's --launch-skip picks the second):
   decode-tma  one token, 4096 then 32768 KV cells through the sm_90a decode (kernel "decode-tma")
   wgmma    a 4096-token prefill without a mask through the sm_90a kernel (hopper_prefill.run_ws,
            configuration $WGMMA_CONFIG, default pp-persistent: a key of ggml_attn.wgmma_shape.WS_CONFIGS)
-  decode-quant  one token, 32768 q8_0 KV cells (a cache view) through the sm_90a decode: its
-           default instance, then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys)
+  decode-quant  one token a sequence over a cache view through the sm_90a decode, for each of
+           $DECODE_QUANT_SHAPES (comma-separated kind:B:cells, default q8_0:1:32768; issue #46's
+           rows: q8_0:1:32768,q8_0:64:32768,q4_0:64:32768,f16:64:32768): its default instance,
+           then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys); every
+           launch profiled (each call runs twice: the first builds it)
   dense-qs one llama-3-8B layer's seven Q4_K matrices ($DENSE_QS_TYPE) through dense_gemm_qs
            (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr: that kernel) at 64 tokens
            (the 64-token tile), then at 16 (the 32-token tile): ncu -k regex:dense_gemm_q[sr]
@@ -36,7 +39,7 @@ CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "d
 # ncu's kernel filter for each case (regex, launches skipped, launches profiled): the first call of
 # each shape builds it, the skip passes over that (``--ncu-args CASE`` prints them for the scripts)
 NCU_FILTERS = {"wgmma": ("fattn_wgmma", 1, 1), "decode-tma": ("fattn_decode_tma", 1, 3),
-               "decode-quant": ("fattn_decode_tma", 1, 1),   # (the default instance's second call)
+               "decode-quant": ("fattn_decode_tma", 0, 0),   # (0: every launch, quant_calls' count)
                "dense-qs": ("dense_gemm_q[sr]", 7, 14),      # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
                "gemv-q8x": ("dense_gemv", 4, 10)}            # each of Q4_K's 4 forms once as it is built, then each form twice and F16's GEMV twice
 
@@ -47,6 +50,8 @@ def ncu_args(case: str) -> str:
     if case not in CASES:
         raise SystemExit(f"unknown case {case!r}: one of {', '.join(CASES)}")
     kre, skip, count = NCU_FILTERS.get(case, ("fattn_mma", 1, 3))
+    if case == "decode-quant":
+        count = 2 * len(quant_calls())
     return f"-k regex:{kre} --launch-skip {skip} --launch-count {count}"
 
 
@@ -76,20 +81,52 @@ def wgmma_fn(config: str):
     return lambda: hopper_prefill.run_ws(o.dq, dk, dv, o.dd, SCALE, o.stream, config=config)
 
 
-def quant_fns(configs) -> list:
-    """decode-quant's calls: B=1, 32768 q8_0 cells, one per instance ("" the default)."""
+def quant_shapes() -> list[tuple[str, int, int]]:
+    """decode-quant's (K/V kind, sequences, cells each), from $DECODE_QUANT_SHAPES."""
+    import os
+    out = []
+    for item in os.environ.get("DECODE_QUANT_SHAPES", "q8_0:1:32768").split(","):
+        try:
+            kind, b, n = item.split(":")
+            if kind not in ("f16", "q8_0", "q4_0") or int(b) < 1 or int(n) < 1:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"DECODE_QUANT_SHAPES: {item!r} is not kind:B:cells (kind f16, q8_0 or q4_0)")
+        out.append((kind, int(b), int(n)))
+    return out
+
+
+def quant_configs() -> list[str]:
+    """The decode-tma instances decode-quant runs besides the default, from $DECODE_TMA_CONFIGS."""
+    import os
+    return [c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",") if c]
+
+
+def quant_calls() -> list[tuple[tuple[str, int, int], str]]:
+    """decode-quant's (shape, instance) pairs: each shape through its default instance ("") and
+    the $DECODE_TMA_CONFIGS of its kind (a config's kind is its name up to the first '-')."""
+    return [(sh, c) for sh in quant_shapes() for c in ("", *quant_configs()) if not c or c.split("-")[0] == sh[0]]
+
+
+def quant_fns(calls) -> list:
+    """decode-quant's calls, one function each: ``calls`` as quant_calls() gives them."""
     import cupy as cp
 
     from ggml_attn import cuda_backend as cb
     from ggml_attn.tensor import from_array
     from gpu_quant_kv_bench import D, H, cache_kv
     from gpu_timing import knobs
-    (_, kd), (_, vd) = cache_kv(1, 32768, "q8_0", 1), cache_kv(1, 32768, "q8_0", 2)
-    q, dst = cp.ones((1, H, 1, D), cp.float32), cp.empty((1, 1, H, D), cp.float32)
-    def fn(c, keep=(kd, vd, q, dst)):
+    bufs = {}
+    def fn(shape, c):
+        kind, B, n = shape
+        if shape not in bufs:   # (one cache a shape, made on its first call: one shape's bytes at a time)
+            bufs.clear()
+            (_, kd), (_, vd) = cache_kv(B, n, kind, 1), cache_kv(B, n, kind, 2)
+            bufs[shape] = (kd, vd, cp.ones((B, H, 1, D), cp.float32), cp.empty((B, 1, H, D), cp.float32))
+        kd, vd, q, dst = bufs[shape]
         with knobs(DECODE_TMA_CONFIG=c):
             cb.bind(from_array(q), kd, vd, None, None, from_array(dst), 1.0 / np.sqrt(D), kernel="decode-tma").launch()
-    return [lambda c=c: fn(c) for c in ("", *configs)]
+    return [lambda sh=sh, c=c: fn(sh, c) for sh, c in calls]
 
 
 def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs") -> list:
@@ -137,7 +174,7 @@ def main(argv=None):
     import torch
     for case in argv or ["masked"]:
         if case == "decode-quant":
-            for f in quant_fns([c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",") if c]):
+            for f in quant_fns(quant_calls()):
                 f()
                 f()
             continue
