@@ -95,7 +95,10 @@ GEMV_PDL_PREFETCH = True
 # of the four quantization launches a layer and token, 3.09 us each in the H100's one-token step
 # at d650257 (bench/results/2026-12-06-d650257-h100-gemv-regression/step.json: 129 of ~360
 # launches a token, 13.5% of its device time). Predicted: tg128 on the 8B-shaped Q4_K_M file
-# +6-9%. Not yet measured on a GPU: off until then.
+# +6-9%. Measured on the H100 at 695471d: correct (the GPU tests, memcheck, racecheck) but a loss,
+# tg128 315.5 -> 263.9 t/s (-16%): 1,615 quantization launches fewer in a 16-token step (-5.0 ms)
+# but its GEMVs +14 ms (the gated one 27.4 -> 40.2 us, the residual adds ~10 -> 17.3, Q6_K's
+# ring 16 -> 32; bench/results/2026-12-06-695471d-h100-gemv-qout/). Off.
 GEMV_QUANT_OUT = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
