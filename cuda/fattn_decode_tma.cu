@@ -289,6 +289,7 @@ struct Walk {
     int t;              // the current unit's index in the group
     int b0, n_part;     // cut by the cap: the block holds part (b - b0) of n_part parts of its one
                         // group, in blocks b0 .. b0 + n_part - 1 (b0 -1: whole groups, or the equal share)
+    bool hf;            // the groups numbered heads first (group g: head group g / NP of pair g % NP)
 
     // Units of the call and the block's share. The split (decode_tma_shape.py block_ranges):
     // with p.work_cap > 0 and the call's blocks under it fitting the grid, groups are cut on
@@ -297,10 +298,16 @@ struct Walk {
     // scan of the pairs' live counts); otherwise block b takes the equal share
     // [b W / B, (b + 1) W / B). The cap only sizes the work: any cap gives a right split of
     // the current counts (a refreshed plan's included). False: the block has no units.
-    __device__ __forceinline__ bool start(const FattnParams& p, int b, int B, int lane) {
+    // Group order: pair by pair (a pair's head groups one after another), or with heads_first,
+    // where the groups are one list of equal groups (every pair's units the same: no plan, or
+    // a cap's equal run), head group by head group: then the blocks that run at the same time
+    // walk neighbouring heads of the same pairs over the same cells, and the DRAM granules two
+    // heads' rows share (the quantized rows: 136 / 72 bytes a head) are read once, while both
+    // blocks are at them, instead of once per head (bench/NOTES.md, seventeenth session).
+    __device__ __forceinline__ bool start(const FattnParams& p, int b, int B, int lane, bool heads_first) {
         const int n_hg = p.n_head / p.pack, NP = p.ne3 * p.n_q_tiles;
         const long long cap = p.work_cap;
-        b0 = -1, n_part = 0;
+        b0 = -1, n_part = 0, hf = false;
         // pass 1: units, blocks under the cap, and whether every pair has the same units
         long long tot = 0, blocks = 0;
         int umin = 0x7fffffff, umax = 0;
@@ -370,8 +377,9 @@ struct Walk {
                 w = U + g * u;
                 end = U + min(g + per, (long long)groups) * u;
             }
-            pair = first + (int)(g / n_hg);
-            hg = (int)(g % n_hg);
+            hf = heads_first && equal;   // (equal: the run is every pair's groups, first 0)
+            pair = hf ? (int)(g % NP) : first + (int)(g / n_hg);
+            hg = hf ? (int)(g / NP) : (int)(g % n_hg);
             cnt = pair_cnt(p, pair);
             t = (int)(w - U - g * u);
             return true;
@@ -382,8 +390,9 @@ struct Walk {
         if (!p.live_idx) {
             const long long per = umin;
             const long long g = w / per;
-            pair = (int)(g / n_hg);
-            hg = (int)(g - (long long)pair * n_hg);
+            hf = heads_first;
+            pair = hf ? (int)(g % NP) : (int)(g / n_hg);
+            hg = hf ? (int)(g / NP) : (int)(g % n_hg);
             cnt = p.n_kv_tiles;
             t = (int)(w - g * per);
             return true;
@@ -424,7 +433,10 @@ struct Walk {
     __device__ __forceinline__ void next(const FattnParams& p) {
         w += seg_end() - t;
         t = 0;
-        if (++hg == p.n_head / p.pack) {
+        if (hf) {
+            if (++pair == p.ne3 * p.n_q_tiles) pair = 0, ++hg;
+            if (w < end) cnt = pair_cnt(p, pair);
+        } else if (++hg == p.n_head / p.pack) {
             hg = 0;
             ++pair;
             if (w < end) cnt = pair_cnt(p, pair);
@@ -512,7 +524,7 @@ __device__ __forceinline__ void merge_parts(const FattnParams& p, int r, int j, 
         *reinterpret_cast<float4*>(out + cb + c) = make_float4(acc[c] * fac, acc[c + 1] * fac, acc[c + 2] * fac, acc[c + 3] * fac);
 }
 
-template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG, bool HF>
 __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv) {
     using namespace dtma;
     using T = typename Tile<KT, D>::T;
@@ -564,7 +576,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
     DTMA_MARK(0);
 
     Walk wk;
-    if (!wk.start(p, blockIdx.x, gridDim.x, lane)) return;
+    if (!wk.start(p, blockIdx.x, gridDim.x, lane, HF)) return;
     const int P = p.pack, pshift = __ffs(P) - 1, tq = p.q_tile_tokens;
 
     // ---- step produce (one lane of the producer warp)
@@ -967,14 +979,14 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 // (8 warps in all: two per SM sub-partition, whose registers allow 255 a thread; a ninth warp
 // would cut them to 168) and a ring of 11 x 18 KB (q8_0) or 20 x 10 KB (q4_0), or 4 warps and 8
 // stages
-template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG, bool HF>
 __global__ void __launch_bounds__(32 * (NW + 1), 1)
 fattn_decode_tma(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv) {
-    fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG>(p, &mk, &mv);
+    fattn_decode_tma_body<KT, D, STAGES, WHOLE, NW, REG, HF>(p, &mk, &mv);
 }
 
 // The dynamic shared memory (bytes) a launch of fattn_decode_tma<...> with the same parameters
 // takes: the host reads it from the compiled program (ggml_attn/variants.py smem_expr,
 // ggml_attn/cubin.py)
-template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG>
+template <typename KT, int D, int STAGES, bool WHOLE, int NW, bool REG, bool HF>
 __device__ const int fattn_decode_tma_smem = dtma::smem_bytes<KT, D, STAGES, NW, dtma::Tile<KT, D>::QUANT && !REG, WHOLE>();

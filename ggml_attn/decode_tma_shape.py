@@ -6,7 +6,12 @@ Rows: the decode-tc layout -- 16 rows per group, the ``pack`` query heads of one
 16 / pack tokens of one query tile of one stream (the plan's tile map for that query tile
 size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs).
 Work: the flattened (group, live KV tile) units, a group's units its pair's live tiles (at
-least one; a pair is a (stream, query tile), its ``n_hg`` head groups have the same work).
+least one; a pair is a (stream, query tile), its ``n_hg`` head groups have the same work). The
+groups are numbered pair by pair, or (``Cfg.heads_first``, where every pair's units are the same)
+head group by head group, so that the blocks running at the same time read neighbouring heads of
+the same cells: a quantized head's row (136 / 72 bytes) shares its first and last 64-byte DRAM
+granule with the next head's, read once when both blocks are at it (the unit ranges below are the
+same in either order).
 Split: with a cap (FattnParams.work_cap, :func:`work_cap`) the groups are cut on their own
 boundaries -- a group of at least ``cap`` units into ceil(units / cap) equal parts, one block
 each, smaller groups packed floor(cap / units) to a block -- else block b takes an equal share
@@ -32,13 +37,14 @@ class Cfg(NamedTuple):
     """One instance of cuda/fattn_decode_tma.cu's fattn_decode_tma template (:attr:`name`): head
     size, ring stages, K/V type as stored, consumer warps, and (q8_0/q4_0) whether the blocks are
     dequantized through a scratch tile per warp (else the MMAs' fragments are built from the raw
-    box in registers)."""
+    box in registers), and whether its groups are walked heads first (module doc)."""
     d: int
     stages: int
     kv_type: int
     consumers: int = CONSUMERS
     scratch: bool = False
     whole: bool = True    # a warp per tile; False: the four warps on every tile, 16 cells each
+    heads_first: bool = False
 
     @property
     def threads(self) -> int:
@@ -49,7 +55,7 @@ class Cfg(NamedTuple):
         """The instance's name expression (its own NVRTC program: kernels.decode_tma_variant)."""
         reg = self.kv_type in QUANT_TYPES and not self.scratch
         return template_expr("fattn_decode_tma", VEC_KV_CTYPES[self.kv_type], self.d, self.stages, self.whole,
-                             self.consumers, reg)
+                             self.consumers, reg, self.heads_first)
 
 
 # The op runs FOR_TYPE's (a warp per tile); the others are A/B rows of tools/dev/gpu_bench.py
@@ -63,12 +69,17 @@ CONFIGS = {
     "split-s4": Cfg(128, 4, GGML_TYPE_F16, whole=False),
     # ggml's q8_0 / q4_0 blocks: one raw box per tile (quant_box). Through scratch: the consumer
     # warp dequantizes it into an f16 tile laid out as the f16 ring's (4 warps); in registers:
-    # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring
-    "q8_0-scratch": Cfg(128, 8, GGML_TYPE_Q8_0, scratch=True),
-    "q4_0-scratch": Cfg(128, 12, GGML_TYPE_Q4_0, scratch=True),
-    "q8_0": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7),
-    "q4_0": Cfg(128, 20, GGML_TYPE_Q4_0, consumers=7),
-    "q8_0-r4": Cfg(128, 8, GGML_TYPE_Q8_0),
+    # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring. Heads first
+    # (module doc); "-pm": pair by pair, the order before (A/B rows). At B=64 32k on the H100 the
+    # pair-by-pair order read 1.42x (q8_0) / 1.78x (q4_0) the cache's bytes from DRAM, at 78-82%
+    # of its peak (bench/results/2026-12-06-695471d-h100-ncu-decode-quant/).
+    "q8_0-scratch": Cfg(128, 8, GGML_TYPE_Q8_0, scratch=True, heads_first=True),
+    "q4_0-scratch": Cfg(128, 12, GGML_TYPE_Q4_0, scratch=True, heads_first=True),
+    "q8_0": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7, heads_first=True),
+    "q4_0": Cfg(128, 20, GGML_TYPE_Q4_0, consumers=7, heads_first=True),
+    "q8_0-r4": Cfg(128, 8, GGML_TYPE_Q8_0, heads_first=True),
+    "q8_0-pm": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7),
+    "q4_0-pm": Cfg(128, 20, GGML_TYPE_Q4_0, consumers=7),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above

@@ -119,8 +119,8 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     monkeypatch.setattr(L, "num_sms", lambda: 132)
     monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
     sh = lambda kv_type=GGML_TYPE_F16: L.AttnDims(128, 128, 3, 32, 8, 2, 1000, kv_type)   # noqa: E731
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false>"),
-                          (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_decode_tma<__half, 128, 6, true, 4, false, false>"),
+                          (GGML_TYPE_BF16, "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false, false>")):
         cfg = L.launch_config("decode-tma", sh(kv_type))
         # 2 streams x 8 KV heads = 16 groups of 16 tiles: 8 parts of 2 tiles each, 128 blocks
         assert cfg.name == name and cfg.block == dt.THREADS and cfg.grid == (128, 1, 1)
@@ -224,10 +224,10 @@ def test_configs_name_their_template_instances():
     head size, ring depth, warp per tile, consumer warps and K/V path (registers unless through
     scratch), compiled in a program of its own; names are distinct."""
     from ggml_attn import kernels as K
-    assert dt.CONFIGS["q8_0"].name == "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true>"
-    assert dt.CONFIGS["q4_0-scratch"].name == "fattn_decode_tma<fattn_q4_0, 128, 12, true, 4, false>"
-    assert dt.CONFIGS["split-s4"].name == "fattn_decode_tma<__half, 128, 4, false, 4, false>"
-    assert dt.CONFIGS["s6-bf16"].name == "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false>"
+    assert dt.CONFIGS["q8_0"].name == "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true, true>"
+    assert dt.CONFIGS["q4_0-scratch"].name == "fattn_decode_tma<fattn_q4_0, 128, 12, true, 4, false, true>"
+    assert dt.CONFIGS["split-s4"].name == "fattn_decode_tma<__half, 128, 4, false, 4, false, false>"
+    assert dt.CONFIGS["s6-bf16"].name == "fattn_decode_tma<__nv_bfloat16, 128, 6, true, 4, false, false>"
     names = [c.name for c in dt.CONFIGS.values()]
     assert len(set(names)) == len(names)
     for c in dt.CONFIGS.values():

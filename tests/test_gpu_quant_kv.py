@@ -131,29 +131,35 @@ def test_long_rows_with_holes_and_masked_tiles(kv_type, n_batch, n_kv, d):
     del dk, dv
 
 
-def _cache_view(dev, kv_type, d, n_kv, n_head_kv):
-    """A cache view over device rows ``dev`` uint8 (n_kv, n_head_kv * row + pad): ggml order
-    [d, n_kv, n_head_kv, 1], each cell's heads packed in its row (what decode-tma's boxes read)."""
+def _cache_view(dev, kv_type, d, n_kv, n_head_kv, n_stream=1):
+    """A cache view over device rows ``dev`` uint8 (n_stream * n_kv, n_head_kv * row + pad): ggml
+    order [d, n_kv, n_head_kv, n_stream], each cell's heads packed in its row (what decode-tma's
+    boxes read), the streams one after another."""
     blk = {GGML_TYPE_Q8_0: 34, GGML_TYPE_Q4_0: 18}[kv_type]
     row = d // 32 * blk
-    return TensorDesc(int(dev.data.ptr), kv_type, (d, n_kv, n_head_kv, 1), (blk, dev.strides[0], row, dev.strides[0] * n_kv))
+    return TensorDesc(int(dev.data.ptr), kv_type, (d, n_kv, n_head_kv, n_stream),
+                      (blk, dev.strides[0], row, dev.strides[0] * n_kv))
 
 
-def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128):
-    """Q f32 (1, n_head, n_batch, d); K/V quantized as cache rows (n_kv, n_head_kv * row + pad)
-    uint8 on the device with their views; the dequantized K/V (1, n_head_kv, n_kv, d) float32."""
+def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128, n_stream=1):
+    """Q f32 (n_stream, n_head, n_batch, d); K/V quantized as cache rows (n_stream * n_kv,
+    n_head_kv * row + pad) uint8 on the device with their views; the dequantized K/V (n_stream,
+    n_head_kv, n_kv, d) float32."""
     import cupy as cp
-    q = rng.standard_normal((1, n_head, n_batch, d), dtype=np.float32)
+    q = rng.standard_normal((n_stream, n_head, n_batch, d), dtype=np.float32)
     views, deq, keep = [], [], []
     for _ in range(2):
-        f = rng.standard_normal((1, n_head_kv, n_kv, d), dtype=np.float32)
-        b = quantize(f, kv_type)[0]                                    # (n_head_kv, n_kv, row)
-        rows = np.zeros((n_kv, n_head_kv * b.shape[-1] + pad), np.uint8)
-        rows[:, :n_head_kv * b.shape[-1]] = b.transpose(1, 0, 2).reshape(n_kv, -1)
-        dev = cp.asarray(rows)
+        f = rng.standard_normal((n_stream, n_head_kv, n_kv, d), dtype=np.float32)
+        b = quantize(f.reshape(1, n_stream * n_head_kv, n_kv, d), kv_type)[0]   # (n_stream * n_head_kv, n_kv, row)
+        b = b.reshape(n_stream, n_head_kv, n_kv, -1)
+        rows = np.zeros((n_stream, n_kv, n_head_kv * b.shape[-1] + pad), np.uint8)
+        rows[..., :n_head_kv * b.shape[-1]] = b.transpose(0, 2, 1, 3).reshape(n_stream, n_kv, -1)
+        dev = cp.asarray(rows.reshape(n_stream * n_kv, -1))
         keep.append(dev)
-        views.append(_cache_view(dev, kv_type, d, n_kv, n_head_kv))
-        deq.append(dequantize_rows(b.ctypes.data, kv_type, d, n_head_kv * n_kv, b.shape[-1]).reshape(1, n_head_kv, n_kv, d))
+        views.append(_cache_view(dev, kv_type, d, n_kv, n_head_kv, n_stream))
+        bb = np.ascontiguousarray(b)
+        deq.append(dequantize_rows(bb.ctypes.data, kv_type, d, n_stream * n_head_kv * n_kv, b.shape[-1])
+                   .reshape(n_stream, n_head_kv, n_kv, d))
     return q, views, deq, keep
 
 
@@ -213,6 +219,48 @@ def test_decode_tma_reads_the_blocks(kv_type, config, n_batch, n_kv, masked, blo
             out = dst.get()
             err = reference.nmse(out, exact)
             assert np.isfinite(out).all() and err <= NMSE_MAX, (kernel, plan is not None, err)
+    cb._PREPARED.clear()
+    del keep
+
+
+@pytest.mark.skipif(not _is_sm90(), reason="sm_90a decode: compute capability 9.0")
+@pytest.mark.parametrize("kv_type, config", QUANT_CONFIGS, ids=QUANT_CONFIG_IDS)
+@pytest.mark.parametrize("n_stream, n_kv, blocks", [(6, 3000, 0), (6, 3000, 5), (6, 3000, 40), (24, 700, 0),
+                                                    (24, 700, 7), (3, 9000, 0)])
+def test_decode_tma_streams_in_either_group_order(kv_type, config, n_stream, n_kv, blocks, monkeypatch):
+    """decode-tma on a one-token step of several streams (a cache view [d, n_kv, 8, n_stream]):
+    without a plan and through one whose streams have the same live tiles, every pair's units
+    are equal and the heads-first instances walk the groups head by head -- whole groups per
+    block, a group cut in parts, the equal share (``blocks``) -- and through a plan whose streams
+    differ (pair by pair); every (stream, head) once, against float64 on the dequantized values."""
+    import cupy as cp
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "DECODE_TMA_BLOCKS", blocks)
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", config)
+    cb._PREPARED.clear()
+    rng = np.random.default_rng(n_stream * n_kv + kv_type + blocks)
+    n_head, n_head_kv = 32, 8
+    q, (kd, vd), deq, keep = _packed_inputs(rng, kv_type, 1, n_kv, n_head, n_head_kv, pad=16, n_stream=n_stream)
+    assert quant_why_not(kd) is None
+    same = np.zeros((n_stream, 1, 1, n_kv), np.float32)
+    same[..., 256:1024] = -np.inf                       # the same whole tiles hidden in every stream
+    differ = same.copy()
+    for s in range(n_stream):                           # each stream's own length
+        differ[s, ..., n_kv - 97 * s - 1:] = -np.inf if s else 0.0
+    dq = cp.asarray(q)
+    for mask in (None, same.astype(np.float16), differ.astype(np.float16)):
+        exact = reference.flash_attn_ext(q, deq[0], deq[1], mask, 0.1)
+        dm = cp.asarray(mask) if mask is not None else None
+        tm = from_array(dm) if mask is not None else None
+        plans = [None] if mask is None else [None, cb.make_plan(tm, 1, n_head, n_head_kv, kv_type=kv_type)]
+        for plan in plans:
+            dst = cp.full((n_stream, 1, n_head, 128), cp.nan, dtype=cp.float32)
+            call = cb.bind(from_array(dq), kd, vd, tm, None, from_array(dst), 0.1, kernel="decode-tma", plan=plan)
+            assert call.kern == "decode-tma"
+            call.launch()
+            out = dst.get()
+            err = reference.nmse(out, exact)
+            assert np.isfinite(out).all() and err <= NMSE_MAX, (mask is not None, plan is not None, err)
     cb._PREPARED.clear()
     del keep
 

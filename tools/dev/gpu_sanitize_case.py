@@ -9,8 +9,9 @@ with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-b
 of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
 dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store).
-With --dense-q only the weight-block matmuls and the fused store. Exits non-zero if any result
-misses the reference."""
+With --dense-q only the weight-block matmuls and the fused store; with --quant-kv only the
+sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`). Exits non-zero if
+any result misses the reference."""
 from __future__ import annotations
 
 import sys
@@ -31,6 +32,11 @@ def main():
     bad = 0
     if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only (and the fused store)
         sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) else 0)
+    if "--quant-kv" in sys.argv[1:]:  # the decode over quantized K/V only (sm_90a)
+        m = rng.uniform(-1, 1, (1, 1, 3, 333)).astype(np.float32)
+        m[..., 64:200] = -np.inf
+        m[rng.random(m.shape) < 0.1] = -np.inf
+        sys.exit(1 if _quantized(cp, rng, m.astype(np.float16)) else 0)
     # masks: "random" (MASKED tiles: mask tiles loaded), "causal" (two block-causal
     # sequences: FULL tiles and PARTIAL tiles from row intervals), "finite" (MASKED tiles marked
     # FINITE, the tail's mask tile read -inf past n_kv), None (tail tile only)
@@ -203,46 +209,51 @@ def main():
 
 def _quantized(cp, rng, mask) -> int:
     """q8_0 / q4_0 K/V as a cache's rows (cells outer, heads packed, rows 16 bytes wider): the
-    sm_90a decode reading the blocks (no mask and ``mask``, a wave and 3 blocks), a prompt on
-    f16 copies (fattn_dequant_kv, then the tensor-core prefill), a K f16 / V q8_0 pair. Failures."""
+    sm_90a decode reading the blocks (no mask and ``mask``, a wave and 3 blocks; one token of 6
+    streams: the heads-first group order, whole groups and the equal share), a prompt on f16
+    copies (fattn_dequant_kv, then the tensor-core prefill), a K f16 / V q8_0 pair. Failures."""
     from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.quant import dequantize_rows, quantize
     from ggml_attn.tensor import TensorDesc
     nh, nkv, n_kv, bad, keep = 32, 8, 333, 0, []
 
-    def rows(kv_type):   # (device view, float32 (1, nkv, n_kv, 128) of what it holds)
+    def rows(kv_type, ns):   # (device view, float32 (ns, nkv, n_kv, 128) of what it holds)
         if kv_type == GGML_TYPE_F16:
-            x = from_float(rng.uniform(-1, 1, (1, nkv, n_kv, 128)), GGML_TYPE_F16)
+            x = from_float(rng.uniform(-1, 1, (ns, nkv, n_kv, 128)), GGML_TYPE_F16)
             dev = cp.asarray(x)
             keep.append(dev)
             return from_array(dev, GGML_TYPE_F16), x.astype(np.float32)
-        b = quantize(rng.uniform(-1, 1, (nkv, n_kv, 128)).astype(np.float32), kv_type)   # (nkv, n_kv, row)
+        b = quantize(rng.uniform(-1, 1, (ns, nkv, n_kv, 128)).astype(np.float32), kv_type)   # (ns, nkv, n_kv, row)
         row = b.shape[-1]
-        host = np.zeros((n_kv, nkv * row + 16), np.uint8)
-        host[:, :nkv * row] = b.transpose(1, 0, 2).reshape(n_kv, -1)
+        host = np.zeros((ns, n_kv, nkv * row + 16), np.uint8)
+        host[..., :nkv * row] = b.transpose(0, 2, 1, 3).reshape(ns, n_kv, -1)
         dev = cp.asarray(host)
         keep.append(dev)
-        deq = dequantize_rows(b.ctypes.data, kv_type, 128, nkv * n_kv, row).reshape(1, nkv, n_kv, 128)
-        return TensorDesc(int(dev.data.ptr), kv_type, (128, n_kv, nkv, 1), (row // 4, host.shape[1], row, host.nbytes)), deq
-    for kt, vt, nb, kernel, m, blocks in ((GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 3, "decode-tma", None, 0),
-                                          (GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 3, "decode-tma", mask, 3),
-                                          (GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 100, "prefill", None, 0),
-                                          (GGML_TYPE_F16, GGML_TYPE_Q8_0, 3, "auto", mask, 0)):
+        deq = dequantize_rows(b.ctypes.data, kv_type, 128, ns * nkv * n_kv, row).reshape(ns, nkv, n_kv, 128)
+        return TensorDesc(int(dev.data.ptr), kv_type, (128, n_kv, nkv, ns),
+                          (row // 4, host.shape[2], row, host.shape[2] * n_kv)), deq
+    for kt, vt, nb, ns, kernel, m, blocks in ((GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 3, 1, "decode-tma", None, 0),
+                                              (GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 3, 1, "decode-tma", mask, 3),
+                                              (GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 1, 6, "decode-tma", None, 0),
+                                              (GGML_TYPE_Q4_0, GGML_TYPE_Q4_0, 1, 6, "decode-tma", None, 5),
+                                              (GGML_TYPE_Q8_0, GGML_TYPE_Q8_0, 100, 1, "prefill", None, 0),
+                                              (GGML_TYPE_F16, GGML_TYPE_Q8_0, 3, 1, "auto", mask, 0)):
         cuda_launch.DECODE_TMA_BLOCKS = blocks
-        (kd, kf), (vd, vf) = rows(kt), rows(vt)
+        (kd, kf), (vd, vf) = rows(kt, ns), rows(vt, ns)
         mm = None if m is None else np.ascontiguousarray(np.broadcast_to(m[..., :1, :], (1, 1, nb, n_kv)))
-        q = rng.uniform(-1, 1, (1, nh, nb, 128)).astype(np.float32)
+        q = rng.uniform(-1, 1, (ns, nh, nb, 128)).astype(np.float32)
         ref = flash_attn_ext(q, kf, vf, mm, 0.1, 0.0, 0.0, None)
         dq = cp.asarray(q)
         dm = None if mm is None else cp.asarray(mm)
-        dst = cp.full((1, nb, nh, 128), cp.nan, dtype=cp.float32)
+        dst = cp.full((ns, nb, nh, 128), cp.nan, dtype=cp.float32)
         cb.flash_attn_ext_device(from_array(dq), kd, vd, None if dm is None else from_array(dm, GGML_TYPE_F16), None,
                                  from_array(dst), 0.1, kernel=kernel)
         out = dst.get()
         err = nmse(out, ref)
         ok = err <= 5e-4 and not np.isnan(out).any()
         bad += not ok
-        print(f"quant {kernel:10s} K {kt} V {vt} mask={m is not None} blocks={blocks} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        print(f"quant {kernel:10s} K {kt} V {vt} streams={ns} mask={m is not None} blocks={blocks} nmse={err:.2e} "
+              f"{'ok' if ok else 'FAIL'}")
     cuda_launch.DECODE_TMA_BLOCKS = 0
     return bad
 
