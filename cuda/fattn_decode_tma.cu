@@ -299,8 +299,8 @@ struct Walk {
     // [b W / B, (b + 1) W / B). The cap only sizes the work: any cap gives a right split of
     // the current counts (a refreshed plan's included). False: the block has no units.
     // Group order: pair by pair (a pair's head groups one after another), or with heads_first,
-    // where the groups are one list of equal groups (every pair's units the same: no plan, or
-    // a cap's equal run), head group by head group: then the blocks that run at the same time
+    // in the equal share and where the cap's groups are one list of equal groups (every pair's
+    // units the same), head group by head group: then the blocks that run at the same time
     // walk neighbouring heads of the same pairs over the same cells, and the DRAM granules two
     // heads' rows share (the quantized rows: 136 / 72 bytes a head) are read once, while both
     // blocks are at them, instead of once per head (bench/NOTES.md, seventeenth session).
@@ -397,25 +397,32 @@ struct Walk {
             t = (int)(w - g * per);
             return true;
         }
+        // pairs of unequal units: the pair holding unit w by a scan of the pairs' units -- each
+        // pair's n_hg groups (pair by pair), or with heads first its one group of head group
+        // w / (W / n_hg) (every head group's units are W / n_hg)
+        hf = heads_first;
+        const long long Wh = W / n_hg;
+        const int h_w = hf ? (int)(w / Wh) : 0;
+        const long long r = hf ? w - h_w * Wh : w;   // unit w's index among the scanned units
         long long acc = 0;   // units before this chunk of 32 pairs
         for (int base = 0; base < NP; base += 32) {
             const int i = base + lane;
-            const long long c = i < NP ? pair_units(p, i) : 0;
+            const long long c = i < NP ? (hf ? (long long)max(pair_cnt(p, i), 1) : pair_units(p, i)) : 0;
             long long incl = c;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
                 const long long y = __shfl_up_sync(0xffffffffu, incl, o);
                 if (lane >= o) incl += y;
             }
-            const unsigned hit = __ballot_sync(0xffffffffu, acc + incl > w);
+            const unsigned hit = __ballot_sync(0xffffffffu, acc + incl > r);
             if (hit) {
                 const int L = __ffs(hit) - 1;
                 pair = base + L;
                 const long long before = acc + __shfl_sync(0xffffffffu, incl - c, L);
                 cnt = pair_cnt(p, pair);
                 const long long per = max(cnt, 1);
-                hg = (int)((w - before) / per);
-                t = (int)(w - before - (long long)hg * per);
+                hg = hf ? h_w : (int)((r - before) / per);
+                t = (int)(r - before - (hf ? 0 : (long long)hg * per));
                 return true;
             }
             acc += __shfl_sync(0xffffffffu, incl, 31);

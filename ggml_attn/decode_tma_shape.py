@@ -7,8 +7,8 @@ Rows: the decode-tc layout -- 16 rows per group, the ``pack`` query heads of one
 size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per SM x SMs).
 Work: the flattened (group, live KV tile) units, a group's units its pair's live tiles (at
 least one; a pair is a (stream, query tile), its ``n_hg`` head groups have the same work). The
-groups are numbered pair by pair, or (``Cfg.heads_first``, where every pair's units are the same)
-head group by head group, so that the blocks running at the same time read neighbouring heads of
+groups are numbered pair by pair, or (``Cfg.heads_first``: in the equal share, and under a cap
+where every pair's units are the same) head group by head group, so that the blocks running at the same time read neighbouring heads of
 the same cells: a quantized head's row (136 / 72 bytes) shares its first and last 64-byte DRAM
 granule with the next head's, read once when both blocks are at it (the unit ranges below are the
 same in either order).
