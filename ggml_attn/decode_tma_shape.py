@@ -72,7 +72,9 @@ CONFIGS = {
     # the fragments straight from the box, 7 warps ("r4": 4) and a deeper ring. Heads first
     # (module doc); "-pm": pair by pair, the order before (A/B rows). At B=64 32k on the H100 the
     # pair-by-pair order read 1.42x (q8_0) / 1.78x (q4_0) the cache's bytes from DRAM, at 78-82%
-    # of its peak (bench/results/2026-12-06-695471d-h100-ncu-decode-quant/).
+    # of its peak (bench/results/2026-12-06-695471d-h100-ncu-decode-quant/); heads first, device
+    # time 2,245 -> 2,032 us (q8_0), 1,605 -> 1,343 (q4_0; f16 2,712), B=1 and B=16 unchanged
+    # (bench/results/2026-12-06-4ecdc80-h100-quant-kv-heads-first/).
     "q8_0-scratch": Cfg(128, 8, GGML_TYPE_Q8_0, scratch=True, heads_first=True),
     "q4_0-scratch": Cfg(128, 12, GGML_TYPE_Q4_0, scratch=True, heads_first=True),
     "q8_0": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7, heads_first=True),
