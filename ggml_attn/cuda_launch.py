@@ -90,7 +90,8 @@ WGMMA_RAGGED_PACK = 2
 # tiles (the GPU tests' way to reach the cross-tile paths). Part of the call key.
 WGMMA_PERSISTENT_BLOCKS = 0
 # The sm_90a decode's instance (a key of decode_tma_shape.CONFIGS for the call's K/V type): "" --
-# decode_tma_shape.FOR_TYPE's; A/B rows of the benchmark otherwise. Part of the call key.
+# decode_tma_shape.config's choice (FOR_TYPE's, FOR_ONE_PAIR's for one pair); A/B rows of the
+# benchmark otherwise. Part of the call key.
 DECODE_TMA_CONFIG = ""
 # The sm_90a decode's block count: 0 = one wave (occupancy x SMs); a small count makes blocks
 # take parts of many groups (the GPU tests' way to reach the cross-block merges). Part of the call key.
@@ -251,11 +252,11 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
                             rows=hp.Q_TILE_WS, fused_finish=False)
     if kernel == "decode-tma":   # persistent: one wave over the flattened (group, live tile) work
         from . import decode_tma_shape as dt
-        c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG)]
-        name = c.name
         pack, tq = _group_rows(sh.gqa)
-        variant = K.decode_tma_variant(name)
         n_q_tiles = -(-sh.n_batch // tq)
+        c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG, sh.ne3 * n_q_tiles)]
+        name = c.name
+        variant = K.decode_tma_variant(name)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads)))
         # with a cap, only the blocks it keeps busy: idle blocks of a one-per-SM wave leave the
         # busy ones unevenly spread over the GPCs (132 blocks, 4 idle: B=64 32k 1877.6 us

@@ -85,11 +85,25 @@ CONFIGS = {
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above
+# The quantized instances where a call is one pair (one stream's query tile: a single sequence's
+# decode step), from the measured rows: its few, long groups (B=1: 8 groups, each cut in parts
+# over the wave) ran faster through scratch (4 consumer warps) than on the register path (7), and
+# from B=16 on the register path won (H200 at 115bb1f, us, q8_0 scratch / register, q4_0 the same;
+# bench/results/2026-12-05-115bb1f-h200-quant-kv/):
+#   B=1 4k 16.3 / 22.6, 15.5 / 22.4;  B=1 32k 40.9 / 47.1, 38.9 / 46.0;
+#   B=16 4k 62.3 / 57.4, 58.0 / 53.0;  B=64 32k 1716 / 1687, 1610 / 1239.
+# On the H100 at 695471d, B=1 32k q8_0 under ncu: 51.0 / 59.7 (bench/results/2026-12-06-695471d-
+# h100-ncu-decode-quant/). Between 2 and 15 pairs nothing is measured: FOR_TYPE's.
+FOR_ONE_PAIR = {GGML_TYPE_Q8_0: "q8_0-scratch", GGML_TYPE_Q4_0: "q4_0-scratch"}
 
 
-def config(kv_type: int, override: str = "") -> str:
-    """The CONFIGS key for K/V of ``kv_type``: ``override`` (cuda_launch.DECODE_TMA_CONFIG) when
-    set, else FOR_TYPE's. ValueError for an unknown key or one of another K/V type."""
+def config(kv_type: int, override: str = "", pairs: int = 0) -> str:
+    """The CONFIGS key for K/V of ``kv_type`` in a call of ``pairs`` (streams x query tiles; 0:
+    not known): ``override`` (cuda_launch.DECODE_TMA_CONFIG) when set, else FOR_ONE_PAIR's for a
+    one-pair call of its types, else FOR_TYPE's. ValueError for an unknown key or one of another
+    K/V type."""
+    if not override and pairs == 1:
+        override = FOR_ONE_PAIR.get(kv_type, "")
     return pick(CONFIGS, FOR_TYPE, kv_type, override, lambda c: c.kv_type, "sm_90a decode", "DECODE_TMA_CONFIG")
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ggml_attn import decode_tma_shape as dt
 from ggml_attn import dispatch
-from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32
+from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16, GGML_TYPE_F32, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
 
 
 def _f(**kw):
@@ -146,6 +146,27 @@ def test_launch_config_is_one_wave_of_decode_tc_rows(monkeypatch):
     monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "s6-bf16")
     with pytest.raises(ValueError, match="another K/V type"):
         L.launch_config("decode-tma", L.AttnDims(128, 128, 1, 32, 8, 1, 1000, GGML_TYPE_F16))
+
+
+@pytest.mark.parametrize("kv_type", [GGML_TYPE_Q8_0, GGML_TYPE_Q4_0])
+def test_quantized_instance_follows_the_calls_pairs(kv_type, monkeypatch):
+    """One pair (one stream's one query tile: a sequence's decode token, or up to 4 of its
+    tokens at GQA 4) runs the scratch instance, as measured faster there; two streams, or a
+    second query tile, the register path; the knob overrides both; f16 is one instance."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
+    dims = lambda n_batch, ne3, t=kv_type: L.AttnDims(128, 128, n_batch, 32, 8, ne3, 4096, t)   # noqa: E731
+    one, reg = dt.CONFIGS[dt.FOR_ONE_PAIR[kv_type]], dt.CONFIGS[dt.FOR_TYPE[kv_type]]
+    assert one.scratch and not reg.scratch
+    assert L.launch_config("decode-tma", dims(1, 1)).name == one.name
+    assert L.launch_config("decode-tma", dims(4, 1)).name == one.name          # 4 tokens: one query tile
+    assert L.launch_config("decode-tma", dims(5, 1)).name == reg.name          # two query tiles
+    assert L.launch_config("decode-tma", dims(1, 2)).name == reg.name          # two streams
+    assert L.launch_config("decode-tma", dims(1, 1, GGML_TYPE_F16)).name == dt.CONFIGS["s6"].name
+    assert dt.config(kv_type) == dt.FOR_TYPE[kv_type]                          # pairs not known
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", dt.FOR_TYPE[kv_type])
+    assert L.launch_config("decode-tma", dims(1, 1)).name == reg.name
 
 
 @pytest.mark.parametrize("units,n_hg,slots,cap", [
