@@ -92,8 +92,9 @@ QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instan
 # bench/results/2026-12-05-115bb1f-h200-quant-kv/):
 #   B=1 4k 16.3 / 22.6, 15.5 / 22.4;  B=1 32k 40.9 / 47.1, 38.9 / 46.0;
 #   B=16 4k 62.3 / 57.4, 58.0 / 53.0;  B=64 32k 1716 / 1687, 1610 / 1239.
-# On the H100 at 695471d, B=1 32k q8_0 under ncu: 51.0 / 59.7 (bench/results/2026-12-06-695471d-
-# h100-ncu-decode-quant/). Between 2 and 15 pairs nothing is measured: FOR_TYPE's.
+# On the H100 at 695471d, B=1 32k q8_0 under ncu: 51.0 / 59.7
+# (bench/results/2026-12-06-695471d-h100-ncu-decode-quant/). Between 2 and 15 pairs nothing is
+# measured: FOR_TYPE's.
 FOR_ONE_PAIR = {GGML_TYPE_Q8_0: "q8_0-scratch", GGML_TYPE_Q4_0: "q4_0-scratch"}
 
 
