@@ -23,8 +23,10 @@ Candidates: ``simple``, ``equal``, ``padded`` on a unified cache; ``equal``, ``s
 
 Only candidates that can still win are dry-run: every candidate is split (cheap), and its
 ``n_ubatches``, ``rows`` and a floor of its ``kv_tiles`` -- every (stream, query tile) holding a
-real row visits at least one tile, the one with the row's own cell -- give a lower bound of
-its cost without placing anything. Candidates are dry-run in order of that bound; one whose
+real row visits at least one tile, the one with the row's own cell; on a one-stream cache at
+least every tile that holds an earlier cell of a row's sequence (:class:`_History`: a server's
+decode rows see their whole history, whatever the split) -- give a lower bound of its cost
+without placing anything. Candidates are dry-run in order of that bound; one whose
 bound already exceeds the best exact cost (or equals it and comes later) is not planned, its
 cost is reported as the bound (``StrategyCost.exact`` False). The choice is the same as when
 everything is dry-run. With a ``cache``, the chosen split's dry-run plans come back in
@@ -130,12 +132,51 @@ def _tile_floor(ub: UBatch, unified: bool) -> int:
     return int(padded.reshape(ns, n_q, MAP_Q_TILE).any(axis=2).sum())
 
 
-def cost_floor(mode: str, ubs: list[UBatch], unified: bool, cfg: AttnConfig, model: CostModel) -> StrategyCost:
+class _History:
+    """The KV tiles (MAP_KV_TILE cells) of a one-stream cache that hold each sequence's cells, with
+    the least position of its cells in each: ``first[s, t]`` (int64 max where none). A real row
+    of sequence s at position p sees every tile t with ``first[s, t] <= p`` -- a cell of its own
+    sequence, not a pad, not after it -- wherever a split places the batch (placing adds cells,
+    never moves them): a floor of a query tile's KV tiles. Causal masks without a window (the
+    dry runs' masks; under a sliding window the cells may be out of reach)."""
+
+    def __init__(self, cache: KVCache):
+        cells = np.flatnonzero((cache.pos[0] >= 0) & ~cache.pad[0])
+        sets = cache.seqs[0][cells]                     # (cells, n_seq_max) bool
+        seqs = sets.argmax(axis=1)                      # a cell's sequence (most cells have one)
+        shared = np.count_nonzero(sets, axis=1) > 1
+        if shared.any():                                # the cells of several: one pair each
+            r, s = np.nonzero(sets[shared])
+            cells, seqs = np.concatenate([cells[~shared], cells[shared][r]]), np.concatenate([seqs[~shared], s])
+        n_tiles = max(1, -(-cache.kv_size // MAP_KV_TILE))
+        self.first = np.full((cache.n_seq_max, n_tiles), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.first, (seqs, cells // MAP_KV_TILE), cache.pos[0][cells].astype(np.int64))
+
+    def tiles(self, ub: UBatch) -> int:
+        """A floor of ``ub``'s live (query tile, KV tile) pairs on the one stream: per query tile
+        holding a real row, the tiles its rows' histories hold (at least one)."""
+        real = ~ub.is_pad
+        if not real.any():
+            return 0
+        n_seq = self.first.shape[0]
+        q = np.nonzero(real)[0] // MAP_Q_TILE                       # each real row's query tile
+        key = q * n_seq + ub.primary_seq_ids[real].astype(np.int64)
+        last = np.full(int(q.max() + 1) * n_seq, -1, dtype=np.int64)
+        np.maximum.at(last, key, ub.positions[real].astype(np.int64))   # (query tile, sequence): its last row
+        k = np.nonzero(last >= 0)[0]
+        seen = np.zeros((int(q.max() + 1), self.first.shape[1]), dtype=bool)
+        np.logical_or.at(seen, k // n_seq, self.first[k % n_seq] <= last[k][:, None])
+        return int(np.maximum(seen.sum(axis=1), np.bincount(q, minlength=seen.shape[0]) > 0).sum())
+
+
+def cost_floor(mode: str, ubs: list[UBatch], unified: bool, cfg: AttnConfig, model: CostModel,
+               history: _History | None = None) -> StrategyCost:
     """A lower bound of ``cost_of`` for ``ubs`` without placing or masking anything
-    (``exact`` False): exact ubatch and row counts, the tile floor of :func:`_tile_floor`."""
+    (``exact`` False): exact ubatch and row counts, the tile floor of :func:`_tile_floor` (with
+    ``history``, a one-stream cache's: of :meth:`_History.tiles` where higher)."""
     rows = sum(u.n_tokens for u in ubs)
     n_pad = sum(u.n_pad for u in ubs)
-    tiles = sum(_tile_floor(u, unified) for u in ubs)
+    tiles = sum(max(_tile_floor(u, unified), history.tiles(u) if history is not None else 0) for u in ubs)
     return StrategyCost(mode, len(ubs), rows, n_pad, tiles, _est_us(len(ubs), rows, tiles, cfg, model), False)
 
 
@@ -164,6 +205,7 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     if cache is None:
         cache = _scratch_cache(batch, n_ubatch, bool(unified))
     modes = candidates_for(cache.unified)
+    history = _History(cache) if given and cache.n_stream == 1 and cfg.n_swa <= 0 else None
     splits: dict[str, list[UBatch] | Exception] = {}
     plain: dict[str, list[UBatch]] = {}   # (the splits before ``shape``)
     costs: dict[str, StrategyCost] = {}
@@ -176,7 +218,7 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
             splits[mode] = e
             costs[mode] = StrategyCost(mode, 0, 0, 0, 0, float("inf"))
             continue
-        costs[mode] = cost_floor(mode, splits[mode], cache.unified, cfg, model)
+        costs[mode] = cost_floor(mode, splits[mode], cache.unified, cfg, model, history)
     plans: dict[str, list[UBatchPlan]] = {}
     best: tuple[float, int] | None = None  # (exact cost, candidate index) of the best so far
     feasible = [m for m in modes if not isinstance(splits[m], Exception)]

@@ -258,3 +258,68 @@ def test_auto_plans_apply_only_to_the_cache_state_they_were_made_on():
     cache.place(choice.ubatches[0])  # the cache moved on: the first plan's cells are taken
     with pytest.raises(ValueError, match="stale plan"):
         apply_plan(cache, choice.plans[0])
+
+
+def _served_cache(rng, n_hist: int, n_seq: int, coarse: bool = False) -> tuple[KVCache, dict]:
+    """A one-stream cache after a server's first steps: ``n_hist`` prompts of 16-200 tokens,
+    then 1-40 decode steps of all of them (the ids interleaved in the cells), and the sequences'
+    next positions."""
+    cache = KVCache(16384, n_seq, unified=True, coarse_n_kv=coarse)
+    lens = [int(x) for x in rng.integers(16, 201, n_hist)]
+    for ub in choose_split(Batch.from_lengths(lens, seq_ids=list(range(n_hist))), 2048, cache=cache).ubatches:
+        cache.free_pads(cache.place(ub))
+    for _ in range(int(rng.integers(1, 41))):
+        ids = list(range(n_hist))
+        step = Batch.from_lengths([1] * n_hist, seq_ids=ids, start_pos=cache.next_positions(ids))
+        cache.free_pads(cache.place(choose_split(step, 2048, cache=cache).ubatches[0]))
+    return cache, cache.next_positions(list(range(n_hist)))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_history_floor_is_a_floor_and_keeps_the_choice(seed, monkeypatch):
+    """On a cache holding a server's earlier steps, a step mixing every generating request's
+    token with new prompts: the floor of each candidate -- with the tiles its rows' histories
+    hold (auto._History) -- never exceeds the candidate's dry-run cost, and the choice is the one
+    of dry-running everything."""
+    from ggml_attn.graph import auto
+    rng = np.random.default_rng(seed)
+    n_hist = int(rng.integers(8, 49))
+    cache, nxt = _served_cache(rng, n_hist, 64)
+    new = [int(x) for x in rng.integers(1, 201, int(rng.integers(1, 6)))]
+    ids = list(range(n_hist)) + list(range(n_hist, n_hist + len(new)))
+    order = [int(x) for x in rng.permutation(n_hist)] + ids[n_hist:]
+    mixed = Batch.from_lengths([1] * n_hist + new, seq_ids=order,
+                               start_pos={**nxt, **{s: 0 for s in ids[n_hist:]}})
+    cfg = AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128, n_layer=32)
+    history = auto._History(cache)
+    for mode in auto.candidates_for(True):
+        ubs = auto._split.split_ubatches(mixed, 512, mode)
+        floor = auto.cost_floor(mode, ubs, True, cfg, CostModel(), history)
+        exact = auto.cost_of(mode, auto.dry_run_plans(cache, ubs), cfg, CostModel())
+        assert floor.kv_tiles <= exact.kv_tiles and floor.est_us <= exact.est_us, (mode, floor, exact)
+        assert floor.kv_tiles >= auto.cost_floor(mode, ubs, True, cfg, CostModel()).kv_tiles
+    fast = choose_split(mixed, 512, cache=cache, cfg=cfg)
+    with monkeypatch.context() as m:
+        m.setattr(auto, "cost_floor", lambda mode, ubs, *a: auto.StrategyCost(mode, 0, 0, 0, 0, 0.0, False))
+        full = choose_split(mixed, 512, cache=cache, cfg=cfg)
+    assert fast.mode == full.mode and {c.mode: c for c in full.costs}[fast.mode] == \
+        {c.mode: c for c in fast.costs}[fast.mode]
+
+
+def test_a_mixed_step_over_long_histories_dry_runs_one_candidate(monkeypatch):
+    """48 generating requests' tokens and three new prompts on a bucketing cache (the CUDA
+    engines'): the rows' histories already hold most of the tiles any split visits, so the
+    floors of equal and padded exceed simple's exact cost -- one dry run, not three (each a
+    placement and a mask over the cache's cells: ~5-10 ms of a server's mixed step)."""
+    from ggml_attn.graph import auto, driver
+    rng = np.random.default_rng(0)
+    cache, nxt = _served_cache(rng, 48, 64, coarse=True)
+    ids = list(range(51))
+    mixed = Batch.from_lengths([1] * 48 + [150, 180, 120], seq_ids=ids, start_pos={**nxt, 48: 0, 49: 0, 50: 0})
+    runs = []
+    real = auto.dry_run_plans
+    monkeypatch.setattr(auto, "dry_run_plans", lambda c, ubs, **kw: runs.append(len(ubs)) or real(c, ubs, **kw))
+    cfg = AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128, n_layer=32)
+    got = choose_split(mixed, 2048, cache=cache, cfg=cfg, shape=lambda u: driver._bucketed(cache, u, 2048))
+    assert got.mode == "simple" and runs == [1], (got.reason, runs)
+    assert [c.exact for c in got.costs] == [True, False, False]
