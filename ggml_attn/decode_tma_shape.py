@@ -8,10 +8,10 @@ size). Grid: persistent, one wave of ``blocks`` (the occupancy API's blocks per 
 Work: the flattened (group, live KV tile) units, a group's units its pair's live tiles (at
 least one; a pair is a (stream, query tile), its ``n_hg`` head groups have the same work). The
 groups are numbered pair by pair, or (``Cfg.heads_first``: in the equal share, and under a cap
-where every pair's units are the same) head group by head group, so that the blocks running at the same time read neighbouring heads of
-the same cells: a quantized head's row (136 / 72 bytes) shares its first and last 64-byte DRAM
-granule with the next head's, read once when both blocks are at it (the unit ranges below are the
-same in either order).
+where every pair's units are the same) head group by head group, so that the blocks running at
+the same time read neighbouring heads of the same cells: a quantized head's row (136 / 72 bytes)
+shares its first and last 64-byte DRAM granule with the next head's, read once when both blocks
+are at it (the unit ranges below are the same in either order).
 Split: with a cap (FattnParams.work_cap, :func:`work_cap`) the groups are cut on their own
 boundaries -- a group of at least ``cap`` units into ceil(units / cap) equal parts, one block
 each, smaller groups packed floor(cap / units) to a block -- else block b takes an equal share

@@ -150,15 +150,13 @@ def _packed_inputs(rng, kv_type, n_batch, n_kv, n_head, n_head_kv, pad, d=128, n
     views, deq, keep = [], [], []
     for _ in range(2):
         f = rng.standard_normal((n_stream, n_head_kv, n_kv, d), dtype=np.float32)
-        b = quantize(f.reshape(1, n_stream * n_head_kv, n_kv, d), kv_type)[0]   # (n_stream * n_head_kv, n_kv, row)
-        b = b.reshape(n_stream, n_head_kv, n_kv, -1)
+        b = quantize(f, kv_type)                                       # (n_stream, n_head_kv, n_kv, row)
         rows = np.zeros((n_stream, n_kv, n_head_kv * b.shape[-1] + pad), np.uint8)
         rows[..., :n_head_kv * b.shape[-1]] = b.transpose(0, 2, 1, 3).reshape(n_stream, n_kv, -1)
         dev = cp.asarray(rows.reshape(n_stream * n_kv, -1))
         keep.append(dev)
         views.append(_cache_view(dev, kv_type, d, n_kv, n_head_kv, n_stream))
-        bb = np.ascontiguousarray(b)
-        deq.append(dequantize_rows(bb.ctypes.data, kv_type, d, n_stream * n_head_kv * n_kv, b.shape[-1])
+        deq.append(dequantize_rows(b.ctypes.data, kv_type, d, n_stream * n_head_kv * n_kv, b.shape[-1])
                    .reshape(n_stream, n_head_kv, n_kv, d))
     return q, views, deq, keep
 
