@@ -133,14 +133,18 @@ def _tile_floor(ub: UBatch, unified: bool) -> int:
 
 
 class _History:
-    """The KV tiles (MAP_KV_TILE cells) of a one-stream cache that hold each sequence's cells, with
-    the least position of its cells in each: ``first[s, t]`` (int64 max where none). A real row
+    """The KV tiles (MAP_KV_TILE cells) of a one-stream cache that hold the cells of each of
+    ``seq_ids`` (a batch's sequences), with the least position of its cells in each:
+    ``first[row[s], t]`` (int64 max where none). A real row
     of sequence s at position p sees every tile t with ``first[s, t] <= p`` -- a cell of its own
     sequence, not a pad, not after it -- wherever a split places the batch (placing adds cells,
     never moves them): a floor of a query tile's KV tiles. Causal masks without a window (the
     dry runs' masks; under a sliding window the cells may be out of reach)."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, seq_ids):
+        ids = np.asarray(sorted(seq_ids), dtype=np.int64)
+        self.row = np.full(cache.n_seq_max, -1, dtype=np.int64)   # sequence -> its row of first
+        self.row[ids] = np.arange(ids.shape[0])
         cells = np.flatnonzero((cache.pos[0] >= 0) & ~cache.pad[0])
         sets = cache.seqs[0][cells]                     # (cells, n_seq_max) bool
         seqs = sets.argmax(axis=1)                      # a cell's sequence (most cells have one)
@@ -148,9 +152,11 @@ class _History:
         if shared.any():                                # the cells of several: one pair each
             r, s = np.nonzero(sets[shared])
             cells, seqs = np.concatenate([cells[~shared], cells[shared][r]]), np.concatenate([seqs[~shared], s])
+        rows = self.row[seqs]
+        cells, rows = cells[rows >= 0], rows[rows >= 0]   # (the batch's sequences only)
         n_tiles = max(1, -(-cache.kv_size // MAP_KV_TILE))
-        self.first = np.full((cache.n_seq_max, n_tiles), np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(self.first, (seqs, cells // MAP_KV_TILE), cache.pos[0][cells].astype(np.int64))
+        self.first = np.full((max(1, ids.shape[0]), n_tiles), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(self.first, (rows, cells // MAP_KV_TILE), cache.pos[0][cells].astype(np.int64))
 
     def tiles(self, ub: UBatch) -> int:
         """A floor of ``ub``'s live (query tile, KV tile) pairs on the one stream: per query tile
@@ -160,7 +166,7 @@ class _History:
             return 0
         n_seq = self.first.shape[0]
         q = np.nonzero(real)[0] // MAP_Q_TILE                       # each real row's query tile
-        key = q * n_seq + ub.primary_seq_ids[real].astype(np.int64)
+        key = q * n_seq + self.row[ub.primary_seq_ids[real]]       # (every real row's sequence is the batch's)
         last = np.full(int(q.max() + 1) * n_seq, -1, dtype=np.int64)
         np.maximum.at(last, key, ub.positions[real].astype(np.int64))   # (query tile, sequence): its last row
         k = np.nonzero(last >= 0)[0]
@@ -205,7 +211,7 @@ def choose_split(batch: Batch, n_ubatch: int, *, cache: KVCache | None = None, c
     if cache is None:
         cache = _scratch_cache(batch, n_ubatch, bool(unified))
     modes = candidates_for(cache.unified)
-    history = _History(cache) if given and cache.n_stream == 1 and cfg.n_swa <= 0 else None
+    history = _History(cache, batch.unique_seq_ids) if given and cache.n_stream == 1 and cfg.n_swa <= 0 else None
     splits: dict[str, list[UBatch] | Exception] = {}
     plain: dict[str, list[UBatch]] = {}   # (the splits before ``shape``)
     costs: dict[str, StrategyCost] = {}

@@ -291,7 +291,7 @@ def test_history_floor_is_a_floor_and_keeps_the_choice(seed, monkeypatch):
     mixed = Batch.from_lengths([1] * n_hist + new, seq_ids=order,
                                start_pos={**nxt, **{s: 0 for s in ids[n_hist:]}})
     cfg = AttnConfig(n_head=32, n_head_kv=8, head_dim_k=128, n_layer=32)
-    history = auto._History(cache)
+    history = auto._History(cache, mixed.unique_seq_ids)
     for mode in auto.candidates_for(True):
         ubs = auto._split.split_ubatches(mixed, 512, mode)
         floor = auto.cost_floor(mode, ubs, True, cfg, CostModel(), history)
