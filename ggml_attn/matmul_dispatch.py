@@ -167,10 +167,15 @@ def gemv_q8x_split(weight_type: str, form: str, n_tokens: int, rows: int, mode: 
             and n_tokens <= max(Q8X_SPLIT_TOKENS.get(form, (0,))))
 
 
-def gemv_quant_out(producer: MatmulChoice, *readers: MatmulChoice) -> bool:
-    """Whether a GEMV on the path ``producer`` writes its output's 8-bit form for the GEMVs on the
-    paths ``readers`` to read (GEMV_QUANT_OUT, every one ``gemv-q8x``)."""
-    return GEMV_QUANT_OUT and bool(readers) and all(c.path == "gemv-q8x" for c in (producer, *readers))
+def gemv_quant_out(choices) -> bool:
+    """Whether a GEMV writes its output's 8-bit form for the GEMVs that read it next
+    (GEMV_QUANT_OUT, every one ``gemv-q8x``): ``choices``, an iterable of the producer's path and
+    then the readers' (at least one), looked at only with GEMV_QUANT_OUT on (a generator: no
+    choice is made when it is off)."""
+    if not GEMV_QUANT_OUT:
+        return False
+    paths = [c.path for c in choices]
+    return len(paths) > 1 and all(p == "gemv-q8x" for p in paths)
 
 
 def gemv_pdl() -> int:

@@ -270,8 +270,9 @@ class GraphBuilder:
         self._weights: dict = {}
         self._ptrs: dict = {}   # id(array) -> (array, data address): arrays attached more than once
         self._inputs: list = []   # [q, k, v] zeroed arrays of the layers still to come (qkv_inputs)
-        # tensor address -> (xq, xd, xs): a node's output in 8-bit form, made by that node
-        # (xp_matmul.mul_mat_gated's ``down``) for the 8-bit GEMV that multiplies it next
+        # tensor address -> ((xq, xd, xs), the RMS norm it is of or None): a node's output in 8-bit
+        # form, made by that node (xp_matmul.mul_mat_gated's ``down``, mul_mat_add's ``norm_next``)
+        # for the 8-bit GEMVs that multiply it next (graph/q8_handoff.py)
         self.q8_forms: dict = {}
         self.kv = kv_tensors(cache)
 

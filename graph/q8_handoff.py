@@ -34,7 +34,7 @@ def arrays_for(b, ws: list, n_tok: int, rows: int):
     from ggml_attn.matmul_dispatch import gemv_quant_out  # noqa: PLC0415
     if b.xp is np or not all(isinstance(w, QMatrix) for w in ws) or rows % 32 or n_tok > max(Q8X_QOUT_TOKENS):
         return None
-    if not gemv_quant_out(*(matmul_choice([w], n_tok) for w in ws)):
+    if not gemv_quant_out(matmul_choice([w], n_tok) for w in ws):   # (lazy: no choice made while it is off)
         return None
     return q8_out_arrays(b.xp, n_tok, rows)
 

@@ -189,8 +189,8 @@ def _gemv(b, ws: list, x, outs: list, *, mode: int, norm_eps: float | None = Non
                 n_tok, n_in = x.shape
                 q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
                       b.scratch((n_tok, n_in // 32), np.float32))
+                b.keep(*q8)   # (a handed-over form is kept by its producer: q8_handoff.remember)
                 made = True
-            b.keep(*q8)
             run = q8x_launches(gw, x, go, *q8, mode=mode, norm_eps=norm_eps, norm_w=norm_w, quantize=first,
                                out_q=out_q, out_norm=out_norm)
         else:

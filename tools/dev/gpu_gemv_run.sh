@@ -14,10 +14,10 @@
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json, and under STEP_VARIANT (a knob_ab
 #      variant; default the A/B's "fused") -> $OUT/step-<name>.json
 #   4. tg128 with the shipped GEMV routing against each of AB_VARIANTS (knob_ab --variant
-#      arguments, ';'-separated; default "fused": the gated GEMV writing the down matrix's 8-bit
-#      activations, matmul_dispatch.GEMV_QUANT_OUT; and no type through the one-operand
-#      instances, a check that GEMV_ONE_TYPES still wins; tools/dev/knob_ab.py, 2 alternating
-#      rounds) -> $OUT/ab_gemv.json
+#      arguments, ';'-separated; default: no type through the one-operand instances, a check that
+#      GEMV_ONE_TYPES still wins; "fused:matmul_dispatch.GEMV_QUANT_OUT=True" the GEMVs writing
+#      their outputs' 8-bit form, -16% at 695471d; tools/dev/knob_ab.py, 2 alternating rounds)
+#      -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
 # Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -29,8 +29,8 @@ trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
 INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
-FUSED="matmul_dispatch.GEMV_QUANT_OUT=True" NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
-AB_VARIANTS=${AB_VARIANTS-"fused:$FUSED;no-one:$NO_ONE"}
+NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
+AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;
