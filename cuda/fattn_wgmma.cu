@@ -41,7 +41,8 @@
 // DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
 // for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
 // output rows stored (the epilogue's cost; a never-true test keeps the results live).
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false, bool QTMA = false>
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false, bool QTMA = false,
+          int SMX = 0>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv,
                                                     const TmaMap* mq) {
     using namespace ws;
@@ -240,10 +241,20 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
         float S[BK / 2];
         unsigned a[BK / 4];
+        // rescale: O must be scaled by alpha before the next P V (with WS_SMX_SKIP / LAZY, only
+        // when a row of the warp moved its reference maximum: a warp-uniform branch)
+        bool rescale = true;
         auto softmax = [&](const WsChunk& c) {
             ws_mask_chunk<BK>(S, c, rows, p, tok, h, s, t4);
-            if (DIAG == 1) alpha[0] = alpha[1] = 1.0f;
-            else ws_softmax<BK>(S, m, l, alpha);
+            if (DIAG == 1) {
+                alpha[0] = alpha[1] = 1.0f;
+            } else {
+                const bool moved = ws_softmax<BK, SMX>(S, m, l, alpha);
+                if (SMX & (WS_SMX_SKIP | WS_SMX_LAZY)) rescale = __any_sync(0xffffffffu, moved);
+            }
+        };
+        auto rescale_o = [&]() {
+            if (!(SMX & (WS_SMX_SKIP | WS_SMX_LAZY)) || rescale) ws_rescale<D>(O, alpha);
         };
 
         int pos = 0, j = 0;
@@ -270,7 +281,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 wgmma_fence();
                 ws_issue_s<D, BK, T>(S, q_addr, k_addr(st));
                 wgmma_commit();
-                ws_rescale<D>(O, alpha);
+                rescale_o();
                 wait_v(pst, n - 1, prev);
                 wgmma_fence();          // O's registers were just written
                 ws_issue_pv<D, BK, T>(O, a, v_addr(pst));
@@ -291,7 +302,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 ws_pack_p<BK, T>(S, a);
             }
             const int lst = (J + j - 1) % STAGES;
-            ws_rescale<D>(O, alpha);
+            rescale_o();
             wait_v(lst, J + j - 1, prev);
             my_turn();   // the turns balance: every arrival on a schedule barrier meets its sync
             wgmma_fence();
@@ -314,15 +325,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
 // with its parameters), each compiled in an NVRTC program of its own (a name expression, so that
 // the first call of one instance compiles that one alone): K/V type, tile width, ring depth,
 // ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes the Q map;
-// those without QTMA ignore it)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA>
+// those without QTMA ignore it), the softmax's variant (WS_SMX_* in cuda/fattn_wgmma.cuh)
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX>
 __global__ void __launch_bounds__(ws::THREADS, 1)
 fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,
                const __grid_constant__ TmaMap mq) {
-    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA>(p, &mk, &mv, &mq);
+    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX>(p, &mk, &mv, &mq);
 }
 
 // The dynamic shared memory (bytes) a launch of fattn_wgmma_ws<...> with the same parameters takes:
 // the host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA>
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX>
 __device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA>();

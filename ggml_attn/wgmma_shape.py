@@ -39,12 +39,27 @@ class WsConfig(NamedTuple):
     q_tma: bool = False   # Q's f32 rows through a TMA map a tile ahead (q_map), not loaded per tile
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their GEMMs
     diag: int = 0      # WS_DIAG's speed-of-light probes (wrong results by design), else 0
+    softmax: int = 0   # the softmax's variant: SMX_* flags (cuda/fattn_wgmma.cuh WS_SMX_*), 0 the plain one
 
     @property
     def name(self) -> str:
         """The instance's name expression (its own NVRTC program: kernels.wgmma_variant)."""
         return template_expr("fattn_wgmma_ws", KV_CTYPES[self.kv_type], self.d, self.stages, self.pingpong, self.diag,
-                             self.persistent, self.q_tma)
+                             self.persistent, self.q_tma, self.softmax)
+
+
+# WsConfig.softmax's flags (cuda/fattn_wgmma.cuh's WS_SMX_*): O's rescale skipped when no row of a
+# warp moved its maximum (exact); a row's reference maximum kept until passed by more than 2^8
+# (O / l unchanged; most chunks rescale nothing); n quarters of the exponentials as a polynomial
+# on the FMA pipe instead of MUFU (smx_fma(n), n 1..3)
+SMX_SKIP, SMX_LAZY = 1, 2
+
+
+def smx_fma(n: int) -> int:
+    """The flag for ``n`` quarters (1..3) of the softmax's exponentials on the FMA pipe."""
+    if n not in (1, 2, 3):
+        raise ValueError(f"quarters of the exponentials on the FMA pipe: 1, 2 or 3, got {n}")
+    return n << 2
 
 
 # version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
@@ -68,6 +83,13 @@ WS_CONFIGS = {
     "pp-persistent-qtma-bf16-d64": WsConfig(3, BF16, True, 64, True),
     "pp-persistent-d256": WsConfig(2, F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig(2, BF16, True, 256),
+    # #48's softmax variants (A/B rows, not routed until measured): the rescale skipped when no
+    # maximum moved, the lazy reference maximum, a quarter or half of the exponentials on FMA
+    "pp-persistent-qtma-skip": WsConfig(2, F16, True, 128, True, softmax=SMX_SKIP),
+    "pp-persistent-qtma-lazy": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY),
+    "pp-persistent-qtma-d64-lazy": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY),
+    "pp-persistent-qtma-d64-fma1": WsConfig(3, F16, True, 64, True, softmax=smx_fma(1)),
+    "pp-persistent-qtma-d64-lazy-fma2": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY | smx_fma(2)),
 }
 # the op's instance per (K/V type, tile width)
 WS_FOR = {

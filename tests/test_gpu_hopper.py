@@ -286,7 +286,6 @@ def test_wgmma_prefill_packed_heads(config, d, bf16, pack, ne3, n_batch, n_kv, b
 
 def test_wgmma_prefill_packed_heads_refused_where_they_cannot_run():
     """Several heads per tile need an instance with Q through TMA and gqa a multiple of the pack."""
-    import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_F16
     from ggml_attn.tensor import from_array
@@ -505,7 +504,13 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
                                                   ("", 0, False, 64), ("", 5, True, 64),
                                                   ("", 0, False, 256), ("", 5, False, 256), ("", 0, True, 256),
                                                   ("", 0, False, 96), ("", 5, True, 96), ("", 0, False, 40),
-                                                  ("", 5, False, 112), ("", 0, True, 192), ("", 5, False, 72)])
+                                                  ("", 5, False, 112), ("", 0, True, 192), ("", 5, False, 72),
+                                                  # #48's softmax variants (A/B instances)
+                                                  ("pp-persistent-qtma-skip", 0, False, 128),
+                                                  ("pp-persistent-qtma-lazy", 5, False, 112),
+                                                  ("pp-persistent-qtma-d64-lazy", 0, False, 64),
+                                                  ("pp-persistent-qtma-d64-fma1", 5, False, 64),
+                                                  ("pp-persistent-qtma-d64-lazy-fma2", 0, False, 40)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
 def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypatch):
     """The op's instance (cuda_launch.WGMMA_CONFIG "": the persistent one of the K/V type, f16 or
@@ -545,3 +550,37 @@ def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypat
     cb._PREPARED.clear()
     assert not np.isnan(out).any()
     assert nmse(out, ref) <= 5e-4, name
+
+
+@pytest.mark.parametrize("config", ["pp-persistent-qtma", "pp-persistent-qtma-skip", "pp-persistent-qtma-lazy",
+                                    "pp-persistent-qtma-d64", "pp-persistent-qtma-d64-lazy",
+                                    "pp-persistent-qtma-d64-fma1", "pp-persistent-qtma-d64-lazy-fma2"])
+@pytest.mark.parametrize("growth", [1 / 32, 1 / 4])
+def test_wgmma_prefill_rising_scores(config, growth):
+    """Scores that rise along the cells (K's rows scaled by 1 + growth x cell, scale 0.5: a row's
+    maximum passes the lazy reference by far more than 2^8 many times, and P's exponents reach the
+    polynomial's clamp), launched directly without a mask, 3 blocks walking many tiles, against the
+    float64 reference: every softmax variant (the rescale skipped, the lazy maximum, exponentials on
+    the FMA pipe) and the plain instances they are measured against."""
+    import cupy as cp
+    from ggml_attn import hopper_prefill as hp
+    from ggml_attn.dtypes import GGML_TYPE_F16, from_float
+    from ggml_attn.reference import flash_attn_ext, nmse
+    from ggml_attn.tensor import from_array
+    from ggml_attn.wgmma_shape import WS_CONFIGS
+    d, ne3, n_batch, n_kv, nh, nkv = WS_CONFIGS[config].d, 2, 200, 1500, 8, 2
+    rng = np.random.default_rng(23)
+    q = rng.uniform(-1, 1, (ne3, nh, n_batch, d)).astype(np.float32)
+    rise = (1 + growth * np.arange(n_kv))[None, None, :, None]
+    k = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)) * rise, GGML_TYPE_F16)
+    v = from_float(rng.uniform(-1, 1, (ne3, nkv, n_kv, d)), GGML_TYPE_F16)
+    ref = flash_attn_ext(q, k, v, None, 0.5, 0.0, 0.0, None)
+    assert np.isfinite(ref).all()
+    dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
+    hp.run_ws(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
+              from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dst), 0.5, cp.cuda.get_current_stream().ptr,
+              config=config, blocks=3)
+    out = dst.get()
+    assert not np.isnan(out).any()
+    err = nmse(out, ref)
+    assert err <= 5e-4, f"NMSE {err:.3g}"

@@ -46,14 +46,17 @@ def test_ws_configs_fit_shared_memory():
 
 def test_instance_names_are_their_template_instances():
     """Each configuration's name is cuda/fattn_wgmma.cu's template with the configuration's K/V
-    type, tile width, ring depth, ping-pong, probe mode, persistence and Q path (so that no name
-    can run a D 128 kernel on D 64 memory), compiled in a program of its own; names are distinct."""
+    type, tile width, ring depth, ping-pong, probe mode, persistence, Q path and softmax variant (so
+    that no name can run a D 128 kernel on D 64 memory), compiled in a program of its own; names
+    are distinct."""
     from ggml_attn import kernels as K
     assert hp.WS_CONFIGS["pp-persistent-qtma-bf16-d64"].name == \
-        "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"
-    assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false>"
-    assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"
-    assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true>"
+        "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0>"
+    assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false, 0>"
+    assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0>"
+    assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true, 0>"
+    assert hp.WS_CONFIGS["pp-persistent-qtma-d64-lazy-fma2"].name == \
+        "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 10>"
     every = {**hp.WS_CONFIGS, **hp.WS_DIAG}
     names = [c.name for c in every.values()]
     assert len(set(names)) == len(names)
@@ -111,15 +114,15 @@ def test_wgmma_launch_config(monkeypatch):
     heads fastest in the grid."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>"),
-                          (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true>")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0>"),
+                          (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0>")):
         cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
     assert L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
     cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
-    assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false>" and cfg.grid == (32, 3, 2)
+    assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false, 0>" and cfg.grid == (32, 3, 2)
 
 
 def test_ws_config_matches_the_kv_type():
@@ -182,14 +185,14 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true>"),
-                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true>"),
-                             (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true>"),
-                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true>"),
-                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true>"),
-                             (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
-                             (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false>"),
-                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false>")):
+    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0>"),
+                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0>"),
+                             (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0>"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0>"),
+                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0>"),
+                             (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0>"),
+                             (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0>"),
+                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false, 0>")):
         cfg = L.launch_config("prefill-wgmma", L.AttnDims(d, d, 300, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
@@ -265,3 +268,34 @@ def test_q_map_refuses_what_tma_cannot_take():
         hp.q_map(TensorDesc(256, GGML_TYPE_F16, (128, 64, 8, 1), (2, 256, 256 * 64, 256 * 512)), 128)
     with pytest.raises(ValueError, match="stride of dim 1"):
         hp.q_map(TensorDesc(256, GGML_TYPE_F32, (80, 64, 8, 1), (4, 324, 324 * 64, 324 * 512)), 128)
+
+
+def test_polynomial_exponential_constants():
+    """The softmax's exponential on the FMA pipe (cuda/fattn_wgmma.cuh ws_exp2_fma, the
+    WS_SMX_FMA variants), its algorithm in float32 with the shipped constants: 2^x within 1e-4
+    relative over the softmax's arguments (x <= 8, the lazy maximum's bound), 0 to f16 below
+    -126 (2^-126 p), -inf to 0, NaN kept."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_wgmma.cuh").read_text()
+    c = [np.float32(float(re.search(rf"#define WS_EXP2_C{i} ([-0-9.e]+)f", src).group(1))) for i in range(4)]
+    assert "12582912.0f" in src and "0fC2FC0000" in src   # 1.5 * 2^23 and -126: the constants below
+
+    def exp2_fma(x):
+        x = np.where(np.isnan(x), x, np.maximum(x, np.float32(-126))).astype(np.float32)
+        j = np.floor(x)   # the kernel's __fadd_rd(x, 1.5 * 2^23) - 1.5 * 2^23
+        f = (x - j).astype(np.float32)
+        p = ((c[3] * f + c[2]) * f + c[1]) * f + c[0]
+        with np.errstate(invalid="ignore"):
+            scale = (((j.astype(np.int64) + 127) << 23) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+        return (p * np.where(np.isnan(x), np.float32(1), scale)).astype(np.float32)
+
+    x = np.concatenate([np.linspace(-126, 8, 400_001), -np.arange(0, 127, dtype=np.float64)]).astype(np.float32)
+    got = exp2_fma(x).astype(np.float64)
+    rel = np.abs(got / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() <= 1e-4, f"relative error {rel.max():.3g}"
+    low = exp2_fma(np.array([-126.5, -200, -np.inf], dtype=np.float32))
+    assert np.all(low >= 0) and np.all(low.astype(np.float16) == 0)
+    assert np.isnan(exp2_fma(np.array([np.nan], dtype=np.float32))).all()

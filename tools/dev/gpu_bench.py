@@ -13,6 +13,10 @@ a ubatch) is measured apart, with a host clock over many calls.
 Writes a JSON file (GPU, versions, commit, date, every row) and prints a short table last.
 
 Usage: python tools/dev/gpu_bench.py [--quick] [--out FILE] [--only SUBSTR]
+
+``WS_AB=key,key`` (wgmma_shape.WS_CONFIGS keys): each causal prefill row also runs through the
+op with those sm_90a instances (WGMMA_CONFIG) where the K/V type and tile width match, as rows
+``ours-ws-<key>``: the A/B of an instance not yet routed (#48's softmax variants).
 """
 from __future__ import annotations
 
@@ -252,6 +256,17 @@ def run(quick=False, only=None, log=print):
         log(f"{case:40s} {impl:22s} {med:9.1f}  {r.get('tflops', '')} {r.get('tbps', '')} {note}")
         return med
 
+    def ws_ab(case, ours, fl, d, bf16):
+        """WS_AB's instances on this causal case (those of its K/V type and tile width)."""
+        from ggml_attn import wgmma_shape as wsh   # noqa: PLC0415
+        from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16   # noqa: PLC0415
+        kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
+        for key in filter(None, os.environ.get("WS_AB", "").split(",")):
+            c = wsh.WS_CONFIGS[key]
+            if c.kv_type == kv_type and c.d == wsh.tile_width(d):
+                with knobs(WGMMA_CONFIG=key):
+                    add(case, f"ours-ws-{key}", ours.fns("prefill-wgmma"), fl)
+
     cudnn = lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)   # noqa: E731
     fa2 = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)     # noqa: E731
 
@@ -268,6 +283,7 @@ def run(quick=False, only=None, log=print):
                 add(case, "ours-wgmma-pp", ours.fns("prefill-wgmma"), fl)
             with knobs(WGMMA_CONFIG="pp-persistent"):   # Q loaded per tile by the consumers (3 stages)
                 add(case, "ours-wgmma-qld", ours.fns("prefill-wgmma"), fl)
+            ws_ab(case, ours, fl, D, False)
             add(case, "ours-mma", ours.fns("prefill"), fl, tiles=ours.tile_classes("prefill"))
             with narrow_prefill():
                 add(case, "ours-64row", ours.fns("prefill"), fl)
@@ -291,6 +307,7 @@ def run(quick=False, only=None, log=print):
             add(case, "ours", ours.fns("auto"), fl, note=f"auto: {ours.kernel()}")
             if d != 128:   # the mma.sync kernel, which auto ran there before the sm_90a instances
                 add(case, "ours-mma", ours.fns("prefill"), fl)
+            ws_ab(case, ours, fl, d, bf16)
             q, kv = torch_qkv(1, n, n, bf16=bf16)
             add(case, "cudnn", sdpa_fns(q, kv, causal=True), fl, ctx=cudnn())
             add(case, "fa2", sdpa_fns(q, kv, causal=True), fl, ctx=fa2())
