@@ -10,7 +10,8 @@ of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused 
 rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
 dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store).
 With --dense-q only the weight-block matmuls and the fused store; with --quant-kv only the
-sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`). Exits non-zero if
+sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`); with --wgmma only
+every sm_90a prefill instance directly (:func:`_ws_instances`). Exits non-zero if
 any result misses the reference."""
 from __future__ import annotations
 
@@ -26,12 +27,40 @@ from ggml_attn.reference import flash_attn_ext, nmse
 from ggml_attn.tensor import from_array
 
 
+def _ws_instances(cp, rng) -> int:
+    """Every sm_90a prefill instance (wgmma_shape.WS_CONFIGS) directly at its head size, no mask:
+    tail tiles (n_kv 333), GQA 4. The failures' count."""
+    from ggml_attn import hopper_prefill
+    bad = 0
+    nb, n_kv, nh, nkv = 100, 333, 8, 2
+    for c, wc in hopper_prefill.WS_CONFIGS.items():   # every instance, directly, at its head size
+        kv_type, d = wc.kv_type, wc.d
+        q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
+        kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, d))
+        k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
+        ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
+        # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's
+        # pool hands a freed temporary's memory to the next array (K's buffer would become V's)
+        dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+        dst = cp.full((1, nb, nh, d), cp.nan, dtype=cp.float32)
+        hopper_prefill.run_ws(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
+                              from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, config=c)
+        out = dst.get()
+        err = nmse(out, ref)
+        ok = err <= 5e-4 and not np.isnan(out).any()
+        bad += not ok
+        print(f"{'ws-' + c:10s} D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    return bad
+
+
 def main():
     import cupy as cp
     rng = np.random.default_rng(0)
     bad = 0
     if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only (and the fused store)
         sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) else 0)
+    if "--wgmma" in sys.argv[1:]:     # every sm_90a prefill instance directly, no mask, only
+        sys.exit(1 if _ws_instances(cp, rng) else 0)
     if "--quant-kv" in sys.argv[1:]:  # the decode over quantized K/V only (sm_90a)
         m = rng.uniform(-1, 1, (1, 1, 3, 333)).astype(np.float32)
         m[..., 64:200] = -np.inf
@@ -94,24 +123,7 @@ def main():
     from ggml_attn import kernels as K
     if K.device_arch() == "sm_90":   # the sm_90a prefill: tail tiles, GQA 4, every tile class
         from ggml_attn import hopper_prefill
-        nb, n_kv, nh, nkv = 100, 333, 8, 2
-        for c, wc in hopper_prefill.WS_CONFIGS.items():   # every instance, directly, at its head size
-            kv_type, d = wc.kv_type, wc.d
-            q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
-            kv = rng.uniform(-1, 1, (2, 1, nkv, n_kv, d))
-            k, v = from_float(kv[0], kv_type), from_float(kv[1], kv_type)
-            ref = flash_attn_ext(q, k, v, None, 0.1, 0.0, 0.0, None, kv_type=kv_type)
-            # the device arrays stay referenced: a TensorDesc holds only a pointer, and CuPy's
-            # pool hands a freed temporary's memory to the next array (K's buffer would become V's)
-            dq, dk_, dv_ = cp.asarray(q), cp.asarray(k), cp.asarray(v)
-            dst = cp.full((1, nb, nh, d), cp.nan, dtype=cp.float32)
-            hopper_prefill.run_ws(from_array(dq), from_array(dk_, kv_type), from_array(dv_, kv_type),
-                                  from_array(dst), 0.1, cp.cuda.get_current_stream().ptr, config=c)
-            out = dst.get()
-            err = nmse(out, ref)
-            ok = err <= 5e-4 and not np.isnan(out).any()
-            bad += not ok
-            print(f"{'ws-' + c:10s} D={d} mask=None nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        bad += _ws_instances(cp, rng)
         # through the op's entry with a causal mask after 500 cells: PARTIAL and ABSENT halves,
         # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile), more chunks
         # per query tile than ring stages (each stage's barriers reused within a tile); each
