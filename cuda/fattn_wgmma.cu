@@ -38,18 +38,25 @@
 // converted the current tile's rows into its f16 core matrices (q_empty) -- so that no tile
 // waits on Q's global loads; without it (D 256: no room) the consumers load Q from global memory
 // at each tile's start (wg_stage_q).
+// OTMA (with QTMA): the output rows leave through TMA stores of the dst map (mo: ggml_attn/
+// wgmma_shape.py o_map) instead of each thread's global stores: at a tile's end the warpgroup
+// converts the next tile's Q rows (already landed) into its core matrices under the last P V,
+// then stages O / l in the f32 rows' space (wg_stage_rows) and hands it to warp 11 (o_full),
+// which issues the boxes and, once TMA has read them, frees the space (o_empty; q_empty for the
+// Q a tile after the next: the f32 rows now hold Q, then the staging, in turn).
 // DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
 // for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
 // output rows stored (the epilogue's cost; a never-true test keeps the results live).
 template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false, bool QTMA = false,
-          int SMX = 0>
+          int SMX = 0, bool OTMA = false>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv,
-                                                    const TmaMap* mq) {
+                                                    const TmaMap* mq, const TmaMap* mo) {
     using namespace ws;
     constexpr int BK = chunk<D>();
-    constexpr int SMEM = smem_bytes<D, STAGES, QTMA>();
+    constexpr int SMEM = smem_bytes<D, STAGES, QTMA, OTMA>();
     static_assert(SMEM <= 227 * 1024, "the ring and Q exceed a block's shared memory");
     static_assert(!(QTMA && DIAG == 2), "the Q-once probe stages Q itself");
+    static_assert(!OTMA || (QTMA && DIAG == 0), "the output's staging is Q's f32 rows' space");
     constexpr int TILE = BK * D;   // halves per K or V chunk
     constexpr int BAR_Q = 1, BAR_SCHED = 3;   // named barriers: Q stored (1 + wg), turn to issue (3 + wg)
     extern __shared__ unsigned char smem_ws[];
@@ -66,6 +73,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     unsigned long long* v_ready = empty_v + STAGES;   // a HIDDEN chunk's V after its hidden rows are zeroed
     unsigned long long* q_full = v_ready + STAGES;    // QTMA, per warpgroup: its rows of the tile's Q landed
     unsigned long long* q_empty = q_full + 2;         // ... and converted (sQf free for the next tile's)
+    unsigned long long* o_full = q_empty + 2;         // OTMA, per warpgroup: its output rows staged in sQf
+    unsigned long long* o_empty = o_full + 2;         // ... and read by TMA (sQf free for the next staging)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     // the query tiles this block computes: its grid coordinates, or (PERSISTENT) every
     // gridDim.x-th tile of the heaviest-first list (heads fastest, then streams, query tiles last
@@ -102,6 +111,10 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             for (int i = 0; i < 2; ++i) {
                 mbar_init(&q_full[i], 1);
                 mbar_init(&q_empty[i], 1);
+                if (OTMA) {
+                    mbar_init(&o_full[i], 1);
+                    mbar_init(&o_empty[i], 1);
+                }
             }
         fence_mbar_init();
     }
@@ -188,6 +201,28 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                     tma_load_4d(sQf + w * 64 * D, mq, 0, rw.tbase, rw.hbase, s, &q_full[w]);
                 }
             }
+        } else if (OTMA && warp == 11 && lane == 0) {
+            // the output rows: warpgroup w's staged boxes of each tile -> dst; its staging space
+            // then freed for the next tile's rows (o_empty) and the Q of the tile after next
+            // (q_empty: the consumers freed it for the next tile's Q at the first tile's start)
+            for (int it = 0; it < n_iter; ++it) {
+                int hg, qt, s;
+                tile_of(it, hg, qt, s);
+#pragma unroll
+                for (int w = 0; w < 2; ++w) {
+                    const WsRows rw = ws_rows(p, hg, qt, w);
+                    mbar_wait(&o_full[w], it & 1);
+#pragma unroll
+                    for (int b = 0; b < D / OBOX_COLS; ++b)
+                        tma_store_4d(mo, reinterpret_cast<unsigned char*>(sQf + w * 64 * D) + b * OBOX_BYTES,
+                                     OBOX_COLS * b, rw.hbase, rw.tbase, s);
+                    tma_store_commit();
+                    tma_store_wait_read();
+                    if (it + 1 < n_iter) mbar_arrive(&o_empty[w]);
+                    if (it + 2 < n_iter) mbar_arrive(&q_empty[w]);
+                }
+            }
+            tma_store_wait();   // the rows written before the block ends
         }
         return;
     }
@@ -212,7 +247,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         const int h = rw.head(16 * w4), tok = rw.token(16 * w4) + g;
         // Q rows -> shared, then visible to wgmma; a later tile's only after every warp of the
         // warpgroup has waited for the previous tile's S GEMMs (the only readers of this Q)
-        if (DIAG != 2 || it == 0) {
+        if ((DIAG != 2 && !OTMA) || it == 0) {   // (OTMA: a later tile's Q was converted at the last tile's end)
             if (it > 0) named_barrier_sync(BAR_Q + wg, 128);
             if constexpr (QTMA) {
                 mbar_wait(&q_full[wg], it & 1);
@@ -234,6 +269,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         };
         // this thread's two rows: their visible intervals
         const RowIntervals rows = ws_row_intervals(p, tok, h, s);
+        // OTMA: the next tile's Q rows (landed a tile ahead) -> this warpgroup's core matrices,
+        // once every warp is past its last S GEMM of this tile (the only readers of sQw)
+        auto next_q = [&]() {
+            if (!OTMA || it + 1 >= n_iter) return;
+            named_barrier_sync(BAR_Q + wg, 128);
+            mbar_wait(&q_full[wg], (it + 1) & 1);
+            wg_convert_q<D, T>(p, sQf + wg * 64 * D, sQw, tid);
+            fence_proxy_async_shared();
+        };
 
         float O[D / 2];
 #pragma unroll
@@ -309,14 +353,28 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             ws_issue_pv<D, BK, T>(O, a, v_addr(lst));
             wgmma_commit();
             if (wg == 0) their_turn();
+            next_q();   // (under the last P V)
             wgmma_wait<0>();
             wgmma_pin(O);
             // the last V stage: released too when a later tile of this block refills the ring
             if (PERSISTENT && lane == 0) mbar_arrive(&empty_v[lst]);
+        } else {
+            next_q();
         }
 
         // ---- output rows
-        if (DIAG != 3 || O[0] == 1234.5f) wg_store_rows<D>(p, O, l, tok, h, s, t4);
+        if constexpr (OTMA) {
+            // staged in sQf once its next Q is converted (every warp: the barrier) and TMA has
+            // read this warpgroup's previous rows out of it (o_empty), then handed to warp 11
+            named_barrier_sync(BAR_Q + wg, 128);
+            if (it > 0) mbar_wait(&o_empty[wg], (it - 1) & 1);
+            wg_stage_rows<D>(O, l, sQf + wg * 64 * D, rw.tw, w4, g, t4);
+            fence_proxy_async_shared();
+            named_barrier_sync(BAR_Q + wg, 128);
+            if (tid == 0) mbar_arrive(&o_full[wg]);
+        } else if (DIAG != 3 || O[0] == 1234.5f) {
+            wg_store_rows<D>(p, O, l, tok, h, s, t4);
+        }
         J += j;
     }
 }
@@ -325,15 +383,16 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
 // with its parameters), each compiled in an NVRTC program of its own (a name expression, so that
 // the first call of one instance compiles that one alone): K/V type, tile width, ring depth,
 // ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes the Q map;
-// those without QTMA ignore it), the softmax's variant (WS_SMX_* in cuda/fattn_wgmma.cuh)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX>
+// those without QTMA ignore it), the softmax's variant (WS_SMX_* in cuda/fattn_wgmma.cuh), the
+// output through TMA (every instance takes the dst map; those without OTMA ignore it)
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, bool OTMA>
 __global__ void __launch_bounds__(ws::THREADS, 1)
 fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,
-               const __grid_constant__ TmaMap mq) {
-    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX>(p, &mk, &mv, &mq);
+               const __grid_constant__ TmaMap mq, const __grid_constant__ TmaMap mo) {
+    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, OTMA>(p, &mk, &mv, &mq, &mo);
 }
 
 // The dynamic shared memory (bytes) a launch of fattn_wgmma_ws<...> with the same parameters takes:
 // the host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX>
-__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA>();
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, bool OTMA>
+__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA, OTMA>();

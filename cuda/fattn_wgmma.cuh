@@ -29,12 +29,16 @@ template <int D, int BK> __host__ __device__ constexpr int tile_bytes() { return
 template <int BK> __host__ __device__ constexpr int box_bytes() { return BK * 64 * 2; }   // one of its d-boxes
 // dynamic shared memory: 1024-byte alignment slack, the ring, Q (128 x D values), 5 mbarriers
 // per stage; with QTMA also Q's f32 rows as TMA writes them (128 x D floats) and 4 mbarriers
-// (Q landed, Q read: one per warpgroup); the host reads it from the cubin (fattn_wgmma_ws_smem
-// at the end of cuda/fattn_wgmma.cu)
-template <int D, int STAGES, bool QTMA = false> __host__ __device__ constexpr int smem_bytes() {
+// (Q landed, Q read: one per warpgroup); with OTMA 4 more (output rows staged, staging read: one
+// per warpgroup; the staging is Q's f32 rows' space); the host reads it from the cubin
+// (fattn_wgmma_ws_smem at the end of cuda/fattn_wgmma.cu)
+template <int D, int STAGES, bool QTMA = false, bool OTMA = false> __host__ __device__ constexpr int smem_bytes() {
     return 1024 + 2 * STAGES * tile_bytes<D, chunk<D>()>() + BQ * D * 2 + (QTMA ? BQ * D * 4 + 4 * 8 : 0) +
-           5 * STAGES * 8;
+           (OTMA ? 4 * 8 : 0) + 5 * STAGES * 8;
 }
+// OTMA: a warpgroup's output rows as the dst map's boxes (ggml_attn/wgmma_shape.py o_map): D / 32
+// boxes of 32 values x 64 rows, 128-byte swizzled, 8 KB apart
+constexpr int OBOX_COLS = 32, OBOX_BYTES = 64 * OBOX_COLS * 4;
 }
 
 // A warpgroup's 64 query rows tok0 .. tok0+63 of head h, stream s -> shared memory (sq: 64 x D
@@ -128,6 +132,34 @@ __device__ __forceinline__ float ws_exp2_fma(float x) {
     // the value P is packed from, makes ptxas serialize every wgmma: C7511, "insufficient
     // register resources for the wgmma pipeline")
     return p * __int_as_float((__float_as_int(t) << 23) + 0x3f800000);
+}
+
+// OTMA's epilogue: the thread's two output rows (tok, tok + 8: warpgroup rows r = 16 w4 + g and
+// r + 8) as O / l (0 for a row that sees no cell) into the warpgroup's staging `so` (1024-byte
+// aligned): box c / 32 of column c, at the staging row of r in the box's order (value, head,
+// token): (r % tw) * (64 / tw) + r / tw, tw the warpgroup's tokens per head (ws_rows); the
+// 16-byte chunks of a 128-byte box row swizzled as TMA reads them (chunk ^ row % 8). Columns past
+// the head and rows past n_batch are staged too; the store leaves them out (outside the map).
+template <int D>
+__device__ __forceinline__ void wg_stage_rows(const float (&O)[D / 2], const float (&l)[2], float* so, int tw,
+                                              int w4, int g, int t4) {
+    const unsigned base = smem_u32(so);
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        float L = l[rs];
+        L += __shfl_xor_sync(0xffffffffu, L, 1);
+        L += __shfl_xor_sync(0xffffffffu, L, 2);
+        const float f = inv_row_sum(L);
+        const int r = 16 * w4 + g + 8 * rs, row = (r % tw) * (64 / tw) + r / tw;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            const int c = 8 * i + 2 * t4, cc = c % ws::OBOX_COLS;
+            const unsigned a = base + (c / ws::OBOX_COLS) * ws::OBOX_BYTES + row * 128 +
+                               ((((cc >> 2) ^ row) & 7) << 4) + (cc & 3) * 4;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(a), "f"(O[4 * i + 2 * rs] * f),
+                         "f"(O[4 * i + 2 * rs + 1] * f) : "memory");
+        }
+    }
 }
 
 // S (log2 domain) -> P = 2^(S - m_ref) in place; m (the rows' reference maxima) and l updated,

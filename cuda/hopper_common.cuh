@@ -245,3 +245,19 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, int x,
         :: "r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(z),
            "r"(w), "r"(smem_u32(bar)) : "memory");
 }
+// shared memory (src 128-byte aligned; 1024 with a swizzled map) -> the box at element
+// coordinates (x innermost, y, z, w) of a 4-D tensor map; elements outside the tensor are not
+// written. The issuing thread's bulk group: tma_store_commit, then tma_store_wait_read (the
+// shared memory may be rewritten) or tma_store_wait (the global writes done). The writes to src
+// must be fenced for the async proxy first (fence_proxy_async_shared) and ordered before the
+// issue (a barrier).
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, const void* src, int x, int y, int z, int w) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(src)), "r"(x), "r"(y), "r"(z),
+                    "r"(w) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void tma_store_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }

@@ -349,12 +349,12 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     b._params = p
     if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps (and the prefill's Q map) follow
         from .decode_tma_shape import quant_kv_map    # the params, in the kernel's order
-        from .wgmma_shape import kv_map, q_map, tile_width
+        from .wgmma_shape import kv_map, o_map, q_map, tile_width
         promo = L.DECODE_TMA_L2_PROMOTION if prep.kern == "decode-tma" else 0
         to_map = quant_kv_map if k.type in K.QUANT_KV_CTYPES else kv_map
         maps = (to_map(k, promo), to_map(v, promo))
         if prep.kern == "prefill-wgmma":
-            maps += (q_map(q, tile_width(q.ne[0]), cfg.pack),)
+            maps += (q_map(q, tile_width(q.ne[0]), cfg.pack), o_map(dst, cfg.name, cfg.pack))
         arr = K.arg_block(p, *maps)
         b._keep = (b._keep, maps)
     else:

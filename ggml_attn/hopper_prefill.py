@@ -19,7 +19,7 @@ from . import kernels as K
 from .cuda_device import num_sms
 from .dtypes import GGML_TYPE_F16, TYPE_NAMES
 from .tensor import TensorDesc
-from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, q_map, tile_width,
+from .wgmma_shape import (HEAD_SIZES_WS, THREADS_WS, WS_CONFIGS, WS_DEFAULT, WS_DIAG, kv_map, o_map, q_map, tile_width,
                           ws_grid, ws_q_tiles)
 
 __all__ = ["WS_CONFIGS", "WS_DEFAULT", "WS_DIAG", "kv_map", "q_map", "why_not", "run_ws"]
@@ -59,4 +59,4 @@ def run_ws(q: TensorDesc, k: TensorDesc, v: TensorDesc, dst: TensorDesc, scale: 
     grid = ws_grid(sh.n_batch, sh.n_head, sh.ne3, (blocks or num_sms()) if c.persistent else 0, pack)
     p.pack, p.n_q_tiles = pack, ws_q_tiles(sh.n_batch, pack)   # the tiles' rows, the persistent blocks' list
     fn = K.get_function(K.wgmma_variant(c.name), c.name)
-    fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v), q_map(q, c.d, pack))
+    fn.launch(grid, (THREADS_WS, 1, 1), stream, p, kv_map(k), kv_map(v), q_map(q, c.d, pack), o_map(dst, c.name, pack))

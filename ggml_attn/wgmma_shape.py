@@ -40,12 +40,13 @@ class WsConfig(NamedTuple):
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their GEMMs
     diag: int = 0      # WS_DIAG's speed-of-light probes (wrong results by design), else 0
     softmax: int = 0   # the softmax's variant: SMX_* flags (cuda/fattn_wgmma.cuh WS_SMX_*), 0 the plain one
+    o_tma: bool = False   # (with q_tma) the output rows staged in Q's f32 space and stored through o_map
 
     @property
     def name(self) -> str:
         """The instance's name expression (its own NVRTC program: kernels.wgmma_variant)."""
         return template_expr("fattn_wgmma_ws", KV_CTYPES[self.kv_type], self.d, self.stages, self.pingpong, self.diag,
-                             self.persistent, self.q_tma, self.softmax)
+                             self.persistent, self.q_tma, self.softmax, self.o_tma)
 
 
 # WsConfig.softmax's flags (cuda/fattn_wgmma.cuh's WS_SMX_*): O's rescale skipped when no row of a
@@ -90,7 +91,12 @@ WS_CONFIGS = {
     "pp-persistent-qtma-d64-lazy": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-d64-fma1": WsConfig(3, F16, True, 64, True, softmax=smx_fma(1)),
     "pp-persistent-qtma-d64-lazy-fma2": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY | smx_fma(2)),
+    # the output through TMA stores (#48's epilogue; A/B rows, not routed until measured)
+    "pp-persistent-qtma-otma": WsConfig(2, F16, True, 128, True, o_tma=True),
+    "pp-persistent-qtma-bf16-otma": WsConfig(2, BF16, True, 128, True, o_tma=True),
+    "pp-persistent-qtma-d64-otma": WsConfig(3, F16, True, 64, True, o_tma=True),
 }
+_O_TMA = {c.name: c.o_tma for c in WS_CONFIGS.values()}
 # the op's instance per (K/V type, tile width)
 WS_FOR = {
     (GGML_TYPE_F16, 128): "pp-persistent-qtma", (GGML_TYPE_BF16, 128): "pp-persistent-qtma-bf16",
@@ -141,6 +147,22 @@ def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
         raise ValueError(f"TMA map for Q: f32 only, got type {q.type}")
     tw = ws_rows_tokens(pack)
     return tma.encode_tiled(tma.DTYPE_F32, q.ptr, tuple(q.ne), tuple(q.nb[1:]), (d, tw, 64 // tw, 1))
+
+
+def o_map(dst: TensorDesc, name: str, pack: int = 1) -> tma.TmaMap:
+    """The dst map the instance ``name`` (a WsConfig.name) stores its output rows through: for an
+    o_tma instance, boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
+    warpgroup's 64 rows) of dst (ggml order [head_dim_v, n_head, n_batch, ne3], f32), 128-byte
+    swizzled (cuda/fattn_wgmma.cuh wg_stage_rows); values past head_dim_v and tokens past n_batch
+    are not written. Other instances take an unused map (zeros)."""
+    if not _O_TMA.get(name, False):
+        return tma.TmaMap()
+    from .dtypes import GGML_TYPE_F32
+    if dst.type != GGML_TYPE_F32:
+        raise ValueError(f"TMA map for dst: f32 only, got type {dst.type}")
+    tw = ws_rows_tokens(pack)
+    return tma.encode_tiled(tma.DTYPE_F32, dst.ptr, tuple(dst.ne), tuple(dst.nb[1:]), (32, 64 // tw, tw, 1),
+                            tma.SWIZZLE_128B)
 
 
 def ws_rows_tokens(pack: int) -> int:
