@@ -14,9 +14,10 @@ Writes a JSON file (GPU, versions, commit, date, every row) and prints a short t
 
 Usage: python tools/dev/gpu_bench.py [--quick] [--out FILE] [--only SUBSTR]
 
-``WS_AB=key,key`` (wgmma_shape.WS_CONFIGS keys): each causal prefill row also runs through the
-op with those sm_90a instances (WGMMA_CONFIG) where the K/V type and tile width match, as rows
-``ours-ws-<key>``: the A/B of an instance not yet routed (#48's softmax variants).
+``WS_AB=key,key`` (wgmma_shape.WS_CONFIGS keys): each causal prefill row and the ragged prompts'
+rows also run through the op with those sm_90a instances (WGMMA_CONFIG) where the K/V type and
+tile width match, as rows ``ours-ws-<key>``: the A/B of an instance not yet routed (#48's
+softmax variants, the output through TMA).
 """
 from __future__ import annotations
 
@@ -416,6 +417,7 @@ def run(quick=False, only=None, log=print):
                 add(case, f"ours-unified-wgmma-pack{pk}", ours.fns("prefill-wgmma"), useful)
         with knobs(WGMMA_CONFIG="pp-persistent"):
             add(case, "ours-unified-wgmma-qld", ours.fns("prefill-wgmma"), useful)
+        ws_ab(case, ours, useful, D, False)
         rows.append(dict(case=case, impl="ours-plan-build", host_us=round(wall_us(ours.plan_build), 1),
                          note="wall time of make_plan (once per ubatch), synchronized"))
         for pk in (1, 8):
