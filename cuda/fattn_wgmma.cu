@@ -38,20 +38,23 @@
 // converted the current tile's rows into its f16 core matrices (q_empty) -- so that no tile
 // waits on Q's global loads; without it (D 256: no room) the consumers load Q from global memory
 // at each tile's start (wg_stage_q).
-// OTMA (with QTMA): the output rows leave through TMA stores of the dst map (mo: ggml_attn/
-// wgmma_shape.py o_map) instead of each thread's global stores: at a tile's end the warpgroup
-// converts the next tile's Q rows (already landed) into its core matrices under the last P V,
-// then stages O / l in the f32 rows' space (wg_stage_rows) and hands it to warp 11 (o_full),
-// which issues the boxes and, once TMA has read them, frees the space (o_empty; q_empty for the
-// Q a tile after the next: the f32 rows now hold Q, then the staging, in turn).
+// EPI, the epilogue: 0 each thread stores its rows (wg_store_rows); 1 (OTMA, with QTMA) the rows
+// leave through TMA stores of the dst map (mo: ggml_attn/wgmma_shape.py o_map): at a tile's end
+// the warpgroup converts the next tile's Q rows (already landed) into its core matrices under the
+// last P V, then stages O / l in the f32 rows' space (wg_stage_rows) and hands it to warp 11
+// (o_full), which issues the boxes and, once TMA has read them, frees the space (o_empty;
+// q_empty for the Q a tile after the next: the f32 rows now hold Q, then the staging, in turn);
+// 2 (S0A) also the next tile's first S GEMM issued before this tile's last P V is waited for,
+// so that the tensor cores run on through the staging and the next tile's start.
 // DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
 // for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
 // output rows stored (the epilogue's cost; a never-true test keeps the results live).
 template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSISTENT = false, bool QTMA = false,
-          int SMX = 0, bool OTMA = false>
+          int SMX = 0, int EPI = 0>
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv,
                                                     const TmaMap* mq, const TmaMap* mo) {
     using namespace ws;
+    constexpr bool OTMA = EPI >= 1, S0A = EPI >= 2;
     constexpr int BK = chunk<D>();
     constexpr int SMEM = smem_bytes<D, STAGES, QTMA, OTMA>();
     static_assert(SMEM <= 227 * 1024, "the ring and Q exceed a block's shared memory");
@@ -237,7 +240,10 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     // ping-pong: wait for this warpgroup's turn to issue GEMMs / hand the turn to the other
     auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
+    float S[BK / 2];     // S of a chunk, then its P (f32); one array for every tile (S0A: issued a tile early)
+    unsigned a[BK / 4];  // P as the P V GEMM's A fragments
     int J = 0;
+    bool s0_ahead = false;   // S0A: this tile's first S GEMM was issued at the last tile's end
     for (int it = 0; it < n_iter; ++it) {
         int hg, qt, s;
         tile_of(it, hg, qt, s);
@@ -278,13 +284,29 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wg_convert_q<D, T>(p, sQf + wg * 64 * D, sQw, tid);
             fence_proxy_async_shared();
         };
+        // S0A: the next tile's first S GEMM (chunk J + j of the ring), on the Q next_q converted
+        // (every warp's part: the barrier); false where there is none (no next tile, no chunk)
+        auto issue_next_s = [&](int jn) -> bool {
+            if (!S0A || it + 1 >= n_iter) return false;
+            int hg2, qt2, s2;
+            tile_of(it + 1, hg2, qt2, s2);
+            const WsChunks nc = ws_chunks<BK>(p, qt2, s2);
+            int npos = 0;
+            WsChunk c0;
+            if (!ws_next_chunk<BK>(nc, npos, c0)) return false;
+            named_barrier_sync(BAR_Q + wg, 128);
+            const int n0 = J + jn, st = n0 % STAGES;
+            mbar_wait(&full_k[st], (n0 / STAGES) & 1);
+            wgmma_fence();
+            ws_issue_s<D, BK, T>(S, q_addr, k_addr(st));
+            wgmma_commit();
+            return true;
+        };
 
         float O[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) O[i] = 0.0f;
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
-        float S[BK / 2];
-        unsigned a[BK / 4];
         // rescale: O must be scaled by alpha before the next P V (with WS_SMX_SKIP / LAZY, only
         // when a row of the warp moved its reference maximum: a warp-uniform branch)
         bool rescale = true;
@@ -308,10 +330,12 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             // softmax of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs,
             // before P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
             const int st0 = J % STAGES;
-            mbar_wait(&full_k[st0], (J / STAGES) & 1);
-            wgmma_fence();
-            ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
-            wgmma_commit();
+            if (!s0_ahead) {
+                mbar_wait(&full_k[st0], (J / STAGES) & 1);
+                wgmma_fence();
+                ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
+                wgmma_commit();
+            }
             wgmma_wait<0>();
             wgmma_pin(S);
             if (lane == 0) mbar_arrive(&empty_k[st0]);
@@ -354,12 +378,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_commit();
             if (wg == 0) their_turn();
             next_q();   // (under the last P V)
-            wgmma_wait<0>();
+            s0_ahead = issue_next_s(j);
+            if (s0_ahead) wgmma_wait<1>();   // (the next tile's S stays in flight)
+            else wgmma_wait<0>();
             wgmma_pin(O);
             // the last V stage: released too when a later tile of this block refills the ring
             if (PERSISTENT && lane == 0) mbar_arrive(&empty_v[lst]);
         } else {
             next_q();
+            s0_ahead = issue_next_s(0);
         }
 
         // ---- output rows
@@ -384,15 +411,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
 // the first call of one instance compiles that one alone): K/V type, tile width, ring depth,
 // ping-pong, diagnostic mode, persistent blocks, Q through TMA (every instance takes the Q map;
 // those without QTMA ignore it), the softmax's variant (WS_SMX_* in cuda/fattn_wgmma.cuh), the
-// output through TMA (every instance takes the dst map; those without OTMA ignore it)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, bool OTMA>
+// epilogue (every instance takes the dst map; those that store their rows themselves ignore it)
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, int EPI>
 __global__ void __launch_bounds__(ws::THREADS, 1)
 fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __grid_constant__ TmaMap mv,
                const __grid_constant__ TmaMap mq, const __grid_constant__ TmaMap mo) {
-    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, OTMA>(p, &mk, &mv, &mq, &mo);
+    fattn_wgmma_ws_body<T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>(p, &mk, &mv, &mq, &mo);
 }
 
 // The dynamic shared memory (bytes) a launch of fattn_wgmma_ws<...> with the same parameters takes:
 // the host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
-template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, bool OTMA>
-__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA, OTMA>();
+template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, int EPI>
+__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA, (EPI >= 1)>();

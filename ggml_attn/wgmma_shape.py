@@ -40,13 +40,13 @@ class WsConfig(NamedTuple):
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their GEMMs
     diag: int = 0      # WS_DIAG's speed-of-light probes (wrong results by design), else 0
     softmax: int = 0   # the softmax's variant: SMX_* flags (cuda/fattn_wgmma.cuh WS_SMX_*), 0 the plain one
-    o_tma: bool = False   # (with q_tma) the output rows staged in Q's f32 space and stored through o_map
+    epilogue: int = 0  # EPI_*: the rows stored by each thread, or through TMA (with q_tma), or that and the next S early
 
     @property
     def name(self) -> str:
         """The instance's name expression (its own NVRTC program: kernels.wgmma_variant)."""
         return template_expr("fattn_wgmma_ws", KV_CTYPES[self.kv_type], self.d, self.stages, self.pingpong, self.diag,
-                             self.persistent, self.q_tma, self.softmax, self.o_tma)
+                             self.persistent, self.q_tma, self.softmax, self.epilogue)
 
 
 # WsConfig.softmax's flags (cuda/fattn_wgmma.cuh's WS_SMX_*): O's rescale skipped when no row of a
@@ -54,6 +54,10 @@ class WsConfig(NamedTuple):
 # (O / l unchanged; most chunks rescale nothing); n quarters of the exponentials as a polynomial
 # on the FMA pipe instead of MUFU (smx_fma(n), n 1..3)
 SMX_SKIP, SMX_LAZY = 1, 2
+# WsConfig.epilogue (the kernel's EPI): each thread stores its rows; the rows staged in Q's f32
+# space and stored through o_map by TMA; that and the next tile's first S GEMM issued before this
+# tile's last P V is waited for
+EPI_STORE, EPI_TMA, EPI_TMA_S0 = 0, 1, 2
 
 
 def smx_fma(n: int) -> int:
@@ -92,11 +96,13 @@ WS_CONFIGS = {
     "pp-persistent-qtma-d64-fma1": WsConfig(3, F16, True, 64, True, softmax=smx_fma(1)),
     "pp-persistent-qtma-d64-lazy-fma2": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY | smx_fma(2)),
     # the output through TMA stores (#48's epilogue; A/B rows, not routed until measured)
-    "pp-persistent-qtma-otma": WsConfig(2, F16, True, 128, True, o_tma=True),
-    "pp-persistent-qtma-bf16-otma": WsConfig(2, BF16, True, 128, True, o_tma=True),
-    "pp-persistent-qtma-d64-otma": WsConfig(3, F16, True, 64, True, o_tma=True),
+    "pp-persistent-qtma-otma": WsConfig(2, F16, True, 128, True, epilogue=EPI_TMA),
+    "pp-persistent-qtma-bf16-otma": WsConfig(2, BF16, True, 128, True, epilogue=EPI_TMA),
+    "pp-persistent-qtma-d64-otma": WsConfig(3, F16, True, 64, True, epilogue=EPI_TMA),
+    "pp-persistent-qtma-otma-s0": WsConfig(2, F16, True, 128, True, epilogue=EPI_TMA_S0),
+    "pp-persistent-qtma-d64-otma-s0": WsConfig(3, F16, True, 64, True, epilogue=EPI_TMA_S0),
 }
-_O_TMA = {c.name: c.o_tma for c in WS_CONFIGS.values()}
+_O_TMA = {c.name: c.epilogue != EPI_STORE for c in WS_CONFIGS.values()}
 # the op's instance per (K/V type, tile width)
 WS_FOR = {
     (GGML_TYPE_F16, 128): "pp-persistent-qtma", (GGML_TYPE_BF16, 128): "pp-persistent-qtma-bf16",
@@ -151,7 +157,7 @@ def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
 
 def o_map(dst: TensorDesc, name: str, pack: int = 1) -> tma.TmaMap:
     """The dst map the instance ``name`` (a WsConfig.name) stores its output rows through: for an
-    o_tma instance, boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
+    instance with a TMA epilogue (EPI_TMA, EPI_TMA_S0), boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
     warpgroup's 64 rows) of dst (ggml order [head_dim_v, n_head, n_batch, ne3], f32), 128-byte
     swizzled (cuda/fattn_wgmma.cuh wg_stage_rows); values past head_dim_v and tokens past n_batch
     are not written. Other instances take an unused map (zeros)."""

@@ -51,12 +51,12 @@ def test_instance_names_are_their_template_instances():
     its own; names are distinct."""
     from ggml_attn import kernels as K
     assert hp.WS_CONFIGS["pp-persistent-qtma-bf16-d64"].name == \
-        "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0, false>"
-    assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false, 0, false>"
-    assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, false>"
-    assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true, 0, false>"
+        "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0, 0>"
+    assert hp.WS_CONFIGS["nopp"].name == "fattn_wgmma_ws<__half, 128, 3, false, 0, false, false, 0, 0>"
+    assert hp.WS_CONFIGS["pp-persistent-d256"].name == "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, 0>"
+    assert hp.WS_DIAG["diag-nostore-qtma"].name == "fattn_wgmma_ws<__half, 128, 2, true, 3, true, true, 0, 0>"
     assert hp.WS_CONFIGS["pp-persistent-qtma-d64-lazy-fma2"].name == \
-        "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 10, false>"
+        "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 10, 0>"
     every = {**hp.WS_CONFIGS, **hp.WS_DIAG}
     names = [c.name for c in every.values()]
     assert len(set(names)) == len(names)
@@ -114,15 +114,15 @@ def test_wgmma_launch_config(monkeypatch):
     heads fastest in the grid."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, false>"),
-                          (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, false>")):
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>"),
+                          (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, 0>")):
         cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
         assert cfg.name == name and cfg.grid == (132, 1, 1)
     assert L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 100, 1, 1, 1, 1000, GGML_TYPE_F16)).grid == (1, 1, 1)
     monkeypatch.setattr(L, "WGMMA_CONFIG", "pp")
     cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, GGML_TYPE_F16))
-    assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false, 0, false>" and cfg.grid == (32, 3, 2)
+    assert cfg.name == "fattn_wgmma_ws<__half, 128, 3, true, 0, false, false, 0, 0>" and cfg.grid == (32, 3, 2)
 
 
 def test_ws_config_matches_the_kv_type():
@@ -185,14 +185,14 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     chunks at D 256); the plan's tiles stay 128 tokens by 64 cells."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, false>"),
-                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0, false>"),
-                             (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, false>"),
-                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, false>"),
-                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, false>"),
-                             (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, false>"),
-                             (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, false>"),
-                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false, 0, false>")):
+    for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, 0>"),
+                             (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0, 0>"),
+                             (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, 0>"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>"),
+                             (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, 0>"),
+                             (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, 0>"),
+                             (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, 0>"),
+                             (256, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 256, 2, true, 0, true, false, 0, 0>")):
         cfg = L.launch_config("prefill-wgmma", L.AttnDims(d, d, 300, 32, 8, 2, 1000, kv_type))
         assert cfg.name == name and cfg.grid == (132, 1, 1)
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles) == (384, 128, 3, 16)
@@ -271,7 +271,7 @@ def test_q_map_refuses_what_tma_cannot_take():
 
 
 def test_o_map_boxes_a_warpgroups_rows(monkeypatch):
-    """o_map: an o_tma instance stores a warpgroup's 64 rows through boxes of 32 f32 values x 64 /
+    """o_map: an instance with a TMA epilogue stores a warpgroup's 64 rows through boxes of 32 f32 values x 64 /
     tw heads x tw tokens of dst (the staging order of cuda/fattn_wgmma.cuh wg_stage_rows), 128-byte
     swizzled, over dst's own shape and strides; f32 dst only; any other instance gets a zero map
     (the driver not asked)."""
@@ -287,7 +287,8 @@ def test_o_map_boxes_a_warpgroups_rows(monkeypatch):
         assert seen[-1] == (tma.DTYPE_F32, 512, dst.ne, dst.nb[1:], box, tma.SWIZZLE_128B)
     with pytest.raises(ValueError, match="f32 only"):
         ws.o_map(TensorDesc(512, GGML_TYPE_F16, (96, 32, 300, 2), (2, 192, 192 * 32, 192 * 32 * 300)), otma)
-    assert all(c.q_tma and c.diag == 0 for c in ws.WS_CONFIGS.values() if c.o_tma)   # (the kernel's assert)
+    assert all(c.q_tma and c.diag == 0 for c in ws.WS_CONFIGS.values() if c.epilogue)   # (the kernel's assert)
+    assert not any(any(ws.o_map(dst, ws.WS_CONFIGS[k].name).words) for k in ("pp-persistent-d256", "pp-persistent-qtma-lazy"))
 
 
 def test_polynomial_exponential_constants():
