@@ -241,7 +241,6 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
     float S[BK / 2];     // S of a chunk, then its P (f32); one array for every tile (S0A: issued a tile early)
-    unsigned a[BK / 4];  // P as the P V GEMM's A fragments
     int J = 0;
     bool s0_ahead = false;   // S0A: this tile's first S GEMM was issued at the last tile's end
     for (int it = 0; it < n_iter; ++it) {
@@ -306,7 +305,9 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         float O[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) O[i] = 0.0f;
+
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
+        unsigned a[BK / 4];   // P as the P V GEMM's A fragments
         // rescale: O must be scaled by alpha before the next P V (with WS_SMX_SKIP / LAZY, only
         // when a row of the warp moved its reference maximum: a warp-uniform branch)
         bool rescale = true;
@@ -330,7 +331,7 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             // softmax of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs,
             // before P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
             const int st0 = J % STAGES;
-            if (!s0_ahead) {
+            if (!S0A || !s0_ahead) {
                 mbar_wait(&full_k[st0], (J / STAGES) & 1);
                 wgmma_fence();
                 ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
@@ -378,15 +379,15 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_commit();
             if (wg == 0) their_turn();
             next_q();   // (under the last P V)
-            s0_ahead = issue_next_s(j);
-            if (s0_ahead) wgmma_wait<1>();   // (the next tile's S stays in flight)
+            s0_ahead = S0A && issue_next_s(j);
+            if (S0A && s0_ahead) wgmma_wait<1>();   // (the next tile's S stays in flight)
             else wgmma_wait<0>();
             wgmma_pin(O);
             // the last V stage: released too when a later tile of this block refills the ring
             if (PERSISTENT && lane == 0) mbar_arrive(&empty_v[lst]);
         } else {
             next_q();
-            s0_ahead = issue_next_s(0);
+            s0_ahead = S0A && issue_next_s(0);
         }
 
         // ---- output rows
