@@ -599,9 +599,11 @@ def test_wgmma_prefill_rising_scores(config, growth):
     ref = flash_attn_ext(q, k, v, None, 0.5, 0.0, 0.0, None)
     assert np.isfinite(ref).all()
     dst = cp.full((ne3, n_batch, nh, d), cp.nan, dtype=cp.float32)
-    hp.run_ws(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
-              from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dst), 0.5, cp.cuda.get_current_stream().ptr,
-              config=config, blocks=3)
+    # the device arrays stay referenced: a TensorDesc holds only a pointer (a freed temporary's
+    # memory goes to the next array)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    hp.run_ws(from_array(dq), from_array(dk, GGML_TYPE_F16), from_array(dv, GGML_TYPE_F16), from_array(dst), 0.5,
+              cp.cuda.get_current_stream().ptr, config=config, blocks=3)
     out = dst.get()
     assert not np.isnan(out).any()
     err = nmse(out, ref)
