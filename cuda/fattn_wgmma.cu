@@ -308,8 +308,8 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
 
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
         unsigned a[BK / 4];   // P as the P V GEMM's A fragments
-        // rescale: O must be scaled by alpha before the next P V (with WS_SMX_SKIP / LAZY, only
-        // when a row of the warp moved its reference maximum: a warp-uniform branch)
+        // rescale: O must be scaled by alpha before the next P V (with WS_SMX_LAZY only when a row
+        // of the warp moved its reference maximum: a warp-uniform branch)
         bool rescale = true;
         auto softmax = [&](const WsChunk& c) {
             ws_mask_chunk<BK>(S, c, rows, p, tok, h, s, t4);
@@ -317,11 +317,11 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
                 alpha[0] = alpha[1] = 1.0f;
             } else {
                 const bool moved = ws_softmax<BK, SMX>(S, m, l, alpha);
-                if (SMX & (WS_SMX_SKIP | WS_SMX_LAZY)) rescale = __any_sync(0xffffffffu, moved);
+                if (SMX & WS_SMX_LAZY) rescale = __any_sync(0xffffffffu, moved);
             }
         };
         auto rescale_o = [&]() {
-            if (!(SMX & (WS_SMX_SKIP | WS_SMX_LAZY)) || rescale) ws_rescale<D>(O, alpha);
+            if (!(SMX & WS_SMX_LAZY) || rescale) ws_rescale<D>(O, alpha);
         };
 
         int pos = 0, j = 0;

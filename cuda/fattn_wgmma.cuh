@@ -103,36 +103,14 @@ __device__ __forceinline__ void wg_store_rows(const FattnParams& p, const float 
 }
 
 // The softmax's variants (WsConfig.softmax in ggml_attn/wgmma_shape.py; the kernel's SMX):
-// WS_SMX_SKIP: O's rescale skipped when no row of the warp moved its maximum (a warp vote; exact);
 // WS_SMX_LAZY: a row keeps its reference maximum until a chunk's scores pass it by more than
-// WS_LAZY_LOG2 (P <= 2^8 then; O and l share the reference, so O / l is unchanged): most chunks
-// of a long row rescale nothing (implies the vote); WS_SMX_FMA(n): n quarters of each row's
-// exponentials on the FMA pipe (ws_exp2_fma) instead of MUFU, where MUFU is the limit (D 64).
-#define WS_SMX_SKIP 1
-#define WS_SMX_LAZY 2
-#define WS_SMX_FMA(n) ((n) << 2)
+// WS_LAZY_LOG2 (P <= 2^8 then; O and l share the reference, so O / l is unchanged), and O's
+// rescale is skipped when no row of the warp moved its reference (a warp vote): most chunks of a
+// long row rescale nothing. (Measured and dropped, bench/NOTES.md eighteenth session: the skip
+// alone, without the lazy reference, and part of the exponentials as a polynomial on the FMA
+// pipe: both no faster on an H100.)
+#define WS_SMX_LAZY 1
 #define WS_LAZY_LOG2 8.0f
-
-// 2^x for the softmax's arguments (x <= WS_LAZY_LOG2, or -inf) on the FMA and integer pipes: x =
-// j + f, j = floor(x) (x plus 1.5 * 2^23 rounded down leaves j in the low mantissa bits), 2^f
-// on [0, 1) by a degree-3 polynomial (Horner; relative error <= 7.5e-5, under the rounding of P
-// to f16 (4.9e-4) or bf16; tests/test_hopper_prefill.py checks these constants), times 2^j.
-// Below -126 the result is 2^-126 p (0 once P is packed); NaN stays NaN (max.NaN keeps it, as
-// MUFU's ex2 would).
-#define WS_EXP2_C0 0.9999250769615173f
-#define WS_EXP2_C1 0.6958342790603638f
-#define WS_EXP2_C2 0.2260667383670807f
-#define WS_EXP2_C3 0.07802405953407288f
-__device__ __forceinline__ float ws_exp2_fma(float x) {
-    asm("max.NaN.f32 %0, %0, 0fC2FC0000;" : "+f"(x));   // -126: p 2^j keeps an exponent field >= 0
-    const float t = __fadd_rd(x, 12582912.0f);           // 1.5 * 2^23 + floor(x)
-    const float f = x - (t - 12582912.0f);
-    const float p = fmaf(fmaf(fmaf(WS_EXP2_C3, f, WS_EXP2_C2), f, WS_EXP2_C1), f, WS_EXP2_C0);
-    // times 2^j built from j's bits (adding j to p's exponent field instead, an integer add on
-    // the value P is packed from, makes ptxas serialize every wgmma: C7511, "insufficient
-    // register resources for the wgmma pipeline")
-    return p * __int_as_float((__float_as_int(t) << 23) + 0x3f800000);
-}
 
 // OTMA's epilogue: the thread's two output rows (tok, tok + 8: warpgroup rows r = 16 w4 + g and
 // r + 8) as O / l (0 for a row that sees no cell) into the warpgroup's staging `so` (1024-byte
@@ -166,10 +144,9 @@ __device__ __forceinline__ void wg_stage_rows(const float (&O)[D / 2], const flo
 // alpha[rs] = 2^(m_old - m_ref) returned for the caller to rescale O with, and whether any of
 // the thread's two rows moved its reference (alpha != 1). Rows g (rs 0) and g + 8 (rs 1) of each
 // warp's 16; a row's BK values live in the 4 threads of a quad. SMX: the WS_SMX_* flags above
-// (0: the reference is the running maximum, every exponential on MUFU).
+// (0: the reference is the running maximum).
 template <int BK, int SMX = 0>
 __device__ __forceinline__ bool ws_softmax(float (&S)[BK / 2], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-    constexpr int FMAQ = (SMX >> 2) & 3;   // of each 4 column pairs, the first FMAQ through ws_exp2_fma
     bool moved = false;
 #pragma unroll
     for (int rs = 0; rs < 2; ++rs) {
@@ -189,16 +166,9 @@ __device__ __forceinline__ bool ws_softmax(float (&S)[BK / 2], float (&m)[2], fl
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < BK / 8; ++i) {
-            float& s0 = S[4 * i + 2 * rs];
-            float& s1 = S[4 * i + 2 * rs + 1];
-            if ((i & 3) < FMAQ) {
-                s0 = ws_exp2_fma(s0 - m_use);
-                s1 = ws_exp2_fma(s1 - m_use);
-            } else {
-                s0 = fast_exp2(s0 - m_use);
-                s1 = fast_exp2(s1 - m_use);
-            }
-            sum += s0 + s1;
+            S[4 * i + 2 * rs] = fast_exp2(S[4 * i + 2 * rs] - m_use);
+            S[4 * i + 2 * rs + 1] = fast_exp2(S[4 * i + 2 * rs + 1] - m_use);
+            sum += S[4 * i + 2 * rs] + S[4 * i + 2 * rs + 1];
         }
         l[rs] = l[rs] * alpha[rs] + sum;
     }

@@ -49,23 +49,13 @@ class WsConfig(NamedTuple):
                              self.persistent, self.q_tma, self.softmax, self.epilogue)
 
 
-# WsConfig.softmax's flags (cuda/fattn_wgmma.cuh's WS_SMX_*): O's rescale skipped when no row of a
-# warp moved its maximum (exact); a row's reference maximum kept until passed by more than 2^8
-# (O / l unchanged; most chunks rescale nothing); n quarters of the exponentials as a polynomial
-# on the FMA pipe instead of MUFU (smx_fma(n), n 1..3)
-SMX_SKIP, SMX_LAZY = 1, 2
+# WsConfig.softmax's flags (cuda/fattn_wgmma.cuh's WS_SMX_*): a row's reference maximum kept until
+# passed by more than 2^8 (O / l unchanged), O's rescale skipped where no row of a warp moved it
+SMX_LAZY = 1
 # WsConfig.epilogue (the kernel's EPI): each thread stores its rows; the rows staged in Q's f32
 # space and stored through o_map by TMA; that and the next tile's first S GEMM issued before this
 # tile's last P V is waited for
 EPI_STORE, EPI_TMA, EPI_TMA_S0 = 0, 1, 2
-
-
-def smx_fma(n: int) -> int:
-    """The flag for ``n`` quarters (1..3) of the softmax's exponentials on the FMA pipe."""
-    if n not in (1, 2, 3):
-        raise ValueError(f"quarters of the exponentials on the FMA pipe: 1, 2 or 3, got {n}")
-    return n << 2
-
 
 # version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
 # on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
@@ -88,14 +78,12 @@ WS_CONFIGS = {
     "pp-persistent-qtma-bf16-d64": WsConfig(3, BF16, True, 64, True),
     "pp-persistent-d256": WsConfig(2, F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig(2, BF16, True, 256),
-    # #48's softmax variants (A/B rows, not routed until measured): the rescale skipped when no
-    # maximum moved, the lazy reference maximum, a quarter or half of the exponentials on FMA
-    "pp-persistent-qtma-skip": WsConfig(2, F16, True, 128, True, softmax=SMX_SKIP),
+    # #48's A/B rows, not routed until measured on an H200 (bench/NOTES.md, eighteenth session: on
+    # an H100 lazy 1-2% faster, otma 0.5-3.7% at D 128 but 2% slower at D 64, otma-s0 25-30% slower):
+    # the lazy reference maximum; the output through TMA stores, and with the next S early
     "pp-persistent-qtma-lazy": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-d64-lazy": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY),
-    "pp-persistent-qtma-d64-fma1": WsConfig(3, F16, True, 64, True, softmax=smx_fma(1)),
-    "pp-persistent-qtma-d64-lazy-fma2": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY | smx_fma(2)),
-    # the output through TMA stores (#48's epilogue; A/B rows, not routed until measured)
+    "pp-persistent-qtma-lazy-otma": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY, epilogue=EPI_TMA),
     "pp-persistent-qtma-otma": WsConfig(2, F16, True, 128, True, epilogue=EPI_TMA),
     "pp-persistent-qtma-bf16-otma": WsConfig(2, BF16, True, 128, True, epilogue=EPI_TMA),
     "pp-persistent-qtma-d64-otma": WsConfig(3, F16, True, 64, True, epilogue=EPI_TMA),

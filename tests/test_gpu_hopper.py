@@ -519,12 +519,11 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
                                                   ("", 0, False, 256), ("", 5, False, 256), ("", 0, True, 256),
                                                   ("", 0, False, 96), ("", 5, True, 96), ("", 0, False, 40),
                                                   ("", 5, False, 112), ("", 0, True, 192), ("", 5, False, 72),
-                                                  # #48's softmax variants (A/B instances)
-                                                  ("pp-persistent-qtma-skip", 0, False, 128),
+                                                  # #48's softmax variant (A/B instances)
                                                   ("pp-persistent-qtma-lazy", 5, False, 112),
                                                   ("pp-persistent-qtma-d64-lazy", 0, False, 64),
-                                                  ("pp-persistent-qtma-d64-fma1", 5, False, 64),
-                                                  ("pp-persistent-qtma-d64-lazy-fma2", 0, False, 40),
+                                                  ("pp-persistent-qtma-d64-lazy", 5, False, 40),
+                                                  ("pp-persistent-qtma-lazy-otma", 0, False, 128),
                                                   # the output through TMA stores
                                                   ("pp-persistent-qtma-otma", 5, False, 128),
                                                   ("pp-persistent-qtma-bf16-otma", 0, True, 96),
@@ -573,17 +572,15 @@ def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypat
     assert nmse(out, ref) <= 5e-4, name
 
 
-@pytest.mark.parametrize("config", ["pp-persistent-qtma", "pp-persistent-qtma-skip", "pp-persistent-qtma-lazy",
-                                    "pp-persistent-qtma-otma", "pp-persistent-qtma-otma-s0",
-                                    "pp-persistent-qtma-d64", "pp-persistent-qtma-d64-lazy",
-                                    "pp-persistent-qtma-d64-fma1", "pp-persistent-qtma-d64-lazy-fma2"])
+@pytest.mark.parametrize("config", ["pp-persistent-qtma", "pp-persistent-qtma-lazy", "pp-persistent-qtma-otma",
+                                    "pp-persistent-qtma-otma-s0", "pp-persistent-qtma-lazy-otma",
+                                    "pp-persistent-qtma-d64", "pp-persistent-qtma-d64-lazy"])
 @pytest.mark.parametrize("growth", [1 / 32, 1 / 4])
 def test_wgmma_prefill_rising_scores(config, growth):
     """Scores that rise along the cells (K's rows scaled by 1 + growth x cell, scale 0.5: a row's
-    maximum passes the lazy reference by far more than 2^8 many times, and P's exponents reach the
-    polynomial's clamp), launched directly without a mask, 3 blocks walking many tiles, against the
-    float64 reference: every softmax variant (the rescale skipped, the lazy maximum, exponentials on
-    the FMA pipe) and the plain instances they are measured against."""
+    maximum passes the lazy reference by far more than 2^8 many times), launched directly without a mask, 3 blocks walking many tiles, against the
+    float64 reference: the lazy maximum, the TMA epilogues and the plain instances they are
+    measured against."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float

@@ -18,6 +18,9 @@
 # --ab-prompt: the 8B batched bench's prompt phase with whole-cache prompt ubatches against the
 # coarse n_kv of before (tools/dev/knob_ab.py, 2 alternating rounds; $OUT/ab-prompt.json).
 #
+# --no-ggml: ggml-python not installed -- only on a machine that already has it (ggml_attn imports it:
+# on a fresh machine every test module fails to import).
+#
 # Carry .whl/ (ggml-python's sdist: pip download --no-deps --no-binary :all: -d .whl
 # ggml-python==0.0.45; the wheels of gguf and of its build backend, scikit-build-core and
 # pathspec: the device image's own did not import on 2026-12-04) with the device tool. Set
