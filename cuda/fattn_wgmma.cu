@@ -43,9 +43,10 @@
 // the warpgroup converts the next tile's Q rows (already landed) into its core matrices under the
 // last P V, then stages O / l in the f32 rows' space (wg_stage_rows) and hands it to warp 11
 // (o_full), which issues the boxes and, once TMA has read them, frees the space (o_empty;
-// q_empty for the Q a tile after the next: the f32 rows now hold Q, then the staging, in turn);
-// 2 (S0A) also the next tile's first S GEMM issued before this tile's last P V is waited for,
-// so that the tensor cores run on through the staging and the next tile's start.
+// q_empty for the Q a tile after the next: the f32 rows now hold Q, then the staging, in turn).
+// (An EPI 2 that also issued the next tile's first S GEMM before this tile's last P V was waited
+// for made ptxas serialize every wgmma -- C7518, a wait count that differs between paths -- and
+// ran 25-30% slower: bench/NOTES.md, eighteenth session.)
 // DIAG (speed-of-light probes for tools/dev/, wrong results by design): 1 no softmax; 2 Q staged
 // for a block's first tile only (later tiles reuse it: the cost of staging Q per tile); 3 no
 // output rows stored (the epilogue's cost; a never-true test keeps the results live).
@@ -54,7 +55,8 @@ template <typename T, int D, int STAGES, bool PINGPONG, int DIAG = 0, bool PERSI
 __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const TmaMap* mk, const TmaMap* mv,
                                                     const TmaMap* mq, const TmaMap* mo) {
     using namespace ws;
-    constexpr bool OTMA = EPI >= 1, S0A = EPI >= 2;
+    constexpr bool OTMA = EPI == 1;
+    static_assert(EPI == 0 || EPI == 1, "epilogues: 0 the threads' stores, 1 TMA's");
     constexpr int BK = chunk<D>();
     constexpr int SMEM = smem_bytes<D, STAGES, QTMA, OTMA>();
     static_assert(SMEM <= 227 * 1024, "the ring and Q exceed a block's shared memory");
@@ -240,14 +242,13 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
     // ping-pong: wait for this warpgroup's turn to issue GEMMs / hand the turn to the other
     auto my_turn = [&]() { if (PINGPONG) named_barrier_sync(BAR_SCHED + wg, 256); };
     auto their_turn = [&]() { if (PINGPONG) named_barrier_arrive(BAR_SCHED + (wg ^ 1), 256); };
-    float S[BK / 2];     // S of a chunk, then its P (f32); one array for every tile (S0A: issued a tile early)
     int J = 0;
-    bool s0_ahead = false;   // S0A: this tile's first S GEMM was issued at the last tile's end
     for (int it = 0; it < n_iter; ++it) {
         int hg, qt, s;
         tile_of(it, hg, qt, s);
         const WsChunks chunks = ws_chunks<BK>(p, qt, s);
         const WsRows rw = ws_rows(p, hg, qt, wg);
+        float S[BK / 2];   // S of a chunk, then its P (f32)
         // this thread's rows 16 w4 + g and + 8 of the warpgroup's 64: one head, tokens tok and tok + 8
         const int h = rw.head(16 * w4), tok = rw.token(16 * w4) + g;
         // Q rows -> shared, then visible to wgmma; a later tile's only after every warp of the
@@ -283,24 +284,6 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wg_convert_q<D, T>(p, sQf + wg * 64 * D, sQw, tid);
             fence_proxy_async_shared();
         };
-        // S0A: the next tile's first S GEMM (chunk J + j of the ring), on the Q next_q converted
-        // (every warp's part: the barrier); false where there is none (no next tile, no chunk)
-        auto issue_next_s = [&](int jn) -> bool {
-            if (!S0A || it + 1 >= n_iter) return false;
-            int hg2, qt2, s2;
-            tile_of(it + 1, hg2, qt2, s2);
-            const WsChunks nc = ws_chunks<BK>(p, qt2, s2);
-            int npos = 0;
-            WsChunk c0;
-            if (!ws_next_chunk<BK>(nc, npos, c0)) return false;
-            named_barrier_sync(BAR_Q + wg, 128);
-            const int n0 = J + jn, st = n0 % STAGES;
-            mbar_wait(&full_k[st], (n0 / STAGES) & 1);
-            wgmma_fence();
-            ws_issue_s<D, BK, T>(S, q_addr, k_addr(st));
-            wgmma_commit();
-            return true;
-        };
 
         float O[D / 2];
 #pragma unroll
@@ -331,12 +314,10 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             // softmax of S_j under P V; O is rescaled to chunk j-1's maximum while S_j runs,
             // before P_{j-1} V_{j-1} adds to it (alpha of chunk 0 multiplies zeros)
             const int st0 = J % STAGES;
-            if (!S0A || !s0_ahead) {
-                mbar_wait(&full_k[st0], (J / STAGES) & 1);
-                wgmma_fence();
-                ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
-                wgmma_commit();
-            }
+            mbar_wait(&full_k[st0], (J / STAGES) & 1);
+            wgmma_fence();
+            ws_issue_s<D, BK, T>(S, q_addr, k_addr(st0));
+            wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(S);
             if (lane == 0) mbar_arrive(&empty_k[st0]);
@@ -379,15 +360,12 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             wgmma_commit();
             if (wg == 0) their_turn();
             next_q();   // (under the last P V)
-            s0_ahead = S0A && issue_next_s(j);
-            if (S0A && s0_ahead) wgmma_wait<1>();   // (the next tile's S stays in flight)
-            else wgmma_wait<0>();
+            wgmma_wait<0>();
             wgmma_pin(O);
             // the last V stage: released too when a later tile of this block refills the ring
             if (PERSISTENT && lane == 0) mbar_arrive(&empty_v[lst]);
         } else {
             next_q();
-            s0_ahead = S0A && issue_next_s(0);
         }
 
         // ---- output rows

@@ -40,7 +40,7 @@ class WsConfig(NamedTuple):
     pingpong: bool = True  # the two consumer warpgroups take turns issuing their GEMMs
     diag: int = 0      # WS_DIAG's speed-of-light probes (wrong results by design), else 0
     softmax: int = 0   # the softmax's variant: SMX_* flags (cuda/fattn_wgmma.cuh WS_SMX_*), 0 the plain one
-    epilogue: int = 0  # EPI_*: the rows stored by each thread, or through TMA (with q_tma), or that and the next S early
+    epilogue: int = 0  # EPI_*: the rows stored by each thread, or through TMA (with q_tma)
 
     @property
     def name(self) -> str:
@@ -53,9 +53,8 @@ class WsConfig(NamedTuple):
 # passed by more than 2^8 (O / l unchanged), O's rescale skipped where no row of a warp moved it
 SMX_LAZY = 1
 # WsConfig.epilogue (the kernel's EPI): each thread stores its rows; the rows staged in Q's f32
-# space and stored through o_map by TMA; that and the next tile's first S GEMM issued before this
-# tile's last P V is waited for
-EPI_STORE, EPI_TMA, EPI_TMA_S0 = 0, 1, 2
+# space and stored through o_map by TMA
+EPI_STORE, EPI_TMA = 0, 1
 
 # version 1's instances: the op runs WS_FOR's (one block per SM walking the tiles heaviest first:
 # on the H200 causal 2048 100.6 us against 110.8 for "pp" with one block per tile, causal 8192
@@ -79,16 +78,14 @@ WS_CONFIGS = {
     "pp-persistent-d256": WsConfig(2, F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig(2, BF16, True, 256),
     # #48's A/B rows, not routed until measured on an H200 (bench/NOTES.md, eighteenth session: on
-    # an H100 lazy 1-2% faster, otma 0.5-3.7% at D 128 but 2% slower at D 64, otma-s0 25-30% slower):
-    # the lazy reference maximum; the output through TMA stores, and with the next S early
+    # an H100 lazy 1-2% faster, otma 0.5-3.7% at D 128 but 2% slower at D 64): the lazy reference
+    # maximum; the output through TMA stores
     "pp-persistent-qtma-lazy": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-d64-lazy": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-lazy-otma": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY, epilogue=EPI_TMA),
     "pp-persistent-qtma-otma": WsConfig(2, F16, True, 128, True, epilogue=EPI_TMA),
     "pp-persistent-qtma-bf16-otma": WsConfig(2, BF16, True, 128, True, epilogue=EPI_TMA),
     "pp-persistent-qtma-d64-otma": WsConfig(3, F16, True, 64, True, epilogue=EPI_TMA),
-    "pp-persistent-qtma-otma-s0": WsConfig(2, F16, True, 128, True, epilogue=EPI_TMA_S0),
-    "pp-persistent-qtma-d64-otma-s0": WsConfig(3, F16, True, 64, True, epilogue=EPI_TMA_S0),
 }
 _O_TMA = {c.name: c.epilogue != EPI_STORE for c in WS_CONFIGS.values()}
 # the op's instance per (K/V type, tile width)
@@ -145,7 +142,7 @@ def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
 
 def o_map(dst: TensorDesc, name: str, pack: int = 1) -> tma.TmaMap:
     """The dst map the instance ``name`` (a WsConfig.name) stores its output rows through: for an
-    instance with a TMA epilogue (EPI_TMA, EPI_TMA_S0), boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
+    instance with a TMA epilogue (EPI_TMA), boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
     warpgroup's 64 rows) of dst (ggml order [head_dim_v, n_head, n_batch, ne3], f32), 128-byte
     swizzled (cuda/fattn_wgmma.cuh wg_stage_rows); values past head_dim_v and tokens past n_batch
     are not written. Other instances take an unused map (zeros)."""

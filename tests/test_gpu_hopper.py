@@ -164,8 +164,7 @@ def _prefill_case(ne3, n_batch, n_kv, kv_pitch=None, seed=0, d=128, kv_type=None
                                     "pp-persistent-d256", "pp-persistent-d256-3",
                                     "pp-persistent-qtma", "pp-persistent-qtma-3", "pp-persistent-qtma-d64",
                                     "pp-persistent-qtma-d64-3", "pp-persistent-qtma-otma", "pp-persistent-qtma-otma-3",
-                                    "pp-persistent-qtma-d64-otma-3", "pp-persistent-qtma-otma-s0",
-                                    "pp-persistent-qtma-otma-s0-3", "pp-persistent-qtma-d64-otma-s0-3"])
+                                    "pp-persistent-qtma-d64-otma-3", "pp-persistent-qtma-lazy-otma-3"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 1, 64, None), (1, 64, 100, None), (2, 100, 1000, None),
                                                     (1, 300, 4097, None), (1, 129, 333, None),
                                                     (2, 200, 700, 1024), (1, 128, 16, None),
@@ -201,7 +200,6 @@ def test_wgmma_prefill_ws(config, ne3, n_batch, n_kv, pitch):
                                            ("pp-persistent-qtma-d64", 40, False),
                                            ("pp-persistent-d256", 192, False), ("pp-persistent-bf16-d256", 192, True),
                                            ("pp-persistent-qtma-otma", 80, False),
-                                           ("pp-persistent-qtma-otma-s0", 112, False),
                                            ("pp-persistent-qtma-bf16-otma", 112, True),
                                            ("pp-persistent-qtma-d64-otma", 40, False)])
 @pytest.mark.parametrize("ne3,n_batch,n_kv,pitch", [(1, 64, 100, None), (1, 300, 4097, None), (2, 200, 700, 1024)])
@@ -308,8 +306,7 @@ def test_wgmma_prefill_packed_heads_refused_where_they_cannot_run():
                                            (128, False, "pp-persistent-qtma-otma"),
                                            (64, False, "pp-persistent-qtma-d64-otma"),
                                            (128, True, "pp-persistent-qtma-bf16-otma"),
-                                           (96, False, "pp-persistent-qtma-otma-s0"),
-                                           (64, False, "pp-persistent-qtma-d64-otma-s0")])
+                                           (96, False, "pp-persistent-qtma-lazy-otma")])
 def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, config, monkeypatch):
     """Ragged prompts in one unified ubatch through the op with a plan (make_plan: not wide), the
     sm_90a prefill by name: its tiles take cuda_launch.WGMMA_RAGGED_PACK query heads (the plan's
@@ -317,7 +314,7 @@ def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, config, monkeypatc
     them that no row sees (HIDDEN columns) must not reach the output; against the float64
     reference, dst poisoned with NaN first. ``config``: the op's instance (cuda_launch.WGMMA_CONFIG),
     or one that stores its rows through TMA (the dst map's boxes of tw tokens x 64 / tw heads at
-    every pack; "-s0": with the next tile's first S GEMM issued early)."""
+    every pack)."""
     import cupy as cp
     from ggml_attn import cuda_launch as L
     from ggml_attn.conformance import block_causal_mask
@@ -528,9 +525,7 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
                                                   ("pp-persistent-qtma-otma", 5, False, 128),
                                                   ("pp-persistent-qtma-bf16-otma", 0, True, 96),
                                                   ("pp-persistent-qtma-d64-otma", 5, False, 64),
-                                                  ("pp-persistent-qtma-otma-s0", 5, False, 128),
-                                                  ("pp-persistent-qtma-otma-s0", 0, False, 72),
-                                                  ("pp-persistent-qtma-d64-otma-s0", 5, False, 40)])
+                                                  ("pp-persistent-qtma-lazy-otma", 5, False, 72)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
 def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypatch):
     """The op's instance (cuda_launch.WGMMA_CONFIG "": the persistent one of the K/V type, f16 or
@@ -573,7 +568,7 @@ def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypat
 
 
 @pytest.mark.parametrize("config", ["pp-persistent-qtma", "pp-persistent-qtma-lazy", "pp-persistent-qtma-otma",
-                                    "pp-persistent-qtma-otma-s0", "pp-persistent-qtma-lazy-otma",
+                                    "pp-persistent-qtma-lazy-otma",
                                     "pp-persistent-qtma-d64", "pp-persistent-qtma-d64-lazy"])
 @pytest.mark.parametrize("growth", [1 / 32, 1 / 4])
 def test_wgmma_prefill_rising_scores(config, growth):

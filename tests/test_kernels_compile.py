@@ -71,8 +71,9 @@ def _compile(args):
         raise
     inv = {m: n for n, m in c.lowered.items()}
     usage = {inv.get(k, k): u for k, u in K.resource_usage(c.log).items()}
-    # ptxas's C7511: the wgmma pipeline serialized (each wgmma waited for before the next issues)
-    serialized = [ln for ln in c.log.splitlines() if "C7511" in ln]
+    # ptxas's C7511, C7518, ...: the wgmma pipeline serialized (each wgmma waited for before the
+    # next issues)
+    serialized = [ln for ln in c.log.splitlines() if "wgmma" in ln and "serialized" in ln]
     return dict(label=variant.label, arch=arch, size=len(c.cubin), lowered=c.lowered, usage=usage,
                 sha=hashlib.sha256(c.cubin).hexdigest(), smem={n: c.smem(n) for n in variant.names}, error=None,
                 serialized=serialized)
@@ -486,9 +487,10 @@ def test_decode_tc_grid_filling_the_sms_is_not_split(monkeypatch):
 
 def test_hopper_programs_compile_for_sm_90a_only(default_compiles):
     """The Hopper programs (cuda/hopper_common.cuh: wgmma, TMA, mbarriers) compile for sm_90a
-    with no spills and no serialized wgmma pipeline (ptxas's C7511: a register shortage, or an
-    integer op on a value the pipeline holds, makes every wgmma wait for the one before: found
-    with the softmax's first polynomial exponential); they carry arch_suffix "a" and
+    with no spills and no serialized wgmma pipeline (ptxas's C7511, C7518, ...: a register
+    shortage, an integer op on a value the pipeline holds, or a wgmma wait count that differs
+    between paths makes every wgmma wait for the one before: found with the softmax's first
+    polynomial exponential and with a next-tile S GEMM issued early); they carry arch_suffix "a" and
     get_function loads them only on compute capability 9.0. NVRTC refuses the wgmma ones for
     plain sm_90 (the decode's TMA and mbarriers alone would compile there)."""
     for v in K.hopper_variants():
@@ -497,7 +499,8 @@ def test_hopper_programs_compile_for_sm_90a_only(default_compiles):
         usage = r["usage"]
         assert set(usage) >= set(r["lowered"]), (v.label, usage)
         assert all(u["spill_stores"] == 0 and u["registers"] <= 255 for u in usage.values()), (v.label, usage)
-        assert not r["serialized"], (v.label, r["serialized"])
+        if v.family != "hopper-probe":   # (the operand probes run one GEMM each: serialized or not)
+            assert not r["serialized"], (v.label, r["serialized"])
         if v.family != "decode-tma":
             err = default_compiles[(v, "sm_90", True)].get("error")
             assert err and "sm_90" in err, (v.label, err)
