@@ -98,6 +98,17 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         }
     };
 
+    // f(it, w, rows, s) for warpgroup w's rows of each tile of this block, in order (warp 10's Q
+    // loads, warp 11's output stores)
+    auto each_wg_rows = [&](auto f) {
+        for (int it = 0; it < n_iter; ++it) {
+            int hg, qt, s;
+            tile_of(it, hg, qt, s);
+#pragma unroll
+            for (int w = 0; w < 2; ++w) f(it, w, ws_rows(p, hg, qt, w), s);
+        }
+    };
+
     if (threadIdx.x == 0) {
         unsigned dyn;   // the launch's dynamic shared memory must cover this layout
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -195,38 +206,26 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
             }
         } else if (QTMA && warp == 10 && lane == 0) {
             // Q: warpgroup w's 64 rows of each tile, once it has converted the previous tile's
-            for (int it = 0; it < n_iter; ++it) {
-                int hg, qt, s;
-                tile_of(it, hg, qt, s);
-#pragma unroll
-                for (int w = 0; w < 2; ++w) {
-                    const WsRows rw = ws_rows(p, hg, qt, w);
-                    if (it > 0) mbar_wait(&q_empty[w], (it - 1) & 1);
-                    mbar_arrive_expect_tx(&q_full[w], 64 * D * 4);
-                    tma_load_4d(sQf + w * 64 * D, mq, 0, rw.tbase, rw.hbase, s, &q_full[w]);
-                }
-            }
+            each_wg_rows([&](int it, int w, const WsRows& rw, int s) {
+                if (it > 0) mbar_wait(&q_empty[w], (it - 1) & 1);
+                mbar_arrive_expect_tx(&q_full[w], 64 * D * 4);
+                tma_load_4d(sQf + w * 64 * D, mq, 0, rw.tbase, rw.hbase, s, &q_full[w]);
+            });
         } else if (OTMA && warp == 11 && lane == 0) {
             // the output rows: warpgroup w's staged boxes of each tile -> dst; its staging space
             // then freed for the next tile's rows (o_empty) and the Q of the tile after next
             // (q_empty: the consumers freed it for the next tile's Q at the first tile's start)
-            for (int it = 0; it < n_iter; ++it) {
-                int hg, qt, s;
-                tile_of(it, hg, qt, s);
+            each_wg_rows([&](int it, int w, const WsRows& rw, int s) {
+                mbar_wait(&o_full[w], it & 1);
 #pragma unroll
-                for (int w = 0; w < 2; ++w) {
-                    const WsRows rw = ws_rows(p, hg, qt, w);
-                    mbar_wait(&o_full[w], it & 1);
-#pragma unroll
-                    for (int b = 0; b < D / OBOX_COLS; ++b)
-                        tma_store_4d(mo, reinterpret_cast<unsigned char*>(sQf + w * 64 * D) + b * OBOX_BYTES,
-                                     OBOX_COLS * b, rw.hbase, rw.tbase, s);
-                    tma_store_commit();
-                    tma_store_wait_read();
-                    if (it + 1 < n_iter) mbar_arrive(&o_empty[w]);
-                    if (it + 2 < n_iter) mbar_arrive(&q_empty[w]);
-                }
-            }
+                for (int b = 0; b < D / OBOX_COLS; ++b)
+                    tma_store_4d(mo, reinterpret_cast<unsigned char*>(sQf + w * 64 * D) + b * OBOX_BYTES,
+                                 OBOX_COLS * b, rw.hbase, rw.tbase, s);
+                tma_store_commit();
+                tma_store_wait_read();
+                if (it + 1 < n_iter) mbar_arrive(&o_empty[w]);
+                if (it + 2 < n_iter) mbar_arrive(&q_empty[w]);
+            });
             tma_store_wait();   // the rows written before the block ends
         }
         return;
