@@ -287,7 +287,6 @@ __device__ __forceinline__ void fattn_wgmma_ws_body(const FattnParams& p, const 
         float O[D / 2];
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) O[i] = 0.0f;
-
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
         unsigned a[BK / 4];   // P as the P V GEMM's A fragments
         // rescale: O must be scaled by alpha before the next P V (with WS_SMX_LAZY only when a row
@@ -400,4 +399,4 @@ fattn_wgmma_ws(const FattnParams p, const __grid_constant__ TmaMap mk, const __g
 // The dynamic shared memory (bytes) a launch of fattn_wgmma_ws<...> with the same parameters takes:
 // the host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <typename T, int D, int STAGES, bool PINGPONG, int DIAG, bool PERSISTENT, bool QTMA, int SMX, int EPI>
-__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA, (EPI >= 1)>();
+__device__ const int fattn_wgmma_ws_smem = ws::smem_bytes<D, STAGES, QTMA, (EPI == 1)>();

@@ -142,10 +142,10 @@ def q_map(q: TensorDesc, d: int, pack: int = 1) -> tma.TmaMap:
 
 def o_map(dst: TensorDesc, name: str, pack: int = 1) -> tma.TmaMap:
     """The dst map the instance ``name`` (a WsConfig.name) stores its output rows through: for an
-    instance with a TMA epilogue (EPI_TMA), boxes of 32 values x 64 / tw heads x tw tokens (tw = ws_rows_tokens(pack): a
-    warpgroup's 64 rows) of dst (ggml order [head_dim_v, n_head, n_batch, ne3], f32), 128-byte
-    swizzled (cuda/fattn_wgmma.cuh wg_stage_rows); values past head_dim_v and tokens past n_batch
-    are not written. Other instances take an unused map (zeros)."""
+    instance with the TMA epilogue (EPI_TMA), boxes of 32 values x 64 / tw heads x tw tokens (tw =
+    ws_rows_tokens(pack): a warpgroup's 64 rows) of dst (ggml order [head_dim_v, n_head, n_batch,
+    ne3], f32), 128-byte swizzled (cuda/fattn_wgmma.cuh wg_stage_rows); values past head_dim_v and
+    tokens past n_batch are not written. Other instances take an unused map (zeros)."""
     if not _O_TMA.get(name, False):
         return tma.TmaMap()
     from .dtypes import GGML_TYPE_F32

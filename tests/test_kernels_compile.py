@@ -311,8 +311,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
-    if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI >= 1 stages in TMA's space
-        return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}, {'true' if int(a[8]) >= 1 else 'false'}>()"
+    if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI 1 stages in Q's f32 space
+        return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}, {'true' if a[8] == '1' else 'false'}>()"
     if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
         scratch = "false" if a[0] in ("__half", "__nv_bfloat16") or a[5] == "true" else "true"
         return "fattn_decode_tma.cu", f"dtma::smem_bytes<{a[0]}, {a[1]}, {a[2]}, {a[4]}, {scratch}, {a[3]}>()"

@@ -16,8 +16,8 @@ Usage: python tools/dev/gpu_bench.py [--quick] [--out FILE] [--only SUBSTR]
 
 ``WS_AB=key,key`` (wgmma_shape.WS_CONFIGS keys): each causal prefill row and the ragged prompts'
 rows also run through the op with those sm_90a instances (WGMMA_CONFIG) where the K/V type and
-tile width match, as rows ``ours-ws-<key>``: the A/B of an instance not yet routed (#48's
-softmax variants, the output through TMA).
+tile width match, as rows ``ours-ws-<key>``: the A/B of an instance not yet routed (#48's lazy
+maximum, the output through TMA).
 """
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ def run(quick=False, only=None, log=print):
         return med
 
     def ws_ab(case, ours, fl, d, bf16):
-        """WS_AB's instances on this causal case (those of its K/V type and tile width)."""
+        """WS_AB's instances on this case (those of its K/V type and tile width)."""
         from ggml_attn import wgmma_shape as wsh   # noqa: PLC0415
         from ggml_attn.dtypes import GGML_TYPE_BF16, GGML_TYPE_F16   # noqa: PLC0415
         kv_type = GGML_TYPE_BF16 if bf16 else GGML_TYPE_F16
