@@ -573,9 +573,9 @@ def test_wgmma_instances_through_the_op(name, config, blocks, bf16, d, monkeypat
 @pytest.mark.parametrize("growth", [1 / 32, 1 / 4])
 def test_wgmma_prefill_rising_scores(config, growth):
     """Scores that rise along the cells (K's rows scaled by 1 + growth x cell, scale 0.5: a row's
-    maximum passes the lazy reference by far more than 2^8 many times), launched directly without a mask, 3 blocks walking many tiles, against the
-    float64 reference: the lazy maximum, the TMA epilogues and the plain instances they are
-    measured against."""
+    maximum passes the lazy reference by far more than 2^8 many times), launched directly without
+    a mask, 3 blocks walking many tiles, against the float64 reference: the lazy maximum, the TMA
+    epilogue and the plain instances they are measured against."""
     import cupy as cp
     from ggml_attn import hopper_prefill as hp
     from ggml_attn.dtypes import GGML_TYPE_F16, from_float

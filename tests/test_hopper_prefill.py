@@ -271,10 +271,10 @@ def test_q_map_refuses_what_tma_cannot_take():
 
 
 def test_o_map_boxes_a_warpgroups_rows(monkeypatch):
-    """o_map: an instance with a TMA epilogue stores a warpgroup's 64 rows through boxes of 32 f32 values x 64 /
-    tw heads x tw tokens of dst (the staging order of cuda/fattn_wgmma.cuh wg_stage_rows), 128-byte
-    swizzled, over dst's own shape and strides; f32 dst only; any other instance gets a zero map
-    (the driver not asked)."""
+    """o_map: an instance with the TMA epilogue stores a warpgroup's 64 rows through boxes of 32 f32
+    values x 64 / tw heads x tw tokens of dst (the staging order of cuda/fattn_wgmma.cuh
+    wg_stage_rows), 128-byte swizzled, over dst's own shape and strides; f32 dst only; any other
+    instance gets a zero map (the driver not asked)."""
     import pytest
     from ggml_attn import tma
     seen = []
@@ -288,4 +288,5 @@ def test_o_map_boxes_a_warpgroups_rows(monkeypatch):
     with pytest.raises(ValueError, match="f32 only"):
         ws.o_map(TensorDesc(512, GGML_TYPE_F16, (96, 32, 300, 2), (2, 192, 192 * 32, 192 * 32 * 300)), otma)
     assert all(c.q_tma and c.diag == 0 for c in ws.WS_CONFIGS.values() if c.epilogue)   # (the kernel's assert)
-    assert not any(any(ws.o_map(dst, ws.WS_CONFIGS[k].name).words) for k in ("pp-persistent-d256", "pp-persistent-qtma-lazy"))
+    assert not any(any(ws.o_map(dst, ws.WS_CONFIGS[k].name).words)
+                   for k in ("pp-persistent-d256", "pp-persistent-qtma-lazy"))
