@@ -2,7 +2,14 @@
 # One command for every GPU run: install, GPU tests, compute-sanitizer, benchmark.
 #
 #   tools/dev/gpu_check.sh [--quick] [--no-precompile] [--no-tests] [--no-sanitize] [--no-bench] [--no-cli] [--no-ggml] [--llamacpp] [--crossover] [--profile]
-#                      [--profile-case CASE] [--ab-prompt] [--quant-kv] [--grid-sample N] [--only CASE[,CASE...]] [-- extra pytest args]
+#                      [--profile-case CASE] [--ab-prompt] [--quant-kv] [--grid-sample N] [--only CASE[,CASE...]]
+#                      [--san-case ARG] [--ws-ab KEY[,KEY...]] [-- extra pytest args]
+#
+# --san-case ARG: the sanitizers on a part of tools/dev/gpu_sanitize_case.py's cases (--wgmma,
+# --quant-kv, --dense-q) instead of all of them.
+#
+# --ws-ab KEYS: the sm_90a prefill's A/B (wgmma_shape.WS_CONFIGS keys, tools/dev/gpu_bench.py's
+# WS_AB) on the causal and ragged prefill rows; $OUT/<date>-<commit>-ws-ab.json.
 #
 # --quant-kv: #32's rows, q8_0/q4_0 K/V against f16 (tools/dev/gpu_quant_kv_bench.py), every
 # quantized decode-tma instance as an A/B row; $OUT/<date>-<commit>-quant-kv.json.
@@ -32,6 +39,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 PRE=1; TESTS=1; SAN=1; BENCH=1; CLI=1; GGML=1; LCPP=0; XOVER=0; PROF=0; PCASE=masked; QUICK=0; ABP=0; QKV=0; SAMPLE=""; ONLY=""; EXTRA=()
+SANCASE=""; WSAB=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1;;
@@ -49,6 +57,8 @@ while [ $# -gt 0 ]; do
     --quant-kv) QKV=1;;
     --grid-sample) SAMPLE="$2"; shift;;
     --only) ONLY="$2"; shift;;
+    --san-case) SANCASE="$2"; shift;;
+    --ws-ab) WSAB="$2"; shift;;
     --) shift; EXTRA=("$@"); break;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -97,7 +107,7 @@ fi
 if [ $SAN = 1 ]; then
   for tool in memcheck racecheck synccheck; do
     echo "== compute-sanitizer $tool"
-    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py > "$OUT/sanitize_$tool.log" 2>&1
+    compute-sanitizer --tool $tool --error-exitcode 3 $PY tools/dev/gpu_sanitize_case.py $SANCASE > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?; [ $rc != 0 ] && status=1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|FAIL" "$OUT/sanitize_$tool.log" | head -8; echo "   $(grep -c "ok$" "$OUT/sanitize_$tool.log") cases ok"
     echo "   rc=$rc ($(( $(date +%s) - t0 ))s so far)"
@@ -130,6 +140,14 @@ if [ $BENCH = 1 ]; then
   [ -n "$ONLY" ] && bargs+=(--only "$ONLY")
   $PY tools/dev/gpu_bench.py "${bargs[@]}" > "$OUT/bench.log" 2>&1 || status=1
   tail -45 "$OUT/bench.log"
+fi
+if [ -n "$WSAB" ]; then
+  echo "== sm_90a prefill A/B: $WSAB"
+  commit=${GGML_ATTN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  WS_AB="$WSAB" $PY tools/dev/gpu_bench.py --out "$OUT/$(date -u +%Y-%m-%d)-$commit-ws-ab.json" \
+      --only "prefill N=2048 causal,prefill N=8192 causal,heads, D,prompts 16-200" > "$OUT/ws-ab.log" 2>&1 || status=1
+  grep -E " ours |ours-unified |ours-ws-|cudnn |fa2" "$OUT/ws-ab.log" | cut -c1-100
+  echo "   ($(( $(date +%s) - t0 ))s so far)"
 fi
 if [ $QKV = 1 ]; then
   echo "== quantized K/V (q8_0/q4_0 against f16; every quantized decode-tma instance)"
