@@ -12,7 +12,7 @@
 #   3. where a one-token step's device time goes, kernel by kernel: ncu's durations of
 #      ggml-attn-bench -p 0 -n 16 on an 8B-shaped Q4_K_M file (tests/fixtures_gguf.py)
 #      (tools/dev/ncu_kernel_table.py) -> $OUT/step.json, and under STEP_VARIANT (a knob_ab
-#      variant; default the A/B's "fused") -> $OUT/step-<name>.json
+#      variant; default the A/B's "fused", where AB_VARIANTS has one) -> $OUT/step-<name>.json
 #   4. tg128 with the shipped GEMV routing against each of AB_VARIANTS (knob_ab --variant
 #      arguments, ';'-separated; default: no type through the one-operand instances, a check that
 #      GEMV_ONE_TYPES still wins; "fused:matmul_dispatch.GEMV_QUANT_OUT=True" the GEMVs writing

@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import time
 import sys
+import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
