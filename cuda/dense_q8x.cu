@@ -23,6 +23,7 @@
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
 #include "staged_rows.cuh"   // stage_weight_rows (smem_u32, cp.async)
+#include "q8x_quant.cuh"     // q8x_quant32
 
 #define Q8X_WARPS 8    // warps a dense_gemv_q8x block, a row each
 #define Q8X_SWARPS 4   // warps a dense_gemv_q8x_s block, a row each
@@ -90,23 +91,6 @@ __device__ __forceinline__ void q8x_enter(const GemvQ8Params& p, const unsigned 
         if (w1) prefetch_l2_span(w1, p.row_bytes, lane);
     }
     pdl_wait();
-}
-
-// A warp's 32 values v (lane i's the i-th) in 8-bit form: d = max|v| / 127, q = round(v / d) (0
-// where d is 0) into q[lane], d and the sum of the q into *d, *s -- dense_quant_q8x's arithmetic
-// and q8x_finish's (the same bits from the same values).
-__device__ __forceinline__ void q8x_quant32(float v, signed char* q, float* d, float* s) {
-    const int lane = threadIdx.x & 31;
-    float amax = fabsf(v);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float dd = amax / 127.0f;
-    const int qi = dd > 0.0f ? __float2int_rn(v / dd) : 0;
-    int sum = qi;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[lane] = (signed char)qi;
-    if (lane == 0) *d = dd, *s = (float)sum;
 }
 
 // Grid (n_in / 256 rounded up, n_tok), 256 threads: warp w quantizes sub-block 8 blockIdx.x + w

@@ -18,12 +18,18 @@
 // split) or the split workspace (fattn_combine finishes, as for the other kernels).
 // Grid (n_batch, n_head / R, ne3 * n_splits); 128 threads; dynamic shared memory CellsCfg::SMEM
 // (the host reads it from the cubin: fattn_cells_smem, at the end of this file).
-// Instances fattn_cells<DK, DV, T, R, U, PF, MINB>: U list entries per group and step, PF the
+// Instances fattn_cells<DK, DV, T, R, U, PF, MINB, QO>: U list entries per group and step, PF the
 // prefetch depth (0: a step's list entries, then their K/V gathers, then math -- two dependent
 // load latencies per step; 1: the next step's entries are loaded before this step's math; 2: the
 // next step's K/V rows too, entries two steps ahead), MINB the __launch_bounds__ minimum blocks
 // per SM (0: no hint). The default (4, 0, 0) and the sweep: kernels.CellsTune / CELLS_SWEEP.
+// QO (one split, DV a multiple of 32; ggml_attn/q8_out.py): the output in the 8-bit form the
+// 8-bit GEMVs read as well (cuda/q8x_quant.cuh), each warp's 32 values of epilogue 3 one 32-value
+// group of the token's n_head * DV outputs -- no quantization launch before the O projection. Its
+// three arrays ride in the fields one split leaves unused: ws_o the int8 values (n_tokens, n_head *
+// DV), ws_ml the scales and split_cnt the sums (n_tokens, n_head * DV / 32), F32 each.
 #include "fattn_common.cuh"
+#include "q8x_quant.cuh"
 
 // Compile-time tuning (the sweep of bench/NOTES.md "cells v2 sweep"; kernels.CellsTune mirrors
 // it): U list entries per group and step; PF prefetch depth (0: a step loads its list entries,
@@ -101,7 +107,7 @@ __device__ __forceinline__ void cells_gather(const char* kbase, const char* vbas
     }
 }
 
-template <int DK, int DV, typename T, int R, int U, int PF, int MINB>
+template <int DK, int DV, typename T, int R, int U, int PF, int MINB, bool QO = false>
 __global__ void __launch_bounds__(128, MINB)
 fattn_cells(const FattnParams p) {
     using C = CellsCfg<DK, DV, R, U>;
@@ -109,6 +115,7 @@ fattn_cells(const FattnParams p) {
     constexpr int NCK = C::NCK, NCV = C::NCV, CHK = C::CHK, CHV = C::CHV, NT = C::NT;
     static_assert(PF >= 0 && PF <= 2, "PF: prefetch depth 0, 1 or 2");
     static_assert(MINB >= 0 && MINB <= 8, "MINB: 0 (no hint) .. 8 blocks per SM");
+    static_assert(!QO || DV % 32 == 0, "QO: whole 32-value groups of a head's outputs");
 
     extern __shared__ uint4 smem_raw[];
     float* sAcc = reinterpret_cast<float*>(smem_raw);   // [NG][R][DV] groups' unnormalized outputs
@@ -307,7 +314,9 @@ fattn_cells(const FattnParams p) {
         sL[r] = Ls;
     }
     __syncthreads();
-    // ---- epilogue 3: merged row values to dst (one split) or the split workspace
+    // ---- epilogue 3: merged row values to dst (one split) or the split workspace; with QO (one
+    //      split) a warp's 32 values, columns 32 k .. 32 k + 31 of one head (NT and DV multiples of
+    //      32: every lane of a warp takes the same turns), also in 8-bit form
     for (int i = tid; i < R * DV; i += NT) {
         const int r = i / DV, c = i % DV, h = h0 + r;
         float o = 0.0f;
@@ -316,11 +325,20 @@ fattn_cells(const FattnParams p) {
             const float w = sW[g * R + r];
             o += w != 0.0f ? w * sAcc[(g * R + r) * DV + c] : 0.0f;
         }
-        store_row_value(p, ((long long)s * p.n_batch + t) * p.n_head + h, h, c, DV, split, o, sM[r], sL[r]);
+        const long long row = ((long long)s * p.n_batch + t) * p.n_head + h;
+        if constexpr (QO) {
+            const float val = o * row_finish_factor(p, h, sM[r], sL[r]);   // store_row_value's, one split
+            p.dst[row * DV + c] = val;
+            const long long grp32 = (row * DV + c) / 32;   // (row * DV + c: the value's place in the token rows)
+            q8x_quant32(val, reinterpret_cast<signed char*>(p.ws_o) + 32 * grp32, p.ws_ml + grp32,
+                        reinterpret_cast<float*>(p.split_cnt) + grp32);
+        } else {
+            store_row_value(p, row, h, c, DV, split, o, sM[r], sL[r]);
+        }
     }
 }
 
 // The dynamic shared memory (bytes) a launch of fattn_cells<...> with the same parameters takes: the
 // host reads it from the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
-template <int DK, int DV, typename T, int R, int U, int PF, int MINB>
+template <int DK, int DV, typename T, int R, int U, int PF, int MINB, bool QO = false>
 __device__ const int fattn_cells_smem = CellsCfg<DK, DV, R, U>::SMEM;

@@ -1,6 +1,7 @@
 // Small kernels around the attention kernels: the mask pre-pass (row intervals, tile classes,
 // compaction into live-tile lists) and the split-KV combine pass. See fattn_common.cuh for the parameter block and layouts.
 #include "fattn_common.cuh"
+#include "q8x_quant.cuh"   // fattn_quant_q8x
 
 // Pass 0: the visible interval of each mask row. lohi[(i33*ne32 + i32)*n_batch + t] = (lo, hi)
 // when the cells of row t of plane (i32, i33) that are not -inf are exactly [lo, hi) and all
@@ -394,4 +395,16 @@ extern "C" __global__ void __launch_bounds__(256) fattn_dequant_kv(const Dequant
         o.w = KVTraits<__half>::pack2(f[6], f[7]);
         reinterpret_cast<uint4*>(p.dst)[i] = o;
     }
+}
+
+// The attention's output (n values F32 from x, n a multiple of 32) in the 8-bit form the 8-bit
+// GEMVs read (q8x_quant.cuh: int8 q, F32 scales d and sums s per 32 values), where its kernel did
+// not make it (ggml_attn/q8_out.py: every kernel but fattn_cells' QO instances over one split).
+// Grid (n / 256 rounded up), 256 threads: a warp a 32-value group.
+extern "C" __global__ void __launch_bounds__(256) fattn_quant_q8x(const float* __restrict__ x, long long n,
+                                                                 signed char* __restrict__ q,
+                                                                 float* __restrict__ d, float* __restrict__ s) {
+    const long long g = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (32 * g >= n) return;   // (whole warps: n is a multiple of 32)
+    q8x_quant32(x[32 * g + (threadIdx.x & 31)], q + 32 * g, d + g, s + g);
 }

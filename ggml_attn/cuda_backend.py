@@ -35,6 +35,7 @@ from . import cuda_workspace
 from . import dispatch
 from . import kernels as K
 from . import knobs
+from . import q8_out
 from .cuda_device import available, num_sms, stream_ptr
 from .cuda_launch import LaunchConfig, launch_config
 from .cuda_plan import Plan, decide, live_words, make_plan, mask_needs_aligned_copy
@@ -125,6 +126,7 @@ class _Prepared:
     # quantized K/V for a kernel that reads f16: the f16 copies' descriptors (pointer 0: at
     # their offsets into the workspace's converted buffer) and their bytes (_F16Copies)
     conv: "_F16Copies | None" = None
+    q8_fused: bool = False     # asked for the output's 8-bit form, the kernel makes it (q8_out.fused)
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,8 @@ class _F16Copies:
 _PREPARED: dict[tuple, _Prepared] = {}
 
 
-def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None):
-    return (knobs.version(), hint, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None, q8=False):
+    return (knobs.version(), hint, q8, q8_out.FUSE, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
@@ -182,7 +184,7 @@ def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spl
 
 
 def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits,
-             plan: Plan | None = None) -> _Prepared:
+             plan: Plan | None = None, q8: bool = False) -> _Prepared:
     sh = validate(q, k, v, mask, sinks, dst, scale, max_bias, softcap)
     choice = decide(kernel, sh, plan=plan, k=k, v=v, plain=sinks is None and softcap == 0.0 and max_bias == 0.0,
                     masked=mask is not None)
@@ -205,6 +207,10 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p.pack, p.q_tile_tokens, p.work_cap = cfg.pack, cfg.q_tile_tokens, cfg.work_cap
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name), template=p, conv=conv)
+    if q8 and q8_out.fused(kern, cfg.n_splits, sh.head_dim_v):   # the cell-list kernel's QO instance
+        prep.fn = K.get_function(K.cells_qo_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, L.CELLS_TUNE),
+                                 K.cells_qo_name(cfg.name))
+        prep.q8_fused = True
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
         prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.head_dim_v)
@@ -256,17 +262,19 @@ class BoundCall:
     rebuilds it from the mask before each replayed launch (the mask's contents may change)."""
 
     __slots__ = ("ptrs", "stream", "kern", "replayable", "own_plan", "_pre", "_fn", "_comb", "_grid", "_block",
-                 "_comb_grid", "_params", "_args", "_keep", "_ref")
+                 "_comb_grid", "_params", "_args", "_keep", "_ref", "_post")
 
     def launch(self) -> None:
         if self._ref is not None:
             _reference_device(*self._ref, self.stream)
-            return
-        for pre in self._pre:
-            pre()
-        self._fn.launch_raw(self._grid, self._block, self.stream, self._args)
-        if self._comb is not None:
-            self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
+        else:
+            for pre in self._pre:
+                pre()
+            self._fn.launch_raw(self._grid, self._block, self.stream, self._args)
+            if self._comb is not None:
+                self._comb.launch_raw(self._comb_grid, (128, 1, 1), self.stream, self._args)
+        if self._post is not None:   # the output's 8-bit form, where the kernel did not make it
+            self._post()
 
     def launcher(self):
         """:meth:`launch` for a replay, as the cheapest callable of no arguments: the driver's
@@ -277,6 +285,7 @@ class BoundCall:
         calls = [*self._pre, self._fn.partial(self._grid, self._block, self.stream, self._args)]
         if self._comb is not None:
             calls.append(self._comb.partial(self._comb_grid, (128, 1, 1), self.stream, self._args))
+        calls.append(self._post)
         if self.own_plan is not None:
             calls[:0] = self.own_plan.refresher(self.stream).calls
         return K.then(*calls)
@@ -284,28 +293,33 @@ class BoundCall:
 
 def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, sinks: TensorDesc | None,
          dst: TensorDesc, scale: float, max_bias: float = 0.0, logit_softcap: float = 0.0, *,
-         kernel: str = "auto", plan: Plan | None = None, stream=None, n_splits: int | None = None) -> BoundCall:
+         kernel: str = "auto", plan: Plan | None = None, stream=None, n_splits: int | None = None,
+         q8: q8_out.Q8Out | None = None) -> BoundCall:
     """Validate, choose, configure and fill in one call on device pointers (the work of
     :func:`flash_attn_ext_device` short of launching). Validation, dispatch and launch
-    configuration are cached per (shapes, strides, types, scalars, plan statistics)."""
+    configuration are cached per (shapes, strides, types, scalars, plan statistics). ``q8``: the
+    output in 8-bit form as well (ggml_attn/q8_out.py)."""
     import cupy
     st = stream_ptr(stream)
     b = BoundCall()
     b.ptrs = tuple(t.ptr if t is not None else 0 for t in (q, k, v, mask, sinks, dst))
-    b.stream, b._keep, b._ref, b.replayable, b.own_plan, b._pre = st, None, None, True, None, ()
+    b.stream, b._keep, b._ref, b.replayable, b.own_plan, b._pre, b._post = st, None, None, True, None, (), None
     if q_needs_aligned_copy(q):
         q, b._keep = _aligned_q_copy(q, st)  # the copy: alive until launched
         b.replayable = False
     dev = cupy.cuda.runtime.getDevice()
     key = _call_key(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, dev,
-                    plan.hint() if plan is not None else None)
+                    plan.hint() if plan is not None else None, q8 is not None)
     prep = _PREPARED.get(key)
     if prep is None:
-        prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, plan)
+        prep = _prepare(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel, n_splits, plan,
+                        q8=q8 is not None)
         if len(_PREPARED) > 4096:
             _PREPARED.clear()
         _PREPARED[key] = prep
     b.kern = prep.kern
+    if q8 is not None and not prep.q8_fused:
+        b._post = q8_out.quant_launch(q8, dst.ptr, st)
     if prep.kern == "reference":
         b._ref, b.replayable = (q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap), False
         return b
@@ -345,6 +359,8 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     if prep.n_groups:
         p.split_cnt, cnt = work.counters(prep.n_groups)
         b._keep = (b._keep, cnt)
+    if prep.q8_fused:
+        q8_out.set_params(p, q8)
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps (and the prefill's Q map) follow
@@ -367,14 +383,15 @@ def flash_attn_ext_device(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: Ten
                           sinks: TensorDesc | None, dst: TensorDesc, scale: float,
                           max_bias: float = 0.0, logit_softcap: float = 0.0, *,
                           kernel: str = "auto", plan: Plan | None = None, stream=None,
-                          n_splits: int | None = None) -> None:
+                          n_splits: int | None = None, q8: q8_out.Q8Out | None = None) -> None:
     """Attention on device pointers; writes ``dst``. Asynchronous on ``stream`` (default:
     CuPy's current stream). ``plan``: from :func:`make_plan` for this mask (built per call
     when None and a mask is given). ``n_splits`` overrides the KV split count (tests).
     A repeated call costs a cache lookup, a parameter copy and the launches; the op's callback
-    keeps the :func:`bind` result per node and replays it instead."""
+    keeps the :func:`bind` result per node and replays it instead. ``q8``: the output in 8-bit form
+    as well (ggml_attn/q8_out.py)."""
     bind(q, k, v, mask, sinks, dst, scale, max_bias, logit_softcap, kernel=kernel, plan=plan,
-         stream=stream, n_splits=n_splits).launch()
+         stream=stream, n_splits=n_splits, q8=q8).launch()
 
 
 def _reference_host(q, k, v, mask, sinks, dst, scale, max_bias, softcap) -> None:

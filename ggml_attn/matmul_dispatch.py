@@ -100,6 +100,14 @@ GEMV_PDL_PREFETCH = True
 # but its GEMVs +14 ms (the gated one 27.4 -> 40.2 us, the residual adds ~10 -> 17.3, Q6_K's
 # ring 16 -> 32; bench/results/2026-12-06-695471d-h100-gemv-qout/). Off.
 GEMV_QUANT_OUT = False
+# The attention writes its output's 8-bit form as well where the O projection runs the 8-bit GEMV
+# (flash_attn_ext(q8_out=...), ggml_attn/q8_out.py): the cell-list kernel's epilogue over one
+# split (a one-token step's attention) quantizes the values it holds -- no fence, no counter, what
+# GEMV_QUANT_OUT lost to -- and every other call quantizes dst in a launch of its own, as the O
+# projection's own quantization did. One of the four quantization launches a layer and token fewer
+# where the cell-list kernel runs. Predicted (H100, tg128 on the 8B-shaped Q4_K_M file): 32
+# launches of ~3.07 us fewer a token (~98 of ~2,900 us), +3%. Not yet measured: off.
+ATTN_QUANT_OUT = False
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their
@@ -176,6 +184,12 @@ def gemv_quant_out(choices) -> bool:
         return False
     paths = [c.path for c in choices]
     return len(paths) > 1 and all(p == "gemv-q8x" for p in paths)
+
+
+def attn_quant_out(choice: MatmulChoice) -> bool:
+    """Whether the attention hands its output to the O projection in 8-bit form (ATTN_QUANT_OUT,
+    ``choice`` the O projection's path: the 8-bit GEMV)."""
+    return ATTN_QUANT_OUT and choice.path == "gemv-q8x"
 
 
 def gemv_pdl() -> int:

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import cpu
 from .dtypes import GGML_TYPE_F32
+from .q8_out import check_arrays
 from .runtime import (_check_ctx, _check_ptr, _interrupted, _node_addr, _single_threaded_blas, c_callback,
                       interrupted, record_error, register_node)
 from .tensor import as_numpy, from_ggml
@@ -76,6 +77,7 @@ class _Spec:
     per_node: bool = False       # the spec of one node (keeps its bound call), not a shared one
     nbytes: int = 0              # device bytes its bound call holds of its own (a plan-less call's tile map)
     sid: int = 0                 # a plan-less node's id (its key in the registry)
+    q8: object = None            # q8_out.Q8Out: the output's 8-bit form as well (flash_attn_ext's q8_out)
 
 
 _specs: dict[int, _Spec] = {}
@@ -130,8 +132,9 @@ def _why_no_gpu() -> str:
     return "no CUDA device visible to CuPy"
 
 
-def _spec_id(params: _OpParams, plan) -> int:
-    """Register the build-time state of a new op node; returns its ``userdata`` id."""
+def _spec_id(params: _OpParams, plan, q8=None) -> int:
+    """Register the build-time state of a new op node; returns its ``userdata`` id. ``q8`` (with
+    a plan only): the node's :class:`q8_out.Q8Out`."""
     with _registry_lock:
         if plan is None:   # the shared spec of these parameters, and a serial of this node
             sid = _shared_spec_ids.get(params)
@@ -144,7 +147,7 @@ def _spec_id(params: _OpParams, plan) -> int:
                 del _specs[i]
             _prune_at[0] = max(1024, 2 * len(_specs))
         sid = next(_next_spec_id)
-        _specs[sid] = _Spec(params, weakref.ref(plan), per_node=True)
+        _specs[sid] = _Spec(params, weakref.ref(plan), per_node=True, q8=q8)
         return sid
 
 
@@ -372,6 +375,9 @@ def _callback_slow(dst_p, ith, nth, spec, userdata: int):
         # 'reference', or while gpu_available() says no)
         on_device = _is_device_pointer(q.ptr) if gpu else _maybe_device_pointer(q.ptr)
         choice = None if on_device and (gpu or backend == "reference") else _choose(dims, gpu, on_device)
+        if spec.q8 is not None and choice is not None:
+            raise RuntimeError("flash_attn_ext(q8_out=...) runs on device graphs only (its arrays are "
+                               "device memory); this call's tensors are on the host")
         if choice is None:   # device data: the GPU backend decides (the plan's decision, or its own)
             if ith != 0:
                 return
@@ -410,7 +416,7 @@ def _bind_and_launch(spec: _Spec, node: int, plan, q, k, v, mask, sinks, dst, *,
                          f"n_batch={plan.n_batch}; call: {mask.shape_str if mask else None} at "
                          f"{mask.ptr if mask else 0:#x}, n_batch={q.ne[1]})")
     b = cuda_backend.bind(q, k, v, mask, sinks, dst, p.scale, p.max_bias, p.logit_softcap,
-                          kernel=kernel, plan=plan, stream=_current_stream().ptr)
+                          kernel=kernel, plan=plan, stream=_current_stream().ptr, q8=spec.q8)
     if spec.per_node:   # keep it (None while it cannot be replayed)
         spec.bound = fast_record(node, 3 + p.has_mask + p.has_sinks, b.launcher(), b.stream) \
             if b.replayable else None
@@ -433,7 +439,7 @@ _N_TASKS_ANY = -1  # GGML_N_TASKS_MAX: as many threads as the graph has
 
 
 def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
-                   logit_softcap: float = 0.0, sinks=None, *, plan=None):
+                   logit_softcap: float = 0.0, sinks=None, *, plan=None, q8_out=None):
     """Drop-in for ``ggml.ggml_flash_attn_ext`` (+ ``ggml_flash_attn_ext_add_sinks``).
 
     ``plan``: optional ``cuda_backend.Plan`` of this mask (``cuda_backend.make_plan``, once per
@@ -441,6 +447,10 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
     graph is computed -- and, on device pointers, keeps its bound launch: a repeated compute
     with the same data pointers and stream relaunches it without re-validating or re-planning.
     Without a plan each device call builds its own tile map.
+
+    ``q8_out``: ``(xq, xd, xs)`` device arrays (with ``plan=``, on device graphs): the result in
+    the 8-bit form the 8-bit GEMVs read as well (ggml_attn/q8_out.py: layouts, and where the
+    kernel makes it) -- the O projection's activations without a quantization of their own.
 
     Arguments are ggml-python tensors (``ggml_tensor_p``), ggml order:
     q F32 ``[head_dim_k, n_batch, n_head, ne3]``, k/v F32/F16/BF16 (or a quantized type ggml can
@@ -479,7 +489,16 @@ def flash_attn_ext(ctx, q, k, v, mask, scale: float, max_bias: float = 0.0,
         if not hasattr(plan, "matches") or (mask_d.ptr and not plan.matches(mask_d, dims.n_batch)):
             raise ValueError(f"flash_attn_ext: plan {plan!r:.80} was not made for this mask "
                              f"{mask_d.shape_str} with n_batch={dims.n_batch} (cuda_backend.make_plan)")
+    q8 = None
+    if q8_out is not None:
+        if plan is None:
+            raise ValueError("flash_attn_ext: q8_out= needs plan= (a node that writes an 8-bit form "
+                             "keeps its own bound call, as a planned node does)")
+        try:
+            q8 = check_arrays(q8_out, dims.n_batch * dims.ne3, dims.head_dim_v * dims.n_head)
+        except ValueError as e:
+            raise ValueError(f"flash_attn_ext: {e}") from None
     srcs = [q, k, v] + ([mask] if mask is not None else []) + ([sinks] if sinks is not None else [])
     args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
     return ggml.ggml_custom_4d(ctx, GGML_TYPE_F32, *dims.out_ne, args, len(srcs),
-                               _CALLBACK, _N_TASKS_ANY, ctypes.c_void_p(_spec_id(params, plan)))
+                               _CALLBACK, _N_TASKS_ANY, ctypes.c_void_p(_spec_id(params, plan, q8)))

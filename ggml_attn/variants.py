@@ -132,7 +132,7 @@ def smem_expr(name: str) -> str | None:
 # of 8, the three F16 mma instances 5.0 s together and ~1 s each apart -- and the shards compile
 # in parallel threads (kernels.precompile: a first run's kernels are ready when its longest shard
 # is, 7.3 s of a 9.5 s load on the H100 at dc1de0f) and load on first use (kernels.get_function).
-SHARD_NAMES = {"mma": 1, "mma-ext": 1, "vec": 1}
+SHARD_NAMES = {"mma": 1, "mma-ext": 1, "vec": 1, "util": 8}   # (util: small kernels, one program)
 SHARD_NAMES_DEFAULT = 6
 
 
@@ -175,7 +175,7 @@ def _shard_index(v: Variant, k: int) -> dict[str, Variant]:
 
 
 UTIL_NAMES = ("fattn_mask_rows", "fattn_mask_scan", "fattn_mask_compact", "fattn_combine", "fattn_cell_lists",
-              "fattn_dequant_kv")
+              "fattn_dequant_kv", "fattn_quant_q8x")
 CELL_LIST_THREADS = 256   # FATTN_CELL_THREADS in fattn_util.cu (fattn_cell_lists' block)
 
 
@@ -456,6 +456,25 @@ def cells_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None)
                    tuple(cells_name(dk, dv, kv_type, r, t) for r in cells_rows_allowed(dk, dv, t)))
 
 
+def cells_qo_name(name: str) -> str:
+    """The QO instance of ``cells_name``'s ``name``: its output in 8-bit form as well
+    (cuda/fattn_cells.cu, ggml_attn/q8_out.py)."""
+    return f"{name[:-1]}, true>"
+
+
+def cells_qo_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None) -> Variant:
+    """The QO instances of :func:`cells_variant`'s program (head_dim_v a multiple of 32), a
+    program of their own: compiled where a graph asks for the attention's 8-bit output."""
+    if dv % 32:
+        raise ValueError(f"fattn_cells' QO instances need head_dim_v a multiple of 32, got {dv}")
+    return cells_qo_of(cells_variant(dk, dv, kv_type, tune))
+
+
+def cells_qo_of(variant: Variant) -> Variant:
+    """:func:`cells_qo_variant` of a :func:`cells_variant` program."""
+    return Variant("cells-qo", variant.source, tuple(map(cells_qo_name, variant.names)))
+
+
 def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
     """One program per (head sizes, K/V type, ext): plain calls never compile the ext code."""
     return Variant("mma-ext" if ext else "mma", "fattn_mma.cu",
@@ -509,6 +528,7 @@ def all_variants() -> list[Variant]:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
         out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
+        out += [cells_qo_variant(dk, dv, t) for dk, dv in CELLS_HEADS if dv % 32 == 0]
     for t in QUANT_KV_CTYPES:
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_QUANT_HEADS]
     return out

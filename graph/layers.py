@@ -48,11 +48,13 @@ def pad_rows_see_own_cell(mask: np.ndarray, ub, slot) -> None:
 def flash_attention(fa):
     """The attention step with flash-attention op ``fa`` (``ggml_attn.flash_attn_ext`` or
     ``ggml.ggml_flash_attn_ext``)."""
-    def run(b, q, k, v, mask):
+    def run(b, q, k, v, mask, q8_out=None):
         cfg = b.cfg
         if fa is fa_op.flash_attn_ext:   # the ubatch's tile map (device graphs), shared by every layer
             kplan = b.plan.kernel_plan if b.xp is not np else None
-            out = fa(b.ctx, q, k, v, mask, cfg.scale, cfg.max_bias, cfg.logit_softcap, plan=kplan)
+            out = fa(b.ctx, q, k, v, mask, cfg.scale, cfg.max_bias, cfg.logit_softcap, plan=kplan, q8_out=q8_out)
+        elif q8_out is not None:
+            raise ValueError(f"attention: the output's 8-bit form (q8_out) is ggml_attn.flash_attn_ext's, not {fa!r}'s")
         else:
             out = fa(b.ctx, q, k, v, mask, cfg.scale, cfg.max_bias, cfg.logit_softcap)
         if fa is ggml.ggml_flash_attn_ext:
@@ -77,11 +79,12 @@ def softmax_attention(b, q, k, v, mask):
 
 
 
-def attention(b, il: int, q_cur, k_cur, v_cur):
+def attention(b, il: int, q_cur, k_cur, v_cur, q8_out=None):
     """Store ``k_cur``/``v_cur`` in the cache, attend ``q_cur [D, n_head, n_tokens]`` over the
     ubatch's K/V; returns ``[head_dim_v, n_head, n_tps, n_stream]`` F32. ``k_cur`` and ``v_cur``
     None: the node that made ``q_cur`` stored them already (``xp_ops.rope_store``: attention,
-    which reads ``q_cur``, runs after it)."""
+    which reads ``q_cur``, runs after it). ``q8_out``: the output in 8-bit form as well
+    (``flash_attn_ext``'s; ``q8_handoff.attention_arrays``)."""
     cfg, plan = b.cfg, b.plan
     ns, n_tps, n_kv, s0 = plan.n_stream, plan.n_tps, plan.n_kv, plan.slot.s0
     if (k_cur is None) != (v_cur is None):
@@ -99,7 +102,7 @@ def attention(b, il: int, q_cur, k_cur, v_cur):
     k = b.kv.get_k(b.ctx, il, s0, n_kv, ns, after=st_k)         # [D, n_kv, n_head_kv, ns]
     v = b.kv.get_v(b.ctx, il, s0, n_kv, ns, after=st_v)
     b.kv_views += [(k, b.kv.stream_bytes("k")), (v, b.kv.stream_bytes("v"))]   # (UBatchGraph.load_plan moves them)
-    out = b.attention(b, q4, k, v, b.mask)
+    out = b.attention(b, q4, k, v, b.mask, q8_out) if q8_out is not None else b.attention(b, q4, k, v, b.mask)
     ggml.ggml_set_name(out, f"attn_out_l{il}".encode())
     return out
 

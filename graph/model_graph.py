@@ -33,7 +33,8 @@ float ones F16 with the RMS-norm weights folded in; the ops take the norm weight
   ``mul_mat``, ``rms_norm``, ``add_into``); ``f = mul_mat_gated(wg, wu, x, norm_eps, ffn_norm, down=wd)``;
   ``x += wd f`` (gemma2 likewise). The two residual adds name what reads ``x`` next (``norm_next``:
   the FFN's norm and gate/up, the next layer's norm and Q/K/V), and the gate/up node its down
-  matrix, so that each can hand over its output's 8-bit form (``matmul_dispatch.GEMV_QUANT_OUT``);
+  matrix, so that each can hand over its output's 8-bit form (``matmul_dispatch.GEMV_QUANT_OUT``),
+  and the attention its output to the O projection (``matmul_dispatch.ATTN_QUANT_OUT``);
 * :func:`head`: ``get_rows(x, out_ids)``, then ``mul_mat_group([output], ., norm_eps, output_norm)``
   (gemma2: ``xp_ops.softcap_into``).
 
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 import ggml
 import numpy as np
 
-from . import xp_matmul, xp_ops
+from . import q8_handoff, xp_matmul, xp_ops
 from .batch import Batch
 from .layers import attention
 from .model import Model, Weight
@@ -269,17 +270,18 @@ def _model_layer_custom(b, il: int, x):
         q = xp_matmul.rms_norm(b, q, hp.rms_eps, w["q_norm"], f"q_norm_l{il}", row=hp.head_dim_k)
         k = xp_matmul.rms_norm(b, k, hp.rms_eps, w["k_norm"], f"k_norm_l{il}", row=hp.head_dim_k)
     store = b.kv.store_arrays(il) if ROPE_STORE else None
+    att_q8 = q8_handoff.attention_arrays(b, w["wo"], n_tok, hp.n_embd_q)   # the O projection's 8-bit input, or None
     if store is not None:   # Q rotated; K rotated and V stored into the cache by the same node
         q = xp_ops.rope_store(b, q, k, v, inp.positions, hp, store, b.row_idx, ff,
                               (w.get("bq"), w.get("bk"), w.get("bv")), f"qk_rope_kv_store_l{il}")
-        att = attention(b, il, q, None, None)
+        att = attention(b, il, q, None, None, q8_out=att_q8)
     else:
         q, k = xp_ops.rope(b, [q, k], inp.positions, hp, ff, [w.get("bq"), w.get("bk")], f"qk_rope_l{il}")  # [D, n_head(_kv), n_tok]
         k = ggml.ggml_reshape_2d(b.ctx, k, hp.n_embd_kv, n_tok)
         if "bv" in w:
             v = xp_ops.add_bias(b, v, w["bv"], f"v_bias_l{il}")
-        att = attention(b, il, q, k, v)
-    att = ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok)
+        att = attention(b, il, q, k, v, q8_out=att_q8)
+    att = q8_handoff.remember(b, ggml.ggml_reshape_2d(b.ctx, att, hp.n_embd_q, n_tok), att_q8, None, None)
 
     def add_projection(wkey, h, post, what, nxt):   # x += w·h, or gemma2's x += rms_norm(w·h) * post
         if post not in w:   # (nxt: the norm and matrices that read x next, for its 8-bit form)

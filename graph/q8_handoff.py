@@ -1,7 +1,8 @@
 """A node's output in 8-bit form, handed from the GEMV that wrote it to the GEMVs that read it
 next, so that no quantization launch runs between them (``matmul_dispatch.GEMV_QUANT_OUT``;
-``cuda/dense_q8x.cu`` q8x_finish): whether a producer makes it and its arrays
-(:func:`arrays_for`), the graph builder's record of each node's (:func:`remember`,
+``cuda/dense_q8x.cu`` q8x_finish), or from the attention to the O projection
+(``matmul_dispatch.ATTN_QUANT_OUT``, :func:`attention_arrays`; ggml_attn/q8_out.py): whether a
+producer makes it and its arrays (:func:`arrays_for`), the graph builder's record of each node's (:func:`remember`,
 ``GraphBuilder.q8_forms``) and a reader's lookup (:func:`form_of`). ``xp_matmul`` calls them;
 arrays as ``q8_matmul.q8_out_arrays``' (numpy order: int8 ``(n_tokens, rows)``, F32 scales and
 sums ``(n_tokens, rows / 32)``).
@@ -15,7 +16,7 @@ import numpy as np
 from .model_device import QMatrix
 from .q8_matmul import q8_out_arrays, rows_aligned
 
-__all__ = ["matmul_choice", "arrays_for", "remember", "form_of"]
+__all__ = ["matmul_choice", "arrays_for", "attention_arrays", "remember", "form_of"]
 
 
 def matmul_choice(ws: list, n_tok: int):
@@ -37,6 +38,18 @@ def arrays_for(b, ws: list, n_tok: int, rows: int):
     if not gemv_quant_out(matmul_choice([w], n_tok) for w in ws):   # (lazy: no choice made while it is off)
         return None
     return q8_out_arrays(b.xp, n_tok, rows)
+
+
+def attention_arrays(b, w, n_tok: int, n: int):
+    """``(xq, xd, xs)`` for the attention's output in 8-bit form (``flash_attn_ext``'s ``q8_out``,
+    ggml_attn/q8_out.py: int8 ``(n_tok, n)``, F32 ``(n_tok, n / 32)`` twice, numpy order) where
+    the O projection ``w`` reads it in the 8-bit GEMV at ``n_tok`` tokens
+    (``matmul_dispatch.attn_quant_out``) on a device graph; else None."""
+    from ggml_attn.matmul_dispatch import attn_quant_out  # noqa: PLC0415
+    if b.xp is np or not isinstance(w, QMatrix) or n % 32 or not attn_quant_out(matmul_choice([w], n_tok)):
+        return None
+    return (b.scratch((n_tok, n), np.int8), b.scratch((n_tok, n // 32), np.float32),
+            b.scratch((n_tok, n // 32), np.float32))
 
 
 def remember(b, node, out_q, eps, g):

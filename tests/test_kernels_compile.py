@@ -42,11 +42,13 @@ REPRESENTATIVE = {
     "sm_90": (K.util_variant(), K.dense_variant(), K.dense_q_variant(12), K.dense_q8x_variant(12), K.dense_q8x_qout_variant(12),
               K.model_ops_variant(), K.mma_variant(128, 128, F16),
               K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, BF16),
-              K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16)),
+              K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16),
+              K.cells_qo_variant(128, 128, F16)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.dense_q_variant(14), K.dense_q8x_variant(14), K.dense_q8x_qout_variant(14),
               K.model_ops_variant(), K.mma_variant(40, 40, BF16),
               K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, F16),
-              K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16)),
+              K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16),
+              K.cells_qo_variant(64, 64, BF16)),
 }
 
 

@@ -413,12 +413,14 @@ def _float_file(n: str) -> bool:
 # blocks with every ubatch of 2 or more tokens through the tiled block GEMM ("blocks-gemm-q"),
 # the 8-bit GEMV at 1-16 tokens ("blocks-q8x"; "-pdl": launched with programmatic dependent launch;
 # "-ring": its ring form at 1-4 tokens for the types it reads; "-split": a row on two warps in modes 0 / 1;
-# "-qout": one-token GEMVs writing the next GEMVs' 8-bit activations, matmul_dispatch.GEMV_QUANT_OUT),
+# "-qout": one-token GEMVs writing the next GEMVs' 8-bit activations, matmul_dispatch.GEMV_QUANT_OUT;
+# "-aqout": the attention writing the O projection's, matmul_dispatch.ATTN_QUANT_OUT),
 # the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
                                                              "blocks-q8x-ring-one", "blocks-q8x-split", "blocks-q8x-qout",
+                                                             "blocks-q8x-aqout",
                                                              "blocks-gemm-q8"))]
 
 
@@ -443,7 +445,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     ``matmul_dispatch.Q8XR_TYPES``, with the vector and ring forms' one-operand instances or not,
     ``matmul_dispatch.GEMV_ONE_TYPES``; or with a row on two warps in modes 0 / 1,
     ``matmul_dispatch.GEMV_SPLIT_TYPES``; or with the one-token GEMVs writing the next GEMVs'
-    8-bit activations, ``matmul_dispatch.GEMV_QUANT_OUT``), or with
+    8-bit activations, ``matmul_dispatch.GEMV_QUANT_OUT``; or with the attention writing the O
+    projection's, ``matmul_dispatch.ATTN_QUANT_OUT``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
@@ -455,6 +458,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
         monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", 16)
         monkeypatch.setattr(matmul_dispatch, "GEMV_PDL", form.endswith("-pdl"))
         monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", form.endswith("-qout"))
+        monkeypatch.setattr(matmul_dispatch, "ATTN_QUANT_OUT", form.endswith("-aqout"))
         if form.endswith("-one"):   # (else the shipped types)
             from ggml_attn.kernels import Q8XV_TYPES
             monkeypatch.setattr(matmul_dispatch, "GEMV_ONE_TYPES", Q8XV_TYPES)

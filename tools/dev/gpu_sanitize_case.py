@@ -8,7 +8,8 @@ the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / 
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
 of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
-dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store).
+dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store); the
+attention's output in 8-bit form (the cell-list kernel's QO epilogue, the launch after a combine).
 With --dense-q only the weight-block matmuls and the fused store; with --quant-kv only the
 sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`); with --wgmma only
 every sm_90a prefill instance directly (:func:`_ws_instances`). Exits non-zero if
@@ -216,7 +217,38 @@ def main():
         bad += _quantized(cp, rng, m)
     bad += _dense_q(cp, rng)
     bad += _rope_store(cp, rng)
+    bad += _attn_q8(cp, rng)
     sys.exit(1 if bad else 0)
+
+
+def _attn_q8(cp, rng) -> int:
+    """The attention's output in 8-bit form (ggml_attn/q8_out.py): the cell-list kernel's QO
+    epilogue over one split (R 4 and 1: ragged rows) and the launch after three splits' combine;
+    the bits against numpy's rounding of dst."""
+    from ggml_attn import q8_out
+    bad = 0
+    for nb, nh, nkv, splits in ((1, 32, 8, 1), (3, 8, 8, 1), (2, 32, 8, 3)):
+        n_kv, d = 333, 128
+        q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
+        k, v = (from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16) for _ in range(2))
+        m = rng.uniform(-1, 1, (1, 1, nb, n_kv)).astype(np.float32)
+        m[..., 100:] = -np.inf
+        dst = cp.full((1, nb, nh, d), cp.nan, dtype=cp.float32)
+        arrs = (cp.zeros((nb, nh * d), cp.int8), cp.zeros((nb, nh * d // 32), cp.float32),
+                cp.zeros((nb, nh * d // 32), cp.float32))
+        dm = cp.asarray(m.astype(np.float16))
+        cb.flash_attn_ext_device(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
+                                 from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dm), None, from_array(dst),
+                                 0.1, kernel="cells", n_splits=splits, q8=q8_out.check_arrays(arrs, nb, nh * d))
+        out = dst.get().reshape(nb, -1)
+        g = out.reshape(nb, -1, 32)
+        dd = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float32)
+        qq = np.where(dd[..., None] > 0, np.rint(g / np.where(dd > 0, dd, 1)[..., None]), 0).astype(np.int8)
+        ok = (np.array_equal(arrs[0].get(), qq.reshape(nb, -1)) and np.array_equal(arrs[1].get(), dd)
+              and np.array_equal(arrs[2].get(), qq.astype(np.int32).sum(axis=2).astype(np.float32)))
+        bad += not ok
+        print(f"attn q8 out cells splits={splits} rows={nb} {'ok' if ok else 'FAIL'}")
+    return bad
 
 
 def _quantized(cp, rng, mask) -> int:
