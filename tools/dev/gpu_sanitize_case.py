@@ -12,7 +12,8 @@ dequantization; the row gather); the model graph's fused rope and K/V store (xp_
 attention's output in 8-bit form (the cell-list kernel's QO epilogue, the launch after a combine).
 With --dense-q only the weight-block matmuls and the fused store; with --quant-kv only the
 sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`); with --wgmma only
-every sm_90a prefill instance directly (:func:`_ws_instances`). Exits non-zero if
+every sm_90a prefill instance directly (:func:`_ws_instances`); with --attn-q8 only the
+attention's output in 8-bit form (:func:`_attn_q8`). Exits non-zero if
 any result misses the reference."""
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def main():
     bad = 0
     if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only (and the fused store)
         sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) else 0)
+    if "--attn-q8" in sys.argv[1:]:   # the attention's output in 8-bit form only
+        sys.exit(1 if _attn_q8(cp, rng) else 0)
     if "--wgmma" in sys.argv[1:]:     # every sm_90a prefill instance directly, no mask, only
         sys.exit(1 if _ws_instances(cp, rng) else 0)
     if "--quant-kv" in sys.argv[1:]:  # the decode over quantized K/V only (sm_90a)
