@@ -148,3 +148,36 @@ def test_a_server_that_ignores_sigterm_is_killed():
     t0 = time.perf_counter()
     lss.stop_server(proc, grace=0.3)
     assert proc.returncode == -signal.SIGKILL and time.perf_counter() - t0 < 5.0
+
+
+def _row(tool, rate, split, kvu, out, itl99, ttft50):
+    return dict(tool=tool, rate=rate, split=split, kv_unified=kvu, out_tok_per_s=out, itl_ms_p99=itl99,
+                ttft_ms_p50=ttft50)
+
+
+def test_verdict_reads_the_issues_targets_off_the_rows(tmp_path, capsys):
+    """The saturated ratio of the best rows; the latency ratios at the rate where llama-server's
+    best row is nearest 80% of its peak (8/s here: 800 of 1000), ours the lowest there; an error
+    row is left out; runs merged from several files by --verdict."""
+    runs = [[_row("llama-server", "inf", "llama-server", True, 1000.0, 200.0, 900.0),
+             _row("llama-server", "inf", "llama-server", False, 600.0, 150.0, 800.0),
+             _row("ggml-attn", "inf", "simple", False, 2500.0, 60.0, 300.0),
+             _row("ggml-attn", "inf", "auto", True, 2000.0, 50.0, 250.0)],
+            [_row("llama-server", 8.0, "llama-server", True, 800.0, 100.0, 50.0),
+             _row("ggml-attn", 8.0, "simple", False, 900.0, 30.0, 40.0),
+             _row("ggml-attn", 8.0, "auto", True, 905.0, 20.0, 45.0),
+             dict(tool="llama-server", rate="12", kv_unified=True, error="stalled")],
+            [_row("llama-server", 2.0, "llama-server", True, 300.0, 40.0, 30.0),
+             _row("ggml-attn", 2.0, "simple", False, 300.0, 10.0, 10.0)]]
+    text = lss.verdict([r for run in runs for r in run])
+    assert "ours 2500 out t/s (simple) / llama-server 1000 (llama-server -kvu) = 2.50x" in text
+    assert "at 8/s llama-server (llama-server -kvu) gives 80% of its peak 1000" in text
+    assert "ITL p99 ours 20.0 ms / 100.0 = 0.20x" in text and "TTFT p50 ours 40.0 ms / 50.0 = 0.80x" in text
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps({"rows": run}))
+    assert lss.main(["--verdict", *map(str, paths)]) == 0
+    assert capsys.readouterr().out.strip() == text
+    assert "no rate-inf rows" in lss.verdict(runs[1]) and "no finite rate" in lss.verdict(runs[0])
+    assert "need rows of both" in lss.verdict(runs[0][:2])

@@ -214,7 +214,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true",
                     help="ours without --warmup (the trace served once untimed first: llama-server is warmed "
                          "up too, and ours builds each new ubatch structure's graph on first sight)")
+    ap.add_argument("--verdict", nargs="+", metavar="JSON", default=None,
+                    help="print the targets' verdict of these runs' serve_side_by_side.json, rows merged, and exit")
     a = ap.parse_args(argv)
+    if a.verdict:
+        rows = [r for path in a.verdict for r in json.load(open(path))["rows"]]
+        print(verdict(rows))
+        return 0
     from ggml_attn.cli import format_serve
     from ggml_attn.cli.models import resolve
     from ggml_attn.cli.serve_trace import load_trace, parse_dist, parse_rates, prompt_tokens, synth_trace, write_trace
@@ -275,10 +281,53 @@ def main(argv=None) -> int:
                 res["rows"].append(dict(tool="ggml-attn", rate=tag, kv_unified=kvu,
                                         error=f"exit status {rc} (ours-{tag}{'-kvu' if kvu else ''}.log)"))
             save()
-    print(table(res["rows"]))
+    print(table(res["rows"]) + "\n\n" + verdict(res["rows"]))
     with open(os.path.join(a.out, "table.md"), "w") as f:
-        f.write(table(res["rows"]) + "\n")
+        f.write(table(res["rows"]) + "\n\n" + verdict(res["rows"]) + "\n")
     return 0
+
+
+def verdict(rows: list[dict]) -> str:
+    """#44's targets from side-by-side rows (one run's, or several runs' merged: ``--verdict``):
+    the saturated throughput (rate inf) of our best row against llama-server's best; and at the
+    measured rate where llama-server's best row comes closest to 80% of its peak (its best row at
+    any rate), our lowest ITL p99 and TTFT p50 there against that llama-server row's. A line says
+    what the rows cannot tell (no saturated run, no finite rate)."""
+    ok = [r for r in rows if "error" not in r]
+    srv = [r for r in ok if r["tool"] == "llama-server"]
+    ours = [r for r in ok if r["tool"] == "ggml-attn"]
+    if not srv or not ours:
+        return "targets: need rows of both llama-server and ggml-attn"
+
+    def at(rs, rate):
+        return [r for r in rs if float(r["rate"]) == rate]
+
+    def name(r):
+        return f"{r['split']}{' -kvu' if r['kv_unified'] else ''}"
+    top = lambda rs: max(rs, key=lambda r: r["out_tok_per_s"])   # noqa: E731
+    peak = top(srv)
+    lines = []
+    s_inf, o_inf = at(srv, math.inf), at(ours, math.inf)
+    if s_inf and o_inf:
+        s, o = top(s_inf), top(o_inf)
+        lines.append(f"saturated: ours {o['out_tok_per_s']:.0f} out t/s ({name(o)}) / llama-server "
+                     f"{s['out_tok_per_s']:.0f} ({name(s)}) = {o['out_tok_per_s'] / s['out_tok_per_s']:.2f}x "
+                     f"(target >= 1.5x)")
+    else:
+        lines.append("saturated: no rate-inf rows of both")
+    rates = sorted({float(r["rate"]) for r in srv} & {float(r["rate"]) for r in ours} - {math.inf})
+    if not rates:
+        lines.append("latency: no finite rate with rows of both")
+        return "\n".join(lines)
+    rate = min(rates, key=lambda x: abs(top(at(srv, x))["out_tok_per_s"] / peak["out_tok_per_s"] - 0.8))
+    s, o = top(at(srv, rate)), at(ours, rate)
+    share = s["out_tok_per_s"] / peak["out_tok_per_s"]
+    itl, ttft = min(r["itl_ms_p99"] for r in o), min(r["ttft_ms_p50"] for r in o)
+    lines.append(f"at {rate:g}/s llama-server ({name(s)}) gives {100 * share:.0f}% of its peak "
+                 f"{peak['out_tok_per_s']:.0f}: ITL p99 ours {itl:.1f} ms / {s['itl_ms_p99']:.1f} = "
+                 f"{itl / s['itl_ms_p99']:.2f}x, TTFT p50 ours {ttft:.1f} ms / {s['ttft_ms_p50']:.1f} = "
+                 f"{ttft / s['ttft_ms_p50']:.2f}x (targets <= 0.7x)")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
