@@ -239,7 +239,8 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
     """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
     dense_gemm_qr (each its tile for the tokens, and each tile alone), dense_gemm_q8 (its
-    activations' quantization included)."""
+    activations' quantization included), and dequantize + cuBLAS, the path past
+    ``matmul_dispatch.QSGEMM_MAX_TOKENS`` (the crossover's other side)."""
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
     for n in tokens:
@@ -253,7 +254,8 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
-        cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms()))]
+        cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
+                  ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16))]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
