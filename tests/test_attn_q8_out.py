@@ -18,7 +18,7 @@ from ggml_attn import op, q8_out
 from ggml_attn.graph import q8_handoff, xp_matmul
 from ggml_build import build_case, case_bytes, graph_of, new_context
 from ggml_attn.conformance import FACase, make_inputs
-from test_xp_ops_block_launches import Builder, Dev, _qmatrix, launches  # noqa: F401 (the fixture)
+from test_xp_ops_block_launches import Dev, _qmatrix, graph_nodes, launches  # noqa: F401 (the fixture)
 
 CASE = FACase(hsk=64, hsv=64, n_head_kv=2, gqa=2, ne3=1, n_kv=128, n_batch=4, mask=True, sinks=False,
               max_bias=0.0, logit_softcap=0.0, kv_type=ggml.GGML_TYPE_F16)
@@ -128,27 +128,7 @@ def test_the_o_projection_reads_the_attentions_8_bit_form(launches, monkeypatch)
     """graph/q8_handoff.py with ATTN_QUANT_OUT: arrays for the attention where the O projection
     runs the 8-bit GEMV (none for F16 weights, more tokens than the GEMV takes, or with the knob
     off), and its residual add launches no quantization and reads them."""
-    arrays = {}
-
-    class GraphB(Builder):
-        def __init__(self):
-            super().__init__()
-            self.q8_forms = {}
-
-        def array(self, t):
-            return arrays[ctypes.addressof(t.contents)]
-
-        def ptr(self, a):
-            return a.data.ptr
-
-    class Tensor(ctypes.Structure):
-        _fields_ = [("data", ctypes.c_uint64)]
-
-    def node(arr):
-        t = ctypes.pointer(Tensor(arr.data.ptr))
-        arrays[ctypes.addressof(t.contents)] = arr
-        return t
-    monkeypatch.setattr(xp_matmul, "_custom", lambda b, run, srcs, out, name, ptr=None: node(out))
+    GraphB, node = graph_nodes(monkeypatch)
     n = 256
     wo = _qmatrix("Q4_K", n, n)
 

@@ -83,6 +83,36 @@ def _qmatrix(name, n_out, n_in, scratch=None):
     return QMatrix(name, (n_out, n_in), Dev((n_out, lay.row_bytes(n_in)), np.uint8), scratch=scratch)
 
 
+def graph_nodes(monkeypatch):
+    """``(GraphB, node)``: a graph builder class with the 8-bit forms' record and the arrays of
+    nodes, and ``node(arr)``, a fake node over ``arr`` (what the ops read of a ggml tensor: its
+    data address); xp_matmul's custom nodes and views become such nodes."""
+    import ctypes
+    arrays = {}
+
+    class GraphB(Builder):
+        def __init__(self):
+            super().__init__()
+            self.q8_forms = {}
+
+        def array(self, t):
+            return arrays[ctypes.addressof(t.contents)]
+
+        def ptr(self, a):
+            return a.data.ptr
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64)]
+
+    def node(arr):
+        t = ctypes.pointer(Tensor(arr.data.ptr))
+        arrays[ctypes.addressof(t.contents)] = arr
+        return t
+    monkeypatch.setattr(xp_matmul, "_custom", lambda b, run, srcs, out, name, ptr=None: node(out))
+    monkeypatch.setattr(xp_matmul, "_views", lambda b, n, outs, base, name: [node(o) for o in outs])
+    return GraphB, node
+
+
 @pytest.mark.parametrize("n_tok, nt", [(1, 1), (3, 4), (8, 8), (9, 16), (16, 16)])
 def test_gemv_q_parameter_block(launches, n_tok, nt):
     ws = [_qmatrix("Q4_K", 96, 512), _qmatrix("Q4_K", 32, 512), _qmatrix("Q4_K", 32, 512)]
@@ -357,32 +387,9 @@ def test_8_bit_forms_pass_from_node_to_node(launches, monkeypatch):
     reader of another norm weight (or of none) does not take a form made for another, and with
     the knob off every node quantizes its own input. Nodes faked (no ggml context); launches
     recorded."""
-    import ctypes
-
     real = q8_matmul.q8_out_arrays
     monkeypatch.setattr(q8_handoff, "q8_out_arrays", lambda xp, n, r: tuple(Dev(None, base=a) for a in real(np, n, r)))
-    arrays = {}
-
-    class GraphB(Builder):
-        def __init__(self):
-            super().__init__()
-            self.q8_forms = {}
-
-        def array(self, t):
-            return arrays[ctypes.addressof(t.contents)]
-
-        def ptr(self, a):
-            return a.data.ptr
-
-    class Tensor(ctypes.Structure):   # (what the ops read of a ggml tensor: its data address)
-        _fields_ = [("data", ctypes.c_uint64)]
-
-    def node(arr):
-        t = ctypes.pointer(Tensor(arr.data.ptr))
-        arrays[ctypes.addressof(t.contents)] = arr
-        return t
-    monkeypatch.setattr(xp_matmul, "_custom", lambda b, run, srcs, out, name, ptr=None: node(out))
-    monkeypatch.setattr(xp_matmul, "_views", lambda b, n, outs, base, name: [node(o) for o in outs])
+    GraphB, node = graph_nodes(monkeypatch)
     n_embd, n_ff = 256, 512
     wg, wu = _qmatrix("Q4_K", n_ff, n_embd), _qmatrix("Q4_K", n_ff, n_embd)
     wd, wq, wk, wv = (_qmatrix("Q4_K", n_embd, n_ff), _qmatrix("Q4_K", n_embd, n_embd), _qmatrix("Q4_K", 128, n_embd),
