@@ -280,7 +280,8 @@ class BoundCall:
         """:meth:`launch` for a replay, as the cheapest callable of no arguments: the driver's
         launch function with every argument fixed (``functools.partial``, no Python frame), or a
         closure running several such launches in order: the own plan's rebuild
-        (``Plan.refresher``), attention, split combine. Replayable calls only."""
+        (``Plan.refresher``), attention, split combine, the output's 8-bit form (``q8``). Replayable
+        calls only."""
         assert self.replayable and self._ref is None, "only a replayable call has a fixed launch"
         calls = [*self._pre, self._fn.partial(self._grid, self._block, self.stream, self._args)]
         if self._comb is not None:
