@@ -67,6 +67,8 @@ def _dequant_cublas(cp, K, ws: dict, x16, xf16, chunk: int = 0):
         for deq, a, xx, out in steps:
             deq()
             cp.matmul(xx, a.T, out=out)
+    go()   # (CuPy's first matmul into out= compiles: not while the timer's sleep kernel waits)
+    cp.cuda.get_current_stream().synchronize()
     return go
 
 
@@ -244,7 +246,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
     return rows
 
 
-def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
+def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log, chunks=()):
     """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
     dense_gemm_qr (each its tile for the tokens, and each tile alone), dense_gemm_q8 (its
     activations' quantization included), and dequantize + cuBLAS, the path past
@@ -265,7 +267,7 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
                   ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16))]
         cases += [(f"dequant+cublas c{c}", lambda ws, c=c: _dequant_cublas(cp, K, ws, x16, xf16, c))
-                  for c in (2048, 4096)]
+                  for c in chunks]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
