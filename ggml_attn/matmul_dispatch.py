@@ -106,8 +106,11 @@ GEMV_QUANT_OUT = False
 # GEMV_QUANT_OUT lost to -- and every other call quantizes dst in a launch of its own, as the O
 # projection's own quantization did. One of the four quantization launches a layer and token fewer
 # where the cell-list kernel runs. Predicted (H100, tg128 on the 8B-shaped Q4_K_M file): 32
-# launches of ~3.07 us fewer a token (~98 of ~2,900 us), +3%. Not yet measured: off.
-ATTN_QUANT_OUT = False
+# launches of ~3.07 us fewer a token (~98 of ~2,900 us), +3%. Measured on an H100 at 150d310
+# (bench/results/2026-12-06-150d310-h100-attn-q8-out/, 3 alternating rounds): 322.7 -> 324.7 t/s
+# (+0.6%, every round); the 16-token step 50.54 -> 49.65 ms, 544 quantization launches fewer
+# (-1.43 ms) but the attention's epilogue 5.88 -> 6.86 us (+0.53 ms). On.
+ATTN_QUANT_OUT = True
 # Past the tiled GEMMs a block matrix is dequantized into the F16 scratch and multiplied by cuBLAS,
 # as many rows at a time as the scratch holds (0; the largest layer matrix: whole matrices), or at
 # most DEQUANT_CHUNK_ROWS rows (the rows written and read back while they sit in L2: 4096 rows of
@@ -144,6 +147,14 @@ QSGEMM_MAX_TOKENS = 64
 # 381, Q4_0 171 / 181 / 215 against 211 / 244 / 375
 # (bench/results/2026-12-06-822c664-h100-tests-qr-q5k-q4_0/dense_qr.json).
 QRGEMM_TYPES: tuple[str, ...] = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+# ... from QSGEMM_MIN_TOKENS up to QRGEMM_MAX_TOKENS tokens (dense_gemm_qs's QSGEMM_MAX_TOKENS
+# bounds the other types): on an H100 at 150d310
+# (bench/results/2026-12-06-150d310-h100-gemm-qr-crossover/, one 8B layer) dense_gemm_qr against
+# dequantize + cuBLAS at 128 tokens Q4_K 406 / 582 us, Q5_K 433 / 577, Q6_K 440 / 598, Q8_0 427 /
+# 525; at 192 603 / 602, 638 / 596, 646 / 616, 626 / 542 (cuBLAS's dequantization costs the same
+# at every token count, its GEMM scales better). pp128 on the 8B-shaped Q4_K_M file 5,926 -> 8,100
+# t/s (+37%); 512 tokens through it 16,729 -> 10,703 (pp512: cuBLAS stays).
+QRGEMM_MAX_TOKENS = 128
 
 
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
@@ -238,11 +249,12 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
         if n_tokens <= min(Q8X_MAX_TOKENS, max(tokens)):
             return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations ({kernel}, IDP4A): "
                                             f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
-    if weight_type != "F16" and aligned and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
-        if weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES:
-            return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
-                                           f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
-                                           f"{QSGEMM_MAX_TOKENS} tokens")
+    qr = weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES
+    if weight_type != "F16" and aligned and qr and QSGEMM_MIN_TOKENS <= n_tokens <= QRGEMM_MAX_TOKENS:
+        return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
+                                       f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
+                                       f"{QRGEMM_MAX_TOKENS} tokens")
+    if weight_type != "F16" and aligned and not qr and QSGEMM_MIN_TOKENS <= n_tokens <= QSGEMM_MAX_TOKENS:
         return MatmulChoice("gemm-qs", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qs, "
                                        f"decoded from shared memory): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "
                                        f"{QSGEMM_MAX_TOKENS} tokens")

@@ -424,16 +424,17 @@ def test_8_bit_forms_pass_from_node_to_node(launches, monkeypatch):
 
 def test_best_matmul(monkeypatch):
     assert md.best_matmul("F16", 4).path == "gemv" and md.best_matmul("F16", 5).path == "gemm"
-    assert [md.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512)] == \
-        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 6 + ["gemm", "gemm"]
-    assert [md.best_matmul("Q3_K", n).path for n in (9, 64)] == ["gemm-qs"] * 2
+    assert [md.best_matmul("Q4_K", n).path for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 512)] == \
+        ["gemv-q8x"] * 4 + ["gemm-q8"] * 2 + ["gemm-qr"] * 8 + ["gemm", "gemm"]   # (qr to QRGEMM_MAX_TOKENS)
+    assert [md.best_matmul("Q3_K", n).path for n in (9, 64, 65)] == ["gemm-qs"] * 2 + ["gemm"]
     # dense_gemm_qr for the types routed to it that have a fragment decode, dense_gemm_qs for the others
     assert md.QRGEMM_TYPES == ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")   # (every one it reads, measured: bench/NOTES.md)
     assert set(K.GEMMQR_TYPES) == {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
     monkeypatch.setattr(md, "QRGEMM_TYPES", ("Q4_K", "Q6_K", "Q2_K"))
     assert {t: md.best_matmul(t, 16).path for t in BLOCK_TYPES} == \
         {t: "gemm-qr" if t in ("Q4_K", "Q6_K") else "gemm-qs" for t in BLOCK_TYPES}
-    assert [md.best_matmul("Q4_K", n).path for n in (8, 9, 64, 65)] == ["gemm-q8", "gemm-qr", "gemm-qr", "gemm"]
+    assert [md.best_matmul("Q4_K", n).path for n in (8, 9, 64, 65, 128, 129)] == \
+        ["gemm-q8"] + ["gemm-qr"] * 4 + ["gemm"]
     monkeypatch.setattr(md, "QRGEMM_TYPES", ())
     assert "dequantized" in md.best_matmul("Q8_0", 512).reason
     # a caller whose GEMV launch refused the arrays: the tiled GEMM from one token, never a GEMV
@@ -445,6 +446,7 @@ def test_best_matmul(monkeypatch):
         ["gemv-q8x"] + ["gemm-q"] * 4
     # the staged GEMM off (an empty range): the int8 one up to its tokens, dense_gemm_q past them
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
     assert [md.best_matmul("Q4_K", n).path for n in (5, 32, 33, 64, 65)] == \
         ["gemm-q8", "gemm-q8", "gemm-q", "gemm-q", "gemm"]
 
@@ -495,6 +497,7 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
 def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate):
     monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
     scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
@@ -521,6 +524,7 @@ def test_dequant_chunk_rows_caps_the_chunks(launches, monkeypatch):
     what the scratch holds (0: as many as it holds)."""
     monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
     scratch = Dev((256 * 100,), np.float16)
     for cap, want in ((0, [100, 100, 50]), (64, [64, 64, 64, 58]), (1000, [100, 100, 50])):
         launches.clear()
@@ -539,6 +543,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
     monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 0)   # (the F32 GEMV below the tiled GEMM)
     monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 0)   # (dense_gemm_q, not the int8 one
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)   # nor the staged one)
+    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(md, "QGEMM_MIN_TOKENS", 17)
     monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
@@ -621,6 +626,7 @@ def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monk
     monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 4)
     monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 64)
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
+    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: n_sm)
     assert [md.best_matmul("Q6_K", n).path for n in (4, 5, 64, 65)] == ["gemv-q8x", "gemm-q8", "gemm-q8", "gemm"]
     assert md.best_matmul("F16", 33).path == "gemm"
