@@ -68,7 +68,8 @@ def start_precompile(cfg) -> Future:
         variants += [K.model_ops_variant()] + [v for make in makes for t in m.file_type.split("+") if is_block_type(t)
                                                for v in (make(block_layout(t).type_id),) if v is not None]
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
-            variants += [K.cells_qo_of(v) for v in variants if v.family == "cells"]
+            from ggml_attn import q8_out
+            variants += [K.cells_qo_of(v, q8_out.EPILOGUE) for v in variants if v.family == "cells"]
     def job():
         t0 = time.perf_counter()
         programs, compiled = K.precompile(variants, K.device_arch())

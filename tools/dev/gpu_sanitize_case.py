@@ -226,11 +226,12 @@ def main():
 
 def _attn_q8(cp, rng) -> int:
     """The attention's output in 8-bit form (ggml_attn/q8_out.py): the cell-list kernel's QO
-    epilogue over one split (R 4 and 1: ragged rows) and the launch after three splits' combine;
-    the bits against numpy's rounding of dst."""
+    epilogues over one split (R 4 and 1: ragged rows; both QO epilogues) and the launch after
+    three splits' combine; the bits against numpy's rounding of dst."""
     from ggml_attn import q8_out
     bad = 0
-    for nb, nh, nkv, splits in ((1, 32, 8, 1), (3, 8, 8, 1), (2, 32, 8, 3)):
+    for nb, nh, nkv, splits, q8_out.EPILOGUE in ((1, 32, 8, 1, 1), (3, 8, 8, 1, 1), (1, 32, 8, 1, 2),
+                                                 (3, 8, 8, 1, 2), (2, 32, 8, 3, 1)):
         n_kv, d = 333, 128
         q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
         k, v = (from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16) for _ in range(2))
@@ -250,7 +251,7 @@ def _attn_q8(cp, rng) -> int:
         ok = (np.array_equal(arrs[0].get(), qq.reshape(nb, -1)) and np.array_equal(arrs[1].get(), dd)
               and np.array_equal(arrs[2].get(), qq.astype(np.int32).sum(axis=2).astype(np.float32)))
         bad += not ok
-        print(f"attn q8 out cells splits={splits} rows={nb} {'ok' if ok else 'FAIL'}")
+        print(f"attn q8 out cells splits={splits} rows={nb} epilogue={q8_out.EPILOGUE} {'ok' if ok else 'FAIL'}")
     return bad
 
 
