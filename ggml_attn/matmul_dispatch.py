@@ -111,12 +111,6 @@ GEMV_QUANT_OUT = False
 # (+0.6%, every round); the 16-token step 50.54 -> 49.65 ms, 544 quantization launches fewer
 # (-1.43 ms) but the attention's epilogue 5.88 -> 6.86 us (+0.53 ms). On.
 ATTN_QUANT_OUT = True
-# Past the tiled GEMMs a block matrix is dequantized into the F16 scratch and multiplied by cuBLAS,
-# as many rows at a time as the scratch holds (0; the largest layer matrix: whole matrices), or at
-# most DEQUANT_CHUNK_ROWS rows (the rows written and read back while they sit in L2: 4096 rows of
-# 4096 are 33.5 MB against the H100's 50 MB). tools/dev/gpu_dense_q_bench.py --tiled-only has the
-# rows ("dequant+cublas c4096"); not yet measured.
-DEQUANT_CHUNK_ROWS = 0
 # Block matrices run up to this many tokens (past Q8X_MAX_TOKENS) through the tiled GEMM on int8
 # tensor cores (dense_gemm_q8: the blocks' integer form times the 8-bit activations, its weight
 # tiles staged by cp.async; 64 x 16 tiles up to 16 tokens) instead of dense_gemm_q, where their

@@ -337,7 +337,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import DEQUANT_CHUNK_ROWS, best_matmul  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
@@ -371,7 +371,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         if not o.flags.c_contiguous or o.shape != (n_tok, w.shape[0]):
             raise ValueError(f"output of shape {o.shape} for a {w.shape} weight and {n_tok} tokens")
         n_out, n_in = w.shape
-        chunk = max(1, min(n_out, scratch.size // n_in, DEQUANT_CHUNK_ROWS or n_out))
+        chunk = max(1, min(n_out, scratch.size // n_in))
         fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
         for r0 in range(0, n_out, chunk):
             r1 = min(n_out, r0 + chunk)

@@ -519,20 +519,6 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeyp
         assert beta == (1.0 if accumulate else 0.0)
 
 
-def test_dequant_chunk_rows_caps_the_chunks(launches, monkeypatch):
-    """matmul_dispatch.DEQUANT_CHUNK_ROWS: at most that many rows a dequantization and GEMM, under
-    what the scratch holds (0: as many as it holds)."""
-    monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)
-    monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
-    monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
-    scratch = Dev((256 * 100,), np.float16)
-    for cap, want in ((0, [100, 100, 50]), (64, [64, 64, 64, 58]), (1000, [100, 100, 50])):
-        launches.clear()
-        monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", cap)
-        xp_matmul._qmatmuls(Builder(), [_qmatrix("Q8_0", 250, 256, scratch)], Dev((33, 256)), [Dev((33, 250))])
-        assert [ln.args[1] for ln in launches if getattr(ln, "fn", None) == "gemm"] == want, cap
-
-
 @pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, splits, accumulate):

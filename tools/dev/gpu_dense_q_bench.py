@@ -43,32 +43,22 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def _dequant_cublas(cp, K, ws: dict, x16, xf16, chunk: int = 0):
-    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS;
-    ``chunk``: at most this many rows a dequantization and GEMM (the F16 rows written and read
-    back while they sit in L2: 4096 rows of 4096 are 33.5 MB), 0 whole matrices (as the model does
-    where its scratch holds them)."""
+def _dequant_cublas(cp, K, ws: dict, x16, xf16):
+    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS."""
     import ctypes
     steps = []
     for k, w in ws.items():
         n_out, n_in = w.shape
         fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
-        xx = xf16 if k == "wd" else x16
-        c = n_out if chunk <= 0 else min(n_out, chunk)
-        for r0 in range(0, n_out, c):
-            r1 = min(n_out, r0 + c)
-            deq = K.grid_launch(fn, (r1 - r0) * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
-                                ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
-                                ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0))
-            steps.append((deq, w.scratch[: (r1 - r0) * n_in].reshape(r1 - r0, n_in), xx,
-                          cp.empty((xx.shape[0], r1 - r0), cp.float16)))
+        deq = K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr),
+                            ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                            ctypes.c_int32(n_in), ctypes.c_int64(n_out))
+        steps.append((deq, w.scratch[: n_out * n_in].reshape(n_out, n_in), xf16 if k == "wd" else x16))
 
     def go():
-        for deq, a, xx, out in steps:
+        for deq, a, xx in steps:
             deq()
-            cp.matmul(xx, a.T, out=out)
-    go()   # (CuPy's first matmul into out= compiles: not while the timer's sleep kernel waits)
-    cp.cuda.get_current_stream().synchronize()
+            cp.matmul(xx, a.T)
     return go
 
 
@@ -246,11 +236,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
     return rows
 
 
-def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log, chunks=()):
+def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
     """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
     dense_gemm_qr (each its tile for the tokens, and each tile alone), dense_gemm_q8 (its
-    activations' quantization included), and dequantize + cuBLAS, the path past
-    ``matmul_dispatch.QSGEMM_MAX_TOKENS`` (the crossover's other side)."""
+    activations' quantization included), and dequantize + cuBLAS, the path past the tiled GEMMs'
+    tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``, ``QRGEMM_MAX_TOKENS``: the crossovers' other side)."""
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
     for n in tokens:
@@ -266,8 +256,6 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
                   ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16))]
-        cases += [(f"dequant+cublas c{c}", lambda ws, c=c: _dequant_cublas(cp, K, ws, x16, xf16, c))
-                  for c in chunks]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
