@@ -79,15 +79,23 @@ def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
-def q8_activations(v: np.ndarray) -> np.ndarray:
-    """The activations the 8-bit-activation GEMV multiplies (cuda/dense_q8x.cu's
-    ``dense_quant_q8x``, llama.cpp's q8_1 rounding): F32 ``(n_tok, n_in)`` in numpy order, n_in a
-    multiple of 32 -> float64 ``(n_tok, n_in)`` of ``round(v / d) * d`` per 32 values, d =
-    max|v| / 127 (0 where d is 0)."""
+def q8_form(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The 8-bit form the 8-bit-activation GEMV reads (cuda/q8x_quant.cuh, llama.cpp's q8_1
+    rounding), bit for bit: F32 ``(n_tok, n_in)`` in numpy order, n_in a multiple of 32 -> int8
+    ``q`` ``(n_tok, n_in)``, F32 ``d`` and ``s`` ``(n_tok, n_in / 32)``: per 32 values d = max|v| /
+    127, q = round(v / d) (ties to even; 0 where d is 0), s the sum of the q."""
     v = np.asarray(v, dtype=np.float32)
     if v.ndim != 2 or v.shape[1] % 32:
-        raise ValueError(f"q8_activations takes (n_tok, n_in) with n_in a multiple of 32, got {v.shape}")
+        raise ValueError(f"q8_form takes (n_tok, n_in) with n_in a multiple of 32, got {v.shape}")
     blocks = v.reshape(v.shape[0], -1, 32)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
-    q = np.where(d > 0, np.rint(blocks / np.where(d > 0, d, 1)), 0)
-    return (q * d).reshape(v.shape).astype(np.float64)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    q = np.where(d[..., None] > 0, np.rint(blocks / np.where(d > 0, d, np.float32(1))[..., None]), 0).astype(np.int8)
+    return q.reshape(v.shape), d, q.astype(np.int32).sum(axis=2).astype(np.float32)
+
+
+def q8_activations(v: np.ndarray) -> np.ndarray:
+    """The activations the 8-bit-activation GEMV multiplies (cuda/dense_q8x.cu's
+    ``dense_quant_q8x``): F32 ``(n_tok, n_in)`` in numpy order, n_in a multiple of 32 -> float64
+    ``(n_tok, n_in)`` of ``q * d`` per 32 values (:func:`q8_form`)."""
+    q, d, _ = q8_form(v)
+    return (q.reshape(q.shape[0], -1, 32).astype(np.float32) * d[..., None]).reshape(q.shape).astype(np.float64)

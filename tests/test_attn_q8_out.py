@@ -157,3 +157,24 @@ def test_the_o_projection_reads_the_attentions_8_bit_form(launches, monkeypatch)
     monkeypatch.setattr(md, "ATTN_QUANT_OUT", False)
     att_q8, got = o_projection(GraphB())
     assert att_q8 is None and [name for name, _ in got] == ["dense_quant_q8x", "dense_gemv_q8x_v<12, 1, 2>"], got
+
+
+def test_q8_form_is_the_kernels_rounding_in_numpy():
+    """quant.q8_form, the reference of every 8-bit form (the GPU tests compare the kernels' bits
+    with it): per 32 values d = max|v| / 127 in F32, q = round(v / d) ties to even, 0 for an all-zero
+    group, s the sum of q; q8_activations is q * d."""
+    from ggml_attn.quant import q8_activations, q8_form
+    v = np.zeros((2, 64), np.float32)
+    v[0, :32] = np.arange(32) - 15.5          # max 15.5: d = 15.5 / 127; v / d ties at +-0.5 steps
+    v[1, 32:] = 2.5
+    v[1, 32] = 127.0                          # d = 1: 2.5 rounds to 2 (ties to even)
+    q, d, s = q8_form(v)
+    assert q.dtype == np.int8 and d.dtype == s.dtype == np.float32 and q.shape == (2, 64) and d.shape == (2, 2)
+    assert d[0, 1] == 0 and not q[0, 32:].any() and s[0, 1] == 0                      # a zero group
+    assert d[1, 1] == 1 and q[1, 32] == 127 and (q[1, 33:] == 2).all() and s[1, 1] == 127 + 2 * 31
+    d0 = np.float32(15.5) / np.float32(127)
+    assert d[0, 0] == d0 and np.array_equal(q[0, :32], np.rint(v[0, :32] / d0).astype(np.int8))
+    assert s[0, 0] == q[0, :32].astype(np.int32).sum()
+    assert np.array_equal(q8_activations(v), (q.astype(np.float32).reshape(2, 2, 32) * d[..., None]).reshape(2, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_form(np.zeros((1, 40), np.float32))

@@ -15,6 +15,7 @@ import pytest
 from ggml_attn import cuda_backend as cb
 from ggml_attn import q8_out
 from ggml_attn.dtypes import GGML_TYPE_F16
+from ggml_attn.quant import q8_form
 from ggml_attn.reference import flash_attn_ext, nmse
 from ggml_attn.tensor import from_array
 
@@ -24,15 +25,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cb.available(), reason="no
 @pytest.fixture
 def rng():
     return np.random.default_rng(11)
-
-
-def _q8_numpy(x: np.ndarray):
-    """dense_quant_q8x's form of F32 ``x`` (n_rows, n) in numpy (the same F32 operations)."""
-    g = x.reshape(x.shape[0], -1, 32)
-    d = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float32)
-    safe = np.where(d > 0, d, np.float32(1))[..., None]
-    q = np.where(d[..., None] > 0, np.rint(g / safe), 0).astype(np.int8)
-    return q.reshape(x.shape), d, q.astype(np.int32).sum(axis=2).astype(np.float32)
 
 
 def _decode_mask(n_batch, n_kv, rng):
@@ -80,7 +72,7 @@ def test_the_8_bit_form_is_dst_quantized(kernel, n_batch, n_kv, n_splits, fused,
     ref = flash_attn_ext(q, k, v, mask, scale, kv_type=GGML_TYPE_F16, dtype=np.float64)
     assert nmse(outs[True][0], ref) <= 5e-4
     np.testing.assert_array_equal(outs[True][0], outs[False][0])   # dst unchanged by the form
-    want = _q8_numpy(outs[True][0].reshape(n_batch, n))
+    want = q8_form(outs[True][0].reshape(n_batch, n))
     for name, g, w in zip(("xq", "xd", "xs"), outs[True][1], want):
         np.testing.assert_array_equal(g, w, err_msg=name)
 

@@ -229,6 +229,7 @@ def _attn_q8(cp, rng) -> int:
     epilogues over one split (R 4 and 1: ragged rows; both QO epilogues) and the launch after
     three splits' combine; the bits against numpy's rounding of dst."""
     from ggml_attn import q8_out
+    from ggml_attn.quant import q8_form
     bad = 0
     for nb, nh, nkv, splits, q8_out.EPILOGUE in ((1, 32, 8, 1, 1), (3, 8, 8, 1, 1), (1, 32, 8, 1, 2),
                                                  (3, 8, 8, 1, 2), (2, 32, 8, 3, 1)):
@@ -244,12 +245,7 @@ def _attn_q8(cp, rng) -> int:
         cb.flash_attn_ext_device(from_array(cp.asarray(q)), from_array(cp.asarray(k), GGML_TYPE_F16),
                                  from_array(cp.asarray(v), GGML_TYPE_F16), from_array(dm), None, from_array(dst),
                                  0.1, kernel="cells", n_splits=splits, q8=q8_out.check_arrays(arrs, nb, nh * d))
-        out = dst.get().reshape(nb, -1)
-        g = out.reshape(nb, -1, 32)
-        dd = (np.abs(g).max(axis=2) / np.float32(127)).astype(np.float32)
-        qq = np.where(dd[..., None] > 0, np.rint(g / np.where(dd > 0, dd, 1)[..., None]), 0).astype(np.int8)
-        ok = (np.array_equal(arrs[0].get(), qq.reshape(nb, -1)) and np.array_equal(arrs[1].get(), dd)
-              and np.array_equal(arrs[2].get(), qq.astype(np.int32).sum(axis=2).astype(np.float32)))
+        ok = all(np.array_equal(a.get(), w) for a, w in zip(arrs, q8_form(dst.get().reshape(nb, -1))))
         bad += not ok
         print(f"attn q8 out cells splits={splits} rows={nb} epilogue={q8_out.EPILOGUE} {'ok' if ok else 'FAIL'}")
     return bad
