@@ -44,6 +44,22 @@ __device__ __forceinline__ void qb_prefetch(const unsigned char* blk) {
     asm volatile("prefetch.global.L1 [%0];" :: "l"(blk + B - 1));
 }
 
+// The tiled block GEMMs' parameters (dense_q.cu's dense_gemm_q / _qs / _qr, dense_qw.cu's
+// dense_gemm_qw; ggml_attn/kernels.py GemmQParams).
+struct GemmQParams {
+    const unsigned char* w;   // (rows, row_bytes) blocks, 2-byte aligned rows
+    const __half* x;          // (n_tok, n_in) F16, rows n_in apart, 16-byte aligned
+    float* out;               // (n_tok, rows) F32
+    float* part;              // gridDim.z > 1: (gridDim.z, n_tok, rows) F32 partial sums
+    long long row_bytes;
+    int rows;
+    int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
+    int n_tok;
+    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of GQ_BK
+    int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
+    int pad_;
+};
+
 // One weight matrix kept in ggml's blocks, of a block GEMV's up to three (dense_q.cu's F32 and
 // dense_q8x.cu's 8-bit activations; dense.cu's GemvSeg has the same layout with an F16 pointer).
 struct GemvQSeg {

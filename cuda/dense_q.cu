@@ -161,19 +161,7 @@ dense_gemv_q(const GemvQParams p) {
 #define GQ_LD 72
 #define GQ_THREADS 128
 
-struct GemmQParams {
-    const unsigned char* w;   // (rows, row_bytes) blocks, 2-byte aligned rows
-    const __half* x;          // (n_tok, n_in) F16, rows n_in apart, 16-byte aligned
-    float* out;               // (n_tok, rows) F32
-    float* part;              // gridDim.z > 1: (gridDim.z, n_tok, rows) F32 partial sums
-    long long row_bytes;
-    int rows;
-    int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
-    int n_tok;
-    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of GQ_BK
-    int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
-    int pad_;
-};
+// (GemmQParams: dense_common.cuh, shared with dense_qw.cu's dense_gemm_qw)
 
 // v[0..32) rounded to F16 at dst (16-byte aligned): four 16-byte stores (16 of 4 bytes touched
 // 32 sectors for 128 bytes each: the 1.57 ms of dequantize + cuBLAS an 8B layer took on the

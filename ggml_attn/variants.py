@@ -115,7 +115,7 @@ def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple
 # bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
 # takes none (static shared memory only).
 SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr",
-                "fattn_wgmma_ws", "fattn_decode_tma")
+                "dense_gemm_qw", "fattn_wgmma_ws", "fattn_decode_tma")
 
 
 def smem_expr(name: str) -> str | None:
@@ -250,6 +250,7 @@ GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (
 # the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
+GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw's tile (cuda/dense_qw.cu: QW_BM, QW_BN, QW_BK), one block an SM; its types GEMMQR_TYPES
 
 
 def gemm_q8_bn(n_tok: int) -> int:
@@ -275,16 +276,18 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr")
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", "dense_gemm_qw")
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs`` or ``dense_gemm_qr``) for ``n_tok``
+    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, ``dense_gemm_qr`` or ``dense_gemm_qw``) for ``n_tok``
     tokens; ``bn``: a ``dense_gemm_qs`` / ``dense_gemm_qr`` tile other than gemm_qs_bn's (the
     benchmark's A/B)."""
     if kernel == "dense_gemm_q":
         return GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT
+    if kernel == "dense_gemm_qw":
+        return GEMMQW_TILE, 1, GEMMQ8_MIN_SPLIT
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
@@ -295,13 +298,14 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
         if bn not in per_sm:
             raise ValueError(f"{kernel} has tiles of {tuple(per_sm)} tokens, not {bn}")
         return (bm, bn, bk), per_sm[bn], GEMMQ8_MIN_SPLIT
-    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs, dense_gemm_qr)")
+    raise ValueError(f"no tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_q8, dense_gemm_qs, dense_gemm_qr, "
+                     "dense_gemm_qw)")
 
 
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
                 kernel: str = "dense_gemm_q", bn: int | None = None) -> tuple[tuple[int, int, int], int]:
     """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``,
-    ``dense_gemm_qs`` or ``dense_gemm_qr``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+    ``dense_gemm_qs``, ``dense_gemm_qr`` or ``dense_gemm_qw``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
     ``n_sm`` SMs: one block per output tile, the tiles split over ``n_in`` (chunks of
     whole steps, at least the kernel's least split) into at most one wave of its resident blocks
     an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
@@ -513,13 +517,21 @@ def decode_tma_variant(name: str) -> Variant:
     return Variant("decode-tma", "fattn_decode_tma.cu", (name,), arch_suffix="a")
 
 
+def dense_qw_variant(type_id: int) -> Variant:
+    """The wgmma tiled block GEMM of one block type of GEMMQR_TYPE_IDS (cuda/dense_qw.cu, sm_90a)."""
+    if type_id not in GEMMQR_TYPE_IDS:
+        raise ValueError(f"dense_gemm_qw decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
+    return Variant("dense-qw", "dense_qw.cu", (f"dense_gemm_qw<{type_id}>",), arch_suffix="a")
+
+
 def hopper_variants() -> list[Variant]:
-    """Every sm_90a program (the CI compile test walks this list for sm_90a): the probe, and
-    every instance of wgmma_shape's WS_CONFIGS and WS_DIAG and of decode_tma_shape's CONFIGS."""
+    """Every sm_90a program (the CI compile test walks this list for sm_90a): the probe, every
+    instance of wgmma_shape's WS_CONFIGS and WS_DIAG and of decode_tma_shape's CONFIGS, and the
+    wgmma block GEMM of each type it reads."""
     from .decode_tma_shape import CONFIGS
     from .wgmma_shape import WS_CONFIGS, WS_DIAG
     return [hopper_probe_variant()] + [wgmma_variant(c.name) for c in (*WS_CONFIGS.values(), *WS_DIAG.values())] + \
-        [decode_tma_variant(c.name) for c in CONFIGS.values()]
+        [decode_tma_variant(c.name) for c in CONFIGS.values()] + [dense_qw_variant(t) for t in GEMMQR_TYPE_IDS]
 
 
 HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (compile tests)
