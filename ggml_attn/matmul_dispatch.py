@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # (block weights dequantized into an F16 scratch first, a chunk of rows at a time).
 @dataclass(frozen=True)
 class MatmulChoice:
-    path: str      # "gemv" | "gemv-q8x" | "gemm-qr" | "gemm-qs" | "gemm-q8" | "gemm-q" | "gemm"
+    path: str      # "gemv" | "gemv-q8x" | "gemm-qw" | "gemm-qr" | "gemm-qs" | "gemm-q8" | "gemm-q" | "gemm"
     reason: str
 
 
@@ -149,6 +149,12 @@ QRGEMM_TYPES: tuple[str, ...] = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 # at every token count, its GEMM scales better). pp128 on the 8B-shaped Q4_K_M file 5,926 -> 8,100
 # t/s (+37%); 512 tokens through it 16,729 -> 10,703 (pp512: cuBLAS stays).
 QRGEMM_MAX_TOKENS = 128
+# On an sm_90 GPU the types of QRGEMM_TYPES run QWGEMM_MIN_TOKENS tokens and more (rows 16-byte
+# aligned) through dense_gemm_qw (cuda/dense_qw.cu): dense_gemm_qr's decode into the A fragments
+# feeding wgmma m64n128k16, a decoded value for 128 tokens. None: not routed (an A/B knob until
+# measured; predicted at 512 tokens, one 8B layer on the H100, 0.6-0.75x dequantize + cuBLAS:
+# bench/NOTES.md, twentieth session).
+QWGEMM_MIN_TOKENS: int | None = None
 
 
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
@@ -215,10 +221,17 @@ def gemv_pdl() -> int:
     return 1 if GEMV_PDL_PREFETCH else 2
 
 
+def _hopper() -> bool:
+    """Whether the current GPU runs the sm_90a programs (kernels.device_arch is sm_90)."""
+    from .kernels import HOPPER_ARCH, device_arch
+    return device_arch() + "a" == HOPPER_ARCH
+
+
 def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: bool = True) -> MatmulChoice:
     """How ``n_tokens`` tokens multiply a weight of ``weight_type`` (``"F16"`` or a block type of
     ``block_types``) on the GPU: ``gemv`` (few tokens), ``gemv-q8x`` (block weights, the GEMV with
-    8-bit activations), ``gemm-qr`` / ``gemm-qs`` (block weights, the staged tiled GEMM on F16
+    8-bit activations), ``gemm-qw`` (block weights, the staged tiled GEMM on wgmma, sm_90), ``gemm-qr`` /
+    ``gemm-qs`` (block weights, the staged tiled GEMM on F16
     tensor cores, decoded into the fragments / from shared memory), ``gemm-q8`` (block weights, the
     tiled GEMM on int8 tensor cores), ``gemm-q`` (block weights, the tiled block GEMM on F16
     decodes) or ``gemm`` (cuBLAS; block weights dequantized to F16 first). ``gemv=False``: the
@@ -244,6 +257,10 @@ def best_matmul(weight_type: str, n_tokens: int, *, gemv: bool = True, aligned: 
             return MatmulChoice("gemv-q8x", f"{weight_type} GEMV with 8-bit activations ({kernel}, IDP4A): "
                                             f"{n_tokens} <= {Q8X_MAX_TOKENS} tokens")
     qr = weight_type in QRGEMM_TYPES and weight_type in GEMMQR_TYPES
+    if weight_type != "F16" and aligned and qr and QWGEMM_MIN_TOKENS is not None and n_tokens >= QWGEMM_MIN_TOKENS \
+            and _hopper():
+        return MatmulChoice("gemm-qw", f"{weight_type} staged tiled GEMM on wgmma (dense_gemm_qw, decoded into the "
+                                       f"A fragments, sm_90): {n_tokens} >= {QWGEMM_MIN_TOKENS} tokens")
     if weight_type != "F16" and aligned and qr and QSGEMM_MIN_TOKENS <= n_tokens <= QRGEMM_MAX_TOKENS:
         return MatmulChoice("gemm-qr", f"{weight_type} staged tiled GEMM on F16 tensor cores (dense_gemm_qr, "
                                        f"decoded into the fragments): {QSGEMM_MIN_TOKENS} <= {n_tokens} <= "

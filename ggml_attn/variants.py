@@ -250,7 +250,7 @@ GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (
 # the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
-GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw's tile (cuda/dense_qw.cu: QW_BM, QW_BN, QW_BK), one block an SM; its types GEMMQR_TYPES
+GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
 
 
 def gemm_q8_bn(n_tok: int) -> int:

@@ -314,13 +314,13 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
 
 
 _TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
-          "gemm-q8": "dense_gemm_q8"}   # path: kernel
+          "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}   # path: kernel
 
 
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
-    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` (``x``
+    quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
     rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
     ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
     xp = b.xp
@@ -389,9 +389,10 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",
                   bn: int | None = None):
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
-    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr``
-    -- the weights' rows and x staged by cp.async, rows 16-byte aligned: ``q8_matmul.rows_aligned``;
-    ``dense_gemm_qr`` for ``kernels.GEMMQR_TYPES``; ``bn`` its tile's tokens other than
+    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
+    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
+    ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a) for
+    ``kernels.GEMMQR_TYPES``; ``bn`` its tile's tokens other than
     ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
     blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
     n_out)``, both C-contiguous, ``x16`` 16-byte aligned (cp.async); ``part`` F32 ``(splits,
@@ -406,10 +407,10 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
     staged = kernel in ("dense_gemm_qs", "dense_gemm_qr")
-    if staged and not rows_aligned([w]):
+    if (staged or kernel == "dense_gemm_qw") and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    if kernel == "dense_gemm_qr" and w.type_id not in K.GEMMQR_TYPE_IDS:
-        raise ValueError(f"dense_gemm_qr: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
+    if kernel in ("dense_gemm_qr", "dense_gemm_qw") and w.type_id not in K.GEMMQR_TYPE_IDS:
+        raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
     grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
@@ -419,10 +420,12 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
         bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
         fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
+    elif kernel == "dense_gemm_qw":   # (QwTile::SMEM)
+        fn, block = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}>"), K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
     else:
-        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr)")
+        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr, dense_gemm_qw)")
     return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 

@@ -603,6 +603,47 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
         assert sm.params[-1].value == int(accumulate)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate):
+    """With QWGEMM_MIN_TOKENS set, on an sm_90 GPU (only: elsewhere the sm_90a program does not
+    load) block weights of the types dense_gemm_qr reads take dense_gemm_qw from that many tokens:
+    x rounded to F16 once, one launch a weight of its sm_90a program, gemm_q_grid's grid of
+    128 x 128 tiles (split over n_in where the tiles are few: the 1024-row weight) in 256 threads
+    with its own dynamic shared memory, the partial sums added by dense_splitk_sum; the other
+    types keep dequantize + cuBLAS. Off (None, the default), nothing changes."""
+    from ggml_attn import cuda_device
+    monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
+    assert md.QWGEMM_MIN_TOKENS is None and md.best_matmul("Q4_K", 512).path == "gemm"
+    monkeypatch.setattr(md, "QWGEMM_MIN_TOKENS", 129)
+    monkeypatch.setattr(K, "device_arch", lambda: "sm_80")
+    assert md.best_matmul("Q4_K", 512).path == "gemm"
+    monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
+    assert [md.best_matmul("Q4_K", n).path for n in (4, 64, 128, 129, 512)] == \
+        ["gemv-q8x", "gemm-qr", "gemm-qr", "gemm-qw", "gemm-qw"]
+    assert md.best_matmul("Q3_K", 512).path == "gemm" and md.best_matmul("Q4_K", 512, aligned=False).path == "gemm"
+    assert "wgmma" in md.best_matmul("Q6_K", 512).reason
+    ws = [_qmatrix("Q4_K", 4096, 4096), _qmatrix("Q6_K", 1024, 4096)]
+    x, outs = Dev((512, 4096)), [Dev((512, 4096)), Dev((512, 1024))]
+    xp_matmul._qmatmuls(Builder(), ws, x, outs, accumulate=accumulate)
+    names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
+    assert names.count("dense_cast_f16") == 1 and not any(n.startswith("dense_dequant") for n in names)
+    gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qw<{w.type_id}>" for w in ws]
+    for ln, w, o in zip(gemms, ws, outs):
+        grid, k_chunk = K.gemm_q_grid(w.shape[0], 512, 4096, 132, "dense_gemm_qw")
+        assert ln.grid == grid and grid[:2] == (w.shape[0] // 128, 4) and ln.block == (256, 1, 1)
+        assert ln.fn.variant == K.dense_qw_variant(w.type_id) and ln.fn.variant.arch_suffix == "a" and ln.fn.smem is None
+        (p,) = ln.params
+        assert (p.w, p.out, p.rows, p.n_in, p.n_tok, p.k_chunk, p.mode) == \
+            (w.blocks.data.ptr, o.data.ptr, w.shape[0], 4096, 512, k_chunk, int(accumulate))
+        assert (p.part != 0) == (grid[2] > 1)
+    assert [ln.grid[2] for ln in gemms] == [1, 4]   # 128 tiles fill 132 SMs; 32 take 4 k chunks
+    sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
+    assert len(sums) == 1 and sums[0].params[-1].value == int(accumulate)
+    with pytest.raises(ValueError, match="decodes"):
+        K.dense_qw_variant(block_layout("Q3_K").type_id)
+
+
 @pytest.mark.parametrize("n_sm, splits", [(132, 4), (1, 1)])
 def test_gemm_q8_path_quantizes_once_and_launches_the_int8_kernel(launches, monkeypatch, n_sm, splits):
     """Under Q8GEMM_MAX_TOKENS block weights take dense_gemm_q8: x quantized once (no F16 copy)

@@ -43,8 +43,10 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def _dequant_cublas(cp, K, ws: dict, x16, xf16):
-    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS."""
+def _dequant_cublas(cp, K, ws: dict, x16, xf16, dequant: bool = True):
+    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS;
+    ``dequant=False``: cuBLAS alone on the F16 matrices (the F16 file's GEMMs, the bound of the
+    block GEMMs' targets)."""
     import ctypes
     steps = []
     for k, w in ws.items():
@@ -57,7 +59,8 @@ def _dequant_cublas(cp, K, ws: dict, x16, xf16):
 
     def go():
         for deq, a, xx in steps:
-            deq()
+            if dequant:
+                deq()
             cp.matmul(xx, a.T)
     return go
 
@@ -238,9 +241,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 
 def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
     """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
-    dense_gemm_qr (each its tile for the tokens, and each tile alone), dense_gemm_q8 (its
-    activations' quantization included), and dequantize + cuBLAS, the path past the tiled GEMMs'
-    tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``, ``QRGEMM_MAX_TOKENS``: the crossovers' other side)."""
+    dense_gemm_qr (each its tile for the tokens, and each tile alone) and, on an sm_90 GPU,
+    dense_gemm_qw, dense_gemm_q8 (its activations' quantization included), and dequantize +
+    cuBLAS, the path past the tiled GEMMs' tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``,
+    ``QRGEMM_MAX_TOKENS``: the crossovers' other side), and cuBLAS alone on the F16 matrices (the
+    F16 file's GEMMs)."""
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
     for n in tokens:
@@ -254,8 +259,11 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
+            if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program)
+                cases += [("gemm_qw", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qw"))]
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
-                  ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16))]
+                  ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16)),
+                  ("cublas f16", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16, dequant=False))]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),

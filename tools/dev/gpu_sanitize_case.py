@@ -415,7 +415,8 @@ def _dense_q(cp, rng) -> int:
     the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
     tokens, n_in split: dense_splitk_sum) and the staged dense_gemm_qs (both tiles) against float64
-    of their F16-rounded operands (and dense_gemm_qr, for its types), and dense_gemm_q8 against
+    of their F16-rounded operands (and dense_gemm_qr and, on sm_90, dense_gemm_qw for their types),
+    and dense_gemm_q8 against
     float64 of its quantized activations.
     Failures."""
     import ctypes
@@ -528,9 +529,11 @@ def _dense_q(cp, rng) -> int:
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the staged F16 GEMMs on the same rows, both tiles: dense_gemm_qs, and for its types dense_gemm_qr
+        # and (sm_90) dense_gemm_qw at one tile and a second of 10 tokens
         staged = ("dense_gemm_qs", "dense_gemm_qr") if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
+        staged += ("dense_gemm_qw",) if name in K.GEMMQR_TYPES and K.device_arch() == "sm_90" else ()
         for kernel in staged:
-            for n_tok, bn in ((20, None), (70, None), (70, 32)):
+            for n_tok, bn in ((138, None),) if kernel == "dense_gemm_qw" else ((20, None), (70, None), (70, 32)):
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
                 d_out = cp.full((n_tok, rows), np.nan, np.float32)
                 grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), kernel, bn)
