@@ -8,9 +8,10 @@ the op with a mask of every tile class) and the sm_90a decode, also over q8_0 / 
 with f16 copies of quantized K/V for a prompt and a mixed K/V pair; the weight-block matmuls
 of cuda/dense_q.cu and dense_q8x.cu (every block type: the GEMVs with the fused norm, gated,
 rows that do not fill a block of warps; the tiled GEMMs (F16 decodes, int8), split over n_in; the F16
-dequantization; the row gather); the model graph's fused rope and K/V store (xp_rope_store); the
+dequantization; the row gather; on compute capability 9.0 the wgmma block GEMM of cuda/dense_qw.cu);
+the model graph's fused rope and K/V store (xp_rope_store); the
 attention's output in 8-bit form (the cell-list kernel's QO epilogue, the launch after a combine).
-With --dense-q only the weight-block matmuls and the fused store; with --quant-kv only the
+With --dense-q only the weight-block matmuls and the fused store (--dense-qw: only dense_gemm_qw); with --quant-kv only the
 sm_90a decode over q8_0 / q4_0 blocks and its neighbours (:func:`_quantized`); with --wgmma only
 every sm_90a prefill instance directly (:func:`_ws_instances`); with --attn-q8 only the
 attention's output in 8-bit form (:func:`_attn_q8`). Exits non-zero if
@@ -59,8 +60,12 @@ def main():
     import cupy as cp
     rng = np.random.default_rng(0)
     bad = 0
+    from ggml_attn import kernels as K
+    qw = K.device_arch() == "sm_90"   # dense_gemm_qw: an sm_90a program
     if "--dense-q" in sys.argv[1:]:   # the weight-block matmuls only (and the fused store)
-        sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) else 0)
+        sys.exit(1 if _dense_q(cp, rng) + _rope_store(cp, rng) + (_dense_qw(cp, rng) if qw else 0) else 0)
+    if "--dense-qw" in sys.argv[1:]:  # the wgmma block GEMM only
+        sys.exit(1 if _dense_qw(cp, rng) else 0)
     if "--attn-q8" in sys.argv[1:]:   # the attention's output in 8-bit form only
         sys.exit(1 if _attn_q8(cp, rng) else 0)
     if "--wgmma" in sys.argv[1:]:     # every sm_90a prefill instance directly, no mask, only
@@ -219,6 +224,7 @@ def main():
         cuda_launch.DECODE_TMA_BLOCKS = 0
         bad += _quantized(cp, rng, m)
     bad += _dense_q(cp, rng)
+    bad += _dense_qw(cp, rng) if qw else 0
     bad += _rope_store(cp, rng)
     bad += _attn_q8(cp, rng)
     sys.exit(1 if bad else 0)
@@ -415,8 +421,7 @@ def _dense_q(cp, rng) -> int:
     the 8-bit-activation GEMV of cuda/dense_q8x.cu), dense_dequant_f16
     and dense_get_rows_q, each against float64 of ggml's dequantized values; dense_gemm_q (20 and 70
     tokens, n_in split: dense_splitk_sum) and the staged dense_gemm_qs (both tiles) against float64
-    of their F16-rounded operands (and dense_gemm_qr and, on sm_90, dense_gemm_qw for their types),
-    and dense_gemm_q8 against
+    of their F16-rounded operands (and dense_gemm_qr for its types), and dense_gemm_q8 against
     float64 of its quantized activations.
     Failures."""
     import ctypes
@@ -529,11 +534,9 @@ def _dense_q(cp, rng) -> int:
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the staged F16 GEMMs on the same rows, both tiles: dense_gemm_qs, and for its types dense_gemm_qr
-        # and (sm_90) dense_gemm_qw at one tile and a second of 10 tokens
         staged = ("dense_gemm_qs", "dense_gemm_qr") if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
-        staged += ("dense_gemm_qw",) if name in K.GEMMQR_TYPES and K.device_arch() == "sm_90" else ()
         for kernel in staged:
-            for n_tok, bn in ((138, None),) if kernel == "dense_gemm_qw" else ((20, None), (70, None), (70, 32)):
+            for n_tok, bn in ((20, None), (70, None), (70, 32)):
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
                 d_out = cp.full((n_tok, rows), np.nan, np.float32)
                 grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), kernel, bn)
@@ -545,6 +548,36 @@ def _dense_q(cp, rng) -> int:
                 bad += not ok
                 print(f"{kernel[6:]:8s} {name:5s} n_tok={n_tok:2d} bn={bn} splits={grid[2]} nmse={err:.2e} "
                       f"{'ok' if ok else 'FAIL'}")
+    return bad
+
+
+def _dense_qw(cp, rng) -> int:
+    """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw over 300 rows (a partial
+    row tile) at 138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial
+    sums, dense_splitk_sum), against float64 of its F16-rounded operands. Failures."""
+    from ggml_attn import kernels as K
+    from ggml_attn.block_types import block_layout
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph.model_device import QMatrix
+    from ggml_attn.quant import dequantize_rows, quantize
+    bad, rows, n_in, n_tok = 0, 300, 2048, 138
+    for name in K.GEMMQR_TYPES:
+        lay = block_layout(name)
+        q = quantize((rng.standard_normal((rows, n_in)) * 10.0 ** rng.uniform(-3, 3, (rows, 1))).astype(np.float32),
+                     lay.type_id)
+        vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
+        x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
+        d_out = cp.full((n_tok, rows), np.nan, np.float32)
+        grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), "dense_gemm_qw")
+        part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+        xp_matmul.gemm_q_launch(QMatrix(name, (rows, n_in), cp.asarray(q)), cp.asarray(x16), d_out, part,
+                                kernel="dense_gemm_qw")()
+        cp.cuda.get_current_stream().synchronize()
+        err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
+        ok = err < 1e-6
+        bad += not ok
+        print(f"gemm_qw  {name:5s} n_tok={n_tok} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return bad
 
 
