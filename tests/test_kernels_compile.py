@@ -313,6 +313,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
+    if base == "dense_gemm_qw":   # <T>: the stages' x tiles and staged rows
+        return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * QwTile<{a[0]}>::SLOT)"
     if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI 1 stages in Q's f32 space
         return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}, {'true' if a[8] == '1' else 'false'}>()"
     if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
@@ -382,10 +384,10 @@ def test_dynamic_shared_memory_fits():
             expr = f"{per_sm} * ({expr} + 1024) <= 228 * 1024"
         else:
             expr = f"{expr} <= {48 if base == 'fattn_cells' else 227} * 1024"
-        arch = K.HOPPER_ARCH if base in ("fattn_wgmma_ws", "fattn_decode_tma") else "sm_80"
+        arch = K.HOPPER_ARCH if base in ("fattn_wgmma_ws", "fattn_decode_tma", "dense_gemm_qw") else "sm_80"
         checks.setdefault((src, arch), []).append((expr, "true", n))
     assert {s for s, _ in checks} == {"fattn_mma.cu", "fattn_vec.cu", "fattn_cells.cu", "dense_q8x.cu", "dense_q.cu",
-                                      "fattn_wgmma.cu", "fattn_decode_tma.cu"}
+                                      "fattn_wgmma.cu", "fattn_decode_tma.cu", "dense_qw.cu"}
     # the sm_90a prefill's rings one stage deeper do not fit: Q's f32 rows through TMA (64 KB at D 128)
     # leave room for 2 stages of 128 cells, not 3; at D 256 (64-cell chunks) for none
     checks[("fattn_wgmma.cu", K.HOPPER_ARCH)] += [
@@ -412,6 +414,16 @@ def test_gemm_qs_tile_mirror_matches_c():
     assert sorted(K.GEMMQR_BLOCKS_PER_SM) == sorted(K.GEMMQS_BLOCKS_PER_SM)   # (gemm_qs_bn picks both tiles)
     assert [K.gemm_qs_bn(n) for n in (1, 32, 33, 64, 512)] == [32, 32, 64, 64, 64]
     assert [K.gemm_qs_bn(n, "dense_gemm_qr") for n in (1, 16, 17, 32, 64)] == [32, 32, 64, 64, 64]
+
+
+def test_gemm_qw_tile_mirror_matches_c():
+    """The host's dense_gemm_qw tile (kernels.GEMMQW_TILE, its launch's GEMMQS_THREADS block, one
+    block an SM: gemm_tiling) is the C's QW_BM, QW_BN, QW_BK and QW_THREADS, and its step is
+    dense_gemm_qr's (the same staged rows)."""
+    checks = [(n, v, n) for n, v in zip(("QW_BM", "QW_BN", "QW_BK"), K.GEMMQW_TILE)]
+    checks += [("QW_THREADS", K.GEMMQS_THREADS, "QW_THREADS"), ("QW_BK", K.GEMMQR_TILE[2], "dense_gemm_qr's step")]
+    _static_asserts("dense_qw.cu", checks, K.HOPPER_ARCH)
+    assert K.gemm_tiling("dense_gemm_qw", 512) == (K.GEMMQW_TILE, 1, K.GEMMQ8_MIN_SPLIT)
 
 
 def test_split_count_fills_whole_waves():
