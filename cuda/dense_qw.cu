@@ -1,7 +1,7 @@
 // The tiled block GEMM on Hopper's warpgroup MMA (sm_90a only: a program of its own, compiled for
 // the architecture-specific target), one program per block type T (a ggml type id of
 // quant_blocks.cuh's QbFrag<T>::OK types):
-//   dense_gemm_qw<T>   y = W·x for many tokens (a prefill's ubatch): dense_q.cu's dense_gemm_qr
+//   dense_gemm_qw<T, RM>  y = W·x for many tokens (a prefill's ubatch): dense_q.cu's dense_gemm_qr
 //                      -- each 256-value step's raw weight bytes and F16 x tile staged by
 //                      cp.async, the weights decoded straight into the A fragments (qb_frag8) --
 //                      with wgmma m64n128k16 (A from registers, B the x tile in shared memory)
@@ -15,42 +15,45 @@
 #include "hopper_common.cuh"   // wgmma (A in registers), descriptors, core-matrix layout, cp.async
 #include "staged_rows.cuh"
 
-// Block tile: QW_BM weight rows (two consumer warpgroups of 64: warp w's 16-row slice is rows
-// 16 w of the tile, the m16 A fragment of its warpgroup's m64) x QW_BN tokens x QW_BK values a
-// step; QW_STAGES stages of the raw weight rows (stage_weight_rows' SLOT bytes a row) and the x
-// tile, the latter as K-major core matrices (hopper_common.cuh core_matrix_index, kt = QW_BK):
-// [token / 8][k / 8][token % 8][k % 8], so a k16 step's B descriptor starts 256 bytes further.
+// Block tile: QW_BM x RM weight rows (two consumer warpgroups of 64 x RM: warpgroup g's row half h
+// is rows 64 (RM g + h) of the tile, warp w's 16-row slice of it 16 (w % 4) further, the m16 A
+// fragment of the warpgroup's m64) x QW_BN tokens x QW_BK values a step; QW_STAGES stages of
+// the raw weight rows (stage_weight_rows' SLOT bytes a row) and the x tile, the latter as
+// K-major core matrices (hopper_common.cuh core_matrix_index, kt = QW_BK): [token / 8][k / 8]
+// [token % 8][k % 8], so a k16 step's B descriptor starts 256 bytes further. RM = 2 reads each
+// x tile for twice the rows (half the x tile's L2 traffic a product) where its stages fit.
 #define QW_BM 128
 #define QW_BN 128
 #define QW_BK 256
 #define QW_STAGES 2
 #define QW_THREADS 256
 
-template <int T> struct QwTile {
+template <int T, int RM> struct QwTile {
+    static constexpr int BM = QW_BM * RM;
     static constexpr int RB = QW_BK / QBlock<T>::VALUES * QBlock<T>::BYTES;   // a row's bytes a step
     static constexpr bool ALIGNED = RB % 16 == 0;
     static constexpr int UNITS = ALIGNED ? RB / 16 : (RB + 30) / 16;   // 16-byte units a row's copy
     static constexpr int SLOT = 16 * UNITS;                            // bytes between staged rows
     static constexpr int X_BYTES = QW_BN * QW_BK * 2;                  // the step's F16 x tile (first)
-    static constexpr int W_BYTES = QW_BM * SLOT;
+    static constexpr int W_BYTES = BM * SLOT;
     static constexpr int STAGE = X_BYTES + W_BYTES;
     static constexpr int SMEM = QW_STAGES * STAGE;
+    static constexpr bool FITS = SMEM <= 227 * 1024;   // one block an SM (RM 2: Q4_0, Q4_K, Q5_K)
     static_assert(QW_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
-    static_assert(SMEM <= 227 * 1024, "one block an SM");
-    static_assert(QW_BM == 16 * QW_THREADS / 32, "a warp a 16-row slice");
+    static_assert(QW_BM == 16 * QW_THREADS / 32, "a warp a 16-row slice of each row half");
 };
 
-// Step k0's copies into stage st: the QW_BM rows' RB bytes from m0 (zeros past the rows or a
+// Step k0's copies into stage st: the tile's rows' RB bytes from m0 (zeros past the rows or a
 // row's end) and x's tokens n0 .. n0 + QW_BN at values k0 .. k0 + QW_BK (zeros past n_tok or
 // n_in): thread i copies 16-byte unit c = (i / 8) % 32 of tokens 8 j + i % 8 (j < 16), so a warp
 // reads 64 contiguous bytes of 8 tokens and writes 512 contiguous bytes (4 core matrices); one
 // commit group.
-template <int T>
+template <int T, int RM>
 __device__ __forceinline__ void qw_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0) {
-    using TL = QwTile<T>;
+    using TL = QwTile<T, RM>;
     const unsigned sx = smem_u32(st);
-    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, QW_BM, QW_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QW_BK,
-                                                                      sx + TL::X_BYTES);
+    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, TL::BM, QW_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QW_BK,
+                                                                       sx + TL::X_BYTES);
     const int tl = threadIdx.x & 7, c = (threadIdx.x >> 3) & 31, k = k0 + 8 * c;
     const bool kin = k < p.n_in;   // (n_in a multiple of 32: a unit is all in or out)
 #pragma unroll
@@ -88,36 +91,41 @@ __device__ __forceinline__ void qw_frags(const unsigned char* w0, const unsigned
 
 // The main loop. A step: wait for its stage, one barrier (every warpgroup's wgmma reads of the
 // stage before are complete: each waits for its own before the barrier), the next step's copies,
-// then its QW_BK / 32 sub-blocks: decode sub-block j into fragment set j % 2, fence, two wgmma,
-// commit, and wait until at most the group just committed is in flight -- sub-block j - 1's
-// fragments (set (j + 1) % 2, pinned there so the compiler keeps them until the wait) are free
-// for sub-block j + 1's decode, which runs while sub-block j's products do.
-template <int T>
+// then its QW_BK / 32 sub-blocks: decode sub-block j into fragment set j % 2 (each row half's),
+// fence, 2 RM wgmma, commit, and wait until at most the group just committed is in flight --
+// sub-block j - 1's fragments (set (j + 1) % 2, pinned there so the compiler keeps them until the
+// wait) are free for sub-block j + 1's decode, which runs while sub-block j's products do.
+template <int T, int RM>
 __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams p) {
-    using TL = QwTile<T>;
+    using TL = QwTile<T, RM>;
     static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
+    static_assert(TL::FITS, "the stages fit one block an SM");
     extern __shared__ __align__(128) unsigned char qw_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
-    float acc[64];   // m64n128: d[4 i + e] row 16 (warp % 4) + lane / 4 (+ 8: e >= 2), token 8 i + 2 c + e % 2
+    // m64n128 a row half: d[4 i + e] row 16 (warp % 4) + lane / 4 (+ 8: e >= 2), token 8 i + 2 c + e % 2
+    float acc[RM][64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    const int m0 = blockIdx.x * QW_BM, n0 = blockIdx.y * QW_BN;
+    for (int h = 0; h < RM; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    const int m0 = blockIdx.x * TL::BM, n0 = blockIdx.y * QW_BN;
     const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QW_BK - 1) / QW_BK : 0;
-    const int r0 = 16 * warp + (lane >> 2);   // the lane's rows: r0 and r0 + 8 of the tile
+    const int wr = 64 * RM * (warp >> 2) + 16 * (warp & 3);   // the warp's slice of row half 0
+    const int r0 = wr + (lane >> 2);                         // the lane's rows: r0 (+ 64 h) and + 8
 #pragma unroll
     for (int s = 0; s < QW_STAGES - 1; ++s) {
-        if (s < n_steps) qw_stage<T>(p, qw_smem + s * TL::STAGE, m0, n0, k_begin + s * QW_BK);
+        if (s < n_steps) qw_stage<T, RM>(p, qw_smem + s * TL::STAGE, m0, n0, k_begin + s * QW_BK);
         else cp_async_commit();
     }
-    unsigned a[2][2][4];
+    unsigned a[2][RM][2][4] = {};
     for (int s = 0; s < n_steps; ++s) {
         cp_async_wait<QW_STAGES - 2>();
         fence_proxy_async_shared();   // this thread's x copies, visible to wgmma's reads
         __syncthreads();
         {
             const int ns = s + QW_STAGES - 1;
-            if (ns < n_steps) qw_stage<T>(p, qw_smem + (ns % QW_STAGES) * TL::STAGE, m0, n0, k_begin + ns * QW_BK);
+            if (ns < n_steps) qw_stage<T, RM>(p, qw_smem + (ns % QW_STAGES) * TL::STAGE, m0, n0, k_begin + ns * QW_BK);
             else cp_async_commit();
         }
         unsigned char* st = qw_smem + (s % QW_STAGES) * TL::STAGE;
@@ -125,30 +133,39 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         const int k0 = k_begin + s * QW_BK;
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
         const unsigned char* w0 = st + TL::X_BYTES + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QW_BK * TL::RB) & 15);
-        const unsigned char* w1 = w0 + 8 * TL::SLOT;
 #pragma unroll
         for (int j = 0; j < QW_BK / 32; ++j) {
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
-            qw_frags<T>(w0, w1, j, c, a[j & 1]);
+#pragma unroll
+            for (int h = 0; h < RM; ++h)
+                qw_frags<T>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
             wgmma_fence();
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                wgmma_m64n128k16_rs<0>(acc, a[j & 1][h], wgmma_desc(xs + (2 * j + h) * 256, 128, (QW_BK / 8) * 128),
-                                       true);
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int h = 0; h < RM; ++h)
+                    wgmma_m64n128k16_rs<0>(acc[h], a[j & 1][h][k],
+                                           wgmma_desc(xs + (2 * j + k) * 256, 128, (QW_BK / 8) * 128), true);
             wgmma_commit();
             wgmma_wait<1>();
-            wgmma_pin(a[(j + 1) & 1][0]);
-            wgmma_pin(a[(j + 1) & 1][1]);
+#pragma unroll
+            for (int h = 0; h < RM; ++h) {
+                wgmma_pin(a[(j + 1) & 1][h][0]);
+                wgmma_pin(a[(j + 1) & 1][h][1]);
+            }
         }
         wgmma_wait<0>();   // the stage's reads done before the next barrier lets its copies in
-        wgmma_pin(acc);
+#pragma unroll
+        for (int h = 0; h < RM; ++h) wgmma_pin(acc[h]);
     }
-    gemm_warp_store<1, 16>(*reinterpret_cast<const float(*)[1][16][4]>(acc),
-                           gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
-                           gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + 16 * warp, n0);
+#pragma unroll
+    for (int h = 0; h < RM; ++h)
+        gemm_warp_store<1, 16>(*reinterpret_cast<const float(*)[1][16][4]>(acc[h]),
+                               gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                               gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wr + 64 * h, n0);
 }
 
-// The dynamic shared memory (bytes) a launch of dense_gemm_qw<T> takes (ggml_attn/variants.py
+// The dynamic shared memory (bytes) a launch of dense_gemm_qw<T, RM> takes (ggml_attn/variants.py
 // smem_expr).
-template <int T>
-__device__ const int dense_gemm_qw_smem = QwTile<T>::SMEM;
+template <int T, int RM>
+__device__ const int dense_gemm_qw_smem = QwTile<T, RM>::SMEM;

@@ -359,10 +359,11 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
         if path in _TILED:
-            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), _TILED[path])
+            kernel = K.gemm_qw_kernel(w.type) if path == "gemm-qw" else _TILED[path]   # (its 128- or 256-row tile)
+            grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), kernel)
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
             steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
-                         gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=_TILED[path]))
+                         gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
         scratch = getattr(w, "scratch", None)
@@ -391,8 +392,9 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
     by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
     ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
-    ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a) for
-    ``kernels.GEMMQR_TYPES``; ``bn`` its tile's tokens other than
+    ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
+    256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``) for ``kernels.GEMMQR_TYPES``;
+    ``bn`` its tile's tokens other than
     ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
     blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
     n_out)``, both C-contiguous, ``x16`` 16-byte aligned (cp.async); ``part`` F32 ``(splits,
@@ -406,11 +408,13 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged = kernel in ("dense_gemm_qs", "dense_gemm_qr")
-    if (staged or kernel == "dense_gemm_qw") and not rows_aligned([w]):
+    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in ("dense_gemm_qw", "dense_gemm_qw2")
+    if (staged or qw) and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    if kernel in ("dense_gemm_qr", "dense_gemm_qw") and w.type_id not in K.GEMMQR_TYPE_IDS:
+    if (kernel == "dense_gemm_qr" or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
         raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
+    if kernel == "dense_gemm_qw2" and w.type not in K.GEMMQW2_TYPES:
+        raise ValueError(f"dense_gemm_qw2: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
     grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
@@ -420,12 +424,14 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
         bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
         fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
-    elif kernel == "dense_gemm_qw":   # (QwTile::SMEM)
-        fn, block = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}>"), K.GEMMQS_THREADS
+    elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
+        fn = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}, {2 if kernel[-1] == '2' else 1}>")
+        block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
     else:
-        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr, dense_gemm_qw)")
+        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr, "
+                         "dense_gemm_qw, dense_gemm_qw2)")
     return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 

@@ -229,12 +229,13 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
 
 _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
                for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
-               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None)] if name in K.GEMMQR_TYPES else [])]
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None)] if name in K.GEMMQR_TYPES else []) +
+               ([("dense_gemm_qw2", None)] if name in K.GEMMQW2_TYPES else [])]
 
 
 def _skip_unless_hopper(kernel):
     """dense_gemm_qw's sm_90a program loads on a compute capability 9.0 GPU only."""
-    if kernel == "dense_gemm_qw" and K.device_arch() != "sm_90":
+    if kernel.startswith("dense_gemm_qw") and K.device_arch() != "sm_90":
         pytest.skip("dense_gemm_qw needs a compute capability 9.0 GPU (an sm_90a program)")
 
 
@@ -246,8 +247,8 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
     """Token counts inside one tile and across several, rows that do not fill a tile, n_in split
     over the grid (kernels.gemm_q_grid) or not (one 256-value block a row); dense_gemm_q and the
     staged dense_gemm_qs and dense_gemm_qr (its own tile for the tokens, and the narrow 32-token one
-    across several column tiles) and dense_gemm_qw (wgmma, 128-token tiles), all F16 products of
-    ggml's values rounded to F16."""
+    across several column tiles) and dense_gemm_qw (wgmma, 128-token tiles of 128 rows, and of 256:
+    dense_gemm_qw2), all F16 products of ggml's values rounded to F16."""
     _skip_unless_hopper(kernel)
     n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn)
     x16 = x.astype(np.float16)
@@ -281,10 +282,11 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn):
         np.testing.assert_allclose(qr, qs, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("name", K.GEMMQR_TYPES)
+@pytest.mark.parametrize("name, qw", [(t, k) for t in K.GEMMQR_TYPES for k in ("dense_gemm_qw", "dense_gemm_qw2")
+                                      if k == "dense_gemm_qw" or t in K.GEMMQW2_TYPES])
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(512, 16, 4096), (512, 16, 1024), (129, 8, 300), (7, 2, 130)])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_qw_matches_gemm_qr(name, n_tok, n_in_blocks, rows, accumulate):
+def test_gemm_qw_matches_gemm_qr(name, qw, n_tok, n_in_blocks, rows, accumulate):
     """dense_gemm_qw decodes dense_gemm_qr's values (qb_frag8) into wgmma's A fragments and
     multiplies the same F16 operands: its output within F32 roundings of dense_gemm_qr's (wgmma adds
     a k16 step's products in its own order), at an 8B-shaped prefill (512 tokens, 4096 rows, n_in
@@ -300,12 +302,12 @@ def test_gemm_qw_matches_gemm_qr(name, n_tok, n_in_blocks, rows, accumulate):
         xp_matmul.gemm_q_launch(w, cupy.asarray(x.astype(np.float16)), d_out, part, accumulate=accumulate,
                                 kernel=kernel)()
         outs[kernel] = d_out.get()
-    qr, qw = outs["dense_gemm_qr"], outs["dense_gemm_qw"]
-    assert np.isfinite(qw).all()
-    np.testing.assert_allclose(qw, qr, rtol=1e-4, atol=1e-4 * float(np.abs(qr).max()))
+    qr, got = outs["dense_gemm_qr"], outs[qw]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, qr, rtol=1e-4, atol=1e-4 * float(np.abs(qr).max()))
     base = init.astype(np.float64) if accumulate else 0.0
     rounded = base + x.astype(np.float16).astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T
-    assert nmse(qw.astype(np.float64), rounded) <= 1e-6
+    assert nmse(got.astype(np.float64), rounded) <= 1e-6
 
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)

@@ -313,8 +313,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
-    if base == "dense_gemm_qw":   # <T>: the stages' x tiles and staged rows
-        return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * QwTile<{a[0]}>::SLOT)"
+    if base == "dense_gemm_qw":   # <T, RM>: the stages' x tiles and staged rows
+        return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * {a[1]} * QwTile<{a[0]}, {a[1]}>::SLOT)"
     if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI 1 stages in Q's f32 space
         return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}, {'true' if a[8] == '1' else 'false'}>()"
     if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
@@ -418,12 +418,16 @@ def test_gemm_qs_tile_mirror_matches_c():
 
 def test_gemm_qw_tile_mirror_matches_c():
     """The host's dense_gemm_qw tile (kernels.GEMMQW_TILE, its launch's GEMMQS_THREADS block, one
-    block an SM: gemm_tiling) is the C's QW_BM, QW_BN, QW_BK and QW_THREADS, and its step is
-    dense_gemm_qr's (the same staged rows)."""
+    block an SM: gemm_tiling) is the C's QW_BM, QW_BN, QW_BK and QW_THREADS, its step is
+    dense_gemm_qr's (the same staged rows), and GEMMQW2_TYPES are the types whose 256-row tile fits."""
     checks = [(n, v, n) for n, v in zip(("QW_BM", "QW_BN", "QW_BK"), K.GEMMQW_TILE)]
     checks += [("QW_THREADS", K.GEMMQS_THREADS, "QW_THREADS"), ("QW_BK", K.GEMMQR_TILE[2], "dense_gemm_qr's step")]
+    # the 256-row tile (dense_gemm_qw2) for exactly the types whose two stages fit a block
+    checks += [(f"QwTile<{block_layout(t).type_id}, 2>::FITS", "true" if t in K.GEMMQW2_TYPES else "false", t)
+               for t in K.GEMMQR_TYPES]
     _static_asserts("dense_qw.cu", checks, K.HOPPER_ARCH)
     assert K.gemm_tiling("dense_gemm_qw", 512) == (K.GEMMQW_TILE, 1, K.GEMMQ8_MIN_SPLIT)
+    assert K.gemm_tiling("dense_gemm_qw2", 512)[0] == (2 * K.GEMMQW_TILE[0], *K.GEMMQW_TILE[1:])
 
 
 def test_split_count_fills_whole_waves():

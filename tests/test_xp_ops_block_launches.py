@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ggml_attn import gemm_tiles
 from ggml_attn import kernels as K
 from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
@@ -628,7 +629,7 @@ def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate)
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and not any(n.startswith("dense_dequant") for n in names)
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qw<{w.type_id}>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qw<{w.type_id}, 1>" for w in ws]
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], 512, 4096, 132, "dense_gemm_qw")
         assert ln.grid == grid and grid[:2] == (w.shape[0] // 128, 4) and ln.block == (256, 1, 1)
@@ -642,6 +643,15 @@ def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate)
     assert len(sums) == 1 and sums[0].params[-1].value == int(accumulate)
     with pytest.raises(ValueError, match="decodes"):
         K.dense_qw_variant(block_layout("Q3_K").type_id)
+    # the 256-row tile (gemm_tiles.GEMMQW_RM 2, an A/B) where its stages fit: Q4_K's, not Q6_K's
+    monkeypatch.setattr(gemm_tiles, "GEMMQW_RM", 2)
+    launches.clear()
+    xp_matmul._qmatmuls(Builder(), ws, x, outs, accumulate=accumulate)
+    gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
+    assert [ln.fn.name for ln in gemms] == ["dense_gemm_qw<12, 2>", "dense_gemm_qw<14, 1>"]
+    assert gemms[0].grid[:2] == (16, 4) and gemms[0].grid == K.gemm_q_grid(4096, 512, 4096, 132, "dense_gemm_qw2")[0]
+    with pytest.raises(ValueError, match="do not fit"):
+        xp_matmul.gemm_q_launch(ws[1], x, outs[1], None, kernel="dense_gemm_qw2")
 
 
 @pytest.mark.parametrize("n_sm, splits", [(132, 4), (1, 1)])

@@ -552,8 +552,8 @@ def _dense_q(cp, rng) -> int:
 
 
 def _dense_qw(cp, rng) -> int:
-    """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw over 300 rows (a partial
-    row tile) at 138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial
+    """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw (and its 256-row tile,
+    dense_gemm_qw2, where it fits) over 300 rows (a partial row tile) at 138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial
     sums, dense_splitk_sum), against float64 of its F16-rounded operands. Failures."""
     from ggml_attn import kernels as K
     from ggml_attn.block_types import block_layout
@@ -568,16 +568,17 @@ def _dense_qw(cp, rng) -> int:
                      lay.type_id)
         vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
         x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
-        d_out = cp.full((n_tok, rows), np.nan, np.float32)
-        grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), "dense_gemm_qw")
-        part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-        xp_matmul.gemm_q_launch(QMatrix(name, (rows, n_in), cp.asarray(q)), cp.asarray(x16), d_out, part,
-                                kernel="dense_gemm_qw")()
-        cp.cuda.get_current_stream().synchronize()
-        err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
-        ok = err < 1e-6
-        bad += not ok
-        print(f"gemm_qw  {name:5s} n_tok={n_tok} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+        for kernel in ("dense_gemm_qw", "dense_gemm_qw2")[:2 if name in K.GEMMQW2_TYPES else 1]:
+            d_out = cp.full((n_tok, rows), np.nan, np.float32)
+            grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), kernel)
+            part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+            xp_matmul.gemm_q_launch(QMatrix(name, (rows, n_in), cp.asarray(q)), cp.asarray(x16), d_out, part,
+                                    kernel=kernel)()
+            cp.cuda.get_current_stream().synchronize()
+            err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
+            ok = err < 1e-6
+            bad += not ok
+            print(f"{kernel[6:]:8s} {name:5s} n_tok={n_tok} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return bad
 
 
