@@ -19,21 +19,25 @@
 #      their outputs' 8-bit form, -16% at 695471d; tools/dev/knob_ab.py, 2 alternating rounds)
 #      -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
-# Steps in the order 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
+#   6. (--qw) the wgmma block GEMM (cuda/dense_qw.cu, sm_90): its GPU tests (-k qw) -> $OUT/logs/tests_qw.log,
+#      memcheck / racecheck (gpu_sanitize_case.py --dense-qw), one 8B layer at 512 / 128 / 256
+#      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
+#      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 (knob_ab) -> $OUT/ab_pp512.json
+# Steps in the order 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--rounds 2]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; ROUNDS=2
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --rounds) ROUNDS="$2"; shift;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -45,6 +49,29 @@ say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
 if [ $INSTALL = 1 ]; then
   OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
+fi
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ]; then   # (the file, written while the GPU works)
+  $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
+  WRITER=$!
+fi
+if [ $QW = 1 ]; then
+  echo "== the wgmma block GEMM: tests, sanitizers, one 8B layer, pp512"
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k qw \
+      > "$LOGS/tests_qw.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_qw.log" | head -10; tail -1 "$LOGS/tests_qw.log"
+  for t in memcheck racecheck; do
+    timeout 120 compute-sanitizer --tool $t --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-qw \
+        > "$LOGS/san_qw_$t.log" 2>&1 || { status=1; echo "$t: see logs/san_qw_$t.log"; }
+    tail -1 "$LOGS/san_qw_$t.log"
+  done
+  (cd tools/dev && timeout 200 $PY gpu_dense_q_bench.py --types "${QW_TYPES:-Q4_K,Q6_K}" --tiled-only 512,128,256 \
+      --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr |dequant|cublas f16" || status=1
+  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
+      --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
+      --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,gemm_tiles.GEMMQW_RM=2" \
+      bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -6 || status=1
+  say
 fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests: the block matmuls (every 8-bit GEMV form, with PDL), the models' logits, the device form's ops; sanitizers on the block kernels"
@@ -60,8 +87,8 @@ if [ $DENSE = 1 ]; then
       | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | sed -n 1,60p || status=1   # (sed reads it all: no SIGPIPE)
   say
 fi
-if [ $STEP = 1 ] || [ $AB = 1 ]; then
-  $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 || { status=1; tail -3 "$LOGS/write.log"; }
+if [ $QW = 0 ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
+  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
 fi
 if [ $AB = 1 ]; then
   echo "== tg128: the 8-bit GEMV as shipped / AB_VARIANTS"
