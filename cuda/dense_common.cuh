@@ -55,7 +55,7 @@ struct GemmQParams {
     int rows;
     int n_in;                 // a multiple of QBlock<T>::VALUES (and of 32)
     int n_tok;
-    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of GQ_BK
+    int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of the kernel's step
     int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
     int pad_;
 };
