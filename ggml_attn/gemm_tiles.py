@@ -32,14 +32,7 @@ GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
 GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
-GEMMQW_RM = 1   # its tile's rows in QW_BM (an A/B: 2, "dense_gemm_qw2", where the stages fit: GEMMQW2_TYPES)
-GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")
-
-
-def gemm_qw_kernel(type_name: str) -> str:
-    """The wgmma block GEMM's form for a weight of ``type_name``: ``dense_gemm_qw2`` (256-row
-    tiles) where GEMMQW_RM is 2 and its stages fit, else ``dense_gemm_qw``."""
-    return "dense_gemm_qw2" if GEMMQW_RM == 2 and type_name in GEMMQW2_TYPES else "dense_gemm_qw"
+GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")   # its 256-row tile (dense_gemm_qw2, <T, 2>): the types whose stages fit
 
 
 def gemm_q8_bn(n_tok: int) -> int:

@@ -155,6 +155,9 @@ QRGEMM_MAX_TOKENS = 128
 # measured; predicted at 512 tokens, one 8B layer on the H100, 0.6-0.75x dequantize + cuBLAS:
 # bench/NOTES.md, twentieth session).
 QWGEMM_MIN_TOKENS: int | None = None
+# Its tile's rows: 128 (dense_gemm_qw), or 256 (dense_gemm_qw2: half the x tile's L2 traffic a
+# product) for the types whose stages fit (kernels.GEMMQW2_TYPES) -- an A/B until measured.
+QWGEMM_ROWS = 128
 
 
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
@@ -172,6 +175,14 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     if aligned and weight_type in Q8XV_TYPES and n_tokens <= Q8XV_MAX_TOKENS and q8x_form_reads("vector", weight_type):
         return "vector"
     return "staged" if aligned else "plain"
+
+
+def gemm_qw_kernel(weight_type: str) -> str:
+    """The form of the wgmma block GEMM (path ``gemm-qw``) for a weight of ``weight_type``:
+    ``dense_gemm_qw2`` (256-row tiles) where QWGEMM_ROWS is 256 and its stages fit, else
+    ``dense_gemm_qw``."""
+    from .kernels import GEMMQW2_TYPES
+    return "dense_gemm_qw2" if QWGEMM_ROWS == 256 and weight_type in GEMMQW2_TYPES else "dense_gemm_qw"
 
 
 def gemv_q8x_gated_instance(mode: int, weight_type: str) -> bool:

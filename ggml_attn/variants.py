@@ -417,7 +417,7 @@ def dense_qw_variant(type_id: int) -> Variant:
     ``dense_gemm_qw<T, 1>``, and ``<T, 2>`` (dense_gemm_qw2) for GEMMQW2_TYPES."""
     if type_id not in GEMMQR_TYPE_IDS:
         raise ValueError(f"dense_gemm_qw decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
-    rms = (1, 2) if GEMMQR_TYPES[GEMMQR_TYPE_IDS.index(type_id)] in GEMMQW2_TYPES else (1,)
+    rms = (1, 2) if type_id in (block_layout(t).type_id for t in GEMMQW2_TYPES) else (1,)
     return Variant("dense-qw", "dense_qw.cu", tuple(f"dense_gemm_qw<{type_id}, {rm}>" for rm in rms), arch_suffix="a")
 
 

@@ -337,7 +337,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import best_matmul, gemm_qw_kernel  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
@@ -359,7 +359,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
         if path in _TILED:
-            kernel = K.gemm_qw_kernel(w.type) if path == "gemm-qw" else _TILED[path]   # (its 128- or 256-row tile)
+            kernel = gemm_qw_kernel(w.type) if path == "gemm-qw" else _TILED[path]   # (its 128- or 256-row tile)
             grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), kernel)
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
             steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
@@ -425,7 +425,7 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
         fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
-        fn = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}, {2 if kernel[-1] == '2' else 1}>")
+        fn = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}, {2 if kernel == 'dense_gemm_qw2' else 1}>")
         block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS

@@ -149,6 +149,29 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x,
     assert (K.dense_q8x_variant(12) in variants) == bool(q8x) and (K.dense_q8x_variant(14) in variants) == bool(q8x)
     assert (K.dense_q8x_qout_variant(12) in variants) == (K.dense_q8x_qout_variant(14) in variants) == bool(q8x and qout)
     assert None not in variants
+    assert not any(v.family == "dense-qw" for v in variants)   # (QWGEMM_MIN_TOKENS None: not routed)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_engine_precompiles_the_wgmma_gemm_where_routed(monkeypatch, arch):
+    """--layer model with matmul_dispatch.QWGEMM_MIN_TOKENS set: on an sm_90 GPU the wgmma block
+    GEMM's program of each type of the file it reads (Q4_K and Q6_K, not F32); elsewhere none."""
+    from types import SimpleNamespace
+
+    from ggml_attn.cli import cuda_engine
+    from ggml_attn.cli.models import PRESETS
+    asked = []
+    monkeypatch.setattr(K, "device_arch", lambda: arch)
+    monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append(variants), (len(variants), 0))[1])
+    monkeypatch.setattr(matmul_dispatch, "QWGEMM_MIN_TOKENS", 129)
+    p = PRESETS["llama-3-8b"]
+    m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
+                        file_type="Q4_K+Q6_K+F32")
+    cfg = SimpleNamespace(model=m, type_k="f16", type_v="f16", kernel="auto", layer="model")
+    cuda_engine.start_precompile(cfg).result()
+    (variants,) = asked
+    qw = [v for v in variants if v.family == "dense-qw"]
+    assert qw == ([K.dense_qw_variant(12), K.dense_qw_variant(14)] if arch == "sm_90" else []), qw
 
 
 def test_large_programs_are_compiled_and_loaded_as_shards(monkeypatch):

@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ggml_attn import gemm_tiles
 from ggml_attn import kernels as K
 from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
@@ -643,8 +642,8 @@ def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate)
     assert len(sums) == 1 and sums[0].params[-1].value == int(accumulate)
     with pytest.raises(ValueError, match="decodes"):
         K.dense_qw_variant(block_layout("Q3_K").type_id)
-    # the 256-row tile (gemm_tiles.GEMMQW_RM 2, an A/B) where its stages fit: Q4_K's, not Q6_K's
-    monkeypatch.setattr(gemm_tiles, "GEMMQW_RM", 2)
+    # the 256-row tile (matmul_dispatch.QWGEMM_ROWS 256, an A/B) where its stages fit: Q4_K's, not Q6_K's
+    monkeypatch.setattr(md, "QWGEMM_ROWS", 256)
     launches.clear()
     xp_matmul._qmatmuls(Builder(), ws, x, outs, accumulate=accumulate)
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]

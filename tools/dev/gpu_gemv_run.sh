@@ -69,7 +69,7 @@ if [ $QW = 1 ]; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
-      --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,gemm_tiles.GEMMQW_RM=2" \
+      --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -6 || status=1
   say
 fi
