@@ -538,27 +538,37 @@ def _dense_q(cp, rng) -> int:
         for kernel in staged:
             for n_tok, bn in ((20, None), (70, None), (70, 32)):
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
-                d_out = cp.full((n_tok, rows), np.nan, np.float32)
-                grid, _ = K.gemm_q_grid(rows, n_tok, n8, num_sms(), kernel, bn)
-                part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-                xp_matmul.gemm_q_launch(w8, cp.asarray(x16), d_out, part, kernel=kernel, bn=bn)()
-                st.synchronize()
-                err = nmse(d_out.get(), x16.astype(np.float64) @ vals8.astype(np.float16).astype(np.float64).T)
-                ok = err < 1e-6
-                bad += not ok
-                print(f"{kernel[6:]:8s} {name:5s} n_tok={n_tok:2d} bn={bn} splits={grid[2]} nmse={err:.2e} "
-                      f"{'ok' if ok else 'FAIL'}")
+                bad += not _staged_gemm_ok(cp, kernel, w8, vals8, x16, bn)
     return bad
+
+
+def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
+    """One launch of staged tiled block GEMM ``kernel`` (graph/xp_matmul.gemm_q_launch, tile ``bn``)
+    over QMatrix ``w`` (float64 values ``vals``) and F16 ``x16`` into a poisoned output (and
+    partial sums, where gemm_q_grid splits n_in), against float64 of the F16-rounded operands
+    (NMSE < 1e-6); prints the row."""
+    from ggml_attn import kernels as K
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph import xp_matmul
+    (rows, n_in), n_tok = w.shape, x16.shape[0]
+    d_out = cp.full((n_tok, rows), np.nan, np.float32)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), kernel, bn)
+    part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    xp_matmul.gemm_q_launch(w, cp.asarray(x16), d_out, part, kernel=kernel, bn=bn)()
+    cp.cuda.get_current_stream().synchronize()
+    err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
+    ok = err < 1e-6
+    print(f"{kernel[6:]:8s} {w.type:5s} n_tok={n_tok:3d} bn={bn} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    return ok
 
 
 def _dense_qw(cp, rng) -> int:
     """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw (and its 256-row tile,
-    dense_gemm_qw2, where it fits) over 300 rows (a partial row tile) at 138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial
-    sums, dense_splitk_sum), against float64 of its F16-rounded operands. Failures."""
+    dense_gemm_qw2, where it fits) over 300 rows (a partial row tile) at 138 tokens (a second token
+    tile of 10), n_in 2048 split in two k chunks (partial sums, dense_splitk_sum), against float64
+    of its F16-rounded operands (:func:`_staged_gemm_ok`). Failures."""
     from ggml_attn import kernels as K
     from ggml_attn.block_types import block_layout
-    from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph import xp_matmul
     from ggml_attn.graph.model_device import QMatrix
     from ggml_attn.quant import dequantize_rows, quantize
     bad, rows, n_in, n_tok = 0, 300, 2048, 138
@@ -568,17 +578,9 @@ def _dense_qw(cp, rng) -> int:
                      lay.type_id)
         vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
         x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
+        w = QMatrix(name, (rows, n_in), cp.asarray(q))
         for kernel in ("dense_gemm_qw", "dense_gemm_qw2")[:2 if name in K.GEMMQW2_TYPES else 1]:
-            d_out = cp.full((n_tok, rows), np.nan, np.float32)
-            grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), kernel)
-            part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-            xp_matmul.gemm_q_launch(QMatrix(name, (rows, n_in), cp.asarray(q)), cp.asarray(x16), d_out, part,
-                                    kernel=kernel)()
-            cp.cuda.get_current_stream().synchronize()
-            err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
-            ok = err < 1e-6
-            bad += not ok
-            print(f"{kernel[6:]:8s} {name:5s} n_tok={n_tok} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+            bad += not _staged_gemm_ok(cp, kernel, w, vals, x16)
     return bad
 
 
