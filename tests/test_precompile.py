@@ -124,27 +124,34 @@ def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
     assert "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>" in names   # prompts on f16 copies
 
 
-@pytest.mark.parametrize("q8x", [0, 2])
-@pytest.mark.parametrize("qout", [False, True])
-def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x, qout):
-    """--layer model: the block programs of each block type in the file, and the 8-bit-activation
-    GEMV's too exactly when dispatch routes GEMVs to it (Q8X_MAX_TOKENS); its instances with the
-    8-bit output only when those run as well (GEMV_QUANT_OUT; F32 has none)."""
+def _engine_programs(monkeypatch, arch: str = "sm_90") -> list:
+    """The programs tools/cuda_engine.start_precompile asks for a --layer model run of the 8B preset
+    with a Q4_K + Q6_K + F32 file on a GPU of ``arch`` (precompile recorded, nothing compiled)."""
     from types import SimpleNamespace
 
     from ggml_attn.cli import cuda_engine
     from ggml_attn.cli.models import PRESETS
     asked = []
-    monkeypatch.setattr(K, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(K, "device_arch", lambda: arch)
     monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append(variants), (len(variants), 0))[1])
-    monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", q8x)
-    monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", qout)
     p = PRESETS["llama-3-8b"]
     m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
                         file_type="Q4_K+Q6_K+F32")
     cfg = SimpleNamespace(model=m, type_k="f16", type_v="f16", kernel="auto", layer="model")
     cuda_engine.start_precompile(cfg).result()
     (variants,) = asked
+    return variants
+
+
+@pytest.mark.parametrize("q8x", [0, 2])
+@pytest.mark.parametrize("qout", [False, True])
+def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x, qout):
+    """--layer model: the block programs of each block type in the file, and the 8-bit-activation
+    GEMV's too exactly when dispatch routes GEMVs to it (Q8X_MAX_TOKENS); its instances with the
+    8-bit output only when those run as well (GEMV_QUANT_OUT; F32 has none)."""
+    monkeypatch.setattr(matmul_dispatch, "Q8X_MAX_TOKENS", q8x)
+    monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", qout)
+    variants = _engine_programs(monkeypatch)
     assert K.dense_q_variant(12) in variants and K.dense_q_variant(14) in variants
     assert (K.dense_q8x_variant(12) in variants) == bool(q8x) and (K.dense_q8x_variant(14) in variants) == bool(q8x)
     assert (K.dense_q8x_qout_variant(12) in variants) == (K.dense_q8x_qout_variant(14) in variants) == bool(q8x and qout)
@@ -156,21 +163,8 @@ def test_cuda_engine_precompiles_the_block_matmuls_it_will_run(monkeypatch, q8x,
 def test_cuda_engine_precompiles_the_wgmma_gemm_where_routed(monkeypatch, arch):
     """--layer model with matmul_dispatch.QWGEMM_MIN_TOKENS set: on an sm_90 GPU the wgmma block
     GEMM's program of each type of the file it reads (Q4_K and Q6_K, not F32); elsewhere none."""
-    from types import SimpleNamespace
-
-    from ggml_attn.cli import cuda_engine
-    from ggml_attn.cli.models import PRESETS
-    asked = []
-    monkeypatch.setattr(K, "device_arch", lambda: arch)
-    monkeypatch.setattr(K, "precompile", lambda variants, arch: (asked.append(variants), (len(variants), 0))[1])
     monkeypatch.setattr(matmul_dispatch, "QWGEMM_MIN_TOKENS", 129)
-    p = PRESETS["llama-3-8b"]
-    m = SimpleNamespace(head_dim_k=p.head_dim_k, head_dim_v=p.head_dim_v, n_head=p.n_head, n_head_kv=p.n_head_kv, logit_softcap=0.0,
-                        file_type="Q4_K+Q6_K+F32")
-    cfg = SimpleNamespace(model=m, type_k="f16", type_v="f16", kernel="auto", layer="model")
-    cuda_engine.start_precompile(cfg).result()
-    (variants,) = asked
-    qw = [v for v in variants if v.family == "dense-qw"]
+    qw = [v for v in _engine_programs(monkeypatch, arch) if v.family == "dense-qw"]
     assert qw == ([K.dense_qw_variant(12), K.dense_qw_variant(14)] if arch == "sm_90" else []), qw
 
 
