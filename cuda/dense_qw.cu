@@ -1,14 +1,16 @@
 // The tiled block GEMM on Hopper's warpgroup MMA (sm_90a only: a program of its own, compiled for
 // the architecture-specific target), one program per block type T (a ggml type id of
 // quant_blocks.cuh's QbFrag<T>::OK types):
-//   dense_gemm_qw<T, RM>  y = W·x for many tokens (a prefill's ubatch): dense_q.cu's dense_gemm_qr
+//   dense_gemm_qw<T, RM, H>  y = W·x for many tokens (a prefill's ubatch): dense_q.cu's dense_gemm_qr
 //                      -- each 256-value step's raw weight bytes and F16 x tile staged by
 //                      cp.async, the weights decoded straight into the A fragments (qb_frag8) --
 //                      with wgmma m64n128k16 (A from registers, B the x tile in shared memory)
 //                      in place of mma.sync m16n8k16: a decoded value feeds 128 tokens (dense_gemm_qr:
 //                      64), and the products run asynchronously under the next sub-block's decode.
+//                      H 1: the weights decoded in half precision (qb_frag8h: ~3 instructions a
+//                      value against qb_frag8's ~6; values within the factors' f16 rounding).
 // Same parameters (GemmQParams), layouts, rounding and split-K partial sums as dense_gemm_qr; the
-// sums of one output differ from it only in the order wgmma adds a k16 step's 16 products.
+// sums of one output differ from it (H 0) only in the order wgmma adds a k16 step's 16 products.
 #include <cuda_fp16.h>
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
@@ -72,11 +74,25 @@ __device__ __forceinline__ unsigned qw_pack(float lo, float hi) {
 }
 
 // A sub-block's two k16 A fragments of the lane's rows (w0: row r, w1: row r + 8 of the warp's
-// slice; sub-block j of the step), as dense_gemm_qr packs them.
-template <int T>
+// slice; sub-block j of the step), as dense_gemm_qr packs them (H 1: qb_frag8h's pairs, the same
+// places).
+template <int T, int H>
 __device__ __forceinline__ void qw_frags(const unsigned char* w0, const unsigned char* w1, int j, int c,
                                          unsigned (&a)[2][4]) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
+    if constexpr (H) {
+        unsigned h0[4], h1[4];
+        qb_frag8h<T>(w0 + (j / S) * B, j % S, c, h0);
+        qb_frag8h<T>(w1 + (j / S) * B, j % S, c, h1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            a[h][0] = h0[2 * h];
+            a[h][1] = h1[2 * h];
+            a[h][2] = h0[2 * h + 1];
+            a[h][3] = h1[2 * h + 1];
+        }
+        return;
+    }
     float v0[8], v1[8];
     qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
     qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
@@ -95,10 +111,10 @@ __device__ __forceinline__ void qw_frags(const unsigned char* w0, const unsigned
 // fence, 2 RM wgmma, commit, and wait until at most the group just committed is in flight --
 // sub-block j - 1's fragments (set (j + 1) % 2, pinned there so the compiler keeps them until the
 // wait) are free for sub-block j + 1's decode, which runs while sub-block j's products do.
-template <int T, int RM>
+template <int T, int RM, int H>
 __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams p) {
     using TL = QwTile<T, RM>;
-    static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
+    static_assert(QbFrag<T>::OK && (!H || QbFragH<T>::OK), "a type with a fragment decode (qb_frag8, qb_frag8h)");
     static_assert(TL::FITS, "the stages fit one block an SM");
     extern __shared__ __align__(128) unsigned char qw_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
@@ -138,7 +154,7 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
 #pragma unroll
             for (int h = 0; h < RM; ++h)
-                qw_frags<T>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
+                qw_frags<T, H>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < 2; ++k)
@@ -165,7 +181,7 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
                                gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + wr + 64 * h, n0);
 }
 
-// The dynamic shared memory (bytes) a launch of dense_gemm_qw<T, RM> takes (ggml_attn/variants.py
+// The dynamic shared memory (bytes) a launch of dense_gemm_qw<T, RM, H> takes (ggml_attn/variants.py
 // smem_expr).
-template <int T, int RM>
+template <int T, int RM, int H>
 __device__ const int dense_gemm_qw_smem = QwTile<T, RM>::SMEM;

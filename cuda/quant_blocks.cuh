@@ -16,6 +16,8 @@
 #define QB_HD __device__ __forceinline__
 #include <cuda_fp16.h>
 #else
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #define QB_HD inline
@@ -368,6 +370,198 @@ template <> QB_HD void qb_frag8<QB_Q6_K>(const qb_u8* b, int s, int c, float (&v
                            (((qb_u16(qh + 8 * h) >> hshift) & 0x0303u) << 4);
         v[2 * h] = ds[h >> 1] * (qb_byte_2p23(x, 0) - 8388640.0f);
         v[2 * h + 1] = ds[h >> 1] * (qb_byte_2p23(x, 1) - 8388640.0f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The same share of a fragment decoded in half precision (dense_qw.cu's dense_gemm_qw<T, RM, 1>):
+// qb_frag8h<T>(b, s, c, h) writes h[i] (i = 0..3), the packed f16 pair of values 8 i + 2c and
+// 8 i + 2c + 1 of sub-block s (low half first) -- the pair qb_frag8 gives as v[2 i], v[2 i + 1].
+// The block's integer q becomes the exact half 1024 + q by its bits (0x6400 | q), 1024 comes
+// off exactly, and one f16 operation applies the factors, themselves rounded to f16 once:
+//   Q4_0 (q - 8) d            Q8_0 q d            Q6_K (q - 32) RN16(d sc)
+//   Q4_K / Q5_K  (q sc) d - RN16(dmin m)   (q sc exact; a fused multiply-add: one rounding)
+// -- about 3 instructions a value against qb_frag8's 6 (a byte permute, a float add and a
+// multiply-add a value, a conversion a pair). Q4_0's and Q8_0's values are qb_frag8's rounded
+// to f16, bit for bit; the others may differ by the rounding of the factor named RN16 (within
+// ~1 f16 ulp of the block's largest value). The host's build emulates each f16 operation (computed exactly, rounded once,
+// to nearest even), so tests can give the same bits as the device. QbFragH<T>::OK as QbFrag.
+template <int T> struct QbFragH { static constexpr bool OK = QbFrag<T>::OK; };
+
+#if !(defined(__CUDACC__) || defined(__CUDACC_RTC__))
+// (host) the f16 nearest to x (ties to even), as bits; x's own rounding to double is the only other
+inline unsigned qb_h16_bits(double x) {
+    const unsigned sign = std::signbit(x) ? 0x8000u : 0u;
+    const double a = std::fabs(x);
+    if (std::isnan(x)) return 0x7E00u;
+    if (a >= 65520.0) return sign | 0x7C00u;   // (65520: the tie between 65504 and 2^16 rounds up)
+    int e;
+    std::frexp(a, &e);                          // a = f 2^e, 0.5 <= f < 1
+    const double ulp = std::ldexp(1.0, std::max(e - 11, -24));   // (subnormals: 2^-24)
+    const double m = std::nearbyint(a / ulp);   // (the default rounding mode: to even)
+    const double r = m * ulp;
+    unsigned bits;
+    if (r < 6.103515625e-05) bits = (unsigned)(r / 5.960464477539063e-08);   // subnormal (or 0)
+    else {
+        int re;
+        const double rf = std::frexp(r, &re);
+        bits = ((unsigned)(re - 1 + 15) << 10) | ((unsigned)std::ldexp(rf * 2.0 - 1.0, 10) & 0x3FFu);
+    }
+    return sign | bits;
+}
+
+inline double qb_h16_value(unsigned h) {
+    const qb_u8 b[2] = {(qb_u8)(h & 0xFF), (qb_u8)(h >> 8)};
+    return (double)qb_half(b);
+}
+#endif
+
+// Packed half pairs (low half first), x the halves 1024 + q of qb_h2_1024 and off the exact halves
+// to take off (1024 + the type's offset): (x - off) f[half] per half (half 2: f's own halves,
+// element by element), rounded once (the subtraction is exact).
+// Half 0 / 1 of f broadcast by the operand's own selector on the device (HMUL2 / HFMA2 R.H0_H0).
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+QB_HD __half2 qb_as_h2(unsigned u) { return *reinterpret_cast<const __half2*>(&u); }
+QB_HD unsigned qb_h2_bits(__half2 h) { return *reinterpret_cast<const unsigned*>(&h); }
+QB_HD unsigned qb_h2_qmul(unsigned x, unsigned off, unsigned f, int half) {
+    const __half2 fh = qb_as_h2(f);
+    return qb_h2_bits(__hmul2(__hsub2(qb_as_h2(x), qb_as_h2(off)),
+                              half == 2 ? fh : half ? __high2half2(fh) : __low2half2(fh)));
+}
+// Q4_K / Q5_K: q sc d - RN16(dmin m) for x the halves 1024 + q, sm {sc, m}, nm {-1024 sc,
+// RN16(dmin m)}, dm the block's {d, dmin}: q sc exactly ((1024 + q) sc - 1024 sc, one rounding
+// of an integer <= 945), then one multiply-add -- only the min term's product rounded apart.
+QB_HD unsigned qb_h2_k4(unsigned x, unsigned sm, unsigned nm, unsigned dm) {
+    const __half2 qsc = __hfma2(qb_as_h2(x), __low2half2(qb_as_h2(sm)), __low2half2(qb_as_h2(nm)));
+    return qb_h2_bits(__hfma2(qsc, __low2half2(qb_as_h2(dm)), __hneg2(__high2half2(qb_as_h2(nm)))));
+}
+#else
+inline unsigned qb_h2_qmul(unsigned x, unsigned off, unsigned f, int half) {
+    unsigned out = 0;
+    for (int k = 0; k < 2; ++k) {   // (x - off: exact)
+        const double fv = qb_h16_value((f >> (16 * (half == 2 ? k : half))) & 0xFFFFu);
+        const double q = qb_h16_value((x >> (16 * k)) & 0xFFFFu) - qb_h16_value((off >> (16 * k)) & 0xFFFFu);
+        out |= qb_h16_bits(q * fv) << (16 * k);
+    }
+    return out;
+}
+inline unsigned qb_h2_k4(unsigned x, unsigned sm, unsigned nm, unsigned dm) {
+    const double sc = qb_h16_value(sm & 0xFFFFu), n1024 = qb_h16_value(nm & 0xFFFFu);
+    const double m1 = qb_h16_value(nm >> 16), d = qb_h16_value(dm & 0xFFFFu);
+    unsigned out = 0;
+    for (int k = 0; k < 2; ++k) {
+        const double qsc = qb_h16_value(qb_h16_bits(std::fma(qb_h16_value((x >> (16 * k)) & 0xFFFFu), sc, n1024)));
+        out |= qb_h16_bits(std::fma(qsc, d, -m1)) << (16 * k);
+    }
+    return out;
+}
+#endif
+
+// Byte sel & 7 of the 8 bytes {lo, hi} (little-endian) into each byte of the result by sel's
+// nibbles, as the device's byte permute (PRMT; only selector values 0..7).
+QB_HD unsigned qb_perm(unsigned lo, unsigned hi, unsigned sel) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __byte_perm(lo, hi, sel);
+#else
+    const unsigned long long v = lo | ((unsigned long long)hi << 32);
+    unsigned out = 0;
+    for (int i = 0; i < 4; ++i) out |= (unsigned)((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return out;
+#endif
+}
+
+// The halves 1024 + q for q the bytes 0 and 1 of u masked by mask (0x6400 | q, exact; mask 0xF0:
+// 1024 + 16 q of the high nibbles): one byte permute that puts 0x64 above each byte, and one AND
+// (its mask the only constant the AND takes).
+QB_HD unsigned qb_h2_1024(unsigned u, unsigned mask) {
+    return qb_perm(u, 0x64646464u, 0x4140u) & (0xFF00FF00u | (mask * 0x10001u));
+}
+
+// x - off per half (exact for the halves here).
+QB_HD unsigned qb_h2_sub(unsigned x, unsigned off) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return qb_h2_bits(__hsub2(qb_as_h2(x), qb_as_h2(off)));
+#else
+    unsigned out = 0;
+    for (int k = 0; k < 2; ++k)
+        out |= qb_h16_bits(qb_h16_value((x >> (16 * k)) & 0xFFFFu) - qb_h16_value((off >> (16 * k)) & 0xFFFFu)) << (16 * k);
+    return out;
+#endif
+}
+
+// The 4-byte-aligned little-endian word at p (one 4-byte load on the device).
+QB_HD unsigned qb_u32a(const qb_u8* p) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return *reinterpret_cast<const unsigned*>(p);
+#else
+    return qb_le32(p);
+#endif
+}
+
+template <int T> QB_HD void qb_frag8h(const qb_u8* b, int s, int c, unsigned (&h)[4]);
+
+template <> QB_HD void qb_frag8h<QB_Q4_0>(const qb_u8* b, int, int c, unsigned (&h)[4]) {
+    const unsigned d = qb_u16(b);
+    for (int i = 0; i < 4; ++i)   // (1024 + q) - 1032: q - 8
+        h[i] = qb_h2_qmul(qb_h2_1024(qb_u16(b + 2 + ((2 * c + 8 * i) & 15)) >> (i < 2 ? 0 : 4), 0x0F), 0x64086408u, d, 0);
+}
+
+template <> QB_HD void qb_frag8h<QB_Q8_0>(const qb_u8* b, int, int c, unsigned (&h)[4]) {
+    const unsigned d = qb_u16(b);
+    for (int i = 0; i < 4; ++i)   // the int8 q + 128 as its byte: (1024 + q + 128) - 1152
+        h[i] = qb_h2_qmul(qb_h2_1024(qb_u16(b + 2 + 2 * c + 8 * i) ^ 0x8080u, 0xFF), 0x64806480u, d, 0);
+}
+
+// Q4_K / Q5_K (4-byte aligned blocks): sub-block s's factors for qb_h2_k4, sm = {sc / r, m} -- ggml's
+// 6-bit sc and m (get_scale_min_k4) placed into exact halves by their bits; r 16 where the pairs
+// come as 1024 + 16 q (Q4_K's high nibbles, in place) -- and nm = {-1024 sc / r, RN16(dmin m)}.
+QB_HD void qb_k4_factors_h(const qb_u8* b, int s, bool r16, unsigned& sm, unsigned& nm) {
+    const unsigned w1 = qb_u32a(b + 4), w2 = qb_u32a(b + 8);
+    unsigned x;
+    if (s < 4) {   // sc = byte s of w1, m = byte s of w2 (6 bits each)
+        x = (qb_perm(w1, w2, (unsigned)(s | (s << 4) | ((4 + s) << 8) | ((4 + s) << 12))) & 0x003F003Fu) | 0x64006400u;
+    } else {       // sc = (w3.j & 15) | (w1.j >> 6) << 4, m = (w3.j >> 4) | (w2.j >> 6) << 4 (j = s - 4)
+        const unsigned j = (unsigned)(s - 4);
+        const unsigned a = qb_perm(qb_u32a(b + 12), 0u, j | (4u << 4) | (j << 8) | (4u << 12));
+        const unsigned t = (qb_perm(w1, w2, j | (4u << 4) | ((4u + j) << 8) | (4u << 12)) >> 2) & 0x00300030u;
+        x = (a & 0x0000000Fu) | ((a >> 4) & 0x000F0000u) | t | 0x64006400u;
+    }
+    sm = r16 ? qb_h2_qmul(x, 0x64006400u, 0x3C002C00u, 2) : qb_h2_sub(x, 0x64006400u);   // ({1/16, 1}: exact)
+    nm = qb_h2_qmul(x, 0x64006400u, (qb_u32a(b) & 0xFFFF0000u) | (r16 ? 0xD400u : 0xE400u), 2);   // {-1024 / r, dmin}
+}
+
+template <> QB_HD void qb_frag8h<QB_Q4_K>(const qb_u8* b, int s, int c, unsigned (&h)[4]) {
+    unsigned sm, nm;
+    qb_k4_factors_h(b, s, s & 1, sm, nm);   // (odd s: the high nibbles in place, 1024 + 16 q)
+    const unsigned dm = qb_u32a(b);
+    const qb_u8* q = b + 16 + 32 * (s >> 1) + 2 * c;
+    for (int i = 0; i < 4; ++i) h[i] = qb_h2_k4(qb_h2_1024(qb_u16(q + 8 * i), s & 1 ? 0xF0 : 0x0F), sm, nm, dm);
+}
+
+template <> QB_HD void qb_frag8h<QB_Q5_K>(const qb_u8* b, int s, int c, unsigned (&h)[4]) {
+    unsigned sm, nm;
+    qb_k4_factors_h(b, s, false, sm, nm);
+    const unsigned dm = qb_u32a(b);
+    const qb_u8* q = b + 48 + 32 * (s >> 1) + 2 * c;
+    const qb_u8* qh = b + 16 + 2 * c;
+    const int shift = 4 * (s & 1);
+    for (int i = 0; i < 4; ++i) {
+        const unsigned x = ((qb_u16(q + 8 * i) >> shift) & 0x0F0Fu) | (((qb_u16(qh + 8 * i) >> s) & 0x0101u) << 4);
+        h[i] = qb_h2_k4(qb_h2_1024(x, 0x1F), sm, nm, dm);
+    }
+}
+
+template <> QB_HD void qb_frag8h<QB_Q6_K>(const qb_u8* b, int s, int c, unsigned (&h)[4]) {
+    const int n = s >> 2, k = s & 3;
+    const qb_u8* ql = b + 64 * n + 32 * (k & 1) + 2 * c;
+    const qb_u8* qh = b + 128 + 32 * n + 2 * c;
+    const int lshift = 4 * (k >> 1), hshift = 2 * k;
+    // {RN16(d sc0), RN16(d sc1)} (values 0..15 and 16..31): the int8 sc + 128 as bytes, less 1152
+    const unsigned ds = qb_h2_qmul(qb_h2_1024(qb_u16(b + 192 + 8 * n + 2 * k) ^ 0x8080u, 0xFF), 0x64806480u,
+                                   qb_u16(b + 208), 0);
+    for (int i = 0; i < 4; ++i) {   // (1024 + q) - 1056: q - 32
+        const unsigned x = ((qb_u16(ql + 8 * i) >> lshift) & 0x0F0Fu) | (((qb_u16(qh + 8 * i) >> hshift) & 0x0303u) << 4);
+        h[i] = qb_h2_qmul(qb_h2_1024(x, 0x3F), 0x64206420u, ds, i >> 1);
     }
 }
 

@@ -33,6 +33,9 @@ GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
 GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
 GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")   # its 256-row tile (dense_gemm_qw2, <T, 2>): the types whose stages fit
+# its forms, by kernel name: (RM, H) of dense_gemm_qw<T, RM, H> -- RM 128-row halves a tile (2: GEMMQW2_TYPES
+# only), H 1 the half-precision decode (quant_blocks.cuh qb_frag8h) in place of qb_frag8's
+GEMMQW_FORMS = {"dense_gemm_qw": (1, 0), "dense_gemm_qw2": (2, 0), "dense_gemm_qwh": (1, 1), "dense_gemm_qw2h": (2, 1)}
 
 
 def gemm_q8_bn(n_tok: int) -> int:
@@ -58,18 +61,18 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", "dense_gemm_qw", "dense_gemm_qw2")
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", *GEMMQW_FORMS)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, ``dense_gemm_qr``, ``dense_gemm_qw(2)``) for ``n_tok``
+    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, ``dense_gemm_qr``, GEMMQW_FORMS) for ``n_tok``
     tokens; ``bn``: a ``dense_gemm_qs`` / ``dense_gemm_qr`` tile other than gemm_qs_bn's (the
     benchmark's A/B)."""
     if kernel == "dense_gemm_q":
         return GEMMQ_TILE, GEMMQ_BLOCKS_PER_SM, GEMMQ_MIN_SPLIT
-    if kernel in ("dense_gemm_qw", "dense_gemm_qw2"):
-        return (GEMMQW_TILE[0] * (2 if kernel == "dense_gemm_qw2" else 1), *GEMMQW_TILE[1:]), 1, GEMMQ8_MIN_SPLIT
+    if kernel in GEMMQW_FORMS:
+        return (GEMMQW_TILE[0] * GEMMQW_FORMS[kernel][0], *GEMMQW_TILE[1:]), 1, GEMMQ8_MIN_SPLIT
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT

@@ -158,6 +158,11 @@ QWGEMM_MIN_TOKENS: int | None = None
 # Its tile's rows: 128 (dense_gemm_qw), or 256 (dense_gemm_qw2: half the x tile's L2 traffic a
 # product) for the types whose stages fit (kernels.GEMMQW2_TYPES) -- an A/B until measured.
 QWGEMM_ROWS = 128
+# Its decode: qb_frag8's (F32 arithmetic, each value ggml's rounded to F16) or, True, qb_frag8h's
+# (dense_gemm_qwh / qw2h: the integer q an exact half by its bits and one f16 operation a pair
+# with the factors rounded to f16 -- ~3 instructions a value against ~6, the SASS census of the
+# twenty-first session) -- an A/B until measured.
+QWGEMM_HALF = False
 
 
 def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
@@ -180,9 +185,11 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 def gemm_qw_kernel(weight_type: str) -> str:
     """The form of the wgmma block GEMM (path ``gemm-qw``) for a weight of ``weight_type``:
     ``dense_gemm_qw2`` (256-row tiles) where QWGEMM_ROWS is 256 and its stages fit, else
-    ``dense_gemm_qw``."""
+    ``dense_gemm_qw``; with QWGEMM_HALF their half-precision decode (``dense_gemm_qw2h``,
+    ``dense_gemm_qwh``)."""
     from .kernels import GEMMQW2_TYPES
-    return "dense_gemm_qw2" if QWGEMM_ROWS == 256 and weight_type in GEMMQW2_TYPES else "dense_gemm_qw"
+    return ("dense_gemm_qw2" if QWGEMM_ROWS == 256 and weight_type in GEMMQW2_TYPES else "dense_gemm_qw") + \
+        ("h" if QWGEMM_HALF else "")
 
 
 def gemv_q8x_gated_instance(mode: int, weight_type: str) -> bool:

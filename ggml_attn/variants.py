@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from .block_types import BLOCK_TYPES, block_layout
 from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPE_IDS, GEMMQR_TYPES,
-                         GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES)
+                         GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES, GEMMQW_FORMS)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
@@ -414,11 +414,20 @@ def decode_tma_variant(name: str) -> Variant:
 
 def dense_qw_variant(type_id: int) -> Variant:
     """The wgmma tiled block GEMM of one block type of GEMMQR_TYPE_IDS (cuda/dense_qw.cu, sm_90a):
-    ``dense_gemm_qw<T, 1>``, and ``<T, 2>`` (dense_gemm_qw2) for GEMMQW2_TYPES."""
+    ``dense_gemm_qw<T, RM, H>`` of each of GEMMQW_FORMS (RM 2 for GEMMQW2_TYPES only)."""
     if type_id not in GEMMQR_TYPE_IDS:
         raise ValueError(f"dense_gemm_qw decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
-    rms = (1, 2) if type_id in (block_layout(t).type_id for t in GEMMQW2_TYPES) else (1,)
-    return Variant("dense-qw", "dense_qw.cu", tuple(f"dense_gemm_qw<{type_id}, {rm}>" for rm in rms), arch_suffix="a")
+    return Variant("dense-qw", "dense_qw.cu", tuple(dict.fromkeys(
+        qw_instance(type_id, kernel) for kernel in GEMMQW_FORMS if qw_instance(type_id, kernel))), arch_suffix="a")
+
+
+def qw_instance(type_id: int, kernel: str) -> str | None:
+    """The instance of dense_gemm_qw form ``kernel`` (gemm_tiles.GEMMQW_FORMS) for blocks of
+    ``type_id``, None where that form's stages do not fit (RM 2 past GEMMQW2_TYPES)."""
+    rm, h = GEMMQW_FORMS[kernel]
+    if rm == 2 and type_id not in (block_layout(t).type_id for t in GEMMQW2_TYPES):
+        return None
+    return f"dense_gemm_qw<{type_id}, {rm}, {h}>"
 
 
 def hopper_variants() -> list[Variant]:

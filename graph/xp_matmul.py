@@ -393,7 +393,8 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
     ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
     ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
-    256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``) for ``kernels.GEMMQR_TYPES``;
+    forms ``kernels.GEMMQW_FORMS``: the 256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``,
+    the half-precision decode ``dense_gemm_qwh`` / ``dense_gemm_qw2h``) for ``kernels.GEMMQR_TYPES``;
     ``bn`` its tile's tokens other than
     ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
     blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
@@ -408,13 +409,13 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in ("dense_gemm_qw", "dense_gemm_qw2")
+    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in K.GEMMQW_FORMS
     if (staged or qw) and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
     if (kernel == "dense_gemm_qr" or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
         raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
-    if kernel == "dense_gemm_qw2" and w.type not in K.GEMMQW2_TYPES:
-        raise ValueError(f"dense_gemm_qw2: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
+    if qw and K.qw_instance(w.type_id, kernel) is None:
+        raise ValueError(f"{kernel}: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
     grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
     p = K.GemmQParams()
     p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
@@ -425,13 +426,13 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
         fn = K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>")   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
-        fn = K.get_function(K.dense_qw_variant(w.type_id), f"dense_gemm_qw<{w.type_id}, {2 if kernel == 'dense_gemm_qw2' else 1}>")
+        fn = K.get_function(K.dense_qw_variant(w.type_id), K.qw_instance(w.type_id, kernel))
         block = K.GEMMQS_THREADS
     elif kernel == "dense_gemm_q":
         fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
     else:
         raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr, "
-                         "dense_gemm_qw, dense_gemm_qw2)")
+                         f"{', '.join(K.GEMMQW_FORMS)})")
     return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
 

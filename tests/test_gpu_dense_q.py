@@ -24,6 +24,7 @@ from ggml_attn.graph import q8_matmul, xp_matmul
 from ggml_attn.graph.model_device import QMatrix
 from ggml_attn.quant import dequantize_rows, q8_activations, quantize
 from ggml_attn.reference import nmse
+from half_decode import half_values
 
 cupy = pytest.importorskip("cupy")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")]
@@ -229,8 +230,9 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
 
 _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
                for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
-               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None)] if name in K.GEMMQR_TYPES else []) +
-               ([("dense_gemm_qw2", None)] if name in K.GEMMQW2_TYPES else [])]
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None), ("dense_gemm_qwh", None)]
+                if name in K.GEMMQR_TYPES else []) +
+               ([("dense_gemm_qw2", None), ("dense_gemm_qw2h", None)] if name in K.GEMMQW2_TYPES else [])]
 
 
 def _skip_unless_hopper(kernel):
@@ -248,14 +250,17 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
     over the grid (kernels.gemm_q_grid) or not (one 256-value block a row); dense_gemm_q and the
     staged dense_gemm_qs and dense_gemm_qr (its own tile for the tokens, and the narrow 32-token one
     across several column tiles) and dense_gemm_qw (wgmma, 128-token tiles of 128 rows, and of 256:
-    dense_gemm_qw2), all F16 products of ggml's values rounded to F16."""
+    dense_gemm_qw2), all F16 products of ggml's values rounded to F16 -- dense_gemm_qwh / qw2h
+    of the values their half-precision decode gives (tests/half_decode.py)."""
     _skip_unless_hopper(kernel)
     n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn)
     x16 = x.astype(np.float16)
     xp_matmul.gemm_q_launch(w, cupy.asarray(x16), d_out, part, accumulate=accumulate, kernel=kernel, bn=bn)()
     got = d_out.get().astype(np.float64)
     base = init.astype(np.float64) if accumulate else 0.0
-    rounded = base + x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T
+    w16 = half_values(name, w.blocks.get()).reshape(vals.shape) if kernel.endswith("h") else \
+        vals.astype(np.float16).astype(np.float64)
+    rounded = base + x16.astype(np.float64) @ w16.T
     exact = base + x16.astype(np.float64) @ vals.T
     assert np.isfinite(got).all()
     assert nmse(got, rounded) <= 1e-6 and nmse(got, exact) <= 1e-5, (nmse(got, rounded), nmse(got, exact), grid)
@@ -282,8 +287,8 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn):
         np.testing.assert_allclose(qr, qs, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("name, qw", [(t, k) for t in K.GEMMQR_TYPES for k in ("dense_gemm_qw", "dense_gemm_qw2")
-                                      if k == "dense_gemm_qw" or t in K.GEMMQW2_TYPES])
+@pytest.mark.parametrize("name, qw", [(t, k) for t in K.GEMMQR_TYPES for k in K.GEMMQW_FORMS
+                                      if K.qw_instance(block_layout(t).type_id, k)])
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(512, 16, 4096), (512, 16, 1024), (129, 8, 300), (7, 2, 130)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_qw_matches_gemm_qr(name, qw, n_tok, n_in_blocks, rows, accumulate):
@@ -292,21 +297,29 @@ def test_gemm_qw_matches_gemm_qr(name, qw, n_tok, n_in_blocks, rows, accumulate)
     a k16 step's products in its own order), at an 8B-shaped prefill (512 tokens, 4096 rows, n_in
     4096) unsplit and at 1024 rows split over n_in (kernels.gemm_q_grid), a second token tile of one
     token, a call of fewer tokens than a tile; and within the float64 bound
-    of the F16-rounded product. The poisoned output and partial sums are all written."""
+    of the F16-rounded product. The poisoned output and partial sums are all written. The
+    half-precision forms (dense_gemm_qwh / qw2h) multiply their own values (tests/half_decode.py):
+    within F32 roundings of the float64 product of those, and within the issue's bound of ggml's."""
     _skip_unless_hopper("dense_gemm_qw")
     outs = {}
-    for kernel in ("dense_gemm_qr", "dense_gemm_qw"):
+    for kernel in ("dense_gemm_qr", qw):
         n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel)
-        if kernel == "dense_gemm_qw" and rows == 1024:   # 32 tiles: split over n_in to fill the GPU
+        if kernel != "dense_gemm_qr" and rows == 1024 and K.GEMMQW_FORMS[kernel][0] == 1:   # 32 tiles: split over n_in
             assert grid[2] > 1, grid
         xp_matmul.gemm_q_launch(w, cupy.asarray(x.astype(np.float16)), d_out, part, accumulate=accumulate,
                                 kernel=kernel)()
         outs[kernel] = d_out.get()
     qr, got = outs["dense_gemm_qr"], outs[qw]
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, qr, rtol=1e-4, atol=1e-4 * float(np.abs(qr).max()))
     base = init.astype(np.float64) if accumulate else 0.0
-    rounded = base + x.astype(np.float16).astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T
+    x16 = x.astype(np.float16).astype(np.float64)
+    rounded = base + x16 @ vals.astype(np.float16).astype(np.float64).T
+    if K.GEMMQW_FORMS[qw][1]:   # (its own values: F32 roundings apart; ggml's: the weights' NMSE ~2e-7)
+        own = base + x16 @ half_values(name, w.blocks.get()).reshape(vals.shape).T
+        np.testing.assert_allclose(got, own, rtol=1e-4, atol=1e-4 * float(np.abs(own).max()))
+        assert nmse(got.astype(np.float64), own) <= 1e-9 and nmse(got.astype(np.float64), rounded) <= 1e-6
+        return
+    np.testing.assert_allclose(got, qr, rtol=1e-4, atol=1e-4 * float(np.abs(qr).max()))
     assert nmse(got.astype(np.float64), rounded) <= 1e-6
 
 

@@ -313,7 +313,7 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
-    if base == "dense_gemm_qw":   # <T, RM>: the stages' x tiles and staged rows
+    if base == "dense_gemm_qw":   # <T, RM, H>: the stages' x tiles and staged rows
         return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * {a[1]} * QwTile<{a[0]}, {a[1]}>::SLOT)"
     if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI 1 stages in Q's f32 space
         return "fattn_wgmma.cu", f"ws::smem_bytes<{a[1]}, {a[2]}, {a[6]}, {'true' if a[8] == '1' else 'false'}>()"
@@ -425,9 +425,19 @@ def test_gemm_qw_tile_mirror_matches_c():
     # the 256-row tile (dense_gemm_qw2) for exactly the types whose two stages fit a block
     checks += [(f"QwTile<{block_layout(t).type_id}, 2>::FITS", "true" if t in K.GEMMQW2_TYPES else "false", t)
                for t in K.GEMMQR_TYPES]
+    # the half-precision decode (its forms dense_gemm_qwh / qw2h) for the same types
+    checks += [(f"QbFragH<{block_layout(t).type_id}>::OK", "true" if t in K.GEMMQR_TYPES else "false", t)
+               for t in BLOCK_TYPES]
     _static_asserts("dense_qw.cu", checks, K.HOPPER_ARCH)
-    assert K.gemm_tiling("dense_gemm_qw", 512) == (K.GEMMQW_TILE, 1, K.GEMMQ8_MIN_SPLIT)
+    assert K.gemm_tiling("dense_gemm_qw", 512) == K.gemm_tiling("dense_gemm_qwh", 512) == \
+        (K.GEMMQW_TILE, 1, K.GEMMQ8_MIN_SPLIT)
+    assert K.gemm_tiling("dense_gemm_qw2", 512) == K.gemm_tiling("dense_gemm_qw2h", 512)
     assert K.gemm_tiling("dense_gemm_qw2", 512)[0] == (2 * K.GEMMQW_TILE[0], *K.GEMMQW_TILE[1:])
+    # every form's instance, where its stages fit, in the type's program
+    for t in K.GEMMQR_TYPES:
+        tid = block_layout(t).type_id
+        want = [f"dense_gemm_qw<{tid}, {rm}, {h}>" for rm in (1, 2) for h in (0, 1) if rm == 1 or t in K.GEMMQW2_TYPES]
+        assert sorted(K.dense_qw_variant(tid).names) == sorted(want)
 
 
 def test_split_count_fills_whole_waves():

@@ -14,6 +14,7 @@ import pytest
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
 from ggml_attn.quant import dequantize_rows, quantize
 from ggml_attn.variants import Q8XV_TYPES
+from half_decode import half_values
 
 CUDA = Path(__file__).resolve().parents[1] / "cuda"
 
@@ -162,6 +163,35 @@ extern "C" int qb_frag_row(int type, const qb_u8* r, int n, float* out) {
     return -1;
 }
 
+// the row through qb_frag8h (dense_gemm_qw's half-precision decode), its halves as float; 0 for a
+// type without it
+template <int T> static int frag_row_h(const qb_u8* r, int n, float* out) {
+    if constexpr (!QbFragH<T>::OK) {
+        return 0;
+    } else {
+        constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
+        for (int b = 0; b < n / V; ++b)
+            for (int s = 0; s < V / 32; ++s)
+                for (int c = 0; c < 4; ++c) {
+                    unsigned h[4];
+                    qb_frag8h<T>(r + (long)b * B, s, c, h);
+                    for (int i = 0; i < 8; ++i)
+                        out[(long)b * V + 32 * s + 2 * c + (i & 1) + 8 * (i >> 1)] =
+                            (float)qb_h16_value((h[i >> 1] >> (16 * (i & 1))) & 0xFFFFu);
+                }
+        return 1;
+    }
+}
+
+#define HCASE(T) case T: return frag_row_h<T>(r, n, out);
+extern "C" int qb_frag_row_h(int type, const qb_u8* r, int n, float* out) {
+    switch (type) {
+        HCASE(QB_Q4_0) HCASE(QB_Q4_1) HCASE(QB_Q5_0) HCASE(QB_Q5_1) HCASE(QB_Q8_0)
+        HCASE(QB_Q2_K) HCASE(QB_Q3_K) HCASE(QB_Q4_K) HCASE(QB_Q5_K) HCASE(QB_Q6_K)
+    }
+    return -1;
+}
+
 #define CASE(T) case T: if (out) row<T>(r, n, out); return QBlock<T>::BYTES * 1000 + QBlock<T>::VALUES;
 extern "C" int qb_row(int type, const qb_u8* r, int n, float* out) {
     switch (type) {
@@ -188,6 +218,7 @@ def lib(tmp_path_factory):
     out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     out.qb_dot_row_q8.restype = ctypes.c_double
     out.qb_frag_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    out.qb_frag_row_h.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return out
 
 
@@ -252,6 +283,46 @@ def test_fragment_decode_gives_the_sub_blocks_values_bit_for_bit(lib, name):
         assert ok == 1
         want = _decode(lib, lay.type_id, raw, n)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_half_fragment_decode_is_one_f16_rounding_of_rounded_factors(lib, name):
+    """qb_frag8h (dense_gemm_qw's half-precision decode): the four lanes of a quad together give
+    every value of each sub-block, each exactly the f16 that numpy's reading of the block gives
+    (q times the factors rounded to f16, rounded once) -- random bytes with extreme and subnormal
+    scales (infinities and NaN where a factor overflows f16, as the device's), and blocks ggml
+    quantized; there the values are qb_frag8's rounded to f16 (Q4_0, Q8_0: bit for bit; the
+    others within the factors' rounding: 1.5 f16 ulp of the block's largest value, and a mean
+    square error against ggml's values within 8x F16's own)."""
+    lay = block_layout(name)
+    rng = np.random.default_rng(lay.type_id + 200)
+    for real, raw in ((False, _random_blocks(name, 64, seed=lay.type_id + 9)),
+                      (True, quantize(rng.standard_normal((4, 4 * lay.values)).astype(np.float32) * 3,
+                                      lay.type_id).reshape(-1))):
+        n = raw.size // lay.nbytes * lay.values
+        got = np.full(n, -1.0, np.float32)
+        ok = lib.qb_frag_row_h(lay.type_id, raw.ctypes.data, n, got.ctypes.data)
+        if name not in FRAG_TYPES:
+            assert ok == 0
+            return
+        assert ok == 1
+        want = half_values(name, raw)
+        assert np.array_equal(got.astype(np.float64), want, equal_nan=True)
+        num = ~np.isnan(want)   # (zeros' signs too; a NaN's sign is no value's)
+        assert np.array_equal(np.signbit(got[num]), np.signbit(want[num]))
+        if real:
+            f32 = _decode(lib, lay.type_id, raw, n).astype(np.float16).astype(np.float64)
+            if name in ("Q4_0", "Q8_0"):
+                assert np.array_equal(got, f32)
+            else:
+                big = np.repeat(np.abs(f32).reshape(-1, lay.values).max(axis=1), lay.values)
+                ulp = np.ldexp(1.0, np.frexp(big)[1] - 11)
+                assert np.all(np.abs(got - f32) <= 1.5 * ulp)
+                # the mean square error against ggml's values: within 8x of F16's own rounding (5.2x Q4_K,
+                # 4.8x Q5_K: the min term dmin m rounded to f16; 1.7x Q6_K) -- a weight NMSE of ~2e-7
+                exact = _decode(lib, lay.type_id, raw, n).astype(np.float64)
+                err, err16 = np.mean((got - exact) ** 2), np.mean((f32 - exact) ** 2)
+                assert err <= 8 * err16, (err, err16)
 
 
 def test_layouts_are_ggml_sizes(lib):

@@ -628,7 +628,7 @@ def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate)
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and not any(n.startswith("dense_dequant") for n in names)
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qw<{w.type_id}, 1>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qw<{w.type_id}, 1, 0>" for w in ws]
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], 512, 4096, 132, "dense_gemm_qw")
         assert ln.grid == grid and grid[:2] == (w.shape[0] // 128, 4) and ln.block == (256, 1, 1)
@@ -647,10 +647,20 @@ def test_gemm_qw_path_on_sm90_from_its_tokens(launches, monkeypatch, accumulate)
     launches.clear()
     xp_matmul._qmatmuls(Builder(), ws, x, outs, accumulate=accumulate)
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == ["dense_gemm_qw<12, 2>", "dense_gemm_qw<14, 1>"]
+    assert [ln.fn.name for ln in gemms] == ["dense_gemm_qw<12, 2, 0>", "dense_gemm_qw<14, 1, 0>"]
     assert gemms[0].grid[:2] == (16, 4) and gemms[0].grid == K.gemm_q_grid(4096, 512, 4096, 132, "dense_gemm_qw2")[0]
     with pytest.raises(ValueError, match="do not fit"):
         xp_matmul.gemm_q_launch(ws[1], x, outs[1], None, kernel="dense_gemm_qw2")
+    # the half-precision decode (matmul_dispatch.QWGEMM_HALF, an A/B): the same tiles and grids
+    monkeypatch.setattr(md, "QWGEMM_HALF", True)
+    launches.clear()
+    xp_matmul._qmatmuls(Builder(), ws, x, outs, accumulate=accumulate)
+    half = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
+    assert [ln.fn.name for ln in half] == ["dense_gemm_qw<12, 2, 1>", "dense_gemm_qw<14, 1, 1>"]
+    assert [ln.grid for ln in half] == [ln.grid for ln in gemms]
+    assert [md.gemm_qw_kernel(t) for t in ("Q4_K", "Q6_K")] == ["dense_gemm_qw2h", "dense_gemm_qwh"]
+    with pytest.raises(ValueError, match="do not fit"):
+        xp_matmul.gemm_q_launch(ws[1], x, outs[1], None, kernel="dense_gemm_qw2h")
 
 
 @pytest.mark.parametrize("n_sm, splits", [(132, 4), (1, 1)])

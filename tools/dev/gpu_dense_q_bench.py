@@ -242,10 +242,11 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
 def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, floor, rows, log):
     """Type ``t``'s tiled GEMMs at ``tokens``: dense_gemm_q, dense_gemm_qs and (its types)
     dense_gemm_qr (each its tile for the tokens, and each tile alone) and, on an sm_90 GPU,
-    dense_gemm_qw (and its 256-row tile, dense_gemm_qw2, where it fits), dense_gemm_q8 (its activations' quantization included), and dequantize +
+    dense_gemm_qw (its forms: the 256-row tile where it fits, the half-precision decode), dense_gemm_q8 (its activations' quantization included), and dequantize +
     cuBLAS, the path past the tiled GEMMs' tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``,
     ``QRGEMM_MAX_TOKENS``: the crossovers' other side), and cuBLAS alone on the F16 matrices (the
     F16 file's GEMMs)."""
+    from ggml_attn.block_types import block_layout
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
     for n in tokens:
@@ -259,9 +260,10 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
-            if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program), its 128- and 256-row tiles
+            if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
+                tid = block_layout(t).type_id
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
-                          for k in ("dense_gemm_qw", "dense_gemm_qw2")[:2 if t in K.GEMMQW2_TYPES else 1]]
+                          for k in K.GEMMQW_FORMS if K.qw_instance(tid, k)]
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
                   ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16)),
                   ("cublas f16", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16, dequant=False))]

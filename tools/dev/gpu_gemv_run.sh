@@ -22,7 +22,8 @@
 #   6. (--qw) the wgmma block GEMM (cuda/dense_qw.cu, sm_90): its GPU tests (-k qw) -> $OUT/logs/tests_qw.log,
 #      memcheck / racecheck (gpu_sanitize_case.py --dense-qw), one 8B layer at 512 / 128 / 256
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
-#      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 (knob_ab) -> $OUT/ab_pp512.json
+#      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
+#      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
 # Steps in the order 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
 #   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--rounds 2]
@@ -70,6 +71,8 @@ if [ $QW = 1 ]; then
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
       --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256" \
+      --variant "qwh:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_HALF=True" \
+      --variant "qw2h:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256,matmul_dispatch.QWGEMM_HALF=True" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -6 || status=1
   say
 fi

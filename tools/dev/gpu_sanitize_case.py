@@ -563,10 +563,11 @@ def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
 
 
 def _dense_qw(cp, rng) -> int:
-    """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw (and its 256-row tile,
-    dense_gemm_qw2, where it fits) over 300 rows (a partial row tile) at 138 tokens (a second token
-    tile of 10), n_in 2048 split in two k chunks (partial sums, dense_splitk_sum), against float64
-    of its F16-rounded operands (:func:`_staged_gemm_ok`). Failures."""
+    """cuda/dense_qw.cu (sm_90a) on each type it reads: dense_gemm_qw's forms (kernels.GEMMQW_FORMS:
+    its 256-row tile where it fits, the half-precision decode) over 300 rows (a partial row tile) at
+    138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial sums,
+    dense_splitk_sum), against float64 of its F16-rounded operands (:func:`_staged_gemm_ok`: the
+    half forms' values within NMSE 1e-6 of those). Failures."""
     from ggml_attn import kernels as K
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph.model_device import QMatrix
@@ -579,7 +580,7 @@ def _dense_qw(cp, rng) -> int:
         vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
         x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
         w = QMatrix(name, (rows, n_in), cp.asarray(q))
-        for kernel in ("dense_gemm_qw", "dense_gemm_qw2")[:2 if name in K.GEMMQW2_TYPES else 1]:
+        for kernel in (k for k in K.GEMMQW_FORMS if K.qw_instance(lay.type_id, k)):
             bad += not _staged_gemm_ok(cp, kernel, w, vals, x16)
     return bad
 
