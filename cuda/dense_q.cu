@@ -15,7 +15,8 @@
 //                          staged by cp.async (rows of whole 16-byte units), decoded from shared
 //                          memory (below);
 //   dense_gemm_qr<T, BN>   dense_gemm_qs with the weights decoded straight into the tensor cores'
-//                          fragments (the types of quant_blocks.cuh's QbFrag);
+//                          fragments (the types of quant_blocks.cuh's QbFrag); dense_gemm_qrh<T, BN>
+//                          the same with the half-precision decode (qb_frag8h);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens);
@@ -428,13 +429,14 @@ __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-template <int T, int BN>
-__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
+// H 1 (dense_gemm_qrh): the half-precision decode (quant_blocks.cuh qb_frag8h: ~3 instructions a
+// value against qb_frag8's ~6, values within the factors' f16 rounding -- not dense_gemm_qs's bits).
+template <int T, int BN, int H>
+__device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_smem) {
     using TL = QrTile<T, BN>;
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
+    static_assert(QbFrag<T>::OK && (!H || QbFragH<T>::OK), "a type with a fragment decode (qb_frag8, qb_frag8h)");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
-    extern __shared__ __align__(16) unsigned char qr_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
     float acc[1][NI][4];
 #pragma unroll
@@ -469,13 +471,20 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
 #pragma unroll
         for (int j = 0; j < QS_BK / 32; ++j) {   // the step's sub-blocks: two 16-value k steps each
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
-            float v0[8], v1[8];
-            qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
-            qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+            unsigned f0[4], f1[4];   // the packed pairs 2 i + {0, 1} of the rows' eight values (qb_frag8h's order)
+            if constexpr (H) {
+                qb_frag8h<T>(w0 + (j / S) * B, j % S, c, f0);
+                qb_frag8h<T>(w1 + (j / S) * B, j % S, c, f1);
+            } else {
+                float v0[8], v1[8];
+                qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
+                qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) f0[i] = qr_pack(v0[2 * i], v0[2 * i + 1]), f1[i] = qr_pack(v1[2 * i], v1[2 * i + 1]);
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned a[4] = {qr_pack(v0[4 * h], v0[4 * h + 1]), qr_pack(v1[4 * h], v1[4 * h + 1]),
-                                       qr_pack(v0[4 * h + 2], v0[4 * h + 3]), qr_pack(v1[4 * h + 2], v1[4 * h + 3])};
+                const unsigned a[4] = {f0[2 * h], f1[2 * h], f0[2 * h + 1], f1[2 * h + 1]};
                 const int kk = 32 * j + 16 * h;
 #pragma unroll
                 for (int n = 0; n < NI; n += 2) {
@@ -493,6 +502,18 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
     }
     gemm_warp_store<1, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                            gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + 16 * warp, n0);
+}
+
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
+    extern __shared__ __align__(16) unsigned char qr_smem[];
+    qr_body<T, BN, 0>(p, qr_smem);
+}
+
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qrh(const GemmQParams p) {
+    extern __shared__ __align__(16) unsigned char qr_smem[];
+    qr_body<T, BN, 1>(p, qr_smem);
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n
@@ -549,3 +570,5 @@ template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
 template <int T, int BN>
 __device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;
+template <int T, int BN>
+__device__ const int dense_gemm_qrh_smem = QrTile<T, BN>::SMEM;

@@ -313,10 +313,6 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     return run
 
 
-_TILED = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
-          "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}   # path: kernel
-
-
 def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
@@ -337,7 +333,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import best_matmul, gemm_qw_kernel  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, tiled_kernel  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
@@ -358,8 +354,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         steps.append(quant)
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
-        if path in _TILED:
-            kernel = gemm_qw_kernel(w.type) if path == "gemm-qw" else _TILED[path]   # (its 128- or 256-row tile)
+        if path in TILED_PATHS:
+            kernel = tiled_kernel(path, w.type)
             grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), kernel)
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
             steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
@@ -391,7 +387,8 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                   bn: int | None = None):
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
     by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
-    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
+    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned (and
+    ``dense_gemm_qrh``, dense_gemm_qr's half-precision decode):
     ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
     forms ``kernels.GEMMQW_FORMS``: the 256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``,
     the half-precision decode ``dense_gemm_qwh`` / ``dense_gemm_qw2h``) for ``kernels.GEMMQR_TYPES``;
@@ -409,10 +406,10 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in K.GEMMQW_FORMS
+    staged, qw = kernel in ("dense_gemm_qs", *K.GEMMQR_FORMS), kernel in K.GEMMQW_FORMS
     if (staged or qw) and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    if (kernel == "dense_gemm_qr" or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
+    if (kernel in K.GEMMQR_FORMS or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
         raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
     if qw and K.qw_instance(w.type_id, kernel) is None:
         raise ValueError(f"{kernel}: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
