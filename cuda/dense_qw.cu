@@ -15,12 +15,11 @@
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
 #include "hopper_common.cuh"   // wgmma (A in registers), descriptors, core-matrix layout, cp.async
-#include "staged_rows.cuh"
 
 // Block tile: QW_BM x RM weight rows (two consumer warpgroups of 64 x RM: warpgroup g's row half h
 // is rows 64 (RM g + h) of the tile, warp w's 16-row slice of it 16 (w % 4) further, the m16 A
 // fragment of the warpgroup's m64) x QW_BN tokens x QW_BK values a step; QW_STAGES stages of
-// the raw weight rows (stage_weight_rows' SLOT bytes a row) and the x tile, the latter as
+// the raw weight rows (SLOT bytes a row, as staged_rows.cuh's stage_weight_rows places them) and the x tile, the latter as
 // K-major core matrices (hopper_common.cuh core_matrix_index, kt = QW_BK): [token / 8][k / 8]
 // [token % 8][k % 8], so a k16 step's B descriptor starts 256 bytes further. RM = 2 reads each
 // x tile for twice the rows (half the x tile's L2 traffic a product) where its stages fit.
@@ -45,25 +44,65 @@ template <int T, int RM> struct QwTile {
     static_assert(QW_BM == 16 * QW_THREADS / 32, "a warp a 16-row slice of each row half");
 };
 
-// Step k0's copies into stage st: the tile's rows' RB bytes from m0 (zeros past the rows or a
-// row's end) and x's tokens n0 .. n0 + QW_BN at values k0 .. k0 + QW_BK (zeros past n_tok or
-// n_in): thread i copies 16-byte unit c = (i / 8) % 32 of tokens 8 j + i % 8 (j < 16), so a warp
-// reads 64 contiguous bytes of 8 tokens and writes 512 contiguous bytes (4 core matrices); one
-// commit group.
+// A thread's copies of every step, fixed before the first (the step only moves them along k):
+// its weight rows r + 128 q (q < RM; two threads a row: units h, h + 2, ... of the row's run, the
+// pair reading 32 contiguous bytes, each unit at the same place of every step's run, so a copy is
+// one cp.async at constant offsets) and its x column: 16-byte unit c = (i / 8) % 32 of tokens
+// 8 j + i % 8 (j < 16), so a warp reads 64 contiguous bytes of 8 tokens and writes 512
+// contiguous bytes (4 core matrices).
 template <int T, int RM>
-__device__ __forceinline__ void qw_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0) {
+struct QwCopies {
     using TL = QwTile<T, RM>;
-    const unsigned sx = smem_u32(st);
-    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, TL::BM, QW_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QW_BK,
-                                                                       sx + TL::X_BYTES);
-    const int tl = threadIdx.x & 7, c = (threadIdx.x >> 3) & 31, k = k0 + 8 * c;
-    const bool kin = k < p.n_in;   // (n_in a multiple of 32: a unit is all in or out)
+    static constexpr int PASS = QW_THREADS / 2;                // rows a pass of the block's threads
+    static constexpr int NU = (TL::UNITS + 1) / 2;             // units a thread a row a step
+    static_assert(TL::BM == PASS * RM, "RM passes of two threads a row");
+    const unsigned char* w[RM];   // the rows' first bytes (p.w where a row is past p.rows)
+    const __half* x;              // token n0 + i % 8's values from 8 c
+    unsigned sw, sx;              // the first row's unit h in a stage, the column's first core-matrix row
+    int h, ntok;                  // the first unit; tokens left from n0 + i % 8 (x rows 8 j with 8 j < ntok)
+    bool row_ok[RM];
+    __device__ __forceinline__ QwCopies(const GemmQParams& p, int m0, int n0) {
+        const int r = threadIdx.x / 2, tl = threadIdx.x & 7, c = (threadIdx.x >> 3) & 31;
+        h = threadIdx.x % 2;
+#pragma unroll
+        for (int q = 0; q < RM; ++q) {
+            row_ok[q] = m0 + r + PASS * q < p.rows;
+            w[q] = row_ok[q] ? p.w + (long long)(m0 + r + PASS * q) * p.row_bytes : p.w;
+        }
+        sw = TL::X_BYTES + r * TL::SLOT + 16 * h;
+        sx = 2 * core_matrix_index(tl, 8 * c, QW_BK);   // (token 8 j + tl: 2 * 64 * QW_BK / 8 bytes a j further)
+        ntok = p.n_tok - n0 - tl;
+        x = p.x + (long long)(n0 + tl) * p.n_in + 8 * c;
+    }
+};
+
+// Step k0's copies into stage st (its shared address): the tile's rows' RB bytes from m0 (zeros
+// past the rows or a row's end: the run from the 16-byte unit below its start, as
+// staged_rows.cuh's stage_weight_rows places it) and x's tokens n0 .. n0 + QW_BN at values k0 ..
+// k0 + QW_BK (zeros past n_tok or n_in); one commit group. A copy outside the operands reads
+// nothing (source size 0: zeros) -- its address, past them, is never dereferenced, so no select.
+template <int T, int RM>
+__device__ __forceinline__ void qw_stage(const GemmQParams& p, const QwCopies<T, RM>& cp, unsigned st, int k0) {
+    using TL = QwTile<T, RM>;
+    using CP = QwCopies<T, RM>;
+    const int a0 = ((k0 / QW_BK) * TL::RB) & ~15;   // the run's first unit in the row
+#pragma unroll
+    for (int q = 0; q < RM; ++q)
+#pragma unroll
+        for (int j = 0; j < CP::NU; ++j) {
+            const int u = cp.h + 2 * j;   // (an odd UNITS: the last j of the even threads only)
+            if (TL::UNITS % 2 == 0 || u < TL::UNITS) {
+                const bool ok = cp.row_ok[q] && a0 + 16 * u < p.row_bytes;
+                cp_async16(st + cp.sw + CP::PASS * q * TL::SLOT + 32 * j, cp.w[q] + a0 + 16 * u, ok ? 16 : 0);
+            }
+        }
+    const bool kin = k0 + 8 * ((threadIdx.x >> 3) & 31) < p.n_in;   // (n_in a multiple of 32: a unit all in or out)
+    const __half* xk = cp.x + k0;
+    const long long xs = 8LL * p.n_in;
 #pragma unroll
     for (int j = 0; j < QW_BN / 8; ++j) {
-        const int t = 8 * j + tl;
-        const bool ok = kin && n0 + t < p.n_tok;
-        cp_async16(sx + 2 * core_matrix_index(t, 8 * c, QW_BK), ok ? p.x + (long long)(n0 + t) * p.n_in + k : p.x,
-                   ok ? 16 : 0);
+        const bool ok = kin && 8 * j < cp.ntok;
+        cp_async16(st + cp.sx + 2 * 64 * (QW_BK / 8) * j, xk + j * xs, ok ? 16 : 0);   // (8 tokens further)
     }
     cp_async_commit();
 }
@@ -129,9 +168,11 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QW_BK - 1) / QW_BK : 0;
     const int wr = 64 * RM * (warp >> 2) + 16 * (warp & 3);   // the warp's slice of row half 0
     const int r0 = wr + (lane >> 2);                         // the lane's rows: r0 (+ 64 h) and + 8
+    const QwCopies<T, RM> copies(p, m0, n0);
+    const unsigned s0 = smem_u32(qw_smem);
 #pragma unroll
     for (int s = 0; s < QW_STAGES - 1; ++s) {
-        if (s < n_steps) qw_stage<T, RM>(p, qw_smem + s * TL::STAGE, m0, n0, k_begin + s * QW_BK);
+        if (s < n_steps) qw_stage<T, RM>(p, copies, s0 + s * TL::STAGE, k_begin + s * QW_BK);
         else cp_async_commit();
     }
     unsigned a[2][RM][2][4] = {};
@@ -141,7 +182,7 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         __syncthreads();
         {
             const int ns = s + QW_STAGES - 1;
-            if (ns < n_steps) qw_stage<T, RM>(p, qw_smem + (ns % QW_STAGES) * TL::STAGE, m0, n0, k_begin + ns * QW_BK);
+            if (ns < n_steps) qw_stage<T, RM>(p, copies, s0 + (ns % QW_STAGES) * TL::STAGE, k_begin + ns * QW_BK);
             else cp_async_commit();
         }
         unsigned char* st = qw_smem + (s % QW_STAGES) * TL::STAGE;
