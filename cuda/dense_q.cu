@@ -424,6 +424,40 @@ template <int T, int BN> struct QrTile {
     static_assert(QR_BM == 16 * QS_WARPS, "a warp a 16-row slice");
 };
 
+// dense_gemm_qrh's copies, fixed before its first step (the step only moves them along k): the
+// rows' units (staged_rows.cuh StagedRowCopies) and x's 16-byte unit c = i % 32 of tokens i / 32 +
+// 8 j (qs_stage's places); copies past n_tok or n_in read nothing (source size 0).
+template <int T, int BN, int H>
+struct QrCopies {   // (H 0: none -- dense_gemm_qr keeps qs_stage's copies, as measured)
+    __device__ __forceinline__ QrCopies(const GemmQParams&, int, int) {}
+};
+
+template <int T, int BN>
+struct QrCopies<T, BN, 1> {
+    using TL = QrTile<T, BN>;
+    StagedRowCopies<TL::RB, TL::UNITS, TL::SLOT, QR_BM, QS_THREADS> rows;
+    const __half* x;   // token n0 + i / 32's values from 8 c
+    unsigned sx;       // its place in the x tile
+    int ntok;          // tokens left from n0 + i / 32
+    __device__ __forceinline__ QrCopies(const GemmQParams& p, int m0, int n0) : rows(p.w, p.row_bytes, p.rows, m0) {
+        const int t = threadIdx.x >> 5, c = threadIdx.x & 31;
+        sx = TL::W_BYTES + t * (2 * QS_LD) + 16 * c;
+        ntok = p.n_tok - n0 - t;
+        x = p.x + (long long)(n0 + t) * p.n_in + 8 * c;
+    }
+    __device__ __forceinline__ void stage(const GemmQParams& p, unsigned st, int k0, int n_cp) const {
+        rows.copy(st, k0 / QS_BK, p.row_bytes);
+        const bool kin = k0 + 8 * (threadIdx.x & 31) < p.n_in;
+        const __half* xk = x + k0;
+        const long long xs = 8LL * p.n_in;
+#pragma unroll
+        for (int j = 0; j < BN * 32 / QS_THREADS; ++j)
+            if (8 * j + (threadIdx.x >> 5) < n_cp)   // (the 8-token tiles that run)
+                cp_async16(st + sx + 8 * j * (2 * QS_LD), xk + j * xs, kin && 8 * j < ntok ? 16 : 0);
+        cp_async_commit();
+    }
+};
+
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
@@ -448,19 +482,30 @@ __device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 of the tile
+    const QrCopies<T, BN, H> copies(p, m0, n0);   // (H 1: the copies planned once)
 #pragma unroll
     for (int s = 0; s < QS_STAGES - 1; ++s) {
-        if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
-        else cp_async_commit();
+        if constexpr (H) {
+            if (s < n_steps) copies.stage(p, smem_u32(qr_smem + s * TL::STAGE), k_begin + s * QS_BK, n_cp);
+            else cp_async_commit();
+        } else {
+            if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
+            else cp_async_commit();
+        }
     }
     for (int s = 0; s < n_steps; ++s) {
         cp_async_wait<QS_STAGES - 2>();
         __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
         {
             const int ns = s + QS_STAGES - 1;
-            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
-                                                         k_begin + ns * QS_BK, n_cp);
-            else cp_async_commit();
+            if constexpr (H) {
+                if (ns < n_steps) copies.stage(p, smem_u32(qr_smem + (ns % QS_STAGES) * TL::STAGE), k_begin + ns * QS_BK, n_cp);
+                else cp_async_commit();
+            } else {
+                if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
+                                                             k_begin + ns * QS_BK, n_cp);
+                else cp_async_commit();
+            }
         }
         const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
         const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);

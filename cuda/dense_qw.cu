@@ -15,11 +15,12 @@
 #include "quant_blocks.cuh"
 #include "dense_common.cuh"
 #include "hopper_common.cuh"   // wgmma (A in registers), descriptors, core-matrix layout, cp.async
+#include "staged_rows.cuh"     // StagedRowCopies
 
 // Block tile: QW_BM x RM weight rows (two consumer warpgroups of 64 x RM: warpgroup g's row half h
 // is rows 64 (RM g + h) of the tile, warp w's 16-row slice of it 16 (w % 4) further, the m16 A
 // fragment of the warpgroup's m64) x QW_BN tokens x QW_BK values a step; QW_STAGES stages of
-// the raw weight rows (SLOT bytes a row, as staged_rows.cuh's stage_weight_rows places them) and the x tile, the latter as
+// the raw weight rows (SLOT bytes a row, staged_rows.cuh's layout) and the x tile, the latter as
 // K-major core matrices (hopper_common.cuh core_matrix_index, kt = QW_BK): [token / 8][k / 8]
 // [token % 8][k % 8], so a k16 step's B descriptor starts 256 bytes further. RM = 2 reads each
 // x tile for twice the rows (half the x tile's L2 traffic a product) where its stages fit.
@@ -45,31 +46,18 @@ template <int T, int RM> struct QwTile {
 };
 
 // A thread's copies of every step, fixed before the first (the step only moves them along k):
-// its weight rows r + 128 q (q < RM; two threads a row: units h, h + 2, ... of the row's run, the
-// pair reading 32 contiguous bytes, each unit at the same place of every step's run, so a copy is
-// one cp.async at constant offsets) and its x column: 16-byte unit c = (i / 8) % 32 of tokens
-// 8 j + i % 8 (j < 16), so a warp reads 64 contiguous bytes of 8 tokens and writes 512
-// contiguous bytes (4 core matrices).
+// its weight rows' units (staged_rows.cuh StagedRowCopies) and its x column: 16-byte unit c =
+// (i / 8) % 32 of tokens 8 j + i % 8 (j < 16), so a warp reads 64 contiguous bytes of 8 tokens
+// and writes 512 contiguous bytes (4 core matrices).
 template <int T, int RM>
 struct QwCopies {
     using TL = QwTile<T, RM>;
-    static constexpr int PASS = QW_THREADS / 2;                // rows a pass of the block's threads
-    static constexpr int NU = (TL::UNITS + 1) / 2;             // units a thread a row a step
-    static_assert(TL::BM == PASS * RM, "RM passes of two threads a row");
-    const unsigned char* w[RM];   // the rows' first bytes (p.w where a row is past p.rows)
-    const __half* x;              // token n0 + i % 8's values from 8 c
-    unsigned sw, sx;              // the first row's unit h in a stage, the column's first core-matrix row
-    int h, ntok;                  // the first unit; tokens left from n0 + i % 8 (x rows 8 j with 8 j < ntok)
-    bool row_ok[RM];
-    __device__ __forceinline__ QwCopies(const GemmQParams& p, int m0, int n0) {
-        const int r = threadIdx.x / 2, tl = threadIdx.x & 7, c = (threadIdx.x >> 3) & 31;
-        h = threadIdx.x % 2;
-#pragma unroll
-        for (int q = 0; q < RM; ++q) {
-            row_ok[q] = m0 + r + PASS * q < p.rows;
-            w[q] = row_ok[q] ? p.w + (long long)(m0 + r + PASS * q) * p.row_bytes : p.w;
-        }
-        sw = TL::X_BYTES + r * TL::SLOT + 16 * h;
+    StagedRowCopies<TL::RB, TL::UNITS, TL::SLOT, TL::BM, QW_THREADS> rows;
+    const __half* x;   // token n0 + i % 8's values from 8 c
+    unsigned sx;       // the column's first core-matrix row in the x tile
+    int ntok;          // tokens left from n0 + i % 8 (x rows 8 j with 8 j < ntok)
+    __device__ __forceinline__ QwCopies(const GemmQParams& p, int m0, int n0) : rows(p.w, p.row_bytes, p.rows, m0) {
+        const int tl = threadIdx.x & 7, c = (threadIdx.x >> 3) & 31;
         sx = 2 * core_matrix_index(tl, 8 * c, QW_BK);   // (token 8 j + tl: 2 * 64 * QW_BK / 8 bytes a j further)
         ntok = p.n_tok - n0 - tl;
         x = p.x + (long long)(n0 + tl) * p.n_in + 8 * c;
@@ -77,33 +65,17 @@ struct QwCopies {
 };
 
 // Step k0's copies into stage st (its shared address): the tile's rows' RB bytes from m0 (zeros
-// past the rows or a row's end: the run from the 16-byte unit below its start, as
-// staged_rows.cuh's stage_weight_rows places it) and x's tokens n0 .. n0 + QW_BN at values k0 ..
-// k0 + QW_BK (zeros past n_tok or n_in); one commit group. A copy outside the operands reads
-// nothing (source size 0: zeros) -- its address, past them, is never dereferenced, so no select.
+// past the rows or a row's end) and x's tokens n0 .. n0 + QW_BN at values k0 .. k0 + QW_BK (zeros
+// past n_tok or n_in: source size 0, the address past x never dereferenced); one commit group.
 template <int T, int RM>
 __device__ __forceinline__ void qw_stage(const GemmQParams& p, const QwCopies<T, RM>& cp, unsigned st, int k0) {
-    using TL = QwTile<T, RM>;
-    using CP = QwCopies<T, RM>;
-    const int a0 = ((k0 / QW_BK) * TL::RB) & ~15;   // the run's first unit in the row
-#pragma unroll
-    for (int q = 0; q < RM; ++q)
-#pragma unroll
-        for (int j = 0; j < CP::NU; ++j) {
-            const int u = cp.h + 2 * j;   // (an odd UNITS: the last j of the even threads only)
-            if (TL::UNITS % 2 == 0 || u < TL::UNITS) {
-                const bool ok = cp.row_ok[q] && a0 + 16 * u < p.row_bytes;
-                cp_async16(st + cp.sw + CP::PASS * q * TL::SLOT + 32 * j, cp.w[q] + a0 + 16 * u, ok ? 16 : 0);
-            }
-        }
+    cp.rows.copy(st + QwTile<T, RM>::X_BYTES, k0 / QW_BK, p.row_bytes);
     const bool kin = k0 + 8 * ((threadIdx.x >> 3) & 31) < p.n_in;   // (n_in a multiple of 32: a unit all in or out)
     const __half* xk = cp.x + k0;
     const long long xs = 8LL * p.n_in;
 #pragma unroll
-    for (int j = 0; j < QW_BN / 8; ++j) {
-        const bool ok = kin && 8 * j < cp.ntok;
-        cp_async16(st + cp.sx + 2 * 64 * (QW_BK / 8) * j, xk + j * xs, ok ? 16 : 0);   // (8 tokens further)
-    }
+    for (int j = 0; j < QW_BN / 8; ++j)
+        cp_async16(st + cp.sx + 2 * 64 * (QW_BK / 8) * j, xk + j * xs, kin && 8 * j < cp.ntok ? 16 : 0);   // (8 tokens further)
     cp_async_commit();
 }
 
