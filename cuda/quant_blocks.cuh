@@ -374,22 +374,25 @@ template <> QB_HD void qb_frag8<QB_Q6_K>(const qb_u8* b, int s, int c, float (&v
 }
 
 // ---------------------------------------------------------------------------------------
-// The same share of a fragment decoded in half precision (dense_qw.cu's dense_gemm_qw<T, RM, 1>):
-// qb_frag8h<T>(b, s, c, h) writes h[i] (i = 0..3), the packed f16 pair of values 8 i + 2c and
-// 8 i + 2c + 1 of sub-block s (low half first) -- the pair qb_frag8 gives as v[2 i], v[2 i + 1].
-// The block's integer q becomes the exact half 1024 + q by its bits (0x6400 | q), 1024 comes
-// off exactly, and one f16 operation applies the factors, themselves rounded to f16 once:
+// The same share of a fragment decoded in half precision (dense_qw.cu's dense_gemm_qw<T, RM, 1>,
+// dense_q.cu's dense_gemm_qrh): qb_frag8h<T>(b, s, c, h) writes h[i] (i = 0..3), the packed f16
+// pair of values 8 i + 2c and 8 i + 2c + 1 of sub-block s (low half first) -- the pair qb_frag8
+// gives as v[2 i], v[2 i + 1]. The block's integer q becomes the exact half 1024 + q by its bits
+// (0x6400 | q), 1024 comes off exactly, and f16 operations apply the factors:
 //   Q4_0 (q - 8) d            Q8_0 q d            Q6_K (q - 32) RN16(d sc)
-//   Q4_K / Q5_K  (q sc) d - RN16(dmin m)   (q sc exact; a fused multiply-add: one rounding)
+//   Q4_K / Q5_K  (q sc) d - RN16(dmin m)   (q sc exact: (1024 + q) sc - 1024 sc in one multiply-add;
+//                                            then one more: one rounding)
 // -- about 3 instructions a value against qb_frag8's 6 (a byte permute, a float add and a
 // multiply-add a value, a conversion a pair). Q4_0's and Q8_0's values are qb_frag8's rounded
-// to f16, bit for bit; the others may differ by the rounding of the factor named RN16 (within
-// ~1 f16 ulp of the block's largest value). The host's build emulates each f16 operation (computed exactly, rounded once,
-// to nearest even), so tests can give the same bits as the device. QbFragH<T>::OK as QbFrag.
+// to f16, bit for bit; the others may differ by the rounding of the factor named RN16 (within ~1
+// f16 ulp of the block's largest value). The host's build emulates each f16 operation (computed
+// exactly, rounded once to nearest even), so tests can give the device's bits. QbFragH<T>::OK as
+// QbFrag.
 template <int T> struct QbFragH { static constexpr bool OK = QbFrag<T>::OK; };
 
 #if !(defined(__CUDACC__) || defined(__CUDACC_RTC__))
-// (host) the f16 nearest to x (ties to even), as bits; x's own rounding to double is the only other
+// (host) the f16 nearest to x (ties to even), as bits (x a double: the emulated operations are exact
+// in double but for sums of far-apart terms, whose one extra rounding the tests never meet)
 inline unsigned qb_h16_bits(double x) {
     const unsigned sign = std::signbit(x) ? 0x8000u : 0u;
     const double a = std::fabs(x);
