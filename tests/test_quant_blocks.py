@@ -135,10 +135,10 @@ extern "C" double qb_dot_row_q8(int type, const qb_u8* r, int n, const signed ch
     return 1e300;
 }
 
-// the row again through qb_frag8 (every sub-block's 32 values from its four lanes' fragments);
-// 0 for a type without it
-template <int T> static int frag_row(const qb_u8* r, int n, float* out) {
-    if constexpr (!QbFrag<T>::OK) {
+// the row again through qb_frag8 (every sub-block's 32 values from its four lanes' fragments), or
+// (HALF) qb_frag8h, the half-precision decode, its halves as float; 0 for a type without it
+template <int T, bool HALF> static int frag_row(const qb_u8* r, int n, float* out) {
+    if constexpr (!(HALF ? QbFragH<T>::OK : QbFrag<T>::OK)) {
         return 0;
     } else {
         constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
@@ -146,7 +146,13 @@ template <int T> static int frag_row(const qb_u8* r, int n, float* out) {
             for (int s = 0; s < V / 32; ++s)
                 for (int c = 0; c < 4; ++c) {
                     float v[8];
-                    qb_frag8<T>(r + (long)b * B, s, c, v);
+                    if constexpr (HALF) {
+                        unsigned h[4];
+                        qb_frag8h<T>(r + (long)b * B, s, c, h);
+                        for (int i = 0; i < 8; ++i) v[i] = (float)qb_h16_value((h[i >> 1] >> (16 * (i & 1))) & 0xFFFFu);
+                    } else {
+                        qb_frag8<T>(r + (long)b * B, s, c, v);
+                    }
                     for (int i = 0; i < 8; ++i)
                         out[(long)b * V + 32 * s + 2 * c + (i & 1) + 8 * (i >> 1)] = v[i];
                 }
@@ -154,40 +160,11 @@ template <int T> static int frag_row(const qb_u8* r, int n, float* out) {
     }
 }
 
-#define FCASE(T) case T: return frag_row<T>(r, n, out);
-extern "C" int qb_frag_row(int type, const qb_u8* r, int n, float* out) {
+#define FCASE(T) case T: return half ? frag_row<T, true>(r, n, out) : frag_row<T, false>(r, n, out);
+extern "C" int qb_frag_row(int type, int half, const qb_u8* r, int n, float* out) {
     switch (type) {
         FCASE(QB_Q4_0) FCASE(QB_Q4_1) FCASE(QB_Q5_0) FCASE(QB_Q5_1) FCASE(QB_Q8_0)
         FCASE(QB_Q2_K) FCASE(QB_Q3_K) FCASE(QB_Q4_K) FCASE(QB_Q5_K) FCASE(QB_Q6_K)
-    }
-    return -1;
-}
-
-// the row through qb_frag8h (dense_gemm_qw's half-precision decode), its halves as float; 0 for a
-// type without it
-template <int T> static int frag_row_h(const qb_u8* r, int n, float* out) {
-    if constexpr (!QbFragH<T>::OK) {
-        return 0;
-    } else {
-        constexpr int V = QBlock<T>::VALUES, B = QBlock<T>::BYTES;
-        for (int b = 0; b < n / V; ++b)
-            for (int s = 0; s < V / 32; ++s)
-                for (int c = 0; c < 4; ++c) {
-                    unsigned h[4];
-                    qb_frag8h<T>(r + (long)b * B, s, c, h);
-                    for (int i = 0; i < 8; ++i)
-                        out[(long)b * V + 32 * s + 2 * c + (i & 1) + 8 * (i >> 1)] =
-                            (float)qb_h16_value((h[i >> 1] >> (16 * (i & 1))) & 0xFFFFu);
-                }
-        return 1;
-    }
-}
-
-#define HCASE(T) case T: return frag_row_h<T>(r, n, out);
-extern "C" int qb_frag_row_h(int type, const qb_u8* r, int n, float* out) {
-    switch (type) {
-        HCASE(QB_Q4_0) HCASE(QB_Q4_1) HCASE(QB_Q5_0) HCASE(QB_Q5_1) HCASE(QB_Q8_0)
-        HCASE(QB_Q2_K) HCASE(QB_Q3_K) HCASE(QB_Q4_K) HCASE(QB_Q5_K) HCASE(QB_Q6_K)
     }
     return -1;
 }
@@ -217,8 +194,7 @@ def lib(tmp_path_factory):
     out.qb_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     out.qb_dot_row_q8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     out.qb_dot_row_q8.restype = ctypes.c_double
-    out.qb_frag_row.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    out.qb_frag_row_h.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    out.qb_frag_row.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     return out
 
 
@@ -276,7 +252,7 @@ def test_fragment_decode_gives_the_sub_blocks_values_bit_for_bit(lib, name):
                 quantize(rng.standard_normal((4, 4 * lay.values)).astype(np.float32) * 3, lay.type_id).reshape(-1)):
         n = raw.size // lay.nbytes * lay.values
         got = np.full(n, np.nan, np.float32)
-        ok = lib.qb_frag_row(lay.type_id, raw.ctypes.data, n, got.ctypes.data)
+        ok = lib.qb_frag_row(lay.type_id, 0, raw.ctypes.data, n, got.ctypes.data)
         if name not in FRAG_TYPES:
             assert ok == 0
             return
@@ -301,7 +277,7 @@ def test_half_fragment_decode_is_one_f16_rounding_of_rounded_factors(lib, name):
                                       lay.type_id).reshape(-1))):
         n = raw.size // lay.nbytes * lay.values
         got = np.full(n, -1.0, np.float32)
-        ok = lib.qb_frag_row_h(lay.type_id, raw.ctypes.data, n, got.ctypes.data)
+        ok = lib.qb_frag_row(lay.type_id, 1, raw.ctypes.data, n, got.ctypes.data)
         if name not in FRAG_TYPES:
             assert ok == 0
             return
