@@ -15,9 +15,9 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys); every
            launch profiled (each call runs twice: the first builds it)
   dense-qs one llama-3-8B layer's seven Q4_K matrices ($DENSE_QS_TYPE) through dense_gemm_qs
-           (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr: that kernel) at 64 tokens
-           (the 64-token tile), then at 16 (the 32-token tile): ncu -k regex:dense_gemm_q[sr]
-           --launch-skip 7 --launch-count 14
+           (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr, dense_gemm_qrh, a form of
+           dense_gemm_qw: that kernel) at each of $DENSE_QS_TOKENS (default 64,16: the 64-token
+           tile, then the 32-token one): ncu -k regex:dense_gemm_q[srw] --launch-skip 7 --launch-count 14
   gemv-q8x the 8B gate matrix (14336 x 4096, $GEMV_Q8X_TYPE, default Q4_K) at one token through
            each form of the 8-bit-activation GEMV (cuda/dense_q8x.cu: staged, plain, vector,
            persist; the activations quantized once before), then the F16 GEMV (cuda/dense.cu
@@ -40,7 +40,7 @@ CASES = ("masked", "decode", "window", "wgmma", "decode-tma", "decode-quant", "d
 # each shape builds it, the skip passes over that (``--ncu-args CASE`` prints them for the scripts)
 NCU_FILTERS = {"wgmma": ("fattn_wgmma", 1, 1), "decode-tma": ("fattn_decode_tma", 1, 3),
                "decode-quant": ("fattn_decode_tma", 0, 0),   # (0: every launch, quant_calls' count)
-               "dense-qs": ("dense_gemm_q[sr]", 7, 14),      # DENSE_QS_KERNEL=dense_gemm_qr: that kernel
+               "dense-qs": ("dense_gemm_q[srw]", 7, 14),     # DENSE_QS_KERNEL=dense_gemm_qr etc.: that kernel
                "gemv-q8x": ("dense_gemv", 4, 10)}            # each of Q4_K's 4 forms once as it is built, then each form twice and F16's GEMV twice
 
 
@@ -129,8 +129,8 @@ def quant_fns(calls) -> list:
     return [lambda sh=sh, c=c: fn(sh, c) for sh, c in calls]
 
 
-def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs") -> list:
-    """dense-qs's calls: one 8B layer through ``kernel`` at 64 tokens, then at 16."""
+def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs", tokens=(64, 16)) -> list:
+    """dense-qs's calls: one 8B layer through ``kernel`` at each of ``tokens``."""
     import cupy as cp
 
     from ggml_attn import kernels as K
@@ -139,7 +139,7 @@ def dense_qs_fns(type_name: str, kernel: str = "dense_gemm_qs") -> list:
     from gpu_dense_q_bench import N_EMBD, N_FF, _layer, _tiled
     ws = _layer(cp, type_name, 0)
     fns = []
-    for n in (64, 16):
+    for n in tokens:
         x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
         xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
         fns.append(_tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, kernel))
@@ -180,7 +180,8 @@ def main(argv=None):
             continue
         if case == "dense-qs":
             env = os.environ.get
-            for f in dense_qs_fns(env("DENSE_QS_TYPE", "Q4_K"), env("DENSE_QS_KERNEL", "dense_gemm_qs")):
+            for f in dense_qs_fns(env("DENSE_QS_TYPE", "Q4_K"), env("DENSE_QS_KERNEL", "dense_gemm_qs"),
+                                  tuple(int(n) for n in env("DENSE_QS_TOKENS", "64,16").split(","))):
                 f()
                 f()
             continue
