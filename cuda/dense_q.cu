@@ -15,8 +15,7 @@
 //                          staged by cp.async (rows of whole 16-byte units), decoded from shared
 //                          memory (below);
 //   dense_gemm_qr<T, BN>   dense_gemm_qs with the weights decoded straight into the tensor cores'
-//                          fragments (the types of quant_blocks.cuh's QbFrag); dense_gemm_qrh<T, BN>
-//                          the same with the half-precision decode (qb_frag8h);
+//                          fragments (the types of quant_blocks.cuh's QbFrag);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens);
@@ -424,53 +423,18 @@ template <int T, int BN> struct QrTile {
     static_assert(QR_BM == 16 * QS_WARPS, "a warp a 16-row slice");
 };
 
-// dense_gemm_qrh's copies, fixed before its first step (the step only moves them along k): the
-// rows' units (staged_rows.cuh StagedRowCopies) and x's 16-byte unit c = i % 32 of tokens i / 32 +
-// 8 j (qs_stage's places); copies past n_tok or n_in read nothing (source size 0).
-template <int T, int BN, int H>
-struct QrCopies {   // (H 0: none -- dense_gemm_qr keeps qs_stage's copies, as measured)
-    __device__ __forceinline__ QrCopies(const GemmQParams&, int, int) {}
-};
-
-template <int T, int BN>
-struct QrCopies<T, BN, 1> {
-    using TL = QrTile<T, BN>;
-    StagedRowCopies<TL::RB, TL::UNITS, TL::SLOT, QR_BM, QS_THREADS> rows;
-    const __half* x;   // token n0 + i / 32's values from 8 c
-    unsigned sx;       // its place in the x tile
-    int ntok;          // tokens left from n0 + i / 32
-    __device__ __forceinline__ QrCopies(const GemmQParams& p, int m0, int n0) : rows(p.w, p.row_bytes, p.rows, m0) {
-        const int t = threadIdx.x >> 5, c = threadIdx.x & 31;
-        sx = TL::W_BYTES + t * (2 * QS_LD) + 16 * c;
-        ntok = p.n_tok - n0 - t;
-        x = p.x + (long long)(n0 + t) * p.n_in + 8 * c;
-    }
-    __device__ __forceinline__ void stage(const GemmQParams& p, unsigned st, int k0, int n_cp) const {
-        rows.copy(st, k0 / QS_BK, p.row_bytes);
-        const bool kin = k0 + 8 * (threadIdx.x & 31) < p.n_in;
-        const __half* xk = x + k0;
-        const long long xs = 8LL * p.n_in;
-#pragma unroll
-        for (int j = 0; j < BN * 32 / QS_THREADS; ++j)
-            if (8 * j + (threadIdx.x >> 5) < n_cp)   // (the 8-token tiles that run)
-                cp_async16(st + sx + 8 * j * (2 * QS_LD), xk + j * xs, kin && 8 * j < ntok ? 16 : 0);
-        cp_async_commit();
-    }
-};
-
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// H 1 (dense_gemm_qrh): the half-precision decode (quant_blocks.cuh qb_frag8h: ~3 instructions a
-// value against qb_frag8's ~6, values within the factors' f16 rounding -- not dense_gemm_qs's bits).
-template <int T, int BN, int H>
-__device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_smem) {
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
     using TL = QrTile<T, BN>;
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    static_assert(QbFrag<T>::OK && (!H || QbFragH<T>::OK), "a type with a fragment decode (qb_frag8, qb_frag8h)");
+    static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
+    extern __shared__ __align__(16) unsigned char qr_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
     float acc[1][NI][4];
 #pragma unroll
@@ -482,30 +446,19 @@ __device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 of the tile
-    const QrCopies<T, BN, H> copies(p, m0, n0);   // (H 1: the copies planned once)
 #pragma unroll
     for (int s = 0; s < QS_STAGES - 1; ++s) {
-        if constexpr (H) {
-            if (s < n_steps) copies.stage(p, smem_u32(qr_smem + s * TL::STAGE), k_begin + s * QS_BK, n_cp);
-            else cp_async_commit();
-        } else {
-            if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
-            else cp_async_commit();
-        }
+        if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
+        else cp_async_commit();
     }
     for (int s = 0; s < n_steps; ++s) {
         cp_async_wait<QS_STAGES - 2>();
         __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
         {
             const int ns = s + QS_STAGES - 1;
-            if constexpr (H) {
-                if (ns < n_steps) copies.stage(p, smem_u32(qr_smem + (ns % QS_STAGES) * TL::STAGE), k_begin + ns * QS_BK, n_cp);
-                else cp_async_commit();
-            } else {
-                if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
-                                                             k_begin + ns * QS_BK, n_cp);
-                else cp_async_commit();
-            }
+            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
+                                                         k_begin + ns * QS_BK, n_cp);
+            else cp_async_commit();
         }
         const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
         const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
@@ -516,20 +469,13 @@ __device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_
 #pragma unroll
         for (int j = 0; j < QS_BK / 32; ++j) {   // the step's sub-blocks: two 16-value k steps each
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
-            unsigned f0[4], f1[4];   // the packed pairs 2 i + {0, 1} of the rows' eight values (qb_frag8h's order)
-            if constexpr (H) {
-                qb_frag8h<T>(w0 + (j / S) * B, j % S, c, f0);
-                qb_frag8h<T>(w1 + (j / S) * B, j % S, c, f1);
-            } else {
-                float v0[8], v1[8];
-                qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
-                qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) f0[i] = qr_pack(v0[2 * i], v0[2 * i + 1]), f1[i] = qr_pack(v1[2 * i], v1[2 * i + 1]);
-            }
+            float v0[8], v1[8];
+            qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
+            qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned a[4] = {f0[2 * h], f1[2 * h], f0[2 * h + 1], f1[2 * h + 1]};
+                const unsigned a[4] = {qr_pack(v0[4 * h], v0[4 * h + 1]), qr_pack(v1[4 * h], v1[4 * h + 1]),
+                                       qr_pack(v0[4 * h + 2], v0[4 * h + 3]), qr_pack(v1[4 * h + 2], v1[4 * h + 3])};
                 const int kk = 32 * j + 16 * h;
 #pragma unroll
                 for (int n = 0; n < NI; n += 2) {
@@ -547,18 +493,6 @@ __device__ __forceinline__ void qr_body(const GemmQParams& p, unsigned char* qr_
     }
     gemm_warp_store<1, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                            gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + 16 * warp, n0);
-}
-
-template <int T, int BN>
-__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
-    extern __shared__ __align__(16) unsigned char qr_smem[];
-    qr_body<T, BN, 0>(p, qr_smem);
-}
-
-template <int T, int BN>
-__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qrh(const GemmQParams p) {
-    extern __shared__ __align__(16) unsigned char qr_smem[];
-    qr_body<T, BN, 1>(p, qr_smem);
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n
@@ -615,5 +549,3 @@ template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
 template <int T, int BN>
 __device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;
-template <int T, int BN>
-__device__ const int dense_gemm_qrh_smem = QrTile<T, BN>::SMEM;

@@ -22,8 +22,7 @@ __device__ __forceinline__ void stage_weight_rows(const unsigned char* w, long l
     }
 }
 
-// The same copies planned once for every step (dense_qw.cu's dense_gemm_qw, dense_q.cu's
-// dense_gemm_qrh): two of the THREADS threads a row, BM / (THREADS / 2) passes, each thread units
+// The same copies planned once for every step (dense_qw.cu's dense_gemm_qw): two of the THREADS threads a row, BM / (THREADS / 2) passes, each thread units
 // h, h + 2, ... of its rows' runs -- the pair reads 32 contiguous bytes, and every unit sits at the
 // same place of each step's run, so a step's copy is one cp.async at constant offsets from the
 // pointers fixed here. A copy outside the weights (a row past rows, a unit past a row's end)

@@ -163,9 +163,6 @@ QWGEMM_ROWS = 128
 # with the factors rounded to f16 -- ~3 instructions a value against ~6, the SASS census of the
 # twenty-first session) -- an A/B until measured.
 QWGEMM_HALF = False
-# The same for dense_gemm_qr (dense_gemm_qrh; at 64 tokens it is decode-bound: 225 us an 8B layer
-# on the H100 against ~40 us of bytes and ~50 of products) -- an A/B until measured.
-QRGEMM_HALF = False
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}
@@ -190,13 +187,8 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 
 def tiled_kernel(path: str, weight_type: str) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type``: the wgmma
-    GEMM's form (gemm_qw_kernel), dense_gemm_qr or its half-precision decode (QRGEMM_HALF), else
-    the path's one kernel."""
-    if path == "gemm-qw":
-        return gemm_qw_kernel(weight_type)
-    if path == "gemm-qr" and QRGEMM_HALF:
-        return "dense_gemm_qrh"
-    return TILED_PATHS[path]
+    GEMM's form (gemm_qw_kernel), else the path's one kernel."""
+    return gemm_qw_kernel(weight_type) if path == "gemm-qw" else TILED_PATHS[path]
 
 
 def gemm_qw_kernel(weight_type: str) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .block_types import BLOCK_TYPES, block_layout
-from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_FORMS, GEMMQR_TYPE_IDS, GEMMQR_TYPES,
+from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPE_IDS, GEMMQR_TYPES,
                          GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES, GEMMQW_FORMS)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
@@ -116,7 +116,7 @@ def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple
 # template, a __device__ int variable template ``<kernel>_smem`` of the same parameters holding the
 # bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
 # takes none (static shared memory only).
-SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", *GEMMQR_FORMS,
+SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr",
                 "dense_gemm_qw", "fattn_wgmma_ws", "fattn_decode_tma")
 
 
@@ -234,7 +234,7 @@ def dense_q_variant(type_id: int) -> Variant:
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
                    (f"dense_gemm_q<{type_id}>",) + tuple(f"dense_gemm_qs<{type_id}, {bn}>" for bn in GEMMQS_BLOCKS_PER_SM) +
-                   tuple(f"{k}<{type_id}, {bn}>" for k in GEMMQR_FORMS for bn in GEMMQR_BLOCKS_PER_SM
+                   tuple(f"dense_gemm_qr<{type_id}, {bn}>" for bn in GEMMQR_BLOCKS_PER_SM
                          if type_id in GEMMQR_TYPE_IDS) +
                    ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))

@@ -230,8 +230,8 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
 
 _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
                for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
-               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qrh", None), ("dense_gemm_qrh", 32),
-                 ("dense_gemm_qw", None), ("dense_gemm_qwh", None)] if name in K.GEMMQR_TYPES else []) +
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None), ("dense_gemm_qwh", None)]
+                if name in K.GEMMQR_TYPES else []) +
                ([("dense_gemm_qw2", None), ("dense_gemm_qw2h", None)] if name in K.GEMMQW2_TYPES else [])]
 
 
@@ -250,8 +250,8 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
     over the grid (kernels.gemm_q_grid) or not (one 256-value block a row); dense_gemm_q and the
     staged dense_gemm_qs and dense_gemm_qr (its own tile for the tokens, and the narrow 32-token one
     across several column tiles) and dense_gemm_qw (wgmma, 128-token tiles of 128 rows, and of 256:
-    dense_gemm_qw2), all F16 products of ggml's values rounded to F16 -- dense_gemm_qrh and
-    dense_gemm_qwh / qw2h of the values their half-precision decode gives (tests/half_decode.py)."""
+    dense_gemm_qw2), all F16 products of ggml's values rounded to F16 -- dense_gemm_qwh / qw2h
+    of the values their half-precision decode gives (tests/half_decode.py)."""
     _skip_unless_hopper(kernel)
     n_in, vals, x, init, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel, bn)
     x16 = x.astype(np.float16)

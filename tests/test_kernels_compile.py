@@ -311,7 +311,7 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q8x.cu", f"Q8gTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qs":   # <T, BN>
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
-    if base in K.GEMMQR_FORMS:   # <T, BN> (dense_gemm_qrh: the same tile)
+    if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qw":   # <T, RM, H>: the stages' x tiles and staged rows
         return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * {a[1]} * QwTile<{a[0]}, {a[1]}>::SLOT)"

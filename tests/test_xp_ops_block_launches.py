@@ -565,8 +565,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K")),
-                                           ("dense_gemm_qrh", ("Q4_K", "Q6_K"))])
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
@@ -574,14 +573,11 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
     tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
-    adds in the output's mode. dense_gemm_qrh (dense_gemm_qr's half-precision decode) in its
-    place where matmul_dispatch.QRGEMM_HALF says so, the same tiles."""
+    adds in the output's mode."""
     bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
-    assert md.QRGEMM_HALF is False   # (an A/B until measured)
-    monkeypatch.setattr(md, "QRGEMM_HALF", kernel == "dense_gemm_qrh")
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qs" if kernel == "dense_gemm_qs" else "gemm-qr"
     assert [md.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2

@@ -19,12 +19,11 @@
 #      their outputs' 8-bit form, -16% at 695471d; tools/dev/knob_ab.py, 2 alternating rounds)
 #      -> $OUT/ab_gemv.json
 #   5. (--qr) the tiled GEMMs at 16-64 tokens (gpu_dense_q_bench.py --tiled-only) -> $OUT/dense_qr.json
-#   6. (--qw) the wgmma block GEMM (cuda/dense_qw.cu, sm_90): its GPU tests (-k "qw or qrh") -> $OUT/logs/tests_qw.log,
+#   6. (--qw) the wgmma block GEMM (cuda/dense_qw.cu, sm_90): its GPU tests (-k qw) -> $OUT/logs/tests_qw.log,
 #      memcheck / racecheck (gpu_sanitize_case.py --dense-qw), one 8B layer at 512 / 128 / 256
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
-#      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json; the half-precision decode in dense_gemm_qr
-#      (the 9-128-token ubatches: batched B=16 and B=64 S_TG, shipped / qrh) -> $OUT/ab_qrh.json
+#      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
 # Steps in the order 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
 #   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--rounds 2]
@@ -58,7 +57,7 @@ if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ]; then   # (the file, written whil
 fi
 if [ $QW = 1 ]; then
   echo "== the wgmma block GEMM: tests, sanitizers, one 8B layer, pp512"
-  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qw or qrh" \
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k qw \
       > "$LOGS/tests_qw.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qw.log" | head -10; tail -1 "$LOGS/tests_qw.log"
   for t in memcheck racecheck; do
@@ -67,7 +66,7 @@ if [ $QW = 1 ]; then
     tail -1 "$LOGS/san_qw_$t.log"
   done
   (cd tools/dev && timeout 240 $PY gpu_dense_q_bench.py --types "${QW_TYPES:-Q4_K,Q6_K}" --tiled-only 512,128,256,64,16 \
-      --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr(h)? |dequant|cublas f16" || status=1
+      --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr |dequant|cublas f16" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
@@ -75,9 +74,6 @@ if [ $QW = 1 ]; then
       --variant "qwh:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_HALF=True" \
       --variant "qw2h:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256,matmul_dispatch.QWGEMM_HALF=True" \
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -6 || status=1
-  timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qrh.json" --variant shipped \
-      --variant "qrh:matmul_dispatch.QRGEMM_HALF=True" \
-      batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -8 || status=1
   say
 fi
 if [ $TESTS = 1 ]; then

@@ -15,7 +15,7 @@ first builds and caches the call; ncu's --launch-skip picks the second):
            then each $DECODE_TMA_CONFIGS (comma-separated decode_tma_shape.CONFIGS keys); every
            launch profiled (each call runs twice: the first builds it)
   dense-qs one llama-3-8B layer's seven Q4_K matrices ($DENSE_QS_TYPE) through dense_gemm_qs
-           (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr, dense_gemm_qrh, a form of
+           (cuda/dense_q.cu, issue #43; $DENSE_QS_KERNEL=dense_gemm_qr or a form of
            dense_gemm_qw: that kernel) at each of $DENSE_QS_TOKENS (default 64,16: the 64-token
            tile, then the 32-token one): ncu -k regex:dense_gemm_q[srw] --launch-skip 7 --launch-count 14
   gemv-q8x the 8B gate matrix (14336 x 4096, $GEMV_Q8X_TYPE, default Q4_K) at one token through

@@ -534,7 +534,7 @@ def _dense_q(cp, rng) -> int:
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the staged F16 GEMMs on the same rows, both tiles: dense_gemm_qs, and for its types dense_gemm_qr
-        staged = ("dense_gemm_qs", *K.GEMMQR_FORMS) if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
+        staged = ("dense_gemm_qs", "dense_gemm_qr") if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
         for kernel in staged:
             for n_tok, bn in ((20, None), (70, None), (70, 32)):
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
@@ -567,8 +567,7 @@ def _dense_qw(cp, rng) -> int:
     its 256-row tile where it fits, the half-precision decode) over 300 rows (a partial row tile) at
     138 tokens (a second token tile of 10), n_in 2048 split in two k chunks (partial sums,
     dense_splitk_sum), against float64 of its F16-rounded operands (:func:`_staged_gemm_ok`: the
-    half forms' values within NMSE 1e-6 of those), and dense_gemm_qrh (the half-precision decode
-    on mma.sync, cuda/dense_q.cu) beside them. Failures."""
+    half forms' values within NMSE 1e-6 of those). Failures."""
     from ggml_attn import kernels as K
     from ggml_attn.block_types import block_layout
     from ggml_attn.graph.model_device import QMatrix
@@ -581,7 +580,7 @@ def _dense_qw(cp, rng) -> int:
         vals = dequantize_rows(q.ctypes.data, lay.type_id, n_in, rows, q.shape[1]).astype(np.float64)
         x16 = (rng.standard_normal((n_tok, n_in)) * 3.0).astype(np.float16)
         w = QMatrix(name, (rows, n_in), cp.asarray(q))
-        for kernel in ("dense_gemm_qrh", *(k for k in K.GEMMQW_FORMS if K.qw_instance(lay.type_id, k))):
+        for kernel in (k for k in K.GEMMQW_FORMS if K.qw_instance(lay.type_id, k)):
             bad += not _staged_gemm_ok(cp, kernel, w, vals, x16)
     return bad
 
