@@ -31,6 +31,8 @@ GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (
 # the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
+# dense_gemm_qr and dense_gemm_qrd (the same tiles over a deeper ring of stages: QrTile::DEEP)
+GEMMQR_KERNELS = ("dense_gemm_qr", "dense_gemm_qrd")
 GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
 GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")   # its 256-row tile (dense_gemm_qw2, <T, 2>): the types whose stages fit
 # its forms, by kernel name: (RM, H) of dense_gemm_qw<T, RM, H> -- RM 128-row halves a tile (2: GEMMQW2_TYPES
@@ -56,12 +58,12 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
     ``dense_gemm_qr``) for a call of ``n_tok`` tokens: the narrow one's (GEMMQS_NARROW, two
     blocks an SM) up to its width (dense_gemm_qr: up to GEMMQR_NARROW_MAX_TOKENS), else the wide
     one's."""
-    narrow_max = GEMMQR_NARROW_MAX_TOKENS if kernel == "dense_gemm_qr" else GEMMQS_NARROW
+    narrow_max = GEMMQR_NARROW_MAX_TOKENS if kernel in GEMMQR_KERNELS else GEMMQS_NARROW
     return GEMMQS_NARROW if n_tok <= narrow_max else GEMMQS_TILE[1]
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", *GEMMQW_FORMS)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", *GEMMQR_KERNELS, *GEMMQW_FORMS)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
@@ -76,7 +78,7 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (their tiles' tokens: gemm_qs_bn)
+    if kernel in ("dense_gemm_qs", *GEMMQR_KERNELS):   # (their tiles' tokens: gemm_qs_bn)
         (bm, _, bk), per_sm = ((GEMMQS_TILE, GEMMQS_BLOCKS_PER_SM) if kernel == "dense_gemm_qs" else
                                (GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM))
         bn = gemm_qs_bn(n_tok, kernel) if bn is None else bn

@@ -163,6 +163,10 @@ QWGEMM_ROWS = 128
 # with the factors rounded to f16 -- ~3 instructions a value against ~6, the SASS census of the
 # twenty-first session) -- an A/B until measured.
 QWGEMM_HALF = False
+# dense_gemm_qr over a deeper ring of stages (dense_gemm_qrd: 3-4 steps in flight, not 1) -- its
+# steps at 16-64 tokens take ~4 us against ~1.2 of issue and ~0.7 of their weights' bytes, the
+# copy issued a step before landing late (bench/NOTES.md, twenty-first session). An A/B until measured.
+QRGEMM_DEEP = False
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}
@@ -187,8 +191,10 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 
 def tiled_kernel(path: str, weight_type: str) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type``: the wgmma
-    GEMM's form (gemm_qw_kernel), else the path's one kernel."""
-    return gemm_qw_kernel(weight_type) if path == "gemm-qw" else TILED_PATHS[path]
+    GEMM's form (gemm_qw_kernel), dense_gemm_qr's ring (QRGEMM_DEEP), else the path's one kernel."""
+    if path == "gemm-qw":
+        return gemm_qw_kernel(weight_type)
+    return "dense_gemm_qrd" if path == "gemm-qr" and QRGEMM_DEEP else TILED_PATHS[path]
 
 
 def gemm_qw_kernel(weight_type: str) -> str:

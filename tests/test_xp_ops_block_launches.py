@@ -565,7 +565,8 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K")),
+                                           ("dense_gemm_qrd", ("Q4_K", "Q6_K"))])
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
@@ -573,11 +574,14 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
     tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
-    adds in the output's mode."""
+    adds in the output's mode. dense_gemm_qrd (dense_gemm_qr over a deeper ring, instances
+    <T, BN, 0> of a program of their own) in its place where matmul_dispatch.QRGEMM_DEEP says so."""
     bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
+    assert md.QRGEMM_DEEP is False   # (an A/B until measured)
+    monkeypatch.setattr(md, "QRGEMM_DEEP", kernel == "dense_gemm_qrd")
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qs" if kernel == "dense_gemm_qs" else "gemm-qr"
     assert [md.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
@@ -587,13 +591,15 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"{kernel}<{w.type_id}, {bn}>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qr<{w.type_id}, {bn}, 0>" if kernel == "dense_gemm_qrd" else
+                                            f"{kernel}<{w.type_id}, {bn}>" for w in ws]
     sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
     assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, kernel)
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own tile's SMEM
+        assert ln.fn.variant == (K.dense_qrd_variant(w.type_id) if kernel == "dense_gemm_qrd" else
+                                 K.dense_q_variant(w.type_id)) and ln.fn.smem is None   # its own tile's SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
