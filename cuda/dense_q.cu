@@ -419,9 +419,10 @@ template <int T, int BN> struct QrTile {
     static constexpr int W_BYTES = QR_BM * SLOT;
     static constexpr int STAGE = W_BYTES + X_BYTES;
     static constexpr int SMEM = QS_STAGES * STAGE;
-    // dense_gemm_qrd's ring: as many stages as fit its blocks an SM (one for BN 64, two for 32) in
-    // 227 KB, at most 4 (BN 64) or 3 (BN 32) -- Q4_K / Q5_K / Q4_0 at BN 64: 4, Q6_K / Q8_0: 3
-    static constexpr int DEEP_MAX = BN == 64 ? 4 : 3, DEEP_FIT = (BN == 64 ? 232448 : 116224) / STAGE;
+    // dense_gemm_qrd's ring: as many stages as fit its blocks an SM (one for BN 64: 227 KB; two for
+    // 32: 228 KB an SM less 1 KB a block, 113 KB each), at most 4 (BN 64) or 3 (BN 32) -- Q4_K /
+    // Q5_K / Q4_0 at BN 64: 4, Q6_K / Q8_0: 3; at BN 32 Q4_K / Q4_0: 3, the others 2
+    static constexpr int DEEP_MAX = BN == 64 ? 4 : 3, DEEP_FIT = (BN == 64 ? 232448 : 115712) / STAGE;
     static constexpr int DEEP = DEEP_FIT < DEEP_MAX ? DEEP_FIT : DEEP_MAX;
     static constexpr int NI = BN / 8;
     static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
@@ -434,8 +435,8 @@ __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// RING: the stages, QS_STAGES by default; 0: QrTile::DEEP (the deeper ring of the program
-// dense_gemm_qrd names: ST - 1 steps in flight, for the small token counts whose steps wait on
+// RING: the stages, QS_STAGES by default; 0: QrTile::DEEP (the deeper ring of the program the host
+// calls dense_gemm_qrd: DEEP - 1 steps in flight, for the small token counts whose steps wait on
 // their copies).
 template <int T, int BN, int RING = QS_STAGES>
 __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
