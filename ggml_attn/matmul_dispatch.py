@@ -151,17 +151,17 @@ QRGEMM_TYPES: tuple[str, ...] = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 QRGEMM_MAX_TOKENS = 128
 # On an sm_90 GPU the types of QRGEMM_TYPES run QWGEMM_MIN_TOKENS tokens and more (rows 16-byte
 # aligned) through dense_gemm_qw (cuda/dense_qw.cu): dense_gemm_qr's decode into the A fragments
-# feeding wgmma m64n128k16, a decoded value for 128 tokens. None: not routed (an A/B knob until
-# measured; predicted at 512 tokens, one 8B layer on the H100, 0.6-0.75x dequantize + cuBLAS:
-# bench/NOTES.md, twentieth session).
+# feeding wgmma m64n128k16, a decoded value for 128 tokens. None: not routed -- measured on the
+# H100 at ac46a49 it loses to dequantize + cuBLAS past 128 tokens (one 8B Q4_K layer at 512 tokens
+# 1,327 against 720 us; its best form, qw2h, 1,068; pp512 16,912 -> 10,061..11,793 t/s:
+# bench/NOTES.md, twenty-first session). An A/B knob.
 QWGEMM_MIN_TOKENS: int | None = None
 # Its tile's rows: 128 (dense_gemm_qw), or 256 (dense_gemm_qw2: half the x tile's L2 traffic a
-# product) for the types whose stages fit (kernels.GEMMQW2_TYPES) -- an A/B until measured.
+# product) for the types whose stages fit (kernels.GEMMQW2_TYPES): 256 measured 15% faster at 512.
 QWGEMM_ROWS = 128
 # Its decode: qb_frag8's (F32 arithmetic, each value ggml's rounded to F16) or, True, qb_frag8h's
 # (dense_gemm_qwh / qw2h: the integer q an exact half by its bits and one f16 operation a pair
-# with the factors rounded to f16 -- ~3 instructions a value against ~6, the SASS census of the
-# twenty-first session) -- an A/B until measured.
+# with the factors rounded to f16 -- ~3 instructions a value against ~6): measured 2-7% faster.
 QWGEMM_HALF = False
 # dense_gemm_qr over a deeper ring of stages (dense_gemm_qrd: 3-4 steps in flight, not 1) -- its
 # steps at 16-64 tokens take ~4 us against ~1.2 of issue and ~0.7 of their weights' bytes, the
