@@ -24,21 +24,26 @@
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
 #      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
-# Steps in the order 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
+#   7. (--qrd) dense_gemm_qr's deeper ring (dense_gemm_qrd, matmul_dispatch.QRGEMM_DEEP): its GPU tests (-k qrd)
+#      -> $OUT/logs/tests_qrd.log, one 8B layer at 64 / 16 tokens -> $OUT/dense_qrd.json, batched B=16 / 64 S_TG
+#      shipped / qrd (knob_ab) -> $OUT/ab_qrd.json, and ncu of dense_gemm_qr at 64 / 16 tokens and of
+#      dense_gemm_qw2h at 512 (stall reasons, throughputs: gpu_profile_case.py dense-qs) -> $OUT/ncu_<kernel>.txt
+#   (--qrd runs first, then --qw.)
+# Steps in the order 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--rounds 2]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--qrd] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; ROUNDS=2
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; QRD=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --rounds) ROUNDS="$2"; shift;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --qrd) QRD=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -51,9 +56,29 @@ if [ $INSTALL = 1 ]; then
   OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
-if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ]; then   # (the file, written while the GPU works)
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QRD = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
+fi
+if [ $QRD = 1 ]; then
+  echo "== dense_gemm_qr's deeper ring: tests, one 8B layer, batched S_TG; ncu of the staged GEMMs"
+  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k qrd \
+      > "$LOGS/tests_qrd.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_qrd.log" | head -10; tail -1 "$LOGS/tests_qrd.log"
+  (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_qrd.json") \
+      2>&1 | grep -E "gemm_qrd?( bn..)? |cublas f16" || status=1
+  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  timeout 120 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qrd.json" --variant shipped \
+      --variant "qrd:matmul_dispatch.QRGEMM_DEEP=True" batched-bench --device cuda -m /tmp/gemv-q4km.gguf \
+      -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -5 || status=1
+  for kt in dense_gemm_qr:64,16 dense_gemm_qw2h:512; do
+    k=${kt%%:*}
+    (cd tools/dev && DENSE_QS_KERNEL=$k DENSE_QS_TOKENS=${kt#*:} timeout 100 ncu --clock-control none \
+        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+        $($PY gpu_profile_case.py --ncu-args dense-qs) $PY gpu_profile_case.py dense-qs) > "$OUT/ncu_$k.txt" 2>&1 || status=1
+    grep -E "^  dense_gemm|Duration|DRAM Throughput|Achieved Occupancy" "$OUT/ncu_$k.txt" | head -8
+  done
+  say
 fi
 if [ $QW = 1 ]; then
   echo "== the wgmma block GEMM: tests, sanitizers, one 8B layer, pp512"
@@ -67,7 +92,7 @@ if [ $QW = 1 ]; then
   done
   (cd tools/dev && timeout 240 $PY gpu_dense_q_bench.py --types "${QW_TYPES:-Q4_K,Q6_K}" --tiled-only 512,128,256,64,16 \
       --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr |dequant|cublas f16" || status=1
-  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  [ $QRD = 1 ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
       --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256" \
@@ -90,7 +115,7 @@ if [ $DENSE = 1 ]; then
       | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | sed -n 1,60p || status=1   # (sed reads it all: no SIGPIPE)
   say
 fi
-if [ $QW = 0 ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
+if [ $QW = 0 ] && [ $QRD = 0 ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
 fi
 if [ $AB = 1 ]; then
