@@ -376,8 +376,9 @@ template <> QB_HD void qb_frag8<QB_Q6_K>(const qb_u8* b, int s, int c, float (&v
 // ---------------------------------------------------------------------------------------
 // The same share of a fragment decoded in half precision (dense_qw.cu's dense_gemm_qw<T, RM, 1>):
 // qb_frag8h<T>(b, s, c, h) writes h[i] (i = 0..3), the packed f16 pair of values 8 i + 2c and
-// 8 i + 2c + 1 of sub-block s (low half first) -- the pair qb_frag8 gives as v[2 i], v[2 i + 1]. The block's integer q becomes the exact half 1024 + q by its bits
-// (0x6400 | q), 1024 comes off exactly, and f16 operations apply the factors:
+// 8 i + 2c + 1 of sub-block s (low half first) -- the pair qb_frag8 gives as v[2 i], v[2 i + 1].
+// The block's integer q becomes the exact half 1024 + q by its bits (0x6400 | q), 1024 comes off
+// exactly, and f16 operations apply the factors:
 //   Q4_0 (q - 8) d            Q8_0 q d            Q6_K (q - 32) RN16(d sc)
 //   Q4_K / Q5_K  (q sc) d - RN16(dmin m)   (q sc exact: (1024 + q) sc - 1024 sc in one multiply-add;
 //                                            then one more: one rounding)

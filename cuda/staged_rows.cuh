@@ -22,8 +22,8 @@ __device__ __forceinline__ void stage_weight_rows(const unsigned char* w, long l
     }
 }
 
-// The same copies planned once for every step (dense_qw.cu's dense_gemm_qw): two of the THREADS threads a row, BM / (THREADS / 2) passes, each thread units
-// h, h + 2, ... of its rows' runs -- the pair reads 32 contiguous bytes, and every unit sits at the
+// The same copies planned once for every step (dense_qw.cu's dense_gemm_qw): two of the THREADS
+// threads a row, BM / (THREADS / 2) passes, each thread units h, h + 2, ... of its rows' runs -- the pair reads 32 contiguous bytes, and every unit sits at the
 // same place of each step's run, so a step's copy is one cp.async at constant offsets from the
 // pointers fixed here. A copy outside the weights (a row past rows, a unit past a row's end)
 // reads nothing (source size 0: zeros); its address is never dereferenced.

@@ -233,8 +233,9 @@ def dense_q_variant(type_id: int) -> Variant:
     """The matmuls over one weight block type (``cuda/dense_q.cu``; ``type_id``: a ggml type id of
     ``block_types``): one program per type, so a model loads the types it holds."""
     return Variant("dense-q", "dense_q.cu", tuple(gemv_q_name(type_id, nt) for nt in GEMVQ_TOKENS) +
-                   (f"dense_gemm_q<{type_id}>",) + tuple(f"dense_gemm_qs<{type_id}, {bn}>" for bn in GEMMQS_BLOCKS_PER_SM) +
-                   tuple(f"dense_gemm_qr<{type_id}, {bn}>" for bn in GEMMQR_BLOCKS_PER_SM
+                   (f"dense_gemm_q<{type_id}>",) +
+                   tuple(staged_instance("dense_gemm_qs", type_id, bn) for bn in GEMMQS_BLOCKS_PER_SM) +
+                   tuple(staged_instance("dense_gemm_qr", type_id, bn) for bn in GEMMQR_BLOCKS_PER_SM
                          if type_id in GEMMQR_TYPE_IDS) +
                    ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))
@@ -246,7 +247,14 @@ def dense_qrd_variant(type_id: int) -> Variant:
     GEMMQR_TYPE_IDS: a program of its own, compiled where it is routed (an A/B)."""
     if type_id not in GEMMQR_TYPE_IDS:
         raise ValueError(f"dense_gemm_qrd decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
-    return Variant("dense-qrd", "dense_q.cu", tuple(f"dense_gemm_qr<{type_id}, {bn}, 0>" for bn in GEMMQR_BLOCKS_PER_SM))
+    return Variant("dense-qrd", "dense_q.cu", tuple(staged_instance("dense_gemm_qrd", type_id, bn)
+                                                    for bn in GEMMQR_BLOCKS_PER_SM))
+
+
+def staged_instance(kernel: str, type_id: int, bn: int) -> str:
+    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qrd: that
+    is dense_gemm_qr<T, BN, 0>, the deeper ring) for blocks of ``type_id`` at tile ``bn``."""
+    return f"dense_gemm_qr<{type_id}, {bn}, 0>" if kernel == "dense_gemm_qrd" else f"{kernel}<{type_id}, {bn}>"
 
 
 MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope", "xp_rope_store")
@@ -426,8 +434,8 @@ def dense_qw_variant(type_id: int) -> Variant:
     ``dense_gemm_qw<T, RM, H>`` of each of GEMMQW_FORMS (RM 2 for GEMMQW2_TYPES only)."""
     if type_id not in GEMMQR_TYPE_IDS:
         raise ValueError(f"dense_gemm_qw decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
-    return Variant("dense-qw", "dense_qw.cu", tuple(dict.fromkeys(
-        qw_instance(type_id, kernel) for kernel in GEMMQW_FORMS if qw_instance(type_id, kernel))), arch_suffix="a")
+    names = (qw_instance(type_id, kernel) for kernel in GEMMQW_FORMS)
+    return Variant("dense-qw", "dense_qw.cu", tuple(n for n in names if n), arch_suffix="a")
 
 
 def qw_instance(type_id: int, kernel: str) -> str | None:

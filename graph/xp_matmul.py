@@ -420,9 +420,8 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.mode = 1 if accumulate else 0
     if staged:
         bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
-        fn = (K.get_function(K.dense_qrd_variant(w.type_id), f"dense_gemm_qr<{w.type_id}, {bn}, 0>")
-              if kernel == "dense_gemm_qrd" else   # (its deeper ring)
-              K.get_function(K.dense_q_variant(w.type_id), f"{kernel}<{w.type_id}, {bn}>"))   # its QsTile / QrTile::SMEM
+        make = K.dense_qrd_variant if kernel == "dense_gemm_qrd" else K.dense_q_variant   # (qrd: a program of its own)
+        fn = K.get_function(make(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
         fn = K.get_function(K.dense_qw_variant(w.type_id), K.qw_instance(w.type_id, kernel))

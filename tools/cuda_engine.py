@@ -67,10 +67,11 @@ def start_precompile(cfg) -> Future:
             ([K.dense_q8x_qout_variant] if matmul_dispatch.Q8X_MAX_TOKENS and matmul_dispatch.GEMV_QUANT_OUT else [])
         variants += [K.model_ops_variant()] + [v for make in makes for t in m.file_type.split("+") if is_block_type(t)
                                                for v in (make(block_layout(t).type_id),) if v is not None]
+        qr_ids = [block_layout(t).type_id for t in m.file_type.split("+") if t in K.GEMMQR_TYPES]
         if matmul_dispatch.QWGEMM_MIN_TOKENS is not None and K.device_arch() + "a" == K.HOPPER_ARCH:   # wgmma GEMMs
-            variants += [K.dense_qw_variant(block_layout(t).type_id) for t in m.file_type.split("+") if t in K.GEMMQR_TYPES]
+            variants += [K.dense_qw_variant(t) for t in qr_ids]
         if matmul_dispatch.QRGEMM_DEEP:   # dense_gemm_qr's deeper ring
-            variants += [K.dense_qrd_variant(block_layout(t).type_id) for t in m.file_type.split("+") if t in K.GEMMQR_TYPES]
+            variants += [K.dense_qrd_variant(t) for t in qr_ids]
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
             from ggml_attn import q8_out
             variants += [K.cells_qo_of(v, q8_out.EPILOGUE) for v in variants if v.family == "cells"]
