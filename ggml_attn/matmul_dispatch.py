@@ -167,6 +167,17 @@ QWGEMM_HALF = False
 # steps at 16-64 tokens take ~4 us against ~1.2 of issue and ~0.7 of their weights' bytes, the
 # copy issued a step before landing late (bench/NOTES.md, twenty-first session). An A/B until measured.
 QRGEMM_DEEP = False
+# Past the tiled GEMMs (path ``gemm``) block matrices are dequantized into the weights' F16
+# scratch and multiplied by cuBLAS, a chunk of rows at a time: the dequantization costs more than
+# the GEMM at 512 tokens (one 8B Q4_K layer 720 us against cuBLAS's 334 on the F16 matrices: H100,
+# ac46a49), ~1.4 TB/s for its 123 MB read and 436 MB written. DEQUANT_KERNEL: dense_dequant_f16
+# (each lane stores its sub-block's 64 bytes) or dense_dequant_f16w (the same values, a warp's
+# stores in 512-byte runs). DEQUANT_CHUNK_ROWS: at most this many rows a chunk (None: as many as
+# the scratch holds), so that a chunk's F16 values can still be in L2 when cuBLAS reads them and the
+# next chunk writes over them there. Both A/Bs until measured (bench/NOTES.md, twenty-second session).
+DEQUANT_KERNEL = "dense_dequant_f16"
+DEQUANT_KERNELS = ("dense_dequant_f16", "dense_dequant_f16w")
+DEQUANT_CHUNK_ROWS: int | None = None
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}
@@ -195,6 +206,19 @@ def tiled_kernel(path: str, weight_type: str) -> str:
     if path == "gemm-qw":
         return gemm_qw_kernel(weight_type)
     return "dense_gemm_qrd" if path == "gemm-qr" and QRGEMM_DEEP else TILED_PATHS[path]
+
+
+def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> tuple[str, int]:
+    """How path ``gemm`` dequantizes a block matrix of ``n_out`` rows of ``n_in`` values into a
+    scratch of ``scratch_elements`` F16 values: (the kernel, DEQUANT_KERNEL; the rows a chunk, at
+    least one, at most what the scratch holds and DEQUANT_CHUNK_ROWS). ValueError for a kernel
+    not in DEQUANT_KERNELS or a chunk bound below one."""
+    if DEQUANT_KERNEL not in DEQUANT_KERNELS:
+        raise ValueError(f"DEQUANT_KERNEL must be one of {DEQUANT_KERNELS}, not {DEQUANT_KERNEL!r}")
+    if DEQUANT_CHUNK_ROWS is not None and DEQUANT_CHUNK_ROWS < 1:
+        raise ValueError(f"DEQUANT_CHUNK_ROWS must be None or positive, not {DEQUANT_CHUNK_ROWS}")
+    rows = max(1, min(n_out, scratch_elements // n_in))
+    return DEQUANT_KERNEL, rows if DEQUANT_CHUNK_ROWS is None else min(rows, DEQUANT_CHUNK_ROWS)
 
 
 def gemm_qw_kernel(weight_type: str) -> str:

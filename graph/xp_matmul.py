@@ -317,8 +317,9 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
-    rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows that fits the weights' F16 scratch one
-    ``dense_dequant_f16`` launch and one cuBLAS GEMM into the chunk's columns of ``out``."""
+    rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows (``matmul_dispatch.dequant_chunk``: the
+    kernel, the rows that fit the weights' F16 scratch) one dequantization and one cuBLAS GEMM into the chunk's
+    columns of ``out``."""
     xp = b.xp
     if xp is np:
         vals = [w.values() for w in ws]
@@ -333,7 +334,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, tiled_kernel  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, dequant_chunk, tiled_kernel  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
@@ -368,8 +369,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         if not o.flags.c_contiguous or o.shape != (n_tok, w.shape[0]):
             raise ValueError(f"output of shape {o.shape} for a {w.shape} weight and {n_tok} tokens")
         n_out, n_in = w.shape
-        chunk = max(1, min(n_out, scratch.size // n_in))
-        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
+        dequant, chunk = dequant_chunk(n_out, n_in, scratch.size)
+        fn = K.get_function(K.dense_q_variant(w.type_id), f"{dequant}<{w.type_id}>")
         for r0 in range(0, n_out, chunk):
             r1 = min(n_out, r0 + chunk)
             steps.append(K.grid_launch(fn, (r1 - r0) * (n_in // 32),

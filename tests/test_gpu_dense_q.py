@@ -463,6 +463,28 @@ def test_dequant_f16_and_get_rows_q(name):
     _close(rows_out.get().astype(np.float64), vals[ids], 2e-7)
 
 
+@pytest.mark.parametrize("name", BLOCK_TYPES)
+def test_dequant_f16w_matches_dense_dequant_f16(name):
+    """dense_dequant_f16w (the warp's stores coalesced) writes dense_dequant_f16's halves bit for
+    bit, over a last warp of 24 sub-blocks and a grid of 3 blocks (each warp loops), and nothing past
+    the matrix (the poisoned tail stays NaN)."""
+    lay = block_layout(name)
+    n_in = 768 if lay.values == 256 else 96    # 24 or 3 sub-blocks a row: 301 rows end mid-warp
+    rows = 301
+    q, _ = _blocks(name, rows, n_in, 11)
+    d_q = cupy.asarray(q)
+    outs = []
+    for kernel, grid in (("dense_dequant_f16", 64), ("dense_dequant_f16w", 3)):
+        out = cupy.full(rows * n_in + 4096, np.nan, np.float16)
+        _launch(lay.type_id, f"{kernel}<{lay.type_id}>", (grid, 1, 1), (256, 1, 1), ctypes.c_uint64(d_q.data.ptr),
+                ctypes.c_uint64(out.data.ptr), ctypes.c_int64(q.shape[1]), ctypes.c_int32(n_in), ctypes.c_int64(rows))
+        outs.append(out.get())
+    assert rows * n_in // 32 % 32 != 0
+    for out in outs:
+        assert np.isfinite(out[: rows * n_in]).all() and np.isnan(out[rows * n_in:]).all()
+    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
 def _close(got, want, rtol):
     """``got`` within ``rtol`` of ``want`` elementwise, plus 1e-6 of the row's largest value."""
     tol = rtol * np.abs(want) + 1e-6 * np.abs(want).max(axis=1, keepdims=True)

@@ -493,8 +493,18 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
     assert xp_matmul._gemv(b, ws[:2], Dev((20, 256)), [Dev((20, 64)), Dev((20, 16))], mode=0) is None   # GEMM's
 
 
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate):
+@pytest.mark.parametrize("accumulate, kernel, chunk_rows, spans", [
+    (False, "dense_dequant_f16", None, [(0, 100), (100, 200), (200, 250), (0, 40)]),
+    (True, "dense_dequant_f16", None, [(0, 100), (100, 200), (200, 250), (0, 40)]),
+    (False, "dense_dequant_f16w", 120, [(0, 100), (100, 200), (200, 250), (0, 40)]),   # the scratch bounds it
+    (True, "dense_dequant_f16w", 70, [(0, 70), (70, 140), (140, 210), (210, 250), (0, 40)])])
+def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate, kernel, chunk_rows,
+                                                               spans):
+    """Past the tiled GEMMs each chunk of rows (matmul_dispatch.dequant_chunk: what the scratch
+    holds, at most DEQUANT_CHUNK_ROWS) is one launch of DEQUANT_KERNEL into the scratch and one
+    cuBLAS GEMM into the chunk's columns of the output."""
+    monkeypatch.setattr(md, "DEQUANT_KERNEL", kernel)
+    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", chunk_rows)
     monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
@@ -506,17 +516,31 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeyp
     deq = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and "dequant" in ln.fn.name]
     gemms = [ln.args for ln in launches if getattr(ln, "fn", None) == "gemm"]
     row_bytes = block_layout("Q8_0").row_bytes(256)
-    spans = [(0, 100), (100, 200), (200, 250), (0, 40)]
-    assert len(deq) == len(gemms) == 4
-    for (r0, r1), ln, gm, (w, o) in zip(spans, deq, gemms, [(w1, outs[0])] * 3 + [(w2, outs[1])]):
+    assert len(deq) == len(gemms) == len(spans)
+    for (r0, r1), ln, gm, (w, o) in zip(spans, deq, gemms, [(w1, outs[0])] * (len(spans) - 1) + [(w2, outs[1])]):
         src, dst, rb, n_in, rows = (a.value for a in ln.params)
         assert (src, dst, rb, n_in, rows) == (w.blocks.data.ptr + r0 * row_bytes, scratch.data.ptr, row_bytes, 256,
                                               r1 - r0)
-        assert ln.fn.name == "dense_dequant_f16<8>"
+        assert ln.fn.name == f"{kernel}<8>"
         wptr, n_out, k, _x16, n_tok, out, ldc, beta = gm
         assert (wptr, n_out, k, n_tok, out, ldc) == (scratch.data.ptr, r1 - r0, 256, 33, o.data.ptr + 4 * r0,
                                                      w.shape[0])
         assert beta == (1.0 if accumulate else 0.0)
+
+
+def test_dequant_chunk_bounds_and_refusals(monkeypatch):
+    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16", None)   # (A/Bs until measured)
+    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16", 14336)
+    assert md.dequant_chunk(10, 4096, 100) == ("dense_dequant_f16", 1)   # a row at least
+    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 4096)
+    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16", 4096)
+    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 0)
+    with pytest.raises(ValueError, match="DEQUANT_CHUNK_ROWS"):
+        md.dequant_chunk(16, 256, 4096)
+    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", None)
+    monkeypatch.setattr(md, "DEQUANT_KERNEL", "dense_dequant_f32")
+    with pytest.raises(ValueError, match="DEQUANT_KERNEL"):
+        md.dequant_chunk(16, 256, 4096)
 
 
 @pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])

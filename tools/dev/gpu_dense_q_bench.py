@@ -6,7 +6,7 @@ form ``dense_gemm_qs`` and its int8 twin ``dense_gemm_q8`` (the activations' qua
 4.2 TB/s floor, and the crossovers (``matmul_dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
     python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512]
-                                          [--tiled-only 16,32,64] [--out F.json]
+                                          [--tiled-only 16,32,64] [--dequant-only 128,512] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -63,6 +63,68 @@ def _dequant_cublas(cp, K, ws: dict, x16, xf16, dequant: bool = True):
                 deq()
             cp.matmul(xx, a.T)
     return go
+
+
+def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_rows, gemm: bool = True):
+    """One layer as the model runs path ``gemm`` (graph/xp_matmul.py): per matrix, per chunk of
+    rows (matmul_dispatch.dequant_chunk with DEQUANT_KERNEL ``kernel`` and DEQUANT_CHUNK_ROWS
+    ``chunk_rows``), the dequantization into the matrix's scratch and cuBLAS's F32-output GEMM into
+    the chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
+    import ctypes
+
+    from ggml_attn import matmul_dispatch as md
+    from ggml_attn.graph.cublas_gemm import _CublasGemm
+    saved = md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS
+    md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = kernel, chunk_rows
+    try:
+        steps = []
+        for k, w in ws.items():
+            n_out, n_in = w.shape
+            xx, out = (xf16 if k == "wd" else x16), outs[k]
+            name, chunk = md.dequant_chunk(n_out, n_in, w.scratch.size)
+            fn = K.get_function(K.dense_q_variant(w.type_id), f"{name}<{w.type_id}>")
+            for r0 in range(0, n_out, chunk):
+                r1 = min(n_out, r0 + chunk)
+                steps.append(K.grid_launch(fn, (r1 - r0) * (n_in // 32),
+                                           ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
+                                           ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
+                                           ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
+                if gemm:
+                    steps.append(_CublasGemm.of_ptrs(w.scratch.data.ptr, r1 - r0, n_in, xx.data.ptr, xx.shape[0],
+                                                     out.data.ptr + 4 * r0, n_out))
+    finally:
+        md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = saved
+
+    def go():
+        for s in steps:
+            s()
+    return go
+
+
+def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows, log):
+    """Path ``gemm``'s A/Bs at ``tokens``: each dequantization kernel (matmul_dispatch.DEQUANT_KERNELS)
+    alone (its write and read bandwidth), then with cuBLAS whole and in chunks of 4096 and 2048 rows
+    (DEQUANT_CHUNK_ROWS: the chunk's F16 values still in L2 for the GEMM), and cuBLAS on the F16
+    matrices alone."""
+    from ggml_attn.matmul_dispatch import DEQUANT_KERNELS
+    f16_bytes = 2 * sum(a * b for a, b in SHAPES.values())
+    for n in tokens:
+        x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
+        xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
+        outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
+        cases = [(f"{k[6:]} alone", lambda ws, k=k: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, None, gemm=False))
+                 for k in DEQUANT_KERNELS]
+        cases += [(f"{k[6:]}+gemm{'' if c is None else f' c{c}'}",
+                   lambda ws, k=k, c=c: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, c))
+                  for k in DEQUANT_KERNELS for c in (None, 4096, 2048)]
+        cases += [("cublas f16", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16, dequant=False))]
+        for impl, make in cases:
+            med, lo, hi = device_us([make(ws) for ws in layers])
+            moved = (nbytes + f16_bytes) / med / 1e6   # blocks read + halves written, TB/s
+            rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
+                             us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
+                             tbps_rw=round(moved, 2)))
+            log(f"{t:5s} {impl:28s} n_tok={n:3d} {med:9.1f} us ({moved:.2f} TB/s of blocks read + halves written)")
 
 
 def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch, kernel: str = "dense_gemm_q", bn=None):
@@ -168,10 +230,11 @@ def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
 
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
         rows: list | None = None, max_tokens: int = 512, tiled_only: tuple | None = None,
-        q8x_only: bool = False) -> list[dict]:
+        q8x_only: bool = False, dequant_only: tuple | None = None) -> list[dict]:
     """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them);
     ``tiled_only``: just the tiled GEMMs' rows at these token counts; ``q8x_only``: just the
-    8-bit-activation GEMV's (both: those two)."""
+    8-bit-activation GEMV's; ``dequant_only``: just path gemm's A/Bs at these token counts (any
+    of the three together: those)."""
     import cupy as cp
 
     from ggml_attn import kernels as K
@@ -183,7 +246,9 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         layers = [_layer(cp, t, s) for s in range(2)]
         nbytes = sum(w.nbytes for w in layers[0].values())
         floor = nbytes / 4.2e6
-        if q8x_only or tiled_only:
+        if q8x_only or tiled_only or dequant_only:
+            if dequant_only:
+                _dequant_rows(cp, K, device_us, t, layers, dequant_only, nbytes, floor, rows, log)
             if q8x_only:
                 _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log)
             if tiled_only:
@@ -284,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiled-only", default="", help="just the tiled GEMMs' rows at these token counts (e.g. 16,32,64)")
     ap.add_argument("--q8x-only", action="store_true",
                     help="just the 8-bit-activation GEMV's rows, every form (with --tiled-only: both)")
+    ap.add_argument("--dequant-only", default="",
+                    help="just the dequantize + cuBLAS A/Bs (kernels, chunks of rows) at these token counts (e.g. 128,512)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
@@ -296,7 +363,7 @@ def main(argv=None) -> int:
                 json.dump(rows, f, indent=1)
     run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows,
         max_tokens=a.max_tokens, tiled_only=tuple(int(n) for n in a.tiled_only.split(",")) if a.tiled_only else None,
-        q8x_only=a.q8x_only)
+        q8x_only=a.q8x_only, dequant_only=tuple(int(n) for n in a.dequant_only.split(",")) if a.dequant_only else None)
     return 0
 
 

@@ -28,22 +28,27 @@
 #      -> $OUT/logs/tests_qrd.log, one 8B layer at 64 / 16 tokens -> $OUT/dense_qrd.json, batched B=16 / 64 S_TG
 #      shipped / qrd (knob_ab) -> $OUT/ab_qrd.json, and ncu of dense_gemm_qr at 64 / 16 tokens and of
 #      dense_gemm_qw2h at 512 (stall reasons, throughputs: gpu_profile_case.py dense-qs) -> $OUT/ncu_<kernel>.txt
-#   (--qrd runs first, then --qw.)
-# Steps in the order 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
+#   8. (--deq) path gemm's dequantization (matmul_dispatch.DEQUANT_KERNEL / DEQUANT_CHUNK_ROWS): GPU tests
+#      (-k dequant) -> $OUT/logs/tests_deq.log, memcheck of the block kernels' dequantizations
+#      (gpu_sanitize_case.py --dense-q), one 8B layer at 128 / 512 tokens, each kernel alone, with cuBLAS
+#      whole and in chunks of 4096 / 2048 rows -> $OUT/dense_deq.json, pp512 on the Q4_K_M file shipped / deqw /
+#      deqw-c4096 / deq-c4096 (knob_ab) -> $OUT/ab_deq.json
+#   (--deq runs first, then --qrd, then --qw.)
+# Steps in the order 8, 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--qrd] [--rounds 2]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--qrd] [--deq] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; QRD=0; ROUNDS=2
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; QRD=0; DEQ=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --qrd) QRD=1;; --rounds) ROUNDS="$2"; shift;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --qrd) QRD=1;; --deq) DEQ=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -56,9 +61,28 @@ if [ $INSTALL = 1 ]; then
   OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
-if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QRD = 1 ]; then   # (the file, written while the GPU works)
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QRD = 1 ] || [ $DEQ = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
+fi
+if [ $DEQ = 1 ]; then
+  echo "== path gemm's dequantization: tests, memcheck, one 8B layer, pp512"
+  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k dequant \
+      > "$LOGS/tests_deq.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_deq.log" | head -10; tail -1 "$LOGS/tests_deq.log"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+      > "$LOGS/san_deq_memcheck.log" 2>&1 || { status=1; echo "memcheck: see logs/san_deq_memcheck.log"; }
+  grep -E "^dequant|ERROR SUMMARY" "$LOGS/san_deq_memcheck.log" | head -12
+  (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 128,512 --out "$OUT/dense_deq.json") \
+      2>&1 | grep -E "n_tok=" || status=1
+  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  WRITER=
+  timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_deq.json" --variant shipped \
+      --variant "deqw:matmul_dispatch.DEQUANT_KERNEL='dense_dequant_f16w'" \
+      --variant "deqw-c4096:matmul_dispatch.DEQUANT_KERNEL='dense_dequant_f16w',matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
+      --variant "deq-c4096:matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
+      bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -7 || status=1
+  say
 fi
 if [ $QRD = 1 ]; then
   echo "== dense_gemm_qr's deeper ring: tests, one 8B layer, batched S_TG; ncu of the staged GEMMs"
