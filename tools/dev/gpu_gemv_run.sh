@@ -29,10 +29,10 @@
 #      shipped / qrd (knob_ab) -> $OUT/ab_qrd.json, and ncu of dense_gemm_qr at 64 / 16 tokens and of
 #      dense_gemm_qw2h at 512 (stall reasons, throughputs: gpu_profile_case.py dense-qs) -> $OUT/ncu_<kernel>.txt
 #   8. (--deq) path gemm's dequantization (matmul_dispatch.DEQUANT_KERNEL / DEQUANT_CHUNK_ROWS): GPU tests
-#      (-k dequant) -> $OUT/logs/tests_deq.log, memcheck of the block kernels' dequantizations
-#      (gpu_sanitize_case.py --dense-q), one 8B layer at 128 / 512 tokens, each kernel alone, with cuBLAS
+#      (-k dequant) -> $OUT/logs/tests_deq.log, one 8B layer at 128 / 512 tokens, each kernel alone, with cuBLAS
 #      whole and in chunks of 4096 / 2048 rows -> $OUT/dense_deq.json, pp512 on the Q4_K_M file shipped / deqw /
-#      deqw-c4096 / deq-c4096 (knob_ab) -> $OUT/ab_deq.json
+#      deqw-c4096 / deq-c4096 (knob_ab) -> $OUT/ab_deq.json, and last of all (the numbers first where a
+#      call is cut) memcheck of the block kernels, the dequantizations among them (gpu_sanitize_case.py --dense-q)
 #   (--deq runs first, then --qrd, then --qw.)
 # Steps in the order 8, 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -70,9 +70,6 @@ if [ $DEQ = 1 ]; then
   timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k dequant \
       > "$LOGS/tests_deq.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_deq.log" | head -10; tail -1 "$LOGS/tests_deq.log"
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-      > "$LOGS/san_deq_memcheck.log" 2>&1 || { status=1; echo "memcheck: see logs/san_deq_memcheck.log"; }
-  grep -E "^dequant|ERROR SUMMARY" "$LOGS/san_deq_memcheck.log" | head -12
   (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 128,512 --out "$OUT/dense_deq.json") \
       2>&1 | grep -E "n_tok=" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
@@ -84,6 +81,7 @@ if [ $DEQ = 1 ]; then
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -7 || status=1
   say
 fi
+DEQ_MEMCHECK=$DEQ   # (after the other steps: the numbers first where the call is short)
 if [ $QRD = 1 ]; then
   echo "== dense_gemm_qr's deeper ring: tests, one 8B layer, batched S_TG; ncu of the staged GEMMs"
   timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k qrd \
@@ -177,6 +175,12 @@ if [ $QR = 1 ]; then
   echo "== the tiled GEMMs at 16-64 tokens"
   (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --tiled-only 16,32,64 --out "$OUT/dense_qr.json") 2>&1 | tail -40 || status=1
   say
+fi
+if [ $DEQ_MEMCHECK = 1 ]; then
+  echo "== memcheck of the block kernels (the dequantizations among them)"
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+      > "$LOGS/san_deq_memcheck.log" 2>&1 || { status=1; echo "memcheck: see logs/san_deq_memcheck.log"; }
+  grep -E "^dequant|ERROR SUMMARY" "$LOGS/san_deq_memcheck.log" | head -12
 fi
 rm -f /tmp/gemv-q4km.gguf
 echo "== done in $(( $(date +%s) - t0 ))s, status $status"
