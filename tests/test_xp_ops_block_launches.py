@@ -5,6 +5,7 @@ is checked: ``dense_gemv_q``'s parameter block (segment pointers and rows, activ
 weight, row bytes, token count, mode), its instance and grid; the GEMM path's chunks (every row
 of every weight once, each chunk's dequantize launch and GEMM at the right byte and column
 offsets); the embedding's block rows; and where each path is taken (``md.best_matmul``)."""
+import pathlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -526,6 +527,32 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeyp
         assert (wptr, n_out, k, n_tok, out, ldc) == (scratch.data.ptr, r1 - r0, 256, 33, o.data.ptr + 4 * r0,
                                                      w.shape[0])
         assert beta == (1.0 if accumulate else 0.0)
+
+
+@pytest.mark.parametrize("kernel, chunk_rows", [("dense_dequant_f16", None), ("dense_dequant_f16w", 70)])
+def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch, kernel, chunk_rows):
+    """tools/dev/gpu_dense_q_bench.py's dequantize + cuBLAS rows launch what _qmatmuls launches for
+    the same matrix, kernel and chunks (the scratch, the spans, the GEMMs' columns; the bench's own
+    F16 x), and leave the knobs as they found them."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "dev"))
+    import gpu_dense_q_bench as bench
+    for knob in ("QGEMM_MAX_TOKENS", "QSGEMM_MAX_TOKENS", "QRGEMM_MAX_TOKENS"):
+        monkeypatch.setattr(md, knob, 0)   # 33 tokens: dequantize + cuBLAS in the model too
+    scratch = Dev((256 * 100,), np.float16)
+    w, x16, out = _qmatrix("Q8_0", 250, 256, scratch), Dev((33, 256), np.float16), Dev((33, 250))
+
+    def recorded():
+        return [ln.args if ln.fn == "gemm" else (ln.fn.name, tuple(a.value for a in ln.params))
+                for ln in launches if ln.fn == "gemm" or "dequant" in ln.fn.name]
+    bench._dequant_gemm(None, K, {"wq": w}, x16, None, {"wq": out}, kernel, chunk_rows)
+    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16", None)
+    got = recorded()
+    launches.clear()
+    monkeypatch.setattr(md, "DEQUANT_KERNEL", kernel)
+    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", chunk_rows)
+    xp_matmul._qmatmuls(Builder(), [w], Dev((33, 256)), [out])
+    want = [a[:3] + (x16.data.ptr,) + a[4:] if a[0] == scratch.data.ptr else a for a in recorded()]
+    assert got == want and len(got) == 2 * -(-250 // (chunk_rows or 100))
 
 
 def test_dequant_chunk_bounds_and_refusals(monkeypatch):

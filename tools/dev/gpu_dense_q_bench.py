@@ -73,7 +73,7 @@ def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_row
     import ctypes
 
     from ggml_attn import matmul_dispatch as md
-    from ggml_attn.graph.cublas_gemm import _CublasGemm
+    from ggml_attn.graph.cublas_gemm import CublasGemm
     saved = md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS
     md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = kernel, chunk_rows
     try:
@@ -90,8 +90,8 @@ def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_row
                                            ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
                                            ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
                 if gemm:
-                    steps.append(_CublasGemm.of_ptrs(w.scratch.data.ptr, r1 - r0, n_in, xx.data.ptr, xx.shape[0],
-                                                     out.data.ptr + 4 * r0, n_out))
+                    steps.append(CublasGemm.of_ptrs(w.scratch.data.ptr, r1 - r0, n_in, xx.data.ptr, xx.shape[0],
+                                                    out.data.ptr + 4 * r0, n_out))
     finally:
         md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = saved
 

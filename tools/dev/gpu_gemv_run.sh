@@ -57,6 +57,11 @@ done
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
 say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
+gpu_tests() {   # NAME K: tests/test_gpu_dense_q.py -k K -> $LOGS/tests_NAME.log, its failures and summary printed
+  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "$2" \
+      > "$LOGS/tests_$1.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_$1.log" | head -10; tail -1 "$LOGS/tests_$1.log"
+}
 if [ $INSTALL = 1 ]; then
   OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
@@ -66,10 +71,8 @@ if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QRD = 1 ] || [ $DEQ = 1 ]; 
   WRITER=$!
 fi
 if [ $DEQ = 1 ]; then
-  echo "== path gemm's dequantization: tests, memcheck, one 8B layer, pp512"
-  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k dequant \
-      > "$LOGS/tests_deq.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests_deq.log" | head -10; tail -1 "$LOGS/tests_deq.log"
+  echo "== path gemm's dequantization: tests, one 8B layer, pp512 (its memcheck last)"
+  gpu_tests deq dequant
   (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 128,512 --out "$OUT/dense_deq.json") \
       2>&1 | grep -E "n_tok=" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
@@ -81,12 +84,9 @@ if [ $DEQ = 1 ]; then
       bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -7 || status=1
   say
 fi
-DEQ_MEMCHECK=$DEQ   # (after the other steps: the numbers first where the call is short)
 if [ $QRD = 1 ]; then
   echo "== dense_gemm_qr's deeper ring: tests, one 8B layer, batched S_TG; ncu of the staged GEMMs"
-  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k qrd \
-      > "$LOGS/tests_qrd.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests_qrd.log" | head -10; tail -1 "$LOGS/tests_qrd.log"
+  gpu_tests qrd qrd
   (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_qrd.json") \
       2>&1 | grep -E "gemm_qrd?( bn..)? |cublas f16" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
@@ -176,7 +176,7 @@ if [ $QR = 1 ]; then
   (cd tools/dev && $PY gpu_dense_q_bench.py --types Q4_K,Q6_K,Q8_0 --tiled-only 16,32,64 --out "$OUT/dense_qr.json") 2>&1 | tail -40 || status=1
   say
 fi
-if [ $DEQ_MEMCHECK = 1 ]; then
+if [ $DEQ = 1 ]; then   # (after the other steps: the numbers first where the call is short)
   echo "== memcheck of the block kernels (the dequantizations among them)"
   timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
       > "$LOGS/san_deq_memcheck.log" 2>&1 || { status=1; echo "memcheck: see logs/san_deq_memcheck.log"; }
