@@ -188,8 +188,8 @@ def test_side_by_side_saves_what_it_has_when_a_timeout_stops_it(tmp_path):
         "lcs.save_at_exit(lambda: (out / 'saved.json').write_text('{}'))\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "(out / 'child').write_text(str(child.pid))\n"
-        "print('ready', flush=True)\n"
-        "try:\n"
+        "try:\n"   # ('ready' inside: a SIGTERM handled just after the print still kills the child)
+        "    print('ready', flush=True)\n"
         "    child.wait()\n"
         "finally:\n"
         "    child.kill()\n")
