@@ -317,9 +317,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
-    rounded to F16 once, :func:`gemm_q_launch`), else per chunk of rows (``matmul_dispatch.dequant_chunk``: the
-    kernel, the rows that fit the weights' F16 scratch) one dequantization and one cuBLAS GEMM into the chunk's
-    columns of ``out``."""
+    rounded to F16 once, :func:`gemm_q_launch`), else :func:`dequant_gemm_launches` (per chunk of rows one
+    dequantization into the weights' F16 scratch and one cuBLAS GEMM)."""
     xp = b.xp
     if xp is np:
         vals = [w.values() for w in ws]
@@ -334,7 +333,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, dequant_chunk, tiled_kernel  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, tiled_kernel  # noqa: PLC0415
     n_tok, n_in = x.shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, x16, q8 = [], None, None
@@ -363,25 +362,33 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
                          gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
-        scratch = getattr(w, "scratch", None)
-        if scratch is None:
-            raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
-        if not o.flags.c_contiguous or o.shape != (n_tok, w.shape[0]):
-            raise ValueError(f"output of shape {o.shape} for a {w.shape} weight and {n_tok} tokens")
-        n_out, n_in = w.shape
-        dequant, chunk = dequant_chunk(n_out, n_in, scratch.size)
-        fn = K.get_function(K.dense_q_variant(w.type_id), f"{dequant}<{w.type_id}>")
-        for r0 in range(0, n_out, chunk):
-            r1 = min(n_out, r0 + chunk)
-            steps.append(K.grid_launch(fn, (r1 - r0) * (n_in // 32),
-                                       ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
-                                       ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes),
-                                       ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
-            steps.append(_CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok,
-                                             o.data.ptr + 4 * r0, n_out, beta=1.0 if accumulate else 0.0))
-        b.keep(w.blocks, scratch)
+        steps += [launch for pair in dequant_gemm_launches(w, x16, o, accumulate=accumulate) for launch in pair]
+        b.keep(w.blocks, w.scratch)
     b.keep(*([x16] if x16 is not None else []), *outs)
     return _then(*steps)
+
+
+def dequant_gemm_launches(w, x16, out, *, accumulate: bool = False) -> list[tuple]:
+    """Path ``gemm`` of ``out (+)= w·x16`` (``QMatrix`` ``w`` ``(n_out, n_in)`` with its F16 ``scratch``,
+    ``x16`` F16 ``(n_tokens, n_in)``, ``out`` F32 ``(n_tokens, n_out)``, C-contiguous): per chunk of rows
+    (``matmul_dispatch.dequant_chunk``) the pair (dequantization into the scratch, cuBLAS GEMM into the
+    chunk's columns of ``out``), functions of no arguments; the caller keeps the arrays. ValueError
+    for a matrix without scratch or an ``out`` that does not fit."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import dequant_chunk  # noqa: PLC0415
+    scratch, (n_out, n_in), n_tok = getattr(w, "scratch", None), (int(d) for d in w.shape), int(x16.shape[0])
+    if scratch is None:
+        raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
+    if not out.flags.c_contiguous or out.shape != (n_tok, n_out):
+        raise ValueError(f"output of shape {out.shape} for a {w.shape} weight and {n_tok} tokens")
+    dequant, chunk = dequant_chunk(n_out, n_in, scratch.size)
+    fn = K.get_function(K.dense_q_variant(w.type_id), f"{dequant}<{w.type_id}>")
+    spans = [(r0, min(n_out, r0 + chunk)) for r0 in range(0, n_out, chunk)]
+    return [(K.grid_launch(fn, (r1 - r0) * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
+                           ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes), ctypes.c_int32(n_in),
+                           ctypes.c_int64(r1 - r0)),
+             _CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok, out.data.ptr + 4 * r0, n_out,
+                                 beta=1.0 if accumulate else 0.0)) for r0, r1 in spans]
 
 
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",

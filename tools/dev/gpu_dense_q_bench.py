@@ -66,34 +66,19 @@ def _dequant_cublas(cp, K, ws: dict, x16, xf16, dequant: bool = True):
 
 
 def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_rows, gemm: bool = True):
-    """One layer as the model runs path ``gemm`` (graph/xp_matmul.py): per matrix, per chunk of
-    rows (matmul_dispatch.dequant_chunk with DEQUANT_KERNEL ``kernel`` and DEQUANT_CHUNK_ROWS
-    ``chunk_rows``), the dequantization into the matrix's scratch and cuBLAS's F32-output GEMM into
-    the chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
-    import ctypes
-
+    """One layer as the model runs path ``gemm`` (graph/xp_matmul.py's dequant_gemm_launches, with
+    matmul_dispatch.DEQUANT_KERNEL ``kernel`` and DEQUANT_CHUNK_ROWS ``chunk_rows``): per matrix and
+    chunk of rows the dequantization into the matrix's scratch and cuBLAS's F32-output GEMM into the
+    chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
     from ggml_attn import matmul_dispatch as md
-    from ggml_attn.graph.cublas_gemm import CublasGemm
+    from ggml_attn.graph.xp_matmul import dequant_gemm_launches
     saved = md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS
     md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = kernel, chunk_rows
     try:
-        steps = []
-        for k, w in ws.items():
-            n_out, n_in = w.shape
-            xx, out = (xf16 if k == "wd" else x16), outs[k]
-            name, chunk = md.dequant_chunk(n_out, n_in, w.scratch.size)
-            fn = K.get_function(K.dense_q_variant(w.type_id), f"{name}<{w.type_id}>")
-            for r0 in range(0, n_out, chunk):
-                r1 = min(n_out, r0 + chunk)
-                steps.append(K.grid_launch(fn, (r1 - r0) * (n_in // 32),
-                                           ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
-                                           ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
-                                           ctypes.c_int32(n_in), ctypes.c_int64(r1 - r0)))
-                if gemm:
-                    steps.append(CublasGemm.of_ptrs(w.scratch.data.ptr, r1 - r0, n_in, xx.data.ptr, xx.shape[0],
-                                                    out.data.ptr + 4 * r0, n_out))
+        pairs = [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])]
     finally:
         md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = saved
+    steps = [s for p in pairs for s in (p if gemm else p[:1])]
 
     def go():
         for s in steps:
