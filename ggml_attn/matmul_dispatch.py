@@ -168,14 +168,14 @@ QWGEMM_HALF = False
 # copy issued a step before landing late (bench/NOTES.md, twenty-first session). An A/B until measured.
 QRGEMM_DEEP = False
 # Past the tiled GEMMs (path ``gemm``) block matrices are dequantized into the weights' F16
-# scratch and multiplied by cuBLAS, a chunk of rows at a time: the dequantization costs more than
-# the GEMM at 512 tokens (one 8B Q4_K layer 720 us against cuBLAS's 334 on the F16 matrices: H100,
-# ac46a49), ~1.4 TB/s for its 123 MB read and 436 MB written. DEQUANT_KERNEL: dense_dequant_f16
-# (each lane stores its sub-block's 64 bytes) or dense_dequant_f16w (the same values, a warp's
-# stores in 512-byte runs). DEQUANT_CHUNK_ROWS: at most this many rows a chunk (None: as many as
-# the scratch holds), so that a chunk's F16 values can still be in L2 when cuBLAS reads them and the
-# next chunk writes over them there. Both A/Bs until measured (bench/NOTES.md, twenty-second session).
-DEQUANT_KERNEL = "dense_dequant_f16"
+# scratch and multiplied by cuBLAS, a chunk of rows at a time. DEQUANT_KERNEL: dense_dequant_f16w
+# (a warp's stores in 512-byte runs through shared memory), measured on the H100 at a2d3dc2 against
+# dense_dequant_f16 (each lane stores its sub-block's 64 bytes, every sector in two partial writes):
+# one 8B Q4_K layer 391.8 -> 220.5 us (1.43 -> 2.53 TB/s of blocks read and halves written), pp512
+# on Q4_K_M 15,990 -> 20,713 t/s (bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/). DEQUANT_CHUNK_ROWS:
+# at most this many rows a chunk (None: as many as the scratch holds); 4096 measured 2.5% slower
+# there (the chunk's halves still in L2 for cuBLAS do not pay for its smaller GEMMs). An A/B knob.
+DEQUANT_KERNEL = "dense_dequant_f16w"
 DEQUANT_KERNELS = ("dense_dequant_f16", "dense_dequant_f16w")
 DEQUANT_CHUNK_ROWS: int | None = None
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).

@@ -545,7 +545,7 @@ def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch, k
         return [ln.args if ln.fn == "gemm" else (ln.fn.name, tuple(a.value for a in ln.params))
                 for ln in launches if ln.fn == "gemm" or "dequant" in ln.fn.name]
     bench._dequant_gemm(None, K, {"wq": w}, x16, None, {"wq": out}, kernel, chunk_rows)
-    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16", None)
+    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16w", None)
     got = recorded()
     launches.clear()
     monkeypatch.setattr(md, "DEQUANT_KERNEL", kernel)
@@ -556,11 +556,11 @@ def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch, k
 
 
 def test_dequant_chunk_bounds_and_refusals(monkeypatch):
-    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16", None)   # (A/Bs until measured)
-    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16", 14336)
-    assert md.dequant_chunk(10, 4096, 100) == ("dense_dequant_f16", 1)   # a row at least
+    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16w", None)   # (routed at a2d3dc2)
+    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16w", 14336)
+    assert md.dequant_chunk(10, 4096, 100) == ("dense_dequant_f16w", 1)   # a row at least
     monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 4096)
-    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16", 4096)
+    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16w", 4096)
     monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 0)
     with pytest.raises(ValueError, match="DEQUANT_CHUNK_ROWS"):
         md.dequant_chunk(16, 256, 4096)

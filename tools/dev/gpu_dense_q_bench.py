@@ -43,26 +43,23 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def _dequant_cublas(cp, K, ws: dict, x16, xf16, dequant: bool = True):
-    """One layer by dequantize (dense_dequant_f16, each whole matrix into its F16 scratch) + cuBLAS;
-    ``dequant=False``: cuBLAS alone on the F16 matrices (the F16 file's GEMMs, the bound of the
-    block GEMMs' targets)."""
-    import ctypes
-    steps = []
-    for k, w in ws.items():
-        n_out, n_in = w.shape
-        fn = K.get_function(K.dense_q_variant(w.type_id), f"dense_dequant_f16<{w.type_id}>")
-        deq = K.grid_launch(fn, n_out * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr),
-                            ctypes.c_uint64(w.scratch.data.ptr), ctypes.c_int64(w.row_bytes),
-                            ctypes.c_int32(n_in), ctypes.c_int64(n_out))
-        steps.append((deq, w.scratch[: n_out * n_in].reshape(n_out, n_in), xf16 if k == "wd" else x16))
+def _cublas_f16(cp, ws: dict, x16, xf16):
+    """One layer by cuBLAS alone on F16 matrices (each weight's scratch, whatever it holds): the F16
+    file's GEMMs, the bound of the block GEMMs' targets."""
+    steps = [(w.scratch[: w.shape[0] * w.shape[1]].reshape(w.shape), xf16 if k == "wd" else x16) for k, w in ws.items()]
 
     def go():
-        for deq, a, xx in steps:
-            if dequant:
-                deq()
+        for a, xx in steps:
             cp.matmul(xx, a.T)
     return go
+
+
+def _shipped_gemm(cp, K, ws: dict, x16, xf16):
+    """One layer by path ``gemm`` as the model runs it (matmul_dispatch's DEQUANT_KERNEL and
+    DEQUANT_CHUNK_ROWS as they are), into outputs of its own."""
+    from ggml_attn import matmul_dispatch as md
+    outs = {k: cp.empty((x16.shape[0], w.shape[0]), cp.float32) for k, w in ws.items()}
+    return _dequant_gemm(cp, K, ws, x16, xf16, outs, md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS)
 
 
 def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_rows, gemm: bool = True):
@@ -102,7 +99,7 @@ def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows,
         cases += [(f"{k[6:]}+gemm{'' if c is None else f' c{c}'}",
                    lambda ws, k=k, c=c: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, c))
                   for k in DEQUANT_KERNELS for c in (None, 4096, 2048)]
-        cases += [("cublas f16", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16, dequant=False))]
+        cases += [("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             moved = (nbytes + f16_bytes) / med / 1e6   # blocks read + halves written, TB/s
@@ -268,7 +265,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
             if n in GEMM_TOKENS:
-                med, lo, hi = device_us([_dequant_cublas(cp, K, ws, x16, xf16) for ws in layers])
+                med, lo, hi = device_us([_shipped_gemm(cp, K, ws, x16, xf16) for ws in layers])
                 rows.append(dict(case=f"dense_q: 8B layer {t}", impl="dequant+cublas", n_tok=n, us=round(med, 2),
                                  us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1)))
                 log(f"{t:5s} dequant+cuBLAS n_tok={n:3d} {med:9.1f} us")
@@ -315,8 +312,8 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
                           for k in K.GEMMQW_FORMS if K.qw_instance(tid, k)]
         cases += [("gemm_q8", lambda ws: _tiled_q8(cp, K, ws, n, num_sms())),
-                  ("dequant+cublas", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16)),
-                  ("cublas f16", lambda ws: _dequant_cublas(cp, K, ws, x16, xf16, dequant=False))]
+                  ("dequant+cublas", lambda ws: _shipped_gemm(cp, K, ws, x16, xf16)),
+                  ("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
         for impl, make in cases:
             med, lo, hi = device_us([make(ws) for ws in layers])
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),

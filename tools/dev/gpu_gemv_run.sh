@@ -74,7 +74,7 @@ if [ $DEQ = 1 ]; then
   echo "== path gemm's dequantization: tests, one 8B layer, pp512 (its memcheck last)"
   gpu_tests deq dequant
   (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 128,512 --out "$OUT/dense_deq.json") \
-      2>&1 | grep -E "n_tok=" || status=1
+      2>&1 | tee "$LOGS/dense_deq.log" | grep -E "n_tok=|Error" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   WRITER=
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_deq.json" --variant shipped \
