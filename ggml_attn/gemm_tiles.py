@@ -28,6 +28,12 @@ GEMMQS_STAGES = 2            # QS_STAGES
 GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 GEMMQR_TILE = (128, 64, 256)  # dense_gemm_qr's wide tile: QR_BM, BN, QS_BK (its narrow one: GEMMQS_NARROW tokens)
 GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (its __launch_bounds__)
+# values of n_in a dense_gemm_qr split covers at least where its tiles split GEMMQ8_MIN_SPLIT-wise
+# still leave SMs idle (gemm_q_grid). ncu of an 8B layer at 64 tokens (H100, a2d3dc2:
+# bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/ncu_dense_gemm_qr.txt): the 1024-row K and V
+# projections at 1024 (4 steps a block) are 8 x 4 = 32 blocks on 132 SMs, 15.4 us each against 16.9
+# for the 4x larger Q projection. 256 (a step) lets them take 16 splits, 128 blocks. An A/B knob.
+GEMMQR_MIN_SPLIT = 1024
 # the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
@@ -100,7 +106,8 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     left a second wave of a few blocks: 672 blocks for 660 places on the H100, SMs active 71% of
     the time). The staged GEMMs (STAGED_GEMMS) instead take the
     split with the fewest (waves x steps a block),
-    the fewer splits on a tie: its steps are latency-bound, as long with 1 or 3 blocks on an SM
+    the fewer splits on a tie (dense_gemm_qr's where even the least split leaves SMs idle: down to
+    GEMMQR_MIN_SPLIT values): its steps are latency-bound, as long with 1 or 3 blocks on an SM
     (ncu at 34847e7), so a block's steps count and partial waves cost a whole one (the 14336-row
     gate at 16 tokens: 224 tiles, 396 places; 3 splits of 6 steps in 2 waves, 12 steps' time,
     where 1 split takes 16). ``grid[2] > 1``: the launch writes partial sums for
@@ -113,6 +120,10 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     most = max(1, steps * bk // min_split)
     if kernel in STAGED_GEMMS:
         slots = per_sm * max(1, n_sm)
+        if kernel in GEMMQR_KERNELS and tiles * most < slots:   # small matrices: splits of GEMMQR_MIN_SPLIT
+            if GEMMQR_MIN_SPLIT < bk or GEMMQR_MIN_SPLIT % bk:
+                raise ValueError(f"GEMMQR_MIN_SPLIT must be a positive multiple of {bk}, not {GEMMQR_MIN_SPLIT}")
+            most = max(most, steps * bk // GEMMQR_MIN_SPLIT)
         splits = min(range(1, most + 1), key=lambda z: (-(-tiles * z // slots) * -(-steps // z), z))
     else:
         want = per_sm * max(1, n_sm) // tiles   # splits that fit one wave (0: the tiles alone fill it)

@@ -178,6 +178,12 @@ QRGEMM_DEEP = False
 DEQUANT_KERNEL = "dense_dequant_f16w"
 DEQUANT_KERNELS = ("dense_dequant_f16", "dense_dequant_f16w")
 DEQUANT_CHUNK_ROWS: int | None = None
+# Path gemm's streams (graph/path_gemm.py): 1, each dequantization then its GEMM on the graph's
+# stream; 2, the dequantizations on a side stream into two scratch slots taking turns, each under
+# the GEMM before it (the dequantization is memory-bound, ~220 us an 8B Q4_K layer, the GEMMs at
+# 512 tokens compute-bound, ~334). DeviceWeights reads it at load (2: a scratch twice as large,
+# +117 MB on an 8B model). An A/B until measured (bench/NOTES.md, twenty-third session).
+DEQUANT_STREAMS = 1
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}

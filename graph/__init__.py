@@ -26,7 +26,8 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
 * ``build``: a ubatch's ggml graph (``build_checks`` what it may be, ``kv_graph`` the cache's
   views and store op, ``layers`` the layer functions, ``model_graph`` a real model's block,
   ``xp_node`` / ``xp_matmul`` / ``xp_ops`` the device graphs' custom ops (``cublas_gemm``: one
-  capturable cuBLAS GEMM; ``q8_matmul``: the block matmuls on 8-bit activations; ``q8_handoff``: a
+  capturable cuBLAS GEMM; ``path_gemm``: block matrices dequantized for it, on one stream or two;
+  ``q8_matmul``: the block matmuls on 8-bit activations; ``q8_handoff``: a
   GEMV's output in 8-bit form for the next GEMVs), ``staging`` their
   per-ubatch inputs, ``capture`` CUDA graphs);
 * ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines,

@@ -46,6 +46,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
+from .path_gemm import path_gemm_steps
 from . import q8_handoff
 from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
@@ -317,8 +318,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
-    rounded to F16 once, :func:`gemm_q_launch`), else :func:`dequant_gemm_launches` (per chunk of rows one
-    dequantization into the weights' F16 scratch and one cuBLAS GEMM)."""
+    rounded to F16 once, :func:`gemm_q_launch`), else path ``gemm`` (``path_gemm.path_gemm_steps``: per chunk
+    of rows one dequantization into the weights' F16 scratch and one cuBLAS GEMM)."""
     xp = b.xp
     if xp is np:
         vals = [w.values() for w in ws]
@@ -362,33 +363,10 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
                          gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
-        steps += [launch for pair in dequant_gemm_launches(w, x16, o, accumulate=accumulate) for launch in pair]
+        steps += path_gemm_steps(b, w, x16, o, accumulate=accumulate)
         b.keep(w.blocks, w.scratch)
     b.keep(*([x16] if x16 is not None else []), *outs)
     return _then(*steps)
-
-
-def dequant_gemm_launches(w, x16, out, *, accumulate: bool = False) -> list[tuple]:
-    """Path ``gemm`` of ``out (+)= w·x16`` (``QMatrix`` ``w`` ``(n_out, n_in)`` with its F16 ``scratch``,
-    ``x16`` F16 ``(n_tokens, n_in)``, ``out`` F32 ``(n_tokens, n_out)``, C-contiguous): per chunk of rows
-    (``matmul_dispatch.dequant_chunk``) the pair (dequantization into the scratch, cuBLAS GEMM into the
-    chunk's columns of ``out``), functions of no arguments; the caller keeps the arrays. ValueError
-    for a matrix without scratch or an ``out`` that does not fit."""
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import dequant_chunk  # noqa: PLC0415
-    scratch, (n_out, n_in), n_tok = getattr(w, "scratch", None), (int(d) for d in w.shape), int(x16.shape[0])
-    if scratch is None:
-        raise ValueError(f"{w.type} matrix of shape {w.shape} on the GPU has no F16 scratch (DeviceWeights makes one)")
-    if not out.flags.c_contiguous or out.shape != (n_tok, n_out):
-        raise ValueError(f"output of shape {out.shape} for a {w.shape} weight and {n_tok} tokens")
-    dequant, chunk = dequant_chunk(n_out, n_in, scratch.size)
-    fn = K.get_function(K.dense_q_variant(w.type_id), f"{dequant}<{w.type_id}>")
-    spans = [(r0, min(n_out, r0 + chunk)) for r0 in range(0, n_out, chunk)]
-    return [(K.grid_launch(fn, (r1 - r0) * (n_in // 32), ctypes.c_uint64(w.blocks.data.ptr + r0 * w.row_bytes),
-                           ctypes.c_uint64(scratch.data.ptr), ctypes.c_int64(w.row_bytes), ctypes.c_int32(n_in),
-                           ctypes.c_int64(r1 - r0)),
-             _CublasGemm.of_ptrs(scratch.data.ptr, r1 - r0, n_in, x16.data.ptr, n_tok, out.data.ptr + 4 * r0, n_out,
-                                 beta=1.0 if accumulate else 0.0)) for r0, r1 in spans]
 
 
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",

@@ -796,6 +796,33 @@ def test_gemm_q8_grid_covers_every_value_and_takes_the_fewest_step_waves():
         assert all(cost(gz) <= cost(z) for z in range(1, max(1, steps * 256 // K.GEMMQ8_MIN_SPLIT) + 1))
 
 
+def test_gemm_qr_min_split_lets_small_matrices_fill_the_sms(monkeypatch):
+    """gemm_tiles.GEMMQR_MIN_SPLIT bounds dense_gemm_qr's (and dense_gemm_qrd's) split from below
+    where GEMMQ8_MIN_SPLIT's leaves SMs idle: an 8B layer's 1024-row K projection at 64 tokens is
+    8 x 4 blocks at 1024 values and takes 16 splits (128 blocks on 132 SMs) at 256; the matrices
+    whose tiles fill the SMs keep their grids, dense_gemm_qs keeps GEMMQ8_MIN_SPLIT; values that
+    are not whole steps are refused."""
+    from ggml_attn import gemm_tiles
+    assert gemm_tiles.GEMMQR_MIN_SPLIT == 1024
+    shapes = {"wk": (1024, 4096), "wq": (4096, 4096), "wg": (14336, 4096), "wd": (4096, 14336)}
+    before = {k: K.gemm_q_grid(r, 64, n_in, 132, "dense_gemm_qr")[0] for k, (r, n_in) in shapes.items()}
+    assert before["wk"] == (8, 1, 4)
+    for ms in (256, 512):
+        monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", ms)
+        for kernel in K.GEMMQR_KERNELS:
+            after = {k: K.gemm_q_grid(r, 64, n_in, 132, kernel)[0] for k, (r, n_in) in shapes.items()}
+            assert after["wk"] == (8, 1, 16 if ms == 256 else 8)
+            assert {k: g for k, g in after.items() if k != "wk"} == {k: g for k, g in before.items() if k != "wk"}
+        assert K.gemm_q_grid(1024, 64, 4096, 132, "dense_gemm_qs")[0][2] <= 4096 // K.GEMMQ8_MIN_SPLIT
+        for n_in in (256, 768, 4096 + 512):   # every value once, whole steps a split
+            (gm, gn, gz), kc = K.gemm_q_grid(1024, 16, n_in, 132, "dense_gemm_qr")
+            assert kc % 256 == 0 and (gz == 1 or kc >= ms) and (gz - 1) * kc < n_in <= gz * kc
+    for bad in (0, 100, 300):
+        monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", bad)
+        with pytest.raises(ValueError, match="GEMMQR_MIN_SPLIT"):
+            K.gemm_q_grid(1024, 64, 4096, 132, "dense_gemm_qr")
+
+
 def test_embedding_rows_of_blocks(launches):
     table = _qmatrix("Q4_0", 1000, 256)
     b = Builder()

@@ -6,7 +6,7 @@ form ``dense_gemm_qs`` and its int8 twin ``dense_gemm_q8`` (the activations' qua
 4.2 TB/s floor, and the crossovers (``matmul_dispatch.QGEMM_MAX_TOKENS``: where the tiled GEMM stops winning).
 
     python tools/dev/gpu_dense_q_bench.py [--types Q4_K,Q6_K,Q8_0] [--warps 8,4,16] [--max-tokens 512]
-                                          [--tiled-only 16,32,64] [--dequant-only 128,512] [--out F.json]
+                                          [--tiled-only 16,32,64] [--dequant-only 128,512 [--dequant-alone]] [--out F.json]
 
 Weights: two layers' seven matrices each (rotated: 2 x 0.25-0.46 GB, well over the 60 MB L2),
 rows of blocks ggml quantized from random values (a pool of rows repeated). Floor: the blocks'
@@ -43,6 +43,22 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
+def _knobbed(module, **knobs):
+    """``fn`` wrapped to run with ``module``'s attributes ``knobs`` set (each put back after)."""
+    def wrap(fn):
+        def call(*a, **kw):
+            saved = {k: getattr(module, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(module, k, v)
+            try:
+                return fn(*a, **kw)
+            finally:
+                for k, v in saved.items():
+                    setattr(module, k, v)
+        return call
+    return wrap
+
+
 def _cublas_f16(cp, ws: dict, x16, xf16):
     """One layer by cuBLAS alone on F16 matrices (each weight's scratch, whatever it holds): the F16
     file's GEMMs, the bound of the block GEMMs' targets."""
@@ -63,18 +79,14 @@ def _shipped_gemm(cp, K, ws: dict, x16, xf16):
 
 
 def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_rows, gemm: bool = True):
-    """One layer as the model runs path ``gemm`` (graph/xp_matmul.py's dequant_gemm_launches, with
+    """One layer as the model runs path ``gemm`` (graph/path_gemm.py's dequant_gemm_launches, with
     matmul_dispatch.DEQUANT_KERNEL ``kernel`` and DEQUANT_CHUNK_ROWS ``chunk_rows``): per matrix and
     chunk of rows the dequantization into the matrix's scratch and cuBLAS's F32-output GEMM into the
     chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
     from ggml_attn import matmul_dispatch as md
-    from ggml_attn.graph.xp_matmul import dequant_gemm_launches
-    saved = md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS
-    md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = kernel, chunk_rows
-    try:
-        pairs = [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])]
-    finally:
-        md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS = saved
+    from ggml_attn.graph.path_gemm import dequant_gemm_launches
+    pairs = _knobbed(md, DEQUANT_KERNEL=kernel, DEQUANT_CHUNK_ROWS=chunk_rows)(
+        lambda: [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])])()
     steps = [s for p in pairs for s in (p if gemm else p[:1])]
 
     def go():
@@ -83,25 +95,49 @@ def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_row
     return go
 
 
-def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows, log):
+def _ring_layers(cp, layers, x16, xf16, outs):
+    """Each layer as the model runs path ``gemm`` with matmul_dispatch.DEQUANT_STREAMS 2: one
+    graph/path_gemm.py DequantRing over two layer-matrix slots for all of ``layers``' chunks, in the
+    order the benchmark calls them (so a layer's first dequantization runs under the other
+    layer's last GEMM, but the first of the rotation's: what a model's graph does layer after layer)."""
+    from ggml_attn.graph.path_gemm import DequantRing
+    ring = DequantRing(cp, cp.empty(2 * N_FF * N_EMBD, cp.float16))
+    fns = []
+    for ws in layers:
+        steps = [s for k, w in ws.items() for s in ring.steps(w, xf16 if k == "wd" else x16, outs[k])]
+
+        def go(steps=steps):
+            for s in steps:
+                s()
+        fns.append(go)
+    return fns
+
+
+def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows, log, alone: bool = False):
     """Path ``gemm``'s A/Bs at ``tokens``: each dequantization kernel (matmul_dispatch.DEQUANT_KERNELS)
-    alone (its write and read bandwidth), then with cuBLAS whole and in chunks of 4096 and 2048 rows
-    (DEQUANT_CHUNK_ROWS: the chunk's F16 values still in L2 for the GEMM), and cuBLAS on the F16
-    matrices alone."""
-    from ggml_attn.matmul_dispatch import DEQUANT_KERNELS
+    alone (its write and read bandwidth; ``alone``: only these), then the shipped one with cuBLAS
+    whole and in chunks of 4096 rows (DEQUANT_CHUNK_ROWS: the chunk's F16 values still in L2 for
+    the GEMM), on one stream and over two scratch slots and two streams (:class:`_Ring`), and
+    cuBLAS on the F16 matrices alone."""
+    from ggml_attn import matmul_dispatch as md
     f16_bytes = 2 * sum(a * b for a, b in SHAPES.values())
     for n in tokens:
         x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
         xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
         outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
         cases = [(f"{k[6:]} alone", lambda ws, k=k: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, None, gemm=False))
-                 for k in DEQUANT_KERNELS]
-        cases += [(f"{k[6:]}+gemm{'' if c is None else f' c{c}'}",
-                   lambda ws, k=k, c=c: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, c))
-                  for k in DEQUANT_KERNELS for c in (None, 4096, 2048)]
-        cases += [("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
-        for impl, make in cases:
-            med, lo, hi = device_us([make(ws) for ws in layers])
+                 for k in md.DEQUANT_KERNELS]
+        if not alone:
+            cases += [(f"{md.DEQUANT_KERNEL[6:]}+gemm{'' if c is None else f' c{c}'}",
+                       lambda ws, c=c: _dequant_gemm(cp, K, ws, x16, xf16, outs, md.DEQUANT_KERNEL, c))
+                      for c in (None, 4096)]
+            cases += [("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
+        fns = [(impl, [make(ws) for ws in layers]) for impl, make in cases]
+        if not alone:   # (one ring over both layers' chunks)
+            fns += [(f"{md.DEQUANT_KERNEL[6:]}+gemm 2 streams{'' if c is None else f' c{c}'}",
+                     _knobbed(md, DEQUANT_CHUNK_ROWS=c)(_ring_layers)(cp, layers, x16, xf16, outs)) for c in (None, 4096)]
+        for impl, fn in fns:
+            med, lo, hi = device_us(fn)
             moved = (nbytes + f16_bytes) / med / 1e6   # blocks read + halves written, TB/s
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
                              us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
@@ -212,7 +248,7 @@ def _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log):
 
 def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, warps=(8, 4, 16),
         rows: list | None = None, max_tokens: int = 512, tiled_only: tuple | None = None,
-        q8x_only: bool = False, dequant_only: tuple | None = None) -> list[dict]:
+        q8x_only: bool = False, dequant_only: tuple | None = None, dequant_alone: bool = False) -> list[dict]:
     """The rows (appended to ``rows`` as they are measured: ``log`` after each can save them);
     ``tiled_only``: just the tiled GEMMs' rows at these token counts; ``q8x_only``: just the
     8-bit-activation GEMV's; ``dequant_only``: just path gemm's A/Bs at these token counts (any
@@ -230,7 +266,7 @@ def run(device_us, types=("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K"), log=print, wa
         floor = nbytes / 4.2e6
         if q8x_only or tiled_only or dequant_only:
             if dequant_only:
-                _dequant_rows(cp, K, device_us, t, layers, dequant_only, nbytes, floor, rows, log)
+                _dequant_rows(cp, K, device_us, t, layers, dequant_only, nbytes, floor, rows, log, dequant_alone)
             if q8x_only:
                 _q8x_rows(cp, K, device_us, t, layers, nbytes, floor, rows, log)
             if tiled_only:
@@ -293,6 +329,7 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
     cuBLAS, the path past the tiled GEMMs' tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``,
     ``QRGEMM_MAX_TOKENS``: the crossovers' other side), and cuBLAS alone on the F16 matrices (the
     F16 file's GEMMs)."""
+    from ggml_attn import gemm_tiles
     from ggml_attn.block_types import block_layout
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
@@ -307,6 +344,8 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"{k[6:]}{'' if bn is None else f' bn{bn}'}",
                        lambda ws, k=k, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k, bn))
                       for k in K.GEMMQR_KERNELS for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
+            cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: _knobbed(gemm_tiles, GEMMQR_MIN_SPLIT=ms)(_tiled)(
+                cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")) for ms in (256, 512)]   # small matrices' splits
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
                 tid = block_layout(t).type_id
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
@@ -333,6 +372,8 @@ def main(argv=None) -> int:
                     help="just the 8-bit-activation GEMV's rows, every form (with --tiled-only: both)")
     ap.add_argument("--dequant-only", default="",
                     help="just the dequantize + cuBLAS A/Bs (kernels, chunks of rows) at these token counts (e.g. 128,512)")
+    ap.add_argument("--dequant-alone", action="store_true",
+                    help="with --dequant-only: just each dequantization kernel alone (every --types)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us
@@ -345,7 +386,8 @@ def main(argv=None) -> int:
                 json.dump(rows, f, indent=1)
     run(device_us, tuple(a.types.split(",")), log=log, warps=tuple(int(w) for w in a.warps.split(",")), rows=rows,
         max_tokens=a.max_tokens, tiled_only=tuple(int(n) for n in a.tiled_only.split(",")) if a.tiled_only else None,
-        q8x_only=a.q8x_only, dequant_only=tuple(int(n) for n in a.dequant_only.split(",")) if a.dequant_only else None)
+        q8x_only=a.q8x_only, dequant_only=tuple(int(n) for n in a.dequant_only.split(",")) if a.dequant_only else None,
+        dequant_alone=a.dequant_alone)
     return 0
 
 

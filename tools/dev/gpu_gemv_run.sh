@@ -24,31 +24,31 @@
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
 #      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
-#   7. (--qrd) dense_gemm_qr's deeper ring (dense_gemm_qrd, matmul_dispatch.QRGEMM_DEEP): its GPU tests (-k qrd)
-#      -> $OUT/logs/tests_qrd.log, one 8B layer at 64 / 16 tokens -> $OUT/dense_qrd.json, batched B=16 / 64 S_TG
-#      shipped / qrd (knob_ab) -> $OUT/ab_qrd.json, and ncu of dense_gemm_qr at 64 / 16 tokens and of
-#      dense_gemm_qw2h at 512 (stall reasons, throughputs: gpu_profile_case.py dense-qs) -> $OUT/ncu_<kernel>.txt
-#   8. (--deq) path gemm's dequantization (matmul_dispatch.DEQUANT_KERNEL / DEQUANT_CHUNK_ROWS): GPU tests
-#      (-k dequant) -> $OUT/logs/tests_deq.log, one 8B layer at 128 / 512 tokens, each kernel alone, with cuBLAS
-#      whole and in chunks of 4096 / 2048 rows -> $OUT/dense_deq.json, pp512 on the Q4_K_M file shipped / deqw /
-#      deqw-c4096 / deq-c4096 (knob_ab) -> $OUT/ab_deq.json, and last of all (the numbers first where a
-#      call is cut) memcheck of the block kernels, the dequantizations among them (gpu_sanitize_case.py --dense-q)
-#   (--deq runs first, then --qrd, then --qw.)
+#   7. (--split) dense_gemm_qr's small matrices split finer (gemm_tiles.GEMMQR_MIN_SPLIT 256 / 512): one 8B
+#      layer at 64 / 16 tokens (every qr form and split) -> $OUT/dense_split.json, batched B=16 / 64 S_TG
+#      shipped / ms256 / ms512 (knob_ab) -> $OUT/ab_split.json
+#   8. (--deq) path gemm (graph/path_gemm.py): GPU tests (test_gpu_dense_q.py -k dequant, test_gpu_path_gemm.py)
+#      -> $OUT/logs/tests_deq.log; each dequantization kernel alone on one 8B layer of every block type at 512
+#      tokens -> $OUT/dense_deq_types.json; Q4_K / Q6_K layers at 512 / 128 tokens, the shipped kernel with
+#      cuBLAS whole, in 4096-row chunks, and over two streams (matmul_dispatch.DEQUANT_STREAMS 2) ->
+#      $OUT/dense_deq.json; pp512 on the Q4_K_M file shipped / 2s / 2s-c4096 (knob_ab) -> $OUT/ab_deq.json; and
+#      last of all (the numbers first where a call is cut) memcheck of the block kernels (gpu_sanitize_case.py --dense-q)
+#   (--deq runs first, then --split, then --qw.)
 # Steps in the order 8, 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--qrd] [--deq] [--rounds 2]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--split] [--deq] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; QRD=0; DEQ=0; ROUNDS=2
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; SPLIT=0; DEQ=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --qrd) QRD=1;; --deq) DEQ=1;; --rounds) ROUNDS="$2"; shift;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --split) SPLIT=1;; --deq) DEQ=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -57,49 +57,42 @@ done
 export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
 status=0; t0=$(date +%s)
 say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
-gpu_tests() {   # NAME K: tests/test_gpu_dense_q.py -k K -> $LOGS/tests_NAME.log, its failures and summary printed
-  timeout 90 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "$2" \
-      > "$LOGS/tests_$1.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests_$1.log" | head -10; tail -1 "$LOGS/tests_$1.log"
-}
 if [ $INSTALL = 1 ]; then
   OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
-if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QRD = 1 ] || [ $DEQ = 1 ]; then   # (the file, written while the GPU works)
+WRITER=
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $SPLIT = 1 ] || [ $DEQ = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
 fi
 if [ $DEQ = 1 ]; then
-  echo "== path gemm's dequantization: tests, one 8B layer, pp512 (its memcheck last)"
-  gpu_tests deq dequant
-  (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 128,512 --out "$OUT/dense_deq.json") \
+  echo "== path gemm: tests, one 8B layer, pp512 (its memcheck last)"
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k dequant \
+      tests/test_gpu_path_gemm.py > "$LOGS/tests_deq.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_deq.log" | head -10; tail -1 "$LOGS/tests_deq.log"
+  (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K \
+      --dequant-only 512 --dequant-alone --out "$OUT/dense_deq_types.json") 2>&1 | tee "$LOGS/dense_deq_types.log" \
+      | grep -E "n_tok=|Error" || status=1
+  (cd tools/dev && timeout 200 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 512,128 --out "$OUT/dense_deq.json") \
       2>&1 | tee "$LOGS/dense_deq.log" | grep -E "n_tok=|Error" || status=1
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   WRITER=
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_deq.json" --variant shipped \
-      --variant "deqw:matmul_dispatch.DEQUANT_KERNEL='dense_dequant_f16w'" \
-      --variant "deqw-c4096:matmul_dispatch.DEQUANT_KERNEL='dense_dequant_f16w',matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
-      --variant "deq-c4096:matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
-      bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -7 || status=1
+      --variant "2s:matmul_dispatch.DEQUANT_STREAMS=2" \
+      --variant "2s-c4096:matmul_dispatch.DEQUANT_STREAMS=2,matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
+      bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -5 || status=1
   say
 fi
-if [ $QRD = 1 ]; then
-  echo "== dense_gemm_qr's deeper ring: tests, one 8B layer, batched S_TG; ncu of the staged GEMMs"
-  gpu_tests qrd qrd
-  (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_qrd.json") \
-      2>&1 | grep -E "gemm_qrd?( bn..)? |cublas f16" || status=1
-  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
-  timeout 120 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qrd.json" --variant shipped \
-      --variant "qrd:matmul_dispatch.QRGEMM_DEEP=True" batched-bench --device cuda -m /tmp/gemv-q4km.gguf \
-      -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -5 || status=1
-  for kt in dense_gemm_qr:64,16 dense_gemm_qw2h:512; do
-    k=${kt%%:*}
-    (cd tools/dev && DENSE_QS_KERNEL=$k DENSE_QS_TOKENS=${kt#*:} timeout 100 ncu --clock-control none \
-        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
-        $($PY gpu_profile_case.py --ncu-args dense-qs) $PY gpu_profile_case.py dense-qs) > "$OUT/ncu_$k.txt" 2>&1 || status=1
-    grep -E "^  dense_gemm|Duration|DRAM Throughput|Achieved Occupancy" "$OUT/ncu_$k.txt" | head -8
-  done
+if [ $SPLIT = 1 ]; then
+  echo "== dense_gemm_qr's small matrices split finer: one 8B layer, batched S_TG"
+  (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_split.json") \
+      2>&1 | tee "$LOGS/dense_split.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
+  [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  WRITER=
+  timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_split.json" --variant shipped \
+      --variant "ms256:gemm_tiles.GEMMQR_MIN_SPLIT=256" --variant "ms512:gemm_tiles.GEMMQR_MIN_SPLIT=512" \
+      batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -7 || status=1
   say
 fi
 if [ $QW = 1 ]; then
@@ -114,7 +107,8 @@ if [ $QW = 1 ]; then
   done
   (cd tools/dev && timeout 240 $PY gpu_dense_q_bench.py --types "${QW_TYPES:-Q4_K,Q6_K}" --tiled-only 512,128,256,64,16 \
       --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr |dequant|cublas f16" || status=1
-  [ $QRD = 1 ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  WRITER=
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
       --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256" \
@@ -137,7 +131,7 @@ if [ $DENSE = 1 ]; then
       | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | sed -n 1,60p || status=1   # (sed reads it all: no SIGPIPE)
   say
 fi
-if [ $QW = 0 ] && [ $QRD = 0 ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
+if [ -n "$WRITER" ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
 fi
 if [ $AB = 1 ]; then
