@@ -19,8 +19,7 @@
 //                          the same over a deeper ring of stages (QrTile::DEEP; a program of its own);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
-//                          to run more tokens); dense_dequant_f16w<T> the same, the stores
-//                          coalesced a warp at a time;
+//                          to run more tokens), the stores coalesced a warp at a time;
 //   dense_get_rows_q<T>    rows ids of a block table (the token embedding) as F32.
 // Layouts (numpy order, C-contiguous): W (rows, row_bytes) bytes, n_in / QBlock<T>::VALUES
 // blocks a row; x (n_tok, n_in) F32 with row stride x_stride; y (n_tok, rows) F32; g (n_in) F32.
@@ -519,32 +518,17 @@ extern "C" __global__ void __launch_bounds__(256) dense_splitk_sum(const float* 
     }
 }
 
-// out (rows, n_in) F16 = W's values rounded to F16; a thread per 32-value sub-block, grid-stride.
+// out (rows, n_in) F16 = W's values rounded to F16 (qb_dequant32's floats, each __float2half_rn),
+// out 16-byte aligned; grid-stride over warps of 32 sub-blocks. Each lane decodes one sub-block,
+// parks its 64 bytes of halves in the warp's shared-memory slot (80 bytes a lane: the 16-byte
+// writes of an 8-lane phase on distinct banks), and the warp then writes its 32 sub-blocks' 2 KB
+// as four 512-byte runs (lane l the 16 bytes at 16 l + 512 j): whole sectors, where a lane storing
+// its own 64 bytes wrote each sector in two partial writes (1.43 against 2.53 TB/s of blocks read
+// and halves written on an 8B Q4_K layer, H100: bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/).
+#define DQW_SLOT 5            // uint4 units a lane's slot (4 used)
 template <int T>
 __global__ void __launch_bounds__(256) dense_dequant_f16(const unsigned char* __restrict__ w, __half* __restrict__ out,
                                                          long long row_bytes, int n_in, long long rows) {
-    constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    const int per_row = n_in / 32;
-    const long long n = rows * per_row;
-    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
-        const long long row = e / per_row;
-        const int sub = (int)(e - row * per_row);
-        float v[32];
-        qb_dequant32<T>(w + row * row_bytes + (long long)(sub / S) * B, sub % S, v);
-        store32_f16(v, out + row * n_in + 32 * sub);
-    }
-}
-
-// The same values (the same expression, bit for bit) with a warp's stores coalesced: each lane
-// decodes one sub-block as above, parks its 64 bytes of halves in the warp's shared-memory slot
-// (80 bytes a lane: the 16-byte writes of an 8-lane phase on distinct banks), and the warp then
-// writes its 32 sub-blocks' 2 KB as four 512-byte runs (lane l the 16 bytes at 16 l + 512 j),
-// where dense_dequant_f16's lanes each store 16 bytes 64 bytes apart (twice the sectors a store
-// instruction). out (rows, n_in) F16, 16-byte aligned; grid-stride over warps of 32 sub-blocks.
-#define DQW_SLOT 5            // uint4 units a lane's slot (4 used)
-template <int T>
-__global__ void __launch_bounds__(256) dense_dequant_f16w(const unsigned char* __restrict__ w, __half* __restrict__ out,
-                                                          long long row_bytes, int n_in, long long rows) {
     constexpr int S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     __shared__ uint4 slots[256 / 32][32 * DQW_SLOT];
     const int lane = threadIdx.x & 31;

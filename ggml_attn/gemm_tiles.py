@@ -29,11 +29,13 @@ GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 GEMMQR_TILE = (128, 64, 256)  # dense_gemm_qr's wide tile: QR_BM, BN, QS_BK (its narrow one: GEMMQS_NARROW tokens)
 GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (its __launch_bounds__)
 # values of n_in a dense_gemm_qr split covers at least where its tiles split GEMMQ8_MIN_SPLIT-wise
-# still leave SMs idle (gemm_q_grid). ncu of an 8B layer at 64 tokens (H100, a2d3dc2:
-# bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/ncu_dense_gemm_qr.txt): the 1024-row K and V
-# projections at 1024 (4 steps a block) are 8 x 4 = 32 blocks on 132 SMs, 15.4 us each against 16.9
-# for the 4x larger Q projection. 256 (a step) lets them take 16 splits, 128 blocks. An A/B knob.
-GEMMQR_MIN_SPLIT = 1024
+# still leave SMs idle (gemm_q_grid): ncu of an 8B layer at 64 tokens found the 1024-row K and V
+# projections at 1024 (4 steps a block) 8 x 4 = 32 blocks on 132 SMs, 15.4 us each against 16.9
+# for the 4x larger Q projection (H100, a2d3dc2: bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/
+# ncu_dense_gemm_qr.txt). At 256 (a step) they take 16 splits, 128 blocks: one 8B layer at 64 /
+# 16 / 8 tokens Q4_K 224.6 -> 211.7 / 181.3 -> 167.4 / 175.6 -> 162.3 us, Q6_K -5..-8% too;
+# batched B=16 / 64 S_TG +6.8% / +4.1% (bench/results/2026-12-07-59f97e0-h100-split-deq/).
+GEMMQR_MIN_SPLIT = 256
 # the block types dense_gemm_qr decodes (cuda/quant_blocks.cuh: QbFrag<T>::OK), and their ggml ids
 GEMMQR_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)

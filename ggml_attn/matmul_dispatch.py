@@ -167,23 +167,14 @@ QWGEMM_HALF = False
 # steps at 16-64 tokens take ~4 us against ~1.2 of issue and ~0.7 of their weights' bytes, the
 # copy issued a step before landing late (bench/NOTES.md, twenty-first session). An A/B until measured.
 QRGEMM_DEEP = False
-# Past the tiled GEMMs (path ``gemm``) block matrices are dequantized into the weights' F16
-# scratch and multiplied by cuBLAS, a chunk of rows at a time. DEQUANT_KERNEL: dense_dequant_f16w
-# (a warp's stores in 512-byte runs through shared memory), measured on the H100 at a2d3dc2 against
-# dense_dequant_f16 (each lane stores its sub-block's 64 bytes, every sector in two partial writes):
-# one 8B Q4_K layer 391.8 -> 220.5 us (1.43 -> 2.53 TB/s of blocks read and halves written), pp512
-# on Q4_K_M 15,990 -> 20,713 t/s (bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/). DEQUANT_CHUNK_ROWS:
-# at most this many rows a chunk (None: as many as the scratch holds); 4096 measured 2.5% slower
-# there (the chunk's halves still in L2 for cuBLAS do not pay for its smaller GEMMs). An A/B knob.
-DEQUANT_KERNEL = "dense_dequant_f16w"
-DEQUANT_KERNELS = ("dense_dequant_f16", "dense_dequant_f16w")
-DEQUANT_CHUNK_ROWS: int | None = None
-# Path gemm's streams (graph/path_gemm.py): 1, each dequantization then its GEMM on the graph's
-# stream; 2, the dequantizations on a side stream into two scratch slots taking turns, each under
-# the GEMM before it (the dequantization is memory-bound, ~220 us an 8B Q4_K layer, the GEMMs at
-# 512 tokens compute-bound, ~334). DeviceWeights reads it at load (2: a scratch twice as large,
-# +117 MB on an 8B model). An A/B until measured (bench/NOTES.md, twenty-third session).
-DEQUANT_STREAMS = 1
+# Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
+# weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
+# of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
+# their own 64 bytes; pp512 on Q4_K_M 15,990 -> 20,713 t/s) and multiplied by cuBLAS, as many rows
+# a chunk as the scratch holds. Measured and not kept (bench/NOTES.md, twenty-third session):
+# 4096-row chunks for the chunk's halves to be in L2 when cuBLAS reads them (2.5-5% slower), and
+# the dequantizations on a second stream into two scratch slots under the GEMMs (545 against 560
+# us at 512 tokens, pp512 +1%: cuBLAS's blocks leave an SM no room for them, for 117 MB more).
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}
@@ -214,17 +205,13 @@ def tiled_kernel(path: str, weight_type: str) -> str:
     return "dense_gemm_qrd" if path == "gemm-qr" and QRGEMM_DEEP else TILED_PATHS[path]
 
 
-def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> tuple[str, int]:
-    """How path ``gemm`` dequantizes a block matrix of ``n_out`` rows of ``n_in`` values into a
-    scratch of ``scratch_elements`` F16 values: (the kernel, DEQUANT_KERNEL; the rows a chunk, at
-    least one, at most what the scratch holds and DEQUANT_CHUNK_ROWS). ValueError for a kernel
-    not in DEQUANT_KERNELS or a chunk bound below one."""
-    if DEQUANT_KERNEL not in DEQUANT_KERNELS:
-        raise ValueError(f"DEQUANT_KERNEL must be one of {DEQUANT_KERNELS}, not {DEQUANT_KERNEL!r}")
-    if DEQUANT_CHUNK_ROWS is not None and DEQUANT_CHUNK_ROWS < 1:
-        raise ValueError(f"DEQUANT_CHUNK_ROWS must be None or positive, not {DEQUANT_CHUNK_ROWS}")
-    rows = max(1, min(n_out, scratch_elements // n_in))
-    return DEQUANT_KERNEL, rows if DEQUANT_CHUNK_ROWS is None else min(rows, DEQUANT_CHUNK_ROWS)
+def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> int:
+    """The rows a chunk of path ``gemm`` takes for a block matrix of ``n_out`` rows of ``n_in``
+    values and an F16 scratch of ``scratch_elements`` values: as many as the scratch holds, at
+    most ``n_out``. ValueError where not one row fits."""
+    if scratch_elements < n_in:
+        raise ValueError(f"an F16 scratch of {scratch_elements} values holds no row of {n_in}")
+    return min(n_out, scratch_elements // n_in)
 
 
 def gemm_qw_kernel(weight_type: str) -> str:

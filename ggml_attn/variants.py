@@ -237,7 +237,7 @@ def dense_q_variant(type_id: int) -> Variant:
                    tuple(staged_instance("dense_gemm_qs", type_id, bn) for bn in GEMMQS_BLOCKS_PER_SM) +
                    tuple(staged_instance("dense_gemm_qr", type_id, bn) for bn in GEMMQR_BLOCKS_PER_SM
                          if type_id in GEMMQR_TYPE_IDS) +
-                   ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>", f"dense_dequant_f16w<{type_id}>",
+                   ("dense_splitk_sum", f"dense_dequant_f16<{type_id}>",
                     f"dense_get_rows_q<{type_id}>"))
 
 

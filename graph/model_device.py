@@ -24,9 +24,8 @@ Memory (:attr:`DeviceWeights.nbytes`, :meth:`DeviceWeights.bytes_by_type`): a bl
 its file bytes; an F16 one 2 bytes per element (and the tied head's copy); 4 bytes per element
 of the F32 vectors kept (norm weights, Q/K/V biases, ``rope_freqs``); plus, on a GPU holding
 block matrices, one F16 scratch of the largest layer matrix (:attr:`DeviceWeights.scratch`:
-GEMMs of many tokens dequantize a matrix into it, ``path_gemm``; two with
-``matmul_dispatch.DEQUANT_STREAMS`` 2). For llama-3-8B as F16: 16.1 GB; as Q4_K_M (4.6 GiB file):
-the file's tensor bytes, plus the 117 MB scratch.
+GEMMs of many tokens dequantize a matrix into it, ``path_gemm``). For llama-3-8B as F16: 16.1 GB;
+as Q4_K_M (4.6 GiB file): the file's tensor bytes, plus the 117 MB scratch.
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import block_layout, is_block_type
 
 __all__ = ["DeviceWeights", "QMatrix", "fold_norm", "keep_blocks"]
@@ -314,8 +312,7 @@ class DeviceWeights:
         if blocks and xp is not np:
             layer_max = max((m.shape[0] * m.shape[1] for k, m in out.items() if isinstance(m, QMatrix)
                              and isinstance(k, tuple)), default=0)
-            slots = 2 if md.DEQUANT_STREAMS == 2 else 1   # (path_gemm.DequantRing: two slots of a layer matrix)
-            scratch = xp.empty(slots * max(layer_max, SCRATCH_MIN_ELEMENTS), dtype=np.float16)
+            scratch = xp.empty(max(layer_max, SCRATCH_MIN_ELEMENTS), dtype=np.float16)
             for m in blocks:
                 m.scratch = scratch
         others = sorted({w.type_name for _, w, _ in jobs if not is_block_type(w.type_name)

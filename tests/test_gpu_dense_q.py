@@ -442,47 +442,31 @@ def test_gemm_q_grid_splits_and_not():
 
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_dequant_f16_and_get_rows_q(name):
+    """dense_dequant_f16: ggml's values rounded to F16, over rows whose last warp of 32 sub-blocks
+    is part full (24 or 3 sub-blocks a row, 301 rows) and a grid of 3 blocks (each warp loops),
+    nothing written past the matrix (the poisoned tail stays NaN); dense_get_rows_q: rows of F32."""
     lay = block_layout(name)
-    rows, n_in = 300, 4 * 256
+    rows, n_in = 301, (768 if lay.values == 256 else 96)
     q, vals = _blocks(name, rows, n_in, 7)
     d_q = cupy.asarray(q)
-    out = cupy.full((rows, n_in), np.nan, np.float16)
-    n_sub = rows * n_in // 32
-    _launch(lay.type_id, f"dense_dequant_f16<{lay.type_id}>", (-(-n_sub // 256), 1, 1), (256, 1, 1),
+    out = cupy.full(rows * n_in + 4096, np.nan, np.float16)
+    assert rows * n_in // 32 % 32 != 0
+    _launch(lay.type_id, f"dense_dequant_f16<{lay.type_id}>", (3, 1, 1), (256, 1, 1),
             ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(out.data.ptr), ctypes.c_int64(q.shape[1]),
             ctypes.c_int32(n_in), ctypes.c_int64(rows))
+    got = out.get()
+    assert np.isnan(got[rows * n_in:]).all()
     # ggml's values rounded to F16 (the GPU may fuse d * q - m into one FMA: an F32 ulp of the
     # product apart, which can round the other way or matter where d * q and m nearly cancel)
-    _close(out.get().astype(np.float64), vals.astype(np.float16).astype(np.float64), 2 ** -10)
-    ids = np.array([5, 0, 299, 5, 17], dtype=np.int32)
+    _close(got[: rows * n_in].reshape(rows, n_in).astype(np.float64), vals.astype(np.float16).astype(np.float64),
+           2 ** -10)
+    ids = np.array([5, 0, 300, 5, 17], dtype=np.int32)
     d_ids, rows_out = cupy.asarray(ids), cupy.full((len(ids), n_in), np.nan, np.float32)
     n_sub = len(ids) * n_in // 32
     _launch(lay.type_id, f"dense_get_rows_q<{lay.type_id}>", (-(-n_sub // 256), 1, 1), (256, 1, 1),
             ctypes.c_uint64(d_q.data.ptr), ctypes.c_uint64(d_ids.data.ptr), ctypes.c_uint64(rows_out.data.ptr),
             ctypes.c_int64(q.shape[1]), ctypes.c_int32(n_in), ctypes.c_int64(len(ids)))
     _close(rows_out.get().astype(np.float64), vals[ids], 2e-7)
-
-
-@pytest.mark.parametrize("name", BLOCK_TYPES)
-def test_dequant_f16w_matches_dense_dequant_f16(name):
-    """dense_dequant_f16w (the warp's stores coalesced) writes dense_dequant_f16's halves bit for
-    bit, over a last warp of 24 sub-blocks and a grid of 3 blocks (each warp loops), and nothing past
-    the matrix (the poisoned tail stays NaN)."""
-    lay = block_layout(name)
-    n_in = 768 if lay.values == 256 else 96    # 24 or 3 sub-blocks a row: 301 rows end mid-warp
-    rows = 301
-    q, _ = _blocks(name, rows, n_in, 11)
-    d_q = cupy.asarray(q)
-    outs = []
-    for kernel, grid in (("dense_dequant_f16", 64), ("dense_dequant_f16w", 3)):
-        out = cupy.full(rows * n_in + 4096, np.nan, np.float16)
-        _launch(lay.type_id, f"{kernel}<{lay.type_id}>", (grid, 1, 1), (256, 1, 1), ctypes.c_uint64(d_q.data.ptr),
-                ctypes.c_uint64(out.data.ptr), ctypes.c_int64(q.shape[1]), ctypes.c_int32(n_in), ctypes.c_int64(rows))
-        outs.append(out.get())
-    assert rows * n_in // 32 % 32 != 0
-    for out in outs:
-        assert np.isfinite(out[: rows * n_in]).all() and np.isnan(out[rows * n_in:]).all()
-    assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
 def _close(got, want, rtol):

@@ -494,22 +494,19 @@ def test_group_of_mixed_types_is_one_launch_per_type(launches, monkeypatch):
     assert xp_matmul._gemv(b, ws[:2], Dev((20, 256)), [Dev((20, 64)), Dev((20, 16))], mode=0) is None   # GEMM's
 
 
-@pytest.mark.parametrize("accumulate, kernel, chunk_rows, spans", [
-    (False, "dense_dequant_f16", None, [(0, 100), (100, 200), (200, 250), (0, 40)]),
-    (True, "dense_dequant_f16", None, [(0, 100), (100, 200), (200, 250), (0, 40)]),
-    (False, "dense_dequant_f16w", 120, [(0, 100), (100, 200), (200, 250), (0, 40)]),   # the scratch bounds it
-    (True, "dense_dequant_f16w", 70, [(0, 70), (70, 140), (140, 210), (210, 250), (0, 40)])])
-def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate, kernel, chunk_rows,
-                                                               spans):
+@pytest.mark.parametrize("accumulate, scratch_rows, spans", [
+    (False, 100, [(0, 100), (100, 200), (200, 250), (0, 40)]),
+    (True, 100, [(0, 100), (100, 200), (200, 250), (0, 40)]),
+    (True, 70, [(0, 70), (70, 140), (140, 210), (210, 250), (0, 40)]),
+    (False, 400, [(0, 250), (0, 40)])])
+def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeypatch, accumulate, scratch_rows, spans):
     """Past the tiled GEMMs each chunk of rows (matmul_dispatch.dequant_chunk: what the scratch
-    holds, at most DEQUANT_CHUNK_ROWS) is one launch of DEQUANT_KERNEL into the scratch and one
-    cuBLAS GEMM into the chunk's columns of the output."""
-    monkeypatch.setattr(md, "DEQUANT_KERNEL", kernel)
-    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", chunk_rows)
+    holds) is one dense_dequant_f16 launch into the scratch and one cuBLAS GEMM into the chunk's
+    columns of the output."""
     monkeypatch.setattr(md, "QGEMM_MAX_TOKENS", 0)   # 33 tokens: dequantize + cuBLAS
     monkeypatch.setattr(md, "QSGEMM_MAX_TOKENS", 0)
     monkeypatch.setattr(md, "QRGEMM_MAX_TOKENS", 0)
-    scratch = Dev((256 * 100,), np.float16)    # 100 rows of 256 at a time
+    scratch = Dev((256 * scratch_rows,), np.float16)
     w1, w2 = _qmatrix("Q8_0", 250, 256, scratch), _qmatrix("Q8_0", 40, 256, scratch)
     x = Dev((33, 256))
     outs = [Dev((33, 250)), Dev((33, 40))]
@@ -522,18 +519,16 @@ def test_gemm_path_dequantizes_chunks_of_rows_into_the_scratch(launches, monkeyp
         src, dst, rb, n_in, rows = (a.value for a in ln.params)
         assert (src, dst, rb, n_in, rows) == (w.blocks.data.ptr + r0 * row_bytes, scratch.data.ptr, row_bytes, 256,
                                               r1 - r0)
-        assert ln.fn.name == f"{kernel}<8>"
+        assert ln.fn.name == "dense_dequant_f16<8>"
         wptr, n_out, k, _x16, n_tok, out, ldc, beta = gm
         assert (wptr, n_out, k, n_tok, out, ldc) == (scratch.data.ptr, r1 - r0, 256, 33, o.data.ptr + 4 * r0,
                                                      w.shape[0])
         assert beta == (1.0 if accumulate else 0.0)
 
 
-@pytest.mark.parametrize("kernel, chunk_rows", [("dense_dequant_f16", None), ("dense_dequant_f16w", 70)])
-def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch, kernel, chunk_rows):
+def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch):
     """tools/dev/gpu_dense_q_bench.py's dequantize + cuBLAS rows launch what _qmatmuls launches for
-    the same matrix, kernel and chunks (the scratch, the spans, the GEMMs' columns; the bench's own
-    F16 x), and leave the knobs as they found them."""
+    the same matrix (the scratch, the chunks, the GEMMs' columns; the bench's own F16 x)."""
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "tools" / "dev"))
     import gpu_dense_q_bench as bench
     for knob in ("QGEMM_MAX_TOKENS", "QSGEMM_MAX_TOKENS", "QRGEMM_MAX_TOKENS"):
@@ -544,30 +539,21 @@ def test_dense_q_bench_runs_path_gemm_as_the_model_does(launches, monkeypatch, k
     def recorded():
         return [ln.args if ln.fn == "gemm" else (ln.fn.name, tuple(a.value for a in ln.params))
                 for ln in launches if ln.fn == "gemm" or "dequant" in ln.fn.name]
-    bench._dequant_gemm(None, K, {"wq": w}, x16, None, {"wq": out}, kernel, chunk_rows)
-    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16w", None)
+    bench._dequant_gemm(None, K, {"wq": w}, x16, None, {"wq": out})
     got = recorded()
     launches.clear()
-    monkeypatch.setattr(md, "DEQUANT_KERNEL", kernel)
-    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", chunk_rows)
     xp_matmul._qmatmuls(Builder(), [w], Dev((33, 256)), [out])
     want = [a[:3] + (x16.data.ptr,) + a[4:] if a[0] == scratch.data.ptr else a for a in recorded()]
-    assert got == want and len(got) == 2 * -(-250 // (chunk_rows or 100))
+    assert got == want and len(got) == 2 * 3
 
 
-def test_dequant_chunk_bounds_and_refusals(monkeypatch):
-    assert (md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS) == ("dense_dequant_f16w", None)   # (routed at a2d3dc2)
-    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16w", 14336)
-    assert md.dequant_chunk(10, 4096, 100) == ("dense_dequant_f16w", 1)   # a row at least
-    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 4096)
-    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == ("dense_dequant_f16w", 4096)
-    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", 0)
-    with pytest.raises(ValueError, match="DEQUANT_CHUNK_ROWS"):
-        md.dequant_chunk(16, 256, 4096)
-    monkeypatch.setattr(md, "DEQUANT_CHUNK_ROWS", None)
-    monkeypatch.setattr(md, "DEQUANT_KERNEL", "dense_dequant_f32")
-    with pytest.raises(ValueError, match="DEQUANT_KERNEL"):
-        md.dequant_chunk(16, 256, 4096)
+def test_dequant_chunk_bounds():
+    assert md.dequant_chunk(14336, 4096, 14336 * 4096) == 14336
+    assert md.dequant_chunk(4096, 4096, 14336 * 4096) == 4096   # at most the matrix
+    assert md.dequant_chunk(128256, 4096, 14336 * 4096) == 14336   # the head: what the scratch holds
+    assert md.dequant_chunk(10, 4096, 4096) == 1
+    with pytest.raises(ValueError, match="holds no row"):
+        md.dequant_chunk(10, 4096, 4095)
 
 
 @pytest.mark.parametrize("n_sm, splits", [(132, 10), (1, 1)])
@@ -803,7 +789,8 @@ def test_gemm_qr_min_split_lets_small_matrices_fill_the_sms(monkeypatch):
     whose tiles fill the SMs keep their grids, dense_gemm_qs keeps GEMMQ8_MIN_SPLIT; values that
     are not whole steps are refused."""
     from ggml_attn import gemm_tiles
-    assert gemm_tiles.GEMMQR_MIN_SPLIT == 1024
+    assert gemm_tiles.GEMMQR_MIN_SPLIT == 256   # (routed at 59f97e0)
+    monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", 1024)
     shapes = {"wk": (1024, 4096), "wq": (4096, 4096), "wg": (14336, 4096), "wd": (4096, 14336)}
     before = {k: K.gemm_q_grid(r, 64, n_in, 132, "dense_gemm_qr")[0] for k, (r, n_in) in shapes.items()}
     assert before["wk"] == (8, 1, 4)

@@ -71,22 +71,17 @@ def _cublas_f16(cp, ws: dict, x16, xf16):
 
 
 def _shipped_gemm(cp, K, ws: dict, x16, xf16):
-    """One layer by path ``gemm`` as the model runs it (matmul_dispatch's DEQUANT_KERNEL and
-    DEQUANT_CHUNK_ROWS as they are), into outputs of its own."""
-    from ggml_attn import matmul_dispatch as md
+    """One layer by path ``gemm`` as the model runs it, into outputs of its own."""
     outs = {k: cp.empty((x16.shape[0], w.shape[0]), cp.float32) for k, w in ws.items()}
-    return _dequant_gemm(cp, K, ws, x16, xf16, outs, md.DEQUANT_KERNEL, md.DEQUANT_CHUNK_ROWS)
+    return _dequant_gemm(cp, K, ws, x16, xf16, outs)
 
 
-def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_rows, gemm: bool = True):
-    """One layer as the model runs path ``gemm`` (graph/path_gemm.py's dequant_gemm_launches, with
-    matmul_dispatch.DEQUANT_KERNEL ``kernel`` and DEQUANT_CHUNK_ROWS ``chunk_rows``): per matrix and
-    chunk of rows the dequantization into the matrix's scratch and cuBLAS's F32-output GEMM into the
-    chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
-    from ggml_attn import matmul_dispatch as md
+def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, gemm: bool = True):
+    """One layer as the model runs path ``gemm`` (graph/path_gemm.py's dequant_gemm_launches): per
+    matrix and chunk of rows the dequantization into the matrix's scratch and cuBLAS's F32-output
+    GEMM into the chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
     from ggml_attn.graph.path_gemm import dequant_gemm_launches
-    pairs = _knobbed(md, DEQUANT_KERNEL=kernel, DEQUANT_CHUNK_ROWS=chunk_rows)(
-        lambda: [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])])()
+    pairs = [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])]
     steps = [s for p in pairs for s in (p if gemm else p[:1])]
 
     def go():
@@ -95,54 +90,25 @@ def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, kernel: str, chunk_row
     return go
 
 
-def _ring_layers(cp, layers, x16, xf16, outs):
-    """Each layer as the model runs path ``gemm`` with matmul_dispatch.DEQUANT_STREAMS 2: one
-    graph/path_gemm.py DequantRing over two layer-matrix slots for all of ``layers``' chunks, in the
-    order the benchmark calls them (so a layer's first dequantization runs under the other
-    layer's last GEMM, but the first of the rotation's: what a model's graph does layer after layer)."""
-    from ggml_attn.graph.path_gemm import DequantRing
-    ring = DequantRing(cp, cp.empty(2 * N_FF * N_EMBD, cp.float16))
-    fns = []
-    for ws in layers:
-        steps = [s for k, w in ws.items() for s in ring.steps(w, xf16 if k == "wd" else x16, outs[k])]
-
-        def go(steps=steps):
-            for s in steps:
-                s()
-        fns.append(go)
-    return fns
-
-
 def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows, log, alone: bool = False):
-    """Path ``gemm``'s A/Bs at ``tokens``: each dequantization kernel (matmul_dispatch.DEQUANT_KERNELS)
-    alone (its write and read bandwidth; ``alone``: only these), then the shipped one with cuBLAS
-    whole and in chunks of 4096 rows (DEQUANT_CHUNK_ROWS: the chunk's F16 values still in L2 for
-    the GEMM), on one stream and over two scratch slots and two streams (:class:`_Ring`), and
-    cuBLAS on the F16 matrices alone."""
-    from ggml_attn import matmul_dispatch as md
+    """Path ``gemm`` at ``tokens``: the dequantization alone (its read and write bandwidth; ``alone``:
+    only that), with cuBLAS, and cuBLAS on the F16 matrices alone."""
     f16_bytes = 2 * sum(a * b for a, b in SHAPES.values())
     for n in tokens:
         x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
         xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
         outs = {k: cp.empty((n, s[0]), cp.float32) for k, s in SHAPES.items()}
-        cases = [(f"{k[6:]} alone", lambda ws, k=k: _dequant_gemm(cp, K, ws, x16, xf16, outs, k, None, gemm=False))
-                 for k in md.DEQUANT_KERNELS]
+        cases = [("dequant alone", lambda ws: _dequant_gemm(cp, K, ws, x16, xf16, outs, gemm=False))]
         if not alone:
-            cases += [(f"{md.DEQUANT_KERNEL[6:]}+gemm{'' if c is None else f' c{c}'}",
-                       lambda ws, c=c: _dequant_gemm(cp, K, ws, x16, xf16, outs, md.DEQUANT_KERNEL, c))
-                      for c in (None, 4096)]
-            cases += [("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
-        fns = [(impl, [make(ws) for ws in layers]) for impl, make in cases]
-        if not alone:   # (one ring over both layers' chunks)
-            fns += [(f"{md.DEQUANT_KERNEL[6:]}+gemm 2 streams{'' if c is None else f' c{c}'}",
-                     _knobbed(md, DEQUANT_CHUNK_ROWS=c)(_ring_layers)(cp, layers, x16, xf16, outs)) for c in (None, 4096)]
-        for impl, fn in fns:
-            med, lo, hi = device_us(fn)
+            cases += [("dequant+gemm", lambda ws: _dequant_gemm(cp, K, ws, x16, xf16, outs)),
+                      ("cublas f16", lambda ws: _cublas_f16(cp, ws, x16, xf16))]
+        for impl, make in cases:
+            med, lo, hi = device_us([make(ws) for ws in layers])
             moved = (nbytes + f16_bytes) / med / 1e6   # blocks read + halves written, TB/s
             rows.append(dict(case=f"dense_q: 8B layer {t}", impl=impl, n_tok=n, us=round(med, 2),
                              us_min=round(lo, 2), us_max=round(hi, 2), floor_us=round(floor, 1),
                              tbps_rw=round(moved, 2)))
-            log(f"{t:5s} {impl:28s} n_tok={n:3d} {med:9.1f} us ({moved:.2f} TB/s of blocks read + halves written)")
+            log(f"{t:5s} {impl:15s} n_tok={n:3d} {med:9.1f} us ({moved:.2f} TB/s of blocks read + halves written)")
 
 
 def _tiled(cp, K, ws: dict, x16, xf16, n_sm: int, gemm_q_launch, kernel: str = "dense_gemm_q", bn=None):
@@ -345,7 +311,7 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
                        lambda ws, k=k, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k, bn))
                       for k in K.GEMMQR_KERNELS for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
             cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: _knobbed(gemm_tiles, GEMMQR_MIN_SPLIT=ms)(_tiled)(
-                cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")) for ms in (256, 512)]   # small matrices' splits
+                cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")) for ms in (512, 1024)]   # small matrices' splits
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
                 tid = block_layout(t).type_id
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
@@ -371,9 +337,9 @@ def main(argv=None) -> int:
     ap.add_argument("--q8x-only", action="store_true",
                     help="just the 8-bit-activation GEMV's rows, every form (with --tiled-only: both)")
     ap.add_argument("--dequant-only", default="",
-                    help="just the dequantize + cuBLAS A/Bs (kernels, chunks of rows) at these token counts (e.g. 128,512)")
+                    help="just path gemm's rows (the dequantization alone, with cuBLAS) at these token counts (e.g. 128,512)")
     ap.add_argument("--dequant-alone", action="store_true",
-                    help="with --dequant-only: just each dequantization kernel alone (every --types)")
+                    help="with --dequant-only: just the dequantization alone (every --types)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     from gpu_timing import device_us

@@ -24,15 +24,13 @@
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
 #      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
-#   7. (--split) dense_gemm_qr's small matrices split finer (gemm_tiles.GEMMQR_MIN_SPLIT 256 / 512): one 8B
-#      layer at 64 / 16 tokens (every qr form and split) -> $OUT/dense_split.json, batched B=16 / 64 S_TG
-#      shipped / ms256 / ms512 (knob_ab) -> $OUT/ab_split.json
-#   8. (--deq) path gemm (graph/path_gemm.py): GPU tests (test_gpu_dense_q.py -k dequant, test_gpu_path_gemm.py)
-#      -> $OUT/logs/tests_deq.log; each dequantization kernel alone on one 8B layer of every block type at 512
-#      tokens -> $OUT/dense_deq_types.json; Q4_K / Q6_K layers at 512 / 128 tokens, the shipped kernel with
-#      cuBLAS whole, in 4096-row chunks, and over two streams (matmul_dispatch.DEQUANT_STREAMS 2) ->
-#      $OUT/dense_deq.json; pp512 on the Q4_K_M file shipped / 2s / 2s-c4096 (knob_ab) -> $OUT/ab_deq.json; and
-#      last of all (the numbers first where a call is cut) memcheck of the block kernels (gpu_sanitize_case.py --dense-q)
+#   7. (--split) dense_gemm_qr's small matrices' split (gemm_tiles.GEMMQR_MIN_SPLIT, shipped 256, against
+#      512 / 1024): one 8B layer at 64 / 16 tokens (every qr form and split) -> $OUT/dense_split.json, batched
+#      B=16 / 64 S_TG shipped / ms512 / ms1024 (knob_ab) -> $OUT/ab_split.json
+#   8. (--deq) path gemm (graph/path_gemm.py): GPU tests (test_gpu_dense_q.py -k dequant) -> $OUT/logs/tests_deq.log;
+#      the dequantization alone on one 8B layer of every block type at 512 tokens -> $OUT/dense_deq_types.json;
+#      Q4_K / Q6_K layers at 512 / 128 tokens, alone, with cuBLAS, cuBLAS alone -> $OUT/dense_deq.json; and last
+#      of all (the numbers first where a call is cut) memcheck of the block kernels (gpu_sanitize_case.py --dense-q)
 #   (--deq runs first, then --split, then --qw.)
 # Steps in the order 8, 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
@@ -62,36 +60,30 @@ if [ $INSTALL = 1 ]; then
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 WRITER=
-if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $SPLIT = 1 ] || [ $DEQ = 1 ]; then   # (the file, written while the GPU works)
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $SPLIT = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
 fi
 if [ $DEQ = 1 ]; then
-  echo "== path gemm: tests, one 8B layer, pp512 (its memcheck last)"
+  echo "== path gemm: tests, one 8B layer (its memcheck last)"
   timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k dequant \
-      tests/test_gpu_path_gemm.py > "$LOGS/tests_deq.log" 2>&1 || status=1
+      > "$LOGS/tests_deq.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_deq.log" | head -10; tail -1 "$LOGS/tests_deq.log"
   (cd tools/dev && timeout 150 $PY gpu_dense_q_bench.py --types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K \
       --dequant-only 512 --dequant-alone --out "$OUT/dense_deq_types.json") 2>&1 | tee "$LOGS/dense_deq_types.log" \
       | grep -E "n_tok=|Error" || status=1
   (cd tools/dev && timeout 200 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --dequant-only 512,128 --out "$OUT/dense_deq.json") \
       2>&1 | tee "$LOGS/dense_deq.log" | grep -E "n_tok=|Error" || status=1
-  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
-  WRITER=
-  timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_deq.json" --variant shipped \
-      --variant "2s:matmul_dispatch.DEQUANT_STREAMS=2" \
-      --variant "2s-c4096:matmul_dispatch.DEQUANT_STREAMS=2,matmul_dispatch.DEQUANT_CHUNK_ROWS=4096" \
-      bench --device cuda -m /tmp/gemv-q4km.gguf -p 512 -n 0 -r 3 2>&1 | tail -5 || status=1
   say
 fi
 if [ $SPLIT = 1 ]; then
-  echo "== dense_gemm_qr's small matrices split finer: one 8B layer, batched S_TG"
+  echo "== dense_gemm_qr's small matrices' split: one 8B layer, batched S_TG"
   (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_split.json") \
       2>&1 | tee "$LOGS/dense_split.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
   [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   WRITER=
   timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_split.json" --variant shipped \
-      --variant "ms256:gemm_tiles.GEMMQR_MIN_SPLIT=256" --variant "ms512:gemm_tiles.GEMMQR_MIN_SPLIT=512" \
+      --variant "ms512:gemm_tiles.GEMMQR_MIN_SPLIT=512" --variant "ms1024:gemm_tiles.GEMMQR_MIN_SPLIT=1024" \
       batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -7 || status=1
   say
 fi
