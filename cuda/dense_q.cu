@@ -15,8 +15,7 @@
 //                          staged by cp.async (rows of whole 16-byte units), decoded from shared
 //                          memory (below);
 //   dense_gemm_qr<T, BN>   dense_gemm_qs with the weights decoded straight into the tensor cores'
-//                          fragments (the types of quant_blocks.cuh's QbFrag); dense_gemm_qr<T, BN, 0>
-//                          the same over a deeper ring of stages (QrTile::DEEP; a program of its own);
+//                          fragments (the types of quant_blocks.cuh's QbFrag);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens), the stores coalesced a warp at a time;
@@ -419,15 +418,9 @@ template <int T, int BN> struct QrTile {
     static constexpr int W_BYTES = QR_BM * SLOT;
     static constexpr int STAGE = W_BYTES + X_BYTES;
     static constexpr int SMEM = QS_STAGES * STAGE;
-    // dense_gemm_qrd's ring: as many stages as fit its blocks an SM (one for BN 64: 227 KB; two for
-    // 32: 228 KB an SM less 1 KB a block, 113 KB each), at most 4 (BN 64) or 3 (BN 32) -- Q4_K /
-    // Q5_K / Q4_0 at BN 64: 4, Q6_K / Q8_0: 3; at BN 32 Q4_K / Q4_0: 3, the others 2
-    static constexpr int DEEP_MAX = BN == 64 ? 4 : 3, DEEP_FIT = (BN == 64 ? 232448 : 115712) / STAGE;
-    static constexpr int DEEP = DEEP_FIT < DEEP_MAX ? DEEP_FIT : DEEP_MAX;
     static constexpr int NI = BN / 8;
     static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
     static_assert(QR_BM == 16 * QS_WARPS, "a warp a 16-row slice");
-    static_assert(DEEP >= 2, "a ring of two stages at least");
 };
 
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
@@ -435,14 +428,10 @@ __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// RING: the stages, QS_STAGES by default; 0: QrTile::DEEP (the deeper ring of the program the host
-// calls dense_gemm_qrd: DEEP - 1 steps in flight, for the small token counts whose steps wait on
-// their copies).
-template <int T, int BN, int RING = QS_STAGES>
+template <int T, int BN>
 __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
     using TL = QrTile<T, BN>;
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
-    constexpr int ST = RING ? RING : TL::DEEP;
     static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
     extern __shared__ __align__(16) unsigned char qr_smem[];
@@ -458,20 +447,20 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 of the tile
 #pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
+    for (int s = 0; s < QS_STAGES - 1; ++s) {
         if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0, k_begin + s * QS_BK, n_cp);
         else cp_async_commit();
     }
     for (int s = 0; s < n_steps; ++s) {
-        cp_async_wait<ST - 2>();
+        cp_async_wait<QS_STAGES - 2>();
         __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
         {
-            const int ns = s + ST - 1;
-            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % ST) * TL::STAGE, m0, n0,
+            const int ns = s + QS_STAGES - 1;
+            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
                                                          k_begin + ns * QS_BK, n_cp);
             else cp_async_commit();
         }
-        const unsigned char* st = qr_smem + (s % ST) * TL::STAGE;
+        const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
         const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
         const int k0 = k_begin + s * QS_BK;
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
@@ -587,5 +576,5 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
 // the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
-template <int T, int BN, int RING = QS_STAGES>
-__device__ const int dense_gemm_qr_smem = (RING ? RING : QrTile<T, BN>::DEEP) * QrTile<T, BN>::STAGE;
+template <int T, int BN>
+__device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;

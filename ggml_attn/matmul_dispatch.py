@@ -163,10 +163,6 @@ QWGEMM_ROWS = 128
 # (dense_gemm_qwh / qw2h: the integer q an exact half by its bits and one f16 operation a pair
 # with the factors rounded to f16 -- ~3 instructions a value against ~6): measured 2-7% faster.
 QWGEMM_HALF = False
-# dense_gemm_qr over a deeper ring of stages (dense_gemm_qrd: 3-4 steps in flight, not 1) -- its
-# steps at 16-64 tokens take ~4 us against ~1.2 of issue and ~0.7 of their weights' bytes, the
-# copy issued a step before landing late (bench/NOTES.md, twenty-first session). An A/B until measured.
-QRGEMM_DEEP = False
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
 # of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
@@ -199,10 +195,8 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 
 def tiled_kernel(path: str, weight_type: str) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type``: the wgmma
-    GEMM's form (gemm_qw_kernel), dense_gemm_qr's ring (QRGEMM_DEEP), else the path's one kernel."""
-    if path == "gemm-qw":
-        return gemm_qw_kernel(weight_type)
-    return "dense_gemm_qrd" if path == "gemm-qr" and QRGEMM_DEEP else TILED_PATHS[path]
+    GEMM's form (gemm_qw_kernel), else the path's one kernel."""
+    return gemm_qw_kernel(weight_type) if path == "gemm-qw" else TILED_PATHS[path]
 
 
 def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> int:

@@ -241,20 +241,10 @@ def dense_q_variant(type_id: int) -> Variant:
                     f"dense_get_rows_q<{type_id}>"))
 
 
-def dense_qrd_variant(type_id: int) -> Variant:
-    """dense_gemm_qr over a deeper ring of stages (kernel ``dense_gemm_qrd``: the instances
-    ``dense_gemm_qr<T, BN, 0>`` of cuda/dense_q.cu, QrTile::DEEP stages) for a type of
-    GEMMQR_TYPE_IDS: a program of its own, compiled where it is routed (an A/B)."""
-    if type_id not in GEMMQR_TYPE_IDS:
-        raise ValueError(f"dense_gemm_qrd decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
-    return Variant("dense-qrd", "dense_q.cu", tuple(staged_instance("dense_gemm_qrd", type_id, bn)
-                                                    for bn in GEMMQR_BLOCKS_PER_SM))
-
-
 def staged_instance(kernel: str, type_id: int, bn: int) -> str:
-    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qrd: that
-    is dense_gemm_qr<T, BN, 0>, the deeper ring) for blocks of ``type_id`` at tile ``bn``."""
-    return f"dense_gemm_qr<{type_id}, {bn}, 0>" if kernel == "dense_gemm_qrd" else f"{kernel}<{type_id}, {bn}>"
+    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr) for blocks of
+    ``type_id`` at tile ``bn``."""
+    return f"{kernel}<{type_id}, {bn}>"
 
 
 MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope", "xp_rope_store")
@@ -463,7 +453,6 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
-           *(dense_qrd_variant(t) for t in GEMMQR_TYPE_IDS),
            *dense_q_variants(dense_q8x_variant), *dense_q_variants(dense_q8x_qout_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]

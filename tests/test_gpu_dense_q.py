@@ -230,8 +230,8 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
 
 _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
                for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
-               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qrd", None), ("dense_gemm_qrd", 32),
-                 ("dense_gemm_qw", None), ("dense_gemm_qwh", None)] if name in K.GEMMQR_TYPES else []) +
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None), ("dense_gemm_qwh", None)]
+                if name in K.GEMMQR_TYPES else []) +
                ([("dense_gemm_qw2", None), ("dense_gemm_qw2h", None)] if name in K.GEMMQW2_TYPES else [])]
 
 
@@ -269,14 +269,13 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
 @pytest.mark.parametrize("name", K.GEMMQR_TYPES)
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(9, 3, 300), (33, 16, 200), (64, 2, 4096), (100, 9, 130)])
 @pytest.mark.parametrize("bn", [None, 32])
-@pytest.mark.parametrize("qr", K.GEMMQR_KERNELS)
-def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn, qr):
+def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn):
     """dense_gemm_qr decodes the same values into its fragments that dense_gemm_qs decodes into its
     shared tile (qb_frag8 against qb_dequant32: the same floats), rounds them to F16 alike and
     multiplies in the same k order: the same output bits, split over n_in or not, rows and tokens
-    past a tile's end included -- and so does dense_gemm_qrd (the same steps over a deeper ring)."""
+    past a tile's end included."""
     outs = []
-    for kernel in ("dense_gemm_qs", qr):
+    for kernel in ("dense_gemm_qs", "dense_gemm_qr"):
         _, _, x, _, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, False, kernel, bn)
         xp_matmul.gemm_q_launch(w, cupy.asarray(x.astype(np.float16)), d_out, part, kernel=kernel, bn=bn)()
         outs.append((d_out.get(), grid))

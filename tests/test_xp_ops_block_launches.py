@@ -602,8 +602,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K")),
-                                           ("dense_gemm_qrd", ("Q4_K", "Q6_K"))])
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
@@ -611,14 +610,11 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
     tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
-    adds in the output's mode. dense_gemm_qrd (dense_gemm_qr over a deeper ring, instances
-    <T, BN, 0> of a program of their own) in its place where matmul_dispatch.QRGEMM_DEEP says so."""
+    adds in the output's mode."""
     bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
-    assert md.QRGEMM_DEEP is False   # (an A/B until measured)
-    monkeypatch.setattr(md, "QRGEMM_DEEP", kernel == "dense_gemm_qrd")
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qs" if kernel == "dense_gemm_qs" else "gemm-qr"
     assert [md.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
@@ -628,15 +624,13 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qr<{w.type_id}, {bn}, 0>" if kernel == "dense_gemm_qrd" else
-                                            f"{kernel}<{w.type_id}, {bn}>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"{kernel}<{w.type_id}, {bn}>" for w in ws]
     sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
     assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, kernel)
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == (K.dense_qrd_variant(w.type_id) if kernel == "dense_gemm_qrd" else
-                                 K.dense_q_variant(w.type_id)) and ln.fn.smem is None   # its own tile's SMEM
+        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own tile's SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
@@ -783,7 +777,7 @@ def test_gemm_q8_grid_covers_every_value_and_takes_the_fewest_step_waves():
 
 
 def test_gemm_qr_min_split_lets_small_matrices_fill_the_sms(monkeypatch):
-    """gemm_tiles.GEMMQR_MIN_SPLIT bounds dense_gemm_qr's (and dense_gemm_qrd's) split from below
+    """gemm_tiles.GEMMQR_MIN_SPLIT bounds dense_gemm_qr's split from below
     where GEMMQ8_MIN_SPLIT's leaves SMs idle: an 8B layer's 1024-row K projection at 64 tokens is
     8 x 4 blocks at 1024 values and takes 16 splits (128 blocks on 132 SMs) at 256; the matrices
     whose tiles fill the SMs keep their grids, dense_gemm_qs keeps GEMMQ8_MIN_SPLIT; values that
@@ -796,10 +790,9 @@ def test_gemm_qr_min_split_lets_small_matrices_fill_the_sms(monkeypatch):
     assert before["wk"] == (8, 1, 4)
     for ms in (256, 512):
         monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", ms)
-        for kernel in K.GEMMQR_KERNELS:
-            after = {k: K.gemm_q_grid(r, 64, n_in, 132, kernel)[0] for k, (r, n_in) in shapes.items()}
-            assert after["wk"] == (8, 1, 16 if ms == 256 else 8)
-            assert {k: g for k, g in after.items() if k != "wk"} == {k: g for k, g in before.items() if k != "wk"}
+        after = {k: K.gemm_q_grid(r, 64, n_in, 132, "dense_gemm_qr")[0] for k, (r, n_in) in shapes.items()}
+        assert after["wk"] == (8, 1, 16 if ms == 256 else 8)
+        assert {k: g for k, g in after.items() if k != "wk"} == {k: g for k, g in before.items() if k != "wk"}
         assert K.gemm_q_grid(1024, 64, 4096, 132, "dense_gemm_qs")[0][2] <= 4096 // K.GEMMQ8_MIN_SPLIT
         for n_in in (256, 768, 4096 + 512):   # every value once, whole steps a split
             (gm, gn, gz), kc = K.gemm_q_grid(1024, 16, n_in, 132, "dense_gemm_qr")

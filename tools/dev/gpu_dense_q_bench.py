@@ -307,9 +307,9 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
                    lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs", bn))
                   for bn in (None, *K.GEMMQS_BLOCKS_PER_SM)]
         if t in K.GEMMQR_TYPES:   # the fragment-decode form, its tile for the tokens and each tile alone
-            cases += [(f"{k[6:]}{'' if bn is None else f' bn{bn}'}",
-                       lambda ws, k=k, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k, bn))
-                      for k in K.GEMMQR_KERNELS for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
+            cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
+                       lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
+                      for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
             cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: _knobbed(gemm_tiles, GEMMQR_MIN_SPLIT=ms)(_tiled)(
                 cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")) for ms in (512, 1024)]   # small matrices' splits
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)

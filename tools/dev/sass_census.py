@@ -8,7 +8,7 @@ instruction mix (nvdisasm) of one program -- a prediction's input when no device
 PROGRAM: ``wgmma:<key>`` (wgmma_shape.WS_CONFIGS / WS_DIAG), ``decode-tma:<key>``
 (decode_tma_shape.CONFIGS), ``mma:<dk>:<type>``, ``vec:<dk>:<type>`` (type f16, bf16, q8_0,
 q4_0; head_dim_v = head_dim_k), ``dense-q:<block type>`` (cuda/dense_q.cu: Q4_0 ... Q6_K), ``dense-q8x:<type>``
-(cuda/dense_q8x.cu), ``dense-qw:<block type>`` (cuda/dense_qw.cu), ``dense-qrd:<block type>``, compiled for sm_90a
+(cuda/dense_q8x.cu), ``dense-qw:<block type>`` (cuda/dense_qw.cu), compiled for sm_90a
 (the Hopper ones) or sm_90. nvdisasm: ``$NVDISASM``, else
 on PATH (pip's nvidia-cuda-nvdisasm wheel has one: nvidia/cu13/bin/nvdisasm). Counts are
 static (each instruction once, loops not unrolled by their trip counts): compare programs, or
@@ -45,17 +45,16 @@ def variant_of(spec: str):
         if rest not in dt.CONFIGS:
             raise SystemExit(f"no decode-tma configuration {rest!r}: {', '.join(dt.CONFIGS)}")
         return K.decode_tma_variant(dt.CONFIGS[rest].name), K.HOPPER_ARCH
-    if fam in ("dense-q", "dense-q8x", "dense-qw", "dense-qrd"):
+    if fam in ("dense-q", "dense-q8x", "dense-qw"):
         from ggml_attn.block_types import block_layout
-        make = {"dense-q": K.dense_q_variant, "dense-q8x": K.dense_q8x_variant, "dense-qw": K.dense_qw_variant,
-                "dense-qrd": K.dense_qrd_variant}[fam]
+        make = {"dense-q": K.dense_q_variant, "dense-q8x": K.dense_q8x_variant, "dense-qw": K.dense_qw_variant}[fam]
         return make(block_layout(rest).type_id), K.HOPPER_ARCH if fam == "dense-qw" else "sm_90"
     if fam in ("mma", "vec"):
         d, _, t = rest.partition(":")
         make = K.mma_variant if fam == "mma" else K.vec_variant
         return make(int(d), int(d), TYPES[t or "f16"]), "sm_90"
     raise SystemExit(f"unknown program {spec!r} (wgmma:KEY, decode-tma:KEY, mma:D:TYPE, vec:D:TYPE, dense-q:TYPE, "
-                     "dense-q8x:TYPE, dense-qw:TYPE, dense-qrd:TYPE)")
+                     "dense-q8x:TYPE, dense-qw:TYPE)")
 
 
 def nvdisasm() -> str:
