@@ -530,6 +530,8 @@ def test_gpu_gemv_quant_out_gives_the_same_logits(gguf_dir, name, form, monkeypa
     hp = m.hp
     prompts = [np.arange(5 + 3 * i, dtype=np.int32) % hp.n_vocab for i in range(3)]
 
+    monkeypatch.setattr(matmul_dispatch, "ATTN_QUANT_OUT", False)   # (the attention's 8-bit output: counted too)
+
     def logits(fused: bool, unified: bool, n_ubatch: int):
         monkeypatch.setattr(matmul_dispatch, "GEMV_QUANT_OUT", fused)
         made.clear()
