@@ -43,22 +43,6 @@ def _layer(cp, type_name: str, seed: int) -> dict:
     return out
 
 
-def _knobbed(module, **knobs):
-    """``fn`` wrapped to run with ``module``'s attributes ``knobs`` set (each put back after)."""
-    def wrap(fn):
-        def call(*a, **kw):
-            saved = {k: getattr(module, k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(module, k, v)
-            try:
-                return fn(*a, **kw)
-            finally:
-                for k, v in saved.items():
-                    setattr(module, k, v)
-        return call
-    return wrap
-
-
 def _cublas_f16(cp, ws: dict, x16, xf16):
     """One layer by cuBLAS alone on F16 matrices (each weight's scratch, whatever it holds): the F16
     file's GEMMs, the bound of the block GEMMs' targets."""
@@ -295,6 +279,8 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
     cuBLAS, the path past the tiled GEMMs' tokens (``matmul_dispatch.QSGEMM_MAX_TOKENS``,
     ``QRGEMM_MAX_TOKENS``: the crossovers' other side), and cuBLAS alone on the F16 matrices (the
     F16 file's GEMMs)."""
+    from gpu_timing import knobs
+
     from ggml_attn import gemm_tiles
     from ggml_attn.block_types import block_layout
     from ggml_attn.cuda_device import num_sms
@@ -302,6 +288,10 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
     for n in tokens:
         x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
         xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
+
+        def split_at(ms, ws):   # dense_gemm_qr with gemm_tiles.GEMMQR_MIN_SPLIT ms
+            with knobs(gemm_tiles, GEMMQR_MIN_SPLIT=ms):
+                return _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")
         cases = [("gemm_q", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch))]
         cases += [(f"gemm_qs{'' if bn is None else f' bn{bn}'}",
                    lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qs", bn))
@@ -310,8 +300,9 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
-            cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: _knobbed(gemm_tiles, GEMMQR_MIN_SPLIT=ms)(_tiled)(
-                cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr")) for ms in (512, 1024)]   # small matrices' splits
+            if t in K.GEMMQR2_TYPES:   # its wide tile two blocks an SM
+                cases += [("gemm_qr2", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr2"))]
+            cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: split_at(ms, ws)) for ms in (512, 1024)]   # small matrices' splits
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
                 tid = block_layout(t).type_id
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
