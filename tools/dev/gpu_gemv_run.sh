@@ -25,10 +25,10 @@
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
 #      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
 #   7. (--qr2) dense_gemm_qr two blocks an SM (dense_gemm_qr2, matmul_dispatch.QRGEMM_TWO_TYPES): its GPU tests
-#      (test_gpu_dense_q.py -k "qr2 or bit_for_bit") -> $OUT/logs/tests_qr2.log, memcheck / racecheck of the block
-#      kernels (gpu_sanitize_case.py --dense-q: qr2 among them), one 8B layer at 64 / 32 / 16 tokens (every qr
-#      form, GEMMQR_MIN_SPLIT 512 / 1024 rows too) -> $OUT/dense_qr2.json, batched B=16 / 64 S_TG shipped / qr2
-#      (knob_ab) -> $OUT/ab_qr2.json
+#      (test_gpu_dense_q.py -k "qr2 or bit_for_bit") -> $OUT/logs/tests_qr2.log, one 8B layer at 64 / 32 / 16
+#      tokens (every qr form, GEMMQR_MIN_SPLIT 512 / 1024 rows too) -> $OUT/dense_qr2.json, batched B=16 / 64 S_TG
+#      shipped / qr2 (knob_ab) -> $OUT/ab_qr2.json, then memcheck / racecheck of the block kernels
+#      (gpu_sanitize_case.py --dense-q: qr2 among them)
 #   8. (--deq) path gemm (graph/path_gemm.py): GPU tests (test_gpu_dense_q.py -k dequant) -> $OUT/logs/tests_deq.log;
 #      the dequantization alone on one 8B layer of every block type at 512 tokens -> $OUT/dense_deq_types.json;
 #      Q4_K / Q6_K layers at 512 / 128 tokens, alone, with cuBLAS, cuBLAS alone -> $OUT/dense_deq.json; and last
@@ -83,11 +83,6 @@ if [ $QR2 = 1 ]; then
   timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qr2 or bit_for_bit" \
       > "$LOGS/tests_qr2.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr2.log" | head -10; tail -1 "$LOGS/tests_qr2.log"
-  for t in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $t --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-        > "$LOGS/san_qr2_$t.log" 2>&1 || { status=1; echo "$t: see logs/san_qr2_$t.log"; }
-    grep -E "^qr2|SUMMARY" "$LOGS/san_qr2_$t.log" | tail -3
-  done
   (cd tools/dev && timeout 120 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,32,16 --out "$OUT/dense_qr2.json") \
       2>&1 | tee "$LOGS/dense_qr2.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
   [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
@@ -95,6 +90,11 @@ if [ $QR2 = 1 ]; then
   timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qr2.json" --variant shipped \
       --variant "qr2:matmul_dispatch.QRGEMM_TWO_TYPES=('Q4_0','Q4_K')" \
       batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -5 || status=1
+  for t in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $t --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+        > "$LOGS/san_qr2_$t.log" 2>&1 || { status=1; echo "$t: see logs/san_qr2_$t.log"; }
+    grep -E "^qr2|SUMMARY" "$LOGS/san_qr2_$t.log" | tail -3
+  done
   say
 fi
 if [ $QW = 1 ]; then
