@@ -15,8 +15,7 @@
 //                          staged by cp.async (rows of whole 16-byte units), decoded from shared
 //                          memory (below);
 //   dense_gemm_qr<T, BN>   dense_gemm_qs with the weights decoded straight into the tensor cores'
-//                          fragments (the types of quant_blocks.cuh's QbFrag); dense_gemm_qr<T, 64, 2>
-//                          the same, two blocks an SM (a program of its own);
+//                          fragments (the types of quant_blocks.cuh's QbFrag);
 //   dense_splitk_sum       y (+)= the sum of dense_gemm_q's partials, splits in order;
 //   dense_dequant_f16<T>   rows of W as F16 (a GEMM's input: dequantize + cuBLAS, the other way
 //                          to run more tokens), the stores coalesced a warp at a time;
@@ -429,15 +428,11 @@ __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// MINB: resident blocks an SM (__launch_bounds__); 2 at BN 64 (the program the host calls
-// dense_gemm_qr2) caps the registers at 128 (194 at 1; Q4_K spills 52 bytes, reloaded 13 times a
-// step from L1) for twice the warps an SM, where two blocks' stages fit.
-template <int T, int BN, int MINB = (BN == 64 ? 1 : 2)>
-__global__ void __launch_bounds__(QS_THREADS, MINB) dense_gemm_qr(const GemmQParams p) {
+template <int T, int BN>
+__global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
     using TL = QrTile<T, BN>;
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
-    static_assert(MINB == 1 || MINB * (TL::SMEM + 1024) <= 233472, "MINB blocks' stages fit an SM's 228 KB");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
     extern __shared__ __align__(16) unsigned char qr_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
@@ -581,5 +576,5 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
 // the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
-template <int T, int BN, int MINB = (BN == 64 ? 1 : 2)>
+template <int T, int BN>
 __device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;

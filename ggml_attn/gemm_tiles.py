@@ -28,12 +28,6 @@ GEMMQS_STAGES = 2            # QS_STAGES
 GEMMQS_LD = 264              # QS_LD: halves between rows of its F16 tiles
 GEMMQR_TILE = (128, 64, 256)  # dense_gemm_qr's wide tile: QR_BM, BN, QS_BK (its narrow one: GEMMQS_NARROW tokens)
 GEMMQR_BLOCKS_PER_SM = {64: 1, 32: 2}   # resident blocks an SM by tile tokens (its __launch_bounds__)
-# dense_gemm_qr2: dense_gemm_qr's wide tile two blocks an SM (dense_gemm_qr<T, 64, 2>: at most 128
-# registers; ncu at 64 tokens found one block's 8 warps issuing ~half the cycles,
-# bench/results/2026-12-07-a2d3dc2-h100-deq-qrd/ncu_dense_gemm_qr.txt), for the types whose two
-# blocks' stages fit an SM (QrTile::SMEM); a program of its own (variants.dense_qr2_variant)
-GEMMQR2_TYPES = ("Q4_0", "Q4_K")
-GEMMQR2_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR2_TYPES)
 # values of n_in a dense_gemm_qr split covers at least where its tiles split GEMMQ8_MIN_SPLIT-wise
 # still leave SMs idle (gemm_q_grid): ncu of an 8B layer at 64 tokens found the 1024-row K and V
 # projections at 1024 (4 steps a block) 8 x 4 = 32 blocks on 132 SMs, 15.4 us each against 16.9
@@ -69,20 +63,18 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
     """The tokens of the staged tiled GEMM ``kernel``'s tile (``dense_gemm_qs`` or
     ``dense_gemm_qr``) for a call of ``n_tok`` tokens: the narrow one's (GEMMQS_NARROW, two
     blocks an SM) up to its width (dense_gemm_qr: up to GEMMQR_NARROW_MAX_TOKENS), else the wide
-    one's; ``dense_gemm_qr2``: the wide one's."""
-    if kernel == "dense_gemm_qr2":   # (its one tile)
-        return GEMMQR_TILE[1]
+    one's."""
     narrow_max = GEMMQR_NARROW_MAX_TOKENS if kernel == "dense_gemm_qr" else GEMMQS_NARROW
     return GEMMQS_NARROW if n_tok <= narrow_max else GEMMQS_TILE[1]
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", "dense_gemm_qr2", *GEMMQW_FORMS)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr", *GEMMQW_FORMS)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, ``dense_gemm_qr``, ``dense_gemm_qr2``, GEMMQW_FORMS) for ``n_tok``
+    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, ``dense_gemm_qr``, GEMMQW_FORMS) for ``n_tok``
     tokens; ``bn``: a ``dense_gemm_qs`` / ``dense_gemm_qr`` tile other than gemm_qs_bn's (the
     benchmark's A/B)."""
     if kernel == "dense_gemm_q":
@@ -92,10 +84,6 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel == "dense_gemm_qr2":
-        if bn not in (None, GEMMQR_TILE[1]):
-            raise ValueError(f"dense_gemm_qr2 has tiles of {GEMMQR_TILE[1]} tokens, not {bn}")
-        return GEMMQR_TILE, 2, GEMMQ8_MIN_SPLIT
     if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (their tiles' tokens: gemm_qs_bn)
         (bm, _, bk), per_sm = ((GEMMQS_TILE, GEMMQS_BLOCKS_PER_SM) if kernel == "dense_gemm_qs" else
                                (GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM))
@@ -132,7 +120,7 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     most = max(1, steps * bk // min_split)
     if kernel in STAGED_GEMMS:
         slots = per_sm * max(1, n_sm)
-        if kernel in ("dense_gemm_qr", "dense_gemm_qr2") and tiles * most < slots:   # small matrices: GEMMQR_MIN_SPLIT
+        if kernel == "dense_gemm_qr" and tiles * most < slots:   # small matrices: splits of GEMMQR_MIN_SPLIT
             if GEMMQR_MIN_SPLIT < bk or GEMMQR_MIN_SPLIT % bk:
                 raise ValueError(f"GEMMQR_MIN_SPLIT must be a positive multiple of {bk}, not {GEMMQR_MIN_SPLIT}")
             most = max(most, steps * bk // GEMMQR_MIN_SPLIT)

@@ -163,11 +163,6 @@ QWGEMM_ROWS = 128
 # (dense_gemm_qwh / qw2h: the integer q an exact half by its bits and one f16 operation a pair
 # with the factors rounded to f16 -- ~3 instructions a value against ~6): measured 2-7% faster.
 QWGEMM_HALF = False
-# The types of kernels.GEMMQR2_TYPES whose dense_gemm_qr launches run dense_gemm_qr2 (its wide tile
-# two blocks an SM, at most 128 registers: twice the warps to hide a step's latency; ncu at 64 tokens
-# found one block's 8 warps issuing half the cycles). An A/B until measured (bench/NOTES.md,
-# twenty-third session).
-QRGEMM_TWO_TYPES: tuple = ()
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
 # of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
@@ -200,14 +195,8 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 
 def tiled_kernel(path: str, weight_type: str) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type``: the wgmma
-    GEMM's form (gemm_qw_kernel), dense_gemm_qr2 for QRGEMM_TWO_TYPES (of kernels.GEMMQR2_TYPES),
-    else the path's one kernel."""
-    from .kernels import GEMMQR2_TYPES
-    if path == "gemm-qw":
-        return gemm_qw_kernel(weight_type)
-    if path == "gemm-qr" and weight_type in QRGEMM_TWO_TYPES and weight_type in GEMMQR2_TYPES:
-        return "dense_gemm_qr2"
-    return TILED_PATHS[path]
+    GEMM's form (gemm_qw_kernel), else the path's one kernel."""
+    return gemm_qw_kernel(weight_type) if path == "gemm-qw" else TILED_PATHS[path]
 
 
 def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> int:

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from .block_types import BLOCK_TYPES, block_layout
 from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPE_IDS, GEMMQR_TYPES,
-                         GEMMQR2_TYPE_IDS, GEMMQR2_TYPES, GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES, GEMMQW_FORMS)
+                         GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES, GEMMQW_FORMS)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
 KV_TILE = 64  # FATTN_KV_TILE in fattn_common.cuh
@@ -241,19 +241,10 @@ def dense_q_variant(type_id: int) -> Variant:
                     f"dense_get_rows_q<{type_id}>"))
 
 
-def dense_qr2_variant(type_id: int) -> Variant:
-    """dense_gemm_qr two blocks an SM (kernel ``dense_gemm_qr2``: the instance ``dense_gemm_qr<T,
-    64, 2>`` of cuda/dense_q.cu) for a type of GEMMQR2_TYPE_IDS: a program of its own, compiled where
-    it is routed (an A/B)."""
-    if type_id not in GEMMQR2_TYPE_IDS:
-        raise ValueError(f"dense_gemm_qr2 decodes {', '.join(GEMMQR2_TYPES)} blocks, not ggml type {type_id}")
-    return Variant("dense-qr2", "dense_q.cu", (staged_instance("dense_gemm_qr2", type_id, 64),))
-
-
 def staged_instance(kernel: str, type_id: int, bn: int) -> str:
-    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qr2: that is
-    dense_gemm_qr<T, 64, 2>) for blocks of ``type_id`` at tile ``bn``."""
-    return f"dense_gemm_qr<{type_id}, {bn}, 2>" if kernel == "dense_gemm_qr2" else f"{kernel}<{type_id}, {bn}>"
+    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr) for blocks of
+    ``type_id`` at tile ``bn``."""
+    return f"{kernel}<{type_id}, {bn}>"
 
 
 MODEL_OPS_NAMES = ("xp_get_rows_f16", "xp_get_rows_f32", "xp_add_bias", "xp_rope", "xp_rope_store")
@@ -462,7 +453,6 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
-           *(dense_qr2_variant(t) for t in GEMMQR2_TYPE_IDS),
            *dense_q_variants(dense_q8x_variant), *dense_q_variants(dense_q8x_qout_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]

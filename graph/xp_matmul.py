@@ -373,8 +373,7 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                   bn: int | None = None):
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
     by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
-    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned (and
-    ``dense_gemm_qr2``, dense_gemm_qr two blocks an SM, for ``kernels.GEMMQR2_TYPES``):
+    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
     ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
     forms ``kernels.GEMMQW_FORMS``: the 256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``,
     the half-precision decode ``dense_gemm_qwh`` / ``dense_gemm_qw2h``) for ``kernels.GEMMQR_TYPES``;
@@ -392,12 +391,11 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr", "dense_gemm_qr2"), kernel in K.GEMMQW_FORMS
+    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in K.GEMMQW_FORMS
     if (staged or qw) and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    reads = K.GEMMQR2_TYPES if kernel == "dense_gemm_qr2" else K.GEMMQR_TYPES
-    if (kernel.startswith("dense_gemm_qr") or qw) and w.type not in reads:
-        raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(reads)})")
+    if (kernel == "dense_gemm_qr" or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
+        raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
     if qw and K.qw_instance(w.type_id, kernel) is None:
         raise ValueError(f"{kernel}: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
     grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
@@ -407,8 +405,7 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.mode = 1 if accumulate else 0
     if staged:
         bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
-        make = K.dense_qr2_variant if kernel == "dense_gemm_qr2" else K.dense_q_variant   # (qr2: a program of its own)
-        fn = K.get_function(make(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
+        fn = K.get_function(K.dense_q_variant(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
         fn = K.get_function(K.dense_qw_variant(w.type_id), K.qw_instance(w.type_id, kernel))

@@ -43,12 +43,12 @@ REPRESENTATIVE = {
               K.model_ops_variant(), K.mma_variant(128, 128, F16),
               K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, BF16),
               K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16),
-              K.cells_qo_variant(128, 128, F16), K.dense_qr2_variant(12)),
+              K.cells_qo_variant(128, 128, F16)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.dense_q_variant(14), K.dense_q8x_variant(14), K.dense_q8x_qout_variant(14),
               K.model_ops_variant(), K.mma_variant(40, 40, BF16),
               K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, F16),
               K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16),
-              K.cells_qo_variant(64, 64, BF16), K.dense_qr2_variant(2)),
+              K.cells_qo_variant(64, 64, BF16)),
 }
 
 
@@ -123,18 +123,14 @@ SPILL_ALLOWANCE = {("mma", 96, 96, 2, True): 12,
                    ("mma", 320, 256, 1, True): 20, ("vec", 320, 256, 4): 8,
                    ("vec", 512, 512, 4): 28, ("vec", 576, 512, 4): 16,
                    ("vec", 512, 512, 4, "q8_0"): 20,
-                   ("vec", 192, 192, 4, "q4_0"): 4, ("vec", 512, 512, 4, "q4_0"): 16, ("vec", 576, 512, 4, "q4_0"): 32,
-                   ("qr2", 12): 52}   # dense_gemm_qr<Q4_K, 64, 2> at 128 registers: 13 words reloaded a step
+                   ("vec", 192, 192, 4, "q4_0"): 4, ("vec", 512, 512, 4, "q4_0"): 16, ("vec", 576, 512, 4, "q4_0"): 32}
 
 
 def _allowance_key(name):
-    """fattn_mma<DK, DV, T, NWQ, NWK, MT, ST, EXT> / fattn_vec<DK, DV, T, R> / dense_gemm_qr<T, 64, 2>
-    -> SPILL_ALLOWANCE key"""
-    if not name.startswith(("fattn_mma<", "fattn_vec<", "dense_gemm_qr<")):
+    """fattn_mma<DK, DV, T, NWQ, NWK, MT, ST, EXT> / fattn_vec<DK, DV, T, R> -> SPILL_ALLOWANCE key"""
+    if not name.startswith(("fattn_mma<", "fattn_vec<")):
         return None
     a = [x.strip() for x in name[name.index("<") + 1:-1].split(",")]
-    if name.startswith("dense_gemm_qr<"):
-        return ("qr2", int(a[0])) if a[2:] == ["2"] else None
     if name.startswith("fattn_mma<"):
         return "mma", int(a[0]), int(a[1]), int(a[5]), a[7] == "true"
     key = ("vec", int(a[0]), int(a[1]), int(a[3]))
@@ -315,7 +311,7 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q8x.cu", f"Q8gTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qs":   # <T, BN>
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
-    if base == "dense_gemm_qr":   # <T, BN[, MINB]>
+    if base == "dense_gemm_qr":   # <T, BN>
         return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qw":   # <T, RM, H>: the stages' x tiles and staged rows
         return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * {a[1]} * QwTile<{a[0]}, {a[1]}>::SLOT)"

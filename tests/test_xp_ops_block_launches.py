@@ -602,8 +602,7 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K")),
-                                           ("dense_gemm_qr2", ("Q4_K", "Q4_0"))])
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
@@ -611,14 +610,11 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
     tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
-    adds in the output's mode. dense_gemm_qr2 (dense_gemm_qr<T, 64, 2>, a program of its own, its
-    64-token tile at every count) in its place for matmul_dispatch.QRGEMM_TWO_TYPES."""
-    bn = 64 if kernel == "dense_gemm_qr2" else 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
+    adds in the output's mode."""
+    bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
-    assert md.QRGEMM_TWO_TYPES == ()   # (an A/B until measured)
-    monkeypatch.setattr(md, "QRGEMM_TWO_TYPES", K.GEMMQR2_TYPES if kernel == "dense_gemm_qr2" else ())
     ws = [_qmatrix(types[0], 4096, 4096), _qmatrix(types[1], 1024, 4096)]
     path = "gemm-qs" if kernel == "dense_gemm_qs" else "gemm-qr"
     assert [md.best_matmul(w.type, n_tok).path for w in ws] == [path] * 2
@@ -628,15 +624,13 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qr<{w.type_id}, 64, 2>" if kernel == "dense_gemm_qr2" else
-                                            f"{kernel}<{w.type_id}, {bn}>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"{kernel}<{w.type_id}, {bn}>" for w in ws]
     sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
     assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, kernel)
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == (K.dense_qr2_variant(w.type_id) if kernel == "dense_gemm_qr2" else
-                                 K.dense_q_variant(w.type_id)) and ln.fn.smem is None   # its own tile's SMEM
+        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own tile's SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
@@ -807,28 +801,6 @@ def test_gemm_qr_min_split_lets_small_matrices_fill_the_sms(monkeypatch):
         monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", bad)
         with pytest.raises(ValueError, match="GEMMQR_MIN_SPLIT"):
             K.gemm_q_grid(1024, 64, 4096, 132, "dense_gemm_qr")
-
-
-def test_gemm_qr2_tiles_and_routing(launches, monkeypatch):
-    """dense_gemm_qr2: dense_gemm_qr's wide tile two blocks an SM (twice the slots a wave, so the
-    8B gate matrix at 64 tokens splits in two: one wave of 224 blocks, 8 steps each, not 16), its
-    one tile at any count (a narrow one refused), only for GEMMQR2_TYPES -- routed by
-    QRGEMM_TWO_TYPES (other types keep dense_gemm_qr), refused by the launch for other types."""
-    assert K.gemm_tiling("dense_gemm_qr2", 9) == (K.GEMMQR_TILE, 2, K.GEMMQ8_MIN_SPLIT)
-    assert K.gemm_qs_bn(9, "dense_gemm_qr2") == 64 and K.gemm_qs_bn(9, "dense_gemm_qr") == 32
-    with pytest.raises(ValueError, match="tiles of 64"):
-        K.gemm_tiling("dense_gemm_qr2", 9, 32)
-    assert K.gemm_q_grid(14336, 64, 4096, 132, "dense_gemm_qr2")[0] == (112, 1, 2)
-    assert K.gemm_q_grid(14336, 64, 4096, 132, "dense_gemm_qr")[0] == (112, 1, 1)
-    assert K.staged_instance("dense_gemm_qr2", 12, 64) == "dense_gemm_qr<12, 64, 2>"
-    with pytest.raises(ValueError, match="dense_gemm_qr2 decodes"):
-        K.dense_qr2_variant(14)
-    monkeypatch.setattr(md, "QRGEMM_TWO_TYPES", ("Q4_K", "Q6_K"))
-    assert [md.tiled_kernel("gemm-qr", t) for t in ("Q4_K", "Q6_K", "Q4_0")] == \
-        ["dense_gemm_qr2", "dense_gemm_qr", "dense_gemm_qr"]
-    w = _qmatrix("Q8_0", 256, 256 * 8)   # (rows of 2,176 bytes: 16-byte units)
-    with pytest.raises(ValueError, match="no fragment decode of Q8_0 blocks .it reads Q4_0, Q4_K"):
-        xp_matmul.gemm_q_launch(w, Dev((64, 2048), np.float16), Dev((64, 256)), None, kernel="dense_gemm_qr2")
 
 
 def test_embedding_rows_of_blocks(launches):

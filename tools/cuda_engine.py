@@ -70,8 +70,6 @@ def start_precompile(cfg) -> Future:
         qr_ids = [block_layout(t).type_id for t in m.file_type.split("+") if t in K.GEMMQR_TYPES]
         if matmul_dispatch.QWGEMM_MIN_TOKENS is not None and K.device_arch() + "a" == K.HOPPER_ARCH:   # wgmma GEMMs
             variants += [K.dense_qw_variant(t) for t in qr_ids]
-        variants += [K.dense_qr2_variant(block_layout(t).type_id) for t in m.file_type.split("+")
-                     if t in matmul_dispatch.QRGEMM_TWO_TYPES and t in K.GEMMQR2_TYPES]   # (dense_gemm_qr2, where routed)
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
             from ggml_attn import q8_out
             variants += [K.cells_qo_of(v, q8_out.EPILOGUE) for v in variants if v.family == "cells"]

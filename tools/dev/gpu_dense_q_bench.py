@@ -300,8 +300,6 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
             cases += [(f"gemm_qr{'' if bn is None else f' bn{bn}'}",
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
-            if t in K.GEMMQR2_TYPES:   # its wide tile two blocks an SM
-                cases += [("gemm_qr2", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr2"))]
             cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: split_at(ms, ws)) for ms in (512, 1024)]   # small matrices' splits
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
                 tid = block_layout(t).type_id

@@ -24,31 +24,29 @@
 #      tokens against dense_gemm_qr, dequantize + cuBLAS and cuBLAS alone (QW_TYPES: default Q4_K,Q6_K)
 #      -> $OUT/dense_qw.json, and pp512 on the Q4_K_M file shipped / qw / qw2 / their half-precision
 #      decode qwh / qw2h (knob_ab) -> $OUT/ab_pp512.json
-#   7. (--qr2) dense_gemm_qr two blocks an SM (dense_gemm_qr2, matmul_dispatch.QRGEMM_TWO_TYPES): its GPU tests
-#      (test_gpu_dense_q.py -k "qr2 or bit_for_bit") -> $OUT/logs/tests_qr2.log, one 8B layer at 64 / 32 / 16
-#      tokens (every qr form, GEMMQR_MIN_SPLIT 512 / 1024 rows too) -> $OUT/dense_qr2.json, batched B=16 / 64 S_TG
-#      shipped / qr2 (knob_ab) -> $OUT/ab_qr2.json, then memcheck / racecheck of the block kernels
-#      (gpu_sanitize_case.py --dense-q: qr2 among them)
+#   7. (--split) dense_gemm_qr's small matrices' split (gemm_tiles.GEMMQR_MIN_SPLIT, shipped 256, against
+#      512 / 1024): one 8B layer at 64 / 16 tokens (every qr form and split) -> $OUT/dense_split.json, batched
+#      B=16 / 64 S_TG shipped / ms512 / ms1024 (knob_ab) -> $OUT/ab_split.json
 #   8. (--deq) path gemm (graph/path_gemm.py): GPU tests (test_gpu_dense_q.py -k dequant) -> $OUT/logs/tests_deq.log;
 #      the dequantization alone on one 8B layer of every block type at 512 tokens -> $OUT/dense_deq_types.json;
 #      Q4_K / Q6_K layers at 512 / 128 tokens, alone, with cuBLAS, cuBLAS alone -> $OUT/dense_deq.json; and last
 #      of all (the numbers first where a call is cut) memcheck of the block kernels (gpu_sanitize_case.py --dense-q)
-#   (--deq runs first, then --qr2, then --qw.)
+#   (--deq runs first, then --split, then --qw.)
 # Steps in the order 8, 7, 6, 1, 2b, 4, 3, 2 (what a call cut at its limit finished comes back: each
 # step writes as it goes); logs packed into $OUT/logs.tgz at the end.
-#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--qr2] [--deq] [--rounds 2]
+#   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--split] [--deq] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; QR2=0; DEQ=0; ROUNDS=2
+INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; SPLIT=0; DEQ=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --qr2) QR2=1;; --deq) DEQ=1;; --rounds) ROUNDS="$2"; shift;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ncu) NCU=0;; --no-dense) DENSE=0;; --no-step) STEP=0;; --no-ab) AB=0;; --qr) QR=1;; --qw) QW=1;; --split) SPLIT=1;; --deq) DEQ=1;; --rounds) ROUNDS="$2"; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -62,7 +60,7 @@ if [ $INSTALL = 1 ]; then
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 WRITER=
-if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $QR2 = 1 ]; then   # (the file, written while the GPU works)
+if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $SPLIT = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
 fi
@@ -78,23 +76,15 @@ if [ $DEQ = 1 ]; then
       2>&1 | tee "$LOGS/dense_deq.log" | grep -E "n_tok=|Error" || status=1
   say
 fi
-if [ $QR2 = 1 ]; then
-  echo "== dense_gemm_qr two blocks an SM: tests, sanitizers, one 8B layer, batched S_TG"
-  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qr2 or bit_for_bit" \
-      > "$LOGS/tests_qr2.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr2.log" | head -10; tail -1 "$LOGS/tests_qr2.log"
-  (cd tools/dev && timeout 120 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,32,16 --out "$OUT/dense_qr2.json") \
-      2>&1 | tee "$LOGS/dense_qr2.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
+if [ $SPLIT = 1 ]; then
+  echo "== dense_gemm_qr's small matrices' split: one 8B layer, batched S_TG"
+  (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_split.json") \
+      2>&1 | tee "$LOGS/dense_split.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
   [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   WRITER=
-  timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qr2.json" --variant shipped \
-      --variant "qr2:matmul_dispatch.QRGEMM_TWO_TYPES=('Q4_0','Q4_K')" \
-      batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -5 || status=1
-  for t in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $t --error-exitcode 1 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-        > "$LOGS/san_qr2_$t.log" 2>&1 || { status=1; echo "$t: see logs/san_qr2_$t.log"; }
-    grep -E "^qr2|SUMMARY" "$LOGS/san_qr2_$t.log" | tail -3
-  done
+  timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_split.json" --variant shipped \
+      --variant "ms512:gemm_tiles.GEMMQR_MIN_SPLIT=512" --variant "ms1024:gemm_tiles.GEMMQR_MIN_SPLIT=1024" \
+      batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -7 || status=1
   say
 fi
 if [ $QW = 1 ]; then
