@@ -147,10 +147,12 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    @computed_once
     def primary_seq_ids(self) -> np.ndarray:
-        """int32 ``(n_tokens,)``: the first sequence id of every token."""
-        return np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
+        """int32 ``(n_tokens,)``: the first sequence id of every token (computed once, read-only)."""
+        out = np.array([ids[0] for ids in self.seq_ids], dtype=np.int32)
+        out.setflags(write=False)
+        return out
 
     @computed_once
     def seq_sets(self) -> tuple[frozenset[int], ...]:
@@ -162,6 +164,13 @@ class Batch:
         """Token indices of every distinct sequence set, in batch order, sets in order of first
         appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
         batch -- do not modify)."""
+        if not self.has_coupled:   # one id a token: grouped by a stable sort, not token by token
+            seq = self.primary_seq_ids
+            order = np.argsort(seq, kind="stable")
+            ol, ids = order.tolist(), seq.tolist()
+            cuts = [0, *(np.flatnonzero(np.diff(seq[order])) + 1).tolist(), len(ol)]
+            groups = sorted((ol[a:b] for a, b in zip(cuts, cuts[1:])), key=lambda g: g[0])
+            return {frozenset((ids[g[0]],)): tuple(g) for g in groups}
         out: dict[frozenset[int], list[int]] = {}
         for i, s in enumerate(self.seq_sets):
             out.setdefault(s, []).append(i)
@@ -241,6 +250,16 @@ class Batch:
         # per token, an int >= 0) holds by construction
         tokens = int32_array(np.array(tokens), "tokens") if check_tokens else np.array(tokens, dtype=np.int32)
         return cls._checked(tokens, np.array(positions, dtype=np.int32), tuple(sids))
+
+    def view(self, i: int, j: int) -> "Batch":
+        """Tokens ``i:j`` (0 <= i < j <= n_tokens) as a batch of their own, sharing this one's
+        read-only arrays: every check of ``__post_init__`` holds for a slice of a batch that passed
+        them (a subclass is built through its constructor)."""
+        if not 0 <= i < j <= self.n_tokens:
+            raise ValueError(f"a view of tokens {i}:{j} of a batch of {self.n_tokens}")
+        if type(self) is not Batch:
+            return type(self)(self.tokens[i:j], self.positions[i:j], self.seq_ids[i:j])
+        return Batch._checked(self.tokens[i:j], self.positions[i:j], self.seq_ids[i:j])
 
     @classmethod
     def _checked(cls, tokens: np.ndarray, positions: np.ndarray, seq_ids: tuple) -> "Batch":
@@ -325,6 +344,14 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
             if x >= 0 and p0 != x + 1:
                 raise _not_continued(s, x, p0)
         return
+    if not batch.has_coupled:   # one id a token (a prompt): the checks below without their token loop
+        first = _uncoupled_first_positions(batch, n_seq_max)
+        if first is not None:
+            for s, p0 in first.items():
+                x = pmax(s)
+                if x >= 0 and p0 != x + 1:
+                    raise _not_continued(s, x, p0)
+            return
     for i, ids in enumerate(batch.seq_ids):
         for s in ids:
             if s >= n_seq_max:
@@ -372,11 +399,28 @@ def validate_batch(batch: Batch, n_seq_max: int, *, unified: bool,
 def _one_token_per_sequence(batch: Batch) -> list[int] | None:
     """The sequence id of every token when each token has one id and no id repeats (a decode
     step), else None."""
-    ids = batch.seq_ids
-    if not all(len(x) == 1 for x in ids):
+    if batch.has_coupled:
         return None
-    one = [x[0] for x in ids]
+    one = [x[0] for x in batch.seq_ids] if batch.n_tokens <= _SMALL else batch.primary_seq_ids.tolist()
     return one if len(set(one)) == len(one) else None
+
+
+def _uncoupled_first_positions(batch: Batch, n_seq_max: int) -> dict[int, int] | None:
+    """For a batch whose tokens have one sequence id each: ``{sequence: its first position}`` in
+    batch order of first appearance when every id is below ``n_seq_max`` and each sequence's
+    positions go up by one along the batch (validate_batch's token loop would find nothing), else
+    None (that loop then names the first bad token). Sorted by id (stable), not looped over."""
+    seq = batch.primary_seq_ids
+    if not seq.size or int(seq.max()) >= n_seq_max:
+        return None
+    order = np.argsort(seq, kind="stable")
+    ss, pp = seq[order], batch.positions[order].astype(np.int64)
+    same = ss[1:] == ss[:-1]
+    if (same & (pp[1:] != pp[:-1] + 1)).any():
+        return None
+    starts = np.flatnonzero(np.concatenate(([True], ~same)))
+    by_batch = starts[np.argsort(order[starts])]
+    return dict(zip(ss[by_batch].tolist(), pp[by_batch].tolist()))
 
 
 def _not_continued(s: int, x: int, p0: int) -> ValueError:

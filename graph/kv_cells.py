@@ -138,7 +138,7 @@ class KVCells:
             return
         self.pos[st, cells] = ub.positions[rows]
         self.seqs[st, cells] = False
-        if any(len(ids) > 1 for ids in ub.token_seq_ids):
+        if ub.has_coupled:
             for r, c in zip(rows.tolist(), cells.tolist()):
                 self.seqs[st, c, list(ub.token_seq_ids[r])] = True
         else:  # one sequence per row: one scatter
@@ -360,7 +360,7 @@ def ubatch_streams(ub, n_seq_max: int, unified: bool) -> list[tuple[int, np.ndar
     if unified:
         return [(0, np.arange(ub.n_tokens))]
     seq_unq = ub.seq_ids
-    if any(len(ids) > 1 for ids in ub.token_seq_ids):
+    if ub.has_coupled:
         raise ValueError("a split (per-sequence stream) cache cannot store coupled tokens; "
                          "use unified KV (-kvu)")
     if ub.n_tokens % len(seq_unq):

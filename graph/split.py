@@ -91,6 +91,11 @@ class UBatch:
         return self.n_tokens - self.n_pad
 
     @computed_once
+    def has_coupled(self) -> bool:
+        """True when some row belongs to more than one sequence (computed once)."""
+        return any(len(ids) > 1 for ids in self.token_seq_ids)
+
+    @computed_once
     def primary_seq_ids(self) -> np.ndarray:
         """int32 ``(n_tokens,)``: first sequence id of each row (computed once, read-only)."""
         out = np.array([ids[0] for ids in self.token_seq_ids], dtype=np.int32)
@@ -159,8 +164,9 @@ class SplitState:
     def make(self, mode: str, idxs: list[int], n_seqs: int, equal_seqs: bool) -> UBatch:
         b = self.batch
         arr = np.array(idxs, dtype=np.int64)
+        run = len(idxs) > 1 and idxs[-1] - idxs[0] + 1 == len(idxs) and bool((np.diff(arr) == 1).all())
         return UBatch(mode, arr, b.positions[arr].astype(np.int32),
-                      tuple(b.seq_ids[i] for i in idxs), n_seqs, equal_seqs)
+                      b.seq_ids[idxs[0]:idxs[-1] + 1] if run else tuple(b.seq_ids[i] for i in idxs), n_seqs, equal_seqs)
 
 
 def _refuse_coupled(state: SplitState, what: str) -> None:
@@ -207,20 +213,15 @@ def split_equal(state: SplitState, n_ubatch: int, sequential: bool = True) -> UB
     for s in range(n_seqs):
         while used[lists[s][cur_idx[s]]]:
             cur_idx[s] += 1
-    per_seq: list[list[int]] = [[] for _ in range(n_seqs)]
-    while True:
-        if any(cur_idx[s] >= len(lists[s]) for s in range(n_seqs)):
-            break
-        for s in range(n_seqs):
-            idx = lists[s][cur_idx[s]]
-            per_seq[s].append(idx)
-            used[idx] = True
-            cur_idx[s] += 1
-        if (len(per_seq[0]) + 1) * n_seqs > n_ubatch:
-            break
-    for s in range(n_seqs):   # every token before cur_idx[s] is used now
-        state.cursor[cur_sets[s]] = cur_idx[s]
+    # llama.cpp's loop takes a token of every set a round, at least one round, and stops when a
+    # set has none left or one more round would pass n_ubatch: so `rounds` rounds, each set's next
+    # tokens in its list (after its cursor every token of a set is unused), taken as slices
+    rounds = min(min(len(lists[s]) - cur_idx[s] for s in range(n_seqs)), max(1, n_ubatch // n_seqs))
+    per_seq = [lists[s][cur_idx[s]:cur_idx[s] + rounds] for s in range(n_seqs)]
     idxs = [i for lst in per_seq for i in lst]
+    used[idxs] = True
+    for s in range(n_seqs):   # every token before the cursor is used now
+        state.cursor[cur_sets[s]] = cur_idx[s] + rounds
     return state.make("equal", idxs, n_seqs, True)
 
 

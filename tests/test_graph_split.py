@@ -328,3 +328,49 @@ def test_split_equal_cursor_gives_llama_cpps_ubatches(monkeypatch):
                 slow = split_ubatches(batch, n_ubatch, mode)
             assert [u.token_idx.tolist() for u in fast] == [u.token_idx.tolist() for u in slow], mode
             assert [(u.n_seqs, u.token_seq_ids) for u in fast] == [(u.n_seqs, u.token_seq_ids) for u in slow]
+
+
+def _equal_rounds_loop(state, n_ubatch: int):
+    """split_equal's token loop as llama.cpp writes it (a token of every set a round, until a set
+    runs out or one more round would pass n_ubatch, at least one round): the reference of the
+    rounds split_equal takes as slices."""
+    from ggml_attn.graph import split as split_mod
+    split_mod._refuse_coupled(state, "the sequential equal split")
+    cur_sets = split_mod._equal_sets_chain(state, n_ubatch)
+    if not cur_sets:
+        return None
+    lists = [state.seq_set_map[cs] for cs in cur_sets]
+    cur_idx = [0] * len(cur_sets)
+    for s in range(len(cur_sets)):
+        while state.used[lists[s][cur_idx[s]]]:
+            cur_idx[s] += 1
+    per_seq = [[] for _ in cur_sets]
+    while not any(cur_idx[s] >= len(lists[s]) for s in range(len(cur_sets))):
+        for s in range(len(cur_sets)):
+            per_seq[s].append(lists[s][cur_idx[s]])
+            state.used[lists[s][cur_idx[s]]] = True
+            cur_idx[s] += 1
+        if (len(per_seq[0]) + 1) * len(cur_sets) > n_ubatch:
+            break
+    return state.make("equal", [i for lst in per_seq for i in lst], len(cur_sets), True)
+
+
+def test_split_equal_rounds_are_llama_cpps_token_loop(monkeypatch):
+    """split_equal takes its rounds as slices of each set's tokens; the ubatches are those of
+    llama.cpp's token-by-token loop (random interleavings, more sequences than n_ubatch included:
+    its first ubatch of n_ubatch + 1 tokens), and a 512-token prompt is one ubatch of 512."""
+    from ggml_attn.graph import split as split_mod
+    rng = np.random.default_rng(23)
+    for _ in range(200):
+        batch = _random_batch(rng, 40, 20, 0.6)
+        n_ubatch = int(rng.integers(1, 48))
+        fast = split_ubatches(batch, n_ubatch, "equal")
+        with monkeypatch.context() as m:
+            m.setitem(split_mod._SPLITTERS, "equal", _equal_rounds_loop)
+            slow = split_ubatches(batch, n_ubatch, "equal")
+        assert [u.token_idx.tolist() for u in fast] == [u.token_idx.tolist() for u in slow]
+        assert [(u.n_seqs, u.token_seq_ids, u.positions.tolist()) for u in fast] == \
+            [(u.n_seqs, u.token_seq_ids, u.positions.tolist()) for u in slow]
+    prompt = Batch.from_sequences([np.arange(512, dtype=np.int32)], [0])
+    (ub,) = split_ubatches(prompt, 512, "equal")
+    assert ub.token_idx.tolist() == list(range(512)) and ub.n_seqs == 1

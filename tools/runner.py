@@ -451,7 +451,5 @@ def _batch_views(batch, n_batch: int):
     if batch.n_tokens <= n_batch:
         yield batch
         return
-    cls = type(batch)
     for i in range(0, batch.n_tokens, n_batch):
-        j = min(i + n_batch, batch.n_tokens)
-        yield cls(batch.tokens[i:j], batch.positions[i:j], batch.seq_ids[i:j])
+        yield batch.view(i, min(i + n_batch, batch.n_tokens))
