@@ -45,6 +45,20 @@ def test_one_token_per_sequence_from_lengths_as_the_general_path(seed):
             outcome(lambda: Checked.from_lengths(lengths, ids, start))
 
 
+def _validations(cases) -> list[str]:
+    """validate_batch's outcome ("ok" or its message) for each ``(batch, n_seq_max, unified, top)``:
+    the cache's last position of sequence s ``top[s]``, its first ``top[s] - 5``."""
+    out = []
+    for b, n_seq_max, unified, top in cases:
+        try:
+            batch_mod.validate_batch(b, n_seq_max, unified=unified, seq_pos_min=lambda s: top[s] - 5,
+                                     seq_pos_max=lambda s: top[s])
+            out.append("ok")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def _general(monkeypatch):
     monkeypatch.setattr(batch_mod, "_one_token_per_sequence", lambda b: None)
     monkeypatch.setattr(batch_mod, "_uncoupled_first_positions", lambda b, n: None)
@@ -71,20 +85,9 @@ def test_decode_step_validation_as_the_general_path(monkeypatch, seed):
         unified = bool(rng.random() < 0.7)
         cases.append((b, n_seq_max, unified, top))
 
-    def run():
-        out = []
-        for b, n_seq_max, unified, top in cases:
-            try:
-                batch_mod.validate_batch(b, n_seq_max, unified=unified, seq_pos_min=lambda s: top[s] - 5,
-                                         seq_pos_max=lambda s: top[s])
-                out.append("ok")
-            except ValueError as e:
-                out.append(str(e))
-        return out
-
-    fast = run()
+    fast = _validations(cases)
     _general(monkeypatch)
-    slow = run()
+    slow = _validations(cases)
     assert fast == slow
     assert 50 < fast.count("ok") < len(fast) - 50
 
@@ -121,20 +124,9 @@ def test_prompt_validation_as_the_general_path(monkeypatch, seed):
         b = Batch(np.zeros(len(pos), np.int32), np.array([max(p, 0) for p in pos]), tuple(seq_ids))
         cases.append((b, n_seq_max, bool(rng.random() < 0.7), top))
 
-    def run():
-        out = []
-        for b, n_seq_max, unified, top in cases:
-            try:
-                batch_mod.validate_batch(b, n_seq_max, unified=unified, seq_pos_min=lambda s: top[s] - 5,
-                                         seq_pos_max=lambda s: top[s])
-                out.append("ok")
-            except ValueError as e:
-                out.append(str(e))
-        return out
-
-    fast = run()
+    fast = _validations(cases)
     _general(monkeypatch)
-    slow = run()
+    slow = _validations(cases)
     assert fast == slow
     assert 30 < fast.count("ok") < len(fast) - 30
 
