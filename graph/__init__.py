@@ -26,7 +26,7 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
 * ``build``: a ubatch's ggml graph (``build_checks`` what it may be, ``kv_graph`` the cache's
   views and store op, ``layers`` the layer functions, ``model_graph`` a real model's block,
   ``xp_node`` / ``xp_matmul`` / ``xp_ops`` the device graphs' custom ops (``cublas_gemm``: one
-  capturable cuBLAS GEMM; ``path_gemm``: block matrices dequantized for it, on one stream or two;
+  capturable cuBLAS GEMM; ``path_gemm``: block matrices dequantized to F16 for it;
   ``q8_matmul``: the block matmuls on 8-bit activations; ``q8_handoff``: a
   GEMV's output in 8-bit form for the next GEMVs), ``staging`` their
   per-ubatch inputs, ``capture`` CUDA graphs);
