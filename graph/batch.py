@@ -164,8 +164,8 @@ class Batch:
         """Token indices of every distinct sequence set, in batch order, sets in order of first
         appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
         batch -- do not modify)."""
-        if not self.has_coupled:   # one id a token: grouped by a stable sort, not token by token
-            seq = self.primary_seq_ids
+        seq = _primary_ids(self) if not self.has_coupled else None
+        if seq is not None:   # one id a token: grouped by a stable sort, not token by token
             order = np.argsort(seq, kind="stable")
             ol, ids = order.tolist(), seq.tolist()
             cuts = [0, *(np.flatnonzero(np.diff(seq[order])) + 1).tolist(), len(ol)]
@@ -401,8 +401,18 @@ def _one_token_per_sequence(batch: Batch) -> list[int] | None:
     step), else None."""
     if batch.has_coupled:
         return None
-    one = [x[0] for x in batch.seq_ids] if batch.n_tokens <= _SMALL else batch.primary_seq_ids.tolist()
+    prim = _primary_ids(batch) if batch.n_tokens > _SMALL else None
+    one = [x[0] for x in batch.seq_ids] if prim is None else prim.tolist()
     return one if len(set(one)) == len(one) else None
+
+
+def _primary_ids(batch: Batch) -> np.ndarray | None:
+    """``batch.primary_seq_ids``, or None where an id does not fit int32 (no valid id is that
+    large: the token loops name it)."""
+    try:
+        return batch.primary_seq_ids
+    except OverflowError:
+        return None
 
 
 def _uncoupled_first_positions(batch: Batch, n_seq_max: int) -> dict[int, int] | None:
@@ -410,8 +420,8 @@ def _uncoupled_first_positions(batch: Batch, n_seq_max: int) -> dict[int, int] |
     batch order of first appearance when every id is below ``n_seq_max`` and each sequence's
     positions go up by one along the batch (validate_batch's token loop would find nothing), else
     None (that loop then names the first bad token). Sorted by id (stable), not looped over."""
-    seq = batch.primary_seq_ids
-    if not seq.size or int(seq.max()) >= n_seq_max:
+    seq = _primary_ids(batch)
+    if seq is None or not seq.size or int(seq.max()) >= n_seq_max:
         return None
     order = np.argsort(seq, kind="stable")
     ss, pp = seq[order], batch.positions[order].astype(np.int64)

@@ -112,10 +112,14 @@ def test_lengths_must_be_integers(lengths):
         Batch.from_lengths(lengths)
 
 
-@pytest.mark.parametrize("ids", [((1.5,), (0,)), ((0,), (2**31,)), ((0,), (-1,))], ids=["float", "2^31", "neg"])
+@pytest.mark.parametrize("ids", [((1.5,), (0,)), ((0,), (2**31,)), ((0,), (-1,)),
+                                 ((0,),) * 19 + ((2**31,),), tuple((i,) for i in range(19)) + ((2**70,),)],
+                         ids=["float", "2^31", "neg", "prompt-2^31", "step-2^70"])
 def test_seq_ids_integers_in_range(ids):
+    """Ids that are not ints in range are refused by name: in a short batch, and past the sizes
+    whose checks read the ids as an int32 array (a prompt, a decode step of 20 sequences)."""
     with pytest.raises(ValueError, match=r"seq_id|sequence id"):
-        b = Batch([1, 2], [0, 0], ids)
+        b = Batch(list(range(len(ids))), list(range(len(ids))), ids)
         validate_batch(b, 4, unified=True)
 
 
