@@ -164,13 +164,11 @@ class Batch:
         """Token indices of every distinct sequence set, in batch order, sets in order of first
         appearance (llama.cpp's ``seq_set_map``; computed once, shared by every split of the
         batch -- do not modify)."""
-        seq = _primary_ids(self) if not self.has_coupled else None
-        if seq is not None:   # one id a token: grouped by a stable sort, not token by token
-            order = np.argsort(seq, kind="stable")
-            ol, ids = order.tolist(), seq.tolist()
-            cuts = [0, *(np.flatnonzero(np.diff(seq[order])) + 1).tolist(), len(ol)]
-            groups = sorted((ol[a:b] for a, b in zip(cuts, cuts[1:])), key=lambda g: g[0])
-            return {frozenset((ids[g[0]],)): tuple(g) for g in groups}
+        if not self.has_coupled:   # one id a token: keyed by the id, one set made a sequence
+            by_id: dict[int, list[int]] = {}
+            for i, ids in enumerate(self.seq_ids):
+                by_id.setdefault(ids[0], []).append(i)
+            return {frozenset((s,)): tuple(v) for s, v in by_id.items()}
         out: dict[frozenset[int], list[int]] = {}
         for i, s in enumerate(self.seq_sets):
             out.setdefault(s, []).append(i)
@@ -421,16 +419,17 @@ def _uncoupled_first_positions(batch: Batch, n_seq_max: int) -> dict[int, int] |
     positions go up by one along the batch (validate_batch's token loop would find nothing), else
     None (that loop then names the first bad token). Sorted by id (stable), not looped over."""
     seq = _primary_ids(batch)
-    if seq is None or not seq.size or int(seq.max()) >= n_seq_max:
+    if seq is None or int(seq.max()) >= n_seq_max:
         return None
-    order = np.argsort(seq, kind="stable")
-    ss, pp = seq[order], batch.positions[order].astype(np.int64)
-    same = ss[1:] == ss[:-1]
-    if (same & (pp[1:] != pp[:-1] + 1)).any():
+    order = np.argsort(seq, kind="stable")   # each sequence's tokens together, in batch order
+    ids, pp = seq[order], batch.positions[order].astype(np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], ids[1:] != ids[:-1])))
+    steps = pp[1:] - pp[:-1]
+    steps[starts[1:] - 1] = 1   # (across a run's end: no rule)
+    if (steps != 1).any():
         return None
-    starts = np.flatnonzero(np.concatenate(([True], ~same)))
     by_batch = starts[np.argsort(order[starts])]
-    return dict(zip(ss[by_batch].tolist(), pp[by_batch].tolist()))
+    return dict(zip(ids[by_batch].tolist(), pp[by_batch].tolist()))
 
 
 def _not_continued(s: int, x: int, p0: int) -> ValueError:

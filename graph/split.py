@@ -164,7 +164,7 @@ class SplitState:
     def make(self, mode: str, idxs: list[int], n_seqs: int, equal_seqs: bool) -> UBatch:
         b = self.batch
         arr = np.array(idxs, dtype=np.int64)
-        run = len(idxs) > 1 and idxs[-1] - idxs[0] + 1 == len(idxs) and bool((np.diff(arr) == 1).all())
+        run = bool((np.diff(arr) == 1).all())   # consecutive tokens: their ids are a slice
         return UBatch(mode, arr, b.positions[arr].astype(np.int32),
                       b.seq_ids[idxs[0]:idxs[-1] + 1] if run else tuple(b.seq_ids[i] for i in idxs), n_seqs, equal_seqs)
 

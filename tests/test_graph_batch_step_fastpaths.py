@@ -141,8 +141,9 @@ def test_remembered_sequence_positions_and_bad_ids():
 
 
 def test_seq_set_tokens_of_one_id_a_token_as_the_token_loop():
-    """Batch.seq_set_tokens groups a batch without coupled tokens by a stable sort; the sets, their
-    order (of first appearance) and their tokens (in batch order) are the token loop's."""
+    """Batch.seq_set_tokens groups a batch without coupled tokens by sequence id (one set made a
+    sequence); the sets, their order (of first appearance) and their tokens (in batch order) are
+    the loop over every token's set's."""
     rng = np.random.default_rng(7)
     for _ in range(300):
         n = int(rng.integers(1, 80))

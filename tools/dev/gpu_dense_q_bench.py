@@ -66,12 +66,7 @@ def _dequant_gemm(cp, K, ws: dict, x16, xf16, outs: dict, gemm: bool = True):
     GEMM into the chunk's columns of ``outs[name]``; ``gemm=False``: the dequantizations alone."""
     from ggml_attn.graph.path_gemm import dequant_gemm_launches
     pairs = [p for k, w in ws.items() for p in dequant_gemm_launches(w, xf16 if k == "wd" else x16, outs[k])]
-    steps = [s for p in pairs for s in (p if gemm else p[:1])]
-
-    def go():
-        for s in steps:
-            s()
-    return go
+    return K.then(*(s for p in pairs for s in (p if gemm else p[:1])))
 
 
 def _dequant_rows(cp, K, device_us, t: str, layers, tokens, nbytes, floor, rows, log, alone: bool = False):

@@ -60,6 +60,10 @@ if [ $INSTALL = 1 ]; then
     || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
 fi
 WRITER=
+wait_writer() {   # the Q4_K_M file written in the background, once (a failure printed and counted)
+  [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  WRITER=
+}
 if [ $STEP = 1 ] || [ $AB = 1 ] || [ $QW = 1 ] || [ $SPLIT = 1 ]; then   # (the file, written while the GPU works)
   $PY tests/fixtures_gguf.py /tmp/gemv-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
   WRITER=$!
@@ -80,8 +84,7 @@ if [ $SPLIT = 1 ]; then
   echo "== dense_gemm_qr's small matrices' split: one 8B layer, batched S_TG"
   (cd tools/dev && timeout 90 $PY gpu_dense_q_bench.py --types Q4_K,Q6_K --tiled-only 64,16 --out "$OUT/dense_split.json") \
       2>&1 | tee "$LOGS/dense_split.log" | grep -E "gemm_qr|cublas f16|Error" || status=1
-  [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
-  WRITER=
+  wait_writer
   timeout 150 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_split.json" --variant shipped \
       --variant "ms512:gemm_tiles.GEMMQR_MIN_SPLIT=512" --variant "ms1024:gemm_tiles.GEMMQR_MIN_SPLIT=1024" \
       batched-bench --device cuda -m /tmp/gemv-q4km.gguf -c 16384 -npp 128 -ntg 32 -npl 16,64 2>&1 | tail -7 || status=1
@@ -99,8 +102,7 @@ if [ $QW = 1 ]; then
   done
   (cd tools/dev && timeout 240 $PY gpu_dense_q_bench.py --types "${QW_TYPES:-Q4_K,Q6_K}" --tiled-only 512,128,256,64,16 \
       --out "$OUT/dense_qw.json") 2>&1 | grep -E "gemm_qw|gemm_qr |dequant|cublas f16" || status=1
-  [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
-  WRITER=
+  wait_writer
   timeout 200 $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_pp512.json" --variant shipped \
       --variant "qw:matmul_dispatch.QWGEMM_MIN_TOKENS=129" \
       --variant "qw2:matmul_dispatch.QWGEMM_MIN_TOKENS=129,matmul_dispatch.QWGEMM_ROWS=256" \
@@ -123,8 +125,8 @@ if [ $DENSE = 1 ]; then
       | grep -E "n_tok=  1|wg alone|wd alone|wq alone" | sed -n 1,60p || status=1   # (sed reads it all: no SIGPIPE)
   say
 fi
-if [ -n "$WRITER" ] && { [ $STEP = 1 ] || [ $AB = 1 ]; }; then
-  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+if [ $STEP = 1 ] || [ $AB = 1 ]; then
+  wait_writer
 fi
 if [ $AB = 1 ]; then
   echo "== tg128: the 8-bit GEMV as shipped / AB_VARIANTS"
