@@ -5,8 +5,10 @@
 //                    accumulating into y (the residual add) or gated (y = silu(W0·x) * (W1·x)),
 //                    optionally of the RMS-normalized x (the norm computed by every block; the
 //                    norm's weight is folded into W at load: graph/model_device.py);
-//   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) (* g) per token, one launch;
-//   dense_silu_mul / dense_gelu_mul  y = act(g) * u, elementwise (the GEMMs' gated FFN);
+//   dense_rms_norm   y = x / sqrt(mean(x^2) + eps) (* g) per token, one launch, in F32 and/or
+//                    F16 (a GEMM's input);
+//   dense_silu_mul / dense_gelu_mul  y = act(g) * u, elementwise (the GEMMs' gated FFN), in F32
+//                    and, where asked, F16 as well (the down projection's GEMM input);
 //   dense_kv_store   a layer's K and V rows scattered into the cache (F32 -> F16/F32, or
 //                    quantized to Q8_0/Q4_0 blocks as ggml's CPU reference does), one launch.
 // Layouts (numpy order, C-contiguous unless a stride says otherwise): W (rows, n_in) F16,
@@ -110,13 +112,15 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
     }
 }
 
-// One block per token (x and y rows n floats apart); times g (n floats) when g is not null.
+// One block per token (x and y rows n floats apart); times g (n floats) when g is not null. The
+// result goes to y (F32) and to y16 (F16, rounded to nearest: the GEMMs' input, which then needs no
+// cast of its own), each where not null.
 extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __restrict__ x,
                                                                  float* __restrict__ y, int n, float eps,
-                                                                 const float* __restrict__ g) {
+                                                                 const float* __restrict__ g,
+                                                                 __half* __restrict__ y16) {
     __shared__ float red[8];
     const float* xr = x + (long long)blockIdx.x * n;
-    float* yr = y + (long long)blockIdx.x * n;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
 #pragma unroll
@@ -126,10 +130,12 @@ extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __
     ss = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
     const float d = sqrtf(ss / (float)n + eps);
-    if (g) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = (xr[i] / d) * g[i];
-    } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / d;
+    float* yr = y ? y + (long long)blockIdx.x * n : nullptr;
+    __half* hr = y16 ? y16 + (long long)blockIdx.x * n : nullptr;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = g ? (xr[i] / d) * g[i] : xr[i] / d;
+        if (yr) yr[i] = v;
+        if (hr) hr[i] = __float2half_rn(v);
     }
 }
 
@@ -140,22 +146,30 @@ extern "C" __global__ void __launch_bounds__(256) dense_cast_f16(const float* __
         y[i] = __float2half_rn(x[i]);
 }
 
-// y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, F32, i < n; a grid-stride loop.
+// y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, F32, i < n; a grid-stride loop. y16 (where not
+// null): the same values rounded to F16 (the down projection's GEMM input, no cast launch between).
 extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __restrict__ g,
                                                                  const float* __restrict__ u,
-                                                                 float* __restrict__ y, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+                                                                 float* __restrict__ y, __half* __restrict__ y16,
+                                                                 long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float v = g[i] / (1.0f + expf(-g[i])) * u[i];
+        y[i] = v;
+        if (y16) y16[i] = __float2half_rn(v);
+    }
 }
 
 // y[i] = gelu(g[i]) * u[i] with ggml's tanh GELU, 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))),
-// F32, i < n; a grid-stride loop (gemma's GeGLU).
+// F32, i < n; a grid-stride loop (gemma's GeGLU); y16 as dense_silu_mul's.
 extern "C" __global__ void __launch_bounds__(256) dense_gelu_mul(const float* __restrict__ g,
                                                                  const float* __restrict__ u,
-                                                                 float* __restrict__ y, long long n) {
+                                                                 float* __restrict__ y, __half* __restrict__ y16,
+                                                                 long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         const float x = g[i];
-        y[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x))) * u[i];
+        const float v = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x))) * u[i];
+        y[i] = v;
+        if (y16) y16[i] = __float2half_rn(v);
     }
 }
 

@@ -6,6 +6,11 @@ producer makes it and its arrays (:func:`arrays_for`), the graph builder's recor
 ``GraphBuilder.q8_forms``) and a reader's lookup (:func:`form_of`). ``xp_matmul`` calls them;
 arrays as ``q8_matmul.q8_out_arrays``' (numpy order: int8 ``(n_tokens, rows)``, F32 scales and
 sums ``(n_tokens, rows / 32)``).
+
+The same for a node's output in F16, the input of the GEMMs past the GEMVs (cuBLAS, the tiled
+block GEMMs): the gated FFN's element-wise product writes it beside its F32 result where the down
+projection reads F16 next (:func:`f16_for`, :func:`remember_f16`, ``GraphBuilder.f16_forms``,
+:func:`f16_of`), so that no cast launch runs between them.
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import numpy as np
 from .model_device import QMatrix
 from .q8_matmul import q8_out_arrays, rows_aligned
 
-__all__ = ["matmul_choice", "arrays_for", "attention_arrays", "remember", "form_of"]
+__all__ = ["matmul_choice", "arrays_for", "attention_arrays", "remember", "form_of", "reads_f16", "f16_for",
+           "remember_f16", "f16_of"]
 
 
 def matmul_choice(ws: list, n_tok: int):
@@ -71,3 +77,36 @@ def form_of(b, h, eps, g):
     if form is None or form[1] != (None if eps is None else (float(eps), id(g))):
         return None
     return form[0]
+
+
+def reads_f16(ws: list, n_tok: int) -> bool:
+    """Whether the GEMMs of weights ``ws`` (F16 arrays or ``QMatrix``) at ``n_tok`` tokens read
+    their input in F16 only: no GEMV (F32 activations) and no 8-bit block GEMM (``gemm-q8``, which
+    quantizes the F32 input) among ``matmul_dispatch.best_matmul``'s paths."""
+    kinds: dict = {}
+    for w in ws:
+        kinds.setdefault(w.type if isinstance(w, QMatrix) else "F16", []).append(w)
+    return all((p := matmul_choice(g, n_tok).path) != "gemm-q8" and not p.startswith("gemv") for g in kinds.values())
+
+
+def f16_for(b, reader, n_tok: int, shape: tuple):
+    """An F16 array of ``shape`` (numpy order) for a node's output that weight ``reader``
+    multiplies next, where that GEMM reads F16 only at ``n_tok`` tokens (:func:`reads_f16`) on a
+    device graph; else None."""
+    if b.xp is np or reader is None or not reads_f16([reader], n_tok):
+        return None
+    return b.scratch(shape, np.float16)
+
+
+def remember_f16(b, node, out16):
+    """``node`` (returned), its output's F16 form ``out16`` kept with the graph and recorded for
+    the GEMM that reads the node next (:func:`f16_of`); nothing where ``out16`` is None."""
+    if out16 is not None:
+        b.keep(out16)
+        b.f16_forms[ctypes.addressof(node.contents)] = out16
+    return node
+
+
+def f16_of(b, h):
+    """The F16 form of node ``h``'s output that its node made, or None."""
+    return None if b.xp is np else b.f16_forms.get(ctypes.addressof(h.contents))

@@ -92,7 +92,9 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
     the two products (one more launch). ``down``: the matrix :func:`mul_mat_add` multiplies the
     result by next; where both run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) the gated
     one writes the result's 8-bit form as well (``b.q8_forms``), which that GEMV reads instead of
-    quantizing it."""
+    quantizing it; where the product runs apart and ``down``'s GEMM reads F16
+    (``q8_handoff.f16_for``), it writes the result's F16 form as well (``b.f16_forms``), which that
+    GEMM reads instead of casting it."""
     x = b.array(h)
     pre = q8_handoff.form_of(b, h, norm_eps, norm_w)
     out = b.scratch((x.shape[0], int(wg.shape[0])), np.float32)
@@ -101,25 +103,24 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
     if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
         out_q = None
         run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre)
+    out16 = None
     if run is None:
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
         both = _gemv(b, [wg, wu], x, [g, u], mode=0, norm_eps=norm_eps, norm_w=norm_w, q8=pre) or \
             _general(b, [wg, wu], x, [g, u], norm_eps=norm_eps, norm_w=norm_w, name=name)
-        act = _act_mul_fn("gelu" if gelu else "silu", b.xp, g, u, out)
+        out16 = q8_handoff.f16_for(b, down, x.shape[0], out.shape)   # (the down GEMM's input, no cast between)
+        run = _then(both, _act_mul_fn("gelu" if gelu else "silu", b.xp, g, u, out, out16))
         b.keep(g, u)
-
-        def run():
-            both()
-            act()
-    return q8_handoff.remember(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
+    node = q8_handoff.remember(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
+    return q8_handoff.remember_f16(b, node, out16)
 
 
 def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
     """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
     ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s. An ``h`` whose
     8-bit form its node made (``b.q8_forms``, :func:`mul_mat_gated`'s ``down``) is not quantized
-    again. ``norm_next``: ``(g, eps, ws)``, the RMS norm (weight xp F32 ``(n_out,)``, eps) and the
+    again, nor one whose F16 form it made (``b.f16_forms``) cast again. ``norm_next``: ``(g, eps, ws)``, the RMS norm (weight xp F32 ``(n_out,)``, eps) and the
     matrices of what multiplies ``x`` next (:func:`mul_mat_group`, :func:`mul_mat_gated`); where
     this GEMV and theirs run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) it writes the
     normalized ``x``'s 8-bit form as well, which theirs read instead of quantizing it."""
@@ -131,7 +132,7 @@ def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
     if run is None and out_q is not None:   # (the output's 8-bit form did not fit the launch)
         out_q = None
         run = _gemv(b, [w], x_in, [x], mode=1, q8=pre)
-    run = run or _general(b, [w], x_in, [x], name=name, accumulate=True)
+    run = run or _general(b, [w], x_in, [x], name=name, accumulate=True, x16=q8_handoff.f16_of(b, h))
     node = _custom(b, run, [h, x_t], x, name, ptr=x_t.contents.data)   # x's memory is x_t's
     return q8_handoff.remember(b, node, out_q, eps, g)
 
@@ -239,19 +240,26 @@ def gemv_q_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None 
 
 
 def _general(b, ws: list, x, outs: list, *, norm_eps: float | None = None, norm_w=None, name: str = "",
-             accumulate: bool = False):
+             accumulate: bool = False, x16=None):
     """``outs[i] (+)= ws[i]·x`` of any weights and token count: F16 ones through
     :func:`_matmuls` on the normalized ``x`` (their norm weight folded), block ones through
-    :func:`_qmatmuls` on the normalized ``x`` times ``norm_w``."""
+    :func:`_qmatmuls` on the normalized ``x`` times ``norm_w``. On a device graph whose GEMMs read
+    F16 only (``q8_handoff.reads_f16``) the norm writes their F16 input itself (no cast launch);
+    ``x16``: ``x`` already in F16 (its node's form, ``q8_handoff.f16_of``; without a norm)."""
     steps = []
+    n_tok = x.shape[0]
     for q in (False, True):
         idx = [i for i, w in enumerate(ws) if _is_q(w) == q]
         if not idx:
             continue
+        sub, mm = [ws[i] for i in idx], (_qmatmuls if q else _matmuls)
+        if norm_eps is not None and b.xp is not np and q8_handoff.reads_f16(sub, n_tok):
+            norm, h16 = _rms_fn(b, x, norm_eps, name, norm_w if q else None, f16=True)
+            steps.append(_then(norm, mm(b, sub, None, [outs[i] for i in idx], accumulate=accumulate, x16=h16)))
+            continue
         norm, xn = _normed(b, x, norm_eps, name, norm_w if q else None)
-        mm = (_qmatmuls if q else _matmuls)(b, [ws[i] for i in idx], xn, [outs[i] for i in idx],
-                                            accumulate=accumulate)
-        steps.append(_then(norm, mm))
+        steps.append(_then(norm, mm(b, sub, xn, [outs[i] for i in idx], accumulate=accumulate,
+                                    x16=x16 if norm is None else None)))
     return _then(*steps)
 
 
@@ -282,13 +290,14 @@ def gemv_launch(ws: list, x, outs: list, *, mode: int, norm_eps: float | None = 
     return K.BoundLaunch(fn, (-(-rows // K.GEMV_WARPS), 1, 1), (32 * K.GEMV_WARPS, 1, 1), p)
 
 
-def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None):
     """``outs[i] (+)= ws[i]·x`` with ``x`` rounded to F16 once: numpy matmuls, or one cuBLAS
-    GEMM per weight on CuPy (``accumulate`` through beta = 1)."""
+    GEMM per weight on CuPy (``accumulate`` through beta = 1), of ``x16`` where given (``x``'s F16
+    form; ``x`` may be None then)."""
     xp = b.xp
-    x16 = b.scratch(x.shape, np.float16)
-    b.keep(x16, *ws)
     if xp is np:
+        x16 = b.scratch(x.shape, np.float16)
+        b.keep(x16, *ws)
         o16 = [b.scratch(o.shape, np.float16) for o in outs]
         b.keep(*o16)
 
@@ -301,25 +310,32 @@ def _matmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
                 else:
                     xp.copyto(o, t)
         return run
-    gemms = [_CublasGemm(w, x16, o, beta=1.0 if accumulate else 0.0) for w, o in zip(ws, outs)]
+    cast, x16 = _f16_input(b, x, x16)
+    b.keep(x16, *ws)
+    return _then(cast, *[_CublasGemm(w, x16, o, beta=1.0 if accumulate else 0.0) for w, o in zip(ws, outs)])
+
+
+def _f16_input(b, x, x16):
+    """``(cast or None, x16)``: a device GEMM's F16 input -- ``x16`` as given (no launch), else a
+    new scratch array and the function rounding F32 ``x`` into it (one ``dense_cast_f16`` launch,
+    CuPy's copy for a strided ``x``)."""
+    if x16 is not None:
+        return None, x16
+    x16 = b.scratch(x.shape, np.float16)
     cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
     if cast is None:   # a strided x: CuPy's copy
         def cast():
-            xp.copyto(x16, x, casting="same_kind")
-
-    def run():
-        cast()
-        for g in gemms:
-            g()
-    return run
+            b.xp.copyto(x16, x, casting="same_kind")
+    return cast, x16
 
 
-def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
+def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None):
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
     rounded to F16 once, :func:`gemm_q_launch`), else path ``gemm`` (``path_gemm.path_gemm_steps``: per
-    chunk of rows one dequantization into the weights' F16 scratch and one cuBLAS GEMM)."""
+    chunk of rows one dequantization into the weights' F16 scratch and one cuBLAS GEMM). ``x16``:
+    ``x``'s F16 form, read by every path but ``gemm-q8`` (``x`` may be None where none runs it)."""
     xp = b.xp
     if xp is np:
         vals = [w.values() for w in ws]
@@ -335,15 +351,11 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False):
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
     from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, tiled_kernel  # noqa: PLC0415
-    n_tok, n_in = x.shape
+    n_tok, n_in = (x if x is not None else x16).shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
-    steps, x16, q8 = [], None, None
+    steps, q8 = [], None
     if any(p != "gemm-q8" for p in paths):   # the F16 copy of x
-        x16 = b.scratch(x.shape, np.float16)
-        cast = _elementwise_launch("dense_cast_f16", (x, x16), x.size)
-        if cast is None:
-            def cast():
-                xp.copyto(x16, x, casting="same_kind")
+        cast, x16 = _f16_input(b, x, x16)
         steps.append(cast)
     if "gemm-q8" in paths:   # x quantized once for every such weight
         q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
@@ -421,25 +433,27 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
 
 def _elementwise_launch(name: str, arrays, n: int):
     """One launch of ``dense.cu``'s elementwise kernel ``name(arrays..., n)`` over C-contiguous
-    CuPy ``arrays`` of ``n`` elements (a grid-stride loop, enough blocks to fill the GPU), as a
-    function of no arguments on the current stream -- a few us of host time where a CuPy
-    elementwise call costs tens; None when an array is not contiguous."""
+    CuPy ``arrays`` of ``n`` elements (None: a null pointer; a grid-stride loop, enough blocks to
+    fill the GPU), as a function of no arguments on the current stream -- a few us of host time
+    where a CuPy elementwise call costs tens; None when an array is not contiguous."""
     from ggml_attn import kernels as K  # noqa: PLC0415 (device graphs only)
-    if not all(a.flags.c_contiguous for a in arrays):
+    if not all(a is None or a.flags.c_contiguous for a in arrays):
         return None
     fn = K.get_function(K.dense_variant(), name)
     blocks = max(1, min(-(-n // 256), 1024))
-    return K.BoundLaunch(fn, (blocks, 1, 1), (256, 1, 1), *[ctypes.c_uint64(a.data.ptr) for a in arrays],
-                         ctypes.c_int64(n))
+    return K.BoundLaunch(fn, (blocks, 1, 1), (256, 1, 1), *[ctypes.c_uint64(0 if a is None else a.data.ptr)
+                                                            for a in arrays], ctypes.c_int64(n))
 
 
-def _rms_fn(b, x, eps: float, name: str, g=None):
+def _rms_fn(b, x, eps: float, name: str, g=None, *, f16: bool = False):
     """``(fn, out)``: ``fn()`` writes the RMS norm of ``x`` (numpy ``(n_tokens, n)`` F32), times
-    ``g`` (xp F32 ``(n,)``) when given, into ``out``, a new scratch array: numpy steps, or one
-    ``dense_rms_norm`` launch (a block per token)."""
+    ``g`` (xp F32 ``(n,)``) when given, into ``out``, a new scratch array (F32; ``f16``: F16, a
+    GEMM's input rounded to nearest, device graphs only): numpy steps, or one ``dense_rms_norm``
+    launch (a block per token)."""
     xp = b.xp
-    out = b.scratch(x.shape, np.float32)
+    out = b.scratch(x.shape, np.float16 if f16 else np.float32)
     if xp is np:
+        assert not f16, "an F16 norm is the device graphs' (numpy multiplies F32)"
         ms = b.scratch((x.shape[0], 1), np.float32)
         inv_n = np.float32(1.0 / x.shape[1])
         b.keep(ms, *([g] if g is not None else []))
@@ -460,8 +474,8 @@ def _rms_fn(b, x, eps: float, name: str, g=None):
     fn = K.get_function(K.dense_variant(), "dense_rms_norm")
     b.keep(x, out, *([g] if g is not None else []))
     return K.BoundLaunch(fn, (x.shape[0], 1, 1), (256, 1, 1), ctypes.c_uint64(x.data.ptr),
-                         ctypes.c_uint64(out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps),
-                         _dptr(g)), out
+                         ctypes.c_uint64(0 if f16 else out.data.ptr), ctypes.c_int32(x.shape[1]), ctypes.c_float(eps),
+                         _dptr(g), ctypes.c_uint64(out.data.ptr if f16 else 0)), out
 
 
 def _normed(b, x, norm_eps, name, g=None):
@@ -506,14 +520,15 @@ _ACTS = {"silu": (_silu_steps, "dense_silu_mul", "y = g / (1.0f + expf(-g)) * u;
 _FUSED: dict = {}
 
 
-def _act_mul_fn(act: str, xp, g, u, out):
+def _act_mul_fn(act: str, xp, g, u, out, out16=None):
     """``out = act(g) * u`` (``act`` "silu" or "gelu", F32 arrays of one shape) as a function of no
-    arguments: numpy steps, or one ``dense_<act>_mul`` launch (a fused CuPy kernel for strided
-    arrays)."""
+    arguments, and ``out16`` the same rounded to F16 where given (device graphs): numpy steps, or
+    one ``dense_<act>_mul`` launch (a fused CuPy kernel and a copy for strided arrays)."""
     steps, kernel, expr = _ACTS[act]
     if xp is np:
+        assert out16 is None, "an F16 form is the device graphs' (numpy multiplies F32)"
         return lambda: steps(g, u, out)
-    launch = _elementwise_launch(kernel, (g, u, out), out.size)
+    launch = _elementwise_launch(kernel, (g, u, out, out16), out.size)
     if launch is not None:
         return launch
     fused = _FUSED.get(act)
@@ -521,4 +536,9 @@ def _act_mul_fn(act: str, xp, g, u, out):
         import cupy  # noqa: PLC0415
         fused = _FUSED[act] = cupy.ElementwiseKernel("float32 g, float32 u", "float32 y", expr,
                                                      f"ggml_attn_xp_{act}_mul")
-    return lambda: fused(g, u, out)
+
+    def run():
+        fused(g, u, out)
+        if out16 is not None:
+            xp.copyto(out16, out, casting="same_kind")
+    return run

@@ -89,17 +89,23 @@ def test_elementwise_kernels_match_numpy(n):
     d_y = cupy.full(n, np.nan, np.float32)
     xp_matmul._elementwise_launch("dense_cast_f16", (d_x, d_h), n)()
     d_z = cupy.full(n, np.nan, np.float32)
-    xp_matmul._elementwise_launch("dense_silu_mul", (d_x, d_u, d_y), n)()
-    xp_matmul._elementwise_launch("dense_gelu_mul", (d_x, d_u, d_z), n)()
+    d_y16, d_z16 = cupy.full(n, np.nan, np.float16), cupy.full(n, np.nan, np.float16)
+    d_w = cupy.full(n, np.nan, np.float32)
+    xp_matmul._elementwise_launch("dense_silu_mul", (d_x, d_u, d_y, d_y16), n)()   # F32 and F16
+    xp_matmul._elementwise_launch("dense_gelu_mul", (d_x, d_u, d_z, d_z16), n)()
+    xp_matmul._elementwise_launch("dense_silu_mul", (d_x, d_u, d_w, None), n)()    # F32 alone
     cupy.cuda.get_current_stream().synchronize()
     np.testing.assert_array_equal(d_h.get(), x.astype(np.float16))      # round to nearest, as numpy
     x64 = x.astype(np.float64)
     want = x64 / (1.0 + np.exp(-x64)) * u
     got = d_y.get()
     assert np.isfinite(got).all() and nmse(got, want) < 1e-12
+    np.testing.assert_array_equal(d_y16.get(), got.astype(np.float16))   # the F32 result rounded to nearest
+    np.testing.assert_array_equal(d_w.get(), got)
     want = 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * x64 * (1.0 + 0.044715 * x64 * x64))) * u
     got = d_z.get()
     assert np.isfinite(got).all() and nmse(got, want) < 1e-12
+    np.testing.assert_array_equal(d_z16.get(), got.astype(np.float16))
     if n > 2:   # a strided array: no launch (xp_matmul falls back to CuPy)
         assert xp_matmul._elementwise_launch("dense_cast_f16", (d_x[::2], d_h[: (n + 1) // 2]), (n + 1) // 2) is None
 
@@ -111,12 +117,18 @@ def test_rms_norm_matches_float64(n_tok, n, weighted):
     x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
     g = rng.uniform(0.2, 2.0, n).astype(np.float32)
     d_x, d_y, d_g = cupy.asarray(x), cupy.full((n_tok, n), np.nan, np.float32), cupy.asarray(g)
-    _launch("dense_rms_norm", (n_tok, 1, 1), (256, 1, 1), ctypes.c_uint64(d_x.data.ptr),
-            ctypes.c_uint64(d_y.data.ptr), ctypes.c_int32(n), ctypes.c_float(1e-5),
-            ctypes.c_uint64(d_g.data.ptr if weighted else 0))
+    d_h, d_h2 = cupy.full((n_tok, n), np.nan, np.float16), cupy.full((n_tok, n), np.nan, np.float16)
+    gp = ctypes.c_uint64(d_g.data.ptr if weighted else 0)
+    for y, h in ((d_y, d_h), (None, d_h2)):   # F32 and F16; F16 alone (a GEMM's input)
+        _launch("dense_rms_norm", (n_tok, 1, 1), (256, 1, 1), ctypes.c_uint64(d_x.data.ptr),
+                ctypes.c_uint64(0 if y is None else y.data.ptr), ctypes.c_int32(n), ctypes.c_float(1e-5), gp,
+                ctypes.c_uint64(h.data.ptr))
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * (g if weighted else 1.0)
-    assert nmse(d_y.get(), want) < 1e-12
+    got = d_y.get()
+    assert nmse(got, want) < 1e-12
+    np.testing.assert_array_equal(d_h.get(), got.astype(np.float16))   # the F32 values rounded to nearest
+    np.testing.assert_array_equal(d_h2.get(), d_h.get())
 
 
 @pytest.mark.parametrize("k_dtype, v_dtype", [(np.float16, np.float16), (np.float32, np.float16),

@@ -94,7 +94,7 @@ def graph_nodes(monkeypatch):
     class GraphB(Builder):
         def __init__(self):
             super().__init__()
-            self.q8_forms = {}
+            self.q8_forms, self.f16_forms = {}, {}
 
         def array(self, t):
             return arrays[ctypes.addressof(t.contents)]
