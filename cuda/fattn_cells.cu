@@ -27,11 +27,11 @@
 // 8-bit GEMVs read as well (cuda/q8x_quant.cuh), each warp's 32 values of epilogue 3 one 32-value
 // group of the token's n_head * DV outputs -- no quantization launch before the O projection. Its
 // three arrays ride in the fields one split leaves unused: ws_o the int8 values (n_tokens, n_head *
-// DV), ws_ml the scales and split_cnt the sums (n_tokens, n_head * DV / 32), F32 each. QO 1: each
-// turn of the epilogue's loop quantizes its group (two dependent chains of five shuffles a turn,
-// R turns: on the H100 the attention took 6.86 us against 5.88 for the 8 blocks of a one-token
-// step); QO 2: every turn's value first, then all of a thread's groups with their reductions
-// interleaved (q8x_quant32_n; the same bits).
+// DV), ws_ml the scales and split_cnt the sums (n_tokens, n_head * DV / 32), F32 each: each turn
+// of the epilogue's loop quantizes its group (two dependent chains of five shuffles a turn, R turns:
+// on the H100 the attention took 6.86 us against 5.88 for the 8 blocks of a one-token step; every
+// turn's value first and the groups' reductions interleaved after, the same bits, measured no
+// faster end to end and was taken out: bench/NOTES.md, twenty-fourth session).
 #include "fattn_common.cuh"
 #include "q8x_quant.cuh"
 
@@ -119,7 +119,7 @@ fattn_cells(const FattnParams p) {
     constexpr int NCK = C::NCK, NCV = C::NCV, CHK = C::CHK, CHV = C::CHV, NT = C::NT;
     static_assert(PF >= 0 && PF <= 2, "PF: prefetch depth 0, 1 or 2");
     static_assert(MINB >= 0 && MINB <= 8, "MINB: 0 (no hint) .. 8 blocks per SM");
-    static_assert(QO >= 0 && QO <= 2 && (!QO || DV % 32 == 0), "QO: 0, 1 or 2; whole 32-value groups of a head's outputs");
+    static_assert((QO == 0 || QO == 1) && (!QO || DV % 32 == 0), "QO: 0 or 1; whole 32-value groups of a head's outputs");
 
     extern __shared__ uint4 smem_raw[];
     float* sAcc = reinterpret_cast<float*>(smem_raw);   // [NG][R][DV] groups' unnormalized outputs
@@ -331,25 +331,6 @@ fattn_cells(const FattnParams p) {
         }
         return o;
     };
-    if constexpr (QO == 2) {   // every turn's value, then all its groups' reductions interleaved
-        constexpr int TURNS = (R * DV + NT - 1) / NT;
-        float val[TURNS];
-        bool live[TURNS];   // (warp-uniform: R * DV and a warp's first i are multiples of 32)
-        long long grp[TURNS];
-#pragma unroll
-        for (int k = 0; k < TURNS; ++k) {
-            const int i = tid + k * NT, r = i / DV, c = i % DV, h = h0 + r;
-            live[k] = i < R * DV, val[k] = 0.0f, grp[k] = 0;
-            if (!live[k]) continue;
-            const long long row = ((long long)s * p.n_batch + t) * p.n_head + h;
-            val[k] = merged(r, c) * row_finish_factor(p, h, sM[r], sL[r]);   // store_row_value's, one split
-            p.dst[row * DV + c] = val[k];
-            grp[k] = (row * DV + c) / 32;   // (row * DV + c: the value's place in the token rows)
-        }
-        q8x_quant32_n<TURNS>(val, live, grp, reinterpret_cast<signed char*>(p.ws_o), p.ws_ml,
-                             reinterpret_cast<float*>(p.split_cnt));
-        return;
-    }
     for (int i = tid; i < R * DV; i += NT) {
         const int r = i / DV, c = i % DV, h = h0 + r;
         const float o = merged(r, c);

@@ -175,7 +175,7 @@ _PREPARED: dict[tuple, _Prepared] = {}
 
 
 def _call_key(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_splits, dev, hint=None, q8=False):
-    return (knobs.version(), hint, q8, q8_out.FUSE, q8_out.EPILOGUE, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
+    return (knobs.version(), hint, q8, q8_out.FUSE, q.type, q.ne, q.nb, k.type, k.ne, k.nb, k.ptr % 16,
             v.type, v.ne, v.nb, v.ptr % 16,
             None if mask is None else (mask.type, mask.ne, mask.nb),
             None if sinks is None else (sinks.type, sinks.ne, sinks.nb),
@@ -208,9 +208,8 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
     p.n_q_tiles, p.n_kv_tiles, p.n_splits = cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits
     prep = _Prepared(kern, cfg, K.get_function(cfg.variant, cfg.name), template=p, conv=conv)
     if q8 and q8_out.fused(kern, cfg.n_splits, sh.head_dim_v):   # the cell-list kernel's QO instance
-        qo = q8_out.EPILOGUE
-        prep.fn = K.get_function(K.cells_qo_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, L.CELLS_TUNE, qo),
-                                 K.cells_qo_name(cfg.name, qo))
+        prep.fn = K.get_function(K.cells_qo_variant(sh.head_dim_k, sh.head_dim_v, sh.kv_type, L.CELLS_TUNE),
+                                 K.cells_qo_name(cfg.name))
         prep.q8_fused = True
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt

@@ -36,7 +36,7 @@ from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr 
 from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/variants.py)
     KV_TILE, MMA_HEADS, VEC_HEADS, VEC_QUANT_HEADS, MMA_LAYOUTS, WIDE_MAX_HEAD, mma_layouts, VEC_ROWS,
     vec_lanes, vec_rows_allowed, CELLS_HEADS, CELLS_ROWS, CellsTune, CELLS_DEFAULT,
-    cells_rows_allowed, CELLS_QO, cells_qo_name, cells_qo_of, cells_qo_variant, SMEM_KERNELS, smem_expr, Variant, UTIL_NAMES,
+    cells_rows_allowed, cells_qo_name, cells_qo_of, cells_qo_variant, SMEM_KERNELS, smem_expr, Variant, UTIL_NAMES,
     CELL_LIST_THREADS,
     util_variant, GEMV_MAX_TOKENS, GEMV_WARPS, GEMV_UNROLLS, GEMV_UNROLL, gemv_name, DENSE_NAMES, dense_variant,
     GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, GEMVQ_WARPS, GEMVQ_WARPS_X, dense_q_x_variant,

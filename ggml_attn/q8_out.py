@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FUSE", "EPILOGUE", "Q8Out", "check_arrays", "fused", "set_params", "quant_launch"]
+__all__ = ["FUSE", "Q8Out", "check_arrays", "fused", "set_params", "quant_launch"]
 
 #: fattn_cells' QO instances where a call fits them (False: every call quantizes in a launch of its
 #: own -- the A/B of the fused epilogue)
 FUSE = True
-#: which QO epilogue (kernels.CELLS_QO): 1, a turn's group quantized in that turn (measured: the
-#: H100's one-token attention 5.88 -> 6.86 us, bench/results/2026-12-06-150d310-h100-attn-q8-out/);
-#: 2, every turn's value first, then the groups' reductions interleaved (the same bits; the A/B,
-#: not yet measured)
-EPILOGUE = 1
+# (The QO epilogue quantizes a turn's group in that turn: the H100's one-token attention 5.88 ->
+# 6.86 us, bench/results/2026-12-06-150d310-h100-attn-q8-out/. A second form, every turn's value
+# first and the groups' reductions interleaved after, was correct and no faster end to end, tg128
+# 327.2 -> 324.0 t/s: bench/results/2026-12-07-a2d3dc2-h100-q8out-epi2/; taken out.)
 
 
 @dataclass(frozen=True)

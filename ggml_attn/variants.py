@@ -362,28 +362,23 @@ def cells_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None)
                    tuple(cells_name(dk, dv, kv_type, r, t) for r in cells_rows_allowed(dk, dv, t)))
 
 
-CELLS_QO = (1, 2)   # fattn_cells' QO epilogues (cuda/fattn_cells.cu; ggml_attn/q8_out.py EPILOGUE)
+def cells_qo_name(name: str) -> str:
+    """The QO instance of ``cells_name``'s ``name``: its output in 8-bit form as well
+    (cuda/fattn_cells.cu, ggml_attn/q8_out.py)."""
+    return f"{name[:-1]}, 1>"
 
 
-def cells_qo_name(name: str, qo: int = 1) -> str:
-    """The QO instance (epilogue ``qo`` of CELLS_QO) of ``cells_name``'s ``name``: its output in
-    8-bit form as well (cuda/fattn_cells.cu, ggml_attn/q8_out.py)."""
-    if qo not in CELLS_QO:
-        raise ValueError(f"fattn_cells' QO epilogues are {CELLS_QO}, got {qo!r}")
-    return f"{name[:-1]}, {qo}>"
-
-
-def cells_qo_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None, qo: int = 1) -> Variant:
-    """The QO instances (epilogue ``qo``) of :func:`cells_variant`'s program (head_dim_v a multiple
-    of 32), a program of their own: compiled where a graph asks for the attention's 8-bit output."""
+def cells_qo_variant(dk: int, dv: int, kv_type: int, tune: CellsTune | None = None) -> Variant:
+    """The QO instances of :func:`cells_variant`'s program (head_dim_v a multiple of 32), a program
+    of their own: compiled where a graph asks for the attention's 8-bit output."""
     if dv % 32:
         raise ValueError(f"fattn_cells' QO instances need head_dim_v a multiple of 32, got {dv}")
-    return cells_qo_of(cells_variant(dk, dv, kv_type, tune), qo)
+    return cells_qo_of(cells_variant(dk, dv, kv_type, tune))
 
 
-def cells_qo_of(variant: Variant, qo: int = 1) -> Variant:
+def cells_qo_of(variant: Variant) -> Variant:
     """:func:`cells_qo_variant` of a :func:`cells_variant` program."""
-    return Variant("cells-qo", variant.source, tuple(cells_qo_name(n, qo) for n in variant.names))
+    return Variant("cells-qo", variant.source, tuple(cells_qo_name(n) for n in variant.names))
 
 
 def mma_variant(dk: int, dv: int, kv_type: int, ext: bool = False) -> Variant:
@@ -458,7 +453,7 @@ def all_variants() -> list[Variant]:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_HEADS]
         out += [cells_variant(dk, dv, t) for dk, dv in CELLS_HEADS]
-        out += [cells_qo_variant(dk, dv, t, qo=qo) for dk, dv in CELLS_HEADS if dv % 32 == 0 for qo in CELLS_QO]
+        out += [cells_qo_variant(dk, dv, t) for dk, dv in CELLS_HEADS if dv % 32 == 0]
     for t in QUANT_KV_CTYPES:
         out += [vec_variant(dk, dv, t) for dk, dv in VEC_QUANT_HEADS]
     return out

@@ -114,17 +114,14 @@ def test_set_params_rides_in_the_fields_one_split_leaves_unused():
     assert (p.ws_o, p.ws_ml, p.split_cnt) == (11, 22, 33)
 
 
-@pytest.mark.parametrize("qo", K.CELLS_QO)
-def test_qo_instances_are_the_cell_kernels_with_the_flag(qo):
-    v = K.cells_qo_variant(128, 128, ggml.GGML_TYPE_F16, qo=qo)
+def test_qo_instances_are_the_cell_kernels_with_the_flag():
+    v = K.cells_qo_variant(128, 128, ggml.GGML_TYPE_F16)
     plain = K.cells_variant(128, 128, ggml.GGML_TYPE_F16)
     assert v.family == "cells-qo" and v.source == plain.source == "fattn_cells.cu"
-    assert v.names == tuple(n[:-1] + f", {qo}>" for n in plain.names) and K.cells_qo_of(plain, qo) == v
-    assert v in K.all_variants() and q8_out.EPILOGUE in K.CELLS_QO
+    assert v.names == tuple(n[:-1] + ", 1>" for n in plain.names) and K.cells_qo_of(plain) == v
+    assert v in K.all_variants()
     with pytest.raises(ValueError, match="multiple of 32"):
-        K.cells_qo_variant(80, 80, ggml.GGML_TYPE_F16, qo=qo)
-    with pytest.raises(ValueError, match="QO epilogues"):
-        K.cells_qo_name(plain.names[0], 3)
+        K.cells_qo_variant(80, 80, ggml.GGML_TYPE_F16)
 
 
 def test_the_o_projection_reads_the_attentions_8_bit_form(launches, monkeypatch):

@@ -71,8 +71,7 @@ def start_precompile(cfg) -> Future:
         if matmul_dispatch.QWGEMM_MIN_TOKENS is not None and K.device_arch() + "a" == K.HOPPER_ARCH:   # wgmma GEMMs
             variants += [K.dense_qw_variant(t) for t in qr_ids]
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
-            from ggml_attn import q8_out
-            variants += [K.cells_qo_of(v, q8_out.EPILOGUE) for v in variants if v.family == "cells"]
+            variants += [K.cells_qo_of(v) for v in variants if v.family == "cells"]
     def job():
         t0 = time.perf_counter()
         programs, compiled = K.precompile(variants, K.device_arch())

@@ -237,8 +237,7 @@ def _attn_q8(cp, rng) -> int:
     from ggml_attn import q8_out
     from ggml_attn.quant import q8_form
     bad = 0
-    for nb, nh, nkv, splits, q8_out.EPILOGUE in ((1, 32, 8, 1, 1), (3, 8, 8, 1, 1), (1, 32, 8, 1, 2),
-                                                 (3, 8, 8, 1, 2), (2, 32, 8, 3, 1)):
+    for nb, nh, nkv, splits in ((1, 32, 8, 1), (3, 8, 8, 1), (2, 32, 8, 3)):
         n_kv, d = 333, 128
         q = rng.uniform(-1, 1, (1, nh, nb, d)).astype(np.float32)
         k, v = (from_float(rng.uniform(-1, 1, (1, nkv, n_kv, d)), GGML_TYPE_F16) for _ in range(2))
@@ -253,7 +252,7 @@ def _attn_q8(cp, rng) -> int:
                                  0.1, kernel="cells", n_splits=splits, q8=q8_out.check_arrays(arrs, nb, nh * d))
         ok = all(np.array_equal(a.get(), w) for a, w in zip(arrs, q8_form(dst.get().reshape(nb, -1))))
         bad += not ok
-        print(f"attn q8 out cells splits={splits} rows={nb} epilogue={q8_out.EPILOGUE} {'ok' if ok else 'FAIL'}")
+        print(f"attn q8 out cells splits={splits} rows={nb} {'ok' if ok else 'FAIL'}")
     return bad
 
 
