@@ -68,6 +68,24 @@ def _model_launch(name: str, n: int, *params):
     return K.grid_launch(K.get_function(K.model_ops_variant(), name), n, *params)
 
 
+ROPE_MAX_PAIRS = 256   # cuda/model_ops.cu's table of a token's angles
+ROPE_BLOCKS = 2048   # blocks a rope launch aims at: a token's elements split over up to this / n_tok blocks
+
+
+def _rope_launch(name: str, n_tok: int, per_tok: int, n_dims: int, *params):
+    """A bound launch of rope kernel ``name`` (``xp_rope``, ``xp_rope_store``: a block a token and
+    slice of its ``per_tok`` elements, each block making its token's table of the ``n_dims / 2``
+    angles): grid ``(n_tok, slices)``, 256 threads; a function doing nothing for no tokens.
+    ValueError past the table's ROPE_MAX_PAIRS."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    if n_dims // 2 > ROPE_MAX_PAIRS:
+        raise ValueError(f"{name}: rope_dim {n_dims}: the device rope turns at most {2 * ROPE_MAX_PAIRS} dims")
+    if n_tok == 0:
+        return lambda: None
+    slices = max(1, min(-(-per_tok // 256), -(-ROPE_BLOCKS // n_tok)))
+    return K.BoundLaunch(K.get_function(K.model_ops_variant(), name), (n_tok, slices, 1), (256, 1, 1), *params)
+
+
 def _contig(name: str, *arrays) -> None:
     for a in arrays:
         if a is not None and not a.flags.c_contiguous:
@@ -175,8 +193,8 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
                 segs += [_dptr(xs[i]), _dptr(outs[i]), _dptr(biases[i]), ctypes.c_int32(heads[i]), ctypes.c_int64(sizes[i])]
             else:
                 segs += [_dptr(None), _dptr(None), _dptr(None), ctypes.c_int32(1), ctypes.c_int64(0)]
-        run = _model_launch("xp_rope", flat.size, *segs, _dptr(pos), _dptr(freq_factors), ctypes.c_int32(D),
-                            ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_), ctypes.c_float(fs))
+        run = _rope_launch("xp_rope", n_tok, sum(heads) * D, n_dims, *segs, _dptr(pos), _dptr(freq_factors), ctypes.c_int32(D),
+                           ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_), ctypes.c_float(fs))
     else:
         run = _then(*(_rope_numpy(b, x.reshape(n_tok, nh, D), o, pos, n_dims, neox, ts_, fs, freq_factors,
                                   None if bias is None else bias.reshape(nh, D))
@@ -218,14 +236,14 @@ def rope_store(b, q, k, v, positions, hp, store, row_idx, freq_factors=None, bia
     if xp is not np:
         _contig(name, xq, xk, xv, yq, pos, rows, ck, cv, freq_factors, bq, bk, bv)
         n_q, n_k = n_tok * nh_q * D, n_tok * nh_k * D
-        run = _model_launch("xp_rope_store", n_q + n_k + xv.size,
-                            _dptr(xq), _dptr(yq), _dptr(bq), ctypes.c_int32(nh_q), ctypes.c_int64(n_q),
-                            _dptr(xk), _dptr(bk), ctypes.c_int32(nh_k), ctypes.c_int64(n_k),
-                            _dptr(xv), _dptr(bv), ctypes.c_int32(n_v), ctypes.c_int64(xv.size),
-                            _dptr(ck), ctypes.c_int32(ck.dtype.itemsize == 2), _dptr(cv),
-                            ctypes.c_int32(cv.dtype.itemsize == 2), _dptr(rows), _dptr(pos), _dptr(freq_factors),
-                            ctypes.c_int32(D), ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_),
-                            ctypes.c_float(fs))
+        run = _rope_launch("xp_rope_store", n_tok, (nh_q + nh_k) * D + n_v, n_dims,
+                           _dptr(xq), _dptr(yq), _dptr(bq), ctypes.c_int32(nh_q), ctypes.c_int64(n_q),
+                           _dptr(xk), _dptr(bk), ctypes.c_int32(nh_k), ctypes.c_int64(n_k),
+                           _dptr(xv), _dptr(bv), ctypes.c_int32(n_v), ctypes.c_int64(xv.size),
+                           _dptr(ck), ctypes.c_int32(ck.dtype.itemsize == 2), _dptr(cv),
+                           ctypes.c_int32(cv.dtype.itemsize == 2), _dptr(rows), _dptr(pos), _dptr(freq_factors),
+                           ctypes.c_int32(D), ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_),
+                           ctypes.c_float(fs))
     else:
         yk = b.scratch((n_tok, nh_k, D), np.float32)
         vb = b.scratch((n_tok, n_v), np.float32) if bv is not None else None

@@ -322,6 +322,73 @@ def test_rope_matches_ggml(n_t, mode, rope_dim, freqs, bias, base, freq_scale):
         _free(b)
 
 
+class _NumpyScratch:
+    """What _rope_numpy reads of a graph builder: scratch arrays, nothing kept."""
+
+    def scratch(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def keep(self, *arrays):
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ggml_attn.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [ROPE_NORMAL, ROPE_NEOX])
+@pytest.mark.parametrize("n_tok, D, rope_dim, freqs, bias", [
+    (1, 128, 128, False, False), (37, 64, 64, True, True), (600, 64, 32, False, True), (5, 256, 256, True, False)])
+def test_cupy_rope_matches_the_numpy_form(mode, n_tok, D, rope_dim, freqs, bias):
+    """xp_rope on the GPU (a block a token and slice of its elements, the token's angles made once
+    in a table) against the numpy form of two tensors (3 and 2 heads, their biases): within the
+    ulps of cos / sin, the dims past rope_dim exactly, every element written (poisoned output)."""
+    import cupy
+    rng = np.random.default_rng(n_tok + D + mode)
+    heads = (3, 2)
+    hp = _hp(D, rope_dim, mode, 500000.0, 0.5)
+    xs = [rng.standard_normal((n_tok, nh, D)).astype(np.float32) for nh in heads]
+    pos = rng.integers(0, 70000, n_tok).astype(np.int32)
+    ff = rng.uniform(1.0, 16.0, rope_dim // 2).astype(np.float32) if freqs else None
+    bvs = [rng.standard_normal(nh * D).astype(np.float32) if bias else None for nh in heads]
+    ts_, fs = xp_ops.rope_theta_scale(hp), np.float32(0.5)
+    refs = [np.empty_like(x) for x in xs]
+    for x, o, nh, bv in zip(xs, refs, heads, bvs):
+        xp_ops._rope_numpy(_NumpyScratch(), x, o, pos, rope_dim, mode == ROPE_NEOX, ts_, fs, ff,
+                           None if bv is None else bv.reshape(nh, D))()
+    d = [cupy.asarray(a) if a is not None else None for a in (*xs, pos, ff, *bvs)]
+    outs = [cupy.full(x.shape, cupy.nan, cupy.float32) for x in xs]
+    segs = []
+    for i, nh in enumerate(heads):
+        segs += [xp_ops._dptr(d[i]), xp_ops._dptr(outs[i]), xp_ops._dptr(d[4 + i]), ctypes.c_int32(nh),
+                 ctypes.c_int64(n_tok * nh * D)]
+    run = xp_ops._rope_launch("xp_rope", n_tok, sum(heads) * D, rope_dim, *segs, xp_ops._dptr(d[2]),
+                              xp_ops._dptr(d[3]), ctypes.c_int32(D), ctypes.c_int32(rope_dim),
+                              ctypes.c_int32(int(mode == ROPE_NEOX)), ctypes.c_float(ts_), ctypes.c_float(fs))
+    assert run.grid[0] == n_tok and run.grid[1] * n_tok <= max(xp_ops.ROPE_BLOCKS, n_tok)
+    run()
+    cupy.cuda.get_current_stream().synchronize()
+    for o, r in zip(outs, refs):
+        g = o.get()
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, r, rtol=0, atol=4e-6 * float(np.abs(r).max()))
+        np.testing.assert_array_equal(g[..., rope_dim:], r[..., rope_dim:])
+
+
+def test_rope_launch_grid_and_refusal(monkeypatch):
+    """A block a token and slice: a decode token's elements over ceil(n / 256) blocks, a prompt's
+    over at most ROPE_BLOCKS / n_tok; no launch for no tokens; more dims than the table refused."""
+    from types import SimpleNamespace
+    from ggml_attn import kernels as K
+    monkeypatch.setattr(K, "get_function", lambda variant, name: SimpleNamespace(name=name))
+    monkeypatch.setattr(K, "BoundLaunch", lambda fn, grid, block, *params: SimpleNamespace(grid=grid, block=block))
+    assert xp_ops._rope_launch("xp_rope_store", 1, 6144, 128).grid == (1, 24, 1)
+    assert xp_ops._rope_launch("xp_rope_store", 512, 6144, 128).grid == (512, 4, 1)
+    assert xp_ops._rope_launch("xp_rope_store", 4096, 6144, 128).grid == (4096, 1, 1)
+    assert xp_ops._rope_launch("xp_rope", 3, 100, 64).grid == (3, 1, 1)
+    assert xp_ops._rope_launch("xp_rope", 0, 100, 64)() is None
+    with pytest.raises(ValueError, match="at most 512 dims"):
+        xp_ops._rope_launch("xp_rope", 3, 1024, 514)
+
+
 def test_rope_refuses_bad_input():
     hp = _hp(64, 64, ROPE_NORMAL, 10000.0, 1.0)
     b = _builder()
