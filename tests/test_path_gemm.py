@@ -196,3 +196,56 @@ def test_device_weights_make_two_slots_for_the_ring(monkeypatch):
     monkeypatch.setattr(md, "DEQUANT_SIDE_SMS", 24)
     assert scratch_elements(14336 * 4096) == 2 * 14336 * 4096
     assert scratch_elements(10) == 2 * SCRATCH_MIN_ELEMENTS
+
+
+def test_a_graph_with_the_ring_is_instantiated_with_node_priority(monkeypatch):
+    """capture(node_priority=True) instantiates the captured graph again with the driver's
+    USE_NODE_PRIORITY flag (a replay would otherwise run the side stream's dequantizations at the
+    launch stream's priority), launches that executable on the given stream and destroys it with
+    the object; without the flag CuPy's graph comes back as it is."""
+    import ctypes
+    from types import SimpleNamespace
+    from ggml_attn.graph import capture as cap
+    calls = []
+
+    class Lib:
+        def cuGraphInstantiateWithFlags(self, exe, graph, flags):
+            calls.append(("instantiate", graph.value, flags.value))
+            ctypes.cast(exe, ctypes.POINTER(ctypes.c_void_p))[0] = 0xE5E
+            return 0
+
+        def cuGraphLaunch(self, exe, stream):
+            calls.append(("launch", exe.value, stream.value))
+            return 0
+
+        def cuGraphExecDestroy(self, exe):
+            calls.append(("destroy", exe.value))
+
+    monkeypatch.setattr(cap, "_LIB", [Lib()])
+    monkeypatch.setattr(cap, "_driver", lambda: cap._LIB[0])
+    cupy_graph = SimpleNamespace(graph=0xA11)
+
+    class Stream:
+        ptr = 0x5EA
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def begin_capture(self):
+            calls.append(("begin",))
+
+        def end_capture(self):
+            return cupy_graph
+
+    ran = []
+    assert cap.capture(lambda: ran.append(1), Stream()) is cupy_graph and not any(c[0] == "instantiate" for c in calls)
+    g = cap.capture(lambda: ran.append(1), Stream(), node_priority=True)
+    assert isinstance(g, cap.NodePriorityGraph) and g.graph is cupy_graph and len(ran) == 4
+    assert ("instantiate", 0xA11, cap.USE_NODE_PRIORITY) in calls
+    g.launch(Stream())
+    assert calls[-1] == ("launch", 0xE5E, 0x5EA)
+    del g
+    assert calls[-1] == ("destroy", 0xE5E)
