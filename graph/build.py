@@ -123,7 +123,6 @@ class UBatchGraph:
     model_in: object = None      # layer="model": model_graph.ModelInputs (tokens, positions, out_ids)
     _stager: object = None       # load_plan's host-to-device copies (device graphs; staging.py)
     kv_views: list = field(default_factory=list)   # (K/V view tensor, bytes per stream): load_plan's moves
-    node_priority: bool = False  # streams of other priorities in it (path_gemm.DequantRing): captured so (capture.py)
 
     def array(self, t):
         return self._arrays[_addr(t)]
@@ -495,8 +494,7 @@ def build_ubatch_graph(cache: KVCache, plan: UBatchPlan, cfg: AttnConfig, *, fa=
                     row_idx_t=b.row_idx, xp=b.xp,
                     layer=layer if layer in ("full", "model") else "attn", _op_keys=b.op_keys, _keep=b.kept,
                     n_out=len(out_rows) if layer == "model" else 0, model_in=b.model_inputs,
-                    kernel_plan=plan.kernel_plan if on_device else None, kv_views=b.kv_views,
-                    node_priority=bool(b.dequant_rings))
+                    kernel_plan=plan.kernel_plan if on_device else None, kv_views=b.kv_views)
     if device:
         check_device_graph(b.gf)
     return g

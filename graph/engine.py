@@ -320,8 +320,7 @@ class Engine:
                 from .capture import CaptureError, capture  # noqa: PLC0415 (this step computes in the warm-up)
                 try:
                     entry.replay = self._retry_out_of_memory(
-                        lambda: capture(lambda: self._compute(g, refresh=True), self.stream,
-                                        node_priority=g.node_priority))
+                        lambda: capture(lambda: self._compute(g, refresh=True), self.stream))
                     entry.replay_s0 = plan.slot.s0
                     self.captures += 1
                 except CaptureError as e:   # the warm-up's results stand; go on without graphs

@@ -10,8 +10,12 @@ run on a side stream of the least priority (:class:`DequantRing`): chunk j's deq
 only for the GEMM of chunk j - 2 (the last reader of its slot), so it runs under the GEMM of chunk
 j - 1. cuBLAS plans each GEMM for ``num_sms - s`` SMs and the engine's stream has the greatest
 priority (:func:`engine_stream_priority`): a GEMM's blocks take the SMs they ask for first, the
-dequantization the ``s`` left and any SM idle between GEMMs. (Two streams without the SM target
-bought ~1%: cuBLAS's blocks filled every SM, bench/NOTES.md, twenty-third session.) Every wait is
+dequantization the ``s`` left and any SM idle between GEMMs -- when the graph runs eagerly; a
+CUDA-graph replay runs every node at its launch stream's priority (instantiating with the
+driver's node priorities was refused, CUDA_ERROR_NOT_SUPPORTED, on the H100). Measured (H100,
+pp512 on an 8B Q4_K_M file, without graphs): s 32 +3.9%; two streams without the SM target bought
+~1% (cuBLAS's blocks filled every SM): bench/NOTES.md, twenty-third and twenty-fourth sessions.
+Every wait is
 on an event recorded in the same graph run, so a CUDA-graph capture of the run records the fork and
 the joins as they are; a run that calls the chunks out of their build order is refused.
 

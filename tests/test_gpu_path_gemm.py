@@ -11,7 +11,6 @@ from ggml_attn import matmul_dispatch as md
 from ggml_attn.cli.models import resolve
 from ggml_attn.cli.runner import RunConfig, Runner, cuda_available
 from ggml_attn.graph import path_gemm
-from ggml_attn.graph.capture import NodePriorityGraph
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a GPU with ggml_attn.cuda_backend")]
@@ -49,8 +48,6 @@ def test_two_streams_give_the_one_stream_logits(tmp_path_factory, name, monkeypa
             assert dw.scratch.size >= streams * layer_max   # two slots of a layer matrix with two streams
             assert all(np.isfinite(x).all() for x in runs)
             assert (eng.stream.priority < 0) is (streams == 2)   # the engine's stream first where the ring runs
-            replays = [e.replay for e in eng._graphs.values() if e.replay is not None]
-            assert replays and all(isinstance(rp, NodePriorityGraph) is (streams == 2) for rp in replays)
             np.testing.assert_array_equal(runs[1], runs[0])   # the captured run, the replay: the same bits
             np.testing.assert_array_equal(runs[2], runs[0])
             got[streams] = runs[0]
