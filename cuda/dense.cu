@@ -114,15 +114,34 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
 
 // One block per token (x and y rows n floats apart); times g (n floats) when g is not null. The
 // result goes to y (F32) and to y16 (F16, rounded to nearest: the GEMMs' input, which then needs no
-// cast of its own), each where not null.
+// cast of its own), each where not null. A row of at most 4 * 256 * RMS_V4 values, a multiple of 4
+// with every array 16-byte aligned, is read once into registers as float4s (one pass over
+// memory, 16-byte accesses); others through the strided loop (read twice).
+#define RMS_V4 8
 extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __restrict__ x,
                                                                  float* __restrict__ y, int n, float eps,
                                                                  const float* __restrict__ g,
                                                                  __half* __restrict__ y16) {
     __shared__ float red[8];
     const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y ? y + (long long)blockIdx.x * n : nullptr;
+    __half* hr = y16 ? y16 + (long long)blockIdx.x * n : nullptr;
+    const bool held = blockDim.x == 256 && (n & 3) == 0 && n <= 4 * 256 * RMS_V4 &&
+                      ((reinterpret_cast<unsigned long long>(xr) | reinterpret_cast<unsigned long long>(yr) |
+                        reinterpret_cast<unsigned long long>(hr) | reinterpret_cast<unsigned long long>(g)) & 15) == 0;
+    const int n4 = n >> 2;
+    float4 v[RMS_V4];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < RMS_V4; ++k) {
+            const int i = threadIdx.x + 256 * k;
+            v[k] = i < n4 ? reinterpret_cast<const float4*>(xr)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            ss += v[k].x * v[k].x + v[k].y * v[k].y + v[k].z * v[k].z + v[k].w * v[k].w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
@@ -130,12 +149,28 @@ extern "C" __global__ void __launch_bounds__(256) dense_rms_norm(const float* __
     ss = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) ss += red[w];
     const float d = sqrtf(ss / (float)n + eps);
-    float* yr = y ? y + (long long)blockIdx.x * n : nullptr;
-    __half* hr = y16 ? y16 + (long long)blockIdx.x * n : nullptr;
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < RMS_V4; ++k) {
+            const int i = threadIdx.x + 256 * k;
+            if (i >= n4) break;
+            float4 o = make_float4(v[k].x / d, v[k].y / d, v[k].z / d, v[k].w / d);
+            if (g) {
+                const float4 w = reinterpret_cast<const float4*>(g)[i];
+                o = make_float4(o.x * w.x, o.y * w.y, o.z * w.z, o.w * w.w);
+            }
+            if (yr) reinterpret_cast<float4*>(yr)[i] = o;
+            if (hr) {
+                const __half2 h[2] = {__floats2half2_rn(o.x, o.y), __floats2half2_rn(o.z, o.w)};
+                reinterpret_cast<uint2*>(hr)[i] = *reinterpret_cast<const uint2*>(h);
+            }
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = g ? (xr[i] / d) * g[i] : xr[i] / d;
-        if (yr) yr[i] = v;
-        if (hr) hr[i] = __float2half_rn(v);
+        const float val = g ? (xr[i] / d) * g[i] : xr[i] / d;
+        if (yr) yr[i] = val;
+        if (hr) hr[i] = __float2half_rn(val);
     }
 }
 

@@ -110,9 +110,11 @@ def test_elementwise_kernels_match_numpy(n):
         assert xp_matmul._elementwise_launch("dense_cast_f16", (d_x[::2], d_h[: (n + 1) // 2]), (n + 1) // 2) is None
 
 
-@pytest.mark.parametrize("n_tok, n", [(1, 4096), (5, 1000), (3, 33)])
+@pytest.mark.parametrize("n_tok, n", [(1, 4096), (5, 1000), (3, 33), (2, 8192), (2, 8196), (64, 5120)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_rms_norm_matches_float64(n_tok, n, weighted):
+    """dense_rms_norm: rows held in registers (n a multiple of 4 up to 8192) and the strided loop
+    (33, 8196), F32 and F16 outputs, F16 alone."""
     rng = np.random.default_rng(n)
     x = (rng.standard_normal((n_tok, n)) * 3).astype(np.float32)
     g = rng.uniform(0.2, 2.0, n).astype(np.float32)
