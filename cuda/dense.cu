@@ -181,31 +181,58 @@ extern "C" __global__ void __launch_bounds__(256) dense_cast_f16(const float* __
         y[i] = __float2half_rn(x[i]);
 }
 
-// y[i] = silu(g[i]) * u[i] = g / (1 + exp(-g)) * u, F32, i < n; a grid-stride loop. y16 (where not
+// y[i] = act(g[i]) * u[i] (ACT's op), F32, i < n; a grid-stride loop, four values a thread and step
+// where n is a multiple of 4 and every array 16-byte aligned (y16 8-byte), else one. y16 (where not
 // null): the same values rounded to F16 (the down projection's GEMM input, no cast launch between).
-extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __restrict__ g,
-                                                                 const float* __restrict__ u,
-                                                                 float* __restrict__ y, __half* __restrict__ y16,
-                                                                 long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float v = g[i] / (1.0f + expf(-g[i])) * u[i];
+template <typename ACT>
+__device__ __forceinline__ void act_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y,
+                                        __half* __restrict__ y16, long long n) {
+    const long long stride = (long long)gridDim.x * blockDim.x, t0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool vec = (n & 3) == 0 && ((reinterpret_cast<unsigned long long>(g) | reinterpret_cast<unsigned long long>(u) |
+                                       reinterpret_cast<unsigned long long>(y)) & 15) == 0 &&
+                     (reinterpret_cast<unsigned long long>(y16) & 7) == 0;
+    if (vec) {
+        for (long long i = t0; i < n / 4; i += stride) {
+            const float4 a = reinterpret_cast<const float4*>(g)[i], b = reinterpret_cast<const float4*>(u)[i];
+            const float4 v = make_float4(ACT::f(a.x) * b.x, ACT::f(a.y) * b.y, ACT::f(a.z) * b.z, ACT::f(a.w) * b.w);
+            reinterpret_cast<float4*>(y)[i] = v;
+            if (y16) {
+                const __half2 h[2] = {__floats2half2_rn(v.x, v.y), __floats2half2_rn(v.z, v.w)};
+                reinterpret_cast<uint2*>(y16)[i] = *reinterpret_cast<const uint2*>(h);
+            }
+        }
+        return;
+    }
+    for (long long i = t0; i < n; i += stride) {
+        const float v = ACT::f(g[i]) * u[i];
         y[i] = v;
         if (y16) y16[i] = __float2half_rn(v);
     }
 }
 
-// y[i] = gelu(g[i]) * u[i] with ggml's tanh GELU, 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))),
-// F32, i < n; a grid-stride loop (gemma's GeGLU); y16 as dense_silu_mul's.
+struct SiluAct {   // g / (1 + exp(-g))
+    static __device__ __forceinline__ float f(float x) { return x / (1.0f + expf(-x)); }
+};
+struct GeluAct {   // ggml's tanh GELU, 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2)))
+    static __device__ __forceinline__ float f(float x) {
+        return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x)));
+    }
+};
+
+// y = silu(g) * u (the gated FFN); act_mul's layout.
+extern "C" __global__ void __launch_bounds__(256) dense_silu_mul(const float* __restrict__ g,
+                                                                 const float* __restrict__ u,
+                                                                 float* __restrict__ y, __half* __restrict__ y16,
+                                                                 long long n) {
+    act_mul<SiluAct>(g, u, y, y16, n);
+}
+
+// y = gelu(g) * u with ggml's tanh GELU (gemma's GeGLU); act_mul's layout.
 extern "C" __global__ void __launch_bounds__(256) dense_gelu_mul(const float* __restrict__ g,
                                                                  const float* __restrict__ u,
                                                                  float* __restrict__ y, __half* __restrict__ y16,
                                                                  long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float x = g[i];
-        const float v = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x))) * u[i];
-        y[i] = v;
-        if (y16) y16[i] = __float2half_rn(v);
-    }
+    act_mul<GeluAct>(g, u, y, y16, n);
 }
 
 // Cache row types of dense_kv_store: ggml's type ids (ggml.h enum ggml_type).
