@@ -120,8 +120,8 @@ def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
     """``x += w·h``: ``w`` xp F16 ``(n_out, n_in)`` or ``QMatrix``, ``h`` F32 ``[n_in, n_tokens]``,
     ``x_t`` F32 ``[n_out, n_tokens]``; returns a node whose memory is ``x``'s. An ``h`` whose
     8-bit form its node made (``b.q8_forms``, :func:`mul_mat_gated`'s ``down``) is not quantized
-    again, nor one whose F16 form it made (``b.f16_forms``) cast again. ``norm_next``: ``(g, eps, ws)``, the RMS norm (weight xp F32 ``(n_out,)``, eps) and the
-    matrices of what multiplies ``x`` next (:func:`mul_mat_group`, :func:`mul_mat_gated`); where
+    again, nor one whose F16 form it made (``b.f16_forms``) cast again. ``norm_next``: ``(g, eps,
+    ws)``, the RMS norm (weight xp F32 ``(n_out,)``, eps) and the matrices of what multiplies ``x`` next (:func:`mul_mat_group`, :func:`mul_mat_gated`); where
     this GEMV and theirs run the 8-bit GEMV (``matmul_dispatch.gemv_quant_out``) it writes the
     normalized ``x``'s 8-bit form as well, which theirs read instead of quantizing it."""
     x_in, x = b.array(h), b.array(x_t)

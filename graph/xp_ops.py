@@ -193,8 +193,9 @@ def rope(b, ts: list, positions, hp, freq_factors=None, biases=None, name: str =
                 segs += [_dptr(xs[i]), _dptr(outs[i]), _dptr(biases[i]), ctypes.c_int32(heads[i]), ctypes.c_int64(sizes[i])]
             else:
                 segs += [_dptr(None), _dptr(None), _dptr(None), ctypes.c_int32(1), ctypes.c_int64(0)]
-        run = _rope_launch("xp_rope", n_tok, sum(heads) * D, n_dims, *segs, _dptr(pos), _dptr(freq_factors), ctypes.c_int32(D),
-                           ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_), ctypes.c_float(fs))
+        run = _rope_launch("xp_rope", n_tok, sum(heads) * D, n_dims, *segs, _dptr(pos), _dptr(freq_factors),
+                           ctypes.c_int32(D), ctypes.c_int32(n_dims), ctypes.c_int32(int(neox)), ctypes.c_float(ts_),
+                           ctypes.c_float(fs))
     else:
         run = _then(*(_rope_numpy(b, x.reshape(n_tok, nh, D), o, pos, n_dims, neox, ts_, fs, freq_factors,
                                   None if bias is None else bias.reshape(nh, D))
