@@ -37,7 +37,9 @@ def test_two_streams_give_the_one_stream_logits(tmp_path_factory, name, monkeypa
             for _ in range(3):   # built, captured, replayed
                 r.clear()
                 rows = []
-                r.decode(r.prompt_batch(lens), logits=flags, on_logits=lambda idx, lg: rows.append(lg.get()))
+                # (the logits on the engine's stream, as run_ubatch says: the caller's stream does not wait for it)
+                r.decode(r.prompt_batch(lens), logits=flags,
+                         on_logits=lambda idx, lg: rows.append(lg.get(stream=r.engine.stream)))
                 runs.append(np.concatenate(rows))
             eng = r.engine
             assert (eng.builds, eng.captures, eng.replays) == (1, 1, 1)
