@@ -170,13 +170,11 @@ QWGEMM_HALF = False
 # a chunk as the scratch holds. Measured and not kept (bench/NOTES.md, twenty-third session):
 # 4096-row chunks for the chunk's halves to be in L2 when cuBLAS reads them (2.5-5% slower), and
 # the dequantizations on a second stream into two scratch slots under the GEMMs (545 against 560
-# us at 512 tokens, pp512 +1%: cuBLAS's blocks leave an SM no room for them, for 117 MB more).
-# DEQUANT_SIDE_SMS (an A/B, None: off) tries that again with the room made: with s, path gemm runs
-# over two scratch slots (graph/path_gemm.py DequantRing; DeviceWeights makes the scratch twice as
-# large), cuBLAS is told to plan its GEMMs for num_sms - s SMs (cublasSetSmCountTarget), the
-# dequantizations run on a side stream of the least priority and the engine's stream takes the
-# greatest, so that a GEMM's blocks take every SM it asks for and the dequantizations the rest.
-DEQUANT_SIDE_SMS: int | None = None
+# us at 512 tokens, pp512 +1%: cuBLAS's blocks leave an SM no room for them, for 117 MB more);
+# then with room made -- cuBLAS planned for fewer SMs (cublasSetSmCountTarget), the side stream
+# of the least priority, the engine's the greatest: pp512 +1.9% with CUDA graphs (16 SMs left to
+# the dequantizations; 32 and 48 slower), +3.9% without (a replay runs every node at its launch
+# stream's priority), for the same 117 MB: bench/NOTES.md, twenty-fourth session.
 # The tiled paths of best_matmul and their kernels (tiled_kernel: the forms chosen above).
 TILED_PATHS = {"gemm-q": "dense_gemm_q", "gemm-qs": "dense_gemm_qs", "gemm-qr": "dense_gemm_qr",
                "gemm-qw": "dense_gemm_qw", "gemm-q8": "dense_gemm_q8"}

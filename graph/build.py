@@ -275,7 +275,6 @@ class GraphBuilder:
         # for the 8-bit GEMVs that multiply it next (graph/q8_handoff.py)
         self.q8_forms: dict = {}
         self.f16_forms: dict = {}   # tensor address -> its F16 form, made by its node (q8_handoff.remember_f16)
-        self.dequant_rings: dict = {}   # id(F16 scratch) -> path_gemm.DequantRing (matmul_dispatch.DEQUANT_SIDE_SMS)
         self.kv = kv_tensors(cache)
 
     # -- memory

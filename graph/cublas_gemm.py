@@ -21,21 +21,18 @@ class CublasGemm:
         n_out, n_in = w.shape
         assert x16.shape[1] == n_in and out.shape == (x16.shape[0], n_out)
         assert w.flags.c_contiguous and x16.flags.c_contiguous and out.flags.c_contiguous
-        self._set(w.data.ptr, n_out, n_in, x16.data.ptr, x16.shape[0], out.data.ptr, n_out, beta, 0)
+        self._set(w.data.ptr, n_out, n_in, x16.data.ptr, x16.shape[0], out.data.ptr, n_out, beta)
 
     @classmethod
-    def of_ptrs(cls, w: int, n_out: int, n_in: int, x16: int, n_tok: int, out: int, ldc: int, beta: float = 0.0,
-                sm_target: int = 0):
+    def of_ptrs(cls, w: int, n_out: int, n_in: int, x16: int, n_tok: int, out: int, ldc: int, beta: float = 0.0):
         """The GEMM of device pointers: ``w`` F16 ``(n_out, n_in)``, ``x16`` F16 ``(n_tok, n_in)``
         (both C-contiguous) into ``out`` F32 ``(n_tok, n_out)`` whose rows are ``ldc`` floats apart
-        (a block of columns of a wider output). ``sm_target``: cuBLAS plans the GEMM for that many
-        SMs (``cublasSetSmCountTarget`` around the call; 0: all of them), leaving the rest to work
-        on another stream."""
+        (a block of columns of a wider output)."""
         g = cls.__new__(cls)
-        g._set(w, n_out, n_in, x16, n_tok, out, ldc, beta, sm_target)
+        g._set(w, n_out, n_in, x16, n_tok, out, ldc, beta)
         return g
 
-    def _set(self, w, n_out, n_in, x16, n_tok, out, ldc, beta, sm_target):
+    def _set(self, w, n_out, n_in, x16, n_tok, out, ldc, beta):
         from cupy.cuda import device  # noqa: PLC0415 (device graphs only)
         self.lib = _libcublas()
         self.handle = device.get_cublas_handle()
@@ -43,25 +40,14 @@ class CublasGemm:
         self.n_out, self.n_in, self.n_tok, self.ldc = n_out, n_in, n_tok, ldc
         self.ptrs = (w, x16, out)
         self.scal = np.array([1.0, beta], dtype=np.float32)   # alpha, beta (host pointer mode)
-        self.sm_target = int(sm_target)
-        if self.sm_target < 0:
-            raise ValueError(f"a cuBLAS SM count target of {sm_target}")
-        if self.sm_target and not hasattr(self.lib, "cublasSetSmCountTarget"):
-            raise RuntimeError("this cuBLAS has no cublasSetSmCountTarget (an SM count target needs cuBLAS 11.3 or later)")
 
     def __call__(self):
         import cupy  # noqa: PLC0415
         lib, h, (a, bx, o) = self.lib, self.handle, self.ptrs
         _check(lib.cublasSetStream_v2(h, cupy.cuda.get_current_stream().ptr), "cublasSetStream")
         al = self.scal.ctypes.data
-        if self.sm_target:   # (the handle is shared: its target is put back right after)
-            _check(lib.cublasSetSmCountTarget(h, self.sm_target), "cublasSetSmCountTarget")
-        try:
-            _check(lib.cublasGemmEx(h, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2,
-                                    self.n_in, al + 4, o, 0, self.ldc, 68, -1), "cublasGemmEx")
-        finally:
-            if self.sm_target:
-                _check(lib.cublasSetSmCountTarget(h, 0), "cublasSetSmCountTarget")
+        _check(lib.cublasGemmEx(h, 1, 0, self.n_out, self.n_tok, self.n_in, al, a, 2, self.n_in, bx, 2,
+                                self.n_in, al + 4, o, 0, self.ldc, 68, -1), "cublasGemmEx")
 
 
 def _check(status: int, what: str) -> None:
@@ -88,8 +74,6 @@ def _libcublas():
         lib.cublasSetStream_v2.argtypes = [vp, vp]
         lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
         lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
-        if hasattr(lib, "cublasSetSmCountTarget"):   # (cuBLAS 11.3 on; only an SM count target needs it)
-            lib.cublasSetSmCountTarget.argtypes = [vp, i]
         _LIB.append(lib)
     return _LIB[0]
 

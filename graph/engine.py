@@ -28,8 +28,6 @@ import weakref
 
 import numpy as np
 
-from .path_gemm import engine_stream_priority
-
 __all__ = ["Engine", "UntimedEngine", "MAX_GRAPHS", "GRAPH_BYTES", "graph_bytes_budget", "kept_engine", "out_of_device_memory",
            "out_rows_padded"]
 
@@ -153,7 +151,7 @@ class Engine:
         self.captures = self.replays = 0
         self.stream = None
         if self.device:
-            self.stream = self.xp.cuda.Stream(non_blocking=True, priority=engine_stream_priority())
+            self.stream = self.xp.cuda.Stream(non_blocking=True)
             self.xp.cuda.Device().synchronize()   # weights, inputs, cache: made on the default stream
 
     @property

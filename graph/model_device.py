@@ -24,8 +24,7 @@ Memory (:attr:`DeviceWeights.nbytes`, :meth:`DeviceWeights.bytes_by_type`): a bl
 its file bytes; an F16 one 2 bytes per element (and the tied head's copy); 4 bytes per element
 of the F32 vectors kept (norm weights, Q/K/V biases, ``rope_freqs``); plus, on a GPU holding
 block matrices, one F16 scratch of the largest layer matrix (:attr:`DeviceWeights.scratch`:
-GEMMs of many tokens dequantize a matrix into it, ``path_gemm``; two with
-``matmul_dispatch.DEQUANT_SIDE_SMS`` set). For llama-3-8B as F16: 16.1 GB;
+GEMMs of many tokens dequantize a matrix into it, ``path_gemm``). For llama-3-8B as F16: 16.1 GB;
 as Q4_K_M (4.6 GiB file): the file's tensor bytes, plus the 117 MB scratch.
 """
 from __future__ import annotations
@@ -37,7 +36,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import block_layout, is_block_type
 
 __all__ = ["DeviceWeights", "QMatrix", "fold_norm", "keep_blocks"]
@@ -95,13 +93,6 @@ def _jobs(model, blocks: bool = True) -> list[tuple]:
 def _raw_ok(w) -> bool:
     """``w``'s file bytes can go to the GPU as they are (a float or block type, at a known offset)."""
     return w.offset >= 0 and (w.type_name in _RAW_TYPES or is_block_type(w.type_name))
-
-
-def scratch_elements(layer_max: int) -> int:
-    """F16 values of the GEMMs' scratch on a GPU holding block matrices whose largest layer matrix
-    has ``layer_max`` values: that (at least SCRATCH_MIN_ELEMENTS), twice with
-    ``matmul_dispatch.DEQUANT_SIDE_SMS`` set (path_gemm.DequantRing's two slots)."""
-    return (1 if md.DEQUANT_SIDE_SMS is None else 2) * max(int(layer_max), SCRATCH_MIN_ELEMENTS)
 
 
 @dataclass(eq=False)
@@ -321,7 +312,7 @@ class DeviceWeights:
         if blocks and xp is not np:
             layer_max = max((m.shape[0] * m.shape[1] for k, m in out.items() if isinstance(m, QMatrix)
                              and isinstance(k, tuple)), default=0)
-            scratch = xp.empty(scratch_elements(layer_max), dtype=np.float16)
+            scratch = xp.empty(max(layer_max, SCRATCH_MIN_ELEMENTS), dtype=np.float16)
             for m in blocks:
                 m.scratch = scratch
         others = sorted({w.type_name for _, w, _ in jobs if not is_block_type(w.type_name)

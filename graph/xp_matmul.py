@@ -46,7 +46,7 @@ import numpy as np
 
 from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
-from .path_gemm import path_gemm_steps
+from .path_gemm import dequant_gemm_launches
 from . import q8_handoff
 from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
@@ -333,7 +333,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
-    rounded to F16 once, :func:`gemm_q_launch`), else path ``gemm`` (``path_gemm.path_gemm_steps``: per
+    rounded to F16 once, :func:`gemm_q_launch`), else path ``gemm`` (``path_gemm.dequant_gemm_launches``: per
     chunk of rows one dequantization into the weights' F16 scratch and one cuBLAS GEMM). ``x16``:
     ``x``'s F16 form, read by every path but ``gemm-q8`` (``x`` may be None where none runs it)."""
     xp = b.xp
@@ -375,7 +375,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
                          gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
-        steps += path_gemm_steps(b, w, x16, o, accumulate=accumulate)
+        steps += [launch for pair in dequant_gemm_launches(w, x16, o, accumulate=accumulate) for launch in pair]
         b.keep(w.blocks, w.scratch)
     b.keep(*([x16] if x16 is not None else []), *outs)
     return _then(*steps)

@@ -68,8 +68,8 @@ def launches(monkeypatch):
         def __call__(self):
             pass
 
-    def gemm(w, n_out, n_in, x16, n_tok, out, ldc, beta=0.0, sm_target=0):
-        rec.append(SimpleNamespace(fn="gemm", args=(w, n_out, n_in, x16, n_tok, out, ldc, beta), sm_target=sm_target))
+    def gemm(w, n_out, n_in, x16, n_tok, out, ldc, beta=0.0):
+        rec.append(SimpleNamespace(fn="gemm", args=(w, n_out, n_in, x16, n_tok, out, ldc, beta)))
         return lambda: None
 
     # smem None: the launch takes the instance's own dynamic shared memory (read from its program)
