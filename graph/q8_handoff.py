@@ -80,20 +80,21 @@ def form_of(b, h, eps, g):
 
 
 def reads_f16(ws: list, n_tok: int) -> bool:
-    """Whether the GEMMs of weights ``ws`` (F16 arrays or ``QMatrix``) at ``n_tok`` tokens read
-    their input in F16 only: no GEMV (F32 activations) and no 8-bit block GEMM (``gemm-q8``, which
-    quantizes the F32 input) among ``matmul_dispatch.best_matmul``'s paths."""
-    kinds: dict = {}
-    for w in ws:
-        kinds.setdefault(w.type if isinstance(w, QMatrix) else "F16", []).append(w)
-    return all((p := matmul_choice(g, n_tok).path) != "gemm-q8" and not p.startswith("gemv") for g in kinds.values())
+    """Whether the GEMMs past the GEMVs (``xp_matmul``'s ``_matmuls`` / ``_qmatmuls``) of weights
+    ``ws`` (F16 arrays or ``QMatrix``) at ``n_tok`` tokens read their input in F16 only: each block
+    weight's path there (``matmul_dispatch.best_matmul`` with ``gemv=False``, as they ask) is not
+    the 8-bit block GEMM (``gemm-q8``, which quantizes the F32 input); F16 weights always."""
+    from ggml_attn.matmul_dispatch import best_matmul  # noqa: PLC0415
+    return all(best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path != "gemm-q8"
+               for w in ws if isinstance(w, QMatrix))
 
 
 def f16_for(b, reader, n_tok: int, shape: tuple):
     """An F16 array of ``shape`` (numpy order) for a node's output that weight ``reader``
-    multiplies next, where that GEMM reads F16 only at ``n_tok`` tokens (:func:`reads_f16`) on a
-    device graph; else None."""
-    if b.xp is np or reader is None or not reads_f16([reader], n_tok):
+    multiplies next on a device graph, where that product is a GEMM past the GEMVs
+    (:func:`matmul_choice` not a GEMV) that reads F16 only (:func:`reads_f16`); else None."""
+    if b.xp is np or reader is None or matmul_choice([reader], n_tok).path.startswith("gemv") or \
+            not reads_f16([reader], n_tok):
         return None
     return b.scratch(shape, np.float16)
 

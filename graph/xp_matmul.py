@@ -358,6 +358,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
         cast, x16 = _f16_input(b, x, x16)
         steps.append(cast)
     if "gemm-q8" in paths:   # x quantized once for every such weight
+        if x is None:   # (q8_handoff.reads_f16 said F16 only: the callers ask it first)
+            raise ValueError("the int8 block GEMM quantizes F32 activations; only their F16 form was given")
         q8 = (b.scratch((n_tok, n_in), np.int8), b.scratch((n_tok, n_in // 32), np.float32),
               b.scratch((n_tok, n_in // 32), np.float32))
         quant = quant_q8x_launch(ws[paths.index("gemm-q8")].type_id, x, *q8)

@@ -98,3 +98,14 @@ def test_f32_stays_where_a_reader_needs_it(launches, monkeypatch):  # noqa: F811
     assert q8_handoff.f16_for(b, wd, 2, (2, 256)) is None   # a GEMV reads F32
     assert q8_handoff.f16_for(b, None, 65, (65, 256)) is None
     assert q8_handoff.f16_for(b, wd, 65, (65, 256)).dtype == np.float16
+
+
+def test_the_int8_gemm_refuses_an_f16_only_input(launches, monkeypatch):  # noqa: F811
+    """_qmatmuls given only the F16 form where a weight's path quantizes F32 activations: a clear
+    error, not a launch over a null pointer."""
+    _path_gemm(monkeypatch)
+    monkeypatch.setattr(md, "Q8X_MAX_TOKENS", 4)
+    monkeypatch.setattr(md, "Q8GEMM_MAX_TOKENS", 64)
+    w = _qmatrix("Q4_K", 256, 512)
+    with pytest.raises(ValueError, match="quantizes F32 activations"):
+        xp_matmul._qmatmuls(graph_nodes(monkeypatch)[0](), [w], None, [Dev((33, 256))], x16=Dev((33, 512), np.float16))
