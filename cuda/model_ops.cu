@@ -1,6 +1,6 @@
 // The ops a real model's device graph adds to the full block's (graph/xp_ops.py: get_rows, rope,
-// add_bias), one launch each (grid-stride; the ropes a block a token and slice); compiled and disk-cached as every program here
-// (ggml_attn/kernels.py model_ops_variant).
+// add_bias), one launch each (grid-stride; the ropes a block a token and slice); compiled and
+// disk-cached as every program here (ggml_attn/kernels.py model_ops_variant).
 #include <cuda_fp16.h>
 
 // out[r, c] = table[ids[r], c] (F16 or F32 table, C-contiguous, n_cols per row) as F32; n = n_ids * n_cols.
