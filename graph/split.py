@@ -164,9 +164,9 @@ class SplitState:
     def make(self, mode: str, idxs: list[int], n_seqs: int, equal_seqs: bool) -> UBatch:
         b = self.batch
         arr = np.array(idxs, dtype=np.int64)
-        run = bool((np.diff(arr) == 1).all())   # consecutive tokens: their ids are a slice
-        return UBatch(mode, arr, b.positions[arr].astype(np.int32),
-                      b.seq_ids[idxs[0]:idxs[-1] + 1] if run else tuple(b.seq_ids[i] for i in idxs), n_seqs, equal_seqs)
+        run = arr.size > 0 and bool((np.diff(arr) == 1).all())   # consecutive tokens: their ids are a slice
+        seq_ids = b.seq_ids[idxs[0]:idxs[-1] + 1] if run else tuple(b.seq_ids[i] for i in idxs)
+        return UBatch(mode, arr, b.positions[arr].astype(np.int32), seq_ids, n_seqs, equal_seqs)
 
 
 def _refuse_coupled(state: SplitState, what: str) -> None:
