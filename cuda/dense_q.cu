@@ -410,6 +410,12 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 // same result. Shared memory QrTile<T, BN>::SMEM (the stages only), dynamic (dense_gemm_qr_smem).
 // Same parameters as dense_gemm_q.
 #define QR_BM 128
+// A probe of where a step's time goes (tools/dev/qr_probe.py compiles the program with -DQR_PROBE=n;
+// the shipped program is QR_PROBE 0): bit 1 skips the decode (each lane's fragments constants),
+// bit 2 the products (the fragments folded into one sum so the decode stays); 3 leaves the staging.
+#ifndef QR_PROBE
+#define QR_PROBE 0
+#endif
 
 template <int T, int BN> struct QrTile {
     using QS = QsTile<T, BN>;   // its staged rows and x tile
@@ -470,13 +476,22 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         for (int j = 0; j < QS_BK / 32; ++j) {   // the step's sub-blocks: two 16-value k steps each
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
             float v0[8], v1[8];
-            qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
-            qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+            if constexpr (QR_PROBE & 1) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v0[e] = v1[e] = 0.001f * (c + e);
+            } else {
+                qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
+                qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const unsigned a[4] = {qr_pack(v0[4 * h], v0[4 * h + 1]), qr_pack(v1[4 * h], v1[4 * h + 1]),
                                        qr_pack(v0[4 * h + 2], v0[4 * h + 3]), qr_pack(v1[4 * h + 2], v1[4 * h + 3])};
                 const int kk = 32 * j + 16 * h;
+                if constexpr (QR_PROBE & 2) {
+                    acc[0][h][0] += __uint_as_float((a[0] ^ a[1] ^ a[2] ^ a[3]) & 0x3fffffffu);
+                    continue;
+                }
 #pragma unroll
                 for (int n = 0; n < NI; n += 2) {
                     // (block-uniform: no token of these two tiles; with one, both run: the second's
