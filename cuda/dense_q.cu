@@ -412,7 +412,8 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 #define QR_BM 128
 // A probe of where a step's time goes (tools/dev/qr_probe.py compiles the program with -DQR_PROBE=n;
 // the shipped program is QR_PROBE 0): bit 1 skips the decode (each lane's fragments constants),
-// bit 2 the products (the fragments folded into one sum so the decode stays); 3 leaves the staging.
+// bit 2 the products (the fragments folded into one sum so the decode stays), bit 4 the x tile's
+// ldmatrix (its B fragments constants); 3 leaves the staging, 5 the products alone.
 #ifndef QR_PROBE
 #define QR_PROBE 0
 #endif
@@ -498,8 +499,12 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
                     // sums, of x rows not copied, are never stored)
                     if (n0 + 8 * n >= p.n_tok) continue;
                     unsigned b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3, smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk +
-                                                         8 * ((lane >> 3) & 1)));
+                    if constexpr (QR_PROBE & 4) {
+                        b0 = 0x3c003c00u ^ (lane + n), b1 = b0 ^ 1u, b2 = b0 ^ 2u, b3 = b0 ^ 3u;
+                    } else {
+                        ldmatrix_x4(b0, b1, b2, b3, smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk +
+                                                             8 * ((lane >> 3) & 1)));
+                    }
                     Mma<__half>::run(acc[0][n], a, b0, b1);
                     Mma<__half>::run(acc[0][n + 1], a, b2, b3);
                 }

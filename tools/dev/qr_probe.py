@@ -1,7 +1,7 @@
 """Where a step of dense_gemm_qr (cuda/dense_q.cu) goes, on the GPU: one llama-3-8B layer's seven
 block matrices at each token count, through the shipped program and through its probes (the
 program compiled with -DQR_PROBE=n: 1 the products without the decode, 2 the decode without the
-products, 3 the staging alone), device time per matrix (gpu_timing.device_us).
+products, 3 the staging alone, 4 without the x tile's ldmatrix, 5 the MMAs and the staging alone), device time per matrix (gpu_timing.device_us).
 
 If the products alone take most of the shipped time, the tensor pipe under mma.sync bounds the
 kernel; if the decode alone does, the decode's instructions; if neither, their overlap.
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
-PROBES = {0: "shipped", 1: "products only", 2: "decode only", 3: "staging only"}
+PROBES = {0: "shipped", 1: "no decode", 2: "decode only", 3: "staging only", 4: "no ldmatrix", 5: "mma only"}
 
 
 def main(argv=None) -> int:
