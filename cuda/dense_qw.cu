@@ -29,6 +29,13 @@
 #define QW_BK 256
 #define QW_STAGES 2
 #define QW_THREADS 256
+// A probe of where a step's time goes (tools/dev/qr_probe.py --kernel dense_gemm_qw...: the program
+// compiled with -DQW_PROBE=n; the shipped program is QW_PROBE 0): bit 1 skips the decode (each
+// lane's fragments constants), bit 2 the wgmmas (the fragments folded into one sum so the decode
+// stays); 3 leaves the staging.
+#ifndef QW_PROBE
+#define QW_PROBE 0
+#endif
 
 template <int T, int RM> struct QwTile {
     static constexpr int BM = QW_BM * RM;
@@ -166,8 +173,22 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         for (int j = 0; j < QW_BK / 32; ++j) {
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
 #pragma unroll
-            for (int h = 0; h < RM; ++h)
-                qw_frags<T, H>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
+            for (int h = 0; h < RM; ++h) {
+                if constexpr (QW_PROBE & 1) {
+#pragma unroll
+                    for (int k = 0; k < 2; ++k)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) a[j & 1][h][k][e] = 0x3c003c00u ^ (unsigned)(c + e + k);
+                } else {
+                    qw_frags<T, H>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
+                }
+            }
+            if constexpr ((QW_PROBE & 2) != 0) {
+#pragma unroll
+                for (int h = 0; h < RM; ++h)
+                    acc[h][j] += __uint_as_float((a[j & 1][h][0][0] ^ a[j & 1][h][1][3]) & 0x3fffffffu);
+                continue;
+            }
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < 2; ++k)

@@ -6,22 +6,47 @@ products, 3 the staging alone, 4 without the x tile's ldmatrix, 5 the MMAs and t
 If the products alone take most of the shipped time, the tensor pipe under mma.sync bounds the
 kernel; if the decode alone does, the decode's instructions; if neither, their overlap.
 
-    python tools/dev/qr_probe.py [--types Q4_K,Q6_K] [--tokens 64,16] [--out qr_probe.json]
+    python tools/dev/qr_probe.py [--kernel dense_gemm_qr] [--types Q4_K,Q6_K] [--tokens 64,16] [--out qr_probe.json]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
+def _compile(job):
+    """(a worker process) one probe program's shard into the kernel cache"""
+    from ggml_attn import kernels as K
+    K.compile_variant(*job)
+
+
+def _shards(K, make, kernel: str, type_ids, tokens) -> list:
+    """The programs (shards) the timed launches load: ``make`` (a probe's variant maker) of each type,
+    the shard holding each instance ``kernel`` launches."""
+    out = set()
+    for tid in type_ids:
+        v = make(tid)
+        if kernel == "dense_gemm_qr":
+            names = {K.staged_instance(kernel, tid, K.gemm_qs_bn(n, kernel)) for n in tokens}
+        else:
+            names = {K.qw_instance(tid, kernel)}
+        out |= {v.shard_of(n) for n in names}
+    return sorted(out, key=lambda v: v.label)
+
+
 PROBES = {0: "shipped", 1: "no decode", 2: "decode only", 3: "staging only", 4: "no ldmatrix", 5: "mma only"}
+QW_PROBES = (0, 1, 2, 3)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", default="dense_gemm_qr", help="dense_gemm_qr or a form of dense_gemm_qw")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--tokens", default="64,16")
     ap.add_argument("--out", default=None)
@@ -31,31 +56,46 @@ def main(argv=None) -> int:
     from gpu_timing import device_us
 
     from ggml_attn import kernels as K
+    from ggml_attn.block_types import block_layout
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
-    shipped = K.dense_q_variant
+    qw = a.kernel != "dense_gemm_qr"
+    attr, macro = ("dense_qw_variant", "QW_PROBE") if qw else ("dense_q_variant", "QR_PROBE")
+    shipped = getattr(K, attr)
+    probes = [p for p in PROBES if not qw or p in QW_PROBES]
+
+    def maker(probe):
+        return shipped if probe == 0 else \
+            lambda tid: dataclasses.replace(shipped(tid), options=(f"-D{macro}={probe}",))
+    tokens = [int(t) for t in a.tokens.split(",")]
+    tids = [block_layout(t).type_id for t in a.types.split(",")]
+    arch = K.device_arch() + ("a" if qw else "")
+    jobs = [(v, arch) for p in probes for v in _shards(K, maker(p), a.kernel, tids, tokens)]
+    with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=get_context("spawn")) as ex:
+        list(ex.map(_compile, jobs))   # (every program compiled at once; the timing loads them)
     rows = []
     for type_name in a.types.split(","):
         ws = _layer(cp, type_name, 0)
-        for n in (int(t) for t in a.tokens.split(",")):
+        for n in tokens:
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             xf16 = cp.random.standard_normal((n, N_FF), dtype=cp.float32).astype(cp.float16)
-            for probe, what in PROBES.items():
-                K.dense_q_variant = (shipped if probe == 0 else
-                                     lambda tid, pr=probe: dataclasses.replace(shipped(tid), options=(f"-DQR_PROBE={pr}",)))
+            for probe in probes:
+                what = PROBES[probe]
+                setattr(K, attr, maker(probe))
                 layer = 0.0
                 for name, w in ws.items():
-                    grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], num_sms(), "dense_gemm_qr")
+                    grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], num_sms(), a.kernel)
                     x = xf16 if name == "wd" else x16
                     out = cp.empty((n, w.shape[0]), cp.float32)
                     part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
-                    f = gemm_q_launch(w, x, out, part, kernel="dense_gemm_qr")
+                    f = gemm_q_launch(w, x, out, part, kernel=a.kernel)
                     us = device_us([f])
                     layer += us
-                    rows.append(dict(type=type_name, tokens=n, probe=probe, what=what, matrix=name, us=round(us, 2)))
-                print(f"{type_name} n_tok={n:3d} {what:14s} layer {layer:7.1f} us  " +
+                    rows.append(dict(kernel=a.kernel, type=type_name, tokens=n, probe=probe, what=what, matrix=name,
+                                     us=round(us, 2)))
+                print(f"{a.kernel} {type_name} n_tok={n:3d} {what:14s} layer {layer:7.1f} us  " +
                       " ".join(f"{r['matrix']} {r['us']:.1f}" for r in rows[-7:]), flush=True)
-    K.dense_q_variant = shipped
+    setattr(K, attr, shipped)
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(rows, fh, indent=1)
