@@ -36,6 +36,12 @@
 #ifndef QW_PROBE
 #define QW_PROBE 0
 #endif
+// Sub-blocks whose fragments one wgmma group multiplies (2 QW_GROUP RM wgmmas a commit): the shipped
+// program 1; 2 and 4 are the probe's A/B forms (tools/dev/qr_probe.py --define QW_GROUP=n), more
+// products in flight against each wait for the group before.
+#ifndef QW_GROUP
+#define QW_GROUP 1
+#endif
 
 template <int T, int RM> struct QwTile {
     static constexpr int BM = QW_BM * RM;
@@ -154,7 +160,8 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         if (s < n_steps) qw_stage<T, RM>(p, copies, s0 + s * TL::STAGE, k_begin + s * QW_BK);
         else cp_async_commit();
     }
-    unsigned a[2][RM][2][4] = {};
+    // sub-block sets: QW_GROUP sub-blocks' fragments a wgmma group, two sets taking turns
+    unsigned a[2][QW_GROUP][RM][2][4] = {};
     for (int s = 0; s < n_steps; ++s) {
         cp_async_wait<QW_STAGES - 2>();
         fence_proxy_async_shared();   // this thread's x copies, visible to wgmma's reads
@@ -170,39 +177,49 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
         const unsigned char* w0 = st + TL::X_BYTES + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QW_BK * TL::RB) & 15);
 #pragma unroll
-        for (int j = 0; j < QW_BK / 32; ++j) {
+        for (int jg = 0; jg < QW_BK / 32 / QW_GROUP; ++jg) {
+            unsigned (&ag)[QW_GROUP][RM][2][4] = a[jg & 1];
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
 #pragma unroll
-            for (int h = 0; h < RM; ++h) {
-                if constexpr (QW_PROBE & 1) {
+            for (int g = 0; g < QW_GROUP; ++g) {
+                const int j = QW_GROUP * jg + g;
 #pragma unroll
-                    for (int k = 0; k < 2; ++k)
+                for (int h = 0; h < RM; ++h) {
+                    if constexpr (QW_PROBE & 1) {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) a[j & 1][h][k][e] = 0x3c003c00u ^ (unsigned)(c + e + k);
-                } else {
-                    qw_frags<T, H>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, a[j & 1][h]);
+                        for (int k = 0; k < 2; ++k)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) ag[g][h][k][e] = 0x3c003c00u ^ (unsigned)(c + e + k);
+                    } else {
+                        qw_frags<T, H>(w0 + 64 * h * TL::SLOT, w0 + (64 * h + 8) * TL::SLOT, j, c, ag[g][h]);
+                    }
                 }
             }
             if constexpr ((QW_PROBE & 2) != 0) {
 #pragma unroll
                 for (int h = 0; h < RM; ++h)
-                    acc[h][j] += __uint_as_float((a[j & 1][h][0][0] ^ a[j & 1][h][1][3]) & 0x3fffffffu);
+                    acc[h][jg] += __uint_as_float((ag[0][h][0][0] ^ ag[QW_GROUP - 1][h][1][3]) & 0x3fffffffu);
                 continue;
             }
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < 2; ++k)
+            for (int g = 0; g < QW_GROUP; ++g)
 #pragma unroll
-                for (int h = 0; h < RM; ++h)
-                    wgmma_m64n128k16_rs<0>(acc[h], a[j & 1][h][k],
-                                           wgmma_desc(xs + (2 * j + k) * 256, 128, (QW_BK / 8) * 128), true);
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int h = 0; h < RM; ++h)
+                        wgmma_m64n128k16_rs<0>(acc[h], ag[g][h][k],
+                                               wgmma_desc(xs + (2 * (QW_GROUP * jg + g) + k) * 256, 128,
+                                                          (QW_BK / 8) * 128), true);
             wgmma_commit();
             wgmma_wait<1>();
 #pragma unroll
-            for (int h = 0; h < RM; ++h) {
-                wgmma_pin(a[(j + 1) & 1][h][0]);
-                wgmma_pin(a[(j + 1) & 1][h][1]);
-            }
+            for (int g = 0; g < QW_GROUP; ++g)
+#pragma unroll
+                for (int h = 0; h < RM; ++h) {
+                    wgmma_pin(a[(jg + 1) & 1][g][h][0]);
+                    wgmma_pin(a[(jg + 1) & 1][g][h][1]);
+                }
         }
         wgmma_wait<0>();   // the stage's reads done before the next barrier lets its copies in
 #pragma unroll

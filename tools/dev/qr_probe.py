@@ -49,6 +49,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="dense_gemm_qr", help="dense_gemm_qr or a form of dense_gemm_qw")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--tokens", default="64,16")
+    ap.add_argument("--probes", default=None, help="comma list of probe numbers (default: every one)")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE compiled into every program timed here (e.g. QW_GROUP=2); probe 0's outputs are "
+                         "then checked bit for bit against the shipped program's")
+    ap.add_argument("--compile-only", action="store_true", help="compile the programs into the kernel cache and stop")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy as cp
@@ -62,17 +67,22 @@ def main(argv=None) -> int:
     qw = a.kernel != "dense_gemm_qr"
     attr, macro = ("dense_qw_variant", "QW_PROBE") if qw else ("dense_q_variant", "QR_PROBE")
     shipped = getattr(K, attr)
-    probes = [p for p in PROBES if not qw or p in QW_PROBES]
+    probes = [p for p in PROBES if (not qw or p in QW_PROBES) and
+              (a.probes is None or str(p) in a.probes.split(","))]
+    defines = tuple(f"-D{d}" for d in a.define)
 
     def maker(probe):
-        return shipped if probe == 0 else \
-            lambda tid: dataclasses.replace(shipped(tid), options=(f"-D{macro}={probe}",))
+        opts = defines + ((f"-D{macro}={probe}",) if probe else ())
+        return shipped if not opts else lambda tid: dataclasses.replace(shipped(tid), options=opts)
     tokens = [int(t) for t in a.tokens.split(",")]
     tids = [block_layout(t).type_id for t in a.types.split(",")]
     arch = K.device_arch() + ("a" if qw else "")
-    jobs = [(v, arch) for p in probes for v in _shards(K, maker(p), a.kernel, tids, tokens)]
+    makers = [maker(p) for p in probes] + ([shipped] if defines else [])
+    jobs = [(v, arch) for m in makers for v in _shards(K, m, a.kernel, tids, tokens)]
     with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=get_context("spawn")) as ex:
         list(ex.map(_compile, jobs))   # (every program compiled at once; the timing loads them)
+    if a.compile_only:
+        return 0
     rows = []
     for type_name in a.types.split(","):
         ws = _layer(cp, type_name, 0)
@@ -82,7 +92,7 @@ def main(argv=None) -> int:
             for probe in probes:
                 what = PROBES[probe]
                 setattr(K, attr, maker(probe))
-                layer = 0.0
+                layer, same = 0.0, True
                 for name, w in ws.items():
                     grid, _ = K.gemm_q_grid(w.shape[0], n, w.shape[1], num_sms(), a.kernel)
                     x = xf16 if name == "wd" else x16
@@ -90,11 +100,19 @@ def main(argv=None) -> int:
                     part = cp.empty((grid[2], n, w.shape[0]), cp.float32) if grid[2] > 1 else None
                     f = gemm_q_launch(w, x, out, part, kernel=a.kernel)
                     us = device_us([f])
+                    if probe == 0 and defines:   # (the same bits as the shipped program's)
+                        setattr(K, attr, shipped)
+                        ref = cp.empty_like(out)
+                        gemm_q_launch(w, x, ref, part, kernel=a.kernel)()
+                        setattr(K, attr, maker(0))
+                        same = same and bool((ref.view(cp.uint32) == out.view(cp.uint32)).all())
                     layer += us
                     rows.append(dict(kernel=a.kernel, type=type_name, tokens=n, probe=probe, what=what, matrix=name,
-                                     us=round(us, 2)))
-                print(f"{a.kernel} {type_name} n_tok={n:3d} {what:14s} layer {layer:7.1f} us  " +
-                      " ".join(f"{r['matrix']} {r['us']:.1f}" for r in rows[-7:]), flush=True)
+                                     defines=a.define, us=round(us, 2)))
+                tag = f"{what} {' '.join(a.define)}".strip()
+                check = "" if probe or not defines else ("  (bits as shipped)" if same else "  (BITS DIFFER from shipped)")
+                print(f"{a.kernel} {type_name} n_tok={n:3d} {tag:24s} layer {layer:7.1f} us  " +
+                      " ".join(f"{r['matrix']} {r['us']:.1f}" for r in rows[-7:]) + check, flush=True)
     setattr(K, attr, shipped)
     if a.out:
         with open(a.out, "w") as fh:
