@@ -131,10 +131,11 @@ __device__ __forceinline__ void qw_frags(const unsigned char* w0, const unsigned
 
 // The main loop. A step: wait for its stage, one barrier (every warpgroup's wgmma reads of the
 // stage before are complete: each waits for its own before the barrier), the next step's copies,
-// then its QW_BK / 32 sub-blocks: decode sub-block j into fragment set j % 2 (each row half's),
-// fence, 2 RM wgmma, commit, and wait until at most the group just committed is in flight --
-// sub-block j - 1's fragments (set (j + 1) % 2, pinned there so the compiler keeps them until the
-// wait) are free for sub-block j + 1's decode, which runs while sub-block j's products do.
+// then its QW_BK / 32 sub-blocks, QW_GROUP at a time (group g): decode them into fragment set g % 2
+// (each row half's), fence, 2 QW_GROUP RM wgmma, commit, and wait until at most the group just
+// committed is in flight -- group g - 1's fragments (set (g + 1) % 2, pinned there so the compiler
+// keeps them until the wait) are free for group g + 1's decode, which runs while group g's
+// products do.
 template <int T, int RM, int H>
 __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams p) {
     using TL = QwTile<T, RM>;
