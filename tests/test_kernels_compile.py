@@ -545,3 +545,18 @@ def test_cubins_are_whole_elf_files():
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", b, 0x36)
     assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) == len(b)
     assert K.whole_cubin(b[:-1]) == b and K.whole_cubin(b) == b and K.whole_cubin(b"not elf") == b"not elf"
+
+
+# The development probes' macros (tools/dev/qr_probe.py compiles programs with them set): the
+# programs the package ships are their defaults, with no option naming them.
+PROBE_DEFAULTS = {"dense_q.cu": {"QR_PROBE": "0", "QR_STAGGER": "0"},
+                  "dense_qw.cu": {"QW_PROBE": "0", "QW_GROUP": "1", "QW_STAGGER": "0"}}
+
+
+@pytest.mark.parametrize("source", sorted(PROBE_DEFAULTS))
+def test_shipped_programs_are_the_probes_defaults(source):
+    text = (Path(K.source_dir()) / source).read_text()
+    for name, value in PROBE_DEFAULTS[source].items():
+        assert f"#ifndef {name}\n#define {name} {value}\n#endif" in text, (source, name)
+    variants = [v for t in K.GEMMQR_TYPE_IDS for v in (K.dense_q_variant(t), K.dense_qw_variant(t))]
+    assert variants and not any(o.startswith(("-DQR_", "-DQW_")) for v in variants for o in v.options)
