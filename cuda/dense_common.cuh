@@ -60,6 +60,19 @@ struct GemmQParams {
     int pad_;
 };
 
+// The k step a staged tiled GEMM's block takes s-th of its n_steps (dense_q.cu's dense_gemm_qr,
+// dense_qw.cu's dense_gemm_qw): s, or with STAGGER (their probes' A/B, tools/dev/qr_probe.py) s
+// rotated by the block's index, so that a launch's blocks do not all read the same x tile at once
+// (each output's sum then runs in another order: its last bits differ).
+template <int STAGGER>
+__device__ __forceinline__ int staged_kstep(int s, int n_steps) {
+    if constexpr (STAGGER != 0) {
+        const int k = s + (int)(blockIdx.x % (unsigned)n_steps);
+        return k < n_steps ? k : k - n_steps;
+    }
+    return s;
+}
+
 // One weight matrix kept in ggml's blocks, of a block GEMV's up to three (dense_q.cu's F32 and
 // dense_q8x.cu's 8-bit activations; dense.cu's GemvSeg has the same layout with an F16 pointer).
 struct GemvQSeg {

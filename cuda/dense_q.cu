@@ -417,19 +417,11 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 #ifndef QR_PROBE
 #define QR_PROBE 0
 #endif
-// QR_STAGGER 1 (a probe's A/B; 0 ships): block x walks its k steps from step x % n_steps on, wrapping,
-// so that the blocks of a launch do not all read the same x tile at once (the sums' order, and so
-// their last bits, then differ from the unstaggered order).
+// QR_STAGGER 1 (a probe's A/B; 0 ships): each block walks its k steps rotated (dense_common.cuh
+// staged_kstep).
 #ifndef QR_STAGGER
 #define QR_STAGGER 0
 #endif
-__device__ __forceinline__ int qr_kstep(int s, int n_steps) {
-    if constexpr (QR_STAGGER) {
-        const int k = s + (int)(blockIdx.x % (unsigned)n_steps);
-        return k < n_steps ? k : k - n_steps;
-    }
-    return s;
-}
 
 template <int T, int BN> struct QrTile {
     using QS = QsTile<T, BN>;   // its staged rows and x tile
@@ -469,7 +461,7 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
 #pragma unroll
     for (int s = 0; s < QS_STAGES - 1; ++s) {
         if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0,
-                                                    k_begin + qr_kstep(s, n_steps) * QS_BK, n_cp);
+                                                    k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK, n_cp);
         else cp_async_commit();
     }
     for (int s = 0; s < n_steps; ++s) {
@@ -478,12 +470,12 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         {
             const int ns = s + QS_STAGES - 1;
             if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
-                                                         k_begin + qr_kstep(ns, n_steps) * QS_BK, n_cp);
+                                                         k_begin + staged_kstep<QR_STAGGER>(ns, n_steps) * QS_BK, n_cp);
             else cp_async_commit();
         }
         const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
         const __half* Xs = reinterpret_cast<const __half*>(st + TL::W_BYTES);
-        const int k0 = k_begin + qr_kstep(s, n_steps) * QS_BK;
+        const int k0 = k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK;
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
         const unsigned char* w0 = st + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
         const unsigned char* w1 = w0 + 8 * TL::SLOT;

@@ -42,18 +42,11 @@
 #ifndef QW_GROUP
 #define QW_GROUP 1
 #endif
-// QW_STAGGER 1 (a probe's A/B; 0 ships): as dense_q.cu's QR_STAGGER -- block x walks its k steps
-// from step x % n_steps on, wrapping, so that a launch's blocks do not all read one x tile at once.
+// QW_STAGGER 1 (a probe's A/B; 0 ships): each block walks its k steps rotated (dense_common.cuh
+// staged_kstep).
 #ifndef QW_STAGGER
 #define QW_STAGGER 0
 #endif
-__device__ __forceinline__ int qw_kstep(int s, int n_steps) {
-    if constexpr (QW_STAGGER) {
-        const int k = s + (int)(blockIdx.x % (unsigned)n_steps);
-        return k < n_steps ? k : k - n_steps;
-    }
-    return s;
-}
 
 template <int T, int RM> struct QwTile {
     static constexpr int BM = QW_BM * RM;
@@ -170,7 +163,8 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
     const unsigned s0 = smem_u32(qw_smem);
 #pragma unroll
     for (int s = 0; s < QW_STAGES - 1; ++s) {
-        if (s < n_steps) qw_stage<T, RM>(p, copies, s0 + s * TL::STAGE, k_begin + qw_kstep(s, n_steps) * QW_BK);
+        if (s < n_steps)
+            qw_stage<T, RM>(p, copies, s0 + s * TL::STAGE, k_begin + staged_kstep<QW_STAGGER>(s, n_steps) * QW_BK);
         else cp_async_commit();
     }
     // sub-block sets: QW_GROUP sub-blocks' fragments a wgmma group, two sets taking turns
@@ -182,12 +176,13 @@ __global__ void __launch_bounds__(QW_THREADS, 1) dense_gemm_qw(const GemmQParams
         {
             const int ns = s + QW_STAGES - 1;
             if (ns < n_steps)
-                qw_stage<T, RM>(p, copies, s0 + (ns % QW_STAGES) * TL::STAGE, k_begin + qw_kstep(ns, n_steps) * QW_BK);
+                qw_stage<T, RM>(p, copies, s0 + (ns % QW_STAGES) * TL::STAGE,
+                                k_begin + staged_kstep<QW_STAGGER>(ns, n_steps) * QW_BK);
             else cp_async_commit();
         }
         unsigned char* st = qw_smem + (s % QW_STAGES) * TL::STAGE;
         const unsigned xs = smem_u32(st);
-        const int k0 = k_begin + qw_kstep(s, n_steps) * QW_BK;
+        const int k0 = k_begin + staged_kstep<QW_STAGGER>(s, n_steps) * QW_BK;
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
         const unsigned char* w0 = st + TL::X_BYTES + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QW_BK * TL::RB) & 15);
 #pragma unroll
