@@ -423,16 +423,18 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 #define QR_STAGGER 0
 #endif
 
-template <int T, int BN> struct QrTile {
+template <int T, int BN, int MI = 1> struct QrTile {
     using QS = QsTile<T, BN>;   // its staged rows and x tile
     static constexpr int RB = QS::RB, UNITS = QS::UNITS, SLOT = QS::SLOT, X_BYTES = QS::X_BYTES;
     static constexpr bool ALIGNED = QS::ALIGNED;
-    static constexpr int W_BYTES = QR_BM * SLOT;
+    static constexpr int BM = QR_BM * MI;   // the block's rows: MI row halves of QR_BM
+    static constexpr int W_BYTES = BM * SLOT;
     static constexpr int STAGE = W_BYTES + X_BYTES;
     static constexpr int SMEM = QS_STAGES * STAGE;
     static constexpr int NI = BN / 8;
     static_assert(BN == 64 || BN == 32, "the wide and the narrow tile");
     static_assert(QR_BM == 16 * QS_WARPS, "a warp a 16-row slice");
+    static_assert(MI == 1 || (MI == 2 && BN == 64), "two row halves on the wide tile only");
 };
 
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
@@ -440,27 +442,29 @@ __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-template <int T, int BN>
+template <int T, int BN, int MI = 1>
 __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
-    using TL = QrTile<T, BN>;
+    using TL = QrTile<T, BN, MI>;
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
     extern __shared__ __align__(16) unsigned char qr_smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
-    float acc[1][NI][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int n = 0; n < NI; ++n)
+    for (int i = 0; i < MI; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[0][n][e] = 0.0f;
-    const int m0 = blockIdx.x * QR_BM, n0 = blockIdx.y * BN;
+        for (int n = 0; n < NI; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.0f;
+    const int m0 = blockIdx.x * TL::BM, n0 = blockIdx.y * BN;
     const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
-    const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 of the tile
+    const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 (+ QR_BM i) of the tile
 #pragma unroll
     for (int s = 0; s < QS_STAGES - 1; ++s) {
-        if (s < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + s * TL::STAGE, m0, n0,
+        if (s < n_steps) qs_stage<T, BN, TL, TL::BM>(p, qr_smem + s * TL::STAGE, m0, n0,
                                                     k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK, n_cp);
         else cp_async_commit();
     }
@@ -469,7 +473,7 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
         {
             const int ns = s + QS_STAGES - 1;
-            if (ns < n_steps) qs_stage<T, BN, TL, QR_BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
+            if (ns < n_steps) qs_stage<T, BN, TL, TL::BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
                                                          k_begin + staged_kstep<QR_STAGGER>(ns, n_steps) * QS_BK, n_cp);
             else cp_async_commit();
         }
@@ -478,25 +482,36 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         const int k0 = k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK;
         // the rows' runs in the stage: their head (the run's offset mod 16) + whole blocks
         const unsigned char* w0 = st + r0 * TL::SLOT + (TL::ALIGNED ? 0 : (k0 / QS_BK * TL::RB) & 15);
-        const unsigned char* w1 = w0 + 8 * TL::SLOT;
 #pragma unroll
         for (int j = 0; j < QS_BK / 32; ++j) {   // the step's sub-blocks: two 16-value k steps each
             // (rows past p.rows and values past n_in were staged as zero bytes: they decode to 0)
-            float v0[8], v1[8];
-            if constexpr (QR_PROBE & 1) {
+            float v0[MI][8], v1[MI][8];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) v0[e] = v1[e] = 0.001f * (c + e);
-            } else {
-                qb_frag8<T>(w0 + (j / S) * B, j % S, c, v0);
-                qb_frag8<T>(w1 + (j / S) * B, j % S, c, v1);
+            for (int i = 0; i < MI; ++i) {
+                if constexpr (QR_PROBE & 1) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) v0[i][e] = v1[i][e] = 0.001f * (c + e + i);
+                } else {
+                    const unsigned char* wi = w0 + QR_BM * i * TL::SLOT;
+                    qb_frag8<T>(wi + (j / S) * B, j % S, c, v0[i]);
+                    qb_frag8<T>(wi + 8 * TL::SLOT + (j / S) * B, j % S, c, v1[i]);
+                }
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned a[4] = {qr_pack(v0[4 * h], v0[4 * h + 1]), qr_pack(v1[4 * h], v1[4 * h + 1]),
-                                       qr_pack(v0[4 * h + 2], v0[4 * h + 3]), qr_pack(v1[4 * h + 2], v1[4 * h + 3])};
+                unsigned a[MI][4];
+#pragma unroll
+                for (int i = 0; i < MI; ++i) {
+                    a[i][0] = qr_pack(v0[i][4 * h], v0[i][4 * h + 1]);
+                    a[i][1] = qr_pack(v1[i][4 * h], v1[i][4 * h + 1]);
+                    a[i][2] = qr_pack(v0[i][4 * h + 2], v0[i][4 * h + 3]);
+                    a[i][3] = qr_pack(v1[i][4 * h + 2], v1[i][4 * h + 3]);
+                }
                 const int kk = 32 * j + 16 * h;
                 if constexpr (QR_PROBE & 2) {
-                    acc[0][h][0] += __uint_as_float((a[0] ^ a[1] ^ a[2] ^ a[3]) & 0x3fffffffu);
+#pragma unroll
+                    for (int i = 0; i < MI; ++i)
+                        acc[i][h][0] += __uint_as_float((a[i][0] ^ a[i][1] ^ a[i][2] ^ a[i][3]) & 0x3fffffffu);
                     continue;
                 }
 #pragma unroll
@@ -511,14 +526,20 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
                         ldmatrix_x4(b0, b1, b2, b3, smem_u32(Xs + (8 * n + (lane & 7) + 8 * (lane >> 4)) * QS_LD + kk +
                                                              8 * ((lane >> 3) & 1)));
                     }
-                    Mma<__half>::run(acc[0][n], a, b0, b1);
-                    Mma<__half>::run(acc[0][n + 1], a, b2, b3);
+#pragma unroll
+                    for (int i = 0; i < MI; ++i) {
+                        Mma<__half>::run(acc[i][n], a[i], b0, b1);
+                        Mma<__half>::run(acc[i][n + 1], a[i], b2, b3);
+                    }
                 }
             }
         }
     }
-    gemm_warp_store<1, NI>(acc, gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
-                           gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + 16 * warp, n0);
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+        gemm_warp_store<1, NI>(*reinterpret_cast<const float(*)[1][NI][4]>(acc[i]),
+                               gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
+                               gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + QR_BM * i + 16 * warp, n0);
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n
@@ -602,5 +623,5 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
 // the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
-template <int T, int BN>
-__device__ const int dense_gemm_qr_smem = QrTile<T, BN>::SMEM;
+template <int T, int BN, int MI = 1>
+__device__ const int dense_gemm_qr_smem = QrTile<T, BN, MI>::SMEM;

@@ -163,6 +163,12 @@ QWGEMM_ROWS = 128
 # (dense_gemm_qwh / qw2h: the integer q an exact half by its bits and one f16 operation a pair
 # with the factors rounded to f16 -- ~3 instructions a value against ~6): measured 2-7% faster.
 QWGEMM_HALF = False
+# dense_gemm_qr's rows a block past its narrow tile's tokens: 128 (dense_gemm_qr) or 256
+# (dense_gemm_qrm: two row halves a step, so that the step's x tile -- two thirds of what a
+# 64-token step stages, the staging alone 64% of the kernel's time -- serves twice the rows: one
+# 8B layer's staged bytes at 64 tokens 341 -> 232 MB; bench/NOTES.md, twenty-fifth session).
+# An A/B until measured.
+QRGEMM_ROWS = 128
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
 # of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
@@ -197,10 +203,18 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     return "staged" if aligned else "plain"
 
 
-def tiled_kernel(path: str, weight_type: str) -> str:
-    """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type``: the wgmma
-    GEMM's form (gemm_qw_kernel), else the path's one kernel."""
-    return gemm_qw_kernel(weight_type) if path == "gemm-qw" else TILED_PATHS[path]
+def tiled_kernel(path: str, weight_type: str, n_tokens: int = 1) -> str:
+    """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type`` and
+    ``n_tokens`` tokens: the wgmma GEMM's form (gemm_qw_kernel), dense_gemm_qrm past the narrow
+    tile's tokens where QRGEMM_ROWS is 256, else the path's one kernel."""
+    from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS, GEMMQRM_TILE
+    if path == "gemm-qw":
+        return gemm_qw_kernel(weight_type)
+    if path == "gemm-qr" and QRGEMM_ROWS not in (128, GEMMQRM_TILE[0]):
+        raise ValueError(f"QRGEMM_ROWS is 128 or {GEMMQRM_TILE[0]}, not {QRGEMM_ROWS}")
+    if path == "gemm-qr" and QRGEMM_ROWS == GEMMQRM_TILE[0] and n_tokens > GEMMQR_NARROW_MAX_TOKENS:
+        return "dense_gemm_qrm"
+    return TILED_PATHS[path]
 
 
 def dequant_chunk(n_out: int, n_in: int, scratch_elements: int) -> int:

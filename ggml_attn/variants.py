@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from .block_types import BLOCK_TYPES, block_layout
-from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPE_IDS, GEMMQR_TYPES,
+from .gemm_tiles import (GEMMQ8_BLOCKS_PER_SM, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPE_IDS, GEMMQR_TYPES, GEMMQRM_TILE,
                          GEMMQS_BLOCKS_PER_SM, GEMMQW2_TYPES, GEMMQW_FORMS)
 from .instances import KV_CTYPES, QUANT_KV_CTYPES, VEC_KV_CTYPES, template_expr
 
@@ -241,9 +241,22 @@ def dense_q_variant(type_id: int) -> Variant:
                     f"dense_get_rows_q<{type_id}>"))
 
 
+def dense_qrm_variant(type_id: int) -> Variant:
+    """dense_gemm_qr's wide tile over two row halves (kernel ``dense_gemm_qrm``: the instance
+    ``dense_gemm_qr<T, 64, 2>`` of cuda/dense_q.cu) for a type of GEMMQR_TYPE_IDS: a program of its
+    own, compiled where it is routed (an A/B: matmul_dispatch.QRGEMM_ROWS)."""
+    if type_id not in GEMMQR_TYPE_IDS:
+        raise ValueError(f"dense_gemm_qrm decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
+    return Variant("dense-qrm", "dense_q.cu", (staged_instance("dense_gemm_qrm", type_id, GEMMQRM_TILE[1]),))
+
+
 def staged_instance(kernel: str, type_id: int, bn: int) -> str:
-    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr) for blocks of
-    ``type_id`` at tile ``bn``."""
+    """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qrm: that
+    is dense_gemm_qr<T, 64, 2>, two row halves) for blocks of ``type_id`` at tile ``bn``."""
+    if kernel == "dense_gemm_qrm":
+        if bn != GEMMQRM_TILE[1]:
+            raise ValueError(f"dense_gemm_qrm has tiles of {GEMMQRM_TILE[1]} tokens, not {bn}")
+        return f"dense_gemm_qr<{type_id}, {bn}, 2>"
     return f"{kernel}<{type_id}, {bn}>"
 
 
@@ -448,6 +461,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
+           *(dense_qrm_variant(t) for t in GEMMQR_TYPE_IDS),
            *dense_q_variants(dense_q8x_variant), *dense_q_variants(dense_q8x_qout_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]

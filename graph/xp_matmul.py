@@ -370,7 +370,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
         b.keep(*q8)
     for w, o, path in zip(ws, outs, paths):
         if path in TILED_PATHS:
-            kernel = tiled_kernel(path, w.type)
+            kernel = tiled_kernel(path, w.type, n_tok)
             grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), kernel)
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
             steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
@@ -386,7 +386,8 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
 def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",
                   bn: int | None = None):
     """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
-    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` /
+    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` (and
+    ``dense_gemm_qrm``, its wide tile over two row halves) /
     ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
     ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
     forms ``kernels.GEMMQW_FORMS``: the 256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``,
@@ -405,10 +406,10 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                                                                           out.flags.c_contiguous) or x16.data.ptr % 16:
         raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
                          "(C-contiguous, x 16-byte aligned)")
-    staged, qw = kernel in ("dense_gemm_qs", "dense_gemm_qr"), kernel in K.GEMMQW_FORMS
+    staged, qw = kernel in ("dense_gemm_qs", *K.GEMMQR_KERNELS), kernel in K.GEMMQW_FORMS
     if (staged or qw) and not rows_aligned([w]):
         raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    if (kernel == "dense_gemm_qr" or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
+    if (kernel in K.GEMMQR_KERNELS or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
         raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
     if qw and K.qw_instance(w.type_id, kernel) is None:
         raise ValueError(f"{kernel}: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
@@ -419,7 +420,8 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
     p.mode = 1 if accumulate else 0
     if staged:
         bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
-        fn = K.get_function(K.dense_q_variant(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
+        make = K.dense_qrm_variant if kernel == "dense_gemm_qrm" else K.dense_q_variant   # (qrm: a program of its own)
+        fn = K.get_function(make(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
         block = K.GEMMQS_THREADS
     elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
         fn = K.get_function(K.dense_qw_variant(w.type_id), K.qw_instance(w.type_id, kernel))

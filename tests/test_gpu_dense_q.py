@@ -230,8 +230,8 @@ def _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel="dense_gemm_q"
 
 _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
                for kernel, bn in [("dense_gemm_q", None), ("dense_gemm_qs", None), ("dense_gemm_qs", 32)] +
-               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qw", None), ("dense_gemm_qwh", None)]
-                if name in K.GEMMQR_TYPES else []) +
+               ([("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qrm", None), ("dense_gemm_qw", None),
+                 ("dense_gemm_qwh", None)] if name in K.GEMMQR_TYPES else []) +
                ([("dense_gemm_qw2", None), ("dense_gemm_qw2h", None)] if name in K.GEMMQW2_TYPES else [])]
 
 
@@ -268,18 +268,19 @@ def test_gemm_q_matches_float64(name, n_tok, n_in_blocks, rows, accumulate, kern
 
 @pytest.mark.parametrize("name", K.GEMMQR_TYPES)
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(9, 3, 300), (33, 16, 200), (64, 2, 4096), (100, 9, 130)])
-@pytest.mark.parametrize("bn", [None, 32])
-def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, bn, monkeypatch):
+@pytest.mark.parametrize("qr, bn", [("dense_gemm_qr", None), ("dense_gemm_qr", 32), ("dense_gemm_qrm", None)])
+def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, qr, bn, monkeypatch):
     """dense_gemm_qr decodes the same values into its fragments that dense_gemm_qs decodes into its
     shared tile (qb_frag8 against qb_dequant32: the same floats), rounds them to F16 alike and
     multiplies in the same k order: the same output bits, split over n_in or not, rows and tokens
     past a tile's end included. (Both split at dense_gemm_qs's least split here: the finer splits
     of small matrices, gemm_tiles.GEMMQR_MIN_SPLIT, group the partial sums otherwise, F32
-    roundings apart -- test_gemm_q_matches_float64 checks dense_gemm_qr as it splits.)"""
+    roundings apart -- test_gemm_q_matches_float64 checks dense_gemm_qr as it splits.) The same for
+    dense_gemm_qrm (two row halves a block: each warp's rows decoded and multiplied as qr's)."""
     from ggml_attn import gemm_tiles
     monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", K.GEMMQ8_MIN_SPLIT)
     outs = []
-    for kernel in ("dense_gemm_qs", "dense_gemm_qr"):
+    for kernel in ("dense_gemm_qs", qr):
         _, _, x, _, w, d_out, grid, part = _gemm_case(name, n_tok, n_in_blocks, rows, False, kernel, bn)
         xp_matmul.gemm_q_launch(w, cupy.asarray(x.astype(np.float16)), d_out, part, kernel=kernel, bn=bn)()
         outs.append((d_out.get(), grid))

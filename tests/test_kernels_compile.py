@@ -43,12 +43,12 @@ REPRESENTATIVE = {
               K.model_ops_variant(), K.mma_variant(128, 128, F16),
               K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, BF16),
               K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16),
-              K.cells_qo_variant(128, 128, F16)),
+              K.cells_qo_variant(128, 128, F16), K.dense_qrm_variant(12)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.dense_q_variant(14), K.dense_q8x_variant(14), K.dense_q8x_qout_variant(14),
               K.model_ops_variant(), K.mma_variant(40, 40, BF16),
               K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, F16),
               K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16),
-              K.cells_qo_variant(64, 64, BF16)),
+              K.cells_qo_variant(64, 64, BF16), K.dense_qrm_variant(14)),
 }
 
 
@@ -311,8 +311,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
         return "dense_q8x.cu", f"Q8gTile<{a[0]}, {a[1]}>::SMEM"
     if base == "dense_gemm_qs":   # <T, BN>
         return "dense_q.cu", f"QsTile<{a[0]}, {a[1]}>::SMEM"
-    if base == "dense_gemm_qr":   # <T, BN>
-        return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}>::SMEM"
+    if base == "dense_gemm_qr":   # <T, BN[, MI]>: MI 2 the two row halves (dense_gemm_qrm)
+        return "dense_q.cu", f"QrTile<{a[0]}, {a[1]}, {a[2] if len(a) > 2 else 1}>::SMEM"
     if base == "dense_gemm_qw":   # <T, RM, H>: the stages' x tiles and staged rows
         return "dense_qw.cu", f"QW_STAGES * (QW_BN * QW_BK * 2 + QW_BM * {a[1]} * QwTile<{a[0]}, {a[1]}>::SLOT)"
     if base == "fattn_wgmma_ws":   # <T, D, STAGES, PINGPONG, DIAG, PERSISTENT, QTMA, SMX, EPI>: EPI 1 stages in Q's f32 space

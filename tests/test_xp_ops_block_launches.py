@@ -602,7 +602,8 @@ def test_gemm_q_path_launches_the_tiled_kernel(launches, monkeypatch, n_sm, spli
 
 @pytest.mark.parametrize("n_tok", [9, 16, 17, 32, 33, 64])
 @pytest.mark.parametrize("accumulate", [False, True])
-@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K"))])
+@pytest.mark.parametrize("kernel, types", [("dense_gemm_qs", ("Q3_K", "Q2_K")), ("dense_gemm_qr", ("Q4_K", "Q6_K")),
+                                           ("dense_gemm_qrm", ("Q4_K", "Q6_K"))])
 def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkeypatch, n_tok, accumulate,
                                                                  kernel, types):
     """In QSGEMM_MIN_TOKENS .. QSGEMM_MAX_TOKENS block weights with 16-byte aligned rows take
@@ -610,8 +611,15 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     for every weight, each weight's launch its tile for the tokens (gemm_qs_bn: 32 tokens, 2
     blocks an SM, up to 32 tokens for dense_gemm_qs and 16 for dense_gemm_qr, then 64) with that
     tile's dynamic shared memory, on gemm_q_grid's split, whose partial sums dense_splitk_sum
-    adds in the output's mode."""
+    adds in the output's mode. With matmul_dispatch.QRGEMM_ROWS 256, dense_gemm_qrm (dense_gemm_qr's
+    wide tile over two row halves, the instance <T, 64, 2> of a program of its own) past the narrow
+    tile's tokens."""
     bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
+    assert md.QRGEMM_ROWS == 128   # (dense_gemm_qrm: an A/B until measured)
+    monkeypatch.setattr(md, "QRGEMM_ROWS", 256 if kernel == "dense_gemm_qrm" else 128)
+    if kernel == "dense_gemm_qrm" and n_tok <= K.GEMMQR_NARROW_MAX_TOKENS:
+        kernel = "dense_gemm_qr"   # (the narrow tile's tokens keep dense_gemm_qr)
+    qrm = kernel == "dense_gemm_qrm"
     from ggml_attn import cuda_device
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
     monkeypatch.setattr(md, "QRGEMM_TYPES", K.GEMMQR_TYPES)
@@ -624,13 +632,15 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     names = [ln.fn.name for ln in launches if getattr(ln, "fn", None) != "gemm"]
     assert names.count("dense_cast_f16") == 1 and "dense_quant_q8x" not in names
     gemms = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name.startswith("dense_gemm_q")]
-    assert [ln.fn.name for ln in gemms] == [f"{kernel}<{w.type_id}, {bn}>" for w in ws]
+    assert [ln.fn.name for ln in gemms] == [f"dense_gemm_qr<{w.type_id}, {bn}, 2>" if qrm else
+                                            f"{kernel}<{w.type_id}, {bn}>" for w in ws]
     sums = [ln for ln in launches if getattr(ln, "fn", None) != "gemm" and ln.fn.name == "dense_splitk_sum"]
     assert len(sums) == sum(ln.grid[2] > 1 for ln in gemms)
     for ln, w, o in zip(gemms, ws, outs):
         grid, k_chunk = K.gemm_q_grid(w.shape[0], n_tok, 4096, 132, kernel)
         assert ln.grid == grid and grid[1] == -(-n_tok // bn) and ln.block == (K.GEMMQS_THREADS, 1, 1)
-        assert ln.fn.variant == K.dense_q_variant(w.type_id) and ln.fn.smem is None   # its own tile's SMEM
+        assert ln.fn.variant == (K.dense_qrm_variant(w.type_id) if qrm else K.dense_q_variant(w.type_id)) and \
+            ln.fn.smem is None   # its own tile's SMEM
         (p,) = ln.params
         assert isinstance(p, K.GemmQParams) and p.x not in (0, x.data.ptr)   # the F16 copy of x
         assert (p.w, p.out, p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk) == \
@@ -886,3 +896,37 @@ def test_gemv_q8x_ring_form_one_wave(launches, monkeypatch):
                                   quantize=False, form="ring") is None
     assert {"dense_gemv_q8x_r<14, 4, 0>", "dense_gemv_q8x_r<14, 4, 1>"} <= set(K.dense_q8x_variant(14).names)
     assert not any("q8x_r" in n for n in K.dense_q8x_variant(2).names)
+
+
+def test_gemm_qrm_tiles_take_two_row_halves_and_split_to_fill_the_sms():
+    """dense_gemm_qrm (gemm_tiles.GEMMQRM_TILE: 256 rows, 64 tokens, one block an SM): an 8B
+    gate matrix at 64 tokens is 56 tiles, split twice over n_in (112 blocks, 8 steps each, where
+    one split would take 16 steps on 56 SMs); small matrices split down to GEMMQR_MIN_SPLIT as
+    dense_gemm_qr's do; every value in exactly one split; no narrow tile."""
+    assert K.gemm_tiling("dense_gemm_qrm", 64) == (K.GEMMQRM_TILE, 1, K.GEMMQ8_MIN_SPLIT)
+    assert K.gemm_qs_bn(9, "dense_gemm_qrm") == K.gemm_qs_bn(64, "dense_gemm_qrm") == 64
+    with pytest.raises(ValueError, match="64 tokens"):
+        K.gemm_tiling("dense_gemm_qrm", 16, 32)
+    with pytest.raises(ValueError, match="64 tokens"):
+        K.staged_instance("dense_gemm_qrm", 12, 32)
+    assert K.gemm_q_grid(14336, 64, 4096, 132, "dense_gemm_qrm") == ((56, 1, 2), 2048)
+    (gm, gn, gz), kc = K.gemm_q_grid(1024, 64, 4096, 132, "dense_gemm_qrm")
+    assert (gm, gn) == (4, 1) and gz * gm <= 132 and kc == 256   # (4 tiles: splits of one step)
+    for rows, n_in in ((300, 768), (4096, 14336), (1024, 4096 + 512)):
+        (gm, gn, gz), kc = K.gemm_q_grid(rows, 70, n_in, 132, "dense_gemm_qrm")
+        assert gm == -(-rows // 256) and gn == 2 and kc % 256 == 0 and gz * kc >= n_in > (gz - 1) * kc
+    assert K.staged_instance("dense_gemm_qrm", 12, 64) == "dense_gemm_qr<12, 64, 2>"
+    assert K.dense_qrm_variant(12).names == ("dense_gemm_qr<12, 64, 2>",)
+    with pytest.raises(ValueError, match="decodes"):
+        K.dense_qrm_variant(block_layout("Q3_K").type_id)
+    assert md.tiled_kernel("gemm-qr", "Q4_K", 64) == "dense_gemm_qr"   # (QRGEMM_ROWS 128 ships)
+
+
+def test_qrgemm_rows_routes_dense_gemm_qrm_past_the_narrow_tile(monkeypatch):
+    monkeypatch.setattr(md, "QRGEMM_ROWS", 256)
+    assert [md.tiled_kernel("gemm-qr", "Q4_K", n) for n in (9, 16, 17, 64, 128)] == \
+        ["dense_gemm_qr"] * 2 + ["dense_gemm_qrm"] * 3
+    assert md.tiled_kernel("gemm-qs", "Q3_K", 64) == "dense_gemm_qs"
+    monkeypatch.setattr(md, "QRGEMM_ROWS", 192)
+    with pytest.raises(ValueError, match="QRGEMM_ROWS"):
+        md.tiled_kernel("gemm-qr", "Q4_K", 64)

@@ -296,6 +296,7 @@ def _tiled_rows(cp, K, device_us, t: str, layers, tokens, nbytes, nbytes_vals, f
                        lambda ws, bn=bn: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qr", bn))
                       for bn in (None, *K.GEMMQR_BLOCKS_PER_SM)]
             cases += [(f"gemm_qr ms{ms}", lambda ws, ms=ms: split_at(ms, ws)) for ms in (512, 1024)]   # small matrices' splits
+            cases += [("gemm_qrm", lambda ws: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, "dense_gemm_qrm"))]
             if K.device_arch() == "sm_90":   # the wgmma form (an sm_90a program): its forms (kernels.GEMMQW_FORMS)
                 tid = block_layout(t).type_id
                 cases += [(k[6:], lambda ws, k=k: _tiled(cp, K, ws, x16, xf16, num_sms(), gemm_q_launch, k))
