@@ -166,8 +166,8 @@ QWGEMM_HALF = False
 # dense_gemm_qr's rows a block past its narrow tile's tokens: 128 (dense_gemm_qr) or 256
 # (dense_gemm_qrm: two row halves a step, so that the step's x tile -- two thirds of what a
 # 64-token step stages, the staging alone 64% of the kernel's time -- serves twice the rows: one
-# 8B layer's staged bytes at 64 tokens 341 -> 232 MB; bench/NOTES.md, twenty-fifth session).
-# An A/B until measured.
+# 8B layer's staged bytes at 64 tokens 341 -> 232 MB; bench/NOTES.md, twenty-fifth session), on
+# sm_90 GPUs. An A/B until measured.
 QRGEMM_ROWS = 128
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
@@ -206,13 +206,14 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
 def tiled_kernel(path: str, weight_type: str, n_tokens: int = 1) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type`` and
     ``n_tokens`` tokens: the wgmma GEMM's form (gemm_qw_kernel), dense_gemm_qrm past the narrow
-    tile's tokens where QRGEMM_ROWS is 256, else the path's one kernel."""
+    tile's tokens where QRGEMM_ROWS is 256 on an sm_90 GPU (its stages take up to 207 KB of shared
+    memory), else the path's one kernel."""
     from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS, GEMMQRM_TILE
     if path == "gemm-qw":
         return gemm_qw_kernel(weight_type)
     if path == "gemm-qr" and QRGEMM_ROWS not in (128, GEMMQRM_TILE[0]):
         raise ValueError(f"QRGEMM_ROWS is 128 or {GEMMQRM_TILE[0]}, not {QRGEMM_ROWS}")
-    if path == "gemm-qr" and QRGEMM_ROWS == GEMMQRM_TILE[0] and n_tokens > GEMMQR_NARROW_MAX_TOKENS:
+    if path == "gemm-qr" and QRGEMM_ROWS == GEMMQRM_TILE[0] and n_tokens > GEMMQR_NARROW_MAX_TOKENS and _hopper():
         return "dense_gemm_qrm"
     return TILED_PATHS[path]
 

@@ -236,9 +236,12 @@ _GEMM_CASES = [(name, kernel, bn) for name in BLOCK_TYPES
 
 
 def _skip_unless_hopper(kernel):
-    """dense_gemm_qw's sm_90a program loads on a compute capability 9.0 GPU only."""
+    """dense_gemm_qw's sm_90a program loads on a compute capability 9.0 GPU only, and
+    dense_gemm_qrm's stages (up to 207 KB of shared memory) fit only there."""
     if kernel.startswith("dense_gemm_qw") and K.device_arch() != "sm_90":
         pytest.skip("dense_gemm_qw needs a compute capability 9.0 GPU (an sm_90a program)")
+    if kernel == "dense_gemm_qrm" and K.device_arch() != "sm_90":
+        pytest.skip("dense_gemm_qrm runs on compute capability 9.0 GPUs (its shared memory)")
 
 
 @pytest.mark.parametrize("name, kernel, bn", _GEMM_CASES)
@@ -278,6 +281,7 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, qr, 
     roundings apart -- test_gemm_q_matches_float64 checks dense_gemm_qr as it splits.) The same for
     dense_gemm_qrm (two row halves a block: each warp's rows decoded and multiplied as qr's)."""
     from ggml_attn import gemm_tiles
+    _skip_unless_hopper(qr)
     monkeypatch.setattr(gemm_tiles, "GEMMQR_MIN_SPLIT", K.GEMMQ8_MIN_SPLIT)
     outs = []
     for kernel in ("dense_gemm_qs", qr):

@@ -617,6 +617,7 @@ def test_gemm_qs_path_casts_once_and_launches_the_staged_kernel(launches, monkey
     bn = 32 if n_tok <= (32 if kernel == "dense_gemm_qs" else 16) else 64
     assert md.QRGEMM_ROWS == 128   # (dense_gemm_qrm: an A/B until measured)
     monkeypatch.setattr(md, "QRGEMM_ROWS", 256 if kernel == "dense_gemm_qrm" else 128)
+    monkeypatch.setattr(md, "_hopper", lambda: True)   # (dense_gemm_qrm runs on sm_90 GPUs)
     if kernel == "dense_gemm_qrm" and n_tok <= K.GEMMQR_NARROW_MAX_TOKENS:
         kernel = "dense_gemm_qr"   # (the narrow tile's tokens keep dense_gemm_qr)
     qrm = kernel == "dense_gemm_qrm"
@@ -924,8 +925,11 @@ def test_gemm_qrm_tiles_take_two_row_halves_and_split_to_fill_the_sms():
 
 def test_qrgemm_rows_routes_dense_gemm_qrm_past_the_narrow_tile(monkeypatch):
     monkeypatch.setattr(md, "QRGEMM_ROWS", 256)
+    monkeypatch.setattr(md, "_hopper", lambda: True)
     assert [md.tiled_kernel("gemm-qr", "Q4_K", n) for n in (9, 16, 17, 64, 128)] == \
         ["dense_gemm_qr"] * 2 + ["dense_gemm_qrm"] * 3
+    monkeypatch.setattr(md, "_hopper", lambda: False)   # (its stages: up to 207 KB of shared memory)
+    assert md.tiled_kernel("gemm-qr", "Q4_K", 64) == "dense_gemm_qr"
     assert md.tiled_kernel("gemm-qs", "Q3_K", 64) == "dense_gemm_qs"
     monkeypatch.setattr(md, "QRGEMM_ROWS", 192)
     with pytest.raises(ValueError, match="QRGEMM_ROWS"):

@@ -531,7 +531,8 @@ def _dense_q(cp, rng) -> int:
             bad += not ok
             print(f"gemm_q8  {name:5s} n_tok={n_tok:2d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
         # the staged F16 GEMMs on the same rows, both tiles: dense_gemm_qs, and for its types dense_gemm_qr
-        staged = ("dense_gemm_qs", *K.GEMMQR_KERNELS) if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
+        staged = ("dense_gemm_qs", "dense_gemm_qr") if name in K.GEMMQR_TYPES else ("dense_gemm_qs",)
+        staged += ("dense_gemm_qrm",) if name in K.GEMMQR_TYPES and K.device_arch() == "sm_90" else ()
         for kernel in staged:
             tiles = ((20, None), (70, None), (70, 32)) if kernel != "dense_gemm_qrm" else ((20, None), (70, None))
             for n_tok, bn in tiles:
