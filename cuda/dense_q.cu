@@ -408,7 +408,9 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qs(co
 // four lanes of a quad alike), rounded to F16 in registers and multiplied with the x tile's B fragments
 // (ldmatrix, as dense_gemm_qs). The same values, roundings and k order as dense_gemm_qs: the
 // same result. Shared memory QrTile<T, BN>::SMEM (the stages only), dynamic (dense_gemm_qr_smem).
-// Same parameters as dense_gemm_q.
+// Same parameters as dense_gemm_q. dense_gemm_qr<T, 64, 2> (host name dense_gemm_qrm): MI = 2 row
+// halves of QR_BM, 256 rows a block, each warp its 16 rows in each half, every ldmatrix'd B
+// fragment multiplied by both halves' A fragments -- a step's x tile staged once for twice the rows.
 #define QR_BM 128
 // A probe of where a step's time goes (tools/dev/qr_probe.py compiles the program with -DQR_PROBE=n;
 // the shipped program is QR_PROBE 0): bit 1 skips the decode (each lane's fragments constants),
