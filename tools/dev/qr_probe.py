@@ -1,7 +1,12 @@
-"""Where a step of dense_gemm_qr (cuda/dense_q.cu) goes, on the GPU: one llama-3-8B layer's seven
-block matrices at each token count, through the shipped program and through its probes (the
-program compiled with -DQR_PROBE=n: 1 the products without the decode, 2 the decode without the
-products, 3 the staging alone, 4 without the x tile's ldmatrix, 5 the MMAs and the staging alone), device time per matrix (gpu_timing.device_us).
+"""Where a step of dense_gemm_qr / dense_gemm_qrm (cuda/dense_q.cu) or of a dense_gemm_qw form
+(cuda/dense_qw.cu, --kernel) goes, on the GPU: one llama-3-8B layer's seven block matrices at each
+token count, through the shipped program and through its probes -- the program compiled with
+-DQR_PROBE=n (dense_gemm_qr / qrm: 1 the products without the decode, 2 the decode without the
+products, 3 the staging alone, 4 without the x tile's ldmatrix, 5 the MMAs and the staging alone)
+or -DQW_PROBE=n (dense_gemm_qw: 1, 2 and 3 the same) -- device time per matrix
+(gpu_timing.device_us). --define compiles more macros into every program of a run (QW_GROUP,
+QR_STAGGER, QW_STAGGER: A/B forms of the source) and checks probe 0's bits against the shipped
+program's.
 
 If the products alone take most of the shipped time, the tensor pipe under mma.sync bounds the
 kernel; if the decode alone does, the decode's instructions; if neither, their overlap.
@@ -20,6 +25,7 @@ from multiprocessing import get_context
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 
+
 def _compile(job):
     """(a worker process) one probe program's shard into the kernel cache"""
     from ggml_attn import kernels as K
@@ -32,7 +38,7 @@ def _shards(K, make, kernel: str, type_ids, tokens) -> list:
     out = set()
     for tid in type_ids:
         v = make(tid)
-        if kernel == "dense_gemm_qr":
+        if kernel in K.GEMMQR_KERNELS:
             names = {K.staged_instance(kernel, tid, K.gemm_qs_bn(n, kernel)) for n in tokens}
         else:
             names = {K.qw_instance(tid, kernel)}
@@ -46,7 +52,8 @@ QW_PROBES = (0, 1, 2, 3)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", default="dense_gemm_qr", help="dense_gemm_qr or a form of dense_gemm_qw")
+    ap.add_argument("--kernel", default="dense_gemm_qr",
+                    help="dense_gemm_qr, dense_gemm_qrm or a form of dense_gemm_qw")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--tokens", default="64,16")
     ap.add_argument("--probes", default=None, help="comma list of probe numbers (default: every one)")
@@ -64,8 +71,9 @@ def main(argv=None) -> int:
     from ggml_attn.block_types import block_layout
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph.xp_matmul import gemm_q_launch
-    qw = a.kernel != "dense_gemm_qr"
-    attr, macro = ("dense_qw_variant", "QW_PROBE") if qw else ("dense_q_variant", "QR_PROBE")
+    qw = a.kernel in K.GEMMQW_FORMS
+    attr, macro = {"dense_gemm_qr": ("dense_q_variant", "QR_PROBE"),
+                   "dense_gemm_qrm": ("dense_qrm_variant", "QR_PROBE")}.get(a.kernel, ("dense_qw_variant", "QW_PROBE"))
     shipped = getattr(K, attr)
     probes = [p for p in PROBES if (not qw or p in QW_PROBES) and
               (a.probes is None or str(p) in a.probes.split(","))]
@@ -110,7 +118,8 @@ def main(argv=None) -> int:
                     rows.append(dict(kernel=a.kernel, type=type_name, tokens=n, probe=probe, what=what, matrix=name,
                                      defines=a.define, us=round(us, 2)))
                 tag = f"{what} {' '.join(a.define)}".strip()
-                check = "" if probe or not defines else ("  (bits as shipped)" if same else "  (BITS DIFFER from shipped)")
+                check = "" if probe or not defines else \
+                    ("  (bits as shipped)" if same else "  (BITS DIFFER from shipped)")
                 print(f"{a.kernel} {type_name} n_tok={n:3d} {tag:24s} layer {layer:7.1f} us  " +
                       " ".join(f"{r['matrix']} {r['us']:.1f}" for r in rows[-7:]) + check, flush=True)
     setattr(K, attr, shipped)
