@@ -558,5 +558,6 @@ def test_shipped_programs_are_the_probes_defaults(source):
     text = (Path(K.source_dir()) / source).read_text()
     for name, value in PROBE_DEFAULTS[source].items():
         assert f"#ifndef {name}\n#define {name} {value}\n#endif" in text, (source, name)
-    variants = [v for t in K.GEMMQR_TYPE_IDS for v in (K.dense_q_variant(t), K.dense_qw_variant(t))]
+    variants = [v for t in K.GEMMQR_TYPE_IDS
+                for v in (K.dense_q_variant(t), K.dense_qrm_variant(t), K.dense_qw_variant(t))]
     assert variants and not any(o.startswith(("-DQR_", "-DQW_")) for v in variants for o in v.options)
