@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# #43's staged block GEMMs at 16-64 tokens on the device, in one call (carry .whl/; GGML_ATTN_COMMIT set;
+# an sm_90 GPU: dense_gemm_qrm's stages need its shared memory):
+#   1. install (tools/dev/gpu_check.sh's); the Q4_K_M fixture written in the background
+#   2. GPU tests of dense_gemm_qrm and qr's bit-for-bit test (tests/test_gpu_dense_q.py -k "qrm or qr_equals")
+#      -> $OUT/logs/tests_qr.log; memcheck of the block kernels (gpu_sanitize_case.py --dense-q, qrm among them)
+#   3. tools/dev/qr_probe.py: one 8B layer through dense_gemm_qr and dense_gemm_qrm (shipped and staging
+#      only, Q4_K / Q6_K at 64 / 32 tokens), and the stagger A/Bs (QR_STAGGER on qr at 64 / 16,
+#      QW_STAGGER on qwh at 512 / 64) -> $OUT/probe_*.json; every program compiled first, all at once
+#   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, QRGEMM_ROWS 128 against 256
+#      (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
+#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-ab]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
+trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
+trap 'exit 143' TERM INT
+PY=${PYTHON:-python3}
+INSTALL=1; TESTS=1; AB=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ab) AB=0;;
+    *) echo "unknown option $1" >&2; exit 2;;
+  esac
+  shift
+done
+export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
+status=0; t0=$(date +%s)
+say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
+if [ $INSTALL = 1 ]; then
+  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
+    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
+fi
+WRITER=
+if [ $AB = 1 ]; then
+  $PY tests/fixtures_gguf.py /tmp/qr-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &
+  WRITER=$!
+fi
+RUNS=("--kernel dense_gemm_qr --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
+      "--kernel dense_gemm_qrm --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
+      "--kernel dense_gemm_qr --types Q4_K --tokens 64,16 --probes 0,3 --define QR_STAGGER=1"
+      "--kernel dense_gemm_qwh --types Q4_K --tokens 512,64 --probes 0,3 --define QW_STAGGER=1")
+echo "== compile the probes' programs"
+for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & done; wait
+say
+if [ $TESTS = 1 ]; then
+  echo "== GPU tests: dense_gemm_qrm, qr / qrm against qs bit for bit; memcheck of the block kernels"
+  timeout 200 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qr_equals" \
+      > "$LOGS/tests_qr.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr.log" | head -10; tail -1 "$LOGS/tests_qr.log"
+  timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+      > "$LOGS/san_dense_q.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|FAIL" "$LOGS/san_dense_q.log" | head -5
+  say
+fi
+echo "== one 8B layer: qr against qrm, the stagger A/Bs"
+i=0
+for r in "${RUNS[@]}"; do
+  (cd tools/dev && timeout 120 $PY qr_probe.py $r --out "$OUT/probe_$i.json") 2>&1 | grep -v Warning || status=1
+  i=$((i + 1))
+done
+say
+if [ $AB = 1 ]; then
+  wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
+  echo "== batched S_TG: QRGEMM_ROWS 128 against 256"
+  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_qrm.json" --variant base \
+      --variant qrm:matmul_dispatch.QRGEMM_ROWS=256 batched-bench --device cuda -m /tmp/qr-q4km.gguf \
+      -c 40960 -npp 128 -ntg 32 -npl 16,32,64 2>&1 | tail -12 || status=1
+  say
+fi
+echo "== done in $(( $(date +%s) - t0 ))s, status $status"
+exit $status
