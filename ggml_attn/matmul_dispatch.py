@@ -203,17 +203,23 @@ def gemv_q8x_form(weight_type: str, aligned: bool, n_tokens: int) -> str:
     return "staged" if aligned else "plain"
 
 
+def qr_two_halves() -> bool:
+    """Whether dense_gemm_qr's wide tile runs as dense_gemm_qrm here: QRGEMM_ROWS 256 on an sm_90
+    GPU (its stages take up to 207 KB of shared memory). ValueError for another QRGEMM_ROWS."""
+    from .gemm_tiles import GEMMQRM_TILE
+    if QRGEMM_ROWS not in (128, GEMMQRM_TILE[0]):
+        raise ValueError(f"QRGEMM_ROWS is 128 or {GEMMQRM_TILE[0]}, not {QRGEMM_ROWS}")
+    return QRGEMM_ROWS == GEMMQRM_TILE[0] and _hopper()
+
+
 def tiled_kernel(path: str, weight_type: str, n_tokens: int = 1) -> str:
     """The kernel of tiled path ``path`` (TILED_PATHS) for a weight of ``weight_type`` and
     ``n_tokens`` tokens: the wgmma GEMM's form (gemm_qw_kernel), dense_gemm_qrm past the narrow
-    tile's tokens where QRGEMM_ROWS is 256 on an sm_90 GPU (its stages take up to 207 KB of shared
-    memory), else the path's one kernel."""
-    from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS, GEMMQRM_TILE
+    tile's tokens where qr_two_halves, else the path's one kernel."""
+    from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS
     if path == "gemm-qw":
         return gemm_qw_kernel(weight_type)
-    if path == "gemm-qr" and QRGEMM_ROWS not in (128, GEMMQRM_TILE[0]):
-        raise ValueError(f"QRGEMM_ROWS is 128 or {GEMMQRM_TILE[0]}, not {QRGEMM_ROWS}")
-    if path == "gemm-qr" and QRGEMM_ROWS == GEMMQRM_TILE[0] and n_tokens > GEMMQR_NARROW_MAX_TOKENS and _hopper():
+    if path == "gemm-qr" and qr_two_halves() and n_tokens > GEMMQR_NARROW_MAX_TOKENS:
         return "dense_gemm_qrm"
     return TILED_PATHS[path]
 

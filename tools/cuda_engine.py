@@ -70,7 +70,7 @@ def start_precompile(cfg) -> Future:
         qr_ids = [block_layout(t).type_id for t in m.file_type.split("+") if t in K.GEMMQR_TYPES]
         if matmul_dispatch.QWGEMM_MIN_TOKENS is not None and K.device_arch() + "a" == K.HOPPER_ARCH:   # wgmma GEMMs
             variants += [K.dense_qw_variant(t) for t in qr_ids]
-        if matmul_dispatch.QRGEMM_ROWS == K.GEMMQRM_TILE[0] and K.device_arch() == "sm_90":   # qr's two row halves
+        if matmul_dispatch.qr_two_halves():   # dense_gemm_qr's two row halves (dense_gemm_qrm)
             variants += [K.dense_qrm_variant(t) for t in qr_ids]
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
             variants += [K.cells_qo_of(v) for v in variants if v.family == "cells"]
