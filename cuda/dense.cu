@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, 4) dense_gemv(const GemvParam
         float up[NT];
         row_dot<NT, U>(p.seg[1].w + (long long)r * p.n_in, p.x, p.x_stride, p.n_in, s, up);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * up[t];
+        for (int t = 0; t < NT; ++t) acc[t] = silu_f(acc[t]) * up[t];
     }
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -211,7 +211,7 @@ __device__ __forceinline__ void act_mul(const float* __restrict__ g, const float
 }
 
 struct SiluAct {   // g / (1 + exp(-g))
-    static __device__ __forceinline__ float f(float x) { return x / (1.0f + expf(-x)); }
+    static __device__ __forceinline__ float f(float x) { return silu_f(x); }
 };
 struct GeluAct {   // ggml's tanh GELU, 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2)))
     static __device__ __forceinline__ float f(float x) {

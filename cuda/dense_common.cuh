@@ -58,7 +58,12 @@ struct GemmQParams {
     int k_chunk;              // values of n_in per split (blockIdx.z), a multiple of the kernel's step
     int mode;                 // 0: out = W·x; 1: out += W·x (one split; more: dense_splitk_sum's mode)
     int pad_;
+    const unsigned char* w2;  // dense_gemm_qrg: the up matrix, rows and row_bytes as w (the gate's)
+    __half* out16;            // dense_gemm_qrg: out's F16 form, (n_tok, rows) (null: none)
 };
+
+// silu(x) = x / (1 + exp(-x)), the gated FFN's activation (every kernel that applies it: one rounding)
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
 // The k step a staged tiled GEMM's block takes s-th of its n_steps (dense_q.cu's dense_gemm_qr,
 // dense_qw.cu's dense_gemm_qw): s, or with STAGGER (their probes' A/B, tools/dev/qr_probe.py) s
@@ -150,7 +155,7 @@ __device__ __forceinline__ void gemv_q_finish(float (&acc)[NT], float (&up)[NT],
             up[t] += __shfl_xor_sync(0xffffffffu, up[t], o);
         }
         acc[t] *= s[t];
-        if (mode == 2) acc[t] = acc[t] / (1.0f + expf(-acc[t])) * (up[t] * s[t]);
+        if (mode == 2) acc[t] = silu_f(acc[t]) * (up[t] * s[t]);
     }
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
@@ -208,6 +213,28 @@ __device__ __forceinline__ void gemm_warp_store(const float (&acc)[MI][NI][4], f
                     *o = add ? *o + acc[i][j][e] : acc[i][j][e];
                 }
             }
+}
+
+// A gated tiled block GEMM warp's 16 x 8 NI outputs (dense_q.cu's dense_gemm_qrg): silu(gate) * up
+// of the sums in gemm_warp_store's layout, acc[0] the gate's and acc[1] the up's, stored to dst
+// (n_tok, rows) F32 and, where dst16 is not null, rounded to F16 into dst16 alike.
+template <int NI>
+__device__ __forceinline__ void gated_warp_store(const float (&acc)[2][NI][4], float* dst, __half* dst16, int rows,
+                                                 int n_tok, int r0, int t0) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = r0 + (lane >> 2) + 8 * (e >> 1);
+            const int tok = t0 + 8 * j + 2 * (lane & 3) + (e & 1);
+            if (row < rows && tok < n_tok) {
+                const float v = silu_f(acc[0][j][e]) * acc[1][j][e];
+                const long long o = (long long)tok * rows + row;
+                dst[o] = v;
+                if (dst16) dst16[o] = __float2half_rn(v);
+            }
+        }
 }
 
 // The end of a 64 x 64 tiled block GEMM of 4 warps of 32 x 32 (dense_q.cu's dense_gemm_q; warp w:

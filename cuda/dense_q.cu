@@ -311,11 +311,8 @@ template <int T, int BN> struct QsTile {
 // row's end), x's tokens n0 .. n0 + n_cp (n_cp: the 8-token tiles that run; zeros past n_tok or
 // n_in) at values k0 .. k0 + QS_BK, 32 units a token; one commit group.
 // (TL, BM: dense_gemm_qr's tile and rows.)
-template <int T, int BN, class TL = QsTile<T, BN>, int BM = QS_BM>
-__device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
-    const unsigned sw = smem_u32(st);
-    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
-    const unsigned sx = sw + TL::W_BYTES;
+template <int BN>
+__device__ __forceinline__ void qs_stage_x(const GemmQParams& p, unsigned sx, int n0, int k0, int n_cp) {
 #pragma unroll
     for (int j = 0; j < BN * 32 / QS_THREADS; ++j) {
         const int u = threadIdx.x + QS_THREADS * j, t = u >> 5, c = u & 31, k = k0 + 8 * c;
@@ -324,6 +321,12 @@ __device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st
             cp_async16(sx + t * (2 * QS_LD) + 16 * c, ok ? p.x + (long long)(n0 + t) * p.n_in + k : p.x, ok ? 16 : 0);
         }
     }
+}
+template <int T, int BN, class TL = QsTile<T, BN>, int BM = QS_BM>
+__device__ __forceinline__ void qs_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
+    const unsigned sw = smem_u32(st);
+    stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
+    qs_stage_x<BN>(p, sw + TL::W_BYTES, n0, k0, n_cp);
     cp_async_commit();
 }
 
@@ -439,14 +442,32 @@ template <int T, int BN, int MI = 1> struct QrTile {
     static_assert(MI == 1 || (MI == 2 && BN == 64), "two row halves on the wide tile only");
 };
 
+// A dense_gemm_qr step's copies into stage st: qs_stage's over the tile's TL::BM rows from m0, or
+// (G: dense_gemm_qrg) QR_BM rows from m0 of the gate matrix p.w into the first row half and as many
+// of the up matrix p.w2 into the second; one commit group.
+template <int T, int BN, class TL, int G>
+__device__ __forceinline__ void qr_stage(const GemmQParams& p, unsigned char* st, int m0, int n0, int k0, int n_cp) {
+    if constexpr (G != 0) {
+        const unsigned sw = smem_u32(st);
+        stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, QR_BM, QS_THREADS>(p.w, p.row_bytes, p.rows, m0, k0 / QS_BK, sw);
+        stage_weight_rows<TL::RB, TL::UNITS, TL::SLOT, QR_BM, QS_THREADS>(p.w2, p.row_bytes, p.rows, m0, k0 / QS_BK,
+                                                                          sw + QR_BM * TL::SLOT);
+        qs_stage_x<BN>(p, sw + TL::W_BYTES, n0, k0, n_cp);
+        cp_async_commit();
+    } else {
+        qs_stage<T, BN, TL, TL::BM>(p, st, m0, n0, k0, n_cp);
+    }
+}
+
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-template <int T, int BN, int MI = 1>
+template <int T, int BN, int MI = 1, int G = 0>
 __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(const GemmQParams p) {
     using TL = QrTile<T, BN, MI>;
+    static_assert(G == 0 || MI == 2, "the gated form: the gate's and the up's rows, one row half each");
     constexpr int NI = TL::NI, S = QBlock<T>::VALUES / 32, B = QBlock<T>::BYTES;
     static_assert(QbFrag<T>::OK, "a type with a fragment decode (qb_frag8)");
     static_assert(QS_BK % QBlock<T>::VALUES == 0, "whole blocks a step");
@@ -459,15 +480,15 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         for (int n = 0; n < NI; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][n][e] = 0.0f;
-    const int m0 = blockIdx.x * TL::BM, n0 = blockIdx.y * BN;
+    const int m0 = blockIdx.x * (G ? QR_BM : TL::BM), n0 = blockIdx.y * BN;   // (G: of the gate's rows and the up's)
     const int k_begin = blockIdx.z * p.k_chunk, k_end = min(p.n_in, k_begin + p.k_chunk);
     const int n_steps = k_end > k_begin ? (k_end - k_begin + QS_BK - 1) / QS_BK : 0;
     const int n_cp = min(BN, (p.n_tok - n0 + 7) & ~7);   // tokens of the 8-wide tiles that run
     const int r0 = 16 * warp + (lane >> 2);              // the lane's rows: r0 and r0 + 8 (+ QR_BM i) of the tile
 #pragma unroll
     for (int s = 0; s < QS_STAGES - 1; ++s) {
-        if (s < n_steps) qs_stage<T, BN, TL, TL::BM>(p, qr_smem + s * TL::STAGE, m0, n0,
-                                                    k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK, n_cp);
+        if (s < n_steps) qr_stage<T, BN, TL, G>(p, qr_smem + s * TL::STAGE, m0, n0,
+                                                k_begin + staged_kstep<QR_STAGGER>(s, n_steps) * QS_BK, n_cp);
         else cp_async_commit();
     }
     for (int s = 0; s < n_steps; ++s) {
@@ -475,8 +496,8 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         __syncthreads();   // step s's stage is in; step s - 1's reads of its stage are done
         {
             const int ns = s + QS_STAGES - 1;
-            if (ns < n_steps) qs_stage<T, BN, TL, TL::BM>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
-                                                         k_begin + staged_kstep<QR_STAGGER>(ns, n_steps) * QS_BK, n_cp);
+            if (ns < n_steps) qr_stage<T, BN, TL, G>(p, qr_smem + (ns % QS_STAGES) * TL::STAGE, m0, n0,
+                                                     k_begin + staged_kstep<QR_STAGGER>(ns, n_steps) * QS_BK, n_cp);
             else cp_async_commit();
         }
         const unsigned char* st = qr_smem + (s % QS_STAGES) * TL::STAGE;
@@ -537,6 +558,18 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
             }
         }
     }
+    if constexpr (G != 0) {
+        if (gridDim.z > 1) {   // both halves' partial sums, (gridDim.z, 2, n_tok, rows): dense_splitk_gated's
+            float* part = p.part + (long long)blockIdx.z * 2 * p.n_tok * p.rows;
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+                gemm_warp_store<1, NI>(*reinterpret_cast<const float(*)[1][NI][4]>(acc[i]),
+                                       part + (long long)i * p.n_tok * p.rows, false, p.rows, p.n_tok, m0 + 16 * warp, n0);
+        } else {
+            gated_warp_store<NI>(acc, p.out, p.out16, p.rows, p.n_tok, m0 + 16 * warp, n0);
+        }
+        return;
+    }
 #pragma unroll
     for (int i = 0; i < MI; ++i)
         gemm_warp_store<1, NI>(*reinterpret_cast<const float(*)[1][NI][4]>(acc[i]),
@@ -553,6 +586,25 @@ extern "C" __global__ void __launch_bounds__(256) dense_splitk_sum(const float* 
         float s = 0.0f;
         for (int z = 0; z < splits; ++z) s += part[z * n + i];
         out[i] = mode == 1 ? out[i] + s : s;
+    }
+}
+
+// out[i] = silu(g) * u, g = part[0][0][i] + ... + part[splits - 1][0][i] and u the same of part[z][1][i]
+// (dense_gemm_qrg's partial sums, (splits, 2, n) F32, added in split order as dense_splitk_sum adds
+// them); out16[i] its F16 form where out16 is not null.
+extern "C" __global__ void __launch_bounds__(256) dense_splitk_gated(const float* __restrict__ part,
+                                                                     float* __restrict__ out,
+                                                                     __half* __restrict__ out16, long long n,
+                                                                     int splits) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        float g = 0.0f, u = 0.0f;
+        for (int z = 0; z < splits; ++z) {
+            g += part[2 * z * n + i];
+            u += part[(2 * z + 1) * n + i];
+        }
+        const float v = silu_f(g) * u;
+        out[i] = v;
+        if (out16) out16[i] = __float2half_rn(v);
     }
 }
 
@@ -625,5 +677,5 @@ __global__ void __launch_bounds__(256) dense_get_rows_q(const unsigned char* __r
 // the compiled program (ggml_attn/variants.py smem_expr, ggml_attn/cubin.py)
 template <int T, int BN>
 __device__ const int dense_gemm_qs_smem = QsTile<T, BN>::SMEM;
-template <int T, int BN, int MI = 1>
+template <int T, int BN, int MI = 1, int G = 0>
 __device__ const int dense_gemm_qr_smem = QrTile<T, BN, MI>::SMEM;

@@ -44,6 +44,11 @@ GEMMQR_TYPE_IDS = tuple(block_layout(t).type_id for t in GEMMQR_TYPES)
 # stages -- serves twice the weight rows (bench/NOTES.md, twenty-fifth session). One block an SM.
 GEMMQRM_TILE = (256, 64, 256)
 GEMMQR_KERNELS = ("dense_gemm_qr", "dense_gemm_qrm")
+# dense_gemm_qrg: dense_gemm_qrm's block over a gated FFN's gate and up matrices (dense_gemm_qr<T, 64,
+# 2, 1>): QR_BM rows of the gate's in one row half and the same rows of the up's in the other, one
+# x tile for both, silu(gate) * up stored (or, split over n_in, both partial sums for
+# dense_splitk_gated). Its tile, as gemm_q_grid counts it: 128 rows of each matrix, 64 tokens.
+GEMMQRG_TILE = (128, 64, 256)
 GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
 GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")   # its 256-row tile (dense_gemm_qw2, <T, 2>): the types whose stages fit
 # its forms, by kernel name: (RM, H) of dense_gemm_qw<T, RM, H> -- RM 128-row halves a tile (2: GEMMQW2_TYPES
@@ -69,19 +74,19 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
     ``dense_gemm_qr``) for a call of ``n_tok`` tokens: the narrow one's (GEMMQS_NARROW, two
     blocks an SM) up to its width (dense_gemm_qr: up to GEMMQR_NARROW_MAX_TOKENS), else the wide
     one's."""
-    if kernel == "dense_gemm_qrm":   # (the wide tile only)
+    if kernel in ("dense_gemm_qrm", "dense_gemm_qrg"):   # (the wide tile only)
         return GEMMQRM_TILE[1]
     narrow_max = GEMMQR_NARROW_MAX_TOKENS if kernel == "dense_gemm_qr" else GEMMQS_NARROW
     return GEMMQS_NARROW if n_tok <= narrow_max else GEMMQS_TILE[1]
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", *GEMMQR_KERNELS, *GEMMQW_FORMS)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", *GEMMQR_KERNELS, "dense_gemm_qrg", *GEMMQW_FORMS)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
     """(tile, resident blocks an SM, least values of n_in a split) of tiled block GEMM ``kernel``
-    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, GEMMQR_KERNELS, GEMMQW_FORMS) for ``n_tok``
+    (``dense_gemm_q``, ``dense_gemm_q8``, ``dense_gemm_qs``, GEMMQR_KERNELS, ``dense_gemm_qrg``, GEMMQW_FORMS) for ``n_tok``
     tokens; ``bn``: a ``dense_gemm_qs`` / ``dense_gemm_qr`` tile other than gemm_qs_bn's (the
     benchmark's A/B)."""
     if kernel == "dense_gemm_q":
@@ -91,10 +96,10 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
     if kernel == "dense_gemm_q8":
         bn = gemm_q8_bn(n_tok)
         return (GEMMQ8_TILE[0], bn, GEMMQ8_TILE[2]), GEMMQ8_BLOCKS_PER_SM[bn], GEMMQ8_MIN_SPLIT
-    if kernel == "dense_gemm_qrm":
+    if kernel in ("dense_gemm_qrm", "dense_gemm_qrg"):
         if bn not in (None, GEMMQRM_TILE[1]):
-            raise ValueError(f"dense_gemm_qrm has tiles of {GEMMQRM_TILE[1]} tokens, not {bn}")
-        return GEMMQRM_TILE, 1, GEMMQ8_MIN_SPLIT
+            raise ValueError(f"{kernel} has tiles of {GEMMQRM_TILE[1]} tokens, not {bn}")
+        return GEMMQRM_TILE if kernel == "dense_gemm_qrm" else GEMMQRG_TILE, 1, GEMMQ8_MIN_SPLIT
     if kernel in ("dense_gemm_qs", "dense_gemm_qr"):   # (their tiles' tokens: gemm_qs_bn)
         (bm, _, bk), per_sm = ((GEMMQS_TILE, GEMMQS_BLOCKS_PER_SM) if kernel == "dense_gemm_qs" else
                                (GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM))
@@ -109,7 +114,8 @@ def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[i
 def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
                 kernel: str = "dense_gemm_q", bn: int | None = None) -> tuple[tuple[int, int, int], int]:
     """The grid and ``k_chunk`` of tiled block GEMM ``kernel`` (``dense_gemm_q``, ``dense_gemm_q8``,
-    ``dense_gemm_qs``, ``dense_gemm_qr`` or ``dense_gemm_qw``: gemm_tiling) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
+    ``dense_gemm_qs``, ``dense_gemm_qr`` or ``dense_gemm_qw``: gemm_tiling; ``dense_gemm_qrg``: ``rows``
+    of each of its two matrices) for a ``(rows, n_in)`` weight and ``n_tok`` tokens on
     ``n_sm`` SMs: one block per output tile, the tiles split over ``n_in`` (chunks of
     whole steps, at least the kernel's least split) into at most one wave of its resident blocks
     an SM -- a 4096-row weight is 64 tiles at up to 64 tokens, too few to keep the SMs busy
@@ -131,7 +137,8 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     most = max(1, steps * bk // min_split)
     if kernel in STAGED_GEMMS:
         slots = per_sm * max(1, n_sm)
-        if kernel in GEMMQR_KERNELS and tiles * most < slots:   # small matrices: splits of GEMMQR_MIN_SPLIT
+        if kernel in (*GEMMQR_KERNELS, "dense_gemm_qrg") and tiles * most < slots:   # small matrices: splits of
+                                                                                       # GEMMQR_MIN_SPLIT
             if GEMMQR_MIN_SPLIT < bk or GEMMQR_MIN_SPLIT % bk:
                 raise ValueError(f"GEMMQR_MIN_SPLIT must be a positive multiple of {bk}, not {GEMMQR_MIN_SPLIT}")
             most = max(most, steps * bk // GEMMQR_MIN_SPLIT)

@@ -169,6 +169,13 @@ QWGEMM_HALF = False
 # 8B layer's staged bytes at 64 tokens 341 -> 232 MB; bench/NOTES.md, twenty-fifth session), on
 # sm_90 GPUs. An A/B until measured.
 QRGEMM_ROWS = 128
+# A gated FFN's gate and up products past the narrow tile's tokens, where both matrices are of one
+# type that takes dense_gemm_qr: True, one dense_gemm_qrg launch (sm_90 GPUs; dense_gemm_qrm's block
+# with the gate's rows in one row half and the up's in the other, one x tile staged for both,
+# silu(gate) * up and its F16 form stored by the epilogue or the split's sum) in place of two
+# launches, their split sums, the two F32 products written and read back, and the activation's
+# launch. An A/B until measured (gated_kernel).
+QR_GATED = False
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
 # of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
@@ -210,6 +217,25 @@ def qr_two_halves() -> bool:
     if QRGEMM_ROWS not in (128, GEMMQRM_TILE[0]):
         raise ValueError(f"QRGEMM_ROWS is 128 or {GEMMQRM_TILE[0]}, not {QRGEMM_ROWS}")
     return QRGEMM_ROWS == GEMMQRM_TILE[0] and _hopper()
+
+
+def qr_gated() -> bool:
+    """Whether a gated FFN's gate and up products may run as one dense_gemm_qrg launch here
+    (gated_kernel says where): QR_GATED on an sm_90 GPU (its stages take up to 207 KB of shared
+    memory)."""
+    return bool(QR_GATED) and _hopper()
+
+
+def gated_kernel(gate_type: str, up_type: str, n_tokens: int, *, aligned: bool = True) -> str | None:
+    """The one launch of a gated FFN's gate and up products (weights of ``gate_type`` and
+    ``up_type``, rows 16-byte aligned or not: ``aligned``) for ``n_tokens`` tokens on the GPU:
+    ``dense_gemm_qrg`` where qr_gated, the types are one and its tiled path is ``gemm-qr``
+    (best_matmul with ``gemv=False``) past the narrow tile's tokens; else None (each product its
+    own launches, then the activation's)."""
+    from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS
+    if gate_type != up_type or gate_type == "F16" or n_tokens <= GEMMQR_NARROW_MAX_TOKENS or not qr_gated():
+        return None
+    return "dense_gemm_qrg" if best_matmul(gate_type, n_tokens, gemv=False, aligned=aligned).path == "gemm-qr" else None
 
 
 def tiled_kernel(path: str, weight_type: str, n_tokens: int = 1) -> str:

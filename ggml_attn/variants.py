@@ -250,13 +250,26 @@ def dense_qrm_variant(type_id: int) -> Variant:
     return Variant("dense-qrm", "dense_q.cu", (staged_instance("dense_gemm_qrm", type_id, GEMMQRM_TILE[1]),))
 
 
+def dense_qrg_variant(type_id: int) -> Variant:
+    """The gated FFN's two products in one launch (kernel ``dense_gemm_qrg``: the instance
+    ``dense_gemm_qr<T, 64, 2, 1>`` of cuda/dense_q.cu, the gate's rows in one row half and the up's
+    in the other, silu(gate) * up stored) and the sum of its split's partial sums
+    (``dense_splitk_gated``) for a type of GEMMQR_TYPE_IDS: a program of its own, compiled where it
+    is routed (an A/B: matmul_dispatch.QR_GATED)."""
+    if type_id not in GEMMQR_TYPE_IDS:
+        raise ValueError(f"dense_gemm_qrg decodes {', '.join(GEMMQR_TYPES)} blocks, not ggml type {type_id}")
+    return Variant("dense-qrg", "dense_q.cu", (staged_instance("dense_gemm_qrg", type_id, GEMMQRM_TILE[1]),
+                                               "dense_splitk_gated"))
+
+
 def staged_instance(kernel: str, type_id: int, bn: int) -> str:
     """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qrm: that
-    is dense_gemm_qr<T, 64, 2>, two row halves) for blocks of ``type_id`` at tile ``bn``."""
-    if kernel == "dense_gemm_qrm":
+    is dense_gemm_qr<T, 64, 2>, two row halves; dense_gemm_qrg: dense_gemm_qr<T, 64, 2, 1>, the
+    gated form) for blocks of ``type_id`` at tile ``bn``."""
+    if kernel in ("dense_gemm_qrm", "dense_gemm_qrg"):
         if bn != GEMMQRM_TILE[1]:
-            raise ValueError(f"dense_gemm_qrm has tiles of {GEMMQRM_TILE[1]} tokens, not {bn}")
-        return f"dense_gemm_qr<{type_id}, {bn}, 2>"
+            raise ValueError(f"{kernel} has tiles of {GEMMQRM_TILE[1]} tokens, not {bn}")
+        return f"dense_gemm_qr<{type_id}, {bn}, 2{', 1' if kernel == 'dense_gemm_qrg' else ''}>"
     return f"{kernel}<{type_id}, {bn}>"
 
 
@@ -461,7 +474,7 @@ HOPPER_ARCH = "sm_90a"   # the target of every Variant with arch_suffix "a" (com
 def all_variants() -> list[Variant]:
     """Every program the backend can compile (the CI compile test walks this list)."""
     out = [util_variant(), dense_variant(), model_ops_variant(), *dense_q_variants(),
-           *(dense_qrm_variant(t) for t in GEMMQR_TYPE_IDS),
+           *(dense_qrm_variant(t) for t in GEMMQR_TYPE_IDS), *(dense_qrg_variant(t) for t in GEMMQR_TYPE_IDS),
            *dense_q_variants(dense_q8x_variant), *dense_q_variants(dense_q8x_qout_variant)]
     for t in KV_CTYPES:
         out += [mma_variant(dk, dv, t, ext) for dk, dv in MMA_HEADS for ext in (False, True)]

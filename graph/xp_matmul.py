@@ -51,7 +51,8 @@ from . import q8_handoff
 from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
-__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch"]
+__all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch",
+           "gemm_q_launch", "gemm_qrg_launch"]
 
 
 def mul_mat(b, w, h, name: str):
@@ -104,6 +105,8 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         out_q = None
         run = _gemv(b, [wg, wu], x, [out], mode=2, norm_eps=norm_eps, norm_w=norm_w, q8=pre)
     out16 = None
+    if run is None and not gelu:
+        run, out16 = _gated_gemm(b, wg, wu, x, out, down, norm_eps=norm_eps, norm_w=norm_w, name=name)
     if run is None:
         g = b.scratch(out.shape, np.float32)
         u = b.scratch(out.shape, np.float32)
@@ -114,6 +117,29 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
         b.keep(g, u)
     node = q8_handoff.remember(b, _custom(b, run, [h], out, name, ptr=b.ptr(out)), out_q, None, None)
     return q8_handoff.remember_f16(b, node, out16)
+
+
+def _gated_gemm(b, wg, wu, x, out, down, *, norm_eps, norm_w, name: str):
+    """``(run, out16)``: ``out = silu(wg·h) * (wu·h)`` of ``x`` (numpy ``(n_tokens, n_in)`` F32,
+    RMS-normalized and times ``norm_w`` first with ``norm_eps``, rounded to F16 by the norm's
+    launch or a cast) by one :func:`gemm_qrg_launch` where ``matmul_dispatch.gated_kernel`` says so
+    for block weights ``wg`` and ``wu``, and ``out16`` the result's F16 form where ``down``'s GEMM
+    reads it (``q8_handoff.f16_for``); ``(None, None)`` elsewhere."""
+    if b.xp is np or not (_is_q(wg) and _is_q(wu)):
+        return None, None
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gated_kernel  # noqa: PLC0415
+    n_tok, (n_ff, n_in) = x.shape[0], (int(d) for d in wg.shape)
+    if gated_kernel(wg.type, wu.type, n_tok, aligned=rows_aligned([wg, wu])) is None:
+        return None, None
+    norm, x16 = _rms_fn(b, x, norm_eps, name, norm_w, f16=True) if norm_eps is not None else _f16_input(b, x, None)
+    grid, _ = K.gemm_q_grid(n_ff, n_tok, n_in, num_sms(), "dense_gemm_qrg")
+    part = b.scratch((grid[2], 2, n_tok, n_ff), np.float32) if grid[2] > 1 else None
+    out16 = q8_handoff.f16_for(b, down, n_tok, out.shape)
+    run = _then(norm, gemm_qrg_launch(wg, wu, x16, out, out16, part))
+    b.keep(wg.blocks, wu.blocks, x16, out, *(a for a in (part, norm_w) if a is not None))
+    return run, out16
 
 
 def mul_mat_add(b, w, h, x_t, name: str, *, norm_next=None):
@@ -433,6 +459,49 @@ def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = 
                          f"{', '.join(K.GEMMQW_FORMS)})")
     return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
                  splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
+
+
+def gemm_qrg_launch(wg, wu, x16, out, out16, part):
+    """``out = silu(wg·x16) * (wu·x16)``, and ``out16`` the same rounded to F16 where given, by one
+    ``dense_gemm_qrg`` launch (``cuda/dense_q.cu``: ``dense_gemm_qrm``'s block with the gate's rows
+    in one row half and the up's in the other, one x tile staged for both) for ``QMatrix`` ``wg``,
+    ``wu`` (CuPy blocks, ``(n_ff, n_in)``, one type of ``kernels.GEMMQR_TYPES``, rows 16-byte
+    aligned: ``q8_matmul.rows_aligned``), ``x16`` F16 ``(n_tokens, n_in)`` 16-byte aligned,
+    ``out`` F32 and ``out16`` F16 (or None) ``(n_tokens, n_ff)``, all C-contiguous; ``part`` F32
+    ``(splits, 2, n_tokens, n_ff)`` where ``kernels.gemm_q_grid`` splits ``n_in`` for
+    ``dense_gemm_qrg`` (both products' partial sums, which ``dense_splitk_gated`` adds in split order
+    and gates), else None. Returns a function of no arguments launching on the current stream; the
+    caller keeps the arrays. ValueError for arrays that do not fit."""
+    from ggml_attn import kernels as K  # noqa: PLC0415
+    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
+    n_ff, n_in = (int(d) for d in wg.shape)
+    n_tok = int(x16.shape[0])
+    if wu.type != wg.type or tuple(wu.shape) != (n_ff, n_in) or wu.row_bytes != wg.row_bytes:
+        raise ValueError(f"dense_gemm_qrg: gate {wg.type} {wg.shape} and up {wu.type} {wu.shape} differ")
+    if wg.type_id not in K.GEMMQR_TYPE_IDS or not rows_aligned([wg, wu]):
+        raise ValueError(f"dense_gemm_qrg: {wg.type} rows of {wg.row_bytes} bytes (it reads "
+                         f"{', '.join(K.GEMMQR_TYPES)}, rows 16-byte aligned)")
+    arrays = (x16, out) + ((out16,) if out16 is not None else ())
+    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_ff) or (out16 is not None and out16.shape != out.shape) \
+            or not all(a.flags.c_contiguous for a in arrays) or x16.data.ptr % 16:
+        raise ValueError(f"dense_gemm_qrg: x {x16.shape}, out {out.shape} and out16 "
+                         f"{None if out16 is None else out16.shape} for {wg.shape} weights (C-contiguous, x 16-byte "
+                         "aligned)")
+    grid, k_chunk = K.gemm_q_grid(n_ff, n_tok, n_in, num_sms(), "dense_gemm_qrg")
+    if grid[2] > 1 and (part is None or part.shape != (grid[2], 2, n_tok, n_ff)):
+        raise ValueError(f"dense_gemm_qrg splits n_in {grid[2]} ways: partial sums {(grid[2], 2, n_tok, n_ff)} "
+                         f"needed, got {None if part is None else part.shape}")
+    p = K.GemmQParams()
+    p.w, p.w2, p.x, p.out = wg.blocks.data.ptr, wu.blocks.data.ptr, x16.data.ptr, out.data.ptr
+    p.out16, p.part = 0 if out16 is None else out16.data.ptr, 0 if grid[2] == 1 else part.data.ptr
+    p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = wg.row_bytes, n_ff, n_in, n_tok, k_chunk
+    variant = K.dense_qrg_variant(wg.type_id)
+    fn = K.get_function(variant, K.staged_instance("dense_gemm_qrg", wg.type_id, K.gemm_qs_bn(n_tok, "dense_gemm_qrg")))
+    total = n_tok * n_ff
+    return _then(K.BoundLaunch(fn, grid, (K.GEMMQS_THREADS, 1, 1), p),
+                 K.grid_launch(K.get_function(variant, "dense_splitk_gated"), total, ctypes.c_uint64(part.data.ptr),
+                               ctypes.c_uint64(out.data.ptr), _dptr(out16), ctypes.c_int64(total),
+                               ctypes.c_int32(grid[2])) if grid[2] > 1 else None)
 
 
 def _elementwise_launch(name: str, arrays, n: int):

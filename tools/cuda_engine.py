@@ -72,6 +72,8 @@ def start_precompile(cfg) -> Future:
             variants += [K.dense_qw_variant(t) for t in qr_ids]
         if matmul_dispatch.qr_two_halves():   # dense_gemm_qr's two row halves (dense_gemm_qrm)
             variants += [K.dense_qrm_variant(t) for t in qr_ids]
+        if matmul_dispatch.qr_gated():   # the gated FFN's products in one launch (dense_gemm_qrg)
+            variants += [K.dense_qrg_variant(t) for t in qr_ids]
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
             variants += [K.cells_qo_of(v) for v in variants if v.family == "cells"]
     def job():
