@@ -13,7 +13,10 @@ from ggml_attn import kernels as K
 from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import block_layout
 from ggml_attn.graph import xp_matmul
-from test_xp_ops_block_launches import Dev, _qmatrix, graph_nodes, launches  # noqa: F401 (a fixture)
+import test_xp_ops_block_launches as blocks
+from test_xp_ops_block_launches import Dev, _qmatrix, graph_nodes
+
+launches = blocks.launches   # (its fixture: the kernels' lookups and launches recorded)
 
 
 @pytest.fixture()

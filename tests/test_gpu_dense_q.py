@@ -297,6 +297,54 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, qr, 
             float(np.abs(qr - qs).max())
 
 
+@pytest.mark.parametrize("name", K.GEMMQR_TYPES)
+@pytest.mark.parametrize("n_tok, n_in_blocks, n_ff", [(17, 3, 300), (64, 16, 1024), (64, 2, 4096), (100, 9, 130),
+                                                      (40, 16, 14336)])
+@pytest.mark.parametrize("with16", [False, True])
+def test_gemm_qrg_matches_float64_and_the_two_products(name, n_tok, n_in_blocks, n_ff, with16):
+    """dense_gemm_qrg (the gated FFN's gate and up products in one launch, graph/xp_matmul.gemm_qrg_launch):
+    silu(gate) * up of the F16-rounded operands in float64, NMSE <= 1e-6 (of the exact ones <=
+    1e-5), split over n_in (dense_splitk_gated) or not, rows and tokens past a tile's end; its F16
+    form that output rounded; and, where it splits n_in as dense_gemm_qr does each matrix, the
+    bits of the two dense_gemm_qr launches and dense_silu_mul (the same sums in the same order,
+    one activation)."""
+    _skip_unless_hopper("dense_gemm_qrm")
+    n_in, vg, x, _, wg, d_out, grid, _ = _gemm_case(name, n_tok, n_in_blocks, n_ff, False, "dense_gemm_qrg")
+    qu, vu = _blocks(name, n_ff, n_in, n_tok + n_ff + 1)
+    wu = QMatrix(name, (n_ff, n_in), cupy.asarray(qu))
+    part = cupy.full((grid[2], 2, n_tok, n_ff), np.nan, np.float32) if grid[2] > 1 else None
+    d16 = cupy.full((n_tok, n_ff), np.nan, np.float16) if with16 else None
+    x16 = cupy.asarray(x.astype(np.float16))
+    xp_matmul.gemm_qrg_launch(wg, wu, x16, d_out, d16, part)()
+    got = d_out.get()
+    xs = x.astype(np.float16).astype(np.float64)
+
+    def gated(a, b):
+        g, u = xs @ a.T, xs @ b.T
+        return g / (1.0 + np.exp(-g)) * u
+    rounded = gated(vg.astype(np.float16).astype(np.float64), vu.astype(np.float16).astype(np.float64))
+    assert np.isfinite(got).all()
+    assert nmse(got.astype(np.float64), rounded) <= 1e-6 and nmse(got.astype(np.float64), gated(vg, vu)) <= 1e-5
+    if with16:
+        assert np.array_equal(d16.get().view(np.uint16), got.astype(np.float16).view(np.uint16))
+    two, splits = [], []
+    for w in (wg, wu):
+        g_qr, _ = K.gemm_q_grid(n_ff, n_tok, n_in, cuda_device.num_sms(), "dense_gemm_qr")
+        o = cupy.full((n_tok, n_ff), np.nan, np.float32)
+        pq = cupy.full((g_qr[2], n_tok, n_ff), np.nan, np.float32) if g_qr[2] > 1 else None
+        xp_matmul.gemm_q_launch(w, x16, o, pq, kernel="dense_gemm_qr")()
+        two.append(o)
+        splits.append(g_qr[2])
+    ref = cupy.full((n_tok, n_ff), np.nan, np.float32)
+    xp_matmul._act_mul_fn("silu", cupy, two[0], two[1], ref)()
+    ref = ref.get()
+    if splits == [grid[2]] * 2:
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    else:   # partial sums grouped otherwise: F32 roundings apart
+        assert (np.abs(got - ref) <= 1e-5 * np.abs(ref).max(axis=1, keepdims=True) + 1e-3).all(), \
+            float(np.abs(got - ref).max())
+
+
 @pytest.mark.parametrize("name, qw", [(t, k) for t in K.GEMMQR_TYPES for k in K.GEMMQW_FORMS
                                       if K.qw_instance(block_layout(t).type_id, k)])
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(512, 16, 4096), (512, 16, 1024), (129, 8, 300), (7, 2, 130)])

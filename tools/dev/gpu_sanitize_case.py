@@ -538,7 +538,36 @@ def _dense_q(cp, rng) -> int:
             for n_tok, bn in tiles:
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
                 bad += not _staged_gemm_ok(cp, kernel, w8, vals8, x16, bn)
+        if "dense_gemm_qrm" in staged:   # the gated form (dense_gemm_qrg): these rows as the gate and, reversed, the up
+            wu8 = QMatrix(name, (rows, n8), cp.asarray(q8w[::-1].copy()))
+            for n_tok in (20, 70):
+                x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
+                bad += not _gated_gemm_ok(cp, w8, wu8, vals8, vals8[::-1], x16)
     return bad
+
+
+def _gated_gemm_ok(cp, wg, wu, vg, vu, x16) -> bool:
+    """One dense_gemm_qrg launch (graph/xp_matmul.gemm_qrg_launch) over gate ``wg`` and up ``wu``
+    (float64 values ``vg``, ``vu``) and F16 ``x16`` into a poisoned output, its F16 form and
+    partial sums (where gemm_q_grid splits n_in), against float64 silu(gate) * up of the
+    F16-rounded operands (NMSE < 1e-6); prints the row."""
+    from ggml_attn import kernels as K
+    from ggml_attn.cuda_device import num_sms
+    from ggml_attn.graph import xp_matmul
+    (rows, n_in), n_tok = wg.shape, x16.shape[0]
+    d_out = cp.full((n_tok, rows), np.nan, np.float32)
+    d16 = cp.full((n_tok, rows), np.nan, np.float16)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), "dense_gemm_qrg")
+    part = cp.full((grid[2], 2, n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
+    xp_matmul.gemm_qrg_launch(wg, wu, cp.asarray(x16), d_out, d16, part)()
+    cp.cuda.get_current_stream().synchronize()
+    xs = x16.astype(np.float64)
+    g, u = (xs @ v.astype(np.float16).astype(np.float64).T for v in (vg, vu))
+    got = d_out.get()
+    err = nmse(got, g / (1.0 + np.exp(-g)) * u)
+    ok = err < 1e-6 and bool((d16.get() == got.astype(np.float16)).all())
+    print(f"gemm_qrg {wg.type:5s} n_tok={n_tok:3d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    return ok
 
 
 def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
