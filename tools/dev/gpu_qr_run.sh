@@ -12,17 +12,17 @@
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 17-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file: base, QRGEMM_ROWS 256, QR_GATED,
 #      both (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
-#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-ab]
+#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; AB=1
+INSTALL=1; TESTS=1; PROBES=1; AB=1
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ab) AB=0;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-ab) AB=0;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -43,11 +43,13 @@ RUNS=("--kernel dense_gemm_qr --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
       "--kernel dense_gemm_qrm --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
       "--kernel dense_gemm_qr --types Q4_K --tokens 64,16 --probes 0,3 --define QR_STAGGER=1"
       "--kernel dense_gemm_qwh --types Q4_K --tokens 512,64 --probes 0,3 --define QW_STAGGER=1")
+if [ $PROBES = 1 ] || [ $TESTS = 1 ]; then
 echo "== compile the probes' programs and dense_gemm_qrg's"
 for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & done
 for t in 8 12 14; do $PY -c "from ggml_attn import kernels as K; K.compile_variant(K.dense_qrg_variant($t), K.device_arch())" \
     > /dev/null 2>&1 & done; wait
 say
+fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests: dense_gemm_qrm, dense_gemm_qrg, qr / qrm against qs bit for bit; memcheck of the block kernels"
   timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals" \
@@ -58,6 +60,7 @@ if [ $TESTS = 1 ]; then
   grep -E "ERROR SUMMARY|FAIL" "$LOGS/san_dense_q.log" | head -5
   say
 fi
+if [ $PROBES = 1 ]; then
 echo "== one 8B layer: qr against qrm, the stagger A/Bs"
 i=0
 for r in "${RUNS[@]}"; do
@@ -67,6 +70,7 @@ done
 echo "== the gated FFN's products: qr / qrm + silu against dense_gemm_qrg"
 (cd tools/dev && timeout 150 $PY qrg_ab.py --out "$OUT/qrg_ab.json") 2>&1 | grep -v Warning || status=1
 say
+fi
 if [ $AB = 1 ]; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   echo "== batched S_TG: base, QRGEMM_ROWS 256, QR_GATED, both"
