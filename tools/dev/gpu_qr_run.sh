@@ -9,7 +9,7 @@
 #      only, Q4_K / Q6_K at 64 / 32 tokens), and the stagger A/Bs (QR_STAGGER on qr at 64 / 16,
 #      QW_STAGGER on qwh at 512 / 64) -> $OUT/probe_*.json; every program compiled first, all at once
 #   3b. tools/dev/qrg_ab.py: an 8B layer's gate and up products and silu, as two dense_gemm_qr / qrm
-#      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 17-128 tokens) -> $OUT/qrg_ab.json
+#      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file: base, QRGEMM_ROWS 256, QR_GATED,
 #      both (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
 #   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab]

@@ -9,7 +9,7 @@ and its F16 form), on the GPU, three ways per block type and token count, device
 and whether qrg's output is qr's (bits where both take one split of n_in, else the largest
 difference relative to the row's largest value). Needs an sm_90 GPU (qrm's and qrg's shared memory).
 
-    python tools/dev/qrg_ab.py [--types Q4_K,Q6_K,Q8_0] [--tokens 17,32,64,128] [--out qrg_ab.json]
+    python tools/dev/qrg_ab.py [--types Q4_K,Q6_K,Q8_0] [--tokens 16,32,64,128] [--out qrg_ab.json]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="Q4_K,Q6_K,Q8_0")
-    ap.add_argument("--tokens", default="17,32,64,128")
+    ap.add_argument("--tokens", default="16,32,64,128")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy as cp
