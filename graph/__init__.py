@@ -27,7 +27,8 @@ Modules, one line each, in the order of the data path (batch -> ubatch -> cache 
   views and store op, ``layers`` the layer functions, ``model_graph`` a real model's block,
   ``xp_node`` / ``xp_matmul`` / ``xp_ops`` the device graphs' custom ops (``cublas_gemm``: one
   capturable cuBLAS GEMM; ``path_gemm``: block matrices dequantized to F16 for it;
-  ``q8_matmul``: the block matmuls on 8-bit activations; ``q8_handoff``: a
+  ``q8_matmul``: the block matmuls on 8-bit activations; ``tiled_gemm``: the tiled block
+  GEMMs' launches on F16 tensor cores; ``q8_handoff``: a
   GEMV's output in 8-bit form for the next GEMVs), ``staging`` their
   per-ubatch inputs, ``capture`` CUDA graphs);
 * ``engine``: runs planned ubatches on built graphs, reused per structure (the CLIs' engines,

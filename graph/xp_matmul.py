@@ -15,7 +15,7 @@ model's Q4_0 .. Q6_K matrices): ``matmul_dispatch.best_matmul`` picks, per weigh
 one ``dense_gemv_q`` launch (``cuda/dense_q.cu``: the blocks decoded in registers, F32
 activations; the norm's weight ``norm_w`` applied to the normalized activations there), or its
 8-bit-activation twin (:func:`q8x_launches`, ``cuda/dense_q8x.cu``), the tiled block GEMM on the
-tensor cores (:func:`gemm_q_launch`), or the blocks dequantized a chunk of rows at a time into
+tensor cores (``tiled_gemm.gemm_q_launch``), or the blocks dequantized a chunk of rows at a time into
 the weights' F16 scratch and a cuBLAS GEMM; numpy multiplies ggml's dequantized values in F32. F16 weights of a model carry their norm weight folded (``model_device.py``).
 
 Every op's result memory and scratch is an array made at build time (``b.scratch``); the callback only runs
@@ -48,7 +48,8 @@ from .cublas_gemm import CublasGemm as _CublasGemm
 from .model_device import QMatrix
 from .path_gemm import dequant_gemm_launches
 from . import q8_handoff
-from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned, splitk_sum_launch, tile_grid
+from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned
+from .tiled_gemm import gemm_q_launch, gemm_qrg_launch
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch",
@@ -122,7 +123,7 @@ def mul_mat_gated(b, wg, wu, h, name: str, *, norm_eps: float | None = None, nor
 def _gated_gemm(b, wg, wu, x, out, down, *, norm_eps, norm_w, name: str):
     """``(run, out16)``: ``out = silu(wg·h) * (wu·h)`` of ``x`` (numpy ``(n_tokens, n_in)`` F32,
     RMS-normalized and times ``norm_w`` first with ``norm_eps``, rounded to F16 by the norm's
-    launch or a cast) by one :func:`gemm_qrg_launch` where ``matmul_dispatch.gated_kernel`` says so
+    launch or a cast) by one ``tiled_gemm.gemm_qrg_launch`` where ``matmul_dispatch.gated_kernel`` says so
     for block weights ``wg`` and ``wu``, and ``out16`` the result's F16 form where ``down``'s GEMM
     reads it (``q8_handoff.f16_for``); ``(None, None)`` elsewhere."""
     if b.xp is np or not (_is_q(wg) and _is_q(wu)):
@@ -359,7 +360,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
     """``outs[i] (+)= ws[i]·x`` for ``QMatrix`` weights: numpy, F32 products with ggml's
     dequantized values; CuPy, per weight ``matmul_dispatch.best_matmul``'s path: ``gemm-q8`` (``x``
     quantized to int8 once, :func:`q8_matmul.gemm_q8_launch`), ``gemm-q`` / ``gemm-qs`` / ``gemm-qr`` / ``gemm-qw`` (``x``
-    rounded to F16 once, :func:`gemm_q_launch`), else path ``gemm`` (``path_gemm.dequant_gemm_launches``: per
+    rounded to F16 once, ``tiled_gemm.gemm_q_launch``), else path ``gemm`` (``path_gemm.dequant_gemm_launches``: per
     chunk of rows one dequantization into the weights' F16 scratch and one cuBLAS GEMM). ``x16``:
     ``x``'s F16 form, read by every path but ``gemm-q8`` (``x`` may be None where none runs it)."""
     xp = b.xp
@@ -407,101 +408,6 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
         b.keep(w.blocks, w.scratch)
     b.keep(*([x16] if x16 is not None else []), *outs)
     return _then(*steps)
-
-
-def gemm_q_launch(w, x16, out, part, *, accumulate: bool = False, kernel: str = "dense_gemm_q",
-                  bn: int | None = None):
-    """``out (+)= w·x16`` by tiled block GEMM ``kernel`` (``cuda/dense_q.cu``, the blocks decoded tile
-    by tile onto the F16 tensor cores: ``dense_gemm_q``, or ``dense_gemm_qs`` / ``dense_gemm_qr`` (and
-    ``dense_gemm_qrm``, its wide tile over two row halves) /
-    ``dense_gemm_qw`` -- the weights' rows and x staged by cp.async, rows 16-byte aligned:
-    ``q8_matmul.rows_aligned``; ``dense_gemm_qr`` and ``dense_gemm_qw`` (wgmma, sm_90a; its
-    forms ``kernels.GEMMQW_FORMS``: the 256-row tile ``dense_gemm_qw2`` for ``kernels.GEMMQW2_TYPES``,
-    the half-precision decode ``dense_gemm_qwh`` / ``dense_gemm_qw2h``) for ``kernels.GEMMQR_TYPES``;
-    ``bn`` its tile's tokens other than
-    ``kernels.gemm_qs_bn``'s, the benchmark's A/B) for a ``QMatrix`` ``w`` (CuPy
-    blocks, ``(n_out, n_in)``), ``x16`` F16 ``(n_tokens, n_in)`` and ``out`` F32 ``(n_tokens,
-    n_out)``, both C-contiguous, ``x16`` 16-byte aligned (cp.async); ``part`` F32 ``(splits,
-    n_tokens, n_out)`` when ``kernels.gemm_q_grid`` splits ``n_in`` (its partial sums, added in order
-    by ``dense_splitk_sum``), else None. Returns a function of no arguments launching on the
-    current stream; the caller keeps the arrays. ValueError for arrays that do not fit."""
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    n_out, n_in = (int(d) for d in w.shape)
-    n_tok = int(x16.shape[0])
-    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_out) or not (x16.flags.c_contiguous and
-                                                                          out.flags.c_contiguous) or x16.data.ptr % 16:
-        raise ValueError(f"{kernel}: x {x16.shape} and out {out.shape} for a {w.shape} weight "
-                         "(C-contiguous, x 16-byte aligned)")
-    staged, qw = kernel in ("dense_gemm_qs", *K.GEMMQR_KERNELS), kernel in K.GEMMQW_FORMS
-    if (staged or qw) and not rows_aligned([w]):
-        raise ValueError(f"{kernel}: {w.type} rows of {w.row_bytes} bytes are not 16-byte aligned")
-    if (kernel in K.GEMMQR_KERNELS or qw) and w.type_id not in K.GEMMQR_TYPE_IDS:
-        raise ValueError(f"{kernel}: no fragment decode of {w.type} blocks (it reads {', '.join(K.GEMMQR_TYPES)})")
-    if qw and K.qw_instance(w.type_id, kernel) is None:
-        raise ValueError(f"{kernel}: the stages of {w.type} rows do not fit (it reads {', '.join(K.GEMMQW2_TYPES)})")
-    grid, k_chunk = tile_grid(kernel, w, n_tok, part, bn if staged else None)
-    p = K.GemmQParams()
-    p.w, p.x, p.out, p.part = w.blocks.data.ptr, x16.data.ptr, out.data.ptr, 0 if grid[2] == 1 else part.data.ptr
-    p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = w.row_bytes, n_out, n_in, n_tok, k_chunk
-    p.mode = 1 if accumulate else 0
-    if staged:
-        bn = K.gemm_qs_bn(n_tok, kernel) if bn is None else bn   # (tile_grid's tile)
-        make = K.dense_qrm_variant if kernel == "dense_gemm_qrm" else K.dense_q_variant   # (qrm: a program of its own)
-        fn = K.get_function(make(w.type_id), K.staged_instance(kernel, w.type_id, bn))   # its QsTile / QrTile::SMEM
-        block = K.GEMMQS_THREADS
-    elif qw:   # (QwTile::SMEM; 128- or 256-row tiles)
-        fn = K.get_function(K.dense_qw_variant(w.type_id), K.qw_instance(w.type_id, kernel))
-        block = K.GEMMQS_THREADS
-    elif kernel == "dense_gemm_q":
-        fn, block = K.get_function(K.dense_q_variant(w.type_id), f"dense_gemm_q<{w.type_id}>"), K.GEMMQ_THREADS
-    else:
-        raise ValueError(f"no F16 tiled block GEMM {kernel!r} (dense_gemm_q, dense_gemm_qs, dense_gemm_qr, "
-                         f"{', '.join(K.GEMMQW_FORMS)})")
-    return _then(K.BoundLaunch(fn, grid, (block, 1, 1), p),
-                 splitk_sum_launch(w.type_id, part, out, grid[2], p.mode) if grid[2] > 1 else None)
-
-
-def gemm_qrg_launch(wg, wu, x16, out, out16, part):
-    """``out = silu(wg·x16) * (wu·x16)``, and ``out16`` the same rounded to F16 where given, by one
-    ``dense_gemm_qrg`` launch (``cuda/dense_q.cu``: ``dense_gemm_qrm``'s block with the gate's rows
-    in one row half and the up's in the other, one x tile staged for both) for ``QMatrix`` ``wg``,
-    ``wu`` (CuPy blocks, ``(n_ff, n_in)``, one type of ``kernels.GEMMQR_TYPES``, rows 16-byte
-    aligned: ``q8_matmul.rows_aligned``), ``x16`` F16 ``(n_tokens, n_in)`` 16-byte aligned,
-    ``out`` F32 and ``out16`` F16 (or None) ``(n_tokens, n_ff)``, all C-contiguous; ``part`` F32
-    ``(splits, 2, n_tokens, n_ff)`` where ``kernels.gemm_q_grid`` splits ``n_in`` for
-    ``dense_gemm_qrg`` (both products' partial sums, which ``dense_splitk_gated`` adds in split order
-    and gates), else None. Returns a function of no arguments launching on the current stream; the
-    caller keeps the arrays. ValueError for arrays that do not fit."""
-    from ggml_attn import kernels as K  # noqa: PLC0415
-    from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    n_ff, n_in = (int(d) for d in wg.shape)
-    n_tok = int(x16.shape[0])
-    if wu.type != wg.type or tuple(wu.shape) != (n_ff, n_in) or wu.row_bytes != wg.row_bytes:
-        raise ValueError(f"dense_gemm_qrg: gate {wg.type} {wg.shape} and up {wu.type} {wu.shape} differ")
-    if wg.type_id not in K.GEMMQR_TYPE_IDS or not rows_aligned([wg, wu]):
-        raise ValueError(f"dense_gemm_qrg: {wg.type} rows of {wg.row_bytes} bytes (it reads "
-                         f"{', '.join(K.GEMMQR_TYPES)}, rows 16-byte aligned)")
-    arrays = (x16, out) + ((out16,) if out16 is not None else ())
-    if x16.shape != (n_tok, n_in) or out.shape != (n_tok, n_ff) or (out16 is not None and out16.shape != out.shape) \
-            or not all(a.flags.c_contiguous for a in arrays) or x16.data.ptr % 16:
-        raise ValueError(f"dense_gemm_qrg: x {x16.shape}, out {out.shape} and out16 "
-                         f"{None if out16 is None else out16.shape} for {wg.shape} weights (C-contiguous, x 16-byte "
-                         "aligned)")
-    grid, k_chunk = K.gemm_q_grid(n_ff, n_tok, n_in, num_sms(), "dense_gemm_qrg")
-    if grid[2] > 1 and (part is None or part.shape != (grid[2], 2, n_tok, n_ff)):
-        raise ValueError(f"dense_gemm_qrg splits n_in {grid[2]} ways: partial sums {(grid[2], 2, n_tok, n_ff)} "
-                         f"needed, got {None if part is None else part.shape}")
-    p = K.GemmQParams()
-    p.w, p.w2, p.x, p.out = wg.blocks.data.ptr, wu.blocks.data.ptr, x16.data.ptr, out.data.ptr
-    p.out16, p.part = 0 if out16 is None else out16.data.ptr, 0 if grid[2] == 1 else part.data.ptr
-    p.row_bytes, p.rows, p.n_in, p.n_tok, p.k_chunk = wg.row_bytes, n_ff, n_in, n_tok, k_chunk
-    variant = K.dense_qrg_variant(wg.type_id)
-    fn = K.get_function(variant, K.staged_instance("dense_gemm_qrg", wg.type_id, K.gemm_qs_bn(n_tok, "dense_gemm_qrg")))
-    total = n_tok * n_ff
-    return _then(K.BoundLaunch(fn, grid, (K.GEMMQS_THREADS, 1, 1), p),
-                 K.grid_launch(K.get_function(variant, "dense_splitk_gated"), total, ctypes.c_uint64(part.data.ptr),
-                               ctypes.c_uint64(out.data.ptr), _dptr(out16), ctypes.c_int64(total),
-                               ctypes.c_int32(grid[2])) if grid[2] > 1 else None)
 
 
 def _elementwise_launch(name: str, arrays, n: int):

@@ -1,7 +1,7 @@
 """dense_gemm_qrg (cuda/dense_q.cu's dense_gemm_qr<T, 64, 2, 1>: a gated FFN's gate and up
 products in one launch), its host side without a GPU: its tile and grid (gemm_tiles), where it
 is routed (matmul_dispatch.gated_kernel), its launch's parameter block and split sum
-(graph/xp_matmul.gemm_qrg_launch), what that launch refuses, and the model graph's gated node
+(graph/tiled_gemm.gemm_qrg_launch), what that launch refuses, and the model graph's gated node
 with it (one norm launch, one GEMM, no activation launch, the F16 form for the down GEMM). The
 kernel's numbers: tests/test_gpu_dense_q.py."""
 import ctypes
@@ -12,7 +12,7 @@ import pytest
 from ggml_attn import kernels as K
 from ggml_attn import matmul_dispatch as md
 from ggml_attn.block_types import block_layout
-from ggml_attn.graph import xp_matmul
+from ggml_attn.graph import tiled_gemm, xp_matmul
 import test_xp_ops_block_launches as blocks
 from test_xp_ops_block_launches import Dev, _qmatrix, graph_nodes
 
@@ -81,7 +81,7 @@ def test_gemm_qrg_launch_parameters_and_split_sum(launches, gated_on, n_ff, n_to
     out16 = Dev((n_tok, n_ff), np.float16) if with16 else None
     grid, k_chunk = K.gemm_q_grid(n_ff, n_tok, n_in, 132, "dense_gemm_qrg")
     part = Dev((grid[2], 2, n_tok, n_ff)) if grid[2] > 1 else None
-    xp_matmul.gemm_qrg_launch(wg, wu, x16, out, out16, part)()
+    tiled_gemm.gemm_qrg_launch(wg, wu, x16, out, out16, part)()
     gemm, *rest = launches
     assert gemm.fn.name == "dense_gemm_qr<12, 64, 2, 1>" and gemm.fn.variant == K.dense_qrg_variant(12)
     assert gemm.grid == grid and gemm.block == (K.GEMMQS_THREADS, 1, 1) and gemm.fn.smem is None
@@ -106,19 +106,19 @@ def test_gemm_qrg_launch_refuses_what_it_cannot_run(launches, gated_on):
     part = Dev((grid[2], 2, n_tok, n_ff))
     for wu, match in ((_qmatrix("Q6_K", n_ff, n_in), "differ"), (_qmatrix("Q4_K", 512, n_in), "differ")):
         with pytest.raises(ValueError, match=match):
-            xp_matmul.gemm_qrg_launch(wg, wu, x16, out, None, part)
+            tiled_gemm.gemm_qrg_launch(wg, wu, x16, out, None, part)
     q3 = _qmatrix("Q3_K", n_ff, n_in)
     with pytest.raises(ValueError, match="it reads"):
-        xp_matmul.gemm_qrg_launch(q3, q3, x16, out, None, part)
+        tiled_gemm.gemm_qrg_launch(q3, q3, x16, out, None, part)
     wu = _qmatrix("Q4_K", n_ff, n_in)
     with pytest.raises(ValueError, match="C-contiguous"):
-        xp_matmul.gemm_qrg_launch(wg, wu, x16, Dev((n_tok, n_ff + 1)), None, part)
+        tiled_gemm.gemm_qrg_launch(wg, wu, x16, Dev((n_tok, n_ff + 1)), None, part)
     with pytest.raises(ValueError, match="C-contiguous"):
-        xp_matmul.gemm_qrg_launch(wg, wu, x16, out, Dev((n_tok, n_ff - 1), np.float16), part)
+        tiled_gemm.gemm_qrg_launch(wg, wu, x16, out, Dev((n_tok, n_ff - 1), np.float16), part)
     with pytest.raises(ValueError, match="partial sums"):
-        xp_matmul.gemm_qrg_launch(wg, wu, x16, out, None, Dev((grid[2], n_tok, n_ff)))
+        tiled_gemm.gemm_qrg_launch(wg, wu, x16, out, None, Dev((grid[2], n_tok, n_ff)))
     with pytest.raises(ValueError, match="partial sums"):
-        xp_matmul.gemm_qrg_launch(wg, wu, x16, out, None, None)
+        tiled_gemm.gemm_qrg_launch(wg, wu, x16, out, None, None)
     assert not launches
 
 

@@ -6,7 +6,7 @@ dense_gemv_q for every block type in its three modes (store, accumulate, gated),
 below and at each instance's NT, with and without the fused RMS norm and its weight, one to
 three segments, row counts that do not fill a block: NMSE <= 1e-6 (issue #43's bound for the
 GEMV; F32 sums of exact block values land far below it). dense_gemm_q (through
-graph/xp_matmul.gemm_q_launch, with and without its split over n_in and dense_splitk_sum): the
+graph/tiled_gemm.gemm_q_launch, with and without its split over n_in and dense_splitk_sum): the
 float64 product of the F16-rounded operands it multiplies, NMSE <= 1e-6, and of the exact ones
 <= 1e-5. dense_dequant_f16: ggml's values rounded to F16. dense_get_rows_q: ggml's values of the
 rows asked for."""
@@ -20,7 +20,7 @@ import ggml_attn
 from ggml_attn import cuda_device
 from ggml_attn import kernels as K
 from ggml_attn.block_types import BLOCK_TYPES, block_layout
-from ggml_attn.graph import q8_matmul, xp_matmul
+from ggml_attn.graph import q8_matmul, tiled_gemm, xp_matmul
 from ggml_attn.graph.model_device import QMatrix
 from ggml_attn.quant import dequantize_rows, q8_activations, quantize
 from ggml_attn.reference import nmse
@@ -302,7 +302,7 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, qr, 
                                                       (40, 16, 14336)])
 @pytest.mark.parametrize("with16", [False, True])
 def test_gemm_qrg_matches_float64_and_the_two_products(name, n_tok, n_in_blocks, n_ff, with16):
-    """dense_gemm_qrg (the gated FFN's gate and up products in one launch, graph/xp_matmul.gemm_qrg_launch):
+    """dense_gemm_qrg (the gated FFN's gate and up products in one launch, graph/tiled_gemm.gemm_qrg_launch):
     silu(gate) * up of the F16-rounded operands in float64, NMSE <= 1e-6 (of the exact ones <=
     1e-5), split over n_in (dense_splitk_gated) or not, rows and tokens past a tile's end; its F16
     form that output rounded; and, where it splits n_in as dense_gemm_qr does each matrix, the
@@ -315,7 +315,7 @@ def test_gemm_qrg_matches_float64_and_the_two_products(name, n_tok, n_in_blocks,
     part = cupy.full((grid[2], 2, n_tok, n_ff), np.nan, np.float32) if grid[2] > 1 else None
     d16 = cupy.full((n_tok, n_ff), np.nan, np.float16) if with16 else None
     x16 = cupy.asarray(x.astype(np.float16))
-    xp_matmul.gemm_qrg_launch(wg, wu, x16, d_out, d16, part)()
+    tiled_gemm.gemm_qrg_launch(wg, wu, x16, d_out, d16, part)()
     got = d_out.get()
     xs = x.astype(np.float16).astype(np.float64)
 

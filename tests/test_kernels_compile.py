@@ -43,12 +43,12 @@ REPRESENTATIVE = {
               K.model_ops_variant(), K.mma_variant(128, 128, F16),
               K.mma_variant(320, 256, BF16, ext=True), K.mma_variant(128, 128, BF16),
               K.vec_variant(576, 512, F16), K.vec_variant(128, 128, Q8_0), K.cells_variant(256, 256, BF16),
-              K.cells_qo_variant(128, 128, F16), K.dense_qrm_variant(12)),
+              K.cells_qo_variant(128, 128, F16), K.dense_qrm_variant(12), K.dense_qrg_variant(14)),
     "sm_80": (K.util_variant(), K.dense_variant(), K.dense_q_variant(14), K.dense_q8x_variant(14), K.dense_q8x_qout_variant(14),
               K.model_ops_variant(), K.mma_variant(40, 40, BF16),
               K.mma_variant(96, 96, F16, ext=True), K.mma_variant(64, 64, F16),
               K.vec_variant(80, 80, BF16), K.vec_variant(64, 64, Q4_0), K.cells_variant(128, 128, F16),
-              K.cells_qo_variant(64, 64, BF16), K.dense_qrm_variant(14)),
+              K.cells_qo_variant(64, 64, BF16), K.dense_qrm_variant(14), K.dense_qrg_variant(12)),
 }
 
 
@@ -559,5 +559,5 @@ def test_shipped_programs_are_the_probes_defaults(source):
     for name, value in PROBE_DEFAULTS[source].items():
         assert f"#ifndef {name}\n#define {name} {value}\n#endif" in text, (source, name)
     variants = [v for t in K.GEMMQR_TYPE_IDS
-                for v in (K.dense_q_variant(t), K.dense_qrm_variant(t), K.dense_qw_variant(t))]
+                for v in (K.dense_q_variant(t), K.dense_qrm_variant(t), K.dense_qrg_variant(t), K.dense_qw_variant(t))]
     assert variants and not any(o.startswith(("-DQR_", "-DQW_")) for v in variants for o in v.options)

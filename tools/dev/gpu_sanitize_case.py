@@ -547,19 +547,19 @@ def _dense_q(cp, rng) -> int:
 
 
 def _gated_gemm_ok(cp, wg, wu, vg, vu, x16) -> bool:
-    """One dense_gemm_qrg launch (graph/xp_matmul.gemm_qrg_launch) over gate ``wg`` and up ``wu``
+    """One dense_gemm_qrg launch (graph/tiled_gemm.gemm_qrg_launch) over gate ``wg`` and up ``wu``
     (float64 values ``vg``, ``vu``) and F16 ``x16`` into a poisoned output, its F16 form and
     partial sums (where gemm_q_grid splits n_in), against float64 silu(gate) * up of the
     F16-rounded operands (NMSE < 1e-6); prints the row."""
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph import xp_matmul
+    from ggml_attn.graph import tiled_gemm
     (rows, n_in), n_tok = wg.shape, x16.shape[0]
     d_out = cp.full((n_tok, rows), np.nan, np.float32)
     d16 = cp.full((n_tok, rows), np.nan, np.float16)
     grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), "dense_gemm_qrg")
     part = cp.full((grid[2], 2, n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-    xp_matmul.gemm_qrg_launch(wg, wu, cp.asarray(x16), d_out, d16, part)()
+    tiled_gemm.gemm_qrg_launch(wg, wu, cp.asarray(x16), d_out, d16, part)()
     cp.cuda.get_current_stream().synchronize()
     xs = x16.astype(np.float64)
     g, u = (xs @ v.astype(np.float16).astype(np.float64).T for v in (vg, vu))
@@ -571,7 +571,7 @@ def _gated_gemm_ok(cp, wg, wu, vg, vu, x16) -> bool:
 
 
 def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
-    """One launch of staged tiled block GEMM ``kernel`` (graph/xp_matmul.gemm_q_launch, tile ``bn``)
+    """One launch of staged tiled block GEMM ``kernel`` (graph/tiled_gemm.gemm_q_launch, tile ``bn``)
     over QMatrix ``w`` (float64 values ``vals``) and F16 ``x16`` into a poisoned output (and
     partial sums, where gemm_q_grid splits n_in), against float64 of the F16-rounded operands
     (NMSE < 1e-6); prints the row."""

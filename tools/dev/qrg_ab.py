@@ -32,7 +32,8 @@ def main(argv=None) -> int:
 
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
-    from ggml_attn.graph.xp_matmul import _act_mul_fn, gemm_q_launch, gemm_qrg_launch
+    from ggml_attn.graph.tiled_gemm import gemm_q_launch, gemm_qrg_launch
+    from ggml_attn.graph.xp_matmul import _act_mul_fn
     from ggml_attn.kernels import then
     rows = []
     for type_name in a.types.split(","):
