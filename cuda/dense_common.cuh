@@ -60,6 +60,8 @@ struct GemmQParams {
     int pad_;
     const unsigned char* w2;  // dense_gemm_qrg: the up matrix, rows and row_bytes as w (the gate's)
     __half* out16;            // dense_gemm_qrg: out's F16 form, (n_tok, rows) (null: none)
+    unsigned* tile_done;      // dense_gemm_qr split over n_in: a counter a (blockIdx.x, blockIdx.y) tile, zero
+                              // before the launch and after it; its last block adds the splits (null: dense_splitk_sum)
 };
 
 // silu(x) = x / (1 + exp(-x)), the gated FFN's activation (every kernel that applies it: one rounding)

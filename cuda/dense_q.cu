@@ -459,6 +459,54 @@ __device__ __forceinline__ void qr_stage(const GemmQParams& p, unsigned char* st
     }
 }
 
+// QR_SPLIT_FINISH 1 (an A/B program: ggml_attn/variants.py qr_finish_variant; 0 ships): dense_gemm_qr
+// split over n_in with p.tile_done adds its splits itself (qr_split_finish) where 0 leaves them to
+// dense_splitk_sum. (A macro, not a branch: the epilogue's code moved the main loop's registers.)
+#ifndef QR_SPLIT_FINISH
+#define QR_SPLIT_FINISH 0
+#endif
+// The end of a dense_gemm_qr block split over n_in with p.tile_done: after its partial sums, the
+// block of its tile that counts last adds the tile's bm x bn outputs' splits in split order --
+// dense_splitk_sum's sums and roundings (G: dense_splitk_gated's, silu(gate) * up and its F16
+// form), the same bits without their launch -- reading the partials past L1 (another SM wrote
+// them), and sets the tile's counter back to zero for the next launch. smem: 4 bytes of the
+// block's shared memory, free (the stages' last reads are done).
+template <int G>
+__device__ __forceinline__ void qr_split_finish(const GemmQParams& p, unsigned char* smem, int m0, int n0, int bm,
+                                                int bn) {
+    volatile unsigned* last = reinterpret_cast<volatile unsigned*>(smem);
+    __threadfence();   // this thread's partial sums visible to the GPU before the tile's count
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* c = p.tile_done + blockIdx.y * gridDim.x + blockIdx.x;
+        const unsigned done = atomicAdd(c, 1u) == gridDim.z - 1;
+        if (done) *c = 0u;   // (every block of the tile has counted)
+        *last = done;
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const long long n = (long long)p.n_tok * p.rows;
+    const int rows = min(bm, p.rows - m0), toks = min(bn, p.n_tok - n0);
+    for (int e = threadIdx.x; e < rows * toks; e += blockDim.x) {
+        const long long i = (long long)(n0 + e / rows) * p.rows + m0 + e % rows;
+        if constexpr (G != 0) {
+            float g = 0.0f, u = 0.0f;
+            for (int z = 0; z < (int)gridDim.z; ++z) {
+                g += __ldcg(p.part + 2 * z * n + i);
+                u += __ldcg(p.part + (2 * z + 1) * n + i);
+            }
+            const float v = silu_f(g) * u;
+            p.out[i] = v;
+            if (p.out16) p.out16[i] = __float2half_rn(v);
+        } else {
+            float s = 0.0f;
+            for (int z = 0; z < (int)gridDim.z; ++z) s += __ldcg(p.part + z * n + i);
+            p.out[i] = p.mode == 1 ? p.out[i] + s : s;
+        }
+    }
+}
+
 __device__ __forceinline__ unsigned qr_pack(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
@@ -565,6 +613,9 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
             for (int i = 0; i < 2; ++i)
                 gemm_warp_store<1, NI>(*reinterpret_cast<const float(*)[1][NI][4]>(acc[i]),
                                        part + (long long)i * p.n_tok * p.rows, false, p.rows, p.n_tok, m0 + 16 * warp, n0);
+            if constexpr (QR_SPLIT_FINISH != 0) {
+                if (p.tile_done) qr_split_finish<G>(p, qr_smem, m0, n0, QR_BM, BN);
+            }
         } else {
             gated_warp_store<NI>(acc, p.out, p.out16, p.rows, p.n_tok, m0 + 16 * warp, n0);
         }
@@ -575,6 +626,9 @@ __global__ void __launch_bounds__(QS_THREADS, BN == 64 ? 1 : 2) dense_gemm_qr(co
         gemm_warp_store<1, NI>(*reinterpret_cast<const float(*)[1][NI][4]>(acc[i]),
                                gridDim.z > 1 ? p.part + (long long)blockIdx.z * p.n_tok * p.rows : p.out,
                                gridDim.z == 1 && p.mode == 1, p.rows, p.n_tok, m0 + QR_BM * i + 16 * warp, n0);
+    if constexpr (QR_SPLIT_FINISH != 0) {
+        if (gridDim.z > 1 && p.tile_done) qr_split_finish<0>(p, qr_smem, m0, n0, TL::BM, BN);
+    }
 }
 
 // out[i] = (mode 1: out[i] +) part[0][i] + part[1][i] + ... + part[splits - 1][i], for i < n

@@ -40,7 +40,7 @@ from .variants import (  # noqa: F401  (re-exported: the catalogue, ggml_attn/va
     CELL_LIST_THREADS,
     util_variant, GEMV_MAX_TOKENS, GEMV_WARPS, GEMV_UNROLLS, GEMV_UNROLL, gemv_name, DENSE_NAMES, dense_variant,
     GEMVQ_TOKENS, GEMVQ_MAX_TOKENS, gemv_q_name, GEMVQ_WARPS, GEMVQ_WARPS_X, dense_q_x_variant,
-    dense_q_variant, dense_qw_variant, qw_instance, dense_qrm_variant, dense_qrg_variant, staged_instance,
+    dense_q_variant, dense_qw_variant, qw_instance, dense_qrm_variant, dense_qrg_variant, qr_finish_variant, staged_instance,
     Q8X_TOKENS, Q8X_PLAIN_TOKENS, Q8X_WARPS, Q8X_SWARPS, Q8XV_TYPES, Q8XV_TYPE_IDS, Q8XV_TOKENS, Q8X_VWARPS,
     Q8XR_TYPES, Q8XR_TOKENS, Q8X_FORM_TYPES, Q8X_ONE_WAVE, Q8X_GATED_FORMS, q8x_form_reads,
     Q8X_FORMS, Q8X_SPLIT_TOKENS, Q8X_QOUT_TOKENS, q8x_name,
@@ -375,8 +375,8 @@ class GemmQParams(ctypes.Structure):
     """Mirror of ``struct GemmQParams`` (dense_q.cu): the tiled block GEMM's operands."""
     _fields_ = [("w", ctypes.c_uint64), ("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("part", ctypes.c_uint64),
                 ("row_bytes", ctypes.c_int64), ("rows", ctypes.c_int32), ("n_in", ctypes.c_int32),
-                ("n_tok", ctypes.c_int32), ("k_chunk", ctypes.c_int32), ("mode", ctypes.c_int32),
-                ("pad_", ctypes.c_int32), ("w2", ctypes.c_uint64), ("out16", ctypes.c_uint64)]
+                ("n_tok", ctypes.c_int32), ("k_chunk", ctypes.c_int32), ("mode", ctypes.c_int32), ("pad_", ctypes.c_int32),
+                ("w2", ctypes.c_uint64), ("out16", ctypes.c_uint64), ("tile_done", ctypes.c_uint64)]
 
 
 class GemvQ8Params(ctypes.Structure):

@@ -176,6 +176,12 @@ QRGEMM_ROWS = 128
 # launches, their split sums, the two F32 products written and read back, and the activation's
 # launch. An A/B until measured (gated_kernel).
 QR_GATED = False
+# dense_gemm_qr's (and qrm's, qrg's) launches split over n_in: True, the last block of each tile
+# adds the tile's partial sums in split order (the bits of dense_splitk_sum's sums, read from L2
+# just written) and no dense_splitk_sum launch follows -- ~5 such launches an 8B layer at 16-64
+# tokens; the program with cuda/dense_q.cu's QR_SPLIT_FINISH 1 (kernels.qr_finish_variant), a
+# counter a tile zeroed at build (the last block sets it back). An A/B until measured.
+QR_SPLIT_FINISH = False
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
 # of any block type on the H100 against 282-456 for the form before it, whose lanes each stored
@@ -224,6 +230,14 @@ def qr_gated() -> bool:
     (gated_kernel says where): QR_GATED on an sm_90 GPU (its stages take up to 207 KB of shared
     memory)."""
     return bool(QR_GATED) and _hopper()
+
+
+def split_finish(kernel: str, splits: int) -> bool:
+    """Whether a launch of tiled block GEMM ``kernel`` split ``splits`` ways over n_in adds its
+    splits itself (QR_SPLIT_FINISH, for the dense_gemm_qr family) instead of a dense_splitk_sum
+    launch after it."""
+    from .gemm_tiles import GEMMQR_KERNELS
+    return bool(QR_SPLIT_FINISH) and splits > 1 and kernel in (*GEMMQR_KERNELS, "dense_gemm_qrg")
 
 
 def gated_kernel(gate_type: str, up_type: str, n_tokens: int, *, aligned: bool = True) -> str | None:

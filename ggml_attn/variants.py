@@ -262,6 +262,16 @@ def dense_qrg_variant(type_id: int) -> Variant:
                                                "dense_splitk_gated"))
 
 
+def qr_finish_variant(v: Variant) -> Variant:
+    """Program ``v`` (dense_q_variant's, dense_qrm_variant's or dense_qrg_variant's) with
+    dense_gemm_qr's fused split finish compiled in (cuda/dense_q.cu QR_SPLIT_FINISH 1: a split
+    launch with tile counters adds its splits itself, no dense_splitk_sum): an A/B program
+    (matmul_dispatch.QR_SPLIT_FINISH)."""
+    if v.source != "dense_q.cu":
+        raise ValueError(f"the fused split finish is dense_gemm_qr's (cuda/dense_q.cu), not {v.source}'s")
+    return replace(v, options=v.options + ("-DQR_SPLIT_FINISH=1",))
+
+
 def staged_instance(kernel: str, type_id: int, bn: int) -> str:
     """The instance of staged GEMM ``kernel`` (dense_gemm_qs, dense_gemm_qr, dense_gemm_qrm: that
     is dense_gemm_qr<T, 64, 2>, two row halves; dense_gemm_qrg: dense_gemm_qr<T, 64, 2, 1>, the

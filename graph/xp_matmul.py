@@ -49,7 +49,7 @@ from .model_device import QMatrix
 from .path_gemm import dequant_gemm_launches
 from . import q8_handoff
 from .q8_matmul import gemm_q8_launch, q8x_launches, quant_q8x_launch, rows_aligned
-from .tiled_gemm import gemm_q_launch, gemm_qrg_launch
+from .tiled_gemm import gemm_q_launch, gemm_qrg_launch, tile_counters
 from .xp_node import custom as _custom, dptr as _dptr, then as _then, views as _views
 
 __all__ = ["mul_mat", "mul_mat_group", "mul_mat_gated", "mul_mat_add", "rms_norm", "gemv_launch", "gemv_q_launch",
@@ -130,7 +130,7 @@ def _gated_gemm(b, wg, wu, x, out, down, *, norm_eps, norm_w, name: str):
         return None, None
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import gated_kernel  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import gated_kernel, split_finish  # noqa: PLC0415
     n_tok, (n_ff, n_in) = x.shape[0], (int(d) for d in wg.shape)
     if gated_kernel(wg.type, wu.type, n_tok, aligned=rows_aligned([wg, wu])) is None:
         return None, None
@@ -138,7 +138,8 @@ def _gated_gemm(b, wg, wu, x, out, down, *, norm_eps, norm_w, name: str):
     grid, _ = K.gemm_q_grid(n_ff, n_tok, n_in, num_sms(), "dense_gemm_qrg")
     part = b.scratch((grid[2], 2, n_tok, n_ff), np.float32) if grid[2] > 1 else None
     out16 = q8_handoff.f16_for(b, down, n_tok, out.shape)
-    run = _then(norm, gemm_qrg_launch(wg, wu, x16, out, out16, part))
+    done = tile_counters(b, grid) if split_finish("dense_gemm_qrg", grid[2]) else None
+    run = _then(norm, gemm_qrg_launch(wg, wu, x16, out, out16, part, done=done))
     b.keep(wg.blocks, wu.blocks, x16, out, *(a for a in (part, norm_w) if a is not None))
     return run, out16
 
@@ -377,7 +378,7 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
         return run
     from ggml_attn import kernels as K  # noqa: PLC0415
     from ggml_attn.cuda_device import num_sms  # noqa: PLC0415
-    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, tiled_kernel  # noqa: PLC0415
+    from ggml_attn.matmul_dispatch import TILED_PATHS, best_matmul, split_finish, tiled_kernel  # noqa: PLC0415
     n_tok, n_in = (x if x is not None else x16).shape
     paths = [best_matmul(w.type, n_tok, gemv=False, aligned=rows_aligned([w])).path for w in ws]   # (not _gemv's)
     steps, q8 = [], None
@@ -400,8 +401,9 @@ def _qmatmuls(b, ws: list, x, outs: list, *, accumulate: bool = False, x16=None)
             kernel = tiled_kernel(path, w.type, n_tok)
             grid, _ = K.gemm_q_grid(int(w.shape[0]), n_tok, int(w.shape[1]), num_sms(), kernel)
             part = b.scratch((grid[2], n_tok, int(w.shape[0])), np.float32) if grid[2] > 1 else None
+            done = tile_counters(b, grid) if split_finish(kernel, grid[2]) else None
             steps.append(gemm_q8_launch(w, *q8, o, part, accumulate=accumulate) if path == "gemm-q8" else
-                         gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel))
+                         gemm_q_launch(w, x16, o, part, accumulate=accumulate, kernel=kernel, done=done))
             b.keep(w.blocks, *([part] if part is not None else []))
             continue
         steps += [launch for pair in dequant_gemm_launches(w, x16, o, accumulate=accumulate) for launch in pair]

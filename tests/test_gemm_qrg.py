@@ -156,3 +156,76 @@ def test_gated_node_is_one_launch_with_the_down_gemms_f16_input(launches, monkey
     xp_matmul.mul_mat_add(b, wd, f, node(Dev((n_tok, n_embd))), "ffn_res")
     names = [ln.fn.name for ln in launches]
     assert "dense_cast_f16" not in names and launches[0].params[0].x == out16.data.ptr, names
+
+
+def test_split_finish_where_it_applies(monkeypatch):
+    """matmul_dispatch.QR_SPLIT_FINISH (off as shipped): a split launch of dense_gemm_qr, qrm or
+    qrg adds its splits itself; one split, or another kernel, keeps dense_splitk_sum."""
+    assert md.QR_SPLIT_FINISH is False and not md.split_finish("dense_gemm_qr", 4)
+    monkeypatch.setattr(md, "QR_SPLIT_FINISH", True)
+    assert all(md.split_finish(k, 2) for k in ("dense_gemm_qr", "dense_gemm_qrm", "dense_gemm_qrg"))
+    assert not md.split_finish("dense_gemm_qr", 1)
+    assert not any(md.split_finish(k, 4) for k in ("dense_gemm_qs", "dense_gemm_q8", "dense_gemm_qw", "dense_gemm_q"))
+    v = K.dense_q_variant(12)
+    assert K.qr_finish_variant(v).options == ("-DQR_SPLIT_FINISH=1",) and K.qr_finish_variant(v).names == v.names
+    with pytest.raises(ValueError, match="dense_q.cu"):
+        K.qr_finish_variant(K.dense_qw_variant(12))
+
+
+@pytest.mark.parametrize("kernel, rows", [("dense_gemm_qr", 1024), ("dense_gemm_qrm", 4096), ("dense_gemm_qr", 14336)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_launch_with_counters_adds_its_splits(launches, gated_on, kernel, rows, accumulate):
+    """With tile counters a split dense_gemm_qr / qrm launch takes the QR_SPLIT_FINISH program and
+    the counters' address, and no dense_splitk_sum follows; unsplit (the 14336-row gate at 64
+    tokens) the counters are not read and the shipped program runs. Counters that do not cover
+    the grid, or another kernel's split, are refused."""
+    from ggml_attn.graph import tiled_gemm
+    n_in, n_tok = 4096, 64
+    w = _qmatrix("Q4_K", rows, n_in)
+    grid, _ = K.gemm_q_grid(rows, n_tok, n_in, 132, kernel)
+    part = Dev((grid[2], n_tok, rows)) if grid[2] > 1 else None
+    done = Dev((grid[0] * grid[1],), np.uint32)
+    tiled_gemm.gemm_q_launch(w, Dev((n_tok, n_in), np.float16), Dev((n_tok, rows)), part, accumulate=accumulate,
+                             kernel=kernel, done=done)()
+    names = [ln.fn.name for ln in launches]
+    (p,) = launches[0].params
+    base = K.dense_qrm_variant(12) if kernel == "dense_gemm_qrm" else K.dense_q_variant(12)
+    if grid[2] > 1:
+        assert names == [K.staged_instance(kernel, 12, 64)] and p.tile_done == done.data.ptr
+        assert launches[0].fn.variant == K.qr_finish_variant(base) and p.mode == int(accumulate)
+        with pytest.raises(ValueError, match="counters"):
+            tiled_gemm.gemm_q_launch(w, Dev((n_tok, n_in), np.float16), Dev((n_tok, rows)), part, kernel=kernel,
+                                     done=Dev((grid[0] * grid[1] - 1,), np.uint32))
+    else:
+        assert names == [K.staged_instance(kernel, 12, 64)] and p.tile_done == 0 and launches[0].fn.variant == base
+    q3 = _qmatrix("Q3_K", 1024, n_in)
+    g3, _ = K.gemm_q_grid(1024, n_tok, n_in, 132, "dense_gemm_qs")
+    with pytest.raises(ValueError, match="itself"):
+        tiled_gemm.gemm_q_launch(q3, Dev((n_tok, n_in), np.float16), Dev((n_tok, 1024)), Dev((g3[2], n_tok, 1024)),
+                                 kernel="dense_gemm_qs", done=Dev((64,), np.uint32))
+
+
+def test_split_finish_in_the_graph(launches, monkeypatch, gated_on):
+    """QR_SPLIT_FINISH on: the device graph's split dense_gemm_qr launches (an 8B-shaped K matrix
+    at 64 tokens: 16 splits) and a split dense_gemm_qrg (a small FFN) each get zeroed tile counters
+    made at build and no sum launch; off, dense_splitk_sum / dense_splitk_gated follow them."""
+    for on in (False, True):
+        launches.clear()
+        monkeypatch.setattr(md, "QR_SPLIT_FINISH", on)
+        GraphB, node = graph_nodes(monkeypatch)
+        b = GraphB()
+        wk = _qmatrix("Q4_K", 1024, 4096)
+        x = node(Dev((64, 4096)))
+        xp_matmul.mul_mat_group(b, [wk], x, "k", norm_eps=1e-5, norm_w=Dev((4096,)))
+        wg, wu = _qmatrix("Q4_K", 1024, 4096), _qmatrix("Q4_K", 1024, 4096)
+        xp_matmul.mul_mat_gated(b, wg, wu, x, "ffn", norm_eps=1e-5, norm_w=Dev((4096,)))
+        names = [ln.fn.name for ln in launches]
+        gemms = [ln for ln in launches if ln.fn.name.startswith("dense_gemm_qr<")]
+        assert len(gemms) == 2 and all(ln.grid[2] > 1 for ln in gemms), names
+        assert ("dense_splitk_sum" in names and "dense_splitk_gated" in names) == (not on), names
+        for ln in gemms:
+            (p,) = ln.params
+            assert (p.tile_done != 0) == on
+            if on:
+                done = next(a for a in b.kept if getattr(a, "data", None) is not None and a.data.ptr == p.tile_done)
+                assert done.dtype == np.uint32 and done.size == ln.grid[0] * ln.grid[1] and not done.a.any()

@@ -345,6 +345,45 @@ def test_gemm_qrg_matches_float64_and_the_two_products(name, n_tok, n_in_blocks,
             float(np.abs(got - ref).max())
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kernel", ["dense_gemm_qr", "dense_gemm_qrm", "dense_gemm_qrg"])
+@pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(16, 16, 1024), (64, 16, 1024), (40, 9, 300), (100, 16, 4096)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_split_finish_gives_the_sum_launchs_bits(name, kernel, n_tok, n_in_blocks, rows, accumulate):
+    """A split dense_gemm_qr / qrm / qrg launch with tile counters (the QR_SPLIT_FINISH program: the
+    last block of each tile adds the splits) writes the bits of the same launch followed by
+    dense_splitk_sum / dense_splitk_gated, twice in a row (the counters back at zero after each
+    launch), rows and tokens past a tile's end included."""
+    from ggml_attn.graph import tiled_gemm as tg
+    _skip_unless_hopper("dense_gemm_qrm" if kernel != "dense_gemm_qr" else kernel)
+    gated = kernel == "dense_gemm_qrg"
+    if gated and accumulate:
+        pytest.skip("the gated product stores")
+    n_in, _, x, init, w, _, grid, _ = _gemm_case(name, n_tok, n_in_blocks, rows, accumulate, kernel)
+    if grid[2] == 1:
+        pytest.skip("one split here")
+    wu = QMatrix(name, (rows, n_in), cupy.asarray(_blocks(name, rows, n_in, rows + 7)[0]))
+    x16 = cupy.asarray(x.astype(np.float16))
+    done = cupy.zeros(grid[0] * grid[1], np.uint32)
+    outs = []
+    for d in (None, done, done):
+        out = cupy.asarray(init) if accumulate else cupy.full((n_tok, rows), np.nan, np.float32)
+        out16 = cupy.full((n_tok, rows), np.nan, np.float16) if gated else None
+        part = cupy.full((grid[2], 2, n_tok, rows) if gated else (grid[2], n_tok, rows), np.nan, np.float32)
+        if gated:
+            tg.gemm_qrg_launch(w, wu, x16, out, out16, part, done=d)()
+        else:
+            tg.gemm_q_launch(w, x16, out, part, accumulate=accumulate, kernel=kernel, done=d)()
+        cupy.cuda.get_current_stream().synchronize()
+        outs.append((out.get(), None if out16 is None else out16.get()))
+        assert not done.get().any()
+    (ref, ref16), *fused = outs
+    assert np.isfinite(ref).all()
+    for got, got16 in fused:
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+        assert got16 is None or np.array_equal(got16.view(np.uint16), ref16.view(np.uint16))
+
+
 @pytest.mark.parametrize("name, qw", [(t, k) for t in K.GEMMQR_TYPES for k in K.GEMMQW_FORMS
                                       if K.qw_instance(block_layout(t).type_id, k)])
 @pytest.mark.parametrize("n_tok, n_in_blocks, rows", [(512, 16, 4096), (512, 16, 1024), (129, 8, 300), (7, 2, 130)])

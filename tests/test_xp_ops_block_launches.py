@@ -30,6 +30,9 @@ class Dev:
     def reshape(self, *shape):
         return Dev(None, base=self.a.reshape(*shape))
 
+    def fill(self, v):
+        self.a.fill(v)
+
     def __getitem__(self, k):
         return Dev(None, base=self.a[k])
 

@@ -74,6 +74,10 @@ def start_precompile(cfg) -> Future:
             variants += [K.dense_qrm_variant(t) for t in qr_ids]
         if matmul_dispatch.qr_gated():   # the gated FFN's products in one launch (dense_gemm_qrg)
             variants += [K.dense_qrg_variant(t) for t in qr_ids]
+        if matmul_dispatch.QR_SPLIT_FINISH:   # dense_gemm_qr's shards with the fused split finish
+            variants += list(dict.fromkeys(K.qr_finish_variant(v).shard_of(n) for v in variants
+                                           if v.family in ("dense-q", "dense-qrm", "dense-qrg")
+                                           for n in v.names if n.startswith("dense_gemm_qr<")))
         if matmul_dispatch.ATTN_QUANT_OUT and m.head_dim_v % 32 == 0:   # the cell-list kernel's QO instances
             variants += [K.cells_qo_of(v) for v in variants if v.family == "cells"]
     def job():

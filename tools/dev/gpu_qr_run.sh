@@ -2,16 +2,16 @@
 # #43's staged block GEMMs at 16-64 tokens on the device, in one call (carry .whl/; GGML_ATTN_COMMIT set;
 # an sm_90 GPU: dense_gemm_qrm's stages need its shared memory):
 #   1. install (tools/dev/gpu_check.sh's); the Q4_K_M fixture written in the background
-#   2. GPU tests of dense_gemm_qrm, dense_gemm_qrg and qr's bit-for-bit test (tests/test_gpu_dense_q.py
-#      -k "qrm or qrg or qr_equals") -> $OUT/logs/tests_qr.log; memcheck of the block kernels
-#      (gpu_sanitize_case.py --dense-q, qrm and qrg among them)
+#   2. GPU tests of dense_gemm_qrm, dense_gemm_qrg, the fused split finish and qr's bit-for-bit test
+#      (tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish") -> $OUT/logs/tests_qr.log;
+#      memcheck of the block kernels (gpu_sanitize_case.py --dense-q, qrm, qrg and the finish among them)
 #   3. tools/dev/qr_probe.py: one 8B layer through dense_gemm_qr and dense_gemm_qrm (shipped and staging
 #      only, Q4_K / Q6_K at 64 / 32 tokens), and the stagger A/Bs (QR_STAGGER on qr at 64 / 16,
 #      QW_STAGGER on qwh at 512 / 64) -> $OUT/probe_*.json; every program compiled first, all at once
 #   3b. tools/dev/qrg_ab.py: an 8B layer's gate and up products and silu, as two dense_gemm_qr / qrm
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
-#   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file: base, QRGEMM_ROWS 256, QR_GATED,
-#      both (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
+#   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, a ladder: base, + QRGEMM_ROWS 256,
+#      + QR_GATED, + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
 #   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -46,13 +46,15 @@ RUNS=("--kernel dense_gemm_qr --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
 if [ $PROBES = 1 ] || [ $TESTS = 1 ]; then
 echo "== compile the probes' programs and dense_gemm_qrg's"
 for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & done
-for t in 8 12 14; do $PY -c "from ggml_attn import kernels as K; K.compile_variant(K.dense_qrg_variant($t), K.device_arch())" \
+for t in 8 12 14; do $PY -c "from ggml_attn import kernels as K; a = K.device_arch()
+for v in (K.dense_qrg_variant($t), K.qr_finish_variant(K.dense_qrg_variant($t)), K.qr_finish_variant(K.dense_qrm_variant($t)),
+          K.qr_finish_variant(K.dense_q_variant($t)).shard_of('dense_gemm_qr<$t, 64>')): K.compile_variant(v, a)" \
     > /dev/null 2>&1 & done; wait
 say
 fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests: dense_gemm_qrm, dense_gemm_qrg, qr / qrm against qs bit for bit; memcheck of the block kernels"
-  timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals" \
+  timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish" \
       > "$LOGS/tests_qr.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr.log" | head -10; tail -1 "$LOGS/tests_qr.log"
   timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
@@ -73,10 +75,11 @@ say
 fi
 if [ $AB = 1 ]; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
-  echo "== batched S_TG: base, QRGEMM_ROWS 256, QR_GATED, both"
+  echo "== batched S_TG: base, + QRGEMM_ROWS 256, + QR_GATED, + QR_SPLIT_FINISH"
   $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_qrm.json" --variant base \
-      --variant qrm:matmul_dispatch.QRGEMM_ROWS=256 --variant qrg:matmul_dispatch.QR_GATED=True \
+      --variant qrm:matmul_dispatch.QRGEMM_ROWS=256 \
       --variant qrm_qrg:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True \
+      --variant qrm_qrg_fin:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True,matmul_dispatch.QR_SPLIT_FINISH=True \
       batched-bench --device cuda -m /tmp/qr-q4km.gguf \
       -c 40960 -npp 128 -ntg 32 -npl 16,32,64 2>&1 | tail -12 || status=1
   say

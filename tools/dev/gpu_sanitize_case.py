@@ -538,19 +538,23 @@ def _dense_q(cp, rng) -> int:
             for n_tok, bn in tiles:
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
                 bad += not _staged_gemm_ok(cp, kernel, w8, vals8, x16, bn)
+                if kernel in K.GEMMQR_KERNELS and bn is None:   # the fused split finish's program
+                    bad += not _staged_gemm_ok(cp, kernel, w8, vals8, x16, bn, finish=True)
         if "dense_gemm_qrm" in staged:   # the gated form (dense_gemm_qrg): these rows as the gate and, reversed, the up
             wu8 = QMatrix(name, (rows, n8), cp.asarray(q8w[::-1].copy()))
             for n_tok in (20, 70):
                 x16 = (rng.standard_normal((n_tok, n8)) * 3.0).astype(np.float16)
-                bad += not _gated_gemm_ok(cp, w8, wu8, vals8, vals8[::-1], x16)
+                for finish in (False, True):
+                    bad += not _gated_gemm_ok(cp, w8, wu8, vals8, vals8[::-1], x16, finish)
     return bad
 
 
-def _gated_gemm_ok(cp, wg, wu, vg, vu, x16) -> bool:
+def _gated_gemm_ok(cp, wg, wu, vg, vu, x16, finish: bool = False) -> bool:
     """One dense_gemm_qrg launch (graph/tiled_gemm.gemm_qrg_launch) over gate ``wg`` and up ``wu``
     (float64 values ``vg``, ``vu``) and F16 ``x16`` into a poisoned output, its F16 form and
     partial sums (where gemm_q_grid splits n_in), against float64 silu(gate) * up of the
-    F16-rounded operands (NMSE < 1e-6); prints the row."""
+    F16-rounded operands (NMSE < 1e-6); ``finish``: with tile counters (the fused split finish),
+    left zero; prints the row."""
     from ggml_attn import kernels as K
     from ggml_attn.cuda_device import num_sms
     from ggml_attn.graph import tiled_gemm
@@ -559,18 +563,20 @@ def _gated_gemm_ok(cp, wg, wu, vg, vu, x16) -> bool:
     d16 = cp.full((n_tok, rows), np.nan, np.float16)
     grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), "dense_gemm_qrg")
     part = cp.full((grid[2], 2, n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-    tiled_gemm.gemm_qrg_launch(wg, wu, cp.asarray(x16), d_out, d16, part)()
+    done = cp.zeros(grid[0] * grid[1], np.uint32) if finish else None
+    tiled_gemm.gemm_qrg_launch(wg, wu, cp.asarray(x16), d_out, d16, part, done=done)()
     cp.cuda.get_current_stream().synchronize()
     xs = x16.astype(np.float64)
     g, u = (xs @ v.astype(np.float16).astype(np.float64).T for v in (vg, vu))
     got = d_out.get()
     err = nmse(got, g / (1.0 + np.exp(-g)) * u)
-    ok = err < 1e-6 and bool((d16.get() == got.astype(np.float16)).all())
-    print(f"gemm_qrg {wg.type:5s} n_tok={n_tok:3d} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    ok = err < 1e-6 and bool((d16.get() == got.astype(np.float16)).all()) and (done is None or not done.get().any())
+    print(f"gemm_qrg {wg.type:5s} n_tok={n_tok:3d} splits={grid[2]} finish={finish} nmse={err:.2e} "
+          f"{'ok' if ok else 'FAIL'}")
     return ok
 
 
-def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
+def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None, finish: bool = False) -> bool:
     """One launch of staged tiled block GEMM ``kernel`` (graph/tiled_gemm.gemm_q_launch, tile ``bn``)
     over QMatrix ``w`` (float64 values ``vals``) and F16 ``x16`` into a poisoned output (and
     partial sums, where gemm_q_grid splits n_in), against float64 of the F16-rounded operands
@@ -582,11 +588,13 @@ def _staged_gemm_ok(cp, kernel: str, w, vals, x16, bn=None) -> bool:
     d_out = cp.full((n_tok, rows), np.nan, np.float32)
     grid, _ = K.gemm_q_grid(rows, n_tok, n_in, num_sms(), kernel, bn)
     part = cp.full((grid[2], n_tok, rows), np.nan, np.float32) if grid[2] > 1 else None
-    xp_matmul.gemm_q_launch(w, cp.asarray(x16), d_out, part, kernel=kernel, bn=bn)()
+    done = cp.zeros(grid[0] * grid[1], np.uint32) if finish else None
+    xp_matmul.gemm_q_launch(w, cp.asarray(x16), d_out, part, kernel=kernel, bn=bn, done=done)()
     cp.cuda.get_current_stream().synchronize()
     err = nmse(d_out.get(), x16.astype(np.float64) @ vals.astype(np.float16).astype(np.float64).T)
-    ok = err < 1e-6
-    print(f"{kernel[6:]:8s} {w.type:5s} n_tok={n_tok:3d} bn={bn} splits={grid[2]} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
+    ok = err < 1e-6 and (done is None or not done.get().any())
+    print(f"{kernel[6:]:8s} {w.type:5s} n_tok={n_tok:3d} bn={bn} splits={grid[2]}{' finish' if finish else ''} "
+          f"nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     return ok
 
 

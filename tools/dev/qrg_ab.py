@@ -5,6 +5,8 @@ and its F16 form), on the GPU, three ways per block type and token count, device
   qr    two dense_gemm_qr launches (each with its split sum where it splits) + dense_silu_mul
   qrm   the same with dense_gemm_qrm (matmul_dispatch.QRGEMM_ROWS 256)
   qrg   one dense_gemm_qrg launch (matmul_dispatch.QR_GATED; dense_splitk_gated where it splits)
+  qr_fin, qrg_fin   qr and qrg where they split with the fused split finish (matmul_dispatch.QR_SPLIT_FINISH:
+        tile counters, no sum launch)
 
 and whether qrg's output is qr's (bits where both take one split of n_in, else the largest
 difference relative to the row's largest value). Needs an sm_90 GPU (qrm's and qrg's shared memory).
@@ -43,22 +45,25 @@ def main(argv=None) -> int:
         for n in (int(t) for t in a.tokens.split(",")):
             x16 = cp.random.standard_normal((n, N_EMBD), dtype=cp.float32).astype(cp.float16)
             outs, res = {}, {}
-            for form in ("qr", "qrm", "qrg"):
+            for form in ("qr", "qrm", "qrg", "qr_fin", "qrg_fin"):
                 out = cp.empty((n, n_ff), cp.float32)
                 out16 = cp.empty((n, n_ff), cp.float16)
-                if form == "qrg":
-                    grid, _ = K.gemm_q_grid(n_ff, n, N_EMBD, num_sms(), "dense_gemm_qrg")
+                kernel = {"qr": "dense_gemm_qr", "qrm": "dense_gemm_qrm", "qr_fin": "dense_gemm_qr"}.get(form,
+                                                                                                  "dense_gemm_qrg")
+                grid, _ = K.gemm_q_grid(n_ff, n, N_EMBD, num_sms(), kernel)
+                splits = grid[2]
+                if form.endswith("_fin") and splits == 1:
+                    continue
+                done = [cp.zeros(grid[0] * grid[1], cp.uint32) for _ in range(2)] if form.endswith("_fin") else [None] * 2
+                if form.startswith("qrg"):
                     part = cp.empty((grid[2], 2, n, n_ff), cp.float32) if grid[2] > 1 else None
-                    f, splits = gemm_qrg_launch(wg, wu, x16, out, out16, part), grid[2]
+                    f = gemm_qrg_launch(wg, wu, x16, out, out16, part, done=done[0])
                 else:
-                    kernel = "dense_gemm_qr" if form == "qr" else "dense_gemm_qrm"
-                    grid, _ = K.gemm_q_grid(n_ff, n, N_EMBD, num_sms(), kernel)
                     g, u = cp.empty_like(out), cp.empty_like(out)
                     parts = [cp.empty((grid[2], n, n_ff), cp.float32) if grid[2] > 1 else None for _ in range(2)]
-                    f = then(gemm_q_launch(wg, x16, g, parts[0], kernel=kernel),
-                             gemm_q_launch(wu, x16, u, parts[1], kernel=kernel),
+                    f = then(gemm_q_launch(wg, x16, g, parts[0], kernel=kernel, done=done[0]),
+                             gemm_q_launch(wu, x16, u, parts[1], kernel=kernel, done=done[1]),
                              _act_mul_fn("silu", cp, g, u, out, out16))
-                    splits = grid[2]
                 med, lo, hi = device_us([f])
                 f()
                 cp.cuda.get_current_stream().synchronize()
