@@ -6,23 +6,23 @@
 #      (tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish") -> $OUT/logs/tests_qr.log;
 #      memcheck of the block kernels (gpu_sanitize_case.py --dense-q, qrm, qrg and the finish among them)
 #   3. tools/dev/qr_probe.py: one 8B layer through dense_gemm_qr and dense_gemm_qrm (shipped and staging
-#      only, Q4_K / Q6_K at 64 / 32 tokens), and the stagger A/Bs (QR_STAGGER on qr at 64 / 16,
+#      only, Q4_K / Q6_K at 64 / 32 tokens), with --stagger the stagger A/Bs too (QR_STAGGER on qr at 64 / 16,
 #      QW_STAGGER on qwh at 512 / 64) -> $OUT/probe_*.json; every program compiled first, all at once
 #   3b. tools/dev/qrg_ab.py: an 8B layer's gate and up products and silu, as two dense_gemm_qr / qrm
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, a ladder: base, + QRGEMM_ROWS 256,
 #      + QR_GATED, + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
-#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab]
+#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab] [--stagger]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; PROBES=1; AB=1
+INSTALL=1; TESTS=1; PROBES=1; AB=1; STAGGER=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-ab) AB=0;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-ab) AB=0;; --stagger) STAGGER=1;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -40,9 +40,9 @@ if [ $AB = 1 ]; then
   WRITER=$!
 fi
 RUNS=("--kernel dense_gemm_qr --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
-      "--kernel dense_gemm_qrm --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
-      "--kernel dense_gemm_qr --types Q4_K --tokens 64,16 --probes 0,3 --define QR_STAGGER=1"
-      "--kernel dense_gemm_qwh --types Q4_K --tokens 512,64 --probes 0,3 --define QW_STAGGER=1")
+      "--kernel dense_gemm_qrm --types Q4_K,Q6_K --tokens 64,32 --probes 0,3")
+[ $STAGGER = 1 ] && RUNS+=("--kernel dense_gemm_qr --types Q4_K --tokens 64,16 --probes 0,3 --define QR_STAGGER=1"
+                          "--kernel dense_gemm_qwh --types Q4_K --tokens 512,64 --probes 0,3 --define QW_STAGGER=1")
 if [ $PROBES = 1 ] || [ $TESTS = 1 ]; then
 echo "== compile the probes' programs and dense_gemm_qrg's"
 for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & done
