@@ -168,6 +168,34 @@ def test_cuda_engine_precompiles_the_wgmma_gemm_where_routed(monkeypatch, arch):
     assert qw == ([K.dense_qw_variant(12), K.dense_qw_variant(14)] if arch == "sm_90" else []), qw
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_cuda_engine_precompiles_the_qr_ab_programs_where_routed(monkeypatch, arch):
+    """--layer model with the staged GEMM's A/B knobs on: on an sm_90 GPU dense_gemm_qrm's and
+    dense_gemm_qrg's programs of the file's qr types (Q4_K, Q6_K) and, with QR_SPLIT_FINISH, the
+    shards holding the dense_gemm_qr instances of each of those programs with the fused split
+    finish (each once); elsewhere none of them. Off (as shipped): none anywhere."""
+    def family(fam, variants):
+        return [v for v in variants if v.family == fam]
+    assert not any(v.family in ("dense-qrm", "dense-qrg") or v.options for v in _engine_programs(monkeypatch, arch)
+                   if v.source == "dense_q.cu")
+    monkeypatch.setattr(matmul_dispatch, "QRGEMM_ROWS", 256)
+    monkeypatch.setattr(matmul_dispatch, "QR_GATED", True)
+    monkeypatch.setattr(matmul_dispatch, "QR_SPLIT_FINISH", True)
+    variants = _engine_programs(monkeypatch, arch)
+    hopper = arch == "sm_90"
+    assert family("dense-qrm", [v for v in variants if not v.options]) == \
+        ([K.dense_qrm_variant(12), K.dense_qrm_variant(14)] if hopper else [])
+    assert family("dense-qrg", [v for v in variants if not v.options]) == \
+        ([K.dense_qrg_variant(12), K.dense_qrg_variant(14)] if hopper else [])
+    fin = [v for v in variants if "-DQR_SPLIT_FINISH=1" in v.options]
+    assert len(fin) == len(set(fin)) and all(any(n.startswith("dense_gemm_qr<") for n in v.names) for v in fin)
+    want = {K.qr_finish_variant(K.dense_q_variant(t)).shard_of(f"dense_gemm_qr<{t}, {bn}>") for t in (12, 14)
+            for bn in (32, 64)}
+    if hopper:
+        want |= {K.qr_finish_variant(m(t)) for t in (12, 14) for m in (K.dense_qrm_variant, K.dense_qrg_variant)}
+    assert set(fin) == want
+
+
 def test_large_programs_are_compiled_and_loaded_as_shards(monkeypatch):
     """A program of more instances than its family's SHARD_NAMES is several programs: its names
     in order, each shard within the bound (an mma family's instance each), every name in exactly
