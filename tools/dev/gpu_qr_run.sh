@@ -12,17 +12,18 @@
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, a ladder: base, + QRGEMM_ROWS 256,
 #      + QR_GATED, + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
-#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-ab] [--stagger]
+#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-qrg-ab] [--no-ab] [--stagger] [--rounds N]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; PROBES=1; AB=1; STAGGER=0
+INSTALL=1; TESTS=1; PROBES=1; QRG=1; AB=1; STAGGER=0; ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-ab) AB=0;; --stagger) STAGGER=1;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-qrg-ab) QRG=0;; --no-ab) AB=0;; --stagger) STAGGER=1;;
+    --rounds) ROUNDS=$2; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -43,21 +44,25 @@ RUNS=("--kernel dense_gemm_qr --types Q4_K,Q6_K --tokens 64,32 --probes 0,3"
       "--kernel dense_gemm_qrm --types Q4_K,Q6_K --tokens 64,32 --probes 0,3")
 [ $STAGGER = 1 ] && RUNS+=("--kernel dense_gemm_qr --types Q4_K --tokens 64,16 --probes 0,3 --define QR_STAGGER=1"
                           "--kernel dense_gemm_qwh --types Q4_K --tokens 512,64 --probes 0,3 --define QW_STAGGER=1")
-if [ $PROBES = 1 ] || [ $TESTS = 1 ]; then
+if [ $PROBES = 1 ] || [ $TESTS = 1 ] || [ $QRG = 1 ]; then
 echo "== compile the probes' programs and dense_gemm_qrg's"
-for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & done
+PIDS=()   # (not the fixture's writer: wait for the compiles only)
+if [ $PROBES = 1 ]; then
+  for r in "${RUNS[@]}"; do (cd tools/dev && $PY qr_probe.py $r --compile-only) > /dev/null 2>&1 & PIDS+=($!); done
+fi
 for t in 8 12 14; do $PY -c "from ggml_attn import kernels as K; a = K.device_arch()
 for v in (K.dense_qrg_variant($t), K.qr_finish_variant(K.dense_qrg_variant($t)), K.qr_finish_variant(K.dense_qrm_variant($t)),
           K.qr_finish_variant(K.dense_q_variant($t)).shard_of('dense_gemm_qr<$t, 64>')): K.compile_variant(v, a)" \
-    > /dev/null 2>&1 & done; wait
+    > /dev/null 2>&1 & PIDS+=($!); done
+wait "${PIDS[@]}"
 say
 fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests: dense_gemm_qrm, dense_gemm_qrg, qr / qrm against qs bit for bit; memcheck of the block kernels"
-  timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish" \
+  timeout 200 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish" \
       > "$LOGS/tests_qr.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr.log" | head -10; tail -1 "$LOGS/tests_qr.log"
-  timeout 200 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
       > "$LOGS/san_dense_q.log" 2>&1 || status=1
   grep -E "ERROR SUMMARY|FAIL" "$LOGS/san_dense_q.log" | head -5
   say
@@ -69,14 +74,17 @@ for r in "${RUNS[@]}"; do
   (cd tools/dev && timeout 120 $PY qr_probe.py $r --out "$OUT/probe_$i.json") 2>&1 | grep -v Warning || status=1
   i=$((i + 1))
 done
+say
+fi
+if [ $QRG = 1 ]; then
 echo "== the gated FFN's products: qr / qrm + silu against dense_gemm_qrg"
-(cd tools/dev && timeout 150 $PY qrg_ab.py --out "$OUT/qrg_ab.json") 2>&1 | grep -v Warning || status=1
+(cd tools/dev && timeout 120 $PY qrg_ab.py --out "$OUT/qrg_ab.json") 2>&1 | grep -v Warning || status=1
 say
 fi
 if [ $AB = 1 ]; then
   wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }
   echo "== batched S_TG: base, + QRGEMM_ROWS 256, + QR_GATED, + QR_SPLIT_FINISH"
-  $PY tools/dev/knob_ab.py --rounds 2 --out "$OUT/ab_qrm.json" --variant base \
+  $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qrm.json" --variant base \
       --variant qrm:matmul_dispatch.QRGEMM_ROWS=256 \
       --variant qrm_qrg:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True \
       --variant qrm_qrg_fin:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True,matmul_dispatch.QR_SPLIT_FINISH=True \
