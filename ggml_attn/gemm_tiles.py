@@ -49,6 +49,7 @@ GEMMQR_KERNELS = ("dense_gemm_qr", "dense_gemm_qrm")
 # x tile for both, silu(gate) * up stored (or, split over n_in, both partial sums for
 # dense_splitk_gated). Its tile, as gemm_q_grid counts it: 128 rows of each matrix, 64 tokens.
 GEMMQRG_TILE = (128, 64, 256)
+GEMMQR_FAMILY = (*GEMMQR_KERNELS, "dense_gemm_qrg")   # the kernels of the dense_gemm_qr template
 GEMMQW_TILE = (128, 128, 256)  # dense_gemm_qw (cuda/dense_qw.cu): QW_BM, QW_BN, QW_BK; 256 threads, 1 block an SM, GEMMQR_TYPES
 GEMMQW2_TYPES = ("Q4_0", "Q4_K", "Q5_K")   # its 256-row tile (dense_gemm_qw2, <T, 2>): the types whose stages fit
 # its forms, by kernel name: (RM, H) of dense_gemm_qw<T, RM, H> -- RM 128-row halves a tile (2: GEMMQW2_TYPES
@@ -81,7 +82,7 @@ def gemm_qs_bn(n_tok: int, kernel: str = "dense_gemm_qs") -> int:
 
 
 # tiled block GEMMs that stage whole rows (16-byte aligned)
-STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", *GEMMQR_KERNELS, "dense_gemm_qrg", *GEMMQW_FORMS)
+STAGED_GEMMS = ("dense_gemm_q8", "dense_gemm_qs", *GEMMQR_FAMILY, *GEMMQW_FORMS)
 
 
 def gemm_tiling(kernel: str, n_tok: int, bn: int | None = None) -> tuple[tuple[int, int, int], int, int]:
@@ -137,8 +138,7 @@ def gemm_q_grid(rows: int, n_tok: int, n_in: int, n_sm: int,
     most = max(1, steps * bk // min_split)
     if kernel in STAGED_GEMMS:
         slots = per_sm * max(1, n_sm)
-        if kernel in (*GEMMQR_KERNELS, "dense_gemm_qrg") and tiles * most < slots:   # small matrices: splits of
-                                                                                       # GEMMQR_MIN_SPLIT
+        if kernel in GEMMQR_FAMILY and tiles * most < slots:   # small matrices: splits of GEMMQR_MIN_SPLIT
             if GEMMQR_MIN_SPLIT < bk or GEMMQR_MIN_SPLIT % bk:
                 raise ValueError(f"GEMMQR_MIN_SPLIT must be a positive multiple of {bk}, not {GEMMQR_MIN_SPLIT}")
             most = max(most, steps * bk // GEMMQR_MIN_SPLIT)

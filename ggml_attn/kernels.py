@@ -52,7 +52,7 @@ from .gemm_tiles import (  # noqa: F401  (re-exported: the tiled GEMMs' tiles, g
     GEMMQ8_LD, GEMMQ8_BLOCKS_PER_SM, gemm_q8_bn, gemm_q_grid,
     GEMMQS_TILE, GEMMQS_NARROW, GEMMQS_THREADS, GEMMQS_BLOCKS_PER_SM, GEMMQS_STAGES, GEMMQS_LD, gemm_qs_bn,
     GEMMQR_TILE, GEMMQR_BLOCKS_PER_SM, GEMMQR_TYPES, GEMMQR_TYPE_IDS, GEMMQR_NARROW_MAX_TOKENS, STAGED_GEMMS,
-    GEMMQRM_TILE, GEMMQRG_TILE, GEMMQR_KERNELS, gemm_tiling, GEMMQW_TILE, GEMMQW2_TYPES, GEMMQW_FORMS)
+    GEMMQRM_TILE, GEMMQRG_TILE, GEMMQR_KERNELS, GEMMQR_FAMILY, gemm_tiling, GEMMQW_TILE, GEMMQW2_TYPES, GEMMQW_FORMS)
 
 
 # ---------------------------------------------------------------------------------------

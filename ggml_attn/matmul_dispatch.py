@@ -236,8 +236,8 @@ def split_finish(kernel: str, splits: int) -> bool:
     """Whether a launch of tiled block GEMM ``kernel`` split ``splits`` ways over n_in adds its
     splits itself (QR_SPLIT_FINISH, for the dense_gemm_qr family) instead of a dense_splitk_sum
     launch after it."""
-    from .gemm_tiles import GEMMQR_KERNELS
-    return bool(QR_SPLIT_FINISH) and splits > 1 and kernel in (*GEMMQR_KERNELS, "dense_gemm_qrg")
+    from .gemm_tiles import GEMMQR_FAMILY
+    return bool(QR_SPLIT_FINISH) and splits > 1 and kernel in GEMMQR_FAMILY
 
 
 def gated_kernel(gate_type: str, up_type: str, n_tokens: int, *, aligned: bool = True) -> str | None:

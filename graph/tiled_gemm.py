@@ -28,7 +28,7 @@ def _tile_done(kernel: str, grid, done) -> int:
     from ggml_attn import kernels as K  # noqa: PLC0415
     if done is None or grid[2] == 1:
         return 0
-    if kernel not in (*K.GEMMQR_KERNELS, "dense_gemm_qrg"):
+    if kernel not in K.GEMMQR_FAMILY:
         raise ValueError(f"{kernel} does not add its splits itself (dense_gemm_qr's family does)")
     if done.dtype != np.uint32 or not done.flags.c_contiguous or done.size < grid[0] * grid[1]:
         raise ValueError(f"{kernel}: {grid[0] * grid[1]} uint32 tile counters needed, got {done.size} {done.dtype}")
