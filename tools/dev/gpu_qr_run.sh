@@ -12,17 +12,17 @@
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, a ladder: base, + QRGEMM_ROWS 256,
 #      + QR_GATED, + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
-#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-qrg-ab] [--no-ab] [--stagger] [--rounds N]
+#   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-qrg-ab] [--no-ab] [--no-sanitize] [--stagger] [--rounds N]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; PROBES=1; QRG=1; AB=1; STAGGER=0; ROUNDS=2
+INSTALL=1; TESTS=1; SAN=1; PROBES=1; QRG=1; AB=1; STAGGER=0; ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-qrg-ab) QRG=0;; --no-ab) AB=0;; --stagger) STAGGER=1;;
+    --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-probes) PROBES=0;; --no-qrg-ab) QRG=0;; --no-sanitize) SAN=0;; --no-ab) AB=0;; --stagger) STAGGER=1;;
     --rounds) ROUNDS=$2; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
@@ -62,9 +62,11 @@ if [ $TESTS = 1 ]; then
   timeout 200 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish" \
       > "$LOGS/tests_qr.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr.log" | head -10; tail -1 "$LOGS/tests_qr.log"
-  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
-      > "$LOGS/san_dense_q.log" 2>&1 || status=1
-  grep -E "ERROR SUMMARY|FAIL" "$LOGS/san_dense_q.log" | head -5
+  if [ $SAN = 1 ]; then
+    timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
+        > "$LOGS/san_dense_q.log" 2>&1 || status=1
+    grep -E "ERROR SUMMARY|FAIL" "$LOGS/san_dense_q.log" | head -5
+  fi
   say
 fi
 if [ $PROBES = 1 ]; then
