@@ -415,13 +415,14 @@ def _float_file(n: str) -> bool:
 # "-ring": its ring form at 1-4 tokens for the types it reads; "-split": a row on two warps in modes 0 / 1;
 # "-qout": one-token GEMVs writing the next GEMVs' 8-bit activations, matmul_dispatch.GEMV_QUANT_OUT;
 # "-aqout": the attention writing the O projection's, matmul_dispatch.ATTN_QUANT_OUT),
-# the int8 tiled GEMM at 9-512 ("blocks-gemm-q8")
+# the int8 tiled GEMM at 9-512 ("blocks-gemm-q8"), dense_gemm_qr's A/B forms at 17-128 ("blocks-qr-ab":
+# two row halves, the gated FFN in one launch, the fused split finish)
 GPU_CASES = [(n, form) for n in GPU_NAMES if n in fixtures_gguf.SPECS
              for form in (("auto",) if _float_file(n) else ("blocks", "f16", "blocks-gemm-q", "blocks-q8x",
                                                              "blocks-q8x-pdl", "blocks-q8x-ring",
                                                              "blocks-q8x-ring-one", "blocks-q8x-split", "blocks-q8x-qout",
                                                              "blocks-q8x-aqout",
-                                                             "blocks-gemm-q8"))]
+                                                             "blocks-gemm-q8", "blocks-qr-ab"))]
 
 
 @pytest.mark.gpu
@@ -447,7 +448,9 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     ``matmul_dispatch.GEMV_SPLIT_TYPES``; or with the one-token GEMVs writing the next GEMVs'
     8-bit activations, ``matmul_dispatch.GEMV_QUANT_OUT``; or with the attention writing the O
     projection's, ``matmul_dispatch.ATTN_QUANT_OUT``), or with
-    the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512."""
+    the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512, or with
+    dense_gemm_qr's A/B forms on ubatches of 17 to 128 (``matmul_dispatch.QRGEMM_ROWS`` 256,
+    ``QR_GATED``, ``QR_SPLIT_FINISH``: sm_90 GPUs; elsewhere the shipped path)."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
@@ -474,6 +477,10 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
             monkeypatch.setattr(matmul_dispatch, "GEMV_SPLIT_MAX_ROWS", 1 << 30)
     if form == "blocks-gemm-q8":   # ubatches of 9 to 512 tokens through the int8 tiled GEMM
         monkeypatch.setattr(matmul_dispatch, "Q8GEMM_MAX_TOKENS", 512)
+    if form == "blocks-qr-ab":   # dense_gemm_qrm, dense_gemm_qrg and the fused split finish past 16 tokens
+        monkeypatch.setattr(matmul_dispatch, "QRGEMM_ROWS", 256)
+        monkeypatch.setattr(matmul_dispatch, "QR_GATED", True)
+        monkeypatch.setattr(matmul_dispatch, "QR_SPLIT_FINISH", True)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)
     hp = m.hp
@@ -486,6 +493,8 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
         runs += [("simple", True, 512)]
     if form.startswith("blocks-q8x"):
         runs += [("simple", True, 8), ("simple", True, 4), ("equal", False, 3), ("simple", True, 1)]
+    if form == "blocks-qr-ab":
+        runs += [("simple", True, 64), ("equal", False, 32), ("padded", False, 24)]
     for mode, unified, n_ubatch in runs:
         res = run_model_batch(dev_cache(unified), Batch.from_sequences(prompts), m, n_ubatch, mode, logits="all")
         off = 0

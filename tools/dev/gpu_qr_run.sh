@@ -3,7 +3,8 @@
 # an sm_90 GPU: dense_gemm_qrm's stages need its shared memory):
 #   1. install (tools/dev/gpu_check.sh's); the Q4_K_M fixture written in the background
 #   2. GPU tests of dense_gemm_qrm, dense_gemm_qrg, the fused split finish and qr's bit-for-bit test
-#      (tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish") -> $OUT/logs/tests_qr.log;
+#      (tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish") -> $OUT/logs/tests_qr.log, and
+#      the fixtures' logits against llama.cpp's with the three knobs on (tests/test_model.py -k qr-ab);
 #      memcheck of the block kernels (gpu_sanitize_case.py --dense-q, qrm, qrg and the finish among them)
 #   3. tools/dev/qr_probe.py: one 8B layer through dense_gemm_qr and dense_gemm_qrm (shipped and staging
 #      only, Q4_K / Q6_K at 64 / 32 tokens), with --stagger the stagger A/Bs too (QR_STAGGER on qr at 64 / 16,
@@ -62,6 +63,9 @@ if [ $TESTS = 1 ]; then
   timeout 200 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py -k "qrm or qrg or qr_equals or split_finish" \
       > "$LOGS/tests_qr.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_qr.log" | head -10; tail -1 "$LOGS/tests_qr.log"
+  timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n 5 tests/test_model.py -k "qr-ab" \
+      > "$LOGS/tests_model_qr.log" 2>&1 || status=1   # (the fixtures' logits with the three knobs on)
+  grep -E "^(FAILED|ERROR)" "$LOGS/tests_model_qr.log" | head -10; tail -1 "$LOGS/tests_model_qr.log"
   if [ $SAN = 1 ]; then
     timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY tools/dev/gpu_sanitize_case.py --dense-q \
         > "$LOGS/san_dense_q.log" 2>&1 || status=1
