@@ -227,3 +227,16 @@ def test_serve_structures_counts_builds_as_the_kept_graphs_allow(capsys):
         roomy, tight = builds("--graph-gib", "0", *extra), builds("--graph-gib", "0.01", *extra)
         assert roomy[0] > 0 and roomy[1] < roomy[0], (extra, roomy)
         assert tight[1] > roomy[1], (extra, tight, roomy)
+
+
+def test_cli_profile_writes_the_profile_and_passes_the_cli_exit_code(tmp_path, capsys):
+    import pstats
+    import sys
+    sys.path.insert(0, str(DEV))
+    import cli_profile as m
+    assert m.main(["--out", str(tmp_path), "--top", "5", "bench", "-p", "8", "-n", "2", "-r", "1"]) == 0
+    text = (tmp_path / "cli_profile.txt").read_text()
+    assert text.startswith("ggml-attn-bench -p 8 -n 2 -r 1\nrc 0,") and "== top 5 by tottime" in text
+    assert pstats.Stats(str(tmp_path / "cli.prof")).total_calls > 0
+    assert m.main(["--out", str(tmp_path / "bad"), "bench", "-p", "x"]) == 2   # (argparse's error exit)
+    assert "rc 2," in (tmp_path / "bad" / "cli_profile.txt").read_text()
