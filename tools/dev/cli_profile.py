@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    sys.argv = [f"ggml-attn-{a.cli}", *a.args]
+    argv0, sys.argv = sys.argv, [f"ggml-attn-{a.cli}", *a.args]
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     rc = 0
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
         rc = e.code if isinstance(e.code, int) else 1
     finally:
         prof.disable()
+        sys.argv = argv0
     wall = time.perf_counter() - t0
     prof.dump_stats(os.path.join(a.out, "cli.prof"))
     from tools.verbose import process_seconds   # (the repository's tools package: run from its root)
