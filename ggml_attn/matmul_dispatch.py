@@ -167,20 +167,29 @@ QWGEMM_HALF = False
 # (dense_gemm_qrm: two row halves a step, so that the step's x tile -- two thirds of what a
 # 64-token step stages, the staging alone 64% of the kernel's time -- serves twice the rows: one
 # 8B layer's staged bytes at 64 tokens 341 -> 232 MB; bench/NOTES.md, twenty-fifth session), on
-# sm_90 GPUs. An A/B until measured.
+# sm_90 GPUs. Measured slower at every token count (H100, 4191ed9: gate + up of an 8B layer at 64
+# tokens 143.7 against 106.8 us, at 16 96.6 against 82.6; batched S_TG on Q4_K_M at B=64 -23%,
+# bench/results/2026-12-07-4191ed9-h100-qr-ab-load/): an A/B row.
 QRGEMM_ROWS = 128
-# A gated FFN's gate and up products past the narrow tile's tokens, where both matrices are of one
-# type that takes dense_gemm_qr: True, one dense_gemm_qrg launch (sm_90 GPUs; dense_gemm_qrm's block
-# with the gate's rows in one row half and the up's in the other, one x tile staged for both,
-# silu(gate) * up and its F16 form stored by the epilogue or the split's sum) in place of two
-# launches, their split sums, the two F32 products written and read back, and the activation's
-# launch. An A/B until measured (gated_kernel).
-QR_GATED = False
+# A gated FFN's gate and up products at the narrow tile's tokens (9 .. QR_GATED_MAX_TOKENS), where
+# both matrices are of one type that takes dense_gemm_qr: one dense_gemm_qrg launch (sm_90 GPUs;
+# dense_gemm_qrm's block with the gate's rows in one row half and the up's in the other, one x
+# tile staged for both, silu(gate) * up and its F16 form stored by the epilogue or the split's sum)
+# in place of two launches, their split sums, the two F32 products written and read back, and the
+# activation's launch. One 8B layer's gate + up + silu on an H100 at 4191ed9, us, qr / qrg
+# (tools/dev/qrg_ab.py, bench/results/2026-12-07-4191ed9-h100-qr-ab-load/qrg_ab.json): 16 tokens
+# Q4_K 82.6 / 77.8, Q6_K 90.1 / 87.8, Q8_0 82.2 / 80.0; 32 tokens 89.1 / 90.9, 99.3 / 99.3, 95.3 /
+# 91.9; 64 tokens 106.8 / 118.5, 113.1 / 127.7, 109.4 / 119.5 (qrg's 256-row block the slower past
+# 16, as dense_gemm_qrm's). From 9 to 16 tokens both stage a 16-token x tile: 16's rows hold.
+QR_GATED = True
+QR_GATED_MAX_TOKENS = 16
 # dense_gemm_qr's (and qrm's, qrg's) launches split over n_in: True, the last block of each tile
 # adds the tile's partial sums in split order (the bits of dense_splitk_sum's sums, read from L2
 # just written) and no dense_splitk_sum launch follows -- ~5 such launches an 8B layer at 16-64
 # tokens; the program with cuda/dense_q.cu's QR_SPLIT_FINISH 1 (kernels.qr_finish_variant), a
-# counter a tile zeroed at build (the last block sets it back). An A/B until measured.
+# counter a tile zeroed at build (the last block sets it back). Measured slower (H100, 4191ed9:
+# gate + up at 128 tokens, 4 splits, 318.4 against 227.2 us; batched S_TG at B=64 -37% with qrm and
+# qrg): one block sums its tile's splits alone at the kernel's end. An A/B row.
 QR_SPLIT_FINISH = False
 # Past the tiled GEMMs (path ``gemm``, graph/path_gemm.py) block matrices are dequantized into the
 # weights' F16 scratch (dense_dequant_f16: a warp's stores in 512-byte runs, 202-252 us an 8B layer
@@ -244,10 +253,9 @@ def gated_kernel(gate_type: str, up_type: str, n_tokens: int, *, aligned: bool =
     """The one launch of a gated FFN's gate and up products (weights of ``gate_type`` and
     ``up_type``, rows 16-byte aligned or not: ``aligned``) for ``n_tokens`` tokens on the GPU:
     ``dense_gemm_qrg`` where qr_gated, the types are one and its tiled path is ``gemm-qr``
-    (best_matmul with ``gemv=False``) past the narrow tile's tokens; else None (each product its
-    own launches, then the activation's)."""
-    from .gemm_tiles import GEMMQR_NARROW_MAX_TOKENS
-    if gate_type != up_type or gate_type == "F16" or n_tokens <= GEMMQR_NARROW_MAX_TOKENS or not qr_gated():
+    (best_matmul with ``gemv=False``: from 9 tokens) up to QR_GATED_MAX_TOKENS; else None (each
+    product its own launches, then the activation's)."""
+    if gate_type != up_type or gate_type == "F16" or n_tokens > QR_GATED_MAX_TOKENS or not qr_gated():
         return None
     return "dense_gemm_qrg" if best_matmul(gate_type, n_tokens, gemv=False, aligned=aligned).path == "gemm-qr" else None
 

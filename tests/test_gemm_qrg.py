@@ -21,9 +21,10 @@ launches = blocks.launches   # (its fixture: the kernels' lookups and launches r
 
 @pytest.fixture()
 def gated_on(monkeypatch):
-    """QR_GATED on an sm_90 GPU of 132 SMs."""
+    """QR_GATED on an sm_90 GPU of 132 SMs, up to 128 tokens (the A/B's range past the narrow tile)."""
     from ggml_attn import cuda_device
     monkeypatch.setattr(md, "QR_GATED", True)
+    monkeypatch.setattr(md, "QR_GATED_MAX_TOKENS", 128)
     monkeypatch.setattr(md, "_hopper", lambda: True)
     monkeypatch.setattr(cuda_device, "num_sms", lambda: 132)
 
@@ -53,21 +54,25 @@ def test_qrg_tile_and_grid_count_the_gate_rows():
 
 
 def test_gated_kernel_where_it_runs(monkeypatch):
-    """Off as shipped (an A/B until measured). On: both matrices of one type that takes
-    dense_gemm_qr, past the narrow tile's tokens (17 .. QRGEMM_MAX_TOKENS), rows aligned, on an
-    sm_90 GPU; nowhere else."""
-    assert md.QR_GATED is False and md.gated_kernel("Q4_K", "Q4_K", 64) is None
-    monkeypatch.setattr(md, "QR_GATED", True)
+    """On as shipped at the narrow tile's tokens (measured faster there, slower past them): both
+    matrices of one type that takes dense_gemm_qr, on its path (from 9 tokens) up to
+    QR_GATED_MAX_TOKENS, rows aligned, on an sm_90 GPU; nowhere else. The knob's bound moves it."""
     monkeypatch.setattr(md, "_hopper", lambda: True)
-    assert [md.gated_kernel("Q4_K", "Q4_K", n) for n in (1, 8, 16, 17, 64, 128, 129, 512)] == \
-        [None] * 3 + ["dense_gemm_qrg"] * 3 + [None] * 2
-    assert md.gated_kernel("Q6_K", "Q6_K", 32) == md.gated_kernel("Q8_0", "Q8_0", 32) == "dense_gemm_qrg"
-    assert md.gated_kernel("Q4_K", "Q6_K", 64) is None            # (two types: two programs)
-    assert md.gated_kernel("Q3_K", "Q3_K", 64) is None            # (dense_gemm_qs's type)
-    assert md.gated_kernel("F16", "F16", 64) is None
-    assert md.gated_kernel("Q4_K", "Q4_K", 64, aligned=False) is None
+    assert md.QR_GATED is True and md.QR_GATED_MAX_TOKENS == K.GEMMQR_NARROW_MAX_TOKENS
+    assert [md.gated_kernel("Q4_K", "Q4_K", n) for n in (1, 8, 9, 12, 16, 17, 64, 128)] == \
+        [None] * 2 + ["dense_gemm_qrg"] * 3 + [None] * 3
+    assert md.gated_kernel("Q6_K", "Q6_K", 16) == md.gated_kernel("Q8_0", "Q8_0", 9) == "dense_gemm_qrg"
+    assert md.gated_kernel("Q4_K", "Q6_K", 16) is None            # (two types: two programs)
+    assert md.gated_kernel("Q3_K", "Q3_K", 16) is None            # (dense_gemm_qs's type)
+    assert md.gated_kernel("F16", "F16", 16) is None
+    assert md.gated_kernel("Q4_K", "Q4_K", 16, aligned=False) is None
+    monkeypatch.setattr(md, "QR_GATED_MAX_TOKENS", 128)            # (the A/B past the narrow tile)
+    assert [md.gated_kernel("Q4_K", "Q4_K", n) for n in (17, 64, 128, 129, 512)] == ["dense_gemm_qrg"] * 3 + [None] * 2
+    monkeypatch.setattr(md, "QR_GATED", False)
+    assert md.gated_kernel("Q4_K", "Q4_K", 16) is None and not md.qr_gated()
+    monkeypatch.setattr(md, "QR_GATED", True)
     monkeypatch.setattr(md, "_hopper", lambda: False)               # (its stages: up to 207 KB of shared memory)
-    assert md.gated_kernel("Q4_K", "Q4_K", 64) is None and not md.qr_gated()
+    assert md.gated_kernel("Q4_K", "Q4_K", 16) is None and not md.qr_gated()
 
 
 @pytest.mark.parametrize("n_ff, n_tok, with16", [(14336, 64, True), (1024, 40, True), (1024, 64, False)])
@@ -122,15 +127,16 @@ def test_gemm_qrg_launch_refuses_what_it_cannot_run(launches, gated_on):
     assert not launches
 
 
-@pytest.mark.parametrize("n_tok", [16, 64])
+@pytest.mark.parametrize("n_tok, bound", [(8, 128), (16, 16), (64, 128), (64, 16)])
 @pytest.mark.parametrize("on", [False, True])
-def test_gated_node_is_one_launch_with_the_down_gemms_f16_input(launches, monkeypatch, gated_on, n_tok, on):
-    """The model graph's gated FFN node over Q4_K gate / up at 64 tokens with QR_GATED: the norm
-    writes the F16 input (dense_rms_norm, times the norm weight), one dense_gemm_qrg launch writes
-    silu(gate) * up and its F16 form, which the down matrix's GEMM reads (no cast); no
-    dense_silu_mul. Off, or at 16 tokens (the narrow tile's): the two products' launches and the
-    activation's, as before."""
+def test_gated_node_is_one_launch_with_the_down_gemms_f16_input(launches, monkeypatch, gated_on, n_tok, bound, on):
+    """The model graph's gated FFN node over Q4_K gate / up with QR_GATED, from 9 tokens up to
+    QR_GATED_MAX_TOKENS (``bound``; 16 as shipped): the norm writes the F16 input (dense_rms_norm,
+    times the norm weight), one dense_gemm_qrg launch writes silu(gate) * up and its F16 form,
+    which the down matrix's GEMM reads (no cast); no dense_silu_mul. Off, at 8 tokens (the int8
+    GEMM's) or past the bound: the two products' launches and the activation's."""
     monkeypatch.setattr(md, "QR_GATED", on)
+    monkeypatch.setattr(md, "QR_GATED_MAX_TOKENS", bound)
     GraphB, node = graph_nodes(monkeypatch)
     n_embd, n_ff = 1024, 2048
     wg, wu, wd = _qmatrix("Q4_K", n_ff, n_embd), _qmatrix("Q4_K", n_ff, n_embd), _qmatrix("Q4_K", n_embd, n_ff)
@@ -140,7 +146,7 @@ def test_gated_node_is_one_launch_with_the_down_gemms_f16_input(launches, monkey
     f = xp_matmul.mul_mat_gated(b, wg, wu, x, "ffn", norm_eps=1e-5, norm_w=g, down=wd)
     names = [ln.fn.name for ln in launches]
     out = b.array(f)
-    fused = on and n_tok > K.GEMMQR_NARROW_MAX_TOKENS
+    fused = on and 9 <= n_tok <= bound
     if not fused:
         assert "dense_silu_mul" in names and not any(n.endswith(", 2, 1>") for n in names), names
         return

@@ -298,8 +298,8 @@ def test_gemm_qr_equals_gemm_qs_bit_for_bit(name, n_tok, n_in_blocks, rows, qr, 
 
 
 @pytest.mark.parametrize("name", K.GEMMQR_TYPES)
-@pytest.mark.parametrize("n_tok, n_in_blocks, n_ff", [(17, 3, 300), (64, 16, 1024), (64, 2, 4096), (100, 9, 130),
-                                                      (40, 16, 14336)])
+@pytest.mark.parametrize("n_tok, n_in_blocks, n_ff", [(9, 5, 700), (16, 16, 14336), (17, 3, 300), (64, 16, 1024),
+                                                      (64, 2, 4096), (100, 9, 130), (40, 16, 14336)])
 @pytest.mark.parametrize("with16", [False, True])
 def test_gemm_qrg_matches_float64_and_the_two_products(name, n_tok, n_in_blocks, n_ff, with16):
     """dense_gemm_qrg (the gated FFN's gate and up products in one launch, graph/tiled_gemm.gemm_qrg_launch):

@@ -450,7 +450,9 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     projection's, ``matmul_dispatch.ATTN_QUANT_OUT``), or with
     the int8 tiled GEMM (``matmul_dispatch.Q8GEMM_MAX_TOKENS``) on ubatches of 9 to 512, or with
     dense_gemm_qr's A/B forms on ubatches of 17 to 128 (``matmul_dispatch.QRGEMM_ROWS`` 256,
-    ``QR_GATED``, ``QR_SPLIT_FINISH``: sm_90 GPUs; elsewhere the shipped path)."""
+    ``QR_GATED`` up to 128 tokens, ``QR_SPLIT_FINISH``: sm_90 GPUs; elsewhere the shipped path). As
+    shipped, ubatches of 9 to 16 tokens run the gated FFN's products as one dense_gemm_qrg launch on
+    sm_90 GPUs (``QR_GATED``)."""
     from ggml_attn import matmul_dispatch
     from ggml_attn.graph import model_device
     monkeypatch.setattr(model_device, "WEIGHTS", form.split("-")[0])
@@ -480,6 +482,7 @@ def test_gpu_logits_and_greedy_tokens(gguf_dir, name, form, monkeypatch):
     if form == "blocks-qr-ab":   # dense_gemm_qrm, dense_gemm_qrg and the fused split finish past 16 tokens
         monkeypatch.setattr(matmul_dispatch, "QRGEMM_ROWS", 256)
         monkeypatch.setattr(matmul_dispatch, "QR_GATED", True)
+        monkeypatch.setattr(matmul_dispatch, "QR_GATED_MAX_TOKENS", 128)
         monkeypatch.setattr(matmul_dispatch, "QR_SPLIT_FINISH", True)
     m, ref = model_of(name, gguf_dir), ref_of(name)
     prompts = prompts_of(ref)

@@ -173,11 +173,15 @@ def test_cuda_engine_precompiles_the_qr_ab_programs_where_routed(monkeypatch, ar
     """--layer model with the staged GEMM's A/B knobs on: on an sm_90 GPU dense_gemm_qrm's and
     dense_gemm_qrg's programs of the file's qr types (Q4_K, Q6_K) and, with QR_SPLIT_FINISH, the
     shards holding the dense_gemm_qr instances of each of those programs with the fused split
-    finish (each once); elsewhere none of them. Off (as shipped): none anywhere."""
+    finish (each once); elsewhere none of them. As shipped (QR_GATED alone): dense_gemm_qrg's
+    programs on sm_90, nothing else of them anywhere."""
     def family(fam, variants):
         return [v for v in variants if v.family == fam]
-    assert not any(v.family in ("dense-qrm", "dense-qrg") or v.options for v in _engine_programs(monkeypatch, arch)
-                   if v.source == "dense_q.cu")
+    shipped = [v for v in _engine_programs(monkeypatch, arch) if v.source == "dense_q.cu"]
+    assert not any(v.family == "dense-qrm" or v.options for v in shipped)
+    assert family("dense-qrg", shipped) == ([K.dense_qrg_variant(12), K.dense_qrg_variant(14)] if arch == "sm_90" else [])
+    monkeypatch.setattr(matmul_dispatch, "QR_GATED", False)
+    assert not any(v.family == "dense-qrg" for v in _engine_programs(monkeypatch, arch))
     monkeypatch.setattr(matmul_dispatch, "QRGEMM_ROWS", 256)
     monkeypatch.setattr(matmul_dispatch, "QR_GATED", True)
     monkeypatch.setattr(matmul_dispatch, "QR_SPLIT_FINISH", True)
