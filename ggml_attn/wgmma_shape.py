@@ -77,9 +77,13 @@ WS_CONFIGS = {
     "pp-persistent-qtma-bf16-d64": WsConfig(3, BF16, True, 64, True),
     "pp-persistent-d256": WsConfig(2, F16, True, 256),
     "pp-persistent-bf16-d256": WsConfig(2, BF16, True, 256),
-    # #48's A/B rows, not routed until measured on an H200 (bench/NOTES.md, eighteenth session: on
-    # an H100 lazy 1-2% faster, otma 0.5-3.7% at D 128 but 2% slower at D 64): the lazy reference
-    # maximum; the output through TMA stores
+    # #48's A/B rows (bench/NOTES.md, eighteenth session: on an H100 lazy 1-2% faster, otma 0.5-3.7%
+    # at D 128 but 2% slower at D 64): the lazy reference maximum; the output through TMA stores.
+    # Both together ("-lazy-otma") measured faster than "pp-persistent-qtma" on every tile-128 row
+    # of an H100 at 4191ed9 (bench/results/2026-12-07-4191ed9-h100-wgmma-ab/, us): causal 2048 92.5
+    # / 94.6, causal 8192 986.0 / 1013.8, 64/8 heads 4096 529.4 / 549.3, D 80 / 96 / 112 278.8 /
+    # 283.1, 280.1 / 287.3, 281.7 / 291.4, 64 ragged prompts 128.0 / 132.8 (16 of them 41.3 / 40.8),
+    # its GPU tests and the three sanitizers clean: the op's f16 instance of tile width 128.
     "pp-persistent-qtma-lazy": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-d64-lazy": WsConfig(3, F16, True, 64, True, softmax=SMX_LAZY),
     "pp-persistent-qtma-lazy-otma": WsConfig(2, F16, True, 128, True, softmax=SMX_LAZY, epilogue=EPI_TMA),
@@ -90,7 +94,7 @@ WS_CONFIGS = {
 _O_TMA = {c.name: c.epilogue != EPI_STORE for c in WS_CONFIGS.values()}
 # the op's instance per (K/V type, tile width)
 WS_FOR = {
-    (GGML_TYPE_F16, 128): "pp-persistent-qtma", (GGML_TYPE_BF16, 128): "pp-persistent-qtma-bf16",
+    (GGML_TYPE_F16, 128): "pp-persistent-qtma-lazy-otma", (GGML_TYPE_BF16, 128): "pp-persistent-qtma-bf16",
     (GGML_TYPE_F16, 64): "pp-persistent-qtma-d64", (GGML_TYPE_BF16, 64): "pp-persistent-qtma-bf16-d64",
     (GGML_TYPE_F16, 256): "pp-persistent-d256", (GGML_TYPE_BF16, 256): "pp-persistent-bf16-d256",
 }

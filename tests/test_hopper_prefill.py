@@ -110,11 +110,12 @@ def test_wgmma_by_name_says_why_not():
 def test_wgmma_launch_config(monkeypatch):
     """One fixed shape: 384 threads, 128-token blocks (the plan's tile map for them), 64-cell plan
     tiles counted for the live lists, no split; by default the persistent instance of the call's
-    K/V type with one block per SM (at most one per tile); WGMMA_CONFIG="pp": one block per tile,
+    K/V type with one block per SM (at most one per tile; f16's with the lazy reference maximum
+    and the TMA epilogue); WGMMA_CONFIG="pp": one block per tile,
     heads fastest in the grid."""
     from ggml_attn import cuda_launch as L
     monkeypatch.setattr(L, "num_sms", lambda: 132)
-    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>"),
+    for kv_type, name in ((GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 1, 1>"),
                           (GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, 0>")):
         cfg = L.launch_config("prefill-wgmma", L.AttnDims(128, 128, 300, 32, 8, 2, 1000, kv_type))
         assert (cfg.block, cfg.q_tile_tokens, cfg.n_q_tiles, cfg.n_kv_tiles, cfg.n_splits) == (384, 128, 3, 16, 1)
@@ -188,7 +189,7 @@ def test_wgmma_launch_config_per_head_size(monkeypatch):
     for d, kv_type, name in ((64, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, 0>"),
                              (64, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 64, 3, true, 0, true, true, 0, 0>"),
                              (40, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 64, 3, true, 0, true, true, 0, 0>"),
-                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>"),
+                             (96, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 1, 1>"),
                              (80, GGML_TYPE_BF16, "fattn_wgmma_ws<__nv_bfloat16, 128, 2, true, 0, true, true, 0, 0>"),
                              (256, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, 0>"),
                              (192, GGML_TYPE_F16, "fattn_wgmma_ws<__half, 256, 2, true, 0, true, false, 0, 0>"),

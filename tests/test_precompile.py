@@ -121,7 +121,7 @@ def test_cuda_engine_precompiles_the_runs_programs(monkeypatch):
     names = {n for v in variants for n in v.names}
     assert arch == "sm_90" and K.dense_variant() in variants and K.util_variant() in variants
     assert "fattn_decode_tma<fattn_q8_0, 128, 11, true, 7, true, true>" in names
-    assert "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 0, 0>" in names   # prompts on f16 copies
+    assert "fattn_wgmma_ws<__half, 128, 2, true, 0, true, true, 1, 1>" in names   # prompts on f16 copies
 
 
 def _engine_programs(monkeypatch, arch: str = "sm_90") -> list:
