@@ -132,6 +132,7 @@ def main():
     from ggml_attn import kernels as K
     if K.device_arch() == "sm_90":   # the sm_90a prefill: tail tiles, GQA 4, every tile class
         from ggml_attn import hopper_prefill
+        from ggml_attn.wgmma_shape import ws_config
         bad += _ws_instances(cp, rng)
         # through the op's entry with a causal mask after 500 cells: PARTIAL and ABSENT halves,
         # HIDDEN columns (the fixer warp), a -inf hole row segment (a MASKED tile), more chunks
@@ -162,7 +163,7 @@ def main():
         # tokens, HIDDEN columns at a gap of unused cells)
         nh16 = 16
         for d, pack in ((128, 4), (64, 8)):
-            c = "pp-persistent-qtma" if d == 128 else "pp-persistent-qtma-d64"
+            c = ws_config(GGML_TYPE_F16, d=d)   # (the op's instance of each width)
             q = rng.uniform(-1, 1, (1, nh16, 100, d)).astype(np.float32)
             k = from_float(rng.uniform(-1, 1, (1, 2, 333, d)), GGML_TYPE_F16)
             v = from_float(rng.uniform(-1, 1, (1, 2, 333, d)), GGML_TYPE_F16)
