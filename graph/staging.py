@@ -19,17 +19,28 @@ PINNED_MIN_BYTES = 256 * 1024
 RING_DEPTH = 2
 
 
+def empty_pinned(shape, dtype) -> np.ndarray:
+    """A numpy array of ``shape`` and ``dtype`` over page-locked memory from CuPy's pinned pool
+    (what ``cupyx.empty_pinned`` makes, without importing cupyx: its import pulls in
+    ``cupyx.scipy.sparse`` and SciPy, 0.6 s of a model's start on the H100's machine,
+    bench/NOTES.md, twenty-seventh session)."""
+    import cupy  # noqa: PLC0415 (device graphs only)
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64))
+    mem = cupy.cuda.alloc_pinned_memory(max(n * dtype.itemsize, 1))
+    return np.ndarray(shape, dtype=dtype, buffer=mem)   # (the array holds ``mem``: the pool's block lives with it)
+
+
 class Stager:
     """Copies ``host -> dev`` pairs on the current stream of ``xp`` (CuPy), asynchronously.
 
-    ``pinned(shape, dtype)`` allocates a page-locked numpy array (``cupyx.empty_pinned``);
+    ``pinned(shape, dtype)`` allocates a page-locked numpy array (:func:`empty_pinned`);
     tests pass fakes for it and for ``xp``. Each :meth:`copy` call is one ubatch's inputs; the
     shapes and dtypes of the device arrays never change for one graph."""
 
     def __init__(self, xp, pinned=None, min_bytes: int | None = None, depth: int = RING_DEPTH):
         if pinned is None:
-            import cupyx  # noqa: PLC0415 (device graphs only)
-            pinned = cupyx.empty_pinned
+            pinned = empty_pinned
         self.xp, self.pinned, self.depth = xp, pinned, depth
         self.min_bytes = PINNED_MIN_BYTES if min_bytes is None else min_bytes
         self._ring: list[list] = []      # per slot: pinned buffers, one per device array

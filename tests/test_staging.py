@@ -154,3 +154,30 @@ def test_a_copy_failing_midway_still_guards_its_slot(parts):
     assert st.waits == 1 and st.blocked == 1, "the slot of the failed copy was reused unguarded"
     flush(stream)
     assert [int(h[0, 0]) for h in mask.history] == [1, 2, 3]
+
+
+def test_empty_pinned_is_an_array_over_cupys_pinned_block(monkeypatch):
+    """The default ``pinned``: a numpy array of the shape and dtype over one block of CuPy's pinned
+    pool (a fake here: no GPU), which it keeps alive; cupyx (its import pulls in SciPy) is not
+    imported."""
+    import subprocess
+    import sys
+
+    import cupy
+
+    from ggml_attn.graph import staging
+    blocks = []
+
+    def alloc(n):
+        blocks.append(bytearray(n))
+        return blocks[-1]
+    monkeypatch.setattr(cupy.cuda, "alloc_pinned_memory", alloc)
+    a = staging.empty_pinned((3, 5), np.float16)
+    assert a.shape == (3, 5) and a.dtype == np.float16 and len(blocks[0]) == 30 and a.base is not None
+    a[...] = 7
+    assert bytes(blocks[0]) == np.full((3, 5), 7, np.float16).tobytes()
+    assert staging.empty_pinned((0, 4), np.int32).shape == (0, 4)
+    assert Stager(None).pinned is staging.empty_pinned
+    code = ("import sys; from ggml_attn.graph.staging import Stager; Stager(None); "
+            "import ggml_attn.graph.build; sys.exit(int('cupyx' in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
