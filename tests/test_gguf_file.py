@@ -1,5 +1,6 @@
 """graph/gguf_file.py: the project's own GGUF header reader reads what the ``gguf`` package
 reads on every fixture, and a broken file is one GGUFError that says what is wrong."""
+import os
 import struct
 
 import numpy as np
@@ -110,3 +111,37 @@ def test_cut_short_anywhere_is_one_clear_error(tmp_path):
         p.write_bytes(full[:cut])
         with pytest.raises(GGUFError, match="ends inside the header|runs past the end"):
             read_header(p)
+
+
+def test_a_files_header_is_parsed_once_until_the_file_changes(tmp_path, monkeypatch):
+    """A CLI reads one file's header three times (shapes, the loader's check, the load): the
+    parse runs once per unchanged file (same path, inode, size and modification time; errors are
+    not kept); a file rewritten in place or replaced is parsed again."""
+    from ggml_attn.graph import gguf_file
+    parses = []
+    real = gguf_file._read_header
+    monkeypatch.setattr(gguf_file, "_read_header", lambda *a: parses.append(a[0]) or real(*a))
+    monkeypatch.setattr(gguf_file, "_HEADERS", {})
+    p = tmp_path / "x.gguf"
+    blocks = ("llama.block_count", 4, struct.pack("<I", 2))
+    p.write_bytes(_gguf([ARCH, TOKS, blocks]))
+    h = read_header(p)
+    assert read_header(str(p)) is h and len(parses) == 1
+    st = p.stat()
+    p.write_bytes(_gguf([ARCH, TOKS, ("llama.block_count", 4, struct.pack("<I", 3))]))   # (same size)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert read_header(p).fields["llama.block_count"] == 3 and len(parses) == 2
+    q = tmp_path / "y.gguf"
+    q.write_bytes(_gguf([ARCH, blocks]))
+    os.replace(q, p)
+    assert "tokenizer.ggml.tokens" not in read_header(p).fields and len(parses) == 3
+    p.write_bytes(b"GGML" + b"\0" * 40)
+    for _ in range(2):
+        with pytest.raises(GGUFError, match="not a GGUF file"):
+            read_header(p)
+    assert len(parses) == 5
+    for i in range(gguf_file._HEADERS_MAX + 2):   # (a few files' headers kept, the oldest dropped)
+        f = tmp_path / f"f{i}.gguf"
+        f.write_bytes(_gguf([ARCH, blocks]))
+        read_header(f)
+    assert len(gguf_file._HEADERS) == gguf_file._HEADERS_MAX
