@@ -302,9 +302,15 @@ def load_rows(a, path: str, lbb: str, ours_bb: str, lc_env: dict, sfx: str, **ta
     _, _, dt = sh([lbb, "-m", path, "-ngl", "99", "-fa", "on"] + one, os.path.join(a.logs, f"lc_load{sfx}.log"), 300,
                   env=lc_env)
     rows = [dict(tool="llama.cpp", case="load", seconds=dt, **tag)]
+    # Python's bytecode written where it can be: the device image writes none (no __pycache__, or
+    # PYTHONDONTWRITEBYTECODE), so each of our runs compiled ~325 modules again, 0.93 of the cached
+    # row's 3.7 s at 4191ed9 (bench/NOTES.md, twenty-seventh session) -- what an installed copy,
+    # whose bytecode pip writes, never pays. The first row writes it, the cached one reads it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = env.get("PYTHONPYCACHEPREFIX") or "/tmp/ggml-attn-pycache"
     for cached in (False, True):
         _, _, dt = sh([ours_bb, "--device", "cuda", "-m", path, "-v"] + one,
-                      os.path.join(a.logs, f"ours_load{sfx}{'_cached' if cached else ''}.log"), 300)
+                      os.path.join(a.logs, f"ours_load{sfx}{'_cached' if cached else ''}.log"), 300, env=env)
         rows.append(dict(tool="ggml-attn", case="load", seconds=dt, cached=cached, **tag))
     return rows
 
