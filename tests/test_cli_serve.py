@@ -156,6 +156,21 @@ def test_a_request_longer_than_a_sequence_is_refused_and_the_others_finish(capsy
     assert "request 1: 300 prompt + 4 output tokens need 303 KV cells, a sequence's stream (2 streams) holds 256" in err
 
 
+def test_every_request_refused_over_repetitions_is_a_row_of_dashes(capsys):
+    """Nothing served in any repetition: no rate to average (NaN each run) -- the row says so
+    ("-", done 0/4) and the run ends normally, in md and jsonl alike."""
+    args = ("-n", "4", "--prompt-dist", "300-400", "--gen-dist", "2-4", "--rate", "inf", "-c", "512", "-np", "4",
+            "-r", "2")
+    rc, out, err = _run(capsys, *args)
+    assert rc == 0 and "4 of 4 request(s) refused" in err
+    line = out.strip().splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[-1] == "0/4" and cells[5] == "-" and "nan" not in line.lower()
+    rc, out, _ = _run(capsys, *args, "-o", "jsonl")
+    (row,) = _rows(out)
+    assert rc == 0 and row["n_done"] == 0 and row["out_tok_per_s"] is None and row["out_tok_per_s_stddev"] == 0.0   # (NaN: null)
+
+
 def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
     path = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
     rc, out, err = _run(capsys, "-m", path, "--rate", "100", "-n", "4", "--gen-dist", "2-5", "--prompt-dist", "2-20",

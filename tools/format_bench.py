@@ -70,7 +70,9 @@ def mean(values):
 
 
 def stdev(values):
-    """Sample standard deviation (n - 1), 0 for fewer than two values, as llama-bench."""
+    """Sample standard deviation (n - 1) of the values that are numbers (NaN: a repetition with
+    nothing to time), 0 for fewer than two, as llama-bench."""
+    values = [v for v in values if v == v]
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
 

@@ -164,6 +164,8 @@ def _md_cell(row: dict, key: str, fmt: str) -> str:
     if fmt == "pct":
         return f"{100 * v:.0f}%"
     if fmt == "speed":
+        if isinstance(v, float) and math.isnan(v):   # (no request served: nothing timed)
+            return "-"
         sd = row.get("out_tok_per_s_stddev", 0.0)
         return f"{v:.2f} ± {sd:.2f}" if row.get("repetitions", 1) > 1 else f"{v:.2f}"
     if fmt == "s":
