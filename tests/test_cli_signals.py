@@ -1,6 +1,7 @@
 """Ctrl-C and a closed stdout, on the console scripts as subprocesses: Ctrl-C ends the run
 promptly at any point (exit 130, one line, no traceback), a closed stdout is one error line and
 exit 2."""
+import json
 import os
 import signal
 import subprocess
@@ -219,3 +220,25 @@ def test_second_ctrl_c_from_a_graph_thread_is_one_line():
                         "-r", "1", "-t", "2", "--n-layer", "4", "--device", "cpu"], capture_output=True, text=True,
                        timeout=120, env=_in_op_env())
     assert (r.returncode, r.stderr) == (130, "ggml-attn-bench: interrupted\n"), r.stderr[-2000:]
+
+
+def test_closed_stderr_keeps_diagnostics_out_of_the_rows():
+    """``tool 2>&-``: Python's sys.stderr is None and print(file=None) wrote the warning lines into
+    stdout, before the json; now they go nowhere and stdout is the rows alone."""
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    p = subprocess.run([os.path.join(BIN, "ggml-attn-bench"), "-p", "16", "-n", "4", "-r", "1", "-nkvo", "1",
+                        "-o", "json"], stdout=subprocess.PIPE, stderr=None, text=True, timeout=120, env=env,
+                       preexec_fn=lambda: os.close(2))
+    assert p.returncode == 0 and p.stdout.startswith("[") and len(json.loads(p.stdout)) == 2
+
+
+def test_an_ascii_stdout_gets_plus_minus():
+    """An ASCII stdout (PYTHONIOENCODING=ascii, a C locale): the table's "±" as "+-", not a
+    UnicodeEncodeError traceback after the run."""
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    p = subprocess.run([os.path.join(BIN, "ggml-attn-bench"), "-p", "16", "-n", "4", "-r", "2"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert " +- " in p.stdout and "Traceback" not in p.stderr

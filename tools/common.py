@@ -165,6 +165,8 @@ def console_main(prog: str, main_fn, argv=None) -> int:
         except (OSError, AttributeError):
             pass
         return EXIT_USER_ERROR
+    if sys.stderr is None:   # started with stderr closed (`2>&-`): diagnostics go nowhere, not into stdout's rows
+        sys.stderr = open(os.devnull, "w")   # noqa: SIM115 (for the process's life)
     prefer_passive_omp(argv)
     quiet_interrupts()
     if argv is None:

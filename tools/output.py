@@ -36,7 +36,11 @@ class SafeWriter:
             raise OutputError(f"cannot write to {self.name}: {e.strerror or e}") from None
 
     def write(self, text: str):
-        return self._call(self.stream.write, text)
+        try:
+            return self._call(self.stream.write, text)
+        except UnicodeEncodeError:   # an ASCII (or other) stdout: the table's "±" as "+-", the rest replaced
+            enc = getattr(self.stream, "encoding", None) or "ascii"
+            return self._call(self.stream.write, text.replace("±", "+-").encode(enc, "replace").decode(enc))
 
     def flush(self):
         return self._call(self.stream.flush)
