@@ -171,6 +171,17 @@ def test_every_request_refused_over_repetitions_is_a_row_of_dashes(capsys):
     assert rc == 0 and row["n_done"] == 0 and row["out_tok_per_s"] is None and row["out_tok_per_s_stddev"] == 0.0   # (NaN: null)
 
 
+def test_np_0_is_the_documented_default(capsys):
+    """``-np 0`` (its help: "0: min(requests, 64)") runs as the default does, not refused."""
+    rows = []
+    for extra in ((), ("-np", "0")):
+        rc, out, err = _run(capsys, "-n", "3", "--prompt-dist", "4-8", "--gen-dist", "2-3", "--rate", "inf",
+                            "-o", "jsonl", *extra)
+        assert rc == 0, err
+        rows.append(_rows(out))
+    assert [(r["n_slots"], r["n_done"]) for r in rows[0]] == [(r["n_slots"], r["n_done"]) for r in rows[1]] == [(3, 3)]   # (one split: one row)
+
+
 def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
     path = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
     rc, out, err = _run(capsys, "-m", path, "--rate", "100", "-n", "4", "--gen-dist", "2-5", "--prompt-dist", "2-20",

@@ -69,7 +69,7 @@ def build_parser() -> Parser:
                    metavar="MIN-MAX", help="generated tokens per request, uniform (default: 32-256)")
     p.add_argument("-s", "--seed", type=int_at_least(0), default=0,
                    help="seed of the arrivals, lengths, made-up token ids and inputs (default: 0)")
-    p.add_argument("-np", "--max-concurrent", type=int_at_least(1, hi=MAX_SEQ), default=0, metavar="N",
+    p.add_argument("-np", "--max-concurrent", type=int_at_least(0, hi=MAX_SEQ), default=0, metavar="N",
                    help=f"requests served at once (llama-server's -np slots: sequence ids); 0: "
                         f"min(requests, {DEFAULT_SLOTS}) (default: 0)")
     add_list(p, "--prompt-budget", type=int_range(), default=[], metavar="N",
