@@ -66,11 +66,17 @@ def parse_dist(text: str, what: str) -> tuple[int, int]:
     return lo, hi
 
 
+# The latest arrival a workload may have, seconds (~11.6 days): the clock adds a step's
+# milliseconds to it, and at 1e300 s they were lost (every TTFT and ITL read 0).
+MAX_ARRIVAL_S = 1e6
+
+
 def synth_trace(rate: float, n: int, prompt_dist: tuple[int, int], gen_dist: tuple[int, int],
                 seed: int) -> list[TraceRequest]:
     """``n`` requests: Poisson arrivals at ``rate`` per second (``inf``: all at 0), lengths
     uniform in the inclusive ranges. The lengths depend on ``seed`` only, not on the rate, so a
-    rate sweep serves the same requests, arriving faster."""
+    rate sweep serves the same requests, arriving faster. UserError when the arrivals would pass
+    :data:`MAX_ARRIVAL_S`."""
     rng = np.random.default_rng([seed, 1])
     plen = rng.integers(prompt_dist[0], prompt_dist[1] + 1, size=n)
     glen = rng.integers(gen_dist[0], gen_dist[1] + 1, size=n)
@@ -79,6 +85,9 @@ def synth_trace(rate: float, n: int, prompt_dist: tuple[int, int], gen_dist: tup
     else:
         gaps = np.random.default_rng([seed, 2]).exponential(1.0 / rate, size=n)
         arrival = np.cumsum(gaps) - gaps[0]   # the first request at time 0
+        if not arrival[-1] <= MAX_ARRIVAL_S:
+            raise UserError(f"--rate {rate:g} spreads {n} requests over {arrival[-1]:.3g} s, past the "
+                            f"{MAX_ARRIVAL_S:g} s a workload may span (a higher rate, or fewer requests)")
     return [TraceRequest(float(a), int(p), int(g)) for a, p, g in zip(arrival, plen, glen)]
 
 
@@ -109,12 +118,15 @@ def load_trace(path: str) -> list[TraceRequest]:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: not JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:   # (an integer of >4300 digits; nesting past the stack)
+            raise UserError(f"{where}: not JSON this reader takes "
+                            f"({'nested too deeply' if isinstance(e, RecursionError) else 'a number of too many digits'})") from None
         if not isinstance(obj, dict):
             raise UserError(f"{where}: a request is a JSON object, got {type(obj).__name__}")
         arrival = obj.get("arrival")
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not (
-                math.isfinite(arrival) and arrival >= 0):
-            raise UserError(f"{where}: 'arrival' must be seconds >= 0, got {arrival!r}")
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival <= MAX_ARRIVAL_S:
+            shown = repr(arrival) if not isinstance(arrival, int) or abs(arrival) < 10 ** 30 else f"an integer of {len(str(arrival))} digits"
+            raise UserError(f"{where}: 'arrival' must be seconds from 0 to {MAX_ARRIVAL_S:g}, got {shown}")
         n_predict = _field(obj, "n_predict", where, 1)
         prompt = obj.get("prompt")
         if prompt is not None:
