@@ -182,6 +182,22 @@ def test_np_0_is_the_documented_default(capsys):
     assert [(r["n_slots"], r["n_done"]) for r in rows[0]] == [(r["n_slots"], r["n_done"]) for r in rows[1]] == [(3, 3)]   # (one split: one row)
 
 
+def test_a_request_longer_than_any_cache_makes_no_token_ids(capsys, tmp_path, monkeypatch):
+    """A 2**31-token prompt: with -c the request is refused (its ids never made: 8 GB of them
+    killed the process before); without, the cache it would need is refused before any output
+    (its size against the machine's memory, here a 16 GiB fake) -- not after making the ids."""
+    from ggml_attn.cli import runner
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival": 0, "prompt_len": 2147483647, "n_predict": 4}\n'
+                    '{"arrival": 0.01, "prompt_len": 10, "n_predict": 3}\n')
+    rc, out, err = _run(capsys, "--trace", str(path), "-c", "512", "-o", "jsonl")
+    (row,) = _rows(out)
+    assert rc == 0 and (row["n_done"], row["n_refused"]) == (1, 1) and "2147483647 prompt + 4 output tokens" in err
+    monkeypatch.setattr(runner, "memory_bytes", lambda device: 16 << 30)
+    rc, out, err = _run(capsys, "--trace", str(path))
+    assert rc == 2 and out == "" and "not enough memory for a KV cache of" in err and "has 16.0 GiB" in err
+
+
 def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
     path = fixtures_gguf.fixture_path("llama-q8_0", tmp_path)
     rc, out, err = _run(capsys, "-m", path, "--rate", "100", "-n", "4", "--gen-dist", "2-5", "--prompt-dist", "2-20",

@@ -18,6 +18,7 @@ applied as they are: nothing is split, checked or planned twice.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,6 +251,28 @@ def make_engine(cfg: RunConfig, cache):
         return CudaEngine(cfg, cache)
     from .host_engine import HostEngine
     return HostEngine(cfg, cache)
+
+
+def memory_bytes(device: str) -> int | None:
+    """The memory a KV cache of ``device`` could take at most: the GPU's (``cuda``) or the host's
+    physical memory; None when it cannot be read."""
+    try:
+        if device == "cuda":
+            import cupy
+            return int(cupy.cuda.Device().mem_info[1])
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except Exception:  # noqa: BLE001 - unknown: the allocation itself decides
+        return None
+
+
+def check_kv_fits(model, n_ctx: int, type_k: str, type_v: str, device: str) -> None:
+    """OutOfMemory (Runner's message) when a KV cache of ``n_ctx`` cells could not fit ``device``'s
+    whole memory -- said before a tool makes what a larger run needs beside it (serve-bench's
+    token ids: 4 bytes a prompt token, against a cache's hundreds a cell)."""
+    need, have = model.kv_bytes_per_token(type_k, type_v) * n_ctx, memory_bytes(device)
+    if have is not None and need > have:
+        raise OutOfMemory(f"not enough memory for a KV cache of {n_ctx} cells ({need / 2**30:.1f} GiB of "
+                          f"{type_k}/{type_v}; the {'GPU' if device == 'cuda' else 'host'} has {have / 2**30:.1f} GiB)")
 
 
 class Runner:

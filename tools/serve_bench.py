@@ -37,7 +37,7 @@ from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
-from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_kv_fits, check_threads,
                      effective_ubatch, free_device_memory, kernel_help, resolve_device, splits_of)
 from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
 from .verbose import Verbose
@@ -217,15 +217,13 @@ def _main(argv=None) -> int:
         save_traces(ns.save_trace, loads)
     model_logits = ns.layer == "model"
     n_vocab = model.n_vocab if model_logits else SYNTH_VOCAB
-    # the requests of every workload, token ids made once (the same for every strategy)
-    served = [(rate, [ServeRequest(i, r.arrival, prompt_tokens(i, r, n_vocab, ns.seed), r.n_predict)
-                      for i, r in enumerate(reqs)]) for rate, reqs in loads]
-    n_req_max = max(len(reqs) for _, reqs in served)
+    n_req_max = max(len(reqs) for _, reqs in loads)
     n_slots = ns.max_concurrent or min(n_req_max, DEFAULT_SLOTS)
-    longest = max(cells_needed(r.n_prompt, r.n_predict) for _, reqs in served for r in reqs)
+    longest = max(cells_needed(r.prompt_len, r.n_predict) for _, reqs in loads for r in reqs)
     # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
     # plus one ubatch of pad rows on a unified cache
     n_ctx = ns.ctx_size or n_slots * pad_to(longest, KV_PAD) + ns.ubatch_size
+    check_kv_fits(model, n_ctx, ns.cache_type_k, ns.cache_type_v, device)
     splits = splits_of(ns.split, ns.kv_unified)
     path = attention_path(device, ns.flash_attn, ns.kernel)
     configs = {split: RunConfig(   # every check (the model file's too), before any output
@@ -233,6 +231,14 @@ def _main(argv=None) -> int:
         n_batch=ns.batch_size, n_ubatch=ns.ubatch_size, flash_attn=ns.flash_attn != "off", kernel=ns.kernel,
         layer=ns.layer, device=device, n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k,
         type_v=ns.cache_type_v, cuda_graph=ns.cuda_graph == "on") for split in splits}
+
+    def prompt(i, r):   # a request longer than the whole cache is refused in every layout: its ids are never read
+        if cells_needed(r.prompt_len, r.n_predict) > n_ctx and r.prompt is None:
+            return np.broadcast_to(np.int32(0), (r.prompt_len,))
+        return prompt_tokens(i, r, n_vocab, ns.seed)
+    # the requests of every workload, token ids made once (the same for every strategy)
+    served = [(rate, [ServeRequest(i, r.arrival, prompt(i, r), r.n_predict) for i, r in enumerate(reqs)])
+              for rate, reqs in loads]
     runners: dict = {}
     try:
         return _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model, device, path)
