@@ -179,6 +179,10 @@ def test_np_0_is_the_documented_default(capsys):
                             "-o", "jsonl", *extra)
         assert rc == 0, err
         rows.append(_rows(out))
+    rc, out, err = _run(capsys, "-n", "3", "--prompt-dist", "4-8", "--gen-dist", "2-3", "--rate", "inf", "-c", "1",
+                        "-o", "jsonl")
+    (row,) = _rows(out)   # (n_ctx: the cells the cache holds, -c 1 padded to 256 for each of 3 streams)
+    assert rc == 0 and row["n_ctx"] == 768 and row["kv_cells_peak"] <= 768
     assert [(r["n_slots"], r["n_done"]) for r in rows[0]] == [(r["n_slots"], r["n_done"]) for r in rows[1]] == [(3, 3)]   # (one split: one row)
 
 

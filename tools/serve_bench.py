@@ -296,7 +296,8 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                     row = fs.row_of(runs, dict(
                         rate=rate, split=split, kv_unified=kvu, prompt_budget=budget, n_slots=n_slots,
                         n_requests=len(reqs), model=model.name, device=device, path=path, layer=ns.layer,
-                        kernel=ns.kernel, n_ctx=runner.cfg.n_ctx, n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
+                        kernel=ns.kernel, n_ctx=runner.cache.kv_size * runner.cache.n_stream,   # (the cells made)
+                        n_batch=ns.batch_size, n_ubatch=ns.ubatch_size,
                         type_k=ns.cache_type_k, type_v=ns.cache_type_v, trace=ns.trace,
                         prompt_dist=None if ns.trace else "-".join(map(str, ns.prompt_dist)),
                         gen_dist=None if ns.trace else "-".join(map(str, ns.gen_dist)),
