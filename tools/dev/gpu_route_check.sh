@@ -10,18 +10,20 @@
 #      (knob_ab, --rounds alternating rounds) -> $OUT/ab_qrg16.json
 #   4. where a cached one-token CLI run's host seconds go (tools/dev/cli_profile.py, the load row's
 #      command, bytecode kept as llamacpp_side_by_side.py keeps it) -> $OUT/load{1,2}/
-#   tools/dev/gpu_route_check.sh [--no-install] [--no-tests] [--no-ab] [--no-load] [--rounds N]
+#   tools/dev/gpu_route_check.sh [--no-install] [--no-tests] [--no-ab] [--no-load] [--rounds N] [-k EXPR]
+#   (-k: the kernel tests' selection, default "qrg or wgmma")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
 trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
 trap 'exit 143' TERM INT
 PY=${PYTHON:-python3}
-INSTALL=1; TESTS=1; AB=1; LOAD=1; ROUNDS=2
+INSTALL=1; TESTS=1; AB=1; LOAD=1; ROUNDS=2; KSEL="qrg or wgmma"
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-install) INSTALL=0;; --no-tests) TESTS=0;; --no-ab) AB=0;; --no-load) LOAD=0;;
     --rounds) ROUNDS=$2; shift;;
+    -k) KSEL=$2; shift;;
     *) echo "unknown option $1" >&2; exit 2;;
   esac
   shift
@@ -41,7 +43,7 @@ fi
 if [ $TESTS = 1 ]; then
   echo "== GPU tests: dense_gemm_qrg, the sm_90a prefill's instances, the models' logits"
   timeout 240 $PY -m pytest -m gpu -q -p no:cacheprovider -n "$(nproc)" tests/test_gpu_dense_q.py tests/test_gpu_hopper.py \
-      -k "qrg or wgmma" > "$LOGS/tests_kernels.log" 2>&1 || status=1
+      -k "$KSEL" > "$LOGS/tests_kernels.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$LOGS/tests_kernels.log" | head -10; tail -1 "$LOGS/tests_kernels.log"
   timeout 150 $PY -m pytest -m gpu -q -p no:cacheprovider -n 9 tests/test_model.py -k "blocks and not q8x and not gemm" \
       > "$LOGS/tests_model.log" 2>&1 || status=1
