@@ -319,6 +319,7 @@ LLAMA_BENCH_INERT = [
     (("-dev",), "the device is --device's (cpu, cuda or auto), one device; -sm row/layer for several"),
     (("-lm", "--load-mode"), "the weights are memory-mapped on the CPU and read with preadv into the GPU"),
     (("--no-mmap",), "the CPU path maps the file; the GPU path reads it without a map anyway", 0),
+    (("-mmp", "--mmap"), "the CPU path maps the file; the GPU path reads it without a map anyway"),
 ]
 # llama-batched-bench's (llama.cpp's common arguments)
 LLAMA_BATCHED_INERT = [
