@@ -218,6 +218,7 @@ def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
     (["--prompt-dist", "9-3"], "invalid --prompt-dist '9-3'"),
     (["-np", "300"], "must be at most 256"),
     (["--rate", "1e-300", "-n", "4"], "past the 1e+06 s a workload may span"),
+    (["--save-trace", ""], "--save-trace needs a file name"),
     (["--trace", str(SAMPLE), "--rate", "4"], "not both"),
     (["--trace", str(SAMPLE), "--save-trace", "x.jsonl"], "--trace is a file already"),
     (["-b", "16", "-ub", "64", "--prompt-budget", "x"], "invalid range format 'x'"),

@@ -211,7 +211,9 @@ def _main(argv=None) -> int:
                       head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel)
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
     loads = workloads(ns)
-    if ns.save_trace:
+    if ns.save_trace is not None:
+        if not ns.save_trace.strip():
+            raise UserError("--save-trace needs a file name (FILE.jsonl)")
         if ns.trace is not None:
             raise UserError("--save-trace writes a --rate workload's requests; --trace is a file already")
         save_traces(ns.save_trace, loads)
