@@ -12,7 +12,8 @@
 #   3b. tools/dev/qrg_ab.py: an 8B layer's gate and up products and silu, as two dense_gemm_qr / qrm
 #      launches + dense_silu_mul against one dense_gemm_qrg (Q4_K, Q6_K, Q8_0 at 16-128 tokens) -> $OUT/qrg_ab.json
 #   4. batched S_TG (-npp 128 -ntg 32 -npl 16,32,64) on the Q4_K_M file, a ladder: base, + QRGEMM_ROWS 256,
-#      + QR_GATED, + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds) -> $OUT/ab_qrm.json
+#      + QR_GATED up to 128 tokens (shipped: up to 16), + QR_SPLIT_FINISH (knob_ab, 2 alternating rounds)
+#      -> $OUT/ab_qrm.json
 #   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-qrg-ab] [--no-ab] [--no-sanitize] [--stagger] [--rounds N]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -92,8 +93,8 @@ if [ $AB = 1 ]; then
   echo "== batched S_TG: base, + QRGEMM_ROWS 256, + QR_GATED, + QR_SPLIT_FINISH"
   $PY tools/dev/knob_ab.py --rounds "$ROUNDS" --out "$OUT/ab_qrm.json" --variant base \
       --variant qrm:matmul_dispatch.QRGEMM_ROWS=256 \
-      --variant qrm_qrg:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True \
-      --variant qrm_qrg_fin:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED=True,matmul_dispatch.QR_SPLIT_FINISH=True \
+      --variant qrm_qrg:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED_MAX_TOKENS=128 \
+      --variant qrm_qrg_fin:matmul_dispatch.QRGEMM_ROWS=256,matmul_dispatch.QR_GATED_MAX_TOKENS=128,matmul_dispatch.QR_SPLIT_FINISH=True \
       batched-bench --device cuda -m /tmp/qr-q4km.gguf \
       -c 40960 -npp 128 -ntg 32 -npl 16,32,64 2>&1 | tail -12 || status=1
   say
