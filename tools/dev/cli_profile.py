@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     rc = 0
     prof.enable()
     try:
-        rc = importlib.import_module(CLIS[a.cli]).main()
+        rc = importlib.import_module(CLIS[a.cli]).main(list(a.args))   # (argv given: no SIGINT handler left behind)
     except SystemExit as e:   # (argparse's errors and --help)
         rc = e.code if isinstance(e.code, int) else 1
     finally:
