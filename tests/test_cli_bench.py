@@ -90,3 +90,14 @@ def test_bad_input_one_line_exit_2(capsys, args, msg):
     out = capsys.readouterr()
     assert rc == 2 and out.out == ""
     assert out.err.count("\n") == 1 and msg in out.err and out.err.startswith("ggml-attn-bench: error:")
+
+
+def test_a_kv_cache_past_the_machines_memory_is_refused_before_the_header(capsys, monkeypatch):
+    """llama-bench's p + n cells for a 2**31-token prompt: one line and exit 2 before any output
+    (the table's header and build line came first, the allocation's error after them)."""
+    from ggml_attn.cli import bench, runner
+    monkeypatch.setattr(runner, "memory_bytes", lambda device: 16 << 30)
+    rc = bench.main(["-p", "2147483647", "-n", "0", "-r", "1"])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == "" and "not enough memory for a KV cache of 2147483647 cells" in out.err
+    assert "the host has 16.0 GiB" in out.err

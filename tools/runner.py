@@ -265,14 +265,18 @@ def memory_bytes(device: str) -> int | None:
         return None
 
 
-def check_kv_fits(model, n_ctx: int, type_k: str, type_v: str, device: str) -> None:
-    """OutOfMemory (Runner's message) when a KV cache of ``n_ctx`` cells could not fit ``device``'s
-    whole memory -- said before a tool makes what a larger run needs beside it (serve-bench's
-    token ids: 4 bytes a prompt token, against a cache's hundreds a cell)."""
-    need, have = model.kv_bytes_per_token(type_k, type_v) * n_ctx, memory_bytes(device)
+def check_kv_fits(cfg: RunConfig) -> None:
+    """OutOfMemory (Runner's message) when ``cfg``'s KV cache -- a rank's share of it with ``-sm
+    row`` (its heads) or ``-sm layer`` (its layers) -- could not fit its device's whole memory:
+    said before a tool prints anything or makes what a larger run needs (serve-bench's token ids,
+    4 bytes a prompt token against a cache's hundreds a cell), not when the cache is allocated."""
+    m, sm = cfg.model, split_mode(cfg)
+    share = 1 / n_rank(cfg) if sm == "row" else len(cfg.tp.layers(m.n_layer)) / m.n_layer if sm == "layer" else 1
+    need, have = m.kv_bytes_per_token(cfg.type_k, cfg.type_v) * cfg.n_ctx * share, memory_bytes(cfg.device)
     if have is not None and need > have:
-        raise OutOfMemory(f"not enough memory for a KV cache of {n_ctx} cells ({need / 2**30:.1f} GiB of "
-                          f"{type_k}/{type_v}; the {'GPU' if device == 'cuda' else 'host'} has {have / 2**30:.1f} GiB)")
+        raise OutOfMemory(f"not enough memory for a KV cache of {cfg.n_ctx} cells ({need / 2**30:.1f} GiB of "
+                          f"{cfg.type_k}/{cfg.type_v}; the {'GPU' if cfg.device == 'cuda' else 'host'} has "
+                          f"{have / 2**30:.1f} GiB)")
 
 
 class Runner:

@@ -225,7 +225,6 @@ def _main(argv=None) -> int:
     # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
     # plus one ubatch of pad rows on a unified cache
     n_ctx = ns.ctx_size or n_slots * pad_to(longest, KV_PAD) + ns.ubatch_size
-    check_kv_fits(model, n_ctx, ns.cache_type_k, ns.cache_type_v, device)
     splits = splits_of(ns.split, ns.kv_unified)
     path = attention_path(device, ns.flash_attn, ns.kernel)
     configs = {split: RunConfig(   # every check (the model file's too), before any output
@@ -233,6 +232,8 @@ def _main(argv=None) -> int:
         n_batch=ns.batch_size, n_ubatch=ns.ubatch_size, flash_attn=ns.flash_attn != "off", kernel=ns.kernel,
         layer=ns.layer, device=device, n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k,
         type_v=ns.cache_type_v, cuda_graph=ns.cuda_graph == "on") for split in splits}
+    for cfg in configs.values():
+        check_kv_fits(cfg)
 
     def prompt(i, r):   # a request longer than the whole cache is refused in every layout: its ids are never read
         if cells_needed(r.prompt_len, r.n_predict) > n_ctx and r.prompt is None:
