@@ -37,10 +37,7 @@
 #   tools/dev/gpu_gemv_run.sh [--no-install] [--no-tests] [--no-ncu] [--no-dense] [--no-step] [--no-ab] [--qr] [--qw] [--split] [--deq] [--rounds 2]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
-trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
-trap 'exit 143' TERM INT   # (a timeout's signal still packs the logs)
-PY=${PYTHON:-python3}
+. tools/dev/gpu_run_lib.sh
 INSTALL=1; TESTS=1; NCU=1; DENSE=1; STEP=1; AB=1; QR=0; QW=0; SPLIT=0; DEQ=0; ROUNDS=2
 NO_ONE="matmul_dispatch.GEMV_ONE_TYPES=()"
 AB_VARIANTS=${AB_VARIANTS-"no-one:$NO_ONE"}
@@ -52,13 +49,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ -n "$AB_VARIANTS" ] || AB=0   # (nothing to compare the shipped routing with)
-export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
-status=0; t0=$(date +%s)
-say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
-if [ $INSTALL = 1 ]; then
-  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
-    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
-fi
+[ $INSTALL = 1 ] && gpu_install
 WRITER=
 wait_writer() {   # the Q4_K_M file written in the background, once (a failure printed and counted)
   [ -z "$WRITER" ] || wait $WRITER || { status=1; tail -3 "$LOGS/write.log"; }

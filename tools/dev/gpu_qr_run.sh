@@ -17,10 +17,7 @@
 #   tools/dev/gpu_qr_run.sh [--no-install] [--no-tests] [--no-probes] [--no-qrg-ab] [--no-ab] [--no-sanitize] [--stagger] [--rounds N]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
-trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
-trap 'exit 143' TERM INT
-PY=${PYTHON:-python3}
+. tools/dev/gpu_run_lib.sh
 INSTALL=1; TESTS=1; SAN=1; PROBES=1; QRG=1; AB=1; STAGGER=0; ROUNDS=2
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,13 +27,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
-status=0; t0=$(date +%s)
-say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
-if [ $INSTALL = 1 ]; then
-  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
-    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
-fi
+[ $INSTALL = 1 ] && gpu_install
 WRITER=
 if [ $AB = 1 ]; then
   $PY tests/fixtures_gguf.py /tmp/qr-q4km.gguf --preset llama-3-8b --ftype Q4_K_M > "$LOGS/write.log" 2>&1 &

@@ -14,10 +14,7 @@
 #   (-k: the kernel tests' selection, default "qrg or wgmma")
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-$PWD/gpu_out}; LOGS="$OUT/logs"; mkdir -p "$LOGS"
-trap 'tar czf "$OUT/logs.tgz" -C "$OUT" logs 2>/dev/null && rm -rf "$LOGS"' EXIT
-trap 'exit 143' TERM INT
-PY=${PYTHON:-python3}
+. tools/dev/gpu_run_lib.sh
 INSTALL=1; TESTS=1; AB=1; LOAD=1; ROUNDS=2; KSEL="qrg or wgmma"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,13 +25,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-export PYTHONUNBUFFERED=1 GGML_ATTN_CACHE_DIR=${GGML_ATTN_CACHE_DIR:-/tmp/ggml-attn-cache}
-status=0; t0=$(date +%s)
-say() { echo "   ($(( $(date +%s) - t0 ))s so far)"; }
-if [ $INSTALL = 1 ]; then
-  OUT="$LOGS" bash tools/dev/gpu_check.sh --no-precompile --no-tests --no-sanitize --no-bench --no-cli > "$LOGS/install_run.log" 2>&1 \
-    || { echo "install failed"; tail -20 "$LOGS/install_run.log"; exit 1; }
-fi
+[ $INSTALL = 1 ] && gpu_install
 M=/tmp/route-q4km.gguf
 WRITER=
 if [ $AB = 1 ] || [ $LOAD = 1 ]; then
