@@ -33,7 +33,7 @@ from .placement import check_ngl, ngl_field, note_cpu_fallback, parse_one_ngl, r
 from .plans import print_plans
 from .progress import ProgressBar
 from .format_bench import FA_INT, attention_path
-from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_kv_fits, kernel_help,
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, kernel_help,
                      check_threads, effective_ubatch, free_device_memory, splits_of)
 from .verbose import Verbose
 
@@ -286,8 +286,6 @@ def _main(argv=None) -> int:
         flash_attn=ns.flash_attn != "off", kernel=ns.kernel, layer=ns.layer, device=device,
         n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k, type_v=ns.cache_type_v,
         cuda_graph=ns.cuda_graph == "on", tp=multi_gpu.current()) for split in splits}
-    for cfg in configs.values():
-        check_kv_fits(cfg)
 
     def make(split):
         return Runner(configs[split])

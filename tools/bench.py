@@ -30,7 +30,7 @@ from .verbose import Verbose
 from .placement import check_ngl, ngl_field, ngl_text, note_cpu_fallback, parse_ngl, resolve_ngl_device
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, with_layers
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
-                     check_context, check_kernel, check_kv_fits, check_threads, default_split, effective_ubatch,
+                     check_context, check_kernel, check_threads, default_split, effective_ubatch,
                      kernel_help)
 
 PROG = "ggml-attn-bench"
@@ -337,8 +337,6 @@ def _main(argv=None) -> int:
     verbose = Verbose(PROG, ns.verbose)
     progress = Progress(PROG, ns.progress, len(insts))
     configs = {_runner_key(inst): run_config(inst, ns) for inst in insts}   # every check, before any output
-    for cfg in configs.values():
-        check_kv_fits(cfg)
     printer.header()
     runner, key = None, None
     try:

@@ -123,6 +123,11 @@ class RunConfig:
         check_cache_types(self.type_k, self.type_v, device=self.device, flash_attn=self.flash_attn,
                           head_dim_k=self.model.head_dim_k, head_dim_v=self.model.head_dim_v, kernel=self.kernel,
                           n_gpu=self.tp.n_rank if self.tp is not None else 1)
+        check_kv_fits(self)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the KV cache this config asks for (all layers, the cache types' row sizes)."""
+        return self.model.kv_bytes_per_token(self.type_k, self.type_v) * self.n_ctx
 
 
 GPU_KERNELS = dispatch.GPU_KERNELS
@@ -268,11 +273,12 @@ def memory_bytes(device: str) -> int | None:
 def check_kv_fits(cfg: RunConfig) -> None:
     """OutOfMemory (Runner's message) when ``cfg``'s KV cache -- a rank's share of it with ``-sm
     row`` (its heads) or ``-sm layer`` (its layers) -- could not fit its device's whole memory:
-    said before a tool prints anything or makes what a larger run needs (serve-bench's token ids,
-    4 bytes a prompt token against a cache's hundreds a cell), not when the cache is allocated."""
+    one of RunConfig's checks, which the tools make before they print anything or make what a
+    larger run needs (serve-bench's token ids, 4 bytes a prompt token against a cache's hundreds a
+    cell), not when the cache is allocated."""
     m, sm = cfg.model, split_mode(cfg)
     share = 1 / n_rank(cfg) if sm == "row" else len(cfg.tp.layers(m.n_layer)) / m.n_layer if sm == "layer" else 1
-    need, have = m.kv_bytes_per_token(cfg.type_k, cfg.type_v) * cfg.n_ctx * share, memory_bytes(cfg.device)
+    need, have = cfg.kv_bytes() * share, memory_bytes(cfg.device)
     if have is not None and need > have:
         raise OutOfMemory(f"not enough memory for a KV cache of {cfg.n_ctx} cells ({need / 2**30:.1f} GiB of "
                           f"{cfg.type_k}/{cfg.type_v}; the {'GPU' if cfg.device == 'cuda' else 'host'} has "
@@ -319,8 +325,8 @@ class Runner:
                               f"({self._kv_gib():.1f} GiB)") from e
 
     def _kv_gib(self) -> float:
-        """GiB of the KV cache this runner asks for (all layers, the cache types' row sizes)."""
-        return self.cfg.model.kv_bytes_per_token(self.cfg.type_k, self.cfg.type_v) * self.cfg.n_ctx / 2**30
+        """GiB of the KV cache this runner asks for (RunConfig.kv_bytes)."""
+        return self.cfg.kv_bytes() / 2**30
 
     # ------------------------------------------------------------ batches
     def prompt_batch(self, lengths, seq_ids=None):

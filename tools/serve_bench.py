@@ -37,7 +37,7 @@ from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
 from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
-from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_kv_fits, check_threads,
+from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
                      effective_ubatch, free_device_memory, kernel_help, resolve_device, splits_of)
 from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
 from .verbose import Verbose
@@ -232,8 +232,6 @@ def _main(argv=None) -> int:
         n_batch=ns.batch_size, n_ubatch=ns.ubatch_size, flash_attn=ns.flash_attn != "off", kernel=ns.kernel,
         layer=ns.layer, device=device, n_threads=ns.threads, seed=ns.seed, type_k=ns.cache_type_k,
         type_v=ns.cache_type_v, cuda_graph=ns.cuda_graph == "on") for split in splits}
-    for cfg in configs.values():
-        check_kv_fits(cfg)
 
     def prompt(i, r):   # a request longer than the whole cache is refused in every layout: its ids are never read
         if cells_needed(r.prompt_len, r.n_predict) > n_ctx and r.prompt is None:
