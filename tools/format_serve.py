@@ -155,6 +155,8 @@ def _md_cell(row: dict, key: str, fmt: str) -> str:
     if key == "done":
         return f"{row['n_done']}/{row['n_requests']}"
     v = row.get(key)
+    if isinstance(v, float) and math.isnan(v):   # (nothing measured: e.g. no request served)
+        return "-"
     if fmt == "rate":
         return "trace" if v is None else ("inf" if math.isinf(v) else f"{v:g}")
     if fmt == "b":
@@ -164,14 +166,10 @@ def _md_cell(row: dict, key: str, fmt: str) -> str:
     if fmt == "pct":
         return f"{100 * v:.0f}%"
     if fmt == "speed":
-        if isinstance(v, float) and math.isnan(v):   # (no request served: nothing timed)
-            return "-"
         sd = row.get("out_tok_per_s_stddev", 0.0)
         return f"{v:.2f} ± {sd:.2f}" if row.get("repetitions", 1) > 1 else f"{v:.2f}"
     if fmt == "s":
         return str(v)
-    if isinstance(v, float) and math.isnan(v):
-        return "-"
     return format(v, fmt)
 
 

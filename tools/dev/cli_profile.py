@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         sys.argv = argv0
     wall = time.perf_counter() - t0
     prof.dump_stats(os.path.join(a.out, "cli.prof"))
-    from tools.verbose import process_seconds   # (the repository's tools package: run from its root)
+    from ggml_attn.cli.verbose import process_seconds
     age = process_seconds()
     text = io.StringIO()
     text.write(f"ggml-attn-{a.cli} {' '.join(a.args)}\nrc {rc}, {wall:.3f} s in the CLI, process age at return "
@@ -62,5 +62,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     sys.exit(main())
