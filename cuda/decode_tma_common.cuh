@@ -353,6 +353,114 @@ __device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
     const int s = i / p.n_q_tiles, qt = i - s * p.n_q_tiles;
     return __ldg(p.live_idx + ((long long)(s % p.ne33) * p.n_q_tiles + qt) * p.n_kv_tiles + j);
 }
+// ---- a segment's start and a tile's softmax, the same in both kernels. A warp holds a group's
+// 16 rows as the m16n8k16 fragments do: lane (g, t4) rows g and g + 8 (rs 0, 1), their columns
+// 2 t4, 2 t4 + 1 of each n-tile. row_valid / row_tok / row_head: a fragment row's validity
+// (inside the batch and the query tile), token and query head.
+
+// The A fragments of the group's 16 x D rows of Q (stream s), times qs; invalid rows 0. The
+// register path (REG) permutes K's dimension as QuantPerm<KT>::k_val does.
+template <typename KT, typename T, int D, bool REG, typename Valid, typename Tok, typename Head>
+__device__ __forceinline__ void load_q(const FattnParams& p, int s, int g, int t4, float qs, Valid row_valid,
+                                       Tok row_tok, Head row_head, unsigned (&Qf)[D / 16][4]) {
+    const char* qb = p.q + (long long)s * p.q_nb3;
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        const int r = g + 8 * rs;
+        const bool ok = row_valid(r);
+        const float* qrow = reinterpret_cast<const float*>(
+            qb + (long long)row_head(ok ? r : 0) * p.q_nb2 + (long long)row_tok(ok ? r : 0) * p.q_nb1);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+            for (int hi = 0; hi < 2; ++hi) {
+                int dim = ks * 16 + 8 * hi + 2 * t4;
+                if constexpr (REG) dim = 32 * t4 + QuantPerm<KT>::k_val(ks, 2 * hi);
+                const float2 x = ok ? __ldg(reinterpret_cast<const float2*>(qrow + dim)) : make_float2(0.0f, 0.0f);
+                Qf[ks][rs + 2 * hi] = KVTraits<T>::pack2(x.x * qs, x.y * qs);
+            }
+    }
+}
+
+// The lane's two rows' mask rows (nullptr: no mask, or an invalid row) and visible intervals
+// [lo, hi) (the plan's row_lohi; every cell without one; empty for an invalid row).
+template <typename Valid, typename Tok, typename Head>
+__device__ __forceinline__ void row_bounds(const FattnParams& p, int s, int g, Valid row_valid, Tok row_tok,
+                                           Head row_head, const char* (&mrow)[2], int2 (&lohi)[2]) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        const int r = g + 8 * rs;
+        const bool ok = row_valid(r);
+        mrow[rs] = p.mask && ok ? p.mask + (long long)(s % p.ne33) * p.m_nb3 +
+                                  (long long)(row_head(r) % p.ne32) * p.m_nb2 + (long long)row_tok(r) * p.m_nb1
+                                : nullptr;
+        lohi[rs] = !ok ? make_int2(0, 0)
+                 : p.row_lohi ? __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 +
+                                                   (p.ne32 == 1 ? 0 : row_head(r) % p.ne32)) * p.n_batch + row_tok(r))
+                              : make_int2(0, p.n_kv);
+    }
+}
+
+// Mask the scores S of NC cells from c0 (the lane's first: c0 + 8 nt, + 1) of a tile whose
+// live-list entry is e, when it is PARTIAL: mask values (MASKED; -inf selected unless FINITE) or
+// the rows' intervals; cells past n_kv and invalid rows give -inf.
+template <int NC>
+__device__ __forceinline__ void mask_partial(const FattnParams& p, int e, int c0, const char* const (&mrow)[2],
+                                             const int2 (&lohi)[2], float (&S)[NC / 8][4]) {
+    if (!(e & FATTN_TILE_PARTIAL)) return;
+    const bool sel = !(e & FATTN_TILE_FINITE);
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs)
+#pragma unroll
+        for (int nt = 0; nt < NC / 8; ++nt) {
+            const int c = c0 + 8 * nt;
+            float& s0 = S[nt][2 * rs];
+            float& s1 = S[nt][2 * rs + 1];
+            if ((e & FATTN_TILE_MASKED) && mrow[rs]) {
+                if (c + 1 < p.n_kv) {
+                    add_mask_pair(s0, s1, __ldg(reinterpret_cast<const __half2*>(mrow[rs]) + (c >> 1)), FATTN_LOG2E, sel);
+                } else {
+                    if (c < p.n_kv) add_mask_pair(s0, s1, __halves2half2(__ldg(reinterpret_cast<const __half*>(mrow[rs]) + c),
+                                                                         __float2half(0.0f)), FATTN_LOG2E, sel);
+                    else s0 = FATTN_NEG_INF;
+                    s1 = FATTN_NEG_INF;
+                }
+            } else {
+                const int2 lh = (e & FATTN_TILE_MASKED) ? make_int2(0, 0) : lohi[rs];
+                if (c < lh.x || c >= lh.y || c >= p.n_kv) s0 = FATTN_NEG_INF;
+                if (c + 1 < lh.x || c + 1 >= lh.y || c + 1 >= p.n_kv) s1 = FATTN_NEG_INF;
+            }
+        }
+}
+
+// The online softmax over a tile's NC scores (log2 domain): the rows' maxima m and sums l move,
+// O is rescaled (skipped when no row's maximum moved), S becomes the probabilities.
+template <int NC, int D>
+__device__ __forceinline__ void online_softmax(float (&S)[NC / 8][4], float (&m)[2], float (&l)[2], float (&O)[D / 8][4]) {
+#pragma unroll
+    for (int rs = 0; rs < 2; ++rs) {
+        float mx = FATTN_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NC / 8; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * rs], S[nt][2 * rs + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[rs], mx);
+        const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
+        if (__any_sync(0xffffffffu, m_new != m[rs])) {   // skip the rescale when no max moved
+            const float alpha = fast_exp2(m[rs] - m_use);   // m == -inf -> 0
+            l[rs] *= alpha;
+#pragma unroll
+            for (int i = 0; i < D / 8; ++i) { O[i][2 * rs] *= alpha; O[i][2 * rs + 1] *= alpha; }
+        }
+        m[rs] = m_new;
+#pragma unroll
+        for (int nt = 0; nt < NC / 8; ++nt) {
+            S[nt][2 * rs] = fast_exp2(S[nt][2 * rs] - m_use);
+            S[nt][2 * rs + 1] = fast_exp2(S[nt][2 * rs + 1] - m_use);
+            l[rs] += S[nt][2 * rs] + S[nt][2 * rs + 1];
+        }
+    }
+}
 }  // namespace dtma
 
 

@@ -231,44 +231,14 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 
         // ---- step load Q: the A fragments of the 16 x D tile, scaled, in registers
         unsigned Qf[D / 16][4];
-        {
-            const char* qb = p.q + (long long)s * p.q_nb3;
-#pragma unroll
-            for (int rs = 0; rs < 2; ++rs) {
-                const int r = g + 8 * rs;
-                const bool ok = row_valid(r);
-                const float* qrow = reinterpret_cast<const float*>(
-                    qb + (long long)row_head(ok ? r : 0) * p.q_nb2 + (long long)row_tok(ok ? r : 0) * p.q_nb1);
-#pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-                    for (int hi = 0; hi < 2; ++hi) {
-                        // the register path: K's dimension permuted (QuantPerm::k_val)
-                        int dim = ks * 16 + 8 * hi + 2 * t4;
-                        if constexpr (REG) dim = 32 * t4 + QuantPerm<KT>::k_val(ks, 2 * hi);
-                        const float2 x = ok ? __ldg(reinterpret_cast<const float2*>(qrow + dim)) : make_float2(0.0f, 0.0f);
-                        Qf[ks][rs + 2 * hi] = KVTraits<T>::pack2(x.x * qs, x.y * qs);
-                    }
-            }
-        }
+        load_q<KT, T, D, REG>(p, s, g, t4, qs, row_valid, row_tok, row_head, Qf);
         float O[D / 8][4];
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
         float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
         const char* mrow[2];   // this thread's rows of the mask (nullptr: no mask or invalid row)
         int2 lohi[2];
-#pragma unroll
-        for (int rs = 0; rs < 2; ++rs) {
-            const int r = g + 8 * rs;
-            const bool ok = row_valid(r);
-            mrow[rs] = p.mask && ok ? p.mask + (long long)(s % p.ne33) * p.m_nb3 +
-                                      (long long)(row_head(r) % p.ne32) * p.m_nb2 + (long long)row_tok(r) * p.m_nb1
-                                    : nullptr;
-            lohi[rs] = !ok ? make_int2(0, 0)
-                     : p.row_lohi ? __ldg(p.row_lohi + ((long long)(s % p.ne33) * p.ne32 +
-                                                       (p.ne32 == 1 ? 0 : row_head(r) % p.ne32)) * p.n_batch + row_tok(r))
-                                  : make_int2(0, p.n_kv);
-        }
+        row_bounds(p, s, g, row_valid, row_tok, row_head, mrow, lohi);
 
         const int te = min(wk.seg_end(), wk.cnt);
         // WHOLE: this warp's tiles of the segment are those whose place in the block's sequence
@@ -325,59 +295,11 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
                 }
             }
 
-            // ---- step mask a PARTIAL tile: mask values (MASKED; -inf selected unless FINITE)
-            // or the rows' intervals; cells past n_kv and invalid rows give -inf
-            if (e & FATTN_TILE_PARTIAL) {
-                const bool sel = !(e & FATTN_TILE_FINITE);
-#pragma unroll
-                for (int rs = 0; rs < 2; ++rs)
-#pragma unroll
-                    for (int nt = 0; nt < NC / 8; ++nt) {
-                        const int c = c0 + 8 * nt;
-                        float& s0 = S[nt][2 * rs];
-                        float& s1 = S[nt][2 * rs + 1];
-                        if ((e & FATTN_TILE_MASKED) && mrow[rs]) {
-                            if (c + 1 < p.n_kv) {
-                                add_mask_pair(s0, s1, __ldg(reinterpret_cast<const __half2*>(mrow[rs]) + (c >> 1)),
-                                              FATTN_LOG2E, sel);
-                            } else {
-                                if (c < p.n_kv) add_mask_pair(s0, s1, __halves2half2(__ldg(reinterpret_cast<const __half*>(mrow[rs]) + c),
-                                                                                     __float2half(0.0f)), FATTN_LOG2E, sel);
-                                else s0 = FATTN_NEG_INF;
-                                s1 = FATTN_NEG_INF;
-                            }
-                        } else {
-                            const int2 lh = (e & FATTN_TILE_MASKED) ? make_int2(0, 0) : lohi[rs];
-                            if (c < lh.x || c >= lh.y || c >= p.n_kv) s0 = FATTN_NEG_INF;
-                            if (c + 1 < lh.x || c + 1 >= lh.y || c + 1 >= p.n_kv) s1 = FATTN_NEG_INF;
-                        }
-                    }
-            }
+            // ---- step mask a PARTIAL tile
+            mask_partial<NC>(p, e, c0, mrow, lohi, S);
 
             // ---- step online softmax (rows g, g + 8; the 4 lanes of a quad share a row)
-#pragma unroll
-            for (int rs = 0; rs < 2; ++rs) {
-                float mx = FATTN_NEG_INF;
-#pragma unroll
-                for (int nt = 0; nt < NC / 8; ++nt) mx = fmaxf(mx, fmaxf(S[nt][2 * rs], S[nt][2 * rs + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m[rs], mx);
-                const float m_use = m_new == FATTN_NEG_INF ? 0.0f : m_new;
-                if (__any_sync(0xffffffffu, m_new != m[rs])) {   // skip the rescale when no max moved
-                    const float alpha = fast_exp2(m[rs] - m_use);   // m == -inf -> 0
-                    l[rs] *= alpha;
-#pragma unroll
-                    for (int i = 0; i < D / 8; ++i) { O[i][2 * rs] *= alpha; O[i][2 * rs + 1] *= alpha; }
-                }
-                m[rs] = m_new;
-#pragma unroll
-                for (int nt = 0; nt < NC / 8; ++nt) {
-                    S[nt][2 * rs] = fast_exp2(S[nt][2 * rs] - m_use);
-                    S[nt][2 * rs + 1] = fast_exp2(S[nt][2 * rs + 1] - m_use);
-                    l[rs] += S[nt][2 * rs] + S[nt][2 * rs + 1];
-                }
-            }
+            online_softmax<NC, D>(S, m, l, O);
 
             if constexpr (SCRATCH) {   // ---- step dequantize V (over K: every lane's K fragments are read)
                 __syncwarp();
