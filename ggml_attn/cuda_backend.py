@@ -213,7 +213,8 @@ def _prepare(q, k, v, mask, sinks, dst, scale, max_bias, softcap, kernel, n_spli
         prep.q8_fused = True
     if kern == "decode-tma":   # two partial slots per block, a counter per row group
         from . import decode_tma_shape as dt
-        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.head_dim_v)
+        groups = sh.n_head // cfg.pack if dt.whole_rows(cfg.name) else 1   # a slot of every head group's rows
+        prep.ws_o_bytes, prep.ws_bytes = dt.workspace_bytes(cfg.grid[0], sh.head_dim_v, groups)
         prep.n_groups = dt.n_groups(sh.n_head, cfg.pack, cfg.n_q_tiles, sh.ne3)
     elif cfg.n_splits > 1:
         n_rows = sh.ne3 * sh.n_batch * sh.n_head
@@ -365,10 +366,10 @@ def bind(q: TensorDesc, k: TensorDesc, v: TensorDesc, mask: TensorDesc | None, s
     b._fn, b._comb, b._grid, b._block, b._comb_grid = prep.fn, prep.comb, cfg.grid, (cfg.block, 1, 1), prep.comb_grid
     b._params = p
     if prep.kern in ("prefill-wgmma", "decode-tma"):   # K and V's TMA maps (and the prefill's Q map) follow
-        from .decode_tma_shape import quant_kv_map    # the params, in the kernel's order
+        from .decode_tma_shape import kv_map_of   # the params, in the kernel's order
         from .wgmma_shape import kv_map, o_map, q_map, tile_width
         promo = L.DECODE_TMA_L2_PROMOTION if prep.kern == "decode-tma" else 0
-        to_map = quant_kv_map if k.type in K.QUANT_KV_CTYPES else kv_map
+        to_map = kv_map_of(cfg.name) if k.type in K.QUANT_KV_CTYPES else kv_map
         maps = (to_map(k, promo), to_map(v, promo))
         if prep.kern == "prefill-wgmma":
             maps += (q_map(q, tile_width(q.ne[0]), cfg.pack), o_map(dst, cfg.name, cfg.pack))

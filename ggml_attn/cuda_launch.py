@@ -149,15 +149,17 @@ def _pair_units(sh: AttnDims, n_q_tiles: int, counts):
     return c[np.arange(sh.ne3) % c.shape[0]].reshape(-1)
 
 
-def decode_tma_cap(sh: AttnDims, pack: int, n_q_tiles: int, blocks: int, counts=None) -> tuple[int, int]:
+def decode_tma_cap(sh: AttnDims, pack: int, n_q_tiles: int, blocks: int, counts=None,
+                   whole_rows: bool = False) -> tuple[int, int]:
     """(FattnParams.work_cap, blocks it keeps busy) of a decode-tma call on ``blocks`` blocks
     (decode_tma_shape.work_cap): the pairs' units from the plan's live counts (numpy
     [ne33 * n_q_tiles]; pair (s, qt) reads plane s % ne33), or every KV tile without a plan;
-    (0, blocks) -- equal shares -- with DECODE_TMA_ALIGN off or when no cap balances."""
+    (0, blocks) -- equal shares -- with DECODE_TMA_ALIGN off or when no cap balances.
+    ``whole_rows``: a whole-rows instance's, whose pair is one group (every head group a unit)."""
     if not DECODE_TMA_ALIGN:
         return 0, blocks
     from . import decode_tma_shape as dt
-    n_hg = sh.n_head // pack
+    n_hg = 1 if whole_rows else sh.n_head // pack
     if counts is None:
         u, groups = max(1, -(-sh.n_kv // K.KV_TILE)), sh.ne3 * n_q_tiles * n_hg
         cap = dt.work_cap_equal(u, groups, blocks, DECODE_TMA_CAP_SLACK)
@@ -254,7 +256,11 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         from . import decode_tma_shape as dt
         pack, tq = _group_rows(sh.gqa)
         n_q_tiles = -(-sh.n_batch // tq)
-        c = dt.CONFIGS[dt.config(sh.kv_type, DECODE_TMA_CONFIG, sh.ne3 * n_q_tiles)]
+        key = dt.config(sh.kv_type, DECODE_TMA_CONFIG, sh.ne3 * n_q_tiles)
+        c = dt.CONFIGS[key]
+        why = dt.rows_why_not(c, sh.n_head, sh.n_head_kv, pack)
+        if why is not None:
+            raise ValueError(f"DECODE_TMA_CONFIG {key!r} cannot run this call: {why}")
         name = c.name
         variant = K.decode_tma_variant(name)
         blocks = DECODE_TMA_BLOCKS or (num_sms() * (blocks_per_sm or _occupancy(variant, name, c.threads)))
@@ -264,7 +270,7 @@ def launch_config(kernel: str, sh: AttnDims, n_splits: int | None = None, *, ext
         # than these blocks fit under the cap runs on them in equal shares (the kernel's check).
         counts = (live_counts or {}).get(tq)
         cap, blocks = (0, blocks) if max_live is not None and counts is None else \
-            decode_tma_cap(sh, pack, n_q_tiles, blocks, counts)
+            decode_tma_cap(sh, pack, n_q_tiles, blocks, counts, whole_rows=c.row_heads > 0)
         return LaunchConfig(kernel, variant, name, pack, tq, n_q_tiles, n_kv_tiles, 1,
                             c.threads, (blocks, 1, 1), rows=dt.ROWS, fused_finish=False, work_cap=cap)
     if kernel == "prefill":

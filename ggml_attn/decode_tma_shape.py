@@ -31,6 +31,7 @@ from .instances import VEC_KV_CTYPES, pick, template_expr
 THREADS = 160      # four consumer warps and the producer warp (the f16/bf16 instances)
 ROWS = 16          # rows of a group (one m16 tile)
 CONSUMERS = 4
+ROWS_HALF = 32     # cells of a whole-rows stage (drows::HALF)
 
 
 class Cfg(NamedTuple):
@@ -45,14 +46,20 @@ class Cfg(NamedTuple):
     scratch: bool = False
     whole: bool = True    # a warp per tile; False: the four warps on every tile, 16 cells each
     heads_first: bool = False
+    row_heads: int = 0    # > 0: cuda/fattn_decode_rows.cu, whole cell rows of this many KV heads a box
 
     @property
     def threads(self) -> int:
-        return 32 * (self.consumers + 1)
+        """The block: the consumer warps and a producer warp (the whole-rows instances: no producer
+        warp, the consumers refill the ring)."""
+        return 32 * (self.consumers + (0 if self.row_heads else 1))
 
     @property
     def name(self) -> str:
         """The instance's name expression (its own NVRTC program: kernels.decode_tma_variant)."""
+        if self.row_heads:
+            return template_expr("fattn_decode_rows", VEC_KV_CTYPES[self.kv_type], self.d, self.stages,
+                                 self.consumers, self.row_heads)
         reg = self.kv_type in QUANT_TYPES and not self.scratch
         return template_expr("fattn_decode_tma", VEC_KV_CTYPES[self.kv_type], self.d, self.stages, self.whole,
                              self.consumers, reg, self.heads_first)
@@ -82,6 +89,13 @@ CONFIGS = {
     "q8_0-r4": Cfg(128, 8, GGML_TYPE_Q8_0, heads_first=True),
     "q8_0-pm": Cfg(128, 11, GGML_TYPE_Q8_0, consumers=7),
     "q4_0-pm": Cfg(128, 20, GGML_TYPE_Q4_0, consumers=7),
+    # Whole cell rows (cuda/fattn_decode_rows.cu): a block reads every KV head of its cells, a
+    # consumer warp a head group, so each DRAM granule of the cache is read once (the per-head
+    # boxes above share theirs with the neighbouring heads: 1.21x the cache's bytes at B=64 32k
+    # heads first). 8 KV heads of 8 head groups (Llama's 8B and 70B); stages of 32 cells, 69.6 KB
+    # (q8_0) / 36.9 KB (q4_0). A/B rows, not measured yet (bench/NOTES.md, #46).
+    "q8_0-rows": Cfg(128, 3, GGML_TYPE_Q8_0, consumers=8, row_heads=8),
+    "q4_0-rows": Cfg(128, 6, GGML_TYPE_Q4_0, consumers=8, row_heads=8),
 }
 FOR_TYPE = {GGML_TYPE_F16: "s6", GGML_TYPE_BF16: "s6-bf16", GGML_TYPE_Q8_0: "q8_0", GGML_TYPE_Q4_0: "q4_0"}
 QUANT_TYPES = (GGML_TYPE_Q8_0, GGML_TYPE_Q4_0)   # the block types of the instances above
@@ -137,6 +151,49 @@ def quant_why_not(t) -> str | None:
     return None
 
 
+def rows_why_not(c: Cfg, n_head: int, n_head_kv: int, pack: int) -> str | None:
+    """None when whole-rows instance ``c`` runs a call of ``n_head`` query heads over
+    ``n_head_kv`` KV heads packed ``pack`` to a group, else why not: a consumer warp per head
+    group, a box per cell row of exactly its KV heads."""
+    if not c.row_heads:
+        return None
+    if n_head_kv != c.row_heads:
+        return f"{c.row_heads} KV heads a cell row (the call has {n_head_kv})"
+    if n_head // pack != c.consumers:
+        return f"{c.consumers} head groups (the call has {n_head // pack}: {n_head} heads, {pack} a group)"
+    return None
+
+
+def quant_rows_map(t, l2_promotion: int = 0):
+    """The TMA map of a q8_0/q4_0 K or V tensor (:func:`quant_why_not`) that the whole-rows
+    instances read through: 8-byte elements x [a cell's row of every head (n_head_kv * ROW / 8),
+    cells, 1, streams], box [the whole row, 32 cells, 1, 1]; cells past n_kv read as 0. The row
+    must be a multiple of 16 bytes (an even number of heads) and one box side (at most 256
+    elements)."""
+    from . import tma
+    why = quant_why_not(t)
+    row, _ = quant_box(t.type, t.ne[0])
+    rb = t.ne[2] * row
+    if why is None and (rb % 16 or rb // 8 > 256):
+        why = f"a cell's row of {t.ne[2]} heads is {rb} bytes: need a multiple of 16 up to 2048"
+    if why is not None:
+        raise ValueError(f"quantized whole-rows TMA map for K/V: {why}")
+    nb3 = t.nb[3] if t.ne[3] > 1 else t.nb[1]
+    return tma.encode_tiled(tma.DTYPE_U64, t.ptr, (rb // 8, t.ne[1], 1, t.ne[3]), (t.nb[1], t.nb[1], nb3),
+                            (rb // 8, ROWS_HALF, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
+
+
+def whole_rows(name: str) -> bool:
+    """True for a whole-rows instance's name (Cfg.row_heads: cuda/fattn_decode_rows.cu)."""
+    return name.startswith("fattn_decode_rows<")
+
+
+def kv_map_of(name: str):
+    """The TMA map builder (tensor, l2_promotion) -> map of the quantized K/V of instance ``name``
+    (a Cfg's name): whole rows or a head's box."""
+    return quant_rows_map if whole_rows(name) else quant_kv_map
+
+
 def quant_kv_map(t, l2_promotion: int = 0):
     """The TMA map of a q8_0/q4_0 K or V tensor (:func:`quant_why_not`) that the quantized
     instances' producer reads one raw box per tile through: bytes x [the heads' rows of a cell
@@ -153,11 +210,12 @@ def quant_kv_map(t, l2_promotion: int = 0):
                             (rb, 64, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
 
 
-def workspace_bytes(blocks: int, d: int) -> tuple[int, int]:
-    """(bytes of the partial outputs, bytes in all): two slots of ROWS x d f32 per block, then
-    their (max, sum) pairs (FattnParams.ws_o / ws_ml)."""
-    o = 2 * blocks * ROWS * d * 4
-    return o, o + 2 * blocks * ROWS * 8
+def workspace_bytes(blocks: int, d: int, groups: int = 1) -> tuple[int, int]:
+    """(bytes of the partial outputs, bytes in all): two slots of ``groups`` x ROWS x d f32 per
+    block (a whole-rows instance's slot holds its head groups' rows), then their (max, sum) pairs
+    (FattnParams.ws_o / ws_ml)."""
+    o = 2 * blocks * groups * ROWS * d * 4
+    return o, o + 2 * blocks * groups * ROWS * 8
 
 
 def n_groups(n_head: int, pack: int, n_q_tiles: int, ne3: int) -> int:

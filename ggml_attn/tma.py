@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ctypes
 
-# CUtensorMapDataType (UINT8: raw bytes, ggml's quantized blocks)
-DTYPE_U8, DTYPE_F16, DTYPE_F32, DTYPE_BF16 = 0, 6, 7, 9
-_ELEM_BYTES = {DTYPE_U8: 1, DTYPE_F16: 2, DTYPE_F32: 4, DTYPE_BF16: 2}
+# CUtensorMapDataType (UINT8: raw bytes, ggml's quantized blocks; UINT64: rows of them too wide
+# for a box side of 256 bytes)
+DTYPE_U8, DTYPE_U64, DTYPE_F16, DTYPE_F32, DTYPE_BF16 = 0, 4, 6, 7, 9
+_ELEM_BYTES = {DTYPE_U8: 1, DTYPE_U64: 8, DTYPE_F16: 2, DTYPE_F32: 4, DTYPE_BF16: 2}
 # CUtensorMapSwizzle
 SWIZZLE_NONE, SWIZZLE_32B, SWIZZLE_64B, SWIZZLE_128B = 0, 1, 2, 3
 # CUtensorMapL2promotion: the L2 sector promotion of the copies' DRAM reads

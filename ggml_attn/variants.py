@@ -117,7 +117,7 @@ def cells_rows_allowed(dk: int, dv: int, tune: CellsTune | None = None) -> tuple
 # bytes an instance takes (e.g. fattn_mma_smem, the end of cuda/fattn_mma.cu). Every other kernel
 # takes none (static shared memory only).
 SMEM_KERNELS = ("fattn_mma", "fattn_vec", "fattn_cells", "dense_gemm_q8", "dense_gemm_qs", "dense_gemm_qr",
-                "dense_gemm_qw", "fattn_wgmma_ws", "fattn_decode_tma")
+                "dense_gemm_qw", "fattn_wgmma_ws", "fattn_decode_tma", "fattn_decode_rows")
 
 
 def smem_expr(name: str) -> str | None:
@@ -445,9 +445,12 @@ def wgmma_variant(name: str) -> Variant:
 
 
 def decode_tma_variant(name: str) -> Variant:
-    """The program of one sm_90a decode instance (cuda/fattn_decode_tma.cu; ``name``: a
-    decode_tma_shape.Cfg's name), one program per instance as :func:`wgmma_variant`."""
-    return Variant("decode-tma", "fattn_decode_tma.cu", (name,), arch_suffix="a")
+    """The program of one sm_90a decode instance (cuda/fattn_decode_tma.cu, or for the whole-rows
+    instances cuda/fattn_decode_rows.cu; ``name``: a decode_tma_shape.Cfg's name), one program
+    per instance as :func:`wgmma_variant`."""
+    from .decode_tma_shape import whole_rows
+    src = "fattn_decode_rows.cu" if whole_rows(name) else "fattn_decode_tma.cu"
+    return Variant("decode-tma", src, (name,), arch_suffix="a")
 
 
 def dense_qw_variant(type_id: int) -> Variant:

@@ -19,12 +19,14 @@ def _f(**kw):
 
 
 def test_constants_mirror_the_kernel():
-    """decode_tma_shape's copies of cuda/fattn_decode_tma.cu's constants."""
+    """decode_tma_shape's copies of the sm_90a decode's constants (cuda/decode_tma_common.cuh;
+    the whole-rows stage's cells, cuda/fattn_decode_rows.cu)."""
     import re
     from pathlib import Path
-    src = (Path(__file__).resolve().parents[1] / "cuda" / "fattn_decode_tma.cu").read_text()
-    cu = {m[1]: int(m[2]) for m in re.finditer(r"constexpr int (\w+) = (\d+);", src)}
-    mine = {"ROWS": dt.ROWS, "CONSUMERS": dt.CONSUMERS}
+    src = Path(__file__).resolve().parents[1] / "cuda"
+    cu = {m[1]: int(m[2]) for f in ("decode_tma_common.cuh", "fattn_decode_rows.cu")
+          for m in re.finditer(r"constexpr int (\w+) = (\d+);", (src / f).read_text())}
+    mine = {"ROWS": dt.ROWS, "CONSUMERS": dt.CONSUMERS, "HALF": dt.ROWS_HALF}
     assert {k: cu.get(k) for k in mine} == mine
     assert dt.THREADS == 32 * (dt.CONSUMERS + 1)
 
@@ -252,7 +254,8 @@ def test_configs_name_their_template_instances():
     names = [c.name for c in dt.CONFIGS.values()]
     assert len(set(names)) == len(names)
     for c in dt.CONFIGS.values():
-        assert K.decode_tma_variant(c.name).names == (c.name,) and c.threads == 32 * (c.consumers + 1)
+        assert K.decode_tma_variant(c.name).names == (c.name,)
+        assert c.threads == 32 * (c.consumers + (0 if c.row_heads else 1))
         assert c.whole or c.consumers == dt.CONSUMERS, "four warps per tile: the tile's four 16-cell parts"
     assert {v.names[0] for v in K.hopper_variants() if v.family == "decode-tma"} == set(names)
 

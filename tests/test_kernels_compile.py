@@ -320,6 +320,8 @@ def _smem_cxx(name: str) -> tuple[str, str]:
     if base == "fattn_decode_tma":   # <KT, D, STAGES, WHOLE, NW, REG>: scratch = quantized and not REG
         scratch = "false" if a[0] in ("__half", "__nv_bfloat16") or a[5] == "true" else "true"
         return "fattn_decode_tma.cu", f"dtma::smem_bytes<{a[0]}, {a[1]}, {a[2]}, {a[4]}, {scratch}, {a[3]}>()"
+    if base == "fattn_decode_rows":   # <KT, D, STAGES, NW, NKV>
+        return "fattn_decode_rows.cu", f"drows::smem_bytes<{a[0]}, {a[1]}, {a[2]}, {a[4]}>()"
     raise AssertionError(f"no dynamic shared memory expression for {name}")
 
 
@@ -384,15 +386,20 @@ def test_dynamic_shared_memory_fits():
             expr = f"{per_sm} * ({expr} + 1024) <= 228 * 1024"
         else:
             expr = f"{expr} <= {48 if base == 'fattn_cells' else 227} * 1024"
-        arch = K.HOPPER_ARCH if base in ("fattn_wgmma_ws", "fattn_decode_tma", "dense_gemm_qw") else "sm_80"
+        arch = K.HOPPER_ARCH if base in ("fattn_wgmma_ws", "fattn_decode_tma", "fattn_decode_rows", "dense_gemm_qw") \
+            else "sm_80"
         checks.setdefault((src, arch), []).append((expr, "true", n))
     assert {s for s, _ in checks} == {"fattn_mma.cu", "fattn_vec.cu", "fattn_cells.cu", "dense_q8x.cu", "dense_q.cu",
-                                      "fattn_wgmma.cu", "fattn_decode_tma.cu", "dense_qw.cu"}
+                                      "fattn_wgmma.cu", "fattn_decode_tma.cu", "fattn_decode_rows.cu", "dense_qw.cu"}
     # the sm_90a prefill's rings one stage deeper do not fit: Q's f32 rows through TMA (64 KB at D 128)
     # leave room for 2 stages of 128 cells, not 3; at D 256 (64-cell chunks) for none
     checks[("fattn_wgmma.cu", K.HOPPER_ARCH)] += [
         ("ws::chunk<256>() == 64 && ws::smem_bytes<128, 3, true>() > 227 * 1024", "true", "qtma D 128: 3 stages"),
         ("ws::smem_bytes<256, 1, true>() > 227 * 1024", "true", "qtma D 256: 1 stage")]
+    # the whole-rows decode's rings are as deep as fit (8 KV heads' rows: 69.6 / 36.9 KB a stage)
+    checks[("fattn_decode_rows.cu", K.HOPPER_ARCH)] += [
+        ("drows::smem_bytes<fattn_q8_0, 128, 4, 8>() > 227 * 1024", "true", "q8_0 rows: 4 stages"),
+        ("drows::smem_bytes<fattn_q4_0, 128, 7, 8>() > 227 * 1024", "true", "q4_0 rows: 7 stages")]
     for (src, arch), c in checks.items():
         _static_asserts(src, c, arch)
     assert [K.gemm_q8_bn(n) for n in (1, 16, 17, 64, 512)] == [16, 16, 64, 64, 64]
