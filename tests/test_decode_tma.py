@@ -315,3 +315,87 @@ def test_workspace_and_counters():
     o, total = dt.workspace_bytes(132, 128)
     assert o == 2 * 132 * 16 * 128 * 4 and total == o + 2 * 132 * 16 * 8
     assert dt.n_groups(32, 4, 1, 16) == 128
+
+
+# ---- the whole-rows instances (cuda/fattn_decode_rows.cu)
+def _rows_dims(n_batch=1, ne3=64, n_head=32, n_head_kv=8, kv_type=GGML_TYPE_Q8_0, n_kv=32768):
+    from ggml_attn import cuda_launch as L
+    return L.AttnDims(128, 128, n_batch, n_head, n_head_kv, ne3, n_kv, kv_type)
+
+
+@pytest.mark.parametrize("key,kv_type,stages", [("q8_0-rows", GGML_TYPE_Q8_0, 3), ("q4_0-rows", GGML_TYPE_Q4_0, 6)])
+def test_whole_rows_instances_launch_as_one_group_a_pair(key, kv_type, stages, monkeypatch):
+    """A whole-rows instance: its template, 8 warps and no producer warp, and a pair's work one
+    group (the cap sized on every head group a unit: decode_tma_cap's whole_rows), its workspace
+    a slot of every head group's rows a block; not the op's default for its type."""
+    from ggml_attn import cuda_launch as L
+    from ggml_attn import variants as V
+    c = dt.CONFIGS[key]
+    ctype = "fattn_q8_0" if kv_type == GGML_TYPE_Q8_0 else "fattn_q4_0"
+    assert c.name == f"fattn_decode_rows<{ctype}, 128, {stages}, 8, 8>" and c.threads == 256
+    assert dt.whole_rows(c.name) and not dt.whole_rows(dt.CONFIGS[dt.FOR_TYPE[kv_type]].name)
+    assert key not in (dt.FOR_TYPE[kv_type], dt.FOR_ONE_PAIR[kv_type])
+    assert V.decode_tma_variant(c.name).source == "fattn_decode_rows.cu"
+    assert V.decode_tma_variant(dt.CONFIGS["q8_0"].name).source == "fattn_decode_tma.cu"
+    assert V.smem_expr(c.name) == f"&fattn_decode_rows_smem<{ctype}, 128, {stages}, 8, 8>"
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", key)
+    for ne3, n_kv in ((64, 32768), (16, 4096), (1, 32768)):
+        sh = _rows_dims(ne3=ne3, kv_type=kv_type, n_kv=n_kv)
+        cfg = L.launch_config("decode-tma", sh)
+        assert cfg.name == c.name and cfg.block == 256 and cfg.pack == 4
+        cap, blocks = L.decode_tma_cap(sh, 4, 1, 132, whole_rows=True)
+        assert (cfg.work_cap, cfg.grid[0]) == (cap, blocks)
+        u = -(-n_kv // 64)
+        # one group a pair: the same cut as units of 8x the tiles' work would make of 8 groups
+        assert cap == dt.work_cap_equal(u, ne3, 132, L.DECODE_TMA_CAP_SLACK) and blocks <= 132
+    o, total = dt.workspace_bytes(132, 128, 8)
+    assert (o, total) == (2 * 132 * 8 * 16 * 128 * 4, o + 2 * 132 * 8 * 16 * 8)
+    assert dt.workspace_bytes(132, 128) == tuple(x // 8 for x in (o, total))
+
+
+def test_whole_rows_instances_say_which_calls_they_cannot_run(monkeypatch):
+    """The knob naming a whole-rows instance on a call of another head layout is a clear error:
+    8 KV heads a cell row, a warp for each of 8 head groups."""
+    from ggml_attn import cuda_launch as L
+    monkeypatch.setattr(L, "num_sms", lambda: 132)
+    monkeypatch.setattr(L, "_occupancy", lambda *a: 1)
+    c = dt.CONFIGS["q8_0-rows"]
+    assert dt.rows_why_not(c, 32, 8, 4) is None
+    assert "8 KV heads" in dt.rows_why_not(c, 64, 16, 4)
+    assert "8 head groups" in dt.rows_why_not(c, 64, 8, 4)      # GQA 8 packed 4: 16 groups
+    assert dt.rows_why_not(dt.CONFIGS["q8_0"], 64, 16, 4) is None
+    monkeypatch.setattr(L, "DECODE_TMA_CONFIG", "q8_0-rows")
+    with pytest.raises(ValueError, match="q8_0-rows.*cannot run this call: 8 KV heads"):
+        L.launch_config("decode-tma", _rows_dims(n_head=32, n_head_kv=4))
+    with pytest.raises(ValueError, match="another K/V type"):
+        L.launch_config("decode-tma", _rows_dims(kv_type=GGML_TYPE_Q4_0))
+
+
+@pytest.mark.parametrize("kv_type,row", [(GGML_TYPE_Q8_0, 136), (GGML_TYPE_Q4_0, 72)])
+def test_quant_rows_map_boxes_a_cells_whole_row(kv_type, row, monkeypatch):
+    """The whole-rows map: 8-byte elements over a cell's row of every head (one box side), 32
+    cells a box, the cache's cell and stream strides; rows that are not a multiple of 16 bytes
+    (an odd head count) or wider than a box are refused before the driver is asked."""
+    from ggml_attn import tma
+    from ggml_attn.tensor import TensorDesc
+    seen = []
+    monkeypatch.setattr(tma, "encode_tiled", lambda *a: seen.append(a) or "map")
+    nb1 = 8 * row + 16                                       # a cache view: rows 16 bytes apart
+    t = TensorDesc(0x10000, kv_type, (128, 5000, 8, 3), (row // 4, nb1, row, nb1 * 5000))
+    assert dt.kv_map_of(dt.CONFIGS["q8_0-rows"].name) is dt.quant_rows_map
+    assert dt.kv_map_of(dt.CONFIGS["q8_0"].name) is dt.quant_kv_map
+    assert dt.quant_rows_map(t, 2) == "map"
+    dtype, ptr, dims, strides, box, swz, promo = seen[0]
+    assert (dtype, ptr, swz, promo) == (tma.DTYPE_U64, 0x10000, tma.SWIZZLE_NONE, 2)
+    assert dims == (8 * row // 8, 5000, 1, 3) and strides == (nb1, nb1, nb1 * 5000)
+    assert box == (8 * row // 8, dt.ROWS_HALF, 1, 1)
+    tma.check_tiled(dtype, ptr, dims, strides, box)          # the driver's rules, as the map asks
+    odd = TensorDesc(0x10000, kv_type, (128, 5000, 3, 1), (row // 4, 3 * row + 8, row, 0))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dt.quant_rows_map(odd)
+    wide = TensorDesc(0x10000, kv_type, (128, 5000, 32, 1), (row // 4, 32 * row, row, 0))
+    with pytest.raises(ValueError, match="up to 2048"):
+        dt.quant_rows_map(wide)
+    assert len(seen) == 1
