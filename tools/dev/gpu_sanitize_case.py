@@ -261,7 +261,12 @@ def _quantized(cp, rng, mask) -> int:
     """q8_0 / q4_0 K/V as a cache's rows (cells outer, heads packed, rows 16 bytes wider): the
     sm_90a decode reading the blocks (no mask and ``mask``, a wave and 3 blocks; one token of 6
     streams: the heads-first group order, whole groups and the equal share), a prompt on f16
-    copies (fattn_dequant_kv, then the tensor-core prefill), a K f16 / V q8_0 pair. Failures."""
+    copies (fattn_dequant_kv, then the tensor-core prefill), a K f16 / V q8_0 pair. The decode
+    cases run the op's instance and each of $DECODE_TMA_CONFIGS (comma-separated
+    decode_tma_shape.CONFIGS keys) of their K/V type. Failures."""
+    import os
+
+    from ggml_attn import decode_tma_shape as dt
     from ggml_attn.dtypes import GGML_TYPE_Q4_0, GGML_TYPE_Q8_0
     from ggml_attn.quant import dequantize_rows, quantize
     from ggml_attn.tensor import TensorDesc
@@ -295,16 +300,21 @@ def _quantized(cp, rng, mask) -> int:
         ref = flash_attn_ext(q, kf, vf, mm, 0.1, 0.0, 0.0, None)
         dq = cp.asarray(q)
         dm = None if mm is None else cp.asarray(mm)
-        dst = cp.full((ns, nb, nh, 128), cp.nan, dtype=cp.float32)
-        cb.flash_attn_ext_device(from_array(dq), kd, vd, None if dm is None else from_array(dm, GGML_TYPE_F16), None,
-                                 from_array(dst), 0.1, kernel=kernel)
-        out = dst.get()
-        err = nmse(out, ref)
-        ok = err <= 5e-4 and not np.isnan(out).any()
-        bad += not ok
-        print(f"quant {kernel:10s} K {kt} V {vt} streams={ns} mask={m is not None} blocks={blocks} nmse={err:.2e} "
-              f"{'ok' if ok else 'FAIL'}")
+        extra = [c for c in os.environ.get("DECODE_TMA_CONFIGS", "").split(",")
+                 if c and kernel == "decode-tma" and kt == vt and dt.CONFIGS[c].kv_type == kt]
+        for config in ["", *extra]:
+            cuda_launch.DECODE_TMA_CONFIG = config
+            dst = cp.full((ns, nb, nh, 128), cp.nan, dtype=cp.float32)
+            cb.flash_attn_ext_device(from_array(dq), kd, vd, None if dm is None else from_array(dm, GGML_TYPE_F16),
+                                     None, from_array(dst), 0.1, kernel=kernel)
+            out = dst.get()
+            err = nmse(out, ref)
+            ok = err <= 5e-4 and not np.isnan(out).any()
+            bad += not ok
+            print(f"quant {kernel:10s} {config or 'default':9s} K {kt} V {vt} streams={ns} mask={m is not None} "
+                  f"blocks={blocks} nmse={err:.2e} {'ok' if ok else 'FAIL'}")
     cuda_launch.DECODE_TMA_BLOCKS = 0
+    cuda_launch.DECODE_TMA_CONFIG = ""
     return bad
 
 
