@@ -37,10 +37,13 @@
 namespace drows {
 constexpr int HALF = 32;   // cells of a stage: half a plan tile (a stage of 64 whole rows would not fit twice)
 
-// One stage's K (or V): HALF cells' whole rows of NKV heads' blocks, RB = NKV x ROW bytes a cell.
+// One stage's K (or V): HALF cells' whole rows of NKV heads' blocks (NKV x ROW bytes), RB bytes
+// apart: a row and 16 bytes the box reads past the tensor's row (zeros, no DRAM read), so that
+// rows fall 20 words mod 32 apart in the banks, not 16 (1,088 / 576 bytes): the fragments'
+// loads 2-way conflicted instead of 4 (the per-head instances' 144 / 80-byte rows: 2-way).
 template <typename KT, int D, int NKV> struct RowTile {
     static constexpr int ROW = dtma::Tile<KT, D>::ROW;
-    static constexpr int RB = NKV * ROW;
+    static constexpr int RB = NKV * ROW + 16;
     static constexpr int BYTES = HALF * RB;
 };
 
@@ -106,6 +109,7 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
     constexpr int STAGE_BYTES = 2 * RT::BYTES;
     static_assert(Tile<KT, D>::QUANT && D == 128, "whole rows: q8_0/q4_0 blocks at D 128 (the register path)");
     static_assert(RT::RB % 16 == 0 && RT::RB / 8 <= 256, "a cell's row: one TMA box side of 8-byte elements");
+    static_assert(RT::BYTES % 128 == 0, "V's box 128-byte aligned after K's");
     static_assert(STAGE_BYTES % 128 == 0, "each stage 128-byte aligned for the TMA");
     static_assert(v_runs_of_four<KT>(), "the output's float4 stores");
 
@@ -278,7 +282,8 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
                 return sl * NW + warp;
             };
             __threadfence();
-            named_barrier_sync(1, 32 * NW);
+            __syncwarp();   // (the rows' stores above diverged) bar.sync is .aligned
+            named_barrier_sync(1, 32 * NW);   // also: every warp read the previous segment's flag
             if (tid == 0) {
                 const bool last = atomicAdd(p.split_cnt + wk.pair, 1) == n_part - 1;
                 if (last) p.split_cnt[wk.pair] = 0;   // for the next launch (no other block counts now)
@@ -297,7 +302,6 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
                 }
             }
         }
-        named_barrier_sync(1, 32 * NW);   // the flag is free for the next segment
     }
 }
 

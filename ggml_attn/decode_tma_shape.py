@@ -164,23 +164,26 @@ def rows_why_not(c: Cfg, n_head: int, n_head_kv: int, pack: int) -> str | None:
     return None
 
 
-def quant_rows_map(t, l2_promotion: int = 0):
+def quant_rows_map(t, l2_promotion: int = 0, heads: int = 0):
     """The TMA map of a q8_0/q4_0 K or V tensor (:func:`quant_why_not`) that the whole-rows
     instances read through: 8-byte elements x [a cell's row of every head (n_head_kv * ROW / 8),
-    cells, 1, streams], box [the whole row, 32 cells, 1, 1]; cells past n_kv read as 0. The row
-    must be a multiple of 16 bytes (an even number of heads) and one box side (at most 256
-    elements)."""
+    cells, 1, streams], box [the whole row and 2 elements past it (zeros: drows::RowTile's
+    padding), 32 cells, 1, 1]; cells past n_kv read as 0. The row must be a multiple of 16 bytes
+    (an even number of heads) and, padded, one box side (at most 256 elements); ``heads``: the
+    instance's KV heads a row (Cfg.row_heads; 0: any), which the kernel's stage size counts."""
     from . import tma
     why = quant_why_not(t)
     row, _ = quant_box(t.type, t.ne[0])
     rb = t.ne[2] * row
-    if why is None and (rb % 16 or rb // 8 > 256):
-        why = f"a cell's row of {t.ne[2]} heads is {rb} bytes: need a multiple of 16 up to 2048"
+    if why is None and heads and t.ne[2] != heads:
+        why = f"the instance reads rows of {heads} KV heads, the tensor has {t.ne[2]}"
+    if why is None and (rb % 16 or rb // 8 + 2 > 256):
+        why = f"a cell's row of {t.ne[2]} heads is {rb} bytes: need a multiple of 16 up to 2032"
     if why is not None:
         raise ValueError(f"quantized whole-rows TMA map for K/V: {why}")
     nb3 = t.nb[3] if t.ne[3] > 1 else t.nb[1]
     return tma.encode_tiled(tma.DTYPE_U64, t.ptr, (rb // 8, t.ne[1], 1, t.ne[3]), (t.nb[1], t.nb[1], nb3),
-                            (rb // 8, ROWS_HALF, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
+                            (rb // 8 + 2, ROWS_HALF, 1, 1), tma.SWIZZLE_NONE, l2_promotion)
 
 
 def whole_rows(name: str) -> bool:
@@ -190,8 +193,11 @@ def whole_rows(name: str) -> bool:
 
 def kv_map_of(name: str):
     """The TMA map builder (tensor, l2_promotion) -> map of the quantized K/V of instance ``name``
-    (a Cfg's name): whole rows or a head's box."""
-    return quant_rows_map if whole_rows(name) else quant_kv_map
+    (a Cfg's name): whole rows of the instance's KV heads, or a head's box."""
+    if not whole_rows(name):
+        return quant_kv_map
+    heads = next(c.row_heads for c in CONFIGS.values() if c.name == name)
+    return lambda t, l2_promotion=0: quant_rows_map(t, l2_promotion, heads)
 
 
 def quant_kv_map(t, l2_promotion: int = 0):

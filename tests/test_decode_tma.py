@@ -384,18 +384,20 @@ def test_quant_rows_map_boxes_a_cells_whole_row(kv_type, row, monkeypatch):
     monkeypatch.setattr(tma, "encode_tiled", lambda *a: seen.append(a) or "map")
     nb1 = 8 * row + 16                                       # a cache view: rows 16 bytes apart
     t = TensorDesc(0x10000, kv_type, (128, 5000, 8, 3), (row // 4, nb1, row, nb1 * 5000))
-    assert dt.kv_map_of(dt.CONFIGS["q8_0-rows"].name) is dt.quant_rows_map
     assert dt.kv_map_of(dt.CONFIGS["q8_0"].name) is dt.quant_kv_map
-    assert dt.quant_rows_map(t, 2) == "map"
+    assert dt.kv_map_of(dt.CONFIGS["q8_0-rows"].name)(t, 2) == "map"
     dtype, ptr, dims, strides, box, swz, promo = seen[0]
     assert (dtype, ptr, swz, promo) == (tma.DTYPE_U64, 0x10000, tma.SWIZZLE_NONE, 2)
     assert dims == (8 * row // 8, 5000, 1, 3) and strides == (nb1, nb1, nb1 * 5000)
-    assert box == (8 * row // 8, dt.ROWS_HALF, 1, 1)
+    assert box == (8 * row // 8 + 2, dt.ROWS_HALF, 1, 1)      # the row and 16 bytes of zeros past it
     tma.check_tiled(dtype, ptr, dims, strides, box)          # the driver's rules, as the map asks
     odd = TensorDesc(0x10000, kv_type, (128, 5000, 3, 1), (row // 4, 3 * row + 8, row, 0))
     with pytest.raises(ValueError, match="multiple of 16"):
         dt.quant_rows_map(odd)
     wide = TensorDesc(0x10000, kv_type, (128, 5000, 32, 1), (row // 4, 32 * row, row, 0))
-    with pytest.raises(ValueError, match="up to 2048"):
+    with pytest.raises(ValueError, match="up to 2032"):
         dt.quant_rows_map(wide)
+    four = TensorDesc(0x10000, kv_type, (128, 5000, 4, 1), (row // 4, 4 * row, row, 0))
+    with pytest.raises(ValueError, match="rows of 8 KV heads, the tensor has 4"):
+        dt.kv_map_of(dt.CONFIGS["q8_0-rows"].name)(four)
     assert len(seen) == 1
