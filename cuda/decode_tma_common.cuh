@@ -401,6 +401,21 @@ __device__ __forceinline__ void row_bounds(const FattnParams& p, int s, int g, V
     }
 }
 
+// A segment's start for the group's rows: Q's fragments (load_q), the output accumulators and
+// the rows' running maxima and sums reset, the rows' mask rows and intervals (row_bounds).
+template <typename KT, typename T, int D, bool REG, typename Valid, typename Tok, typename Head>
+__device__ __forceinline__ void begin_segment(const FattnParams& p, int s, int g, int t4, float qs, Valid row_valid,
+                                              Tok row_tok, Head row_head, unsigned (&Qf)[D / 16][4],
+                                              float (&O)[D / 8][4], float (&m)[2], float (&l)[2],
+                                              const char* (&mrow)[2], int2 (&lohi)[2]) {
+    load_q<KT, T, D, REG>(p, s, g, t4, qs, row_valid, row_tok, row_head, Qf);
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
+    m[0] = m[1] = FATTN_NEG_INF;
+    l[0] = l[1] = 0.0f;
+    row_bounds(p, s, g, row_valid, row_tok, row_head, mrow, lohi);
+}
+
 // Mask the scores S of NC cells from c0 (the lane's first: c0 + 8 nt, + 1) of a tile whose
 // live-list entry is e, when it is PARTIAL: mask values (MASKED; -inf selected unless FINITE) or
 // the rows' intervals; cells past n_kv and invalid rows give -inf.

@@ -229,16 +229,12 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
         auto row_head = [&](int r) { return h0 + (r & (P - 1)); };
         auto row_valid = [&](int r) { return (r >> pshift) < tq && row_tok(r) < p.n_batch; };
 
-        // ---- step load Q: the A fragments of the 16 x D tile, scaled, in registers
+        // ---- step load Q (the A fragments of the 16 x D tile, scaled, in registers), the state
         unsigned Qf[D / 16][4];
-        load_q<KT, T, D, REG>(p, s, g, t4, qs, row_valid, row_tok, row_head, Qf);
-        float O[D / 8][4];
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.0f;
-        float m[2] = {FATTN_NEG_INF, FATTN_NEG_INF}, l[2] = {0.0f, 0.0f};
+        float O[D / 8][4], m[2], l[2];
         const char* mrow[2];   // this thread's rows of the mask (nullptr: no mask or invalid row)
         int2 lohi[2];
-        row_bounds(p, s, g, row_valid, row_tok, row_head, mrow, lohi);
+        begin_segment<KT, T, D, REG>(p, s, g, t4, qs, row_valid, row_tok, row_head, Qf, O, m, l, mrow, lohi);
 
         const int te = min(wk.seg_end(), wk.cnt);
         // WHOLE: this warp's tiles of the segment are those whose place in the block's sequence
