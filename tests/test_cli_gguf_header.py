@@ -115,3 +115,32 @@ def test_gemma2_files_carry_their_window_and_softcap(tmp_path):
     rc = bench.main(["-m", str(tmp_path / "g.gguf"), "-p", "64", "-n", "0", "-r", "1", "--device", "cpu",
                      "--layer", "attn"])
     assert rc != 0
+
+
+@pytest.mark.parametrize("tool", ["bench", "batched", "serve"])
+def test_layers_of_random_weights_say_when_they_stand_in_for_another_arch(tmp_path, capsys, tool):
+    """--layer attn|full on a qwen3 file times llama-shaped layers with its shapes: one note on
+    stderr says so (once, whatever the rows); a llama file, and --layer model, say nothing."""
+    import fixtures_gguf
+    from ggml_attn.cli import serve_bench
+    qwen = fixtures_gguf.write_model(fixtures_gguf.SPECS["qwen3-f32"], str(tmp_path / "q.gguf"))
+    llama = _write(tmp_path / "l.gguf")
+
+    def run(path, layer):
+        if tool == "bench":
+            return bench.main(["-m", path, "-p", "8,16", "-n", "0", "-r", "1", "--device", "cpu", "-t", "1",
+                               "--layer", layer, "-o", "jsonl"])
+        if tool == "batched":
+            return batched_bench.main(["-m", path, "-npp", "8", "-npl", "1,2", "-ntg", "1", "--device", "cpu",
+                                       "-t", "1", "--layer", layer])
+        return serve_bench.main(["-m", path, "-n", "2", "--prompt-dist", "4-8", "--gen-dist", "1-2", "--device",
+                                 "cpu", "-t", "1", "--layer", layer])
+
+    assert run(qwen, "attn") == 0
+    err = capsys.readouterr().err
+    assert err.count("note: --layer attn times llama-shaped layers with the qwen3 file's") == 1, err
+    for path, layer in ((llama, "attn"), (qwen, "model")):
+        assert run(path, layer) == 0
+        assert "llama-shaped" not in capsys.readouterr().err
+    assert models.synthetic_layer_note(models.resolve(qwen), "full").startswith("--layer full times")
+    assert models.synthetic_layer_note(models.resolve("llama-3-8b"), "attn") is None   # a preset

@@ -27,7 +27,8 @@ from .common import Progress, console_main, default_threads
 from . import multi_gpu
 from .errors import OutOfMemory, UserError
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
+from .models import (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model,
+                     say_synthetic_layers)
 from .output import SafeWriter
 from .placement import check_ngl, ngl_field, note_cpu_fallback, parse_one_ngl, resolve_ngl_device
 from .plans import print_plans
@@ -259,6 +260,7 @@ def _main(argv=None) -> int:
     model = resolve_run_model(ns.model, device, ns.n_layer)
     ns.layer = ns.layer or default_layer(model)
     check_ngl(ngl, model)
+    say_synthetic_layers(PROG, [(model, ns.layer)])
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel, n_gpu=multi_gpu.n_gpu())
     rows = rows_of(ns)

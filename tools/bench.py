@@ -28,7 +28,8 @@ from .output import SafeWriter
 from .progress import ProgressBar
 from .verbose import Verbose
 from .placement import check_ngl, ngl_field, ngl_text, note_cpu_fallback, parse_ngl, resolve_ngl_device
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, with_layers
+from .models import (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve, say_synthetic_layers,
+                     with_layers)
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner,
                      check_context, check_kernel, check_threads, default_split, effective_ubatch,
                      kernel_help)
@@ -190,6 +191,7 @@ def instances(ns, devices: dict) -> list[dict]:
         check_kernel(inst["kernel"], inst["flash_attn"] != "off", device)
         for n_prompt, n_gen in tests_of(ns):
             out.append(dict(inst, n_prompt=n_prompt, n_gen=n_gen))
+    say_synthetic_layers(PROG, ((inst["model"], inst["layer"]) for inst in out))
     past = []
     for inst in out:
         m = inst["model"]

@@ -7,6 +7,7 @@ projection and FFN matmuls, which run with random weights.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -329,6 +330,24 @@ def default_layer(model: ModelShape) -> str:
     """``--layer``'s default (llama-bench's meaning of ``-m FILE``): a model file its own weights
     (``model``), a preset attention only (``attn``)."""
     return "model" if model.is_file else "attn"
+
+
+def synthetic_layer_note(model: ModelShape, layer: str) -> str | None:
+    """What to say once on stderr when ``layer`` (``attn`` / ``full``: layers of random weights)
+    stands in for a file of another architecture than llama: those layers are llama's (RMS
+    norms, RoPE, attention, a SwiGLU FFN) with the file's shapes and soft-cap, not the file's own
+    layer. None for ``model``, a preset, or a llama file."""
+    if layer not in ("attn", "full") or not model.is_file or model.arch == "llama":
+        return None
+    return (f"--layer {layer} times llama-shaped layers with the {model.arch} file's heads, head sizes, FFN "
+            f"width and soft-cap, not a {model.arch} layer itself (--layer model runs the file's own)")
+
+
+def say_synthetic_layers(prog: str, pairs) -> None:
+    """:func:`synthetic_layer_note` of each distinct (model, layer) of ``pairs``, once, on stderr."""
+    for note in dict.fromkeys(synthetic_layer_note(m, layer) for m, layer in pairs):
+        if note:
+            print(f"{prog}: note: {note}", file=sys.stderr, flush=True)
 
 
 def with_layers(model: ModelShape, n_layer: int | None) -> ModelShape:

@@ -34,7 +34,8 @@ from .common import Progress, console_main, default_threads
 from .errors import UserError
 from .format_bench import attention_path
 from .kv_types import CACHE_TYPES, GPU_TYPES, check_cache_types
-from .models import DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model
+from .models import (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_layer, resolve_run_model,
+                     say_synthetic_layers)
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
@@ -209,6 +210,7 @@ def _main(argv=None) -> int:
     ns.layer = ns.layer or default_layer(model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel)
+    say_synthetic_layers(PROG, [(model, ns.layer)])
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
     loads = workloads(ns)
     if ns.save_trace is not None:
