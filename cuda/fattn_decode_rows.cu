@@ -21,7 +21,10 @@
 //     ggml_attn/decode_tma_shape.py quant_rows_map; the n_kv tail reads zeros), in a ring of
 //     STAGES stages, each with a "full" mbarrier (transaction bytes) and a release count. Thread
 //     0 fills the first STAGES; then the last warp to release a stage (its count) refills it with
-//     the stage STAGES further on. Every warp follows that stage with its own cursor (RowCursor).
+//     the stage STAGES further on, which the block's one cursor (RowCursor, in shared memory)
+//     names and moves past. Refills come in stage order: a stage's last release follows every
+//     warp's release of the stage before, that stage's last among them; the fences around the
+//     counts carry the cursor from one refill to the next.
 //   - step process: warp w takes head group w of every stage -- its KV head's blocks at
 //     byte (w P / gqa) x ROW of each cell's row -- with the register path of the decode-tma
 //     instances (k_frags / v_frags: the MMAs' fragments built from the raw blocks), masks a
@@ -47,17 +50,9 @@ template <typename KT, int D, int NKV> struct RowTile {
     static constexpr int BYTES = HALF * RB;
 };
 
-// Dynamic shared memory: 1024-byte alignment slack, the ring (K then V per stage), its fill
-// barriers and release counts, the "last block" flag. The host reads it from the cubin
-// (fattn_decode_rows_smem, at the end of this file).
-template <typename KT, int D, int STAGES, int NKV>
-__host__ __device__ constexpr int smem_bytes() {
-    return 1024 + STAGES * 2 * RowTile<KT, D, NKV>::BYTES + STAGES * 8 + STAGES * 4 + 16;
-}
-
 // A stage of the block's sequence: tile j (of te in its segment) of the walk's current pair,
-// half hf of it. Every warp steps one through the same sequence as its consumer loop (segments
-// without a live tile have no stage); live: a stage is left.
+// half hf of it, in the order of the consumer loop (segments without a live tile have no
+// stage); live: a stage is left.
 template <int HALVES>
 struct RowCursor {
     dtma::Walk<true> w;
@@ -87,6 +82,16 @@ struct RowCursor {
         settle(p, j + 1);
     }
 };
+
+constexpr int CURSOR_BYTES = 96;   // the cursor's place in shared memory (a static_assert checks)
+
+// Dynamic shared memory: 1024-byte alignment slack, the ring (K then V per stage), its fill
+// barriers, the cursor, the release counts, the "last block" flag. The host reads it from the
+// cubin (fattn_decode_rows_smem, at the end of this file).
+template <typename KT, int D, int STAGES, int NKV>
+__host__ __device__ constexpr int smem_bytes() {
+    return 1024 + STAGES * 2 * RowTile<KT, D, NKV>::BYTES + STAGES * 8 + CURSOR_BYTES + STAGES * 4 + 16;
+}
 }  // namespace drows
 
 // The register path's V columns (QuantPerm::v_val) come in runs of four: n-tiles 4 k .. 4 k + 3
@@ -116,7 +121,10 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
     extern __shared__ unsigned char smem_raw[];
     unsigned char* ring = smem_align1024(smem_raw);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(ring + STAGES * STAGE_BYTES);
-    int* released = reinterpret_cast<int*>(full + STAGES);   // [STAGES]: warps that released it, ever
+    using Cursor = drows::RowCursor<HALVES>;
+    static_assert(sizeof(Cursor) <= drows::CURSOR_BYTES && alignof(Cursor) <= 8, "the cursor's place");
+    Cursor* s_cur = reinterpret_cast<Cursor*>(full + STAGES);   // the next stage to fill
+    int* released = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(s_cur) + drows::CURSOR_BYTES);   // [STAGES]: releases, ever
     int* s_last = released + STAGES;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -131,7 +139,7 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
     const int P = p.pack, pshift = __ffs(P) - 1, tq = p.q_tile_tokens;
 
     // ---- step produce: stage `it` of the cursor's place into its ring slot (one thread)
-    auto produce = [&](const drows::RowCursor<HALVES>& c, int at) {
+    auto produce = [&](const Cursor& c, int at) {
         const int stage = at % STAGES;
         const int kv0 = (tile_entry(p, c.w.pair, c.j) & FATTN_TILE_ID_MASK) * BK + NC * c.hf;
         const int s = c.w.pair / p.n_q_tiles;
@@ -140,11 +148,15 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
         tma_load_4d(dst, mk, 0, kv0, 0, s, full + stage);
         tma_load_4d(dst + RT::BYTES, mv, 0, kv0, 0, s, full + stage);
     };
-    drows::RowCursor<HALVES> cur;   // the stage STAGES ahead of the one this warp processes
-    cur.begin(p, wk);
-    for (int at = 0; at < STAGES && cur.live; ++at) {
-        if (tid == 0) produce(cur, at);
-        cur.advance(p);
+    if (tid == 0) {   // the first STAGES stages; the cursor left at the next (a warp's first
+        Cursor c;     // release, warp 0's included, comes after this: no barrier)
+        c.begin(p, wk);
+        for (int at = 0; at < STAGES && c.live; ++at) {
+            produce(c, at);
+            c.advance(p);
+        }
+        *s_cur = c;
+        __threadfence_block();
     }
 
     // ---- warp w takes head group w (query heads h0 .. h0 + P - 1) of every stage; fragment
@@ -222,13 +234,17 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
                 if (lane == 0) {
                     __threadfence_block();
                     const int n = atomicAdd(released + stage, 1);
-                    if (n == NW * (it / STAGES) + NW - 1 && cur.live) {
+                    if (n == NW * (it / STAGES) + NW - 1) {   // the cursor is at stage it + STAGES
                         __threadfence_block();
-                        fence_proxy_async_shared();
-                        produce(cur, it + STAGES);
+                        Cursor c = *s_cur;
+                        if (c.live) {
+                            fence_proxy_async_shared();
+                            produce(c, it + STAGES);
+                            c.advance(p);
+                            *s_cur = c;
+                        }
                     }
                 }
-                cur.advance(p);
             }
         }
 
