@@ -228,7 +228,8 @@ def test_wgmma_prefill_ws_padded_head_sizes(config, d, bf16, ne3, n_batch, n_kv,
 
 
 @pytest.mark.parametrize("config", ["pp-bf16", "pp-persistent-bf16-d256", "pp-persistent-qtma-bf16",
-                                    "pp-persistent-qtma-bf16-d64", "pp-persistent-qtma-bf16-otma"])
+                                    "pp-persistent-qtma-bf16-d64", "pp-persistent-qtma-bf16-otma",
+                                    "pp-persistent-qtma-bf16-lazy-otma"])
 @pytest.mark.parametrize("ne3,n_batch,n_kv", [(1, 64, 100), (2, 300, 1000), (1, 128, 4097)])
 def test_wgmma_prefill_ws_bf16(config, ne3, n_batch, n_kv):
     """Version 1's bf16 instances (bf16 wgmma, Q and P staged in bf16, the TMA map's element type
@@ -306,6 +307,7 @@ def test_wgmma_prefill_packed_heads_refused_where_they_cannot_run():
                                            (128, False, "pp-persistent-qtma-otma"),
                                            (64, False, "pp-persistent-qtma-d64-otma"),
                                            (128, True, "pp-persistent-qtma-bf16-otma"),
+                                           (128, True, "pp-persistent-qtma-bf16-lazy-otma"),
                                            (96, False, "pp-persistent-qtma-lazy-otma")])
 def test_wgmma_prefill_ragged_plan_packs_heads(pack, d, bf16, config, monkeypatch):
     """Ragged prompts in one unified ubatch through the op with a plan (make_plan: not wide), the
@@ -524,6 +526,7 @@ def test_wgmma_prefill_by_name_with_streams_and_planes():
                                                   # the output through TMA stores
                                                   ("pp-persistent-qtma-otma", 5, False, 128),
                                                   ("pp-persistent-qtma-bf16-otma", 0, True, 96),
+                                                  ("pp-persistent-qtma-bf16-lazy-otma", 5, True, 128),
                                                   ("pp-persistent-qtma-d64-otma", 5, False, 64),
                                                   ("pp-persistent-qtma-lazy-otma", 5, False, 72)])
 @pytest.mark.parametrize("name", ["causal", "causal after 256 cells", "two prompts", "no mask"])
