@@ -231,3 +231,12 @@ def test_ts_values_that_split_nothing(capsys, value, msg):
     rc = bench.main(["-p", "8", "-n", "0", "-r", "1", "-ts", value] + FAST)
     err = capsys.readouterr().err
     assert rc == 2 and msg in err, err
+
+
+@pytest.mark.parametrize("flags, mode", [([], "layer"), (["-sm", "none"], "none"), (["--split-mode=none"], "none")])
+def test_split_mode_column_says_what_was_asked(capsys, flags, mode):
+    """One device: the row's split_mode is llama-bench's default ("layer", so that rows join its
+    own) unless -sm was given, then what was given (-sm none was written as "layer")."""
+    rc, out, err = _bench(capsys, "-m", "tiny", "-p", "4", "-n", "0", "-o", "jsonl", *flags)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[0])["split_mode"] == mode
