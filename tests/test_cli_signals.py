@@ -75,6 +75,26 @@ def test_closed_stdout_is_one_line_exit_2(name, extra):
     assert p.stderr == f"{name}: error: cannot write to stdout: it is closed\n"
 
 
+def test_sighup_stops_like_sigterm_with_129():
+    """SIGHUP (the terminal or ssh session gone) mid-run: as SIGTERM -- complete json, one line
+    'hangup', exit 129 (it ended the process at once, leaving json cut after a row)."""
+    import json
+
+    def reset():   # SIGINT and SIGHUP as a login shell's job has them (a test runner may ignore them)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    p = subprocess.Popen([os.path.join(BIN, "ggml-attn-bench"), *ARGS["ggml-attn-bench"], "--delay", "86400",
+                          "-o", "json", *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=reset)
+    assert p.stdout.read(1) == "["
+    p.send_signal(signal.SIGHUP)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, err) == (129, "ggml-attn-bench: hangup\n")
+    assert json.loads("[" + out) == []
+
+
 def test_sigterm_stops_like_ctrl_c_with_143():
     """SIGTERM (timeout, kill, a batch scheduler) mid-run: the tool stops as for Ctrl-C -- what it
     printed is complete json, one line 'terminated', exit 143 (it died mid-write before, leaving

@@ -115,14 +115,17 @@ _interrupt = {"flag": False}
 
 
 def install_sigint_flag() -> None:
-    """Ctrl-C (or SIGTERM, noted in errors.SIGTERM_SEEN for the exit code) sets a flag that
-    :func:`check_interrupt` turns into KeyboardInterrupt; a second one interrupts at once."""
+    """Ctrl-C (or SIGTERM or SIGHUP, noted in errors.SIGNAL_SEEN for the exit code) sets a flag
+    that :func:`check_interrupt` turns into KeyboardInterrupt; a second one interrupts at once.
+    SIGHUP (an ssh session dropped) ended the process at once, leaving cut json; it is left alone
+    where it is ignored already (``nohup``)."""
     import signal
 
-    from .errors import SIGTERM_SEEN
+    from .errors import SIGNAL_SEEN
 
     def handler(signum, frame):
-        SIGTERM_SEEN["seen"] |= signum == signal.SIGTERM
+        if signum != signal.SIGINT and not SIGNAL_SEEN["signum"]:
+            SIGNAL_SEEN["signum"] = signum
         if _interrupt["flag"]:
             raise KeyboardInterrupt
         _interrupt["flag"] = True
@@ -130,6 +133,8 @@ def install_sigint_flag() -> None:
     try:
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+        if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, handler)
     except ValueError:  # not the main thread
         pass
 

@@ -4,7 +4,7 @@ A user mistake (unknown model, bad range, ubatch larger than batch, context over
 raises :class:`UserError`; :func:`run_cli` turns it into one line on stderr and exit
 code 2, never a traceback. Ctrl-C is handled by the tools themselves (they print the
 rows finished so far) and then :func:`run_cli` exits with 130; SIGTERM (``timeout``, ``kill``,
-a batch scheduler) the same way, with 143.
+a batch scheduler) the same way, with 143, and SIGHUP (the terminal or ssh session gone) with 129.
 """
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ import sys
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143     # 128 + SIGTERM, as a shell reports a process SIGTERM ended
+EXIT_HANGUP = 129         # 128 + SIGHUP
 
 
 class UserError(Exception):
     """A mistake in what the user asked for; the message is printed as is, on one line."""
 
 
-# set by the tools' SIGTERM handler (common.install_sigint_flag), which then stops the run as
-# Ctrl-C does: the KeyboardInterrupt that ends it was a SIGTERM (exit 143, not 130)
-SIGTERM_SEEN = {"seen": False}
+# set by the tools' signal handler (common.install_sigint_flag), which then stops the run as
+# Ctrl-C does: the KeyboardInterrupt that ends it was a SIGTERM (exit 143, not 130) or a SIGHUP
+# (129); 0: Ctrl-C
+SIGNAL_SEEN = {"signum": 0}
 
 
 class OutOfMemory(UserError):
@@ -45,11 +47,11 @@ def run_cli(prog: str, main_fn, argv=None) -> int:
         _drop_stdout()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        if SIGTERM_SEEN["seen"]:
-            _say(f"{prog}: terminated")
-            return EXIT_TERMINATED
-        _say(f"{prog}: interrupted")
-        return EXIT_INTERRUPTED
+        import signal
+        word, code = {signal.SIGTERM: ("terminated", EXIT_TERMINATED),
+                      signal.SIGHUP: ("hangup", EXIT_HANGUP)}.get(SIGNAL_SEEN["signum"], ("interrupted", EXIT_INTERRUPTED))
+        _say(f"{prog}: {word}")
+        return code
     except SystemExit as e:  # argparse: --help (0) or a usage error (2, already printed)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_USER_ERROR)
     except BrokenPipeError:  # e.g. `| head`
