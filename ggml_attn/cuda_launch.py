@@ -37,8 +37,16 @@ CELLS_MIN_PER_SPLIT = 256
 # (tools/dev/gpu_batched_attn_bench.py CELLS_SWEEP; bench/NOTES.md, "cells v2 sweep").
 # $GGML_ATTN_CELLS_TUNE sets it at import (a CellsTune label, e.g. "u4-pf0").
 def cells_tune_from_env() -> K.CellsTune:
-    """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset)."""
-    return K.CellsTune.parse(os.environ.get("GGML_ATTN_CELLS_TUNE", ""))
+    """The tune $GGML_ATTN_CELLS_TUNE names (the default when unset, or -- said once on stderr --
+    when it names none: a bad value in the environment made every import, a CLI's --version
+    included, end in a traceback)."""
+    text = os.environ.get("GGML_ATTN_CELLS_TUNE", "")
+    try:
+        return K.CellsTune.parse(text)
+    except ValueError as e:
+        import sys
+        print(f"ggml_attn: ignoring GGML_ATTN_CELLS_TUNE={text!r} ({e}); the default tune runs", file=sys.stderr)
+        return K.CellsTune.parse("")
 
 
 CELLS_TUNE = cells_tune_from_env()

@@ -222,3 +222,21 @@ def test_cells_sweep_compiles(kv_type):
         for name, u in usage.items():
             assert u["registers"] <= 255, (name, u)
             assert u["spill_stores"] == 0 and u["spill_loads"] == 0, (name, u)
+
+
+def test_a_bad_cells_tune_in_the_environment_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """$GGML_ATTN_CELLS_TUNE naming no tune: one stderr line and the default (it raised at import,
+    so every CLI, --version included, ended in a traceback); a good label still selects its tune."""
+    import subprocess
+    import sys
+
+    from ggml_attn import cuda_launch
+    monkeypatch.setenv("GGML_ATTN_CELLS_TUNE", "garbage")
+    assert cuda_launch.cells_tune_from_env() == K.CELLS_DEFAULT
+    assert capsys.readouterr().err.count("ignoring GGML_ATTN_CELLS_TUNE='garbage'") == 1
+    label = next(t.label for t in CELLS_SWEEP if t != K.CELLS_DEFAULT)
+    monkeypatch.setenv("GGML_ATTN_CELLS_TUNE", label)
+    assert cuda_launch.cells_tune_from_env().label == label
+    r = subprocess.run([sys.executable, "-m", "ggml_attn.cli.bench", "--version"], capture_output=True, text=True,
+                       env={**__import__("os").environ, "GGML_ATTN_CELLS_TUNE": "garbage"}, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-1000:]
