@@ -172,6 +172,12 @@ def _read_header(path: str, f, size: int) -> GGUFHeader:
     if version not in (2, 3):
         raise GGUFError(f"'{path}': GGUF version {version} is not supported (2 or 3)")
     n_tensors, n_kv = c.scalar("<Q", "tensor count"), c.scalar("<Q", "metadata count")
+    # the least bytes a pair (key length, type, a one-byte value) and a tensor's info (name length,
+    # n_dims, one ne, type, offset) take: counts past them are a corrupt header, which read on
+    # as what followed them (a key "appearing twice", a tensor of 0 dimensions)
+    if n_kv > (size - c.at) // 13 or n_tensors > (size - c.at) // 32:
+        raise GGUFError(f"'{path}': its header counts {n_kv} metadata pairs and {n_tensors} tensors, more than "
+                        f"its {size} bytes can hold (a truncated or corrupt file)")
     h = GGUFHeader(path, version, file_size=size)
     for i in range(n_kv):
         key = c.string(f"metadata key {i}")

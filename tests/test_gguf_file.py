@@ -93,6 +93,9 @@ def test_hand_made_file_and_lazy_string_arrays(tmp_path):
     (_gguf([ARCH], [("t", (32,), 8, 0)], data=b"\0" * 10), "runs past the end of the file"),
     (_gguf([ARCH, ("general.alignment", 4, struct.pack("<I", 24))]), "alignment is 24"),
     (_gguf([ARCH], [("t", (1, 1, 1, 1, 1), 0, 0)]), "5 dimensions"),
+    # counts no file of its size holds (a key "appeared twice", a tensor had 0 dimensions)
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 2 ** 62) + bytes(64), "counts 4611686018427387904 metadata pairs"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 2 ** 62, 0) + bytes(64), "truncated or corrupt"),
 ])
 def test_broken_files_say_what_is_wrong(tmp_path, blob, match):
     p = tmp_path / "bad.gguf"
@@ -109,7 +112,7 @@ def test_cut_short_anywhere_is_one_clear_error(tmp_path):
     p = tmp_path / "cut.gguf"
     for cut in range(24, header_end, 3):
         p.write_bytes(full[:cut])
-        with pytest.raises(GGUFError, match="ends inside the header|runs past the end"):
+        with pytest.raises(GGUFError, match="ends inside the header|runs past the end|truncated or corrupt"):
             read_header(p)
 
 
