@@ -24,6 +24,10 @@ def test_unknown_model():
         models.resolve("gpt-9")
     with pytest.raises(UserError, match="not found"):
         models.resolve("/nonexistent/x.gguf")
+    # a path without the extension is a missing file, not an unknown preset
+    for path in ("/nonexistent/llama-8b", "models/llama-8b-q4", "./tiny"):
+        with pytest.raises(UserError, match=f"model file not found: {path}$"):
+            models.resolve(path)
 
 
 def _write(path, arch="llama", kv=2, key_length=None):

@@ -212,7 +212,8 @@ def resolve(name_or_path: str) -> ModelShape:
     key = name_or_path.strip()
     if key.lower() in PRESETS:
         return PRESETS[key.lower()]
-    if key.lower().endswith(".gguf") or os.path.exists(key):
+    # a path: a .gguf name, anything that exists, or a name with a folder in it (no preset has one)
+    if key.lower().endswith(".gguf") or os.path.exists(key) or os.sep in key or (os.altsep or os.sep) in key:
         if not os.path.exists(key):
             raise UserError(f"model file not found: {key}")
         if not os.path.isfile(key):
