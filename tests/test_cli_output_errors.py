@@ -37,6 +37,23 @@ def test_plot_path_checked_before_running(tmp_path, capsys, monkeypatch, name, m
     assert msg in err and "--plot" in err and out == "" and not ran
 
 
+def test_plot_file_that_cannot_be_made_is_refused_before_running(tmp_path, capsys, monkeypatch):
+    """A folder that refuses new files whatever its mode says (/proc; /sys, a read-only mount,
+    as root): refused before the run (the whole table ran first, then the write failed); the
+    check leaves no file behind and an existing one as it was."""
+    ran = []
+    monkeypatch.setattr(batched_bench, "run_row", lambda *a, **k: ran.append(1))
+    rc, out, err = _batched(capsys, "--plot", "/proc/ggml-attn-plot.png")
+    _one_line(rc, err)
+    assert "--plot" in err and out == "" and not ran
+    from ggml_attn.cli.output import check_plot_path
+    check_plot_path(str(tmp_path / "new.png"))
+    assert not (tmp_path / "new.png").exists()
+    (tmp_path / "old.png").write_bytes(b"an old plot")
+    check_plot_path(str(tmp_path / "old.png"))
+    assert (tmp_path / "old.png").read_bytes() == b"an old plot"
+
+
 def test_plot_write_error_is_one_line(tmp_path, capsys, monkeypatch):
     def fail(path, results, title):
         raise PermissionError(13, "Permission denied", path)

@@ -71,6 +71,16 @@ def check_plot_path(path: str | None) -> None:
     if ext not in known:
         raise UserError(f"--plot '{path}': unknown image extension '{ext}' "
                         f"(use one of {', '.join('.' + e for e in known)})")
+    # the file itself opened for writing now, not after the run (a read-only file, or a folder
+    # that refuses new files whatever its mode says: /sys, /proc, a read-only mount as root)
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise save_error(path, e) from None
+    if not existed:
+        os.remove(path)
 
 
 def save_error(path: str, e: OSError, flag: str = "--plot") -> UserError:
