@@ -158,17 +158,19 @@ def test_a_request_longer_than_a_sequence_is_refused_and_the_others_finish(capsy
 
 def test_every_request_refused_over_repetitions_is_a_row_of_dashes(capsys):
     """Nothing served in any repetition: no rate to average (NaN each run) -- the row says so
-    ("-", done 0/4) and the run ends normally, in md and jsonl alike."""
+    ("-", done 0/4), in md and jsonl alike, and the run ends with exit 1 and a line saying that a
+    row served nothing (it ended 0, as a run that measured something)."""
     args = ("-n", "4", "--prompt-dist", "300-400", "--gen-dist", "2-4", "--rate", "inf", "-c", "512", "-np", "4",
             "-r", "2")
     rc, out, err = _run(capsys, *args)
-    assert rc == 0 and "4 of 4 request(s) refused" in err
+    assert rc == 1 and "all 4 request(s) refused" in err
+    assert err.strip().splitlines()[-1].endswith("error: 1 of 1 row(s) served no request: every one was refused")
     line = out.strip().splitlines()[-1]
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[-1] == "0/4" and cells[5] == "-" and "nan" not in line.lower()
     rc, out, _ = _run(capsys, *args, "-o", "jsonl")
     (row,) = _rows(out)
-    assert rc == 0 and row["n_done"] == 0 and row["out_tok_per_s"] is None and row["out_tok_per_s_stddev"] == 0.0   # (NaN: null)
+    assert rc == 1 and row["n_done"] == 0 and row["out_tok_per_s"] is None and row["out_tok_per_s_stddev"] == 0.0   # (NaN: null)
 
 
 def test_np_0_is_the_documented_default(capsys):
@@ -221,6 +223,9 @@ def test_a_gguf_model_serves_its_own_greedy_tokens(capsys, tmp_path):
     (["--save-trace", ""], "--save-trace needs a file name"),
     (["--trace", str(SAMPLE), "--rate", "4"], "not both"),
     (["--trace", str(SAMPLE), "--save-trace", "x.jsonl"], "--trace is a file already"),
+    # the synthetic workload's flags beside a trace (they were ignored: the trace ran as it is)
+    (["--trace", str(SAMPLE), "-n", "5"], "--trace gives the requests and their lengths; -n is for a --rate"),
+    (["--trace", str(SAMPLE), "--prompt-dist", "4-8", "--gen-dist", "1-2"], "--prompt-dist, --gen-dist are for"),
     (["-b", "16", "-ub", "64", "--prompt-budget", "x"], "invalid range format 'x'"),
 ])
 def test_user_errors_are_one_line(capsys, args, msg):
@@ -296,3 +301,17 @@ def test_warmup_serves_the_trace_until_the_engine_is_steady(capsys, monkeypatch)
         assert rc == 0, err
         (row,) = _rows(out)
         assert len(passes) == want and row["warmup"] is warmup and row["n_requests"] == 3
+
+
+def test_requests_past_the_training_context_are_said_and_served(capsys, tmp_path):
+    """A trace request longer than the model's training context (the tiny preset's 8192): one
+    stderr line says how many, and it is served (as bench runs such tests; it ran silently)."""
+    trace = tmp_path / "long.jsonl"
+    trace.write_text('{"arrival": 0, "prompt_len": 8, "n_predict": 2}\n'
+                     '{"arrival": 0, "prompt_len": 8200, "n_predict": 2}\n')
+    rc, out, err = _run(capsys, "-m", "tiny", "--trace", str(trace), "-o", "jsonl", "--n-layer", "1")
+    (row,) = _rows(out)
+    assert rc == 0 and row["n_done"] == 2, err
+    assert err.count("1 request(s) need more positions than the model's training context (8192; the longest 8201)") == 1
+    rc, _, err = _run(capsys, "-m", "tiny", "--trace", str(SAMPLE), "-o", "jsonl", "--n-layer", "1")
+    assert rc == 0 and "training context" not in err

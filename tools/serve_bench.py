@@ -28,7 +28,7 @@ from ggml_attn.graph.batch import MAX_SEQ
 from . import format_serve as fs
 from . import plot
 from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_kv_split_flags, add_list, add_version, int_at_least,
-                   int_range, parse_fa_one, Parser)
+                   int_range, parse_fa_one, Parser, StoreGiven)
 from .batched_rows import strategy_kv
 from .common import Progress, console_main, default_threads
 from .errors import UserError
@@ -63,10 +63,13 @@ def build_parser() -> Parser:
              help="Poisson arrivals, requests per second; a list sweeps it (e.g. 2,4,8,16); inf: "
                   "all requests at once (default: 8,inf)")
     p.add_argument("-n", "--n-requests", type=int_at_least(1, hi=100000), default=64, metavar="N",
+                   action=StoreGiven,
                    help="requests of a --rate workload (default: 64)")
     p.add_argument("--prompt-dist", type=lambda t: parse_dist(t, "--prompt-dist"), default=(16, 200),
+                   action=StoreGiven,
                    metavar="MIN-MAX", help="prompt tokens of a --rate workload, uniform (default: 16-200)")
     p.add_argument("--gen-dist", type=lambda t: parse_dist(t, "--gen-dist"), default=(32, 256),
+                   action=StoreGiven,
                    metavar="MIN-MAX", help="generated tokens per request, uniform (default: 32-256)")
     p.add_argument("-s", "--seed", type=int_at_least(0), default=0,
                    help="seed of the arrivals, lengths, made-up token ids and inputs (default: 0)")
@@ -135,6 +138,11 @@ def workloads(ns) -> list[tuple[float | None, list]]:
     if ns.trace is not None:
         if ns.rate:
             raise UserError("--trace gives the arrival times; --rate is for a synthetic workload, not both")
+        synthetic = [f for f, dest in (("-n", "n_requests"), ("--prompt-dist", "prompt_dist"),
+                                       ("--gen-dist", "gen_dist")) if dest in ns.explicit]
+        if synthetic:   # (they were ignored: the trace ran as it is)
+            raise UserError(f"--trace gives the requests and their lengths; {', '.join(synthetic)} "
+                            f"{'is' if len(synthetic) == 1 else 'are'} for a --rate workload, not both")
         return [(None, load_trace(ns.trace))]
     rates = ns.rate or [8.0, math.inf]
     return [(rate, synth_trace(rate, ns.n_requests, ns.prompt_dist, ns.gen_dist, ns.seed)) for rate in rates]
@@ -224,6 +232,10 @@ def _main(argv=None) -> int:
     n_req_max = max(len(reqs) for _, reqs in loads)
     n_slots = ns.max_concurrent or min(n_req_max, DEFAULT_SLOTS)
     longest = max(cells_needed(r.prompt_len, r.n_predict) for _, reqs in loads for r in reqs)
+    past = max(sum(cells_needed(r.prompt_len, r.n_predict) > model.n_ctx_train for r in reqs) for _, reqs in loads)
+    if model.n_ctx_train and past:   # (bench says so too, and runs them)
+        print(f"{PROG}: {past} request(s) need more positions than the model's training context "
+              f"({model.n_ctx_train}; the longest {longest}), served as asked", file=sys.stderr, flush=True)
     # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
     # plus one ubatch of pad rows on a unified cache
     n_ctx = ns.ctx_size or n_slots * pad_to(longest, KV_PAD) + ns.ubatch_size
@@ -263,6 +275,7 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     results = []
     printer.header()
     idx = 0
+    empty_rows = 0   # rows whose every request was refused
     try:
         # one strategy's runner at a time (its KV cache, kept graphs and their CUDA graphs; with
         # the five of an 8B F16 model and 16 slots kept together a graph launch ran out of memory
@@ -289,10 +302,13 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
                         refused = []
                         stats = serve(reqs, sched, step_fn, on_finish=lambda r: bar.update(what),
                                       on_refuse=lambda r: (refused.append(r), bar.update(what)))
+                        if len(refused) == len(reqs) and rep == 0:
+                            empty_rows += 1
                         if refused and rep == 0:
-                            print(f"{PROG}: {what}: {len(refused)} of {len(reqs)} request(s) refused, the "
-                                  f"others served: {refused[0].refused}" + (" (and more)" if len(refused) > 1 else ""),
-                                  file=sys.stderr, flush=True)
+                            which = (f"all {len(reqs)} request(s) refused" if len(refused) == len(reqs) else
+                                     f"{len(refused)} of {len(reqs)} request(s) refused, the others served")
+                            print(f"{PROG}: {what}: {which}: {refused[0].refused}" +
+                                  (" (and more)" if len(refused) > 1 else ""), file=sys.stderr, flush=True)
                         if rep < warm:
                             continue
                         runs.append(dict(requests=[copy.copy(r) for r in reqs], stats=stats))
@@ -318,6 +334,10 @@ def _run(ns, served, splits, budgets, configs, runners, n_slots, n_vocab, model,
     if ns.plot and results:
         plot.write(PROG, ns.plot, plot.draw_serve_plot, results,
                    f"{model.name}, {device}, --layer {ns.layer}, {n_slots} slots")
+    if empty_rows:   # nothing measured there: not a success (the refusals' reason is said above)
+        print(f"{PROG}: error: {empty_rows} of {len(results)} row(s) served no request: every one was refused",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
