@@ -315,3 +315,16 @@ def test_requests_past_the_training_context_are_said_and_served(capsys, tmp_path
     assert err.count("1 request(s) need more positions than the model's training context (8192; the longest 8201)") == 1
     rc, _, err = _run(capsys, "-m", "tiny", "--trace", str(SAMPLE), "-o", "jsonl", "--n-layer", "1")
     assert rc == 0 and "training context" not in err
+
+
+def test_llama_server_flags(capsys):
+    """llama-server's spellings: -np / --parallel (the slots), -ngl (0: the CPU path; checked
+    against --device as batched-bench does), -cb (said once: always on here)."""
+    args = ("-m", "tiny", "-n", "2", "--prompt-dist", "4-8", "--gen-dist", "1-2", "--rate", "inf", "-o", "jsonl",
+            "--n-layer", "1")
+    rc, out, err = _run(capsys, *args, "--parallel", "2", "-ngl", "0", "-cb")
+    (row,) = _rows(out)
+    assert rc == 0 and row["n_slots"] == 2 and row["device"] == "cpu", err
+    assert err.count("-cb: requests join and leave the running batch here always") == 1
+    rc, out, err = _run(capsys, *args, "-ngl", "1")   # (_run gives --device cpu: they contradict)
+    assert rc == 2 and "-ngl 1 offloads layers to the GPU but --device cpu" in err and out == ""

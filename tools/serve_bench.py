@@ -38,8 +38,9 @@ from .models import (DEFAULT_CPU_MODEL, DEFAULT_GPU_MODEL, PRESETS, default_laye
                      say_synthetic_layers)
 from .output import SafeWriter, save_error
 from .progress import ProgressBar
+from .placement import check_ngl, note_cpu_fallback, parse_one_ngl, resolve_ngl_device
 from .runner import (DEVICES, KERNELS, LAYERS, SPLITS, RunConfig, Runner, check_kernel, check_threads,
-                     effective_ubatch, free_device_memory, kernel_help, resolve_device, splits_of)
+                     effective_ubatch, free_device_memory, kernel_help, splits_of)
 from .serve_trace import parse_dist, parse_rates, prompt_tokens, synth_trace, load_trace, write_trace
 from .verbose import Verbose
 
@@ -73,7 +74,8 @@ def build_parser() -> Parser:
                    metavar="MIN-MAX", help="generated tokens per request, uniform (default: 32-256)")
     p.add_argument("-s", "--seed", type=int_at_least(0), default=0,
                    help="seed of the arrivals, lengths, made-up token ids and inputs (default: 0)")
-    p.add_argument("-np", "--max-concurrent", type=int_at_least(0, hi=MAX_SEQ), default=0, metavar="N",
+    p.add_argument("-np", "--parallel", "--max-concurrent", dest="max_concurrent", type=int_at_least(0, hi=MAX_SEQ),
+                   default=0, metavar="N",
                    help=f"requests served at once (llama-server's -np slots: sequence ids); 0: "
                         f"min(requests, {DEFAULT_SLOTS}) (default: 0)")
     add_list(p, "--prompt-budget", type=int_range(), default=[], metavar="N",
@@ -87,6 +89,9 @@ def build_parser() -> Parser:
                         ".gguf's own weights (default: model with -m FILE.gguf, else attn)")
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (GPU when usable), cpu or cuda (default: auto)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=parse_one_ngl, default=None, metavar="N",
+                   help="llama.cpp's GPU layers: 0 runs the CPU path, N >= the model's layers (e.g. 99; auto, "
+                        "all, -1) all layers on the GPU; a partial offload is an error (default: per --device)")
     p.add_argument("--cuda-graph", choices=("on", "off"), default="on",
                    help="on the GPU, replay repeated step shapes as CUDA graphs (default: on)")
     p.add_argument("-fa", "--flash-attn", type=parse_fa_one, default="auto", metavar="on|off|auto",
@@ -127,7 +132,8 @@ def build_parser() -> Parser:
                    help="print a line per row on stderr (without it a progress bar shows when stderr "
                         "is a terminal)")
     p.epilog = fs.TERMS
-    add_inert_flags(p, [t for t in LLAMA_BATCHED_INERT if "-np" not in t[0]])   # (-np: the slots here)
+    add_inert_flags(p, [t for t in LLAMA_BATCHED_INERT if "-np" not in t[0]] +   # (-np: the slots here)
+                    [(("-cb", "--cont-batching"), "requests join and leave the running batch here always", 0)])
     add_version(p)
     return p
 
@@ -212,13 +218,16 @@ def _main(argv=None) -> int:
     ns.ubatch_size = effective_ubatch(ns.batch_size, ns.ubatch_size)
     check_threads(ns.threads)
     plot.check_plot_available(ns.plot)
-    device = resolve_device(ns.device)
+    ngl = None if ns.n_gpu_layers is None else [ns.n_gpu_layers]
+    device = resolve_ngl_device(ngl, ns.device)
     check_kernel(ns.kernel, ns.flash_attn != "off", device)
     model = resolve_run_model(ns.model, device, ns.n_layer)
+    check_ngl(ngl, model)
     ns.layer = ns.layer or default_layer(model)
     check_cache_types(ns.cache_type_k, ns.cache_type_v, device=device, flash_attn=ns.flash_attn != "off",
                       head_dim_k=model.head_dim_k, head_dim_v=model.head_dim_v, kernel=ns.kernel)
     say_synthetic_layers(PROG, [(model, ns.layer)])
+    note_cpu_fallback(ngl, device, PROG)
     budgets = list(dict.fromkeys(ns.prompt_budget or [ns.batch_size]))
     loads = workloads(ns)
     if ns.save_trace is not None:
