@@ -335,6 +335,10 @@ LLAMA_BENCH_INERT = [
     (("-lm", "--load-mode"), "the weights are memory-mapped on the CPU and read with preadv into the GPU"),
     (("--no-mmap",), "the CPU path maps the file; the GPU path reads it without a map anyway", 0),
     (("-mmp", "--mmap"), "the CPU path maps the file; the GPU path reads it without a map anyway"),
+    (("-ncmoe", "--n-cpu-moe"), "the models here have no experts to keep on the CPU (the rows' n_cpu_moe: 0)"),
+    (("-ot", "--override-tensors"), "every weight goes where --device / -ngl put the layers (the rows' "
+                                    "tensor_buft_overrides: none)"),
+    (("-rpc", "--rpc"), "no RPC servers here: the run is local (--device; -sm row/layer for several GPUs)"),
 ]
 # llama-batched-bench's (llama.cpp's common arguments)
 LLAMA_BATCHED_INERT = [
