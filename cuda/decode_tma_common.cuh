@@ -347,6 +347,36 @@ struct Walk {
     }
 };
 
+// Where the parts of the walk's current group are, for the block that merges them (the last to
+// count itself in): cut by the cap, in blocks b0, b0 + 1, ..., each its block's one group (slot
+// 2 b). The equal share: part k's block -- with at least as many units as blocks every block has
+// some, so the group's are b_first, b_first + 1, ...; with fewer, each has one unit at most --
+// and its slot, 2 b + 1 when it is b's last group. (fattn_decode_tma.cu's merge step spells the
+// same inline: through this struct its instances' SASS differs by register allocation, and they
+// keep the SASS their GPU runs verified until a device run checks the change.)
+template <bool ROWS>
+struct GroupParts {
+    const Walk<ROWS>& wk;
+    long long gb;
+    int b_first, n_part;
+    bool capped, dense;
+
+    __device__ __forceinline__ GroupParts(const Walk<ROWS>& walk) : wk(walk) {
+        gb = wk.group_begin();
+        const long long ge = gb + wk.units();
+        capped = wk.b0 >= 0;
+        b_first = capped ? wk.b0 : block_of(gb, wk.W, gridDim.x);
+        dense = wk.W >= gridDim.x;
+        n_part = capped ? wk.n_part : dense ? block_of(ge - 1, wk.W, gridDim.x) - b_first + 1 : (int)(ge - gb);
+    }
+    // the slot of part k (k < n_part)
+    __device__ __forceinline__ int slot(int k) const {
+        if (capped) return 2 * (b_first + k);
+        const int b = dense ? b_first + k : block_of(gb + k, wk.W, gridDim.x);
+        return 2 * b + (k == 0 && wk.W * b / gridDim.x < gb ? 1 : 0);
+    }
+};
+
 // The live-list entry (tile id | class bits) of tile j of pair i.
 __device__ __forceinline__ int tile_entry(const FattnParams& p, int i, int j) {
     if (!p.live_idx) return j == p.n_kv_tiles - 1 && p.n_kv % BK ? j | FATTN_TILE_PARTIAL : j;

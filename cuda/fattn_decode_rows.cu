@@ -275,24 +275,9 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
 
         // ---- step merge a pair's parts: the last block to finish one merges every head group's
         if (!whole) {
-            const long long gb = wk.group_begin(), ge = gb + wk.units();
-            // where the parts are: as fattn_decode_tma.cu's merge step (blocks b0 .. by the cap,
-            // else by the equal share), each part's slot holding NW warps' rows
-            const bool capped = wk.b0 >= 0;
-            const int b_first = capped ? wk.b0 : block_of(gb, wk.W, gridDim.x);
-            const bool dense = wk.W >= gridDim.x;
-            const int n_part = capped ? wk.n_part
-                             : dense ? block_of(ge - 1, wk.W, gridDim.x) - b_first + 1 : (int)(ge - gb);
-            auto part_slot = [&](int k) {
-                int sl;
-                if (capped) {
-                    sl = 2 * (b_first + k);
-                } else {
-                    const int b = dense ? b_first + k : block_of(gb + k, wk.W, gridDim.x);
-                    sl = 2 * b + (k == 0 && wk.W * b / gridDim.x < gb ? 1 : 0);
-                }
-                return sl * NW + warp;
-            };
+            const GroupParts parts(wk);   // each part's slot holds the NW warps' rows
+            const int n_part = parts.n_part;
+            auto part_slot = [&](int k) { return parts.slot(k) * NW + warp; };
             __threadfence();
             __syncwarp();   // (the rows' stores above diverged) bar.sync is .aligned
             named_barrier_sync(1, 32 * NW);   // also: every warp read the previous segment's flag
