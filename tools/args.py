@@ -14,6 +14,7 @@ import itertools
 import re
 
 from .errors import EXIT_USER_ERROR, UserError, fail_line
+from .given import given
 
 # one item of a range list, as llama-bench's parse_int_range: first[-last[(+|*)step]]
 _RANGE_ITEM = re.compile(r"^(\d+)(?:-(\d+)(?:([+*])(\d+))?)?$")
@@ -191,29 +192,11 @@ def str_list(text: str) -> list[str]:
     return out
 
 
-def _given(namespace) -> set:
-    """The dests given on the command line so far (the parser's ``ns.explicit`` once parsed)."""
-    seen = getattr(namespace, "_explicit", None)
-    if seen is None:
-        seen = set()
-        setattr(namespace, "_explicit", seen)
-    return seen
-
-
-class StoreGiven(argparse.Action):
-    """Store a value as "store" does, and count the flag as given (``ns.explicit``) where its
-    default and a given value mean different things (llama-bench's ``split_mode`` column)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        _given(namespace).add(self.dest)
-
-
 class ExtendList(argparse.Action):
     """Store a parsed list; a repeated flag extends it, replacing the default on first use."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        seen = _given(namespace)
+        seen = given(namespace)
         if self.dest not in seen:
             setattr(namespace, self.dest, [])
             seen.add(self.dest)

@@ -78,7 +78,7 @@ def add_args(p, add_list=None) -> None:
     """``add_list`` (``args.add_list``, given by llama-bench's tool): ``-ts`` as llama-bench takes
     it (a list of test values, ``/`` between GPUs); None: as llama.cpp's common arguments (``,``
     or ``/`` between GPUs, one value)."""
-    from .args import StoreGiven
+    from .given import StoreGiven
     p.add_argument("-sm", "--split-mode", choices=SPLIT_MODES, default="none", action=StoreGiven,
                    help="several GPUs: none (one GPU, -mg), row (head-parallel over --n-gpu GPUs, "
                         "NCCL all-reduce), layer (contiguous layer ranges per GPU, activations handed "

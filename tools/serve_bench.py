@@ -28,7 +28,8 @@ from ggml_attn.graph.batch import MAX_SEQ
 from . import format_serve as fs
 from . import plot
 from .args import (LLAMA_BATCHED_INERT, add_inert_flags, add_kv_split_flags, add_list, add_version, int_at_least,
-                   int_range, parse_fa_one, Parser, StoreGiven)
+                   int_range, parse_fa_one, Parser)
+from .given import StoreGiven
 from .batched_rows import strategy_kv
 from .common import Progress, console_main, default_threads
 from .errors import UserError
