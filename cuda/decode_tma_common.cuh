@@ -478,6 +478,16 @@ __device__ __forceinline__ void mask_partial(const FattnParams& p, int e, int c0
         }
 }
 
+// The A fragment of P (the probabilities S of NC cells, rows g and g + 8) for P V's k16 step kk:
+// cells 16 kk .. 16 kk + 15 as type T pairs.
+template <typename T, int NC>
+__device__ __forceinline__ void p_frag(const float (&S)[NC / 8][4], int kk, unsigned (&a)[4]) {
+    a[0] = KVTraits<T>::pack2(S[2 * kk][0], S[2 * kk][1]);
+    a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
+    a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
+    a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+}
+
 // The online softmax over a tile's NC scores (log2 domain): the rows' maxima m and sums l move,
 // O is rescaled (skipped when no row's maximum moved), S becomes the probabilities.
 template <int NC, int D>

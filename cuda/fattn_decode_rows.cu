@@ -218,10 +218,7 @@ __device__ __forceinline__ void fattn_decode_rows_body(const FattnParams& p, con
 #pragma unroll
                 for (int kk = 0; kk < NC / 16; ++kk) {
                     unsigned a[4];
-                    a[0] = KVTraits<T>::pack2(S[2 * kk][0], S[2 * kk][1]);
-                    a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
-                    a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-                    a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+                    p_frag<T, NC>(S, kk, a);
                     unsigned b[16][2];
                     v_frags<KT>(raw + RT::BYTES, row_off, RT::RB, 16 * kk, g, t4, hid >> (NC * hf), b);
 #pragma unroll

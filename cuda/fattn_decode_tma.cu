@@ -330,10 +330,7 @@ __device__ __forceinline__ void fattn_decode_tma_body(const FattnParams& p, cons
 #pragma unroll
             for (int kk = 0; kk < NC / 16; ++kk) {
                 unsigned a[4];
-                a[0] = KVTraits<T>::pack2(S[2 * kk][0], S[2 * kk][1]);
-                a[1] = KVTraits<T>::pack2(S[2 * kk][2], S[2 * kk][3]);
-                a[2] = KVTraits<T>::pack2(S[2 * kk + 1][0], S[2 * kk + 1][1]);
-                a[3] = KVTraits<T>::pack2(S[2 * kk + 1][2], S[2 * kk + 1][3]);
+                p_frag<T, NC>(S, kk, a);
                 if constexpr (REG) {   // the 16 cells' values of the lane's columns, from the raw box
                     unsigned b[16][2];
                     v_frags<KT>(raw + TILE_BYTES, row_off, Tile<KT, D>::RB, 16 * kk, g, t4, hid_reg, b);

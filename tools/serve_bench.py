@@ -242,8 +242,9 @@ def _main(argv=None) -> int:
     n_req_max = max(len(reqs) for _, reqs in loads)
     n_slots = ns.max_concurrent or min(n_req_max, DEFAULT_SLOTS)
     longest = max(cells_needed(r.prompt_len, r.n_predict) for _, reqs in loads for r in reqs)
-    past = max(sum(cells_needed(r.prompt_len, r.n_predict) > model.n_ctx_train for r in reqs) for _, reqs in loads)
-    if model.n_ctx_train and past:   # (bench says so too, and runs them)
+    past = max(sum(cells_needed(r.prompt_len, r.n_predict) > model.n_ctx_train for r in reqs)
+               for _, reqs in loads) if model.n_ctx_train else 0
+    if past:   # (bench says so too, and runs them)
         print(f"{PROG}: {past} request(s) need more positions than the model's training context "
               f"({model.n_ctx_train}; the longest {longest}), served as asked", file=sys.stderr, flush=True)
     # 0: room for n_slots of the longest request in every layout (a stream holds one sequence),
